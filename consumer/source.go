@@ -1,0 +1,227 @@
+package consumer
+
+import (
+	"context"
+	"errors"
+	"strconv"
+	"time"
+)
+
+// Message is one broker message as an adapter hands it to the consumer.
+// Adapters fill the fields they know; the consumer never modifies a Message.
+type Message struct {
+	// ID is the event id carried by a broker-native property (AMQP's
+	// message-id). Empty when the broker has no such property or it is
+	// unset; the consumer then looks in Headers, the envelope and FallbackID.
+	ID string
+	// Type is the event type carried by a broker-native property (AMQP's
+	// type). Empty when absent; the consumer then looks in Headers and the
+	// envelope.
+	Type string
+	// FallbackID is an id the adapter can derive when the event carries
+	// none, stable across redeliveries of the same message: Kafka uses
+	// "topic/partition/offset". Empty when the adapter has no safe fallback
+	// (AMQP), in which case an event without an id is dead-lettered with
+	// kind KindMissingID.
+	FallbackID string
+
+	Key     []byte
+	Value   []byte
+	Headers map[string]string
+
+	// Topic is the Kafka topic or the AMQP queue the message was read from.
+	Topic string
+	// Partition is the Kafka partition; -1 where the broker has none.
+	Partition int32
+	// Offset is the Kafka offset; -1 where the broker has none.
+	Offset int64
+	// Timestamp is the producer or broker timestamp; zero when unknown.
+	Timestamp time.Time
+
+	// Stream names the ordering lane of the message. Deliveries with the
+	// same non-empty Stream are handled one after another, in the order
+	// Receive returned them, and acked in that order; Kafka uses
+	// "topic/partition". An empty Stream means no order is promised and the
+	// delivery may be handled concurrently with any other (AMQP).
+	Stream string
+
+	// Redelivered reports that the broker says this message may have been
+	// delivered before (AMQP's redelivered flag). The consumer records a
+	// durable attempt for such messages so that one that crashes the
+	// process every time is dead-lettered after Config.MaxCrashAttempts.
+	Redelivered bool
+	// DeliveryCount is the broker's count of earlier deliveries (the
+	// x-delivery-count header of RabbitMQ quorum queues); 0 when unknown.
+	DeliveryCount int
+}
+
+// Delivery is one received message plus the means to settle it. The
+// consumer calls exactly one of these sequences for every delivery it
+// handles: Ack; or DeadLetter then (after it succeeded) Ack; or nothing,
+// when the delivery is abandoned (shutdown, revoked partition, closed
+// channel) and the broker will deliver it again.
+//
+// Ack and DeadLetter may be called from any goroutine, concurrently for
+// different deliveries. For deliveries of one Stream they are called in the
+// order Receive returned the deliveries.
+type Delivery interface {
+	// Message returns the message. It is never nil.
+	Message() *Message
+	// Context is done when the delivery can no longer be acknowledged: its
+	// Kafka partition was revoked or its AMQP channel closed. The consumer
+	// stops work on a delivery whose context is done and does not settle it.
+	Context() context.Context
+	// Ack settles the delivery: commits or marks the Kafka offset, acks the
+	// AMQP delivery. It is called only after the transaction that handled
+	// the message (or recognised it as a duplicate) committed, or after
+	// DeadLetter succeeded.
+	Ack(ctx context.Context) error
+	// DeadLetter writes a copy of the message (original key, value and
+	// headers) with the diagnostic headers of dl.Headers to the adapter's
+	// dead-letter destination and returns only once the broker has
+	// confirmed the write. It must not settle the delivery: the consumer
+	// calls Ack afterwards. An error means the copy may not exist; the
+	// consumer retries with backoff and never acks in between.
+	DeadLetter(ctx context.Context, dl *DeadLetter) error
+}
+
+// Source is the adapter contract: a stream of deliveries from one
+// subscription (a Kafka consumer group on some topics, an AMQP queue).
+//
+// Receive is called from a single goroutine. It blocks until a delivery is
+// available or ctx is done (then it returns ctx.Err()). Transient broker
+// failures (a lost connection, a rebalance) are the adapter's to absorb:
+// Receive keeps blocking while it reconnects. A non-nil error other than
+// ctx.Err() is fatal and stops the consumer.
+//
+// Close is called once, after the consumer stopped calling Receive and every
+// Ack and DeadLetter call returned. It flushes pending acknowledgements
+// (Kafka offset commits) and releases the connection.
+type Source interface {
+	Receive(ctx context.Context) (Delivery, error)
+	Close() error
+}
+
+// SystemNamer is implemented by sources that tell telemetry which messaging
+// system they read from, as the OpenTelemetry messaging.system attribute
+// ("kafka", "rabbitmq"). The consumer finds it by type assertion.
+type SystemNamer interface {
+	MessagingSystem() string
+}
+
+// ErrSourceClosed is returned by Receive once the source has been closed.
+var ErrSourceClosed = errors.New("once: source closed")
+
+// ErrorKind says why a message was dead-lettered. It is written to the DLQ
+// record's HeaderErrorKind header.
+type ErrorKind string
+
+// The kinds of dead-lettering.
+const (
+	// KindDecode: the value (or its envelope) could not be decoded.
+	KindDecode ErrorKind = "decode"
+	// KindHandler: the handler failed permanently or past the retry policy.
+	KindHandler ErrorKind = "handler"
+	// KindPanic: the handler panicked on every attempt; the stack is in
+	// HeaderErrorStack.
+	KindPanic ErrorKind = "panic"
+	// KindUnknownType: no handler is registered for the event type and the
+	// router's policy is to dead-letter.
+	KindUnknownType ErrorKind = "unknown-type"
+	// KindMissingID: the event carries no id and the adapter has no fallback.
+	KindMissingID ErrorKind = "missing-id"
+	// KindInvalidID: the event id is longer than Config.MaxIDLength or not
+	// valid UTF-8.
+	KindInvalidID ErrorKind = "invalid-id"
+	// KindIDConflict: the id was processed before with a different payload
+	// fingerprint.
+	KindIDConflict ErrorKind = "id-conflict"
+	// KindCrashLoop: handling the message crashed or stalled the process
+	// more than Config.MaxCrashAttempts times.
+	KindCrashLoop ErrorKind = "crash-loop"
+)
+
+// Diagnostic header names written on dead-letter copies. Adapters write
+// the original headers first and these over them.
+const (
+	HeaderOriginalTopic     = "once-original-topic"
+	HeaderOriginalPartition = "once-original-partition"
+	HeaderOriginalOffset    = "once-original-offset"
+	HeaderOriginalTimestamp = "once-original-timestamp"
+	HeaderConsumer          = "once-consumer"
+	HeaderEventID           = "once-event-id"
+	HeaderEventType         = "once-event-type"
+	HeaderAttempts          = "once-attempts"
+	HeaderErrorKind         = "once-error-kind"
+	HeaderErrorMessage      = "once-error-message"
+	HeaderErrorStack        = "once-error-stack"
+	HeaderFailedAt          = "once-failed-at"
+	// HeaderTraceParent carries the W3C trace context of the span that
+	// dead-lettered the message.
+	HeaderTraceParent = "traceparent"
+)
+
+// maxHeaderText bounds error messages and stacks written as headers, so a
+// huge error cannot make the dead-letter copy exceed the broker's limits.
+const maxHeaderText = 4096
+
+// DeadLetter describes why a message is being dead-lettered.
+type DeadLetter struct {
+	Kind      ErrorKind
+	Error     string
+	Stack     string
+	Consumer  string
+	EventID   string
+	EventType string
+	// Attempts is how many times the handler ran (0 for decode and id
+	// failures).
+	Attempts int
+	FailedAt time.Time
+	// TraceParent is the W3C traceparent of the consumer span; empty when
+	// tracing is off.
+	TraceParent string
+	// Extra holds kind-specific diagnostics, e.g. the fingerprints of an
+	// id conflict. Its keys are header names.
+	Extra map[string]string
+}
+
+// Headers returns the diagnostic headers for a dead-letter copy of m. The
+// adapter adds its broker-specific ones (exchange, routing key) and writes
+// them over the message's original headers.
+func (dl *DeadLetter) Headers(m *Message) map[string]string {
+	h := make(map[string]string, 16+len(dl.Extra))
+	h[HeaderOriginalTopic] = m.Topic
+	if m.Partition >= 0 {
+		h[HeaderOriginalPartition] = strconv.FormatInt(int64(m.Partition), 10)
+	}
+	if m.Offset >= 0 {
+		h[HeaderOriginalOffset] = strconv.FormatInt(m.Offset, 10)
+	}
+	if !m.Timestamp.IsZero() {
+		h[HeaderOriginalTimestamp] = m.Timestamp.UTC().Format(time.RFC3339Nano)
+	}
+	h[HeaderConsumer] = dl.Consumer
+	h[HeaderEventID] = dl.EventID
+	h[HeaderEventType] = dl.EventType
+	h[HeaderAttempts] = strconv.Itoa(dl.Attempts)
+	h[HeaderErrorKind] = string(dl.Kind)
+	h[HeaderErrorMessage] = truncate(dl.Error, maxHeaderText)
+	if dl.Stack != "" {
+		h[HeaderErrorStack] = truncate(dl.Stack, maxHeaderText)
+	}
+	h[HeaderFailedAt] = dl.FailedAt.UTC().Format(time.RFC3339Nano)
+	if dl.TraceParent != "" {
+		h[HeaderTraceParent] = dl.TraceParent
+	}
+	for k, v := range dl.Extra {
+		h[k] = v
+	}
+	return h
+}
+
+func truncate(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return s[:n]
+}

@@ -1,0 +1,99 @@
+// Package pgtest gives tests a real PostgreSQL database: the one at
+// DATABASE_URL, or a throwaway server started for the test binary. Each test
+// gets a schema of its own, dropped when it ends, so tests run in parallel.
+package pgtest
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"fmt"
+	"os"
+	"regexp"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/onceco/once/internal/pgtemp"
+)
+
+var url string
+
+// Main runs the package's tests against DATABASE_URL, or against a
+// throwaway server that it starts and removes. Call it from TestMain.
+func Main(m *testing.M) {
+	os.Exit(run(m))
+}
+
+func run(m *testing.M) int {
+	url = os.Getenv("DATABASE_URL")
+	if url == "" {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+		srv, err := pgtemp.Start(ctx, pgtemp.Options{})
+		cancel()
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "pgtest:", err)
+			return 1
+		}
+		defer srv.Close()
+		url = srv.URL()
+	}
+	return m.Run()
+}
+
+// URL returns the database URL the tests use. It is empty outside Main.
+func URL() string { return url }
+
+var unsafe = regexp.MustCompile(`[^a-z0-9_]+`)
+
+// Schema creates a schema for this test and returns its name and a pool
+// whose search_path is that schema. Both are removed when the test ends.
+func Schema(t testing.TB) (*pgxpool.Pool, string) {
+	t.Helper()
+	if url == "" {
+		t.Fatal("pgtest: no database; call pgtest.Main from TestMain")
+	}
+	ctx := context.Background()
+	name := unsafe.ReplaceAllString(strings.ToLower(t.Name()), "_")
+	if len(name) > 40 {
+		name = name[:40]
+	}
+	var b [4]byte
+	_, _ = rand.Read(b[:])
+	schema := "t_" + name + "_" + hex.EncodeToString(b[:])
+
+	admin, err := pgxpool.New(ctx, url)
+	if err != nil {
+		t.Fatalf("pgtest: %v", err)
+	}
+	if _, err := admin.Exec(ctx, "CREATE SCHEMA "+schema); err != nil {
+		admin.Close()
+		t.Fatalf("pgtest: create schema: %v", err)
+	}
+	pool := NewPool(t, schema)
+	t.Cleanup(func() {
+		pool.Close()
+		_, _ = admin.Exec(context.Background(), "DROP SCHEMA "+schema+" CASCADE")
+		admin.Close()
+	})
+	return pool, schema
+}
+
+// NewPool opens another pool on the test database with search_path set to
+// schema; it is closed when the test ends.
+func NewPool(t testing.TB, schema string) *pgxpool.Pool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		t.Fatalf("pgtest: %v", err)
+	}
+	cfg.ConnConfig.RuntimeParams["search_path"] = schema
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatalf("pgtest: %v", err)
+	}
+	t.Cleanup(pool.Close)
+	return pool
+}

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The one test command (make test): makes sure PostgreSQL and RabbitMQ are
+# reachable, then runs every test with the race detector.
+#   DATABASE_URL set: tests use that database; else each test binary starts a
+#                     throwaway PostgreSQL cluster (internal/pgtemp).
+#   AMQP_URL set:     tests use that broker; else a throwaway RabbitMQ node is
+#                     started here and stopped on exit.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+scripts/ensure-deps.sh
+
+if [ -z "${AMQP_URL:-}" ] && [ -x scripts/rabbitmq.sh ]; then
+  rabbit_dir=$(mktemp -d /tmp/once-rabbit-XXXXXX)
+  trap 'scripts/rabbitmq.sh stop "$rabbit_dir"' EXIT
+  eval "$(scripts/rabbitmq.sh start "$rabbit_dir")"
+fi
+
+# Tests that need a server fail instead of skipping when it is missing.
+export ONCE_REQUIRE_SERVERS=1
+go test -race -count=1 -timeout 15m ${GOTESTFLAGS:-} ./...
