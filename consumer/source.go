@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"strconv"
+	"strings"
 	"time"
 )
 
@@ -156,6 +157,11 @@ const (
 	HeaderErrorMessage      = "once-error-message"
 	HeaderErrorStack        = "once-error-stack"
 	HeaderFailedAt          = "once-failed-at"
+	// HeaderFingerprint and HeaderOriginalFingerprint (hex) and
+	// HeaderOriginalProcessedAt are written on KindIDConflict copies.
+	HeaderFingerprint         = "once-fingerprint"
+	HeaderOriginalFingerprint = "once-original-fingerprint"
+	HeaderOriginalProcessedAt = "once-original-processed-at"
 	// HeaderTraceParent carries the W3C trace context of the span that
 	// dead-lettered the message.
 	HeaderTraceParent = "traceparent"
@@ -219,9 +225,10 @@ func (dl *DeadLetter) Headers(m *Message) map[string]string {
 	return h
 }
 
+// truncate cuts s to at most n bytes of valid UTF-8.
 func truncate(s string, n int) string {
-	if len(s) <= n {
-		return s
+	if len(s) > n {
+		s = s[:n]
 	}
-	return s[:n]
+	return strings.ToValidUTF8(s, "")
 }

@@ -1,0 +1,252 @@
+package consumer
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/onceco/once/dedup"
+)
+
+// ErrInvalidConfig is wrapped by every configuration error New returns.
+var ErrInvalidConfig = errors.New("once: invalid config")
+
+// Decoder decodes a payload into v, a pointer to the handler's payload type.
+type Decoder func(data []byte, v any) error
+
+// JSON decodes with encoding/json: unknown fields are ignored, so JSON of a
+// different shape decodes into a zero value. Use StrictJSON to reject it.
+func JSON(data []byte, v any) error { return json.Unmarshal(data, v) }
+
+// StrictJSON decodes with encoding/json and rejects unknown fields and
+// trailing data.
+func StrictJSON(data []byte, v any) error {
+	d := json.NewDecoder(bytesReader(data))
+	d.DisallowUnknownFields()
+	if err := d.Decode(v); err != nil {
+		return err
+	}
+	if d.More() {
+		return errors.New("trailing data after JSON value")
+	}
+	return nil
+}
+
+// IDConflictPolicy says what to do with a message whose event id was
+// processed before with a different payload fingerprint.
+type IDConflictPolicy int
+
+const (
+	// DeadLetterConflicts dead-letters the message with kind
+	// KindIDConflict; both fingerprints and the original's processed-at time
+	// are in its headers. The default.
+	DeadLetterConflicts IDConflictPolicy = iota
+	// SkipConflicts acks the message like a duplicate and logs a warning.
+	SkipConflicts
+)
+
+// RetryPolicy bounds the retries of a failing handler. Attempt n (n >= 2)
+// waits InitialBackoff * 2^(n-2), capped at MaxBackoff, with ±20% jitter.
+type RetryPolicy struct {
+	// MaxAttempts is how many times the handler runs before the message is
+	// dead-lettered, the first run included. Defaults to 5; 1 means no
+	// retry.
+	MaxAttempts int
+	// InitialBackoff is the wait before the second attempt. Defaults to
+	// 200ms.
+	InitialBackoff time.Duration
+	// MaxBackoff caps the wait between attempts. Defaults to 10s.
+	MaxBackoff time.Duration
+}
+
+// Backoff paces the retries after infrastructure failures (database or
+// broker unreachable), which go on until they succeed or the consumer stops:
+// such a message is never dead-lettered.
+type Backoff struct {
+	// Initial is the first wait. Defaults to 100ms.
+	Initial time.Duration
+	// Max caps the wait. Defaults to 5s.
+	Max time.Duration
+}
+
+// Config configures a Consumer. Only Name is required.
+type Config struct {
+	// Name identifies the consumer: processed events are recorded per Name,
+	// so two services consuming the same topic under different names each
+	// handle every event, and two replicas of one service must share it.
+	// Required; at most 200 bytes.
+	Name string
+
+	// Store is the processed-events store. Defaults to dedup.New with the
+	// default table "processed_events" on the pool's search_path.
+	Store *dedup.Store
+	// SkipMigrate stops Run from creating the store's tables at start.
+	// Defaults to false: Run migrates (idempotently).
+	SkipMigrate bool
+
+	// Decoder decodes payloads. Defaults to JSON. A []byte payload type
+	// receives the raw bytes without decoding.
+	Decoder Decoder
+	// Envelope, when set, opens each message into id, type and payload
+	// (e.g. JSONEnvelope for CloudEvents' structured JSON). Defaults to nil:
+	// the whole value is the payload.
+	Envelope Envelope
+
+	// IDHeaders are the headers an event id is read from when the broker
+	// has no native id property, first match wins. Defaults to "id",
+	// "ce_id", "message-id".
+	IDHeaders []string
+	// TypeHeaders are the headers the event type is read from when the
+	// broker has no native type property. Defaults to "type", "ce_type".
+	TypeHeaders []string
+	// EventID, when set, replaces the id rule altogether: it returns the id
+	// of m, or an error that dead-letters m with kind KindMissingID.
+	// Defaults to nil: Message.ID, then IDHeaders, then the envelope's id,
+	// then Message.FallbackID.
+	EventID func(m *Message) (string, error)
+	// MaxIDLength bounds event ids, in bytes; longer ones are dead-lettered
+	// with kind KindInvalidID. Defaults to 256.
+	MaxIDLength int
+
+	// Fingerprint computes the fingerprint stored with a claim and compared
+	// when the same id arrives again. Defaults to the SHA-256 of the
+	// message value. Return nil to store none.
+	Fingerprint func(m *Message) []byte
+	// NoFingerprint disables fingerprints: a repeated id is a duplicate
+	// whatever its payload. Defaults to false.
+	NoFingerprint bool
+	// OnIDConflict says what happens to a repeated id with a different
+	// fingerprint. Defaults to DeadLetterConflicts.
+	OnIDConflict IDConflictPolicy
+
+	// Concurrency bounds how many messages are handled at once, across all
+	// streams. Messages of one stream (a Kafka partition) are always
+	// handled one after another. Defaults to 16.
+	Concurrency int
+	// StreamBuffer is how many received messages may wait per stream
+	// before receiving blocks. Defaults to 64.
+	StreamBuffer int
+
+	// Retry bounds retries of failing handlers.
+	Retry RetryPolicy
+	// InfraBackoff paces retries after infrastructure failures.
+	InfraBackoff Backoff
+	// MaxCrashAttempts is how many times a message may be in flight when
+	// the process dies (crash, OOM kill, a stall past a rebalance) before
+	// it is dead-lettered with kind KindCrashLoop. Counted durably, only
+	// for messages that may be redeliveries. Defaults to 3.
+	MaxCrashAttempts int
+	// HandlerTimeout bounds one attempt (handler and commit). Defaults to
+	// 0: no bound beyond the consumer's context.
+	HandlerTimeout time.Duration
+	// ShutdownTimeout bounds how long Run waits, once its context is
+	// cancelled, for messages in flight to finish; then their transactions
+	// are rolled back and they are left unacked for redelivery. Defaults to
+	// 10s.
+	ShutdownTimeout time.Duration
+
+	// RetentionMaxAge, when positive, makes Run delete processed-event rows
+	// older than this, every RetentionInterval. It must exceed the longest
+	// time a message can take to be redelivered (see docs/operations.md).
+	// Defaults to 0: rows are kept.
+	RetentionMaxAge time.Duration
+	// RetentionInterval is how often retention runs. Defaults to 1h.
+	RetentionInterval time.Duration
+
+	// Logger receives warnings (infrastructure failures, dead letters) and,
+	// at debug level, per-message events. Payloads are never logged.
+	// Defaults to slog.Default().
+	Logger *slog.Logger
+	// TracerProvider makes the per-message consumer spans. Defaults to
+	// otel.GetTracerProvider().
+	TracerProvider trace.TracerProvider
+	// MeterProvider makes the consumer's metrics. Defaults to
+	// otel.GetMeterProvider().
+	MeterProvider metric.MeterProvider
+}
+
+const maxNameLength = 200
+
+// withDefaults validates c and returns it with defaults filled in.
+func (c Config) withDefaults() (Config, error) {
+	if c.Name == "" {
+		return c, fmt.Errorf("%w: Name is required", ErrInvalidConfig)
+	}
+	if len(c.Name) > maxNameLength {
+		return c, fmt.Errorf("%w: Name is longer than %d bytes", ErrInvalidConfig, maxNameLength)
+	}
+	checks := []struct {
+		field string
+		bad   bool
+	}{
+		{"MaxIDLength", c.MaxIDLength < 0},
+		{"Concurrency", c.Concurrency < 0},
+		{"StreamBuffer", c.StreamBuffer < 0},
+		{"Retry.MaxAttempts", c.Retry.MaxAttempts < 0},
+		{"Retry.InitialBackoff", c.Retry.InitialBackoff < 0},
+		{"Retry.MaxBackoff", c.Retry.MaxBackoff < 0},
+		{"InfraBackoff.Initial", c.InfraBackoff.Initial < 0},
+		{"InfraBackoff.Max", c.InfraBackoff.Max < 0},
+		{"MaxCrashAttempts", c.MaxCrashAttempts < 0},
+		{"HandlerTimeout", c.HandlerTimeout < 0},
+		{"ShutdownTimeout", c.ShutdownTimeout < 0},
+		{"RetentionMaxAge", c.RetentionMaxAge < 0},
+		{"RetentionInterval", c.RetentionInterval < 0},
+	}
+	for _, ch := range checks {
+		if ch.bad {
+			return c, fmt.Errorf("%w: %s must not be negative", ErrInvalidConfig, ch.field)
+		}
+	}
+	if c.OnIDConflict != DeadLetterConflicts && c.OnIDConflict != SkipConflicts {
+		return c, fmt.Errorf("%w: OnIDConflict %d is not a known policy", ErrInvalidConfig, c.OnIDConflict)
+	}
+	if c.Store == nil {
+		s, err := dedup.New(dedup.Config{})
+		if err != nil {
+			return c, err
+		}
+		c.Store = s
+	}
+	if c.Decoder == nil {
+		c.Decoder = JSON
+	}
+	if c.IDHeaders == nil {
+		c.IDHeaders = []string{"id", "ce_id", "message-id"}
+	}
+	if c.TypeHeaders == nil {
+		c.TypeHeaders = []string{"type", "ce_type"}
+	}
+	setDefault(&c.MaxIDLength, 256)
+	setDefault(&c.Concurrency, 16)
+	setDefault(&c.StreamBuffer, 64)
+	setDefault(&c.Retry.MaxAttempts, 5)
+	setDefault(&c.Retry.InitialBackoff, 200*time.Millisecond)
+	setDefault(&c.Retry.MaxBackoff, 10*time.Second)
+	setDefault(&c.InfraBackoff.Initial, 100*time.Millisecond)
+	setDefault(&c.InfraBackoff.Max, 5*time.Second)
+	setDefault(&c.MaxCrashAttempts, 3)
+	setDefault(&c.ShutdownTimeout, 10*time.Second)
+	setDefault(&c.RetentionInterval, time.Hour)
+	if c.Fingerprint == nil && !c.NoFingerprint {
+		c.Fingerprint = sha256Value
+	}
+	if c.NoFingerprint {
+		c.Fingerprint = nil
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	return c, nil
+}
+
+func setDefault[T int | time.Duration](v *T, def T) {
+	if *v == 0 {
+		*v = def
+	}
+}

@@ -1,0 +1,259 @@
+package consumer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// Handler handles one event inside tx, the transaction in which the
+// consumer claimed the event id. Write business rows through tx and nothing
+// else: they commit together with the claim, exactly once per event id.
+// Return nil to commit; return an error to roll back and retry per the
+// retry policy (Permanent: dead-letter at once; RetryAfter: retry after a
+// given delay). Do not commit or roll back tx yourself.
+//
+// A handler runs for one message at a time per stream, and for up to
+// Config.Concurrency messages at once overall. Effects outside tx (HTTP
+// calls, publishes) happen at least once: make them idempotent with the
+// event id (see docs/guarantees.md).
+type Handler[T any] func(ctx context.Context, tx pgx.Tx, ev Event[T]) error
+
+// Event is a decoded message as a handler sees it.
+type Event[T any] struct {
+	// ID is the event id claimed for this message.
+	ID string
+	// Type is the event type; empty when the message carries none.
+	Type string
+	// Payload is the decoded value (or the envelope's data).
+	Payload T
+	// Message is the broker message: topic, partition, offset, key,
+	// headers, timestamp. Do not modify it.
+	Message *Message
+	// Attempt is 1 on the first run of the handler for this message, and
+	// counts retries and, where the consumer can tell, runs cut short by
+	// a crash of the process.
+	Attempt int
+}
+
+// Consumer consumes one Source, handling each message exactly once in
+// effect. Build it with New (one payload type) or NewRouted (a Router of
+// typed handlers per event type), then call Run.
+type Consumer[T any] struct {
+	e *engine
+}
+
+// New returns a consumer that decodes every message into T and calls h.
+// It fails with an error wrapping ErrInvalidConfig for a nil pool, source
+// or handler and for an invalid cfg.
+func New[T any](pool *pgxpool.Pool, src Source, h Handler[T], cfg Config) (*Consumer[T], error) {
+	if h == nil {
+		return nil, fmt.Errorf("%w: handler is nil", ErrInvalidConfig)
+	}
+	e, err := newEngine(pool, src, cfg, func(m *Message, idt identity, dec Decoder) (call, ErrorKind, error) {
+		return bind(h, m, idt, dec)
+	})
+	if err != nil {
+		return nil, err
+	}
+	return &Consumer[T]{e: e}, nil
+}
+
+// Run consumes until ctx is cancelled or the source fails. It first creates
+// the dedup tables (unless Config.SkipMigrate) and returns that error if it
+// fails. Once ctx is cancelled it stops receiving, lets messages in flight
+// finish for up to Config.ShutdownTimeout (then rolls them back, unacked),
+// closes the source (which flushes acknowledgements) and returns nil. A
+// fatal source error is returned after the same shutdown. Run may be
+// called once.
+func (c *Consumer[T]) Run(ctx context.Context) error { return c.e.run(ctx) }
+
+// Stats returns the consumer's counters. It is safe to call at any time
+// from any goroutine.
+func (c *Consumer[T]) Stats() Stats { return c.e.stats.snapshot() }
+
+// call runs a decoded message's handler in tx.
+type call func(ctx context.Context, tx pgx.Tx, attempt int) error
+
+// preparer decodes a message for its handler. A nil call with a nil error
+// means: record the id without running a handler.
+type preparer func(m *Message, idt identity, dec Decoder) (call, ErrorKind, error)
+
+func bind[T any](h Handler[T], m *Message, idt identity, dec Decoder) (call, ErrorKind, error) {
+	payload, err := decodeAs[T](idt.payload, dec)
+	if err != nil {
+		return nil, KindDecode, &DecodeError{Err: err}
+	}
+	return func(ctx context.Context, tx pgx.Tx, attempt int) error {
+		return h(ctx, tx, Event[T]{ID: idt.id, Type: idt.typ, Payload: payload, Message: m, Attempt: attempt})
+	}, "", nil
+}
+
+func decodeAs[T any](data []byte, dec Decoder) (T, error) {
+	var v T
+	if b, ok := any(&v).(*[]byte); ok {
+		*b = data
+		return v, nil
+	}
+	err := dec(data, &v)
+	return v, err
+}
+
+type engine struct {
+	cfg     Config
+	pool    *pgxpool.Pool
+	src     Source
+	prepare preparer
+	tel     *telemetry
+	stats   counters
+	sem     chan struct{}
+	started atomic.Bool
+}
+
+func newEngine(pool *pgxpool.Pool, src Source, cfg Config, prep preparer) (*engine, error) {
+	if pool == nil {
+		return nil, fmt.Errorf("%w: pool is nil", ErrInvalidConfig)
+	}
+	if src == nil {
+		return nil, fmt.Errorf("%w: source is nil", ErrInvalidConfig)
+	}
+	cfg, err := cfg.withDefaults()
+	if err != nil {
+		return nil, err
+	}
+	system := "unknown"
+	if n, ok := src.(SystemNamer); ok {
+		system = n.MessagingSystem()
+	}
+	tel, err := newTelemetry(&cfg, system)
+	if err != nil {
+		return nil, fmt.Errorf("once: telemetry: %w", err)
+	}
+	return &engine{cfg: cfg, pool: pool, src: src, prepare: prep, tel: tel, sem: make(chan struct{}, cfg.Concurrency)}, nil
+}
+
+// dispatcher routes deliveries to workers: one lane per stream, so a
+// stream's messages are handled in order, and a shared pool of workers for
+// deliveries without a stream.
+type dispatcher struct {
+	e         *engine
+	work      context.Context
+	stopping  atomic.Bool
+	wg        sync.WaitGroup
+	lanes     map[string]chan Delivery
+	unordered chan Delivery
+}
+
+func (e *engine) run(ctx context.Context) error {
+	if !e.started.CompareAndSwap(false, true) {
+		return errors.New("once: Run called twice")
+	}
+	if !e.cfg.SkipMigrate {
+		if err := e.cfg.Store.Migrate(ctx, e.pool); err != nil {
+			_ = e.src.Close()
+			return fmt.Errorf("once: consumer %q: %w", e.cfg.Name, err)
+		}
+	}
+	// In-flight work outlives ctx by up to ShutdownTimeout.
+	work, cancelWork := context.WithCancel(context.WithoutCancel(ctx))
+	defer cancelWork()
+	d := &dispatcher{e: e, work: work, lanes: map[string]chan Delivery{}, unordered: make(chan Delivery)}
+	for i := 0; i < e.cfg.Concurrency; i++ {
+		d.wg.Add(1)
+		go d.unorderedWorker()
+	}
+	if e.cfg.RetentionMaxAge > 0 {
+		go e.retention(ctx)
+	}
+
+	fatal := d.receive(ctx)
+
+	d.stopping.Store(true)
+	for _, ch := range d.lanes {
+		close(ch)
+	}
+	close(d.unordered)
+	if !waitTimeout(&d.wg, e.cfg.ShutdownTimeout) {
+		e.cfg.Logger.Warn("once: shutdown timeout: rolling back messages in flight; they will be redelivered",
+			"consumer", e.cfg.Name, "timeout", e.cfg.ShutdownTimeout)
+		cancelWork()
+		d.wg.Wait()
+	}
+	if err := e.src.Close(); err != nil {
+		return errors.Join(fatal, fmt.Errorf("once: closing source: %w", err))
+	}
+	return fatal
+}
+
+// receive feeds deliveries to workers until ctx is done or the source
+// fails; it returns the source's fatal error, if any.
+func (d *dispatcher) receive(ctx context.Context) error {
+	for {
+		dv, err := d.e.src.Receive(ctx)
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			return fmt.Errorf("once: consumer %q: receive: %w", d.e.cfg.Name, err)
+		}
+		d.e.stats.received.Add(1)
+		ch := d.unordered
+		if s := dv.Message().Stream; s != "" {
+			ch = d.lane(s)
+		}
+		select {
+		case ch <- dv:
+		case <-ctx.Done():
+			return nil // dv is abandoned unacked: the broker redelivers it
+		}
+	}
+}
+
+func (d *dispatcher) lane(stream string) chan Delivery {
+	ch, ok := d.lanes[stream]
+	if !ok {
+		ch = make(chan Delivery, d.e.cfg.StreamBuffer)
+		d.lanes[stream] = ch
+		d.wg.Add(1)
+		go d.orderedWorker(ch)
+	}
+	return ch
+}
+
+// orderedWorker handles one stream's deliveries in order. The first message
+// of each assignment of the stream whose id is new is the one that may have
+// been in flight when a previous owner died, so its attempt is counted
+// durably (see Config.MaxCrashAttempts); later ones need no bookkeeping.
+func (d *dispatcher) orderedWorker(ch <-chan Delivery) {
+	defer d.wg.Done()
+	var assignment context.Context
+	suspect := false
+	for dv := range ch {
+		if d.stopping.Load() {
+			continue
+		}
+		if c := dv.Context(); c != assignment {
+			assignment, suspect = c, true
+		}
+		m := dv.Message()
+		if d.e.handle(d.work, dv, suspect || m.Redelivered || m.DeliveryCount > 0) {
+			suspect = false
+		}
+	}
+}
+
+func (d *dispatcher) unorderedWorker() {
+	defer d.wg.Done()
+	for dv := range d.unordered {
+		if d.stopping.Load() {
+			continue
+		}
+		m := dv.Message()
+		d.e.handle(d.work, dv, m.Redelivered || m.DeliveryCount > 0)
+	}
+}

@@ -1,0 +1,129 @@
+package consumer_test
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/consumer/memsource"
+	"github.com/onceco/once/internal/pgtest"
+)
+
+func TestMain(m *testing.M) { pgtest.Main(m) }
+
+type order struct {
+	N int `json:"n"`
+}
+
+// effects is a business table: one row per handler effect (no unique key,
+// so a double effect shows as two rows).
+func effects(t *testing.T, pool *pgxpool.Pool) {
+	t.Helper()
+	_, err := pool.Exec(context.Background(), `CREATE TABLE effects (event_id text NOT NULL, n int NOT NULL, seq bigserial)`)
+	require.NoError(t, err)
+}
+
+func insertEffect(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+	_, err := tx.Exec(ctx, `INSERT INTO effects (event_id, n) VALUES ($1, $2)`, ev.ID, ev.Payload.N)
+	return err
+}
+
+func countEffects(t *testing.T, pool *pgxpool.Pool) map[string]int {
+	t.Helper()
+	rows, err := pool.Query(context.Background(), `SELECT event_id, count(*) FROM effects GROUP BY event_id`)
+	require.NoError(t, err)
+	got := map[string]int{}
+	var id string
+	var n int
+	_, err = pgx.ForEachRow(rows, []any{&id, &n}, func() error { got[id] = n; return nil })
+	require.NoError(t, err)
+	return got
+}
+
+func publish(b *memsource.Broker, id string, n int) {
+	v, _ := json.Marshal(order{N: n})
+	b.Publish(consumer.Message{Value: v, Headers: map[string]string{"id": id}, Key: []byte(id)})
+}
+
+// start runs c until the test ends or stop is called; stop returns Run's error.
+func start[T any](t *testing.T, c *consumer.Consumer[T]) (stop func() error) {
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- c.Run(ctx) }()
+	var once sync.Once
+	var err error
+	stop = func() error {
+		once.Do(func() { cancel(); err = <-done })
+		return err
+	}
+	t.Cleanup(func() { _ = stop() })
+	return stop
+}
+
+func fastConfig(name string) consumer.Config {
+	return consumer.Config{
+		Name:         name,
+		Retry:        consumer.RetryPolicy{MaxAttempts: 3, InitialBackoff: time.Millisecond, MaxBackoff: 5 * time.Millisecond},
+		InfraBackoff: consumer.Backoff{Initial: 5 * time.Millisecond, Max: 50 * time.Millisecond},
+	}
+}
+
+func TestDuplicatesHaveOneEffect(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{Streams: 4})
+	for i := 0; i < 50; i++ {
+		publish(b, fmt.Sprintf("e%d", i), i)
+		publish(b, fmt.Sprintf("e%d", i), i) // redelivered copy
+	}
+	c, err := consumer.New(pool, b.Source(), insertEffect, fastConfig("dups"))
+	require.NoError(t, err)
+	start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 100 }, 10*time.Second, 5*time.Millisecond)
+	got := countEffects(t, pool)
+	require.Len(t, got, 50)
+	for id, n := range got {
+		assert.Equal(t, 1, n, id)
+	}
+	st := c.Stats()
+	assert.Equal(t, uint64(50), st.Handled)
+	assert.Equal(t, uint64(50), st.Duplicates)
+}
+
+func TestHandlerErrorRollsBackClaimAndEffect(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{})
+	publish(b, "flaky", 1)
+	var calls int
+	var mu sync.Mutex
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		if err := insertEffect(ctx, tx, ev); err != nil {
+			return err
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		calls++
+		if calls < 3 {
+			return errors.New("not yet")
+		}
+		return nil
+	}
+	c, err := consumer.New(pool, b.Source(), h, fastConfig("flaky"))
+	require.NoError(t, err)
+	start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 1 }, 10*time.Second, 5*time.Millisecond)
+	assert.Equal(t, map[string]int{"flaky": 1}, countEffects(t, pool), "the two failed attempts' rows must be rolled back")
+	assert.Equal(t, uint64(2), c.Stats().Retries)
+	assert.Empty(t, b.DeadLetters())
+}

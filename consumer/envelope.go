@@ -1,0 +1,167 @@
+package consumer
+
+import (
+	"bytes"
+	"crypto/sha256"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"strings"
+	"unicode/utf8"
+)
+
+// Envelope opens a message whose value wraps the payload with its own id
+// and type, such as a CloudEvent in structured JSON mode.
+type Envelope interface {
+	// Open returns the envelope's id and type (empty when absent) and the
+	// payload bytes to decode. An error dead-letters the message with kind
+	// KindDecode.
+	Open(value []byte) (Opened, error)
+}
+
+// Opened is what an Envelope found in a message.
+type Opened struct {
+	ID      string
+	Type    string
+	Payload []byte
+}
+
+// JSONEnvelope opens a JSON object envelope. With the zero value it reads
+// CloudEvents' structured JSON: {"id": ..., "type": ..., "data": {...}}.
+type JSONEnvelope struct {
+	// IDField names the id field. Defaults to "id".
+	IDField string
+	// TypeField names the type field. Defaults to "type".
+	TypeField string
+	// DataField names the payload field. Defaults to "data".
+	DataField string
+}
+
+// Open implements Envelope. The id may be a JSON string or number.
+func (e JSONEnvelope) Open(value []byte) (Opened, error) {
+	var fields map[string]json.RawMessage
+	if err := json.Unmarshal(value, &fields); err != nil {
+		return Opened{}, fmt.Errorf("envelope: %w", err)
+	}
+	var o Opened
+	var err error
+	if o.ID, err = scalar(fields[orDefault(e.IDField, "id")]); err != nil {
+		return Opened{}, fmt.Errorf("envelope id: %w", err)
+	}
+	if o.Type, err = scalar(fields[orDefault(e.TypeField, "type")]); err != nil {
+		return Opened{}, fmt.Errorf("envelope type: %w", err)
+	}
+	data, ok := fields[orDefault(e.DataField, "data")]
+	if !ok {
+		return Opened{}, fmt.Errorf("envelope: no %q field", orDefault(e.DataField, "data"))
+	}
+	o.Payload = data
+	return o, nil
+}
+
+func scalar(raw json.RawMessage) (string, error) {
+	if len(raw) == 0 || string(raw) == "null" {
+		return "", nil
+	}
+	if raw[0] == '"' {
+		var s string
+		err := json.Unmarshal(raw, &s)
+		return s, err
+	}
+	var n json.Number
+	if err := json.Unmarshal(raw, &n); err != nil {
+		return "", errors.New("must be a string or a number")
+	}
+	return n.String(), nil
+}
+
+func orDefault(s, def string) string {
+	if s == "" {
+		return def
+	}
+	return s
+}
+
+// identity is what the consumer derives from a message before handling it.
+type identity struct {
+	id, typ string
+	payload []byte
+}
+
+// identify finds m's id, type and payload per the config's rules. A failure
+// carries the dead-letter kind it calls for.
+func (c *Config) identify(m *Message) (identity, ErrorKind, error) {
+	idt := identity{id: m.ID, typ: m.Type, payload: m.Value}
+	if c.Envelope != nil {
+		o, err := c.Envelope.Open(m.Value)
+		if err != nil {
+			return idt, KindDecode, &DecodeError{Err: err}
+		}
+		idt.payload = o.Payload
+		if idt.typ == "" {
+			idt.typ = firstHeader(m.Headers, c.TypeHeaders)
+		}
+		if idt.typ == "" {
+			idt.typ = o.Type
+		}
+		if idt.id == "" {
+			idt.id = firstHeader(m.Headers, c.IDHeaders)
+		}
+		if idt.id == "" {
+			idt.id = o.ID
+		}
+	} else {
+		if idt.typ == "" {
+			idt.typ = firstHeader(m.Headers, c.TypeHeaders)
+		}
+		if idt.id == "" {
+			idt.id = firstHeader(m.Headers, c.IDHeaders)
+		}
+	}
+	if c.EventID != nil {
+		id, err := c.EventID(m)
+		if err != nil {
+			return idt, KindMissingID, err
+		}
+		idt.id = id
+	}
+	if idt.id == "" {
+		idt.id = m.FallbackID
+	}
+	if idt.id == "" {
+		return idt, KindMissingID, errors.New("the event carries no id and the source has no fallback id")
+	}
+	if err := validID(idt.id, c.MaxIDLength); err != nil {
+		return idt, KindInvalidID, err
+	}
+	return idt, "", nil
+}
+
+func firstHeader(h map[string]string, names []string) string {
+	for _, n := range names {
+		if v := h[n]; v != "" {
+			return v
+		}
+	}
+	return ""
+}
+
+// validID rejects ids PostgreSQL's text type cannot hold (invalid UTF-8,
+// NUL) and ids longer than max bytes.
+func validID(id string, max int) error {
+	if len(id) > max {
+		return fmt.Errorf("event id is %d bytes long, more than the %d allowed", len(id), max)
+	}
+	if !utf8.ValidString(id) || strings.ContainsRune(id, 0) {
+		return errors.New("event id is not valid UTF-8 text")
+	}
+	return nil
+}
+
+func sha256Value(m *Message) []byte {
+	sum := sha256.Sum256(m.Value)
+	return sum[:]
+}
+
+func bytesReader(b []byte) io.Reader { return bytes.NewReader(b) }

@@ -1,0 +1,63 @@
+package consumer
+
+import (
+	"errors"
+	"fmt"
+	"time"
+)
+
+// Permanent wraps err to tell the consumer that retrying cannot help: the
+// message is dead-lettered at once with kind KindHandler, and the handler's
+// transaction is rolled back. Check for it with errors.As on
+// *PermanentError.
+func Permanent(err error) error {
+	if err == nil {
+		err = errors.New("permanent failure")
+	}
+	return &PermanentError{Err: err}
+}
+
+// PermanentError is the error Permanent returns.
+type PermanentError struct{ Err error }
+
+func (e *PermanentError) Error() string { return "permanent: " + e.Err.Error() }
+func (e *PermanentError) Unwrap() error { return e.Err }
+
+// RetryAfter wraps err to tell the consumer to roll back and try again
+// after d instead of after the retry policy's backoff. The attempt counts
+// against RetryPolicy.MaxAttempts like any other failure. Check for it with
+// errors.As on *RetryAfterError.
+func RetryAfter(d time.Duration, err error) error {
+	if err == nil {
+		err = errors.New("retry requested")
+	}
+	return &RetryAfterError{Delay: d, Err: err}
+}
+
+// RetryAfterError is the error RetryAfter returns.
+type RetryAfterError struct {
+	Delay time.Duration
+	Err   error
+}
+
+func (e *RetryAfterError) Error() string {
+	return fmt.Sprintf("retry after %s: %s", e.Delay, e.Err.Error())
+}
+func (e *RetryAfterError) Unwrap() error { return e.Err }
+
+// PanicError is the error a handler's panic is turned into. Stack is the
+// goroutine's stack at the panic.
+type PanicError struct {
+	Value any
+	Stack string
+}
+
+func (e *PanicError) Error() string { return fmt.Sprintf("handler panicked: %v", e.Value) }
+
+// DecodeError wraps a failure to decode a message's payload or envelope.
+// Such a message is dead-lettered at once with kind KindDecode. A Decoder
+// need not return it: any decoder error is treated as one.
+type DecodeError struct{ Err error }
+
+func (e *DecodeError) Error() string { return "decode: " + e.Err.Error() }
+func (e *DecodeError) Unwrap() error { return e.Err }

@@ -1,0 +1,152 @@
+package consumer
+
+import (
+	"context"
+	"strconv"
+	"sync/atomic"
+	"time"
+
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
+)
+
+const instrumentationName = "github.com/onceco/once/consumer"
+
+// Stats are the consumer's counters since New. Read them with
+// Consumer.Stats; they are the same figures the metrics export.
+type Stats struct {
+	// Received counts deliveries taken from the source.
+	Received uint64
+	// Handled counts messages whose handler's transaction committed.
+	Handled uint64
+	// Duplicates counts messages skipped because their id was processed.
+	Duplicates uint64
+	// Skipped counts messages recorded without a handler (an unknown type
+	// under SkipUnknownTypes, an id conflict under SkipConflicts).
+	Skipped uint64
+	// DeadLettered counts messages written to the dead-letter destination.
+	DeadLettered uint64
+	// Retries counts handler attempts after the first, and retries after
+	// infrastructure failures.
+	Retries uint64
+	// InfraErrors counts infrastructure failures (database or broker).
+	InfraErrors uint64
+}
+
+type counters struct {
+	received, handled, duplicates, skipped, deadLettered, retries, infraErrors atomic.Uint64
+}
+
+func (c *counters) snapshot() Stats {
+	return Stats{
+		Received: c.received.Load(), Handled: c.handled.Load(), Duplicates: c.duplicates.Load(),
+		Skipped: c.skipped.Load(), DeadLettered: c.deadLettered.Load(), Retries: c.retries.Load(),
+		InfraErrors: c.infraErrors.Load(),
+	}
+}
+
+type telemetry struct {
+	tracer     trace.Tracer
+	propagator propagation.TraceContext
+	system     string
+	name       string
+	base       attribute.Set
+
+	messages, retries, deadLetters metric.Int64Counter
+	handlerDur, commitDur          metric.Float64Histogram
+	inflight                       metric.Int64UpDownCounter
+}
+
+func newTelemetry(cfg *Config, system string) (*telemetry, error) {
+	tp, mp := cfg.TracerProvider, cfg.MeterProvider
+	if tp == nil {
+		tp = otel.GetTracerProvider()
+	}
+	if mp == nil {
+		mp = otel.GetMeterProvider()
+	}
+	m := mp.Meter(instrumentationName)
+	t := &telemetry{
+		tracer: tp.Tracer(instrumentationName),
+		system: system,
+		name:   cfg.Name,
+		base:   attribute.NewSet(attribute.String("once.consumer", cfg.Name), attribute.String("messaging.system", system)),
+	}
+	var err error
+	if t.messages, err = m.Int64Counter("once.consumer.messages",
+		metric.WithDescription("Messages settled, by outcome: handled, duplicate, skipped, dead_lettered."),
+		metric.WithUnit("{message}")); err != nil {
+		return nil, err
+	}
+	if t.retries, err = m.Int64Counter("once.consumer.retries",
+		metric.WithDescription("Retries, by reason: handler or infrastructure."), metric.WithUnit("{retry}")); err != nil {
+		return nil, err
+	}
+	if t.deadLetters, err = m.Int64Counter("once.consumer.dead_letters",
+		metric.WithDescription("Messages dead-lettered, by error kind."), metric.WithUnit("{message}")); err != nil {
+		return nil, err
+	}
+	if t.handlerDur, err = m.Float64Histogram("once.consumer.handler.duration",
+		metric.WithDescription("Time in the handler, per attempt."), metric.WithUnit("s")); err != nil {
+		return nil, err
+	}
+	if t.commitDur, err = m.Float64Histogram("once.consumer.commit.duration",
+		metric.WithDescription("Time to commit the handler's transaction."), metric.WithUnit("s")); err != nil {
+		return nil, err
+	}
+	if t.inflight, err = m.Int64UpDownCounter("once.consumer.inflight",
+		metric.WithDescription("Messages being handled now."), metric.WithUnit("{message}")); err != nil {
+		return nil, err
+	}
+	return t, nil
+}
+
+// startSpan starts the consumer span of m, as a child of the producer's
+// context when m carries a valid W3C traceparent header.
+func (t *telemetry) startSpan(ctx context.Context, m *Message) (context.Context, trace.Span) {
+	if len(m.Headers) > 0 {
+		ctx = t.propagator.Extract(ctx, propagation.MapCarrier(m.Headers))
+	}
+	attrs := []attribute.KeyValue{
+		attribute.String("messaging.system", t.system),
+		attribute.String("messaging.operation.type", "process"),
+		attribute.String("messaging.operation.name", "process"),
+		attribute.String("messaging.destination.name", m.Topic),
+		attribute.String("messaging.consumer.group.name", t.name),
+	}
+	if m.Partition >= 0 {
+		attrs = append(attrs, attribute.String("messaging.destination.partition.id", strconv.FormatInt(int64(m.Partition), 10)))
+	}
+	if m.Offset >= 0 {
+		attrs = append(attrs, attribute.Int64("messaging.kafka.offset", m.Offset))
+	}
+	return t.tracer.Start(ctx, "process "+m.Topic, trace.WithSpanKind(trace.SpanKindConsumer), trace.WithAttributes(attrs...))
+}
+
+func (t *telemetry) traceParent(ctx context.Context) string {
+	carrier := propagation.MapCarrier{}
+	t.propagator.Inject(ctx, carrier)
+	return carrier["traceparent"]
+}
+
+func (t *telemetry) outcome(ctx context.Context, span trace.Span, outcome string) {
+	span.SetAttributes(attribute.String("once.outcome", outcome))
+	t.messages.Add(ctx, 1, metric.WithAttributeSet(t.base), metric.WithAttributes(attribute.String("outcome", outcome)))
+}
+
+func (t *telemetry) retry(ctx context.Context, reason string) {
+	t.retries.Add(ctx, 1, metric.WithAttributeSet(t.base), metric.WithAttributes(attribute.String("reason", reason)))
+}
+
+func (t *telemetry) deadLetter(ctx context.Context, span trace.Span, kind ErrorKind, msg string) {
+	span.SetStatus(codes.Error, msg)
+	t.deadLetters.Add(ctx, 1, metric.WithAttributeSet(t.base), metric.WithAttributes(attribute.String("kind", string(kind))))
+}
+
+func (t *telemetry) since(ctx context.Context, h metric.Float64Histogram, start time.Time) {
+	h.Record(ctx, time.Since(start).Seconds(), metric.WithAttributeSet(t.base))
+}

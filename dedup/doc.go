@@ -1,0 +1,15 @@
+// Package dedup is the PostgreSQL store behind the consumer's exactly-once
+// effects: the processed_events table, in which an event id is claimed in
+// the same transaction as the handler's business writes, so that the row
+// exists if and only if those writes committed.
+//
+// A Store is built from names (schema and table, validated and quoted, so
+// configuration cannot inject SQL). Migrate creates its tables idempotently;
+// the same DDL, with the default names, is in migrations/ for users of goose
+// or golang-migrate. Claim and ClaimBatch work inside a caller's pgx.Tx.
+// RecordAttempt and ClearAttempts keep the durable attempt counts that let a
+// consumer recognise a message that crashes the process every time.
+// DeleteOlderThan applies retention in bounded batches.
+//
+// A Store holds no connection and is safe for concurrent use.
+package dedup

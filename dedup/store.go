@@ -1,0 +1,380 @@
+package dedup
+
+import (
+	"bytes"
+	"context"
+	_ "embed"
+	"errors"
+	"fmt"
+	"regexp"
+
+	"text/template"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+//go:embed schema.sql.tmpl
+var schemaTemplate string
+
+// DefaultTable is the table name used when Config.Table is empty.
+const DefaultTable = "processed_events"
+
+// ErrInvalidName is wrapped by New's errors for a schema or table name that
+// is not a plain SQL identifier.
+var ErrInvalidName = errors.New("dedup: invalid identifier")
+
+// Config names the store's tables.
+type Config struct {
+	// Schema holds the tables. Defaults to "": unqualified names, resolved
+	// through the connection's search_path.
+	Schema string
+	// Table is the processed-events table; the attempts table is named
+	// after it with the suffix "_attempts". Defaults to "processed_events".
+	Table string
+}
+
+// DB is what the store needs of a connection: *pgxpool.Pool, *pgx.Conn and
+// pgx.Tx all satisfy it.
+type DB interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// Store claims event ids and keeps attempt counts. Build it with New.
+type Store struct {
+	ddl string
+
+	claimSQL, claimBatchSQL, lookupSQL, lookupBatchSQL string
+	recordAttemptSQL, clearAttemptSQL                  string
+	retentionSQL, attemptsRetentionSQL                 string
+}
+
+// identifier is a plain, unquoted SQL identifier of at most 63 bytes minus
+// room for the suffixes the store appends.
+var identifier = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]{0,47}$`)
+
+// New validates cfg and prepares the store's statements. Names must match
+// [A-Za-z_][A-Za-z0-9_]* and be at most 48 bytes long; anything else fails
+// with an error wrapping ErrInvalidName that names the field.
+func New(cfg Config) (*Store, error) {
+	if cfg.Table == "" {
+		cfg.Table = DefaultTable
+	}
+	if !identifier.MatchString(cfg.Table) {
+		return nil, fmt.Errorf("%w: Table %q must match %s", ErrInvalidName, cfg.Table, identifier)
+	}
+	if cfg.Schema != "" && !identifier.MatchString(cfg.Schema) {
+		return nil, fmt.Errorf("%w: Schema %q must match %s", ErrInvalidName, cfg.Schema, identifier)
+	}
+	qualify := func(name string) string {
+		if cfg.Schema == "" {
+			return pgx.Identifier{name}.Sanitize()
+		}
+		return pgx.Identifier{cfg.Schema, name}.Sanitize()
+	}
+	table := qualify(cfg.Table)
+	attempts := qualify(cfg.Table + "_attempts")
+	ddl, err := renderSchema(table, attempts, pgx.Identifier{cfg.Table + "_processed_at_idx"}.Sanitize())
+	if err != nil {
+		return nil, err
+	}
+	cols := `consumer, event_id, fingerprint, source, partition, "offset"`
+	return &Store{
+		ddl:      ddl,
+		claimSQL: `INSERT INTO ` + table + ` (` + cols + `) VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING`,
+		claimBatchSQL: `INSERT INTO ` + table + ` (` + cols + `)
+SELECT $1, u.id, u.fp, u.src, u.part, u.off
+FROM unnest($2::text[], $3::bytea[], $4::text[], $5::integer[], $6::bigint[]) AS u(id, fp, src, part, off)
+ON CONFLICT DO NOTHING RETURNING event_id`,
+		lookupSQL:      `SELECT fingerprint, processed_at FROM ` + table + ` WHERE consumer = $1 AND event_id = $2`,
+		lookupBatchSQL: `SELECT event_id, fingerprint, processed_at FROM ` + table + ` WHERE consumer = $1 AND event_id = ANY($2::text[])`,
+		recordAttemptSQL: `INSERT INTO ` + attempts + ` AS a (consumer, event_id, attempts)
+SELECT $1, $2, 1 WHERE NOT EXISTS (SELECT 1 FROM ` + table + ` WHERE consumer = $1 AND event_id = $2)
+ON CONFLICT (consumer, event_id) DO UPDATE SET attempts = a.attempts + 1, last_seen = now() RETURNING attempts`,
+		clearAttemptSQL: `DELETE FROM ` + attempts + ` WHERE consumer = $1 AND event_id = $2`,
+		retentionSQL:    `DELETE FROM ` + table + ` WHERE ctid = ANY(ARRAY(SELECT ctid FROM ` + table + ` WHERE processed_at < $1 LIMIT $2))`,
+		attemptsRetentionSQL: `DELETE FROM ` + attempts + ` WHERE ctid = ANY(ARRAY(SELECT ctid FROM ` + attempts +
+			` WHERE last_seen < $1 LIMIT $2))`,
+	}, nil
+}
+
+func renderSchema(table, attempts, index string) (string, error) {
+	t, err := template.New("schema").Parse(schemaTemplate)
+	if err != nil {
+		return "", err
+	}
+	var b bytes.Buffer
+	err = t.Execute(&b, map[string]string{"Table": table, "Attempts": attempts, "ProcessedAtIndex": index})
+	return b.String(), err
+}
+
+// SchemaSQL returns the DDL that Migrate runs, with this store's names.
+func (s *Store) SchemaSQL() string { return s.ddl }
+
+// migrateLock is the advisory lock key that serialises concurrent Migrate
+// calls: CREATE TABLE IF NOT EXISTS is not safe against itself.
+const migrateLock = 0x6f6e6365 // "once"
+
+// Migrate creates the store's tables and index if they do not exist. It is
+// idempotent and safe to call from many processes at once.
+func (s *Store) Migrate(ctx context.Context, db interface {
+	Begin(ctx context.Context) (pgx.Tx, error)
+}) error {
+	tx, err := db.Begin(ctx)
+	if err != nil {
+		return fmt.Errorf("dedup: migrate: %w", err)
+	}
+	defer tx.Rollback(ctx) //nolint:errcheck // a no-op after Commit
+	if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", migrateLock); err != nil {
+		return fmt.Errorf("dedup: migrate: %w", err)
+	}
+	if _, err := tx.Exec(ctx, s.ddl); err != nil {
+		return fmt.Errorf("dedup: migrate: %w", err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return fmt.Errorf("dedup: migrate: %w", err)
+	}
+	return nil
+}
+
+// Claim is one event id to claim for a consumer.
+type Claim struct {
+	Consumer string
+	EventID  string
+	// Fingerprint of the payload, stored with the claim and compared on a
+	// duplicate; nil stores none and disables the comparison.
+	Fingerprint []byte
+	// Source, Partition and Offset record where the event came from; a
+	// negative Partition or Offset is stored as NULL.
+	Source    string
+	Partition int32
+	Offset    int64
+}
+
+// Outcome is what a claim found.
+type Outcome int
+
+const (
+	// Claimed: the id is new; the row is inserted in the caller's
+	// transaction and exists once that commits.
+	Claimed Outcome = iota
+	// Duplicate: the id was processed before with the same fingerprint (or
+	// one of the two has none).
+	Duplicate
+	// Conflict: the id was processed before with a different fingerprint.
+	Conflict
+)
+
+func (o Outcome) String() string {
+	switch o {
+	case Claimed:
+		return "claimed"
+	case Duplicate:
+		return "duplicate"
+	case Conflict:
+		return "conflict"
+	}
+	return fmt.Sprintf("Outcome(%d)", int(o))
+}
+
+// Result is the outcome of one claim. For Duplicate and Conflict, Previous
+// describes the row that was there.
+type Result struct {
+	Outcome  Outcome
+	Previous Previous
+}
+
+// Previous is what the store knows of an id processed before.
+type Previous struct {
+	Fingerprint []byte
+	ProcessedAt time.Time
+}
+
+// Claim inserts c's id in tx. When another transaction holds an uncommitted
+// claim of the same id, Claim waits for it (the primary key serialises the
+// two) and then reports Duplicate or Conflict if it committed, or claims
+// the id itself if it rolled back. The lookup of the previous row costs a
+// second statement only when the id is not new.
+func (s *Store) Claim(ctx context.Context, tx DB, c Claim) (Result, error) {
+	tag, err := tx.Exec(ctx, s.claimSQL, c.Consumer, c.EventID, c.Fingerprint, c.Source, nullable32(c.Partition), nullable64(c.Offset))
+	if err != nil {
+		return Result{}, fmt.Errorf("dedup: claim: %w", err)
+	}
+	if tag.RowsAffected() == 1 {
+		return Result{Outcome: Claimed}, nil
+	}
+	var prev Previous
+	if err := tx.QueryRow(ctx, s.lookupSQL, c.Consumer, c.EventID).Scan(&prev.Fingerprint, &prev.ProcessedAt); err != nil {
+		return Result{}, fmt.Errorf("dedup: claim lookup: %w", err)
+	}
+	return Result{Outcome: compare(c.Fingerprint, prev.Fingerprint), Previous: prev}, nil
+}
+
+// ClaimBatch claims many ids for one consumer with one statement, and
+// returns one Result per claim, in order. All claims must have the same
+// Consumer. An id that appears twice in the batch is Claimed at its first
+// appearance and a Duplicate or Conflict (against the first) afterwards.
+// Previous rows are looked up with a second statement only when some id is
+// not new.
+func (s *Store) ClaimBatch(ctx context.Context, tx DB, claims []Claim) ([]Result, error) {
+	if len(claims) == 0 {
+		return nil, nil
+	}
+	consumer := claims[0].Consumer
+	ids := make([]string, len(claims))
+	fps := make([][]byte, len(claims))
+	srcs := make([]string, len(claims))
+	parts := make([]*int32, len(claims))
+	offs := make([]*int64, len(claims))
+	for i, c := range claims {
+		if c.Consumer != consumer {
+			return nil, fmt.Errorf("dedup: claim batch: mixed consumers %q and %q", consumer, c.Consumer)
+		}
+		ids[i], fps[i], srcs[i] = c.EventID, c.Fingerprint, c.Source
+		parts[i], offs[i] = nullable32(c.Partition), nullable64(c.Offset)
+	}
+	rows, err := tx.Query(ctx, s.claimBatchSQL, consumer, ids, fps, srcs, parts, offs)
+	if err != nil {
+		return nil, fmt.Errorf("dedup: claim batch: %w", err)
+	}
+	inserted := make(map[string]bool, len(claims))
+	var id string
+	_, err = pgx.ForEachRow(rows, []any{&id}, func() error { inserted[id] = true; return nil })
+	if err != nil {
+		return nil, fmt.Errorf("dedup: claim batch: %w", err)
+	}
+	results := make([]Result, len(claims))
+	var missing []string
+	for i, c := range claims {
+		if inserted[c.EventID] {
+			inserted[c.EventID] = false // later appearances are duplicates
+			results[i].Outcome = Claimed
+			continue
+		}
+		results[i].Outcome = Duplicate
+		missing = append(missing, c.EventID)
+	}
+	if len(missing) == 0 {
+		return results, nil
+	}
+	prev, err := s.lookupBatch(ctx, tx, consumer, missing)
+	if err != nil {
+		return nil, err
+	}
+	for i, c := range claims {
+		if results[i].Outcome == Claimed {
+			continue
+		}
+		p := prev[c.EventID]
+		results[i] = Result{Outcome: compare(c.Fingerprint, p.Fingerprint), Previous: p}
+	}
+	return results, nil
+}
+
+func (s *Store) lookupBatch(ctx context.Context, tx DB, consumer string, ids []string) (map[string]Previous, error) {
+	rows, err := tx.Query(ctx, s.lookupBatchSQL, consumer, ids)
+	if err != nil {
+		return nil, fmt.Errorf("dedup: claim batch lookup: %w", err)
+	}
+	prev := make(map[string]Previous, len(ids))
+	var id string
+	var p Previous
+	_, err = pgx.ForEachRow(rows, []any{&id, &p.Fingerprint, &p.ProcessedAt}, func() error {
+		prev[id] = Previous{Fingerprint: bytes.Clone(p.Fingerprint), ProcessedAt: p.ProcessedAt}
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("dedup: claim batch lookup: %w", err)
+	}
+	return prev, nil
+}
+
+func compare(fp, prev []byte) Outcome {
+	if fp == nil || prev == nil || bytes.Equal(fp, prev) {
+		return Duplicate
+	}
+	return Conflict
+}
+
+// RecordAttempt durably counts one more attempt at handling eventID and
+// returns the count including this one; it returns 0 and counts nothing
+// when the id is already processed. Call it outside the handler's
+// transaction (on the pool, autocommitted), before the handler runs, so the
+// count survives a crash of the process.
+func (s *Store) RecordAttempt(ctx context.Context, db DB, consumer, eventID string) (int, error) {
+	var n int
+	err := db.QueryRow(ctx, s.recordAttemptSQL, consumer, eventID).Scan(&n)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return 0, nil
+	}
+	if err != nil {
+		return 0, fmt.Errorf("dedup: record attempt: %w", err)
+	}
+	return n, nil
+}
+
+// ClearAttempts forgets the attempt count of eventID. Call it in the
+// transaction that handles the event, so the count goes when the effects
+// commit.
+func (s *Store) ClearAttempts(ctx context.Context, tx DB, consumer, eventID string) error {
+	if _, err := tx.Exec(ctx, s.clearAttemptSQL, consumer, eventID); err != nil {
+		return fmt.Errorf("dedup: clear attempts: %w", err)
+	}
+	return nil
+}
+
+// DeleteOlderThan removes processed-event rows (for every consumer) and
+// attempt counts older than cutoff, batchSize rows per statement, each
+// statement its own short transaction, so no lock is held for long. It
+// returns the number of processed-event rows removed, and stops early with
+// ctx's error. batchSize <= 0 means 1000.
+//
+// Once a row is gone, a redelivery of its event is handled again: the
+// retention window must be longer than the longest time a message can take
+// to be redelivered (Kafka topic retention when a group may rewind, AMQP
+// message TTL, the longest outage you plan to replay after).
+func (s *Store) DeleteOlderThan(ctx context.Context, db DB, cutoff time.Time, batchSize int) (int64, error) {
+	if batchSize <= 0 {
+		batchSize = 1000
+	}
+	total, err := deleteInBatches(ctx, db, s.retentionSQL, cutoff, batchSize)
+	if err != nil {
+		return total, err
+	}
+	_, err = deleteInBatches(ctx, db, s.attemptsRetentionSQL, cutoff, batchSize)
+	return total, err
+}
+
+func deleteInBatches(ctx context.Context, db DB, sql string, cutoff time.Time, batchSize int) (int64, error) {
+	var total int64
+	for {
+		tag, err := db.Exec(ctx, sql, cutoff, batchSize)
+		if err != nil {
+			return total, fmt.Errorf("dedup: retention: %w", err)
+		}
+		total += tag.RowsAffected()
+		if tag.RowsAffected() < int64(batchSize) {
+			return total, nil
+		}
+		if err := ctx.Err(); err != nil {
+			return total, err
+		}
+	}
+}
+
+func nullable32(v int32) *int32 {
+	if v < 0 {
+		return nil
+	}
+	return &v
+}
+
+func nullable64(v int64) *int64 {
+	if v < 0 {
+		return nil
+	}
+	return &v
+}
