@@ -1,0 +1,468 @@
+package conformance
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/onceco/once/consumer"
+)
+
+// waitFor bounds every wait of the suite; brokers with a consumer-group
+// join take seconds to start delivering.
+const waitFor = 60 * time.Second
+
+// Run runs the suite. Each test gets its own Broker and database schema,
+// and runs in parallel with the others.
+func Run(t *testing.T, s Suite) {
+	tests := []struct {
+		name string
+		run  func(t *testing.T, e *env)
+		skip bool
+	}{
+		{"EachEffectOnce", testEachEffectOnce, false},
+		{"AckedNotRedelivered", testAckedNotRedelivered, false},
+		{"MetadataReachesHandler", testMetadata, false},
+		{"TraceContextFromHeaders", testTraceContext, false},
+		{"DecodeErrorDeadLettered", testDecodeError, false},
+		{"HandlerFailureDeadLettered", testHandlerFailure, false},
+		{"PanicDeadLettered", testPanic, false},
+		{"MissingID", testMissingID, false},
+		{"OrderPerStream", testOrder, !s.Features.Ordered},
+		{"RedeliveryAfterCrashBeforeAck", testCrashBeforeAck, !s.Features.RedeliverOnRestart},
+		{"ShutdownMidFlight", testShutdownMidFlight, !s.Features.RedeliverOnRestart},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			if tc.skip {
+				t.Skip("the adapter does not declare the feature this test needs")
+			}
+			t.Parallel()
+			db := s.NewDB(t)
+			_, err := db.Exec(context.Background(),
+				`CREATE TABLE effects (event_id text NOT NULL, k text NOT NULL DEFAULT '', n int NOT NULL DEFAULT 0, seq bigserial)`)
+			require.NoError(t, err)
+			tc.run(t, &env{t: t, f: s.Features, b: s.NewBroker(t), db: db})
+		})
+	}
+}
+
+// env is one test's broker and database.
+type env struct {
+	t  *testing.T
+	f  Features
+	b  Broker
+	db *pgxpool.Pool
+}
+
+// payload is what the suite publishes.
+type payload struct {
+	K string `json:"k"`
+	N int    `json:"n"`
+}
+
+func msg(id, key string, n int) OutMessage {
+	v, _ := json.Marshal(payload{K: key, N: n})
+	return OutMessage{ID: id, Key: []byte(key), Value: v}
+}
+
+func (e *env) publish(msgs ...OutMessage) {
+	e.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), waitFor)
+	defer cancel()
+	require.NoError(e.t, e.b.Publish(ctx, msgs...))
+}
+
+// record writes one business effect in the handler's transaction.
+func record(ctx context.Context, tx pgx.Tx, ev consumer.Event[payload]) error {
+	_, err := tx.Exec(ctx, `INSERT INTO effects (event_id, k, n) VALUES ($1, $2, $3)`, ev.ID, ev.Payload.K, ev.Payload.N)
+	return err
+}
+
+func config() consumer.Config {
+	return consumer.Config{
+		Name:            "conformance",
+		Retry:           consumer.RetryPolicy{MaxAttempts: 2, InitialBackoff: time.Millisecond, MaxBackoff: 10 * time.Millisecond},
+		InfraBackoff:    consumer.Backoff{Initial: 10 * time.Millisecond, Max: 200 * time.Millisecond},
+		ShutdownTimeout: 20 * time.Second,
+	}
+}
+
+// running is a consumer running in the background.
+type running struct {
+	c    *consumer.Consumer[payload]
+	stop func() error
+}
+
+func (e *env) start(src consumer.Source, cfg consumer.Config, h consumer.Handler[payload]) *running {
+	e.t.Helper()
+	c, err := consumer.New(e.db, src, h, cfg)
+	require.NoError(e.t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- c.Run(ctx) }()
+	var once sync.Once
+	var runErr error
+	stop := func() error {
+		once.Do(func() { cancel(); runErr = <-done })
+		return runErr
+	}
+	e.t.Cleanup(func() { _ = stop() })
+	return &running{c: c, stop: stop}
+}
+
+// effects returns the number of effects per event id.
+func (e *env) effects() map[string]int {
+	e.t.Helper()
+	rows, err := e.db.Query(context.Background(), `SELECT event_id, count(*) FROM effects GROUP BY event_id`)
+	require.NoError(e.t, err)
+	got := map[string]int{}
+	var id string
+	var n int
+	_, err = pgx.ForEachRow(rows, []any{&id, &n}, func() error { got[id] = n; return nil })
+	require.NoError(e.t, err)
+	return got
+}
+
+func (e *env) waitEffects(n int) {
+	e.t.Helper()
+	require.Eventually(e.t, func() bool { return len(e.effects()) >= n }, waitFor, 20*time.Millisecond,
+		"want effects of %d events", n)
+}
+
+func (e *env) waitSettled(r *running, n uint64) {
+	e.t.Helper()
+	require.Eventually(e.t, func() bool {
+		st := r.c.Stats()
+		return st.Handled+st.Duplicates+st.DeadLettered+st.Skipped >= n
+	}, waitFor, 20*time.Millisecond, "want %d messages settled", n)
+}
+
+func (e *env) assertExactlyOnce(ids ...string) {
+	e.t.Helper()
+	got := e.effects()
+	want := map[string]int{}
+	for _, id := range ids {
+		want[id] = 1
+	}
+	assert.Equal(e.t, want, got, "each event's effect exactly once, nothing lost")
+}
+
+func (e *env) deadLetters(n int) []DeadLetterRecord {
+	e.t.Helper()
+	var got []DeadLetterRecord
+	require.Eventually(e.t, func() bool {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		var err error
+		got, err = e.b.DeadLetters(ctx)
+		return err == nil && len(got) >= n
+	}, waitFor, 50*time.Millisecond, "want %d dead letters", n)
+	return got
+}
+
+func ids(prefix string, n int) []string {
+	out := make([]string, n)
+	for i := range out {
+		out[i] = fmt.Sprintf("%s-%d", prefix, i)
+	}
+	return out
+}
+
+func testEachEffectOnce(t *testing.T, e *env) {
+	all := ids("ev", 40)
+	var msgs []OutMessage
+	for i, id := range all {
+		msgs = append(msgs, msg(id, "k"+strconv.Itoa(i%4), i))
+	}
+	// Copies of every fourth event, later in the stream, as a producer
+	// retry would publish them.
+	for i := 0; i < len(all); i += 4 {
+		msgs = append(msgs, msg(all[i], "k0", i))
+	}
+	e.publish(msgs...)
+	r := e.start(e.b.NewSource(t), config(), record)
+	e.waitSettled(r, uint64(len(msgs)))
+	e.assertExactlyOnce(all...)
+	st := r.c.Stats()
+	assert.Equal(t, uint64(len(all)), st.Handled)
+	assert.Equal(t, uint64(len(msgs)-len(all)), st.Duplicates)
+	assert.Zero(t, st.DeadLettered)
+}
+
+func testAckedNotRedelivered(t *testing.T, e *env) {
+	all := ids("acked", 20)
+	var msgs []OutMessage
+	for i, id := range all {
+		msgs = append(msgs, msg(id, "k"+strconv.Itoa(i%3), i))
+	}
+	e.publish(msgs...)
+	r := e.start(e.b.NewSource(t), config(), record)
+	e.waitSettled(r, uint64(len(msgs)))
+	require.NoError(t, r.stop())
+
+	// A restarted consumer must start after the acked messages: it sees
+	// only what is published now.
+	e.publish(msg("after-restart", "k0", 0))
+	r2 := e.start(e.b.NewSource(t), config(), record)
+	e.waitSettled(r2, 1)
+	e.assertExactlyOnce(append(all, "after-restart")...)
+	assert.Equal(t, uint64(1), r2.c.Stats().Received, "acked messages were delivered again after a clean stop")
+}
+
+func testMetadata(t *testing.T, e *env) {
+	m := msg("meta-1", "the-key", 7)
+	m.Type = "thing.happened"
+	m.Headers = map[string]string{"x-custom": "custom value"}
+	e.publish(m)
+	got := make(chan consumer.Event[payload], 1)
+	e.start(e.b.NewSource(t), config(), func(ctx context.Context, tx pgx.Tx, ev consumer.Event[payload]) error {
+		select {
+		case got <- ev:
+		default:
+		}
+		return record(ctx, tx, ev)
+	})
+	var ev consumer.Event[payload]
+	select {
+	case ev = <-got:
+	case <-time.After(waitFor):
+		t.Fatal("no event handled")
+	}
+	assert.Equal(t, "meta-1", ev.ID)
+	assert.Equal(t, "thing.happened", ev.Type)
+	assert.Equal(t, payload{K: "the-key", N: 7}, ev.Payload)
+	assert.Equal(t, 1, ev.Attempt)
+	assert.Equal(t, "custom value", ev.Message.Headers["x-custom"])
+	assert.NotEmpty(t, ev.Message.Topic)
+	if e.f.Ordered {
+		assert.Equal(t, []byte("the-key"), ev.Message.Key)
+		assert.NotEmpty(t, ev.Message.Stream)
+	}
+}
+
+func testTraceContext(t *testing.T, e *env) {
+	const traceID = "4bf92f3577b34da6a3ce929d0e0e4736"
+	m := msg("traced-1", "k", 1)
+	m.Headers = map[string]string{"traceparent": "00-" + traceID + "-00f067aa0ba902b7-01"}
+	e.publish(m)
+	tp := sdktrace.NewTracerProvider()
+	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
+	cfg := config()
+	cfg.TracerProvider = tp
+	got := make(chan trace.SpanContext, 1)
+	e.start(e.b.NewSource(t), cfg, func(ctx context.Context, tx pgx.Tx, ev consumer.Event[payload]) error {
+		select {
+		case got <- trace.SpanContextFromContext(ctx):
+		default:
+		}
+		return record(ctx, tx, ev)
+	})
+	select {
+	case sc := <-got:
+		assert.Equal(t, traceID, sc.TraceID().String(), "the consumer span must continue the producer's trace")
+	case <-time.After(waitFor):
+		t.Fatal("no event handled")
+	}
+}
+
+func testDecodeError(t *testing.T, e *env) {
+	garbage := []byte("\x00not json at all\xff")
+	e.publish(OutMessage{ID: "garbage-1", Key: []byte("k"), Value: garbage}, msg("good-1", "k", 1))
+	r := e.start(e.b.NewSource(t), config(), record)
+	e.waitSettled(r, 2)
+	e.assertExactlyOnce("good-1")
+	dl := e.deadLetters(1)
+	require.Len(t, dl, 1)
+	assert.Equal(t, garbage, dl[0].Value, "the dead letter keeps the original bytes")
+	assert.Equal(t, string(consumer.KindDecode), dl[0].Headers[consumer.HeaderErrorKind])
+	assert.Equal(t, "garbage-1", dl[0].Headers[consumer.HeaderEventID])
+	assert.Equal(t, "conformance", dl[0].Headers[consumer.HeaderConsumer])
+	assert.NotEmpty(t, dl[0].Headers[consumer.HeaderErrorMessage])
+	assert.NotEmpty(t, dl[0].Headers[consumer.HeaderFailedAt])
+	assert.NotEmpty(t, dl[0].Headers[consumer.HeaderOriginalTopic])
+}
+
+func testHandlerFailure(t *testing.T, e *env) {
+	e.publish(msg("bad-1", "k", 1), msg("good-1", "k", 2))
+	var badCalls atomic.Int32
+	r := e.start(e.b.NewSource(t), config(), func(ctx context.Context, tx pgx.Tx, ev consumer.Event[payload]) error {
+		if err := record(ctx, tx, ev); err != nil {
+			return err
+		}
+		if ev.ID == "bad-1" {
+			badCalls.Add(1)
+			return errors.New("business rule violated")
+		}
+		return nil
+	})
+	e.waitSettled(r, 2)
+	e.assertExactlyOnce("good-1")
+	assert.Equal(t, int32(2), badCalls.Load(), "MaxAttempts is 2")
+	dl := e.deadLetters(1)
+	require.Len(t, dl, 1)
+	assert.Equal(t, string(consumer.KindHandler), dl[0].Headers[consumer.HeaderErrorKind])
+	assert.Equal(t, "2", dl[0].Headers[consumer.HeaderAttempts])
+	assert.Contains(t, dl[0].Headers[consumer.HeaderErrorMessage], "business rule violated")
+	var p payload
+	require.NoError(t, json.Unmarshal(dl[0].Value, &p))
+	assert.Equal(t, payload{K: "k", N: 1}, p)
+}
+
+func testPanic(t *testing.T, e *env) {
+	e.publish(msg("panics-1", "k", 1), msg("good-1", "k", 2))
+	r := e.start(e.b.NewSource(t), config(), func(ctx context.Context, tx pgx.Tx, ev consumer.Event[payload]) error {
+		if ev.ID == "panics-1" {
+			panic("boom")
+		}
+		return record(ctx, tx, ev)
+	})
+	e.waitSettled(r, 2)
+	e.assertExactlyOnce("good-1")
+	dl := e.deadLetters(1)
+	require.Len(t, dl, 1)
+	assert.Equal(t, string(consumer.KindPanic), dl[0].Headers[consumer.HeaderErrorKind])
+	assert.Contains(t, dl[0].Headers[consumer.HeaderErrorStack], "panic")
+}
+
+func testMissingID(t *testing.T, e *env) {
+	e.publish(msg("", "k", 1), msg("with-id", "k", 2))
+	r := e.start(e.b.NewSource(t), config(), record)
+	e.waitSettled(r, 2)
+	got := e.effects()
+	if e.f.FallbackID {
+		require.Len(t, got, 2, "the id-less message is handled under the fallback id")
+		assert.Equal(t, 1, got["with-id"])
+		return
+	}
+	e.assertExactlyOnce("with-id")
+	dl := e.deadLetters(1)
+	require.Len(t, dl, 1)
+	assert.Equal(t, string(consumer.KindMissingID), dl[0].Headers[consumer.HeaderErrorKind])
+}
+
+func testOrder(t *testing.T, e *env) {
+	const keys, perKey = 4, 25
+	var msgs []OutMessage
+	var all []string
+	for n := 0; n < perKey; n++ {
+		for k := 0; k < keys; k++ {
+			id := fmt.Sprintf("k%d-%d", k, n)
+			all = append(all, id)
+			msgs = append(msgs, msg(id, "k"+strconv.Itoa(k), n))
+		}
+	}
+	e.publish(msgs...)
+	cfg := config()
+	cfg.Concurrency = 8
+	r := e.start(e.b.NewSource(t), cfg, record)
+	e.waitSettled(r, uint64(len(msgs)))
+	e.assertExactlyOnce(all...)
+	rows, err := e.db.Query(context.Background(), `SELECT k, n FROM effects ORDER BY seq`)
+	require.NoError(t, err)
+	last := map[string]int{}
+	var k string
+	var n int
+	_, err = pgx.ForEachRow(rows, []any{&k, &n}, func() error {
+		if prev, ok := last[k]; ok {
+			assert.Greater(t, n, prev, "key %s committed out of order", k)
+		}
+		last[k] = n
+		return nil
+	})
+	require.NoError(t, err)
+}
+
+// dropAcks wraps a source so that from the first delivery at or after
+// offset `after` (counting deliveries), Ack does nothing: what a process
+// killed between commit and ack leaves behind.
+type dropAcks struct {
+	consumer.Source
+	after, seen int
+	mu          sync.Mutex
+}
+
+type droppedAck struct {
+	consumer.Delivery
+	drop bool
+}
+
+func (d *droppedAck) Ack(ctx context.Context) error {
+	if d.drop {
+		return nil
+	}
+	return d.Delivery.Ack(ctx)
+}
+
+func (s *dropAcks) Receive(ctx context.Context) (consumer.Delivery, error) {
+	d, err := s.Source.Receive(ctx)
+	if err != nil {
+		return nil, err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.seen++
+	return &droppedAck{Delivery: d, drop: s.seen > s.after}, nil
+}
+
+func testCrashBeforeAck(t *testing.T, e *env) {
+	all := ids("crash", 30)
+	var msgs []OutMessage
+	for i, id := range all {
+		msgs = append(msgs, msg(id, "k"+strconv.Itoa(i%3), i))
+	}
+	e.publish(msgs...)
+	r := e.start(&dropAcks{Source: e.b.NewSource(t), after: 10}, config(), record)
+	e.waitSettled(r, uint64(len(msgs)))
+	require.NoError(t, r.stop())
+	e.assertExactlyOnce(all...)
+
+	r2 := e.start(e.b.NewSource(t), config(), record)
+	e.waitSettled(r2, uint64(len(msgs)-10))
+	e.assertExactlyOnce(all...)
+	assert.GreaterOrEqual(t, r2.c.Stats().Duplicates, uint64(len(msgs)-10),
+		"every message whose ack was lost is redelivered and skipped as a duplicate")
+	assert.Zero(t, r2.c.Stats().Handled)
+}
+
+func testShutdownMidFlight(t *testing.T, e *env) {
+	all := ids("inflight", 30)
+	var msgs []OutMessage
+	for i, id := range all {
+		msgs = append(msgs, msg(id, "k"+strconv.Itoa(i%3), i))
+	}
+	e.publish(msgs...)
+	slow := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[payload]) error {
+		select {
+		case <-time.After(100 * time.Millisecond):
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+		return record(ctx, tx, ev)
+	}
+	cfg := config()
+	cfg.Concurrency = 2
+	r := e.start(e.b.NewSource(t), cfg, slow)
+	e.waitEffects(5)
+	require.NoError(t, r.stop())
+	first := len(e.effects())
+	assert.Less(t, first, len(all), "the consumer stopped before the end")
+
+	r2 := e.start(e.b.NewSource(t), config(), record)
+	e.waitEffects(len(all))
+	e.waitSettled(r2, uint64(len(all)-first))
+	e.assertExactlyOnce(all...)
+}

@@ -1,0 +1,64 @@
+package memsource_test
+
+import (
+	"context"
+	"maps"
+	"testing"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/consumer/conformance"
+	"github.com/onceco/once/consumer/memsource"
+	"github.com/onceco/once/internal/pgtest"
+)
+
+func TestMain(m *testing.M) { pgtest.Main(m) }
+
+// broker adapts a memsource.Broker to the conformance suite.
+type broker struct{ b *memsource.Broker }
+
+func (b broker) Publish(_ context.Context, msgs ...conformance.OutMessage) error {
+	for _, m := range msgs {
+		h := maps.Clone(m.Headers)
+		if h == nil {
+			h = map[string]string{}
+		}
+		if m.ID != "" {
+			h["id"] = m.ID
+		}
+		if m.Type != "" {
+			h["type"] = m.Type
+		}
+		b.b.Publish(consumer.Message{Key: m.Key, Value: m.Value, Headers: h})
+	}
+	return nil
+}
+
+func (b broker) NewSource(*testing.T) consumer.Source { return b.b.Source() }
+
+func (b broker) DeadLetters(context.Context) ([]conformance.DeadLetterRecord, error) {
+	var out []conformance.DeadLetterRecord
+	for _, d := range b.b.DeadLetters() {
+		out = append(out, conformance.DeadLetterRecord{Key: d.Message.Key, Value: d.Message.Value, Headers: d.Headers})
+	}
+	return out, nil
+}
+
+func TestConformanceOrdered(t *testing.T) {
+	conformance.Run(t, conformance.Suite{
+		Features: conformance.Features{Ordered: true, FallbackID: true, RedeliverOnRestart: true},
+		NewBroker: func(t *testing.T) conformance.Broker {
+			return broker{memsource.New(memsource.Options{Streams: 4, FallbackID: true})}
+		},
+		NewDB: func(t *testing.T) *pgxpool.Pool { p, _ := pgtest.Schema(t); return p },
+	})
+}
+
+func TestConformanceUnordered(t *testing.T) {
+	conformance.Run(t, conformance.Suite{
+		Features:  conformance.Features{RedeliverOnRestart: true},
+		NewBroker: func(t *testing.T) conformance.Broker { return broker{memsource.New(memsource.Options{})} },
+		NewDB:     func(t *testing.T) *pgxpool.Pool { p, _ := pgtest.Schema(t); return p },
+	})
+}
