@@ -1,17 +1,30 @@
 #!/usr/bin/env bash
-# Installs, from Debian's packages, the servers and tools the tests need when
-# they are missing: PostgreSQL's server binaries, RabbitMQ, amqp-tools (a
-# publisher that is not ours) and kcat (a Kafka client that is not ours).
+# Installs, from Debian's packages, what the tests and the demo need when it
+# is missing. With no argument: everything. Arguments pick parts:
+#   postgres  PostgreSQL's server binaries (initdb, pg_ctl, postgres)
+#   rabbitmq  the RabbitMQ server
+#   tools     amqp-tools and kcat: a publisher and a Kafka client not ours
 set -euo pipefail
 
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(postgres rabbitmq tools)
+
 need=()
-ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null 2>&1 || need+=(postgresql)
-command -v rabbitmq-server >/dev/null 2>&1 || [ -x /usr/sbin/rabbitmq-server ] || need+=(rabbitmq-server)
-command -v amqp-publish >/dev/null 2>&1 || need+=(amqp-tools)
-command -v kcat >/dev/null 2>&1 || need+=(kcat)
+for part in "${parts[@]}"; do
+  case "$part" in
+    postgres)
+      ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null 2>&1 || need+=(postgresql) ;;
+    rabbitmq)
+      command -v rabbitmq-server >/dev/null 2>&1 || [ -x /usr/sbin/rabbitmq-server ] || need+=(rabbitmq-server) ;;
+    tools)
+      command -v amqp-publish >/dev/null 2>&1 || need+=(amqp-tools)
+      command -v kcat >/dev/null 2>&1 || need+=(kcat) ;;
+    *) echo "ensure-deps: unknown part $part" >&2; exit 2 ;;
+  esac
+done
 
 [ ${#need[@]} -eq 0 ] && exit 0
-echo "ensure-deps: installing ${need[*]}" >&2
+echo "ensure-deps: installing ${need[*]} from Debian's packages" >&2
 sudo=""
 [ "$(id -u)" -ne 0 ] && sudo="sudo"
 $sudo apt-get update -qq

@@ -1,0 +1,395 @@
+package consumer_test
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/consumer/memsource"
+	"github.com/onceco/once/internal/pgtemp"
+	"github.com/onceco/once/internal/pgtest"
+)
+
+// checkedAck wraps a source so that every Ack first checks, from another
+// connection, that the message's claim is committed: guarantee 2, ack after
+// commit.
+type checkedAck struct {
+	consumer.Source
+	pool   *pgxpool.Pool
+	early  atomic.Int32
+	checks atomic.Int32
+}
+
+type checkedDelivery struct {
+	consumer.Delivery
+	s *checkedAck
+}
+
+func (s *checkedAck) Receive(ctx context.Context) (consumer.Delivery, error) {
+	d, err := s.Source.Receive(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return &checkedDelivery{Delivery: d, s: s}, nil
+}
+
+func (d *checkedDelivery) Ack(ctx context.Context) error {
+	var n int
+	err := d.s.pool.QueryRow(ctx, `SELECT count(*) FROM processed_events WHERE event_id = $1`,
+		d.Message().Headers["id"]).Scan(&n)
+	if err != nil || n != 1 {
+		d.s.early.Add(1)
+	}
+	d.s.checks.Add(1)
+	return d.Delivery.Ack(ctx)
+}
+
+func TestAckOnlyAfterCommit(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{Streams: 2})
+	for i := 0; i < 40; i++ {
+		publish(b, fmt.Sprintf("e%d", i%30), i%30)
+	}
+	src := &checkedAck{Source: b.Source(), pool: pool}
+	c, err := consumer.New(pool, src, insertEffect, fastConfig("ack-after-commit"))
+	require.NoError(t, err)
+	start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 40 }, 10*time.Second, 5*time.Millisecond)
+	assert.Equal(t, int32(40), src.checks.Load())
+	assert.Zero(t, src.early.Load(), "an ack came before its claim was committed")
+}
+
+func TestIDConflictIsDeadLettered(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{Streams: 1})
+	publish(b, "same-id", 1)
+	publish(b, "same-id", 1) // true duplicate
+	publish(b, "same-id", 2) // same id, other payload
+	var calls atomic.Int32
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		calls.Add(1)
+		return insertEffect(ctx, tx, ev)
+	}
+	c, err := consumer.New(pool, b.Source(), h, fastConfig("conflict"))
+	require.NoError(t, err)
+	start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 3 }, 10*time.Second, 5*time.Millisecond)
+	assert.Equal(t, int32(1), calls.Load(), "the handler never runs for a duplicate or a conflict")
+	assert.Equal(t, map[string]int{"same-id": 1}, countEffects(t, pool))
+	dl := b.DeadLetters()
+	require.Len(t, dl, 1)
+	h2 := dl[0].Headers
+	assert.Equal(t, string(consumer.KindIDConflict), h2[consumer.HeaderErrorKind])
+	assert.Len(t, h2[consumer.HeaderFingerprint], 64)
+	assert.Len(t, h2[consumer.HeaderOriginalFingerprint], 64)
+	assert.NotEqual(t, h2[consumer.HeaderFingerprint], h2[consumer.HeaderOriginalFingerprint])
+	assert.NotEmpty(t, h2[consumer.HeaderOriginalProcessedAt])
+	assert.Equal(t, `{"n":2}`, string(dl[0].Message.Value))
+	st := c.Stats()
+	assert.Equal(t, uint64(1), st.Duplicates)
+	assert.Equal(t, uint64(1), st.DeadLettered)
+}
+
+func TestIDConflictSkipPolicyAndNoFingerprint(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		cfg  func(*consumer.Config)
+	}{
+		{"skip", func(c *consumer.Config) { c.OnIDConflict = consumer.SkipConflicts }},
+		{"no-fingerprint", func(c *consumer.Config) { c.NoFingerprint = true }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			pool, _ := pgtest.Schema(t)
+			effects(t, pool)
+			b := memsource.New(memsource.Options{Streams: 1})
+			publish(b, "same-id", 1)
+			publish(b, "same-id", 2)
+			cfg := fastConfig("conflict-" + tc.name)
+			tc.cfg(&cfg)
+			c, err := consumer.New(pool, b.Source(), insertEffect, cfg)
+			require.NoError(t, err)
+			start(t, c)
+			require.Eventually(t, func() bool { return b.Acked() == 2 }, 10*time.Second, 5*time.Millisecond)
+			assert.Equal(t, map[string]int{"same-id": 1}, countEffects(t, pool))
+			assert.Empty(t, b.DeadLetters())
+		})
+	}
+}
+
+// A message whose handling never finishes (standing for one that crashes
+// the process) is abandoned by each consumer in turn; after
+// MaxCrashAttempts the next consumer dead-letters it instead of trying.
+func TestCrashLoopIsDeadLettered(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{Streams: 1})
+	publish(b, "killer", 1)
+	publish(b, "fine", 2)
+	stuck := make(chan struct{}, 16)
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		if ev.ID == "killer" {
+			stuck <- struct{}{}
+			<-ctx.Done() // never returns by itself: the process "dies" here
+			return ctx.Err()
+		}
+		return insertEffect(ctx, tx, ev)
+	}
+	cfg := fastConfig("crash-loop")
+	cfg.MaxCrashAttempts = 2
+	cfg.ShutdownTimeout = 10 * time.Millisecond
+	for run := 1; run <= 3; run++ {
+		c, err := consumer.New(pool, b.Source(), h, cfg)
+		require.NoError(t, err)
+		stop := start(t, c)
+		if run <= 2 {
+			select {
+			case <-stuck:
+			case <-time.After(10 * time.Second):
+				t.Fatalf("run %d: the handler was not called", run)
+			}
+			require.NoError(t, stop())
+			assert.False(t, b.IsAcked(0), "an abandoned message is never acked")
+			continue
+		}
+		require.Eventually(t, func() bool { return b.Acked() == 2 }, 10*time.Second, 5*time.Millisecond)
+		require.NoError(t, stop())
+	}
+	dl := b.DeadLetters()
+	require.Len(t, dl, 1)
+	assert.Equal(t, string(consumer.KindCrashLoop), dl[0].Headers[consumer.HeaderErrorKind])
+	assert.Equal(t, "2", dl[0].Headers[consumer.HeaderAttempts])
+	assert.Equal(t, map[string]int{"fine": 1}, countEffects(t, pool))
+	var left int
+	require.NoError(t, pool.QueryRow(context.Background(), `SELECT count(*) FROM processed_events_attempts`).Scan(&left))
+	assert.Zero(t, left, "attempt counts are cleared once the message is settled")
+}
+
+func TestDeadLetterFailureBlocksAck(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	b := memsource.New(memsource.Options{Streams: 1})
+	b.Publish(consumer.Message{Value: []byte("not json"), Headers: map[string]string{"id": "poison"}})
+	b.SetDeadLetterError(errors.New("dead-letter queue unavailable"))
+	c, err := consumer.New(pool, b.Source(), insertEffect, fastConfig("dlq-down"))
+	require.NoError(t, err)
+	start(t, c)
+	require.Eventually(t, func() bool { return c.Stats().InfraErrors >= 3 }, 10*time.Second, 5*time.Millisecond)
+	assert.False(t, b.IsAcked(0), "no ack while the dead letter is not written")
+	assert.Empty(t, b.DeadLetters())
+	b.SetDeadLetterError(nil)
+	require.Eventually(t, func() bool { return b.IsAcked(0) }, 10*time.Second, 5*time.Millisecond)
+	assert.Len(t, b.DeadLetters(), 1)
+}
+
+func TestRetryAfterAndPermanent(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{Streams: 1})
+	publish(b, "later", 1)
+	publish(b, "never", 2)
+	var laterCalls atomic.Int32
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		switch ev.ID {
+		case "later":
+			if laterCalls.Add(1) == 1 {
+				return consumer.RetryAfter(time.Millisecond, errors.New("not ready"))
+			}
+			assert.Equal(t, 2, ev.Attempt)
+		case "never":
+			return consumer.Permanent(errors.New("invalid order"))
+		}
+		return insertEffect(ctx, tx, ev)
+	}
+	c, err := consumer.New(pool, b.Source(), h, fastConfig("outcomes"))
+	require.NoError(t, err)
+	start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 2 }, 10*time.Second, 5*time.Millisecond)
+	assert.Equal(t, map[string]int{"later": 1}, countEffects(t, pool))
+	dl := b.DeadLetters()
+	require.Len(t, dl, 1)
+	assert.Equal(t, "1", dl[0].Headers[consumer.HeaderAttempts], "a permanent error is not retried")
+	assert.Contains(t, dl[0].Headers[consumer.HeaderErrorMessage], "invalid order")
+}
+
+func TestHandlerTimeoutCountsAsFailure(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	b := memsource.New(memsource.Options{Streams: 1})
+	publish(b, "slow", 1)
+	cfg := fastConfig("timeout")
+	cfg.HandlerTimeout = 20 * time.Millisecond
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		<-ctx.Done()
+		return ctx.Err()
+	}
+	c, err := consumer.New(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 1 }, 10*time.Second, 5*time.Millisecond)
+	dl := b.DeadLetters()
+	require.Len(t, dl, 1)
+	assert.Equal(t, string(consumer.KindHandler), dl[0].Headers[consumer.HeaderErrorKind])
+	assert.Contains(t, dl[0].Headers[consumer.HeaderErrorMessage], "HandlerTimeout")
+}
+
+// Stopping PostgreSQL mid-stream: nothing is acked or dead-lettered while
+// it is down, and once it is back every event has its effect exactly once.
+func TestDatabaseStoppedMidStream(t *testing.T) {
+	ctx := context.Background()
+	srv, err := pgtemp.Start(ctx, pgtemp.Options{})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = srv.Close() })
+	pool, err := pgxpool.New(ctx, srv.URL())
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	effects(t, pool)
+
+	const total = 400
+	b := memsource.New(memsource.Options{Streams: 4})
+	for i := 0; i < total; i++ {
+		publish(b, fmt.Sprintf("e%d", i), i)
+	}
+	c, err := consumer.New(pool, b.Source(), insertEffect, fastConfig("db-down"))
+	require.NoError(t, err)
+	stop := start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() >= 50 }, 20*time.Second, 5*time.Millisecond)
+
+	require.NoError(t, srv.Stop(ctx))
+	require.Eventually(t, func() bool { return c.Stats().InfraErrors >= 8 }, 20*time.Second, 5*time.Millisecond)
+	ackedWhileDown := b.Acked()
+	require.Eventually(t, func() bool { return c.Stats().InfraErrors >= 16 }, 20*time.Second, 5*time.Millisecond)
+	assert.Equal(t, ackedWhileDown, b.Acked(), "nothing may be acked while the database is down")
+	assert.Empty(t, b.DeadLetters(), "an infrastructure failure is not poison")
+
+	require.NoError(t, srv.Restart(ctx))
+	require.Eventually(t, func() bool { return b.Acked() == total }, 60*time.Second, 10*time.Millisecond)
+	require.NoError(t, stop())
+	got := countEffects(t, pool)
+	require.Len(t, got, total, "nothing lost")
+	for id, n := range got {
+		require.Equal(t, 1, n, "double effect for %s", id)
+	}
+	assert.Empty(t, b.DeadLetters())
+}
+
+func TestNewValidatesConfig(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	src := memsource.New(memsource.Options{}).Source()
+	cases := map[string]struct {
+		cfg   consumer.Config
+		field string
+	}{
+		"no name":              {consumer.Config{}, "Name"},
+		"long name":            {consumer.Config{Name: string(make([]byte, 201))}, "Name"},
+		"negative concurrency": {consumer.Config{Name: "x", Concurrency: -1}, "Concurrency"},
+		"negative attempts":    {consumer.Config{Name: "x", Retry: consumer.RetryPolicy{MaxAttempts: -1}}, "Retry.MaxAttempts"},
+		"negative timeout":     {consumer.Config{Name: "x", ShutdownTimeout: -time.Second}, "ShutdownTimeout"},
+		"negative handler":     {consumer.Config{Name: "x", HandlerTimeout: -1}, "HandlerTimeout"},
+		"negative backoff":     {consumer.Config{Name: "x", InfraBackoff: consumer.Backoff{Max: -1}}, "InfraBackoff.Max"},
+		"unknown policy":       {consumer.Config{Name: "x", OnIDConflict: 7}, "OnIDConflict"},
+		"negative retention":   {consumer.Config{Name: "x", RetentionMaxAge: -time.Hour}, "RetentionMaxAge"},
+	}
+	for name, tc := range cases {
+		t.Run(name, func(t *testing.T) {
+			_, err := consumer.New(pool, src, insertEffect, tc.cfg)
+			require.ErrorIs(t, err, consumer.ErrInvalidConfig)
+			assert.Contains(t, err.Error(), tc.field)
+		})
+	}
+	_, err := consumer.New[order](pool, src, nil, consumer.Config{Name: "x"})
+	require.ErrorIs(t, err, consumer.ErrInvalidConfig)
+	_, err = consumer.New(nil, src, insertEffect, consumer.Config{Name: "x"})
+	require.ErrorIs(t, err, consumer.ErrInvalidConfig)
+	_, err = consumer.New(pool, nil, insertEffect, consumer.Config{Name: "x"})
+	require.ErrorIs(t, err, consumer.ErrInvalidConfig)
+}
+
+func TestRunFailsClearlyWhenDatabaseUnreachable(t *testing.T) {
+	pool, err := pgxpool.New(context.Background(), "postgres://nobody@127.0.0.1:1/none?connect_timeout=2")
+	require.NoError(t, err)
+	defer pool.Close()
+	c, err := consumer.New(pool, memsource.New(memsource.Options{}).Source(), insertEffect, consumer.Config{Name: "db-check"})
+	require.NoError(t, err)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	err = c.Run(ctx)
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "db-check")
+	assert.Contains(t, err.Error(), "127.0.0.1:1")
+}
+
+type created struct {
+	Order string `json:"order"`
+}
+type paid struct {
+	Order  string `json:"order"`
+	Amount int    `json:"amount"`
+}
+
+func TestRouterDispatchesByType(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	_, err := pool.Exec(context.Background(), `CREATE TABLE log (event_id text, what text)`)
+	require.NoError(t, err)
+	write := func(ctx context.Context, tx pgx.Tx, id, what string) error {
+		_, err := tx.Exec(ctx, `INSERT INTO log VALUES ($1, $2)`, id, what)
+		return err
+	}
+	for _, policy := range []consumer.UnknownTypePolicy{consumer.DeadLetterUnknownTypes, consumer.SkipUnknownTypes} {
+		r := consumer.NewRouter(consumer.RouterConfig{UnknownTypes: policy})
+		require.NoError(t, consumer.Handle(r, "order.created", func(ctx context.Context, tx pgx.Tx, ev consumer.Event[created]) error {
+			return write(ctx, tx, ev.ID, "created "+ev.Payload.Order)
+		}))
+		require.NoError(t, consumer.Handle(r, "order.paid", func(ctx context.Context, tx pgx.Tx, ev consumer.Event[paid]) error {
+			return write(ctx, tx, ev.ID, fmt.Sprintf("paid %s %d", ev.Payload.Order, ev.Payload.Amount))
+		}))
+		err := consumer.Handle(r, "order.paid", func(ctx context.Context, tx pgx.Tx, ev consumer.Event[paid]) error { return nil })
+		require.ErrorIs(t, err, consumer.ErrInvalidConfig, "registering a type twice is an error")
+		assert.Equal(t, []string{"order.created", "order.paid"}, r.Types())
+
+		b := memsource.New(memsource.Options{Streams: 1})
+		pub := func(id, typ string, v any) {
+			raw, _ := json.Marshal(v)
+			b.Publish(consumer.Message{Value: raw, Headers: map[string]string{"id": id, "type": typ}})
+		}
+		p := fmt.Sprint(policy)
+		pub("c1"+p, "order.created", created{Order: "o1"})
+		pub("p1"+p, "order.paid", paid{Order: "o1", Amount: 5})
+		pub("x1"+p, "order.shipped", created{Order: "o1"})
+		b.Publish(consumer.Message{Value: []byte("{"), Headers: map[string]string{"id": "bad" + p, "type": "order.paid"}})
+		c, err := consumer.NewRouted(pool, b.Source(), r, fastConfig("router-"+p))
+		require.NoError(t, err)
+		stop := start(t, c)
+		require.Eventually(t, func() bool { return b.Acked() == 4 }, 10*time.Second, 5*time.Millisecond)
+		require.NoError(t, stop())
+
+		var whats []string
+		rows, err := pool.Query(context.Background(), `SELECT what FROM log WHERE event_id LIKE '%'||$1 ORDER BY what`, p)
+		require.NoError(t, err)
+		whats, err = pgx.CollectRows(rows, pgx.RowTo[string])
+		require.NoError(t, err)
+		assert.Equal(t, []string{"created o1", "paid o1 5"}, whats)
+		kinds := map[string]string{}
+		for _, d := range b.DeadLetters() {
+			kinds[d.Headers[consumer.HeaderEventID]] = d.Headers[consumer.HeaderErrorKind]
+		}
+		want := map[string]string{"bad" + p: string(consumer.KindDecode)}
+		if policy == consumer.DeadLetterUnknownTypes {
+			want["x1"+p] = string(consumer.KindUnknownType)
+		} else {
+			assert.Equal(t, uint64(1), c.Stats().Skipped)
+		}
+		assert.Equal(t, want, kinds)
+	}
+	_, err = consumer.NewRouted(pool, memsource.New(memsource.Options{}).Source(), consumer.NewRouter(consumer.RouterConfig{}), fastConfig("empty"))
+	require.ErrorIs(t, err, consumer.ErrInvalidConfig)
+}
