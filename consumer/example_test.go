@@ -1,0 +1,82 @@
+package consumer_test
+
+import (
+	"context"
+	"fmt"
+	"log"
+	"os"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/consumer/memsource"
+)
+
+type OrderCreated struct {
+	OrderID string `json:"order_id"`
+	Amount  int64  `json:"amount"`
+}
+
+// A consumer whose handler writes its business row in the transaction the
+// consumer opened: the row and the processed-event claim commit together,
+// so a redelivered event finds its claim and is skipped.
+func ExampleNew() {
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
+	if err != nil {
+		log.Fatal(err)
+	}
+	// Any adapter: brokers/kafka, brokers/amqp, or this in-memory one.
+	broker := memsource.New(memsource.Options{Streams: 4})
+
+	handle := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[OrderCreated]) error {
+		_, err := tx.Exec(ctx, `INSERT INTO orders (id, amount) VALUES ($1, $2)`, ev.Payload.OrderID, ev.Payload.Amount)
+		return err
+	}
+	c, err := consumer.New(pool, broker.Source(), handle, consumer.Config{Name: "billing"})
+	if err != nil {
+		log.Fatal(err)
+	}
+	if err := c.Run(ctx); err != nil { // until ctx is cancelled
+		log.Fatal(err)
+	}
+}
+
+// One consumer, one typed handler per event type.
+func ExampleNewRouted() {
+	r := consumer.NewRouter(consumer.RouterConfig{UnknownTypes: consumer.SkipUnknownTypes})
+	err := consumer.Handle(r, "order.created", func(ctx context.Context, tx pgx.Tx, ev consumer.Event[OrderCreated]) error {
+		_, err := tx.Exec(ctx, `INSERT INTO orders (id, amount) VALUES ($1, $2)`, ev.Payload.OrderID, ev.Payload.Amount)
+		return err
+	})
+	if err != nil {
+		log.Fatal(err)
+	}
+	// Then: c, err := consumer.NewRouted(pool, source, r, consumer.Config{Name: "billing"})
+	fmt.Println(r.Types())
+
+	// Output: [order.created]
+}
+
+// Reading a CloudEvent in structured JSON mode: id and type come from the
+// envelope, the handler gets the data.
+func ExampleJSONEnvelope() {
+	o, err := consumer.JSONEnvelope{}.Open([]byte(`{"specversion":"1.0","id":"evt-1","type":"order.created","data":{"order_id":"o-1","amount":250}}`))
+	if err != nil {
+		log.Fatal(err)
+	}
+	fmt.Println(o.ID, o.Type, string(o.Payload))
+	// Output: evt-1 order.created {"order_id":"o-1","amount":250}
+}
+
+// Handler outcomes: a permanent failure goes to the dead-letter queue at
+// once; RetryAfter asks for another attempt later.
+func ExamplePermanent() {
+	_ = func(ctx context.Context, tx pgx.Tx, ev consumer.Event[OrderCreated]) error {
+		if ev.Payload.Amount < 0 {
+			return consumer.Permanent(fmt.Errorf("order %s: negative amount", ev.Payload.OrderID))
+		}
+		return nil
+	}
+}
