@@ -1,0 +1,307 @@
+package kafka
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"strings"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/rcrowley/go-metrics"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/metric"
+)
+
+// StartOffset says where a consumer group starts reading a partition that
+// has no committed offset yet.
+type StartOffset int
+
+const (
+	// StartOldest reads a partition with no committed offset from its first
+	// retained record. It is the default, so that nothing produced before
+	// the group first started is skipped.
+	StartOldest StartOffset = iota
+	// StartNewest reads a partition with no committed offset from the
+	// records produced after the group joined.
+	StartNewest
+)
+
+// Defaults applied by NewSource to zero fields of Config.
+const (
+	// DefaultCommitInterval is how often marked offsets are committed.
+	DefaultCommitInterval = time.Second
+	// DefaultRevokeTimeout bounds how long a revoked partition's in-flight
+	// deliveries may take to be settled before they are abandoned.
+	DefaultRevokeTimeout = 10 * time.Second
+	// DefaultFetchMaxWait is the fetch long-poll wait. It is lower than
+	// sarama's 500 ms because an offset commit waits behind a pending fetch
+	// on the same broker connection, which slows rebalances and Close.
+	DefaultFetchMaxWait = 100 * time.Millisecond
+	// DefaultRedeliveryWindow is how many records at the start of every
+	// partition claim are flagged Message.Redelivered.
+	DefaultRedeliveryWindow = 100
+	// DefaultDeadLetterSuffix is appended to a topic's name to name its
+	// dead-letter topic.
+	DefaultDeadLetterSuffix = ".dlq"
+)
+
+// Config configures a Source. Brokers, Group and Topics are required; every
+// other field has a default. Durations and sizes left at zero take the value
+// of the Sarama base configuration (sarama's own default when Sarama is nil)
+// unless a Default* constant says otherwise.
+type Config struct {
+	// Brokers are the bootstrap broker addresses ("host:port"). Required.
+	Brokers []string
+	// Group is the consumer group id. Required. Every Source with the same
+	// Group shares the partitions of Topics.
+	Group string
+	// Topics are the topics to consume. Required, without duplicates.
+	Topics []string
+
+	// InitialOffset says where to start a partition that has no committed
+	// offset for Group. Default StartOldest.
+	InitialOffset StartOffset
+
+	// SessionTimeout is the consumer-group session timeout: a member that
+	// sends no heartbeat for this long is removed from the group. Zero keeps
+	// the Sarama base value (10 s). The broker bounds it
+	// (group.min.session.timeout.ms, 6 s by default).
+	SessionTimeout time.Duration
+	// HeartbeatInterval is how often the member sends heartbeats; it must
+	// be lower than SessionTimeout (a third of it is usual). Zero keeps the
+	// Sarama base value (3 s).
+	HeartbeatInterval time.Duration
+	// RebalanceTimeout is how long the group coordinator waits for members
+	// to rejoin during a rebalance. Zero keeps the Sarama base value (60 s).
+	RebalanceTimeout time.Duration
+
+	// CommitInterval is how often offsets marked by Ack are committed to
+	// the group coordinator. Marked offsets are also committed when a
+	// partition is revoked and on Close. Default DefaultCommitInterval. A
+	// crash loses at most the marks of one interval; the records after the
+	// last commit are delivered again and recognised as duplicates.
+	CommitInterval time.Duration
+	// RevokeTimeout bounds how long a revoked partition waits for its
+	// delivered but unsettled deliveries to be acked before the final
+	// commit; past it their contexts are cancelled and they are abandoned
+	// without marking. It must be lower than RebalanceTimeout. Default
+	// DefaultRevokeTimeout.
+	RevokeTimeout time.Duration
+
+	// DeadLetterTopic names the dead-letter topic of a source topic.
+	// Default: the topic followed by DefaultDeadLetterSuffix ("orders" →
+	// "orders.dlq"). The dead-letter topics must exist: the dead-letter
+	// producer never asks the broker to create topics.
+	DeadLetterTopic func(topic string) string
+
+	// FetchMin, FetchDefault and FetchMax are sarama's
+	// Consumer.Fetch.{Min,Default,Max} in bytes: the minimum bytes a fetch
+	// waits for, the bytes requested per partition, and the maximum bytes
+	// per response (0: no limit in sarama's base config). Zero keeps the
+	// Sarama base value.
+	FetchMin, FetchDefault, FetchMax int32
+	// FetchMaxWait is how long the broker may hold a fetch waiting for
+	// FetchMin bytes. Default DefaultFetchMaxWait.
+	FetchMaxWait time.Duration
+
+	// RedeliveryWindow is how many records at the start of every partition
+	// claim (after a start, a restart or a rebalance) are flagged
+	// Message.Redelivered. Kafka keeps no delivery count, so this is how
+	// the consumer core learns which records may have been in flight when
+	// a previous process crashed; it records durable attempts for them and
+	// dead-letters a record that crashes the process every time. Default
+	// DefaultRedeliveryWindow; negative disables the flag.
+	RedeliveryWindow int
+
+	// Sarama is the base client configuration: TLS (Net.TLS), SASL
+	// (Net.SASL), the protocol Version, ClientID, the balance strategy,
+	// retries and everything Config does not name. Nil means
+	// sarama.NewConfig(). NewSource copies it and never modifies it; it
+	// overrides in the copies what the guarantees depend on: marked
+	// offsets are committed periodically (Consumer.Offsets.AutoCommit, which
+	// commits only offsets marked by Ack), consumer errors are returned,
+	// and the dead-letter producer is idempotent with RequiredAcks =
+	// WaitForAll, Net.MaxOpenRequests = 1 and topic auto-creation off.
+	// Version must be at least 0.11 (sarama.V0_11_0_0).
+	Sarama *sarama.Config
+
+	// MeterProvider provides the meter of the consumer-lag gauge. Default
+	// otel.GetMeterProvider().
+	MeterProvider metric.MeterProvider
+	// Logger receives warnings about consume errors, failed offset commits
+	// and reconnects. Default slog.Default().
+	Logger *slog.Logger
+}
+
+// withDefaults returns a copy of c with defaults applied.
+func (c Config) withDefaults() Config {
+	if c.CommitInterval == 0 {
+		c.CommitInterval = DefaultCommitInterval
+	}
+	if c.RevokeTimeout == 0 {
+		c.RevokeTimeout = DefaultRevokeTimeout
+	}
+	if c.FetchMaxWait == 0 {
+		c.FetchMaxWait = DefaultFetchMaxWait
+	}
+	if c.RedeliveryWindow == 0 {
+		c.RedeliveryWindow = DefaultRedeliveryWindow
+	}
+	if c.DeadLetterTopic == nil {
+		c.DeadLetterTopic = func(topic string) string { return topic + DefaultDeadLetterSuffix }
+	}
+	if c.MeterProvider == nil {
+		c.MeterProvider = otel.GetMeterProvider()
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	return c
+}
+
+// validate checks c (with defaults applied) and returns an error naming the
+// first wrong field.
+func (c *Config) validate() error {
+	if len(c.Brokers) == 0 {
+		return errors.New("kafka: Config.Brokers is empty")
+	}
+	for i, b := range c.Brokers {
+		if strings.TrimSpace(b) == "" {
+			return fmt.Errorf("kafka: Config.Brokers[%d] is empty", i)
+		}
+	}
+	if strings.TrimSpace(c.Group) == "" {
+		return errors.New("kafka: Config.Group is empty")
+	}
+	if len(c.Topics) == 0 {
+		return errors.New("kafka: Config.Topics is empty")
+	}
+	seen := make(map[string]bool, len(c.Topics))
+	for i, t := range c.Topics {
+		if strings.TrimSpace(t) == "" {
+			return fmt.Errorf("kafka: Config.Topics[%d] is empty", i)
+		}
+		if seen[t] {
+			return fmt.Errorf("kafka: Config.Topics lists %q twice", t)
+		}
+		seen[t] = true
+		if d := c.DeadLetterTopic(t); d == "" {
+			return fmt.Errorf("kafka: Config.DeadLetterTopic(%q) is empty", t)
+		} else if d == t {
+			return fmt.Errorf("kafka: Config.DeadLetterTopic(%q) names the topic itself", t)
+		}
+	}
+	if c.InitialOffset != StartOldest && c.InitialOffset != StartNewest {
+		return fmt.Errorf("kafka: Config.InitialOffset %d is neither StartOldest nor StartNewest", c.InitialOffset)
+	}
+	for _, d := range []struct {
+		name string
+		v    time.Duration
+	}{
+		{"SessionTimeout", c.SessionTimeout},
+		{"HeartbeatInterval", c.HeartbeatInterval},
+		{"RebalanceTimeout", c.RebalanceTimeout},
+		{"CommitInterval", c.CommitInterval},
+		{"RevokeTimeout", c.RevokeTimeout},
+		{"FetchMaxWait", c.FetchMaxWait},
+	} {
+		if d.v < 0 {
+			return fmt.Errorf("kafka: Config.%s is negative (%v)", d.name, d.v)
+		}
+	}
+	for _, f := range []struct {
+		name string
+		v    int32
+	}{{"FetchMin", c.FetchMin}, {"FetchDefault", c.FetchDefault}, {"FetchMax", c.FetchMax}} {
+		if f.v < 0 {
+			return fmt.Errorf("kafka: Config.%s is negative (%d)", f.name, f.v)
+		}
+	}
+	if c.Sarama != nil && !c.Sarama.Version.IsAtLeast(sarama.V0_11_0_0) {
+		return fmt.Errorf("kafka: Config.Sarama.Version %s is older than 0.11.0.0 (the idempotent dead-letter producer needs 0.11)", c.Sarama.Version)
+	}
+	return nil
+}
+
+// consumerConfig returns the sarama configuration of the consumer group.
+func (c *Config) consumerConfig() (*sarama.Config, error) {
+	sc := c.base()
+	if c.SessionTimeout > 0 {
+		sc.Consumer.Group.Session.Timeout = c.SessionTimeout
+	}
+	if c.HeartbeatInterval > 0 {
+		sc.Consumer.Group.Heartbeat.Interval = c.HeartbeatInterval
+	}
+	if c.RebalanceTimeout > 0 {
+		sc.Consumer.Group.Rebalance.Timeout = c.RebalanceTimeout
+	}
+	if c.FetchMin > 0 {
+		sc.Consumer.Fetch.Min = c.FetchMin
+	}
+	if c.FetchDefault > 0 {
+		sc.Consumer.Fetch.Default = c.FetchDefault
+	}
+	if c.FetchMax > 0 {
+		sc.Consumer.Fetch.Max = c.FetchMax
+	}
+	sc.Consumer.MaxWaitTime = c.FetchMaxWait
+	switch c.InitialOffset {
+	case StartNewest:
+		sc.Consumer.Offsets.Initial = sarama.OffsetNewest
+	default:
+		sc.Consumer.Offsets.Initial = sarama.OffsetOldest
+	}
+	// sarama's "auto-commit" commits the offsets marked with MarkOffset, on
+	// a ticker, on revoke and on session release. Only Ack marks, so only
+	// settled records are ever committed.
+	sc.Consumer.Offsets.AutoCommit.Enable = true
+	sc.Consumer.Offsets.AutoCommit.Interval = c.CommitInterval
+	sc.Consumer.Return.Errors = true
+
+	if sc.Consumer.Group.Heartbeat.Interval >= sc.Consumer.Group.Session.Timeout {
+		return nil, fmt.Errorf("kafka: Config.HeartbeatInterval (%v) must be lower than Config.SessionTimeout (%v)",
+			sc.Consumer.Group.Heartbeat.Interval, sc.Consumer.Group.Session.Timeout)
+	}
+	if c.RevokeTimeout >= sc.Consumer.Group.Rebalance.Timeout {
+		return nil, fmt.Errorf("kafka: Config.RevokeTimeout (%v) must be lower than Config.RebalanceTimeout (%v)",
+			c.RevokeTimeout, sc.Consumer.Group.Rebalance.Timeout)
+	}
+	if err := sc.Validate(); err != nil {
+		return nil, fmt.Errorf("kafka: Config.Sarama (consumer): %w", err)
+	}
+	return sc, nil
+}
+
+// producerConfig returns the sarama configuration of the dead-letter
+// producer.
+func (c *Config) producerConfig() (*sarama.Config, error) {
+	sc := c.base()
+	sc.Producer.Idempotent = true
+	sc.Producer.RequiredAcks = sarama.WaitForAll
+	sc.Producer.Return.Successes = true
+	sc.Producer.Return.Errors = true
+	if sc.Producer.Retry.Max < 1 {
+		sc.Producer.Retry.Max = 1
+	}
+	sc.Net.MaxOpenRequests = 1
+	sc.Metadata.AllowAutoTopicCreation = false
+	if err := sc.Validate(); err != nil {
+		return nil, fmt.Errorf("kafka: Config.Sarama (dead-letter producer): %w", err)
+	}
+	return sc, nil
+}
+
+// base returns a shallow copy of the Sarama base configuration with its own
+// metric registry, so that the consumer and the producer clients do not
+// share sarama's metrics.
+func (c *Config) base() *sarama.Config {
+	var sc sarama.Config
+	if c.Sarama != nil {
+		sc = *c.Sarama
+	} else {
+		sc = *sarama.NewConfig()
+	}
+	sc.MetricRegistry = metrics.NewRegistry()
+	return &sc
+}

@@ -1,0 +1,280 @@
+package kafka
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sort"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/IBM/sarama"
+
+	"github.com/onceco/once/consumer"
+)
+
+// unknownOffset marks a claim whose position is not known yet.
+const unknownOffset = -2
+
+// claim is one partition's assignment in one consumer-group session. It
+// keeps the deliveries it handed out and not yet settled, in offset order,
+// and marks offsets only over a settled prefix of them, so that a mark never
+// skips an unsettled record even if acks came out of order.
+type claim struct {
+	src    *Source
+	sess   sarama.ConsumerGroupSession
+	sc     sarama.ConsumerGroupClaim
+	stream string
+	ctx    context.Context // done when the claim is revoked
+	cancel context.CancelFunc
+	window int64 // records flagged Redelivered at the start of the claim
+
+	seen atomic.Int64 // records handed out so far
+	last atomic.Int64 // offset of the last record handed out, or unknownOffset
+
+	mu      sync.Mutex
+	revoked bool
+	pending []*delivery   // handed out, not settled, in offset order
+	settled chan struct{} // signalled when pending becomes empty
+}
+
+func newClaim(s *Source, sess sarama.ConsumerGroupSession, sc sarama.ConsumerGroupClaim) *claim {
+	ctx, cancel := context.WithCancel(context.Background())
+	cl := &claim{
+		src:     s,
+		sess:    sess,
+		sc:      sc,
+		stream:  sc.Topic() + "/" + strconv.FormatInt(int64(sc.Partition()), 10),
+		ctx:     ctx,
+		cancel:  cancel,
+		window:  int64(max(s.cfg.RedeliveryWindow, 0)),
+		settled: make(chan struct{}, 1),
+	}
+	// InitialOffset is the committed offset, or OffsetOldest/OffsetNewest
+	// (negative) when the group has none: the position is then unknown
+	// until the first record arrives.
+	if off := sc.InitialOffset(); off >= 0 {
+		cl.last.Store(off - 1)
+	} else {
+		cl.last.Store(unknownOffset)
+	}
+	return cl
+}
+
+// newDelivery wraps raw and appends it to the pending list.
+func (cl *claim) newDelivery(raw *sarama.ConsumerMessage) *delivery {
+	headers := make(map[string]string, len(raw.Headers))
+	for _, h := range raw.Headers {
+		if h != nil {
+			headers[string(h.Key)] = string(h.Value)
+		}
+	}
+	d := &delivery{claim: cl, raw: raw}
+	d.msg = consumer.Message{
+		FallbackID:  cl.stream + "/" + strconv.FormatInt(raw.Offset, 10),
+		Key:         raw.Key,
+		Value:       raw.Value,
+		Headers:     headers,
+		Topic:       raw.Topic,
+		Partition:   raw.Partition,
+		Offset:      raw.Offset,
+		Timestamp:   raw.Timestamp,
+		Stream:      cl.stream,
+		Redelivered: cl.seen.Load() < cl.window,
+	}
+	cl.mu.Lock()
+	cl.pending = append(cl.pending, d)
+	cl.mu.Unlock()
+	return d
+}
+
+// received records that d was handed to Receive.
+func (cl *claim) received(offset int64) {
+	cl.seen.Add(1)
+	cl.last.Store(offset)
+}
+
+// drop removes d, the last delivery, which was never handed out.
+func (cl *claim) drop(d *delivery) {
+	cl.mu.Lock()
+	defer cl.mu.Unlock()
+	if n := len(cl.pending); n > 0 && cl.pending[n-1] == d {
+		cl.pending[n-1] = nil
+		cl.pending = cl.pending[:n-1]
+	}
+	cl.notifyIfSettled()
+}
+
+// ack settles d and marks the offset after the longest settled prefix of
+// the pending deliveries.
+func (cl *claim) ack(d *delivery) error {
+	cl.mu.Lock()
+	defer cl.mu.Unlock()
+	if cl.revoked {
+		return fmt.Errorf("%w: %s offset %d not marked", ErrRevoked, cl.stream, d.raw.Offset)
+	}
+	if d.acked {
+		return nil
+	}
+	d.acked = true
+	var mark *delivery
+	for len(cl.pending) > 0 && cl.pending[0].acked {
+		mark = cl.pending[0]
+		cl.pending[0] = nil
+		cl.pending = cl.pending[1:]
+	}
+	if mark != nil {
+		cl.sess.MarkOffset(mark.raw.Topic, mark.raw.Partition, mark.raw.Offset+1, "")
+	}
+	cl.notifyIfSettled()
+	return nil
+}
+
+// notifyIfSettled signals awaitSettled; cl.mu is held.
+func (cl *claim) notifyIfSettled() {
+	if len(cl.pending) == 0 {
+		select {
+		case cl.settled <- struct{}{}:
+		default:
+		}
+	}
+}
+
+// awaitSettled waits until no handed-out delivery is unsettled, bound
+// expires, or closing is closed.
+func (cl *claim) awaitSettled(bound time.Duration, closing <-chan struct{}) {
+	t := time.NewTimer(bound)
+	defer t.Stop()
+	for {
+		cl.mu.Lock()
+		n := len(cl.pending)
+		cl.mu.Unlock()
+		if n == 0 {
+			return
+		}
+		select {
+		case <-cl.settled:
+		case <-t.C:
+			cl.src.cfg.Logger.Warn("once/kafka: revoked partition not settled in time; abandoning its deliveries",
+				"group", cl.src.cfg.Group, "stream", cl.stream, "unsettled", n, "revoke_timeout", bound)
+			return
+		case <-closing:
+			return
+		}
+	}
+}
+
+// revoke ends the claim: no Ack marks anything after it, and the contexts
+// of its deliveries are done.
+func (cl *claim) revoke() {
+	cl.mu.Lock()
+	cl.revoked = true
+	cl.pending = nil
+	cl.mu.Unlock()
+	cl.cancel()
+}
+
+func (cl *claim) isRevoked() bool {
+	cl.mu.Lock()
+	defer cl.mu.Unlock()
+	return cl.revoked
+}
+
+// delivery is one record handed to the consumer core.
+type delivery struct {
+	claim *claim
+	raw   *sarama.ConsumerMessage
+	msg   consumer.Message
+	acked bool // guarded by claim.mu
+}
+
+// Message returns the record as a consumer.Message.
+func (d *delivery) Message() *consumer.Message { return &d.msg }
+
+// Context is done once the record's partition is revoked and the revoke
+// bound expired, or the session ended.
+func (d *delivery) Context() context.Context { return d.claim.ctx }
+
+// Ack marks the record's offset in the session that delivered it; the mark
+// is committed within Config.CommitInterval, on revoke or on Close. It
+// returns ErrRevoked, marking nothing, once the claim was revoked.
+func (d *delivery) Ack(context.Context) error { return d.claim.ack(d) }
+
+// DeadLetter produces a copy of the record to its dead-letter topic and
+// returns once the brokers confirmed it, or ctx is done (the copy may then
+// still be written). It returns ErrRevoked without writing once the claim
+// was revoked: the record's next owner dead-letters it instead.
+func (d *delivery) DeadLetter(ctx context.Context, dl *consumer.DeadLetter) error {
+	if d.claim.isRevoked() {
+		return fmt.Errorf("%w: %s offset %d not dead-lettered", ErrRevoked, d.claim.stream, d.raw.Offset)
+	}
+	return d.claim.src.deadLetter(ctx, d.raw, &d.msg, dl)
+}
+
+func (s *Source) deadLetter(ctx context.Context, raw *sarama.ConsumerMessage, m *consumer.Message, dl *consumer.DeadLetter) error {
+	if dl == nil {
+		return errors.New("kafka: DeadLetter called with a nil *consumer.DeadLetter")
+	}
+	out := &sarama.ProducerMessage{
+		Topic:   s.cfg.DeadLetterTopic(raw.Topic),
+		Headers: deadLetterHeaders(raw.Headers, dl.Headers(m)),
+	}
+	// A null key or value stays null, an empty one stays empty.
+	if raw.Key != nil {
+		out.Key = sarama.ByteEncoder(raw.Key)
+	}
+	if raw.Value != nil {
+		out.Value = sarama.ByteEncoder(raw.Value)
+	}
+
+	s.sendMu.Lock()
+	if s.sendsClosed {
+		s.sendMu.Unlock()
+		return consumer.ErrSourceClosed
+	}
+	s.sends.Add(1)
+	s.sendMu.Unlock()
+	done := make(chan error, 1)
+	go func() {
+		defer s.sends.Done()
+		_, _, err := s.producer.SendMessage(out)
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		if err != nil {
+			return fmt.Errorf("kafka: dead-letter copy of %s/%d/%d to %s: %w",
+				raw.Topic, raw.Partition, raw.Offset, out.Topic, err)
+		}
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// deadLetterHeaders keeps the original headers, in order and with repeated
+// keys, except those the diagnostics replace, then appends the diagnostics
+// sorted by name.
+func deadLetterHeaders(orig []*sarama.RecordHeader, diag map[string]string) []sarama.RecordHeader {
+	out := make([]sarama.RecordHeader, 0, len(orig)+len(diag))
+	for _, h := range orig {
+		if h == nil {
+			continue
+		}
+		if _, replaced := diag[string(h.Key)]; replaced {
+			continue
+		}
+		out = append(out, sarama.RecordHeader{Key: h.Key, Value: h.Value})
+	}
+	keys := make([]string, 0, len(diag))
+	for k := range diag {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	for _, k := range keys {
+		out = append(out, sarama.RecordHeader{Key: []byte(k), Value: []byte(diag[k])})
+	}
+	return out
+}

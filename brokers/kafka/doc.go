@@ -1,0 +1,67 @@
+// Package kafka is the Kafka adapter of once: a consumer.Source built on a
+// sarama consumer group, with an idempotent dead-letter producer.
+//
+// A Source reads Config.Topics as one member of Config.Group and hands every
+// record to the consumer core as a consumer.Delivery:
+//
+//   - Message.FallbackID is "topic/partition/offset", so an event without an
+//     id header is still deduplicated across redeliveries of the same record.
+//   - Message.Stream is "topic/partition": the core handles the records of a
+//     partition one after another, in offset order, and partitions
+//     concurrently.
+//   - Message.Headers holds the record headers (the last value wins when a
+//     key repeats), so the core finds the event id ("id", "ce_id"), the type
+//     and the W3C "traceparent" there. Message.ID and Message.Type are empty:
+//     Kafka has no such native properties.
+//
+// # Offsets
+//
+// Ack marks the record's offset (offset+1) in the consumer-group session
+// that delivered it. The core calls Ack only after the handler's transaction
+// committed, after it recognised the record as a duplicate, or after the
+// record's dead-letter copy was confirmed, so a committed offset never runs
+// ahead of the database. Marks are made over the settled prefix of the
+// partition's deliveries: an unsettled record is never skipped. Marked
+// offsets are committed every Config.CommitInterval, when a partition is
+// revoked, and on Close. A crash loses at most the marks made since the last
+// commit: those records are delivered again, and the core's deduplication
+// skips the ones whose transaction had committed.
+//
+// # Rebalances
+//
+// When a partition is revoked, the Source stops handing out its records and
+// waits, at most Config.RevokeTimeout, until the deliveries it already
+// handed out are acked, so that the final commit of the session includes
+// them. Past the bound, the partition's remaining deliveries are abandoned:
+// their Context is done, and their Ack marks nothing and returns ErrRevoked.
+// An offset is never marked into a later generation for work that began in
+// an earlier one. The partition's new owner therefore sees at most a
+// redelivery of records whose work was abandoned, which the deduplication
+// claim absorbs.
+//
+// # Dead letters
+//
+// DeadLetter produces a copy of the record to Config.DeadLetterTopic of its
+// topic ("<topic>.dlq" by default): the original key and value bytes
+// unchanged, the original headers, and the diagnostic headers of
+// consumer.DeadLetter.Headers written over them. It returns once all in-sync
+// replicas have the copy (an idempotent producer with RequiredAcks =
+// WaitForAll). The dead-letter topics must exist: an error is returned
+// otherwise, and the core retries without acking. A retried DeadLetter may
+// write the copy twice; dead-letter topics are at-least-once.
+//
+// # Crash loops
+//
+// Kafka keeps no delivery count. The first Config.RedeliveryWindow records
+// of every partition claim are flagged Message.Redelivered, so that the core
+// keeps durable attempt counts for them and dead-letters a record that
+// crashes the process every time.
+//
+// # Telemetry
+//
+// The consumer lag of every claimed partition is an OpenTelemetry gauge
+// named LagMetricName, from Config.MeterProvider.
+//
+// TLS, SASL, the protocol version and every other client setting come from
+// Config.Sarama.
+package kafka

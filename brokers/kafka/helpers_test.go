@@ -1,0 +1,226 @@
+package kafka
+
+import (
+	"context"
+	"io"
+	"log/slog"
+	"os"
+	"strconv"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/stretchr/testify/require"
+	"github.com/twmb/franz-go/pkg/kfake"
+
+	"github.com/onceco/once/internal/pgtest"
+)
+
+func TestMain(m *testing.M) {
+	pgtest.Main(m)
+}
+
+// testLogger discards logs unless ONCE_TEST_LOG is set.
+func testLogger() *slog.Logger {
+	if os.Getenv("ONCE_TEST_LOG") != "" {
+		return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	}
+	return slog.New(slog.NewTextHandler(io.Discard, nil))
+}
+
+// cluster is an in-process Kafka cluster (kfake) spoken to over TCP.
+type cluster struct {
+	t     testing.TB
+	kf    *kfake.Cluster
+	addrs []string
+}
+
+// newCluster starts a one-broker kfake cluster that accepts short session
+// timeouts, closed when the test ends.
+func newCluster(t testing.TB, opts ...kfake.Opt) *cluster {
+	t.Helper()
+	opts = append([]kfake.Opt{kfake.NumBrokers(1), kfake.GroupMinSessionTimeout(200 * time.Millisecond)}, opts...)
+	kf, err := kfake.NewCluster(opts...)
+	require.NoError(t, err)
+	c := &cluster{t: t, kf: kf, addrs: kf.ListenAddrs()}
+	t.Cleanup(func() { c.kf.Close() })
+	return c
+}
+
+var seq atomic.Int64
+
+// uniq returns a name unique in this test binary.
+func uniq(prefix string) string { return prefix + "-" + strconv.FormatInt(seq.Add(1), 10) }
+
+func saramaConfig() *sarama.Config {
+	sc := sarama.NewConfig()
+	sc.Version = sarama.V2_8_0_0
+	sc.Metadata.Retry.Backoff = 50 * time.Millisecond
+	sc.Consumer.Retry.Backoff = 50 * time.Millisecond
+	sc.Producer.Retry.Backoff = 50 * time.Millisecond
+	return sc
+}
+
+// createTopic creates topic with the given partitions.
+func (c *cluster) createTopic(topic string, partitions int32) {
+	c.t.Helper()
+	admin, err := sarama.NewClusterAdmin(c.addrs, saramaConfig())
+	require.NoError(c.t, err)
+	defer admin.Close()
+	require.NoError(c.t, admin.CreateTopic(topic, &sarama.TopicDetail{NumPartitions: partitions, ReplicationFactor: 1}, false))
+}
+
+// config is a Source configuration with timeouts short enough for tests.
+func (c *cluster) config(group string, topics ...string) Config {
+	return Config{
+		Brokers:           c.addrs,
+		Group:             group,
+		Topics:            topics,
+		SessionTimeout:    2 * time.Second,
+		HeartbeatInterval: 100 * time.Millisecond,
+		RebalanceTimeout:  8 * time.Second,
+		RevokeTimeout:     4 * time.Second,
+		CommitInterval:    100 * time.Millisecond,
+		FetchMaxWait:      50 * time.Millisecond,
+		Sarama:            saramaConfig(),
+		Logger:            testLogger(),
+	}
+}
+
+// open starts a Source that is closed when the test ends.
+func (c *cluster) open(cfg Config) *Source {
+	c.t.Helper()
+	s, err := NewSource(cfg)
+	require.NoError(c.t, err)
+	c.t.Cleanup(func() { _ = s.Close() })
+	return s
+}
+
+// producer returns a synchronous producer, closed when the test ends.
+func (c *cluster) producer() sarama.SyncProducer {
+	c.t.Helper()
+	sc := saramaConfig()
+	sc.Producer.Return.Successes = true
+	sc.Producer.RequiredAcks = sarama.WaitForAll
+	sc.Producer.Partitioner = sarama.NewManualPartitioner
+	p, err := sarama.NewSyncProducer(c.addrs, sc)
+	require.NoError(c.t, err)
+	c.t.Cleanup(func() { _ = p.Close() })
+	return p
+}
+
+// produce writes msgs (partition chosen by ProducerMessage.Partition) and
+// waits for the broker's acks.
+func (c *cluster) produce(msgs ...*sarama.ProducerMessage) {
+	c.t.Helper()
+	require.NoError(c.t, c.producer().SendMessages(msgs))
+}
+
+// readAll returns every record of topic, partition by partition, in offset
+// order.
+func (c *cluster) readAll(topic string) []*sarama.ConsumerMessage {
+	c.t.Helper()
+	out, err := readTopic(c.addrs, topic)
+	require.NoError(c.t, err)
+	return out
+}
+
+// readTopic reads every record of topic up to its high-water marks with a
+// plain sarama consumer.
+func readTopic(addrs []string, topic string) ([]*sarama.ConsumerMessage, error) {
+	client, err := sarama.NewClient(addrs, saramaConfig())
+	if err != nil {
+		return nil, err
+	}
+	defer client.Close()
+	parts, err := client.Partitions(topic)
+	if err != nil {
+		return nil, err
+	}
+	cons, err := sarama.NewConsumerFromClient(client)
+	if err != nil {
+		return nil, err
+	}
+	defer cons.Close()
+	var out []*sarama.ConsumerMessage
+	for _, p := range parts {
+		hwm, err := client.GetOffset(topic, p, sarama.OffsetNewest)
+		if err != nil {
+			return nil, err
+		}
+		if hwm == 0 {
+			continue
+		}
+		pc, err := cons.ConsumePartition(topic, p, sarama.OffsetOldest)
+		if err != nil {
+			return nil, err
+		}
+		timeout := time.NewTimer(10 * time.Second)
+		for done := false; !done; {
+			select {
+			case m := <-pc.Messages():
+				out = append(out, m)
+				done = m.Offset >= hwm-1
+			case <-timeout.C:
+				_ = pc.Close()
+				return nil, context.DeadlineExceeded
+			}
+		}
+		timeout.Stop()
+		if err := pc.Close(); err != nil {
+			return nil, err
+		}
+	}
+	return out, nil
+}
+
+// committed returns the group's committed offset of each partition of
+// topic (-1 where none).
+func (c *cluster) committed(group, topic string, partitions int32) map[int32]int64 {
+	c.t.Helper()
+	admin, err := sarama.NewClusterAdmin(c.addrs, saramaConfig())
+	require.NoError(c.t, err)
+	defer admin.Close()
+	parts := make([]int32, partitions)
+	for i := range parts {
+		parts[i] = int32(i)
+	}
+	resp, err := admin.ListConsumerGroupOffsets(group, map[string][]int32{topic: parts})
+	require.NoError(c.t, err)
+	out := make(map[int32]int64, partitions)
+	for p, b := range resp.Blocks[topic] {
+		require.Equal(c.t, sarama.ErrNoError, b.Err)
+		out[p] = b.Offset
+	}
+	return out
+}
+
+// receive calls Receive with a deadline.
+func receive(t testing.TB, s *Source) *delivery {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	d, err := s.Receive(ctx)
+	require.NoError(t, err)
+	return d.(*delivery)
+}
+
+// receiveN receives n deliveries.
+func receiveN(t testing.TB, s *Source, n int) []*delivery {
+	t.Helper()
+	out := make([]*delivery, 0, n)
+	for range n {
+		out = append(out, receive(t, s))
+	}
+	return out
+}
+
+// msg is a record for partition p of topic with value v.
+func msg(topic string, p int32, v string, headers ...string) *sarama.ProducerMessage {
+	m := &sarama.ProducerMessage{Topic: topic, Partition: p, Value: sarama.StringEncoder(v)}
+	for i := 0; i+1 < len(headers); i += 2 {
+		m.Headers = append(m.Headers, sarama.RecordHeader{Key: []byte(headers[i]), Value: []byte(headers[i+1])})
+	}
+	return m
+}

@@ -1,0 +1,91 @@
+package kafka
+
+import (
+	"context"
+	"fmt"
+	"sync"
+
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/metric"
+)
+
+// LagMetricName is the name of the consumer-lag gauge: per topic and
+// partition claimed by this member, the partition's high-water mark minus
+// the offset after the last record handed to the consumer, i.e. the number
+// of records written to the partition that this member has not received
+// yet. It carries the attributes messaging.system ("kafka"),
+// messaging.consumer.group.name, messaging.destination.name (the topic) and
+// messaging.destination.partition.id. A partition is reported while it is
+// claimed, once its position is known (a committed offset or a first
+// record).
+const LagMetricName = "once.kafka.consumer.lag"
+
+const meterName = "github.com/onceco/once/brokers/kafka"
+
+// lagGauge reports the lag of the claims a Source currently holds.
+type lagGauge struct {
+	group string
+	reg   metric.Registration
+
+	mu     sync.Mutex
+	claims map[*claim]struct{}
+}
+
+func newLagGauge(mp metric.MeterProvider, group string) (*lagGauge, error) {
+	g := &lagGauge{group: group, claims: make(map[*claim]struct{})}
+	meter := mp.Meter(meterName)
+	gauge, err := meter.Int64ObservableGauge(LagMetricName,
+		metric.WithUnit("{message}"),
+		metric.WithDescription("Records in a claimed partition after the last one received by this consumer-group member."))
+	if err != nil {
+		return nil, fmt.Errorf("kafka: Config.MeterProvider: lag gauge: %w", err)
+	}
+	g.reg, err = meter.RegisterCallback(func(_ context.Context, o metric.Observer) error {
+		g.mu.Lock()
+		defer g.mu.Unlock()
+		for cl := range g.claims {
+			lag, ok := cl.lag()
+			if !ok {
+				continue
+			}
+			o.ObserveInt64(gauge, lag, metric.WithAttributes(
+				attribute.String("messaging.system", "kafka"),
+				attribute.String("messaging.consumer.group.name", g.group),
+				attribute.String("messaging.destination.name", cl.sc.Topic()),
+				attribute.String("messaging.destination.partition.id", fmt.Sprint(cl.sc.Partition())),
+			))
+		}
+		return nil
+	}, gauge)
+	if err != nil {
+		return nil, fmt.Errorf("kafka: Config.MeterProvider: lag callback: %w", err)
+	}
+	return g, nil
+}
+
+func (g *lagGauge) track(cl *claim) {
+	g.mu.Lock()
+	g.claims[cl] = struct{}{}
+	g.mu.Unlock()
+}
+
+func (g *lagGauge) untrack(cl *claim) {
+	g.mu.Lock()
+	delete(g.claims, cl)
+	g.mu.Unlock()
+}
+
+func (g *lagGauge) close() {
+	if g.reg != nil {
+		_ = g.reg.Unregister()
+	}
+}
+
+// lag returns the claim's lag, and false while its position is unknown.
+func (cl *claim) lag() (int64, bool) {
+	last := cl.last.Load()
+	if last == unknownOffset {
+		return 0, false
+	}
+	return max(cl.sc.HighWaterMarkOffset()-(last+1), 0), true
+}

@@ -1,0 +1,264 @@
+package kafka
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/IBM/sarama"
+
+	"github.com/onceco/once/consumer"
+)
+
+// ErrRevoked is returned by Ack and DeadLetter when the delivery's partition
+// was revoked (a rebalance, or the Source closing) and its revoke bound
+// expired before the delivery was settled. Nothing is marked: the record is
+// delivered again to the partition's next owner, which recognises it as a
+// duplicate if its transaction had committed.
+var ErrRevoked = errors.New("kafka: partition revoked")
+
+// Source is a consumer.Source reading a Kafka consumer group. Create it with
+// NewSource and hand it to consumer.New, which calls Receive from one
+// goroutine and Close once when it stops. The Ack and DeadLetter methods of
+// its deliveries are safe for concurrent use.
+type Source struct {
+	cfg      Config
+	group    sarama.ConsumerGroup
+	producer sarama.SyncProducer
+	lag      *lagGauge
+
+	deliveries chan *delivery
+
+	ctx       context.Context // ends the consume loop and every session
+	cancel    context.CancelFunc
+	startOnce sync.Once
+	started   bool          // set by startOnce
+	loopDone  chan struct{} // closed when the consume loop returned
+	loopErr   error         // fatal error, set before loopDone is closed
+	errsDone  chan struct{} // closed when the error drain returned
+
+	closeOnce sync.Once
+	closing   chan struct{} // closed by Close
+	closeErr  error
+
+	sendMu      sync.Mutex
+	sendsClosed bool           // set by Close; no dead-letter send starts after it
+	sends       sync.WaitGroup // dead-letter sends still running
+}
+
+var (
+	_ consumer.Source      = (*Source)(nil)
+	_ consumer.SystemNamer = (*Source)(nil)
+)
+
+// NewSource validates cfg and connects the consumer-group client and the
+// dead-letter producer to the cluster. It returns an error naming the field
+// for an invalid Config, and an error when none of Brokers can be reached.
+// The Source joins the group at the first Receive. After that, lost
+// connections and rebalances are absorbed: Receive keeps blocking while the
+// Source reconnects and rejoins, and the problems are logged to
+// Config.Logger.
+func NewSource(cfg Config) (*Source, error) {
+	cfg = cfg.withDefaults()
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	cc, err := cfg.consumerConfig()
+	if err != nil {
+		return nil, err
+	}
+	pc, err := cfg.producerConfig()
+	if err != nil {
+		return nil, err
+	}
+	lag, err := newLagGauge(cfg.MeterProvider, cfg.Group)
+	if err != nil {
+		return nil, err
+	}
+	producer, err := sarama.NewSyncProducer(cfg.Brokers, pc)
+	if err != nil {
+		lag.close()
+		return nil, fmt.Errorf("kafka: dead-letter producer: %w", err)
+	}
+	group, err := sarama.NewConsumerGroup(cfg.Brokers, cfg.Group, cc)
+	if err != nil {
+		_ = producer.Close()
+		lag.close()
+		return nil, fmt.Errorf("kafka: consumer group %q: %w", cfg.Group, err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	s := &Source{
+		cfg:        cfg,
+		group:      group,
+		producer:   producer,
+		lag:        lag,
+		deliveries: make(chan *delivery),
+		ctx:        ctx,
+		cancel:     cancel,
+		loopDone:   make(chan struct{}),
+		errsDone:   make(chan struct{}),
+		closing:    make(chan struct{}),
+	}
+	go s.drainErrors()
+	return s, nil
+}
+
+// MessagingSystem returns "kafka", the OpenTelemetry messaging.system.
+func (s *Source) MessagingSystem() string { return "kafka" }
+
+// Receive returns the next record of any partition assigned to this member;
+// the records of one partition come in offset order. The first call joins
+// the consumer group. Receive blocks until a record arrives or ctx is done
+// (it then returns ctx.Err()); it returns consumer.ErrSourceClosed after
+// Close, and a fatal error (an invalid sarama configuration found by the
+// broker client) when the group cannot be consumed at all. Call it from one
+// goroutine.
+func (s *Source) Receive(ctx context.Context) (consumer.Delivery, error) {
+	select {
+	case <-s.closing:
+		return nil, consumer.ErrSourceClosed
+	default:
+	}
+	s.startOnce.Do(func() {
+		s.started = true
+		go s.consumeLoop()
+	})
+	select {
+	case d := <-s.deliveries:
+		return d, nil
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	case <-s.closing:
+		return nil, consumer.ErrSourceClosed
+	case <-s.loopDone:
+		select {
+		case <-s.closing:
+			return nil, consumer.ErrSourceClosed
+		default:
+		}
+		return nil, s.loopErr
+	}
+}
+
+// Close stops consuming and commits every offset marked by Ack (the final
+// commit of the session), leaves the group so that its partitions go to the
+// remaining members at once instead of after the session timeout, waits for
+// running dead-letter sends and closes the clients. Deliveries not acked by
+// then are abandoned: their records are delivered again later. Close is
+// safe to call more than once; later calls return the first call's result.
+func (s *Source) Close() error {
+	s.closeOnce.Do(func() {
+		close(s.closing)
+		s.sendMu.Lock()
+		s.sendsClosed = true
+		s.sendMu.Unlock()
+		// Ending the session makes every ConsumeClaim return; sarama then
+		// commits the marked offsets before Consume returns.
+		s.cancel()
+		s.startOnce.Do(func() {}) // no consume loop may start after this
+		if s.started {
+			<-s.loopDone
+		}
+		errs := []error{s.group.Close()}
+		<-s.errsDone
+		s.sends.Wait()
+		errs = append(errs, s.producer.Close())
+		s.lag.close()
+		s.closeErr = errors.Join(errs...)
+	})
+	return s.closeErr
+}
+
+// consumeLoop joins the group and consumes until the Source is closed,
+// joining again after every rebalance and after transient failures.
+func (s *Source) consumeLoop() {
+	defer close(s.loopDone)
+	const minBackoff, maxBackoff = 100 * time.Millisecond, 5 * time.Second
+	backoff := minBackoff
+	h := &groupHandler{s: s}
+	for {
+		err := s.group.Consume(s.ctx, s.cfg.Topics, h)
+		if s.ctx.Err() != nil {
+			return
+		}
+		var cfgErr sarama.ConfigurationError
+		if errors.As(err, &cfgErr) || errors.Is(err, sarama.ErrClosedConsumerGroup) {
+			s.loopErr = fmt.Errorf("kafka: consumer group %q: %w", s.cfg.Group, err)
+			return
+		}
+		if err == nil {
+			backoff = minBackoff // the session ended with a rebalance: rejoin now
+			continue
+		}
+		s.cfg.Logger.Warn("once/kafka: consuming failed; retrying",
+			"group", s.cfg.Group, "error", err, "backoff", backoff)
+		t := time.NewTimer(backoff)
+		select {
+		case <-t.C:
+		case <-s.ctx.Done():
+			t.Stop()
+			return
+		}
+		backoff = min(2*backoff, maxBackoff)
+	}
+}
+
+// drainErrors logs the consumer group's errors: failed offset commits,
+// fetch errors, ConsumeClaim errors.
+func (s *Source) drainErrors() {
+	defer close(s.errsDone)
+	for err := range s.group.Errors() {
+		s.cfg.Logger.Warn("once/kafka: consumer group error", "group", s.cfg.Group, "error", err)
+	}
+}
+
+// groupHandler is the sarama.ConsumerGroupHandler of a Source.
+type groupHandler struct{ s *Source }
+
+func (*groupHandler) Setup(sarama.ConsumerGroupSession) error   { return nil }
+func (*groupHandler) Cleanup(sarama.ConsumerGroupSession) error { return nil }
+
+// ConsumeClaim hands the claim's records to Receive, one at a time and in
+// offset order. When the claim ends (a rebalance revokes it, or the session
+// ends) it stops handing records out and waits, at most
+// Config.RevokeTimeout, until every record it handed out was acked (or the
+// Source is closing), so that the session's final commit includes them.
+// Then it revokes the claim: the contexts of its unsettled deliveries are
+// cancelled and their Acks mark nothing.
+func (h *groupHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, sc sarama.ConsumerGroupClaim) error {
+	s := h.s
+	cl := newClaim(s, sess, sc)
+	s.lag.track(cl)
+	defer s.lag.untrack(cl)
+	defer cl.revoke()
+
+	ended := sess.Context().Done()
+loop:
+	for {
+		select {
+		case raw, ok := <-sc.Messages():
+			if !ok {
+				break loop
+			}
+			d := cl.newDelivery(raw)
+			select {
+			case s.deliveries <- d:
+				cl.received(raw.Offset)
+			case <-ended:
+				cl.drop(d)
+				break loop
+			case <-s.closing:
+				cl.drop(d)
+				break loop
+			}
+		case <-ended:
+			break loop
+		case <-s.closing:
+			break loop
+		}
+	}
+	cl.awaitSettled(s.cfg.RevokeTimeout, s.closing)
+	return nil
+}

@@ -1,0 +1,503 @@
+package kafka
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
+
+	"github.com/onceco/once/consumer"
+)
+
+func TestNewSourceValidatesConfig(t *testing.T) {
+	old := sarama.NewConfig()
+	old.Version = sarama.V0_10_2_0
+	badSarama := sarama.NewConfig()
+	badSarama.Consumer.Fetch.Default = 0
+	ok := Config{Brokers: []string{"127.0.0.1:1"}, Group: "g", Topics: []string{"t"}}
+	for _, tc := range []struct {
+		name  string
+		edit  func(*Config)
+		field string
+	}{
+		{"no brokers", func(c *Config) { c.Brokers = nil }, "Config.Brokers"},
+		{"empty broker", func(c *Config) { c.Brokers = []string{" "} }, "Config.Brokers[0]"},
+		{"no group", func(c *Config) { c.Group = "" }, "Config.Group"},
+		{"no topics", func(c *Config) { c.Topics = nil }, "Config.Topics"},
+		{"empty topic", func(c *Config) { c.Topics = []string{"a", ""} }, "Config.Topics[1]"},
+		{"duplicate topic", func(c *Config) { c.Topics = []string{"a", "a"} }, "Config.Topics"},
+		{"dlq is the topic", func(c *Config) { c.DeadLetterTopic = func(t string) string { return t } }, "Config.DeadLetterTopic"},
+		{"empty dlq", func(c *Config) { c.DeadLetterTopic = func(string) string { return "" } }, "Config.DeadLetterTopic"},
+		{"initial offset", func(c *Config) { c.InitialOffset = 42 }, "Config.InitialOffset"},
+		{"negative session", func(c *Config) { c.SessionTimeout = -time.Second }, "Config.SessionTimeout"},
+		{"negative commit", func(c *Config) { c.CommitInterval = -time.Second }, "Config.CommitInterval"},
+		{"negative fetch", func(c *Config) { c.FetchMax = -1 }, "Config.FetchMax"},
+		{"heartbeat above session", func(c *Config) { c.HeartbeatInterval = 20 * time.Second }, "Config.HeartbeatInterval"},
+		{"revoke above rebalance", func(c *Config) { c.RevokeTimeout = 2 * time.Minute }, "Config.RevokeTimeout"},
+		{"old version", func(c *Config) { c.Sarama = old }, "Config.Sarama.Version"},
+		{"invalid sarama", func(c *Config) { c.Sarama = badSarama }, "Config.Sarama"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := ok
+			tc.edit(&cfg)
+			s, err := NewSource(cfg)
+			require.Error(t, err)
+			assert.Nil(t, s)
+			assert.Contains(t, err.Error(), tc.field)
+		})
+	}
+}
+
+func TestConfigDefaultsAndOverrides(t *testing.T) {
+	base := sarama.NewConfig()
+	base.ClientID = "my-service"
+	cfg := Config{Brokers: []string{"b:9092"}, Group: "g", Topics: []string{"t"}, Sarama: base}.withDefaults()
+	require.NoError(t, cfg.validate())
+	cc, err := cfg.consumerConfig()
+	require.NoError(t, err)
+	pc, err := cfg.producerConfig()
+	require.NoError(t, err)
+
+	assert.False(t, base.Producer.Idempotent, "the caller's sarama.Config must not change")
+	assert.Equal(t, sarama.OffsetNewest, base.Consumer.Offsets.Initial, "the caller's sarama.Config must not change")
+
+	assert.Equal(t, "my-service", cc.ClientID)
+	assert.Equal(t, sarama.OffsetOldest, cc.Consumer.Offsets.Initial)
+	assert.True(t, cc.Consumer.Offsets.AutoCommit.Enable)
+	assert.Equal(t, DefaultCommitInterval, cc.Consumer.Offsets.AutoCommit.Interval)
+	assert.Equal(t, DefaultFetchMaxWait, cc.Consumer.MaxWaitTime)
+	assert.Equal(t, 10*time.Second, cc.Consumer.Group.Session.Timeout, "sarama's default is kept")
+	assert.Equal(t, DefaultRedeliveryWindow, cfg.RedeliveryWindow)
+	assert.Equal(t, "t.dlq", cfg.DeadLetterTopic("t"))
+
+	assert.True(t, pc.Producer.Idempotent)
+	assert.Equal(t, sarama.WaitForAll, pc.Producer.RequiredAcks)
+	assert.Equal(t, 1, pc.Net.MaxOpenRequests)
+	assert.False(t, pc.Metadata.AllowAutoTopicCreation)
+
+	cfg = Config{
+		Brokers: []string{"b:9092"}, Group: "g", Topics: []string{"t"},
+		InitialOffset: StartNewest, SessionTimeout: 7 * time.Second, HeartbeatInterval: time.Second,
+		RebalanceTimeout: 30 * time.Second, FetchMin: 10, FetchDefault: 1 << 20, FetchMax: 1 << 22,
+	}.withDefaults()
+	cc, err = cfg.consumerConfig()
+	require.NoError(t, err)
+	assert.Equal(t, sarama.OffsetNewest, cc.Consumer.Offsets.Initial)
+	assert.Equal(t, 7*time.Second, cc.Consumer.Group.Session.Timeout)
+	assert.Equal(t, time.Second, cc.Consumer.Group.Heartbeat.Interval)
+	assert.Equal(t, 30*time.Second, cc.Consumer.Group.Rebalance.Timeout)
+	assert.Equal(t, int32(10), cc.Consumer.Fetch.Min)
+	assert.Equal(t, int32(1<<20), cc.Consumer.Fetch.Default)
+	assert.Equal(t, int32(1<<22), cc.Consumer.Fetch.Max)
+}
+
+func TestNewSourceFailsOnUnreachableBroker(t *testing.T) {
+	sc := sarama.NewConfig()
+	sc.Metadata.Retry.Max = 0
+	sc.Net.DialTimeout = time.Second
+	_, err := NewSource(Config{Brokers: []string{"127.0.0.1:1"}, Group: "g", Topics: []string{"t"}, Sarama: sc, Logger: testLogger()})
+	require.Error(t, err)
+	assert.ErrorIs(t, err, sarama.ErrOutOfBrokers)
+}
+
+func TestReceiveMapsRecord(t *testing.T) {
+	c := newCluster(t)
+	topic := uniq("orders")
+	c.createTopic(topic, 2)
+	ts := time.Date(2026, 11, 1, 12, 0, 0, 0, time.UTC)
+	c.produce(&sarama.ProducerMessage{
+		Topic: topic, Partition: 1, Timestamp: ts,
+		Key:   sarama.StringEncoder("k1"),
+		Value: sarama.StringEncoder(`{"n":1}`),
+		Headers: []sarama.RecordHeader{
+			{Key: []byte("id"), Value: []byte("ev-1")},
+			{Key: []byte("traceparent"), Value: []byte("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")},
+		},
+	})
+	cfg := c.config(uniq("g"), topic)
+	cfg.RedeliveryWindow = 1
+	s := c.open(cfg)
+	assert.Equal(t, "kafka", s.MessagingSystem())
+
+	d := receive(t, s)
+	m := d.Message()
+	assert.Equal(t, "", m.ID, "Kafka has no native id; the core reads the id header")
+	assert.Equal(t, topic+"/1/0", m.FallbackID)
+	assert.Equal(t, topic+"/1", m.Stream)
+	assert.Equal(t, topic, m.Topic)
+	assert.Equal(t, int32(1), m.Partition)
+	assert.Equal(t, int64(0), m.Offset)
+	assert.True(t, m.Timestamp.Equal(ts), "timestamp %v", m.Timestamp)
+	assert.Equal(t, []byte("k1"), m.Key)
+	assert.Equal(t, []byte(`{"n":1}`), m.Value)
+	assert.Equal(t, map[string]string{
+		"id":          "ev-1",
+		"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+	}, m.Headers)
+	assert.True(t, m.Redelivered, "the first record of a claim is in the redelivery window")
+	require.NoError(t, d.Context().Err())
+	require.NoError(t, d.Ack(context.Background()))
+
+	c.produce(msg(topic, 1, "second"))
+	d = receive(t, s)
+	assert.Equal(t, int64(1), d.Message().Offset)
+	assert.False(t, d.Message().Redelivered, "past the redelivery window")
+}
+
+func TestOffsetsCommittedOnlyForAckedRecords(t *testing.T) {
+	c := newCluster(t)
+	topic := uniq("orders")
+	c.createTopic(topic, 3)
+	var msgs []*sarama.ProducerMessage
+	for p := range int32(3) {
+		for i := range 5 {
+			msgs = append(msgs, msg(topic, p, fmt.Sprintf("p%d-%d", p, i)))
+		}
+	}
+	c.produce(msgs...)
+	group := uniq("g")
+	s := c.open(c.config(group, topic))
+
+	// Per partition: ack the first three records in order, then the fifth;
+	// the fourth stays unsettled, so the mark stops at offset 3.
+	byPart := map[int32][]*delivery{}
+	for _, d := range receiveN(t, s, 15) {
+		p := d.Message().Partition
+		byPart[p] = append(byPart[p], d)
+	}
+	for p, ds := range byPart {
+		require.Len(t, ds, 5, "partition %d", p)
+		for i, d := range ds {
+			require.Equal(t, int64(i), d.Message().Offset, "offset order within partition %d", p)
+		}
+		for _, i := range []int{0, 1, 2, 4} {
+			require.NoError(t, ds[i].Ack(context.Background()))
+		}
+	}
+	// Periodic commit: visible before Close.
+	require.Eventually(t, func() bool {
+		got := c.committed(group, topic, 3)
+		return got[0] == 3 && got[1] == 3 && got[2] == 3
+	}, 10*time.Second, 50*time.Millisecond)
+
+	require.NoError(t, s.Close())
+	assert.Equal(t, map[int32]int64{0: 3, 1: 3, 2: 3}, c.committed(group, topic, 3))
+	for _, ds := range byPart {
+		assert.Error(t, ds[3].Context().Err(), "Close ends the unsettled deliveries")
+		assert.ErrorIs(t, ds[3].Ack(context.Background()), ErrRevoked)
+	}
+	_, err := s.Receive(context.Background())
+	assert.ErrorIs(t, err, consumer.ErrSourceClosed)
+
+	// A restart resumes at the first unacked record of each partition and
+	// flags it Redelivered.
+	s2 := c.open(c.config(group, topic))
+	seen := map[int32][]int64{}
+	for _, d := range receiveN(t, s2, 6) {
+		m := d.Message()
+		seen[m.Partition] = append(seen[m.Partition], m.Offset)
+		assert.True(t, m.Redelivered)
+		require.NoError(t, d.Ack(context.Background()))
+	}
+	assert.Equal(t, map[int32][]int64{0: {3, 4}, 1: {3, 4}, 2: {3, 4}}, seen)
+	require.NoError(t, s2.Close())
+	assert.Equal(t, map[int32]int64{0: 5, 1: 5, 2: 5}, c.committed(group, topic, 3))
+}
+
+func TestAckOutOfOrderMarksOnlySettledPrefix(t *testing.T) {
+	c := newCluster(t)
+	topic := uniq("orders")
+	c.createTopic(topic, 1)
+	c.produce(msg(topic, 0, "a"), msg(topic, 0, "b"), msg(topic, 0, "c"))
+	group := uniq("g")
+	s := c.open(c.config(group, topic))
+	ds := receiveN(t, s, 3)
+	require.NoError(t, ds[2].Ack(context.Background()))
+	require.NoError(t, ds[1].Ack(context.Background()))
+	require.NoError(t, ds[1].Ack(context.Background()), "a second Ack is a no-op")
+	// Nothing is marked while offset 0 is unsettled: give the periodic
+	// commit a few intervals to show it would not commit anything.
+	require.Never(t, func() bool { return c.committed(group, topic, 1)[0] >= 0 }, 500*time.Millisecond, 50*time.Millisecond)
+	require.NoError(t, ds[0].Ack(context.Background()))
+	require.Eventually(t, func() bool { return c.committed(group, topic, 1)[0] == 3 }, 10*time.Second, 50*time.Millisecond)
+}
+
+// A member joins while the first member holds an unacked delivery: the
+// revoke waits for it, and its Ack is in the final commit of the old
+// session, so the new owner does not receive it again.
+func TestRevokeWaitsForInFlightAck(t *testing.T) {
+	c := newCluster(t)
+	topic := uniq("orders")
+	c.createTopic(topic, 2)
+	c.produce(msg(topic, 0, "a0"), msg(topic, 1, "b0"))
+	group := uniq("g")
+	a := c.open(c.config(group, topic))
+	held := receiveN(t, a, 2) // offset 0 of each partition
+	for _, d := range held {
+		require.Equal(t, int64(0), d.Message().Offset)
+	}
+	c.produce(msg(topic, 0, "a1"), msg(topic, 1, "b1"))
+
+	b := c.open(c.config(group, topic))
+	bctx, bcancel := context.WithCancel(context.Background())
+	defer bcancel()
+	bGot := make(chan *delivery, 10)
+	go func() {
+		for {
+			d, err := b.Receive(bctx)
+			if err != nil {
+				return
+			}
+			bGot <- d.(*delivery)
+		}
+	}()
+
+	// The rebalance cannot complete while a's deliveries are unsettled.
+	require.Never(t, func() bool { return len(bGot) > 0 }, time.Second, 50*time.Millisecond)
+	for _, d := range held {
+		require.NoError(t, d.Context().Err(), "within the revoke bound the delivery stays valid")
+		require.NoError(t, d.Ack(context.Background()))
+	}
+
+	// b gets one partition; a keeps or regains the other. Whatever b
+	// receives starts after what a acked.
+	select {
+	case d := <-bGot:
+		assert.Equal(t, int64(1), d.Message().Offset, "b resumes after a's acked record")
+		require.NoError(t, d.Ack(context.Background()))
+	case <-time.After(20 * time.Second):
+		t.Fatal("b received nothing after the rebalance")
+	}
+	for _, d := range held {
+		assert.Error(t, d.Context().Err(), "the old claim's context ends with the revoke")
+	}
+}
+
+// A member that does not settle within RevokeTimeout has its deliveries
+// abandoned: their contexts end, Ack marks nothing, and the new owner
+// receives the record again.
+func TestRevokeTimeoutAbandonsUnsettled(t *testing.T) {
+	c := newCluster(t)
+	topic := uniq("orders")
+	c.createTopic(topic, 1)
+	c.produce(msg(topic, 0, "a0"), msg(topic, 0, "a1"))
+	group := uniq("g")
+	cfg := c.config(group, topic)
+	cfg.RevokeTimeout = 300 * time.Millisecond
+	a := c.open(cfg)
+	d := receive(t, a)
+	require.Equal(t, int64(0), d.Message().Offset)
+
+	// A second member joins; whichever member gets the partition, the
+	// unsettled delivery of the old generation is abandoned.
+	b := c.open(cfg)
+	bctx, bcancel := context.WithCancel(context.Background())
+	defer bcancel()
+	bGot := make(chan *delivery, 10)
+	go func() {
+		for {
+			d, err := b.Receive(bctx)
+			if err != nil {
+				return
+			}
+			bGot <- d.(*delivery)
+		}
+	}()
+
+	select {
+	case <-d.Context().Done():
+	case <-time.After(20 * time.Second):
+		t.Fatal("the revoked delivery's context did not end")
+	}
+	err := d.Ack(context.Background())
+	require.ErrorIs(t, err, ErrRevoked)
+	require.ErrorIs(t, d.DeadLetter(context.Background(), &consumer.DeadLetter{Kind: consumer.KindHandler}), ErrRevoked)
+
+	// Offset 0 is delivered again, to b or to a.
+	actx, acancel := context.WithCancel(context.Background())
+	defer acancel()
+	aGot := make(chan *delivery, 10)
+	go func() {
+		for {
+			d, err := a.Receive(actx)
+			if err != nil {
+				return
+			}
+			aGot <- d.(*delivery)
+		}
+	}()
+	var again *delivery
+	select {
+	case again = <-aGot:
+	case again = <-bGot:
+	case <-time.After(20 * time.Second):
+		t.Fatal("the abandoned record was not delivered again")
+	}
+	assert.Equal(t, int64(0), again.Message().Offset)
+	assert.True(t, again.Message().Redelivered)
+	assert.Equal(t, int64(-1), c.committed(group, topic, 1)[0], "nothing was committed for the abandoned record")
+}
+
+func TestDeadLetterCopiesRecord(t *testing.T) {
+	c := newCluster(t)
+	topic := uniq("orders")
+	c.createTopic(topic, 1)
+	c.createTopic(topic+".dlq", 1)
+	value := []byte{0xff, 0x00, '{', 'b', 'a', 'd'}
+	c.produce(&sarama.ProducerMessage{
+		Topic: topic, Partition: 0,
+		Key:   sarama.ByteEncoder("key-1"),
+		Value: sarama.ByteEncoder(value),
+		Headers: []sarama.RecordHeader{
+			{Key: []byte("id"), Value: []byte("ev-1")},
+			{Key: []byte("x-tag"), Value: []byte("one")},
+			{Key: []byte("x-tag"), Value: []byte("two")},
+			{Key: []byte("traceparent"), Value: []byte("00-11111111111111111111111111111111-2222222222222222-01")},
+		},
+	})
+	s := c.open(c.config(uniq("g"), topic))
+	d := receive(t, s)
+	failedAt := time.Date(2026, 11, 22, 1, 2, 3, 0, time.UTC)
+	dl := &consumer.DeadLetter{
+		Kind: consumer.KindHandler, Error: "boom", Consumer: "orders-svc", EventID: "ev-1", EventType: "order.created",
+		Attempts: 3, FailedAt: failedAt, TraceParent: "00-33333333333333333333333333333333-4444444444444444-01",
+	}
+	require.NoError(t, d.DeadLetter(context.Background(), dl))
+	require.NoError(t, d.Ack(context.Background()))
+
+	recs := c.readAll(topic + ".dlq")
+	require.Len(t, recs, 1)
+	r := recs[0]
+	assert.Equal(t, value, r.Value, "value byte-identical")
+	assert.Equal(t, []byte("key-1"), r.Key)
+	var tags []string
+	got := map[string]string{}
+	for _, h := range r.Headers {
+		if string(h.Key) == "x-tag" {
+			tags = append(tags, string(h.Value))
+		}
+		got[string(h.Key)] = string(h.Value)
+	}
+	assert.Equal(t, []string{"one", "two"}, tags, "original headers kept, repeated keys too")
+	assert.Equal(t, map[string]string{
+		"id":                             "ev-1",
+		"x-tag":                          "two",
+		"traceparent":                    dl.TraceParent,
+		consumer.HeaderOriginalTopic:     topic,
+		consumer.HeaderOriginalPartition: "0",
+		consumer.HeaderOriginalOffset:    "0",
+		consumer.HeaderOriginalTimestamp: d.Message().Timestamp.UTC().Format(time.RFC3339Nano),
+		consumer.HeaderConsumer:          "orders-svc",
+		consumer.HeaderEventID:           "ev-1",
+		consumer.HeaderEventType:         "order.created",
+		consumer.HeaderAttempts:          "3",
+		consumer.HeaderErrorKind:         "handler",
+		consumer.HeaderErrorMessage:      "boom",
+		consumer.HeaderFailedAt:          failedAt.Format(time.RFC3339Nano),
+	}, got)
+	n := 0
+	for _, h := range r.Headers {
+		if string(h.Key) == "traceparent" {
+			n++
+		}
+	}
+	assert.Equal(t, 1, n, "the consumer's traceparent replaces the original one")
+}
+
+func TestDeadLetterKeepsNullKeyAndEmptyValue(t *testing.T) {
+	c := newCluster(t)
+	topic := uniq("orders")
+	c.createTopic(topic, 1)
+	c.createTopic(topic+".dlq", 1)
+	c.produce(&sarama.ProducerMessage{Topic: topic, Partition: 0, Value: sarama.ByteEncoder{}})
+	s := c.open(c.config(uniq("g"), topic))
+	d := receive(t, s)
+	require.NoError(t, d.DeadLetter(context.Background(), &consumer.DeadLetter{Kind: consumer.KindDecode, FailedAt: time.Now()}))
+	recs := c.readAll(topic + ".dlq")
+	require.Len(t, recs, 1)
+	assert.Nil(t, recs[0].Key)
+	assert.Empty(t, recs[0].Value)
+}
+
+func TestDeadLetterCustomTopicAndMissingTopic(t *testing.T) {
+	c := newCluster(t)
+	topic := uniq("orders")
+	c.createTopic(topic, 1)
+	c.createTopic("dead-"+topic, 1)
+	c.produce(msg(topic, 0, "x"), msg(topic, 0, "y"))
+
+	cfg := c.config(uniq("g"), topic)
+	cfg.DeadLetterTopic = func(t string) string { return "dead-" + t }
+	s := c.open(cfg)
+	d := receive(t, s)
+	require.NoError(t, d.DeadLetter(context.Background(), &consumer.DeadLetter{Kind: consumer.KindDecode, FailedAt: time.Now()}))
+	require.Len(t, c.readAll("dead-"+topic), 1)
+	require.NoError(t, d.Ack(context.Background()))
+	require.NoError(t, s.Close())
+
+	// The default <topic>.dlq does not exist: DeadLetter fails and the
+	// record is not acked by it.
+	s2 := c.open(c.config(uniq("g"), topic))
+	d = receive(t, s2)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	err := d.DeadLetter(ctx, &consumer.DeadLetter{Kind: consumer.KindDecode, FailedAt: time.Now()})
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), topic+".dlq")
+	assert.False(t, errors.Is(err, context.DeadlineExceeded), "the producer reports the missing topic: %v", err)
+}
+
+func TestLagGauge(t *testing.T) {
+	c := newCluster(t)
+	topic := uniq("orders")
+	c.createTopic(topic, 2)
+	var msgs []*sarama.ProducerMessage
+	for i := range 10 {
+		msgs = append(msgs, msg(topic, 0, strconv.Itoa(i)))
+	}
+	c.produce(msgs...)
+
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	defer func() { _ = mp.Shutdown(context.Background()) }()
+	cfg := c.config(uniq("g"), topic)
+	cfg.MeterProvider = mp
+	s := c.open(cfg)
+	receiveN(t, s, 3)
+
+	lagOf := func() map[string]int64 {
+		var rm metricdata.ResourceMetrics
+		require.NoError(t, reader.Collect(context.Background(), &rm))
+		out := map[string]int64{}
+		for _, sm := range rm.ScopeMetrics {
+			for _, m := range sm.Metrics {
+				if m.Name != LagMetricName {
+					continue
+				}
+				for _, dp := range m.Data.(metricdata.Gauge[int64]).DataPoints {
+					tp, _ := dp.Attributes.Value("messaging.destination.name")
+					p, _ := dp.Attributes.Value("messaging.destination.partition.id")
+					g, _ := dp.Attributes.Value("messaging.consumer.group.name")
+					assert.Equal(t, cfg.Group, g.AsString())
+					out[tp.AsString()+"/"+p.AsString()] = dp.Value
+				}
+			}
+		}
+		return out
+	}
+	require.Eventually(t, func() bool { return lagOf()[topic+"/0"] == 7 }, 10*time.Second, 50*time.Millisecond,
+		"10 records, 3 received: lag 7; got %v", lagOf())
+	_, reported := lagOf()[topic+"/1"]
+	assert.False(t, reported, "an empty partition without a committed offset has no known position")
+
+	require.NoError(t, s.Close())
+	assert.Empty(t, lagOf(), "a closed source reports no lag")
+}
