@@ -38,9 +38,6 @@ const (
 	// sarama's 500 ms because an offset commit waits behind a pending fetch
 	// on the same broker connection, which slows rebalances and Close.
 	DefaultFetchMaxWait = 100 * time.Millisecond
-	// DefaultRedeliveryWindow is how many records at the start of every
-	// partition claim are flagged Message.Redelivered.
-	DefaultRedeliveryWindow = 100
 	// DefaultDeadLetterSuffix is appended to a topic's name to name its
 	// dead-letter topic.
 	DefaultDeadLetterSuffix = ".dlq"
@@ -105,15 +102,6 @@ type Config struct {
 	// FetchMin bytes. Default DefaultFetchMaxWait.
 	FetchMaxWait time.Duration
 
-	// RedeliveryWindow is how many records at the start of every partition
-	// claim (after a start, a restart or a rebalance) are flagged
-	// Message.Redelivered. Kafka keeps no delivery count, so this is how
-	// the consumer core learns which records may have been in flight when
-	// a previous process crashed; it records durable attempts for them and
-	// dead-letters a record that crashes the process every time. Default
-	// DefaultRedeliveryWindow; negative disables the flag.
-	RedeliveryWindow int
-
 	// Sarama is the base client configuration: TLS (Net.TLS), SASL
 	// (Net.SASL), the protocol Version, ClientID, the balance strategy,
 	// retries and everything Config does not name. Nil means
@@ -144,9 +132,6 @@ func (c Config) withDefaults() Config {
 	}
 	if c.FetchMaxWait == 0 {
 		c.FetchMaxWait = DefaultFetchMaxWait
-	}
-	if c.RedeliveryWindow == 0 {
-		c.RedeliveryWindow = DefaultRedeliveryWindow
 	}
 	if c.DeadLetterTopic == nil {
 		c.DeadLetterTopic = func(topic string) string { return topic + DefaultDeadLetterSuffix }

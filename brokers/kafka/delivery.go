@@ -29,9 +29,6 @@ type claim struct {
 	stream string
 	ctx    context.Context // done when the claim is revoked
 	cancel context.CancelFunc
-	window int64 // records flagged Redelivered at the start of the claim
-
-	seen atomic.Int64 // records handed out so far
 	last atomic.Int64 // offset of the last record handed out, or unknownOffset
 
 	mu      sync.Mutex
@@ -49,7 +46,6 @@ func newClaim(s *Source, sess sarama.ConsumerGroupSession, sc sarama.ConsumerGro
 		stream:  sc.Topic() + "/" + strconv.FormatInt(int64(sc.Partition()), 10),
 		ctx:     ctx,
 		cancel:  cancel,
-		window:  int64(max(s.cfg.RedeliveryWindow, 0)),
 		settled: make(chan struct{}, 1),
 	}
 	// InitialOffset is the committed offset, or OffsetOldest/OffsetNewest
@@ -82,7 +78,6 @@ func (cl *claim) newDelivery(raw *sarama.ConsumerMessage) *delivery {
 		Offset:      raw.Offset,
 		Timestamp:   raw.Timestamp,
 		Stream:      cl.stream,
-		Redelivered: cl.seen.Load() < cl.window,
 	}
 	cl.mu.Lock()
 	cl.pending = append(cl.pending, d)
@@ -92,7 +87,6 @@ func (cl *claim) newDelivery(raw *sarama.ConsumerMessage) *delivery {
 
 // received records that d was handed to Receive.
 func (cl *claim) received(offset int64) {
-	cl.seen.Add(1)
 	cl.last.Store(offset)
 }
 

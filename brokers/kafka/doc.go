@@ -52,10 +52,12 @@
 //
 // # Crash loops
 //
-// Kafka keeps no delivery count. The first Config.RedeliveryWindow records
-// of every partition claim are flagged Message.Redelivered, so that the core
-// keeps durable attempt counts for them and dead-letters a record that
-// crashes the process every time.
+// Kafka keeps no delivery count, so Message.Redelivered is always false.
+// Each partition claim has a Delivery.Context of its own; the core takes a
+// new context on a stream as a new assignment, and counts a durable attempt
+// for the first record of the assignment whose id is new (the record that
+// was in flight if the previous owner crashed), so that a record that
+// crashes the process every time is dead-lettered.
 //
 // # Telemetry
 //

@@ -75,7 +75,6 @@ func TestConfigDefaultsAndOverrides(t *testing.T) {
 	assert.Equal(t, DefaultCommitInterval, cc.Consumer.Offsets.AutoCommit.Interval)
 	assert.Equal(t, DefaultFetchMaxWait, cc.Consumer.MaxWaitTime)
 	assert.Equal(t, 10*time.Second, cc.Consumer.Group.Session.Timeout, "sarama's default is kept")
-	assert.Equal(t, DefaultRedeliveryWindow, cfg.RedeliveryWindow)
 	assert.Equal(t, "t.dlq", cfg.DeadLetterTopic("t"))
 
 	assert.True(t, pc.Producer.Idempotent)
@@ -122,9 +121,7 @@ func TestReceiveMapsRecord(t *testing.T) {
 			{Key: []byte("traceparent"), Value: []byte("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")},
 		},
 	})
-	cfg := c.config(uniq("g"), topic)
-	cfg.RedeliveryWindow = 1
-	s := c.open(cfg)
+	s := c.open(c.config(uniq("g"), topic))
 	assert.Equal(t, "kafka", s.MessagingSystem())
 
 	d := receive(t, s)
@@ -142,14 +139,15 @@ func TestReceiveMapsRecord(t *testing.T) {
 		"id":          "ev-1",
 		"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
 	}, m.Headers)
-	assert.True(t, m.Redelivered, "the first record of a claim is in the redelivery window")
+	assert.False(t, m.Redelivered, "Kafka keeps no delivery count")
 	require.NoError(t, d.Context().Err())
 	require.NoError(t, d.Ack(context.Background()))
 
 	c.produce(msg(topic, 1, "second"))
-	d = receive(t, s)
-	assert.Equal(t, int64(1), d.Message().Offset)
-	assert.False(t, d.Message().Redelivered, "past the redelivery window")
+	d2 := receive(t, s)
+	assert.Equal(t, int64(1), d2.Message().Offset)
+	assert.Equal(t, topic+"/1/1", d2.Message().FallbackID)
+	assert.Same(t, d.Context(), d2.Context(), "one context per partition claim")
 }
 
 func TestOffsetsCommittedOnlyForAckedRecords(t *testing.T) {
@@ -197,14 +195,12 @@ func TestOffsetsCommittedOnlyForAckedRecords(t *testing.T) {
 	_, err := s.Receive(context.Background())
 	assert.ErrorIs(t, err, consumer.ErrSourceClosed)
 
-	// A restart resumes at the first unacked record of each partition and
-	// flags it Redelivered.
+	// A restart resumes at the first unacked record of each partition.
 	s2 := c.open(c.config(group, topic))
 	seen := map[int32][]int64{}
 	for _, d := range receiveN(t, s2, 6) {
 		m := d.Message()
 		seen[m.Partition] = append(seen[m.Partition], m.Offset)
-		assert.True(t, m.Redelivered)
 		require.NoError(t, d.Ack(context.Background()))
 	}
 	assert.Equal(t, map[int32][]int64{0: {3, 4}, 1: {3, 4}, 2: {3, 4}}, seen)
@@ -342,7 +338,7 @@ func TestRevokeTimeoutAbandonsUnsettled(t *testing.T) {
 		t.Fatal("the abandoned record was not delivered again")
 	}
 	assert.Equal(t, int64(0), again.Message().Offset)
-	assert.True(t, again.Message().Redelivered)
+	assert.NotSame(t, d.Context(), again.Context(), "a new claim has a new context")
 	assert.Equal(t, int64(-1), c.committed(group, topic, 1)[0], "nothing was committed for the abandoned record")
 }
 
