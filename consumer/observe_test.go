@@ -1,0 +1,116 @@
+package consumer_test
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"log/slog"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"go.opentelemetry.io/otel/attribute"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
+
+	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/consumer/memsource"
+	"github.com/onceco/once/internal/pgtest"
+)
+
+// sums returns the int64 sum metrics by name and attribute value.
+func sums(t *testing.T, r *sdkmetric.ManualReader, name, attr string) map[string]int64 {
+	t.Helper()
+	var rm metricdata.ResourceMetrics
+	require.NoError(t, r.Collect(context.Background(), &rm))
+	out := map[string]int64{}
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			if m.Name != name {
+				continue
+			}
+			for _, dp := range m.Data.(metricdata.Sum[int64]).DataPoints {
+				v, _ := dp.Attributes.Value(attribute.Key(attr))
+				out[v.AsString()] += dp.Value
+			}
+		}
+	}
+	return out
+}
+
+func TestMetricsAndLogs(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	var logs bytes.Buffer
+	var mu sync.Mutex
+	b := memsource.New(memsource.Options{Streams: 2})
+	publish(b, "a", 1)
+	publish(b, "a", 1)
+	publish(b, "b", 2)
+	const secret = "card-4111111111111111"
+	b.Publish(consumer.Message{Value: []byte(`{"n": "` + secret + `"`), Headers: map[string]string{"id": "poison"}})
+
+	cfg := fastConfig("observed")
+	cfg.MeterProvider = mp
+	cfg.Logger = slog.New(slog.NewTextHandler(lockedWriter{&logs, &mu}, &slog.HandlerOptions{Level: slog.LevelInfo}))
+	c, err := consumer.New(pool, b.Source(), insertEffect, cfg)
+	require.NoError(t, err)
+	stop := start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 4 }, 10*time.Second, 5*time.Millisecond)
+	require.NoError(t, stop())
+
+	assert.Equal(t, map[string]int64{"handled": 2, "duplicate": 1, "dead_lettered": 1},
+		sums(t, reader, "once.consumer.messages", "outcome"))
+	assert.Equal(t, map[string]int64{"decode": 1}, sums(t, reader, "once.consumer.dead_letters", "kind"))
+
+	mu.Lock()
+	out := logs.String()
+	mu.Unlock()
+	assert.Contains(t, out, "dead-lettered", "a dead letter is logged")
+	assert.NotContains(t, out, secret, "payloads never reach the logs")
+}
+
+type lockedWriter struct {
+	b  *bytes.Buffer
+	mu *sync.Mutex
+}
+
+func (w lockedWriter) Write(p []byte) (int, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.b.Write(p)
+}
+
+// Two replicas with one consumer name receive the same events at the same
+// time (as after a rebalance): each event's effect exactly once.
+func TestConcurrentReplicasShareDedup(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	const n = 200
+	var brokers []*memsource.Broker
+	for r := 0; r < 2; r++ {
+		b := memsource.New(memsource.Options{})
+		for i := 0; i < n; i++ {
+			publish(b, fmt.Sprintf("e%d", i), i)
+		}
+		brokers = append(brokers, b)
+	}
+	for _, b := range brokers {
+		cfg := fastConfig("replicated")
+		cfg.Concurrency = 4
+		c, err := consumer.New(pool, b.Source(), insertEffect, cfg)
+		require.NoError(t, err)
+		start(t, c)
+	}
+	require.Eventually(t, func() bool { return brokers[0].Acked() == n && brokers[1].Acked() == n },
+		20*time.Second, 5*time.Millisecond)
+	got := countEffects(t, pool)
+	require.Len(t, got, n)
+	for id, k := range got {
+		require.Equal(t, 1, k, "double effect for %s", id)
+	}
+}
