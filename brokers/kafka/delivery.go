@@ -29,7 +29,7 @@ type claim struct {
 	stream string
 	ctx    context.Context // done when the claim is revoked
 	cancel context.CancelFunc
-	last atomic.Int64 // offset of the last record handed out, or unknownOffset
+	last   atomic.Int64 // offset of the last record handed out, or unknownOffset
 
 	mu      sync.Mutex
 	revoked bool
@@ -69,15 +69,15 @@ func (cl *claim) newDelivery(raw *sarama.ConsumerMessage) *delivery {
 	}
 	d := &delivery{claim: cl, raw: raw}
 	d.msg = consumer.Message{
-		FallbackID:  cl.stream + "/" + strconv.FormatInt(raw.Offset, 10),
-		Key:         raw.Key,
-		Value:       raw.Value,
-		Headers:     headers,
-		Topic:       raw.Topic,
-		Partition:   raw.Partition,
-		Offset:      raw.Offset,
-		Timestamp:   raw.Timestamp,
-		Stream:      cl.stream,
+		FallbackID: cl.stream + "/" + strconv.FormatInt(raw.Offset, 10),
+		Key:        raw.Key,
+		Value:      raw.Value,
+		Headers:    headers,
+		Topic:      raw.Topic,
+		Partition:  raw.Partition,
+		Offset:     raw.Offset,
+		Timestamp:  raw.Timestamp,
+		Stream:     cl.stream,
 	}
 	cl.mu.Lock()
 	cl.pending = append(cl.pending, d)

@@ -3,6 +3,7 @@ package kafka
 import (
 	"context"
 	"io"
+	"log"
 	"log/slog"
 	"os"
 	"strconv"
@@ -18,6 +19,12 @@ import (
 )
 
 func TestMain(m *testing.M) {
+	if os.Getenv("ONCE_TEST_LOG") != "" {
+		sarama.Logger = log.New(os.Stderr, "[sarama] ", log.Lmicroseconds)
+	}
+	if os.Getenv(crashChildEnv) != "" {
+		os.Exit(runCrashChild())
+	}
 	pgtest.Main(m)
 }
 
