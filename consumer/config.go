@@ -129,8 +129,24 @@ type Config struct {
 	// handled one after another. Defaults to 16.
 	Concurrency int
 	// StreamBuffer is how many received messages may wait per stream
-	// before receiving blocks. Defaults to 64.
+	// before receiving blocks. Defaults to twice BatchSize, at least 64.
 	StreamBuffer int
+
+	// BatchSize is the most messages of one stream handled in one
+	// transaction: one statement claims all their ids, the handlers run in
+	// turn, one commit, then the acks. Batches form from what is already
+	// waiting (see BatchLinger), so under light load a batch is one message
+	// and latency stays low. A failing handler rolls the batch back; the
+	// messages before it run again as a batch, it runs alone under the
+	// retry policy, and the rest continue: order is kept and no other
+	// message's effect is lost or doubled. Handlers in a batch share a
+	// transaction, so effects outside it (HTTP calls) may repeat when
+	// another message of the batch fails. Defaults to 100; 1 gives one
+	// transaction per message.
+	BatchSize int
+	// BatchLinger is how long to wait for a batch to fill once its first
+	// message is there. Defaults to 0: no wait.
+	BatchLinger time.Duration
 
 	// Retry bounds retries of failing handlers.
 	Retry RetryPolicy
@@ -185,6 +201,8 @@ func (c Config) withDefaults() (Config, error) {
 		bad   bool
 	}{
 		{"MaxIDLength", c.MaxIDLength < 0},
+		{"BatchSize", c.BatchSize < 0},
+		{"BatchLinger", c.BatchLinger < 0},
 		{"Concurrency", c.Concurrency < 0},
 		{"StreamBuffer", c.StreamBuffer < 0},
 		{"Retry.MaxAttempts", c.Retry.MaxAttempts < 0},
@@ -224,7 +242,8 @@ func (c Config) withDefaults() (Config, error) {
 	}
 	setDefault(&c.MaxIDLength, 256)
 	setDefault(&c.Concurrency, 16)
-	setDefault(&c.StreamBuffer, 64)
+	setDefault(&c.BatchSize, 100)
+	setDefault(&c.StreamBuffer, max(64, 2*c.BatchSize))
 	setDefault(&c.Retry.MaxAttempts, 5)
 	setDefault(&c.Retry.InitialBackoff, 200*time.Millisecond)
 	setDefault(&c.Retry.MaxBackoff, 10*time.Second)

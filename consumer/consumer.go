@@ -113,6 +113,9 @@ type engine struct {
 	stats   counters
 	sem     chan struct{}
 	started atomic.Bool
+	// stopping is set once Run's context is done: no new message starts,
+	// and a batch in progress commits what it has handled and stops.
+	stopping atomic.Bool
 }
 
 func newEngine(pool *pgxpool.Pool, src Source, cfg Config, prep preparer) (*engine, error) {
@@ -143,7 +146,6 @@ func newEngine(pool *pgxpool.Pool, src Source, cfg Config, prep preparer) (*engi
 type dispatcher struct {
 	e         *engine
 	work      context.Context
-	stopping  atomic.Bool
 	wg        sync.WaitGroup
 	lanes     map[string]chan Delivery
 	unordered chan Delivery
@@ -162,7 +164,7 @@ func (e *engine) run(ctx context.Context) error {
 	// In-flight work outlives ctx by up to ShutdownTimeout.
 	work, cancelWork := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancelWork()
-	d := &dispatcher{e: e, work: work, lanes: map[string]chan Delivery{}, unordered: make(chan Delivery)}
+	d := &dispatcher{e: e, work: work, lanes: map[string]chan Delivery{}, unordered: make(chan Delivery, e.cfg.StreamBuffer)}
 	for i := 0; i < e.cfg.Concurrency; i++ {
 		d.wg.Add(1)
 		go d.unorderedWorker()
@@ -173,7 +175,7 @@ func (e *engine) run(ctx context.Context) error {
 
 	fatal := d.receive(ctx)
 
-	d.stopping.Store(true)
+	e.stopping.Store(true)
 	for _, ch := range d.lanes {
 		close(ch)
 	}
@@ -225,35 +227,67 @@ func (d *dispatcher) lane(stream string) chan Delivery {
 	return ch
 }
 
-// orderedWorker handles one stream's deliveries in order. The first message
-// of each assignment of the stream whose id is new is the one that may have
-// been in flight when a previous owner died, so its attempt is counted
-// durably (see Config.MaxCrashAttempts); later ones need no bookkeeping.
+// orderedWorker handles one stream's deliveries in order, in batches.
+//
+// After each new assignment of the stream (a new Delivery.Context), the
+// first BatchSize messages whose ids are new are handled one at a time with
+// a durable attempt count: one of them was in flight if the previous owner
+// died, and counting its attempts is how a message that kills the process
+// every time ends in the dead-letter queue (Config.MaxCrashAttempts) instead
+// of crash-looping the service. Later messages need no bookkeeping.
 func (d *dispatcher) orderedWorker(ch <-chan Delivery) {
 	defer d.wg.Done()
 	var assignment context.Context
-	suspect := false
-	for dv := range ch {
-		if d.stopping.Load() {
-			continue
-		}
-		if c := dv.Context(); c != assignment {
-			assignment, suspect = c, true
-		}
-		m := dv.Message()
-		if d.e.handle(d.work, dv, suspect || m.Redelivered || m.DeliveryCount > 0) {
-			suspect = false
+	careful := 0
+	for first := range ch {
+		batch := d.e.collect(first, ch)
+		for len(batch) > 0 && !d.e.stopping.Load() {
+			dv := batch[0]
+			if c := dv.Context(); c != assignment {
+				assignment, careful = c, d.e.cfg.BatchSize
+			}
+			if careful > 0 || mayBeRedelivery(dv) {
+				if d.e.handle(d.work, dv, true) {
+					careful--
+				}
+				batch = batch[1:]
+				continue
+			}
+			n := 1
+			for n < len(batch) && batch[n].Context() == assignment && !mayBeRedelivery(batch[n]) {
+				n++
+			}
+			d.e.handleBatch(d.work, batch[:n])
+			batch = batch[n:]
 		}
 	}
 }
 
+// unorderedWorker handles deliveries without a stream, batching what is
+// waiting; messages the broker marks redelivered are handled alone with a
+// durable attempt count.
 func (d *dispatcher) unorderedWorker() {
 	defer d.wg.Done()
-	for dv := range d.unordered {
-		if d.stopping.Load() {
+	for first := range d.unordered {
+		if d.e.stopping.Load() {
 			continue
 		}
-		m := dv.Message()
-		d.e.handle(d.work, dv, m.Redelivered || m.DeliveryCount > 0)
+		batch := d.e.collect(first, d.unordered)
+		plain := batch[:0]
+		for _, dv := range batch {
+			if mayBeRedelivery(dv) {
+				d.e.handle(d.work, dv, true)
+			} else {
+				plain = append(plain, dv)
+			}
+		}
+		if len(plain) > 0 && !d.e.stopping.Load() {
+			d.e.handleBatch(d.work, plain)
+		}
 	}
+}
+
+func mayBeRedelivery(dv Delivery) bool {
+	m := dv.Message()
+	return m.Redelivered || m.DeliveryCount > 0
 }

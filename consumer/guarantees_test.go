@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -392,4 +393,63 @@ func TestRouterDispatchesByType(t *testing.T) {
 	}
 	_, err = consumer.NewRouted(pool, memsource.New(memsource.Options{}).Source(), consumer.NewRouter(consumer.RouterConfig{}), fastConfig("empty"))
 	require.ErrorIs(t, err, consumer.ErrInvalidConfig)
+}
+
+// Handler failures inside batches: the batch is split, every other
+// message's effect commits exactly once, order within the stream holds,
+// and a message that always fails is dead-lettered after MaxAttempts.
+func TestBatchFailureSplitsAndKeepsOrder(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	const total = 300
+	b := memsource.New(memsource.Options{Streams: 1})
+	for i := 0; i < total; i++ {
+		publish(b, fmt.Sprintf("e%03d", i), i)
+	}
+	var mu sync.Mutex
+	calls := map[int]int{}
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		if err := insertEffect(ctx, tx, ev); err != nil {
+			return err
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		calls[ev.Payload.N]++
+		switch {
+		case ev.Payload.N%97 == 0: // always fails
+			return errors.New("always fails")
+		case ev.Payload.N%13 == 0 && calls[ev.Payload.N] == 1: // fails once
+			return errors.New("transient business failure")
+		}
+		return nil
+	}
+	cfg := fastConfig("batch-split")
+	cfg.BatchSize = 50
+	cfg.BatchLinger = 20 * time.Millisecond
+	c, err := consumer.New(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == total }, 20*time.Second, 5*time.Millisecond)
+
+	got := countEffects(t, pool)
+	for i := 0; i < total; i++ {
+		id := fmt.Sprintf("e%03d", i)
+		if i%97 == 0 {
+			assert.Zero(t, got[id], "a dead-lettered message has no effect")
+			continue
+		}
+		assert.Equal(t, 1, got[id], "effect of %s", id)
+	}
+	assert.Len(t, b.DeadLetters(), 4) // 0, 97, 194, 291
+	for _, n := range []int{0, 97, 194, 291} {
+		assert.Equal(t, 3, calls[n], "MaxAttempts counts the failure inside the batch")
+	}
+	rows, err := pool.Query(context.Background(), `SELECT n FROM effects ORDER BY seq`)
+	require.NoError(t, err)
+	ns, err := pgx.CollectRows(rows, pgx.RowTo[int32])
+	require.NoError(t, err)
+	for i := 1; i < len(ns); i++ {
+		require.Less(t, ns[i-1], ns[i], "commit order must follow the stream's order")
+	}
+	assert.Greater(t, c.Stats().Handled, uint64(0))
 }

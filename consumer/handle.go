@@ -29,6 +29,9 @@ type job struct {
 	// when none was recorded.
 	crashes int
 	span    trace.Span
+	// ctx carries the message's span and ends when the message is
+	// abandoned.
+	ctx context.Context
 }
 
 type resultKind int
@@ -50,8 +53,9 @@ type result struct {
 }
 
 // handle takes one delivery to its end: acked after a commit or a dead
-// letter, or abandoned unacked when its context ends. It reports whether
-// the message's id was claimed as new.
+// letter, or abandoned unacked when its context ends. When suspect is set,
+// the message may be a redelivery after a crash and its attempt is counted
+// durably first. It reports whether the message's id was claimed as new.
 func (e *engine) handle(work context.Context, dv Delivery, suspect bool) (claimed bool) {
 	e.sem <- struct{}{}
 	defer func() { <-e.sem }()
@@ -59,14 +63,35 @@ func (e *engine) handle(work context.Context, dv Delivery, suspect bool) (claime
 	ctx, cancel := context.WithCancel(work)
 	stop := context.AfterFunc(dv.Context(), cancel)
 	defer func() { stop(); cancel() }()
-
-	m := dv.Message()
-	ctx, span := e.tel.startSpan(ctx, m)
-	defer span.End()
 	e.tel.inflight.Add(ctx, 1, metric.WithAttributeSet(e.tel.base))
 	defer e.tel.inflight.Add(ctx, -1, metric.WithAttributeSet(e.tel.base))
 
-	j := &job{d: dv, m: m, span: span}
+	j, dl := e.newJob(ctx, dv)
+	defer j.span.End()
+	if dl != nil {
+		e.deadLetter(j.ctx, j, dl)
+		return false
+	}
+	if suspect {
+		if !e.recordCrashAttempt(j.ctx, j) {
+			return false
+		}
+		if j.crashes > e.cfg.MaxCrashAttempts {
+			e.deadLetter(j.ctx, j, &DeadLetter{Kind: KindCrashLoop, Attempts: j.crashes - 1,
+				Error: fmt.Sprintf("handling was cut short %d times (process crash or stall)", j.crashes-1)})
+			return false
+		}
+	}
+	return e.attempts(j.ctx, j)
+}
+
+// newJob starts the message's span and prepares it for its handler: event
+// id, type, decoded payload, fingerprint. A non-nil DeadLetter says why the
+// message cannot be handled.
+func (e *engine) newJob(ctx context.Context, dv Delivery) (*job, *DeadLetter) {
+	m := dv.Message()
+	ctx, span := e.tel.startSpan(ctx, m)
+	j := &job{d: dv, m: m, span: span, ctx: ctx}
 	var kind ErrorKind
 	var err error
 	if j.idt, kind, err = e.cfg.identify(m); err == nil {
@@ -74,29 +99,23 @@ func (e *engine) handle(work context.Context, dv Delivery, suspect bool) (claime
 		j.call, kind, err = e.prepare(m, j.idt, e.cfg.Decoder)
 	}
 	if err != nil {
-		e.deadLetter(ctx, j, &DeadLetter{Kind: kind, Error: err.Error()})
-		return false
+		return j, &DeadLetter{Kind: kind, Error: err.Error()}
 	}
 	if e.cfg.Fingerprint != nil {
 		j.fp = e.cfg.Fingerprint(m)
 	}
-	if suspect {
-		if !e.recordCrashAttempt(ctx, j) {
-			return false
-		}
-		if j.crashes > e.cfg.MaxCrashAttempts {
-			e.deadLetter(ctx, j, &DeadLetter{Kind: KindCrashLoop, Attempts: j.crashes - 1,
-				Error: fmt.Sprintf("handling was cut short %d times (process crash or stall)", j.crashes-1)})
-			return false
-		}
-	}
-	return e.attempts(ctx, j)
+	return j, nil
 }
 
 // attempts runs the message's transaction until it commits, is found a
 // duplicate, is dead-lettered or is abandoned.
 func (e *engine) attempts(ctx context.Context, j *job) (claimed bool) {
-	attempt, infraWait := 1, e.cfg.InfraBackoff.Initial
+	return e.attemptsFrom(ctx, j, 1)
+}
+
+// attemptsFrom is attempts starting at the given attempt number.
+func (e *engine) attemptsFrom(ctx context.Context, j *job, attempt int) (claimed bool) {
+	infraWait := e.cfg.InfraBackoff.Initial
 	for {
 		r := e.attempt(ctx, j, attempt+max(j.crashes-1, 0))
 		if r.kind != resInfraErr {

@@ -59,6 +59,7 @@ type telemetry struct {
 	messages, retries, deadLetters metric.Int64Counter
 	handlerDur, commitDur          metric.Float64Histogram
 	inflight                       metric.Int64UpDownCounter
+	batchSize                      metric.Int64Histogram
 }
 
 func newTelemetry(cfg *Config, system string) (*telemetry, error) {
@@ -100,6 +101,10 @@ func newTelemetry(cfg *Config, system string) (*telemetry, error) {
 	}
 	if t.inflight, err = m.Int64UpDownCounter("once.consumer.inflight",
 		metric.WithDescription("Messages being handled now."), metric.WithUnit("{message}")); err != nil {
+		return nil, err
+	}
+	if t.batchSize, err = m.Int64Histogram("once.consumer.batch.size",
+		metric.WithDescription("Messages per batch transaction."), metric.WithUnit("{message}")); err != nil {
 		return nil, err
 	}
 	return t, nil

@@ -69,4 +69,7 @@ type Suite struct {
 	// NewDB returns a pool on a real PostgreSQL database whose search_path
 	// is an empty schema of this test's own.
 	NewDB func(t *testing.T) *pgxpool.Pool
+	// Tune, when set, adjusts the consumer configuration of every test,
+	// e.g. to run the suite with BatchSize 1 as well as batched.
+	Tune func(*consumer.Config)
 }

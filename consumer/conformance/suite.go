@@ -55,7 +55,7 @@ func Run(t *testing.T, s Suite) {
 			_, err := db.Exec(context.Background(),
 				`CREATE TABLE effects (event_id text NOT NULL, k text NOT NULL DEFAULT '', n int NOT NULL DEFAULT 0, seq bigserial)`)
 			require.NoError(t, err)
-			tc.run(t, &env{t: t, f: s.Features, b: s.NewBroker(t), db: db})
+			tc.run(t, &env{t: t, f: s.Features, b: s.NewBroker(t), db: db, tune: s.Tune})
 		})
 	}
 }
@@ -66,6 +66,8 @@ type env struct {
 	f  Features
 	b  Broker
 	db *pgxpool.Pool
+	// tune adjusts every consumer configuration.
+	tune func(*consumer.Config)
 }
 
 // payload is what the suite publishes.
@@ -109,6 +111,9 @@ type running struct {
 
 func (e *env) start(src consumer.Source, cfg consumer.Config, h consumer.Handler[payload]) *running {
 	e.t.Helper()
+	if e.tune != nil {
+		e.tune(&cfg)
+	}
 	c, err := consumer.New(e.db, src, h, cfg)
 	require.NoError(e.t, err)
 	ctx, cancel := context.WithCancel(context.Background())
@@ -445,7 +450,9 @@ func testShutdownMidFlight(t *testing.T, e *env) {
 		msgs = append(msgs, msg(id, "k"+strconv.Itoa(i%3), i))
 	}
 	e.publish(msgs...)
+	var calls atomic.Int32
 	slow := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[payload]) error {
+		calls.Add(1)
 		select {
 		case <-time.After(100 * time.Millisecond):
 		case <-ctx.Done():
@@ -456,7 +463,7 @@ func testShutdownMidFlight(t *testing.T, e *env) {
 	cfg := config()
 	cfg.Concurrency = 2
 	r := e.start(e.b.NewSource(t), cfg, slow)
-	e.waitEffects(5)
+	require.Eventually(t, func() bool { return calls.Load() >= 5 }, waitFor, 5*time.Millisecond)
 	require.NoError(t, r.stop())
 	first := len(e.effects())
 	assert.Less(t, first, len(all), "the consumer stopped before the end")

@@ -55,6 +55,17 @@ func TestConformanceOrdered(t *testing.T) {
 	})
 }
 
+func TestConformanceOneMessagePerTransaction(t *testing.T) {
+	conformance.Run(t, conformance.Suite{
+		Features: conformance.Features{Ordered: true, FallbackID: true, RedeliverOnRestart: true},
+		NewBroker: func(t *testing.T) conformance.Broker {
+			return broker{memsource.New(memsource.Options{Streams: 4, FallbackID: true})}
+		},
+		NewDB: func(t *testing.T) *pgxpool.Pool { p, _ := pgtest.Schema(t); return p },
+		Tune:  func(c *consumer.Config) { c.BatchSize = 1 },
+	})
+}
+
 func TestConformanceUnordered(t *testing.T) {
 	conformance.Run(t, conformance.Suite{
 		Features:  conformance.Features{RedeliverOnRestart: true},
