@@ -1,0 +1,296 @@
+package amqp
+
+import (
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/url"
+	"strings"
+	"time"
+
+	amqp091 "github.com/rabbitmq/amqp091-go"
+	"go.opentelemetry.io/otel/metric"
+)
+
+// QueueType is the x-queue-type of a declared queue.
+type QueueType string
+
+// The queue types the source declares.
+const (
+	// QueueClassic declares a durable classic queue (the default).
+	QueueClassic QueueType = "classic"
+	// QueueQuorum declares a quorum queue (replicated, durable). RabbitMQ
+	// counts deliveries of quorum queue messages in the x-delivery-count
+	// header, which the source reports as Message.DeliveryCount.
+	QueueQuorum QueueType = "quorum"
+)
+
+// Default values of Config fields left zero.
+const (
+	DefaultPrefetch            = 64
+	DefaultConfirmTimeout      = 10 * time.Second
+	DefaultDialTimeout         = 10 * time.Second
+	DefaultHeartbeat           = 10 * time.Second
+	DefaultReconnectMinBackoff = 100 * time.Millisecond
+	DefaultReconnectMaxBackoff = 10 * time.Second
+	DefaultExchangeKind        = "direct"
+	// DeadLetterQueueSuffix is appended to Config.Queue to name the default
+	// dead-letter queue.
+	DeadLetterQueueSuffix = ".dlq"
+)
+
+// Exchange is an exchange the source declares (durable, not auto-deleted)
+// before it binds its queue.
+type Exchange struct {
+	// Name of the exchange. Required; the default exchange "" cannot be
+	// declared.
+	Name string
+	// Kind is "direct", "fanout", "topic", "headers" or a plugin's kind.
+	// Default "direct".
+	Kind string
+	// Args are the exchange's declare arguments (e.g. alternate-exchange).
+	Args amqp091.Table
+}
+
+// Binding binds the source's queue to an exchange.
+type Binding struct {
+	// Exchange to bind to. Required: every queue is already bound to the
+	// default exchange under its own name.
+	Exchange string
+	// RoutingKey (binding key) of the binding; may be empty (fanout) or a
+	// pattern (topic).
+	RoutingKey string
+	// Args of the binding (headers exchanges match on them).
+	Args amqp091.Table
+}
+
+// DeadLetterConfig says where Delivery.DeadLetter publishes copies of
+// poison messages. The zero value publishes to the default exchange with
+// routing key "<Queue>.dlq" and declares that queue.
+type DeadLetterConfig struct {
+	// Exchange the copies are published to. Default "": the default
+	// exchange, which routes by queue name. A non-empty Exchange is
+	// declared (durable) with ExchangeKind unless Config.Passive is set.
+	Exchange string
+	// ExchangeKind is the kind used to declare Exchange. Default "direct".
+	ExchangeKind string
+	// RoutingKey of the copies. Default: Queue.
+	RoutingKey string
+	// Queue is the dead-letter queue declared (durable, of the same
+	// QueueType as the source's queue) and, when Exchange is not "", bound
+	// to Exchange with RoutingKey. Default "<Config.Queue>.dlq".
+	Queue string
+	// NoQueue: declare no dead-letter queue; something else routes the
+	// copies from Exchange. Publishes that no queue receives fail (they are
+	// published mandatory), so the consumer keeps retrying them instead of
+	// losing the message.
+	NoQueue bool
+}
+
+// Config configures a Source. URL and Queue are required; every other field
+// has a documented default.
+type Config struct {
+	// URL of the broker, "amqp://user:password@host:port/vhost" or
+	// "amqps://..." for TLS. Required. The password never appears in errors
+	// or logs.
+	URL string
+	// TLSConfig is used for amqps URLs (client certificates, root CAs). Nil:
+	// the system roots with the URL's host as server name.
+	TLSConfig *tls.Config
+	// DialTimeout bounds the TCP connect plus the TLS and AMQP handshakes.
+	// Default 10s.
+	DialTimeout time.Duration
+	// Heartbeat is the AMQP heartbeat interval: a dead peer is detected
+	// after about two intervals without traffic. Default 10s.
+	Heartbeat time.Duration
+	// ConnectionName is shown in the RabbitMQ management UI and
+	// rabbitmqctl list_connections. Default "once <Queue>".
+	ConnectionName string
+
+	// Queue the source consumes from. Required.
+	Queue string
+	// QueueType of the declared queue and dead-letter queue. Default
+	// QueueClassic. Both are declared durable and not auto-deleted.
+	QueueType QueueType
+	// QueueArgs are extra declare arguments of the queue (x-max-length,
+	// x-message-ttl, ...). x-queue-type is set from QueueType.
+	QueueArgs amqp091.Table
+	// Exchanges are declared before the bindings.
+	Exchanges []Exchange
+	// Bindings of the queue.
+	Bindings []Binding
+	// Passive: declare nothing, only check that the queue, the exchanges,
+	// the dead-letter exchange and the dead-letter queue exist (AMQP has no
+	// passive binding check, so Bindings are not checked). For deployments
+	// where topology is owned elsewhere and the user may lack configure
+	// permission. A missing entity makes Open fail.
+	Passive bool
+
+	// Prefetch is the channel's QoS prefetch count: how many unacked
+	// deliveries the broker hands the source at once. Default 64. Keep it
+	// at least the consumer's Config.Concurrency (workers starve below it);
+	// 2 to 4 times Concurrency keeps them busy. Prefetch is applied again
+	// after every reconnect.
+	Prefetch int
+	// ConsumerTag of the subscription. Default: generated by the broker.
+	ConsumerTag string
+
+	// DeadLetter is where poison messages are copied.
+	DeadLetter DeadLetterConfig
+	// ConfirmTimeout bounds the wait for the broker's publisher confirm of
+	// a dead-letter copy; past it DeadLetter returns an error and the
+	// consumer retries. Default 10s.
+	ConfirmTimeout time.Duration
+
+	// ReconnectMinBackoff is the wait before the second attempt to
+	// reconnect (the first is immediate). It doubles after each failed
+	// attempt, with jitter, up to ReconnectMaxBackoff. Defaults 100ms and
+	// 10s. The source retries for as long as Receive's context allows.
+	ReconnectMinBackoff time.Duration
+	// ReconnectMaxBackoff caps the wait between reconnect attempts.
+	ReconnectMaxBackoff time.Duration
+
+	// FallbackID: when set, every message gets Message.FallbackID, a
+	// SHA-256 of its exchange, routing key and body, which the consumer
+	// uses as the event id when the message carries none (no message-id
+	// property and no id header). Off by default, because two legitimate
+	// messages with the same body and routing would then be collapsed into
+	// one: without an id, such messages are dead-lettered with kind
+	// missing-id.
+	FallbackID bool
+
+	// Logger receives connection events (lost, reconnected, giving up on a
+	// publish). Default slog.Default(). Payloads and passwords are never
+	// logged.
+	Logger *slog.Logger
+	// MeterProvider provides the once.amqp.reconnects counter. Default: the
+	// global provider (otel.GetMeterProvider()).
+	MeterProvider metric.MeterProvider
+}
+
+// withDefaults validates cfg and returns a copy with defaults filled in.
+func (cfg Config) withDefaults() (Config, error) {
+	if cfg.URL == "" {
+		return cfg, errors.New("amqp: Config.URL is required")
+	}
+	u, err := amqp091.ParseURI(cfg.URL)
+	if err != nil {
+		return cfg, fmt.Errorf("amqp: Config.URL %s: %w", redactURL(cfg.URL), redactErr(err, cfg.URL))
+	}
+	if cfg.TLSConfig != nil && u.Scheme != "amqps" {
+		return cfg, fmt.Errorf("amqp: Config.TLSConfig is set but Config.URL %s is not an amqps URL", redactURL(cfg.URL))
+	}
+	if cfg.Queue == "" {
+		return cfg, errors.New("amqp: Config.Queue is required")
+	}
+	if len(cfg.Queue) > 255 {
+		return cfg, errors.New("amqp: Config.Queue is longer than 255 bytes")
+	}
+	switch cfg.QueueType {
+	case "":
+		cfg.QueueType = QueueClassic
+	case QueueClassic, QueueQuorum:
+	default:
+		return cfg, fmt.Errorf("amqp: Config.QueueType %q: want %q or %q", cfg.QueueType, QueueClassic, QueueQuorum)
+	}
+	if v, ok := cfg.QueueArgs["x-queue-type"]; ok && v != string(cfg.QueueType) {
+		return cfg, fmt.Errorf("amqp: Config.QueueArgs x-queue-type %v contradicts Config.QueueType %q", v, cfg.QueueType)
+	}
+	for i, e := range cfg.Exchanges {
+		if e.Name == "" {
+			return cfg, fmt.Errorf("amqp: Config.Exchanges[%d].Name is required", i)
+		}
+	}
+	for i, b := range cfg.Bindings {
+		if b.Exchange == "" {
+			return cfg, fmt.Errorf("amqp: Config.Bindings[%d].Exchange is required (queues are always bound to the default exchange)", i)
+		}
+	}
+	if cfg.Prefetch < 0 || cfg.Prefetch > 65535 {
+		return cfg, fmt.Errorf("amqp: Config.Prefetch %d: want 0 (default %d) to 65535", cfg.Prefetch, DefaultPrefetch)
+	}
+	if cfg.Prefetch == 0 {
+		cfg.Prefetch = DefaultPrefetch
+	}
+	for _, d := range []struct {
+		name string
+		v    *time.Duration
+		def  time.Duration
+	}{
+		{"DialTimeout", &cfg.DialTimeout, DefaultDialTimeout},
+		{"Heartbeat", &cfg.Heartbeat, DefaultHeartbeat},
+		{"ConfirmTimeout", &cfg.ConfirmTimeout, DefaultConfirmTimeout},
+		{"ReconnectMinBackoff", &cfg.ReconnectMinBackoff, DefaultReconnectMinBackoff},
+		{"ReconnectMaxBackoff", &cfg.ReconnectMaxBackoff, DefaultReconnectMaxBackoff},
+	} {
+		if *d.v < 0 {
+			return cfg, fmt.Errorf("amqp: Config.%s %v is negative", d.name, *d.v)
+		}
+		if *d.v == 0 {
+			*d.v = d.def
+		}
+	}
+	if cfg.ReconnectMaxBackoff < cfg.ReconnectMinBackoff {
+		return cfg, fmt.Errorf("amqp: Config.ReconnectMaxBackoff %v is below Config.ReconnectMinBackoff %v", cfg.ReconnectMaxBackoff, cfg.ReconnectMinBackoff)
+	}
+	if cfg.ConnectionName == "" {
+		cfg.ConnectionName = "once " + cfg.Queue
+	}
+	dl := &cfg.DeadLetter
+	if dl.Queue == "" && !dl.NoQueue {
+		dl.Queue = cfg.Queue + DeadLetterQueueSuffix
+	}
+	if dl.NoQueue {
+		dl.Queue = ""
+		if dl.Exchange == "" {
+			return cfg, errors.New("amqp: Config.DeadLetter.NoQueue needs Config.DeadLetter.Exchange: the default exchange routes only to queues by name")
+		}
+	}
+	if dl.Queue == cfg.Queue {
+		return cfg, errors.New("amqp: Config.DeadLetter.Queue must differ from Config.Queue")
+	}
+	if dl.RoutingKey == "" {
+		dl.RoutingKey = dl.Queue
+	}
+	if dl.Exchange == "" && dl.RoutingKey != dl.Queue {
+		return cfg, fmt.Errorf("amqp: Config.DeadLetter.RoutingKey %q must equal Config.DeadLetter.Queue %q on the default exchange", dl.RoutingKey, dl.Queue)
+	}
+	if dl.ExchangeKind == "" {
+		dl.ExchangeKind = DefaultExchangeKind
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	return cfg, nil
+}
+
+// redactURL returns raw with its password replaced by "xxxxx". A URL that
+// does not parse is replaced entirely, since it may hold a password.
+func redactURL(raw string) string {
+	u, err := url.Parse(raw)
+	if err != nil {
+		return "<unparsable URL>"
+	}
+	return u.Redacted()
+}
+
+// redactErr removes the URL's password from err's text, for errors of
+// libraries that quote the URL they were given.
+func redactErr(err error, raw string) error {
+	if err == nil {
+		return nil
+	}
+	u, perr := url.Parse(raw)
+	if perr != nil || u.User == nil {
+		if strings.Contains(err.Error(), raw) {
+			return errors.New(strings.ReplaceAll(err.Error(), raw, "<URL>"))
+		}
+		return err
+	}
+	pw, ok := u.User.Password()
+	if !ok || pw == "" || !strings.Contains(err.Error(), pw) {
+		return err
+	}
+	return errors.New(strings.ReplaceAll(err.Error(), pw, "xxxxx"))
+}

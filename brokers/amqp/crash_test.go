@@ -1,0 +1,167 @@
+package amqp_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"strconv"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/brokers/amqp"
+	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/internal/pgtest"
+)
+
+// The crash test re-executes the test binary as a consumer process that
+// dies inside Delivery.Ack, after the message's transaction committed.
+const (
+	childEnv        = "ONCE_AMQP_TEST_CHILD"
+	childQueueEnv   = "ONCE_AMQP_TEST_QUEUE"
+	childSchemaEnv  = "ONCE_AMQP_TEST_SCHEMA"
+	childCrashAtEnv = "ONCE_AMQP_TEST_CRASH_AT"
+	crashMarker     = "child: exiting inside Ack"
+)
+
+// exitOnAck kills the process in the at-th call of Ack, before acking.
+type exitOnAck struct {
+	consumer.Source
+	at    int64
+	calls atomic.Int64
+}
+
+type exitingDelivery struct {
+	consumer.Delivery
+	s *exitOnAck
+}
+
+func (s *exitOnAck) Receive(ctx context.Context) (consumer.Delivery, error) {
+	d, err := s.Source.Receive(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return &exitingDelivery{Delivery: d, s: s}, nil
+}
+
+func (d *exitingDelivery) Ack(ctx context.Context) error {
+	if d.s.calls.Add(1) == d.s.at {
+		fmt.Fprintln(os.Stderr, crashMarker, d.Message().ID)
+		os.Exit(1)
+	}
+	return d.Delivery.Ack(ctx)
+}
+
+// runChild is the consumer process of TestCrashBetweenCommitAndAck.
+func runChild() int {
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	at, err := strconv.ParseInt(os.Getenv(childCrashAtEnv), 10, 64)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "child:", err)
+		return 2
+	}
+	pcfg, err := pgxpool.ParseConfig(os.Getenv("DATABASE_URL"))
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "child:", err)
+		return 2
+	}
+	pcfg.ConnConfig.RuntimeParams["search_path"] = os.Getenv(childSchemaEnv)
+	pool, err := pgxpool.NewWithConfig(ctx, pcfg)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "child:", err)
+		return 2
+	}
+	defer pool.Close()
+	src, err := amqp.Open(ctx, amqp.Config{URL: os.Getenv("AMQP_URL"), Queue: os.Getenv(childQueueEnv)})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "child:", err)
+		return 2
+	}
+	c, err := consumer.New(pool, &exitOnAck{Source: src, at: at}, recordEffect, consumer.Config{Name: "crash-test", Concurrency: 4})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "child:", err)
+		return 2
+	}
+	if err := c.Run(ctx); err != nil {
+		fmt.Fprintln(os.Stderr, "child:", err)
+		return 2
+	}
+	fmt.Fprintln(os.Stderr, "child: ran out of time without crashing")
+	return 3
+}
+
+// TestCrashBetweenCommitAndAck kills the consumer process after a
+// message's transaction committed and before its ack: the broker delivers
+// it again, the next consumer skips it as a duplicate, and every event has
+// exactly one effect.
+func TestCrashBetweenCommitAndAck(t *testing.T) {
+	t.Parallel()
+	url := brokerURL(t)
+	ctx := context.Background()
+	a := newAdmin(t)
+	q := queueName(t)
+	a.declare(q, amqp.QueueClassic)
+	const n, crashAt = 40, 10
+	ids := eventIDs("crash", n)
+	require.NoError(t, a.publish("", q, messagesFor(ids)...))
+
+	pool, schema := pgtest.Schema(t)
+	_, err := pool.Exec(ctx, effectsDDL)
+	require.NoError(t, err)
+
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(),
+		childEnv+"=1",
+		"AMQP_URL="+url,
+		"DATABASE_URL="+pgtest.URL(),
+		childQueueEnv+"="+q,
+		childSchemaEnv+"="+schema,
+		childCrashAtEnv+"="+strconv.Itoa(crashAt),
+	)
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	err = cmd.Run()
+	var exit *exec.ExitError
+	require.True(t, errors.As(err, &exit), "the child must crash, got %v; stderr:\n%s", err, stderr.String())
+	require.Equal(t, 1, exit.ExitCode(), "stderr:\n%s", stderr.String())
+	require.Contains(t, stderr.String(), crashMarker)
+
+	committed, distinct, err := effectCounts(ctx, pool)
+	require.NoError(t, err)
+	require.Equal(t, committed, distinct, "the crashed process committed an event twice")
+	require.GreaterOrEqual(t, committed, crashAt, "the crash came in the Ack of the %dth committed message", crashAt)
+	t.Logf("the child committed %d events and acked %d before dying", committed, crashAt-1)
+
+	src := openSource(t, amqp.Config{Queue: q})
+	c, err := consumer.New(pool, src, recordEffect, consumer.Config{Name: "crash-test", Concurrency: 4})
+	require.NoError(t, err)
+	runCtx, stop := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- c.Run(runCtx) }()
+	require.Eventually(t, func() bool {
+		_, d, err := effectCounts(ctx, pool)
+		st := c.Stats()
+		ready, rerr := a.ready(q)
+		return err == nil && rerr == nil && d == n && ready == 0 && st.Handled+st.Duplicates == st.Received
+	}, 60*time.Second, 20*time.Millisecond)
+	stop()
+	require.NoError(t, <-done)
+
+	requireExactlyOnce(t, pool, ids)
+	st := c.Stats()
+	assert.Equal(t, uint64(n-committed), st.Handled, "the restarted consumer handles exactly what was not committed")
+	assert.GreaterOrEqual(t, st.Duplicates, uint64(committed-(crashAt-1)),
+		"every message committed but not acked comes back and is skipped as a duplicate")
+	assert.Zero(t, st.DeadLettered)
+	ready, err := a.ready(q)
+	require.NoError(t, err)
+	assert.Zero(t, ready, "every message was acked")
+}

@@ -1,0 +1,304 @@
+package amqp
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math"
+	"math/big"
+	"strconv"
+	"sync/atomic"
+	"time"
+
+	amqp091 "github.com/rabbitmq/amqp091-go"
+
+	"github.com/onceco/once/consumer"
+)
+
+// Headers written on dead-letter copies in addition to the consumer's
+// diagnostic headers (consumer.DeadLetter.Headers).
+const (
+	// HeaderOriginalExchange is the exchange the message was published to
+	// ("" for the default exchange).
+	HeaderOriginalExchange = "once-original-exchange"
+	// HeaderOriginalRoutingKey is the routing key it was published with.
+	HeaderOriginalRoutingKey = "once-original-routing-key"
+	// HeaderOriginalQueue is the queue the source consumed it from.
+	HeaderOriginalQueue = "once-original-queue"
+	// HeaderOriginalExpiration holds the message's expiration property,
+	// which is not copied (the copy must not expire from the DLQ).
+	HeaderOriginalExpiration = "once-original-expiration"
+	// HeaderOriginalUserID holds the message's user-id property, which is
+	// not copied (RabbitMQ rejects a user-id other than the publisher's).
+	HeaderOriginalUserID = "once-original-user-id"
+)
+
+// FallbackIDPrefix starts every Message.FallbackID of this adapter.
+const FallbackIDPrefix = "amqp-sha256:"
+
+// DeliveryCountHeader is the header in which quorum queues count earlier
+// deliveries; it is reported as Message.DeliveryCount.
+const DeliveryCountHeader = "x-delivery-count"
+
+// delivery is one AMQP delivery; it implements consumer.Delivery.
+type delivery struct {
+	src   *Source
+	sess  *session
+	d     *amqp091.Delivery
+	msg   *consumer.Message
+	acked atomic.Bool
+}
+
+func (s *Source) newDelivery(sess *session, d *amqp091.Delivery) *delivery {
+	msg := &consumer.Message{
+		ID:            d.MessageId,
+		Type:          d.Type,
+		Value:         d.Body,
+		Headers:       headerStrings(d.Headers),
+		Topic:         s.cfg.Queue,
+		Partition:     -1,
+		Offset:        -1,
+		Timestamp:     d.Timestamp,
+		Redelivered:   d.Redelivered,
+		DeliveryCount: deliveryCount(d.Headers),
+	}
+	if s.cfg.FallbackID {
+		msg.FallbackID = fallbackID(d.Exchange, d.RoutingKey, d.Body)
+	}
+	return &delivery{src: s, sess: sess, d: d, msg: msg}
+}
+
+// Message returns the message. Message.ID is the message-id property,
+// Message.Type the type property, Message.Headers the AMQP headers as
+// strings, Message.Topic the queue.
+func (d *delivery) Message() *consumer.Message { return d.msg }
+
+// Context is done once the delivery's channel closed (connection lost,
+// channel error, source closed).
+func (d *delivery) Context() context.Context { return d.sess.ctx }
+
+// Ack acknowledges the delivery on the channel it came from. It returns an
+// error wrapping ErrChannelClosed, and acks nothing, when that channel
+// closed; the broker then delivers the message again.
+func (d *delivery) Ack(ctx context.Context) error {
+	if d.sess.ctx.Err() != nil {
+		return fmt.Errorf("amqp: ack delivery %d: %w (%v)", d.d.DeliveryTag, ErrChannelClosed, context.Cause(d.sess.ctx))
+	}
+	if !d.acked.CompareAndSwap(false, true) {
+		return fmt.Errorf("amqp: delivery %d acked twice", d.d.DeliveryTag)
+	}
+	if err := d.sess.ch.Ack(d.d.DeliveryTag, false); err != nil {
+		if errors.Is(err, amqp091.ErrClosed) {
+			return fmt.Errorf("amqp: ack delivery %d: %w (%v)", d.d.DeliveryTag, ErrChannelClosed, err)
+		}
+		return fmt.Errorf("amqp: ack delivery %d: %w", d.d.DeliveryTag, err)
+	}
+	return nil
+}
+
+// DeadLetter publishes a copy of the message to the dead-letter exchange
+// and routing key of the Config: the original body and properties (except
+// expiration and user-id, kept in headers), persistent, with the original
+// headers overwritten by dl.Headers and the once-original-exchange,
+// once-original-routing-key and once-original-queue headers. It returns
+// once the broker confirmed the copy, and an error when it nacked it, the
+// copy was unroutable, no confirm came within Config.ConfirmTimeout, or the
+// delivery's channel closed. It does not ack the delivery.
+func (d *delivery) DeadLetter(ctx context.Context, dl *consumer.DeadLetter) error {
+	if d.sess.ctx.Err() != nil {
+		return fmt.Errorf("amqp: dead-letter delivery %d: %w (%v)", d.d.DeliveryTag, ErrChannelClosed, context.Cause(d.sess.ctx))
+	}
+	cfg := &d.src.cfg
+	p := deadLetterPublishing(d.d, dl.Headers(d.msg), cfg.Queue)
+	if err := d.sess.publish(ctx, cfg.DeadLetter.Exchange, cfg.DeadLetter.RoutingKey, p, cfg.ConfirmTimeout); err != nil {
+		d.src.log.Warn("amqp: dead-letter publish failed", "event_id", dl.EventID, "error", err)
+		return err
+	}
+	return nil
+}
+
+// deadLetterPublishing builds the dead-letter copy of d.
+func deadLetterPublishing(d *amqp091.Delivery, diag map[string]string, queue string) amqp091.Publishing {
+	h := make(amqp091.Table, len(d.Headers)+len(diag)+5)
+	for k, v := range d.Headers {
+		h[k] = v
+	}
+	for k, v := range diag {
+		h[k] = v
+	}
+	h[HeaderOriginalExchange] = d.Exchange
+	h[HeaderOriginalRoutingKey] = d.RoutingKey
+	h[HeaderOriginalQueue] = queue
+	if d.Expiration != "" {
+		h[HeaderOriginalExpiration] = d.Expiration
+	}
+	if d.UserId != "" {
+		h[HeaderOriginalUserID] = d.UserId
+	}
+	return amqp091.Publishing{
+		Headers:         h,
+		ContentType:     d.ContentType,
+		ContentEncoding: d.ContentEncoding,
+		DeliveryMode:    amqp091.Persistent,
+		Priority:        d.Priority,
+		CorrelationId:   d.CorrelationId,
+		ReplyTo:         d.ReplyTo,
+		MessageId:       d.MessageId,
+		Timestamp:       d.Timestamp,
+		Type:            d.Type,
+		AppId:           d.AppId,
+		Body:            d.Body,
+	}
+}
+
+// fallbackID hashes what identifies a message when it carries no id.
+func fallbackID(exchange, routingKey string, body []byte) string {
+	h := sha256.New()
+	h.Write([]byte(exchange))
+	h.Write([]byte{0})
+	h.Write([]byte(routingKey))
+	h.Write([]byte{0})
+	h.Write(body)
+	return FallbackIDPrefix + hex.EncodeToString(h.Sum(nil))
+}
+
+// deliveryCount reads x-delivery-count, whatever integer type it has.
+func deliveryCount(h amqp091.Table) int {
+	v, ok := h[DeliveryCountHeader]
+	if !ok {
+		return 0
+	}
+	switch n := v.(type) {
+	case int8:
+		return int(n)
+	case int16:
+		return int(n)
+	case int32:
+		return int(n)
+	case int64:
+		return int(n)
+	case int:
+		return n
+	case uint8:
+		return int(n)
+	case uint16:
+		return int(n)
+	case uint32:
+		return int(n)
+	case uint64:
+		if n > math.MaxInt32 {
+			return math.MaxInt32
+		}
+		return int(n)
+	case string:
+		c, err := strconv.Atoi(n)
+		if err != nil {
+			return 0
+		}
+		return c
+	}
+	return 0
+}
+
+// headerStrings converts an AMQP header table to strings: strings and byte
+// arrays as they are, numbers and booleans formatted, timestamps in
+// RFC 3339, decimals exactly, nested tables and arrays as JSON. Void
+// values become "".
+func headerStrings(t amqp091.Table) map[string]string {
+	if len(t) == 0 {
+		return map[string]string{}
+	}
+	out := make(map[string]string, len(t))
+	for k, v := range t {
+		out[k] = headerString(v)
+	}
+	return out
+}
+
+func headerString(v any) string {
+	switch x := v.(type) {
+	case nil:
+		return ""
+	case string:
+		return x
+	case []byte:
+		return string(x)
+	case bool:
+		return strconv.FormatBool(x)
+	case int8:
+		return strconv.FormatInt(int64(x), 10)
+	case int16:
+		return strconv.FormatInt(int64(x), 10)
+	case int32:
+		return strconv.FormatInt(int64(x), 10)
+	case int64:
+		return strconv.FormatInt(x, 10)
+	case int:
+		return strconv.Itoa(x)
+	case uint8:
+		return strconv.FormatUint(uint64(x), 10)
+	case uint16:
+		return strconv.FormatUint(uint64(x), 10)
+	case uint32:
+		return strconv.FormatUint(uint64(x), 10)
+	case uint64:
+		return strconv.FormatUint(x, 10)
+	case float32:
+		return strconv.FormatFloat(float64(x), 'g', -1, 32)
+	case float64:
+		return strconv.FormatFloat(x, 'g', -1, 64)
+	case time.Time:
+		return x.UTC().Format(time.RFC3339)
+	case amqp091.Decimal:
+		return decimalString(x)
+	case amqp091.Table, []any:
+		b, err := json.Marshal(jsonValue(x))
+		if err != nil {
+			return fmt.Sprint(x)
+		}
+		return string(b)
+	default:
+		return fmt.Sprint(x)
+	}
+}
+
+// jsonValue makes nested header values JSON-friendly: byte arrays as
+// strings, decimals and timestamps as their header strings.
+func jsonValue(v any) any {
+	switch x := v.(type) {
+	case amqp091.Table:
+		m := make(map[string]any, len(x))
+		for k, e := range x {
+			m[k] = jsonValue(e)
+		}
+		return m
+	case []any:
+		a := make([]any, len(x))
+		for i, e := range x {
+			a[i] = jsonValue(e)
+		}
+		return a
+	case []byte, time.Time, amqp091.Decimal:
+		return headerString(x)
+	case float32:
+		if math.IsNaN(float64(x)) || math.IsInf(float64(x), 0) {
+			return headerString(x)
+		}
+		return x
+	case float64:
+		if math.IsNaN(x) || math.IsInf(x, 0) {
+			return headerString(x)
+		}
+		return x
+	default:
+		return x
+	}
+}
+
+func decimalString(d amqp091.Decimal) string {
+	r := new(big.Rat).SetFrac(big.NewInt(int64(d.Value)), new(big.Int).Exp(big.NewInt(10), big.NewInt(int64(d.Scale)), nil))
+	return r.FloatString(int(d.Scale))
+}

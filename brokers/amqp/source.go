@@ -1,0 +1,484 @@
+package amqp
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"sync"
+	"time"
+
+	amqp091 "github.com/rabbitmq/amqp091-go"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/metric"
+
+	"github.com/onceco/once/consumer"
+)
+
+// instrumentationName names the OpenTelemetry meter of this package.
+const instrumentationName = "github.com/onceco/once/brokers/amqp"
+
+// ReconnectsMetric is the name of the OpenTelemetry counter of successful
+// reconnections after a lost connection or channel. Its attributes are
+// messaging.system ("rabbitmq") and messaging.destination.name (the queue).
+const ReconnectsMetric = "once.amqp.reconnects"
+
+// ErrChannelClosed is returned (wrapped) by Delivery.Ack and
+// Delivery.DeadLetter for a delivery whose AMQP channel closed: delivery
+// tags belong to a channel, so the delivery cannot be settled any more and
+// the broker delivers the message again.
+var ErrChannelClosed = errors.New("amqp: the delivery's channel closed; the broker will deliver the message again")
+
+// Source consumes one RabbitMQ queue for a consumer.Consumer. It implements
+// consumer.Source and consumer.SystemNamer.
+//
+// The source owns one connection with two channels: one consumes with manual
+// acknowledgements and the configured prefetch, the other publishes
+// dead-letter copies in confirm mode. When the connection or the consuming
+// channel is lost, Receive reconnects with exponential backoff and jitter,
+// declares the topology again, applies the prefetch and resumes consuming,
+// blocking meanwhile. Deliveries received before the loss have their
+// Context cancelled and cannot be acked; the broker delivers them again.
+//
+// Receive must be called from one goroutine at a time; the deliveries it
+// returns may be settled from any goroutine.
+type Source struct {
+	cfg        Config
+	log        *slog.Logger
+	reconnects metric.Int64Counter
+	attrs      metric.MeasurementOption
+
+	closeCh chan struct{}
+
+	mu        sync.Mutex
+	sess      *session // the live session; nil while disconnected
+	closed    bool
+	connected bool // a session was established at least once
+	lostAt    time.Time
+}
+
+// Open validates cfg, connects to the broker, declares (or, with
+// Config.Passive, checks) the topology and starts consuming. A broker that
+// cannot be reached is retried with backoff until ctx is done; an error the
+// broker gives for the configuration itself (access refused, a missing
+// queue in passive mode, a queue declared with other arguments) is returned
+// at once. Config errors name the offending field.
+func Open(ctx context.Context, cfg Config) (*Source, error) {
+	cfg, err := cfg.withDefaults()
+	if err != nil {
+		return nil, err
+	}
+	mp := cfg.MeterProvider
+	if mp == nil {
+		mp = otel.GetMeterProvider()
+	}
+	counter, err := mp.Meter(instrumentationName).Int64Counter(ReconnectsMetric,
+		metric.WithDescription("Reconnections of the RabbitMQ source after a lost connection or channel."),
+		metric.WithUnit("{reconnect}"))
+	if err != nil {
+		return nil, fmt.Errorf("amqp: create %s counter: %w", ReconnectsMetric, err)
+	}
+	s := &Source{
+		cfg:        cfg,
+		log:        cfg.Logger.With("queue", cfg.Queue, "broker", redactURL(cfg.URL)),
+		reconnects: counter,
+		attrs: metric.WithAttributeSet(attribute.NewSet(
+			attribute.String("messaging.system", "rabbitmq"),
+			attribute.String("messaging.destination.name", cfg.Queue))),
+		closeCh: make(chan struct{}),
+	}
+	if _, err := s.reconnect(ctx); err != nil {
+		return nil, err
+	}
+	return s, nil
+}
+
+// MessagingSystem returns "rabbitmq", the OpenTelemetry messaging.system.
+func (s *Source) MessagingSystem() string { return "rabbitmq" }
+
+// Receive returns the next delivery of the queue. It blocks until one
+// arrives or ctx is done (it then returns ctx.Err()). While the connection
+// is lost it keeps blocking and reconnects. It returns
+// consumer.ErrSourceClosed once Close was called.
+func (s *Source) Receive(ctx context.Context) (consumer.Delivery, error) {
+	for {
+		sess, err := s.current(ctx)
+		if err != nil {
+			return nil, err
+		}
+		select {
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-s.closeCh:
+			return nil, consumer.ErrSourceClosed
+		case <-sess.ctx.Done():
+			s.lost(sess, context.Cause(sess.ctx))
+		case d, ok := <-sess.deliveries:
+			if !ok {
+				s.lost(sess, errors.New("amqp: the broker cancelled the consumer"))
+				continue
+			}
+			if sess.ctx.Err() != nil {
+				// Buffered from a channel that died meanwhile: it cannot be
+				// acked, and the broker delivers it again.
+				s.lost(sess, context.Cause(sess.ctx))
+				continue
+			}
+			return s.newDelivery(sess, &d), nil
+		}
+	}
+}
+
+// Close stops consuming and closes the connection. Deliveries not yet
+// acked go back to the queue. It is safe to call more than once.
+func (s *Source) Close() error {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return nil
+	}
+	s.closed = true
+	close(s.closeCh)
+	sess := s.sess
+	s.sess = nil
+	s.mu.Unlock()
+	if sess == nil {
+		return nil
+	}
+	return sess.close(consumer.ErrSourceClosed)
+}
+
+// current returns the live session, reconnecting when there is none.
+func (s *Source) current(ctx context.Context) (*session, error) {
+	s.mu.Lock()
+	closed, sess := s.closed, s.sess
+	s.mu.Unlock()
+	if closed {
+		return nil, consumer.ErrSourceClosed
+	}
+	if sess != nil {
+		return sess, nil
+	}
+	return s.reconnect(ctx)
+}
+
+// lost drops sess after its connection or channel failed.
+func (s *Source) lost(sess *session, cause error) {
+	s.mu.Lock()
+	if s.sess == sess {
+		s.sess = nil
+		s.lostAt = time.Now()
+	}
+	closed := s.closed
+	s.mu.Unlock()
+	_ = sess.close(cause)
+	if !closed {
+		s.log.Warn("amqp: connection to the broker lost; reconnecting", "cause", cause)
+	}
+}
+
+// reconnect establishes a session, retrying with exponential backoff and
+// jitter until ctx is done or the source is closed. Before the first
+// success, configuration errors are returned at once.
+func (s *Source) reconnect(ctx context.Context) (*session, error) {
+	backoff := s.cfg.ReconnectMinBackoff
+	for attempt := 1; ; attempt++ {
+		sess, err := s.connect()
+		if err == nil {
+			s.mu.Lock()
+			if s.closed {
+				s.mu.Unlock()
+				_ = sess.close(consumer.ErrSourceClosed)
+				return nil, consumer.ErrSourceClosed
+			}
+			again, lostAt := s.connected, s.lostAt
+			s.sess, s.connected = sess, true
+			s.mu.Unlock()
+			if again {
+				s.reconnects.Add(context.Background(), 1, s.attrs)
+				s.log.Info("amqp: reconnected to the broker", "attempts", attempt, "downtime", time.Since(lostAt).Round(time.Millisecond))
+			}
+			return sess, nil
+		}
+		s.mu.Lock()
+		connected := s.connected
+		s.mu.Unlock()
+		if !connected && isConfigError(err) {
+			return nil, err
+		}
+		wait := jitter(backoff)
+		backoff = min(2*backoff, s.cfg.ReconnectMaxBackoff)
+		s.log.Warn("amqp: cannot connect to the broker; retrying", "attempt", attempt, "retry_in", wait.Round(time.Millisecond), "error", err)
+		t := time.NewTimer(wait)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			if connected {
+				return nil, ctx.Err()
+			}
+			return nil, fmt.Errorf("amqp: connect: %w (last error: %v)", ctx.Err(), err)
+		case <-s.closeCh:
+			t.Stop()
+			return nil, consumer.ErrSourceClosed
+		case <-t.C:
+		}
+	}
+}
+
+// jitter returns a random duration in [d/2, d].
+func jitter(d time.Duration) time.Duration {
+	if d <= 1 {
+		return d
+	}
+	return d/2 + rand.N(d/2+1)
+}
+
+// isConfigError reports whether err is the broker's verdict on the
+// configuration (credentials, permissions, topology), which retrying does
+// not change.
+func isConfigError(err error) bool {
+	if errors.Is(err, amqp091.ErrSASL) || errors.Is(err, amqp091.ErrCredentials) || errors.Is(err, amqp091.ErrVhost) {
+		return true
+	}
+	var ae *amqp091.Error
+	if errors.As(err, &ae) {
+		switch ae.Code {
+		case amqp091.AccessRefused, amqp091.NotFound, amqp091.PreconditionFailed, amqp091.NotAllowed, amqp091.CommandInvalid, amqp091.NotImplemented:
+			return true
+		}
+	}
+	return false
+}
+
+// session is one connection with its consuming channel and, created on
+// first use, its publishing channel.
+type session struct {
+	conn       *amqp091.Connection
+	ch         *amqp091.Channel
+	deliveries <-chan amqp091.Delivery
+	// ctx is done when the connection or the consuming channel closed; its
+	// cause says why.
+	ctx    context.Context
+	cancel context.CancelCauseFunc
+
+	pubMu   sync.Mutex
+	pub     *amqp091.Channel
+	returns chan amqp091.Return
+}
+
+// connect makes one attempt to open a session: dial, open the consuming
+// channel, declare the topology, apply QoS and consume.
+func (s *Source) connect() (*session, error) {
+	props := amqp091.NewConnectionProperties()
+	props.SetClientConnectionName(s.cfg.ConnectionName)
+	conn, err := amqp091.DialConfig(s.cfg.URL, amqp091.Config{
+		Heartbeat:       s.cfg.Heartbeat,
+		TLSClientConfig: s.cfg.TLSConfig,
+		Properties:      props,
+		Dial:            amqp091.DefaultDial(s.cfg.DialTimeout),
+	})
+	if err != nil {
+		return nil, fmt.Errorf("amqp: dial %s: %w", redactURL(s.cfg.URL), redactErr(err, s.cfg.URL))
+	}
+	fail := func(err error) (*session, error) {
+		_ = conn.CloseDeadline(time.Now().Add(time.Second))
+		return nil, err
+	}
+	ch, err := conn.Channel()
+	if err != nil {
+		return fail(fmt.Errorf("amqp: open channel: %w", err))
+	}
+	if err := s.declare(ch); err != nil {
+		return fail(err)
+	}
+	if err := ch.Qos(s.cfg.Prefetch, 0, false); err != nil {
+		return fail(fmt.Errorf("amqp: set Config.Prefetch %d: %w", s.cfg.Prefetch, err))
+	}
+	connClosed := conn.NotifyClose(make(chan *amqp091.Error, 1))
+	chClosed := ch.NotifyClose(make(chan *amqp091.Error, 1))
+	deliveries, err := ch.Consume(s.cfg.Queue, s.cfg.ConsumerTag, false, false, false, false, nil)
+	if err != nil {
+		return fail(fmt.Errorf("amqp: consume queue %q: %w", s.cfg.Queue, err))
+	}
+	ctx, cancel := context.WithCancelCause(context.Background())
+	sess := &session{conn: conn, ch: ch, deliveries: deliveries, ctx: ctx, cancel: cancel}
+	go sess.watch(connClosed, chClosed)
+	return sess, nil
+}
+
+// watch cancels the session's context when its connection or consuming
+// channel closes, and closes the connection when only the channel did.
+func (sess *session) watch(connClosed, chClosed <-chan *amqp091.Error) {
+	select {
+	case e := <-connClosed:
+		sess.cancel(closeCause("connection", e))
+	case e := <-chClosed:
+		sess.cancel(closeCause("channel", e))
+	case <-sess.ctx.Done():
+	}
+	_ = sess.conn.CloseDeadline(time.Now().Add(2 * time.Second))
+}
+
+func closeCause(what string, e *amqp091.Error) error {
+	if e == nil {
+		return fmt.Errorf("amqp: %s closed", what)
+	}
+	return fmt.Errorf("amqp: %s closed: %w", what, e)
+}
+
+// close cancels the session's context with cause and closes the
+// connection; unacked deliveries go back to the queue.
+func (sess *session) close(cause error) error {
+	sess.cancel(cause)
+	err := sess.conn.CloseDeadline(time.Now().Add(5 * time.Second))
+	if err != nil && !errors.Is(err, amqp091.ErrClosed) {
+		return fmt.Errorf("amqp: close connection: %w", err)
+	}
+	return nil
+}
+
+// declare declares (or checks, in passive mode) the exchanges, the queue,
+// its bindings and the dead-letter destination.
+func (s *Source) declare(ch *amqp091.Channel) error {
+	cfg := &s.cfg
+	declareExchange := func(name, kind string, args amqp091.Table) error {
+		var err error
+		if cfg.Passive {
+			err = ch.ExchangeDeclarePassive(name, kind, true, false, false, false, args)
+		} else {
+			err = ch.ExchangeDeclare(name, kind, true, false, false, false, args)
+		}
+		if err != nil {
+			return fmt.Errorf("amqp: %s exchange %q: %w", verb(cfg.Passive), name, err)
+		}
+		return nil
+	}
+	declareQueue := func(name string, args amqp091.Table) error {
+		var err error
+		if cfg.Passive {
+			_, err = ch.QueueDeclarePassive(name, true, false, false, false, nil)
+		} else {
+			_, err = ch.QueueDeclare(name, true, false, false, false, args)
+		}
+		if err != nil {
+			return fmt.Errorf("amqp: %s queue %q: %w", verb(cfg.Passive), name, err)
+		}
+		return nil
+	}
+	for _, e := range cfg.Exchanges {
+		kind := e.Kind
+		if kind == "" {
+			kind = DefaultExchangeKind
+		}
+		if err := declareExchange(e.Name, kind, e.Args); err != nil {
+			return err
+		}
+	}
+	if err := declareQueue(cfg.Queue, queueArgs(cfg.QueueType, cfg.QueueArgs)); err != nil {
+		return err
+	}
+	if !cfg.Passive {
+		for _, b := range cfg.Bindings {
+			if err := ch.QueueBind(cfg.Queue, b.RoutingKey, b.Exchange, false, b.Args); err != nil {
+				return fmt.Errorf("amqp: bind queue %q to exchange %q with key %q: %w", cfg.Queue, b.Exchange, b.RoutingKey, err)
+			}
+		}
+	}
+	dl := cfg.DeadLetter
+	if dl.Exchange != "" {
+		if err := declareExchange(dl.Exchange, dl.ExchangeKind, nil); err != nil {
+			return err
+		}
+	}
+	if dl.Queue != "" {
+		if err := declareQueue(dl.Queue, queueArgs(cfg.QueueType, nil)); err != nil {
+			return err
+		}
+		if dl.Exchange != "" && !cfg.Passive {
+			if err := ch.QueueBind(dl.Queue, dl.RoutingKey, dl.Exchange, false, nil); err != nil {
+				return fmt.Errorf("amqp: bind dead-letter queue %q to exchange %q with key %q: %w", dl.Queue, dl.Exchange, dl.RoutingKey, err)
+			}
+		}
+	}
+	return nil
+}
+
+func verb(passive bool) string {
+	if passive {
+		return "check"
+	}
+	return "declare"
+}
+
+// queueArgs returns args plus x-queue-type for quorum queues. Classic
+// queues get no x-queue-type, so that queues declared without one by other
+// tools stay equivalent.
+func queueArgs(t QueueType, args amqp091.Table) amqp091.Table {
+	out := amqp091.Table{}
+	for k, v := range args {
+		out[k] = v
+	}
+	if t == QueueQuorum {
+		out["x-queue-type"] = string(QueueQuorum)
+	}
+	return out
+}
+
+// publish publishes p mandatory on the session's confirm-mode channel and
+// waits for the broker's confirm, at most timeout. Publishes are
+// serialized, so a basic.return (which the broker sends before the confirm)
+// belongs to the publish in progress.
+func (sess *session) publish(ctx context.Context, exchange, key string, p amqp091.Publishing, timeout time.Duration) error {
+	sess.pubMu.Lock()
+	defer sess.pubMu.Unlock()
+	if err := sess.ctx.Err(); err != nil {
+		return fmt.Errorf("%w: %v", ErrChannelClosed, context.Cause(sess.ctx))
+	}
+	if sess.pub == nil || sess.pub.IsClosed() {
+		ch, err := sess.conn.Channel()
+		if err != nil {
+			return fmt.Errorf("amqp: open publishing channel: %w", err)
+		}
+		if err := ch.Confirm(false); err != nil {
+			_ = ch.Close()
+			return fmt.Errorf("amqp: put publishing channel in confirm mode: %w", err)
+		}
+		sess.returns = ch.NotifyReturn(make(chan amqp091.Return, 4))
+		sess.pub = ch
+	}
+	for drained := false; !drained; {
+		select {
+		case <-sess.returns:
+		default:
+			drained = true
+		}
+	}
+	wctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	dc, err := sess.pub.PublishWithDeferredConfirmWithContext(wctx, exchange, key, true, false, p)
+	if err != nil {
+		return fmt.Errorf("amqp: publish to exchange %q with key %q: %w", exchange, key, err)
+	}
+	acked, err := dc.WaitContext(wctx)
+	if err != nil {
+		// The confirm may still come; a fresh channel keeps it from being
+		// mistaken for the next publish's.
+		_ = sess.pub.Close()
+		sess.pub = nil
+		if ctx.Err() == nil {
+			return fmt.Errorf("amqp: no publisher confirm within Config.ConfirmTimeout %v for exchange %q key %q", timeout, exchange, key)
+		}
+		return fmt.Errorf("amqp: wait for publisher confirm: %w", err)
+	}
+	if !acked {
+		return fmt.Errorf("amqp: the broker nacked the publish to exchange %q with key %q", exchange, key)
+	}
+	select {
+	case r := <-sess.returns:
+		return fmt.Errorf("amqp: publish to exchange %q with key %q was unroutable: %d %s", exchange, key, r.ReplyCode, r.ReplyText)
+	default:
+	}
+	return nil
+}
