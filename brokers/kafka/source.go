@@ -230,6 +230,8 @@ func (*groupHandler) Cleanup(sarama.ConsumerGroupSession) error { return nil }
 func (h *groupHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, sc sarama.ConsumerGroupClaim) error {
 	s := h.s
 	cl := newClaim(s, sess, sc)
+	s.cfg.Logger.Debug("once/kafka: partition claimed", "group", s.cfg.Group, "stream", cl.stream,
+		"generation", sess.GenerationID(), "offset", sc.InitialOffset())
 	s.lag.track(cl)
 	defer s.lag.untrack(cl)
 	defer cl.revoke()
@@ -260,5 +262,7 @@ loop:
 		}
 	}
 	cl.awaitSettled(s.cfg.RevokeTimeout, s.closing)
+	s.cfg.Logger.Debug("once/kafka: partition released", "group", s.cfg.Group, "stream", cl.stream,
+		"generation", sess.GenerationID(), "last_offset", cl.last.Load())
 	return nil
 }
