@@ -1,0 +1,119 @@
+package amqp_test
+
+import (
+	"context"
+	"crypto/tls"
+	"math"
+	"net"
+	"testing"
+	"time"
+
+	amqp091 "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/brokers/amqp"
+)
+
+func TestConfigErrorsNameTheField(t *testing.T) {
+	ok := amqp.Config{URL: "amqp://u:secret@localhost:5672/", Queue: "q"}
+	cases := []struct {
+		name  string
+		edit  func(c *amqp.Config)
+		field string
+	}{
+		{"no URL", func(c *amqp.Config) { c.URL = "" }, "Config.URL"},
+		{"bad scheme", func(c *amqp.Config) { c.URL = "http://u:secret@localhost/" }, "Config.URL"},
+		{"TLS without amqps", func(c *amqp.Config) { c.TLSConfig = &tls.Config{} }, "Config.TLSConfig"},
+		{"no queue", func(c *amqp.Config) { c.Queue = "" }, "Config.Queue"},
+		{"unknown queue type", func(c *amqp.Config) { c.QueueType = "stream" }, "Config.QueueType"},
+		{"contradicting x-queue-type", func(c *amqp.Config) {
+			c.QueueType = amqp.QueueClassic
+			c.QueueArgs = amqp091.Table{"x-queue-type": "quorum"}
+		}, "Config.QueueArgs"},
+		{"negative prefetch", func(c *amqp.Config) { c.Prefetch = -1 }, "Config.Prefetch"},
+		{"huge prefetch", func(c *amqp.Config) { c.Prefetch = math.MaxUint16 + 1 }, "Config.Prefetch"},
+		{"negative confirm timeout", func(c *amqp.Config) { c.ConfirmTimeout = -time.Second }, "Config.ConfirmTimeout"},
+		{"backoff bounds swapped", func(c *amqp.Config) {
+			c.ReconnectMinBackoff, c.ReconnectMaxBackoff = time.Second, time.Millisecond
+		}, "Config.ReconnectMaxBackoff"},
+		{"exchange without name", func(c *amqp.Config) { c.Exchanges = []amqp.Exchange{{Kind: "topic"}} }, "Config.Exchanges[0].Name"},
+		{"binding to the default exchange", func(c *amqp.Config) { c.Bindings = []amqp.Binding{{RoutingKey: "k"}} }, "Config.Bindings[0].Exchange"},
+		{"dead-letter queue is the queue", func(c *amqp.Config) { c.DeadLetter.Queue = "q" }, "Config.DeadLetter.Queue"},
+		{"no queue on the default exchange", func(c *amqp.Config) { c.DeadLetter.NoQueue = true }, "Config.DeadLetter.NoQueue"},
+		{"routing key off the queue on the default exchange", func(c *amqp.Config) { c.DeadLetter.RoutingKey = "elsewhere" }, "Config.DeadLetter.RoutingKey"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := ok
+			tc.edit(&cfg)
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			_, err := amqp.Open(ctx, cfg)
+			require.Error(t, err)
+			assert.Contains(t, err.Error(), tc.field)
+			assert.NotContains(t, err.Error(), "secret", "the password leaked into the error")
+		})
+	}
+}
+
+// TestOpenUnreachableRedactsPassword: a broker that does not answer is
+// retried until the context ends, and the error hides the password.
+func TestOpenUnreachableRedactsPassword(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	addr := ln.Addr().String()
+	require.NoError(t, ln.Close()) // nothing listens there now
+
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	_, err = amqp.Open(ctx, amqp.Config{
+		URL: "amqp://user:s3cr3t@" + addr + "/", Queue: "q", Logger: testLogger(t),
+		ReconnectMinBackoff: 10 * time.Millisecond, ReconnectMaxBackoff: 20 * time.Millisecond,
+	})
+	require.Error(t, err)
+	assert.ErrorIs(t, err, context.DeadlineExceeded)
+	assert.Contains(t, err.Error(), "connection refused")
+	assert.NotContains(t, err.Error(), "s3cr3t")
+}
+
+func TestHeaderStrings(t *testing.T) {
+	ts := time.Date(2026, 11, 22, 1, 2, 3, 0, time.UTC)
+	got := amqp.HeaderStrings(amqp091.Table{
+		"s":       "text",
+		"b":       []byte("bytes"),
+		"bool":    true,
+		"i8":      int8(-8),
+		"i16":     int16(16),
+		"i32":     int32(-32),
+		"i64":     int64(1 << 40),
+		"u8":      uint8(200),
+		"f32":     float32(1.5),
+		"f64":     2.25,
+		"ts":      ts,
+		"dec":     amqp091.Decimal{Scale: 2, Value: 12345},
+		"void":    nil,
+		"table":   amqp091.Table{"k": "v", "n": int32(1)},
+		"array":   []any{"a", int64(2), []byte("c")},
+		"x-death": []any{amqp091.Table{"count": int64(1), "queue": "q", "time": ts}},
+	})
+	assert.Equal(t, map[string]string{
+		"s":       "text",
+		"b":       "bytes",
+		"bool":    "true",
+		"i8":      "-8",
+		"i16":     "16",
+		"i32":     "-32",
+		"i64":     "1099511627776",
+		"u8":      "200",
+		"f32":     "1.5",
+		"f64":     "2.25",
+		"ts":      "2026-11-22T01:02:03Z",
+		"dec":     "123.45",
+		"void":    "",
+		"table":   `{"k":"v","n":1}`,
+		"array":   `["a",2,"c"]`,
+		"x-death": `[{"count":1,"queue":"q","time":"2026-11-22T01:02:03Z"}]`,
+	}, got)
+	assert.Empty(t, amqp.HeaderStrings(nil))
+}
