@@ -1,0 +1,415 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"sort"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/dedup"
+)
+
+// childEnv marks a consumer process started by the demo (the test binary
+// checks it in TestMain to run the command instead of the tests).
+const childEnv = "ORDER_PROCESSOR_CHILD"
+
+// demo publishes generated traffic, consumes it in two runs (the first one
+// killed mid-stream), and checks the database against what was sent.
+func demo(ctx context.Context, o *options, stdout, stderr io.Writer) error {
+	if (o.broker == "kafka" && len(o.kafkaBrokers) > 0) || o.broker == "amqp" {
+		// A real broker may hold an earlier run's messages and offsets:
+		// use a topic (queue) and group of this run's own.
+		o.topic = fmt.Sprintf("%s-demo-%d", o.topic, o.mix.Seed)
+		o.name = fmt.Sprintf("%s-demo-%d", o.name, o.mix.Seed)
+	}
+	inf, err := startInfra(ctx, o, stdout)
+	if err != nil {
+		return err
+	}
+	defer inf.Close()
+	var queues *amqpQueues
+	if o.broker == "amqp" {
+		if queues, err = newAMQPQueues(o.amqpURL, o.topic); err != nil {
+			return err
+		}
+		defer func() {
+			_ = queues.Delete()
+			_ = queues.Close()
+		}()
+	}
+	tel, err := startTelemetry(o.metricsAddr, o.traces)
+	if err != nil {
+		return err
+	}
+	defer tel.Close()
+	if tel.addr != "" {
+		fmt.Fprintf(stdout, "metrics: http://%s/metrics  health: http://%s/healthz\n", tel.addr, tel.addr)
+	}
+
+	pool, err := openPool(ctx, inf.dbURL, o.schema)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	if err := resetDemoTables(ctx, pool); err != nil {
+		return err
+	}
+
+	plan := Generate(o.mix)
+	pub, err := newPublisher(ctx, o)
+	if err != nil {
+		return err
+	}
+	start := time.Now()
+	err = pub.Publish(ctx, plan.Messages)
+	_ = pub.Close()
+	if err != nil {
+		return fmt.Errorf("publish: %w", err)
+	}
+	fmt.Fprintf(stdout, "published %d messages for %d orders in %s (seed %d)\n", len(plan.Messages), o.mix.Orders,
+		time.Since(start).Round(time.Millisecond), o.mix.Seed)
+
+	var run1 int64
+	if o.crash {
+		t1 := time.Now()
+		if run1, err = killedRun(ctx, o, inf.dbURL, pool, plan.uniqueEvents()/2, stderr); err != nil {
+			return err
+		}
+		fmt.Fprintf(stdout, "run 1: killed the consumer process (SIGKILL) after %s, %d events committed; what it had not acked goes to run 2\n",
+			time.Since(t1).Round(time.Millisecond), run1)
+	}
+	t2 := time.Now()
+
+	log := logger(o, stderr)
+	src, err := newSource(ctx, o, tel, log)
+	if err != nil {
+		return err
+	}
+	c, err := newConsumer(pool, src, o, tel, log)
+	if err != nil {
+		_ = src.Close()
+		return err
+	}
+	var lag func(context.Context) (int64, error)
+	if o.broker == "kafka" {
+		kd, err := newKafkaDrained(o.kafkaBrokers, o.name, o.topic)
+		if err != nil {
+			_ = src.Close()
+			return err
+		}
+		defer kd.Close()
+		lag = kd.Lag
+	} else {
+		lag = func(context.Context) (int64, error) { n, err := queues.Ready(); return int64(n), err }
+	}
+	runCtx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	errc := make(chan error, 1)
+	tel.pool.Store(pool)
+	tel.running.Store(true)
+	p := startProgress(stderr, "run 2:", c.Stats)
+	go func() { errc <- c.Run(runCtx) }()
+	err = waitDrained(ctx, c, lag, errc)
+	cancel()
+	if err == nil {
+		err = <-errc
+	}
+	tel.running.Store(false)
+	p.Stop()
+	if err != nil {
+		return err
+	}
+	elapsed := time.Since(start)
+	fmt.Fprintf(stdout, "run 2: drained the %s in %s\n", map[string]string{"kafka": "topic", "amqp": "queue"}[o.broker],
+		time.Since(t2).Round(time.Millisecond))
+
+	var dlq []map[string]string
+	if o.broker == "kafka" {
+		dlq, err = readKafkaTopic(o.kafkaBrokers, o.topic+".dlq")
+	} else {
+		dlq, err = queues.DeadLetters()
+	}
+	if err != nil {
+		return fmt.Errorf("read the dead-letter queue: %w", err)
+	}
+	return report(ctx, stdout, pool, o, plan, run1, c.Stats(), dlq, elapsed)
+}
+
+// resetDemoTables drops the demo's tables and creates them empty.
+func resetDemoTables(ctx context.Context, pool *pgxpool.Pool) error {
+	if _, err := pool.Exec(ctx, `DROP TABLE IF EXISTS payments, orders, processed_events, processed_events_attempts`); err != nil {
+		return err
+	}
+	if err := Migrate(ctx, pool); err != nil {
+		return err
+	}
+	store, err := dedup.New(dedup.Config{})
+	if err != nil {
+		return err
+	}
+	return store.Migrate(ctx, pool)
+}
+
+// killedRun starts a consumer process (this program's serve command), lets
+// it commit at least target events, and kills it with SIGKILL: no drain, no
+// offset commit, no ack of what it had in flight. It returns how many events
+// had committed.
+func killedRun(ctx context.Context, o *options, dbURL string, pool *pgxpool.Pool, target int, stderr io.Writer) (int64, error) {
+	exe, err := os.Executable()
+	if err != nil {
+		return 0, err
+	}
+	args := []string{"serve", "-broker", o.broker, "-topic", o.topic, "-name", o.name, "-schema", o.schema,
+		"-metrics-addr", "off", "-label", "run 1:",
+		"-unknown-order-wait", o.unknownOrderWait.String(), "-max-attempts", strconv.Itoa(o.maxAttempts)}
+	if o.fastFailover {
+		args = append(args, "-fast-failover")
+	}
+	if o.verbose {
+		args = append(args, "-v")
+	}
+	cmd := exec.Command(exe, args...)
+	cmd.Env = append(os.Environ(), childEnv+"=1", "DATABASE_URL="+dbURL,
+		"KAFKA_BROKERS="+strings.Join(o.kafkaBrokers, ","), "AMQP_URL="+o.amqpURL, "BROKER="+o.broker)
+	cmd.Stdout = io.Discard
+	cmd.Stderr = stderr
+	if err := cmd.Start(); err != nil {
+		return 0, err
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	kill := func() {
+		_ = cmd.Process.Kill()
+		<-exited
+	}
+	count := func() (n int64, err error) {
+		err = pool.QueryRow(ctx, `SELECT count(*) FROM processed_events WHERE consumer = $1`, o.name).Scan(&n)
+		return n, err
+	}
+	deadline := time.After(2 * time.Minute)
+	for {
+		n, err := count()
+		if err != nil {
+			kill()
+			return 0, err
+		}
+		if n >= int64(target) {
+			break
+		}
+		select {
+		case err := <-exited:
+			return 0, fmt.Errorf("run 1 exited before it was killed: %v", err)
+		case <-deadline:
+			kill()
+			return 0, errors.New("run 1 did not commit half the events within 2 minutes")
+		case <-ctx.Done():
+			kill()
+			return 0, ctx.Err()
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+	kill()
+	if isTerminal(stderr) {
+		fmt.Fprintln(stderr)
+	}
+	return count()
+}
+
+// settled reports whether every message the consumer received has ended:
+// handled, skipped, or dead-lettered.
+func settled(s consumer.Stats) bool {
+	return s.Handled+s.Duplicates+s.Skipped+s.DeadLettered == s.Received
+}
+
+// waitDrained waits until the broker has nothing left for the consumer
+// (Kafka: the group's committed offsets are at the end of every partition;
+// RabbitMQ: no message ready) and the consumer has settled all it received,
+// twice in a row 200 ms apart: RabbitMQ counts the messages pushed to the
+// consumer and not yet acked as not ready.
+func waitDrained(ctx context.Context, c *consumer.Consumer[any], lag func(context.Context) (int64, error), errc <-chan error) error {
+	deadline := time.After(3 * time.Minute)
+	var prev consumer.Stats
+	streak := 0
+	for {
+		n, err := lag(ctx)
+		if err != nil {
+			return err
+		}
+		s := c.Stats()
+		if n == 0 && settled(s) && s == prev {
+			streak++
+		} else {
+			streak = 0
+		}
+		if streak >= 2 {
+			return nil
+		}
+		prev = s
+		select {
+		case err := <-errc:
+			if err == nil {
+				err = errors.New("the consumer stopped before the queue was drained")
+			}
+			return err
+		case <-deadline:
+			return fmt.Errorf("the consumer did not drain the queue within 3 minutes (lag %d, %+v)", n, s)
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+}
+
+// uniqueEvents is the number of valid, distinct events: each must be
+// handled exactly once.
+func (p *Plan) uniqueEvents() int { return p.Sent[kindEvent] + p.Sent[kindIDless] }
+
+// sentSummary lists the messages sent by kind.
+func (p *Plan) sentSummary() string {
+	var parts []string
+	for _, k := range kindOrder {
+		if p.Sent[k] > 0 {
+			parts = append(parts, fmt.Sprintf("%d %s", p.Sent[k], k))
+		}
+	}
+	return strings.Join(parts, ", ")
+}
+
+// report compares the database and the dead-letter queue with the plan,
+// prints the comparison and a verdict, and returns an error when anything
+// differs.
+func report(ctx context.Context, w io.Writer, pool *pgxpool.Pool, o *options, plan *Plan, run1 int64,
+	run2 consumer.Stats, dlq []map[string]string, elapsed time.Duration) error {
+	// The orders table, row by row, with each order's payments.
+	rows, err := pool.Query(ctx, `SELECT o.id, o.status, o.amount_cents, count(p.order_id), coalesce(sum(p.amount_cents), 0)
+		FROM orders o LEFT JOIN payments p ON p.order_id = o.id GROUP BY o.id`)
+	if err != nil {
+		return err
+	}
+	byStatus := map[string]int{}
+	var mismatches []string
+	seen := map[string]bool{}
+	nOrders := 0
+	for rows.Next() {
+		var id, status string
+		var amount, paidSum int64
+		var payments int
+		if err := rows.Scan(&id, &status, &amount, &payments, &paidSum); err != nil {
+			rows.Close()
+			return err
+		}
+		nOrders++
+		byStatus[status]++
+		seen[id] = true
+		want, ok := plan.Orders[id]
+		wantPayments, wantSum := 0, int64(0)
+		if want.Paid {
+			wantPayments, wantSum = 1, want.AmountCents
+		}
+		switch {
+		case !ok:
+			mismatches = append(mismatches, fmt.Sprintf("%s: in the table, never created", id))
+		case status != want.Status || amount != want.AmountCents:
+			mismatches = append(mismatches, fmt.Sprintf("%s: %s %d, want %s %d", id, status, amount, want.Status, want.AmountCents))
+		case payments != wantPayments || paidSum != wantSum:
+			mismatches = append(mismatches, fmt.Sprintf("%s: %d payments for %d, want %d for %d", id, payments, paidSum, wantPayments, wantSum))
+		}
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return err
+	}
+	for id := range plan.Orders {
+		if !seen[id] {
+			mismatches = append(mismatches, fmt.Sprintf("%s: missing", id))
+		}
+	}
+	wantStatus := map[string]int{}
+	for _, e := range plan.Orders {
+		wantStatus[e.Status]++
+	}
+	var ledgerRows, processed int64
+	var ledgerSum int64
+	if err := pool.QueryRow(ctx, `SELECT count(*), coalesce(sum(amount_cents), 0) FROM payments`).Scan(&ledgerRows, &ledgerSum); err != nil {
+		return err
+	}
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM processed_events WHERE consumer = $1`, o.name).Scan(&processed); err != nil {
+		return err
+	}
+
+	// Dead letters are at least once (a poison message whose ack was lost
+	// is dead-lettered again when redelivered): count distinct event ids.
+	dlKinds := map[string]int{}
+	dlIDs := map[string]bool{}
+	for _, h := range dlq {
+		id := h[consumer.HeaderEventID]
+		if !dlIDs[id] {
+			dlIDs[id] = true
+			dlKinds[h[consumer.HeaderErrorKind]]++
+		}
+	}
+	wantKinds := map[string]int{string(consumer.KindDecode): plan.Malformed, string(consumer.KindHandler): plan.Violations}
+
+	fmt.Fprintln(w)
+	fmt.Fprintf(w, "sent              %6d  messages to %s (%s)\n", len(plan.Messages), o.broker, o.topic)
+	for _, k := range kindOrder {
+		if n := plan.Sent[k]; n > 0 {
+			fmt.Fprintf(w, "  %-22s%6d\n", k, n)
+		}
+	}
+	if o.crash {
+		fmt.Fprintf(w, "run 1             %6d  events committed, then SIGKILL (no drain, no final offset commit)\n", run1)
+	}
+	fmt.Fprintf(w, "run 2             %6d  received: %d handled, %d duplicates skipped, %d dead-lettered, %d retries\n",
+		run2.Received, run2.Handled, run2.Duplicates, run2.DeadLettered, run2.Retries)
+	fmt.Fprintf(w, "processed events  %6d  (want %d: every valid event once, duplicates and copies without ids skipped)\n",
+		processed, plan.uniqueEvents())
+	fmt.Fprintf(w, "orders            %6d  (want %d) %s (want %s)\n", nOrders, len(plan.Orders), statusList(byStatus), statusList(wantStatus))
+	fmt.Fprintf(w, "payments          %6d  (want %d, one per paid order)\n", ledgerRows, plan.LedgerRows)
+	fmt.Fprintf(w, "ledger sum    %10d  (want %d)\n", ledgerSum, plan.LedgerSum)
+	fmt.Fprintf(w, "dead-lettered     %6d  %s (want %s; %d records: dead letters are at least once)\n",
+		len(dlIDs), kindList(dlKinds), kindList(wantKinds), len(dlq))
+	fmt.Fprintf(w, "elapsed       %10s  (publish and both runs)\n", elapsed.Round(time.Millisecond))
+	for i, m := range mismatches {
+		if i == 5 {
+			fmt.Fprintf(w, "  ... and %d more mismatched orders\n", len(mismatches)-5)
+			break
+		}
+		fmt.Fprintf(w, "  mismatch: %s\n", m)
+	}
+
+	ok := len(mismatches) == 0 && nOrders == len(plan.Orders) &&
+		ledgerRows == int64(plan.LedgerRows) && ledgerSum == plan.LedgerSum &&
+		processed == int64(plan.uniqueEvents()) &&
+		len(dlIDs) == plan.Malformed+plan.Violations && kindList(dlKinds) == kindList(wantKinds)
+	if !ok {
+		fmt.Fprintln(w, "verdict: FAIL: the database or the dead-letter queue does not match what was sent")
+		return errors.New("verdict: FAIL")
+	}
+	fmt.Fprintln(w, "verdict: PASS: every order exactly right, each payment once, every bad message dead-lettered, nothing lost")
+	return nil
+}
+
+func statusList(m map[string]int) string {
+	return fmt.Sprintf("created=%d paid=%d cancelled=%d", m["created"], m["paid"], m["cancelled"])
+}
+
+func kindList(m map[string]int) string {
+	var parts []string
+	for k, v := range m {
+		if v > 0 {
+			parts = append(parts, fmt.Sprintf("%s=%d", k, v))
+		}
+	}
+	sort.Strings(parts)
+	return "[" + strings.Join(parts, " ") + "]"
+}

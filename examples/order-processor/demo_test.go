@@ -1,0 +1,42 @@
+package main
+
+import (
+	"context"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/internal/pgtest"
+)
+
+// The default demo, with a smaller load: embedded Kafka, a consumer process
+// killed mid-stream, a second run, and its own verdict must pass.
+func TestDemoKafkaVerdictPasses(t *testing.T) {
+	_, schema := pgtest.Schema(t)
+	t.Setenv("KAFKA_BROKERS", "")
+	code, out := runCommand(t, context.Background(), "demo", "-schema", schema, "-orders", "1500", "-seed", "42", "-metrics-addr", "off")
+	require.Equal(t, 0, code, out)
+	require.Contains(t, out, "verdict: PASS")
+	require.Contains(t, out, "then SIGKILL")
+	require.Regexp(t, `listening on 127\.0\.0\.1:\d+`, out)
+}
+
+// The same demo against RabbitMQ (AMQP_URL), its queue and dead-letter
+// queue created for the run and deleted after it.
+func TestDemoRabbitMQVerdictPasses(t *testing.T) {
+	requireAMQP(t)
+	_, schema := pgtest.Schema(t)
+	code, out := runCommand(t, context.Background(), "demo", "-broker", "amqp", "-schema", schema, "-orders", "1000", "-metrics-addr", "off")
+	require.Equal(t, 0, code, out)
+	require.Contains(t, out, "verdict: PASS")
+	require.Contains(t, out, "then SIGKILL")
+}
+
+// The demo exits non-zero when it cannot run: here an unreachable Kafka
+// address.
+func TestDemoFailsWithoutBroker(t *testing.T) {
+	_, schema := pgtest.Schema(t)
+	t.Setenv("KAFKA_BROKERS", "127.0.0.1:1")
+	code, _ := runCommand(t, context.Background(), "demo", "-schema", schema, "-orders", "10", "-metrics-addr", "off")
+	require.Equal(t, 1, code)
+}

@@ -1,0 +1,170 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"os"
+	"regexp"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/internal/pgtest"
+)
+
+func TestMain(m *testing.M) {
+	// The demo's first run is this binary started again as a consumer
+	// process (and killed); run the command instead of the tests.
+	if os.Getenv(childEnv) != "" {
+		os.Exit(realMain(signalContext(), os.Args[1:], os.Stdout, os.Stderr))
+	}
+	pgtest.Main(m)
+}
+
+// syncBuffer is a bytes.Buffer safe for a writer and a reader goroutine.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// waitMatch waits until re matches the buffer's text and returns the
+// submatches.
+func waitMatch(t *testing.T, buf *syncBuffer, re *regexp.Regexp) []string {
+	t.Helper()
+	var m []string
+	require.Eventually(t, func() bool {
+		m = re.FindStringSubmatch(buf.String())
+		return m != nil
+	}, 60*time.Second, 20*time.Millisecond, "output never matched %s:\n%s", re, buf)
+	return m
+}
+
+// runCommand runs the command with args in this process, with
+// DATABASE_URL set to the test database, and returns its exit code and
+// output.
+func runCommand(t *testing.T, ctx context.Context, args ...string) (int, string) {
+	t.Helper()
+	t.Setenv("DATABASE_URL", pgtest.URL())
+	var out, errOut syncBuffer
+	code := realMain(ctx, args, &out, &errOut)
+	text := out.String()
+	if code != 0 {
+		t.Logf("stdout:\n%s\nstderr:\n%s", text, errOut.String())
+	}
+	return code, text
+}
+
+// requireAMQP returns AMQP_URL, skipping the test without it unless
+// ONCE_REQUIRE_SERVERS=1 (make test), where it fails.
+func requireAMQP(t *testing.T) string {
+	t.Helper()
+	u := os.Getenv("AMQP_URL")
+	if u == "" {
+		if os.Getenv("ONCE_REQUIRE_SERVERS") == "1" {
+			t.Fatal("AMQP_URL is not set and ONCE_REQUIRE_SERVERS=1: start a broker with scripts/rabbitmq.sh start DIR")
+		}
+		t.Skip("AMQP_URL is not set: start a broker with `eval \"$(scripts/rabbitmq.sh start DIR)\"` to run the RabbitMQ demo")
+	}
+	return u
+}
+
+func TestParseOptions(t *testing.T) {
+	t.Setenv("KAFKA_BROKERS", "")
+	t.Setenv("AMQP_URL", "")
+	t.Setenv("BROKER", "")
+
+	o, err := parseOptions(nil, os.Stderr)
+	require.NoError(t, err)
+	require.Equal(t, "demo", o.command)
+	require.Equal(t, "kafka", o.broker)
+	require.Equal(t, "order_demo", o.schema)
+	require.NotZero(t, o.mix.Seed)
+
+	o, err = parseOptions([]string{"serve", "-metrics-addr", "off"}, os.Stderr)
+	require.NoError(t, err)
+	require.Equal(t, "public", o.schema)
+	require.Empty(t, o.metricsAddr)
+
+	t.Setenv("KAFKA_BROKERS", "k1:9092,k2:9092")
+	o, err = parseOptions([]string{"produce", "-orders", "10"}, os.Stderr)
+	require.NoError(t, err)
+	require.Equal(t, []string{"k1:9092", "k2:9092"}, o.kafkaBrokers)
+	require.Equal(t, 10, o.mix.Orders)
+
+	_, err = parseOptions([]string{"frobnicate"}, os.Stderr)
+	require.ErrorContains(t, err, "unknown command")
+	_, err = parseOptions([]string{"-broker", "nats"}, os.Stderr)
+	require.ErrorContains(t, err, "want kafka or amqp")
+	_, err = parseOptions([]string{"-broker", "amqp"}, os.Stderr)
+	require.ErrorContains(t, err, "AMQP_URL")
+	t.Setenv("KAFKA_BROKERS", "")
+	_, err = parseOptions([]string{"produce"}, os.Stderr)
+	require.ErrorContains(t, err, "KAFKA_BROKERS")
+}
+
+// The generator's plan adds up: every message is counted under one kind,
+// and the expected ledger is the sum over paid orders.
+func TestGeneratePlan(t *testing.T) {
+	p := Generate(Mix{Orders: 1000, Duplicates: 0.1, IDless: 0.05, Malformed: 0.01, Violations: 0.03, Seed: 7})
+	total := 0
+	for _, n := range p.Sent {
+		total += n
+	}
+	require.Equal(t, len(p.Messages), total)
+	require.Len(t, p.Orders, 1000)
+	require.Equal(t, p.Sent[kindIDless], p.Sent[kindIDlessDup])
+	require.Equal(t, 10, p.Malformed)
+	require.Equal(t, 30, p.Violations)
+	require.Equal(t, 30, p.Sent[kindOrphanPayment]+p.Sent[kindCancelPaid]+p.Sent[kindSecondPayment])
+	var sum int64
+	paid := 0
+	for _, o := range p.Orders {
+		if o.Paid {
+			sum += o.AmountCents
+			paid++
+		}
+	}
+	require.Equal(t, sum, p.LedgerSum)
+	require.Equal(t, paid, p.LedgerRows)
+	for _, m := range p.Messages {
+		if m.Kind == kindIDless || m.Kind == kindIDlessDup {
+			require.Empty(t, m.ID)
+		} else {
+			require.NotEmpty(t, m.ID, m.Kind)
+		}
+	}
+	// The events of one order keep their order: created comes first.
+	first := map[string]string{}
+	for _, m := range p.Messages {
+		if _, ok := first[m.Key]; !ok && m.Kind != kindMalformed && !strings.Contains(m.Key, "ghost") {
+			first[m.Key] = m.Type
+		}
+	}
+	for key, typ := range first {
+		require.Equal(t, TypeCreated, typ, key)
+	}
+	require.Equal(t, Generate(Mix{Orders: 50, Duplicates: 0.1, Seed: 3}).Messages, Generate(Mix{Orders: 50, Duplicates: 0.1, Seed: 3}).Messages)
+}
+
+func mustJSON(t *testing.T, v any) []byte {
+	t.Helper()
+	b, err := json.Marshal(v)
+	require.NoError(t, err)
+	return b
+}
