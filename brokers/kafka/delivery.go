@@ -223,6 +223,13 @@ func (s *Source) deadLetter(ctx context.Context, raw *sarama.ConsumerMessage, m 
 		out.Value = sarama.ByteEncoder(raw.Value)
 	}
 
+	// Look the topic up first: a send to a missing topic would trip the
+	// producer's per-topic circuit breaker, which then fails every send to
+	// the topic for 10 s, even once it exists.
+	if _, err := s.dlqClient.Partitions(out.Topic); err != nil {
+		return fmt.Errorf("kafka: dead-letter copy of %s/%d/%d: topic %s: %w",
+			raw.Topic, raw.Partition, raw.Offset, out.Topic, err)
+	}
 	s.sendMu.Lock()
 	if s.sendsClosed {
 		s.sendMu.Unlock()

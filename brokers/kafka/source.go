@@ -24,10 +24,11 @@ var ErrRevoked = errors.New("kafka: partition revoked")
 // goroutine and Close once when it stops. The Ack and DeadLetter methods of
 // its deliveries are safe for concurrent use.
 type Source struct {
-	cfg      Config
-	group    sarama.ConsumerGroup
-	producer sarama.SyncProducer
-	lag      *lagGauge
+	cfg       Config
+	group     sarama.ConsumerGroup
+	dlqClient sarama.Client // the dead-letter producer's client
+	producer  sarama.SyncProducer
+	lag       *lagGauge
 
 	deliveries chan *delivery
 
@@ -77,14 +78,21 @@ func NewSource(cfg Config) (*Source, error) {
 	if err != nil {
 		return nil, err
 	}
-	producer, err := sarama.NewSyncProducer(cfg.Brokers, pc)
+	dlqClient, err := sarama.NewClient(cfg.Brokers, pc)
 	if err != nil {
+		lag.close()
+		return nil, fmt.Errorf("kafka: dead-letter producer: %w", err)
+	}
+	producer, err := sarama.NewSyncProducerFromClient(dlqClient)
+	if err != nil {
+		_ = dlqClient.Close()
 		lag.close()
 		return nil, fmt.Errorf("kafka: dead-letter producer: %w", err)
 	}
 	group, err := sarama.NewConsumerGroup(cfg.Brokers, cfg.Group, cc)
 	if err != nil {
 		_ = producer.Close()
+		_ = dlqClient.Close()
 		lag.close()
 		return nil, fmt.Errorf("kafka: consumer group %q: %w", cfg.Group, err)
 	}
@@ -92,6 +100,7 @@ func NewSource(cfg Config) (*Source, error) {
 	s := &Source{
 		cfg:        cfg,
 		group:      group,
+		dlqClient:  dlqClient,
 		producer:   producer,
 		lag:        lag,
 		deliveries: make(chan *delivery),
@@ -164,7 +173,7 @@ func (s *Source) Close() error {
 		errs := []error{s.group.Close()}
 		<-s.errsDone
 		s.sends.Wait()
-		errs = append(errs, s.producer.Close())
+		errs = append(errs, s.producer.Close(), s.dlqClient.Close())
 		s.lag.close()
 		s.closeErr = errors.Join(errs...)
 	})

@@ -1,0 +1,129 @@
+package kafka
+
+import (
+	"context"
+	"log/slog"
+	"net"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"github.com/twmb/franz-go/pkg/kfake"
+
+	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/internal/pgtest"
+)
+
+// warnCounter is a slog.Handler counting warnings (and passing every record
+// to next).
+type warnCounter struct {
+	next  slog.Handler
+	warns *atomic.Int64
+}
+
+func (h warnCounter) Enabled(ctx context.Context, l slog.Level) bool {
+	return l >= slog.LevelWarn || h.next.Enabled(ctx, l)
+}
+
+func (h warnCounter) Handle(ctx context.Context, r slog.Record) error {
+	if r.Level >= slog.LevelWarn {
+		h.warns.Add(1)
+	}
+	if h.next.Enabled(ctx, r.Level) {
+		return h.next.Handle(ctx, r)
+	}
+	return nil
+}
+
+func (h warnCounter) WithAttrs(as []slog.Attr) slog.Handler {
+	return warnCounter{next: h.next.WithAttrs(as), warns: h.warns}
+}
+
+func (h warnCounter) WithGroup(name string) slog.Handler {
+	return warnCounter{next: h.next.WithGroup(name), warns: h.warns}
+}
+
+func freePort(t testing.TB) int {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	port := ln.Addr().(*net.TCPAddr).Port
+	require.NoError(t, ln.Close())
+	return port
+}
+
+// The broker stops while records are in flight and comes back on the same
+// port with its data: the consumer notices the outage, reconnects, rejoins
+// and resumes from the committed offsets, with every event's effect exactly
+// once.
+func TestBrokerRestartResumesWithoutLossOrDoubleEffects(t *testing.T) {
+	dir, port := t.TempDir(), freePort(t)
+	startBroker := func() *kfake.Cluster {
+		kf, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.Ports(port), kfake.DataDir(dir),
+			kfake.GroupMinSessionTimeout(200*time.Millisecond))
+		require.NoError(t, err)
+		return kf
+	}
+	kf := startBroker()
+	defer func() { kf.Close() }()
+	c := &cluster{t: t, kf: kf, addrs: kf.ListenAddrs()}
+	topic, group := uniq("orders"), uniq("g")
+	const partitions, half = 3, 300
+	c.createTopic(topic, partitions)
+	c.produceHashed(events(topic, "ev", 0, half))
+
+	db, _ := pgtest.Schema(t)
+	_, err := db.Exec(context.Background(), effectsTable)
+	require.NoError(t, err)
+	var warns atomicCounter
+	cfg := c.config(group, topic)
+	cfg.Logger = warns.logger()
+	src, err := NewSource(cfg)
+	require.NoError(t, err)
+	slow := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[event]) error {
+		select { // work that takes a while, so that the outage hits records in flight
+		case <-time.After(2 * time.Millisecond):
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+		return recordEffect(ctx, tx, ev)
+	}
+	r := startConsumer(t, db, src, consumerConfig("orders-svc"), slow)
+	waitEffects(t, db, 60, 30*time.Second)
+
+	kf.Close()
+	require.Eventually(t, func() bool { return warns.n.Load() > 0 }, 30*time.Second, 10*time.Millisecond,
+		"the source notices the outage")
+	before := len(effectCounts(t, db))
+	require.Less(t, before, half, "the outage came mid-stream")
+
+	kf = startBroker()
+	c.kf = kf
+	c.produceHashed(events(topic, "ev", half, half))
+	waitEffects(t, db, 2*half, 90*time.Second)
+	require.Eventually(t, func() bool {
+		st := r.c.Stats()
+		return st.Received == st.Handled+st.Duplicates+st.DeadLettered
+	}, 30*time.Second, 10*time.Millisecond, "everything received was settled")
+	require.NoError(t, r.stop())
+
+	requireExactlyOnce(t, db, "ev", 2*half)
+	st := r.c.Stats()
+	assert.Equal(t, uint64(2*half), st.Handled, "one committed transaction per event")
+	assert.Zero(t, st.DeadLettered, "a broker outage is not poison")
+	t.Logf("stats %+v, %d warnings", st, warns.n.Load())
+	got := c.committed(group, topic, partitions)
+	for p := range int32(partitions) {
+		assert.Equal(t, hwm(t, c, topic, p), got[p], "partition %d", p)
+	}
+}
+
+// atomicCounter counts the warnings of the logger it makes.
+type atomicCounter struct{ n atomic.Int64 }
+
+func (a *atomicCounter) logger() *slog.Logger {
+	return slog.New(warnCounter{next: testLogger().Handler(), warns: &a.n})
+}
