@@ -117,7 +117,7 @@ func (s *Source) Receive(ctx context.Context) (consumer.Delivery, error) {
 			s.lost(sess, context.Cause(sess.ctx))
 		case d, ok := <-sess.deliveries:
 			if !ok {
-				s.lost(sess, errors.New("amqp: the broker cancelled the consumer"))
+				s.lost(sess, sess.endCause())
 				continue
 			}
 			if sess.ctx.Err() != nil {
@@ -319,6 +319,24 @@ func (sess *session) watch(connClosed, chClosed <-chan *amqp091.Error) {
 	case <-sess.ctx.Done():
 	}
 	_ = sess.conn.CloseDeadline(time.Now().Add(2 * time.Second))
+}
+
+// endCause says why the session's delivery channel closed: the closing of
+// the channel or connection, or else a consumer cancelled by the broker
+// (its queue was deleted).
+func (sess *session) endCause() error {
+	if sess.ch.IsClosed() {
+		// The watcher has the broker's reason, or gets it at once.
+		t := time.NewTimer(time.Second)
+		defer t.Stop()
+		select {
+		case <-sess.ctx.Done():
+			return context.Cause(sess.ctx)
+		case <-t.C:
+			return errors.New("amqp: channel closed")
+		}
+	}
+	return errors.New("amqp: the broker cancelled the consumer (queue deleted?)")
 }
 
 func closeCause(what string, e *amqp091.Error) error {
