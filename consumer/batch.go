@@ -3,6 +3,7 @@ package consumer
 import (
 	"context"
 	"errors"
+	"runtime/debug"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -195,26 +196,8 @@ func (e *engine) runBatchTx(ctx context.Context, jobs []*job) batchResult {
 	if err != nil {
 		return batchResult{infra: true, err: err, failed: -1}
 	}
-	for i, j := range jobs {
-		if i > 0 && e.stopping.Load() {
-			// Shutting down: roll back rather than wait for the whole
-			// batch. (Committing the handled part would commit the claims
-			// of the unhandled part too.)
-			return batchResult{abandoned: true, failed: -1}
-		}
-		if res[i].Outcome != dedup.Claimed || j.call == nil {
-			continue
-		}
-		start := time.Now()
-		err := safeCall(mergeCancel(j.ctx, ctx), tx, j.call, 1)
-		e.tel.since(ctx, e.tel.handlerDur, start)
-		if err == nil {
-			continue
-		}
-		if IsTransient(err) || ctx.Err() != nil {
-			return batchResult{infra: true, err: err, failed: -1}
-		}
-		return batchResult{failed: i, err: err}
+	if r, stop := e.runHandlers(ctx, tx, jobs, res); stop {
+		return r
 	}
 	start := time.Now()
 	err = tx.Commit(ctx)
@@ -227,6 +210,64 @@ func (e *engine) runBatchTx(ctx context.Context, jobs []*job) batchResult {
 		return batchResult{infra: true, err: err, failed: -1}
 	}
 	return batchResult{claims: res, failed: -1}
+}
+
+// runHandlers runs the handlers of the claimed jobs in tx: one call of the
+// BatchHandler, or each Handler in turn. It reports whether the batch must
+// stop short of its commit, and why.
+func (e *engine) runHandlers(ctx context.Context, tx pgx.Tx, jobs []*job, res []dedup.Result) (batchResult, bool) {
+	if e.batchCall != nil {
+		claimed := make([]*job, 0, len(jobs))
+		for i, j := range jobs {
+			if res[i].Outcome == dedup.Claimed {
+				claimed = append(claimed, j)
+			}
+		}
+		if len(claimed) == 0 {
+			return batchResult{}, false
+		}
+		start := time.Now()
+		err := safeBatchCall(ctx, tx, e.batchCall, claimed)
+		e.tel.since(ctx, e.tel.handlerDur, start)
+		switch {
+		case err == nil:
+			return batchResult{}, false
+		case IsTransient(err) || ctx.Err() != nil:
+			return batchResult{infra: true, err: err, failed: -1}, true
+		}
+		return batchResult{split: true, err: err, failed: -1}, true
+	}
+	for i, j := range jobs {
+		if i > 0 && e.stopping.Load() {
+			// Shutting down: roll back rather than wait for the whole
+			// batch. (Committing the handled part would commit the claims
+			// of the unhandled part too.)
+			return batchResult{abandoned: true, failed: -1}, true
+		}
+		if res[i].Outcome != dedup.Claimed || j.call == nil {
+			continue
+		}
+		start := time.Now()
+		err := safeCall(mergeCancel(j.ctx, ctx), tx, j.call, 1)
+		e.tel.since(ctx, e.tel.handlerDur, start)
+		if err == nil {
+			continue
+		}
+		if IsTransient(err) || ctx.Err() != nil {
+			return batchResult{infra: true, err: err, failed: -1}, true
+		}
+		return batchResult{failed: i, err: err}, true
+	}
+	return batchResult{}, false
+}
+
+func safeBatchCall(ctx context.Context, tx pgx.Tx, c func(context.Context, pgx.Tx, []*job) error, jobs []*job) (err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			err = &PanicError{Value: r, Stack: string(debug.Stack())}
+		}
+	}()
+	return c(ctx, tx, jobs)
 }
 
 // mergeCancel returns jobCtx (which carries the job's span) when it is

@@ -55,8 +55,9 @@ func New[T any](pool *pgxpool.Pool, src Source, h Handler[T], cfg Config) (*Cons
 	if h == nil {
 		return nil, fmt.Errorf("%w: handler is nil", ErrInvalidConfig)
 	}
-	e, err := newEngine(pool, src, cfg, func(m *Message, idt identity, dec Decoder) (call, ErrorKind, error) {
-		return bind(h, m, idt, dec)
+	e, err := newEngine(pool, src, cfg, func(m *Message, idt identity, dec Decoder) (prepared, ErrorKind, error) {
+		c, kind, err := bind(h, m, idt, dec)
+		return prepared{call: c}, kind, err
 	})
 	if err != nil {
 		return nil, err
@@ -80,9 +81,16 @@ func (c *Consumer[T]) Stats() Stats { return c.e.stats.snapshot() }
 // call runs a decoded message's handler in tx.
 type call func(ctx context.Context, tx pgx.Tx, attempt int) error
 
-// preparer decodes a message for its handler. A nil call with a nil error
-// means: record the id without running a handler.
-type preparer func(m *Message, idt identity, dec Decoder) (call, ErrorKind, error)
+// prepared is a message decoded for its handler. A nil call means: record
+// the id without running a handler.
+type prepared struct {
+	call call
+	// event is the typed Event, for a BatchHandler.
+	event any
+}
+
+// preparer decodes a message for its handler.
+type preparer func(m *Message, idt identity, dec Decoder) (prepared, ErrorKind, error)
 
 func bind[T any](h Handler[T], m *Message, idt identity, dec Decoder) (call, ErrorKind, error) {
 	payload, err := decodeAs[T](idt.payload, dec)
@@ -109,10 +117,13 @@ type engine struct {
 	pool    *pgxpool.Pool
 	src     Source
 	prepare preparer
-	tel     *telemetry
-	stats   counters
-	sem     chan struct{}
-	started atomic.Bool
+	// batchCall, set for a BatchHandler, runs the handler once for the
+	// claimed jobs of a batch.
+	batchCall func(ctx context.Context, tx pgx.Tx, jobs []*job) error
+	tel       *telemetry
+	stats     counters
+	sem       chan struct{}
+	started   atomic.Bool
 	// stopping is set once Run's context is done: no new message starts,
 	// and a batch in progress commits what it has handled and stops.
 	stopping atomic.Bool

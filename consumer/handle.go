@@ -20,11 +20,12 @@ import (
 
 // job is one delivery being handled.
 type job struct {
-	d    Delivery
-	m    *Message
-	idt  identity
-	fp   []byte
-	call call // nil: record the id without a handler
+	d     Delivery
+	m     *Message
+	idt   identity
+	fp    []byte
+	call  call // nil: record the id without a handler
+	event any  // the typed Event, for a BatchHandler
 	// crashes is the durable attempt count recorded for this message, 0
 	// when none was recorded.
 	crashes int
@@ -96,7 +97,9 @@ func (e *engine) newJob(ctx context.Context, dv Delivery) (*job, *DeadLetter) {
 	var err error
 	if j.idt, kind, err = e.cfg.identify(m); err == nil {
 		span.SetAttributes(attribute.String("messaging.message.id", j.idt.id), attribute.String("once.event.type", j.idt.typ))
-		j.call, kind, err = e.prepare(m, j.idt, e.cfg.Decoder)
+		var p prepared
+		p, kind, err = e.prepare(m, j.idt, e.cfg.Decoder)
+		j.call, j.event = p.call, p.event
 	}
 	if err != nil {
 		return j, &DeadLetter{Kind: kind, Error: err.Error()}

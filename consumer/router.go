@@ -35,12 +35,12 @@ type RouterConfig struct {
 // on that consumer.
 type Router struct {
 	cfg    RouterConfig
-	routes map[string]func(m *Message, idt identity, dec Decoder) (call, ErrorKind, error)
+	routes map[string]preparer
 }
 
 // NewRouter returns an empty router.
 func NewRouter(cfg RouterConfig) *Router {
-	return &Router{cfg: cfg, routes: map[string]func(*Message, identity, Decoder) (call, ErrorKind, error){}}
+	return &Router{cfg: cfg, routes: map[string]preparer{}}
 }
 
 // Handle registers h for events of type eventType, decoded into T. It fails
@@ -55,8 +55,9 @@ func Handle[T any](r *Router, eventType string, h Handler[T]) error {
 	if _, dup := r.routes[eventType]; dup {
 		return fmt.Errorf("%w: a handler for %q is already registered", ErrInvalidConfig, eventType)
 	}
-	r.routes[eventType] = func(m *Message, idt identity, dec Decoder) (call, ErrorKind, error) {
-		return bind(h, m, idt, dec)
+	r.routes[eventType] = func(m *Message, idt identity, dec Decoder) (prepared, ErrorKind, error) {
+		c, kind, err := bind(h, m, idt, dec)
+		return prepared{call: c}, kind, err
 	}
 	return nil
 }
@@ -71,15 +72,15 @@ func (r *Router) Types() []string {
 	return types
 }
 
-func (r *Router) prepare(m *Message, idt identity, dec Decoder) (call, ErrorKind, error) {
+func (r *Router) prepare(m *Message, idt identity, dec Decoder) (prepared, ErrorKind, error) {
 	route, ok := r.routes[idt.typ]
 	if ok {
 		return route(m, idt, dec)
 	}
 	if r.cfg.UnknownTypes == SkipUnknownTypes {
-		return nil, "", nil
+		return prepared{}, "", nil
 	}
-	return nil, KindUnknownType, fmt.Errorf("no handler for event type %q", idt.typ)
+	return prepared{}, KindUnknownType, fmt.Errorf("no handler for event type %q", idt.typ)
 }
 
 // NewRouted returns a consumer that dispatches each message to the
@@ -93,7 +94,7 @@ func NewRouted(pool *pgxpool.Pool, src Source, r *Router, cfg Config) (*Consumer
 	if r.cfg.UnknownTypes != DeadLetterUnknownTypes && r.cfg.UnknownTypes != SkipUnknownTypes {
 		return nil, fmt.Errorf("%w: RouterConfig.UnknownTypes %d is not a known policy", ErrInvalidConfig, r.cfg.UnknownTypes)
 	}
-	routes := make(map[string]func(*Message, identity, Decoder) (call, ErrorKind, error), len(r.routes))
+	routes := make(map[string]preparer, len(r.routes))
 	for k, v := range r.routes {
 		routes[k] = v
 	}

@@ -89,8 +89,11 @@ func New(cfg Config) (*Store, error) {
 SELECT $1, u.id, u.fp, u.src, u.part, u.off
 FROM unnest($2::text[], $3::bytea[], $4::text[], $5::integer[], $6::bigint[]) AS u(id, fp, src, part, off)
 ON CONFLICT DO NOTHING RETURNING event_id`,
-		lookupSQL:      `SELECT fingerprint, processed_at FROM ` + table + ` WHERE consumer = $1 AND event_id = $2`,
-		lookupBatchSQL: `SELECT event_id, fingerprint, processed_at FROM ` + table + ` WHERE consumer = $1 AND event_id = ANY($2::text[])`,
+		lookupSQL: `SELECT fingerprint, processed_at FROM ` + table + ` WHERE consumer = $1 AND event_id = $2`,
+		// A join on unnest, not "event_id = ANY($2)": under a generic plan
+		// on a young table that one can fall back to scanning the table.
+		lookupBatchSQL: `SELECT p.event_id, p.fingerprint, p.processed_at FROM unnest($2::text[]) AS u(id)
+JOIN ` + table + ` p ON p.consumer = $1 AND p.event_id = u.id`,
 		recordAttemptSQL: `INSERT INTO ` + attempts + ` AS a (consumer, event_id, attempts)
 SELECT $1, $2, 1 WHERE NOT EXISTS (SELECT 1 FROM ` + table + ` WHERE consumer = $1 AND event_id = $2)
 ON CONFLICT (consumer, event_id) DO UPDATE SET attempts = a.attempts + 1, last_seen = now() RETURNING attempts`,

@@ -22,7 +22,8 @@ import (
 var url string
 
 // Main runs the package's tests against DATABASE_URL, or against a
-// throwaway server that it starts and removes. Call it from TestMain.
+// throwaway server that it starts and removes (with fsync off, unless
+// ONCE_PG_DURABLE=1). Call it from TestMain.
 func Main(m *testing.M) {
 	os.Exit(run(m))
 }
@@ -31,7 +32,8 @@ func run(m *testing.M) int {
 	url = os.Getenv("DATABASE_URL")
 	if url == "" {
 		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-		srv, err := pgtemp.Start(ctx, pgtemp.Options{})
+		// Benchmarks set ONCE_PG_DURABLE=1 for production-like fsync.
+		srv, err := pgtemp.Start(ctx, pgtemp.Options{Durable: os.Getenv("ONCE_PG_DURABLE") == "1"})
 		cancel()
 		if err != nil {
 			fmt.Fprintln(os.Stderr, "pgtest:", err)

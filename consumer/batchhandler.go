@@ -1,0 +1,55 @@
+package consumer
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// BatchHandler handles several events in one transaction, so that it can
+// write them with multi-row statements (INSERT ... SELECT FROM unnest, or
+// pgx.CopyFrom): the fastest way to PostgreSQL. The events are new (their
+// ids were claimed in tx), belong to one stream (or to no stream), and come
+// in stream order. Return nil to commit them all. On an error the
+// transaction is rolled back and each event is handled again alone (a batch
+// of one) under the retry policy, so one bad event cannot hold back the
+// others; handlers must therefore accept batches of any size from 1 to
+// Config.BatchSize.
+type BatchHandler[T any] func(ctx context.Context, tx pgx.Tx, events []Event[T]) error
+
+// NewBatch returns a consumer that decodes every message into T and calls
+// h with batches of events. Errors as for New.
+func NewBatch[T any](pool *pgxpool.Pool, src Source, h BatchHandler[T], cfg Config) (*Consumer[T], error) {
+	if h == nil {
+		return nil, fmt.Errorf("%w: handler is nil", ErrInvalidConfig)
+	}
+	prep := func(m *Message, idt identity, dec Decoder) (prepared, ErrorKind, error) {
+		payload, err := decodeAs[T](idt.payload, dec)
+		if err != nil {
+			return prepared{}, KindDecode, &DecodeError{Err: err}
+		}
+		ev := Event[T]{ID: idt.id, Type: idt.typ, Payload: payload, Message: m, Attempt: 1}
+		return prepared{
+			call: func(ctx context.Context, tx pgx.Tx, attempt int) error {
+				one := ev
+				one.Attempt = attempt
+				return h(ctx, tx, []Event[T]{one})
+			},
+			event: ev,
+		}, "", nil
+	}
+	e, err := newEngine(pool, src, cfg, prep)
+	if err != nil {
+		return nil, err
+	}
+	e.batchCall = func(ctx context.Context, tx pgx.Tx, jobs []*job) error {
+		events := make([]Event[T], len(jobs))
+		for i, j := range jobs {
+			events[i] = j.event.(Event[T])
+		}
+		return h(ctx, tx, events)
+	}
+	return &Consumer[T]{e: e}, nil
+}

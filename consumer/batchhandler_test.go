@@ -1,0 +1,72 @@
+package consumer_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/consumer/memsource"
+	"github.com/onceco/once/internal/pgtest"
+)
+
+// insertEffects writes a batch with one multi-row statement.
+func insertEffects(ctx context.Context, tx pgx.Tx, evs []consumer.Event[order]) error {
+	ids := make([]string, len(evs))
+	ns := make([]int32, len(evs))
+	for i, ev := range evs {
+		ids[i], ns[i] = ev.ID, int32(ev.Payload.N)
+	}
+	_, err := tx.Exec(ctx, `INSERT INTO effects (event_id, n) SELECT * FROM unnest($1::text[], $2::int[])`, ids, ns)
+	return err
+}
+
+func TestBatchHandler(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	const total = 400
+	b := memsource.New(memsource.Options{Streams: 2})
+	for i := 0; i < total; i++ {
+		publish(b, fmt.Sprintf("e%d", i), i)
+		if i%10 == 0 {
+			publish(b, fmt.Sprintf("e%d", i), i)
+		}
+	}
+	var biggest atomic.Int32
+	h := func(ctx context.Context, tx pgx.Tx, evs []consumer.Event[order]) error {
+		if n := int32(len(evs)); n > biggest.Load() {
+			biggest.Store(n)
+		}
+		for _, ev := range evs {
+			if ev.Payload.N == 123 {
+				return errors.New("order 123 is invalid")
+			}
+		}
+		return insertEffects(ctx, tx, evs)
+	}
+	cfg := fastConfig("batch-handler")
+	cfg.BatchSize = 50
+	cfg.BatchLinger = 10 * time.Millisecond
+	c, err := consumer.NewBatch(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == total+total/10 }, 20*time.Second, 5*time.Millisecond)
+	got := countEffects(t, pool)
+	assert.Len(t, got, total-1)
+	for id, n := range got {
+		require.Equal(t, 1, n, "double effect for %s", id)
+	}
+	assert.Zero(t, got["e123"])
+	dl := b.DeadLetters()
+	require.Len(t, dl, 1)
+	assert.Equal(t, "e123", dl[0].Headers[consumer.HeaderEventID])
+	assert.Greater(t, biggest.Load(), int32(1), "events arrive in batches")
+	assert.Equal(t, uint64(total/10), c.Stats().Duplicates)
+}
