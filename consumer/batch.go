@@ -204,7 +204,7 @@ func (e *engine) runBatchTx(ctx context.Context, jobs []*job) batchResult {
 	e.tel.since(ctx, e.tel.commitDur, start)
 	e.tel.batchSize.Record(ctx, int64(len(jobs)), metric.WithAttributeSet(e.tel.base))
 	switch {
-	case errors.Is(err, pgx.ErrTxCommitRollback):
+	case errors.Is(err, pgx.ErrTxCommitRollback), errors.Is(err, pgx.ErrTxClosed):
 		return batchResult{split: true, err: err, failed: -1}
 	case err != nil:
 		return batchResult{infra: true, err: err, failed: -1}

@@ -453,3 +453,40 @@ func TestBatchFailureSplitsAndKeepsOrder(t *testing.T) {
 	}
 	assert.Greater(t, c.Stats().Handled, uint64(0))
 }
+
+// A handler that swallows a failed statement's error, or commits the
+// consumer's transaction itself, is a handler failure, not an
+// infrastructure failure that would retry forever.
+func TestHandlerMisusingTheTransaction(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{Streams: 1})
+	publish(b, "swallows", 1)
+	publish(b, "commits", 2)
+	publish(b, "fine", 3)
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		switch ev.ID {
+		case "swallows":
+			_, _ = tx.Exec(ctx, `INSERT INTO no_such_table VALUES (1)`)
+			return nil
+		case "commits":
+			if err := insertEffect(ctx, tx, ev); err != nil {
+				return err
+			}
+			return tx.Commit(ctx)
+		}
+		return insertEffect(ctx, tx, ev)
+	}
+	cfg := fastConfig("misuse")
+	cfg.BatchSize = 1
+	c, err := consumer.New(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 3 }, 10*time.Second, 5*time.Millisecond)
+	kinds := map[string]string{}
+	for _, d := range b.DeadLetters() {
+		kinds[d.Headers[consumer.HeaderEventID]] = d.Headers[consumer.HeaderErrorKind]
+	}
+	assert.Equal(t, map[string]string{"swallows": "handler", "commits": "handler"}, kinds)
+	assert.Equal(t, 1, countEffects(t, pool)["fine"])
+}

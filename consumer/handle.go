@@ -228,6 +228,12 @@ func (e *engine) transaction(ctx context.Context, j *job, attempt int) result {
 	case dedup.Conflict:
 		return result{kind: resConflict, prev: res.Previous}
 	}
+	if j.crashes > 0 {
+		// Forget the attempt count with the effects: both commit or neither.
+		if err := e.cfg.Store.ClearAttempts(ctx, tx, e.cfg.Name, j.idt.id); err != nil {
+			return result{kind: resInfraErr, err: err}
+		}
+	}
 	kind := resSkipped
 	if j.call != nil {
 		kind = resHandled
@@ -241,16 +247,14 @@ func (e *engine) transaction(ctx context.Context, j *job, attempt int) result {
 			return result{kind: resHandlerErr, err: err}
 		}
 	}
-	if j.crashes > 0 {
-		if err := e.cfg.Store.ClearAttempts(ctx, tx, e.cfg.Name, j.idt.id); err != nil {
-			return result{kind: resInfraErr, err: err}
-		}
-	}
 	start := time.Now()
 	err = tx.Commit(ctx)
 	e.tel.since(ctx, e.tel.commitDur, start)
-	if errors.Is(err, pgx.ErrTxCommitRollback) {
+	switch {
+	case errors.Is(err, pgx.ErrTxCommitRollback):
 		return result{kind: resHandlerErr, err: errors.New("the transaction was aborted by a failed statement whose error the handler did not return")}
+	case errors.Is(err, pgx.ErrTxClosed):
+		return result{kind: resHandlerErr, err: Permanent(errors.New("the handler committed or rolled back the consumer's transaction"))}
 	}
 	if err != nil {
 		// The commit may or may not have happened; a retry finds out: a

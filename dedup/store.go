@@ -202,18 +202,26 @@ type Previous struct {
 // the id itself if it rolled back. The lookup of the previous row costs a
 // second statement only when the id is not new.
 func (s *Store) Claim(ctx context.Context, tx DB, c Claim) (Result, error) {
-	tag, err := tx.Exec(ctx, s.claimSQL, c.Consumer, c.EventID, c.Fingerprint, c.Source, nullable32(c.Partition), nullable64(c.Offset))
-	if err != nil {
-		return Result{}, fmt.Errorf("dedup: claim: %w", err)
+	for try := 0; ; try++ {
+		tag, err := tx.Exec(ctx, s.claimSQL, c.Consumer, c.EventID, c.Fingerprint, c.Source, nullable32(c.Partition), nullable64(c.Offset))
+		if err != nil {
+			return Result{}, fmt.Errorf("dedup: claim: %w", err)
+		}
+		if tag.RowsAffected() == 1 {
+			return Result{Outcome: Claimed}, nil
+		}
+		var prev Previous
+		err = tx.QueryRow(ctx, s.lookupSQL, c.Consumer, c.EventID).Scan(&prev.Fingerprint, &prev.ProcessedAt)
+		if errors.Is(err, pgx.ErrNoRows) && try < 3 {
+			// Retention deleted the row between the insert and the
+			// lookup: the id is free again, claim it.
+			continue
+		}
+		if err != nil {
+			return Result{}, fmt.Errorf("dedup: claim lookup: %w", err)
+		}
+		return Result{Outcome: compare(c.Fingerprint, prev.Fingerprint), Previous: prev}, nil
 	}
-	if tag.RowsAffected() == 1 {
-		return Result{Outcome: Claimed}, nil
-	}
-	var prev Previous
-	if err := tx.QueryRow(ctx, s.lookupSQL, c.Consumer, c.EventID).Scan(&prev.Fingerprint, &prev.ProcessedAt); err != nil {
-		return Result{}, fmt.Errorf("dedup: claim lookup: %w", err)
-	}
-	return Result{Outcome: compare(c.Fingerprint, prev.Fingerprint), Previous: prev}, nil
 }
 
 // ClaimBatch claims many ids for one consumer with one statement, and
@@ -271,7 +279,18 @@ func (s *Store) ClaimBatch(ctx context.Context, tx DB, claims []Claim) ([]Result
 		if results[i].Outcome == Claimed {
 			continue
 		}
-		p := prev[c.EventID]
+		p, ok := prev[c.EventID]
+		if !ok {
+			// Retention deleted the row since the insert saw it: claim
+			// the id again on its own.
+			if results[i], err = s.Claim(ctx, tx, c); err != nil {
+				return nil, err
+			}
+			if results[i].Outcome == Claimed {
+				prev[c.EventID] = Previous{Fingerprint: c.Fingerprint}
+			}
+			continue
+		}
 		results[i] = Result{Outcome: compare(c.Fingerprint, p.Fingerprint), Previous: p}
 	}
 	return results, nil

@@ -1,3 +1,4 @@
+-- +goose Up
 -- once: dedup schema. Idempotent; safe to run on every start.
 CREATE TABLE IF NOT EXISTS "processed_events" (
     consumer     text        NOT NULL,
