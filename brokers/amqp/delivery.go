@@ -56,6 +56,7 @@ func (s *Source) newDelivery(sess *session, d *amqp091.Delivery) *delivery {
 	msg := &consumer.Message{
 		ID:            d.MessageId,
 		Type:          d.Type,
+		Key:           []byte(d.RoutingKey),
 		Value:         d.Body,
 		Headers:       headerStrings(d.Headers),
 		Topic:         s.cfg.Queue,
@@ -65,6 +66,9 @@ func (s *Source) newDelivery(sess *session, d *amqp091.Delivery) *delivery {
 		Redelivered:   d.Redelivered,
 		DeliveryCount: deliveryCount(d.Headers),
 	}
+	if s.cfg.Ordered {
+		msg.Stream = s.cfg.Queue
+	}
 	if s.cfg.FallbackID {
 		msg.FallbackID = fallbackID(d.Exchange, d.RoutingKey, d.Body)
 	}
@@ -72,8 +76,10 @@ func (s *Source) newDelivery(sess *session, d *amqp091.Delivery) *delivery {
 }
 
 // Message returns the message. Message.ID is the message-id property,
-// Message.Type the type property, Message.Headers the AMQP headers as
-// strings, Message.Topic the queue.
+// Message.Type the type property, Message.Key the routing key it was
+// published with, Message.Headers the AMQP headers as strings,
+// Message.Topic the queue, Message.Stream empty (or the queue with
+// Config.Ordered).
 func (d *delivery) Message() *consumer.Message { return d.msg }
 
 // Context is done once the delivery's channel closed (connection lost,

@@ -54,6 +54,7 @@ func TestMessageFromDelivery(t *testing.T) {
 	assert.Equal(t, "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", m.Headers["traceparent"])
 	assert.Equal(t, "7", m.Headers["n"])
 	assert.Equal(t, q, m.Topic)
+	assert.Equal(t, []byte("order.created"), m.Key, "the routing key")
 	assert.Equal(t, int32(-1), m.Partition)
 	assert.Equal(t, int64(-1), m.Offset)
 	assert.True(t, ts.Equal(m.Timestamp), "timestamp %v", m.Timestamp)
@@ -103,6 +104,21 @@ func TestUnackedIsRedelivered(t *testing.T) {
 			}
 			require.NoError(t, again.Ack(context.Background()))
 		})
+	}
+}
+
+func TestOrderedPutsTheQueueOnOneStream(t *testing.T) {
+	t.Parallel()
+	a := newAdmin(t)
+	q := queueName(t)
+	a.declare(q, amqp.QueueClassic)
+	require.NoError(t, a.publish("", q, jsonMsg("ev-1", `{}`), jsonMsg("ev-2", `{}`)))
+	src := openSource(t, amqp.Config{Queue: q, Ordered: true})
+	for _, id := range []string{"ev-1", "ev-2"} {
+		d := receive(t, src)
+		assert.Equal(t, id, d.Message().ID, "queue order")
+		assert.Equal(t, q, d.Message().Stream)
+		require.NoError(t, d.Ack(context.Background()))
 	}
 }
 
