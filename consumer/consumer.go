@@ -292,8 +292,16 @@ func (d *dispatcher) unorderedWorker() {
 				plain = append(plain, dv)
 			}
 		}
-		if len(plain) > 0 && !d.e.stopping.Load() {
-			d.e.handleBatch(d.work, plain)
+		// A batch shares one fate, so it must not mix deliveries of
+		// different channels: abandoning a batch because one channel died
+		// would leave the others' deliveries unacked on a live channel.
+		for len(plain) > 0 && !d.e.stopping.Load() {
+			n := 1
+			for n < len(plain) && plain[n].Context() == plain[0].Context() {
+				n++
+			}
+			d.e.handleBatch(d.work, plain[:n])
+			plain = plain[n:]
 		}
 	}
 }
