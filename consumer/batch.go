@@ -209,6 +209,7 @@ func (e *engine) runBatchTx(ctx context.Context, jobs []*job) batchResult {
 	case err != nil:
 		return batchResult{infra: true, err: err, failed: -1}
 	}
+	crashPoint("after-commit")
 	return batchResult{claims: res, failed: -1}
 }
 
@@ -246,6 +247,9 @@ func (e *engine) runHandlers(ctx context.Context, tx pgx.Tx, jobs []*job, res []
 		}
 		if res[i].Outcome != dedup.Claimed || j.call == nil {
 			continue
+		}
+		if i == len(jobs)/2 {
+			crashPoint("mid-batch")
 		}
 		start := time.Now()
 		err := safeCall(mergeCancel(j.ctx, ctx), tx, j.call, 1)

@@ -228,6 +228,7 @@ func (e *engine) transaction(ctx context.Context, j *job, attempt int) result {
 	case dedup.Conflict:
 		return result{kind: resConflict, prev: res.Previous}
 	}
+	crashPoint("after-claim")
 	if j.crashes > 0 {
 		// Forget the attempt count with the effects: both commit or neither.
 		if err := e.cfg.Store.ClearAttempts(ctx, tx, e.cfg.Name, j.idt.id); err != nil {
@@ -246,6 +247,7 @@ func (e *engine) transaction(ctx context.Context, j *job, attempt int) result {
 			}
 			return result{kind: resHandlerErr, err: err}
 		}
+		crashPoint("after-handler")
 	}
 	start := time.Now()
 	err = tx.Commit(ctx)
@@ -261,6 +263,7 @@ func (e *engine) transaction(ctx context.Context, j *job, attempt int) result {
 		// duplicate if it did.
 		return result{kind: resInfraErr, err: fmt.Errorf("commit: %w", err)}
 	}
+	crashPoint("after-commit")
 	return result{kind: kind}
 }
 
@@ -336,6 +339,7 @@ func (e *engine) deadLetter(ctx context.Context, j *job, dl *DeadLetter) {
 		}
 		wait = min(wait*2, e.cfg.InfraBackoff.Max)
 	}
+	crashPoint("after-dead-letter")
 	e.stats.deadLettered.Add(1)
 	e.tel.deadLetter(ctx, j.span, dl.Kind, dl.Error)
 	e.cfg.Logger.Warn("once: message dead-lettered", "consumer", e.cfg.Name, "event_id", dl.EventID,

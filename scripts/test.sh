@@ -19,3 +19,6 @@ fi
 # Tests that need a server fail instead of skipping when it is missing.
 export ONCE_REQUIRE_SERVERS=1
 go test -race -count=1 -timeout 15m ${GOTESTFLAGS:-} ./...
+# The chaos build: crash points that kill the process at each step of a
+# message's way (compiled out of every other build).
+go test -race -count=1 -timeout 5m -tags chaos -run 'CrashPoint' ${GOTESTFLAGS:-} ./...
