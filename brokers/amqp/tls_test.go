@@ -1,0 +1,102 @@
+package amqp_test
+
+import (
+	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"math/big"
+	"net"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/brokers/amqp"
+)
+
+// selfSigned returns a certificate for 127.0.0.1 signed by itself.
+func selfSigned(t *testing.T, cn string) tls.Certificate {
+	t.Helper()
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	require.NoError(t, err)
+	tmpl := &x509.Certificate{
+		SerialNumber: big.NewInt(1),
+		Subject:      pkix.Name{CommonName: cn},
+		NotBefore:    time.Now().Add(-time.Hour),
+		NotAfter:     time.Now().Add(time.Hour),
+		IPAddresses:  []net.IP{net.IPv4(127, 0, 0, 1)},
+		KeyUsage:     x509.KeyUsageDigitalSignature | x509.KeyUsageCertSign,
+		ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth},
+		IsCA:         true, BasicConstraintsValid: true,
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
+	require.NoError(t, err)
+	leaf, err := x509.ParseCertificate(der)
+	require.NoError(t, err)
+	return tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key, Leaf: leaf}
+}
+
+// TestTLSConfigIsUsed dials an amqps URL whose server is a TLS listener of
+// the test that requires a client certificate: with Config.TLSConfig
+// trusting the server and presenting a client certificate, the TLS
+// handshake succeeds (the AMQP handshake then fails, as the server speaks
+// no AMQP); without it, the server's certificate is rejected.
+func TestTLSConfigIsUsed(t *testing.T) {
+	t.Parallel()
+	server, client := selfSigned(t, "test-server"), selfSigned(t, "test-client")
+	roots := x509.NewCertPool()
+	roots.AddCert(server.Leaf)
+	clientCAs := x509.NewCertPool()
+	clientCAs.AddCert(client.Leaf)
+	ln, err := tls.Listen("tcp", "127.0.0.1:0", &tls.Config{
+		Certificates: []tls.Certificate{server},
+		ClientAuth:   tls.RequireAndVerifyClientCert,
+		ClientCAs:    clientCAs,
+	})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = ln.Close() })
+	peers := make(chan string, 16)
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			tc := c.(*tls.Conn)
+			if tc.Handshake() == nil {
+				select {
+				case peers <- tc.ConnectionState().PeerCertificates[0].Subject.CommonName:
+				default:
+				}
+			}
+			_ = c.Close()
+		}
+	}()
+	url := "amqps://guest:guest@" + ln.Addr().String() + "/"
+	open := func(cfg *tls.Config) error {
+		ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+		defer cancel()
+		_, err := amqp.Open(ctx, amqp.Config{URL: url, Queue: "q", TLSConfig: cfg, Logger: testLogger(t),
+			ReconnectMinBackoff: 50 * time.Millisecond, ReconnectMaxBackoff: 50 * time.Millisecond})
+		return err
+	}
+
+	err = open(&tls.Config{RootCAs: roots, Certificates: []tls.Certificate{client}})
+	require.Error(t, err, "the server speaks no AMQP")
+	assert.NotContains(t, err.Error(), "certificate")
+	select {
+	case cn := <-peers:
+		assert.Equal(t, "test-client", cn, "the client certificate of Config.TLSConfig was presented")
+	case <-time.After(5 * time.Second):
+		t.Fatal("no TLS handshake completed")
+	}
+
+	err = open(nil)
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "certificate", "without Config.TLSConfig the system roots reject the server")
+}
