@@ -39,19 +39,16 @@ func amqpSource(ctx context.Context, o *options, tel *telemetry, log *slog.Logge
 
 // prepareAMQP declares the queue and its dead-letter queue (by opening and
 // closing a source), so that traffic published before the consumer starts
-// is kept.
-func prepareAMQP(ctx context.Context, o *options, out io.Writer) error {
+// is kept. Call it before publishing: the source it opens consumes, and the
+// messages it took would go back to the queue out of place.
+func prepareAMQP(ctx context.Context, o *options) error {
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
 	src, err := amqp.Open(ctx, amqpConfig(o, nil, slog.New(slog.NewTextHandler(io.Discard, nil))))
 	if err != nil {
 		return fmt.Errorf("RabbitMQ: %w", err)
 	}
-	if err := src.Close(); err != nil {
-		return err
-	}
-	fmt.Fprintf(out, "RabbitMQ: queue %s (dead letters: %s%s)\n", o.topic, o.topic, amqp.DeadLetterQueueSuffix)
-	return nil
+	return src.Close()
 }
 
 // amqpPublisher publishes generated traffic to the queue through the default
@@ -121,6 +118,7 @@ type amqpQueues struct {
 	conn  *amqp091.Connection
 	ch    *amqp091.Channel
 	queue string
+	taken []deadLetter // dead letters read so far
 }
 
 func newAMQPQueues(url, queue string) (*amqpQueues, error) {
@@ -137,32 +135,51 @@ func newAMQPQueues(url, queue string) (*amqpQueues, error) {
 }
 
 // Ready returns the messages of the queue waiting to be delivered (not
-// counting those delivered and not yet acked).
-func (q *amqpQueues) Ready() (int, error) {
-	st, err := q.ch.QueueDeclarePassive(q.queue, true, false, false, false, amqp091.Table{"x-queue-type": string(amqp.QueueClassic)})
+// counting those delivered and not yet acked) and its consumers.
+func (q *amqpQueues) Ready() (messages, consumers int, err error) {
+	st, err := q.ch.QueueDeclarePassive(q.queue, true, false, false, false, nil)
 	if err != nil {
-		return 0, err
+		return 0, 0, err
 	}
-	return st.Messages, nil
+	return st.Messages, st.Consumers, nil
 }
 
-// DeadLetters takes every message off the dead-letter queue and returns
-// their headers.
-func (q *amqpQueues) DeadLetters() ([]map[string]string, error) {
-	var out []map[string]string
+// WaitNoConsumers waits until the queue has no consumer: the broker has
+// noticed that the killed consumer's connection is gone and put its unacked
+// messages back in the queue.
+func (q *amqpQueues) WaitNoConsumers(ctx context.Context) error {
+	deadline := time.After(30 * time.Second)
+	for {
+		_, n, err := q.Ready()
+		if err != nil || n == 0 {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-deadline:
+			return errors.New("RabbitMQ still lists the killed consumer after 30s")
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+}
+
+// DeadLetters takes the messages off the dead-letter queue and returns
+// them with those taken by earlier calls.
+func (q *amqpQueues) DeadLetters() ([]deadLetter, error) {
 	for {
 		d, ok, err := q.ch.Get(q.queue+amqp.DeadLetterQueueSuffix, true)
 		if err != nil {
 			return nil, err
 		}
 		if !ok {
-			return out, nil
+			return q.taken, nil
 		}
 		h := map[string]string{}
 		for k, v := range d.Headers {
 			h[k] = fmt.Sprint(v)
 		}
-		out = append(out, h)
+		q.taken = append(q.taken, deadLetter{Value: d.Body, Headers: h, ID: d.MessageId, Type: d.Type})
 	}
 }
 

@@ -142,8 +142,8 @@ func (k *kafkaPublisher) Publish(_ context.Context, msgs []outMsg) error {
 func (k *kafkaPublisher) Close() error { return k.p.Close() }
 
 // readKafkaTopic reads every record of topic up to the partitions' current
-// ends and returns their headers.
-func readKafkaTopic(addrs []string, topic string) ([]map[string]string, error) {
+// ends.
+func readKafkaTopic(addrs []string, topic string) ([]deadLetter, error) {
 	client, err := sarama.NewClient(addrs, saramaConfig())
 	if err != nil {
 		return nil, err
@@ -158,7 +158,7 @@ func readKafkaTopic(addrs []string, topic string) ([]map[string]string, error) {
 		return nil, err
 	}
 	defer cons.Close()
-	var out []map[string]string
+	var out []deadLetter
 	for _, p := range parts {
 		end, err := client.GetOffset(topic, p, sarama.OffsetNewest)
 		if err != nil {
@@ -178,7 +178,7 @@ func readKafkaTopic(addrs []string, topic string) ([]map[string]string, error) {
 				for _, rh := range m.Headers {
 					h[string(rh.Key)] = string(rh.Value)
 				}
-				out = append(out, h)
+				out = append(out, deadLetter{Key: m.Key, Value: m.Value, Headers: h})
 				done = m.Offset+1 >= end
 			case err := <-pc.Errors():
 				pc.Close()

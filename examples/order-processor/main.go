@@ -153,8 +153,8 @@ func parseOptions(args []string, stderr io.Writer) (*options, error) {
 	fs.Float64Var(&o.mix.Malformed, "malformed", 0.005, "malformed messages per order")
 	fs.Float64Var(&o.mix.Violations, "violations", 0.01, "rule-violating events per order")
 	fs.Int64Var(&o.mix.Seed, "seed", 0, "traffic seed (0: from the clock)")
-	fs.DurationVar(&o.unknownOrderWait, "unknown-order-wait", 100*time.Millisecond, "retry delay for an event whose order does not exist yet")
-	fs.IntVar(&o.maxAttempts, "max-attempts", 4, "handler attempts before an event is dead-lettered")
+	fs.DurationVar(&o.unknownOrderWait, "unknown-order-wait", 100*time.Millisecond, "retry delay for an event whose order does not exist yet (amqp: 250ms)")
+	fs.IntVar(&o.maxAttempts, "max-attempts", 4, "handler attempts before an event is dead-lettered (amqp: 8)")
 	fs.BoolVar(&o.crash, "crash", true, "demo: kill (SIGKILL) a first consumer process mid-stream, then resume")
 	fs.StringVar(&o.metricsAddr, "metrics-addr", envOr("METRICS_ADDR", "127.0.0.1:0"), `address of /metrics and /healthz ("" or "off": none)`)
 	fs.StringVar(&o.traces, "traces", "", `export spans: "stdout" or a file name ("": off)`)
@@ -180,6 +180,8 @@ Flags of `+o.command+`:
 	if fs.NArg() > 0 {
 		return nil, fmt.Errorf("unexpected arguments: %v", fs.Args())
 	}
+	set := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
 	if o.metricsAddr == "off" {
 		o.metricsAddr = ""
 	}
@@ -195,6 +197,16 @@ Flags of `+o.command+`:
 	case "kafka":
 	case "amqp", "rabbitmq":
 		o.broker = "amqp"
+		o.mix.Unordered = true
+		// Without order, a payment can overtake its order.created, by a
+		// whole queue after a crash (redeliveries come back out of place):
+		// give it longer to arrive.
+		if !set["unknown-order-wait"] {
+			o.unknownOrderWait = 250 * time.Millisecond
+		}
+		if !set["max-attempts"] {
+			o.maxAttempts = 8
+		}
 	default:
 		return nil, fmt.Errorf("-broker %q: want kafka or amqp", o.broker)
 	}
@@ -286,10 +298,9 @@ func startInfra(ctx context.Context, o *options, out io.Writer) (*infra, error) 
 			k.addrs[0], o.topic, o.topic, o.partitions)
 		fmt.Fprintf(out, "       produce to it with: kcat -b %s -t %s -P -k o-1 -H id=evt-1 -H type=%s\n", k.addrs[0], o.topic, TypeCreated)
 	case "amqp":
-		if err := prepareAMQP(ctx, o, out); err != nil {
-			inf.Close()
-			return nil, err
-		}
+		// The source declares the queue and its dead-letter queue when it
+		// opens; the demo and produce declare them before publishing.
+		fmt.Fprintf(out, "RabbitMQ: queue %s (dead letters: %s.dlq)\n", o.topic, o.topic)
 	}
 	return inf, nil
 }
@@ -429,7 +440,7 @@ func produce(ctx context.Context, o *options, stdout io.Writer) error {
 		if err := createKafkaTopics(o.kafkaBrokers, o.topic, int32(o.partitions)); err != nil {
 			return err
 		}
-	} else if err := prepareAMQP(ctx, o, io.Discard); err != nil {
+	} else if err := prepareAMQP(ctx, o); err != nil {
 		return err
 	}
 	plan := Generate(o.mix)

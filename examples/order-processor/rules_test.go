@@ -236,8 +236,8 @@ func TestRuleOutcomesThroughTheConsumer(t *testing.T) {
 	dlq, err := readKafkaTopic(k.addrs, "orders.dlq")
 	require.NoError(t, err)
 	byID := map[string]map[string]string{}
-	for _, h := range dlq {
-		byID[h[consumer.HeaderEventID]] = h
+	for _, d := range dlq {
+		byID[d.Headers[consumer.HeaderEventID]] = d.Headers
 	}
 	require.Len(t, byID, 3)
 	require.Equal(t, "handler", byID["e1"][consumer.HeaderErrorKind])
@@ -281,10 +281,13 @@ func TestReportDetectsWrongState(t *testing.T) {
 		return &Plan{Sent: map[string]int{kindEvent: 2}, Orders: map[string]expectedOrder{"o-1": {Status: "paid", AmountCents: 100, Paid: true}},
 			LedgerRows: 1, LedgerSum: 100, Messages: make([]outMsg, 2)}
 	}
-	run := func(p *Plan, dlq []map[string]string) (string, error) {
+	run := func(p *Plan, dlq []deadLetter) (string, error) {
 		var out bytes.Buffer
-		err := report(ctx, &out, pool, o, p, 0, consumer.Stats{}, dlq, time.Second)
+		err := report(ctx, &out, pool, o, p, runs{}, dlq, time.Second)
 		return out.String(), err
+	}
+	dead := func(id, kind string) deadLetter {
+		return deadLetter{Headers: map[string]string{consumer.HeaderEventID: id, consumer.HeaderErrorKind: kind}}
 	}
 
 	out, err := run(plan(), nil)
@@ -296,9 +299,13 @@ func TestReportDetectsWrongState(t *testing.T) {
 	out, err = run(p, nil)
 	require.Error(t, err, "a dead letter is missing")
 	require.Contains(t, out, "verdict: FAIL")
-	out, err = run(p, []map[string]string{{consumer.HeaderEventID: "m1", consumer.HeaderErrorKind: "decode"},
-		{consumer.HeaderEventID: "m1", consumer.HeaderErrorKind: "decode"}})
+	out, err = run(p, []deadLetter{dead("m1", "decode"), dead("m1", "decode")})
 	require.NoError(t, err, "dead letters are counted by distinct event id: %s", out)
+	out, err = run(p, []deadLetter{dead("m1", "decode"), dead("e2", "handler")})
+	require.NoError(t, err, "a dead letter handled since (replayed) is not counted: %s", out)
+	require.Contains(t, out, "replayed             1")
+	_, err = run(p, []deadLetter{dead("m1", "decode"), dead("v1", "handler")})
+	require.Error(t, err, "an unexpected dead letter")
 
 	p = plan()
 	p.Orders["o-2"] = expectedOrder{Status: "created", AmountCents: 5}
@@ -312,4 +319,40 @@ func TestReportDetectsWrongState(t *testing.T) {
 	require.Error(t, err)
 	require.Contains(t, out, "mismatch: o-1: 2 payments for 200, want 1 for 100")
 	require.Contains(t, out, "verdict: FAIL")
+}
+
+// Dead letters whose order was missing are replayed once their order
+// exists, once per event id, with their original id, type, key and value;
+// the others stay where they are.
+func TestReplayable(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	ctx := context.Background()
+	require.NoError(t, Migrate(ctx, pool))
+	_, err := pool.Exec(ctx, `INSERT INTO orders (id, customer, amount_cents, status, created_event) VALUES ('o-1', 'c', 100, 'created', 'e0')`)
+	require.NoError(t, err)
+	unknown := func(id, order string, props bool) deadLetter {
+		d := deadLetter{Key: []byte(order), Value: mustJSON(t, OrderPaid{OrderID: order, PaymentID: "p", AmountCents: 100}),
+			Headers: map[string]string{consumer.HeaderEventID: id, consumer.HeaderErrorKind: "handler",
+				consumer.HeaderErrorMessage: "retry after 250ms: " + ErrUnknownOrder.Error() + ": " + order}}
+		if props {
+			d.ID, d.Type = id, TypePaid // RabbitMQ: properties
+		} else {
+			d.Headers["id"], d.Headers["type"] = id, TypePaid // Kafka: headers
+		}
+		return d
+	}
+	other := unknown("e9", "o-1", false)
+	other.Headers[consumer.HeaderErrorMessage] = ErrAlreadyPaid.Error()
+	got, err := replayable(ctx, pool, []deadLetter{
+		unknown("e1", "o-1", false),
+		unknown("e1", "o-1", false),     // the same dead letter twice
+		unknown("e2", "o-1", true),      // RabbitMQ properties
+		unknown("e3", "o-ghost", false), // its order never came
+		other,
+	})
+	require.NoError(t, err)
+	require.Len(t, got, 2)
+	require.Equal(t, outMsg{Key: "o-1", Value: got[0].Value, ID: "e1", Type: TypePaid}, got[0])
+	require.Equal(t, "e2", got[1].ID)
+	require.Equal(t, TypePaid, got[1].Type)
 }

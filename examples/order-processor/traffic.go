@@ -24,10 +24,18 @@ type Mix struct {
 	Malformed float64
 	// Violations is the share, relative to Orders, of events that break a
 	// business rule (a payment for an order never created, a cancellation
-	// of a paid order, a second payment): dead-lettered with kind handler.
+	// of a paid order, a second payment, a payment of the wrong amount):
+	// dead-lettered with kind handler.
 	Violations float64
 	// Seed makes the traffic reproducible.
 	Seed int64
+	// Unordered says that the broker gives no order (RabbitMQ, whose
+	// deliveries are handled concurrently and whose redeliveries after a
+	// crash come back out of place). The violations are then only those
+	// whose outcome does not depend on order: a cancellation racing a
+	// payment is won by whichever commits first, so "cancelled after paid"
+	// is replaced by a payment of the wrong amount.
+	Unordered bool
 }
 
 // The kinds of message the generator sends, as the report counts them.
@@ -40,11 +48,12 @@ const (
 	kindOrphanPayment = "paid, never created"  // rule violation
 	kindCancelPaid    = "cancelled after paid" // rule violation
 	kindSecondPayment = "paid twice"           // rule violation
+	kindWrongAmount   = "paid the wrong amount" // rule violation
 )
 
 // kindOrder is the order of kinds in the report.
 var kindOrder = []string{kindEvent, kindIDless, kindDuplicate, kindIDlessDup, kindMalformed,
-	kindOrphanPayment, kindCancelPaid, kindSecondPayment}
+	kindOrphanPayment, kindCancelPaid, kindSecondPayment, kindWrongAmount}
 
 // outMsg is one message to publish.
 type outMsg struct {
@@ -83,6 +92,18 @@ type Plan struct {
 	Malformed, Violations int
 }
 
+// causalGap is the least distance, in messages, between an event and an
+// event of the same order that depends on it (created, then paid or
+// cancelled; paid, then a violation). On Kafka the order's key keeps them in
+// order anyway; RabbitMQ hands deliveries to concurrent workers, from a
+// prefetch window of 64, and this gap keeps two dependent events out of the
+// same window, as for real orders whose payment comes seconds after their
+// creation. (Closer together, a payment can reach the handler before its
+// order commits: it is retried, see Orders.UnknownOrderWait, and a
+// cancellation of a paid order handled before the payment would cancel the
+// order instead, which this traffic's expectations do not model.)
+const causalGap = 300
+
 // Generate builds the traffic of m. The events of one order keep their
 // order (they share a Kafka key); the orders interleave.
 func Generate(m Mix) *Plan {
@@ -107,11 +128,11 @@ func Generate(m Mix) *Plan {
 		switch r := rng.Float64(); {
 		case idless:
 			c := msg
-			c.Kind, c.at = kindIDlessDup, at+1+rng.Intn(400)
+			c.Kind, c.at = kindIDlessDup, at+1+rng.Intn(2*causalGap)
 			msgs = append(msgs, c)
 		case r < m.Duplicates:
 			c := msg
-			c.Kind, c.at = kindDuplicate, at+1+rng.Intn(400)
+			c.Kind, c.at = kindDuplicate, at+1+rng.Intn(2*causalGap)
 			msgs = append(msgs, c)
 		}
 	}
@@ -120,11 +141,11 @@ func Generate(m Mix) *Plan {
 	for i := 0; i < m.Orders; i++ {
 		id := fmt.Sprintf("o-%d-%06d", m.Seed, i)
 		amount := int64(500 + rng.Intn(49500))
-		t := i * 4
+		t := i * 2
 		add(id, TypeCreated, OrderCreated{OrderID: id, Customer: fmt.Sprintf("c-%d", rng.Intn(500)), AmountCents: amount},
 			t, rng.Float64() < m.IDless)
 		exp := expectedOrder{Status: "created", AmountCents: amount}
-		t += 1 + rng.Intn(60)
+		t += causalGap + rng.Intn(causalGap)
 		switch r := rng.Float64(); {
 		case r < 0.65:
 			add(id, TypePaid, OrderPaid{OrderID: id, PaymentID: "pay-" + id, AmountCents: amount}, t, rng.Float64() < m.IDless)
@@ -143,6 +164,9 @@ func Generate(m Mix) *Plan {
 	violations := int(float64(m.Orders)*m.Violations + 0.5)
 	for i := 0; i < violations; i++ {
 		kind := []string{kindOrphanPayment, kindCancelPaid, kindSecondPayment}[i%3]
+		if kind == kindCancelPaid && m.Unordered {
+			kind = kindWrongAmount
+		}
 		if kind != kindOrphanPayment && len(paid) == 0 {
 			kind = kindOrphanPayment
 		}
@@ -151,15 +175,19 @@ func Generate(m Mix) *Plan {
 		case kindOrphanPayment:
 			id := fmt.Sprintf("o-%d-ghost-%04d", m.Seed, i)
 			v, _ := json.Marshal(OrderPaid{OrderID: id, PaymentID: "pay-" + id, AmountCents: 1000})
-			msg = outMsg{Key: id, Value: v, Type: TypePaid, at: rng.Intn(m.Orders*4 + 1)}
+			msg = outMsg{Key: id, Value: v, Type: TypePaid, at: rng.Intn(m.Orders*2 + causalGap)}
 		case kindCancelPaid:
 			id := paid[rng.Intn(len(paid))]
 			v, _ := json.Marshal(OrderCancelled{OrderID: id, Reason: "too late"})
-			msg = outMsg{Key: id, Value: v, Type: TypeCancelled, at: last[id] + 1 + rng.Intn(40)}
+			msg = outMsg{Key: id, Value: v, Type: TypeCancelled, at: last[id] + causalGap + rng.Intn(causalGap)}
 		case kindSecondPayment:
 			id := paid[rng.Intn(len(paid))]
 			v, _ := json.Marshal(OrderPaid{OrderID: id, PaymentID: "pay2-" + id, AmountCents: p.Orders[id].AmountCents})
-			msg = outMsg{Key: id, Value: v, Type: TypePaid, at: last[id] + 1 + rng.Intn(40)}
+			msg = outMsg{Key: id, Value: v, Type: TypePaid, at: last[id] + causalGap + rng.Intn(causalGap)}
+		case kindWrongAmount:
+			id := paid[rng.Intn(len(paid))]
+			v, _ := json.Marshal(OrderPaid{OrderID: id, PaymentID: "pay3-" + id, AmountCents: p.Orders[id].AmountCents + 1})
+			msg = outMsg{Key: id, Value: v, Type: TypePaid, at: last[id] + causalGap + rng.Intn(causalGap)}
 		}
 		msg.ID, msg.Kind = newID(), kind
 		msgs = append(msgs, msg)
@@ -171,7 +199,7 @@ func Generate(m Mix) *Plan {
 		id := fmt.Sprintf("o-%d-%06d", m.Seed, rng.Intn(m.Orders+1))
 		full, _ := json.Marshal(OrderCreated{OrderID: id, Customer: "c-0", AmountCents: 100})
 		msgs = append(msgs, outMsg{Key: id, Value: full[:len(full)/2], ID: newID(), Type: TypeCreated,
-			Kind: kindMalformed, at: rng.Intn(m.Orders*4 + 1)})
+			Kind: kindMalformed, at: rng.Intn(m.Orders*2 + causalGap)})
 		p.Malformed++
 	}
 
