@@ -40,14 +40,14 @@ type Mix struct {
 
 // The kinds of message the generator sends, as the report counts them.
 const (
-	kindEvent         = "events"               // valid events with an id header
-	kindIDless        = "events without id"    // valid events without one (first copy)
-	kindDuplicate     = "exact duplicates"     // same id, same payload, new message
-	kindIDlessDup     = "id-less duplicates"   // the second copy of an id-less event
-	kindMalformed     = "malformed"            // not JSON
-	kindOrphanPayment = "paid, never created"  // rule violation
-	kindCancelPaid    = "cancelled after paid" // rule violation
-	kindSecondPayment = "paid twice"           // rule violation
+	kindEvent         = "events"                // valid events with an id header
+	kindIDless        = "events without id"     // valid events without one (first copy)
+	kindDuplicate     = "exact duplicates"      // same id, same payload, new message
+	kindIDlessDup     = "id-less duplicates"    // the second copy of an id-less event
+	kindMalformed     = "malformed"             // not JSON
+	kindOrphanPayment = "paid, never created"   // rule violation
+	kindCancelPaid    = "cancelled after paid"  // rule violation
+	kindSecondPayment = "paid twice"            // rule violation
 	kindWrongAmount   = "paid the wrong amount" // rule violation
 )
 
