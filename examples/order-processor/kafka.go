@@ -225,6 +225,9 @@ func (k *kafkaDrained) Lag(context.Context) (int64, error) {
 		return 0, err
 	}
 	resp, err := k.admin.ListConsumerGroupOffsets(k.group, map[string][]int32{k.topic: parts})
+	if errors.Is(err, sarama.ErrGroupIDNotFound) {
+		resp, err = &sarama.OffsetFetchResponse{}, nil // no member has joined yet: nothing committed
+	}
 	if err != nil {
 		return 0, err
 	}
