@@ -12,6 +12,7 @@ import (
 	"net/url"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"regexp"
 	"strings"
 	"sync"
@@ -76,19 +77,23 @@ func queueName(t testing.TB) string {
 // inspecting and cleaning up.
 type admin struct {
 	t    testing.TB
+	url  string
 	conn *amqp091.Connection
 	ch   *amqp091.Channel // confirm mode
 	mu   sync.Mutex
 }
 
-func newAdmin(t testing.TB) *admin {
+func newAdmin(t testing.TB) *admin { return newAdminAt(t, brokerURL(t)) }
+
+// newAdminAt returns an admin connected to url.
+func newAdminAt(t testing.TB, url string) *admin {
 	t.Helper()
-	conn, err := amqp091.Dial(brokerURL(t))
+	conn, err := amqp091.Dial(url)
 	require.NoError(t, err)
 	ch, err := conn.Channel()
 	require.NoError(t, err)
 	require.NoError(t, ch.Confirm(false))
-	a := &admin{t: t, conn: conn, ch: ch}
+	a := &admin{t: t, url: url, conn: conn, ch: ch}
 	t.Cleanup(func() { _ = conn.Close() })
 	return a
 }
@@ -99,7 +104,7 @@ func (a *admin) channel() (*amqp091.Channel, error) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if a.conn.IsClosed() {
-		conn, err := amqp091.Dial(brokerURL(a.t))
+		conn, err := amqp091.Dial(a.url)
 		if err != nil {
 			return nil, err
 		}
@@ -320,22 +325,57 @@ func (p *proxy) Cut() int {
 	return n
 }
 
-// rabbitmqctl runs rabbitmqctl against the test node started by
-// scripts/rabbitmq.sh; it skips the test on an external broker.
-func rabbitmqctl(t testing.TB, args ...string) string {
+// node is a RabbitMQ node of a test's own, started by scripts/rabbitmq.sh.
+type node struct {
+	url, name, dir string
+}
+
+// privateNode starts a node for t alone, so that stopping it disturbs no
+// other test (packages share the node of make test). It skips the test on
+// an external broker (ONCE_RABBITMQ_NODE unset), where the machine may not
+// be able to run a node.
+func privateNode(t testing.TB) node {
 	t.Helper()
-	node, dir := os.Getenv("ONCE_RABBITMQ_NODE"), os.Getenv("ONCE_RABBITMQ_DIR")
-	if node == "" {
-		t.Skip("ONCE_RABBITMQ_NODE is not set (external broker): this test needs a node started by scripts/rabbitmq.sh")
+	brokerURL(t)
+	if os.Getenv("ONCE_RABBITMQ_NODE") == "" {
+		t.Skip("ONCE_RABBITMQ_NODE is not set (external broker): this test restarts a node started by scripts/rabbitmq.sh")
 	}
+	script, err := filepath.Abs(filepath.Join("..", "..", "scripts", "rabbitmq.sh"))
+	require.NoError(t, err)
+	dir, err := os.MkdirTemp("", "once-rabbit-test-")
+	require.NoError(t, err)
+	var stderr strings.Builder
+	cmd := exec.Command(script, "start", dir)
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	t.Cleanup(func() {
+		if out, err := exec.Command(script, "stop", dir).CombinedOutput(); err != nil {
+			t.Logf("rabbitmq.sh stop: %v: %s", err, out)
+		}
+	})
+	require.NoError(t, err, "rabbitmq.sh start: %s", stderr.String())
+	env := map[string]string{}
+	for _, line := range strings.Split(strings.TrimSpace(string(out)), "\n") {
+		k, v, ok := strings.Cut(strings.TrimPrefix(line, "export "), "=")
+		require.True(t, ok, "rabbitmq.sh start printed %q", line)
+		env[k] = v
+	}
+	n := node{url: env["AMQP_URL"], name: env["ONCE_RABBITMQ_NODE"], dir: env["ONCE_RABBITMQ_DIR"]}
+	require.NotEmpty(t, n.url)
+	require.NotEmpty(t, n.name)
+	require.Equal(t, dir, n.dir)
+	return n
+}
+
+// ctl runs rabbitmqctl against the node.
+func (n node) ctl(t testing.TB, args ...string) string {
+	t.Helper()
 	bin := "/usr/lib/rabbitmq/bin/rabbitmqctl" // the /usr/sbin wrapper switches to the rabbitmq user when root
 	if _, err := os.Stat(bin); err != nil {
 		bin = "rabbitmqctl"
 	}
-	cmd := exec.Command(bin, append([]string{"-n", node}, args...)...)
-	if dir != "" {
-		cmd.Env = append(os.Environ(), "HOME="+dir) // the node's Erlang cookie
-	}
+	cmd := exec.Command(bin, append([]string{"-n", n.name}, args...)...)
+	cmd.Env = append(os.Environ(), "HOME="+n.dir) // the node's Erlang cookie
 	out, err := cmd.CombinedOutput()
 	require.NoError(t, err, "rabbitmqctl %s: %s", strings.Join(args, " "), out)
 	return string(out)
