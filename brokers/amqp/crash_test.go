@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -24,7 +25,7 @@ import (
 // The crash test re-executes the test binary as a consumer process that
 // dies inside Delivery.Ack, after the message's transaction committed.
 const (
-	childEnv        = "ONCE_AMQP_TEST_CHILD"
+	childEnv        = "ONCE_AMQP_TEST_CHILD" // "ack" or "handler"
 	childQueueEnv   = "ONCE_AMQP_TEST_QUEUE"
 	childSchemaEnv  = "ONCE_AMQP_TEST_SCHEMA"
 	childCrashAtEnv = "ONCE_AMQP_TEST_CRASH_AT"
@@ -59,7 +60,9 @@ func (d *exitingDelivery) Ack(ctx context.Context) error {
 	return d.Delivery.Ack(ctx)
 }
 
-// runChild is the consumer process of TestCrashBetweenCommitAndAck.
+// runChild is the consumer process of the crash tests; childEnv says
+// which: "ack" dies in the Ack of the childCrashAtEnv-th message,
+// "handler" dies whenever it handles the event killerID.
 func runChild() int {
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
@@ -85,6 +88,9 @@ func runChild() int {
 		fmt.Fprintln(os.Stderr, "child:", err)
 		return 2
 	}
+	if os.Getenv(childEnv) == "handler" {
+		return runCrashLoopChild(ctx, pool, src)
+	}
 	c, err := consumer.New(pool, &exitOnAck{Source: src, at: at}, recordEffect, consumer.Config{Name: "crash-test", Concurrency: 4})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "child:", err)
@@ -96,6 +102,100 @@ func runChild() int {
 	}
 	fmt.Fprintln(os.Stderr, "child: ran out of time without crashing")
 	return 3
+}
+
+// killerID is the event whose handling kills the process.
+const killerID = "killer"
+
+// runCrashLoopChild consumes until it dies handling killerID (exit 1) or
+// the consumer dead-letters it (a clean stop, exit 0).
+func runCrashLoopChild(ctx context.Context, pool *pgxpool.Pool, src consumer.Source) int {
+	c, err := consumer.New(pool, src, func(ctx context.Context, tx pgx.Tx, ev consumer.Event[payload]) error {
+		if ev.ID == killerID {
+			fmt.Fprintln(os.Stderr, crashMarker, ev.ID)
+			os.Exit(1)
+		}
+		return recordEffect(ctx, tx, ev)
+	}, consumer.Config{Name: "crash-loop-test", Concurrency: 4, MaxCrashAttempts: crashLoopMax})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "child:", err)
+		return 2
+	}
+	runCtx, stop := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- c.Run(runCtx) }()
+	tick := time.NewTicker(10 * time.Millisecond)
+	defer tick.Stop()
+	for c.Stats().DeadLettered == 0 && ctx.Err() == nil {
+		<-tick.C
+	}
+	stop()
+	if err := <-done; err != nil || ctx.Err() != nil {
+		fmt.Fprintln(os.Stderr, "child:", err, ctx.Err())
+		return 2
+	}
+	return 0
+}
+
+// crashLoopMax is consumer.Config.MaxCrashAttempts in the crash-loop test.
+const crashLoopMax = 2
+
+// TestCrashLoopDeadLettered: an event whose handling kills the process
+// every time comes back with the redelivered flag after each crash; after
+// MaxCrashAttempts such crashes the consumer dead-letters it with kind
+// crash-loop instead of crash-looping the service, and every other event
+// has exactly one effect.
+func TestCrashLoopDeadLettered(t *testing.T) {
+	t.Parallel()
+	url := brokerURL(t)
+	ctx := context.Background()
+	a := newAdmin(t)
+	q := queueName(t)
+	a.declare(q, amqp.QueueClassic)
+	ids := eventIDs("loop", 30)
+	msgs := messagesFor(ids)
+	msgs = append(msgs[:10:10], append(messagesFor([]string{killerID}), msgs[10:]...)...)
+	require.NoError(t, a.publish("", q, msgs...))
+	pool, schema := pgtest.Schema(t)
+	_, err := pool.Exec(ctx, effectsDDL)
+	require.NoError(t, err)
+
+	crashes := 0
+	for run := 1; ; run++ {
+		require.LessOrEqual(t, run, crashLoopMax+3, "the killer event was never dead-lettered")
+		cmd := exec.Command(os.Args[0], "-test.run=^$")
+		cmd.Env = append(os.Environ(), childEnv+"=handler", "AMQP_URL="+url, "DATABASE_URL="+pgtest.URL(),
+			childQueueEnv+"="+q, childSchemaEnv+"="+schema, childCrashAtEnv+"=0")
+		var stderr bytes.Buffer
+		cmd.Stderr = &stderr
+		err := cmd.Run()
+		if err == nil {
+			break
+		}
+		var exit *exec.ExitError
+		require.True(t, errors.As(err, &exit), "run %d: %v; stderr:\n%s", run, err, stderr.String())
+		require.Equal(t, 1, exit.ExitCode(), "run %d stderr:\n%s", run, stderr.String())
+		require.Contains(t, stderr.String(), crashMarker)
+		crashes++
+	}
+	assert.GreaterOrEqual(t, crashes, crashLoopMax, "dead-lettered only after MaxCrashAttempts crashes")
+	t.Logf("the killer event crashed the consumer %d times, then was dead-lettered", crashes)
+
+	dead, err := a.getAll(q + amqp.DeadLetterQueueSuffix)
+	require.NoError(t, err)
+	require.Len(t, dead, 1)
+	h := amqp.HeaderStrings(dead[0].Headers)
+	assert.Equal(t, string(consumer.KindCrashLoop), h[consumer.HeaderErrorKind])
+	assert.Equal(t, killerID, h[consumer.HeaderEventID])
+	assert.Equal(t, killerID, dead[0].MessageId)
+
+	// The rest of the stream, by a consumer that does not crash.
+	src := openSource(t, amqp.Config{Queue: q})
+	r := startConsumer(t, pool, src, consumer.Config{Name: "crash-loop-test"}, recordEffect)
+	waitAllEffects(t, pool, a, q, len(ids), 60*time.Second)
+	require.NoError(t, r.stop())
+	requireExactlyOnce(t, pool, ids)
+	requireLeftoversProcessed(t, a, q, ids)
 }
 
 // TestCrashBetweenCommitAndAck kills the consumer process after a
@@ -119,7 +219,7 @@ func TestCrashBetweenCommitAndAck(t *testing.T) {
 
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
 	cmd.Env = append(os.Environ(),
-		childEnv+"=1",
+		childEnv+"=ack",
 		"AMQP_URL="+url,
 		"DATABASE_URL="+pgtest.URL(),
 		childQueueEnv+"="+q,
