@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"time"
 
@@ -37,18 +36,27 @@ func amqpSource(ctx context.Context, o *options, tel *telemetry, log *slog.Logge
 	return amqp.Open(ctx, amqpConfig(o, tel, log))
 }
 
-// prepareAMQP declares the queue and its dead-letter queue (by opening and
-// closing a source), so that traffic published before the consumer starts
-// is kept. Call it before publishing: the source it opens consumes, and the
-// messages it took would go back to the queue out of place.
-func prepareAMQP(ctx context.Context, o *options) error {
-	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-	defer cancel()
-	src, err := amqp.Open(ctx, amqpConfig(o, nil, slog.New(slog.NewTextHandler(io.Discard, nil))))
+// prepareAMQP declares the queue and its dead-letter queue, durable classic
+// queues as the source declares them, so that traffic published before the
+// consumer starts is kept. It does not open a source: a source consumes, and
+// the messages it took from a running service's queue would go back out of
+// place.
+func prepareAMQP(_ context.Context, o *options) error {
+	conn, err := amqp091.Dial(o.amqpURL)
 	if err != nil {
 		return fmt.Errorf("RabbitMQ: %w", err)
 	}
-	return src.Close()
+	defer conn.Close()
+	ch, err := conn.Channel()
+	if err != nil {
+		return err
+	}
+	for _, q := range []string{o.topic, o.topic + amqp.DeadLetterQueueSuffix} {
+		if _, err := ch.QueueDeclare(q, true, false, false, false, nil); err != nil {
+			return fmt.Errorf("RabbitMQ: declare queue %s: %w", q, err)
+		}
+	}
+	return nil
 }
 
 // amqpPublisher publishes generated traffic to the queue through the default
@@ -111,6 +119,7 @@ func (p *amqpPublisher) Publish(ctx context.Context, msgs []outMsg) error {
 	return nil
 }
 
+// Close closes the publisher's connection.
 func (p *amqpPublisher) Close() error { return p.conn.Close() }
 
 // amqpQueues inspects and cleans up the demo's queues.
@@ -190,4 +199,5 @@ func (q *amqpQueues) Delete() error {
 	return errors.Join(err1, err2)
 }
 
+// Close closes the connection.
 func (q *amqpQueues) Close() error { return q.conn.Close() }

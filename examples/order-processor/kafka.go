@@ -139,6 +139,7 @@ func (k *kafkaPublisher) Publish(_ context.Context, msgs []outMsg) error {
 	return nil
 }
 
+// Close closes the producer.
 func (k *kafkaPublisher) Close() error { return k.p.Close() }
 
 // readKafkaTopic reads every record of topic up to the partitions' current
@@ -246,4 +247,5 @@ func (k *kafkaDrained) Lag(context.Context) (int64, error) {
 	return lag, nil
 }
 
+// Close closes the admin client and its client.
 func (k *kafkaDrained) Close() error { return k.admin.Close() }

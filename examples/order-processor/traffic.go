@@ -78,6 +78,7 @@ type expectedOrder struct {
 // Plan is a generated stream of messages and the database state it must
 // produce.
 type Plan struct {
+	// Messages are the messages to publish, in order.
 	Messages []outMsg
 	// Sent counts the messages by kind.
 	Sent map[string]int
