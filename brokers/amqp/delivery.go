@@ -5,7 +5,6 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"math"
 	"math/big"
@@ -89,19 +88,24 @@ func (d *delivery) Context() context.Context { return d.sess.ctx }
 // Ack acknowledges the delivery on the channel it came from. It returns an
 // error wrapping ErrChannelClosed, and acks nothing, when that channel
 // closed; the broker then delivers the message again.
+//
+// The ack frame is sent right after Ack returns, by a goroutine of the
+// session that coalesces consecutive acks into one frame with the multiple
+// flag (never covering a delivery whose Ack was not called). Acks still
+// unsent when the channel dies are lost like any ack in flight: the broker
+// delivers those messages again and the consumer skips them as
+// duplicates. Close sends every pending ack before closing the connection.
 func (d *delivery) Ack(ctx context.Context) error {
 	if d.sess.ctx.Err() != nil {
 		return fmt.Errorf("amqp: ack delivery %d: %w (%v)", d.d.DeliveryTag, ErrChannelClosed, context.Cause(d.sess.ctx))
 	}
+	if d.sess.ch.IsClosed() {
+		return fmt.Errorf("amqp: ack delivery %d: %w", d.d.DeliveryTag, ErrChannelClosed)
+	}
 	if !d.acked.CompareAndSwap(false, true) {
 		return fmt.Errorf("amqp: delivery %d acked twice", d.d.DeliveryTag)
 	}
-	if err := d.sess.ch.Ack(d.d.DeliveryTag, false); err != nil {
-		if errors.Is(err, amqp091.ErrClosed) {
-			return fmt.Errorf("amqp: ack delivery %d: %w (%v)", d.d.DeliveryTag, ErrChannelClosed, err)
-		}
-		return fmt.Errorf("amqp: ack delivery %d: %w", d.d.DeliveryTag, err)
-	}
+	d.sess.acker.ack(d.d.DeliveryTag)
 	return nil
 }
 

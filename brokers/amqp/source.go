@@ -257,6 +257,7 @@ func isConfigError(err error) bool {
 type session struct {
 	conn       *amqp091.Connection
 	ch         *amqp091.Channel
+	acker      *acker
 	deliveries <-chan amqp091.Delivery
 	// ctx is done when the connection or the consuming channel closed; its
 	// cause says why.
@@ -303,7 +304,7 @@ func (s *Source) connect() (*session, error) {
 		return fail(fmt.Errorf("amqp: consume queue %q: %w", s.cfg.Queue, err))
 	}
 	ctx, cancel := context.WithCancelCause(context.Background())
-	sess := &session{conn: conn, ch: ch, deliveries: deliveries, ctx: ctx, cancel: cancel}
+	sess := &session{conn: conn, ch: ch, deliveries: deliveries, ctx: ctx, cancel: cancel, acker: newAcker(ch)}
 	go sess.watch(connClosed, chClosed)
 	return sess, nil
 }
@@ -346,9 +347,10 @@ func closeCause(what string, e *amqp091.Error) error {
 	return fmt.Errorf("amqp: %s closed: %w", what, e)
 }
 
-// close cancels the session's context with cause and closes the
-// connection; unacked deliveries go back to the queue.
+// close sends the pending acks, cancels the session's context with cause
+// and closes the connection; unacked deliveries go back to the queue.
 func (sess *session) close(cause error) error {
+	sess.acker.stop()
 	sess.cancel(cause)
 	err := sess.conn.CloseDeadline(time.Now().Add(5 * time.Second))
 	if err != nil && !errors.Is(err, amqp091.ErrClosed) {
