@@ -189,7 +189,11 @@ func TestCrashLoopDeadLettered(t *testing.T) {
 	assert.Equal(t, killerID, h[consumer.HeaderEventID])
 	assert.Equal(t, killerID, dead[0].MessageId)
 
-	// The rest of the stream, by a consumer that does not crash.
+	// The rest of the stream, by a consumer that does not crash; the last
+	// child may have finished it, so one more event shows this one runs.
+	tail := eventIDs("tail", 1)
+	require.NoError(t, a.publish("", q, messagesFor(tail)...))
+	ids = append(ids, tail...)
 	src := openSource(t, amqp.Config{Queue: q})
 	r := startConsumer(t, pool, src, consumer.Config{Name: "crash-loop-test"}, recordEffect)
 	waitAllEffects(t, pool, a, q, len(ids), 60*time.Second)
