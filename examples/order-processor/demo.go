@@ -161,7 +161,7 @@ func demo(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 		}
 	}
 	elapsed := time.Since(start)
-	return report(ctx, stdout, pool, o, plan, runs{killed: run1, second: run2, replayed: len(replay), third: run3}, dlq, elapsed)
+	return report(ctx, stdout, pool, o, plan, runs{killed: run1, second: run2, third: run3}, dlq, elapsed)
 }
 
 // runDrained runs a consumer until the broker has nothing left for it and
@@ -244,10 +244,9 @@ func replayable(ctx context.Context, pool *pgxpool.Pool, dlq []deadLetter) ([]ou
 
 // runs is what the consumer runs of the demo did.
 type runs struct {
-	killed   int64 // events committed by the killed run
-	second   consumer.Stats
-	replayed int
-	third    *consumer.Stats // the replay run, if any
+	killed int64 // events committed by the killed run
+	second consumer.Stats
+	third  *consumer.Stats // the replay run, if any
 }
 
 // resetDemoTables drops the demo's tables and creates them empty.
@@ -291,6 +290,7 @@ func killedRun(ctx context.Context, o *options, dbURL string, pool *pgxpool.Pool
 	if err := cmd.Start(); err != nil {
 		return 0, err
 	}
+	atForcedExit(func() { _ = cmd.Process.Kill() })
 	exited := make(chan error, 1)
 	go func() { exited <- cmd.Wait() }()
 	kill := func() {

@@ -54,8 +54,8 @@ var forced struct {
 	fns []func()
 }
 
-// atForcedExit registers f to run before a forced exit; the returned
-// function unregisters it.
+// atForcedExit registers f to run before a forced exit, after the functions
+// registered later.
 func atForcedExit(f func()) {
 	forced.Lock()
 	defer forced.Unlock()
@@ -82,8 +82,8 @@ func signalContext() context.Context {
 		forced.Unlock()
 		done := make(chan struct{})
 		go func() {
-			for _, f := range fns {
-				f()
+			for i := len(fns) - 1; i >= 0; i-- {
+				fns[i]()
 			}
 			close(done)
 		}()
@@ -255,8 +255,6 @@ func realMain(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 // infra is what a run needs: a database and a broker, real or embedded.
 type infra struct {
 	dbURL   string
-	pg      *pgtemp.Server
-	kafka   *embeddedKafka
 	closers []func()
 }
 
@@ -269,7 +267,6 @@ func startInfra(ctx context.Context, o *options, out io.Writer) (*infra, error) 
 		if err != nil {
 			return nil, err
 		}
-		inf.pg = srv
 		atForcedExit(func() { _ = srv.Close() })
 		inf.closers = append(inf.closers, func() { _ = srv.Close() })
 		inf.dbURL = srv.URL()
@@ -279,8 +276,9 @@ func startInfra(ctx context.Context, o *options, out io.Writer) (*infra, error) 
 	case "kafka":
 		if len(o.kafkaBrokers) > 0 {
 			if err := createKafkaTopics(o.kafkaBrokers, o.topic, int32(o.partitions)); err != nil {
-				inf.Close()
-				return nil, err
+				// Topic creation may be reserved to administrators: go on,
+				// the topics may exist.
+				fmt.Fprintf(out, "Kafka: could not create the topics (%v); they must exist\n", err)
 			}
 			fmt.Fprintf(out, "Kafka: %s, topic %s (dead letters: %s.dlq)\n", strings.Join(o.kafkaBrokers, ","), o.topic, o.topic)
 			break
@@ -290,7 +288,6 @@ func startInfra(ctx context.Context, o *options, out io.Writer) (*infra, error) 
 			inf.Close()
 			return nil, err
 		}
-		inf.kafka = k
 		inf.closers = append(inf.closers, k.Close)
 		o.kafkaBrokers = k.addrs
 		o.fastFailover = true
