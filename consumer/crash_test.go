@@ -3,7 +3,6 @@ package consumer_test
 import (
 	"context"
 	"errors"
-	"fmt"
 	"os"
 	"os/exec"
 	"strconv"
@@ -112,34 +111,37 @@ func TestCrashChild(t *testing.T) {
 	require.NoError(t, c.Run(context.Background())) // exits the process at the k-th ack
 }
 
-// A consumer process is killed right after the commit of a message and
-// before its ack. The next process gets that message again, finds its claim
-// and skips it: every effect exactly once.
-func TestProcessKilledBetweenCommitAndAck(t *testing.T) {
+// newTableQueue creates the queue and business tables in the test's schema
+// and fills the queue with total events.
+func newTableQueue(t *testing.T, total int) (*pgxpool.Pool, string) {
 	pool, schema := pgtest.Schema(t)
 	ctx := context.Background()
 	_, err := pool.Exec(ctx, `CREATE TABLE queue (pos bigserial PRIMARY KEY, id text, value bytea, acked bool NOT NULL DEFAULT false);
 		CREATE TABLE effects (event_id text NOT NULL, n int NOT NULL, seq bigserial)`)
 	require.NoError(t, err)
-	const total = 30
-	for i := 0; i < total; i++ {
-		_, err := pool.Exec(ctx, `INSERT INTO queue (id, value) VALUES ($1, $2)`, fmt.Sprintf("e%d", i), fmt.Sprintf(`{"n":%d}`, i))
-		require.NoError(t, err)
-	}
+	_, err = pool.Exec(ctx, `INSERT INTO queue (id, value) SELECT 'e' || i, convert_to('{"n":' || i || '}', 'UTF8')
+		FROM generate_series(0, $1 - 1) AS i`, total)
+	require.NoError(t, err)
+	return pool, schema
+}
 
-	for _, k := range []int{5, 12} { // two crashes, at different messages
-		cmd := exec.Command(os.Args[0], "-test.run=^TestCrashChild$", "-test.count=1")
-		cmd.Env = append(os.Environ(), "ONCE_CRASH_CHILD=1", "ONCE_CRASH_AT="+strconv.Itoa(k),
-			"ONCE_CRASH_SCHEMA="+schema, "DATABASE_URL="+pgtest.URL())
-		out, err := cmd.CombinedOutput()
-		var exit *exec.ExitError
-		require.ErrorAs(t, err, &exit, "%s", out)
-		require.Equal(t, 3, exit.ExitCode(), "the child must die in Ack: %s", out)
-	}
-	var unacked int
-	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM queue WHERE NOT acked`).Scan(&unacked))
-	require.Greater(t, unacked, 0, "the crashes left messages unacked")
+// runCrashChild runs TestCrashChild as a consumer process with env and
+// requires it to die with exit status want.
+func runCrashChild(t *testing.T, schema string, want int, env ...string) string {
+	cmd := exec.Command(os.Args[0], "-test.run=^TestCrashChild$", "-test.count=1")
+	cmd.Env = append(os.Environ(), "ONCE_CRASH_CHILD=1", "ONCE_CRASH_SCHEMA="+schema, "DATABASE_URL="+pgtest.URL())
+	cmd.Env = append(cmd.Env, env...)
+	out, err := cmd.CombinedOutput()
+	var exit *exec.ExitError
+	require.ErrorAs(t, err, &exit, "%s", out)
+	require.Equal(t, want, exit.ExitCode(), "%s", out)
+	return string(out)
+}
 
+// recoverAndCount runs a consumer until the queue is drained and requires
+// every event's effect exactly once. It returns the consumer's stats.
+func recoverAndCount(t *testing.T, pool *pgxpool.Pool, total int) consumer.Stats {
+	ctx := context.Background()
 	c, err := consumer.New(pool, &tableSource{pool: pool, ctx: ctx}, crashHandler, fastConfig("crash"))
 	require.NoError(t, err)
 	stop := start(t, c)
@@ -147,12 +149,29 @@ func TestProcessKilledBetweenCommitAndAck(t *testing.T) {
 		var n int
 		_ = pool.QueryRow(ctx, `SELECT count(*) FROM queue WHERE NOT acked`).Scan(&n)
 		return n == 0
-	}, 20*time.Second, 10*time.Millisecond)
+	}, 60*time.Second, 10*time.Millisecond)
 	require.NoError(t, stop())
 	got := countEffects(t, pool)
-	require.Len(t, got, total)
+	require.Len(t, got, total, "nothing lost")
 	for id, n := range got {
-		assert.Equal(t, 1, n, "double effect for %s", id)
+		require.Equal(t, 1, n, "double effect for %s", id)
 	}
-	assert.GreaterOrEqual(t, c.Stats().Duplicates, uint64(1), "the message committed before the kill is skipped")
+	return c.Stats()
+}
+
+// A consumer process is killed right after the commit of a message and
+// before its ack. The next process gets that message again, finds its claim
+// and skips it: every effect exactly once.
+func TestProcessKilledBetweenCommitAndAck(t *testing.T) {
+	const total = 30
+	pool, schema := newTableQueue(t, total)
+	for _, k := range []int{5, 12} { // two crashes, at different messages
+		runCrashChild(t, schema, 3, "ONCE_CRASH_AT="+strconv.Itoa(k))
+	}
+	var unacked int
+	require.NoError(t, pool.QueryRow(context.Background(), `SELECT count(*) FROM queue WHERE NOT acked`).Scan(&unacked))
+	require.Greater(t, unacked, 0, "the crashes left messages unacked")
+
+	st := recoverAndCount(t, pool, total)
+	assert.GreaterOrEqual(t, st.Duplicates, uint64(1), "the message committed before the kill is skipped")
 }
