@@ -263,6 +263,8 @@ type proxy struct {
 	target string
 	mu     sync.Mutex
 	conns  map[net.Conn]struct{}
+	// gate is held (write-locked) while traffic to the broker is paused.
+	gate sync.RWMutex
 }
 
 func startProxy(t testing.TB, brokerURL string) (*proxy, string) {
@@ -301,7 +303,7 @@ func (p *proxy) pipe(c net.Conn) {
 	p.conns[c], p.conns[b] = struct{}{}, struct{}{}
 	p.mu.Unlock()
 	done := make(chan struct{}, 2)
-	go func() { _, _ = io.Copy(b, c); done <- struct{}{} }()
+	go func() { p.toBroker(b, c); done <- struct{}{} }()
 	go func() { _, _ = io.Copy(c, b); done <- struct{}{} }()
 	<-done
 	_ = c.Close()
@@ -311,6 +313,32 @@ func (p *proxy) pipe(c net.Conn) {
 	delete(p.conns, b)
 	p.mu.Unlock()
 }
+
+// toBroker copies client bytes to the broker, holding them while paused.
+func (p *proxy) toBroker(b, c net.Conn) {
+	buf := make([]byte, 32<<10)
+	for {
+		n, err := c.Read(buf)
+		if n > 0 {
+			p.gate.RLock()
+			_, werr := b.Write(buf[:n])
+			p.gate.RUnlock()
+			if werr != nil {
+				return
+			}
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+// Pause holds every byte sent to the broker until Resume: the broker sees a
+// client gone silent (no acks, no publishes) while the connection stays up.
+func (p *proxy) Pause() { p.gate.Lock() }
+
+// Resume forwards what Pause held and what follows.
+func (p *proxy) Resume() { p.gate.Unlock() }
 
 // Cut closes every proxied connection and returns how many client
 // connections it cut.

@@ -484,8 +484,9 @@ func (sess *session) publish(ctx context.Context, exchange, key string, p amqp09
 	acked, err := dc.WaitContext(wctx)
 	if err != nil {
 		// The confirm may still come; a fresh channel keeps it from being
-		// mistaken for the next publish's.
-		_ = sess.pub.Close()
+		// mistaken for the next publish's. Closing waits for the broker,
+		// which may be what is stuck: do not wait here.
+		go func(ch *amqp091.Channel) { _ = ch.Close() }(sess.pub)
 		sess.pub = nil
 		if ctx.Err() == nil {
 			return fmt.Errorf("amqp: no publisher confirm within Config.ConfirmTimeout %v for exchange %q key %q", timeout, exchange, key)

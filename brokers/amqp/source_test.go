@@ -325,3 +325,35 @@ func TestWrongCredentialsFailFast(t *testing.T) {
 	assert.Contains(t, err.Error(), "xxxxx")
 	assert.NotContains(t, err.Error(), "wrong-password")
 }
+
+// TestDeadLetterConfirmTimeout: when the broker's confirm does not come
+// within Config.ConfirmTimeout (here the traffic to the broker is held by
+// the proxy), DeadLetter returns an error instead of blocking, and works
+// again once the broker answers.
+func TestDeadLetterConfirmTimeout(t *testing.T) {
+	t.Parallel()
+	a := newAdmin(t)
+	q := queueName(t)
+	a.declare(q, amqp.QueueClassic)
+	require.NoError(t, a.publish("", q, jsonMsg("ev-1", `{}`)))
+	p, proxied := startProxy(t, brokerURL(t))
+	src := openSource(t, amqp.Config{URL: proxied, Queue: q, ConfirmTimeout: 300 * time.Millisecond})
+	d := receive(t, src)
+	dl := &consumer.DeadLetter{Kind: consumer.KindHandler, EventID: "ev-1", FailedAt: time.Now()}
+	require.NoError(t, d.DeadLetter(context.Background(), dl), "opens the publishing channel while the broker answers")
+
+	p.Pause()
+	start := time.Now()
+	err := d.DeadLetter(context.Background(), dl)
+	p.Resume()
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "Config.ConfirmTimeout")
+	assert.Less(t, time.Since(start), 5*time.Second, "DeadLetter must not block past the timeout")
+
+	require.NoError(t, d.DeadLetter(context.Background(), dl), "a fresh publishing channel works")
+	require.NoError(t, d.Ack(context.Background()))
+	require.Eventually(t, func() bool {
+		n, err := a.ready(q + amqp.DeadLetterQueueSuffix)
+		return err == nil && n >= 2
+	}, 10*time.Second, 10*time.Millisecond, "the confirmed copies are in the dead-letter queue")
+}
