@@ -26,7 +26,7 @@ bindir=/usr/lib/rabbitmq/bin
 [ -x "$bindir/rabbitmq-server" ] || bindir=$(dirname "$(command -v rabbitmq-server || echo /usr/sbin/rabbitmq-server)")
 
 port_in_use() {
-  ss -Htan "( sport = :$1 )" 2>/dev/null | grep -q . 
+  ss -Htan "( sport = :$1 )" 2>/dev/null | grep -q .
 }
 
 # free_port LO HI: a random port in [LO, HI) that nothing listens on or uses,

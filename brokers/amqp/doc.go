@@ -16,7 +16,9 @@
 // A delivery is acked only when the consumer says so: after the transaction
 // that handled it committed, after it was recognised as a duplicate, or
 // after its dead-letter copy was confirmed by the broker. Nothing is ever
-// auto-acked.
+// auto-acked. Acks are sent by a goroutine of the connection that
+// coalesces runs of consecutive acked deliveries into one frame with the
+// multiple flag; Close sends the pending ones.
 //
 // amqp091-go does not reconnect by itself (its experimental recovery is not
 // used: it would send old delivery tags on a new channel). When the
@@ -42,7 +44,8 @@
 //
 // A queue consumed with a prefetch above one and a consumer with
 // Concurrency above one gives no order across deliveries: Message.Stream is
-// empty and the consumer handles deliveries concurrently.
+// empty and the consumer handles deliveries concurrently. Config.Ordered
+// makes the queue one stream, handled in delivery order.
 //
 // See docs/amqp.md for the dead-letter format, the configuration and
 // performance figures.
