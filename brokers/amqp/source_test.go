@@ -357,3 +357,62 @@ func TestDeadLetterConfirmTimeout(t *testing.T) {
 		return err == nil && n >= 2
 	}, 10*time.Second, 10*time.Millisecond, "the confirmed copies are in the dead-letter queue")
 }
+
+// TestPrefetchAppliedAfterReconnect: the broker hands out no more than
+// Config.Prefetch unacked deliveries, before and after a reconnect.
+func TestPrefetchAppliedAfterReconnect(t *testing.T) {
+	t.Parallel()
+	a := newAdmin(t)
+	q := queueName(t)
+	a.declare(q, amqp.QueueClassic)
+	require.NoError(t, a.publish("", q, messagesFor(eventIDs("qos", 5))...))
+	p, proxied := startProxy(t, brokerURL(t))
+	src := openSource(t, amqp.Config{URL: proxied, Queue: q, Prefetch: 2})
+
+	withheld := func() {
+		t.Helper()
+		receive(t, src)
+		receive(t, src)
+		ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+		defer cancel()
+		d, err := src.Receive(ctx)
+		assert.ErrorIs(t, err, context.DeadlineExceeded, "a third unacked delivery arrived: %v", d)
+	}
+	withheld()
+	require.Equal(t, 1, p.Cut())
+	withheld() // the two redelivered ones, and again no third
+}
+
+// TestQueueDeletedIsDeclaredAgain: when the queue is deleted under the
+// source, the broker cancels the consumer; the source reconnects, declares
+// the queue again and consumes what is published next.
+func TestQueueDeletedIsDeclaredAgain(t *testing.T) {
+	t.Parallel()
+	a := newAdmin(t)
+	q := queueName(t)
+	a.cleanupQueue(q)
+	src := openSource(t, amqp.Config{Queue: q})
+	got := make(chan consumer.Delivery, 1)
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		d, err := src.Receive(ctx)
+		if err == nil {
+			got <- d
+		}
+		close(got)
+	}()
+	ch, err := a.channel()
+	require.NoError(t, err)
+	_, err = ch.QueueDelete(q, false, false, false)
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		_, err := a.ready(q)
+		return err == nil
+	}, 20*time.Second, 10*time.Millisecond, "the source declares the queue again")
+	require.NoError(t, a.publish("", q, jsonMsg("after-delete", `{}`)))
+	d, ok := <-got
+	require.True(t, ok, "Receive failed")
+	assert.Equal(t, "after-delete", d.Message().ID)
+	require.NoError(t, d.Ack(context.Background()))
+}
