@@ -497,3 +497,36 @@ func TestLagGauge(t *testing.T) {
 	require.NoError(t, s.Close())
 	assert.Empty(t, lagOf(), "a closed source reports no lag")
 }
+
+// A consumed topic that does not exist yet is not fatal: the source keeps
+// trying to join, and delivers once the topic exists.
+func TestMissingTopicRetriedUntilCreated(t *testing.T) {
+	c := newCluster(t)
+	topic := uniq("later")
+	var warns atomicCounter
+	cfg := c.config(uniq("g"), topic)
+	cfg.Logger = warns.logger()
+	s := c.open(cfg)
+	got := make(chan *delivery, 1)
+	errs := make(chan error, 1)
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		d, err := s.Receive(ctx)
+		if err != nil {
+			errs <- err
+			return
+		}
+		got <- d.(*delivery)
+	}()
+	require.Eventually(t, func() bool { return warns.n.Load() > 0 }, 20*time.Second, 10*time.Millisecond,
+		"the failed join is logged")
+	c.createTopic(topic, 1)
+	c.produce(msg(topic, 0, "first"))
+	select {
+	case d := <-got:
+		assert.Equal(t, []byte("first"), d.Message().Value)
+	case err := <-errs:
+		t.Fatalf("Receive failed: %v", err)
+	}
+}
