@@ -108,7 +108,10 @@ func runChild() int {
 const killerID = "killer"
 
 // runCrashLoopChild consumes until it dies handling killerID (exit 1) or
-// the consumer dead-letters it (a clean stop, exit 0).
+// the consumer dead-letters it (a clean stop, exit 0). It handles one
+// message at a time: every message in flight when the process dies has
+// its crash attempt counted, so with more workers an innocent message
+// handled alongside the killer each time would be dead-lettered too.
 func runCrashLoopChild(ctx context.Context, pool *pgxpool.Pool, src consumer.Source) int {
 	c, err := consumer.New(pool, src, func(ctx context.Context, tx pgx.Tx, ev consumer.Event[payload]) error {
 		if ev.ID == killerID {
@@ -116,7 +119,7 @@ func runCrashLoopChild(ctx context.Context, pool *pgxpool.Pool, src consumer.Sou
 			os.Exit(1)
 		}
 		return recordEffect(ctx, tx, ev)
-	}, consumer.Config{Name: "crash-loop-test", Concurrency: 4, MaxCrashAttempts: crashLoopMax})
+	}, consumer.Config{Name: "crash-loop-test", Concurrency: 1, MaxCrashAttempts: crashLoopMax})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "child:", err)
 		return 2
