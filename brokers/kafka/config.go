@@ -88,8 +88,9 @@ type Config struct {
 
 	// DeadLetterTopic names the dead-letter topic of a source topic.
 	// Default: the topic followed by DefaultDeadLetterSuffix ("orders" →
-	// "orders.dlq"). The dead-letter topics must exist: the dead-letter
-	// producer never asks the broker to create topics.
+	// "orders.dlq"). It may not name a topic in Topics. The dead-letter
+	// topics must exist: the dead-letter producer never asks the broker to
+	// create topics.
 	DeadLetterTopic func(topic string) string
 
 	// FetchMin, FetchDefault and FetchMax are sarama's
@@ -171,10 +172,12 @@ func (c *Config) validate() error {
 			return fmt.Errorf("kafka: Config.Topics lists %q twice", t)
 		}
 		seen[t] = true
+	}
+	for _, t := range c.Topics {
 		if d := c.DeadLetterTopic(t); d == "" {
 			return fmt.Errorf("kafka: Config.DeadLetterTopic(%q) is empty", t)
-		} else if d == t {
-			return fmt.Errorf("kafka: Config.DeadLetterTopic(%q) names the topic itself", t)
+		} else if seen[d] {
+			return fmt.Errorf("kafka: Config.DeadLetterTopic(%q) is %q, a topic in Config.Topics: dead letters would be consumed again", t, d)
 		}
 	}
 	if c.InitialOffset != StartOldest && c.InitialOffset != StartNewest {

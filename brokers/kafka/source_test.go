@@ -36,6 +36,7 @@ func TestNewSourceValidatesConfig(t *testing.T) {
 		{"duplicate topic", func(c *Config) { c.Topics = []string{"a", "a"} }, "Config.Topics"},
 		{"dlq is the topic", func(c *Config) { c.DeadLetterTopic = func(t string) string { return t } }, "Config.DeadLetterTopic"},
 		{"empty dlq", func(c *Config) { c.DeadLetterTopic = func(string) string { return "" } }, "Config.DeadLetterTopic"},
+		{"dlq consumed", func(c *Config) { c.Topics = []string{"t", "t.dlq"} }, "Config.DeadLetterTopic(\"t\")"},
 		{"initial offset", func(c *Config) { c.InitialOffset = 42 }, "Config.InitialOffset"},
 		{"negative session", func(c *Config) { c.SessionTimeout = -time.Second }, "Config.SessionTimeout"},
 		{"negative commit", func(c *Config) { c.CommitInterval = -time.Second }, "Config.CommitInterval"},
@@ -187,6 +188,7 @@ func TestOffsetsCommittedOnlyForAckedRecords(t *testing.T) {
 	}, 10*time.Second, 50*time.Millisecond)
 
 	require.NoError(t, s.Close())
+	require.NoError(t, s.Close(), "a second Close returns the first one's result")
 	assert.Equal(t, map[int32]int64{0: 3, 1: 3, 2: 3}, c.committed(group, topic, 3))
 	for _, ds := range byPart {
 		assert.Error(t, ds[3].Context().Err(), "Close ends the unsettled deliveries")
