@@ -1,10 +1,13 @@
 package amqp_test
 
 import (
+	"bytes"
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
+	"log/slog"
 	"net/url"
+	"sync"
 	"testing"
 	"time"
 
@@ -159,7 +162,12 @@ func TestConnectionLossCancelsDeliveries(t *testing.T) {
 	require.NoError(t, a.publish("", q, jsonMsg("ev-1", `{}`)))
 	p, proxied := startProxy(t, brokerURL(t))
 	rd := sdkmetric.NewManualReader()
-	src := openSource(t, amqp.Config{URL: proxied, Queue: q, MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(rd))})
+	logs := &syncBuffer{}
+	src := openSource(t, amqp.Config{URL: proxied, Queue: q, MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(rd)),
+		Logger: slog.New(slog.NewTextHandler(logs, nil))})
+	u, err := url.Parse(proxied)
+	require.NoError(t, err)
+	password, _ := u.User.Password()
 
 	first := receive(t, src)
 	require.NoError(t, first.Context().Err())
@@ -174,6 +182,10 @@ func TestConnectionLossCancelsDeliveries(t *testing.T) {
 	assert.True(t, again.Message().Redelivered)
 	require.NoError(t, again.Ack(context.Background()))
 	assert.Equal(t, int64(1), counterValue(t, rd, amqp.ReconnectsMetric))
+	assert.Contains(t, logs.String(), "connection to the broker lost")
+	assert.Contains(t, logs.String(), "reconnected to the broker")
+	assert.Contains(t, logs.String(), ":xxxxx@", "the broker URL is logged redacted")
+	assert.NotContains(t, logs.String(), ":"+password+"@", "the password leaked into the logs")
 	require.Eventually(t, func() bool {
 		n, err := a.ready(q)
 		return err == nil && n == 0
@@ -415,4 +427,22 @@ func TestQueueDeletedIsDeclaredAgain(t *testing.T) {
 	require.True(t, ok, "Receive failed")
 	assert.Equal(t, "after-delete", d.Message().ID)
 	require.NoError(t, d.Ack(context.Background()))
+}
+
+// syncBuffer is a bytes.Buffer safe for concurrent use, for logs.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.b.Write(p)
+}
+
+func (b *syncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.b.String()
 }
