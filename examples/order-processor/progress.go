@@ -36,11 +36,17 @@ type progress struct {
 
 // startProgress starts reporting stats to w until Stop.
 func startProgress(w io.Writer, label string, stats func() consumer.Stats) *progress {
-	p := &progress{w: w, tty: isTerminal(w), label: label, stats: stats, stop: make(chan struct{})}
-	p.every = 5 * time.Second
-	if p.tty {
-		p.every = 200 * time.Millisecond
+	tty := isTerminal(w)
+	every := 5 * time.Second
+	if tty {
+		every = 200 * time.Millisecond
 	}
+	return newProgress(w, tty, every, label, stats)
+}
+
+// newProgress starts reporting stats to w every interval, in place when tty.
+func newProgress(w io.Writer, tty bool, every time.Duration, label string, stats func() consumer.Stats) *progress {
+	p := &progress{w: w, tty: tty, every: every, label: label, stats: stats, stop: make(chan struct{})}
 	p.done.Add(1)
 	go p.loop()
 	return p
