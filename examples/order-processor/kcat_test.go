@@ -41,6 +41,7 @@ func TestKcatProducesToEmbeddedBroker(t *testing.T) {
 	pool, schema := pgtest.Schema(t)
 	t.Setenv("DATABASE_URL", pgtest.URL())
 	t.Setenv("KAFKA_BROKERS", "")
+	t.Setenv("BROKER", "")
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	var out, errOut syncBuffer

@@ -61,6 +61,7 @@ func waitMatch(t *testing.T, buf *syncBuffer, re *regexp.Regexp) []string {
 func runCommand(t *testing.T, ctx context.Context, args ...string) (int, string) {
 	t.Helper()
 	t.Setenv("DATABASE_URL", pgtest.URL())
+	t.Setenv("BROKER", "") // the tests say -broker when they mean amqp
 	var out, errOut syncBuffer
 	code := realMain(ctx, args, &out, &errOut)
 	text := out.String()
