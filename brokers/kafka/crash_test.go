@@ -33,7 +33,12 @@ const (
 
 type crashChildSpec struct {
 	brokers, group, topic, dbURL, schema, name string
-	crashAt                                    int64
+	// crashAt > 0: exit in the Ack of the crashAt-th delivery.
+	crashAt int64
+	// crashOnID != "": exit inside the handler of that event, before its
+	// transaction commits; exit 0 once settled messages reach settle.
+	crashOnID string
+	settle    int
 }
 
 func (s crashChildSpec) env() []string {
@@ -46,6 +51,8 @@ func (s crashChildSpec) env() []string {
 		"ONCE_KAFKA_CRASH_SCHEMA=" + s.schema,
 		"ONCE_KAFKA_CRASH_NAME=" + s.name,
 		"ONCE_KAFKA_CRASH_AT=" + strconv.FormatInt(s.crashAt, 10),
+		"ONCE_KAFKA_CRASH_ON_ID=" + s.crashOnID,
+		"ONCE_KAFKA_CRASH_SETTLE=" + strconv.Itoa(s.settle),
 	}
 }
 
@@ -75,19 +82,47 @@ func runCrashChild() int {
 	if err != nil {
 		return fail(err)
 	}
+	crashOnID := os.Getenv("ONCE_KAFKA_CRASH_ON_ID")
+	settle, _ := strconv.Atoi(os.Getenv("ONCE_KAFKA_CRASH_SETTLE"))
 	// A slow handler, so that periodic commits happen before the crash.
 	slow := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[event]) error {
 		time.Sleep(10 * time.Millisecond)
-		return recordEffect(ctx, tx, ev)
+		if err := recordEffect(ctx, tx, ev); err != nil {
+			return err
+		}
+		if ev.ID == crashOnID {
+			fmt.Fprintf(os.Stderr, "crash child: exiting in the handler of %s\n", ev.ID)
+			os.Exit(crashExitCode)
+		}
+		return nil
 	}
-	cons, err := consumer.New(db, &crashingSource{Source: src, crashAt: crashAt},
-		slow, consumerConfig(os.Getenv("ONCE_KAFKA_CRASH_NAME")))
+	cfg := consumerConfig(os.Getenv("ONCE_KAFKA_CRASH_NAME"))
+	cfg.MaxCrashAttempts = 2
+	cons, err := consumer.New(db, &crashingSource{Source: src, crashAt: crashAt}, slow, cfg)
 	if err != nil {
 		return fail(err)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	if err := cons.Run(ctx); err != nil {
+	done := make(chan error, 1)
+	go func() { done <- cons.Run(ctx) }()
+	if settle > 0 {
+		tick := time.NewTicker(10 * time.Millisecond)
+		defer tick.Stop()
+		for range tick.C {
+			st := cons.Stats()
+			if st.Handled+st.Duplicates+st.DeadLettered >= uint64(settle) || ctx.Err() != nil {
+				break
+			}
+		}
+		cancel()
+		if err := <-done; err != nil {
+			return fail(err)
+		}
+		fmt.Fprintf(os.Stderr, "crash child: settled %+v\n", cons.Stats())
+		return 0
+	}
+	if err := <-done; err != nil {
 		return fail(err)
 	}
 	return fail(fmt.Errorf("did not crash within a minute"))
@@ -189,6 +224,66 @@ func TestCrashBetweenCommitAndAck(t *testing.T) {
 	assert.Zero(t, st.DeadLettered)
 	assert.Equal(t, map[int32]int64{0: hwm(t, c, topic, 0), 1: hwm(t, c, topic, 1)}, c.committed(group, topic, 2),
 		"after a clean stop the committed offsets are the ends of the partitions")
+}
+
+// A record that kills the process inside its handler every time is
+// dead-lettered with kind crash-loop after MaxCrashAttempts restarts, even
+// though Kafka keeps no delivery count: the core sees each restart's new
+// partition claim as a new assignment (a new Delivery.Context) and counts
+// durable attempts for its first new record. The other events' effects are
+// there exactly once.
+func TestCrashLoopRecordDeadLettered(t *testing.T) {
+	c := newCluster(t)
+	topic, group := uniq("orders"), uniq("g")
+	c.createTopic(topic, 1)
+	c.createTopic(topic+".dlq", 1)
+	const n = 10
+	c.produceHashed(events(topic, "ev", 0, n))
+	db, schema := pgtest.Schema(t)
+	_, err := db.Exec(context.Background(), effectsTable)
+	require.NoError(t, err)
+
+	spec := crashChildSpec{
+		brokers: strings.Join(c.addrs, ","), group: group, topic: topic,
+		dbURL: pgtest.URL(), schema: schema, name: "orders-svc", crashOnID: "ev-3", settle: n,
+	}
+	crashes := 0
+	for run := 1; ; run++ {
+		require.LessOrEqual(t, run, 5, "the crash loop did not end")
+		cmd := exec.Command(os.Args[0], "-test.run=^$")
+		cmd.Env = append(os.Environ(), spec.env()...)
+		out, err := cmd.CombinedOutput()
+		if err == nil {
+			t.Logf("run %d settled: %s", run, strings.TrimSpace(string(out)))
+			break
+		}
+		var exit *exec.ExitError
+		require.ErrorAs(t, err, &exit, "child output:\n%s", out)
+		require.Equal(t, crashExitCode, exit.ExitCode(), "child output:\n%s", out)
+		crashes++
+	}
+	// The first run may crash before ev-3 counts as suspect; after that,
+	// every crash is counted, and the third count dead-letters it.
+	assert.GreaterOrEqual(t, crashes, 2)
+	assert.LessOrEqual(t, crashes, 3)
+
+	want := map[string]int{}
+	for i := range n {
+		if i != 3 {
+			want["ev-"+strconv.Itoa(i)] = 1
+		}
+	}
+	assert.Equal(t, want, effectCounts(t, db), "the crashing event's transaction never committed; the others once")
+	dl := c.readAll(topic + ".dlq")
+	require.Len(t, dl, 1)
+	h := map[string]string{}
+	for _, rh := range dl[0].Headers {
+		h[string(rh.Key)] = string(rh.Value)
+	}
+	assert.Equal(t, string(consumer.KindCrashLoop), h[consumer.HeaderErrorKind])
+	assert.Equal(t, "ev-3", h[consumer.HeaderEventID])
+	assert.Equal(t, "3", h[consumer.HeaderOriginalOffset])
+	assert.Equal(t, map[int32]int64{0: n}, c.committed(group, topic, 1))
 }
 
 // hwm returns the high-water mark of a partition.
