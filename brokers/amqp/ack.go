@@ -1,6 +1,7 @@
 package amqp
 
 import (
+	"slices"
 	"sync"
 	"time"
 )
@@ -37,11 +38,15 @@ type acker struct {
 	// floor: every tag up to it is acked at the broker (or covered by a
 	// sent multiple ack).
 	floor uint64
-	// pending holds tags above floor that the consumer acked; the value is
-	// true once the tag was sent alone.
-	pending map[uint64]bool
-	// unsent counts the false values of pending.
-	unsent int
+	// unsent holds tags above floor that the consumer acked and that were
+	// not sent yet; they are outstanding at the broker, so there are at
+	// most Config.Prefetch of them.
+	unsent map[uint64]struct{}
+	// alone holds the tags above floor that were sent one by one, as
+	// sorted, disjoint, non-adjacent spans: while an early delivery is
+	// stuck (retried for a long time), the tags acked after it stay here
+	// in a few spans instead of one entry each.
+	alone []span
 	// sentFrames counts basic.ack frames, for tests.
 	sentFrames int
 
@@ -51,10 +56,13 @@ type acker struct {
 	once    sync.Once
 }
 
+// span is the tags lo to hi, inclusive.
+type span struct{ lo, hi uint64 }
+
 func newAcker(ch ackSender) *acker {
 	a := &acker{
 		ch:      ch,
-		pending: map[uint64]bool{},
+		unsent:  map[uint64]struct{}{},
 		wake:    make(chan struct{}, 1),
 		stopped: make(chan struct{}),
 		done:    make(chan struct{}),
@@ -67,10 +75,7 @@ func newAcker(ch ackSender) *acker {
 func (a *acker) ack(tag uint64) {
 	a.mu.Lock()
 	if tag > a.floor {
-		if _, dup := a.pending[tag]; !dup {
-			a.pending[tag] = false
-			a.unsent++
-		}
+		a.unsent[tag] = struct{}{}
 	}
 	a.mu.Unlock()
 	select {
@@ -116,30 +121,32 @@ func (a *acker) run() {
 // remain (to be sent after the linger).
 func (a *acker) flush(singles bool) (remaining bool) {
 	a.mu.Lock()
-	var multi uint64
+	var multi uint64 // the highest tag of the prefix still outstanding
 	for {
-		sent, ok := a.pending[a.floor+1]
-		if !ok {
-			break
+		next := a.floor + 1
+		if _, ok := a.unsent[next]; ok {
+			delete(a.unsent, next)
+			a.floor, multi = next, next
+			continue
 		}
-		a.floor++
-		delete(a.pending, a.floor)
-		if !sent {
-			multi = a.floor // the highest tag of the prefix still outstanding
-			a.unsent--
+		if len(a.alone) > 0 && a.alone[0].lo == next {
+			a.floor = a.alone[0].hi
+			a.alone = a.alone[1:]
+			continue
 		}
+		break
 	}
 	var alone []uint64
-	if singles && a.unsent > 0 {
-		for tag, sent := range a.pending {
-			if !sent {
-				alone = append(alone, tag)
-				a.pending[tag] = true
-			}
+	if singles && len(a.unsent) > 0 {
+		alone = make([]uint64, 0, len(a.unsent))
+		for tag := range a.unsent {
+			alone = append(alone, tag)
 		}
-		a.unsent = 0
+		clear(a.unsent)
+		slices.Sort(alone)
+		a.alone = mergeSpans(a.alone, alone)
 	}
-	remaining = a.unsent > 0
+	remaining = len(a.unsent) > 0
 	a.sentFrames += len(alone)
 	if multi > 0 {
 		a.sentFrames++
@@ -157,9 +164,35 @@ func (a *acker) flush(singles bool) (remaining bool) {
 	return remaining
 }
 
-// stats returns the number of ack frames sent and of acks not sent yet.
-func (a *acker) stats() (frames, unsent int) {
+// mergeSpans adds the sorted tags to the sorted spans, joining adjacent
+// ones.
+func mergeSpans(spans []span, tags []uint64) []span {
+	out := make([]span, 0, len(spans)+1)
+	add := func(s span) {
+		if n := len(out); n > 0 && out[n-1].hi+1 >= s.lo {
+			out[n-1].hi = max(out[n-1].hi, s.hi)
+			return
+		}
+		out = append(out, s)
+	}
+	i := 0
+	for _, tag := range tags {
+		for i < len(spans) && spans[i].lo < tag {
+			add(spans[i])
+			i++
+		}
+		add(span{tag, tag})
+	}
+	for ; i < len(spans); i++ {
+		add(spans[i])
+	}
+	return out
+}
+
+// stats returns the number of ack frames sent, of acks not sent yet and of
+// spans of tags sent alone.
+func (a *acker) stats() (frames, unsent, spans int) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	return a.sentFrames, a.unsent
+	return a.sentFrames, len(a.unsent), len(a.alone)
 }

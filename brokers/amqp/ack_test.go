@@ -52,15 +52,18 @@ func TestAcksCoalescedNeverCoverUnacked(t *testing.T) {
 	}
 	wg.Wait()
 	allSent := func() bool {
-		_, unsent := amqp.AckStats(src)
+		_, unsent, _ := amqp.AckStats(src)
 		return unsent == 0
 	}
 	require.Eventually(t, allSent, 10*time.Second, time.Millisecond, "every ack is sent within the linger")
+	_, _, spans := amqp.AckStats(src)
+	assert.Equal(t, 2, spans, "the tags sent alone after each gap are kept as one span each")
 	// Acks after the gap went out one by one; closing the gap must ack
 	// only the late delivery, not name a tag acked already.
 	require.NoError(t, ds[late].Ack(context.Background()))
 	require.Eventually(t, allSent, 10*time.Second, time.Millisecond)
-	frames, _ := amqp.AckStats(src)
+	frames, _, spans := amqp.AckStats(src)
+	assert.Equal(t, 1, spans, "closing the first gap joins its span to the prefix")
 	t.Logf("%d acks sent in %d frames", n-1, frames)
 	assert.Less(t, frames, n-1, "acks are coalesced")
 
@@ -103,4 +106,12 @@ func TestCloseSendsPendingAcks(t *testing.T) {
 	left, err := a.getAll(q)
 	require.NoError(t, err)
 	assert.Empty(t, left, "an ack was lost at Close")
+}
+
+func TestMergeSpans(t *testing.T) {
+	assert.Equal(t, [][2]uint64{{1, 1}}, amqp.MergeSpans(nil, []uint64{1}))
+	assert.Equal(t, [][2]uint64{{1, 3}, {5, 5}}, amqp.MergeSpans(nil, []uint64{1, 2, 3, 5}))
+	assert.Equal(t, [][2]uint64{{1, 7}}, amqp.MergeSpans([][2]uint64{{1, 3}, {5, 7}}, []uint64{4}))
+	assert.Equal(t, [][2]uint64{{2, 3}, {5, 9}, {20, 21}}, amqp.MergeSpans([][2]uint64{{5, 7}, {20, 20}}, []uint64{2, 3, 8, 9, 21}))
+	assert.Equal(t, [][2]uint64{{1, 2}, {10, 12}}, amqp.MergeSpans([][2]uint64{{10, 12}}, []uint64{1, 2}))
 }
