@@ -486,7 +486,7 @@ func report(ctx context.Context, w io.Writer, pool *pgxpool.Pool, o *options, pl
 		}
 	}
 	if o.crash {
-		fmt.Fprintf(w, "run 1             %6d  events committed, then SIGKILL (no drain, no final offset commit)\n", r.killed)
+		fmt.Fprintf(w, "run 1             %6d  events committed, then SIGKILL (no drain; what it had not acked is delivered again)\n", r.killed)
 	}
 	fmt.Fprintf(w, "run 2             %6d  received: %d handled, %d duplicates skipped, %d dead-lettered, %d retries\n",
 		r.second.Received, r.second.Handled, r.second.Duplicates, r.second.DeadLettered, r.second.Retries)
