@@ -4,6 +4,7 @@ import (
 	"context"
 	"log/slog"
 	"net"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -126,4 +127,92 @@ type atomicCounter struct{ n atomic.Int64 }
 
 func (a *atomicCounter) logger() *slog.Logger {
 	return slog.New(warnCounter{next: testLogger().Handler(), warns: &a.n})
+}
+
+// cuttingListener tracks the connections it accepted so that a test can
+// cut them all, as a network failure would.
+type cuttingListener struct {
+	net.Listener
+	mu    sync.Mutex
+	conns []net.Conn
+}
+
+func (l *cuttingListener) Accept() (net.Conn, error) {
+	conn, err := l.Listener.Accept()
+	if err == nil {
+		l.mu.Lock()
+		l.conns = append(l.conns, conn)
+		l.mu.Unlock()
+	}
+	return conn, err
+}
+
+// cut closes every accepted connection and reports how many there were.
+func (l *cuttingListener) cut() int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	n := len(l.conns)
+	for _, c := range l.conns {
+		_ = c.Close()
+	}
+	l.conns = nil
+	return n
+}
+
+// Every client connection is cut, twice, while records are in flight:
+// fetches, heartbeats and offset commits fail, sarama reconnects, and the
+// consumer goes on without loss and without a second effect.
+func TestConnectionsCutResumesWithoutLossOrDoubleEffects(t *testing.T) {
+	var ln *cuttingListener
+	c := newCluster(t, kfake.ListenFn(func(network, addr string) (net.Listener, error) {
+		inner, err := net.Listen(network, addr)
+		if err != nil {
+			return nil, err
+		}
+		ln = &cuttingListener{Listener: inner}
+		return ln, nil
+	}))
+	topic, group := uniq("orders"), uniq("g")
+	const partitions, n = 3, 600
+	c.createTopic(topic, partitions)
+	c.produceHashed(events(topic, "ev", 0, n))
+	db, _ := pgtest.Schema(t)
+	_, err := db.Exec(context.Background(), effectsTable)
+	require.NoError(t, err)
+	var warns atomicCounter
+	cfg := c.config(group, topic)
+	cfg.Logger = warns.logger()
+	src, err := NewSource(cfg)
+	require.NoError(t, err)
+	slow := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[event]) error {
+		select { // work that takes a while, so that the cuts hit records in flight
+		case <-time.After(2 * time.Millisecond):
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+		return recordEffect(ctx, tx, ev)
+	}
+	r := startConsumer(t, db, src, consumerConfig("orders-svc"), slow)
+
+	for _, at := range []int{100, 300} {
+		waitEffects(t, db, at, 30*time.Second)
+		require.Positive(t, ln.cut(), "connections were open")
+	}
+	require.Less(t, len(effectCounts(t, db)), n, "the cuts came mid-stream")
+	waitEffects(t, db, n, 60*time.Second)
+	require.Eventually(t, func() bool {
+		st := r.c.Stats()
+		return st.Received == st.Handled+st.Duplicates+st.DeadLettered
+	}, 30*time.Second, 10*time.Millisecond, "everything received was settled")
+	require.NoError(t, r.stop())
+
+	requireExactlyOnce(t, db, "ev", n)
+	st := r.c.Stats()
+	assert.Equal(t, uint64(n), st.Handled, "one committed transaction per event")
+	assert.Zero(t, st.DeadLettered, "a lost connection is not poison")
+	t.Logf("stats %+v, %d warnings", st, warns.n.Load())
+	got := c.committed(group, topic, partitions)
+	for p := range int32(partitions) {
+		assert.Equal(t, hwm(t, c, topic, p), got[p], "partition %d", p)
+	}
 }
