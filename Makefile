@@ -5,10 +5,11 @@ BENCHTIME ?= 1s
 
 .PHONY: run test bench fuzz lint
 
-## run: the demo: a throwaway PostgreSQL, events with duplicates and poison, a report
+## run: the order-processor demo: embedded Kafka (kfake), a throwaway PostgreSQL, orders with
+## duplicates, poison and a SIGKILL mid-stream, then a report and a verdict
 run:
 	scripts/ensure-deps.sh postgres
-	$(GO) run ./examples/quickstart
+	$(GO) run ./examples/order-processor
 
 ## test: every test, with the race detector; starts the servers it needs
 test:
