@@ -233,7 +233,7 @@ func (e *engine) runHandlers(ctx context.Context, tx pgx.Tx, jobs []*job, res []
 		switch {
 		case err == nil:
 			return batchResult{}, false
-		case IsTransient(err) || ctx.Err() != nil:
+		case databaseFailure(tx, err) || ctx.Err() != nil:
 			return batchResult{infra: true, err: err, failed: -1}, true
 		}
 		return batchResult{split: true, err: err, failed: -1}, true
@@ -257,7 +257,7 @@ func (e *engine) runHandlers(ctx context.Context, tx pgx.Tx, jobs []*job, res []
 		if err == nil {
 			continue
 		}
-		if IsTransient(err) || ctx.Err() != nil {
+		if databaseFailure(tx, err) || ctx.Err() != nil {
 			return batchResult{infra: true, err: err, failed: -1}, true
 		}
 		return batchResult{failed: i, err: err}, true

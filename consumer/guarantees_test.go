@@ -5,8 +5,10 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -489,4 +491,26 @@ func TestHandlerMisusingTheTransaction(t *testing.T) {
 	}
 	assert.Equal(t, map[string]string{"swallows": "handler", "commits": "handler"}, kinds)
 	assert.Equal(t, 1, countEffects(t, pool)["fine"])
+}
+
+// A handler failing with a network error of its own (an HTTP dependency
+// down) is a handler failure: retried, then dead-lettered. Only database
+// failures under the transaction pause the stream indefinitely.
+func TestHandlerNetworkErrorIsNotInfrastructure(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	b := memsource.New(memsource.Options{Streams: 1})
+	publish(b, "calls-http", 1)
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		return fmt.Errorf("calling the payment provider: %w",
+			&net.OpError{Op: "dial", Net: "tcp", Err: syscall.ECONNREFUSED})
+	}
+	c, err := consumer.New(pool, b.Source(), h, fastConfig("http-down"))
+	require.NoError(t, err)
+	start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 1 }, 10*time.Second, 5*time.Millisecond)
+	dl := b.DeadLetters()
+	require.Len(t, dl, 1)
+	assert.Equal(t, string(consumer.KindHandler), dl[0].Headers[consumer.HeaderErrorKind])
+	assert.Equal(t, "3", dl[0].Headers[consumer.HeaderAttempts])
+	assert.Zero(t, c.Stats().InfraErrors)
 }

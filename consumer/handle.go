@@ -202,7 +202,7 @@ func (e *engine) attempt(ctx context.Context, j *job, attempt int) result {
 	switch {
 	case ctx.Err() != nil && (r.kind == resInfraErr || r.kind == resHandlerErr):
 		return result{kind: resAbandoned}
-	case actx.Err() != nil && r.kind == resInfraErr:
+	case actx.Err() != nil && (r.kind == resInfraErr || r.kind == resHandlerErr):
 		// Our own HandlerTimeout, not the database: the handler is slow.
 		return result{kind: resHandlerErr, err: fmt.Errorf("attempt exceeded HandlerTimeout (%s): %w", e.cfg.HandlerTimeout, r.err)}
 	}
@@ -242,7 +242,7 @@ func (e *engine) transaction(ctx context.Context, j *job, attempt int) result {
 		err = safeCall(ctx, tx, j.call, attempt)
 		e.tel.since(ctx, e.tel.handlerDur, start)
 		if err != nil {
-			if IsTransient(err) {
+			if databaseFailure(tx, err) {
 				return result{kind: resInfraErr, err: err}
 			}
 			return result{kind: resHandlerErr, err: err}

@@ -7,16 +7,23 @@ import (
 	"net"
 	"syscall"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // IsTransient reports whether err is an infrastructure failure that
 // retrying the same message later can cure: the database unreachable, the
 // connection lost, a server shutting down or out of resources, a
-// serialization failure or deadlock, a timeout. The consumer never
-// dead-letters or acks a message on such an error; it rolls back, backs off
-// and tries again (see Config.InfraBackoff). A handler error that wraps one
-// (with %w) is treated the same way.
+// serialization failure or deadlock, a timeout.
+//
+// The consumer never dead-letters or acks a message after such a failure
+// of its own database work (begin, claim, commit); it rolls back, backs off
+// and tries again (see Config.InfraBackoff). An error the handler returns
+// counts as one only when it comes from the database: a connection that
+// died under the transaction, or a PostgreSQL error whose class says
+// "retry" (see above). Other errors, a failed HTTP call among them, are
+// handler failures under the retry policy, so that a dependency that stays
+// down ends in the dead-letter queue instead of blocking the stream.
 func IsTransient(err error) bool {
 	if err == nil {
 		return false
@@ -66,4 +73,19 @@ func transientSQLState(code string) bool {
 		return true
 	}
 	return false
+}
+
+// databaseFailure reports whether a handler's error is a failure of the
+// database under tx rather than of the handler: the connection is gone, or
+// the error is a transient PostgreSQL or driver error.
+func databaseFailure(tx pgx.Tx, err error) bool {
+	if tx.Conn().IsClosed() {
+		return true
+	}
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		return transientSQLState(pgErr.Code)
+	}
+	var connectErr *pgconn.ConnectError
+	return errors.As(err, &connectErr) || pgconn.SafeToRetry(err) || errors.Is(err, pgconn.ErrConnClosed)
 }
