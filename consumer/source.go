@@ -71,11 +71,20 @@ type Delivery interface {
 	// Context is done when the delivery can no longer be acknowledged: its
 	// Kafka partition was revoked or its AMQP channel closed. The consumer
 	// stops work on a delivery whose context is done and does not settle it.
+	//
+	// Deliveries of one assignment of a stream (one partition claim, one
+	// channel) share one context, and a new assignment has a new one: the
+	// consumer takes a new context on a stream as the sign that earlier
+	// work may have died with a previous owner, and counts crash attempts
+	// for the first messages after it (Config.MaxCrashAttempts).
 	Context() context.Context
 	// Ack settles the delivery: commits or marks the Kafka offset, acks the
 	// AMQP delivery. It is called only after the transaction that handled
 	// the message (or recognised it as a duplicate) committed, or after
-	// DeadLetter succeeded.
+	// DeadLetter succeeded. When the delivery can no longer be settled
+	// (revoked, channel closed) Ack returns an error and settles nothing;
+	// the consumer logs it, and the broker's redelivery is then skipped as
+	// a duplicate.
 	Ack(ctx context.Context) error
 	// DeadLetter writes a copy of the message (original key, value and
 	// headers) with the diagnostic headers of dl.Headers to the adapter's
