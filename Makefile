@@ -15,10 +15,20 @@ run:
 test:
 	scripts/test.sh
 
-## bench: micro-benchmarks of the hot path (a throwaway PostgreSQL when DATABASE_URL is unset)
+## bench: the side-by-side benchmark (docs/performance.md): ceilings, naive, once per message and
+## batched, for Kafka (in-process kfake) and RabbitMQ (AMQP_URL, else a throwaway node started and
+## stopped here); a durable throwaway PostgreSQL unless DATABASE_URL is set. BENCHFLAGS="-n 100000"
 bench:
-	scripts/ensure-deps.sh postgres
-	$(GO) test -run '^$$' -bench . -benchmem -benchtime $(BENCHTIME) ./consumer/ ./dedup/
+	scripts/ensure-deps.sh postgres rabbitmq
+	@set -e; \
+	if [ -n "$$AMQP_URL" ]; then \
+	  $(GO) run ./internal/bench/cmd/oncebench $(BENCHFLAGS); \
+	else \
+	  rabbit_dir=$$(mktemp -d /tmp/once-bench-rabbit-XXXXXX); \
+	  trap 'scripts/rabbitmq.sh stop "$$rabbit_dir"' EXIT; \
+	  eval "$$(scripts/rabbitmq.sh start "$$rabbit_dir")"; \
+	  $(GO) run ./internal/bench/cmd/oncebench $(BENCHFLAGS); \
+	fi
 
 ## fuzz: each fuzz target for FUZZTIME
 fuzz:

@@ -1,0 +1,175 @@
+package bench
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strconv"
+	"time"
+
+	amqp091 "github.com/rabbitmq/amqp091-go"
+
+	"github.com/onceco/once/brokers/amqp"
+	"github.com/onceco/once/consumer"
+)
+
+// amqpPrefetch is the prefetch of every RabbitMQ row, the naive one
+// included: enough for the consumer's 16 workers to fill batches of 100.
+const amqpPrefetch = 512
+
+func amqpPublishing(m Msg, produced time.Time) amqp091.Publishing {
+	p := amqp091.Publishing{MessageId: m.ID, ContentType: "application/json", DeliveryMode: amqp091.Persistent, Body: m.Value}
+	if !produced.IsZero() {
+		p.Headers = amqp091.Table{HeaderProduced: strconv.FormatInt(produced.UnixNano(), 10)}
+	}
+	return p
+}
+
+// amqpPublisher publishes persistent messages on a confirm-mode channel.
+type amqpPublisher struct {
+	conn    *amqp091.Connection
+	ch      *amqp091.Channel
+	pending []*amqp091.DeferredConfirmation
+	// window is how many publishes may await their confirm before publish
+	// waits for them; 0 waits only in Close.
+	window int
+}
+
+func newAMQPPublisher(url string) (*amqpPublisher, error) {
+	conn, err := amqp091.Dial(url)
+	if err != nil {
+		return nil, err
+	}
+	ch, err := conn.Channel()
+	if err == nil {
+		err = ch.Confirm(false)
+	}
+	if err != nil {
+		_ = conn.Close()
+		return nil, err
+	}
+	return &amqpPublisher{conn: conn, ch: ch, window: 1000}, nil
+}
+
+func (p *amqpPublisher) publish(queue string, pub amqp091.Publishing) error {
+	dc, err := p.ch.PublishWithDeferredConfirm("", queue, false, false, pub)
+	if err != nil {
+		return err
+	}
+	p.pending = append(p.pending, dc)
+	if p.window > 0 && len(p.pending) >= p.window {
+		return p.confirmAll()
+	}
+	return nil
+}
+
+// confirmAll waits for the broker's confirm of every pending publish.
+func (p *amqpPublisher) confirmAll() error {
+	for _, dc := range p.pending {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		ok, err := dc.WaitContext(ctx)
+		cancel()
+		if err != nil {
+			return err
+		}
+		if !ok {
+			return errors.New("rabbitmq nacked a publish")
+		}
+	}
+	p.pending = p.pending[:0]
+	return nil
+}
+
+// Close waits for the pending confirms and closes the connection.
+func (p *amqpPublisher) Close() error {
+	err := p.confirmAll()
+	if cerr := p.conn.Close(); err == nil {
+		err = cerr
+	}
+	return err
+}
+
+// declareQueue declares the row's queue (durable, classic) empty.
+func declareQueue(url, queue string) error {
+	conn, err := amqp091.Dial(url)
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	ch, err := conn.Channel()
+	if err != nil {
+		return err
+	}
+	_, err = ch.QueueDeclare(queue, true, false, false, false, nil)
+	return err
+}
+
+// publishBacklog publishes the workload to queue before the row starts.
+func publishBacklog(url, queue, prefix string, w Workload) error {
+	p, err := newAMQPPublisher(url)
+	if err != nil {
+		return err
+	}
+	var perr error
+	w.Each(prefix, func(m Msg) bool {
+		perr = p.publish(queue, amqpPublishing(m, time.Time{}))
+		return perr == nil
+	})
+	if err := p.Close(); perr == nil {
+		perr = err
+	}
+	return perr
+}
+
+// queueCounts returns the ready messages of queue and of its dead-letter
+// queue, then deletes both.
+func queueCounts(url, queue string) (ready, dead int, err error) {
+	conn, err := amqp091.Dial(url)
+	if err != nil {
+		return 0, 0, err
+	}
+	defer conn.Close()
+	ch, err := conn.Channel()
+	if err != nil {
+		return 0, 0, err
+	}
+	q, err := ch.QueueDeclarePassive(queue, true, false, false, false, nil)
+	if err != nil {
+		return 0, 0, fmt.Errorf("queue %s: %w", queue, err)
+	}
+	dlq, err := ch.QueueDeclarePassive(queue+amqp.DeadLetterQueueSuffix, true, false, false, false, nil)
+	if err != nil {
+		return 0, 0, fmt.Errorf("queue %s: %w", queue+amqp.DeadLetterQueueSuffix, err)
+	}
+	_, _ = ch.QueueDelete(queue, false, false, false)
+	_, _ = ch.QueueDelete(queue+amqp.DeadLetterQueueSuffix, false, false, false)
+	return q.Messages, dlq.Messages, nil
+}
+
+// openAMQPSource opens the adapter's source on the row's queue.
+func openAMQPSource(ctx context.Context, spec *rowSpec, logger *slog.Logger) (consumer.Source, error) {
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	return amqp.Open(ctx, amqp.Config{URL: spec.AMQPURL, Queue: spec.Queue, Prefetch: amqpPrefetch, Logger: logger})
+}
+
+// amqpPacer publishes paced messages, stamping each with its produce time.
+type amqpPacer struct {
+	p     *amqpPublisher
+	queue string
+}
+
+func newAMQPPacer(spec *rowSpec) (*amqpPacer, error) {
+	p, err := newAMQPPublisher(spec.AMQPURL)
+	if err != nil {
+		return nil, err
+	}
+	p.window = 0 // a paced publish must not wait for earlier confirms
+	return &amqpPacer{p: p, queue: spec.Queue}, nil
+}
+
+func (a *amqpPacer) send(m Msg) error { return a.p.publish(a.queue, amqpPublishing(m, time.Now())) }
+
+// Close waits for the confirms and closes the connection.
+func (a *amqpPacer) Close() error { return a.p.Close() }

@@ -1,0 +1,410 @@
+// Package bench is the side-by-side benchmark behind `make bench`: the same
+// workload (distinct events, 10% of them published twice, 0.1% poison,
+// ~200-byte payloads, 4 partitions) consumed by several rows, for Kafka
+// (kfake in this process, spoken to over TCP by sarama) and RabbitMQ:
+//
+//   - the ceilings: the adapter's Source alone (receive and ack, no
+//     database), and the database alone (pgbench running the claim and the
+//     business insert at the same batch size);
+//   - naive: one transaction per message, SELECT the id, INSERT it and the
+//     business row, commit, ack;
+//   - once: the library per message (BatchSize 1), batched (BatchSize 100),
+//     and batched with a BatchHandler writing the batch with one statement.
+//
+// Each consumer row runs in a subprocess of the same executable (see
+// RunChildIfRequested), so that its peak RSS and its allocations are its
+// own. The parent hosts the Kafka cluster, publishes each row's backlog,
+// starts the row, and afterwards checks its effects: one business row per
+// valid event, no more; every poison message in the dead-letter queue; every
+// message acked.
+package bench
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"runtime"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/onceco/once/internal/pgtemp"
+)
+
+// Broker names a message broker.
+type Broker string
+
+// The brokers benchmarked.
+const (
+	Kafka    Broker = "kafka"
+	RabbitMQ Broker = "rabbitmq"
+)
+
+// Row names one way of consuming the workload.
+type Row string
+
+// The rows, in the order they run.
+const (
+	// RowCeiling receives and acks through the adapter's Source, with no
+	// database.
+	RowCeiling Row = "ceiling"
+	// RowNaive is one transaction per message: SELECT, INSERT, commit, ack.
+	RowNaive Row = "naive"
+	// RowOncePerMessage is the library with BatchSize 1.
+	RowOncePerMessage Row = "once per message"
+	// RowOnceBatched is the library with BatchSize 100 and a per-event
+	// handler.
+	RowOnceBatched Row = "once batched"
+	// RowOnceBatchHandler is the library with BatchSize 100 and a
+	// BatchHandler writing the batch with one multi-row INSERT.
+	RowOnceBatchHandler Row = "once batch handler"
+)
+
+// AllRows lists every consumer row.
+var AllRows = []Row{RowCeiling, RowNaive, RowOncePerMessage, RowOnceBatched, RowOnceBatchHandler}
+
+// Options configure a run.
+type Options struct {
+	// Workload is what every row consumes (Events per row).
+	Workload Workload
+	// Brokers to benchmark. Kafka needs nothing; RabbitMQ needs AMQPURL.
+	Brokers []Broker
+	// Rows to run for each broker.
+	Rows []Row
+	// PGBench runs the database ceiling for this long; 0 skips it.
+	PGBench time.Duration
+	// BatchSize of the batched rows and of the pgbench script.
+	BatchSize int
+	// NaiveWorkers is the naive row's concurrency: one worker per
+	// partition for Kafka, shared workers for RabbitMQ.
+	NaiveWorkers int
+	// Pace is the length of each row's paced phase, in which fresh events
+	// are produced at half the row's measured rate and their
+	// produce-to-ack latency recorded; 0 skips it.
+	Pace time.Duration
+	// PaceMax caps the paced rate (msgs/s).
+	PaceMax float64
+	// DatabaseURL is the PostgreSQL server; empty starts a durable
+	// throwaway one (fsync on).
+	DatabaseURL string
+	// AMQPURL is the RabbitMQ node.
+	AMQPURL string
+	// Log receives progress lines; nil discards them.
+	Log io.Writer
+}
+
+// Result is one row of the report.
+type Result struct {
+	Broker Broker `json:"broker"`
+	Row    Row    `json:"row"`
+	// Messages consumed in the measured (backlog) phase.
+	Messages int     `json:"messages"`
+	Seconds  float64 `json:"seconds"`
+	Rate     float64 `json:"msgs_per_s"`
+	// P50 and P99 are produce-to-ack latencies in the paced phase, at
+	// PacedRate msgs/s (half of Rate, capped by Options.PaceMax).
+	P50Ms       float64 `json:"p50_ms"`
+	P99Ms       float64 `json:"p99_ms"`
+	PacedTarget float64 `json:"paced_target_msgs_per_s"`
+	PacedRate   float64 `json:"paced_msgs_per_s"`
+	PacedMsgs   int     `json:"paced_messages"`
+	// AllocsPerMsg is the row subprocess's heap allocations per message in
+	// the backlog phase (runtime.MemStats.Mallocs).
+	AllocsPerMsg float64 `json:"allocs_per_msg"`
+	// PeakRSSMB is the row subprocess's VmHWM once the backlog was consumed.
+	PeakRSSMB float64 `json:"peak_rss_mb"`
+	// VsNaive and VsCeiling are Rate over the naive row's and over the lower
+	// ceiling's rate.
+	VsNaive   float64 `json:"x_naive"`
+	VsCeiling float64 `json:"x_lower_ceiling"`
+	// Correct says whether the effects were exactly right; Check says what
+	// was counted.
+	Correct bool   `json:"correct"`
+	Check   string `json:"check"`
+}
+
+// Machine describes where the run happened.
+type Machine struct {
+	CPUs              int    `json:"cpus"`
+	MemoryMB          int64  `json:"memory_mb"`
+	Postgres          string `json:"postgres"`
+	Fsync             string `json:"fsync"`
+	SynchronousCommit string `json:"synchronous_commit"`
+	Throwaway         bool   `json:"throwaway_postgres"`
+	Go                string `json:"go"`
+}
+
+// Report is a whole run.
+type Report struct {
+	Started  time.Time `json:"started"`
+	Machine  Machine   `json:"machine"`
+	Workload Workload  `json:"workload"`
+	// PGBench is the database ceiling in rows/s (0 when skipped).
+	PGBench     float64  `json:"pgbench_rows_per_s"`
+	PGBenchTPS  float64  `json:"pgbench_tps"`
+	PGBenchArgs string   `json:"pgbench_command"`
+	Results     []Result `json:"rows"`
+}
+
+func (o *Options) logf(format string, args ...any) {
+	if o.Log != nil {
+		fmt.Fprintf(o.Log, format+"\n", args...)
+	}
+}
+
+// Run runs the benchmark and returns its report. It fails on an
+// infrastructure error; a row whose effects are wrong is reported with
+// Correct false.
+func Run(ctx context.Context, o Options) (*Report, error) {
+	if o.BatchSize <= 0 {
+		o.BatchSize = 100
+	}
+	if o.NaiveWorkers <= 0 {
+		o.NaiveWorkers = o.Workload.Partitions
+	}
+	if o.PaceMax <= 0 {
+		o.PaceMax = 50000
+	}
+	rep := &Report{Started: time.Now().UTC(), Workload: o.Workload}
+	if o.DatabaseURL == "" {
+		o.logf("starting a throwaway PostgreSQL (fsync on)")
+		srv, err := pgtemp.Start(ctx, pgtemp.Options{Durable: true})
+		if err != nil {
+			return nil, err
+		}
+		defer srv.Close()
+		o.DatabaseURL = srv.URL()
+		rep.Machine.Throwaway = true
+	}
+	db, err := pgxpool.New(ctx, o.DatabaseURL)
+	if err != nil {
+		return nil, err
+	}
+	defer db.Close()
+	if err := machine(ctx, db, &rep.Machine); err != nil {
+		return nil, err
+	}
+
+	if o.PGBench > 0 {
+		o.logf("ceiling 2: pgbench for %s", o.PGBench)
+		if err := runPGBench(ctx, db, o, rep); err != nil {
+			return nil, err
+		}
+	}
+
+	var kc *kafkaCluster
+	for _, b := range o.Brokers {
+		if b == Kafka && kc == nil {
+			if kc, err = startKafka(); err != nil {
+				return nil, err
+			}
+			defer kc.Close()
+		}
+		if b == RabbitMQ && o.AMQPURL == "" {
+			return nil, errors.New("RabbitMQ rows need AMQP_URL (make bench starts a node with scripts/rabbitmq.sh)")
+		}
+		for _, row := range o.Rows {
+			res, err := runRow(ctx, db, kc, o, b, row)
+			if err != nil {
+				return nil, fmt.Errorf("%s %s: %w", b, row, err)
+			}
+			o.logf("  %-9s %-19s %9.0f msgs/s  p99 %6.1f ms  %s", b, row, res.Rate, res.P99Ms, res.Check)
+			rep.Results = append(rep.Results, *res)
+		}
+	}
+	ratios(rep)
+	return rep, nil
+}
+
+// ratios fills VsNaive and VsCeiling: the lower ceiling of a broker is the
+// lower of its source ceiling and pgbench's rows/s.
+func ratios(rep *Report) {
+	for i := range rep.Results {
+		r := &rep.Results[i]
+		var naive, ceiling float64
+		for _, o := range rep.Results {
+			if o.Broker != r.Broker {
+				continue
+			}
+			switch o.Row {
+			case RowNaive:
+				naive = o.Rate
+			case RowCeiling:
+				ceiling = o.Rate
+			}
+		}
+		if rep.PGBench > 0 && (ceiling == 0 || rep.PGBench < ceiling) {
+			ceiling = rep.PGBench
+		}
+		if naive > 0 {
+			r.VsNaive = r.Rate / naive
+		}
+		if ceiling > 0 {
+			r.VsCeiling = r.Rate / ceiling
+		}
+	}
+}
+
+func schemaName(b Broker, row Row) string {
+	return "oncebench_" + string(b) + "_" + strings.ReplaceAll(string(row), " ", "_")
+}
+
+// runRow publishes the backlog, runs the row in a subprocess and checks
+// what it left.
+func runRow(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, o Options, b Broker, row Row) (*Result, error) {
+	name := strings.ReplaceAll(string(row), " ", "-")
+	backlog := o.Workload.Counts()
+	spec := &rowSpec{
+		Row: row, Broker: b, DatabaseURL: o.DatabaseURL, Schema: schemaName(b, row),
+		Backlog: backlog.Messages, BatchSize: o.BatchSize, Naive: o.NaiveWorkers,
+		Pace: o.Pace, PaceMax: o.PaceMax, PaceWork: o.Workload, PacedPrefix: "paced-",
+		Timeout: time.Minute + time.Duration(backlog.Messages)*time.Millisecond,
+	}
+	if err := createSchema(ctx, db, spec.Schema); err != nil {
+		return nil, err
+	}
+	defer dropSchema(db, spec.Schema)
+	switch b {
+	case Kafka:
+		spec.Brokers = kc.addrs
+		spec.Topic = fmt.Sprintf("bench-%s-%d", name, time.Now().UnixNano())
+		spec.Group = spec.Topic + "-group"
+		if err := kc.createTopics(spec.Topic, o.Workload.Partitions); err != nil {
+			return nil, err
+		}
+		if err := produceBacklog(kc.addrs, spec.Topic, "ev-", o.Workload); err != nil {
+			return nil, fmt.Errorf("produce: %w", err)
+		}
+	case RabbitMQ:
+		spec.AMQPURL = o.AMQPURL
+		spec.Queue = fmt.Sprintf("oncebench.%s.%d", name, time.Now().UnixNano())
+		if err := declareQueue(o.AMQPURL, spec.Queue); err != nil {
+			return nil, err
+		}
+		if err := publishBacklog(o.AMQPURL, spec.Queue, "ev-", o.Workload); err != nil {
+			return nil, fmt.Errorf("publish: %w", err)
+		}
+	default:
+		return nil, fmt.Errorf("unknown broker %q", b)
+	}
+
+	cr, err := runSubprocess(ctx, spec)
+	if err != nil {
+		return nil, err
+	}
+	res := &Result{
+		Broker: b, Row: row, Messages: cr.Messages, Seconds: cr.Seconds, Rate: cr.Rate,
+		P50Ms: ms(cr.P50), P99Ms: ms(cr.P99), PacedTarget: cr.PacedTarget, PacedRate: cr.PacedRate, PacedMsgs: cr.Paced.Messages,
+		AllocsPerMsg: cr.AllocsPerMsg, PeakRSSMB: float64(cr.RSSKB) / 1024,
+	}
+	want := backlog.Add(cr.Paced)
+	res.Correct, res.Check, err = check(ctx, db, kc, spec, row, want)
+	return res, err
+}
+
+func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+
+// runSubprocess runs spec in a subprocess of this executable and returns
+// what it reported.
+func runSubprocess(ctx context.Context, spec *rowSpec) (*childResult, error) {
+	raw, err := json.Marshal(spec)
+	if err != nil {
+		return nil, err
+	}
+	exe, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	cmd := exec.CommandContext(ctx, exe)
+	cmd.Env = append(os.Environ(), childEnv+"="+string(raw))
+	cmd.Stderr = os.Stderr
+	out, err := cmd.Output()
+	if err != nil {
+		return nil, fmt.Errorf("row subprocess: %w", err)
+	}
+	lines := strings.Split(strings.TrimSpace(string(out)), "\n")
+	var cr childResult
+	if err := json.Unmarshal([]byte(lines[len(lines)-1]), &cr); err != nil {
+		return nil, fmt.Errorf("row subprocess output %q: %w", out, err)
+	}
+	return &cr, nil
+}
+
+func createSchema(ctx context.Context, db *pgxpool.Pool, schema string) error {
+	s := pgx.Identifier{schema}.Sanitize()
+	_, err := db.Exec(ctx, `DROP SCHEMA IF EXISTS `+s+` CASCADE; CREATE SCHEMA `+s+`;
+CREATE TABLE `+s+`.effects (event_id text NOT NULL, n bigint NOT NULL, account text NOT NULL, amount bigint NOT NULL);
+CREATE TABLE `+s+`.naive_seen (id text PRIMARY KEY)`)
+	return err
+}
+
+func dropSchema(db *pgxpool.Pool, schema string) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	_, _ = db.Exec(ctx, `DROP SCHEMA IF EXISTS `+pgx.Identifier{schema}.Sanitize()+` CASCADE`)
+}
+
+// check counts what a row left: business rows and their distinct ids
+// against the valid events, dead letters against the poison messages, and
+// unacknowledged messages (Kafka: committed offsets below the end of a
+// partition; RabbitMQ: messages left in the queue).
+func check(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, spec *rowSpec, row Row, want Counts) (bool, string, error) {
+	ok := true
+	var parts []string
+	if row != RowCeiling {
+		var rows, distinct int
+		s := pgx.Identifier{spec.Schema}.Sanitize()
+		if err := db.QueryRow(ctx, `SELECT count(*), count(DISTINCT event_id) FROM `+s+`.effects`).Scan(&rows, &distinct); err != nil {
+			return false, "", err
+		}
+		ok = ok && rows == want.Valid && distinct == want.Valid
+		parts = append(parts, fmt.Sprintf("rows %d distinct %d/%d", rows, distinct, want.Valid))
+	}
+	var dead, unacked int
+	switch spec.Broker {
+	case Kafka:
+		var err error
+		if dead, err = topicCount(kc.addrs, spec.Topic+".dlq"); err != nil {
+			return false, "", err
+		}
+		if unacked, err = uncommitted(kc.addrs, spec.Group, spec.Topic); err != nil {
+			return false, "", err
+		}
+	case RabbitMQ:
+		var err error
+		if unacked, dead, err = queueCounts(spec.AMQPURL, spec.Queue); err != nil {
+			return false, "", err
+		}
+	}
+	if row == RowCeiling {
+		// The ceiling acks poison like any message: nothing is dead-lettered.
+		ok = ok && dead == 0
+	} else {
+		ok = ok && dead == want.Poison
+		parts = append(parts, fmt.Sprintf("dlq %d/%d", dead, want.Poison))
+	}
+	ok = ok && unacked == 0
+	parts = append(parts, fmt.Sprintf("unacked %d", unacked))
+	return ok, strings.Join(parts, ", "), nil
+}
+
+func machine(ctx context.Context, db *pgxpool.Pool, m *Machine) error {
+	m.CPUs = runtime.NumCPU()
+	m.Go = runtime.Version()
+	if raw, err := os.ReadFile("/proc/meminfo"); err == nil {
+		var kb int64
+		for _, l := range strings.Split(string(raw), "\n") {
+			if _, err := fmt.Sscanf(l, "MemTotal: %d kB", &kb); err == nil {
+				m.MemoryMB = kb / 1024
+			}
+		}
+	}
+	return db.QueryRow(ctx, `SELECT version(), current_setting('fsync'), current_setting('synchronous_commit')`).
+		Scan(&m.Postgres, &m.Fsync, &m.SynchronousCommit)
+}

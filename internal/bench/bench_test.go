@@ -1,0 +1,128 @@
+package bench
+
+import (
+	"context"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/internal/pgtest"
+)
+
+func TestMain(m *testing.M) {
+	RunChildIfRequested()
+	pgtest.Main(m)
+}
+
+func TestWorkloadCounts(t *testing.T) {
+	w := Workload{Events: 2000, DupEvery: 10, PoisonEvery: 50, Partitions: 4}
+	var got Counts
+	seen := map[string]int{}
+	w.Each("e", func(m Msg) bool {
+		got.Messages++
+		seen[m.ID]++
+		if m.Poison {
+			got.Poison++
+		}
+		require.Equal(t, m.Partition, int32(atoiSuffix(t, m.ID)%4), "a copy stays in its original's partition")
+		return true
+	})
+	for _, n := range seen {
+		if n == 1 {
+			continue
+		}
+		require.Equal(t, 2, n)
+	}
+	got.Valid = len(seen) - got.Poison
+	require.Equal(t, w.Counts(), got)
+	require.Equal(t, Counts{Messages: 2200, Valid: 1960, Poison: 40}, got)
+}
+
+func atoiSuffix(t *testing.T, id string) int {
+	n := 0
+	for _, c := range id[1:] {
+		require.True(t, c >= '0' && c <= '9', id)
+		n = n*10 + int(c-'0')
+	}
+	return n
+}
+
+// TestSmoke runs the naive and the batched rows on Kafka (and RabbitMQ
+// when AMQP_URL is set) with a small workload, paced phase included, and
+// requires every row's effects to be exactly right.
+func TestSmoke(t *testing.T) {
+	o := Options{
+		Workload:    Workload{Events: 300, DupEvery: 10, PoisonEvery: 50, Partitions: 4},
+		Brokers:     []Broker{Kafka},
+		Rows:        []Row{RowCeiling, RowNaive, RowOnceBatched},
+		Pace:        300 * time.Millisecond,
+		PaceMax:     500,
+		DatabaseURL: pgtest.URL(),
+	}
+	if os.Getenv("AMQP_URL") != "" {
+		o.Brokers, o.AMQPURL = append(o.Brokers, RabbitMQ), os.Getenv("AMQP_URL")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	rep, err := Run(ctx, o)
+	require.NoError(t, err)
+	require.Len(t, rep.Results, len(o.Brokers)*len(o.Rows))
+	want := o.Workload.Counts()
+	for _, r := range rep.Results {
+		require.True(t, r.Correct, "%s %s: %s", r.Broker, r.Row, r.Check)
+		require.Equal(t, want.Messages, r.Messages)
+		require.Positive(t, r.Rate)
+		require.Positive(t, r.PacedMsgs, "%s %s: the paced phase produced", r.Broker, r.Row)
+		require.Positive(t, r.P99Ms)
+		require.GreaterOrEqual(t, r.P99Ms, r.P50Ms)
+		require.Positive(t, r.AllocsPerMsg)
+		require.Positive(t, r.PeakRSSMB)
+		if r.Row == RowNaive {
+			require.InDelta(t, 1.0, r.VsNaive, 1e-9)
+		}
+	}
+}
+
+// TestCheckFindsWrongEffects: a business row written twice and a missing
+// dead letter make a row incorrect.
+func TestCheckFindsWrongEffects(t *testing.T) {
+	ctx := context.Background()
+	db, _ := pgtest.Schema(t)
+	kc, err := startKafka()
+	require.NoError(t, err)
+	defer kc.Close()
+	spec := &rowSpec{Broker: Kafka, Schema: "oncebench_check_test", Topic: "check-test", Group: "check-test-group"}
+	require.NoError(t, createSchema(ctx, db, spec.Schema))
+	defer dropSchema(db, spec.Schema)
+	require.NoError(t, kc.createTopics(spec.Topic, 1))
+	_, err = db.Exec(ctx, `INSERT INTO oncebench_check_test.effects VALUES ('a', 1, 'x', 1), ('b', 2, 'x', 1)`)
+	require.NoError(t, err)
+
+	ok, msg, err := check(ctx, db, kc, spec, RowNaive, Counts{Valid: 2})
+	require.NoError(t, err)
+	require.True(t, ok, msg)
+
+	ok, msg, err = check(ctx, db, kc, spec, RowNaive, Counts{Valid: 2, Poison: 1})
+	require.NoError(t, err)
+	require.False(t, ok, "a missing dead letter: %s", msg)
+
+	_, err = db.Exec(ctx, `INSERT INTO oncebench_check_test.effects VALUES ('b', 2, 'x', 1)`)
+	require.NoError(t, err)
+	ok, msg, err = check(ctx, db, kc, spec, RowNaive, Counts{Valid: 2})
+	require.NoError(t, err)
+	require.False(t, ok, "an effect written twice: %s", msg)
+	require.Contains(t, msg, "rows 3 distinct 2/2")
+}
+
+func TestPercentile(t *testing.T) {
+	var d []time.Duration
+	for i := 1; i <= 100; i++ {
+		d = append(d, time.Duration(i))
+	}
+	require.Equal(t, time.Duration(50), percentile(d, 0.5))
+	require.Equal(t, time.Duration(99), percentile(d, 0.99))
+	require.Equal(t, time.Duration(100), percentile(d, 1))
+	require.Equal(t, time.Duration(0), percentile(nil, 0.99))
+}

@@ -1,0 +1,458 @@
+package bench
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"runtime"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/onceco/once/consumer"
+)
+
+// childEnv holds, in a row's subprocess, the JSON of its rowSpec.
+const childEnv = "ONCE_BENCH_CHILD"
+
+// rowSpec is what a row's subprocess needs to know.
+type rowSpec struct {
+	Row    Row
+	Broker Broker
+
+	Brokers []string // Kafka
+	Topic   string
+	Group   string
+	AMQPURL string // RabbitMQ
+	Queue   string
+
+	DatabaseURL string
+	Schema      string
+
+	Backlog   int // messages published before the row started
+	BatchSize int
+	Naive     int // workers of the naive row
+
+	Pace        time.Duration // length of the paced phase; 0: none
+	PaceMax     float64       // cap on the paced rate, msgs/s
+	PaceWork    Workload      // shape of the paced events (Events is computed)
+	PacedPrefix string
+	Timeout     time.Duration
+}
+
+// childResult is what a row's subprocess reports on stdout.
+type childResult struct {
+	Messages     int
+	Seconds      float64
+	Rate         float64
+	AllocsPerMsg float64
+	// RSSKB is the subprocess's peak resident set (VmHWM) once the backlog
+	// was consumed, before the paced phase.
+	RSSKB int64
+
+	PacedTarget float64 // msgs/s asked for
+	PacedRate   float64 // msgs/s achieved by the producer
+	Paced       Counts
+	P50, P99    time.Duration
+
+	Stats *consumer.Stats `json:",omitempty"`
+}
+
+// RunChildIfRequested runs a row and exits when the process is a row's
+// subprocess (started by Run with its own executable); otherwise it
+// returns at once. Call it first thing in main, and in TestMain of tests
+// that call Run.
+func RunChildIfRequested() {
+	raw := os.Getenv(childEnv)
+	if raw == "" {
+		return
+	}
+	var spec rowSpec
+	if err := json.Unmarshal([]byte(raw), &spec); err != nil {
+		fmt.Fprintln(os.Stderr, "oncebench child:", err)
+		os.Exit(2)
+	}
+	res, err := runChild(&spec)
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "oncebench child %s/%s: %v\n", spec.Broker, spec.Row, err)
+		os.Exit(1)
+	}
+	out, _ := json.Marshal(res)
+	fmt.Println(string(out))
+	os.Exit(0)
+}
+
+// payload is the event the handlers decode.
+type payload struct {
+	N       int64  `json:"n"`
+	Account string `json:"account"`
+	Amount  int64  `json:"amount"`
+	Note    string `json:"note"`
+}
+
+const insertEffectSQL = `INSERT INTO effects (event_id, n, account, amount) VALUES ($1, $2, $3, $4)`
+
+func insertEffect(ctx context.Context, tx pgx.Tx, ev consumer.Event[payload]) error {
+	_, err := tx.Exec(ctx, insertEffectSQL, ev.ID, ev.Payload.N, ev.Payload.Account, ev.Payload.Amount)
+	return err
+}
+
+func insertEffects(ctx context.Context, tx pgx.Tx, evs []consumer.Event[payload]) error {
+	ids := make([]string, len(evs))
+	ns := make([]int64, len(evs))
+	accounts := make([]string, len(evs))
+	amounts := make([]int64, len(evs))
+	for i, ev := range evs {
+		ids[i], ns[i], accounts[i], amounts[i] = ev.ID, ev.Payload.N, ev.Payload.Account, ev.Payload.Amount
+	}
+	_, err := tx.Exec(ctx, `INSERT INTO effects (event_id, n, account, amount)
+SELECT * FROM unnest($1::text[], $2::bigint[], $3::text[], $4::bigint[])`, ids, ns, accounts, amounts)
+	return err
+}
+
+func openPool(ctx context.Context, url, schema string, conns int32) (*pgxpool.Pool, error) {
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		return nil, err
+	}
+	cfg.ConnConfig.RuntimeParams["search_path"] = schema
+	cfg.MaxConns = conns
+	return pgxpool.NewWithConfig(ctx, cfg)
+}
+
+func runChild(spec *rowSpec) (*childResult, error) {
+	ctx := context.Background()
+	logger := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError}))
+	var src consumer.Source
+	var err error
+	switch spec.Broker {
+	case Kafka:
+		src, err = openKafkaSource(spec, logger)
+	case RabbitMQ:
+		src, err = openAMQPSource(ctx, spec, logger)
+	default:
+		err = fmt.Errorf("unknown broker %q", spec.Broker)
+	}
+	if err != nil {
+		return nil, err
+	}
+	var ms0 runtime.MemStats
+	m := newMeter(src, func() { runtime.ReadMemStats(&ms0) })
+
+	var pool *pgxpool.Pool
+	if spec.Row != RowCeiling {
+		if pool, err = openPool(ctx, spec.DatabaseURL, spec.Schema, 8); err != nil {
+			_ = src.Close()
+			return nil, err
+		}
+		defer pool.Close()
+	}
+
+	runCtx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	finished := make(chan struct{})
+	var runErr error
+	var stats func() consumer.Stats
+	var run func() error
+	closeSrc := true
+	switch spec.Row {
+	case RowCeiling:
+		run = func() error { return receiveAck(runCtx, m) }
+	case RowNaive:
+		run = func() error { return runNaive(runCtx, m, pool, spec) }
+	case RowOncePerMessage, RowOnceBatched, RowOnceBatchHandler:
+		cfg := consumer.Config{Name: "bench", BatchSize: spec.BatchSize, Logger: logger}
+		if spec.Row == RowOncePerMessage {
+			cfg.BatchSize = 1
+		}
+		var c *consumer.Consumer[payload]
+		if spec.Row == RowOnceBatchHandler {
+			c, err = consumer.NewBatch(pool, m, insertEffects, cfg)
+		} else {
+			c, err = consumer.New(pool, m, insertEffect, cfg)
+		}
+		if err != nil {
+			_ = src.Close()
+			return nil, err
+		}
+		stats, run, closeSrc = c.Stats, func() error { return c.Run(runCtx) }, false
+	default:
+		_ = src.Close()
+		return nil, fmt.Errorf("unknown row %q", spec.Row)
+	}
+	go func() {
+		runErr = run()
+		close(finished)
+	}()
+	stop := func() error {
+		cancel()
+		<-finished
+		if closeSrc {
+			if err := src.Close(); err != nil && runErr == nil {
+				runErr = err
+			}
+		}
+		return runErr
+	}
+	wait := func(n int) error {
+		wctx, wcancel := context.WithTimeout(ctx, spec.Timeout)
+		defer wcancel()
+		go func() {
+			select {
+			case <-finished:
+				wcancel()
+			case <-wctx.Done():
+			}
+		}()
+		if err := m.waitAcked(wctx, n); err != nil {
+			select {
+			case <-finished:
+				if runErr == nil {
+					runErr = errors.New("the row returned early")
+				}
+				return fmt.Errorf("the row stopped after %d of %d acks: %w", m.Acked(), n, runErr)
+			default:
+			}
+			return fmt.Errorf("%d of %d messages acked after %s: %w", m.Acked(), n, spec.Timeout, err)
+		}
+		return nil
+	}
+
+	if err := wait(spec.Backlog); err != nil {
+		_ = stop()
+		return nil, err
+	}
+	elapsed := time.Since(m.firstAt())
+	var ms1 runtime.MemStats
+	runtime.ReadMemStats(&ms1)
+	res := &childResult{
+		Messages:     spec.Backlog,
+		Seconds:      elapsed.Seconds(),
+		Rate:         float64(spec.Backlog) / elapsed.Seconds(),
+		AllocsPerMsg: float64(ms1.Mallocs-ms0.Mallocs) / float64(spec.Backlog),
+		RSSKB:        procStatusKB("VmHWM"),
+	}
+
+	if spec.Pace > 0 {
+		if err := pace(spec, res, m, wait); err != nil {
+			_ = stop()
+			return nil, err
+		}
+	}
+	if err := stop(); err != nil {
+		return nil, err
+	}
+	if stats != nil {
+		st := stats()
+		res.Stats = &st
+	}
+	return res, nil
+}
+
+// pace produces fresh events at half the row's measured rate (capped at
+// PaceMax) for spec.Pace and records their produce-to-ack latencies.
+func pace(spec *rowSpec, res *childResult, m *meter, wait func(int) error) error {
+	rate := min(res.Rate/2, spec.PaceMax)
+	w := spec.PaceWork
+	perEvent := 1.0
+	if w.DupEvery > 0 {
+		perEvent += 1 / float64(w.DupEvery)
+	}
+	w.Events = max(1, int(rate*spec.Pace.Seconds()/perEvent))
+	counts := w.Counts()
+	var send func(Msg) error
+	var closer func() error
+	switch spec.Broker {
+	case Kafka:
+		p, err := newKafkaPacer(spec)
+		if err != nil {
+			return err
+		}
+		send, closer = p.send, p.Close
+	case RabbitMQ:
+		p, err := newAMQPPacer(spec)
+		if err != nil {
+			return err
+		}
+		send, closer = p.send, p.Close
+	}
+	start := time.Now()
+	sent := 0
+	var sendErr error
+	w.Each(spec.PacedPrefix, func(msg Msg) bool {
+		if d := time.Until(start.Add(time.Duration(float64(sent) / rate * float64(time.Second)))); d > 0 {
+			time.Sleep(d) // pacing the producer
+		}
+		sendErr = send(msg)
+		sent++
+		return sendErr == nil
+	})
+	produced := time.Since(start)
+	if err := closer(); sendErr == nil {
+		sendErr = err
+	}
+	if sendErr != nil {
+		return fmt.Errorf("paced produce: %w", sendErr)
+	}
+	if err := wait(spec.Backlog + counts.Messages); err != nil {
+		return fmt.Errorf("paced phase: %w", err)
+	}
+	lat := m.latencies()
+	if len(lat) != counts.Messages {
+		return fmt.Errorf("paced phase: %d latencies recorded for %d messages", len(lat), counts.Messages)
+	}
+	res.PacedTarget, res.PacedRate, res.Paced = rate, float64(sent)/produced.Seconds(), counts
+	res.P50, res.P99 = percentile(lat, 0.50), percentile(lat, 0.99)
+	return nil
+}
+
+// receiveAck is the first ceiling: receive and ack, no database.
+func receiveAck(ctx context.Context, src consumer.Source) error {
+	for {
+		d, err := src.Receive(ctx)
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			return err
+		}
+		if err := d.Ack(ctx); err != nil {
+			return err
+		}
+	}
+}
+
+// runNaive is the pattern most articles show: per message, a transaction
+// that SELECTs the id, INSERTs it if absent and writes the business row,
+// then commit and ack. spec.Naive workers: one per partition for Kafka (as
+// a sarama group handler has one goroutine per claim), sharing the queue for
+// RabbitMQ.
+func runNaive(ctx context.Context, src consumer.Source, pool *pgxpool.Pool, spec *rowSpec) error {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var mu sync.Mutex
+	var failed error
+	fail := func(err error) {
+		mu.Lock()
+		if failed == nil {
+			failed = err
+		}
+		mu.Unlock()
+		cancel()
+	}
+	n := max(1, spec.Naive)
+	chans := make([]chan consumer.Delivery, n)
+	for i := range chans {
+		chans[i] = make(chan consumer.Delivery, 64)
+	}
+	var wg sync.WaitGroup
+	for i := range n {
+		ch := chans[i]
+		if spec.Broker == RabbitMQ {
+			ch = chans[0]
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for d := range ch {
+				if ctx.Err() != nil {
+					continue // stopping: leave it unacked
+				}
+				if err := naiveHandle(ctx, pool, d); err != nil && ctx.Err() == nil {
+					fail(err)
+				}
+			}
+		}()
+	}
+	for {
+		d, err := src.Receive(ctx)
+		if err != nil {
+			if ctx.Err() == nil {
+				fail(err)
+			}
+			break
+		}
+		i := 0
+		if p := d.Message().Partition; p >= 0 {
+			i = int(p) % n
+		}
+		select {
+		case chans[i] <- d:
+		case <-ctx.Done():
+		}
+	}
+	for _, ch := range chans {
+		close(ch)
+	}
+	wg.Wait()
+	mu.Lock()
+	defer mu.Unlock()
+	return failed
+}
+
+func naiveHandle(ctx context.Context, pool *pgxpool.Pool, d consumer.Delivery) error {
+	m := d.Message()
+	id := m.ID
+	if id == "" {
+		id = m.Headers["id"]
+	}
+	var p payload
+	if err := json.Unmarshal(m.Value, &p); err != nil {
+		dl := &consumer.DeadLetter{Kind: consumer.KindDecode, Error: err.Error(), Consumer: "naive", EventID: id, FailedAt: time.Now()}
+		if err := d.DeadLetter(ctx, dl); err != nil {
+			return err
+		}
+		return d.Ack(ctx)
+	}
+	for attempt := 1; ; attempt++ {
+		err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			var one int
+			err := tx.QueryRow(ctx, `SELECT 1 FROM naive_seen WHERE id = $1`, id).Scan(&one)
+			if err == nil {
+				return nil // seen: a duplicate
+			}
+			if !errors.Is(err, pgx.ErrNoRows) {
+				return err
+			}
+			if _, err := tx.Exec(ctx, `INSERT INTO naive_seen (id) VALUES ($1)`, id); err != nil {
+				return err
+			}
+			_, err = tx.Exec(ctx, insertEffectSQL, id, p.N, p.Account, p.Amount)
+			return err
+		})
+		if err == nil {
+			break
+		}
+		// Two copies handled at once both saw "absent"; the loser's INSERT
+		// failed on the key. Try again: the SELECT now finds the id.
+		if ctx.Err() != nil || attempt == 5 {
+			return err
+		}
+	}
+	return d.Ack(ctx)
+}
+
+// procStatusKB reads a field of /proc/self/status in kB; 0 if absent.
+func procStatusKB(field string) int64 {
+	f, err := os.Open("/proc/self/status")
+	if err != nil {
+		return 0
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		if rest, ok := strings.CutPrefix(sc.Text(), field+":"); ok {
+			v, _ := strconv.ParseInt(strings.TrimSuffix(strings.TrimSpace(rest), " kB"), 10, 64)
+			return v
+		}
+	}
+	return 0
+}

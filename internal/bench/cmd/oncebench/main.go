@@ -1,0 +1,165 @@
+// Command oncebench is `make bench`: the side-by-side benchmark of package
+// internal/bench. One run, the same workload for every row: the source
+// ceiling, the database ceiling (pgbench), the naive consumer and the
+// library per message, batched, and with a BatchHandler, for Kafka (kfake in
+// this process, over TCP) and RabbitMQ (AMQP_URL). It prints a Markdown
+// table and the targets, and exits non-zero when a row's effects are wrong.
+//
+//	go run ./internal/bench/cmd/oncebench [-n 20000] [-json FILE] [-rss-check]
+//
+// PostgreSQL is DATABASE_URL, or a durable throwaway server (fsync on).
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/onceco/once/internal/bench"
+)
+
+func main() {
+	bench.RunChildIfRequested()
+	os.Exit(run())
+}
+
+func run() int {
+	var (
+		events     = flag.Int("n", 20000, "distinct events per row")
+		dup        = flag.Int("dup-every", 10, "every Nth event is published twice")
+		poison     = flag.Int("poison-every", 1000, "every Nth event is poison")
+		partitions = flag.Int("partitions", 4, "Kafka partitions (and naive workers)")
+		batch      = flag.Int("batch", 100, "BatchSize of the batched rows and of the pgbench script")
+		brokers    = flag.String("brokers", "kafka,rabbitmq", "brokers to benchmark (rabbitmq needs AMQP_URL)")
+		rows       = flag.String("rows", "", "rows to run, comma-separated (default all): "+rowNames())
+		paceFor    = flag.Duration("pace", 3*time.Second, "length of each row's paced latency phase (0: none)")
+		paceMax    = flag.Float64("pace-max", 50000, "cap on the paced rate, msgs/s")
+		pgbenchFor = flag.Duration("pgbench", 5*time.Second, "length of the pgbench ceiling (0: none)")
+		jsonOut    = flag.String("json", "", "also write the report as JSON to this file")
+		rssCheck   = flag.Bool("rss-check", false, "instead of the table: peak RSS of the Kafka batched row at each of -rss-sizes events")
+		rssSizes   = flag.String("rss-sizes", "100000,1000000", "event counts of -rss-check")
+	)
+	flag.Parse()
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
+	defer stop()
+
+	o := bench.Options{
+		Workload:    bench.Workload{Events: *events, DupEvery: *dup, PoisonEvery: *poison, Partitions: *partitions},
+		PGBench:     *pgbenchFor,
+		BatchSize:   *batch,
+		Pace:        *paceFor,
+		PaceMax:     *paceMax,
+		DatabaseURL: os.Getenv("DATABASE_URL"),
+		AMQPURL:     os.Getenv("AMQP_URL"),
+		Log:         os.Stderr,
+	}
+	for _, b := range strings.Split(*brokers, ",") {
+		switch b := bench.Broker(strings.TrimSpace(b)); b {
+		case bench.Kafka:
+			o.Brokers = append(o.Brokers, b)
+		case bench.RabbitMQ:
+			if o.AMQPURL == "" {
+				fmt.Fprintln(os.Stderr, "oncebench: AMQP_URL is unset: skipping RabbitMQ (make bench starts a node)")
+				continue
+			}
+			o.Brokers = append(o.Brokers, b)
+		default:
+			fmt.Fprintf(os.Stderr, "oncebench: unknown broker %q\n", b)
+			return 2
+		}
+	}
+	if *rows == "" {
+		o.Rows = bench.AllRows
+	} else {
+		for _, r := range strings.Split(*rows, ",") {
+			row, ok := parseRow(strings.TrimSpace(r))
+			if !ok {
+				fmt.Fprintf(os.Stderr, "oncebench: unknown row %q (rows: %s)\n", r, rowNames())
+				return 2
+			}
+			o.Rows = append(o.Rows, row)
+		}
+	}
+	if *rssCheck {
+		return runRSSCheck(ctx, o, *rssSizes)
+	}
+
+	rep, err := bench.Run(ctx, o)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "oncebench:", err)
+		return 1
+	}
+	if err := rep.WriteTable(os.Stdout); err != nil {
+		fmt.Fprintln(os.Stderr, "oncebench:", err)
+		return 1
+	}
+	if *jsonOut != "" {
+		if err := rep.WriteJSON(*jsonOut); err != nil {
+			fmt.Fprintln(os.Stderr, "oncebench:", err)
+			return 1
+		}
+	}
+	for _, r := range rep.Results {
+		if !r.Correct {
+			return 1
+		}
+	}
+	return 0
+}
+
+// runRSSCheck runs the Kafka batched row at each size, without the paced
+// phase and pgbench, and compares the peak RSS of its subprocess.
+func runRSSCheck(ctx context.Context, o bench.Options, sizes string) int {
+	o.Brokers, o.Rows, o.PGBench, o.Pace = []bench.Broker{bench.Kafka}, []bench.Row{bench.RowOnceBatched}, 0, 0
+	var first float64
+	ok := true
+	for _, s := range strings.Split(sizes, ",") {
+		n, err := strconv.Atoi(strings.TrimSpace(s))
+		if err != nil || n <= 0 {
+			fmt.Fprintf(os.Stderr, "oncebench: bad size %q\n", s)
+			return 2
+		}
+		o.Workload.Events = n
+		rep, err := bench.Run(ctx, o)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "oncebench:", err)
+			return 1
+		}
+		r := rep.Results[0]
+		if first == 0 {
+			first = r.PeakRSSMB
+		}
+		growth := r.PeakRSSMB/first - 1
+		fmt.Printf("kafka once batched, %8d events (%8d msgs): %8.0f msgs/s, peak RSS %6.1f MB (%+.1f%% vs the first size), %.1f allocs/msg, correct: %v (%s)\n",
+			n, r.Messages, r.Rate, r.PeakRSSMB, 100*growth, r.AllocsPerMsg, r.Correct, r.Check)
+		ok = ok && r.Correct && growth <= 0.10
+	}
+	if !ok {
+		fmt.Println("peak RSS flat within 10%: NOT met (or a row's effects were wrong)")
+		return 1
+	}
+	fmt.Println("peak RSS flat within 10%: met")
+	return 0
+}
+
+func parseRow(s string) (bench.Row, bool) {
+	for _, r := range bench.AllRows {
+		if s == string(r) || s == strings.ReplaceAll(string(r), " ", "-") {
+			return r, true
+		}
+	}
+	return "", false
+}
+
+func rowNames() string {
+	var out []string
+	for _, r := range bench.AllRows {
+		out = append(out, strings.ReplaceAll(string(r), " ", "-"))
+	}
+	return strings.Join(out, ",")
+}

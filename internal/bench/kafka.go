@@ -1,0 +1,212 @@
+package bench
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"strconv"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/twmb/franz-go/pkg/kfake"
+
+	"github.com/onceco/once/brokers/kafka"
+	"github.com/onceco/once/consumer"
+)
+
+// kafkaCluster is an in-process Kafka cluster (kfake), spoken to over TCP
+// by sarama exactly as the adapter does in production.
+type kafkaCluster struct {
+	kf    *kfake.Cluster
+	addrs []string
+}
+
+func startKafka() (*kafkaCluster, error) {
+	kf, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.GroupMinSessionTimeout(200*time.Millisecond))
+	if err != nil {
+		return nil, fmt.Errorf("kfake: %w", err)
+	}
+	return &kafkaCluster{kf: kf, addrs: kf.ListenAddrs()}, nil
+}
+
+func (c *kafkaCluster) Close() { c.kf.Close() }
+
+func saramaConfig() *sarama.Config {
+	sc := sarama.NewConfig()
+	sc.Version = sarama.V2_8_0_0
+	sc.Metadata.Retry.Backoff = 50 * time.Millisecond
+	sc.Consumer.Retry.Backoff = 50 * time.Millisecond
+	sc.Producer.Retry.Backoff = 50 * time.Millisecond
+	return sc
+}
+
+// createTopics creates topic with the given partitions and its dead-letter
+// topic with one.
+func (c *kafkaCluster) createTopics(topic string, partitions int) error {
+	admin, err := sarama.NewClusterAdmin(c.addrs, saramaConfig())
+	if err != nil {
+		return err
+	}
+	defer admin.Close()
+	if err := admin.CreateTopic(topic, &sarama.TopicDetail{NumPartitions: int32(partitions), ReplicationFactor: 1}, false); err != nil {
+		return err
+	}
+	return admin.CreateTopic(topic+kafka.DefaultDeadLetterSuffix, &sarama.TopicDetail{NumPartitions: 1, ReplicationFactor: 1}, false)
+}
+
+func kafkaRecord(topic string, m Msg, produced time.Time) *sarama.ProducerMessage {
+	h := []sarama.RecordHeader{{Key: []byte("id"), Value: []byte(m.ID)}}
+	if !produced.IsZero() {
+		h = append(h, sarama.RecordHeader{Key: []byte(HeaderProduced), Value: []byte(strconv.FormatInt(produced.UnixNano(), 10))})
+	}
+	return &sarama.ProducerMessage{Topic: topic, Partition: m.Partition, Key: sarama.StringEncoder(m.ID), Value: sarama.ByteEncoder(m.Value), Headers: h}
+}
+
+// produceBacklog writes the workload to topic before the row starts.
+func produceBacklog(addrs []string, topic, prefix string, w Workload) error {
+	sc := saramaConfig()
+	sc.Producer.Return.Successes = true
+	sc.Producer.RequiredAcks = sarama.WaitForLocal
+	sc.Producer.Partitioner = sarama.NewManualPartitioner
+	p, err := sarama.NewSyncProducer(addrs, sc)
+	if err != nil {
+		return err
+	}
+	const chunk = 5000
+	batch := make([]*sarama.ProducerMessage, 0, chunk)
+	var sendErr error
+	flush := func() {
+		if len(batch) > 0 && sendErr == nil {
+			sendErr = p.SendMessages(batch)
+		}
+		batch = batch[:0]
+	}
+	w.Each(prefix, func(m Msg) bool {
+		batch = append(batch, kafkaRecord(topic, m, time.Time{}))
+		if len(batch) == chunk {
+			flush()
+		}
+		return sendErr == nil
+	})
+	flush()
+	if err := p.Close(); sendErr == nil {
+		sendErr = err
+	}
+	return sendErr
+}
+
+// topicCount returns the number of records in topic (all partitions).
+func topicCount(addrs []string, topic string) (int, error) {
+	client, err := sarama.NewClient(addrs, saramaConfig())
+	if err != nil {
+		return 0, err
+	}
+	defer client.Close()
+	parts, err := client.Partitions(topic)
+	if err != nil {
+		return 0, err
+	}
+	n := 0
+	for _, p := range parts {
+		hwm, err := client.GetOffset(topic, p, sarama.OffsetNewest)
+		if err != nil {
+			return 0, err
+		}
+		n += int(hwm)
+	}
+	return n, nil
+}
+
+// openKafkaSource opens the adapter's source on the row's topic.
+func openKafkaSource(spec *rowSpec, logger *slog.Logger) (consumer.Source, error) {
+	return kafka.NewSource(kafka.Config{
+		Brokers:           spec.Brokers,
+		Group:             spec.Group,
+		Topics:            []string{spec.Topic},
+		SessionTimeout:    3 * time.Second,
+		HeartbeatInterval: 300 * time.Millisecond,
+		RebalanceTimeout:  10 * time.Second,
+		RevokeTimeout:     5 * time.Second,
+		Sarama:            saramaConfig(),
+		Logger:            logger,
+	})
+}
+
+// kafkaPacer produces paced messages with an asynchronous producer,
+// stamping each with its produce time.
+type kafkaPacer struct {
+	p     sarama.AsyncProducer
+	topic string
+	errs  chan error
+}
+
+func newKafkaPacer(spec *rowSpec) (*kafkaPacer, error) {
+	sc := saramaConfig()
+	sc.Producer.RequiredAcks = sarama.WaitForLocal
+	sc.Producer.Partitioner = sarama.NewManualPartitioner
+	sc.Producer.Return.Errors = true
+	p, err := sarama.NewAsyncProducer(spec.Brokers, sc)
+	if err != nil {
+		return nil, err
+	}
+	k := &kafkaPacer{p: p, topic: spec.Topic, errs: make(chan error, 1)}
+	go func() {
+		var first error
+		for e := range p.Errors() {
+			if first == nil {
+				first = e
+			}
+		}
+		k.errs <- first
+	}()
+	return k, nil
+}
+
+func (k *kafkaPacer) send(m Msg) error {
+	k.p.Input() <- kafkaRecord(k.topic, m, time.Now())
+	return nil
+}
+
+// Close flushes the producer and returns the first produce error.
+func (k *kafkaPacer) Close() error {
+	k.p.AsyncClose()
+	return <-k.errs
+}
+
+// uncommitted returns how many records of topic lie beyond group's
+// committed offsets.
+func uncommitted(addrs []string, group, topic string) (int, error) {
+	client, err := sarama.NewClient(addrs, saramaConfig())
+	if err != nil {
+		return 0, err
+	}
+	defer client.Close()
+	admin, err := sarama.NewClusterAdminFromClient(client)
+	if err != nil {
+		return 0, err
+	}
+	parts, err := client.Partitions(topic)
+	if err != nil {
+		return 0, err
+	}
+	resp, err := admin.ListConsumerGroupOffsets(group, map[string][]int32{topic: parts})
+	if errors.Is(err, sarama.ErrGroupIDNotFound) {
+		resp, err = &sarama.OffsetFetchResponse{}, nil // the group never committed
+	}
+	if err != nil {
+		return 0, err
+	}
+	n := 0
+	for _, p := range parts {
+		hwm, err := client.GetOffset(topic, p, sarama.OffsetNewest)
+		if err != nil {
+			return 0, err
+		}
+		committed := int64(0)
+		if b := resp.GetBlock(topic, p); b != nil && b.Err == sarama.ErrNoError && b.Offset > 0 {
+			committed = b.Offset
+		}
+		n += int(hwm - committed)
+	}
+	return n, nil
+}

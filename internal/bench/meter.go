@@ -1,0 +1,156 @@
+package bench
+
+import (
+	"context"
+	"slices"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/onceco/once/consumer"
+)
+
+// HeaderProduced carries a message's produce time (Unix nanoseconds) in
+// the paced phase; the meter takes the produce-to-ack latency from it.
+const HeaderProduced = "bench-produced"
+
+// meter wraps a consumer.Source: it counts acked deliveries, notes when
+// the first delivery arrived, and records the produce-to-ack latency of
+// messages that carry HeaderProduced.
+type meter struct {
+	src     consumer.Source
+	first   atomic.Int64 // Unix nanoseconds of the first Receive, 0 before
+	onFirst func()       // called once, in the Receive goroutine, at the first delivery
+
+	mu      sync.Mutex
+	acked   int
+	waiters []waiter
+	lat     []time.Duration
+}
+
+type waiter struct {
+	n  int
+	ch chan struct{}
+}
+
+func newMeter(src consumer.Source, onFirst func()) *meter {
+	return &meter{src: src, onFirst: onFirst, lat: make([]time.Duration, 0, 1<<16)}
+}
+
+// Receive implements consumer.Source.
+func (m *meter) Receive(ctx context.Context) (consumer.Delivery, error) {
+	d, err := m.src.Receive(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if m.first.Load() == 0 {
+		if m.onFirst != nil {
+			m.onFirst()
+		}
+		m.first.Store(time.Now().UnixNano())
+	}
+	return &meteredDelivery{Delivery: d, m: m}, nil
+}
+
+// Close implements consumer.Source.
+func (m *meter) Close() error { return m.src.Close() }
+
+// MessagingSystem passes the wrapped source's name on to telemetry.
+func (m *meter) MessagingSystem() string {
+	if n, ok := m.src.(consumer.SystemNamer); ok {
+		return n.MessagingSystem()
+	}
+	return ""
+}
+
+// firstAt is when the first delivery arrived (zero before).
+func (m *meter) firstAt() time.Time {
+	n := m.first.Load()
+	if n == 0 {
+		return time.Time{}
+	}
+	return time.Unix(0, n)
+}
+
+func (m *meter) acked1(produced int64) {
+	now := time.Now()
+	m.mu.Lock()
+	m.acked++
+	if produced > 0 {
+		m.lat = append(m.lat, now.Sub(time.Unix(0, produced)))
+	}
+	kept := m.waiters[:0]
+	for _, w := range m.waiters {
+		if m.acked >= w.n {
+			close(w.ch)
+		} else {
+			kept = append(kept, w)
+		}
+	}
+	m.waiters = kept
+	m.mu.Unlock()
+}
+
+// Acked returns the number of acked deliveries.
+func (m *meter) Acked() int {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.acked
+}
+
+// waitAcked blocks until n deliveries were acked or ctx is done.
+func (m *meter) waitAcked(ctx context.Context, n int) error {
+	m.mu.Lock()
+	if m.acked >= n {
+		m.mu.Unlock()
+		return nil
+	}
+	ch := make(chan struct{})
+	m.waiters = append(m.waiters, waiter{n: n, ch: ch})
+	m.mu.Unlock()
+	select {
+	case <-ch:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// latencies returns the recorded latencies, sorted.
+func (m *meter) latencies() []time.Duration {
+	m.mu.Lock()
+	out := slices.Clone(m.lat)
+	m.mu.Unlock()
+	slices.Sort(out)
+	return out
+}
+
+// meteredDelivery counts its Ack.
+type meteredDelivery struct {
+	consumer.Delivery
+	m *meter
+}
+
+// Ack implements consumer.Delivery.
+func (d *meteredDelivery) Ack(ctx context.Context) error {
+	if err := d.Delivery.Ack(ctx); err != nil {
+		return err
+	}
+	var produced int64
+	if s, ok := d.Message().Headers[HeaderProduced]; ok {
+		produced, _ = strconv.ParseInt(s, 10, 64)
+	}
+	d.m.acked1(produced)
+	return nil
+}
+
+// percentile returns the p-th percentile (0 < p <= 1) of sorted values,
+// by the nearest-rank method; 0 for none.
+func percentile(sorted []time.Duration, p float64) time.Duration {
+	if len(sorted) == 0 {
+		return 0
+	}
+	i := int(float64(len(sorted))*p+0.999999) - 1
+	return sorted[min(max(i, 0), len(sorted)-1)]
+}
