@@ -86,6 +86,18 @@ type Config struct {
 	// DefaultRevokeTimeout.
 	RevokeTimeout time.Duration
 
+	// KeyLanes, when above 1, splits each partition into that many streams
+	// by a hash of the record key: records with different keys are handled
+	// concurrently (up to the consumer's Config.Concurrency), records with
+	// one key still one after another in offset order. Offsets are marked
+	// only up to the first record not yet acked, so a committed offset
+	// never passes a gap, and a crash redelivers at most what lies beyond
+	// it (skipped as duplicates where it had committed). Records without a
+	// key all share one lane. Use it when handlers are slow and the order
+	// that matters is per key (per order, per account), not per partition.
+	// Default 0: one stream per partition.
+	KeyLanes int
+
 	// DeadLetterTopic names the dead-letter topic of a source topic.
 	// Default: the topic followed by DefaultDeadLetterSuffix ("orders" →
 	// "orders.dlq"). It may not name a topic in Topics. The dead-letter
@@ -179,6 +191,9 @@ func (c *Config) validate() error {
 		} else if seen[d] {
 			return fmt.Errorf("kafka: Config.DeadLetterTopic(%q) is %q, a topic in Config.Topics: dead letters would be consumed again", t, d)
 		}
+	}
+	if c.KeyLanes < 0 {
+		return fmt.Errorf("kafka: Config.KeyLanes is negative (%d)", c.KeyLanes)
 	}
 	if c.InitialOffset != StartOldest && c.InitialOffset != StartNewest {
 		return fmt.Errorf("kafka: Config.InitialOffset %d is neither StartOldest nor StartNewest", c.InitialOffset)

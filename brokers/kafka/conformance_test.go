@@ -13,12 +13,19 @@ import (
 	"github.com/onceco/once/internal/pgtest"
 )
 
-func TestConformance(t *testing.T) {
+func TestConformance(t *testing.T) { runConformance(t, 0) }
+
+// With key lanes, records of different keys in one partition are handled
+// concurrently and acked out of order; offsets are marked only over the
+// settled prefix. The suite's order test checks the order per key.
+func TestConformanceKeyLanes(t *testing.T) { runConformance(t, 4) }
+
+func runConformance(t *testing.T, keyLanes int) {
 	conformance.Run(t, conformance.Suite{
 		Features: conformance.Features{Ordered: true, FallbackID: true, RedeliverOnRestart: true},
 		NewBroker: func(t *testing.T) conformance.Broker {
 			c := newCluster(t)
-			b := &testBroker{c: c, topic: uniq("conf"), group: uniq("conf-group")}
+			b := &testBroker{c: c, topic: uniq("conf"), group: uniq("conf-group"), keyLanes: keyLanes}
 			c.createTopic(b.topic, 3)
 			c.createTopic(b.topic+DefaultDeadLetterSuffix, 1)
 			sc := saramaConfig()
@@ -44,6 +51,7 @@ type testBroker struct {
 	topic    string
 	group    string
 	producer sarama.SyncProducer
+	keyLanes int
 }
 
 func (b *testBroker) Publish(_ context.Context, msgs ...conformance.OutMessage) error {
@@ -74,7 +82,9 @@ func (b *testBroker) Publish(_ context.Context, msgs ...conformance.OutMessage) 
 }
 
 func (b *testBroker) NewSource(t *testing.T) consumer.Source {
-	s, err := NewSource(b.c.config(b.group, b.topic))
+	cfg := b.c.config(b.group, b.topic)
+	cfg.KeyLanes = b.keyLanes
+	s, err := NewSource(cfg)
 	require.NoError(t, err)
 	return s
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"hash/fnv"
 	"sort"
 	"strconv"
 	"sync"
@@ -77,12 +78,24 @@ func (cl *claim) newDelivery(raw *sarama.ConsumerMessage) *delivery {
 		Partition:  raw.Partition,
 		Offset:     raw.Offset,
 		Timestamp:  raw.Timestamp,
-		Stream:     cl.stream,
+		Stream:     cl.laneOf(raw.Key),
 	}
 	cl.mu.Lock()
 	cl.pending = append(cl.pending, d)
 	cl.mu.Unlock()
 	return d
+}
+
+// laneOf is the stream of a record with key: the partition's, or with
+// Config.KeyLanes one of its key lanes.
+func (cl *claim) laneOf(key []byte) string {
+	lanes := cl.src.cfg.KeyLanes
+	if lanes <= 1 {
+		return cl.stream
+	}
+	h := fnv.New32a()
+	h.Write(key)
+	return cl.stream + "#" + strconv.FormatUint(uint64(h.Sum32()%uint32(lanes)), 10)
 }
 
 // received records that d was handed to Receive.
