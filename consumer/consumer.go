@@ -125,8 +125,11 @@ type engine struct {
 	sem       chan struct{}
 	started   atomic.Bool
 	// stopping is set once Run's context is done: no new message starts,
-	// and a batch in progress commits what it has handled and stops.
+	// and a batch in progress is rolled back.
 	stopping atomic.Bool
+	// suspectMu serialises the handling of messages that may have crashed
+	// a process (see handle).
+	suspectMu sync.Mutex
 }
 
 func newEngine(pool *pgxpool.Pool, src Source, cfg Config, prep preparer) (*engine, error) {
@@ -169,6 +172,9 @@ func (e *engine) run(ctx context.Context) error {
 	if !e.cfg.SkipMigrate {
 		if err := e.cfg.Store.Migrate(ctx, e.pool); err != nil {
 			_ = e.src.Close()
+			if ctx.Err() != nil {
+				return nil // stopped during start-up
+			}
 			return fmt.Errorf("once: consumer %q: %w", e.cfg.Name, err)
 		}
 	}

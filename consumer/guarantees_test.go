@@ -514,3 +514,61 @@ func TestHandlerNetworkErrorIsNotInfrastructure(t *testing.T) {
 	assert.Equal(t, "3", dl[0].Headers[consumer.HeaderAttempts])
 	assert.Zero(t, c.Stats().InfraErrors)
 }
+
+// Several redelivered messages after a crash: only the one that really
+// crashes the process each time accumulates crash attempts; innocent
+// messages redelivered with it are handled, not dead-lettered.
+func TestCrashLoopSparesInnocentNeighbours(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{}) // unordered, like AMQP
+	publish(b, "killer", 0)
+	for i := 1; i <= 5; i++ {
+		publish(b, fmt.Sprintf("innocent-%d", i), i)
+	}
+	stuck := make(chan struct{}, 64)
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		if ev.ID == "killer" {
+			stuck <- struct{}{}
+			<-ctx.Done() // the process "dies" here
+			return ctx.Err()
+		}
+		select { // innocent work takes a while: it is in flight when the process dies
+		case <-time.After(100 * time.Millisecond):
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+		return insertEffect(ctx, tx, ev)
+	}
+	cfg := fastConfig("crash-neighbours")
+	cfg.MaxCrashAttempts = 2
+	cfg.ShutdownTimeout = 10 * time.Millisecond
+	cfg.Concurrency = 8
+	cfg.BatchSize = 1 // one message per worker: all in flight at once
+	// Run 1: every message is in flight at once; the killer "crashes".
+	for run := 1; run <= 4; run++ {
+		c, err := consumer.New(pool, b.Source(), h, cfg)
+		require.NoError(t, err)
+		stop := start(t, c)
+		if run <= 3 {
+			select {
+			case <-stuck:
+			case <-time.After(10 * time.Second):
+				t.Fatalf("run %d: the killer was not handled", run)
+			}
+			require.NoError(t, stop())
+			continue
+		}
+		require.Eventually(t, func() bool { return b.Acked() == 6 }, 10*time.Second, 5*time.Millisecond)
+		require.NoError(t, stop())
+	}
+	kinds := map[string]string{}
+	for _, d := range b.DeadLetters() {
+		kinds[d.Headers[consumer.HeaderEventID]] = d.Headers[consumer.HeaderErrorKind]
+	}
+	assert.Equal(t, map[string]string{"killer": string(consumer.KindCrashLoop)}, kinds)
+	got := countEffects(t, pool)
+	for i := 1; i <= 5; i++ {
+		assert.Equal(t, 1, got[fmt.Sprintf("innocent-%d", i)])
+	}
+}

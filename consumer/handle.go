@@ -74,6 +74,11 @@ func (e *engine) handle(work context.Context, dv Delivery, suspect bool) (claime
 		return false
 	}
 	if suspect {
+		// Messages that may have crashed a process are handled one at a
+		// time, so that a crash is counted against the one message in
+		// flight and not against innocent neighbours.
+		e.suspectMu.Lock()
+		defer e.suspectMu.Unlock()
 		if !e.recordCrashAttempt(j.ctx, j) {
 			return false
 		}
@@ -286,6 +291,10 @@ func (e *engine) recordCrashAttempt(ctx context.Context, j *job) bool {
 		if err == nil {
 			j.crashes = n
 			return true
+		}
+		if ctx.Err() != nil {
+			e.abandon(j)
+			return false
 		}
 		e.stats.infraErrors.Add(1)
 		e.cfg.Logger.Warn("once: infrastructure failure recording an attempt; retrying", "consumer", e.cfg.Name,
