@@ -151,7 +151,7 @@ func queueCounts(url, queue string) (ready, dead int, err error) {
 func openAMQPSource(ctx context.Context, spec *rowSpec, logger *slog.Logger) (consumer.Source, error) {
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	return amqp.Open(ctx, amqp.Config{URL: spec.AMQPURL, Queue: spec.Queue, Prefetch: amqpPrefetch, Logger: logger})
+	return amqp.Open(ctx, amqp.Config{URL: spec.AMQPURL, Queue: spec.Queue, Prefetch: amqpPrefetch, Ordered: spec.Ordered, Logger: logger})
 }
 
 // amqpPacer publishes paced messages, stamping each with its produce time.

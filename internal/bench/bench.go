@@ -34,6 +34,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/onceco/once/consumer"
 	"github.com/onceco/once/internal/pgtemp"
 )
 
@@ -81,6 +82,13 @@ type Options struct {
 	PGBench time.Duration
 	// BatchSize of the batched rows and of the pgbench script.
 	BatchSize int
+	// Concurrency is consumer.Config.Concurrency of the library's rows; 0
+	// keeps the library's default (16).
+	Concurrency int
+	// AMQPOrdered sets the RabbitMQ source's Ordered option for the
+	// library's rows: the queue becomes one stream, handled in order in
+	// batches.
+	AMQPOrdered bool
 	// NaiveWorkers is the naive row's concurrency: one worker per
 	// partition for Kafka, shared workers for RabbitMQ.
 	NaiveWorkers int
@@ -109,11 +117,15 @@ type Result struct {
 	Rate     float64 `json:"msgs_per_s"`
 	// P50 and P99 are produce-to-ack latencies in the paced phase, at
 	// PacedRate msgs/s (half of Rate, capped by Options.PaceMax).
-	P50Ms       float64 `json:"p50_ms"`
-	P99Ms       float64 `json:"p99_ms"`
-	PacedTarget float64 `json:"paced_target_msgs_per_s"`
-	PacedRate   float64 `json:"paced_msgs_per_s"`
-	PacedMsgs   int     `json:"paced_messages"`
+	P50Ms float64 `json:"p50_ms"`
+	P99Ms float64 `json:"p99_ms"`
+	// ReceiveP50Ms and ReceiveP99Ms are the produce-to-Receive part: what
+	// the broker and the adapter take before the consumer sees a message.
+	ReceiveP50Ms float64 `json:"receive_p50_ms"`
+	ReceiveP99Ms float64 `json:"receive_p99_ms"`
+	PacedTarget  float64 `json:"paced_target_msgs_per_s"`
+	PacedRate    float64 `json:"paced_msgs_per_s"`
+	PacedMsgs    int     `json:"paced_messages"`
 	// AllocsPerMsg is the row subprocess's heap allocations per message in
 	// the backlog phase (runtime.MemStats.Mallocs).
 	AllocsPerMsg float64 `json:"allocs_per_msg"`
@@ -127,6 +139,8 @@ type Result struct {
 	// was counted.
 	Correct bool   `json:"correct"`
 	Check   string `json:"check"`
+	// Stats are the library consumer's counters (once rows only).
+	Stats *consumer.Stats `json:"stats,omitempty"`
 }
 
 // Machine describes where the run happened.
@@ -150,6 +164,9 @@ type Report struct {
 	PGBenchTPS  float64  `json:"pgbench_tps"`
 	PGBenchArgs string   `json:"pgbench_command"`
 	Results     []Result `json:"rows"`
+	// PaceSeconds and PaceMax describe the paced latency phase.
+	PaceSeconds float64 `json:"pace_seconds"`
+	PaceMax     float64 `json:"pace_max_msgs_per_s"`
 }
 
 func (o *Options) logf(format string, args ...any) {
@@ -171,7 +188,7 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 	if o.PaceMax <= 0 {
 		o.PaceMax = 50000
 	}
-	rep := &Report{Started: time.Now().UTC(), Workload: o.Workload}
+	rep := &Report{Started: time.Now().UTC(), Workload: o.Workload, PaceSeconds: o.Pace.Seconds(), PaceMax: o.PaceMax}
 	if o.DatabaseURL == "" {
 		o.logf("starting a throwaway PostgreSQL (fsync on)")
 		srv, err := pgtemp.Start(ctx, pgtemp.Options{Durable: true})
@@ -214,7 +231,12 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 			if err != nil {
 				return nil, fmt.Errorf("%s %s: %w", b, row, err)
 			}
-			o.logf("  %-9s %-19s %9.0f msgs/s  p99 %6.1f ms  %s", b, row, res.Rate, res.P99Ms, res.Check)
+			o.logf("  %-9s %-19s %9.0f msgs/s  p50/p99 %.1f/%.1f ms (to Receive %.1f/%.1f ms) at %.0f msgs/s  %s",
+				b, row, res.Rate, res.P50Ms, res.P99Ms, res.ReceiveP50Ms, res.ReceiveP99Ms, res.PacedRate, res.Check)
+			if st := res.Stats; st != nil {
+				o.logf("      handled %d, duplicates %d, dead-lettered %d, retries %d, infrastructure errors %d",
+					st.Handled, st.Duplicates, st.DeadLettered, st.Retries, st.InfraErrors)
+			}
 			rep.Results = append(rep.Results, *res)
 		}
 	}
@@ -262,8 +284,9 @@ func runRow(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, o Options, 
 	backlog := o.Workload.Counts()
 	spec := &rowSpec{
 		Row: row, Broker: b, DatabaseURL: o.DatabaseURL, Schema: schemaName(b, row),
-		Backlog: backlog.Messages, BatchSize: o.BatchSize, Naive: o.NaiveWorkers,
-		Pace: o.Pace, PaceMax: o.PaceMax, PaceWork: o.Workload, PacedPrefix: "paced-",
+		Backlog: backlog.Messages, BatchSize: o.BatchSize, Naive: o.NaiveWorkers, Concurrency: o.Concurrency,
+		Ordered: o.AMQPOrdered && row != RowNaive,
+		Pace:    o.Pace, PaceMax: o.PaceMax, PaceWork: o.Workload, PacedPrefix: "paced-",
 		Timeout: time.Minute + time.Duration(backlog.Messages)*time.Millisecond,
 	}
 	if err := createSchema(ctx, db, spec.Schema); err != nil {
@@ -300,11 +323,14 @@ func runRow(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, o Options, 
 	}
 	res := &Result{
 		Broker: b, Row: row, Messages: cr.Messages, Seconds: cr.Seconds, Rate: cr.Rate,
-		P50Ms: ms(cr.P50), P99Ms: ms(cr.P99), PacedTarget: cr.PacedTarget, PacedRate: cr.PacedRate, PacedMsgs: cr.Paced.Messages,
+		P50Ms: ms(cr.P50), P99Ms: ms(cr.P99), ReceiveP50Ms: ms(cr.ReceiveP50), ReceiveP99Ms: ms(cr.ReceiveP99), PacedTarget: cr.PacedTarget, PacedRate: cr.PacedRate, PacedMsgs: cr.Paced.Messages,
 		AllocsPerMsg: cr.AllocsPerMsg, PeakRSSMB: float64(cr.RSSKB) / 1024,
 	}
 	want := backlog.Add(cr.Paced)
 	res.Correct, res.Check, err = check(ctx, db, kc, spec, row, want)
+	if st := cr.Stats; st != nil {
+		res.Stats = st
+	}
 	return res, err
 }
 

@@ -40,6 +40,10 @@ type rowSpec struct {
 	Backlog   int // messages published before the row started
 	BatchSize int
 	Naive     int // workers of the naive row
+	// Concurrency of the library's rows (0: its default).
+	Concurrency int
+	// Ordered: the RabbitMQ source puts the queue on one stream.
+	Ordered bool
 
 	Pace        time.Duration // length of the paced phase; 0: none
 	PaceMax     float64       // cap on the paced rate, msgs/s
@@ -62,6 +66,9 @@ type childResult struct {
 	PacedRate   float64 // msgs/s achieved by the producer
 	Paced       Counts
 	P50, P99    time.Duration
+	// ReceiveP50 and ReceiveP99 are produce-to-Receive latencies: the
+	// broker's and the adapter's share of P50 and P99.
+	ReceiveP50, ReceiveP99 time.Duration
 
 	Stats *consumer.Stats `json:",omitempty"`
 }
@@ -169,7 +176,7 @@ func runChild(spec *rowSpec) (*childResult, error) {
 	case RowNaive:
 		run = func() error { return runNaive(runCtx, m, pool, spec) }
 	case RowOncePerMessage, RowOnceBatched, RowOnceBatchHandler:
-		cfg := consumer.Config{Name: "bench", BatchSize: spec.BatchSize, Logger: logger}
+		cfg := consumer.Config{Name: "bench", BatchSize: spec.BatchSize, Concurrency: spec.Concurrency, Logger: logger}
 		if spec.Row == RowOncePerMessage {
 			cfg.BatchSize = 1
 		}
@@ -305,12 +312,15 @@ func pace(spec *rowSpec, res *childResult, m *meter, wait func(int) error) error
 	if err := wait(spec.Backlog + counts.Messages); err != nil {
 		return fmt.Errorf("paced phase: %w", err)
 	}
-	lat := m.latencies()
-	if len(lat) != counts.Messages {
-		return fmt.Errorf("paced phase: %d latencies recorded for %d messages", len(lat), counts.Messages)
+	// The first sixth of the phase is a warm-up: the new producer connects
+	// to the broker while its first messages already carry their stamps.
+	lat, recv, all := m.latencies(start.Add(spec.Pace / 6))
+	if all != counts.Messages {
+		return fmt.Errorf("paced phase: %d latencies recorded for %d messages", all, counts.Messages)
 	}
 	res.PacedTarget, res.PacedRate, res.Paced = rate, float64(sent)/produced.Seconds(), counts
 	res.P50, res.P99 = percentile(lat, 0.50), percentile(lat, 0.99)
+	res.ReceiveP50, res.ReceiveP99 = percentile(recv, 0.50), percentile(recv, 0.99)
 	return nil
 }
 

@@ -26,7 +26,14 @@ type meter struct {
 	mu      sync.Mutex
 	acked   int
 	waiters []waiter
-	lat     []time.Duration
+	lat     []sample
+}
+
+// sample is one paced message's latencies.
+type sample struct {
+	produced  int64         // Unix nanoseconds
+	toAck     time.Duration // produce to ack
+	toReceive time.Duration // produce to Receive
 }
 
 type waiter struct {
@@ -35,7 +42,7 @@ type waiter struct {
 }
 
 func newMeter(src consumer.Source, onFirst func()) *meter {
-	return &meter{src: src, onFirst: onFirst, lat: make([]time.Duration, 0, 1<<16)}
+	return &meter{src: src, onFirst: onFirst, lat: make([]sample, 0, 1<<16)}
 }
 
 // Receive implements consumer.Source.
@@ -50,7 +57,7 @@ func (m *meter) Receive(ctx context.Context) (consumer.Delivery, error) {
 		}
 		m.first.Store(time.Now().UnixNano())
 	}
-	return &meteredDelivery{Delivery: d, m: m}, nil
+	return &meteredDelivery{Delivery: d, m: m, received: time.Now()}, nil
 }
 
 // Close implements consumer.Source.
@@ -73,12 +80,13 @@ func (m *meter) firstAt() time.Time {
 	return time.Unix(0, n)
 }
 
-func (m *meter) acked1(produced int64) {
+func (m *meter) acked1(produced int64, received time.Time) {
 	now := time.Now()
 	m.mu.Lock()
 	m.acked++
 	if produced > 0 {
-		m.lat = append(m.lat, now.Sub(time.Unix(0, produced)))
+		p := time.Unix(0, produced)
+		m.lat = append(m.lat, sample{produced: produced, toAck: now.Sub(p), toReceive: received.Sub(p)})
 	}
 	kept := m.waiters[:0]
 	for _, w := range m.waiters {
@@ -117,19 +125,28 @@ func (m *meter) waitAcked(ctx context.Context, n int) error {
 	}
 }
 
-// latencies returns the recorded latencies, sorted.
-func (m *meter) latencies() []time.Duration {
+// latencies returns the produce-to-ack and produce-to-Receive latencies of
+// the messages produced at or after from, each sorted, and how many
+// messages were recorded in all.
+func (m *meter) latencies(from time.Time) (toAck, toReceive []time.Duration, all int) {
 	m.mu.Lock()
-	out := slices.Clone(m.lat)
+	for _, s := range m.lat {
+		if s.produced >= from.UnixNano() {
+			toAck, toReceive = append(toAck, s.toAck), append(toReceive, s.toReceive)
+		}
+	}
+	all = len(m.lat)
 	m.mu.Unlock()
-	slices.Sort(out)
-	return out
+	slices.Sort(toAck)
+	slices.Sort(toReceive)
+	return toAck, toReceive, all
 }
 
 // meteredDelivery counts its Ack.
 type meteredDelivery struct {
 	consumer.Delivery
-	m *meter
+	m        *meter
+	received time.Time
 }
 
 // Ack implements consumer.Delivery.
@@ -141,7 +158,7 @@ func (d *meteredDelivery) Ack(ctx context.Context) error {
 	if s, ok := d.Message().Headers[HeaderProduced]; ok {
 		produced, _ = strconv.ParseInt(s, 10, 64)
 	}
-	d.m.acked1(produced)
+	d.m.acked1(produced, d.received)
 	return nil
 }
 

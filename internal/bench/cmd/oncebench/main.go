@@ -39,6 +39,8 @@ func run() int {
 		rows       = flag.String("rows", "", "rows to run, comma-separated (default all): "+rowNames())
 		paceFor    = flag.Duration("pace", 3*time.Second, "length of each row's paced latency phase (0: none)")
 		paceMax    = flag.Float64("pace-max", 50000, "cap on the paced rate, msgs/s")
+		conc       = flag.Int("concurrency", 0, "consumer.Config.Concurrency of the once rows (0: the library's default)")
+		ordered    = flag.Bool("amqp-ordered", false, "RabbitMQ once rows: one ordered stream (amqp.Config.Ordered)")
 		pgbenchFor = flag.Duration("pgbench", 5*time.Second, "length of the pgbench ceiling (0: none)")
 		jsonOut    = flag.String("json", "", "also write the report as JSON to this file")
 		rssCheck   = flag.Bool("rss-check", false, "instead of the table: peak RSS of the Kafka batched row at each of -rss-sizes events")
@@ -52,6 +54,8 @@ func run() int {
 		Workload:    bench.Workload{Events: *events, DupEvery: *dup, PoisonEvery: *poison, Partitions: *partitions},
 		PGBench:     *pgbenchFor,
 		BatchSize:   *batch,
+		Concurrency: *conc,
+		AMQPOrdered: *ordered,
 		Pace:        *paceFor,
 		PaceMax:     *paceMax,
 		DatabaseURL: os.Getenv("DATABASE_URL"),
