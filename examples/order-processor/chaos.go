@@ -1,0 +1,1130 @@
+package main
+
+// The chaos driver (make chaos): runs this program's serve command, built
+// with -tags chaos, as several processes against a broker and a throwaway
+// PostgreSQL server, injects faults while they work (SIGKILLs at random
+// moments, every crash point of the consumer, PostgreSQL restarts, broker
+// connection cuts, members leaving and joining a Kafka group), then counts
+// the business effects of every event sent: none lost, none doubled, every
+// poison message dead-lettered.
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"math/rand"
+	"net"
+	"net/url"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/twmb/franz-go/pkg/kfake"
+
+	"github.com/onceco/once/brokers/kafka"
+	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/internal/pgtemp"
+)
+
+// The chaos command is reached through init: main.go's parseOptions knows
+// only demo, serve and produce.
+func init() {
+	if len(os.Args) > 1 && os.Args[1] == "chaos" && os.Getenv(childEnv) == "" {
+		os.Exit(chaosMain(signalContext(), os.Args[2:], os.Stdout, os.Stderr))
+	}
+}
+
+// crashExitCode is the exit status of a process killed by a crash point
+// (consumer/crashpoint_chaos.go).
+const crashExitCode = 86
+
+// crashPointNames are the consumer's crash points (consumer.CrashPoints,
+// which exists only in the chaos build).
+var crashPointNames = []string{"after-claim", "after-handler", "after-commit", "after-dead-letter", "mid-batch"}
+
+// ChaosConfig says what a chaos run does.
+type ChaosConfig struct {
+	Broker  string // kafka or amqp
+	AMQPURL string // amqp: the broker
+
+	Orders      int   // orders of the generated traffic
+	Seed        int64 // traffic and fault seed
+	Kills       int   // SIGKILLs of a member at a random moment
+	CrashPoints bool  // one crash at each crash point
+	PGRestarts  int   // PostgreSQL stop/restart while the members run
+	Cuts        int   // broker connection cuts
+	Members     int   // processes consuming at once
+	Rebalances  int   // kafka: a member killed while another joins
+
+	Exe    string    // the order-processor built with -tags chaos; empty: built here
+	Logs   string    // directory of the members' logs; empty: a temporary one
+	Output io.Writer // progress lines; nil: none
+}
+
+// ChaosResult is what a run counted.
+type ChaosResult struct {
+	Broker  string `json:"broker"`
+	Seed    int64  `json:"seed"`
+	Command string `json:"command,omitempty"`
+
+	Sent         int            `json:"sent"`
+	SentByKind   map[string]int `json:"sent_by_kind"`
+	UniqueEvents int            `json:"unique_events"`
+	EffectsOnce  int            `json:"effects_once"`
+	Lost         int            `json:"lost"`
+	Doubled      int            `json:"doubled"`
+	LostIDs      []string       `json:"lost_ids,omitempty"`
+	DoubledIDs   []string       `json:"doubled_ids,omitempty"`
+	// DuplicatesSkipped is what the members reported; a killed member
+	// takes its last few seconds of counts with it, so it is a lower bound.
+	DuplicatesSkipped  uint64         `json:"duplicates_skipped_reported"`
+	Processed          int64          `json:"processed_events"`
+	Poison             int            `json:"poison"`
+	PoisonDeadLettered int            `json:"poison_dead_lettered"`
+	PoisonMissing      []string       `json:"poison_missing,omitempty"`
+	DLQRecords         int            `json:"dlq_records"`
+	DLQByKind          map[string]int `json:"dlq_records_by_kind"`
+	DLQIDsByKind       map[string]int `json:"dlq_event_ids_by_kind"`
+	Replayed           int            `json:"replayed"`
+	OrdersCheck        string         `json:"orders_check"`
+
+	Faults      map[string]int `json:"faults"`
+	CrashPoints map[string]int `json:"crash_points_reached"`
+	Members     int            `json:"members"`
+	Starts      int            `json:"member_starts"`
+	Elapsed     string         `json:"elapsed"`
+	Verdict     string         `json:"verdict"`
+	Problems    []string       `json:"problems,omitempty"`
+}
+
+// Pass reports whether the run's verdict is a pass.
+func (r *ChaosResult) Pass() bool { return len(r.Problems) == 0 }
+
+func chaosMain(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	fs := flag.NewFlagSet("order-processor chaos", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	brokers := fs.String("broker", envOr("BROKER", "kafka"), "kafka, amqp, or all (amqp needs AMQP_URL)")
+	cfg := ChaosConfig{CrashPoints: true}
+	fs.IntVar(&cfg.Orders, "orders", 3000, "orders of the generated traffic (about two messages each)")
+	fs.Int64Var(&cfg.Seed, "seed", 0, "traffic and fault seed (0: from the clock)")
+	fs.IntVar(&cfg.Kills, "kills", 20, "SIGKILLs of a member at a random moment")
+	fs.IntVar(&cfg.PGRestarts, "pg-restarts", 2, "PostgreSQL restarts while the members run")
+	fs.IntVar(&cfg.Cuts, "cuts", 5, "cuts of every broker connection")
+	fs.IntVar(&cfg.Members, "members", 3, "member processes consuming at once")
+	fs.IntVar(&cfg.Rebalances, "rebalances", 3, "kafka: members killed while another joins the group")
+	noCrash := fs.Bool("no-crash-points", false, "skip the crash points")
+	fs.StringVar(&cfg.Exe, "exe", "", "order-processor built with -tags chaos (empty: build it)")
+	fs.StringVar(&cfg.Logs, "logs", "", "directory for the members' logs (empty: a temporary one)")
+	jsonFile := fs.String("json", "", "write the results as JSON to this file")
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return 0
+		}
+		return 2
+	}
+	cfg.CrashPoints = !*noCrash
+	cfg.Output = stderr
+	cfg.AMQPURL = os.Getenv("AMQP_URL")
+	if cfg.Seed == 0 {
+		cfg.Seed = time.Now().UnixNano()%900000 + 100000
+	}
+	var list []string
+	switch *brokers {
+	case "all":
+		list = []string{"kafka", "amqp"}
+	case "kafka", "amqp":
+		list = []string{*brokers}
+	default:
+		fmt.Fprintf(stderr, "order-processor chaos: -broker %q: want kafka, amqp or all\n", *brokers)
+		return 2
+	}
+	command := "order-processor chaos " + strings.Join(args, " ")
+	var results []*ChaosResult
+	code := 0
+	for _, b := range list {
+		c := cfg
+		c.Broker = b
+		res, err := RunChaos(ctx, c)
+		if err != nil {
+			fmt.Fprintf(stderr, "order-processor chaos (%s): %v\n", b, err)
+			return 1
+		}
+		res.Command = command
+		res.Print(stdout)
+		results = append(results, res)
+		if !res.Pass() {
+			code = 1
+		}
+	}
+	if *jsonFile != "" {
+		data, _ := json.MarshalIndent(results, "", "  ")
+		if err := os.WriteFile(*jsonFile, append(data, '\n'), 0o644); err != nil {
+			fmt.Fprintln(stderr, "order-processor chaos:", err)
+			return 1
+		}
+	}
+	return code
+}
+
+// Print writes the result as a table.
+func (r *ChaosResult) Print(w io.Writer) {
+	fmt.Fprintf(w, "\nchaos run: %s, seed %d, %d members, %s\n", r.Broker, r.Seed, r.Members, r.Elapsed)
+	fmt.Fprintf(w, "%-28s %s\n", "faults", kindList(r.Faults))
+	fmt.Fprintf(w, "%-28s %s\n", "crash points reached", kindList(r.CrashPoints))
+	fmt.Fprintf(w, "%-28s %d\n", "member starts", r.Starts)
+	fmt.Fprintf(w, "%-28s %d\n", "sent", r.Sent)
+	for _, k := range kindOrder {
+		if n := r.SentByKind[k]; n > 0 {
+			fmt.Fprintf(w, "  %-26s %d\n", k, n)
+		}
+	}
+	fmt.Fprintf(w, "%-28s %d\n", "unique valid events", r.UniqueEvents)
+	fmt.Fprintf(w, "%-28s %d\n", "business effect once", r.EffectsOnce)
+	fmt.Fprintf(w, "%-28s %d\n", "processed_events rows", r.Processed)
+	fmt.Fprintf(w, "%-28s %d (reported by the members; a killed member's last seconds are not counted)\n", "duplicates skipped >=", r.DuplicatesSkipped)
+	fmt.Fprintf(w, "%-28s %d records %s, event ids %s\n", "DLQ", r.DLQRecords, kindList(r.DLQByKind), kindList(r.DLQIDsByKind))
+	fmt.Fprintf(w, "%-28s %d of %d\n", "poison dead-lettered", r.PoisonDeadLettered, r.Poison)
+	if r.Replayed > 0 {
+		fmt.Fprintf(w, "%-28s %d (dead-lettered before their order existed, replayed)\n", "replayed", r.Replayed)
+	}
+	fmt.Fprintf(w, "%-28s %s\n", "orders and ledger", r.OrdersCheck)
+	fmt.Fprintf(w, "%-28s %d\n", "lost", r.Lost)
+	fmt.Fprintf(w, "%-28s %d\n", "doubled", r.Doubled)
+	for _, p := range r.Problems {
+		fmt.Fprintf(w, "  problem: %s\n", p)
+	}
+	fmt.Fprintf(w, "verdict: %s\n", r.Verdict)
+}
+
+// chaosRun is one run's state.
+type chaosRun struct {
+	cfg      ChaosConfig
+	o        *options
+	rng      *rand.Rand
+	pg       *pgtemp.Server
+	pool     *pgxpool.Pool
+	plan     *Plan
+	perFault int // orders generated before each fault
+	batches  int // traffic batches generated so far
+	pub      publisher
+	lag      func(context.Context) (int64, error)
+	dlq      func() ([]deadLetter, error)
+	cut      func() int
+	logs     string
+	// memberAMQP is the URL the members use: through the cutting proxy.
+	memberAMQP string
+	closers    []func()
+
+	mu      sync.Mutex
+	members []*member
+	nextID  int
+	starts  int
+	dups    uint64
+	faults  map[string]int
+	crashes map[string]int
+	extra   int // poison added for after-dead-letter
+}
+
+// member is one consumer process.
+type member struct {
+	id     int
+	cmd    *exec.Cmd
+	out    string // its stdout and stderr file
+	exited chan struct{}
+	code   int
+}
+
+func (r *chaosRun) logf(format string, args ...any) {
+	if r.cfg.Output != nil {
+		fmt.Fprintf(r.cfg.Output, "chaos %s: "+format+"\n", append([]any{r.cfg.Broker}, args...)...)
+	}
+}
+
+// RunChaos runs one chaos run and counts its outcome. An error means the
+// run could not be carried out; a failed verdict is in the result.
+func RunChaos(ctx context.Context, cfg ChaosConfig) (*ChaosResult, error) {
+	start := time.Now()
+	if cfg.Members < 1 {
+		cfg.Members = 1
+	}
+	r := &chaosRun{cfg: cfg, rng: rand.New(rand.NewSource(cfg.Seed)), faults: map[string]int{}, crashes: map[string]int{}}
+	var err error
+	if r.logs = cfg.Logs; r.logs == "" {
+		if r.logs, err = os.MkdirTemp("", "once-chaos-"); err != nil {
+			return nil, err
+		}
+		defer os.RemoveAll(r.logs)
+	} else if err := os.MkdirAll(r.logs, 0o755); err != nil {
+		return nil, err
+	}
+	exe := cfg.Exe
+	if exe == "" {
+		exe = filepath.Join(r.logs, "order-processor-chaos")
+		r.logf("building the order-processor with -tags chaos")
+		b := exec.CommandContext(ctx, "go", "build", "-tags", "chaos", "-o", exe, "github.com/onceco/once/examples/order-processor")
+		if out, err := b.CombinedOutput(); err != nil {
+			return nil, fmt.Errorf("go build -tags chaos: %v\n%s", err, out)
+		}
+	}
+	defer r.killAll()
+
+	r.pg, err = pgtemp.Start(ctx, pgtemp.Options{})
+	if err != nil {
+		return nil, err
+	}
+	defer r.pg.Close()
+	r.o = &options{broker: cfg.Broker, schema: "chaos", partitions: 4, unknownOrderWait: 100 * time.Millisecond, maxAttempts: 4}
+	// More poison than the demo's, so that every batch of traffic has some.
+	r.o.mix = Mix{Duplicates: 0.05, IDless: 0.03, Malformed: 0.02, Violations: 0.06}
+	suffix := fmt.Sprintf("chaos-%d-%d", cfg.Seed, time.Now().UnixNano()%1000000)
+	r.o.topic, r.o.name = "orders-"+suffix, "order-processor-"+suffix
+	if r.pool, err = openPool(ctx, r.pg.URL(), r.o.schema); err != nil {
+		return nil, err
+	}
+	defer r.pool.Close()
+	if err := resetDemoTables(ctx, r.pool); err != nil {
+		return nil, err
+	}
+
+	switch cfg.Broker {
+	case "kafka":
+		if err := r.startKafka(); err != nil {
+			return nil, err
+		}
+	case "amqp":
+		if cfg.AMQPURL == "" {
+			return nil, errors.New("the amqp chaos run needs AMQP_URL")
+		}
+		r.o.mix.Unordered = true
+		r.o.unknownOrderWait, r.o.maxAttempts = 250*time.Millisecond, 8
+		closeFn, err := r.startAMQP(ctx)
+		if err != nil {
+			return nil, err
+		}
+		defer closeFn()
+	default:
+		return nil, fmt.Errorf("broker %q: want kafka or amqp", cfg.Broker)
+	}
+	r.plan = &Plan{Sent: map[string]int{}, Orders: map[string]expectedOrder{}}
+	if r.pub, err = newPublisher(ctx, r.o); err != nil {
+		return nil, err
+	}
+	defer func() { _ = r.pub.Close() }()
+
+	faults := r.schedule()
+	r.perFault = max(50, cfg.Orders/(len(faults)+1))
+	r.logf("%d faults, %d members, about %d orders before each, logs in %s", len(faults), cfg.Members, r.perFault, r.logs)
+	for i := 0; i < cfg.Members; i++ {
+		if _, err := r.startMember(exe); err != nil {
+			return nil, err
+		}
+	}
+	for i, f := range faults {
+		if err := r.traffic(ctx, r.perFault); err != nil {
+			return nil, err
+		}
+		if err := r.waitProgress(ctx, 40); err != nil {
+			return nil, fmt.Errorf("before fault %d (%s): %w", i+1, f.kind, err)
+		}
+		r.logf("fault %d/%d: %s %s", i+1, len(faults), f.kind, f.point)
+		if err := r.apply(ctx, exe, f); err != nil {
+			return nil, fmt.Errorf("fault %d (%s %s): %w", i+1, f.kind, f.point, err)
+		}
+	}
+	if err := r.traffic(ctx, r.perFault); err != nil {
+		return nil, err
+	}
+	r.logf("faults done; draining")
+	if err := r.drain(ctx, exe); err != nil {
+		return nil, err
+	}
+
+	// Events that overtook their order.created past the retry window
+	// (RabbitMQ gives no order; a crash puts unacked messages back out of
+	// place) were dead-lettered; replay those whose order exists now, as
+	// the demo does.
+	dlq, err := r.dlq()
+	if err != nil {
+		return nil, fmt.Errorf("read the dead-letter queue: %w", err)
+	}
+	replay, err := replayable(ctx, r.pool, dlq)
+	if err != nil {
+		return nil, err
+	}
+	if len(replay) > 0 {
+		r.logf("replaying %d dead letters whose order exists now", len(replay))
+		if err := r.pub.Publish(ctx, replay); err != nil {
+			return nil, err
+		}
+		if err := r.drain(ctx, exe); err != nil {
+			return nil, err
+		}
+		if dlq, err = r.dlq(); err != nil {
+			return nil, err
+		}
+	}
+	res, err := r.count(ctx, dlq)
+	if err != nil {
+		return nil, err
+	}
+	res.Replayed = len(replay)
+	res.Elapsed = time.Since(start).Round(time.Millisecond).String()
+	return res, nil
+}
+
+// startKafka starts kfake in this process on a loopback port, behind a
+// listener that can cut every connection; it outlives the members.
+func (r *chaosRun) startKafka() error {
+	var ln *cutListener
+	kf, err := kfake.NewCluster(kfake.NumBrokers(1),
+		kfake.GroupMinSessionTimeout(500*time.Millisecond),
+		kfake.SeedTopics(int32(r.o.partitions), r.o.topic, r.o.topic+kafka.DefaultDeadLetterSuffix),
+		kfake.ListenFn(func(network, addr string) (net.Listener, error) {
+			inner, err := net.Listen(network, addr)
+			if err != nil {
+				return nil, err
+			}
+			ln = &cutListener{Listener: inner}
+			return ln, nil
+		}))
+	if err != nil {
+		return err
+	}
+	r.o.kafkaBrokers = kf.ListenAddrs()
+	r.o.fastFailover = true
+	r.cut = ln.cut
+	kd, err := newKafkaDrained(r.o.kafkaBrokers, r.o.name, r.o.topic)
+	if err != nil {
+		kf.Close()
+		return err
+	}
+	r.lag = func(context.Context) (int64, error) { return kd.Lag(context.Background()) }
+	r.dlq = func() ([]deadLetter, error) {
+		return readKafkaTopic(r.o.kafkaBrokers, r.o.topic+kafka.DefaultDeadLetterSuffix)
+	}
+	r.closers = append(r.closers, func() { _ = kd.Close(); kf.Close() })
+	return nil
+}
+
+// startAMQP declares the run's queues and starts a TCP proxy between the
+// members and RabbitMQ whose connections the driver can cut.
+func (r *chaosRun) startAMQP(ctx context.Context) (func(), error) {
+	r.o.amqpURL = r.cfg.AMQPURL
+	if err := prepareAMQP(ctx, r.o); err != nil {
+		return nil, err
+	}
+	queues, err := newAMQPQueues(r.cfg.AMQPURL, r.o.topic)
+	if err != nil {
+		return nil, err
+	}
+	u, err := url.Parse(r.cfg.AMQPURL)
+	if err != nil {
+		return nil, err
+	}
+	upstream := u.Host
+	if u.Port() == "" {
+		upstream = net.JoinHostPort(u.Hostname(), "5672")
+	}
+	px, err := startProxy(upstream)
+	if err != nil {
+		_ = queues.Close()
+		return nil, err
+	}
+	// The members connect through the proxy; the driver's own publisher
+	// and inspection connect directly.
+	pu := *u
+	pu.Host = px.addr()
+	r.memberAMQP = pu.String()
+	r.cut = px.cut
+	r.lag = func(context.Context) (int64, error) { n, _, err := queues.Ready(); return int64(n), err }
+	r.dlq = queues.DeadLetters
+	return func() {
+		_ = px.Close()
+		_ = queues.Delete()
+		_ = queues.Close()
+	}, nil
+}
+
+// fault is one fault of the schedule.
+type fault struct {
+	kind  string // kill, crash-point, pg-restart, cut, rebalance-kill
+	point string
+	n     int
+}
+
+// schedule returns the faults in a seeded random order, the crash points
+// spread over the first two thirds (they need traffic to reach).
+func (r *chaosRun) schedule() []fault {
+	var fs []fault
+	for i := 0; i < r.cfg.Kills; i++ {
+		fs = append(fs, fault{kind: "kill"})
+	}
+	for i := 0; i < r.cfg.PGRestarts; i++ {
+		fs = append(fs, fault{kind: "pg-restart"})
+	}
+	for i := 0; i < r.cfg.Cuts; i++ {
+		fs = append(fs, fault{kind: "cut"})
+	}
+	if r.cfg.Broker == "kafka" {
+		for i := 0; i < r.cfg.Rebalances; i++ {
+			fs = append(fs, fault{kind: "rebalance-kill"})
+		}
+	}
+	r.rng.Shuffle(len(fs), func(i, j int) { fs[i], fs[j] = fs[j], fs[i] })
+	if r.cfg.CrashPoints {
+		span := max(1, len(fs)*2/3)
+		// mid-batch first: it needs the largest backlog.
+		points := append([]string{"mid-batch"}, crashPointNames[:4]...)
+		for i, p := range points {
+			n := 1 + r.rng.Intn(3)
+			if p == "after-dead-letter" {
+				n = 1
+			}
+			at := min(len(fs), i*span/len(points)+i)
+			fs = append(fs[:at], append([]fault{{kind: "crash-point", point: p, n: n}}, fs[at:]...)...)
+		}
+	}
+	return fs
+}
+
+// traffic generates a new batch of orders (the generator with a seed of
+// its own, so ids never collide with earlier batches), adds it to the
+// run's plan and publishes it.
+func (r *chaosRun) traffic(ctx context.Context, orders int) error {
+	r.batches++
+	mix := r.o.mix
+	mix.Orders = orders
+	mix.Seed = r.cfg.Seed*1000 + int64(r.batches)
+	p := Generate(mix)
+	r.plan.Messages = append(r.plan.Messages, p.Messages...)
+	for k, n := range p.Sent {
+		r.plan.Sent[k] += n
+	}
+	for id, o := range p.Orders {
+		r.plan.Orders[id] = o
+	}
+	r.plan.LedgerSum += p.LedgerSum
+	r.plan.LedgerRows += p.LedgerRows
+	r.plan.Malformed += p.Malformed
+	r.plan.Violations += p.Violations
+	return r.publish(ctx, p.Messages)
+}
+
+// publish sends msgs, retrying through broker cuts (the Kafka producer is
+// idempotent; an AMQP message confirmed twice is a duplicate the consumer
+// skips).
+func (r *chaosRun) publish(ctx context.Context, msgs []outMsg) error {
+	var err error
+	for attempt := 0; attempt < 10; attempt++ {
+		if err = r.pub.Publish(ctx, msgs); err == nil {
+			return nil
+		}
+		r.logf("publish: %v; retrying", err)
+		_ = r.pub.Close()
+		if r.pub, err = newPublisher(ctx, r.o); err != nil {
+			continue
+		}
+	}
+	return fmt.Errorf("publish: %w", err)
+}
+
+// processed counts the consumer's processed events.
+func (r *chaosRun) processed(ctx context.Context) (int64, error) {
+	var n int64
+	qctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	err := r.pool.QueryRow(qctx, `SELECT count(*) FROM processed_events WHERE consumer = $1`, r.o.name).Scan(&n)
+	return n, err
+}
+
+// waitProgress waits until the members have processed step more events, or
+// the broker has nothing left for them.
+func (r *chaosRun) waitProgress(ctx context.Context, step int64) error {
+	var base int64 = -1
+	deadline := time.Now().Add(90 * time.Second)
+	for time.Now().Before(deadline) {
+		n, err := r.processed(ctx)
+		if err == nil {
+			if base < 0 {
+				base = n
+			}
+			if n >= base+step {
+				return nil
+			}
+			if lag, err := r.lag(ctx); err == nil && lag == 0 {
+				return nil
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+	return fmt.Errorf("no progress within 90s (processed %d)", base)
+}
+
+// startMember starts a consumer process; extraEnv is added to its
+// environment (ONCE_CRASH_POINT).
+func (r *chaosRun) startMember(exe string, extraEnv ...string) (*member, error) {
+	r.mu.Lock()
+	r.nextID++
+	id := r.nextID
+	r.starts++
+	r.mu.Unlock()
+	out := filepath.Join(r.logs, fmt.Sprintf("member-%03d.log", id))
+	f, err := os.Create(out)
+	if err != nil {
+		return nil, err
+	}
+	args := []string{"serve", "-broker", r.cfg.Broker, "-topic", r.o.topic, "-name", r.o.name, "-schema", r.o.schema,
+		"-metrics-addr", "off", "-label", fmt.Sprintf("member %d:", id),
+		"-unknown-order-wait", r.o.unknownOrderWait.String(), "-max-attempts", strconv.Itoa(r.o.maxAttempts)}
+	if r.o.fastFailover {
+		args = append(args, "-fast-failover")
+	}
+	cmd := exec.Command(exe, args...)
+	env := append([]string{}, os.Environ()...)
+	env = append(env, "DATABASE_URL="+r.pg.URL(), "BROKER="+r.cfg.Broker, "KAFKA_BROKERS="+strings.Join(r.o.kafkaBrokers, ","))
+	if r.cfg.Broker == "amqp" {
+		env = append(env, "AMQP_URL="+r.memberAMQP)
+	}
+	cmd.Env = append(env, extraEnv...)
+	cmd.Stdout, cmd.Stderr = f, f
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		f.Close()
+		return nil, err
+	}
+	m := &member{id: id, cmd: cmd, out: out, exited: make(chan struct{})}
+	go func() {
+		_ = cmd.Wait()
+		m.code = cmd.ProcessState.ExitCode()
+		f.Close()
+		close(m.exited)
+	}()
+	r.mu.Lock()
+	r.members = append(r.members, m)
+	r.mu.Unlock()
+	return m, nil
+}
+
+// live returns the members still running.
+func (r *chaosRun) live() []*member {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var out []*member
+	for _, m := range r.members {
+		select {
+		case <-m.exited:
+		default:
+			out = append(out, m)
+		}
+	}
+	return out
+}
+
+// forget removes m from the members and adds its reported duplicates.
+func (r *chaosRun) forget(m *member) {
+	<-m.exited
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for i, x := range r.members {
+		if x == m {
+			r.members = append(r.members[:i], r.members[i+1:]...)
+			break
+		}
+	}
+	r.dups += reportedDuplicates(m.out)
+}
+
+var dupRe = regexp.MustCompile(`duplicates skipped (\d+)`)
+
+// reportedDuplicates returns the last duplicate count a member's log shows.
+func reportedDuplicates(path string) uint64 {
+	f, err := os.Open(path)
+	if err != nil {
+		return 0
+	}
+	defer f.Close()
+	var last uint64
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		if m := dupRe.FindStringSubmatch(sc.Text()); m != nil {
+			last, _ = strconv.ParseUint(m[1], 10, 64)
+		}
+	}
+	return last
+}
+
+func (m *member) kill() {
+	_ = m.cmd.Process.Signal(syscall.SIGKILL)
+	<-m.exited
+}
+
+// stop asks m to drain and stop (SIGTERM), and kills it after a minute.
+func (m *member) stop() {
+	_ = m.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-m.exited:
+	case <-time.After(time.Minute):
+		m.kill()
+	}
+}
+
+func (r *chaosRun) killAll() {
+	for _, m := range r.live() {
+		m.kill()
+	}
+	for i := len(r.closers) - 1; i >= 0; i-- {
+		r.closers[i]()
+	}
+	r.closers = nil
+}
+
+// pause waits d, or less if ctx ends.
+func pause(ctx context.Context, d time.Duration) {
+	select {
+	case <-ctx.Done():
+	case <-time.After(d):
+	}
+}
+
+// randomMember picks a running member.
+func (r *chaosRun) randomMember() *member {
+	l := r.live()
+	if len(l) == 0 {
+		return nil
+	}
+	return l[r.rng.Intn(len(l))]
+}
+
+// apply injects one fault and brings the members back to full strength.
+func (r *chaosRun) apply(ctx context.Context, exe string, f fault) error {
+	switch f.kind {
+	case "kill":
+		// A random moment: up to 300 ms after the last progress check.
+		pause(ctx, time.Duration(r.rng.Intn(300))*time.Millisecond)
+		if m := r.randomMember(); m != nil {
+			m.kill()
+			r.forget(m)
+		}
+		// Restart at once or after the group noticed (partitions move).
+		pause(ctx, time.Duration(r.rng.Intn(1500))*time.Millisecond)
+	case "rebalance-kill":
+		victim := r.randomMember()
+		if _, err := r.startMember(exe); err != nil {
+			return err
+		}
+		// Kill the victim while the new member joins the group.
+		pause(ctx, time.Duration(100+r.rng.Intn(400))*time.Millisecond)
+		if victim != nil {
+			victim.kill()
+			r.forget(victim)
+		}
+	case "pg-restart":
+		pause(ctx, time.Duration(r.rng.Intn(200))*time.Millisecond)
+		if err := r.pg.Stop(ctx); err != nil {
+			return fmt.Errorf("stop PostgreSQL: %w", err)
+		}
+		pause(ctx, time.Duration(500+r.rng.Intn(1500))*time.Millisecond)
+		if err := r.pg.Restart(ctx); err != nil {
+			return fmt.Errorf("restart PostgreSQL: %w", err)
+		}
+	case "cut":
+		pause(ctx, time.Duration(r.rng.Intn(300))*time.Millisecond)
+		n := r.cut()
+		r.logf("cut %d connections", n)
+	case "crash-point":
+		if err := r.crashAt(ctx, exe, f); err != nil {
+			return err
+		}
+	}
+	r.faults[f.kind]++
+	for len(r.live()) < r.cfg.Members {
+		if _, err := r.startMember(exe); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// crashAt restarts one member with ONCE_CRASH_POINT set and waits until the
+// crash point kills it (exit status 86), publishing traffic meanwhile.
+func (r *chaosRun) crashAt(ctx context.Context, exe string, f fault) error {
+	if m := r.randomMember(); m != nil {
+		m.kill()
+		r.forget(m)
+	}
+	if f.point == "after-dead-letter" {
+		// Poison for every partition, so that the crashing member has
+		// some whatever it is assigned.
+		var poison []outMsg
+		for i := 0; i < 4*r.o.partitions; i++ {
+			r.extra++
+			id := fmt.Sprintf("o-%d-poison-%04d", r.cfg.Seed, r.extra)
+			poison = append(poison, outMsg{Key: id, Value: []byte(`{"order_id":"` + id + `",`),
+				ID: fmt.Sprintf("evt-%d-poison-%04d", r.cfg.Seed, r.extra), Type: TypeCreated, Kind: kindMalformed})
+		}
+		r.plan.Messages = append(r.plan.Messages, poison...)
+		r.plan.Sent[kindMalformed] += len(poison)
+		r.plan.Malformed += len(poison)
+		if err := r.publish(ctx, poison); err != nil {
+			return err
+		}
+	}
+	if f.point == "mid-batch" && r.cfg.Broker == "kafka" {
+		// Batches form only after the first BatchSize (100) messages of a
+		// fresh assignment, handled one at a time: stop every member and
+		// let a backlog of more than that per partition build up.
+		for _, m := range r.live() {
+			m.kill()
+			r.forget(m)
+		}
+		if err := r.traffic(ctx, 75*r.o.partitions); err != nil {
+			return err
+		}
+	}
+	m, err := r.startMember(exe, fmt.Sprintf("ONCE_CRASH_POINT=%s:%d", f.point, f.n))
+	if err != nil {
+		return err
+	}
+	deadline := time.After(90 * time.Second)
+	for {
+		select {
+		case <-m.exited:
+			r.forget(m)
+			if m.code != crashExitCode {
+				return fmt.Errorf("member %d with crash point %s exited with %d, want %d (see %s)", m.id, f.point, m.code, crashExitCode, m.out)
+			}
+			r.crashes[f.point]++
+			return nil
+		case <-deadline:
+			r.logf("crash point %s:%d not reached within 90s", f.point, f.n)
+			m.kill()
+			r.forget(m)
+			return nil
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(2 * time.Second):
+			// Still running: it needs more traffic to reach the point.
+			if err := r.traffic(ctx, 50); err != nil {
+				return err
+			}
+		}
+	}
+}
+
+// drain lets the members finish the backlog, stops them gracefully, and
+// repeats with one member until the broker holds nothing unsettled.
+func (r *chaosRun) drain(ctx context.Context, exe string) error {
+	deadline := time.Now().Add(5 * time.Minute)
+	for round := 0; time.Now().Before(deadline); round++ {
+		if len(r.live()) == 0 {
+			if _, err := r.startMember(exe); err != nil {
+				return err
+			}
+		}
+		// Quiet: nothing left at the broker and no new processed events
+		// for 3 s (AMQP counts the messages in flight as not ready).
+		var last int64 = -1
+		quietSince := time.Now()
+		for time.Now().Before(deadline) {
+			n, err := r.processed(ctx)
+			lag, lerr := r.lag(ctx)
+			if err == nil && lerr == nil {
+				if n != last || lag != 0 {
+					last, quietSince = n, time.Now()
+				} else if time.Since(quietSince) > 3*time.Second {
+					break
+				}
+			}
+			pause(ctx, 100*time.Millisecond)
+			if ctx.Err() != nil {
+				return ctx.Err()
+			}
+		}
+		for _, m := range r.live() {
+			m.stop()
+			r.forget(m)
+		}
+		if r.cfg.Broker == "kafka" {
+			// Offsets are committed on Close; the lag is now exact.
+			if lag, err := r.lag(ctx); err == nil && lag == 0 {
+				return nil
+			}
+		} else if lag, err := r.lag(ctx); err == nil && lag == 0 {
+			return nil
+		}
+		r.logf("drain round %d: the broker still holds messages; one more member", round+1)
+	}
+	return errors.New("the members did not drain the broker within 5 minutes")
+}
+
+// count compares the database and the dead-letter queue with the plan.
+func (r *chaosRun) count(ctx context.Context, dlq []deadLetter) (*ChaosResult, error) {
+	res := &ChaosResult{Broker: r.cfg.Broker, Seed: r.cfg.Seed, SentByKind: map[string]int{}, DLQByKind: map[string]int{},
+		DLQIDsByKind: map[string]int{}, Faults: r.faults, CrashPoints: r.crashes, Members: r.cfg.Members, Starts: r.starts,
+		DuplicatesSkipped: r.dups}
+	res.Sent = len(r.plan.Messages)
+	for k, n := range r.plan.Sent {
+		res.SentByKind[k] = n
+	}
+	// Effects per event id: the order row a created event inserted, the
+	// payment row a paid event inserted, the status a cancellation set.
+	effects := map[string]int{}
+	rows, err := r.pool.Query(ctx, `SELECT created_event, count(*) FROM orders GROUP BY created_event
+		UNION ALL SELECT event_id, count(*) FROM payments GROUP BY event_id`)
+	if err != nil {
+		return nil, err
+	}
+	for rows.Next() {
+		var id string
+		var n int
+		if err := rows.Scan(&id, &n); err != nil {
+			rows.Close()
+			return nil, err
+		}
+		effects[id] += n
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	cancelled := map[string]bool{}
+	rows, err = r.pool.Query(ctx, `SELECT id FROM orders WHERE status = 'cancelled'`)
+	if err != nil {
+		return nil, err
+	}
+	for rows.Next() {
+		var id string
+		if err := rows.Scan(&id); err != nil {
+			rows.Close()
+			return nil, err
+		}
+		cancelled[id] = true
+	}
+	rows.Close()
+	var perOrderPayments []string
+	if err := r.pool.QueryRow(ctx, `SELECT coalesce(array_agg(order_id), '{}') FROM (SELECT order_id FROM payments GROUP BY order_id HAVING count(*) > 1) d`).Scan(&perOrderPayments); err != nil {
+		return nil, err
+	}
+	if err := r.pool.QueryRow(ctx, `SELECT count(*) FROM processed_events WHERE consumer = $1`, r.o.name).Scan(&res.Processed); err != nil {
+		return nil, err
+	}
+
+	dlKind := map[string]string{}
+	for _, d := range dlq {
+		k := d.Headers[consumer.HeaderErrorKind]
+		res.DLQByKind[k]++
+		id := d.Headers[consumer.HeaderEventID]
+		if _, ok := dlKind[id]; !ok {
+			res.DLQIDsByKind[k]++
+		}
+		dlKind[id] = k
+	}
+	res.DLQRecords = len(dlq)
+
+	seen := map[string]bool{}
+	for _, m := range r.plan.Messages {
+		var key struct {
+			OrderID string `json:"order_id"`
+		}
+		switch m.Kind {
+		case kindEvent, kindIDless:
+			id := m.ID
+			if id == "" {
+				_ = json.Unmarshal(m.Value, &key)
+				id = key.OrderID + "/" + m.Type
+			}
+			if seen[id] {
+				continue
+			}
+			seen[id] = true
+			res.UniqueEvents++
+			n := effects[id]
+			if m.Type == TypeCancelled {
+				_ = json.Unmarshal(m.Value, &key)
+				if cancelled[key.OrderID] {
+					n = 1
+				}
+			}
+			switch {
+			case n == 1:
+				res.EffectsOnce++
+			case n == 0:
+				res.Lost++
+				if len(res.LostIDs) < 20 {
+					res.LostIDs = append(res.LostIDs, fmt.Sprintf("%s (dead-lettered: %q)", id, dlKind[id]))
+				}
+			default:
+				res.Doubled++
+				if len(res.DoubledIDs) < 20 {
+					res.DoubledIDs = append(res.DoubledIDs, fmt.Sprintf("%s (%d effects)", id, n))
+				}
+			}
+		case kindDuplicate, kindIDlessDup: // copies: no effect of their own
+		default: // poison: malformed or a rule violation
+			res.Poison++
+			want := string(consumer.KindHandler)
+			if m.Kind == kindMalformed {
+				want = string(consumer.KindDecode)
+			}
+			if dlKind[m.ID] == want {
+				res.PoisonDeadLettered++
+			} else if len(res.PoisonMissing) < 20 {
+				res.PoisonMissing = append(res.PoisonMissing, fmt.Sprintf("%s (%s): dead-letter kind %q, want %q", m.ID, m.Kind, dlKind[m.ID], want))
+			}
+			if effects[m.ID] > 0 {
+				res.Doubled++
+				res.DoubledIDs = append(res.DoubledIDs, m.ID+" (poison with an effect)")
+			}
+		}
+	}
+	for _, id := range perOrderPayments {
+		res.Problems = append(res.Problems, "order "+id+" paid more than once")
+	}
+
+	// The order-processor's own verdict on the orders table and the ledger.
+	var buf strings.Builder
+	if err := report(ctx, &buf, r.pool, r.o, r.plan, runs{}, dlq, 0); err != nil {
+		res.OrdersCheck = "FAIL"
+		res.Problems = append(res.Problems, "the order-processor's report: "+lastMismatches(buf.String()))
+	} else {
+		res.OrdersCheck = "PASS (every order's status, amount and payments as sent)"
+	}
+	if res.Lost > 0 {
+		res.Problems = append(res.Problems, fmt.Sprintf("%d events lost, e.g. %s", res.Lost, strings.Join(res.LostIDs, ", ")))
+	}
+	if res.Doubled > 0 {
+		res.Problems = append(res.Problems, fmt.Sprintf("%d events doubled, e.g. %s", res.Doubled, strings.Join(res.DoubledIDs, ", ")))
+	}
+	if res.PoisonDeadLettered != res.Poison {
+		res.Problems = append(res.Problems, fmt.Sprintf("%d poison messages not dead-lettered as expected, e.g. %s",
+			res.Poison-res.PoisonDeadLettered, strings.Join(res.PoisonMissing, ", ")))
+	}
+	if r.cfg.CrashPoints {
+		for _, p := range crashPointNames {
+			if r.crashes[p] == 0 {
+				res.Problems = append(res.Problems, "crash point "+p+" was never reached")
+			}
+		}
+	}
+	if res.Pass() {
+		res.Verdict = "PASS: lost = 0, doubled = 0, every poison message dead-lettered"
+	} else {
+		res.Verdict = "FAIL"
+	}
+	return res, nil
+}
+
+// lastMismatches returns the report's lines that describe what differs.
+func lastMismatches(report string) string {
+	var out []string
+	for _, l := range strings.Split(report, "\n") {
+		if strings.Contains(l, "want") || strings.Contains(l, "mismatch") {
+			out = append(out, strings.TrimSpace(l))
+		}
+	}
+	sort.Strings(out)
+	return strings.Join(out, "; ")
+}
+
+// cutListener tracks the connections it accepted so that the driver can
+// cut them all, as a network failure would.
+type cutListener struct {
+	net.Listener
+	mu    sync.Mutex
+	conns []net.Conn
+}
+
+func (l *cutListener) Accept() (net.Conn, error) {
+	conn, err := l.Listener.Accept()
+	if err == nil {
+		l.mu.Lock()
+		l.conns = append(l.conns, conn)
+		l.mu.Unlock()
+	}
+	return conn, err
+}
+
+// cut closes every accepted connection and reports how many there were.
+func (l *cutListener) cut() int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	n := len(l.conns)
+	for _, c := range l.conns {
+		_ = c.Close()
+	}
+	l.conns = nil
+	return n
+}
+
+// proxy is a TCP proxy to one upstream address whose connections can be
+// cut all at once.
+type proxy struct {
+	ln       net.Listener
+	upstream string
+	mu       sync.Mutex
+	conns    []net.Conn
+}
+
+func startProxy(upstream string) (*proxy, error) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, err
+	}
+	p := &proxy{ln: ln, upstream: upstream}
+	go p.serve()
+	return p, nil
+}
+
+func (p *proxy) addr() string { return p.ln.Addr().String() }
+
+func (p *proxy) serve() {
+	for {
+		in, err := p.ln.Accept()
+		if err != nil {
+			return
+		}
+		out, err := net.DialTimeout("tcp", p.upstream, 5*time.Second)
+		if err != nil {
+			_ = in.Close()
+			continue
+		}
+		p.mu.Lock()
+		p.conns = append(p.conns, in, out)
+		p.mu.Unlock()
+		go func() { _, _ = io.Copy(out, in); _ = out.Close(); _ = in.Close() }()
+		go func() { _, _ = io.Copy(in, out); _ = out.Close(); _ = in.Close() }()
+	}
+}
+
+// cut closes every proxied connection and reports how many there were.
+func (p *proxy) cut() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	n := len(p.conns) / 2
+	for _, c := range p.conns {
+		_ = c.Close()
+	}
+	p.conns = nil
+	return n
+}
+
+func (p *proxy) Close() error {
+	p.cut()
+	return p.ln.Close()
+}
