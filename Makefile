@@ -39,3 +39,20 @@ fuzz:
 lint:
 	@test -z "$$(gofmt -l .)" || (gofmt -l . && exit 1)
 	$(GO) vet ./...
+
+.PHONY: chaos
+CHAOS_FLAGS ?=
+CHAOS_JSON  ?=
+## chaos: fault injection (docs/reliability.md): the order-processor, built with -tags chaos, as
+## 3 processes on Kafka (kfake) and on RabbitMQ (AMQP_URL, else a throwaway node) under 20 SIGKILLs,
+## every crash point, 2 PostgreSQL restarts, 5 broker cuts and group churn; a table per broker,
+## and JSON in CHAOS_JSON when set. CHAOS_FLAGS adds flags (-broker kafka, -seed N, -kills N, ...)
+chaos:
+	scripts/ensure-deps.sh postgres rabbitmq
+	@set -e; \
+	if [ -z "$${AMQP_URL:-}" ]; then \
+	  rabbit_dir=$$(mktemp -d /tmp/once-rabbit-XXXXXX); \
+	  trap 'scripts/rabbitmq.sh stop "$$rabbit_dir"' EXIT; \
+	  eval "$$(scripts/rabbitmq.sh start "$$rabbit_dir")"; \
+	fi; \
+	$(GO) run ./examples/order-processor chaos -broker all $(if $(CHAOS_JSON),-json $(CHAOS_JSON)) $(CHAOS_FLAGS)

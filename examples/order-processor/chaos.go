@@ -937,28 +937,56 @@ func (r *chaosRun) count(ctx context.Context, dlq []deadLetter) (*ChaosResult, e
 	}
 	res.DLQRecords = len(dlq)
 
-	seen := map[string]bool{}
-	for _, m := range r.plan.Messages {
+	// A payment and a second payment of the same order ("paid twice") are
+	// rivals: without order (RabbitMQ, and its redeliveries after a crash)
+	// either may be handled first; the business rule keeps the first and
+	// dead-letters the other. The pair must end with exactly one effect,
+	// and the one without must be in the dead-letter queue.
+	orderOf := func(m outMsg) string {
 		var key struct {
 			OrderID string `json:"order_id"`
 		}
+		_ = json.Unmarshal(m.Value, &key)
+		return key.OrderID
+	}
+	eventID := func(m outMsg) string {
+		if m.ID != "" {
+			return m.ID
+		}
+		return orderOf(m) + "/" + m.Type
+	}
+	secondPayment := map[string]string{} // order id -> event id
+	for _, m := range r.plan.Messages {
+		if m.Kind == kindSecondPayment {
+			secondPayment[orderOf(m)] = m.ID
+		}
+	}
+	rival := map[string]string{}
+	for _, m := range r.plan.Messages {
+		if s, ok := secondPayment[orderOf(m)]; ok && m.Type == TypePaid && (m.Kind == kindEvent || m.Kind == kindIDless) {
+			rival[eventID(m)], rival[s] = s, eventID(m)
+		}
+	}
+	handlerKind := string(consumer.KindHandler)
+
+	seen := map[string]bool{}
+	for _, m := range r.plan.Messages {
 		switch m.Kind {
 		case kindEvent, kindIDless:
-			id := m.ID
-			if id == "" {
-				_ = json.Unmarshal(m.Value, &key)
-				id = key.OrderID + "/" + m.Type
-			}
+			id := eventID(m)
 			if seen[id] {
 				continue
 			}
 			seen[id] = true
 			res.UniqueEvents++
 			n := effects[id]
-			if m.Type == TypeCancelled {
-				_ = json.Unmarshal(m.Value, &key)
-				if cancelled[key.OrderID] {
-					n = 1
+			if m.Type == TypeCancelled && cancelled[orderOf(m)] {
+				n = 1
+			}
+			if rv, ok := rival[id]; ok {
+				n += effects[rv]
+				if effects[id] == 0 && dlKind[id] != handlerKind {
+					n = 0 // lost its race and is not in the dead-letter queue either
 				}
 			}
 			switch {
@@ -978,16 +1006,18 @@ func (r *chaosRun) count(ctx context.Context, dlq []deadLetter) (*ChaosResult, e
 		case kindDuplicate, kindIDlessDup: // copies: no effect of their own
 		default: // poison: malformed or a rule violation
 			res.Poison++
-			want := string(consumer.KindHandler)
+			want := handlerKind
 			if m.Kind == kindMalformed {
 				want = string(consumer.KindDecode)
 			}
-			if dlKind[m.ID] == want {
+			rv, raced := rival[m.ID]
+			wonRace := raced && effects[m.ID] == 1 && effects[rv] == 0 && dlKind[rv] == handlerKind
+			if dlKind[m.ID] == want || wonRace {
 				res.PoisonDeadLettered++
 			} else if len(res.PoisonMissing) < 20 {
 				res.PoisonMissing = append(res.PoisonMissing, fmt.Sprintf("%s (%s): dead-letter kind %q, want %q", m.ID, m.Kind, dlKind[m.ID], want))
 			}
-			if effects[m.ID] > 0 {
+			if effects[m.ID] > 0 && !wonRace {
 				res.Doubled++
 				res.DoubledIDs = append(res.DoubledIDs, m.ID+" (poison with an effect)")
 			}

@@ -1,0 +1,133 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// chaosExe builds the order-processor with -tags chaos once per test
+// binary: the members of a chaos run are that program.
+var chaosExe = sync.OnceValues(func() (string, error) {
+	dir, err := os.MkdirTemp("", "once-chaos-exe-")
+	if err != nil {
+		return "", err
+	}
+	exe := filepath.Join(dir, "order-processor-chaos")
+	out, err := exec.Command("go", "build", "-tags", "chaos", "-o", exe, ".").CombinedOutput()
+	if err != nil {
+		return "", &buildError{err: err, out: string(out)}
+	}
+	return exe, nil
+})
+
+type buildError struct {
+	err error
+	out string
+}
+
+func (e *buildError) Error() string { return e.err.Error() + "\n" + e.out }
+
+// reducedChaos is the chaos run inside make test: less traffic and fewer
+// kills than make chaos, but every kind of fault at least once.
+func reducedChaos(t *testing.T, broker, amqpURL string) *ChaosResult {
+	t.Helper()
+	exe, err := chaosExe()
+	require.NoError(t, err)
+	var log bytes.Buffer
+	cfg := ChaosConfig{
+		Broker: broker, AMQPURL: amqpURL,
+		Orders: 400, Seed: time.Now().UnixNano()%900000 + 100000,
+		Kills: 3, CrashPoints: true, PGRestarts: 1, Cuts: 1, Members: 3, Rebalances: 1,
+		Exe: exe, Output: &log,
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	res, err := RunChaos(ctx, cfg)
+	require.NoError(t, err, "driver log:\n%s", log.String())
+	var table bytes.Buffer
+	res.Print(&table)
+	t.Log("\n" + table.String())
+	return res
+}
+
+// assertChaosVerdict checks a run's counts: nothing lost, nothing doubled,
+// every poison message in the dead-letter queue, and every fault injected.
+func assertChaosVerdict(t *testing.T, res *ChaosResult, faultKinds ...string) {
+	t.Helper()
+	assert.Zero(t, res.Lost, "lost: %v", res.LostIDs)
+	assert.Zero(t, res.Doubled, "doubled: %v", res.DoubledIDs)
+	assert.Positive(t, res.UniqueEvents)
+	assert.Equal(t, res.UniqueEvents, res.EffectsOnce, "every valid event has exactly one effect")
+	assert.Equal(t, int64(res.UniqueEvents), res.Processed, "one processed_events row per valid event")
+	assert.Positive(t, res.Poison)
+	assert.Equal(t, res.Poison, res.PoisonDeadLettered, "every poison message dead-lettered: %v", res.PoisonMissing)
+	assert.Positive(t, res.SentByKind[kindDuplicate]+res.SentByKind[kindIDlessDup], "the traffic had duplicates")
+	for _, k := range faultKinds {
+		assert.Positive(t, res.Faults[k], "fault %s injected", k)
+	}
+	for _, p := range crashPointNames {
+		assert.Equal(t, 1, res.CrashPoints[p], "crash point %s killed a member", p)
+	}
+	assert.True(t, strings.HasPrefix(res.OrdersCheck, "PASS"), res.OrdersCheck)
+	assert.True(t, res.Pass(), "problems: %v", res.Problems)
+}
+
+// The reduced chaos run on Kafka: kfake in this process behind a cutting
+// listener, three member processes in one group killed at random, at each
+// crash point and while another joins, PostgreSQL restarted under them.
+func TestChaosKafka(t *testing.T) {
+	start := time.Now()
+	res := reducedChaos(t, "kafka", "")
+	assertChaosVerdict(t, res, "kill", "crash-point", "pg-restart", "cut", "rebalance-kill")
+	assert.GreaterOrEqual(t, res.Starts, 3+3+5+1, "members restarted after each kill and crash")
+	t.Logf("took %s", time.Since(start).Round(time.Second))
+}
+
+// The reduced chaos run on RabbitMQ: the members connect through a proxy
+// the driver cuts.
+func TestChaosRabbitMQ(t *testing.T) {
+	u := requireAMQP(t)
+	res := reducedChaos(t, "amqp", u)
+	assertChaosVerdict(t, res, "kill", "crash-point", "pg-restart", "cut")
+}
+
+// The JSON the -json flag writes holds the counts and the verdict.
+func TestChaosCommandWritesJSON(t *testing.T) {
+	exe, err := chaosExe()
+	require.NoError(t, err)
+	file := filepath.Join(t.TempDir(), "chaos.json")
+	var out, errOut bytes.Buffer
+	code := chaosMain(context.Background(), []string{"-broker", "kafka", "-orders", "100", "-kills", "1", "-pg-restarts", "0",
+		"-cuts", "1", "-members", "2", "-rebalances", "0", "-no-crash-points", "-exe", exe, "-json", file}, &out, &errOut)
+	require.Equal(t, 0, code, "stdout:\n%s\nstderr:\n%s", out.String(), errOut.String())
+	assert.Contains(t, out.String(), "verdict: PASS")
+	data, err := os.ReadFile(file)
+	require.NoError(t, err)
+	var got []ChaosResult
+	require.NoError(t, json.Unmarshal(data, &got))
+	require.Len(t, got, 1)
+	assert.Equal(t, "kafka", got[0].Broker)
+	assert.Zero(t, got[0].Lost)
+	assert.Zero(t, got[0].Doubled)
+	assert.Equal(t, 1, got[0].Faults["kill"])
+	assert.Equal(t, 1, got[0].Faults["cut"])
+	assert.Contains(t, got[0].Command, "-kills 1")
+}
+
+// Bad flags are a usage error.
+func TestChaosCommandRejectsUnknownBroker(t *testing.T) {
+	var out, errOut bytes.Buffer
+	assert.Equal(t, 2, chaosMain(context.Background(), []string{"-broker", "nats"}, &out, &errOut))
+	assert.Contains(t, errOut.String(), `-broker "nats"`)
+}
