@@ -109,7 +109,10 @@ func TestConsumerConfigErrorsNameTheField(t *testing.T) {
 			func() error { _, err := consumer.New(nil, src, nopHandler, ok); return err },
 			func() error { _, err := consumer.New(pool, nil, nopHandler, ok); return err },
 			func() error { _, err := consumer.New[map[string]any](pool, src, nil, ok); return err },
-			func() error { _, err := consumer.NewRouted(pool, src, consumer.NewRouter(consumer.RouterConfig{}), ok); return err },
+			func() error {
+				_, err := consumer.NewRouted(pool, src, consumer.NewRouter(consumer.RouterConfig{}), ok)
+				return err
+			},
 		} {
 			err := bounded(t, 5*time.Second, func(context.Context) error { return f() })
 			require.ErrorIs(t, err, consumer.ErrInvalidConfig)
