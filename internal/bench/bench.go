@@ -131,6 +131,10 @@ type Result struct {
 	AllocsPerMsg float64 `json:"allocs_per_msg"`
 	// PeakRSSMB is the row subprocess's VmHWM once the backlog was consumed.
 	PeakRSSMB float64 `json:"peak_rss_mb"`
+	// HeapSysMB and HeapInuseMB are the Go heap of the subprocess at the
+	// end of the backlog phase.
+	HeapSysMB   float64 `json:"heap_sys_mb"`
+	HeapInuseMB float64 `json:"heap_inuse_mb"`
 	// VsNaive and VsCeiling are Rate over the naive row's and over the lower
 	// ceiling's rate.
 	VsNaive   float64 `json:"x_naive"`
@@ -325,6 +329,7 @@ func runRow(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, o Options, 
 		Broker: b, Row: row, Messages: cr.Messages, Seconds: cr.Seconds, Rate: cr.Rate,
 		P50Ms: ms(cr.P50), P99Ms: ms(cr.P99), ReceiveP50Ms: ms(cr.ReceiveP50), ReceiveP99Ms: ms(cr.ReceiveP99), PacedTarget: cr.PacedTarget, PacedRate: cr.PacedRate, PacedMsgs: cr.Paced.Messages,
 		AllocsPerMsg: cr.AllocsPerMsg, PeakRSSMB: float64(cr.RSSKB) / 1024,
+		HeapSysMB: float64(cr.HeapSysKB) / 1024, HeapInuseMB: float64(cr.HeapInuseKB) / 1024,
 	}
 	want := backlog.Add(cr.Paced)
 	res.Correct, res.Check, err = check(ctx, db, kc, spec, row, want)

@@ -61,6 +61,10 @@ type childResult struct {
 	// RSSKB is the subprocess's peak resident set (VmHWM) once the backlog
 	// was consumed, before the paced phase.
 	RSSKB int64
+	// HeapSysKB and HeapInuseKB are the Go heap's obtained and in-use bytes
+	// at the same moment, and NumGC the collections so far.
+	HeapSysKB, HeapInuseKB int64
+	NumGC                  uint32
 
 	PacedTarget float64 // msgs/s asked for
 	PacedRate   float64 // msgs/s achieved by the producer
@@ -246,6 +250,9 @@ func runChild(spec *rowSpec) (*childResult, error) {
 		Rate:         float64(spec.Backlog) / elapsed.Seconds(),
 		AllocsPerMsg: float64(ms1.Mallocs-ms0.Mallocs) / float64(spec.Backlog),
 		RSSKB:        procStatusKB("VmHWM"),
+		HeapSysKB:    int64(ms1.HeapSys / 1024),
+		HeapInuseKB:  int64(ms1.HeapInuse / 1024),
+		NumGC:        ms1.NumGC,
 	}
 
 	if spec.Pace > 0 {

@@ -10,15 +10,15 @@ import (
 // redelivered copy), every PoisonEvery-th is a value that does not decode.
 type Workload struct {
 	// Events is the number of distinct events.
-	Events int
+	Events int `json:"events"`
 	// DupEvery: event i is published twice when i%DupEvery == 0. 0: never.
-	DupEvery int
+	DupEvery int `json:"dup_every"`
 	// PoisonEvery: event i is poison when i%PoisonEvery == PoisonEvery-1.
 	// 0: never.
-	PoisonEvery int
+	PoisonEvery int `json:"poison_every"`
 	// Partitions is the number of Kafka partitions; event i goes to
 	// partition i%Partitions, its copy too.
-	Partitions int
+	Partitions int `json:"partitions"`
 }
 
 // dupLag is how many events later the copy of a duplicated event follows

@@ -67,11 +67,13 @@ func run() int {
 		case bench.Kafka:
 			o.Brokers = append(o.Brokers, b)
 		case bench.RabbitMQ:
-			if o.AMQPURL == "" {
+			if o.AMQPURL == "" && !*rssCheck {
 				fmt.Fprintln(os.Stderr, "oncebench: AMQP_URL is unset: skipping RabbitMQ (make bench starts a node)")
 				continue
 			}
-			o.Brokers = append(o.Brokers, b)
+			if o.AMQPURL != "" {
+				o.Brokers = append(o.Brokers, b)
+			}
 		default:
 			fmt.Fprintf(os.Stderr, "oncebench: unknown broker %q\n", b)
 			return 2
@@ -139,8 +141,8 @@ func runRSSCheck(ctx context.Context, o bench.Options, sizes string) int {
 			first = r.PeakRSSMB
 		}
 		growth := r.PeakRSSMB/first - 1
-		fmt.Printf("kafka once batched, %8d events (%8d msgs): %8.0f msgs/s, peak RSS %6.1f MB (%+.1f%% vs the first size), %.1f allocs/msg, correct: %v (%s)\n",
-			n, r.Messages, r.Rate, r.PeakRSSMB, 100*growth, r.AllocsPerMsg, r.Correct, r.Check)
+		fmt.Printf("kafka once batched, %8d events (%8d msgs): %8.0f msgs/s, peak RSS %6.1f MB (%+.1f%% vs the first size; Go heap obtained %.1f MB, in use %.1f MB), %.1f allocs/msg, correct: %v (%s)\n",
+			n, r.Messages, r.Rate, r.PeakRSSMB, 100*growth, r.HeapSysMB, r.HeapInuseMB, r.AllocsPerMsg, r.Correct, r.Check)
 		ok = ok && r.Correct && growth <= 0.10
 	}
 	if !ok {
