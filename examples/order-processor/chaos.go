@@ -154,6 +154,19 @@ func chaosMain(ctx context.Context, args []string, stdout, stderr io.Writer) int
 		fmt.Fprintf(stderr, "order-processor chaos: -broker %q: want kafka, amqp or all\n", *brokers)
 		return 2
 	}
+	if cfg.Exe == "" {
+		// One build for every broker's run.
+		dir, err := os.MkdirTemp("", "once-chaos-exe-")
+		if err != nil {
+			fmt.Fprintln(stderr, "order-processor chaos:", err)
+			return 1
+		}
+		defer os.RemoveAll(dir)
+		if cfg.Exe, err = buildChaosExe(ctx, dir); err != nil {
+			fmt.Fprintln(stderr, "order-processor chaos:", err)
+			return 1
+		}
+	}
 	command := "order-processor chaos " + strings.Join(args, " ")
 	var results []*ChaosResult
 	code := 0
@@ -279,11 +292,9 @@ func RunChaos(ctx context.Context, cfg ChaosConfig) (*ChaosResult, error) {
 	}
 	exe := cfg.Exe
 	if exe == "" {
-		exe = filepath.Join(r.logs, "order-processor-chaos")
 		r.logf("building the order-processor with -tags chaos")
-		b := exec.CommandContext(ctx, "go", "build", "-tags", "chaos", "-o", exe, "github.com/onceco/once/examples/order-processor")
-		if out, err := b.CombinedOutput(); err != nil {
-			return nil, fmt.Errorf("go build -tags chaos: %v\n%s", err, out)
+		if exe, err = buildChaosExe(ctx, r.logs); err != nil {
+			return nil, err
 		}
 	}
 	defer r.killAll()
@@ -390,6 +401,17 @@ func RunChaos(ctx context.Context, cfg ChaosConfig) (*ChaosResult, error) {
 	res.Replayed = len(replay)
 	res.Elapsed = time.Since(start).Round(time.Millisecond).String()
 	return res, nil
+}
+
+// buildChaosExe builds this program with -tags chaos (its crash points
+// compiled in) into dir.
+func buildChaosExe(ctx context.Context, dir string) (string, error) {
+	exe := filepath.Join(dir, "order-processor-chaos")
+	b := exec.CommandContext(ctx, "go", "build", "-tags", "chaos", "-o", exe, "github.com/onceco/once/examples/order-processor")
+	if out, err := b.CombinedOutput(); err != nil {
+		return "", fmt.Errorf("go build -tags chaos: %v\n%s", err, out)
+	}
+	return exe, nil
 }
 
 // startKafka starts kfake in this process on a loopback port, behind a
