@@ -8,7 +8,9 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"path/filepath"
 	"runtime"
+	"runtime/pprof"
 	"strconv"
 	"strings"
 	"sync"
@@ -19,6 +21,10 @@ import (
 
 	"github.com/onceco/once/consumer"
 )
+
+// ProfileEnv names a directory: when set, each row's subprocess writes a
+// CPU profile of its backlog phase there (<broker>-<row>.cpu.pprof).
+const ProfileEnv = "ONCE_BENCH_PROFILE"
 
 // childEnv holds, in a row's subprocess, the JSON of its rowSpec.
 const childEnv = "ONCE_BENCH_CHILD"
@@ -156,7 +162,16 @@ func runChild(spec *rowSpec) (*childResult, error) {
 		return nil, err
 	}
 	var ms0 runtime.MemStats
-	m := newMeter(src, func() { runtime.ReadMemStats(&ms0) })
+	var profile *os.File
+	m := newMeter(src, func() {
+		runtime.ReadMemStats(&ms0)
+		if dir := os.Getenv(ProfileEnv); dir != "" {
+			name := filepath.Join(dir, strings.NewReplacer(" ", "-").Replace(string(spec.Broker)+"-"+string(spec.Row))+".cpu.pprof")
+			if f, err := os.Create(name); err == nil && pprof.StartCPUProfile(f) == nil {
+				profile = f
+			}
+		}
+	})
 
 	var pool *pgxpool.Pool
 	if spec.Row != RowCeiling {
@@ -242,6 +257,10 @@ func runChild(spec *rowSpec) (*childResult, error) {
 		return nil, err
 	}
 	elapsed := time.Since(m.firstAt())
+	if profile != nil {
+		pprof.StopCPUProfile()
+		_ = profile.Close()
+	}
 	var ms1 runtime.MemStats
 	runtime.ReadMemStats(&ms1)
 	res := &childResult{
