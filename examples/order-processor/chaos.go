@@ -275,18 +275,24 @@ func (r *chaosRun) logf(format string, args ...any) {
 
 // RunChaos runs one chaos run and counts its outcome. An error means the
 // run could not be carried out; a failed verdict is in the result.
-func RunChaos(ctx context.Context, cfg ChaosConfig) (*ChaosResult, error) {
+func RunChaos(ctx context.Context, cfg ChaosConfig) (res *ChaosResult, err error) {
 	start := time.Now()
 	if cfg.Members < 1 {
 		cfg.Members = 1
 	}
 	r := &chaosRun{cfg: cfg, rng: rand.New(rand.NewSource(cfg.Seed)), faults: map[string]int{}, crashes: map[string]int{}}
-	var err error
 	if r.logs = cfg.Logs; r.logs == "" {
 		if r.logs, err = os.MkdirTemp("", "once-chaos-"); err != nil {
 			return nil, err
 		}
-		defer os.RemoveAll(r.logs)
+		// The members' logs are kept when the run fails or breaks off.
+		defer func() {
+			if res != nil && res.Pass() {
+				_ = os.RemoveAll(r.logs)
+			} else {
+				r.logf("members' logs kept in %s", r.logs)
+			}
+		}()
 	} else if err := os.MkdirAll(r.logs, 0o755); err != nil {
 		return nil, err
 	}
@@ -394,7 +400,7 @@ func RunChaos(ctx context.Context, cfg ChaosConfig) (*ChaosResult, error) {
 			return nil, err
 		}
 	}
-	res, err := r.count(ctx, dlq)
+	res, err = r.count(ctx, dlq)
 	if err != nil {
 		return nil, err
 	}
@@ -838,6 +844,9 @@ func (r *chaosRun) crashAt(ctx context.Context, exe string, f fault) error {
 			r.forget(m)
 			if m.code != crashExitCode {
 				return fmt.Errorf("member %d with crash point %s exited with %d, want %d (see %s)", m.id, f.point, m.code, crashExitCode, m.out)
+			}
+			if out, err := os.ReadFile(m.out); err != nil || !strings.Contains(string(out), "once: chaos crash at "+f.point+" #") {
+				return fmt.Errorf("member %d exited with %d but its log does not say it crashed at %s (see %s)", m.id, m.code, f.point, m.out)
 			}
 			r.crashes[f.point]++
 			return nil
