@@ -85,9 +85,13 @@ func New(cfg Config) (*Store, error) {
 	return &Store{
 		ddl:      ddl,
 		claimSQL: `INSERT INTO ` + table + ` (` + cols + `) VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING`,
+		// Rows go in in id order, so that concurrent batches sharing ids
+		// take their row locks in one order and cannot deadlock; of an id
+		// repeated in the batch, the first appearance's row is inserted.
 		claimBatchSQL: `INSERT INTO ` + table + ` (` + cols + `)
 SELECT $1, u.id, u.fp, u.src, u.part, u.off
-FROM unnest($2::text[], $3::bytea[], $4::text[], $5::integer[], $6::bigint[]) AS u(id, fp, src, part, off)
+FROM unnest($2::text[], $3::bytea[], $4::text[], $5::integer[], $6::bigint[]) WITH ORDINALITY AS u(id, fp, src, part, off, ord)
+ORDER BY u.id COLLATE "C", u.ord
 ON CONFLICT DO NOTHING RETURNING event_id`,
 		lookupSQL: `SELECT fingerprint, processed_at FROM ` + table + ` WHERE consumer = $1 AND event_id = $2`,
 		// A join on unnest, not "event_id = ANY($2)": under a generic plan

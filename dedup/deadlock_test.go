@@ -1,0 +1,69 @@
+package dedup_test
+
+import (
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/dedup"
+)
+
+// Two batches that share ids, listed in opposite orders, run at the same
+// time (both paused mid-statement by a third transaction holding the id
+// between them). Inserting in id order makes them take their locks in one
+// order: both finish, neither is aborted as a deadlock.
+func TestClaimBatchesInOppositeOrdersDoNotDeadlock(t *testing.T) {
+	ctx, pool, s := setup(t)
+	claims := func(ids ...string) []dedup.Claim {
+		out := make([]dedup.Claim, len(ids))
+		for i, id := range ids {
+			out[i] = dedup.Claim{Consumer: "c", EventID: id, Partition: -1, Offset: -1}
+		}
+		return out
+	}
+	holder, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer holder.Rollback(ctx) //nolint:errcheck
+	_, err = s.Claim(ctx, holder, claims("m")[0])
+	require.NoError(t, err)
+
+	type outcome struct {
+		res []dedup.Result
+		err error
+	}
+	run := func(ids ...string) (<-chan outcome, uint32) {
+		conn, err := pool.Acquire(ctx)
+		require.NoError(t, err)
+		pid := conn.Conn().PgConn().PID()
+		done := make(chan outcome, 1)
+		go func() {
+			defer conn.Release()
+			var o outcome
+			o.err = pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error {
+				var err error
+				o.res, err = s.ClaimBatch(ctx, tx, claims(ids...))
+				return err
+			})
+			done <- o
+		}()
+		return done, pid
+	}
+	a, pidA := run("y", "m", "x")
+	waitBlocked(t, ctx, pool, pidA)
+	b, pidB := run("x", "m", "y")
+	waitBlocked(t, ctx, pool, pidB)
+	require.NoError(t, holder.Rollback(ctx)) // let them go
+
+	oa, ob := <-a, <-b
+	require.NoError(t, oa.err, "batch A")
+	require.NoError(t, ob.err, "batch B")
+	claimed := 0
+	for _, r := range append(oa.res, ob.res...) {
+		if r.Outcome == dedup.Claimed {
+			claimed++
+		}
+	}
+	assert.Equal(t, 3, claimed, "x, m and y are each claimed once")
+}
