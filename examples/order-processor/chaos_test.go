@@ -5,10 +5,8 @@ import (
 	"context"
 	"encoding/json"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -16,34 +14,20 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-// chaosExe builds the order-processor with -tags chaos once per test
-// binary: the members of a chaos run are that program.
-var chaosExe = sync.OnceValues(func() (string, error) {
-	dir, err := os.MkdirTemp("", "once-chaos-exe-")
-	if err != nil {
-		return "", err
-	}
-	exe := filepath.Join(dir, "order-processor-chaos")
-	out, err := exec.Command("go", "build", "-tags", "chaos", "-o", exe, ".").CombinedOutput()
-	if err != nil {
-		return "", &buildError{err: err, out: string(out)}
-	}
-	return exe, nil
-})
-
-type buildError struct {
-	err error
-	out string
+// chaosExe builds the order-processor with -tags chaos into the test's
+// temporary directory: the members of a chaos run are that program.
+func chaosExe(t *testing.T) string {
+	t.Helper()
+	exe, err := buildChaosExe(context.Background(), t.TempDir())
+	require.NoError(t, err)
+	return exe
 }
-
-func (e *buildError) Error() string { return e.err.Error() + "\n" + e.out }
 
 // reducedChaos is the chaos run inside make test: less traffic and fewer
 // kills than make chaos, but every kind of fault at least once.
 func reducedChaos(t *testing.T, broker, amqpURL string) *ChaosResult {
 	t.Helper()
-	exe, err := chaosExe()
-	require.NoError(t, err)
+	exe := chaosExe(t)
 	var log bytes.Buffer
 	cfg := ChaosConfig{
 		Broker: broker, AMQPURL: amqpURL,
@@ -104,8 +88,7 @@ func TestChaosRabbitMQ(t *testing.T) {
 
 // The JSON the -json flag writes holds the counts and the verdict.
 func TestChaosCommandWritesJSON(t *testing.T) {
-	exe, err := chaosExe()
-	require.NoError(t, err)
+	exe := chaosExe(t)
 	file := filepath.Join(t.TempDir(), "chaos.json")
 	var out, errOut bytes.Buffer
 	code := chaosMain(context.Background(), []string{"-broker", "kafka", "-orders", "100", "-kills", "1", "-pg-restarts", "0",
