@@ -123,7 +123,7 @@ func publishBacklog(url, queue, prefix string, w Workload) error {
 }
 
 // queueCounts returns the ready messages of queue and of its dead-letter
-// queue, then deletes both.
+// queue.
 func queueCounts(url, queue string) (ready, dead int, err error) {
 	conn, err := amqp091.Dial(url)
 	if err != nil {
@@ -142,9 +142,24 @@ func queueCounts(url, queue string) (ready, dead int, err error) {
 	if err != nil {
 		return 0, 0, fmt.Errorf("queue %s: %w", queue+amqp.DeadLetterQueueSuffix, err)
 	}
-	_, _ = ch.QueueDelete(queue, false, false, false)
-	_, _ = ch.QueueDelete(queue+amqp.DeadLetterQueueSuffix, false, false, false)
 	return q.Messages, dlq.Messages, nil
+}
+
+// deleteQueues deletes queue and its dead-letter queue, if they exist.
+func deleteQueues(url, queue string) {
+	conn, err := amqp091.Dial(url)
+	if err != nil {
+		return
+	}
+	defer conn.Close()
+	for _, q := range []string{queue, queue + amqp.DeadLetterQueueSuffix} {
+		ch, err := conn.Channel() // a failed delete closes the channel
+		if err != nil {
+			return
+		}
+		_, _ = ch.QueueDelete(q, false, false, false)
+		_ = ch.Close()
+	}
 }
 
 // openAMQPSource opens the adapter's source on the row's queue.

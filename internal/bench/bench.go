@@ -314,6 +314,7 @@ func runRow(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, o Options, 
 		if err := declareQueue(o.AMQPURL, spec.Queue); err != nil {
 			return nil, err
 		}
+		defer deleteQueues(o.AMQPURL, spec.Queue)
 		if err := publishBacklog(o.AMQPURL, spec.Queue, "ev-", o.Workload); err != nil {
 			return nil, fmt.Errorf("publish: %w", err)
 		}
