@@ -47,9 +47,9 @@ type DB interface {
 type Store struct {
 	ddl string
 
-	claimSQL, claimBatchSQL, lookupSQL, lookupBatchSQL string
-	recordAttemptSQL, clearAttemptSQL                  string
-	retentionSQL, attemptsRetentionSQL                 string
+	claimSQL, claimBatchSQL, lookupSQL string
+	recordAttemptSQL, clearAttemptSQL  string
+	retentionSQL, attemptsRetentionSQL string
 }
 
 // identifier is a plain, unquoted SQL identifier of at most 63 bytes minus
@@ -85,19 +85,24 @@ func New(cfg Config) (*Store, error) {
 	return &Store{
 		ddl:      ddl,
 		claimSQL: `INSERT INTO ` + table + ` (` + cols + `) VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING`,
-		// Rows go in in id order, so that concurrent batches sharing ids
-		// take their row locks in one order and cannot deadlock; of an id
-		// repeated in the batch, the first appearance's row is inserted.
-		claimBatchSQL: `INSERT INTO ` + table + ` (` + cols + `)
-SELECT $1, u.id, u.fp, u.src, u.part, u.off
-FROM unnest($2::text[], $3::bytea[], $4::text[], $5::integer[], $6::bigint[]) WITH ORDINALITY AS u(id, fp, src, part, off, ord)
-ORDER BY u.id COLLATE "C", u.ord
-ON CONFLICT DO NOTHING RETURNING event_id`,
+		// One statement claims the batch and reads what was there before:
+		// rows go in in id order, so that concurrent batches sharing ids
+		// take their row locks in one order and cannot deadlock (of an id
+		// repeated in the batch, the first appearance's row goes in); the
+		// join on p sees the table as it was when the statement began,
+		// which is the previous row of every duplicate committed before.
+		claimBatchSQL: `WITH u AS (
+	SELECT * FROM unnest($2::text[], $3::bytea[], $4::text[], $5::integer[], $6::bigint[])
+		WITH ORDINALITY AS u(id, fp, src, part, off, ord)
+), ins AS (
+	INSERT INTO ` + table + ` (` + cols + `)
+	SELECT $1, id, fp, src, part, off FROM u ORDER BY id COLLATE "C", ord
+	ON CONFLICT DO NOTHING RETURNING event_id
+)
+SELECT u.ord, ins.event_id IS NOT NULL, p.fingerprint, p.processed_at
+FROM u LEFT JOIN ins ON ins.event_id = u.id
+LEFT JOIN ` + table + ` p ON p.consumer = $1 AND p.event_id = u.id`,
 		lookupSQL: `SELECT fingerprint, processed_at FROM ` + table + ` WHERE consumer = $1 AND event_id = $2`,
-		// A join on unnest, not "event_id = ANY($2)": under a generic plan
-		// on a young table that one can fall back to scanning the table.
-		lookupBatchSQL: `SELECT p.event_id, p.fingerprint, p.processed_at FROM unnest($2::text[]) AS u(id)
-JOIN ` + table + ` p ON p.consumer = $1 AND p.event_id = u.id`,
 		recordAttemptSQL: `INSERT INTO ` + attempts + ` AS a (consumer, event_id, attempts)
 SELECT $1, $2, 1 WHERE NOT EXISTS (SELECT 1 FROM ` + table + ` WHERE consumer = $1 AND event_id = $2)
 ON CONFLICT (consumer, event_id) DO UPDATE SET attempts = a.attempts + 1, last_seen = now() RETURNING attempts`,
@@ -232,8 +237,9 @@ func (s *Store) Claim(ctx context.Context, tx DB, c Claim) (Result, error) {
 // returns one Result per claim, in order. All claims must have the same
 // Consumer. An id that appears twice in the batch is Claimed at its first
 // appearance and a Duplicate or Conflict (against the first) afterwards.
-// Previous rows are looked up with a second statement only when some id is
-// not new.
+// The same statement reads the previous rows of the duplicates; a second
+// one is needed only for an id committed by another transaction while the
+// statement ran (or deleted by retention meanwhile).
 func (s *Store) ClaimBatch(ctx context.Context, tx DB, claims []Claim) ([]Result, error) {
 	if len(claims) == 0 {
 		return nil, nil
@@ -255,67 +261,58 @@ func (s *Store) ClaimBatch(ctx context.Context, tx DB, claims []Claim) ([]Result
 	if err != nil {
 		return nil, fmt.Errorf("dedup: claim batch: %w", err)
 	}
-	inserted := make(map[string]bool, len(claims))
-	var id string
-	_, err = pgx.ForEachRow(rows, []any{&id}, func() error { inserted[id] = true; return nil })
-	if err != nil {
-		return nil, fmt.Errorf("dedup: claim batch: %w", err)
-	}
-	results := make([]Result, len(claims))
-	var missing []string
-	for i, c := range claims {
-		if inserted[c.EventID] {
-			inserted[c.EventID] = false // later appearances are duplicates
-			results[i].Outcome = Claimed
-			continue
+	inserted := make([]bool, len(claims))
+	before := make([]*Previous, len(claims))
+	var (
+		ord    int64
+		ins    bool
+		fp     []byte
+		procAt *time.Time
+	)
+	_, err = pgx.ForEachRow(rows, []any{&ord, &ins, &fp, &procAt}, func() error {
+		k := ord - 1
+		if k < 0 || k >= int64(len(claims)) {
+			return fmt.Errorf("row for ordinal %d of %d", ord, len(claims))
 		}
-		results[i].Outcome = Duplicate
-		missing = append(missing, c.EventID)
-	}
-	if len(missing) == 0 {
-		return results, nil
-	}
-	prev, err := s.lookupBatch(ctx, tx, consumer, missing)
-	if err != nil {
-		return nil, err
-	}
-	for i, c := range claims {
-		if results[i].Outcome == Claimed {
-			continue
+		inserted[k] = ins
+		if procAt != nil {
+			before[k] = &Previous{Fingerprint: bytes.Clone(fp), ProcessedAt: *procAt}
 		}
-		p, ok := prev[c.EventID]
-		if !ok {
-			// Retention deleted the row since the insert saw it: claim
-			// the id again on its own.
-			if results[i], err = s.Claim(ctx, tx, c); err != nil {
-				return nil, err
-			}
-			if results[i].Outcome == Claimed {
-				prev[c.EventID] = Previous{Fingerprint: c.Fingerprint}
-			}
-			continue
-		}
-		results[i] = Result{Outcome: compare(c.Fingerprint, p.Fingerprint), Previous: p}
-	}
-	return results, nil
-}
-
-func (s *Store) lookupBatch(ctx context.Context, tx DB, consumer string, ids []string) (map[string]Previous, error) {
-	rows, err := tx.Query(ctx, s.lookupBatchSQL, consumer, ids)
-	if err != nil {
-		return nil, fmt.Errorf("dedup: claim batch lookup: %w", err)
-	}
-	prev := make(map[string]Previous, len(ids))
-	var id string
-	var p Previous
-	_, err = pgx.ForEachRow(rows, []any{&id, &p.Fingerprint, &p.ProcessedAt}, func() error {
-		prev[id] = Previous{Fingerprint: bytes.Clone(p.Fingerprint), ProcessedAt: p.ProcessedAt}
 		return nil
 	})
 	if err != nil {
-		return nil, fmt.Errorf("dedup: claim batch lookup: %w", err)
+		return nil, fmt.Errorf("dedup: claim batch: %w", err)
 	}
-	return prev, nil
+
+	results := make([]Result, len(claims))
+	now := time.Now()
+	first := make(map[string]int, len(claims)) // id -> its claimed appearance
+	var missing []int
+	for i, c := range claims {
+		if k, dup := first[c.EventID]; dup {
+			// A later appearance of an id claimed earlier in this batch.
+			p := Previous{Fingerprint: claims[k].Fingerprint, ProcessedAt: now}
+			results[i] = Result{Outcome: compare(c.Fingerprint, p.Fingerprint), Previous: p}
+			continue
+		}
+		switch {
+		case inserted[i]:
+			first[c.EventID] = i
+			results[i].Outcome = Claimed
+		case before[i] != nil:
+			results[i] = Result{Outcome: compare(c.Fingerprint, before[i].Fingerprint), Previous: *before[i]}
+		default:
+			// Committed by another transaction after this statement's
+			// snapshot was taken, or deleted by retention meanwhile.
+			missing = append(missing, i)
+		}
+	}
+	for _, i := range missing {
+		if results[i], err = s.Claim(ctx, tx, claims[i]); err != nil {
+			return nil, err
+		}
+	}
+	return results, nil
 }
 
 func compare(fp, prev []byte) Outcome {

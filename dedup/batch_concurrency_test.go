@@ -67,3 +67,43 @@ func TestClaimBatchesInOppositeOrdersDoNotDeadlock(t *testing.T) {
 	}
 	assert.Equal(t, 3, claimed, "x, m and y are each claimed once")
 }
+
+// A batch that waits on another transaction's uncommitted claim of one of
+// its ids, which then commits: that id is a duplicate, with the other
+// transaction's row as its previous one, though the batch statement's
+// snapshot predates it.
+func TestClaimBatchAfterConcurrentCommit(t *testing.T) {
+	ctx, pool, s := setup(t)
+	first, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer first.Rollback(ctx) //nolint:errcheck
+	_, err = s.Claim(ctx, first, dedup.Claim{Consumer: "c", EventID: "x", Fingerprint: []byte("fx"), Partition: -1, Offset: -1})
+	require.NoError(t, err)
+
+	conn, err := pool.Acquire(ctx)
+	require.NoError(t, err)
+	pid := conn.Conn().PgConn().PID()
+	done := make(chan []dedup.Result, 1)
+	go func() {
+		defer conn.Release()
+		var res []dedup.Result
+		err := pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error {
+			var err error
+			res, err = s.ClaimBatch(ctx, tx, []dedup.Claim{
+				{Consumer: "c", EventID: "x", Fingerprint: []byte("other"), Partition: -1, Offset: -1},
+				{Consumer: "c", EventID: "y", Partition: -1, Offset: -1},
+			})
+			return err
+		})
+		assert.NoError(t, err)
+		done <- res
+	}()
+	waitBlocked(t, ctx, pool, pid)
+	require.NoError(t, first.Commit(ctx))
+	res := <-done
+	require.Len(t, res, 2)
+	assert.Equal(t, dedup.Conflict, res[0].Outcome, "x was committed by the other transaction with another fingerprint")
+	assert.Equal(t, []byte("fx"), res[0].Previous.Fingerprint)
+	assert.False(t, res[0].Previous.ProcessedAt.IsZero())
+	assert.Equal(t, dedup.Claimed, res[1].Outcome)
+}
