@@ -102,7 +102,10 @@ type ChaosResult struct {
 	DLQByKind       map[string]int `json:"dlq_records_by_kind"`
 	DLQIDsByKind    map[string]int `json:"dlq_event_ids_by_kind"`
 	Replayed        int            `json:"replayed"`
-	OrdersCheck     string         `json:"orders_check"`
+	// CrashLoopReplayed counts the valid events among Replayed that had
+	// been dead-lettered as crash-loop (in flight at 3 process deaths).
+	CrashLoopReplayed int    `json:"crash_loop_replayed"`
+	OrdersCheck       string `json:"orders_check"`
 
 	Faults      map[string]int `json:"faults"`
 	CrashPoints map[string]int `json:"crash_points_reached"`
@@ -218,7 +221,11 @@ func (r *ChaosResult) Print(w io.Writer) {
 	}
 	fmt.Fprintln(w)
 	if r.Replayed > 0 {
-		fmt.Fprintf(w, "%-28s %d (dead-lettered before their order existed, replayed)\n", "replayed", r.Replayed)
+		fmt.Fprintf(w, "%-28s %d (dead-lettered before their order existed", "replayed", r.Replayed)
+		if r.CrashLoopReplayed > 0 {
+			fmt.Fprintf(w, ", or valid events dead-lettered as crash-loop: %d", r.CrashLoopReplayed)
+		}
+		fmt.Fprintln(w, ")")
 	}
 	fmt.Fprintf(w, "%-28s %s\n", "orders and ledger", r.OrdersCheck)
 	fmt.Fprintf(w, "%-28s %d\n", "lost", r.Lost)
@@ -388,8 +395,13 @@ func RunChaos(ctx context.Context, cfg ChaosConfig) (res *ChaosResult, err error
 	if err != nil {
 		return nil, err
 	}
+	crashLooped, err := r.crashLooped(ctx, dlq)
+	if err != nil {
+		return nil, err
+	}
+	replay = append(replay, crashLooped...)
 	if len(replay) > 0 {
-		r.logf("replaying %d dead letters whose order exists now", len(replay))
+		r.logf("replaying %d dead letters (%d valid events dead-lettered as crash-loop)", len(replay), len(crashLooped))
 		if err := r.pub.Publish(ctx, replay); err != nil {
 			return nil, err
 		}
@@ -405,8 +417,53 @@ func RunChaos(ctx context.Context, cfg ChaosConfig) (res *ChaosResult, err error
 		return nil, err
 	}
 	res.Replayed = len(replay)
+	res.CrashLoopReplayed = len(crashLooped)
 	res.Elapsed = time.Since(start).Round(time.Millisecond).String()
 	return res, nil
+}
+
+// crashLooped returns the valid events of the plan that were dead-lettered
+// with kind crash-loop and have no effect: they were in flight at
+// MaxCrashAttempts process deaths (a payment waiting seconds for its order
+// across kills, say). Like any dead letter whose cause is gone, they are
+// replayed, once per event id, with their original key, value, id and type.
+func (r *chaosRun) crashLooped(ctx context.Context, dlq []deadLetter) ([]outMsg, error) {
+	valid := map[string]bool{}
+	for _, m := range r.plan.Messages {
+		if m.Kind == kindEvent || m.Kind == kindIDless {
+			id := m.ID
+			if id == "" {
+				id, _ = EventID(&consumer.Message{Value: m.Value, Type: m.Type})
+			}
+			valid[id] = true
+		}
+	}
+	var out []outMsg
+	seen := map[string]bool{}
+	for _, d := range dlq {
+		id := d.Headers[consumer.HeaderEventID]
+		if seen[id] || !valid[id] || d.Headers[consumer.HeaderErrorKind] != string(consumer.KindCrashLoop) {
+			continue
+		}
+		seen[id] = true
+		var done bool
+		if err := r.pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM processed_events WHERE consumer = $1 AND event_id = $2)`,
+			r.o.name, id).Scan(&done); err != nil {
+			return nil, err
+		}
+		if done {
+			continue
+		}
+		m := outMsg{Key: string(d.Key), Value: d.Value, ID: d.ID, Type: d.Type}
+		if m.ID == "" {
+			m.ID = d.Headers["id"]
+		}
+		if m.Type == "" {
+			m.Type = d.Headers["type"]
+		}
+		out = append(out, m)
+	}
+	return out, nil
 }
 
 // buildChaosExe builds this program with -tags chaos (its crash points
