@@ -54,10 +54,14 @@ func (e *engine) collect(first Delivery, ch <-chan Delivery) []Delivery {
 // every id, the handlers run in turn, one commit, then the acks in order.
 // A message that cannot be prepared is dead-lettered in its place in the
 // order, between the batches before and after it.
-func (e *engine) handleBatch(work context.Context, dvs []Delivery) {
-	if len(dvs) == 1 {
+//
+// With guard set (the first messages of a stream assignment, see
+// orderedWorker), the batch's runs go through runGuarded; it returns how
+// many new messages were handled under that guard.
+func (e *engine) handleBatch(work context.Context, dvs []Delivery, guard bool) (guarded int) {
+	if len(dvs) == 1 && !guard {
 		e.handle(work, dvs[0], false)
-		return
+		return 0
 	}
 	e.sem <- struct{}{}
 	defer func() { <-e.sem }()
@@ -73,6 +77,13 @@ func (e *engine) handleBatch(work context.Context, dvs []Delivery) {
 	e.tel.inflight.Add(ctx, int64(len(dvs)), metric.WithAttributeSet(e.tel.base))
 	defer e.tel.inflight.Add(ctx, -int64(len(dvs)), metric.WithAttributeSet(e.tel.base))
 
+	run := func(jobs []*job) {
+		if guard {
+			guarded += e.runGuarded(ctx, jobs)
+		} else {
+			e.runBatch(ctx, jobs)
+		}
+	}
 	jobs := make([]*job, 0, len(dvs))
 	for _, dv := range dvs {
 		j, dl := e.newJob(ctx, dv)
@@ -81,14 +92,82 @@ func (e *engine) handleBatch(work context.Context, dvs []Delivery) {
 			jobs = append(jobs, j)
 			continue
 		}
-		e.runBatch(ctx, jobs)
+		run(jobs)
 		jobs = jobs[:0]
 		if ctx.Err() != nil {
-			return // abandoned: nothing after this is acked
+			return guarded // abandoned: nothing after this is acked
 		}
 		e.deadLetter(j.ctx, j, dl)
 	}
+	run(jobs)
+	return guarded
+}
+
+// runGuarded runs jobs that may include the one a previous owner of the
+// stream was handling when it died. If any of them has a durable attempt
+// count already (a process died with it in flight), they are handled one
+// at a time, each counting its own attempts, so that the one that kills
+// the process is dead-lettered after Config.MaxCrashAttempts and the others
+// are not charged for it. Otherwise one statement counts an attempt for
+// each new id, and the batch runs as usual, clearing the counts in its
+// transaction. It returns how many new messages it handled.
+func (e *engine) runGuarded(ctx context.Context, jobs []*job) int {
+	if len(jobs) == 0 {
+		return 0
+	}
+	ids := make([]string, len(jobs))
+	for i, j := range jobs {
+		ids[i] = j.idt.id
+	}
+	counts, ok := e.attemptCounts(ctx, func() (map[string]int, error) {
+		return e.cfg.Store.Attempts(ctx, e.pool, e.cfg.Name, ids)
+	})
+	if !ok {
+		return 0
+	}
+	if len(counts) > 0 {
+		n := 0
+		for _, j := range jobs {
+			if ctx.Err() != nil {
+				break
+			}
+			if e.handleJob(j, true) {
+				n++
+			}
+		}
+		return n
+	}
+	if counts, ok = e.attemptCounts(ctx, func() (map[string]int, error) {
+		return e.cfg.Store.RecordAttempts(ctx, e.pool, e.cfg.Name, ids)
+	}); !ok {
+		return 0
+	}
+	for _, j := range jobs {
+		j.crashes = counts[j.idt.id]
+	}
 	e.runBatch(ctx, jobs)
+	return len(counts)
+}
+
+// attemptCounts runs an attempt-count statement, retrying infrastructure
+// failures; it reports false when ctx ended first.
+func (e *engine) attemptCounts(ctx context.Context, f func() (map[string]int, error)) (map[string]int, bool) {
+	wait := e.cfg.InfraBackoff.Initial
+	for {
+		counts, err := f()
+		if err == nil {
+			return counts, true
+		}
+		if ctx.Err() != nil {
+			return nil, false
+		}
+		e.stats.infraErrors.Add(1)
+		e.cfg.Logger.Warn("once: infrastructure failure counting attempts; retrying", "consumer", e.cfg.Name, "error", err)
+		if !sleep(ctx, jitter(wait)) {
+			return nil, false
+		}
+		wait = min(wait*2, e.cfg.InfraBackoff.Max)
+	}
 }
 
 // batchResult is the outcome of one batch transaction.
@@ -196,9 +275,14 @@ func (e *engine) runBatchTx(ctx context.Context, jobs []*job) batchResult {
 	if err != nil {
 		return batchResult{infra: true, err: err, failed: -1}
 	}
+	if err := e.clearCrashCounts(ctx, tx, jobs); err != nil {
+		return batchResult{infra: true, err: err, failed: -1}
+	}
+	crashPoint("after-claim")
 	if r, stop := e.runHandlers(ctx, tx, jobs, res); stop {
 		return r
 	}
+	crashPoint("after-handler")
 	start := time.Now()
 	err = tx.Commit(ctx)
 	e.tel.since(ctx, e.tel.commitDur, start)
@@ -300,4 +384,16 @@ func (e *engine) settleBatch(jobs []*job, claims []dedup.Result) {
 			e.settle(j.ctx, j, "handled")
 		}
 	}
+}
+
+// clearCrashCounts deletes, in the batch's transaction, the attempt counts
+// recorded for its jobs: they go when the effects commit.
+func (e *engine) clearCrashCounts(ctx context.Context, tx pgx.Tx, jobs []*job) error {
+	var ids []string
+	for _, j := range jobs {
+		if j.crashes > 0 {
+			ids = append(ids, j.idt.id)
+		}
+	}
+	return e.cfg.Store.ClearAttemptsBatch(ctx, tx, e.cfg.Name, ids)
 }

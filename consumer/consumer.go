@@ -247,26 +247,24 @@ func (d *dispatcher) lane(stream string) chan Delivery {
 // orderedWorker handles one stream's deliveries in order, in batches.
 //
 // After each new assignment of the stream (a new Delivery.Context), the
-// first BatchSize messages whose ids are new are handled one at a time with
-// a durable attempt count: one of them was in flight if the previous owner
-// died, and counting its attempts is how a message that kills the process
-// every time ends in the dead-letter queue (Config.MaxCrashAttempts) instead
-// of crash-looping the service. Later messages need no bookkeeping.
+// first BatchSize new messages are handled under guard (runGuarded): one
+// of them was in flight if the previous owner died, and a durable attempt
+// count is how a message that kills the process every time ends in the
+// dead-letter queue (Config.MaxCrashAttempts) instead of crash-looping the
+// service. Later messages need no bookkeeping.
 func (d *dispatcher) orderedWorker(ch <-chan Delivery) {
 	defer d.wg.Done()
 	var assignment context.Context
-	careful := 0
+	guard := 0
 	for first := range ch {
 		batch := d.e.collect(first, ch)
 		for len(batch) > 0 && !d.e.stopping.Load() {
 			dv := batch[0]
 			if c := dv.Context(); c != assignment {
-				assignment, careful = c, d.e.cfg.BatchSize
+				assignment, guard = c, d.e.cfg.BatchSize
 			}
-			if careful > 0 || mayBeRedelivery(dv) {
-				if d.e.handle(d.work, dv, true) {
-					careful--
-				}
+			if mayBeRedelivery(dv) {
+				d.e.handle(d.work, dv, true)
 				batch = batch[1:]
 				continue
 			}
@@ -274,7 +272,7 @@ func (d *dispatcher) orderedWorker(ch <-chan Delivery) {
 			for n < len(batch) && batch[n].Context() == assignment && !mayBeRedelivery(batch[n]) {
 				n++
 			}
-			d.e.handleBatch(d.work, batch[:n])
+			guard -= d.e.handleBatch(d.work, batch[:n], guard > 0)
 			batch = batch[n:]
 		}
 	}
@@ -306,7 +304,7 @@ func (d *dispatcher) unorderedWorker() {
 			for n < len(plain) && plain[n].Context() == plain[0].Context() {
 				n++
 			}
-			d.e.handleBatch(d.work, plain[:n])
+			d.e.handleBatch(d.work, plain[:n], false)
 			plain = plain[n:]
 		}
 	}

@@ -128,7 +128,9 @@ func newTableQueue(t *testing.T, total int) (*pgxpool.Pool, string) {
 // runCrashChild runs TestCrashChild as a consumer process with env and
 // requires it to die with exit status want.
 func runCrashChild(t *testing.T, schema string, want int, env ...string) string {
-	cmd := exec.Command(os.Args[0], "-test.run=^TestCrashChild$", "-test.count=1")
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^TestCrashChild$", "-test.count=1")
 	cmd.Env = append(os.Environ(), "ONCE_CRASH_CHILD=1", "ONCE_CRASH_SCHEMA="+schema, "DATABASE_URL="+pgtest.URL())
 	cmd.Env = append(cmd.Env, env...)
 	out, err := cmd.CombinedOutput()

@@ -73,6 +73,11 @@ func (e *engine) handle(work context.Context, dv Delivery, suspect bool) (claime
 		e.deadLetter(j.ctx, j, dl)
 		return false
 	}
+	return e.handleJob(j, suspect)
+}
+
+// handleJob takes a prepared job to its end; see handle.
+func (e *engine) handleJob(j *job, suspect bool) (claimed bool) {
 	if suspect {
 		// Messages that may have crashed a process are handled one at a
 		// time, so that a crash is counted against the one message in

@@ -49,6 +49,8 @@ type Store struct {
 
 	claimSQL, claimBatchSQL, lookupSQL string
 	recordAttemptSQL, clearAttemptSQL  string
+	recordAttemptsSQL, attemptsSQL     string
+	clearAttemptsSQL                   string
 	retentionSQL, attemptsRetentionSQL string
 }
 
@@ -107,7 +109,16 @@ LEFT JOIN ` + table + ` p ON p.consumer = $1 AND p.event_id = u.id`,
 SELECT $1, $2, 1 WHERE NOT EXISTS (SELECT 1 FROM ` + table + ` WHERE consumer = $1 AND event_id = $2)
 ON CONFLICT (consumer, event_id) DO UPDATE SET attempts = a.attempts + 1, last_seen = now() RETURNING attempts`,
 		clearAttemptSQL: `DELETE FROM ` + attempts + ` WHERE consumer = $1 AND event_id = $2`,
-		retentionSQL:    `DELETE FROM ` + table + ` WHERE ctid = ANY(ARRAY(SELECT ctid FROM ` + table + ` WHERE processed_at < $1 LIMIT $2))`,
+		recordAttemptsSQL: `INSERT INTO ` + attempts + ` AS a (consumer, event_id, attempts)
+SELECT $1, d.id, 1 FROM (SELECT DISTINCT id FROM unnest($2::text[]) AS u(id)) d
+WHERE NOT EXISTS (SELECT 1 FROM ` + table + ` WHERE consumer = $1 AND event_id = d.id)
+ORDER BY d.id COLLATE "C"
+ON CONFLICT (consumer, event_id) DO UPDATE SET attempts = a.attempts + 1, last_seen = now()
+RETURNING event_id, attempts`,
+		attemptsSQL: `SELECT event_id, attempts FROM ` + attempts + `
+WHERE consumer = $1 AND event_id IN (SELECT unnest($2::text[]))`,
+		clearAttemptsSQL: `DELETE FROM ` + attempts + ` WHERE consumer = $1 AND event_id IN (SELECT unnest($2::text[]))`,
+		retentionSQL:     `DELETE FROM ` + table + ` WHERE ctid = ANY(ARRAY(SELECT ctid FROM ` + table + ` WHERE processed_at < $1 LIMIT $2))`,
 		attemptsRetentionSQL: `DELETE FROM ` + attempts + ` WHERE ctid = ANY(ARRAY(SELECT ctid FROM ` + attempts +
 			` WHERE last_seen < $1 LIMIT $2))`,
 	}, nil
@@ -344,6 +355,48 @@ func (s *Store) RecordAttempt(ctx context.Context, db DB, consumer, eventID stri
 // commit.
 func (s *Store) ClearAttempts(ctx context.Context, tx DB, consumer, eventID string) error {
 	if _, err := tx.Exec(ctx, s.clearAttemptSQL, consumer, eventID); err != nil {
+		return fmt.Errorf("dedup: clear attempts: %w", err)
+	}
+	return nil
+}
+
+// RecordAttempts is RecordAttempt for many ids with one statement: it
+// returns the count of each id it counted; ids already processed are
+// absent. An id repeated in ids is counted once.
+func (s *Store) RecordAttempts(ctx context.Context, db DB, consumer string, ids []string) (map[string]int, error) {
+	return s.attemptCounts(ctx, db, s.recordAttemptsSQL, "record attempts", consumer, ids)
+}
+
+// Attempts returns the attempt counts recorded for ids, without counting;
+// ids without a count are absent.
+func (s *Store) Attempts(ctx context.Context, db DB, consumer string, ids []string) (map[string]int, error) {
+	return s.attemptCounts(ctx, db, s.attemptsSQL, "attempts", consumer, ids)
+}
+
+func (s *Store) attemptCounts(ctx context.Context, db DB, sql, what, consumer string, ids []string) (map[string]int, error) {
+	counts := make(map[string]int)
+	if len(ids) == 0 {
+		return counts, nil
+	}
+	rows, err := db.Query(ctx, sql, consumer, ids)
+	if err != nil {
+		return nil, fmt.Errorf("dedup: %s: %w", what, err)
+	}
+	var id string
+	var n int
+	_, err = pgx.ForEachRow(rows, []any{&id, &n}, func() error { counts[id] = n; return nil })
+	if err != nil {
+		return nil, fmt.Errorf("dedup: %s: %w", what, err)
+	}
+	return counts, nil
+}
+
+// ClearAttemptsBatch is ClearAttempts for many ids with one statement.
+func (s *Store) ClearAttemptsBatch(ctx context.Context, tx DB, consumer string, ids []string) error {
+	if len(ids) == 0 {
+		return nil
+	}
+	if _, err := tx.Exec(ctx, s.clearAttemptsSQL, consumer, ids); err != nil {
 		return fmt.Errorf("dedup: clear attempts: %w", err)
 	}
 	return nil
