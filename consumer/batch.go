@@ -191,26 +191,39 @@ type batchResult struct {
 // rest continue as a batch. Order is kept, and a failure costs a re-run of
 // the jobs before it instead of a savepoint round trip for every message.
 func (e *engine) runBatch(ctx context.Context, jobs []*job) {
+	for _, j := range e.runBatchJobs(ctx, jobs) {
+		e.abandon(j)
+	}
+}
+
+// runBatchJobs is runBatch; it returns the jobs it left unsettled because
+// ctx ended or the consumer is stopping.
+func (e *engine) runBatchJobs(ctx context.Context, jobs []*job) (left []*job) {
 	infraWait := e.cfg.InfraBackoff.Initial
 	for len(jobs) > 0 {
 		if ctx.Err() != nil {
-			return
+			return jobs
 		}
 		if len(jobs) == 1 {
 			e.attempts(jobs[0].ctx, jobs[0])
-			return
+			return nil
 		}
 		r := e.batchTransaction(ctx, jobs)
 		switch {
 		case r.infra:
 			if ctx.Err() != nil {
-				return
+				// Cut short while running: by a lost delivery, or by the
+				// shutdown deadline (a stall, see job.stalled).
+				for _, j := range jobs {
+					j.stalled = j.d.Context().Err() == nil
+				}
+				return jobs
 			}
 			e.stats.infraErrors.Add(1)
 			e.cfg.Logger.Warn("once: infrastructure failure; retrying the batch", "consumer", e.cfg.Name,
 				"messages", len(jobs), "error", r.err, "backoff", infraWait)
 			if !sleep(ctx, jitter(infraWait)) {
-				return
+				return jobs
 			}
 			e.stats.retries.Add(1)
 			e.tel.retry(ctx, "infrastructure")
@@ -219,13 +232,12 @@ func (e *engine) runBatch(ctx context.Context, jobs []*job) {
 			for _, j := range jobs {
 				e.attempts(j.ctx, j)
 			}
-			return
+			return nil
 		case r.failed >= 0:
 			e.cfg.Logger.Debug("once: handler failed in a batch; splitting it", "consumer", e.cfg.Name,
 				"event_id", jobs[r.failed].idt.id, "error", r.err)
-			e.runBatch(ctx, jobs[:r.failed])
-			if ctx.Err() != nil || e.stopping.Load() {
-				return
+			if left := e.runBatchJobs(ctx, jobs[:r.failed]); len(left) > 0 || ctx.Err() != nil || e.stopping.Load() {
+				return append(left, jobs[r.failed:]...)
 			}
 			// The failure in the batch was the job's first attempt.
 			if j := jobs[r.failed]; e.retryHandler(j.ctx, j, r.err, 1) {
@@ -233,15 +245,13 @@ func (e *engine) runBatch(ctx context.Context, jobs []*job) {
 			}
 			jobs = jobs[r.failed+1:]
 		case r.abandoned:
-			for _, j := range jobs {
-				e.abandon(j)
-			}
-			return
+			return jobs
 		default:
 			e.settleBatch(jobs, r.claims)
-			return
+			return nil
 		}
 	}
+	return nil
 }
 
 func (e *engine) batchTransaction(ctx context.Context, jobs []*job) batchResult {

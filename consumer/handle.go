@@ -33,6 +33,12 @@ type job struct {
 	// ctx carries the message's span and ends when the message is
 	// abandoned.
 	ctx context.Context
+	// stalled: the handling was cut short while running by the shutdown
+	// deadline, its delivery still live. Like a crash, it keeps its
+	// durable attempt count (a handler that hangs every time is dead-
+	// lettered after MaxCrashAttempts); every other abandonment gives the
+	// count back.
+	stalled bool
 }
 
 type resultKind int
@@ -211,6 +217,7 @@ func (e *engine) attempt(ctx context.Context, j *job, attempt int) result {
 	r := e.transaction(actx, j, attempt)
 	switch {
 	case ctx.Err() != nil && (r.kind == resInfraErr || r.kind == resHandlerErr):
+		j.stalled = j.d.Context().Err() == nil
 		return result{kind: resAbandoned}
 	case actx.Err() != nil && (r.kind == resInfraErr || r.kind == resHandlerErr):
 		// Our own HandlerTimeout, not the database: the handler is slow.
@@ -391,6 +398,19 @@ func (e *engine) ack(ctx context.Context, j *job, outcome string) {
 func (e *engine) abandon(j *job) {
 	j.span.SetAttributes(attribute.String("once.outcome", "abandoned"))
 	e.cfg.Logger.Debug("once: message abandoned unacked", "consumer", e.cfg.Name, "event_id", j.idt.id)
+	if j.crashes > 0 && !j.stalled {
+		// Not a crash: the delivery was lost (channel closed, partition
+		// revoked) or the consumer stopped between attempts. Take back the
+		// attempt counted for it, so that infrastructure failures never add
+		// up to a crash loop. Best effort: a count left behind errs on the
+		// side of dead-lettering later.
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		if err := e.cfg.Store.UnrecordAttempt(ctx, e.pool, e.cfg.Name, j.idt.id); err != nil {
+			e.cfg.Logger.Debug("once: taking back an attempt count", "consumer", e.cfg.Name, "event_id", j.idt.id, "error", err)
+		}
+		j.crashes = 0
+	}
 }
 
 // retention deletes old processed-event rows every RetentionInterval.

@@ -47,3 +47,18 @@ func TestAttemptsInBatches(t *testing.T) {
 	require.NoError(t, err)
 	assert.Empty(t, got)
 }
+
+func TestUnrecordAttempt(t *testing.T) {
+	ctx, pool, s := setup(t)
+	n, err := s.RecordAttempt(ctx, pool, "c", "e")
+	require.NoError(t, err)
+	require.Equal(t, 1, n)
+	require.NoError(t, s.UnrecordAttempt(ctx, pool, "c", "e"))
+	got, err := s.Attempts(ctx, pool, "c", []string{"e"})
+	require.NoError(t, err)
+	assert.Empty(t, got, "a count taken back to zero is no evidence of a crash")
+	require.NoError(t, s.UnrecordAttempt(ctx, pool, "c", "e"), "no count left: a no-op")
+	n, err = s.RecordAttempt(ctx, pool, "c", "e")
+	require.NoError(t, err)
+	assert.Equal(t, 1, n, "counting starts again from zero")
+}

@@ -50,7 +50,7 @@ type Store struct {
 	claimSQL, claimBatchSQL, lookupSQL string
 	recordAttemptSQL, clearAttemptSQL  string
 	recordAttemptsSQL, attemptsSQL     string
-	clearAttemptsSQL                   string
+	clearAttemptsSQL, unrecordSQL      string
 	retentionSQL, attemptsRetentionSQL string
 }
 
@@ -116,7 +116,8 @@ ORDER BY d.id COLLATE "C"
 ON CONFLICT (consumer, event_id) DO UPDATE SET attempts = a.attempts + 1, last_seen = now()
 RETURNING event_id, attempts`,
 		attemptsSQL: `SELECT event_id, attempts FROM ` + attempts + `
-WHERE consumer = $1 AND event_id IN (SELECT unnest($2::text[]))`,
+WHERE consumer = $1 AND event_id IN (SELECT unnest($2::text[])) AND attempts > 0`,
+		unrecordSQL:      `UPDATE ` + attempts + ` SET attempts = attempts - 1 WHERE consumer = $1 AND event_id = $2 AND attempts > 0`,
 		clearAttemptsSQL: `DELETE FROM ` + attempts + ` WHERE consumer = $1 AND event_id IN (SELECT unnest($2::text[]))`,
 		retentionSQL:     `DELETE FROM ` + table + ` WHERE ctid = ANY(ARRAY(SELECT ctid FROM ` + table + ` WHERE processed_at < $1 LIMIT $2))`,
 		attemptsRetentionSQL: `DELETE FROM ` + attempts + ` WHERE ctid = ANY(ARRAY(SELECT ctid FROM ` + attempts +
@@ -389,6 +390,16 @@ func (s *Store) attemptCounts(ctx context.Context, db DB, sql, what, consumer st
 		return nil, fmt.Errorf("dedup: %s: %w", what, err)
 	}
 	return counts, nil
+}
+
+// UnrecordAttempt takes back one attempt counted by RecordAttempt or
+// RecordAttempts, for handling that ended without a crash (the delivery
+// was lost, the consumer stopped). It is a no-op when no count is left.
+func (s *Store) UnrecordAttempt(ctx context.Context, db DB, consumer, eventID string) error {
+	if _, err := db.Exec(ctx, s.unrecordSQL, consumer, eventID); err != nil {
+		return fmt.Errorf("dedup: unrecord attempt: %w", err)
+	}
+	return nil
 }
 
 // ClearAttemptsBatch is ClearAttempts for many ids with one statement.
