@@ -7,6 +7,7 @@ import (
 	"hash/fnv"
 	"sort"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -243,6 +244,45 @@ func (s *Source) deadLetter(ctx context.Context, raw *sarama.ConsumerMessage, m 
 		return fmt.Errorf("kafka: dead-letter copy of %s/%d/%d: topic %s: %w",
 			raw.Topic, raw.Partition, raw.Offset, out.Topic, err)
 	}
+	err := s.send(ctx, out)
+	if tooLarge(err) && out.Value != nil {
+		// The record is too large for the dead-letter producer or topic:
+		// a copy that can never be written would hold the partition
+		// forever. Write the diagnostics without the value instead; the
+		// original stays in its topic, at the offset in the headers.
+		s.cfg.Logger.Warn("once/kafka: dead-letter copy too large; writing it without its value",
+			"topic", raw.Topic, "partition", raw.Partition, "offset", raw.Offset, "bytes", len(raw.Value))
+		out.Value = nil
+		out.Headers = append(out.Headers,
+			sarama.RecordHeader{Key: []byte(HeaderValueDropped), Value: []byte(strconv.Itoa(len(raw.Value)))})
+		err = s.send(ctx, out)
+	}
+	if err != nil {
+		return fmt.Errorf("kafka: dead-letter copy of %s/%d/%d to %s: %w",
+			raw.Topic, raw.Partition, raw.Offset, out.Topic, err)
+	}
+	return nil
+}
+
+// HeaderValueDropped is set, to the original value's size in bytes, on a
+// dead-letter copy written without its value because the value was larger
+// than the dead-letter producer or topic accepts. The original record is
+// still in its topic, at the partition and offset of the copy's headers.
+const HeaderValueDropped = "once-value-dropped"
+
+// tooLarge reports whether a produce failed on the record's size, in the
+// producer (Producer.MaxMessageBytes) or at the broker.
+func tooLarge(err error) bool {
+	if err == nil {
+		return false
+	}
+	var cfgErr sarama.ConfigurationError
+	return errors.Is(err, sarama.ErrMessageSizeTooLarge) ||
+		(errors.As(err, &cfgErr) && strings.Contains(string(cfgErr), "MaxMessageBytes"))
+}
+
+// send produces out and waits for the acknowledgement or ctx.
+func (s *Source) send(ctx context.Context, out *sarama.ProducerMessage) error {
 	s.sendMu.Lock()
 	if s.sendsClosed {
 		s.sendMu.Unlock()
@@ -258,11 +298,7 @@ func (s *Source) deadLetter(ctx context.Context, raw *sarama.ConsumerMessage, m 
 	}()
 	select {
 	case err := <-done:
-		if err != nil {
-			return fmt.Errorf("kafka: dead-letter copy of %s/%d/%d to %s: %w",
-				raw.Topic, raw.Partition, raw.Offset, out.Topic, err)
-		}
-		return nil
+		return err
 	case <-ctx.Done():
 		return ctx.Err()
 	}
