@@ -34,6 +34,7 @@ bench:
 fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzIdentify$$' -fuzztime $(FUZZTIME) ./consumer/
 	$(GO) test -run '^$$' -fuzz '^FuzzDecode$$' -fuzztime $(FUZZTIME) ./consumer/
+	$(GO) test -run '^$$' -fuzz '^FuzzHeaderStrings$$' -fuzztime $(FUZZTIME) ./brokers/amqp/
 
 ## lint: gofmt and go vet
 lint:

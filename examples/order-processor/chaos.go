@@ -38,14 +38,6 @@ import (
 	"github.com/onceco/once/internal/pgtemp"
 )
 
-// The chaos command is reached through init: main.go's parseOptions knows
-// only demo, serve and produce.
-func init() {
-	if len(os.Args) > 1 && os.Args[1] == "chaos" && os.Getenv(childEnv) == "" {
-		os.Exit(chaosMain(signalContext(), os.Args[2:], os.Stdout, os.Stderr))
-	}
-}
-
 // crashExitCode is the exit status of a process killed by a crash point
 // (consumer/crashpoint_chaos.go).
 const crashExitCode = 86

@@ -229,6 +229,9 @@ func envOr(key, def string) string {
 // realMain runs one command and returns the process's exit code: 0, 1 for
 // an error or a failed verdict, 2 for bad usage.
 func realMain(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	if len(args) > 0 && args[0] == "chaos" {
+		return chaosMain(ctx, args[1:], stdout, stderr) // flags of its own (chaos.go)
+	}
 	o, err := parseOptions(args, stderr)
 	if errors.Is(err, flag.ErrHelp) {
 		return 0
