@@ -181,13 +181,11 @@ func TestCrashBetweenCommitAndAck(t *testing.T) {
 	require.ErrorAs(t, err, &exit, "child output:\n%s", out)
 	require.Equal(t, crashExitCode, exit.ExitCode(), "child output:\n%s", out)
 
-	// The crashing ack was the 40th; the other partition's worker may have
-	// committed one more transaction before the process died.
-	// The crashing ack was the 40th; the other partition's worker may have
-	// committed one more transaction before the process died.
+	// The crashing ack was the 40th: at least 40 transactions committed,
+	// and more where batches committed ahead of their acks.
 	before := effectCounts(t, db)
 	require.GreaterOrEqual(t, len(before), 40)
-	require.LessOrEqual(t, len(before), 41)
+	require.LessOrEqual(t, len(before), n)
 	for id, k := range before {
 		require.Equal(t, 1, k, id)
 	}
