@@ -3,7 +3,7 @@ GO        ?= go
 FUZZTIME  ?= 30s
 BENCHTIME ?= 1s
 
-.PHONY: run test bench fuzz lint
+.PHONY: run test bench bench-micro fuzz lint
 
 ## run: the order-processor demo: embedded Kafka (kfake), a throwaway PostgreSQL, orders with
 ## duplicates, poison and a SIGKILL mid-stream, then a report and a verdict
@@ -29,6 +29,11 @@ bench:
 	  eval "$$(scripts/rabbitmq.sh start "$$rabbit_dir")"; \
 	  $(GO) run ./internal/bench/cmd/oncebench $(BENCHFLAGS); \
 	fi
+
+## bench-micro: Go micro-benchmarks of the hot path (allocations per message, claim statements)
+bench-micro:
+	scripts/ensure-deps.sh postgres
+	ONCE_PG_DURABLE=1 $(GO) test -run '^$$' -bench . -benchmem -benchtime $(BENCHTIME) ./consumer/ ./dedup/
 
 ## fuzz: each fuzz target for FUZZTIME
 fuzz:
