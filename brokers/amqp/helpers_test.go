@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"net"
 	"net/url"
 	"os"
 	"os/exec"
@@ -28,6 +27,7 @@ import (
 
 	"github.com/onceco/once/brokers/amqp"
 	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/internal/netcut"
 	"github.com/onceco/once/internal/pgtest"
 )
 
@@ -256,101 +256,18 @@ func receive(t testing.TB, src consumer.Source) consumer.Delivery {
 	return d
 }
 
-// proxy is a TCP proxy in front of the broker whose connections the test
-// can cut, as a network failure would.
-type proxy struct {
-	ln     net.Listener
-	target string
-	mu     sync.Mutex
-	conns  map[net.Conn]struct{}
-	// gate is held (write-locked) while traffic to the broker is paused.
-	gate sync.RWMutex
-}
-
-func startProxy(t testing.TB, brokerURL string) (*proxy, string) {
+// startProxy puts a TCP proxy in front of the broker, whose connections
+// the test can cut or pause as a network failure would, and returns it and
+// the broker URL through it.
+func startProxy(t testing.TB, brokerURL string) (*netcut.Proxy, string) {
 	t.Helper()
 	u, err := url.Parse(brokerURL)
 	require.NoError(t, err)
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	p, err := netcut.NewProxy(u.Host)
 	require.NoError(t, err)
-	p := &proxy{ln: ln, target: u.Host, conns: map[net.Conn]struct{}{}}
-	go p.serve()
-	t.Cleanup(func() {
-		_ = ln.Close()
-		p.Cut()
-	})
-	u.Host = ln.Addr().String()
+	t.Cleanup(func() { _ = p.Close() })
+	u.Host = p.Addr()
 	return p, u.String()
-}
-
-func (p *proxy) serve() {
-	for {
-		c, err := p.ln.Accept()
-		if err != nil {
-			return
-		}
-		go p.pipe(c)
-	}
-}
-
-func (p *proxy) pipe(c net.Conn) {
-	b, err := net.DialTimeout("tcp", p.target, 5*time.Second)
-	if err != nil {
-		_ = c.Close()
-		return
-	}
-	p.mu.Lock()
-	p.conns[c], p.conns[b] = struct{}{}, struct{}{}
-	p.mu.Unlock()
-	done := make(chan struct{}, 2)
-	go func() { p.toBroker(b, c); done <- struct{}{} }()
-	go func() { _, _ = io.Copy(c, b); done <- struct{}{} }()
-	<-done
-	_ = c.Close()
-	_ = b.Close()
-	p.mu.Lock()
-	delete(p.conns, c)
-	delete(p.conns, b)
-	p.mu.Unlock()
-}
-
-// toBroker copies client bytes to the broker, holding them while paused.
-func (p *proxy) toBroker(b, c net.Conn) {
-	buf := make([]byte, 32<<10)
-	for {
-		n, err := c.Read(buf)
-		if n > 0 {
-			p.gate.RLock()
-			_, werr := b.Write(buf[:n])
-			p.gate.RUnlock()
-			if werr != nil {
-				return
-			}
-		}
-		if err != nil {
-			return
-		}
-	}
-}
-
-// Pause holds every byte sent to the broker until Resume: the broker sees a
-// client gone silent (no acks, no publishes) while the connection stays up.
-func (p *proxy) Pause() { p.gate.Lock() }
-
-// Resume forwards what Pause held and what follows.
-func (p *proxy) Resume() { p.gate.Unlock() }
-
-// Cut closes every proxied connection and returns how many client
-// connections it cut.
-func (p *proxy) Cut() int {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	for c := range p.conns {
-		_ = c.Close()
-	}
-	n := len(p.conns) / 2
-	clear(p.conns)
-	return n
 }
 
 // node is a RabbitMQ node of a test's own, started by scripts/rabbitmq.sh.

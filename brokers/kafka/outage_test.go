@@ -4,7 +4,6 @@ import (
 	"context"
 	"log/slog"
 	"net"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -15,6 +14,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kfake"
 
 	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/internal/netcut"
 	"github.com/onceco/once/internal/pgtest"
 )
 
@@ -129,47 +129,17 @@ func (a *atomicCounter) logger() *slog.Logger {
 	return slog.New(warnCounter{next: testLogger().Handler(), warns: &a.n})
 }
 
-// cuttingListener tracks the connections it accepted so that a test can
-// cut them all, as a network failure would.
-type cuttingListener struct {
-	net.Listener
-	mu    sync.Mutex
-	conns []net.Conn
-}
-
-func (l *cuttingListener) Accept() (net.Conn, error) {
-	conn, err := l.Listener.Accept()
-	if err == nil {
-		l.mu.Lock()
-		l.conns = append(l.conns, conn)
-		l.mu.Unlock()
-	}
-	return conn, err
-}
-
-// cut closes every accepted connection and reports how many there were.
-func (l *cuttingListener) cut() int {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	n := len(l.conns)
-	for _, c := range l.conns {
-		_ = c.Close()
-	}
-	l.conns = nil
-	return n
-}
-
 // Every client connection is cut, twice, while records are in flight:
 // fetches, heartbeats and offset commits fail, sarama reconnects, and the
 // consumer goes on without loss and without a second effect.
 func TestConnectionsCutResumesWithoutLossOrDoubleEffects(t *testing.T) {
-	var ln *cuttingListener
+	var ln *netcut.Listener
 	c := newCluster(t, kfake.ListenFn(func(network, addr string) (net.Listener, error) {
 		inner, err := net.Listen(network, addr)
 		if err != nil {
 			return nil, err
 		}
-		ln = &cuttingListener{Listener: inner}
+		ln = &netcut.Listener{Listener: inner}
 		return ln, nil
 	}))
 	topic, group := uniq("orders"), uniq("g")
@@ -196,7 +166,7 @@ func TestConnectionsCutResumesWithoutLossOrDoubleEffects(t *testing.T) {
 
 	for _, at := range []int{100, 300} {
 		waitEffects(t, db, at, 30*time.Second)
-		require.Positive(t, ln.cut(), "connections were open")
+		require.Positive(t, ln.Cut(), "connections were open")
 	}
 	require.Less(t, len(effectCounts(t, db)), n, "the cuts came mid-stream")
 	waitEffects(t, db, n, 60*time.Second)

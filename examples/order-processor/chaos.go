@@ -35,6 +35,7 @@ import (
 
 	"github.com/onceco/once/brokers/kafka"
 	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/internal/netcut"
 	"github.com/onceco/once/internal/pgtemp"
 )
 
@@ -472,7 +473,7 @@ func buildChaosExe(ctx context.Context, dir string) (string, error) {
 // startKafka starts kfake in this process on a loopback port, behind a
 // listener that can cut every connection; it outlives the members.
 func (r *chaosRun) startKafka() error {
-	var ln *cutListener
+	var ln *netcut.Listener
 	kf, err := kfake.NewCluster(kfake.NumBrokers(1),
 		kfake.GroupMinSessionTimeout(500*time.Millisecond),
 		kfake.SeedTopics(int32(r.o.partitions), r.o.topic, r.o.topic+kafka.DefaultDeadLetterSuffix),
@@ -481,7 +482,7 @@ func (r *chaosRun) startKafka() error {
 			if err != nil {
 				return nil, err
 			}
-			ln = &cutListener{Listener: inner}
+			ln = &netcut.Listener{Listener: inner}
 			return ln, nil
 		}))
 	if err != nil {
@@ -489,7 +490,7 @@ func (r *chaosRun) startKafka() error {
 	}
 	r.o.kafkaBrokers = kf.ListenAddrs()
 	r.o.fastFailover = true
-	r.cut = ln.cut
+	r.cut = ln.Cut
 	kd, err := newKafkaDrained(r.o.kafkaBrokers, r.o.name, r.o.topic)
 	if err != nil {
 		kf.Close()
@@ -522,7 +523,7 @@ func (r *chaosRun) startAMQP(ctx context.Context) (func(), error) {
 	if u.Port() == "" {
 		upstream = net.JoinHostPort(u.Hostname(), "5672")
 	}
-	px, err := startProxy(upstream)
+	px, err := netcut.NewProxy(upstream)
 	if err != nil {
 		_ = queues.Close()
 		return nil, err
@@ -530,9 +531,9 @@ func (r *chaosRun) startAMQP(ctx context.Context) (func(), error) {
 	// The members connect through the proxy; the driver's own publisher
 	// and inspection connect directly.
 	pu := *u
-	pu.Host = px.addr()
+	pu.Host = px.Addr()
 	r.memberAMQP = pu.String()
-	r.cut = px.cut
+	r.cut = px.Cut
 	r.lag = func(context.Context) (int64, error) { n, _, err := queues.Ready(); return int64(n), err }
 	r.dlq = queues.DeadLetters
 	return func() {
@@ -1185,91 +1186,4 @@ func lastMismatches(report string) string {
 	}
 	sort.Strings(out)
 	return strings.Join(out, "; ")
-}
-
-// cutListener tracks the connections it accepted so that the driver can
-// cut them all, as a network failure would.
-type cutListener struct {
-	net.Listener
-	mu    sync.Mutex
-	conns []net.Conn
-}
-
-func (l *cutListener) Accept() (net.Conn, error) {
-	conn, err := l.Listener.Accept()
-	if err == nil {
-		l.mu.Lock()
-		l.conns = append(l.conns, conn)
-		l.mu.Unlock()
-	}
-	return conn, err
-}
-
-// cut closes every accepted connection and reports how many there were.
-func (l *cutListener) cut() int {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	n := len(l.conns)
-	for _, c := range l.conns {
-		_ = c.Close()
-	}
-	l.conns = nil
-	return n
-}
-
-// proxy is a TCP proxy to one upstream address whose connections can be
-// cut all at once.
-type proxy struct {
-	ln       net.Listener
-	upstream string
-	mu       sync.Mutex
-	conns    []net.Conn
-}
-
-func startProxy(upstream string) (*proxy, error) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return nil, err
-	}
-	p := &proxy{ln: ln, upstream: upstream}
-	go p.serve()
-	return p, nil
-}
-
-func (p *proxy) addr() string { return p.ln.Addr().String() }
-
-func (p *proxy) serve() {
-	for {
-		in, err := p.ln.Accept()
-		if err != nil {
-			return
-		}
-		out, err := net.DialTimeout("tcp", p.upstream, 5*time.Second)
-		if err != nil {
-			_ = in.Close()
-			continue
-		}
-		p.mu.Lock()
-		p.conns = append(p.conns, in, out)
-		p.mu.Unlock()
-		go func() { _, _ = io.Copy(out, in); _ = out.Close(); _ = in.Close() }()
-		go func() { _, _ = io.Copy(in, out); _ = out.Close(); _ = in.Close() }()
-	}
-}
-
-// cut closes every proxied connection and reports how many there were.
-func (p *proxy) cut() int {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	n := len(p.conns) / 2
-	for _, c := range p.conns {
-		_ = c.Close()
-	}
-	p.conns = nil
-	return n
-}
-
-func (p *proxy) Close() error {
-	p.cut()
-	return p.ln.Close()
 }

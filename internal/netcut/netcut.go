@@ -1,0 +1,148 @@
+// Package netcut breaks TCP connections on purpose, as a network failure
+// would, for the fault tests and the chaos driver: a Listener whose
+// accepted connections can all be closed at once, and a Proxy in front of
+// a server whose connections can be cut or whose client-to-server traffic
+// can be held.
+package netcut
+
+import (
+	"io"
+	"net"
+	"sync"
+	"time"
+)
+
+// Listener tracks the connections it accepts so that Cut can close them.
+// Wrap a server's listener in it (e.g. kfake's, through kfake.WithListenFn).
+type Listener struct {
+	net.Listener
+	mu    sync.Mutex
+	conns []net.Conn
+}
+
+// Accept accepts and tracks a connection.
+func (l *Listener) Accept() (net.Conn, error) {
+	conn, err := l.Listener.Accept()
+	if err == nil {
+		l.mu.Lock()
+		l.conns = append(l.conns, conn)
+		l.mu.Unlock()
+	}
+	return conn, err
+}
+
+// Cut closes every connection accepted so far and returns how many there
+// were. The listener keeps accepting.
+func (l *Listener) Cut() int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	n := len(l.conns)
+	for _, c := range l.conns {
+		_ = c.Close()
+	}
+	l.conns = nil
+	return n
+}
+
+// Proxy forwards TCP connections from a loopback port to one upstream
+// address.
+type Proxy struct {
+	ln       net.Listener
+	upstream string
+	mu       sync.Mutex
+	conns    map[net.Conn]struct{}
+	// gate is write-locked while client-to-server traffic is held.
+	gate sync.RWMutex
+}
+
+// NewProxy listens on a free loopback port and forwards each connection to
+// upstream (host:port).
+func NewProxy(upstream string) (*Proxy, error) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, err
+	}
+	p := &Proxy{ln: ln, upstream: upstream, conns: map[net.Conn]struct{}{}}
+	go p.serve()
+	return p, nil
+}
+
+// Addr is the proxy's host:port.
+func (p *Proxy) Addr() string { return p.ln.Addr().String() }
+
+func (p *Proxy) serve() {
+	for {
+		c, err := p.ln.Accept()
+		if err != nil {
+			return
+		}
+		go p.pipe(c)
+	}
+}
+
+func (p *Proxy) pipe(c net.Conn) {
+	u, err := net.DialTimeout("tcp", p.upstream, 5*time.Second)
+	if err != nil {
+		_ = c.Close()
+		return
+	}
+	p.mu.Lock()
+	p.conns[c], p.conns[u] = struct{}{}, struct{}{}
+	p.mu.Unlock()
+	done := make(chan struct{}, 2)
+	go func() { p.toUpstream(u, c); done <- struct{}{} }()
+	go func() { _, _ = io.Copy(c, u); done <- struct{}{} }()
+	<-done
+	_ = c.Close()
+	_ = u.Close()
+	p.mu.Lock()
+	delete(p.conns, c)
+	delete(p.conns, u)
+	p.mu.Unlock()
+}
+
+// toUpstream copies client bytes upstream, holding them while paused.
+func (p *Proxy) toUpstream(u, c net.Conn) {
+	buf := make([]byte, 32<<10)
+	for {
+		n, err := c.Read(buf)
+		if n > 0 {
+			p.gate.RLock()
+			_, werr := u.Write(buf[:n])
+			p.gate.RUnlock()
+			if werr != nil {
+				return
+			}
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+// Pause holds every byte clients send upstream until Resume: the server
+// sees its clients go silent while the connections stay up.
+func (p *Proxy) Pause() { p.gate.Lock() }
+
+// Resume forwards what Pause held and what follows.
+func (p *Proxy) Resume() { p.gate.Unlock() }
+
+// Cut closes every proxied connection and returns how many client
+// connections it cut. New connections are accepted as before.
+func (p *Proxy) Cut() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for c := range p.conns {
+		_ = c.Close()
+	}
+	n := len(p.conns) / 2
+	clear(p.conns)
+	return n
+}
+
+// Close stops accepting and cuts every connection.
+func (p *Proxy) Close() error {
+	err := p.ln.Close()
+	p.Cut()
+	return err
+}

@@ -1,0 +1,70 @@
+package netcut
+
+import (
+	"bufio"
+	"net"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// echo serves lines back on a loopback listener wrapped in a Listener.
+func echo(t *testing.T) *Listener {
+	inner, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	l := &Listener{Listener: inner}
+	t.Cleanup(func() { _ = l.Close() })
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				r := bufio.NewReader(c)
+				for {
+					line, err := r.ReadString('\n')
+					if err != nil {
+						return
+					}
+					_, _ = c.Write([]byte(line))
+				}
+			}()
+		}
+	}()
+	return l
+}
+
+func roundTrip(t *testing.T, c net.Conn, msg string) error {
+	_ = c.SetDeadline(time.Now().Add(5 * time.Second))
+	if _, err := c.Write([]byte(msg + "\n")); err != nil {
+		return err
+	}
+	got, err := bufio.NewReader(c).ReadString('\n')
+	if err == nil {
+		assert.Equal(t, msg+"\n", got)
+	}
+	return err
+}
+
+func TestProxyForwardsAndCuts(t *testing.T) {
+	server := echo(t)
+	p, err := NewProxy(server.Addr().String())
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = p.Close() })
+
+	c, err := net.Dial("tcp", p.Addr())
+	require.NoError(t, err)
+	defer c.Close()
+	require.NoError(t, roundTrip(t, c, "hello"))
+	assert.Equal(t, 1, p.Cut(), "one client connection")
+	assert.Error(t, roundTrip(t, c, "after the cut"), "a cut connection is dead")
+
+	c2, err := net.Dial("tcp", p.Addr())
+	require.NoError(t, err)
+	defer c2.Close()
+	require.NoError(t, roundTrip(t, c2, "reconnected"), "the proxy accepts new connections after a cut")
+	assert.Equal(t, 2, server.Cut(), "the server saw both proxied connections")
+}
