@@ -86,7 +86,7 @@ func TestBrokerRestartResumesWithoutLossOrDoubleEffects(t *testing.T) {
 	require.NoError(t, err)
 	slow := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[event]) error {
 		select { // work that takes a while, so that the outage hits records in flight
-		case <-time.After(5 * time.Millisecond):
+		case <-time.After(2 * time.Millisecond):
 		case <-ctx.Done():
 			return ctx.Err()
 		}
@@ -156,7 +156,7 @@ func TestConnectionsCutResumesWithoutLossOrDoubleEffects(t *testing.T) {
 	require.NoError(t, err)
 	slow := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[event]) error {
 		select { // work that takes a while, so that the cuts hit records in flight
-		case <-time.After(2 * time.Millisecond):
+		case <-time.After(5 * time.Millisecond):
 		case <-ctx.Done():
 			return ctx.Err()
 		}
