@@ -103,7 +103,10 @@ func New(cfg Config) (*Store, error) {
 )
 SELECT u.ord, ins.event_id IS NOT NULL, p.fingerprint, p.processed_at
 FROM u LEFT JOIN ins ON ins.event_id = u.id
-LEFT JOIN ` + table + ` p ON p.consumer = $1 AND p.event_id = u.id`,
+LEFT JOIN LATERAL (
+	SELECT fingerprint, processed_at FROM ` + table + `
+	WHERE consumer = $1 AND event_id = u.id OFFSET 0
+) p ON true`,
 		lookupSQL: `SELECT fingerprint, processed_at FROM ` + table + ` WHERE consumer = $1 AND event_id = $2`,
 		recordAttemptSQL: `INSERT INTO ` + attempts + ` AS a (consumer, event_id, attempts)
 SELECT $1, $2, 1 WHERE NOT EXISTS (SELECT 1 FROM ` + table + ` WHERE consumer = $1 AND event_id = $2)
@@ -111,14 +114,14 @@ ON CONFLICT (consumer, event_id) DO UPDATE SET attempts = a.attempts + 1, last_s
 		clearAttemptSQL: `DELETE FROM ` + attempts + ` WHERE consumer = $1 AND event_id = $2`,
 		recordAttemptsSQL: `INSERT INTO ` + attempts + ` AS a (consumer, event_id, attempts)
 SELECT $1, d.id, 1 FROM (SELECT DISTINCT id FROM unnest($2::text[]) AS u(id)) d
-WHERE NOT EXISTS (SELECT 1 FROM ` + table + ` WHERE consumer = $1 AND event_id = d.id)
+WHERE NOT EXISTS (SELECT 1 FROM ` + table + ` WHERE consumer = $1 AND event_id = d.id OFFSET 0)
 ORDER BY d.id COLLATE "C"
 ON CONFLICT (consumer, event_id) DO UPDATE SET attempts = a.attempts + 1, last_seen = now()
 RETURNING event_id, attempts`,
 		attemptsSQL: `SELECT event_id, attempts FROM ` + attempts + `
-WHERE consumer = $1 AND event_id IN (SELECT unnest($2::text[])) AND attempts > 0`,
+WHERE consumer = $1 AND event_id = ANY($2::text[]) AND attempts > 0`,
 		unrecordSQL:      `UPDATE ` + attempts + ` SET attempts = attempts - 1 WHERE consumer = $1 AND event_id = $2 AND attempts > 0`,
-		clearAttemptsSQL: `DELETE FROM ` + attempts + ` WHERE consumer = $1 AND event_id IN (SELECT unnest($2::text[]))`,
+		clearAttemptsSQL: `DELETE FROM ` + attempts + ` WHERE consumer = $1 AND event_id = ANY($2::text[])`,
 		retentionSQL:     `DELETE FROM ` + table + ` WHERE ctid = ANY(ARRAY(SELECT ctid FROM ` + table + ` WHERE processed_at < $1 LIMIT $2))`,
 		attemptsRetentionSQL: `DELETE FROM ` + attempts + ` WHERE ctid = ANY(ARRAY(SELECT ctid FROM ` + attempts +
 			` WHERE last_seen < $1 LIMIT $2))`,
