@@ -12,6 +12,15 @@ import (
 	"github.com/onceco/once/dedup"
 )
 
+// linger is how long a worker waits for a batch to fill: Config.
+// BatchLinger, or none when batches are off.
+func (e *engine) linger() time.Duration {
+	if e.cfg.BatchSize <= 1 {
+		return 0
+	}
+	return e.cfg.BatchLinger
+}
+
 // collect returns first plus the deliveries already waiting in ch, up to
 // Config.BatchSize, waiting at most Config.BatchLinger for more. With no
 // linger a batch is whatever accumulated while the previous one was being
@@ -19,8 +28,8 @@ import (
 func (e *engine) collect(first Delivery, ch <-chan Delivery) []Delivery {
 	batch := []Delivery{first}
 	var linger <-chan time.Time
-	if e.cfg.BatchLinger > 0 && e.cfg.BatchSize > 1 {
-		t := time.NewTimer(e.cfg.BatchLinger)
+	if d := e.linger(); d > 0 {
+		t := time.NewTimer(d)
 		defer t.Stop()
 		linger = t.C
 	}

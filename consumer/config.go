@@ -128,9 +128,13 @@ type Config struct {
 	// streams. Messages of one stream (a Kafka partition) are always
 	// handled one after another. Defaults to 16.
 	Concurrency int
-	// StreamBuffer is how many received messages may wait per stream
-	// before receiving blocks. Defaults to twice BatchSize, at least 64.
-	StreamBuffer int
+	// ReceiveBuffer is how many received messages may wait to be handled,
+	// across all streams, before receiving blocks; the broker's own buffers
+	// come on top. A stream may take any share of it, so one busy stream
+	// never holds up the others while there is room. Defaults to
+	// 2 × Concurrency × BatchSize, at least 256: enough for every worker to
+	// find a full batch waiting when it finishes one.
+	ReceiveBuffer int
 
 	// BatchSize is the most messages of one stream handled in one
 	// transaction: one statement claims all their ids, the handlers run in
@@ -204,7 +208,7 @@ func (c Config) withDefaults() (Config, error) {
 		{"BatchSize", c.BatchSize < 0},
 		{"BatchLinger", c.BatchLinger < 0},
 		{"Concurrency", c.Concurrency < 0},
-		{"StreamBuffer", c.StreamBuffer < 0},
+		{"ReceiveBuffer", c.ReceiveBuffer < 0},
 		{"Retry.MaxAttempts", c.Retry.MaxAttempts < 0},
 		{"Retry.InitialBackoff", c.Retry.InitialBackoff < 0},
 		{"Retry.MaxBackoff", c.Retry.MaxBackoff < 0},
@@ -243,7 +247,7 @@ func (c Config) withDefaults() (Config, error) {
 	setDefault(&c.MaxIDLength, 256)
 	setDefault(&c.Concurrency, 16)
 	setDefault(&c.BatchSize, 100)
-	setDefault(&c.StreamBuffer, max(64, 2*c.BatchSize))
+	setDefault(&c.ReceiveBuffer, max(256, 2*c.Concurrency*c.BatchSize))
 	setDefault(&c.Retry.MaxAttempts, 5)
 	setDefault(&c.Retry.InitialBackoff, 200*time.Millisecond)
 	setDefault(&c.Retry.MaxBackoff, 10*time.Second)

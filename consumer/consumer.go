@@ -158,10 +158,13 @@ func newEngine(pool *pgxpool.Pool, src Source, cfg Config, prep preparer) (*engi
 // stream's messages are handled in order, and a shared pool of workers for
 // deliveries without a stream.
 type dispatcher struct {
-	e         *engine
-	work      context.Context
-	wg        sync.WaitGroup
-	lanes     map[string]chan Delivery
+	e     *engine
+	work  context.Context
+	wg    sync.WaitGroup
+	lanes map[string]*lane
+	// budget holds a token for each delivery waiting in a lane: receiving
+	// blocks while Config.ReceiveBuffer deliveries wait.
+	budget    chan struct{}
 	unordered chan Delivery
 }
 
@@ -181,7 +184,8 @@ func (e *engine) run(ctx context.Context) error {
 	// In-flight work outlives ctx by up to ShutdownTimeout.
 	work, cancelWork := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancelWork()
-	d := &dispatcher{e: e, work: work, lanes: map[string]chan Delivery{}, unordered: make(chan Delivery, e.cfg.StreamBuffer)}
+	d := &dispatcher{e: e, work: work, lanes: map[string]*lane{},
+		budget: make(chan struct{}, e.cfg.ReceiveBuffer), unordered: make(chan Delivery, e.cfg.ReceiveBuffer)}
 	for i := 0; i < e.cfg.Concurrency; i++ {
 		d.wg.Add(1)
 		go d.unorderedWorker()
@@ -193,8 +197,8 @@ func (e *engine) run(ctx context.Context) error {
 	fatal := d.receive(ctx)
 
 	e.stopping.Store(true)
-	for _, ch := range d.lanes {
-		close(ch)
+	for _, l := range d.lanes {
+		l.close()
 	}
 	close(d.unordered)
 	if !waitTimeout(&d.wg, e.cfg.ShutdownTimeout) {
@@ -221,27 +225,42 @@ func (d *dispatcher) receive(ctx context.Context) error {
 			return fmt.Errorf("once: consumer %q: receive: %w", d.e.cfg.Name, err)
 		}
 		d.e.stats.received.Add(1)
-		ch := d.unordered
-		if s := dv.Message().Stream; s != "" {
-			ch = d.lane(s)
-		}
-		select {
-		case ch <- dv:
-		case <-ctx.Done():
+		if !d.dispatch(ctx, dv) {
 			return nil // dv is abandoned unacked: the broker redelivers it
 		}
 	}
 }
 
-func (d *dispatcher) lane(stream string) chan Delivery {
-	ch, ok := d.lanes[stream]
-	if !ok {
-		ch = make(chan Delivery, d.e.cfg.StreamBuffer)
-		d.lanes[stream] = ch
-		d.wg.Add(1)
-		go d.orderedWorker(ch)
+// dispatch queues dv for its lane, or for the unordered workers, once the
+// budget allows; it reports false if ctx ended first.
+func (d *dispatcher) dispatch(ctx context.Context, dv Delivery) bool {
+	stream := dv.Message().Stream
+	if stream == "" {
+		select {
+		case d.unordered <- dv:
+			return true
+		case <-ctx.Done():
+			return false
+		}
 	}
-	return ch
+	select {
+	case d.budget <- struct{}{}:
+		d.lane(stream).push(dv)
+		return true
+	case <-ctx.Done():
+		return false
+	}
+}
+
+func (d *dispatcher) lane(stream string) *lane {
+	l, ok := d.lanes[stream]
+	if !ok {
+		l = newLane()
+		d.lanes[stream] = l
+		d.wg.Add(1)
+		go d.orderedWorker(l)
+	}
+	return l
 }
 
 // orderedWorker handles one stream's deliveries in order, in batches.
@@ -252,12 +271,18 @@ func (d *dispatcher) lane(stream string) chan Delivery {
 // count is how a message that kills the process every time ends in the
 // dead-letter queue (Config.MaxCrashAttempts) instead of crash-looping the
 // service. Later messages need no bookkeeping.
-func (d *dispatcher) orderedWorker(ch <-chan Delivery) {
+func (d *dispatcher) orderedWorker(l *lane) {
 	defer d.wg.Done()
 	var assignment context.Context
 	guard := 0
-	for first := range ch {
-		batch := d.e.collect(first, ch)
+	for {
+		batch := l.next(d.e.cfg.BatchSize, d.e.linger())
+		if batch == nil {
+			return
+		}
+		for range batch {
+			<-d.budget
+		}
 		for len(batch) > 0 && !d.e.stopping.Load() {
 			dv := batch[0]
 			if c := dv.Context(); c != assignment {

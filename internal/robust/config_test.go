@@ -79,7 +79,7 @@ func TestConsumerConfigErrorsNameTheField(t *testing.T) {
 		{"negative BatchSize", func(c *consumer.Config) { c.BatchSize = -1 }, "BatchSize"},
 		{"negative BatchLinger", func(c *consumer.Config) { c.BatchLinger = -time.Millisecond }, "BatchLinger"},
 		{"negative Concurrency", func(c *consumer.Config) { c.Concurrency = -1 }, "Concurrency"},
-		{"negative StreamBuffer", func(c *consumer.Config) { c.StreamBuffer = -1 }, "StreamBuffer"},
+		{"negative ReceiveBuffer", func(c *consumer.Config) { c.ReceiveBuffer = -1 }, "ReceiveBuffer"},
 		{"negative Retry.MaxAttempts", func(c *consumer.Config) { c.Retry.MaxAttempts = -1 }, "Retry.MaxAttempts"},
 		{"negative Retry.InitialBackoff", func(c *consumer.Config) { c.Retry.InitialBackoff = -time.Second }, "Retry.InitialBackoff"},
 		{"negative Retry.MaxBackoff", func(c *consumer.Config) { c.Retry.MaxBackoff = -time.Second }, "Retry.MaxBackoff"},

@@ -1,0 +1,120 @@
+package consumer_test
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"hash/fnv"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/consumer/memsource"
+	"github.com/onceco/once/internal/pgtest"
+)
+
+// memStream is the stream memsource gives a key among n streams.
+func memStream(key string, n int) uint32 {
+	h := fnv.New32a()
+	h.Write([]byte(key))
+	return h.Sum32() % uint32(n)
+}
+
+// TestBusyStreamDoesNotHoldUpOthers: a stream whose handler is stuck, with
+// hundreds of messages queued behind it, must not stop other streams'
+// messages from being received and handled while the receive buffer has
+// room. (With a buffer per stream, receiving blocked on the stuck stream's
+// full buffer, and every stream behind it in the source waited.)
+func TestBusyStreamDoesNotHoldUpOthers(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{Streams: 2})
+	cold := "cold"
+	for i := 0; memStream(cold, 2) == memStream("hot", 2); i++ {
+		cold = fmt.Sprintf("cold-%d", i)
+	}
+	publishKeyed := func(key, id string, n int) {
+		v, _ := json.Marshal(order{N: n})
+		b.Publish(consumer.Message{Value: v, Headers: map[string]string{"id": id}, Key: []byte(key)})
+	}
+	const hot, others = 300, 20
+	for i := 0; i < hot; i++ {
+		publishKeyed("hot", fmt.Sprintf("hot-%d", i), i)
+	}
+	for i := 0; i < others; i++ {
+		publishKeyed(cold, fmt.Sprintf("cold-%d", i), i)
+	}
+
+	release := make(chan struct{})
+	var hotStarted atomic.Bool
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		if string(ev.Message.Key) == "hot" {
+			hotStarted.Store(true)
+			select {
+			case <-release:
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+		}
+		return insertEffect(ctx, tx, ev)
+	}
+	cfg := fastConfig("busy-stream")
+	cfg.BatchSize = 1
+	cfg.ReceiveBuffer = 1000
+	c, err := consumer.New(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	start(t, c)
+
+	require.Eventually(t, func() bool { return c.Stats().Handled == others }, 20*time.Second, 5*time.Millisecond,
+		"the other stream's messages wait behind the stuck one")
+	assert.True(t, hotStarted.Load())
+	assert.Equal(t, 0, countEffects(t, pool)["hot-0"], "the stuck handler has not returned")
+
+	close(release)
+	require.Eventually(t, func() bool { return b.Acked() == hot+others }, 20*time.Second, 5*time.Millisecond)
+	got := countEffects(t, pool)
+	assert.Len(t, got, hot+others)
+	for id, n := range got {
+		assert.Equal(t, 1, n, id)
+	}
+}
+
+// TestReceiveBufferBoundsWhatWaits: with every handler stuck, the consumer
+// stops receiving once ReceiveBuffer messages wait (plus the one in each
+// stuck handler and the one held by the receiver), instead of reading the
+// whole backlog into memory.
+func TestReceiveBufferBoundsWhatWaits(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{Streams: 1})
+	for i := 0; i < 500; i++ {
+		publish(b, fmt.Sprintf("e%d", i), i)
+	}
+	release := make(chan struct{})
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		select {
+		case <-release:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+		return insertEffect(ctx, tx, ev)
+	}
+	cfg := fastConfig("receive-buffer")
+	cfg.BatchSize = 1
+	cfg.ReceiveBuffer = 50
+	c, err := consumer.New(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	start(t, c)
+
+	// 1 in the handler, 50 waiting, 1 held by the receiver waiting for room.
+	require.Eventually(t, func() bool { return c.Stats().Received == 52 }, 20*time.Second, 5*time.Millisecond)
+	assert.Never(t, func() bool { return c.Stats().Received > 52 }, 200*time.Millisecond, 5*time.Millisecond)
+	close(release)
+	require.Eventually(t, func() bool { return b.Acked() == 500 }, 20*time.Second, 5*time.Millisecond)
+	assert.Len(t, countEffects(t, pool), 500)
+}
