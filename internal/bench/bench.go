@@ -65,10 +65,17 @@ const (
 	// RowOnceBatchHandler is the library with BatchSize 100 and a
 	// BatchHandler writing the batch with one multi-row INSERT.
 	RowOnceBatchHandler Row = "once batch handler"
+	// RowOnceKeyLanes is RowOnceBatched with each Kafka partition split
+	// into Options.KeyLanes streams by record key (kafka.Config.KeyLanes).
+	// Kafka only.
+	RowOnceKeyLanes Row = "once key lanes"
 )
 
 // AllRows lists every consumer row.
-var AllRows = []Row{RowCeiling, RowNaive, RowOncePerMessage, RowOnceBatched, RowOnceBatchHandler}
+var AllRows = []Row{RowCeiling, RowNaive, RowOncePerMessage, RowOnceBatched, RowOnceBatchHandler, RowOnceKeyLanes}
+
+// ForBroker reports whether the row applies to b.
+func (r Row) ForBroker(b Broker) bool { return r != RowOnceKeyLanes || b == Kafka }
 
 // Options configure a run.
 type Options struct {
@@ -85,6 +92,8 @@ type Options struct {
 	// Concurrency is consumer.Config.Concurrency of the library's rows; 0
 	// keeps the library's default (16).
 	Concurrency int
+	// KeyLanes is kafka.Config.KeyLanes of RowOnceKeyLanes. Defaults to 4.
+	KeyLanes int
 	// AMQPOrdered sets the RabbitMQ source's Ordered option for the
 	// library's rows: the queue becomes one stream, handled in order in
 	// batches.
@@ -183,6 +192,9 @@ func (o *Options) logf(format string, args ...any) {
 // infrastructure error; a row whose effects are wrong is reported with
 // Correct false.
 func Run(ctx context.Context, o Options) (*Report, error) {
+	if o.KeyLanes <= 0 {
+		o.KeyLanes = 4
+	}
 	if o.BatchSize <= 0 {
 		o.BatchSize = 100
 	}
@@ -231,6 +243,9 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 			return nil, errors.New("RabbitMQ rows need AMQP_URL (make bench starts a node with scripts/rabbitmq.sh)")
 		}
 		for _, row := range o.Rows {
+			if !row.ForBroker(b) {
+				continue
+			}
 			res, err := runRow(ctx, db, kc, o, b, row)
 			if err != nil {
 				return nil, fmt.Errorf("%s %s: %w", b, row, err)
@@ -292,6 +307,9 @@ func runRow(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, o Options, 
 		Ordered: o.AMQPOrdered && row != RowNaive,
 		Pace:    o.Pace, PaceMax: o.PaceMax, PaceWork: o.Workload, PacedPrefix: "paced-",
 		Timeout: time.Minute + time.Duration(backlog.Messages)*time.Millisecond,
+	}
+	if row == RowOnceKeyLanes {
+		spec.KeyLanes = o.KeyLanes
 	}
 	if err := createSchema(ctx, db, spec.Schema); err != nil {
 		return nil, err

@@ -50,6 +50,8 @@ type rowSpec struct {
 	Concurrency int
 	// Ordered: the RabbitMQ source puts the queue on one stream.
 	Ordered bool
+	// KeyLanes of the Kafka source (0: one stream per partition).
+	KeyLanes int
 
 	Pace        time.Duration // length of the paced phase; 0: none
 	PaceMax     float64       // cap on the paced rate, msgs/s
@@ -194,7 +196,7 @@ func runChild(spec *rowSpec) (*childResult, error) {
 		run = func() error { return receiveAck(runCtx, m) }
 	case RowNaive:
 		run = func() error { return runNaive(runCtx, m, pool, spec) }
-	case RowOncePerMessage, RowOnceBatched, RowOnceBatchHandler:
+	case RowOncePerMessage, RowOnceBatched, RowOnceBatchHandler, RowOnceKeyLanes:
 		cfg := consumer.Config{Name: "bench", BatchSize: spec.BatchSize, Concurrency: spec.Concurrency, Logger: logger}
 		if spec.Row == RowOncePerMessage {
 			cfg.BatchSize = 1

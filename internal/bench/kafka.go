@@ -127,6 +127,7 @@ func openKafkaSource(spec *rowSpec, logger *slog.Logger) (consumer.Source, error
 		HeartbeatInterval: 300 * time.Millisecond,
 		RebalanceTimeout:  10 * time.Second,
 		RevokeTimeout:     5 * time.Second,
+		KeyLanes:          spec.KeyLanes,
 		Sarama:            saramaConfig(),
 		Logger:            logger,
 	})

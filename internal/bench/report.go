@@ -74,7 +74,7 @@ func (r *Report) Targets() []string {
 		return "NOT met"
 	}
 	var out []string
-	for _, row := range []Row{RowOnceBatched, RowOnceBatchHandler} {
+	for _, row := range []Row{RowOnceBatched, RowOnceBatchHandler, RowOnceKeyLanes} {
 		k := find(Kafka, row)
 		if k == nil {
 			continue

@@ -40,6 +40,7 @@ func run() int {
 		paceFor    = flag.Duration("pace", 3*time.Second, "length of each row's paced latency phase (0: none)")
 		paceMax    = flag.Float64("pace-max", 50000, "cap on the paced rate, msgs/s")
 		conc       = flag.Int("concurrency", 0, "consumer.Config.Concurrency of the once rows (0: the library's default)")
+		keyLanes   = flag.Int("key-lanes", 4, "kafka.Config.KeyLanes of the once-key-lanes row")
 		ordered    = flag.Bool("amqp-ordered", false, "RabbitMQ once rows: one ordered stream (amqp.Config.Ordered)")
 		pgbenchFor = flag.Duration("pgbench", 5*time.Second, "length of the pgbench ceiling (0: none)")
 		jsonOut    = flag.String("json", "", "also write the report as JSON to this file")
@@ -56,6 +57,7 @@ func run() int {
 		BatchSize:   *batch,
 		Concurrency: *conc,
 		AMQPOrdered: *ordered,
+		KeyLanes:    *keyLanes,
 		Pace:        *paceFor,
 		PaceMax:     *paceMax,
 		DatabaseURL: os.Getenv("DATABASE_URL"),
