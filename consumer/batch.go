@@ -331,7 +331,9 @@ func (e *engine) runHandlers(ctx context.Context, tx pgx.Tx, jobs []*job, res []
 			return batchResult{}, false
 		}
 		start := time.Now()
-		err := safeBatchCall(ctx, tx, e.batchCall, claimed)
+		qtx := newQueueTx(tx)
+		qtx.owner = -1
+		err := qtx.settle(ctx, safeBatchCall(ctx, qtx, e.batchCall, claimed))
 		e.tel.since(ctx, e.tel.handlerDur, start)
 		switch {
 		case err == nil:
@@ -341,6 +343,7 @@ func (e *engine) runHandlers(ctx context.Context, tx pgx.Tx, jobs []*job, res []
 		}
 		return batchResult{split: true, err: err, failed: -1}, true
 	}
+	qtx := newQueueTx(tx)
 	for i, j := range jobs {
 		if i > 0 && e.stopping.Load() {
 			// Shutting down: roll back rather than wait for the whole
@@ -355,17 +358,30 @@ func (e *engine) runHandlers(ctx context.Context, tx pgx.Tx, jobs []*job, res []
 			crashPoint("mid-batch")
 		}
 		start := time.Now()
-		err := safeCall(mergeCancel(j.ctx, ctx), tx, j.call, 1)
+		qtx.owner = i
+		err := safeCall(mergeCancel(j.ctx, ctx), qtx, j.call, 1)
 		e.tel.since(ctx, e.tel.handlerDur, start)
-		if err == nil {
-			continue
+		if f := qtx.failed; f != nil {
+			// A statement queued by this or an earlier event failed.
+			return e.handlerFailure(ctx, tx, f.owner, f.err), true
 		}
-		if databaseFailure(tx, err) || ctx.Err() != nil {
-			return batchResult{infra: true, err: err, failed: -1}, true
+		if err != nil {
+			return e.handlerFailure(ctx, tx, i, err), true
 		}
-		return batchResult{failed: i, err: err}, true
+	}
+	if f := qtx.flush(ctx); f != nil {
+		return e.handlerFailure(ctx, tx, f.owner, f.err), true
 	}
 	return batchResult{}, false
+}
+
+// handlerFailure is the batch's result when the handler of jobs[i] failed
+// with err (its own error, or that of a statement it queued).
+func (e *engine) handlerFailure(ctx context.Context, tx pgx.Tx, i int, err error) batchResult {
+	if databaseFailure(tx, err) || ctx.Err() != nil {
+		return batchResult{infra: true, err: err, failed: -1}
+	}
+	return batchResult{failed: i, err: err}
 }
 
 func safeBatchCall(ctx context.Context, tx pgx.Tx, c func(context.Context, pgx.Tx, []*job) error, jobs []*job) (err error) {

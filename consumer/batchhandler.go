@@ -35,6 +35,8 @@ func NewBatch[T any](pool *pgxpool.Pool, src Source, h BatchHandler[T], cfg Conf
 			call: func(ctx context.Context, tx pgx.Tx, attempt int) error {
 				one := ev
 				one.Attempt = attempt
+				one.queue = openQueue(tx)
+				defer one.queue.close()
 				return h(ctx, tx, []Event[T]{one})
 			},
 			event: ev,
@@ -45,9 +47,12 @@ func NewBatch[T any](pool *pgxpool.Pool, src Source, h BatchHandler[T], cfg Conf
 		return nil, err
 	}
 	e.batchCall = func(ctx context.Context, tx pgx.Tx, jobs []*job) error {
+		q := openQueue(tx)
+		defer q.close()
 		events := make([]Event[T], len(jobs))
 		for i, j := range jobs {
 			events[i] = j.event.(Event[T])
+			events[i].queue = q
 		}
 		return h(ctx, tx, events)
 	}

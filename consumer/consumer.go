@@ -39,6 +39,9 @@ type Event[T any] struct {
 	// counts retries and, where the consumer can tell, runs cut short by
 	// a crash of the process.
 	Attempt int
+
+	// queue is where Queue puts statements, while the handler runs.
+	queue *eventQueue
 }
 
 // Consumer consumes one Source, handling each message exactly once in
@@ -98,7 +101,9 @@ func bind[T any](h Handler[T], m *Message, idt identity, dec Decoder) (call, Err
 		return nil, KindDecode, &DecodeError{Err: err}
 	}
 	return func(ctx context.Context, tx pgx.Tx, attempt int) error {
-		return h(ctx, tx, Event[T]{ID: idt.id, Type: idt.typ, Payload: payload, Message: m, Attempt: attempt})
+		q := openQueue(tx)
+		defer q.close()
+		return h(ctx, tx, Event[T]{ID: idt.id, Type: idt.typ, Payload: payload, Message: m, Attempt: attempt, queue: q})
 	}, "", nil
 }
 

@@ -256,7 +256,8 @@ func (e *engine) transaction(ctx context.Context, j *job, attempt int) result {
 	if j.call != nil {
 		kind = resHandled
 		start := time.Now()
-		err = safeCall(ctx, tx, j.call, attempt)
+		qtx := newQueueTx(tx)
+		err = qtx.settle(ctx, safeCall(ctx, qtx, j.call, attempt))
 		e.tel.since(ctx, e.tel.handlerDur, start)
 		if err != nil {
 			if databaseFailure(tx, err) {

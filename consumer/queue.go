@@ -1,0 +1,183 @@
+package consumer
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// Queue queues a statement to run in the event's transaction after the
+// handler returns, instead of sending it at once: in a batch, the queued
+// statements of every handler reach PostgreSQL together, in one round trip
+// before the commit, where tx.Exec costs a round trip per statement. It
+// returns pgx's QueuedQuery, so a handler that needs a statement's outcome
+// attaches a callback (Exec, Query or QueryRow) that runs when the result
+// arrives; a callback's error counts as the handler's:
+//
+//	ev.Queue(`UPDATE orders SET status = 'paid' WHERE id = $1`, ev.Payload.OrderID).
+//		Exec(func(ct pgconn.CommandTag) error {
+//			if ct.RowsAffected() == 0 {
+//				return consumer.Permanent(errors.New("no such order"))
+//			}
+//			return nil
+//		})
+//
+// Statements run in the order they were queued, and before any statement
+// sent through the handlers' tx (Exec, Query, QueryRow, SendBatch,
+// CopyFrom, Prepare, Begin), so what a handler reads sees what earlier
+// events of the batch queued. If a queued statement or its callback fails,
+// the failure is the queuing event's, exactly as if its handler had
+// returned the error: the batch rolls back, and the event meets the retry
+// policy alone (a database failure is retried as infrastructure, like any
+// failed statement). A handler must not rely on a queued statement having
+// run before it returns.
+//
+// Queue may be called only while the event's handler runs, from the
+// handler's goroutine (like tx itself); it panics on an Event that the
+// consumer did not deliver or whose handler returned. With a BatchHandler,
+// a failure of any queued statement fails the whole batch.
+func (ev Event[T]) Queue(sql string, args ...any) *pgx.QueuedQuery {
+	return ev.queue.add(sql, args)
+}
+
+// eventQueue is a handler's access to its transaction's write queue, valid
+// while the handler runs.
+type eventQueue struct {
+	t      *queueTx
+	owner  int
+	closed bool
+}
+
+// openQueue returns the queue a handler called with tx may use, or nil if
+// tx is not the consumer's.
+func openQueue(tx pgx.Tx) *eventQueue {
+	t, ok := tx.(*queueTx)
+	if !ok {
+		return nil
+	}
+	return &eventQueue{t: t, owner: t.owner}
+}
+
+func (q *eventQueue) close() {
+	if q != nil {
+		q.closed = true
+	}
+}
+
+func (q *eventQueue) add(sql string, args []any) *pgx.QueuedQuery {
+	switch {
+	case q == nil:
+		panic("consumer: Event.Queue on an event the consumer did not deliver")
+	case q.closed:
+		panic("consumer: Event.Queue after the event's handler returned")
+	}
+	q.t.owners = append(q.t.owners, q.owner)
+	return q.t.pending.Queue(sql, args...)
+}
+
+// queueTx is the transaction handlers get: a pgx.Tx that first sends what
+// handlers queued (Event.Queue) whenever a statement goes through it.
+type queueTx struct {
+	pgx.Tx
+	pending pgx.Batch
+	// owners[i] is the job index of pending's i-th query.
+	owners []int
+	// owner is the index of the job whose handler runs now; -1 for a
+	// BatchHandler.
+	owner int
+	// failed is the first queued statement that failed, once one did.
+	failed *queueFailure
+}
+
+// queueFailure is a queued statement's failure, charged to its owner.
+type queueFailure struct {
+	owner int
+	err   error
+}
+
+func newQueueTx(tx pgx.Tx) *queueTx { return &queueTx{Tx: tx} }
+
+// flush sends the queued statements in one round trip and records the
+// first failure. After a failure it sends nothing more: the batch is
+// rolled back.
+func (t *queueTx) flush(ctx context.Context) *queueFailure {
+	if t.failed != nil || len(t.pending.QueuedQueries) == 0 {
+		return t.failed
+	}
+	b, owners := t.pending, t.owners
+	t.pending, t.owners = pgx.Batch{}, nil
+	failedAt := -1
+	for i, qq := range b.QueuedQueries {
+		fn := qq.Fn
+		qq.Fn = func(br pgx.BatchResults) error {
+			var err error
+			if fn != nil {
+				err = fn(br)
+			} else {
+				_, err = br.Exec()
+			}
+			if err != nil && failedAt < 0 {
+				failedAt = i
+			}
+			return err
+		}
+	}
+	if err := t.Tx.SendBatch(ctx, &b).Close(); err != nil {
+		// Nothing read at all (failedAt < 0): the send failed, a database
+		// failure; charge it to the first statement's owner.
+		at := max(failedAt, 0)
+		t.failed = &queueFailure{owner: owners[at],
+			err: fmt.Errorf("statement queued by the handler (%.60q): %w", b.QueuedQueries[at].SQL, err)}
+	}
+	return t.failed
+}
+
+// settle returns the outcome of a handler that returned err: the failure
+// of a statement it queued, if one failed, else err; when the handler
+// succeeded, it first sends what it queued.
+func (t *queueTx) settle(ctx context.Context, err error) error {
+	if t.failed == nil && err == nil {
+		t.flush(ctx)
+	}
+	if t.failed != nil {
+		return t.failed.err
+	}
+	return err
+}
+
+func (t *queueTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	t.flush(ctx)
+	return t.Tx.Exec(ctx, sql, args...)
+}
+
+func (t *queueTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	t.flush(ctx)
+	return t.Tx.Query(ctx, sql, args...)
+}
+
+func (t *queueTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	t.flush(ctx)
+	return t.Tx.QueryRow(ctx, sql, args...)
+}
+
+func (t *queueTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
+	t.flush(ctx)
+	return t.Tx.SendBatch(ctx, b)
+}
+
+func (t *queueTx) CopyFrom(ctx context.Context, table pgx.Identifier, cols []string, src pgx.CopyFromSource) (int64, error) {
+	t.flush(ctx)
+	return t.Tx.CopyFrom(ctx, table, cols, src)
+}
+
+func (t *queueTx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
+	t.flush(ctx)
+	return t.Tx.Prepare(ctx, name, sql)
+}
+
+func (t *queueTx) Begin(ctx context.Context) (pgx.Tx, error) {
+	t.flush(ctx)
+	return t.Tx.Begin(ctx)
+}
