@@ -62,6 +62,9 @@ const (
 	// RowOnceBatched is the library with BatchSize 100 and a per-event
 	// handler.
 	RowOnceBatched Row = "once batched"
+	// RowOnceQueued is RowOnceBatched with the handler's insert queued
+	// (Event.Queue), so a batch's inserts share one round trip.
+	RowOnceQueued Row = "once queued"
 	// RowOnceBatchHandler is the library with BatchSize 100 and a
 	// BatchHandler writing the batch with one multi-row INSERT.
 	RowOnceBatchHandler Row = "once batch handler"
@@ -72,7 +75,7 @@ const (
 )
 
 // AllRows lists every consumer row.
-var AllRows = []Row{RowCeiling, RowNaive, RowOncePerMessage, RowOnceBatched, RowOnceBatchHandler, RowOnceKeyLanes}
+var AllRows = []Row{RowCeiling, RowNaive, RowOncePerMessage, RowOnceBatched, RowOnceQueued, RowOnceBatchHandler, RowOnceKeyLanes}
 
 // ForBroker reports whether the row applies to b.
 func (r Row) ForBroker(b Broker) bool { return r != RowOnceKeyLanes || b == Kafka }

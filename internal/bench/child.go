@@ -124,6 +124,13 @@ func insertEffect(ctx context.Context, tx pgx.Tx, ev consumer.Event[payload]) er
 	return err
 }
 
+// queueEffect is insertEffect through Event.Queue: the batch's inserts
+// share one round trip.
+func queueEffect(_ context.Context, _ pgx.Tx, ev consumer.Event[payload]) error {
+	ev.Queue(insertEffectSQL, ev.ID, ev.Payload.N, ev.Payload.Account, ev.Payload.Amount)
+	return nil
+}
+
 func insertEffects(ctx context.Context, tx pgx.Tx, evs []consumer.Event[payload]) error {
 	ids := make([]string, len(evs))
 	ns := make([]int64, len(evs))
@@ -196,15 +203,18 @@ func runChild(spec *rowSpec) (*childResult, error) {
 		run = func() error { return receiveAck(runCtx, m) }
 	case RowNaive:
 		run = func() error { return runNaive(runCtx, m, pool, spec) }
-	case RowOncePerMessage, RowOnceBatched, RowOnceBatchHandler, RowOnceKeyLanes:
+	case RowOncePerMessage, RowOnceBatched, RowOnceQueued, RowOnceBatchHandler, RowOnceKeyLanes:
 		cfg := consumer.Config{Name: "bench", BatchSize: spec.BatchSize, Concurrency: spec.Concurrency, Logger: logger}
 		if spec.Row == RowOncePerMessage {
 			cfg.BatchSize = 1
 		}
 		var c *consumer.Consumer[payload]
-		if spec.Row == RowOnceBatchHandler {
+		switch spec.Row {
+		case RowOnceBatchHandler:
 			c, err = consumer.NewBatch(pool, m, insertEffects, cfg)
-		} else {
+		case RowOnceQueued:
+			c, err = consumer.New(pool, m, queueEffect, cfg)
+		default:
 			c, err = consumer.New(pool, m, insertEffect, cfg)
 		}
 		if err != nil {

@@ -74,7 +74,7 @@ func (r *Report) Targets() []string {
 		return "NOT met"
 	}
 	var out []string
-	for _, row := range []Row{RowOnceBatched, RowOnceBatchHandler, RowOnceKeyLanes} {
+	for _, row := range []Row{RowOnceBatched, RowOnceQueued, RowOnceBatchHandler, RowOnceKeyLanes} {
 		k := find(Kafka, row)
 		if k == nil {
 			continue
@@ -89,7 +89,7 @@ func (r *Report) Targets() []string {
 			out = append(out, fmt.Sprintf("target Kafka %s p99 <= 50 ms at half its rate (%.0f msgs/s): %.1f ms, %s", row, k.PacedRate, k.P99Ms, met(k.P99Ms <= 50)))
 		}
 	}
-	for _, row := range []Row{RowOnceBatched, RowOnceBatchHandler} {
+	for _, row := range []Row{RowOnceBatched, RowOnceQueued, RowOnceBatchHandler} {
 		if a := find(RabbitMQ, row); a != nil && a.VsNaive > 0 {
 			out = append(out, fmt.Sprintf("target RabbitMQ %s >= 10x naive: %.1fx, %s", row, a.VsNaive, met(a.VsNaive >= 10)))
 		}
