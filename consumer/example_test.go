@@ -7,6 +7,7 @@ import (
 	"os"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/onceco/once/consumer"
@@ -77,6 +78,24 @@ func ExamplePermanent() {
 		if ev.Payload.Amount < 0 {
 			return consumer.Permanent(fmt.Errorf("order %s: negative amount", ev.Payload.OrderID))
 		}
+		return nil
+	}
+}
+
+// A handler that queues its writes instead of sending them: in a batch,
+// every handler's statements reach PostgreSQL in one round trip before the
+// commit. A callback checks a statement's result; its error is the
+// handler's.
+func ExampleEvent_Queue() {
+	_ = func(ctx context.Context, tx pgx.Tx, ev consumer.Event[OrderCreated]) error {
+		ev.Queue(`INSERT INTO orders (id, amount) VALUES ($1, $2)`, ev.Payload.OrderID, ev.Payload.Amount)
+		ev.Queue(`UPDATE accounts SET balance = balance + $2 WHERE order_id = $1`, ev.Payload.OrderID, ev.Payload.Amount).
+			Exec(func(ct pgconn.CommandTag) error {
+				if ct.RowsAffected() == 0 {
+					return consumer.Permanent(fmt.Errorf("order %s: no account", ev.Payload.OrderID))
+				}
+				return nil
+			})
 		return nil
 	}
 }
