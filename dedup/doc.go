@@ -6,7 +6,10 @@
 // A Store is built from names (schema and table, validated and quoted, so
 // configuration cannot inject SQL). Migrate creates its tables idempotently;
 // the same DDL, with the default names, is in migrations/ for users of goose
-// or golang-migrate. Claim and ClaimBatch work inside a caller's pgx.Tx.
+// or golang-migrate. Claim and ClaimBatch work inside a caller's pgx.Tx;
+// QueueClaim and QueueClaimBatch queue the same statements on a pgx.Batch,
+// so that a batch that begins the transaction (pgx.Batch.BeginTx) sends the
+// BEGIN and the claim in one round trip.
 // RecordAttempt and ClearAttempts keep the durable attempt counts that let a
 // consumer recognise a message that crashes the process every time.
 // DeleteOlderThan applies retention in bounded batches.

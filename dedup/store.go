@@ -226,19 +226,36 @@ type Previous struct {
 // the id itself if it rolled back. The lookup of the previous row costs a
 // second statement only when the id is not new.
 func (s *Store) Claim(ctx context.Context, tx DB, c Claim) (Result, error) {
+	tag, err := tx.Exec(ctx, s.claimSQL, claimArgs(c)...)
+	if err != nil {
+		return Result{}, fmt.Errorf("dedup: claim: %w", err)
+	}
+	return s.claimResult(ctx, tx, c, tag.RowsAffected() == 1)
+}
+
+// claimArgs are the arguments of claimSQL for c.
+func claimArgs(c Claim) []any {
+	return []any{c.Consumer, c.EventID, c.Fingerprint, c.Source, nullable32(c.Partition), nullable64(c.Offset)}
+}
+
+// claimResult finishes a claim whose insert (claimSQL, sent on tx) inserted
+// the row or not: when it did not, it looks up the previous row, and claims
+// again if retention removed that row in between.
+func (s *Store) claimResult(ctx context.Context, tx DB, c Claim, inserted bool) (Result, error) {
 	for try := 0; ; try++ {
-		tag, err := tx.Exec(ctx, s.claimSQL, c.Consumer, c.EventID, c.Fingerprint, c.Source, nullable32(c.Partition), nullable64(c.Offset))
-		if err != nil {
-			return Result{}, fmt.Errorf("dedup: claim: %w", err)
-		}
-		if tag.RowsAffected() == 1 {
+		if inserted {
 			return Result{Outcome: Claimed}, nil
 		}
 		var prev Previous
-		err = tx.QueryRow(ctx, s.lookupSQL, c.Consumer, c.EventID).Scan(&prev.Fingerprint, &prev.ProcessedAt)
+		err := tx.QueryRow(ctx, s.lookupSQL, c.Consumer, c.EventID).Scan(&prev.Fingerprint, &prev.ProcessedAt)
 		if errors.Is(err, pgx.ErrNoRows) && try < 3 {
 			// Retention deleted the row between the insert and the
 			// lookup: the id is free again, claim it.
+			tag, err := tx.Exec(ctx, s.claimSQL, claimArgs(c)...)
+			if err != nil {
+				return Result{}, fmt.Errorf("dedup: claim: %w", err)
+			}
+			inserted = tag.RowsAffected() == 1
 			continue
 		}
 		if err != nil {
@@ -246,6 +263,83 @@ func (s *Store) Claim(ctx context.Context, tx DB, c Claim) (Result, error) {
 		}
 		return Result{Outcome: compare(c.Fingerprint, prev.Fingerprint), Previous: prev}, nil
 	}
+}
+
+// errNotRead is the error of a pending claim whose statement's result was
+// never read: the batch failed before it, or its results were read without
+// BatchResults.Close running the callbacks.
+var errNotRead = errors.New("the batch's result was not read")
+
+// PendingClaim is a claim queued on a pgx.Batch by QueueClaim, whose
+// outcome Result gives once the batch has run.
+type PendingClaim struct {
+	s        *Store
+	c        Claim
+	done     bool  // the statement's result was read
+	err      error // the statement's error
+	inserted bool
+}
+
+// QueueClaim queues on b the statement Claim would send for c, and returns
+// the pending claim whose Result gives the outcome once b has been sent and
+// its results read. Queue it after b.BeginTx, so that the transaction's
+// BEGIN and the claim cost one round trip:
+//
+//	b := &pgx.Batch{}
+//	b.BeginTx(pgx.TxOptions{})
+//	pending := store.QueueClaim(b, c)
+//	br := pool.SendBatch(ctx, b)
+//	tx := br.Tx()
+//	defer tx.Rollback(ctx)
+//	if err := br.Close(); err != nil { ... }
+//	res, err := pending.Result(ctx, tx)
+//
+// The claim's row belongs to the transaction the batch runs in, as with
+// Claim. QueueClaim sends nothing; it sets the queued query's callback,
+// which BatchResults.Close runs. c's Fingerprint must not be modified
+// until b has been sent.
+func (s *Store) QueueClaim(b *pgx.Batch, c Claim) *PendingClaim {
+	p := &PendingClaim{s: s, c: c}
+	// Query rather than Exec: its callback runs (and sees the error) even
+	// when the statement itself fails.
+	b.Queue(s.claimSQL, claimArgs(c)...).Query(func(rows pgx.Rows) error {
+		rows.Close()
+		if err := rows.Err(); err != nil {
+			p.err = err
+			return err
+		}
+		p.inserted = rows.CommandTag().RowsAffected() == 1
+		p.done = true
+		return nil
+	})
+	return p
+}
+
+// Result returns the claim's outcome, as Claim would have. Call it after
+// the batch's results were read (BatchResults.Close returned nil), with the
+// transaction the batch ran in: for an id that is not new it sends one
+// more statement on tx (the lookup of the previous row, and, when
+// retention removed that row meanwhile, the claim again), exactly as Claim
+// does; a new id costs nothing more.
+//
+// Result fails if the claim's statement failed (wrapping the statement's
+// error), or if its result was never read: the batch failed before
+// reaching it (a statement queued earlier failed, or, in the
+// statement-caching query modes, preparing any statement of the batch
+// failed; BatchResults.Close has the cause), or its results were read with
+// BatchResults.Exec or Query instead of Close, which is what runs the
+// callback QueueClaim set. It then never reports Claimed.
+//
+// Call Result once, from the goroutine that uses tx; a PendingClaim is not
+// safe for concurrent use.
+func (p *PendingClaim) Result(ctx context.Context, tx DB) (Result, error) {
+	if p.err != nil {
+		return Result{}, fmt.Errorf("dedup: claim: %w", p.err)
+	}
+	if !p.done {
+		return Result{}, fmt.Errorf("dedup: claim: %w", errNotRead)
+	}
+	return p.s.claimResult(ctx, tx, p.c, p.inserted)
 }
 
 // ClaimBatch claims many ids for one consumer with one statement, and
@@ -259,6 +353,24 @@ func (s *Store) ClaimBatch(ctx context.Context, tx DB, claims []Claim) ([]Result
 	if len(claims) == 0 {
 		return nil, nil
 	}
+	args, err := claimBatchArgs(claims)
+	if err != nil {
+		return nil, err
+	}
+	rows, err := tx.Query(ctx, s.claimBatchSQL, args...)
+	if err != nil {
+		return nil, fmt.Errorf("dedup: claim batch: %w", err)
+	}
+	found := newBatchFound(len(claims))
+	if err := found.scan(rows); err != nil {
+		return nil, fmt.Errorf("dedup: claim batch: %w", err)
+	}
+	return s.batchResults(ctx, tx, claims, found)
+}
+
+// claimBatchArgs are the arguments of claimBatchSQL for claims, which must
+// be at least one, all of one consumer.
+func claimBatchArgs(claims []Claim) ([]any, error) {
 	consumer := claims[0].Consumer
 	ids := make([]string, len(claims))
 	fps := make([][]byte, len(claims))
@@ -272,33 +384,47 @@ func (s *Store) ClaimBatch(ctx context.Context, tx DB, claims []Claim) ([]Result
 		ids[i], fps[i], srcs[i] = c.EventID, c.Fingerprint, c.Source
 		parts[i], offs[i] = nullable32(c.Partition), nullable64(c.Offset)
 	}
-	rows, err := tx.Query(ctx, s.claimBatchSQL, consumer, ids, fps, srcs, parts, offs)
-	if err != nil {
-		return nil, fmt.Errorf("dedup: claim batch: %w", err)
-	}
-	inserted := make([]bool, len(claims))
-	before := make([]*Previous, len(claims))
+	return []any{consumer, ids, fps, srcs, parts, offs}, nil
+}
+
+// batchFound is what claimBatchSQL returned, by claim: whether its row
+// went in, and the row that was there before.
+type batchFound struct {
+	inserted []bool
+	before   []*Previous
+}
+
+func newBatchFound(n int) *batchFound {
+	return &batchFound{inserted: make([]bool, n), before: make([]*Previous, n)}
+}
+
+// scan reads claimBatchSQL's rows, and closes them.
+func (f *batchFound) scan(rows pgx.Rows) error {
+	n := int64(len(f.inserted))
 	var (
 		ord    int64
 		ins    bool
 		fp     []byte
 		procAt *time.Time
 	)
-	_, err = pgx.ForEachRow(rows, []any{&ord, &ins, &fp, &procAt}, func() error {
+	_, err := pgx.ForEachRow(rows, []any{&ord, &ins, &fp, &procAt}, func() error {
 		k := ord - 1
-		if k < 0 || k >= int64(len(claims)) {
-			return fmt.Errorf("row for ordinal %d of %d", ord, len(claims))
+		if k < 0 || k >= n {
+			return fmt.Errorf("row for ordinal %d of %d", ord, n)
 		}
-		inserted[k] = ins
+		f.inserted[k] = ins
 		if procAt != nil {
-			before[k] = &Previous{Fingerprint: bytes.Clone(fp), ProcessedAt: *procAt}
+			f.before[k] = &Previous{Fingerprint: bytes.Clone(fp), ProcessedAt: *procAt}
 		}
 		return nil
 	})
-	if err != nil {
-		return nil, fmt.Errorf("dedup: claim batch: %w", err)
-	}
+	return err
+}
 
+// batchResults turns what claimBatchSQL found into one Result per claim,
+// claiming on tx, one by one, the ids it found neither inserted nor there
+// before.
+func (s *Store) batchResults(ctx context.Context, tx DB, claims []Claim, found *batchFound) ([]Result, error) {
 	results := make([]Result, len(claims))
 	now := time.Now()
 	first := make(map[string]int, len(claims)) // id -> its claimed appearance
@@ -311,11 +437,11 @@ func (s *Store) ClaimBatch(ctx context.Context, tx DB, claims []Claim) ([]Result
 			continue
 		}
 		switch {
-		case inserted[i]:
+		case found.inserted[i]:
 			first[c.EventID] = i
 			results[i].Outcome = Claimed
-		case before[i] != nil:
-			results[i] = Result{Outcome: compare(c.Fingerprint, before[i].Fingerprint), Previous: *before[i]}
+		case found.before[i] != nil:
+			results[i] = Result{Outcome: compare(c.Fingerprint, found.before[i].Fingerprint), Previous: *found.before[i]}
 		default:
 			// Committed by another transaction after this statement's
 			// snapshot was taken, or deleted by retention meanwhile.
@@ -323,11 +449,84 @@ func (s *Store) ClaimBatch(ctx context.Context, tx DB, claims []Claim) ([]Result
 		}
 	}
 	for _, i := range missing {
+		var err error
 		if results[i], err = s.Claim(ctx, tx, claims[i]); err != nil {
 			return nil, err
 		}
 	}
 	return results, nil
+}
+
+// PendingClaimBatch is a batch of claims queued on a pgx.Batch by
+// QueueClaimBatch, whose outcomes Results gives once the batch has run.
+type PendingClaimBatch struct {
+	s      *Store
+	claims []Claim
+	found  *batchFound
+	done   bool  // the statement's result was read
+	err    error // the statement's error
+}
+
+// QueueClaimBatch queues on b the one statement ClaimBatch would send for
+// claims, and returns the pending batch whose Results gives the outcomes
+// once b has been sent and its results read. Queue it after b.BeginTx, so
+// that the transaction's BEGIN and the claims cost one round trip (see
+// QueueClaim). The claims' rows belong to the transaction the batch runs
+// in, as with ClaimBatch.
+//
+// Like ClaimBatch, it fails for claims of more than one consumer; it then
+// queues nothing. An empty claims slice queues nothing either, and its
+// Results are nil. QueueClaimBatch sends nothing; it sets the queued
+// query's callback, which BatchResults.Close runs. claims (and their
+// fingerprints) must not be modified until Results has returned.
+func (s *Store) QueueClaimBatch(b *pgx.Batch, claims []Claim) (*PendingClaimBatch, error) {
+	p := &PendingClaimBatch{s: s, claims: claims}
+	if len(claims) == 0 {
+		p.done = true
+		return p, nil
+	}
+	args, err := claimBatchArgs(claims)
+	if err != nil {
+		return nil, err
+	}
+	p.found = newBatchFound(len(claims))
+	b.Queue(s.claimBatchSQL, args...).Query(func(rows pgx.Rows) error {
+		if err := p.found.scan(rows); err != nil {
+			p.err = err
+			return err
+		}
+		p.done = true
+		return nil
+	})
+	return p, nil
+}
+
+// Results returns one Result per claim, in order, as ClaimBatch would
+// have. Call it after the batch's results were read (BatchResults.Close
+// returned nil), with the transaction the batch ran in: for an id that
+// ClaimBatch would have claimed again one by one (committed by another
+// transaction while the statement ran, or removed by retention meanwhile),
+// it sends the statements of Claim on tx; otherwise it sends nothing.
+//
+// Results fails if the claims' statement failed (wrapping the statement's
+// error), or if its result was never read: the batch failed before
+// reaching it (see PendingClaim.Result), or its results were read with
+// BatchResults.Exec or Query instead of Close, which is what runs the
+// callback QueueClaimBatch set. It then returns no results.
+//
+// Call Results once, from the goroutine that uses tx; a PendingClaimBatch
+// is not safe for concurrent use.
+func (p *PendingClaimBatch) Results(ctx context.Context, tx DB) ([]Result, error) {
+	if p.err != nil {
+		return nil, fmt.Errorf("dedup: claim batch: %w", p.err)
+	}
+	if !p.done {
+		return nil, fmt.Errorf("dedup: claim batch: %w", errNotRead)
+	}
+	if len(p.claims) == 0 {
+		return nil, nil
+	}
+	return p.s.batchResults(ctx, tx, p.claims, p.found)
 }
 
 func compare(fp, prev []byte) Outcome {
