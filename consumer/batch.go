@@ -279,18 +279,25 @@ func (e *engine) batchTransaction(ctx context.Context, jobs []*job) batchResult 
 }
 
 func (e *engine) runBatchTx(ctx context.Context, jobs []*job) batchResult {
-	tx, err := e.pool.Begin(ctx)
+	claims := make([]dedup.Claim, len(jobs))
+	for i, j := range jobs {
+		claims[i] = j.claim(e.cfg.Name)
+	}
+	// BEGIN and the claim share one round trip.
+	b := &pgx.Batch{}
+	b.BeginTx(pgx.TxOptions{})
+	pending, err := e.cfg.Store.QueueClaimBatch(b, claims)
 	if err != nil {
 		return batchResult{infra: true, err: err, failed: -1}
 	}
-	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // a no-op after Commit
-
-	claims := make([]dedup.Claim, len(jobs))
-	for i, j := range jobs {
-		claims[i] = dedup.Claim{Consumer: e.cfg.Name, EventID: j.idt.id, Fingerprint: j.fp,
-			Source: j.m.Topic, Partition: j.m.Partition, Offset: j.m.Offset}
+	tx, err := e.begin(ctx, b)
+	if tx != nil {
+		defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // a no-op after Commit
 	}
-	res, err := e.cfg.Store.ClaimBatch(ctx, tx, claims)
+	if err != nil {
+		return batchResult{infra: true, err: err, failed: -1}
+	}
+	res, err := pending.Results(ctx, tx)
 	if err != nil {
 		return batchResult{infra: true, err: err, failed: -1}
 	}

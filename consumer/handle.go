@@ -227,15 +227,18 @@ func (e *engine) attempt(ctx context.Context, j *job, attempt int) result {
 }
 
 func (e *engine) transaction(ctx context.Context, j *job, attempt int) result {
-	tx, err := e.pool.Begin(ctx)
+	// BEGIN and the claim share one round trip.
+	b := &pgx.Batch{}
+	b.BeginTx(pgx.TxOptions{})
+	pending := e.cfg.Store.QueueClaim(b, j.claim(e.cfg.Name))
+	tx, err := e.begin(ctx, b)
+	if tx != nil {
+		defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // a no-op after Commit
+	}
 	if err != nil {
 		return result{kind: resInfraErr, err: err}
 	}
-	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // a no-op after Commit
-
-	claim := dedup.Claim{Consumer: e.cfg.Name, EventID: j.idt.id, Fingerprint: j.fp,
-		Source: j.m.Topic, Partition: j.m.Partition, Offset: j.m.Offset}
-	res, err := e.cfg.Store.Claim(ctx, tx, claim)
+	res, err := pending.Result(ctx, tx)
 	if err != nil {
 		return result{kind: resInfraErr, err: err}
 	}
@@ -283,6 +286,24 @@ func (e *engine) transaction(ctx context.Context, j *job, attempt int) result {
 	}
 	crashPoint("after-commit")
 	return result{kind: kind}
+}
+
+// begin sends b, which begins a transaction, and returns the transaction
+// once b's results are read. The transaction is returned, to be rolled
+// back, even when err is not nil.
+func (e *engine) begin(ctx context.Context, b *pgx.Batch) (pgx.Tx, error) {
+	br := e.pool.SendBatch(ctx, b)
+	tx := br.Tx()
+	if err := br.Close(); err != nil {
+		return tx, err
+	}
+	return tx, nil
+}
+
+// claim is the dedup claim of j's id.
+func (j *job) claim(consumer string) dedup.Claim {
+	return dedup.Claim{Consumer: consumer, EventID: j.idt.id, Fingerprint: j.fp,
+		Source: j.m.Topic, Partition: j.m.Partition, Offset: j.m.Offset}
 }
 
 func safeCall(ctx context.Context, tx pgx.Tx, c call, attempt int) (err error) {
