@@ -5,6 +5,11 @@
 //
 // initdb and postgres refuse to run as root, so when the process is root the
 // server runs as the "postgres" user if it exists, else as "nobody".
+//
+// pg_ctl detaches the server from the process that starts it, so a process
+// killed before Close (a test binary past its timeout) would leave the
+// server running. A watchdog started with the server stops it and removes
+// its directory within about a second of the starting process's death.
 package pgtemp
 
 import (
@@ -41,6 +46,8 @@ type Server struct {
 	port    int
 	durable bool
 	cred    *syscall.Credential
+	// watchdog stops the server if this process dies before Close.
+	watchdog *exec.Cmd
 }
 
 // Start creates and starts a new cluster. It fails with a message that says
@@ -72,7 +79,31 @@ func Start(ctx context.Context, opts Options) (*Server, error) {
 		s.Close()
 		return nil, err
 	}
+	if err := s.startWatchdog(); err != nil {
+		s.Close()
+		return nil, err
+	}
 	return s, nil
+}
+
+// watchdogScript waits for process $1 to end, then stops the server of
+// data directory $3 with pg_ctl ($2) and removes $4. It tests /proc rather
+// than kill -0, which fails for another user's live process.
+const watchdogScript = `while [ -d "/proc/$1" ]; do sleep 1; done
+"$2" -D "$3" -m immediate -w -t 60 stop >/dev/null 2>&1
+rm -rf "$4"`
+
+// startWatchdog starts the watchdog: a shell in a process group of its
+// own (a test's interrupt does not reach it) and as the server's user.
+func (s *Server) startWatchdog() error {
+	cmd := exec.Command("/bin/sh", "-c", watchdogScript, "pgtemp-watchdog",
+		strconv.Itoa(os.Getpid()), filepath.Join(s.bindir, "pg_ctl"), s.dataDir(), s.dir)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Credential: s.cred}
+	if err := cmd.Start(); err != nil {
+		return fmt.Errorf("pgtemp: watchdog: %w", err)
+	}
+	s.watchdog = cmd
+	return nil
 }
 
 // URL is the connection string of the server's "postgres" database.
@@ -102,6 +133,11 @@ func (s *Server) Stop(ctx context.Context) error {
 
 // Close stops the server if it runs and removes its directory.
 func (s *Server) Close() error {
+	if s.watchdog != nil {
+		_ = s.watchdog.Process.Kill()
+		_ = s.watchdog.Wait()
+		s.watchdog = nil
+	}
 	if s.dir == "" {
 		return nil
 	}
