@@ -248,6 +248,15 @@ func TestHandlerTimeoutCountsAsFailure(t *testing.T) {
 // Stopping PostgreSQL mid-stream: nothing is acked or dead-lettered while
 // it is down, and once it is back every event has its effect exactly once.
 func TestDatabaseStoppedMidStream(t *testing.T) {
+	for name, h := range map[string]consumer.Handler[order]{"exec": insertEffect, "queued": queueEffect} {
+		t.Run(name, func(t *testing.T) { databaseStoppedMidStream(t, h) })
+	}
+}
+
+// databaseStoppedMidStream stops the database under a consumer whose
+// handler is h: nothing is acked or dead-lettered while it is down, and
+// every effect is there once after it is back.
+func databaseStoppedMidStream(t *testing.T, h consumer.Handler[order]) {
 	ctx := context.Background()
 	srv, err := pgtemp.Start(ctx, pgtemp.Options{})
 	require.NoError(t, err)
@@ -262,7 +271,7 @@ func TestDatabaseStoppedMidStream(t *testing.T) {
 	for i := 0; i < total; i++ {
 		publish(b, fmt.Sprintf("e%d", i), i)
 	}
-	c, err := consumer.New(pool, b.Source(), insertEffect, fastConfig("db-down"))
+	c, err := consumer.New(pool, b.Source(), h, fastConfig("db-down"))
 	require.NoError(t, err)
 	stop := start(t, c)
 	require.Eventually(t, func() bool { return b.Acked() >= 50 }, 20*time.Second, 5*time.Millisecond)
