@@ -36,7 +36,8 @@ import (
 //
 // Queue may be called only while the event's handler runs, from the
 // handler's goroutine (like tx itself); it panics on an Event that the
-// consumer did not deliver or whose handler returned. With a BatchHandler,
+// consumer did not deliver or whose handler returned. To run a handler on
+// an Event built by hand (in a test), use Call. With a BatchHandler,
 // a failure of any queued statement fails the whole batch.
 func (ev Event[T]) Queue(sql string, args ...any) *pgx.QueuedQuery {
 	return ev.queue.add(sql, args)
@@ -69,7 +70,7 @@ func (q *eventQueue) close() {
 func (q *eventQueue) add(sql string, args []any) *pgx.QueuedQuery {
 	switch {
 	case q == nil:
-		panic("consumer: Event.Queue on an event the consumer did not deliver")
+		panic("consumer: Event.Queue on an event the consumer did not deliver (run the handler with consumer.Call)")
 	case q.closed:
 		panic("consumer: Event.Queue after the event's handler returned")
 	}
@@ -180,4 +181,18 @@ func (t *queueTx) Prepare(ctx context.Context, name, sql string) (*pgconn.Statem
 func (t *queueTx) Begin(ctx context.Context) (pgx.Tx, error) {
 	t.flush(ctx)
 	return t.Tx.Begin(ctx)
+}
+
+// Call runs h for ev in tx as the consumer runs a handler: what h queues
+// with Event.Queue is sent before Call returns, and the failure of a queued
+// statement or of its callback is returned as h's error. It claims nothing
+// and neither commits nor rolls back tx. Use it to test a handler against
+// a real database with an Event built by hand, or to run a handler inside
+// a transaction of your own.
+func Call[T any](ctx context.Context, tx pgx.Tx, h Handler[T], ev Event[T]) error {
+	qtx := newQueueTx(tx)
+	ev.queue = openQueue(qtx)
+	err := h(ctx, qtx, ev)
+	ev.queue.close()
+	return qtx.settle(ctx, err)
 }

@@ -213,7 +213,7 @@ func TestQueuedCallbackError(t *testing.T) {
 }
 
 func TestQueueOutsideAHandlerPanics(t *testing.T) {
-	assert.PanicsWithValue(t, "consumer: Event.Queue on an event the consumer did not deliver", func() {
+	assert.PanicsWithValue(t, "consumer: Event.Queue on an event the consumer did not deliver (run the handler with consumer.Call)", func() {
 		consumer.Event[order]{ID: "x"}.Queue(`SELECT 1`)
 	})
 
@@ -269,4 +269,26 @@ func TestBatchHandlerQueue(t *testing.T) {
 	dl := b.DeadLetters()
 	require.Len(t, dl, 1)
 	assert.Equal(t, "e11", dl[0].Headers["id"])
+}
+
+// TestCallRunsAHandlerLikeTheConsumer: Call sends what the handler queued
+// and returns a queued statement's failure.
+func TestCallRunsAHandlerLikeTheConsumer(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	ctx := context.Background()
+	_, err := pool.Exec(ctx, `CREATE TABLE effects (event_id text NOT NULL, n int NOT NULL CHECK (n >= 0), seq bigserial)`)
+	require.NoError(t, err)
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer tx.Rollback(ctx) //nolint:errcheck
+
+	require.NoError(t, consumer.Call(ctx, tx, queueEffect, consumer.Event[order]{ID: "a", Payload: order{N: 1}}))
+	var n int
+	require.NoError(t, tx.QueryRow(ctx, `SELECT count(*) FROM effects WHERE event_id = 'a'`).Scan(&n))
+	assert.Equal(t, 1, n, "the queued insert ran before Call returned")
+
+	err = consumer.Call(ctx, tx, queueEffect, consumer.Event[order]{ID: "b", Payload: order{N: -1}})
+	var pgErr *pgconn.PgError
+	require.ErrorAs(t, err, &pgErr)
+	assert.Equal(t, "23514", pgErr.Code, "check violation")
 }

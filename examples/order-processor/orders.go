@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/onceco/once/consumer"
@@ -127,20 +128,23 @@ func (o *Orders) Created(ctx context.Context, tx pgx.Tx, ev consumer.Event[Order
 	if p.OrderID == "" || p.Customer == "" || p.AmountCents <= 0 {
 		return consumer.Permanent(fmt.Errorf("%w: order.created needs order_id, customer and a positive amount_cents", ErrInvalidEvent))
 	}
-	tag, err := tx.Exec(ctx, `INSERT INTO orders (id, customer, amount_cents, status, created_event)
+	// Queued, not sent: the writes of a batch's handlers reach PostgreSQL
+	// in one round trip. The callback's error is this event's.
+	ev.Queue(`INSERT INTO orders (id, customer, amount_cents, status, created_event)
 		VALUES ($1, $2, $3, 'created', $4) ON CONFLICT (id) DO NOTHING`,
-		p.OrderID, p.Customer, p.AmountCents, ev.ID)
-	if err != nil {
-		return err
-	}
-	if tag.RowsAffected() == 0 {
-		return consumer.Permanent(fmt.Errorf("%w: %s", ErrOrderExists, p.OrderID))
-	}
+		p.OrderID, p.Customer, p.AmountCents, ev.ID).
+		Exec(func(tag pgconn.CommandTag) error {
+			if tag.RowsAffected() == 0 {
+				return consumer.Permanent(fmt.Errorf("%w: %s", ErrOrderExists, p.OrderID))
+			}
+			return nil
+		})
 	return nil
 }
 
 // lockOrder reads the order's status and amount and locks its row until the
-// transaction ends. A missing order asks for a retry after UnknownOrderWait:
+// transaction ends. The read goes out at once, after what earlier events of
+// the batch queued, so it sees an order created in the same batch. A missing order asks for a retry after UnknownOrderWait:
 // its order.created may still be on its way (on RabbitMQ deliveries are
 // handled concurrently; on Kafka the order's events share a partition, so
 // only a producer that sent them out of order gets here).
@@ -171,12 +175,10 @@ func (o *Orders) Paid(ctx context.Context, tx pgx.Tx, ev consumer.Event[OrderPai
 	case p.AmountCents != amount:
 		return consumer.Permanent(fmt.Errorf("%w: %s: paid %d, owed %d", ErrWrongAmount, p.OrderID, p.AmountCents, amount))
 	}
-	if _, err := tx.Exec(ctx, `INSERT INTO payments (order_id, payment_id, event_id, amount_cents) VALUES ($1, $2, $3, $4)`,
-		p.OrderID, p.PaymentID, ev.ID, p.AmountCents); err != nil {
-		return err
-	}
-	_, err = tx.Exec(ctx, `UPDATE orders SET status = 'paid', paid_at = now() WHERE id = $1`, p.OrderID)
-	return err
+	ev.Queue(`INSERT INTO payments (order_id, payment_id, event_id, amount_cents) VALUES ($1, $2, $3, $4)`,
+		p.OrderID, p.PaymentID, ev.ID, p.AmountCents)
+	ev.Queue(`UPDATE orders SET status = 'paid', paid_at = now() WHERE id = $1`, p.OrderID)
+	return nil
 }
 
 // Cancelled cancels an order that is not paid.
@@ -195,9 +197,9 @@ func (o *Orders) Cancelled(ctx context.Context, tx pgx.Tx, ev consumer.Event[Ord
 	case "cancelled":
 		return consumer.Permanent(fmt.Errorf("%w: %s was cancelled before", ErrCancelled, p.OrderID))
 	}
-	_, err = tx.Exec(ctx, `UPDATE orders SET status = 'cancelled', cancelled_at = now(), cancel_reason = $2 WHERE id = $1`,
+	ev.Queue(`UPDATE orders SET status = 'cancelled', cancelled_at = now(), cancel_reason = $2 WHERE id = $1`,
 		p.OrderID, p.Reason)
-	return err
+	return nil
 }
 
 // EventID is the service's event-id rule (consumer.Config.EventID):

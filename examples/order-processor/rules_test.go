@@ -64,17 +64,17 @@ func TestHandlerRules(t *testing.T) {
 	o := &Orders{UnknownOrderWait: 75 * time.Millisecond}
 	created := func(id string, amount int64) error {
 		return inTx(t, pool, func(ctx context.Context, tx pgx.Tx) error {
-			return o.Created(ctx, tx, ev("c-"+id, OrderCreated{OrderID: id, Customer: "alice", AmountCents: amount}))
+			return consumer.Call(ctx, tx, o.Created, ev("c-"+id, OrderCreated{OrderID: id, Customer: "alice", AmountCents: amount}))
 		})
 	}
 	paid := func(evID, id, payment string, amount int64) error {
 		return inTx(t, pool, func(ctx context.Context, tx pgx.Tx) error {
-			return o.Paid(ctx, tx, ev(evID, OrderPaid{OrderID: id, PaymentID: payment, AmountCents: amount}))
+			return consumer.Call(ctx, tx, o.Paid, ev(evID, OrderPaid{OrderID: id, PaymentID: payment, AmountCents: amount}))
 		})
 	}
 	cancelled := func(evID, id string) error {
 		return inTx(t, pool, func(ctx context.Context, tx pgx.Tx) error {
-			return o.Cancelled(ctx, tx, ev(evID, OrderCancelled{OrderID: id, Reason: "test"}))
+			return consumer.Call(ctx, tx, o.Cancelled, ev(evID, OrderCancelled{OrderID: id, Reason: "test"}))
 		})
 	}
 
@@ -141,7 +141,7 @@ func TestHandlerRules(t *testing.T) {
 	t.Run("an order is created once", func(t *testing.T) {
 		require.NoError(t, created("o-once", 600))
 		err := inTx(t, pool, func(ctx context.Context, tx pgx.Tx) error {
-			return o.Created(ctx, tx, ev("c-other", OrderCreated{OrderID: "o-once", Customer: "bob", AmountCents: 700}))
+			return consumer.Call(ctx, tx, o.Created, ev("c-other", OrderCreated{OrderID: "o-once", Customer: "bob", AmountCents: 700}))
 		})
 		requirePermanent(t, err, ErrOrderExists)
 		status, _, _ := orderState(t, pool, "o-once")
