@@ -3,6 +3,7 @@ package consumer
 import (
 	"context"
 	"strconv"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -52,9 +53,13 @@ func (c *counters) snapshot() Stats {
 type telemetry struct {
 	tracer     trace.Tracer
 	propagator propagation.TraceContext
-	system     string
-	name       string
 	base       attribute.Set
+	// spanAttrs are the attributes every consumer span starts with.
+	spanAttrs []attribute.KeyValue
+	// spanNames caches "process <topic>" per topic.
+	spanNames sync.Map
+	// outcomes caches the measurement option of each outcome.
+	outcomes sync.Map
 
 	messages, retries, deadLetters metric.Int64Counter
 	handlerDur, commitDur          metric.Float64Histogram
@@ -73,9 +78,13 @@ func newTelemetry(cfg *Config, system string) (*telemetry, error) {
 	m := mp.Meter(instrumentationName)
 	t := &telemetry{
 		tracer: tp.Tracer(instrumentationName),
-		system: system,
-		name:   cfg.Name,
 		base:   attribute.NewSet(attribute.String("once.consumer", cfg.Name), attribute.String("messaging.system", system)),
+		spanAttrs: []attribute.KeyValue{
+			attribute.String("messaging.system", system),
+			attribute.String("messaging.operation.type", "process"),
+			attribute.String("messaging.operation.name", "process"),
+			attribute.String("messaging.consumer.group.name", cfg.Name),
+		},
 	}
 	var err error
 	if t.messages, err = m.Int64Counter("once.consumer.messages",
@@ -116,20 +125,26 @@ func (t *telemetry) startSpan(ctx context.Context, m *Message) (context.Context,
 	if len(m.Headers) > 0 {
 		ctx = t.propagator.Extract(ctx, propagation.MapCarrier(m.Headers))
 	}
-	attrs := []attribute.KeyValue{
-		attribute.String("messaging.system", t.system),
-		attribute.String("messaging.operation.type", "process"),
-		attribute.String("messaging.operation.name", "process"),
-		attribute.String("messaging.destination.name", m.Topic),
-		attribute.String("messaging.consumer.group.name", t.name),
-	}
+	// Sized for every attribute: this runs for each message.
+	attrs := make([]attribute.KeyValue, 0, len(t.spanAttrs)+3)
+	attrs = append(attrs, t.spanAttrs...)
+	attrs = append(attrs, attribute.String("messaging.destination.name", m.Topic))
 	if m.Partition >= 0 {
 		attrs = append(attrs, attribute.String("messaging.destination.partition.id", strconv.FormatInt(int64(m.Partition), 10)))
 	}
 	if m.Offset >= 0 {
 		attrs = append(attrs, attribute.Int64("messaging.kafka.offset", m.Offset))
 	}
-	return t.tracer.Start(ctx, "process "+m.Topic, trace.WithSpanKind(trace.SpanKindConsumer), trace.WithAttributes(attrs...))
+	return t.tracer.Start(ctx, t.spanName(m.Topic), trace.WithSpanKind(trace.SpanKindConsumer), trace.WithAttributes(attrs...))
+}
+
+func (t *telemetry) spanName(topic string) string {
+	if name, ok := t.spanNames.Load(topic); ok {
+		return name.(string)
+	}
+	name := "process " + topic
+	t.spanNames.Store(topic, name)
+	return name
 }
 
 func (t *telemetry) traceParent(ctx context.Context) string {
@@ -140,7 +155,12 @@ func (t *telemetry) traceParent(ctx context.Context) string {
 
 func (t *telemetry) outcome(ctx context.Context, span trace.Span, outcome string) {
 	span.SetAttributes(attribute.String("once.outcome", outcome))
-	t.messages.Add(ctx, 1, metric.WithAttributeSet(t.base), metric.WithAttributes(attribute.String("outcome", outcome)))
+	opt, ok := t.outcomes.Load(outcome)
+	if !ok {
+		opt = metric.WithAttributeSet(attribute.NewSet(append(t.base.ToSlice(), attribute.String("outcome", outcome))...))
+		t.outcomes.Store(outcome, opt)
+	}
+	t.messages.Add(ctx, 1, opt.(metric.AddOption))
 }
 
 func (t *telemetry) retry(ctx context.Context, reason string) {
