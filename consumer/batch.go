@@ -7,7 +7,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"go.opentelemetry.io/otel/metric"
 
 	"github.com/onceco/once/dedup"
 )
@@ -79,12 +78,18 @@ func (e *engine) handleBatch(work context.Context, dvs []Delivery, guard bool) (
 	// acked (revoked partition, closed channel), the batch is abandoned.
 	ctx, cancel := context.WithCancel(work)
 	defer cancel()
+	var watched context.Context
 	for _, dv := range dvs {
-		stop := context.AfterFunc(dv.Context(), cancel)
-		defer stop()
+		// Deliveries of one assignment or channel share their context:
+		// watch each distinct one once.
+		if c := dv.Context(); c != watched {
+			watched = c
+			stop := context.AfterFunc(c, cancel)
+			defer stop()
+		}
 	}
-	e.tel.inflight.Add(ctx, int64(len(dvs)), metric.WithAttributeSet(e.tel.base))
-	defer e.tel.inflight.Add(ctx, -int64(len(dvs)), metric.WithAttributeSet(e.tel.base))
+	e.tel.inflight.Add(ctx, int64(len(dvs)), e.tel.baseOpt)
+	defer e.tel.inflight.Add(ctx, -int64(len(dvs)), e.tel.baseOpt)
 
 	run := func(jobs []*job) {
 		if guard {
@@ -312,7 +317,7 @@ func (e *engine) runBatchTx(ctx context.Context, jobs []*job) batchResult {
 	start := time.Now()
 	err = tx.Commit(ctx)
 	e.tel.since(ctx, e.tel.commitDur, start)
-	e.tel.batchSize.Record(ctx, int64(len(jobs)), metric.WithAttributeSet(e.tel.base))
+	e.tel.batchSize.Record(ctx, int64(len(jobs)), e.tel.baseOpt)
 	switch {
 	case errors.Is(err, pgx.ErrTxCommitRollback), errors.Is(err, pgx.ErrTxClosed):
 		return batchResult{split: true, err: err, failed: -1}

@@ -12,7 +12,6 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"go.opentelemetry.io/otel/attribute"
-	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/onceco/once/dedup"
@@ -70,8 +69,8 @@ func (e *engine) handle(work context.Context, dv Delivery, suspect bool) (claime
 	ctx, cancel := context.WithCancel(work)
 	stop := context.AfterFunc(dv.Context(), cancel)
 	defer func() { stop(); cancel() }()
-	e.tel.inflight.Add(ctx, 1, metric.WithAttributeSet(e.tel.base))
-	defer e.tel.inflight.Add(ctx, -1, metric.WithAttributeSet(e.tel.base))
+	e.tel.inflight.Add(ctx, 1, e.tel.baseOpt)
+	defer e.tel.inflight.Add(ctx, -1, e.tel.baseOpt)
 
 	j, dl := e.newJob(ctx, dv)
 	defer j.span.End()

@@ -54,6 +54,8 @@ type telemetry struct {
 	tracer     trace.Tracer
 	propagator propagation.TraceContext
 	base       attribute.Set
+	// baseOpt is base as a measurement option, built once.
+	baseOpt metric.MeasurementOption
 	// spanAttrs are the attributes every consumer span starts with.
 	spanAttrs []attribute.KeyValue
 	// spanNames caches "process <topic>" per topic.
@@ -86,6 +88,7 @@ func newTelemetry(cfg *Config, system string) (*telemetry, error) {
 			attribute.String("messaging.consumer.group.name", cfg.Name),
 		},
 	}
+	t.baseOpt = metric.WithAttributeSet(t.base)
 	var err error
 	if t.messages, err = m.Int64Counter("once.consumer.messages",
 		metric.WithDescription("Messages settled, by outcome: handled, duplicate, skipped, dead_lettered."),
@@ -173,5 +176,5 @@ func (t *telemetry) deadLetter(ctx context.Context, span trace.Span, kind ErrorK
 }
 
 func (t *telemetry) since(ctx context.Context, h metric.Float64Histogram, start time.Time) {
-	h.Record(ctx, time.Since(start).Seconds(), metric.WithAttributeSet(t.base))
+	h.Record(ctx, time.Since(start).Seconds(), t.baseOpt)
 }
