@@ -26,8 +26,8 @@ import (
 //
 // Statements run in the order they were queued, and before any statement
 // sent through the handlers' tx (Exec, Query, QueryRow, SendBatch,
-// CopyFrom, Prepare, Begin), so what a handler reads sees what earlier
-// events of the batch queued. If a queued statement or its callback fails,
+// CopyFrom, Prepare, Begin; not through tx.Conn() or LargeObjects), so
+// what a handler reads sees what earlier events of the batch queued. If a queued statement or its callback fails,
 // the failure is the queuing event's, exactly as if its handler had
 // returned the error: the batch rolls back, and the event meets the retry
 // policy alone (a database failure is retried as infrastructure, like any
