@@ -15,7 +15,9 @@ import (
 )
 
 // amqpPrefetch is the prefetch of every RabbitMQ row, the naive one
-// included: enough for the consumer's 16 workers to fill batches of 100.
+// included. Prefetches of 1024, 2048 and 4096 measured no better on the
+// development machine: the batched rows moved between 6k and 15k msgs/s
+// from run to run whatever the prefetch.
 const amqpPrefetch = 512
 
 func amqpPublishing(m Msg, produced time.Time) amqp091.Publishing {
