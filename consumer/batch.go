@@ -192,8 +192,11 @@ type batchResult struct {
 	err    error
 	// infra: an infrastructure failure; retry the whole batch.
 	infra bool
-	// split: the failure cannot be pinned on one job; handle each alone.
+	// split: the failure cannot be pinned on one job; halve the batch.
 	split bool
+	// alone: the batch exceeded HandlerTimeout; handle each job alone, so
+	// that each meets the timeout by itself.
+	alone bool
 	// abandoned: the consumer began stopping during the batch; it was
 	// rolled back and none of it is acked.
 	abandoned bool
@@ -204,6 +207,8 @@ type batchResult struct {
 // again as a batch, the failing one runs alone under the retry policy, the
 // rest continue as a batch. Order is kept, and a failure costs a re-run of
 // the jobs before it instead of a savepoint round trip for every message.
+// A failure that names no job (a BatchHandler's error) halves the batch
+// until it does.
 func (e *engine) runBatch(ctx context.Context, jobs []*job) {
 	for _, j := range e.runBatchJobs(ctx, jobs) {
 		e.abandon(j)
@@ -242,11 +247,21 @@ func (e *engine) runBatchJobs(ctx context.Context, jobs []*job) (left []*job) {
 			e.stats.retries.Add(1)
 			e.tel.retry(ctx, "infrastructure")
 			infraWait = min(infraWait*2, e.cfg.InfraBackoff.Max)
-		case r.split:
+		case r.alone:
 			for _, j := range jobs {
 				e.attempts(j.ctx, j)
 			}
 			return nil
+		case r.split:
+			// The failure cannot be pinned on one job (a BatchHandler's
+			// error, a batch past HandlerTimeout): halve the batch until
+			// it can. One bad event in n costs about 2·log2(n) batch
+			// transactions instead of n single ones, and order is kept.
+			half := len(jobs) / 2
+			if left := e.runBatchJobs(ctx, jobs[:half]); len(left) > 0 || ctx.Err() != nil || e.stopping.Load() {
+				return append(left, jobs[half:]...)
+			}
+			jobs = jobs[half:]
 		case r.failed >= 0:
 			e.cfg.Logger.Debug("once: handler failed in a batch; splitting it", "consumer", e.cfg.Name,
 				"event_id", jobs[r.failed].idt.id, "error", r.err)
@@ -278,7 +293,7 @@ func (e *engine) batchTransaction(ctx context.Context, jobs []*job) batchResult 
 	r := e.runBatchTx(bctx, jobs)
 	if r.infra && bctx.Err() != nil && ctx.Err() == nil {
 		// Our own HandlerTimeout: let each message meet it alone.
-		return batchResult{split: true, failed: -1}
+		return batchResult{alone: true, failed: -1}
 	}
 	return r
 }

@@ -13,10 +13,13 @@ import (
 // pgx.CopyFrom): the fastest way to PostgreSQL. The events are new (their
 // ids were claimed in tx), belong to one stream (or to no stream), and come
 // in stream order. Return nil to commit them all. On an error the
-// transaction is rolled back and each event is handled again alone (a batch
-// of one) under the retry policy, so one bad event cannot hold back the
-// others; handlers must therefore accept batches of any size from 1 to
-// Config.BatchSize.
+// transaction is rolled back and the batch halved, each half handled again
+// (first the first), until the failing event is alone; it then meets the
+// retry policy alone (a batch of one) while the others commit, so one bad
+// event cannot hold back the others and costs about 2·log2(BatchSize)
+// transactions. Handlers must therefore accept batches of any size from 1
+// to Config.BatchSize, and see good events more than once (rolled back)
+// when a bad one shares their batch.
 type BatchHandler[T any] func(ctx context.Context, tx pgx.Tx, events []Event[T]) error
 
 // NewBatch returns a consumer that decodes every message into T and calls

@@ -70,3 +70,53 @@ func TestBatchHandler(t *testing.T) {
 	assert.Greater(t, biggest.Load(), int32(1), "events arrive in batches")
 	assert.Equal(t, uint64(total/10), c.Stats().Duplicates)
 }
+
+// TestBatchHandlerErrorIsBisected: a BatchHandler error names no event, so
+// the batch is halved until the bad event is alone: a handful of
+// transactions instead of one per event, with order kept.
+func TestBatchHandlerErrorIsBisected(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	const total, bad = 64, 37
+	b := memsource.New(memsource.Options{Streams: 1})
+	for i := 0; i < total; i++ {
+		publish(b, fmt.Sprintf("e%d", i), i)
+	}
+	var calls atomic.Int32
+	h := func(ctx context.Context, tx pgx.Tx, evs []consumer.Event[order]) error {
+		calls.Add(1)
+		for _, ev := range evs {
+			if ev.Payload.N == bad {
+				return errors.New("bad event")
+			}
+		}
+		return insertEffects(ctx, tx, evs)
+	}
+	cfg := fastConfig("bisect")
+	cfg.BatchSize = total
+	cfg.BatchLinger = time.Second // the whole backlog is one batch
+	c, err := consumer.NewBatch(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == total }, 20*time.Second, 5*time.Millisecond)
+
+	// 64 -> 32 + 32 -> ... -> the bad event alone, plus its retries: 15
+	// calls; one call per event after the first failure would be 67.
+	assert.LessOrEqual(t, calls.Load(), int32(15+cfg.Retry.MaxAttempts))
+	got := countEffects(t, pool)
+	assert.Len(t, got, total-1)
+	for id, n := range got {
+		require.Equal(t, 1, n, "double effect for %s", id)
+	}
+	dl := b.DeadLetters()
+	require.Len(t, dl, 1)
+	assert.Equal(t, fmt.Sprintf("e%d", bad), dl[0].Headers[consumer.HeaderEventID])
+
+	rows, err := pool.Query(context.Background(), `SELECT n FROM effects ORDER BY seq`)
+	require.NoError(t, err)
+	order, err := pgx.CollectRows(rows, pgx.RowTo[int32])
+	require.NoError(t, err)
+	for i := 1; i < len(order); i++ {
+		require.Less(t, order[i-1], order[i], "effects committed out of stream order: %v", order)
+	}
+}
