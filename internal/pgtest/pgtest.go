@@ -76,11 +76,36 @@ func Schema(t testing.TB) (*pgxpool.Pool, string) {
 	}
 	pool := NewPool(t, schema)
 	t.Cleanup(func() {
-		pool.Close()
-		_, _ = admin.Exec(context.Background(), "DROP SCHEMA "+schema+" CASCADE")
+		closePool(t, pool, closeTimeout)
+		// A connection never released may hold locks in the schema: do
+		// not wait for it forever.
+		ctx, cancel := context.WithTimeout(context.Background(), closeTimeout)
+		defer cancel()
+		_, _ = admin.Exec(ctx, "DROP SCHEMA "+schema+" CASCADE")
 		admin.Close()
 	})
 	return pool, schema
+}
+
+// closeTimeout bounds how long the end of a test waits for the
+// connections it did not release.
+const closeTimeout = 10 * time.Second
+
+// closePool closes pool, waiting at most d for connections still in use:
+// pgxpool.Close waits for every acquired connection, so a test that failed
+// (or forgot) before releasing one would otherwise hang until the test
+// binary's timeout. Such a connection is reported as a test error.
+func closePool(t testing.TB, pool *pgxpool.Pool, d time.Duration) {
+	done := make(chan struct{})
+	go func() {
+		pool.Close()
+		close(done)
+	}()
+	select {
+	case <-done:
+	case <-time.After(d):
+		t.Errorf("pgtest: a connection of the test's pool was never released (a transaction neither committed nor rolled back, or rows not closed); went on after %s", d)
+	}
 }
 
 // NewPool opens another pool on the test database with search_path set to
@@ -96,6 +121,6 @@ func NewPool(t testing.TB, schema string) *pgxpool.Pool {
 	if err != nil {
 		t.Fatalf("pgtest: %v", err)
 	}
-	t.Cleanup(pool.Close)
+	t.Cleanup(func() { closePool(t, pool, closeTimeout) })
 	return pool
 }
