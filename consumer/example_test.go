@@ -99,3 +99,27 @@ func ExampleEvent_Queue() {
 		return nil
 	}
 }
+
+// Testing a handler against a real database: Call runs it on a hand-built
+// Event in a transaction of the test's own, sending what it queued.
+func ExampleCall() {
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
+	if err != nil {
+		log.Fatal(err)
+	}
+	handle := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[OrderCreated]) error {
+		ev.Queue(`INSERT INTO orders (id, amount) VALUES ($1, $2)`, ev.Payload.OrderID, ev.Payload.Amount)
+		return nil
+	}
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer tx.Rollback(ctx) //nolint:errcheck // the test's changes are thrown away
+	ev := consumer.Event[OrderCreated]{ID: "evt-1", Payload: OrderCreated{OrderID: "o-1", Amount: 250}}
+	if err := consumer.Call(ctx, tx, handle, ev); err != nil {
+		log.Fatal(err)
+	}
+	// The row is in tx now: check it with tx.QueryRow.
+}
