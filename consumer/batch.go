@@ -403,10 +403,14 @@ func (e *engine) runHandlers(ctx context.Context, tx pgx.Tx, jobs []*job, res []
 }
 
 // handlerFailure is the batch's result when the handler of jobs[i] failed
-// with err (its own error, or that of a statement it queued).
+// with err (its own error, or that of a statement it queued); i < 0 when
+// the failure names no job.
 func (e *engine) handlerFailure(ctx context.Context, tx pgx.Tx, i int, err error) batchResult {
-	if databaseFailure(tx, err) || ctx.Err() != nil {
+	switch {
+	case databaseFailure(tx, err) || ctx.Err() != nil:
 		return batchResult{infra: true, err: err, failed: -1}
+	case i < 0:
+		return batchResult{split: true, err: err, failed: -1}
 	}
 	return batchResult{failed: i, err: err}
 }

@@ -27,12 +27,16 @@ import (
 // Statements run in the order they were queued, and before any statement
 // sent through the handlers' tx (Exec, Query, QueryRow, SendBatch,
 // CopyFrom, Prepare, Begin; not through tx.Conn() or LargeObjects), so
-// what a handler reads sees what earlier events of the batch queued. If a queued statement or its callback fails,
-// the failure is the queuing event's, exactly as if its handler had
-// returned the error: the batch rolls back, and the event meets the retry
-// policy alone (a database failure is retried as infrastructure, like any
-// failed statement). A handler must not rely on a queued statement having
-// run before it returns.
+// what a handler reads sees what earlier events of the batch queued.
+//
+// If a queued statement or its callback fails, the failure is the queuing
+// event's, exactly as if its handler had returned the error: the batch
+// rolls back, and the event meets the retry policy alone (a database
+// failure is retried as infrastructure, like any failed statement). A
+// statement the server cannot even prepare (a typo, a missing table) fails
+// before any result names its event: the batch is then halved until that
+// event is alone. A handler must not rely on a queued statement having run
+// before it returns.
 //
 // Queue may be called only while the event's handler runs, from the
 // handler's goroutine (like tx itself); it panics on an Event that the
@@ -92,7 +96,8 @@ type queueTx struct {
 	failed *queueFailure
 }
 
-// queueFailure is a queued statement's failure, charged to its owner.
+// queueFailure is a queued statement's failure, charged to its owner (-1:
+// to no job in particular).
 type queueFailure struct {
 	owner int
 	err   error
@@ -126,11 +131,16 @@ func (t *queueTx) flush(ctx context.Context) *queueFailure {
 		}
 	}
 	if err := t.Tx.SendBatch(ctx, &b).Close(); err != nil {
-		// Nothing read at all (failedAt < 0): the send failed, a database
-		// failure; charge it to the first statement's owner.
-		at := max(failedAt, 0)
-		t.failed = &queueFailure{owner: owners[at],
-			err: fmt.Errorf("statement queued by the handler (%.60q): %w", b.QueuedQueries[at].SQL, err)}
+		if failedAt < 0 {
+			// No result was read: the send failed (a database failure), or
+			// the server refused to prepare one of the statements, which
+			// pgx prepares all before running any. The error names no
+			// statement, so it names no owner.
+			t.failed = &queueFailure{owner: -1, err: fmt.Errorf("statements queued by the handlers: %w", err)}
+			return t.failed
+		}
+		t.failed = &queueFailure{owner: owners[failedAt],
+			err: fmt.Errorf("statement queued by the handler (%.60q): %w", b.QueuedQueries[failedAt].SQL, err)}
 	}
 	return t.failed
 }

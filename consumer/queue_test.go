@@ -292,3 +292,43 @@ func TestCallRunsAHandlerLikeTheConsumer(t *testing.T) {
 	require.ErrorAs(t, err, &pgErr)
 	assert.Equal(t, "23514", pgErr.Code, "check violation")
 }
+
+// TestQueuedStatementThatCannotBePreparedIsFoundByHalving: a queued
+// statement the server cannot even prepare fails the whole pgx batch before
+// any result names its event; the batch is halved until the event is alone,
+// and no other event is charged an attempt.
+func TestQueuedStatementThatCannotBePreparedIsFoundByHalving(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{Streams: 1})
+	const n, bad = 40, 29
+	for i := 0; i < n; i++ {
+		publish(b, fmt.Sprintf("e%d", i), i)
+	}
+	h := func(_ context.Context, _ pgx.Tx, ev consumer.Event[order]) error {
+		if ev.Payload.N == bad {
+			ev.Queue(`INSERT INTO no_such_table (event_id) VALUES ($1)`, ev.ID)
+			return nil
+		}
+		ev.Queue(insertEffectSQL, ev.ID, ev.Payload.N)
+		return nil
+	}
+	cfg := fastConfig("unpreparable")
+	cfg.BatchSize = n
+	cfg.BatchLinger = time.Second // the whole backlog is one batch
+	c, err := consumer.New(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == n }, 20*time.Second, 5*time.Millisecond)
+
+	got := countEffects(t, pool)
+	assert.Len(t, got, n-1)
+	for id, k := range got {
+		assert.Equal(t, 1, k, id)
+	}
+	dl := b.DeadLetters()
+	require.Len(t, dl, 1)
+	assert.Equal(t, fmt.Sprintf("e%d", bad), dl[0].Headers["id"])
+	assert.Contains(t, dl[0].Headers[consumer.HeaderErrorMessage], "no_such_table")
+	assert.Equal(t, uint64(cfg.Retry.MaxAttempts-1), c.Stats().Retries, "only the bad event is retried")
+}
