@@ -133,7 +133,9 @@ type Config struct {
 	// come on top. A stream may take any share of it, so one busy stream
 	// never holds up the others while there is room. Defaults to
 	// 2 × Concurrency × BatchSize, at least 256: enough for every worker to
-	// find a full batch waiting when it finishes one.
+	// find a full batch waiting when it finishes one. It counts messages,
+	// not bytes: the memory it holds is about ReceiveBuffer times the
+	// message size, so lower it for large messages.
 	ReceiveBuffer int
 
 	// BatchSize is the most messages of one stream handled in one
