@@ -66,14 +66,8 @@ func (s *statementTracer) counts(sql string) (alone, batched int) {
 func tracedPool(t *testing.T) (*pgxpool.Pool, *statementTracer) {
 	t.Helper()
 	_, schema := pgtest.Schema(t)
-	cfg, err := pgxpool.ParseConfig(pgtest.URL())
-	require.NoError(t, err)
-	cfg.ConnConfig.RuntimeParams["search_path"] = schema
 	tr := &statementTracer{alone: map[string]int{}, batched: map[string]int{}}
-	cfg.ConnConfig.Tracer = tr
-	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
+	pool := pgtest.NewPoolWith(t, schema, func(cfg *pgxpool.Config) { cfg.ConnConfig.Tracer = tr })
 	return pool, tr
 }
 

@@ -11,7 +11,6 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/onceco/once/dedup"
-	"github.com/onceco/once/internal/pgtest"
 )
 
 // beginBatch returns a batch whose first query begins a transaction.
@@ -353,27 +352,10 @@ func TestQueueClaimAfterConcurrentCommit(t *testing.T) {
 
 func TestQueueClaimQueryExecModes(t *testing.T) {
 	t.Parallel()
-	for _, mode := range []pgx.QueryExecMode{
-		pgx.QueryExecModeCacheStatement,
-		pgx.QueryExecModeCacheDescribe,
-		pgx.QueryExecModeDescribeExec,
-		pgx.QueryExecModeExec,
-		pgx.QueryExecModeSimpleProtocol,
-	} {
+	for _, mode := range execModes {
 		t.Run(mode.String(), func(t *testing.T) {
 			t.Parallel()
-			ctx := testCtx(t)
-			_, schema := pgtest.Schema(t)
-			cfg, err := pgxpool.ParseConfig(pgtest.URL())
-			require.NoError(t, err)
-			cfg.ConnConfig.RuntimeParams["search_path"] = schema
-			cfg.ConnConfig.DefaultQueryExecMode = mode
-			pool, err := pgxpool.NewWithConfig(ctx, cfg)
-			require.NoError(t, err)
-			defer pool.Close()
-			s, err := dedup.New(dedup.Config{})
-			require.NoError(t, err)
-			require.NoError(t, s.Migrate(ctx, pool))
+			ctx, pool, s := setupExecMode(t, mode)
 
 			c := dedup.Claim{Consumer: "c", EventID: "one", Fingerprint: []byte{0, 1, 0xff}, Source: "s", Partition: -1, Offset: 3}
 			r, _ := queueClaimTx(t, ctx, pool, s, c)

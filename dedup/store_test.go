@@ -1047,32 +1047,36 @@ func TestOutcomeString(t *testing.T) {
 	assert.Equal(t, "Outcome(7)", dedup.Outcome(7).String())
 }
 
+// execModes are every query exec mode pgx has, the simple protocol and
+// the modes that PgBouncer users choose among them.
+var execModes = []pgx.QueryExecMode{
+	pgx.QueryExecModeCacheStatement,
+	pgx.QueryExecModeCacheDescribe,
+	pgx.QueryExecModeDescribeExec,
+	pgx.QueryExecModeExec,
+	pgx.QueryExecModeSimpleProtocol,
+}
+
+// setupExecMode is setup with a pool whose default query exec mode is mode.
+func setupExecMode(t *testing.T, mode pgx.QueryExecMode) (context.Context, *pgxpool.Pool, *dedup.Store) {
+	t.Helper()
+	ctx := testCtx(t)
+	_, schema := pgtest.Schema(t)
+	pool := pgtest.NewPoolWith(t, schema, func(cfg *pgxpool.Config) { cfg.ConnConfig.DefaultQueryExecMode = mode })
+	s, err := dedup.New(dedup.Config{})
+	require.NoError(t, err)
+	require.NoError(t, s.Migrate(ctx, pool))
+	return ctx, pool, s
+}
+
 // The store works whatever query exec mode the pool uses, including the
 // simple protocol and the exec modes that PgBouncer users choose.
 func TestQueryExecModes(t *testing.T) {
 	t.Parallel()
-	for _, mode := range []pgx.QueryExecMode{
-		pgx.QueryExecModeCacheStatement,
-		pgx.QueryExecModeCacheDescribe,
-		pgx.QueryExecModeDescribeExec,
-		pgx.QueryExecModeExec,
-		pgx.QueryExecModeSimpleProtocol,
-	} {
+	for _, mode := range execModes {
 		t.Run(mode.String(), func(t *testing.T) {
 			t.Parallel()
-			ctx := testCtx(t)
-			_, schema := pgtest.Schema(t)
-			cfg, err := pgxpool.ParseConfig(pgtest.URL())
-			require.NoError(t, err)
-			cfg.ConnConfig.RuntimeParams["search_path"] = schema
-			cfg.ConnConfig.DefaultQueryExecMode = mode
-			pool, err := pgxpool.NewWithConfig(ctx, cfg)
-			require.NoError(t, err)
-			defer pool.Close()
-
-			s, err := dedup.New(dedup.Config{})
-			require.NoError(t, err)
-			require.NoError(t, s.Migrate(ctx, pool))
+			ctx, pool, s := setupExecMode(t, mode)
 
 			c := dedup.Claim{Consumer: "c", EventID: "one", Fingerprint: []byte{0, 1, 0xff}, Source: "s", Partition: 2, Offset: 3}
 			assert.Equal(t, dedup.Claimed, claimTx(t, ctx, pool, s, c).Outcome)

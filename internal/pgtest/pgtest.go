@@ -112,11 +112,21 @@ func closePool(t testing.TB, pool *pgxpool.Pool, d time.Duration) {
 // schema; it is closed when the test ends.
 func NewPool(t testing.TB, schema string) *pgxpool.Pool {
 	t.Helper()
+	return NewPoolWith(t, schema, nil)
+}
+
+// NewPoolWith is NewPool with configure applied to the pool's
+// configuration first (a tracer, a query exec mode); configure may be nil.
+func NewPoolWith(t testing.TB, schema string, configure func(*pgxpool.Config)) *pgxpool.Pool {
+	t.Helper()
 	cfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
 		t.Fatalf("pgtest: %v", err)
 	}
 	cfg.ConnConfig.RuntimeParams["search_path"] = schema
+	if configure != nil {
+		configure(cfg)
+	}
 	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
 	if err != nil {
 		t.Fatalf("pgtest: %v", err)
