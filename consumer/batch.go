@@ -254,8 +254,9 @@ func (e *engine) runBatchJobs(ctx context.Context, jobs []*job) (left []*job) {
 			return nil
 		case r.split:
 			// The failure cannot be pinned on one job (a BatchHandler's
-			// error, a batch past HandlerTimeout): halve the batch until
-			// it can. One bad event in n costs about 2·log2(n) batch
+			// error, a queued statement that could not be prepared, a
+			// commit refused after a swallowed error): halve the batch
+			// until it can. One bad event in n costs about 2·log2(n) batch
 			// transactions instead of n single ones, and order is kept.
 			half := len(jobs) / 2
 			if left := e.runBatchJobs(ctx, jobs[:half]); len(left) > 0 || ctx.Err() != nil || e.stopping.Load() {
@@ -362,13 +363,11 @@ func (e *engine) runHandlers(ctx context.Context, tx pgx.Tx, jobs []*job, res []
 		qtx.owner = -1
 		err := qtx.settle(ctx, safeBatchCall(ctx, qtx, e.batchCall, claimed))
 		e.tel.since(ctx, e.tel.handlerDur, start)
-		switch {
-		case err == nil:
-			return batchResult{}, false
-		case databaseFailure(tx, err) || ctx.Err() != nil:
-			return batchResult{infra: true, err: err, failed: -1}, true
+		if err != nil {
+			// A BatchHandler's error names no event.
+			return e.handlerFailure(ctx, tx, -1, err), true
 		}
-		return batchResult{split: true, err: err, failed: -1}, true
+		return batchResult{}, false
 	}
 	qtx := newQueueTx(tx)
 	for i, j := range jobs {

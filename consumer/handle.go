@@ -292,11 +292,7 @@ func (e *engine) transaction(ctx context.Context, j *job, attempt int) result {
 // back, even when err is not nil.
 func (e *engine) begin(ctx context.Context, b *pgx.Batch) (pgx.Tx, error) {
 	br := e.pool.SendBatch(ctx, b)
-	tx := br.Tx()
-	if err := br.Close(); err != nil {
-		return tx, err
-	}
-	return tx, nil
+	return br.Tx(), br.Close()
 }
 
 // claim is the dedup claim of j's id.

@@ -226,11 +226,20 @@ type Previous struct {
 // the id itself if it rolled back. The lookup of the previous row costs a
 // second statement only when the id is not new.
 func (s *Store) Claim(ctx context.Context, tx DB, c Claim) (Result, error) {
+	inserted, err := s.insert(ctx, tx, c)
+	if err != nil {
+		return Result{}, err
+	}
+	return s.claimResult(ctx, tx, c, inserted)
+}
+
+// insert sends claimSQL for c and reports whether the row went in.
+func (s *Store) insert(ctx context.Context, tx DB, c Claim) (bool, error) {
 	tag, err := tx.Exec(ctx, s.claimSQL, claimArgs(c)...)
 	if err != nil {
-		return Result{}, fmt.Errorf("dedup: claim: %w", err)
+		return false, fmt.Errorf("dedup: claim: %w", err)
 	}
-	return s.claimResult(ctx, tx, c, tag.RowsAffected() == 1)
+	return tag.RowsAffected() == 1, nil
 }
 
 // claimArgs are the arguments of claimSQL for c.
@@ -251,11 +260,9 @@ func (s *Store) claimResult(ctx context.Context, tx DB, c Claim, inserted bool) 
 		if errors.Is(err, pgx.ErrNoRows) && try < 3 {
 			// Retention deleted the row between the insert and the
 			// lookup: the id is free again, claim it.
-			tag, err := tx.Exec(ctx, s.claimSQL, claimArgs(c)...)
-			if err != nil {
-				return Result{}, fmt.Errorf("dedup: claim: %w", err)
+			if inserted, err = s.insert(ctx, tx, c); err != nil {
+				return Result{}, err
 			}
-			inserted = tag.RowsAffected() == 1
 			continue
 		}
 		if err != nil {
