@@ -198,8 +198,12 @@ func (t *queueTx) Begin(ctx context.Context) (pgx.Tx, error) {
 // statement or of its callback is returned as h's error. It claims nothing
 // and neither commits nor rolls back tx. Use it to test a handler against
 // a real database with an Event built by hand, or to run a handler inside
-// a transaction of your own.
+// a transaction of your own. A nil h or tx is an error wrapping
+// ErrInvalidConfig.
 func Call[T any](ctx context.Context, tx pgx.Tx, h Handler[T], ev Event[T]) error {
+	if h == nil || tx == nil {
+		return fmt.Errorf("%w: consumer.Call needs a handler and a transaction", ErrInvalidConfig)
+	}
 	qtx := newQueueTx(tx)
 	ev.queue = openQueue(qtx)
 	err := h(ctx, qtx, ev)

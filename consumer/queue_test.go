@@ -285,6 +285,9 @@ func TestCallRunsAHandlerLikeTheConsumer(t *testing.T) {
 	var pgErr *pgconn.PgError
 	require.ErrorAs(t, err, &pgErr)
 	assert.Equal(t, "23514", pgErr.Code, "check violation")
+
+	require.ErrorIs(t, consumer.Call[order](ctx, tx, nil, consumer.Event[order]{ID: "c"}), consumer.ErrInvalidConfig)
+	require.ErrorIs(t, consumer.Call(ctx, nil, queueEffect, consumer.Event[order]{ID: "c"}), consumer.ErrInvalidConfig)
 }
 
 // TestQueuedStatementThatCannotBePreparedIsFoundByHalving: a queued
