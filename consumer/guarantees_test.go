@@ -266,9 +266,13 @@ func databaseStoppedMidStream(t *testing.T, h consumer.Handler[order]) {
 	t.Cleanup(pool.Close)
 	effects(t, pool)
 
+	// Half the events are published before the stop and half after it:
+	// the consumer may well finish the first half before the stop lands,
+	// and the second half is the work that is sure to meet a database that
+	// is down.
 	const total = 400
 	b := memsource.New(memsource.Options{Streams: 4})
-	for i := 0; i < total; i++ {
+	for i := 0; i < total/2; i++ {
 		publish(b, fmt.Sprintf("e%d", i), i)
 	}
 	c, err := consumer.New(pool, b.Source(), h, fastConfig("db-down"))
@@ -277,6 +281,9 @@ func databaseStoppedMidStream(t *testing.T, h consumer.Handler[order]) {
 	require.Eventually(t, func() bool { return b.Acked() >= 50 }, 20*time.Second, 5*time.Millisecond)
 
 	require.NoError(t, srv.Stop(ctx))
+	for i := total / 2; i < total; i++ {
+		publish(b, fmt.Sprintf("e%d", i), i)
+	}
 	require.Eventually(t, func() bool { return c.Stats().InfraErrors >= 8 }, 20*time.Second, 5*time.Millisecond)
 	ackedWhileDown := b.Acked()
 	require.Eventually(t, func() bool { return c.Stats().InfraErrors >= 16 }, 20*time.Second, 5*time.Millisecond)
