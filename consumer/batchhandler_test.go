@@ -58,11 +58,7 @@ func TestBatchHandler(t *testing.T) {
 	require.NoError(t, err)
 	start(t, c)
 	require.Eventually(t, func() bool { return b.Acked() == total+total/10 }, 20*time.Second, 5*time.Millisecond)
-	got := countEffects(t, pool)
-	assert.Len(t, got, total-1)
-	for id, n := range got {
-		require.Equal(t, 1, n, "double effect for %s", id)
-	}
+	got := requireEffectsOnce(t, pool, total-1)
 	assert.Zero(t, got["e123"])
 	dl := b.DeadLetters()
 	require.Len(t, dl, 1)
@@ -103,11 +99,7 @@ func TestBatchHandlerErrorIsBisected(t *testing.T) {
 	// 64 -> 32 + 32 -> ... -> the bad event alone, plus its retries: 15
 	// calls; one call per event after the first failure would be 67.
 	assert.LessOrEqual(t, calls.Load(), int32(15+cfg.Retry.MaxAttempts))
-	got := countEffects(t, pool)
-	assert.Len(t, got, total-1)
-	for id, n := range got {
-		require.Equal(t, 1, n, "double effect for %s", id)
-	}
+	requireEffectsOnce(t, pool, total-1)
 	dl := b.DeadLetters()
 	require.Len(t, dl, 1)
 	assert.Equal(t, fmt.Sprintf("e%d", bad), dl[0].Headers[consumer.HeaderEventID])

@@ -50,6 +50,18 @@ func countEffects(t *testing.T, pool *pgxpool.Pool) map[string]int {
 	return got
 }
 
+// requireEffectsOnce checks that exactly want events have an effect, each
+// exactly once, and returns the effects by event id.
+func requireEffectsOnce(t *testing.T, pool *pgxpool.Pool, want int) map[string]int {
+	t.Helper()
+	got := countEffects(t, pool)
+	require.Len(t, got, want, "events with an effect")
+	for id, n := range got {
+		require.Equal(t, 1, n, "double effect for %s", id)
+	}
+	return got
+}
+
 func publish(b *memsource.Broker, id string, n int) {
 	v, _ := json.Marshal(order{N: n})
 	b.Publish(consumer.Message{Value: v, Headers: map[string]string{"id": id}, Key: []byte(id)})
@@ -90,11 +102,7 @@ func TestDuplicatesHaveOneEffect(t *testing.T) {
 	require.NoError(t, err)
 	start(t, c)
 	require.Eventually(t, func() bool { return b.Acked() == 100 }, 10*time.Second, 5*time.Millisecond)
-	got := countEffects(t, pool)
-	require.Len(t, got, 50)
-	for id, n := range got {
-		assert.Equal(t, 1, n, id)
-	}
+	requireEffectsOnce(t, pool, 50)
 	st := c.Stats()
 	assert.Equal(t, uint64(50), st.Handled)
 	assert.Equal(t, uint64(50), st.Duplicates)

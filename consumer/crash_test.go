@@ -153,11 +153,7 @@ func recoverAndCount(t *testing.T, pool *pgxpool.Pool, total int) consumer.Stats
 		return n == 0
 	}, 60*time.Second, 10*time.Millisecond)
 	require.NoError(t, stop())
-	got := countEffects(t, pool)
-	require.Len(t, got, total, "nothing lost")
-	for id, n := range got {
-		require.Equal(t, 1, n, "double effect for %s", id)
-	}
+	requireEffectsOnce(t, pool, total)
 	return c.Stats()
 }
 

@@ -293,11 +293,7 @@ func databaseStoppedMidStream(t *testing.T, h consumer.Handler[order]) {
 	require.NoError(t, srv.Restart(ctx))
 	require.Eventually(t, func() bool { return b.Acked() == total }, 60*time.Second, 10*time.Millisecond)
 	require.NoError(t, stop())
-	got := countEffects(t, pool)
-	require.Len(t, got, total, "nothing lost")
-	for id, n := range got {
-		require.Equal(t, 1, n, "double effect for %s", id)
-	}
+	requireEffectsOnce(t, pool, total)
 	assert.Empty(t, b.DeadLetters())
 }
 

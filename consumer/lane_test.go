@@ -77,11 +77,7 @@ func TestBusyStreamDoesNotHoldUpOthers(t *testing.T) {
 
 	close(release)
 	require.Eventually(t, func() bool { return b.Acked() == hot+others }, 20*time.Second, 5*time.Millisecond)
-	got := countEffects(t, pool)
-	assert.Len(t, got, hot+others)
-	for id, n := range got {
-		assert.Equal(t, 1, n, id)
-	}
+	requireEffectsOnce(t, pool, hot+others)
 }
 
 // TestReceiveBufferBoundsWhatWaits: with every handler stuck, the consumer

@@ -108,9 +108,5 @@ func TestConcurrentReplicasShareDedup(t *testing.T) {
 	}
 	require.Eventually(t, func() bool { return brokers[0].Acked() == n && brokers[1].Acked() == n },
 		20*time.Second, 5*time.Millisecond)
-	got := countEffects(t, pool)
-	require.Len(t, got, n)
-	for id, k := range got {
-		require.Equal(t, 1, k, "double effect for %s", id)
-	}
+	requireEffectsOnce(t, pool, n)
 }

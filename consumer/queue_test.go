@@ -84,11 +84,7 @@ func TestQueuedStatementsShareARoundTrip(t *testing.T) {
 	start(t, c)
 	require.Eventually(t, func() bool { return b.Acked() == n }, 20*time.Second, 5*time.Millisecond)
 
-	got := countEffects(t, pool)
-	require.Len(t, got, n)
-	for id, k := range got {
-		assert.Equal(t, 1, k, id)
-	}
+	requireEffectsOnce(t, pool, n)
 	alone, batched := tr.counts(insertEffectSQL)
 	assert.Zero(t, alone, "queued statements are never sent one by one")
 	assert.Equal(t, n, batched)
@@ -159,12 +155,8 @@ func TestQueuedStatementFailureIsTheQueuingEvents(t *testing.T) {
 	start(t, c)
 	require.Eventually(t, func() bool { return b.Acked() == n }, 20*time.Second, 5*time.Millisecond)
 
-	got := countEffects(t, pool)
-	assert.Len(t, got, n-1)
+	got := requireEffectsOnce(t, pool, n-1)
 	assert.NotContains(t, got, "e20")
-	for id, k := range got {
-		assert.Equal(t, 1, k, id)
-	}
 	dl := b.DeadLetters()
 	require.Len(t, dl, 1)
 	assert.Equal(t, "e20", dl[0].Headers["id"])
@@ -255,11 +247,7 @@ func TestBatchHandlerQueue(t *testing.T) {
 	require.NoError(t, err)
 	start(t, c)
 	require.Eventually(t, func() bool { return b.Acked() == 30 }, 20*time.Second, 5*time.Millisecond)
-	got := countEffects(t, pool)
-	assert.Len(t, got, 29)
-	for id, k := range got {
-		assert.Equal(t, 1, k, id)
-	}
+	requireEffectsOnce(t, pool, 29)
 	dl := b.DeadLetters()
 	require.Len(t, dl, 1)
 	assert.Equal(t, "e11", dl[0].Headers["id"])
@@ -318,11 +306,7 @@ func TestQueuedStatementThatCannotBePreparedIsFoundByHalving(t *testing.T) {
 	start(t, c)
 	require.Eventually(t, func() bool { return b.Acked() == n }, 20*time.Second, 5*time.Millisecond)
 
-	got := countEffects(t, pool)
-	assert.Len(t, got, n-1)
-	for id, k := range got {
-		assert.Equal(t, 1, k, id)
-	}
+	requireEffectsOnce(t, pool, n-1)
 	dl := b.DeadLetters()
 	require.Len(t, dl, 1)
 	assert.Equal(t, fmt.Sprintf("e%d", bad), dl[0].Headers["id"])
