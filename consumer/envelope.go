@@ -119,7 +119,8 @@ func (c *Config) identify(m *Message) (identity, ErrorKind, error) {
 			idt.id = firstHeader(m.Headers, c.IDHeaders)
 		}
 	}
-	if c.EventID != nil {
+	redriven := m.Headers[HeaderRedriveEventID]
+	if c.EventID != nil && redriven == "" {
 		id, err := c.EventID(m)
 		if err != nil {
 			return idt, KindMissingID, err
@@ -128,6 +129,9 @@ func (c *Config) identify(m *Message) (identity, ErrorKind, error) {
 	}
 	if idt.id == "" {
 		idt.id = m.FallbackID
+	}
+	if redriven != "" {
+		idt.id = redriven
 	}
 	if idt.id == "" {
 		return idt, KindMissingID, errors.New("the event carries no id and the source has no fallback id")

@@ -176,6 +176,24 @@ const (
 	HeaderTraceParent = "traceparent"
 )
 
+// Headers a redrive (a dead-lettered record put back on its original
+// topic or exchange) writes over the record's original headers.
+const (
+	// HeaderRedriveEventID carries the event id the record had when it was
+	// dead-lettered. Identification prefers it over every other source
+	// (Message.ID, Config.IDHeaders, the envelope, Config.EventID and the
+	// adapter's fallback), so a redriven record is deduplicated against its
+	// first delivery even when that id was derived from a Kafka position
+	// the copy no longer has.
+	HeaderRedriveEventID = "once-redrive-event-id"
+	// HeaderRedriveCount is how many times the record has been redriven.
+	HeaderRedriveCount = "once-redrive-count"
+	// HeaderRedrivenAt is when the last redrive published it (RFC 3339).
+	HeaderRedrivenAt = "once-redriven-at"
+	// HeaderRedrivenBy names who asked for the last redrive, when given.
+	HeaderRedrivenBy = "once-redriven-by"
+)
+
 // maxHeaderText bounds error messages and stacks written as headers, so a
 // huge error cannot make the dead-letter copy exceed the broker's limits.
 const maxHeaderText = 4096
