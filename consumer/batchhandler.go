@@ -45,11 +45,11 @@ func NewBatch[T any](pool *pgxpool.Pool, src Source, h BatchHandler[T], cfg Conf
 			event: ev,
 		}, "", nil
 	}
-	e, err := newEngine(pool, src, cfg, prep)
+	p, err := newPipeline(pool, src, cfg, prep)
 	if err != nil {
 		return nil, err
 	}
-	e.batchCall = func(ctx context.Context, tx pgx.Tx, jobs []*job) error {
+	p.batchCall = func(ctx context.Context, tx pgx.Tx, jobs []*job) error {
 		q := openQueue(tx)
 		defer q.close()
 		events := make([]Event[T], len(jobs))
@@ -59,5 +59,5 @@ func NewBatch[T any](pool *pgxpool.Pool, src Source, h BatchHandler[T], cfg Conf
 		}
 		return h(ctx, tx, events)
 	}
-	return &Consumer[T]{e: e}, nil
+	return &Consumer[T]{p: p}, nil
 }

@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/trace"
 
@@ -54,8 +55,9 @@ const (
 // waits InitialBackoff * 2^(n-2), capped at MaxBackoff, with ±20% jitter.
 type RetryPolicy struct {
 	// MaxAttempts is how many times the handler runs before the message is
-	// dead-lettered, the first run included. Defaults to 5; 1 means no
-	// retry.
+	// dead-lettered, the first run included, and runs cut short by a crash
+	// of the process included where the crash guard saw them. Defaults to
+	// 5; 1 means no retry.
 	MaxAttempts int
 	// InitialBackoff is the wait before the second attempt. Defaults to
 	// 200ms.
@@ -124,9 +126,15 @@ type Config struct {
 	// fingerprint. Defaults to DeadLetterConflicts.
 	OnIDConflict IDConflictPolicy
 
-	// Concurrency bounds how many messages are handled at once, across all
-	// streams. Messages of one stream (a Kafka partition) are always
-	// handled one after another. Defaults to 16.
+	// Concurrency bounds how many transactions (a message, or a batch of
+	// one stream's messages) run at once, across all streams. Messages of
+	// one stream (a Kafka partition) are always handled one after another.
+	// Each running transaction holds one connection of the pool, so
+	// Defaults to the pool's MaxConns (pgxpool's own default is the
+	// greater of 4 and the number of CPUs; set pool_max_conns to run more).
+	// A Concurrency above MaxConns is accepted, with a warning: the extra
+	// transactions wait for a connection, which is never charged to a
+	// message (see HandlerTimeout) but adds latency.
 	Concurrency int
 	// ReceiveBuffer is how many received messages may wait to be handled,
 	// across all streams, before receiving blocks; the broker's own buffers
@@ -156,15 +164,38 @@ type Config struct {
 
 	// Retry bounds retries of failing handlers.
 	Retry RetryPolicy
+	// ClassifyError, when set, decides what an error met while handling a
+	// message is (ClassInfrastructure, ClassRetry or ClassPermanent): the
+	// handler's own error, the failure of a statement it queued, or a
+	// failed COMMIT. def is the default class (see Classify); return it for
+	// errors you do not know. It runs on the worker's goroutine and must
+	// not block; a panic in it is logged and def is used. Defaults to nil:
+	// def. For example, to treat a unique violation as permanent:
+	//
+	//	ClassifyError: func(err error, def consumer.ErrorClass) consumer.ErrorClass {
+	//		var pgErr *pgconn.PgError
+	//		if errors.As(err, &pgErr) && pgErr.Code == "23505" {
+	//			return consumer.ClassPermanent
+	//		}
+	//		return def
+	//	},
+	ClassifyError func(err error, def ErrorClass) ErrorClass
 	// InfraBackoff paces retries after infrastructure failures.
 	InfraBackoff Backoff
-	// MaxCrashAttempts is how many times a message may be in flight when
-	// the process dies (crash, OOM kill, a stall past a rebalance) before
-	// it is dead-lettered with kind KindCrashLoop. Counted durably, only
-	// for messages that may be redeliveries. Defaults to 3.
+	// MaxCrashAttempts is how many times a message may crash the process
+	// (a crash, an OOM kill, a stall past the shutdown deadline) while it
+	// runs alone before it is dead-lettered with kind KindCrashLoop.
+	// Counted durably, and only for messages that may have been in flight
+	// at a crash; such a message runs isolated from every other, so a crash
+	// is charged to it alone (docs/guarantees.md). Defaults to 3.
 	MaxCrashAttempts int
-	// HandlerTimeout bounds one attempt (handler and commit). Defaults to
-	// 0: no bound beyond the consumer's context.
+	// HandlerTimeout bounds each call of the handler (a BatchHandler's
+	// call with its whole batch). It does not bound what the consumer does
+	// itself: waiting for a pool connection, the claim, sending queued
+	// statements and the commit are infrastructure time, never charged to
+	// a message. A handler past its timeout fails like a handler error
+	// (ClassRetry, then the dead-letter queue), whatever its error. Defaults
+	// to 0: no bound beyond the consumer's context.
 	HandlerTimeout time.Duration
 	// ShutdownTimeout bounds how long Run waits, once its context is
 	// cancelled, for messages in flight to finish; then their transactions
@@ -247,9 +278,7 @@ func (c Config) withDefaults() (Config, error) {
 		c.TypeHeaders = []string{"type", "ce_type"}
 	}
 	setDefault(&c.MaxIDLength, 256)
-	setDefault(&c.Concurrency, 16)
 	setDefault(&c.BatchSize, 100)
-	setDefault(&c.ReceiveBuffer, max(256, 2*c.Concurrency*c.BatchSize))
 	setDefault(&c.Retry.MaxAttempts, 5)
 	setDefault(&c.Retry.InitialBackoff, 200*time.Millisecond)
 	setDefault(&c.Retry.MaxBackoff, 10*time.Second)
@@ -268,6 +297,18 @@ func (c Config) withDefaults() (Config, error) {
 		c.Logger = slog.Default()
 	}
 	return c, nil
+}
+
+// fitPool sets the defaults that depend on the pool (Concurrency, and
+// ReceiveBuffer from it) and warns when Concurrency exceeds its MaxConns.
+func (c *Config) fitPool(pool interface{ Config() *pgxpool.Config }) {
+	maxConns := int(pool.Config().MaxConns)
+	setDefault(&c.Concurrency, max(1, maxConns))
+	setDefault(&c.ReceiveBuffer, max(256, 2*c.Concurrency*c.BatchSize))
+	if c.Concurrency > maxConns {
+		c.Logger.Warn("once: Concurrency exceeds the pool's MaxConns; the extra transactions wait for a connection",
+			"consumer", c.Name, "concurrency", c.Concurrency, "max_conns", maxConns)
+	}
 }
 
 func setDefault[T int | time.Duration](v *T, def T) {

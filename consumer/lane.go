@@ -1,6 +1,7 @@
 package consumer
 
 import (
+	"context"
 	"sync"
 	"time"
 )
@@ -15,6 +16,9 @@ type lane struct {
 	mu     sync.Mutex
 	q      []Delivery
 	closed bool
+	// retired: the worker stopped because the stream's assignment ended
+	// with nothing queued; a push must go to a new lane.
+	retired bool
 	// ready holds a token when q changed or the lane closed since the
 	// worker last looked.
 	ready chan struct{}
@@ -22,12 +26,24 @@ type lane struct {
 
 func newLane() *lane { return &lane{ready: make(chan struct{}, 1)} }
 
-// push appends dv; it never blocks.
-func (l *lane) push(dv Delivery) {
+// push appends dv; it never blocks. It reports false, queuing nothing,
+// when the lane has retired.
+func (l *lane) push(dv Delivery) bool {
 	l.mu.Lock()
+	if l.retired {
+		l.mu.Unlock()
+		return false
+	}
 	l.q = append(l.q, dv)
 	l.mu.Unlock()
 	l.wake()
+	return true
+}
+
+func (l *lane) isRetired() bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.retired
 }
 
 // close lets the worker drain what is queued, then stop.
@@ -47,8 +63,15 @@ func (l *lane) wake() {
 
 // next blocks until deliveries wait in the lane and returns up to max of
 // them, in order: what is already queued, or, with a linger, what arrives
-// within it, up to max. It returns nil once the lane is closed and empty.
-func (l *lane) next(max int, linger time.Duration) []Delivery {
+// within it, up to max. It returns nil once the lane is closed and empty,
+// or once assignment (the context of the last deliveries taken; nil before
+// the first) has ended with nothing queued: the lane then retires, so that
+// a revoked partition's lane and worker are released.
+func (l *lane) next(max int, linger time.Duration, assignment context.Context) []Delivery {
+	var ended <-chan struct{}
+	if assignment != nil {
+		ended = assignment.Done()
+	}
 	for {
 		l.mu.Lock()
 		if len(l.q) > 0 {
@@ -58,8 +81,16 @@ func (l *lane) next(max int, linger time.Duration) []Delivery {
 			l.mu.Unlock()
 			return nil
 		}
+		if assignment != nil && assignment.Err() != nil {
+			l.retired = true
+			l.mu.Unlock()
+			return nil
+		}
 		l.mu.Unlock()
-		<-l.ready
+		select {
+		case <-l.ready:
+		case <-ended:
+		}
 	}
 	if linger > 0 && len(l.q) < max && !l.closed {
 		l.mu.Unlock()

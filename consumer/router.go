@@ -99,9 +99,9 @@ func NewRouted(pool *pgxpool.Pool, src Source, r *Router, cfg Config) (*Consumer
 		routes[k] = v
 	}
 	frozen := &Router{cfg: r.cfg, routes: routes}
-	e, err := newEngine(pool, src, cfg, frozen.prepare)
+	p, err := newPipeline(pool, src, cfg, frozen.prepare)
 	if err != nil {
 		return nil, err
 	}
-	return &Consumer[any]{e: e}, nil
+	return &Consumer[any]{p: p}, nil
 }

@@ -165,7 +165,10 @@ const (
 	HeaderErrorKind         = "once-error-kind"
 	HeaderErrorMessage      = "once-error-message"
 	HeaderErrorStack        = "once-error-stack"
-	HeaderFailedAt          = "once-failed-at"
+	// HeaderErrorSQLState is the SQLSTATE of a PostgreSQL error that
+	// dead-lettered the message, when one did.
+	HeaderErrorSQLState = "once-error-sqlstate"
+	HeaderFailedAt      = "once-failed-at"
 	// HeaderFingerprint and HeaderOriginalFingerprint (hex) and
 	// HeaderOriginalProcessedAt are written on KindIDConflict copies.
 	HeaderFingerprint         = "once-fingerprint"

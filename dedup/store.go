@@ -46,6 +46,8 @@ type DB interface {
 // Store claims event ids and keeps attempt counts. Build it with New.
 type Store struct {
 	ddl string
+	// attempts is the attempts table's qualified, quoted name.
+	attempts string
 
 	claimSQL, claimBatchSQL, lookupSQL string
 	recordAttemptSQL, clearAttemptSQL  string
@@ -86,6 +88,7 @@ func New(cfg Config) (*Store, error) {
 	cols := `consumer, event_id, fingerprint, source, partition, "offset"`
 	return &Store{
 		ddl:      ddl,
+		attempts: attempts,
 		claimSQL: `INSERT INTO ` + table + ` (` + cols + `) VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING`,
 		// One statement claims the batch and reads what was there before:
 		// rows go in in id order, so that concurrent batches sharing ids
@@ -137,6 +140,11 @@ func renderSchema(table, attempts, index string) (string, error) {
 	err = t.Execute(&b, map[string]string{"Table": table, "Attempts": attempts, "ProcessedAtIndex": index})
 	return b.String(), err
 }
+
+// AttemptsTable returns the qualified, quoted name of the table in which
+// the consumer keeps its crash-guard records (Config.Table with the suffix
+// "_attempts"), for use in SQL text.
+func (s *Store) AttemptsTable() string { return s.attempts }
 
 // SchemaSQL returns the DDL that Migrate runs, with this store's names.
 func (s *Store) SchemaSQL() string { return s.ddl }

@@ -148,6 +148,7 @@ func assertSchema(t testing.TB, ctx context.Context, db dedup.DB, schema, table 
 		{"event_id", "text", false},
 		{"attempts", "integer", false},
 		{"last_seen", "timestamp with time zone", false},
+		{"crashes", "integer", false},
 	}, columns(t, ctx, db, schema, table+"_attempts"))
 	assert.Equal(t, []string{"consumer", "event_id"}, primaryKey(t, ctx, db, schema, table))
 	assert.Equal(t, []string{"consumer", "event_id"}, primaryKey(t, ctx, db, schema, table+"_attempts"))

@@ -20,3 +20,5 @@ CREATE TABLE IF NOT EXISTS "processed_events_attempts" (
     last_seen timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (consumer, event_id)
 );
+
+ALTER TABLE "processed_events_attempts" ADD COLUMN IF NOT EXISTS crashes integer NOT NULL DEFAULT 0;

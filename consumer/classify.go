@@ -1,0 +1,154 @@
+package consumer
+
+import (
+	"context"
+	"errors"
+	"io"
+	"net"
+	"syscall"
+
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// ErrorClass says what a failure is, and so what the consumer does next.
+type ErrorClass int
+
+const (
+	// ClassInfrastructure: the database (or the broker) failed, not the
+	// message. The transaction is rolled back and the message tried again
+	// after Config.InfraBackoff, without bound: it is never acked and never
+	// dead-lettered for it.
+	ClassInfrastructure ErrorClass = iota + 1
+	// ClassRetry: the handler failed. The message is tried again per
+	// Config.Retry, then dead-lettered with kind KindHandler (KindPanic for
+	// a panic).
+	ClassRetry
+	// ClassPermanent: retrying cannot help. The message is dead-lettered
+	// at once.
+	ClassPermanent
+)
+
+func (c ErrorClass) String() string {
+	switch c {
+	case ClassInfrastructure:
+		return "infrastructure"
+	case ClassRetry:
+		return "retry"
+	case ClassPermanent:
+		return "permanent"
+	}
+	return "unknown"
+}
+
+// Classify returns the default class of an error met while handling a
+// message (the handler's own error, the failure of a statement it queued,
+// or the failure of the commit):
+//
+//   - Permanent's error: ClassPermanent.
+//   - A PostgreSQL error whose SQLSTATE says retrying the same work can
+//     succeed: connection exceptions (08), insufficient resources (53),
+//     operator intervention such as an administrator shutdown (57P01-03),
+//     system errors (58), serialization failure (40001), deadlock (40P01),
+//     a read-only transaction after a failover (25006): ClassInfrastructure.
+//   - Any other PostgreSQL error, among them integrity violations (23, also
+//     a deferred constraint that fails at COMMIT), data exceptions (22),
+//     syntax errors and undefined objects (42), a statement_timeout
+//     (57014): ClassRetry. Retrying the same transaction meets the same
+//     error, so the message ends in the dead-letter queue with the SQLSTATE
+//     in its HeaderErrorSQLState header instead of blocking its stream.
+//   - A connection to PostgreSQL that could not be opened or was lost:
+//     ClassInfrastructure.
+//   - A context deadline or cancellation: ClassRetry. The consumer's own
+//     contexts (shutdown, a revoked partition) never reach Classify, and
+//     Config.HandlerTimeout is a handler failure; so this is a deadline the
+//     handler put on a call of its own.
+//   - Anything else, a failed HTTP call among them: ClassRetry, so that a
+//     dependency that stays down ends in the dead-letter queue.
+//
+// A handler's error is also taken for infrastructure when the connection
+// of its transaction died under it. Config.ClassifyError can override any
+// of this.
+func Classify(err error) ErrorClass {
+	var perm *PermanentError
+	var pgErr *pgconn.PgError
+	var connectErr *pgconn.ConnectError
+	switch {
+	case err == nil:
+		return ClassRetry
+	case errors.As(err, &perm):
+		return ClassPermanent
+	case errors.As(err, &pgErr):
+		if transientSQLState(pgErr.Code) {
+			return ClassInfrastructure
+		}
+		return ClassRetry
+	case errors.Is(err, context.DeadlineExceeded), errors.Is(err, context.Canceled):
+		return ClassRetry
+	case errors.As(err, &connectErr), errors.Is(err, pgconn.ErrConnClosed):
+		return ClassInfrastructure
+	}
+	return ClassRetry
+}
+
+// IsTransient reports whether err is an infrastructure failure that
+// retrying the same work later can cure: the database unreachable, the
+// connection lost, a server shutting down or out of resources, a
+// serialization failure or deadlock, a network error or a timeout. It
+// judges the error alone; Classify is what the consumer applies to a
+// handler's error.
+func IsTransient(err error) bool {
+	if err == nil {
+		return false
+	}
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		return transientSQLState(pgErr.Code)
+	}
+	var connectErr *pgconn.ConnectError
+	if errors.As(err, &connectErr) {
+		return true
+	}
+	if pgconn.Timeout(err) || pgconn.SafeToRetry(err) || errors.Is(err, context.DeadlineExceeded) {
+		return true
+	}
+	var netErr net.Error
+	if errors.As(err, &netErr) {
+		return true
+	}
+	switch {
+	case errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF),
+		errors.Is(err, syscall.ECONNREFUSED), errors.Is(err, syscall.ECONNRESET),
+		errors.Is(err, syscall.EPIPE), errors.Is(err, net.ErrClosed):
+		return true
+	}
+	return errors.Is(err, pgconn.ErrConnClosed)
+}
+
+// transientSQLState: connection exceptions (08), insufficient resources
+// (53), system errors (58), serialization failure and deadlock (40001,
+// 40P01), administrator or crash shutdown and cannot-connect-now (57P01-03),
+// and read-only transactions after a failover (25006).
+func transientSQLState(code string) bool {
+	if len(code) < 2 {
+		return false
+	}
+	switch code[:2] {
+	case "08", "53", "58":
+		return true
+	}
+	switch code {
+	case "40001", "40P01", "57P01", "57P02", "57P03", "25006":
+		return true
+	}
+	return false
+}
+
+// sqlState returns the SQLSTATE of err, or "" when err is not a
+// PostgreSQL error.
+func sqlState(err error) string {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		return pgErr.Code
+	}
+	return ""
+}

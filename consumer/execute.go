@@ -1,0 +1,218 @@
+package consumer
+
+import (
+	"context"
+	"errors"
+	"time"
+
+	"github.com/onceco/once/internal/backoff"
+)
+
+// The executor drives the claim-and-run stage (transact.go) until every
+// job of a run is settled: it retries infrastructure failures with
+// backoff, splits a run around a failing job, and takes a failing job
+// through the retry policy alone. Order is kept: the jobs before a failure
+// commit (as a run of their own) before the failing job is retried, and
+// the jobs after it wait.
+
+// run takes jobs (one stream's, in order; or a channel's) to their end. A
+// failure costs a re-run of the jobs before it, instead of a savepoint
+// round trip for every message; a failure that names no job halves the run
+// until it does.
+func (p *pipeline) run(ctx context.Context, s *settler, jobs []*job) {
+	infra := backoff.Retrier{Policy: p.infraPolicy()}
+	for len(jobs) > 0 {
+		if p.mustStop(ctx, s) {
+			s.abandonAll(jobs)
+			return
+		}
+		if len(jobs) == 1 {
+			p.runAlone(ctx, s, jobs[0], nil)
+			return
+		}
+		r := p.transact(ctx, jobs)
+		switch r.outcome {
+		case txCommitted:
+			s.committed(jobs, r.claims)
+			return
+		case txAbandoned:
+			s.abandonAll(jobs)
+			return
+		case txInfra:
+			if !p.waitInfra(ctx, &infra, r.err, len(jobs)) {
+				s.abandonAll(jobs)
+				return
+			}
+		case txUnpinned:
+			half := len(jobs) / 2
+			p.run(ctx, s, jobs[:half])
+			jobs = jobs[half:]
+		case txFailed:
+			p.cfg.Logger.DebugContext(ctx, "once: handler failed in a batch; splitting it", "consumer", p.cfg.Name,
+				"event_id", jobs[r.failed].idt.id, "error", r.err)
+			p.run(ctx, s, jobs[:r.failed])
+			// The failure in the batch was the job's run.
+			failing := jobs[r.failed]
+			failing.runs++
+			p.runAlone(ctx, s, failing, &r)
+			jobs = jobs[r.failed+1:]
+		}
+	}
+}
+
+// runAlone takes one job to its end: attempts until it commits, is found a
+// duplicate, is dead-lettered or is abandoned. failed, when not nil, is the
+// failure of a run the job already had (in a batch).
+func (p *pipeline) runAlone(ctx context.Context, s *settler, j *job, failed *txResult) {
+	infra := backoff.Retrier{Policy: p.infraPolicy()}
+	for {
+		if failed != nil && !p.retryOrGiveUp(ctx, s, j, *failed) {
+			return
+		}
+		failed = nil
+		if p.mustStop(ctx, s) {
+			s.abandon(j)
+			return
+		}
+		r := p.transact(ctx, []*job{j})
+		switch r.outcome {
+		case txCommitted:
+			s.committed([]*job{j}, r.claims)
+			return
+		case txAbandoned:
+			if errors.Is(r.err, errCrashLoop) {
+				s.deadLetter(ctx, j, crashLoop(j))
+			} else {
+				s.abandon(j)
+			}
+			return
+		case txInfra:
+			if !p.waitInfra(ctx, &infra, r.err, 1) {
+				s.abandon(j)
+				return
+			}
+		case txFailed, txUnpinned:
+			infra.Reset()
+			j.runs++
+			failed = &r
+		}
+	}
+}
+
+// retryOrGiveUp handles a failed run of j: it dead-letters j when the
+// failure is permanent or the runs are spent, else waits before the next
+// run. It reports whether to run again.
+func (p *pipeline) retryOrGiveUp(ctx context.Context, s *settler, j *job, r txResult) bool {
+	if r.class == ClassPermanent || j.runs >= p.cfg.Retry.MaxAttempts {
+		s.deadLetter(ctx, j, handlerDeadLetter(j, r.err))
+		return false
+	}
+	wait := p.retryPolicy().Delay(j.runs)
+	var ra *RetryAfterError
+	if errors.As(r.err, &ra) {
+		wait = ra.Delay
+	}
+	p.cfg.Logger.DebugContext(ctx, "once: handler failed; retrying", "consumer", p.cfg.Name, "event_id", j.idt.id,
+		"attempt", j.runs, "error", r.err, "backoff", wait)
+	p.tel.retry(ctx, "handler")
+	if !p.sleep(ctx, wait) {
+		s.abandon(j)
+		return false
+	}
+	p.stats.retries.Add(1)
+	return true
+}
+
+// handlerDeadLetter is the dead letter of a job whose handler failed for
+// good with err.
+func handlerDeadLetter(j *job, err error) *DeadLetter {
+	dl := &DeadLetter{Kind: KindHandler, Error: err.Error(), Attempts: j.runs}
+	var pe *PanicError
+	if errors.As(err, &pe) {
+		dl.Kind, dl.Stack = KindPanic, pe.Stack
+	}
+	if code := sqlState(err); code != "" {
+		dl.Extra = map[string]string{HeaderErrorSQLState: code}
+	}
+	return dl
+}
+
+// mustStop reports whether no new transaction may start: the consumer is
+// stopping, the run's deliveries are lost, or an earlier message of the
+// stream was abandoned (nothing after it may be acked).
+func (p *pipeline) mustStop(ctx context.Context, s *settler) bool {
+	return ctx.Err() != nil || p.stopping.Load() || s.abandoned
+}
+
+// waitInfra counts an infrastructure failure and waits before the retry;
+// it reports false when the consumer stops first.
+func (p *pipeline) waitInfra(ctx context.Context, r *backoff.Retrier, err error, messages int) bool {
+	p.stats.infraErrors.Add(1)
+	d := r.Delay()
+	p.cfg.Logger.WarnContext(ctx, "once: infrastructure failure; retrying", "consumer", p.cfg.Name,
+		"messages", messages, "error", err, "backoff", d)
+	if !p.sleep(ctx, d) {
+		return false
+	}
+	p.stats.retries.Add(1)
+	p.tel.retry(ctx, "infrastructure")
+	return true
+}
+
+// infra runs f until it succeeds, backing off after each failure (counted
+// as infrastructure failures); it returns an error only when the consumer
+// stops first. It serves the library's own statements outside a
+// transaction and dead-letter writes.
+func (p *pipeline) infra(ctx context.Context, what string, f func() error) error {
+	r := backoff.Retrier{Policy: p.infraPolicy()}
+	for {
+		err := f()
+		if err == nil {
+			return nil
+		}
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		p.stats.infraErrors.Add(1)
+		d := r.Delay()
+		p.cfg.Logger.WarnContext(ctx, "once: infrastructure failure "+what+"; retrying",
+			"consumer", p.cfg.Name, "error", err, "backoff", d)
+		if !p.sleep(ctx, d) {
+			if ctx.Err() != nil {
+				return ctx.Err()
+			}
+			return errStopping
+		}
+	}
+}
+
+// errStopping ends a wait cut short by the consumer's shutdown.
+var errStopping = errors.New("once: consumer stopping")
+
+// sleep waits d, or less if ctx ends or the consumer begins stopping; it
+// reports whether d elapsed with neither. Waits between attempts end at
+// once on shutdown, so a message waiting to be retried is abandoned (and
+// redelivered) instead of holding up the shutdown.
+func (p *pipeline) sleep(ctx context.Context, d time.Duration) bool {
+	if d <= 0 {
+		return ctx.Err() == nil && !p.stopping.Load()
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-p.stopped:
+		return false
+	case <-t.C:
+		return !p.stopping.Load()
+	}
+}
+
+func (p *pipeline) infraPolicy() backoff.Policy {
+	return backoff.Policy{Initial: p.cfg.InfraBackoff.Initial, Max: p.cfg.InfraBackoff.Max}
+}
+
+func (p *pipeline) retryPolicy() backoff.Policy {
+	return backoff.Policy{Initial: p.cfg.Retry.InitialBackoff, Max: p.cfg.Retry.MaxBackoff}
+}

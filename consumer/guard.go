@@ -1,0 +1,296 @@
+package consumer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// The crash guard is the pipeline's second stage. A message that kills the
+// process (a panic in a goroutine the handler started, an OOM kill, a
+// stall past a rebalance) leaves no error to count: only a durable record,
+// written before the message runs, can tell the next process that it was
+// in flight when the last one died. Such records cost a statement, so the
+// guard keeps them only for messages that may have been in flight at a
+// crash: the first Config.BatchSize new messages of each new assignment of
+// a stream (Kafka resumes from the last committed offset, so a crashed
+// batch comes first), and messages the broker marks as redelivered (AMQP).
+//
+// A suspect, a message with a record from an earlier process, runs
+// isolated: no other transaction of the consumer runs while one of its
+// attempts does, so a crash is charged to it alone and never to a message
+// that merely ran beside it. Isolation holds for one attempt only, never
+// across the waits between attempts, nor while a dead letter is written.
+//
+// The record holds two counts: runs (the handler's runs, for
+// Config.Retry.MaxAttempts, so that runs cut short by crashes count too) and
+// crashes (runs that never finished: written as one more before an
+// isolated attempt and taken back when the attempt ends in this process).
+// The first BatchSize messages of an assignment are marked with zero
+// counts, in one statement: a crash of that shared batch is charged to none
+// of them as a crash (each is charged one run), but their marks make each a
+// suspect next time. A message with Config.MaxCrashAttempts crashes, or
+// whose runs are spent with the last one cut short, is dead-lettered with
+// kind KindCrashLoop.
+// Every count is written as a value, not an increment, so a retried write
+// whose first reply was lost counts once.
+type crashGuard struct {
+	p *pipeline
+	// isolation is held shared by every transaction and exclusively by a
+	// suspect's attempt.
+	isolation                                       sync.RWMutex
+	markSQL, lookupSQL, setSQL, clearSQL, unmarkSQL string
+}
+
+// guardState is what the crash guard knows of a job.
+type guardState struct {
+	// suspect: an earlier process may have died with the message in
+	// flight; it runs isolated.
+	suspect bool
+	// recorded: a record exists, to be deleted with the message's effects.
+	recorded bool
+	// known: crashes and runs were read from the record.
+	known bool
+	// crashes is the record's crash count.
+	crashes int
+	// inFlight: the record counts the attempt running now as a crash, to
+	// be taken back if the attempt ends in this process.
+	inFlight bool
+}
+
+func newCrashGuard(p *pipeline) *crashGuard {
+	a := p.cfg.Store.AttemptsTable()
+	return &crashGuard{
+		p: p,
+		// The SELECT sees the table as it was before the INSERT: it
+		// returns the records of earlier processes, not the marks.
+		markSQL: `WITH marked AS (
+	INSERT INTO ` + a + ` (consumer, event_id, attempts, crashes)
+	SELECT $1, id, 0, 0 FROM (SELECT DISTINCT id FROM unnest($2::text[]) AS u(id)) d ORDER BY id COLLATE "C"
+	ON CONFLICT (consumer, event_id) DO NOTHING
+)
+SELECT event_id, attempts, crashes FROM ` + a + ` WHERE consumer = $1 AND event_id = ANY($2::text[])`,
+		lookupSQL: `SELECT event_id, attempts, crashes FROM ` + a + ` WHERE consumer = $1 AND event_id = ANY($2::text[])`,
+		setSQL: `INSERT INTO ` + a + ` (consumer, event_id, attempts, crashes) VALUES ($1, $2, $3, $4)
+ON CONFLICT (consumer, event_id) DO UPDATE SET attempts = $3, crashes = $4, last_seen = now()`,
+		clearSQL:  `DELETE FROM ` + a + ` WHERE consumer = $1 AND event_id = ANY($2::text[])`,
+		unmarkSQL: `DELETE FROM ` + a + ` WHERE consumer = $1 AND event_id = $2 AND attempts = 0 AND crashes = 0`,
+	}
+}
+
+// record is one row of the attempts table.
+type record struct{ runs, crashes int }
+
+// plan sorts jobs (in stream order) into runs: consecutive jobs that may
+// share a transaction, and suspects, each alone. With window set (the
+// first messages of a stream's assignment) it marks them first. Messages
+// the broker says were delivered before are suspects too. It returns nil
+// when ctx ended first; the jobs are then left to be abandoned.
+func (g *crashGuard) plan(ctx context.Context, jobs []*job, window bool) [][]*job {
+	var ids []string
+	for _, j := range jobs {
+		if window || mayBeRedelivery(j.d) {
+			ids = append(ids, j.idt.id)
+		}
+	}
+	if len(ids) > 0 {
+		sql := g.lookupSQL
+		if window {
+			sql = g.markSQL
+		}
+		records, ok := g.read(ctx, sql, ids)
+		if !ok {
+			return nil
+		}
+		for _, j := range jobs {
+			r, found := records[j.idt.id]
+			j.guard.recorded = window || found
+			j.guard.suspect = found || mayBeRedelivery(j.d)
+			if found {
+				// It ran at least once, in the run that crashed.
+				j.guard.known = true
+				j.guard.crashes = r.crashes
+				j.runs = max(j.runs, r.runs, 1)
+			}
+		}
+	}
+	var runs [][]*job
+	start := 0
+	for i, j := range jobs {
+		if !j.guard.suspect {
+			continue
+		}
+		if i > start {
+			runs = append(runs, jobs[start:i])
+		}
+		runs = append(runs, jobs[i:i+1])
+		start = i + 1
+	}
+	if start < len(jobs) {
+		runs = append(runs, jobs[start:])
+	}
+	return runs
+}
+
+// read runs a statement returning records, retrying infrastructure
+// failures; it reports false when ctx ended first.
+func (g *crashGuard) read(ctx context.Context, sql string, ids []string) (map[string]record, bool) {
+	records := map[string]record{}
+	err := g.p.infra(ctx, "reading crash-guard records", func() error {
+		clear(records)
+		rows, err := g.p.pool.Query(ctx, sql, g.p.cfg.Name, ids)
+		if err != nil {
+			return err
+		}
+		var id string
+		var r record
+		_, err = pgx.ForEachRow(rows, []any{&id, &r.runs, &r.crashes}, func() error {
+			records[id] = r
+			return nil
+		})
+		return err
+	})
+	return records, err == nil
+}
+
+// errCrashLoop says a suspect has crashed the process too often.
+var errCrashLoop = errors.New("crash loop")
+
+// enter takes the isolation a job's attempt needs: exclusive for a
+// suspect, whose attempt is then recorded durably as a crash until it
+// ends; shared otherwise. It returns the function that ends the attempt
+// (leave), or errCrashLoop when the suspect is to be dead-lettered, or
+// ctx's error.
+func (g *crashGuard) enter(ctx context.Context, j *job) (leave func(), err error) {
+	if j == nil || !j.guard.suspect {
+		g.isolation.RLock()
+		return g.isolation.RUnlock, nil
+	}
+	g.isolation.Lock()
+	if g.p.mustStop(ctx, &settler{}) {
+		// The consumer began stopping while the suspect waited: its
+		// attempt never starts, so nothing is charged to it.
+		g.isolation.Unlock()
+		return nil, errStopping
+	}
+	if err := g.startAttempt(ctx, j); err != nil {
+		g.isolation.Unlock()
+		return nil, err
+	}
+	return g.isolation.Unlock, nil
+}
+
+// startAttempt records j's coming attempt as a crash, to be taken back by
+// endAttempt.
+func (g *crashGuard) startAttempt(ctx context.Context, j *job) error {
+	if !j.guard.known {
+		records, ok := g.read(ctx, g.lookupSQL, []string{j.idt.id})
+		if !ok {
+			return ctx.Err()
+		}
+		r := records[j.idt.id]
+		j.guard.known, j.guard.crashes, j.runs = true, r.crashes, max(j.runs, r.runs)
+	}
+	if j.guard.crashes >= g.p.cfg.MaxCrashAttempts || j.runs >= g.p.cfg.Retry.MaxAttempts {
+		// Too many crashes alone, or runs spent, the last of them cut
+		// short.
+		return errCrashLoop
+	}
+	if err := g.set(ctx, j, j.runs+1, j.guard.crashes+1); err != nil {
+		return err
+	}
+	j.guard.crashes++
+	j.guard.recorded, j.guard.inFlight = true, true
+	return nil
+}
+
+// endAttempt takes back the crash recorded for j's attempt, which ended in
+// this process without committing (a handler failure, a database failure):
+// its run still counts. A record left behind errs on the side of
+// dead-lettering later.
+func (g *crashGuard) endAttempt(ctx context.Context, j *job) {
+	if !j.guard.inFlight {
+		return
+	}
+	j.guard.inFlight = false
+	if err := g.set(context.WithoutCancel(ctx), j, j.runs, j.guard.crashes-1); err == nil {
+		j.guard.crashes--
+	}
+}
+
+// forget takes back what was recorded for j, whose handling ended without
+// a crash and without an effect (its delivery was lost, the consumer
+// stopped): neither a crash nor the interrupted run is charged. Best
+// effort, outside any transaction.
+func (g *crashGuard) forget(j *job) {
+	if !j.guard.recorded || j.stalled {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), g.p.cfg.InfraBackoff.Max)
+	defer cancel()
+	var err error
+	switch {
+	case j.guard.inFlight:
+		err = g.set(ctx, j, max(j.runs-1, 0), j.guard.crashes-1)
+		j.guard.inFlight = false
+	case !j.guard.known:
+		_, err = g.p.pool.Exec(ctx, g.unmarkSQL, g.p.cfg.Name, j.idt.id)
+	}
+	if err != nil {
+		g.p.cfg.Logger.DebugContext(ctx, "once: taking back a crash-guard record", "consumer", g.p.cfg.Name,
+			"event_id", j.idt.id, "error", err)
+	}
+}
+
+// set writes j's record with the given counts, retrying infrastructure
+// failures until ctx ends.
+func (g *crashGuard) set(ctx context.Context, j *job, runs, crashes int) error {
+	return g.p.infra(ctx, "writing a crash-guard record", func() error {
+		_, err := g.p.pool.Exec(ctx, g.setSQL, g.p.cfg.Name, j.idt.id, runs, crashes)
+		return err
+	})
+}
+
+// clearIn deletes, in tx, the records of the jobs that have one: they go
+// when the effects commit.
+func (g *crashGuard) clearIn(ctx context.Context, tx pgx.Tx, jobs []*job) error {
+	var ids []string
+	for _, j := range jobs {
+		if j.guard.recorded {
+			ids = append(ids, j.idt.id)
+		}
+	}
+	if len(ids) == 0 {
+		return nil
+	}
+	_, err := tx.Exec(ctx, g.clearSQL, g.p.cfg.Name, ids)
+	return err
+}
+
+// settled deletes j's record once it was settled outside a transaction
+// (dead-lettered). Best effort: a record left behind is removed by
+// retention.
+func (g *crashGuard) settled(ctx context.Context, j *job) {
+	if !j.guard.recorded {
+		return
+	}
+	j.guard.recorded, j.guard.inFlight = false, false
+	if _, err := g.p.pool.Exec(context.WithoutCancel(ctx), g.clearSQL, g.p.cfg.Name, []string{j.idt.id}); err != nil {
+		g.p.cfg.Logger.DebugContext(ctx, "once: deleting a crash-guard record", "consumer", g.p.cfg.Name,
+			"event_id", j.idt.id, "error", err)
+	}
+}
+
+// crashLoop is the dead letter of a suspect with too many crashes.
+func crashLoop(j *job) *DeadLetter {
+	return &DeadLetter{Kind: KindCrashLoop, Attempts: j.runs,
+		Error: fmt.Sprintf("handling was cut short %d times (process crash or stall)", j.guard.crashes)}
+}
+
+func mayBeRedelivery(dv Delivery) bool {
+	m := dv.Message()
+	return m.Redelivered || m.DeliveryCount > 0
+}

@@ -1,0 +1,92 @@
+package consumer
+
+import (
+	"context"
+	"fmt"
+	"runtime/debug"
+
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/onceco/once/dedup"
+)
+
+// job is one delivery on its way through the pipeline.
+type job struct {
+	d     Delivery
+	m     *Message
+	idt   identity
+	fp    []byte
+	call  call // nil: record the id without a handler
+	event any  // the typed Event, for a BatchHandler
+	span  trace.Span
+	// ctx carries the message's span and ends when the message is
+	// abandoned.
+	ctx context.Context
+	// failure, set by identify, says why the message cannot be handled: it
+	// is dead-lettered in its place in the stream.
+	failure *DeadLetter
+
+	// runs counts the handler's runs for this message so far, those of
+	// earlier processes included when the crash guard knows of them.
+	runs  int
+	guard guardState
+
+	// stalled: the handling was cut short while running by the shutdown
+	// deadline, its delivery still live. Like a crash, it keeps what the
+	// crash guard recorded.
+	stalled bool
+	// settled: acked, dead-lettered or abandoned; nothing more happens to
+	// the message in this process.
+	settled bool
+	// claimed: the message's id was claimed as new and its transaction
+	// committed.
+	claimed bool
+}
+
+// claim is the dedup claim of j's id.
+func (j *job) claim(consumer string) dedup.Claim {
+	return dedup.Claim{Consumer: consumer, EventID: j.idt.id, Fingerprint: j.fp,
+		Source: j.m.Topic, Partition: j.m.Partition, Offset: j.m.Offset}
+}
+
+// identify is the pipeline's first stage: it starts the message's span and
+// prepares it for its handler (event id, type, decoded payload,
+// fingerprint). Every user function met here (Envelope, EventID, Decoder,
+// the router's lookup, Fingerprint) runs guarded: a panic dead-letters the
+// message with kind KindPanic and the stack, like a handler's panic,
+// instead of crashing the process on every redelivery.
+func (p *pipeline) identify(ctx context.Context, dv Delivery) *job {
+	m := dv.Message()
+	ctx, span := p.tel.startSpan(ctx, m)
+	j := &job{d: dv, m: m, span: span, ctx: ctx}
+	j.failure = p.prepareJob(j)
+	return j
+}
+
+// prepareJob fills j from its message, or returns why it cannot be handled.
+func (p *pipeline) prepareJob(j *job) (dl *DeadLetter) {
+	stage := "identifying the event"
+	defer func() {
+		if r := recover(); r != nil {
+			dl = &DeadLetter{Kind: KindPanic, Error: fmt.Sprintf("panic while %s: %v", stage, r), Stack: string(debug.Stack())}
+		}
+	}()
+	idt, kind, err := p.cfg.identify(j.m)
+	j.idt = idt
+	if err != nil {
+		return &DeadLetter{Kind: kind, Error: err.Error()}
+	}
+	j.span.SetAttributes(attribute.String("messaging.message.id", idt.id), attribute.String("once.event.type", idt.typ))
+	stage = "decoding the payload"
+	prep, kind, err := p.prepare(j.m, idt, p.cfg.Decoder)
+	if err != nil {
+		return &DeadLetter{Kind: kind, Error: err.Error()}
+	}
+	j.call, j.event = prep.call, prep.event
+	if p.cfg.Fingerprint != nil {
+		stage = "computing the fingerprint"
+		j.fp = p.cfg.Fingerprint(j.m)
+	}
+	return nil
+}

@@ -1,0 +1,228 @@
+package consumer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// pipeline carries every message through the same four stages, a single
+// message being a batch of one:
+//
+//	dispatch.go  deliveries to workers: one lane per stream, in order
+//	identify.go  id, type, decoded payload, fingerprint (user code guarded)
+//	guard.go     the crash guard: durable records for messages that may have
+//	             crashed a process; suspects run isolated
+//	transact.go  claim and run: BEGIN with the claims, handlers, queued
+//	             statements, COMMIT (execute.go retries and splits)
+//	settle.go    ack, dead-letter or abandon, in stream order
+//
+// Errors are classified once (classify.go); every wait uses one backoff
+// (internal/backoff).
+type pipeline struct {
+	cfg     Config
+	pool    *pgxpool.Pool
+	src     Source
+	prepare preparer
+	// batchCall, set for a BatchHandler, runs the handler once for the
+	// claimed jobs of a batch.
+	batchCall func(ctx context.Context, tx pgx.Tx, jobs []*job) error
+	guard     *crashGuard
+	tel       *telemetry
+	stats     counters
+	// sem bounds the runs in progress to Config.Concurrency.
+	sem     chan struct{}
+	started atomic.Bool
+	// stopping is set, and stopped closed, once Run's context is done: no
+	// new transaction starts, a batch in progress is rolled back, and
+	// waits between attempts end.
+	stopping atomic.Bool
+	stopped  chan struct{}
+	stopOnce sync.Once
+}
+
+func newPipeline(pool *pgxpool.Pool, src Source, cfg Config, prep preparer) (*pipeline, error) {
+	if pool == nil {
+		return nil, fmt.Errorf("%w: pool is nil", ErrInvalidConfig)
+	}
+	if src == nil {
+		return nil, fmt.Errorf("%w: source is nil", ErrInvalidConfig)
+	}
+	cfg, err := cfg.withDefaults()
+	if err != nil {
+		return nil, err
+	}
+	cfg.fitPool(pool)
+	system := "unknown"
+	if n, ok := src.(SystemNamer); ok {
+		system = n.MessagingSystem()
+	}
+	tel, err := newTelemetry(&cfg, system)
+	if err != nil {
+		return nil, fmt.Errorf("once: telemetry: %w", err)
+	}
+	p := &pipeline{cfg: cfg, pool: pool, src: src, prepare: prep, tel: tel,
+		sem: make(chan struct{}, cfg.Concurrency), stopped: make(chan struct{})}
+	p.guard = newCrashGuard(p)
+	return p, nil
+}
+
+func (p *pipeline) consume(ctx context.Context) error {
+	if !p.started.CompareAndSwap(false, true) {
+		return errors.New("once: Run called twice")
+	}
+	if err := p.start(ctx); err != nil {
+		_ = p.src.Close()
+		if ctx.Err() != nil {
+			return nil // stopped during start-up
+		}
+		return fmt.Errorf("once: consumer %q: %w", p.cfg.Name, err)
+	}
+	// In-flight work outlives ctx by up to ShutdownTimeout.
+	work, cancelWork := context.WithCancel(context.WithoutCancel(ctx))
+	defer cancelWork()
+	stopWatch := context.AfterFunc(ctx, p.stop)
+	defer stopWatch()
+	d := newDispatcher(p, work)
+	if p.cfg.RetentionMaxAge > 0 {
+		go p.retention(ctx)
+	}
+
+	fatal := d.receive(ctx)
+
+	p.stop() // after a fatal source error, ctx may still be live
+	d.close()
+	if !waitTimeout(&d.wg, p.cfg.ShutdownTimeout) {
+		p.cfg.Logger.Warn("once: shutdown timeout: rolling back messages in flight; they will be redelivered",
+			"consumer", p.cfg.Name, "timeout", p.cfg.ShutdownTimeout)
+		cancelWork()
+		d.wg.Wait()
+	}
+	if err := p.src.Close(); err != nil {
+		return errors.Join(fatal, fmt.Errorf("once: closing source: %w", err))
+	}
+	return fatal
+}
+
+// stop begins the shutdown: no new transaction starts and waits end.
+func (p *pipeline) stop() {
+	p.stopOnce.Do(func() {
+		p.stopping.Store(true)
+		close(p.stopped)
+	})
+}
+
+// start prepares the store: creates its tables unless Config.SkipMigrate.
+func (p *pipeline) start(ctx context.Context) error {
+	if p.cfg.SkipMigrate {
+		return nil
+	}
+	return p.cfg.Store.Migrate(ctx, p.pool)
+}
+
+// process takes deliveries of one stream assignment (or of one channel)
+// through the stages, in order. With window set they are among the first
+// messages of a new assignment, which the crash guard marks. It returns how
+// many were claimed as new.
+func (p *pipeline) process(work context.Context, dvs []Delivery, window bool, s *settler) (claimed int) {
+	p.sem <- struct{}{}
+	defer func() { <-p.sem }()
+
+	// The deliveries share their fate: if any can no longer be acked
+	// (revoked partition, closed channel), the rest are abandoned.
+	ctx, cancel := context.WithCancel(work)
+	defer cancel()
+	var watched context.Context
+	for _, dv := range dvs {
+		// Deliveries of one assignment or channel share their context:
+		// watch each distinct one once.
+		if c := dv.Context(); c != watched {
+			watched = c
+			stop := context.AfterFunc(c, cancel)
+			defer stop()
+		}
+	}
+	p.tel.inflight.Add(ctx, int64(len(dvs)), p.tel.baseOpt)
+	defer p.tel.inflight.Add(ctx, -int64(len(dvs)), p.tel.baseOpt)
+
+	jobs := make([]*job, 0, len(dvs))
+	all := make([]*job, 0, len(dvs))
+	for _, dv := range dvs {
+		j := p.identify(ctx, dv)
+		defer j.span.End()
+		all = append(all, j)
+		if j.failure == nil {
+			jobs = append(jobs, j)
+			continue
+		}
+		// A message that cannot be handled is dead-lettered in its place
+		// in the order, between the runs before and after it.
+		p.runGuarded(ctx, s, jobs, window)
+		jobs = jobs[:0]
+		s.deadLetter(j.ctx, j, j.failure)
+	}
+	p.runGuarded(ctx, s, jobs, window)
+	for _, j := range all {
+		if j.claimed {
+			claimed++
+		}
+	}
+	return claimed
+}
+
+// runGuarded passes jobs through the crash guard and runs what it plans.
+func (p *pipeline) runGuarded(ctx context.Context, s *settler, jobs []*job, window bool) {
+	if len(jobs) == 0 {
+		return
+	}
+	if s.abandoned {
+		s.abandonAll(jobs)
+		return
+	}
+	runs := p.guard.plan(ctx, jobs, window)
+	if runs == nil {
+		s.abandonAll(jobs)
+		return
+	}
+	for _, run := range runs {
+		p.run(ctx, s, run)
+	}
+}
+
+// retention deletes the consumer's old processed-event rows every
+// RetentionInterval.
+func (p *pipeline) retention(ctx context.Context) {
+	t := time.NewTicker(p.cfg.RetentionInterval)
+	defer t.Stop()
+	for {
+		n, err := p.cfg.Store.DeleteOlderThan(ctx, p.pool, time.Now().Add(-p.cfg.RetentionMaxAge), 1000)
+		switch {
+		case err != nil && ctx.Err() == nil:
+			p.cfg.Logger.WarnContext(ctx, "once: retention failed", "consumer", p.cfg.Name, "error", err)
+		case n > 0:
+			p.cfg.Logger.InfoContext(ctx, "once: retention removed processed events", "consumer", p.cfg.Name, "rows", n)
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
+func waitTimeout(wg *sync.WaitGroup, d time.Duration) bool {
+	done := make(chan struct{})
+	go func() { wg.Wait(); close(done) }()
+	select {
+	case <-done:
+		return true
+	case <-time.After(d):
+		return false
+	}
+}

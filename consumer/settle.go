@@ -1,0 +1,134 @@
+package consumer
+
+import (
+	"context"
+	"encoding/hex"
+	"time"
+
+	"go.opentelemetry.io/otel/attribute"
+
+	"github.com/onceco/once/dedup"
+)
+
+// Settle is the pipeline's last stage: ack after a commit or a confirmed
+// dead letter, or abandon unacked for the broker to deliver again. A
+// settler serves one stream's run of deliveries and keeps the one rule
+// that makes acks safe on a Kafka partition, where an ack marks every
+// earlier offset done: once a message is abandoned, nothing after it is
+// acked or dead-lettered, so no offset is ever marked past an unfinished
+// message (at shutdown, on a revoked partition, after a lost delivery).
+type settler struct {
+	p *pipeline
+	// abandoned: a message of this run was abandoned; every later one is.
+	abandoned bool
+}
+
+// committed settles jobs whose transaction committed, in order.
+func (s *settler) committed(jobs []*job, claims []dedup.Result) {
+	for i, j := range jobs {
+		switch {
+		case claims[i].Outcome == dedup.Duplicate:
+			s.ack(j, "duplicate")
+		case claims[i].Outcome == dedup.Conflict:
+			s.conflict(j, claims[i].Previous)
+		case j.call == nil:
+			j.claimed = true
+			s.ack(j, "skipped")
+		default:
+			j.claimed = true
+			s.ack(j, "handled")
+		}
+	}
+}
+
+// ack acks j with the outcome for telemetry.
+func (s *settler) ack(j *job, outcome string) {
+	if s.abandoned {
+		// Its effects (or its duplicate's) are committed: the redelivery
+		// is skipped as a duplicate.
+		s.abandon(j)
+		return
+	}
+	j.settled = true
+	p := s.p
+	switch outcome {
+	case "handled":
+		p.stats.handled.Add(1)
+	case "duplicate":
+		p.stats.duplicates.Add(1)
+	case "skipped":
+		p.stats.skipped.Add(1)
+	}
+	p.tel.outcome(j.ctx, j.span, outcome)
+	if err := j.d.Ack(j.ctx); err != nil {
+		// The effect is committed; the broker will redeliver and the
+		// claim will find a duplicate.
+		p.cfg.Logger.WarnContext(j.ctx, "once: ack failed; the message will be redelivered and skipped",
+			"consumer", p.cfg.Name, "event_id", j.idt.id, "error", err)
+	}
+}
+
+// conflict settles a message whose id was processed before with another
+// fingerprint, per Config.OnIDConflict.
+func (s *settler) conflict(j *job, prev dedup.Previous) {
+	if s.p.cfg.OnIDConflict == SkipConflicts {
+		s.p.cfg.Logger.WarnContext(j.ctx, "once: event id seen before with a different payload; skipped",
+			"consumer", s.p.cfg.Name, "event_id", j.idt.id, "processed_at", prev.ProcessedAt)
+		s.ack(j, "skipped")
+		return
+	}
+	s.deadLetter(j.ctx, j, &DeadLetter{Kind: KindIDConflict,
+		Error: "event id was processed before with a different payload fingerprint",
+		Extra: map[string]string{
+			HeaderFingerprint:         hex.EncodeToString(j.fp),
+			HeaderOriginalFingerprint: hex.EncodeToString(prev.Fingerprint),
+			HeaderOriginalProcessedAt: prev.ProcessedAt.UTC().Format(time.RFC3339Nano),
+		}})
+}
+
+// deadLetter writes j to the dead-letter destination, retrying until the
+// broker confirms it, then acks it. Neither the crash guard's isolation
+// nor any other message waits on it.
+func (s *settler) deadLetter(ctx context.Context, j *job, dl *DeadLetter) {
+	if s.abandoned {
+		s.abandon(j)
+		return
+	}
+	p := s.p
+	dl.Consumer, dl.EventID, dl.EventType = p.cfg.Name, j.idt.id, j.idt.typ
+	dl.FailedAt = time.Now()
+	dl.TraceParent = p.tel.traceParent(ctx)
+	if err := p.infra(ctx, "writing a dead letter (the message stays unacked)", func() error {
+		return j.d.DeadLetter(ctx, dl)
+	}); err != nil {
+		s.abandon(j)
+		return
+	}
+	crashPoint("after-dead-letter")
+	p.stats.deadLettered.Add(1)
+	p.tel.deadLetter(ctx, j.span, dl.Kind, dl.Error)
+	p.cfg.Logger.WarnContext(ctx, "once: message dead-lettered", "consumer", p.cfg.Name, "event_id", dl.EventID,
+		"event_type", dl.EventType, "kind", dl.Kind, "error", dl.Error, "topic", j.m.Topic)
+	p.guard.settled(ctx, j)
+	s.ack(j, "dead_lettered")
+}
+
+// abandon leaves j unacked: the broker delivers it again. What the crash
+// guard recorded for it is taken back unless the handling stalled.
+func (s *settler) abandon(j *job) {
+	s.abandoned = true
+	if j.settled {
+		return
+	}
+	j.settled = true
+	j.span.SetAttributes(attribute.String("once.outcome", "abandoned"))
+	s.p.cfg.Logger.DebugContext(j.ctx, "once: message abandoned unacked", "consumer", s.p.cfg.Name, "event_id", j.idt.id)
+	s.p.guard.forget(j)
+}
+
+// abandonAll abandons jobs.
+func (s *settler) abandonAll(jobs []*job) {
+	for _, j := range jobs {
+		s.abandon(j)
+	}
+}

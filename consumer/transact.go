@@ -1,0 +1,318 @@
+package consumer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"runtime/debug"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/onceco/once/dedup"
+)
+
+// Claim and run is the pipeline's third stage: one transaction for a run
+// of jobs (a single message is a run of one). BEGIN and the claim of every
+// id share one round trip; the handlers run in turn (or the BatchHandler
+// once), their queued statements are sent, and one commit makes the claims
+// and the effects durable together.
+
+// txOutcome is how a transaction ended.
+type txOutcome int
+
+const (
+	// txCommitted: claims and effects committed; txResult.claims holds
+	// each job's claim outcome.
+	txCommitted txOutcome = iota
+	// txInfra: an infrastructure failure; nothing committed, try again.
+	txInfra
+	// txFailed: the job at txResult.failed failed (its handler, a
+	// statement it queued, or the commit of a run of one): nothing
+	// committed.
+	txFailed
+	// txUnpinned: a failure that names no job (a BatchHandler's error, a
+	// queued statement the server could not prepare, a commit refused
+	// after a swallowed error): nothing committed; halve the run.
+	txUnpinned
+	// txAbandoned: the consumer is stopping or a delivery was lost;
+	// rolled back.
+	txAbandoned
+)
+
+type txResult struct {
+	outcome txOutcome
+	claims  []dedup.Result
+	failed  int
+	err     error
+	class   ErrorClass
+}
+
+// transact runs jobs in one transaction. A suspect runs alone and
+// isolated (see crashGuard).
+func (p *pipeline) transact(ctx context.Context, jobs []*job) txResult {
+	var suspect *job
+	if len(jobs) == 1 && jobs[0].guard.suspect {
+		suspect = jobs[0]
+	}
+	leave, err := p.guard.enter(ctx, suspect)
+	if err != nil {
+		return txResult{outcome: txAbandoned, err: err, failed: -1}
+	}
+	defer leave()
+	r := p.transaction(ctx, jobs)
+	if r.outcome != txCommitted && ctx.Err() != nil {
+		// Cut short while running: by a lost delivery, or by the shutdown
+		// deadline (a stall, which keeps its crash-guard record as a
+		// crash would; see settler.abandon).
+		for _, j := range jobs {
+			j.stalled = j.d.Context().Err() == nil
+		}
+		return txResult{outcome: txAbandoned, err: r.err, failed: -1}
+	}
+	if suspect != nil && r.outcome != txCommitted && r.outcome != txAbandoned {
+		// The attempt ended here, without a crash.
+		p.guard.endAttempt(ctx, suspect)
+	}
+	return r
+}
+
+func (p *pipeline) transaction(ctx context.Context, jobs []*job) txResult {
+	b := &pgx.Batch{}
+	b.BeginTx(pgx.TxOptions{})
+	claims, err := p.queueClaims(b, jobs)
+	if err != nil {
+		return txResult{outcome: txInfra, err: err, failed: -1}
+	}
+	tx, err := p.begin(ctx, b)
+	if tx != nil {
+		defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // a no-op after Commit
+	}
+	if err != nil {
+		return txResult{outcome: txInfra, err: err, failed: -1}
+	}
+	res, err := claims(ctx, tx)
+	if err != nil {
+		return txResult{outcome: txInfra, err: err, failed: -1}
+	}
+	if err := p.guard.clearIn(ctx, tx, jobs); err != nil {
+		return txResult{outcome: txInfra, err: err, failed: -1}
+	}
+	crashPoint("after-claim")
+	if r, stop := p.runHandlers(ctx, tx, jobs, res); stop {
+		return r
+	}
+	crashPoint("after-handler")
+	start := time.Now()
+	err = tx.Commit(ctx)
+	p.tel.since(ctx, p.tel.commitDur, start)
+	p.tel.batchSize.Record(ctx, int64(len(jobs)), p.tel.baseOpt)
+	if err != nil {
+		return p.commitFailure(ctx, tx, jobs, err)
+	}
+	crashPoint("after-commit")
+	return txResult{outcome: txCommitted, claims: res, failed: -1}
+}
+
+// queueClaims queues the claim of every job on b, after its BEGIN, and
+// returns the function that reads their results. A run of one uses the
+// single-row claim, which is cheaper than the batch statement.
+func (p *pipeline) queueClaims(b *pgx.Batch, jobs []*job) (func(context.Context, dedup.DB) ([]dedup.Result, error), error) {
+	if len(jobs) == 1 {
+		pending := p.cfg.Store.QueueClaim(b, jobs[0].claim(p.cfg.Name))
+		return func(ctx context.Context, tx dedup.DB) ([]dedup.Result, error) {
+			r, err := pending.Result(ctx, tx)
+			return []dedup.Result{r}, err
+		}, nil
+	}
+	claims := make([]dedup.Claim, len(jobs))
+	for i, j := range jobs {
+		claims[i] = j.claim(p.cfg.Name)
+	}
+	pending, err := p.cfg.Store.QueueClaimBatch(b, claims)
+	if err != nil {
+		return nil, err
+	}
+	return pending.Results, nil
+}
+
+// begin sends b, which begins a transaction, and returns the transaction
+// once b's results are read. The transaction is returned, to be rolled
+// back, even when err is not nil. Waiting for a pool connection is
+// infrastructure time: it is bounded by ctx alone, never by
+// HandlerTimeout.
+func (p *pipeline) begin(ctx context.Context, b *pgx.Batch) (pgx.Tx, error) {
+	br := p.pool.SendBatch(ctx, b)
+	return br.Tx(), br.Close()
+}
+
+// runHandlers runs the handlers of the claimed jobs in tx: one call of the
+// BatchHandler, or each Handler in turn, then sends what they queued. It
+// reports whether the transaction must stop short of its commit, and why.
+func (p *pipeline) runHandlers(ctx context.Context, tx pgx.Tx, jobs []*job, res []dedup.Result) (txResult, bool) {
+	if p.batchCall != nil && len(jobs) > 1 {
+		return p.runBatchHandler(ctx, tx, jobs, res)
+	}
+	qtx := newQueueTx(tx)
+	for i, j := range jobs {
+		if i > 0 && p.stopping.Load() {
+			// Shutting down: roll back rather than wait for the whole
+			// run. (Committing the handled part would commit the claims
+			// of the unhandled part too.)
+			return txResult{outcome: txAbandoned, failed: -1}, true
+		}
+		if res[i].Outcome != dedup.Claimed || j.call == nil {
+			continue
+		}
+		if i == len(jobs)/2 && len(jobs) > 1 {
+			crashPoint("mid-batch")
+		}
+		qtx.owner = i
+		err := p.callHandler(j.ctx, tx, func(hctx context.Context) error {
+			return j.call(hctx, qtx, j.runs+1)
+		})
+		if f := qtx.failed; f != nil {
+			// A statement queued by this or an earlier event failed.
+			return p.handlerFailure(ctx, tx, jobs, f.owner, f.err), true
+		}
+		if err != nil {
+			return p.handlerFailure(ctx, tx, jobs, i, err), true
+		}
+	}
+	if f := qtx.flush(ctx); f != nil {
+		return p.handlerFailure(ctx, tx, jobs, f.owner, f.err), true
+	}
+	return txResult{}, false
+}
+
+// runBatchHandler calls the BatchHandler once with the claimed jobs.
+func (p *pipeline) runBatchHandler(ctx context.Context, tx pgx.Tx, jobs []*job, res []dedup.Result) (txResult, bool) {
+	claimed := make([]*job, 0, len(jobs))
+	for i, j := range jobs {
+		if res[i].Outcome == dedup.Claimed {
+			claimed = append(claimed, j)
+		}
+	}
+	if len(claimed) == 0 {
+		return txResult{}, false
+	}
+	qtx := newQueueTx(tx)
+	qtx.owner = -1
+	err := p.callHandler(ctx, tx, func(hctx context.Context) error {
+		return p.batchCall(hctx, qtx, claimed)
+	})
+	if err == nil {
+		err = qtx.settle(ctx, nil)
+	}
+	if err != nil {
+		// A BatchHandler's error names no event.
+		return p.handlerFailure(ctx, tx, jobs, -1, err), true
+	}
+	return txResult{}, false
+}
+
+// callHandler runs a handler under Config.HandlerTimeout, which bounds the
+// handler alone: not the wait for a connection, the claim, the queued
+// statements or the commit. A panic becomes a PanicError; a handler that
+// outlived its timeout fails with an error that says so.
+func (p *pipeline) callHandler(ctx context.Context, tx pgx.Tx, run func(context.Context) error) (err error) {
+	hctx := ctx
+	if p.cfg.HandlerTimeout > 0 {
+		var cancel context.CancelFunc
+		hctx, cancel = context.WithTimeout(ctx, p.cfg.HandlerTimeout)
+		defer cancel()
+	}
+	start := time.Now()
+	defer func() {
+		if r := recover(); r != nil {
+			err = &PanicError{Value: r, Stack: string(debug.Stack())}
+		}
+		p.tel.since(ctx, p.tel.handlerDur, start)
+		if err != nil && ctx.Err() == nil && errors.Is(hctx.Err(), context.DeadlineExceeded) {
+			err = &timeoutError{limit: p.cfg.HandlerTimeout, err: err}
+		}
+	}()
+	return run(hctx)
+}
+
+// timeoutError is a handler's failure to finish within HandlerTimeout.
+type timeoutError struct {
+	limit time.Duration
+	err   error
+}
+
+func (e *timeoutError) Error() string {
+	return fmt.Sprintf("handler exceeded HandlerTimeout (%s): %v", e.limit, e.err)
+}
+func (e *timeoutError) Unwrap() error { return e.err }
+
+// handlerFailure is the result when the handler of jobs[i] failed with err
+// (its own error, or that of a statement it queued); i < 0 when the
+// failure names no job.
+func (p *pipeline) handlerFailure(ctx context.Context, tx pgx.Tx, jobs []*job, i int, err error) txResult {
+	if ctx.Err() != nil {
+		return txResult{outcome: txAbandoned, err: err, failed: -1}
+	}
+	class := p.classify(tx, err)
+	switch {
+	case class == ClassInfrastructure:
+		return txResult{outcome: txInfra, err: err, failed: -1, class: class}
+	case i < 0 && len(jobs) == 1:
+		i = 0
+	case i < 0:
+		return txResult{outcome: txUnpinned, err: err, failed: -1, class: class}
+	}
+	return txResult{outcome: txFailed, failed: i, err: err, class: class}
+}
+
+// commitFailure is the result of a failed COMMIT. An error whose class
+// says retrying can help (a lost connection, an outcome unknown) is
+// infrastructure: the retry finds the claims committed, as duplicates, if
+// the commit did happen. A deterministic error (a deferred constraint) is
+// the run's failure, like a handler's.
+func (p *pipeline) commitFailure(ctx context.Context, tx pgx.Tx, jobs []*job, err error) txResult {
+	switch {
+	case errors.Is(err, pgx.ErrTxCommitRollback):
+		err = errors.New("the transaction was aborted by a failed statement whose error the handler did not return")
+	case errors.Is(err, pgx.ErrTxClosed):
+		err = Permanent(errors.New("the handler committed or rolled back the consumer's transaction"))
+	case sqlState(err) == "":
+		return txResult{outcome: txInfra, err: fmt.Errorf("commit: %w", err), failed: -1}
+	default:
+		err = fmt.Errorf("commit: %w", err)
+	}
+	return p.handlerFailure(ctx, tx, jobs, -1, err)
+}
+
+// classify returns err's class: Classify's, or infrastructure when the
+// transaction's connection died under the handler, then as
+// Config.ClassifyError says.
+func (p *pipeline) classify(tx pgx.Tx, err error) (class ErrorClass) {
+	class = Classify(err)
+	var timeout *timeoutError
+	switch {
+	case errors.As(err, &timeout):
+		// The handler's own deadline, whatever it broke on its way out.
+		class = ClassRetry
+	case class == ClassRetry && !errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, context.Canceled) &&
+		sqlState(err) == "" && tx.Conn().IsClosed():
+		// The connection died under the handler.
+		class = ClassInfrastructure
+	}
+	if p.cfg.ClassifyError == nil {
+		return class
+	}
+	def := class
+	defer func() {
+		if r := recover(); r != nil {
+			p.cfg.Logger.Error("once: Config.ClassifyError panicked; using the default class", "consumer", p.cfg.Name,
+				"panic", r, "class", def.String())
+			class = def
+		}
+	}()
+	switch c := p.cfg.ClassifyError(err, def); c {
+	case ClassInfrastructure, ClassRetry, ClassPermanent:
+		return c
+	}
+	return def
+}
