@@ -157,14 +157,29 @@ func (d *dispatcher) orderedWorker(l *lane) {
 }
 
 // unorderedWorker handles deliveries without a stream, batching what is
-// waiting; a batch never mixes deliveries of different channels.
+// waiting; a batch never mixes deliveries of different channels. A
+// delivery the broker marks as redelivered (a suspect for the crash guard)
+// is handled as a batch of its own, so that a suspect waiting between its
+// attempts holds up only its worker while the others go on.
 func (d *dispatcher) unorderedWorker() {
 	defer d.wg.Done()
-	for first := range d.unordered {
+	var carry Delivery
+	for {
+		first := carry
+		carry = nil
+		if first == nil {
+			var ok bool
+			if first, ok = <-d.unordered; !ok {
+				return
+			}
+		}
 		if d.p.stopping.Load() {
 			continue
 		}
-		batch := d.p.collect(first, d.unordered)
+		batch := []Delivery{first}
+		if !mayBeRedelivery(first) {
+			batch, carry = d.p.collect(first, d.unordered)
+		}
 		// A batch shares one fate, so it must not mix deliveries of
 		// different channels: abandoning a batch because one channel died
 		// would leave the others' deliveries unacked on a live channel.
@@ -195,9 +210,11 @@ func (p *pipeline) linger() time.Duration {
 // collect returns first plus the deliveries already waiting in ch, up to
 // Config.BatchSize, waiting at most Config.BatchLinger for more. With no
 // linger a batch is whatever accumulated while the previous one was being
-// handled: one message under light load, full batches under heavy load.
-func (p *pipeline) collect(first Delivery, ch <-chan Delivery) []Delivery {
-	batch := []Delivery{first}
+// handled: one message under light load, full batches under heavy load. A
+// redelivered delivery ends the batch and is returned apart, to be handled
+// alone.
+func (p *pipeline) collect(first Delivery, ch <-chan Delivery) (batch []Delivery, redelivered Delivery) {
+	batch = []Delivery{first}
 	var linger <-chan time.Time
 	if d := p.linger(); d > 0 {
 		t := time.NewTimer(d)
@@ -205,27 +222,28 @@ func (p *pipeline) collect(first Delivery, ch <-chan Delivery) []Delivery {
 		linger = t.C
 	}
 	for len(batch) < p.cfg.BatchSize {
+		var dv Delivery
+		var ok bool
 		if linger == nil {
 			select {
-			case dv, ok := <-ch:
-				if !ok {
-					return batch
-				}
-				batch = append(batch, dv)
-				continue
+			case dv, ok = <-ch:
 			default:
-				return batch
+				return batch, nil
+			}
+		} else {
+			select {
+			case dv, ok = <-ch:
+			case <-linger:
+				return batch, nil
 			}
 		}
-		select {
-		case dv, ok := <-ch:
-			if !ok {
-				return batch
-			}
-			batch = append(batch, dv)
-		case <-linger:
-			return batch
+		switch {
+		case !ok:
+			return batch, nil
+		case mayBeRedelivery(dv):
+			return batch, dv
 		}
+		batch = append(batch, dv)
 	}
-	return batch
+	return batch, nil
 }

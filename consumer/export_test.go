@@ -1,0 +1,8 @@
+package consumer
+
+// BeginStopping begins c's shutdown as a cancelled Run context would, at
+// once: tests use it to stop a consumer at an exact point of a handler.
+func BeginStopping[T any](c *Consumer[T]) { c.p.stop() }
+
+// Stopping reports whether c's shutdown has begun.
+func Stopping[T any](c *Consumer[T]) bool { return c.p.stopping.Load() }

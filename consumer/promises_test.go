@@ -1,0 +1,522 @@
+package consumer_test
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/consumer/memsource"
+	"github.com/onceco/once/internal/pgtest"
+)
+
+// deadLetterKinds maps event ids to the kind they were dead-lettered with.
+func deadLetterKinds(b *memsource.Broker) map[string]string {
+	kinds := map[string]string{}
+	for _, d := range b.DeadLetters() {
+		kinds[d.Headers[consumer.HeaderEventID]] = d.Headers[consumer.HeaderErrorKind]
+	}
+	return kinds
+}
+
+// deadLetterOf returns the dead letter of event id; it fails the test when
+// there is none.
+func deadLetterOf(t *testing.T, b *memsource.Broker, id string) memsource.DeadLetter {
+	t.Helper()
+	for _, d := range b.DeadLetters() {
+		// A message whose id could not be found carries its producer's
+		// header only.
+		if d.Headers[consumer.HeaderEventID] == id || d.Message.Headers["id"] == id {
+			return d
+		}
+	}
+	t.Fatalf("no dead letter for %q; have %v", id, deadLetterKinds(b))
+	return memsource.DeadLetter{}
+}
+
+// A unique constraint checked at COMMIT (deferred) fails the same way on
+// every retry: the event is dead-lettered with the SQLSTATE after the
+// retry policy, and the events around it commit. It was once taken for an
+// infrastructure failure and retried forever, wedging the stream.
+func TestDeferredConstraintFailingAtCommitIsDeadLettered(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	_, err := pool.Exec(context.Background(),
+		`CREATE TABLE uniq (k int UNIQUE DEFERRABLE INITIALLY DEFERRED)`)
+	require.NoError(t, err)
+	b := memsource.New(memsource.Options{Streams: 1})
+	for i := 0; i < 20; i++ {
+		publish(b, fmt.Sprintf("e%02d", i), i)
+	}
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		copies := 1
+		if ev.ID == "e07" {
+			copies = 2 // two rows with one key: the deferred check fails at COMMIT
+		}
+		for range copies {
+			if _, err := tx.Exec(ctx, `INSERT INTO uniq VALUES ($1)`, ev.Payload.N); err != nil {
+				return err
+			}
+		}
+		return insertEffect(ctx, tx, ev)
+	}
+	c, err := consumer.New(pool, b.Source(), h, fastConfig("deferred"))
+	require.NoError(t, err)
+	start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 20 }, 20*time.Second, 5*time.Millisecond)
+	dl := deadLetterOf(t, b, "e07")
+	assert.Equal(t, string(consumer.KindHandler), dl.Headers[consumer.HeaderErrorKind])
+	assert.Equal(t, "23505", dl.Headers[consumer.HeaderErrorSQLState])
+	assert.Equal(t, "3", dl.Headers[consumer.HeaderAttempts], "the retry policy's attempts")
+	assert.Len(t, b.DeadLetters(), 1)
+	assert.Len(t, requireEffectsOnce(t, pool, 19), 19)
+	assert.Zero(t, c.Stats().InfraErrors)
+}
+
+// Errors retrying cannot cure end in the dead-letter queue, not in an
+// endless infrastructure wait: a data exception, an undefined table, and a
+// deadline the handler put on one of its own queries (which closes the
+// connection under it).
+func TestDeterministicHandlerErrorsAreDeadLettered(t *testing.T) {
+	cases := map[string]struct {
+		handler  func(ctx context.Context, tx pgx.Tx) error
+		sqlState string
+	}{
+		"division by zero": {func(ctx context.Context, tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, `SELECT 1 / 0`)
+			return err
+		}, "22012"},
+		"undefined table": {func(ctx context.Context, tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, `INSERT INTO no_such_table VALUES (1)`)
+			return err
+		}, "42P01"},
+		"own deadline": {func(ctx context.Context, tx pgx.Tx) error {
+			qctx, cancel := context.WithTimeout(ctx, 20*time.Millisecond)
+			defer cancel()
+			_, err := tx.Exec(qctx, `SELECT pg_sleep(5)`)
+			return err
+		}, ""},
+	}
+	for name, tc := range cases {
+		t.Run(name, func(t *testing.T) {
+			pool, _ := pgtest.Schema(t)
+			effects(t, pool)
+			b := memsource.New(memsource.Options{Streams: 1})
+			publish(b, "good-1", 1)
+			publish(b, "bad", 2)
+			publish(b, "good-2", 3)
+			h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+				if ev.ID == "bad" {
+					return tc.handler(ctx, tx)
+				}
+				return insertEffect(ctx, tx, ev)
+			}
+			c, err := consumer.New(pool, b.Source(), h, fastConfig("deterministic"))
+			require.NoError(t, err)
+			start(t, c)
+			require.Eventually(t, func() bool { return b.Acked() == 3 }, 20*time.Second, 5*time.Millisecond)
+			dl := deadLetterOf(t, b, "bad")
+			assert.Equal(t, string(consumer.KindHandler), dl.Headers[consumer.HeaderErrorKind])
+			assert.Equal(t, tc.sqlState, dl.Headers[consumer.HeaderErrorSQLState])
+			requireEffectsOnce(t, pool, 2)
+		})
+	}
+}
+
+var errBusy = errors.New("downstream busy")
+
+// Config.ClassifyError decides what an error is: here a busy dependency is
+// infrastructure (retried without bound, never dead-lettered) and a
+// rejected payload is permanent (dead-lettered at once); a panic in the hook
+// falls back to the default class.
+func TestClassifyErrorOverridesTheDefault(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{Streams: 1})
+	publish(b, "busy", 1)
+	publish(b, "rejected", 2)
+	publish(b, "odd", 3)
+	busyRuns := 0
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		switch ev.ID {
+		case "busy":
+			busyRuns++
+			if busyRuns <= 6 { // more than Retry.MaxAttempts
+				return errBusy
+			}
+		case "rejected":
+			return errors.New("rejected payload")
+		case "odd":
+			return errors.New("odd")
+		}
+		return insertEffect(ctx, tx, ev)
+	}
+	cfg := fastConfig("classify")
+	cfg.ClassifyError = func(err error, def consumer.ErrorClass) consumer.ErrorClass {
+		switch {
+		case errors.Is(err, errBusy):
+			return consumer.ClassInfrastructure
+		case err.Error() == "rejected payload":
+			return consumer.ClassPermanent
+		case err.Error() == "odd":
+			panic("a bug in the hook")
+		}
+		return def
+	}
+	c, err := consumer.New(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 3 }, 20*time.Second, 5*time.Millisecond)
+	assert.Equal(t, map[string]string{"rejected": "handler", "odd": "handler"}, deadLetterKinds(b))
+	assert.GreaterOrEqual(t, busyRuns, 7, "busy was retried past Retry.MaxAttempts")
+	assert.Equal(t, "1", deadLetterOf(t, b, "rejected").Headers[consumer.HeaderAttempts], "permanent: no retry")
+	assert.Equal(t, "3", deadLetterOf(t, b, "odd").Headers[consumer.HeaderAttempts], "the default class: the retry policy")
+	assert.GreaterOrEqual(t, c.Stats().InfraErrors, uint64(6))
+	requireEffectsOnce(t, pool, 1)
+}
+
+// Waiting for a pool connection is the consumer's own time, not the
+// handler's: with one connection for eight streams, every message waits
+// its turn and none is dead-lettered for HandlerTimeout.
+func TestWaitingForAConnectionIsNotChargedToMessages(t *testing.T) {
+	_, schema := pgtest.Schema(t)
+	pool := pgtest.NewPoolWith(t, schema, func(c *pgxpool.Config) { c.MaxConns = 1 })
+	effects(t, pool)
+	b := memsource.New(memsource.Options{Streams: 8})
+	for i := 0; i < 32; i++ {
+		publish(b, fmt.Sprintf("e%02d", i), i)
+	}
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		if _, err := tx.Exec(ctx, `SELECT pg_sleep(0.03)`); err != nil {
+			return err
+		}
+		return insertEffect(ctx, tx, ev)
+	}
+	cfg := fastConfig("pool-wait")
+	cfg.Concurrency = 8
+	cfg.BatchSize = 1
+	cfg.HandlerTimeout = 150 * time.Millisecond // less than eight handlers' time
+	c, err := consumer.New(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 32 }, 30*time.Second, 5*time.Millisecond)
+	assert.Empty(t, b.DeadLetters())
+	requireEffectsOnce(t, pool, 32)
+}
+
+// A commit slower than HandlerTimeout (a deferred trigger doing work at
+// COMMIT) is not the handler's: the message commits once and is never
+// dead-lettered beside its effect.
+func TestSlowCommitIsNotChargedToTheHandler(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	_, err := pool.Exec(context.Background(), `
+CREATE FUNCTION slow_check() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN PERFORM pg_sleep(0.2); RETURN NULL; END $$;
+CREATE CONSTRAINT TRIGGER slow_at_commit AFTER INSERT ON effects
+	DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION slow_check();`)
+	require.NoError(t, err)
+	b := memsource.New(memsource.Options{Streams: 1})
+	publish(b, "slow-commit", 1)
+	cfg := fastConfig("slow-commit")
+	cfg.HandlerTimeout = 50 * time.Millisecond
+	c, err := consumer.New(pool, b.Source(), insertEffect, cfg)
+	require.NoError(t, err)
+	start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 1 }, 20*time.Second, 5*time.Millisecond)
+	assert.Empty(t, b.DeadLetters())
+	requireEffectsOnce(t, pool, 1)
+	assert.Equal(t, uint64(1), c.Stats().Handled)
+}
+
+// panicky is a payload whose decoding panics for the value "boom".
+type panicky struct{ N int }
+
+func (p *panicky) UnmarshalJSON(b []byte) error {
+	if string(b) == `"boom"` {
+		panic("decoder bug")
+	}
+	var v struct{ N int }
+	err := json.Unmarshal(b, &v)
+	p.N = v.N
+	return err
+}
+
+type panickyEnvelope struct{}
+
+func (panickyEnvelope) Open(value []byte) (consumer.Opened, error) {
+	if string(value) == `"boom"` {
+		panic("envelope bug")
+	}
+	return consumer.Opened{Payload: value}, nil
+}
+
+// A panic in any user function on a message's way (envelope, event id,
+// decoder, fingerprint) dead-letters that message with kind panic and the
+// stack, as a handler's panic does, instead of crashing the process on
+// every redelivery.
+func TestPanicsInUserFunctionsAreDeadLettered(t *testing.T) {
+	boom := func(m *consumer.Message) bool { return string(m.Value) == `"boom"` }
+	cases := map[string]func(*consumer.Config){
+		"envelope": func(c *consumer.Config) { c.Envelope = panickyEnvelope{} },
+		"event id": func(c *consumer.Config) {
+			c.EventID = func(m *consumer.Message) (string, error) {
+				if boom(m) {
+					panic("event id bug")
+				}
+				return m.Headers["id"], nil
+			}
+		},
+		"decoder": func(c *consumer.Config) {},
+		"fingerprint": func(c *consumer.Config) {
+			c.Fingerprint = func(m *consumer.Message) []byte {
+				if boom(m) {
+					panic("fingerprint bug")
+				}
+				return nil
+			}
+		},
+	}
+	for name, configure := range cases {
+		t.Run(name, func(t *testing.T) {
+			pool, _ := pgtest.Schema(t)
+			effects(t, pool)
+			b := memsource.New(memsource.Options{Streams: 1})
+			publish(b, "before", 1)
+			b.Publish(consumer.Message{Value: []byte(`"boom"`), Headers: map[string]string{"id": "boom"}, Key: []byte("boom")})
+			publish(b, "after", 2)
+			cfg := fastConfig("panics")
+			configure(&cfg)
+			h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[panicky]) error {
+				_, err := tx.Exec(ctx, `INSERT INTO effects (event_id, n) VALUES ($1, $2)`, ev.ID, ev.Payload.N)
+				return err
+			}
+			c, err := consumer.New(pool, b.Source(), h, cfg)
+			require.NoError(t, err)
+			start(t, c)
+			require.Eventually(t, func() bool { return b.Acked() == 3 }, 20*time.Second, 5*time.Millisecond)
+			dl := deadLetterOf(t, b, "boom")
+			assert.Equal(t, string(consumer.KindPanic), dl.Headers[consumer.HeaderErrorKind])
+			assert.Contains(t, dl.Headers[consumer.HeaderErrorMessage], "bug")
+			assert.NotEmpty(t, dl.Headers[consumer.HeaderErrorStack])
+			requireEffectsOnce(t, pool, 2)
+		})
+	}
+}
+
+// stallingHandler blocks the "killer" event until its context ends (the
+// process "dies" with it in flight at the shutdown deadline) and handles
+// every other event; stuck receives a value each time the killer starts.
+func stallingHandler(stuck chan<- struct{}) consumer.Handler[order] {
+	return func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		if ev.ID == "killer" {
+			stuck <- struct{}{}
+			<-ctx.Done()
+			return ctx.Err()
+		}
+		return insertEffect(ctx, tx, ev)
+	}
+}
+
+// runUntilStuck runs one consumer until the killer is in flight, then
+// stops it at once (a crash of the process, as far as the killer knows).
+func runUntilStuck(t *testing.T, c *consumer.Consumer[order], stuck <-chan struct{}) {
+	t.Helper()
+	stop := start(t, c)
+	select {
+	case <-stuck:
+	case <-time.After(20 * time.Second):
+		t.Fatal("the killer was not handled")
+	}
+	require.NoError(t, stop())
+}
+
+// A process that dies during a shared batch charges no crash to any of
+// its messages: the innocent ones are handled next time, and only the
+// killer, which then crashes alone, is dead-lettered as a crash loop, even
+// with MaxCrashAttempts 1. Each used to be charged the batch's crash and,
+// with a low limit, dead-lettered as crash loops beside the killer.
+func TestSharedBatchCrashChargesNoOne(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{Streams: 1})
+	for i := 0; i < 4; i++ {
+		publish(b, fmt.Sprintf("before-%d", i), i)
+	}
+	publish(b, "killer", 9)
+	for i := 0; i < 4; i++ {
+		publish(b, fmt.Sprintf("after-%d", i), i)
+	}
+	stuck := make(chan struct{}, 16)
+	cfg := fastConfig("shared-batch")
+	cfg.MaxCrashAttempts = 1
+	cfg.ShutdownTimeout = 10 * time.Millisecond
+	cfg.BatchLinger = time.Second // one batch of all nine
+	for run := 1; run <= 2; run++ {
+		c, err := consumer.New(pool, b.Source(), stallingHandler(stuck), cfg)
+		require.NoError(t, err)
+		runUntilStuck(t, c, stuck)
+	}
+	c, err := consumer.New(pool, b.Source(), stallingHandler(stuck), cfg)
+	require.NoError(t, err)
+	stop := start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 9 }, 20*time.Second, 5*time.Millisecond)
+	require.NoError(t, stop())
+	assert.Equal(t, map[string]string{"killer": string(consumer.KindCrashLoop)}, deadLetterKinds(b))
+	requireEffectsOnce(t, pool, 8)
+}
+
+// Runs cut short by crashes count towards Retry.MaxAttempts: a message
+// that kills the process is handled at most MaxAttempts times even when
+// MaxCrashAttempts is higher.
+func TestCrashedRunsCountTowardsMaxAttempts(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{}) // unordered, like AMQP
+	publish(b, "killer", 1)
+	stuck := make(chan struct{}, 16)
+	cfg := fastConfig("crash-runs")
+	cfg.Retry.MaxAttempts = 2
+	cfg.MaxCrashAttempts = 10
+	cfg.ShutdownTimeout = 10 * time.Millisecond
+	// Run 1 is a first delivery (no record); runs 2 and 3 are recorded.
+	for run := 1; run <= 3; run++ {
+		c, err := consumer.New(pool, b.Source(), stallingHandler(stuck), cfg)
+		require.NoError(t, err)
+		runUntilStuck(t, c, stuck)
+	}
+	c, err := consumer.New(pool, b.Source(), stallingHandler(stuck), cfg)
+	require.NoError(t, err)
+	stop := start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 1 }, 20*time.Second, 5*time.Millisecond)
+	require.NoError(t, stop())
+	dl := deadLetterOf(t, b, "killer")
+	assert.Equal(t, string(consumer.KindCrashLoop), dl.Headers[consumer.HeaderErrorKind])
+	assert.Equal(t, "2", dl.Headers[consumer.HeaderAttempts])
+	assert.Empty(t, stuck, "the handler ran no more than MaxAttempts recorded times")
+}
+
+// A redelivered message waiting between attempts (RetryAfter) does not
+// hold up the other redelivered messages: the crash guard isolates one
+// attempt at a time, not a message's whole handling. The slow message's
+// second attempt waits for all the others, so the test would hang if they
+// waited for it.
+func TestSuspectWaitingToRetryDoesNotHoldUpOthers(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{}) // unordered, like AMQP
+	publish(b, "slow", 0)
+	for i := 1; i <= 8; i++ {
+		publish(b, fmt.Sprintf("e%d", i), i)
+	}
+	// Run 1: deliver everything, settle nothing: each is redelivered.
+	stall := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		<-ctx.Done()
+		return ctx.Err()
+	}
+	cfg := fastConfig("suspect-retry")
+	cfg.ShutdownTimeout = 10 * time.Millisecond
+	first, err := consumer.New(pool, b.Source(), stall, cfg)
+	require.NoError(t, err)
+	stop := start(t, first)
+	require.Eventually(t, func() bool { return first.Stats().Received == 9 }, 20*time.Second, 5*time.Millisecond)
+	require.NoError(t, stop())
+
+	othersDone := make(chan struct{})
+	slowRuns := 0
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		if ev.ID == "slow" {
+			slowRuns++
+			if slowRuns == 1 {
+				return consumer.RetryAfter(time.Hour, errors.New("not yet"))
+			}
+		}
+		return insertEffect(ctx, tx, ev)
+	}
+	second, err := consumer.New(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	stop = start(t, second)
+	require.Eventually(t, func() bool { return b.Acked() == 8 }, 20*time.Second, 5*time.Millisecond,
+		"the other redelivered messages wait for the slow one's retry")
+	close(othersDone)
+	require.NoError(t, stop())
+	assert.Equal(t, 1, slowRuns)
+	assert.Empty(t, b.DeadLetters())
+	assert.False(t, b.IsAcked(0), "the slow message is abandoned at shutdown, for redelivery")
+}
+
+// A record the crash guard left for an event that turns out to be a
+// duplicate (another copy committed meanwhile) is deleted with it.
+func TestDuplicateRemovesItsCrashGuardRecord(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{Streams: 1})
+	publish(b, "e1", 1)
+	c, err := consumer.New(pool, b.Source(), insertEffect, fastConfig("dup-record"))
+	require.NoError(t, err)
+	stop := start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 1 }, 20*time.Second, 5*time.Millisecond)
+	require.NoError(t, stop())
+	// A copy of e1 was in flight when a process died: its record is there.
+	_, err = pool.Exec(context.Background(),
+		`INSERT INTO processed_events_attempts (consumer, event_id, attempts, crashes) VALUES ('dup-record', 'e1', 1, 1)`)
+	require.NoError(t, err)
+	publish(b, "e1", 1)
+	c, err = consumer.New(pool, b.Source(), insertEffect, fastConfig("dup-record"))
+	require.NoError(t, err)
+	stop = start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 2 }, 20*time.Second, 5*time.Millisecond)
+	require.NoError(t, stop())
+	assert.Equal(t, uint64(1), c.Stats().Duplicates)
+	var left int
+	require.NoError(t, pool.QueryRow(context.Background(), `SELECT count(*) FROM processed_events_attempts`).Scan(&left))
+	assert.Zero(t, left)
+	requireEffectsOnce(t, pool, 1)
+}
+
+func publishRaw(b *memsource.Broker, id string, value []byte) {
+	b.Publish(consumer.Message{Value: value, Headers: map[string]string{"id": id}, Key: []byte("one stream")})
+}
+
+// The consumer begins stopping while the first message of a batch runs:
+// the batch is rolled back and abandoned, and nothing after it is acked or
+// dead-lettered, so a Kafka offset is never marked past an unfinished
+// message. (A poison message after the abandoned ones was once
+// dead-lettered and acked.)
+func TestStopMidBatchNeverAcksPastAnAbandonedMessage(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	b := memsource.New(memsource.Options{Streams: 1})
+	v, _ := json.Marshal(order{N: 1})
+	publishRaw(b, "a1", v)
+	publishRaw(b, "a2", v)
+	publishRaw(b, "poison", []byte("{not json"))
+	publishRaw(b, "c", v)
+	var c *consumer.Consumer[order]
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		if ev.ID == "a1" {
+			consumer.BeginStopping(c) // the shutdown begins while a1 runs
+		}
+		return nil
+	}
+	var err error
+	c, err = consumer.New(pool, b.Source(), h, consumer.Config{Name: "stop-mid-batch", BatchSize: 4, BatchLinger: 5 * time.Second})
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- c.Run(ctx) }()
+	require.Eventually(t, func() bool { return consumer.Stopping(c) }, 20*time.Second, time.Millisecond)
+	cancel()
+	require.NoError(t, <-done)
+	assert.Zero(t, b.Acked(), "nothing is acked past the abandoned a1 and a2")
+	assert.Empty(t, b.DeadLetters(), "the poison after them waits for its turn")
+}
+
