@@ -519,4 +519,3 @@ func TestStopMidBatchNeverAcksPastAnAbandonedMessage(t *testing.T) {
 	assert.Zero(t, b.Acked(), "nothing is acked past the abandoned a1 and a2")
 	assert.Empty(t, b.DeadLetters(), "the poison after them waits for its turn")
 }
-
