@@ -84,15 +84,23 @@ func TestBrokerRestartResumesWithoutLossOrDoubleEffects(t *testing.T) {
 	cfg.Logger = warns.logger()
 	src, err := NewSource(cfg)
 	require.NoError(t, err)
+	// From offset 50 of each partition on, handlers wait for the outage:
+	// it surely hits records in flight, however fast the first ones went
+	// (batches of 10, so the first 50 of each partition commit).
+	outage := make(chan struct{})
 	slow := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[event]) error {
-		select { // work that takes a while, so that the outage hits records in flight
-		case <-time.After(2 * time.Millisecond):
-		case <-ctx.Done():
-			return ctx.Err()
+		if ev.Message.Offset >= 50 {
+			select {
+			case <-outage:
+			case <-ctx.Done():
+				return ctx.Err()
+			}
 		}
 		return recordEffect(ctx, tx, ev)
 	}
-	r := startConsumer(t, db, src, consumerConfig("orders-svc"), slow)
+	ccfg := consumerConfig("orders-svc")
+	ccfg.BatchSize = 10
+	r := startConsumer(t, db, src, ccfg, slow)
 	waitEffects(t, db, 60, 30*time.Second)
 
 	kf.Close()
@@ -100,6 +108,7 @@ func TestBrokerRestartResumesWithoutLossOrDoubleEffects(t *testing.T) {
 		"the source notices the outage")
 	before := len(effectCounts(t, db))
 	require.Less(t, before, half, "the outage came mid-stream")
+	close(outage)
 
 	kf = startBroker()
 	c.kf = kf
