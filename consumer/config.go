@@ -211,6 +211,10 @@ type Config struct {
 	// RetentionInterval is how often retention runs. Defaults to 1h.
 	RetentionInterval time.Duration
 
+	// Hooks observe and extend what happens to messages (outcomes,
+	// retries, after-commit actions, handler middleware). Defaults to none.
+	Hooks Hooks
+
 	// Logger receives warnings (infrastructure failures, dead letters) and,
 	// at debug level, per-message events. Payloads are never logged.
 	// Defaults to slog.Default().

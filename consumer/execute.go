@@ -3,6 +3,7 @@ package consumer
 import (
 	"context"
 	"errors"
+	"fmt"
 	"time"
 
 	"github.com/onceco/once/internal/backoff"
@@ -115,6 +116,7 @@ func (p *pipeline) retryOrGiveUp(ctx context.Context, s *settler, j *job, r txRe
 	p.cfg.Logger.DebugContext(ctx, "once: handler failed; retrying", "consumer", p.cfg.Name, "event_id", j.idt.id,
 		"attempt", j.runs, "error", r.err, "backoff", wait)
 	p.tel.retry(ctx, "handler")
+	p.retrying(ctx, Retry{Reason: RetryHandler, EventID: j.idt.id, Messages: 1, Err: r.err, Wait: wait})
 	if !p.sleep(ctx, wait) {
 		s.abandon(j)
 		return false
@@ -151,6 +153,7 @@ func (p *pipeline) waitInfra(ctx context.Context, r *backoff.Retrier, err error,
 	d := r.Delay()
 	p.cfg.Logger.WarnContext(ctx, "once: infrastructure failure; retrying", "consumer", p.cfg.Name,
 		"messages", messages, "error", err, "backoff", d)
+	p.retrying(ctx, Retry{Reason: RetryInfrastructure, Messages: messages, Err: err, Wait: d})
 	if !p.sleep(ctx, d) {
 		return false
 	}
@@ -177,6 +180,7 @@ func (p *pipeline) infra(ctx context.Context, what string, f func() error) error
 		d := r.Delay()
 		p.cfg.Logger.WarnContext(ctx, "once: infrastructure failure "+what+"; retrying",
 			"consumer", p.cfg.Name, "error", err, "backoff", d)
+		p.retrying(ctx, Retry{Reason: RetryInfrastructure, Err: fmt.Errorf("%s: %w", what, err), Wait: d})
 		if !p.sleep(ctx, d) {
 			if ctx.Err() != nil {
 				return ctx.Err()

@@ -25,24 +25,32 @@ type settler struct {
 
 // committed settles jobs whose transaction committed, in order.
 func (s *settler) committed(jobs []*job, claims []dedup.Result) {
+	if len(jobs) > 0 {
+		s.p.afterCommit(jobs[0].ctx, jobs, func(i int) bool { return claims[i].Outcome == dedup.Claimed })
+	}
 	for i, j := range jobs {
 		switch {
 		case claims[i].Outcome == dedup.Duplicate:
-			s.ack(j, "duplicate")
+			s.ack(j, ResultDuplicate)
 		case claims[i].Outcome == dedup.Conflict:
 			s.conflict(j, claims[i].Previous)
 		case j.call == nil:
 			j.claimed = true
-			s.ack(j, "skipped")
+			s.ack(j, ResultSkipped)
 		default:
 			j.claimed = true
-			s.ack(j, "handled")
+			s.ack(j, ResultHandled)
 		}
 	}
 }
 
 // ack acks j with the outcome for telemetry.
-func (s *settler) ack(j *job, outcome string) {
+func (s *settler) ack(j *job, outcome Result) {
+	s.ackWith(j, outcome, nil)
+}
+
+// ackWith acks j; dl is its dead letter when it was dead-lettered.
+func (s *settler) ackWith(j *job, outcome Result, dl *DeadLetter) {
 	if s.abandoned {
 		// Its effects (or its duplicate's) are committed: the redelivery
 		// is skipped as a duplicate.
@@ -52,20 +60,21 @@ func (s *settler) ack(j *job, outcome string) {
 	j.settled = true
 	p := s.p
 	switch outcome {
-	case "handled":
+	case ResultHandled:
 		p.stats.handled.Add(1)
-	case "duplicate":
+	case ResultDuplicate:
 		p.stats.duplicates.Add(1)
-	case "skipped":
+	case ResultSkipped:
 		p.stats.skipped.Add(1)
 	}
-	p.tel.outcome(j.ctx, j.span, outcome)
+	p.tel.outcome(j.ctx, j.span, string(outcome))
 	if err := j.d.Ack(j.ctx); err != nil {
 		// The effect is committed; the broker will redeliver and the
 		// claim will find a duplicate.
 		p.cfg.Logger.WarnContext(j.ctx, "once: ack failed; the message will be redelivered and skipped",
 			"consumer", p.cfg.Name, "event_id", j.idt.id, "error", err)
 	}
+	p.outcome(j.ctx, j, outcome, dl)
 }
 
 // conflict settles a message whose id was processed before with another
@@ -74,7 +83,7 @@ func (s *settler) conflict(j *job, prev dedup.Previous) {
 	if s.p.cfg.OnIDConflict == SkipConflicts {
 		s.p.cfg.Logger.WarnContext(j.ctx, "once: event id seen before with a different payload; skipped",
 			"consumer", s.p.cfg.Name, "event_id", j.idt.id, "processed_at", prev.ProcessedAt)
-		s.ack(j, "skipped")
+		s.ack(j, ResultSkipped)
 		return
 	}
 	s.deadLetter(j.ctx, j, &DeadLetter{Kind: KindIDConflict,
@@ -110,7 +119,7 @@ func (s *settler) deadLetter(ctx context.Context, j *job, dl *DeadLetter) {
 	p.cfg.Logger.WarnContext(ctx, "once: message dead-lettered", "consumer", p.cfg.Name, "event_id", dl.EventID,
 		"event_type", dl.EventType, "kind", dl.Kind, "error", dl.Error, "topic", j.m.Topic)
 	p.guard.settled(ctx, j)
-	s.ack(j, "dead_lettered")
+	s.ackWith(j, ResultDeadLettered, dl)
 }
 
 // abandon leaves j unacked: the broker delivers it again. What the crash
@@ -124,6 +133,7 @@ func (s *settler) abandon(j *job) {
 	j.span.SetAttributes(attribute.String("once.outcome", "abandoned"))
 	s.p.cfg.Logger.DebugContext(j.ctx, "once: message abandoned unacked", "consumer", s.p.cfg.Name, "event_id", j.idt.id)
 	s.p.guard.forget(j)
+	s.p.outcome(j.ctx, j, ResultAbandoned, nil)
 }
 
 // abandonAll abandons jobs.

@@ -168,9 +168,11 @@ func (p *pipeline) runHandlers(ctx context.Context, tx pgx.Tx, jobs []*job, res 
 			crashPoint("mid-batch")
 		}
 		qtx.owner = i
-		err := p.callHandler(j.ctx, tx, func(hctx context.Context) error {
-			return j.call(hctx, qtx, j.runs+1)
+		attempt := j.runs + 1
+		call := p.cfg.Hooks.wrap(j, attempt, func(ctx context.Context, tx pgx.Tx) error {
+			return j.call(ctx, tx, attempt)
 		})
+		err := p.callHandler(j.ctx, tx, func(hctx context.Context) error { return call(hctx, qtx) })
 		if f := qtx.failed; f != nil {
 			// A statement queued by this or an earlier event failed.
 			return p.handlerFailure(ctx, tx, jobs, f.owner, f.err), true

@@ -1,0 +1,173 @@
+package consumer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"runtime/debug"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// Hooks let a service observe and extend what happens to its messages:
+// metrics or logs of its own, an action once a transaction has committed
+// (a cache invalidation, a notification), a wrapper around every handler
+// call. Every field is optional. Hooks run on the goroutine that handles
+// the message, so keep them quick; a panic in a hook (other than
+// Middleware, which is part of the handler) is logged and otherwise
+// ignored.
+type Hooks struct {
+	// OnOutcome is called once for each message this process settles or
+	// gives up: handled, duplicate, skipped, dead-lettered (after the
+	// broker confirmed the copy), abandoned (left unacked for
+	// redelivery). It is called after the ack (or the abandonment).
+	OnOutcome func(ctx context.Context, o Outcome)
+	// OnRetry is called before each wait for another attempt: after a
+	// handler failure (Reason RetryHandler) or an infrastructure failure
+	// (RetryInfrastructure: the database or the dead-letter destination is
+	// failing, and the consumer waits for it).
+	OnRetry func(ctx context.Context, r Retry)
+	// AfterCommit is called once the transaction that handled messages
+	// has committed, before they are acked, with the events whose handler
+	// ran in it (not the duplicates). It runs at most once per event: a
+	// crash between the commit and the hook skips it, and a redelivery is
+	// then a duplicate. What must happen exactly once belongs in the
+	// transaction itself (or an outbox row written there).
+	AfterCommit func(ctx context.Context, events []Committed)
+	// Middleware wraps every call of a Handler (not a BatchHandler's call
+	// with a whole batch), first element outermost. A middleware calls next
+	// to run the handler (or returns an error without calling it), and runs
+	// inside the message's transaction: tx is the handler's. Its error, or
+	// its panic, is the handler's.
+	Middleware []Middleware
+}
+
+// Result is what became of a message.
+type Result string
+
+// The results a message can have.
+const (
+	ResultHandled      Result = "handled"
+	ResultDuplicate    Result = "duplicate"
+	ResultSkipped      Result = "skipped"
+	ResultDeadLettered Result = "dead_lettered"
+	ResultAbandoned    Result = "abandoned"
+)
+
+// Outcome describes a settled message, for Hooks.OnOutcome.
+type Outcome struct {
+	// Result is what became of the message.
+	Result Result
+	// EventID and EventType as the consumer identified them (empty when
+	// the message could not be identified).
+	EventID, EventType string
+	// Message is the broker message. Do not modify it.
+	Message *Message
+	// Runs is how many times the handler ran for the message.
+	Runs int
+	// DeadLetter is set when Result is ResultDeadLettered: the kind, the
+	// error and the diagnostics written with the copy.
+	DeadLetter *DeadLetter
+}
+
+// RetryReason says why an attempt is repeated.
+type RetryReason string
+
+// The reasons for a retry.
+const (
+	RetryHandler        RetryReason = "handler"
+	RetryInfrastructure RetryReason = "infrastructure"
+)
+
+// Retry describes a wait before another attempt, for Hooks.OnRetry.
+type Retry struct {
+	Reason RetryReason
+	// EventID is the message's id; empty when the failure is a batch's.
+	EventID string
+	// Messages is how many messages wait for the retry.
+	Messages int
+	// Err is the failure.
+	Err error
+	// Wait is how long the consumer waits before trying again.
+	Wait time.Duration
+}
+
+// Committed is an event whose handler's transaction committed, for
+// Hooks.AfterCommit.
+type Committed struct {
+	EventID, EventType string
+	Message            *Message
+}
+
+// HandlerInfo describes the handler call a Middleware wraps.
+type HandlerInfo struct {
+	EventID, EventType string
+	Message            *Message
+	// Attempt is the handler's run for this message, from 1.
+	Attempt int
+}
+
+// Middleware wraps a handler call; see Hooks.Middleware.
+type Middleware func(ctx context.Context, tx pgx.Tx, info HandlerInfo, next func(context.Context, pgx.Tx) error) error
+
+// wrap returns the call of j's handler through the middleware.
+func (h *Hooks) wrap(j *job, attempt int, call func(context.Context, pgx.Tx) error) func(context.Context, pgx.Tx) error {
+	if len(h.Middleware) == 0 {
+		return call
+	}
+	info := HandlerInfo{EventID: j.idt.id, EventType: j.idt.typ, Message: j.m, Attempt: attempt}
+	for i := len(h.Middleware) - 1; i >= 0; i-- {
+		mw, next := h.Middleware[i], call
+		call = func(ctx context.Context, tx pgx.Tx) error { return mw(ctx, tx, info, next) }
+	}
+	return call
+}
+
+// outcome reports j's outcome to OnOutcome.
+func (p *pipeline) outcome(ctx context.Context, j *job, r Result, dl *DeadLetter) {
+	if p.cfg.Hooks.OnOutcome == nil {
+		return
+	}
+	o := Outcome{Result: r, EventID: j.idt.id, EventType: j.idt.typ, Message: j.m, Runs: j.runs, DeadLetter: dl}
+	p.safeHook(ctx, "OnOutcome", func() error { p.cfg.Hooks.OnOutcome(ctx, o); return nil })
+}
+
+// retrying reports a coming retry to OnRetry.
+func (p *pipeline) retrying(ctx context.Context, r Retry) {
+	if p.cfg.Hooks.OnRetry == nil {
+		return
+	}
+	p.safeHook(ctx, "OnRetry", func() error { p.cfg.Hooks.OnRetry(ctx, r); return nil })
+}
+
+// afterCommit reports the events whose handlers committed in one
+// transaction to AfterCommit.
+func (p *pipeline) afterCommit(ctx context.Context, jobs []*job, claimed func(i int) bool) {
+	if p.cfg.Hooks.AfterCommit == nil {
+		return
+	}
+	var events []Committed
+	for i, j := range jobs {
+		if claimed(i) && j.call != nil {
+			events = append(events, Committed{EventID: j.idt.id, EventType: j.idt.typ, Message: j.m})
+		}
+	}
+	if len(events) > 0 {
+		p.safeHook(ctx, "AfterCommit", func() error { p.cfg.Hooks.AfterCommit(ctx, events); return nil })
+	}
+}
+
+// safeHook runs a hook, logging its panic instead of letting it end the
+// process or the message's handling.
+func (p *pipeline) safeHook(ctx context.Context, name string, f func() error) {
+	defer func() {
+		if r := recover(); r != nil {
+			p.cfg.Logger.ErrorContext(ctx, "once: a hook panicked", "consumer", p.cfg.Name, "hook", name,
+				"panic", fmt.Sprint(r), "stack", string(debug.Stack()))
+		}
+	}()
+	if err := f(); err != nil && !errors.Is(err, context.Canceled) {
+		p.cfg.Logger.WarnContext(ctx, "once: a hook failed", "consumer", p.cfg.Name, "hook", name, "error", err)
+	}
+}
