@@ -23,7 +23,9 @@ type Broker struct {
 	acked    map[int64]bool
 	dead     []DeadLetter
 	notify   chan struct{}
-	fallback bool
+	// ackNotify is closed and replaced on every ack.
+	ackNotify chan struct{}
+	fallback  bool
 	streams  int
 	// DeadLetterErr, when non-nil, makes every DeadLetter call fail with it.
 	deadErr error
@@ -53,7 +55,8 @@ func New(opts Options) *Broker {
 	if opts.Topic == "" {
 		opts.Topic = "mem"
 	}
-	b := &Broker{topic: opts.Topic, acked: map[int64]bool{}, notify: make(chan struct{}), fallback: opts.FallbackID}
+	b := &Broker{topic: opts.Topic, acked: map[int64]bool{}, notify: make(chan struct{}), ackNotify: make(chan struct{}),
+		fallback: opts.FallbackID}
 	b.streams = opts.Streams
 	return b
 }
@@ -92,6 +95,32 @@ func (b *Broker) Acked() int {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	return len(b.acked)
+}
+
+// Published reports how many messages were published.
+func (b *Broker) Published() int {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return len(b.log)
+}
+
+// WaitAcked blocks until at least n messages are acked (a dead-lettered
+// message is acked once its copy is written), or ctx ends; then it returns
+// ctx's error.
+func (b *Broker) WaitAcked(ctx context.Context, n int) error {
+	for {
+		b.mu.Lock()
+		acked, changed := len(b.acked), b.ackNotify
+		b.mu.Unlock()
+		if acked >= n {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("memsource: %d of %d messages acked: %w", acked, n, ctx.Err())
+		case <-changed:
+		}
+	}
 }
 
 // IsAcked reports whether the message at offset is acked.
@@ -187,9 +216,12 @@ func (d *delivery) Ack(ctx context.Context) error {
 	if d.s.ctx.Err() != nil {
 		return fmt.Errorf("memsource: ack after close of offset %d", d.m.Offset)
 	}
-	d.s.b.mu.Lock()
-	d.s.b.acked[d.m.Offset] = true
-	d.s.b.mu.Unlock()
+	b := d.s.b
+	b.mu.Lock()
+	b.acked[d.m.Offset] = true
+	close(b.ackNotify)
+	b.ackNotify = make(chan struct{})
+	b.mu.Unlock()
 	return nil
 }
 

@@ -1,0 +1,53 @@
+package oncetest
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/consumer/memsource"
+)
+
+// DrainTimeout bounds Drain: a consumer that has not settled every message
+// by then (a handler that hangs, a database that is down) fails the test.
+var DrainTimeout = time.Minute
+
+// Drain runs c until every message published to b so far is settled (acked:
+// handled, skipped as a duplicate, or dead-lettered), then stops it and
+// returns its Stats. It fails the test when Run returns an error, or when
+// the messages are not settled within DrainTimeout. c must read from a
+// Source of b, and Run must not have been called on it.
+func Drain[T any](t testing.TB, c *consumer.Consumer[T], b *memsource.Broker) consumer.Stats {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- c.Run(ctx) }()
+	wait, stopWaiting := context.WithTimeout(context.Background(), DrainTimeout)
+	defer stopWaiting()
+	waitErr := waitOrEnd(wait, b, done)
+	cancel()
+	runErr := <-done
+	if runErr != nil {
+		t.Fatalf("oncetest: Run: %v", runErr)
+	}
+	if waitErr != nil {
+		t.Fatalf("oncetest: %v (stats %+v)", waitErr, c.Stats())
+	}
+	return c.Stats()
+}
+
+// waitOrEnd waits until b's messages are acked, unless Run ends first.
+func waitOrEnd(ctx context.Context, b *memsource.Broker, done chan error) error {
+	acked := make(chan error, 1)
+	wctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	go func() { acked <- b.WaitAcked(wctx, b.Published()) }()
+	select {
+	case err := <-acked:
+		return err
+	case err := <-done:
+		done <- err // for Drain to read
+		return nil
+	}
+}

@@ -1,0 +1,133 @@
+package oncetest
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"fmt"
+	"os"
+	"regexp"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/onceco/once/internal/pgtemp"
+)
+
+var (
+	serverOnce sync.Once
+	serverURL  string
+	serverErr  error
+)
+
+// URL returns the URL of the test server: DATABASE_URL when it is set,
+// else a throwaway PostgreSQL started on first use (fsync off, on a free
+// loopback port, as an unprivileged user when the test runs as root) and
+// stopped, its files removed, when the test binary ends, however it ends.
+// It fails the test when no server can be had.
+func URL(t testing.TB) string {
+	t.Helper()
+	serverOnce.Do(func() {
+		if serverURL = os.Getenv("DATABASE_URL"); serverURL != "" {
+			return
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+		defer cancel()
+		srv, err := pgtemp.Start(ctx, pgtemp.Options{})
+		if err != nil {
+			serverErr = fmt.Errorf("oncetest: no PostgreSQL: set DATABASE_URL, or install the server binaries (Debian: apt-get install postgresql): %w", err)
+			return
+		}
+		serverURL = srv.URL()
+	})
+	if serverErr != nil {
+		t.Fatal(serverErr)
+	}
+	return serverURL
+}
+
+// Server is a throwaway PostgreSQL server, for a demo or a tool that needs
+// one outside a test. Close stops it and removes its files; if the process
+// dies first, the server stops by itself within a second or so.
+type Server struct{ srv *pgtemp.Server }
+
+// StartServer starts a throwaway PostgreSQL server from the machine's
+// binaries ($PG_BINDIR, else the newest /usr/lib/postgresql/*/bin, else
+// PATH). With durable set, fsync and synchronous_commit stay on, as in
+// production.
+func StartServer(ctx context.Context, durable bool) (*Server, error) {
+	srv, err := pgtemp.Start(ctx, pgtemp.Options{Durable: durable})
+	if err != nil {
+		return nil, err
+	}
+	return &Server{srv: srv}, nil
+}
+
+// URL is the connection string of the server's "postgres" database.
+func (s *Server) URL() string { return s.srv.URL() }
+
+// Close stops the server and removes its files.
+func (s *Server) Close() error { return s.srv.Close() }
+
+var unsafeName = regexp.MustCompile(`[^a-z0-9_]+`)
+
+// Postgres returns a pool whose connections use a schema made for this
+// test (search_path), on the server of URL. The schema and the pool go
+// when the test ends. Tests using it may run in parallel.
+func Postgres(t testing.TB) *pgxpool.Pool {
+	t.Helper()
+	url := URL(t)
+	ctx := context.Background()
+	admin, err := pgxpool.New(ctx, url)
+	if err != nil {
+		t.Fatalf("oncetest: %v", err)
+	}
+	schema := schemaName(t)
+	if _, err := admin.Exec(ctx, "CREATE SCHEMA "+schema); err != nil {
+		admin.Close()
+		t.Fatalf("oncetest: create schema: %v", err)
+	}
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		t.Fatalf("oncetest: %v", err)
+	}
+	cfg.ConnConfig.RuntimeParams["search_path"] = schema
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatalf("oncetest: %v", err)
+	}
+	t.Cleanup(func() {
+		closeWithin(t, pool, 10*time.Second)
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		_, _ = admin.Exec(ctx, "DROP SCHEMA "+schema+" CASCADE")
+		admin.Close()
+	})
+	return pool
+}
+
+// schemaName derives a unique schema name from the test's name.
+func schemaName(t testing.TB) string {
+	name := unsafeName.ReplaceAllString(strings.ToLower(t.Name()), "_")
+	if len(name) > 40 {
+		name = name[:40]
+	}
+	var b [4]byte
+	_, _ = rand.Read(b[:])
+	return "t_" + name + "_" + hex.EncodeToString(b[:])
+}
+
+// closeWithin closes pool, reporting instead of hanging on a connection
+// the test never released (pgxpool.Close waits for every one).
+func closeWithin(t testing.TB, pool *pgxpool.Pool, d time.Duration) {
+	done := make(chan struct{})
+	go func() { pool.Close(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(d):
+		t.Errorf("oncetest: a connection was never released (a transaction neither committed nor rolled back, or rows not closed)")
+	}
+}
