@@ -228,10 +228,14 @@ func redriveHeaders(r *Record, at time.Time, by string) []Header {
 }
 
 // amqpRef is the Ref of a RabbitMQ dead letter: a digest of what tells two
-// dead letters apart (each dead-lettering has its own failed-at time).
+// dead letters apart (each dead-lettering has its own failed-at time),
+// without the delivery count a quorum queue changes on every read.
 func amqpRef(body []byte, headers []Header) string {
 	h := sha256.New()
 	for _, hd := range headers {
+		if hd.Key == amqp.DeliveryCountHeader {
+			continue
+		}
 		h.Write([]byte(hd.Key))
 		h.Write([]byte{0})
 		h.Write([]byte(hd.Value))
