@@ -15,6 +15,7 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -198,7 +199,12 @@ type Service struct {
 	Pool   *pgxpool.Pool
 	Broken atomic.Bool
 	C      *consumer.Consumer[Payload]
+	stop   func()
 }
+
+// Stop stops the consumer (its source is closed, offsets committed) and
+// waits for it; it may be called more than once.
+func (s *Service) Stop() { s.stop() }
 
 // EffectsTable is the DDL of the table the service writes.
 const EffectsTable = `CREATE TABLE IF NOT EXISTS effects (event_id text NOT NULL, n int NOT NULL, at timestamptz NOT NULL DEFAULT now())`
@@ -244,17 +250,21 @@ func StartService(t testing.TB, pool *pgxpool.Pool, src consumer.Source, name st
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- c.Run(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		select {
-		case err := <-done:
-			if err != nil && !errors.Is(err, context.Canceled) {
-				t.Errorf("consumer %s: %v", name, err)
+	var once sync.Once
+	s.stop = func() {
+		once.Do(func() {
+			cancel()
+			select {
+			case err := <-done:
+				if err != nil && !errors.Is(err, context.Canceled) {
+					t.Errorf("consumer %s: %v", name, err)
+				}
+			case <-time.After(30 * time.Second):
+				t.Errorf("consumer %s did not stop within 30s", name)
 			}
-		case <-time.After(30 * time.Second):
-			t.Errorf("consumer %s did not stop within 30s", name)
-		}
-	})
+		})
+	}
+	t.Cleanup(s.stop)
 	return s
 }
 
