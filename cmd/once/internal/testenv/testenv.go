@@ -30,6 +30,7 @@ import (
 	"github.com/onceco/once/brokers/amqp"
 	"github.com/onceco/once/brokers/kafka"
 	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/internal/pgtest"
 )
 
 var seq atomic.Int64
@@ -299,4 +300,15 @@ func (s *Service) Effects(t testing.TB) map[string]int {
 func JSON(n int, mode string) []byte {
 	b, _ := json.Marshal(Payload{N: n, Mode: mode})
 	return b
+}
+
+// SchemaURL is the test database's URL with search_path set to schema, for
+// commands that take a DATABASE_URL.
+func SchemaURL(schema string) string {
+	u := pgtest.URL()
+	sep := "?"
+	if strings.Contains(u, "?") {
+		sep = "&"
+	}
+	return u + sep + "search_path=" + schema
 }

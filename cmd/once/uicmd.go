@@ -1,0 +1,7 @@
+package main
+
+import "context"
+
+const uiUsage = `Usage: once ui`
+
+func (a *app) ui(ctx context.Context, args []string) error { return nil }
