@@ -84,4 +84,3 @@ func (a *app) ui(ctx context.Context, args []string) error {
 		return nil
 	}
 }
-
