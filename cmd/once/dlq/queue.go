@@ -124,9 +124,10 @@ func replayLoop(ctx context.Context, recs []*Record, opts ReplayOptions, publish
 	return rep, nil
 }
 
-// pacer spaces publishes 1/rate apart.
+// pacer spaces publishes 1/rate apart; the first goes at once.
 type pacer struct {
-	t *time.Ticker
+	t       *time.Ticker
+	started bool
 }
 
 func newPacer(rate float64) *pacer {
@@ -137,7 +138,8 @@ func newPacer(rate float64) *pacer {
 }
 
 func (p *pacer) wait(ctx context.Context) error {
-	if p.t == nil {
+	if p.t == nil || !p.started {
+		p.started = true
 		return ctx.Err()
 	}
 	select {
