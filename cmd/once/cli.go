@@ -165,7 +165,7 @@ func (a *app) help(name string) int {
 			fs := flag.NewFlagSet(c.name, flag.ContinueOnError)
 			fs.SetOutput(a.stdout)
 			_ = c.run(&app{stdout: io.Discard, stderr: io.Discard, getenv: a.getenv, now: a.now}, helpContext(fs), nil)
-			fmt.Fprintln(a.stdout, "Flags:")
+			fmt.Fprintln(a.stdout, "\nFlags:")
 			fs.PrintDefaults()
 			if c.name == name {
 				return exitOK

@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/onceco/once/cmd/once/dlq"
 	"github.com/onceco/once/cmd/once/internal/testenv"
 	"github.com/onceco/once/internal/pgtest"
 )
@@ -267,4 +268,27 @@ func TestDLQReplayOnRabbitMQ(t *testing.T) {
 	code, out, errOut = cli(t, env, "status", "-amqp", url, "-queue", queue+","+queue+".dlq", "-database-url", testenv.SchemaURL(schema))
 	require.Equal(t, exitOK, code, errOut)
 	assert.Contains(t, out, "rabbitmq queues")
+}
+
+// On a terminal a replay draws one bar, redrawn in place; on a pipe it
+// writes a line per record.
+func TestReplayProgress(t *testing.T) {
+	var buf bytes.Buffer
+	a := &app{stderr: &buf, terminal: true}
+	p := a.progress(false)
+	r := &dlq.Record{Ref: "0:1", Headers: []dlq.Header{{Key: "once-event-id", Value: "e-1"}}}
+	for i := 1; i <= 4; i++ {
+		p.update(i, 4, dlq.Outcome{Record: r, Result: dlq.Replayed})
+	}
+	p.finish()
+	out := buf.String()
+	assert.Equal(t, 4, strings.Count(out, "\rreplaying ["))
+	assert.Contains(t, out, "[##############################] 4/4")
+	assert.True(t, strings.HasSuffix(out, "\n"))
+
+	buf.Reset()
+	a.terminal = false
+	p = a.progress(false)
+	p.update(1, 2, dlq.Outcome{Record: r, Result: dlq.Replayed})
+	assert.Equal(t, "[1/2] replayed 0:1 e-1\n", buf.String())
 }
