@@ -51,6 +51,7 @@ screenshots:
 lint:
 	@test -z "$$(gofmt -l .)" || (gofmt -l . && exit 1)
 	$(GO) vet ./...
+	cd cmd/once && $(GO) vet ./...
 
 .PHONY: chaos
 CHAOS_FLAGS ?=
