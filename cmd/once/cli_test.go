@@ -1,9 +1,12 @@
 package main
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
+	"io"
+	"net/http"
 	"strings"
 	"testing"
 	"time"
@@ -291,4 +294,45 @@ func TestReplayProgress(t *testing.T) {
 	p = a.progress(false)
 	p.update(1, 2, dlq.Outcome{Record: r, Result: dlq.Replayed})
 	assert.Equal(t, "[1/2] replayed 0:1 e-1\n", buf.String())
+}
+
+// once ui serves the console on the address it prints, read-only by
+// default, and stops when its context ends.
+func TestUIServesTheConsole(t *testing.T) {
+	pool, schema := pgtest.Schema(t)
+	_, err := pool.Exec(context.Background(), `CREATE TABLE processed_events (consumer text, event_id text, fingerprint bytea,
+		processed_at timestamptz DEFAULT now(), source text, partition int, "offset" bigint, PRIMARY KEY (consumer, event_id));
+		CREATE TABLE processed_events_attempts (consumer text, event_id text, attempts int, last_seen timestamptz DEFAULT now());
+		INSERT INTO processed_events (consumer, event_id) VALUES ('billing', 'e-1')`)
+	require.NoError(t, err)
+	pr, pw := io.Pipe()
+	a := newApp(pw, io.Discard, func(string) string { return "" })
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan int, 1)
+	go func() {
+		done <- a.run(ctx, []string{"ui", "-addr", "127.0.0.1:0", "-database-url", testenv.SchemaURL(schema)})
+		pw.Close()
+	}()
+	line, err := bufio.NewReader(pr).ReadString('\n')
+	require.NoError(t, err)
+	go func() { _, _ = io.Copy(io.Discard, pr) }()
+	require.Contains(t, line, "(read-only)")
+	addr := strings.Fields(strings.TrimPrefix(line, "once console on "))[0]
+	resp, err := http.Get(addr)
+	require.NoError(t, err)
+	body, err := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	require.NoError(t, err)
+	assert.Equal(t, http.StatusOK, resp.StatusCode)
+	assert.Contains(t, string(body), `data-consumer="billing"`)
+	cancel()
+	select {
+	case code := <-done:
+		assert.Equal(t, exitOK, code)
+	case <-time.After(15 * time.Second):
+		t.Fatal("once ui did not stop")
+	}
+	code, _, errOut := cli(t, nil, "ui")
+	assert.Equal(t, exitUsage, code, "nothing to show")
+	assert.Contains(t, errOut, "-database-url")
 }
