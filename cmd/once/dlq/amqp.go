@@ -102,14 +102,36 @@ func scrub(err error, raw string) error {
 // held is a read of the queue: the deliveries taken, unacked, in order.
 // Closing its channel puts every one not acked back at its position.
 type held struct {
-	conn *amqp091.Connection
-	ch   *amqp091.Channel
-	recs []*Record
+	q     *AMQPQueue
+	conn  *amqp091.Connection
+	ch    *amqp091.Channel
+	recs  []*Record
+	acked int
 }
 
+// close puts the messages not acked back and waits, up to IdleTimeout,
+// until the queue counts them as ready again: a quorum queue returns them
+// asynchronously, and a read that started before would miss them.
 func (h *held) close() {
 	_ = h.ch.Close()
-	_ = h.conn.Close()
+	defer h.conn.Close()
+	back := len(h.recs) - h.acked
+	if back <= 0 {
+		return
+	}
+	ch, err := h.conn.Channel()
+	if err != nil {
+		return
+	}
+	defer ch.Close()
+	deadline := time.Now().Add(h.q.cfg.IdleTimeout)
+	for time.Now().Before(deadline) {
+		st, err := ch.QueueDeclarePassive(h.q.cfg.Queue, false, false, false, false, nil)
+		if err != nil || st.Messages >= back {
+			return
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
 }
 
 // hold takes the messages the queue holds when it starts, unacked and in
@@ -124,7 +146,7 @@ func (q *AMQPQueue) hold(ctx context.Context) (*held, error) {
 		_ = conn.Close()
 		return nil, fmt.Errorf("dlq: open channel: %w", err)
 	}
-	h := &held{conn: conn, ch: ch}
+	h := &held{q: q, conn: conn, ch: ch}
 	st, err := ch.QueueDeclarePassive(q.cfg.Queue, false, false, false, false, nil)
 	if err != nil {
 		h.close()
@@ -235,6 +257,7 @@ func (q *AMQPQueue) Replay(ctx context.Context, f Filter, opts ReplayOptions) (R
 			if err := d.Ack(false); err != nil {
 				return "", fmt.Errorf("published, but the dead letter was not removed: %w", err)
 			}
+			h.acked++
 		}
 		return r.Destination(), nil
 	})
