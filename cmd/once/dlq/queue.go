@@ -68,12 +68,18 @@ const (
 	Skipped     = "skipped"
 )
 
-// Report is the result of a Replay.
+// Report is the result of a Replay. When Replay stops on an error, it
+// covers the records handled before the error.
 type Report struct {
-	Selected int       `json:"selected"`
-	Replayed int       `json:"replayed"`
-	Skipped  int       `json:"skipped"`
-	DryRun   bool      `json:"dry_run"`
+	// Selected counts the records the filter selected.
+	Selected int `json:"selected"`
+	// Replayed counts the records published (and confirmed).
+	Replayed int `json:"replayed"`
+	// Skipped counts the records that are not replayable.
+	Skipped int `json:"skipped"`
+	// DryRun is set when nothing was published on purpose.
+	DryRun bool `json:"dry_run"`
+	// Outcomes has one entry per record handled, in order.
 	Outcomes []Outcome `json:"outcomes"`
 }
 
