@@ -336,3 +336,12 @@ func TestUIServesTheConsole(t *testing.T) {
 	assert.Equal(t, exitUsage, code, "nothing to show")
 	assert.Contains(t, errOut, "-database-url")
 }
+
+// Header text with control characters is quoted, so a dead letter cannot
+// send escape sequences to the operator's terminal.
+func TestTextOutputQuotesControlCharacters(t *testing.T) {
+	assert.Equal(t, "plain text", safe("plain text"))
+	assert.Equal(t, `"\x1b[2Jgotcha"`, safe("\x1b[2Jgotcha"))
+	assert.Equal(t, `"two\nlines"`, safe("two\nlines"))
+	assert.Equal(t, `"\xff"`, safe("\xff"))
+}

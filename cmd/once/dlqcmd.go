@@ -6,6 +6,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"strconv"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -184,7 +185,7 @@ func (a *app) dlqList(ctx context.Context, args []string) error {
 	tw := tabwriter.NewWriter(a.stdout, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(tw, "REF\tFAILED AT\tCONSUMER\tKIND\tEVENT ID\tTYPE\tREDRIVES\tERROR")
 	for _, s := range out {
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%d\t%s\n", s.Ref, formatTime(s.FailedAt), s.Consumer, s.Kind,
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%d\t%s\n", s.Ref, formatTime(s.FailedAt), orDash(s.Consumer), orDash(s.Kind),
 			orDash(s.EventID), orDash(s.EventType), s.RedriveCount, clip(s.Error, 60))
 	}
 	if err := tw.Flush(); err != nil {
@@ -291,12 +292,12 @@ func (a *app) printRecord(r *dlq.Record, asHex bool) {
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	fmt.Fprintf(tw, "ref\t%s\n", r.Ref)
 	fmt.Fprintf(tw, "queue\t%s (position %d)\n", r.Queue, r.Position)
-	fmt.Fprintf(tw, "consumer\t%s\n", s.Consumer)
-	fmt.Fprintf(tw, "kind\t%s\n", s.Kind)
+	fmt.Fprintf(tw, "consumer\t%s\n", orDash(s.Consumer))
+	fmt.Fprintf(tw, "kind\t%s\n", orDash(s.Kind))
 	fmt.Fprintf(tw, "event id\t%s\n", orDash(s.EventID))
 	fmt.Fprintf(tw, "event type\t%s\n", orDash(s.EventType))
 	fmt.Fprintf(tw, "failed at\t%s\n", formatTime(s.FailedAt))
-	fmt.Fprintf(tw, "error\t%s\n", s.Error)
+	fmt.Fprintf(tw, "error\t%s\n", safe(s.Error))
 	fmt.Fprintf(tw, "destination\t%s\n", orDash(s.Destination))
 	fmt.Fprintf(tw, "redrives\t%d\n", s.RedriveCount)
 	if s.Replayable {
@@ -307,7 +308,7 @@ func (a *app) printRecord(r *dlq.Record, asHex bool) {
 	_ = tw.Flush()
 	fmt.Fprintln(w, "\nheaders:")
 	for _, h := range r.Headers {
-		fmt.Fprintf(w, "  %s: %s\n", h.Key, h.Value)
+		fmt.Fprintf(w, "  %s: %s\n", safe(h.Key), safe(h.Value))
 	}
 	if r.Key != nil {
 		fmt.Fprintf(w, "\nkey: %s\n", printableOrHex(r.Key))
@@ -439,12 +440,22 @@ func orDash(s string) string {
 	if s == "" {
 		return "-"
 	}
-	return s
+	return safe(s)
+}
+
+// safe returns s as it is when it is printable text on one line, else
+// quoted with escapes, so that a header cannot send control sequences to
+// the terminal.
+func safe(s string) string {
+	if dlq.Printable([]byte(s)) && !strings.ContainsAny(s, "\r\n") {
+		return s
+	}
+	return strconv.Quote(s)
 }
 
 // clip cuts s to n runes on one line.
 func clip(s string, n int) string {
-	s = strings.Join(strings.Fields(s), " ")
+	s = safe(strings.Join(strings.Fields(s), " "))
 	r := []rune(s)
 	if len(r) > n {
 		return string(r[:n-1]) + "…"
