@@ -234,6 +234,7 @@ func (q *AMQPQueue) Replay(ctx context.Context, f Filter, opts ReplayOptions) (R
 		return Report{}, fmt.Errorf("dlq: confirm mode: %w", err)
 	}
 	returns := pub.NotifyReturn(make(chan amqp091.Return, 1))
+	closed := pub.NotifyClose(make(chan *amqp091.Error, 1))
 	return replayLoop(ctx, sel, opts, func(r *Record, redrive []Header) (string, error) {
 		d := r.raw.(*amqp091.Delivery)
 		ex, rk := r.Header(amqp.HeaderOriginalExchange), r.Header(amqp.HeaderOriginalRoutingKey)
@@ -245,9 +246,16 @@ func (q *AMQPQueue) Replay(ctx context.Context, f Filter, opts ReplayOptions) (R
 		if err != nil {
 			return "", err
 		}
+		if pub.IsClosed() {
+			// A missing exchange closes the channel (404).
+			if cerr := <-closed; cerr != nil {
+				return "", fmt.Errorf("the broker closed the channel: %w", cerr)
+			}
+			return "", errors.New("the channel closed")
+		}
 		select {
 		case ret := <-returns:
-			return "", fmt.Errorf("unroutable: %s %s", ret.ReplyText, r.Destination())
+			return "", fmt.Errorf("unroutable (%s): no queue is bound to exchange %q with routing key %q", ret.ReplyText, ex, rk)
 		default:
 		}
 		if !acked {
