@@ -5,6 +5,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/IBM/sarama"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -54,4 +55,39 @@ func TestAMQPReplayOfRecordsThatCannotGoBack(t *testing.T) {
 	recs, err := dlq.Collect(ctx, q, dlq.Filter{})
 	require.NoError(t, err)
 	assert.Len(t, recs, 4, "nothing was removed")
+}
+
+// On Kafka: records not written by once, a copy written without its value,
+// and a record whose original topic is gone.
+func TestKafkaReplayOfRecordsThatCannotGoBack(t *testing.T) {
+	k := testenv.NewKafka(t)
+	k.CreateTopic("orders.dlq", 1)
+	rec := func(value string, h ...string) *sarama.ProducerMessage {
+		m := &sarama.ProducerMessage{Topic: "orders.dlq", Value: sarama.StringEncoder(value)}
+		for i := 0; i+1 < len(h); i += 2 {
+			m.Headers = append(m.Headers, sarama.RecordHeader{Key: []byte(h[i]), Value: []byte(h[i+1])})
+		}
+		return m
+	}
+	k.Produce(
+		rec("junk"),
+		rec("", consumer.HeaderEventID, "e-1", consumer.HeaderOriginalTopic, "orders", "once-value-dropped", "2000000"),
+		rec("{}", consumer.HeaderEventID, "e-2", consumer.HeaderOriginalTopic, "gone"),
+	)
+	q, err := dlq.NewKafka(dlq.KafkaConfig{Brokers: k.Addrs, Topic: "orders.dlq", Sarama: testenv.Sarama()})
+	require.NoError(t, err)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	rep, err := q.Replay(ctx, dlq.Filter{}, dlq.ReplayOptions{})
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "gone")
+	assert.Equal(t, 2, rep.Skipped)
+	assert.Contains(t, rep.Outcomes[1].Reason, "without its value")
+
+	_, err = dlq.NewKafka(dlq.KafkaConfig{Topic: "x"})
+	assert.Error(t, err)
+	missing, err := dlq.NewKafka(dlq.KafkaConfig{Brokers: k.Addrs, Topic: "no-such.dlq", Sarama: testenv.Sarama()})
+	require.NoError(t, err)
+	_, err = dlq.Collect(ctx, missing, dlq.Filter{})
+	assert.Error(t, err, "a missing dead-letter topic is an error, not an empty list")
 }
