@@ -31,7 +31,7 @@ func TestMain(m *testing.M) { pgtest.Main(m) }
 // (decode, a binary value); ok-1 is handled.
 func deadLetters(t *testing.T) (*testenv.Service, *dlq.KafkaQueue) {
 	k := testenv.NewKafka(t)
-	topic := testenv.Uniq("orders")
+	topic := "orders" // the cluster is the test's own
 	k.CreateTopic(topic, 1)
 	k.CreateTopic(topic+".dlq", 1)
 	pool, _ := pgtest.Schema(t)
