@@ -3,7 +3,7 @@ GO        ?= go
 FUZZTIME  ?= 30s
 BENCHTIME ?= 1s
 
-.PHONY: run test bench bench-micro fuzz lint
+.PHONY: run test bench bench-micro fuzz lint screenshots
 
 ## run: the order-processor demo: embedded Kafka (kfake), a throwaway PostgreSQL, orders with
 ## duplicates, poison and a SIGKILL mid-stream, then a report and a verdict
@@ -41,10 +41,17 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzDecode$$' -fuzztime $(FUZZTIME) ./consumer/
 	$(GO) test -run '^$$' -fuzz '^FuzzHeaderStrings$$' -fuzztime $(FUZZTIME) ./brokers/amqp/
 
+## screenshots: a PNG of each page of the web console (once ui) into docs/img/, taken in headless
+## Chromium by the console's browser test (cmd/once/console)
+screenshots:
+	scripts/ensure-deps.sh postgres chromium
+	cd cmd/once && ONCE_SCREENSHOTS=$(CURDIR)/docs/img $(GO) test -count=1 -run '^TestConsoleInBrowser$$' ./console/
+
 ## lint: gofmt and go vet
 lint:
 	@test -z "$$(gofmt -l .)" || (gofmt -l . && exit 1)
 	$(GO) vet ./...
+	cd cmd/once && $(GO) vet ./...
 
 .PHONY: chaos
 CHAOS_FLAGS ?=

@@ -4,10 +4,12 @@
 #   postgres  PostgreSQL's server binaries (initdb, pg_ctl, postgres)
 #   rabbitmq  the RabbitMQ server
 #   tools     amqp-tools and kcat: a publisher and a Kafka client not ours
+#   chromium  headless Chromium, for the web console's browser tests and
+#             `make screenshots` (cmd/once)
 set -euo pipefail
 
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(postgres rabbitmq tools)
+[ ${#parts[@]} -eq 0 ] && parts=(postgres rabbitmq tools chromium)
 
 need=()
 for part in "${parts[@]}"; do
@@ -19,6 +21,8 @@ for part in "${parts[@]}"; do
     tools)
       command -v amqp-publish >/dev/null 2>&1 || need+=(amqp-tools)
       command -v kcat >/dev/null 2>&1 || need+=(kcat) ;;
+    chromium)
+      command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || need+=(chromium) ;;
     *) echo "ensure-deps: unknown part $part" >&2; exit 2 ;;
   esac
 done

@@ -19,6 +19,9 @@ fi
 # Tests that need a server fail instead of skipping when it is missing.
 export ONCE_REQUIRE_SERVERS=1
 go test -race -count=1 -timeout 15m ${GOTESTFLAGS:-} ./...
+# The once command and its web console are a module of their own (cmd/once),
+# which ./... from here does not reach.
+(cd cmd/once && go test -race -count=1 -timeout 10m ${GOTESTFLAGS:-} ./...)
 # The chaos build: crash points that kill the process at each step of a
 # message's way (compiled out of every other build).
 go test -race -count=1 -timeout 5m -tags chaos -run 'CrashPoint' ${GOTESTFLAGS:-} ./consumer/

@@ -1,0 +1,259 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"sort"
+	"strings"
+	"time"
+)
+
+// Exit codes, documented in doc.go and docs/operations.md.
+const (
+	exitOK          = 0
+	exitFailure     = 1
+	exitUsage       = 2
+	exitUnavailable = 3
+	exitNotFound    = 4
+)
+
+// usageError is a bad command line: exit code 2.
+type usageError struct{ msg string }
+
+func (e *usageError) Error() string { return e.msg }
+
+func usagef(format string, args ...any) error { return &usageError{fmt.Sprintf(format, args...)} }
+
+// unavailableError is an operation this version cannot do: exit code 3.
+type unavailableError struct{ msg string }
+
+func (e *unavailableError) Error() string { return e.msg }
+
+// notFoundError is a selection that matched nothing: exit code 4.
+type notFoundError struct{ msg string }
+
+func (e *notFoundError) Error() string { return e.msg }
+
+// app is the command line: what it writes to and reads the environment
+// from, so tests run it in-process.
+type app struct {
+	stdout, stderr io.Writer
+	getenv         func(string) string
+	// terminal reports whether stderr is a terminal (progress bars).
+	terminal bool
+	now      func() time.Time
+}
+
+func newApp(stdout, stderr io.Writer, getenv func(string) string) *app {
+	a := &app{stdout: stdout, stderr: stderr, getenv: getenv, now: time.Now}
+	if f, ok := stderr.(*os.File); ok {
+		if st, err := f.Stat(); err == nil && st.Mode()&os.ModeCharDevice != 0 {
+			a.terminal = true
+		}
+	}
+	return a
+}
+
+// command is one subcommand.
+type command struct {
+	name    string
+	summary string
+	usage   string
+	run     func(a *app, ctx context.Context, args []string) error
+}
+
+func commands() []command {
+	return []command{
+		{"dlq list", "list dead letters of a Kafka topic or RabbitMQ queue", dlqListUsage, (*app).dlqList},
+		{"dlq show", "show one dead letter: headers, reason, payload", dlqShowUsage, (*app).dlqShow},
+		{"dlq replay", "redrive dead letters to where they were first published", dlqReplayUsage, (*app).dlqReplay},
+		{"migrate", "create the processed-events tables (up); down and status", migrateUsage, (*app).migrate},
+		{"status", "per consumer: rows, crash suspects, dead letters by kind, lag", statusUsage, (*app).status},
+		{"retention", "delete one consumer's old rows in bounded batches", retentionUsage, (*app).retention},
+		{"ui", "serve the web console", uiUsage, (*app).ui},
+	}
+}
+
+// run runs the command line args and returns the exit code.
+func (a *app) run(ctx context.Context, args []string) int {
+	if len(args) == 0 || args[0] == "help" || args[0] == "-h" || args[0] == "--help" || args[0] == "-help" {
+		if len(args) > 1 {
+			return a.help(strings.Join(args[1:], " "))
+		}
+		a.overview(a.stdout)
+		return exitOK
+	}
+	cmd, rest, ok := find(args)
+	if !ok {
+		fmt.Fprintf(a.stderr, "once: unknown command %q\n\n", strings.Join(args, " "))
+		a.overview(a.stderr)
+		return exitUsage
+	}
+	err := cmd.run(a, ctx, rest)
+	return a.exitCode(cmd, err)
+}
+
+func find(args []string) (command, []string, bool) {
+	for _, c := range commands() {
+		words := strings.Fields(c.name)
+		if len(args) >= len(words) && strings.Join(args[:len(words)], " ") == c.name {
+			return c, args[len(words):], true
+		}
+	}
+	return command{}, nil, false
+}
+
+func (a *app) exitCode(cmd command, err error) int {
+	var ue *usageError
+	var un *unavailableError
+	var nf *notFoundError
+	switch {
+	case err == nil:
+		return exitOK
+	case errors.Is(err, flag.ErrHelp):
+		return exitOK
+	case errors.As(err, &ue):
+		fmt.Fprintf(a.stderr, "once %s: %v\nRun 'once help %s' for its flags.\n", cmd.name, err, cmd.name)
+		return exitUsage
+	case errors.As(err, &un):
+		fmt.Fprintf(a.stderr, "once %s: %v\n", cmd.name, err)
+		return exitUnavailable
+	case errors.As(err, &nf):
+		fmt.Fprintf(a.stderr, "once %s: %v\n", cmd.name, err)
+		return exitNotFound
+	default:
+		fmt.Fprintf(a.stderr, "once %s: %v\n", cmd.name, err)
+		return exitFailure
+	}
+}
+
+func (a *app) overview(w io.Writer) {
+	fmt.Fprint(w, `once operates once consumers: dead letters, tables, a web console.
+
+Usage: once <command> [flags]
+
+Commands:
+`)
+	for _, c := range commands() {
+		fmt.Fprintf(w, "  %-12s %s\n", c.name, c.summary)
+	}
+	fmt.Fprintf(w, "  %-12s %s\n", "help [cmd]", "this text, or a command's flags")
+	fmt.Fprint(w, `
+Connections come from flags or the environment:
+  DATABASE_URL        PostgreSQL (-database-url)
+  ONCE_KAFKA_BROKERS  Kafka bootstrap brokers, comma-separated (-kafka)
+  ONCE_AMQP_URL       RabbitMQ URL (-amqp)
+
+Exit codes:
+  0  success
+  1  failure: a broker or the database failed, a replay stopped
+  2  usage: unknown command, bad or missing flag
+  3  unavailable: an operation this version cannot do (migrate down, migrate status)
+  4  not found: the selection matched nothing (dlq show)
+`)
+}
+
+func (a *app) help(name string) int {
+	for _, c := range commands() {
+		if c.name == name || strings.HasPrefix(c.name, name+" ") {
+			fmt.Fprintf(a.stdout, "once %s: %s\n\n%s\n", c.name, c.summary, c.usage)
+			fs := flag.NewFlagSet(c.name, flag.ContinueOnError)
+			fs.SetOutput(a.stdout)
+			_ = c.run(&app{stdout: io.Discard, stderr: io.Discard, getenv: a.getenv, now: a.now}, helpContext(fs), nil)
+			fmt.Fprintln(a.stdout, "\nFlags:")
+			fs.PrintDefaults()
+			if c.name == name {
+				return exitOK
+			}
+		}
+	}
+	if name == "dlq" {
+		return exitOK
+	}
+	fmt.Fprintf(a.stderr, "once help: unknown command %q\n", name)
+	return exitUsage
+}
+
+// helpContext carries a flag set into a command, which then only defines
+// its flags on it and returns: how help learns each command's flags from
+// the code that parses them.
+type helpKey struct{}
+
+func helpContext(fs *flag.FlagSet) context.Context {
+	return context.WithValue(context.Background(), helpKey{}, fs)
+}
+
+// flags returns the command's flag set, and whether the command should
+// stop after defining its flags (help).
+func (a *app) flags(ctx context.Context, name string) (*flag.FlagSet, bool) {
+	if fs, ok := ctx.Value(helpKey{}).(*flag.FlagSet); ok {
+		return fs, true
+	}
+	fs := flag.NewFlagSet("once "+name, flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	return fs, false
+}
+
+// parse parses args into fs; a bad flag is a usage error.
+func parse(fs *flag.FlagSet, args []string) error {
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return usagef("see the flags below")
+		}
+		return &usageError{err.Error()}
+	}
+	if fs.NArg() > 0 {
+		return usagef("unexpected argument %q", fs.Arg(0))
+	}
+	return nil
+}
+
+// writeJSON writes v as indented JSON.
+func (a *app) writeJSON(v any) error {
+	enc := json.NewEncoder(a.stdout)
+	enc.SetIndent("", "  ")
+	return enc.Encode(v)
+}
+
+// parseTime reads a time bound: RFC 3339, a date (2006-01-02, UTC), or a
+// duration meaning that long before now ("2h", "30m").
+func parseTime(s string, now time.Time) (time.Time, error) {
+	if s == "" {
+		return time.Time{}, nil
+	}
+	if t, err := time.Parse(time.RFC3339Nano, s); err == nil {
+		return t, nil
+	}
+	if t, err := time.Parse("2006-01-02", s); err == nil {
+		return t, nil
+	}
+	if d, err := time.ParseDuration(s); err == nil && d >= 0 {
+		return now.Add(-d), nil
+	}
+	return time.Time{}, usagef("time %q: want RFC 3339 (2026-11-25T10:00:00Z), a date (2026-11-25) or a duration ago (2h)", s)
+}
+
+// splitList splits a comma-separated flag value, dropping empty items.
+func splitList(s string) []string {
+	var out []string
+	for _, f := range strings.Split(s, ",") {
+		if f = strings.TrimSpace(f); f != "" {
+			out = append(out, f)
+		}
+	}
+	return out
+}
+
+func sortedKeys[V any](m map[string]V) []string {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	return keys
+}

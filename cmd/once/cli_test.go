@@ -1,0 +1,347 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"io"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/IBM/sarama"
+	amqp091 "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/cmd/once/dlq"
+	"github.com/onceco/once/cmd/once/internal/testenv"
+	"github.com/onceco/once/internal/pgtest"
+)
+
+func TestMain(m *testing.M) { pgtest.Main(m) }
+
+// cli runs the command line in-process with env and returns the exit
+// code, stdout and stderr.
+func cli(t *testing.T, env map[string]string, args ...string) (int, string, string) {
+	t.Helper()
+	var out, errb bytes.Buffer
+	a := newApp(&out, &errb, func(k string) string { return env[k] })
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	code := a.run(ctx, args)
+	return code, out.String(), errb.String()
+}
+
+func TestHelpListsEveryCommandAndExitCodes(t *testing.T) {
+	code, out, _ := cli(t, nil, "help")
+	require.Equal(t, exitOK, code)
+	for _, c := range commands() {
+		assert.Contains(t, out, c.name)
+	}
+	assert.Contains(t, out, "Exit codes")
+
+	code, out, _ = cli(t, nil, "help", "dlq", "replay")
+	require.Equal(t, exitOK, code)
+	for _, f := range []string{"-dry-run", "-rate", "-by", "-keep", "-force", "-consumer", "-kind", "-since", "-json", "-all"} {
+		assert.Contains(t, out, f, "help shows the flag")
+	}
+	code, out, _ = cli(t, nil, "help", "dlq")
+	require.Equal(t, exitOK, code)
+	assert.Contains(t, out, "once dlq list")
+	assert.Contains(t, out, "once dlq show")
+
+	code, _, errOut := cli(t, nil, "frobnicate")
+	assert.Equal(t, exitUsage, code)
+	assert.Contains(t, errOut, "unknown command")
+	code, _, errOut = cli(t, nil, "dlq", "list", "-nope")
+	assert.Equal(t, exitUsage, code)
+	assert.Contains(t, errOut, "-nope")
+	code, _, errOut = cli(t, nil, "dlq", "list", "-dlq", "x")
+	assert.Equal(t, exitUsage, code, "no broker")
+	assert.Contains(t, errOut, "-kafka")
+	code, _, _ = cli(t, map[string]string{"ONCE_KAFKA_BROKERS": "127.0.0.1:1"}, "dlq", "replay", "-dlq", "x")
+	assert.Equal(t, exitUsage, code, "a replay without a selection needs -all")
+	code, _, _ = cli(t, map[string]string{"ONCE_KAFKA_BROKERS": "127.0.0.1:1"}, "dlq", "list", "-dlq", "x", "-since", "yesterday")
+	assert.Equal(t, exitUsage, code)
+}
+
+// kafkaDLQ makes dead letters with a real consumer on kfake: a handler
+// failure, a panic, an undecodable binary value, and a record without a
+// producer id; then fixes the service.
+func kafkaDLQ(t *testing.T) (env map[string]string, svc *testenv.Service, topic string) {
+	k := testenv.NewKafka(t)
+	topic = testenv.Uniq("orders")
+	k.CreateTopic(topic, 1)
+	k.CreateTopic(topic+".dlq", 1)
+	pool, schema := pgtest.Schema(t)
+	msg := func(id string, v []byte) *sarama.ProducerMessage {
+		m := &sarama.ProducerMessage{Topic: topic, Key: sarama.StringEncoder("key-" + id), Value: sarama.ByteEncoder(v)}
+		if id != "" {
+			m.Headers = []sarama.RecordHeader{{Key: []byte("id"), Value: []byte(id)}, {Key: []byte("type"), Value: []byte("order.paid")}}
+		}
+		return m
+	}
+	k.Produce(
+		msg("ok-1", testenv.JSON(1, "ok")),
+		msg("fail-1", testenv.JSON(2, "fail")),
+		msg("panic-1", testenv.JSON(3, "panic")),
+		msg("bin-1", []byte{0x00, 0xff, 0xfe, 'x'}),
+		msg("", testenv.JSON(5, "fail")), // offset 4: id orders/0/4
+	)
+	svc = testenv.StartService(t, pool, k.Source(testenv.Uniq("g"), topic), "billing")
+	svc.WaitSettled(t, 5)
+	require.EqualValues(t, 4, svc.C.Stats().DeadLettered)
+	svc.Broken.Store(false)
+	env = map[string]string{
+		"ONCE_KAFKA_BROKERS": strings.Join(k.Addrs, ","),
+		"DATABASE_URL":       testenv.SchemaURL(schema),
+	}
+	return env, svc, topic
+}
+
+func TestDLQListShowReplayOnKafka(t *testing.T) {
+	env, svc, topic := kafkaDLQ(t)
+	dlqName := topic + ".dlq"
+
+	code, out, errOut := cli(t, env, "dlq", "list", "-dlq", dlqName)
+	require.Equal(t, exitOK, code, errOut)
+	assert.Contains(t, out, "REF")
+	for _, s := range []string{"fail-1", "panic-1", "bin-1", topic + "/0/4", "handler", "panic", "decode", "4 records"} {
+		assert.Contains(t, out, s)
+	}
+
+	code, out, _ = cli(t, env, "dlq", "list", "-dlq", dlqName, "-kind", "panic,decode", "-json")
+	require.Equal(t, exitOK, code)
+	var listed []recordSummary
+	require.NoError(t, json.Unmarshal([]byte(out), &listed))
+	require.Len(t, listed, 2)
+	assert.Equal(t, []string{"panic-1", "bin-1"}, []string{listed[0].EventID, listed[1].EventID})
+	assert.True(t, listed[0].Replayable)
+
+	code, out, _ = cli(t, env, "dlq", "list", "-dlq", dlqName, "-since", "1h", "-until", "2000-01-01")
+	require.Equal(t, exitOK, code)
+	assert.Contains(t, out, "0 records")
+
+	code, out, _ = cli(t, env, "dlq", "show", "-dlq", dlqName, "-id", "bin-1")
+	require.Equal(t, exitOK, code)
+	assert.Contains(t, out, "payload (4 bytes, hex)")
+	assert.Contains(t, out, "00 ff fe 78")
+	assert.Contains(t, out, "once-error-kind: decode")
+	assert.Contains(t, out, "key: key-bin-1")
+	code, out, _ = cli(t, env, "dlq", "show", "-dlq", dlqName, "-ref", "0:1")
+	require.Equal(t, exitOK, code)
+	assert.Contains(t, out, "panic-1")
+	assert.Contains(t, out, `payload (22 bytes, text):`)
+	assert.Contains(t, out, `{"n":3,"mode":"panic"}`)
+	code, out, _ = cli(t, env, "dlq", "show", "-dlq", dlqName, "-ref", "0:0", "-json")
+	require.Equal(t, exitOK, code)
+	var shown []recordDetail
+	require.NoError(t, json.Unmarshal([]byte(out), &shown))
+	require.Len(t, shown, 1)
+	assert.Equal(t, `{"n":2,"mode":"fail"}`, *shown[0].Value)
+	code, _, _ = cli(t, env, "dlq", "show", "-dlq", dlqName, "-id", "nope")
+	assert.Equal(t, exitNotFound, code)
+
+	code, out, _ = cli(t, env, "dlq", "replay", "-dlq", dlqName, "-all", "-dry-run")
+	require.Equal(t, exitOK, code)
+	assert.Contains(t, out, "would replay 4")
+	assert.Empty(t, svc.Effects(t)["fail-1"])
+
+	// Plain progress lines on a pipe; one effect for each event however often it is replayed.
+	code, out, errOut = cli(t, env, "dlq", "replay", "-dlq", dlqName, "-consumer", "billing", "-by", "oncall", "-rate", "50")
+	require.Equal(t, exitOK, code, errOut)
+	assert.Contains(t, out, "replayed 4")
+	assert.Contains(t, errOut, "[4/4] replayed")
+	svc.WaitSettled(t, 9)
+	code, _, _ = cli(t, env, "dlq", "replay", "-dlq", dlqName, "-all", "-json")
+	require.Equal(t, exitOK, code)
+	svc.WaitSettled(t, 14)
+	effects := svc.Effects(t)
+	for _, id := range []string{"ok-1", "fail-1", "panic-1", topic + "/0/4"} {
+		assert.Equal(t, 1, effects[id], "event %s", id)
+	}
+	assert.Zero(t, effects["bin-1"], "still undecodable")
+
+	code, out, _ = cli(t, env, "dlq", "list", "-dlq", dlqName, "-id", "bin-1", "-json")
+	require.Equal(t, exitOK, code)
+	require.NoError(t, json.Unmarshal([]byte(out), &listed))
+	// The first replay redrove the original; the second the original and
+	// that copy, whose redrive count went on to 2.
+	require.Len(t, listed, 4, "dead-lettered again after each replay")
+	counts := make([]int, len(listed))
+	for i, l := range listed {
+		counts[i] = l.RedriveCount
+	}
+	assert.Equal(t, []int{0, 1, 1, 2}, counts)
+}
+
+func TestStatusMigrateRetention(t *testing.T) {
+	env, svc, topic := kafkaDLQ(t)
+	code, out, errOut := cli(t, env, "migrate", "up")
+	require.Equal(t, exitOK, code, errOut)
+	assert.Contains(t, out, "migrated")
+	for _, action := range []string{"down", "status"} {
+		code, _, errOut = cli(t, env, "migrate", action)
+		assert.Equal(t, exitUnavailable, code)
+		assert.Contains(t, errOut, "not available")
+	}
+	code, _, _ = cli(t, env, "migrate", "sideways")
+	assert.Equal(t, exitUsage, code)
+
+	code, out, errOut = cli(t, env, "status", "-dlq", topic+".dlq", "-json")
+	require.Equal(t, exitOK, code, errOut)
+	var st statusReport
+	require.NoError(t, json.Unmarshal([]byte(out), &st))
+	require.Len(t, st.Consumers, 1)
+	assert.Equal(t, "billing", st.Consumers[0].Name)
+	assert.EqualValues(t, 1, st.Consumers[0].Processed)
+	kinds := map[string]int{}
+	for _, k := range st.DeadLetters {
+		kinds[k.Kind] += k.Count
+	}
+	assert.Equal(t, map[string]int{"handler": 2, "panic": 1, "decode": 1}, kinds)
+
+	code, out, errOut = cli(t, env, "status", "-group", "nobody", "-topic", topic)
+	require.Equal(t, exitOK, code, errOut)
+	assert.Contains(t, out, "kafka lag")
+	assert.Contains(t, out, "billing")
+
+	code, out, errOut = cli(t, env, "retention", "-consumer", "billing", "-older-than", "1h", "-dry-run")
+	require.Equal(t, exitOK, code, errOut)
+	assert.Contains(t, out, "0 rows")
+	_, err := svc.Pool.Exec(context.Background(), `UPDATE processed_events SET processed_at = now() - interval '2 hours'`)
+	require.NoError(t, err)
+	code, out, errOut = cli(t, env, "retention", "-consumer", "billing", "-older-than", "1h", "-batch", "1")
+	require.Equal(t, exitOK, code, errOut)
+	assert.Contains(t, out, "deleted 1 rows")
+	assert.Contains(t, errOut, "deleted 1 rows")
+	code, _, _ = cli(t, env, "retention", "-consumer", "billing")
+	assert.Equal(t, exitUsage, code)
+	code, _, _ = cli(t, map[string]string{"DATABASE_URL": "postgres://127.0.0.1:1/x?connect_timeout=1"}, "status")
+	assert.Equal(t, exitFailure, code, "an unreachable database is a failure")
+}
+
+func TestDLQReplayOnRabbitMQ(t *testing.T) {
+	url := testenv.AMQPURL(t)
+	queue := testenv.Uniq("orders")
+	testenv.DeleteQueues(t, url, queue, queue+".dlq")
+	pool, schema := pgtest.Schema(t)
+	svc := testenv.StartService(t, pool, testenv.OpenAMQPSource(t, url, queue), "billing")
+	ch := testenv.AMQPChannel(t, url)
+	for _, p := range []amqp091.Publishing{
+		{MessageId: "pay-1", Body: testenv.JSON(1, "fail"), Type: "payment.made"},
+		{MessageId: "pay-2", Body: testenv.JSON(2, "fail"), Type: "payment.made"},
+		{MessageId: "", Body: testenv.JSON(3, "fail")},
+	} {
+		testenv.PublishAMQP(t, ch, queue, p)
+	}
+	svc.WaitSettled(t, 3)
+	svc.Broken.Store(false)
+	env := map[string]string{"ONCE_AMQP_URL": url}
+
+	code, out, errOut := cli(t, env, "dlq", "list", "-dlq", queue+".dlq")
+	require.Equal(t, exitOK, code, errOut)
+	assert.Contains(t, out, "3 records")
+	for range 2 {
+		code, out, errOut = cli(t, env, "dlq", "list", "-dlq", queue+".dlq", "-json")
+		require.Equal(t, exitOK, code, errOut)
+	}
+	var listed []recordSummary
+	require.NoError(t, json.Unmarshal([]byte(out), &listed))
+	require.Len(t, listed, 3, "listing consumed nothing")
+
+	code, out, errOut = cli(t, env, "dlq", "replay", "-dlq", queue+".dlq", "-id", "pay-*", "-keep")
+	require.Equal(t, exitOK, code, errOut)
+	assert.Contains(t, out, "replayed 2")
+	code, out, errOut = cli(t, env, "dlq", "replay", "-dlq", queue+".dlq", "-all", "-by", "oncall")
+	require.Equal(t, exitOK, code, errOut)
+	assert.Contains(t, out, "replayed 3")
+	svc.WaitSettled(t, 8)
+	effects := svc.Effects(t)
+	assert.Equal(t, 1, effects["pay-1"])
+	assert.Equal(t, 1, effects["pay-2"])
+	assert.Len(t, effects, 3, "%v", effects)
+
+	code, out, _ = cli(t, env, "dlq", "list", "-dlq", queue+".dlq")
+	require.Equal(t, exitOK, code)
+	assert.Contains(t, out, "0 records", "replayed messages left the queue")
+	code, out, errOut = cli(t, env, "status", "-amqp", url, "-queue", queue+","+queue+".dlq", "-database-url", testenv.SchemaURL(schema))
+	require.Equal(t, exitOK, code, errOut)
+	assert.Contains(t, out, "rabbitmq queues")
+}
+
+// On a terminal a replay draws one bar, redrawn in place; on a pipe it
+// writes a line per record.
+func TestReplayProgress(t *testing.T) {
+	var buf bytes.Buffer
+	a := &app{stderr: &buf, terminal: true}
+	p := a.progress(false)
+	r := &dlq.Record{Ref: "0:1", Headers: []dlq.Header{{Key: "once-event-id", Value: "e-1"}}}
+	for i := 1; i <= 4; i++ {
+		p.update(i, 4, dlq.Outcome{Record: r, Result: dlq.Replayed})
+	}
+	p.finish()
+	out := buf.String()
+	assert.Equal(t, 4, strings.Count(out, "\rreplaying ["))
+	assert.Contains(t, out, "[##############################] 4/4")
+	assert.True(t, strings.HasSuffix(out, "\n"))
+
+	buf.Reset()
+	a.terminal = false
+	p = a.progress(false)
+	p.update(1, 2, dlq.Outcome{Record: r, Result: dlq.Replayed})
+	assert.Equal(t, "[1/2] replayed 0:1 e-1\n", buf.String())
+}
+
+// once ui serves the console on the address it prints, read-only by
+// default, and stops when its context ends.
+func TestUIServesTheConsole(t *testing.T) {
+	pool, schema := pgtest.Schema(t)
+	_, err := pool.Exec(context.Background(), `CREATE TABLE processed_events (consumer text, event_id text, fingerprint bytea,
+		processed_at timestamptz DEFAULT now(), source text, partition int, "offset" bigint, PRIMARY KEY (consumer, event_id));
+		CREATE TABLE processed_events_attempts (consumer text, event_id text, attempts int, last_seen timestamptz DEFAULT now());
+		INSERT INTO processed_events (consumer, event_id) VALUES ('billing', 'e-1')`)
+	require.NoError(t, err)
+	pr, pw := io.Pipe()
+	a := newApp(pw, io.Discard, func(string) string { return "" })
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan int, 1)
+	go func() {
+		done <- a.run(ctx, []string{"ui", "-addr", "127.0.0.1:0", "-database-url", testenv.SchemaURL(schema)})
+		pw.Close()
+	}()
+	line, err := bufio.NewReader(pr).ReadString('\n')
+	require.NoError(t, err)
+	go func() { _, _ = io.Copy(io.Discard, pr) }()
+	require.Contains(t, line, "(read-only)")
+	addr := strings.Fields(strings.TrimPrefix(line, "once console on "))[0]
+	resp, err := http.Get(addr)
+	require.NoError(t, err)
+	body, err := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	require.NoError(t, err)
+	assert.Equal(t, http.StatusOK, resp.StatusCode)
+	assert.Contains(t, string(body), `data-consumer="billing"`)
+	cancel()
+	select {
+	case code := <-done:
+		assert.Equal(t, exitOK, code)
+	case <-time.After(15 * time.Second):
+		t.Fatal("once ui did not stop")
+	}
+	code, _, errOut := cli(t, nil, "ui")
+	assert.Equal(t, exitUsage, code, "nothing to show")
+	assert.Contains(t, errOut, "-database-url")
+}
+
+// Header text with control characters is quoted, so a dead letter cannot
+// send escape sequences to the operator's terminal.
+func TestTextOutputQuotesControlCharacters(t *testing.T) {
+	assert.Equal(t, "plain text", safe("plain text"))
+	assert.Equal(t, `"\x1b[2Jgotcha"`, safe("\x1b[2Jgotcha"))
+	assert.Equal(t, `"two\nlines"`, safe("two\nlines"))
+	assert.Equal(t, `"\xff"`, safe("\xff"))
+}

@@ -1,0 +1,70 @@
+package console_test
+
+import (
+	"net/http"
+	"net/http/httptest"
+	"net/url"
+	"regexp"
+	"testing"
+
+	amqp091 "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/cmd/once/console"
+	"github.com/onceco/once/cmd/once/dlq"
+	"github.com/onceco/once/cmd/once/internal/testenv"
+	"github.com/onceco/once/internal/pgtest"
+)
+
+var dataRef = regexp.MustCompile(`data-ref="([0-9a-f]+)" data-event-id="([^"]*)"`)
+
+// The console on a RabbitMQ dead-letter queue: the records listed by their
+// digest refs, two of three replayed (posted twice, as a double click
+// would), one effect each, and only the third left in the queue.
+func TestConsoleReplayOnRabbitMQ(t *testing.T) {
+	u := testenv.AMQPURL(t)
+	queue := testenv.Uniq("orders")
+	testenv.DeleteQueues(t, u, queue, queue+".dlq")
+	pool, _ := pgtest.Schema(t)
+	svc := testenv.StartService(t, pool, testenv.OpenAMQPSource(t, u, queue), "billing")
+	ch := testenv.AMQPChannel(t, u)
+	for _, id := range []string{"pay-1", "pay-2", "pay-3"} {
+		testenv.PublishAMQP(t, ch, queue, amqp091.Publishing{MessageId: id, Body: testenv.JSON(1, "fail")})
+	}
+	svc.WaitSettled(t, 3)
+	svc.Broken.Store(false)
+	q, err := dlq.NewAMQP(dlq.AMQPConfig{URL: u, Queue: queue + ".dlq"})
+	require.NoError(t, err)
+	h, err := console.New(console.Config{DB: svc.Pool, Queues: []dlq.Queue{q}, AllowReplay: true, Logger: testenv.Logger()})
+	require.NoError(t, err)
+	srv := httptest.NewServer(h)
+	t.Cleanup(srv.Close)
+
+	refs := map[string]string{} // event id -> ref
+	for _, m := range dataRef.FindAllStringSubmatch(get(t, srv.URL+"/dlq?q=0"), -1) {
+		refs[m[2]] = m[1]
+	}
+	require.Len(t, refs, 3)
+	assert.Contains(t, get(t, srv.URL+"/record?q=0&ref="+refs["pay-1"]), "pay-1")
+
+	form := url.Values{"q": {"0"}, "ref": {refs["pay-1"], refs["pay-2"]}}
+	resp, err := http.PostForm(srv.URL+"/replay", form)
+	require.NoError(t, err)
+	resp.Body.Close()
+	require.Equal(t, http.StatusOK, resp.StatusCode)
+	assert.Empty(t, svc.Effects(t), "the confirmation page replays nothing")
+
+	form.Set("confirm", "yes")
+	for range 2 {
+		resp, err = http.PostForm(srv.URL+"/replay", form)
+		require.NoError(t, err)
+		resp.Body.Close()
+		require.Equal(t, http.StatusOK, resp.StatusCode)
+	}
+	svc.WaitSettled(t, 5)
+	assert.Equal(t, map[string]int{"pay-1": 1, "pay-2": 1}, svc.Effects(t))
+	left := dataRef.FindAllStringSubmatch(get(t, srv.URL+"/dlq?q=0"), -1)
+	require.Len(t, left, 1)
+	assert.Equal(t, refs["pay-3"], left[0][1])
+}

@@ -1,0 +1,394 @@
+package console
+
+import (
+	"context"
+	"embed"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"html/template"
+	"log/slog"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/onceco/once/cmd/once/dlq"
+	"github.com/onceco/once/cmd/once/inspect"
+	"github.com/onceco/once/consumer"
+)
+
+// Config configures the console.
+type Config struct {
+	// DB is the database of the processed-events table; nil leaves the
+	// consumers table out.
+	DB *pgxpool.Pool
+	// Tables names the tables; the zero value is the default names on the
+	// search_path.
+	Tables inspect.Tables
+	// Queues are the dead-letter topics and queues shown. The console uses
+	// them from concurrent requests.
+	Queues []dlq.Queue
+	// AllowReplay enables replays. Default false: read-only.
+	AllowReplay bool
+	// By is written in once-redriven-by on replays. Default "once console".
+	By string
+	// SuspectAge is the age past which an attempt row counts as a crash
+	// suspect. Default 5 minutes.
+	SuspectAge time.Duration
+	// MaxRows bounds the records listed on one page. Default 500.
+	MaxRows int
+	// Timeout bounds the broker and database work of one request. Default
+	// 30 seconds.
+	Timeout time.Duration
+	// Logger receives replays and errors. Default slog.Default().
+	Logger *slog.Logger
+}
+
+//go:embed templates/*.html
+var templateFS embed.FS
+
+// Handler serves the console. Build it with New.
+type Handler struct {
+	cfg  Config
+	tmpl *template.Template
+	mux  *http.ServeMux
+}
+
+// New validates cfg and returns the console's handler.
+func New(cfg Config) (*Handler, error) {
+	if cfg.DB == nil && len(cfg.Queues) == 0 {
+		return nil, errors.New("console: Config needs a DB, Queues, or both")
+	}
+	if cfg.By == "" {
+		cfg.By = "once console"
+	}
+	if cfg.SuspectAge == 0 {
+		cfg.SuspectAge = 5 * time.Minute
+	}
+	if cfg.MaxRows == 0 {
+		cfg.MaxRows = 500
+	}
+	if cfg.Timeout == 0 {
+		cfg.Timeout = 30 * time.Second
+	}
+	if cfg.SuspectAge < 0 || cfg.MaxRows < 0 || cfg.Timeout < 0 {
+		return nil, errors.New("console: Config.SuspectAge, MaxRows and Timeout must not be negative")
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	tmpl, err := template.New("").Funcs(funcs).ParseFS(templateFS, "templates/*.html")
+	if err != nil {
+		return nil, fmt.Errorf("console: templates: %w", err)
+	}
+	h := &Handler{cfg: cfg, tmpl: tmpl, mux: http.NewServeMux()}
+	h.mux.HandleFunc("GET /{$}", h.overview)
+	h.mux.HandleFunc("GET /dlq", h.list)
+	h.mux.HandleFunc("GET /record", h.record)
+	h.mux.Handle("POST /replay", http.NewCrossOriginProtection().Handler(http.HandlerFunc(h.replay)))
+	return h, nil
+}
+
+// ServeHTTP serves the console's pages.
+func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	w.Header().Set("Content-Security-Policy", "default-src 'none'; style-src 'unsafe-inline'; form-action 'self'; frame-ancestors 'none'")
+	w.Header().Set("X-Content-Type-Options", "nosniff")
+	h.mux.ServeHTTP(w, r)
+}
+
+var funcs = template.FuncMap{
+	"time": func(t time.Time) string {
+		if t.IsZero() {
+			return "-"
+		}
+		return t.UTC().Format("2006-01-02 15:04:05")
+	},
+	"ago": func(t time.Time) string {
+		if t.IsZero() {
+			return ""
+		}
+		return time.Since(t).Round(time.Second).String() + " ago"
+	},
+	"dash": func(s string) string {
+		if s == "" {
+			return "-"
+		}
+		return s
+	},
+	"clip": func(s string, n int) string {
+		s = strings.Join(strings.Fields(s), " ")
+		if r := []rune(s); len(r) > n {
+			return string(r[:n-1]) + "…"
+		}
+		return s
+	},
+}
+
+// page is what every template gets.
+type page struct {
+	Title       string
+	AllowReplay bool
+	Queues      []queueRef
+	Error       string
+	Data        any
+}
+
+type queueRef struct {
+	Index int
+	Name  string
+}
+
+func (h *Handler) page(title string, data any) page {
+	p := page{Title: title, AllowReplay: h.cfg.AllowReplay, Data: data}
+	for i, q := range h.cfg.Queues {
+		p.Queues = append(p.Queues, queueRef{i, q.Name()})
+	}
+	return p
+}
+
+func (h *Handler) render(w http.ResponseWriter, status int, name string, p page) {
+	w.Header().Set("Content-Type", "text/html; charset=utf-8")
+	w.WriteHeader(status)
+	if err := h.tmpl.ExecuteTemplate(w, name, p); err != nil {
+		h.cfg.Logger.Error("once console: render", "page", name, "error", err)
+	}
+}
+
+func (h *Handler) fail(w http.ResponseWriter, status int, err error) {
+	h.cfg.Logger.Warn("once console: request failed", "error", err)
+	p := h.page("Error", nil)
+	p.Error = err.Error()
+	h.render(w, status, "error.html", p)
+}
+
+func (h *Handler) ctx(r *http.Request) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(r.Context(), h.cfg.Timeout)
+}
+
+// queueAt returns the queue of the request's q parameter.
+func (h *Handler) queueAt(r *http.Request) (int, dlq.Queue, error) {
+	i, err := strconv.Atoi(r.FormValue("q"))
+	if err != nil || i < 0 || i >= len(h.cfg.Queues) {
+		return 0, nil, fmt.Errorf("no dead-letter queue %q", r.FormValue("q"))
+	}
+	return i, h.cfg.Queues[i], nil
+}
+
+type overviewData struct {
+	Consumers   []inspect.Consumer
+	HasDB       bool
+	DeadLetters []queueSummary
+}
+
+type queueSummary struct {
+	Queue  queueRef
+	Kinds  []dlq.KindCount
+	Total  int
+	Failed string
+}
+
+func (h *Handler) overview(w http.ResponseWriter, r *http.Request) {
+	ctx, cancel := h.ctx(r)
+	defer cancel()
+	d := overviewData{HasDB: h.cfg.DB != nil}
+	if h.cfg.DB != nil {
+		cs, err := inspect.Consumers(ctx, h.cfg.DB, h.cfg.Tables, h.cfg.SuspectAge)
+		if err != nil {
+			h.fail(w, http.StatusBadGateway, err)
+			return
+		}
+		d.Consumers = cs
+	}
+	for i, q := range h.cfg.Queues {
+		s := queueSummary{Queue: queueRef{i, q.Name()}}
+		recs, err := dlq.Collect(ctx, q, dlq.Filter{})
+		if err != nil {
+			s.Failed = err.Error()
+		}
+		s.Kinds, s.Total = dlq.Summarize(recs), len(recs)
+		d.DeadLetters = append(d.DeadLetters, s)
+	}
+	h.render(w, http.StatusOK, "overview.html", h.page("Consumers", d))
+}
+
+type listData struct {
+	Queue   queueRef
+	Filter  filterForm
+	Kinds   []string
+	Records []row
+	Total   int
+	Shown   int
+}
+
+type filterForm struct {
+	Consumer, Kind, ID, Search, Since string
+}
+
+type row struct {
+	*dlq.Record
+	Replayable    bool
+	NotReplayable string
+}
+
+func toRow(r *dlq.Record) row {
+	rw := row{Record: r, Replayable: true}
+	if err := r.Replayable(false); err != nil {
+		rw.Replayable, rw.NotReplayable = false, err.Error()
+	}
+	return rw
+}
+
+var allKinds = []string{
+	string(consumer.KindDecode), string(consumer.KindHandler), string(consumer.KindPanic),
+	string(consumer.KindUnknownType), string(consumer.KindMissingID), string(consumer.KindInvalidID),
+	string(consumer.KindIDConflict), string(consumer.KindCrashLoop),
+}
+
+func (h *Handler) filterOf(r *http.Request) (filterForm, dlq.Filter, error) {
+	ff := filterForm{
+		Consumer: r.FormValue("consumer"), Kind: r.FormValue("kind"), ID: r.FormValue("id"),
+		Search: r.FormValue("search"), Since: r.FormValue("since"),
+	}
+	f := dlq.Filter{Consumer: ff.Consumer, EventID: ff.ID, Search: ff.Search}
+	if ff.Kind != "" {
+		f.Kinds = []string{ff.Kind}
+	}
+	if ff.Since != "" {
+		d, err := time.ParseDuration(ff.Since)
+		if err != nil || d < 0 {
+			return ff, f, fmt.Errorf("since %q: want a duration such as 2h", ff.Since)
+		}
+		f.Since = time.Now().Add(-d)
+	}
+	return ff, f, nil
+}
+
+func (h *Handler) list(w http.ResponseWriter, r *http.Request) {
+	i, q, err := h.queueAt(r)
+	if err != nil {
+		h.fail(w, http.StatusNotFound, err)
+		return
+	}
+	ff, f, err := h.filterOf(r)
+	if err != nil {
+		h.fail(w, http.StatusBadRequest, err)
+		return
+	}
+	ctx, cancel := h.ctx(r)
+	defer cancel()
+	recs, err := dlq.Collect(ctx, q, f)
+	if err != nil {
+		h.fail(w, http.StatusBadGateway, err)
+		return
+	}
+	d := listData{Queue: queueRef{i, q.Name()}, Filter: ff, Kinds: allKinds, Total: len(recs)}
+	for _, rec := range recs {
+		if len(d.Records) == h.cfg.MaxRows {
+			break
+		}
+		d.Records = append(d.Records, toRow(rec))
+	}
+	d.Shown = len(d.Records)
+	h.render(w, http.StatusOK, "list.html", h.page("Dead letters", d))
+}
+
+type recordData struct {
+	Queue   queueRef
+	Row     row
+	Text    string
+	Hex     string
+	KeyText string
+}
+
+func (h *Handler) record(w http.ResponseWriter, r *http.Request) {
+	i, q, err := h.queueAt(r)
+	if err != nil {
+		h.fail(w, http.StatusNotFound, err)
+		return
+	}
+	ref := r.FormValue("ref")
+	ctx, cancel := h.ctx(r)
+	defer cancel()
+	recs, err := dlq.Collect(ctx, q, dlq.Filter{Refs: []string{ref}})
+	if err != nil {
+		h.fail(w, http.StatusBadGateway, err)
+		return
+	}
+	if len(recs) == 0 {
+		h.fail(w, http.StatusNotFound, fmt.Errorf("no record %q in %s (replayed and removed, or never there)", ref, q.Name()))
+		return
+	}
+	rec := recs[0]
+	d := recordData{Queue: queueRef{i, q.Name()}, Row: toRow(rec)}
+	if dlq.Printable(rec.Value) {
+		d.Text = string(rec.Value)
+	} else {
+		d.Hex = hex.Dump(rec.Value)
+	}
+	if rec.Key != nil {
+		if dlq.Printable(rec.Key) {
+			d.KeyText = string(rec.Key)
+		} else {
+			d.KeyText = "0x" + hex.EncodeToString(rec.Key)
+		}
+	}
+	h.render(w, http.StatusOK, "record.html", h.page("Dead letter "+ref, d))
+}
+
+type replayData struct {
+	Queue   queueRef
+	Refs    []string
+	Records []row
+	Report  *dlq.Report
+	Missing int
+}
+
+// replay shows the confirmation page for the posted refs, or, with
+// confirm=yes, replays them.
+func (h *Handler) replay(w http.ResponseWriter, r *http.Request) {
+	if !h.cfg.AllowReplay {
+		h.fail(w, http.StatusForbidden, errors.New("the console is read-only: start it with replays allowed (once ui -allow-replay)"))
+		return
+	}
+	if err := r.ParseForm(); err != nil {
+		h.fail(w, http.StatusBadRequest, err)
+		return
+	}
+	i, q, err := h.queueAt(r)
+	if err != nil {
+		h.fail(w, http.StatusNotFound, err)
+		return
+	}
+	refs := r.PostForm["ref"]
+	if len(refs) == 0 {
+		h.fail(w, http.StatusBadRequest, errors.New("no record selected"))
+		return
+	}
+	ctx, cancel := h.ctx(r)
+	defer cancel()
+	d := replayData{Queue: queueRef{i, q.Name()}, Refs: refs}
+	if r.PostFormValue("confirm") != "yes" {
+		recs, err := dlq.Collect(ctx, q, dlq.Filter{Refs: refs})
+		if err != nil {
+			h.fail(w, http.StatusBadGateway, err)
+			return
+		}
+		for _, rec := range recs {
+			d.Records = append(d.Records, toRow(rec))
+		}
+		d.Missing = len(refs) - len(recs)
+		h.render(w, http.StatusOK, "confirm.html", h.page("Confirm replay", d))
+		return
+	}
+	rep, err := q.Replay(ctx, dlq.Filter{Refs: refs}, dlq.ReplayOptions{By: h.cfg.By})
+	h.cfg.Logger.Info("once console: replay", "queue", q.Name(), "selected", rep.Selected, "replayed", rep.Replayed, "skipped", rep.Skipped, "error", err)
+	if err != nil {
+		h.fail(w, http.StatusBadGateway, fmt.Errorf("replay stopped after %d records: %w", rep.Replayed, err))
+		return
+	}
+	d.Report = &rep
+	h.render(w, http.StatusOK, "result.html", h.page("Replayed", d))
+}

@@ -1,0 +1,290 @@
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"text/tabwriter"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/onceco/once/cmd/once/dlq"
+	"github.com/onceco/once/cmd/once/inspect"
+	"github.com/onceco/once/dedup"
+)
+
+const migrateUsage = `Usage: once migrate [up|down|status] [-database-url URL] [-schema S] [-table T]
+
+up (the default) creates the processed-events and attempts tables and their
+index if they do not exist: idempotent, serialised by an advisory lock, the
+same DDL a consumer runs at start unless Config.SkipMigrate. down and status
+need versioned migrations, which this version of the dedup package does not
+have: they exit with code 3.`
+
+const statusUsage = `Usage: once status [-database-url URL] [-kafka BROKERS -group G -topic T] [-amqp URL -queue Q] [-dlq NAME] [-json]
+
+Per consumer name: processed rows, the oldest and newest, attempt rows
+(messages in flight that may be redeliveries) and crash suspects among them
+(counted more than once, or not seen for -suspect-age). With -dlq, the dead
+letters of that topic or queue by consumer and kind. With -kafka, -group and
+-topic, the group's lag per partition; with -amqp and -queue, the depth of
+each queue. Counting rows reads the whole table.`
+
+const retentionUsage = `Usage: once retention -consumer NAME -older-than DURATION [-batch N] [-dry-run] [-database-url URL]
+
+Deletes the processed-event rows of one consumer processed more than
+DURATION ago (and its attempt rows last seen before then), -batch rows per
+statement, each its own short transaction, printing progress. A deleted row
+no longer suppresses a redelivery of its event: DURATION must exceed the
+longest time a message can take to come back (docs/operations.md).`
+
+// dbFlags are the flags of commands that use PostgreSQL.
+type dbFlags struct {
+	url, schema, table *string
+}
+
+func (a *app) dbFlagsOn(fs *flag.FlagSet) *dbFlags {
+	return &dbFlags{
+		url:    fs.String("database-url", a.getenv("DATABASE_URL"), "PostgreSQL `URL` (env DATABASE_URL)"),
+		schema: fs.String("schema", "", "`schema` of the tables (default: the search_path)"),
+		table:  fs.String("table", dedup.DefaultTable, "processed-events `table`; its attempts table has the suffix _attempts"),
+	}
+}
+
+func (f *dbFlags) tables() inspect.Tables {
+	return inspect.Tables{Schema: *f.schema, Table: *f.table}
+}
+
+func (f *dbFlags) pool(ctx context.Context) (*pgxpool.Pool, error) {
+	if *f.url == "" {
+		return nil, usagef("-database-url (or DATABASE_URL) is required")
+	}
+	cfg, err := pgxpool.ParseConfig(*f.url)
+	if err != nil {
+		return nil, usagef("-database-url does not parse")
+	}
+	cfg.MaxConns = 2
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return nil, fmt.Errorf("connect to PostgreSQL: %w", err)
+	}
+	if err := pool.Ping(ctx); err != nil {
+		pool.Close()
+		return nil, fmt.Errorf("connect to PostgreSQL: %w", err)
+	}
+	return pool, nil
+}
+
+func (a *app) migrate(ctx context.Context, args []string) error {
+	fs, helpOnly := a.flags(ctx, "migrate")
+	db := a.dbFlagsOn(fs)
+	if helpOnly {
+		return nil
+	}
+	action := "up"
+	if len(args) > 0 && len(args[0]) > 0 && args[0][0] != '-' {
+		action, args = args[0], args[1:]
+	}
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	switch action {
+	case "up":
+	case "down", "status":
+		return &unavailableError{fmt.Sprintf("migrate %s is not available: the dedup package has one idempotent schema, not versioned migrations; drop the tables by hand to go down", action)}
+	default:
+		return usagef("unknown action %q: want up, down or status", action)
+	}
+	store, err := dedup.New(dedup.Config{Schema: *db.schema, Table: *db.table})
+	if err != nil {
+		return &usageError{err.Error()}
+	}
+	pool, err := db.pool(ctx)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	if err := store.Migrate(ctx, pool); err != nil {
+		return err
+	}
+	fmt.Fprintf(a.stdout, "migrated: %s and %s_attempts exist\n", *db.table, *db.table)
+	return nil
+}
+
+// statusReport is the output of once status.
+type statusReport struct {
+	Consumers   []inspect.Consumer     `json:"consumers"`
+	DeadLetters []dlq.KindCount        `json:"dead_letters,omitempty"`
+	DLQ         string                 `json:"dlq,omitempty"`
+	Lag         []inspect.PartitionLag `json:"lag,omitempty"`
+	Queues      []inspect.QueueDepth   `json:"queues,omitempty"`
+}
+
+func (a *app) status(ctx context.Context, args []string) error {
+	fs, helpOnly := a.flags(ctx, "status")
+	db := a.dbFlagsOn(fs)
+	kafkaBrokers := fs.String("kafka", a.getenv("ONCE_KAFKA_BROKERS"), "Kafka bootstrap `brokers` (env ONCE_KAFKA_BROKERS)")
+	group := fs.String("group", "", "Kafka consumer `group` whose lag to show")
+	topics := fs.String("topic", "", "Kafka `topics` of the group, comma-separated")
+	amqpURL := fs.String("amqp", a.getenv("ONCE_AMQP_URL"), "RabbitMQ `URL` (env ONCE_AMQP_URL)")
+	queues := fs.String("queue", "", "RabbitMQ `queues` whose depth to show, comma-separated")
+	dlqName := fs.String("dlq", "", "dead-letter topic or queue to count by consumer and kind")
+	suspectAge := fs.Duration("suspect-age", 5*time.Minute, "an attempt row not seen for this long is a crash suspect")
+	asJSON := fs.Bool("json", false, "print JSON")
+	if helpOnly {
+		return nil
+	}
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	if (*group == "") != (*topics == "") {
+		return usagef("-group and -topic go together")
+	}
+	if *group != "" && *kafkaBrokers == "" {
+		return usagef("-group needs -kafka")
+	}
+	if *queues != "" && *amqpURL == "" {
+		return usagef("-queue needs -amqp")
+	}
+	var rep statusReport
+	pool, err := db.pool(ctx)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	if rep.Consumers, err = inspect.Consumers(ctx, pool, db.tables(), *suspectAge); err != nil {
+		return err
+	}
+	if *dlqName != "" {
+		kb, au := *kafkaBrokers, *amqpURL
+		if *group == "" && *queues == "" && kb != "" && au != "" {
+			return usagef("-dlq: give -kafka or -amqp, not both")
+		}
+		if kb != "" && au != "" {
+			au = "" // the Kafka flags were given for the lag: the DLQ is a topic
+		}
+		q, err := openQueue(kb, au, *dlqName)
+		if err != nil {
+			return err
+		}
+		recs, err := dlq.Collect(ctx, q, dlq.Filter{})
+		if err != nil {
+			return err
+		}
+		rep.DLQ, rep.DeadLetters = q.Name(), dlq.Summarize(recs)
+	}
+	if *group != "" {
+		if rep.Lag, err = inspect.KafkaLag(splitList(*kafkaBrokers), nil, *group, splitList(*topics)); err != nil {
+			return err
+		}
+	}
+	if *queues != "" {
+		if rep.Queues, err = inspect.AMQPDepth(*amqpURL, splitList(*queues)); err != nil {
+			return err
+		}
+	}
+	if *asJSON {
+		return a.writeJSON(rep)
+	}
+	a.printStatus(rep)
+	return nil
+}
+
+func (a *app) printStatus(rep statusReport) {
+	tw := tabwriter.NewWriter(a.stdout, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "CONSUMER\tPROCESSED\tOLDEST\tNEWEST\tIN FLIGHT\tCRASH SUSPECTS\tMAX ATTEMPTS")
+	for _, c := range rep.Consumers {
+		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%d\t%d\t%d\n", c.Name, c.Processed, formatTime(c.Oldest), formatTime(c.Newest),
+			c.InFlight, c.CrashSuspects, c.MaxAttempts)
+	}
+	if len(rep.Consumers) == 0 {
+		fmt.Fprintln(tw, "(no consumer has processed anything)")
+	}
+	_ = tw.Flush()
+	if rep.DLQ != "" {
+		fmt.Fprintf(a.stdout, "\ndead letters in %s:\n", rep.DLQ)
+		tw = tabwriter.NewWriter(a.stdout, 0, 4, 2, ' ', 0)
+		fmt.Fprintln(tw, "CONSUMER\tKIND\tCOUNT\tREPLAYABLE\tLAST")
+		for _, k := range rep.DeadLetters {
+			fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%s\n", orDash(k.Consumer), orDash(k.Kind), k.Count, k.Replayable, formatTime(k.Last))
+		}
+		if len(rep.DeadLetters) == 0 {
+			fmt.Fprintln(tw, "(none)")
+		}
+		_ = tw.Flush()
+	}
+	if len(rep.Lag) > 0 {
+		fmt.Fprintln(a.stdout, "\nkafka lag:")
+		tw = tabwriter.NewWriter(a.stdout, 0, 4, 2, ' ', 0)
+		fmt.Fprintln(tw, "TOPIC\tPARTITION\tCOMMITTED\tHIGH WATER\tLAG")
+		for _, l := range rep.Lag {
+			fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%d\n", l.Topic, l.Partition, l.Committed, l.HighWater, l.Lag)
+		}
+		_ = tw.Flush()
+	}
+	if len(rep.Queues) > 0 {
+		fmt.Fprintln(a.stdout, "\nrabbitmq queues:")
+		tw = tabwriter.NewWriter(a.stdout, 0, 4, 2, ' ', 0)
+		fmt.Fprintln(tw, "QUEUE\tREADY\tCONSUMERS")
+		for _, q := range rep.Queues {
+			fmt.Fprintf(tw, "%s\t%d\t%d\n", q.Queue, q.Ready, q.Consumers)
+		}
+		_ = tw.Flush()
+	}
+}
+
+func (a *app) retention(ctx context.Context, args []string) error {
+	fs, helpOnly := a.flags(ctx, "retention")
+	db := a.dbFlagsOn(fs)
+	name := fs.String("consumer", "", "the consumer `name` (required)")
+	olderThan := fs.Duration("older-than", 0, "delete rows processed more than this `duration` ago (required, e.g. 720h)")
+	batch := fs.Int("batch", 1000, "rows per statement")
+	dry := fs.Bool("dry-run", false, "count the rows that would be deleted")
+	asJSON := fs.Bool("json", false, "print the result as JSON")
+	if helpOnly {
+		return nil
+	}
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	switch {
+	case *name == "":
+		return usagef("-consumer is required")
+	case *olderThan <= 0:
+		return usagef("-older-than is required and must be positive")
+	case *batch <= 0:
+		return usagef("-batch must be positive")
+	}
+	pool, err := db.pool(ctx)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	cutoff := a.now().Add(-*olderThan)
+	var progress func(int64)
+	if !*asJSON {
+		progress = func(n int64) {
+			if a.terminal {
+				fmt.Fprintf(a.stderr, "\rdeleted %d rows", n)
+			} else {
+				fmt.Fprintf(a.stderr, "deleted %d rows\n", n)
+			}
+		}
+	}
+	n, err := inspect.Retention(ctx, pool, db.tables(), *name, cutoff, inspect.RetentionOptions{
+		BatchSize: *batch, DryRun: *dry, Progress: progress})
+	if a.terminal && progress != nil && !*dry {
+		fmt.Fprintln(a.stderr)
+	}
+	if *asJSON {
+		if jerr := a.writeJSON(map[string]any{"consumer": *name, "cutoff": cutoff.UTC(), "deleted": n, "dry_run": *dry}); jerr != nil {
+			return jerr
+		}
+	} else if *dry {
+		fmt.Fprintf(a.stdout, "%s: %d rows processed before %s would be deleted\n", *name, n, cutoff.UTC().Format(time.RFC3339))
+	} else {
+		fmt.Fprintf(a.stdout, "%s: deleted %d rows processed before %s\n", *name, n, cutoff.UTC().Format(time.RFC3339))
+	}
+	return err
+}

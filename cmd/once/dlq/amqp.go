@@ -1,0 +1,357 @@
+package dlq
+
+import (
+	"context"
+	"crypto/tls"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/url"
+	"slices"
+	"strings"
+	"time"
+
+	amqp091 "github.com/rabbitmq/amqp091-go"
+
+	"github.com/onceco/once/brokers/amqp"
+)
+
+// AMQPConfig configures a RabbitMQ dead-letter queue.
+type AMQPConfig struct {
+	// URL of the broker, "amqp://user:password@host:port/vhost" or
+	// "amqps://...". Required. The password never appears in errors.
+	URL string
+	// TLSConfig is used for amqps URLs; nil means the system roots.
+	TLSConfig *tls.Config
+	// Queue is the dead-letter queue ("orders.dlq"). Required.
+	Queue string
+	// IdleTimeout bounds the wait for the next message while fewer have
+	// arrived than the queue held at the start (another client holds some
+	// unacked). Default 2s.
+	IdleTimeout time.Duration
+}
+
+// AMQPQueue is a RabbitMQ dead-letter queue. Build it with NewAMQP.
+type AMQPQueue struct {
+	cfg AMQPConfig
+}
+
+// NewAMQP validates cfg and returns the queue's Queue. It connects to
+// nothing until used.
+func NewAMQP(cfg AMQPConfig) (*AMQPQueue, error) {
+	if cfg.URL == "" {
+		return nil, errors.New("dlq: AMQPConfig.URL is empty")
+	}
+	if _, err := amqp091.ParseURI(cfg.URL); err != nil {
+		return nil, fmt.Errorf("dlq: AMQPConfig.URL %s: does not parse", redact(cfg.URL))
+	}
+	if cfg.Queue == "" {
+		return nil, errors.New("dlq: AMQPConfig.Queue is empty")
+	}
+	if cfg.IdleTimeout < 0 {
+		return nil, fmt.Errorf("dlq: AMQPConfig.IdleTimeout %v is negative", cfg.IdleTimeout)
+	}
+	if cfg.IdleTimeout == 0 {
+		cfg.IdleTimeout = 2 * time.Second
+	}
+	return &AMQPQueue{cfg: cfg}, nil
+}
+
+// Name returns "rabbitmq queue <Queue>".
+func (q *AMQPQueue) Name() string { return "rabbitmq queue " + q.cfg.Queue }
+
+// Close releases nothing: every call has its own connection.
+func (q *AMQPQueue) Close() error { return nil }
+
+func redact(raw string) string {
+	u, err := url.Parse(raw)
+	if err != nil {
+		return "<unparsable URL>"
+	}
+	return u.Redacted()
+}
+
+func (q *AMQPQueue) dial() (*amqp091.Connection, error) {
+	var conn *amqp091.Connection
+	var err error
+	if q.cfg.TLSConfig != nil {
+		conn, err = amqp091.DialTLS(q.cfg.URL, q.cfg.TLSConfig)
+	} else {
+		conn, err = amqp091.Dial(q.cfg.URL)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("dlq: connect to %s: %w", redact(q.cfg.URL), scrub(err, q.cfg.URL))
+	}
+	return conn, nil
+}
+
+// scrub removes the URL's password from err's text.
+func scrub(err error, raw string) error {
+	u, perr := url.Parse(raw)
+	if perr != nil || u.User == nil {
+		return err
+	}
+	if pw, ok := u.User.Password(); ok && pw != "" {
+		if s := err.Error(); strings.Contains(s, pw) {
+			return errors.New(strings.ReplaceAll(s, pw, "xxxxx"))
+		}
+	}
+	return err
+}
+
+// held is a read of the queue: the deliveries taken, unacked, in order.
+// Closing its channel puts every one not acked back at its position.
+type held struct {
+	q     *AMQPQueue
+	conn  *amqp091.Connection
+	ch    *amqp091.Channel
+	recs  []*Record
+	acked int
+}
+
+// close puts the messages not acked back and waits, up to IdleTimeout,
+// until the queue counts them as ready again: a quorum queue returns them
+// asynchronously, and a read that started before would miss them.
+func (h *held) close() {
+	_ = h.ch.Close()
+	defer h.conn.Close()
+	back := len(h.recs) - h.acked
+	if back <= 0 {
+		return
+	}
+	ch, err := h.conn.Channel()
+	if err != nil {
+		return
+	}
+	defer ch.Close()
+	deadline := time.Now().Add(h.q.cfg.IdleTimeout)
+	for time.Now().Before(deadline) {
+		st, err := ch.QueueDeclarePassive(h.q.cfg.Queue, false, false, false, false, nil)
+		if err != nil || st.Messages >= back {
+			return
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// hold takes the messages the queue holds when it starts, unacked and in
+// order, and converts each to a Record.
+func (q *AMQPQueue) hold(ctx context.Context) (*held, error) {
+	conn, err := q.dial()
+	if err != nil {
+		return nil, err
+	}
+	ch, err := conn.Channel()
+	if err != nil {
+		_ = conn.Close()
+		return nil, fmt.Errorf("dlq: open channel: %w", err)
+	}
+	h := &held{q: q, conn: conn, ch: ch}
+	st, err := ch.QueueDeclarePassive(q.cfg.Queue, false, false, false, false, nil)
+	if err != nil {
+		h.close()
+		return nil, fmt.Errorf("dlq: queue %s: %w", q.cfg.Queue, err)
+	}
+	if st.Messages == 0 {
+		return h, nil
+	}
+	deliveries, err := ch.ConsumeWithContext(ctx, q.cfg.Queue, "", false, false, false, false, nil)
+	if err != nil {
+		h.close()
+		return nil, fmt.Errorf("dlq: read queue %s: %w", q.cfg.Queue, err)
+	}
+	idle := time.NewTimer(q.cfg.IdleTimeout)
+	defer idle.Stop()
+	for len(h.recs) < st.Messages {
+		select {
+		case d, ok := <-deliveries:
+			if !ok {
+				h.close()
+				return nil, fmt.Errorf("dlq: read queue %s: the channel closed", q.cfg.Queue)
+			}
+			h.recs = append(h.recs, amqpRecord(q.cfg.Queue, len(h.recs)+1, &d))
+			idle.Reset(q.cfg.IdleTimeout)
+		case <-idle.C:
+			// Some of the messages counted at the start are held by
+			// another client: what arrived is what can be read now.
+			return h, nil
+		case <-ctx.Done():
+			h.close()
+			return nil, ctx.Err()
+		}
+	}
+	return h, nil
+}
+
+// Browse reads the messages the queue holds when it starts without acking
+// any: it takes them on a channel of its own and closes the channel, which
+// puts them back at their positions. A message another client holds
+// unacked is not seen.
+func (q *AMQPQueue) Browse(ctx context.Context, fn func(*Record) error) error {
+	h, err := q.hold(ctx)
+	if err != nil {
+		return err
+	}
+	defer h.close()
+	for _, r := range h.recs {
+		if err := fn(r); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// Replay publishes each selected message to its original exchange with
+// its original routing key (mandatory, with publisher confirms) and, unless
+// opts.Keep, acks it in the dead-letter queue once the broker confirmed the
+// redrive. The messages not selected, or not replayed, go back to their
+// positions. A crash between the confirm and the ack leaves the message in
+// the queue: replaying it again is deduplicated.
+func (q *AMQPQueue) Replay(ctx context.Context, f Filter, opts ReplayOptions) (Report, error) {
+	if err := opts.validate(); err != nil {
+		return Report{}, err
+	}
+	h, err := q.hold(ctx)
+	if err != nil {
+		return Report{}, err
+	}
+	defer h.close()
+	var sel []*Record
+	for _, r := range h.recs {
+		if f.Match(r) {
+			sel = append(sel, r)
+		}
+	}
+	if opts.DryRun || len(sel) == 0 {
+		return replayLoop(ctx, sel, opts, nil)
+	}
+	pub, err := h.conn.Channel()
+	if err != nil {
+		return Report{}, fmt.Errorf("dlq: open channel: %w", err)
+	}
+	defer pub.Close()
+	if err := pub.Confirm(false); err != nil {
+		return Report{}, fmt.Errorf("dlq: confirm mode: %w", err)
+	}
+	returns := pub.NotifyReturn(make(chan amqp091.Return, 1))
+	closed := pub.NotifyClose(make(chan *amqp091.Error, 1))
+	return replayLoop(ctx, sel, opts, func(r *Record, redrive []Header) (string, error) {
+		d := r.raw.(*amqp091.Delivery)
+		ex, rk := r.Header(amqp.HeaderOriginalExchange), r.Header(amqp.HeaderOriginalRoutingKey)
+		conf, err := pub.PublishWithDeferredConfirmWithContext(ctx, ex, rk, true, false, amqpRedrive(d, redrive))
+		if err != nil {
+			return "", err
+		}
+		acked, err := conf.WaitContext(ctx)
+		if err != nil {
+			return "", err
+		}
+		if pub.IsClosed() {
+			// A missing exchange closes the channel (404).
+			if cerr := <-closed; cerr != nil {
+				return "", fmt.Errorf("the broker closed the channel: %w", cerr)
+			}
+			return "", errors.New("the channel closed")
+		}
+		select {
+		case ret := <-returns:
+			return "", fmt.Errorf("unroutable (%s): no queue is bound to exchange %q with routing key %q", ret.ReplyText, ex, rk)
+		default:
+		}
+		if !acked {
+			return "", errors.New("the broker nacked the publish")
+		}
+		if !opts.Keep {
+			if err := d.Ack(false); err != nil {
+				return "", fmt.Errorf("published, but the dead letter was not removed: %w", err)
+			}
+			h.acked++
+		}
+		return r.Destination(), nil
+	})
+}
+
+// amqpRedrive builds the redrive of d: its properties, body and original
+// headers, then the redrive headers.
+func amqpRedrive(d *amqp091.Delivery, redrive []Header) amqp091.Publishing {
+	h := make(amqp091.Table, len(d.Headers)+len(redrive))
+	for k, v := range d.Headers {
+		if !diagnosticHeaders[k] {
+			h[k] = v
+		}
+	}
+	for _, rh := range redrive {
+		h[rh.Key] = rh.Value
+	}
+	return amqp091.Publishing{
+		Headers:         h,
+		ContentType:     d.ContentType,
+		ContentEncoding: d.ContentEncoding,
+		DeliveryMode:    amqp091.Persistent,
+		Priority:        d.Priority,
+		CorrelationId:   d.CorrelationId,
+		ReplyTo:         d.ReplyTo,
+		MessageId:       d.MessageId,
+		Timestamp:       d.Timestamp,
+		Type:            d.Type,
+		AppId:           d.AppId,
+		Body:            d.Body,
+	}
+}
+
+func amqpRecord(queue string, pos int, d *amqp091.Delivery) *Record {
+	headers := make([]Header, 0, len(d.Headers))
+	for k, v := range d.Headers {
+		headers = append(headers, Header{k, headerText(v)})
+	}
+	slices.SortFunc(headers, func(a, b Header) int {
+		switch {
+		case a.Key < b.Key:
+			return -1
+		case a.Key > b.Key:
+			return 1
+		}
+		return 0
+	})
+	r := &Record{
+		Queue:     queue,
+		Position:  pos,
+		Partition: -1,
+		Offset:    -1,
+		Value:     d.Body,
+		Headers:   headers,
+		Properties: &Properties{
+			MessageID: d.MessageId, Type: d.Type, ContentType: d.ContentType,
+			ContentEncoding: d.ContentEncoding, CorrelationID: d.CorrelationId,
+			ReplyTo: d.ReplyTo, AppID: d.AppId, Priority: d.Priority, Timestamp: d.Timestamp,
+		},
+		raw: d,
+	}
+	r.Ref = amqpRef(d.Body, headers)
+	r.Timestamp = r.FailedAt()
+	return r
+}
+
+// headerText renders an AMQP header value as text: strings and byte
+// arrays as they are, times in RFC 3339, tables and arrays as JSON, the
+// rest with fmt.
+func headerText(v any) string {
+	switch x := v.(type) {
+	case nil:
+		return ""
+	case string:
+		return x
+	case []byte:
+		return string(x)
+	case time.Time:
+		return x.UTC().Format(time.RFC3339)
+	case amqp091.Table, []any:
+		b, err := json.Marshal(x)
+		if err != nil {
+			return fmt.Sprint(x)
+		}
+		return string(b)
+	default:
+		return fmt.Sprint(x)
+	}
+}

@@ -1,0 +1,262 @@
+package dlq
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"time"
+
+	"github.com/IBM/sarama"
+
+	"github.com/onceco/once/consumer"
+)
+
+// KafkaConfig configures a Kafka dead-letter topic.
+type KafkaConfig struct {
+	// Brokers are the bootstrap addresses ("host:port"). Required.
+	Brokers []string
+	// Topic is the dead-letter topic ("orders.dlq"). Required.
+	Topic string
+	// Sarama is the base client configuration (TLS, SASL, Version). Nil
+	// means sarama.NewConfig() with Version 2.8. It is copied, never
+	// modified; the redrive producer is made idempotent with acks from all
+	// in-sync replicas.
+	Sarama *sarama.Config
+	// IdleTimeout bounds the wait for the next record of a partition that
+	// has not reached its high-water mark (records of aborted transactions
+	// never arrive). Default 5s.
+	IdleTimeout time.Duration
+}
+
+// KafkaQueue is a Kafka dead-letter topic. Build it with NewKafka.
+type KafkaQueue struct {
+	cfg KafkaConfig
+}
+
+// NewKafka validates cfg and returns the topic's Queue. It connects to
+// nothing until used.
+func NewKafka(cfg KafkaConfig) (*KafkaQueue, error) {
+	if len(cfg.Brokers) == 0 {
+		return nil, errors.New("dlq: KafkaConfig.Brokers is empty")
+	}
+	if cfg.Topic == "" {
+		return nil, errors.New("dlq: KafkaConfig.Topic is empty")
+	}
+	if cfg.IdleTimeout < 0 {
+		return nil, fmt.Errorf("dlq: KafkaConfig.IdleTimeout %v is negative", cfg.IdleTimeout)
+	}
+	if cfg.IdleTimeout == 0 {
+		cfg.IdleTimeout = 5 * time.Second
+	}
+	return &KafkaQueue{cfg: cfg}, nil
+}
+
+// Name returns "kafka topic <Topic>".
+func (q *KafkaQueue) Name() string { return "kafka topic " + q.cfg.Topic }
+
+// Close releases nothing: every call has its own client.
+func (q *KafkaQueue) Close() error { return nil }
+
+func (q *KafkaQueue) saramaConfig() *sarama.Config {
+	var sc sarama.Config
+	if q.cfg.Sarama != nil {
+		sc = *q.cfg.Sarama
+	} else {
+		sc = *sarama.NewConfig()
+		sc.Version = sarama.V2_8_0_0
+	}
+	sc.Consumer.Return.Errors = true
+	sc.Metadata.AllowAutoTopicCreation = false
+	return &sc
+}
+
+// Browse reads every partition of the topic from its oldest retained
+// record to its high-water mark at the start, with a partition consumer
+// (no group, nothing committed).
+func (q *KafkaQueue) Browse(ctx context.Context, fn func(*Record) error) error {
+	client, err := sarama.NewClient(q.cfg.Brokers, q.saramaConfig())
+	if err != nil {
+		return fmt.Errorf("dlq: connect to kafka: %w", err)
+	}
+	defer client.Close()
+	parts, err := client.Partitions(q.cfg.Topic)
+	if err != nil {
+		return fmt.Errorf("dlq: topic %s: %w", q.cfg.Topic, err)
+	}
+	cons, err := sarama.NewConsumerFromClient(client)
+	if err != nil {
+		return fmt.Errorf("dlq: %w", err)
+	}
+	defer cons.Close()
+	pos := 0
+	for _, p := range parts {
+		if err := q.browsePartition(ctx, client, cons, p, &pos, fn); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (q *KafkaQueue) browsePartition(ctx context.Context, client sarama.Client, cons sarama.Consumer, p int32, pos *int, fn func(*Record) error) error {
+	oldest, err := client.GetOffset(q.cfg.Topic, p, sarama.OffsetOldest)
+	if err != nil {
+		return fmt.Errorf("dlq: %s/%d oldest offset: %w", q.cfg.Topic, p, err)
+	}
+	hwm, err := client.GetOffset(q.cfg.Topic, p, sarama.OffsetNewest)
+	if err != nil {
+		return fmt.Errorf("dlq: %s/%d high-water mark: %w", q.cfg.Topic, p, err)
+	}
+	if hwm <= oldest {
+		return nil
+	}
+	pc, err := cons.ConsumePartition(q.cfg.Topic, p, oldest)
+	if err != nil {
+		return fmt.Errorf("dlq: read %s/%d: %w", q.cfg.Topic, p, err)
+	}
+	defer pc.AsyncClose()
+	idle := time.NewTimer(q.cfg.IdleTimeout)
+	defer idle.Stop()
+	for {
+		select {
+		case m := <-pc.Messages():
+			*pos++
+			if err := fn(kafkaRecord(q.cfg.Topic, *pos, m)); err != nil {
+				return err
+			}
+			if m.Offset >= hwm-1 {
+				return nil
+			}
+			idle.Reset(q.cfg.IdleTimeout)
+		case err := <-pc.Errors():
+			return fmt.Errorf("dlq: read %s/%d: %w", q.cfg.Topic, p, err)
+		case <-idle.C:
+			// The offsets left hold no record to deliver (transaction
+			// markers, aborted records): the partition is read.
+			return nil
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+}
+
+func kafkaRecord(topic string, pos int, m *sarama.ConsumerMessage) *Record {
+	r := &Record{
+		Ref:       kafkaRef(m.Partition, m.Offset),
+		Queue:     topic,
+		Position:  pos,
+		Partition: m.Partition,
+		Offset:    m.Offset,
+		Key:       m.Key,
+		Value:     m.Value,
+		Timestamp: m.Timestamp,
+		Headers:   make([]Header, 0, len(m.Headers)),
+	}
+	raw := make([]sarama.RecordHeader, 0, len(m.Headers))
+	for _, h := range m.Headers {
+		if h == nil {
+			continue
+		}
+		r.Headers = append(r.Headers, Header{string(h.Key), string(h.Value)})
+		raw = append(raw, *h)
+	}
+	r.raw = raw
+	return r
+}
+
+// Replay publishes the selected records to their original topics, each on
+// the partition it was first read from when the topic still has it (so a
+// record stays beside the other records of its key, whatever partitioner
+// their producer used), else on the partition its key hashes to. Kafka
+// dead letters are never removed.
+func (q *KafkaQueue) Replay(ctx context.Context, f Filter, opts ReplayOptions) (Report, error) {
+	if err := opts.validate(); err != nil {
+		return Report{}, err
+	}
+	recs, err := Collect(ctx, q, f)
+	if err != nil {
+		return Report{}, err
+	}
+	if opts.DryRun || len(recs) == 0 {
+		return replayLoop(ctx, recs, opts, nil)
+	}
+	sc := q.saramaConfig()
+	sc.Producer.Idempotent = true
+	sc.Producer.RequiredAcks = sarama.WaitForAll
+	sc.Producer.Return.Successes = true
+	sc.Producer.Return.Errors = true
+	sc.Producer.Partitioner = newOriginalPartitioner
+	sc.Net.MaxOpenRequests = 1
+	if sc.Producer.Retry.Max < 1 {
+		sc.Producer.Retry.Max = 1
+	}
+	client, err := sarama.NewClient(q.cfg.Brokers, sc)
+	if err != nil {
+		return Report{}, fmt.Errorf("dlq: connect to kafka: %w", err)
+	}
+	defer client.Close()
+	prod, err := sarama.NewSyncProducerFromClient(client)
+	if err != nil {
+		return Report{}, fmt.Errorf("dlq: redrive producer: %w", err)
+	}
+	defer prod.Close()
+	return replayLoop(ctx, recs, opts, func(r *Record, redrive []Header) (string, error) {
+		out := kafkaRedrive(r, redrive)
+		n, err := client.Partitions(out.Topic)
+		if err != nil {
+			return "", fmt.Errorf("topic %s: %w", out.Topic, err)
+		}
+		if out.Partition >= int32(len(n)) {
+			out.Partition = -1
+		}
+		part, _, err := prod.SendMessage(out)
+		if err != nil {
+			return "", err
+		}
+		return out.Topic + "/" + strconv.FormatInt(int64(part), 10), nil
+	})
+}
+
+// kafkaRedrive builds the redrive of r: its key, value and original
+// headers (in order), then the redrive headers.
+func kafkaRedrive(r *Record, redrive []Header) *sarama.ProducerMessage {
+	out := &sarama.ProducerMessage{Topic: r.Header(consumer.HeaderOriginalTopic), Partition: -1}
+	if p, err := strconv.ParseInt(r.Header(consumer.HeaderOriginalPartition), 10, 32); err == nil && p >= 0 {
+		out.Partition = int32(p)
+	}
+	if r.Key != nil {
+		out.Key = sarama.ByteEncoder(r.Key)
+	}
+	if r.Value != nil {
+		out.Value = sarama.ByteEncoder(r.Value)
+	}
+	raw, _ := r.raw.([]sarama.RecordHeader)
+	for _, h := range raw {
+		if !diagnosticHeaders[string(h.Key)] {
+			out.Headers = append(out.Headers, h)
+		}
+	}
+	for _, h := range redrive {
+		out.Headers = append(out.Headers, sarama.RecordHeader{Key: []byte(h.Key), Value: []byte(h.Value)})
+	}
+	return out
+}
+
+// originalPartitioner sends a message to its Partition when it names one
+// (>= 0), else where sarama's default hash partitioner sends it.
+type originalPartitioner struct {
+	hash sarama.Partitioner
+}
+
+func newOriginalPartitioner(topic string) sarama.Partitioner {
+	return &originalPartitioner{hash: sarama.NewHashPartitioner(topic)}
+}
+
+func (p *originalPartitioner) Partition(m *sarama.ProducerMessage, n int32) (int32, error) {
+	if m.Partition >= 0 && m.Partition < n {
+		return m.Partition, nil
+	}
+	return p.hash.Partition(m, n)
+}
+
+func (p *originalPartitioner) RequiresConsistency() bool { return true }

@@ -1,0 +1,220 @@
+package dlq_test
+
+import (
+	"context"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/cmd/once/dlq"
+	"github.com/onceco/once/cmd/once/internal/testenv"
+	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/internal/pgtest"
+)
+
+func kmsg(topic string, p int32, id string, value []byte) *sarama.ProducerMessage {
+	m := &sarama.ProducerMessage{Topic: topic, Partition: p, Key: sarama.StringEncoder("k-" + id), Value: sarama.ByteEncoder(value)}
+	if id != "" {
+		m.Headers = []sarama.RecordHeader{{Key: []byte("id"), Value: []byte(id)}, {Key: []byte("x-origin"), Value: []byte("test")}}
+	}
+	return m
+}
+
+// kafkaPoison is the scenario both Kafka tests start from: a real consumer,
+// broken, dead-letters records of kinds handler, panic, decode and
+// id-conflict, two of them without a producer id (their id is
+// topic/partition/offset); then the service is fixed, and one dead-lettered
+// event is sent again and handled, before any replay.
+type kafkaPoison struct {
+	k       *testenv.Kafka
+	topic   string
+	svc     *testenv.Service
+	q       *dlq.KafkaQueue
+	sent    uint64   // deliveries the consumer must have settled so far
+	want    []string // events that must end with exactly one effect
+	idLess  []string // the fallback ids of the records without producer id
+	deadAt0 int      // dead letters after the broken phase
+}
+
+func newKafkaPoison(t *testing.T) *kafkaPoison {
+	k := testenv.NewKafka(t)
+	topic := testenv.Uniq("orders")
+	k.CreateTopic(topic, 2)
+	k.CreateTopic(topic+".dlq", 1)
+	pool, _ := pgtest.Schema(t)
+	s := &kafkaPoison{k: k, topic: topic}
+	msgs := []*sarama.ProducerMessage{
+		kmsg(topic, 0, "ok-1", testenv.JSON(1, "ok")),
+		kmsg(topic, 1, "ok-2", testenv.JSON(2, "ok")),
+		kmsg(topic, 0, "fail-1", testenv.JSON(3, "fail")),
+		kmsg(topic, 1, "fail-2", testenv.JSON(4, "fail")),
+		kmsg(topic, 0, "panic-1", testenv.JSON(5, "panic")),
+		kmsg(topic, 1, "legacy-1", append([]byte(testenv.LegacyPrefix), testenv.JSON(6, "ok")...)),
+		kmsg(topic, 0, "", testenv.JSON(7, "fail")), // partition 0, offset 3
+		kmsg(topic, 1, "", testenv.JSON(8, "fail")), // partition 1, offset 3
+		kmsg(topic, 0, "always-1", testenv.JSON(9, "always")),
+		kmsg(topic, 1, "fail-3", testenv.JSON(10, "fail")),
+		kmsg(topic, 0, "ok-1", testenv.JSON(99, "ok")), // same id, other payload: id-conflict
+	}
+	k.Produce(msgs...)
+	s.sent = uint64(len(msgs))
+	s.idLess = []string{topic + "/0/3", topic + "/1/3"}
+	s.want = append([]string{"ok-1", "ok-2", "fail-1", "fail-2", "panic-1", "legacy-1", "fail-3"}, s.idLess...)
+
+	s.svc = testenv.StartService(t, pool, k.Source(testenv.Uniq("g"), topic), "billing")
+	s.svc.WaitSettled(t, s.sent)
+	st := s.svc.C.Stats()
+	require.EqualValues(t, 9, st.DeadLettered, "%+v", st)
+	s.deadAt0 = 9
+
+	var err error
+	s.q, err = dlq.NewKafka(dlq.KafkaConfig{Brokers: k.Addrs, Topic: topic + ".dlq", Sarama: testenv.Sarama()})
+	require.NoError(t, err)
+
+	s.svc.Broken.Store(false)
+	k.Produce(kmsg(topic, 1, "fail-3", testenv.JSON(10, "fail"))) // sent again by its producer, handled
+	s.sent++
+	s.svc.WaitSettled(t, s.sent)
+	return s
+}
+
+func (s *kafkaPoison) replay(t *testing.T, opts dlq.ReplayOptions) dlq.Report {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	rep, err := s.q.Replay(ctx, dlq.Filter{Consumer: "billing"}, opts)
+	require.NoError(t, err)
+	s.sent += uint64(rep.Replayed)
+	return rep
+}
+
+// Replaying every dead letter twice in a row, then twice at once, leaves
+// one effect per event: for records with producer ids, records whose id
+// was their Kafka position, a record handled meanwhile, and a record that
+// fails again (dead-lettered again, with its redrive count).
+func TestKafkaReplayTwiceAndConcurrentlyHasOneEffectPerEvent(t *testing.T) {
+	s := newKafkaPoison(t)
+
+	dry := s.replay(t, dlq.ReplayOptions{DryRun: true})
+	assert.Equal(t, 9, dry.Selected)
+	assert.Zero(t, dry.Replayed)
+	assert.Equal(t, 1, dry.Skipped, "the id-conflict is not replayable")
+	assert.Empty(t, s.svc.Effects(t)["fail-1"], "a dry run publishes nothing")
+
+	first := s.replay(t, dlq.ReplayOptions{By: "alice"})
+	assert.Equal(t, 8, first.Replayed)
+	s.svc.WaitSettled(t, s.sent)
+	second := s.replay(t, dlq.ReplayOptions{By: "alice"})
+	assert.GreaterOrEqual(t, second.Replayed, 8)
+
+	var wg sync.WaitGroup
+	reps := make([]dlq.Report, 2)
+	for i := range reps {
+		wg.Go(func() {
+			ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+			defer cancel()
+			rep, err := s.q.Replay(ctx, dlq.Filter{Consumer: "billing"}, dlq.ReplayOptions{By: "bob-" + strconv.Itoa(i)})
+			assert.NoError(t, err)
+			reps[i] = rep
+		})
+	}
+	wg.Wait()
+	s.sent += uint64(reps[0].Replayed + reps[1].Replayed)
+	s.svc.WaitSettled(t, s.sent)
+
+	effects := s.svc.Effects(t)
+	for _, id := range s.want {
+		assert.Equal(t, 1, effects[id], "event %s", id)
+	}
+	assert.Len(t, effects, len(s.want), "no other effect: %v", effects)
+	assert.Zero(t, effects["always-1"])
+
+	// The record that fails on every redrive came back with its history.
+	recs, err := dlq.Collect(context.Background(), s.q, dlq.Filter{EventID: "always-1"})
+	require.NoError(t, err)
+	require.Greater(t, len(recs), 1)
+	maxCount := 0
+	for _, r := range recs[1:] {
+		assert.Equal(t, string(consumer.KindHandler), r.Kind())
+		assert.NotEmpty(t, r.Header(consumer.HeaderRedrivenAt))
+		assert.Equal(t, "always-1", r.Header(consumer.HeaderRedriveEventID))
+		assert.Equal(t, "test", r.Header("x-origin"), "original headers travel")
+		maxCount = max(maxCount, r.RedriveCount())
+	}
+	assert.GreaterOrEqual(t, maxCount, 2, "a redrive of a redriven record counts on")
+	assert.Zero(t, recs[0].RedriveCount())
+}
+
+// A record whose id was its position (topic/partition/offset) keeps that id
+// when redriven to another offset, so replaying it again is a duplicate of
+// its first redrive, and it has one effect.
+func TestKafkaReplayOfRecordsWithoutProducerIDIsDeduplicated(t *testing.T) {
+	s := newKafkaPoison(t)
+	idLess := dlq.Filter{EventID: s.topic + "/*"}
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	for round := range 3 {
+		before := s.svc.C.Stats()
+		rep, err := s.q.Replay(ctx, idLess, dlq.ReplayOptions{})
+		require.NoError(t, err)
+		require.Equal(t, 2, rep.Replayed)
+		s.sent += 2
+		s.svc.WaitSettled(t, s.sent)
+		after := s.svc.C.Stats()
+		if round == 0 {
+			assert.EqualValues(t, 2, after.Handled-before.Handled, "the first redrive is handled")
+		} else {
+			assert.EqualValues(t, 2, after.Duplicates-before.Duplicates, "a later redrive is a duplicate")
+		}
+	}
+	effects := s.svc.Effects(t)
+	for _, id := range s.idLess {
+		assert.Equal(t, 1, effects[id], "event %s", id)
+	}
+	recs, err := dlq.Collect(ctx, s.q, idLess)
+	require.NoError(t, err)
+	assert.Len(t, recs, 2, "the redriven records were not dead-lettered again")
+}
+
+// Reading the dead-letter topic commits nothing and creates no group; the
+// records, their headers and bytes are the copies the consumer wrote.
+func TestKafkaBrowseShowsTheDeadLetters(t *testing.T) {
+	s := newKafkaPoison(t)
+	recs, err := dlq.Collect(context.Background(), s.q, dlq.Filter{})
+	require.NoError(t, err)
+	require.Len(t, recs, s.deadAt0)
+	kinds := map[string]int{}
+	for i, r := range recs {
+		kinds[r.Kind()]++
+		assert.Equal(t, i+1, r.Position)
+		assert.Equal(t, "0:"+strconv.Itoa(i), r.Ref)
+		assert.Equal(t, "billing", r.Consumer())
+		assert.Equal(t, s.topic, r.Destination())
+		assert.False(t, r.FailedAt().IsZero())
+	}
+	assert.Equal(t, map[string]int{"handler": 6, "panic": 1, "decode": 1, "id-conflict": 1}, kinds)
+
+	legacy, err := dlq.Collect(context.Background(), s.q, dlq.Filter{Kinds: []string{"decode"}})
+	require.NoError(t, err)
+	require.Len(t, legacy, 1)
+	assert.Equal(t, "legacy-1", legacy[0].EventID())
+	assert.Equal(t, append([]byte(testenv.LegacyPrefix), testenv.JSON(6, "ok")...), legacy[0].Value)
+	assert.Equal(t, []byte("k-legacy-1"), legacy[0].Key)
+
+	found, err := dlq.Collect(context.Background(), s.q, dlq.Filter{Search: "REJECTED event 4"})
+	require.NoError(t, err)
+	require.Len(t, found, 1)
+	assert.Equal(t, "fail-2", found[0].EventID())
+
+	admin, err := sarama.NewClusterAdmin(s.k.Addrs, testenv.Sarama())
+	require.NoError(t, err)
+	defer admin.Close()
+	groups, err := admin.ListConsumerGroups()
+	require.NoError(t, err)
+	assert.Len(t, groups, 1, "only the service's group exists: %v", groups)
+}

@@ -1,0 +1,175 @@
+package dlq
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+)
+
+// Queue is one dead-letter topic (Kafka) or queue (RabbitMQ). Its methods
+// may be called from several goroutines; each call uses connections of its
+// own.
+type Queue interface {
+	// Name says which broker and destination: "kafka topic orders.dlq",
+	// "rabbitmq queue orders.dlq".
+	Name() string
+	// Browse calls fn for every record present when it starts, in order
+	// (partition by partition on Kafka, queue order on RabbitMQ), without
+	// consuming or reordering anything. An error from fn stops it and is
+	// returned.
+	Browse(ctx context.Context, fn func(*Record) error) error
+	// Replay redrives the records f selects (see the package doc) and
+	// returns what it did. Records that are not replayable are reported as
+	// skipped. It stops at the first publish that fails, with that error.
+	Replay(ctx context.Context, f Filter, opts ReplayOptions) (Report, error)
+	// Close releases what the Queue holds; reads and replays in progress
+	// fail.
+	Close() error
+}
+
+// ReplayOptions tune Queue.Replay.
+type ReplayOptions struct {
+	// DryRun reports what would be replayed and publishes nothing.
+	DryRun bool
+	// Rate bounds publishes per second; 0 means no bound.
+	Rate float64
+	// By names who asked for the redrive (once-redriven-by); optional.
+	By string
+	// Force replays records of kinds that a redrive cannot fix
+	// (id-conflict, invalid-id), which are skipped otherwise.
+	Force bool
+	// Keep, on RabbitMQ, leaves replayed records in the dead-letter queue;
+	// by default each is removed once the broker confirmed its redrive.
+	// Kafka dead letters are never removed.
+	Keep bool
+	// Progress, when set, is called after each selected record with the
+	// count done so far, the total selected and the record's outcome.
+	Progress func(done, total int, o Outcome)
+	// Now gives the redrive time; nil means time.Now.
+	Now func() time.Time
+}
+
+// Outcome is what Replay did with one selected record.
+type Outcome struct {
+	Record *Record `json:"record"`
+	// Result is "replayed", "would replay" (dry run) or "skipped".
+	Result string `json:"result"`
+	// Reason says why a record was skipped.
+	Reason string `json:"reason,omitempty"`
+	// Destination is where it was (or would be) published.
+	Destination string `json:"destination,omitempty"`
+}
+
+// The Outcome results.
+const (
+	Replayed    = "replayed"
+	WouldReplay = "would replay"
+	Skipped     = "skipped"
+)
+
+// Report is the result of a Replay. When Replay stops on an error, it
+// covers the records handled before the error.
+type Report struct {
+	// Selected counts the records the filter selected.
+	Selected int `json:"selected"`
+	// Replayed counts the records published (and confirmed).
+	Replayed int `json:"replayed"`
+	// Skipped counts the records that are not replayable.
+	Skipped int `json:"skipped"`
+	// DryRun is set when nothing was published on purpose.
+	DryRun bool `json:"dry_run"`
+	// Outcomes has one entry per record handled, in order.
+	Outcomes []Outcome `json:"outcomes"`
+}
+
+// ErrBadOptions is wrapped by Replay's errors for invalid ReplayOptions.
+var ErrBadOptions = errors.New("dlq: invalid replay options")
+
+func (o *ReplayOptions) validate() error {
+	if o.Rate < 0 {
+		return fmt.Errorf("%w: rate %v is negative", ErrBadOptions, o.Rate)
+	}
+	if o.Now == nil {
+		o.Now = time.Now
+	}
+	return nil
+}
+
+// replayLoop is the broker-independent part of a replay: it skips what is
+// not replayable, paces the publishes and reports progress. publish sends
+// one record and returns its destination once the broker confirmed it.
+func replayLoop(ctx context.Context, recs []*Record, opts ReplayOptions, publish func(*Record, []Header) (string, error)) (Report, error) {
+	rep := Report{Selected: len(recs), DryRun: opts.DryRun, Outcomes: make([]Outcome, 0, len(recs))}
+	pace := newPacer(opts.Rate)
+	defer pace.stop()
+	for i, r := range recs {
+		o := Outcome{Record: r, Destination: r.Destination()}
+		switch err := r.Replayable(opts.Force); {
+		case err != nil:
+			o.Result, o.Reason = Skipped, err.Error()
+			rep.Skipped++
+		case opts.DryRun:
+			o.Result = WouldReplay
+		default:
+			if err := pace.wait(ctx); err != nil {
+				return rep, err
+			}
+			dest, err := publish(r, redriveHeaders(r, opts.Now(), opts.By))
+			if err != nil {
+				return rep, fmt.Errorf("dlq: redrive of %s (event %s) to %s: %w", r.Ref, r.EventID(), r.Destination(), err)
+			}
+			o.Result, o.Destination = Replayed, dest
+			rep.Replayed++
+		}
+		rep.Outcomes = append(rep.Outcomes, o)
+		if opts.Progress != nil {
+			opts.Progress(i+1, len(recs), o)
+		}
+	}
+	return rep, nil
+}
+
+// pacer spaces publishes 1/rate apart; the first goes at once.
+type pacer struct {
+	t       *time.Ticker
+	started bool
+}
+
+func newPacer(rate float64) *pacer {
+	if rate <= 0 {
+		return &pacer{}
+	}
+	return &pacer{t: time.NewTicker(time.Duration(float64(time.Second) / rate))}
+}
+
+func (p *pacer) wait(ctx context.Context) error {
+	if p.t == nil || !p.started {
+		p.started = true
+		return ctx.Err()
+	}
+	select {
+	case <-p.t.C:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+func (p *pacer) stop() {
+	if p.t != nil {
+		p.t.Stop()
+	}
+}
+
+// Collect returns the records of q that f selects, in order.
+func Collect(ctx context.Context, q Queue, f Filter) ([]*Record, error) {
+	var out []*Record
+	err := q.Browse(ctx, func(r *Record) error {
+		if f.Match(r) {
+			out = append(out, r)
+		}
+		return nil
+	})
+	return out, err
+}

@@ -1,0 +1,316 @@
+package dlq
+
+import (
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+	"unicode/utf8"
+
+	"github.com/onceco/once/brokers/amqp"
+	"github.com/onceco/once/brokers/kafka"
+	"github.com/onceco/once/consumer"
+)
+
+// Header is one record header. Kafka headers keep their order and may
+// repeat; RabbitMQ headers are sorted by name.
+type Header struct {
+	Key   string `json:"key"`
+	Value string `json:"value"`
+}
+
+// Properties are the AMQP properties of a RabbitMQ dead letter; nil for
+// Kafka records.
+type Properties struct {
+	MessageID       string    `json:"message_id,omitempty"`
+	Type            string    `json:"type,omitempty"`
+	ContentType     string    `json:"content_type,omitempty"`
+	ContentEncoding string    `json:"content_encoding,omitempty"`
+	CorrelationID   string    `json:"correlation_id,omitempty"`
+	ReplyTo         string    `json:"reply_to,omitempty"`
+	AppID           string    `json:"app_id,omitempty"`
+	Priority        uint8     `json:"priority,omitempty"`
+	Timestamp       time.Time `json:"timestamp,omitzero"`
+}
+
+// Record is one dead letter as read from a dead-letter topic or queue.
+type Record struct {
+	// Ref identifies the record within its Queue: "partition:offset" on
+	// Kafka, a digest of the message on RabbitMQ (which has no position
+	// that outlives a read). Filter.Refs selects records by it.
+	Ref string `json:"ref"`
+	// Queue is the dead-letter topic or queue the record was read from.
+	Queue string `json:"queue"`
+	// Position is the record's 1-based place in the read (partition by
+	// partition on Kafka, queue order on RabbitMQ).
+	Position int `json:"position"`
+	// Partition and Offset locate a Kafka record in the dead-letter topic;
+	// -1 on RabbitMQ.
+	Partition int32 `json:"partition"`
+	Offset    int64 `json:"offset"`
+	// Key is the Kafka record key (nil when null); nil on RabbitMQ.
+	Key []byte `json:"key,omitempty"`
+	// Value is the original bytes (the Kafka value, the AMQP body).
+	Value []byte `json:"value"`
+	// Headers are the record's headers as text.
+	Headers []Header `json:"headers"`
+	// Properties are the AMQP properties; nil on Kafka.
+	Properties *Properties `json:"properties,omitempty"`
+	// Timestamp is when the broker (Kafka) or the dead-lettering consumer
+	// (the failed-at header) wrote the copy.
+	Timestamp time.Time `json:"timestamp,omitzero"`
+
+	// raw is what a redrive republishes with its original types: the
+	// sarama headers or the AMQP delivery.
+	raw any
+}
+
+// Header returns the value of the last header named key, or "".
+func (r *Record) Header(key string) string {
+	v, _ := r.lookup(key)
+	return v
+}
+
+func (r *Record) lookup(key string) (string, bool) {
+	for i := len(r.Headers) - 1; i >= 0; i-- {
+		if r.Headers[i].Key == key {
+			return r.Headers[i].Value, true
+		}
+	}
+	return "", false
+}
+
+// Consumer is the name of the consumer that dead-lettered the record.
+func (r *Record) Consumer() string { return r.Header(consumer.HeaderConsumer) }
+
+// Kind is the dead-letter kind (decode, handler, panic, ...).
+func (r *Record) Kind() string { return r.Header(consumer.HeaderErrorKind) }
+
+// EventID is the event id the record was dead-lettered under; "" when the
+// consumer could not identify it.
+func (r *Record) EventID() string { return r.Header(consumer.HeaderEventID) }
+
+// EventType is the event type the consumer read, if any.
+func (r *Record) EventType() string { return r.Header(consumer.HeaderEventType) }
+
+// Error is the error that dead-lettered the record.
+func (r *Record) Error() string { return r.Header(consumer.HeaderErrorMessage) }
+
+// FailedAt is when the record was dead-lettered; zero when the header is
+// missing or malformed.
+func (r *Record) FailedAt() time.Time {
+	t, err := time.Parse(time.RFC3339Nano, r.Header(consumer.HeaderFailedAt))
+	if err != nil {
+		return time.Time{}
+	}
+	return t
+}
+
+// RedriveCount is how many times the record was redriven before it was
+// dead-lettered (0 for a first failure).
+func (r *Record) RedriveCount() int {
+	n, err := strconv.Atoi(r.Header(consumer.HeaderRedriveCount))
+	if err != nil || n < 0 {
+		return 0
+	}
+	return n
+}
+
+// Destination names where a redrive publishes the record: "topic" on
+// Kafka, "exchange/routing-key" on RabbitMQ ("(default)" for the default
+// exchange); "" when unknown.
+func (r *Record) Destination() string {
+	if r.Properties == nil {
+		return r.Header(consumer.HeaderOriginalTopic)
+	}
+	ex, ok := r.lookup(amqp.HeaderOriginalExchange)
+	if !ok {
+		return ""
+	}
+	if ex == "" {
+		ex = "(default)"
+	}
+	return ex + "/" + r.Header(amqp.HeaderOriginalRoutingKey)
+}
+
+// Printable reports whether the value is valid UTF-8 text without control
+// characters other than tab and line breaks, so that it can be shown as
+// text rather than as a hex dump.
+func Printable(b []byte) bool {
+	if !utf8.Valid(b) {
+		return false
+	}
+	for _, c := range string(b) {
+		if c < 0x20 && c != '\t' && c != '\n' && c != '\r' || c == 0x7f || c == utf8.RuneError {
+			return false
+		}
+	}
+	return true
+}
+
+// ErrNotReplayable is wrapped by Replayable's errors.
+var ErrNotReplayable = errors.New("not replayable")
+
+// kindsThatFailAgain are dead-letter kinds whose redrive is dead-lettered
+// again whatever was fixed meanwhile: the id is the problem, not the code.
+var kindsThatFailAgain = []string{
+	string(consumer.KindIDConflict),
+	string(consumer.KindInvalidID),
+	string(consumer.KindMissingID),
+}
+
+// Replayable returns nil when a redrive of r can be deduplicated and knows
+// where to go, or an error wrapping ErrNotReplayable that says why not.
+// With force, records of kinds that would only be dead-lettered again
+// (id-conflict, invalid-id) are replayable too.
+func (r *Record) Replayable(force bool) error {
+	switch {
+	case r.EventID() == "":
+		return fmt.Errorf("%w: no event id (kind %s): a redrive could not be deduplicated", ErrNotReplayable, r.Kind())
+	case r.Destination() == "":
+		return fmt.Errorf("%w: no original destination header", ErrNotReplayable)
+	case r.Header(kafka.HeaderValueDropped) != "":
+		return fmt.Errorf("%w: the copy was written without its value (%s bytes); the original is at %s/%s/%s",
+			ErrNotReplayable, r.Header(kafka.HeaderValueDropped), r.Header(consumer.HeaderOriginalTopic),
+			r.Header(consumer.HeaderOriginalPartition), r.Header(consumer.HeaderOriginalOffset))
+	case !force && slices.Contains(kindsThatFailAgain, r.Kind()):
+		return fmt.Errorf("%w: kind %s is dead-lettered again on every redrive (force to replay anyway)", ErrNotReplayable, r.Kind())
+	}
+	return nil
+}
+
+// diagnosticHeaders are the headers the dead-lettering wrote over the
+// original ones. A redrive removes them, so the redriven record is the
+// original plus the redrive headers.
+var diagnosticHeaders = map[string]bool{
+	consumer.HeaderOriginalTopic:       true,
+	consumer.HeaderOriginalPartition:   true,
+	consumer.HeaderOriginalOffset:      true,
+	consumer.HeaderOriginalTimestamp:   true,
+	consumer.HeaderConsumer:            true,
+	consumer.HeaderEventID:             true,
+	consumer.HeaderEventType:           true,
+	consumer.HeaderAttempts:            true,
+	consumer.HeaderErrorKind:           true,
+	consumer.HeaderErrorMessage:        true,
+	consumer.HeaderErrorStack:          true,
+	consumer.HeaderFailedAt:            true,
+	consumer.HeaderFingerprint:         true,
+	consumer.HeaderOriginalFingerprint: true,
+	consumer.HeaderOriginalProcessedAt: true,
+	kafka.HeaderValueDropped:           true,
+	amqp.HeaderOriginalExchange:        true,
+	amqp.HeaderOriginalRoutingKey:      true,
+	amqp.HeaderOriginalQueue:           true,
+	amqp.HeaderOriginalExpiration:      true,
+	amqp.HeaderOriginalUserID:          true,
+	consumer.HeaderRedriveEventID:      true,
+	consumer.HeaderRedriveCount:        true,
+	consumer.HeaderRedrivenAt:          true,
+	consumer.HeaderRedrivenBy:          true,
+}
+
+// redriveHeaders are the headers a redrive of r adds, in this order.
+func redriveHeaders(r *Record, at time.Time, by string) []Header {
+	h := []Header{
+		{consumer.HeaderRedriveEventID, r.EventID()},
+		{consumer.HeaderRedriveCount, strconv.Itoa(r.RedriveCount() + 1)},
+		{consumer.HeaderRedrivenAt, at.UTC().Format(time.RFC3339Nano)},
+	}
+	if by != "" {
+		h = append(h, Header{consumer.HeaderRedrivenBy, by})
+	}
+	return h
+}
+
+// amqpRef is the Ref of a RabbitMQ dead letter: a digest of what tells two
+// dead letters apart (each dead-lettering has its own failed-at time),
+// without the delivery count a quorum queue changes on every read.
+func amqpRef(body []byte, headers []Header) string {
+	h := sha256.New()
+	for _, hd := range headers {
+		if hd.Key == amqp.DeliveryCountHeader {
+			continue
+		}
+		h.Write([]byte(hd.Key))
+		h.Write([]byte{0})
+		h.Write([]byte(hd.Value))
+		h.Write([]byte{0})
+	}
+	h.Write(body)
+	return hex.EncodeToString(h.Sum(nil))[:16]
+}
+
+// kafkaRef is the Ref of a Kafka dead letter.
+func kafkaRef(partition int32, offset int64) string {
+	return strconv.FormatInt(int64(partition), 10) + ":" + strconv.FormatInt(offset, 10)
+}
+
+// Filter selects records. Zero fields select everything.
+type Filter struct {
+	// Consumer is the consumer name (once-consumer), exactly.
+	Consumer string
+	// Kinds are dead-letter kinds; a record of any of them matches.
+	Kinds []string
+	// EventID is an event id, exactly, or a prefix followed by "*".
+	EventID string
+	// Since and Until bound the dead-lettering time (once-failed-at),
+	// Since inclusive, Until exclusive. A record without that header
+	// matches no time bound.
+	Since, Until time.Time
+	// Refs are record refs; a record whose Ref is among them matches.
+	Refs []string
+	// Search is text looked for, case-insensitively, in the event id and
+	// type, the error, the consumer, the kind and the ref.
+	Search string
+}
+
+// Match reports whether r is selected by f.
+func (f *Filter) Match(r *Record) bool {
+	if f.Consumer != "" && r.Consumer() != f.Consumer {
+		return false
+	}
+	if len(f.Kinds) > 0 && !slices.Contains(f.Kinds, r.Kind()) {
+		return false
+	}
+	if !matchID(f.EventID, r.EventID()) {
+		return false
+	}
+	if !f.Since.IsZero() || !f.Until.IsZero() {
+		at := r.FailedAt()
+		if at.IsZero() || (!f.Since.IsZero() && at.Before(f.Since)) || (!f.Until.IsZero() && !at.Before(f.Until)) {
+			return false
+		}
+	}
+	if len(f.Refs) > 0 && !slices.Contains(f.Refs, r.Ref) {
+		return false
+	}
+	if f.Search != "" {
+		q := strings.ToLower(f.Search)
+		found := false
+		for _, s := range []string{r.EventID(), r.EventType(), r.Error(), r.Consumer(), r.Kind(), r.Ref} {
+			if strings.Contains(strings.ToLower(s), q) {
+				found = true
+				break
+			}
+		}
+		if !found {
+			return false
+		}
+	}
+	return true
+}
+
+func matchID(pattern, id string) bool {
+	if pattern == "" {
+		return true
+	}
+	if prefix, ok := strings.CutSuffix(pattern, "*"); ok {
+		return strings.HasPrefix(id, prefix)
+	}
+	return id == pattern
+}

@@ -1,0 +1,116 @@
+package dlq
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/consumer"
+)
+
+func rec(headers ...string) *Record {
+	r := &Record{Partition: 0, Offset: 1}
+	for i := 0; i+1 < len(headers); i += 2 {
+		r.Headers = append(r.Headers, Header{headers[i], headers[i+1]})
+	}
+	return r
+}
+
+func TestFilterMatch(t *testing.T) {
+	r := rec(consumer.HeaderConsumer, "billing", consumer.HeaderErrorKind, "handler", consumer.HeaderEventID, "order-17",
+		consumer.HeaderErrorMessage, "Payment REJECTED", consumer.HeaderFailedAt, "2026-11-25T10:00:00Z")
+	r.Ref = "0:1"
+	at := time.Date(2026, 11, 25, 10, 0, 0, 0, time.UTC)
+	for _, c := range []struct {
+		f    Filter
+		want bool
+	}{
+		{Filter{}, true},
+		{Filter{Consumer: "billing"}, true},
+		{Filter{Consumer: "shipping"}, false},
+		{Filter{Kinds: []string{"panic", "handler"}}, true},
+		{Filter{Kinds: []string{"panic"}}, false},
+		{Filter{EventID: "order-*"}, true},
+		{Filter{EventID: "order-1"}, false},
+		{Filter{EventID: "order-17"}, true},
+		{Filter{Since: at}, true},
+		{Filter{Since: at.Add(time.Second)}, false},
+		{Filter{Until: at}, false},
+		{Filter{Until: at.Add(time.Second)}, true},
+		{Filter{Refs: []string{"0:1"}}, true},
+		{Filter{Refs: []string{"0:2"}}, false},
+		{Filter{Search: "payment rejected"}, true},
+		{Filter{Search: "refund"}, false},
+	} {
+		assert.Equal(t, c.want, c.f.Match(r), "%+v", c.f)
+	}
+	assert.False(t, (&Filter{Since: at}).Match(rec()), "no failed-at header: no time bound matches")
+}
+
+func TestReplayable(t *testing.T) {
+	ok := rec(consumer.HeaderEventID, "e", consumer.HeaderOriginalTopic, "orders", consumer.HeaderErrorKind, "handler")
+	require.NoError(t, ok.Replayable(false))
+	for name, r := range map[string]*Record{
+		"no id":          rec(consumer.HeaderOriginalTopic, "orders", consumer.HeaderErrorKind, "missing-id"),
+		"no destination": rec(consumer.HeaderEventID, "e"),
+		"value dropped":  rec(consumer.HeaderEventID, "e", consumer.HeaderOriginalTopic, "orders", "once-value-dropped", "9000000"),
+		"id conflict":    rec(consumer.HeaderEventID, "e", consumer.HeaderOriginalTopic, "orders", consumer.HeaderErrorKind, "id-conflict"),
+	} {
+		assert.ErrorIs(t, r.Replayable(false), ErrNotReplayable, name)
+	}
+	conflict := rec(consumer.HeaderEventID, "e", consumer.HeaderOriginalTopic, "orders", consumer.HeaderErrorKind, "id-conflict")
+	assert.NoError(t, conflict.Replayable(true), "force")
+	amqpNoExchange := rec(consumer.HeaderEventID, "e")
+	amqpNoExchange.Properties = &Properties{}
+	assert.Error(t, amqpNoExchange.Replayable(false))
+	amqpDefault := rec(consumer.HeaderEventID, "e", "once-original-exchange", "", "once-original-routing-key", "orders")
+	amqpDefault.Properties = &Properties{}
+	assert.Equal(t, "(default)/orders", amqpDefault.Destination())
+}
+
+// The redrive headers count on from the record's own count, and the
+// diagnostic headers of the dead-lettering are not carried back.
+func TestKafkaRedriveHeaders(t *testing.T) {
+	r := rec("id", "a", consumer.HeaderEventID, "e-1", consumer.HeaderRedriveCount, "2", consumer.HeaderErrorKind, "handler",
+		consumer.HeaderOriginalTopic, "orders", consumer.HeaderOriginalPartition, "3", "x-trace", "t")
+	r.raw = toSarama(r.Headers)
+	at := time.Date(2026, 11, 25, 10, 0, 0, 0, time.UTC)
+	m := kafkaRedrive(r, redriveHeaders(r, at, "alice"))
+	assert.Equal(t, "orders", m.Topic)
+	assert.EqualValues(t, 3, m.Partition)
+	var got []Header
+	for _, h := range m.Headers {
+		got = append(got, Header{string(h.Key), string(h.Value)})
+	}
+	assert.Equal(t, []Header{
+		{"id", "a"}, {"x-trace", "t"},
+		{consumer.HeaderRedriveEventID, "e-1"}, {consumer.HeaderRedriveCount, "3"},
+		{consumer.HeaderRedrivenAt, "2026-11-25T10:00:00Z"}, {consumer.HeaderRedrivenBy, "alice"},
+	}, got)
+}
+
+func TestPacer(t *testing.T) {
+	ctx := context.Background()
+	p := newPacer(1000)
+	defer p.stop()
+	require.NoError(t, p.wait(ctx), "the first publish goes at once")
+	require.NoError(t, p.wait(ctx))
+	slow := newPacer(0.001)
+	defer slow.stop()
+	require.NoError(t, slow.wait(ctx), "the first publish goes at once")
+	cctx, cancel := context.WithCancel(ctx)
+	cancel()
+	require.ErrorIs(t, slow.wait(cctx), context.Canceled, "a cancelled wait returns at once")
+}
+
+func toSarama(hs []Header) []sarama.RecordHeader {
+	out := make([]sarama.RecordHeader, len(hs))
+	for i, h := range hs {
+		out[i] = sarama.RecordHeader{Key: []byte(h.Key), Value: []byte(h.Value)}
+	}
+	return out
+}

@@ -1,0 +1,464 @@
+package main
+
+import (
+	"context"
+	"encoding/hex"
+	"flag"
+	"fmt"
+	"io"
+	"strconv"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/onceco/once/cmd/once/dlq"
+)
+
+const dlqSelect = `The dead-letter destination is a Kafka topic (-kafka BROKERS -dlq TOPIC) or a
+RabbitMQ queue (-amqp URL -dlq QUEUE). Reading consumes nothing, commits
+nothing and keeps the order. Filters combine: -consumer, -kind, -id (exact,
+or a prefix ending in *), -since/-until (RFC 3339, a date, or a duration ago
+such as 2h), -ref, -search.`
+
+const dlqListUsage = `Usage: once dlq list -kafka BROKERS|-amqp URL -dlq NAME [filters] [-json] [-limit N]
+
+Lists dead letters: ref, when, consumer, kind, event id, type, redrives and
+the error. ` + dlqSelect
+
+const dlqShowUsage = `Usage: once dlq show -kafka BROKERS|-amqp URL -dlq NAME -ref REF|[filters] [-hex] [-json]
+
+Shows the selected dead letters: the reason, every header, the key or the
+AMQP properties, and the payload as text when it is printable, else as a
+hex dump (-hex forces it). ` + dlqSelect
+
+const dlqReplayUsage = `Usage: once dlq replay -kafka BROKERS|-amqp URL -dlq NAME [filters]|-all [-dry-run] [-rate N] [-by NAME] [-keep] [-force] [-json]
+
+Republishes the selected dead letters to their original Kafka topic (the
+partition they were read from) or RabbitMQ exchange and routing key, with
+their original key, properties, headers and bytes, and the redrive headers:
+once-redrive-event-id (the event id they were dead-lettered under, which
+the consumer prefers over every other id, so a replay is deduplicated like
+any redelivery), once-redrive-count, once-redriven-at, once-redriven-by.
+Replaying twice, or while someone else replays, leaves one effect per event.
+A redriven record that fails again is dead-lettered again with these headers.
+
+Records without an event id, without an original destination, or written
+without their value are skipped; so are kinds a redrive cannot fix
+(id-conflict, invalid-id) unless -force. On RabbitMQ a replayed message
+leaves the dead-letter queue once its redrive is confirmed (-keep leaves
+it); Kafka dead letters stay. A progress bar is drawn on a terminal, plain
+lines otherwise. ` + dlqSelect
+
+// dlqFlags are the flags every dlq command shares.
+type dlqFlags struct {
+	kafka, amqp, name                              *string
+	consumer, kind, id, since, until, refs, search *string
+}
+
+func (a *app) dlqFlagsOn(fs *flag.FlagSet) *dlqFlags {
+	return &dlqFlags{
+		kafka:    fs.String("kafka", a.getenv("ONCE_KAFKA_BROKERS"), "Kafka bootstrap `brokers`, comma-separated (env ONCE_KAFKA_BROKERS)"),
+		amqp:     fs.String("amqp", a.getenv("ONCE_AMQP_URL"), "RabbitMQ `URL` (env ONCE_AMQP_URL)"),
+		name:     fs.String("dlq", "", "the dead-letter topic or queue (required)"),
+		consumer: fs.String("consumer", "", "only dead letters of this consumer `name`"),
+		kind:     fs.String("kind", "", "only these `kinds`, comma-separated (decode, handler, panic, unknown-type, missing-id, invalid-id, id-conflict, crash-loop)"),
+		id:       fs.String("id", "", "only this event `id`, or ids starting with a prefix ending in *"),
+		since:    fs.String("since", "", "only dead-lettered at or after `time`"),
+		until:    fs.String("until", "", "only dead-lettered before `time`"),
+		refs:     fs.String("ref", "", "only these record `refs`, comma-separated (Kafka partition:offset)"),
+		search:   fs.String("search", "", "only records whose id, type, error, consumer or kind contains `text`"),
+	}
+}
+
+// queue builds the dead-letter Queue the flags name.
+func (f *dlqFlags) queue() (dlq.Queue, error) {
+	if *f.name == "" {
+		return nil, usagef("-dlq is required: the dead-letter topic or queue")
+	}
+	return openQueue(*f.kafka, *f.amqp, *f.name)
+}
+
+func openQueue(kafkaBrokers, amqpURL, name string) (dlq.Queue, error) {
+	switch {
+	case kafkaBrokers != "" && amqpURL != "":
+		return nil, usagef("give -kafka or -amqp, not both")
+	case kafkaBrokers != "":
+		q, err := dlq.NewKafka(dlq.KafkaConfig{Brokers: splitList(kafkaBrokers), Topic: name})
+		if err != nil {
+			return nil, &usageError{err.Error()}
+		}
+		return q, nil
+	case amqpURL != "":
+		q, err := dlq.NewAMQP(dlq.AMQPConfig{URL: amqpURL, Queue: name})
+		if err != nil {
+			return nil, &usageError{err.Error()}
+		}
+		return q, nil
+	}
+	return nil, usagef("give -kafka BROKERS or -amqp URL (or ONCE_KAFKA_BROKERS / ONCE_AMQP_URL)")
+}
+
+func (f *dlqFlags) filter(now time.Time) (dlq.Filter, error) {
+	since, err := parseTime(*f.since, now)
+	if err != nil {
+		return dlq.Filter{}, err
+	}
+	until, err := parseTime(*f.until, now)
+	if err != nil {
+		return dlq.Filter{}, err
+	}
+	return dlq.Filter{
+		Consumer: *f.consumer, Kinds: splitList(*f.kind), EventID: *f.id,
+		Since: since, Until: until, Refs: splitList(*f.refs), Search: *f.search,
+	}, nil
+}
+
+// selects reports whether any filter flag was given.
+func (f *dlqFlags) selects() bool {
+	for _, s := range []*string{f.consumer, f.kind, f.id, f.since, f.until, f.refs, f.search} {
+		if *s != "" {
+			return true
+		}
+	}
+	return false
+}
+
+// recordSummary is a dead letter in list output.
+type recordSummary struct {
+	Ref           string    `json:"ref"`
+	Position      int       `json:"position"`
+	FailedAt      time.Time `json:"failed_at,omitzero"`
+	Consumer      string    `json:"consumer"`
+	Kind          string    `json:"kind"`
+	EventID       string    `json:"event_id"`
+	EventType     string    `json:"event_type,omitempty"`
+	Error         string    `json:"error"`
+	RedriveCount  int       `json:"redrive_count"`
+	Destination   string    `json:"destination"`
+	Replayable    bool      `json:"replayable"`
+	NotReplayable string    `json:"not_replayable,omitempty"`
+}
+
+func summarize(r *dlq.Record) recordSummary {
+	s := recordSummary{
+		Ref: r.Ref, Position: r.Position, FailedAt: r.FailedAt(), Consumer: r.Consumer(), Kind: r.Kind(),
+		EventID: r.EventID(), EventType: r.EventType(), Error: r.Error(), RedriveCount: r.RedriveCount(),
+		Destination: r.Destination(), Replayable: true,
+	}
+	if err := r.Replayable(false); err != nil {
+		s.Replayable, s.NotReplayable = false, err.Error()
+	}
+	return s
+}
+
+func (a *app) dlqList(ctx context.Context, args []string) error {
+	fs, helpOnly := a.flags(ctx, "dlq list")
+	df := a.dlqFlagsOn(fs)
+	asJSON := fs.Bool("json", false, "print JSON")
+	limit := fs.Int("limit", 100, "print at most `n` records (0: all)")
+	if helpOnly {
+		return nil
+	}
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	q, f, err := a.dlqOpen(df)
+	if err != nil {
+		return err
+	}
+	defer q.Close()
+	recs, err := dlq.Collect(ctx, q, f)
+	if err != nil {
+		return err
+	}
+	total := len(recs)
+	if *limit > 0 && len(recs) > *limit {
+		recs = recs[:*limit]
+	}
+	out := make([]recordSummary, len(recs))
+	for i, r := range recs {
+		out[i] = summarize(r)
+	}
+	if *asJSON {
+		return a.writeJSON(out)
+	}
+	tw := tabwriter.NewWriter(a.stdout, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "REF\tFAILED AT\tCONSUMER\tKIND\tEVENT ID\tTYPE\tREDRIVES\tERROR")
+	for _, s := range out {
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%d\t%s\n", s.Ref, formatTime(s.FailedAt), orDash(s.Consumer), orDash(s.Kind),
+			orDash(s.EventID), orDash(s.EventType), s.RedriveCount, clip(s.Error, 60))
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	if total > len(recs) {
+		fmt.Fprintf(a.stdout, "%d of %d records shown (-limit 0 for all)\n", len(recs), total)
+	} else {
+		fmt.Fprintf(a.stdout, "%d records in %s\n", total, q.Name())
+	}
+	return nil
+}
+
+func (a *app) dlqOpen(df *dlqFlags) (dlq.Queue, dlq.Filter, error) {
+	f, err := df.filter(a.now())
+	if err != nil {
+		return nil, f, err
+	}
+	q, err := df.queue()
+	return q, f, err
+}
+
+// recordDetail is a dead letter in show output.
+type recordDetail struct {
+	recordSummary
+	Queue      string          `json:"queue"`
+	Partition  int32           `json:"partition"`
+	Offset     int64           `json:"offset"`
+	Headers    []dlq.Header    `json:"headers"`
+	Key        *string         `json:"key,omitempty"`
+	Properties *dlq.Properties `json:"properties,omitempty"`
+	// Value is the payload as text when printable; ValueHex otherwise.
+	Value    *string `json:"value,omitempty"`
+	ValueHex string  `json:"value_hex,omitempty"`
+	Size     int     `json:"size"`
+}
+
+func detail(r *dlq.Record) recordDetail {
+	d := recordDetail{recordSummary: summarize(r), Queue: r.Queue, Partition: r.Partition, Offset: r.Offset,
+		Headers: r.Headers, Properties: r.Properties, Size: len(r.Value)}
+	if r.Key != nil {
+		k := string(r.Key)
+		d.Key = &k
+	}
+	if dlq.Printable(r.Value) {
+		v := string(r.Value)
+		d.Value = &v
+	} else {
+		d.ValueHex = hex.EncodeToString(r.Value)
+	}
+	return d
+}
+
+func (a *app) dlqShow(ctx context.Context, args []string) error {
+	fs, helpOnly := a.flags(ctx, "dlq show")
+	df := a.dlqFlagsOn(fs)
+	asJSON := fs.Bool("json", false, "print JSON")
+	asHex := fs.Bool("hex", false, "print the payload as a hex dump even when it is text")
+	limit := fs.Int("limit", 10, "show at most `n` records (0: all)")
+	if helpOnly {
+		return nil
+	}
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	if !df.selects() {
+		return usagef("select records: -ref, or filters such as -id")
+	}
+	q, f, err := a.dlqOpen(df)
+	if err != nil {
+		return err
+	}
+	defer q.Close()
+	recs, err := dlq.Collect(ctx, q, f)
+	if err != nil {
+		return err
+	}
+	if len(recs) == 0 {
+		return &notFoundError{"no record in " + q.Name() + " matches"}
+	}
+	if *limit > 0 && len(recs) > *limit {
+		fmt.Fprintf(a.stderr, "%d records match; showing the first %d (-limit 0 for all)\n", len(recs), *limit)
+		recs = recs[:*limit]
+	}
+	if *asJSON {
+		out := make([]recordDetail, len(recs))
+		for i, r := range recs {
+			out[i] = detail(r)
+		}
+		return a.writeJSON(out)
+	}
+	for i, r := range recs {
+		if i > 0 {
+			fmt.Fprintln(a.stdout, strings.Repeat("-", 72))
+		}
+		a.printRecord(r, *asHex)
+	}
+	return nil
+}
+
+func (a *app) printRecord(r *dlq.Record, asHex bool) {
+	w := a.stdout
+	s := summarize(r)
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	fmt.Fprintf(tw, "ref\t%s\n", r.Ref)
+	fmt.Fprintf(tw, "queue\t%s (position %d)\n", r.Queue, r.Position)
+	fmt.Fprintf(tw, "consumer\t%s\n", orDash(s.Consumer))
+	fmt.Fprintf(tw, "kind\t%s\n", orDash(s.Kind))
+	fmt.Fprintf(tw, "event id\t%s\n", orDash(s.EventID))
+	fmt.Fprintf(tw, "event type\t%s\n", orDash(s.EventType))
+	fmt.Fprintf(tw, "failed at\t%s\n", formatTime(s.FailedAt))
+	fmt.Fprintf(tw, "error\t%s\n", safe(s.Error))
+	fmt.Fprintf(tw, "destination\t%s\n", orDash(s.Destination))
+	fmt.Fprintf(tw, "redrives\t%d\n", s.RedriveCount)
+	if s.Replayable {
+		fmt.Fprintf(tw, "replayable\tyes\n")
+	} else {
+		fmt.Fprintf(tw, "replayable\tno: %s\n", s.NotReplayable)
+	}
+	_ = tw.Flush()
+	fmt.Fprintln(w, "\nheaders:")
+	for _, h := range r.Headers {
+		fmt.Fprintf(w, "  %s: %s\n", safe(h.Key), safe(h.Value))
+	}
+	if r.Key != nil {
+		fmt.Fprintf(w, "\nkey: %s\n", printableOrHex(r.Key))
+	}
+	if p := r.Properties; p != nil {
+		fmt.Fprintf(w, "\nproperties: message-id=%q type=%q content-type=%q", p.MessageID, p.Type, p.ContentType)
+		if !p.Timestamp.IsZero() {
+			fmt.Fprintf(w, " timestamp=%s", p.Timestamp.UTC().Format(time.RFC3339))
+		}
+		fmt.Fprintln(w)
+	}
+	if !asHex && dlq.Printable(r.Value) {
+		fmt.Fprintf(w, "\npayload (%d bytes, text):\n%s\n", len(r.Value), r.Value)
+	} else {
+		fmt.Fprintf(w, "\npayload (%d bytes, hex):\n%s", len(r.Value), hex.Dump(r.Value))
+	}
+}
+
+func printableOrHex(b []byte) string {
+	if dlq.Printable(b) {
+		return string(b)
+	}
+	return "0x" + hex.EncodeToString(b)
+}
+
+func (a *app) dlqReplay(ctx context.Context, args []string) error {
+	fs, helpOnly := a.flags(ctx, "dlq replay")
+	df := a.dlqFlagsOn(fs)
+	all := fs.Bool("all", false, "replay every record (required when no filter is given)")
+	dry := fs.Bool("dry-run", false, "say what would be replayed; publish nothing")
+	rate := fs.Float64("rate", 0, "publish at most `n` records per second (0: no limit)")
+	by := fs.String("by", "", "who asks for the redrive, written in once-redriven-by")
+	keep := fs.Bool("keep", false, "RabbitMQ: leave replayed messages in the dead-letter queue")
+	force := fs.Bool("force", false, "also replay kinds a redrive cannot fix (id-conflict, invalid-id)")
+	asJSON := fs.Bool("json", false, "print the report as JSON")
+	if helpOnly {
+		return nil
+	}
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	if !df.selects() && !*all {
+		return usagef("select records with filters, or replay them all with -all")
+	}
+	if *rate < 0 {
+		return usagef("-rate %v is negative", *rate)
+	}
+	q, f, err := a.dlqOpen(df)
+	if err != nil {
+		return err
+	}
+	defer q.Close()
+	bar := a.progress(*dry)
+	rep, err := q.Replay(ctx, f, dlq.ReplayOptions{
+		DryRun: *dry, Rate: *rate, By: *by, Keep: *keep, Force: *force, Progress: bar.update,
+	})
+	bar.finish()
+	if *asJSON {
+		if jerr := a.writeJSON(rep); jerr != nil {
+			return jerr
+		}
+	} else {
+		a.printReport(q, rep)
+	}
+	return err
+}
+
+func (a *app) printReport(q dlq.Queue, rep dlq.Report) {
+	verb := "replayed"
+	n := rep.Replayed
+	if rep.DryRun {
+		verb = "would replay"
+		n = rep.Selected - rep.Skipped
+	}
+	for _, o := range rep.Outcomes {
+		if rep.DryRun || o.Result == dlq.Skipped || a.terminal {
+			line := fmt.Sprintf("%-12s %s %s -> %s", o.Result, o.Record.Ref, orDash(o.Record.EventID()), orDash(o.Destination))
+			if o.Reason != "" {
+				line = fmt.Sprintf("%-12s %s %s: %s", o.Result, o.Record.Ref, orDash(o.Record.EventID()), o.Reason)
+			}
+			fmt.Fprintln(a.stdout, line)
+		}
+	}
+	fmt.Fprintf(a.stdout, "%s: %d selected, %s %d, skipped %d\n", q.Name(), rep.Selected, verb, n, rep.Skipped)
+}
+
+// progress draws a bar on a terminal and writes a line per record
+// otherwise.
+type progress struct {
+	w        io.Writer
+	terminal bool
+	dry      bool
+	start    time.Time
+	drawn    bool
+}
+
+func (a *app) progress(dry bool) *progress {
+	return &progress{w: a.stderr, terminal: a.terminal, dry: dry, start: time.Now()}
+}
+
+func (p *progress) update(done, total int, o dlq.Outcome) {
+	if !p.terminal {
+		if !p.dry {
+			fmt.Fprintf(p.w, "[%d/%d] %s %s %s\n", done, total, o.Result, o.Record.Ref, orDash(o.Record.EventID()))
+		}
+		return
+	}
+	const width = 30
+	filled := width * done / max(total, 1)
+	rate := float64(done) / max(time.Since(p.start).Seconds(), 0.001)
+	fmt.Fprintf(p.w, "\rreplaying [%s%s] %d/%d  %.1f/s ", strings.Repeat("#", filled), strings.Repeat(".", width-filled), done, total, rate)
+	p.drawn = true
+}
+
+func (p *progress) finish() {
+	if p.drawn {
+		fmt.Fprintln(p.w)
+	}
+}
+
+func formatTime(t time.Time) string {
+	if t.IsZero() {
+		return "-"
+	}
+	return t.UTC().Format("2006-01-02 15:04:05")
+}
+
+func orDash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return safe(s)
+}
+
+// safe returns s as it is when it is printable text on one line, else
+// quoted with escapes, so that a header cannot send control sequences to
+// the terminal.
+func safe(s string) string {
+	if dlq.Printable([]byte(s)) && !strings.ContainsAny(s, "\r\n") {
+		return s
+	}
+	return strconv.Quote(s)
+}
+
+// clip cuts s to n runes on one line.
+func clip(s string, n int) string {
+	s = safe(strings.Join(strings.Fields(s), " "))
+	r := []rune(s)
+	if len(r) > n {
+		return string(r[:n-1]) + "…"
+	}
+	return s
+}

@@ -1,0 +1,22 @@
+// Command once operates once consumers: their dead letters, their tables
+// and a web console.
+//
+//	once dlq list     list dead letters of a Kafka topic or RabbitMQ queue
+//	once dlq show     one dead letter: headers, reason, payload
+//	once dlq replay   redrive dead letters to where they were first published
+//	once migrate      create the processed-events tables (up)
+//	once status       per consumer: rows, crash suspects, dead letters, lag
+//	once retention    delete one consumer's old rows in bounded batches
+//	once ui           the web console
+//	once help [cmd]   help, for every command
+//
+// A redrive carries the event id the record was dead-lettered under in the
+// once-redrive-event-id header, which the consumer prefers over every other
+// id source: replaying a record twice, or a record handled meanwhile, has
+// one effect. docs/operations.md has the runbook.
+//
+// Exit codes: 0 success; 1 a failure (a broker or the database unreachable,
+// a replay that stopped); 2 a usage error (unknown command, bad or missing
+// flag); 3 an operation this version cannot do (migrate down and status);
+// 4 nothing matched (dlq show).
+package main

@@ -1,0 +1,201 @@
+package inspect
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"regexp"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/onceco/once/dedup"
+)
+
+// Tables names the store's tables, as dedup.Config does.
+type Tables struct {
+	// Schema holds the tables; "" resolves them through the search_path.
+	Schema string
+	// Table is the processed-events table; "" means dedup.DefaultTable.
+	// The attempts table is Table + "_attempts".
+	Table string
+}
+
+var identifier = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]{0,47}$`)
+
+// ErrInvalidName is returned for a schema or table name that is not a
+// plain SQL identifier.
+var ErrInvalidName = errors.New("inspect: invalid identifier")
+
+func (t Tables) names() (processed, attempts string, err error) {
+	table := t.Table
+	if table == "" {
+		table = dedup.DefaultTable
+	}
+	if !identifier.MatchString(table) {
+		return "", "", fmt.Errorf("%w: table %q", ErrInvalidName, table)
+	}
+	prefix := ""
+	if t.Schema != "" {
+		if !identifier.MatchString(t.Schema) {
+			return "", "", fmt.Errorf("%w: schema %q", ErrInvalidName, t.Schema)
+		}
+		prefix = t.Schema + "."
+	}
+	return prefix + table, prefix + table + "_attempts", nil
+}
+
+// DB is what the queries need: *pgxpool.Pool, *pgx.Conn and pgx.Tx have it.
+type DB interface {
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// Consumer is what the database knows of one consumer name.
+type Consumer struct {
+	Name string `json:"name"`
+	// Processed is the number of processed-event rows: events handled (or
+	// recorded as skipped) and not yet removed by retention.
+	Processed int64 `json:"processed"`
+	// Oldest and Newest are the processed_at bounds of those rows.
+	Oldest time.Time `json:"oldest,omitzero"`
+	Newest time.Time `json:"newest,omitzero"`
+	// InFlight counts attempt rows: messages that may be redeliveries and
+	// are being handled, or whose handling a process did not survive.
+	InFlight int64 `json:"in_flight"`
+	// CrashSuspects counts attempt rows not seen for longer than the
+	// suspect age given to Consumers, or counted more than once: a process
+	// died with the message in flight. Past the consumer's
+	// MaxCrashAttempts such a message is dead-lettered as crash-loop.
+	CrashSuspects int64 `json:"crash_suspects"`
+	// MaxAttempts is the highest attempt count of those rows.
+	MaxAttempts int `json:"max_attempts"`
+}
+
+// Consumers returns every consumer name found in the tables, sorted by
+// name. Attempt rows older than suspectAge, or with more than one attempt,
+// are counted as crash suspects. It reads the whole processed-events table
+// (one aggregate), so it costs a scan on a large table.
+func Consumers(ctx context.Context, db DB, t Tables, suspectAge time.Duration) ([]Consumer, error) {
+	processed, attempts, err := t.names()
+	if err != nil {
+		return nil, err
+	}
+	sql := `
+WITH p AS (
+    SELECT consumer, count(*) AS n, min(processed_at) AS oldest, max(processed_at) AS newest
+    FROM ` + processed + ` GROUP BY consumer
+), a AS (
+    SELECT consumer, count(*) AS n,
+           count(*) FILTER (WHERE attempts > 1 OR last_seen < now() - $1::interval) AS suspects,
+           max(attempts) AS max_attempts
+    FROM ` + attempts + ` GROUP BY consumer
+)
+SELECT coalesce(p.consumer, a.consumer), coalesce(p.n, 0), p.oldest, p.newest,
+       coalesce(a.n, 0), coalesce(a.suspects, 0), coalesce(a.max_attempts, 0)
+FROM p FULL JOIN a ON a.consumer = p.consumer
+ORDER BY 1`
+	rows, err := db.Query(ctx, sql, suspectAge.String())
+	if err != nil {
+		return nil, fmt.Errorf("inspect: read %s: %w", processed, err)
+	}
+	var out []Consumer
+	for rows.Next() {
+		var c Consumer
+		var oldest, newest *time.Time
+		if err := rows.Scan(&c.Name, &c.Processed, &oldest, &newest, &c.InFlight, &c.CrashSuspects, &c.MaxAttempts); err != nil {
+			return nil, fmt.Errorf("inspect: read %s: %w", processed, err)
+		}
+		if oldest != nil {
+			c.Oldest, c.Newest = *oldest, *newest
+		}
+		out = append(out, c)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("inspect: read %s: %w", processed, err)
+	}
+	return out, nil
+}
+
+// Deleter is what Retention needs: *pgxpool.Pool and *pgx.Conn have it.
+// Give it a pool or a connection, not a transaction: each batch must
+// commit by itself.
+type Deleter interface {
+	DB
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+}
+
+// RetentionOptions tune Retention.
+type RetentionOptions struct {
+	// BatchSize is the most rows one statement deletes, each statement its
+	// own short transaction. Default 1000.
+	BatchSize int
+	// DryRun counts the rows that would go and deletes nothing.
+	DryRun bool
+	// Progress, when set, is called after each batch with the rows deleted
+	// so far.
+	Progress func(deleted int64)
+}
+
+// Retention deletes the processed-event rows of one consumer processed
+// before cutoff, and its attempt rows last seen before it, in batches. It
+// returns the processed-event rows deleted (or, with DryRun, that would
+// be), and stops at ctx's end with what it deleted so far.
+//
+// A row removed no longer suppresses a redelivery of its event: cutoff
+// must be older than the longest time a message can take to come back.
+func Retention(ctx context.Context, db Deleter, t Tables, consumer string, cutoff time.Time, opts RetentionOptions) (int64, error) {
+	processed, attempts, err := t.names()
+	if err != nil {
+		return 0, err
+	}
+	if consumer == "" {
+		return 0, errors.New("inspect: retention needs a consumer name")
+	}
+	if opts.BatchSize < 0 {
+		return 0, fmt.Errorf("inspect: batch size %d is negative", opts.BatchSize)
+	}
+	if opts.BatchSize == 0 {
+		opts.BatchSize = 1000
+	}
+	if opts.DryRun {
+		var n int64
+		err := db.QueryRow(ctx, `SELECT count(*) FROM `+processed+` WHERE consumer = $1 AND processed_at < $2`, consumer, cutoff).Scan(&n)
+		if err != nil {
+			return 0, fmt.Errorf("inspect: count %s: %w", processed, err)
+		}
+		return n, nil
+	}
+	del := `DELETE FROM ` + processed + ` WHERE (consumer, event_id) IN (
+    SELECT consumer, event_id FROM ` + processed + ` WHERE consumer = $1 AND processed_at < $2 LIMIT $3)`
+	total, err := inBatches(ctx, db, del, consumer, cutoff, opts)
+	if err != nil {
+		return total, err
+	}
+	delAttempts := `DELETE FROM ` + attempts + ` WHERE (consumer, event_id) IN (
+    SELECT consumer, event_id FROM ` + attempts + ` WHERE consumer = $1 AND last_seen < $2 LIMIT $3)`
+	_, err = inBatches(ctx, db, delAttempts, consumer, cutoff, RetentionOptions{BatchSize: opts.BatchSize})
+	return total, err
+}
+
+func inBatches(ctx context.Context, db Deleter, sql, consumer string, cutoff time.Time, opts RetentionOptions) (int64, error) {
+	var total int64
+	for {
+		tag, err := db.Exec(ctx, sql, consumer, cutoff, opts.BatchSize)
+		if err != nil {
+			return total, fmt.Errorf("inspect: retention: %w", err)
+		}
+		n := tag.RowsAffected()
+		total += n
+		if opts.Progress != nil {
+			opts.Progress(total)
+		}
+		if n < int64(opts.BatchSize) {
+			return total, nil
+		}
+		if err := ctx.Err(); err != nil {
+			return total, err
+		}
+	}
+}

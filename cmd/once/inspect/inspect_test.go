@@ -1,0 +1,126 @@
+package inspect_test
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/IBM/sarama"
+	amqp091 "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/cmd/once/inspect"
+	"github.com/onceco/once/cmd/once/internal/testenv"
+	"github.com/onceco/once/dedup"
+	"github.com/onceco/once/internal/pgtest"
+)
+
+func TestMain(m *testing.M) { pgtest.Main(m) }
+
+func TestConsumersAndRetention(t *testing.T) {
+	ctx := context.Background()
+	pool, _ := pgtest.Schema(t)
+	store, err := dedup.New(dedup.Config{})
+	require.NoError(t, err)
+	require.NoError(t, store.Migrate(ctx, pool))
+	_, err = pool.Exec(ctx, `INSERT INTO processed_events (consumer, event_id, processed_at)
+		SELECT 'billing', 'ev-' || i, now() - make_interval(hours => i) FROM generate_series(0, 2499) i`)
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `INSERT INTO processed_events (consumer, event_id) VALUES ('shipping', 'a'), ('shipping', 'b')`)
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `INSERT INTO processed_events_attempts (consumer, event_id, attempts, last_seen) VALUES
+		('billing', 'x', 1, now()), ('billing', 'y', 3, now()), ('billing', 'z', 1, now() - interval '1 hour'),
+		('billing', 'gone', 1, now() - interval '2000 hours'),
+		('audit', 'q', 1, now())`)
+	require.NoError(t, err)
+
+	cs, err := inspect.Consumers(ctx, pool, inspect.Tables{}, 10*time.Minute)
+	require.NoError(t, err)
+	require.Len(t, cs, 3)
+	assert.Equal(t, "audit", cs[0].Name, "a consumer with attempt rows only is listed")
+	assert.Zero(t, cs[0].Processed)
+	b := cs[1]
+	assert.Equal(t, "billing", b.Name)
+	assert.EqualValues(t, 2500, b.Processed)
+	assert.EqualValues(t, 4, b.InFlight)
+	assert.EqualValues(t, 3, b.CrashSuspects, "counted twice, or not seen for an hour or more")
+	assert.Equal(t, 3, b.MaxAttempts)
+	assert.WithinDuration(t, time.Now().Add(-2499*time.Hour), b.Oldest, time.Minute)
+	assert.WithinDuration(t, time.Now(), b.Newest, time.Minute)
+	assert.EqualValues(t, 2, cs[2].Processed)
+
+	cutoff := time.Now().Add(-1000*time.Hour + 30*time.Minute) // rows 1000..2499 are older
+	n, err := inspect.Retention(ctx, pool, inspect.Tables{}, "billing", cutoff, inspect.RetentionOptions{DryRun: true})
+	require.NoError(t, err)
+	assert.EqualValues(t, 1500, n)
+	var progress []int64
+	n, err = inspect.Retention(ctx, pool, inspect.Tables{}, "billing", cutoff, inspect.RetentionOptions{
+		BatchSize: 400, Progress: func(d int64) { progress = append(progress, d) }})
+	require.NoError(t, err)
+	assert.EqualValues(t, 1500, n)
+	assert.Equal(t, []int64{400, 800, 1200, 1500}, progress, "bounded batches")
+	cs, err = inspect.Consumers(ctx, pool, inspect.Tables{}, 10*time.Minute)
+	require.NoError(t, err)
+	assert.EqualValues(t, 1000, cs[1].Processed)
+	assert.EqualValues(t, 3, cs[1].InFlight, "the attempt row last seen before the cutoff went too")
+	assert.EqualValues(t, 2, cs[2].Processed, "another consumer's rows stay")
+
+	_, err = inspect.Retention(ctx, pool, inspect.Tables{}, "", cutoff, inspect.RetentionOptions{})
+	require.Error(t, err)
+	_, err = inspect.Consumers(ctx, pool, inspect.Tables{Table: "x; DROP TABLE y"}, time.Minute)
+	require.ErrorIs(t, err, inspect.ErrInvalidName)
+}
+
+func TestKafkaLag(t *testing.T) {
+	k := testenv.NewKafka(t)
+	topic, group := testenv.Uniq("orders"), testenv.Uniq("g")
+	k.CreateTopic(topic, 2)
+	var msgs []*sarama.ProducerMessage
+	for i := range 10 {
+		msgs = append(msgs, &sarama.ProducerMessage{Topic: topic, Partition: int32(i % 2), Value: sarama.ByteEncoder(testenv.JSON(i, "ok")),
+			Headers: []sarama.RecordHeader{{Key: []byte("id"), Value: []byte(fmt.Sprint("ev-", i))}}})
+	}
+	k.Produce(msgs...)
+	lag, err := inspect.KafkaLag(k.Addrs, testenv.Sarama(), group, []string{topic})
+	require.NoError(t, err)
+	require.Len(t, lag, 2)
+	for _, l := range lag {
+		assert.EqualValues(t, -1, l.Committed, "the group has committed nothing")
+		assert.EqualValues(t, 5, l.Lag)
+	}
+
+	pool, _ := pgtest.Schema(t)
+	svc := testenv.StartService(t, pool, k.Source(group, topic), "lagging")
+	svc.Broken.Store(false)
+	svc.WaitSettled(t, 10)
+	svc.Stop()
+	lag, err = inspect.KafkaLag(k.Addrs, testenv.Sarama(), group, []string{topic})
+	require.NoError(t, err)
+	assert.Equal(t, []inspect.PartitionLag{
+		{Topic: topic, Partition: 0, Committed: 5, HighWater: 5, Lag: 0},
+		{Topic: topic, Partition: 1, Committed: 5, HighWater: 5, Lag: 0},
+	}, lag, "the stopped consumer committed everything")
+	k.Produce(msgs[:3]...)
+	lag, err = inspect.KafkaLag(k.Addrs, testenv.Sarama(), group, []string{topic})
+	require.NoError(t, err)
+	assert.EqualValues(t, []int64{2, 1}, []int64{lag[0].Lag, lag[1].Lag})
+}
+
+func TestAMQPDepth(t *testing.T) {
+	url := testenv.AMQPURL(t)
+	q := testenv.Uniq("depth")
+	testenv.DeleteQueues(t, url, q)
+	ch := testenv.AMQPChannel(t, url)
+	_, err := ch.QueueDeclare(q, true, false, false, false, nil)
+	require.NoError(t, err)
+	for range 3 {
+		testenv.PublishAMQP(t, ch, q, amqp091.Publishing{Body: []byte("x")})
+	}
+	d, err := inspect.AMQPDepth(url, []string{q})
+	require.NoError(t, err)
+	assert.Equal(t, []inspect.QueueDepth{{Queue: q, Ready: 3}}, d)
+	_, err = inspect.AMQPDepth(url, []string{q + "-missing"})
+	require.Error(t, err)
+}

@@ -1,0 +1,86 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"time"
+
+	"github.com/onceco/once/cmd/once/console"
+)
+
+const uiUsage = `Usage: once ui [-addr 127.0.0.1:8080] [-allow-replay] [-database-url URL] [-kafka BROKERS|-amqp URL -dlq NAMES]
+
+Serves the web console: consumers and their status, dead letters by consumer
+and kind with search, one record's headers and payload, and, with
+-allow-replay, replays of one record or a selection after a confirmation
+page. Read-only without -allow-replay. It binds to 127.0.0.1 by default and
+has no login: put it behind your own access control before binding it
+elsewhere.`
+
+func (a *app) ui(ctx context.Context, args []string) error {
+	fs, helpOnly := a.flags(ctx, "ui")
+	db := a.dbFlagsOn(fs)
+	addr := fs.String("addr", "127.0.0.1:8080", "`address` to listen on")
+	allow := fs.Bool("allow-replay", false, "allow replays (default: read-only)")
+	by := fs.String("by", "once console", "written in once-redriven-by on replays")
+	kafkaBrokers := fs.String("kafka", a.getenv("ONCE_KAFKA_BROKERS"), "Kafka bootstrap `brokers` (env ONCE_KAFKA_BROKERS)")
+	amqpURL := fs.String("amqp", a.getenv("ONCE_AMQP_URL"), "RabbitMQ `URL` (env ONCE_AMQP_URL)")
+	names := fs.String("dlq", "", "dead-letter topics or queues, comma-separated")
+	if helpOnly {
+		return nil
+	}
+	if err := parse(fs, args); err != nil {
+		return err
+	}
+	cfg := console.Config{Tables: db.tables(), AllowReplay: *allow, By: *by,
+		Logger: slog.New(slog.NewTextHandler(a.stderr, nil))}
+	for _, n := range splitList(*names) {
+		q, err := openQueue(*kafkaBrokers, *amqpURL, n)
+		if err != nil {
+			return err
+		}
+		cfg.Queues = append(cfg.Queues, q)
+	}
+	if *db.url != "" {
+		pool, err := db.pool(ctx)
+		if err != nil {
+			return err
+		}
+		defer pool.Close()
+		cfg.DB = pool
+	}
+	h, err := console.New(cfg)
+	if err != nil {
+		return &usageError{err.Error() + " (give -database-url, -dlq, or both)"}
+	}
+	ln, err := net.Listen("tcp", *addr)
+	if err != nil {
+		return err
+	}
+	mode := "read-only"
+	if *allow {
+		mode = "replays allowed"
+	}
+	fmt.Fprintf(a.stdout, "once console on http://%s/ (%s)\n", ln.Addr(), mode)
+	srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
+	done := make(chan error, 1)
+	go func() { done <- srv.Serve(ln) }()
+	select {
+	case err := <-done:
+		return err
+	case <-ctx.Done():
+		sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		if err := srv.Shutdown(sctx); err != nil {
+			return err
+		}
+		if err := <-done; !errors.Is(err, http.ErrServerClosed) {
+			return err
+		}
+		return nil
+	}
+}
