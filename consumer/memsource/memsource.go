@@ -17,16 +17,16 @@ import (
 // Broker holds published messages, their acks and the dead letters. It is
 // safe for concurrent use.
 type Broker struct {
-	mu       sync.Mutex
-	topic    string
-	log      []*consumer.Message
-	acked    map[int64]bool
-	dead     []DeadLetter
-	notify   chan struct{}
+	mu     sync.Mutex
+	topic  string
+	log    []*consumer.Message
+	acked  map[int64]bool
+	dead   []DeadLetter
+	notify chan struct{}
 	// ackNotify is closed and replaced on every ack.
 	ackNotify chan struct{}
 	fallback  bool
-	streams  int
+	streams   int
 	// DeadLetterErr, when non-nil, makes every DeadLetter call fail with it.
 	deadErr error
 }
