@@ -47,11 +47,13 @@ screenshots:
 	scripts/ensure-deps.sh postgres chromium
 	cd cmd/once && ONCE_SCREENSHOTS=$(CURDIR)/docs/img $(GO) test -count=1 -run '^TestConsoleInBrowser$$' ./console/
 
-## lint: gofmt and go vet
+## lint: gofmt and go vet over every module of the workspace, and the module-graph check (what a
+## service that imports consumer and brokers/kafka gets)
 lint:
 	@test -z "$$(gofmt -l .)" || (gofmt -l . && exit 1)
-	$(GO) vet ./...
-	cd cmd/once && $(GO) vet ./...
+	@for m in $$($(GO) work edit -json | sed -n 's/.*"DiskPath": "\(.*\)".*/\1/p'); do \
+	  echo "vet $$m"; (cd $$m && $(GO) vet ./...) || exit 1; done
+	scripts/check-module-graph.sh
 
 .PHONY: chaos
 CHAOS_FLAGS ?=

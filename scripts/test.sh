@@ -18,10 +18,13 @@ fi
 
 # Tests that need a server fail instead of skipping when it is missing.
 export ONCE_REQUIRE_SERVERS=1
-go test -race -count=1 -timeout 15m ${GOTESTFLAGS:-} ./...
-# The once command and its web console are a module of their own (cmd/once),
-# which ./... from here does not reach.
-(cd cmd/once && go test -race -count=1 -timeout 10m ${GOTESTFLAGS:-} ./...)
+# Every module of the workspace (go.work): the library, and the command,
+# the examples and the benchmark, which live in modules of their own so that
+# their dependencies stay out of a service's module graph. ./... from the
+# root does not reach into them.
+for module in $(go work edit -json | sed -n 's/.*"DiskPath": "\(.*\)".*/\1/p'); do
+  (cd "$module" && go test -race -count=1 -timeout 15m ${GOTESTFLAGS:-} ./...)
+done
 # The chaos build: crash points that kill the process at each step of a
 # message's way (compiled out of every other build).
 go test -race -count=1 -timeout 5m -tags chaos -run 'CrashPoint' ${GOTESTFLAGS:-} ./consumer/

@@ -1,6 +1,6 @@
 module github.com/onceco/once/cmd/once
 
-go 1.26.8
+go 1.26.0
 
 replace github.com/onceco/once => ../..
 
