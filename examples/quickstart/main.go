@@ -26,7 +26,7 @@ import (
 
 	"github.com/onceco/once/consumer"
 	"github.com/onceco/once/consumer/memsource"
-	"github.com/onceco/once/internal/pgtemp"
+	"github.com/onceco/once/oncetest"
 )
 
 type payment struct {
@@ -47,13 +47,13 @@ func run(n int) error {
 	ctx := context.Background()
 	url := os.Getenv("DATABASE_URL")
 	if url == "" {
-		srv, err := pgtemp.Start(ctx, pgtemp.Options{Durable: true})
+		srv, err := oncetest.StartServer(ctx, true)
 		if err != nil {
 			return err
 		}
 		defer srv.Close()
 		url = srv.URL()
-		fmt.Printf("started a throwaway PostgreSQL on 127.0.0.1:%d\n", srv.Port())
+		fmt.Println("started a throwaway PostgreSQL:", url)
 	}
 	pool, err := pgxpool.New(ctx, url)
 	if err != nil {

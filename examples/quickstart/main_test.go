@@ -5,14 +5,12 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/onceco/once/internal/pgtest"
+	"github.com/onceco/once/oncetest"
 )
-
-func TestMain(m *testing.M) { pgtest.Main(m) }
 
 // The demo's own verdict (exactly-once ledger, poison dead-lettered) must
 // pass; run returns an error when it does not.
 func TestDemoVerdictPasses(t *testing.T) {
-	t.Setenv("DATABASE_URL", pgtest.URL())
+	t.Setenv("DATABASE_URL", oncetest.URL(t))
 	require.NoError(t, run(600))
 }
