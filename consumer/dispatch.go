@@ -48,6 +48,7 @@ func (d *dispatcher) receive(ctx context.Context) error {
 			return fmt.Errorf("once: consumer %q: receive: %w", d.p.cfg.Name, err)
 		}
 		d.p.stats.received.Add(1)
+		d.p.tel.received(ctx, dv.Message())
 		if !d.dispatch(ctx, dv) {
 			return nil // dv is abandoned unacked: the broker redelivers it
 		}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 )
@@ -60,7 +61,7 @@ func BenchmarkTelemetry(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	tel, err := newTelemetry(&cfg, "kafka")
+	tel, err := newTelemetry(&cfg, "kafka", "orders-group")
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -68,8 +69,11 @@ func BenchmarkTelemetry(b *testing.B) {
 	ctx := context.Background()
 	b.ReportAllocs()
 	for b.Loop() {
-		c, span := tel.startSpan(ctx, m)
+		start := time.Now()
+		tel.received(ctx, m)
+		c, span := tel.startSpan(ctx, nil, m)
 		tel.outcome(c, span, "handled")
+		tel.processed(c, m, start, "")
 		span.End()
 	}
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"runtime/debug"
+	"time"
 
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/trace"
@@ -20,6 +21,8 @@ type job struct {
 	call  call // nil: record the id without a handler
 	event any  // the typed Event, for a BatchHandler
 	span  trace.Span
+	// start is when the message's processing began.
+	start time.Time
 	// ctx carries the message's span and ends when the message is
 	// abandoned.
 	ctx context.Context
@@ -58,8 +61,8 @@ func (j *job) claim(consumer string) dedup.Claim {
 // instead of crashing the process on every redelivery.
 func (p *pipeline) identify(ctx context.Context, dv Delivery) *job {
 	m := dv.Message()
-	ctx, span := p.tel.startSpan(ctx, m)
-	j := &job{d: dv, m: m, span: span, ctx: ctx}
+	ctx, span := p.tel.startSpan(ctx, dv, m)
+	j := &job{d: dv, m: m, span: span, ctx: ctx, start: time.Now()}
 	j.failure = p.prepareJob(j)
 	return j
 }

@@ -59,11 +59,14 @@ func newPipeline(pool *pgxpool.Pool, src Source, cfg Config, prep preparer) (*pi
 		return nil, err
 	}
 	cfg.fitPool(pool)
-	system := "unknown"
+	system, group := "unknown", ""
 	if n, ok := src.(SystemNamer); ok {
 		system = n.MessagingSystem()
 	}
-	tel, err := newTelemetry(&cfg, system)
+	if g, ok := src.(GroupNamer); ok {
+		group = g.ConsumerGroup()
+	}
+	tel, err := newTelemetry(&cfg, system, group)
 	if err != nil {
 		return nil, fmt.Errorf("once: telemetry: %w", err)
 	}
@@ -99,7 +102,7 @@ func (p *pipeline) consume(ctx context.Context) error {
 	p.stop() // after a fatal source error, ctx may still be live
 	d.close()
 	if !waitTimeout(&d.wg, p.cfg.ShutdownTimeout) {
-		p.cfg.Logger.Warn("once: shutdown timeout: rolling back messages in flight; they will be redelivered",
+		p.cfg.Logger.WarnContext(ctx, "once: shutdown timeout: rolling back messages in flight; they will be redelivered",
 			"consumer", p.cfg.Name, "timeout", p.cfg.ShutdownTimeout)
 		cancelWork()
 		d.wg.Wait()

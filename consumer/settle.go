@@ -68,6 +68,11 @@ func (s *settler) ackWith(j *job, outcome Result, dl *DeadLetter) {
 		p.stats.skipped.Add(1)
 	}
 	p.tel.outcome(j.ctx, j.span, string(outcome))
+	errorType := ""
+	if dl != nil {
+		errorType = string(dl.Kind)
+	}
+	p.tel.processed(j.ctx, j.m, j.start, errorType)
 	if err := j.d.Ack(j.ctx); err != nil {
 		// The effect is committed; the broker will redeliver and the
 		// claim will find a duplicate.

@@ -2,6 +2,7 @@ package consumer
 
 import (
 	"context"
+	"errors"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -51,9 +52,8 @@ func (c *counters) snapshot() Stats {
 }
 
 type telemetry struct {
-	tracer     trace.Tracer
-	propagator propagation.TraceContext
-	base       attribute.Set
+	tracer trace.Tracer
+	base   attribute.Set
 	// baseOpt is base as a measurement option, built once.
 	baseOpt metric.MeasurementOption
 	// spanAttrs are the attributes every consumer span starts with.
@@ -67,9 +67,36 @@ type telemetry struct {
 	handlerDur, commitDur          metric.Float64Histogram
 	inflight                       metric.Int64UpDownCounter
 	batchSize                      metric.Int64Histogram
+
+	// The OpenTelemetry messaging conventions' consumer metrics.
+	consumed    metric.Int64Counter
+	processDur  metric.Float64Histogram
+	conventions attribute.Set
+	// conventionOpts caches the measurement options per destination and
+	// error type.
+	conventionOpts sync.Map
 }
 
-func newTelemetry(cfg *Config, system string) (*telemetry, error) {
+// GroupNamer is implemented by sources that consume as a member of a
+// broker-side consumer group (a Kafka consumer group): telemetry reports it
+// as messaging.consumer.group.name. The consumer finds it by type
+// assertion. Without it the attribute is left out (RabbitMQ has no groups);
+// the consumer's own name is always in once.consumer.
+type GroupNamer interface {
+	ConsumerGroup() string
+}
+
+// TelemetryAttributer is implemented by deliveries that know messaging
+// attributes the consumer cannot derive from Message, such as RabbitMQ's
+// exchange (messaging.destination.name) and routing key
+// (messaging.rabbitmq.destination.routing_key). They are added to the
+// message's span, after and over the consumer's own. The consumer finds it
+// by type assertion.
+type TelemetryAttributer interface {
+	TelemetryAttributes() []attribute.KeyValue
+}
+
+func newTelemetry(cfg *Config, system, group string) (*telemetry, error) {
 	tp, mp := cfg.TracerProvider, cfg.MeterProvider
 	if tp == nil {
 		tp = otel.GetTracerProvider()
@@ -85,9 +112,18 @@ func newTelemetry(cfg *Config, system string) (*telemetry, error) {
 			attribute.String("messaging.system", system),
 			attribute.String("messaging.operation.type", "process"),
 			attribute.String("messaging.operation.name", "process"),
-			attribute.String("messaging.consumer.group.name", cfg.Name),
+			attribute.String("once.consumer", cfg.Name),
 		},
 	}
+	conventions := []attribute.KeyValue{
+		attribute.String("messaging.system", system),
+		attribute.String("messaging.operation.name", "process"),
+	}
+	if group != "" {
+		t.spanAttrs = append(t.spanAttrs, attribute.String("messaging.consumer.group.name", group))
+		conventions = append(conventions, attribute.String("messaging.consumer.group.name", group))
+	}
+	t.conventions = attribute.NewSet(conventions...)
 	t.baseOpt = metric.WithAttributeSet(t.base)
 	var err error
 	if t.messages, err = m.Int64Counter("once.consumer.messages",
@@ -119,14 +155,51 @@ func newTelemetry(cfg *Config, system string) (*telemetry, error) {
 		metric.WithDescription("Messages per batch transaction."), metric.WithUnit("{message}")); err != nil {
 		return nil, err
 	}
+	if t.consumed, err = m.Int64Counter("messaging.client.consumed.messages",
+		metric.WithDescription("Number of messages that were delivered to the application."),
+		metric.WithUnit("{message}")); err != nil {
+		return nil, err
+	}
+	if t.processDur, err = m.Float64Histogram("messaging.process.duration",
+		metric.WithDescription("Duration of processing operation."), metric.WithUnit("s"),
+		metric.WithExplicitBucketBoundaries(0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10)); err != nil {
+		return nil, err
+	}
 	return t, nil
+}
+
+// conventionOpt returns the measurement option of the conventions' metrics
+// for a destination and an error type ("" when the processing succeeded).
+func (t *telemetry) conventionOpt(destination, errorType string) metric.MeasurementOption {
+	key := [2]string{destination, errorType}
+	if opt, ok := t.conventionOpts.Load(key); ok {
+		return opt.(metric.MeasurementOption)
+	}
+	attrs := append(t.conventions.ToSlice(), attribute.String("messaging.destination.name", destination))
+	if errorType != "" {
+		attrs = append(attrs, attribute.String("error.type", errorType))
+	}
+	opt := metric.WithAttributeSet(attribute.NewSet(attrs...))
+	t.conventionOpts.Store(key, opt)
+	return opt
+}
+
+// received counts a delivery handed to the application.
+func (t *telemetry) received(ctx context.Context, m *Message) {
+	t.consumed.Add(ctx, 1, t.conventionOpt(m.Topic, ""))
+}
+
+// processed records how long a message took from its span's start to its
+// settlement; errorType is set when it was dead-lettered.
+func (t *telemetry) processed(ctx context.Context, m *Message, start time.Time, errorType string) {
+	t.processDur.Record(ctx, time.Since(start).Seconds(), t.conventionOpt(m.Topic, errorType))
 }
 
 // startSpan starts the consumer span of m, as a child of the producer's
 // context when m carries a valid W3C traceparent header.
-func (t *telemetry) startSpan(ctx context.Context, m *Message) (context.Context, trace.Span) {
+func (t *telemetry) startSpan(ctx context.Context, dv Delivery, m *Message) (context.Context, trace.Span) {
 	if len(m.Headers) > 0 {
-		ctx = t.propagator.Extract(ctx, propagation.MapCarrier(m.Headers))
+		ctx = extractParent(ctx, propagation.MapCarrier(m.Headers))
 	}
 	// Sized for every attribute: this runs for each message.
 	attrs := make([]attribute.KeyValue, 0, len(t.spanAttrs)+3)
@@ -138,7 +211,22 @@ func (t *telemetry) startSpan(ctx context.Context, m *Message) (context.Context,
 	if m.Offset >= 0 {
 		attrs = append(attrs, attribute.Int64("messaging.kafka.offset", m.Offset))
 	}
+	if ta, ok := dv.(TelemetryAttributer); ok {
+		attrs = append(attrs, ta.TelemetryAttributes()...)
+	}
 	return t.tracer.Start(ctx, t.spanName(m.Topic), trace.WithSpanKind(trace.SpanKindConsumer), trace.WithAttributes(attrs...))
+}
+
+// extractParent returns ctx with the producer's span context from the
+// headers: read with the global propagator (otel.SetTextMapPropagator: B3,
+// Jaeger, W3C with baggage...), or, when that finds none (the global
+// propagator is a no-op until a service sets one), from a W3C traceparent
+// header.
+func extractParent(ctx context.Context, carrier propagation.MapCarrier) context.Context {
+	if c := otel.GetTextMapPropagator().Extract(ctx, carrier); trace.SpanContextFromContext(c).IsValid() {
+		return c
+	}
+	return propagation.TraceContext{}.Extract(ctx, carrier)
 }
 
 func (t *telemetry) spanName(topic string) string {
@@ -152,7 +240,7 @@ func (t *telemetry) spanName(topic string) string {
 
 func (t *telemetry) traceParent(ctx context.Context) string {
 	carrier := propagation.MapCarrier{}
-	t.propagator.Inject(ctx, carrier)
+	propagation.TraceContext{}.Inject(ctx, carrier)
 	return carrier["traceparent"]
 }
 
@@ -172,6 +260,8 @@ func (t *telemetry) retry(ctx context.Context, reason string) {
 
 func (t *telemetry) deadLetter(ctx context.Context, span trace.Span, kind ErrorKind, msg string) {
 	span.SetStatus(codes.Error, msg)
+	span.RecordError(errors.New(msg), trace.WithAttributes(attribute.String("error.type", string(kind))))
+	span.SetAttributes(attribute.String("error.type", string(kind)))
 	t.deadLetters.Add(ctx, 1, metric.WithAttributeSet(t.base), metric.WithAttributes(attribute.String("kind", string(kind))))
 }
 

@@ -255,7 +255,7 @@ func (p *pipeline) handlerFailure(ctx context.Context, tx pgx.Tx, jobs []*job, i
 	if ctx.Err() != nil {
 		return txResult{outcome: txAbandoned, err: err, failed: -1}
 	}
-	class := p.classify(tx, err)
+	class := p.classify(ctx, tx, err)
 	switch {
 	case class == ClassInfrastructure:
 		return txResult{outcome: txInfra, err: err, failed: -1, class: class}
@@ -289,7 +289,7 @@ func (p *pipeline) commitFailure(ctx context.Context, tx pgx.Tx, jobs []*job, er
 // classify returns err's class: Classify's, or infrastructure when the
 // transaction's connection died under the handler, then as
 // Config.ClassifyError says.
-func (p *pipeline) classify(tx pgx.Tx, err error) (class ErrorClass) {
+func (p *pipeline) classify(ctx context.Context, tx pgx.Tx, err error) (class ErrorClass) {
 	class = Classify(err)
 	var timeout *timeoutError
 	switch {
@@ -307,7 +307,7 @@ func (p *pipeline) classify(tx pgx.Tx, err error) (class ErrorClass) {
 	def := class
 	defer func() {
 		if r := recover(); r != nil {
-			p.cfg.Logger.Error("once: Config.ClassifyError panicked; using the default class", "consumer", p.cfg.Name,
+			p.cfg.Logger.ErrorContext(ctx, "once: Config.ClassifyError panicked; using the default class", "consumer", p.cfg.Name,
 				"panic", r, "class", def.String())
 			class = def
 		}
