@@ -47,13 +47,11 @@ screenshots:
 	scripts/ensure-deps.sh postgres chromium
 	cd cmd/once && ONCE_SCREENSHOTS=$(CURDIR)/docs/img $(GO) test -count=1 -run '^TestConsoleInBrowser$$' ./console/
 
-## lint: gofmt and go vet over every module of the workspace, and the module-graph check (what a
-## service that imports consumer and brokers/kafka gets)
+## lint: gofmt, go vet and golangci-lint (pinned, .golangci.yml) over every module of the workspace,
+## the module-graph check (what a service importing consumer and brokers/kafka gets), and
+## gorelease against the last tag once there is one
 lint:
-	@test -z "$$(gofmt -l .)" || (gofmt -l . && exit 1)
-	@for m in $$($(GO) work edit -json | sed -n 's/.*"DiskPath": "\(.*\)".*/\1/p'); do \
-	  echo "vet $$m"; (cd $$m && $(GO) vet ./...) || exit 1; done
-	scripts/check-module-graph.sh
+	scripts/lint.sh
 
 .PHONY: chaos
 CHAOS_FLAGS ?=

@@ -14,16 +14,16 @@ import (
 type ErrorClass int
 
 const (
-	// ClassInfrastructure: the database (or the broker) failed, not the
-	// message. The transaction is rolled back and the message tried again
+	// ClassInfrastructure means the database (or the broker) failed, not
+	// the message. The transaction is rolled back and the message tried again
 	// after Config.InfraBackoff, without bound: it is never acked and never
 	// dead-lettered for it.
 	ClassInfrastructure ErrorClass = iota + 1
-	// ClassRetry: the handler failed. The message is tried again per
+	// ClassRetry means the handler failed. The message is tried again per
 	// Config.Retry, then dead-lettered with kind KindHandler (KindPanic for
 	// a panic).
 	ClassRetry
-	// ClassPermanent: retrying cannot help. The message is dead-lettered
+	// ClassPermanent means retrying cannot help. The message is dead-lettered
 	// at once.
 	ClassPermanent
 )
