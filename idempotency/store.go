@@ -39,8 +39,9 @@ func mustSub(f fs.FS, dir string) fs.FS {
 // name that is not a plain SQL identifier.
 var ErrInvalidName = errors.New("idempotency: invalid identifier")
 
-// identifier is a plain, unquoted SQL identifier (the dedup package's rule).
-var identifier = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]{0,47}$`)
+// identifier is a plain, unquoted SQL identifier of at most 63 bytes,
+// PostgreSQL's limit.
+var identifier = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]{0,62}$`)
 
 func checkSchema(schema string) error {
 	if schema != "" && !identifier.MatchString(schema) {
@@ -143,7 +144,7 @@ func newStatements(schema string) statements {
 		restoreLockTimeout: `SELECT set_config('lock_timeout', current_setting('once.saved_lock_timeout'), true)`,
 		claim: `INSERT INTO ` + table + ` (scope, idempotency_key, fingerprint, method, path, expires_at)
 VALUES ($1, $2, $3, $4, $5, now() + $6::float8 * interval '1 second') ON CONFLICT DO NOTHING`,
-		lookup: `SELECT fingerprint, status, header, body, expires_at <= now() FROM ` + table + where,
+		lookup:        `SELECT fingerprint, status, header, body, expires_at <= now() FROM ` + table + where,
 		deleteExpired: `DELETE FROM ` + table + where + ` AND expires_at <= now()`,
 		saveResponse:  `UPDATE ` + table + ` SET status = $3, header = $4, body = $5` + where,
 		retention: `DELETE FROM ` + table + ` WHERE ctid = ANY(ARRAY(SELECT ctid FROM ` + table +
