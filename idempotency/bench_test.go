@@ -50,7 +50,7 @@ func BenchmarkHTTP(b *testing.B) {
 				return
 			}
 			defer tx.Rollback(context.WithoutCancel(r.Context())) //nolint:errcheck // a no-op after Commit
-			rec := httptest.NewRecorder()                          // commit before answering, as the middleware does
+			rec := httptest.NewRecorder()                         // commit before answering, as the middleware does
 			placeOrder(rec, r, tx)
 			if err := tx.Commit(r.Context()); err != nil {
 				http.Error(w, err.Error(), http.StatusServiceUnavailable)
