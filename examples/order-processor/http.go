@@ -99,6 +99,19 @@ func serveWeb(ctx context.Context, addr string, pool *pgxpool.Pool, log *slog.Lo
 	return ln.Addr().String(), nil
 }
 
+// startWeb serves the HTTP API on o.httpAddr, if set, until ctx ends.
+func startWeb(ctx context.Context, o *options, pool *pgxpool.Pool, log *slog.Logger, stdout io.Writer) error {
+	if o.httpAddr == "" {
+		return nil
+	}
+	addr, err := serveWeb(ctx, o.httpAddr, pool, log)
+	if err != nil {
+		return fmt.Errorf("http: %w", err)
+	}
+	fmt.Fprintf(stdout, "http: POST http://%s/orders with an Idempotency-Key header, basic-auth user as the customer\n", addr)
+	return nil
+}
+
 // webRun is what the demo's HTTP clients did and got.
 type webRun struct {
 	keys, requests, created, replayed, refused, inFlight int
