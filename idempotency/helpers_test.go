@@ -153,7 +153,8 @@ func count(t *testing.T, pool *pgxpool.Pool, sql string, args ...any) int {
 func (s *service) waitingClaims() int {
 	s.t.Helper()
 	return count(s.t, s.pool, `SELECT count(*) FROM pg_stat_activity
-		WHERE wait_event_type = 'Lock' AND query LIKE 'INSERT INTO "' || $1 || '"."idempotency_keys"%'`, s.schema)
+		WHERE wait_event_type = 'Lock' AND wait_event = 'advisory'
+		AND query LIKE 'SELECT pg_advisory_xact_lock%' AND strpos(query, '"' || $1 || '"."idempotency_keys"') > 0`, s.schema)
 }
 
 // gate blocks handlers until opened; a test that fails first cannot leave

@@ -173,15 +173,20 @@ func (m *Middleware) serveWithKey(w http.ResponseWriter, r *http.Request, next h
 func (m *Middleware) begin(ctx context.Context, c *claim) (tx pgx.Tx, won bool, prev stored, err error) {
 	b := &pgx.Batch{}
 	b.BeginTx(m.cfg.TxOptions)
+	expired := false
 	for {
 		c.claimAttempts++
+		if expired {
+			b.Queue(m.sql.deleteExpired, c.scope, c.key)
+		}
 		b.Queue(m.sql.setLockTimeout, lockTimeoutSetting(m.cfg.Wait))
-		inserted := b.Queue(m.sql.claim, c.scope, c.key, c.fingerprint, c.method, c.path, m.cfg.TTL.Seconds())
+		b.Queue(m.sql.lockKey, c.scope, c.key, m.sql.lockNamespace)
 		b.Queue(m.sql.restoreLockTimeout)
-		inserted.Exec(func(tag pgconn.CommandTag) error { won = tag.RowsAffected() == 1; return nil })
+		b.Queue(m.sql.claim, c.scope, c.key, c.fingerprint, c.method, c.path, m.cfg.TTL.Seconds()).
+			Exec(func(tag pgconn.CommandTag) error { won = tag.RowsAffected() == 1; return nil })
 		// The lookup rides along: it costs nothing when the claim won, and
 		// saves a round trip on a replay. A new statement sees what the
-		// transaction the claim waited for committed.
+		// transaction the lock waited for committed.
 		found := false
 		b.Queue(m.sql.lookup, c.scope, c.key).QueryRow(func(row pgx.Row) error {
 			err := row.Scan(&prev.fingerprint, &prev.status, &prev.header, &prev.body, &prev.expired)
@@ -207,14 +212,11 @@ func (m *Middleware) begin(ctx context.Context, c *claim) (tx pgx.Tx, won bool, 
 		if c.claimAttempts >= 3 {
 			return tx, false, prev, errors.New("the key's row kept changing under the claim")
 		}
-		// Expired (delete it, then claim again) or deleted by retention
-		// between the claim and the lookup (claim again).
+		// Expired (delete it, then claim again; this transaction holds the
+		// key's lock), or deleted by retention between the claim and the
+		// lookup (claim again).
 		b = &pgx.Batch{}
-		if found {
-			b.Queue(m.sql.setLockTimeout, lockTimeoutSetting(m.cfg.Wait))
-			b.Queue(m.sql.deleteExpired, c.scope, c.key)
-			b.Queue(m.sql.restoreLockTimeout)
-		}
+		expired = found
 		prev = stored{}
 	}
 }

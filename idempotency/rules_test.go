@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"net/http"
 	"strings"
 	"sync"
@@ -117,6 +118,30 @@ func TestInFlightKeyGets409(t *testing.T) {
 	assert.True(t, again.replayed())
 	assert.Equal(t, got.body, again.body)
 	assert.Equal(t, 1, s.effects())
+}
+
+// Only the same key in flight is a 409: many clients placing new keys at
+// once, with no wait, all succeed, whatever other locks their inserts meet
+// (the table extended under concurrent inserts, say).
+func TestConcurrentNewKeysAreNeverInFlight(t *testing.T) {
+	const clients, each = 32, 25
+	s := newService(t, idempotency.Config{}, http.HandlerFunc(insertEffect))
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	statuses := map[int]int{}
+	for c := range clients {
+		wg.Go(func() {
+			for i := range each {
+				r := s.post("/orders", fmt.Sprintf("c%d-%d", c, i), strings.Repeat("x", 2000))
+				mu.Lock()
+				statuses[r.status]++
+				mu.Unlock()
+			}
+		})
+	}
+	wg.Wait()
+	assert.Equal(t, map[int]int{http.StatusCreated: clients * each}, statuses)
+	assert.Equal(t, clients*each, s.effects())
 }
 
 // A wait that ends before the first request does gives 409, not a second

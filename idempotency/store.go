@@ -124,6 +124,7 @@ func upFiles() ([]migrationFile, error) {
 // configured schema.
 type statements struct {
 	setLockTimeout, restoreLockTimeout string
+	lockKey, lockNamespace             string
 	claim, lookup, deleteExpired       string
 	saveResponse, retention            string
 }
@@ -135,13 +136,24 @@ func newStatements(schema string) statements {
 	}
 	where := ` WHERE scope = $1 AND idempotency_key = $2`
 	return statements{
-		// The claim's wait for a transaction that holds the same key is
-		// bounded by lock_timeout, set for the claim only: the handler's
-		// statements run under the session's own setting, saved in a
-		// custom setting and restored after the claim.
+		// The wait for a transaction that holds the same key is bounded by
+		// lock_timeout, set around lockKey only: the claim's INSERT and the
+		// handler's statements run under the session's own setting, saved
+		// in a custom setting and restored after lockKey.
 		setLockTimeout: `SELECT set_config('once.saved_lock_timeout', current_setting('lock_timeout'), true),
 	set_config('lock_timeout', $1, true)`,
 		restoreLockTimeout: `SELECT set_config('lock_timeout', current_setting('once.saved_lock_timeout'), true)`,
+		// A transaction-scoped advisory lock on the key's hash marks the
+		// key in flight: held from the claim to the commit or rollback,
+		// released by PostgreSQL when the connection dies. It is taken
+		// only while the key has no live stored response, so replays of a
+		// completed key never queue behind each other. The INSERT alone
+		// cannot carry the bound: under lock_timeout, any other lock wait
+		// of an INSERT (extending the table under concurrent inserts) would
+		// become a false 409.
+		lockKey: `SELECT pg_advisory_xact_lock(hashtextextended($3 || ':' || length($1)::text || ':' || $1 || $2, 0))
+WHERE NOT EXISTS (SELECT 1 FROM ` + table + where + ` AND expires_at > now())`,
+		lockNamespace: table,
 		claim: `INSERT INTO ` + table + ` (scope, idempotency_key, fingerprint, method, path, expires_at)
 VALUES ($1, $2, $3, $4, $5, now() + $6::float8 * interval '1 second') ON CONFLICT DO NOTHING`,
 		lookup:        `SELECT fingerprint, status, header, body, expires_at <= now() FROM ` + table + where,
