@@ -153,7 +153,10 @@ func newStatements(schema string) statements {
 		// become a false 409.
 		lockKey: `SELECT pg_advisory_xact_lock(hashtextextended($3 || ':' || length($1)::text || ':' || $1 || $2, 0))
 WHERE NOT EXISTS (SELECT 1 FROM ` + table + where + ` AND expires_at > now())`,
-		lockNamespace: table,
+		// One namespace for every table and schema: two middlewares that
+		// name one table differently ("" and "public") still exclude each
+		// other; other keys sharing a hash only wait needlessly.
+		lockNamespace: "once.idempotency",
 		claim: `INSERT INTO ` + table + ` (scope, idempotency_key, fingerprint, method, path, expires_at)
 VALUES ($1, $2, $3, $4, $5, now() + $6::float8 * interval '1 second') ON CONFLICT DO NOTHING`,
 		lookup:        `SELECT fingerprint, status, header, body, expires_at <= now() FROM ` + table + where,
