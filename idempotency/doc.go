@@ -23,12 +23,13 @@
 //   - 5xx responses are not stored, and their writes are rolled back, so a
 //     retry can succeed (Config.Store).
 //
-// "In flight" needs no pending row: the claim is an INSERT in the
-// handler's transaction, so a second request with the key waits on the
-// first's uncommitted row (bounded by lock_timeout, then 409), and sees the
-// committed response or, if the first rolled back, claims the key itself.
-// A process that dies mid-request leaves nothing behind: PostgreSQL rolls
-// its transaction back when the connection drops.
+// "In flight" needs no pending row: the claiming transaction holds a
+// transaction-scoped advisory lock on the key until it commits or rolls
+// back, so a second request with the key waits for the first (bounded by
+// lock_timeout, then 409) and then sees the committed response or, if the
+// first rolled back, claims the key itself. A process that dies
+// mid-request leaves nothing behind: PostgreSQL rolls its transaction back,
+// claim and lock included, when the connection drops.
 //
 // Migrate creates the table from the numbered files in Migrations;
 // RunRetention (or DeleteExpired) removes expired keys in bounded batches.

@@ -6,15 +6,19 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"net/url"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/onceco/once/idempotency"
+	"github.com/onceco/once/internal/netcut"
+	"github.com/onceco/once/internal/pgtest"
 )
 
 // A repeated key gets the stored response: same status, stored headers and
@@ -490,4 +494,50 @@ func TestNewRejectsBadConfiguration(t *testing.T) {
 	_, err := idempotency.New(nil, idempotency.Config{Scope: idempotency.SingleScope})
 	assert.ErrorIs(t, err, idempotency.ErrConfig)
 	assert.ErrorIs(t, idempotency.Migrate(context.Background(), pool, "x-y"), idempotency.ErrInvalidName)
+}
+
+// The database connection breaks while the handler runs (its effect
+// written, not committed): the client gets 503, the server rolls the
+// transaction back, and the retry with the same key runs once.
+func TestConnectionCutMidRequestGets503(t *testing.T) {
+	g := newGate()
+	s := newService(t, idempotency.Config{}, http.HandlerFunc(insertEffect))
+	u, err := url.Parse(pgtest.URL())
+	require.NoError(t, err)
+	proxy, err := netcut.NewProxy(u.Host)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = proxy.Close() })
+	u.Host = proxy.Addr()
+	cfg, err := pgxpool.ParseConfig(u.String())
+	require.NoError(t, err)
+	cfg.ConnConfig.RuntimeParams["search_path"] = s.schema
+	cut, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(cut.Close)
+	h := func(w http.ResponseWriter, r *http.Request) {
+		_, err := idempotency.Tx(r.Context()).Exec(r.Context(), `INSERT INTO effects (key, body) VALUES ('cut', '')`)
+		assert.NoError(t, err)
+		g.entered <- struct{}{}
+		<-g.open
+		w.WriteHeader(http.StatusCreated)
+	}
+	viaProxy := serve(t, cut, s.schema, idempotency.Config{}, http.HandlerFunc(h))
+
+	first := make(chan reply, 1)
+	go func() { first <- viaProxy.post("/orders", "k", "b") }()
+	g.waitEntered(t)
+	require.Positive(t, proxy.Cut())
+	close(g.open)
+	r := <-first
+	assert.Equal(t, http.StatusServiceUnavailable, r.status, r.body)
+	assert.Equal(t, "1", r.header.Get("Retry-After"))
+
+	// The retry, through a healthy pool: the server has rolled the first
+	// back (or is about to: the retry waits for its lock).
+	retried := serve(t, s.pool, s.schema, idempotency.Config{Wait: 30 * time.Second}, http.HandlerFunc(insertEffect))
+	again := retried.post("/orders", "k", "b")
+	assert.Equal(t, http.StatusCreated, again.status, again.body)
+	assert.False(t, again.replayed())
+	assert.Equal(t, 0, count(t, s.pool, `SELECT count(*) FROM effects WHERE key = 'cut'`))
+	assert.Equal(t, 1, s.effects())
 }
