@@ -173,15 +173,14 @@ func lockTimeoutSetting(wait time.Duration) string {
 	return fmt.Sprintf("%dms", max(1, wait.Milliseconds()))
 }
 
-// DB is what DeleteExpired needs of a connection: *pgxpool.Pool, *pgx.Conn
-// and pgx.Tx satisfy it.
-type DB interface {
+// execer is what retention needs of a connection.
+type execer interface {
 	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
 }
 
 // deleteExpired removes expired keys, batchSize rows per statement, each
 // statement its own short transaction, until fewer than batchSize are left.
-func (s statements) deleteAllExpired(ctx context.Context, db DB, batchSize int) (int64, error) {
+func (s statements) deleteAllExpired(ctx context.Context, db execer, batchSize int) (int64, error) {
 	var total int64
 	for {
 		tag, err := db.Exec(ctx, s.retention, batchSize)
