@@ -147,6 +147,14 @@ type stored struct {
 func (m *Middleware) serveWithKey(w http.ResponseWriter, r *http.Request, next http.Handler, c claim) {
 	ctx := r.Context()
 	tx, won, prev, err := m.begin(ctx, &c)
+	if isSerializationFailure(err) {
+		// Under repeatable read or serializable, a claim that waited for
+		// the first request cannot see what it committed after this
+		// transaction's snapshot: a new transaction sees the response.
+		m.rollback(ctx, tx)
+		c.claimAttempts = 0
+		tx, won, prev, err = m.begin(ctx, &c)
+	}
 	if tx != nil {
 		defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // a no-op after Commit
 	}

@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -89,6 +90,28 @@ func TestConcurrentRetriesRunTheEffectOnce(t *testing.T) {
 		}
 	}
 	assert.Equal(t, 1, fresh, "one response is the handler's, the others replays")
+	assert.Equal(t, 1, s.effects())
+}
+
+// Under repeatable read, a request that waited for the first still gets
+// its response: its own snapshot predates the first's commit, so the claim
+// is tried again in a new transaction.
+func TestWaiterUnderRepeatableReadGetsTheReplay(t *testing.T) {
+	g := newGate()
+	s := newService(t, idempotency.Config{Wait: time.Minute, TxOptions: pgx.TxOptions{IsoLevel: pgx.RepeatableRead}},
+		g.wrap(insertEffect))
+	first := make(chan reply, 1)
+	go func() { first <- s.post("/orders", "k", "b") }()
+	g.waitEntered(t)
+	second := make(chan reply, 1)
+	go func() { second <- s.post("/orders", "k", "b") }()
+	require.Eventually(t, func() bool { return s.waitingClaims() == 1 }, 30*time.Second, 5*time.Millisecond)
+	close(g.open)
+	a, b := <-first, <-second
+	require.Equal(t, http.StatusCreated, a.status, a.body)
+	assert.Equal(t, http.StatusCreated, b.status, b.body)
+	assert.True(t, b.replayed())
+	assert.Equal(t, a.body, b.body)
 	assert.Equal(t, 1, s.effects())
 }
 

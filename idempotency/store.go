@@ -210,3 +210,10 @@ func isAborted(err error) bool {
 	var pgErr *pgconn.PgError
 	return errors.As(err, &pgErr) && pgErr.Code == "25P02"
 }
+
+// isSerializationFailure reports whether err is PostgreSQL's
+// serialization_failure.
+func isSerializationFailure(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "40001"
+}
