@@ -76,22 +76,12 @@ const finishTimeout = 30 * time.Second
 // http.Flusher and cannot be hijacked.
 func (m *Middleware) Handler(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		values := r.Header.Values(m.cfg.Header)
-		switch {
-		case len(values) == 0 && m.cfg.Optional:
+		if len(r.Header.Values(m.cfg.Header)) == 0 && m.cfg.Optional {
 			m.serveWithoutKey(w, r, next)
 			return
-		case len(values) == 0:
-			problem(w, http.StatusBadRequest, "Idempotency-Key missing",
-				"This operation requires an "+m.cfg.Header+" header: send a unique key, and the same key on every retry.")
-			return
-		case len(values) > 1:
-			problem(w, http.StatusBadRequest, "Idempotency-Key invalid", "The request has more than one "+m.cfg.Header+" header.")
-			return
 		}
-		key, err := parseKey(values[0])
-		if err != nil {
-			problem(w, http.StatusBadRequest, "Idempotency-Key invalid", err.Error())
+		key, ok := m.requestKey(w, r)
+		if !ok {
 			return
 		}
 		body, ok := m.readBody(w, r)
@@ -103,6 +93,28 @@ func (m *Middleware) Handler(next http.Handler) http.Handler {
 			method: r.Method, path: r.URL.Path,
 		})
 	})
+}
+
+// requestKey returns the request's key. It answers 400 itself when the
+// key is missing, repeated or malformed.
+func (m *Middleware) requestKey(w http.ResponseWriter, r *http.Request) (string, bool) {
+	values := r.Header.Values(m.cfg.Header)
+	switch len(values) {
+	case 0:
+		problem(w, http.StatusBadRequest, "Idempotency-Key missing",
+			"This operation requires an "+m.cfg.Header+" header: send a unique key, and the same key on every retry.")
+		return "", false
+	case 1:
+	default:
+		problem(w, http.StatusBadRequest, "Idempotency-Key invalid", "The request has more than one "+m.cfg.Header+" header.")
+		return "", false
+	}
+	key, err := parseKey(values[0])
+	if err != nil {
+		problem(w, http.StatusBadRequest, "Idempotency-Key invalid", err.Error())
+		return "", false
+	}
+	return key, true
 }
 
 // readBody reads the whole request body, up to MaxRequestBytes, and puts
