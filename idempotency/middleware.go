@@ -272,12 +272,13 @@ func (m *Middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 	status := rec.finalStatus()
 	switch {
 	case rec.overflow:
+		m.rollback(r.Context(), tx)
 		m.cfg.Logger.Error("idempotency: response too large; rolled back", "path", r.URL.Path, "limit", m.cfg.MaxResponseBytes)
 		problem(w, http.StatusInternalServerError, "Response too large", "The response could not be stored.")
 		return
 	case !m.cfg.Store(status):
-		// Rolled back by the deferred Rollback: nothing happened, so the
-		// client may retry with the same key.
+		// Rolled back before the answer, so that a retry it prompts finds
+		// the key free: nothing happened, and the retry runs again.
 		m.rollback(r.Context(), tx)
 		send(w, rec.header, status, rec.body.Bytes())
 		return
