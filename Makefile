@@ -40,6 +40,7 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzIdentify$$' -fuzztime $(FUZZTIME) ./consumer/
 	$(GO) test -run '^$$' -fuzz '^FuzzDecode$$' -fuzztime $(FUZZTIME) ./consumer/
 	$(GO) test -run '^$$' -fuzz '^FuzzHeaderStrings$$' -fuzztime $(FUZZTIME) ./brokers/amqp/
+	$(GO) test -run '^$$' -fuzz '^FuzzParseKey$$' -fuzztime $(FUZZTIME) ./idempotency/
 
 ## screenshots: a PNG of each page of the web console (once ui) into docs/img/, taken in headless
 ## Chromium by the console's browser test (cmd/once/console)

@@ -82,6 +82,11 @@ func demo(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 	fmt.Fprintf(stdout, "published %d messages for %d orders in %s (seed %d)\n", len(plan.Messages), o.mix.Orders,
 		time.Since(start).Round(time.Millisecond), o.mix.Seed)
 
+	web, err := placeWebOrders(ctx, o, pool, plan, logger(o, stderr)) // http.go: the same orders over HTTP
+	if err != nil {
+		return fmt.Errorf("http orders: %w", err)
+	}
+
 	var run1 int64
 	if o.crash {
 		t1 := time.Now()
@@ -161,7 +166,7 @@ func demo(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 		}
 	}
 	elapsed := time.Since(start)
-	return report(ctx, stdout, pool, o, plan, runs{killed: run1, second: run2, third: run3}, dlq, elapsed)
+	return report(ctx, stdout, pool, o, plan, runs{killed: run1, second: run2, third: run3, web: web}, dlq, elapsed)
 }
 
 // runDrained runs a consumer until the broker has nothing left for it and
@@ -247,6 +252,7 @@ type runs struct {
 	killed int64 // events committed by the killed run
 	second consumer.Stats
 	third  *consumer.Stats // the replay run, if any
+	web    *webRun         // the orders placed over HTTP, if any
 }
 
 // resetDemoTables drops the demo's tables and creates them empty.
@@ -496,6 +502,7 @@ func report(ctx context.Context, w io.Writer, pool *pgxpool.Pool, o *options, pl
 	}
 	fmt.Fprintf(w, "processed events  %6d  (want %d: every valid event once, duplicates and copies without ids skipped)\n",
 		processed, plan.uniqueEvents())
+	r.web.print(w)
 	fmt.Fprintf(w, "orders            %6d  (want %d) %s (want %s)\n", nOrders, len(plan.Orders), statusList(byStatus), statusList(wantStatus))
 	fmt.Fprintf(w, "payments          %6d  (want %d, one per paid order)\n", ledgerRows, plan.LedgerRows)
 	fmt.Fprintf(w, "ledger sum    %10d  (want %d)\n", ledgerSum, plan.LedgerSum)
@@ -516,7 +523,7 @@ func report(ctx context.Context, w io.Writer, pool *pgxpool.Pool, o *options, pl
 	ok := len(mismatches) == 0 && nOrders == len(plan.Orders) &&
 		ledgerRows == int64(plan.LedgerRows) && ledgerSum == plan.LedgerSum &&
 		processed == int64(plan.uniqueEvents()) &&
-		len(dlIDs) == plan.Malformed+plan.Violations && kindList(dlKinds) == kindList(wantKinds)
+		len(dlIDs) == plan.Malformed+plan.Violations && kindList(dlKinds) == kindList(wantKinds) && r.web.ok()
 	if !ok {
 		fmt.Fprintln(w, "verdict: FAIL: the database or the dead-letter queue does not match what was sent")
 		return errors.New("verdict: FAIL")

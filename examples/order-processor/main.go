@@ -118,6 +118,7 @@ type options struct {
 	crash            bool
 
 	metricsAddr string
+	httpAddr    string // serve: the HTTP API (http.go)
 	traces      string
 	verbose     bool
 	label       string
@@ -157,6 +158,7 @@ func parseOptions(args []string, stderr io.Writer) (*options, error) {
 	fs.IntVar(&o.maxAttempts, "max-attempts", 4, "handler attempts before an event is dead-lettered (amqp: 8)")
 	fs.BoolVar(&o.crash, "crash", true, "demo: kill (SIGKILL) a first consumer process mid-stream, then resume")
 	fs.StringVar(&o.metricsAddr, "metrics-addr", envOr("METRICS_ADDR", "127.0.0.1:0"), `address of /metrics and /healthz ("" or "off": none)`)
+	fs.StringVar(&o.httpAddr, "http-addr", "", `serve: address of the HTTP API, POST /orders with an Idempotency-Key ("": none)`)
 	fs.StringVar(&o.traces, "traces", "", `export spans: "stdout" or a file name ("": off)`)
 	fs.StringVar(&o.label, "label", "", "prefix of the progress line")
 	fs.BoolVar(&o.verbose, "v", false, "log the consumer's warnings (dead letters, retries)")
@@ -399,6 +401,9 @@ func serve(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 		fmt.Fprintf(stdout, "metrics: http://%s/metrics  health: http://%s/healthz\n", tel.addr, tel.addr)
 	}
 	log := logger(o, stderr)
+	if err := startWeb(ctx, o, pool, log, stdout); err != nil {
+		return err
+	}
 	src, err := newSource(ctx, o, tel, log)
 	if err != nil {
 		return err

@@ -115,6 +115,9 @@ type Options struct {
 	DatabaseURL string
 	// AMQPURL is the RabbitMQ node.
 	AMQPURL string
+	// HTTPRequests is the number of requests of each HTTP row (http.go);
+	// 0 skips them.
+	HTTPRequests int
 	// Log receives progress lines; nil discards them.
 	Log io.Writer
 }
@@ -183,6 +186,8 @@ type Report struct {
 	// PaceSeconds and PaceMax describe the paced latency phase.
 	PaceSeconds float64 `json:"pace_seconds"`
 	PaceMax     float64 `json:"pace_max_msgs_per_s"`
+	// HTTP are the HTTP command rows, if run.
+	HTTP *HTTPReport `json:"http,omitempty"`
 }
 
 func (o *Options) logf(format string, args ...any) {
@@ -263,6 +268,11 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 		}
 	}
 	ratios(rep)
+	if o.HTTPRequests > 0 {
+		if rep.HTTP, err = runHTTP(ctx, db, o); err != nil {
+			return nil, err
+		}
+	}
 	return rep, nil
 }
 

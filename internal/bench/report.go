@@ -50,6 +50,9 @@ func (r *Report) WriteTable(w io.Writer) error {
 	if err := tw.Flush(); err != nil {
 		return err
 	}
+	if err := r.HTTP.writeTable(w); err != nil {
+		return err
+	}
 	fmt.Fprintln(w)
 	for _, t := range r.Targets() {
 		fmt.Fprintln(w, t)

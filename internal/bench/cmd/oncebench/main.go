@@ -43,6 +43,7 @@ func run() int {
 		keyLanes   = flag.Int("key-lanes", 4, "kafka.Config.KeyLanes of the once-key-lanes row")
 		ordered    = flag.Bool("amqp-ordered", false, "RabbitMQ once rows: one ordered stream (amqp.Config.Ordered)")
 		pgbenchFor = flag.Duration("pgbench", 5*time.Second, "length of the pgbench ceiling (0: none)")
+		httpN      = flag.Int("http", 20000, "requests of each HTTP row, plain and behind the idempotency middleware (0: none)")
 		jsonOut    = flag.String("json", "", "also write the report as JSON to this file")
 		rssCheck   = flag.Bool("rss-check", false, "instead of the table: peak RSS of the Kafka batched row at each of -rss-sizes events")
 		rssSizes   = flag.String("rss-sizes", "100000,1000000", "event counts of -rss-check")
@@ -96,6 +97,7 @@ func run() int {
 	if *rssCheck {
 		return runRSSCheck(ctx, o, *rssSizes)
 	}
+	o.HTTPRequests = *httpN
 
 	rep, err := bench.Run(ctx, o)
 	if err != nil {
@@ -116,6 +118,9 @@ func run() int {
 		if !r.Correct {
 			return 1
 		}
+	}
+	if !rep.HTTP.Correct() {
+		return 1
 	}
 	return 0
 }

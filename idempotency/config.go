@@ -1,0 +1,194 @@
+package idempotency
+
+import (
+	"crypto/sha256"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// Config configures a Middleware. Only Scope is required.
+type Config struct {
+	// Scope names the client a request comes from, e.g. the authenticated
+	// principal an earlier middleware put in the request's context. Keys
+	// are unique per scope: two clients may use the same key, and neither
+	// ever sees the other's stored response. Required; a service with a
+	// single client (or keys unique across clients by construction) can
+	// use SingleScope. It is called once per request that carries a key,
+	// from the request's goroutine.
+	Scope func(r *http.Request) string
+
+	// Schema holds the idempotency_keys table (see Migrate). Defaults to
+	// "": the first schema of the connection's search_path.
+	Schema string
+
+	// Header is the request header that carries the key. Defaults to
+	// "Idempotency-Key" (draft-ietf-httpapi-idempotency-key-header).
+	Header string
+
+	// Optional lets requests without a key through: the handler runs in a
+	// transaction like any other, but nothing is claimed or stored, and a
+	// retry runs it again. By default a request without a key gets 400.
+	Optional bool
+
+	// Fingerprint summarises what a key may be reused for. A stored key
+	// presented with a different fingerprint gets 422 and the handler does
+	// not run. It gets the request and its whole body (which the handler
+	// can still read). Defaults to DefaultFingerprint (method, path, query
+	// and body); return nil to store none and never compare.
+	Fingerprint func(r *http.Request, body []byte) []byte
+
+	// Wait is how long a request waits while another request with the same
+	// key is in flight (its transaction not yet ended) before it gets 409
+	// Conflict. If the first commits within Wait, the waiting request gets
+	// its response as a replay; if the first rolls back, the waiting one
+	// runs. Defaults to 0: 409 at once, as the draft and Stripe answer.
+	// Every waiting request holds a pool connection.
+	Wait time.Duration
+
+	// TTL is how long a stored response is replayed. After it the key is
+	// free again: a request with it runs the handler. Defaults to 24h.
+	TTL time.Duration
+
+	// Store decides by status code whether a response is stored. The
+	// transaction commits exactly when the response is stored: an
+	// unstored response rolls the handler's writes back too, so that a
+	// retry can run again without doubling anything. Defaults to
+	// DefaultStore: every status below 500.
+	Store func(status int) bool
+
+	// StoredHeaders are the response headers stored with the status and
+	// body, and sent again on a replay. The first response carries every
+	// header the handler set. Defaults to DefaultStoredHeaders.
+	StoredHeaders []string
+
+	// MaxRequestBytes bounds the request body read for the fingerprint; a
+	// larger body gets 413. Defaults to 1 MiB.
+	MaxRequestBytes int64
+
+	// MaxResponseBytes bounds the response body the middleware buffers
+	// (it must hold the whole response before the commit). A handler that
+	// writes more gets ErrResponseTooLarge from Write, the transaction is
+	// rolled back and the client gets 500. Defaults to 1 MiB.
+	MaxResponseBytes int
+
+	// TxOptions are the options of the request's transaction (isolation
+	// level, access mode). Defaults to PostgreSQL's: read committed.
+	TxOptions pgx.TxOptions
+
+	// RetentionInterval is how often RunRetention deletes expired keys.
+	// Defaults to 1h.
+	RetentionInterval time.Duration
+
+	// RetentionBatch is how many rows one retention statement deletes, so
+	// that no statement holds locks for long. Defaults to 1000.
+	RetentionBatch int
+
+	// Logger receives infrastructure failures and handler misuse.
+	// Defaults to slog.Default().
+	Logger *slog.Logger
+}
+
+// Defaults of Config.
+const (
+	DefaultHeader           = "Idempotency-Key"
+	DefaultTTL              = 24 * time.Hour
+	DefaultMaxRequestBytes  = 1 << 20
+	DefaultMaxResponseBytes = 1 << 20
+	// ReplayedHeader is set to "true" on a replayed response. The draft
+	// names no such header; this is Stripe's.
+	ReplayedHeader = "Idempotent-Replayed"
+	// MaxKeyLength is the longest key accepted, in bytes (Stripe's limit).
+	MaxKeyLength = 255
+)
+
+// DefaultStoredHeaders are the response headers stored when
+// Config.StoredHeaders is nil: those that describe the representation or
+// the created resource, not the exchange.
+var DefaultStoredHeaders = []string{
+	"Content-Type", "Content-Language", "Content-Location", "Location", "ETag", "Last-Modified",
+}
+
+// ErrConfig is wrapped by New's errors for a configuration that cannot
+// work.
+var ErrConfig = errors.New("idempotency: invalid configuration")
+
+// SingleScope is a Config.Scope for services whose keys need no separation
+// by client: every request is in the scope "".
+func SingleScope(*http.Request) string { return "" }
+
+// DefaultStore stores every response below 500: a 4xx answer (a failed
+// validation, a business rule) is the answer to that request and replays;
+// a 5xx is rolled back so that a retry can succeed.
+func DefaultStore(status int) bool { return status < 500 }
+
+// DefaultFingerprint is the SHA-256 of the method, the escaped path, the
+// raw query and the body: reusing a key for another endpoint, other
+// parameters or another body is a 422.
+func DefaultFingerprint(r *http.Request, body []byte) []byte {
+	h := sha256.New()
+	for _, part := range []string{r.Method, r.URL.EscapedPath(), r.URL.RawQuery} {
+		h.Write([]byte(part))
+		h.Write([]byte{0})
+	}
+	h.Write(body)
+	return h.Sum(nil)
+}
+
+// withDefaults validates c and fills in its defaults.
+func (c Config) withDefaults() (Config, error) {
+	if c.Scope == nil {
+		return c, fmt.Errorf("%w: Scope is required (use SingleScope for a single client)", ErrConfig)
+	}
+	if err := checkSchema(c.Schema); err != nil {
+		return c, err
+	}
+	for _, f := range []struct {
+		name string
+		bad  bool
+	}{
+		{"Wait", c.Wait < 0}, {"TTL", c.TTL < 0}, {"MaxRequestBytes", c.MaxRequestBytes < 0},
+		{"MaxResponseBytes", c.MaxResponseBytes < 0}, {"RetentionInterval", c.RetentionInterval < 0},
+		{"RetentionBatch", c.RetentionBatch < 0},
+	} {
+		if f.bad {
+			return c, fmt.Errorf("%w: %s must not be negative", ErrConfig, f.name)
+		}
+	}
+	if c.Header == "" {
+		c.Header = DefaultHeader
+	}
+	c.Header = http.CanonicalHeaderKey(c.Header)
+	if c.Fingerprint == nil {
+		c.Fingerprint = DefaultFingerprint
+	}
+	if c.TTL == 0 {
+		c.TTL = DefaultTTL
+	}
+	if c.Store == nil {
+		c.Store = DefaultStore
+	}
+	if c.StoredHeaders == nil {
+		c.StoredHeaders = DefaultStoredHeaders
+	}
+	if c.MaxRequestBytes == 0 {
+		c.MaxRequestBytes = DefaultMaxRequestBytes
+	}
+	if c.MaxResponseBytes == 0 {
+		c.MaxResponseBytes = DefaultMaxResponseBytes
+	}
+	if c.RetentionInterval == 0 {
+		c.RetentionInterval = time.Hour
+	}
+	if c.RetentionBatch == 0 {
+		c.RetentionBatch = 1000
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	return c, nil
+}

@@ -1,0 +1,59 @@
+package idempotency
+
+import (
+	"errors"
+	"fmt"
+	"strings"
+)
+
+// parseKey returns the key a header value carries. The draft defines the
+// value as a Structured Field String ("..." with \" and \\ escapes); many
+// clients (Stripe's among them) send the key bare, so a value that does not
+// start with a quote is taken as it is. Either way the key must be 1 to
+// MaxKeyLength bytes of printable ASCII.
+func parseKey(value string) (string, error) {
+	value = strings.TrimSpace(value)
+	key := value
+	if strings.HasPrefix(value, `"`) {
+		var err error
+		if key, err = parseSFString(value); err != nil {
+			return "", err
+		}
+	}
+	switch {
+	case key == "":
+		return "", errors.New("the key is empty")
+	case len(key) > MaxKeyLength:
+		return "", fmt.Errorf("the key is %d bytes long; at most %d are accepted", len(key), MaxKeyLength)
+	}
+	for i := 0; i < len(key); i++ {
+		if key[i] < 0x20 || key[i] > 0x7e {
+			return "", fmt.Errorf("the key holds a byte (0x%02x) outside printable ASCII", key[i])
+		}
+	}
+	return key, nil
+}
+
+// parseSFString parses an RFC 8941 String: a quoted value in which only \"
+// and \\ are escapes, and nothing follows the closing quote.
+func parseSFString(v string) (string, error) {
+	var b strings.Builder
+	for i := 1; i < len(v); i++ {
+		switch c := v[i]; c {
+		case '\\':
+			i++
+			if i == len(v) || v[i] != '"' && v[i] != '\\' {
+				return "", errors.New(`the quoted key has an escape other than \" or \\`)
+			}
+			b.WriteByte(v[i])
+		case '"':
+			if i != len(v)-1 {
+				return "", errors.New("the quoted key is followed by more characters")
+			}
+			return b.String(), nil
+		default:
+			b.WriteByte(c)
+		}
+	}
+	return "", errors.New("the quoted key has no closing quote")
+}

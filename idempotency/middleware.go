@@ -1,0 +1,407 @@
+package idempotency
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/onceco/once/consumer"
+)
+
+// Pool is what the middleware needs of a connection pool: *pgxpool.Pool
+// satisfies it. SendBatch must hold one connection for the transaction a
+// batch begins, until it ends.
+type Pool interface {
+	SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults
+	Begin(ctx context.Context) (pgx.Tx, error)
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+}
+
+// Middleware runs HTTP handlers in a PostgreSQL transaction in which it
+// also claims the request's idempotency key and stores the response. Build
+// it with New; it is safe for concurrent use.
+type Middleware struct {
+	pool Pool
+	cfg  Config
+	sql  statements
+}
+
+// New validates cfg and returns a middleware whose transactions run on
+// pool. It fails with an error wrapping ErrConfig (or ErrInvalidName for
+// the schema) when cfg cannot work. It does not touch the database: run
+// Migrate first.
+func New(pool Pool, cfg Config) (*Middleware, error) {
+	if pool == nil {
+		return nil, fmt.Errorf("%w: the pool is nil", ErrConfig)
+	}
+	cfg, err := cfg.withDefaults()
+	if err != nil {
+		return nil, err
+	}
+	return &Middleware{pool: pool, cfg: cfg, sql: newStatements(cfg.Schema)}, nil
+}
+
+// finishTimeout bounds storing the response and committing. They run on a
+// context detached from the request's: a client that gave up after the
+// handler finished still gets its effect committed, and its retry a replay.
+const finishTimeout = 30 * time.Second
+
+// Handler wraps next, which must write its effects in Tx(r.Context()).
+// For each request:
+//
+//   - no key: 400, or with Config.Optional the handler runs in a
+//     transaction without a claim;
+//   - a malformed key (empty, longer than MaxKeyLength, not printable
+//     ASCII): 400; a body over MaxRequestBytes: 413;
+//   - a key stored (not expired) for the request's scope: the stored
+//     response, with Idempotent-Replayed: true, or 422 when the
+//     fingerprint differs; the handler does not run;
+//   - a key whose first request is still in flight: 409 after Config.Wait
+//     (or the first's response, if it commits within Wait);
+//   - a new key: the handler runs with the response buffered; a response
+//     Config.Store accepts is stored and committed with the handler's
+//     writes, then sent; any other response is sent after a rollback;
+//   - the database unreachable or failing transiently: 503 with
+//     Retry-After, so that the client retries with the same key.
+//
+// A panicking handler's transaction is rolled back and the panic goes on
+// to net/http. The handler's response writer buffers: it is not an
+// http.Flusher and cannot be hijacked.
+func (m *Middleware) Handler(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if len(r.Header.Values(m.cfg.Header)) == 0 && m.cfg.Optional {
+			m.serveWithoutKey(w, r, next)
+			return
+		}
+		key, ok := m.requestKey(w, r)
+		if !ok {
+			return
+		}
+		body, ok := m.readBody(w, r)
+		if !ok {
+			return
+		}
+		m.serveWithKey(w, r, next, claim{
+			scope: m.cfg.Scope(r), key: key, fingerprint: m.cfg.Fingerprint(r, body),
+			method: r.Method, path: r.URL.Path,
+		})
+	})
+}
+
+// requestKey returns the request's key. It answers 400 itself when the
+// key is missing, repeated or malformed.
+func (m *Middleware) requestKey(w http.ResponseWriter, r *http.Request) (string, bool) {
+	values := r.Header.Values(m.cfg.Header)
+	switch len(values) {
+	case 0:
+		problem(w, http.StatusBadRequest, "Idempotency-Key missing",
+			"This operation requires an "+m.cfg.Header+" header: send a unique key, and the same key on every retry.")
+		return "", false
+	case 1:
+	default:
+		problem(w, http.StatusBadRequest, "Idempotency-Key invalid", "The request has more than one "+m.cfg.Header+" header.")
+		return "", false
+	}
+	key, err := parseKey(values[0])
+	if err != nil {
+		problem(w, http.StatusBadRequest, "Idempotency-Key invalid", err.Error())
+		return "", false
+	}
+	return key, true
+}
+
+// readBody reads the whole request body, up to MaxRequestBytes, and puts
+// it back for the handler. It answers the request itself when it fails.
+func (m *Middleware) readBody(w http.ResponseWriter, r *http.Request) ([]byte, bool) {
+	if r.Body == nil || r.Body == http.NoBody {
+		return nil, true
+	}
+	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, m.cfg.MaxRequestBytes))
+	var tooLarge *http.MaxBytesError
+	switch {
+	case errors.As(err, &tooLarge):
+		problem(w, http.StatusRequestEntityTooLarge, "Request body too large",
+			fmt.Sprintf("The body exceeds %d bytes.", m.cfg.MaxRequestBytes))
+		return nil, false
+	case err != nil:
+		problem(w, http.StatusBadRequest, "Request body unreadable", err.Error())
+		return nil, false
+	}
+	r.Body = io.NopCloser(bytes.NewReader(body))
+	return body, true
+}
+
+// claim is one request's key and what is stored with it.
+type claim struct {
+	scope, key    string
+	fingerprint   []byte
+	method, path  string
+	claimAttempts int
+}
+
+// stored is a committed row of a key.
+type stored struct {
+	fingerprint []byte
+	status      int
+	header      http.Header
+	body        []byte
+	expired     bool
+}
+
+// serveWithKey claims c and then replays, refuses or runs the handler.
+func (m *Middleware) serveWithKey(w http.ResponseWriter, r *http.Request, next http.Handler, c claim) {
+	ctx := r.Context()
+	tx, won, prev, err := m.begin(ctx, &c)
+	if isSerializationFailure(err) {
+		// Under repeatable read or serializable, a claim that waited for
+		// the first request cannot see what it committed after this
+		// transaction's snapshot: a new transaction sees the response.
+		m.rollback(ctx, tx)
+		c.claimAttempts = 0
+		tx, won, prev, err = m.begin(ctx, &c)
+	}
+	if tx != nil {
+		defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // a no-op after Commit
+	}
+	switch {
+	case isLockTimeout(err):
+		problem(w, http.StatusConflict, "Request in progress",
+			"A request with this "+m.cfg.Header+" is still being processed; retry later with the same key.")
+		return
+	case err != nil:
+		m.infrastructureFailure(w, r, "claiming the key", err)
+		return
+	case !won:
+		m.answerFromStore(w, r, c, prev)
+		return
+	}
+	m.run(w, r, next, tx, &c)
+}
+
+// begin sends BEGIN and the claim of c in one round trip, and, when the
+// key was taken, reads the row that holds it. An expired row is deleted
+// and the key claimed again, in the same transaction. won reports whether
+// this transaction holds the claim; otherwise prev is the committed row.
+// tx is returned, to be rolled back, even with an error.
+func (m *Middleware) begin(ctx context.Context, c *claim) (tx pgx.Tx, won bool, prev stored, err error) {
+	b := &pgx.Batch{}
+	b.BeginTx(m.cfg.TxOptions)
+	expired := false
+	for {
+		c.claimAttempts++
+		if expired {
+			b.Queue(m.sql.deleteExpired, c.scope, c.key)
+		}
+		b.Queue(m.sql.setLockTimeout, lockTimeoutSetting(m.cfg.Wait))
+		b.Queue(m.sql.lockKey, c.scope, c.key, m.sql.lockNamespace)
+		b.Queue(m.sql.restoreLockTimeout)
+		b.Queue(m.sql.claim, c.scope, c.key, c.fingerprint, c.method, c.path, m.cfg.TTL.Seconds()).
+			Exec(func(tag pgconn.CommandTag) error { won = tag.RowsAffected() == 1; return nil })
+		// The lookup rides along: it costs nothing when the claim won, and
+		// saves a round trip on a replay. A new statement sees what the
+		// transaction the lock waited for committed.
+		found := false
+		b.Queue(m.sql.lookup, c.scope, c.key).QueryRow(func(row pgx.Row) error {
+			err := row.Scan(&prev.fingerprint, &prev.status, &prev.header, &prev.body, &prev.expired)
+			if errors.Is(err, pgx.ErrNoRows) {
+				return nil
+			}
+			found = err == nil
+			return err
+		})
+		var br pgx.BatchResults
+		if tx == nil {
+			br = m.pool.SendBatch(ctx, b)
+			tx = br.Tx()
+		} else {
+			br = tx.SendBatch(ctx, b)
+		}
+		if err = br.Close(); err != nil || won {
+			return tx, won, prev, err
+		}
+		if found && !prev.expired {
+			return tx, false, prev, nil
+		}
+		if c.claimAttempts >= 3 {
+			return tx, false, prev, errors.New("the key's row kept changing under the claim")
+		}
+		// Expired (delete it, then claim again; this transaction holds the
+		// key's lock), or deleted by retention between the claim and the
+		// lookup (claim again).
+		b = &pgx.Batch{}
+		expired = found
+		prev = stored{}
+	}
+}
+
+// answerFromStore answers a request whose key is stored: a replay, or 422
+// for another fingerprint.
+func (m *Middleware) answerFromStore(w http.ResponseWriter, r *http.Request, c claim, prev stored) {
+	if prev.status == 0 {
+		// Only the claiming transaction ever sees status 0; a committed 0
+		// means something wrote the table behind the middleware's back.
+		m.cfg.Logger.Error("idempotency: a committed key has no response", "scope", c.scope, "key", c.key)
+		problem(w, http.StatusInternalServerError, "Stored response missing", "The key is stored without a response.")
+		return
+	}
+	if c.fingerprint != nil && prev.fingerprint != nil && !bytes.Equal(c.fingerprint, prev.fingerprint) {
+		problem(w, http.StatusUnprocessableEntity, "Idempotency-Key reused",
+			"This "+m.cfg.Header+" was used for a different request; use a new key for a new request.")
+		return
+	}
+	header := prev.header.Clone()
+	if header == nil {
+		header = make(http.Header)
+	}
+	header.Set(ReplayedHeader, "true")
+	send(w, header, prev.status, prev.body)
+}
+
+// run runs the handler in tx, which holds c's claim, then stores and
+// commits, or rolls back, and answers.
+func (m *Middleware) run(w http.ResponseWriter, r *http.Request, next http.Handler, tx pgx.Tx, c *claim) {
+	rec := newRecorder(m.cfg.MaxResponseBytes)
+	next.ServeHTTP(rec, m.withTx(r, tx, c.key))
+	status := rec.finalStatus()
+	switch {
+	case rec.overflow:
+		m.rollback(r.Context(), tx)
+		m.cfg.Logger.Error("idempotency: response too large; rolled back", "path", r.URL.Path, "limit", m.cfg.MaxResponseBytes)
+		problem(w, http.StatusInternalServerError, "Response too large", "The response could not be stored.")
+		return
+	case !m.cfg.Store(status):
+		// Rolled back before the answer, so that a retry it prompts finds
+		// the key free: nothing happened, and the retry runs again.
+		m.rollback(r.Context(), tx)
+		send(w, rec.header, status, rec.body.Bytes())
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), finishTimeout)
+	defer cancel()
+	_, err := tx.Exec(ctx, m.sql.saveResponse, c.scope, c.key, status, rec.storedHeader(m.cfg.StoredHeaders), rec.body.Bytes())
+	if err == nil {
+		err = tx.Commit(ctx)
+	}
+	if err != nil {
+		m.notCommitted(w, r, rec, err)
+		return
+	}
+	send(w, rec.header, status, rec.body.Bytes())
+}
+
+// notCommitted answers a request whose response could not be stored or
+// committed.
+func (m *Middleware) notCommitted(w http.ResponseWriter, r *http.Request, rec *recorder, err error) {
+	status := rec.finalStatus()
+	switch {
+	case isAborted(err) && status >= 400:
+		// The handler's statement failed and it answered with an error:
+		// nothing committed, and that is what its answer says.
+		send(w, rec.header, status, rec.body.Bytes())
+	case isAborted(err) || errors.Is(err, pgx.ErrTxCommitRollback):
+		m.cfg.Logger.Error("idempotency: the handler answered success after a statement of its transaction failed; rolled back",
+			"path", r.URL.Path, "status", status)
+		problem(w, http.StatusInternalServerError, "Transaction aborted",
+			"A statement of the request's transaction failed; nothing was committed.")
+	default:
+		m.infrastructureFailure(w, r, "committing the response", err)
+	}
+}
+
+// serveWithoutKey runs the handler in a transaction without a claim
+// (Config.Optional): committed when Config.Store accepts the status.
+func (m *Middleware) serveWithoutKey(w http.ResponseWriter, r *http.Request, next http.Handler) {
+	ctx := r.Context()
+	tx, err := m.pool.Begin(ctx)
+	if err != nil {
+		m.infrastructureFailure(w, r, "beginning the transaction", err)
+		return
+	}
+	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // a no-op after Commit
+	rec := newRecorder(m.cfg.MaxResponseBytes)
+	next.ServeHTTP(rec, m.withTx(r, tx, ""))
+	status := rec.finalStatus()
+	if rec.overflow || !m.cfg.Store(status) {
+		m.rollback(ctx, tx)
+		if rec.overflow {
+			problem(w, http.StatusInternalServerError, "Response too large", "The response could not be buffered.")
+			return
+		}
+		send(w, rec.header, status, rec.body.Bytes())
+		return
+	}
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), finishTimeout)
+	defer cancel()
+	if err := tx.Commit(cctx); err != nil {
+		m.notCommitted(w, r, rec, err)
+		return
+	}
+	send(w, rec.header, status, rec.body.Bytes())
+}
+
+// withTx returns r with the request's state in its context.
+func (m *Middleware) withTx(r *http.Request, tx pgx.Tx, key string) *http.Request {
+	return r.WithContext(context.WithValue(r.Context(), ctxKey{}, &requestState{tx: ownedTx{tx}, key: key}))
+}
+
+func (m *Middleware) rollback(ctx context.Context, tx pgx.Tx) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), finishTimeout)
+	defer cancel()
+	_ = tx.Rollback(ctx) // a broken connection is discarded, which rolls back too
+}
+
+// infrastructureFailure answers 503 for a transient database failure and
+// 500 for anything else (a missing table: run Migrate), and logs it.
+func (m *Middleware) infrastructureFailure(w http.ResponseWriter, r *http.Request, doing string, err error) {
+	if r.Context().Err() != nil {
+		return // the client is gone; nobody reads the answer
+	}
+	if consumer.IsTransient(err) {
+		m.cfg.Logger.Warn("idempotency: database unavailable", "doing", doing, "path", r.URL.Path, "error", err)
+		problem(w, http.StatusServiceUnavailable, "Service unavailable",
+			"The request was not processed (or its outcome is unknown); retry with the same "+m.cfg.Header+".")
+		return
+	}
+	m.cfg.Logger.Error("idempotency: database failure", "doing", doing, "path", r.URL.Path, "error", err)
+	problem(w, http.StatusInternalServerError, "Internal error",
+		"The request was not processed; retrying with the same "+m.cfg.Header+" is safe.")
+}
+
+// RunRetention deletes expired keys every Config.RetentionInterval, in
+// statements of Config.RetentionBatch rows, until ctx is done; it returns
+// ctx's error. Failures are logged and retried at the next interval. Run
+// it in one goroutine per service (more are harmless: the deletes do not
+// conflict). Expired keys are treated as absent whether or not retention
+// has removed them yet.
+func (m *Middleware) RunRetention(ctx context.Context) error {
+	t := time.NewTicker(m.cfg.RetentionInterval)
+	defer t.Stop()
+	for {
+		n, err := m.DeleteExpired(ctx)
+		switch {
+		case err != nil && ctx.Err() == nil:
+			m.cfg.Logger.Warn("idempotency: retention failed", "error", err)
+		case n > 0:
+			m.cfg.Logger.Info("idempotency: retention removed expired keys", "rows", n)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-t.C:
+		}
+	}
+}
+
+// DeleteExpired deletes every expired key now, Config.RetentionBatch rows
+// per statement (each its own short transaction), and returns how many it
+// removed. It stops early with ctx's error.
+func (m *Middleware) DeleteExpired(ctx context.Context) (int64, error) {
+	return m.sql.deleteAllExpired(ctx, m.pool, m.cfg.RetentionBatch)
+}

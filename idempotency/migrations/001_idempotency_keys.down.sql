@@ -1,0 +1,2 @@
+-- once: removes the idempotency keys table and every stored response.
+DROP TABLE IF EXISTS idempotency_keys;

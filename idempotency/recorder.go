@@ -1,0 +1,77 @@
+package idempotency
+
+import (
+	"bytes"
+	"errors"
+	"net/http"
+)
+
+// ErrResponseTooLarge is returned by the response writer's Write when the
+// handler's body exceeds Config.MaxResponseBytes. The middleware then rolls
+// the transaction back and answers 500.
+var ErrResponseTooLarge = errors.New("idempotency: response body exceeds MaxResponseBytes")
+
+// recorder is the handler's http.ResponseWriter: it holds the status,
+// headers and body until the transaction has committed (or not), because
+// what the client sees must be what was stored.
+type recorder struct {
+	header   http.Header
+	status   int
+	body     bytes.Buffer
+	limit    int
+	overflow bool
+}
+
+func newRecorder(limit int) *recorder {
+	return &recorder{header: make(http.Header), limit: limit}
+}
+
+// Header returns the headers the response will carry.
+func (r *recorder) Header() http.Header { return r.header }
+
+// WriteHeader records the first final status; informational (1xx)
+// statuses cannot be held back and are dropped.
+func (r *recorder) WriteHeader(status int) {
+	if r.status == 0 && status >= 200 {
+		r.status = status
+	}
+}
+
+// Write buffers p, up to the limit.
+func (r *recorder) Write(p []byte) (int, error) {
+	r.WriteHeader(http.StatusOK)
+	if r.body.Len()+len(p) > r.limit {
+		r.overflow = true
+		return 0, ErrResponseTooLarge
+	}
+	return r.body.Write(p)
+}
+
+// finalStatus is the status the response has: 200 when the handler wrote
+// none, as net/http would send.
+func (r *recorder) finalStatus() int {
+	if r.status == 0 {
+		return http.StatusOK
+	}
+	return r.status
+}
+
+// storedHeader returns the headers among names that the response carries.
+func (r *recorder) storedHeader(names []string) http.Header {
+	h := make(http.Header, len(names))
+	for _, name := range names {
+		if v := r.header.Values(name); len(v) > 0 {
+			h[http.CanonicalHeaderKey(name)] = v
+		}
+	}
+	return h
+}
+
+// send writes a response to w.
+func send(w http.ResponseWriter, header http.Header, status int, body []byte) {
+	for k, v := range header {
+		w.Header()[k] = v
+	}
+	w.WriteHeader(status)
+	_, _ = w.Write(body) // the client went away: nothing to do
+}

@@ -1,0 +1,566 @@
+package idempotency_test
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+	"net/url"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/idempotency"
+	"github.com/onceco/once/internal/netcut"
+	"github.com/onceco/once/internal/pgtest"
+)
+
+// A repeated key gets the stored response: same status, stored headers and
+// body, marked as a replay; the handler does not run again.
+func TestReplayReturnsStoredResponse(t *testing.T) {
+	s := newService(t, idempotency.Config{}, http.HandlerFunc(insertEffect))
+	first := s.post("/orders", "k-1", `{"item":"book"}`)
+	require.Equal(t, http.StatusCreated, first.status, first.body)
+	assert.False(t, first.replayed())
+	assert.Equal(t, "not stored", first.header.Get("X-Request-Only"), "the first response carries every header")
+
+	for range 3 {
+		again := s.post("/orders", "k-1", `{"item":"book"}`)
+		assert.Equal(t, http.StatusCreated, again.status)
+		assert.True(t, again.replayed())
+		assert.Equal(t, first.body, again.body)
+		assert.Equal(t, first.header.Get("Location"), again.header.Get("Location"))
+		assert.Equal(t, "application/json", again.header.Get("Content-Type"))
+		assert.Empty(t, again.header.Get("X-Request-Only"), "only StoredHeaders are replayed")
+	}
+	assert.Equal(t, 1, s.effects())
+	assert.Equal(t, 1, s.keys())
+
+	other := s.post("/orders", "k-2", `{"item":"book"}`)
+	assert.Equal(t, http.StatusCreated, other.status)
+	assert.NotEqual(t, first.body, other.body, "another key is another order")
+	assert.Equal(t, 2, s.effects())
+}
+
+// The draft's form of the key, a quoted Structured Field String, names the
+// same key as the bare form clients such as Stripe's send.
+func TestQuotedAndBareKeysAreTheSameKey(t *testing.T) {
+	s := newService(t, idempotency.Config{}, http.HandlerFunc(insertEffect))
+	first := s.post("/orders", `"8e03978e-40d5"`, "x")
+	require.Equal(t, http.StatusCreated, first.status)
+	again := s.post("/orders", `8e03978e-40d5`, "x")
+	assert.True(t, again.replayed())
+	assert.Equal(t, first.body, again.body)
+	assert.Equal(t, 1, s.effects())
+}
+
+// Many clients send the same key at once, while the first request is in
+// its handler: with a wait longer than the handler, every one of them gets
+// the first's response, and the effect happens once.
+func TestConcurrentRetriesRunTheEffectOnce(t *testing.T) {
+	const clients = 40
+	g := newGate()
+	s := newService(t, idempotency.Config{Wait: time.Minute}, g.wrap(insertEffect))
+
+	replies := make([]reply, clients)
+	var wg sync.WaitGroup
+	for i := range clients {
+		wg.Go(func() { replies[i] = s.post("/orders", "same-key", `{"item":"lamp"}`) })
+	}
+	g.waitEntered(t)
+	// Every other request is waiting on the first's claim before the
+	// first may finish: the wait is what is under test.
+	require.Eventually(t, func() bool { return s.waitingClaims() == clients-1 }, 30*time.Second, 5*time.Millisecond)
+	close(g.open)
+	wg.Wait()
+
+	fresh := 0
+	for _, r := range replies {
+		require.Equal(t, http.StatusCreated, r.status, r.body)
+		assert.Equal(t, replies[0].body, r.body)
+		if !r.replayed() {
+			fresh++
+		}
+	}
+	assert.Equal(t, 1, fresh, "one response is the handler's, the others replays")
+	assert.Equal(t, 1, s.effects())
+}
+
+// Under repeatable read, a request that waited for the first still gets
+// its response: its own snapshot predates the first's commit, so the claim
+// is tried again in a new transaction.
+func TestWaiterUnderRepeatableReadGetsTheReplay(t *testing.T) {
+	g := newGate()
+	s := newService(t, idempotency.Config{Wait: time.Minute, TxOptions: pgx.TxOptions{IsoLevel: pgx.RepeatableRead}},
+		g.wrap(insertEffect))
+	first := make(chan reply, 1)
+	go func() { first <- s.post("/orders", "k", "b") }()
+	g.waitEntered(t)
+	second := make(chan reply, 1)
+	go func() { second <- s.post("/orders", "k", "b") }()
+	require.Eventually(t, func() bool { return s.waitingClaims() == 1 }, 30*time.Second, 5*time.Millisecond)
+	close(g.open)
+	a, b := <-first, <-second
+	require.Equal(t, http.StatusCreated, a.status, a.body)
+	assert.Equal(t, http.StatusCreated, b.status, b.body)
+	assert.True(t, b.replayed())
+	assert.Equal(t, a.body, b.body)
+	assert.Equal(t, 1, s.effects())
+}
+
+// With no wait (the default), a request whose key is in flight gets 409 at
+// once, with Retry-After; after the first commits, a retry gets its
+// response.
+func TestInFlightKeyGets409(t *testing.T) {
+	const clients = 20
+	g := newGate()
+	s := newService(t, idempotency.Config{}, g.wrap(insertEffect))
+
+	first := make(chan reply, 1)
+	go func() { first <- s.post("/orders", "busy", "b") }()
+	g.waitEntered(t)
+
+	var wg sync.WaitGroup
+	replies := make([]reply, clients)
+	for i := range clients {
+		wg.Go(func() { replies[i] = s.post("/orders", "busy", "b") })
+	}
+	wg.Wait() // they all end while the first holds the key
+	for _, r := range replies {
+		assert.Equal(t, http.StatusConflict, r.status, r.body)
+		assert.Equal(t, "1", r.header.Get("Retry-After"))
+		assert.Equal(t, "application/problem+json", r.header.Get("Content-Type"))
+	}
+	close(g.open)
+	got := <-first
+	require.Equal(t, http.StatusCreated, got.status)
+	again := s.post("/orders", "busy", "b")
+	assert.True(t, again.replayed())
+	assert.Equal(t, got.body, again.body)
+	assert.Equal(t, 1, s.effects())
+}
+
+// Only the same key in flight is a 409: many clients placing new keys at
+// once, with no wait, all succeed, whatever other locks their inserts meet
+// (the table extended under concurrent inserts, say).
+func TestConcurrentNewKeysAreNeverInFlight(t *testing.T) {
+	const clients, each = 32, 25
+	s := newService(t, idempotency.Config{}, http.HandlerFunc(insertEffect))
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	statuses := map[int]int{}
+	for c := range clients {
+		wg.Go(func() {
+			for i := range each {
+				r := s.post("/orders", fmt.Sprintf("c%d-%d", c, i), strings.Repeat("x", 2000))
+				mu.Lock()
+				statuses[r.status]++
+				mu.Unlock()
+			}
+		})
+	}
+	wg.Wait()
+	assert.Equal(t, map[int]int{http.StatusCreated: clients * each}, statuses)
+	assert.Equal(t, clients*each, s.effects())
+}
+
+// A wait that ends before the first request does gives 409, not a second
+// run.
+func TestInFlightWaitTimesOut(t *testing.T) {
+	g := newGate()
+	s := newService(t, idempotency.Config{Wait: 300 * time.Millisecond}, g.wrap(insertEffect))
+	first := make(chan reply, 1)
+	go func() { first <- s.post("/orders", "slow", "b") }()
+	g.waitEntered(t)
+
+	start := time.Now()
+	r := s.post("/orders", "slow", "b")
+	assert.Equal(t, http.StatusConflict, r.status, r.body)
+	assert.GreaterOrEqual(t, time.Since(start), 300*time.Millisecond, "it waited before giving up")
+	close(g.open)
+	assert.Equal(t, http.StatusCreated, (<-first).status)
+	assert.Equal(t, 1, s.effects())
+}
+
+// A request waiting on a key whose first request fails (5xx: rolled back)
+// claims the key itself and runs: the failure left nothing pending.
+func TestWaiterRunsWhenTheFirstRollsBack(t *testing.T) {
+	g := newGate()
+	var mu sync.Mutex
+	calls := 0
+	h := func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		calls++
+		n := calls
+		mu.Unlock()
+		if n == 1 {
+			g.entered <- struct{}{}
+			<-g.open
+			_, err := idempotency.Tx(r.Context()).Exec(r.Context(), `INSERT INTO effects (key, body) VALUES ('lost', '')`)
+			assert.NoError(t, err)
+			http.Error(w, "dependency down", http.StatusBadGateway)
+			return
+		}
+		insertEffect(w, r)
+	}
+	s := newService(t, idempotency.Config{Wait: time.Minute}, http.HandlerFunc(h))
+	first := make(chan reply, 1)
+	go func() { first <- s.post("/orders", "k", "b") }()
+	g.waitEntered(t)
+	second := make(chan reply, 1)
+	go func() { second <- s.post("/orders", "k", "b") }()
+	require.Eventually(t, func() bool { return s.waitingClaims() == 1 }, 30*time.Second, 5*time.Millisecond)
+	close(g.open)
+
+	assert.Equal(t, http.StatusBadGateway, (<-first).status)
+	r := <-second
+	assert.Equal(t, http.StatusCreated, r.status, r.body)
+	assert.False(t, r.replayed())
+	assert.Equal(t, 1, s.effects(), "the failed request's write was rolled back")
+	assert.Equal(t, 0, count(t, s.pool, `SELECT count(*) FROM effects WHERE key = 'lost'`))
+}
+
+// The same key for another request (body, path or query) is a 422, and
+// the handler does not run.
+func TestKeyReusedForAnotherRequestGets422(t *testing.T) {
+	s := newService(t, idempotency.Config{}, http.HandlerFunc(insertEffect))
+	require.Equal(t, http.StatusCreated, s.post("/orders", "k", `{"n":1}`).status)
+	for _, c := range []struct{ path, body string }{
+		{"/orders", `{"n":2}`}, {"/refunds", `{"n":1}`}, {"/orders?dry=1", `{"n":1}`},
+	} {
+		r := s.post(c.path, "k", c.body)
+		assert.Equal(t, http.StatusUnprocessableEntity, r.status, "%s %s", c.path, c.body)
+		assert.Equal(t, "application/problem+json", r.header.Get("Content-Type"))
+	}
+	assert.Equal(t, 1, s.effects())
+}
+
+// A Fingerprint of the business fields only lets a retry that differs in
+// other ways (a client timestamp) replay.
+func TestCustomFingerprint(t *testing.T) {
+	fp := func(r *http.Request, body []byte) []byte {
+		var v struct{ Item string }
+		_ = json.Unmarshal(body, &v)
+		return []byte(r.URL.Path + "\x00" + v.Item)
+	}
+	s := newService(t, idempotency.Config{Fingerprint: fp}, http.HandlerFunc(insertEffect))
+	require.Equal(t, http.StatusCreated, s.post("/orders", "k", `{"item":"a","sent":1}`).status)
+	assert.True(t, s.post("/orders", "k", `{"item":"a","sent":2}`).replayed())
+	assert.Equal(t, http.StatusUnprocessableEntity, s.post("/orders", "k", `{"item":"b","sent":3}`).status)
+	assert.Equal(t, 1, s.effects())
+}
+
+// A route that requires a key answers 400 without one, or with one that is
+// not a key; the handler does not run.
+func TestMissingOrInvalidKeyGets400(t *testing.T) {
+	s := newService(t, idempotency.Config{}, http.HandlerFunc(insertEffect))
+	for name, key := range map[string]string{
+		"missing":      "",
+		"too long":     strings.Repeat("k", idempotency.MaxKeyLength+1),
+		"not ascii":    "clé",
+		"bad quoting":  `"abc`,
+		"after quote":  `"abc"def`,
+		"bad escape":   `"a\b"`,
+		"empty quoted": `""`,
+	} {
+		r := s.post("/orders", key, "b")
+		assert.Equal(t, http.StatusBadRequest, r.status, name)
+		assert.Equal(t, "application/problem+json", r.header.Get("Content-Type"), name)
+	}
+	r := s.post("/orders", "", "b", idempotency.DefaultHeader, "a", idempotency.DefaultHeader, "b")
+	assert.Equal(t, http.StatusBadRequest, r.status, "two keys")
+	assert.Equal(t, http.StatusCreated, s.post("/orders", strings.Repeat("k", idempotency.MaxKeyLength), "b").status)
+	assert.Equal(t, 1, s.effects())
+}
+
+// With Optional, a request without a key runs in a transaction with no
+// claim: committed, and run again on a retry.
+func TestOptionalKey(t *testing.T) {
+	s := newService(t, idempotency.Config{Optional: true}, http.HandlerFunc(insertEffect))
+	assert.Equal(t, http.StatusCreated, s.post("/orders", "", "b").status)
+	assert.Equal(t, http.StatusCreated, s.post("/orders", "", "b").status)
+	assert.Equal(t, 2, s.effects())
+	assert.Equal(t, 0, s.keys())
+	assert.Equal(t, http.StatusCreated, s.post("/orders", "k", "b").status)
+	assert.True(t, s.post("/orders", "k", "b").replayed())
+	assert.Equal(t, 3, s.effects())
+}
+
+// Keys are per client: two clients with the same key each get their own
+// effect and their own response, never the other's.
+func TestKeysAreScopedPerClient(t *testing.T) {
+	scope := func(r *http.Request) string { return r.Header.Get("X-Client") }
+	s := newService(t, idempotency.Config{Scope: scope}, http.HandlerFunc(insertEffect))
+	alice := s.post("/orders", "k", "b", "X-Client", "alice")
+	bob := s.post("/orders", "k", "b", "X-Client", "bob")
+	require.Equal(t, http.StatusCreated, alice.status)
+	require.Equal(t, http.StatusCreated, bob.status)
+	assert.False(t, bob.replayed())
+	assert.NotEqual(t, alice.body, bob.body)
+	assert.Equal(t, alice.body, s.post("/orders", "k", "b", "X-Client", "alice").body)
+	assert.Equal(t, bob.body, s.post("/orders", "k", "b", "X-Client", "bob").body)
+	assert.Equal(t, 2, s.effects())
+}
+
+// An expired key is free again, whether or not retention removed it.
+func TestExpiredKeyRunsAgain(t *testing.T) {
+	s := newService(t, idempotency.Config{}, http.HandlerFunc(insertEffect))
+	first := s.post("/orders", "k", "b")
+	require.Equal(t, http.StatusCreated, first.status)
+	var expires time.Time
+	require.NoError(t, s.pool.QueryRow(context.Background(), `SELECT expires_at FROM idempotency_keys`).Scan(&expires))
+	assert.WithinDuration(t, time.Now().Add(idempotency.DefaultTTL), expires, time.Minute, "24h by default")
+
+	_, err := s.pool.Exec(context.Background(), `UPDATE idempotency_keys SET expires_at = now() - interval '1 second'`)
+	require.NoError(t, err)
+	again := s.post("/orders", "k", "other body") // a new request: no 422 either
+	require.Equal(t, http.StatusCreated, again.status)
+	assert.False(t, again.replayed())
+	assert.NotEqual(t, first.body, again.body)
+	assert.Equal(t, again.body, s.post("/orders", "k", "other body").body)
+	assert.Equal(t, 2, s.effects())
+	assert.Equal(t, 1, s.keys())
+}
+
+// Retention deletes expired keys only, in statements of RetentionBatch
+// rows.
+func TestRetentionDeletesExpiredKeysInBatches(t *testing.T) {
+	s := newService(t, idempotency.Config{RetentionBatch: 7, RetentionInterval: 10 * time.Millisecond}, http.HandlerFunc(insertEffect))
+	for i := range 25 {
+		require.Equal(t, http.StatusCreated, s.post("/orders", "k"+string(rune('a'+i)), "b").status)
+	}
+	ctx := context.Background()
+	_, err := s.pool.Exec(ctx, `UPDATE idempotency_keys SET expires_at = now() - interval '1 second' WHERE idempotency_key < 'kt'`)
+	require.NoError(t, err)
+	n, err := s.mw.DeleteExpired(ctx)
+	require.NoError(t, err)
+	assert.EqualValues(t, 19, n)
+	assert.Equal(t, 6, s.keys())
+
+	// RunRetention does the same on its interval, until cancelled.
+	_, err = s.pool.Exec(ctx, `UPDATE idempotency_keys SET expires_at = now() - interval '1 second' WHERE idempotency_key < 'kw'`)
+	require.NoError(t, err)
+	rctx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- s.mw.RunRetention(rctx) }()
+	require.Eventually(t, func() bool { return s.keys() == 3 }, 30*time.Second, 10*time.Millisecond)
+	cancel()
+	assert.ErrorIs(t, <-done, context.Canceled)
+}
+
+// A 5xx is not stored and its writes roll back: the retry runs and can
+// succeed. A 4xx is the answer to the request: stored and replayed.
+func TestStatusPolicy(t *testing.T) {
+	var mu sync.Mutex
+	fail := map[string]int{"flaky": http.StatusServiceUnavailable, "invalid": http.StatusConflict}
+	h := func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		status := fail[idempotency.Key(r.Context())]
+		delete(fail, idempotency.Key(r.Context()))
+		mu.Unlock()
+		if status == 0 {
+			insertEffect(w, r)
+			return
+		}
+		_, err := idempotency.Tx(r.Context()).Exec(r.Context(), `INSERT INTO effects (key, body) VALUES ('failed', '')`)
+		assert.NoError(t, err)
+		http.Error(w, "no", status)
+	}
+	s := newService(t, idempotency.Config{}, http.HandlerFunc(h))
+
+	assert.Equal(t, http.StatusServiceUnavailable, s.post("/orders", "flaky", "b").status)
+	assert.Equal(t, 0, s.effects(), "the 5xx's write rolled back")
+	retry := s.post("/orders", "flaky", "b")
+	assert.Equal(t, http.StatusCreated, retry.status)
+	assert.False(t, retry.replayed())
+
+	assert.Equal(t, http.StatusConflict, s.post("/orders", "invalid", "b").status)
+	replay := s.post("/orders", "invalid", "b")
+	assert.Equal(t, http.StatusConflict, replay.status, "the 4xx is stored")
+	assert.True(t, replay.replayed())
+	assert.Equal(t, 1, count(t, s.pool, `SELECT count(*) FROM effects WHERE key = 'failed'`), "its write committed with it")
+	assert.Equal(t, 2, s.effects())
+}
+
+// A Store policy can keep 5xx too: then the write commits and the 5xx
+// replays.
+func TestStorePolicyCanKeep5xx(t *testing.T) {
+	h := func(w http.ResponseWriter, r *http.Request) {
+		_, err := idempotency.Tx(r.Context()).Exec(r.Context(), `INSERT INTO effects (key, body) VALUES ('x', '')`)
+		assert.NoError(t, err)
+		http.Error(w, "declined", http.StatusInternalServerError)
+	}
+	s := newService(t, idempotency.Config{Store: func(int) bool { return true }}, http.HandlerFunc(h))
+	assert.Equal(t, http.StatusInternalServerError, s.post("/orders", "k", "b").status)
+	r := s.post("/orders", "k", "b")
+	assert.Equal(t, http.StatusInternalServerError, r.status)
+	assert.True(t, r.replayed())
+	assert.Equal(t, 1, s.effects())
+}
+
+// A panicking handler's transaction rolls back; the retry runs.
+func TestHandlerPanicRollsBack(t *testing.T) {
+	var mu sync.Mutex
+	panicked := false
+	h := func(w http.ResponseWriter, r *http.Request) {
+		_, err := idempotency.Tx(r.Context()).Exec(r.Context(), `INSERT INTO effects (key, body) VALUES ('panic', '')`)
+		assert.NoError(t, err)
+		mu.Lock()
+		first := !panicked
+		panicked = true
+		mu.Unlock()
+		if first {
+			panic(http.ErrAbortHandler) // net/http closes the connection quietly
+		}
+		insertEffect(w, r)
+	}
+	s := newService(t, idempotency.Config{}, http.HandlerFunc(h))
+	s.client = noRetryClient
+	_, err := s.tryPost("/orders", "k", "b")
+	require.Error(t, err, "the connection is closed")
+	assert.Equal(t, 0, s.effects())
+	assert.Equal(t, 0, s.keys())
+	assert.Equal(t, http.StatusCreated, s.post("/orders", "k", "b").status)
+	assert.Equal(t, 2, s.effects()) // the retry's 'panic' row and its effect, once
+}
+
+// The handler cannot end the middleware's transaction.
+func TestHandlerCannotEndTheTransaction(t *testing.T) {
+	h := func(w http.ResponseWriter, r *http.Request) {
+		tx := idempotency.Tx(r.Context())
+		assert.ErrorIs(t, tx.Commit(r.Context()), idempotency.ErrTxOwned)
+		assert.ErrorIs(t, tx.Rollback(r.Context()), idempotency.ErrTxOwned)
+		insertEffect(w, r)
+	}
+	s := newService(t, idempotency.Config{}, http.HandlerFunc(h))
+	assert.Equal(t, http.StatusCreated, s.post("/orders", "k", "b").status)
+	assert.True(t, s.post("/orders", "k", "b").replayed())
+	assert.Equal(t, 1, s.effects())
+	assert.Nil(t, idempotency.Tx(context.Background()))
+	assert.Empty(t, idempotency.Key(context.Background()))
+}
+
+// A handler that ignores a failed statement and answers success gets a
+// 500 instead: nothing committed, so claiming success would be a lie. A
+// handler that answers the failure with a 4xx has its answer sent, not
+// stored.
+func TestFailedStatementIsNotCommitted(t *testing.T) {
+	h := func(w http.ResponseWriter, r *http.Request) {
+		tx := idempotency.Tx(r.Context())
+		_, _ = tx.Exec(r.Context(), `INSERT INTO effects (key, body) VALUES ('x', '')`)
+		_, err := tx.Exec(r.Context(), `INSERT INTO no_such_table VALUES (1)`)
+		if r.URL.Path == "/honest" {
+			http.Error(w, err.Error(), http.StatusUnprocessableEntity)
+			return
+		}
+		w.WriteHeader(http.StatusCreated)
+	}
+	s := newService(t, idempotency.Config{}, http.HandlerFunc(h))
+	assert.Equal(t, http.StatusInternalServerError, s.post("/lying", "k1", "b").status)
+	r := s.post("/honest", "k2", "b")
+	assert.Equal(t, http.StatusUnprocessableEntity, r.status)
+	assert.Contains(t, r.body, "no_such_table")
+	assert.Equal(t, 0, s.effects())
+	assert.Equal(t, 0, s.keys())
+}
+
+// Bodies past the limits: a request body gets 413 before anything runs; a
+// response body too large to store is refused to the handler, rolled back
+// and answered with 500.
+func TestBodyLimits(t *testing.T) {
+	var writeErr error
+	h := func(w http.ResponseWriter, r *http.Request) {
+		_, err := idempotency.Tx(r.Context()).Exec(r.Context(), `INSERT INTO effects (key, body) VALUES ('x', '')`)
+		assert.NoError(t, err)
+		_, writeErr = w.Write([]byte(strings.Repeat("x", 200)))
+	}
+	s := newService(t, idempotency.Config{MaxRequestBytes: 100, MaxResponseBytes: 150}, http.HandlerFunc(h))
+	assert.Equal(t, http.StatusRequestEntityTooLarge, s.post("/orders", "k", strings.Repeat("b", 101)).status)
+	assert.Equal(t, http.StatusInternalServerError, s.post("/orders", "k", "b").status)
+	assert.ErrorIs(t, writeErr, idempotency.ErrResponseTooLarge)
+	assert.Equal(t, 0, s.effects())
+	assert.Equal(t, 0, s.keys())
+}
+
+// A database that cannot be reached is a 503 with Retry-After: the client
+// retries with the same key.
+func TestDatabaseUnreachableGets503(t *testing.T) {
+	s := newService(t, idempotency.Config{}, http.HandlerFunc(insertEffect))
+	unreachable := unreachablePool(t)
+	down := serve(t, unreachable, s.schema, idempotency.Config{}, http.HandlerFunc(insertEffect))
+	r := down.post("/orders", "k", "b")
+	assert.Equal(t, http.StatusServiceUnavailable, r.status, r.body)
+	assert.Equal(t, "1", r.header.Get("Retry-After"))
+	assert.Equal(t, http.StatusCreated, s.post("/orders", "k", "b").status, "the retry, once the database is back")
+}
+
+// New refuses configurations that cannot work.
+func TestNewRejectsBadConfiguration(t *testing.T) {
+	pool := unreachablePool(t)
+	for name, cfg := range map[string]idempotency.Config{
+		"no scope":       {},
+		"bad schema":     {Scope: idempotency.SingleScope, Schema: "a; DROP TABLE x"},
+		"negative wait":  {Scope: idempotency.SingleScope, Wait: -1},
+		"negative ttl":   {Scope: idempotency.SingleScope, TTL: -time.Second},
+		"negative batch": {Scope: idempotency.SingleScope, RetentionBatch: -1},
+	} {
+		_, err := idempotency.New(pool, cfg)
+		assert.True(t, errors.Is(err, idempotency.ErrConfig) || errors.Is(err, idempotency.ErrInvalidName), "%s: %v", name, err)
+	}
+	_, err := idempotency.New(nil, idempotency.Config{Scope: idempotency.SingleScope})
+	assert.ErrorIs(t, err, idempotency.ErrConfig)
+	assert.ErrorIs(t, idempotency.Migrate(context.Background(), pool, "x-y"), idempotency.ErrInvalidName)
+}
+
+// The database connection breaks while the handler runs (its effect
+// written, not committed): the client gets 503, the server rolls the
+// transaction back, and the retry with the same key runs once.
+func TestConnectionCutMidRequestGets503(t *testing.T) {
+	g := newGate()
+	s := newService(t, idempotency.Config{}, http.HandlerFunc(insertEffect))
+	u, err := url.Parse(pgtest.URL())
+	require.NoError(t, err)
+	proxy, err := netcut.NewProxy(u.Host)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = proxy.Close() })
+	u.Host = proxy.Addr()
+	cfg, err := pgxpool.ParseConfig(u.String())
+	require.NoError(t, err)
+	cfg.ConnConfig.RuntimeParams["search_path"] = s.schema
+	cut, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(cut.Close)
+	h := func(w http.ResponseWriter, r *http.Request) {
+		_, err := idempotency.Tx(r.Context()).Exec(r.Context(), `INSERT INTO effects (key, body) VALUES ('cut', '')`)
+		assert.NoError(t, err)
+		g.entered <- struct{}{}
+		<-g.open
+		w.WriteHeader(http.StatusCreated)
+	}
+	viaProxy := serve(t, cut, s.schema, idempotency.Config{}, http.HandlerFunc(h))
+
+	first := make(chan reply, 1)
+	go func() { first <- viaProxy.post("/orders", "k", "b") }()
+	g.waitEntered(t)
+	require.Positive(t, proxy.Cut())
+	close(g.open)
+	r := <-first
+	assert.Equal(t, http.StatusServiceUnavailable, r.status, r.body)
+	assert.Equal(t, "1", r.header.Get("Retry-After"))
+
+	// The retry, through a healthy pool: the server has rolled the first
+	// back (or is about to: the retry waits for its lock).
+	retried := serve(t, s.pool, s.schema, idempotency.Config{Wait: 30 * time.Second}, http.HandlerFunc(insertEffect))
+	again := retried.post("/orders", "k", "b")
+	assert.Equal(t, http.StatusCreated, again.status, again.body)
+	assert.False(t, again.replayed())
+	assert.Equal(t, 0, count(t, s.pool, `SELECT count(*) FROM effects WHERE key = 'cut'`))
+	assert.Equal(t, 1, s.effects())
+}
