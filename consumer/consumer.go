@@ -159,6 +159,16 @@ func newEngine(pool *pgxpool.Pool, src Source, cfg Config, prep preparer) (*engi
 	return &engine{cfg: cfg, pool: pool, src: src, prepare: prep, tel: tel, sem: make(chan struct{}, cfg.Concurrency)}, nil
 }
 
+// prepareSchema migrates the store's tables, or, when the user manages
+// them (SkipMigrate), checks their shape, so that a table of another shape
+// fails Run at once instead of every claim.
+func (e *engine) prepareSchema(ctx context.Context) error {
+	if e.cfg.SkipMigrate {
+		return e.cfg.Store.Check(ctx, e.pool)
+	}
+	return e.cfg.Store.Migrate(ctx, e.pool)
+}
+
 // dispatcher routes deliveries to workers: one lane per stream, so a
 // stream's messages are handled in order, and a shared pool of workers for
 // deliveries without a stream.
@@ -177,14 +187,12 @@ func (e *engine) run(ctx context.Context) error {
 	if !e.started.CompareAndSwap(false, true) {
 		return errors.New("once: Run called twice")
 	}
-	if !e.cfg.SkipMigrate {
-		if err := e.cfg.Store.Migrate(ctx, e.pool); err != nil {
-			_ = e.src.Close()
-			if ctx.Err() != nil {
-				return nil // stopped during start-up
-			}
-			return fmt.Errorf("once: consumer %q: %w", e.cfg.Name, err)
+	if err := e.prepareSchema(ctx); err != nil {
+		_ = e.src.Close()
+		if ctx.Err() != nil {
+			return nil // stopped during start-up
 		}
+		return fmt.Errorf("once: consumer %q: %w", e.cfg.Name, err)
 	}
 	// In-flight work outlives ctx by up to ShutdownTimeout.
 	work, cancelWork := context.WithCancel(context.WithoutCancel(ctx))

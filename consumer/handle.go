@@ -435,7 +435,7 @@ func (e *engine) retention(ctx context.Context) {
 	t := time.NewTicker(e.cfg.RetentionInterval)
 	defer t.Stop()
 	for {
-		n, err := e.cfg.Store.DeleteOlderThan(ctx, e.pool, time.Now().Add(-e.cfg.RetentionMaxAge), 1000)
+		n, err := e.cfg.Store.DeleteOlderThan(ctx, e.pool, e.cfg.Name, time.Now().Add(-e.cfg.RetentionMaxAge), 1000)
 		switch {
 		case err != nil && ctx.Err() == nil:
 			e.cfg.Logger.Warn("once: retention failed", "consumer", e.cfg.Name, "error", err)

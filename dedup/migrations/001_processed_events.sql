@@ -1,5 +1,5 @@
 -- +goose Up
--- once: dedup schema. Idempotent; safe to run on every start.
+-- once dedup, version 1: the processed-events and attempts tables.
 CREATE TABLE IF NOT EXISTS "processed_events" (
     consumer     text        NOT NULL,
     event_id     text        NOT NULL,
@@ -20,3 +20,8 @@ CREATE TABLE IF NOT EXISTS "processed_events_attempts" (
     last_seen timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (consumer, event_id)
 );
+
+-- +goose Down
+-- once dedup, back from version 1: removes the tables and every row in them.
+DROP TABLE IF EXISTS "processed_events_attempts";
+DROP TABLE IF EXISTS "processed_events";

@@ -1,5 +1,4 @@
--- +goose Up
--- once: dedup schema. Idempotent; safe to run on every start.
+-- once dedup, version 1: the processed-events and attempts tables.
 CREATE TABLE IF NOT EXISTS {{.Table}} (
     consumer     text        NOT NULL,
     event_id     text        NOT NULL,
