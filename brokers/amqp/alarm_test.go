@@ -1,6 +1,7 @@
 package amqp_test
 
 import (
+	"context"
 	"strconv"
 	"strings"
 	"testing"
@@ -32,6 +33,33 @@ func (n node) queueCounts(t testing.TB, queue string) (ready, unacked int) {
 	}
 	t.Fatalf("queue %s not in list_queues: %s", queue, out)
 	return 0, 0
+}
+
+// waitBlocked returns once the broker blocks a connection that publishes:
+// the memory monitor raises the alarm on its own schedule, after the
+// command that lowers the watermark has returned.
+func waitBlocked(t testing.TB, url string) {
+	t.Helper()
+	conn, err := amqp091.Dial(url)
+	require.NoError(t, err)
+	defer func() { _ = conn.CloseDeadline(time.Now()) }() // blocked: do not wait for the broker
+	blocked := conn.NotifyBlocked(make(chan amqp091.Blocking, 1))
+	ch, err := conn.Channel()
+	require.NoError(t, err)
+	deadline := time.After(30 * time.Second)
+	for {
+		// Unroutable and harmless: the default exchange drops it.
+		require.NoError(t, ch.PublishWithContext(context.Background(), "", "no-such-queue", false, false, amqp091.Publishing{}))
+		select {
+		case b := <-blocked:
+			if b.Active {
+				return
+			}
+		case <-deadline:
+			t.Fatal("the broker did not block a publishing connection within 30s of the alarm")
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
 }
 
 // closeConnection closes, from the broker's side, the client connections
@@ -81,6 +109,7 @@ func TestAlarmBlockingDeadLettersDoesNotStallAcks(t *testing.T) {
 			node.ctl(t, "set_vm_memory_high_watermark", "0.4")
 		}
 	})
+	waitBlocked(t, node.url)
 
 	rd := sdkmetric.NewManualReader()
 	src := openSource(t, amqp.Config{URL: node.url, Queue: q, Prefetch: 500, ConfirmTimeout: 2 * time.Second,
