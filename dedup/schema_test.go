@@ -18,7 +18,7 @@ import (
 )
 
 // unversionedSchema is the DDL of the releases before schema versions were
-// recorded (dedup/schema.sql.tmpl with the default names), which Migrate
+// recorded (their schema.sql.tmpl with the default names), which Migrate
 // must recognise as version 1.
 const unversionedSchema = `
 CREATE TABLE IF NOT EXISTS "processed_events" (

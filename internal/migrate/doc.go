@@ -17,4 +17,18 @@
 // component, together with its version row: a schema is never left
 // between two versions, and concurrent starts of many processes apply each
 // migration once.
+//
+// A package with tables of its own embeds its series and builds it once:
+//
+//	//go:embed schema/*.sql
+//	var schemaFiles embed.FS
+//
+//	sub, _ := fs.Sub(schemaFiles, "schema")
+//	migs, err := migrate.Load(sub, names) // names: the quoted table names the templates use
+//	series := &migrate.Series{Component: "outbox:" + table, Schema: schema, Migrations: migs}
+//	err = series.Migrate(ctx, pool)
+//
+// Adopt recognises tables created before the package recorded versions;
+// Verify checks the tables' shape after the newest migration (dedup uses
+// both).
 package migrate
