@@ -91,19 +91,29 @@ func (s *Store) newSeries(schema, table string, migs []migrate.Migration) *migra
 
 // adopt recognises the tables that the unversioned releases created (the
 // shape of version 1): they are recorded as version 1, after a check that
-// they are the store's and not another library's.
+// the processed-events table is the store's and not another library's.
+// With that table alone, version 1 runs (its statements are idempotent) to
+// add what is missing.
 func (s *Store) adopt(ctx context.Context, tx pgx.Tx) (int, error) {
-	var exists bool
-	if err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, s.names.Table).Scan(&exists); err != nil {
+	processed, err := exists(ctx, tx, s.names.Table)
+	if err != nil || !processed {
 		return 0, err
-	}
-	if !exists {
-		return 0, nil
 	}
 	if err := s.checkTable(ctx, tx, s.names.Table, processedColumns); err != nil {
 		return 0, err
 	}
+	attempts, err := exists(ctx, tx, s.names.Attempts)
+	if err != nil || !attempts {
+		return 0, err
+	}
 	return 1, nil
+}
+
+// exists reports whether the (quoted, maybe qualified) table exists.
+func exists(ctx context.Context, db DB, table string) (bool, error) {
+	var ok bool
+	err := db.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, table).Scan(&ok)
+	return ok, err
 }
 
 // SchemaSQL returns every up migration, in order, with this store's names:

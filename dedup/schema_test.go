@@ -119,6 +119,22 @@ func TestMigrateFromUnversionedSchema(t *testing.T) {
 	assert.Equal(t, []int{1, 2}, versions)
 }
 
+// An unversioned processed_events table without its attempts table (made
+// by hand from an old file) gets the attempts table; its rows stay.
+func TestMigrateAddsMissingAttemptsTable(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	pool, schema := pgtest.Schema(t)
+	_, err := pool.Exec(ctx, unversionedSchema+`DROP TABLE processed_events_attempts;
+INSERT INTO processed_events (consumer, event_id) VALUES ('c', 'old');`)
+	require.NoError(t, err)
+	s, err := dedup.New(dedup.Config{})
+	require.NoError(t, err)
+	require.NoError(t, s.Migrate(ctx, pool))
+	assertVersion(t, ctx, pool, s, schema, dedup.SchemaVersion)
+	assert.Equal(t, 1, processed(t, ctx, pool, "c", "old"))
+}
+
 // The plain files for golang-migrate, applied by hand, make the same
 // tables; a store then migrates over them (recording their versions).
 func TestMigrationFilesCreateSameSchema(t *testing.T) {
