@@ -306,3 +306,41 @@ func TestCheck(t *testing.T) {
 	assert.Contains(t, err.Error(), `"processed_events_attempts"`)
 	assert.False(t, strings.Contains(err.Error(), `"processed_events" is not`), "only the table that differs is named: %v", err)
 }
+
+// A service whose database user may only read and write rows starts on a
+// schema an administrator migrated: Migrate at the newest version creates
+// nothing, so it needs no CREATE privilege.
+func TestMigrateNeedsNoCreatePrivilegeOnceMigrated(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	pool, schema := pgtest.Schema(t)
+	s, err := dedup.New(dedup.Config{})
+	require.NoError(t, err)
+	require.NoError(t, s.Migrate(ctx, pool))
+
+	role := pgx.Identifier{"rw_" + schema}.Sanitize()
+	if _, err := pool.Exec(ctx, `CREATE ROLE `+role+` NOLOGIN`); err != nil {
+		t.Skipf("cannot create a role on this server: %v", err)
+	}
+	t.Cleanup(func() {
+		_, _ = pool.Exec(context.Background(), `DROP OWNED BY `+role)
+		_, _ = pool.Exec(context.Background(), `DROP ROLE `+role)
+	})
+	sch := pgx.Identifier{schema}.Sanitize()
+	_, err = pool.Exec(ctx, `GRANT USAGE ON SCHEMA `+sch+` TO `+role+`;
+GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA `+sch+` TO `+role)
+	require.NoError(t, err)
+
+	conn, err := pool.Acquire(ctx)
+	require.NoError(t, err)
+	defer conn.Release()
+	defer conn.Exec(context.Background(), `RESET ROLE`) //nolint:errcheck // the connection goes back to the pool
+	_, err = conn.Exec(ctx, `SET ROLE `+role)
+	require.NoError(t, err)
+	_, err = conn.Exec(ctx, `CREATE TABLE probe (id int)`)
+	require.Error(t, err, "the role must not be able to create tables")
+
+	require.NoError(t, s.Migrate(ctx, conn.Conn()), "Migrate at the newest version creates nothing")
+	require.NoError(t, s.Check(ctx, conn))
+	assert.Equal(t, dedup.Claimed, claimTx(t, ctx, pool, s, dedup.Claim{Consumer: "c", EventID: "1"}).Outcome)
+}

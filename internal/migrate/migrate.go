@@ -202,13 +202,7 @@ func (s *Series) migrate(ctx context.Context, tx pgx.Tx, target int) error {
 	if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", lockKey); err != nil {
 		return err
 	}
-	if _, err := tx.Exec(ctx, `CREATE TABLE IF NOT EXISTS `+s.versionTable()+` (
-    component  text        NOT NULL,
-    version    integer     NOT NULL,
-    name       text        NOT NULL,
-    applied_at timestamptz NOT NULL DEFAULT now(),
-    PRIMARY KEY (component, version)
-)`); err != nil {
+	if err := s.createVersionTable(ctx, tx); err != nil {
 		return err
 	}
 	current, err := s.current(ctx, tx)
@@ -232,6 +226,25 @@ func (s *Series) migrate(ctx context.Context, tx pgx.Tx, target int) error {
 		return s.Verify(ctx, tx)
 	}
 	return nil
+}
+
+// createVersionTable creates the version table when it does not exist.
+// It looks first: CREATE TABLE IF NOT EXISTS needs the CREATE privilege on
+// the schema even when the table exists, and a service whose user may only
+// write rows must start on a schema an administrator migrated.
+func (s *Series) createVersionTable(ctx context.Context, tx pgx.Tx) error {
+	var exists bool
+	if err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, s.versionTable()).Scan(&exists); err != nil || exists {
+		return err
+	}
+	_, err := tx.Exec(ctx, `CREATE TABLE IF NOT EXISTS `+s.versionTable()+` (
+    component  text        NOT NULL,
+    version    integer     NOT NULL,
+    name       text        NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (component, version)
+)`)
+	return err
 }
 
 // current is the component's recorded version, adopting objects that
