@@ -125,7 +125,7 @@ func (d *delivery) DeadLetter(ctx context.Context, dl *consumer.DeadLetter) erro
 	}
 	cfg := &d.src.cfg
 	p := deadLetterPublishing(d.d, dl.Headers(d.msg), cfg.Queue)
-	if err := d.src.pub.publish(ctx, cfg.DeadLetter.Exchange, cfg.DeadLetter.RoutingKey, p, cfg.ConfirmTimeout); err != nil {
+	if err := d.src.pub.publish(ctx, d, cfg.DeadLetter.Exchange, cfg.DeadLetter.RoutingKey, p, cfg.ConfirmTimeout); err != nil {
 		d.src.log.Warn("amqp: dead-letter publish failed", "event_id", dl.EventID, "error", err)
 		return err
 	}

@@ -32,25 +32,43 @@ type publisher struct {
 	ch      *amqp091.Channel
 	returns chan amqp091.Return
 	blocked *blockState
-	closed  bool
+	// pending is a publish left unconfirmed when the broker blocked the
+	// connection: its confirm (and return) comes once the alarm clears,
+	// and must come before the next publish, whose return could otherwise
+	// be taken for it.
+	pending    *amqp091.DeferredConfirmation
+	pendingFor any // the id of the pending publish
+	// confirmedFor is the id of the last pending publish whose confirm
+	// came while another id was publishing: its own retry takes it, as
+	// confirmedErr, instead of publishing a second copy.
+	confirmedFor any
+	confirmedErr error
+	closed       bool
 }
 
 // blockState is what the connection.blocked notifications of one
-// connection last said.
+// connection last said; changed gets a signal at each notification.
 type blockState struct {
-	mu     sync.Mutex
-	reason string // "" when not blocked
+	mu      sync.Mutex
+	reason  string // "" when not blocked
+	changed chan struct{}
 }
+
+func newBlockState() *blockState { return &blockState{changed: make(chan struct{}, 1)} }
 
 func (b *blockState) set(n amqp091.Blocking) {
 	b.mu.Lock()
-	defer b.mu.Unlock()
 	b.reason = ""
 	if n.Active {
 		b.reason = n.Reason
 		if b.reason == "" {
 			b.reason = "no reason given"
 		}
+	}
+	b.mu.Unlock()
+	select {
+	case b.changed <- struct{}{}:
+	default:
 	}
 }
 
@@ -61,19 +79,26 @@ func (b *blockState) get() string {
 }
 
 func newPublisher(cfg *Config, log *slog.Logger) *publisher {
-	return &publisher{cfg: cfg, log: log, blocked: &blockState{}}
+	return &publisher{cfg: cfg, log: log, blocked: newBlockState()}
 }
 
 // publish publishes p mandatory to exchange with key and waits for the
-// broker's confirm, at most timeout.
-func (p *publisher) publish(ctx context.Context, exchange, key string, msg amqp091.Publishing, timeout time.Duration) error {
+// broker's confirm, at most timeout. While the broker blocks the
+// connection it fails at once with ErrPublisherBlocked, keeping the
+// connection and the unconfirmed publish for when the alarm clears; a
+// retry with the same id (the delivery being dead-lettered) then takes
+// that publish's confirm instead of publishing another copy.
+func (p *publisher) publish(ctx context.Context, id any, exchange, key string, msg amqp091.Publishing, timeout time.Duration) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if err := p.ready(); err != nil {
 		return err
 	}
-	if reason := p.blocked.get(); reason != "" {
-		return fmt.Errorf("%w: %s", ErrPublisherBlocked, reason)
+	if done, err := p.takeConfirmed(id); done {
+		return err
+	}
+	if done, err := p.settlePending(ctx, id, timeout); done || err != nil {
+		return err
 	}
 	p.drainReturns()
 	wctx, cancel := context.WithTimeout(ctx, timeout)
@@ -83,30 +108,120 @@ func (p *publisher) publish(ctx context.Context, exchange, key string, msg amqp0
 		p.drop()
 		return fmt.Errorf("amqp: publish to exchange %q with key %q: %w", exchange, key, err)
 	}
-	acked, err := dc.WaitContext(wctx)
-	if err != nil {
-		// The confirm may still come, or the connection is stuck (blocked,
-		// or the network gone): a new connection keeps a late confirm from
-		// being taken for the next publish's, and costs the consumer
-		// nothing.
-		p.drop()
-		if reason := p.blocked.get(); reason != "" {
-			return fmt.Errorf("%w: %s", ErrPublisherBlocked, reason)
-		}
-		if ctx.Err() == nil {
-			return fmt.Errorf("amqp: no publisher confirm within Config.ConfirmTimeout %v for exchange %q key %q", timeout, exchange, key)
-		}
-		return fmt.Errorf("amqp: wait for publisher confirm: %w", err)
+	if err := p.waitConfirm(wctx, ctx, id, dc, timeout); err != nil {
+		return fmt.Errorf("amqp: publish to exchange %q with key %q: %w", exchange, key, err)
 	}
-	if !acked {
-		return fmt.Errorf("amqp: the broker nacked the publish to exchange %q with key %q", exchange, key)
-	}
+	return p.returned()
+}
+
+// returned reports the return of the publish just confirmed, if any: the
+// broker sends it before the confirm, and the connection's reader hands it
+// over before it handles the confirm.
+func (p *publisher) returned() error {
 	select {
 	case r := <-p.returns:
-		return fmt.Errorf("amqp: publish to exchange %q with key %q was unroutable: %d %s", exchange, key, r.ReplyCode, r.ReplyText)
+		return fmt.Errorf("amqp: publish to exchange %q with key %q was unroutable: %d %s", r.Exchange, r.RoutingKey, r.ReplyCode, r.ReplyText)
 	default:
+		return nil
 	}
-	return nil
+}
+
+// settlePending deals with a publish left unconfirmed by an alarm, before
+// the publish for id: while the broker still blocks the connection, it
+// fails with ErrPublisherBlocked; once unblocked, it waits for the
+// confirm, at most timeout (then the connection is stuck, and dropped).
+// When the pending publish was id's own, done reports it, and err is its
+// outcome; otherwise the next publish may go.
+func (p *publisher) settlePending(ctx context.Context, id any, timeout time.Duration) (done bool, err error) {
+	if p.pending == nil {
+		if reason := p.blocked.get(); reason != "" {
+			return false, fmt.Errorf("%w: %s", ErrPublisherBlocked, reason)
+		}
+		return false, nil
+	}
+	wctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	for {
+		select {
+		case <-p.pending.Done():
+			return p.pendingConfirmed(id)
+		default:
+		}
+		if reason := p.blocked.get(); reason != "" {
+			return false, fmt.Errorf("%w: %s", ErrPublisherBlocked, reason)
+		}
+		select {
+		case <-p.pending.Done():
+		case <-p.blocked.changed:
+		case <-wctx.Done():
+			p.drop()
+			if err := ctx.Err(); err != nil {
+				return false, fmt.Errorf("amqp: wait for publisher confirm: %w", err)
+			}
+			return false, p.ready()
+		}
+	}
+}
+
+// pendingConfirmed clears the pending publish, whose confirm came, and
+// reports its outcome when it was id's; another id's outcome is kept for
+// that id's retry.
+func (p *publisher) pendingConfirmed(id any) (done bool, err error) {
+	dc, owner := p.pending, p.pendingFor
+	p.pending, p.pendingFor = nil, nil
+	err = p.returned()
+	if !dc.Acked() {
+		err = errors.New("amqp: the broker nacked the dead-letter copy")
+	}
+	if owner != id {
+		p.confirmedFor, p.confirmedErr = owner, err
+		return false, nil
+	}
+	return true, err
+}
+
+// takeConfirmed reports the outcome of id's publish that was confirmed
+// while another id was publishing, if there is one.
+func (p *publisher) takeConfirmed(id any) (done bool, err error) {
+	if p.confirmedFor == nil || p.confirmedFor != id {
+		return false, nil
+	}
+	err = p.confirmedErr
+	p.confirmedFor, p.confirmedErr = nil, nil
+	return true, err
+}
+
+// waitConfirm waits for dc's confirm. When the broker blocks the
+// connection meanwhile, it returns ErrPublisherBlocked at once and keeps
+// dc pending; when no confirm comes within timeout, it drops the
+// connection, so that a late confirm or return cannot be taken for the
+// next publish's.
+func (p *publisher) waitConfirm(wctx, ctx context.Context, id any, dc *amqp091.DeferredConfirmation, timeout time.Duration) error {
+	for {
+		select {
+		case <-dc.Done():
+			if !dc.Acked() {
+				return errors.New("the broker nacked it")
+			}
+			return nil
+		case <-p.blocked.changed:
+			if reason := p.blocked.get(); reason != "" {
+				p.pending, p.pendingFor = dc, id
+				return fmt.Errorf("%w: %s", ErrPublisherBlocked, reason)
+			}
+		case <-wctx.Done():
+			reason := p.blocked.get()
+			if reason != "" {
+				p.pending, p.pendingFor = dc, id
+				return fmt.Errorf("%w: %s", ErrPublisherBlocked, reason)
+			}
+			p.drop()
+			if ctx.Err() == nil {
+				return fmt.Errorf("no publisher confirm within Config.ConfirmTimeout %v", timeout)
+			}
+			return fmt.Errorf("wait for publisher confirm: %w", ctx.Err())
+		}
+	}
 }
 
 // ready makes sure a connection and a confirm-mode channel are open,
@@ -131,7 +246,7 @@ func (p *publisher) ready() error {
 		_ = conn.CloseDeadline(time.Now().Add(time.Second))
 		return fmt.Errorf("amqp: open the dead-letter channel: %w", err)
 	}
-	blocked := &blockState{}
+	blocked := newBlockState()
 	notes := conn.NotifyBlocked(make(chan amqp091.Blocking, 4))
 	go func() {
 		for n := range notes { // closed with the connection
@@ -166,8 +281,8 @@ func (p *publisher) drop() {
 		return
 	}
 	go func(conn *amqp091.Connection) { _ = conn.CloseDeadline(time.Now().Add(2 * time.Second)) }(p.conn)
-	p.conn, p.ch, p.returns = nil, nil, nil
-	p.blocked = &blockState{}
+	p.conn, p.ch, p.returns, p.pending, p.pendingFor = nil, nil, nil, nil, nil
+	p.blocked = newBlockState()
 }
 
 // close closes the connection; later publishes fail.
