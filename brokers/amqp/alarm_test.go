@@ -84,7 +84,8 @@ func (n node) closeConnection(t testing.TB, name string) int {
 // while poison messages wait to be dead-lettered among good ones: the good
 // ones are still handled and their acks reach the broker, because dead
 // letters go out on a connection of their own. Once the alarm clears the
-// poison is dead-lettered by the same consumer. Then the broker closes the
+// poison is dead-lettered by the same consumer, one copy each (the copy
+// caught by the alarm is confirmed, not published again). Then the broker closes the
 // dead-letter connection: the next dead letter goes out on a new one, and
 // the consuming connection never reconnects.
 func TestAlarmBlockingDeadLettersDoesNotStallAcks(t *testing.T) {
