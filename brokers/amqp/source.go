@@ -39,9 +39,10 @@ var ErrChannelClosed = errors.New("amqp: the delivery's channel closed; the brok
 // first dead letter, publishes dead-letter copies in confirm mode. They are
 // apart because RabbitMQ blocks a publishing connection under a memory or
 // disk alarm, and a blocked connection would stall the acks too; each
-// reconnects on its own. When the consuming connection or channel is lost, Receive reconnects with exponential backoff and jitter,
-// declares the topology again, applies the prefetch and resumes consuming,
-// blocking meanwhile. Deliveries received before the loss have their
+// reconnects on its own. When the consuming connection or channel is lost,
+// Receive reconnects with exponential backoff and jitter, declares the
+// topology again, applies the prefetch and resumes consuming, blocking
+// meanwhile. Deliveries received before the loss have their
 // Context cancelled and cannot be acked; the broker delivers them again.
 //
 // Receive must be called from one goroutine at a time; the deliveries it
