@@ -87,8 +87,11 @@ type Config struct {
 	// Store is the processed-events store. Defaults to dedup.New with the
 	// default table "processed_events" on the pool's search_path.
 	Store *dedup.Store
-	// SkipMigrate stops Run from creating the store's tables at start.
-	// Defaults to false: Run migrates (idempotently).
+	// SkipMigrate stops Run from migrating the store's tables at start
+	// (for a schema managed with goose or golang-migrate); Run then only
+	// checks their shape with dedup.Store.Check and fails, naming what
+	// differs, when they are missing or of another shape. Defaults to
+	// false: Run migrates (idempotently) to dedup.SchemaVersion.
 	SkipMigrate bool
 
 	// Decoder decodes payloads. Defaults to JSON. A []byte payload type
@@ -203,8 +206,9 @@ type Config struct {
 	// 10s.
 	ShutdownTimeout time.Duration
 
-	// RetentionMaxAge, when positive, makes Run delete processed-event rows
-	// older than this, every RetentionInterval. It must exceed the longest
+	// RetentionMaxAge, when positive, makes Run delete this consumer's
+	// processed-event rows (those of its Name only) older than this, every
+	// RetentionInterval. It must exceed the longest
 	// time a message can take to be redelivered (see docs/operations.md).
 	// Defaults to 0: rows are kept.
 	RetentionMaxAge time.Duration

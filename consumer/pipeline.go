@@ -121,10 +121,12 @@ func (p *pipeline) stop() {
 	})
 }
 
-// start prepares the store: creates its tables unless Config.SkipMigrate.
+// start prepares the store: migrates its tables, or, when the user
+// manages them (SkipMigrate), checks their shape, so that a table of
+// another shape fails Run at once instead of every claim.
 func (p *pipeline) start(ctx context.Context) error {
 	if p.cfg.SkipMigrate {
-		return nil
+		return p.cfg.Store.Check(ctx, p.pool)
 	}
 	return p.cfg.Store.Migrate(ctx, p.pool)
 }
@@ -204,7 +206,7 @@ func (p *pipeline) retention(ctx context.Context) {
 	t := time.NewTicker(p.cfg.RetentionInterval)
 	defer t.Stop()
 	for {
-		n, err := p.cfg.Store.DeleteOlderThan(ctx, p.pool, time.Now().Add(-p.cfg.RetentionMaxAge), 1000)
+		n, err := p.cfg.Store.DeleteOlderThan(ctx, p.pool, p.cfg.Name, time.Now().Add(-p.cfg.RetentionMaxAge), 1000)
 		switch {
 		case err != nil && ctx.Err() == nil:
 			p.cfg.Logger.WarnContext(ctx, "once: retention failed", "consumer", p.cfg.Name, "error", err)

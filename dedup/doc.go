@@ -4,15 +4,19 @@
 // exists if and only if those writes committed.
 //
 // A Store is built from names (schema and table, validated and quoted, so
-// configuration cannot inject SQL). Migrate creates its tables idempotently;
-// the same DDL, with the default names, is in migrations/ for users of goose
-// or golang-migrate. Claim and ClaimBatch work inside a caller's pgx.Tx;
+// configuration cannot inject SQL). Migrate brings its tables from any
+// earlier schema version to SchemaVersion with numbered, embedded
+// migrations, records the versions in once_schema_versions, refuses a newer
+// schema (ErrSchemaNewer) and checks the tables' shape (Check,
+// ErrSchemaMismatch); MigrateTo goes down. The same migrations, with the
+// default names, are in migrations/ for users of goose and
+// migrations/golang-migrate/ for golang-migrate. Claim and ClaimBatch work inside a caller's pgx.Tx;
 // QueueClaim and QueueClaimBatch queue the same statements on a pgx.Batch,
 // so that a batch that begins the transaction (pgx.Batch.BeginTx) sends the
 // BEGIN and the claim in one round trip.
 // RecordAttempt and ClearAttempts keep the durable attempt counts that let a
 // consumer recognise a message that crashes the process every time.
-// DeleteOlderThan applies retention in bounded batches.
+// DeleteOlderThan applies one consumer's retention in bounded batches.
 //
 // A Store holds no connection and is safe for concurrent use.
 package dedup

@@ -105,3 +105,47 @@ func ExampleStore_RecordAttempt() {
 		log.Fatal(err)
 	}
 }
+
+// Start-up of a service that manages its schema with goose or
+// golang-migrate (the files in dedup/migrations): Check fails, naming each
+// difference, when the tables are missing or belong to something else;
+// Version tells which migration the database is at.
+func ExampleStore_Check() {
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer pool.Close()
+	store, err := dedup.New(dedup.Config{})
+	if err != nil {
+		log.Fatal(err)
+	}
+	if err := store.Check(ctx, pool); err != nil {
+		log.Fatal(err) // wraps dedup.ErrSchemaMismatch: "column event_id (text) is missing; ..."
+	}
+	v, err := store.Version(ctx, pool)
+	if err != nil {
+		log.Fatal(err)
+	}
+	fmt.Printf("schema version %d of %d\n", v, dedup.SchemaVersion)
+}
+
+// Going back to an older release of the library: move the schema down with
+// the newer one first. Migrate refuses a schema newer than it knows
+// (dedup.ErrSchemaNewer).
+func ExampleStore_MigrateTo() {
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer pool.Close()
+	store, err := dedup.New(dedup.Config{})
+	if err != nil {
+		log.Fatal(err)
+	}
+	if err := store.MigrateTo(ctx, pool, 1); err != nil { // the schema of the release before versions were recorded
+		log.Fatal(err)
+	}
+}

@@ -62,6 +62,32 @@ func TestStatementsLookUpIDsByIndex(t *testing.T) {
 	}
 }
 
+// Retention reaches one consumer's old rows through the (consumer,
+// processed_at) index, not by scanning every consumer's rows: here another
+// consumer's 20,000 rows share the table, none of them old.
+func TestRetentionUsesConsumerIndex(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	pool, _ := pgtest.Schema(t)
+	s, err := New(Config{})
+	require.NoError(t, err)
+	require.NoError(t, s.Migrate(ctx, pool))
+	for _, sql := range []string{
+		`INSERT INTO processed_events (consumer, event_id) SELECT 'other', 'e-' || i FROM generate_series(1, 20000) i`,
+		`INSERT INTO processed_events (consumer, event_id, processed_at)
+SELECT 'c1', 'e-' || i, now() - i * interval '1 hour' FROM generate_series(1, 200) i`,
+	} {
+		_, err := pool.Exec(ctx, sql)
+		require.NoError(t, err, sql)
+	}
+	_, err = pool.Exec(ctx, `ANALYZE processed_events`)
+	require.NoError(t, err)
+
+	plan := explainExecute(t, ctx, pool, s.retentionSQL, "text, timestamptz, integer", "'c1', now() - interval '4 days', 1000")
+	assert.Regexp(t, `Index (Only )?Scan using processed_events_consumer_processed_at_idx`, plan, "plan:\n%s", plan)
+	assert.NotRegexp(t, `Seq Scan on processed_events( |$)`, plan, "plan:\n%s", plan)
+}
+
 // explainExecute prepares sql with the given parameter types and returns
 // the plan of executing it with args, as chosen for a client's prepared
 // statement on its first executions (a custom plan).

@@ -3,20 +3,16 @@ package dedup
 import (
 	"bytes"
 	"context"
-	_ "embed"
 	"errors"
 	"fmt"
 	"regexp"
-
-	"text/template"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
-)
 
-//go:embed schema.sql.tmpl
-var schemaTemplate string
+	"github.com/onceco/once/internal/migrate"
+)
 
 // DefaultTable is the table name used when Config.Table is empty.
 const DefaultTable = "processed_events"
@@ -45,9 +41,8 @@ type DB interface {
 
 // Store claims event ids and keeps attempt counts. Build it with New.
 type Store struct {
-	ddl string
-	// attempts is the attempts table's qualified, quoted name.
-	attempts string
+	names  schemaNames
+	series *migrate.Series
 
 	claimSQL, claimBatchSQL, lookupSQL string
 	recordAttemptSQL, clearAttemptSQL  string
@@ -73,22 +68,15 @@ func New(cfg Config) (*Store, error) {
 	if cfg.Schema != "" && !identifier.MatchString(cfg.Schema) {
 		return nil, fmt.Errorf("%w: Schema %q must match %s", ErrInvalidName, cfg.Schema, identifier)
 	}
-	qualify := func(name string) string {
-		if cfg.Schema == "" {
-			return pgx.Identifier{name}.Sanitize()
-		}
-		return pgx.Identifier{cfg.Schema, name}.Sanitize()
-	}
-	table := qualify(cfg.Table)
-	attempts := qualify(cfg.Table + "_attempts")
-	ddl, err := renderSchema(table, attempts, pgx.Identifier{cfg.Table + "_processed_at_idx"}.Sanitize())
+	names := newSchemaNames(cfg.Schema, cfg.Table)
+	migs, err := loadMigrations(names)
 	if err != nil {
 		return nil, err
 	}
+	table, attempts := names.Table, names.Attempts
 	cols := `consumer, event_id, fingerprint, source, partition, "offset"`
-	return &Store{
-		ddl:      ddl,
-		attempts: attempts,
+	s := &Store{
+		names:    names,
 		claimSQL: `INSERT INTO ` + table + ` (` + cols + `) VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING`,
 		// One statement claims the batch and reads what was there before:
 		// rows go in in id order, so that concurrent batches sharing ids
@@ -125,54 +113,13 @@ RETURNING event_id, attempts`,
 WHERE consumer = $1 AND event_id = ANY($2::text[]) AND attempts > 0`,
 		unrecordSQL:      `UPDATE ` + attempts + ` SET attempts = attempts - 1 WHERE consumer = $1 AND event_id = $2 AND attempts > 0`,
 		clearAttemptsSQL: `DELETE FROM ` + attempts + ` WHERE consumer = $1 AND event_id = ANY($2::text[])`,
-		retentionSQL:     `DELETE FROM ` + table + ` WHERE ctid = ANY(ARRAY(SELECT ctid FROM ` + table + ` WHERE processed_at < $1 LIMIT $2))`,
+		retentionSQL: `DELETE FROM ` + table + ` WHERE ctid = ANY(ARRAY(SELECT ctid FROM ` + table +
+			` WHERE consumer = $1 AND processed_at < $2 LIMIT $3))`,
 		attemptsRetentionSQL: `DELETE FROM ` + attempts + ` WHERE ctid = ANY(ARRAY(SELECT ctid FROM ` + attempts +
-			` WHERE last_seen < $1 LIMIT $2))`,
-	}, nil
-}
-
-func renderSchema(table, attempts, index string) (string, error) {
-	t, err := template.New("schema").Parse(schemaTemplate)
-	if err != nil {
-		return "", err
+			` WHERE consumer = $1 AND last_seen < $2 LIMIT $3))`,
 	}
-	var b bytes.Buffer
-	err = t.Execute(&b, map[string]string{"Table": table, "Attempts": attempts, "ProcessedAtIndex": index})
-	return b.String(), err
-}
-
-// AttemptsTable returns the qualified, quoted name of the table in which
-// the consumer keeps its crash-guard records (Config.Table with the suffix
-// "_attempts"), for use in SQL text.
-func (s *Store) AttemptsTable() string { return s.attempts }
-
-// SchemaSQL returns the DDL that Migrate runs, with this store's names.
-func (s *Store) SchemaSQL() string { return s.ddl }
-
-// migrateLock is the advisory lock key that serialises concurrent Migrate
-// calls: CREATE TABLE IF NOT EXISTS is not safe against itself.
-const migrateLock = 0x6f6e6365 // "once"
-
-// Migrate creates the store's tables and index if they do not exist. It is
-// idempotent and safe to call from many processes at once.
-func (s *Store) Migrate(ctx context.Context, db interface {
-	Begin(ctx context.Context) (pgx.Tx, error)
-}) error {
-	tx, err := db.Begin(ctx)
-	if err != nil {
-		return fmt.Errorf("dedup: migrate: %w", err)
-	}
-	defer tx.Rollback(ctx) //nolint:errcheck // a no-op after Commit
-	if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", migrateLock); err != nil {
-		return fmt.Errorf("dedup: migrate: %w", err)
-	}
-	if _, err := tx.Exec(ctx, s.ddl); err != nil {
-		return fmt.Errorf("dedup: migrate: %w", err)
-	}
-	if err := tx.Commit(ctx); err != nil {
-		return fmt.Errorf("dedup: migrate: %w", err)
-	}
-	return nil
+	s.series = s.newSeries(cfg.Schema, cfg.Table, migs)
+	return s, nil
 }
 
 // Claim is one event id to claim for a consumer.
@@ -630,32 +577,38 @@ func (s *Store) ClearAttemptsBatch(ctx context.Context, tx DB, consumer string, 
 	return nil
 }
 
-// DeleteOlderThan removes processed-event rows (for every consumer) and
-// attempt counts older than cutoff, batchSize rows per statement, each
-// statement its own short transaction, so no lock is held for long. It
+// DeleteOlderThan removes consumer's processed-event rows and attempt
+// counts older than cutoff, batchSize rows per statement, each statement
+// its own short transaction, so no lock is held for long; rows of other
+// consumers sharing the table are left alone, whatever their age. It
 // returns the number of processed-event rows removed, and stops early with
-// ctx's error. batchSize <= 0 means 1000.
+// ctx's error. batchSize <= 0 means 1000; an empty consumer is an error.
+// The (consumer, processed_at) index of schema version 2 keeps each
+// statement to the rows it deletes.
 //
 // Once a row is gone, a redelivery of its event is handled again: the
 // retention window must be longer than the longest time a message can take
 // to be redelivered (Kafka topic retention when a group may rewind, AMQP
 // message TTL, the longest outage you plan to replay after).
-func (s *Store) DeleteOlderThan(ctx context.Context, db DB, cutoff time.Time, batchSize int) (int64, error) {
+func (s *Store) DeleteOlderThan(ctx context.Context, db DB, consumer string, cutoff time.Time, batchSize int) (int64, error) {
+	if consumer == "" {
+		return 0, errors.New("dedup: retention: empty consumer name")
+	}
 	if batchSize <= 0 {
 		batchSize = 1000
 	}
-	total, err := deleteInBatches(ctx, db, s.retentionSQL, cutoff, batchSize)
+	total, err := deleteInBatches(ctx, db, s.retentionSQL, consumer, cutoff, batchSize)
 	if err != nil {
 		return total, err
 	}
-	_, err = deleteInBatches(ctx, db, s.attemptsRetentionSQL, cutoff, batchSize)
+	_, err = deleteInBatches(ctx, db, s.attemptsRetentionSQL, consumer, cutoff, batchSize)
 	return total, err
 }
 
-func deleteInBatches(ctx context.Context, db DB, sql string, cutoff time.Time, batchSize int) (int64, error) {
+func deleteInBatches(ctx context.Context, db DB, sql, consumer string, cutoff time.Time, batchSize int) (int64, error) {
 	var total int64
 	for {
-		tag, err := db.Exec(ctx, sql, cutoff, batchSize)
+		tag, err := db.Exec(ctx, sql, consumer, cutoff, batchSize)
 		if err != nil {
 			return total, fmt.Errorf("dedup: retention: %w", err)
 		}

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -152,12 +151,22 @@ func assertSchema(t testing.TB, ctx context.Context, db dedup.DB, schema, table 
 	}, columns(t, ctx, db, schema, table+"_attempts"))
 	assert.Equal(t, []string{"consumer", "event_id"}, primaryKey(t, ctx, db, schema, table))
 	assert.Equal(t, []string{"consumer", "event_id"}, primaryKey(t, ctx, db, schema, table+"_attempts"))
+	assert.Equal(t, []string{"consumer", "processed_at"}, secondaryIndex(t, ctx, db, schema, table),
+		"%s.%s needs an index on (consumer, processed_at) for retention", schema, table)
+}
+
+// secondaryIndex returns the columns, in order, of the indexes of table
+// that are not its primary key.
+func secondaryIndex(t testing.TB, ctx context.Context, db dedup.DB, schema, table string) []string {
+	t.Helper()
 	var indexed []string
-	require.NoError(t, db.QueryRow(ctx, `SELECT coalesce(array_agg(a.attname::text), '{}')
-FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey)
+	require.NoError(t, db.QueryRow(ctx, `SELECT coalesce(array_agg(a.attname::text ORDER BY i.indexrelid, k.ord), '{}')
+FROM pg_index i
+CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, ord)
+JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
 WHERE NOT i.indisprimary AND i.indrelid = to_regclass(quote_ident($1) || '.' || quote_ident($2))`,
 		schema, table).Scan(&indexed))
-	assert.Equal(t, []string{"processed_at"}, indexed, "%s.%s needs an index on processed_at for retention", schema, table)
+	return indexed
 }
 
 func TestMigrateIsIdempotent(t *testing.T) {
@@ -198,33 +207,6 @@ func TestMigrateConcurrent(t *testing.T) {
 		require.NoError(t, err, "Migrate #%d", i)
 	}
 	assertSchema(t, ctx, pool, schema, "processed_events")
-}
-
-func TestSchemaSQLMatchesMigrationFile(t *testing.T) {
-	t.Parallel()
-	file, err := os.ReadFile("migrations/001_processed_events.sql")
-	require.NoError(t, err)
-	s, err := dedup.New(dedup.Config{})
-	require.NoError(t, err)
-	assert.Equal(t, string(file), s.SchemaSQL(),
-		"migrations/001_processed_events.sql must be New(Config{}).SchemaSQL(); regenerate it from schema.sql.tmpl")
-}
-
-func TestMigrationFileCreatesSameSchema(t *testing.T) {
-	t.Parallel()
-	ctx := testCtx(t)
-	pool, schema := pgtest.Schema(t)
-	file, err := os.ReadFile("migrations/001_processed_events.sql")
-	require.NoError(t, err)
-	_, err = pool.Exec(ctx, string(file))
-	require.NoError(t, err)
-	assertSchema(t, ctx, pool, schema, "processed_events")
-
-	// A store then migrates over the tables the file made, and uses them.
-	s, err := dedup.New(dedup.Config{})
-	require.NoError(t, err)
-	require.NoError(t, s.Migrate(ctx, pool))
-	assert.Equal(t, dedup.Claimed, claimTx(t, ctx, pool, s, dedup.Claim{Consumer: "c", EventID: "1"}).Outcome)
 }
 
 // --- configuration ----------------------------------------------------------
@@ -342,7 +324,7 @@ func TestSchemaQualifiesTables(t *testing.T) {
 
 	_, err = pool.Exec(ctx, `UPDATE `+pgx.Identifier{other, "seen"}.Sanitize()+` SET processed_at = now() - interval '1 hour'`)
 	require.NoError(t, err)
-	deleted, err := s.DeleteOlderThan(ctx, pool, time.Now().Add(-time.Minute), 0)
+	deleted, err := s.DeleteOlderThan(ctx, pool, "c", time.Now().Add(-time.Minute), 0)
 	require.NoError(t, err)
 	assert.Equal(t, int64(1), deleted)
 }
@@ -911,25 +893,16 @@ func seedRetention(t testing.TB, ctx context.Context, pool *pgxpool.Pool, s *ded
 	t.Helper()
 	claims := make([]dedup.Claim, 0, old+young)
 	for i := range old + young {
-		// Spread over two consumers: retention is for all of them.
-		claims = append(claims, dedup.Claim{Consumer: fmt.Sprintf("c%d", i%2), EventID: fmt.Sprintf("evt-%03d", i)})
+		claims = append(claims, dedup.Claim{Consumer: "c0", EventID: fmt.Sprintf("evt-%03d", i)})
 	}
-	for consumer := range 2 {
-		func() {
-			tx, err := pool.Begin(ctx)
-			require.NoError(t, err)
-			defer tx.Rollback(ctx) //nolint:errcheck // a no-op after Commit
-			var batch []dedup.Claim
-			for _, c := range claims {
-				if c.Consumer == fmt.Sprintf("c%d", consumer) {
-					batch = append(batch, c)
-				}
-			}
-			_, err = s.ClaimBatch(ctx, tx, batch)
-			require.NoError(t, err)
-			require.NoError(t, tx.Commit(ctx))
-		}()
-	}
+	func() {
+		tx, err := pool.Begin(ctx)
+		require.NoError(t, err)
+		defer tx.Rollback(ctx) //nolint:errcheck // a no-op after Commit
+		_, err = s.ClaimBatch(ctx, tx, claims)
+		require.NoError(t, err)
+		require.NoError(t, tx.Commit(ctx))
+	}()
 	_, err := pool.Exec(ctx, `UPDATE processed_events SET processed_at = now() - interval '2 days' WHERE event_id < $1`,
 		fmt.Sprintf("evt-%03d", old))
 	require.NoError(t, err)
@@ -953,7 +926,7 @@ func TestDeleteOlderThan(t *testing.T) {
 	cutoff := seedRetention(t, ctx, pool, s, 30, 5, 10, 3)
 
 	db := &countingDB{DB: pool}
-	n, err := s.DeleteOlderThan(ctx, db, cutoff, 7)
+	n, err := s.DeleteOlderThan(ctx, db, "c0", cutoff, 7)
 	require.NoError(t, err)
 	assert.Equal(t, int64(30), n)
 	// 30 rows by 7: 7,7,7,7,2; 10 attempt rows by 7: 7,3.
@@ -968,7 +941,7 @@ func TestDeleteOlderThan(t *testing.T) {
 	assert.Equal(t, dedup.Claimed, claimTx(t, ctx, pool, s, dedup.Claim{Consumer: "c0", EventID: "evt-000"}).Outcome)
 	assert.Equal(t, dedup.Duplicate, claimTx(t, ctx, pool, s, dedup.Claim{Consumer: "c0", EventID: "evt-030"}).Outcome)
 
-	n, err = s.DeleteOlderThan(ctx, pool, cutoff, 7)
+	n, err = s.DeleteOlderThan(ctx, pool, "c0", cutoff, 7)
 	require.NoError(t, err)
 	assert.Equal(t, int64(0), n, "nothing left to delete")
 }
@@ -978,7 +951,7 @@ func TestDeleteOlderThanExactMultipleOfBatch(t *testing.T) {
 	ctx, pool, s := setup(t)
 	cutoff := seedRetention(t, ctx, pool, s, 14, 2, 0, 0)
 
-	n, err := s.DeleteOlderThan(ctx, pool, cutoff, 7)
+	n, err := s.DeleteOlderThan(ctx, pool, "c0", cutoff, 7)
 	require.NoError(t, err)
 	assert.Equal(t, int64(14), n)
 	assert.Equal(t, 2, rowCount(t, ctx, pool, `SELECT count(*) FROM processed_events`))
@@ -991,7 +964,7 @@ func TestDeleteOlderThanDefaultBatch(t *testing.T) {
 
 	for _, batch := range []int{0, -1} {
 		db := &countingDB{DB: pool}
-		n, err := s.DeleteOlderThan(ctx, db, cutoff, batch)
+		n, err := s.DeleteOlderThan(ctx, db, "c0", cutoff, batch)
 		require.NoError(t, err)
 		if batch == 0 {
 			assert.Equal(t, int64(20), n)
@@ -1012,7 +985,7 @@ func TestDeleteOlderThanCancelled(t *testing.T) {
 	t.Run("before", func(t *testing.T) {
 		cctx, cancel := context.WithCancel(ctx)
 		cancel()
-		n, err := s.DeleteOlderThan(cctx, pool, cutoff, 7)
+		n, err := s.DeleteOlderThan(cctx, pool, "c0", cutoff, 7)
 		require.ErrorIs(t, err, context.Canceled)
 		assert.Equal(t, int64(0), n)
 		assert.Equal(t, 35, rowCount(t, ctx, pool, `SELECT count(*) FROM processed_events`))
@@ -1022,7 +995,7 @@ func TestDeleteOlderThanCancelled(t *testing.T) {
 		cctx, cancel := context.WithCancel(ctx)
 		defer cancel()
 		db := &countingDB{DB: pool, after: func(int64) { cancel() }}
-		n, err := s.DeleteOlderThan(cctx, db, cutoff, 7)
+		n, err := s.DeleteOlderThan(cctx, db, "c0", cutoff, 7)
 		require.ErrorIs(t, err, context.Canceled)
 		assert.Equal(t, int64(7), n, "the first batch was deleted and counted")
 		assert.Equal(t, int64(1), db.n.Load(), "no statement after the cancel")
@@ -1034,10 +1007,56 @@ func TestDeleteOlderThanCancelled(t *testing.T) {
 	t.Run("deadline", func(t *testing.T) {
 		cctx, cancel := context.WithDeadline(ctx, time.Now().Add(-time.Second))
 		defer cancel()
-		_, err := s.DeleteOlderThan(cctx, pool, cutoff, 7)
+		_, err := s.DeleteOlderThan(cctx, pool, "c0", cutoff, 7)
 		require.ErrorIs(t, err, context.DeadlineExceeded)
 		assert.False(t, errors.Is(err, context.Canceled))
 	})
+}
+
+// Two services share the table under their consumer names, with different
+// retention windows: each one's retention removes only its own rows and
+// attempt counts, so one service's short window never ends the other's
+// deduplication.
+func TestRetentionIsPerConsumer(t *testing.T) {
+	t.Parallel()
+	ctx, pool, s := setup(t)
+	for _, consumer := range []string{"billing", "shipping"} {
+		for i := range 5 {
+			claimTx(t, ctx, pool, s, dedup.Claim{Consumer: consumer, EventID: fmt.Sprintf("evt-%d", i)})
+		}
+		_, err := s.RecordAttempt(ctx, pool, consumer, "in-flight")
+		require.NoError(t, err)
+	}
+	for _, sql := range []string{
+		`UPDATE processed_events SET processed_at = now() - interval '2 days'`,
+		`UPDATE processed_events_attempts SET last_seen = now() - interval '2 days'`,
+	} {
+		_, err := pool.Exec(ctx, sql)
+		require.NoError(t, err)
+	}
+	count := func(table, consumer string) int {
+		return rowCount(t, ctx, pool, `SELECT count(*) FROM `+table+` WHERE consumer = $1`, consumer)
+	}
+
+	// billing keeps one hour, shipping a week.
+	n, err := s.DeleteOlderThan(ctx, pool, "billing", time.Now().Add(-time.Hour), 2)
+	require.NoError(t, err)
+	assert.Equal(t, int64(5), n)
+	n, err = s.DeleteOlderThan(ctx, pool, "shipping", time.Now().Add(-7*24*time.Hour), 2)
+	require.NoError(t, err)
+	assert.Equal(t, int64(0), n)
+
+	assert.Equal(t, 0, count("processed_events", "billing"))
+	assert.Equal(t, 0, count("processed_events_attempts", "billing"))
+	assert.Equal(t, 5, count("processed_events", "shipping"), "billing's retention removed shipping's rows")
+	assert.Equal(t, 1, count("processed_events_attempts", "shipping"), "billing's retention removed shipping's attempt counts")
+	assert.Equal(t, dedup.Duplicate, claimTx(t, ctx, pool, s, dedup.Claim{Consumer: "shipping", EventID: "evt-0"}).Outcome,
+		"shipping still deduplicates its redeliveries")
+	assert.Equal(t, dedup.Claimed, claimTx(t, ctx, pool, s, dedup.Claim{Consumer: "billing", EventID: "evt-0"}).Outcome)
+
+	_, err = s.DeleteOlderThan(ctx, pool, "", time.Now(), 0)
+	require.Error(t, err, "an empty consumer name is refused, not taken for every consumer")
+	assert.Equal(t, 6, count("processed_events", "shipping")+count("processed_events", "billing"))
 }
 
 func TestOutcomeString(t *testing.T) {
@@ -1120,7 +1139,7 @@ func TestQueryExecModes(t *testing.T) {
 
 			_, err = pool.Exec(ctx, `UPDATE processed_events SET processed_at = now() - interval '2 days' WHERE event_id <> 'one'`)
 			require.NoError(t, err)
-			deleted, err := s.DeleteOlderThan(ctx, pool, time.Now().Add(-24*time.Hour), 2)
+			deleted, err := s.DeleteOlderThan(ctx, pool, "c", time.Now().Add(-24*time.Hour), 2)
 			require.NoError(t, err)
 			assert.Equal(t, int64(3), deleted)
 		})
@@ -1186,7 +1205,7 @@ func TestClaimRaceWithRetention(t *testing.T) {
 	var deleteErr error
 	db := &countingDB{DB: tx, after: func(n int64) {
 		if n == 1 { // after the insert found the old row, before the lookup
-			deleted, deleteErr = s.DeleteOlderThan(ctx, pool, time.Now().Add(-24*time.Hour), 0)
+			deleted, deleteErr = s.DeleteOlderThan(ctx, pool, "c", time.Now().Add(-24*time.Hour), 0)
 		}
 	}}
 	r, err := s.Claim(ctx, db, c)

@@ -105,7 +105,8 @@ type Config struct {
 	// after about two intervals without traffic. Default 10s.
 	Heartbeat time.Duration
 	// ConnectionName is shown in the RabbitMQ management UI and
-	// rabbitmqctl list_connections. Default "once <Queue>".
+	// rabbitmqctl list_connections. Default "once <Queue>". The
+	// dead-letter connection is named "<ConnectionName> (dead letters)".
 	ConnectionName string
 
 	// Queue the source consumes from. Required.

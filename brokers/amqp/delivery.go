@@ -115,15 +115,17 @@ func (d *delivery) Ack(ctx context.Context) error {
 // headers overwritten by dl.Headers and the once-original-exchange,
 // once-original-routing-key and once-original-queue headers. It returns
 // once the broker confirmed the copy, and an error when it nacked it, the
-// copy was unroutable, no confirm came within Config.ConfirmTimeout, or the
-// delivery's channel closed. It does not ack the delivery.
+// copy was unroutable, no confirm came within Config.ConfirmTimeout, the
+// broker blocks the dead-letter connection (ErrPublisherBlocked), or the
+// delivery's channel closed. The copy goes out on the source's dead-letter
+// connection, not the consuming one. It does not ack the delivery.
 func (d *delivery) DeadLetter(ctx context.Context, dl *consumer.DeadLetter) error {
 	if d.sess.ctx.Err() != nil {
 		return fmt.Errorf("amqp: dead-letter delivery %d: %w (%v)", d.d.DeliveryTag, ErrChannelClosed, context.Cause(d.sess.ctx))
 	}
 	cfg := &d.src.cfg
 	p := deadLetterPublishing(d.d, dl.Headers(d.msg), cfg.Queue)
-	if err := d.sess.publish(ctx, cfg.DeadLetter.Exchange, cfg.DeadLetter.RoutingKey, p, cfg.ConfirmTimeout); err != nil {
+	if err := d.src.pub.publish(ctx, d, cfg.DeadLetter.Exchange, cfg.DeadLetter.RoutingKey, p, cfg.ConfirmTimeout); err != nil {
 		d.src.log.Warn("amqp: dead-letter publish failed", "event_id", dl.EventID, "error", err)
 		return err
 	}

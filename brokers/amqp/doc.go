@@ -18,7 +18,10 @@
 // after its dead-letter copy was confirmed by the broker. Nothing is ever
 // auto-acked. Acks are sent by a goroutine of the connection that
 // coalesces runs of consecutive acked deliveries into one frame with the
-// multiple flag; Close sends the pending ones.
+// multiple flag; Close sends the pending ones. Dead-letter copies go out on
+// a second connection of their own, so that a publishing connection that
+// the broker blocks under a memory or disk alarm never holds back the acks
+// (ErrPublisherBlocked).
 //
 // amqp091-go does not reconnect by itself (its experimental recovery is not
 // used: it would send old delivery tags on a new channel). When the

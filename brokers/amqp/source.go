@@ -34,12 +34,15 @@ var ErrChannelClosed = errors.New("amqp: the delivery's channel closed; the brok
 // Source consumes one RabbitMQ queue for a consumer.Consumer. It implements
 // consumer.Source and consumer.SystemNamer.
 //
-// The source owns one connection with two channels: one consumes with manual
-// acknowledgements and the configured prefetch, the other publishes
-// dead-letter copies in confirm mode. When the connection or the consuming
-// channel is lost, Receive reconnects with exponential backoff and jitter,
-// declares the topology again, applies the prefetch and resumes consuming,
-// blocking meanwhile. Deliveries received before the loss have their
+// The source owns two connections. One consumes with manual
+// acknowledgements and the configured prefetch; the other, dialled on the
+// first dead letter, publishes dead-letter copies in confirm mode. They are
+// apart because RabbitMQ blocks a publishing connection under a memory or
+// disk alarm, and a blocked connection would stall the acks too; each
+// reconnects on its own. When the consuming connection or channel is lost,
+// Receive reconnects with exponential backoff and jitter, declares the
+// topology again, applies the prefetch and resumes consuming, blocking
+// meanwhile. Deliveries received before the loss have their
 // Context cancelled and cannot be acked; the broker delivers them again.
 //
 // Receive must be called from one goroutine at a time; the deliveries it
@@ -47,6 +50,7 @@ var ErrChannelClosed = errors.New("amqp: the delivery's channel closed; the brok
 type Source struct {
 	cfg        Config
 	log        *slog.Logger
+	pub        *publisher
 	reconnects metric.Int64Counter
 	attrs      metric.MeasurementOption
 
@@ -89,6 +93,7 @@ func Open(ctx context.Context, cfg Config) (*Source, error) {
 			attribute.String("messaging.destination.name", cfg.Queue))),
 		closeCh: make(chan struct{}),
 	}
+	s.pub = newPublisher(&s.cfg, s.log)
 	if _, err := s.reconnect(ctx); err != nil {
 		return nil, err
 	}
@@ -131,7 +136,7 @@ func (s *Source) Receive(ctx context.Context) (consumer.Delivery, error) {
 	}
 }
 
-// Close stops consuming and closes the connection. Deliveries not yet
+// Close stops consuming and closes the connections. Deliveries not yet
 // acked go back to the queue. It is safe to call more than once.
 func (s *Source) Close() error {
 	s.mu.Lock()
@@ -144,6 +149,7 @@ func (s *Source) Close() error {
 	sess := s.sess
 	s.sess = nil
 	s.mu.Unlock()
+	s.pub.close()
 	if sess == nil {
 		return nil
 	}
@@ -252,8 +258,7 @@ func isConfigError(err error) bool {
 	return false
 }
 
-// session is one connection with its consuming channel and, created on
-// first use, its publishing channel.
+// session is the consuming connection with its channel.
 type session struct {
 	conn       *amqp091.Connection
 	ch         *amqp091.Channel
@@ -263,25 +268,14 @@ type session struct {
 	// cause says why.
 	ctx    context.Context
 	cancel context.CancelCauseFunc
-
-	pubMu   sync.Mutex
-	pub     *amqp091.Channel
-	returns chan amqp091.Return
 }
 
 // connect makes one attempt to open a session: dial, open the consuming
 // channel, declare the topology, apply QoS and consume.
 func (s *Source) connect() (*session, error) {
-	props := amqp091.NewConnectionProperties()
-	props.SetClientConnectionName(s.cfg.ConnectionName)
-	conn, err := amqp091.DialConfig(s.cfg.URL, amqp091.Config{
-		Heartbeat:       s.cfg.Heartbeat,
-		TLSClientConfig: s.cfg.TLSConfig,
-		Properties:      props,
-		Dial:            amqp091.DefaultDial(s.cfg.DialTimeout),
-	})
+	conn, err := dial(&s.cfg, s.cfg.ConnectionName)
 	if err != nil {
-		return nil, fmt.Errorf("amqp: dial %s: %w", redactURL(s.cfg.URL), redactErr(err, s.cfg.URL))
+		return nil, err
 	}
 	fail := func(err error) (*session, error) {
 		_ = conn.CloseDeadline(time.Now().Add(time.Second))
@@ -307,6 +301,23 @@ func (s *Source) connect() (*session, error) {
 	sess := &session{conn: conn, ch: ch, deliveries: deliveries, ctx: ctx, cancel: cancel, acker: newAcker(ch)}
 	go sess.watch(connClosed, chClosed)
 	return sess, nil
+}
+
+// dial opens a connection to the broker of cfg, named name in the
+// broker's connection list.
+func dial(cfg *Config, name string) (*amqp091.Connection, error) {
+	props := amqp091.NewConnectionProperties()
+	props.SetClientConnectionName(name)
+	conn, err := amqp091.DialConfig(cfg.URL, amqp091.Config{
+		Heartbeat:       cfg.Heartbeat,
+		TLSClientConfig: cfg.TLSConfig,
+		Properties:      props,
+		Dial:            amqp091.DefaultDial(cfg.DialTimeout),
+	})
+	if err != nil {
+		return nil, fmt.Errorf("amqp: dial %s: %w", redactURL(cfg.URL), redactErr(err, cfg.URL))
+	}
+	return conn, nil
 }
 
 // watch cancels the session's context when its connection or consuming
@@ -444,62 +455,4 @@ func queueArgs(t QueueType, args amqp091.Table) amqp091.Table {
 		out["x-queue-type"] = string(QueueQuorum)
 	}
 	return out
-}
-
-// publish publishes p mandatory on the session's confirm-mode channel and
-// waits for the broker's confirm, at most timeout. Publishes are
-// serialized, so a basic.return (which the broker sends before the confirm)
-// belongs to the publish in progress.
-func (sess *session) publish(ctx context.Context, exchange, key string, p amqp091.Publishing, timeout time.Duration) error {
-	sess.pubMu.Lock()
-	defer sess.pubMu.Unlock()
-	if err := sess.ctx.Err(); err != nil {
-		return fmt.Errorf("%w: %v", ErrChannelClosed, context.Cause(sess.ctx))
-	}
-	if sess.pub == nil || sess.pub.IsClosed() {
-		ch, err := sess.conn.Channel()
-		if err != nil {
-			return fmt.Errorf("amqp: open publishing channel: %w", err)
-		}
-		if err := ch.Confirm(false); err != nil {
-			_ = ch.Close()
-			return fmt.Errorf("amqp: put publishing channel in confirm mode: %w", err)
-		}
-		sess.returns = ch.NotifyReturn(make(chan amqp091.Return, 4))
-		sess.pub = ch
-	}
-	for drained := false; !drained; {
-		select {
-		case <-sess.returns:
-		default:
-			drained = true
-		}
-	}
-	wctx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
-	dc, err := sess.pub.PublishWithDeferredConfirmWithContext(wctx, exchange, key, true, false, p)
-	if err != nil {
-		return fmt.Errorf("amqp: publish to exchange %q with key %q: %w", exchange, key, err)
-	}
-	acked, err := dc.WaitContext(wctx)
-	if err != nil {
-		// The confirm may still come; a fresh channel keeps it from being
-		// mistaken for the next publish's. Closing waits for the broker,
-		// which may be what is stuck: do not wait here.
-		go func(ch *amqp091.Channel) { _ = ch.Close() }(sess.pub)
-		sess.pub = nil
-		if ctx.Err() == nil {
-			return fmt.Errorf("amqp: no publisher confirm within Config.ConfirmTimeout %v for exchange %q key %q", timeout, exchange, key)
-		}
-		return fmt.Errorf("amqp: wait for publisher confirm: %w", err)
-	}
-	if !acked {
-		return fmt.Errorf("amqp: the broker nacked the publish to exchange %q with key %q", exchange, key)
-	}
-	select {
-	case r := <-sess.returns:
-		return fmt.Errorf("amqp: publish to exchange %q with key %q was unroutable: %d %s", exchange, key, r.ReplyCode, r.ReplyText)
-	default:
-	}
-	return nil
 }

@@ -1,5 +1,5 @@
 -- +goose Up
--- once: dedup schema. Idempotent; safe to run on every start.
+-- once dedup, version 1: the processed-events and attempts tables.
 CREATE TABLE IF NOT EXISTS "processed_events" (
     consumer     text        NOT NULL,
     event_id     text        NOT NULL,
@@ -21,4 +21,8 @@ CREATE TABLE IF NOT EXISTS "processed_events_attempts" (
     PRIMARY KEY (consumer, event_id)
 );
 
-ALTER TABLE "processed_events_attempts" ADD COLUMN IF NOT EXISTS crashes integer NOT NULL DEFAULT 0;
+
+-- +goose Down
+-- once dedup, back from version 1: removes the tables and every row in them.
+DROP TABLE IF EXISTS "processed_events_attempts";
+DROP TABLE IF EXISTS "processed_events";

@@ -363,8 +363,12 @@ func newConsumer(pool *pgxpool.Pool, src consumer.Source, o *options, tel *telem
 		return nil, err
 	}
 	return consumer.NewRouted(pool, src, r, consumer.Config{
-		Name:    o.name,
-		EventID: EventID,
+		Name:        o.name,
+		EventID:     EventID,
+		Envelope:    CloudEventsEnvelope{},
+		Fingerprint: Fingerprint,
+		IDHeaders:   IDHeaders,
+		TypeHeaders: TypeHeaders,
 		Retry: consumer.RetryPolicy{
 			MaxAttempts:    o.maxAttempts,
 			InitialBackoff: 50 * time.Millisecond,

@@ -14,8 +14,9 @@ import (
 	"github.com/onceco/once/consumer"
 )
 
-// The event types this service handles, read from the "type" header (Kafka)
-// or the type property (RabbitMQ).
+// The event types this service handles, read from the type property
+// (RabbitMQ), the "type" or CloudEvents type headers, or a structured
+// CloudEvent's type attribute (see cloudevents.go).
 const (
 	TypeCreated   = "order.created"
 	TypePaid      = "order.paid"
@@ -204,8 +205,10 @@ func (o *Orders) Cancelled(ctx context.Context, tx pgx.Tx, ev consumer.Event[Ord
 
 // EventID is the service's event-id rule (consumer.Config.EventID):
 //
-//  1. the broker's id property (RabbitMQ message-id), else the "id" header:
-//     the producer's id for the event;
+//  1. the producer's id for the event: the broker's id property (RabbitMQ
+//     message-id), else the first of IDHeaders (the service's "id" header,
+//     the CloudEvents binary-mode ce_id or cloudEvents_id), else the id
+//     attribute of a structured-mode CloudEvent (see cloudevents.go);
 //  2. else an id derived from the payload: "<order_id>/<event type>". The
 //     business says an order is created once, paid once and cancelled once,
 //     so that pair names the event. This is what makes a republish without
@@ -220,17 +223,23 @@ func EventID(m *consumer.Message) (string, error) {
 	if m.ID != "" {
 		return m.ID, nil
 	}
-	if id := m.Headers["id"]; id != "" {
-		return id, nil
+	for _, h := range IDHeaders {
+		if id := m.Headers[h]; id != "" {
+			return id, nil
+		}
 	}
-	typ := m.Type
-	if typ == "" {
-		typ = m.Headers["type"]
+	payload := m.Value
+	var structured *structuredEvent
+	if ev, ok := parseStructured(m.Value); ok {
+		if id := ev.ID; id != "" {
+			return id, nil
+		}
+		structured, payload = &ev, ev.Data
 	}
 	var key struct {
 		OrderID string `json:"order_id"`
 	}
-	if typ != "" && json.Unmarshal(m.Value, &key) == nil && key.OrderID != "" {
+	if typ := eventType(m, structured); typ != "" && json.Unmarshal(payload, &key) == nil && key.OrderID != "" {
 		return key.OrderID + "/" + typ, nil
 	}
 	if m.FallbackID != "" {

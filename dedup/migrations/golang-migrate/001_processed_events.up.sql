@@ -1,6 +1,5 @@
--- +goose Up
--- once: dedup schema. Idempotent; safe to run on every start.
-CREATE TABLE IF NOT EXISTS {{.Table}} (
+-- once dedup, version 1: the processed-events and attempts tables.
+CREATE TABLE IF NOT EXISTS "processed_events" (
     consumer     text        NOT NULL,
     event_id     text        NOT NULL,
     fingerprint  bytea,
@@ -11,9 +10,9 @@ CREATE TABLE IF NOT EXISTS {{.Table}} (
     PRIMARY KEY (consumer, event_id)
 );
 
-CREATE INDEX IF NOT EXISTS {{.ProcessedAtIndex}} ON {{.Table}} (processed_at);
+CREATE INDEX IF NOT EXISTS "processed_events_processed_at_idx" ON "processed_events" (processed_at);
 
-CREATE TABLE IF NOT EXISTS {{.Attempts}} (
+CREATE TABLE IF NOT EXISTS "processed_events_attempts" (
     consumer  text        NOT NULL,
     event_id  text        NOT NULL,
     attempts  integer     NOT NULL,
@@ -21,4 +20,3 @@ CREATE TABLE IF NOT EXISTS {{.Attempts}} (
     PRIMARY KEY (consumer, event_id)
 );
 
-ALTER TABLE {{.Attempts}} ADD COLUMN IF NOT EXISTS crashes integer NOT NULL DEFAULT 0;

@@ -1,0 +1,157 @@
+package amqp_test
+
+import (
+	"context"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	amqp091 "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+
+	"github.com/onceco/once/brokers/amqp"
+	"github.com/onceco/once/consumer"
+)
+
+// queueCounts returns the ready and unacknowledged messages of queue, as
+// the node counts them: the broker's own word on which acks arrived.
+func (n node) queueCounts(t testing.TB, queue string) (ready, unacked int) {
+	t.Helper()
+	out := n.ctl(t, "list_queues", "-q", "--no-table-headers", "name", "messages_ready", "messages_unacknowledged")
+	for _, line := range strings.Split(out, "\n") {
+		f := strings.Fields(line)
+		if len(f) == 3 && f[0] == queue {
+			ready, err := strconv.Atoi(f[1])
+			require.NoError(t, err, line)
+			unacked, err := strconv.Atoi(f[2])
+			require.NoError(t, err, line)
+			return ready, unacked
+		}
+	}
+	t.Fatalf("queue %s not in list_queues: %s", queue, out)
+	return 0, 0
+}
+
+// waitBlocked returns once the broker blocks a connection that publishes:
+// the memory monitor raises the alarm on its own schedule, after the
+// command that lowers the watermark has returned.
+func waitBlocked(t testing.TB, url string) {
+	t.Helper()
+	conn, err := amqp091.Dial(url)
+	require.NoError(t, err)
+	defer func() { _ = conn.CloseDeadline(time.Now()) }() // blocked: do not wait for the broker
+	blocked := conn.NotifyBlocked(make(chan amqp091.Blocking, 1))
+	ch, err := conn.Channel()
+	require.NoError(t, err)
+	deadline := time.After(30 * time.Second)
+	for {
+		// Unroutable and harmless: the default exchange drops it.
+		require.NoError(t, ch.PublishWithContext(context.Background(), "", "no-such-queue", false, false, amqp091.Publishing{}))
+		select {
+		case b := <-blocked:
+			if b.Active {
+				return
+			}
+		case <-deadline:
+			t.Fatal("the broker did not block a publishing connection within 30s of the alarm")
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
+
+// closeConnection closes, from the broker's side, the client connections
+// named name (the connection_name client property), and returns how many
+// it closed.
+func (n node) closeConnection(t testing.TB, name string) int {
+	t.Helper()
+	out := n.ctl(t, "list_connections", "-q", "--no-table-headers", "pid", "client_properties")
+	closed := 0
+	for _, line := range strings.Split(out, "\n") {
+		pid, props, ok := strings.Cut(strings.TrimSpace(line), "\t")
+		if ok && strings.Contains(props, `"`+name+`"`) {
+			n.ctl(t, "close_connection", pid, "closed by the test")
+			closed++
+		}
+	}
+	return closed
+}
+
+// TestAlarmBlockingDeadLettersDoesNotStallAcks sets off a memory alarm on
+// a node of the test's own (which blocks every connection that publishes)
+// while poison messages wait to be dead-lettered among good ones: the good
+// ones are still handled and their acks reach the broker, because dead
+// letters go out on a connection of their own. Once the alarm clears the
+// poison is dead-lettered by the same consumer, one copy each (the copy
+// caught by the alarm is confirmed, not published again). Then the broker closes the
+// dead-letter connection: the next dead letter goes out on a new one, and
+// the consuming connection never reconnects.
+func TestAlarmBlockingDeadLettersDoesNotStallAcks(t *testing.T) {
+	t.Parallel()
+	node := privateNode(t)
+	a := newAdminAt(t, node.url)
+	q := queueName(t)
+	a.declare(q, amqp.QueueClassic)
+	good := eventIDs("alarm", 200)
+	poison := []amqp091.Publishing{
+		{MessageId: "bad-1", Body: []byte(`{"n": oops`)},
+		{MessageId: "bad-2", Body: []byte(`not json`)},
+		{MessageId: "bad-3", Body: []byte(`{"n":`)},
+	}
+	require.NoError(t, a.publish("", q, append(append([]amqp091.Publishing{}, poison...), messagesFor(good)...)...))
+	pool := effectsDB(t)
+
+	node.ctl(t, "set_vm_memory_high_watermark", "0") // every publishing connection is blocked from now on
+	alarmOn := true
+	t.Cleanup(func() {
+		if alarmOn {
+			node.ctl(t, "set_vm_memory_high_watermark", "0.4")
+		}
+	})
+	waitBlocked(t, node.url)
+
+	rd := sdkmetric.NewManualReader()
+	src := openSource(t, amqp.Config{URL: node.url, Queue: q, Prefetch: 500, ConfirmTimeout: 2 * time.Second,
+		ConnectionName: "alarm-test " + q, MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(rd))})
+	r := startConsumer(t, pool, src, consumer.Config{Name: "alarm-test", Concurrency: 8,
+		InfraBackoff: consumer.Backoff{Initial: 50 * time.Millisecond, Max: 200 * time.Millisecond}}, recordEffect)
+
+	// Every good message is acked, as the broker counts it, while the
+	// poison waits unacked behind its blocked dead-letter publish.
+	var ready, unacked int
+	if !assert.Eventually(t, func() bool {
+		ready, unacked = node.queueCounts(t, q)
+		return ready == 0 && unacked == len(poison)
+	}, 60*time.Second, 50*time.Millisecond) {
+		t.Fatalf("acks must reach the broker during the alarm: %d ready, %d unacked; %+v", ready, unacked, r.c.Stats())
+	}
+	requireExactlyOnce(t, pool, good)
+	assert.Zero(t, r.c.Stats().DeadLettered, "nothing is published during the alarm")
+
+	node.ctl(t, "set_vm_memory_high_watermark", "0.4")
+	alarmOn = false
+	require.Eventually(t, func() bool { return r.c.Stats().DeadLettered == uint64(len(poison)) },
+		60*time.Second, 10*time.Millisecond, "the poison is dead-lettered once the alarm clears")
+	require.Eventually(t, func() bool {
+		ready, unacked := node.queueCounts(t, q)
+		return ready == 0 && unacked == 0
+	}, 30*time.Second, 50*time.Millisecond)
+
+	// The broker drops the dead-letter connection; the consuming one stays.
+	require.Equal(t, 1, node.closeConnection(t, "alarm-test "+q+" (dead letters)"))
+	require.NoError(t, a.publish("", q, amqp091.Publishing{MessageId: "bad-4", Body: []byte(`{`)}))
+	require.Eventually(t, func() bool { return r.c.Stats().DeadLettered == uint64(len(poison)+1) },
+		60*time.Second, 10*time.Millisecond, "a new dead-letter connection after the old one was closed")
+	require.NoError(t, r.stop())
+	assert.Zero(t, counterValue(t, rd, amqp.ReconnectsMetric), "the consuming connection never reconnected")
+
+	dead, err := a.getAll(q + amqp.DeadLetterQueueSuffix)
+	require.NoError(t, err)
+	ids := make([]string, 0, len(dead))
+	for _, d := range dead {
+		ids = append(ids, d.MessageId)
+	}
+	assert.ElementsMatch(t, []string{"bad-1", "bad-2", "bad-3", "bad-4"}, ids)
+}

@@ -1,0 +1,297 @@
+package amqp
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"time"
+
+	amqp091 "github.com/rabbitmq/amqp091-go"
+)
+
+// ErrPublisherBlocked is wrapped by Delivery.DeadLetter's error while the
+// broker blocks the dead-letter connection (a memory or disk alarm):
+// nothing is published, and the consumer retries after its backoff. The
+// consuming connection is not affected and keeps acking.
+var ErrPublisherBlocked = errors.New("amqp: the broker blocks the dead-letter connection (resource alarm)")
+
+// publisher publishes dead-letter copies on a connection of its own, in
+// confirm mode. RabbitMQ blocks a connection that publishes under a memory
+// or disk alarm, and a blocked connection carries no frame at all: on the
+// consuming connection, one dead letter would stall every ack behind it.
+// The connection is dialled on first use and again after it is lost, on
+// the next publish, independently of the consuming connection.
+type publisher struct {
+	cfg *Config
+	log *slog.Logger
+
+	mu      sync.Mutex // serialises publishes: a basic.return belongs to the publish in progress
+	conn    *amqp091.Connection
+	ch      *amqp091.Channel
+	returns chan amqp091.Return
+	blocked *blockState
+	// pending is a publish left unconfirmed when the broker blocked the
+	// connection: its confirm (and return) comes once the alarm clears,
+	// and must come before the next publish, whose return could otherwise
+	// be taken for it.
+	pending    *amqp091.DeferredConfirmation
+	pendingFor any // the id of the pending publish
+	// confirmedFor is the id of the last pending publish whose confirm
+	// came while another id was publishing: its own retry takes it, as
+	// confirmedErr, instead of publishing a second copy.
+	confirmedFor any
+	confirmedErr error
+	closed       bool
+}
+
+// blockState is what the connection.blocked notifications of one
+// connection last said; changed gets a signal at each notification.
+type blockState struct {
+	mu      sync.Mutex
+	reason  string // "" when not blocked
+	changed chan struct{}
+}
+
+func newBlockState() *blockState { return &blockState{changed: make(chan struct{}, 1)} }
+
+func (b *blockState) set(n amqp091.Blocking) {
+	b.mu.Lock()
+	b.reason = ""
+	if n.Active {
+		b.reason = n.Reason
+		if b.reason == "" {
+			b.reason = "no reason given"
+		}
+	}
+	b.mu.Unlock()
+	select {
+	case b.changed <- struct{}{}:
+	default:
+	}
+}
+
+func (b *blockState) get() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.reason
+}
+
+func newPublisher(cfg *Config, log *slog.Logger) *publisher {
+	return &publisher{cfg: cfg, log: log, blocked: newBlockState()}
+}
+
+// publish publishes p mandatory to exchange with key and waits for the
+// broker's confirm, at most timeout. While the broker blocks the
+// connection it fails at once with ErrPublisherBlocked, keeping the
+// connection and the unconfirmed publish for when the alarm clears; a
+// retry with the same id (the delivery being dead-lettered) then takes
+// that publish's confirm instead of publishing another copy.
+func (p *publisher) publish(ctx context.Context, id any, exchange, key string, msg amqp091.Publishing, timeout time.Duration) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if err := p.ready(); err != nil {
+		return err
+	}
+	if done, err := p.takeConfirmed(id); done {
+		return err
+	}
+	if done, err := p.settlePending(ctx, id, timeout); done || err != nil {
+		return err
+	}
+	p.drainReturns()
+	wctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	dc, err := p.ch.PublishWithDeferredConfirmWithContext(wctx, exchange, key, true, false, msg)
+	if err != nil {
+		p.drop()
+		return fmt.Errorf("amqp: publish to exchange %q with key %q: %w", exchange, key, err)
+	}
+	if err := p.waitConfirm(wctx, ctx, id, dc, timeout); err != nil {
+		return fmt.Errorf("amqp: publish to exchange %q with key %q: %w", exchange, key, err)
+	}
+	return p.returned()
+}
+
+// returned reports the return of the publish just confirmed, if any: the
+// broker sends it before the confirm, and the connection's reader hands it
+// over before it handles the confirm.
+func (p *publisher) returned() error {
+	select {
+	case r := <-p.returns:
+		return fmt.Errorf("amqp: publish to exchange %q with key %q was unroutable: %d %s", r.Exchange, r.RoutingKey, r.ReplyCode, r.ReplyText)
+	default:
+		return nil
+	}
+}
+
+// settlePending deals with a publish left unconfirmed by an alarm, before
+// the publish for id: while the broker still blocks the connection, it
+// fails with ErrPublisherBlocked; once unblocked, it waits for the
+// confirm, at most timeout (then the connection is stuck, and dropped).
+// When the pending publish was id's own, done reports it, and err is its
+// outcome; otherwise the next publish may go.
+func (p *publisher) settlePending(ctx context.Context, id any, timeout time.Duration) (done bool, err error) {
+	if p.pending == nil {
+		if reason := p.blocked.get(); reason != "" {
+			return false, fmt.Errorf("%w: %s", ErrPublisherBlocked, reason)
+		}
+		return false, nil
+	}
+	wctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	for {
+		select {
+		case <-p.pending.Done():
+			return p.pendingConfirmed(id)
+		default:
+		}
+		if reason := p.blocked.get(); reason != "" {
+			return false, fmt.Errorf("%w: %s", ErrPublisherBlocked, reason)
+		}
+		select {
+		case <-p.pending.Done():
+		case <-p.blocked.changed:
+		case <-wctx.Done():
+			p.drop()
+			if err := ctx.Err(); err != nil {
+				return false, fmt.Errorf("amqp: wait for publisher confirm: %w", err)
+			}
+			return false, p.ready()
+		}
+	}
+}
+
+// pendingConfirmed clears the pending publish, whose confirm came, and
+// reports its outcome when it was id's; another id's outcome is kept for
+// that id's retry.
+func (p *publisher) pendingConfirmed(id any) (done bool, err error) {
+	dc, owner := p.pending, p.pendingFor
+	p.pending, p.pendingFor = nil, nil
+	err = p.returned()
+	if !dc.Acked() {
+		err = errors.New("amqp: the broker nacked the dead-letter copy")
+	}
+	if owner != id {
+		p.confirmedFor, p.confirmedErr = owner, err
+		return false, nil
+	}
+	return true, err
+}
+
+// takeConfirmed reports the outcome of id's publish that was confirmed
+// while another id was publishing, if there is one.
+func (p *publisher) takeConfirmed(id any) (done bool, err error) {
+	if p.confirmedFor == nil || p.confirmedFor != id {
+		return false, nil
+	}
+	err = p.confirmedErr
+	p.confirmedFor, p.confirmedErr = nil, nil
+	return true, err
+}
+
+// waitConfirm waits for dc's confirm. When the broker blocks the
+// connection meanwhile, it returns ErrPublisherBlocked at once and keeps
+// dc pending; when no confirm comes within timeout, it drops the
+// connection, so that a late confirm or return cannot be taken for the
+// next publish's.
+func (p *publisher) waitConfirm(wctx, ctx context.Context, id any, dc *amqp091.DeferredConfirmation, timeout time.Duration) error {
+	for {
+		select {
+		case <-dc.Done():
+			if !dc.Acked() {
+				return errors.New("the broker nacked it")
+			}
+			return nil
+		case <-p.blocked.changed:
+			if reason := p.blocked.get(); reason != "" {
+				p.pending, p.pendingFor = dc, id
+				return fmt.Errorf("%w: %s", ErrPublisherBlocked, reason)
+			}
+		case <-wctx.Done():
+			reason := p.blocked.get()
+			if reason != "" {
+				p.pending, p.pendingFor = dc, id
+				return fmt.Errorf("%w: %s", ErrPublisherBlocked, reason)
+			}
+			p.drop()
+			if ctx.Err() == nil {
+				return fmt.Errorf("no publisher confirm within Config.ConfirmTimeout %v", timeout)
+			}
+			return fmt.Errorf("wait for publisher confirm: %w", ctx.Err())
+		}
+	}
+}
+
+// ready makes sure a connection and a confirm-mode channel are open,
+// dialling once if not: the caller's retry paces further attempts.
+func (p *publisher) ready() error {
+	if p.closed {
+		return fmt.Errorf("amqp: dead-letter publisher: %w", ErrChannelClosed)
+	}
+	if p.ch != nil && !p.ch.IsClosed() && !p.conn.IsClosed() {
+		return nil
+	}
+	p.drop()
+	conn, err := dial(p.cfg, p.cfg.ConnectionName+" (dead letters)")
+	if err != nil {
+		return err
+	}
+	ch, err := conn.Channel()
+	if err == nil {
+		err = ch.Confirm(false)
+	}
+	if err != nil {
+		_ = conn.CloseDeadline(time.Now().Add(time.Second))
+		return fmt.Errorf("amqp: open the dead-letter channel: %w", err)
+	}
+	blocked := newBlockState()
+	notes := conn.NotifyBlocked(make(chan amqp091.Blocking, 4))
+	go func() {
+		for n := range notes { // closed with the connection
+			blocked.set(n)
+			if n.Active {
+				p.log.Warn("amqp: the broker blocked the dead-letter connection; dead letters wait, consuming goes on", "reason", n.Reason)
+			} else {
+				p.log.Info("amqp: the broker unblocked the dead-letter connection")
+			}
+		}
+	}()
+	p.conn, p.ch, p.blocked = conn, ch, blocked
+	p.returns = ch.NotifyReturn(make(chan amqp091.Return, 4))
+	return nil
+}
+
+// drainReturns discards returns left by an earlier publish.
+func (p *publisher) drainReturns() {
+	for {
+		select {
+		case <-p.returns:
+		default:
+			return
+		}
+	}
+}
+
+// drop abandons the connection without waiting for the broker, which may
+// be what is stuck.
+func (p *publisher) drop() {
+	if p.conn == nil {
+		return
+	}
+	go func(conn *amqp091.Connection) { _ = conn.CloseDeadline(time.Now().Add(2 * time.Second)) }(p.conn)
+	p.conn, p.ch, p.returns, p.pending, p.pendingFor = nil, nil, nil, nil, nil
+	p.blocked = newBlockState()
+}
+
+// close closes the connection; later publishes fail.
+func (p *publisher) close() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.closed = true
+	if p.conn != nil {
+		_ = p.conn.CloseDeadline(time.Now().Add(2 * time.Second))
+		p.conn, p.ch, p.returns = nil, nil, nil
+	}
+}

@@ -1,0 +1,300 @@
+package dedup
+
+import (
+	"context"
+	"embed"
+	"errors"
+	"fmt"
+	"io/fs"
+	"slices"
+	"strings"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/onceco/once/internal/migrate"
+)
+
+//go:embed schema/*.sql
+var schemaFiles embed.FS
+
+// SchemaVersion is the newest schema version this package knows, the one
+// Migrate brings the tables to. The plain SQL files in migrations/ go up to
+// the same version.
+const SchemaVersion = 3
+
+// ErrSchemaNewer is wrapped by Migrate's and MigrateTo's errors when the
+// database records a schema version newer than SchemaVersion: a newer
+// release of the library migrated it. Nothing is changed; run the newer
+// release, or move the schema back down with it first.
+var ErrSchemaNewer = migrate.ErrNewer
+
+// ErrSchemaMismatch is wrapped by the errors of Check and Migrate when a
+// table exists with another shape than the store needs (another library's
+// table of the same name, or a hand-made one): the error names each
+// difference.
+var ErrSchemaMismatch = errors.New("dedup: table has another shape")
+
+// schemaNames are the names the migration templates use, quoted (and
+// qualified where a statement needs it).
+type schemaNames struct {
+	Table, Attempts                     string // qualified tables
+	ProcessedAtIndex, ProcessedAtIndexQ string // bare and qualified
+	ConsumerIndex, ConsumerIndexQ       string
+}
+
+func newSchemaNames(schema, table string) schemaNames {
+	qualify := func(name string) string {
+		if schema == "" {
+			return pgx.Identifier{name}.Sanitize()
+		}
+		return pgx.Identifier{schema, name}.Sanitize()
+	}
+	bare := func(name string) string { return pgx.Identifier{name}.Sanitize() }
+	return schemaNames{
+		Table:             qualify(table),
+		Attempts:          qualify(table + "_attempts"),
+		ProcessedAtIndex:  bare(table + "_processed_at_idx"),
+		ProcessedAtIndexQ: qualify(table + "_processed_at_idx"),
+		ConsumerIndex:     bare(table + "_consumer_processed_at_idx"),
+		ConsumerIndexQ:    qualify(table + "_consumer_processed_at_idx"),
+	}
+}
+
+// loadMigrations renders the embedded migrations with names.
+func loadMigrations(names schemaNames) ([]migrate.Migration, error) {
+	sub, err := fs.Sub(schemaFiles, "schema")
+	if err != nil {
+		return nil, err
+	}
+	migs, err := migrate.Load(sub, names)
+	if err != nil {
+		return nil, err
+	}
+	if len(migs) != SchemaVersion {
+		return nil, fmt.Errorf("dedup: %d embedded migrations, SchemaVersion is %d", len(migs), SchemaVersion)
+	}
+	return migs, nil
+}
+
+// newSeries is the store's migration series: the component is named after
+// the table, so that two stores with different tables in one schema have
+// versions of their own.
+func (s *Store) newSeries(schema, table string, migs []migrate.Migration) *migrate.Series {
+	return &migrate.Series{
+		Component:  "dedup:" + table,
+		Schema:     schema,
+		Migrations: migs,
+		Adopt:      s.adopt,
+		Verify:     func(ctx context.Context, tx pgx.Tx) error { return s.Check(ctx, tx) },
+	}
+}
+
+// adopt recognises the tables that the unversioned releases created (the
+// shape of version 1): they are recorded as version 1, after a check that
+// the processed-events table is the store's and not another library's.
+// With that table alone, version 1 runs (its statements are idempotent) to
+// add what is missing.
+func (s *Store) adopt(ctx context.Context, tx pgx.Tx) (int, error) {
+	processed, err := exists(ctx, tx, s.names.Table)
+	if err != nil || !processed {
+		return 0, err
+	}
+	if err := s.checkTable(ctx, tx, s.names.Table, processedColumns); err != nil {
+		return 0, err
+	}
+	attempts, err := exists(ctx, tx, s.names.Attempts)
+	if err != nil || !attempts {
+		return 0, err
+	}
+	return 1, nil
+}
+
+// exists reports whether the (quoted, maybe qualified) table exists.
+func exists(ctx context.Context, db DB, table string) (bool, error) {
+	var ok bool
+	err := db.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, table).Scan(&ok)
+	return ok, err
+}
+
+// SchemaSQL returns every up migration, in order, with this store's names:
+// the DDL that Migrate runs on an empty database, for review or to run by
+// hand. Each statement is idempotent (IF NOT EXISTS, IF EXISTS).
+func (s *Store) SchemaSQL() string {
+	var b strings.Builder
+	for _, m := range s.series.Migrations {
+		b.WriteString(m.Up)
+	}
+	return b.String()
+}
+
+// Migrate brings the store's tables to SchemaVersion: it creates them, or
+// runs the migrations from the version the database records (tables made
+// before versions were recorded are recognised as version 1), records each
+// version in the once_schema_versions table of the store's schema, then
+// checks the tables' shape (see Check). Everything runs in one transaction
+// under an advisory lock: it is idempotent and safe to call from many
+// processes at once, and on an error nothing has changed.
+//
+// It fails with an error wrapping ErrSchemaNewer when the database is at a
+// newer version than this package knows, and with one wrapping
+// ErrSchemaMismatch, naming each difference, when a table of the store's
+// name has another shape. db is typically a *pgxpool.Pool.
+func (s *Store) Migrate(ctx context.Context, db interface {
+	Begin(ctx context.Context) (pgx.Tx, error)
+}) error {
+	return s.MigrateTo(ctx, db, SchemaVersion)
+}
+
+// MigrateTo moves the store's tables up or down to version (0 to
+// SchemaVersion), in one transaction. Version 0 drops the tables and every
+// row in them, which ends deduplication: use it to remove the store, and
+// lower versions to go back to an older release of the library before
+// deploying it. Errors are Migrate's, and a version out of range.
+func (s *Store) MigrateTo(ctx context.Context, db interface {
+	Begin(ctx context.Context) (pgx.Tx, error)
+}, version int) error {
+	if err := s.series.MigrateTo(ctx, db, version); err != nil {
+		return fmt.Errorf("dedup: %w", err)
+	}
+	return nil
+}
+
+// Version returns the schema version the database records for the store's
+// tables: 0 when none is recorded (no tables, or tables made by a plain SQL
+// file or an unversioned release, which Migrate recognises).
+func (s *Store) Version(ctx context.Context, db DB) (int, error) {
+	v, err := s.series.Version(ctx, db)
+	if err != nil {
+		return 0, fmt.Errorf("dedup: %w", err)
+	}
+	return v, nil
+}
+
+// AttemptsTable returns the qualified, quoted name of the table in which
+// the consumer keeps its crash-guard records (Config.Table with the suffix
+// "_attempts"), for use in SQL text.
+func (s *Store) AttemptsTable() string { return s.names.Attempts }
+
+// column is a column the store reads or writes, with its type as
+// format_type prints it.
+type column struct{ name, typ string }
+
+var processedColumns = []column{
+	{"consumer", "text"}, {"event_id", "text"}, {"fingerprint", "bytea"},
+	{"processed_at", "timestamp with time zone"}, {"source", "text"},
+	{"partition", "integer"}, {"offset", "bigint"},
+}
+
+var attemptsColumns = []column{
+	{"consumer", "text"}, {"event_id", "text"}, {"attempts", "integer"},
+	{"last_seen", "timestamp with time zone"}, {"crashes", "integer"},
+}
+
+// Check verifies that the store's tables exist with the columns and types
+// it needs and a primary key or unique index on (consumer, event_id), and
+// that no other column would make its inserts fail (NOT NULL without a
+// default). It returns nil, or an error wrapping ErrSchemaMismatch that
+// names every difference. Migrate runs it; a consumer whose schema is
+// managed by other tools (Config.SkipMigrate) runs it at start, so that a
+// table of another shape fails start-up instead of every claim.
+func (s *Store) Check(ctx context.Context, db DB) error {
+	return errors.Join(
+		s.checkTable(ctx, db, s.names.Table, processedColumns),
+		s.checkTable(ctx, db, s.names.Attempts, attemptsColumns),
+	)
+}
+
+// checkTable compares one table with the columns the store needs.
+func (s *Store) checkTable(ctx context.Context, db DB, table string, want []column) error {
+	have, err := tableColumns(ctx, db, table)
+	if err != nil {
+		return fmt.Errorf("dedup: checking %s: %w", table, err)
+	}
+	if have == nil {
+		return fmt.Errorf("%w: %s does not exist: run Store.Migrate, or apply dedup/migrations", ErrSchemaMismatch, table)
+	}
+	diffs := columnDiffs(have, want)
+	unique, err := hasUniqueKey(ctx, db, table)
+	if err != nil {
+		return fmt.Errorf("dedup: checking %s: %w", table, err)
+	}
+	if !unique {
+		diffs = append(diffs, "no primary key or unique index on (consumer, event_id)")
+	}
+	if len(diffs) == 0 {
+		return nil
+	}
+	return fmt.Errorf("%w: %s is not the table this library needs (another library's, or made by hand?): %s",
+		ErrSchemaMismatch, table, strings.Join(diffs, "; "))
+}
+
+// tableColumn is a column as the catalog describes it.
+type tableColumn struct {
+	typ               string
+	required, hasDflt bool
+}
+
+// tableColumns returns table's columns, or nil when it does not exist.
+func tableColumns(ctx context.Context, db DB, table string) (map[string]tableColumn, error) {
+	rows, err := db.Query(ctx, `SELECT a.attname, format_type(a.atttypid, a.atttypmod), a.attnotnull, a.atthasdef
+FROM pg_attribute a WHERE a.attrelid = to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped`, table)
+	if err != nil {
+		return nil, err
+	}
+	var (
+		name string
+		c    tableColumn
+		cols map[string]tableColumn
+	)
+	_, err = pgx.ForEachRow(rows, []any{&name, &c.typ, &c.required, &c.hasDflt}, func() error {
+		if cols == nil {
+			cols = map[string]tableColumn{}
+		}
+		cols[name] = c
+		return nil
+	})
+	return cols, err
+}
+
+// columnDiffs names what differs between have and want: missing columns,
+// other types, and extra columns an insert cannot leave out.
+func columnDiffs(have map[string]tableColumn, want []column) []string {
+	var diffs []string
+	needed := map[string]bool{}
+	for _, w := range want {
+		needed[w.name] = true
+		h, ok := have[w.name]
+		switch {
+		case !ok:
+			diffs = append(diffs, fmt.Sprintf("column %s (%s) is missing", w.name, w.typ))
+		case h.typ != w.typ:
+			diffs = append(diffs, fmt.Sprintf("column %s is %s, want %s", w.name, h.typ, w.typ))
+		}
+	}
+	var extra []string
+	for name, h := range have {
+		if !needed[name] && h.required && !h.hasDflt {
+			extra = append(extra, name)
+		}
+	}
+	slices.Sort(extra)
+	for _, name := range extra {
+		diffs = append(diffs, fmt.Sprintf("column %s is NOT NULL without a default, and the store does not write it", name))
+	}
+	return diffs
+}
+
+// hasUniqueKey reports whether table has a primary key or a unique index,
+// without a predicate, on exactly (consumer, event_id): the claim's
+// ON CONFLICT relies on it.
+func hasUniqueKey(ctx context.Context, db DB, table string) (bool, error) {
+	var ok bool
+	err := db.QueryRow(ctx, `SELECT EXISTS (
+	SELECT 1 FROM pg_index i
+	WHERE i.indrelid = to_regclass($1) AND i.indisunique AND i.indpred IS NULL AND i.indexprs IS NULL
+	  AND (SELECT array_agg(a.attname::text ORDER BY a.attname)
+	       FROM unnest(i.indkey::int2[]) AS k(attnum)
+	       JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum) = ARRAY['consumer', 'event_id'])`,
+		table).Scan(&ok)
+	return ok, err
+}

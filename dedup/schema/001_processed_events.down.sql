@@ -1,0 +1,3 @@
+-- once dedup, back from version 1: removes the tables and every row in them.
+DROP TABLE IF EXISTS {{.Attempts}};
+DROP TABLE IF EXISTS {{.Table}};

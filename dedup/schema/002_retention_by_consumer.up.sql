@@ -1,0 +1,7 @@
+-- once dedup, version 2: retention deletes one consumer's rows at a time,
+-- through an index on (consumer, processed_at) that replaces the one on
+-- processed_at. On a large table, build the index beforehand with
+-- CREATE INDEX CONCURRENTLY under the same name: this step then only drops
+-- the old one.
+CREATE INDEX IF NOT EXISTS {{.ConsumerIndex}} ON {{.Table}} (consumer, processed_at);
+DROP INDEX IF EXISTS {{.ProcessedAtIndexQ}};

@@ -1,0 +1,350 @@
+package dedup_test
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/dedup"
+	"github.com/onceco/once/internal/pgtest"
+)
+
+// unversionedSchema is the DDL of the releases before schema versions were
+// recorded (their schema.sql.tmpl with the default names), which Migrate
+// must recognise as version 1.
+const unversionedSchema = `
+CREATE TABLE IF NOT EXISTS "processed_events" (
+    consumer     text        NOT NULL,
+    event_id     text        NOT NULL,
+    fingerprint  bytea,
+    processed_at timestamptz NOT NULL DEFAULT now(),
+    source       text        NOT NULL DEFAULT '',
+    partition    integer,
+    "offset"     bigint,
+    PRIMARY KEY (consumer, event_id)
+);
+CREATE INDEX IF NOT EXISTS "processed_events_processed_at_idx" ON "processed_events" (processed_at);
+CREATE TABLE IF NOT EXISTS "processed_events_attempts" (
+    consumer  text        NOT NULL,
+    event_id  text        NOT NULL,
+    attempts  integer     NOT NULL,
+    last_seen timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (consumer, event_id)
+);`
+
+// assertVersion checks the shape of a default-named store at version v
+// (0: no tables), and the version recorded.
+func assertVersion(t *testing.T, ctx context.Context, pool *pgxpool.Pool, s *dedup.Store, schema string, v int) {
+	t.Helper()
+	got, err := s.Version(ctx, pool)
+	require.NoError(t, err)
+	assert.Equal(t, v, got, "recorded version")
+	var exists bool
+	require.NoError(t, pool.QueryRow(ctx, `SELECT to_regclass('processed_events') IS NOT NULL`).Scan(&exists))
+	switch v {
+	case 0:
+		assert.False(t, exists, "version 0 has no table")
+	case 1:
+		assert.Equal(t, []string{"processed_at"}, secondaryIndex(t, ctx, pool, schema, "processed_events"))
+	case 2:
+		assert.Equal(t, []string{"consumer", "processed_at"}, secondaryIndex(t, ctx, pool, schema, "processed_events"))
+		assert.NotContains(t, columns(t, ctx, pool, schema, "processed_events_attempts"),
+			column{"crashes", "integer", false}, "the crash count comes with version 3")
+	default:
+		assertSchema(t, ctx, pool, schema, "processed_events")
+	}
+}
+
+// From every version, Migrate reaches the newest and keeps the rows; from
+// the newest, MigrateTo goes back down to that version, and up again.
+func TestMigrateFromEachVersion(t *testing.T) {
+	t.Parallel()
+	for from := 0; from <= dedup.SchemaVersion; from++ {
+		t.Run(fmt.Sprintf("from %d", from), func(t *testing.T) {
+			t.Parallel()
+			ctx := testCtx(t)
+			pool, schema := pgtest.Schema(t)
+			s, err := dedup.New(dedup.Config{})
+			require.NoError(t, err)
+			require.NoError(t, s.MigrateTo(ctx, pool, from))
+			assertVersion(t, ctx, pool, s, schema, from)
+			if from > 0 {
+				claimTx(t, ctx, pool, s, dedup.Claim{Consumer: "c", EventID: "before"})
+			}
+
+			require.NoError(t, s.Migrate(ctx, pool))
+			assertVersion(t, ctx, pool, s, schema, dedup.SchemaVersion)
+			if from > 0 {
+				assert.Equal(t, 1, processed(t, ctx, pool, "c", "before"), "rows survive the migration")
+			}
+			claimTx(t, ctx, pool, s, dedup.Claim{Consumer: "c", EventID: "after"})
+
+			require.NoError(t, s.MigrateTo(ctx, pool, from), "down to %d", from)
+			assertVersion(t, ctx, pool, s, schema, from)
+			if from > 0 {
+				assert.Equal(t, 1, processed(t, ctx, pool, "c", "after"), "rows survive the way down")
+			}
+			require.NoError(t, s.Migrate(ctx, pool), "up again")
+			assertVersion(t, ctx, pool, s, schema, dedup.SchemaVersion)
+		})
+	}
+}
+
+// Tables made by a release that recorded no version are version 1: Migrate
+// records that and goes on from there, keeping the rows.
+func TestMigrateFromUnversionedSchema(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	pool, schema := pgtest.Schema(t)
+	_, err := pool.Exec(ctx, unversionedSchema)
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `INSERT INTO processed_events (consumer, event_id) VALUES ('c', 'old')`)
+	require.NoError(t, err)
+
+	s, err := dedup.New(dedup.Config{})
+	require.NoError(t, err)
+	require.NoError(t, s.Migrate(ctx, pool))
+	assertVersion(t, ctx, pool, s, schema, dedup.SchemaVersion)
+	assert.Equal(t, dedup.Duplicate, claimTx(t, ctx, pool, s, dedup.Claim{Consumer: "c", EventID: "old"}).Outcome)
+
+	var versions []int
+	rows, err := pool.Query(ctx, `SELECT version FROM once_schema_versions WHERE component = 'dedup:processed_events' ORDER BY version`)
+	require.NoError(t, err)
+	versions, err = pgx.CollectRows(rows, pgx.RowTo[int])
+	require.NoError(t, err)
+	assert.Equal(t, []int{1, 2, 3}, versions)
+}
+
+// An unversioned processed_events table without its attempts table (made
+// by hand from an old file) gets the attempts table; its rows stay.
+func TestMigrateAddsMissingAttemptsTable(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	pool, schema := pgtest.Schema(t)
+	_, err := pool.Exec(ctx, unversionedSchema+`DROP TABLE processed_events_attempts;
+INSERT INTO processed_events (consumer, event_id) VALUES ('c', 'old');`)
+	require.NoError(t, err)
+	s, err := dedup.New(dedup.Config{})
+	require.NoError(t, err)
+	require.NoError(t, s.Migrate(ctx, pool))
+	assertVersion(t, ctx, pool, s, schema, dedup.SchemaVersion)
+	assert.Equal(t, 1, processed(t, ctx, pool, "c", "old"))
+}
+
+// The plain files for golang-migrate, applied by hand, make the same
+// tables; a store then migrates over them (recording their versions).
+func TestMigrationFilesCreateSameSchema(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	pool, schema := pgtest.Schema(t)
+	files, err := filepath.Glob("migrations/golang-migrate/*.up.sql")
+	require.NoError(t, err)
+	require.Len(t, files, dedup.SchemaVersion)
+	for _, f := range files { // Glob sorts: 001, 002, …
+		sql, err := os.ReadFile(f)
+		require.NoError(t, err)
+		_, err = pool.Exec(ctx, string(sql))
+		require.NoError(t, err, f)
+	}
+	assertSchema(t, ctx, pool, schema, "processed_events")
+
+	s, err := dedup.New(dedup.Config{})
+	require.NoError(t, err)
+	require.NoError(t, s.Check(ctx, pool))
+	require.NoError(t, s.Migrate(ctx, pool))
+	assertVersion(t, ctx, pool, s, schema, dedup.SchemaVersion)
+	assert.Equal(t, dedup.Claimed, claimTx(t, ctx, pool, s, dedup.Claim{Consumer: "c", EventID: "1"}).Outcome)
+}
+
+// A database migrated by a newer release is refused, and left as it is.
+func TestMigrateRefusesNewerSchema(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	pool, _ := pgtest.Schema(t)
+	s, err := dedup.New(dedup.Config{})
+	require.NoError(t, err)
+	require.NoError(t, s.Migrate(ctx, pool))
+	newer := dedup.SchemaVersion + 1
+	_, err = pool.Exec(ctx, `INSERT INTO once_schema_versions (component, version, name) VALUES ('dedup:processed_events', $1, 'future')`, newer)
+	require.NoError(t, err)
+
+	err = s.Migrate(ctx, pool)
+	require.ErrorIs(t, err, dedup.ErrSchemaNewer)
+	assert.Contains(t, err.Error(), fmt.Sprintf("version %d", newer))
+	require.ErrorIs(t, s.MigrateTo(ctx, pool, 0), dedup.ErrSchemaNewer, "not even down")
+	v, err := s.Version(ctx, pool)
+	require.NoError(t, err)
+	assert.Equal(t, newer, v)
+	require.Error(t, s.MigrateTo(ctx, pool, dedup.SchemaVersion+1), "a version the code does not know")
+	require.Error(t, s.MigrateTo(ctx, pool, -1))
+}
+
+// Stores with different tables in one schema keep versions of their own.
+func TestVersionsPerTable(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	pool, _ := pgtest.Schema(t)
+	a, err := dedup.New(dedup.Config{Table: "a"})
+	require.NoError(t, err)
+	b, err := dedup.New(dedup.Config{Table: "b"})
+	require.NoError(t, err)
+	require.NoError(t, a.Migrate(ctx, pool))
+	require.NoError(t, b.MigrateTo(ctx, pool, 1))
+	va, err := a.Version(ctx, pool)
+	require.NoError(t, err)
+	vb, err := b.Version(ctx, pool)
+	require.NoError(t, err)
+	assert.Equal(t, []int{dedup.SchemaVersion, 1}, []int{va, vb})
+}
+
+// A processed_events table of another shape (another library's, or made
+// by hand) fails Migrate and Check with an error naming what differs,
+// before anything is changed, instead of failing every claim later.
+func TestAnotherShapeFailsFast(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name  string
+		ddl   string
+		diffs []string
+	}{{
+		name: "another library's table",
+		ddl: `CREATE TABLE processed_events (
+    id           bigserial PRIMARY KEY,
+    handler_name text NOT NULL,
+    message_uuid uuid NOT NULL,
+    processed_at timestamp NOT NULL DEFAULT now()
+)`,
+		diffs: []string{
+			"column consumer (text) is missing",
+			"column event_id (text) is missing",
+			"column processed_at is timestamp without time zone, want timestamp with time zone",
+			"column handler_name is NOT NULL without a default",
+			"column message_uuid is NOT NULL without a default",
+			"no primary key or unique index on (consumer, event_id)",
+		},
+	}, {
+		name: "other types",
+		ddl: `CREATE TABLE processed_events (
+    consumer     integer     NOT NULL,
+    event_id     uuid        NOT NULL,
+    fingerprint  bytea,
+    processed_at timestamptz NOT NULL DEFAULT now(),
+    source       text        NOT NULL DEFAULT '',
+    partition    integer,
+    "offset"     integer,
+    PRIMARY KEY (consumer, event_id)
+)`,
+		diffs: []string{
+			"column consumer is integer, want text",
+			"column event_id is uuid, want text",
+			"column offset is integer, want bigint",
+		},
+	}, {
+		name: "no key on (consumer, event_id)",
+		ddl: `CREATE TABLE processed_events (
+    consumer     text        NOT NULL,
+    event_id     text        NOT NULL PRIMARY KEY,
+    fingerprint  bytea,
+    processed_at timestamptz NOT NULL DEFAULT now(),
+    source       text        NOT NULL DEFAULT '',
+    partition    integer,
+    "offset"     bigint
+)`,
+		diffs: []string{"no primary key or unique index on (consumer, event_id)"},
+	}} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			ctx := testCtx(t)
+			pool, _ := pgtest.Schema(t)
+			_, err := pool.Exec(ctx, tc.ddl)
+			require.NoError(t, err)
+			s, err := dedup.New(dedup.Config{})
+			require.NoError(t, err)
+
+			for what, err := range map[string]error{"Check": s.Check(ctx, pool), "Migrate": s.Migrate(ctx, pool)} {
+				require.ErrorIs(t, err, dedup.ErrSchemaMismatch, what)
+				assert.Contains(t, err.Error(), `"processed_events"`, what)
+				for _, d := range tc.diffs {
+					assert.Contains(t, err.Error(), d, what)
+				}
+			}
+			var attempts bool
+			require.NoError(t, pool.QueryRow(ctx, `SELECT to_regclass('processed_events_attempts') IS NOT NULL`).Scan(&attempts))
+			assert.False(t, attempts, "a failed Migrate changes nothing")
+		})
+	}
+}
+
+func TestCheck(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	pool, _ := pgtest.Schema(t)
+	s, err := dedup.New(dedup.Config{})
+	require.NoError(t, err)
+
+	err = s.Check(ctx, pool)
+	require.ErrorIs(t, err, dedup.ErrSchemaMismatch)
+	assert.Contains(t, err.Error(), `"processed_events" does not exist`)
+	assert.Contains(t, err.Error(), `"processed_events_attempts" does not exist`)
+
+	require.NoError(t, s.Migrate(ctx, pool))
+	require.NoError(t, s.Check(ctx, pool))
+
+	// Columns of the user's own are fine when an insert can leave them out.
+	_, err = pool.Exec(ctx, `ALTER TABLE processed_events ADD COLUMN note text, ADD COLUMN tenant text NOT NULL DEFAULT 'x'`)
+	require.NoError(t, err)
+	require.NoError(t, s.Check(ctx, pool))
+	_, err = pool.Exec(ctx, `ALTER TABLE processed_events_attempts DROP COLUMN last_seen`)
+	require.NoError(t, err)
+	err = s.Check(ctx, pool)
+	require.ErrorIs(t, err, dedup.ErrSchemaMismatch)
+	assert.Contains(t, err.Error(), "column last_seen (timestamp with time zone) is missing")
+	assert.Contains(t, err.Error(), `"processed_events_attempts"`)
+	assert.False(t, strings.Contains(err.Error(), `"processed_events" is not`), "only the table that differs is named: %v", err)
+}
+
+// A service whose database user may only read and write rows starts on a
+// schema an administrator migrated: Migrate at the newest version creates
+// nothing, so it needs no CREATE privilege.
+func TestMigrateNeedsNoCreatePrivilegeOnceMigrated(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	pool, schema := pgtest.Schema(t)
+	s, err := dedup.New(dedup.Config{})
+	require.NoError(t, err)
+	require.NoError(t, s.Migrate(ctx, pool))
+
+	role := pgx.Identifier{"rw_" + schema}.Sanitize()
+	if _, err := pool.Exec(ctx, `CREATE ROLE `+role+` NOLOGIN`); err != nil {
+		t.Skipf("cannot create a role on this server: %v", err)
+	}
+	t.Cleanup(func() {
+		_, _ = pool.Exec(context.Background(), `DROP OWNED BY `+role)
+		_, _ = pool.Exec(context.Background(), `DROP ROLE `+role)
+	})
+	sch := pgx.Identifier{schema}.Sanitize()
+	_, err = pool.Exec(ctx, `GRANT USAGE ON SCHEMA `+sch+` TO `+role+`;
+GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA `+sch+` TO `+role)
+	require.NoError(t, err)
+
+	conn, err := pool.Acquire(ctx)
+	require.NoError(t, err)
+	defer conn.Release()
+	defer conn.Exec(context.Background(), `RESET ROLE`) //nolint:errcheck // the connection goes back to the pool
+	_, err = conn.Exec(ctx, `SET ROLE `+role)
+	require.NoError(t, err)
+	_, err = conn.Exec(ctx, `CREATE TABLE probe (id int)`)
+	require.Error(t, err, "the role must not be able to create tables")
+
+	require.NoError(t, s.Migrate(ctx, conn.Conn()), "Migrate at the newest version creates nothing")
+	require.NoError(t, s.Check(ctx, conn))
+	assert.Equal(t, dedup.Claimed, claimTx(t, ctx, pool, s, dedup.Claim{Consumer: "c", EventID: "1"}).Outcome)
+}

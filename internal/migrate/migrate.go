@@ -1,0 +1,315 @@
+package migrate
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"regexp"
+	"sort"
+	"strconv"
+	"text/template"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// VersionTable is the name of the table that records applied migrations.
+const VersionTable = "once_schema_versions"
+
+// lockKey is the advisory lock that serialises migrations of every
+// component. It is the key the unversioned dedup.Migrate took, so that an
+// older process starting beside a newer one waits for it too.
+const lockKey = 0x6f6e6365 // "once"
+
+// ErrNewer is wrapped by the errors of Migrate and MigrateTo when the
+// database records a version newer than the newest the code knows: a
+// newer release of the library migrated it, and this one must not write
+// to tables whose meaning it does not know.
+var ErrNewer = errors.New("schema is newer than this code")
+
+// Migration is one numbered step of a component's schema.
+type Migration struct {
+	Version int
+	Name    string
+	Up      string
+	Down    string
+}
+
+// fileName is NNN_name.up.sql or NNN_name.down.sql.
+var fileName = regexp.MustCompile(`^([0-9]+)_([a-z0-9_]+)\.(up|down)\.sql$`)
+
+// Load reads the migration templates at the top of fsys, renders each with
+// data and returns them ordered by version. Every file must be named
+// NNN_name.up.sql or NNN_name.down.sql; versions must be 1, 2, 3, …
+// without a gap, each with an up and a down file of the same name.
+func Load(fsys fs.FS, data any) ([]Migration, error) {
+	entries, err := fs.ReadDir(fsys, ".")
+	if err != nil {
+		return nil, fmt.Errorf("migrate: %w", err)
+	}
+	byVersion := map[int]*Migration{}
+	for _, e := range entries {
+		if e.IsDir() {
+			continue
+		}
+		if err := loadFile(fsys, e.Name(), data, byVersion); err != nil {
+			return nil, err
+		}
+	}
+	return ordered(byVersion)
+}
+
+// loadFile renders one migration file into its version's Migration.
+func loadFile(fsys fs.FS, name string, data any, byVersion map[int]*Migration) error {
+	m := fileName.FindStringSubmatch(name)
+	if m == nil {
+		return fmt.Errorf("migrate: %s: not named NNN_name.up.sql or NNN_name.down.sql", name)
+	}
+	version, _ := strconv.Atoi(m[1])
+	text, err := render(fsys, name, data)
+	if err != nil {
+		return err
+	}
+	mig := byVersion[version]
+	if mig == nil {
+		mig = &Migration{Version: version, Name: m[2]}
+		byVersion[version] = mig
+	}
+	if mig.Name != m[2] {
+		return fmt.Errorf("migrate: version %d is named both %q and %q", version, mig.Name, m[2])
+	}
+	if m[3] == "up" {
+		mig.Up = text
+	} else {
+		mig.Down = text
+	}
+	return nil
+}
+
+func render(fsys fs.FS, name string, data any) (string, error) {
+	src, err := fs.ReadFile(fsys, name)
+	if err != nil {
+		return "", fmt.Errorf("migrate: %w", err)
+	}
+	t, err := template.New(name).Option("missingkey=error").Parse(string(src))
+	if err != nil {
+		return "", fmt.Errorf("migrate: %w", err)
+	}
+	var b bytes.Buffer
+	if err := t.Execute(&b, data); err != nil {
+		return "", fmt.Errorf("migrate: %w", err)
+	}
+	return b.String(), nil
+}
+
+// ordered checks that the versions are 1..n, each complete, and sorts them.
+func ordered(byVersion map[int]*Migration) ([]Migration, error) {
+	out := make([]Migration, 0, len(byVersion))
+	for _, m := range byVersion {
+		out = append(out, *m)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Version < out[j].Version })
+	for i, m := range out {
+		if m.Version != i+1 {
+			return nil, fmt.Errorf("migrate: version %d follows %d: versions must be 1, 2, 3, … without a gap", m.Version, i)
+		}
+		if m.Up == "" || m.Down == "" {
+			return nil, fmt.Errorf("migrate: version %d (%s) needs both an up and a down file", m.Version, m.Name)
+		}
+	}
+	return out, nil
+}
+
+// Beginner starts a transaction: *pgxpool.Pool and *pgx.Conn satisfy it.
+type Beginner interface {
+	Begin(ctx context.Context) (pgx.Tx, error)
+}
+
+// Querier runs one query: *pgxpool.Pool, *pgx.Conn and pgx.Tx satisfy it.
+type Querier interface {
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// Series is the numbered migrations of one component. It holds no
+// connection and is safe for concurrent use once built.
+type Series struct {
+	// Component names the series in the version table. Two series that
+	// share a schema must have different components; a component whose
+	// table names are configurable includes them (dedup uses
+	// "dedup:processed_events").
+	Component string
+	// Schema holds the version table: the schema of the component's
+	// tables. "" resolves it through the connection's search_path.
+	Schema string
+	// Migrations are the component's steps, from Load.
+	Migrations []Migration
+	// Adopt, when not nil, is called (inside the migration's transaction,
+	// under the lock) when the version table records nothing for the
+	// component. It returns the version at which the database already is:
+	// 0 when the component's tables do not exist, or the version that
+	// objects created before versions were recorded correspond to, which
+	// is then recorded without running those migrations. An error stops
+	// the migration.
+	Adopt func(ctx context.Context, tx pgx.Tx) (int, error)
+	// Verify, when not nil, is called after the last migration, in the
+	// same transaction, when the target is the newest version: an error
+	// (a table of another shape) rolls everything back.
+	Verify func(ctx context.Context, tx pgx.Tx) error
+}
+
+// Latest is the newest version the series knows.
+func (s *Series) Latest() int { return len(s.Migrations) }
+
+func (s *Series) versionTable() string {
+	if s.Schema == "" {
+		return pgx.Identifier{VersionTable}.Sanitize()
+	}
+	return pgx.Identifier{s.Schema, VersionTable}.Sanitize()
+}
+
+// Migrate brings the component to its newest version. It is idempotent and
+// safe to call from many processes at once; it fails, changing nothing,
+// with an error wrapping ErrNewer when the database is at a newer version.
+func (s *Series) Migrate(ctx context.Context, db Beginner) error {
+	return s.MigrateTo(ctx, db, s.Latest())
+}
+
+// MigrateTo moves the component to version target, running up migrations
+// in order or down migrations in reverse order; 0 removes the component's
+// tables. Everything runs in one transaction: on any error nothing
+// changes. A recorded version newer than the series knows fails with an
+// error wrapping ErrNewer; a target outside 0..Latest is an error.
+func (s *Series) MigrateTo(ctx context.Context, db Beginner, target int) error {
+	if target < 0 || target > s.Latest() {
+		return fmt.Errorf("migrate: %s: version %d does not exist (0 to %d)", s.Component, target, s.Latest())
+	}
+	tx, err := db.Begin(ctx)
+	if err != nil {
+		return fmt.Errorf("migrate: %s: %w", s.Component, err)
+	}
+	defer tx.Rollback(ctx) //nolint:errcheck // a no-op after Commit
+	if err := s.migrate(ctx, tx, target); err != nil {
+		return fmt.Errorf("migrate: %s: %w", s.Component, err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return fmt.Errorf("migrate: %s: %w", s.Component, err)
+	}
+	return nil
+}
+
+func (s *Series) migrate(ctx context.Context, tx pgx.Tx, target int) error {
+	if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", lockKey); err != nil {
+		return err
+	}
+	if err := s.createVersionTable(ctx, tx); err != nil {
+		return err
+	}
+	current, err := s.current(ctx, tx)
+	if err != nil {
+		return err
+	}
+	if current > s.Latest() {
+		return fmt.Errorf("%w: the database is at version %d, this code knows versions up to %d: run a release of the library that knows version %d", ErrNewer, current, s.Latest(), current)
+	}
+	for v := current + 1; v <= target; v++ {
+		if err := s.step(ctx, tx, s.Migrations[v-1], true); err != nil {
+			return err
+		}
+	}
+	for v := current; v > target; v-- {
+		if err := s.step(ctx, tx, s.Migrations[v-1], false); err != nil {
+			return err
+		}
+	}
+	if target == s.Latest() && s.Verify != nil {
+		return s.Verify(ctx, tx)
+	}
+	return nil
+}
+
+// createVersionTable creates the version table when it does not exist.
+// It looks first: CREATE TABLE IF NOT EXISTS needs the CREATE privilege on
+// the schema even when the table exists, and a service whose user may only
+// write rows must start on a schema an administrator migrated.
+func (s *Series) createVersionTable(ctx context.Context, tx pgx.Tx) error {
+	var exists bool
+	if err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, s.versionTable()).Scan(&exists); err != nil || exists {
+		return err
+	}
+	_, err := tx.Exec(ctx, `CREATE TABLE IF NOT EXISTS `+s.versionTable()+` (
+    component  text        NOT NULL,
+    version    integer     NOT NULL,
+    name       text        NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (component, version)
+)`)
+	return err
+}
+
+// current is the component's recorded version, adopting objects that
+// predate the version table when nothing is recorded.
+func (s *Series) current(ctx context.Context, tx pgx.Tx) (int, error) {
+	var v int
+	err := tx.QueryRow(ctx, `SELECT coalesce(max(version), 0) FROM `+s.versionTable()+` WHERE component = $1`, s.Component).Scan(&v)
+	if err != nil || v > 0 || s.Adopt == nil {
+		return v, err
+	}
+	adopted, err := s.Adopt(ctx, tx)
+	if err != nil {
+		return 0, err
+	}
+	if adopted < 0 || adopted > s.Latest() {
+		return 0, fmt.Errorf("adopting existing tables: version %d does not exist", adopted)
+	}
+	for i := 0; i < adopted; i++ {
+		if err := s.record(ctx, tx, s.Migrations[i]); err != nil {
+			return 0, err
+		}
+	}
+	return adopted, nil
+}
+
+// step runs one migration up or down and records it.
+func (s *Series) step(ctx context.Context, tx pgx.Tx, m Migration, up bool) error {
+	sql, what := m.Up, "up"
+	if !up {
+		sql, what = m.Down, "down"
+	}
+	// No arguments: pgx sends the text with the simple protocol, which
+	// runs several statements.
+	if _, err := tx.Exec(ctx, sql); err != nil {
+		return fmt.Errorf("version %d (%s) %s: %w", m.Version, m.Name, what, err)
+	}
+	if up {
+		return s.record(ctx, tx, m)
+	}
+	_, err := tx.Exec(ctx, `DELETE FROM `+s.versionTable()+` WHERE component = $1 AND version = $2`, s.Component, m.Version)
+	return err
+}
+
+func (s *Series) record(ctx context.Context, tx pgx.Tx, m Migration) error {
+	_, err := tx.Exec(ctx, `INSERT INTO `+s.versionTable()+` (component, version, name) VALUES ($1, $2, $3)`,
+		s.Component, m.Version, m.Name)
+	return err
+}
+
+// Version returns the component's recorded version: 0 when nothing is
+// recorded (or the version table does not exist). It takes no lock.
+func (s *Series) Version(ctx context.Context, db Querier) (int, error) {
+	var exists bool
+	err := db.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, s.versionTable()).Scan(&exists)
+	if err != nil || !exists {
+		return 0, wrapVersionErr(s.Component, err)
+	}
+	var v int
+	err = db.QueryRow(ctx, `SELECT coalesce(max(version), 0) FROM `+s.versionTable()+` WHERE component = $1`, s.Component).Scan(&v)
+	return v, wrapVersionErr(s.Component, err)
+}
+
+func wrapVersionErr(component string, err error) error {
+	if err == nil {
+		return nil
+	}
+	return fmt.Errorf("migrate: %s: version: %w", component, err)
+}

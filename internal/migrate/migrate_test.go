@@ -1,0 +1,198 @@
+package migrate_test
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"testing"
+	"testing/fstest"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/internal/migrate"
+	"github.com/onceco/once/internal/pgtest"
+)
+
+func TestMain(m *testing.M) { pgtest.Main(m) }
+
+func testCtx(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+// widgets is a component of two versions whose table name is a template
+// parameter.
+var widgets = fstest.MapFS{
+	"001_widgets.up.sql":    {Data: []byte(`CREATE TABLE {{.Table}} (id int PRIMARY KEY);`)},
+	"001_widgets.down.sql":  {Data: []byte(`DROP TABLE {{.Table}};`)},
+	"002_add_name.up.sql":   {Data: []byte(`ALTER TABLE {{.Table}} ADD COLUMN name text;`)},
+	"002_add_name.down.sql": {Data: []byte(`ALTER TABLE {{.Table}} DROP COLUMN name;`)},
+	"notes/README":          {Data: []byte(`directories are skipped`)},
+}
+
+func series(t *testing.T, table string) *migrate.Series {
+	t.Helper()
+	migs, err := migrate.Load(widgets, map[string]string{"Table": table})
+	require.NoError(t, err)
+	return &migrate.Series{Component: "widgets:" + table, Migrations: migs}
+}
+
+func TestLoad(t *testing.T) {
+	t.Parallel()
+	migs, err := migrate.Load(widgets, map[string]string{"Table": "w"})
+	require.NoError(t, err)
+	require.Len(t, migs, 2)
+	assert.Equal(t, migrate.Migration{Version: 1, Name: "widgets",
+		Up: `CREATE TABLE w (id int PRIMARY KEY);`, Down: `DROP TABLE w;`}, migs[0])
+	assert.Equal(t, 2, migs[1].Version)
+	assert.Equal(t, "add_name", migs[1].Name)
+}
+
+func TestLoadRejectsBadSeries(t *testing.T) {
+	t.Parallel()
+	file := func(s string) *fstest.MapFile { return &fstest.MapFile{Data: []byte(s)} }
+	for name, tc := range map[string]struct {
+		fs   fstest.MapFS
+		want string
+	}{
+		"gap":          {fstest.MapFS{"001_a.up.sql": file("x"), "001_a.down.sql": file("x"), "003_c.up.sql": file("x"), "003_c.down.sql": file("x")}, "without a gap"},
+		"no down":      {fstest.MapFS{"001_a.up.sql": file("x")}, "both an up and a down"},
+		"bad name":     {fstest.MapFS{"1-a.sql": file("x")}, "not named"},
+		"two names":    {fstest.MapFS{"001_a.up.sql": file("x"), "001_b.down.sql": file("x")}, "named both"},
+		"missing key":  {fstest.MapFS{"001_a.up.sql": file("{{.Nope}}"), "001_a.down.sql": file("x")}, "Nope"},
+		"not at one":   {fstest.MapFS{"002_a.up.sql": file("x"), "002_a.down.sql": file("x")}, "without a gap"},
+		"bad template": {fstest.MapFS{"001_a.up.sql": file("{{"), "001_a.down.sql": file("x")}, "001_a.up.sql"},
+	} {
+		t.Run(name, func(t *testing.T) {
+			_, err := migrate.Load(tc.fs, map[string]string{})
+			require.Error(t, err)
+			assert.Contains(t, err.Error(), tc.want)
+		})
+	}
+}
+
+func columns(t *testing.T, ctx context.Context, db migrate.Querier, table string) []string {
+	t.Helper()
+	var cols []string
+	require.NoError(t, db.QueryRow(ctx, `SELECT coalesce(array_agg(attname::text ORDER BY attnum), '{}') FROM pg_attribute
+WHERE attrelid = to_regclass($1) AND attnum > 0 AND NOT attisdropped`, table).Scan(&cols))
+	return cols
+}
+
+func TestUpDownAndVersion(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	pool, _ := pgtest.Schema(t)
+	s := series(t, "w")
+	version := func() int {
+		v, err := s.Version(ctx, pool)
+		require.NoError(t, err)
+		return v
+	}
+	assert.Equal(t, 0, version(), "no version table yet")
+
+	require.NoError(t, s.MigrateTo(ctx, pool, 1))
+	assert.Equal(t, 1, version())
+	assert.Equal(t, []string{"id"}, columns(t, ctx, pool, "w"))
+	require.NoError(t, s.Migrate(ctx, pool))
+	require.NoError(t, s.Migrate(ctx, pool), "idempotent")
+	assert.Equal(t, 2, version())
+	assert.Equal(t, []string{"id", "name"}, columns(t, ctx, pool, "w"))
+
+	// Another component in the same version table is independent.
+	other := series(t, "v")
+	require.NoError(t, other.MigrateTo(ctx, pool, 1))
+	assert.Equal(t, 2, version())
+
+	require.NoError(t, s.MigrateTo(ctx, pool, 0))
+	assert.Equal(t, 0, version())
+	assert.Empty(t, columns(t, ctx, pool, "w"))
+	v, err := other.Version(ctx, pool)
+	require.NoError(t, err)
+	assert.Equal(t, 1, v)
+}
+
+// A failing migration leaves the database as it was: the earlier steps of
+// the same call are rolled back with it, and no version is recorded.
+func TestFailedMigrationChangesNothing(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	pool, _ := pgtest.Schema(t)
+	bad := fstest.MapFS{
+		"001_ok.up.sql":    {Data: []byte(`CREATE TABLE ok (id int);`)},
+		"001_ok.down.sql":  {Data: []byte(`DROP TABLE ok;`)},
+		"002_bad.up.sql":   {Data: []byte(`ALTER TABLE ok ADD COLUMN id int;`)},
+		"002_bad.down.sql": {Data: []byte(`SELECT 1;`)},
+	}
+	migs, err := migrate.Load(bad, nil)
+	require.NoError(t, err)
+	s := &migrate.Series{Component: "bad", Migrations: migs}
+	err = s.Migrate(ctx, pool)
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "version 2 (bad) up")
+	assert.Empty(t, columns(t, ctx, pool, "ok"), "version 1 rolled back with 2")
+	v, err := s.Version(ctx, pool)
+	require.NoError(t, err)
+	assert.Equal(t, 0, v)
+}
+
+func TestNewerIsRefused(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	pool, _ := pgtest.Schema(t)
+	s := series(t, "w")
+	require.NoError(t, s.Migrate(ctx, pool))
+	older := &migrate.Series{Component: s.Component, Migrations: s.Migrations[:1]}
+	err := older.Migrate(ctx, pool)
+	require.ErrorIs(t, err, migrate.ErrNewer)
+	assert.Contains(t, err.Error(), "version 2")
+	assert.Equal(t, []string{"id", "name"}, columns(t, ctx, pool, "w"), "unchanged")
+}
+
+func TestAdoptAndVerify(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	pool, _ := pgtest.Schema(t)
+	_, err := pool.Exec(ctx, `CREATE TABLE w (id int PRIMARY KEY)`) // version 1, made before versions were kept
+	require.NoError(t, err)
+	s := series(t, "w")
+	s.Adopt = func(ctx context.Context, tx pgx.Tx) (int, error) {
+		var exists bool
+		err := tx.QueryRow(ctx, `SELECT to_regclass('w') IS NOT NULL`).Scan(&exists)
+		if exists {
+			return 1, err
+		}
+		return 0, err
+	}
+	verified := 0
+	s.Verify = func(ctx context.Context, tx pgx.Tx) error { verified++; return nil }
+	require.NoError(t, s.Migrate(ctx, pool), "version 1 is not run again over the adopted table")
+	assert.Equal(t, []string{"id", "name"}, columns(t, ctx, pool, "w"))
+	assert.Equal(t, 1, verified)
+
+	s.Verify = func(ctx context.Context, tx pgx.Tx) error { return errors.New("not our table") }
+	require.ErrorContains(t, s.Migrate(ctx, pool), "not our table")
+}
+
+func TestConcurrentMigrations(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	pool, _ := pgtest.Schema(t)
+	var wg sync.WaitGroup
+	errs := make([]error, 6)
+	for i := range errs {
+		s := series(t, []string{"w", "v"}[i%2])
+		wg.Go(func() { errs[i] = s.Migrate(ctx, pool) })
+	}
+	wg.Wait()
+	for _, err := range errs {
+		require.NoError(t, err)
+	}
+	var rows int
+	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM once_schema_versions`).Scan(&rows))
+	assert.Equal(t, 4, rows, "each version of each component recorded once")
+}
