@@ -21,7 +21,6 @@ CREATE TABLE IF NOT EXISTS "processed_events_attempts" (
     PRIMARY KEY (consumer, event_id)
 );
 
-
 -- +goose Down
 -- once dedup, back from version 1: removes the tables and every row in them.
 DROP TABLE IF EXISTS "processed_events_attempts";

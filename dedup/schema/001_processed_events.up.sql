@@ -19,4 +19,3 @@ CREATE TABLE IF NOT EXISTS {{.Attempts}} (
     last_seen timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (consumer, event_id)
 );
-

@@ -19,4 +19,3 @@ CREATE TABLE IF NOT EXISTS "processed_events_attempts" (
     last_seen timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (consumer, event_id)
 );
-
