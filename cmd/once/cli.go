@@ -15,11 +15,11 @@ import (
 
 // Exit codes, documented in doc.go and docs/operations.md.
 const (
-	exitOK          = 0
-	exitFailure     = 1
-	exitUsage       = 2
-	exitUnavailable = 3
-	exitNotFound    = 4
+	exitOK      = 0
+	exitFailure = 1
+	exitUsage   = 2
+	// 3 is reserved: it meant an operation this version could not do.
+	exitNotFound = 4
 )
 
 // usageError is a bad command line: exit code 2.
@@ -28,11 +28,6 @@ type usageError struct{ msg string }
 func (e *usageError) Error() string { return e.msg }
 
 func usagef(format string, args ...any) error { return &usageError{fmt.Sprintf(format, args...)} }
-
-// unavailableError is an operation this version cannot do: exit code 3.
-type unavailableError struct{ msg string }
-
-func (e *unavailableError) Error() string { return e.msg }
 
 // notFoundError is a selection that matched nothing: exit code 4.
 type notFoundError struct{ msg string }
@@ -72,7 +67,7 @@ func commands() []command {
 		{"dlq list", "list dead letters of a Kafka topic or RabbitMQ queue", dlqListUsage, (*app).dlqList},
 		{"dlq show", "show one dead letter: headers, reason, payload", dlqShowUsage, (*app).dlqShow},
 		{"dlq replay", "redrive dead letters to where they were first published", dlqReplayUsage, (*app).dlqReplay},
-		{"migrate", "create the processed-events tables (up); down and status", migrateUsage, (*app).migrate},
+		{"migrate", "move the processed-events tables up or down a schema version; status", migrateUsage, (*app).migrate},
 		{"status", "per consumer: rows, crash suspects, dead letters by kind, lag", statusUsage, (*app).status},
 		{"retention", "delete one consumer's old rows in bounded batches", retentionUsage, (*app).retention},
 		{"ui", "serve the web console", uiUsage, (*app).ui},
@@ -110,7 +105,6 @@ func find(args []string) (command, []string, bool) {
 
 func (a *app) exitCode(cmd command, err error) int {
 	var ue *usageError
-	var un *unavailableError
 	var nf *notFoundError
 	switch {
 	case err == nil:
@@ -120,9 +114,6 @@ func (a *app) exitCode(cmd command, err error) int {
 	case errors.As(err, &ue):
 		fmt.Fprintf(a.stderr, "once %s: %v\nRun 'once help %s' for its flags.\n", cmd.name, err, cmd.name)
 		return exitUsage
-	case errors.As(err, &un):
-		fmt.Fprintf(a.stderr, "once %s: %v\n", cmd.name, err)
-		return exitUnavailable
 	case errors.As(err, &nf):
 		fmt.Fprintf(a.stderr, "once %s: %v\n", cmd.name, err)
 		return exitNotFound
@@ -153,7 +144,6 @@ Exit codes:
   0  success
   1  failure: a broker or the database failed, a replay stopped
   2  usage: unknown command, bad or missing flag
-  3  unavailable: an operation this version cannot do (migrate down, migrate status)
   4  not found: the selection matched nothing (dlq show)
 `)
 }

@@ -5,6 +5,8 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
+	"github.com/onceco/once/dedup"
 	"io"
 	"net/http"
 	"strings"
@@ -183,11 +185,17 @@ func TestStatusMigrateRetention(t *testing.T) {
 	code, out, errOut := cli(t, env, "migrate", "up")
 	require.Equal(t, exitOK, code, errOut)
 	assert.Contains(t, out, "migrated")
-	for _, action := range []string{"down", "status"} {
-		code, _, errOut = cli(t, env, "migrate", action)
-		assert.Equal(t, exitUnavailable, code)
-		assert.Contains(t, errOut, "not available")
-	}
+	code, out, errOut = cli(t, env, "migrate", "status")
+	require.Equal(t, exitOK, code, errOut)
+	assert.Contains(t, out, fmt.Sprintf("schema version %d of %d", dedup.SchemaVersion, dedup.SchemaVersion))
+	code, _, errOut = cli(t, env, "migrate", "down")
+	assert.Equal(t, exitUsage, code, "down needs -to")
+	code, out, errOut = cli(t, env, "migrate", "down", "-to", "1")
+	require.Equal(t, exitOK, code, errOut)
+	assert.Contains(t, out, "schema version 1")
+	code, out, errOut = cli(t, env, "migrate", "up")
+	require.Equal(t, exitOK, code, errOut)
+	assert.Contains(t, out, fmt.Sprintf("schema version %d", dedup.SchemaVersion))
 	code, _, _ = cli(t, env, "migrate", "sideways")
 	assert.Equal(t, exitUsage, code)
 

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"flag"
 	"fmt"
 	"text/tabwriter"
@@ -14,13 +15,13 @@ import (
 	"github.com/onceco/once/dedup"
 )
 
-const migrateUsage = `Usage: once migrate [up|down|status] [-database-url URL] [-schema S] [-table T]
+const migrateUsage = `Usage: once migrate [up|down|status] [-database-url URL] [-schema S] [-table T] [-to V] [-json]
 
-up (the default) creates the processed-events and attempts tables and their
-index if they do not exist: idempotent, serialised by an advisory lock, the
-same DDL a consumer runs at start unless Config.SkipMigrate. down and status
-need versioned migrations, which this version of the dedup package does not
-have: they exit with code 3.`
+up (the default) brings the processed-events and attempts tables to the newest
+schema version, the same numbered migrations a consumer runs at start unless
+Config.SkipMigrate: idempotent, serialised by an advisory lock, refused for a
+schema a newer release migrated. down -to V moves them back to version V (0
+drops them). status prints the version the database records.`
 
 const statusUsage = `Usage: once status [-database-url URL] [-kafka BROKERS -group G -topic T] [-amqp URL -queue Q] [-dlq NAME] [-json]
 
@@ -79,6 +80,8 @@ func (f *dbFlags) pool(ctx context.Context) (*pgxpool.Pool, error) {
 func (a *app) migrate(ctx context.Context, args []string) error {
 	fs, helpOnly := a.flags(ctx, "migrate")
 	db := a.dbFlagsOn(fs)
+	to := fs.Int("to", 0, "with down: the `version` to go down to (0 drops the tables)")
+	asJSON := fs.Bool("json", false, "print JSON (status)")
 	if helpOnly {
 		return nil
 	}
@@ -90,11 +93,15 @@ func (a *app) migrate(ctx context.Context, args []string) error {
 		return err
 	}
 	switch action {
-	case "up":
-	case "down", "status":
-		return &unavailableError{fmt.Sprintf("migrate %s is not available: the dedup package has one idempotent schema, not versioned migrations; drop the tables by hand to go down", action)}
+	case "up", "down", "status":
 	default:
 		return usagef("unknown action %q: want up, down or status", action)
+	}
+	toSet := false
+	fs.Visit(func(f *flag.Flag) { toSet = toSet || f.Name == "to" })
+	if action == "down" && (!toSet || *to < 0 || *to >= dedup.SchemaVersion) {
+		// No default: a bare "down" must not drop the tables.
+		return usagef("migrate down needs -to, a version from 0 to %d", dedup.SchemaVersion-1)
 	}
 	store, err := dedup.New(dedup.Config{Schema: *db.schema, Table: *db.table})
 	if err != nil {
@@ -105,10 +112,28 @@ func (a *app) migrate(ctx context.Context, args []string) error {
 		return err
 	}
 	defer pool.Close()
-	if err := store.Migrate(ctx, pool); err != nil {
+	switch action {
+	case "up":
+		err = store.Migrate(ctx, pool)
+	case "down":
+		err = store.MigrateTo(ctx, pool, *to)
+	}
+	if err != nil {
 		return err
 	}
-	fmt.Fprintf(a.stdout, "migrated: %s and %s_attempts exist\n", *db.table, *db.table)
+	version, err := store.Version(ctx, pool)
+	if err != nil {
+		return err
+	}
+	if *asJSON {
+		return json.NewEncoder(a.stdout).Encode(map[string]any{"table": *db.table, "version": version, "latest": dedup.SchemaVersion})
+	}
+	switch action {
+	case "status":
+		fmt.Fprintf(a.stdout, "%s: schema version %d of %d\n", *db.table, version, dedup.SchemaVersion)
+	default:
+		fmt.Fprintf(a.stdout, "migrated: %s and %s_attempts at schema version %d\n", *db.table, *db.table, version)
+	}
 	return nil
 }
 
