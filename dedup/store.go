@@ -140,13 +140,13 @@ type Claim struct {
 type Outcome int
 
 const (
-	// Claimed: the id is new; the row is inserted in the caller's
+	// Claimed means the id is new; the row is inserted in the caller's
 	// transaction and exists once that commits.
 	Claimed Outcome = iota
-	// Duplicate: the id was processed before with the same fingerprint (or
+	// Duplicate means the id was processed before with the same fingerprint (or
 	// one of the two has none).
 	Duplicate
-	// Conflict: the id was processed before with a different fingerprint.
+	// Conflict means the id was processed before with a different fingerprint.
 	Conflict
 )
 

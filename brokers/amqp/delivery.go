@@ -97,7 +97,7 @@ func (d *delivery) Context() context.Context { return d.sess.ctx }
 // duplicates. Close sends every pending ack before closing the connection.
 func (d *delivery) Ack(ctx context.Context) error {
 	if d.sess.ctx.Err() != nil {
-		return fmt.Errorf("amqp: ack delivery %d: %w (%v)", d.d.DeliveryTag, ErrChannelClosed, context.Cause(d.sess.ctx))
+		return fmt.Errorf("amqp: ack delivery %d: %w (%w)", d.d.DeliveryTag, ErrChannelClosed, context.Cause(d.sess.ctx))
 	}
 	if d.sess.ch.IsClosed() {
 		return fmt.Errorf("amqp: ack delivery %d: %w", d.d.DeliveryTag, ErrChannelClosed)
@@ -121,7 +121,7 @@ func (d *delivery) Ack(ctx context.Context) error {
 // connection, not the consuming one. It does not ack the delivery.
 func (d *delivery) DeadLetter(ctx context.Context, dl *consumer.DeadLetter) error {
 	if d.sess.ctx.Err() != nil {
-		return fmt.Errorf("amqp: dead-letter delivery %d: %w (%v)", d.d.DeliveryTag, ErrChannelClosed, context.Cause(d.sess.ctx))
+		return fmt.Errorf("amqp: dead-letter delivery %d: %w (%w)", d.d.DeliveryTag, ErrChannelClosed, context.Cause(d.sess.ctx))
 	}
 	cfg := &d.src.cfg
 	p := deadLetterPublishing(d.d, dl.Headers(d.msg), cfg.Queue)

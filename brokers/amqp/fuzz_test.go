@@ -26,7 +26,7 @@ func FuzzHeaderStrings(f *testing.F) {
 	f.Add("x-origin", "legacy", []byte("\xff\xfe"), int64(-42), 3.5, uint8(2), int32(12345), int64(0))
 	f.Add("", "", []byte{}, int64(math.MinInt64), math.NaN(), uint8(255), int32(math.MinInt32), int64(math.MaxInt64))
 	f.Add("traceparent", "zz-\x00-\xff", []byte("{\"a\":"), int64(math.MaxInt64), math.Inf(-1), uint8(0), int32(-1), int64(-1))
-	f.Add("k\xc3\x28", "\u2028", []byte(nil), int64(0), -0.0, uint8(18), int32(math.MaxInt32), int64(1e18))
+	f.Add("k\xc3\x28", "\u2028", []byte(nil), int64(0), math.Copysign(0, -1), uint8(18), int32(math.MaxInt32), int64(1e18))
 	f.Fuzz(func(t *testing.T, key, s string, b []byte, i int64, fl float64, scale uint8, dec int32, unix int64) {
 		ts := time.Unix(unix%(1<<35), 0)
 		nested := amqp091.Table{"s": s, "b": b, "f": fl, "d": amqp091.Decimal{Scale: scale, Value: dec}, "t": ts,

@@ -224,7 +224,7 @@ func (s *Source) reconnect(ctx context.Context) (*session, error) {
 			if connected {
 				return nil, ctx.Err()
 			}
-			return nil, fmt.Errorf("amqp: connect: %w (last error: %v)", ctx.Err(), err)
+			return nil, fmt.Errorf("amqp: connect: %w (last error: %w)", ctx.Err(), err)
 		case <-s.closeCh:
 			t.Stop()
 			return nil, consumer.ErrSourceClosed
