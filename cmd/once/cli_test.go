@@ -188,7 +188,7 @@ func TestStatusMigrateRetention(t *testing.T) {
 	code, out, errOut = cli(t, env, "migrate", "status")
 	require.Equal(t, exitOK, code, errOut)
 	assert.Contains(t, out, fmt.Sprintf("schema version %d of %d", dedup.SchemaVersion, dedup.SchemaVersion))
-	code, _, errOut = cli(t, env, "migrate", "down")
+	code, _, _ = cli(t, env, "migrate", "down")
 	assert.Equal(t, exitUsage, code, "down needs -to")
 	code, out, errOut = cli(t, env, "migrate", "down", "-to", "1")
 	require.Equal(t, exitOK, code, errOut)

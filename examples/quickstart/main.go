@@ -121,12 +121,12 @@ func publish(b *memsource.Broker, n int) sent {
 	}
 	for i := 0; i < n; i++ {
 		id := fmt.Sprintf("pay-%05d", i)
-		switch {
-		case i%200 == 7:
+		switch i % 200 {
+		case 7:
 			pub(id, []byte(`{"account": "acc-`)) // cut short: not JSON
 			s.malformed++
 			continue
-		case i%200 == 13:
+		case 13:
 			v, _ := json.Marshal(payment{Account: "acc-1", Amount: -5})
 			pub(id, v)
 			s.invalid++
