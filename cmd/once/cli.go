@@ -237,4 +237,3 @@ func splitList(s string) []string {
 	}
 	return out
 }
-
