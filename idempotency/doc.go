@@ -31,7 +31,8 @@
 // mid-request leaves nothing behind: PostgreSQL rolls its transaction back,
 // claim and lock included, when the connection drops.
 //
-// Migrate creates the table from the numbered files in Migrations;
+// Migrate brings the table to its newest version from the numbered files
+// in Migrations, recorded like the dedup store's versions;
 // RunRetention (or DeleteExpired) removes expired keys in bounded batches.
 // docs/http.md describes the guarantees and the tests behind them.
 package idempotency

@@ -7,10 +7,11 @@ import (
 	"fmt"
 	"io/fs"
 	"regexp"
-	"sort"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/onceco/once/internal/migrate"
 	"github.com/jackc/pgx/v5/pgconn"
 )
 
@@ -50,74 +51,64 @@ func checkSchema(schema string) error {
 	return nil
 }
 
-// migrateLock is the advisory lock key that serialises concurrent
-// migrations; the dedup package uses the same key, so all of the library's
-// DDL runs one migration at a time.
-const migrateLock = 0x6f6e6365 // "once"
-
 // Beginner begins a transaction: *pgxpool.Pool and *pgx.Conn satisfy it.
 type Beginner interface {
 	Begin(ctx context.Context) (pgx.Tx, error)
 }
 
-// Migrate creates the idempotency_keys table and its index in schema ("":
-// the first schema of the connection's search_path; give the schema of
-// processed_events to keep both in one place). It runs every up file of
-// Migrations in order, in one transaction under an advisory lock; the files
-// are idempotent, so Migrate is safe to call on every start and from many
-// processes at once. The schema must exist.
+// Migrate brings the idempotency_keys table and its index to the newest
+// schema version, in schema ("": the first schema of the connection's
+// search_path; give the schema of processed_events to keep both in one
+// place). It runs the numbered files of Migrations through the library's
+// versioned migrations: each version once, recorded in
+// once_schema_versions (component "idempotency:idempotency_keys"), in one
+// transaction under the advisory lock every migration of the library
+// takes; it is safe to call on every start and from many processes at
+// once, and it refuses a schema a newer release migrated. The schema must
+// exist.
 func Migrate(ctx context.Context, db Beginner, schema string) error {
-	if err := checkSchema(schema); err != nil {
+	series, err := newSeries(schema)
+	if err != nil {
 		return err
 	}
-	files, err := upFiles()
-	if err != nil {
-		return fmt.Errorf("idempotency: migrate: %w", err)
-	}
-	tx, err := db.Begin(ctx)
-	if err != nil {
-		return fmt.Errorf("idempotency: migrate: %w", err)
-	}
-	defer tx.Rollback(ctx) //nolint:errcheck // a no-op after Commit
-	if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", migrateLock); err != nil {
-		return fmt.Errorf("idempotency: migrate: %w", err)
-	}
-	if schema != "" {
-		// The files' names are unqualified: point them at the schema for
-		// this transaction only.
-		if _, err := tx.Exec(ctx, "SET LOCAL search_path TO "+pgx.Identifier{schema}.Sanitize()); err != nil {
-			return fmt.Errorf("idempotency: migrate: %w", err)
-		}
-	}
-	for _, f := range files {
-		if _, err := tx.Exec(ctx, f.sql); err != nil {
-			return fmt.Errorf("idempotency: migrate: %s: %w", f.name, err)
-		}
-	}
-	if err := tx.Commit(ctx); err != nil {
-		return fmt.Errorf("idempotency: migrate: %w", err)
+	if err := series.Migrate(ctx, db); err != nil {
+		return fmt.Errorf("idempotency: %w", err)
 	}
 	return nil
 }
 
-type migrationFile struct{ name, sql string }
-
-// upFiles returns the up files of Migrations in the order of their numbers.
-func upFiles() ([]migrationFile, error) {
-	names, err := fs.Glob(Migrations, "*.up.sql")
-	if err != nil {
+// newSeries is the versioned series of the store's migrations in schema.
+func newSeries(schema string) (*migrate.Series, error) {
+	if err := checkSchema(schema); err != nil {
 		return nil, err
 	}
-	sort.Strings(names) // zero-padded numbers sort as numbers
-	files := make([]migrationFile, 0, len(names))
-	for _, name := range names {
-		b, err := fs.ReadFile(Migrations, name)
-		if err != nil {
-			return nil, err
-		}
-		files = append(files, migrationFile{name: name, sql: string(b)})
+	migrations, err := migrate.Load(Migrations, nil)
+	if err != nil {
+		return nil, fmt.Errorf("idempotency: %w", err)
 	}
-	return files, nil
+	return &migrate.Series{
+		Component:  "idempotency:" + Table,
+		Schema:     schema,
+		SearchPath: true, // the files name the table unqualified
+		Migrations: migrations,
+		Adopt: func(ctx context.Context, tx pgx.Tx) (int, error) {
+			// A table made before versions were recorded is version 1.
+			var exists bool
+			err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, qualified(schema)).Scan(&exists)
+			if exists {
+				return 1, err
+			}
+			return 0, err
+		},
+	}, nil
+}
+
+// qualified is the table's name in schema, quoted.
+func qualified(schema string) string {
+	if schema == "" {
+		return pgx.Identifier{Table}.Sanitize()
+	}
+	return pgx.Identifier{schema, Table}.Sanitize()
 }
 
 // statements are the store's SQL, with the table's name qualified by the
@@ -130,10 +121,7 @@ type statements struct {
 }
 
 func newStatements(schema string) statements {
-	table := pgx.Identifier{Table}.Sanitize()
-	if schema != "" {
-		table = pgx.Identifier{schema, Table}.Sanitize()
-	}
+	table := qualified(schema)
 	where := ` WHERE scope = $1 AND idempotency_key = $2`
 	return statements{
 		// The wait for a transaction that holds the same key is bounded by

@@ -142,6 +142,10 @@ type Series struct {
 	// Schema holds the version table: the schema of the component's
 	// tables. "" resolves it through the connection's search_path.
 	Schema string
+	// SearchPath, with Schema set, puts Schema first on the search_path
+	// while the migrations run, for files that name their tables
+	// unqualified.
+	SearchPath bool
 	// Migrations are the component's steps, from Load.
 	Migrations []Migration
 	// Adopt, when not nil, is called (inside the migration's transaction,
@@ -201,6 +205,11 @@ func (s *Series) MigrateTo(ctx context.Context, db Beginner, target int) error {
 func (s *Series) migrate(ctx context.Context, tx pgx.Tx, target int) error {
 	if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", lockKey); err != nil {
 		return err
+	}
+	if s.SearchPath && s.Schema != "" {
+		if _, err := tx.Exec(ctx, "SET LOCAL search_path TO "+pgx.Identifier{s.Schema}.Sanitize()); err != nil {
+			return err
+		}
 	}
 	if err := s.createVersionTable(ctx, tx); err != nil {
 		return err
