@@ -11,8 +11,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/onceco/once/internal/migrate"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/onceco/once/internal/migrate"
 )
 
 // Table is the name of the table that holds the keys and their responses.
