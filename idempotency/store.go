@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/jackc/pgx/v5/pgconn"
+
 	"github.com/onceco/once/internal/migrate"
 )
 
