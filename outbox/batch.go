@@ -1,0 +1,252 @@
+package outbox
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// relaySQL are the relay's statements on one table.
+type relaySQL struct {
+	fetch, remove, markSent, reject, cleanup string
+}
+
+func newRelaySQL(t string) relaySQL {
+	return relaySQL{
+		// Rows in sequence order, but none behind an earlier row of its key
+		// that is parked or waiting for a retry: that keeps each key's
+		// order across rejections, and lets every other key go on.
+		fetch: `SELECT o.seq, o.event_id, o.topic, o.routing_key, o.key, o.type, o.headers, o.trace, o.body,
+	o.created_at, o.attempts
+FROM ` + t + ` o
+WHERE o.sent_at IS NULL AND o.parked_at IS NULL
+	AND (o.not_before IS NULL OR o.not_before <= now())
+	AND (o.key IS NULL OR NOT EXISTS (
+		SELECT 1 FROM ` + t + ` e
+		WHERE e.topic = o.topic AND e.key = o.key AND e.seq < o.seq AND e.sent_at IS NULL
+			AND (e.parked_at IS NOT NULL OR e.not_before > now())))
+ORDER BY o.seq
+LIMIT $1`,
+		remove:   `DELETE FROM ` + t + ` WHERE seq = ANY($1::bigint[])`,
+		markSent: `UPDATE ` + t + ` SET sent_at = now(), not_before = NULL WHERE seq = ANY($1::bigint[])`,
+		reject: `UPDATE ` + t + ` AS o SET attempts = o.attempts + 1, last_error = u.err,
+	not_before = now() + u.delay_ms * interval '1 millisecond',
+	parked_at = CASE WHEN o.attempts + 1 >= $4 THEN now() END
+FROM unnest($1::bigint[], $2::text[], $3::bigint[]) AS u(seq, err, delay_ms)
+WHERE o.seq = u.seq
+RETURNING o.seq, o.event_id, o.parked_at IS NOT NULL`,
+		cleanup: `DELETE FROM ` + t + ` WHERE ctid = ANY(ARRAY(
+	SELECT ctid FROM ` + t + ` WHERE sent_at < now() - $1 * interval '1 millisecond' LIMIT $2))`,
+	}
+}
+
+// errBrokerUnavailable is relayBatch's error when records failed without
+// the broker rejecting them: they stay in the outbox, uncounted.
+var errBrokerUnavailable = errors.New("the broker did not confirm")
+
+// relayBatch reads up to BatchSize rows, publishes them and settles each
+// by its outcome: confirmed rows are removed (or marked sent), rejected
+// rows charged an attempt, the rest left as they were. It returns how many
+// rows it read.
+func (r *Relay) relayBatch(ctx context.Context, conn *pgx.Conn) (int, error) {
+	recs, err := r.fetch(ctx, conn)
+	if err != nil || len(recs) == 0 {
+		return 0, err
+	}
+	publish, checked := r.check(recs)
+	var errs []error
+	if len(publish) > 0 {
+		errs = r.pub.Publish(ctx, publish)
+	}
+	sent, rejects, failed := sortOutcomes(publish, errs)
+	rejects = append(rejects, checked...)
+	// What the broker confirmed is settled even when ctx is cancelled
+	// meanwhile: a row left unmarked is published again.
+	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	defer cancel()
+	if err := r.settle(sctx, conn, sent, rejects); err != nil {
+		return len(recs), err
+	}
+	if failed != nil {
+		return len(recs), fmt.Errorf("%w: %w", errBrokerUnavailable, failed)
+	}
+	return len(recs), nil
+}
+
+// check runs the publisher's Checker, if it has one, over recs: a record
+// it refuses is rejected without being sent, and the later records of its
+// key are held back (neither sent nor charged) so that they cannot
+// overtake it.
+func (r *Relay) check(recs []Record) (publish []Record, rejects []rejection) {
+	c, ok := r.pub.(Checker)
+	if !ok {
+		return recs, nil
+	}
+	publish = recs[:0:0]
+	var held map[string]bool
+	for _, rec := range recs {
+		k := orderKey(rec)
+		if k != "" && held[k] {
+			continue
+		}
+		if err := c.Check(rec); err != nil {
+			rejects = append(rejects, rejection{seq: rec.Seq, attempts: rec.Attempts, err: err})
+			if k != "" {
+				if held == nil {
+					held = map[string]bool{}
+				}
+				held[k] = true
+			}
+			continue
+		}
+		publish = append(publish, rec)
+	}
+	return publish, rejects
+}
+
+// orderKey identifies the sequence a record keeps its order in; "" for a
+// record without a key.
+func orderKey(rec Record) string {
+	if rec.Key == nil {
+		return ""
+	}
+	return rec.Topic + "\x00" + string(rec.Key)
+}
+
+// rejection is a record the broker refused.
+type rejection struct {
+	seq      int64
+	attempts int // before this one
+	err      error
+}
+
+// sortOutcomes splits recs by their publish result; failed is the first
+// error that was not a rejection.
+func sortOutcomes(recs []Record, errs []error) (sent []int64, rejects []rejection, failed error) {
+	for i, rec := range recs {
+		var err error
+		if errs != nil {
+			err = errs[i]
+		}
+		switch {
+		case err == nil:
+			sent = append(sent, rec.Seq)
+		case IsRejected(err):
+			rejects = append(rejects, rejection{seq: rec.Seq, attempts: rec.Attempts, err: err})
+		case failed == nil:
+			failed = err
+		}
+	}
+	return sent, rejects, failed
+}
+
+// fetch reads the next batch of publishable rows.
+func (r *Relay) fetch(ctx context.Context, conn *pgx.Conn) ([]Record, error) {
+	rows, err := conn.Query(ctx, r.sql.fetch, r.cfg.BatchSize)
+	if err != nil {
+		return nil, fmt.Errorf("read outbox: %w", err)
+	}
+	recs, err := pgx.CollectRows(rows, scanRecord)
+	if err != nil {
+		return nil, fmt.Errorf("read outbox: %w", err)
+	}
+	return recs, nil
+}
+
+func scanRecord(row pgx.CollectableRow) (Record, error) {
+	var rec Record
+	var headers, trace []byte
+	err := row.Scan(&rec.Seq, &rec.EventID, &rec.Topic, &rec.RoutingKey, &rec.Key, &rec.Type,
+		&headers, &trace, &rec.Body, &rec.CreatedAt, &rec.Attempts)
+	if err != nil {
+		return rec, err
+	}
+	if err := json.Unmarshal(headers, &rec.Headers); err != nil {
+		return rec, fmt.Errorf("row %d: headers: %w", rec.Seq, err)
+	}
+	var tc map[string]string
+	if err := json.Unmarshal(trace, &tc); err != nil {
+		return rec, fmt.Errorf("row %d: trace: %w", rec.Seq, err)
+	}
+	if rec.Headers == nil && len(tc) > 0 {
+		rec.Headers = make(map[string]string, len(tc))
+	}
+	for k, v := range tc {
+		rec.Headers[k] = v
+	}
+	return rec, nil
+}
+
+// settle removes (or marks) the sent rows and charges the rejected ones, in
+// one round trip, and logs the rows it parked.
+func (r *Relay) settle(ctx context.Context, conn *pgx.Conn, sent []int64, rejects []rejection) error {
+	if len(sent) == 0 && len(rejects) == 0 {
+		return nil
+	}
+	var b pgx.Batch
+	if len(sent) > 0 {
+		if r.cfg.KeepSent > 0 {
+			b.Queue(r.sql.markSent, sent)
+		} else {
+			b.Queue(r.sql.remove, sent)
+		}
+	}
+	if len(rejects) > 0 {
+		seqs, msgs, delays := make([]int64, len(rejects)), make([]string, len(rejects)), make([]int64, len(rejects))
+		for i, rj := range rejects {
+			seqs[i], msgs[i] = rj.seq, rj.err.Error()
+			delays[i] = jitter(r.cfg.RetryBackoff.delay(rj.attempts + 1)).Milliseconds()
+		}
+		b.Queue(r.sql.reject, seqs, msgs, delays, r.cfg.MaxAttempts).Query(func(rows pgx.Rows) error {
+			return r.logRejections(rows, rejects)
+		})
+	}
+	if err := conn.SendBatch(ctx, &b).Close(); err != nil {
+		return fmt.Errorf("settle published rows: %w", err)
+	}
+	return nil
+}
+
+// logRejections logs each rejected row, at error level when it was parked.
+func (r *Relay) logRejections(rows pgx.Rows, rejects []rejection) error {
+	why := make(map[int64]error, len(rejects))
+	for _, rj := range rejects {
+		why[rj.seq] = rj.err
+	}
+	for rows.Next() {
+		var seq int64
+		var id string
+		var parked bool
+		if err := rows.Scan(&seq, &id, &parked); err != nil {
+			return err
+		}
+		if parked {
+			r.cfg.Logger.Error("outbox relay: row parked: the broker rejected it on every attempt; later rows of its key wait",
+				"seq", seq, "event_id", id, "error", why[seq])
+		} else {
+			r.cfg.Logger.Warn("outbox relay: the broker rejected a row; it will be retried", "seq", seq, "event_id", id, "error", why[seq])
+		}
+	}
+	return rows.Err()
+}
+
+// cleanupChunk bounds the rows one cleanup statement deletes.
+const cleanupChunk = 1000
+
+// cleanup deletes rows sent more than KeepSent ago, a chunk at a time.
+func (r *Relay) cleanup(ctx context.Context, conn *pgx.Conn) error {
+	for ctx.Err() == nil {
+		tag, err := conn.Exec(ctx, r.sql.cleanup, r.cfg.KeepSent.Milliseconds(), cleanupChunk)
+		if err != nil {
+			return err
+		}
+		if tag.RowsAffected() < cleanupChunk {
+			return nil
+		}
+	}
+	return nil
+}
