@@ -18,8 +18,10 @@ type relaySQL struct {
 func newRelaySQL(t string) relaySQL {
 	return relaySQL{
 		// Rows in sequence order, but none behind an earlier row of its key
-		// that is parked or waiting for a retry: that keeps each key's
-		// order across rejections, and lets every other key go on.
+		// that the broker has rejected (parked, or to be retried): such a
+		// row is retried without the rows behind it, which follow once it
+		// is sent or discarded. That keeps each key's order across
+		// rejections and lets every other key go on.
 		fetch: `SELECT o.seq, o.event_id, o.topic, o.routing_key, o.key, o.type, o.headers, o.trace, o.body,
 	o.created_at, o.attempts
 FROM ` + t + ` o
@@ -28,7 +30,7 @@ WHERE o.sent_at IS NULL AND o.parked_at IS NULL
 	AND (o.key IS NULL OR NOT EXISTS (
 		SELECT 1 FROM ` + t + ` e
 		WHERE e.topic = o.topic AND e.key = o.key AND e.seq < o.seq AND e.sent_at IS NULL
-			AND (e.parked_at IS NOT NULL OR e.not_before > now())))
+			AND (e.attempts > 0 OR e.parked_at IS NOT NULL)))
 ORDER BY o.seq
 LIMIT $1`,
 		remove:   `DELETE FROM ` + t + ` WHERE seq = ANY($1::bigint[])`,

@@ -197,7 +197,6 @@ func (r *Relay) Run(ctx context.Context) error {
 	failures := 0
 	for ctx.Err() == nil {
 		led, err := r.session(ctx)
-		r.leader.Store(false)
 		if ctx.Err() != nil {
 			break
 		}
@@ -238,7 +237,9 @@ func (r *Relay) session(ctx context.Context) (led bool, err error) {
 		return false, fmt.Errorf("connect: %w", err)
 	}
 	defer func() {
-		// Closing the session releases the leader lock.
+		// Closing the session releases the leader lock: stop claiming to
+		// lead first, so that two relays never both report Leader.
+		r.leader.Store(false)
 		cctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
 		_ = conn.Close(cctx)

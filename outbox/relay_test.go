@@ -1,0 +1,301 @@
+package outbox_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"regexp"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/onceco/once/internal/pgtest"
+	"github.com/onceco/once/outbox"
+)
+
+// A rolled-back transaction's messages never reach the broker; a committed
+// one's do, woken by the commit's notification (the relay's poll interval
+// is a minute, longer than the test waits).
+func TestRollbackPublishesNothing(t *testing.T) {
+	forEachBroker(t, func(t *testing.T, b broker) {
+		pool, _ := migrated(t)
+		d := b.destination(t)
+		r, _ := startRelay(t, pool, b.publisher(t), outbox.RelayConfig{PollInterval: time.Minute})
+		require.Eventually(t, r.Leader, 10*time.Second, 5*time.Millisecond)
+
+		ctx := context.Background()
+		errRollback := errors.New("the handler failed")
+		err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			require.NoError(t, outbox.Add(ctx, tx, d.msg("k", "k/rolled-back")))
+			return errRollback
+		})
+		require.ErrorIs(t, err, errRollback)
+		addCommitted(t, pool, d.msg("k", "k/committed"))
+
+		got := d.read(t, 1)
+		waitRows(t, pool, "true", 0, 10*time.Second)
+		// Nothing is left to publish: the table is empty, so what is on the
+		// wire now is all there will ever be.
+		got = d.read(t, len(got))
+		require.Len(t, got, 1)
+		assert.Equal(t, "k/committed", got[0].Body)
+	})
+}
+
+// Every message carries its event id where the consuming side reads it,
+// the type, the writer's trace context and its own headers; the relay keeps
+// the order of one key across transactions.
+func TestMessagesCarryIDTypeTraceAndHeaders(t *testing.T) {
+	otel.SetTextMapPropagator(propagation.NewCompositeTextMapPropagator(propagation.TraceContext{}, propagation.Baggage{}))
+	forEachBroker(t, func(t *testing.T, b broker) {
+		pool, _ := migrated(t)
+		d := b.destination(t)
+		startRelay(t, pool, b.publisher(t), outbox.RelayConfig{PollInterval: 50 * time.Millisecond, BatchSize: 7})
+
+		tid, _ := trace.TraceIDFromHex("4bf92f3577b34da6a3ce929d0e0e4736")
+		sid, _ := trace.SpanIDFromHex("00f067aa0ba902b7")
+		ctx := trace.ContextWithSpanContext(context.Background(), trace.NewSpanContext(trace.SpanContextConfig{
+			TraceID: tid, SpanID: sid, TraceFlags: trace.FlagsSampled}))
+		const n = 40
+		for i := range n / 10 {
+			require.NoError(t, pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+				for j := range 10 {
+					m := d.msg("k", fmt.Sprintf("k/%d", i*10+j))
+					m.Type, m.Headers = "order.confirmed", map[string]string{"x-tenant": "t1", "id": "overridden"}
+					if i == 0 && j == 0 {
+						m.ID = "order-1/confirmed"
+					}
+					if err := outbox.Add(ctx, tx, m); err != nil {
+						return err
+					}
+				}
+				return nil
+			}))
+		}
+		got := d.read(t, n)
+		require.Len(t, got, n)
+		uuid := regexp.MustCompile(`^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$`)
+		seen := map[string]bool{}
+		for i, w := range got {
+			assert.Equal(t, fmt.Sprintf("k/%d", i), w.Body, "one key's messages in the order they were written")
+			if i == 0 {
+				assert.Equal(t, "order-1/confirmed", w.ID)
+			} else {
+				assert.Regexp(t, uuid, w.ID)
+			}
+			assert.False(t, seen[w.ID], "ids are distinct")
+			seen[w.ID] = true
+			assert.Equal(t, "order.confirmed", w.Type)
+			assert.Equal(t, "t1", w.Headers["x-tenant"])
+			assert.Equal(t, "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", w.Headers["traceparent"])
+		}
+	})
+}
+
+// A row the broker refuses is retried MaxAttempts times, then parked with
+// its error; the rows of its key written after it wait, never attempted,
+// while every other key goes on. Discarding the parked row releases its
+// key.
+func TestRejectedRowIsParkedAndHoldsOnlyItsKey(t *testing.T) {
+	forEachBroker(t, func(t *testing.T, b broker) {
+		pool, _ := migrated(t)
+		d := b.destination(t)
+		warns := &atomic.Int64{}
+		startRelay(t, pool, b.publisher(t), outbox.RelayConfig{
+			PollInterval: 20 * time.Millisecond, MaxAttempts: 3,
+			RetryBackoff: outbox.Backoff{Initial: 50 * time.Millisecond, Max: 100 * time.Millisecond},
+			Logger:       countingLogger(warns),
+		})
+		addCommitted(t, pool, d.msg("a", "a/1"), d.unroutable("a", "a/2"), d.msg("b", "b/1"))
+		waitRows(t, pool, "attempts > 0", 1, 30*time.Second)
+		// a/3 goes where a/2 goes (the same topic or exchange, the same
+		// key): it must wait behind a/2. b/2 and c/1 go on.
+		addCommitted(t, pool, d.unroutable("a", "a/3"), d.msg("b", "b/2"), d.msg("c", "c/1"))
+
+		store, err := outbox.New(outbox.Config{})
+		require.NoError(t, err)
+		ctx := context.Background()
+		var parked []outbox.ParkedRow
+		require.Eventually(t, func() bool {
+			parked, err = store.Parked(ctx, pool, 0)
+			require.NoError(t, err)
+			return len(parked) == 1
+		}, 30*time.Second, 10*time.Millisecond)
+		assert.Equal(t, 3, parked[0].Attempts)
+		assert.NotEmpty(t, parked[0].LastError)
+		assert.Equal(t, []byte("a"), parked[0].Key)
+
+		got := d.read(t, 4)
+		waitRows(t, pool, "true", 2, 10*time.Second) // a/2 (parked) and a/3 (held)
+		assert.ElementsMatch(t, []string{"a/1", "b/1", "b/2", "c/1"}, bodies(got))
+		assert.Equal(t, 1, rows(t, pool, "parked_at IS NULL AND attempts = 0"), "a/3 was never attempted")
+		st, err := store.Status(ctx, pool)
+		require.NoError(t, err)
+		assert.Equal(t, outbox.Status{Pending: 1, Parked: 1, OldestPending: st.OldestPending}, st)
+		assert.False(t, st.OldestPending.IsZero())
+
+		n, err := store.Discard(ctx, pool, parked[0].Seq)
+		require.NoError(t, err)
+		require.EqualValues(t, 1, n)
+		// Released, a/3 is attempted now (and parked in turn: it is
+		// unroutable too).
+		waitRows(t, pool, "parked_at IS NOT NULL AND attempts = 3", 1, 30*time.Second)
+		assert.Positive(t, warns.Load(), "rejections are logged")
+	})
+}
+
+// A Kafka message larger than Producer.MaxMessageBytes is refused before it
+// is sent, and the rows of its key in the same batch are not sent ahead of
+// it. Requeued after the limit is raised... it is still too large, so it is
+// discarded instead; the key resumes.
+func TestTooLargeKafkaMessageIsParkedBeforeSending(t *testing.T) {
+	k := newKafka(t)
+	pool, _ := migrated(t)
+	d := k.destination(t)
+	startRelay(t, pool, k.publisher(t), outbox.RelayConfig{
+		PollInterval: 20 * time.Millisecond, MaxAttempts: 2,
+		RetryBackoff: outbox.Backoff{Initial: 10 * time.Millisecond, Max: 10 * time.Millisecond},
+		Logger:       testLogger(),
+	})
+	big := d.msg("a", "a/2")
+	big.Body = make([]byte, 100<<10)
+	addCommitted(t, pool, d.msg("a", "a/1"), big, d.msg("a", "a/3"), d.msg("b", "b/1"))
+	waitRows(t, pool, "parked_at IS NOT NULL AND last_error LIKE '%MaxMessageBytes%'", 1, 30*time.Second)
+	got := d.read(t, 2)
+	assert.ElementsMatch(t, []string{"a/1", "b/1"}, bodies(got))
+	assert.Equal(t, 1, rows(t, pool, "parked_at IS NULL AND sent_at IS NULL"), "a/3 waits behind the parked row")
+
+	store, err := outbox.New(outbox.Config{})
+	require.NoError(t, err)
+	parked, err := store.Parked(context.Background(), pool, 10)
+	require.NoError(t, err)
+	require.Len(t, parked, 1)
+	_, err = store.Discard(context.Background(), pool, parked[0].Seq)
+	require.NoError(t, err)
+	got = d.read(t, 3)
+	assert.Equal(t, []string{"a/1", "a/3"}, bodiesOfKey(got, "a"))
+}
+
+// A parked row requeued after its cause is fixed (the topic now exists) is
+// published, and the row of its key written after it follows in order.
+func TestRequeuedRowIsPublishedInOrder(t *testing.T) {
+	k := newKafka(t)
+	pool, _ := migrated(t)
+	d := k.destination(t)
+	startRelay(t, pool, k.publisher(t), outbox.RelayConfig{
+		PollInterval: 20 * time.Millisecond, MaxAttempts: 1, Logger: testLogger()})
+	first := d.unroutable("a", "a/1")
+	addCommitted(t, pool, first)
+	waitRows(t, pool, "parked_at IS NOT NULL", 1, 30*time.Second)
+	addCommitted(t, pool, outbox.Message{Topic: first.Topic, Key: []byte("a"), Body: []byte("a/2")})
+
+	created := &kafkaDest{k: k, topic: first.Topic}
+	createTopic(t, k, first.Topic)
+	store, err := outbox.New(outbox.Config{})
+	require.NoError(t, err)
+	parked, err := store.Parked(context.Background(), pool, 0)
+	require.NoError(t, err)
+	require.Len(t, parked, 1)
+	n, err := store.Requeue(context.Background(), pool, parked[0].Seq)
+	require.NoError(t, err)
+	require.EqualValues(t, 1, n)
+	waitRows(t, pool, "true", 0, 30*time.Second)
+	assert.Equal(t, []string{"a/1", "a/2"}, bodiesOfKey(created.read(t, 2), "a"))
+}
+
+// Bad input is refused with clear errors and writes nothing.
+func TestInvalidInput(t *testing.T) {
+	_, err := outbox.New(outbox.Config{Table: "outbox; DROP TABLE x"})
+	require.ErrorIs(t, err, outbox.ErrInvalidName)
+	_, err = outbox.New(outbox.Config{Schema: `a"b`})
+	require.ErrorIs(t, err, outbox.ErrInvalidName)
+
+	pool, _ := migrated(t)
+	ctx := context.Background()
+	for name, m := range map[string]outbox.Message{
+		"no destination": {Body: []byte("x")},
+		"id too long":    {Topic: "t", ID: string(make([]byte, outbox.MaxIDLength+1))},
+		"id not utf-8":   {Topic: "t", ID: "\xff"},
+		"empty header":   {Topic: "t", Headers: map[string]string{"": "v"}},
+		"nul in header":  {Topic: "t", Headers: map[string]string{"h": "a\x00b"}},
+	} {
+		err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			return outbox.Add(ctx, tx, outbox.Message{Topic: "t", Body: []byte("ok")}, m)
+		})
+		require.ErrorIs(t, err, outbox.ErrInvalidMessage, name)
+	}
+	assert.Zero(t, rows(t, pool, "true"), "an invalid message writes nothing, not even the valid ones beside it")
+
+	pub := newKafka(t).publisher(t)
+	for name, cfg := range map[string]outbox.RelayConfig{
+		"negative batch":   {BatchSize: -1},
+		"negative poll":    {PollInterval: -time.Second},
+		"bad backoff":      {RetryBackoff: outbox.Backoff{Initial: time.Second, Max: time.Millisecond}},
+		"negative keep":    {KeepSent: -time.Second},
+		"negative attempt": {MaxAttempts: -1},
+	} {
+		_, err := outbox.NewRelay(pool, pub, cfg)
+		require.ErrorIs(t, err, outbox.ErrInvalidConfig, name)
+	}
+	_, err = outbox.NewRelay(nil, pub, outbox.RelayConfig{})
+	require.ErrorIs(t, err, outbox.ErrInvalidConfig)
+	_, err = outbox.NewRelay(pool, nil, outbox.RelayConfig{})
+	require.ErrorIs(t, err, outbox.ErrInvalidConfig)
+}
+
+// Migrate is idempotent and safe from many processes at once; the table can
+// live in a named schema.
+func TestMigrateConcurrentlyAndInASchema(t *testing.T) {
+	pool, schema := pgtest.Schema(t)
+	store, err := outbox.New(outbox.Config{Schema: schema, Table: "events_out"})
+	require.NoError(t, err)
+	errs := make(chan error, 4)
+	for range 4 {
+		go func() { errs <- store.Migrate(context.Background(), pool) }()
+	}
+	for range 4 {
+		require.NoError(t, <-errs)
+	}
+	require.NoError(t, store.Add(context.Background(), pool, outbox.Message{Topic: "t", Body: []byte("x")}))
+	var n int
+	require.NoError(t, pool.QueryRow(context.Background(), `SELECT count(*) FROM `+store.Table()).Scan(&n))
+	assert.Equal(t, 1, n)
+}
+
+// With KeepSent, published rows stay (marked sent) and are removed after
+// the window.
+func TestKeepSentRemovesRowsAfterTheWindow(t *testing.T) {
+	k := newKafka(t)
+	pool, _ := migrated(t)
+	d := k.destination(t)
+	startRelay(t, pool, k.publisher(t), outbox.RelayConfig{PollInterval: 20 * time.Millisecond, KeepSent: time.Second})
+	addCommitted(t, pool, d.msg("a", "a/1"), d.msg("a", "a/2"))
+	d.read(t, 2)
+	waitRows(t, pool, "sent_at IS NOT NULL", 2, 10*time.Second)
+	waitRows(t, pool, "true", 0, 10*time.Second)
+}
+
+func bodies(ws []wire) []string {
+	out := make([]string, len(ws))
+	for i, w := range ws {
+		out[i] = w.Body
+	}
+	return out
+}
+
+func bodiesOfKey(ws []wire, key string) []string {
+	var out []string
+	for _, w := range ws {
+		if w.Key == key {
+			out = append(out, w.Body)
+		}
+	}
+	return out
+}
