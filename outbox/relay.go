@@ -232,7 +232,11 @@ const leaderLockClass = 0x6f626f78 // "obox"
 // relays until the connection fails or ctx is done. It reports whether it
 // led at all.
 func (r *Relay) session(ctx context.Context) (led bool, err error) {
-	conn, err := pgx.ConnectConfig(ctx, r.pool.Config().ConnConfig.Copy())
+	cc := r.pool.Config().ConnConfig.Copy()
+	// The batch query's cost estimate can pass jit_above_cost, and JIT
+	// compiling it takes longer than running it.
+	cc.RuntimeParams["jit"] = "off"
+	conn, err := pgx.ConnectConfig(ctx, cc)
 	if err != nil {
 		return false, fmt.Errorf("connect: %w", err)
 	}

@@ -97,7 +97,7 @@ func (s *Store) templateData() map[string]string {
 	return map[string]string{
 		"Table":                s.table,
 		"PendingIndex":         pgx.Identifier{s.cfg.Table + "_pending_idx"}.Sanitize(),
-		"KeyIndex":             pgx.Identifier{s.cfg.Table + "_key_idx"}.Sanitize(),
+		"KeyIndex":             pgx.Identifier{s.cfg.Table + "_refused_idx"}.Sanitize(),
 		"SentIndex":            pgx.Identifier{s.cfg.Table + "_sent_idx"}.Sanitize(),
 		"NotifyFunction":       qualify(s.cfg, s.cfg.Table+"_notify"),
 		"NotifyTrigger":        pgx.Identifier{trigger}.Sanitize(),
