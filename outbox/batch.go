@@ -210,6 +210,8 @@ func (r *Relay) settle(ctx context.Context, conn *pgx.Conn, sent []int64, reject
 	if err := conn.SendBatch(ctx, &b).Close(); err != nil {
 		return fmt.Errorf("settle published rows: %w", err)
 	}
+	r.metrics.published.Add(ctx, int64(len(sent)), r.metrics.attrs)
+	r.metrics.rejected.Add(ctx, int64(len(rejects)), r.metrics.attrs)
 	return nil
 }
 
@@ -227,6 +229,7 @@ func (r *Relay) logRejections(rows pgx.Rows, rejects []rejection) error {
 			return err
 		}
 		if parked {
+			r.metrics.parked.Add(context.Background(), 1, r.metrics.attrs)
 			r.cfg.Logger.Error("outbox relay: row parked: the broker rejected it on every attempt; later rows of its key wait",
 				"seq", seq, "event_id", id, "error", why[seq])
 		} else {

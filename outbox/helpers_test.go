@@ -23,6 +23,8 @@ import (
 	amqp091 "github.com/rabbitmq/amqp091-go"
 	"github.com/stretchr/testify/require"
 	"github.com/twmb/franz-go/pkg/kfake"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
 	"github.com/onceco/once/brokers/amqp"
 	"github.com/onceco/once/brokers/kafka"
@@ -491,4 +493,30 @@ func (h countingHandler) WithAttrs(as []slog.Attr) slog.Handler {
 
 func (h countingHandler) WithGroup(name string) slog.Handler {
 	return countingHandler{next: h.next.WithGroup(name), n: h.n}
+}
+
+// metricValue is the sum of an Int64 counter's or gauge's data points.
+func metricValue(t testing.TB, rd *sdkmetric.ManualReader, name string) int64 {
+	t.Helper()
+	var rm metricdata.ResourceMetrics
+	require.NoError(t, rd.Collect(context.Background(), &rm))
+	var sum int64
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			if m.Name != name {
+				continue
+			}
+			switch d := m.Data.(type) {
+			case metricdata.Sum[int64]:
+				for _, p := range d.DataPoints {
+					sum += p.Value
+				}
+			case metricdata.Gauge[int64]:
+				for _, p := range d.DataPoints {
+					sum += p.Value
+				}
+			}
+		}
+	}
+	return sum
 }

@@ -12,6 +12,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"go.opentelemetry.io/otel/metric"
 )
 
 // ErrInvalidConfig is wrapped by NewRelay's errors for a bad RelayConfig.
@@ -89,6 +90,9 @@ type RelayConfig struct {
 	// Logger receives leadership changes, parked rows and infrastructure
 	// failures. Defaults to slog.Default().
 	Logger *slog.Logger
+	// MeterProvider makes the relay's metrics (PublishedMetric and the
+	// others). Defaults to otel.GetMeterProvider().
+	MeterProvider metric.MeterProvider
 }
 
 // withDefaults returns a copy of c with defaults applied, or an error
@@ -149,12 +153,13 @@ func (c RelayConfig) withDefaults() (RelayConfig, error) {
 // the broker's confirmed-publish rate, which one relay's batches already
 // approach.
 type Relay struct {
-	pool   *pgxpool.Pool
-	pub    Publisher
-	cfg    RelayConfig
-	sql    relaySQL
-	leader atomic.Bool
-	ran    atomic.Bool
+	pool    *pgxpool.Pool
+	pub     Publisher
+	cfg     RelayConfig
+	sql     relaySQL
+	leader  atomic.Bool
+	ran     atomic.Bool
+	metrics *relayMetrics
 }
 
 // NewRelay returns a relay that reads the outbox through pool and
@@ -171,7 +176,11 @@ func NewRelay(pool *pgxpool.Pool, pub Publisher, cfg RelayConfig) (*Relay, error
 	if err != nil {
 		return nil, err
 	}
-	return &Relay{pool: pool, pub: pub, cfg: cfg, sql: newRelaySQL(cfg.Store.table)}, nil
+	r := &Relay{pool: pool, pub: pub, cfg: cfg, sql: newRelaySQL(cfg.Store.table)}
+	if r.metrics, err = newRelayMetrics(cfg.MeterProvider, cfg.Store.table, r.Leader); err != nil {
+		return nil, err
+	}
+	return r, nil
 }
 
 // Leader reports whether this relay currently holds the leader lock.
@@ -299,6 +308,7 @@ func (r *Relay) lead(ctx context.Context, conn *pgx.Conn) error {
 				return nil
 			}
 			failures++
+			r.metrics.failures.Add(ctx, 1, r.metrics.attrs)
 			d := jitter(r.cfg.InfraBackoff.delay(failures))
 			r.cfg.Logger.Warn("outbox relay: publishing failed; retrying", "error", err, "backoff", d)
 			sleep(ctx, d)

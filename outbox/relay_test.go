@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/propagation"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/onceco/once/internal/pgtest"
@@ -108,10 +109,12 @@ func TestRejectedRowIsParkedAndHoldsOnlyItsKey(t *testing.T) {
 		pool, _ := migrated(t)
 		d := b.destination(t)
 		warns := &atomic.Int64{}
+		rd := sdkmetric.NewManualReader()
 		startRelay(t, pool, b.publisher(t), outbox.RelayConfig{
 			PollInterval: 20 * time.Millisecond, MaxAttempts: 3,
-			RetryBackoff: outbox.Backoff{Initial: 50 * time.Millisecond, Max: 100 * time.Millisecond},
-			Logger:       countingLogger(warns),
+			RetryBackoff:  outbox.Backoff{Initial: 50 * time.Millisecond, Max: 100 * time.Millisecond},
+			Logger:        countingLogger(warns),
+			MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(rd)),
 		})
 		addCommitted(t, pool, d.msg("a", "a/1"), d.unroutable("a", "a/2"), d.msg("b", "b/1"))
 		waitRows(t, pool, "attempts > 0", 1, 30*time.Second)
@@ -148,6 +151,10 @@ func TestRejectedRowIsParkedAndHoldsOnlyItsKey(t *testing.T) {
 		// unroutable too).
 		waitRows(t, pool, "parked_at IS NOT NULL AND attempts = 3", 1, 30*time.Second)
 		assert.Positive(t, warns.Load(), "rejections are logged")
+		assert.EqualValues(t, 4, metricValue(t, rd, outbox.PublishedMetric))
+		assert.EqualValues(t, 6, metricValue(t, rd, outbox.RejectedMetric))
+		assert.EqualValues(t, 2, metricValue(t, rd, outbox.ParkedMetric))
+		assert.EqualValues(t, 1, metricValue(t, rd, outbox.LeaderMetric))
 	})
 }
 
