@@ -80,9 +80,10 @@ func (r *Relay) relayBatch(ctx context.Context, conn *pgx.Conn) (int, error) {
 }
 
 // check runs the publisher's Checker, if it has one, over recs: a record
-// it refuses is rejected without being sent, and the later records of its
-// key are held back (neither sent nor charged) so that they cannot
-// overtake it.
+// it refuses (Rejected) is charged without being sent, one it cannot check
+// (any other error) is held for a later batch, and in both cases the later
+// records of its key are held back (neither sent nor charged) so that they
+// cannot overtake it.
 func (r *Relay) check(recs []Record) (publish []Record, rejects []rejection) {
 	c, ok := r.pub.(Checker)
 	if !ok {
@@ -96,7 +97,9 @@ func (r *Relay) check(recs []Record) (publish []Record, rejects []rejection) {
 			continue
 		}
 		if err := c.Check(rec); err != nil {
-			rejects = append(rejects, rejection{seq: rec.Seq, attempts: rec.Attempts, err: err})
+			if IsRejected(err) {
+				rejects = append(rejects, rejection{seq: rec.Seq, attempts: rec.Attempts, err: err})
+			}
 			if k != "" {
 				if held == nil {
 					held = map[string]bool{}

@@ -306,3 +306,47 @@ func bodiesOfKey(ws []wire, key string) []string {
 	}
 	return out
 }
+
+// On RabbitMQ, a message to an exchange that does not exist closes the
+// channel: that message is refused, the others of the batch are published
+// again on a new channel (their first publish may have arrived: copies
+// with the same id), and the next attempts of the refused message are
+// checked before the batch is sent, so that it is parked without closing
+// the channel again.
+func TestMissingExchangeIsParkedOthersGoOn(t *testing.T) {
+	brs := brokers(t)
+	if len(brs) < 2 {
+		t.Skip("AMQP_URL is not set")
+	}
+	r := brs[1].(*rabbit)
+	pool, _ := migrated(t)
+	d := r.destination(t)
+	startRelay(t, pool, r.publisher(t), outbox.RelayConfig{PollInterval: 20 * time.Millisecond, MaxAttempts: 2,
+		RetryBackoff: outbox.Backoff{Initial: 10 * time.Millisecond, Max: 10 * time.Millisecond}})
+	nowhere := outbox.Message{Topic: uniq("no-such-exchange"), RoutingKey: "x", Key: []byte("a"), Body: []byte("a/1")}
+	addCommitted(t, pool, d.msg("b", "b/1"), nowhere, d.msg("c", "c/1"), d.msg("b", "b/2"))
+	waitRows(t, pool, "parked_at IS NOT NULL AND last_error LIKE '%does not exist%'", 1, 30*time.Second)
+	waitRows(t, pool, "true", 1, 30*time.Second)
+	all := d.read(t, 3)
+	_, copies := ids(all)
+	for id, n := range copies {
+		assert.LessOrEqual(t, n, 2, "%s: one channel close, so at most one extra copy", id)
+	}
+	got := firstCopies(all)
+	assert.Equal(t, []string{"b/1", "b/2"}, bodiesOfKey(got, "b"))
+	assert.Equal(t, []string{"c/1"}, bodiesOfKey(got, "c"))
+}
+
+// firstCopies drops the copies of a message after its first: what a
+// deduplicating consumer sees.
+func firstCopies(ws []wire) []wire {
+	seen := map[string]bool{}
+	var out []wire
+	for _, w := range ws {
+		if !seen[w.ID] {
+			seen[w.ID] = true
+			out = append(out, w)
+		}
+	}
+	return out
+}

@@ -60,6 +60,10 @@ type Publisher struct {
 	returns chan amqp091.Return
 	closes  chan *amqp091.Error
 	closed  bool
+	// missing holds the exchanges a publish found missing: Check looks
+	// them up before their next record is sent, because a publish to a
+	// missing exchange closes the channel and fails the whole batch.
+	missing map[string]bool
 }
 
 // New validates cfg and returns a Publisher; it does not connect yet.
@@ -134,6 +138,7 @@ func (p *Publisher) Publish(ctx context.Context, recs []outbox.Record) []error {
 			continue
 		}
 		if missing := missingExchange(closeErr); missing != "" && missing == rec.Topic {
+			p.markMissing(missing)
 			errs[i] = outbox.Rejected(fmt.Errorf("amqpout: exchange %q does not exist: %w", rec.Topic, closeErr))
 			continue
 		}
@@ -151,6 +156,43 @@ func (p *Publisher) Publish(ctx context.Context, recs []outbox.Record) []error {
 	return errs
 }
 
+// Check refuses a record to an exchange that a publish found missing and
+// that a passive declare (on a channel of its own) still does not find;
+// records to other exchanges pass unchecked.
+func (p *Publisher) Check(rec outbox.Record) error {
+	p.mu.Lock()
+	missing, conn := p.missing[rec.Topic], p.conn
+	p.mu.Unlock()
+	if !missing || conn == nil {
+		return nil
+	}
+	ch, err := conn.Channel()
+	if err != nil {
+		return nil // Publish meets the same failure and reports it
+	}
+	err = ch.ExchangeDeclarePassive(rec.Topic, "direct", true, false, false, false, nil)
+	var ae *amqp091.Error
+	if errors.As(err, &ae) && ae.Code == amqp091.NotFound {
+		return outbox.Rejected(fmt.Errorf("amqpout: exchange %q does not exist: %w", rec.Topic, err))
+	}
+	_ = ch.Close()
+	if err == nil {
+		p.mu.Lock()
+		delete(p.missing, rec.Topic)
+		p.mu.Unlock()
+	}
+	return nil
+}
+
+func (p *Publisher) markMissing(exchange string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.missing == nil {
+		p.missing = map[string]bool{}
+	}
+	p.missing[exchange] = true
+}
+
 // await waits for dc's confirm, collecting returns meanwhile so that the
 // library never blocks handing one over.
 func (p *Publisher) await(ctx context.Context, dc *amqp091.DeferredConfirmation, returns <-chan amqp091.Return, returned map[string]amqp091.Return) error {
@@ -161,7 +203,11 @@ func (p *Publisher) await(ctx context.Context, dc *amqp091.DeferredConfirmation,
 				return errors.New("amqpout: the broker nacked the message (or the channel closed before its confirm)")
 			}
 			return nil
-		case r := <-returns:
+		case r, ok := <-returns:
+			if !ok { // the channel closed: its confirms are resolved (nacked)
+				returns = nil
+				continue
+			}
 			returned[r.MessageId] = r
 		case <-ctx.Done():
 			return fmt.Errorf("amqpout: no publisher confirm within ConfirmTimeout %v: %w", p.cfg.ConfirmTimeout, ctx.Err())
@@ -169,10 +215,14 @@ func (p *Publisher) await(ctx context.Context, dc *amqp091.DeferredConfirmation,
 	}
 }
 
+// drainReturns moves the returns waiting in the channel into returned.
 func drainReturns(returns <-chan amqp091.Return, returned map[string]amqp091.Return) {
 	for {
 		select {
-		case r := <-returns:
+		case r, ok := <-returns:
+			if !ok {
+				return
+			}
 			returned[r.MessageId] = r
 		default:
 			return
