@@ -186,7 +186,7 @@ func publishPaid(brokers []string, orders int) (int, error) {
 }
 
 type service struct {
-	c interface{ Stats() consumer.Stats }
+	c    interface{ Stats() consumer.Stats }
 	done chan struct{}
 }
 
