@@ -31,6 +31,7 @@ WHERE o.sent_at IS NULL AND o.parked_at IS NULL
 		SELECT 1 FROM ` + t + ` e
 		WHERE e.topic = o.topic AND e.key = o.key AND e.seq < o.seq AND e.sent_at IS NULL
 			AND (e.attempts > 0 OR e.parked_at IS NOT NULL)))
+	AND (o.seq > $2 OR NOT o.seq = ANY($3::bigint[]))
 ORDER BY o.seq
 LIMIT $1`,
 		remove:   `DELETE FROM ` + t + ` WHERE seq = ANY($1::bigint[])`,
@@ -50,20 +51,27 @@ RETURNING o.seq, o.event_id, o.parked_at IS NOT NULL`,
 // the broker rejecting them: they stay in the outbox, uncounted.
 var errBrokerUnavailable = errors.New("the broker did not confirm")
 
-// relayBatch reads up to BatchSize rows, publishes them and settles each
-// by its outcome: confirmed rows are removed (or marked sent), rejected
-// rows charged an attempt, the rest left as they were. It returns how many
-// rows it read.
-func (r *Relay) relayBatch(ctx context.Context, conn *pgx.Conn) (int, error) {
-	recs, err := r.fetch(ctx, conn)
-	if err != nil || len(recs) == 0 {
-		return 0, err
+// relayBatch publishes batch and settles each row by its outcome:
+// confirmed rows are removed (or marked sent), rejected rows charged an
+// attempt, the rest left as they were. While the broker works on a full
+// batch it reads the next one (ahead), leaving out the rows in flight; of
+// those it returns only the rows whose key had every row of batch
+// confirmed, so that nothing overtakes a row that must be sent again.
+func (r *Relay) relayBatch(ctx context.Context, conn *pgx.Conn, batch []Record) (ahead []Record, err error) {
+	publish, checked := r.check(batch)
+	published := make(chan []error, 1)
+	go func() {
+		var errs []error
+		if len(publish) > 0 {
+			errs = r.pub.Publish(ctx, publish)
+		}
+		published <- errs
+	}()
+	var aheadErr error
+	if len(batch) == r.cfg.BatchSize {
+		ahead, aheadErr = r.fetch(ctx, conn, batch)
 	}
-	publish, checked := r.check(recs)
-	var errs []error
-	if len(publish) > 0 {
-		errs = r.pub.Publish(ctx, publish)
-	}
+	errs := <-published
 	sent, rejects, failed := sortOutcomes(publish, errs)
 	rejects = append(rejects, checked...)
 	// What the broker confirmed is settled even when ctx is cancelled
@@ -71,12 +79,41 @@ func (r *Relay) relayBatch(ctx context.Context, conn *pgx.Conn) (int, error) {
 	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 	defer cancel()
 	if err := r.settle(sctx, conn, sent, rejects); err != nil {
-		return len(recs), err
+		return nil, err
 	}
 	if failed != nil {
-		return len(recs), fmt.Errorf("%w: %w", errBrokerUnavailable, failed)
+		return nil, fmt.Errorf("%w: %w", errBrokerUnavailable, failed)
 	}
-	return len(recs), nil
+	if aheadErr != nil {
+		return nil, aheadErr
+	}
+	return withoutHeldKeys(ahead, batch, sent), nil
+}
+
+// withoutHeldKeys drops from ahead the rows of every key that has a row in
+// batch the broker did not confirm: they are read again, behind it, once
+// it is settled.
+func withoutHeldKeys(ahead, batch []Record, sent []int64) []Record {
+	if len(sent) == len(batch) || len(ahead) == 0 {
+		return ahead
+	}
+	ok := make(map[int64]bool, len(sent))
+	for _, seq := range sent {
+		ok[seq] = true
+	}
+	held := map[string]bool{}
+	for _, rec := range batch {
+		if k := orderKey(rec); k != "" && !ok[rec.Seq] {
+			held[k] = true
+		}
+	}
+	out := ahead[:0]
+	for _, rec := range ahead {
+		if k := orderKey(rec); k == "" || !held[k] {
+			out = append(out, rec)
+		}
+	}
+	return out
 }
 
 // check runs the publisher's Checker, if it has one, over recs: a record
@@ -149,9 +186,16 @@ func sortOutcomes(recs []Record, errs []error) (sent []int64, rejects []rejectio
 	return sent, rejects, failed
 }
 
-// fetch reads the next batch of publishable rows.
-func (r *Relay) fetch(ctx context.Context, conn *pgx.Conn) ([]Record, error) {
-	rows, err := conn.Query(ctx, r.sql.fetch, r.cfg.BatchSize)
+// fetch reads the next batch of publishable rows, leaving out the rows of
+// inflight (a batch being published).
+func (r *Relay) fetch(ctx context.Context, conn *pgx.Conn, inflight []Record) ([]Record, error) {
+	var maxSeq int64
+	seqs := make([]int64, len(inflight))
+	for i, rec := range inflight {
+		seqs[i] = rec.Seq
+		maxSeq = max(maxSeq, rec.Seq)
+	}
+	rows, err := conn.Query(ctx, r.sql.fetch, r.cfg.BatchSize, maxSeq, seqs)
 	if err != nil {
 		return nil, fmt.Errorf("read outbox: %w", err)
 	}

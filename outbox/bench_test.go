@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"strconv"
 	"testing"
 	"time"
 
@@ -77,7 +78,7 @@ func benchRelay(b *testing.B, br broker) {
 		require.NoError(b, pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error { return outbox.Add(ctx, tx, msgs...) }))
 	}
 	b.ResetTimer()
-	startRelay(b, pool, br.publisher(b), outbox.RelayConfig{SkipMigrate: true})
+	startRelay(b, pool, br.publisher(b), outbox.RelayConfig{SkipMigrate: true, BatchSize: benchRelayBatch()})
 	for {
 		var left int
 		require.NoError(b, pool.QueryRow(ctx, `SELECT count(*) FROM outbox`).Scan(&left))
@@ -88,4 +89,13 @@ func benchRelay(b *testing.B, br broker) {
 	}
 	b.StopTimer()
 	b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "msgs/s")
+}
+
+// benchRelayBatch is the relay's batch size: ONCE_OUTBOX_BATCH, else the
+// default.
+func benchRelayBatch() int {
+	if n, err := strconv.Atoi(os.Getenv("ONCE_OUTBOX_BATCH")); err == nil {
+		return n
+	}
+	return outbox.DefaultBatchSize
 }

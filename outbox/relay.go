@@ -292,14 +292,24 @@ func (r *Relay) becomeLeader(ctx context.Context, conn *pgx.Conn, oid uint32) er
 	}
 }
 
-// lead relays batches while it is the leader: a full batch is followed by
-// the next at once, anything less by a wait for a notification (at most
-// PollInterval). It returns when ctx is done or the connection failed.
+// lead relays batches while it is the leader. While a full batch is being
+// published the next one is read, so that the database's work overlaps the
+// broker's; anything less than a full batch is followed by a wait for a
+// notification (at most PollInterval). It returns when ctx is done or the
+// connection failed.
 func (r *Relay) lead(ctx context.Context, conn *pgx.Conn) error {
 	failures := 0
 	var lastCleanup time.Time
+	var ahead []Record
 	for ctx.Err() == nil {
-		n, err := r.relayBatch(ctx, conn)
+		batch, err := ahead, error(nil)
+		ahead = nil
+		if batch == nil {
+			batch, err = r.fetch(ctx, conn, nil)
+		}
+		if err == nil && len(batch) > 0 {
+			ahead, err = r.relayBatch(ctx, conn, batch)
+		}
 		if conn.IsClosed() {
 			return fmt.Errorf("relay: %w", err)
 		}
@@ -321,7 +331,7 @@ func (r *Relay) lead(ctx context.Context, conn *pgx.Conn) error {
 			}
 			lastCleanup = time.Now()
 		}
-		if n == r.cfg.BatchSize {
+		if len(batch) == r.cfg.BatchSize {
 			continue
 		}
 		if err := r.wait(ctx, conn); err != nil {

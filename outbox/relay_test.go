@@ -350,3 +350,22 @@ func firstCopies(ws []wire) []wire {
 	}
 	return out
 }
+
+// The relay reads the next batch while the broker works on the current
+// one; a row read ahead whose key had a row refused in the current batch
+// is put back, not sent, so that it never overtakes that row.
+func TestRowsReadAheadWaitBehindARefusedRow(t *testing.T) {
+	forEachBroker(t, func(t *testing.T, b broker) {
+		pool, _ := migrated(t)
+		d := b.destination(t)
+		startRelay(t, pool, b.publisher(t), outbox.RelayConfig{PollInterval: 20 * time.Millisecond, BatchSize: 2, MaxAttempts: 2,
+			RetryBackoff: outbox.Backoff{Initial: 20 * time.Millisecond, Max: 20 * time.Millisecond}, Logger: testLogger()})
+		// Batch one: a/1, a/2 (refused); read ahead: a/3 (behind a/2), b/1.
+		addCommitted(t, pool, d.msg("a", "a/1"), d.unroutable("a", "a/2"), d.unroutable("a", "a/3"), d.msg("b", "b/1"), d.msg("b", "b/2"))
+		waitRows(t, pool, "parked_at IS NOT NULL", 1, 30*time.Second)
+		got := d.read(t, 3)
+		waitRows(t, pool, "true", 2, 10*time.Second)
+		assert.ElementsMatch(t, []string{"a/1", "b/1", "b/2"}, bodies(firstCopies(got)))
+		assert.Equal(t, 1, rows(t, pool, "parked_at IS NULL AND attempts = 0"), "a/3 was never attempted")
+	})
+}
