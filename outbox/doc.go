@@ -30,7 +30,8 @@
 //
 // # Relaying
 //
-// A Relay (NewRelay, then Run) reads committed rows in batches, hands them
+// A Relay (NewRelay, then Run) reads committed rows in batches (the next
+// while the broker confirms the current one), hands them
 // to a Publisher (package kafkaout: an idempotent sarama producer with
 // acks=all; package amqpout: publisher confirms, mandatory), and deletes
 // each row once the broker confirmed it (or marks it sent and deletes it
