@@ -71,7 +71,10 @@ func (r *Relay) relayBatch(ctx context.Context, conn *pgx.Conn, batch []Record) 
 	if len(batch) == r.cfg.BatchSize {
 		ahead, aheadErr = r.fetch(ctx, conn, batch)
 	}
-	errs := <-published
+	errs, ok := awaitPublish(ctx, published)
+	if !ok {
+		return nil, fmt.Errorf("%w: stopped before the broker answered", errBrokerUnavailable)
+	}
 	sent, rejects, failed := sortOutcomes(publish, errs)
 	rejects = append(rejects, checked...)
 	// What the broker confirmed is settled even when ctx is cancelled
@@ -88,6 +91,29 @@ func (r *Relay) relayBatch(ctx context.Context, conn *pgx.Conn, batch []Record) 
 		return nil, aheadErr
 	}
 	return withoutHeldKeys(ahead, batch, sent), nil
+}
+
+// shutdownGrace bounds how long a stopping relay waits for the broker's
+// answer to the batch in flight (a sarama producer does not watch the
+// context): past it the batch is left unsettled, to be published again.
+const shutdownGrace = 5 * time.Second
+
+// awaitPublish waits for the publish's outcome; once ctx is done, at most
+// shutdownGrace more. ok is false when it gave up.
+func awaitPublish(ctx context.Context, published <-chan []error) (errs []error, ok bool) {
+	select {
+	case errs = <-published:
+		return errs, true
+	case <-ctx.Done():
+	}
+	t := time.NewTimer(shutdownGrace)
+	defer t.Stop()
+	select {
+	case errs = <-published:
+		return errs, true
+	case <-t.C:
+		return nil, false
+	}
 }
 
 // withoutHeldKeys drops from ahead the rows of every key that has a row in

@@ -14,9 +14,11 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/onceco/once/internal/netcut"
 	"github.com/onceco/once/outbox"
+	"github.com/onceco/once/outbox/kafkaout"
 )
 
 // Two relays run on one table while writers add rows for six keys and the
@@ -189,4 +191,41 @@ func brokerDownThenBack(t *testing.T, d dest, pub outbox.Publisher, down, up fun
 		require.Equal(t, strconv.Itoa(next[key]), n, "key %s in order", key)
 		next[key]++
 	}
+}
+
+// A broker that never answers a produce request does not hold a stopping
+// relay beyond the shutdown grace (5s): the unanswered batch stays in the
+// outbox, to be published again.
+func TestRelayStopsWhileTheBrokerHangs(t *testing.T) {
+	k := newKafka(t)
+	pool, _ := migrated(t)
+	d := k.destination(t)
+	var held atomic.Int64
+	k.kf.ControlKey(int16(kmsg.Produce), func(kmsg.Request) (kmsg.Response, error, bool) {
+		k.kf.KeepControl()
+		held.Add(1)
+		return nil, nil, true // no answer: the producer waits for its read timeout
+	})
+	sc := saramaConfig()
+	sc.Net.ReadTimeout = time.Minute
+	pub, err := kafkaout.New(kafkaout.Config{Brokers: k.addrs, Sarama: sc})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = pub.Close() })
+	r, err := outbox.NewRelay(pool, pub, outbox.RelayConfig{PollInterval: 20 * time.Millisecond, Logger: testLogger()})
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+
+	addCommitted(t, pool, d.msg("a", "a/1"))
+	require.Eventually(t, func() bool { return held.Load() > 0 }, 30*time.Second, 5*time.Millisecond, "the relay is publishing")
+	cancel()
+	select {
+	case err := <-done:
+		require.NoError(t, err)
+	case <-time.After(20 * time.Second):
+		t.Fatal("the relay did not stop within 20s while the broker hung (grace 5s, producer read timeout 1m)")
+	}
+	assert.Equal(t, 1, rows(t, pool, "true"), "the unanswered row stays")
+	k.stop() // before the publisher's Close, which waits for the request in flight
 }

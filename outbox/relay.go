@@ -189,8 +189,10 @@ func (r *Relay) Leader() bool { return r.leader.Load() }
 // Run relays until ctx is cancelled, then returns nil. It first creates
 // the outbox table (unless RelayConfig.SkipMigrate) and returns that error
 // if it fails. Losing the database connection, the broker failing or the
-// table missing are logged and retried with RelayConfig.InfraBackoff. Run
-// may be called once.
+// table missing are logged and retried with RelayConfig.InfraBackoff. Once
+// ctx is cancelled Run waits at most 5s for the broker's answer to the
+// batch in flight; a batch left unanswered is published again by the next
+// leader. Run may be called once.
 func (r *Relay) Run(ctx context.Context) error {
 	if !r.ran.CompareAndSwap(false, true) {
 		return errors.New("outbox: Relay.Run called twice")
