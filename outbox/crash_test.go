@@ -31,6 +31,8 @@ const (
 	childDBEnv     = "ONCE_OUTBOX_CHILD_DB"
 	childSchemaEnv = "ONCE_OUTBOX_CHILD_SCHEMA"
 	childBrokerEnv = "ONCE_OUTBOX_CHILD_BROKER" // Kafka address or AMQP URL
+	// childModeEnv "run" makes the child relay until it is killed.
+	childModeEnv = "ONCE_OUTBOX_CHILD_MODE"
 )
 
 func runChild() int {
@@ -57,13 +59,16 @@ func runChild() int {
 		fmt.Fprintln(os.Stderr, err)
 		return 2
 	}
-	r, err := outbox.NewRelay(pool, killAfterConfirm{pub}, outbox.RelayConfig{PollInterval: 50 * time.Millisecond, Logger: testLogger()})
+	if os.Getenv(childModeEnv) != "run" {
+		pub = killAfterConfirm{pub}
+	}
+	r, err := outbox.NewRelay(pool, pub, outbox.RelayConfig{PollInterval: 50 * time.Millisecond, BatchSize: 50, Logger: testLogger()})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 2
 	}
 	_ = r.Run(ctx)
-	return 3 // not reached: the publisher kills the process
+	return 3 // not reached: the child is killed
 }
 
 // killAfterConfirm kills the process once the broker confirmed a whole
@@ -141,6 +146,19 @@ func TestCrashAfterPublishBeforeMarkIsSkippedDownstream(t *testing.T) {
 // it died of SIGKILL.
 func runCrashChild(t *testing.T, b broker, schema string) {
 	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	cmd := childCommand(ctx, b, schema, "crash")
+	err := cmd.Run()
+	var exit *exec.ExitError
+	require.True(t, errors.As(err, &exit), "the child must die, got %v", err)
+	ws, ok := exit.Sys().(syscall.WaitStatus)
+	require.True(t, ok)
+	require.True(t, ws.Signaled() && ws.Signal() == syscall.SIGKILL, "the child must die of SIGKILL: %v", err)
+}
+
+// childCommand is the test binary run as a relay child on schema.
+func childCommand(ctx context.Context, b broker, schema, mode string) *exec.Cmd {
 	var kind, addr string
 	switch b := b.(type) {
 	case *kafkaBroker:
@@ -148,17 +166,11 @@ func runCrashChild(t *testing.T, b broker, schema string) {
 	case *rabbit:
 		kind, addr = "rabbitmq", b.url
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-	defer cancel()
 	cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), childEnv+"="+kind, childDBEnv+"="+pgtest.URL(), childSchemaEnv+"="+schema, childBrokerEnv+"="+addr)
+	cmd.Env = append(os.Environ(), childEnv+"="+kind, childDBEnv+"="+pgtest.URL(), childSchemaEnv+"="+schema,
+		childBrokerEnv+"="+addr, childModeEnv+"="+mode)
 	cmd.Stderr = os.Stderr
-	err := cmd.Run()
-	var exit *exec.ExitError
-	require.True(t, errors.As(err, &exit), "the child must die, got %v", err)
-	ws, ok := exit.Sys().(syscall.WaitStatus)
-	require.True(t, ok)
-	require.True(t, ws.Signaled() && ws.Signal() == syscall.SIGKILL, "the child must die of SIGKILL: %v", err)
+	return cmd
 }
 
 // run runs f in a goroutine until the returned stop (also called when the
