@@ -17,6 +17,8 @@ import (
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/consumer/memsource"
 	"github.com/onceco/once/internal/pgtest"
 	"github.com/onceco/once/outbox"
 )
@@ -368,4 +370,43 @@ func TestRowsReadAheadWaitBehindARefusedRow(t *testing.T) {
 		assert.ElementsMatch(t, []string{"a/1", "b/1", "b/2"}, bodies(firstCopies(got)))
 		assert.Equal(t, 1, rows(t, pool, "parked_at IS NULL AND attempts = 0"), "a/3 was never attempted")
 	})
+}
+
+// Rows whose notification never came (here: inserted with the trigger
+// disabled) are published by the poll.
+func TestPollingFindsRowsWithoutANotification(t *testing.T) {
+	k := newKafka(t)
+	pool, _ := migrated(t)
+	d := k.destination(t)
+	_, err := pool.Exec(context.Background(), `ALTER TABLE outbox DISABLE TRIGGER USER`)
+	require.NoError(t, err)
+	r, _ := startRelay(t, pool, k.publisher(t), outbox.RelayConfig{PollInterval: 50 * time.Millisecond, Logger: testLogger()})
+	require.Eventually(t, r.Leader, 10*time.Second, 5*time.Millisecond)
+	addCommitted(t, pool, d.msg("a", "a/1"), d.msg("a", "a/2"))
+	assert.Equal(t, []string{"a/1", "a/2"}, bodies(d.read(t, 2)))
+	waitRows(t, pool, "true", 0, 10*time.Second)
+}
+
+// Store.Statement queued with a consumer handler's ev.Queue writes the
+// outbox rows with the handler's other statements, in its transaction.
+func TestStatementQueuedByAHandler(t *testing.T) {
+	pool, _ := migrated(t)
+	store, err := outbox.New(outbox.Config{})
+	require.NoError(t, err)
+	mem := memsource.New(memsource.Options{Streams: 1})
+	for i := range 3 {
+		mem.Publish(consumer.Message{ID: fmt.Sprintf("in-%d", i), Value: []byte(`"x"`)})
+	}
+	handle := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[string]) error {
+		sql, args, err := store.Statement(ctx, outbox.Message{ID: ev.ID + "/out", Topic: "next", Body: []byte(ev.Payload)})
+		if err != nil {
+			return consumer.Permanent(err)
+		}
+		ev.Queue(sql, args...)
+		return nil
+	}
+	c, err := consumer.New(pool, mem.Source(), handle, consumer.Config{Name: "queue-test", Logger: testLogger()})
+	require.NoError(t, err)
+	run(t, c.Run)
+	waitRows(t, pool, "event_id LIKE 'in-%/out' AND topic = 'next'", 3, 10*time.Second)
 }
