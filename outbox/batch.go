@@ -58,12 +58,16 @@ var errBrokerUnavailable = errors.New("the broker did not confirm")
 // those it returns only the rows whose key had every row of batch
 // confirmed, so that nothing overtakes a row that must be sent again.
 func (r *Relay) relayBatch(ctx context.Context, conn *pgx.Conn, batch []Record) (ahead []Record, err error) {
+	var sent []int64
+	var rejects []rejection
+	pctx, span := r.startBatchSpan(ctx, batch)
+	defer func() { endBatchSpan(span, len(sent), len(rejects), err) }()
 	publish, checked := r.check(batch)
 	published := make(chan []error, 1)
 	go func() {
 		var errs []error
 		if len(publish) > 0 {
-			errs = r.pub.Publish(ctx, publish)
+			errs = r.pub.Publish(pctx, publish)
 		}
 		published <- errs
 	}()
@@ -75,7 +79,8 @@ func (r *Relay) relayBatch(ctx context.Context, conn *pgx.Conn, batch []Record) 
 	if !ok {
 		return nil, fmt.Errorf("%w: stopped before the broker answered", errBrokerUnavailable)
 	}
-	sent, rejects, failed := sortOutcomes(publish, errs)
+	var failed error
+	sent, rejects, failed = sortOutcomes(publish, errs)
 	rejects = append(rejects, checked...)
 	// What the broker confirmed is settled even when ctx is cancelled
 	// meanwhile: a row left unmarked is published again.

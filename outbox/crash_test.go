@@ -59,10 +59,13 @@ func runChild() int {
 		fmt.Fprintln(os.Stderr, err)
 		return 2
 	}
-	if os.Getenv(childModeEnv) != "run" {
+	rcfg := outbox.RelayConfig{PollInterval: 50 * time.Millisecond, Logger: testLogger()}
+	if os.Getenv(childModeEnv) == "run" {
+		rcfg.BatchSize = 50 // more batches, more moments to be killed in
+	} else {
 		pub = killAfterConfirm{pub}
 	}
-	r, err := outbox.NewRelay(pool, pub, outbox.RelayConfig{PollInterval: 50 * time.Millisecond, BatchSize: 50, Logger: testLogger()})
+	r, err := outbox.NewRelay(pool, pub, rcfg)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 2

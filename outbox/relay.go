@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
 )
 
 // ErrInvalidConfig is wrapped by NewRelay's errors for a bad RelayConfig.
@@ -93,6 +94,11 @@ type RelayConfig struct {
 	// MeterProvider makes the relay's metrics (PublishedMetric and the
 	// others). Defaults to otel.GetMeterProvider().
 	MeterProvider metric.MeterProvider
+	// TracerProvider makes a producer span per batch ("outbox publish"),
+	// linked to the spans that wrote its rows. The messages themselves
+	// carry their writer's trace context, so the next hop continues the
+	// writer's trace. Defaults to otel.GetTracerProvider().
+	TracerProvider trace.TracerProvider
 }
 
 // withDefaults returns a copy of c with defaults applied, or an error
@@ -160,6 +166,7 @@ type Relay struct {
 	leader  atomic.Bool
 	ran     atomic.Bool
 	metrics *relayMetrics
+	tracer  trace.Tracer
 }
 
 // NewRelay returns a relay that reads the outbox through pool and
@@ -180,6 +187,7 @@ func NewRelay(pool *pgxpool.Pool, pub Publisher, cfg RelayConfig) (*Relay, error
 	if r.metrics, err = newRelayMetrics(cfg.MeterProvider, cfg.Store.table, r.Leader); err != nil {
 		return nil, err
 	}
+	r.tracer = newTracer(cfg.TracerProvider)
 	return r, nil
 }
 

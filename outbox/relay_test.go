@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"regexp"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -15,6 +16,8 @@ import (
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/propagation"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/onceco/once/consumer"
@@ -409,4 +412,35 @@ func TestStatementQueuedByAHandler(t *testing.T) {
 	require.NoError(t, err)
 	run(t, c.Run)
 	waitRows(t, pool, "event_id LIKE 'in-%/out' AND topic = 'next'", 3, 10*time.Second)
+}
+
+// The relay's batch span is a producer span linked to the span that wrote
+// each row; the message itself carries the writer's trace context.
+func TestRelaySpanLinksToTheWriters(t *testing.T) {
+	otel.SetTextMapPropagator(propagation.TraceContext{})
+	k := newKafka(t)
+	pool, _ := migrated(t)
+	d := k.destination(t)
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	ctx, writer := tp.Tracer("handler").Start(context.Background(), "handle order.paid")
+	require.NoError(t, pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error { return outbox.Add(ctx, tx, d.msg("a", "a/1")) }))
+	writer.End()
+
+	startRelay(t, pool, k.publisher(t), outbox.RelayConfig{PollInterval: 20 * time.Millisecond, TracerProvider: tp, Logger: testLogger()})
+	got := d.read(t, 1)
+	assert.Equal(t, writer.SpanContext().TraceID().String(), strings.Split(got[0].Headers["traceparent"], "-")[1])
+	var publish sdktrace.ReadOnlySpan
+	require.Eventually(t, func() bool {
+		for _, s := range rec.Ended() {
+			if s.Name() == "outbox publish" {
+				publish = s
+				return true
+			}
+		}
+		return false
+	}, 10*time.Second, 5*time.Millisecond)
+	assert.Equal(t, trace.SpanKindProducer, publish.SpanKind())
+	require.Len(t, publish.Links(), 1)
+	assert.Equal(t, writer.SpanContext().SpanID(), publish.Links()[0].SpanContext.SpanID())
 }

@@ -6,7 +6,10 @@ import (
 
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
 )
 
 // Metric names of the relay.
@@ -35,7 +38,7 @@ func newRelayMetrics(mp metric.MeterProvider, table string, leader func() bool) 
 	if mp == nil {
 		mp = otel.GetMeterProvider()
 	}
-	m := mp.Meter("github.com/onceco/once/outbox")
+	m := mp.Meter(instrumentationName)
 	rm := &relayMetrics{attrs: metric.WithAttributeSet(attribute.NewSet(attribute.String("once.outbox.table", table)))}
 	var err error
 	counter := func(name, desc string) metric.Int64Counter {
@@ -65,4 +68,48 @@ func newRelayMetrics(mp metric.MeterProvider, table string, leader func() bool) 
 		return nil, fmt.Errorf("outbox: metrics: %w", err)
 	}
 	return rm, nil
+}
+
+const instrumentationName = "github.com/onceco/once/outbox"
+
+func newTracer(tp trace.TracerProvider) trace.Tracer {
+	if tp == nil {
+		tp = otel.GetTracerProvider()
+	}
+	return tp.Tracer(instrumentationName)
+}
+
+// maxLinks bounds the links of a batch's span.
+const maxLinks = 128
+
+// startBatchSpan starts the producer span of a batch, linked (when it
+// records) to the spans that wrote the batch's rows.
+func (r *Relay) startBatchSpan(ctx context.Context, batch []Record) (context.Context, trace.Span) {
+	ctx, span := r.tracer.Start(ctx, "outbox publish", trace.WithSpanKind(trace.SpanKindProducer),
+		trace.WithAttributes(attribute.String("once.outbox.table", r.cfg.Store.table),
+			attribute.Int("messaging.batch.message_count", len(batch))))
+	if !span.IsRecording() {
+		return ctx, span
+	}
+	prop := otel.GetTextMapPropagator()
+	for i, rec := range batch {
+		if i == maxLinks {
+			break
+		}
+		sc := trace.SpanContextFromContext(prop.Extract(context.Background(), propagation.MapCarrier(rec.Headers)))
+		if sc.IsValid() {
+			span.AddLink(trace.Link{SpanContext: sc, Attributes: []attribute.KeyValue{attribute.String("messaging.message.id", rec.EventID)}})
+		}
+	}
+	return ctx, span
+}
+
+// endBatchSpan ends span with the batch's outcome.
+func endBatchSpan(span trace.Span, sent, rejected int, err error) {
+	span.SetAttributes(attribute.Int("once.outbox.sent", sent), attribute.Int("once.outbox.rejected", rejected))
+	if err != nil {
+		span.RecordError(err)
+		span.SetStatus(codes.Error, err.Error())
+	}
+	span.End()
 }
