@@ -12,15 +12,19 @@ import (
 // RelayConfig.MaxAttempts times. Later rows of its (Topic, Key) wait until
 // it is requeued or discarded.
 type ParkedRow struct {
-	Seq        int64
-	EventID    string
+	// Seq identifies the row for Requeue and Discard.
+	Seq     int64
+	EventID string
+	// Topic, RoutingKey and Key are the message's destination and key.
 	Topic      string
 	RoutingKey string
 	Key        []byte
-	Attempts   int
-	LastError  string
-	CreatedAt  time.Time
-	ParkedAt   time.Time
+	// Attempts counts the broker's refusals; LastError is the last one.
+	Attempts  int
+	LastError string
+	// CreatedAt is when the row was written, ParkedAt when it was parked.
+	CreatedAt time.Time
+	ParkedAt  time.Time
 }
 
 // Parked lists up to limit parked rows, oldest first (limit <= 0: all).

@@ -13,15 +13,18 @@ type Record struct {
 	Seq int64
 	// EventID is the message's stable event id (Message.ID, or the one Add
 	// generated). Every publish of the row carries it.
-	EventID    string
+	EventID string
+	// Topic, RoutingKey, Key, Type and Body are the Message's.
 	Topic      string
 	RoutingKey string
-	Key        []byte
+	Key        []byte // nil when the message has no key
 	Type       string
 	// Headers are Message.Headers with the stored trace context
 	// ("traceparent", "tracestate") added.
-	Headers   map[string]string
-	Body      []byte
+	Headers map[string]string
+	Body    []byte
+	// CreatedAt is when the row was written; publishers send it as the
+	// message timestamp.
 	CreatedAt time.Time
 	// Attempts counts the earlier publishes the broker rejected.
 	Attempts int

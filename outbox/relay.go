@@ -29,8 +29,10 @@ const (
 // Backoff is an exponential backoff: Initial, doubled after each failure up
 // to Max, with ±20% jitter.
 type Backoff struct {
+	// Initial is the first wait; it must be positive.
 	Initial time.Duration
-	Max     time.Duration
+	// Max caps the wait; it must be at least Initial.
+	Max time.Duration
 }
 
 // delay is the wait before attempt n+1 after n failures (n >= 1), without
