@@ -52,9 +52,10 @@
 // marks rows on that same connection, so that when its session ends it
 // notices at its next statement; another relay takes the lock within
 // PollInterval. One publisher at a time keeps each key's order simply,
-// with no partitioning of keys between relays to rebalance when replicas
-// come and go, and one relay's batches already approach the broker's
-// confirmed-publish rate, which bounds an outbox's throughput anyway.
+// with no key ranges to hand over between relays without reordering when
+// replicas come and go; what it costs is a ceiling on throughput, one
+// relay's, which is tens of thousands of rows a second (docs/outbox.md has
+// the measurements). Extra replicas add failover, not throughput.
 //
 // Messages of one (Topic, Key) are published in the order of their rows,
 // which is the order of the transactions that wrote them when those
