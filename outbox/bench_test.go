@@ -4,13 +4,17 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"slices"
 	"strconv"
+	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
+	"github.com/onceco/once/consumer"
 	"github.com/onceco/once/outbox"
 )
 
@@ -98,4 +102,63 @@ func benchRelayBatch() int {
 		return n
 	}
 	return outbox.DefaultBatchSize
+}
+
+// BenchmarkLatency writes b.N rows at ONCE_OUTBOX_RATE rows a second
+// (default 2000), one transaction each, with a relay and a consumer of this
+// library downstream (Kafka, kfake), and reports the time from each
+// writer's commit to the downstream handler seeing the message: p50 and p99.
+//
+//	go test -run '^$' -bench Latency -benchtime 10000x ./outbox/
+func BenchmarkLatency(b *testing.B) {
+	rate := 2000
+	if n, err := strconv.Atoi(os.Getenv("ONCE_OUTBOX_RATE")); err == nil && n > 0 {
+		rate = n
+	}
+	k := newKafka(b)
+	pool, _ := migrated(b)
+	d := k.destination(b)
+	ctx := context.Background()
+	_, err := pool.Exec(ctx, `CREATE TABLE effects (event_id text NOT NULL)`)
+	require.NoError(b, err)
+	committed := make([]time.Time, b.N)
+	seen := make([]time.Time, b.N)
+	var received atomic.Int64
+	handle := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[[]byte]) error {
+		i, err := strconv.Atoi(strings.TrimPrefix(ev.ID, "lat-"))
+		if err != nil || i < 0 || i >= len(seen) {
+			return consumer.Permanent(fmt.Errorf("unexpected id %q", ev.ID))
+		}
+		if seen[i].IsZero() {
+			seen[i] = time.Now()
+			received.Add(1)
+		}
+		_, err = tx.Exec(ctx, `INSERT INTO effects VALUES ($1)`, ev.ID)
+		return err
+	}
+	c, err := consumer.New(pool, d.source(b, "latency"), handle, consumer.Config{Name: "latency", Logger: testLogger()})
+	require.NoError(b, err)
+	run(b, c.Run)
+	startRelay(b, pool, k.publisher(b), outbox.RelayConfig{SkipMigrate: true})
+
+	b.ResetTimer()
+	tick := time.NewTicker(time.Second / time.Duration(rate))
+	defer tick.Stop()
+	for i := range b.N {
+		<-tick.C
+		m := d.msg(benchBody(i))
+		m.ID = "lat-" + strconv.Itoa(i)
+		require.NoError(b, pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error { return outbox.Add(ctx, tx, m) }))
+		committed[i] = time.Now()
+	}
+	require.Eventually(b, func() bool { return received.Load() == int64(b.N) }, time.Minute, time.Millisecond)
+	b.StopTimer()
+	lat := make([]time.Duration, b.N)
+	for i := range lat {
+		lat[i] = seen[i].Sub(committed[i])
+	}
+	slices.Sort(lat)
+	b.ReportMetric(float64(lat[len(lat)/2].Microseconds())/1000, "p50-ms")
+	b.ReportMetric(float64(lat[len(lat)*99/100].Microseconds())/1000, "p99-ms")
+	b.ReportMetric(float64(rate), "rows/s")
 }
