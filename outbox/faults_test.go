@@ -132,11 +132,7 @@ func TestBrokerDownThenBack(t *testing.T) {
 		brokerDownThenBack(t, k.destination(t), k.publisher(t), k.stop, k.start)
 	})
 	t.Run("rabbitmq", func(t *testing.T) {
-		rb := brokers(t)
-		if len(rb) < 2 {
-			t.Skip("AMQP_URL is not set")
-		}
-		r := rb[1].(*rabbit)
+		r := rabbitOrSkip(t)
 		u, err := url.Parse(r.url)
 		require.NoError(t, err)
 		proxy, err := netcut.NewProxy(u.Host)

@@ -85,14 +85,33 @@ type dest interface {
 // RabbitMQ when AMQP_URL is set (required under ONCE_REQUIRE_SERVERS=1).
 func brokers(t *testing.T) []broker {
 	out := []broker{newKafka(t)}
-	if u := os.Getenv("AMQP_URL"); u != "" {
-		out = append(out, &rabbit{url: u})
-	} else if os.Getenv("ONCE_REQUIRE_SERVERS") == "1" {
-		t.Fatal("AMQP_URL is not set and ONCE_REQUIRE_SERVERS=1")
+	if r := rabbitFromEnv(t); r != nil {
+		out = append(out, r)
 	} else {
 		t.Log("AMQP_URL is not set: RabbitMQ cases skipped")
 	}
 	return out
+}
+
+// rabbitFromEnv is the RabbitMQ at AMQP_URL; nil when it is not set, and a
+// failure when ONCE_REQUIRE_SERVERS=1 (make test).
+func rabbitFromEnv(t *testing.T) *rabbit {
+	if u := os.Getenv("AMQP_URL"); u != "" {
+		return &rabbit{url: u}
+	}
+	if os.Getenv("ONCE_REQUIRE_SERVERS") == "1" {
+		t.Fatal("AMQP_URL is not set and ONCE_REQUIRE_SERVERS=1")
+	}
+	return nil
+}
+
+// rabbitOrSkip is rabbitFromEnv, skipping the test without a broker.
+func rabbitOrSkip(t *testing.T) *rabbit {
+	r := rabbitFromEnv(t)
+	if r == nil {
+		t.Skip("AMQP_URL is not set")
+	}
+	return r
 }
 
 // forEachBroker runs f as a subtest per broker.

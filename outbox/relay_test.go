@@ -319,11 +319,7 @@ func bodiesOfKey(ws []wire, key string) []string {
 // checked before the batch is sent, so that it is parked without closing
 // the channel again.
 func TestMissingExchangeIsParkedOthersGoOn(t *testing.T) {
-	brs := brokers(t)
-	if len(brs) < 2 {
-		t.Skip("AMQP_URL is not set")
-	}
-	r := brs[1].(*rabbit)
+	r := rabbitOrSkip(t)
 	pool, _ := migrated(t)
 	d := r.destination(t)
 	startRelay(t, pool, r.publisher(t), outbox.RelayConfig{PollInterval: 20 * time.Millisecond, MaxAttempts: 2,
