@@ -440,3 +440,22 @@ func TestRelaySpanLinksToTheWriters(t *testing.T) {
 	require.Len(t, publish.Links(), 1)
 	assert.Equal(t, writer.SpanContext().SpanID(), publish.Links()[0].SpanContext.SpanID())
 }
+
+// A relay on a table with its own name in a named schema publishes it; a
+// second table beside it has a leader of its own.
+func TestRelayOnNamedTables(t *testing.T) {
+	k := newKafka(t)
+	pool, schema := pgtest.Schema(t)
+	d := k.destination(t)
+	ctx := context.Background()
+	for _, table := range []string{"orders_out", "billing_out"} {
+		store, err := outbox.New(outbox.Config{Schema: schema, Table: table})
+		require.NoError(t, err)
+		r, _ := startRelay(t, pool, k.publisher(t), outbox.RelayConfig{Store: store, PollInterval: 20 * time.Millisecond})
+		require.Eventually(t, r.Leader, 10*time.Second, 5*time.Millisecond, "%s has a leader of its own", table)
+		require.NoError(t, pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			return store.Add(ctx, tx, d.msg(table, table+"/0"))
+		}))
+	}
+	assert.ElementsMatch(t, []string{"orders_out/0", "billing_out/0"}, bodies(d.read(t, 2)))
+}
