@@ -105,48 +105,19 @@ func (p *Publisher) Publish(ctx context.Context, recs []outbox.Record) []error {
 	}
 	wctx, cancel := context.WithTimeout(ctx, p.cfg.ConfirmTimeout)
 	defer cancel()
-	errs := make([]error, len(recs))
-	confirms := make([]*amqp091.DeferredConfirmation, len(recs))
-	for i, rec := range recs {
-		dc, err := ch.PublishWithDeferredConfirmWithContext(wctx, rec.Topic, rec.RoutingKey, true, false, p.publishing(rec))
-		if err != nil {
-			errs[i] = fmt.Errorf("amqpout: publish to exchange %q: %w", rec.Topic, err)
-			continue
-		}
-		confirms[i] = dc
-	}
+	errs, confirms := p.send(wctx, ch, recs)
 	returned := map[string]amqp091.Return{}
 	for i, dc := range confirms {
-		if dc == nil {
-			continue
+		if dc != nil {
+			errs[i] = p.await(wctx, dc, returns, returned)
 		}
-		errs[i] = p.await(wctx, dc, returns, returned)
 	}
 	// The broker sends a basic.return before the ack of the same message,
 	// and the library hands both over in that order: every return of this
 	// batch is in the channel by now.
 	drainReturns(returns, returned)
 	closeErr := closeError(closes)
-	failed := false
-	for i, rec := range recs {
-		if r, ok := returned[rec.EventID]; ok && errs[i] == nil {
-			errs[i] = outbox.Rejected(fmt.Errorf("amqpout: exchange %q routing key %q: unroutable: %d %s",
-				rec.Topic, rec.RoutingKey, r.ReplyCode, r.ReplyText))
-			continue
-		}
-		if errs[i] == nil {
-			continue
-		}
-		if missing := missingExchange(closeErr); missing != "" && missing == rec.Topic {
-			p.markMissing(missing)
-			errs[i] = outbox.Rejected(fmt.Errorf("amqpout: exchange %q does not exist: %w", rec.Topic, closeErr))
-			continue
-		}
-		if closeErr != nil {
-			errs[i] = fmt.Errorf("%w (channel closed: %v)", errs[i], closeErr)
-		}
-		failed = true
-	}
+	failed := p.classify(recs, errs, returned, closeErr)
 	if failed || closeErr != nil {
 		p.reset()
 	}
@@ -154,6 +125,45 @@ func (p *Publisher) Publish(ctx context.Context, recs []outbox.Record) []error {
 		return nil
 	}
 	return errs
+}
+
+// send publishes recs without waiting; errs[i] is set for a record that
+// could not be sent, confirms[i] for one that was.
+func (p *Publisher) send(ctx context.Context, ch *amqp091.Channel, recs []outbox.Record) (errs []error, confirms []*amqp091.DeferredConfirmation) {
+	errs = make([]error, len(recs))
+	confirms = make([]*amqp091.DeferredConfirmation, len(recs))
+	for i, rec := range recs {
+		dc, err := ch.PublishWithDeferredConfirmWithContext(ctx, rec.Topic, rec.RoutingKey, true, false, p.publishing(rec))
+		if err != nil {
+			errs[i] = fmt.Errorf("amqpout: publish to exchange %q: %w", rec.Topic, err)
+			continue
+		}
+		confirms[i] = dc
+	}
+	return errs, confirms
+}
+
+// classify turns returns and a missing exchange into rejections in errs,
+// and reports whether any record failed otherwise.
+func (p *Publisher) classify(recs []outbox.Record, errs []error, returned map[string]amqp091.Return, closeErr *amqp091.Error) (failed bool) {
+	missing := missingExchange(closeErr)
+	for i, rec := range recs {
+		switch r, wasReturned := returned[rec.EventID]; {
+		case errs[i] == nil && wasReturned:
+			errs[i] = outbox.Rejected(fmt.Errorf("amqpout: exchange %q routing key %q: unroutable: %d %s",
+				rec.Topic, rec.RoutingKey, r.ReplyCode, r.ReplyText))
+		case errs[i] == nil:
+		case missing != "" && missing == rec.Topic:
+			p.markMissing(missing)
+			errs[i] = outbox.Rejected(fmt.Errorf("amqpout: exchange %q does not exist: %w", rec.Topic, closeErr))
+		default:
+			if closeErr != nil {
+				errs[i] = fmt.Errorf("%w (channel closed: %v)", errs[i], closeErr)
+			}
+			failed = true
+		}
+	}
+	return failed
 }
 
 // Check refuses a record to an exchange that a publish found missing and
