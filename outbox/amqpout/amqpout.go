@@ -1,0 +1,362 @@
+package amqpout
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"net"
+	"regexp"
+	"sync"
+	"time"
+
+	amqp091 "github.com/rabbitmq/amqp091-go"
+
+	"github.com/onceco/once/outbox"
+)
+
+// Defaults of Config fields left zero.
+const (
+	DefaultConfirmTimeout = 10 * time.Second
+	DefaultDialTimeout    = 10 * time.Second
+	DefaultHeartbeat      = 10 * time.Second
+)
+
+// Config configures a Publisher. URL is required.
+type Config struct {
+	// URL of the broker, "amqp://user:password@host:port/vhost" or
+	// "amqps://...". Required.
+	URL string
+	// TLSConfig is used for amqps URLs. Nil: the system roots.
+	TLSConfig *tls.Config
+	// DialTimeout bounds the TCP connect and the AMQP handshake. Default
+	// 10s.
+	DialTimeout time.Duration
+	// Heartbeat is the AMQP heartbeat interval. Default 10s.
+	Heartbeat time.Duration
+	// ConnectionName is shown in the management UI. Default "once outbox".
+	ConnectionName string
+	// ConfirmTimeout bounds the wait for the broker's confirms of one
+	// batch; past it the batch's unconfirmed records are failed (and
+	// published again later). Default 10s.
+	ConfirmTimeout time.Duration
+	// Transient publishes with delivery mode 1 (not persisted by the
+	// broker). Default false: persistent, which a durable queue needs to
+	// keep the message across a broker restart.
+	Transient bool
+}
+
+// Publisher publishes outbox records to RabbitMQ on a channel in confirm
+// mode, each mandatory, a batch at a time: a record is confirmed when the
+// broker acked it and did not return it as unroutable. It connects on
+// first use and again after a failure. Use it from one goroutine (the
+// relay's); Close may be called from any.
+type Publisher struct {
+	cfg Config
+
+	mu      sync.Mutex
+	conn    *amqp091.Connection
+	ch      *amqp091.Channel
+	returns chan amqp091.Return
+	closes  chan *amqp091.Error
+	closed  bool
+	// missing holds the exchanges a publish found missing: Check looks
+	// them up before their next record is sent, because a publish to a
+	// missing exchange closes the channel and fails the whole batch.
+	missing map[string]bool
+}
+
+// New validates cfg and returns a Publisher; it does not connect yet.
+func New(cfg Config) (*Publisher, error) {
+	if cfg.URL == "" {
+		return nil, errors.New("amqpout: Config.URL is required")
+	}
+	if _, err := amqp091.ParseURI(cfg.URL); err != nil {
+		return nil, fmt.Errorf("amqpout: Config.URL: %w", err)
+	}
+	if cfg.ConfirmTimeout < 0 || cfg.DialTimeout < 0 || cfg.Heartbeat < 0 {
+		return nil, errors.New("amqpout: Config durations must not be negative")
+	}
+	if cfg.ConfirmTimeout == 0 {
+		cfg.ConfirmTimeout = DefaultConfirmTimeout
+	}
+	if cfg.DialTimeout == 0 {
+		cfg.DialTimeout = DefaultDialTimeout
+	}
+	if cfg.Heartbeat == 0 {
+		cfg.Heartbeat = DefaultHeartbeat
+	}
+	if cfg.ConnectionName == "" {
+		cfg.ConnectionName = "once outbox"
+	}
+	return &Publisher{cfg: cfg}, nil
+}
+
+// Publish publishes recs, in order, to exchange Topic with RoutingKey,
+// mandatory, and waits for their confirms. A record returned unroutable
+// (no queue bound), or sent to an exchange that does not exist, gets an
+// error wrapped with outbox.Rejected; a nack, a lost connection or no
+// confirm within ConfirmTimeout an ordinary error, after which the channel
+// is replaced.
+func (p *Publisher) Publish(ctx context.Context, recs []outbox.Record) []error {
+	ch, returns, closes, err := p.channel()
+	if err != nil {
+		return fill(len(recs), err)
+	}
+	wctx, cancel := context.WithTimeout(ctx, p.cfg.ConfirmTimeout)
+	defer cancel()
+	errs, confirms := p.send(wctx, ch, recs)
+	returned := map[string]amqp091.Return{}
+	for i, dc := range confirms {
+		if dc != nil {
+			errs[i] = p.await(wctx, dc, returns, returned)
+		}
+	}
+	// The broker sends a basic.return before the ack of the same message,
+	// and the library hands both over in that order: every return of this
+	// batch is in the channel by now.
+	drainReturns(returns, returned)
+	closeErr := closeError(closes)
+	failed := p.classify(recs, errs, returned, closeErr)
+	if failed || closeErr != nil {
+		p.reset()
+	}
+	if !failed && len(returned) == 0 && closeErr == nil {
+		return nil
+	}
+	return errs
+}
+
+// send publishes recs without waiting; errs[i] is set for a record that
+// could not be sent, confirms[i] for one that was.
+func (p *Publisher) send(ctx context.Context, ch *amqp091.Channel, recs []outbox.Record) (errs []error, confirms []*amqp091.DeferredConfirmation) {
+	errs = make([]error, len(recs))
+	confirms = make([]*amqp091.DeferredConfirmation, len(recs))
+	for i, rec := range recs {
+		dc, err := ch.PublishWithDeferredConfirmWithContext(ctx, rec.Topic, rec.RoutingKey, true, false, p.publishing(rec))
+		if err != nil {
+			errs[i] = fmt.Errorf("amqpout: publish to exchange %q: %w", rec.Topic, err)
+			continue
+		}
+		confirms[i] = dc
+	}
+	return errs, confirms
+}
+
+// classify turns returns and a missing exchange into rejections in errs,
+// and reports whether any record failed otherwise.
+func (p *Publisher) classify(recs []outbox.Record, errs []error, returned map[string]amqp091.Return, closeErr *amqp091.Error) (failed bool) {
+	missing := missingExchange(closeErr)
+	for i, rec := range recs {
+		switch r, wasReturned := returned[rec.EventID]; {
+		case errs[i] == nil && wasReturned:
+			errs[i] = outbox.Rejected(fmt.Errorf("amqpout: exchange %q routing key %q: unroutable: %d %s",
+				rec.Topic, rec.RoutingKey, r.ReplyCode, r.ReplyText))
+		case errs[i] == nil:
+		case missing != "" && missing == rec.Topic:
+			p.markMissing(missing)
+			errs[i] = outbox.Rejected(fmt.Errorf("amqpout: exchange %q does not exist: %w", rec.Topic, closeErr))
+		default:
+			if closeErr != nil {
+				errs[i] = fmt.Errorf("%w (channel closed: %v)", errs[i], closeErr)
+			}
+			failed = true
+		}
+	}
+	return failed
+}
+
+// Check refuses a record to an exchange that a publish found missing and
+// that a passive declare (on a channel of its own) still does not find;
+// records to other exchanges pass unchecked.
+func (p *Publisher) Check(rec outbox.Record) error {
+	p.mu.Lock()
+	missing, conn := p.missing[rec.Topic], p.conn
+	p.mu.Unlock()
+	if !missing || conn == nil {
+		return nil
+	}
+	ch, err := conn.Channel()
+	if err != nil {
+		return nil // Publish meets the same failure and reports it
+	}
+	err = ch.ExchangeDeclarePassive(rec.Topic, "direct", true, false, false, false, nil)
+	var ae *amqp091.Error
+	if errors.As(err, &ae) && ae.Code == amqp091.NotFound {
+		return outbox.Rejected(fmt.Errorf("amqpout: exchange %q does not exist: %w", rec.Topic, err))
+	}
+	_ = ch.Close()
+	if err == nil {
+		p.mu.Lock()
+		delete(p.missing, rec.Topic)
+		p.mu.Unlock()
+	}
+	return nil
+}
+
+func (p *Publisher) markMissing(exchange string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.missing == nil {
+		p.missing = map[string]bool{}
+	}
+	p.missing[exchange] = true
+}
+
+// await waits for dc's confirm, collecting returns meanwhile so that the
+// library never blocks handing one over.
+func (p *Publisher) await(ctx context.Context, dc *amqp091.DeferredConfirmation, returns <-chan amqp091.Return, returned map[string]amqp091.Return) error {
+	for {
+		select {
+		case <-dc.Done():
+			if !dc.Acked() {
+				return errors.New("amqpout: the broker nacked the message (or the channel closed before its confirm)")
+			}
+			return nil
+		case r, ok := <-returns:
+			if !ok { // the channel closed: its confirms are resolved (nacked)
+				returns = nil
+				continue
+			}
+			returned[r.MessageId] = r
+		case <-ctx.Done():
+			return fmt.Errorf("amqpout: no publisher confirm within ConfirmTimeout %v: %w", p.cfg.ConfirmTimeout, ctx.Err())
+		}
+	}
+}
+
+// drainReturns moves the returns waiting in the channel into returned.
+func drainReturns(returns <-chan amqp091.Return, returned map[string]amqp091.Return) {
+	for {
+		select {
+		case r, ok := <-returns:
+			if !ok {
+				return
+			}
+			returned[r.MessageId] = r
+		default:
+			return
+		}
+	}
+}
+
+// closeError is the channel's close reason if it closed.
+func closeError(closes <-chan *amqp091.Error) *amqp091.Error {
+	select {
+	case e := <-closes:
+		return e
+	default:
+		return nil
+	}
+}
+
+var noExchange = regexp.MustCompile(`no exchange '(.*)' in vhost`)
+
+// missingExchange names the exchange a 404 channel close complains of.
+func missingExchange(e *amqp091.Error) string {
+	if e == nil || e.Code != amqp091.NotFound {
+		return ""
+	}
+	if m := noExchange.FindStringSubmatch(e.Reason); m != nil {
+		return m[1]
+	}
+	return ""
+}
+
+// publishing is the AMQP message of rec.
+func (p *Publisher) publishing(rec outbox.Record) amqp091.Publishing {
+	headers := make(amqp091.Table, len(rec.Headers))
+	for k, v := range rec.Headers {
+		headers[k] = v
+	}
+	mode := amqp091.Persistent
+	if p.cfg.Transient {
+		mode = amqp091.Transient
+	}
+	return amqp091.Publishing{
+		Headers:      headers,
+		DeliveryMode: mode,
+		MessageId:    rec.EventID,
+		Type:         rec.Type,
+		Timestamp:    rec.CreatedAt,
+		Body:         rec.Body,
+	}
+}
+
+// channel returns the confirm-mode channel, connecting if needed.
+func (p *Publisher) channel() (*amqp091.Channel, chan amqp091.Return, chan *amqp091.Error, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return nil, nil, nil, errors.New("amqpout: publisher closed")
+	}
+	if p.ch != nil && !p.ch.IsClosed() {
+		return p.ch, p.returns, p.closes, nil
+	}
+	if p.conn == nil || p.conn.IsClosed() {
+		conn, err := amqp091.DialConfig(p.cfg.URL, amqp091.Config{
+			Heartbeat:       p.cfg.Heartbeat,
+			TLSClientConfig: p.cfg.TLSConfig,
+			Properties:      amqp091.Table{"connection_name": p.cfg.ConnectionName},
+			Dial:            amqp091.DefaultDial(p.cfg.DialTimeout),
+		})
+		if err != nil {
+			return nil, nil, nil, fmt.Errorf("amqpout: connect: %w", redact(err))
+		}
+		p.conn = conn
+	}
+	ch, err := p.conn.Channel()
+	if err != nil {
+		return nil, nil, nil, fmt.Errorf("amqpout: open channel: %w", err)
+	}
+	if err := ch.Confirm(false); err != nil {
+		_ = ch.Close()
+		return nil, nil, nil, fmt.Errorf("amqpout: confirm mode: %w", err)
+	}
+	// Buffered so that the library's reader never waits for us between
+	// batches; while a batch is confirmed, await reads it.
+	p.returns = ch.NotifyReturn(make(chan amqp091.Return, 1024))
+	p.closes = ch.NotifyClose(make(chan *amqp091.Error, 1))
+	p.ch = ch
+	return p.ch, p.returns, p.closes, nil
+}
+
+// redact drops a URL (and its password) from a dial error.
+func redact(err error) error {
+	var ne *net.OpError
+	if errors.As(err, &ne) {
+		return ne
+	}
+	return err
+}
+
+// reset drops the channel after a failure; the next batch opens a new one
+// (and reconnects if the connection is gone too). Closing waits for the
+// broker, which may be what is stuck: it is not waited for.
+func (p *Publisher) reset() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.ch != nil {
+		go func(ch *amqp091.Channel) { _ = ch.Close() }(p.ch)
+		p.ch = nil
+	}
+}
+
+// Close closes the connection. Publish fails afterwards.
+func (p *Publisher) Close() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.closed = true
+	if p.conn == nil {
+		return nil
+	}
+	return p.conn.Close()
+}
+
+func fill(n int, err error) []error {
+	errs := make([]error, n)
+	for i := range errs {
+		errs[i] = err
+	}
+	return errs
+}

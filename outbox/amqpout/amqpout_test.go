@@ -1,0 +1,48 @@
+package amqpout
+
+import (
+	"testing"
+	"time"
+
+	amqp091 "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/outbox"
+)
+
+func TestNewRejectsBadConfig(t *testing.T) {
+	_, err := New(Config{})
+	require.ErrorContains(t, err, "URL is required")
+	_, err = New(Config{URL: "http://host"})
+	require.ErrorContains(t, err, "Config.URL")
+	_, err = New(Config{URL: "amqp://h/", ConfirmTimeout: -time.Second})
+	require.ErrorContains(t, err, "negative")
+	p, err := New(Config{URL: "amqp://h/"})
+	require.NoError(t, err)
+	assert.Equal(t, DefaultConfirmTimeout, p.cfg.ConfirmTimeout)
+}
+
+func TestPublishingCarriesIDTypeTraceAndPersistence(t *testing.T) {
+	p, err := New(Config{URL: "amqp://h/"})
+	require.NoError(t, err)
+	at := time.Unix(1700000000, 0)
+	pub := p.publishing(outbox.Record{EventID: "e-1", Type: "order.confirmed", CreatedAt: at, Body: []byte("b"),
+		Headers: map[string]string{"traceparent": "00-x"}})
+	assert.Equal(t, "e-1", pub.MessageId)
+	assert.Equal(t, "order.confirmed", pub.Type)
+	assert.Equal(t, amqp091.Persistent, pub.DeliveryMode)
+	assert.Equal(t, at, pub.Timestamp)
+	assert.Equal(t, amqp091.Table{"traceparent": "00-x"}, pub.Headers)
+
+	p.cfg.Transient = true
+	assert.Equal(t, amqp091.Transient, p.publishing(outbox.Record{}).DeliveryMode)
+}
+
+func TestMissingExchangeIsReadFromTheCloseReason(t *testing.T) {
+	assert.Equal(t, "orders", missingExchange(&amqp091.Error{Code: amqp091.NotFound,
+		Reason: "NOT_FOUND - no exchange 'orders' in vhost '/'"}))
+	assert.Empty(t, missingExchange(&amqp091.Error{Code: amqp091.NotFound, Reason: "NOT_FOUND - no queue 'q' in vhost '/'"}))
+	assert.Empty(t, missingExchange(&amqp091.Error{Code: amqp091.ChannelError, Reason: "no exchange 'x' in vhost"}))
+	assert.Empty(t, missingExchange(nil))
+}

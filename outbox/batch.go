@@ -1,0 +1,335 @@
+package outbox
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// relaySQL are the relay's statements on one table.
+type relaySQL struct {
+	fetch, remove, markSent, reject, cleanup string
+}
+
+func newRelaySQL(t string) relaySQL {
+	return relaySQL{
+		// Rows in sequence order, but none behind an earlier row of its key
+		// that the broker has rejected (parked, or to be retried): such a
+		// row is retried without the rows behind it, which follow once it
+		// is sent or discarded. That keeps each key's order across
+		// rejections and lets every other key go on.
+		fetch: `SELECT o.seq, o.event_id, o.topic, o.routing_key, o.key, o.type, o.headers, o.trace, o.body,
+	o.created_at, o.attempts
+FROM ` + t + ` o
+WHERE o.sent_at IS NULL AND o.parked_at IS NULL
+	AND (o.not_before IS NULL OR o.not_before <= now())
+	AND (o.key IS NULL OR NOT EXISTS (
+		SELECT 1 FROM ` + t + ` e
+		WHERE e.topic = o.topic AND e.key = o.key AND e.seq < o.seq AND e.sent_at IS NULL
+			AND (e.attempts > 0 OR e.parked_at IS NOT NULL)))
+	AND (o.seq > $2 OR NOT o.seq = ANY($3::bigint[]))
+ORDER BY o.seq
+LIMIT $1`,
+		remove:   `DELETE FROM ` + t + ` WHERE seq = ANY($1::bigint[])`,
+		markSent: `UPDATE ` + t + ` SET sent_at = now(), not_before = NULL WHERE seq = ANY($1::bigint[])`,
+		reject: `UPDATE ` + t + ` AS o SET attempts = o.attempts + 1, last_error = u.err,
+	not_before = now() + u.delay_ms * interval '1 millisecond',
+	parked_at = CASE WHEN o.attempts + 1 >= $4 THEN now() END
+FROM unnest($1::bigint[], $2::text[], $3::bigint[]) AS u(seq, err, delay_ms)
+WHERE o.seq = u.seq
+RETURNING o.seq, o.event_id, o.parked_at IS NOT NULL`,
+		cleanup: `DELETE FROM ` + t + ` WHERE ctid = ANY(ARRAY(
+	SELECT ctid FROM ` + t + ` WHERE sent_at < now() - $1 * interval '1 millisecond' LIMIT $2))`,
+	}
+}
+
+// errBrokerUnavailable is relayBatch's error when records failed without
+// the broker rejecting them: they stay in the outbox, uncounted.
+var errBrokerUnavailable = errors.New("the broker did not confirm")
+
+// relayBatch publishes batch and settles each row by its outcome:
+// confirmed rows are removed (or marked sent), rejected rows charged an
+// attempt, the rest left as they were. While the broker works on a full
+// batch it reads the next one (ahead), leaving out the rows in flight; of
+// those it returns only the rows whose key had every row of batch
+// confirmed, so that nothing overtakes a row that must be sent again.
+func (r *Relay) relayBatch(ctx context.Context, conn *pgx.Conn, batch []Record) (ahead []Record, err error) {
+	var sent []int64
+	var rejects []rejection
+	pctx, span := r.startBatchSpan(ctx, batch)
+	defer func() { endBatchSpan(span, len(sent), len(rejects), err) }()
+	publish, checked := r.check(batch)
+	published := make(chan []error, 1)
+	go func() {
+		var errs []error
+		if len(publish) > 0 {
+			errs = r.pub.Publish(pctx, publish)
+		}
+		published <- errs
+	}()
+	var aheadErr error
+	if len(batch) == r.cfg.BatchSize {
+		ahead, aheadErr = r.fetch(ctx, conn, batch)
+	}
+	errs, ok := awaitPublish(ctx, published)
+	if !ok {
+		return nil, fmt.Errorf("%w: stopped before the broker answered", errBrokerUnavailable)
+	}
+	var failed error
+	sent, rejects, failed = sortOutcomes(publish, errs)
+	rejects = append(rejects, checked...)
+	// What the broker confirmed is settled even when ctx is cancelled
+	// meanwhile: a row left unmarked is published again.
+	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	defer cancel()
+	if err := r.settle(sctx, conn, sent, rejects); err != nil {
+		return nil, err
+	}
+	if failed != nil {
+		return nil, fmt.Errorf("%w: %w", errBrokerUnavailable, failed)
+	}
+	if aheadErr != nil {
+		return nil, aheadErr
+	}
+	return withoutHeldKeys(ahead, batch, sent), nil
+}
+
+// shutdownGrace bounds how long a stopping relay waits for the broker's
+// answer to the batch in flight (a sarama producer does not watch the
+// context): past it the batch is left unsettled, to be published again.
+const shutdownGrace = 5 * time.Second
+
+// awaitPublish waits for the publish's outcome; once ctx is done, at most
+// shutdownGrace more. ok is false when it gave up.
+func awaitPublish(ctx context.Context, published <-chan []error) (errs []error, ok bool) {
+	select {
+	case errs = <-published:
+		return errs, true
+	case <-ctx.Done():
+	}
+	t := time.NewTimer(shutdownGrace)
+	defer t.Stop()
+	select {
+	case errs = <-published:
+		return errs, true
+	case <-t.C:
+		return nil, false
+	}
+}
+
+// withoutHeldKeys drops from ahead the rows of every key that has a row in
+// batch the broker did not confirm: they are read again, behind it, once
+// it is settled.
+func withoutHeldKeys(ahead, batch []Record, sent []int64) []Record {
+	if len(sent) == len(batch) || len(ahead) == 0 {
+		return ahead
+	}
+	ok := make(map[int64]bool, len(sent))
+	for _, seq := range sent {
+		ok[seq] = true
+	}
+	held := map[string]bool{}
+	for _, rec := range batch {
+		if k := orderKey(rec); k != "" && !ok[rec.Seq] {
+			held[k] = true
+		}
+	}
+	out := ahead[:0]
+	for _, rec := range ahead {
+		if k := orderKey(rec); k == "" || !held[k] {
+			out = append(out, rec)
+		}
+	}
+	return out
+}
+
+// check runs the publisher's Checker, if it has one, over recs: a record
+// it refuses (Rejected) is charged without being sent, one it cannot check
+// (any other error) is held for a later batch, and in both cases the later
+// records of its key are held back (neither sent nor charged) so that they
+// cannot overtake it.
+func (r *Relay) check(recs []Record) (publish []Record, rejects []rejection) {
+	c, ok := r.pub.(Checker)
+	if !ok {
+		return recs, nil
+	}
+	publish = recs[:0:0]
+	var held map[string]bool
+	for _, rec := range recs {
+		k := orderKey(rec)
+		if k != "" && held[k] {
+			continue
+		}
+		if err := c.Check(rec); err != nil {
+			if IsRejected(err) {
+				rejects = append(rejects, rejection{seq: rec.Seq, attempts: rec.Attempts, err: err})
+			}
+			if k != "" {
+				if held == nil {
+					held = map[string]bool{}
+				}
+				held[k] = true
+			}
+			continue
+		}
+		publish = append(publish, rec)
+	}
+	return publish, rejects
+}
+
+// orderKey identifies the sequence a record keeps its order in; "" for a
+// record without a key.
+func orderKey(rec Record) string {
+	if rec.Key == nil {
+		return ""
+	}
+	return rec.Topic + "\x00" + string(rec.Key)
+}
+
+// rejection is a record the broker refused.
+type rejection struct {
+	seq      int64
+	attempts int // before this one
+	err      error
+}
+
+// sortOutcomes splits recs by their publish result; failed is the first
+// error that was not a rejection.
+func sortOutcomes(recs []Record, errs []error) (sent []int64, rejects []rejection, failed error) {
+	for i, rec := range recs {
+		var err error
+		if errs != nil {
+			err = errs[i]
+		}
+		switch {
+		case err == nil:
+			sent = append(sent, rec.Seq)
+		case IsRejected(err):
+			rejects = append(rejects, rejection{seq: rec.Seq, attempts: rec.Attempts, err: err})
+		case failed == nil:
+			failed = err
+		}
+	}
+	return sent, rejects, failed
+}
+
+// fetch reads the next batch of publishable rows, leaving out the rows of
+// inflight (a batch being published).
+func (r *Relay) fetch(ctx context.Context, conn *pgx.Conn, inflight []Record) ([]Record, error) {
+	var maxSeq int64
+	seqs := make([]int64, len(inflight))
+	for i, rec := range inflight {
+		seqs[i] = rec.Seq
+		maxSeq = max(maxSeq, rec.Seq)
+	}
+	rows, err := conn.Query(ctx, r.sql.fetch, r.cfg.BatchSize, maxSeq, seqs)
+	if err != nil {
+		return nil, fmt.Errorf("read outbox: %w", err)
+	}
+	recs, err := pgx.CollectRows(rows, scanRecord)
+	if err != nil {
+		return nil, fmt.Errorf("read outbox: %w", err)
+	}
+	return recs, nil
+}
+
+func scanRecord(row pgx.CollectableRow) (Record, error) {
+	var rec Record
+	var headers, trace []byte
+	err := row.Scan(&rec.Seq, &rec.EventID, &rec.Topic, &rec.RoutingKey, &rec.Key, &rec.Type,
+		&headers, &trace, &rec.Body, &rec.CreatedAt, &rec.Attempts)
+	if err != nil {
+		return rec, err
+	}
+	if err := json.Unmarshal(headers, &rec.Headers); err != nil {
+		return rec, fmt.Errorf("row %d: headers: %w", rec.Seq, err)
+	}
+	var tc map[string]string
+	if err := json.Unmarshal(trace, &tc); err != nil {
+		return rec, fmt.Errorf("row %d: trace: %w", rec.Seq, err)
+	}
+	if rec.Headers == nil && len(tc) > 0 {
+		rec.Headers = make(map[string]string, len(tc))
+	}
+	for k, v := range tc {
+		rec.Headers[k] = v
+	}
+	return rec, nil
+}
+
+// settle removes (or marks) the sent rows and charges the rejected ones, in
+// one round trip, and logs the rows it parked.
+func (r *Relay) settle(ctx context.Context, conn *pgx.Conn, sent []int64, rejects []rejection) error {
+	if len(sent) == 0 && len(rejects) == 0 {
+		return nil
+	}
+	var b pgx.Batch
+	if len(sent) > 0 {
+		if r.cfg.KeepSent > 0 {
+			b.Queue(r.sql.markSent, sent)
+		} else {
+			b.Queue(r.sql.remove, sent)
+		}
+	}
+	if len(rejects) > 0 {
+		seqs, msgs, delays := make([]int64, len(rejects)), make([]string, len(rejects)), make([]int64, len(rejects))
+		for i, rj := range rejects {
+			seqs[i], msgs[i] = rj.seq, rj.err.Error()
+			delays[i] = jitter(r.cfg.RetryBackoff.delay(rj.attempts + 1)).Milliseconds()
+		}
+		b.Queue(r.sql.reject, seqs, msgs, delays, r.cfg.MaxAttempts).Query(func(rows pgx.Rows) error {
+			return r.logRejections(rows, rejects)
+		})
+	}
+	if err := conn.SendBatch(ctx, &b).Close(); err != nil {
+		return fmt.Errorf("settle published rows: %w", err)
+	}
+	r.metrics.published.Add(ctx, int64(len(sent)), r.metrics.attrs)
+	r.metrics.rejected.Add(ctx, int64(len(rejects)), r.metrics.attrs)
+	return nil
+}
+
+// logRejections logs each rejected row, at error level when it was parked.
+func (r *Relay) logRejections(rows pgx.Rows, rejects []rejection) error {
+	why := make(map[int64]error, len(rejects))
+	for _, rj := range rejects {
+		why[rj.seq] = rj.err
+	}
+	for rows.Next() {
+		var seq int64
+		var id string
+		var parked bool
+		if err := rows.Scan(&seq, &id, &parked); err != nil {
+			return err
+		}
+		if parked {
+			r.metrics.parked.Add(context.Background(), 1, r.metrics.attrs)
+			r.cfg.Logger.Error("outbox relay: row parked: the broker rejected it on every attempt; later rows of its key wait",
+				"seq", seq, "event_id", id, "error", why[seq])
+		} else {
+			r.cfg.Logger.Warn("outbox relay: the broker rejected a row; it will be retried", "seq", seq, "event_id", id, "error", why[seq])
+		}
+	}
+	return rows.Err()
+}
+
+// cleanupChunk bounds the rows one cleanup statement deletes.
+const cleanupChunk = 1000
+
+// cleanup deletes rows sent more than KeepSent ago, a chunk at a time.
+func (r *Relay) cleanup(ctx context.Context, conn *pgx.Conn) error {
+	for ctx.Err() == nil {
+		tag, err := conn.Exec(ctx, r.sql.cleanup, r.cfg.KeepSent.Milliseconds(), cleanupChunk)
+		if err != nil {
+			return err
+		}
+		if tag.RowsAffected() < cleanupChunk {
+			return nil
+		}
+	}
+	return nil
+}

@@ -1,0 +1,199 @@
+package outbox_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/internal/pgtest"
+	"github.com/onceco/once/outbox"
+	"github.com/onceco/once/outbox/amqpout"
+	"github.com/onceco/once/outbox/kafkaout"
+)
+
+// The crash child: the test binary run again with these variables set runs
+// a relay whose process kills itself (SIGKILL) as soon as the broker has
+// confirmed the first batch, before the rows are marked.
+const (
+	childEnv       = "ONCE_OUTBOX_CHILD" // "kafka" or "rabbitmq"
+	childDBEnv     = "ONCE_OUTBOX_CHILD_DB"
+	childSchemaEnv = "ONCE_OUTBOX_CHILD_SCHEMA"
+	childBrokerEnv = "ONCE_OUTBOX_CHILD_BROKER" // Kafka address or AMQP URL
+	// childModeEnv "run" makes the child relay until it is killed.
+	childModeEnv = "ONCE_OUTBOX_CHILD_MODE"
+)
+
+func runChild() int {
+	ctx := context.Background()
+	cfg, err := pgxpool.ParseConfig(os.Getenv(childDBEnv))
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	cfg.ConnConfig.RuntimeParams["search_path"] = os.Getenv(childSchemaEnv)
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	var pub outbox.Publisher
+	switch os.Getenv(childEnv) {
+	case "kafka":
+		pub, err = kafkaout.New(kafkaout.Config{Brokers: []string{os.Getenv(childBrokerEnv)}, Sarama: saramaConfig()})
+	default:
+		pub, err = amqpout.New(amqpout.Config{URL: os.Getenv(childBrokerEnv)})
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	rcfg := outbox.RelayConfig{PollInterval: 50 * time.Millisecond, Logger: testLogger()}
+	if os.Getenv(childModeEnv) == "run" {
+		rcfg.BatchSize = 50 // more batches, more moments to be killed in
+	} else {
+		pub = killAfterConfirm{pub}
+	}
+	r, err := outbox.NewRelay(pool, pub, rcfg)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 2
+	}
+	_ = r.Run(ctx)
+	return 3 // not reached: the child is killed
+}
+
+// killAfterConfirm kills the process once the broker confirmed a whole
+// batch: the crash between publish and mark.
+type killAfterConfirm struct{ outbox.Publisher }
+
+func (k killAfterConfirm) Publish(ctx context.Context, recs []outbox.Record) []error {
+	errs := k.Publisher.Publish(ctx, recs)
+	if errs == nil {
+		_ = syscall.Kill(os.Getpid(), syscall.SIGKILL)
+		select {}
+	}
+	return errs
+}
+
+// A relay killed after the broker confirmed a batch and before it marked
+// the rows leaves them in the outbox; the next relay publishes them again
+// with the same ids, and a consumer of this library downstream skips every
+// second copy: one effect per event.
+func TestCrashAfterPublishBeforeMarkIsSkippedDownstream(t *testing.T) {
+	forEachBroker(t, func(t *testing.T, b broker) {
+		pool, schema := migrated(t)
+		d := b.destination(t)
+		const n = 60
+		for i := range n / 20 {
+			var msgs []outbox.Message
+			for j := range 20 {
+				key := fmt.Sprintf("k%d", j%4)
+				msgs = append(msgs, d.msg(key, fmt.Sprintf("%s/%d", key, i*20+j)))
+			}
+			addCommitted(t, pool, msgs...)
+		}
+
+		runCrashChild(t, b, schema)
+		assert.Equal(t, n, rows(t, pool, "sent_at IS NULL"), "the killed relay marked nothing")
+		if kd, ok := d.(*kafkaDest); ok {
+			require.Len(t, kd.read(t, n), n, "the killed relay's batch reached the broker")
+		}
+
+		_, err := pool.Exec(context.Background(), `CREATE TABLE effects (event_id text NOT NULL, body text NOT NULL)`)
+		require.NoError(t, err)
+		effect := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[[]byte]) error {
+			_, err := tx.Exec(ctx, `INSERT INTO effects VALUES ($1, $2)`, ev.ID, string(ev.Payload))
+			return err
+		}
+		c, err := consumer.New(pool, d.source(t, "shipping"), effect, consumer.Config{Name: "shipping", Logger: testLogger()})
+		require.NoError(t, err)
+		stopConsumer := run(t, c.Run)
+		startRelay(t, pool, b.publisher(t), outbox.RelayConfig{PollInterval: 50 * time.Millisecond})
+
+		waitRows(t, pool, "true", 0, 30*time.Second)
+		require.Eventually(t, func() bool { st := c.Stats(); return st.Handled+st.Duplicates >= 2*n },
+			60*time.Second, 10*time.Millisecond, "the consumer settles both copies of each message")
+		stopConsumer()
+
+		var events, effects int
+		require.NoError(t, pool.QueryRow(context.Background(),
+			`SELECT count(DISTINCT event_id), count(*) FROM effects`).Scan(&events, &effects))
+		assert.Equal(t, n, events, "every event has its effect")
+		assert.Equal(t, n, effects, "and only one")
+		st := c.Stats()
+		assert.EqualValues(t, n, st.Handled)
+		assert.EqualValues(t, n, st.Duplicates, "each re-published copy is skipped as a duplicate")
+		assert.Zero(t, st.DeadLettered, "a re-publish has the same payload: no id conflict")
+		if kd, ok := d.(*kafkaDest); ok {
+			_, copies := ids(kd.read(t, 2*n))
+			for id, c := range copies {
+				assert.Equal(t, 2, c, "id %s: once from the killed relay, once from the next", id)
+			}
+		}
+	})
+}
+
+// runCrashChild runs the crash child on the test's schema and requires that
+// it died of SIGKILL.
+func runCrashChild(t *testing.T, b broker, schema string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	cmd := childCommand(ctx, b, schema, "crash")
+	err := cmd.Run()
+	var exit *exec.ExitError
+	require.True(t, errors.As(err, &exit), "the child must die, got %v", err)
+	ws, ok := exit.Sys().(syscall.WaitStatus)
+	require.True(t, ok)
+	require.True(t, ws.Signaled() && ws.Signal() == syscall.SIGKILL, "the child must die of SIGKILL: %v", err)
+}
+
+// childCommand is the test binary run as a relay child on schema.
+func childCommand(ctx context.Context, b broker, schema, mode string) *exec.Cmd {
+	var kind, addr string
+	switch b := b.(type) {
+	case *kafkaBroker:
+		kind, addr = "kafka", b.addrs[0]
+	case *rabbit:
+		kind, addr = "rabbitmq", b.url
+	}
+	cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), childEnv+"="+kind, childDBEnv+"="+pgtest.URL(), childSchemaEnv+"="+schema,
+		childBrokerEnv+"="+addr, childModeEnv+"="+mode)
+	cmd.Stderr = os.Stderr
+	return cmd
+}
+
+// run runs f in a goroutine until the returned stop (also called when the
+// test ends) cancels its context; f's error is checked.
+func run(t testing.TB, f func(ctx context.Context) error) (stop func()) {
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- f(ctx) }()
+	var once sync.Once
+	stop = func() {
+		once.Do(func() {
+			cancel()
+			select {
+			case err := <-done:
+				assert.NoError(t, err)
+			case <-time.After(30 * time.Second):
+				t.Error("did not stop within 30s")
+			}
+		})
+	}
+	t.Cleanup(stop)
+	return stop
+}

@@ -1,0 +1,227 @@
+package outbox_test
+
+import (
+	"context"
+	"fmt"
+	"net/url"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"github.com/twmb/franz-go/pkg/kmsg"
+
+	"github.com/onceco/once/internal/netcut"
+	"github.com/onceco/once/outbox"
+	"github.com/onceco/once/outbox/kafkaout"
+)
+
+// Two relays run on one table while writers add rows for six keys and the
+// leader's database session is killed three times: one relay leads at a
+// time (but for the batch a killed leader had in flight), every row is
+// published, and each key's messages reach the broker
+// in the order they were written (re-published copies after a failover
+// come after their first copy, so the next hop's deduplication keeps the
+// order).
+func TestKeyOrderUnderTwoRelays(t *testing.T) {
+	forEachBroker(t, func(t *testing.T, b broker) {
+		pool, _ := migrated(t)
+		d := b.destination(t)
+		cfg := outbox.RelayConfig{PollInterval: 20 * time.Millisecond, BatchSize: 16,
+			InfraBackoff: outbox.Backoff{Initial: 10 * time.Millisecond, Max: 50 * time.Millisecond}}
+		r1, _ := startRelay(t, pool, b.publisher(t), cfg)
+		r2, _ := startRelay(t, pool, b.publisher(t), cfg)
+
+		// Who leads, sampled: a killed leader learns it lost its session
+		// only when its next statement fails, so for up to one batch two
+		// relays may both be publishing; the order check below is what
+		// must hold regardless.
+		var led1, led2 atomic.Bool
+		stopWatch := run(t, func(ctx context.Context) error {
+			for ctx.Err() == nil {
+				led1.Store(led1.Load() || r1.Leader())
+				led2.Store(led2.Load() || r2.Leader())
+				time.Sleep(100 * time.Microsecond)
+			}
+			return nil
+		})
+
+		const writers, keysPerWriter, txs, perTx = 3, 2, 40, 5
+		var wg sync.WaitGroup
+		for w := range writers {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				next := map[string]int{}
+				for range txs {
+					var msgs []outbox.Message
+					for j := range perTx {
+						key := fmt.Sprintf("w%d-k%d", w, j%keysPerWriter)
+						msgs = append(msgs, d.msg(key, fmt.Sprintf("%s/%d", key, next[key])))
+						next[key]++
+					}
+					addCommitted(t, pool, msgs...)
+				}
+			}()
+		}
+		published := 0
+		for range 3 {
+			killLeader(t, pool, &published)
+		}
+		wg.Wait()
+		total := writers * txs * perTx
+		waitRows(t, pool, "true", 0, 60*time.Second)
+		stopWatch()
+		got := d.read(t, total)
+
+		distinct, _ := ids(got)
+		require.Len(t, distinct, total, "every row published")
+		firsts := map[string][]int{}
+		seen := map[string]bool{}
+		for _, m := range got {
+			if seen[m.ID] {
+				continue
+			}
+			seen[m.ID] = true
+			key, n, _ := strings.Cut(m.Body, "/")
+			i, err := strconv.Atoi(n)
+			require.NoError(t, err)
+			firsts[key] = append(firsts[key], i)
+		}
+		for key, ns := range firsts {
+			for i, n := range ns {
+				require.Equal(t, i, n, "key %s: first copies in the order written: %v", key, ns)
+			}
+		}
+		t.Logf("%d messages on the wire for %d rows; relay 1 led: %v, relay 2 led: %v", len(got), total, led1.Load(), led2.Load())
+	})
+}
+
+// killLeader waits for a leader that has published something since the
+// last kill, terminates its database session (which releases the leader
+// lock) and returns.
+func killLeader(t *testing.T, pool *pgxpool.Pool, published *int) {
+	t.Helper()
+	ctx := context.Background()
+	var pid int32
+	require.Eventually(t, func() bool {
+		var sent int
+		require.NoError(t, pool.QueryRow(ctx, `SELECT coalesce(max(seq), 0) - count(*) FROM outbox`).Scan(&sent))
+		err := pool.QueryRow(ctx, `SELECT pid FROM pg_locks
+WHERE locktype = 'advisory' AND classid = $1::bigint::oid AND objid = 'outbox'::regclass AND objsubid = 2 AND granted`,
+			int64(0x6f626f78)).Scan(&pid)
+		return err == nil && sent > *published
+	}, 30*time.Second, 5*time.Millisecond, "a leader publishes")
+	var killed bool
+	require.NoError(t, pool.QueryRow(ctx, `SELECT pg_terminate_backend($1)`, pid).Scan(&killed))
+	require.True(t, killed)
+	require.NoError(t, pool.QueryRow(ctx, `SELECT coalesce(max(seq), 0) - count(*) FROM outbox`).Scan(published))
+}
+
+// The broker goes away while rows keep coming, then comes back: the relay
+// keeps retrying without charging the rows, and publishes every one once
+// the broker is back, in order per key.
+func TestBrokerDownThenBack(t *testing.T) {
+	t.Run("kafka", func(t *testing.T) {
+		k := newKafka(t)
+		brokerDownThenBack(t, k.destination(t), k.publisher(t), k.stop, k.start)
+	})
+	t.Run("rabbitmq", func(t *testing.T) {
+		r := rabbitOrSkip(t)
+		u, err := url.Parse(r.url)
+		require.NoError(t, err)
+		proxy, err := netcut.NewProxy(u.Host)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = proxy.Close() })
+		u.Host = proxy.Addr()
+		down := func() {
+			proxy.Pause()
+			proxy.Cut()
+		}
+		brokerDownThenBack(t, r.destination(t), r.publisherAt(t, u.String()), down, proxy.Resume)
+	})
+}
+
+func brokerDownThenBack(t *testing.T, d dest, pub outbox.Publisher, down, up func()) {
+	pool, _ := migrated(t)
+	warns := &atomic.Int64{}
+	startRelay(t, pool, pub, outbox.RelayConfig{PollInterval: 20 * time.Millisecond, MaxAttempts: 1,
+		InfraBackoff: outbox.Backoff{Initial: 20 * time.Millisecond, Max: 200 * time.Millisecond},
+		Logger:       countingLogger(warns)})
+	add := func(from, to int) {
+		for i := from; i < to; i++ {
+			key := fmt.Sprintf("k%d", i%3)
+			addCommitted(t, pool, d.msg(key, fmt.Sprintf("%s/%d", key, i/3)))
+		}
+	}
+	add(0, 30)
+	d.read(t, 30)
+	waitRows(t, pool, "true", 0, 10*time.Second)
+
+	down()
+	before := warns.Load()
+	add(30, 60)
+	require.Eventually(t, func() bool { return warns.Load() >= before+3 }, 60*time.Second, 10*time.Millisecond,
+		"the relay meets the broker down and retries")
+	assert.Equal(t, 0, rows(t, pool, "parked_at IS NOT NULL"), "an unreachable broker is not the rows' fault: none parked (MaxAttempts is 1)")
+	assert.Equal(t, 0, rows(t, pool, "attempts > 0"), "nor charged")
+	up()
+
+	waitRows(t, pool, "true", 0, 60*time.Second)
+	got := d.read(t, 60)
+	distinct, _ := ids(got)
+	require.Len(t, distinct, 60)
+	seen := map[string]bool{}
+	next := map[string]int{}
+	for _, m := range got {
+		if seen[m.ID] {
+			continue
+		}
+		seen[m.ID] = true
+		key, n, _ := strings.Cut(m.Body, "/")
+		require.Equal(t, strconv.Itoa(next[key]), n, "key %s in order", key)
+		next[key]++
+	}
+}
+
+// A broker that never answers a produce request does not hold a stopping
+// relay beyond the shutdown grace (5s): the unanswered batch stays in the
+// outbox, to be published again.
+func TestRelayStopsWhileTheBrokerHangs(t *testing.T) {
+	k := newKafka(t)
+	pool, _ := migrated(t)
+	d := k.destination(t)
+	var held atomic.Int64
+	k.kf.ControlKey(int16(kmsg.Produce), func(kmsg.Request) (kmsg.Response, error, bool) {
+		k.kf.KeepControl()
+		held.Add(1)
+		return nil, nil, true // no answer: the producer waits for its read timeout
+	})
+	sc := saramaConfig()
+	sc.Net.ReadTimeout = time.Minute
+	pub, err := kafkaout.New(kafkaout.Config{Brokers: k.addrs, Sarama: sc})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = pub.Close() })
+	r, err := outbox.NewRelay(pool, pub, outbox.RelayConfig{PollInterval: 20 * time.Millisecond, Logger: testLogger()})
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+
+	addCommitted(t, pool, d.msg("a", "a/1"))
+	require.Eventually(t, func() bool { return held.Load() > 0 }, 30*time.Second, 5*time.Millisecond, "the relay is publishing")
+	cancel()
+	select {
+	case err := <-done:
+		require.NoError(t, err)
+	case <-time.After(20 * time.Second):
+		t.Fatal("the relay did not stop within 20s while the broker hung (grace 5s, producer read timeout 1m)")
+	}
+	assert.Equal(t, 1, rows(t, pool, "true"), "the unanswered row stays")
+	k.stop() // before the publisher's Close, which waits for the request in flight
+}

@@ -1,0 +1,249 @@
+package kafkaout
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+
+	"github.com/IBM/sarama"
+	"github.com/rcrowley/go-metrics"
+
+	"github.com/onceco/once/outbox"
+)
+
+// Default header names, the ones the consuming side of this library reads
+// by default (consumer.Config.IDHeaders and TypeHeaders).
+const (
+	DefaultIDHeader   = "id"
+	DefaultTypeHeader = "type"
+)
+
+// Config configures a Publisher. Brokers is required.
+type Config struct {
+	// Brokers are the bootstrap broker addresses ("host:port"). Required.
+	Brokers []string
+	// Sarama is the base client configuration (TLS, SASL, Version,
+	// ClientID, Producer.MaxMessageBytes, Producer.Partitioner, retries,
+	// compression). Nil means sarama.NewConfig(). New copies it and
+	// overrides what the outbox's promises rest on: the producer is
+	// idempotent with RequiredAcks = WaitForAll and Net.MaxOpenRequests =
+	// 1 (so retries neither duplicate nor reorder a partition's records),
+	// returns successes and errors, and never asks the broker to create a
+	// topic. Version must be at least 0.11 (sarama.V0_11_0_0).
+	Sarama *sarama.Config
+	// IDHeader is the header that carries the event id. Defaults to "id".
+	IDHeader string
+	// TypeHeader carries the event type, when the message has one.
+	// Defaults to "type".
+	TypeHeader string
+}
+
+// Publisher publishes outbox records to Kafka with an idempotent sarama
+// producer, a batch at a time, and reports each record's outcome once every
+// in-sync replica has it (acks=all). It connects on first use and again
+// after a failure, so a relay can start while Kafka is down. Use it from
+// one goroutine (the relay's); Close may be called from any.
+type Publisher struct {
+	cfg Config
+	sc  *sarama.Config
+
+	mu       sync.Mutex
+	producer sarama.SyncProducer
+	closed   bool
+}
+
+// New validates cfg and returns a Publisher; it does not connect yet.
+func New(cfg Config) (*Publisher, error) {
+	if len(cfg.Brokers) == 0 {
+		return nil, errors.New("kafkaout: Config.Brokers is empty")
+	}
+	for i, b := range cfg.Brokers {
+		if strings.TrimSpace(b) == "" {
+			return nil, fmt.Errorf("kafkaout: Config.Brokers[%d] is empty", i)
+		}
+	}
+	if cfg.IDHeader == "" {
+		cfg.IDHeader = DefaultIDHeader
+	}
+	if cfg.TypeHeader == "" {
+		cfg.TypeHeader = DefaultTypeHeader
+	}
+	sc := producerConfig(cfg.Sarama)
+	if !sc.Version.IsAtLeast(sarama.V0_11_0_0) {
+		return nil, fmt.Errorf("kafkaout: Config.Sarama.Version %s is older than 0.11.0.0 (the idempotent producer and headers need 0.11)", sc.Version)
+	}
+	if err := sc.Validate(); err != nil {
+		return nil, fmt.Errorf("kafkaout: Config.Sarama: %w", err)
+	}
+	return &Publisher{cfg: cfg, sc: sc}, nil
+}
+
+// producerConfig copies base and sets what the guarantees depend on.
+func producerConfig(base *sarama.Config) *sarama.Config {
+	var sc sarama.Config
+	if base != nil {
+		sc = *base
+	} else {
+		sc = *sarama.NewConfig()
+	}
+	sc.MetricRegistry = metrics.NewRegistry()
+	sc.Producer.Idempotent = true
+	sc.Producer.RequiredAcks = sarama.WaitForAll
+	sc.Producer.Return.Successes = true
+	sc.Producer.Return.Errors = true
+	if sc.Producer.Retry.Max < 1 {
+		sc.Producer.Retry.Max = 1
+	}
+	sc.Net.MaxOpenRequests = 1
+	sc.Metadata.AllowAutoTopicCreation = false
+	return &sc
+}
+
+// Publish sends recs as one batch and waits for the broker's answer to
+// each. A record the broker or the client refuses for what it is (unknown
+// topic, too large, not authorised, invalid) gets an error wrapped with
+// outbox.Rejected; any other failure (no broker reachable, timeouts, not
+// enough replicas) an ordinary error, after which the producer is closed
+// and a new one (with a new producer id) is made for the next batch.
+func (p *Publisher) Publish(ctx context.Context, recs []outbox.Record) []error {
+	producer, err := p.connect()
+	if err != nil {
+		return fill(len(recs), err)
+	}
+	msgs := make([]*sarama.ProducerMessage, len(recs))
+	for i, rec := range recs {
+		msgs[i] = p.message(rec)
+		msgs[i].Metadata = i
+	}
+	err = producer.SendMessages(msgs)
+	if err == nil {
+		return nil
+	}
+	var perrs sarama.ProducerErrors
+	if !errors.As(err, &perrs) {
+		p.reset()
+		return fill(len(recs), err)
+	}
+	errs := make([]error, len(recs))
+	unavailable := false
+	for _, pe := range perrs {
+		i, ok := pe.Msg.Metadata.(int)
+		if !ok || i < 0 || i >= len(recs) {
+			continue
+		}
+		if isRejection(pe.Err) {
+			errs[i] = outbox.Rejected(fmt.Errorf("kafkaout: topic %q: %w", recs[i].Topic, pe.Err))
+		} else {
+			errs[i] = fmt.Errorf("kafkaout: topic %q: %w", recs[i].Topic, pe.Err)
+			unavailable = true
+		}
+	}
+	if unavailable {
+		p.reset()
+	}
+	return errs
+}
+
+// Check refuses a record with no topic, or one larger than
+// Producer.MaxMessageBytes, before it is sent.
+func (p *Publisher) Check(rec outbox.Record) error {
+	if rec.Topic == "" {
+		return outbox.Rejected(errors.New("kafkaout: the message has no Topic"))
+	}
+	if size := p.message(rec).ByteSize(2); size > p.sc.Producer.MaxMessageBytes {
+		return outbox.Rejected(fmt.Errorf("kafkaout: message of %d bytes is larger than Producer.MaxMessageBytes (%d)",
+			size, p.sc.Producer.MaxMessageBytes))
+	}
+	return nil
+}
+
+// message is the Kafka record of rec.
+func (p *Publisher) message(rec outbox.Record) *sarama.ProducerMessage {
+	m := &sarama.ProducerMessage{Topic: rec.Topic, Value: sarama.ByteEncoder(rec.Body), Timestamp: rec.CreatedAt}
+	if rec.Key != nil {
+		m.Key = sarama.ByteEncoder(rec.Key)
+	}
+	m.Headers = make([]sarama.RecordHeader, 0, len(rec.Headers)+2)
+	for k, v := range rec.Headers {
+		if k == p.cfg.IDHeader || k == p.cfg.TypeHeader {
+			continue
+		}
+		m.Headers = append(m.Headers, sarama.RecordHeader{Key: []byte(k), Value: []byte(v)})
+	}
+	m.Headers = append(m.Headers, sarama.RecordHeader{Key: []byte(p.cfg.IDHeader), Value: []byte(rec.EventID)})
+	if rec.Type != "" {
+		m.Headers = append(m.Headers, sarama.RecordHeader{Key: []byte(p.cfg.TypeHeader), Value: []byte(rec.Type)})
+	}
+	return m
+}
+
+// isRejection reports whether err refuses the record itself: sending it
+// again as it is fails again.
+func isRejection(err error) bool {
+	var ce sarama.ConfigurationError
+	if errors.As(err, &ce) {
+		return true
+	}
+	var ke sarama.KError
+	if !errors.As(err, &ke) {
+		return false
+	}
+	switch ke {
+	case sarama.ErrUnknownTopicOrPartition, sarama.ErrInvalidTopic, sarama.ErrMessageSizeTooLarge,
+		sarama.ErrMessageSetSizeTooLarge, sarama.ErrInvalidMessage, sarama.ErrTopicAuthorizationFailed,
+		sarama.ErrPolicyViolation, sarama.ErrInvalidRecord, sarama.ErrUnsupportedForMessageFormat:
+		return true
+	}
+	return false
+}
+
+// connect returns the producer, making one if there is none.
+func (p *Publisher) connect() (sarama.SyncProducer, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return nil, errors.New("kafkaout: publisher closed")
+	}
+	if p.producer == nil {
+		producer, err := sarama.NewSyncProducer(p.cfg.Brokers, p.sc)
+		if err != nil {
+			return nil, fmt.Errorf("kafkaout: connect: %w", err)
+		}
+		p.producer = producer
+	}
+	return p.producer, nil
+}
+
+// reset closes the producer after a failure: the next batch starts a new
+// one, whose idempotence state (producer id, sequence numbers) is fresh.
+func (p *Publisher) reset() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.producer != nil {
+		_ = p.producer.Close()
+		p.producer = nil
+	}
+}
+
+// Close closes the producer. Publish fails afterwards.
+func (p *Publisher) Close() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.closed = true
+	if p.producer == nil {
+		return nil
+	}
+	err := p.producer.Close()
+	p.producer = nil
+	return err
+}
+
+func fill(n int, err error) []error {
+	errs := make([]error, n)
+	for i := range errs {
+		errs[i] = err
+	}
+	return errs
+}

@@ -1,0 +1,76 @@
+package kafkaout
+
+import (
+	"errors"
+	"fmt"
+	"testing"
+
+	"github.com/IBM/sarama"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/outbox"
+)
+
+func TestNewRejectsBadConfig(t *testing.T) {
+	_, err := New(Config{})
+	require.ErrorContains(t, err, "Brokers is empty")
+	_, err = New(Config{Brokers: []string{" "}})
+	require.ErrorContains(t, err, "Brokers[0] is empty")
+	old := sarama.NewConfig()
+	old.Version = sarama.V0_10_2_0
+	_, err = New(Config{Brokers: []string{"b:9092"}, Sarama: old})
+	require.ErrorContains(t, err, "older than 0.11")
+}
+
+// The base configuration is copied, and what the guarantees rest on is set
+// whatever it says.
+func TestProducerConfigOverridesWhatTheGuaranteesNeed(t *testing.T) {
+	base := sarama.NewConfig()
+	base.Producer.RequiredAcks = sarama.NoResponse
+	base.Net.MaxOpenRequests = 5
+	base.Metadata.AllowAutoTopicCreation = true
+	p, err := New(Config{Brokers: []string{"b:9092"}, Sarama: base})
+	require.NoError(t, err)
+	assert.True(t, p.sc.Producer.Idempotent)
+	assert.Equal(t, sarama.WaitForAll, p.sc.Producer.RequiredAcks)
+	assert.Equal(t, 1, p.sc.Net.MaxOpenRequests)
+	assert.False(t, p.sc.Metadata.AllowAutoTopicCreation)
+	assert.Equal(t, sarama.NoResponse, base.Producer.RequiredAcks, "the caller's configuration is not modified")
+}
+
+func TestMessageCarriesIDTypeAndHeaders(t *testing.T) {
+	p, err := New(Config{Brokers: []string{"b:9092"}})
+	require.NoError(t, err)
+	m := p.message(outbox.Record{EventID: "e-1", Topic: "t", Key: []byte("k"), Type: "order.confirmed",
+		Headers: map[string]string{"id": "spoofed", "traceparent": "00-x", "x": "y"}, Body: []byte("b")})
+	h := map[string]string{}
+	for _, rh := range m.Headers {
+		h[string(rh.Key)] = string(rh.Value)
+	}
+	assert.Equal(t, map[string]string{"id": "e-1", "type": "order.confirmed", "traceparent": "00-x", "x": "y"}, h)
+	key, _ := m.Key.Encode()
+	assert.Equal(t, []byte("k"), key)
+	assert.Nil(t, p.message(outbox.Record{Topic: "t"}).Key, "no key: a nil record key")
+}
+
+func TestCheckRefusesTooLargeAndTopicless(t *testing.T) {
+	sc := sarama.NewConfig()
+	sc.Producer.MaxMessageBytes = 1000
+	p, err := New(Config{Brokers: []string{"b:9092"}, Sarama: sc})
+	require.NoError(t, err)
+	assert.NoError(t, p.Check(outbox.Record{Topic: "t", Body: make([]byte, 500)}))
+	assert.True(t, outbox.IsRejected(p.Check(outbox.Record{Topic: "t", Body: make([]byte, 2000)})))
+	assert.True(t, outbox.IsRejected(p.Check(outbox.Record{Body: []byte("x")})))
+}
+
+func TestRejectionClassification(t *testing.T) {
+	for _, err := range []error{sarama.ErrUnknownTopicOrPartition, sarama.ErrMessageSizeTooLarge, sarama.ErrTopicAuthorizationFailed,
+		sarama.ConfigurationError("too large"), fmt.Errorf("wrapped: %w", sarama.ErrInvalidTopic)} {
+		assert.True(t, isRejection(err), "%v", err)
+	}
+	for _, err := range []error{sarama.ErrOutOfBrokers, sarama.ErrNotEnoughReplicas, sarama.ErrRequestTimedOut,
+		sarama.ErrNotLeaderForPartition, errors.New("connection reset")} {
+		assert.False(t, isRejection(err), "%v", err)
+	}
+}

@@ -1,0 +1,2 @@
+DROP TABLE IF EXISTS {{.Table}};
+DROP FUNCTION IF EXISTS {{.NotifyFunction}}();

@@ -1,0 +1,82 @@
+package outbox
+
+import (
+	"context"
+	"errors"
+	"time"
+)
+
+// Record is one outbox row as the relay hands it to a Publisher.
+type Record struct {
+	// Seq is the row's position in the outbox: rows of one key are
+	// published in Seq order.
+	Seq int64
+	// EventID is the message's stable event id (Message.ID, or the one Add
+	// generated). Every publish of the row carries it.
+	EventID string
+	// Topic, RoutingKey, Key, Type and Body are the Message's.
+	Topic      string
+	RoutingKey string
+	Key        []byte // nil when the message has no key
+	Type       string
+	// Headers are Message.Headers with the stored trace context
+	// ("traceparent", "tracestate") added.
+	Headers map[string]string
+	Body    []byte
+	// CreatedAt is when the row was written; publishers send it as the
+	// message timestamp.
+	CreatedAt time.Time
+	// Attempts counts the earlier publishes the broker rejected.
+	Attempts int
+}
+
+// Publisher sends records to a broker; the relay calls it from one
+// goroutine at a time. The kafkaout and amqpout packages implement it.
+type Publisher interface {
+	// Publish sends recs, in order, and returns once the broker has
+	// confirmed or refused each: errs[i] is nil when recs[i] is confirmed
+	// (durably, as the broker's strongest acknowledgement defines it). A
+	// nil errs means every record was confirmed. An error wrapped with
+	// Rejected is charged to its record (after RelayConfig.MaxAttempts the
+	// row is parked); any other error is taken as the broker being
+	// unreachable or overloaded, and the relay retries the record after
+	// backing off, without counting it.
+	Publish(ctx context.Context, recs []Record) (errs []error)
+	// Close releases the publisher's connections.
+	Close() error
+}
+
+// Checker is implemented by publishers that can tell, before sending,
+// that a record will be refused (larger than the broker accepts, no
+// destination). The relay calls Check on each record of a batch before
+// Publish: an error wrapped with Rejected is charged to the record like a
+// refusal at publish time, any other error keeps the record for a later
+// batch, and in both cases the later records of its key in the batch are
+// held back, so that they never overtake it.
+type Checker interface {
+	Check(rec Record) error
+}
+
+// rejected marks an error as the broker's refusal of one message.
+type rejected struct{ err error }
+
+func (r *rejected) Error() string { return r.err.Error() }
+func (r *rejected) Unwrap() error { return r.err }
+
+// Rejected wraps err to say that the broker refused this record and will
+// refuse it again (unknown topic or exchange, message too large, no queue
+// bound for the routing key, not authorised): the relay counts it against
+// the row, retries it a bounded number of times and then parks it. A nil
+// err stays nil.
+func Rejected(err error) error {
+	if err == nil {
+		return nil
+	}
+	return &rejected{err}
+}
+
+// IsRejected reports whether err was wrapped with Rejected.
+func IsRejected(err error) bool {
+	var r *rejected
+	return errors.As(err, &r)
+}

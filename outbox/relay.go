@@ -1,0 +1,372 @@
+package outbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"strconv"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
+)
+
+// ErrInvalidConfig is wrapped by NewRelay's errors for a bad RelayConfig.
+var ErrInvalidConfig = errors.New("outbox: invalid relay config")
+
+// Defaults of RelayConfig fields left zero.
+const (
+	DefaultBatchSize    = 500
+	DefaultPollInterval = time.Second
+	DefaultMaxAttempts  = 5
+)
+
+// Backoff is an exponential backoff: Initial, doubled after each failure up
+// to Max, with ±20% jitter.
+type Backoff struct {
+	// Initial is the first wait; it must be positive.
+	Initial time.Duration
+	// Max caps the wait; it must be at least Initial.
+	Max time.Duration
+}
+
+// delay is the wait before attempt n+1 after n failures (n >= 1), without
+// jitter.
+func (b Backoff) delay(n int) time.Duration {
+	d := b.Initial
+	for i := 1; i < n && d < b.Max; i++ {
+		d *= 2
+	}
+	return min(d, b.Max)
+}
+
+// jitter spreads d by ±20%.
+func jitter(d time.Duration) time.Duration {
+	if d <= 0 {
+		return d
+	}
+	return d + time.Duration((rand.Float64()*0.4-0.2)*float64(d))
+}
+
+// RelayConfig configures a Relay. Every field has a default.
+type RelayConfig struct {
+	// Store is the outbox table the relay publishes. Defaults to
+	// New(Config{}): "outbox" on the pool's search_path.
+	Store *Store
+	// SkipMigrate stops Run from creating the table at start. Defaults to
+	// false: Run migrates (idempotently).
+	SkipMigrate bool
+
+	// BatchSize is how many rows the relay reads, publishes and marks at a
+	// time. Defaults to DefaultBatchSize (500).
+	BatchSize int
+	// PollInterval is how long the relay waits for a notification before
+	// it looks for rows anyway (a notification is sent when a transaction
+	// that added rows commits; polling covers one lost with a broken
+	// connection, and rows whose retry is due). It is also how often a
+	// relay that is not the leader tries to become it. Defaults to
+	// DefaultPollInterval (1s).
+	PollInterval time.Duration
+
+	// KeepSent is how long a published row is kept (with sent_at set)
+	// before the leader deletes it: an audit window. Defaults to 0: a row
+	// is deleted as soon as the broker confirmed it.
+	KeepSent time.Duration
+
+	// MaxAttempts is how many times a row the broker rejects (Rejected) is
+	// published before it is parked. Defaults to DefaultMaxAttempts (5); 1
+	// parks it at the first rejection.
+	MaxAttempts int
+	// RetryBackoff paces the attempts of a rejected row. Defaults to 1s,
+	// doubling up to 1m.
+	RetryBackoff Backoff
+	// InfraBackoff paces the retries after the broker or the database
+	// failed (unreachable, timed out), which go on without bound and count
+	// against no row. Defaults to 100ms, doubling up to 5s.
+	InfraBackoff Backoff
+
+	// Logger receives leadership changes, parked rows and infrastructure
+	// failures. Defaults to slog.Default().
+	Logger *slog.Logger
+	// MeterProvider makes the relay's metrics (PublishedMetric and the
+	// others). Defaults to otel.GetMeterProvider().
+	MeterProvider metric.MeterProvider
+	// TracerProvider makes a producer span per batch ("outbox publish"),
+	// linked to the spans that wrote its rows. The messages themselves
+	// carry their writer's trace context, so the next hop continues the
+	// writer's trace. Defaults to otel.GetTracerProvider().
+	TracerProvider trace.TracerProvider
+}
+
+// withDefaults returns a copy of c with defaults applied, or an error
+// naming the first invalid field.
+func (c RelayConfig) withDefaults() (RelayConfig, error) {
+	if c.Store == nil {
+		c.Store = defaultStore
+	}
+	if c.BatchSize == 0 {
+		c.BatchSize = DefaultBatchSize
+	}
+	if c.PollInterval == 0 {
+		c.PollInterval = DefaultPollInterval
+	}
+	if c.MaxAttempts == 0 {
+		c.MaxAttempts = DefaultMaxAttempts
+	}
+	if c.RetryBackoff == (Backoff{}) {
+		c.RetryBackoff = Backoff{Initial: time.Second, Max: time.Minute}
+	}
+	if c.InfraBackoff == (Backoff{}) {
+		c.InfraBackoff = Backoff{Initial: 100 * time.Millisecond, Max: 5 * time.Second}
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	switch {
+	case c.BatchSize < 0:
+		return c, fmt.Errorf("%w: BatchSize is negative (%d)", ErrInvalidConfig, c.BatchSize)
+	case c.PollInterval < 0:
+		return c, fmt.Errorf("%w: PollInterval is negative (%v)", ErrInvalidConfig, c.PollInterval)
+	case c.KeepSent < 0:
+		return c, fmt.Errorf("%w: KeepSent is negative (%v)", ErrInvalidConfig, c.KeepSent)
+	case c.MaxAttempts < 0:
+		return c, fmt.Errorf("%w: MaxAttempts is negative (%d)", ErrInvalidConfig, c.MaxAttempts)
+	}
+	for _, b := range []struct {
+		name string
+		b    Backoff
+	}{{"RetryBackoff", c.RetryBackoff}, {"InfraBackoff", c.InfraBackoff}} {
+		if b.b.Initial <= 0 || b.b.Max < b.b.Initial {
+			return c, fmt.Errorf("%w: %s needs 0 < Initial <= Max (got %v, %v)", ErrInvalidConfig, b.name, b.b.Initial, b.b.Max)
+		}
+	}
+	return c, nil
+}
+
+// Relay publishes committed outbox rows and removes them once the broker
+// confirmed them. Build it with NewRelay and start it with Run, in the
+// producing service's process (beside its consumer.Consumer) or in a
+// process of its own.
+//
+// Any number of relays may run on one table: one of them, the leader,
+// publishes (it holds a PostgreSQL advisory lock on a connection of its
+// own); the others wait and take over within PollInterval when the
+// leader's session ends. A single publisher keeps each key's order without
+// coordinating ranges of keys, and an outbox's throughput is bounded by
+// the broker's confirmed-publish rate, which one relay's batches already
+// approach.
+type Relay struct {
+	pool    *pgxpool.Pool
+	pub     Publisher
+	cfg     RelayConfig
+	sql     relaySQL
+	leader  atomic.Bool
+	ran     atomic.Bool
+	metrics *relayMetrics
+	tracer  trace.Tracer
+}
+
+// NewRelay returns a relay that reads the outbox through pool and
+// publishes with pub. It fails with an error wrapping ErrInvalidConfig for
+// a nil pool or publisher or an invalid cfg. The relay does not close pub.
+func NewRelay(pool *pgxpool.Pool, pub Publisher, cfg RelayConfig) (*Relay, error) {
+	if pool == nil {
+		return nil, fmt.Errorf("%w: pool is nil", ErrInvalidConfig)
+	}
+	if pub == nil {
+		return nil, fmt.Errorf("%w: publisher is nil", ErrInvalidConfig)
+	}
+	cfg, err := cfg.withDefaults()
+	if err != nil {
+		return nil, err
+	}
+	r := &Relay{pool: pool, pub: pub, cfg: cfg, sql: newRelaySQL(cfg.Store.table)}
+	if r.metrics, err = newRelayMetrics(cfg.MeterProvider, cfg.Store.table, r.Leader); err != nil {
+		return nil, err
+	}
+	r.tracer = newTracer(cfg.TracerProvider)
+	return r, nil
+}
+
+// Leader reports whether this relay currently holds the leader lock.
+func (r *Relay) Leader() bool { return r.leader.Load() }
+
+// Run relays until ctx is cancelled, then returns nil. It first creates
+// the outbox table (unless RelayConfig.SkipMigrate) and returns that error
+// if it fails. Losing the database connection, the broker failing or the
+// table missing are logged and retried with RelayConfig.InfraBackoff. Once
+// ctx is cancelled Run waits at most 5s for the broker's answer to the
+// batch in flight; a batch left unanswered is published again by the next
+// leader. Run may be called once.
+func (r *Relay) Run(ctx context.Context) error {
+	if !r.ran.CompareAndSwap(false, true) {
+		return errors.New("outbox: Relay.Run called twice")
+	}
+	if !r.cfg.SkipMigrate {
+		if err := r.cfg.Store.Migrate(ctx, r.pool); err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			return err
+		}
+	}
+	failures := 0
+	for ctx.Err() == nil {
+		led, err := r.session(ctx)
+		if ctx.Err() != nil {
+			break
+		}
+		if led {
+			failures = 0
+		}
+		failures++
+		r.cfg.Logger.Warn("outbox relay: database session ended; reconnecting", "error", err)
+		if !sleep(ctx, jitter(r.cfg.InfraBackoff.delay(failures))) {
+			break
+		}
+	}
+	return nil
+}
+
+// sleep waits d or until ctx is done, and reports whether d passed.
+func sleep(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
+	}
+}
+
+// leaderLockClass is the first key of the leader lock; the second is the
+// outbox table's oid, so that each table (in each schema) has one leader.
+const leaderLockClass = 0x6f626f78 // "obox"
+
+// session opens a connection of its own, waits to become the leader and
+// relays until the connection fails or ctx is done. It reports whether it
+// led at all.
+func (r *Relay) session(ctx context.Context) (led bool, err error) {
+	cc := r.pool.Config().ConnConfig.Copy()
+	// The batch query's cost estimate can pass jit_above_cost, and JIT
+	// compiling it takes longer than running it.
+	cc.RuntimeParams["jit"] = "off"
+	conn, err := pgx.ConnectConfig(ctx, cc)
+	if err != nil {
+		return false, fmt.Errorf("connect: %w", err)
+	}
+	defer func() {
+		// Closing the session releases the leader lock: stop claiming to
+		// lead first, so that two relays never both report Leader.
+		r.leader.Store(false)
+		cctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		_ = conn.Close(cctx)
+	}()
+	var oid *uint32
+	if err := conn.QueryRow(ctx, `SELECT to_regclass($1)::oid`, r.cfg.Store.table).Scan(&oid); err != nil {
+		return false, fmt.Errorf("look up table %s: %w", r.cfg.Store.table, err)
+	}
+	if oid == nil {
+		return false, fmt.Errorf("table %s does not exist (run outbox's Migrate, or leave RelayConfig.SkipMigrate false)", r.cfg.Store.table)
+	}
+	if err := r.becomeLeader(ctx, conn, *oid); err != nil {
+		return false, err
+	}
+	r.leader.Store(true)
+	r.cfg.Logger.Info("outbox relay: leading", "table", r.cfg.Store.table)
+	channel := "once_outbox_" + strconv.FormatUint(uint64(*oid), 10)
+	if _, err := conn.Exec(ctx, "LISTEN "+pgx.Identifier{channel}.Sanitize()); err != nil {
+		return true, fmt.Errorf("listen: %w", err)
+	}
+	return true, r.lead(ctx, conn)
+}
+
+// becomeLeader polls the leader lock every PollInterval until it has it.
+func (r *Relay) becomeLeader(ctx context.Context, conn *pgx.Conn, oid uint32) error {
+	for {
+		var ok bool
+		if err := conn.QueryRow(ctx, `SELECT pg_try_advisory_lock($1, $2)`, int32(leaderLockClass), int32(oid)).Scan(&ok); err != nil {
+			return fmt.Errorf("leader lock: %w", err)
+		}
+		if ok {
+			return nil
+		}
+		if !sleep(ctx, r.cfg.PollInterval) {
+			return ctx.Err()
+		}
+	}
+}
+
+// lead relays batches while it is the leader. While a full batch is being
+// published the next one is read, so that the database's work overlaps the
+// broker's; anything less than a full batch is followed by a wait for a
+// notification (at most PollInterval). It returns when ctx is done or the
+// connection failed.
+func (r *Relay) lead(ctx context.Context, conn *pgx.Conn) error {
+	failures := 0
+	var lastCleanup time.Time
+	var ahead []Record
+	for ctx.Err() == nil {
+		batch, err := ahead, error(nil)
+		ahead = nil
+		if batch == nil {
+			batch, err = r.fetch(ctx, conn, nil)
+		}
+		if err == nil && len(batch) > 0 {
+			ahead, err = r.relayBatch(ctx, conn, batch)
+		}
+		if conn.IsClosed() {
+			return fmt.Errorf("relay: %w", err)
+		}
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			failures++
+			r.metrics.failures.Add(ctx, 1, r.metrics.attrs)
+			d := jitter(r.cfg.InfraBackoff.delay(failures))
+			r.cfg.Logger.Warn("outbox relay: publishing failed; retrying", "error", err, "backoff", d)
+			sleep(ctx, d)
+			continue
+		}
+		failures = 0
+		if r.cfg.KeepSent > 0 && time.Since(lastCleanup) >= r.cleanupInterval() {
+			if err := r.cleanup(ctx, conn); err != nil && ctx.Err() == nil {
+				r.cfg.Logger.Warn("outbox relay: removing sent rows failed", "error", err)
+			}
+			lastCleanup = time.Now()
+		}
+		if len(batch) == r.cfg.BatchSize {
+			continue
+		}
+		if err := r.wait(ctx, conn); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// wait returns on a notification, after PollInterval, or when ctx is done;
+// an error means the connection failed.
+func (r *Relay) wait(ctx context.Context, conn *pgx.Conn) error {
+	wctx, cancel := context.WithTimeout(ctx, r.cfg.PollInterval)
+	defer cancel()
+	err := conn.PgConn().WaitForNotification(wctx)
+	if err == nil || ctx.Err() != nil || (wctx.Err() != nil && !conn.IsClosed()) {
+		return nil
+	}
+	return fmt.Errorf("wait for notification: %w", err)
+}
+
+// cleanupInterval is how often the leader deletes rows kept past KeepSent:
+// a quarter of KeepSent, between 1s and 1m.
+func (r *Relay) cleanupInterval() time.Duration {
+	return min(max(r.cfg.KeepSent/4, time.Second), time.Minute)
+}

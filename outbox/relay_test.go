@@ -1,0 +1,461 @@
+package outbox_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"regexp"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/propagation"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/consumer/memsource"
+	"github.com/onceco/once/internal/pgtest"
+	"github.com/onceco/once/outbox"
+)
+
+// A rolled-back transaction's messages never reach the broker; a committed
+// one's do, woken by the commit's notification (the relay's poll interval
+// is a minute, longer than the test waits).
+func TestRollbackPublishesNothing(t *testing.T) {
+	forEachBroker(t, func(t *testing.T, b broker) {
+		pool, _ := migrated(t)
+		d := b.destination(t)
+		r, _ := startRelay(t, pool, b.publisher(t), outbox.RelayConfig{PollInterval: time.Minute})
+		require.Eventually(t, r.Leader, 10*time.Second, 5*time.Millisecond)
+
+		ctx := context.Background()
+		errRollback := errors.New("the handler failed")
+		err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			require.NoError(t, outbox.Add(ctx, tx, d.msg("k", "k/rolled-back")))
+			return errRollback
+		})
+		require.ErrorIs(t, err, errRollback)
+		addCommitted(t, pool, d.msg("k", "k/committed"))
+
+		got := d.read(t, 1)
+		waitRows(t, pool, "true", 0, 10*time.Second)
+		// Nothing is left to publish: the table is empty, so what is on the
+		// wire now is all there will ever be.
+		got = d.read(t, len(got))
+		require.Len(t, got, 1)
+		assert.Equal(t, "k/committed", got[0].Body)
+	})
+}
+
+// Every message carries its event id where the consuming side reads it,
+// the type, the writer's trace context and its own headers; the relay keeps
+// the order of one key across transactions.
+func TestMessagesCarryIDTypeTraceAndHeaders(t *testing.T) {
+	otel.SetTextMapPropagator(propagation.NewCompositeTextMapPropagator(propagation.TraceContext{}, propagation.Baggage{}))
+	forEachBroker(t, func(t *testing.T, b broker) {
+		pool, _ := migrated(t)
+		d := b.destination(t)
+		startRelay(t, pool, b.publisher(t), outbox.RelayConfig{PollInterval: 50 * time.Millisecond, BatchSize: 7})
+
+		tid, _ := trace.TraceIDFromHex("4bf92f3577b34da6a3ce929d0e0e4736")
+		sid, _ := trace.SpanIDFromHex("00f067aa0ba902b7")
+		ctx := trace.ContextWithSpanContext(context.Background(), trace.NewSpanContext(trace.SpanContextConfig{
+			TraceID: tid, SpanID: sid, TraceFlags: trace.FlagsSampled}))
+		const n = 40
+		for i := range n / 10 {
+			require.NoError(t, pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+				for j := range 10 {
+					m := d.msg("k", fmt.Sprintf("k/%d", i*10+j))
+					m.Type, m.Headers = "order.confirmed", map[string]string{"x-tenant": "t1", "id": "overridden"}
+					if i == 0 && j == 0 {
+						m.ID = "order-1/confirmed"
+					}
+					if err := outbox.Add(ctx, tx, m); err != nil {
+						return err
+					}
+				}
+				return nil
+			}))
+		}
+		got := d.read(t, n)
+		require.Len(t, got, n)
+		uuid := regexp.MustCompile(`^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$`)
+		seen := map[string]bool{}
+		for i, w := range got {
+			assert.Equal(t, fmt.Sprintf("k/%d", i), w.Body, "one key's messages in the order they were written")
+			if i == 0 {
+				assert.Equal(t, "order-1/confirmed", w.ID)
+			} else {
+				assert.Regexp(t, uuid, w.ID)
+			}
+			assert.False(t, seen[w.ID], "ids are distinct")
+			seen[w.ID] = true
+			assert.Equal(t, "order.confirmed", w.Type)
+			assert.Equal(t, "t1", w.Headers["x-tenant"])
+			assert.Equal(t, "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", w.Headers["traceparent"])
+		}
+	})
+}
+
+// A row the broker refuses is retried MaxAttempts times, then parked with
+// its error; the rows of its key written after it wait, never attempted,
+// while every other key goes on. Discarding the parked row releases its
+// key.
+func TestRejectedRowIsParkedAndHoldsOnlyItsKey(t *testing.T) {
+	forEachBroker(t, func(t *testing.T, b broker) {
+		pool, _ := migrated(t)
+		d := b.destination(t)
+		warns := &atomic.Int64{}
+		rd := sdkmetric.NewManualReader()
+		startRelay(t, pool, b.publisher(t), outbox.RelayConfig{
+			PollInterval: 20 * time.Millisecond, MaxAttempts: 3,
+			RetryBackoff:  outbox.Backoff{Initial: 50 * time.Millisecond, Max: 100 * time.Millisecond},
+			Logger:        countingLogger(warns),
+			MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(rd)),
+		})
+		addCommitted(t, pool, d.msg("a", "a/1"), d.unroutable("a", "a/2"), d.msg("b", "b/1"))
+		waitRows(t, pool, "attempts > 0", 1, 30*time.Second)
+		// a/3 goes where a/2 goes (the same topic or exchange, the same
+		// key): it must wait behind a/2. b/2 and c/1 go on.
+		addCommitted(t, pool, d.unroutable("a", "a/3"), d.msg("b", "b/2"), d.msg("c", "c/1"))
+
+		store, err := outbox.New(outbox.Config{})
+		require.NoError(t, err)
+		ctx := context.Background()
+		var parked []outbox.ParkedRow
+		require.Eventually(t, func() bool {
+			parked, err = store.Parked(ctx, pool, 0)
+			require.NoError(t, err)
+			return len(parked) == 1
+		}, 30*time.Second, 10*time.Millisecond)
+		assert.Equal(t, 3, parked[0].Attempts)
+		assert.NotEmpty(t, parked[0].LastError)
+		assert.Equal(t, []byte("a"), parked[0].Key)
+
+		got := d.read(t, 4)
+		waitRows(t, pool, "true", 2, 10*time.Second) // a/2 (parked) and a/3 (held)
+		assert.ElementsMatch(t, []string{"a/1", "b/1", "b/2", "c/1"}, bodies(got))
+		assert.Equal(t, 1, rows(t, pool, "parked_at IS NULL AND attempts = 0"), "a/3 was never attempted")
+		st, err := store.Status(ctx, pool)
+		require.NoError(t, err)
+		assert.Equal(t, outbox.Status{Pending: 1, Parked: 1, OldestPending: st.OldestPending}, st)
+		assert.False(t, st.OldestPending.IsZero())
+
+		n, err := store.Discard(ctx, pool, parked[0].Seq)
+		require.NoError(t, err)
+		require.EqualValues(t, 1, n)
+		// Released, a/3 is attempted now (and parked in turn: it is
+		// unroutable too).
+		waitRows(t, pool, "parked_at IS NOT NULL AND attempts = 3", 1, 30*time.Second)
+		assert.Positive(t, warns.Load(), "rejections are logged")
+		assert.EqualValues(t, 4, metricValue(t, rd, outbox.PublishedMetric))
+		assert.EqualValues(t, 6, metricValue(t, rd, outbox.RejectedMetric))
+		assert.EqualValues(t, 2, metricValue(t, rd, outbox.ParkedMetric))
+		assert.EqualValues(t, 1, metricValue(t, rd, outbox.LeaderMetric))
+	})
+}
+
+// A Kafka message larger than Producer.MaxMessageBytes is refused before it
+// is sent, and the rows of its key in the same batch are not sent ahead of
+// it. Requeued after the limit is raised... it is still too large, so it is
+// discarded instead; the key resumes.
+func TestTooLargeKafkaMessageIsParkedBeforeSending(t *testing.T) {
+	k := newKafka(t)
+	pool, _ := migrated(t)
+	d := k.destination(t)
+	startRelay(t, pool, k.publisher(t), outbox.RelayConfig{
+		PollInterval: 20 * time.Millisecond, MaxAttempts: 2,
+		RetryBackoff: outbox.Backoff{Initial: 10 * time.Millisecond, Max: 10 * time.Millisecond},
+		Logger:       testLogger(),
+	})
+	big := d.msg("a", "a/2")
+	big.Body = make([]byte, 100<<10)
+	addCommitted(t, pool, d.msg("a", "a/1"), big, d.msg("a", "a/3"), d.msg("b", "b/1"))
+	waitRows(t, pool, "parked_at IS NOT NULL AND last_error LIKE '%MaxMessageBytes%'", 1, 30*time.Second)
+	got := d.read(t, 2)
+	assert.ElementsMatch(t, []string{"a/1", "b/1"}, bodies(got))
+	assert.Equal(t, 1, rows(t, pool, "parked_at IS NULL AND sent_at IS NULL"), "a/3 waits behind the parked row")
+
+	store, err := outbox.New(outbox.Config{})
+	require.NoError(t, err)
+	parked, err := store.Parked(context.Background(), pool, 10)
+	require.NoError(t, err)
+	require.Len(t, parked, 1)
+	_, err = store.Discard(context.Background(), pool, parked[0].Seq)
+	require.NoError(t, err)
+	got = d.read(t, 3)
+	assert.Equal(t, []string{"a/1", "a/3"}, bodiesOfKey(got, "a"))
+}
+
+// A parked row requeued after its cause is fixed (the topic now exists) is
+// published, and the row of its key written after it follows in order.
+func TestRequeuedRowIsPublishedInOrder(t *testing.T) {
+	k := newKafka(t)
+	pool, _ := migrated(t)
+	d := k.destination(t)
+	startRelay(t, pool, k.publisher(t), outbox.RelayConfig{
+		PollInterval: 20 * time.Millisecond, MaxAttempts: 1, Logger: testLogger()})
+	first := d.unroutable("a", "a/1")
+	addCommitted(t, pool, first)
+	waitRows(t, pool, "parked_at IS NOT NULL", 1, 30*time.Second)
+	addCommitted(t, pool, outbox.Message{Topic: first.Topic, Key: []byte("a"), Body: []byte("a/2")})
+
+	created := &kafkaDest{k: k, topic: first.Topic}
+	createTopic(t, k, first.Topic)
+	store, err := outbox.New(outbox.Config{})
+	require.NoError(t, err)
+	parked, err := store.Parked(context.Background(), pool, 0)
+	require.NoError(t, err)
+	require.Len(t, parked, 1)
+	n, err := store.Requeue(context.Background(), pool, parked[0].Seq)
+	require.NoError(t, err)
+	require.EqualValues(t, 1, n)
+	waitRows(t, pool, "true", 0, 30*time.Second)
+	assert.Equal(t, []string{"a/1", "a/2"}, bodiesOfKey(created.read(t, 2), "a"))
+}
+
+// Bad input is refused with clear errors and writes nothing.
+func TestInvalidInput(t *testing.T) {
+	_, err := outbox.New(outbox.Config{Table: "outbox; DROP TABLE x"})
+	require.ErrorIs(t, err, outbox.ErrInvalidName)
+	_, err = outbox.New(outbox.Config{Schema: `a"b`})
+	require.ErrorIs(t, err, outbox.ErrInvalidName)
+
+	pool, _ := migrated(t)
+	ctx := context.Background()
+	for name, m := range map[string]outbox.Message{
+		"no destination": {Body: []byte("x")},
+		"id too long":    {Topic: "t", ID: string(make([]byte, outbox.MaxIDLength+1))},
+		"id not utf-8":   {Topic: "t", ID: "\xff"},
+		"empty header":   {Topic: "t", Headers: map[string]string{"": "v"}},
+		"nul in header":  {Topic: "t", Headers: map[string]string{"h": "a\x00b"}},
+	} {
+		err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			return outbox.Add(ctx, tx, outbox.Message{Topic: "t", Body: []byte("ok")}, m)
+		})
+		require.ErrorIs(t, err, outbox.ErrInvalidMessage, name)
+	}
+	assert.Zero(t, rows(t, pool, "true"), "an invalid message writes nothing, not even the valid ones beside it")
+
+	pub := newKafka(t).publisher(t)
+	for name, cfg := range map[string]outbox.RelayConfig{
+		"negative batch":   {BatchSize: -1},
+		"negative poll":    {PollInterval: -time.Second},
+		"bad backoff":      {RetryBackoff: outbox.Backoff{Initial: time.Second, Max: time.Millisecond}},
+		"negative keep":    {KeepSent: -time.Second},
+		"negative attempt": {MaxAttempts: -1},
+	} {
+		_, err := outbox.NewRelay(pool, pub, cfg)
+		require.ErrorIs(t, err, outbox.ErrInvalidConfig, name)
+	}
+	_, err = outbox.NewRelay(nil, pub, outbox.RelayConfig{})
+	require.ErrorIs(t, err, outbox.ErrInvalidConfig)
+	_, err = outbox.NewRelay(pool, nil, outbox.RelayConfig{})
+	require.ErrorIs(t, err, outbox.ErrInvalidConfig)
+}
+
+// Migrate is idempotent and safe from many processes at once; the table can
+// live in a named schema.
+func TestMigrateConcurrentlyAndInASchema(t *testing.T) {
+	pool, schema := pgtest.Schema(t)
+	store, err := outbox.New(outbox.Config{Schema: schema, Table: "events_out"})
+	require.NoError(t, err)
+	errs := make(chan error, 4)
+	for range 4 {
+		go func() { errs <- store.Migrate(context.Background(), pool) }()
+	}
+	for range 4 {
+		require.NoError(t, <-errs)
+	}
+	require.NoError(t, store.Add(context.Background(), pool, outbox.Message{Topic: "t", Body: []byte("x")}))
+	var n int
+	require.NoError(t, pool.QueryRow(context.Background(), `SELECT count(*) FROM `+store.Table()).Scan(&n))
+	assert.Equal(t, 1, n)
+}
+
+// With KeepSent, published rows stay (marked sent) and are removed after
+// the window.
+func TestKeepSentRemovesRowsAfterTheWindow(t *testing.T) {
+	k := newKafka(t)
+	pool, _ := migrated(t)
+	d := k.destination(t)
+	startRelay(t, pool, k.publisher(t), outbox.RelayConfig{PollInterval: 20 * time.Millisecond, KeepSent: time.Second})
+	addCommitted(t, pool, d.msg("a", "a/1"), d.msg("a", "a/2"))
+	d.read(t, 2)
+	waitRows(t, pool, "sent_at IS NOT NULL", 2, 10*time.Second)
+	waitRows(t, pool, "true", 0, 10*time.Second)
+}
+
+func bodies(ws []wire) []string {
+	out := make([]string, len(ws))
+	for i, w := range ws {
+		out[i] = w.Body
+	}
+	return out
+}
+
+func bodiesOfKey(ws []wire, key string) []string {
+	var out []string
+	for _, w := range ws {
+		if w.Key == key {
+			out = append(out, w.Body)
+		}
+	}
+	return out
+}
+
+// On RabbitMQ, a message to an exchange that does not exist closes the
+// channel: that message is refused, the others of the batch are published
+// again on a new channel (their first publish may have arrived: copies
+// with the same id), and the next attempts of the refused message are
+// checked before the batch is sent, so that it is parked without closing
+// the channel again.
+func TestMissingExchangeIsParkedOthersGoOn(t *testing.T) {
+	r := rabbitOrSkip(t)
+	pool, _ := migrated(t)
+	d := r.destination(t)
+	startRelay(t, pool, r.publisher(t), outbox.RelayConfig{PollInterval: 20 * time.Millisecond, MaxAttempts: 2,
+		RetryBackoff: outbox.Backoff{Initial: 10 * time.Millisecond, Max: 10 * time.Millisecond}})
+	nowhere := outbox.Message{Topic: uniq("no-such-exchange"), RoutingKey: "x", Key: []byte("a"), Body: []byte("a/1")}
+	addCommitted(t, pool, d.msg("b", "b/1"), nowhere, d.msg("c", "c/1"), d.msg("b", "b/2"))
+	waitRows(t, pool, "parked_at IS NOT NULL AND last_error LIKE '%does not exist%'", 1, 30*time.Second)
+	waitRows(t, pool, "true", 1, 30*time.Second)
+	all := d.read(t, 3)
+	_, copies := ids(all)
+	for id, n := range copies {
+		assert.LessOrEqual(t, n, 2, "%s: one channel close, so at most one extra copy", id)
+	}
+	got := firstCopies(all)
+	assert.Equal(t, []string{"b/1", "b/2"}, bodiesOfKey(got, "b"))
+	assert.Equal(t, []string{"c/1"}, bodiesOfKey(got, "c"))
+}
+
+// firstCopies drops the copies of a message after its first: what a
+// deduplicating consumer sees.
+func firstCopies(ws []wire) []wire {
+	seen := map[string]bool{}
+	var out []wire
+	for _, w := range ws {
+		if !seen[w.ID] {
+			seen[w.ID] = true
+			out = append(out, w)
+		}
+	}
+	return out
+}
+
+// The relay reads the next batch while the broker works on the current
+// one; a row read ahead whose key had a row refused in the current batch
+// is put back, not sent, so that it never overtakes that row.
+func TestRowsReadAheadWaitBehindARefusedRow(t *testing.T) {
+	forEachBroker(t, func(t *testing.T, b broker) {
+		pool, _ := migrated(t)
+		d := b.destination(t)
+		startRelay(t, pool, b.publisher(t), outbox.RelayConfig{PollInterval: 20 * time.Millisecond, BatchSize: 2, MaxAttempts: 2,
+			RetryBackoff: outbox.Backoff{Initial: 20 * time.Millisecond, Max: 20 * time.Millisecond}, Logger: testLogger()})
+		// Batch one: a/1, a/2 (refused); read ahead: a/3 (behind a/2), b/1.
+		addCommitted(t, pool, d.msg("a", "a/1"), d.unroutable("a", "a/2"), d.unroutable("a", "a/3"), d.msg("b", "b/1"), d.msg("b", "b/2"))
+		waitRows(t, pool, "parked_at IS NOT NULL", 1, 30*time.Second)
+		got := d.read(t, 3)
+		waitRows(t, pool, "true", 2, 10*time.Second)
+		assert.ElementsMatch(t, []string{"a/1", "b/1", "b/2"}, bodies(firstCopies(got)))
+		assert.Equal(t, 1, rows(t, pool, "parked_at IS NULL AND attempts = 0"), "a/3 was never attempted")
+	})
+}
+
+// Rows whose notification never came (here: inserted with the trigger
+// disabled) are published by the poll.
+func TestPollingFindsRowsWithoutANotification(t *testing.T) {
+	k := newKafka(t)
+	pool, _ := migrated(t)
+	d := k.destination(t)
+	_, err := pool.Exec(context.Background(), `ALTER TABLE outbox DISABLE TRIGGER USER`)
+	require.NoError(t, err)
+	r, _ := startRelay(t, pool, k.publisher(t), outbox.RelayConfig{PollInterval: 50 * time.Millisecond, Logger: testLogger()})
+	require.Eventually(t, r.Leader, 10*time.Second, 5*time.Millisecond)
+	addCommitted(t, pool, d.msg("a", "a/1"), d.msg("a", "a/2"))
+	assert.Equal(t, []string{"a/1", "a/2"}, bodies(d.read(t, 2)))
+	waitRows(t, pool, "true", 0, 10*time.Second)
+}
+
+// Store.Statement queued with a consumer handler's ev.Queue writes the
+// outbox rows with the handler's other statements, in its transaction.
+func TestStatementQueuedByAHandler(t *testing.T) {
+	pool, _ := migrated(t)
+	store, err := outbox.New(outbox.Config{})
+	require.NoError(t, err)
+	mem := memsource.New(memsource.Options{Streams: 1})
+	for i := range 3 {
+		mem.Publish(consumer.Message{ID: fmt.Sprintf("in-%d", i), Value: []byte(`"x"`)})
+	}
+	handle := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[string]) error {
+		sql, args, err := store.Statement(ctx, outbox.Message{ID: ev.ID + "/out", Topic: "next", Body: []byte(ev.Payload)})
+		if err != nil {
+			return consumer.Permanent(err)
+		}
+		ev.Queue(sql, args...)
+		return nil
+	}
+	c, err := consumer.New(pool, mem.Source(), handle, consumer.Config{Name: "queue-test", Logger: testLogger()})
+	require.NoError(t, err)
+	run(t, c.Run)
+	waitRows(t, pool, "event_id LIKE 'in-%/out' AND topic = 'next'", 3, 10*time.Second)
+}
+
+// The relay's batch span is a producer span linked to the span that wrote
+// each row; the message itself carries the writer's trace context.
+func TestRelaySpanLinksToTheWriters(t *testing.T) {
+	otel.SetTextMapPropagator(propagation.TraceContext{})
+	k := newKafka(t)
+	pool, _ := migrated(t)
+	d := k.destination(t)
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	ctx, writer := tp.Tracer("handler").Start(context.Background(), "handle order.paid")
+	require.NoError(t, pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error { return outbox.Add(ctx, tx, d.msg("a", "a/1")) }))
+	writer.End()
+
+	startRelay(t, pool, k.publisher(t), outbox.RelayConfig{PollInterval: 20 * time.Millisecond, TracerProvider: tp, Logger: testLogger()})
+	got := d.read(t, 1)
+	assert.Equal(t, writer.SpanContext().TraceID().String(), strings.Split(got[0].Headers["traceparent"], "-")[1])
+	var publish sdktrace.ReadOnlySpan
+	require.Eventually(t, func() bool {
+		for _, s := range rec.Ended() {
+			if s.Name() == "outbox publish" {
+				publish = s
+				return true
+			}
+		}
+		return false
+	}, 10*time.Second, 5*time.Millisecond)
+	assert.Equal(t, trace.SpanKindProducer, publish.SpanKind())
+	require.Len(t, publish.Links(), 1)
+	assert.Equal(t, writer.SpanContext().SpanID(), publish.Links()[0].SpanContext.SpanID())
+}
+
+// A relay on a table with its own name in a named schema publishes it; a
+// second table beside it has a leader of its own.
+func TestRelayOnNamedTables(t *testing.T) {
+	k := newKafka(t)
+	pool, schema := pgtest.Schema(t)
+	d := k.destination(t)
+	ctx := context.Background()
+	for _, table := range []string{"orders_out", "billing_out"} {
+		store, err := outbox.New(outbox.Config{Schema: schema, Table: table})
+		require.NoError(t, err)
+		r, _ := startRelay(t, pool, k.publisher(t), outbox.RelayConfig{Store: store, PollInterval: 20 * time.Millisecond})
+		require.Eventually(t, r.Leader, 10*time.Second, 5*time.Millisecond, "%s has a leader of its own", table)
+		require.NoError(t, pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			return store.Add(ctx, tx, d.msg(table, table+"/0"))
+		}))
+	}
+	assert.ElementsMatch(t, []string{"orders_out/0", "billing_out/0"}, bodies(d.read(t, 2)))
+}

@@ -1,0 +1,115 @@
+package outbox
+
+import (
+	"context"
+	"fmt"
+
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
+)
+
+// Metric names of the relay.
+const (
+	// PublishedMetric counts rows the broker confirmed.
+	PublishedMetric = "once.outbox.published"
+	// RejectedMetric counts refusals charged to rows (parking included).
+	RejectedMetric = "once.outbox.rejected"
+	// ParkedMetric counts rows parked.
+	ParkedMetric = "once.outbox.parked"
+	// FailuresMetric counts batches that failed for the broker or the
+	// database being unavailable, each followed by a backoff.
+	FailuresMetric = "once.outbox.failures"
+	// LeaderMetric is 1 while the relay leads, else 0.
+	LeaderMetric = "once.outbox.leader"
+)
+
+// relayMetrics are the relay's instruments; every measurement carries the
+// table's name.
+type relayMetrics struct {
+	published, rejected, parked, failures metric.Int64Counter
+	attrs                                 metric.MeasurementOption
+}
+
+func newRelayMetrics(mp metric.MeterProvider, table string, leader func() bool) (*relayMetrics, error) {
+	if mp == nil {
+		mp = otel.GetMeterProvider()
+	}
+	m := mp.Meter(instrumentationName)
+	rm := &relayMetrics{attrs: metric.WithAttributeSet(attribute.NewSet(attribute.String("once.outbox.table", table)))}
+	var err error
+	counter := func(name, desc string) metric.Int64Counter {
+		if err != nil {
+			return nil
+		}
+		var c metric.Int64Counter
+		c, err = m.Int64Counter(name, metric.WithDescription(desc), metric.WithUnit("{row}"))
+		return c
+	}
+	rm.published = counter(PublishedMetric, "Outbox rows the broker confirmed.")
+	rm.rejected = counter(RejectedMetric, "Outbox rows the broker refused (each attempt).")
+	rm.parked = counter(ParkedMetric, "Outbox rows parked after MaxAttempts refusals.")
+	rm.failures = counter(FailuresMetric, "Relay batches that failed because the broker or the database was unavailable.")
+	if err == nil {
+		_, err = m.Int64ObservableGauge(LeaderMetric, metric.WithDescription("1 while this relay leads, else 0."),
+			metric.WithInt64Callback(func(_ context.Context, o metric.Int64Observer) error {
+				v := int64(0)
+				if leader() {
+					v = 1
+				}
+				o.Observe(v, rm.attrs)
+				return nil
+			}))
+	}
+	if err != nil {
+		return nil, fmt.Errorf("outbox: metrics: %w", err)
+	}
+	return rm, nil
+}
+
+const instrumentationName = "github.com/onceco/once/outbox"
+
+func newTracer(tp trace.TracerProvider) trace.Tracer {
+	if tp == nil {
+		tp = otel.GetTracerProvider()
+	}
+	return tp.Tracer(instrumentationName)
+}
+
+// maxLinks bounds the links of a batch's span.
+const maxLinks = 128
+
+// startBatchSpan starts the producer span of a batch, linked (when it
+// records) to the spans that wrote the batch's rows.
+func (r *Relay) startBatchSpan(ctx context.Context, batch []Record) (context.Context, trace.Span) {
+	ctx, span := r.tracer.Start(ctx, "outbox publish", trace.WithSpanKind(trace.SpanKindProducer),
+		trace.WithAttributes(attribute.String("once.outbox.table", r.cfg.Store.table),
+			attribute.Int("messaging.batch.message_count", len(batch))))
+	if !span.IsRecording() {
+		return ctx, span
+	}
+	prop := otel.GetTextMapPropagator()
+	for i, rec := range batch {
+		if i == maxLinks {
+			break
+		}
+		sc := trace.SpanContextFromContext(prop.Extract(context.Background(), propagation.MapCarrier(rec.Headers)))
+		if sc.IsValid() {
+			span.AddLink(trace.Link{SpanContext: sc, Attributes: []attribute.KeyValue{attribute.String("messaging.message.id", rec.EventID)}})
+		}
+	}
+	return ctx, span
+}
+
+// endBatchSpan ends span with the batch's outcome.
+func endBatchSpan(span trace.Span, sent, rejected int, err error) {
+	span.SetAttributes(attribute.Int("once.outbox.sent", sent), attribute.Int("once.outbox.rejected", rejected))
+	if err != nil {
+		span.RecordError(err)
+		span.SetStatus(codes.Error, err.Error())
+	}
+	span.End()
+}
