@@ -1,19 +1,19 @@
 package outbox
 
 import (
-	"bytes"
 	"context"
 	"embed"
 	"errors"
 	"fmt"
 	"io/fs"
 	"regexp"
-	"sort"
 	"strings"
-	"text/template"
 
 	"github.com/jackc/pgx/v5"
+
 	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/onceco/once/internal/migrate"
 )
 
 // DefaultTable is the outbox table's name when Config.Table is empty.
@@ -48,9 +48,9 @@ type DB interface {
 // zero value is not usable. A Store holds no connection and is safe for
 // concurrent use.
 type Store struct {
-	cfg        Config
-	table      string // quoted, qualified
-	migrations []migration
+	cfg    Config
+	table  string // quoted, qualified
+	series *migrate.Series
 
 	insertSQL string
 }
@@ -73,11 +73,16 @@ func New(cfg Config) (*Store, error) {
 		return nil, fmt.Errorf("%w: Schema %q must match %s", ErrInvalidName, cfg.Schema, identifier)
 	}
 	s := &Store{cfg: cfg, table: qualify(cfg, cfg.Table)}
-	migs, err := loadMigrations(migrations, s.templateData())
+	sub, err := fs.Sub(migrations, "migrations")
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("outbox: migrations: %w", err)
 	}
-	s.migrations = migs
+	migs, err := migrate.Load(sub, s.templateData())
+	if err != nil {
+		return nil, fmt.Errorf("outbox: %w", err)
+	}
+	s.series = &migrate.Series{Component: "outbox:" + cfg.Table, Schema: cfg.Schema, Migrations: migs,
+		Adopt: s.adopt}
 	s.insertSQL = `INSERT INTO ` + s.table + ` (event_id, topic, routing_key, key, type, headers, trace, body)
 SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::text[], $6::jsonb[], $7::jsonb[], $8::bytea[])`
 	return s, nil
@@ -108,107 +113,39 @@ func (s *Store) templateData() map[string]string {
 // Table returns the quoted, schema-qualified name of the outbox table.
 func (s *Store) Table() string { return s.table }
 
-// migration is one numbered step of the outbox schema.
-type migration struct {
-	version  int
-	name     string
-	up, down string
-}
-
-var migrationFile = regexp.MustCompile(`^([0-9]+)_([a-z0-9_]+)\.(up|down)\.sql$`)
-
-// loadMigrations renders every migrations/NNN_name.{up,down}.sql template
-// with data, in version order.
-func loadMigrations(fsys embed.FS, data any) ([]migration, error) {
-	entries, err := fs.ReadDir(fsys, "migrations")
-	if err != nil {
-		return nil, fmt.Errorf("outbox: migrations: %w", err)
-	}
-	byVersion := map[int]*migration{}
-	for _, e := range entries {
-		m := migrationFile.FindStringSubmatch(e.Name())
-		if m == nil {
-			return nil, fmt.Errorf("outbox: migrations: %s is not named NNN_name.up.sql or NNN_name.down.sql", e.Name())
-		}
-		var version int
-		fmt.Sscan(m[1], &version) //nolint:errcheck // the pattern admits digits only
-		text, err := renderTemplate(fsys, "migrations/"+e.Name(), data)
-		if err != nil {
-			return nil, err
-		}
-		mig := byVersion[version]
-		if mig == nil {
-			mig = &migration{version: version, name: m[2]}
-			byVersion[version] = mig
-		}
-		if m[3] == "up" {
-			mig.up = text
-		} else {
-			mig.down = text
-		}
-	}
-	out := make([]migration, 0, len(byVersion))
-	for _, m := range byVersion {
-		out = append(out, *m)
-	}
-	sort.Slice(out, func(i, j int) bool { return out[i].version < out[j].version })
-	return out, nil
-}
-
-func renderTemplate(fsys embed.FS, name string, data any) (string, error) {
-	src, err := fsys.ReadFile(name)
-	if err != nil {
-		return "", fmt.Errorf("outbox: migrations: %w", err)
-	}
-	t, err := template.New(name).Option("missingkey=error").Parse(string(src))
-	if err != nil {
-		return "", fmt.Errorf("outbox: migrations: %w", err)
-	}
-	var b bytes.Buffer
-	if err := t.Execute(&b, data); err != nil {
-		return "", fmt.Errorf("outbox: migrations: %w", err)
-	}
-	return b.String(), nil
-}
-
 // SchemaSQL returns the DDL that Migrate runs, with this store's names.
 func (s *Store) SchemaSQL() string {
 	var b strings.Builder
-	for _, m := range s.migrations {
-		b.WriteString(m.up)
+	for _, m := range s.series.Migrations {
+		b.WriteString(m.Up)
 	}
 	return b.String()
 }
 
-// migrateLock is the advisory lock key that serialises concurrent
-// migrations; it is the key dedup's Migrate takes, so that the module's
-// migrations never run at the same time.
-const migrateLock = 0x6f6e6365 // "once"
-
-// Migrate creates the outbox table, its indexes and its notify trigger if
-// they do not exist, running every up migration in one transaction under
-// an advisory lock. It is idempotent and safe to call from many processes
-// at once.
+// Migrate brings the outbox table, its indexes and its notify trigger to
+// the newest schema version: the numbered migrations in migrations/, each
+// once, recorded in once_schema_versions (component "outbox:<table>") in
+// one transaction under the advisory lock every migration of the library
+// takes. It is idempotent, safe to call from many processes at once, and
+// refuses a schema a newer release migrated.
 func (s *Store) Migrate(ctx context.Context, db interface {
 	Begin(ctx context.Context) (pgx.Tx, error)
 }) error {
-	tx, err := db.Begin(ctx)
-	if err != nil {
-		return fmt.Errorf("outbox: migrate: %w", err)
-	}
-	defer tx.Rollback(ctx) //nolint:errcheck // a no-op after Commit
-	if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", migrateLock); err != nil {
-		return fmt.Errorf("outbox: migrate: %w", err)
-	}
-	for _, m := range s.migrations {
-		if _, err := tx.Exec(ctx, m.up); err != nil {
-			return fmt.Errorf("outbox: migrate %03d_%s: %w", m.version, m.name, err)
-		}
-	}
-	if err := tx.Commit(ctx); err != nil {
-		return fmt.Errorf("outbox: migrate: %w", err)
+	if err := s.series.Migrate(ctx, db); err != nil {
+		return fmt.Errorf("outbox: %w", err)
 	}
 	return nil
+}
+
+// adopt recognises an outbox table made before versions were recorded as
+// version 1.
+func (s *Store) adopt(ctx context.Context, tx pgx.Tx) (int, error) {
+	var exists bool
+	err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, s.table).Scan(&exists)
+	if exists {
+		return 1, err
+	}
+	return 0, err
 }
 
 // Migrate creates the default outbox table ("outbox" on the search_path);

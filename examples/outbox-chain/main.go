@@ -34,7 +34,7 @@ import (
 
 	"github.com/onceco/once/brokers/kafka"
 	"github.com/onceco/once/consumer"
-	"github.com/onceco/once/internal/pgtemp"
+	"github.com/onceco/once/oncetest"
 	"github.com/onceco/once/outbox"
 	"github.com/onceco/once/outbox/kafkaout"
 )
@@ -126,7 +126,7 @@ func run(orders int) error {
 func database(ctx context.Context) (*pgxpool.Pool, func(), error) {
 	url, stop := os.Getenv("DATABASE_URL"), func() {}
 	if url == "" {
-		srv, err := pgtemp.Start(ctx, pgtemp.Options{})
+		srv, err := oncetest.StartServer(ctx, false)
 		if err != nil {
 			return nil, nil, err
 		}
