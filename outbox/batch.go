@@ -279,7 +279,7 @@ func (r *Relay) settle(ctx context.Context, conn *pgx.Conn, sent []int64, reject
 		seqs, msgs, delays := make([]int64, len(rejects)), make([]string, len(rejects)), make([]int64, len(rejects))
 		for i, rj := range rejects {
 			seqs[i], msgs[i] = rj.seq, rj.err.Error()
-			delays[i] = jitter(r.cfg.RetryBackoff.delay(rj.attempts + 1)).Milliseconds()
+			delays[i] = r.cfg.RetryBackoff.delay(rj.attempts + 1).Milliseconds()
 		}
 		b.Queue(r.sql.reject, seqs, msgs, delays, r.cfg.MaxAttempts).Query(func(rows pgx.Rows) error {
 			return r.logRejections(rows, rejects)

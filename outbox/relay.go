@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"math/rand/v2"
 	"strconv"
 	"sync/atomic"
 	"time"
@@ -14,6 +13,8 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/trace"
+
+	"github.com/onceco/once/internal/backoff"
 )
 
 // ErrInvalidConfig is wrapped by NewRelay's errors for a bad RelayConfig.
@@ -35,22 +36,10 @@ type Backoff struct {
 	Max time.Duration
 }
 
-// delay is the wait before attempt n+1 after n failures (n >= 1), without
-// jitter.
+// delay is the jittered wait before attempt n+1 after n failures (n >= 1):
+// the library's one backoff.
 func (b Backoff) delay(n int) time.Duration {
-	d := b.Initial
-	for i := 1; i < n && d < b.Max; i++ {
-		d *= 2
-	}
-	return min(d, b.Max)
-}
-
-// jitter spreads d by ±20%.
-func jitter(d time.Duration) time.Duration {
-	if d <= 0 {
-		return d
-	}
-	return d + time.Duration((rand.Float64()*0.4-0.2)*float64(d))
+	return backoff.Policy{Initial: b.Initial, Max: b.Max}.Delay(n)
 }
 
 // RelayConfig configures a Relay. Every field has a default.
@@ -226,24 +215,13 @@ func (r *Relay) Run(ctx context.Context) error {
 		}
 		failures++
 		r.cfg.Logger.Warn("outbox relay: database session ended; reconnecting", "error", err)
-		if !sleep(ctx, jitter(r.cfg.InfraBackoff.delay(failures))) {
+		if !backoff.Sleep(ctx, r.cfg.InfraBackoff.delay(failures)) {
 			break
 		}
 	}
 	return nil
 }
 
-// sleep waits d or until ctx is done, and reports whether d passed.
-func sleep(ctx context.Context, d time.Duration) bool {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return false
-	case <-t.C:
-		return true
-	}
-}
 
 // leaderLockClass is the first key of the leader lock; the second is the
 // outbox table's oid, so that each table (in each schema) has one leader.
@@ -298,7 +276,7 @@ func (r *Relay) becomeLeader(ctx context.Context, conn *pgx.Conn, oid uint32) er
 		if ok {
 			return nil
 		}
-		if !sleep(ctx, r.cfg.PollInterval) {
+		if !backoff.Sleep(ctx, r.cfg.PollInterval) {
 			return ctx.Err()
 		}
 	}
@@ -331,9 +309,9 @@ func (r *Relay) lead(ctx context.Context, conn *pgx.Conn) error {
 			}
 			failures++
 			r.metrics.failures.Add(ctx, 1, r.metrics.attrs)
-			d := jitter(r.cfg.InfraBackoff.delay(failures))
+			d := r.cfg.InfraBackoff.delay(failures)
 			r.cfg.Logger.Warn("outbox relay: publishing failed; retrying", "error", err, "backoff", d)
-			sleep(ctx, d)
+			backoff.Sleep(ctx, d)
 			continue
 		}
 		failures = 0

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"math/rand/v2"
 	"sync"
 	"time"
 
@@ -15,6 +14,7 @@ import (
 	"go.opentelemetry.io/otel/metric"
 
 	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/internal/backoff"
 )
 
 // instrumentationName names the OpenTelemetry meter of this package.
@@ -189,7 +189,7 @@ func (s *Source) lost(sess *session, cause error) {
 // jitter until ctx is done or the source is closed. Before the first
 // success, configuration errors are returned at once.
 func (s *Source) reconnect(ctx context.Context) (*session, error) {
-	backoff := s.cfg.ReconnectMinBackoff
+	retry := backoff.Retrier{Policy: backoff.Policy{Initial: s.cfg.ReconnectMinBackoff, Max: s.cfg.ReconnectMaxBackoff}}
 	for attempt := 1; ; attempt++ {
 		sess, err := s.connect()
 		if err == nil {
@@ -214,8 +214,7 @@ func (s *Source) reconnect(ctx context.Context) (*session, error) {
 		if !connected && isConfigError(err) {
 			return nil, err
 		}
-		wait := jitter(backoff)
-		backoff = min(2*backoff, s.cfg.ReconnectMaxBackoff)
+		wait := retry.Delay()
 		s.log.Warn("amqp: cannot connect to the broker; retrying", "attempt", attempt, "retry_in", wait.Round(time.Millisecond), "error", err)
 		t := time.NewTimer(wait)
 		select {
@@ -231,14 +230,6 @@ func (s *Source) reconnect(ctx context.Context) (*session, error) {
 		case <-t.C:
 		}
 	}
-}
-
-// jitter returns a random duration in [d/2, d].
-func jitter(d time.Duration) time.Duration {
-	if d <= 1 {
-		return d
-	}
-	return d/2 + rand.N(d/2+1)
 }
 
 // isConfigError reports whether err is the broker's verdict on the
