@@ -222,7 +222,6 @@ func (r *Relay) Run(ctx context.Context) error {
 	return nil
 }
 
-
 // leaderLockClass is the first key of the leader lock; the second is the
 // outbox table's oid, so that each table (in each schema) has one leader.
 const leaderLockClass = 0x6f626f78 // "obox"
