@@ -161,26 +161,35 @@ var errCrashLoop = errors.New("crash loop")
 
 // enter takes the isolation a job's attempt needs: exclusive for a
 // suspect, whose attempt is then recorded durably as a crash until it
-// ends; shared otherwise. It returns the function that ends the attempt
-// (leave), or errCrashLoop when the suspect is to be dead-lettered, or
-// ctx's error.
-func (g *crashGuard) enter(ctx context.Context, j *job) (leave func(), err error) {
+// ends; shared otherwise (j nil or not a suspect). It returns errCrashLoop
+// when the suspect is to be dead-lettered, errStopping or ctx's error;
+// without an error, leave(j) must follow.
+func (g *crashGuard) enter(ctx context.Context, j *job) error {
 	if j == nil || !j.guard.suspect {
 		g.isolation.RLock()
-		return g.isolation.RUnlock, nil
+		return nil
 	}
 	g.isolation.Lock()
 	if g.p.mustStop(ctx, &settler{}) {
 		// The consumer began stopping while the suspect waited: its
 		// attempt never starts, so nothing is charged to it.
 		g.isolation.Unlock()
-		return nil, errStopping
+		return errStopping
 	}
 	if err := g.startAttempt(ctx, j); err != nil {
 		g.isolation.Unlock()
-		return nil, err
+		return err
 	}
-	return g.isolation.Unlock, nil
+	return nil
+}
+
+// leave ends what enter(j) began.
+func (g *crashGuard) leave(j *job) {
+	if j == nil || !j.guard.suspect {
+		g.isolation.RUnlock()
+		return
+	}
+	g.isolation.Unlock()
 }
 
 // startAttempt records j's coming attempt as a crash, to be taken back by

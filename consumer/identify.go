@@ -42,9 +42,6 @@ type job struct {
 	// settled: acked, dead-lettered or abandoned; nothing more happens to
 	// the message in this process.
 	settled bool
-	// claimed: the message's id was claimed as new and its transaction
-	// committed.
-	claimed bool
 }
 
 // claim is the dedup claim of j's id.

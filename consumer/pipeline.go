@@ -156,12 +156,11 @@ func (p *pipeline) process(work context.Context, dvs []Delivery, window bool, s 
 	p.tel.inflight.Add(ctx, int64(len(dvs)), p.tel.baseOpt)
 	defer p.tel.inflight.Add(ctx, -int64(len(dvs)), p.tel.baseOpt)
 
+	before := s.claimed
 	jobs := make([]*job, 0, len(dvs))
-	all := make([]*job, 0, len(dvs))
 	for _, dv := range dvs {
 		j := p.identify(ctx, dv)
 		defer j.span.End()
-		all = append(all, j)
 		if j.failure == nil {
 			jobs = append(jobs, j)
 			continue
@@ -173,12 +172,7 @@ func (p *pipeline) process(work context.Context, dvs []Delivery, window bool, s 
 		s.deadLetter(j.ctx, j, j.failure)
 	}
 	p.runGuarded(ctx, s, jobs, window)
-	for _, j := range all {
-		if j.claimed {
-			claimed++
-		}
-	}
-	return claimed
+	return s.claimed - before
 }
 
 // runGuarded passes jobs through the crash guard and runs what it plans.
@@ -190,6 +184,11 @@ func (p *pipeline) runGuarded(ctx context.Context, s *settler, jobs []*job, wind
 		s.abandonAll(jobs)
 		return
 	}
+	if !window && !anyRedelivered(jobs) {
+		// The steady path: nothing for the crash guard to look at.
+		p.run(ctx, s, jobs)
+		return
+	}
 	runs := p.guard.plan(ctx, jobs, window)
 	if runs == nil {
 		s.abandonAll(jobs)
@@ -198,6 +197,17 @@ func (p *pipeline) runGuarded(ctx context.Context, s *settler, jobs []*job, wind
 	for _, run := range runs {
 		p.run(ctx, s, run)
 	}
+}
+
+// anyRedelivered reports whether the broker says any of jobs may have been
+// delivered before.
+func anyRedelivered(jobs []*job) bool {
+	for _, j := range jobs {
+		if mayBeRedelivery(j.d) {
+			return true
+		}
+	}
+	return false
 }
 
 // retention deletes the consumer's old processed-event rows every

@@ -21,6 +21,9 @@ type settler struct {
 	p *pipeline
 	// abandoned: a message of this run was abandoned; every later one is.
 	abandoned bool
+	// claimed counts the messages whose ids were claimed as new and
+	// committed.
+	claimed int
 }
 
 // committed settles jobs whose transaction committed, in order.
@@ -35,10 +38,10 @@ func (s *settler) committed(jobs []*job, claims []dedup.Result) {
 		case claims[i].Outcome == dedup.Conflict:
 			s.conflict(j, claims[i].Previous)
 		case j.call == nil:
-			j.claimed = true
+			s.claimed++
 			s.ack(j, ResultSkipped)
 		default:
-			j.claimed = true
+			s.claimed++
 			s.ack(j, ResultHandled)
 		}
 	}

@@ -73,8 +73,10 @@ type telemetry struct {
 	processDur  metric.Float64Histogram
 	conventions attribute.Set
 	// conventionOpts caches the measurement options per destination and
-	// error type.
-	conventionOpts sync.Map
+	// error type: a map under a lock, since a sync.Map would box the key
+	// on every message.
+	conventionMu   sync.RWMutex
+	conventionOpts map[[2]string]metric.MeasurementOption
 }
 
 // GroupNamer is implemented by sources that consume as a member of a
@@ -172,15 +174,23 @@ func newTelemetry(cfg *Config, system, group string) (*telemetry, error) {
 // for a destination and an error type ("" when the processing succeeded).
 func (t *telemetry) conventionOpt(destination, errorType string) metric.MeasurementOption {
 	key := [2]string{destination, errorType}
-	if opt, ok := t.conventionOpts.Load(key); ok {
-		return opt.(metric.MeasurementOption)
+	t.conventionMu.RLock()
+	opt, ok := t.conventionOpts[key]
+	t.conventionMu.RUnlock()
+	if ok {
+		return opt
 	}
 	attrs := append(t.conventions.ToSlice(), attribute.String("messaging.destination.name", destination))
 	if errorType != "" {
 		attrs = append(attrs, attribute.String("error.type", errorType))
 	}
-	opt := metric.WithAttributeSet(attribute.NewSet(attrs...))
-	t.conventionOpts.Store(key, opt)
+	opt = metric.WithAttributeSet(attribute.NewSet(attrs...))
+	t.conventionMu.Lock()
+	if t.conventionOpts == nil {
+		t.conventionOpts = map[[2]string]metric.MeasurementOption{}
+	}
+	t.conventionOpts[key] = opt
+	t.conventionMu.Unlock()
 	return opt
 }
 

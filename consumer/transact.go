@@ -55,11 +55,10 @@ func (p *pipeline) transact(ctx context.Context, jobs []*job) txResult {
 	if len(jobs) == 1 && jobs[0].guard.suspect {
 		suspect = jobs[0]
 	}
-	leave, err := p.guard.enter(ctx, suspect)
-	if err != nil {
+	if err := p.guard.enter(ctx, suspect); err != nil {
 		return txResult{outcome: txAbandoned, err: err, failed: -1}
 	}
-	defer leave()
+	defer p.guard.leave(suspect)
 	r := p.transaction(ctx, jobs)
 	if r.outcome != txCommitted && ctx.Err() != nil {
 		// Cut short while running: by a lost delivery, or by the shutdown
