@@ -511,6 +511,7 @@ func report(ctx context.Context, w io.Writer, pool *pgxpool.Pool, o *options, pl
 	if len(resolved) > 0 {
 		fmt.Fprintf(w, "  replayed        %6d  dead letters handled after their order arrived, not counted above\n", len(resolved))
 	}
+	printReplayCommand(w, o, dlq, dlIDs)
 	fmt.Fprintf(w, "elapsed       %10s  (publish and all runs)\n", elapsed.Round(time.Millisecond))
 	for i, m := range mismatches {
 		if i == 5 {
@@ -530,6 +531,29 @@ func report(ctx context.Context, w io.Writer, pool *pgxpool.Pool, o *options, pl
 	}
 	fmt.Fprintln(w, "verdict: PASS: every order exactly right, each payment once, every bad message dead-lettered, nothing lost")
 	return nil
+}
+
+// printReplayCommand says how many dead letters could be put back once
+// their cause is gone (payments and cancellations whose order had not
+// arrived), and the once command that redrives them through the
+// consumer's deduplication.
+func printReplayCommand(w io.Writer, o *options, dlq []deadLetter, pending map[string]string) {
+	waiting := map[string]bool{} // each event once: dead letters are at least once
+	for _, d := range dlq {
+		id := d.Headers[consumer.HeaderEventID]
+		if _, ok := pending[id]; ok && d.Headers[consumer.HeaderErrorKind] == string(consumer.KindHandler) &&
+			strings.Contains(d.Headers[consumer.HeaderErrorMessage], ErrUnknownOrder.Error()) {
+			waiting[id] = true
+		}
+	}
+	broker := "-kafka " + strings.Join(o.kafkaBrokers, ",")
+	if o.broker == "amqp" {
+		broker = `-amqp "$AMQP_URL"`
+	}
+	fmt.Fprintf(w, "dead letters      %6d  records in %s.dlq; %d failed for want of their order: once it exists, put them back with\n",
+		len(dlq), o.topic, len(waiting))
+	fmt.Fprintf(w, "                  once dlq replay %s -dlq %s.dlq -consumer %s -kind handler -search %q\n",
+		broker, o.topic, o.name, ErrUnknownOrder.Error())
 }
 
 func statusList(m map[string]int) string {
