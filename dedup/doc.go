@@ -14,9 +14,9 @@
 // QueueClaim and QueueClaimBatch queue the same statements on a pgx.Batch,
 // so that a batch that begins the transaction (pgx.Batch.BeginTx) sends the
 // BEGIN and the claim in one round trip.
-// RecordAttempt and ClearAttempts keep the durable attempt counts that let a
-// consumer recognise a message that crashes the process every time.
-// DeleteOlderThan applies one consumer's retention in bounded batches.
+// The attempts table (AttemptsTable) is created here but written by the
+// consumer's crash guard alone. DeleteOlderThan applies one consumer's
+// retention, to both tables, in bounded batches.
 //
 // A Store holds no connection and is safe for concurrent use.
 package dedup

@@ -67,45 +67,6 @@ func ExampleStore_Claim() {
 	// Ack the delivery (or mark the Kafka offset) only now, after the commit.
 }
 
-// Poison detection: count the attempt durably before handling, and clear the
-// count in the transaction that handles the event.
-func ExampleStore_RecordAttempt() {
-	ctx := context.Background()
-	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
-	if err != nil {
-		log.Fatal(err)
-	}
-	defer pool.Close()
-	store, err := dedup.New(dedup.Config{})
-	if err != nil {
-		log.Fatal(err)
-	}
-
-	const maxAttempts = 5
-	n, err := store.RecordAttempt(ctx, pool, "order-processor", "evt-0001") // autocommitted
-	if err != nil {
-		log.Fatal(err)
-	}
-	switch {
-	case n == 0:
-		fmt.Println("already processed: ack")
-		return
-	case n > maxAttempts:
-		fmt.Println("crashed the process too often: dead-letter it")
-		return
-	}
-	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		if _, err := store.Claim(ctx, tx, dedup.Claim{Consumer: "order-processor", EventID: "evt-0001"}); err != nil {
-			return err
-		}
-		// ... the handler ...
-		return store.ClearAttempts(ctx, tx, "order-processor", "evt-0001")
-	})
-	if err != nil {
-		log.Fatal(err)
-	}
-}
-
 // Start-up of a service that manages its schema with goose or
 // golang-migrate (the files in dedup/migrations): Check fails, naming each
 // difference, when the tables are missing or belong to something else;

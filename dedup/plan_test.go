@@ -52,7 +52,6 @@ func TestStatementsLookUpIDsByIndex(t *testing.T) {
 	for name, stmt := range map[string]struct{ sql, types, args string }{
 		"claim batch": {s.claimBatchSQL, "text, text[], bytea[], text[], integer[], bigint[]",
 			"'c', " + idArray + ", " + nulls("bytea") + ", " + nulls("text") + ", " + nulls("integer") + ", " + nulls("bigint")},
-		"record attempts": {s.recordAttemptsSQL, "text, text[]", "'c', " + idArray},
 	} {
 		t.Run(name, func(t *testing.T) {
 			plan := explainExecute(t, ctx, pool, stmt.sql, stmt.types, stmt.args)

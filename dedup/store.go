@@ -39,15 +39,12 @@ type DB interface {
 	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
 }
 
-// Store claims event ids and keeps attempt counts. Build it with New.
+// Store claims event ids and deletes old claims. Build it with New.
 type Store struct {
 	names  schemaNames
 	series *migrate.Series
 
 	claimSQL, claimBatchSQL, lookupSQL string
-	recordAttemptSQL, clearAttemptSQL  string
-	recordAttemptsSQL, attemptsSQL     string
-	clearAttemptsSQL, unrecordSQL      string
 	retentionSQL, attemptsRetentionSQL string
 }
 
@@ -99,20 +96,6 @@ LEFT JOIN LATERAL (
 	WHERE consumer = $1 AND event_id = u.id OFFSET 0
 ) p ON true`,
 		lookupSQL: `SELECT fingerprint, processed_at FROM ` + table + ` WHERE consumer = $1 AND event_id = $2`,
-		recordAttemptSQL: `INSERT INTO ` + attempts + ` AS a (consumer, event_id, attempts)
-SELECT $1, $2, 1 WHERE NOT EXISTS (SELECT 1 FROM ` + table + ` WHERE consumer = $1 AND event_id = $2)
-ON CONFLICT (consumer, event_id) DO UPDATE SET attempts = a.attempts + 1, last_seen = now() RETURNING attempts`,
-		clearAttemptSQL: `DELETE FROM ` + attempts + ` WHERE consumer = $1 AND event_id = $2`,
-		recordAttemptsSQL: `INSERT INTO ` + attempts + ` AS a (consumer, event_id, attempts)
-SELECT $1, d.id, 1 FROM (SELECT DISTINCT id FROM unnest($2::text[]) AS u(id)) d
-WHERE NOT EXISTS (SELECT 1 FROM ` + table + ` WHERE consumer = $1 AND event_id = d.id OFFSET 0)
-ORDER BY d.id COLLATE "C"
-ON CONFLICT (consumer, event_id) DO UPDATE SET attempts = a.attempts + 1, last_seen = now()
-RETURNING event_id, attempts`,
-		attemptsSQL: `SELECT event_id, attempts FROM ` + attempts + `
-WHERE consumer = $1 AND event_id = ANY($2::text[]) AND attempts > 0`,
-		unrecordSQL:      `UPDATE ` + attempts + ` SET attempts = attempts - 1 WHERE consumer = $1 AND event_id = $2 AND attempts > 0`,
-		clearAttemptsSQL: `DELETE FROM ` + attempts + ` WHERE consumer = $1 AND event_id = ANY($2::text[])`,
 		retentionSQL: `DELETE FROM ` + table + ` WHERE ctid = ANY(ARRAY(SELECT ctid FROM ` + table +
 			` WHERE consumer = $1 AND processed_at < $2 LIMIT $3))`,
 		attemptsRetentionSQL: `DELETE FROM ` + attempts + ` WHERE ctid = ANY(ARRAY(SELECT ctid FROM ` + attempts +
@@ -496,85 +479,6 @@ func compare(fp, prev []byte) Outcome {
 		return Duplicate
 	}
 	return Conflict
-}
-
-// RecordAttempt durably counts one more attempt at handling eventID and
-// returns the count including this one; it returns 0 and counts nothing
-// when the id is already processed. Call it outside the handler's
-// transaction (on the pool, autocommitted), before the handler runs, so the
-// count survives a crash of the process.
-func (s *Store) RecordAttempt(ctx context.Context, db DB, consumer, eventID string) (int, error) {
-	var n int
-	err := db.QueryRow(ctx, s.recordAttemptSQL, consumer, eventID).Scan(&n)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return 0, nil
-	}
-	if err != nil {
-		return 0, fmt.Errorf("dedup: record attempt: %w", err)
-	}
-	return n, nil
-}
-
-// ClearAttempts forgets the attempt count of eventID. Call it in the
-// transaction that handles the event, so the count goes when the effects
-// commit.
-func (s *Store) ClearAttempts(ctx context.Context, tx DB, consumer, eventID string) error {
-	if _, err := tx.Exec(ctx, s.clearAttemptSQL, consumer, eventID); err != nil {
-		return fmt.Errorf("dedup: clear attempts: %w", err)
-	}
-	return nil
-}
-
-// RecordAttempts is RecordAttempt for many ids with one statement: it
-// returns the count of each id it counted; ids already processed are
-// absent. An id repeated in ids is counted once.
-func (s *Store) RecordAttempts(ctx context.Context, db DB, consumer string, ids []string) (map[string]int, error) {
-	return s.attemptCounts(ctx, db, s.recordAttemptsSQL, "record attempts", consumer, ids)
-}
-
-// Attempts returns the attempt counts recorded for ids, without counting;
-// ids without a count are absent.
-func (s *Store) Attempts(ctx context.Context, db DB, consumer string, ids []string) (map[string]int, error) {
-	return s.attemptCounts(ctx, db, s.attemptsSQL, "attempts", consumer, ids)
-}
-
-func (s *Store) attemptCounts(ctx context.Context, db DB, sql, what, consumer string, ids []string) (map[string]int, error) {
-	counts := make(map[string]int)
-	if len(ids) == 0 {
-		return counts, nil
-	}
-	rows, err := db.Query(ctx, sql, consumer, ids)
-	if err != nil {
-		return nil, fmt.Errorf("dedup: %s: %w", what, err)
-	}
-	var id string
-	var n int
-	_, err = pgx.ForEachRow(rows, []any{&id, &n}, func() error { counts[id] = n; return nil })
-	if err != nil {
-		return nil, fmt.Errorf("dedup: %s: %w", what, err)
-	}
-	return counts, nil
-}
-
-// UnrecordAttempt takes back one attempt counted by RecordAttempt or
-// RecordAttempts, for handling that ended without a crash (the delivery
-// was lost, the consumer stopped). It is a no-op when no count is left.
-func (s *Store) UnrecordAttempt(ctx context.Context, db DB, consumer, eventID string) error {
-	if _, err := db.Exec(ctx, s.unrecordSQL, consumer, eventID); err != nil {
-		return fmt.Errorf("dedup: unrecord attempt: %w", err)
-	}
-	return nil
-}
-
-// ClearAttemptsBatch is ClearAttempts for many ids with one statement.
-func (s *Store) ClearAttemptsBatch(ctx context.Context, tx DB, consumer string, ids []string) error {
-	if len(ids) == 0 {
-		return nil
-	}
-	if _, err := tx.Exec(ctx, s.clearAttemptsSQL, consumer, ids); err != nil {
-		return fmt.Errorf("dedup: clear attempts: %w", err)
-	}
-	return nil
 }
 
 // DeleteOlderThan removes consumer's processed-event rows and attempt

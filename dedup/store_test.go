@@ -317,9 +317,7 @@ func TestSchemaQualifiesTables(t *testing.T) {
 	assert.Equal(t, dedup.Conflict, claimTx(t, ctx, pool, s, c).Outcome)
 	assert.Equal(t, 1, rowCount(t, ctx, pool, `SELECT count(*) FROM `+pgx.Identifier{other, "seen"}.Sanitize()))
 
-	n, err := s.RecordAttempt(ctx, pool, "c", "e2")
-	require.NoError(t, err)
-	assert.Equal(t, 1, n)
+	seedAttempt(t, ctx, pool, s.AttemptsTable(), "c", "e2")
 	assert.Equal(t, 1, rowCount(t, ctx, pool, `SELECT count(*) FROM `+pgx.Identifier{other, "seen_attempts"}.Sanitize()))
 
 	_, err = pool.Exec(ctx, `UPDATE `+pgx.Identifier{other, "seen"}.Sanitize()+` SET processed_at = now() - interval '1 hour'`)
@@ -493,11 +491,6 @@ func TestClaimConsumersAreIndependent(t *testing.T) {
 	assert.Equal(t, dedup.Claimed, claimTx(t, ctx, pool, s, b).Outcome, "another consumer's claim of the same id")
 	assert.Equal(t, dedup.Duplicate, claimTx(t, ctx, pool, s, a).Outcome)
 	assert.Equal(t, dedup.Duplicate, claimTx(t, ctx, pool, s, b).Outcome, "fingerprints compared per consumer")
-
-	// Attempts are counted per consumer too.
-	n, err := s.RecordAttempt(ctx, pool, "audit", "evt-1")
-	require.NoError(t, err)
-	assert.Equal(t, 1, n, "evt-1 is processed by billing, not by audit")
 }
 
 // --- concurrency ------------------------------------------------------------
@@ -777,112 +770,17 @@ func TestClaimBatchEmpty(t *testing.T) {
 	assert.Equal(t, int64(0), db.n.Load())
 }
 
-// --- attempts ---------------------------------------------------------------
-
-func TestRecordAttemptCounts(t *testing.T) {
-	t.Parallel()
-	ctx, pool, s := setup(t)
-
-	for want := 1; want <= 3; want++ {
-		n, err := s.RecordAttempt(ctx, pool, "c", "poison")
-		require.NoError(t, err)
-		assert.Equal(t, want, n)
+// seedAttempt writes a crash-guard record as the consumer does, into the
+// attempts table of the store's default names on the pool's search_path
+// (or table, when given).
+func seedAttempt(t testing.TB, ctx context.Context, db dedup.DB, table, consumer, id string) {
+	t.Helper()
+	if table == "" {
+		table = "processed_events_attempts"
 	}
-	n, err := s.RecordAttempt(ctx, pool, "other", "poison")
+	_, err := db.Exec(ctx, `INSERT INTO `+table+` (consumer, event_id, attempts, crashes) VALUES ($1, $2, 1, 1)
+ON CONFLICT (consumer, event_id) DO UPDATE SET attempts = `+table+`.attempts + 1`, consumer, id)
 	require.NoError(t, err)
-	assert.Equal(t, 1, n, "counted per consumer")
-	n, err = s.RecordAttempt(ctx, pool, "c", "another")
-	require.NoError(t, err)
-	assert.Equal(t, 1, n, "counted per id")
-}
-
-func TestRecordAttemptConcurrent(t *testing.T) {
-	t.Parallel()
-	ctx, pool, s := setup(t)
-
-	const workers, each = 8, 10
-	var mu sync.Mutex
-	seen := map[int]int{}
-	errs := make([]error, workers)
-	var wg sync.WaitGroup
-	for w := range workers {
-		wg.Go(func() {
-			for range each {
-				n, err := s.RecordAttempt(ctx, pool, "c", "hot")
-				if err != nil {
-					errs[w] = err
-					return
-				}
-				mu.Lock()
-				seen[n]++
-				mu.Unlock()
-			}
-		})
-	}
-	wg.Wait()
-	for _, err := range errs {
-		require.NoError(t, err)
-	}
-	require.Len(t, seen, workers*each, "every count returned once")
-	for i := 1; i <= workers*each; i++ {
-		assert.Equal(t, 1, seen[i], "count %d", i)
-	}
-}
-
-func TestRecordAttemptProcessedID(t *testing.T) {
-	t.Parallel()
-	ctx, pool, s := setup(t)
-	const attempts = `SELECT count(*) FROM processed_events_attempts WHERE consumer = 'c' AND event_id = 'done'`
-
-	claimTx(t, ctx, pool, s, dedup.Claim{Consumer: "c", EventID: "done"})
-	n, err := s.RecordAttempt(ctx, pool, "c", "done")
-	require.NoError(t, err)
-	assert.Equal(t, 0, n)
-	assert.Equal(t, 0, rowCount(t, ctx, pool, attempts), "nothing counted")
-
-	// An id with attempts that is then processed (without clearing) also
-	// stops counting.
-	for want := 1; want <= 2; want++ {
-		n, err = s.RecordAttempt(ctx, pool, "c", "late")
-		require.NoError(t, err)
-		require.Equal(t, want, n)
-	}
-	claimTx(t, ctx, pool, s, dedup.Claim{Consumer: "c", EventID: "late"})
-	n, err = s.RecordAttempt(ctx, pool, "c", "late")
-	require.NoError(t, err)
-	assert.Equal(t, 0, n)
-	assert.Equal(t, 2, rowCount(t, ctx, pool, `SELECT attempts FROM processed_events_attempts WHERE event_id = 'late'`))
-}
-
-func TestClearAttemptsFollowsTransaction(t *testing.T) {
-	t.Parallel()
-	ctx, pool, s := setup(t)
-	record := func() int {
-		t.Helper()
-		n, err := s.RecordAttempt(ctx, pool, "c", "evt")
-		require.NoError(t, err)
-		return n
-	}
-	require.Equal(t, 1, record())
-	require.Equal(t, 2, record())
-
-	tx, err := pool.Begin(ctx)
-	require.NoError(t, err)
-	defer tx.Rollback(ctx) //nolint:errcheck // a no-op after Commit
-	require.NoError(t, s.ClearAttempts(ctx, tx, "c", "evt"))
-	require.NoError(t, tx.Rollback(ctx))
-	assert.Equal(t, 3, record(), "a rolled-back clear keeps the count")
-
-	tx, err = pool.Begin(ctx)
-	require.NoError(t, err)
-	defer tx.Rollback(ctx) //nolint:errcheck // a no-op after Commit
-	require.NoError(t, s.ClearAttempts(ctx, tx, "c", "evt"))
-	assert.Equal(t, 1, rowCount(t, ctx, pool, `SELECT count(*) FROM processed_events_attempts`), "still there before commit")
-	require.NoError(t, tx.Commit(ctx))
-	assert.Equal(t, 0, rowCount(t, ctx, pool, `SELECT count(*) FROM processed_events_attempts`))
-	assert.Equal(t, 1, record(), "counting starts over after a committed clear")
-
-	require.NoError(t, s.ClearAttempts(ctx, pool, "c", "never-seen"), "clearing nothing is fine")
 }
 
 // --- retention --------------------------------------------------------------
@@ -908,8 +806,7 @@ func seedRetention(t testing.TB, ctx context.Context, pool *pgxpool.Pool, s *ded
 	require.NoError(t, err)
 
 	for i := range oldAttempts + youngAttempts {
-		_, err := s.RecordAttempt(ctx, pool, "c0", fmt.Sprintf("try-%03d", i))
-		require.NoError(t, err)
+		seedAttempt(t, ctx, pool, "", "c0", fmt.Sprintf("try-%03d", i))
 	}
 	_, err = pool.Exec(ctx, `UPDATE processed_events_attempts SET last_seen = now() - interval '2 days' WHERE event_id < $1`,
 		fmt.Sprintf("try-%03d", oldAttempts))
@@ -1024,8 +921,7 @@ func TestRetentionIsPerConsumer(t *testing.T) {
 		for i := range 5 {
 			claimTx(t, ctx, pool, s, dedup.Claim{Consumer: consumer, EventID: fmt.Sprintf("evt-%d", i)})
 		}
-		_, err := s.RecordAttempt(ctx, pool, consumer, "in-flight")
-		require.NoError(t, err)
+		seedAttempt(t, ctx, pool, "", consumer, "in-flight")
 	}
 	for _, sql := range []string{
 		`UPDATE processed_events SET processed_at = now() - interval '2 days'`,
@@ -1127,15 +1023,7 @@ func TestQueryExecModes(t *testing.T) {
 			assert.Equal(t, storedRow{[]byte{1}, "", nil, ptr[int64](4)}, stored(t, ctx, pool, "c", "b1"))
 			assert.Equal(t, storedRow{nil, "x", ptr[int32](5), nil}, stored(t, ctx, pool, "c", "b2"))
 
-			for want := 1; want <= 2; want++ {
-				n, err := s.RecordAttempt(ctx, pool, "c", "try")
-				require.NoError(t, err)
-				assert.Equal(t, want, n)
-			}
-			n, err := s.RecordAttempt(ctx, pool, "c", "one")
-			require.NoError(t, err)
-			assert.Equal(t, 0, n)
-			require.NoError(t, s.ClearAttempts(ctx, pool, "c", "try"))
+			seedAttempt(t, ctx, pool, "", "c", "try")
 
 			_, err = pool.Exec(ctx, `UPDATE processed_events SET processed_at = now() - interval '2 days' WHERE event_id <> 'one'`)
 			require.NoError(t, err)
@@ -1180,9 +1068,7 @@ func TestLongestTableName(t *testing.T) {
 		require.NoError(t, s.Migrate(ctx, pool))
 		assertSchema(t, ctx, pool, schema, table)
 		assert.Equal(t, dedup.Claimed, claimTx(t, ctx, pool, s, dedup.Claim{Consumer: "c", EventID: "1"}).Outcome)
-		n, err := s.RecordAttempt(ctx, pool, "c", "2")
-		require.NoError(t, err)
-		assert.Equal(t, 1, n)
+		seedAttempt(t, ctx, pool, s.AttemptsTable(), "c", "2")
 	}
 }
 
