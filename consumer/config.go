@@ -38,6 +38,10 @@ func StrictJSON(data []byte, v any) error {
 	return nil
 }
 
+// NoFingerprint is a Config.Fingerprint that stores none: a repeated id is
+// a duplicate whatever its payload, and no id conflict is ever reported.
+func NoFingerprint(*Message) []byte { return nil }
+
 // IDConflictPolicy says what to do with a message whose event id was
 // processed before with a different payload fingerprint.
 type IDConflictPolicy int
@@ -119,12 +123,11 @@ type Config struct {
 	MaxIDLength int
 
 	// Fingerprint computes the fingerprint stored with a claim and compared
-	// when the same id arrives again. Defaults to the SHA-256 of the
-	// message value. Return nil to store none.
+	// when the same id arrives again; a message for which it returns nil
+	// stores none, and is a duplicate of its id whatever its payload. Set
+	// it to NoFingerprint to turn fingerprints off. Defaults to the SHA-256
+	// of the message value.
 	Fingerprint func(m *Message) []byte
-	// NoFingerprint disables fingerprints: a repeated id is a duplicate
-	// whatever its payload. Defaults to false.
-	NoFingerprint bool
 	// OnIDConflict says what happens to a repeated id with a different
 	// fingerprint. Defaults to DeadLetterConflicts.
 	OnIDConflict IDConflictPolicy
@@ -295,11 +298,8 @@ func (c Config) withDefaults() (Config, error) {
 	setDefault(&c.MaxCrashAttempts, 3)
 	setDefault(&c.ShutdownTimeout, 10*time.Second)
 	setDefault(&c.RetentionInterval, time.Hour)
-	if c.Fingerprint == nil && !c.NoFingerprint {
+	if c.Fingerprint == nil {
 		c.Fingerprint = sha256Value
-	}
-	if c.NoFingerprint {
-		c.Fingerprint = nil
 	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()

@@ -111,7 +111,7 @@ func TestIDConflictSkipPolicyAndNoFingerprint(t *testing.T) {
 		cfg  func(*consumer.Config)
 	}{
 		{"skip", func(c *consumer.Config) { c.OnIDConflict = consumer.SkipConflicts }},
-		{"no-fingerprint", func(c *consumer.Config) { c.NoFingerprint = true }},
+		{"no-fingerprint", func(c *consumer.Config) { c.Fingerprint = consumer.NoFingerprint }},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			pool, _ := pgtest.Schema(t)

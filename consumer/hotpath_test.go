@@ -14,7 +14,11 @@ import (
 func BenchmarkPrepare(b *testing.B) {
 	for _, fp := range []bool{false, true} {
 		b.Run(fmt.Sprintf("fingerprint=%v", fp), func(b *testing.B) {
-			cfg, err := Config{Name: "bench", NoFingerprint: !fp}.withDefaults()
+			cfg := Config{Name: "bench"}
+			if !fp {
+				cfg.Fingerprint = NoFingerprint
+			}
+			cfg, err := cfg.withDefaults()
 			if err != nil {
 				b.Fatal(err)
 			}
