@@ -289,10 +289,12 @@ func (s *Source) send(ctx context.Context, out *sarama.ProducerMessage) error {
 		return consumer.ErrSourceClosed
 	}
 	s.sends.Add(1)
+	s.sending.Add(1)
 	s.sendMu.Unlock()
 	done := make(chan error, 1)
 	go func() {
 		defer s.sends.Done()
+		defer s.sending.Add(-1)
 		_, _, err := s.producer.SendMessage(out)
 		done <- err
 	}()

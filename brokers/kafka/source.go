@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -18,6 +19,11 @@ import (
 // delivered again to the partition's next owner, which recognises it as a
 // duplicate if its transaction had committed.
 var ErrRevoked = errors.New("kafka: partition revoked")
+
+// ErrDeadLetterTopicMissing is returned by NewSource, wrapped with the
+// topic's name, when a dead-letter topic does not exist and
+// Config.CreateDeadLetterTopics is false.
+var ErrDeadLetterTopicMissing = errors.New("kafka: dead-letter topic does not exist")
 
 // Source is a consumer.Source reading a Kafka consumer group. Create it with
 // NewSource and hand it to consumer.New, which calls Receive from one
@@ -47,6 +53,7 @@ type Source struct {
 	sendMu      sync.Mutex
 	sendsClosed bool           // set by Close; no dead-letter send starts after it
 	sends       sync.WaitGroup // dead-letter sends still running
+	sending     atomic.Int32   // how many: sends' count, readable
 }
 
 var (
@@ -54,9 +61,13 @@ var (
 	_ consumer.SystemNamer = (*Source)(nil)
 )
 
-// NewSource validates cfg and connects the consumer-group client and the
-// dead-letter producer to the cluster. It returns an error naming the field
-// for an invalid Config, and an error when none of Brokers can be reached.
+// NewSource validates cfg, connects the consumer-group client and the
+// dead-letter producer to the cluster and checks that every dead-letter
+// topic exists (creating the missing ones when
+// Config.CreateDeadLetterTopics is set). It returns an error naming the
+// field for an invalid Config, an error when none of Brokers can be
+// reached, and ErrDeadLetterTopicMissing naming the first missing
+// dead-letter topic.
 // The Source joins the group at the first Receive. After that, lost
 // connections and rebalances are absorbed: Receive keeps blocking while the
 // Source reconnects and rejoins, and the problems are logged to
@@ -82,6 +93,11 @@ func NewSource(cfg Config) (*Source, error) {
 	if err != nil {
 		lag.close()
 		return nil, fmt.Errorf("kafka: dead-letter producer: %w", err)
+	}
+	if err := ensureDeadLetterTopics(&cfg, dlqClient, pc); err != nil {
+		_ = dlqClient.Close()
+		lag.close()
+		return nil, err
 	}
 	producer, err := sarama.NewSyncProducerFromClient(dlqClient)
 	if err != nil {
@@ -155,30 +171,54 @@ func (s *Source) Receive(ctx context.Context) (consumer.Delivery, error) {
 // commit of the session), leaves the group so that its partitions go to the
 // remaining members at once instead of after the session timeout, waits for
 // running dead-letter sends and closes the clients. Deliveries not acked by
-// then are abandoned: their records are delivered again later. Close is
-// safe to call more than once; later calls return the first call's result.
+// then are abandoned: their records are delivered again later. Close
+// returns within Config.CloseTimeout whatever the brokers do: past it, it
+// returns an error and the rest of the closing goes on in the background
+// (see Config.CloseTimeout). Close is safe to call more than once; later
+// calls return the first call's result.
 func (s *Source) Close() error {
 	s.closeOnce.Do(func() {
 		close(s.closing)
 		s.sendMu.Lock()
 		s.sendsClosed = true
 		s.sendMu.Unlock()
-		// Ending the session makes every ConsumeClaim return; sarama then
-		// commits the marked offsets before Consume returns.
-		s.cancel()
 		s.startOnce.Do(func() {}) // no consume loop may start after this
-		if s.started {
-			<-s.loopDone
+		done := make(chan error, 1)
+		go func() { done <- s.shutdown() }()
+		t := time.NewTimer(s.cfg.CloseTimeout)
+		defer t.Stop()
+		select {
+		case s.closeErr = <-done:
+		case <-t.C:
+			s.cfg.Logger.Warn("once/kafka: Close timed out; the clients finish closing in the background",
+				"group", s.cfg.Group, "close_timeout", s.cfg.CloseTimeout, "dead_letter_sends", s.sending.Load())
+			// Closing the dead-letter client fails the sends that wait on
+			// it, so that the producer can be closed once they returned.
+			_ = s.dlqClient.Close()
+			s.closeErr = fmt.Errorf("kafka: Close did not finish within Config.CloseTimeout (%v): offsets marked since the last commit may not be committed", s.cfg.CloseTimeout)
 		}
-		errs := []error{s.group.Close()}
-		<-s.errsDone
-		s.sends.Wait()
-		errs = append(errs, s.producer.Close(), s.dlqClient.Close())
-		s.lag.close()
-		s.closeErr = errors.Join(errs...)
 	})
 	return s.closeErr
 }
+
+// shutdown does Close's work: end the session (sarama commits the marked
+// offsets when every ConsumeClaim returned), leave the group, wait for the
+// dead-letter sends and close the clients.
+func (s *Source) shutdown() error {
+	s.cancel()
+	if s.started {
+		<-s.loopDone
+	}
+	errs := []error{s.group.Close()}
+	<-s.errsDone
+	s.sends.Wait()
+	errs = append(errs, s.producer.Close(), s.dlqClient.Close())
+	s.lag.close()
+	return errors.Join(errs...)
+}
+
+// sendsRunning returns the number of dead-letter sends running.
+func (s *Source) sendsRunning() int { return int(s.sending.Load()) }
 
 // consumeLoop joins the group and consumes until the Source is closed,
 // joining again after every rebalance and after transient failures.

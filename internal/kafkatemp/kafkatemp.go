@@ -611,3 +611,19 @@ func tail(file string, n int) string {
 	}
 	return strings.Join(lines, "\n") + "\n"
 }
+
+// Freeze stops node i with SIGSTOP: its process stays, its connections stay
+// open, and nothing answers (a hung broker, a long GC pause). Thaw resumes
+// it.
+func (c *Cluster) Freeze(i int) error { return c.signal(i, syscall.SIGSTOP) }
+
+// Thaw resumes node i after Freeze with SIGCONT.
+func (c *Cluster) Thaw(i int) error { return c.signal(i, syscall.SIGCONT) }
+
+func (c *Cluster) signal(i int, sig syscall.Signal) error {
+	cmd, _ := c.nodes[i].current()
+	if cmd == nil || !c.nodes[i].running() {
+		return fmt.Errorf("kafkatemp: node %d does not run", c.nodes[i].id)
+	}
+	return cmd.Process.Signal(sig)
+}

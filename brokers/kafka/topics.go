@@ -1,0 +1,74 @@
+package kafka
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/IBM/sarama"
+)
+
+// ensureDeadLetterTopics checks that the dead-letter topic of every topic
+// in cfg.Topics exists, creating the missing ones when
+// cfg.CreateDeadLetterTopics is set. client is the dead-letter producer's
+// client (auto-creation off) and pc its configuration.
+func ensureDeadLetterTopics(cfg *Config, client sarama.Client, pc *sarama.Config) error {
+	for _, topic := range cfg.Topics {
+		dlq := cfg.DeadLetterTopic(topic)
+		exists, err := topicExists(client, dlq)
+		if err != nil {
+			return fmt.Errorf("kafka: looking up dead-letter topic %q of topic %q: %w", dlq, topic, err)
+		}
+		if exists {
+			continue
+		}
+		if !cfg.CreateDeadLetterTopics {
+			return fmt.Errorf("%w: %q (the dead-letter topic of %q); create it, or set Config.CreateDeadLetterTopics to let NewSource create it",
+				ErrDeadLetterTopicMissing, dlq, topic)
+		}
+		if err := createDeadLetterTopic(client, pc, cfg.Brokers, topic, dlq); err != nil {
+			return fmt.Errorf("kafka: creating dead-letter topic %q of topic %q: %w", dlq, topic, err)
+		}
+		cfg.Logger.Info("once/kafka: created dead-letter topic", "topic", dlq, "source_topic", topic)
+	}
+	return nil
+}
+
+// topicExists asks the cluster for topic's metadata.
+func topicExists(client sarama.Client, topic string) (bool, error) {
+	_, err := client.Partitions(topic)
+	switch {
+	case err == nil:
+		return true, nil
+	case errors.Is(err, sarama.ErrUnknownTopicOrPartition):
+		return false, nil
+	default:
+		return false, err
+	}
+}
+
+// createDeadLetterTopic creates dlq with the partition count of topic (1
+// when topic does not exist yet) and the broker's default replication
+// factor, and waits until the client sees it. A topic created meanwhile by
+// another instance is fine.
+func createDeadLetterTopic(client sarama.Client, pc *sarama.Config, brokers []string, topic, dlq string) error {
+	partitions := int32(1)
+	if parts, err := client.Partitions(topic); err == nil && len(parts) > 0 {
+		partitions = int32(len(parts))
+	}
+	// -1 asks for the broker's default.replication.factor (CreateTopics
+	// v4+, Kafka 2.4); older protocol versions need an explicit factor.
+	rf := int16(-1)
+	if !pc.Version.IsAtLeast(sarama.V2_4_0_0) {
+		rf = int16(min(3, len(client.Brokers())))
+	}
+	admin, err := sarama.NewClusterAdmin(brokers, pc)
+	if err != nil {
+		return err
+	}
+	defer admin.Close()
+	err = admin.CreateTopic(dlq, &sarama.TopicDetail{NumPartitions: partitions, ReplicationFactor: rf}, false)
+	if err != nil && !errors.Is(err, sarama.ErrTopicAlreadyExists) {
+		return err
+	}
+	return client.RefreshMetadata(dlq)
+}
