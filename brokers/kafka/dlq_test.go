@@ -21,7 +21,11 @@ import (
 // <topic>.dlq with the original bytes and the diagnostic headers, and the
 // partition goes on past them.
 func TestPoisonRecordsDeadLetteredAndStreamContinues(t *testing.T) {
-	c := newCluster(t)
+	eachBroker(t, testPoisonRecordsDeadLettered)
+}
+
+func testPoisonRecordsDeadLettered(t *testing.T, kind brokerKind) {
+	c := newClusterOf(t, kind)
 	topic, group := uniq("orders"), uniq("g")
 	c.createTopic(topic, 1)
 	c.createTopic(topic+".dlq", 1)
