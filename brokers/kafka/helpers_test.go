@@ -181,14 +181,14 @@ func (c *cluster) config(group string, topics ...string) Config {
 		Group:                  group,
 		Topics:                 topics,
 		CreateDeadLetterTopics: true,
-		SessionTimeout:    2 * time.Second,
-		HeartbeatInterval: 100 * time.Millisecond,
-		RebalanceTimeout:  8 * time.Second,
-		RevokeTimeout:     4 * time.Second,
-		CommitInterval:    100 * time.Millisecond,
-		FetchMaxWait:      50 * time.Millisecond,
-		Sarama:            saramaConfig(),
-		Logger:            testLogger(),
+		SessionTimeout:         2 * time.Second,
+		HeartbeatInterval:      100 * time.Millisecond,
+		RebalanceTimeout:       8 * time.Second,
+		RevokeTimeout:          4 * time.Second,
+		CommitInterval:         100 * time.Millisecond,
+		FetchMaxWait:           50 * time.Millisecond,
+		Sarama:                 saramaConfig(),
+		Logger:                 testLogger(),
 	}
 }
 
