@@ -41,6 +41,9 @@ const (
 	// DefaultDeadLetterSuffix is appended to a topic's name to name its
 	// dead-letter topic.
 	DefaultDeadLetterSuffix = ".dlq"
+	// DefaultMaxPendingPerPartition is the default bound on the records a
+	// partition holds handed out but not yet marked.
+	DefaultMaxPendingPerPartition = 2048
 	// DefaultCloseTimeout bounds Close.
 	DefaultCloseTimeout = 10 * time.Second
 )
@@ -99,6 +102,18 @@ type Config struct {
 	// that matters is per key (per order, per account), not per partition.
 	// Default 0: one stream per partition.
 	KeyLanes int
+	// MaxPendingPerPartition bounds the records of one partition that are
+	// handed to the consumer and not yet marked: those being handled, and
+	// those acked behind an older record still unsettled (with KeyLanes,
+	// the records of other keys behind a slow or stuck key). At the bound
+	// the partition's fetching is paused (sarama's ConsumerGroup.Pause)
+	// and no record of it is handed out until its oldest pending record is
+	// acked; other partitions go on. The memory a partition holds is thus
+	// about MaxPendingPerPartition records, plus sarama's buffers
+	// (Sarama.ChannelBufferSize records and one fetch of up to
+	// FetchDefault bytes). A crash redelivers at most this many records
+	// per partition. Default DefaultMaxPendingPerPartition.
+	MaxPendingPerPartition int
 
 	// DeadLetterTopic names the dead-letter topic of a source topic.
 	// Default: the topic followed by DefaultDeadLetterSuffix ("orders" →
@@ -175,6 +190,9 @@ func (c Config) withDefaults() Config {
 	if c.CloseTimeout == 0 {
 		c.CloseTimeout = DefaultCloseTimeout
 	}
+	if c.MaxPendingPerPartition == 0 {
+		c.MaxPendingPerPartition = DefaultMaxPendingPerPartition
+	}
 	if c.DeadLetterTopic == nil {
 		c.DeadLetterTopic = func(topic string) string { return topic + DefaultDeadLetterSuffix }
 	}
@@ -223,6 +241,9 @@ func (c *Config) validate() error {
 	}
 	if c.KeyLanes < 0 {
 		return fmt.Errorf("kafka: Config.KeyLanes is negative (%d)", c.KeyLanes)
+	}
+	if c.MaxPendingPerPartition < 0 {
+		return fmt.Errorf("kafka: Config.MaxPendingPerPartition is negative (%d)", c.MaxPendingPerPartition)
 	}
 	if c.InitialOffset != StartOldest && c.InitialOffset != StartNewest {
 		return fmt.Errorf("kafka: Config.InitialOffset %d is neither StartOldest nor StartNewest", c.InitialOffset)

@@ -37,6 +37,7 @@ type claim struct {
 	revoked bool
 	pending []*delivery   // handed out, not settled, in offset order
 	settled chan struct{} // signalled when pending becomes empty
+	room    chan struct{} // signalled when pending shrinks
 }
 
 func newClaim(s *Source, sess sarama.ConsumerGroupSession, sc sarama.ConsumerGroupClaim) *claim {
@@ -49,6 +50,7 @@ func newClaim(s *Source, sess sarama.ConsumerGroupSession, sc sarama.ConsumerGro
 		ctx:     ctx,
 		cancel:  cancel,
 		settled: make(chan struct{}, 1),
+		room:    make(chan struct{}, 1),
 	}
 	// InitialOffset is the committed offset, or OffsetOldest/OffsetNewest
 	// (negative) when the group has none: the position is then unknown
@@ -83,8 +85,56 @@ func (cl *claim) newDelivery(raw *sarama.ConsumerMessage) *delivery {
 	}
 	cl.mu.Lock()
 	cl.pending = append(cl.pending, d)
+	n := int32(len(cl.pending))
 	cl.mu.Unlock()
+	for seen := cl.src.pendingMax.Load(); n > seen && !cl.src.pendingMax.CompareAndSwap(seen, n); seen = cl.src.pendingMax.Load() {
+	}
 	return d
+}
+
+// awaitRoom returns true once the claim holds fewer than
+// Config.MaxPendingPerPartition pending deliveries, pausing the partition's
+// fetching while it waits; false if ended or closing is closed first.
+func (cl *claim) awaitRoom(ended, closing <-chan struct{}) bool {
+	bound := cl.src.cfg.MaxPendingPerPartition
+	if cl.pendingCount() < bound {
+		return true
+	}
+	// A stuck record (a slow key, with KeyLanes) holds the partition's
+	// marks back; records fetched meanwhile would pile up behind it.
+	part := map[string][]int32{cl.sc.Topic(): {cl.sc.Partition()}}
+	cl.src.group.Pause(part)
+	cl.src.waitingForRoom.Add(1)
+	cl.src.cfg.Logger.Debug("once/kafka: partition paused: pending records at the bound",
+		"group", cl.src.cfg.Group, "stream", cl.stream, "max_pending", bound)
+	defer func() {
+		cl.src.waitingForRoom.Add(-1)
+		cl.src.group.Resume(part)
+	}()
+	for cl.pendingCount() >= bound {
+		select {
+		case <-cl.room:
+		case <-ended:
+			return false
+		case <-closing:
+			return false
+		}
+	}
+	return true
+}
+
+func (cl *claim) pendingCount() int {
+	cl.mu.Lock()
+	defer cl.mu.Unlock()
+	return len(cl.pending)
+}
+
+// notifyRoom signals awaitRoom; cl.mu is held.
+func (cl *claim) notifyRoom() {
+	select {
+	case cl.room <- struct{}{}:
+	default:
+	}
 }
 
 // laneOf is the stream of a record with key: the partition's, or with
@@ -112,6 +162,7 @@ func (cl *claim) drop(d *delivery) {
 		cl.pending[n-1] = nil
 		cl.pending = cl.pending[:n-1]
 	}
+	cl.notifyRoom()
 	cl.notifyIfSettled()
 }
 
@@ -135,6 +186,7 @@ func (cl *claim) ack(d *delivery) error {
 	}
 	if mark != nil {
 		cl.sess.MarkOffset(mark.raw.Topic, mark.raw.Partition, mark.raw.Offset+1, "")
+		cl.notifyRoom()
 	}
 	cl.notifyIfSettled()
 	return nil

@@ -54,6 +54,9 @@ type Source struct {
 	sendsClosed bool           // set by Close; no dead-letter send starts after it
 	sends       sync.WaitGroup // dead-letter sends still running
 	sending     atomic.Int32   // how many: sends' count, readable
+
+	waitingForRoom atomic.Int32 // claims paused at Config.MaxPendingPerPartition
+	pendingMax     atomic.Int32 // the most pending records any claim held
 }
 
 var (
@@ -220,6 +223,13 @@ func (s *Source) shutdown() error {
 // sendsRunning returns the number of dead-letter sends running.
 func (s *Source) sendsRunning() int { return int(s.sending.Load()) }
 
+// claimsWaitingForRoom returns the number of partitions paused at
+// Config.MaxPendingPerPartition.
+func (s *Source) claimsWaitingForRoom() int { return int(s.waitingForRoom.Load()) }
+
+// maxPendingSeen returns the most records one partition held pending.
+func (s *Source) maxPendingSeen() int { return int(s.pendingMax.Load()) }
+
 // consumeLoop joins the group and consumes until the Source is closed,
 // joining again after every rebalance and after transient failures.
 func (s *Source) consumeLoop() {
@@ -288,6 +298,9 @@ func (h *groupHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, sc sarama.
 	ended := sess.Context().Done()
 loop:
 	for {
+		if !cl.awaitRoom(ended, s.closing) {
+			break loop
+		}
 		select {
 		case raw, ok := <-sc.Messages():
 			if !ok {
