@@ -29,9 +29,13 @@ type claim struct {
 	sess   sarama.ConsumerGroupSession
 	sc     sarama.ConsumerGroupClaim
 	stream string
-	ctx    context.Context // done when the claim is revoked
-	cancel context.CancelFunc
-	last   atomic.Int64 // offset of the last record handed out, or unknownOffset
+	// topicID is the topic's id ("" when the cluster has none): it is part
+	// of the fallback id, because a topic created again under the same
+	// name numbers its offsets from 0 again.
+	topicID string
+	ctx     context.Context // done when the claim is revoked
+	cancel  context.CancelFunc
+	last    atomic.Int64 // offset of the last record handed out, or unknownOffset
 
 	mu      sync.Mutex
 	revoked bool
@@ -40,9 +44,10 @@ type claim struct {
 	room    chan struct{} // signalled when pending shrinks
 }
 
-func newClaim(s *Source, sess sarama.ConsumerGroupSession, sc sarama.ConsumerGroupClaim) *claim {
+func newClaim(s *Source, sess sarama.ConsumerGroupSession, sc sarama.ConsumerGroupClaim, topicID string) *claim {
 	ctx, cancel := context.WithCancel(context.Background())
 	cl := &claim{
+		topicID: topicID,
 		src:     s,
 		sess:    sess,
 		sc:      sc,
@@ -73,7 +78,7 @@ func (cl *claim) newDelivery(raw *sarama.ConsumerMessage) *delivery {
 	}
 	d := &delivery{claim: cl, raw: raw}
 	d.msg = consumer.Message{
-		FallbackID: cl.stream + "/" + strconv.FormatInt(raw.Offset, 10),
+		FallbackID: cl.fallbackID(raw.Offset),
 		Key:        raw.Key,
 		Value:      raw.Value,
 		Headers:    headers,
@@ -135,6 +140,17 @@ func (cl *claim) notifyRoom() {
 	case cl.room <- struct{}{}:
 	default:
 	}
+}
+
+// fallbackID is the id of a record without an id header:
+// "topic/partition/offset", followed by "@" and the topic's id when the
+// cluster has topic ids (Kafka 2.8+).
+func (cl *claim) fallbackID(offset int64) string {
+	id := cl.stream + "/" + strconv.FormatInt(offset, 10)
+	if cl.topicID != "" {
+		id += "@" + cl.topicID
+	}
+	return id
 }
 
 // laneOf is the stream of a record with key: the partition's, or with

@@ -4,8 +4,12 @@
 // A Source reads Config.Topics as one member of Config.Group and hands every
 // record to the consumer core as a consumer.Delivery:
 //
-//   - Message.FallbackID is "topic/partition/offset", so an event without an
-//     id header is still deduplicated across redeliveries of the same record.
+//   - Message.FallbackID is "topic/partition/offset@topic-id" (the topic's
+//     id, Kafka 2.8+; without ids, "topic/partition/offset"), so an event
+//     without an id header is still deduplicated across redeliveries of the
+//     same record, and a topic deleted and created again under the same
+//     name (whose offsets start at 0 again) does not make its records look
+//     like duplicates of the old topic's.
 //   - Message.Stream is "topic/partition": the core handles the records of a
 //     partition one after another, in offset order, and partitions
 //     concurrently.

@@ -158,6 +158,17 @@ func (c *cluster) awaitLeaders(topic string, partitions int32) {
 	}, 30*time.Second, 20*time.Millisecond, "topic %s has no leaders", topic)
 }
 
+// topicID returns topic's id as the adapter writes it in fallback ids.
+func (c *cluster) topicID(topic string) string {
+	c.t.Helper()
+	client, err := sarama.NewClient(c.addrs, saramaConfig())
+	require.NoError(c.t, err)
+	defer client.Close()
+	id, err := topicIDs{client: client, version: saramaConfig().Version}.lookupOnce(topic)
+	require.NoError(c.t, err)
+	return id
+}
+
 // deleteTopic deletes topic and waits until the cluster no longer lists it.
 func (c *cluster) deleteTopic(topic string) {
 	c.t.Helper()

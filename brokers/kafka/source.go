@@ -35,6 +35,7 @@ type Source struct {
 	dlqClient sarama.Client // the dead-letter producer's client
 	producer  sarama.SyncProducer
 	lag       *lagGauge
+	topicIDs  topicIDs
 
 	deliveries chan *delivery
 
@@ -122,6 +123,7 @@ func NewSource(cfg Config) (*Source, error) {
 		dlqClient:  dlqClient,
 		producer:   producer,
 		lag:        lag,
+		topicIDs:   topicIDs{client: dlqClient, version: pc.Version},
 		deliveries: make(chan *delivery),
 		ctx:        ctx,
 		cancel:     cancel,
@@ -288,7 +290,14 @@ func (*groupHandler) Cleanup(sarama.ConsumerGroupSession) error { return nil }
 // cancelled and their Acks mark nothing.
 func (h *groupHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, sc sarama.ConsumerGroupClaim) error {
 	s := h.s
-	cl := newClaim(s, sess, sc)
+	topicID, err := s.topicIDs.lookup(sess.Context(), sc.Topic())
+	if err != nil {
+		// The session ended first: no record of the claim was handed out.
+		s.cfg.Logger.Warn("once/kafka: claim ended before its topic id was known", "group", s.cfg.Group,
+			"topic", sc.Topic(), "partition", sc.Partition(), "error", err)
+		return nil
+	}
+	cl := newClaim(s, sess, sc, topicID)
 	s.cfg.Logger.Debug("once/kafka: partition claimed", "group", s.cfg.Group, "stream", cl.stream,
 		"generation", sess.GenerationID(), "offset", sc.InitialOffset())
 	s.lag.track(cl)

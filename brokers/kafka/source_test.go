@@ -127,7 +127,9 @@ func TestReceiveMapsRecord(t *testing.T) {
 	d := receive(t, s)
 	m := d.Message()
 	assert.Equal(t, "", m.ID, "Kafka has no native id; the core reads the id header")
-	assert.Equal(t, topic+"/1/0", m.FallbackID)
+	tid := c.topicID(topic)
+	require.NotEmpty(t, tid, "kfake has topic ids")
+	assert.Equal(t, topic+"/1/0@"+tid, m.FallbackID, "topic/partition/offset@topic-id")
 	assert.Equal(t, topic+"/1", m.Stream)
 	assert.Equal(t, topic, m.Topic)
 	assert.Equal(t, int32(1), m.Partition)
@@ -146,7 +148,7 @@ func TestReceiveMapsRecord(t *testing.T) {
 	c.produce(msg(topic, 1, "second"))
 	d2 := receive(t, s)
 	assert.Equal(t, int64(1), d2.Message().Offset)
-	assert.Equal(t, topic+"/1/1", d2.Message().FallbackID)
+	assert.Equal(t, topic+"/1/1@"+tid, d2.Message().FallbackID)
 	assert.Same(t, d.Context(), d2.Context(), "one context per partition claim")
 }
 

@@ -1,8 +1,11 @@
 package kafka
 
 import (
+	"context"
+	"encoding/base64"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/IBM/sarama"
 )
@@ -71,4 +74,61 @@ func createDeadLetterTopic(client sarama.Client, pc *sarama.Config, brokers []st
 		return err
 	}
 	return client.RefreshMetadata(dlq)
+}
+
+// topicIDs looks up topic ids (Kafka 2.8+, KIP-516): a topic deleted and
+// created again under the same name gets a new id, while its offsets start
+// at 0 again.
+type topicIDs struct {
+	client  sarama.Client
+	version sarama.KafkaVersion
+}
+
+// lookup returns topic's id in Kafka's base64 form, or "" when the cluster
+// or the configured protocol version has no topic ids. It retries
+// transient failures with backoff until ctx is done.
+func (t topicIDs) lookup(ctx context.Context, topic string) (string, error) {
+	if !t.version.IsAtLeast(sarama.V2_8_0_0) {
+		return "", nil
+	}
+	backoff := 50 * time.Millisecond
+	for {
+		id, err := t.lookupOnce(topic)
+		if err == nil {
+			return id, nil
+		}
+		select {
+		case <-ctx.Done():
+			return "", fmt.Errorf("kafka: looking up the id of topic %q: %w (last error: %v)", topic, ctx.Err(), err)
+		case <-time.After(backoff):
+		}
+		backoff = min(2*backoff, 2*time.Second)
+	}
+}
+
+func (t topicIDs) lookupOnce(topic string) (string, error) {
+	b := t.client.LeastLoadedBroker()
+	if b == nil {
+		return "", errors.New("no broker available")
+	}
+	if err := b.Open(t.client.Config()); err != nil && !errors.Is(err, sarama.ErrAlreadyConnected) {
+		return "", err
+	}
+	resp, err := b.GetMetadata(sarama.NewMetadataRequest(t.version, []string{topic}))
+	if err != nil {
+		return "", err
+	}
+	for _, tm := range resp.Topics {
+		if tm.Name != topic {
+			continue
+		}
+		if !errors.Is(tm.Err, sarama.ErrNoError) {
+			return "", tm.Err
+		}
+		if tm.Uuid == (sarama.Uuid{}) {
+			return "", nil // a broker that predates topic ids
+		}
+		return base64.RawURLEncoding.EncodeToString(tm.Uuid[:]), nil
+	}
+	return "", fmt.Errorf("topic %q missing from the metadata response", topic)
 }
