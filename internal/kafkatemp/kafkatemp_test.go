@@ -5,6 +5,7 @@ import (
 	"os"
 	"os/exec"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -18,7 +19,9 @@ import (
 // A node killed with SIGKILL comes back with its data: a record produced
 // before the kill is read after the restart, and auto-creation is off.
 func TestKillRestartKeepsData(t *testing.T) {
+	began := time.Now()
 	c := kafkatest.Start(t, kafkatemp.Options{})
+	t.Logf("one node ready in %v, RSS %s", time.Since(began), rss(c.Pid(0)))
 	sc := kafkatemp.ProbeConfig()
 	sc.Producer.Return.Successes = true
 	admin, err := sarama.NewClusterAdmin(c.Brokers(), sc)
@@ -43,7 +46,9 @@ func TestKillRestartKeepsData(t *testing.T) {
 
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
+	began = time.Now()
 	require.NoError(t, c.Restart(ctx, 0))
+	t.Logf("restarted in %v", time.Since(began))
 	client, err := sarama.NewClient(c.Brokers(), sc)
 	require.NoError(t, err)
 	defer client.Close()
@@ -94,4 +99,46 @@ func TestVersionMatchesScript(t *testing.T) {
 	out, err := exec.Command("../../scripts/kafka.sh", "version").Output()
 	require.NoError(t, err)
 	require.Equal(t, kafkatemp.Version+"\n", string(out))
+}
+
+// rss returns the resident set of process pid, as /proc reports it.
+func rss(pid int) string {
+	status, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/status")
+	if err != nil {
+		return err.Error()
+	}
+	for _, line := range strings.Split(string(status), "\n") {
+		if strings.HasPrefix(line, "VmRSS:") {
+			return strings.TrimSpace(strings.TrimPrefix(line, "VmRSS:"))
+		}
+	}
+	return "unknown"
+}
+
+// Three nodes form one cluster: every broker is registered, and a topic
+// with replication factor 3 gets a leader per partition.
+func TestThreeNodes(t *testing.T) {
+	began := time.Now()
+	c := kafkatest.Start(t, kafkatemp.Options{Nodes: 3})
+	t.Logf("three nodes ready in %v, RSS %s, %s, %s", time.Since(began), rss(c.Pid(0)), rss(c.Pid(1)), rss(c.Pid(2)))
+	sc := kafkatemp.ProbeConfig()
+	admin, err := sarama.NewClusterAdmin(c.Brokers(), sc)
+	require.NoError(t, err)
+	defer admin.Close()
+	require.NoError(t, admin.CreateTopic("t", &sarama.TopicDetail{NumPartitions: 3, ReplicationFactor: 3}, false))
+	client, err := sarama.NewClient(c.Brokers(), sc)
+	require.NoError(t, err)
+	defer client.Close()
+	require.Len(t, client.Brokers(), 3)
+	require.Eventually(t, func() bool {
+		if client.RefreshMetadata("t") != nil {
+			return false
+		}
+		for p := range int32(3) {
+			if r, err := client.Replicas("t", p); err != nil || len(r) != 3 {
+				return false
+			}
+		}
+		return true
+	}, 30*time.Second, 50*time.Millisecond)
 }
