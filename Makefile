@@ -16,10 +16,11 @@ test:
 	scripts/test.sh
 
 ## bench: the side-by-side benchmark (docs/performance.md): ceilings, naive, once per message and
-## batched, for Kafka (in-process kfake) and RabbitMQ (AMQP_URL, else a throwaway node started and
-## stopped here); a durable throwaway PostgreSQL unless DATABASE_URL is set. BENCHFLAGS="-n 100000"
+## batched, for Kafka (in-process kfake, and Apache Kafka: a throwaway node), and RabbitMQ (AMQP_URL,
+## else a throwaway node started and stopped here); a durable throwaway PostgreSQL unless
+## DATABASE_URL is set. BENCHFLAGS="-n 100000"
 bench:
-	scripts/ensure-deps.sh postgres rabbitmq
+	scripts/ensure-deps.sh postgres rabbitmq kafka
 	@set -e; \
 	if [ -n "$$AMQP_URL" ]; then \
 	  $(GO) run ./internal/bench/cmd/oncebench $(BENCHFLAGS); \
