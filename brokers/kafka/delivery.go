@@ -92,9 +92,18 @@ func (cl *claim) newDelivery(raw *sarama.ConsumerMessage) *delivery {
 	cl.pending = append(cl.pending, d)
 	n := int32(len(cl.pending))
 	cl.mu.Unlock()
-	for seen := cl.src.pendingMax.Load(); n > seen && !cl.src.pendingMax.CompareAndSwap(seen, n); seen = cl.src.pendingMax.Load() {
-	}
+	storeMax(&cl.src.pendingMax, n)
 	return d
+}
+
+// storeMax raises v to n if n is larger.
+func storeMax(v *atomic.Int32, n int32) {
+	for {
+		seen := v.Load()
+		if n <= seen || v.CompareAndSwap(seen, n) {
+			return
+		}
+	}
 }
 
 // awaitRoom returns true once the claim holds fewer than

@@ -56,13 +56,6 @@ func Start(t testing.TB, opts kafkatemp.Options) *kafkatemp.Cluster {
 	return c
 }
 
-// Available reports, without starting anything, whether a cluster could be
-// started: the release is fetched. Tests use it to pick broker kinds.
-func Available() bool {
-	_, err := kafkatemp.Libs()
-	return err == nil || os.Getenv("ONCE_REQUIRE_SERVERS") == "1"
-}
-
 // unavailable skips t, or fails it under ONCE_REQUIRE_SERVERS=1.
 func unavailable(t testing.TB, err error) {
 	t.Helper()
