@@ -40,6 +40,8 @@ func TestNewSourceValidatesConfig(t *testing.T) {
 		{"negative session", func(c *Config) { c.SessionTimeout = -time.Second }, "Config.SessionTimeout"},
 		{"negative commit", func(c *Config) { c.CommitInterval = -time.Second }, "Config.CommitInterval"},
 		{"negative fetch", func(c *Config) { c.FetchMax = -1 }, "Config.FetchMax"},
+		{"negative pending bound", func(c *Config) { c.MaxPendingPerPartition = -1 }, "Config.MaxPendingPerPartition"},
+		{"negative close timeout", func(c *Config) { c.CloseTimeout = -time.Second }, "Config.CloseTimeout"},
 		{"heartbeat above session", func(c *Config) { c.HeartbeatInterval = 20 * time.Second }, "Config.HeartbeatInterval"},
 		{"revoke above rebalance", func(c *Config) { c.RevokeTimeout = 2 * time.Minute }, "Config.RevokeTimeout"},
 		{"old version", func(c *Config) { c.Sarama = old }, "Config.Sarama.Version"},
