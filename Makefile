@@ -16,10 +16,11 @@ test:
 	scripts/test.sh
 
 ## bench: the side-by-side benchmark (docs/performance.md): ceilings, naive, once per message and
-## batched, for Kafka (in-process kfake) and RabbitMQ (AMQP_URL, else a throwaway node started and
-## stopped here); a durable throwaway PostgreSQL unless DATABASE_URL is set. BENCHFLAGS="-n 100000"
+## batched, for Kafka (in-process kfake, and Apache Kafka: a throwaway node), and RabbitMQ (AMQP_URL,
+## else a throwaway node started and stopped here); a durable throwaway PostgreSQL unless
+## DATABASE_URL is set. BENCHFLAGS="-n 100000"
 bench:
-	scripts/ensure-deps.sh postgres rabbitmq
+	scripts/ensure-deps.sh postgres rabbitmq kafka
 	@set -e; \
 	if [ -n "$$AMQP_URL" ]; then \
 	  $(GO) run ./internal/bench/cmd/oncebench $(BENCHFLAGS); \
@@ -58,11 +59,12 @@ lint:
 CHAOS_FLAGS ?=
 CHAOS_JSON  ?=
 ## chaos: fault injection (docs/reliability.md): the order-processor, built with -tags chaos, as
-## 3 processes on Kafka (kfake) and on RabbitMQ (AMQP_URL, else a throwaway node) under 20 SIGKILLs,
+## 3 processes on Kafka (kfake), on three Apache Kafka nodes (RF 3, min.insync.replicas 2; broker
+## SIGKILLs instead of cuts) and on RabbitMQ (AMQP_URL, else a throwaway node) under 20 SIGKILLs,
 ## every crash point, 2 PostgreSQL restarts, 5 broker cuts and group churn; a table per broker,
 ## and JSON in CHAOS_JSON when set. CHAOS_FLAGS adds flags (-broker kafka, -seed N, -kills N, ...)
 chaos:
-	scripts/ensure-deps.sh postgres rabbitmq
+	scripts/ensure-deps.sh postgres rabbitmq kafka
 	@set -e; \
 	if [ -z "$${AMQP_URL:-}" ]; then \
 	  rabbit_dir=$$(mktemp -d /tmp/once-rabbit-XXXXXX); \

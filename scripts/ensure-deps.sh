@@ -6,10 +6,12 @@
 #   tools     amqp-tools and kcat: a publisher and a Kafka client not ours
 #   chromium  headless Chromium, for the web console's browser tests and
 #             `make screenshots` (cmd/once)
+#   kafka     Java 17 and Maven, then the pinned Apache Kafka release fetched
+#             into the cache by scripts/kafka.sh (internal/kafkatemp runs it)
 set -euo pipefail
 
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(postgres rabbitmq tools chromium)
+[ ${#parts[@]} -eq 0 ] && parts=(postgres rabbitmq tools chromium kafka)
 
 need=()
 for part in "${parts[@]}"; do
@@ -23,13 +25,24 @@ for part in "${parts[@]}"; do
       command -v kcat >/dev/null 2>&1 || need+=(kcat) ;;
     chromium)
       command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || need+=(chromium) ;;
+    kafka)
+      command -v java >/dev/null 2>&1 || need+=(openjdk-17-jre-headless)
+      command -v mvn >/dev/null 2>&1 || need+=(maven)
+      fetch_kafka=1 ;;
     *) echo "ensure-deps: unknown part $part" >&2; exit 2 ;;
   esac
 done
 
-[ ${#need[@]} -eq 0 ] && exit 0
+fetch_kafka() {
+  if [ -n "${fetch_kafka:-}" ]; then
+    "$(dirname "$0")/kafka.sh" fetch >/dev/null
+  fi
+}
+
+[ ${#need[@]} -eq 0 ] && { fetch_kafka; exit 0; }
 echo "ensure-deps: installing ${need[*]} from Debian's packages" >&2
 sudo=""
 [ "$(id -u)" -ne 0 ] && sudo="sudo"
 $sudo apt-get update -qq
 DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+fetch_kafka

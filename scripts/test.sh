@@ -5,6 +5,10 @@
 #                     throwaway PostgreSQL cluster (internal/pgtemp).
 #   AMQP_URL set:     tests use that broker; else a throwaway RabbitMQ node is
 #                     started here and stopped on exit.
+#   Apache Kafka:     ensure-deps.sh fetches the pinned release once into the
+#                     cache (scripts/kafka.sh); each test binary that needs a
+#                     real broker starts its own (internal/kafkatemp), because
+#                     the tests kill and restart brokers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -38,7 +38,7 @@ type badInput struct {
 	router  bool                  // a Router with one handler for order.created
 	want    string                // handled or a consumer.ErrorKind
 	// wantID is the event id of a handled message: "" means the default
-	// id header's; "fallback" means Kafka's topic/partition/offset.
+	// id header's; "fallback" means Kafka's topic/partition/offset@topic-id.
 	wantID string
 }
 
@@ -220,7 +220,7 @@ func TestBadInputCatalogue(t *testing.T) {
 				case "":
 					wantID = fmt.Sprintf("bad-%d", i)
 				case "fallback":
-					wantID = topic + "/0/0"
+					wantID = topic + "/0/0@" + c.topicID(topic)
 				}
 				assert.Equal(t, map[string]int{wantID: 1}, got, "the bad message has exactly one effect, under its id")
 			default:

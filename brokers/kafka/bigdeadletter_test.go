@@ -1,8 +1,11 @@
 package kafka
 
 import (
+	"bytes"
 	"context"
+	"errors"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -66,4 +69,63 @@ func startConsumerOf(t *testing.T, db *pgxpool.Pool, src consumer.Source, h cons
 	go func() { done <- c.Run(ctx) }()
 	t.Cleanup(func() { cancel(); <-done })
 	return c
+}
+
+// On Apache Kafka with its default limits (message.max.bytes 1048588), a
+// record just under the broker's limit is accepted into its topic, but its
+// dead-letter copy, which adds the diagnostic headers, is refused by the
+// broker as too large. The copy is written without its value, with
+// HeaderValueDropped and the original's coordinates, and the partition goes
+// on: the good record behind it is handled.
+func TestDeadLetterCopyOverBrokerLimitKeepsPartitionMoving(t *testing.T) {
+	c := newClusterOf(t, apacheKafka)
+	db, _ := pgtest.Schema(t)
+	topic := uniq("big")
+	c.createTopic(topic, 1)
+	c.createTopic(topic+".dlq", 1)
+	// The producer's own limit is raised, so that the broker's is the one
+	// that counts.
+	sc := saramaConfig()
+	sc.Producer.Return.Successes = true
+	sc.Producer.Partitioner = sarama.NewManualPartitioner
+	sc.Producer.MaxMessageBytes = 2 << 20
+	p, err := sarama.NewSyncProducer(c.addrs, sc)
+	require.NoError(t, err)
+	defer p.Close()
+	big := bigJSON(1_047_000) // fits the broker's limit alone
+	require.NoError(t, p.SendMessages([]*sarama.ProducerMessage{
+		{Topic: topic, Value: sarama.ByteEncoder(big), Headers: []sarama.RecordHeader{hdr("id", "big")}},
+		{Topic: topic, Value: sarama.StringEncoder(`{"order_id":"g","amount":1}`), Headers: []sarama.RecordHeader{hdr("id", "good")}},
+	}))
+
+	cfg := c.config(uniq("g"), topic)
+	cfg.Sarama.Producer.MaxMessageBytes = 2 << 20 // the dead-letter producer lets it through too
+	src, err := NewSource(cfg)
+	require.NoError(t, err)
+	reason := strings.Repeat("the order was refused by the payment service; ", 40) // a long error header
+	h := func(_ context.Context, _ pgx.Tx, ev consumer.Event[badOrder]) error {
+		if ev.ID == "big" {
+			return consumer.Permanent(errors.New(reason))
+		}
+		return nil
+	}
+	r := startConsumerOf(t, db, src, h)
+	require.Eventually(t, func() bool { s := r.Stats(); return s.Handled == 1 && s.DeadLettered == 1 },
+		60*time.Second, 20*time.Millisecond, "the big poison is dead-lettered and the good record behind it handled")
+	recs, err := readTopic(c.addrs, topic+".dlq")
+	require.NoError(t, err)
+	require.Len(t, recs, 1)
+	assert.Zero(t, len(recs[0].Value), "the value is dropped from the copy the broker refused")
+	headers := map[string]string{}
+	for _, rh := range recs[0].Headers {
+		headers[string(rh.Key)] = string(rh.Value)
+	}
+	assert.Equal(t, fmt.Sprint(len(big)), headers[HeaderValueDropped])
+	assert.Equal(t, "big", headers[consumer.HeaderEventID])
+	assert.Equal(t, topic, headers[consumer.HeaderOriginalTopic])
+	assert.Equal(t, "0", headers[consumer.HeaderOriginalOffset], "the original can be found from the copy")
+	assert.Contains(t, headers[consumer.HeaderErrorMessage], "refused by the payment service", "the reason is kept")
+	orig := c.readAll(topic)
+	require.Len(t, orig, 2)
+	assert.True(t, bytes.Equal(big, orig[0].Value), "the original is where the headers say")
 }

@@ -41,6 +41,11 @@ const (
 	// DefaultDeadLetterSuffix is appended to a topic's name to name its
 	// dead-letter topic.
 	DefaultDeadLetterSuffix = ".dlq"
+	// DefaultMaxPendingPerPartition is the default bound on the records a
+	// partition holds handed out but not yet marked.
+	DefaultMaxPendingPerPartition = 2048
+	// DefaultCloseTimeout bounds Close.
+	DefaultCloseTimeout = 10 * time.Second
 )
 
 // Config configures a Source. Brokers, Group and Topics are required; every
@@ -97,13 +102,49 @@ type Config struct {
 	// that matters is per key (per order, per account), not per partition.
 	// Default 0: one stream per partition.
 	KeyLanes int
+	// MaxPendingPerPartition bounds the records of one partition that are
+	// handed to the consumer and not yet marked: those being handled, and
+	// those acked behind an older record still unsettled (with KeyLanes,
+	// the records of other keys behind a slow or stuck key). At the bound
+	// the partition's fetching is paused (sarama's ConsumerGroup.Pause)
+	// and no record of it is handed out until its oldest pending record is
+	// acked; other partitions go on. The memory a partition holds is thus
+	// about MaxPendingPerPartition records, plus sarama's buffers
+	// (Sarama.ChannelBufferSize records and one fetch of up to
+	// FetchDefault bytes). A crash redelivers at most this many records
+	// per partition. Default DefaultMaxPendingPerPartition.
+	MaxPendingPerPartition int
 
 	// DeadLetterTopic names the dead-letter topic of a source topic.
 	// Default: the topic followed by DefaultDeadLetterSuffix ("orders" →
 	// "orders.dlq"). It may not name a topic in Topics. The dead-letter
-	// topics must exist: the dead-letter producer never asks the broker to
-	// create topics.
+	// topics must exist when NewSource runs (it checks, and fails with
+	// ErrDeadLetterTopicMissing naming the topic), unless
+	// CreateDeadLetterTopics is set. The dead-letter producer never relies
+	// on the broker's auto-creation (auto.create.topics.enable, off in
+	// most production clusters). A dead-letter topic deleted after start
+	// holds its source partition at the first poison record (retried with
+	// backoff, nothing acked past it) until the topic exists again.
 	DeadLetterTopic func(topic string) string
+	// CreateDeadLetterTopics lets NewSource create a missing dead-letter
+	// topic, with as many partitions as its source topic and the broker's
+	// default replication factor (default.replication.factor; with a
+	// Sarama.Version older than 2.4, as many replicas as brokers, up to 3)
+	// and settings. The principal needs the CREATE ACL. Default false:
+	// NewSource fails with ErrDeadLetterTopicMissing instead, because a
+	// topic created with defaults may not have the retention or
+	// replication a team wants for its dead letters.
+	CreateDeadLetterTopics bool
+
+	// CloseTimeout bounds Close: the final offset commit, leaving the
+	// group, and dead-letter copies still being written. Past it, Close
+	// returns an error and leaves the clients to finish closing in the
+	// background: offsets marked since the last periodic commit are then
+	// not committed (their records are delivered again and skipped as
+	// duplicates), and an unfinished dead-letter copy may or may not be
+	// written (its record was not acked, so it is handled again). Default
+	// DefaultCloseTimeout.
+	CloseTimeout time.Duration
 
 	// FetchMin, FetchDefault and FetchMax are sarama's
 	// Consumer.Fetch.{Min,Default,Max} in bytes: the minimum bytes a fetch
@@ -145,6 +186,12 @@ func (c Config) withDefaults() Config {
 	}
 	if c.FetchMaxWait == 0 {
 		c.FetchMaxWait = DefaultFetchMaxWait
+	}
+	if c.CloseTimeout == 0 {
+		c.CloseTimeout = DefaultCloseTimeout
+	}
+	if c.MaxPendingPerPartition == 0 {
+		c.MaxPendingPerPartition = DefaultMaxPendingPerPartition
 	}
 	if c.DeadLetterTopic == nil {
 		c.DeadLetterTopic = func(topic string) string { return topic + DefaultDeadLetterSuffix }
@@ -195,6 +242,9 @@ func (c *Config) validate() error {
 	if c.KeyLanes < 0 {
 		return fmt.Errorf("kafka: Config.KeyLanes is negative (%d)", c.KeyLanes)
 	}
+	if c.MaxPendingPerPartition < 0 {
+		return fmt.Errorf("kafka: Config.MaxPendingPerPartition is negative (%d)", c.MaxPendingPerPartition)
+	}
 	if c.InitialOffset != StartOldest && c.InitialOffset != StartNewest {
 		return fmt.Errorf("kafka: Config.InitialOffset %d is neither StartOldest nor StartNewest", c.InitialOffset)
 	}
@@ -208,6 +258,7 @@ func (c *Config) validate() error {
 		{"CommitInterval", c.CommitInterval},
 		{"RevokeTimeout", c.RevokeTimeout},
 		{"FetchMaxWait", c.FetchMaxWait},
+		{"CloseTimeout", c.CloseTimeout},
 	} {
 		if d.v < 0 {
 			return fmt.Errorf("kafka: Config.%s is negative (%v)", d.name, d.v)

@@ -21,10 +21,14 @@ func TestConformance(t *testing.T) { runConformance(t, 0) }
 func TestConformanceKeyLanes(t *testing.T) { runConformance(t, 4) }
 
 func runConformance(t *testing.T, keyLanes int) {
+	eachBroker(t, func(t *testing.T, kind brokerKind) { runConformanceOn(t, kind, keyLanes) })
+}
+
+func runConformanceOn(t *testing.T, kind brokerKind, keyLanes int) {
 	conformance.Run(t, conformance.Suite{
 		Features: conformance.Features{Ordered: true, FallbackID: true, RedeliverOnRestart: true},
 		NewBroker: func(t *testing.T) conformance.Broker {
-			c := newCluster(t)
+			c := newClusterOf(t, kind)
 			b := &testBroker{c: c, topic: uniq("conf"), group: uniq("conf-group"), keyLanes: keyLanes}
 			c.createTopic(b.topic, 3)
 			c.createTopic(b.topic+DefaultDeadLetterSuffix, 1)
@@ -45,7 +49,8 @@ func runConformance(t *testing.T, keyLanes int) {
 }
 
 // testBroker is a conformance.Broker: one topic with three partitions, its
-// dead-letter topic and one consumer group on a kfake cluster.
+// dead-letter topic and one consumer group on a kfake or Apache Kafka
+// cluster.
 type testBroker struct {
 	c        *cluster
 	topic    string

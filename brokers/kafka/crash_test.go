@@ -22,7 +22,7 @@ import (
 )
 
 // The crash child is this test binary re-executed with crashChildEnv set:
-// it consumes the parent's kfake cluster over TCP into the parent's
+// it consumes the parent's cluster (kfake or Apache Kafka) over TCP into the parent's
 // database schema and exits with status crashExitCode inside the Ack of
 // its crashAt-th delivery, after the delivery's transaction committed and
 // before its offset is marked.
@@ -188,7 +188,11 @@ func (d *crashingDelivery) Ack(ctx context.Context) error {
 // restarted consumer gets the committed-but-unmarked records again and the
 // dedup claim skips them, so every event's effect is there exactly once.
 func TestCrashBetweenCommitAndAck(t *testing.T) {
-	c := newCluster(t)
+	eachBroker(t, testCrashBetweenCommitAndAck)
+}
+
+func testCrashBetweenCommitAndAck(t *testing.T, kind brokerKind) {
+	c := newClusterOf(t, kind)
 	topic, group := uniq("orders"), uniq("g")
 	c.createTopic(topic, 2)
 	const n = 60
@@ -259,7 +263,11 @@ func TestCrashBetweenCommitAndAck(t *testing.T) {
 // durable attempts for its first new record. The other events' effects are
 // there exactly once.
 func TestCrashLoopRecordDeadLettered(t *testing.T) {
-	c := newCluster(t)
+	eachBroker(t, testCrashLoopRecordDeadLettered)
+}
+
+func testCrashLoopRecordDeadLettered(t *testing.T, kind brokerKind) {
+	c := newClusterOf(t, kind)
 	topic, group := uniq("orders"), uniq("g")
 	c.createTopic(topic, 1)
 	c.createTopic(topic+".dlq", 1)

@@ -29,19 +29,25 @@ type claim struct {
 	sess   sarama.ConsumerGroupSession
 	sc     sarama.ConsumerGroupClaim
 	stream string
-	ctx    context.Context // done when the claim is revoked
-	cancel context.CancelFunc
-	last   atomic.Int64 // offset of the last record handed out, or unknownOffset
+	// topicID is the topic's id ("" when the cluster has none): it is part
+	// of the fallback id, because a topic created again under the same
+	// name numbers its offsets from 0 again.
+	topicID string
+	ctx     context.Context // done when the claim is revoked
+	cancel  context.CancelFunc
+	last    atomic.Int64 // offset of the last record handed out, or unknownOffset
 
 	mu      sync.Mutex
 	revoked bool
 	pending []*delivery   // handed out, not settled, in offset order
 	settled chan struct{} // signalled when pending becomes empty
+	room    chan struct{} // signalled when pending shrinks
 }
 
-func newClaim(s *Source, sess sarama.ConsumerGroupSession, sc sarama.ConsumerGroupClaim) *claim {
+func newClaim(s *Source, sess sarama.ConsumerGroupSession, sc sarama.ConsumerGroupClaim, topicID string) *claim {
 	ctx, cancel := context.WithCancel(context.Background())
 	cl := &claim{
+		topicID: topicID,
 		src:     s,
 		sess:    sess,
 		sc:      sc,
@@ -49,6 +55,7 @@ func newClaim(s *Source, sess sarama.ConsumerGroupSession, sc sarama.ConsumerGro
 		ctx:     ctx,
 		cancel:  cancel,
 		settled: make(chan struct{}, 1),
+		room:    make(chan struct{}, 1),
 	}
 	// InitialOffset is the committed offset, or OffsetOldest/OffsetNewest
 	// (negative) when the group has none: the position is then unknown
@@ -71,7 +78,7 @@ func (cl *claim) newDelivery(raw *sarama.ConsumerMessage) *delivery {
 	}
 	d := &delivery{claim: cl, raw: raw}
 	d.msg = consumer.Message{
-		FallbackID: cl.stream + "/" + strconv.FormatInt(raw.Offset, 10),
+		FallbackID: cl.fallbackID(raw.Offset),
 		Key:        raw.Key,
 		Value:      raw.Value,
 		Headers:    headers,
@@ -83,8 +90,76 @@ func (cl *claim) newDelivery(raw *sarama.ConsumerMessage) *delivery {
 	}
 	cl.mu.Lock()
 	cl.pending = append(cl.pending, d)
+	n := int32(len(cl.pending))
 	cl.mu.Unlock()
+	storeMax(&cl.src.pendingMax, n)
 	return d
+}
+
+// storeMax raises v to n if n is larger.
+func storeMax(v *atomic.Int32, n int32) {
+	for {
+		seen := v.Load()
+		if n <= seen || v.CompareAndSwap(seen, n) {
+			return
+		}
+	}
+}
+
+// awaitRoom returns true once the claim holds fewer than
+// Config.MaxPendingPerPartition pending deliveries, pausing the partition's
+// fetching while it waits; false if ended or closing is closed first.
+func (cl *claim) awaitRoom(ended, closing <-chan struct{}) bool {
+	bound := cl.src.cfg.MaxPendingPerPartition
+	if cl.pendingCount() < bound {
+		return true
+	}
+	// A stuck record (a slow key, with KeyLanes) holds the partition's
+	// marks back; records fetched meanwhile would pile up behind it.
+	part := map[string][]int32{cl.sc.Topic(): {cl.sc.Partition()}}
+	cl.src.group.Pause(part)
+	cl.src.waitingForRoom.Add(1)
+	cl.src.cfg.Logger.Debug("once/kafka: partition paused: pending records at the bound",
+		"group", cl.src.cfg.Group, "stream", cl.stream, "max_pending", bound)
+	defer func() {
+		cl.src.waitingForRoom.Add(-1)
+		cl.src.group.Resume(part)
+	}()
+	for cl.pendingCount() >= bound {
+		select {
+		case <-cl.room:
+		case <-ended:
+			return false
+		case <-closing:
+			return false
+		}
+	}
+	return true
+}
+
+func (cl *claim) pendingCount() int {
+	cl.mu.Lock()
+	defer cl.mu.Unlock()
+	return len(cl.pending)
+}
+
+// notifyRoom signals awaitRoom; cl.mu is held.
+func (cl *claim) notifyRoom() {
+	select {
+	case cl.room <- struct{}{}:
+	default:
+	}
+}
+
+// fallbackID is the id of a record without an id header:
+// "topic/partition/offset", followed by "@" and the topic's id when the
+// cluster has topic ids (Kafka 2.8+).
+func (cl *claim) fallbackID(offset int64) string {
+	id := cl.stream + "/" + strconv.FormatInt(offset, 10)
+	if cl.topicID != "" {
+		id += "@" + cl.topicID
+	}
+	return id
 }
 
 // laneOf is the stream of a record with key: the partition's, or with
@@ -112,6 +187,7 @@ func (cl *claim) drop(d *delivery) {
 		cl.pending[n-1] = nil
 		cl.pending = cl.pending[:n-1]
 	}
+	cl.notifyRoom()
 	cl.notifyIfSettled()
 }
 
@@ -135,6 +211,7 @@ func (cl *claim) ack(d *delivery) error {
 	}
 	if mark != nil {
 		cl.sess.MarkOffset(mark.raw.Topic, mark.raw.Partition, mark.raw.Offset+1, "")
+		cl.notifyRoom()
 	}
 	cl.notifyIfSettled()
 	return nil
@@ -289,10 +366,12 @@ func (s *Source) send(ctx context.Context, out *sarama.ProducerMessage) error {
 		return consumer.ErrSourceClosed
 	}
 	s.sends.Add(1)
+	s.sending.Add(1)
 	s.sendMu.Unlock()
 	done := make(chan error, 1)
 	go func() {
 		defer s.sends.Done()
+		defer s.sending.Add(-1)
 		_, _, err := s.producer.SendMessage(out)
 		done <- err
 	}()

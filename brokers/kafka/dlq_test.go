@@ -21,7 +21,11 @@ import (
 // <topic>.dlq with the original bytes and the diagnostic headers, and the
 // partition goes on past them.
 func TestPoisonRecordsDeadLetteredAndStreamContinues(t *testing.T) {
-	c := newCluster(t)
+	eachBroker(t, testPoisonRecordsDeadLettered)
+}
+
+func testPoisonRecordsDeadLettered(t *testing.T, kind brokerKind) {
+	c := newClusterOf(t, kind)
 	topic, group := uniq("orders"), uniq("g")
 	c.createTopic(topic, 1)
 	c.createTopic(topic+".dlq", 1)
@@ -110,44 +114,48 @@ func TestPoisonRecordsDeadLetteredAndStreamContinues(t *testing.T) {
 	}
 }
 
-// Without its dead-letter topic, a poison record is not acked: the
-// partition waits at it (its offset is never committed past it) and the
-// records after it are not handled, until the topic exists.
-func TestMissingDeadLetterTopicHoldsThePartition(t *testing.T) {
-	c := newCluster(t)
-	topic, group := uniq("orders"), uniq("g")
-	c.createTopic(topic, 1)
-	msgs := events(topic, "ev", 0, 2)
-	msgs = append(msgs, &sarama.ProducerMessage{Topic: topic, Value: sarama.StringEncoder("not json"),
-		Headers: []sarama.RecordHeader{{Key: []byte("id"), Value: []byte("poison-1")}}})
-	msgs = append(msgs, events(topic, "ev", 2, 2)...)
-	c.produceHashed(msgs)
+// A dead-letter topic deleted after start: a poison record is not acked,
+// the partition waits at it (its offset is never committed past it) and
+// the records after it are not handled, until the topic exists again.
+func TestDeletedDeadLetterTopicHoldsThePartition(t *testing.T) {
+	eachBroker(t, func(t *testing.T, kind brokerKind) {
+		c := newClusterOf(t, kind)
+		topic, group := uniq("orders"), uniq("g")
+		c.createTopic(topic, 1)
+		c.createTopic(topic+".dlq", 1)
+		db, _ := pgtest.Schema(t)
+		_, err := db.Exec(context.Background(), effectsTable)
+		require.NoError(t, err)
+		var warns atomicCounter
+		cfg := consumerConfig("orders-svc")
+		cfg.Logger = warns.logger()
+		src, err := NewSource(c.config(group, topic))
+		require.NoError(t, err)
+		c.deleteTopic(topic + ".dlq")
 
-	db, _ := pgtest.Schema(t)
-	_, err := db.Exec(context.Background(), effectsTable)
-	require.NoError(t, err)
-	var warns atomicCounter
-	cfg := consumerConfig("orders-svc")
-	cfg.Logger = warns.logger()
-	src, err := NewSource(c.config(group, topic))
-	require.NoError(t, err)
-	r := startConsumer(t, db, src, cfg, recordEffect)
+		msgs := events(topic, "ev", 0, 2)
+		msgs = append(msgs, &sarama.ProducerMessage{Topic: topic, Value: sarama.StringEncoder("not json"),
+			Headers: []sarama.RecordHeader{{Key: []byte("id"), Value: []byte("poison-1")}}})
+		msgs = append(msgs, events(topic, "ev", 2, 2)...)
+		c.produceHashed(msgs)
+		r := startConsumer(t, db, src, cfg, recordEffect)
 
-	waitEffects(t, db, 2, 30*time.Second)
-	require.Eventually(t, func() bool { return warns.n.Load() >= 3 }, 30*time.Second, 10*time.Millisecond,
-		"the core retries the dead-letter write")
-	assert.Len(t, effectCounts(t, db), 2, "the records after the poison wait")
-	assert.Zero(t, r.c.Stats().DeadLettered)
-	require.Eventually(t, func() bool { return c.committed(group, topic, 1)[0] == 2 }, 10*time.Second, 10*time.Millisecond,
-		"the offset stops at the poison record")
+		waitEffects(t, db, 2, 30*time.Second)
+		require.Eventually(t, func() bool { return warns.n.Load() >= 3 }, 30*time.Second, 10*time.Millisecond,
+			"the core retries the dead-letter write")
+		assert.Len(t, effectCounts(t, db), 2, "the records after the poison wait")
+		assert.Zero(t, r.c.Stats().DeadLettered)
+		require.Eventually(t, func() bool { return c.committed(group, topic, 1)[0] == 2 }, 10*time.Second, 10*time.Millisecond,
+			"the offset stops at the poison record")
 
-	c.createTopic(topic+".dlq", 1)
-	waitEffects(t, db, 4, 30*time.Second)
-	require.NoError(t, r.stop())
-	requireExactlyOnce(t, db, "ev", 4)
-	assert.Equal(t, uint64(1), r.c.Stats().DeadLettered)
-	dl := c.readAll(topic + ".dlq")
-	require.Len(t, dl, 1)
-	assert.Equal(t, []byte("not json"), dl[0].Value)
-	assert.Equal(t, map[int32]int64{0: 5}, c.committed(group, topic, 1))
+		c.createTopic(topic+".dlq", 1)
+		waitEffects(t, db, 4, 60*time.Second)
+		require.NoError(t, r.stop())
+		requireExactlyOnce(t, db, "ev", 4)
+		assert.Equal(t, uint64(1), r.c.Stats().DeadLettered)
+		dl := c.readAll(topic + ".dlq")
+		require.Len(t, dl, 1)
+		assert.Equal(t, []byte("not json"), dl[0].Value)
+		assert.Equal(t, map[int32]int64{0: 5}, c.committed(group, topic, 1))
+	})
 }

@@ -4,8 +4,12 @@
 // A Source reads Config.Topics as one member of Config.Group and hands every
 // record to the consumer core as a consumer.Delivery:
 //
-//   - Message.FallbackID is "topic/partition/offset", so an event without an
-//     id header is still deduplicated across redeliveries of the same record.
+//   - Message.FallbackID is "topic/partition/offset@topic-id" (the topic's
+//     id, Kafka 2.8+; without ids, "topic/partition/offset"), so an event
+//     without an id header is still deduplicated across redeliveries of the
+//     same record, and a topic deleted and created again under the same
+//     name (whose offsets start at 0 again) does not make its records look
+//     like duplicates of the old topic's.
 //   - Message.Stream is "topic/partition": the core handles the records of a
 //     partition one after another, in offset order, and partitions
 //     concurrently.
@@ -46,9 +50,17 @@
 // unchanged, the original headers, and the diagnostic headers of
 // consumer.DeadLetter.Headers written over them. It returns once all in-sync
 // replicas have the copy (an idempotent producer with RequiredAcks =
-// WaitForAll). The dead-letter topics must exist: an error is returned
-// otherwise, and the core retries without acking. A retried DeadLetter may
-// write the copy twice; dead-letter topics are at-least-once.
+// WaitForAll). NewSource checks that every dead-letter topic exists and
+// fails with ErrDeadLetterTopicMissing naming the first missing one, or
+// creates it when Config.CreateDeadLetterTopics is set; it never relies on
+// the broker's topic auto-creation. A dead-letter topic deleted later makes
+// DeadLetter return an error, and the core retries without acking (the
+// partition waits at that record). A retried DeadLetter may write the copy
+// twice; dead-letter topics are at-least-once. A copy larger than the
+// producer or the topic accepts is written without its value, with the
+// HeaderValueDropped header (the original stays in its topic). Close
+// returns within Config.CloseTimeout whatever the dead-letter destination
+// does.
 //
 // # Crash loops
 //

@@ -15,6 +15,8 @@ import (
 	"github.com/stretchr/testify/require"
 	"github.com/twmb/franz-go/pkg/kfake"
 
+	"github.com/onceco/once/internal/kafkatemp"
+	"github.com/onceco/once/internal/kafkatest"
 	"github.com/onceco/once/internal/pgtest"
 )
 
@@ -36,10 +38,37 @@ func testLogger() *slog.Logger {
 	return slog.New(slog.NewTextHandler(io.Discard, nil))
 }
 
-// cluster is an in-process Kafka cluster (kfake) spoken to over TCP.
+// brokerKind is the Kafka implementation a test runs against.
+type brokerKind string
+
+const (
+	// kfake is the in-process implementation of the protocol
+	// (github.com/twmb/franz-go/pkg/kfake): fast, and scriptable.
+	kfakeBroker brokerKind = "kfake"
+	// apacheKafka is Apache Kafka itself (internal/kafkatemp): a KRaft
+	// node in its own JVM, with topic auto-creation off.
+	apacheKafka brokerKind = "apache-kafka"
+)
+
+// brokerKinds are the implementations the shared adapter tests run on.
+var brokerKinds = []brokerKind{kfakeBroker, apacheKafka}
+
+// eachBroker runs fn as a subtest per broker kind. On Apache Kafka the
+// subtest is skipped when no broker can be started, or fails under
+// ONCE_REQUIRE_SERVERS=1.
+func eachBroker(t *testing.T, fn func(t *testing.T, kind brokerKind)) {
+	for _, kind := range brokerKinds {
+		t.Run(string(kind), func(t *testing.T) { fn(t, kind) })
+	}
+}
+
+// cluster is a Kafka cluster spoken to over TCP: an in-process kfake
+// cluster, or a throwaway Apache Kafka cluster.
 type cluster struct {
 	t     testing.TB
-	kf    *kfake.Cluster
+	kind  brokerKind
+	kf    *kfake.Cluster     // kfake only
+	real  *kafkatemp.Cluster // Apache Kafka only
 	addrs []string
 }
 
@@ -50,9 +79,29 @@ func newCluster(t testing.TB, opts ...kfake.Opt) *cluster {
 	opts = append([]kfake.Opt{kfake.NumBrokers(1), kfake.GroupMinSessionTimeout(200 * time.Millisecond)}, opts...)
 	kf, err := kfake.NewCluster(opts...)
 	require.NoError(t, err)
-	c := &cluster{t: t, kf: kf, addrs: kf.ListenAddrs()}
+	c := &cluster{t: t, kind: kfakeBroker, kf: kf, addrs: kf.ListenAddrs()}
 	t.Cleanup(func() { c.kf.Close() })
 	return c
+}
+
+// newClusterOf returns a cluster of kind: a fresh kfake cluster, or the
+// test binary's shared Apache Kafka node (tests use topic and group names
+// of their own: uniq).
+func newClusterOf(t testing.TB, kind brokerKind) *cluster {
+	t.Helper()
+	if kind == kfakeBroker {
+		return newCluster(t)
+	}
+	real := kafkatest.Shared(t)
+	return &cluster{t: t, kind: apacheKafka, real: real, addrs: real.Brokers()}
+}
+
+// newApacheKafka starts an Apache Kafka cluster of the test's own, for
+// tests that stop, kill or reconfigure brokers.
+func newApacheKafka(t testing.TB, opts kafkatemp.Options) *cluster {
+	t.Helper()
+	real := kafkatest.Start(t, opts)
+	return &cluster{t: t, kind: apacheKafka, real: real, addrs: real.Brokers()}
 }
 
 var seq atomic.Int64
@@ -69,29 +118,88 @@ func saramaConfig() *sarama.Config {
 	return sc
 }
 
-// createTopic creates topic with the given partitions.
+// createTopic creates topic with the given partitions (replication factor
+// 1, or the cluster's node count up to 3 on Apache Kafka) and waits until
+// every partition has a leader.
 func (c *cluster) createTopic(topic string, partitions int32) {
 	c.t.Helper()
 	admin, err := sarama.NewClusterAdmin(c.addrs, saramaConfig())
 	require.NoError(c.t, err)
 	defer admin.Close()
-	require.NoError(c.t, admin.CreateTopic(topic, &sarama.TopicDetail{NumPartitions: partitions, ReplicationFactor: 1}, false))
+	rf := int16(1)
+	if c.real != nil {
+		rf = int16(min(3, c.real.Nodes()))
+	}
+	require.NoError(c.t, admin.CreateTopic(topic, &sarama.TopicDetail{NumPartitions: partitions, ReplicationFactor: rf}, false))
+	c.awaitLeaders(topic, partitions)
+}
+
+// awaitLeaders waits until metadata shows a leader for each of the
+// topic's partitions: Apache Kafka creates topics asynchronously.
+func (c *cluster) awaitLeaders(topic string, partitions int32) {
+	c.t.Helper()
+	client, err := sarama.NewClient(c.addrs, saramaConfig())
+	require.NoError(c.t, err)
+	defer client.Close()
+	require.Eventually(c.t, func() bool {
+		if client.RefreshMetadata(topic) != nil {
+			return false
+		}
+		parts, err := client.Partitions(topic)
+		if err != nil || int32(len(parts)) != partitions {
+			return false
+		}
+		for _, p := range parts {
+			if _, err := client.Leader(topic, p); err != nil {
+				return false
+			}
+		}
+		return true
+	}, 30*time.Second, 20*time.Millisecond, "topic %s has no leaders", topic)
+}
+
+// topicID returns topic's id as the adapter writes it in fallback ids.
+func (c *cluster) topicID(topic string) string {
+	c.t.Helper()
+	client, err := sarama.NewClient(c.addrs, saramaConfig())
+	require.NoError(c.t, err)
+	defer client.Close()
+	id, err := topicIDs{client: client, version: saramaConfig().Version}.lookupOnce(topic)
+	require.NoError(c.t, err)
+	return id
+}
+
+// deleteTopic deletes topic and waits until the cluster no longer lists it.
+func (c *cluster) deleteTopic(topic string) {
+	c.t.Helper()
+	admin, err := sarama.NewClusterAdmin(c.addrs, saramaConfig())
+	require.NoError(c.t, err)
+	defer admin.Close()
+	require.NoError(c.t, admin.DeleteTopic(topic))
+	require.Eventually(c.t, func() bool {
+		topics, err := admin.ListTopics()
+		_, listed := topics[topic]
+		return err == nil && !listed
+	}, 30*time.Second, 20*time.Millisecond, "topic %s still listed", topic)
 }
 
 // config is a Source configuration with timeouts short enough for tests.
+// It lets NewSource create missing dead-letter topics, so tests that are not
+// about dead letters need not create them.
 func (c *cluster) config(group string, topics ...string) Config {
 	return Config{
-		Brokers:           c.addrs,
-		Group:             group,
-		Topics:            topics,
-		SessionTimeout:    2 * time.Second,
-		HeartbeatInterval: 100 * time.Millisecond,
-		RebalanceTimeout:  8 * time.Second,
-		RevokeTimeout:     4 * time.Second,
-		CommitInterval:    100 * time.Millisecond,
-		FetchMaxWait:      50 * time.Millisecond,
-		Sarama:            saramaConfig(),
-		Logger:            testLogger(),
+		Brokers:                c.addrs,
+		Group:                  group,
+		Topics:                 topics,
+		CreateDeadLetterTopics: true,
+		SessionTimeout:         2 * time.Second,
+		HeartbeatInterval:      100 * time.Millisecond,
+		RebalanceTimeout:       8 * time.Second,
+		RevokeTimeout:          4 * time.Second,
+		CommitInterval:         100 * time.Millisecond,
+		FetchMaxWait:           50 * time.Millisecond,
+		Sarama:                 saramaConfig(),
+		Logger:                 testLogger(),
 	}
 }
 

@@ -14,6 +14,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kfake"
 
 	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/internal/kafkatemp"
 	"github.com/onceco/once/internal/netcut"
 	"github.com/onceco/once/internal/pgtest"
 )
@@ -59,18 +60,33 @@ func freePort(t testing.TB) int {
 // The broker stops while records are in flight and comes back on the same
 // port with its data: the consumer notices the outage, reconnects, rejoins
 // and resumes from the committed offsets, with every event's effect exactly
-// once.
+// once. kfake is closed and started again on its data directory; Apache
+// Kafka is killed with SIGKILL (no controlled shutdown) and restarted.
 func TestBrokerRestartResumesWithoutLossOrDoubleEffects(t *testing.T) {
-	dir, port := t.TempDir(), freePort(t)
-	startBroker := func() *kfake.Cluster {
-		kf, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.Ports(port), kfake.DataDir(dir),
-			kfake.GroupMinSessionTimeout(200*time.Millisecond))
-		require.NoError(t, err)
-		return kf
-	}
-	kf := startBroker()
-	defer func() { kf.Close() }()
-	c := &cluster{t: t, kf: kf, addrs: kf.ListenAddrs()}
+	t.Run(string(kfakeBroker), func(t *testing.T) {
+		dir, port := t.TempDir(), freePort(t)
+		startBroker := func() *kfake.Cluster {
+			kf, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.Ports(port), kfake.DataDir(dir),
+				kfake.GroupMinSessionTimeout(200*time.Millisecond))
+			require.NoError(t, err)
+			return kf
+		}
+		kf := startBroker()
+		defer func() { kf.Close() }()
+		c := &cluster{t: t, kind: kfakeBroker, kf: kf, addrs: kf.ListenAddrs()}
+		testBrokerRestart(t, c, func() { kf.Close() }, func() { kf = startBroker(); c.kf = kf })
+	})
+	t.Run(string(apacheKafka), func(t *testing.T) {
+		c := newApacheKafka(t, kafkatemp.Options{})
+		testBrokerRestart(t, c, func() { require.NoError(t, c.real.Kill(0)) }, func() {
+			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+			defer cancel()
+			require.NoError(t, c.real.Restart(ctx, 0))
+		})
+	})
+}
+
+func testBrokerRestart(t *testing.T, c *cluster, stop, restart func()) {
 	topic, group := uniq("orders"), uniq("g")
 	const partitions, half = 3, 300
 	c.createTopic(topic, partitions)
@@ -103,15 +119,14 @@ func TestBrokerRestartResumesWithoutLossOrDoubleEffects(t *testing.T) {
 	r := startConsumer(t, db, src, ccfg, slow)
 	waitEffects(t, db, 60, 30*time.Second)
 
-	kf.Close()
+	stop()
 	require.Eventually(t, func() bool { return warns.n.Load() > 0 }, 30*time.Second, 10*time.Millisecond,
 		"the source notices the outage")
 	before := len(effectCounts(t, db))
 	require.Less(t, before, half, "the outage came mid-stream")
 	close(outage)
 
-	kf = startBroker()
-	c.kf = kf
+	restart()
 	c.produceHashed(events(topic, "ev", half, half))
 	waitEffects(t, db, 2*half, 90*time.Second)
 	require.Eventually(t, func() bool {
@@ -124,6 +139,65 @@ func TestBrokerRestartResumesWithoutLossOrDoubleEffects(t *testing.T) {
 	st := r.c.Stats()
 	assert.Equal(t, uint64(2*half), st.Handled, "one committed transaction per event")
 	assert.Zero(t, st.DeadLettered, "a broker outage is not poison")
+	t.Logf("stats %+v, %d warnings", st, warns.n.Load())
+	got := c.committed(group, topic, partitions)
+	for p := range int32(partitions) {
+		assert.Equal(t, hwm(t, c, topic, p), got[p], "partition %d", p)
+	}
+}
+
+// Apache Kafka frozen with SIGSTOP for longer than the session timeout
+// while records are in flight (a broker that hangs: a long GC pause, a
+// stalled disk), then resumed: requests time out, the group's session
+// expires at the coordinator, the member rejoins, and every event's effect
+// is there exactly once.
+func TestBrokerFrozenResumesWithoutLossOrDoubleEffects(t *testing.T) {
+	c := newApacheKafka(t, kafkatemp.Options{})
+	topic, group := uniq("orders"), uniq("g")
+	const partitions, half, n = 3, 300, 600
+	c.createTopic(topic, partitions)
+	c.produceHashed(events(topic, "ev", 0, half))
+	db, _ := pgtest.Schema(t)
+	_, err := db.Exec(context.Background(), effectsTable)
+	require.NoError(t, err)
+	var warns atomicCounter
+	cfg := c.config(group, topic)
+	cfg.Logger = warns.logger()
+	// Requests to the frozen broker fail after 2 s instead of sarama's 30 s.
+	cfg.Sarama.Net.ReadTimeout = 2 * time.Second
+	src, err := NewSource(cfg)
+	require.NoError(t, err)
+	slow := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[event]) error {
+		select {
+		case <-time.After(3 * time.Millisecond):
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+		return recordEffect(ctx, tx, ev)
+	}
+	r := startConsumer(t, db, src, consumerConfig("orders-svc"), slow)
+	waitEffects(t, db, 100, 30*time.Second)
+
+	require.NoError(t, c.real.Freeze(0))
+	frozeAt := time.Now()
+	require.Eventually(t, func() bool { return warns.n.Load() > 0 }, 30*time.Second, 10*time.Millisecond,
+		"the source notices the hung broker")
+	// The fault lasts past the session timeout (2 s), so that the
+	// member's session expires at the coordinator once it runs again.
+	<-time.After(time.Until(frozeAt.Add(3 * cfg.SessionTimeout / 2)))
+	require.NoError(t, c.real.Thaw(0))
+	c.produceHashed(events(topic, "ev", half, n-half))
+
+	waitEffects(t, db, n, 90*time.Second)
+	require.Eventually(t, func() bool {
+		st := r.c.Stats()
+		return st.Received == st.Handled+st.Duplicates+st.DeadLettered
+	}, 30*time.Second, 10*time.Millisecond, "everything received was settled")
+	require.NoError(t, r.stop())
+	requireExactlyOnce(t, db, "ev", n)
+	st := r.c.Stats()
+	assert.Equal(t, uint64(n), st.Handled, "one committed transaction per event")
+	assert.Zero(t, st.DeadLettered, "a hung broker is not poison")
 	t.Logf("stats %+v, %d warnings", st, warns.n.Load())
 	got := c.committed(group, topic, partitions)
 	for p := range int32(partitions) {

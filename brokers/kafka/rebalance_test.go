@@ -19,12 +19,14 @@ import (
 // a slow handler keeps deliveries in flight on every partition: every
 // event's effect is there exactly once, and nothing is lost.
 func TestRebalanceMidStreamExactlyOnce(t *testing.T) {
-	t.Run("eager", func(t *testing.T) { testRebalance(t, sarama.NewBalanceStrategyRange()) })
-	t.Run("cooperative-sticky", func(t *testing.T) { testRebalance(t, sarama.NewBalanceStrategyCooperativeSticky()) })
+	eachBroker(t, func(t *testing.T, kind brokerKind) {
+		t.Run("eager", func(t *testing.T) { testRebalance(t, kind, sarama.NewBalanceStrategyRange()) })
+		t.Run("cooperative-sticky", func(t *testing.T) { testRebalance(t, kind, sarama.NewBalanceStrategyCooperativeSticky()) })
+	})
 }
 
-func testRebalance(t *testing.T, strategy sarama.BalanceStrategy) {
-	c := newCluster(t)
+func testRebalance(t *testing.T, kind brokerKind, strategy sarama.BalanceStrategy) {
+	c := newClusterOf(t, kind)
 	topic, group := uniq("orders"), uniq("g")
 	const partitions = 4
 	c.createTopic(topic, partitions)

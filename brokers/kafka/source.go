@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -19,6 +20,11 @@ import (
 // duplicate if its transaction had committed.
 var ErrRevoked = errors.New("kafka: partition revoked")
 
+// ErrDeadLetterTopicMissing is returned by NewSource, wrapped with the
+// topic's name, when a dead-letter topic does not exist and
+// Config.CreateDeadLetterTopics is false.
+var ErrDeadLetterTopicMissing = errors.New("kafka: dead-letter topic does not exist")
+
 // Source is a consumer.Source reading a Kafka consumer group. Create it with
 // NewSource and hand it to consumer.New, which calls Receive from one
 // goroutine and Close once when it stops. The Ack and DeadLetter methods of
@@ -29,6 +35,7 @@ type Source struct {
 	dlqClient sarama.Client // the dead-letter producer's client
 	producer  sarama.SyncProducer
 	lag       *lagGauge
+	topicIDs  topicIDs
 
 	deliveries chan *delivery
 
@@ -47,6 +54,10 @@ type Source struct {
 	sendMu      sync.Mutex
 	sendsClosed bool           // set by Close; no dead-letter send starts after it
 	sends       sync.WaitGroup // dead-letter sends still running
+	sending     atomic.Int32   // how many: sends' count, readable
+
+	waitingForRoom atomic.Int32 // claims paused at Config.MaxPendingPerPartition
+	pendingMax     atomic.Int32 // the most pending records any claim held
 }
 
 var (
@@ -54,9 +65,13 @@ var (
 	_ consumer.SystemNamer = (*Source)(nil)
 )
 
-// NewSource validates cfg and connects the consumer-group client and the
-// dead-letter producer to the cluster. It returns an error naming the field
-// for an invalid Config, and an error when none of Brokers can be reached.
+// NewSource validates cfg, connects the consumer-group client and the
+// dead-letter producer to the cluster and checks that every dead-letter
+// topic exists (creating the missing ones when
+// Config.CreateDeadLetterTopics is set). It returns an error naming the
+// field for an invalid Config, an error when none of Brokers can be
+// reached, and ErrDeadLetterTopicMissing naming the first missing
+// dead-letter topic.
 // The Source joins the group at the first Receive. After that, lost
 // connections and rebalances are absorbed: Receive keeps blocking while the
 // Source reconnects and rejoins, and the problems are logged to
@@ -83,6 +98,11 @@ func NewSource(cfg Config) (*Source, error) {
 		lag.close()
 		return nil, fmt.Errorf("kafka: dead-letter producer: %w", err)
 	}
+	if err := ensureDeadLetterTopics(&cfg, dlqClient, pc); err != nil {
+		_ = dlqClient.Close()
+		lag.close()
+		return nil, err
+	}
 	producer, err := sarama.NewSyncProducerFromClient(dlqClient)
 	if err != nil {
 		_ = dlqClient.Close()
@@ -103,6 +123,7 @@ func NewSource(cfg Config) (*Source, error) {
 		dlqClient:  dlqClient,
 		producer:   producer,
 		lag:        lag,
+		topicIDs:   topicIDs{client: dlqClient, version: pc.Version},
 		deliveries: make(chan *delivery),
 		ctx:        ctx,
 		cancel:     cancel,
@@ -155,30 +176,61 @@ func (s *Source) Receive(ctx context.Context) (consumer.Delivery, error) {
 // commit of the session), leaves the group so that its partitions go to the
 // remaining members at once instead of after the session timeout, waits for
 // running dead-letter sends and closes the clients. Deliveries not acked by
-// then are abandoned: their records are delivered again later. Close is
-// safe to call more than once; later calls return the first call's result.
+// then are abandoned: their records are delivered again later. Close
+// returns within Config.CloseTimeout whatever the brokers do: past it, it
+// returns an error and the rest of the closing goes on in the background
+// (see Config.CloseTimeout). Close is safe to call more than once; later
+// calls return the first call's result.
 func (s *Source) Close() error {
 	s.closeOnce.Do(func() {
 		close(s.closing)
 		s.sendMu.Lock()
 		s.sendsClosed = true
 		s.sendMu.Unlock()
-		// Ending the session makes every ConsumeClaim return; sarama then
-		// commits the marked offsets before Consume returns.
-		s.cancel()
 		s.startOnce.Do(func() {}) // no consume loop may start after this
-		if s.started {
-			<-s.loopDone
+		done := make(chan error, 1)
+		go func() { done <- s.shutdown() }()
+		t := time.NewTimer(s.cfg.CloseTimeout)
+		defer t.Stop()
+		select {
+		case s.closeErr = <-done:
+		case <-t.C:
+			s.cfg.Logger.Warn("once/kafka: Close timed out; the clients finish closing in the background",
+				"group", s.cfg.Group, "close_timeout", s.cfg.CloseTimeout, "dead_letter_sends", s.sending.Load())
+			// Closing the dead-letter client fails the sends that wait on
+			// it, so that the producer can be closed once they returned.
+			_ = s.dlqClient.Close()
+			s.closeErr = fmt.Errorf("kafka: Close did not finish within Config.CloseTimeout (%v): offsets marked since the last commit may not be committed", s.cfg.CloseTimeout)
 		}
-		errs := []error{s.group.Close()}
-		<-s.errsDone
-		s.sends.Wait()
-		errs = append(errs, s.producer.Close(), s.dlqClient.Close())
-		s.lag.close()
-		s.closeErr = errors.Join(errs...)
 	})
 	return s.closeErr
 }
+
+// shutdown does Close's work: end the session (sarama commits the marked
+// offsets when every ConsumeClaim returned), leave the group, wait for the
+// dead-letter sends and close the clients.
+func (s *Source) shutdown() error {
+	s.cancel()
+	if s.started {
+		<-s.loopDone
+	}
+	errs := []error{s.group.Close()}
+	<-s.errsDone
+	s.sends.Wait()
+	errs = append(errs, s.producer.Close(), s.dlqClient.Close())
+	s.lag.close()
+	return errors.Join(errs...)
+}
+
+// sendsRunning returns the number of dead-letter sends running.
+func (s *Source) sendsRunning() int { return int(s.sending.Load()) }
+
+// claimsWaitingForRoom returns the number of partitions paused at
+// Config.MaxPendingPerPartition.
+func (s *Source) claimsWaitingForRoom() int { return int(s.waitingForRoom.Load()) }
+
+// maxPendingSeen returns the most records one partition held pending.
+func (s *Source) maxPendingSeen() int { return int(s.pendingMax.Load()) }
 
 // consumeLoop joins the group and consumes until the Source is closed,
 // joining again after every rebalance and after transient failures.
@@ -238,7 +290,14 @@ func (*groupHandler) Cleanup(sarama.ConsumerGroupSession) error { return nil }
 // cancelled and their Acks mark nothing.
 func (h *groupHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, sc sarama.ConsumerGroupClaim) error {
 	s := h.s
-	cl := newClaim(s, sess, sc)
+	topicID, err := s.topicIDs.lookup(sess.Context(), sc.Topic())
+	if err != nil {
+		// The session ended first: no record of the claim was handed out.
+		s.cfg.Logger.Warn("once/kafka: claim ended before its topic id was known", "group", s.cfg.Group,
+			"topic", sc.Topic(), "partition", sc.Partition(), "error", err)
+		return nil
+	}
+	cl := newClaim(s, sess, sc, topicID)
 	s.cfg.Logger.Debug("once/kafka: partition claimed", "group", s.cfg.Group, "stream", cl.stream,
 		"generation", sess.GenerationID(), "offset", sc.InitialOffset())
 	s.lag.track(cl)
@@ -248,6 +307,9 @@ func (h *groupHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, sc sarama.
 	ended := sess.Context().Done()
 loop:
 	for {
+		if !cl.awaitRoom(ended, s.closing) {
+			break loop
+		}
 		select {
 		case raw, ok := <-sc.Messages():
 			if !ok {

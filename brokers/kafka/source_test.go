@@ -2,7 +2,6 @@ package kafka
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"strconv"
 	"testing"
@@ -41,6 +40,8 @@ func TestNewSourceValidatesConfig(t *testing.T) {
 		{"negative session", func(c *Config) { c.SessionTimeout = -time.Second }, "Config.SessionTimeout"},
 		{"negative commit", func(c *Config) { c.CommitInterval = -time.Second }, "Config.CommitInterval"},
 		{"negative fetch", func(c *Config) { c.FetchMax = -1 }, "Config.FetchMax"},
+		{"negative pending bound", func(c *Config) { c.MaxPendingPerPartition = -1 }, "Config.MaxPendingPerPartition"},
+		{"negative close timeout", func(c *Config) { c.CloseTimeout = -time.Second }, "Config.CloseTimeout"},
 		{"heartbeat above session", func(c *Config) { c.HeartbeatInterval = 20 * time.Second }, "Config.HeartbeatInterval"},
 		{"revoke above rebalance", func(c *Config) { c.RevokeTimeout = 2 * time.Minute }, "Config.RevokeTimeout"},
 		{"old version", func(c *Config) { c.Sarama = old }, "Config.Sarama.Version"},
@@ -128,7 +129,9 @@ func TestReceiveMapsRecord(t *testing.T) {
 	d := receive(t, s)
 	m := d.Message()
 	assert.Equal(t, "", m.ID, "Kafka has no native id; the core reads the id header")
-	assert.Equal(t, topic+"/1/0", m.FallbackID)
+	tid := c.topicID(topic)
+	require.NotEmpty(t, tid, "kfake has topic ids")
+	assert.Equal(t, topic+"/1/0@"+tid, m.FallbackID, "topic/partition/offset@topic-id")
 	assert.Equal(t, topic+"/1", m.Stream)
 	assert.Equal(t, topic, m.Topic)
 	assert.Equal(t, int32(1), m.Partition)
@@ -147,7 +150,7 @@ func TestReceiveMapsRecord(t *testing.T) {
 	c.produce(msg(topic, 1, "second"))
 	d2 := receive(t, s)
 	assert.Equal(t, int64(1), d2.Message().Offset)
-	assert.Equal(t, topic+"/1/1", d2.Message().FallbackID)
+	assert.Equal(t, topic+"/1/1@"+tid, d2.Message().FallbackID)
 	assert.Same(t, d.Context(), d2.Context(), "one context per partition claim")
 }
 
@@ -447,16 +450,12 @@ func TestDeadLetterCustomTopicAndMissingTopic(t *testing.T) {
 	require.NoError(t, d.Ack(context.Background()))
 	require.NoError(t, s.Close())
 
-	// The default <topic>.dlq does not exist: DeadLetter fails and the
-	// record is not acked by it.
-	s2 := c.open(c.config(uniq("g"), topic))
-	d = receive(t, s2)
-	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-	defer cancel()
-	err := d.DeadLetter(ctx, &consumer.DeadLetter{Kind: consumer.KindDecode, FailedAt: time.Now()})
-	require.Error(t, err)
+	// The default <topic>.dlq does not exist: NewSource says so.
+	cfg = c.config(uniq("g"), topic)
+	cfg.CreateDeadLetterTopics = false
+	_, err := NewSource(cfg)
+	require.ErrorIs(t, err, ErrDeadLetterTopicMissing)
 	assert.Contains(t, err.Error(), topic+".dlq")
-	assert.False(t, errors.Is(err, context.DeadlineExceeded), "the producer reports the missing topic: %v", err)
 }
 
 func TestLagGauge(t *testing.T) {

@@ -30,11 +30,13 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/IBM/sarama"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/twmb/franz-go/pkg/kfake"
 
 	"github.com/onceco/once/brokers/kafka"
 	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/internal/kafkatemp"
 	"github.com/onceco/once/internal/netcut"
 	"github.com/onceco/once/internal/pgtemp"
 )
@@ -49,7 +51,7 @@ var crashPointNames = []string{"after-claim", "after-handler", "after-commit", "
 
 // ChaosConfig says what a chaos run does.
 type ChaosConfig struct {
-	Broker  string // kafka or amqp
+	Broker  string // kafka (kfake), apache-kafka or amqp
 	AMQPURL string // amqp: the broker
 
 	Orders      int   // orders of the generated traffic
@@ -115,7 +117,7 @@ func (r *ChaosResult) Pass() bool { return len(r.Problems) == 0 }
 func chaosMain(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("order-processor chaos", flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	brokers := fs.String("broker", envOr("BROKER", "kafka"), "kafka, amqp, or all (amqp needs AMQP_URL)")
+	brokers := fs.String("broker", envOr("BROKER", "kafka"), "kafka (kfake), apache-kafka (three Apache Kafka nodes; scripts/kafka.sh fetch), amqp, or all (amqp needs AMQP_URL)")
 	cfg := ChaosConfig{CrashPoints: true}
 	fs.IntVar(&cfg.Orders, "orders", 3000, "orders of the generated traffic (about two messages each)")
 	fs.Int64Var(&cfg.Seed, "seed", 0, "traffic and fault seed (0: from the clock)")
@@ -143,11 +145,11 @@ func chaosMain(ctx context.Context, args []string, stdout, stderr io.Writer) int
 	var list []string
 	switch *brokers {
 	case "all":
-		list = []string{"kafka", "amqp"}
-	case "kafka", "amqp":
+		list = []string{"kafka", "apache-kafka", "amqp"}
+	case "kafka", "apache-kafka", "amqp":
 		list = []string{*brokers}
 	default:
-		fmt.Fprintf(stderr, "order-processor chaos: -broker %q: want kafka, amqp or all\n", *brokers)
+		fmt.Fprintf(stderr, "order-processor chaos: -broker %q: want kafka, apache-kafka, amqp or all\n", *brokers)
 		return 2
 	}
 	if cfg.Exe == "" {
@@ -243,6 +245,7 @@ type chaosRun struct {
 	lag      func(context.Context) (int64, error)
 	dlq      func() ([]deadLetter, error)
 	cut      func() int
+	real     *kafkatemp.Cluster // apache-kafka: the three nodes
 	logs     string
 	// memberAMQP is the URL the members use: through the cutting proxy.
 	memberAMQP string
@@ -310,7 +313,7 @@ func RunChaos(ctx context.Context, cfg ChaosConfig) (res *ChaosResult, err error
 		return nil, err
 	}
 	defer r.pg.Close()
-	r.o = &options{broker: cfg.Broker, schema: "chaos", partitions: 4, unknownOrderWait: 100 * time.Millisecond, maxAttempts: 4}
+	r.o = &options{broker: r.memberBroker(), schema: "chaos", partitions: 4, unknownOrderWait: 100 * time.Millisecond, maxAttempts: 4}
 	// More poison than the demo's, so that every batch of traffic has some.
 	r.o.mix = Mix{Duplicates: 0.05, IDless: 0.03, Malformed: 0.02, Violations: 0.06}
 	suffix := fmt.Sprintf("chaos-%d-%d", cfg.Seed, time.Now().UnixNano()%1000000)
@@ -328,6 +331,10 @@ func RunChaos(ctx context.Context, cfg ChaosConfig) (res *ChaosResult, err error
 		if err := r.startKafka(); err != nil {
 			return nil, err
 		}
+	case "apache-kafka":
+		if err := r.startApacheKafka(ctx); err != nil {
+			return nil, err
+		}
 	case "amqp":
 		if cfg.AMQPURL == "" {
 			return nil, errors.New("the amqp chaos run needs AMQP_URL")
@@ -340,7 +347,7 @@ func RunChaos(ctx context.Context, cfg ChaosConfig) (res *ChaosResult, err error
 		}
 		defer closeFn()
 	default:
-		return nil, fmt.Errorf("broker %q: want kafka or amqp", cfg.Broker)
+		return nil, fmt.Errorf("broker %q: want kafka, apache-kafka or amqp", cfg.Broker)
 	}
 	r.plan = &Plan{Sent: map[string]int{}, Orders: map[string]expectedOrder{}}
 	if r.pub, err = newPublisher(ctx, r.o); err != nil {
@@ -504,6 +511,91 @@ func (r *chaosRun) startKafka() error {
 	return nil
 }
 
+// memberBroker is the -broker of the members: the protocol they speak.
+func (r *chaosRun) memberBroker() string {
+	if r.cfg.Broker == "apache-kafka" {
+		return "kafka"
+	}
+	return r.cfg.Broker
+}
+
+// isKafka reports whether the run's broker speaks Kafka (kfake or Apache
+// Kafka).
+func (r *chaosRun) isKafka() bool { return r.memberBroker() == "kafka" }
+
+// startApacheKafka starts three Apache Kafka nodes (replication factor 3,
+// min.insync.replicas 2) and the run's topics; they outlive the members.
+func (r *chaosRun) startApacheKafka(ctx context.Context) error {
+	c, err := kafkatemp.Start(ctx, kafkatemp.Options{Nodes: 3, Properties: map[string]string{"min.insync.replicas": "2"}})
+	if err != nil {
+		return err
+	}
+	r.real = c
+	r.closers = append(r.closers, func() { _ = c.Close() })
+	r.o.kafkaBrokers = c.Brokers()
+	r.o.fastFailover = true
+	admin, err := sarama.NewClusterAdmin(r.o.kafkaBrokers, kafkatemp.ProbeConfig())
+	if err != nil {
+		return err
+	}
+	defer admin.Close()
+	for _, t := range []string{r.o.topic, r.o.topic + kafka.DefaultDeadLetterSuffix} {
+		if err := admin.CreateTopic(t, &sarama.TopicDetail{NumPartitions: int32(r.o.partitions), ReplicationFactor: 3}, false); err != nil {
+			return fmt.Errorf("create topic %s: %w", t, err)
+		}
+	}
+	kd, err := newKafkaDrained(r.o.kafkaBrokers, r.o.name, r.o.topic)
+	if err != nil {
+		return err
+	}
+	r.lag = func(context.Context) (int64, error) { return kd.Lag(context.Background()) }
+	r.dlq = func() ([]deadLetter, error) {
+		return readKafkaTopic(r.o.kafkaBrokers, r.o.topic+kafka.DefaultDeadLetterSuffix)
+	}
+	r.closers = append(r.closers, func() { _ = kd.Close() })
+	return nil
+}
+
+// killBroker kills with SIGKILL the node that coordinates the members'
+// group (else the leader of the topic's partition 0) mid-stream, and
+// restarts it once the cluster elected new leaders.
+func (r *chaosRun) killBroker(ctx context.Context) error {
+	client, err := sarama.NewClient(r.o.kafkaBrokers, kafkatemp.ProbeConfig())
+	if err != nil {
+		return err
+	}
+	victim := -1
+	if b, err := client.Coordinator(r.o.name); err == nil {
+		victim = r.real.IndexOf(b.ID())
+	}
+	role := "group coordinator"
+	if victim < 0 {
+		if b, err := client.Leader(r.o.topic, 0); err == nil {
+			victim, role = r.real.IndexOf(b.ID()), "leader of partition 0"
+		}
+	}
+	leaders := map[int32]int32{}
+	for p := range int32(r.o.partitions) {
+		if b, err := client.Leader(r.o.topic, p); err == nil {
+			leaders[p] = b.ID()
+		}
+	}
+	_ = client.Close()
+	if victim < 0 {
+		victim = r.rng.Intn(r.real.Nodes())
+		role = "a random node"
+	}
+	r.logf("SIGKILL of broker %d (%s; partition leaders %v)", r.real.NodeID(victim), role, leaders)
+	if err := r.real.Kill(victim); err != nil {
+		return err
+	}
+	pause(ctx, time.Duration(1000+r.rng.Intn(2000))*time.Millisecond)
+	if err := r.real.Restart(ctx, victim); err != nil {
+		return fmt.Errorf("restart broker %d: %w", r.real.NodeID(victim), err)
+	}
+	return nil
+}
+
 // startAMQP declares the run's queues and starts a TCP proxy between the
 // members and RabbitMQ whose connections the driver can cut.
 func (r *chaosRun) startAMQP(ctx context.Context) (func(), error) {
@@ -561,9 +653,15 @@ func (r *chaosRun) schedule() []fault {
 		fs = append(fs, fault{kind: "pg-restart"})
 	}
 	for i := 0; i < r.cfg.Cuts; i++ {
+		if r.cfg.Broker == "apache-kafka" {
+			// Apache Kafka's nodes run in JVMs of their own: the broker
+			// itself dies instead of its connections.
+			fs = append(fs, fault{kind: "broker-kill"})
+			continue
+		}
 		fs = append(fs, fault{kind: "cut"})
 	}
-	if r.cfg.Broker == "kafka" {
+	if r.isKafka() {
 		for i := 0; i < r.cfg.Rebalances; i++ {
 			fs = append(fs, fault{kind: "rebalance-kill"})
 		}
@@ -675,7 +773,7 @@ func (r *chaosRun) startMember(exe string, extraEnv ...string) (*member, error) 
 	if err != nil {
 		return nil, err
 	}
-	args := []string{"serve", "-broker", r.cfg.Broker, "-topic", r.o.topic, "-name", r.o.name, "-schema", r.o.schema,
+	args := []string{"serve", "-broker", r.memberBroker(), "-topic", r.o.topic, "-name", r.o.name, "-schema", r.o.schema,
 		"-metrics-addr", "off", "-label", fmt.Sprintf("member %d:", id),
 		"-unknown-order-wait", r.o.unknownOrderWait.String(), "-max-attempts", strconv.Itoa(r.o.maxAttempts)}
 	if r.o.fastFailover {
@@ -683,7 +781,7 @@ func (r *chaosRun) startMember(exe string, extraEnv ...string) (*member, error) 
 	}
 	cmd := exec.Command(exe, args...)
 	env := append([]string{}, os.Environ()...)
-	env = append(env, "DATABASE_URL="+r.pg.URL(), "BROKER="+r.cfg.Broker, "KAFKA_BROKERS="+strings.Join(r.o.kafkaBrokers, ","))
+	env = append(env, "DATABASE_URL="+r.pg.URL(), "BROKER="+r.memberBroker(), "KAFKA_BROKERS="+strings.Join(r.o.kafkaBrokers, ","))
 	if r.cfg.Broker == "amqp" {
 		env = append(env, "AMQP_URL="+r.memberAMQP)
 	}
@@ -833,6 +931,11 @@ func (r *chaosRun) apply(ctx context.Context, exe string, f fault) error {
 		pause(ctx, time.Duration(r.rng.Intn(300))*time.Millisecond)
 		n := r.cut()
 		r.logf("cut %d connections", n)
+	case "broker-kill":
+		pause(ctx, time.Duration(r.rng.Intn(300))*time.Millisecond)
+		if err := r.killBroker(ctx); err != nil {
+			return err
+		}
 	case "crash-point":
 		if err := r.crashAt(ctx, exe, f); err != nil {
 			return err
@@ -871,7 +974,7 @@ func (r *chaosRun) crashAt(ctx context.Context, exe string, f fault) error {
 			return err
 		}
 	}
-	if f.point == "mid-batch" && r.cfg.Broker == "kafka" {
+	if f.point == "mid-batch" && r.isKafka() {
 		// Batches form only after the first BatchSize (100) messages of a
 		// fresh assignment, handled one at a time: stop every member and
 		// let a backlog of more than that per partition build up.
@@ -949,7 +1052,7 @@ func (r *chaosRun) drain(ctx context.Context, exe string) error {
 			m.stop()
 			r.forget(m)
 		}
-		if r.cfg.Broker == "kafka" {
+		if r.isKafka() {
 			// Offsets are committed on Close; the lag is now exact.
 			if lag, err := r.lag(ctx); err == nil && lag == 0 {
 				return nil

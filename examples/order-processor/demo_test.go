@@ -2,10 +2,12 @@ package main
 
 import (
 	"context"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/onceco/once/internal/kafkatest"
 	"github.com/onceco/once/internal/pgtest"
 )
 
@@ -19,6 +21,20 @@ func TestDemoKafkaVerdictPasses(t *testing.T) {
 	require.Contains(t, out, "verdict: PASS")
 	require.Contains(t, out, "then SIGKILL")
 	require.Regexp(t, `listening on 127\.0\.0\.1:\d+`, out)
+}
+
+// The same demo against Apache Kafka itself (a throwaway node shared by
+// the test binary, topic auto-creation off): the demo creates its topics,
+// kills a consumer process mid-stream, and its verdict must pass.
+func TestDemoApacheKafkaVerdictPasses(t *testing.T) {
+	broker := kafkatest.Shared(t)
+	_, schema := pgtest.Schema(t)
+	t.Setenv("KAFKA_BROKERS", strings.Join(broker.Brokers(), ","))
+	code, out := runCommand(t, context.Background(), "demo", "-schema", schema, "-orders", "1000", "-seed", "43", "-metrics-addr", "off")
+	require.Equal(t, 0, code, out)
+	require.Contains(t, out, "verdict: PASS")
+	require.Contains(t, out, "then SIGKILL")
+	require.Contains(t, out, "Kafka: "+broker.Brokers()[0])
 }
 
 // The same demo against RabbitMQ (AMQP_URL), its queue and dead-letter

@@ -43,9 +43,17 @@ type Broker string
 
 // The brokers benchmarked.
 const (
-	Kafka    Broker = "kafka"
-	RabbitMQ Broker = "rabbitmq"
+	// Kafka is kfake, the in-process implementation of the protocol.
+	Kafka Broker = "kafka"
+	// ApacheKafka is Apache Kafka itself: a throwaway single-node KRaft
+	// cluster in its own JVM (internal/kafkatemp), same workload.
+	ApacheKafka Broker = "apache-kafka"
+	RabbitMQ    Broker = "rabbitmq"
 )
+
+// IsKafka reports whether b speaks the Kafka protocol (kfake or Apache
+// Kafka): the Kafka adapter and the Kafka rows apply to it.
+func (b Broker) IsKafka() bool { return b == Kafka || b == ApacheKafka }
 
 // Row names one way of consuming the workload.
 type Row string
@@ -78,7 +86,7 @@ const (
 var AllRows = []Row{RowCeiling, RowNaive, RowOncePerMessage, RowOnceBatched, RowOnceQueued, RowOnceBatchHandler, RowOnceKeyLanes}
 
 // ForBroker reports whether the row applies to b.
-func (r Row) ForBroker(b Broker) bool { return r != RowOnceKeyLanes || b == Kafka }
+func (r Row) ForBroker(b Broker) bool { return r != RowOnceKeyLanes || b.IsKafka() }
 
 // Options configure a run.
 type Options struct {
@@ -239,10 +247,10 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 		}
 	}
 
-	var kc *kafkaCluster
 	for _, b := range o.Brokers {
-		if b == Kafka && kc == nil {
-			if kc, err = startKafka(); err != nil {
+		var kc *kafkaCluster
+		if b.IsKafka() {
+			if kc, err = startKafka(ctx, b); err != nil {
 				return nil, err
 			}
 			defer kc.Close()
@@ -329,7 +337,7 @@ func runRow(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, o Options, 
 	}
 	defer dropSchema(db, spec.Schema)
 	switch b {
-	case Kafka:
+	case Kafka, ApacheKafka:
 		spec.Brokers = kc.addrs
 		spec.Topic = fmt.Sprintf("bench-%s-%d", name, time.Now().UnixNano())
 		spec.Group = spec.Topic + "-group"
@@ -431,7 +439,7 @@ func check(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, spec *rowSpe
 	}
 	var dead, unacked int
 	switch spec.Broker {
-	case Kafka:
+	case Kafka, ApacheKafka:
 		var err error
 		if dead, err = topicCount(kc.addrs, spec.Topic+".dlq"); err != nil {
 			return false, "", err

@@ -98,7 +98,7 @@ func TestSmoke(t *testing.T) {
 func TestCheckFindsWrongEffects(t *testing.T) {
 	ctx := context.Background()
 	db, _ := pgtest.Schema(t)
-	kc, err := startKafka()
+	kc, err := startKafka(context.Background(), Kafka)
 	require.NoError(t, err)
 	defer kc.Close()
 	spec := &rowSpec{Broker: Kafka, Schema: "oncebench_check_test", Topic: "check-test", Group: "check-test-group"}

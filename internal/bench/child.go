@@ -160,7 +160,7 @@ func runChild(spec *rowSpec) (*childResult, error) {
 	var src consumer.Source
 	var err error
 	switch spec.Broker {
-	case Kafka:
+	case Kafka, ApacheKafka:
 		src, err = openKafkaSource(spec, logger)
 	case RabbitMQ:
 		src, err = openAMQPSource(ctx, spec, logger)
@@ -316,7 +316,7 @@ func pace(spec *rowSpec, res *childResult, m *meter, wait func(int) error) error
 	var send func(Msg) error
 	var closer func() error
 	switch spec.Broker {
-	case Kafka:
+	case Kafka, ApacheKafka:
 		p, err := newKafkaPacer(spec)
 		if err != nil {
 			return err

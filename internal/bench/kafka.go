@@ -1,6 +1,7 @@
 package bench
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -12,16 +13,27 @@ import (
 
 	"github.com/onceco/once/brokers/kafka"
 	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/internal/kafkatemp"
 )
 
-// kafkaCluster is an in-process Kafka cluster (kfake), spoken to over TCP
-// by sarama exactly as the adapter does in production.
+// kafkaCluster is a Kafka cluster spoken to over TCP by sarama exactly as
+// the adapter does in production: in-process kfake, or Apache Kafka.
 type kafkaCluster struct {
-	kf    *kfake.Cluster
+	kf    *kfake.Cluster     // Kafka (kfake)
+	real  *kafkatemp.Cluster // ApacheKafka
 	addrs []string
 }
 
-func startKafka() (*kafkaCluster, error) {
+// startKafka starts the cluster of broker kind b. Apache Kafka runs with
+// the JVM's optimising compiler and a 512 MB heap, as a benchmark should.
+func startKafka(ctx context.Context, b Broker) (*kafkaCluster, error) {
+	if b == ApacheKafka {
+		c, err := kafkatemp.Start(ctx, kafkatemp.Options{FullJIT: true, HeapMB: 512})
+		if err != nil {
+			return nil, err
+		}
+		return &kafkaCluster{real: c, addrs: c.Brokers()}, nil
+	}
 	kf, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.GroupMinSessionTimeout(200*time.Millisecond))
 	if err != nil {
 		return nil, fmt.Errorf("kfake: %w", err)
@@ -29,7 +41,13 @@ func startKafka() (*kafkaCluster, error) {
 	return &kafkaCluster{kf: kf, addrs: kf.ListenAddrs()}, nil
 }
 
-func (c *kafkaCluster) Close() { c.kf.Close() }
+func (c *kafkaCluster) Close() {
+	if c.real != nil {
+		_ = c.real.Close()
+		return
+	}
+	c.kf.Close()
+}
 
 func saramaConfig() *sarama.Config {
 	sc := sarama.NewConfig()
@@ -51,7 +69,41 @@ func (c *kafkaCluster) createTopics(topic string, partitions int) error {
 	if err := admin.CreateTopic(topic, &sarama.TopicDetail{NumPartitions: int32(partitions), ReplicationFactor: 1}, false); err != nil {
 		return err
 	}
-	return admin.CreateTopic(topic+kafka.DefaultDeadLetterSuffix, &sarama.TopicDetail{NumPartitions: 1, ReplicationFactor: 1}, false)
+	if err := admin.CreateTopic(topic+kafka.DefaultDeadLetterSuffix, &sarama.TopicDetail{NumPartitions: 1, ReplicationFactor: 1}, false); err != nil {
+		return err
+	}
+	return c.awaitLeaders(topic, int32(partitions))
+}
+
+// awaitLeaders waits until every partition of topic has a leader: Apache
+// Kafka creates topics asynchronously.
+func (c *kafkaCluster) awaitLeaders(topic string, partitions int32) error {
+	client, err := sarama.NewClient(c.addrs, saramaConfig())
+	if err != nil {
+		return err
+	}
+	defer client.Close()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		err := client.RefreshMetadata(topic)
+		if err == nil {
+			var parts []int32
+			if parts, err = client.Partitions(topic); err == nil && int32(len(parts)) == partitions {
+				for _, p := range parts {
+					if _, err = client.Leader(topic, p); err != nil {
+						break
+					}
+				}
+				if err == nil {
+					return nil
+				}
+			}
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("topic %s has no leaders after 30 s: %v", topic, err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
 }
 
 func kafkaRecord(topic string, m Msg, produced time.Time) *sarama.ProducerMessage {

@@ -35,7 +35,7 @@ func run() int {
 		poison     = flag.Int("poison-every", 1000, "every Nth event is poison")
 		partitions = flag.Int("partitions", 4, "Kafka partitions (and naive workers)")
 		batch      = flag.Int("batch", 100, "BatchSize of the batched rows and of the pgbench script")
-		brokers    = flag.String("brokers", "kafka,rabbitmq", "brokers to benchmark (rabbitmq needs AMQP_URL)")
+		brokers    = flag.String("brokers", "kafka,apache-kafka,rabbitmq", "brokers to benchmark: kafka (kfake in process), apache-kafka (a throwaway Apache Kafka node; scripts/kafka.sh fetch), rabbitmq (needs AMQP_URL)")
 		rows       = flag.String("rows", "", "rows to run, comma-separated (default all): "+rowNames())
 		paceFor    = flag.Duration("pace", 3*time.Second, "length of each row's paced latency phase (0: none)")
 		paceMax    = flag.Float64("pace-max", 50000, "cap on the paced rate, msgs/s")
@@ -67,7 +67,7 @@ func run() int {
 	}
 	for _, b := range strings.Split(*brokers, ",") {
 		switch b := bench.Broker(strings.TrimSpace(b)); b {
-		case bench.Kafka:
+		case bench.Kafka, bench.ApacheKafka:
 			o.Brokers = append(o.Brokers, b)
 		case bench.RabbitMQ:
 			if o.AMQPURL == "" && !*rssCheck {

@@ -1,0 +1,134 @@
+package kafka
+
+import (
+	"context"
+	"encoding/base64"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/IBM/sarama"
+)
+
+// ensureDeadLetterTopics checks that the dead-letter topic of every topic
+// in cfg.Topics exists, creating the missing ones when
+// cfg.CreateDeadLetterTopics is set. client is the dead-letter producer's
+// client (auto-creation off) and pc its configuration.
+func ensureDeadLetterTopics(cfg *Config, client sarama.Client, pc *sarama.Config) error {
+	for _, topic := range cfg.Topics {
+		dlq := cfg.DeadLetterTopic(topic)
+		exists, err := topicExists(client, dlq)
+		if err != nil {
+			return fmt.Errorf("kafka: looking up dead-letter topic %q of topic %q: %w", dlq, topic, err)
+		}
+		if exists {
+			continue
+		}
+		if !cfg.CreateDeadLetterTopics {
+			return fmt.Errorf("%w: %q (the dead-letter topic of %q); create it, or set Config.CreateDeadLetterTopics to let NewSource create it",
+				ErrDeadLetterTopicMissing, dlq, topic)
+		}
+		if err := createDeadLetterTopic(client, pc, cfg.Brokers, topic, dlq); err != nil {
+			return fmt.Errorf("kafka: creating dead-letter topic %q of topic %q: %w", dlq, topic, err)
+		}
+		cfg.Logger.Info("once/kafka: created dead-letter topic", "topic", dlq, "source_topic", topic)
+	}
+	return nil
+}
+
+// topicExists asks the cluster for topic's metadata.
+func topicExists(client sarama.Client, topic string) (bool, error) {
+	_, err := client.Partitions(topic)
+	switch {
+	case err == nil:
+		return true, nil
+	case errors.Is(err, sarama.ErrUnknownTopicOrPartition):
+		return false, nil
+	default:
+		return false, err
+	}
+}
+
+// createDeadLetterTopic creates dlq with the partition count of topic (1
+// when topic does not exist yet) and the broker's default replication
+// factor, and waits until the client sees it. A topic created meanwhile by
+// another instance is fine.
+func createDeadLetterTopic(client sarama.Client, pc *sarama.Config, brokers []string, topic, dlq string) error {
+	partitions := int32(1)
+	if parts, err := client.Partitions(topic); err == nil && len(parts) > 0 {
+		partitions = int32(len(parts))
+	}
+	// -1 asks for the broker's default.replication.factor (CreateTopics
+	// v4+, Kafka 2.4); older protocol versions need an explicit factor.
+	rf := int16(-1)
+	if !pc.Version.IsAtLeast(sarama.V2_4_0_0) {
+		rf = int16(min(3, len(client.Brokers())))
+	}
+	admin, err := sarama.NewClusterAdmin(brokers, pc)
+	if err != nil {
+		return err
+	}
+	defer admin.Close()
+	err = admin.CreateTopic(dlq, &sarama.TopicDetail{NumPartitions: partitions, ReplicationFactor: rf}, false)
+	if err != nil && !errors.Is(err, sarama.ErrTopicAlreadyExists) {
+		return err
+	}
+	return client.RefreshMetadata(dlq)
+}
+
+// topicIDs looks up topic ids (Kafka 2.8+, KIP-516): a topic deleted and
+// created again under the same name gets a new id, while its offsets start
+// at 0 again.
+type topicIDs struct {
+	client  sarama.Client
+	version sarama.KafkaVersion
+}
+
+// lookup returns topic's id in Kafka's base64 form, or "" when the cluster
+// or the configured protocol version has no topic ids. It retries
+// transient failures with backoff until ctx is done.
+func (t topicIDs) lookup(ctx context.Context, topic string) (string, error) {
+	if !t.version.IsAtLeast(sarama.V2_8_0_0) {
+		return "", nil
+	}
+	backoff := 50 * time.Millisecond
+	for {
+		id, err := t.lookupOnce(topic)
+		if err == nil {
+			return id, nil
+		}
+		select {
+		case <-ctx.Done():
+			return "", fmt.Errorf("kafka: looking up the id of topic %q: %w (last error: %v)", topic, ctx.Err(), err)
+		case <-time.After(backoff):
+		}
+		backoff = min(2*backoff, 2*time.Second)
+	}
+}
+
+func (t topicIDs) lookupOnce(topic string) (string, error) {
+	b := t.client.LeastLoadedBroker()
+	if b == nil {
+		return "", errors.New("no broker available")
+	}
+	if err := b.Open(t.client.Config()); err != nil && !errors.Is(err, sarama.ErrAlreadyConnected) {
+		return "", err
+	}
+	resp, err := b.GetMetadata(sarama.NewMetadataRequest(t.version, []string{topic}))
+	if err != nil {
+		return "", err
+	}
+	for _, tm := range resp.Topics {
+		if tm.Name != topic {
+			continue
+		}
+		if !errors.Is(tm.Err, sarama.ErrNoError) {
+			return "", tm.Err
+		}
+		if tm.Uuid == (sarama.Uuid{}) {
+			return "", nil // a broker that predates topic ids
+		}
+		return base64.RawURLEncoding.EncodeToString(tm.Uuid[:]), nil
+	}
+	return "", fmt.Errorf("topic %q missing from the metadata response", topic)
+}
