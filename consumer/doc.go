@@ -21,7 +21,7 @@
 //
 // Event ids come from the broker's id property (AMQP message-id), a header
 // (Config.IDHeaders), an Envelope, or the adapter's fallback (Kafka:
-// topic/partition/offset). A payload fingerprint is stored with each claim:
+// topic/partition/offset@topic-id). A payload fingerprint is stored with each claim:
 // a repeated id with a different payload is an id conflict and is
 // dead-lettered (Config.OnIDConflict) instead of being silently skipped.
 //

@@ -21,7 +21,9 @@ type Message struct {
 	Type string
 	// FallbackID is an id the adapter can derive when the event carries
 	// none, stable across redeliveries of the same message: Kafka uses
-	// "topic/partition/offset". Empty when the adapter has no safe fallback
+	// "topic/partition/offset@topic-id" (the topic id from Kafka 2.8 on,
+	// so that a re-created topic's records are not taken for the old
+	// one's). Empty when the adapter has no safe fallback
 	// (AMQP), in which case an event without an id is dead-lettered with
 	// kind KindMissingID.
 	FallbackID string

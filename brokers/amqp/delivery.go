@@ -13,6 +13,7 @@ import (
 	"time"
 
 	amqp091 "github.com/rabbitmq/amqp091-go"
+	"go.opentelemetry.io/otel/attribute"
 
 	"github.com/onceco/once/consumer"
 )
@@ -49,6 +50,22 @@ type delivery struct {
 	d     *amqp091.Delivery
 	msg   *consumer.Message
 	acked atomic.Bool
+}
+
+// TelemetryAttributes implements consumer.TelemetryAttributer, as the
+// OpenTelemetry messaging conventions name RabbitMQ's destination: the
+// exchange ("amq.default" for the default one) and the routing key in its
+// own attribute; the queue consumed from is the subscription.
+func (d *delivery) TelemetryAttributes() []attribute.KeyValue {
+	exchange := d.d.Exchange
+	if exchange == "" {
+		exchange = "amq.default"
+	}
+	return []attribute.KeyValue{
+		attribute.String("messaging.destination.name", exchange),
+		attribute.String("messaging.rabbitmq.destination.routing_key", d.d.RoutingKey),
+		attribute.String("messaging.destination.subscription.name", d.msg.Topic),
+	}
 }
 
 func (s *Source) newDelivery(sess *session, d *amqp091.Delivery) *delivery {

@@ -11,6 +11,7 @@ import (
 	"github.com/IBM/sarama"
 
 	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/internal/backoff"
 )
 
 // ErrRevoked is returned by Ack and DeadLetter when the delivery's partition
@@ -138,6 +139,10 @@ func NewSource(cfg Config) (*Source, error) {
 // MessagingSystem returns "kafka", the OpenTelemetry messaging.system.
 func (s *Source) MessagingSystem() string { return "kafka" }
 
+// ConsumerGroup implements consumer.GroupNamer: telemetry reports the
+// group as messaging.consumer.group.name.
+func (s *Source) ConsumerGroup() string { return s.cfg.Group }
+
 // Receive returns the next record of any partition assigned to this member;
 // the records of one partition come in offset order. The first call joins
 // the consumer group. Receive blocks until a record arrives or ctx is done
@@ -236,8 +241,7 @@ func (s *Source) maxPendingSeen() int { return int(s.pendingMax.Load()) }
 // joining again after every rebalance and after transient failures.
 func (s *Source) consumeLoop() {
 	defer close(s.loopDone)
-	const minBackoff, maxBackoff = 100 * time.Millisecond, 5 * time.Second
-	backoff := minBackoff
+	retry := backoff.Retrier{Policy: backoff.Policy{Initial: 100 * time.Millisecond, Max: 5 * time.Second}}
 	h := &groupHandler{s: s}
 	for {
 		err := s.group.Consume(s.ctx, s.cfg.Topics, h)
@@ -250,19 +254,15 @@ func (s *Source) consumeLoop() {
 			return
 		}
 		if err == nil {
-			backoff = minBackoff // the session ended with a rebalance: rejoin now
+			retry.Reset() // the session ended with a rebalance: rejoin now
 			continue
 		}
+		wait := retry.Delay()
 		s.cfg.Logger.Warn("once/kafka: consuming failed; retrying",
-			"group", s.cfg.Group, "error", err, "backoff", backoff)
-		t := time.NewTimer(backoff)
-		select {
-		case <-t.C:
-		case <-s.ctx.Done():
-			t.Stop()
+			"group", s.cfg.Group, "error", err, "backoff", wait)
+		if !backoff.Sleep(s.ctx, wait) {
 			return
 		}
-		backoff = min(2*backoff, maxBackoff)
 	}
 }
 
