@@ -143,6 +143,8 @@ func (s *Source) MessagingSystem() string { return "kafka" }
 // group as messaging.consumer.group.name.
 func (s *Source) ConsumerGroup() string { return s.cfg.Group }
 
+var _ consumer.GroupNamer = (*Source)(nil)
+
 // Receive returns the next record of any partition assigned to this member;
 // the records of one partition come in offset order. The first call joins
 // the consumer group. Receive blocks until a record arrives or ctx is done
