@@ -101,14 +101,14 @@ func (s *Store) Statement(ctx context.Context, msgs ...Message) (string, []any, 
 	}
 	for i, m := range msgs {
 		if err := m.validate(); err != nil {
-			return "", nil, fmt.Errorf("%w: message %d: %v", ErrInvalidMessage, i, err)
+			return "", nil, fmt.Errorf("%w: message %d: %w", ErrInvalidMessage, i, err)
 		}
 		if m.ID == "" {
 			m.ID = newID()
 		}
 		h, err := json.Marshal(nonNil(m.Headers))
 		if err != nil {
-			return "", nil, fmt.Errorf("%w: message %d: headers: %v", ErrInvalidMessage, i, err)
+			return "", nil, fmt.Errorf("%w: message %d: headers: %w", ErrInvalidMessage, i, err)
 		}
 		ids[i], topics[i], routing[i], types[i] = m.ID, m.Topic, m.RoutingKey, m.Type
 		keys[i], headers[i], traces[i] = nilIfEmpty(m.Key), h, trace

@@ -67,7 +67,12 @@ func startConsumerOf(t *testing.T, db *pgxpool.Pool, src consumer.Source, h cons
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- c.Run(ctx) }()
-	t.Cleanup(func() { cancel(); <-done })
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Log(err)
+		}
+	})
 	return c
 }
 

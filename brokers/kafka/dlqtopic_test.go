@@ -140,8 +140,8 @@ func TestShutdownBoundedWhenDeadLetterHangs(t *testing.T) {
 		go func() { stopped <- r.stop() }()
 		bound := ccfg.ShutdownTimeout + cfg.CloseTimeout + 5*time.Second
 		select {
-		case <-stopped:
-			t.Logf("stopped in %v", time.Since(start))
+		case err := <-stopped:
+			t.Logf("stopped in %v (%v)", time.Since(start), err)
 		case <-time.After(bound):
 			t.Fatalf("shutdown took more than %v with the dead-letter destination hanging", bound)
 		}

@@ -99,7 +99,7 @@ func (t topicIDs) lookup(ctx context.Context, topic string) (string, error) {
 		}
 		select {
 		case <-ctx.Done():
-			return "", fmt.Errorf("kafka: looking up the id of topic %q: %w (last error: %v)", topic, ctx.Err(), err)
+			return "", fmt.Errorf("kafka: looking up the id of topic %q: %w (last error: %w)", topic, ctx.Err(), err)
 		case <-time.After(backoff):
 		}
 		backoff = min(2*backoff, 2*time.Second)

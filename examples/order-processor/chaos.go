@@ -472,7 +472,7 @@ func buildChaosExe(ctx context.Context, dir string) (string, error) {
 	exe := filepath.Join(dir, "order-processor-chaos")
 	b := exec.CommandContext(ctx, "go", "build", "-tags", "chaos", "-o", exe, "github.com/onceco/once/examples/order-processor")
 	if out, err := b.CombinedOutput(); err != nil {
-		return "", fmt.Errorf("go build -tags chaos: %v\n%s", err, out)
+		return "", fmt.Errorf("go build -tags chaos: %w\n%s", err, out)
 	}
 	return exe, nil
 }
@@ -1181,10 +1181,10 @@ func (r *chaosRun) count(ctx context.Context, dlq []deadLetter) (*ChaosResult, e
 					n = 0 // lost its race and is not in the dead-letter queue either
 				}
 			}
-			switch {
-			case n == 1:
+			switch n {
+			case 1:
 				res.EffectsOnce++
-			case n == 0:
+			case 0:
 				res.Lost++
 				if len(res.LostIDs) < 20 {
 					res.LostIDs = append(res.LostIDs, fmt.Sprintf("%s (dead-lettered: %q)", id, dlKind[id]))

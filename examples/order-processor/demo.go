@@ -299,9 +299,11 @@ func killedRun(ctx context.Context, o *options, dbURL string, pool *pgxpool.Pool
 	atForcedExit(func() { _ = cmd.Process.Kill() })
 	exited := make(chan error, 1)
 	go func() { exited <- cmd.Wait() }()
-	kill := func() {
+	// kill returns the exit status of a process killed on purpose, which
+	// says nothing more.
+	kill := func() error {
 		_ = cmd.Process.Kill()
-		<-exited
+		return <-exited
 	}
 	count := func() (n int64, err error) {
 		err = pool.QueryRow(ctx, `SELECT count(*) FROM processed_events WHERE consumer = $1`, o.name).Scan(&n)
@@ -311,7 +313,7 @@ func killedRun(ctx context.Context, o *options, dbURL string, pool *pgxpool.Pool
 	for {
 		n, err := count()
 		if err != nil {
-			kill()
+			_ = kill()
 			return 0, err
 		}
 		if n >= int64(target) {
@@ -319,17 +321,17 @@ func killedRun(ctx context.Context, o *options, dbURL string, pool *pgxpool.Pool
 		}
 		select {
 		case err := <-exited:
-			return 0, fmt.Errorf("run 1 exited before it was killed: %v", err)
+			return 0, fmt.Errorf("run 1 exited before it was killed: %w", err)
 		case <-deadline:
-			kill()
+			_ = kill()
 			return 0, errors.New("run 1 did not commit half the events within 2 minutes")
 		case <-ctx.Done():
-			kill()
+			_ = kill()
 			return 0, ctx.Err()
 		case <-time.After(20 * time.Millisecond):
 		}
 	}
-	kill()
+	_ = kill()
 	if isTerminal(stderr) {
 		fmt.Fprintln(stderr)
 	}

@@ -100,7 +100,7 @@ func (c *kafkaCluster) awaitLeaders(topic string, partitions int32) error {
 			}
 		}
 		if time.Now().After(deadline) {
-			return fmt.Errorf("topic %s has no leaders after 30 s: %v", topic, err)
+			return fmt.Errorf("topic %s has no leaders after 30 s: %w", topic, err)
 		}
 		time.Sleep(20 * time.Millisecond)
 	}

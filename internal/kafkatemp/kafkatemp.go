@@ -463,7 +463,7 @@ func (c *Cluster) awaitReady(ctx context.Context, want int) error {
 			select {
 			case <-exited:
 				if !c.closedOrStopping() && !n.wasStopped() {
-					return fmt.Errorf("kafkatemp: node %d exited during start-up (%v); its log:\n%s",
+					return fmt.Errorf("kafkatemp: node %d exited during start-up (%w); its log:\n%s",
 						n.id, n.exitErr(), tail(filepath.Join(n.dir, "server.log"), 30)+tail(filepath.Join(n.dir, "stdout.log"), 10))
 				}
 			default:
@@ -474,7 +474,7 @@ func (c *Cluster) awaitReady(ctx context.Context, want int) error {
 		}
 		select {
 		case <-ctx.Done():
-			return fmt.Errorf("kafkatemp: cluster not ready: %w (last probe: %v)", ctx.Err(), last)
+			return fmt.Errorf("kafkatemp: cluster not ready: %w (last probe: %w)", ctx.Err(), last)
 		case <-time.After(100 * time.Millisecond):
 		}
 	}

@@ -158,7 +158,7 @@ func (p *Publisher) classify(recs []outbox.Record, errs []error, returned map[st
 			errs[i] = outbox.Rejected(fmt.Errorf("amqpout: exchange %q does not exist: %w", rec.Topic, closeErr))
 		default:
 			if closeErr != nil {
-				errs[i] = fmt.Errorf("%w (channel closed: %v)", errs[i], closeErr)
+				errs[i] = fmt.Errorf("%w (channel closed: %w)", errs[i], closeErr)
 			}
 			failed = true
 		}
