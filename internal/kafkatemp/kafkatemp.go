@@ -359,7 +359,7 @@ func (c *Cluster) javaArgs(n *node, heapMB int, class string, args ...string) []
 // format writes the node's KRaft storage metadata (the cluster id).
 func (c *Cluster) format(ctx context.Context, n *node) error {
 	cmd := exec.CommandContext(ctx, "java", c.javaArgs(n, 128, "kafka.tools.StorageTool",
-		"format", "--ignore-formatted", "-t", c.clusterID, "-c", filepath.Join(n.dir, "server.properties"))...)
+		"format", "--ignore-formatted", "--cluster-id="+c.clusterID, "-c", filepath.Join(n.dir, "server.properties"))...)
 	var out bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &out
 	if err := cmd.Run(); err != nil {
@@ -584,10 +584,19 @@ func Libs() (string, error) {
 // and Libs looks for (a test keeps the two equal).
 const Version = "4.1.1"
 
+// newClusterID returns a random cluster id as Kafka writes them: 16 bytes
+// in URL-safe base64. One that starts with "-" would be read as an option
+// by the storage tool's argument parser (one id in 64, a start-up that
+// failed now and then): such ids are drawn again, and the id is passed as
+// --cluster-id=ID besides.
 func newClusterID() string {
-	var b [16]byte
-	_, _ = rand.Read(b[:])
-	return base64.RawURLEncoding.EncodeToString(b[:])
+	for {
+		var b [16]byte
+		_, _ = rand.Read(b[:])
+		if id := base64.RawURLEncoding.EncodeToString(b[:]); id[0] != '-' {
+			return id
+		}
+	}
 }
 
 func freePort() (int, error) {
