@@ -301,7 +301,7 @@ func (d *kafkaDest) source(t testing.TB, name string) consumer.Source {
 		SessionTimeout: 2 * time.Second, HeartbeatInterval: 100 * time.Millisecond,
 		RebalanceTimeout: 8 * time.Second, RevokeTimeout: 4 * time.Second,
 		CommitInterval: 100 * time.Millisecond, FetchMaxWait: 50 * time.Millisecond,
-		Sarama: saramaConfig(), Logger: testLogger(),
+		Sarama: saramaConfig(), Logger: testLogger(), CreateDeadLetterTopics: true,
 	})
 	require.NoError(t, err)
 	return s

@@ -218,7 +218,7 @@ func startShipping(ctx context.Context, pool *pgxpool.Pool, brokers []string) (*
 
 func start[T any](ctx context.Context, pool *pgxpool.Pool, brokers []string, name, topic string, h consumer.Handler[T]) (*service, error) {
 	src, err := kafka.NewSource(kafka.Config{Brokers: brokers, Group: name, Topics: []string{topic},
-		Sarama: saramaConfig(), Logger: quiet()})
+		Sarama: saramaConfig(), Logger: quiet(), CreateDeadLetterTopics: true})
 	if err != nil {
 		return nil, err
 	}
