@@ -6,7 +6,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"github.com/onceco/once/dedup"
 	"io"
 	"net/http"
 	"strings"
@@ -14,13 +13,16 @@ import (
 	"time"
 
 	"github.com/IBM/sarama"
+	"github.com/jackc/pgx/v5"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/onceco/once/cmd/once/dlq"
 	"github.com/onceco/once/cmd/once/internal/testenv"
+	"github.com/onceco/once/dedup"
 	"github.com/onceco/once/internal/pgtest"
+	"github.com/onceco/once/outbox"
 )
 
 func TestMain(m *testing.M) { pgtest.Main(m) }
@@ -211,6 +213,32 @@ func TestStatusMigrateRetention(t *testing.T) {
 		kinds[k.Kind] += k.Count
 	}
 	assert.Equal(t, map[string]int{"handler": 2, "panic": 1, "decode": 1}, kinds)
+	assert.Nil(t, st.Outbox, "no outbox table: no outbox section")
+
+	// With an outbox: its pending and parked rows.
+	ctx := context.Background()
+	require.NoError(t, outbox.Migrate(ctx, svc.Pool))
+	require.NoError(t, pgx.BeginFunc(ctx, svc.Pool, func(tx pgx.Tx) error {
+		return outbox.Add(ctx, tx,
+			outbox.Message{Topic: "orders.confirmed", Key: []byte("o-1"), Body: []byte(`{}`)},
+			outbox.Message{Topic: "no.such.topic", Key: []byte("o-2"), Body: []byte(`{}`)})
+	}))
+	_, err := svc.Pool.Exec(ctx, `UPDATE outbox SET parked_at = now(), attempts = 3, last_error = 'unknown topic' WHERE topic = 'no.such.topic'`)
+	require.NoError(t, err)
+	code, out, errOut = cli(t, env, "status", "-json")
+	require.Equal(t, exitOK, code, errOut)
+	st = statusReport{}
+	require.NoError(t, json.Unmarshal([]byte(out), &st))
+	require.NotNil(t, st.Outbox)
+	assert.EqualValues(t, 1, st.Outbox.Status.Pending)
+	assert.EqualValues(t, 1, st.Outbox.Status.Parked)
+	require.Len(t, st.Outbox.Parked, 1)
+	assert.Equal(t, "unknown topic", st.Outbox.Parked[0].LastError)
+	code, out, _ = cli(t, env, "status")
+	require.Equal(t, exitOK, code)
+	assert.Contains(t, out, "1 pending")
+	assert.Contains(t, out, "1 parked")
+	assert.Contains(t, out, "no.such.topic")
 
 	code, out, errOut = cli(t, env, "status", "-group", "nobody", "-topic", topic)
 	require.Equal(t, exitOK, code, errOut)
@@ -220,7 +248,7 @@ func TestStatusMigrateRetention(t *testing.T) {
 	code, out, errOut = cli(t, env, "retention", "-consumer", "billing", "-older-than", "1h", "-dry-run")
 	require.Equal(t, exitOK, code, errOut)
 	assert.Contains(t, out, "0 rows")
-	_, err := svc.Pool.Exec(context.Background(), `UPDATE processed_events SET processed_at = now() - interval '2 hours'`)
+	_, err = svc.Pool.Exec(context.Background(), `UPDATE processed_events SET processed_at = now() - interval '2 hours'`)
 	require.NoError(t, err)
 	code, out, errOut = cli(t, env, "retention", "-consumer", "billing", "-older-than", "1h", "-batch", "1")
 	require.Equal(t, exitOK, code, errOut)

@@ -13,6 +13,7 @@ import (
 	"github.com/onceco/once/cmd/once/dlq"
 	"github.com/onceco/once/cmd/once/inspect"
 	"github.com/onceco/once/dedup"
+	"github.com/onceco/once/outbox"
 )
 
 const migrateUsage = `Usage: once migrate [up|down|status] [-database-url URL] [-schema S] [-table T] [-to V] [-json]
@@ -144,6 +145,15 @@ type statusReport struct {
 	DLQ         string                 `json:"dlq,omitempty"`
 	Lag         []inspect.PartitionLag `json:"lag,omitempty"`
 	Queues      []inspect.QueueDepth   `json:"queues,omitempty"`
+	// Outbox is the transactional outbox's state, when its table exists.
+	Outbox *outboxReport `json:"outbox,omitempty"`
+}
+
+// outboxReport is the outbox table's rows by state, and the parked ones.
+type outboxReport struct {
+	Table  string             `json:"table"`
+	Status outbox.Status      `json:"status"`
+	Parked []outbox.ParkedRow `json:"parked,omitempty"`
 }
 
 func (a *app) status(ctx context.Context, args []string) error {
@@ -156,6 +166,7 @@ func (a *app) status(ctx context.Context, args []string) error {
 	queues := fs.String("queue", "", "RabbitMQ `queues` whose depth to show, comma-separated")
 	dlqName := fs.String("dlq", "", "dead-letter topic or queue to count by consumer and kind")
 	suspectAge := fs.Duration("suspect-age", 5*time.Minute, "an attempt row not seen for this long is a crash suspect")
+	outboxTable := fs.String("outbox", outbox.DefaultTable, "the outbox `table` whose pending and parked rows to show, when it exists (in -schema)")
 	asJSON := fs.Bool("json", false, "print JSON")
 	if helpOnly {
 		return nil
@@ -179,6 +190,9 @@ func (a *app) status(ctx context.Context, args []string) error {
 	}
 	defer pool.Close()
 	if rep.Consumers, err = inspect.Consumers(ctx, pool, db.tables(), *suspectAge); err != nil {
+		return err
+	}
+	if rep.Outbox, err = outboxStatus(ctx, pool, *db.schema, *outboxTable); err != nil {
 		return err
 	}
 	if *dlqName != "" {
@@ -216,6 +230,28 @@ func (a *app) status(ctx context.Context, args []string) error {
 	return nil
 }
 
+// outboxStatus reads the outbox table's state, or returns nil when the
+// table does not exist (the service has no outbox).
+func outboxStatus(ctx context.Context, pool *pgxpool.Pool, schema, table string) (*outboxReport, error) {
+	store, err := outbox.New(outbox.Config{Schema: schema, Table: table})
+	if err != nil {
+		return nil, &usageError{err.Error()}
+	}
+	var exists bool
+	if err := pool.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, store.Table()).Scan(&exists); err != nil || !exists {
+		return nil, err
+	}
+	st, err := store.Status(ctx, pool)
+	if err != nil {
+		return nil, err
+	}
+	parked, err := store.Parked(ctx, pool, 20)
+	if err != nil {
+		return nil, err
+	}
+	return &outboxReport{Table: store.Table(), Status: st, Parked: parked}, nil
+}
+
 func (a *app) printStatus(rep statusReport) {
 	tw := tabwriter.NewWriter(a.stdout, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(tw, "CONSUMER\tPROCESSED\tOLDEST\tNEWEST\tIN FLIGHT\tCRASH SUSPECTS\tMAX ATTEMPTS")
@@ -247,6 +283,26 @@ func (a *app) printStatus(rep statusReport) {
 			fmt.Fprintf(tw, "%s\t%d\t%d\t%d\t%d\n", l.Topic, l.Partition, l.Committed, l.HighWater, l.Lag)
 		}
 		_ = tw.Flush()
+	}
+	if o := rep.Outbox; o != nil {
+		lag := "-"
+		if !o.Status.OldestPending.IsZero() {
+			lag = time.Since(o.Status.OldestPending).Round(time.Millisecond).String()
+		}
+		fmt.Fprintf(a.stdout, "\noutbox %s: %d pending (oldest %s ago), %d parked, %d sent and kept\n",
+			o.Table, o.Status.Pending, lag, o.Status.Parked, o.Status.Sent)
+		if len(o.Parked) > 0 {
+			tw = tabwriter.NewWriter(a.stdout, 0, 4, 2, ' ', 0)
+			fmt.Fprintln(tw, "SEQ\tEVENT ID\tDESTINATION\tATTEMPTS\tPARKED\tLAST ERROR")
+			for _, p := range o.Parked {
+				dest := p.Topic
+				if p.RoutingKey != "" {
+					dest += " " + p.RoutingKey
+				}
+				fmt.Fprintf(tw, "%d\t%s\t%s\t%d\t%s\t%s\n", p.Seq, p.EventID, dest, p.Attempts, formatTime(p.ParkedAt), p.LastError)
+			}
+			_ = tw.Flush()
+		}
 	}
 	if len(rep.Queues) > 0 {
 		fmt.Fprintln(a.stdout, "\nrabbitmq queues:")
