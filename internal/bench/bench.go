@@ -57,6 +57,10 @@ const (
 	RowCeiling Row = "ceiling"
 	// RowNaive is one transaction per message: SELECT, INSERT, commit, ack.
 	RowNaive Row = "naive"
+	// RowHandwritten is the batched consumer a careful engineer writes
+	// without the library: batches of up to 100 or 5 ms, one unnest claim,
+	// one multi-row business insert, one commit, then acks.
+	RowHandwritten Row = "hand-written batched"
 	// RowOncePerMessage is the library with BatchSize 1.
 	RowOncePerMessage Row = "once per message"
 	// RowOnceBatched is the library with BatchSize 100 and a per-event
@@ -75,7 +79,7 @@ const (
 )
 
 // AllRows lists every consumer row.
-var AllRows = []Row{RowCeiling, RowNaive, RowOncePerMessage, RowOnceBatched, RowOnceQueued, RowOnceBatchHandler, RowOnceKeyLanes}
+var AllRows = []Row{RowCeiling, RowNaive, RowHandwritten, RowOncePerMessage, RowOnceBatched, RowOnceQueued, RowOnceBatchHandler, RowOnceKeyLanes}
 
 // ForBroker reports whether the row applies to b.
 func (r Row) ForBroker(b Broker) bool { return r != RowOnceKeyLanes || b == Kafka }
@@ -154,6 +158,8 @@ type Result struct {
 	// ceiling's rate.
 	VsNaive   float64 `json:"x_naive"`
 	VsCeiling float64 `json:"x_lower_ceiling"`
+	// VsHandwritten is Rate over the hand-written batched row's.
+	VsHandwritten float64 `json:"x_handwritten"`
 	// Correct says whether the effects were exactly right; Check says what
 	// was counted.
 	Correct bool   `json:"correct"`
@@ -281,7 +287,7 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 func ratios(rep *Report) {
 	for i := range rep.Results {
 		r := &rep.Results[i]
-		var naive, ceiling float64
+		var naive, ceiling, hand float64
 		for _, o := range rep.Results {
 			if o.Broker != r.Broker {
 				continue
@@ -291,6 +297,8 @@ func ratios(rep *Report) {
 				naive = o.Rate
 			case RowCeiling:
 				ceiling = o.Rate
+			case RowHandwritten:
+				hand = o.Rate
 			}
 		}
 		if rep.PGBench > 0 && (ceiling == 0 || rep.PGBench < ceiling) {
@@ -302,11 +310,14 @@ func ratios(rep *Report) {
 		if ceiling > 0 {
 			r.VsCeiling = r.Rate / ceiling
 		}
+		if hand > 0 {
+			r.VsHandwritten = r.Rate / hand
+		}
 	}
 }
 
 func schemaName(b Broker, row Row) string {
-	return "oncebench_" + string(b) + "_" + strings.ReplaceAll(string(row), " ", "_")
+	return "oncebench_" + string(b) + "_" + strings.NewReplacer(" ", "_", "-", "_").Replace(string(row))
 }
 
 // runRow publishes the backlog, runs the row in a subprocess and checks

@@ -203,6 +203,8 @@ func runChild(spec *rowSpec) (*childResult, error) {
 		run = func() error { return receiveAck(runCtx, m) }
 	case RowNaive:
 		run = func() error { return runNaive(runCtx, m, pool, spec) }
+	case RowHandwritten:
+		run = func() error { return runHandwritten(runCtx, m, pool, spec) }
 	case RowOncePerMessage, RowOnceBatched, RowOnceQueued, RowOnceBatchHandler, RowOnceKeyLanes:
 		cfg := consumer.Config{Name: "bench", BatchSize: spec.BatchSize, Concurrency: spec.Concurrency, Logger: logger}
 		if spec.Row == RowOncePerMessage {
