@@ -124,6 +124,16 @@ type Options struct {
 	HTTPRequests int
 	// Log receives progress lines; nil discards them.
 	Log io.Writer
+
+	// scale, when set, runs rows against the filled table of RunScale.
+	scale *scaleRun
+}
+
+// scaleRun is how RunScale runs a row: in its schema, whose
+// processed_events is kept from row to row, with ids of its own.
+type scaleRun struct {
+	schema   string
+	idPrefix string
 }
 
 // Result is one row of the report.
@@ -325,8 +335,12 @@ func schemaName(b Broker, row Row) string {
 func runRow(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, o Options, b Broker, row Row) (*Result, error) {
 	name := strings.ReplaceAll(string(row), " ", "-")
 	backlog := o.Workload.Counts()
+	schema, prefix := schemaName(b, row), "ev-"
+	if o.scale != nil {
+		schema, prefix = o.scale.schema, o.scale.idPrefix
+	}
 	spec := &rowSpec{
-		Row: row, Broker: b, DatabaseURL: o.DatabaseURL, Schema: schemaName(b, row),
+		Row: row, Broker: b, DatabaseURL: o.DatabaseURL, Schema: schema,
 		Backlog: backlog.Messages, BatchSize: o.BatchSize, Naive: o.NaiveWorkers, Concurrency: o.Concurrency,
 		Ordered: o.AMQPOrdered && row != RowNaive,
 		Pace:    o.Pace, PaceMax: o.PaceMax, PaceWork: o.Workload, PacedPrefix: "paced-",
@@ -335,10 +349,17 @@ func runRow(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, o Options, 
 	if row == RowOnceKeyLanes {
 		spec.KeyLanes = o.KeyLanes
 	}
-	if err := createSchema(ctx, db, spec.Schema); err != nil {
-		return nil, err
+	if o.scale != nil {
+		// The filled processed_events stays; only the business rows go.
+		if _, err := db.Exec(ctx, `TRUNCATE `+pgx.Identifier{schema, "effects"}.Sanitize()); err != nil {
+			return nil, err
+		}
+	} else {
+		if err := createSchema(ctx, db, spec.Schema); err != nil {
+			return nil, err
+		}
+		defer dropSchema(db, spec.Schema)
 	}
-	defer dropSchema(db, spec.Schema)
 	switch b {
 	case Kafka:
 		spec.Brokers = kc.addrs
@@ -347,7 +368,7 @@ func runRow(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, o Options, 
 		if err := kc.createTopics(spec.Topic, o.Workload.Partitions); err != nil {
 			return nil, err
 		}
-		if err := produceBacklog(kc.addrs, spec.Topic, "ev-", o.Workload); err != nil {
+		if err := produceBacklog(kc.addrs, spec.Topic, prefix, o.Workload); err != nil {
 			return nil, fmt.Errorf("produce: %w", err)
 		}
 	case RabbitMQ:
@@ -357,7 +378,7 @@ func runRow(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, o Options, 
 			return nil, err
 		}
 		defer deleteQueues(o.AMQPURL, spec.Queue)
-		if err := publishBacklog(o.AMQPURL, spec.Queue, "ev-", o.Workload); err != nil {
+		if err := publishBacklog(o.AMQPURL, spec.Queue, prefix, o.Workload); err != nil {
 			return nil, fmt.Errorf("publish: %w", err)
 		}
 	default:

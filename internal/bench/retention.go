@@ -1,0 +1,171 @@
+package bench
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/onceco/once/dedup"
+)
+
+// retentionPhase runs the library's best row on the full table twice with
+// the same backlog: once alone, once while dedup's retention deletes
+// every consumer's rows older than retentionAge (the consumer's own
+// first), and samples lock waits while retention runs.
+func retentionPhase(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, store *dedup.Store, ro Options, o *ScaleOptions, rep *ScaleReport) (*RetentionResult, error) {
+	row := bestScaleRow(rep.Points)
+	ro.Workload.Events = o.RetentionEvents
+	before, err := tableSize(ctx, db)
+	if err != nil {
+		return nil, err
+	}
+	r := &RetentionResult{Row: row, Batch: o.RetentionBatch, Before: *before}
+	o.logf("retention: %s, %d events, without retention", row, o.RetentionEvents)
+	without, err := runRow(ctx, db, kc, ro, Kafka, row)
+	if err != nil {
+		return nil, err
+	}
+	r.RateWithout = without.Rate
+
+	o.logf("retention: %s, %d events, while deleting rows older than %s", row, o.RetentionEvents, retentionAge)
+	ro.scale.idPrefix += "r-"
+	var deleted atomic.Int64
+	var wg sync.WaitGroup
+	retCtx, stopSampling := context.WithCancel(ctx)
+	defer stopSampling()
+	var retErr error
+	var retEnd time.Time
+	retStart := time.Now()
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		defer stopSampling()
+		retErr = expireAll(ctx, db, store, time.Now().Add(-retentionAge), o.RetentionBatch, &deleted)
+		retEnd = time.Now()
+	}()
+	samples := make(chan lockSamples, 1)
+	go func() { samples <- sampleLockWaits(retCtx, db) }()
+
+	during, err := runRow(ctx, db, kc, ro, Kafka, row)
+	rowEnd := time.Now()
+	r.DeletedDuringRow = deleted.Load()
+	wg.Wait()
+	if err != nil {
+		return nil, err
+	}
+	if retErr != nil {
+		return nil, retErr
+	}
+	ls := <-samples
+	r.Messages, r.RateDuring, r.Correct = during.Messages, during.Rate, without.Correct && during.Correct
+	r.Check = "without: " + without.Check + "; during: " + during.Check
+	r.Ratio = r.RateDuring / r.RateWithout
+	r.RowSeconds = during.Seconds
+	r.RetentionSeconds = retEnd.Sub(retStart).Seconds()
+	// The share of the row (from the start of retention to when runRow
+	// returned, which includes the subprocess's start) that retention ran.
+	r.Overlap = min(1, retEnd.Sub(retStart).Seconds()/max(rowEnd.Sub(retStart).Seconds(), 1e-9))
+	r.Deleted = deleted.Load()
+	r.DeletedPerSecond = float64(r.Deleted) / r.RetentionSeconds
+	r.Samples, r.LockWaitSamples, r.MaxLockWaiters = ls.samples, ls.waiting, ls.max
+	r.Load = loadAvg()
+	o.logf("  %.0f msgs/s without, %.0f during (%.2fx); %d rows deleted in %.1f s; lock waits in %d of %d samples",
+		r.RateWithout, r.RateDuring, r.Ratio, r.Deleted, r.RetentionSeconds, r.LockWaitSamples, r.Samples)
+
+	after, err := tableSize(ctx, db)
+	if err != nil {
+		return nil, err
+	}
+	r.After = *after
+	t := pgx.Identifier{scaleSchema, "processed_events"}.Sanitize()
+	if err := db.QueryRow(ctx, `SELECT autovacuum_count FROM pg_stat_user_tables WHERE relid = '`+t+`'::regclass`).Scan(&r.AutovacuumRuns); err != nil {
+		return nil, err
+	}
+	start := time.Now()
+	if _, err := db.Exec(ctx, `VACUUM `+t); err != nil {
+		return nil, err
+	}
+	r.VacuumSeconds = time.Since(start).Seconds()
+	if after, err = tableSize(ctx, db); err != nil {
+		return nil, err
+	}
+	r.AfterVacuum = *after
+	return r, nil
+}
+
+// bestScaleRow is the library row with the highest rate on the largest
+// table measured.
+func bestScaleRow(points []ScalePoint) Row {
+	var best ScalePoint
+	for _, p := range points {
+		if p.Row == RowHandwritten {
+			continue
+		}
+		if p.TableRows > best.TableRows || (p.TableRows == best.TableRows && p.Rate > best.Rate) {
+			best = p
+		}
+	}
+	if best.Row == "" {
+		return RowOnceBatchHandler
+	}
+	return best.Row
+}
+
+// expireAll runs dedup's retention for every consumer of the table, the
+// bench consumer's first, adding what each of its statements deleted to
+// deleted as it goes.
+func expireAll(ctx context.Context, db *pgxpool.Pool, store *dedup.Store, cutoff time.Time, batch int, deleted *atomic.Int64) error {
+	counting := countingDB{Pool: db, deleted: deleted}
+	for _, c := range scaleConsumers {
+		if _, err := store.DeleteOlderThan(ctx, counting, c, cutoff, batch); err != nil {
+			return fmt.Errorf("%s: %w", c, err)
+		}
+	}
+	return nil
+}
+
+// countingDB adds the rows each Exec affected to deleted: retention's
+// progress while it runs.
+type countingDB struct {
+	*pgxpool.Pool
+	deleted *atomic.Int64
+}
+
+// Exec implements dedup.DB.
+func (c countingDB) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	tag, err := c.Pool.Exec(ctx, sql, args...)
+	c.deleted.Add(tag.RowsAffected())
+	return tag, err
+}
+
+type lockSamples struct{ samples, waiting, max int }
+
+// sampleLockWaits counts, every 100 ms until ctx ends, the sessions
+// waiting for a lock.
+func sampleLockWaits(ctx context.Context, db *pgxpool.Pool) lockSamples {
+	var s lockSamples
+	tick := time.NewTicker(100 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return s
+		case <-tick.C:
+		}
+		var n int
+		if err := db.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()`).Scan(&n); err != nil {
+			continue
+		}
+		s.samples++
+		if n > 0 {
+			s.waiting++
+		}
+		s.max = max(s.max, n)
+	}
+}
