@@ -34,7 +34,7 @@ bench:
 ## the claim's plan, then retention while consuming (docs/performance.md); a durable throwaway
 ## PostgreSQL unless DATABASE_URL is set. JSON and a PNG plot in SCALE_OUT. About 10 minutes.
 SCALE_ROWS ?= 10000000
-SCALE_OUT  ?= bench-scale
+SCALE_OUT  ?= /tmp/once-bench-scale
 bench-scale:
 	scripts/ensure-deps.sh postgres
 	mkdir -p $(SCALE_OUT)
