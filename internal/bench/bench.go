@@ -164,6 +164,12 @@ type Result struct {
 	// end of the backlog phase.
 	HeapSysMB   float64 `json:"heap_sys_mb"`
 	HeapInuseMB float64 `json:"heap_inuse_mb"`
+	// RoundTrips is the round trips to PostgreSQL in the backlog phase
+	// and Transactions its commits; RoundTripsPerTx and MsgsPerTx follow.
+	RoundTrips      int64   `json:"round_trips"`
+	Transactions    int64   `json:"transactions"`
+	RoundTripsPerTx float64 `json:"round_trips_per_tx"`
+	MsgsPerTx       float64 `json:"msgs_per_tx"`
 	// VsNaive and VsCeiling are Rate over the naive row's and over the lower
 	// ceiling's rate.
 	VsNaive   float64 `json:"x_naive"`
@@ -394,6 +400,11 @@ func runRow(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, o Options, 
 		P50Ms: ms(cr.P50), P99Ms: ms(cr.P99), ReceiveP50Ms: ms(cr.ReceiveP50), ReceiveP99Ms: ms(cr.ReceiveP99), PacedTarget: cr.PacedTarget, PacedRate: cr.PacedRate, PacedMsgs: cr.Paced.Messages,
 		AllocsPerMsg: cr.AllocsPerMsg, PeakRSSMB: float64(cr.RSSKB) / 1024,
 		HeapSysMB: float64(cr.HeapSysKB) / 1024, HeapInuseMB: float64(cr.HeapInuseKB) / 1024,
+		RoundTrips: cr.RoundTrips, Transactions: cr.Commits,
+	}
+	if cr.Commits > 0 {
+		res.RoundTripsPerTx = float64(cr.RoundTrips) / float64(cr.Commits)
+		res.MsgsPerTx = float64(cr.Messages) / float64(cr.Commits)
 	}
 	want := backlog.Add(cr.Paced)
 	res.Correct, res.Check, err = check(ctx, db, kc, spec, row, want)

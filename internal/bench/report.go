@@ -37,15 +37,15 @@ func (r *Report) WriteTable(w io.Writer) error {
 	fmt.Fprintln(w, "msgs/s, allocs/msg, peak RSS: the backlog phase, in the row's own subprocess (VmHWM)")
 	fmt.Fprintln(w)
 	tw := tabwriter.NewWriter(w, 0, 0, 1, ' ', tabwriter.AlignRight|tabwriter.Debug)
-	fmt.Fprintln(tw, "broker\t row\t msgs/s\t p50 ms\t p99 ms\t p99 to Receive ms\t at msgs/s\t allocs/msg\t peak RSS MB\t x naive\t x lower ceiling\t x hand-written\t correct\t")
-	fmt.Fprintln(tw, "---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t")
+	fmt.Fprintln(tw, "broker\t row\t msgs/s\t p50 ms\t p99 ms\t p99 to Receive ms\t at msgs/s\t allocs/msg\t peak RSS MB\t msgs/tx\t round trips/tx\t x naive\t x lower ceiling\t x hand-written\t correct\t")
+	fmt.Fprintln(tw, "---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t")
 	for _, x := range r.Results {
 		verdict := "yes"
 		if !x.Correct {
 			verdict = "NO"
 		}
-		fmt.Fprintf(tw, "%s\t %s\t %.0f\t %.1f\t %.1f\t %.1f\t %.0f\t %.1f\t %.1f\t %.2f\t %.2f\t %.2f\t %s (%s)\t\n",
-			x.Broker, x.Row, x.Rate, x.P50Ms, x.P99Ms, x.ReceiveP99Ms, x.PacedRate, x.AllocsPerMsg, x.PeakRSSMB, x.VsNaive, x.VsCeiling, x.VsHandwritten, verdict, x.Check)
+		fmt.Fprintf(tw, "%s\t %s\t %.0f\t %.1f\t %.1f\t %.1f\t %.0f\t %.1f\t %.1f\t %.1f\t %.2f\t %.2f\t %.2f\t %.2f\t %s (%s)\t\n",
+			x.Broker, x.Row, x.Rate, x.P50Ms, x.P99Ms, x.ReceiveP99Ms, x.PacedRate, x.AllocsPerMsg, x.PeakRSSMB, x.MsgsPerTx, x.RoundTripsPerTx, x.VsNaive, x.VsCeiling, x.VsHandwritten, verdict, x.Check)
 	}
 	if err := tw.Flush(); err != nil {
 		return err
