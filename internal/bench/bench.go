@@ -244,6 +244,11 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 		defer srv.Close()
 		o.DatabaseURL = srv.URL()
 		rep.Machine.Throwaway = true
+		if os.Getenv(ProfileEnv) != "" {
+			if err := enableStatStatements(ctx, srv); err != nil {
+				return nil, fmt.Errorf("pg_stat_statements: %w", err)
+			}
+		}
 	}
 	db, err := pgxpool.New(ctx, o.DatabaseURL)
 	if err != nil {
@@ -391,9 +396,16 @@ func runRow(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, o Options, 
 		return nil, fmt.Errorf("unknown broker %q", b)
 	}
 
+	profileDir := os.Getenv(ProfileEnv)
+	statements := profileDir != "" && resetStatStatements(ctx, db)
 	cr, err := runSubprocess(ctx, spec)
 	if err != nil {
 		return nil, err
+	}
+	if statements {
+		if err := writeStatStatements(ctx, db, profileDir, b, row); err != nil {
+			return nil, fmt.Errorf("pg_stat_statements: %w", err)
+		}
 	}
 	res := &Result{
 		Broker: b, Row: row, Messages: cr.Messages, Seconds: cr.Seconds, Rate: cr.Rate,

@@ -73,7 +73,7 @@ func retentionPhase(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, sto
 	r.Overlap = min(1, retEnd.Sub(retStart).Seconds()/max(rowEnd.Sub(retStart).Seconds(), 1e-9))
 	r.Deleted = deleted.Load()
 	r.DeletedPerSecond = float64(r.Deleted) / r.RetentionSeconds
-	r.Samples, r.LockWaitSamples, r.MaxLockWaiters = ls.samples, ls.waiting, ls.max
+	r.Samples, r.LockWaitSamples, r.MaxLockWaiters, r.LockWaitEvents = ls.samples, ls.waiting, ls.max, ls.events
 	r.Load = loadAvg()
 	o.logf("  %.0f msgs/s without, %.0f during (%.2fx); %d rows deleted in %.1f s; lock waits in %d of %d samples",
 		r.RateWithout, r.RateDuring, r.Ratio, r.Deleted, r.RetentionSeconds, r.LockWaitSamples, r.Samples)
@@ -144,12 +144,17 @@ func (c countingDB) Exec(ctx context.Context, sql string, args ...any) (pgconn.C
 	return tag, err
 }
 
-type lockSamples struct{ samples, waiting, max int }
+type lockSamples struct {
+	samples, waiting, max int
+	// events counts, by wait event (relation, tuple, transactionid,
+	// extend, ...), the waiting sessions seen over all samples.
+	events map[string]int
+}
 
 // sampleLockWaits counts, every 100 ms until ctx ends, the sessions
-// waiting for a lock.
+// waiting for a lock, and for which kind of lock.
 func sampleLockWaits(ctx context.Context, db *pgxpool.Pool) lockSamples {
-	var s lockSamples
+	s := lockSamples{events: map[string]int{}}
 	tick := time.NewTicker(100 * time.Millisecond)
 	defer tick.Stop()
 	for {
@@ -158,14 +163,19 @@ func sampleLockWaits(ctx context.Context, db *pgxpool.Pool) lockSamples {
 			return s
 		case <-tick.C:
 		}
-		var n int
-		if err := db.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()`).Scan(&n); err != nil {
+		var events []string
+		err := db.QueryRow(ctx, `SELECT coalesce(array_agg(wait_event), '{}') FROM pg_stat_activity
+WHERE wait_event_type = 'Lock' AND datname = current_database()`).Scan(&events)
+		if err != nil {
 			continue
 		}
 		s.samples++
-		if n > 0 {
+		if len(events) > 0 {
 			s.waiting++
 		}
-		s.max = max(s.max, n)
+		s.max = max(s.max, len(events))
+		for _, e := range events {
+			s.events[e]++
+		}
 	}
 }

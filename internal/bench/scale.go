@@ -146,6 +146,9 @@ type RetentionResult struct {
 	Samples         int `json:"samples"`
 	LockWaitSamples int `json:"lock_wait_samples"`
 	MaxLockWaiters  int `json:"max_lock_waiters"`
+	// LockWaitEvents counts the waiting sessions seen by wait event
+	// (extend: a relation extension lock; transactionid, tuple: a row).
+	LockWaitEvents map[string]int `json:"lock_wait_events"`
 	// Before and After are the table before the retention phase and right
 	// after retention ended; AfterVacuum after a VACUUM.
 	Before         TableSize `json:"before"`

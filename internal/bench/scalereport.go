@@ -107,6 +107,7 @@ func (r *ScaleReport) WriteTable(w io.Writer) error {
 		if err := tw.Flush(); err != nil {
 			return err
 		}
+		fmt.Fprintf(w, "lock waits by wait event (sessions over all samples): %v\n", ret.LockWaitEvents)
 		fmt.Fprintf(w, "correct: %s\n", ret.Check)
 		fmt.Fprintln(w)
 		fmt.Fprintln(tw, "table\t rows\t heap MB\t indexes MB\t dead tuples\t")
