@@ -3,6 +3,7 @@ package bench
 import (
 	"context"
 	"fmt"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -41,12 +42,13 @@ func retentionPhase(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, sto
 	defer stopSampling()
 	var retErr error
 	var retEnd time.Time
+	var took []time.Duration
 	retStart := time.Now()
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
 		defer stopSampling()
-		retErr = expireAll(ctx, db, store, time.Now().Add(-retentionAge), o.RetentionBatch, &deleted)
+		retErr = expireAll(ctx, db, store, time.Now().Add(-retentionAge), o.RetentionBatch, &deleted, &took)
 		retEnd = time.Now()
 	}()
 	samples := make(chan lockSamples, 1)
@@ -75,6 +77,9 @@ func retentionPhase(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, sto
 	r.DeletedPerSecond = float64(r.Deleted) / r.RetentionSeconds
 	r.Samples, r.LockWaitSamples, r.MaxLockWaiters, r.LockWaitEvents = ls.samples, ls.waiting, ls.max, ls.events
 	r.Load = loadAvg()
+	r.Statements = len(took)
+	slices.Sort(took)
+	r.StatementP50Ms, r.StatementMaxMs = ms(percentile(took, 0.5)), ms(percentile(took, 1))
 	o.logf("  %.0f msgs/s without, %.0f during (%.2fx); %d rows deleted in %.1f s; lock waits in %d of %d samples",
 		r.RateWithout, r.RateDuring, r.Ratio, r.Deleted, r.RetentionSeconds, r.LockWaitSamples, r.Samples)
 
@@ -120,8 +125,8 @@ func bestScaleRow(points []ScalePoint) Row {
 // expireAll runs dedup's retention for every consumer of the table, the
 // bench consumer's first, adding what each of its statements deleted to
 // deleted as it goes.
-func expireAll(ctx context.Context, db *pgxpool.Pool, store *dedup.Store, cutoff time.Time, batch int, deleted *atomic.Int64) error {
-	counting := countingDB{Pool: db, deleted: deleted}
+func expireAll(ctx context.Context, db *pgxpool.Pool, store *dedup.Store, cutoff time.Time, batch int, deleted *atomic.Int64, took *[]time.Duration) error {
+	counting := countingDB{Pool: db, deleted: deleted, mu: &sync.Mutex{}, took: took}
 	for _, c := range scaleConsumers {
 		if _, err := store.DeleteOlderThan(ctx, counting, c, cutoff, batch); err != nil {
 			return fmt.Errorf("%s: %w", c, err)
@@ -130,17 +135,23 @@ func expireAll(ctx context.Context, db *pgxpool.Pool, store *dedup.Store, cutoff
 	return nil
 }
 
-// countingDB adds the rows each Exec affected to deleted: retention's
-// progress while it runs.
+// countingDB adds the rows each Exec affected to deleted, retention's
+// progress while it runs, and keeps each statement's duration.
 type countingDB struct {
 	*pgxpool.Pool
 	deleted *atomic.Int64
+	mu      *sync.Mutex
+	took    *[]time.Duration
 }
 
 // Exec implements dedup.DB.
 func (c countingDB) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	start := time.Now()
 	tag, err := c.Pool.Exec(ctx, sql, args...)
 	c.deleted.Add(tag.RowsAffected())
+	c.mu.Lock()
+	*c.took = append(*c.took, time.Since(start))
+	c.mu.Unlock()
 	return tag, err
 }
 

@@ -137,6 +137,11 @@ type RetentionResult struct {
 	RetentionSeconds float64 `json:"retention_seconds"`
 	Overlap          float64 `json:"overlap"`
 	Deleted          int64   `json:"deleted"`
+	// Statements is how many DELETE statements retention ran, and
+	// StatementP50Ms and StatementMaxMs how long they took.
+	Statements       int     `json:"statements"`
+	StatementP50Ms   float64 `json:"statement_p50_ms"`
+	StatementMaxMs   float64 `json:"statement_max_ms"`
 	DeletedPerSecond float64 `json:"deleted_per_s"`
 	// DeletedDuringRow is how many rows retention had deleted when the
 	// row ended.

@@ -107,6 +107,7 @@ func (r *ScaleReport) WriteTable(w io.Writer) error {
 		if err := tw.Flush(); err != nil {
 			return err
 		}
+		fmt.Fprintf(w, "retention statements: %d, p50 %.1f ms, max %.1f ms\n", ret.Statements, ret.StatementP50Ms, ret.StatementMaxMs)
 		fmt.Fprintf(w, "lock waits by wait event (sessions over all samples): %v\n", ret.LockWaitEvents)
 		fmt.Fprintf(w, "correct: %s\n", ret.Check)
 		fmt.Fprintln(w)
