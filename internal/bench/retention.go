@@ -40,6 +40,12 @@ func retentionPhase(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, sto
 	var wg sync.WaitGroup
 	retCtx, stopSampling := context.WithCancel(ctx)
 	defer stopSampling()
+	slow := &slowestPlan{}
+	retDB, err := explainingPool(ctx, ro.DatabaseURL, slow)
+	if err != nil {
+		return nil, err
+	}
+	defer retDB.Close()
 	var retErr error
 	var retEnd time.Time
 	var took []time.Duration
@@ -48,7 +54,7 @@ func retentionPhase(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, sto
 	go func() {
 		defer wg.Done()
 		defer stopSampling()
-		retErr = expireAll(ctx, db, store, time.Now().Add(-retentionAge), o.RetentionBatch, &deleted, &took)
+		retErr = expireAll(ctx, retDB, store, time.Now().Add(-retentionAge), o.RetentionBatch, &deleted, &took)
 		retEnd = time.Now()
 	}()
 	samples := make(chan lockSamples, 1)
@@ -77,6 +83,7 @@ func retentionPhase(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, sto
 	r.DeletedPerSecond = float64(r.Deleted) / r.RetentionSeconds
 	r.Samples, r.LockWaitSamples, r.MaxLockWaiters, r.LockWaitEvents = ls.samples, ls.waiting, ls.max, ls.events
 	r.Load = loadAvg()
+	rep.Plans["slowest retention statement"] = slow.plan
 	r.Statements = len(took)
 	slices.Sort(took)
 	r.StatementP50Ms, r.StatementMaxMs = ms(percentile(took, 0.5)), ms(percentile(took, 1))
@@ -189,4 +196,51 @@ WHERE wait_event_type = 'Lock' AND datname = current_database()`).Scan(&events)
 			s.events[e]++
 		}
 	}
+}
+
+// slowestPlan keeps the plan of the slowest statement auto_explain
+// reported.
+type slowestPlan struct {
+	mu   sync.Mutex
+	ms   float64
+	plan string
+}
+
+func (s *slowestPlan) notice(_ *pgconn.PgConn, n *pgconn.Notice) {
+	var ms float64
+	if _, err := fmt.Sscanf(n.Message, "duration: %f ms", &ms); err != nil {
+		return
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if ms > s.ms {
+		s.ms, s.plan = ms, n.Message
+	}
+}
+
+// explainingPool is a pool whose sessions send, through auto_explain, the
+// plan (with buffers, without per-node timing) of every statement slower
+// than 250 ms to slow. Without the right to LOAD auto_explain (not a
+// superuser), it is a plain pool.
+func explainingPool(ctx context.Context, url string, slow *slowestPlan) (*pgxpool.Pool, error) {
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		return nil, err
+	}
+	cfg.MaxConns = 2
+	cfg.ConnConfig.OnNotice = slow.notice
+	cfg.AfterConnect = func(ctx context.Context, conn *pgx.Conn) error {
+		_, err := conn.Exec(ctx, `LOAD 'auto_explain'`)
+		if err != nil {
+			return nil // best effort
+		}
+		for _, set := range []string{`SET auto_explain.log_min_duration = 250`, `SET auto_explain.log_analyze = on`,
+			`SET auto_explain.log_timing = off`, `SET auto_explain.log_buffers = on`, `SET auto_explain.log_level = notice`} {
+			if _, err := conn.Exec(ctx, set); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	return pgxpool.NewWithConfig(ctx, cfg)
 }

@@ -108,6 +108,9 @@ func (r *ScaleReport) WriteTable(w io.Writer) error {
 			return err
 		}
 		fmt.Fprintf(w, "retention statements: %d, p50 %.1f ms, max %.1f ms\n", ret.Statements, ret.StatementP50Ms, ret.StatementMaxMs)
+		if plan := r.Plans["slowest retention statement"]; plan != "" {
+			fmt.Fprintf(w, "slowest retention statement (auto_explain, over 250 ms):\n%s\n", plan)
+		}
 		fmt.Fprintf(w, "lock waits by wait event (sessions over all samples): %v\n", ret.LockWaitEvents)
 		fmt.Fprintf(w, "correct: %s\n", ret.Check)
 		fmt.Fprintln(w)
