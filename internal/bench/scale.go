@@ -332,15 +332,16 @@ func fillRange(ctx context.Context, db *pgxpool.Pool, from, to int64) error {
 	errs := make(chan error, runtime.NumCPU())
 	for range runtime.NumCPU() {
 		go func() {
+			var failed error
 			for lo := range chunks {
+				if failed != nil {
+					continue // drain, so that the sender does not block
+				}
 				if _, err := db.Exec(ctx, fillSQL, lo, min(lo+fillChunk-1, to)); err != nil {
-					errs <- fmt.Errorf("fill: %w", err)
-					for range chunks {
-					}
-					return
+					failed = fmt.Errorf("fill: %w", err)
 				}
 			}
-			errs <- nil
+			errs <- failed
 		}()
 	}
 	for lo := from + 1; lo <= to; lo += fillChunk {
