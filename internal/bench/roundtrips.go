@@ -21,7 +21,7 @@ var commitQuery = []byte("commit\x00")
 
 // dial opens a TCP connection whose writes are counted.
 func (w *wireCounter) dial(ctx context.Context, network, addr string) (net.Conn, error) {
-	c, err := (&net.Dialer{KeepAlive: -1}).DialContext(ctx, network, addr)
+	c, err := (&net.Dialer{}).DialContext(ctx, network, addr)
 	if err != nil {
 		return nil, err
 	}
