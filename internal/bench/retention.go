@@ -108,6 +108,15 @@ func retentionPhase(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, sto
 		return nil, err
 	}
 	r.AfterVacuum = *after
+
+	o.logf("retention: %s, %d events, while the proposed keyset statement deletes rows older than %s", row, o.RetentionEvents, retentionAge/2)
+	if r.Keyset, err = keysetSweep(ctx, db, kc, ro, row, retentionAge/2, o.RetentionBatch, r.RateWithout); err != nil {
+		return nil, err
+	}
+	k := r.Keyset
+	r.Correct = r.Correct && k.Correct
+	o.logf("  %.0f msgs/s during (%.2fx of without); %d rows deleted in %.1f s; statements p50 %.1f ms, max %.1f ms",
+		k.RateDuring, k.Ratio, k.Deleted, k.Seconds, k.StatementP50Ms, k.StatementMaxMs)
 	return r, nil
 }
 

@@ -156,12 +156,16 @@ type RetentionResult struct {
 	LockWaitEvents map[string]int `json:"lock_wait_events"`
 	// Before and After are the table before the retention phase and right
 	// after retention ended; AfterVacuum after a VACUUM.
-	Before         TableSize `json:"before"`
-	After          TableSize `json:"after"`
-	AfterVacuum    TableSize `json:"after_vacuum"`
-	VacuumSeconds  float64   `json:"vacuum_seconds"`
-	AutovacuumRuns int64     `json:"autovacuum_runs"`
-	Load           string    `json:"load"`
+	Before        TableSize `json:"before"`
+	After         TableSize `json:"after"`
+	AfterVacuum   TableSize `json:"after_vacuum"`
+	VacuumSeconds float64   `json:"vacuum_seconds"`
+	// Keyset is a second sweep after the VACUUM, of the rows older than
+	// half the retention window, by the statement proposed for dedup
+	// (keysetRetentionSQL), while the row runs once more.
+	Keyset         *Sweep `json:"keyset,omitempty"`
+	AutovacuumRuns int64  `json:"autovacuum_runs"`
+	Load           string `json:"load"`
 }
 
 // ScaleReport is a whole RunScale.

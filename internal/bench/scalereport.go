@@ -125,6 +125,11 @@ func (r *ScaleReport) WriteTable(w io.Writer) error {
 			return err
 		}
 		fmt.Fprintf(w, "autovacuum runs on processed_events so far: %d\n", ret.AutovacuumRuns)
+		if k := ret.Keyset; k != nil {
+			fmt.Fprintf(w, "then the proposed keyset retention statement (keyset.go), rows older than %s, after the VACUUM: %.0f msgs/s during (%.2fx of without), %d rows deleted in %.1f s (%.0f/s, %d during the row), %d statements p50 %.1f ms max %.1f ms, lock waits in %d of %d samples, load %s, correct: %s (%s)\n",
+				k.Cutoff, k.RateDuring, k.Ratio, k.Deleted, k.Seconds, k.DeletedPerSecond, k.DeletedDuringRow, k.Statements, k.StatementP50Ms, k.StatementMaxMs,
+				k.LockWaitSamples, k.Samples, k.Load, yesNo(k.Correct), k.Check)
+		}
 	}
 	if p := r.Project(100_000_000); p != nil {
 		fmt.Fprintf(w, "\n100M rows, from the growth of the last fill step: %.1f GB of table and indexes, of which the primary key %.1f GB (keep it in memory); filling took %.0f s per 100M here; expiring half of them would take %.0f s at the measured deletion rate\n",
