@@ -32,7 +32,7 @@ bench:
 
 ## bench-scale: the batched rows (Kafka) as processed_events grows to SCALE_ROWS rows (filled in SQL),
 ## the claim's plan, then retention while consuming (docs/performance.md); a durable throwaway
-## PostgreSQL unless DATABASE_URL is set. JSON and a PNG plot in SCALE_OUT. About 10 minutes.
+## PostgreSQL unless DATABASE_URL is set. JSON and a PNG plot in SCALE_OUT. About 5 minutes here.
 SCALE_ROWS ?= 10000000
 SCALE_OUT  ?= /tmp/once-bench-scale
 bench-scale:

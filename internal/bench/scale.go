@@ -30,15 +30,17 @@ const scaleSchema = "oncebench_scale"
 // others sharing the table, as services sharing one database do.
 var scaleConsumers = []string{"bench", "handwritten", "other-0", "other-1", "other-2", "other-3"}
 
-// fillSQL adds the rows numbered $1 to $2: 30% the library rows'
+// fillSQL adds the rows numbered $1 to $2 of $3: 30% the library rows'
 // consumer's, 30% the hand-written row's, 40% four other consumers'; ids
 // are md5 hex, spread over the whole key like UUIDs; a 32-byte
-// fingerprint like the library's; processed_at spread over the last 14
-// days, so that a 7-day retention expires half of every consumer's rows.
+// fingerprint like the library's; processed_at rising with the row number
+// over the 14 days before now, as rows appended over two weeks, so that
+// the oldest rows lie at the start of the table and a 7-day retention
+// expires the first half of every consumer's rows.
 const fillSQL = `INSERT INTO ` + scaleSchema + `.processed_events (consumer, event_id, fingerprint, processed_at, source, partition, "offset")
 SELECT CASE WHEN g % 10 < 3 THEN 'bench' WHEN g % 10 < 6 THEN 'handwritten' ELSE 'other-' || (g % 4) END,
        md5(g::text) || '-f', sha256(int8send(g)),
-       now() - (g % 14) * interval '1 day' - (g % 86400) * interval '1 second',
+       now() - interval '14 days' * (1 - g::float8 / $3::bigint),
        'fill', (g % 4)::int, g
 FROM generate_series($1::bigint, $2::bigint) AS g`
 
@@ -309,7 +311,7 @@ func RunScale(ctx context.Context, o ScaleOptions) (*ScaleReport, error) {
 func fill(ctx context.Context, db *pgxpool.Pool, o *ScaleOptions, from, to int64) (*FillStep, error) {
 	o.logf("filling processed_events from %d to %d rows", from, to)
 	start := time.Now()
-	if err := fillRange(ctx, db, from, to); err != nil {
+	if err := fillRange(ctx, db, from, to, o.TableRows); err != nil {
 		return nil, err
 	}
 	step := &FillStep{Added: to - from, Seconds: time.Since(start).Seconds()}
@@ -328,10 +330,10 @@ func fill(ctx context.Context, db *pgxpool.Pool, o *ScaleOptions, from, to int64
 	return step, nil
 }
 
-// fillRange inserts rows from+1..to in chunks, on as many connections as
+// fillRange inserts rows from+1..to of total in chunks, on as many connections as
 // there are CPUs: the md5, the SHA-256 and the index insertions are CPU
 // work a single backend does on one core.
-func fillRange(ctx context.Context, db *pgxpool.Pool, from, to int64) error {
+func fillRange(ctx context.Context, db *pgxpool.Pool, from, to, total int64) error {
 	chunks := make(chan int64)
 	errs := make(chan error, runtime.NumCPU())
 	for range runtime.NumCPU() {
@@ -341,7 +343,7 @@ func fillRange(ctx context.Context, db *pgxpool.Pool, from, to int64) error {
 				if failed != nil {
 					continue // drain, so that the sender does not block
 				}
-				if _, err := db.Exec(ctx, fillSQL, lo, min(lo+fillChunk-1, to)); err != nil {
+				if _, err := db.Exec(ctx, fillSQL, lo, min(lo+fillChunk-1, to), total); err != nil {
 					failed = fmt.Errorf("fill: %w", err)
 				}
 			}

@@ -14,7 +14,8 @@ import (
 
 // TestScaleSmoke runs bench-scale with a small table: every run's effects
 // exactly right, a point per row and step, both plans captured, retention
-// deleting the expired half of the fill, and a plot that decodes.
+// deleting the expired half of the fill, the keyset sweep the next
+// quarter, and a plot that decodes.
 func TestScaleSmoke(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
@@ -44,10 +45,15 @@ func TestScaleSmoke(t *testing.T) {
 	require.NotNil(t, ret)
 	require.True(t, ret.Correct, ret.Check)
 	require.Equal(t, RowOnceBatchHandler, ret.Row)
-	// processed_at is spread over 14 days: 7 of them are past the cutoff.
+	// processed_at rises over 14 days: the first half is past the cutoff.
 	require.InDelta(t, 20000, ret.Deleted, 3000)
 	require.Less(t, ret.After.Rows, ret.Before.Rows)
 	require.Zero(t, ret.AfterVacuum.DeadTuples)
+	// Then the keyset sweep expires what is older than 3.5 days: 3.5 of
+	// the 14 days of the fill.
+	require.NotNil(t, ret.Keyset)
+	require.True(t, ret.Keyset.Correct, ret.Keyset.Check)
+	require.InDelta(t, 10000, ret.Keyset.Deleted, 2000)
 	require.NotNil(t, rep.Project(100_000_000))
 
 	var buf bytes.Buffer
