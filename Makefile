@@ -3,7 +3,7 @@ GO        ?= go
 FUZZTIME  ?= 30s
 BENCHTIME ?= 1s
 
-.PHONY: run test bench bench-micro fuzz lint screenshots
+.PHONY: run test bench bench-scale bench-micro fuzz lint screenshots
 
 ## run: the order-processor demo: embedded Kafka (kfake), a throwaway PostgreSQL, orders with
 ## duplicates, poison and a SIGKILL mid-stream, then a report and a verdict
@@ -30,6 +30,16 @@ bench:
 	  eval "$$(scripts/rabbitmq.sh start "$$rabbit_dir")"; \
 	  $(GO) run ./internal/bench/cmd/oncebench $(BENCHFLAGS); \
 	fi
+
+## bench-scale: the batched rows (Kafka) as processed_events grows to SCALE_ROWS rows (filled in SQL),
+## the claim's plan, then retention while consuming (docs/performance.md); a durable throwaway
+## PostgreSQL unless DATABASE_URL is set. JSON and a PNG plot in SCALE_OUT. About 5 minutes here.
+SCALE_ROWS ?= 10000000
+SCALE_OUT  ?= /tmp/once-bench-scale
+bench-scale:
+	scripts/ensure-deps.sh postgres
+	mkdir -p $(SCALE_OUT)
+	$(GO) run ./internal/bench/cmd/oncebench -scale -scale-rows $(SCALE_ROWS) -json $(SCALE_OUT)/scale.json -png $(SCALE_OUT)/scale.png $(BENCHFLAGS)
 
 ## bench-micro: Go micro-benchmarks of the hot path (allocations per message, claim statements)
 bench-micro:

@@ -65,6 +65,10 @@ const (
 	RowCeiling Row = "ceiling"
 	// RowNaive is one transaction per message: SELECT, INSERT, commit, ack.
 	RowNaive Row = "naive"
+	// RowHandwritten is the batched consumer a careful engineer writes
+	// without the library: batches of up to 100 or 5 ms, one unnest claim,
+	// one multi-row business insert, one commit, then acks.
+	RowHandwritten Row = "hand-written batched"
 	// RowOncePerMessage is the library with BatchSize 1.
 	RowOncePerMessage Row = "once per message"
 	// RowOnceBatched is the library with BatchSize 100 and a per-event
@@ -83,7 +87,7 @@ const (
 )
 
 // AllRows lists every consumer row.
-var AllRows = []Row{RowCeiling, RowNaive, RowOncePerMessage, RowOnceBatched, RowOnceQueued, RowOnceBatchHandler, RowOnceKeyLanes}
+var AllRows = []Row{RowCeiling, RowNaive, RowHandwritten, RowOncePerMessage, RowOnceBatched, RowOnceQueued, RowOnceBatchHandler, RowOnceKeyLanes}
 
 // ForBroker reports whether the row applies to b.
 func (r Row) ForBroker(b Broker) bool { return r != RowOnceKeyLanes || b.IsKafka() }
@@ -128,6 +132,16 @@ type Options struct {
 	HTTPRequests int
 	// Log receives progress lines; nil discards them.
 	Log io.Writer
+
+	// scale, when set, runs rows against the filled table of RunScale.
+	scale *scaleRun
+}
+
+// scaleRun is how RunScale runs a row: in its schema, whose
+// processed_events is kept from row to row, with ids of its own.
+type scaleRun struct {
+	schema   string
+	idPrefix string
 }
 
 // Result is one row of the report.
@@ -158,10 +172,18 @@ type Result struct {
 	// end of the backlog phase.
 	HeapSysMB   float64 `json:"heap_sys_mb"`
 	HeapInuseMB float64 `json:"heap_inuse_mb"`
+	// RoundTrips is the round trips to PostgreSQL in the backlog phase
+	// and Transactions its commits; RoundTripsPerTx and MsgsPerTx follow.
+	RoundTrips      int64   `json:"round_trips"`
+	Transactions    int64   `json:"transactions"`
+	RoundTripsPerTx float64 `json:"round_trips_per_tx"`
+	MsgsPerTx       float64 `json:"msgs_per_tx"`
 	// VsNaive and VsCeiling are Rate over the naive row's and over the lower
 	// ceiling's rate.
 	VsNaive   float64 `json:"x_naive"`
 	VsCeiling float64 `json:"x_lower_ceiling"`
+	// VsHandwritten is Rate over the hand-written batched row's.
+	VsHandwritten float64 `json:"x_handwritten"`
 	// Correct says whether the effects were exactly right; Check says what
 	// was counted.
 	Correct bool   `json:"correct"`
@@ -230,6 +252,11 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 		defer srv.Close()
 		o.DatabaseURL = srv.URL()
 		rep.Machine.Throwaway = true
+		if os.Getenv(ProfileEnv) != "" {
+			if err := enableStatStatements(ctx, srv); err != nil {
+				return nil, fmt.Errorf("pg_stat_statements: %w", err)
+			}
+		}
 	}
 	db, err := pgxpool.New(ctx, o.DatabaseURL)
 	if err != nil {
@@ -289,7 +316,7 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 func ratios(rep *Report) {
 	for i := range rep.Results {
 		r := &rep.Results[i]
-		var naive, ceiling float64
+		var naive, ceiling, hand float64
 		for _, o := range rep.Results {
 			if o.Broker != r.Broker {
 				continue
@@ -299,6 +326,8 @@ func ratios(rep *Report) {
 				naive = o.Rate
 			case RowCeiling:
 				ceiling = o.Rate
+			case RowHandwritten:
+				hand = o.Rate
 			}
 		}
 		if rep.PGBench > 0 && (ceiling == 0 || rep.PGBench < ceiling) {
@@ -310,11 +339,14 @@ func ratios(rep *Report) {
 		if ceiling > 0 {
 			r.VsCeiling = r.Rate / ceiling
 		}
+		if hand > 0 {
+			r.VsHandwritten = r.Rate / hand
+		}
 	}
 }
 
 func schemaName(b Broker, row Row) string {
-	return "oncebench_" + string(b) + "_" + strings.ReplaceAll(string(row), " ", "_")
+	return "oncebench_" + string(b) + "_" + strings.NewReplacer(" ", "_", "-", "_").Replace(string(row))
 }
 
 // runRow publishes the backlog, runs the row in a subprocess and checks
@@ -322,8 +354,12 @@ func schemaName(b Broker, row Row) string {
 func runRow(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, o Options, b Broker, row Row) (*Result, error) {
 	name := strings.ReplaceAll(string(row), " ", "-")
 	backlog := o.Workload.Counts()
+	schema, prefix := schemaName(b, row), "ev-"
+	if o.scale != nil {
+		schema, prefix = o.scale.schema, o.scale.idPrefix
+	}
 	spec := &rowSpec{
-		Row: row, Broker: b, DatabaseURL: o.DatabaseURL, Schema: schemaName(b, row),
+		Row: row, Broker: b, DatabaseURL: o.DatabaseURL, Schema: schema,
 		Backlog: backlog.Messages, BatchSize: o.BatchSize, Naive: o.NaiveWorkers, Concurrency: o.Concurrency,
 		Ordered: o.AMQPOrdered && row != RowNaive,
 		Pace:    o.Pace, PaceMax: o.PaceMax, PaceWork: o.Workload, PacedPrefix: "paced-",
@@ -332,10 +368,17 @@ func runRow(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, o Options, 
 	if row == RowOnceKeyLanes {
 		spec.KeyLanes = o.KeyLanes
 	}
-	if err := createSchema(ctx, db, spec.Schema); err != nil {
-		return nil, err
+	if o.scale != nil {
+		// The filled processed_events stays; only the business rows go.
+		if _, err := db.Exec(ctx, `TRUNCATE `+pgx.Identifier{schema, "effects"}.Sanitize()); err != nil {
+			return nil, err
+		}
+	} else {
+		if err := createSchema(ctx, db, spec.Schema); err != nil {
+			return nil, err
+		}
+		defer dropSchema(db, spec.Schema)
 	}
-	defer dropSchema(db, spec.Schema)
 	switch b {
 	case Kafka, ApacheKafka:
 		spec.Brokers = kc.addrs
@@ -344,7 +387,7 @@ func runRow(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, o Options, 
 		if err := kc.createTopics(spec.Topic, o.Workload.Partitions); err != nil {
 			return nil, err
 		}
-		if err := produceBacklog(kc.addrs, spec.Topic, "ev-", o.Workload); err != nil {
+		if err := produceBacklog(kc.addrs, spec.Topic, prefix, o.Workload); err != nil {
 			return nil, fmt.Errorf("produce: %w", err)
 		}
 	case RabbitMQ:
@@ -354,22 +397,34 @@ func runRow(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, o Options, 
 			return nil, err
 		}
 		defer deleteQueues(o.AMQPURL, spec.Queue)
-		if err := publishBacklog(o.AMQPURL, spec.Queue, "ev-", o.Workload); err != nil {
+		if err := publishBacklog(o.AMQPURL, spec.Queue, prefix, o.Workload); err != nil {
 			return nil, fmt.Errorf("publish: %w", err)
 		}
 	default:
 		return nil, fmt.Errorf("unknown broker %q", b)
 	}
 
+	profileDir := os.Getenv(ProfileEnv)
+	statements := profileDir != "" && resetStatStatements(ctx, db)
 	cr, err := runSubprocess(ctx, spec)
 	if err != nil {
 		return nil, err
+	}
+	if statements {
+		if err := writeStatStatements(ctx, db, profileDir, b, row); err != nil {
+			return nil, fmt.Errorf("pg_stat_statements: %w", err)
+		}
 	}
 	res := &Result{
 		Broker: b, Row: row, Messages: cr.Messages, Seconds: cr.Seconds, Rate: cr.Rate,
 		P50Ms: ms(cr.P50), P99Ms: ms(cr.P99), ReceiveP50Ms: ms(cr.ReceiveP50), ReceiveP99Ms: ms(cr.ReceiveP99), PacedTarget: cr.PacedTarget, PacedRate: cr.PacedRate, PacedMsgs: cr.Paced.Messages,
 		AllocsPerMsg: cr.AllocsPerMsg, PeakRSSMB: float64(cr.RSSKB) / 1024,
 		HeapSysMB: float64(cr.HeapSysKB) / 1024, HeapInuseMB: float64(cr.HeapInuseKB) / 1024,
+		RoundTrips: cr.RoundTrips, Transactions: cr.Commits,
+	}
+	if cr.Commits > 0 {
+		res.RoundTripsPerTx = float64(cr.RoundTrips) / float64(cr.Commits)
+		res.MsgsPerTx = float64(cr.Messages) / float64(cr.Commits)
 	}
 	want := backlog.Add(cr.Paced)
 	res.Correct, res.Check, err = check(ctx, db, kc, spec, row, want)

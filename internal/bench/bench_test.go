@@ -56,7 +56,7 @@ func TestSmoke(t *testing.T) {
 	o := Options{
 		Workload:    Workload{Events: 300, DupEvery: 10, PoisonEvery: 50, Partitions: 4},
 		Brokers:     []Broker{Kafka},
-		Rows:        []Row{RowCeiling, RowNaive, RowOnceBatched, RowOnceKeyLanes},
+		Rows:        []Row{RowCeiling, RowNaive, RowHandwritten, RowOnceBatched, RowOnceKeyLanes},
 		Pace:        300 * time.Millisecond,
 		PaceMax:     500,
 		DatabaseURL: pgtest.URL(),

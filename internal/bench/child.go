@@ -73,6 +73,10 @@ type childResult struct {
 	// at the same moment, and NumGC the collections so far.
 	HeapSysKB, HeapInuseKB int64
 	NumGC                  uint32
+	// RoundTrips and Commits are the flights of messages the row's
+	// database connections sent in the backlog phase, and those that
+	// carried a COMMIT (wireCounter).
+	RoundTrips, Commits int64
 
 	PacedTarget float64 // msgs/s asked for
 	PacedRate   float64 // msgs/s achieved by the producer
@@ -144,11 +148,12 @@ SELECT * FROM unnest($1::text[], $2::bigint[], $3::text[], $4::bigint[])`, ids, 
 	return err
 }
 
-func openPool(ctx context.Context, url, schema string, conns int32) (*pgxpool.Pool, error) {
+func openPool(ctx context.Context, url, schema string, conns int32, wire *wireCounter) (*pgxpool.Pool, error) {
 	cfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
 		return nil, err
 	}
+	cfg.ConnConfig.DialFunc = wire.dial
 	cfg.ConnConfig.RuntimeParams["search_path"] = schema
 	cfg.MaxConns = conns
 	return pgxpool.NewWithConfig(ctx, cfg)
@@ -172,8 +177,11 @@ func runChild(spec *rowSpec) (*childResult, error) {
 	}
 	var ms0 runtime.MemStats
 	var profile *os.File
+	wire := &wireCounter{}
+	var writes0, commits0 int64
 	m := newMeter(src, func() {
 		runtime.ReadMemStats(&ms0)
+		writes0, commits0 = wire.snapshot()
 		if dir := os.Getenv(ProfileEnv); dir != "" {
 			name := filepath.Join(dir, strings.NewReplacer(" ", "-").Replace(string(spec.Broker)+"-"+string(spec.Row))+".cpu.pprof")
 			if f, err := os.Create(name); err == nil && pprof.StartCPUProfile(f) == nil {
@@ -184,7 +192,7 @@ func runChild(spec *rowSpec) (*childResult, error) {
 
 	var pool *pgxpool.Pool
 	if spec.Row != RowCeiling {
-		if pool, err = openPool(ctx, spec.DatabaseURL, spec.Schema, 8); err != nil {
+		if pool, err = openPool(ctx, spec.DatabaseURL, spec.Schema, 8, wire); err != nil {
 			_ = src.Close()
 			return nil, err
 		}
@@ -203,6 +211,8 @@ func runChild(spec *rowSpec) (*childResult, error) {
 		run = func() error { return receiveAck(runCtx, m) }
 	case RowNaive:
 		run = func() error { return runNaive(runCtx, m, pool, spec) }
+	case RowHandwritten:
+		run = func() error { return runHandwritten(runCtx, m, pool, spec) }
 	case RowOncePerMessage, RowOnceBatched, RowOnceQueued, RowOnceBatchHandler, RowOnceKeyLanes:
 		cfg := consumer.Config{Name: "bench", BatchSize: spec.BatchSize, Concurrency: spec.Concurrency, Logger: logger}
 		if spec.Row == RowOncePerMessage {
@@ -269,9 +279,11 @@ func runChild(spec *rowSpec) (*childResult, error) {
 		return nil, err
 	}
 	elapsed := time.Since(m.firstAt())
+	writes1, commits1 := wire.snapshot()
 	if profile != nil {
 		pprof.StopCPUProfile()
 		_ = profile.Close()
+		writeAllocsProfile(spec)
 	}
 	var ms1 runtime.MemStats
 	runtime.ReadMemStats(&ms1)
@@ -284,6 +296,8 @@ func runChild(spec *rowSpec) (*childResult, error) {
 		HeapSysKB:    int64(ms1.HeapSys / 1024),
 		HeapInuseKB:  int64(ms1.HeapInuse / 1024),
 		NumGC:        ms1.NumGC,
+		RoundTrips:   writes1 - writes0,
+		Commits:      commits1 - commits0,
 	}
 
 	if spec.Pace > 0 {
@@ -300,6 +314,20 @@ func runChild(spec *rowSpec) (*childResult, error) {
 		res.Stats = &st
 	}
 	return res, nil
+}
+
+// writeAllocsProfile writes the allocations sampled since the process
+// started (the backlog phase is nearly all of them) next to the CPU
+// profile: <broker>-<row>.allocs.pprof, for go tool pprof -sample_index
+// alloc_space or alloc_objects.
+func writeAllocsProfile(spec *rowSpec) {
+	name := filepath.Join(os.Getenv(ProfileEnv), strings.NewReplacer(" ", "-").Replace(string(spec.Broker)+"-"+string(spec.Row))+".allocs.pprof")
+	f, err := os.Create(name)
+	if err != nil {
+		return
+	}
+	defer f.Close()
+	_ = pprof.Lookup("allocs").WriteTo(f, 0)
 }
 
 // pace produces fresh events at half the row's measured rate (capped at

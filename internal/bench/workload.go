@@ -1,6 +1,8 @@
 package bench
 
 import (
+	"fmt"
+	"hash/fnv"
 	"strconv"
 	"strings"
 )
@@ -19,6 +21,10 @@ type Workload struct {
 	// Partitions is the number of Kafka partitions; event i goes to
 	// partition i%Partitions, its copy too.
 	Partitions int `json:"partitions"`
+	// HashIDs puts a hash of the event number before it in the id, so
+	// that ids land all over processed_events' primary key, as UUIDs do,
+	// instead of after one another.
+	HashIDs bool `json:"hash_ids,omitempty"`
 }
 
 // dupLag is how many events later the copy of a duplicated event follows
@@ -58,8 +64,18 @@ func (w Workload) isPoison(i int) bool {
 	return w.PoisonEvery > 0 && i%w.PoisonEvery == w.PoisonEvery-1
 }
 
+func (w Workload) id(prefix string, i int) string {
+	if !w.HashIDs {
+		return prefix + strconv.Itoa(i)
+	}
+	h := fnv.New64a()
+	h.Write([]byte(prefix))
+	h.Write(strconv.AppendInt(nil, int64(i), 10))
+	return fmt.Sprintf("%016x-%s%d", h.Sum64(), prefix, i)
+}
+
 func (w Workload) msg(prefix string, i int) Msg {
-	m := Msg{ID: prefix + strconv.Itoa(i), Partition: int32(i % max(1, w.Partitions))}
+	m := Msg{ID: w.id(prefix, i), Partition: int32(i % max(1, w.Partitions))}
 	if w.isPoison(i) {
 		m.Poison = true
 		m.Value = []byte(`{"n":` + strconv.Itoa(i) + `, not json ` + pad)

@@ -47,6 +47,13 @@ func run() int {
 		jsonOut    = flag.String("json", "", "also write the report as JSON to this file")
 		rssCheck   = flag.Bool("rss-check", false, "instead of the table: peak RSS of the Kafka batched row at each of -rss-sizes events")
 		rssSizes   = flag.String("rss-sizes", "100000,1000000", "event counts of -rss-check")
+		scale      = flag.Bool("scale", false, "instead of the table: the batched rows as processed_events grows to -scale-rows, then retention while consuming (make bench-scale)")
+		scaleRows  = flag.Int64("scale-rows", 10_000_000, "-scale: rows to fill processed_events with")
+		scaleSteps = flag.String("scale-steps", "0,0.1,0.3,1", "-scale: table sizes measured, as fractions of -scale-rows")
+		scaleN     = flag.Int("scale-n", 50000, "-scale: distinct events of each measured run")
+		retN       = flag.Int("scale-retention-n", 200000, "-scale: distinct events of the retention phase's runs")
+		retBatch   = flag.Int("scale-retention-batch", 5000, "-scale: batch size of dedup.Store.DeleteOlderThan")
+		pngOut     = flag.String("png", "", "-scale: also plot msgs/s against table size to this PNG file")
 	)
 	flag.Parse()
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
@@ -96,6 +103,23 @@ func run() int {
 	}
 	if *rssCheck {
 		return runRSSCheck(ctx, o, *rssSizes)
+	}
+	if *scale {
+		so := bench.ScaleOptions{TableRows: *scaleRows, RetentionEvents: *retN, RetentionBatch: *retBatch, BatchSize: *batch,
+			Workload:    bench.Workload{Events: *scaleN, DupEvery: *dup, PoisonEvery: *poison, Partitions: *partitions},
+			DatabaseURL: o.DatabaseURL, Log: os.Stderr}
+		if *rows != "" {
+			so.Rows = o.Rows
+		}
+		for _, s := range strings.Split(*scaleSteps, ",") {
+			f, err := strconv.ParseFloat(strings.TrimSpace(s), 64)
+			if err != nil || f < 0 || f > 1 {
+				fmt.Fprintf(os.Stderr, "oncebench: bad step %q\n", s)
+				return 2
+			}
+			so.Steps = append(so.Steps, f)
+		}
+		return runScale(ctx, so, *jsonOut, *pngOut)
 	}
 	o.HTTPRequests = *httpN
 
@@ -157,6 +181,35 @@ func runRSSCheck(ctx context.Context, o bench.Options, sizes string) int {
 		return 1
 	}
 	fmt.Println("peak RSS flat within 10%: met")
+	return 0
+}
+
+// runScale runs bench-scale and writes its table, JSON and plot.
+func runScale(ctx context.Context, so bench.ScaleOptions, jsonOut, pngOut string) int {
+	rep, err := bench.RunScale(ctx, so)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "oncebench:", err)
+		return 1
+	}
+	if err := rep.WriteTable(os.Stdout); err != nil {
+		fmt.Fprintln(os.Stderr, "oncebench:", err)
+		return 1
+	}
+	if jsonOut != "" {
+		if err := rep.WriteJSON(jsonOut); err != nil {
+			fmt.Fprintln(os.Stderr, "oncebench:", err)
+			return 1
+		}
+	}
+	if pngOut != "" {
+		if err := rep.WritePNG(pngOut); err != nil {
+			fmt.Fprintln(os.Stderr, "oncebench:", err)
+			return 1
+		}
+	}
+	if !rep.Correct() {
+		return 1
+	}
 	return 0
 }
 
