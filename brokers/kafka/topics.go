@@ -106,14 +106,21 @@ func (t topicIDs) lookup(ctx context.Context, topic string) (string, error) {
 	}
 }
 
+// lookupOnce asks one broker for the topic's metadata on a connection of
+// its own, opened and closed here: a connection shared with the client
+// stays broken once it was cut (a sarama Broker does not reconnect by
+// itself), and every later lookup on it would fail until the session
+// ended, leaving the partition claimed but never fetched.
 func (t topicIDs) lookupOnce(topic string) (string, error) {
-	b := t.client.LeastLoadedBroker()
-	if b == nil {
+	least := t.client.LeastLoadedBroker()
+	if least == nil {
 		return "", errors.New("no broker available")
 	}
-	if err := b.Open(t.client.Config()); err != nil && !errors.Is(err, sarama.ErrAlreadyConnected) {
+	b := sarama.NewBroker(least.Addr())
+	if err := b.Open(t.client.Config()); err != nil {
 		return "", err
 	}
+	defer b.Close()
 	resp, err := b.GetMetadata(sarama.NewMetadataRequest(t.version, []string{topic}))
 	if err != nil {
 		return "", err

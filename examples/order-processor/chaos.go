@@ -1032,10 +1032,15 @@ func (r *chaosRun) drain(ctx context.Context, exe string) error {
 		// Quiet: nothing left at the broker and no new processed events
 		// for 3 s (AMQP counts the messages in flight as not ready).
 		var last int64 = -1
-		quietSince := time.Now()
+		quietSince, lastSaid := time.Now(), time.Now()
 		for time.Now().Before(deadline) {
 			n, err := r.processed(ctx)
 			lag, lerr := r.lag(ctx)
+			if time.Since(lastSaid) > 10*time.Second {
+				// Say why the drain goes on, for a run that does not end.
+				r.logf("draining: %d processed, lag %d (%v, %v)", n, lag, err, lerr)
+				lastSaid = time.Now()
+			}
 			if err == nil && lerr == nil {
 				if n != last || lag != 0 {
 					last, quietSince = n, time.Now()

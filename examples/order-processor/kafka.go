@@ -200,6 +200,7 @@ func readKafkaTopic(addrs []string, topic string) ([]deadLetter, error) {
 // of every partition of topic: every record is settled (handled, skipped as
 // a duplicate, or dead-lettered) and its ack reached the broker.
 type kafkaDrained struct {
+	addrs  []string
 	client sarama.Client
 	admin  sarama.ClusterAdmin
 	group  string
@@ -207,20 +208,44 @@ type kafkaDrained struct {
 }
 
 func newKafkaDrained(addrs []string, group, topic string) (*kafkaDrained, error) {
-	client, err := sarama.NewClient(addrs, saramaConfig())
-	if err != nil {
+	k := &kafkaDrained{addrs: addrs, group: group, topic: topic}
+	if err := k.connect(); err != nil {
 		return nil, err
+	}
+	return k, nil
+}
+
+// connect opens the client and the admin the lag is read through.
+func (k *kafkaDrained) connect() error {
+	client, err := sarama.NewClient(k.addrs, saramaConfig())
+	if err != nil {
+		return err
 	}
 	admin, err := sarama.NewClusterAdminFromClient(client)
 	if err != nil {
 		client.Close()
-		return nil, err
+		return err
 	}
-	return &kafkaDrained{client: client, admin: admin, group: group, topic: topic}, nil
+	k.client, k.admin = client, admin
+	return nil
 }
 
-// Lag returns the records of topic not yet committed by the group.
-func (k *kafkaDrained) Lag(context.Context) (int64, error) {
+// Lag returns the records of topic not yet committed by the group. After
+// a failure it opens new connections for the next call: the chaos run cuts
+// every connection to the broker, this one's too, and a cut connection of
+// sarama's admin can keep failing until it is replaced.
+func (k *kafkaDrained) Lag(ctx context.Context) (int64, error) {
+	lag, err := k.lag()
+	if err != nil {
+		_ = k.admin.Close()
+		if cerr := k.connect(); cerr != nil {
+			return 0, errors.Join(err, cerr)
+		}
+	}
+	return lag, err
+}
+
+func (k *kafkaDrained) lag() (int64, error) {
 	parts, err := k.client.Partitions(k.topic)
 	if err != nil {
 		return 0, err
@@ -247,5 +272,4 @@ func (k *kafkaDrained) Lag(context.Context) (int64, error) {
 	return lag, nil
 }
 
-// Close closes the admin client and its client.
 func (k *kafkaDrained) Close() error { return k.admin.Close() }
