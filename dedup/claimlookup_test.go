@@ -1,0 +1,57 @@
+package dedup
+
+import (
+	"context"
+	"fmt"
+	"regexp"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/internal/pgtest"
+)
+
+// The batch claim reads the previous row of the ids its insert did not
+// take (the duplicates) and of no other: a claimed id has none, and the
+// lookup cost an index probe for every id of every batch, most of them
+// new in a healthy stream. Here 10 of 60 ids are duplicates, so the
+// lookup runs 10 times, not 60.
+func TestBatchClaimLooksUpOnlyTheDuplicates(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	pool, _ := pgtest.Schema(t)
+	s, err := New(Config{})
+	require.NoError(t, err)
+	require.NoError(t, s.Migrate(ctx, pool))
+	_, err = pool.Exec(ctx, `INSERT INTO processed_events (consumer, event_id) SELECT 'c', 'old-' || i FROM generate_series(1, 10) i`)
+	require.NoError(t, err)
+
+	ids := make([]string, 0, 60)
+	for i := 1; i <= 10; i++ {
+		ids = append(ids, fmt.Sprintf("old-%d", i))
+	}
+	for i := 1; i <= 50; i++ {
+		ids = append(ids, fmt.Sprintf("new-%d", i))
+	}
+	n := len(ids)
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer tx.Rollback(ctx)
+	rows, err := tx.Query(ctx, `EXPLAIN (ANALYZE, FORMAT TEXT) `+s.claimBatchSQL, "c", ids,
+		make([][]byte, n), make([]string, n), make([]*int32, n), make([]*int64, n))
+	require.NoError(t, err)
+	lines, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(t, err)
+	plan := strings.Join(lines, "\n")
+
+	lookups := regexp.MustCompile(`Index (?:Only )?Scan using processed_events_pkey on processed_events[^\n]*loops=(\d+)`).
+		FindStringSubmatch(plan)
+	require.NotNil(t, lookups, "plan:\n%s", plan)
+	loops, _ := strconv.Atoi(lookups[1])
+	assert.Equal(t, 10, loops, "one lookup per duplicate; plan:\n%s", plan)
+}
