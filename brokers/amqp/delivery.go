@@ -242,12 +242,17 @@ func headerStrings(t amqp091.Table) map[string]string {
 	}
 	out := make(map[string]string, len(t))
 	for k, v := range t {
-		out[k] = headerString(v)
+		out[k] = HeaderString(v)
 	}
 	return out
 }
 
-func headerString(v any) string {
+// HeaderString renders one AMQP header value as the consumer sees it in
+// consumer.Message.Headers: strings and byte arrays as they are, numbers
+// and booleans formatted, timestamps in RFC 3339, decimals exactly, nested
+// tables and arrays as JSON, a void value as "". Tools that show headers
+// (the once command's dead-letter listing) use it to show the same text.
+func HeaderString(v any) string {
 	switch x := v.(type) {
 	case nil:
 		return ""
@@ -311,15 +316,15 @@ func jsonValue(v any) any {
 		}
 		return a
 	case []byte, time.Time, amqp091.Decimal:
-		return headerString(x)
+		return HeaderString(x)
 	case float32:
 		if math.IsNaN(float64(x)) || math.IsInf(float64(x), 0) {
-			return headerString(x)
+			return HeaderString(x)
 		}
 		return x
 	case float64:
 		if math.IsNaN(x) || math.IsInf(x, 0) {
-			return headerString(x)
+			return HeaderString(x)
 		}
 		return x
 	default:

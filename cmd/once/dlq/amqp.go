@@ -3,7 +3,6 @@ package dlq
 import (
 	"context"
 	"crypto/tls"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"net/url"
@@ -302,7 +301,7 @@ func amqpRedrive(d *amqp091.Delivery, redrive []Header) amqp091.Publishing {
 func amqpRecord(queue string, pos int, d *amqp091.Delivery) *Record {
 	headers := make([]Header, 0, len(d.Headers))
 	for k, v := range d.Headers {
-		headers = append(headers, Header{k, headerText(v)})
+		headers = append(headers, Header{k, amqp.HeaderString(v)})
 	}
 	slices.SortFunc(headers, func(a, b Header) int {
 		switch {
@@ -330,28 +329,4 @@ func amqpRecord(queue string, pos int, d *amqp091.Delivery) *Record {
 	r.Ref = amqpRef(d.Body, headers)
 	r.Timestamp = r.FailedAt()
 	return r
-}
-
-// headerText renders an AMQP header value as text: strings and byte
-// arrays as they are, times in RFC 3339, tables and arrays as JSON, the
-// rest with fmt.
-func headerText(v any) string {
-	switch x := v.(type) {
-	case nil:
-		return ""
-	case string:
-		return x
-	case []byte:
-		return string(x)
-	case time.Time:
-		return x.UTC().Format(time.RFC3339)
-	case amqp091.Table, []any:
-		b, err := json.Marshal(x)
-		if err != nil {
-			return fmt.Sprint(x)
-		}
-		return string(b)
-	default:
-		return fmt.Sprint(x)
-	}
 }
