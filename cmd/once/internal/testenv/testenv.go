@@ -89,6 +89,11 @@ func (k *Kafka) Produce(msgs ...*sarama.ProducerMessage) {
 	sc.Producer.Return.Successes = true
 	sc.Producer.RequiredAcks = sarama.WaitForAll
 	sc.Producer.Partitioner = sarama.NewManualPartitioner
+	// Idempotent: a produce retried under load (a slow ack) must not write
+	// a record twice, since the tests count records without producer ids
+	// by their offsets, as the consumer does.
+	sc.Producer.Idempotent = true
+	sc.Net.MaxOpenRequests = 1
 	p, err := sarama.NewSyncProducer(k.Addrs, sc)
 	require.NoError(k.t, err)
 	defer p.Close()
