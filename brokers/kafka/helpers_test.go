@@ -219,6 +219,10 @@ func (c *cluster) producer() sarama.SyncProducer {
 	sc.Producer.Return.Successes = true
 	sc.Producer.RequiredAcks = sarama.WaitForAll
 	sc.Producer.Partitioner = sarama.NewManualPartitioner
+	// Idempotent: a produce retried under load must not write a record
+	// twice, since records without ids are events by their offsets.
+	sc.Producer.Idempotent = true
+	sc.Net.MaxOpenRequests = 1
 	p, err := sarama.NewSyncProducer(c.addrs, sc)
 	require.NoError(c.t, err)
 	c.t.Cleanup(func() { _ = p.Close() })
