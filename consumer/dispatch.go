@@ -148,7 +148,9 @@ func (d *dispatcher) orderedWorker(l *lane) {
 				n++
 			}
 			if d.p.stopping.Load() {
-				s.abandonDeliveries(batch[:n])
+				// Never started: left unacked, and nothing after them
+				// may be acked either.
+				s.abandoned = true
 			} else {
 				window -= d.p.process(d.work, batch[:n], window > 0, s)
 			}
@@ -194,10 +196,6 @@ func (d *dispatcher) unorderedWorker() {
 		}
 	}
 }
-
-// abandonDeliveries leaves deliveries that never started unacked: the
-// consumer is stopping.
-func (s *settler) abandonDeliveries([]Delivery) { s.abandoned = true }
 
 // linger is how long a worker waits for a batch to fill: Config.
 // BatchLinger, or none when batches are off.

@@ -170,7 +170,7 @@ func (g *crashGuard) enter(ctx context.Context, j *job) error {
 		return nil
 	}
 	g.isolation.Lock()
-	if g.p.mustStop(ctx, &settler{}) {
+	if ctx.Err() != nil || g.p.stopping.Load() {
 		// The consumer began stopping while the suspect waited: its
 		// attempt never starts, so nothing is charged to it.
 		g.isolation.Unlock()

@@ -171,7 +171,7 @@ func (p *pipeline) runHandlers(ctx context.Context, tx pgx.Tx, jobs []*job, res 
 		call := p.cfg.Hooks.wrap(j, attempt, func(ctx context.Context, tx pgx.Tx) error {
 			return j.call(ctx, tx, attempt)
 		})
-		err := p.callHandler(j.ctx, tx, func(hctx context.Context) error { return call(hctx, qtx) })
+		err := p.callHandler(j.ctx, func(hctx context.Context) error { return call(hctx, qtx) })
 		if f := qtx.failed; f != nil {
 			// A statement queued by this or an earlier event failed.
 			return p.handlerFailure(ctx, tx, jobs, f.owner, f.err), true
@@ -199,7 +199,7 @@ func (p *pipeline) runBatchHandler(ctx context.Context, tx pgx.Tx, jobs []*job, 
 	}
 	qtx := newQueueTx(tx)
 	qtx.owner = -1
-	err := p.callHandler(ctx, tx, func(hctx context.Context) error {
+	err := p.callHandler(ctx, func(hctx context.Context) error {
 		return p.batchCall(hctx, qtx, claimed)
 	})
 	if err == nil {
@@ -216,7 +216,7 @@ func (p *pipeline) runBatchHandler(ctx context.Context, tx pgx.Tx, jobs []*job, 
 // handler alone: not the wait for a connection, the claim, the queued
 // statements or the commit. A panic becomes a PanicError; a handler that
 // outlived its timeout fails with an error that says so.
-func (p *pipeline) callHandler(ctx context.Context, tx pgx.Tx, run func(context.Context) error) (err error) {
+func (p *pipeline) callHandler(ctx context.Context, run func(context.Context) error) (err error) {
 	hctx := ctx
 	if p.cfg.HandlerTimeout > 0 {
 		var cancel context.CancelFunc
