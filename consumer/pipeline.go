@@ -157,21 +157,32 @@ func (p *pipeline) process(work context.Context, dvs []Delivery, window bool, s 
 	defer p.tel.inflight.Add(ctx, -int64(len(dvs)), p.tel.baseOpt)
 
 	before := s.claimed
+	ordered := dvs[0].Message().Stream != ""
 	jobs := make([]*job, 0, len(dvs))
+	var unhandleable []*job
 	for _, dv := range dvs {
 		j := p.identify(ctx, dv)
 		defer j.span.End()
-		if j.failure == nil {
+		switch {
+		case j.failure == nil:
 			jobs = append(jobs, j)
-			continue
+		case ordered:
+			// A message that cannot be handled is dead-lettered in its
+			// place in the stream, between the runs before and after it.
+			p.runGuarded(ctx, s, jobs, window)
+			jobs = jobs[:0]
+			s.deadLetter(j.ctx, j, j.failure)
+		default:
+			// No order to keep: the others do not wait for its dead
+			// letter, which a blocked dead-letter destination (a
+			// RabbitMQ resource alarm) can hold up for long.
+			unhandleable = append(unhandleable, j)
 		}
-		// A message that cannot be handled is dead-lettered in its place
-		// in the order, between the runs before and after it.
-		p.runGuarded(ctx, s, jobs, window)
-		jobs = jobs[:0]
-		s.deadLetter(j.ctx, j, j.failure)
 	}
 	p.runGuarded(ctx, s, jobs, window)
+	for _, j := range unhandleable {
+		s.deadLetter(j.ctx, j, j.failure)
+	}
 	return s.claimed - before
 }
 
