@@ -93,7 +93,7 @@ func (p *pipeline) consume(ctx context.Context) error {
 	stopWatch := context.AfterFunc(ctx, p.stop)
 	defer stopWatch()
 	d := newDispatcher(p, work)
-	if p.cfg.RetentionMaxAge > 0 {
+	if p.cfg.Retention.MaxAge > 0 {
 		go p.retention(ctx)
 	}
 
@@ -102,7 +102,7 @@ func (p *pipeline) consume(ctx context.Context) error {
 	p.stop() // after a fatal source error, ctx may still be live
 	d.close()
 	if !waitTimeout(&d.wg, p.cfg.ShutdownTimeout) {
-		p.cfg.Logger.WarnContext(ctx, "once: shutdown timeout: rolling back messages in flight; they will be redelivered",
+		p.cfg.Telemetry.Logger.WarnContext(ctx, "once: shutdown timeout: rolling back messages in flight; they will be redelivered",
 			"consumer", p.cfg.Name, "timeout", p.cfg.ShutdownTimeout)
 		cancelWork()
 		d.wg.Wait()
@@ -222,17 +222,17 @@ func anyRedelivered(jobs []*job) bool {
 }
 
 // retention deletes the consumer's old processed-event rows every
-// RetentionInterval.
+// Retention.Interval.
 func (p *pipeline) retention(ctx context.Context) {
-	t := time.NewTicker(p.cfg.RetentionInterval)
+	t := time.NewTicker(p.cfg.Retention.Interval)
 	defer t.Stop()
 	for {
-		n, err := p.cfg.Store.DeleteOlderThan(ctx, p.pool, p.cfg.Name, time.Now().Add(-p.cfg.RetentionMaxAge), 1000)
+		n, err := p.cfg.Store.DeleteOlderThan(ctx, p.pool, p.cfg.Name, time.Now().Add(-p.cfg.Retention.MaxAge), 1000)
 		switch {
 		case err != nil && ctx.Err() == nil:
-			p.cfg.Logger.WarnContext(ctx, "once: retention failed", "consumer", p.cfg.Name, "error", err)
+			p.cfg.Telemetry.Logger.WarnContext(ctx, "once: retention failed", "consumer", p.cfg.Name, "error", err)
 		case n > 0:
-			p.cfg.Logger.InfoContext(ctx, "once: retention removed processed events", "consumer", p.cfg.Name, "rows", n)
+			p.cfg.Telemetry.Logger.InfoContext(ctx, "once: retention removed processed events", "consumer", p.cfg.Name, "rows", n)
 		}
 		select {
 		case <-ctx.Done():

@@ -43,7 +43,7 @@ func TestRelaysKilledAtRandom(t *testing.T) {
 			_, err := tx.Exec(ctx, `INSERT INTO effects VALUES ($1, $2)`, ev.ID, string(ev.Payload))
 			return err
 		}
-		c, err := consumer.New(pool, d.source(t, "downstream"), effect, consumer.Config{Name: "downstream", Logger: testLogger()})
+		c, err := consumer.New(pool, d.source(t, "downstream"), effect, consumer.Config{Name: "downstream", Telemetry: consumer.TelemetryConfig{Logger: testLogger()}})
 		require.NoError(t, err)
 		run(t, c.Run)
 
@@ -143,7 +143,7 @@ func TestPostgresRestartsMidStream(t *testing.T) {
 		_, err := tx.Exec(ctx, `INSERT INTO effects VALUES ($1, $2)`, ev.ID, string(ev.Payload))
 		return err
 	}
-	c, err := consumer.New(pool, d.source(t, "downstream"), effect, consumer.Config{Name: "downstream", Logger: testLogger(),
+	c, err := consumer.New(pool, d.source(t, "downstream"), effect, consumer.Config{Name: "downstream", Telemetry: consumer.TelemetryConfig{Logger: testLogger()},
 		InfraBackoff: consumer.Backoff{Initial: 20 * time.Millisecond, Max: 200 * time.Millisecond}})
 	require.NoError(t, err)
 	run(t, c.Run)

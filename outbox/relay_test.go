@@ -404,7 +404,7 @@ func TestStatementQueuedByAHandler(t *testing.T) {
 		ev.Queue(sql, args...)
 		return nil
 	}
-	c, err := consumer.New(pool, mem.Source(), handle, consumer.Config{Name: "queue-test", Logger: testLogger()})
+	c, err := consumer.New(pool, mem.Source(), handle, consumer.Config{Name: "queue-test", Telemetry: consumer.TelemetryConfig{Logger: testLogger()}})
 	require.NoError(t, err)
 	run(t, c.Run)
 	waitRows(t, pool, "event_id LIKE 'in-%/out' AND topic = 'next'", 3, 10*time.Second)

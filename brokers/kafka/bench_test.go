@@ -99,7 +99,7 @@ func BenchmarkConsumer(b *testing.B) {
 	db, _ := pgtest.Schema(b)
 	_, err := db.Exec(context.Background(), `CREATE TABLE effects (event_id text NOT NULL, n int NOT NULL)`)
 	require.NoError(b, err)
-	src, err := NewSource(benchSourceConfig(c, uniq("g"), topic))
+	src, err := Open(b.Context(), benchSourceConfig(c, uniq("g"), topic))
 	require.NoError(b, err)
 	cfg := consumerConfig("bench")
 	b.ResetTimer()

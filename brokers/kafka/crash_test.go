@@ -78,7 +78,7 @@ func runCrashChild() int {
 	}
 	defer db.Close()
 	c := &cluster{addrs: strings.Split(os.Getenv("ONCE_KAFKA_CRASH_BROKERS"), ",")}
-	src, err := NewSource(c.config(os.Getenv("ONCE_KAFKA_CRASH_GROUP"), os.Getenv("ONCE_KAFKA_CRASH_TOPIC")))
+	src, err := Open(context.Background(), c.config(os.Getenv("ONCE_KAFKA_CRASH_GROUP"), os.Getenv("ONCE_KAFKA_CRASH_TOPIC")))
 	if err != nil {
 		return fail(err)
 	}
@@ -97,10 +97,10 @@ func runCrashChild() int {
 		return nil
 	}
 	cfg := consumerConfig(os.Getenv("ONCE_KAFKA_CRASH_NAME"))
-	cfg.MaxCrashAttempts = 2
+	cfg.CrashGuard.MaxCrashes = 2
 	// Batches of at most 10 slow events: acks come 100 ms apart per
 	// partition, interleaved with the periodic commits.
-	cfg.BatchSize = 10
+	cfg.Batch.Size = 10
 	admin, err := sarama.NewClusterAdmin(c.addrs, saramaConfig())
 	if err != nil {
 		return fail(err)
@@ -238,7 +238,7 @@ func testCrashBetweenCommitAndAck(t *testing.T, kind brokerKind) {
 
 	// Restart in this process. The dead member's session (2 s) must expire
 	// before the new member gets its partitions.
-	src, err := NewSource(c.config(group, topic))
+	src, err := Open(t.Context(), c.config(group, topic))
 	require.NoError(t, err)
 	r := startConsumer(t, db, src, consumerConfig("orders-svc"), recordEffect)
 	require.Eventually(t, func() bool {
@@ -257,7 +257,7 @@ func testCrashBetweenCommitAndAck(t *testing.T, kind brokerKind) {
 }
 
 // A record that kills the process inside its handler every time is
-// dead-lettered with kind crash-loop after MaxCrashAttempts restarts, even
+// dead-lettered with kind crash-loop after CrashGuard.MaxCrashes restarts, even
 // though Kafka keeps no delivery count: the core sees each restart's new
 // partition claim as a new assignment (a new Delivery.Context) and counts
 // durable attempts for its first new record. The other events' effects are

@@ -303,7 +303,7 @@ func (s *Source) deadLetter(ctx context.Context, raw *sarama.ConsumerMessage, m 
 		return errors.New("kafka: DeadLetter called with a nil *consumer.DeadLetter")
 	}
 	out := &sarama.ProducerMessage{
-		Topic:   s.cfg.DeadLetterTopic(raw.Topic),
+		Topic:   s.cfg.DeadLetter.Topic(raw.Topic),
 		Headers: deadLetterHeaders(raw.Headers, dl.Headers(m)),
 	}
 	// A null key or value stays null, an empty one stays empty.

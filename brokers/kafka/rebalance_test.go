@@ -71,7 +71,7 @@ func testRebalance(t *testing.T, kind brokerKind, strategy sarama.BalanceStrateg
 	open := func() *runningConsumer {
 		scfg := c.config(group, topic)
 		scfg.Sarama.Consumer.Group.Rebalance.GroupStrategies = []sarama.BalanceStrategy{strategy}
-		src, err := NewSource(scfg)
+		src, err := Open(t.Context(), scfg)
 		require.NoError(t, err)
 		return startConsumer(t, db, src, cfg, slow)
 	}

@@ -90,7 +90,7 @@ type ChaosResult struct {
 	PoisonDeadLettered int      `json:"poison_dead_lettered"`
 	PoisonMissing      []string `json:"poison_missing,omitempty"`
 	// PoisonCrashLoop counts poison dead-lettered with kind crash-loop
-	// instead of its own: it was in flight at MaxCrashAttempts (3) process
+	// instead of its own: it was in flight at CrashGuard.MaxCrashes (3) process
 	// deaths, e.g. a handler failure retried for seconds across kills.
 	PoisonCrashLoop int            `json:"poison_crash_loop"`
 	DLQRecords      int            `json:"dlq_records"`
@@ -424,7 +424,7 @@ func RunChaos(ctx context.Context, cfg ChaosConfig) (res *ChaosResult, err error
 
 // crashLooped returns the valid events of the plan that were dead-lettered
 // with kind crash-loop and have no effect: they were in flight at
-// MaxCrashAttempts process deaths (a payment waiting seconds for its order
+// CrashGuard.MaxCrashes process deaths (a payment waiting seconds for its order
 // across kills, say). Like any dead letter whose cause is gone, they are
 // replayed, once per event id, with their original key, value, id and type.
 func (r *chaosRun) crashLooped(ctx context.Context, dlq []deadLetter) ([]outMsg, error) {
@@ -975,7 +975,7 @@ func (r *chaosRun) crashAt(ctx context.Context, exe string, f fault) error {
 		}
 	}
 	if f.point == "mid-batch" && r.isKafka() {
-		// Batches form only after the first BatchSize (100) messages of a
+		// Batches form only after the first Batch.Size (100) messages of a
 		// fresh assignment, handled one at a time: stop every member and
 		// let a backlog of more than that per partition build up.
 		for _, m := range r.live() {

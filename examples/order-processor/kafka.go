@@ -59,7 +59,7 @@ func saramaConfig() *sarama.Config {
 // group timeouts so that a killed member's partitions move within about a
 // second (the embedded broker allows it; a real broker's minimum session
 // timeout is usually 6 s).
-func kafkaSource(o *options, mp metric.MeterProvider, log *slog.Logger) (*kafka.Source, error) {
+func kafkaSource(ctx context.Context, o *options, mp metric.MeterProvider, log *slog.Logger) (*kafka.Source, error) {
 	cfg := kafka.Config{
 		Brokers:        o.kafkaBrokers,
 		Group:          o.name,
@@ -75,7 +75,7 @@ func kafkaSource(o *options, mp metric.MeterProvider, log *slog.Logger) (*kafka.
 		cfg.RebalanceTimeout = 1500 * time.Millisecond
 		cfg.RevokeTimeout = time.Second
 	}
-	return kafka.NewSource(cfg)
+	return kafka.Open(ctx, cfg)
 }
 
 // createKafkaTopics creates topic and its dead-letter topic on a real

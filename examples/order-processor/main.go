@@ -351,33 +351,29 @@ func newSource(ctx context.Context, o *options, tel *telemetry, log *slog.Logger
 	if o.broker == "amqp" {
 		return amqpSource(ctx, o, tel, log)
 	}
-	return kafkaSource(o, tel.MeterProvider(), log)
+	return kafkaSource(ctx, o, tel.MeterProvider(), log)
 }
 
 // newConsumer builds the service's consumer: the router of typed handlers,
 // the payload-derived event-id rule, the retry policy.
-func newConsumer(pool *pgxpool.Pool, src consumer.Source, o *options, tel *telemetry, log *slog.Logger) (*consumer.Consumer[any], error) {
+func newConsumer(pool *pgxpool.Pool, src consumer.Source, o *options, tel *telemetry, log *slog.Logger) (*consumer.Consumer[OrderEvent], error) {
 	orders := &Orders{UnknownOrderWait: o.unknownOrderWait}
 	r, err := orders.Router()
 	if err != nil {
 		return nil, err
 	}
 	return consumer.NewRouted(pool, src, r, consumer.Config{
-		Name:        o.name,
-		EventID:     EventID,
-		Envelope:    CloudEventsEnvelope{},
-		Fingerprint: Fingerprint,
-		IDHeaders:   IDHeaders,
-		TypeHeaders: TypeHeaders,
+		Name:     o.name,
+		Identify: consumer.IdentifyConfig{EventID: EventID, Fingerprint: Fingerprint, IDHeaders: IDHeaders, TypeHeaders: TypeHeaders},
+		Envelope: CloudEventsEnvelope{},
+
 		Retry: consumer.RetryPolicy{
 			MaxAttempts:    o.maxAttempts,
 			InitialBackoff: 50 * time.Millisecond,
 			MaxBackoff:     time.Second,
 		},
 		ShutdownTimeout: 10 * time.Second,
-		Logger:          log,
-		TracerProvider:  tel.tracer,
-		MeterProvider:   tel.MeterProvider(),
+		Telemetry:       consumer.TelemetryConfig{Logger: log, TracerProvider: tel.tracer, MeterProvider: tel.MeterProvider()},
 	})
 }
 
