@@ -150,6 +150,9 @@ func TestPostgresRestartsMidStream(t *testing.T) {
 	warns := &atomic.Int64{}
 	r, _ := startRelay(t, pool, k.publisher(t), outbox.RelayConfig{PollInterval: 50 * time.Millisecond, BatchSize: 20,
 		InfraBackoff: outbox.Backoff{Initial: 20 * time.Millisecond, Max: 200 * time.Millisecond}, Logger: countingLogger(warns)})
+	// Run's start (the migration) is not what this test breaks: a
+	// database restarted under it fails Run, as it fails a consumer's.
+	require.Eventually(t, r.Leader, 30*time.Second, 5*time.Millisecond, "the relay has started and leads")
 
 	const writers, perWriter = 3, 200
 	var wg sync.WaitGroup
