@@ -1,0 +1,351 @@
+package kafka
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/dedup"
+	"github.com/onceco/once/internal/pgtest"
+)
+
+// mixedEvents returns records n = from..from+count-1 spread over partitions
+// by key: the even ones carry an id ("ev-n"), the odd ones none (their id
+// is the adapter's position-based fallback).
+func mixedEvents(topic string, from, count int) []*sarama.ProducerMessage {
+	out := make([]*sarama.ProducerMessage, 0, count)
+	for i := from; i < from+count; i++ {
+		v, _ := json.Marshal(event{N: i})
+		m := &sarama.ProducerMessage{Topic: topic, Key: sarama.StringEncoder(fmt.Sprintf("key-%d", i%16)), Value: sarama.ByteEncoder(v)}
+		if i%2 == 0 {
+			m.Headers = []sarama.RecordHeader{{Key: []byte("id"), Value: []byte(fmt.Sprintf("ev-%d", i))}}
+		}
+		out = append(out, m)
+	}
+	return out
+}
+
+// effectsByN returns the number of business rows per event number.
+func effectsByN(t testing.TB, db *pgxpool.Pool) map[int]int {
+	t.Helper()
+	rows, err := db.Query(context.Background(), `SELECT n, count(*) FROM effects GROUP BY n`)
+	require.NoError(t, err)
+	got := map[int]int{}
+	var n, k int
+	_, err = pgx.ForEachRow(rows, []any{&n, &k}, func() error { got[n] = k; return nil })
+	require.NoError(t, err)
+	return got
+}
+
+// requireEachOnce asserts one business row for each event 0..n-1 and
+// nothing else.
+func requireEachOnce(t testing.TB, db *pgxpool.Pool, n int) {
+	t.Helper()
+	want := make(map[int]int, n)
+	for i := range n {
+		want[i] = 1
+	}
+	require.Equal(t, want, effectsByN(t, db), "each event's effect exactly once, nothing lost")
+}
+
+// waitEffectsByN waits until n distinct events have their business row.
+func waitEffectsByN(t testing.TB, db *pgxpool.Pool, n int) {
+	t.Helper()
+	require.Eventually(t, func() bool { return len(effectsByN(t, db)) >= n }, 60*time.Second, 20*time.Millisecond,
+		"want the effects of %d events", n)
+}
+
+// dbOffsetsConfig is a test Source configuration with
+// Config.OffsetsInDatabase.
+func (c *cluster) dbOffsetsConfig(group, topic string) Config {
+	cfg := c.config(group, topic)
+	cfg.OffsetsInDatabase = true
+	return cfg
+}
+
+// runToEnd runs a consumer named "svc" with OffsetsInDatabase on group
+// until the effects of want events are there, stops it and returns its
+// stats and the source's count of records skipped as recorded done.
+func runToEnd(t *testing.T, c *cluster, db *pgxpool.Pool, cfg Config, ccfg consumer.Config, want int) (consumer.Stats, int64) {
+	t.Helper()
+	src, err := NewSource(cfg)
+	require.NoError(t, err)
+	r := startConsumer(t, db, src, ccfg, recordEffect)
+	waitEffectsByN(t, db, want)
+	require.NoError(t, r.stop())
+	return r.c.Stats(), src.skippedRecords()
+}
+
+// processedRows counts the consumer's rows in processed_events.
+func processedRows(t testing.TB, db *pgxpool.Pool) int {
+	t.Helper()
+	var n int
+	require.NoError(t, db.QueryRow(context.Background(), `SELECT count(*) FROM processed_events WHERE consumer = 'svc'`).Scan(&n))
+	return n
+}
+
+// offsetsRows returns the offsets table's next_offset per partition of
+// topic.
+func offsetsRows(t testing.TB, db *pgxpool.Pool, topic string) map[int32]int64 {
+	t.Helper()
+	rows, err := db.Query(context.Background(), `SELECT partition, next_offset FROM processed_events_offsets WHERE consumer = 'svc' AND topic = $1`, topic)
+	require.NoError(t, err)
+	got := map[int32]int64{}
+	var p int32
+	var next int64
+	_, err = pgx.ForEachRow(rows, []any{&p, &next}, func() error { got[p] = next; return nil })
+	require.NoError(t, err)
+	return got
+}
+
+// The group's offsets are lost while the consumer is stopped (the group
+// deleted, as offsets.retention.minutes or an operator would, and joined
+// again from Config.InitialOffset: the topic's start), and retention has
+// removed every processed-events row: the restarted consumer resumes where
+// the database says, handles the new records once, and handles no old one
+// again. Records without ids never had a processed-events row.
+func TestOffsetsInDatabaseSurviveLostGroupOffsets(t *testing.T) {
+	eachBroker(t, func(t *testing.T, kind brokerKind) {
+		c := newClusterOf(t, kind)
+		topic, group := uniq("orders"), uniq("g")
+		c.createTopic(topic, 2)
+		db, _ := pgtest.Schema(t)
+		_, err := db.Exec(context.Background(), effectsTable)
+		require.NoError(t, err)
+
+		const first, later = 40, 10
+		c.produceHashed(mixedEvents(topic, 0, first))
+		st, _ := runToEnd(t, c, db, c.dbOffsetsConfig(group, topic), consumerConfig("svc"), first)
+		assert.Equal(t, uint64(first), st.Handled)
+		assert.Equal(t, first/2, processedRows(t, db), "only the records with ids have processed-events rows")
+		assert.Equal(t, map[int32]int64{0: hwm(t, c, topic, 0), 1: hwm(t, c, topic, 1)}, offsetsRows(t, db, topic),
+			"the table's positions are the ends of the partitions")
+
+		// Retention removes every processed-events row; the group is
+		// deleted with its offsets.
+		store, err := dedup.New(dedup.Config{})
+		require.NoError(t, err)
+		removed, err := store.DeleteOlderThan(context.Background(), db, "svc", time.Now().Add(time.Hour), 1000)
+		require.NoError(t, err)
+		assert.Equal(t, int64(first/2), removed)
+		admin, err := sarama.NewClusterAdmin(c.addrs, saramaConfig())
+		require.NoError(t, err)
+		require.NoError(t, admin.DeleteConsumerGroup(group))
+		groups, err := admin.ListConsumerGroups()
+		require.NoError(t, err)
+		require.NotContains(t, groups, group, "the group and its offsets are gone")
+		require.NoError(t, admin.Close())
+
+		c.produceHashed(mixedEvents(topic, first, later))
+		st, skipped := runToEnd(t, c, db, c.dbOffsetsConfig(group, topic), consumerConfig("svc"), first+later)
+		requireEachOnce(t, db, first+later)
+		assert.Equal(t, uint64(later), st.Handled, "only the new records were handled")
+		assert.Zero(t, st.Duplicates, "no old record was even delivered: the partitions were sought to the table's positions")
+		assert.Zero(t, skipped)
+		assert.Equal(t, map[int32]int64{0: hwm(t, c, topic, 0), 1: hwm(t, c, topic, 1)}, c.committed(group, topic, 2),
+			"offsets are committed to Kafka too, after the database")
+	})
+}
+
+// tablesOfState are the tables a database restore puts back: the
+// business table and the consumer's.
+var tablesOfState = []string{"effects", "processed_events", "processed_events_attempts", "processed_events_offsets"}
+
+// The database is restored from a backup taken earlier while Kafka keeps
+// the group's offsets: the consumer handles again exactly the records after
+// the backup, whose effects the restore took away, and the business table
+// ends exact.
+func TestOffsetsInDatabaseDatabaseRestored(t *testing.T) {
+	c := newCluster(t)
+	topic, group := uniq("orders"), uniq("g")
+	c.createTopic(topic, 2)
+	db, _ := pgtest.Schema(t)
+	ctx := context.Background()
+	_, err := db.Exec(ctx, effectsTable)
+	require.NoError(t, err)
+
+	const before, after = 30, 20
+	c.produceHashed(mixedEvents(topic, 0, before))
+	runToEnd(t, c, db, c.dbOffsetsConfig(group, topic), consumerConfig("svc"), before)
+	for _, table := range tablesOfState {
+		_, err := db.Exec(ctx, `CREATE TABLE backup_`+table+` AS SELECT * FROM `+table)
+		require.NoError(t, err)
+	}
+
+	c.produceHashed(mixedEvents(topic, before, after))
+	runToEnd(t, c, db, c.dbOffsetsConfig(group, topic), consumerConfig("svc"), before+after)
+	committed := c.committed(group, topic, 2)
+	assert.Equal(t, map[int32]int64{0: hwm(t, c, topic, 0), 1: hwm(t, c, topic, 1)}, committed)
+
+	for _, table := range tablesOfState {
+		_, err := db.Exec(ctx, `DELETE FROM `+table+`; INSERT INTO `+table+` SELECT * FROM backup_`+table)
+		require.NoError(t, err)
+	}
+	require.Len(t, effectsByN(t, db), before, "the restore took the later effects away")
+
+	st, skipped := runToEnd(t, c, db, c.dbOffsetsConfig(group, topic), consumerConfig("svc"), before+after)
+	requireEachOnce(t, db, before+after)
+	assert.Equal(t, uint64(after), st.Handled, "exactly the records after the backup were handled again")
+	assert.Zero(t, st.Duplicates)
+	assert.Zero(t, skipped)
+}
+
+// With key lanes and one slow key, the records of the other keys commit
+// ahead of the slow one; the consumer stops with the slow record unsettled
+// (its transaction rolled back), as a crash would leave it. The table
+// records what is done above the slow record, so the restarted consumer
+// handles the slow key's records and skips the others (acked without
+// running the handler): every effect once.
+func TestOffsetsInDatabaseKeyLanesStopWithSlowKey(t *testing.T) {
+	eachBroker(t, func(t *testing.T, kind brokerKind) {
+		c := newClusterOf(t, kind)
+		topic, group := uniq("orders"), uniq("g")
+		c.createTopic(topic, 1)
+		db, _ := pgtest.Schema(t)
+		_, err := db.Exec(context.Background(), effectsTable)
+		require.NoError(t, err)
+
+		const lanes, others = 4, 30
+		// Record 0 has the slow key; then the slow key again at 10 and
+		// 20, the others' keys between; no record carries an id.
+		slowKey := "slow"
+		keys := keysOffLane(slowKey, lanes, 5)
+		var msgs []*sarama.ProducerMessage
+		slowN := map[int]bool{}
+		for i := range others + 1 {
+			key := keys[i%len(keys)]
+			if i%10 == 0 {
+				key, slowN[i] = slowKey, true
+			}
+			v, _ := json.Marshal(event{N: i})
+			msgs = append(msgs, &sarama.ProducerMessage{Topic: topic, Key: sarama.StringEncoder(key), Value: sarama.ByteEncoder(v)})
+		}
+		c.produceHashed(msgs)
+
+		cfg := c.dbOffsetsConfig(group, topic)
+		cfg.KeyLanes = lanes
+		src, err := NewSource(cfg)
+		require.NoError(t, err)
+		ccfg := consumerConfig("svc")
+		ccfg.HandlerTimeout = time.Minute
+		// The slow handler outlives the stop: the shutdown deadline cuts
+		// its transaction short, as a crash would.
+		ccfg.ShutdownTimeout = 500 * time.Millisecond
+		entered := make(chan struct{}, 1)
+		r := startConsumer(t, db, src, ccfg, func(ctx context.Context, tx pgx.Tx, ev consumer.Event[event]) error {
+			if slowN[ev.Payload.N] {
+				select {
+				case entered <- struct{}{}:
+				default:
+				}
+				<-ctx.Done() // the slow key never finishes in this run
+				return ctx.Err()
+			}
+			return recordEffect(ctx, tx, ev)
+		})
+		<-entered
+		waitEffectsByN(t, db, others+1-len(slowN))
+		require.NoError(t, r.stop())
+		assert.Equal(t, map[int32]int64{0: 0}, offsetsRows(t, db, topic), "the table's prefix stops at the slow record")
+		var done []int64
+		require.NoError(t, db.QueryRow(context.Background(), `SELECT done FROM processed_events_offsets WHERE topic = $1`, topic).Scan(&done))
+		assert.Len(t, done, others+1-len(slowN), "the records done above it are recorded")
+		assert.Zero(t, processedRows(t, db), "records without ids need no processed-events row")
+
+		cfg = c.dbOffsetsConfig(group, topic)
+		cfg.KeyLanes = lanes
+		st, skipped := runToEnd(t, c, db, cfg, consumerConfig("svc"), others+1)
+		requireEachOnce(t, db, others+1)
+		assert.Equal(t, uint64(len(slowN)), st.Handled, "the slow key's records were handled")
+		assert.Equal(t, int64(others+1-len(slowN)), skipped, "the records done above the slow one were skipped")
+		assert.Equal(t, map[int32]int64{0: others + 1}, offsetsRows(t, db, topic))
+	})
+}
+
+// A member whose partition is taken over while its transaction is in
+// flight cannot record progress after the new owner did. Member A handles
+// a record, then its handler holds the transaction of the next, which has
+// no id (nothing but the offsets row stands between two owners handling
+// it); member B, with the same consumer name under a re-created group,
+// takes the partition over, handles the held record and commits. A's
+// handler is then released: its transaction is fenced, rolled back and its
+// record abandoned (not acked, not dead-lettered, not retried). The held
+// record's effect is there once.
+func TestOffsetsInDatabaseFencesPreviousOwner(t *testing.T) {
+	c := newCluster(t)
+	topic := uniq("orders")
+	c.createTopic(topic, 1)
+	db, _ := pgtest.Schema(t)
+	_, err := db.Exec(context.Background(), effectsTable)
+	require.NoError(t, err)
+	// n = 1 and n = 3: no ids.
+	c.produceHashed(append(mixedEvents(topic, 1, 1), mixedEvents(topic, 3, 1)...))
+
+	entered, release := make(chan struct{}), make(chan struct{})
+	var abandoned atomic.Int32
+	accfg := consumerConfig("svc")
+	accfg.HandlerTimeout = time.Minute
+	// One message per transaction, so that the crash guard's window (the
+	// first batch of an assignment) holds only the first record: the
+	// held one is handled on the steady path, without a crash-guard row
+	// that would make B wait for A's transaction.
+	accfg.BatchSize = 1
+	accfg.Hooks.OnOutcome = func(_ context.Context, o consumer.Outcome) {
+		if o.Result == consumer.ResultAbandoned {
+			abandoned.Add(1)
+		}
+	}
+	srcA, err := NewSource(c.dbOffsetsConfig(uniq("g"), topic))
+	require.NoError(t, err)
+	a := startConsumer(t, db, srcA, accfg, func(ctx context.Context, tx pgx.Tx, ev consumer.Event[event]) error {
+		if ev.Payload.N == 3 {
+			close(entered)
+			<-release // ignores ctx: it outlives the take-over
+		}
+		return recordEffect(ctx, tx, ev)
+	})
+	<-entered
+	require.Equal(t, map[int32]int64{0: 1}, offsetsRows(t, db, topic), "A recorded its first record")
+
+	st, _ := runToEnd(t, c, db, c.dbOffsetsConfig(uniq("g"), topic), consumerConfig("svc"), 2)
+	assert.Equal(t, uint64(1), st.Handled, "the new owner handled the held record, and not the first")
+	assert.Equal(t, map[int32]int64{0: 2}, offsetsRows(t, db, topic))
+
+	close(release)
+	require.Eventually(t, func() bool { return abandoned.Load() == 1 }, 30*time.Second, 10*time.Millisecond,
+		"the old owner's transaction was fenced and its record abandoned")
+	ast := a.c.Stats()
+	require.NoError(t, a.stop())
+	assert.Equal(t, map[int]int{1: 1, 3: 1}, effectsByN(t, db), "each effect once: the old owner's second rolled back")
+	assert.Equal(t, uint64(1), ast.Handled, "A handled its first record only")
+	assert.Zero(t, ast.DeadLettered)
+	assert.Zero(t, ast.Retries)
+	assert.Equal(t, map[int32]int64{0: 2}, offsetsRows(t, db, topic))
+}
+
+// A Source with OffsetsInDatabase is refused work unless a consumer bound
+// it to its database.
+func TestOffsetsInDatabaseNeedsConsumer(t *testing.T) {
+	c := newCluster(t)
+	topic := uniq("orders")
+	c.createTopic(topic, 1)
+	src := c.open(c.dbOffsetsConfig(uniq("g"), topic))
+	_, err := src.Receive(context.Background())
+	require.ErrorIs(t, err, errNotBound)
+
+	cfg := c.dbOffsetsConfig(uniq("g"), topic)
+	cfg.Sarama.Version = sarama.V2_4_0_0
+	cfg.Sarama.Consumer.Group.Rebalance.GroupStrategies = []sarama.BalanceStrategy{sarama.NewBalanceStrategyCooperativeSticky()}
+	_, err = NewSource(cfg)
+	require.ErrorContains(t, err, "Config.OffsetsInDatabase")
+}
