@@ -349,3 +349,38 @@ func TestOffsetsInDatabaseNeedsConsumer(t *testing.T) {
 	_, err = NewSource(cfg)
 	require.ErrorContains(t, err, "Config.OffsetsInDatabase")
 }
+
+// A dead-lettered record has no transaction of its own: its Ack records it
+// done in the database. With the group's offsets lost, the restarted
+// consumer neither dead-letters it again nor handles anything twice.
+func TestOffsetsInDatabaseRecordsDeadLetters(t *testing.T) {
+	c := newCluster(t)
+	topic, group := uniq("orders"), uniq("g")
+	c.createTopic(topic, 1)
+	c.createTopic(topic+".dlq", 1)
+	db, _ := pgtest.Schema(t)
+	_, err := db.Exec(context.Background(), effectsTable)
+	require.NoError(t, err)
+	// n = 0 and 1, then a record that does not decode (last: nothing
+	// after it moves the prefix over it).
+	c.produce(append(mixedEvents(topic, 0, 2), msg(topic, 0, "not json"))...)
+
+	src, err := NewSource(c.dbOffsetsConfig(group, topic))
+	require.NoError(t, err)
+	r := startConsumer(t, db, src, consumerConfig("svc"), recordEffect)
+	require.Eventually(t, func() bool { return r.c.Stats().DeadLettered == 1 && r.c.Stats().Handled == 2 },
+		30*time.Second, 10*time.Millisecond)
+	require.NoError(t, r.stop())
+	assert.Equal(t, map[int32]int64{0: 3}, offsetsRows(t, db, topic), "the dead-lettered record is recorded done")
+
+	admin, err := sarama.NewClusterAdmin(c.addrs, saramaConfig())
+	require.NoError(t, err)
+	require.NoError(t, admin.DeleteConsumerGroup(group))
+	require.NoError(t, admin.Close())
+	c.produce(mixedEvents(topic, 2, 1)...)
+	st, _ := runToEnd(t, c, db, c.dbOffsetsConfig(group, topic), consumerConfig("svc"), 3)
+	requireEachOnce(t, db, 3)
+	assert.Equal(t, uint64(1), st.Handled)
+	assert.Zero(t, st.DeadLettered)
+	assert.Len(t, c.readAll(topic+".dlq"), 1, "one dead letter")
+}
