@@ -270,8 +270,8 @@ func (s *Source) skippedRecords() int64 { return s.skipped.Load() }
 // cooperative rebalance protocol.
 func cooperative(sc *sarama.Config) bool {
 	strategies := append([]sarama.BalanceStrategy(nil), sc.Consumer.Group.Rebalance.GroupStrategies...)
-	if sc.Consumer.Group.Rebalance.Strategy != nil { //nolint:staticcheck // the deprecated field still applies
-		strategies = append(strategies, sc.Consumer.Group.Rebalance.Strategy) //nolint:staticcheck // idem
+	if sc.Consumer.Group.Rebalance.Strategy != nil {
+		strategies = append(strategies, sc.Consumer.Group.Rebalance.Strategy)
 	}
 	for _, st := range strategies {
 		if st != nil && st.Name() == sarama.CooperativeStickyBalanceStrategyName {
