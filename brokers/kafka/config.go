@@ -187,8 +187,10 @@ type Config struct {
 	// records are left to the new owner. It costs one statement per
 	// transaction (transactions of one partition take its row's lock in
 	// turn) and one per take-over. The Source must be run by consumer.New,
-	// which binds it to its pool and store (Receive fails otherwise); the
-	// cooperative rebalance protocol (cooperative-sticky) is refused.
+	// which binds it to its pool and store (Receive fails otherwise); a
+	// wrapper that decorates its deliveries must unwrap them (a method
+	// Unwrap() consumer.Delivery); the cooperative rebalance protocol
+	// (cooperative-sticky) is refused.
 	// Default false. See docs/kafka.md.
 	OffsetsInDatabase bool
 

@@ -109,9 +109,9 @@ func (s *Source) RecordProgress(ctx context.Context, tx pgx.Tx, deliveries []con
 		return err
 	}
 	for _, dv := range deliveries {
-		d, ok := dv.(*delivery)
+		d, ok := unwrapDelivery(dv)
 		if !ok {
-			return fmt.Errorf("kafka: RecordProgress given a %T, not a delivery of this Source", dv)
+			return fmt.Errorf("kafka: RecordProgress given a %T, not a delivery of this Source (a wrapper must have an Unwrap() consumer.Delivery method)", dv)
 		}
 		if d.claim != cl {
 			if err := flush(); err != nil {
@@ -122,6 +122,23 @@ func (s *Source) RecordProgress(ctx context.Context, tx pgx.Tx, deliveries []con
 		offsets = append(offsets, d.raw.Offset)
 	}
 	return flush()
+}
+
+// unwrapDelivery returns the Source's delivery dv is or wraps: a wrapper
+// (a Source that decorates the deliveries of this one) says what it wraps
+// with an Unwrap() consumer.Delivery method.
+func unwrapDelivery(dv consumer.Delivery) (*delivery, bool) {
+	for range 16 {
+		switch v := dv.(type) {
+		case *delivery:
+			return v, true
+		case interface{ Unwrap() consumer.Delivery }:
+			dv = v.Unwrap()
+		default:
+			return nil, false
+		}
+	}
+	return nil, false
 }
 
 // DeduplicatedByPosition implements consumer.PositionDeduplicated: true

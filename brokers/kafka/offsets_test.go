@@ -384,3 +384,19 @@ func TestOffsetsInDatabaseRecordsDeadLetters(t *testing.T) {
 	assert.Zero(t, st.DeadLettered)
 	assert.Len(t, c.readAll(topic+".dlq"), 1, "one dead letter")
 }
+
+// wrapped is a delivery decorated by a wrapping Source.
+type wrapped struct{ consumer.Delivery }
+
+func (w wrapped) Unwrap() consumer.Delivery { return w.Delivery }
+
+// RecordProgress finds its deliveries inside wrappers that unwrap, and
+// refuses others.
+func TestUnwrapDelivery(t *testing.T) {
+	d := &delivery{}
+	got, ok := unwrapDelivery(wrapped{wrapped{d}})
+	require.True(t, ok)
+	assert.Same(t, d, got)
+	_, ok = unwrapDelivery(struct{ consumer.Delivery }{d})
+	assert.False(t, ok, "a wrapper without Unwrap")
+}
