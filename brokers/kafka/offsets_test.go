@@ -4,6 +4,9 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"os"
+	"os/exec"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -399,4 +402,65 @@ func TestUnwrapDelivery(t *testing.T) {
 	assert.Same(t, d, got)
 	_, ok = unwrapDelivery(struct{ consumer.Delivery }{d})
 	assert.False(t, ok, "a wrapper without Unwrap")
+}
+
+// A process with key lanes is killed while one slow record holds its lane
+// and the other lanes committed records above it. The offsets row keeps
+// those above the prefix; the restarted consumer handles the slow lane's
+// records and skips the others: every effect once, though no record has an
+// id and none has a processed-events row.
+func TestOffsetsInDatabaseKeyLanesKilled(t *testing.T) {
+	eachBroker(t, func(t *testing.T, kind brokerKind) {
+		c := newClusterOf(t, kind)
+		topic, group := uniq("orders"), uniq("g")
+		c.createTopic(topic, 1)
+		db, schema := pgtest.Schema(t)
+		_, err := db.Exec(context.Background(), effectsTable)
+		require.NoError(t, err)
+
+		const lanes, n, slowFirst = 4, 41, 1
+		keys := keysOffLane("slow", lanes, 5)
+		var msgs []*sarama.ProducerMessage
+		slow := 0
+		for i := range n {
+			key := keys[i%len(keys)]
+			if i%10 == slowFirst {
+				key = "slow"
+				slow++
+			}
+			v, _ := json.Marshal(event{N: i})
+			msgs = append(msgs, &sarama.ProducerMessage{Topic: topic, Key: sarama.StringEncoder(key), Value: sarama.ByteEncoder(v)})
+		}
+		c.produceHashed(msgs)
+
+		spec := crashChildSpec{
+			brokers: strings.Join(c.addrs, ","), group: group, topic: topic, dbURL: pgtest.URL(), schema: schema, name: "svc",
+			offsetsInDB: true, lanes: lanes, crashOnN: slowFirst, afterEffects: 20,
+		}
+		cmd := exec.Command(os.Args[0], "-test.run=^$")
+		cmd.Env = append(os.Environ(), spec.env()...)
+		out, err := cmd.CombinedOutput()
+		var exit *exec.ExitError
+		require.ErrorAs(t, err, &exit, "child output:\n%s", out)
+		require.Equal(t, crashExitCode, exit.ExitCode(), "child output:\n%s", out)
+
+		before := effectsByN(t, db)
+		require.GreaterOrEqual(t, len(before), 20, "the other lanes committed ahead of the slow record")
+		for i := range n {
+			if i%10 == slowFirst {
+				require.Zero(t, before[i], "the slow lane's records are not done")
+			}
+		}
+		assert.Equal(t, map[int32]int64{0: slowFirst}, offsetsRows(t, db, topic), "the prefix stops at the slow record")
+		assert.Zero(t, processedRows(t, db))
+
+		cfg := c.dbOffsetsConfig(group, topic)
+		cfg.KeyLanes = lanes
+		st, skipped := runToEnd(t, c, db, cfg, consumerConfig("svc"), n)
+		requireEachOnce(t, db, n)
+		assert.Equal(t, uint64(n-len(before)), st.Handled, "the records not done were handled")
+		assert.Equal(t, int64(len(before)-slowFirst), skipped, "the records done above the slow one were skipped")
+		assert.Zero(t, st.Duplicates)
+		assert.Zero(t, processedRows(t, db))
+	})
 }
