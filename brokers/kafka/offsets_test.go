@@ -464,3 +464,58 @@ func TestOffsetsInDatabaseKeyLanesKilled(t *testing.T) {
 		assert.Zero(t, processedRows(t, db))
 	})
 }
+
+// The old owner's held transaction is also what the new owner waits for
+// when both touch one row: here the crash guard's record of the held
+// record (the first of A's assignment), which A's transaction deletes. B
+// takes the partition over and waits; A, released, is fenced and rolls
+// back, which lets B go on and handle the record: one effect.
+func TestOffsetsInDatabaseFencedOwnerReleasesTheNewOne(t *testing.T) {
+	c := newCluster(t)
+	topic := uniq("orders")
+	c.createTopic(topic, 1)
+	db, _ := pgtest.Schema(t)
+	ctx := context.Background()
+	_, err := db.Exec(ctx, effectsTable)
+	require.NoError(t, err)
+	c.produceHashed(mixedEvents(topic, 1, 1)) // n = 1: no id
+
+	entered, release := make(chan struct{}), make(chan struct{})
+	var abandoned atomic.Int32
+	accfg := consumerConfig("svc")
+	accfg.HandlerTimeout = time.Minute
+	accfg.Hooks.OnOutcome = func(_ context.Context, o consumer.Outcome) {
+		if o.Result == consumer.ResultAbandoned {
+			abandoned.Add(1)
+		}
+	}
+	srcA, err := NewSource(c.dbOffsetsConfig(uniq("g"), topic))
+	require.NoError(t, err)
+	a := startConsumer(t, db, srcA, accfg, func(ctx context.Context, tx pgx.Tx, ev consumer.Event[event]) error {
+		close(entered)
+		<-release // ignores ctx: it outlives the take-over
+		return recordEffect(ctx, tx, ev)
+	})
+	<-entered
+
+	srcB, err := NewSource(c.dbOffsetsConfig(uniq("g"), topic))
+	require.NoError(t, err)
+	b := startConsumer(t, db, srcB, consumerConfig("svc"), recordEffect)
+	require.Eventually(t, func() bool {
+		var waiting int
+		require.NoError(t, db.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()`).Scan(&waiting))
+		return waiting > 0
+	}, 30*time.Second, 5*time.Millisecond, "B waits for A's transaction")
+	assert.Empty(t, effectsByN(t, db))
+
+	close(release)
+	require.Eventually(t, func() bool { return abandoned.Load() == 1 }, 30*time.Second, 10*time.Millisecond,
+		"A's transaction was fenced and its record abandoned")
+	waitEffectsByN(t, db, 1)
+	require.NoError(t, b.stop())
+	require.NoError(t, a.stop())
+	assert.Equal(t, map[int]int{1: 1}, effectsByN(t, db))
+	assert.Equal(t, uint64(1), b.c.Stats().Handled)
+	assert.Zero(t, a.c.Stats().Handled)
+	assert.Equal(t, map[int32]int64{0: 1}, offsetsRows(t, db, topic))
+}
