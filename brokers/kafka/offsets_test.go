@@ -474,7 +474,7 @@ func TestOffsetsInDatabaseFencedOwnerReleasesTheNewOne(t *testing.T) {
 	c := newCluster(t)
 	topic := uniq("orders")
 	c.createTopic(topic, 1)
-	db, _ := pgtest.Schema(t)
+	db, schema := pgtest.Schema(t)
 	ctx := context.Background()
 	_, err := db.Exec(ctx, effectsTable)
 	require.NoError(t, err)
@@ -498,12 +498,22 @@ func TestOffsetsInDatabaseFencedOwnerReleasesTheNewOne(t *testing.T) {
 	})
 	<-entered
 
+	// B's connections carry a name of their own, so that the wait seen is
+	// B's, whatever else runs on the server.
+	app := uniq("member-b")
+	pc, err := pgxpool.ParseConfig(pgtest.URL())
+	require.NoError(t, err)
+	pc.ConnConfig.RuntimeParams["search_path"] = schema
+	pc.ConnConfig.RuntimeParams["application_name"] = app
+	poolB, err := pgxpool.NewWithConfig(ctx, pc)
+	require.NoError(t, err)
+	t.Cleanup(poolB.Close) // after B stops: cleanups run last in, first out
 	srcB, err := NewSource(c.dbOffsetsConfig(uniq("g"), topic))
 	require.NoError(t, err)
-	b := startConsumer(t, db, srcB, consumerConfig("svc"), recordEffect)
+	b := startConsumer(t, poolB, srcB, consumerConfig("svc"), recordEffect)
 	require.Eventually(t, func() bool {
 		var waiting int
-		require.NoError(t, db.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()`).Scan(&waiting))
+		require.NoError(t, db.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND application_name = $1`, app).Scan(&waiting))
 		return waiting > 0
 	}, 30*time.Second, 5*time.Millisecond, "B waits for A's transaction")
 	assert.Empty(t, effectsByN(t, db))
