@@ -125,10 +125,16 @@ func (p *pipeline) stop() {
 // manages them (SkipMigrate), checks their shape, so that a table of
 // another shape fails Run at once instead of every claim.
 func (p *pipeline) start(ctx context.Context) error {
+	var err error
 	if p.cfg.SkipMigrate {
-		return p.cfg.Store.Check(ctx, p.pool)
+		err = p.cfg.Store.Check(ctx, p.pool)
+	} else {
+		err = p.cfg.Store.Migrate(ctx, p.pool)
 	}
-	return p.cfg.Store.Migrate(ctx, p.pool)
+	if err != nil {
+		return err
+	}
+	return p.bindProgress(ctx)
 }
 
 // process takes deliveries of one stream assignment (or of one channel)

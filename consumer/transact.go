@@ -79,7 +79,7 @@ func (p *pipeline) transact(ctx context.Context, jobs []*job) txResult {
 func (p *pipeline) transaction(ctx context.Context, jobs []*job) txResult {
 	b := &pgx.Batch{}
 	b.BeginTx(pgx.TxOptions{})
-	claims, err := p.queueClaims(b, jobs)
+	claims, err := p.queueClaimsByPosition(b, jobs)
 	if err != nil {
 		return txResult{outcome: txInfra, err: err, failed: -1}
 	}
@@ -99,6 +99,9 @@ func (p *pipeline) transaction(ctx context.Context, jobs []*job) txResult {
 	}
 	crashPoint("after-claim")
 	if r, stop := p.runHandlers(ctx, tx, jobs, res); stop {
+		return r
+	}
+	if r, stop := p.recordProgress(ctx, tx, jobs, res); stop {
 		return r
 	}
 	crashPoint("after-handler")

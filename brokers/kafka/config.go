@@ -189,6 +189,32 @@ type Config struct {
 	// Version must be at least 0.11 (sarama.V0_11_0_0).
 	Sarama *sarama.Config
 
+	// OffsetsInDatabase keeps each partition's progress in PostgreSQL,
+	// beside the processed events ("storing offsets outside Kafka"): the
+	// consumer writes it in the transaction that commits the claims and
+	// the handlers' effects (table <Store table>_offsets, dedup schema
+	// version 4), a new owner of a partition starts at the position
+	// recorded there (the group's committed offset serves only where the
+	// table has none), and records recorded done above it (finished out
+	// of order by KeyLanes) are skipped without running the handler.
+	// Offsets are still committed to Kafka, after the database, for lag
+	// tools, but never trusted over the table: the group's offsets may be
+	// lost (offsets.retention.minutes, a deleted or renamed group) or the
+	// database restored from a backup, and the consumer still handles
+	// every record once. A record without an event id of its own is then
+	// deduplicated by its position alone and gets no processed-events row.
+	// Each take-over of a partition raises the row's epoch, which fences
+	// the transactions of the previous owner: they roll back and their
+	// records are left to the new owner. It costs one statement per
+	// transaction (transactions of one partition take its row's lock in
+	// turn) and one per take-over. The Source must be run by consumer.New,
+	// which binds it to its pool and store (Receive fails otherwise); a
+	// wrapper that decorates its deliveries must unwrap them (a method
+	// Unwrap() consumer.Delivery); the cooperative rebalance protocol
+	// (cooperative-sticky) is refused.
+	// Default false. See docs/kafka.md.
+	OffsetsInDatabase bool
+
 	// MeterProvider provides the meter of the consumer-lag gauge. Default
 	// otel.GetMeterProvider().
 	MeterProvider metric.MeterProvider
@@ -355,6 +381,10 @@ func (c *Config) consumerConfig() (*sarama.Config, error) {
 	}
 	if err := sc.Validate(); err != nil {
 		return nil, fmt.Errorf("kafka: Config.Sarama (consumer): %w", err)
+	}
+	if c.OffsetsInDatabase && cooperative(sc) {
+		return nil, errors.New("kafka: Config.OffsetsInDatabase needs the eager rebalance protocol, and Config.Sarama's balance strategies include cooperative-sticky: " +
+			"a partition added by a cooperative rebalance would start at the group's committed offset, not at the database's")
 	}
 	return sc, nil
 }

@@ -61,6 +61,11 @@ type Source struct {
 
 	waitingForRoom atomic.Int32 // claims paused at Config.MaxPendingPerPartition
 	pendingMax     atomic.Int32 // the most pending records any claim held
+
+	// With Config.OffsetsInDatabase (offsets.go):
+	offsets   atomic.Pointer[offsetsBinding] // set by BindProgress
+	positions positions                      // the take-over's rows, until ConsumeClaim
+	skipped   atomic.Int64                   // records skipped as recorded done
 }
 
 var (
@@ -188,6 +193,9 @@ func (s *Source) Receive(ctx context.Context) (consumer.Delivery, error) {
 		return nil, consumer.ErrSourceClosed
 	default:
 	}
+	if s.cfg.OffsetsInDatabase && s.offsets.Load() == nil {
+		return nil, errNotBound
+	}
 	s.startOnce.Do(func() {
 		s.started = true
 		go s.consumeLoop()
@@ -310,7 +318,15 @@ func (s *Source) drainErrors() {
 // groupHandler is the sarama.ConsumerGroupHandler of a Source.
 type groupHandler struct{ s *Source }
 
-func (*groupHandler) Setup(sarama.ConsumerGroupSession) error   { return nil }
+// Setup takes the session's partitions over in the database, with
+// Config.OffsetsInDatabase, and seeks them to the positions recorded there.
+func (h *groupHandler) Setup(sess sarama.ConsumerGroupSession) error {
+	if !h.s.cfg.OffsetsInDatabase {
+		return nil
+	}
+	return h.s.takeOver(sess)
+}
+
 func (*groupHandler) Cleanup(sarama.ConsumerGroupSession) error { return nil }
 
 // ConsumeClaim hands the claim's records to Receive, one at a time and in
@@ -330,6 +346,17 @@ func (h *groupHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, sc sarama.
 		return nil
 	}
 	cl := newClaim(s, sess, sc, topicID)
+	if s.cfg.OffsetsInDatabase {
+		o, ok := s.positions.take(sc.Topic(), sc.Partition())
+		if !ok {
+			// Not in the session's take-over: its position is unknown.
+			s.cfg.Logger.Error("once/kafka: partition claimed without a take-over in the database; not consuming it",
+				"group", s.cfg.Group, "stream", cl.stream, "generation", sess.GenerationID())
+			cl.revoke()
+			return nil
+		}
+		cl.db = newClaimOffsets(o, sc.InitialOffset())
+	}
 	s.cfg.Logger.Debug("once/kafka: partition claimed", "group", s.cfg.Group, "stream", cl.stream,
 		"generation", sess.GenerationID(), "offset", sc.InitialOffset())
 	s.lag.track(cl)
@@ -347,6 +374,9 @@ loop:
 			if !ok {
 				break loop
 			}
+			if cl.skip(raw) {
+				continue
+			}
 			d := cl.newDelivery(raw)
 			select {
 			case s.deliveries <- d:
@@ -357,8 +387,13 @@ loop:
 			case <-s.closing:
 				cl.drop(d)
 				break loop
+			case <-cl.ctx.Done(): // fenced
+				cl.drop(d)
+				break loop
 			}
 		case <-ended:
+			break loop
+		case <-cl.ctx.Done(): // fenced
 			break loop
 		case <-s.closing:
 			break loop

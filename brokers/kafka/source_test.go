@@ -19,7 +19,7 @@ import (
 	"github.com/onceco/once/consumer"
 )
 
-func TestNewSourceValidatesConfig(t *testing.T) {
+func TestOpenValidatesConfig(t *testing.T) {
 	old := sarama.NewConfig()
 	old.Version = sarama.V0_10_2_0
 	badSarama := sarama.NewConfig()

@@ -62,6 +62,9 @@ type ChaosConfig struct {
 	Cuts        int   // broker connection cuts
 	Members     int   // processes consuming at once
 	Rebalances  int   // kafka: a member killed while another joins
+	// OffsetsInDatabase (kafka): the members keep offsets in PostgreSQL,
+	// and one fault deletes the group with its offsets (chaos_offsets.go).
+	OffsetsInDatabase bool
 
 	Exe    string    // the order-processor built with -tags chaos; empty: built here
 	Logs   string    // directory of the members' logs; empty: a temporary one
@@ -127,6 +130,7 @@ func chaosMain(ctx context.Context, args []string, stdout, stderr io.Writer) int
 	fs.IntVar(&cfg.Members, "members", 3, "member processes consuming at once")
 	fs.IntVar(&cfg.Rebalances, "rebalances", 3, "kafka: members killed while another joins the group")
 	noCrash := fs.Bool("no-crash-points", false, "skip the crash points")
+	offsetsFlag(fs, &cfg)
 	fs.StringVar(&cfg.Exe, "exe", "", "order-processor built with -tags chaos (empty: build it)")
 	fs.StringVar(&cfg.Logs, "logs", "", "directory for the members' logs (empty: a temporary one)")
 	jsonFile := fs.String("json", "", "write the results as JSON to this file")
@@ -666,6 +670,7 @@ func (r *chaosRun) schedule() []fault {
 			fs = append(fs, fault{kind: "rebalance-kill"})
 		}
 	}
+	fs = append(fs, r.offsetsFaults()...)
 	r.rng.Shuffle(len(fs), func(i, j int) { fs[i], fs[j] = fs[j], fs[i] })
 	if r.cfg.CrashPoints {
 		span := max(1, len(fs)*2/3)
@@ -779,6 +784,7 @@ func (r *chaosRun) startMember(exe string, extraEnv ...string) (*member, error) 
 	if r.o.fastFailover {
 		args = append(args, "-fast-failover")
 	}
+	args = append(args, r.offsetsArgs()...)
 	cmd := exec.Command(exe, args...)
 	env := append([]string{}, os.Environ()...)
 	env = append(env, "DATABASE_URL="+r.pg.URL(), "BROKER="+r.memberBroker(), "KAFKA_BROKERS="+strings.Join(r.o.kafkaBrokers, ","))
@@ -938,6 +944,10 @@ func (r *chaosRun) apply(ctx context.Context, exe string, f fault) error {
 		}
 	case "crash-point":
 		if err := r.crashAt(ctx, exe, f); err != nil {
+			return err
+		}
+	case faultDeleteGroup:
+		if err := r.deleteGroup(ctx); err != nil {
 			return err
 		}
 	}

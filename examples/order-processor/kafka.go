@@ -68,6 +68,8 @@ func kafkaSource(ctx context.Context, o *options, mp metric.MeterProvider, log *
 		Sarama:         saramaConfig(),
 		MeterProvider:  mp,
 		Logger:         log,
+		// The database's positions over the group's (chaos -offsets-in-database).
+		OffsetsInDatabase: o.offsetsInDB,
 	}
 	if o.fastFailover {
 		cfg.SessionTimeout = time.Second

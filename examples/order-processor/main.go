@@ -111,6 +111,7 @@ type options struct {
 	partitions   int
 	kafkaPort    int
 	fastFailover bool
+	offsetsInDB  bool // kafka: kafka.Config.OffsetsInDatabase
 
 	mix              Mix
 	unknownOrderWait time.Duration
@@ -143,6 +144,7 @@ func parseOptions(args []string, stderr io.Writer) (*options, error) {
 	fs.IntVar(&o.partitions, "partitions", 4, "partitions of the topic when this program creates it")
 	fs.IntVar(&o.kafkaPort, "kafka-port", 0, "port of the embedded Kafka broker (0: a free one)")
 	fs.BoolVar(&o.fastFailover, "fast-failover", false, "short consumer-group timeouts (set automatically with the embedded broker)")
+	fs.BoolVar(&o.offsetsInDB, "offsets-in-database", false, "kafka: keep the group's offsets in PostgreSQL with the effects (kafka.Config.OffsetsInDatabase)")
 	defSchema := "public"
 	if o.command == "demo" {
 		defSchema = "order_demo"

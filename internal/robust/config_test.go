@@ -170,7 +170,7 @@ func TestConsumerBadDatabaseFailsAtStart(t *testing.T) {
 	assert.NotContains(t, err.Error(), "db-pass-Zq81", "the error does not carry the password")
 }
 
-// Every invalid kafka.Config fails in NewSource naming the field; an
+// Every invalid kafka.Config fails in Open naming the field; an
 // unreachable broker fails naming the address.
 func TestKafkaConfigErrorsNameTheFieldOrServer(t *testing.T) {
 	ok := kafka.Config{Brokers: []string{"127.0.0.1:9092"}, Group: "g", Topics: []string{"orders"}}
