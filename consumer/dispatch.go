@@ -20,6 +20,8 @@ type dispatcher struct {
 	// blocks while Config.ReceiveBuffer deliveries wait.
 	budget    chan struct{}
 	unordered chan Delivery
+	// batcher forms the unordered deliveries into batches (batcher.go).
+	batcher *batcher
 	// retired counts lanes whose worker stopped since the last sweep.
 	retired chan struct{}
 }
@@ -29,6 +31,12 @@ func newDispatcher(p *pipeline, work context.Context) *dispatcher {
 		budget:    make(chan struct{}, p.cfg.ReceiveBuffer),
 		unordered: make(chan Delivery, p.cfg.ReceiveBuffer),
 		retired:   make(chan struct{}, 1)}
+	d.batcher = newBatcher(d)
+	d.wg.Add(1)
+	go func() {
+		defer d.wg.Done()
+		d.batcher.run(d.unordered)
+	}()
 	for i := 0; i < p.cfg.Concurrency; i++ {
 		d.wg.Add(1)
 		go d.unorderedWorker()
@@ -159,30 +167,14 @@ func (d *dispatcher) orderedWorker(l *lane) {
 	}
 }
 
-// unorderedWorker handles deliveries without a stream, batching what is
-// waiting; a batch never mixes deliveries of different channels. A
-// delivery the broker marks as redelivered (a suspect for the crash guard)
-// is handled as a batch of its own, so that a suspect waiting between its
-// attempts holds up only its worker while the others go on.
+// unorderedWorker handles the batches the batcher forms of deliveries
+// without a stream; a transaction never mixes deliveries of different
+// channels.
 func (d *dispatcher) unorderedWorker() {
 	defer d.wg.Done()
-	var carry Delivery
-	for {
-		first := carry
-		carry = nil
-		if first == nil {
-			var ok bool
-			if first, ok = <-d.unordered; !ok {
-				return
-			}
-		}
-		if d.p.stopping.Load() {
-			continue
-		}
-		batch := []Delivery{first}
-		if !mayBeRedelivery(first) {
-			batch, carry = d.p.collect(first, d.unordered)
-		}
+	for batch := range d.batcher.batches {
+		started := time.Now()
+		suspect := len(batch) == 1 && mayBeRedelivery(batch[0])
 		// A batch shares one fate, so it must not mix deliveries of
 		// different channels: abandoning a batch because one channel died
 		// would leave the others' deliveries unacked on a live channel.
@@ -194,6 +186,7 @@ func (d *dispatcher) unorderedWorker() {
 			d.p.process(d.work, batch[:n], false, &settler{p: d.p})
 			batch = batch[n:]
 		}
+		d.batcher.done(time.Since(started), suspect)
 	}
 }
 
@@ -204,45 +197,4 @@ func (p *pipeline) linger() time.Duration {
 		return 0
 	}
 	return p.cfg.Batch.Linger
-}
-
-// collect returns first plus the deliveries already waiting in ch, up to
-// Config.Batch.Size, waiting at most Config.Batch.Linger for more. With no
-// linger a batch is whatever accumulated while the previous one was being
-// handled: one message under light load, full batches under heavy load. A
-// redelivered delivery ends the batch and is returned apart, to be handled
-// alone.
-func (p *pipeline) collect(first Delivery, ch <-chan Delivery) (batch []Delivery, redelivered Delivery) {
-	batch = []Delivery{first}
-	var linger <-chan time.Time
-	if d := p.linger(); d > 0 {
-		t := time.NewTimer(d)
-		defer t.Stop()
-		linger = t.C
-	}
-	for len(batch) < p.cfg.Batch.Size {
-		var dv Delivery
-		var ok bool
-		if linger == nil {
-			select {
-			case dv, ok = <-ch:
-			default:
-				return batch, nil
-			}
-		} else {
-			select {
-			case dv, ok = <-ch:
-			case <-linger:
-				return batch, nil
-			}
-		}
-		switch {
-		case !ok:
-			return batch, nil
-		case mayBeRedelivery(dv):
-			return batch, dv
-		}
-		batch = append(batch, dv)
-	}
-	return batch, nil
 }

@@ -77,7 +77,9 @@ func (p *pipeline) prepareJob(j *job) (dl *DeadLetter) {
 	if err != nil {
 		return &DeadLetter{Kind: kind, Error: err.Error()}
 	}
-	j.span.SetAttributes(attribute.String("messaging.message.id", idt.id), attribute.String("once.event.type", idt.typ))
+	if j.span.IsRecording() {
+		j.span.SetAttributes(attribute.String("messaging.message.id", idt.id), attribute.String("once.event.type", idt.typ))
+	}
 	stage = "decoding the payload"
 	prep, kind, err := p.prepare(j.m, idt, p.cfg.Decoder)
 	if err != nil {

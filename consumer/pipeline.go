@@ -159,8 +159,8 @@ func (p *pipeline) process(work context.Context, dvs []Delivery, window bool, s 
 			defer stop()
 		}
 	}
-	p.tel.inflight.Add(ctx, int64(len(dvs)), p.tel.baseOpt)
-	defer p.tel.inflight.Add(ctx, -int64(len(dvs)), p.tel.baseOpt)
+	p.tel.inflight.Add(ctx, int64(len(dvs)), p.tel.baseAdd...)
+	defer p.tel.inflight.Add(ctx, -int64(len(dvs)), p.tel.baseAdd...)
 
 	before := s.claimed
 	ordered := dvs[0].Message().Stream != ""

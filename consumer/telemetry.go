@@ -54,13 +54,19 @@ func (c *counters) snapshot() Stats {
 type telemetry struct {
 	tracer trace.Tracer
 	base   attribute.Set
-	// baseOpt is base as a measurement option, built once.
-	baseOpt metric.MeasurementOption
-	// spanAttrs are the attributes every consumer span starts with.
+	// baseOpt is base as a measurement option, built once; baseAdd and
+	// baseRecord are it as the option slices the instruments take, so
+	// that a measurement allocates no slice for its variadic options.
+	baseOpt    metric.MeasurementOption
+	baseAdd    []metric.AddOption
+	baseRecord []metric.RecordOption
+	// spanAttrs are the attributes every consumer span starts with, and
+	// spanStart the start options carrying them, built once.
 	spanAttrs []attribute.KeyValue
+	spanStart []trace.SpanStartOption
 	// spanNames caches "process <topic>" per topic.
 	spanNames sync.Map
-	// outcomes caches the measurement option of each outcome.
+	// outcomes caches the add options ([]metric.AddOption) of each outcome.
 	outcomes sync.Map
 
 	messages, retries, deadLetters metric.Int64Counter
@@ -76,7 +82,19 @@ type telemetry struct {
 	// error type: a map under a lock, since a sync.Map would box the key
 	// on every message.
 	conventionMu   sync.RWMutex
-	conventionOpts map[[2]string]metric.MeasurementOption
+	conventionOpts map[[2]string]measurementOpts
+}
+
+// measurementOpts is one attribute set as the option slices of counters
+// and histograms.
+type measurementOpts struct {
+	add    []metric.AddOption
+	record []metric.RecordOption
+}
+
+func newMeasurementOpts(set attribute.Set) measurementOpts {
+	opt := metric.WithAttributeSet(set)
+	return measurementOpts{add: []metric.AddOption{opt}, record: []metric.RecordOption{opt}}
 }
 
 // GroupNamer is implemented by sources that consume as a member of a
@@ -127,6 +145,8 @@ func newTelemetry(cfg *Config, system, group string) (*telemetry, error) {
 	}
 	t.conventions = attribute.NewSet(conventions...)
 	t.baseOpt = metric.WithAttributeSet(t.base)
+	t.baseAdd, t.baseRecord = []metric.AddOption{t.baseOpt}, []metric.RecordOption{t.baseOpt}
+	t.spanStart = []trace.SpanStartOption{trace.WithSpanKind(trace.SpanKindConsumer), trace.WithAttributes(t.spanAttrs...)}
 	var err error
 	if t.messages, err = m.Int64Counter("once.consumer.messages",
 		metric.WithDescription("Messages settled, by outcome: handled, duplicate, skipped, dead_lettered."),
@@ -172,7 +192,7 @@ func newTelemetry(cfg *Config, system, group string) (*telemetry, error) {
 
 // conventionOpt returns the measurement option of the conventions' metrics
 // for a destination and an error type ("" when the processing succeeded).
-func (t *telemetry) conventionOpt(destination, errorType string) metric.MeasurementOption {
+func (t *telemetry) conventionOpt(destination, errorType string) measurementOpts {
 	key := [2]string{destination, errorType}
 	t.conventionMu.RLock()
 	opt, ok := t.conventionOpts[key]
@@ -184,10 +204,10 @@ func (t *telemetry) conventionOpt(destination, errorType string) metric.Measurem
 	if errorType != "" {
 		attrs = append(attrs, attribute.String("error.type", errorType))
 	}
-	opt = metric.WithAttributeSet(attribute.NewSet(attrs...))
+	opt = newMeasurementOpts(attribute.NewSet(attrs...))
 	t.conventionMu.Lock()
 	if t.conventionOpts == nil {
-		t.conventionOpts = map[[2]string]metric.MeasurementOption{}
+		t.conventionOpts = map[[2]string]measurementOpts{}
 	}
 	t.conventionOpts[key] = opt
 	t.conventionMu.Unlock()
@@ -196,24 +216,30 @@ func (t *telemetry) conventionOpt(destination, errorType string) metric.Measurem
 
 // received counts a delivery handed to the application.
 func (t *telemetry) received(ctx context.Context, m *Message) {
-	t.consumed.Add(ctx, 1, t.conventionOpt(m.Topic, ""))
+	t.consumed.Add(ctx, 1, t.conventionOpt(m.Topic, "").add...)
 }
 
 // processed records how long a message took from its span's start to its
 // settlement; errorType is set when it was dead-lettered.
 func (t *telemetry) processed(ctx context.Context, m *Message, start time.Time, errorType string) {
-	t.processDur.Record(ctx, time.Since(start).Seconds(), t.conventionOpt(m.Topic, errorType))
+	t.processDur.Record(ctx, time.Since(start).Seconds(), t.conventionOpt(m.Topic, errorType).record...)
 }
 
 // startSpan starts the consumer span of m, as a child of the producer's
-// context when m carries a valid W3C traceparent header.
+// context when m carries a valid W3C traceparent header. The message's own
+// attributes are built only when the span records: with no tracer
+// installed (the no-op provider) or a sampler that drops the span, this
+// runs for every message and nothing would read them. A sampler sees the
+// consumer's attributes (system, operation, consumer, group) at the start.
 func (t *telemetry) startSpan(ctx context.Context, dv Delivery, m *Message) (context.Context, trace.Span) {
 	if len(m.Headers) > 0 {
 		ctx = extractParent(ctx, propagation.MapCarrier(m.Headers))
 	}
-	// Sized for every attribute: this runs for each message.
-	attrs := make([]attribute.KeyValue, 0, len(t.spanAttrs)+3)
-	attrs = append(attrs, t.spanAttrs...)
+	ctx, span := t.tracer.Start(ctx, t.spanName(m.Topic), t.spanStart...)
+	if !span.IsRecording() {
+		return ctx, span
+	}
+	attrs := make([]attribute.KeyValue, 0, 3)
 	attrs = append(attrs, attribute.String("messaging.destination.name", m.Topic))
 	if m.Partition >= 0 {
 		attrs = append(attrs, attribute.String("messaging.destination.partition.id", strconv.FormatInt(int64(m.Partition), 10)))
@@ -224,7 +250,8 @@ func (t *telemetry) startSpan(ctx context.Context, dv Delivery, m *Message) (con
 	if ta, ok := dv.(TelemetryAttributer); ok {
 		attrs = append(attrs, ta.TelemetryAttributes()...)
 	}
-	return t.tracer.Start(ctx, t.spanName(m.Topic), trace.WithSpanKind(trace.SpanKindConsumer), trace.WithAttributes(attrs...))
+	span.SetAttributes(attrs...)
+	return ctx, span
 }
 
 // extractParent returns ctx with the producer's span context from the
@@ -255,13 +282,15 @@ func (t *telemetry) traceParent(ctx context.Context) string {
 }
 
 func (t *telemetry) outcome(ctx context.Context, span trace.Span, outcome string) {
-	span.SetAttributes(attribute.String("once.outcome", outcome))
-	opt, ok := t.outcomes.Load(outcome)
-	if !ok {
-		opt = metric.WithAttributeSet(attribute.NewSet(append(t.base.ToSlice(), attribute.String("outcome", outcome))...))
-		t.outcomes.Store(outcome, opt)
+	if span.IsRecording() {
+		span.SetAttributes(attribute.String("once.outcome", outcome))
 	}
-	t.messages.Add(ctx, 1, opt.(metric.AddOption))
+	opts, ok := t.outcomes.Load(outcome)
+	if !ok {
+		opts = newMeasurementOpts(attribute.NewSet(append(t.base.ToSlice(), attribute.String("outcome", outcome))...)).add
+		t.outcomes.Store(outcome, opts)
+	}
+	t.messages.Add(ctx, 1, opts.([]metric.AddOption)...)
 }
 
 func (t *telemetry) retry(ctx context.Context, reason string) {
@@ -276,5 +305,5 @@ func (t *telemetry) deadLetter(ctx context.Context, span trace.Span, kind ErrorK
 }
 
 func (t *telemetry) since(ctx context.Context, h metric.Float64Histogram, start time.Time) {
-	h.Record(ctx, time.Since(start).Seconds(), t.baseOpt)
+	h.Record(ctx, time.Since(start).Seconds(), t.baseRecord...)
 }

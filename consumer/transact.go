@@ -108,7 +108,7 @@ func (p *pipeline) transaction(ctx context.Context, jobs []*job) txResult {
 	start := time.Now()
 	err = tx.Commit(ctx)
 	p.tel.since(ctx, p.tel.commitDur, start)
-	p.tel.batchSize.Record(ctx, int64(len(jobs)), p.tel.baseOpt)
+	p.tel.batchSize.Record(ctx, int64(len(jobs)), p.tel.baseRecord...)
 	if err != nil {
 		return p.commitFailure(ctx, tx, jobs, err)
 	}

@@ -82,7 +82,7 @@ SELECT 'c1', 'e-' || i, now() - i * interval '1 hour' FROM generate_series(1, 20
 	_, err = pool.Exec(ctx, `ANALYZE processed_events`)
 	require.NoError(t, err)
 
-	plan := explainExecute(t, ctx, pool, s.retentionSQL, "text, timestamptz, integer", "'c1', now() - interval '4 days', 1000")
+	plan := explainExecute(t, ctx, pool, s.retentionSQL, "text, timestamptz, integer, timestamptz", "'c1', now() - interval '4 days', 1000, '-infinity'")
 	assert.Regexp(t, `Index (Only )?Scan using processed_events_consumer_processed_at_idx`, plan, "plan:\n%s", plan)
 	assert.NotRegexp(t, `Seq Scan on processed_events( |$)`, plan, "plan:\n%s", plan)
 }
@@ -103,4 +103,33 @@ func explainExecute(t *testing.T, ctx context.Context, pool *pgxpool.Pool, sql, 
 	lines, err := pgx.CollectRows(rows, pgx.RowTo[string])
 	require.NoError(t, err)
 	return strings.Join(lines, "\n")
+}
+
+// Retention walks the (consumer, processed_at) index in order also when
+// most of the consumer's rows are expired, the normal state of a first
+// sweep or one after an outage. With a plain LIMIT over "processed_at <
+// cutoff", the planner expects thousands of matches and takes the LIMIT
+// from a sequential scan: each statement then starts at the table's first
+// page and walks past the rows the previous statements deleted, so a
+// sweep's cost grows with the square of what it deletes (seconds per
+// statement at 10M rows, docs/performance.md).
+func TestRetentionWalksTheIndexWhenMostRowsExpired(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	pool, _ := pgtest.Schema(t)
+	s, err := New(Config{})
+	require.NoError(t, err)
+	require.NoError(t, s.Migrate(ctx, pool))
+	for _, sql := range []string{
+		`INSERT INTO processed_events (consumer, event_id, processed_at)
+SELECT 'c1', 'e-' || i, now() - interval '30 days' + i * interval '1 second' FROM generate_series(1, 100000) i`,
+		`ANALYZE processed_events`,
+	} {
+		_, err := pool.Exec(ctx, sql)
+		require.NoError(t, err, sql)
+	}
+	plan := explainExecute(t, ctx, pool, s.retentionSQL, "text, timestamptz, integer, timestamptz",
+		"'c1', now() - interval '1 day', 1000, '-infinity'")
+	assert.Regexp(t, `Index (Only )?Scan using processed_events_consumer_processed_at_idx`, plan, "plan:\n%s", plan)
+	assert.NotRegexp(t, `Seq Scan on processed_events( |$)`, plan, "plan:\n%s", plan)
 }

@@ -10,6 +10,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/onceco/once/internal/migrate"
 )
@@ -99,8 +100,19 @@ LEFT JOIN LATERAL (
 	WHERE ins.event_id IS NULL AND consumer = $1 AND event_id = u.id OFFSET 0
 ) p ON true`,
 		lookupSQL: `SELECT fingerprint, processed_at FROM ` + table + ` WHERE consumer = $1 AND event_id = $2`,
-		retentionSQL: `DELETE FROM ` + table + ` WHERE ctid = ANY(ARRAY(SELECT ctid FROM ` + table +
-			` WHERE consumer = $1 AND processed_at < $2 LIMIT $3))`,
+		// The oldest rows first, from where the previous statement
+		// stopped ($4): ORDER BY with LIMIT makes the planner walk the
+		// (consumer, processed_at) index however many rows are expired
+		// (a bare LIMIT is taken from a sequential scan when most are),
+		// and the lower bound skips the index entries of rows already
+		// deleted, so each statement costs the same however far the sweep
+		// has gone. Rows at the bound itself are taken again (>=), so a
+		// batch ending amid equal timestamps loses none.
+		retentionSQL: `WITH doomed AS (
+	SELECT ctid FROM ` + table + ` WHERE consumer = $1 AND processed_at < $2 AND processed_at >= $4
+	ORDER BY processed_at LIMIT $3)
+, gone AS (DELETE FROM ` + table + ` WHERE ctid IN (SELECT ctid FROM doomed) RETURNING processed_at)
+SELECT count(*), coalesce(max(processed_at), $4) FROM gone`,
 		attemptsRetentionSQL: `DELETE FROM ` + attempts + ` WHERE ctid = ANY(ARRAY(SELECT ctid FROM ` + attempts +
 			` WHERE consumer = $1 AND last_seen < $2 LIMIT $3))`,
 	}
@@ -504,12 +516,33 @@ func (s *Store) DeleteOlderThan(ctx context.Context, db DB, consumer string, cut
 	if batchSize <= 0 {
 		batchSize = 1000
 	}
-	total, err := deleteInBatches(ctx, db, s.retentionSQL, consumer, cutoff, batchSize)
+	total, err := deleteOldestFirst(ctx, db, s.retentionSQL, consumer, cutoff, batchSize)
 	if err != nil {
 		return total, err
 	}
 	_, err = deleteInBatches(ctx, db, s.attemptsRetentionSQL, consumer, cutoff, batchSize)
 	return total, err
+}
+
+// deleteOldestFirst runs the retention statement of processed_events until
+// a statement deletes fewer than batchSize rows, each from where the
+// previous one stopped.
+func deleteOldestFirst(ctx context.Context, db DB, sql, consumer string, cutoff time.Time, batchSize int) (int64, error) {
+	var total int64
+	from := pgtype.Timestamptz{InfinityModifier: pgtype.NegativeInfinity, Valid: true}
+	for {
+		var n int64
+		if err := db.QueryRow(ctx, sql, consumer, cutoff, batchSize, from).Scan(&n, &from); err != nil {
+			return total, fmt.Errorf("dedup: retention: %w", err)
+		}
+		total += n
+		if n < int64(batchSize) {
+			return total, nil
+		}
+		if err := ctx.Err(); err != nil {
+			return total, err
+		}
+	}
 }
 
 func deleteInBatches(ctx context.Context, db DB, sql, consumer string, cutoff time.Time, batchSize int) (int64, error) {

@@ -1117,3 +1117,20 @@ func TestClaimRaceWithRetention(t *testing.T) {
 		assert.Equal(t, 1, processed(t, ctx, pool, "c", "aging"))
 	}
 }
+
+// Each retention statement starts where the previous one stopped; rows
+// sharing the timestamp at which a batch stopped are not skipped.
+func TestDeleteOlderThanEqualTimestampsAcrossBatches(t *testing.T) {
+	t.Parallel()
+	ctx, pool, s := setup(t)
+	_, err := pool.Exec(ctx, `INSERT INTO processed_events (consumer, event_id, processed_at)
+SELECT 'c0', 'old-' || i, now() - interval '2 days' - (i % 3) * interval '1 hour' FROM generate_series(1, 25) i`)
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `INSERT INTO processed_events (consumer, event_id) SELECT 'c0', 'new-' || i FROM generate_series(1, 4) i`)
+	require.NoError(t, err)
+
+	n, err := s.DeleteOlderThan(ctx, pool, "c0", time.Now().Add(-24*time.Hour), 4)
+	require.NoError(t, err)
+	assert.Equal(t, int64(25), n, "three timestamps shared by 8-9 rows each, deleted 4 at a time")
+	assert.Equal(t, 4, rowCount(t, ctx, pool, `SELECT count(*) FROM processed_events`))
+}

@@ -127,6 +127,10 @@ type Options struct {
 	DatabaseURL string
 	// AMQPURL is the RabbitMQ node.
 	AMQPURL string
+	// Processes > 1 runs each row in that many processes of one consumer
+	// name at once, in one Kafka group or on one RabbitMQ queue, sharing
+	// the backlog (scaleout.go); no paced phase then. 0 or 1: one.
+	Processes int
 	// HTTPRequests is the number of requests of each HTTP row (http.go);
 	// 0 skips them.
 	HTTPRequests int
@@ -190,6 +194,10 @@ type Result struct {
 	Check   string `json:"check"`
 	// Stats are the library consumer's counters (once rows only).
 	Stats *consumer.Stats `json:"stats,omitempty"`
+	// Processes and Shares: the processes that ran the row together and
+	// each one's acks (Options.Processes; empty for one).
+	Processes int   `json:"processes,omitempty"`
+	Shares    []int `json:"process_shares,omitempty"`
 }
 
 // Machine describes where the run happened.
@@ -406,7 +414,18 @@ func runRow(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, o Options, 
 
 	profileDir := os.Getenv(ProfileEnv)
 	statements := profileDir != "" && resetStatStatements(ctx, db)
-	cr, err := runSubprocess(ctx, spec)
+	var cr *childResult
+	var shares []int
+	var err error
+	if o.Processes > 1 {
+		spec.Pace = 0
+		if err := createProgressTable(ctx, db, spec.Schema); err != nil {
+			return nil, err
+		}
+		cr, shares, err = runProcesses(ctx, spec, o.Processes)
+	} else {
+		cr, err = runSubprocess(ctx, spec)
+	}
 	if err != nil {
 		return nil, err
 	}
@@ -421,6 +440,9 @@ func runRow(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, o Options, 
 		AllocsPerMsg: cr.AllocsPerMsg, PeakRSSMB: float64(cr.RSSKB) / 1024,
 		HeapSysMB: float64(cr.HeapSysKB) / 1024, HeapInuseMB: float64(cr.HeapInuseKB) / 1024,
 		RoundTrips: cr.RoundTrips, Transactions: cr.Commits,
+	}
+	if len(shares) > 1 {
+		res.Processes, res.Shares = len(shares), shares
 	}
 	if cr.Commits > 0 {
 		res.RoundTripsPerTx = float64(cr.RoundTrips) / float64(cr.Commits)

@@ -58,6 +58,10 @@ type rowSpec struct {
 	PaceWork    Workload      // shape of the paced events (Events is computed)
 	PacedPrefix string
 	Timeout     time.Duration
+
+	// Processes > 1: the row runs in that many processes at once, this
+	// one numbered Process (from 0), sharing the backlog (scaleout.go).
+	Processes, Process int
 }
 
 // childResult is what a row's subprocess reports on stdout.
@@ -87,6 +91,12 @@ type childResult struct {
 	ReceiveP50, ReceiveP99 time.Duration
 
 	Stats *consumer.Stats `json:",omitempty"`
+
+	// Acked, FirstAtNs and DoneAtNs are this process's acks in the backlog
+	// phase, when it received its first delivery and when the backlog was
+	// done (Unix ns): what a scale-out row combines.
+	Acked               int
+	FirstAtNs, DoneAtNs int64
 }
 
 // RunChildIfRequested runs a row and exits when the process is a row's
@@ -236,6 +246,12 @@ func runChild(spec *rowSpec) (*childResult, error) {
 		_ = src.Close()
 		return nil, fmt.Errorf("unknown row %q", spec.Row)
 	}
+	if spec.Processes > 1 {
+		if err := awaitPeers(ctx, spec); err != nil {
+			_ = src.Close()
+			return nil, err
+		}
+	}
 	go func() {
 		runErr = run()
 		close(finished)
@@ -274,11 +290,16 @@ func runChild(spec *rowSpec) (*childResult, error) {
 		return nil
 	}
 
-	if err := wait(spec.Backlog); err != nil {
+	backlogDone := func() error { return wait(spec.Backlog) }
+	if spec.Processes > 1 {
+		backlogDone = func() error { return waitShared(ctx, spec, m, finished) }
+	}
+	if err := backlogDone(); err != nil {
 		_ = stop()
 		return nil, err
 	}
-	elapsed := time.Since(m.firstAt())
+	doneAt := time.Now()
+	elapsed := doneAt.Sub(m.firstAt())
 	writes1, commits1 := wire.snapshot()
 	if profile != nil {
 		pprof.StopCPUProfile()
@@ -291,13 +312,18 @@ func runChild(spec *rowSpec) (*childResult, error) {
 		Messages:     spec.Backlog,
 		Seconds:      elapsed.Seconds(),
 		Rate:         float64(spec.Backlog) / elapsed.Seconds(),
-		AllocsPerMsg: float64(ms1.Mallocs-ms0.Mallocs) / float64(spec.Backlog),
+		AllocsPerMsg: float64(ms1.Mallocs-ms0.Mallocs) / float64(max(1, ownShare(spec, m))),
 		RSSKB:        procStatusKB("VmHWM"),
 		HeapSysKB:    int64(ms1.HeapSys / 1024),
 		HeapInuseKB:  int64(ms1.HeapInuse / 1024),
 		NumGC:        ms1.NumGC,
 		RoundTrips:   writes1 - writes0,
 		Commits:      commits1 - commits0,
+		Acked:        m.Acked(),
+		DoneAtNs:     doneAt.UnixNano(),
+	}
+	if first := m.firstAt(); !first.IsZero() {
+		res.FirstAtNs = first.UnixNano()
 	}
 
 	if spec.Pace > 0 {
@@ -314,6 +340,15 @@ func runChild(spec *rowSpec) (*childResult, error) {
 		res.Stats = &st
 	}
 	return res, nil
+}
+
+// ownShare is the messages this process handled in the backlog phase: the
+// backlog, or its acks when several processes share it.
+func ownShare(spec *rowSpec, m *meter) int {
+	if spec.Processes > 1 {
+		return m.Acked()
+	}
+	return spec.Backlog
 }
 
 // writeAllocsProfile writes the allocations sampled since the process

@@ -98,6 +98,7 @@ func (r *Report) Targets() []string {
 		}
 	}
 	out = append(out, r.handwrittenTargets()...)
+	out = append(out, r.pipelineTargets()...)
 	correct := true
 	for _, x := range r.Results {
 		correct = correct && x.Correct

@@ -171,6 +171,32 @@ func (c countingDB) Exec(ctx context.Context, sql string, args ...any) (pgconn.C
 	return tag, err
 }
 
+// QueryRow implements dedup.DB: the retention statement of
+// processed_events returns the rows it deleted as its first column.
+func (c countingDB) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	start := time.Now() // the statement runs before QueryRow returns
+	return countedRow{Row: c.Pool.QueryRow(ctx, sql, args...), c: c, start: start}
+}
+
+// countedRow adds a retention statement's deleted rows (its first column)
+// to deleted once scanned, and keeps the statement's duration.
+type countedRow struct {
+	pgx.Row
+	c     countingDB
+	start time.Time
+}
+
+func (r countedRow) Scan(dest ...any) error {
+	err := r.Row.Scan(dest...)
+	if n, ok := dest[0].(*int64); ok && err == nil {
+		r.c.deleted.Add(*n)
+	}
+	r.c.mu.Lock()
+	*r.c.took = append(*r.c.took, time.Since(r.start))
+	r.c.mu.Unlock()
+	return err
+}
+
 type lockSamples struct {
 	samples, waiting, max int
 	// events counts, by wait event (relation, tuple, transactionid,

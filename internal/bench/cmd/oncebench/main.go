@@ -12,6 +12,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"flag"
 	"fmt"
 	"os"
@@ -54,6 +55,7 @@ func run() int {
 		retN       = flag.Int("scale-retention-n", 200000, "-scale: distinct events of the retention phase's runs")
 		retBatch   = flag.Int("scale-retention-batch", 5000, "-scale: batch size of dedup.Store.DeleteOlderThan")
 		pngOut     = flag.String("png", "", "-scale: also plot msgs/s against table size to this PNG file")
+		scaleOut   = flag.String("scale-out", "", "instead of the table: each row (default once-batch-handler) run by each of these numbers of processes of one consumer name at once, e.g. 1,2,4")
 	)
 	flag.Parse()
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
@@ -103,6 +105,12 @@ func run() int {
 	}
 	if *rssCheck {
 		return runRSSCheck(ctx, o, *rssSizes)
+	}
+	if *scaleOut != "" {
+		if *rows == "" {
+			o.Rows = []bench.Row{bench.RowOnceBatchHandler}
+		}
+		return runScaleOut(ctx, o, *scaleOut, *jsonOut)
 	}
 	if *scale {
 		so := bench.ScaleOptions{TableRows: *scaleRows, RetentionEvents: *retN, RetentionBatch: *retBatch, BatchSize: *batch,
@@ -228,4 +236,60 @@ func rowNames() string {
 		out = append(out, strings.ReplaceAll(string(r), " ", "-"))
 	}
 	return strings.Join(out, ",")
+}
+
+// runScaleOut runs the rows with each number of processes and prints the
+// rate and each process's share side by side.
+func runScaleOut(ctx context.Context, o bench.Options, counts, jsonOut string) int {
+	o.PGBench, o.Pace, o.HTTPRequests = 0, 0, 0
+	var reports []*bench.Report
+	ok := true
+	for _, s := range strings.Split(counts, ",") {
+		n, err := strconv.Atoi(strings.TrimSpace(s))
+		if err != nil || n <= 0 {
+			fmt.Fprintf(os.Stderr, "oncebench: bad process count %q\n", s)
+			return 2
+		}
+		o.Processes = n
+		rep, err := bench.Run(ctx, o)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "oncebench:", err)
+			return 1
+		}
+		reports = append(reports, rep)
+	}
+	fmt.Printf("%-9s %-20s %9s %10s %10s %8s  %-28s %s\n", "broker", "row", "processes", "msgs/s", "x one", "msgs/tx", "share of each process", "correct")
+	base := map[string]float64{}
+	for i, rep := range reports {
+		for _, r := range rep.Results {
+			key := string(r.Broker) + "/" + string(r.Row)
+			if i == 0 {
+				base[key] = r.Rate
+			}
+			shares := make([]string, 0, len(r.Shares))
+			for _, sh := range r.Shares {
+				shares = append(shares, fmt.Sprintf("%.0f%%", 100*float64(sh)/float64(r.Messages)))
+			}
+			if len(shares) == 0 {
+				shares = append(shares, "100%")
+			}
+			fmt.Printf("%-9s %-20s %9d %10.0f %10.2f %8.1f  %-28s %v (%s)\n", r.Broker, r.Row, max(1, r.Processes), r.Rate,
+				r.Rate/base[key], r.MsgsPerTx, strings.Join(shares, " "), r.Correct, r.Check)
+			ok = ok && r.Correct
+		}
+	}
+	if jsonOut != "" {
+		raw, err := json.MarshalIndent(reports, "", "  ")
+		if err == nil {
+			err = os.WriteFile(jsonOut, append(raw, '\n'), 0o644)
+		}
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "oncebench:", err)
+			return 1
+		}
+	}
+	if !ok {
+		return 1
+	}
+	return 0
 }

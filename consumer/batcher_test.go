@@ -1,0 +1,131 @@
+package consumer_test
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/consumer/memsource"
+	"github.com/onceco/once/internal/pgtest"
+)
+
+// batchRecorder is a batch handler that records each batch's ids and
+// blocks a batch holding the gate id until release is closed.
+type batchRecorder struct {
+	gate    string
+	entered chan struct{}
+	release chan struct{}
+
+	mu      sync.Mutex
+	batches [][]string
+}
+
+func newBatchRecorder(gate string) *batchRecorder {
+	return &batchRecorder{gate: gate, entered: make(chan struct{}), release: make(chan struct{})}
+}
+
+func (r *batchRecorder) handle(ctx context.Context, tx pgx.Tx, evs []consumer.Event[order]) error {
+	ids := make([]string, len(evs))
+	for i, ev := range evs {
+		ids[i] = ev.ID
+		if ev.ID == r.gate {
+			close(r.entered)
+			select {
+			case <-r.release:
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+		}
+	}
+	r.mu.Lock()
+	r.batches = append(r.batches, ids)
+	r.mu.Unlock()
+	return nil
+}
+
+// transactionsOf counts the committed batches holding an id with prefix.
+func (r *batchRecorder) transactionsOf(prefix string) (n, messages int) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, b := range r.batches {
+		k := 0
+		for _, id := range b {
+			if len(id) >= len(prefix) && id[:len(prefix)] == prefix {
+				k++
+			}
+		}
+		if k > 0 {
+			n++
+			messages += k
+		}
+	}
+	return n, messages
+}
+
+// Unordered deliveries (RabbitMQ) that arrive while a transaction runs
+// wait for it and go together into the next one, instead of each idle
+// worker taking the one or two that wait when it is free: the stream is
+// not split into as many small transactions as there are workers.
+// (Before the batcher, 50 messages arriving during a transaction went into
+// a dozen or more transactions of a few messages each.)
+func TestUnorderedArrivalsDuringATransactionShareTheNext(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	b := memsource.New(memsource.Options{}) // unordered, like AMQP
+	rec := newBatchRecorder("gate")
+	cfg := fastConfig("group-commit")
+	cfg.Concurrency = 8
+	c, err := consumer.NewBatch(pool, b.Source(), rec.handle, cfg)
+	require.NoError(t, err)
+	start(t, c)
+
+	publish(b, "gate", 0)
+	<-rec.entered
+	for i := 1; i <= 50; i++ {
+		publish(b, fmt.Sprintf("after-%d", i), i)
+	}
+	require.Eventually(t, func() bool { return c.Stats().Received == 51 }, 10*time.Second, time.Millisecond)
+	close(rec.release)
+	require.NoError(t, b.WaitAcked(context.Background(), 51))
+
+	n, messages := rec.transactionsOf("after-")
+	assert.Equal(t, 50, messages)
+	// One when the batcher received all 50 within maxGroupWait of the
+	// first; a loaded machine may close the batch once or twice early.
+	assert.LessOrEqual(t, n, 3, "transactions of the 50 messages that arrived during one")
+}
+
+// A transaction that does not end (a handler stuck on something outside
+// the database) holds up the unordered messages behind it only for a
+// bounded time: a partial batch stops waiting for it and runs beside it.
+func TestUnorderedBatchesDoNotWaitForAStuckTransaction(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	b := memsource.New(memsource.Options{})
+	rec := newBatchRecorder("stuck")
+	cfg := fastConfig("group-commit-stuck")
+	cfg.Concurrency = 4
+	c, err := consumer.NewBatch(pool, b.Source(), rec.handle, cfg)
+	require.NoError(t, err)
+	start(t, c)
+	defer close(rec.release)
+
+	publish(b, "stuck", 0)
+	<-rec.entered
+	for round := 1; round <= 3; round++ {
+		for i := 1; i <= 5; i++ {
+			publish(b, fmt.Sprintf("next-%d-%d", round, i), i)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		err := b.WaitAcked(ctx, 5*round)
+		cancel()
+		require.NoError(t, err, "round %d: handled while the stuck transaction runs", round)
+	}
+	_, messages := rec.transactionsOf("next-")
+	assert.Equal(t, 15, messages)
+}
