@@ -169,14 +169,14 @@ func (d *downstream) openPublisher(o *options) error {
 		if err != nil {
 			return err
 		}
-		d.pub, d.closePub = p, p.Close
+		d.pub, d.closePub = chaosRelayPublisher(p), p.Close
 		return nil
 	}
 	p, err := kafkaout.New(kafkaout.Config{Brokers: o.kafkaBrokers, Sarama: saramaConfig()})
 	if err != nil {
 		return err
 	}
-	d.pub, d.closePub = p, p.Close
+	d.pub, d.closePub = chaosRelayPublisher(p), p.Close
 	return nil
 }
 
