@@ -130,6 +130,9 @@ type Options struct {
 	// HTTPRequests is the number of requests of each HTTP row (http.go);
 	// 0 skips them.
 	HTTPRequests int
+	// OutboxRows is the number of rows of each broker's outbox rows
+	// (outbox.go): relay and confirmed-publish ceiling; 0 skips them.
+	OutboxRows int
 	// Log receives progress lines; nil discards them.
 	Log io.Writer
 
@@ -218,6 +221,8 @@ type Report struct {
 	PaceMax     float64 `json:"pace_max_msgs_per_s"`
 	// HTTP are the HTTP command rows, if run.
 	HTTP *HTTPReport `json:"http,omitempty"`
+	// Outbox are the outbox rows of each broker, if run.
+	Outbox []OutboxResult `json:"outbox,omitempty"`
 }
 
 func (o *Options) logf(format string, args ...any) {
@@ -300,6 +305,13 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 					st.Handled, st.Duplicates, st.DeadLettered, st.Retries, st.InfraErrors)
 			}
 			rep.Results = append(rep.Results, *res)
+		}
+		if o.OutboxRows > 0 {
+			res, err := runOutbox(ctx, db, kc, o, b)
+			if err != nil {
+				return nil, fmt.Errorf("%s outbox: %w", b, err)
+			}
+			rep.Outbox = append(rep.Outbox, *res)
 		}
 	}
 	ratios(rep)

@@ -1,0 +1,569 @@
+package bench
+
+// The outbox rows: for each broker, the relay's throughput next to the
+// broker's confirmed-publish ceiling measured in the same run (the same
+// messages, in batches of the relay's size, straight to the broker: Kafka
+// through a sarama idempotent producer with acks=all, RabbitMQ through
+// amqp091 with publisher confirms), then the latency from a writer's
+// commit to the commit of a consumer of this library downstream, with
+// rows written at half the relay's measured rate.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"slices"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	amqp091 "github.com/rabbitmq/amqp091-go"
+
+	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/outbox"
+	"github.com/onceco/once/outbox/amqpout"
+	"github.com/onceco/once/outbox/kafkaout"
+)
+
+// OutboxResult is one broker's outbox rows.
+type OutboxResult struct {
+	Broker    Broker `json:"broker"`
+	Rows      int    `json:"rows"`
+	BatchSize int    `json:"batch_size"`
+	// CeilingRate is the broker's confirmed publish of the same messages
+	// in batches of BatchSize, with no database.
+	CeilingRate float64 `json:"ceiling_msgs_per_s"`
+	// RelayRate is rows written beforehand, published and deleted by one
+	// relay, per second.
+	RelayRate float64 `json:"relay_msgs_per_s"`
+	VsCeiling float64 `json:"x_ceiling"`
+	// P50Ms and P99Ms are from the commit of the transaction that wrote a
+	// row to the commit of the downstream consumer's transaction that
+	// handled it, at PacedRate rows/s (half of RelayRate, capped by
+	// Options.PaceMax), the first sixth excluded as warm-up.
+	P50Ms       float64 `json:"p50_ms"`
+	P99Ms       float64 `json:"p99_ms"`
+	PacedTarget float64 `json:"paced_target_msgs_per_s"`
+	PacedRate   float64 `json:"paced_msgs_per_s"`
+	PacedMsgs   int     `json:"paced_messages"`
+	// Correct says whether every row reached the broker and the outbox
+	// was left empty; Check says what was counted.
+	Correct bool   `json:"correct"`
+	Check   string `json:"check"`
+}
+
+// outboxBody is a ~200-byte payload, like the consumer rows'.
+func outboxBody(i int) []byte {
+	return []byte(fmt.Sprintf(`{"n":%d,"account":"acct-%d","amount":%d,"pad":"%s"}`, i, i%256, 100+i%1000, pad))
+}
+
+// outboxKey spreads rows over 256 keys: per-key order is what the relay
+// keeps, so the keys must repeat.
+func outboxKey(i int) []byte { return []byte("acct-" + strconv.Itoa(i%256)) }
+
+// outboxDest is where a broker's outbox rows go.
+type outboxDest struct {
+	b         Broker
+	kc        *kafkaCluster
+	amqpURL   string
+	name      string // Kafka topic, or RabbitMQ queue (default exchange)
+	partition int
+}
+
+func (d *outboxDest) message(prefix string, i int) outbox.Message {
+	m := outbox.Message{ID: prefix + strconv.Itoa(i), Key: outboxKey(i), Type: "bench.outbox", Body: outboxBody(i)}
+	if d.b == RabbitMQ {
+		m.RoutingKey = d.name
+	} else {
+		m.Topic = d.name
+	}
+	return m
+}
+
+// create makes the destination (and its dead-letter topic or queue, for
+// the downstream consumer).
+func (d *outboxDest) create() error {
+	if d.b == RabbitMQ {
+		return declareQueue(d.amqpURL, d.name)
+	}
+	return d.kc.createTopics(d.name, d.partition)
+}
+
+// count returns the messages at the destination.
+func (d *outboxDest) count() (int, error) {
+	if d.b == RabbitMQ {
+		return queueLength(d.amqpURL, d.name)
+	}
+	return topicCount(d.kc.addrs, d.name)
+}
+
+// queueLength returns the ready messages of queue.
+func queueLength(url, queue string) (int, error) {
+	conn, err := amqp091.Dial(url)
+	if err != nil {
+		return 0, err
+	}
+	defer conn.Close()
+	ch, err := conn.Channel()
+	if err != nil {
+		return 0, err
+	}
+	q, err := ch.QueueDeclarePassive(queue, true, false, false, false, nil)
+	if err != nil {
+		return 0, fmt.Errorf("queue %s: %w", queue, err)
+	}
+	return q.Messages, nil
+}
+
+func (d *outboxDest) cleanup() {
+	if d.b == RabbitMQ {
+		deleteQueues(d.amqpURL, d.name)
+	}
+}
+
+// publisher is the relay's publisher for the destination.
+func (d *outboxDest) publisher() (outbox.Publisher, func() error, error) {
+	if d.b == RabbitMQ {
+		p, err := amqpout.New(amqpout.Config{URL: d.amqpURL})
+		if err != nil {
+			return nil, nil, err
+		}
+		return p, p.Close, nil
+	}
+	p, err := kafkaout.New(kafkaout.Config{Brokers: d.kc.addrs, Sarama: saramaConfig()})
+	if err != nil {
+		return nil, nil, err
+	}
+	return p, p.Close, nil
+}
+
+// runOutbox measures the outbox rows of broker b.
+func runOutbox(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, o Options, b Broker) (*OutboxResult, error) {
+	res := &OutboxResult{Broker: b, Rows: o.OutboxRows, BatchSize: outbox.DefaultBatchSize}
+	schema := schemaName(b, "outbox")
+	if err := createSchema(ctx, db, schema); err != nil {
+		return nil, err
+	}
+	defer dropSchema(db, schema)
+	pool, err := schemaPool(ctx, o.DatabaseURL, schema)
+	if err != nil {
+		return nil, err
+	}
+	defer pool.Close()
+	if err := outbox.Migrate(ctx, pool); err != nil {
+		return nil, err
+	}
+	stamp := strconv.FormatInt(time.Now().UnixNano(), 10)
+	newDest := func(what string) (*outboxDest, error) {
+		d := &outboxDest{b: b, kc: kc, amqpURL: o.AMQPURL, name: "oncebench-outbox-" + what + "-" + stamp, partition: o.Workload.Partitions}
+		return d, d.create()
+	}
+
+	ceil, err := newDest("ceiling")
+	if err != nil {
+		return nil, err
+	}
+	defer ceil.cleanup()
+	if res.CeilingRate, err = outboxCeiling(ceil, res.Rows, res.BatchSize); err != nil {
+		return nil, fmt.Errorf("ceiling: %w", err)
+	}
+	o.logf("  %-9s %-19s %9.0f msgs/s  (confirmed publish, batches of %d, no database)", b, "outbox ceiling", res.CeilingRate, res.BatchSize)
+
+	rel, err := newDest("relay")
+	if err != nil {
+		return nil, err
+	}
+	defer rel.cleanup()
+	var published int
+	if res.RelayRate, published, err = outboxRelayRate(ctx, pool, rel, res.Rows); err != nil {
+		return nil, fmt.Errorf("relay: %w", err)
+	}
+	if res.CeilingRate > 0 {
+		res.VsCeiling = res.RelayRate / res.CeilingRate
+	}
+	o.logf("  %-9s %-19s %9.0f msgs/s  (%.2fx the ceiling)", b, "outbox relay", res.RelayRate, res.VsCeiling)
+
+	if o.Pace > 0 {
+		paced, err := newDest("paced")
+		if err != nil {
+			return nil, err
+		}
+		defer paced.cleanup()
+		res.PacedTarget = min(res.RelayRate/2, o.PaceMax)
+		if err := outboxLatency(ctx, pool, paced, o.Pace, res); err != nil {
+			return nil, fmt.Errorf("latency: %w", err)
+		}
+		o.logf("  %-9s %-19s p50/p99 %.1f/%.1f ms commit to downstream commit at %.0f rows/s", b, "outbox latency", res.P50Ms, res.P99Ms, res.PacedRate)
+	}
+	var left int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM outbox`).Scan(&left); err != nil {
+		return nil, err
+	}
+	res.Correct = published == res.Rows && left == 0
+	res.Check = fmt.Sprintf("%d/%d at the broker, %d rows left", published, res.Rows, left)
+	return res, nil
+}
+
+// schemaPool opens a pool whose search_path is schema.
+func schemaPool(ctx context.Context, url, schema string) (*pgxpool.Pool, error) {
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		return nil, err
+	}
+	cfg.ConnConfig.RuntimeParams["search_path"] = schema
+	cfg.MaxConns = 8
+	return pgxpool.NewWithConfig(ctx, cfg)
+}
+
+// outboxCeiling publishes n messages to d in batches of batch, waiting for
+// each batch's confirms, and returns the rate.
+func outboxCeiling(d *outboxDest, n, batch int) (float64, error) {
+	if d.b == RabbitMQ {
+		return amqpCeiling(d, n, batch)
+	}
+	sc := saramaConfig()
+	sc.Producer.Idempotent = true
+	sc.Producer.RequiredAcks = sarama.WaitForAll
+	sc.Producer.Return.Successes = true
+	sc.Producer.Return.Errors = true
+	sc.Net.MaxOpenRequests = 1
+	p, err := sarama.NewSyncProducer(d.kc.addrs, sc)
+	if err != nil {
+		return 0, err
+	}
+	defer p.Close()
+	msgs := make([]*sarama.ProducerMessage, 0, batch)
+	start := time.Now()
+	for from := 0; from < n; from += batch {
+		msgs = msgs[:0]
+		for i := from; i < min(from+batch, n); i++ {
+			m := d.message("c-", i)
+			msgs = append(msgs, &sarama.ProducerMessage{Topic: d.name, Key: sarama.ByteEncoder(m.Key), Value: sarama.ByteEncoder(m.Body),
+				Headers: []sarama.RecordHeader{{Key: []byte("id"), Value: []byte(m.ID)}, {Key: []byte("type"), Value: []byte(m.Type)}}})
+		}
+		if err := p.SendMessages(msgs); err != nil {
+			return 0, err
+		}
+	}
+	return float64(n) / time.Since(start).Seconds(), nil
+}
+
+// amqpCeiling publishes n persistent, mandatory messages to d's queue in
+// confirm mode, batch at a time.
+func amqpCeiling(d *outboxDest, n, batch int) (float64, error) {
+	conn, err := amqp091.Dial(d.amqpURL)
+	if err != nil {
+		return 0, err
+	}
+	defer conn.Close()
+	ch, err := conn.Channel()
+	if err != nil {
+		return 0, err
+	}
+	if err := ch.Confirm(false); err != nil {
+		return 0, err
+	}
+	ctx := context.Background()
+	confirms := make([]*amqp091.DeferredConfirmation, 0, batch)
+	start := time.Now()
+	for from := 0; from < n; from += batch {
+		confirms = confirms[:0]
+		for i := from; i < min(from+batch, n); i++ {
+			m := d.message("c-", i)
+			dc, err := ch.PublishWithDeferredConfirmWithContext(ctx, "", d.name, true, false, amqp091.Publishing{
+				DeliveryMode: amqp091.Persistent, MessageId: m.ID, Type: m.Type, Body: m.Body,
+				Headers: amqp091.Table{"key": string(m.Key)}})
+			if err != nil {
+				return 0, err
+			}
+			confirms = append(confirms, dc)
+		}
+		for _, dc := range confirms {
+			ok, err := dc.WaitContext(ctx)
+			if err != nil {
+				return 0, err
+			}
+			if !ok {
+				return 0, errors.New("RabbitMQ nacked a message")
+			}
+		}
+	}
+	return float64(n) / time.Since(start).Seconds(), nil
+}
+
+// countingPublisher counts the records its publisher confirmed.
+type countingPublisher struct {
+	outbox.Publisher
+	confirmed atomic.Int64
+}
+
+func (c *countingPublisher) Publish(ctx context.Context, recs []outbox.Record) []error {
+	errs := c.Publisher.Publish(ctx, recs)
+	ok := int64(len(recs))
+	for _, err := range errs {
+		if err != nil {
+			ok--
+		}
+	}
+	c.confirmed.Add(ok)
+	return errs
+}
+
+// outboxRelayRate writes n rows, then times one relay publishing and
+// deleting all of them. It returns the rate and the messages found at the
+// destination afterwards.
+func outboxRelayRate(ctx context.Context, pool *pgxpool.Pool, d *outboxDest, n int) (float64, int, error) {
+	for from := 0; from < n; from += 1000 {
+		msgs := make([]outbox.Message, 0, 1000)
+		for i := from; i < min(from+1000, n); i++ {
+			msgs = append(msgs, d.message("r-", i))
+		}
+		if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error { return outbox.Add(ctx, tx, msgs...) }); err != nil {
+			return 0, 0, err
+		}
+	}
+	if _, err := pool.Exec(ctx, `VACUUM ANALYZE outbox`); err != nil {
+		return 0, 0, err
+	}
+	pub, closePub, err := d.publisher()
+	if err != nil {
+		return 0, 0, err
+	}
+	defer func() { _ = closePub() }()
+	counted := &countingPublisher{Publisher: pub}
+	rctx, stop := context.WithCancel(ctx)
+	defer stop()
+	start := time.Now()
+	relayDone, err := startBenchRelay(rctx, pool, counted)
+	if err != nil {
+		return 0, 0, err
+	}
+	if err := awaitEmptyOutbox(ctx, pool, func() bool { return counted.confirmed.Load() >= int64(n) }, time.Minute+time.Duration(n)*time.Millisecond); err != nil {
+		return 0, 0, err
+	}
+	rate := float64(n) / time.Since(start).Seconds()
+	stop()
+	<-relayDone
+	published, err := d.count()
+	return rate, published, err
+}
+
+// startBenchRelay runs a relay with the default settings on pool's outbox
+// until ctx ends; the channel closes when it has returned.
+func startBenchRelay(ctx context.Context, pool *pgxpool.Pool, pub outbox.Publisher) (<-chan struct{}, error) {
+	r, err := outbox.NewRelay(pool, pub, outbox.RelayConfig{SkipMigrate: true, Logger: quietLogger()})
+	if err != nil {
+		return nil, err
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		_ = r.Run(ctx)
+	}()
+	return done, nil
+}
+
+func quietLogger() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)) }
+
+// awaitEmptyOutbox waits until confirmed says the broker has every row,
+// then until the relay has deleted them all.
+func awaitEmptyOutbox(ctx context.Context, pool *pgxpool.Pool, confirmed func() bool, within time.Duration) error {
+	deadline := time.Now().Add(within)
+	for time.Now().Before(deadline) {
+		if confirmed() {
+			var left int
+			if err := pool.QueryRow(ctx, `SELECT count(*) FROM outbox`).Scan(&left); err != nil {
+				return err
+			}
+			if left == 0 {
+				return nil
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(time.Millisecond):
+		}
+	}
+	return fmt.Errorf("the relay did not empty the outbox within %s", within)
+}
+
+// outboxLatency writes rows at res.PacedTarget a second for pace, with a
+// relay publishing them and a consumer of this library handling them
+// downstream, and records each row's time from its writer's commit to the
+// downstream commit.
+func outboxLatency(ctx context.Context, pool *pgxpool.Pool, d *outboxDest, pace time.Duration, res *OutboxResult) error {
+	// Each row's two commits, by id: the downstream one may be recorded
+	// before its writer's.
+	var mu sync.Mutex
+	written, downstream := map[string]time.Time{}, map[string]time.Time{}
+	afterCommit := func(_ context.Context, evs []consumer.Committed) {
+		now := time.Now()
+		mu.Lock()
+		defer mu.Unlock()
+		for _, ev := range evs {
+			downstream[ev.EventID] = now
+		}
+	}
+	c, err := downstreamConsumer(ctx, pool, d, afterCommit)
+	if err != nil {
+		return err
+	}
+	pub, closePub, err := d.publisher()
+	if err != nil {
+		return err
+	}
+	defer func() { _ = closePub() }()
+	rctx, stop := context.WithCancel(ctx)
+	defer stop()
+	relayDone, err := startBenchRelay(rctx, pool, pub)
+	if err != nil {
+		return err
+	}
+	consumerDone := make(chan error, 1)
+	go func() { consumerDone <- c.Run(rctx) }()
+	defer func() { stop(); <-relayDone; <-consumerDone }()
+
+	n, elapsed, err := paceOutboxWriters(ctx, pool, d, res.PacedTarget, pace, func(ids []string, at time.Time) {
+		mu.Lock()
+		for _, id := range ids {
+			written[id] = at
+		}
+		mu.Unlock()
+	})
+	if err != nil {
+		return err
+	}
+	res.PacedMsgs, res.PacedRate = n, float64(n)/elapsed.Seconds()
+	deadline := time.Now().Add(time.Minute)
+	for {
+		mu.Lock()
+		done := len(downstream)
+		mu.Unlock()
+		if done >= n {
+			break
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("the downstream consumer committed %d of %d rows within a minute", done, n)
+		}
+		select {
+		case err := <-consumerDone:
+			return fmt.Errorf("the downstream consumer stopped: %w", err)
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	var lat []time.Duration
+	for i := n / 6; i < n; i++ { // the first sixth is the warm-up
+		id := d.message("p-", i).ID
+		lat = append(lat, downstream[id].Sub(written[id]))
+	}
+	if len(lat) == 0 {
+		return errors.New("no row was written in the paced phase")
+	}
+	slices.Sort(lat)
+	res.P50Ms, res.P99Ms = ms(lat[len(lat)/2]), ms(lat[len(lat)*99/100])
+	return nil
+}
+
+// downstreamConsumer is a consumer of this library on d, with the library's
+// defaults, writing one business row per message.
+func downstreamConsumer(ctx context.Context, pool *pgxpool.Pool, d *outboxDest, afterCommit func(context.Context, []consumer.Committed)) (*consumer.Consumer[[]byte], error) {
+	spec := &rowSpec{Brokers: d.kc.addrsOrNil(), Topic: d.name, Group: d.name + "-group", AMQPURL: d.amqpURL, Queue: d.name}
+	var src consumer.Source
+	var err error
+	if d.b == RabbitMQ {
+		src, err = openAMQPSource(ctx, spec, quietLogger())
+	} else {
+		src, err = openKafkaSource(spec, quietLogger())
+	}
+	if err != nil {
+		return nil, err
+	}
+	handle := func(_ context.Context, _ pgx.Tx, ev consumer.Event[[]byte]) error {
+		ev.Queue(`INSERT INTO effects (event_id, n, account, amount) VALUES ($1, 0, '', 0)`, ev.ID)
+		return nil
+	}
+	c, err := consumer.New(pool, src, handle, consumer.Config{Name: "outbox-downstream", Logger: quietLogger(),
+		Hooks: consumer.Hooks{AfterCommit: afterCommit}})
+	if err != nil {
+		_ = src.Close()
+		return nil, err
+	}
+	return c, nil
+}
+
+func (c *kafkaCluster) addrsOrNil() []string {
+	if c == nil {
+		return nil
+	}
+	return c.addrs
+}
+
+// outboxWriters is how many writers share the paced rate: one
+// transaction at a time each.
+const outboxWriters = 4
+
+// paceOutboxWriters writes rows at rate a second for d, from
+// outboxWriters goroutines, each transaction holding the rows due since
+// the writer's previous one, and reports each transaction's rows with the
+// time its commit returned. It returns the rows written and how long it
+// took.
+func paceOutboxWriters(ctx context.Context, pool *pgxpool.Pool, d *outboxDest, rate float64, pace time.Duration,
+	onCommit func(ids []string, at time.Time)) (int, time.Duration, error) {
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	errs := make([]error, outboxWriters)
+	start := time.Now()
+	for w := range outboxWriters {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[w] = paceWriter(ctx, pool, d, start, rate, pace, &next, onCommit)
+		}()
+	}
+	wg.Wait()
+	return int(next.Load()), time.Since(start), errors.Join(errs...)
+}
+
+// paceWriter is one paced writer: every millisecond it takes the rows due
+// by the shared schedule (next counts the rows taken by every writer) and
+// writes them in one transaction.
+func paceWriter(ctx context.Context, pool *pgxpool.Pool, d *outboxDest, start time.Time, rate float64, pace time.Duration,
+	next *atomic.Int64, onCommit func(ids []string, at time.Time)) error {
+	const maxPerTx = 500
+	for {
+		elapsed := time.Since(start)
+		if elapsed >= pace {
+			return nil
+		}
+		due := int64(rate * elapsed.Seconds())
+		from := next.Load()
+		n := min(due-from, maxPerTx)
+		if n <= 0 || !next.CompareAndSwap(from, from+n) {
+			select {
+			case <-ctx.Done():
+				return ctx.Err()
+			case <-time.After(time.Millisecond):
+			}
+			continue
+		}
+		msgs := make([]outbox.Message, n)
+		ids := make([]string, n)
+		for i := range n {
+			msgs[i] = d.message("p-", int(from+i))
+			ids[i] = msgs[i].ID
+		}
+		if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error { return outbox.Add(ctx, tx, msgs...) }); err != nil {
+			return err
+		}
+		onCommit(ids, time.Now())
+	}
+}

@@ -1,0 +1,47 @@
+package bench
+
+import (
+	"fmt"
+	"io"
+	"text/tabwriter"
+)
+
+// writeOutboxTable writes the outbox rows, if any: each broker's
+// confirmed-publish ceiling and relay side by side, and the latency.
+func writeOutboxTable(w io.Writer, rows []OutboxResult) error {
+	if len(rows) == 0 {
+		return nil
+	}
+	fmt.Fprintf(w, "\noutbox: %d rows written beforehand, then one relay publishes and deletes them (default RelayConfig, batches of %d);\n",
+		rows[0].Rows, rows[0].BatchSize)
+	fmt.Fprintln(w, "ceiling: the same messages straight to the broker in batches of that size, confirmed (Kafka: sarama idempotent, acks=all; RabbitMQ: amqp091 confirms)")
+	fmt.Fprintln(w, "latency: writer's commit to the downstream consumer's commit (a consumer of this library), rows written at half the relay's rate by 4 writers")
+	fmt.Fprintln(w)
+	tw := tabwriter.NewWriter(w, 0, 0, 1, ' ', tabwriter.AlignRight|tabwriter.Debug)
+	fmt.Fprintln(tw, "broker\t ceiling msgs/s\t relay msgs/s\t x ceiling\t p50 ms\t p99 ms\t at rows/s\t correct\t")
+	fmt.Fprintln(tw, "---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t")
+	for _, x := range rows {
+		verdict := "yes"
+		if !x.Correct {
+			verdict = "NO"
+		}
+		fmt.Fprintf(tw, "%s\t %.0f\t %.0f\t %.2f\t %.1f\t %.1f\t %.0f\t %s (%s)\t\n",
+			x.Broker, x.CeilingRate, x.RelayRate, x.VsCeiling, x.P50Ms, x.P99Ms, x.PacedRate, verdict, x.Check)
+	}
+	return tw.Flush()
+}
+
+// outboxTargets states the outbox target: the relay at least half of the
+// broker's confirmed-publish ceiling.
+func outboxTargets(rows []OutboxResult) []string {
+	var out []string
+	for _, x := range rows {
+		verdict := "met"
+		if x.VsCeiling < 0.5 {
+			verdict = "NOT met"
+		}
+		out = append(out, fmt.Sprintf("target %s outbox relay >= 50%% of the broker's confirmed-publish ceiling: %.0f%%, %s",
+			x.Broker, 100*x.VsCeiling, verdict))
+	}
+	return out
+}
