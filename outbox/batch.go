@@ -92,10 +92,11 @@ func (r *Relay) relayBatch(ctx context.Context, conn *pgx.Conn, batch []Record, 
 	// meanwhile: a row left unmarked is published again.
 	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 	defer cancel()
-	prevErr := r.settleDeferred(sctx, conn, deferred)
-	var aheadErr error
-	if prevErr == nil && len(batch) == r.cfg.BatchSize {
-		ahead, aheadErr = r.fetch(ctx, conn, batch)
+	var prevErr, aheadErr error
+	if len(batch) == r.cfg.BatchSize {
+		ahead, prevErr, aheadErr = r.settleAndFetch(ctx, sctx, conn, deferred, batch)
+	} else {
+		prevErr = r.settleDeferred(sctx, conn, deferred)
 	}
 	errs, ok := awaitPublish(ctx, published)
 	if prevErr != nil {
@@ -121,6 +122,36 @@ func (r *Relay) relayBatch(ctx context.Context, conn *pgx.Conn, batch []Record, 
 		return nil, aheadErr
 	}
 	return withoutHeldKeys(ahead, batch, sent), nil
+}
+
+// settleAndFetch writes the deferred settlement, if any, and reads the
+// next batch (leaving out inflight) in one round trip. The two statements
+// run in one implicit transaction: if either fails, neither took effect,
+// and settleErr says so (the settled rows are then published again, under
+// their ids). fetchErr is the read's error when there was nothing to
+// settle.
+func (r *Relay) settleAndFetch(ctx, settleCtx context.Context, conn *pgx.Conn, deferred *settlement, inflight []Record) (
+	next []Record, settleErr, fetchErr error) {
+	if len(deferred.sent) == 0 && len(deferred.rejects) == 0 {
+		next, fetchErr = r.fetch(ctx, conn, inflight)
+		return next, nil, fetchErr
+	}
+	d := *deferred
+	*deferred = settlement{}
+	var b pgx.Batch
+	r.queueSettle(&b, d.sent, d.rejects)
+	r.queueFetch(&b, inflight).Query(func(rows pgx.Rows) error {
+		var err error
+		next, err = pgx.CollectRows(rows, scanRecord)
+		return err
+	})
+	// Under settleCtx, not ctx: a stopping relay still writes what the
+	// broker confirmed (within the bound settleCtx sets).
+	if err := conn.SendBatch(settleCtx, &b).Close(); err != nil {
+		return nil, fmt.Errorf("settle published rows and read the next: %w", err), nil
+	}
+	r.countSettled(settleCtx, d.sent, d.rejects)
+	return next, nil, nil
 }
 
 // settleDeferred writes a deferred settlement, if any, and clears it.
@@ -255,12 +286,7 @@ func sortOutcomes(recs []Record, errs []error) (sent []int64, rejects []rejectio
 // fetch reads the next batch of publishable rows, leaving out the rows of
 // inflight (a batch being published).
 func (r *Relay) fetch(ctx context.Context, conn *pgx.Conn, inflight []Record) ([]Record, error) {
-	var maxSeq int64
-	seqs := make([]int64, len(inflight))
-	for i, rec := range inflight {
-		seqs[i] = rec.Seq
-		maxSeq = max(maxSeq, rec.Seq)
-	}
+	maxSeq, seqs := fetchArgs(inflight)
 	rows, err := conn.Query(ctx, r.sql.fetch, r.cfg.BatchSize, maxSeq, seqs)
 	if err != nil {
 		return nil, fmt.Errorf("read outbox: %w", err)
@@ -270,6 +296,23 @@ func (r *Relay) fetch(ctx context.Context, conn *pgx.Conn, inflight []Record) ([
 		return nil, fmt.Errorf("read outbox: %w", err)
 	}
 	return recs, nil
+}
+
+// queueFetch queues fetch's statement on b.
+func (r *Relay) queueFetch(b *pgx.Batch, inflight []Record) *pgx.QueuedQuery {
+	maxSeq, seqs := fetchArgs(inflight)
+	return b.Queue(r.sql.fetch, r.cfg.BatchSize, maxSeq, seqs)
+}
+
+// fetchArgs are the fetch statement's arguments that leave out inflight:
+// its highest seq and all its seqs.
+func fetchArgs(inflight []Record) (maxSeq int64, seqs []int64) {
+	seqs = make([]int64, len(inflight))
+	for i, rec := range inflight {
+		seqs[i] = rec.Seq
+		maxSeq = max(maxSeq, rec.Seq)
+	}
+	return maxSeq, seqs
 }
 
 func scanRecord(row pgx.CollectableRow) (Record, error) {
@@ -313,6 +356,17 @@ func (r *Relay) settle(ctx context.Context, conn *pgx.Conn, sent []int64, reject
 		return nil
 	}
 	var b pgx.Batch
+	r.queueSettle(&b, sent, rejects)
+	if err := conn.SendBatch(ctx, &b).Close(); err != nil {
+		return fmt.Errorf("settle published rows: %w", err)
+	}
+	r.countSettled(ctx, sent, rejects)
+	return nil
+}
+
+// queueSettle queues on b the statements that settle a batch: the sent
+// rows removed (or marked), the rejected ones charged (their rows logged).
+func (r *Relay) queueSettle(b *pgx.Batch, sent []int64, rejects []rejection) {
 	if len(sent) > 0 {
 		if r.cfg.KeepSent > 0 {
 			b.Queue(r.sql.markSent, sent)
@@ -330,12 +384,12 @@ func (r *Relay) settle(ctx context.Context, conn *pgx.Conn, sent []int64, reject
 			return r.logRejections(rows, rejects)
 		})
 	}
-	if err := conn.SendBatch(ctx, &b).Close(); err != nil {
-		return fmt.Errorf("settle published rows: %w", err)
-	}
+}
+
+// countSettled counts a written settlement in the relay's metrics.
+func (r *Relay) countSettled(ctx context.Context, sent []int64, rejects []rejection) {
 	r.metrics.published.Add(ctx, int64(len(sent)), r.metrics.attrs)
 	r.metrics.rejected.Add(ctx, int64(len(rejects)), r.metrics.attrs)
-	return nil
 }
 
 // logRejections logs each rejected row, at error level when it was parked.
