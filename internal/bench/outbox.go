@@ -36,17 +36,24 @@ type OutboxResult struct {
 	Broker    Broker `json:"broker"`
 	Rows      int    `json:"rows"`
 	BatchSize int    `json:"batch_size"`
-	// CeilingRate is the broker's confirmed publish of the same messages
-	// in batches of BatchSize, with no database: the higher of two
-	// measurements, one before the relay's and one after (the machine's
-	// other load moves between them; the higher one is the stricter
-	// target).
-	CeilingRate float64 `json:"ceiling_msgs_per_s"`
-	// CeilingRates are both measurements.
-	CeilingRates [2]float64 `json:"ceiling_runs_msgs_per_s"`
-	// RelayRate is rows written beforehand, published and deleted by one
-	// relay, per second.
-	RelayRate float64 `json:"relay_msgs_per_s"`
+	// Rounds is how many times the ceiling and the relay alternate, each
+	// with Rows/Rounds messages: ceiling, relay, ceiling, relay, ...,
+	// ceiling. The machine's other load moves between measurements; each
+	// relay measurement is compared with the higher of the ceilings
+	// measured just before and just after it.
+	Rounds int `json:"rounds"`
+	// CeilingRates are the ceiling's measurements: the broker's confirmed
+	// publish of the same messages in batches of BatchSize, with no
+	// database. CeilingRate is their median.
+	CeilingRates []float64 `json:"ceiling_runs_msgs_per_s"`
+	CeilingRate  float64   `json:"ceiling_msgs_per_s"`
+	// RelayRates are the relay's measurements: rows written beforehand,
+	// published and deleted by one relay, per second. RelayRate is their
+	// median.
+	RelayRates []float64 `json:"relay_runs_msgs_per_s"`
+	RelayRate  float64   `json:"relay_msgs_per_s"`
+	// VsCeiling is the median over the rounds of the relay's rate over
+	// the higher of its two neighbouring ceilings.
 	VsCeiling float64 `json:"x_ceiling"`
 	// P50Ms and P99Ms are from the commit of the transaction that wrote a
 	// row to the commit of the downstream consumer's transaction that
@@ -179,27 +186,18 @@ func runOutbox(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, o Option
 		return nil, err
 	}
 	defer ceil.cleanup()
-	if res.CeilingRates[0], err = outboxCeiling(ceil, res.Rows, res.BatchSize); err != nil {
-		return nil, fmt.Errorf("ceiling: %w", err)
-	}
-	o.logf("  %-9s %-19s %9.0f msgs/s  (confirmed publish, batches of %d, no database)", b, "outbox ceiling", res.CeilingRates[0], res.BatchSize)
-
 	rel, err := newDest("relay")
 	if err != nil {
 		return nil, err
 	}
 	defer rel.cleanup()
-	var published int
-	if res.RelayRate, published, err = outboxRelayRate(ctx, pool, rel, res.Rows); err != nil {
-		return nil, fmt.Errorf("relay: %w", err)
+	if err := measureOutbox(ctx, o, pool, ceil, rel, res); err != nil {
+		return nil, err
 	}
-	o.logf("  %-9s %-19s %9.0f msgs/s", b, "outbox relay", res.RelayRate)
-	if res.CeilingRates[1], err = outboxCeiling(ceil, res.Rows, res.BatchSize); err != nil {
-		return nil, fmt.Errorf("ceiling: %w", err)
+	published, err := rel.count()
+	if err != nil {
+		return nil, err
 	}
-	res.CeilingRate = max(res.CeilingRates[0], res.CeilingRates[1])
-	res.VsCeiling = res.RelayRate / res.CeilingRate
-	o.logf("  %-9s %-19s %9.0f msgs/s  (again, after the relay; the relay is %.2fx the higher)", b, "outbox ceiling", res.CeilingRates[1], res.VsCeiling)
 
 	if o.Pace > 0 {
 		paced, err := newDest("paced")
@@ -224,6 +222,56 @@ func runOutbox(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, o Option
 		return nil, errors.New("the ceiling measured no throughput")
 	}
 	return res, nil
+}
+
+// outboxRounds is how many times the ceiling and the relay alternate.
+const outboxRounds = 3
+
+// measureOutbox alternates the ceiling and the relay (see
+// OutboxResult.Rounds) and fills the rates and the ratio.
+func measureOutbox(ctx context.Context, o Options, pool *pgxpool.Pool, ceil, rel *outboxDest, res *OutboxResult) error {
+	res.Rounds = outboxRounds
+	per := max(1, res.Rows/res.Rounds)
+	res.Rows = per * res.Rounds
+	ceiling := func() error {
+		rate, err := outboxCeiling(ceil, per, res.BatchSize)
+		if err != nil {
+			return fmt.Errorf("ceiling: %w", err)
+		}
+		res.CeilingRates = append(res.CeilingRates, rate)
+		o.logf("  %-9s %-19s %9.0f msgs/s  (confirmed publish, batches of %d, no database)", res.Broker, "outbox ceiling", rate, res.BatchSize)
+		return nil
+	}
+	if err := ceiling(); err != nil {
+		return err
+	}
+	var ratios []float64
+	for round := range res.Rounds {
+		rate, err := outboxRelayRate(ctx, pool, rel, per, fmt.Sprintf("r%d-", round))
+		if err != nil {
+			return fmt.Errorf("relay: %w", err)
+		}
+		res.RelayRates = append(res.RelayRates, rate)
+		if err := ceiling(); err != nil {
+			return err
+		}
+		ratio := rate / max(res.CeilingRates[round], res.CeilingRates[round+1])
+		ratios = append(ratios, ratio)
+		o.logf("  %-9s %-19s %9.0f msgs/s  (%.2fx the higher ceiling beside it)", res.Broker, "outbox relay", rate, ratio)
+	}
+	res.CeilingRate, res.RelayRate, res.VsCeiling = median(res.CeilingRates), median(res.RelayRates), median(ratios)
+	return nil
+}
+
+// median returns the median of xs (the mean of the middle two for an
+// even count).
+func median(xs []float64) float64 {
+	s := slices.Clone(xs)
+	slices.Sort(s)
+	if len(s)%2 == 1 {
+		return s[len(s)/2]
+	}
+	return (s[len(s)/2-1] + s[len(s)/2]) / 2
 }
 
 // schemaPool opens a pool whose search_path is schema.
@@ -331,25 +379,24 @@ func (c *countingPublisher) Publish(ctx context.Context, recs []outbox.Record) [
 	return errs
 }
 
-// outboxRelayRate writes n rows, then times one relay publishing and
-// deleting all of them. It returns the rate and the messages found at the
-// destination afterwards.
-func outboxRelayRate(ctx context.Context, pool *pgxpool.Pool, d *outboxDest, n int) (float64, int, error) {
+// outboxRelayRate writes n rows (ids prefix + number), then times one
+// relay publishing and deleting all of them.
+func outboxRelayRate(ctx context.Context, pool *pgxpool.Pool, d *outboxDest, n int, prefix string) (float64, error) {
 	for from := 0; from < n; from += 1000 {
 		msgs := make([]outbox.Message, 0, 1000)
 		for i := from; i < min(from+1000, n); i++ {
-			msgs = append(msgs, d.message("r-", i))
+			msgs = append(msgs, d.message(prefix, i))
 		}
 		if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error { return outbox.Add(ctx, tx, msgs...) }); err != nil {
-			return 0, 0, err
+			return 0, err
 		}
 	}
 	if _, err := pool.Exec(ctx, `VACUUM ANALYZE outbox`); err != nil {
-		return 0, 0, err
+		return 0, err
 	}
 	pub, closePub, err := d.publisher()
 	if err != nil {
-		return 0, 0, err
+		return 0, err
 	}
 	defer func() { _ = closePub() }()
 	counted := &countingPublisher{Publisher: pub}
@@ -358,16 +405,15 @@ func outboxRelayRate(ctx context.Context, pool *pgxpool.Pool, d *outboxDest, n i
 	start := time.Now()
 	relayDone, err := startBenchRelay(rctx, pool, counted)
 	if err != nil {
-		return 0, 0, err
+		return 0, err
 	}
 	if err := awaitEmptyOutbox(ctx, pool, func() bool { return counted.confirmed.Load() >= int64(n) }, time.Minute+time.Duration(n)*time.Millisecond); err != nil {
-		return 0, 0, err
+		return 0, err
 	}
 	rate := float64(n) / time.Since(start).Seconds()
 	stop()
 	<-relayDone
-	published, err := d.count()
-	return rate, published, err
+	return rate, nil
 }
 
 // startBenchRelay runs a relay with the default settings on pool's outbox

@@ -12,10 +12,11 @@ func writeOutboxTable(w io.Writer, rows []OutboxResult) error {
 	if len(rows) == 0 {
 		return nil
 	}
-	fmt.Fprintf(w, "\noutbox: %d rows written beforehand, then one relay publishes and deletes them (default RelayConfig, batches of %d);\n",
-		rows[0].Rows, rows[0].BatchSize)
-	fmt.Fprintln(w, "ceiling: the same messages straight to the broker in batches of that size, confirmed (Kafka: sarama idempotent, acks=all; RabbitMQ: amqp091 confirms),")
-	fmt.Fprintln(w, "measured before and after the relay: the higher of the two")
+	fmt.Fprintf(w, "\noutbox: %d rows in %d rounds: the ceiling, then rows written beforehand published and deleted by one relay (default RelayConfig,\n",
+		rows[0].Rows, rows[0].Rounds)
+	fmt.Fprintf(w, "batches of %d), then the ceiling again, and so on; x ceiling: the median over the rounds of the relay over the higher ceiling beside it;\n", rows[0].BatchSize)
+	fmt.Fprintln(w, "ceiling: the same messages straight to the broker in batches of that size, confirmed (Kafka: sarama idempotent, acks=all; RabbitMQ: amqp091 confirms);")
+	fmt.Fprintln(w, "msgs/s: medians")
 	fmt.Fprintln(w, "latency: writer's commit to the downstream consumer's commit (a consumer of this library), and to the broker's confirm of the relay's publish;")
 	fmt.Fprintln(w, "rows written at half the relay's rate (at most -pace-max) by 4 writers, after one warm-up row through both hops; the first sixth excluded")
 	fmt.Fprintln(w)

@@ -44,7 +44,7 @@ func run() int {
 		ordered    = flag.Bool("amqp-ordered", false, "RabbitMQ once rows: one ordered stream (amqp.Config.Ordered)")
 		pgbenchFor = flag.Duration("pgbench", 5*time.Second, "length of the pgbench ceiling (0: none)")
 		httpN      = flag.Int("http", 20000, "requests of each HTTP row, plain and behind the idempotency middleware (0: none)")
-		outboxN    = flag.Int("outbox", 50000, "rows of each broker's outbox rows: relay next to the confirmed-publish ceiling, then latency (0: none)")
+		outboxN    = flag.Int("outbox", 200000, "rows of each broker's outbox rows: relay next to the confirmed-publish ceiling, then latency (0: none)")
 		jsonOut    = flag.String("json", "", "also write the report as JSON to this file")
 		rssCheck   = flag.Bool("rss-check", false, "instead of the table: peak RSS of the Kafka batched row at each of -rss-sizes events")
 		rssSizes   = flag.String("rss-sizes", "100000,1000000", "event counts of -rss-check")
