@@ -497,9 +497,14 @@ func outboxLatency(ctx context.Context, pool *pgxpool.Pool, d *outboxDest, pace 
 	if err != nil {
 		return err
 	}
-	consumerDone := make(chan error, 1)
-	go func() { consumerDone <- c.Run(rctx) }()
-	defer func() { stop(); <-relayDone; <-consumerDone }()
+	// consumerDone reports the consumer's early stop to the waits below;
+	// consumerStopped tells the deferred cleanup that it has returned.
+	consumerDone, consumerStopped := make(chan error, 1), make(chan struct{})
+	go func() {
+		defer close(consumerStopped)
+		consumerDone <- c.Run(rctx)
+	}()
+	defer func() { stop(); <-relayDone; <-consumerStopped }()
 
 	// One row through both hops first: the downstream consumer joins its
 	// group (Apache Kafka holds a new group for its initial rebalance
