@@ -357,8 +357,10 @@ func ratios(rep *Report) {
 	}
 }
 
+// schemaName is the schema of a row's tables: an identifier dedup accepts
+// (apache-kafka's hyphen, like the rows' spaces, becomes an underscore).
 func schemaName(b Broker, row Row) string {
-	return "oncebench_" + string(b) + "_" + strings.NewReplacer(" ", "_", "-", "_").Replace(string(row))
+	return strings.NewReplacer(" ", "_", "-", "_").Replace("oncebench_" + string(b) + "_" + string(row))
 }
 
 // runRow publishes the backlog, runs the row in a subprocess and checks

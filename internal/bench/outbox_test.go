@@ -9,6 +9,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/onceco/once/dedup"
 	"github.com/onceco/once/internal/pgtest"
 )
 
@@ -49,4 +50,16 @@ func TestOutboxRowsSmoke(t *testing.T) {
 	var out strings.Builder
 	require.NoError(t, rep.WriteTable(&out))
 	require.Contains(t, out.String(), "outbox relay >= 50% of the broker's confirmed-publish ceiling")
+}
+
+// Every row's schema, on every broker (apache-kafka has a hyphen), is an
+// identifier the library accepts: the hand-written row hands it to
+// dedup.Config.Schema.
+func TestSchemaNamesAreValidIdentifiers(t *testing.T) {
+	for _, b := range []Broker{Kafka, ApacheKafka, RabbitMQ} {
+		for _, row := range append(AllRows, "outbox", HTTPPlain, HTTPIdempotency) {
+			_, err := dedup.New(dedup.Config{Schema: schemaName(b, row)})
+			require.NoError(t, err, "%s %s", b, row)
+		}
+	}
 }
