@@ -114,6 +114,7 @@ func (r *chaosRun) withHop2Backlog() error {
 		return err
 	}
 	r.closers = append(r.closers, closeLag)
+	var lastSaid time.Time
 	r.lag = func(ctx context.Context) (int64, error) {
 		n, err := upstream(ctx)
 		if err != nil {
@@ -123,10 +124,16 @@ func (r *chaosRun) withHop2Backlog() error {
 		if err != nil {
 			return 0, err
 		}
-		var pending int64
+		var pending, parked int64
 		qctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 		defer cancel()
-		err = r.pool.QueryRow(qctx, `SELECT count(*) FROM outbox WHERE sent_at IS NULL AND parked_at IS NULL`).Scan(&pending)
+		err = r.pool.QueryRow(qctx, `SELECT count(*) FILTER (WHERE parked_at IS NULL), count(*) FILTER (WHERE parked_at IS NOT NULL)
+FROM outbox WHERE sent_at IS NULL`).Scan(&pending, &parked)
+		if err == nil && m+pending+parked > 0 && time.Since(lastSaid) > 10*time.Second {
+			// Say what the second hop waits for, for a drain that does not end.
+			r.logf("hop 2 backlog: %d outbox rows pending, %d parked, shipping lag %d", pending, parked, m)
+			lastSaid = time.Now()
+		}
 		return n + m + pending, err
 	}
 	return nil
