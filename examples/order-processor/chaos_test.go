@@ -42,6 +42,12 @@ func reducedChaos(t *testing.T, broker, amqpURL string) *ChaosResult {
 	var table bytes.Buffer
 	res.Print(&table)
 	t.Log("\n" + table.String())
+	// What a slow drain waited for, even when the run passes.
+	for _, l := range strings.Split(log.String(), "\n") {
+		if strings.Contains(l, "draining") || strings.Contains(l, "backlog") || strings.Contains(l, "drain round") {
+			t.Log(l)
+		}
+	}
 	return res
 }
 
