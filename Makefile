@@ -74,7 +74,9 @@ CHAOS_JSON  ?=
 ## SIGKILLs instead of cuts) and on RabbitMQ (AMQP_URL, else a throwaway node) under 20 SIGKILLs,
 ## every crash point, 2 PostgreSQL restarts, 5 broker cuts and group churn, each member running both
 ## hops (orders, an outbox relay, shipping) and 3 kills of the relay's leader; a table per broker,
-## and JSON in CHAOS_JSON when set. CHAOS_FLAGS adds flags (-broker kafka, -seed N, -kills N, ...)
+## and JSON in CHAOS_JSON when set; then once more on kfake with the offsets kept in PostgreSQL
+## (-offsets-in-database) and the group deleted with its offsets during the run.
+## CHAOS_FLAGS adds flags (-seed N, -kills N, ...)
 chaos:
 	scripts/ensure-deps.sh postgres rabbitmq kafka
 	@set -e; \
@@ -83,4 +85,5 @@ chaos:
 	  trap 'scripts/rabbitmq.sh stop "$$rabbit_dir"' EXIT; \
 	  eval "$$(scripts/rabbitmq.sh start "$$rabbit_dir")"; \
 	fi; \
-	$(GO) run ./examples/order-processor chaos -broker all $(if $(CHAOS_JSON),-json $(CHAOS_JSON)) $(CHAOS_FLAGS)
+	$(GO) run ./examples/order-processor chaos -broker all $(if $(CHAOS_JSON),-json $(CHAOS_JSON)) $(CHAOS_FLAGS); \
+	$(GO) run ./examples/order-processor chaos -broker kafka -offsets-in-database $(if $(CHAOS_JSON),-json $(basename $(CHAOS_JSON))-offsets.json) $(CHAOS_FLAGS)

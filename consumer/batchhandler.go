@@ -16,9 +16,9 @@ import (
 // transaction is rolled back and the batch halved, each half handled again
 // (first the first), until the failing event is alone; it then meets the
 // retry policy alone (a batch of one) while the others commit, so one bad
-// event cannot hold back the others and costs about 2·log2(BatchSize)
+// event cannot hold back the others and costs about 2·log2(Batch.Size)
 // transactions. Handlers must therefore accept batches of any size from 1
-// to Config.BatchSize, and see good events more than once (rolled back)
+// to Config.Batch.Size, and see good events more than once (rolled back)
 // when a bad one shares their batch.
 type BatchHandler[T any] func(ctx context.Context, tx pgx.Tx, events []Event[T]) error
 

@@ -52,8 +52,8 @@ func TestBatchHandler(t *testing.T) {
 		return insertEffects(ctx, tx, evs)
 	}
 	cfg := fastConfig("batch-handler")
-	cfg.BatchSize = 50
-	cfg.BatchLinger = 10 * time.Millisecond
+	cfg.Batch.Size = 50
+	cfg.Batch.Linger = 10 * time.Millisecond
 	c, err := consumer.NewBatch(pool, b.Source(), h, cfg)
 	require.NoError(t, err)
 	start(t, c)
@@ -89,8 +89,8 @@ func TestBatchHandlerErrorIsBisected(t *testing.T) {
 		return insertEffects(ctx, tx, evs)
 	}
 	cfg := fastConfig("bisect")
-	cfg.BatchSize = total
-	cfg.BatchLinger = time.Second // the whole backlog is one batch
+	cfg.Batch.Size = total
+	cfg.Batch.Linger = time.Second // the whole backlog is one batch
 	c, err := consumer.NewBatch(pool, b.Source(), h, cfg)
 	require.NoError(t, err)
 	start(t, c)

@@ -118,7 +118,7 @@ func benchOnce(b *testing.B, batch int) {
 	pool, _ := pgtest.Schema(b)
 	benchTable(b, pool)
 	br, total := benchBroker(b)
-	cfg := consumer.Config{Name: "bench", BatchSize: batch, Concurrency: 4}
+	cfg := consumer.Config{Name: "bench", Batch: consumer.BatchConfig{Size: batch}, Concurrency: 4}
 	c, err := consumer.New(pool, br.Source(), insertEffect, cfg)
 	if err != nil {
 		b.Fatal(err)
@@ -160,7 +160,7 @@ func BenchmarkOnceBatchHandler(b *testing.B) {
 	pool, _ := pgtest.Schema(b)
 	benchTable(b, pool)
 	br, total := benchBroker(b)
-	c, err := consumer.NewBatch(pool, br.Source(), insertEffects, consumer.Config{Name: "bench", BatchSize: 100, Concurrency: 4})
+	c, err := consumer.NewBatch(pool, br.Source(), insertEffects, consumer.Config{Name: "bench", Batch: consumer.BatchConfig{Size: 100}, Concurrency: 4})
 	if err != nil {
 		b.Fatal(err)
 	}

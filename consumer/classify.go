@@ -66,7 +66,7 @@ func (c ErrorClass) String() string {
 //     dependency that stays down ends in the dead-letter queue.
 //
 // A handler's error is also taken for infrastructure when the connection
-// of its transaction died under it. Config.ClassifyError can override any
+// of its transaction died under it. Config.Retry.Classify can override any
 // of this.
 func Classify(err error) ErrorClass {
 	var perm *PermanentError

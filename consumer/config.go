@@ -38,7 +38,7 @@ func StrictJSON(data []byte, v any) error {
 	return nil
 }
 
-// NoFingerprint is a Config.Fingerprint that stores none: a repeated id is
+// NoFingerprint is a Config.Identify.Fingerprint that stores none: a repeated id is
 // a duplicate whatever its payload, and no id conflict is ever reported.
 func NoFingerprint(*Message) []byte { return nil }
 
@@ -55,32 +55,10 @@ const (
 	SkipConflicts
 )
 
-// RetryPolicy bounds the retries of a failing handler. Attempt n (n >= 2)
-// waits InitialBackoff * 2^(n-2), capped at MaxBackoff, with ±20% jitter.
-type RetryPolicy struct {
-	// MaxAttempts is how many times the handler runs before the message is
-	// dead-lettered, the first run included, and runs cut short by a crash
-	// of the process included where the crash guard saw them. Defaults to
-	// 5; 1 means no retry.
-	MaxAttempts int
-	// InitialBackoff is the wait before the second attempt. Defaults to
-	// 200ms.
-	InitialBackoff time.Duration
-	// MaxBackoff caps the wait between attempts. Defaults to 10s.
-	MaxBackoff time.Duration
-}
-
-// Backoff paces the retries after infrastructure failures (database or
-// broker unreachable), which go on until they succeed or the consumer stops:
-// such a message is never dead-lettered.
-type Backoff struct {
-	// Initial is the first wait. Defaults to 100ms.
-	Initial time.Duration
-	// Max caps the wait. Defaults to 5s.
-	Max time.Duration
-}
-
-// Config configures a Consumer. Only Name is required.
+// Config configures a Consumer. Only Name is required; every other field has
+// a documented default, and the zero value of each part is its defaults.
+// New returns an error wrapping ErrInvalidConfig, naming the field, for a
+// value it cannot use.
 type Config struct {
 	// Name identifies the consumer: processed events are recorded per Name,
 	// so two services consuming the same topic under different names each
@@ -105,96 +83,32 @@ type Config struct {
 	// (e.g. JSONEnvelope for CloudEvents' structured JSON). Defaults to nil:
 	// the whole value is the payload.
 	Envelope Envelope
-
-	// IDHeaders are the headers an event id is read from when the broker
-	// has no native id property, first match wins. Defaults to "id",
-	// "ce_id", "message-id".
-	IDHeaders []string
-	// TypeHeaders are the headers the event type is read from when the
-	// broker has no native type property. Defaults to "type", "ce_type".
-	TypeHeaders []string
-	// EventID, when set, replaces the id rule altogether: it returns the id
-	// of m, or an error that dead-letters m with kind KindMissingID.
-	// Defaults to nil: Message.ID, then IDHeaders, then the envelope's id,
-	// then Message.FallbackID.
-	EventID func(m *Message) (string, error)
-	// MaxIDLength bounds event ids, in bytes; longer ones are dead-lettered
-	// with kind KindInvalidID. Defaults to 256.
-	MaxIDLength int
-
-	// Fingerprint computes the fingerprint stored with a claim and compared
-	// when the same id arrives again; a message for which it returns nil
-	// stores none, and is a duplicate of its id whatever its payload. Set
-	// it to NoFingerprint to turn fingerprints off. Defaults to the SHA-256
-	// of the message value.
-	Fingerprint func(m *Message) []byte
-	// OnIDConflict says what happens to a repeated id with a different
-	// fingerprint. Defaults to DeadLetterConflicts.
-	OnIDConflict IDConflictPolicy
+	// Identify says where a message's event id and type come from and how
+	// a repeated id is checked.
+	Identify IdentifyConfig
 
 	// Concurrency bounds how many transactions (a message, or a batch of
 	// one stream's messages) run at once, across all streams. Messages of
 	// one stream (a Kafka partition) are always handled one after another.
 	// Each running transaction holds one connection of the pool, so
-	// Defaults to the pool's MaxConns (pgxpool's own default is the
-	// greater of 4 and the number of CPUs; set pool_max_conns to run more).
-	// A Concurrency above MaxConns is accepted, with a warning: the extra
-	// transactions wait for a connection, which is never charged to a
+	// Concurrency defaults to the pool's MaxConns (pgxpool's own default is
+	// the greater of 4 and the number of CPUs; set pool_max_conns to run
+	// more). A Concurrency above MaxConns is accepted, with a warning: the
+	// extra transactions wait for a connection, which is never charged to a
 	// message (see HandlerTimeout) but adds latency.
 	Concurrency int
 	// ReceiveBuffer is how many received messages may wait to be handled,
 	// across all streams, before receiving blocks; the broker's own buffers
 	// come on top. A stream may take any share of it, so one busy stream
 	// never holds up the others while there is room. Defaults to
-	// 2 × Concurrency × BatchSize, at least 256: enough for every worker to
-	// find a full batch waiting when it finishes one. It counts messages,
-	// not bytes: the memory it holds is about ReceiveBuffer times the
-	// message size, so lower it for large messages.
+	// 2 × Concurrency × Batch.Size, at least 256: enough for every worker
+	// to find a full batch waiting when it finishes one. It counts
+	// messages, not bytes: the memory it holds is about ReceiveBuffer times
+	// the message size, so lower it for large messages.
 	ReceiveBuffer int
+	// Batch says how many messages share a transaction.
+	Batch BatchConfig
 
-	// BatchSize is the most messages of one stream handled in one
-	// transaction: one statement claims all their ids, the handlers run in
-	// turn, one commit, then the acks. Batches form from what is already
-	// waiting (see BatchLinger), so under light load a batch is one message
-	// and latency stays low. A failing handler rolls the batch back; the
-	// messages before it run again as a batch, it runs alone under the
-	// retry policy, and the rest continue: order is kept and no other
-	// message's effect is lost or doubled. Handlers in a batch share a
-	// transaction, so effects outside it (HTTP calls) may repeat when
-	// another message of the batch fails. Defaults to 100; 1 gives one
-	// transaction per message.
-	BatchSize int
-	// BatchLinger is how long to wait for a batch to fill once its first
-	// message is there. Defaults to 0: no wait.
-	BatchLinger time.Duration
-
-	// Retry bounds retries of failing handlers.
-	Retry RetryPolicy
-	// ClassifyError, when set, decides what an error met while handling a
-	// message is (ClassInfrastructure, ClassRetry or ClassPermanent): the
-	// handler's own error, the failure of a statement it queued, or a
-	// failed COMMIT. def is the default class (see Classify); return it for
-	// errors you do not know. It runs on the worker's goroutine and must
-	// not block; a panic in it is logged and def is used. Defaults to nil:
-	// def. For example, to treat a unique violation as permanent:
-	//
-	//	ClassifyError: func(err error, def consumer.ErrorClass) consumer.ErrorClass {
-	//		var pgErr *pgconn.PgError
-	//		if errors.As(err, &pgErr) && pgErr.Code == "23505" {
-	//			return consumer.ClassPermanent
-	//		}
-	//		return def
-	//	},
-	ClassifyError func(err error, def ErrorClass) ErrorClass
-	// InfraBackoff paces retries after infrastructure failures.
-	InfraBackoff Backoff
-	// MaxCrashAttempts is how many times a message may crash the process
-	// (a crash, an OOM kill, a stall past the shutdown deadline) while it
-	// runs alone before it is dead-lettered with kind KindCrashLoop.
-	// Counted durably, and only for messages that may have been in flight
-	// at a crash; such a message runs isolated from every other, so a crash
-	// is charged to it alone (docs/guarantees.md). Defaults to 3.
-	MaxCrashAttempts int
 	// HandlerTimeout bounds each call of the handler (a BatchHandler's
 	// call with its whole batch). It does not bound what the consumer does
 	// itself: waiting for a pool connection, the claim, sending queued
@@ -209,21 +123,149 @@ type Config struct {
 	// 10s.
 	ShutdownTimeout time.Duration
 
-	// RetentionMaxAge, when positive, makes Run delete this consumer's
-	// processed-event rows (those of its Name only) older than this, every
-	// RetentionInterval. It must exceed the longest
-	// time a message can take to be redelivered (see docs/operations.md).
-	// Defaults to 0: rows are kept.
-	RetentionMaxAge time.Duration
-	// RetentionInterval is how often retention runs. Defaults to 1h.
-	RetentionInterval time.Duration
+	// Retry bounds the retries of failing handlers and says which errors
+	// are failures of the message and which of the infrastructure.
+	Retry RetryPolicy
+	// InfraBackoff paces retries after infrastructure failures.
+	InfraBackoff Backoff
+	// CrashGuard dead-letters a message that keeps crashing the process.
+	CrashGuard CrashGuardConfig
+	// Retention deletes this consumer's old processed-event rows.
+	Retention RetentionConfig
 
 	// Hooks observe and extend what happens to messages (outcomes,
 	// retries, after-commit actions, handler middleware). Defaults to none.
 	Hooks Hooks
+	// Telemetry says where logs, spans and metrics go.
+	Telemetry TelemetryConfig
+}
 
+// IdentifyConfig says how a consumer finds a message's event id and type,
+// and what a repeated id with another payload means. Config.Identify.
+type IdentifyConfig struct {
+	// IDHeaders are the headers an event id is read from when the broker
+	// has no native id property, first match wins. Defaults to "id",
+	// "ce_id", "message-id".
+	IDHeaders []string
+	// TypeHeaders are the headers the event type is read from when the
+	// broker has no native type property. Defaults to "type", "ce_type".
+	TypeHeaders []string
+	// EventID, when set, replaces the id rule altogether: it returns the id
+	// of m, or an error that dead-letters m with kind KindMissingID. It
+	// runs on the consumer's goroutines, one message at a time per stream;
+	// a panic in it dead-letters the message with kind KindPanic. Defaults
+	// to nil: Message.ID, then IDHeaders, then the envelope's id, then
+	// Message.FallbackID.
+	EventID func(m *Message) (string, error)
+	// MaxIDLength bounds event ids, in bytes; longer ones are dead-lettered
+	// with kind KindInvalidID. Defaults to 256.
+	MaxIDLength int
+	// Fingerprint computes the fingerprint stored with a claim and compared
+	// when the same id arrives again; a message for which it returns nil
+	// stores none, and is a duplicate of its id whatever its payload. Set
+	// it to NoFingerprint to turn fingerprints off. Defaults to the SHA-256
+	// of the message value.
+	Fingerprint func(m *Message) []byte
+	// OnConflict says what happens to a repeated id with a different
+	// fingerprint. Defaults to DeadLetterConflicts.
+	OnConflict IDConflictPolicy
+}
+
+// BatchConfig says how many messages of one stream share a transaction.
+// Config.Batch.
+type BatchConfig struct {
+	// Size is the most messages of one stream handled in one transaction:
+	// one statement claims all their ids, the handlers run in turn, one
+	// commit, then the acks. Batches form from what is already waiting (see
+	// Linger), so under light load a batch is one message and latency
+	// stays low. A failing handler rolls the batch back; the messages
+	// before it run again as a batch, it runs alone under the retry policy,
+	// and the rest continue: order is kept and no other message's effect
+	// is lost or doubled. Handlers in a batch share a transaction, so
+	// effects outside it (HTTP calls) may repeat when another message of
+	// the batch fails. Defaults to 100; 1 gives one transaction per
+	// message.
+	Size int
+	// Linger is how long to wait for a batch to fill once its first
+	// message is there. Defaults to 0: no wait.
+	Linger time.Duration
+}
+
+// RetryPolicy bounds the retries of a failing handler, and classifies
+// errors. Attempt n (n >= 2) waits InitialBackoff * 2^(n-2), capped at
+// MaxBackoff, with ±20% jitter. Config.Retry.
+type RetryPolicy struct {
+	// MaxAttempts is how many times the handler runs before the message is
+	// dead-lettered, the first run included, and runs cut short by a crash
+	// of the process included where the crash guard saw them. Defaults to
+	// 5; 1 means no retry.
+	MaxAttempts int
+	// InitialBackoff is the wait before the second attempt. Defaults to
+	// 200ms.
+	InitialBackoff time.Duration
+	// MaxBackoff caps the wait between attempts. Defaults to 10s.
+	MaxBackoff time.Duration
+	// Classify, when set, decides what an error met while handling a
+	// message is (ClassInfrastructure, ClassRetry or ClassPermanent): the
+	// handler's own error, the failure of a statement it queued, or a
+	// failed COMMIT. def is the default class (see Classify); return it for
+	// errors you do not know. It runs on the worker's goroutine and must
+	// not block; a panic in it is logged and def is used. Defaults to nil:
+	// def. For example, to treat a unique violation as permanent:
+	//
+	//	Classify: func(err error, def consumer.ErrorClass) consumer.ErrorClass {
+	//		var pgErr *pgconn.PgError
+	//		if errors.As(err, &pgErr) && pgErr.Code == "23505" {
+	//			return consumer.ClassPermanent
+	//		}
+	//		return def
+	//	},
+	Classify func(err error, def ErrorClass) ErrorClass
+}
+
+// Backoff paces the retries after infrastructure failures (database or
+// broker unreachable), which go on until they succeed or the consumer stops:
+// such a message is never dead-lettered. Config.InfraBackoff.
+type Backoff struct {
+	// Initial is the first wait. Defaults to 100ms.
+	Initial time.Duration
+	// Max caps the wait. Defaults to 5s.
+	Max time.Duration
+}
+
+// CrashGuardConfig bounds how often one message may crash the process.
+// Config.CrashGuard; docs/guarantees.md says how crashes are counted.
+type CrashGuardConfig struct {
+	// MaxCrashes is how many times a message may crash the process (a
+	// crash, an OOM kill, a stall past the shutdown deadline) while it runs
+	// alone before it is dead-lettered with kind KindCrashLoop. Counted
+	// durably, and only for messages that may have been in flight at a
+	// crash; such a message runs isolated from every other, so a crash is
+	// charged to it alone. Crashed runs also count towards
+	// Retry.MaxAttempts. Defaults to 3.
+	MaxCrashes int
+}
+
+// RetentionConfig deletes a consumer's processed-event rows once they are
+// old enough that no redelivery can need them. Config.Retention.
+type RetentionConfig struct {
+	// MaxAge, when positive, makes Run delete this consumer's
+	// processed-event rows (those of its Name only) older than MaxAge,
+	// every Interval, in short batches. It must exceed the longest time a
+	// message can take to be redelivered (see docs/operations.md).
+	// Defaults to 0: rows are kept.
+	MaxAge time.Duration
+	// Interval is how often retention runs. Defaults to 1h.
+	Interval time.Duration
+}
+
+// TelemetryConfig says where a consumer's logs, spans and metrics go.
+// Config.Telemetry; docs/operations.md lists every span attribute and
+// metric.
+type TelemetryConfig struct {
 	// Logger receives warnings (infrastructure failures, dead letters) and,
-	// at debug level, per-message events. Payloads are never logged.
+	// at debug level, per-message events, with the message's context so a
+	// handler that logs carries the trace id. Payloads are never logged.
 	// Defaults to slog.Default().
 	Logger *slog.Logger
 	// TracerProvider makes the per-message consumer spans. Defaults to
@@ -238,39 +280,8 @@ const maxNameLength = 200
 
 // withDefaults validates c and returns it with defaults filled in.
 func (c Config) withDefaults() (Config, error) {
-	if c.Name == "" {
-		return c, fmt.Errorf("%w: Name is required", ErrInvalidConfig)
-	}
-	if len(c.Name) > maxNameLength {
-		return c, fmt.Errorf("%w: Name is longer than %d bytes", ErrInvalidConfig, maxNameLength)
-	}
-	checks := []struct {
-		field string
-		bad   bool
-	}{
-		{"MaxIDLength", c.MaxIDLength < 0},
-		{"BatchSize", c.BatchSize < 0},
-		{"BatchLinger", c.BatchLinger < 0},
-		{"Concurrency", c.Concurrency < 0},
-		{"ReceiveBuffer", c.ReceiveBuffer < 0},
-		{"Retry.MaxAttempts", c.Retry.MaxAttempts < 0},
-		{"Retry.InitialBackoff", c.Retry.InitialBackoff < 0},
-		{"Retry.MaxBackoff", c.Retry.MaxBackoff < 0},
-		{"InfraBackoff.Initial", c.InfraBackoff.Initial < 0},
-		{"InfraBackoff.Max", c.InfraBackoff.Max < 0},
-		{"MaxCrashAttempts", c.MaxCrashAttempts < 0},
-		{"HandlerTimeout", c.HandlerTimeout < 0},
-		{"ShutdownTimeout", c.ShutdownTimeout < 0},
-		{"RetentionMaxAge", c.RetentionMaxAge < 0},
-		{"RetentionInterval", c.RetentionInterval < 0},
-	}
-	for _, ch := range checks {
-		if ch.bad {
-			return c, fmt.Errorf("%w: %s must not be negative", ErrInvalidConfig, ch.field)
-		}
-	}
-	if c.OnIDConflict != DeadLetterConflicts && c.OnIDConflict != SkipConflicts {
-		return c, fmt.Errorf("%w: OnIDConflict %d is not a known policy", ErrInvalidConfig, c.OnIDConflict)
+	if err := c.validate(); err != nil {
+		return c, err
 	}
 	if c.Store == nil {
 		s, err := dedup.New(dedup.Config{})
@@ -282,29 +293,75 @@ func (c Config) withDefaults() (Config, error) {
 	if c.Decoder == nil {
 		c.Decoder = JSON
 	}
-	if c.IDHeaders == nil {
-		c.IDHeaders = []string{"id", "ce_id", "message-id"}
+	id := &c.Identify
+	if id.IDHeaders == nil {
+		id.IDHeaders = []string{"id", "ce_id", "message-id"}
 	}
-	if c.TypeHeaders == nil {
-		c.TypeHeaders = []string{"type", "ce_type"}
+	if id.TypeHeaders == nil {
+		id.TypeHeaders = []string{"type", "ce_type"}
 	}
-	setDefault(&c.MaxIDLength, 256)
-	setDefault(&c.BatchSize, 100)
+	setDefault(&id.MaxIDLength, 256)
+	if id.Fingerprint == nil {
+		id.Fingerprint = sha256Value
+	}
+	setDefault(&c.Batch.Size, 100)
 	setDefault(&c.Retry.MaxAttempts, 5)
 	setDefault(&c.Retry.InitialBackoff, 200*time.Millisecond)
 	setDefault(&c.Retry.MaxBackoff, 10*time.Second)
 	setDefault(&c.InfraBackoff.Initial, 100*time.Millisecond)
 	setDefault(&c.InfraBackoff.Max, 5*time.Second)
-	setDefault(&c.MaxCrashAttempts, 3)
+	setDefault(&c.CrashGuard.MaxCrashes, 3)
 	setDefault(&c.ShutdownTimeout, 10*time.Second)
-	setDefault(&c.RetentionInterval, time.Hour)
-	if c.Fingerprint == nil {
-		c.Fingerprint = sha256Value
-	}
-	if c.Logger == nil {
-		c.Logger = slog.Default()
+	setDefault(&c.Retention.Interval, time.Hour)
+	if c.Telemetry.Logger == nil {
+		c.Telemetry.Logger = slog.Default()
 	}
 	return c, nil
+}
+
+// validate checks what no default can repair, naming the field.
+func (c *Config) validate() error {
+	if c.Name == "" {
+		return fmt.Errorf("%w: Name is required", ErrInvalidConfig)
+	}
+	if len(c.Name) > maxNameLength {
+		return fmt.Errorf("%w: Name is longer than %d bytes", ErrInvalidConfig, maxNameLength)
+	}
+	checks := []struct {
+		field string
+		bad   bool
+	}{
+		{"Identify.MaxIDLength", c.Identify.MaxIDLength < 0},
+		{"Batch.Size", c.Batch.Size < 0},
+		{"Batch.Linger", c.Batch.Linger < 0},
+		{"Concurrency", c.Concurrency < 0},
+		{"ReceiveBuffer", c.ReceiveBuffer < 0},
+		{"Retry.MaxAttempts", c.Retry.MaxAttempts < 0},
+		{"Retry.InitialBackoff", c.Retry.InitialBackoff < 0},
+		{"Retry.MaxBackoff", c.Retry.MaxBackoff < 0},
+		{"InfraBackoff.Initial", c.InfraBackoff.Initial < 0},
+		{"InfraBackoff.Max", c.InfraBackoff.Max < 0},
+		{"CrashGuard.MaxCrashes", c.CrashGuard.MaxCrashes < 0},
+		{"HandlerTimeout", c.HandlerTimeout < 0},
+		{"ShutdownTimeout", c.ShutdownTimeout < 0},
+		{"Retention.MaxAge", c.Retention.MaxAge < 0},
+		{"Retention.Interval", c.Retention.Interval < 0},
+	}
+	for _, ch := range checks {
+		if ch.bad {
+			return fmt.Errorf("%w: %s must not be negative", ErrInvalidConfig, ch.field)
+		}
+	}
+	if p := c.Identify.OnConflict; p != DeadLetterConflicts && p != SkipConflicts {
+		return fmt.Errorf("%w: Identify.OnConflict %d is not a known policy", ErrInvalidConfig, p)
+	}
+	if c.Retry.InitialBackoff > 0 && c.Retry.MaxBackoff > 0 && c.Retry.InitialBackoff > c.Retry.MaxBackoff {
+		return fmt.Errorf("%w: Retry.InitialBackoff %v exceeds Retry.MaxBackoff %v", ErrInvalidConfig, c.Retry.InitialBackoff, c.Retry.MaxBackoff)
+	}
+	if c.InfraBackoff.Initial > 0 && c.InfraBackoff.Max > 0 && c.InfraBackoff.Initial > c.InfraBackoff.Max {
+		return fmt.Errorf("%w: InfraBackoff.Initial %v exceeds InfraBackoff.Max %v", ErrInvalidConfig, c.InfraBackoff.Initial, c.InfraBackoff.Max)
+	}
+	return nil
 }
 
 // fitPool sets the defaults that depend on the pool (Concurrency, and
@@ -312,9 +369,9 @@ func (c Config) withDefaults() (Config, error) {
 func (c *Config) fitPool(pool interface{ Config() *pgxpool.Config }) {
 	maxConns := int(pool.Config().MaxConns)
 	setDefault(&c.Concurrency, max(1, maxConns))
-	setDefault(&c.ReceiveBuffer, max(256, 2*c.Concurrency*c.BatchSize))
+	setDefault(&c.ReceiveBuffer, max(256, 2*c.Concurrency*c.Batch.Size))
 	if c.Concurrency > maxConns {
-		c.Logger.Warn("once: Concurrency exceeds the pool's MaxConns; the extra transactions wait for a connection",
+		c.Telemetry.Logger.Warn("once: Concurrency exceeds the pool's MaxConns; the extra transactions wait for a connection",
 			"consumer", c.Name, "concurrency", c.Concurrency, "max_conns", maxConns)
 	}
 }

@@ -118,7 +118,7 @@ func (d *dispatcher) close() {
 
 // orderedWorker handles one stream's deliveries in order, in batches.
 // After each new assignment of the stream (a new Delivery.Context), the
-// first BatchSize new messages are marked by the crash guard (guard.go).
+// first Batch.Size new messages are marked by the crash guard (guard.go).
 // The worker retires once its assignment has ended and nothing waits.
 func (d *dispatcher) orderedWorker(l *lane) {
 	defer d.wg.Done()
@@ -126,7 +126,7 @@ func (d *dispatcher) orderedWorker(l *lane) {
 	var s *settler
 	window := 0
 	for {
-		batch := l.next(d.p.cfg.BatchSize, d.p.linger(), assignment)
+		batch := l.next(d.p.cfg.Batch.Size, d.p.linger(), assignment)
 		if batch == nil {
 			if l.isRetired() {
 				select {
@@ -141,7 +141,7 @@ func (d *dispatcher) orderedWorker(l *lane) {
 		}
 		for len(batch) > 0 {
 			if c := batch[0].Context(); c != assignment {
-				assignment, window, s = c, d.p.cfg.BatchSize, &settler{p: d.p}
+				assignment, window, s = c, d.p.cfg.Batch.Size, &settler{p: d.p}
 			}
 			n := 1
 			for n < len(batch) && batch[n].Context() == assignment {
@@ -198,16 +198,16 @@ func (d *dispatcher) unorderedWorker() {
 }
 
 // linger is how long a worker waits for a batch to fill: Config.
-// BatchLinger, or none when batches are off.
+// Batch.Linger, or none when batches are off.
 func (p *pipeline) linger() time.Duration {
-	if p.cfg.BatchSize <= 1 {
+	if p.cfg.Batch.Size <= 1 {
 		return 0
 	}
-	return p.cfg.BatchLinger
+	return p.cfg.Batch.Linger
 }
 
 // collect returns first plus the deliveries already waiting in ch, up to
-// Config.BatchSize, waiting at most Config.BatchLinger for more. With no
+// Config.Batch.Size, waiting at most Config.Batch.Linger for more. With no
 // linger a batch is whatever accumulated while the previous one was being
 // handled: one message under light load, full batches under heavy load. A
 // redelivered delivery ends the batch and is returned apart, to be handled
@@ -220,7 +220,7 @@ func (p *pipeline) collect(first Delivery, ch <-chan Delivery) (batch []Delivery
 		defer t.Stop()
 		linger = t.C
 	}
-	for len(batch) < p.cfg.BatchSize {
+	for len(batch) < p.cfg.Batch.Size {
 		var dv Delivery
 		var ok bool
 		if linger == nil {

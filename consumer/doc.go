@@ -20,10 +20,10 @@
 //	                    DLQ         DLQ           skip, Ack   then DLQ      retry (no ack)
 //
 // Event ids come from the broker's id property (AMQP message-id), a header
-// (Config.IDHeaders), an Envelope, or the adapter's fallback (Kafka:
+// (Config.Identify.IDHeaders), an Envelope, or the adapter's fallback (Kafka:
 // topic/partition/offset@topic-id). A payload fingerprint is stored with each claim:
 // a repeated id with a different payload is an id conflict and is
-// dead-lettered (Config.OnIDConflict) instead of being silently skipped.
+// dead-lettered (Config.Identify.OnConflict) instead of being silently skipped.
 //
 // # Failures
 //
@@ -35,7 +35,7 @@
 // message is neither dead-lettered nor acked, and the consumer retries it
 // with backoff until the infrastructure is back. A message that kills the
 // process every time it is handled is recognised by a durable attempt
-// count and dead-lettered after Config.MaxCrashAttempts.
+// count and dead-lettered after Config.CrashGuard.MaxCrashes.
 //
 // # Order and concurrency
 //

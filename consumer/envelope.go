@@ -100,28 +100,28 @@ func (c *Config) identify(m *Message) (identity, ErrorKind, error) {
 		}
 		idt.payload = o.Payload
 		if idt.typ == "" {
-			idt.typ = firstHeader(m.Headers, c.TypeHeaders)
+			idt.typ = firstHeader(m.Headers, c.Identify.TypeHeaders)
 		}
 		if idt.typ == "" {
 			idt.typ = o.Type
 		}
 		if idt.id == "" {
-			idt.id = firstHeader(m.Headers, c.IDHeaders)
+			idt.id = firstHeader(m.Headers, c.Identify.IDHeaders)
 		}
 		if idt.id == "" {
 			idt.id = o.ID
 		}
 	} else {
 		if idt.typ == "" {
-			idt.typ = firstHeader(m.Headers, c.TypeHeaders)
+			idt.typ = firstHeader(m.Headers, c.Identify.TypeHeaders)
 		}
 		if idt.id == "" {
-			idt.id = firstHeader(m.Headers, c.IDHeaders)
+			idt.id = firstHeader(m.Headers, c.Identify.IDHeaders)
 		}
 	}
 	redriven := m.Headers[HeaderRedriveEventID]
-	if c.EventID != nil && redriven == "" {
-		id, err := c.EventID(m)
+	if c.Identify.EventID != nil && redriven == "" {
+		id, err := c.Identify.EventID(m)
 		if err != nil {
 			return idt, KindMissingID, err
 		}
@@ -136,7 +136,7 @@ func (c *Config) identify(m *Message) (identity, ErrorKind, error) {
 	if idt.id == "" {
 		return idt, KindMissingID, errors.New("the event carries no id and the source has no fallback id")
 	}
-	if err := validID(idt.id, c.MaxIDLength); err != nil {
+	if err := validID(idt.id, c.Identify.MaxIDLength); err != nil {
 		return idt, KindInvalidID, err
 	}
 	return idt, "", nil

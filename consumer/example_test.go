@@ -46,7 +46,7 @@ func ExampleNew() {
 
 // One consumer, one typed handler per event type.
 func ExampleNewRouted() {
-	r := consumer.NewRouter(consumer.RouterConfig{UnknownTypes: consumer.SkipUnknownTypes})
+	r := consumer.NewRouter[any](consumer.RouterConfig{UnknownTypes: consumer.SkipUnknownTypes})
 	err := consumer.Handle(r, "order.created", func(ctx context.Context, tx pgx.Tx, ev consumer.Event[OrderCreated]) error {
 		_, err := tx.Exec(ctx, `INSERT INTO orders (id, amount) VALUES ($1, $2)`, ev.Payload.OrderID, ev.Payload.Amount)
 		return err

@@ -49,7 +49,7 @@ func (p *pipeline) run(ctx context.Context, s *settler, jobs []*job) {
 			p.run(ctx, s, jobs[:half])
 			jobs = jobs[half:]
 		case txFailed:
-			p.cfg.Logger.DebugContext(ctx, "once: handler failed in a batch; splitting it", "consumer", p.cfg.Name,
+			p.cfg.Telemetry.Logger.DebugContext(ctx, "once: handler failed in a batch; splitting it", "consumer", p.cfg.Name,
 				"event_id", jobs[r.failed].idt.id, "error", r.err)
 			p.run(ctx, s, jobs[:r.failed])
 			// The failure in the batch was the job's run.
@@ -113,7 +113,7 @@ func (p *pipeline) retryOrGiveUp(ctx context.Context, s *settler, j *job, r txRe
 	if errors.As(r.err, &ra) {
 		wait = ra.Delay
 	}
-	p.cfg.Logger.DebugContext(ctx, "once: handler failed; retrying", "consumer", p.cfg.Name, "event_id", j.idt.id,
+	p.cfg.Telemetry.Logger.DebugContext(ctx, "once: handler failed; retrying", "consumer", p.cfg.Name, "event_id", j.idt.id,
 		"attempt", j.runs, "error", r.err, "backoff", wait)
 	p.tel.retry(ctx, "handler")
 	p.retrying(ctx, Retry{Reason: RetryHandler, EventID: j.idt.id, Messages: 1, Err: r.err, Wait: wait})
@@ -151,7 +151,7 @@ func (p *pipeline) mustStop(ctx context.Context, s *settler) bool {
 func (p *pipeline) waitInfra(ctx context.Context, r *backoff.Retrier, err error, messages int) bool {
 	p.stats.infraErrors.Add(1)
 	d := r.Delay()
-	p.cfg.Logger.WarnContext(ctx, "once: infrastructure failure; retrying", "consumer", p.cfg.Name,
+	p.cfg.Telemetry.Logger.WarnContext(ctx, "once: infrastructure failure; retrying", "consumer", p.cfg.Name,
 		"messages", messages, "error", err, "backoff", d)
 	p.retrying(ctx, Retry{Reason: RetryInfrastructure, Messages: messages, Err: err, Wait: d})
 	if !p.sleep(ctx, d) {
@@ -178,7 +178,7 @@ func (p *pipeline) infra(ctx context.Context, what string, f func() error) error
 		}
 		p.stats.infraErrors.Add(1)
 		d := r.Delay()
-		p.cfg.Logger.WarnContext(ctx, "once: infrastructure failure "+what+"; retrying",
+		p.cfg.Telemetry.Logger.WarnContext(ctx, "once: infrastructure failure "+what+"; retrying",
 			"consumer", p.cfg.Name, "error", err, "backoff", d)
 		p.retrying(ctx, Retry{Reason: RetryInfrastructure, Err: fmt.Errorf("%s: %w", what, err), Wait: d})
 		if !p.sleep(ctx, d) {

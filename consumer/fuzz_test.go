@@ -39,7 +39,7 @@ func FuzzIdentify(f *testing.F) {
 			}
 			return
 		}
-		if idt.id == "" || len(idt.id) > cfg.MaxIDLength || !utf8.ValidString(idt.id) || strings.ContainsRune(idt.id, 0) {
+		if idt.id == "" || len(idt.id) > cfg.Identify.MaxIDLength || !utf8.ValidString(idt.id) || strings.ContainsRune(idt.id, 0) {
 			t.Fatalf("accepted an id that cannot be stored: %q", idt.id)
 		}
 		dl := &DeadLetter{Kind: KindDecode, Error: string(value), EventID: idt.id}

@@ -110,8 +110,8 @@ func TestIDConflictSkipPolicyAndNoFingerprint(t *testing.T) {
 		name string
 		cfg  func(*consumer.Config)
 	}{
-		{"skip", func(c *consumer.Config) { c.OnIDConflict = consumer.SkipConflicts }},
-		{"no-fingerprint", func(c *consumer.Config) { c.Fingerprint = consumer.NoFingerprint }},
+		{"skip", func(c *consumer.Config) { c.Identify.OnConflict = consumer.SkipConflicts }},
+		{"no-fingerprint", func(c *consumer.Config) { c.Identify.Fingerprint = consumer.NoFingerprint }},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			pool, _ := pgtest.Schema(t)
@@ -133,7 +133,7 @@ func TestIDConflictSkipPolicyAndNoFingerprint(t *testing.T) {
 
 // A message whose handling never finishes (standing for one that crashes
 // the process) is abandoned by each consumer in turn; after
-// MaxCrashAttempts crashes alone the next consumer dead-letters it instead
+// CrashGuard.MaxCrashes crashes alone the next consumer dead-letters it instead
 // of trying. Run 1 crashes in a batch shared with "fine", which charges no
 // crash to either; runs 2 and 3 run the killer isolated.
 func TestCrashLoopIsDeadLettered(t *testing.T) {
@@ -152,7 +152,7 @@ func TestCrashLoopIsDeadLettered(t *testing.T) {
 		return insertEffect(ctx, tx, ev)
 	}
 	cfg := fastConfig("crash-loop")
-	cfg.MaxCrashAttempts = 2
+	cfg.CrashGuard.MaxCrashes = 2
 	cfg.ShutdownTimeout = 10 * time.Millisecond
 	for run := 1; run <= 4; run++ {
 		c, err := consumer.New(pool, b.Source(), h, cfg)
@@ -313,8 +313,8 @@ func TestNewValidatesConfig(t *testing.T) {
 		"negative timeout":     {consumer.Config{Name: "x", ShutdownTimeout: -time.Second}, "ShutdownTimeout"},
 		"negative handler":     {consumer.Config{Name: "x", HandlerTimeout: -1}, "HandlerTimeout"},
 		"negative backoff":     {consumer.Config{Name: "x", InfraBackoff: consumer.Backoff{Max: -1}}, "InfraBackoff.Max"},
-		"unknown policy":       {consumer.Config{Name: "x", OnIDConflict: 7}, "OnIDConflict"},
-		"negative retention":   {consumer.Config{Name: "x", RetentionMaxAge: -time.Hour}, "RetentionMaxAge"},
+		"unknown policy":       {consumer.Config{Name: "x", Identify: consumer.IdentifyConfig{OnConflict: 7}}, "Identify.OnConflict"},
+		"negative retention":   {consumer.Config{Name: "x", Retention: consumer.RetentionConfig{MaxAge: -time.Hour}}, "Retention.MaxAge"},
 	}
 	for name, tc := range cases {
 		t.Run(name, func(t *testing.T) {
@@ -362,7 +362,7 @@ func TestRouterDispatchesByType(t *testing.T) {
 		return err
 	}
 	for _, policy := range []consumer.UnknownTypePolicy{consumer.DeadLetterUnknownTypes, consumer.SkipUnknownTypes} {
-		r := consumer.NewRouter(consumer.RouterConfig{UnknownTypes: policy})
+		r := consumer.NewRouter[any](consumer.RouterConfig{UnknownTypes: policy})
 		require.NoError(t, consumer.Handle(r, "order.created", func(ctx context.Context, tx pgx.Tx, ev consumer.Event[created]) error {
 			return write(ctx, tx, ev.ID, "created "+ev.Payload.Order)
 		}))
@@ -407,7 +407,7 @@ func TestRouterDispatchesByType(t *testing.T) {
 		}
 		assert.Equal(t, want, kinds)
 	}
-	_, err = consumer.NewRouted(pool, memsource.New(memsource.Options{}).Source(), consumer.NewRouter(consumer.RouterConfig{}), fastConfig("empty"))
+	_, err = consumer.NewRouted(pool, memsource.New(memsource.Options{}).Source(), consumer.NewRouter[any](consumer.RouterConfig{}), fastConfig("empty"))
 	require.ErrorIs(t, err, consumer.ErrInvalidConfig)
 }
 
@@ -440,8 +440,8 @@ func TestBatchFailureSplitsAndKeepsOrder(t *testing.T) {
 		return nil
 	}
 	cfg := fastConfig("batch-split")
-	cfg.BatchSize = 50
-	cfg.BatchLinger = 20 * time.Millisecond
+	cfg.Batch.Size = 50
+	cfg.Batch.Linger = 20 * time.Millisecond
 	c, err := consumer.New(pool, b.Source(), h, cfg)
 	require.NoError(t, err)
 	start(t, c)
@@ -494,7 +494,7 @@ func TestHandlerMisusingTheTransaction(t *testing.T) {
 		return insertEffect(ctx, tx, ev)
 	}
 	cfg := fastConfig("misuse")
-	cfg.BatchSize = 1
+	cfg.Batch.Size = 1
 	c, err := consumer.New(pool, b.Source(), h, cfg)
 	require.NoError(t, err)
 	start(t, c)
@@ -555,10 +555,10 @@ func TestCrashLoopSparesInnocentNeighbours(t *testing.T) {
 		return insertEffect(ctx, tx, ev)
 	}
 	cfg := fastConfig("crash-neighbours")
-	cfg.MaxCrashAttempts = 2
+	cfg.CrashGuard.MaxCrashes = 2
 	cfg.ShutdownTimeout = 10 * time.Millisecond
 	cfg.Concurrency = 8
-	cfg.BatchSize = 1 // one message per worker: all in flight at once
+	cfg.Batch.Size = 1 // one message per worker: all in flight at once
 	// Run 1: every message is in flight at once; the killer "crashes".
 	for run := 1; run <= 4; run++ {
 		c, err := consumer.New(pool, b.Source(), h, cfg)

@@ -15,7 +15,7 @@ import (
 // written before the message runs, can tell the next process that it was
 // in flight when the last one died. Such records cost a statement, so the
 // guard keeps them only for messages that may have been in flight at a
-// crash: the first Config.BatchSize new messages of each new assignment of
+// crash: the first Config.Batch.Size new messages of each new assignment of
 // a stream (Kafka resumes from the last committed offset, so a crashed
 // batch comes first), and messages the broker marks as redelivered (AMQP).
 //
@@ -29,10 +29,10 @@ import (
 // Config.Retry.MaxAttempts, so that runs cut short by crashes count too) and
 // crashes (runs that never finished: written as one more before an
 // isolated attempt and taken back when the attempt ends in this process).
-// The first BatchSize messages of an assignment are marked with zero
+// The first Batch.Size messages of an assignment are marked with zero
 // counts, in one statement: a crash of that shared batch is charged to none
 // of them as a crash (each is charged one run), but their marks make each a
-// suspect next time. A message with Config.MaxCrashAttempts crashes, or
+// suspect next time. A message with Config.CrashGuard.MaxCrashes crashes, or
 // whose runs are spent with the last one cut short, is dead-lettered with
 // kind KindCrashLoop.
 // Every count is written as a value, not an increment, so a retried write
@@ -203,7 +203,7 @@ func (g *crashGuard) startAttempt(ctx context.Context, j *job) error {
 		r := records[j.idt.id]
 		j.guard.known, j.guard.crashes, j.runs = true, r.crashes, max(j.runs, r.runs)
 	}
-	if j.guard.crashes >= g.p.cfg.MaxCrashAttempts || j.runs >= g.p.cfg.Retry.MaxAttempts {
+	if j.guard.crashes >= g.p.cfg.CrashGuard.MaxCrashes || j.runs >= g.p.cfg.Retry.MaxAttempts {
 		// Too many crashes alone, or runs spent, the last of them cut
 		// short.
 		return errCrashLoop
@@ -249,7 +249,7 @@ func (g *crashGuard) forget(j *job) {
 		_, err = g.p.pool.Exec(ctx, g.unmarkSQL, g.p.cfg.Name, j.idt.id)
 	}
 	if err != nil {
-		g.p.cfg.Logger.DebugContext(ctx, "once: taking back a crash-guard record", "consumer", g.p.cfg.Name,
+		g.p.cfg.Telemetry.Logger.DebugContext(ctx, "once: taking back a crash-guard record", "consumer", g.p.cfg.Name,
 			"event_id", j.idt.id, "error", err)
 	}
 }
@@ -288,7 +288,7 @@ func (g *crashGuard) settled(ctx context.Context, j *job) {
 	}
 	j.guard.recorded, j.guard.inFlight = false, false
 	if _, err := g.p.pool.Exec(context.WithoutCancel(ctx), g.clearSQL, g.p.cfg.Name, []string{j.idt.id}); err != nil {
-		g.p.cfg.Logger.DebugContext(ctx, "once: deleting a crash-guard record", "consumer", g.p.cfg.Name,
+		g.p.cfg.Telemetry.Logger.DebugContext(ctx, "once: deleting a crash-guard record", "consumer", g.p.cfg.Name,
 			"event_id", j.idt.id, "error", err)
 	}
 }

@@ -163,11 +163,11 @@ func (p *pipeline) afterCommit(ctx context.Context, jobs []*job, claimed func(i 
 func (p *pipeline) safeHook(ctx context.Context, name string, f func() error) {
 	defer func() {
 		if r := recover(); r != nil {
-			p.cfg.Logger.ErrorContext(ctx, "once: a hook panicked", "consumer", p.cfg.Name, "hook", name,
+			p.cfg.Telemetry.Logger.ErrorContext(ctx, "once: a hook panicked", "consumer", p.cfg.Name, "hook", name,
 				"panic", fmt.Sprint(r), "stack", string(debug.Stack()))
 		}
 	}()
 	if err := f(); err != nil && !errors.Is(err, context.Canceled) {
-		p.cfg.Logger.WarnContext(ctx, "once: a hook failed", "consumer", p.cfg.Name, "hook", name, "error", err)
+		p.cfg.Telemetry.Logger.WarnContext(ctx, "once: a hook failed", "consumer", p.cfg.Name, "hook", name, "error", err)
 	}
 }

@@ -16,7 +16,7 @@ func BenchmarkPrepare(b *testing.B) {
 		b.Run(fmt.Sprintf("fingerprint=%v", fp), func(b *testing.B) {
 			cfg := Config{Name: "bench"}
 			if !fp {
-				cfg.Fingerprint = NoFingerprint
+				cfg.Identify.Fingerprint = NoFingerprint
 			}
 			cfg, err := cfg.withDefaults()
 			if err != nil {
@@ -41,8 +41,8 @@ func BenchmarkPrepare(b *testing.B) {
 				if _, _, err := bind(func(context.Context, pgx.Tx, Event[payload]) error { return nil }, m, idt, cfg.Decoder); err != nil {
 					b.Fatal(err)
 				}
-				if cfg.Fingerprint != nil {
-					_ = cfg.Fingerprint(m)
+				if cfg.Identify.Fingerprint != nil {
+					_ = cfg.Identify.Fingerprint(m)
 				}
 			}
 		})

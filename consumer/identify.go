@@ -84,9 +84,9 @@ func (p *pipeline) prepareJob(j *job) (dl *DeadLetter) {
 		return &DeadLetter{Kind: kind, Error: err.Error()}
 	}
 	j.call, j.event = prep.call, prep.event
-	if p.cfg.Fingerprint != nil {
+	if p.cfg.Identify.Fingerprint != nil {
 		stage = "computing the fingerprint"
-		j.fp = p.cfg.Fingerprint(j.m)
+		j.fp = p.cfg.Identify.Fingerprint(j.m)
 	}
 	return nil
 }

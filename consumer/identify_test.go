@@ -12,13 +12,12 @@ import (
 // delivery even when the first id came from a Kafka position.
 func TestRedriveEventIDWinsOverEverySource(t *testing.T) {
 	cfg := Config{
-		Name:      "c",
-		IDHeaders: []string{"id"},
-		EventID:   func(*Message) (string, error) { return "from-func", nil },
+		Name:     "c",
+		Identify: IdentifyConfig{IDHeaders: []string{"id"}, EventID: func(*Message) (string, error) { return "from-func", nil }},
 	}
 	cfg, err := cfg.withDefaults()
 	require.NoError(t, err)
-	cfg.IDHeaders = []string{"id"}
+	cfg.Identify.IDHeaders = []string{"id"}
 	m := &Message{
 		ID:         "from-property",
 		FallbackID: "orders/1/7",
@@ -34,7 +33,7 @@ func TestRedriveEventIDWinsOverEverySource(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, "from-func", idt.id, "without a redrive header the usual order applies")
 
-	cfg.EventID = func(*Message) (string, error) { return "", errors.New("no id") }
+	cfg.Identify.EventID = func(*Message) (string, error) { return "", errors.New("no id") }
 	_, kind, err = cfg.identify(m)
 	require.Error(t, err)
 	require.Equal(t, KindMissingID, kind)

@@ -64,7 +64,7 @@ func TestBusyStreamDoesNotHoldUpOthers(t *testing.T) {
 		return insertEffect(ctx, tx, ev)
 	}
 	cfg := fastConfig("busy-stream")
-	cfg.BatchSize = 1
+	cfg.Batch.Size = 1
 	cfg.ReceiveBuffer = 1000
 	c, err := consumer.New(pool, b.Source(), h, cfg)
 	require.NoError(t, err)
@@ -102,7 +102,7 @@ func TestReceiveBufferBoundsWhatWaits(t *testing.T) {
 		return insertEffect(ctx, tx, ev)
 	}
 	cfg := fastConfig("receive-buffer")
-	cfg.BatchSize = 1
+	cfg.Batch.Size = 1
 	cfg.ReceiveBuffer = 50
 	c, err := consumer.New(pool, b.Source(), h, cfg)
 	require.NoError(t, err)

@@ -55,8 +55,8 @@ func TestMetricsAndLogs(t *testing.T) {
 	b.Publish(consumer.Message{Value: []byte(`{"n": "` + secret + `"`), Headers: map[string]string{"id": "poison"}})
 
 	cfg := fastConfig("observed")
-	cfg.MeterProvider = mp
-	cfg.Logger = slog.New(slog.NewTextHandler(lockedWriter{&logs, &mu}, &slog.HandlerOptions{Level: slog.LevelInfo}))
+	cfg.Telemetry.MeterProvider = mp
+	cfg.Telemetry.Logger = slog.New(slog.NewTextHandler(lockedWriter{&logs, &mu}, &slog.HandlerOptions{Level: slog.LevelInfo}))
 	c, err := consumer.New(pool, b.Source(), insertEffect, cfg)
 	require.NoError(t, err)
 	stop := start(t, c)

@@ -93,7 +93,7 @@ func (p *pipeline) consume(ctx context.Context) error {
 	stopWatch := context.AfterFunc(ctx, p.stop)
 	defer stopWatch()
 	d := newDispatcher(p, work)
-	if p.cfg.RetentionMaxAge > 0 {
+	if p.cfg.Retention.MaxAge > 0 {
 		go p.retention(ctx)
 	}
 
@@ -102,7 +102,7 @@ func (p *pipeline) consume(ctx context.Context) error {
 	p.stop() // after a fatal source error, ctx may still be live
 	d.close()
 	if !waitTimeout(&d.wg, p.cfg.ShutdownTimeout) {
-		p.cfg.Logger.WarnContext(ctx, "once: shutdown timeout: rolling back messages in flight; they will be redelivered",
+		p.cfg.Telemetry.Logger.WarnContext(ctx, "once: shutdown timeout: rolling back messages in flight; they will be redelivered",
 			"consumer", p.cfg.Name, "timeout", p.cfg.ShutdownTimeout)
 		cancelWork()
 		d.wg.Wait()
@@ -125,10 +125,16 @@ func (p *pipeline) stop() {
 // manages them (SkipMigrate), checks their shape, so that a table of
 // another shape fails Run at once instead of every claim.
 func (p *pipeline) start(ctx context.Context) error {
+	var err error
 	if p.cfg.SkipMigrate {
-		return p.cfg.Store.Check(ctx, p.pool)
+		err = p.cfg.Store.Check(ctx, p.pool)
+	} else {
+		err = p.cfg.Store.Migrate(ctx, p.pool)
 	}
-	return p.cfg.Store.Migrate(ctx, p.pool)
+	if err != nil {
+		return err
+	}
+	return p.bindProgress(ctx)
 }
 
 // process takes deliveries of one stream assignment (or of one channel)
@@ -222,17 +228,17 @@ func anyRedelivered(jobs []*job) bool {
 }
 
 // retention deletes the consumer's old processed-event rows every
-// RetentionInterval.
+// Retention.Interval.
 func (p *pipeline) retention(ctx context.Context) {
-	t := time.NewTicker(p.cfg.RetentionInterval)
+	t := time.NewTicker(p.cfg.Retention.Interval)
 	defer t.Stop()
 	for {
-		n, err := p.cfg.Store.DeleteOlderThan(ctx, p.pool, p.cfg.Name, time.Now().Add(-p.cfg.RetentionMaxAge), 1000)
+		n, err := p.cfg.Store.DeleteOlderThan(ctx, p.pool, p.cfg.Name, time.Now().Add(-p.cfg.Retention.MaxAge), 1000)
 		switch {
 		case err != nil && ctx.Err() == nil:
-			p.cfg.Logger.WarnContext(ctx, "once: retention failed", "consumer", p.cfg.Name, "error", err)
+			p.cfg.Telemetry.Logger.WarnContext(ctx, "once: retention failed", "consumer", p.cfg.Name, "error", err)
 		case n > 0:
-			p.cfg.Logger.InfoContext(ctx, "once: retention removed processed events", "consumer", p.cfg.Name, "rows", n)
+			p.cfg.Telemetry.Logger.InfoContext(ctx, "once: retention removed processed events", "consumer", p.cfg.Name, "rows", n)
 		}
 		select {
 		case <-ctx.Done():

@@ -133,7 +133,7 @@ func TestDeterministicHandlerErrorsAreDeadLettered(t *testing.T) {
 
 var errBusy = errors.New("downstream busy")
 
-// Config.ClassifyError decides what an error is: here a busy dependency is
+// Config.Retry.Classify decides what an error is: here a busy dependency is
 // infrastructure (retried without bound, never dead-lettered) and a
 // rejected payload is permanent (dead-lettered at once); a panic in the hook
 // falls back to the default class.
@@ -160,7 +160,7 @@ func TestClassifyErrorOverridesTheDefault(t *testing.T) {
 		return insertEffect(ctx, tx, ev)
 	}
 	cfg := fastConfig("classify")
-	cfg.ClassifyError = func(err error, def consumer.ErrorClass) consumer.ErrorClass {
+	cfg.Retry.Classify = func(err error, def consumer.ErrorClass) consumer.ErrorClass {
 		switch {
 		case errors.Is(err, errBusy):
 			return consumer.ClassInfrastructure
@@ -202,7 +202,7 @@ func TestWaitingForAConnectionIsNotChargedToMessages(t *testing.T) {
 	}
 	cfg := fastConfig("pool-wait")
 	cfg.Concurrency = 8
-	cfg.BatchSize = 1
+	cfg.Batch.Size = 1
 	cfg.HandlerTimeout = 150 * time.Millisecond // less than eight handlers' time
 	c, err := consumer.New(pool, b.Source(), h, cfg)
 	require.NoError(t, err)
@@ -268,7 +268,7 @@ func TestPanicsInUserFunctionsAreDeadLettered(t *testing.T) {
 	cases := map[string]func(*consumer.Config){
 		"envelope": func(c *consumer.Config) { c.Envelope = panickyEnvelope{} },
 		"event id": func(c *consumer.Config) {
-			c.EventID = func(m *consumer.Message) (string, error) {
+			c.Identify.EventID = func(m *consumer.Message) (string, error) {
 				if boom(m) {
 					panic("event id bug")
 				}
@@ -277,7 +277,7 @@ func TestPanicsInUserFunctionsAreDeadLettered(t *testing.T) {
 		},
 		"decoder": func(c *consumer.Config) {},
 		"fingerprint": func(c *consumer.Config) {
-			c.Fingerprint = func(m *consumer.Message) []byte {
+			c.Identify.Fingerprint = func(m *consumer.Message) []byte {
 				if boom(m) {
 					panic("fingerprint bug")
 				}
@@ -342,7 +342,7 @@ func runUntilStuck(t *testing.T, c *consumer.Consumer[order], stuck <-chan struc
 // A process that dies during a shared batch charges no crash to any of
 // its messages: the innocent ones are handled next time, and only the
 // killer, which then crashes alone, is dead-lettered as a crash loop, even
-// with MaxCrashAttempts 1. Each used to be charged the batch's crash and,
+// with CrashGuard.MaxCrashes 1. Each used to be charged the batch's crash and,
 // with a low limit, dead-lettered as crash loops beside the killer.
 func TestSharedBatchCrashChargesNoOne(t *testing.T) {
 	pool, _ := pgtest.Schema(t)
@@ -357,9 +357,9 @@ func TestSharedBatchCrashChargesNoOne(t *testing.T) {
 	}
 	stuck := make(chan struct{}, 16)
 	cfg := fastConfig("shared-batch")
-	cfg.MaxCrashAttempts = 1
+	cfg.CrashGuard.MaxCrashes = 1
 	cfg.ShutdownTimeout = 10 * time.Millisecond
-	cfg.BatchLinger = time.Second // one batch of all nine
+	cfg.Batch.Linger = time.Second // one batch of all nine
 	for run := 1; run <= 2; run++ {
 		c, err := consumer.New(pool, b.Source(), stallingHandler(stuck), cfg)
 		require.NoError(t, err)
@@ -376,7 +376,7 @@ func TestSharedBatchCrashChargesNoOne(t *testing.T) {
 
 // Runs cut short by crashes count towards Retry.MaxAttempts: a message
 // that kills the process is handled at most MaxAttempts times even when
-// MaxCrashAttempts is higher.
+// CrashGuard.MaxCrashes is higher.
 func TestCrashedRunsCountTowardsMaxAttempts(t *testing.T) {
 	pool, _ := pgtest.Schema(t)
 	effects(t, pool)
@@ -385,7 +385,7 @@ func TestCrashedRunsCountTowardsMaxAttempts(t *testing.T) {
 	stuck := make(chan struct{}, 16)
 	cfg := fastConfig("crash-runs")
 	cfg.Retry.MaxAttempts = 2
-	cfg.MaxCrashAttempts = 10
+	cfg.CrashGuard.MaxCrashes = 10
 	cfg.ShutdownTimeout = 10 * time.Millisecond
 	// Run 1 is a first delivery (no record); runs 2 and 3 are recorded.
 	for run := 1; run <= 3; run++ {
@@ -507,7 +507,7 @@ func TestStopMidBatchNeverAcksPastAnAbandonedMessage(t *testing.T) {
 		return nil
 	}
 	var err error
-	c, err = consumer.New(pool, b.Source(), h, consumer.Config{Name: "stop-mid-batch", BatchSize: 4, BatchLinger: 5 * time.Second})
+	c, err = consumer.New(pool, b.Source(), h, consumer.Config{Name: "stop-mid-batch", Batch: consumer.BatchConfig{Size: 4, Linger: 5 * time.Second}})
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()

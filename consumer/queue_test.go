@@ -299,8 +299,8 @@ func TestQueuedStatementThatCannotBePreparedIsFoundByHalving(t *testing.T) {
 		return nil
 	}
 	cfg := fastConfig("unpreparable")
-	cfg.BatchSize = n
-	cfg.BatchLinger = time.Second // the whole backlog is one batch
+	cfg.Batch.Size = n
+	cfg.Batch.Linger = time.Second // the whole backlog is one batch
 	c, err := consumer.New(pool, b.Source(), h, cfg)
 	require.NoError(t, err)
 	start(t, c)

@@ -2,6 +2,8 @@ package consumer
 
 import (
 	"fmt"
+	"maps"
+	"reflect"
 	"sort"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -29,28 +31,69 @@ type RouterConfig struct {
 	UnknownTypes UnknownTypePolicy
 }
 
-// Router holds one typed handler per event type. Register handlers with
-// Handle before passing the router to NewRouted; a Router is not safe for
-// concurrent registration, and registering after NewRouted has no effect
-// on that consumer.
-type Router struct {
+// Router holds one typed handler per event type, for the events of one
+// family T: every handler's payload type must be assignable to T. T is the
+// consumer's type parameter (NewRouted returns a *Consumer[T]): an
+// interface the event types share (for example one with an EventType
+// method, see AddHandler), or any for a router that takes every type.
+// Register handlers with Handle or AddHandler before passing the router to
+// NewRouted; a Router is not safe for concurrent registration, and
+// registering after NewRouted has no effect on that consumer.
+type Router[T any] struct {
 	cfg    RouterConfig
 	routes map[string]preparer
 }
 
-// NewRouter returns an empty router.
-func NewRouter(cfg RouterConfig) *Router {
-	return &Router{cfg: cfg, routes: map[string]preparer{}}
+// NewRouter returns an empty router for events of family T. For example
+//
+//	r := consumer.NewRouter[any](consumer.RouterConfig{})
+//
+// takes handlers of any payload type, and
+//
+//	r := consumer.NewRouter[OrderEvent](consumer.RouterConfig{})
+//
+// only handlers whose payload types implement OrderEvent.
+func NewRouter[T any](cfg RouterConfig) *Router[T] {
+	return &Router[T]{cfg: cfg, routes: map[string]preparer{}}
 }
 
-// Handle registers h for events of type eventType, decoded into T. It fails
-// for an empty type, a nil handler, or a type registered before.
-func Handle[T any](r *Router, eventType string, h Handler[T]) error {
+// EventTyper is implemented by payload types that name their own event
+// type, called on the zero value: AddHandler registers a handler under
+// that name, so the type name and the payload type cannot disagree.
+type EventTyper interface {
+	// EventType returns the event type of the payload, e.g. "order.paid".
+	// It must not depend on the value: AddHandler calls it on the zero
+	// value.
+	EventType() string
+}
+
+// AddHandler registers h for the events of type P.EventType(), decoded into
+// P: the registration is typed end to end (the router's AddWorker). It
+// fails as Handle does.
+//
+//	type OrderPaid struct{ OrderID string }
+//
+//	func (OrderPaid) EventType() string { return "order.paid" }
+//
+//	err := consumer.AddHandler(r, func(ctx context.Context, tx pgx.Tx, ev consumer.Event[OrderPaid]) error { ... })
+func AddHandler[T any, P EventTyper](r *Router[T], h Handler[P]) error {
+	var zero P
+	return Handle(r, zero.EventType(), h)
+}
+
+// Handle registers h for events of type eventType, decoded into P. It fails
+// with an error wrapping ErrInvalidConfig for an empty type, a nil handler,
+// a type registered before, or a P that is not assignable to the router's
+// family T.
+func Handle[T, P any](r *Router[T], eventType string, h Handler[P]) error {
 	switch {
 	case eventType == "":
 		return fmt.Errorf("%w: event type is empty", ErrInvalidConfig)
 	case h == nil:
 		return fmt.Errorf("%w: handler for %q is nil", ErrInvalidConfig, eventType)
+	}
+	if family, payload := reflect.TypeFor[T](), reflect.TypeFor[P](); !payload.AssignableTo(family) {
+		return fmt.Errorf("%w: handler for %q takes %v, which is not a %v (the router's family)", ErrInvalidConfig, eventType, payload, family)
 	}
 	if _, dup := r.routes[eventType]; dup {
 		return fmt.Errorf("%w: a handler for %q is already registered", ErrInvalidConfig, eventType)
@@ -63,7 +106,7 @@ func Handle[T any](r *Router, eventType string, h Handler[T]) error {
 }
 
 // Types returns the registered event types, sorted.
-func (r *Router) Types() []string {
+func (r *Router[T]) Types() []string {
 	types := make([]string, 0, len(r.routes))
 	for t := range r.routes {
 		types = append(types, t)
@@ -72,7 +115,13 @@ func (r *Router) Types() []string {
 	return types
 }
 
-func (r *Router) prepare(m *Message, idt identity, dec Decoder) (prepared, ErrorKind, error) {
+// routeTable is a router's routes frozen for one consumer.
+type routeTable struct {
+	cfg    RouterConfig
+	routes map[string]preparer
+}
+
+func (r *routeTable) prepare(m *Message, idt identity, dec Decoder) (prepared, ErrorKind, error) {
 	route, ok := r.routes[idt.typ]
 	if ok {
 		return route(m, idt, dec)
@@ -85,23 +134,20 @@ func (r *Router) prepare(m *Message, idt identity, dec Decoder) (prepared, Error
 
 // NewRouted returns a consumer that dispatches each message to the
 // router's handler for its event type (Message.Type, else the
-// Config.TypeHeaders, else the envelope's type). The router must have at
-// least one handler. Errors as for New.
-func NewRouted(pool *pgxpool.Pool, src Source, r *Router, cfg Config) (*Consumer[any], error) {
+// Config.Identify.TypeHeaders, else the envelope's type). The router must
+// have at least one handler; later registrations do not reach the
+// consumer. Errors as for New.
+func NewRouted[T any](pool *pgxpool.Pool, src Source, r *Router[T], cfg Config) (*Consumer[T], error) {
 	if r == nil || len(r.routes) == 0 {
 		return nil, fmt.Errorf("%w: router has no handlers", ErrInvalidConfig)
 	}
 	if r.cfg.UnknownTypes != DeadLetterUnknownTypes && r.cfg.UnknownTypes != SkipUnknownTypes {
 		return nil, fmt.Errorf("%w: RouterConfig.UnknownTypes %d is not a known policy", ErrInvalidConfig, r.cfg.UnknownTypes)
 	}
-	routes := make(map[string]preparer, len(r.routes))
-	for k, v := range r.routes {
-		routes[k] = v
-	}
-	frozen := &Router{cfg: r.cfg, routes: routes}
+	frozen := &routeTable{cfg: r.cfg, routes: maps.Clone(r.routes)}
 	p, err := newPipeline(pool, src, cfg, frozen.prepare)
 	if err != nil {
 		return nil, err
 	}
-	return &Consumer[any]{p: p}, nil
+	return &Consumer[T]{p: p}, nil
 }

@@ -79,17 +79,17 @@ func (s *settler) ackWith(j *job, outcome Result, dl *DeadLetter) {
 	if err := j.d.Ack(j.ctx); err != nil {
 		// The effect is committed; the broker will redeliver and the
 		// claim will find a duplicate.
-		p.cfg.Logger.WarnContext(j.ctx, "once: ack failed; the message will be redelivered and skipped",
+		p.cfg.Telemetry.Logger.WarnContext(j.ctx, "once: ack failed; the message will be redelivered and skipped",
 			"consumer", p.cfg.Name, "event_id", j.idt.id, "error", err)
 	}
 	p.outcome(j.ctx, j, outcome, dl)
 }
 
 // conflict settles a message whose id was processed before with another
-// fingerprint, per Config.OnIDConflict.
+// fingerprint, per Config.Identify.OnConflict.
 func (s *settler) conflict(j *job, prev dedup.Previous) {
-	if s.p.cfg.OnIDConflict == SkipConflicts {
-		s.p.cfg.Logger.WarnContext(j.ctx, "once: event id seen before with a different payload; skipped",
+	if s.p.cfg.Identify.OnConflict == SkipConflicts {
+		s.p.cfg.Telemetry.Logger.WarnContext(j.ctx, "once: event id seen before with a different payload; skipped",
 			"consumer", s.p.cfg.Name, "event_id", j.idt.id, "processed_at", prev.ProcessedAt)
 		s.ack(j, ResultSkipped)
 		return
@@ -124,7 +124,7 @@ func (s *settler) deadLetter(ctx context.Context, j *job, dl *DeadLetter) {
 	crashPoint("after-dead-letter")
 	p.stats.deadLettered.Add(1)
 	p.tel.deadLetter(ctx, j.span, dl.Kind, dl.Error)
-	p.cfg.Logger.WarnContext(ctx, "once: message dead-lettered", "consumer", p.cfg.Name, "event_id", dl.EventID,
+	p.cfg.Telemetry.Logger.WarnContext(ctx, "once: message dead-lettered", "consumer", p.cfg.Name, "event_id", dl.EventID,
 		"event_type", dl.EventType, "kind", dl.Kind, "error", dl.Error, "topic", j.m.Topic)
 	p.guard.settled(ctx, j)
 	s.ackWith(j, ResultDeadLettered, dl)
@@ -139,7 +139,7 @@ func (s *settler) abandon(j *job) {
 	}
 	j.settled = true
 	j.span.SetAttributes(attribute.String("once.outcome", "abandoned"))
-	s.p.cfg.Logger.DebugContext(j.ctx, "once: message abandoned unacked", "consumer", s.p.cfg.Name, "event_id", j.idt.id)
+	s.p.cfg.Telemetry.Logger.DebugContext(j.ctx, "once: message abandoned unacked", "consumer", s.p.cfg.Name, "event_id", j.idt.id)
 	s.p.guard.forget(j)
 	s.p.outcome(j.ctx, j, ResultAbandoned, nil)
 }

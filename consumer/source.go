@@ -51,7 +51,7 @@ type Message struct {
 	// Redelivered reports that the broker says this message may have been
 	// delivered before (AMQP's redelivered flag). The consumer records a
 	// durable attempt for such messages so that one that crashes the
-	// process every time is dead-lettered after Config.MaxCrashAttempts.
+	// process every time is dead-lettered after Config.CrashGuard.MaxCrashes.
 	Redelivered bool
 	// DeliveryCount is the broker's count of earlier deliveries (the
 	// x-delivery-count header of RabbitMQ quorum queues); 0 when unknown.
@@ -78,7 +78,7 @@ type Delivery interface {
 	// channel) share one context, and a new assignment has a new one: the
 	// consumer takes a new context on a stream as the sign that earlier
 	// work may have died with a previous owner, and counts crash attempts
-	// for the first messages after it (Config.MaxCrashAttempts).
+	// for the first messages after it (Config.CrashGuard.MaxCrashes).
 	Context() context.Context
 	// Ack settles the delivery: commits or marks the Kafka offset, acks the
 	// AMQP delivery. It is called only after the transaction that handled
@@ -142,14 +142,14 @@ const (
 	KindUnknownType ErrorKind = "unknown-type"
 	// KindMissingID: the event carries no id and the adapter has no fallback.
 	KindMissingID ErrorKind = "missing-id"
-	// KindInvalidID: the event id is longer than Config.MaxIDLength or not
+	// KindInvalidID: the event id is longer than Config.Identify.MaxIDLength or not
 	// valid UTF-8.
 	KindInvalidID ErrorKind = "invalid-id"
 	// KindIDConflict: the id was processed before with a different payload
 	// fingerprint.
 	KindIDConflict ErrorKind = "id-conflict"
 	// KindCrashLoop: handling the message crashed or stalled the process
-	// more than Config.MaxCrashAttempts times.
+	// more than Config.CrashGuard.MaxCrashes times.
 	KindCrashLoop ErrorKind = "crash-loop"
 )
 
@@ -186,7 +186,7 @@ const (
 const (
 	// HeaderRedriveEventID carries the event id the record had when it was
 	// dead-lettered. Identification prefers it over every other source
-	// (Message.ID, Config.IDHeaders, the envelope, Config.EventID and the
+	// (Message.ID, Config.Identify.IDHeaders, the envelope, Config.Identify.EventID and the
 	// adapter's fallback), so a redriven record is deduplicated against its
 	// first delivery even when that id was derived from a Kafka position
 	// the copy no longer has.

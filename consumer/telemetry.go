@@ -99,7 +99,7 @@ type TelemetryAttributer interface {
 }
 
 func newTelemetry(cfg *Config, system, group string) (*telemetry, error) {
-	tp, mp := cfg.TracerProvider, cfg.MeterProvider
+	tp, mp := cfg.Telemetry.TracerProvider, cfg.Telemetry.MeterProvider
 	if tp == nil {
 		tp = otel.GetTracerProvider()
 	}

@@ -44,7 +44,7 @@ func TestTelemetryFollowsTheMessagingConventions(t *testing.T) {
 	v, _ := json.Marshal(order{N: 1})
 	b.Publish(consumer.Message{Value: v, Key: []byte("k"), Headers: map[string]string{"id": "good", "traceparent": parent}})
 	b.Publish(consumer.Message{Value: []byte("{not json"), Key: []byte("k"), Headers: map[string]string{"id": "bad"}})
-	cfg := consumer.Config{Name: "billing", TracerProvider: tp, MeterProvider: mp}
+	cfg := consumer.Config{Name: "billing", Telemetry: consumer.TelemetryConfig{TracerProvider: tp, MeterProvider: mp}}
 	noop := func(context.Context, pgx.Tx, consumer.Event[order]) error { return nil }
 	c, err := consumer.New(pool, groupSource{b.Source()}, noop, cfg)
 	require.NoError(t, err)
@@ -127,7 +127,7 @@ func TestTelemetryUsesTheGlobalPropagator(t *testing.T) {
 	b.Publish(consumer.Message{Value: v, Headers: map[string]string{"id": "global", "traceparent": parent, "x-test-trace": other}})
 	b.Publish(consumer.Message{Value: v, Headers: map[string]string{"id": "w3c", "traceparent": parent}})
 	noop := func(context.Context, pgx.Tx, consumer.Event[order]) error { return nil }
-	c, err := consumer.New(pool, b.Source(), noop, consumer.Config{Name: "billing", TracerProvider: tp})
+	c, err := consumer.New(pool, b.Source(), noop, consumer.Config{Name: "billing", Telemetry: consumer.TelemetryConfig{TracerProvider: tp}})
 	require.NoError(t, err)
 	oncetest.Drain(t, c, b)
 	parents := map[string]string{}

@@ -79,7 +79,7 @@ func (p *pipeline) transact(ctx context.Context, jobs []*job) txResult {
 func (p *pipeline) transaction(ctx context.Context, jobs []*job) txResult {
 	b := &pgx.Batch{}
 	b.BeginTx(pgx.TxOptions{})
-	claims, err := p.queueClaims(b, jobs)
+	claims, err := p.queueClaimsByPosition(b, jobs)
 	if err != nil {
 		return txResult{outcome: txInfra, err: err, failed: -1}
 	}
@@ -99,6 +99,9 @@ func (p *pipeline) transaction(ctx context.Context, jobs []*job) txResult {
 	}
 	crashPoint("after-claim")
 	if r, stop := p.runHandlers(ctx, tx, jobs, res); stop {
+		return r
+	}
+	if r, stop := p.recordProgress(ctx, tx, jobs, res); stop {
 		return r
 	}
 	crashPoint("after-handler")
@@ -287,7 +290,7 @@ func (p *pipeline) commitFailure(ctx context.Context, tx pgx.Tx, jobs []*job, er
 
 // classify returns err's class: Classify's, or infrastructure when the
 // transaction's connection died under the handler, then as
-// Config.ClassifyError says.
+// Config.Retry.Classify says.
 func (p *pipeline) classify(ctx context.Context, tx pgx.Tx, err error) (class ErrorClass) {
 	class = Classify(err)
 	var timeout *timeoutError
@@ -300,18 +303,18 @@ func (p *pipeline) classify(ctx context.Context, tx pgx.Tx, err error) (class Er
 		// The connection died under the handler.
 		class = ClassInfrastructure
 	}
-	if p.cfg.ClassifyError == nil {
+	if p.cfg.Retry.Classify == nil {
 		return class
 	}
 	def := class
 	defer func() {
 		if r := recover(); r != nil {
-			p.cfg.Logger.ErrorContext(ctx, "once: Config.ClassifyError panicked; using the default class", "consumer", p.cfg.Name,
+			p.cfg.Telemetry.Logger.ErrorContext(ctx, "once: Config.Retry.Classify panicked; using the default class", "consumer", p.cfg.Name,
 				"panic", r, "class", def.String())
 			class = def
 		}
 	}()
-	switch c := p.cfg.ClassifyError(err, def); c {
+	switch c := p.cfg.Retry.Classify(err, def); c {
 	case ClassInfrastructure, ClassRetry, ClassPermanent:
 		return c
 	}

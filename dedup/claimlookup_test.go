@@ -41,7 +41,7 @@ func TestBatchClaimLooksUpOnlyTheDuplicates(t *testing.T) {
 	n := len(ids)
 	tx, err := pool.Begin(ctx)
 	require.NoError(t, err)
-	defer tx.Rollback(ctx)
+	defer func() { _ = tx.Rollback(ctx) }()
 	rows, err := tx.Query(ctx, `EXPLAIN (ANALYZE, FORMAT TEXT) `+s.claimBatchSQL, "c", ids,
 		make([][]byte, n), make([]string, n), make([]*int32, n), make([]*int64, n))
 	require.NoError(t, err)

@@ -66,7 +66,7 @@ func TestConsumerRetentionIsPerConsumer(t *testing.T) {
 	broker := memsource.New(memsource.Options{})
 	handle := func(context.Context, pgx.Tx, consumer.Event[anyPayload]) error { return nil }
 	c, err := consumer.New(pool, broker.Source(), handle, consumer.Config{
-		Name: "billing", Store: s, RetentionMaxAge: time.Hour, RetentionInterval: 10 * time.Millisecond,
+		Name: "billing", Store: s, Retention: consumer.RetentionConfig{MaxAge: time.Hour, Interval: 10 * time.Millisecond},
 	})
 	require.NoError(t, err)
 	runCtx, cancel := context.WithCancel(ctx)

@@ -20,7 +20,7 @@ var schemaFiles embed.FS
 // SchemaVersion is the newest schema version this package knows, the one
 // Migrate brings the tables to. The plain SQL files in migrations/ go up to
 // the same version.
-const SchemaVersion = 3
+const SchemaVersion = 4
 
 // ErrSchemaNewer is wrapped by Migrate's and MigrateTo's errors when the
 // database records a schema version newer than SchemaVersion: a newer
@@ -37,7 +37,7 @@ var ErrSchemaMismatch = errors.New("dedup: table has another shape")
 // schemaNames are the names the migration templates use, quoted (and
 // qualified where a statement needs it).
 type schemaNames struct {
-	Table, Attempts                     string // qualified tables
+	Table, Attempts, Offsets            string // qualified tables
 	ProcessedAtIndex, ProcessedAtIndexQ string // bare and qualified
 	ConsumerIndex, ConsumerIndexQ       string
 }
@@ -53,6 +53,7 @@ func newSchemaNames(schema, table string) schemaNames {
 	return schemaNames{
 		Table:             qualify(table),
 		Attempts:          qualify(table + "_attempts"),
+		Offsets:           qualify(table + "_offsets"),
 		ProcessedAtIndex:  bare(table + "_processed_at_idx"),
 		ProcessedAtIndexQ: qualify(table + "_processed_at_idx"),
 		ConsumerIndex:     bare(table + "_consumer_processed_at_idx"),

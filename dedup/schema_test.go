@@ -58,6 +58,8 @@ func assertVersion(t *testing.T, ctx context.Context, pool *pgxpool.Pool, s *ded
 		assert.Equal(t, []string{"consumer", "processed_at"}, secondaryIndex(t, ctx, pool, schema, "processed_events"))
 		assert.NotContains(t, columns(t, ctx, pool, schema, "processed_events_attempts"),
 			column{"crashes", "integer", false}, "the crash count comes with version 3")
+	case 3:
+		assert.Empty(t, columns(t, ctx, pool, schema, "processed_events_offsets"), "the offsets table comes with version 4")
 	default:
 		assertSchema(t, ctx, pool, schema, "processed_events")
 	}
@@ -120,7 +122,7 @@ func TestMigrateFromUnversionedSchema(t *testing.T) {
 	require.NoError(t, err)
 	versions, err = pgx.CollectRows(rows, pgx.RowTo[int])
 	require.NoError(t, err)
-	assert.Equal(t, []int{1, 2, 3}, versions)
+	assert.Equal(t, []int{1, 2, 3, 4}, versions)
 }
 
 // An unversioned processed_events table without its attempts table (made

@@ -149,8 +149,21 @@ func assertSchema(t testing.TB, ctx context.Context, db dedup.DB, schema, table 
 		{"last_seen", "timestamp with time zone", false},
 		{"crashes", "integer", false},
 	}, columns(t, ctx, db, schema, table+"_attempts"))
+	assert.Equal(t, []column{
+		{"consumer", "text", false},
+		{"topic", "text", false},
+		{"partition", "integer", false},
+		{"next_offset", "bigint", false},
+		{"done", "ARRAY", false},
+		{"epoch", "bigint", false},
+		{"topic_id", "text", false},
+		{"kafka_group", "text", false},
+		{"generation", "integer", false},
+		{"updated_at", "timestamp with time zone", false},
+	}, columns(t, ctx, db, schema, table+"_offsets"))
 	assert.Equal(t, []string{"consumer", "event_id"}, primaryKey(t, ctx, db, schema, table))
 	assert.Equal(t, []string{"consumer", "event_id"}, primaryKey(t, ctx, db, schema, table+"_attempts"))
+	assert.Equal(t, []string{"consumer", "topic", "partition"}, primaryKey(t, ctx, db, schema, table+"_offsets"))
 	assert.Equal(t, []string{"consumer", "processed_at"}, secondaryIndex(t, ctx, db, schema, table),
 		"%s.%s needs an index on (consumer, processed_at) for retention", schema, table)
 }

@@ -136,7 +136,7 @@ func BenchmarkLatency(b *testing.B) {
 		_, err = tx.Exec(ctx, `INSERT INTO effects VALUES ($1)`, ev.ID)
 		return err
 	}
-	c, err := consumer.New(pool, d.source(b, "latency"), handle, consumer.Config{Name: "latency", Logger: testLogger()})
+	c, err := consumer.New(pool, d.source(b, "latency"), handle, consumer.Config{Name: "latency", Telemetry: consumer.TelemetryConfig{Logger: testLogger()}})
 	require.NoError(b, err)
 	run(b, c.Run)
 	startRelay(b, pool, k.publisher(b), outbox.RelayConfig{SkipMigrate: true})

@@ -43,7 +43,7 @@ func TestRelaysKilledAtRandom(t *testing.T) {
 			_, err := tx.Exec(ctx, `INSERT INTO effects VALUES ($1, $2)`, ev.ID, string(ev.Payload))
 			return err
 		}
-		c, err := consumer.New(pool, d.source(t, "downstream"), effect, consumer.Config{Name: "downstream", Logger: testLogger()})
+		c, err := consumer.New(pool, d.source(t, "downstream"), effect, consumer.Config{Name: "downstream", Telemetry: consumer.TelemetryConfig{Logger: testLogger()}})
 		require.NoError(t, err)
 		run(t, c.Run)
 
@@ -143,13 +143,16 @@ func TestPostgresRestartsMidStream(t *testing.T) {
 		_, err := tx.Exec(ctx, `INSERT INTO effects VALUES ($1, $2)`, ev.ID, string(ev.Payload))
 		return err
 	}
-	c, err := consumer.New(pool, d.source(t, "downstream"), effect, consumer.Config{Name: "downstream", Logger: testLogger(),
+	c, err := consumer.New(pool, d.source(t, "downstream"), effect, consumer.Config{Name: "downstream", Telemetry: consumer.TelemetryConfig{Logger: testLogger()},
 		InfraBackoff: consumer.Backoff{Initial: 20 * time.Millisecond, Max: 200 * time.Millisecond}})
 	require.NoError(t, err)
 	run(t, c.Run)
 	warns := &atomic.Int64{}
 	r, _ := startRelay(t, pool, k.publisher(t), outbox.RelayConfig{PollInterval: 50 * time.Millisecond, BatchSize: 20,
 		InfraBackoff: outbox.Backoff{Initial: 20 * time.Millisecond, Max: 200 * time.Millisecond}, Logger: countingLogger(warns)})
+	// Run's start (the migration) is not what this test breaks: a
+	// database restarted under it fails Run, as it fails a consumer's.
+	require.Eventually(t, r.Leader, 30*time.Second, 5*time.Millisecond, "the relay has started and leads")
 
 	const writers, perWriter = 3, 200
 	var wg sync.WaitGroup

@@ -118,7 +118,7 @@ func TestCrashAfterPublishBeforeMarkIsSkippedDownstream(t *testing.T) {
 			_, err := tx.Exec(ctx, `INSERT INTO effects VALUES ($1, $2)`, ev.ID, string(ev.Payload))
 			return err
 		}
-		c, err := consumer.New(pool, d.source(t, "shipping"), effect, consumer.Config{Name: "shipping", Logger: testLogger()})
+		c, err := consumer.New(pool, d.source(t, "shipping"), effect, consumer.Config{Name: "shipping", Telemetry: consumer.TelemetryConfig{Logger: testLogger()}})
 		require.NoError(t, err)
 		stopConsumer := run(t, c.Run)
 		startRelay(t, pool, b.publisher(t), outbox.RelayConfig{PollInterval: 50 * time.Millisecond})

@@ -51,7 +51,7 @@ func Example() {
 			Body:  body,
 		})
 	}
-	src, err := kafka.NewSource(kafka.Config{Brokers: []string{"localhost:9092"}, Group: "orders", Topics: []string{"order.paid"}})
+	src, err := kafka.Open(ctx, kafka.Config{Brokers: []string{"localhost:9092"}, Group: "orders", Topics: []string{"order.paid"}})
 	if err != nil {
 		log.Fatal(err)
 	}

@@ -296,12 +296,12 @@ func readTopic(addrs []string, topic string) ([]*sarama.ConsumerMessage, error) 
 }
 
 func (d *kafkaDest) source(t testing.TB, name string) consumer.Source {
-	s, err := kafka.NewSource(kafka.Config{
+	s, err := kafka.Open(t.Context(), kafka.Config{
 		Brokers: d.k.addrs, Group: name, Topics: []string{d.topic},
 		SessionTimeout: 2 * time.Second, HeartbeatInterval: 100 * time.Millisecond,
 		RebalanceTimeout: 8 * time.Second, RevokeTimeout: 4 * time.Second,
 		CommitInterval: 100 * time.Millisecond, FetchMaxWait: 50 * time.Millisecond,
-		Sarama: saramaConfig(), Logger: testLogger(), CreateDeadLetterTopics: true,
+		Sarama: saramaConfig(), Logger: testLogger(), DeadLetter: kafka.DeadLetterConfig{Create: true},
 	})
 	require.NoError(t, err)
 	return s

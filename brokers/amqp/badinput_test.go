@@ -69,7 +69,7 @@ func TestBadInputCatalogueRabbitMQ(t *testing.T) {
 			require.NoError(t, a.publish("", q, tc.msg, good), "the broker accepts the message")
 			pool := effectsDB(t)
 			src := openSource(t, amqp.Config{Queue: q, FallbackID: tc.fallback})
-			cfg := consumer.Config{Name: "bad-input", Logger: testLogger(t),
+			cfg := consumer.Config{Name: "bad-input", Telemetry: consumer.TelemetryConfig{Logger: testLogger(t)},
 				Retry: consumer.RetryPolicy{MaxAttempts: 2, InitialBackoff: time.Millisecond, MaxBackoff: time.Millisecond}}
 			if tc.strict {
 				cfg.Decoder = consumer.StrictJSON
@@ -77,7 +77,7 @@ func TestBadInputCatalogueRabbitMQ(t *testing.T) {
 			var stats func() consumer.Stats
 			var run func(context.Context) error
 			if tc.router {
-				r := consumer.NewRouter(consumer.RouterConfig{UnknownTypes: consumer.DeadLetterUnknownTypes})
+				r := consumer.NewRouter[any](consumer.RouterConfig{UnknownTypes: consumer.DeadLetterUnknownTypes})
 				require.NoError(t, consumer.Handle(r, "order.created", recordEffect))
 				c, err := consumer.NewRouted(pool, src, r, cfg)
 				require.NoError(t, err)

@@ -60,7 +60,7 @@ func benchConsumer(b *testing.B, ordered, batchHandler bool) {
 	require.NoError(b, a.publish("", q, messagesFor(eventIDs("bench", b.N))...))
 	pool := effectsDB(b)
 	src := openSource(b, amqp.Config{Queue: q, Prefetch: 256, Ordered: ordered})
-	cfg := consumer.Config{Name: "bench", Logger: testLogger(b)}
+	cfg := consumer.Config{Name: "bench", Telemetry: consumer.TelemetryConfig{Logger: testLogger(b)}}
 
 	b.ResetTimer()
 	start := time.Now()

@@ -131,7 +131,7 @@ type Config struct {
 	// Prefetch is the channel's QoS prefetch count: how many unacked
 	// deliveries the broker hands the source at once. Default 256. Keep it
 	// well above the consumer's Config.Concurrency: workers starve below
-	// it, and the consumer's batches (up to Config.BatchSize messages per
+	// it, and the consumer's batches (up to Config.Batch.Size messages per
 	// transaction) can only form from deliveries already received. A
 	// larger prefetch holds more messages in memory and redelivers more
 	// after a lost connection. Prefetch is applied again after every
@@ -142,7 +142,7 @@ type Config struct {
 	// Ordered puts every message of the queue on one stream
 	// (Message.Stream is the queue name): the consumer then handles them
 	// one after another in the order the broker delivers them, in batches
-	// of up to consumer.Config.BatchSize per transaction, and acks them in
+	// of up to consumer.Config.Batch.Size per transaction, and acks them in
 	// that order. Default false: no order, deliveries are handled
 	// concurrently (consumer.Config.Concurrency). Ordered trades
 	// concurrency for order and batching, which is faster when the handler

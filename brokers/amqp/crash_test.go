@@ -119,7 +119,7 @@ func runCrashLoopChild(ctx context.Context, pool *pgxpool.Pool, src consumer.Sou
 			os.Exit(1)
 		}
 		return recordEffect(ctx, tx, ev)
-	}, consumer.Config{Name: "crash-loop-test", Concurrency: 1, MaxCrashAttempts: crashLoopMax})
+	}, consumer.Config{Name: "crash-loop-test", Concurrency: 1, CrashGuard: consumer.CrashGuardConfig{MaxCrashes: crashLoopMax}})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "child:", err)
 		return 2
@@ -140,12 +140,12 @@ func runCrashLoopChild(ctx context.Context, pool *pgxpool.Pool, src consumer.Sou
 	return 0
 }
 
-// crashLoopMax is consumer.Config.MaxCrashAttempts in the crash-loop test.
+// crashLoopMax is consumer.Config.CrashGuard.MaxCrashes in the crash-loop test.
 const crashLoopMax = 2
 
 // TestCrashLoopDeadLettered: an event whose handling kills the process
 // every time comes back with the redelivered flag after each crash; after
-// MaxCrashAttempts such crashes the consumer dead-letters it with kind
+// CrashGuard.MaxCrashes such crashes the consumer dead-letters it with kind
 // crash-loop instead of crash-looping the service, and every other event
 // has exactly one effect.
 func TestCrashLoopDeadLettered(t *testing.T) {
@@ -181,7 +181,7 @@ func TestCrashLoopDeadLettered(t *testing.T) {
 		require.Contains(t, stderr.String(), crashMarker)
 		crashes++
 	}
-	assert.GreaterOrEqual(t, crashes, crashLoopMax, "dead-lettered only after MaxCrashAttempts crashes")
+	assert.GreaterOrEqual(t, crashes, crashLoopMax, "dead-lettered only after CrashGuard.MaxCrashes crashes")
 	t.Logf("the killer event crashed the consumer %d times, then was dead-lettered", crashes)
 
 	dead, err := a.getAll(q + amqp.DeadLetterQueueSuffix)

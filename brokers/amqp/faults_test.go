@@ -26,8 +26,8 @@ type running struct {
 
 func startConsumer(t testing.TB, pool *pgxpool.Pool, src consumer.Source, cfg consumer.Config, h consumer.Handler[payload]) *running {
 	t.Helper()
-	if cfg.Logger == nil {
-		cfg.Logger = testLogger(t)
+	if cfg.Telemetry.Logger == nil {
+		cfg.Telemetry.Logger = testLogger(t)
 	}
 	c, err := consumer.New(pool, src, h, cfg)
 	require.NoError(t, err)

@@ -150,7 +150,7 @@ func TestBadInputCatalogue(t *testing.T) {
 			cfg := c.config(group, topic)
 			cfg.Sarama = saramaConfig()
 			cfg.Sarama.Producer.MaxMessageBytes = maxMessageBytes // the dead-letter copy of a 10 MiB record
-			src, err := NewSource(cfg)
+			src, err := Open(t.Context(), cfg)
 			require.NoError(t, err)
 			name := uniq("svc")
 			ccfg := consumerConfig(name)
@@ -165,7 +165,7 @@ func TestBadInputCatalogue(t *testing.T) {
 			var cons *consumer.Consumer[any]
 			var plain *consumer.Consumer[badOrder]
 			if row.router {
-				r := consumer.NewRouter(consumer.RouterConfig{UnknownTypes: consumer.DeadLetterUnknownTypes})
+				r := consumer.NewRouter[any](consumer.RouterConfig{UnknownTypes: consumer.DeadLetterUnknownTypes})
 				require.NoError(t, consumer.Handle(r, "order.created", h))
 				cons, err = consumer.NewRouted(db, src, r, ccfg)
 			} else {

@@ -25,6 +25,13 @@ const benchPartitions = 4
 // header, spread over benchPartitions partitions.
 func benchTopic(b *testing.B, c *cluster, n int) string {
 	b.Helper()
+	return benchTopicOf(b, c, n, true)
+}
+
+// benchTopicOf is benchTopic, with id headers or without (the records are
+// then identified by their positions).
+func benchTopicOf(b *testing.B, c *cluster, n int, withIDs bool) string {
+	b.Helper()
 	topic := uniq("bench")
 	c.createTopic(topic, benchPartitions)
 	sc := saramaConfig()
@@ -42,13 +49,16 @@ func benchTopic(b *testing.B, c *cluster, n int) string {
 	for from := 0; from < n; from += chunk {
 		msgs := make([]*sarama.ProducerMessage, 0, chunk)
 		for i := from; i < min(from+chunk, n); i++ {
-			msgs = append(msgs, &sarama.ProducerMessage{
+			m := &sarama.ProducerMessage{
 				Topic:     topic,
 				Partition: int32(i % benchPartitions),
 				Key:       sarama.StringEncoder(fmt.Sprintf("key-%d", i%64)),
 				Value:     sarama.StringEncoder(fmt.Sprintf(`{"n":%d,"pad":"%s"}`, i, pad)),
-				Headers:   []sarama.RecordHeader{{Key: []byte("id"), Value: []byte(fmt.Sprintf("ev-%d", i))}},
-			})
+			}
+			if withIDs {
+				m.Headers = []sarama.RecordHeader{{Key: []byte("id"), Value: []byte(fmt.Sprintf("ev-%d", i))}}
+			}
+			msgs = append(msgs, m)
 		}
 		require.NoError(b, p.SendMessages(msgs))
 	}
@@ -94,12 +104,34 @@ func BenchmarkSourceReceiveAck(b *testing.B) {
 // transaction that claims the event id and writes one business row, then
 // the offset is marked.
 func BenchmarkConsumer(b *testing.B) {
+	benchConsumer(b, true, false)
+}
+
+// BenchmarkConsumerOffsets compares, side by side, where offsets are kept
+// (Config.OffsetsInDatabase or Kafka alone) for records with ids and for
+// records without (identified by position, which in the database mode
+// need no processed-events row):
+//
+//	go test -run '^$' -bench ConsumerOffsets -benchtime 50000x ./brokers/kafka
+func BenchmarkConsumerOffsets(b *testing.B) {
+	for _, ids := range []bool{true, false} {
+		for _, inDB := range []bool{false, true} {
+			name := map[bool]string{true: "ids", false: "no-ids"}[ids] + "/" +
+				map[bool]string{true: "offsets-in-database", false: "offsets-in-kafka"}[inDB]
+			b.Run(name, func(b *testing.B) { benchConsumer(b, ids, inDB) })
+		}
+	}
+}
+
+func benchConsumer(b *testing.B, withIDs, offsetsInDB bool) {
 	c := newCluster(b)
-	topic := benchTopic(b, c, b.N)
+	topic := benchTopicOf(b, c, b.N, withIDs)
 	db, _ := pgtest.Schema(b)
 	_, err := db.Exec(context.Background(), `CREATE TABLE effects (event_id text NOT NULL, n int NOT NULL)`)
 	require.NoError(b, err)
-	src, err := NewSource(benchSourceConfig(c, uniq("g"), topic))
+	scfg := benchSourceConfig(c, uniq("g"), topic)
+	scfg.OffsetsInDatabase = offsetsInDB
+	src, err := Open(b.Context(), scfg)
 	require.NoError(b, err)
 	cfg := consumerConfig("bench")
 	b.ResetTimer()

@@ -41,7 +41,7 @@ func TestPoisonOverDeadLetterProducerLimitDoesNotBlock(t *testing.T) {
 		{Topic: topic, Value: sarama.ByteEncoder(big), Headers: []sarama.RecordHeader{hdr("id", "big")}},
 		{Topic: topic, Value: sarama.StringEncoder(`{"order_id":"g","amount":1}`), Headers: []sarama.RecordHeader{hdr("id", "good")}},
 	}))
-	src, err := NewSource(c.config(uniq("g"), topic)) // default sarama producer limits
+	src, err := Open(t.Context(), c.config(uniq("g"), topic)) // default sarama producer limits
 	require.NoError(t, err)
 	h := func(context.Context, pgx.Tx, consumer.Event[badOrder]) error { return nil }
 	r := startConsumerOf(t, db, src, h)
@@ -105,7 +105,7 @@ func TestDeadLetterCopyOverBrokerLimitKeepsPartitionMoving(t *testing.T) {
 
 	cfg := c.config(uniq("g"), topic)
 	cfg.Sarama.Producer.MaxMessageBytes = 2 << 20 // the dead-letter producer lets it through too
-	src, err := NewSource(cfg)
+	src, err := Open(t.Context(), cfg)
 	require.NoError(t, err)
 	reason := strings.Repeat("the order was refused by the payment service; ", 40) // a long error header
 	h := func(_ context.Context, _ pgx.Tx, ev consumer.Event[badOrder]) error {

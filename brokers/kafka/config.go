@@ -27,7 +27,33 @@ const (
 	StartNewest
 )
 
-// Defaults applied by NewSource to zero fields of Config.
+// DeadLetterConfig says where Delivery.DeadLetter copies poison records:
+// to a dead-letter topic per source topic. The zero value copies a record
+// of "orders" to "orders.dlq", which must exist. Config.DeadLetter.
+type DeadLetterConfig struct {
+	// Topic names the dead-letter topic of a source topic. Default: the
+	// topic followed by DefaultDeadLetterSuffix ("orders" → "orders.dlq").
+	// It may not name a topic in Config.Topics. The dead-letter topics must
+	// exist when Open runs (it checks, and fails with
+	// ErrDeadLetterTopicMissing naming the topic), unless Create is set.
+	// The dead-letter producer never relies on the broker's auto-creation
+	// (auto.create.topics.enable, off in most production clusters). A
+	// dead-letter topic deleted after start holds its source partition at
+	// the first poison record (retried with backoff, nothing acked past it)
+	// until the topic exists again.
+	Topic func(topic string) string
+	// Create lets Open create a missing dead-letter topic, with as many
+	// partitions as its source topic and the broker's default replication
+	// factor (default.replication.factor; with a Sarama.Version older than
+	// 2.4, as many replicas as brokers, up to 3) and settings. The
+	// principal needs the CREATE ACL. Default false: Open fails with
+	// ErrDeadLetterTopicMissing instead, because a topic created with
+	// defaults may not have the retention or replication a team wants for
+	// its dead letters.
+	Create bool
+}
+
+// Defaults applied by Open to zero fields of Config.
 const (
 	// DefaultCommitInterval is how often marked offsets are committed.
 	DefaultCommitInterval = time.Second
@@ -46,6 +72,12 @@ const (
 	DefaultMaxPendingPerPartition = 2048
 	// DefaultCloseTimeout bounds Close.
 	DefaultCloseTimeout = 10 * time.Second
+	// DefaultReconnectMinBackoff is the first wait before Open tries the
+	// brokers again, and before the source rejoins its group after a
+	// failure.
+	DefaultReconnectMinBackoff = 100 * time.Millisecond
+	// DefaultReconnectMaxBackoff caps those waits.
+	DefaultReconnectMaxBackoff = 5 * time.Second
 )
 
 // Config configures a Source. Brokers, Group and Topics are required; every
@@ -115,26 +147,8 @@ type Config struct {
 	// per partition. Default DefaultMaxPendingPerPartition.
 	MaxPendingPerPartition int
 
-	// DeadLetterTopic names the dead-letter topic of a source topic.
-	// Default: the topic followed by DefaultDeadLetterSuffix ("orders" →
-	// "orders.dlq"). It may not name a topic in Topics. The dead-letter
-	// topics must exist when NewSource runs (it checks, and fails with
-	// ErrDeadLetterTopicMissing naming the topic), unless
-	// CreateDeadLetterTopics is set. The dead-letter producer never relies
-	// on the broker's auto-creation (auto.create.topics.enable, off in
-	// most production clusters). A dead-letter topic deleted after start
-	// holds its source partition at the first poison record (retried with
-	// backoff, nothing acked past it) until the topic exists again.
-	DeadLetterTopic func(topic string) string
-	// CreateDeadLetterTopics lets NewSource create a missing dead-letter
-	// topic, with as many partitions as its source topic and the broker's
-	// default replication factor (default.replication.factor; with a
-	// Sarama.Version older than 2.4, as many replicas as brokers, up to 3)
-	// and settings. The principal needs the CREATE ACL. Default false:
-	// NewSource fails with ErrDeadLetterTopicMissing instead, because a
-	// topic created with defaults may not have the retention or
-	// replication a team wants for its dead letters.
-	CreateDeadLetterTopics bool
+	// DeadLetter says where poison records are copied to.
+	DeadLetter DeadLetterConfig
 
 	// CloseTimeout bounds Close: the final offset commit, leaving the
 	// group, and dead-letter copies still being written. Past it, Close
@@ -145,6 +159,13 @@ type Config struct {
 	// written (its record was not acked, so it is handled again). Default
 	// DefaultCloseTimeout.
 	CloseTimeout time.Duration
+
+	// ReconnectMinBackoff and ReconnectMaxBackoff pace the retries of Open
+	// while no broker can be reached, and the rejoins of the group after a
+	// failure: the wait doubles from the first to the second, with jitter.
+	// Defaults DefaultReconnectMinBackoff and DefaultReconnectMaxBackoff
+	// (the names and meaning of amqp.Config's).
+	ReconnectMinBackoff, ReconnectMaxBackoff time.Duration
 
 	// FetchMin, FetchDefault and FetchMax are sarama's
 	// Consumer.Fetch.{Min,Default,Max} in bytes: the minimum bytes a fetch
@@ -159,7 +180,7 @@ type Config struct {
 	// Sarama is the base client configuration: TLS (Net.TLS), SASL
 	// (Net.SASL), the protocol Version, ClientID, the balance strategy,
 	// retries and everything Config does not name. Nil means
-	// sarama.NewConfig(). NewSource copies it and never modifies it; it
+	// sarama.NewConfig(). Open copies it and never modifies it; it
 	// overrides in the copies what the guarantees depend on: marked
 	// offsets are committed periodically (Consumer.Offsets.AutoCommit, which
 	// commits only offsets marked by Ack), consumer errors are returned,
@@ -167,6 +188,32 @@ type Config struct {
 	// WaitForAll, Net.MaxOpenRequests = 1 and topic auto-creation off.
 	// Version must be at least 0.11 (sarama.V0_11_0_0).
 	Sarama *sarama.Config
+
+	// OffsetsInDatabase keeps each partition's progress in PostgreSQL,
+	// beside the processed events ("storing offsets outside Kafka"): the
+	// consumer writes it in the transaction that commits the claims and
+	// the handlers' effects (table <Store table>_offsets, dedup schema
+	// version 4), a new owner of a partition starts at the position
+	// recorded there (the group's committed offset serves only where the
+	// table has none), and records recorded done above it (finished out
+	// of order by KeyLanes) are skipped without running the handler.
+	// Offsets are still committed to Kafka, after the database, for lag
+	// tools, but never trusted over the table: the group's offsets may be
+	// lost (offsets.retention.minutes, a deleted or renamed group) or the
+	// database restored from a backup, and the consumer still handles
+	// every record once. A record without an event id of its own is then
+	// deduplicated by its position alone and gets no processed-events row.
+	// Each take-over of a partition raises the row's epoch, which fences
+	// the transactions of the previous owner: they roll back and their
+	// records are left to the new owner. It costs one statement per
+	// transaction (transactions of one partition take its row's lock in
+	// turn) and one per take-over. The Source must be run by consumer.New,
+	// which binds it to its pool and store (Receive fails otherwise); a
+	// wrapper that decorates its deliveries must unwrap them (a method
+	// Unwrap() consumer.Delivery); the cooperative rebalance protocol
+	// (cooperative-sticky) is refused.
+	// Default false. See docs/kafka.md.
+	OffsetsInDatabase bool
 
 	// MeterProvider provides the meter of the consumer-lag gauge. Default
 	// otel.GetMeterProvider().
@@ -193,8 +240,14 @@ func (c Config) withDefaults() Config {
 	if c.MaxPendingPerPartition == 0 {
 		c.MaxPendingPerPartition = DefaultMaxPendingPerPartition
 	}
-	if c.DeadLetterTopic == nil {
-		c.DeadLetterTopic = func(topic string) string { return topic + DefaultDeadLetterSuffix }
+	if c.DeadLetter.Topic == nil {
+		c.DeadLetter.Topic = func(topic string) string { return topic + DefaultDeadLetterSuffix }
+	}
+	if c.ReconnectMinBackoff == 0 {
+		c.ReconnectMinBackoff = DefaultReconnectMinBackoff
+	}
+	if c.ReconnectMaxBackoff == 0 {
+		c.ReconnectMaxBackoff = DefaultReconnectMaxBackoff
 	}
 	if c.MeterProvider == nil {
 		c.MeterProvider = otel.GetMeterProvider()
@@ -233,10 +286,10 @@ func (c *Config) validate() error {
 		seen[t] = true
 	}
 	for _, t := range c.Topics {
-		if d := c.DeadLetterTopic(t); d == "" {
-			return fmt.Errorf("kafka: Config.DeadLetterTopic(%q) is empty", t)
+		if d := c.DeadLetter.Topic(t); d == "" {
+			return fmt.Errorf("kafka: Config.DeadLetter.Topic(%q) is empty", t)
 		} else if seen[d] {
-			return fmt.Errorf("kafka: Config.DeadLetterTopic(%q) is %q, a topic in Config.Topics: dead letters would be consumed again", t, d)
+			return fmt.Errorf("kafka: Config.DeadLetter.Topic(%q) is %q, a topic in Config.Topics: dead letters would be consumed again", t, d)
 		}
 	}
 	if c.KeyLanes < 0 {
@@ -259,6 +312,8 @@ func (c *Config) validate() error {
 		{"RevokeTimeout", c.RevokeTimeout},
 		{"FetchMaxWait", c.FetchMaxWait},
 		{"CloseTimeout", c.CloseTimeout},
+		{"ReconnectMinBackoff", c.ReconnectMinBackoff},
+		{"ReconnectMaxBackoff", c.ReconnectMaxBackoff},
 	} {
 		if d.v < 0 {
 			return fmt.Errorf("kafka: Config.%s is negative (%v)", d.name, d.v)
@@ -271,6 +326,9 @@ func (c *Config) validate() error {
 		if f.v < 0 {
 			return fmt.Errorf("kafka: Config.%s is negative (%d)", f.name, f.v)
 		}
+	}
+	if c.ReconnectMinBackoff > c.ReconnectMaxBackoff {
+		return fmt.Errorf("kafka: Config.ReconnectMinBackoff %v exceeds Config.ReconnectMaxBackoff %v", c.ReconnectMinBackoff, c.ReconnectMaxBackoff)
 	}
 	if c.Sarama != nil && !c.Sarama.Version.IsAtLeast(sarama.V0_11_0_0) {
 		return fmt.Errorf("kafka: Config.Sarama.Version %s is older than 0.11.0.0 (the idempotent dead-letter producer needs 0.11)", c.Sarama.Version)
@@ -323,6 +381,10 @@ func (c *Config) consumerConfig() (*sarama.Config, error) {
 	}
 	if err := sc.Validate(); err != nil {
 		return nil, fmt.Errorf("kafka: Config.Sarama (consumer): %w", err)
+	}
+	if c.OffsetsInDatabase && cooperative(sc) {
+		return nil, errors.New("kafka: Config.OffsetsInDatabase needs the eager rebalance protocol, and Config.Sarama's balance strategies include cooperative-sticky: " +
+			"a partition added by a cooperative rebalance would start at the group's committed offset, not at the database's")
 	}
 	return sc, nil
 }

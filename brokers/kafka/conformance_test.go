@@ -89,7 +89,7 @@ func (b *testBroker) Publish(_ context.Context, msgs ...conformance.OutMessage) 
 func (b *testBroker) NewSource(t *testing.T) consumer.Source {
 	cfg := b.c.config(b.group, b.topic)
 	cfg.KeyLanes = b.keyLanes
-	s, err := NewSource(cfg)
+	s, err := Open(t.Context(), cfg)
 	require.NoError(t, err)
 	return s
 }

@@ -124,6 +124,6 @@ func consumerConfig(name string) consumer.Config {
 		Name:         name,
 		Retry:        consumer.RetryPolicy{MaxAttempts: 3, InitialBackoff: time.Millisecond, MaxBackoff: 10 * time.Millisecond},
 		InfraBackoff: consumer.Backoff{Initial: 10 * time.Millisecond, Max: 500 * time.Millisecond},
-		Logger:       testLogger(),
+		Telemetry:    consumer.TelemetryConfig{Logger: testLogger()},
 	}
 }

@@ -39,6 +39,12 @@ type crashChildSpec struct {
 	// transaction commits; exit 0 once settled messages reach settle.
 	crashOnID string
 	settle    int
+	// offsetsInDB and lanes set Config.OffsetsInDatabase and
+	// Config.KeyLanes; crashOnN > 0: exit inside the handler of the event
+	// with that number once afterEffects effects are committed.
+	offsetsInDB            bool
+	lanes                  int
+	crashOnN, afterEffects int
 }
 
 func (s crashChildSpec) env() []string {
@@ -53,6 +59,10 @@ func (s crashChildSpec) env() []string {
 		"ONCE_KAFKA_CRASH_AT=" + strconv.FormatInt(s.crashAt, 10),
 		"ONCE_KAFKA_CRASH_ON_ID=" + s.crashOnID,
 		"ONCE_KAFKA_CRASH_SETTLE=" + strconv.Itoa(s.settle),
+		"ONCE_KAFKA_CRASH_DB_OFFSETS=" + strconv.FormatBool(s.offsetsInDB),
+		"ONCE_KAFKA_CRASH_LANES=" + strconv.Itoa(s.lanes),
+		"ONCE_KAFKA_CRASH_AFTER_EFFECTS=" + strconv.Itoa(s.afterEffects),
+		"ONCE_KAFKA_CRASH_ON_N=" + map[bool]string{true: strconv.Itoa(s.crashOnN), false: ""}[s.crashOnN > 0],
 	}
 }
 
@@ -78,7 +88,15 @@ func runCrashChild() int {
 	}
 	defer db.Close()
 	c := &cluster{addrs: strings.Split(os.Getenv("ONCE_KAFKA_CRASH_BROKERS"), ",")}
-	src, err := NewSource(c.config(os.Getenv("ONCE_KAFKA_CRASH_GROUP"), os.Getenv("ONCE_KAFKA_CRASH_TOPIC")))
+	scfg := c.config(os.Getenv("ONCE_KAFKA_CRASH_GROUP"), os.Getenv("ONCE_KAFKA_CRASH_TOPIC"))
+	scfg.OffsetsInDatabase = os.Getenv("ONCE_KAFKA_CRASH_DB_OFFSETS") == "true"
+	scfg.KeyLanes, _ = strconv.Atoi(os.Getenv("ONCE_KAFKA_CRASH_LANES"))
+	crashOnN, err := strconv.Atoi(os.Getenv("ONCE_KAFKA_CRASH_ON_N"))
+	if err != nil {
+		crashOnN = -1
+	}
+	afterEffects, _ := strconv.Atoi(os.Getenv("ONCE_KAFKA_CRASH_AFTER_EFFECTS"))
+	src, err := Open(context.Background(), scfg)
 	if err != nil {
 		return fail(err)
 	}
@@ -94,13 +112,18 @@ func runCrashChild() int {
 			fmt.Fprintf(os.Stderr, "crash child: exiting in the handler of %s\n", ev.ID)
 			os.Exit(crashExitCode)
 		}
+		if crashOnN >= 0 && ev.Payload.N == crashOnN {
+			awaitCommittedEffects(db, afterEffects)
+			fmt.Fprintf(os.Stderr, "crash child: exiting in the handler of event %d\n", crashOnN)
+			os.Exit(crashExitCode)
+		}
 		return nil
 	}
 	cfg := consumerConfig(os.Getenv("ONCE_KAFKA_CRASH_NAME"))
-	cfg.MaxCrashAttempts = 2
+	cfg.CrashGuard.MaxCrashes = 2
 	// Batches of at most 10 slow events: acks come 100 ms apart per
 	// partition, interleaved with the periodic commits.
-	cfg.BatchSize = 10
+	cfg.Batch.Size = 10
 	admin, err := sarama.NewClusterAdmin(c.addrs, saramaConfig())
 	if err != nil {
 		return fail(err)
@@ -170,9 +193,47 @@ func (s *crashingSource) Receive(ctx context.Context) (consumer.Delivery, error)
 	return &crashingDelivery{Delivery: d, src: s}, nil
 }
 
+// BindProgress and RecordProgress are the wrapped Source's, so that it
+// keeps its offsets in the database.
+func (s *crashingSource) BindProgress(ctx context.Context, b consumer.ProgressBinding) error {
+	if r, ok := s.Source.(consumer.ProgressRecorder); ok {
+		return r.BindProgress(ctx, b)
+	}
+	return nil
+}
+
+func (s *crashingSource) RecordProgress(ctx context.Context, tx pgx.Tx, ds []consumer.Delivery) error {
+	if r, ok := s.Source.(consumer.ProgressRecorder); ok {
+		return r.RecordProgress(ctx, tx, ds)
+	}
+	return nil
+}
+
 type crashingDelivery struct {
 	consumer.Delivery
 	src *crashingSource
+}
+
+// Unwrap returns the Source's delivery (kafka's RecordProgress finds it).
+func (d *crashingDelivery) Unwrap() consumer.Delivery { return d.Delivery }
+
+// DeduplicatedByPosition is the wrapped delivery's.
+func (d *crashingDelivery) DeduplicatedByPosition() bool {
+	pd, ok := d.Delivery.(consumer.PositionDeduplicated)
+	return ok && pd.DeduplicatedByPosition()
+}
+
+// awaitCommittedEffects returns once n effects are committed, or after a
+// minute.
+func awaitCommittedEffects(db *pgxpool.Pool, n int) {
+	deadline := time.Now().Add(time.Minute)
+	for time.Now().Before(deadline) {
+		var got int
+		if db.QueryRow(context.Background(), `SELECT count(*) FROM effects`).Scan(&got) == nil && got >= n {
+			return
+		}
+		time.Sleep(5 * time.Millisecond) // polling the condition
+	}
 }
 
 func (d *crashingDelivery) Ack(ctx context.Context) error {
@@ -238,7 +299,7 @@ func testCrashBetweenCommitAndAck(t *testing.T, kind brokerKind) {
 
 	// Restart in this process. The dead member's session (2 s) must expire
 	// before the new member gets its partitions.
-	src, err := NewSource(c.config(group, topic))
+	src, err := Open(t.Context(), c.config(group, topic))
 	require.NoError(t, err)
 	r := startConsumer(t, db, src, consumerConfig("orders-svc"), recordEffect)
 	require.Eventually(t, func() bool {
@@ -257,7 +318,7 @@ func testCrashBetweenCommitAndAck(t *testing.T, kind brokerKind) {
 }
 
 // A record that kills the process inside its handler every time is
-// dead-lettered with kind crash-loop after MaxCrashAttempts restarts, even
+// dead-lettered with kind crash-loop after CrashGuard.MaxCrashes restarts, even
 // though Kafka keeps no delivery count: the core sees each restart's new
 // partition claim as a new assignment (a new Delivery.Context) and counts
 // durable attempts for its first new record. The other events' effects are

@@ -33,9 +33,12 @@ type claim struct {
 	// of the fallback id, because a topic created again under the same
 	// name numbers its offsets from 0 again.
 	topicID string
-	ctx     context.Context // done when the claim is revoked
-	cancel  context.CancelFunc
-	last    atomic.Int64 // offset of the last record handed out, or unknownOffset
+	// db is the partition's row in the offsets table, with
+	// Config.OffsetsInDatabase; nil without.
+	db     *claimOffsets
+	ctx    context.Context // done when the claim is revoked
+	cancel context.CancelFunc
+	last   atomic.Int64 // offset of the last record handed out, or unknownOffset
 
 	mu      sync.Mutex
 	revoked bool
@@ -211,6 +214,7 @@ func (cl *claim) ack(d *delivery) error {
 	}
 	if mark != nil {
 		cl.sess.MarkOffset(mark.raw.Topic, mark.raw.Partition, mark.raw.Offset+1, "")
+		cl.advanced(mark.raw.Offset + 1)
 		cl.notifyRoom()
 	}
 	cl.notifyIfSettled()
@@ -273,6 +277,9 @@ type delivery struct {
 	raw   *sarama.ConsumerMessage
 	msg   consumer.Message
 	acked bool // guarded by claim.mu
+	// deadLettered: its dead-letter copy was written; with
+	// Config.OffsetsInDatabase, Ack records it done in the database.
+	deadLettered atomic.Bool
 }
 
 // Message returns the record as a consumer.Message.
@@ -285,7 +292,19 @@ func (d *delivery) Context() context.Context { return d.claim.ctx }
 // Ack marks the record's offset in the session that delivered it; the mark
 // is committed within Config.CommitInterval, on revoke or on Close. It
 // returns ErrRevoked, marking nothing, once the claim was revoked.
-func (d *delivery) Ack(context.Context) error { return d.claim.ack(d) }
+//
+// With Config.OffsetsInDatabase the record's transaction recorded it done
+// in the database; a dead-lettered record, which had none, is recorded by
+// Ack, and a failure to is returned.
+func (d *delivery) Ack(ctx context.Context) error {
+	if err := d.claim.ack(d); err != nil {
+		return err
+	}
+	if d.deadLettered.Load() {
+		return d.recordDeadLettered(ctx)
+	}
+	return nil
+}
 
 // DeadLetter produces a copy of the record to its dead-letter topic and
 // returns once the brokers confirmed it, or ctx is done (the copy may then
@@ -295,7 +314,11 @@ func (d *delivery) DeadLetter(ctx context.Context, dl *consumer.DeadLetter) erro
 	if d.claim.isRevoked() {
 		return fmt.Errorf("%w: %s offset %d not dead-lettered", ErrRevoked, d.claim.stream, d.raw.Offset)
 	}
-	return d.claim.src.deadLetter(ctx, d.raw, &d.msg, dl)
+	if err := d.claim.src.deadLetter(ctx, d.raw, &d.msg, dl); err != nil {
+		return err
+	}
+	d.deadLettered.Store(true)
+	return nil
 }
 
 func (s *Source) deadLetter(ctx context.Context, raw *sarama.ConsumerMessage, m *consumer.Message, dl *consumer.DeadLetter) error {
@@ -303,7 +326,7 @@ func (s *Source) deadLetter(ctx context.Context, raw *sarama.ConsumerMessage, m 
 		return errors.New("kafka: DeadLetter called with a nil *consumer.DeadLetter")
 	}
 	out := &sarama.ProducerMessage{
-		Topic:   s.cfg.DeadLetterTopic(raw.Topic),
+		Topic:   s.cfg.DeadLetter.Topic(raw.Topic),
 		Headers: deadLetterHeaders(raw.Headers, dl.Headers(m)),
 	}
 	// A null key or value stays null, an empty one stays empty.

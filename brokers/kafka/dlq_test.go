@@ -56,7 +56,7 @@ func testPoisonRecordsDeadLettered(t *testing.T, kind brokerKind) {
 	tp := sdktrace.NewTracerProvider()
 	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
 	cfg := consumerConfig("orders-svc")
-	cfg.TracerProvider = tp
+	cfg.Telemetry.TracerProvider = tp
 	var failing int
 	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[event]) error {
 		if ev.ID == "fails-1" {
@@ -65,7 +65,7 @@ func testPoisonRecordsDeadLettered(t *testing.T, kind brokerKind) {
 		}
 		return recordEffect(ctx, tx, ev)
 	}
-	src, err := NewSource(c.config(group, topic))
+	src, err := Open(t.Context(), c.config(group, topic))
 	require.NoError(t, err)
 	r := startConsumer(t, db, src, cfg, h)
 	waitEffects(t, db, 6, 30*time.Second)
@@ -128,8 +128,8 @@ func TestDeletedDeadLetterTopicHoldsThePartition(t *testing.T) {
 		require.NoError(t, err)
 		var warns atomicCounter
 		cfg := consumerConfig("orders-svc")
-		cfg.Logger = warns.logger()
-		src, err := NewSource(c.config(group, topic))
+		cfg.Telemetry.Logger = warns.logger()
+		src, err := Open(t.Context(), c.config(group, topic))
 		require.NoError(t, err)
 		c.deleteTopic(topic + ".dlq")
 

@@ -17,7 +17,7 @@ import (
 	"github.com/onceco/once/internal/pgtest"
 )
 
-// A dead-letter topic that does not exist is found by NewSource, with an
+// A dead-letter topic that does not exist is found by Open, with an
 // error naming it, instead of wedging a partition at the first poison
 // record. Apache Kafka runs with topic auto-creation off, as production
 // clusters do.
@@ -30,19 +30,19 @@ func TestMissingDeadLetterTopicFailsAtStart(t *testing.T) {
 		c.createTopic(other+".dlq", 1)
 
 		cfg := c.config(uniq("g"), other, topic)
-		cfg.CreateDeadLetterTopics = false
-		s, err := NewSource(cfg)
+		cfg.DeadLetter.Create = false
+		s, err := Open(t.Context(), cfg)
 		require.Error(t, err)
 		assert.Nil(t, s)
 		assert.ErrorIs(t, err, ErrDeadLetterTopicMissing)
 		assert.Contains(t, err.Error(), `"`+topic+`.dlq"`, "the error names the missing topic")
-		assert.Contains(t, err.Error(), "CreateDeadLetterTopics", "the error says how to have it created")
+		assert.Contains(t, err.Error(), "DeadLetter.Create", "the error says how to have it created")
 		assert.NotContains(t, err.Error(), other+".dlq", "only the missing topic is named")
 		assert.NotContains(t, listTopics(t, c), topic+".dlq", "nothing was created")
 	})
 }
 
-// With CreateDeadLetterTopics, NewSource creates a missing dead-letter
+// With DeadLetter.Create, Open creates a missing dead-letter
 // topic with its source topic's partition count, and a poison record ends
 // in it.
 func TestMissingDeadLetterTopicCreatedWhenAllowed(t *testing.T) {
@@ -54,13 +54,13 @@ func TestMissingDeadLetterTopicCreatedWhenAllowed(t *testing.T) {
 			Value: sarama.StringEncoder("not json"), Headers: []sarama.RecordHeader{{Key: []byte("id"), Value: []byte("poison-1")}}}))
 
 		cfg := c.config(group, topic)
-		cfg.CreateDeadLetterTopics = true
-		src, err := NewSource(cfg)
+		cfg.DeadLetter.Create = true
+		src, err := Open(t.Context(), cfg)
 		require.NoError(t, err)
 		assert.Equal(t, int32(3), partitionCount(t, c, topic+".dlq"))
 
 		// A second source finds the topic and creates nothing.
-		again, err := NewSource(cfg)
+		again, err := Open(t.Context(), cfg)
 		require.NoError(t, err)
 		require.NoError(t, again.Close())
 
@@ -113,7 +113,7 @@ func TestShutdownBoundedWhenDeadLetterHangs(t *testing.T) {
 		db, _ := pgtest.Schema(t)
 		cfg := c.config(group, topic)
 		cfg.CloseTimeout = 2 * time.Second
-		src, err := NewSource(cfg)
+		src, err := Open(t.Context(), cfg)
 		require.NoError(t, err)
 		ccfg := consumerConfig("orders-svc")
 		ccfg.ShutdownTimeout = time.Second

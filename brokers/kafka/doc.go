@@ -45,14 +45,14 @@
 //
 // # Dead letters
 //
-// DeadLetter produces a copy of the record to Config.DeadLetterTopic of its
+// DeadLetter produces a copy of the record to Config.DeadLetter.Topic of its
 // topic ("<topic>.dlq" by default): the original key and value bytes
 // unchanged, the original headers, and the diagnostic headers of
 // consumer.DeadLetter.Headers written over them. It returns once all in-sync
 // replicas have the copy (an idempotent producer with RequiredAcks =
-// WaitForAll). NewSource checks that every dead-letter topic exists and
+// WaitForAll). Open checks that every dead-letter topic exists and
 // fails with ErrDeadLetterTopicMissing naming the first missing one, or
-// creates it when Config.CreateDeadLetterTopics is set; it never relies on
+// creates it when Config.DeadLetter.Create is set; it never relies on
 // the broker's topic auto-creation. A dead-letter topic deleted later makes
 // DeadLetter return an error, and the core retries without acking (the
 // partition waits at that record). A retried DeadLetter may write the copy

@@ -35,7 +35,7 @@ func Example() {
 	base := sarama.NewConfig()
 	base.ClientID = "billing"
 	// TLS and SASL go here: base.Net.TLS.Enable, base.Net.SASL.Mechanism...
-	src, err := kafka.NewSource(kafka.Config{
+	src, err := kafka.Open(ctx, kafka.Config{
 		Brokers:        []string{"localhost:9092"},
 		Group:          "billing",
 		Topics:         []string{"orders"},

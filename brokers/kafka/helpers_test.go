@@ -184,29 +184,29 @@ func (c *cluster) deleteTopic(topic string) {
 }
 
 // config is a Source configuration with timeouts short enough for tests.
-// It lets NewSource create missing dead-letter topics, so tests that are not
+// It lets Open create missing dead-letter topics, so tests that are not
 // about dead letters need not create them.
 func (c *cluster) config(group string, topics ...string) Config {
 	return Config{
-		Brokers:                c.addrs,
-		Group:                  group,
-		Topics:                 topics,
-		CreateDeadLetterTopics: true,
-		SessionTimeout:         2 * time.Second,
-		HeartbeatInterval:      100 * time.Millisecond,
-		RebalanceTimeout:       8 * time.Second,
-		RevokeTimeout:          4 * time.Second,
-		CommitInterval:         100 * time.Millisecond,
-		FetchMaxWait:           50 * time.Millisecond,
-		Sarama:                 saramaConfig(),
-		Logger:                 testLogger(),
+		Brokers:           c.addrs,
+		Group:             group,
+		Topics:            topics,
+		DeadLetter:        DeadLetterConfig{Create: true},
+		SessionTimeout:    2 * time.Second,
+		HeartbeatInterval: 100 * time.Millisecond,
+		RebalanceTimeout:  8 * time.Second,
+		RevokeTimeout:     4 * time.Second,
+		CommitInterval:    100 * time.Millisecond,
+		FetchMaxWait:      50 * time.Millisecond,
+		Sarama:            saramaConfig(),
+		Logger:            testLogger(),
 	}
 }
 
 // open starts a Source that is closed when the test ends.
 func (c *cluster) open(cfg Config) *Source {
 	c.t.Helper()
-	s, err := NewSource(cfg)
+	s, err := Open(c.t.Context(), cfg)
 	require.NoError(c.t, err)
 	c.t.Cleanup(func() { _ = s.Close() })
 	return s

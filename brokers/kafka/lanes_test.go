@@ -62,7 +62,7 @@ func TestStuckKeyBoundsPendingRecords(t *testing.T) {
 		cfg := c.config(group, topic)
 		cfg.KeyLanes = lanes
 		cfg.MaxPendingPerPartition = bound
-		src, err := NewSource(cfg)
+		src, err := Open(t.Context(), cfg)
 		require.NoError(t, err)
 		release := make(chan struct{})
 		ccfg := consumerConfig("orders-svc")

@@ -98,7 +98,7 @@ func testBrokerRestart(t *testing.T, c *cluster, stop, restart func()) {
 	var warns atomicCounter
 	cfg := c.config(group, topic)
 	cfg.Logger = warns.logger()
-	src, err := NewSource(cfg)
+	src, err := Open(t.Context(), cfg)
 	require.NoError(t, err)
 	// From offset 50 of each partition on, handlers wait for the outage:
 	// it surely hits records in flight, however fast the first ones went
@@ -115,7 +115,7 @@ func testBrokerRestart(t *testing.T, c *cluster, stop, restart func()) {
 		return recordEffect(ctx, tx, ev)
 	}
 	ccfg := consumerConfig("orders-svc")
-	ccfg.BatchSize = 10
+	ccfg.Batch.Size = 10
 	r := startConsumer(t, db, src, ccfg, slow)
 	waitEffects(t, db, 60, 30*time.Second)
 
@@ -165,7 +165,7 @@ func TestBrokerFrozenResumesWithoutLossOrDoubleEffects(t *testing.T) {
 	cfg.Logger = warns.logger()
 	// Requests to the frozen broker fail after 2 s instead of sarama's 30 s.
 	cfg.Sarama.Net.ReadTimeout = 2 * time.Second
-	src, err := NewSource(cfg)
+	src, err := Open(t.Context(), cfg)
 	require.NoError(t, err)
 	slow := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[event]) error {
 		select {
@@ -235,7 +235,7 @@ func TestConnectionsCutResumesWithoutLossOrDoubleEffects(t *testing.T) {
 	var warns atomicCounter
 	cfg := c.config(group, topic)
 	cfg.Logger = warns.logger()
-	src, err := NewSource(cfg)
+	src, err := Open(t.Context(), cfg)
 	require.NoError(t, err)
 	slow := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[event]) error {
 		select { // work that takes a while, so that the cuts hit records in flight

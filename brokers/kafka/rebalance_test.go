@@ -20,12 +20,14 @@ import (
 // event's effect is there exactly once, and nothing is lost.
 func TestRebalanceMidStreamExactlyOnce(t *testing.T) {
 	eachBroker(t, func(t *testing.T, kind brokerKind) {
-		t.Run("eager", func(t *testing.T) { testRebalance(t, kind, sarama.NewBalanceStrategyRange()) })
-		t.Run("cooperative-sticky", func(t *testing.T) { testRebalance(t, kind, sarama.NewBalanceStrategyCooperativeSticky()) })
+		t.Run("eager", func(t *testing.T) { testRebalance(t, kind, sarama.NewBalanceStrategyRange(), false) })
+		t.Run("cooperative-sticky", func(t *testing.T) { testRebalance(t, kind, sarama.NewBalanceStrategyCooperativeSticky(), false) })
+		// Each take-over in the database fences the previous owner.
+		t.Run("eager-offsets-in-database", func(t *testing.T) { testRebalance(t, kind, sarama.NewBalanceStrategyRange(), true) })
 	})
 }
 
-func testRebalance(t *testing.T, kind brokerKind, strategy sarama.BalanceStrategy) {
+func testRebalance(t *testing.T, kind brokerKind, strategy sarama.BalanceStrategy, offsetsInDB bool) {
 	c := newClusterOf(t, kind)
 	topic, group := uniq("orders"), uniq("g")
 	const partitions = 4
@@ -71,7 +73,8 @@ func testRebalance(t *testing.T, kind brokerKind, strategy sarama.BalanceStrateg
 	open := func() *runningConsumer {
 		scfg := c.config(group, topic)
 		scfg.Sarama.Consumer.Group.Rebalance.GroupStrategies = []sarama.BalanceStrategy{strategy}
-		src, err := NewSource(scfg)
+		scfg.OffsetsInDatabase = offsetsInDB
+		src, err := Open(t.Context(), scfg)
 		require.NoError(t, err)
 		return startConsumer(t, db, src, cfg, slow)
 	}

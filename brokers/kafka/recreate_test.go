@@ -39,7 +39,7 @@ func TestRecreatedTopicRecordsAreNotDuplicates(t *testing.T) {
 		require.NoError(t, err)
 
 		run := func(want int) {
-			src, err := NewSource(c.config(group, topic))
+			src, err := Open(t.Context(), c.config(group, topic))
 			require.NoError(t, err)
 			r := startConsumer(t, db, src, consumerConfig("orders-svc"), recordEffect)
 			require.Eventually(t, func() bool {

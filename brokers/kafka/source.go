@@ -4,8 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -21,13 +23,13 @@ import (
 // duplicate if its transaction had committed.
 var ErrRevoked = errors.New("kafka: partition revoked")
 
-// ErrDeadLetterTopicMissing is returned by NewSource, wrapped with the
+// ErrDeadLetterTopicMissing is returned by Open, wrapped with the
 // topic's name, when a dead-letter topic does not exist and
-// Config.CreateDeadLetterTopics is false.
+// Config.DeadLetter.Create is false.
 var ErrDeadLetterTopicMissing = errors.New("kafka: dead-letter topic does not exist")
 
 // Source is a consumer.Source reading a Kafka consumer group. Create it with
-// NewSource and hand it to consumer.New, which calls Receive from one
+// Open and hand it to consumer.New, which calls Receive from one
 // goroutine and Close once when it stops. The Ack and DeadLetter methods of
 // its deliveries are safe for concurrent use.
 type Source struct {
@@ -59,6 +61,11 @@ type Source struct {
 
 	waitingForRoom atomic.Int32 // claims paused at Config.MaxPendingPerPartition
 	pendingMax     atomic.Int32 // the most pending records any claim held
+
+	// With Config.OffsetsInDatabase (offsets.go):
+	offsets   atomic.Pointer[offsetsBinding] // set by BindProgress
+	positions positions                      // the take-over's rows, until ConsumeClaim
+	skipped   atomic.Int64                   // records skipped as recorded done
 }
 
 var (
@@ -66,22 +73,50 @@ var (
 	_ consumer.SystemNamer = (*Source)(nil)
 )
 
-// NewSource validates cfg, connects the consumer-group client and the
+// Open validates cfg, connects the consumer-group client and the
 // dead-letter producer to the cluster and checks that every dead-letter
-// topic exists (creating the missing ones when
-// Config.CreateDeadLetterTopics is set). It returns an error naming the
-// field for an invalid Config, an error when none of Brokers can be
-// reached, and ErrDeadLetterTopicMissing naming the first missing
-// dead-letter topic.
+// topic exists (creating the missing ones when Config.DeadLetter.Create is
+// set). While none of Brokers can be reached it tries again with backoff
+// (Config.ReconnectMinBackoff to ReconnectMaxBackoff), logging each
+// failure, until ctx is done; then it returns the last failure. It returns
+// at once an error naming the field for an invalid Config, and
+// ErrDeadLetterTopicMissing naming the first missing dead-letter topic.
+// ctx bounds Open only, not the Source.
+//
 // The Source joins the group at the first Receive. After that, lost
 // connections and rebalances are absorbed: Receive keeps blocking while the
 // Source reconnects and rejoins, and the problems are logged to
 // Config.Logger.
-func NewSource(cfg Config) (*Source, error) {
+func Open(ctx context.Context, cfg Config) (*Source, error) {
 	cfg = cfg.withDefaults()
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
+	retry := backoff.Retrier{Policy: backoff.Policy{Initial: cfg.ReconnectMinBackoff, Max: cfg.ReconnectMaxBackoff}}
+	for {
+		s, err := connect(cfg)
+		if err == nil || !unreachable(err) {
+			return s, err
+		}
+		wait := retry.Delay()
+		cfg.Logger.WarnContext(ctx, "once/kafka: cannot reach the brokers; retrying",
+			"group", cfg.Group, "error", err, "backoff", wait)
+		if !backoff.Sleep(ctx, wait) {
+			return nil, fmt.Errorf("kafka: brokers unreachable until the context ended (%w): %w", context.Cause(ctx), err)
+		}
+	}
+}
+
+// unreachable reports whether err from connect means that no broker could
+// be reached, which waiting may cure.
+func unreachable(err error) bool {
+	var netErr net.Error
+	return errors.Is(err, sarama.ErrOutOfBrokers) || errors.Is(err, sarama.ErrNotConnected) ||
+		errors.Is(err, syscall.ECONNREFUSED) || errors.As(err, &netErr)
+}
+
+// connect makes the Source's clients, once.
+func connect(cfg Config) (*Source, error) {
 	cc, err := cfg.consumerConfig()
 	if err != nil {
 		return nil, err
@@ -157,6 +192,9 @@ func (s *Source) Receive(ctx context.Context) (consumer.Delivery, error) {
 	case <-s.closing:
 		return nil, consumer.ErrSourceClosed
 	default:
+	}
+	if s.cfg.OffsetsInDatabase && s.offsets.Load() == nil {
+		return nil, errNotBound
 	}
 	s.startOnce.Do(func() {
 		s.started = true
@@ -243,7 +281,7 @@ func (s *Source) maxPendingSeen() int { return int(s.pendingMax.Load()) }
 // joining again after every rebalance and after transient failures.
 func (s *Source) consumeLoop() {
 	defer close(s.loopDone)
-	retry := backoff.Retrier{Policy: backoff.Policy{Initial: 100 * time.Millisecond, Max: 5 * time.Second}}
+	retry := backoff.Retrier{Policy: backoff.Policy{Initial: s.cfg.ReconnectMinBackoff, Max: s.cfg.ReconnectMaxBackoff}}
 	h := &groupHandler{s: s}
 	for {
 		err := s.group.Consume(s.ctx, s.cfg.Topics, h)
@@ -280,7 +318,15 @@ func (s *Source) drainErrors() {
 // groupHandler is the sarama.ConsumerGroupHandler of a Source.
 type groupHandler struct{ s *Source }
 
-func (*groupHandler) Setup(sarama.ConsumerGroupSession) error   { return nil }
+// Setup takes the session's partitions over in the database, with
+// Config.OffsetsInDatabase, and seeks them to the positions recorded there.
+func (h *groupHandler) Setup(sess sarama.ConsumerGroupSession) error {
+	if !h.s.cfg.OffsetsInDatabase {
+		return nil
+	}
+	return h.s.takeOver(sess)
+}
+
 func (*groupHandler) Cleanup(sarama.ConsumerGroupSession) error { return nil }
 
 // ConsumeClaim hands the claim's records to Receive, one at a time and in
@@ -300,6 +346,17 @@ func (h *groupHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, sc sarama.
 		return nil
 	}
 	cl := newClaim(s, sess, sc, topicID)
+	if s.cfg.OffsetsInDatabase {
+		o, ok := s.positions.take(sc.Topic(), sc.Partition())
+		if !ok {
+			// Not in the session's take-over: its position is unknown.
+			s.cfg.Logger.Error("once/kafka: partition claimed without a take-over in the database; not consuming it",
+				"group", s.cfg.Group, "stream", cl.stream, "generation", sess.GenerationID())
+			cl.revoke()
+			return nil
+		}
+		cl.db = newClaimOffsets(o, sc.InitialOffset())
+	}
 	s.cfg.Logger.Debug("once/kafka: partition claimed", "group", s.cfg.Group, "stream", cl.stream,
 		"generation", sess.GenerationID(), "offset", sc.InitialOffset())
 	s.lag.track(cl)
@@ -317,6 +374,9 @@ loop:
 			if !ok {
 				break loop
 			}
+			if cl.skip(raw) {
+				continue
+			}
 			d := cl.newDelivery(raw)
 			select {
 			case s.deliveries <- d:
@@ -327,8 +387,13 @@ loop:
 			case <-s.closing:
 				cl.drop(d)
 				break loop
+			case <-cl.ctx.Done(): // fenced
+				cl.drop(d)
+				break loop
 			}
 		case <-ended:
+			break loop
+		case <-cl.ctx.Done(): // fenced
 			break loop
 		case <-s.closing:
 			break loop

@@ -3,7 +3,10 @@ package kafka
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"strconv"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -16,7 +19,7 @@ import (
 	"github.com/onceco/once/consumer"
 )
 
-func TestNewSourceValidatesConfig(t *testing.T) {
+func TestOpenValidatesConfig(t *testing.T) {
 	old := sarama.NewConfig()
 	old.Version = sarama.V0_10_2_0
 	badSarama := sarama.NewConfig()
@@ -33,9 +36,9 @@ func TestNewSourceValidatesConfig(t *testing.T) {
 		{"no topics", func(c *Config) { c.Topics = nil }, "Config.Topics"},
 		{"empty topic", func(c *Config) { c.Topics = []string{"a", ""} }, "Config.Topics[1]"},
 		{"duplicate topic", func(c *Config) { c.Topics = []string{"a", "a"} }, "Config.Topics"},
-		{"dlq is the topic", func(c *Config) { c.DeadLetterTopic = func(t string) string { return t } }, "Config.DeadLetterTopic"},
-		{"empty dlq", func(c *Config) { c.DeadLetterTopic = func(string) string { return "" } }, "Config.DeadLetterTopic"},
-		{"dlq consumed", func(c *Config) { c.Topics = []string{"t", "t.dlq"} }, "Config.DeadLetterTopic(\"t\")"},
+		{"dlq is the topic", func(c *Config) { c.DeadLetter.Topic = func(t string) string { return t } }, "Config.DeadLetter.Topic"},
+		{"empty dlq", func(c *Config) { c.DeadLetter.Topic = func(string) string { return "" } }, "Config.DeadLetter.Topic"},
+		{"dlq consumed", func(c *Config) { c.Topics = []string{"t", "t.dlq"} }, "Config.DeadLetter.Topic(\"t\")"},
 		{"initial offset", func(c *Config) { c.InitialOffset = 42 }, "Config.InitialOffset"},
 		{"negative session", func(c *Config) { c.SessionTimeout = -time.Second }, "Config.SessionTimeout"},
 		{"negative commit", func(c *Config) { c.CommitInterval = -time.Second }, "Config.CommitInterval"},
@@ -50,7 +53,7 @@ func TestNewSourceValidatesConfig(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			cfg := ok
 			tc.edit(&cfg)
-			s, err := NewSource(cfg)
+			s, err := Open(t.Context(), cfg)
 			require.Error(t, err)
 			assert.Nil(t, s)
 			assert.Contains(t, err.Error(), tc.field)
@@ -77,7 +80,7 @@ func TestConfigDefaultsAndOverrides(t *testing.T) {
 	assert.Equal(t, DefaultCommitInterval, cc.Consumer.Offsets.AutoCommit.Interval)
 	assert.Equal(t, DefaultFetchMaxWait, cc.Consumer.MaxWaitTime)
 	assert.Equal(t, 10*time.Second, cc.Consumer.Group.Session.Timeout, "sarama's default is kept")
-	assert.Equal(t, "t.dlq", cfg.DeadLetterTopic("t"))
+	assert.Equal(t, "t.dlq", cfg.DeadLetter.Topic("t"))
 
 	assert.True(t, pc.Producer.Idempotent)
 	assert.Equal(t, sarama.WaitForAll, pc.Producer.RequiredAcks)
@@ -100,13 +103,32 @@ func TestConfigDefaultsAndOverrides(t *testing.T) {
 	assert.Equal(t, int32(1<<22), cc.Consumer.Fetch.Max)
 }
 
-func TestNewSourceFailsOnUnreachableBroker(t *testing.T) {
+// Open tries unreachable brokers again with backoff until its context
+// ends, then returns the last failure with the context's cause.
+func TestOpenRetriesUnreachableBrokersUntilContextEnds(t *testing.T) {
 	sc := sarama.NewConfig()
 	sc.Metadata.Retry.Max = 0
 	sc.Net.DialTimeout = time.Second
-	_, err := NewSource(Config{Brokers: []string{"127.0.0.1:1"}, Group: "g", Topics: []string{"t"}, Sarama: sc, Logger: testLogger()})
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	// The third "retrying" warning cancels ctx: Open retried twice.
+	warnings := &lineCounter{match: "cannot reach the brokers", at: 3, then: cancel}
+	cfg := Config{Brokers: []string{"127.0.0.1:1"}, Group: "g", Topics: []string{"t"}, Sarama: sc,
+		ReconnectMinBackoff: time.Millisecond, ReconnectMaxBackoff: 10 * time.Millisecond,
+		Logger: slog.New(slog.NewTextHandler(warnings, nil))}
+	_, err := Open(ctx, cfg)
 	require.Error(t, err)
+	assert.Equal(t, 3, warnings.count(), "Open stopped at the cancel, not before")
 	assert.ErrorIs(t, err, sarama.ErrOutOfBrokers)
+	assert.ErrorIs(t, err, context.Canceled)
+}
+
+// Open returns a configuration error at once, without retrying.
+func TestOpenDoesNotRetryAnInvalidConfig(t *testing.T) {
+	_, err := Open(t.Context(), Config{Brokers: []string{"127.0.0.1:1"}, Group: "g", Topics: []string{"t"},
+		ReconnectMinBackoff: time.Second, ReconnectMaxBackoff: time.Millisecond})
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "Config.ReconnectMinBackoff")
 }
 
 func TestReceiveMapsRecord(t *testing.T) {
@@ -442,7 +464,7 @@ func TestDeadLetterCustomTopicAndMissingTopic(t *testing.T) {
 	c.produce(msg(topic, 0, "x"), msg(topic, 0, "y"))
 
 	cfg := c.config(uniq("g"), topic)
-	cfg.DeadLetterTopic = func(t string) string { return "dead-" + t }
+	cfg.DeadLetter.Topic = func(t string) string { return "dead-" + t }
 	s := c.open(cfg)
 	d := receive(t, s)
 	require.NoError(t, d.DeadLetter(context.Background(), &consumer.DeadLetter{Kind: consumer.KindDecode, FailedAt: time.Now()}))
@@ -450,10 +472,10 @@ func TestDeadLetterCustomTopicAndMissingTopic(t *testing.T) {
 	require.NoError(t, d.Ack(context.Background()))
 	require.NoError(t, s.Close())
 
-	// The default <topic>.dlq does not exist: NewSource says so.
+	// The default <topic>.dlq does not exist: Open says so.
 	cfg = c.config(uniq("g"), topic)
-	cfg.CreateDeadLetterTopics = false
-	_, err := NewSource(cfg)
+	cfg.DeadLetter.Create = false
+	_, err := Open(t.Context(), cfg)
 	require.ErrorIs(t, err, ErrDeadLetterTopicMissing)
 	assert.Contains(t, err.Error(), topic+".dlq")
 }
@@ -536,4 +558,32 @@ func TestMissingTopicRetriedUntilCreated(t *testing.T) {
 	case err := <-errs:
 		t.Fatalf("Receive failed: %v", err)
 	}
+}
+
+// lineCounter is a log writer that counts the lines containing match and
+// calls then once the count reaches at.
+type lineCounter struct {
+	mu    sync.Mutex
+	match string
+	at    int
+	then  func()
+	n     int
+}
+
+func (l *lineCounter) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if strings.Contains(string(p), l.match) {
+		l.n++
+		if l.n == l.at {
+			l.then()
+		}
+	}
+	return len(p), nil
+}
+
+func (l *lineCounter) count() int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.n
 }

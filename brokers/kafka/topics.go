@@ -12,11 +12,11 @@ import (
 
 // ensureDeadLetterTopics checks that the dead-letter topic of every topic
 // in cfg.Topics exists, creating the missing ones when
-// cfg.CreateDeadLetterTopics is set. client is the dead-letter producer's
+// cfg.DeadLetter.Create is set. client is the dead-letter producer's
 // client (auto-creation off) and pc its configuration.
 func ensureDeadLetterTopics(cfg *Config, client sarama.Client, pc *sarama.Config) error {
 	for _, topic := range cfg.Topics {
-		dlq := cfg.DeadLetterTopic(topic)
+		dlq := cfg.DeadLetter.Topic(topic)
 		exists, err := topicExists(client, dlq)
 		if err != nil {
 			return fmt.Errorf("kafka: looking up dead-letter topic %q of topic %q: %w", dlq, topic, err)
@@ -24,8 +24,8 @@ func ensureDeadLetterTopics(cfg *Config, client sarama.Client, pc *sarama.Config
 		if exists {
 			continue
 		}
-		if !cfg.CreateDeadLetterTopics {
-			return fmt.Errorf("%w: %q (the dead-letter topic of %q); create it, or set Config.CreateDeadLetterTopics to let NewSource create it",
+		if !cfg.DeadLetter.Create {
+			return fmt.Errorf("%w: %q (the dead-letter topic of %q); create it, or set Config.DeadLetter.Create to let Open create it",
 				ErrDeadLetterTopicMissing, dlq, topic)
 		}
 		if err := createDeadLetterTopic(client, pc, cfg.Brokers, topic, dlq); err != nil {

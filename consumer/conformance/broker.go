@@ -70,6 +70,6 @@ type Suite struct {
 	// is an empty schema of this test's own.
 	NewDB func(t *testing.T) *pgxpool.Pool
 	// Tune, when set, adjusts the consumer configuration of every test,
-	// e.g. to run the suite with BatchSize 1 as well as batched.
+	// e.g. to run the suite with Batch.Size 1 as well as batched.
 	Tune func(*consumer.Config)
 }

@@ -267,7 +267,7 @@ func testTraceContext(t *testing.T, e *env) {
 	tp := sdktrace.NewTracerProvider()
 	t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
 	cfg := config()
-	cfg.TracerProvider = tp
+	cfg.Telemetry.TracerProvider = tp
 	got := make(chan trace.SpanContext, 1)
 	e.start(e.b.NewSource(t), cfg, func(ctx context.Context, tx pgx.Tx, ev consumer.Event[payload]) error {
 		select {

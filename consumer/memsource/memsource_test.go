@@ -62,7 +62,7 @@ func TestConformanceOneMessagePerTransaction(t *testing.T) {
 			return broker{memsource.New(memsource.Options{Streams: 4, FallbackID: true})}
 		},
 		NewDB: func(t *testing.T) *pgxpool.Pool { p, _ := pgtest.Schema(t); return p },
-		Tune:  func(c *consumer.Config) { c.BatchSize = 1 },
+		Tune:  func(c *consumer.Config) { c.Batch.Size = 1 },
 	})
 }
 

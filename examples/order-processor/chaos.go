@@ -63,6 +63,9 @@ type ChaosConfig struct {
 	Members     int   // processes consuming at once
 	Rebalances  int   // kafka: a member killed while another joins
 	RelayKills  int   // SIGKILLs of the member whose outbox relay leads (chaos_hops.go)
+	// OffsetsInDatabase (kafka): the members keep offsets in PostgreSQL,
+	// and one fault deletes the group with its offsets (chaos_offsets.go).
+	OffsetsInDatabase bool
 
 	Exe    string    // the order-processor built with -tags chaos; empty: built here
 	Logs   string    // directory of the members' logs; empty: a temporary one
@@ -91,7 +94,7 @@ type ChaosResult struct {
 	PoisonDeadLettered int      `json:"poison_dead_lettered"`
 	PoisonMissing      []string `json:"poison_missing,omitempty"`
 	// PoisonCrashLoop counts poison dead-lettered with kind crash-loop
-	// instead of its own: it was in flight at MaxCrashAttempts (3) process
+	// instead of its own: it was in flight at CrashGuard.MaxCrashes (3) process
 	// deaths, e.g. a handler failure retried for seconds across kills.
 	PoisonCrashLoop int            `json:"poison_crash_loop"`
 	DLQRecords      int            `json:"dlq_records"`
@@ -131,6 +134,7 @@ func chaosMain(ctx context.Context, args []string, stdout, stderr io.Writer) int
 	fs.IntVar(&cfg.Rebalances, "rebalances", 3, "kafka: members killed while another joins the group")
 	fs.IntVar(&cfg.RelayKills, "relay-kills", 3, "SIGKILLs of the member whose outbox relay leads")
 	noCrash := fs.Bool("no-crash-points", false, "skip the crash points")
+	offsetsFlag(fs, &cfg)
 	fs.StringVar(&cfg.Exe, "exe", "", "order-processor built with -tags chaos (empty: build it)")
 	fs.StringVar(&cfg.Logs, "logs", "", "directory for the members' logs (empty: a temporary one)")
 	jsonFile := fs.String("json", "", "write the results as JSON to this file")
@@ -440,7 +444,7 @@ func RunChaos(ctx context.Context, cfg ChaosConfig) (res *ChaosResult, err error
 
 // crashLooped returns the valid events of the plan that were dead-lettered
 // with kind crash-loop and have no effect: they were in flight at
-// MaxCrashAttempts process deaths (a payment waiting seconds for its order
+// CrashGuard.MaxCrashes process deaths (a payment waiting seconds for its order
 // across kills, say). Like any dead letter whose cause is gone, they are
 // replayed, once per event id, with their original key, value, id and type.
 func (r *chaosRun) crashLooped(ctx context.Context, dlq []deadLetter) ([]outMsg, error) {
@@ -684,6 +688,7 @@ func (r *chaosRun) schedule() []fault {
 		}
 	}
 	fs = append(fs, r.hop2Faults()...)
+	fs = append(fs, r.offsetsFaults()...)
 	r.rng.Shuffle(len(fs), func(i, j int) { fs[i], fs[j] = fs[j], fs[i] })
 	if r.cfg.CrashPoints {
 		span := max(1, len(fs)*2/3)
@@ -798,6 +803,7 @@ func (r *chaosRun) startMember(exe string, extraEnv ...string) (*member, error) 
 	if r.o.fastFailover {
 		args = append(args, "-fast-failover")
 	}
+	args = append(args, r.offsetsArgs()...)
 	cmd := exec.Command(exe, args...)
 	env := append([]string{}, os.Environ()...)
 	env = append(env, "DATABASE_URL="+r.pg.URL(), "BROKER="+r.memberBroker(), "KAFKA_BROKERS="+strings.Join(r.o.kafkaBrokers, ","),
@@ -964,6 +970,10 @@ func (r *chaosRun) apply(ctx context.Context, exe string, f fault) error {
 		if err := r.killRelayLeader(ctx); err != nil {
 			return err
 		}
+	case faultDeleteGroup:
+		if err := r.deleteGroup(ctx); err != nil {
+			return err
+		}
 	}
 	r.faults[f.kind]++
 	for len(r.live()) < r.cfg.Members {
@@ -999,7 +1009,7 @@ func (r *chaosRun) crashAt(ctx context.Context, exe string, f fault) error {
 		}
 	}
 	if f.point == "mid-batch" && r.isKafka() {
-		// Batches form only after the first BatchSize (100) messages of a
+		// Batches form only after the first Batch.Size (100) messages of a
 		// fresh assignment, handled one at a time: stop every member and
 		// let a backlog of more than that per partition build up.
 		for _, m := range r.live() {

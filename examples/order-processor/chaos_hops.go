@@ -215,7 +215,7 @@ func (r *chaosRun) shippingDeadLetters() ([]deadLetter, error) {
 }
 
 // replayHop2 puts back the shipping dead letters of kind crash-loop (in
-// flight at MaxCrashAttempts process deaths) whose order has no shipment,
+// flight at CrashGuard.MaxCrashes process deaths) whose order has no shipment,
 // once per event id, with their original key, value, id and type, and
 // lets the members drain them. It returns the shipping dead-letter records
 // by kind and how many it replayed.

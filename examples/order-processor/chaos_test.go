@@ -27,6 +27,12 @@ func chaosExe(t *testing.T) string {
 // kills than make chaos, but every kind of fault at least once.
 func reducedChaos(t *testing.T, broker, amqpURL string) *ChaosResult {
 	t.Helper()
+	return reducedChaosWith(t, broker, amqpURL, func(*ChaosConfig) {})
+}
+
+// reducedChaosWith is reducedChaos with the configuration changed by set.
+func reducedChaosWith(t *testing.T, broker, amqpURL string, set func(*ChaosConfig)) *ChaosResult {
+	t.Helper()
 	exe := chaosExe(t)
 	var log bytes.Buffer
 	cfg := ChaosConfig{
@@ -35,6 +41,7 @@ func reducedChaos(t *testing.T, broker, amqpURL string) *ChaosResult {
 		Kills: 3, CrashPoints: true, PGRestarts: 1, Cuts: 1, Members: 3, Rebalances: 1, RelayKills: 1,
 		Exe: exe, Output: &log,
 	}
+	set(&cfg)
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
 	res, err := RunChaos(ctx, cfg)
@@ -107,6 +114,14 @@ func TestChaosKafka(t *testing.T) {
 	assertChaosVerdict(t, res, "kill", "crash-point", "pg-restart", "cut", "rebalance-kill")
 	assert.GreaterOrEqual(t, res.Starts, 3+3+5+1, "members restarted after each kill and crash")
 	t.Logf("took %s", time.Since(start).Round(time.Second))
+}
+
+// The reduced chaos run on Kafka with the offsets kept in PostgreSQL
+// (kafka.Config.OffsetsInDatabase), the group deleted with its offsets once
+// during the run on top of the other faults.
+func TestChaosKafkaOffsetsInDatabase(t *testing.T) {
+	res := reducedChaosWith(t, "kafka", "", func(cfg *ChaosConfig) { cfg.OffsetsInDatabase = true })
+	assertChaosVerdict(t, res, "kill", "crash-point", "pg-restart", "cut", "rebalance-kill", faultDeleteGroup)
 }
 
 // The reduced chaos run on RabbitMQ: the members connect through a proxy

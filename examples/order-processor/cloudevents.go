@@ -80,7 +80,7 @@ func (CloudEventsEnvelope) Open(value []byte) (consumer.Opened, error) {
 	return consumer.Opened{ID: ev.ID, Type: ev.Type, Payload: ev.Data}, nil
 }
 
-// Fingerprint is the consumer's fingerprint (consumer.Config.Fingerprint):
+// Fingerprint is the consumer's fingerprint (consumer.Config.Identify.Fingerprint):
 // the SHA-256 of the event's data, so that a CloudEvents re-send whose
 // envelope changed (a new time attribute) is still a duplicate, while the
 // same id with other data is an id conflict.

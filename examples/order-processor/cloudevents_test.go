@@ -146,7 +146,7 @@ func TestCloudEventsResendsSkippedOnKafka(t *testing.T) {
 	tel, err := startTelemetry("", "")
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = tel.Close() })
-	src, err := kafkaSource(o, tel.MeterProvider(), slog.New(slog.NewTextHandler(io.Discard, nil)))
+	src, err := kafkaSource(t.Context(), o, tel.MeterProvider(), slog.New(slog.NewTextHandler(io.Discard, nil)))
 	require.NoError(t, err)
 	s := ceRun(t, o, src, uint64(len(msgs)))
 

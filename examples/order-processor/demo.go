@@ -439,7 +439,7 @@ func settled(s consumer.Stats) bool {
 // RabbitMQ: no message ready) and the consumer has settled all it received,
 // twice in a row 200 ms apart: RabbitMQ counts the messages pushed to the
 // consumer and not yet acked as not ready.
-func waitDrained(ctx context.Context, c *consumer.Consumer[any], lag func(context.Context) (int64, error), errc <-chan error) error {
+func waitDrained(ctx context.Context, c *consumer.Consumer[OrderEvent], lag func(context.Context) (int64, error), errc <-chan error) error {
 	deadline := time.After(3 * time.Minute)
 	var prev consumer.Stats
 	streak := 0

@@ -59,7 +59,7 @@ func saramaConfig() *sarama.Config {
 // group timeouts so that a killed member's partitions move within about a
 // second (the embedded broker allows it; a real broker's minimum session
 // timeout is usually 6 s).
-func kafkaSource(o *options, mp metric.MeterProvider, log *slog.Logger) (*kafka.Source, error) {
+func kafkaSource(ctx context.Context, o *options, mp metric.MeterProvider, log *slog.Logger) (*kafka.Source, error) {
 	cfg := kafka.Config{
 		Brokers:        o.kafkaBrokers,
 		Group:          o.name,
@@ -68,6 +68,8 @@ func kafkaSource(o *options, mp metric.MeterProvider, log *slog.Logger) (*kafka.
 		Sarama:         saramaConfig(),
 		MeterProvider:  mp,
 		Logger:         log,
+		// The database's positions over the group's (chaos -offsets-in-database).
+		OffsetsInDatabase: o.offsetsInDB,
 	}
 	if o.fastFailover {
 		cfg.SessionTimeout = time.Second
@@ -75,7 +77,7 @@ func kafkaSource(o *options, mp metric.MeterProvider, log *slog.Logger) (*kafka.
 		cfg.RebalanceTimeout = 1500 * time.Millisecond
 		cfg.RevokeTimeout = time.Second
 	}
-	return kafka.NewSource(cfg)
+	return kafka.Open(ctx, cfg)
 }
 
 // topicsOf returns the topics of a run on topic: the orders, order.confirmed

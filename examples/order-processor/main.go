@@ -111,6 +111,7 @@ type options struct {
 	partitions   int
 	kafkaPort    int
 	fastFailover bool
+	offsetsInDB  bool // kafka: kafka.Config.OffsetsInDatabase
 
 	mix              Mix
 	unknownOrderWait time.Duration
@@ -144,6 +145,7 @@ func parseOptions(args []string, stderr io.Writer) (*options, error) {
 	fs.IntVar(&o.partitions, "partitions", 4, "partitions of the topic when this program creates it")
 	fs.IntVar(&o.kafkaPort, "kafka-port", 0, "port of the embedded Kafka broker (0: a free one)")
 	fs.BoolVar(&o.fastFailover, "fast-failover", false, "short consumer-group timeouts (set automatically with the embedded broker)")
+	fs.BoolVar(&o.offsetsInDB, "offsets-in-database", false, "kafka: keep the group's offsets in PostgreSQL with the effects (kafka.Config.OffsetsInDatabase)")
 	defSchema := "public"
 	if o.command == "demo" {
 		defSchema = "order_demo"
@@ -353,33 +355,29 @@ func newSource(ctx context.Context, o *options, tel *telemetry, log *slog.Logger
 	if o.broker == "amqp" {
 		return amqpSource(ctx, o, tel, log)
 	}
-	return kafkaSource(o, tel.MeterProvider(), log)
+	return kafkaSource(ctx, o, tel.MeterProvider(), log)
 }
 
 // newConsumer builds the service's consumer: the router of typed handlers,
 // the payload-derived event-id rule, the retry policy.
-func newConsumer(pool *pgxpool.Pool, src consumer.Source, o *options, tel *telemetry, log *slog.Logger) (*consumer.Consumer[any], error) {
+func newConsumer(pool *pgxpool.Pool, src consumer.Source, o *options, tel *telemetry, log *slog.Logger) (*consumer.Consumer[OrderEvent], error) {
 	orders := &Orders{UnknownOrderWait: o.unknownOrderWait, Confirmed: destination(o)}
 	r, err := orders.Router()
 	if err != nil {
 		return nil, err
 	}
 	return consumer.NewRouted(pool, src, r, consumer.Config{
-		Name:        o.name,
-		EventID:     EventID,
-		Envelope:    CloudEventsEnvelope{},
-		Fingerprint: Fingerprint,
-		IDHeaders:   IDHeaders,
-		TypeHeaders: TypeHeaders,
+		Name:     o.name,
+		Identify: consumer.IdentifyConfig{EventID: EventID, Fingerprint: Fingerprint, IDHeaders: IDHeaders, TypeHeaders: TypeHeaders},
+		Envelope: CloudEventsEnvelope{},
+
 		Retry: consumer.RetryPolicy{
 			MaxAttempts:    o.maxAttempts,
 			InitialBackoff: 50 * time.Millisecond,
 			MaxBackoff:     time.Second,
 		},
 		ShutdownTimeout: 10 * time.Second,
-		Logger:          log,
-		TracerProvider:  tel.tracer,
-		MeterProvider:   tel.MeterProvider(),
+		Telemetry:       consumer.TelemetryConfig{Logger: log, TracerProvider: tel.tracer, MeterProvider: tel.MeterProvider()},
 	})
 }
 

@@ -45,6 +45,21 @@ type OrderCancelled struct {
 	Reason  string `json:"reason"`
 }
 
+// OrderEvent is the family of this service's events: the router takes a
+// handler only for a payload type that names its event type.
+type OrderEvent interface {
+	consumer.EventTyper
+}
+
+// EventType names the payload's event type, for consumer.AddHandler.
+func (OrderCreated) EventType() string { return TypeCreated }
+
+// EventType names the payload's event type, for consumer.AddHandler.
+func (OrderPaid) EventType() string { return TypePaid }
+
+// EventType names the payload's event type, for consumer.AddHandler.
+func (OrderCancelled) EventType() string { return TypeCancelled }
+
 // The business-rule errors. Each handler wraps them in consumer.Permanent
 // (retrying cannot help: dead-letter now) or consumer.RetryAfter (the order
 // may simply not have arrived yet).
@@ -111,15 +126,15 @@ type Orders struct {
 
 // Router returns a router with the three handlers registered. Event types
 // without a handler are dead-lettered (kind unknown-type).
-func (o *Orders) Router() (*consumer.Router, error) {
-	r := consumer.NewRouter(consumer.RouterConfig{UnknownTypes: consumer.DeadLetterUnknownTypes})
-	if err := consumer.Handle(r, TypeCreated, o.Created); err != nil {
+func (o *Orders) Router() (*consumer.Router[OrderEvent], error) {
+	r := consumer.NewRouter[OrderEvent](consumer.RouterConfig{UnknownTypes: consumer.DeadLetterUnknownTypes})
+	if err := consumer.AddHandler(r, o.Created); err != nil {
 		return nil, err
 	}
-	if err := consumer.Handle(r, TypePaid, o.Paid); err != nil {
+	if err := consumer.AddHandler(r, o.Paid); err != nil {
 		return nil, err
 	}
-	if err := consumer.Handle(r, TypeCancelled, o.Cancelled); err != nil {
+	if err := consumer.AddHandler(r, o.Cancelled); err != nil {
 		return nil, err
 	}
 	return r, nil
@@ -227,7 +242,7 @@ func (o *Orders) Cancelled(ctx context.Context, tx pgx.Tx, ev consumer.Event[Ord
 	return nil
 }
 
-// EventID is the service's event-id rule (consumer.Config.EventID):
+// EventID is the service's event-id rule (consumer.Config.Identify.EventID):
 //
 //  1. the producer's id for the event: the broker's id property (RabbitMQ
 //     message-id), else the first of IDHeaders (the service's "id" header,

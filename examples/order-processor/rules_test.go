@@ -214,7 +214,7 @@ func TestRuleOutcomesThroughTheConsumer(t *testing.T) {
 	require.NoError(t, pub.Publish(context.Background(), msgs))
 	require.NoError(t, pub.Close())
 
-	src, err := kafkaSource(o, tel.MeterProvider(), log)
+	src, err := kafkaSource(t.Context(), o, tel.MeterProvider(), log)
 	require.NoError(t, err)
 	c, err := newConsumer(pool, src, o, tel, log)
 	require.NoError(t, err)

@@ -132,9 +132,7 @@ func newDownstream(ctx context.Context, o *options, pool *pgxpool.Pool, tel *tel
 		Name:            shippingName(o),
 		Retry:           consumer.RetryPolicy{MaxAttempts: o.maxAttempts, InitialBackoff: 50 * time.Millisecond, MaxBackoff: time.Second},
 		ShutdownTimeout: 10 * time.Second,
-		Logger:          log,
-		TracerProvider:  tel.tracer,
-		MeterProvider:   tel.MeterProvider(),
+		Telemetry:       consumer.TelemetryConfig{Logger: log, TracerProvider: tel.tracer, MeterProvider: tel.MeterProvider()},
 	})
 	if err != nil {
 		_ = src.Close()
@@ -188,7 +186,7 @@ func shippingSource(ctx context.Context, o *options, tel *telemetry, log *slog.L
 	if o.broker == "amqp" {
 		return amqpSource(ctx, &so, tel, log)
 	}
-	return kafkaSource(&so, tel.MeterProvider(), log)
+	return kafkaSource(ctx, &so, tel.MeterProvider(), log)
 }
 
 // Run runs the relay and the shipping consumer until ctx is cancelled and

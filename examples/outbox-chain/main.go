@@ -217,12 +217,12 @@ func startShipping(ctx context.Context, pool *pgxpool.Pool, brokers []string) (*
 }
 
 func start[T any](ctx context.Context, pool *pgxpool.Pool, brokers []string, name, topic string, h consumer.Handler[T]) (*service, error) {
-	src, err := kafka.NewSource(kafka.Config{Brokers: brokers, Group: name, Topics: []string{topic},
-		Sarama: saramaConfig(), Logger: quiet(), CreateDeadLetterTopics: true})
+	src, err := kafka.Open(ctx, kafka.Config{Brokers: brokers, Group: name, Topics: []string{topic},
+		Sarama: saramaConfig(), Logger: quiet(), DeadLetter: kafka.DeadLetterConfig{Create: true}})
 	if err != nil {
 		return nil, err
 	}
-	c, err := consumer.New(pool, src, h, consumer.Config{Name: name, Logger: quiet()})
+	c, err := consumer.New(pool, src, h, consumer.Config{Name: name, Telemetry: consumer.TelemetryConfig{Logger: quiet()}})
 	if err != nil {
 		return nil, err
 	}

@@ -78,7 +78,7 @@ func run(n int) error {
 	cfg := consumer.Config{
 		Name: "quickstart-ledger",
 		// The demo's poison is expected: keep the log to the report.
-		Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError})),
+		Telemetry: consumer.TelemetryConfig{Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError}))},
 	}
 
 	// First run: after half the messages, acks stop reaching the broker, as

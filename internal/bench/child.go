@@ -166,7 +166,7 @@ func runChild(spec *rowSpec) (*childResult, error) {
 	var err error
 	switch spec.Broker {
 	case Kafka, ApacheKafka:
-		src, err = openKafkaSource(spec, logger)
+		src, err = openKafkaSource(ctx, spec, logger)
 	case RabbitMQ:
 		src, err = openAMQPSource(ctx, spec, logger)
 	default:
@@ -214,9 +214,9 @@ func runChild(spec *rowSpec) (*childResult, error) {
 	case RowHandwritten:
 		run = func() error { return runHandwritten(runCtx, m, pool, spec) }
 	case RowOncePerMessage, RowOnceBatched, RowOnceQueued, RowOnceBatchHandler, RowOnceKeyLanes:
-		cfg := consumer.Config{Name: "bench", BatchSize: spec.BatchSize, Concurrency: spec.Concurrency, Logger: logger}
+		cfg := consumer.Config{Name: "bench", Batch: consumer.BatchConfig{Size: spec.BatchSize}, Concurrency: spec.Concurrency, Telemetry: consumer.TelemetryConfig{Logger: logger}}
 		if spec.Row == RowOncePerMessage {
-			cfg.BatchSize = 1
+			cfg.Batch.Size = 1
 		}
 		var c *consumer.Consumer[payload]
 		switch spec.Row {

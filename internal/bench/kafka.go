@@ -170,8 +170,8 @@ func topicCount(addrs []string, topic string) (int, error) {
 }
 
 // openKafkaSource opens the adapter's source on the row's topic.
-func openKafkaSource(spec *rowSpec, logger *slog.Logger) (consumer.Source, error) {
-	return kafka.NewSource(kafka.Config{
+func openKafkaSource(ctx context.Context, spec *rowSpec, logger *slog.Logger) (consumer.Source, error) {
+	return kafka.Open(ctx, kafka.Config{
 		Brokers:           spec.Brokers,
 		Group:             spec.Group,
 		Topics:            []string{spec.Topic},

@@ -597,7 +597,7 @@ func downstreamConsumer(ctx context.Context, pool *pgxpool.Pool, d *outboxDest, 
 	if d.b == RabbitMQ {
 		src, err = openAMQPSource(ctx, spec, quietLogger())
 	} else {
-		src, err = openKafkaSource(spec, quietLogger())
+		src, err = openKafkaSource(ctx, spec, quietLogger())
 	}
 	if err != nil {
 		return nil, err
@@ -606,8 +606,8 @@ func downstreamConsumer(ctx context.Context, pool *pgxpool.Pool, d *outboxDest, 
 		ev.Queue(`INSERT INTO effects (event_id, n, account, amount) VALUES ($1, 0, '', 0)`, ev.ID)
 		return nil
 	}
-	c, err := consumer.New(pool, src, handle, consumer.Config{Name: "outbox-downstream", Logger: quietLogger(),
-		Hooks: consumer.Hooks{AfterCommit: afterCommit}})
+	c, err := consumer.New(pool, src, handle, consumer.Config{Name: "outbox-downstream",
+		Telemetry: consumer.TelemetryConfig{Logger: quietLogger()}, Hooks: consumer.Hooks{AfterCommit: afterCommit}})
 	if err != nil {
 		_ = src.Close()
 		return nil, err

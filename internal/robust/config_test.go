@@ -2,7 +2,6 @@ package robust
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -75,9 +74,9 @@ func TestConsumerConfigErrorsNameTheField(t *testing.T) {
 	}{
 		{"empty name", func(c *consumer.Config) { c.Name = "" }, "Name"},
 		{"name over 200 bytes", func(c *consumer.Config) { c.Name = strings.Repeat("n", 201) }, "Name"},
-		{"negative MaxIDLength", func(c *consumer.Config) { c.MaxIDLength = -1 }, "MaxIDLength"},
-		{"negative BatchSize", func(c *consumer.Config) { c.BatchSize = -1 }, "BatchSize"},
-		{"negative BatchLinger", func(c *consumer.Config) { c.BatchLinger = -time.Millisecond }, "BatchLinger"},
+		{"negative Identify.MaxIDLength", func(c *consumer.Config) { c.Identify.MaxIDLength = -1 }, "Identify.MaxIDLength"},
+		{"negative Batch.Size", func(c *consumer.Config) { c.Batch.Size = -1 }, "Batch.Size"},
+		{"negative Batch.Linger", func(c *consumer.Config) { c.Batch.Linger = -time.Millisecond }, "Batch.Linger"},
 		{"negative Concurrency", func(c *consumer.Config) { c.Concurrency = -1 }, "Concurrency"},
 		{"negative ReceiveBuffer", func(c *consumer.Config) { c.ReceiveBuffer = -1 }, "ReceiveBuffer"},
 		{"negative Retry.MaxAttempts", func(c *consumer.Config) { c.Retry.MaxAttempts = -1 }, "Retry.MaxAttempts"},
@@ -85,12 +84,14 @@ func TestConsumerConfigErrorsNameTheField(t *testing.T) {
 		{"negative Retry.MaxBackoff", func(c *consumer.Config) { c.Retry.MaxBackoff = -time.Second }, "Retry.MaxBackoff"},
 		{"negative InfraBackoff.Initial", func(c *consumer.Config) { c.InfraBackoff.Initial = -time.Second }, "InfraBackoff.Initial"},
 		{"negative InfraBackoff.Max", func(c *consumer.Config) { c.InfraBackoff.Max = -time.Second }, "InfraBackoff.Max"},
-		{"negative MaxCrashAttempts", func(c *consumer.Config) { c.MaxCrashAttempts = -1 }, "MaxCrashAttempts"},
+		{"negative CrashGuard.MaxCrashes", func(c *consumer.Config) { c.CrashGuard.MaxCrashes = -1 }, "CrashGuard.MaxCrashes"},
 		{"negative HandlerTimeout", func(c *consumer.Config) { c.HandlerTimeout = -time.Second }, "HandlerTimeout"},
 		{"negative ShutdownTimeout", func(c *consumer.Config) { c.ShutdownTimeout = -time.Second }, "ShutdownTimeout"},
-		{"negative RetentionMaxAge", func(c *consumer.Config) { c.RetentionMaxAge = -time.Hour }, "RetentionMaxAge"},
-		{"negative RetentionInterval", func(c *consumer.Config) { c.RetentionInterval = -time.Hour }, "RetentionInterval"},
-		{"unknown OnIDConflict", func(c *consumer.Config) { c.OnIDConflict = 42 }, "OnIDConflict"},
+		{"negative Retention.MaxAge", func(c *consumer.Config) { c.Retention.MaxAge = -time.Hour }, "Retention.MaxAge"},
+		{"negative Retention.Interval", func(c *consumer.Config) { c.Retention.Interval = -time.Hour }, "Retention.Interval"},
+		{"unknown Identify.OnConflict", func(c *consumer.Config) { c.Identify.OnConflict = 42 }, "Identify.OnConflict"},
+		{"Retry.InitialBackoff over Retry.MaxBackoff", func(c *consumer.Config) { c.Retry.InitialBackoff, c.Retry.MaxBackoff = time.Minute, time.Second }, "Retry.InitialBackoff"},
+		{"InfraBackoff.Initial over InfraBackoff.Max", func(c *consumer.Config) { c.InfraBackoff.Initial, c.InfraBackoff.Max = time.Minute, time.Second }, "InfraBackoff.Initial"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -110,7 +111,7 @@ func TestConsumerConfigErrorsNameTheField(t *testing.T) {
 			func() error { _, err := consumer.New(pool, nil, nopHandler, ok); return err },
 			func() error { _, err := consumer.New[map[string]any](pool, src, nil, ok); return err },
 			func() error {
-				_, err := consumer.NewRouted(pool, src, consumer.NewRouter(consumer.RouterConfig{}), ok)
+				_, err := consumer.NewRouted(pool, src, consumer.NewRouter[any](consumer.RouterConfig{}), ok)
 				return err
 			},
 		} {
@@ -169,7 +170,7 @@ func TestConsumerBadDatabaseFailsAtStart(t *testing.T) {
 	assert.NotContains(t, err.Error(), "db-pass-Zq81", "the error does not carry the password")
 }
 
-// Every invalid kafka.Config fails in NewSource naming the field; an
+// Every invalid kafka.Config fails in Open naming the field; an
 // unreachable broker fails naming the address.
 func TestKafkaConfigErrorsNameTheFieldOrServer(t *testing.T) {
 	ok := kafka.Config{Brokers: []string{"127.0.0.1:9092"}, Group: "g", Topics: []string{"orders"}}
@@ -183,7 +184,7 @@ func TestKafkaConfigErrorsNameTheFieldOrServer(t *testing.T) {
 		{"no topics", func(c *kafka.Config) { c.Topics = nil }, "Topics"},
 		{"dead-letter topic consumed", func(c *kafka.Config) {
 			c.Topics = []string{"orders", "orders.dlq"}
-		}, "DeadLetterTopic"},
+		}, "DeadLetter.Topic"},
 		{"negative SessionTimeout", func(c *kafka.Config) { c.SessionTimeout = -time.Second }, "SessionTimeout"},
 		{"negative HeartbeatInterval", func(c *kafka.Config) { c.HeartbeatInterval = -time.Second }, "HeartbeatInterval"},
 		{"negative RebalanceTimeout", func(c *kafka.Config) { c.RebalanceTimeout = -time.Second }, "RebalanceTimeout"},
@@ -192,13 +193,14 @@ func TestKafkaConfigErrorsNameTheFieldOrServer(t *testing.T) {
 		{"negative FetchMaxWait", func(c *kafka.Config) { c.FetchMaxWait = -time.Second }, "FetchMaxWait"},
 		{"negative FetchMax", func(c *kafka.Config) { c.FetchMax = -1 }, "FetchMax"},
 		{"negative KeyLanes", func(c *kafka.Config) { c.KeyLanes = -1 }, "KeyLanes"},
+		{"negative ReconnectMinBackoff", func(c *kafka.Config) { c.ReconnectMinBackoff = -time.Second }, "ReconnectMinBackoff"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			cfg := ok
 			tc.edit(&cfg)
-			err := bounded(t, 5*time.Second, func(context.Context) error {
-				s, err := kafka.NewSource(cfg)
+			err := bounded(t, 5*time.Second, func(ctx context.Context) error {
+				s, err := kafka.Open(ctx, cfg)
 				if err == nil {
 					_ = s.Close()
 				}
@@ -212,17 +214,20 @@ func TestKafkaConfigErrorsNameTheFieldOrServer(t *testing.T) {
 		addr := fmt.Sprintf("127.0.0.1:%d", closedPort(t))
 		cfg := ok
 		cfg.Brokers = []string{addr}
-		err := bounded(t, 60*time.Second, func(ctx context.Context) error {
-			s, err := kafka.NewSource(cfg)
-			if err != nil {
-				return err
+		cfg.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
+		// Like amqp.Open: Open retries brokers that do not answer for as
+		// long as its context allows, then fails with the last error.
+		start := time.Now()
+		err := bounded(t, 3*time.Second, func(ctx context.Context) error {
+			s, err := kafka.Open(ctx, cfg)
+			if err == nil {
+				_ = s.Close()
 			}
-			defer s.Close()
-			_, err = s.Receive(ctx)
 			return err
 		})
 		require.Error(t, err)
-		require.False(t, errors.Is(err, context.DeadlineExceeded), "fails by itself, not by the test's deadline: %v", err)
+		assert.Less(t, time.Since(start), 6*time.Second, "Open returns when its context ends")
+		assert.ErrorIs(t, err, context.DeadlineExceeded)
 		assert.Contains(t, err.Error(), addr, "the error names the broker")
 	})
 }

@@ -123,7 +123,7 @@ func TestLogsCarryNoPayloadOrCredential(t *testing.T) {
 	require.NoError(t, err)
 
 	var logs logBuffer
-	src, err := kafka.NewSource(kafka.Config{Brokers: kf.ListenAddrs(), Group: "billing", Topics: []string{"orders"},
+	src, err := kafka.Open(t.Context(), kafka.Config{Brokers: kf.ListenAddrs(), Group: "billing", Topics: []string{"orders"},
 		SessionTimeout: 2 * time.Second, HeartbeatInterval: 100 * time.Millisecond, CommitInterval: 100 * time.Millisecond,
 		Sarama: sc(), Logger: logs.logger()})
 	require.NoError(t, err)
@@ -137,7 +137,7 @@ func TestLogsCarryNoPayloadOrCredential(t *testing.T) {
 		_, err := tx.Exec(ctx, `INSERT INTO paid (order_id) VALUES ($1)`, ev.Payload.OrderID)
 		return err
 	}
-	c, err := consumer.New(pool, src, h, consumer.Config{Name: "billing", Logger: logs.logger(),
+	c, err := consumer.New(pool, src, h, consumer.Config{Name: "billing", Telemetry: consumer.TelemetryConfig{Logger: logs.logger()},
 		Retry: consumer.RetryPolicy{MaxAttempts: 2, InitialBackoff: time.Millisecond, MaxBackoff: time.Millisecond}})
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
@@ -156,9 +156,9 @@ func TestLogsCarryNoPayloadOrCredential(t *testing.T) {
 		fmt.Sprintf("postgres://app:%s@127.0.0.1:%d/orders?sslmode=disable&connect_timeout=2", dbPassword, closedPort(t)))
 	require.NoError(t, err)
 	defer badPool.Close()
-	src2, err := kafka.NewSource(kafka.Config{Brokers: kf.ListenAddrs(), Group: "billing-2", Topics: []string{"orders"}, Sarama: sc(), Logger: logs.logger()})
+	src2, err := kafka.Open(t.Context(), kafka.Config{Brokers: kf.ListenAddrs(), Group: "billing-2", Topics: []string{"orders"}, Sarama: sc(), Logger: logs.logger()})
 	require.NoError(t, err)
-	c2, err := consumer.New(badPool, src2, h, consumer.Config{Name: "billing-2", Logger: logs.logger()})
+	c2, err := consumer.New(badPool, src2, h, consumer.Config{Name: "billing-2", Telemetry: consumer.TelemetryConfig{Logger: logs.logger()}})
 	require.NoError(t, err)
 	runErr := bounded(t, 30*time.Second, c2.Run)
 	require.Error(t, runErr)

@@ -103,12 +103,12 @@ func (k *Kafka) Produce(msgs ...*sarama.ProducerMessage) {
 // Source opens a consumer-group source on topic with test timeouts.
 func (k *Kafka) Source(group, topic string) *kafka.Source {
 	k.t.Helper()
-	src, err := kafka.NewSource(kafka.Config{
+	src, err := kafka.Open(k.t.Context(), kafka.Config{
 		Brokers: k.Addrs, Group: group, Topics: []string{topic},
 		SessionTimeout: 2 * time.Second, HeartbeatInterval: 100 * time.Millisecond,
 		RebalanceTimeout: 8 * time.Second, RevokeTimeout: 4 * time.Second,
 		CommitInterval: 100 * time.Millisecond, FetchMaxWait: 50 * time.Millisecond,
-		Sarama: Sarama(), Logger: Logger(), CreateDeadLetterTopics: true,
+		Sarama: Sarama(), Logger: Logger(), DeadLetter: kafka.DeadLetterConfig{Create: true},
 	})
 	require.NoError(k.t, err)
 	return src
@@ -249,7 +249,7 @@ func StartService(t testing.TB, pool *pgxpool.Pool, src consumer.Source, name st
 		Decoder:      decode,
 		Retry:        consumer.RetryPolicy{MaxAttempts: 1},
 		InfraBackoff: consumer.Backoff{Initial: 10 * time.Millisecond, Max: 500 * time.Millisecond},
-		Logger:       Logger(),
+		Telemetry:    consumer.TelemetryConfig{Logger: Logger()},
 	})
 	require.NoError(t, err)
 	s.C = c

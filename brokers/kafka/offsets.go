@@ -1,0 +1,299 @@
+package kafka
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/dedup"
+	"github.com/onceco/once/internal/backoff"
+)
+
+// Offsets stored outside Kafka (Config.OffsetsInDatabase). The consumer
+// binds the Source to its pool and store (consumer.ProgressRecorder); at
+// each session's Setup the Source takes the session's partitions over in
+// the offsets table (raising each row's epoch, which fences the previous
+// owner) and seeks each to the position recorded there; every transaction
+// then records its records done in the row, under that epoch.
+
+var (
+	_ consumer.ProgressRecorder     = (*Source)(nil)
+	_ consumer.PositionDeduplicated = (*delivery)(nil)
+)
+
+// errNotBound is Receive's error for a Source with OffsetsInDatabase that
+// no consumer bound.
+var errNotBound = errors.New("kafka: Config.OffsetsInDatabase is set, but no consumer bound the Source to its database: run it with consumer.New")
+
+// offsetsBinding is what BindProgress received.
+type offsetsBinding struct {
+	consumer.ProgressBinding
+}
+
+// positions holds what the take-over of a session returned, per
+// partition, until its ConsumeClaim takes it.
+type positions struct {
+	mu   sync.Mutex
+	byTP map[topicPartition]dedup.PartitionOffsets
+}
+
+type topicPartition struct {
+	topic     string
+	partition int32
+}
+
+func (p *positions) put(all []dedup.PartitionOffsets) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.byTP = make(map[topicPartition]dedup.PartitionOffsets, len(all))
+	for _, o := range all {
+		p.byTP[topicPartition{o.Topic, o.Partition}] = o
+	}
+}
+
+func (p *positions) take(topic string, partition int32) (dedup.PartitionOffsets, bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	o, ok := p.byTP[topicPartition{topic, partition}]
+	delete(p.byTP, topicPartition{topic, partition})
+	return o, ok
+}
+
+// BindProgress implements consumer.ProgressRecorder: with
+// Config.OffsetsInDatabase it checks the offsets table and keeps the
+// binding; without, it does nothing.
+func (s *Source) BindProgress(ctx context.Context, b consumer.ProgressBinding) error {
+	if !s.cfg.OffsetsInDatabase {
+		return nil
+	}
+	if b.Pool == nil || b.Store == nil || b.Consumer == "" {
+		return errors.New("kafka: BindProgress needs the consumer's name, pool and store")
+	}
+	if err := b.Store.CheckOffsets(ctx, b.Pool); err != nil {
+		return fmt.Errorf("kafka: Config.OffsetsInDatabase: %w", err)
+	}
+	s.offsets.Store(&offsetsBinding{b})
+	return nil
+}
+
+// RecordProgress implements consumer.ProgressRecorder: it records the
+// deliveries done in tx, in their partition's row, under the epoch of the
+// take-over that gave this Source the partition. It fails with an error
+// wrapping dedup.ErrFenced when a newer owner took the partition over; the
+// claim is then revoked, so that none of its records is handled further
+// here. Without Config.OffsetsInDatabase it does nothing.
+func (s *Source) RecordProgress(ctx context.Context, tx pgx.Tx, deliveries []consumer.Delivery) error {
+	b := s.offsets.Load()
+	if b == nil {
+		return nil
+	}
+	var (
+		cl      *claim
+		offsets []int64
+	)
+	flush := func() error {
+		if cl == nil {
+			return nil
+		}
+		err := b.Store.RecordOffsets(ctx, tx, b.Consumer, cl.offsetsUpdate(offsets))
+		if errors.Is(err, dedup.ErrFenced) {
+			cl.fence(err)
+		}
+		return err
+	}
+	for _, dv := range deliveries {
+		d, ok := unwrapDelivery(dv)
+		if !ok {
+			return fmt.Errorf("kafka: RecordProgress given a %T, not a delivery of this Source (a wrapper must have an Unwrap() consumer.Delivery method)", dv)
+		}
+		if d.claim != cl {
+			if err := flush(); err != nil {
+				return err
+			}
+			cl, offsets = d.claim, offsets[:0]
+		}
+		offsets = append(offsets, d.raw.Offset)
+	}
+	return flush()
+}
+
+// unwrapDelivery returns the Source's delivery dv is or wraps: a wrapper
+// (a Source that decorates the deliveries of this one) says what it wraps
+// with an Unwrap() consumer.Delivery method.
+func unwrapDelivery(dv consumer.Delivery) (*delivery, bool) {
+	for range 16 {
+		switch v := dv.(type) {
+		case *delivery:
+			return v, true
+		case interface{ Unwrap() consumer.Delivery }:
+			dv = v.Unwrap()
+		default:
+			return nil, false
+		}
+	}
+	return nil, false
+}
+
+// DeduplicatedByPosition implements consumer.PositionDeduplicated: true
+// with Config.OffsetsInDatabase.
+func (d *delivery) DeduplicatedByPosition() bool { return d.claim.db != nil }
+
+// claimOffsets is what a claim knows of its partition's row.
+type claimOffsets struct {
+	epoch int64
+	// doneAbove are the offsets the row recorded done above its prefix
+	// when the claim began: their records are skipped. Read by
+	// ConsumeClaim's goroutine only.
+	doneAbove map[int64]struct{}
+	// doneBelow: every record below it is done (its transaction committed,
+	// or it was skipped, or it lies before where the claim began); -1 until
+	// known.
+	doneBelow atomic.Int64
+	skipped   atomic.Int64
+}
+
+// newClaimOffsets is the claim state for the take-over's row o, or nil
+// without Config.OffsetsInDatabase.
+func newClaimOffsets(o dedup.PartitionOffsets, initial int64) *claimOffsets {
+	c := &claimOffsets{epoch: o.Epoch, doneAbove: make(map[int64]struct{}, len(o.Done))}
+	for _, off := range o.Done {
+		c.doneAbove[off] = struct{}{}
+	}
+	c.doneBelow.Store(-1)
+	if initial >= 0 {
+		c.doneBelow.Store(initial)
+	}
+	return c
+}
+
+// offsetsUpdate is the update recording offsets done.
+func (cl *claim) offsetsUpdate(offsets []int64) dedup.OffsetsUpdate {
+	return dedup.OffsetsUpdate{Topic: cl.sc.Topic(), Partition: cl.sc.Partition(), Epoch: cl.db.epoch,
+		DoneBelow: cl.db.doneBelow.Load(), Done: offsets}
+}
+
+// skip reports whether raw is recorded done; such a record is acked at
+// once, without being handed out. The first record of a claim whose
+// position was unknown (no committed offset: it starts at
+// Config.InitialOffset) sets where the claim's done prefix begins.
+func (cl *claim) skip(raw *sarama.ConsumerMessage) bool {
+	if cl.db == nil {
+		return false
+	}
+	cl.db.doneBelow.CompareAndSwap(-1, raw.Offset)
+	if _, done := cl.db.doneAbove[raw.Offset]; !done {
+		return false
+	}
+	delete(cl.db.doneAbove, raw.Offset)
+	cl.db.skipped.Add(1)
+	cl.src.skipped.Add(1)
+	_ = cl.ack(cl.newDelivery(raw))
+	return true
+}
+
+// advanced records, for the next transaction, that every record below
+// next is done; cl.mu is held.
+func (cl *claim) advanced(next int64) {
+	if cl.db == nil {
+		return
+	}
+	for {
+		seen := cl.db.doneBelow.Load()
+		if next <= seen || cl.db.doneBelow.CompareAndSwap(seen, next) {
+			return
+		}
+	}
+}
+
+// fence revokes a claim whose partition another owner took over.
+func (cl *claim) fence(err error) {
+	cl.src.cfg.Logger.Warn("once/kafka: partition taken over by another owner in the database; abandoning its records here",
+		"group", cl.src.cfg.Group, "stream", cl.stream, "error", err)
+	cl.revoke()
+}
+
+// recordDeadLettered records in the offsets table, outside any
+// transaction, that d is done: a record the consumer dead-lettered was
+// in no transaction. A failure is returned (the consumer logs it); the
+// record may then be dead-lettered again by its partition's next owner.
+func (d *delivery) recordDeadLettered(ctx context.Context) error {
+	b := d.claim.src.offsets.Load()
+	if b == nil || d.claim.db == nil {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	defer cancel()
+	if err := b.Store.RecordOffsets(ctx, b.Pool, b.Consumer, d.claim.offsetsUpdate([]int64{d.raw.Offset})); err != nil {
+		return fmt.Errorf("kafka: recording dead-lettered %s offset %d in the database: %w", d.claim.stream, d.raw.Offset, err)
+	}
+	return nil
+}
+
+// takeOver takes the session's partitions over in the offsets table and
+// seeks each partition the table knows to its recorded position. It
+// retries failures with backoff until the session ends.
+func (s *Source) takeOver(sess sarama.ConsumerGroupSession) error {
+	b := s.offsets.Load()
+	if b == nil {
+		return errNotBound
+	}
+	ctx := sess.Context()
+	var parts []dedup.PartitionKey
+	for topic, ps := range sess.Claims() {
+		id, err := s.topicIDs.lookup(ctx, topic)
+		if err != nil {
+			return fmt.Errorf("kafka: topic id of %s: %w", topic, err)
+		}
+		for _, p := range ps {
+			parts = append(parts, dedup.PartitionKey{Topic: topic, Partition: p, TopicID: id})
+		}
+	}
+	owner := dedup.Owner{Group: s.cfg.Group, Generation: sess.GenerationID()}
+	retry := backoff.Retrier{Policy: backoff.Policy{Initial: 100 * time.Millisecond, Max: 5 * time.Second}}
+	for {
+		got, err := b.Store.TakeOverPartitions(ctx, b.Pool, b.Consumer, owner, parts)
+		if err == nil {
+			s.positions.put(got)
+			for _, o := range got {
+				if o.Next >= 0 {
+					// ResetOffset moves back only, MarkOffset forward
+					// only: together they seek to Next either way.
+					sess.ResetOffset(o.Topic, o.Partition, o.Next, "")
+					sess.MarkOffset(o.Topic, o.Partition, o.Next, "")
+				}
+			}
+			return nil
+		}
+		wait := retry.Delay()
+		s.cfg.Logger.Warn("once/kafka: taking partitions over in the database failed; retrying",
+			"group", s.cfg.Group, "error", err, "backoff", wait)
+		if !backoff.Sleep(ctx, wait) {
+			return fmt.Errorf("kafka: taking partitions over: %w", err)
+		}
+	}
+}
+
+// skippedRecords returns how many records were skipped as recorded done.
+func (s *Source) skippedRecords() int64 { return s.skipped.Load() }
+
+// cooperative reports whether sc's balance strategies may choose the
+// cooperative rebalance protocol.
+func cooperative(sc *sarama.Config) bool {
+	strategies := append([]sarama.BalanceStrategy(nil), sc.Consumer.Group.Rebalance.GroupStrategies...)
+	if sc.Consumer.Group.Rebalance.Strategy != nil {
+		strategies = append(strategies, sc.Consumer.Group.Rebalance.Strategy)
+	}
+	for _, st := range strategies {
+		if st != nil && st.Name() == sarama.CooperativeStickyBalanceStrategyName {
+			return true
+		}
+	}
+	return false
+}

@@ -1,0 +1,145 @@
+package consumer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/onceco/once/dedup"
+)
+
+// A source may keep its own record of which messages are done in the
+// consumer's database, in the transaction that commits their claims and
+// effects: Kafka's offsets stored outside Kafka (kafka.Config's
+// OffsetsInDatabase). The consumer finds the hooks by type assertion.
+
+// ProgressRecorder is implemented by sources that record their progress in
+// the consumer's transactions.
+type ProgressRecorder interface {
+	// BindProgress is called once by Run, after the store's tables were
+	// migrated (or checked, with Config.SkipMigrate) and before the first
+	// Receive. An error stops Run.
+	BindProgress(ctx context.Context, b ProgressBinding) error
+	// RecordProgress is called in the transaction of a run of deliveries of
+	// one Stream, just before its COMMIT, with the deliveries the
+	// transaction settles (handled, or found duplicates), in stream order.
+	// Deliveries to be dead-lettered after the commit (an id conflict) are
+	// left out: they are done only once their dead letter is written. An
+	// error wrapping dedup.ErrFenced (another owner took the deliveries'
+	// partition over) rolls the transaction back and abandons the
+	// deliveries unacked, for the new owner; any other error is an
+	// infrastructure failure, retried with backoff. It is called from many
+	// workers at once, for different streams.
+	RecordProgress(ctx context.Context, tx pgx.Tx, deliveries []Delivery) error
+}
+
+// ProgressBinding is what a ProgressRecorder is given at the start of Run.
+type ProgressBinding struct {
+	// Consumer is Config.Name: progress is recorded per consumer name.
+	Consumer string
+	// Pool is the consumer's pool.
+	Pool *pgxpool.Pool
+	// Store names the tables (Store.OffsetsTable).
+	Store  *dedup.Store
+	Logger *slog.Logger
+}
+
+// PositionDeduplicated is implemented by deliveries whose source records
+// their position in the consumer's transaction (ProgressRecorder) and never
+// hands out again a delivery recorded done. When DeduplicatedByPosition
+// returns true and the delivery's event id is its Message.FallbackID (the
+// event carries no id of its own), the consumer claims no row in the
+// processed-events table for it: its position deduplicates it. Events that
+// carry ids are claimed as always, since the same event may come again at
+// another position (a producer's retry, a re-publication).
+type PositionDeduplicated interface {
+	DeduplicatedByPosition() bool
+}
+
+// bindProgress binds a ProgressRecorder source to the consumer.
+func (p *pipeline) bindProgress(ctx context.Context) error {
+	r, ok := p.src.(ProgressRecorder)
+	if !ok {
+		return nil
+	}
+	return r.BindProgress(ctx, ProgressBinding{Consumer: p.cfg.Name, Pool: p.pool, Store: p.cfg.Store, Logger: p.cfg.Telemetry.Logger})
+}
+
+// deduplicatedByPosition reports whether j needs no processed-events row.
+func deduplicatedByPosition(j *job) bool {
+	pd, ok := j.d.(PositionDeduplicated)
+	return ok && j.m.FallbackID != "" && j.idt.id == j.m.FallbackID && pd.DeduplicatedByPosition()
+}
+
+// queueClaimsByPosition is queueClaims for the jobs that need a
+// processed-events row; those deduplicated by their position are claimed
+// without one.
+func (p *pipeline) queueClaimsByPosition(b *pgx.Batch, jobs []*job) (func(context.Context, dedup.DB) ([]dedup.Result, error), error) {
+	var rest []*job
+	var restAt []int
+	for i, j := range jobs {
+		if !deduplicatedByPosition(j) {
+			rest = append(rest, j)
+			restAt = append(restAt, i)
+		}
+	}
+	if len(rest) == len(jobs) {
+		return p.queueClaims(b, jobs)
+	}
+	var claims func(context.Context, dedup.DB) ([]dedup.Result, error)
+	if len(rest) > 0 {
+		var err error
+		if claims, err = p.queueClaims(b, rest); err != nil {
+			return nil, err
+		}
+	}
+	return func(ctx context.Context, tx dedup.DB) ([]dedup.Result, error) {
+		res := make([]dedup.Result, len(jobs)) // the zero Result is Claimed
+		if claims == nil {
+			return res, nil
+		}
+		got, err := claims(ctx, tx)
+		if err != nil {
+			return nil, err
+		}
+		for k, i := range restAt {
+			res[i] = got[k]
+		}
+		return res, nil
+	}, nil
+}
+
+// recordProgress lets a ProgressRecorder source record the progress of
+// jobs in tx. It reports whether the transaction must stop short of its
+// commit, and why.
+func (p *pipeline) recordProgress(ctx context.Context, tx pgx.Tx, jobs []*job, res []dedup.Result) (txResult, bool) {
+	r, ok := p.src.(ProgressRecorder)
+	if !ok {
+		return txResult{}, false
+	}
+	dvs := make([]Delivery, 0, len(jobs))
+	for i, j := range jobs {
+		if res[i].Outcome == dedup.Conflict && p.cfg.Identify.OnConflict == DeadLetterConflicts {
+			continue // done once dead-lettered
+		}
+		dvs = append(dvs, j.d)
+	}
+	if len(dvs) == 0 {
+		return txResult{}, false
+	}
+	err := r.RecordProgress(ctx, tx, dvs)
+	switch {
+	case err == nil:
+		return txResult{}, false
+	case errors.Is(err, dedup.ErrFenced):
+		p.cfg.Telemetry.Logger.WarnContext(ctx, "once: the source's partition was taken over by another owner; rolling back and leaving its messages to it",
+			"consumer", p.cfg.Name, "messages", len(jobs), "error", err)
+		return txResult{outcome: txAbandoned, err: err, failed: -1}, true
+	default:
+		return txResult{outcome: txInfra, err: fmt.Errorf("recording the source's progress: %w", err), failed: -1}, true
+	}
+}

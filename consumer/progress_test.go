@@ -1,0 +1,162 @@
+package consumer_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/consumer/memsource"
+	"github.com/onceco/once/dedup"
+	"github.com/onceco/once/internal/pgtest"
+)
+
+// progressSource is a memsource Source that records the offsets of the
+// deliveries each transaction settles in a progress table, in that
+// transaction, and deduplicates its deliveries by position. failures are
+// returned by the first calls of RecordProgress, in turn.
+type progressSource struct {
+	*memsource.Source
+	bound    consumer.ProgressBinding
+	mu       sync.Mutex
+	failures []error
+}
+
+func (s *progressSource) BindProgress(_ context.Context, b consumer.ProgressBinding) error {
+	s.bound = b
+	return nil
+}
+
+func (s *progressSource) RecordProgress(ctx context.Context, tx pgx.Tx, ds []consumer.Delivery) error {
+	s.mu.Lock()
+	if len(s.failures) > 0 {
+		err := s.failures[0]
+		s.failures = s.failures[1:]
+		s.mu.Unlock()
+		return err
+	}
+	s.mu.Unlock()
+	for _, d := range ds {
+		if _, err := tx.Exec(ctx, `INSERT INTO progress (off) VALUES ($1)`, d.Message().Offset); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (s *progressSource) Receive(ctx context.Context) (consumer.Delivery, error) {
+	d, err := s.Source.Receive(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return positional{d}, nil
+}
+
+// positional is a delivery deduplicated by its position.
+type positional struct{ consumer.Delivery }
+
+func (positional) DeduplicatedByPosition() bool { return true }
+
+// progressed returns the offsets recorded in the progress table.
+func progressed(t *testing.T, ctx context.Context, db interface {
+	Query(context.Context, string, ...any) (pgx.Rows, error)
+}) []int64 {
+	t.Helper()
+	rows, err := db.Query(ctx, `SELECT off FROM progress ORDER BY off`)
+	require.NoError(t, err)
+	offs, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+	require.NoError(t, err)
+	return offs
+}
+
+// A ProgressRecorder source is bound at Run and writes in the transaction
+// of the messages it settles: handled ones and duplicates, not dead
+// letters. Messages without an id of their own (their id is the
+// FallbackID) get no processed-events row; messages with one do.
+func TestProgressRecordedInTheTransaction(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	ctx := context.Background()
+	_, err := pool.Exec(ctx, `CREATE TABLE progress (off bigint NOT NULL)`)
+	require.NoError(t, err)
+	b := memsource.New(memsource.Options{Streams: 1, FallbackID: true})
+	b.Publish(consumer.Message{Value: []byte(`{"n":0}`)})
+	b.Publish(consumer.Message{ID: "with-id", Value: []byte(`{"n":1}`)})
+	b.Publish(consumer.Message{Value: []byte(`{"n":2}`)}) // fails for good
+	b.Publish(consumer.Message{ID: "with-id", Value: []byte(`{"n":1}`)})
+	b.Publish(consumer.Message{Value: []byte(`{"n":4}`)})
+	src := &progressSource{Source: b.Source()}
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		if ev.Payload.N == 2 {
+			return consumer.Permanent(errors.New("refused"))
+		}
+		return insertEffect(ctx, tx, ev)
+	}
+	c, err := consumer.New(pool, src, h, fastConfig("progress"))
+	require.NoError(t, err)
+	stop := start(t, c)
+	wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	require.NoError(t, b.WaitAcked(wctx, 5))
+	require.NoError(t, stop())
+
+	assert.Equal(t, "progress", src.bound.Consumer)
+	assert.NotNil(t, src.bound.Pool)
+	assert.NotNil(t, src.bound.Store)
+	assert.Equal(t, []int64{0, 1, 3, 4}, progressed(t, ctx, pool), "the handled and the duplicate, not the dead letter")
+	assert.Len(t, b.DeadLetters(), 1)
+	var ids []string
+	rows, err := pool.Query(ctx, `SELECT event_id FROM processed_events ORDER BY event_id`)
+	require.NoError(t, err)
+	ids, err = pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(t, err)
+	assert.Equal(t, []string{"with-id"}, ids, "records identified by position only have no row")
+	assert.Equal(t, map[string]int{"mem/0": 1, "with-id": 1, "mem/4": 1}, countEffects(t, pool))
+}
+
+// A fenced progress write (dedup.ErrFenced) rolls the transaction back and
+// abandons its message: not acked, not dead-lettered, not retried. Any
+// other error of the source is an infrastructure failure, retried.
+func TestProgressFencedAbandonsOtherErrorsRetry(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	ctx := context.Background()
+	_, err := pool.Exec(ctx, `CREATE TABLE progress (off bigint NOT NULL)`)
+	require.NoError(t, err)
+	b := memsource.New(memsource.Options{FallbackID: true})
+	b.Publish(consumer.Message{Value: []byte(`{"n":0}`)})
+	src := &progressSource{Source: b.Source(), failures: []error{errors.New("lost connection"), fmt.Errorf("taken: %w", dedup.ErrFenced)}}
+	var abandoned atomic.Int32
+	cfg := fastConfig("fenced")
+	cfg.Batch.Size = 1
+	cfg.Hooks.OnOutcome = func(_ context.Context, o consumer.Outcome) {
+		if o.Result == consumer.ResultAbandoned {
+			abandoned.Add(1)
+		}
+	}
+	c, err := consumer.New(pool, src, insertEffect, cfg)
+	require.NoError(t, err)
+	stop := start(t, c)
+	require.Eventually(t, func() bool { return abandoned.Load() == 1 }, 30*time.Second, 5*time.Millisecond)
+	st := c.Stats()
+	assert.Equal(t, uint64(1), st.InfraErrors, "the first failure was retried as infrastructure")
+	assert.Zero(t, st.Handled)
+	assert.Zero(t, st.DeadLettered)
+	assert.False(t, b.IsAcked(0), "the fenced message is not acked")
+	assert.Empty(t, countEffects(t, pool), "its effect rolled back")
+	assert.Empty(t, progressed(t, ctx, pool))
+
+	// The consumer goes on: the next message is handled as usual.
+	b.Publish(consumer.Message{Value: []byte(`{"n":1}`)})
+	require.Eventually(t, func() bool { return b.IsAcked(1) }, 30*time.Second, 5*time.Millisecond)
+	require.NoError(t, stop())
+	assert.Equal(t, []int64{1}, progressed(t, ctx, pool))
+}

@@ -1,0 +1,2 @@
+-- once dedup, back from version 4.
+DROP TABLE IF EXISTS "processed_events_offsets";

@@ -1,0 +1,203 @@
+package dedup
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// Kafka offsets kept in PostgreSQL (the source's Config.OffsetsInDatabase):
+// the table named after the processed-events table with the suffix
+// "_offsets" holds one row per consumer and partition. Its progress is
+// written in the transaction that commits the claims and the handlers'
+// effects, so that the two cannot disagree: the row says which records are
+// done, whatever the group's committed offsets say.
+
+// ErrFenced is returned (wrapped) by RecordOffsets when the partition's
+// row carries a newer epoch than the writer's: another owner took the
+// partition over (TakeOverPartitions) since the writer did. The writer's
+// transaction must roll back, and its records are left to the new owner.
+var ErrFenced = errors.New("dedup: partition taken over by a newer owner")
+
+// PartitionKey names one partition of a topic.
+type PartitionKey struct {
+	Topic     string
+	Partition int32
+	// TopicID is the topic's id (Kafka 2.8 and later), "" when the cluster
+	// has none. A row recorded under another topic id belongs to a deleted
+	// topic of the same name and is started afresh.
+	TopicID string
+}
+
+// Owner is who takes partitions over: the Kafka consumer group and its
+// generation, recorded for diagnosis (fencing does not rely on them).
+type Owner struct {
+	Group      string
+	Generation int32
+}
+
+// PartitionOffsets is what the offsets table says of a partition, as
+// TakeOverPartitions returns it.
+type PartitionOffsets struct {
+	PartitionKey
+	// Next is the offset below which every record is done; -1 when the
+	// table knows nothing of the partition (a new row): the group's
+	// committed offset then applies.
+	Next int64
+	// Done are offsets at or above Next that are done too, ascending.
+	Done []int64
+	// Epoch fences the new owner's writes: RecordOffsets with it fails with
+	// ErrFenced once a later owner took the partition over.
+	Epoch int64
+}
+
+// OffsetsTable returns the qualified, quoted name of the offsets table
+// (Config.Table with the suffix "_offsets"), for use in SQL text.
+func (s *Store) OffsetsTable() string { return s.names.Offsets }
+
+// TakeOverPartitions makes the caller the owner of parts for consumer: in
+// one statement it creates the missing rows and raises every row's epoch,
+// waiting for the transactions of a previous owner that hold a row, and
+// returns what the rows say, in the order of parts. A row recorded under
+// another topic id than the part's is started afresh (Next -1). From then
+// on a previous owner's RecordOffsets fails with ErrFenced.
+func (s *Store) TakeOverPartitions(ctx context.Context, db DB, consumer string, owner Owner, parts []PartitionKey) ([]PartitionOffsets, error) {
+	if len(parts) == 0 {
+		return nil, nil
+	}
+	topics := make([]string, len(parts))
+	partitions := make([]int32, len(parts))
+	ids := make([]string, len(parts))
+	for i, p := range parts {
+		topics[i], partitions[i], ids[i] = p.Topic, p.Partition, p.TopicID
+	}
+	rows, err := db.Query(ctx, s.takeOverSQL(), consumer, topics, partitions, ids, owner.Group, owner.Generation)
+	if err != nil {
+		return nil, fmt.Errorf("dedup: taking partitions over: %w", err)
+	}
+	got := map[PartitionKey]PartitionOffsets{}
+	var o PartitionOffsets
+	_, err = pgx.ForEachRow(rows, []any{&o.Topic, &o.Partition, &o.TopicID, &o.Next, &o.Done, &o.Epoch}, func() error {
+		o.Done = slices.Clone(o.Done)
+		got[o.PartitionKey] = o
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("dedup: taking partitions over: %w", err)
+	}
+	out := make([]PartitionOffsets, len(parts))
+	for i, p := range parts {
+		r, ok := got[p]
+		if !ok {
+			return nil, fmt.Errorf("dedup: taking partitions over: no row returned for %s/%d", p.Topic, p.Partition)
+		}
+		out[i] = r
+	}
+	return out, nil
+}
+
+// takeOverSQL inserts or raises the rows in the order of the primary key,
+// so that two owners taking overlapping partitions cannot deadlock.
+func (s *Store) takeOverSQL() string {
+	return `INSERT INTO ` + s.names.Offsets + ` AS o (consumer, topic, partition, topic_id, kafka_group, generation)
+SELECT $1, t, p, id, $5, $6 FROM unnest($2::text[], $3::integer[], $4::text[]) AS u(t, p, id)
+ORDER BY t COLLATE "C", p
+ON CONFLICT (consumer, topic, partition) DO UPDATE SET
+	epoch = o.epoch + 1,
+	next_offset = CASE WHEN o.topic_id <> excluded.topic_id THEN -1 ELSE o.next_offset END,
+	done = CASE WHEN o.topic_id <> excluded.topic_id THEN '{}' ELSE o.done END,
+	topic_id = excluded.topic_id,
+	kafka_group = excluded.kafka_group,
+	generation = excluded.generation,
+	updated_at = now()
+RETURNING topic, partition, topic_id, next_offset, done, epoch`
+}
+
+// OffsetsUpdate is the progress of one partition that RecordOffsets
+// writes.
+type OffsetsUpdate struct {
+	Topic     string
+	Partition int32
+	// Epoch is the writer's, from TakeOverPartitions.
+	Epoch int64
+	// DoneBelow is an offset below which the writer knows every record is
+	// done (their transactions committed); -1 when it knows none. The row's
+	// Next never moves back.
+	DoneBelow int64
+	// Done are the offsets this transaction finishes.
+	Done []int64
+}
+
+// RecordOffsets adds u to the partition's row in tx: the offsets of u.Done
+// join the row's done set, and Next moves past every offset below which all
+// are done. Run it in the transaction that makes the records' effects
+// durable, just before its commit: transactions of one partition take the
+// row's lock in turn, each on the row as the one before committed it. It
+// fails with an error wrapping ErrFenced when the row's epoch is not
+// u.Epoch (a newer owner took the partition over, or the row is gone).
+func (s *Store) RecordOffsets(ctx context.Context, tx DB, consumer string, u OffsetsUpdate) error {
+	tag, err := tx.Exec(ctx, s.recordOffsetsSQL(), consumer, u.Topic, u.Partition, u.Epoch, u.DoneBelow, u.Done)
+	if err != nil {
+		return fmt.Errorf("dedup: recording offsets of %s/%d: %w", u.Topic, u.Partition, err)
+	}
+	if tag.RowsAffected() == 0 {
+		return fmt.Errorf("%w: %s/%d, epoch %d", ErrFenced, u.Topic, u.Partition, u.Epoch)
+	}
+	return nil
+}
+
+// recordOffsetsSQL merges the done offsets into the row and moves
+// next_offset over the run of consecutive done offsets that starts at it:
+// in ascending order, the offsets o_i of that run are those with
+// o_i - i = next_offset - 1 (i counted from 1). The row is locked first
+// (FOR UPDATE), so the merge reads the version the previous writer
+// committed.
+func (s *Store) recordOffsetsSQL() string {
+	return `WITH cur AS (
+	SELECT greatest(next_offset, $5::bigint) AS n, done FROM ` + s.names.Offsets + `
+	WHERE consumer = $1 AND topic = $2 AND partition = $3 AND epoch = $4
+	FOR UPDATE
+), s AS (
+	SELECT DISTINCT o FROM cur, unnest(cur.done || $6::bigint[]) AS o WHERE o >= cur.n
+), r AS (
+	SELECT o, o - row_number() OVER (ORDER BY o) AS g FROM s
+), adv AS (
+	SELECT cur.n + (SELECT count(*) FROM r WHERE r.g = cur.n - 1) AS n FROM cur
+)
+UPDATE ` + s.names.Offsets + ` SET
+	next_offset = adv.n,
+	done = coalesce((SELECT array_agg(o ORDER BY o) FROM s WHERE o >= adv.n), '{}'),
+	updated_at = now()
+FROM adv
+WHERE consumer = $1 AND topic = $2 AND partition = $3 AND epoch = $4`
+}
+
+var offsetsColumns = []column{
+	{"consumer", "text"}, {"topic", "text"}, {"partition", "integer"},
+	{"next_offset", "bigint"}, {"done", "bigint[]"}, {"epoch", "bigint"},
+	{"topic_id", "text"}, {"kafka_group", "text"}, {"generation", "integer"},
+	{"updated_at", "timestamp with time zone"},
+}
+
+// CheckOffsets verifies that the offsets table exists with the columns it
+// needs. Check leaves it out, so that a schema managed by other tools
+// needs it only where a source keeps offsets in the database; such a
+// source runs CheckOffsets when it starts. It returns nil or an error
+// wrapping ErrSchemaMismatch that names every difference.
+func (s *Store) CheckOffsets(ctx context.Context, db DB) error {
+	have, err := tableColumns(ctx, db, s.names.Offsets)
+	if err != nil {
+		return fmt.Errorf("dedup: checking %s: %w", s.names.Offsets, err)
+	}
+	if have == nil {
+		return fmt.Errorf("%w: %s does not exist: run Store.Migrate (schema version 4), or apply dedup/migrations",
+			ErrSchemaMismatch, s.names.Offsets)
+	}
+	if diffs := columnDiffs(have, offsetsColumns); len(diffs) > 0 {
+		return fmt.Errorf("%w: %s: %v", ErrSchemaMismatch, s.names.Offsets, diffs)
+	}
+	return nil
+}

@@ -1,0 +1,150 @@
+package dedup_test
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/dedup"
+)
+
+// recordTx runs RecordOffsets for u in a transaction of its own.
+func recordTx(t testing.TB, ctx context.Context, pool *pgxpool.Pool, s *dedup.Store, u dedup.OffsetsUpdate) error {
+	t.Helper()
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // a no-op after Commit
+	if err := s.RecordOffsets(ctx, tx, "c", u); err != nil {
+		return err
+	}
+	return tx.Commit(ctx)
+}
+
+// takeOver takes partition 0 of topic "t" over and returns its row.
+func takeOver(t testing.TB, ctx context.Context, pool *pgxpool.Pool, s *dedup.Store, topicID string) dedup.PartitionOffsets {
+	t.Helper()
+	got, err := s.TakeOverPartitions(ctx, pool, "c", dedup.Owner{Group: "g", Generation: 1},
+		[]dedup.PartitionKey{{Topic: "t", Partition: 0, TopicID: topicID}})
+	require.NoError(t, err)
+	require.Len(t, got, 1)
+	return got[0]
+}
+
+// Offsets finished out of order are kept above the contiguous prefix, and
+// the prefix moves over them once the gap below is done.
+func TestRecordOffsetsKeepsWhatIsDoneAboveThePrefix(t *testing.T) {
+	t.Parallel()
+	ctx, pool, s := setup(t)
+	o := takeOver(t, ctx, pool, s, "")
+	assert.Equal(t, int64(-1), o.Next, "a new row knows nothing")
+	u := dedup.OffsetsUpdate{Topic: "t", Partition: 0, Epoch: o.Epoch, DoneBelow: 10}
+
+	u.Done = []int64{12, 14}
+	require.NoError(t, recordTx(t, ctx, pool, s, u))
+	o = takeOver(t, ctx, pool, s, "")
+	assert.Equal(t, int64(10), o.Next)
+	assert.Equal(t, []int64{12, 14}, o.Done)
+
+	u.Epoch, u.Done = o.Epoch, []int64{10, 11}
+	require.NoError(t, recordTx(t, ctx, pool, s, u))
+	o = takeOver(t, ctx, pool, s, "")
+	assert.Equal(t, int64(13), o.Next, "10, 11 and 12 are done")
+	assert.Equal(t, []int64{14}, o.Done)
+
+	u.Epoch, u.Done, u.DoneBelow = o.Epoch, []int64{13}, 5
+	require.NoError(t, recordTx(t, ctx, pool, s, u))
+	o = takeOver(t, ctx, pool, s, "")
+	assert.Equal(t, int64(15), o.Next, "a lower DoneBelow never moves the prefix back")
+	assert.Empty(t, o.Done)
+}
+
+// A rolled-back transaction records nothing.
+func TestRecordOffsetsRolledBack(t *testing.T) {
+	t.Parallel()
+	ctx, pool, s := setup(t)
+	o := takeOver(t, ctx, pool, s, "")
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	require.NoError(t, s.RecordOffsets(ctx, tx, "c", dedup.OffsetsUpdate{Topic: "t", Epoch: o.Epoch, DoneBelow: 3, Done: []int64{3}}))
+	require.NoError(t, tx.Rollback(ctx))
+	o = takeOver(t, ctx, pool, s, "")
+	assert.Equal(t, int64(-1), o.Next)
+	assert.Empty(t, o.Done)
+}
+
+// An owner whose partition was taken over cannot write its progress, not
+// even in a transaction it began before the take-over: the take-over waits
+// for the row it holds, and its write then finds a newer epoch.
+func TestRecordOffsetsFencedAfterTakeOver(t *testing.T) {
+	t.Parallel()
+	ctx, pool, s := setup(t)
+	old := takeOver(t, ctx, pool, s, "")
+	newer := takeOver(t, ctx, pool, s, "")
+	assert.Greater(t, newer.Epoch, old.Epoch)
+	err := recordTx(t, ctx, pool, s, dedup.OffsetsUpdate{Topic: "t", Epoch: old.Epoch, DoneBelow: 7, Done: []int64{7}})
+	require.ErrorIs(t, err, dedup.ErrFenced)
+	require.NoError(t, recordTx(t, ctx, pool, s, dedup.OffsetsUpdate{Topic: "t", Epoch: newer.Epoch, DoneBelow: 2}))
+
+	// The old owner writes first and holds the row; the take-over waits for
+	// its commit and returns what it committed.
+	o := takeOver(t, ctx, pool, s, "")
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // a no-op after Commit
+	require.NoError(t, s.RecordOffsets(ctx, tx, "c", dedup.OffsetsUpdate{Topic: "t", Epoch: o.Epoch, DoneBelow: 2, Done: []int64{2, 3}}))
+	took := make(chan dedup.PartitionOffsets, 1)
+	go func() {
+		got, err := s.TakeOverPartitions(ctx, pool, "c", dedup.Owner{Group: "g", Generation: 2},
+			[]dedup.PartitionKey{{Topic: "t", Partition: 0}})
+		if err == nil {
+			took <- got[0]
+		}
+		close(took)
+	}()
+	waitForLockWait(t, ctx, pool)
+	require.NoError(t, tx.Commit(ctx))
+	got := <-took
+	assert.Equal(t, int64(4), got.Next, "the take-over read what the old owner committed")
+	err = recordTx(t, ctx, pool, s, dedup.OffsetsUpdate{Topic: "t", Epoch: o.Epoch, DoneBelow: 4, Done: []int64{4}})
+	assert.True(t, errors.Is(err, dedup.ErrFenced), "the old owner's next write: %v", err)
+}
+
+// waitForLockWait returns once some session of the database waits for a
+// lock.
+func waitForLockWait(t *testing.T, ctx context.Context, pool *pgxpool.Pool) {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		return rowCount(t, ctx, pool, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()`) > 0
+	}, time.Minute, 5*time.Millisecond)
+}
+
+// A topic deleted and created again under the same name numbers its
+// offsets from 0 again: a row of the old topic's id starts afresh.
+func TestTakeOverForgetsAnotherTopicsOffsets(t *testing.T) {
+	t.Parallel()
+	ctx, pool, s := setup(t)
+	o := takeOver(t, ctx, pool, s, "id-1")
+	require.NoError(t, recordTx(t, ctx, pool, s, dedup.OffsetsUpdate{Topic: "t", Epoch: o.Epoch, DoneBelow: 50, Done: []int64{52}}))
+	o = takeOver(t, ctx, pool, s, "id-1")
+	assert.Equal(t, int64(50), o.Next)
+	o = takeOver(t, ctx, pool, s, "id-2")
+	assert.Equal(t, int64(-1), o.Next)
+	assert.Empty(t, o.Done)
+}
+
+// CheckOffsets names a missing offsets table.
+func TestCheckOffsets(t *testing.T) {
+	t.Parallel()
+	ctx, pool, s := setup(t)
+	require.NoError(t, s.CheckOffsets(ctx, pool))
+	_, err := pool.Exec(ctx, `DROP TABLE processed_events_offsets`)
+	require.NoError(t, err)
+	err = s.CheckOffsets(ctx, pool)
+	require.ErrorIs(t, err, dedup.ErrSchemaMismatch)
+	assert.Contains(t, err.Error(), "processed_events_offsets")
+}

@@ -1,0 +1,19 @@
+-- once dedup, version 4: a Kafka source with OffsetsInDatabase keeps each
+-- partition's progress here, written in the transaction of the claims and
+-- the handlers' effects: every offset below next_offset is done, and so
+-- are the offsets in done (above it, finished out of order by key lanes).
+-- epoch fences: each new owner of the partition raises it, and a write
+-- with an older epoch changes nothing.
+CREATE TABLE IF NOT EXISTS {{.Offsets}} (
+	consumer    text        NOT NULL,
+	topic       text        NOT NULL,
+	partition   integer     NOT NULL,
+	next_offset bigint      NOT NULL DEFAULT -1,
+	done        bigint[]    NOT NULL DEFAULT '{}',
+	epoch       bigint      NOT NULL DEFAULT 1,
+	topic_id    text        NOT NULL DEFAULT '',
+	kafka_group text        NOT NULL DEFAULT '',
+	generation  integer     NOT NULL DEFAULT -1,
+	updated_at  timestamptz NOT NULL DEFAULT now(),
+	PRIMARY KEY (consumer, topic, partition)
+);
