@@ -16,7 +16,8 @@ test:
 	scripts/test.sh
 
 ## bench: the side-by-side benchmark (docs/performance.md): ceilings, naive, once per message and
-## batched, for Kafka (in-process kfake, and Apache Kafka: a throwaway node), and RabbitMQ (AMQP_URL,
+## batched, then the outbox relay next to the broker's confirmed-publish ceiling and its latency
+## across the hop, for Kafka (in-process kfake, and Apache Kafka: a throwaway node), and RabbitMQ (AMQP_URL,
 ## else a throwaway node started and stopped here); a durable throwaway PostgreSQL unless
 ## DATABASE_URL is set. BENCHFLAGS="-n 100000"
 bench:
@@ -71,7 +72,8 @@ CHAOS_JSON  ?=
 ## chaos: fault injection (docs/reliability.md): the order-processor, built with -tags chaos, as
 ## 3 processes on Kafka (kfake), on three Apache Kafka nodes (RF 3, min.insync.replicas 2; broker
 ## SIGKILLs instead of cuts) and on RabbitMQ (AMQP_URL, else a throwaway node) under 20 SIGKILLs,
-## every crash point, 2 PostgreSQL restarts, 5 broker cuts and group churn; a table per broker,
+## every crash point, 2 PostgreSQL restarts, 5 broker cuts and group churn, each member running both
+## hops (orders, an outbox relay, shipping) and 3 kills of the relay's leader; a table per broker,
 ## and JSON in CHAOS_JSON when set; then once more on kfake with the offsets kept in PostgreSQL
 ## (-offsets-in-database) and the group deleted with its offsets during the run.
 ## CHAOS_FLAGS adds flags (-seed N, -kills N, ...)

@@ -51,13 +51,30 @@ RETURNING o.seq, o.event_id, o.parked_at IS NOT NULL`,
 // the broker rejecting them: they stay in the outbox, uncounted.
 var errBrokerUnavailable = errors.New("the broker did not confirm")
 
+// settlement is what a published batch leaves to write: the rows the
+// broker confirmed and those it rejected.
+type settlement struct {
+	sent    []int64
+	rejects []rejection
+}
+
 // relayBatch publishes batch and settles each row by its outcome:
 // confirmed rows are removed (or marked sent), rejected rows charged an
 // attempt, the rest left as they were. While the broker works on a full
 // batch it reads the next one (ahead), leaving out the rows in flight; of
 // those it returns only the rows whose key had every row of batch
 // confirmed, so that nothing overtakes a row that must be sent again.
-func (r *Relay) relayBatch(ctx context.Context, conn *pgx.Conn, batch []Record) (ahead []Record, err error) {
+//
+// It first writes *deferred, the previous batch's settlement, while the
+// broker works on this batch. When the broker confirmed every row of this
+// batch and the rows read ahead are not empty, it leaves this batch's
+// settlement in *deferred in turn, for the next call, which the caller
+// makes at once with ahead: the database then deletes one batch while the
+// broker confirms the next, instead of between them. Deferring changes
+// nothing that is published, only when the rows are deleted: a relay that
+// dies before writing it leaves the rows to be published again, like a
+// crash between the broker's confirm and the delete.
+func (r *Relay) relayBatch(ctx context.Context, conn *pgx.Conn, batch []Record, deferred *settlement) (ahead []Record, err error) {
 	var sent []int64
 	var rejects []rejection
 	pctx, span := r.startBatchSpan(ctx, batch)
@@ -71,21 +88,30 @@ func (r *Relay) relayBatch(ctx context.Context, conn *pgx.Conn, batch []Record) 
 		}
 		published <- errs
 	}()
-	var aheadErr error
+	// What the broker confirmed is settled even when ctx is cancelled
+	// meanwhile: a row left unmarked is published again.
+	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	defer cancel()
+	var prevErr, aheadErr error
 	if len(batch) == r.cfg.BatchSize {
-		ahead, aheadErr = r.fetch(ctx, conn, batch)
+		ahead, prevErr, aheadErr = r.settleAndFetch(ctx, sctx, conn, deferred, batch)
+	} else {
+		prevErr = r.settleDeferred(sctx, conn, deferred)
 	}
 	errs, ok := awaitPublish(ctx, published)
+	if prevErr != nil {
+		return nil, prevErr
+	}
 	if !ok {
 		return nil, fmt.Errorf("%w: stopped before the broker answered", errBrokerUnavailable)
 	}
 	var failed error
 	sent, rejects, failed = sortOutcomes(publish, errs)
 	rejects = append(rejects, checked...)
-	// What the broker confirmed is settled even when ctx is cancelled
-	// meanwhile: a row left unmarked is published again.
-	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
-	defer cancel()
+	if failed == nil && aheadErr == nil && len(rejects) == 0 && len(sent) == len(batch) && len(ahead) > 0 {
+		*deferred = settlement{sent: sent}
+		return ahead, nil
+	}
 	if err := r.settle(sctx, conn, sent, rejects); err != nil {
 		return nil, err
 	}
@@ -96,6 +122,46 @@ func (r *Relay) relayBatch(ctx context.Context, conn *pgx.Conn, batch []Record) 
 		return nil, aheadErr
 	}
 	return withoutHeldKeys(ahead, batch, sent), nil
+}
+
+// settleAndFetch writes the deferred settlement, if any, and reads the
+// next batch (leaving out inflight) in one round trip. The two statements
+// run in one implicit transaction: if either fails, neither took effect,
+// and settleErr says so (the settled rows are then published again, under
+// their ids). fetchErr is the read's error when there was nothing to
+// settle.
+func (r *Relay) settleAndFetch(ctx, settleCtx context.Context, conn *pgx.Conn, deferred *settlement, inflight []Record) (
+	next []Record, settleErr, fetchErr error) {
+	if len(deferred.sent) == 0 && len(deferred.rejects) == 0 {
+		next, fetchErr = r.fetch(ctx, conn, inflight)
+		return next, nil, fetchErr
+	}
+	d := *deferred
+	*deferred = settlement{}
+	var b pgx.Batch
+	r.queueSettle(&b, d.sent, d.rejects)
+	r.queueFetch(&b, inflight).Query(func(rows pgx.Rows) error {
+		var err error
+		next, err = pgx.CollectRows(rows, scanRecord)
+		return err
+	})
+	// Under settleCtx, not ctx: a stopping relay still writes what the
+	// broker confirmed (within the bound settleCtx sets).
+	if err := conn.SendBatch(settleCtx, &b).Close(); err != nil {
+		return nil, fmt.Errorf("settle published rows and read the next: %w", err), nil
+	}
+	r.countSettled(settleCtx, d.sent, d.rejects)
+	return next, nil, nil
+}
+
+// settleDeferred writes a deferred settlement, if any, and clears it.
+func (r *Relay) settleDeferred(ctx context.Context, conn *pgx.Conn, deferred *settlement) error {
+	if deferred == nil || (len(deferred.sent) == 0 && len(deferred.rejects) == 0) {
+		return nil
+	}
+	d := *deferred
+	*deferred = settlement{}
+	return r.settle(ctx, conn, d.sent, d.rejects)
 }
 
 // shutdownGrace bounds how long a stopping relay waits for the broker's
@@ -220,12 +286,7 @@ func sortOutcomes(recs []Record, errs []error) (sent []int64, rejects []rejectio
 // fetch reads the next batch of publishable rows, leaving out the rows of
 // inflight (a batch being published).
 func (r *Relay) fetch(ctx context.Context, conn *pgx.Conn, inflight []Record) ([]Record, error) {
-	var maxSeq int64
-	seqs := make([]int64, len(inflight))
-	for i, rec := range inflight {
-		seqs[i] = rec.Seq
-		maxSeq = max(maxSeq, rec.Seq)
-	}
+	maxSeq, seqs := fetchArgs(inflight)
 	rows, err := conn.Query(ctx, r.sql.fetch, r.cfg.BatchSize, maxSeq, seqs)
 	if err != nil {
 		return nil, fmt.Errorf("read outbox: %w", err)
@@ -237,6 +298,23 @@ func (r *Relay) fetch(ctx context.Context, conn *pgx.Conn, inflight []Record) ([
 	return recs, nil
 }
 
+// queueFetch queues fetch's statement on b.
+func (r *Relay) queueFetch(b *pgx.Batch, inflight []Record) *pgx.QueuedQuery {
+	maxSeq, seqs := fetchArgs(inflight)
+	return b.Queue(r.sql.fetch, r.cfg.BatchSize, maxSeq, seqs)
+}
+
+// fetchArgs are the fetch statement's arguments that leave out inflight:
+// its highest seq and all its seqs.
+func fetchArgs(inflight []Record) (maxSeq int64, seqs []int64) {
+	seqs = make([]int64, len(inflight))
+	for i, rec := range inflight {
+		seqs[i] = rec.Seq
+		maxSeq = max(maxSeq, rec.Seq)
+	}
+	return maxSeq, seqs
+}
+
 func scanRecord(row pgx.CollectableRow) (Record, error) {
 	var rec Record
 	var headers, trace []byte
@@ -245,11 +323,11 @@ func scanRecord(row pgx.CollectableRow) (Record, error) {
 	if err != nil {
 		return rec, err
 	}
-	if err := json.Unmarshal(headers, &rec.Headers); err != nil {
+	if err := unmarshalObject(headers, &rec.Headers); err != nil {
 		return rec, fmt.Errorf("row %d: headers: %w", rec.Seq, err)
 	}
 	var tc map[string]string
-	if err := json.Unmarshal(trace, &tc); err != nil {
+	if err := unmarshalObject(trace, &tc); err != nil {
 		return rec, fmt.Errorf("row %d: trace: %w", rec.Seq, err)
 	}
 	if rec.Headers == nil && len(tc) > 0 {
@@ -261,6 +339,16 @@ func scanRecord(row pgx.CollectableRow) (Record, error) {
 	return rec, nil
 }
 
+// unmarshalObject decodes a JSON object of strings into m, leaving m nil
+// for the empty object most rows carry (no headers, no trace) without
+// running the decoder: the relay reads thousands of rows a second.
+func unmarshalObject(data []byte, m *map[string]string) error {
+	if string(data) == "{}" {
+		return nil
+	}
+	return json.Unmarshal(data, m)
+}
+
 // settle removes (or marks) the sent rows and charges the rejected ones, in
 // one round trip, and logs the rows it parked.
 func (r *Relay) settle(ctx context.Context, conn *pgx.Conn, sent []int64, rejects []rejection) error {
@@ -268,6 +356,17 @@ func (r *Relay) settle(ctx context.Context, conn *pgx.Conn, sent []int64, reject
 		return nil
 	}
 	var b pgx.Batch
+	r.queueSettle(&b, sent, rejects)
+	if err := conn.SendBatch(ctx, &b).Close(); err != nil {
+		return fmt.Errorf("settle published rows: %w", err)
+	}
+	r.countSettled(ctx, sent, rejects)
+	return nil
+}
+
+// queueSettle queues on b the statements that settle a batch: the sent
+// rows removed (or marked), the rejected ones charged (their rows logged).
+func (r *Relay) queueSettle(b *pgx.Batch, sent []int64, rejects []rejection) {
 	if len(sent) > 0 {
 		if r.cfg.KeepSent > 0 {
 			b.Queue(r.sql.markSent, sent)
@@ -285,12 +384,12 @@ func (r *Relay) settle(ctx context.Context, conn *pgx.Conn, sent []int64, reject
 			return r.logRejections(rows, rejects)
 		})
 	}
-	if err := conn.SendBatch(ctx, &b).Close(); err != nil {
-		return fmt.Errorf("settle published rows: %w", err)
-	}
+}
+
+// countSettled counts a written settlement in the relay's metrics.
+func (r *Relay) countSettled(ctx context.Context, sent []int64, rejects []rejection) {
 	r.metrics.published.Add(ctx, int64(len(sent)), r.metrics.attrs)
 	r.metrics.rejected.Add(ctx, int64(len(rejects)), r.metrics.attrs)
-	return nil
 }
 
 // logRejections logs each rejected row, at error level when it was parked.

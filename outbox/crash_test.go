@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -196,4 +197,55 @@ func run(t testing.TB, f func(ctx context.Context) error) (stop func()) {
 	}
 	t.Cleanup(stop)
 	return stop
+}
+
+// stopAfterPublisher cancels the relay's context right after the broker
+// confirmed its n-th batch.
+type stopAfterPublisher struct {
+	outbox.Publisher
+	n       int64
+	calls   atomic.Int64
+	stop    context.CancelFunc
+	records atomic.Int64
+}
+
+func (p *stopAfterPublisher) Publish(ctx context.Context, recs []outbox.Record) []error {
+	errs := p.Publisher.Publish(ctx, recs)
+	p.records.Add(int64(len(recs)))
+	if p.calls.Add(1) == p.n {
+		p.stop()
+	}
+	return errs
+}
+
+// A relay leaves the delete of a fully confirmed batch to be sent with
+// the read after the next one; a relay stopped just then still deletes it
+// before Run returns: the batches the broker confirmed are gone from the
+// table, the rest wait for the next leader, and nothing is published twice.
+func TestStoppedRelayDeletesWhatTheBrokerConfirmed(t *testing.T) {
+	k := newKafka(t)
+	pool, _ := migrated(t)
+	d := k.destination(t)
+	const batch, batches = 10, 6
+	var msgs []outbox.Message
+	for i := range batch * batches {
+		msgs = append(msgs, d.msg(fmt.Sprintf("k%d", i%3), fmt.Sprintf("m%02d", i)))
+	}
+	addCommitted(t, pool, msgs...)
+
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	// Stopped after the second batch: the first batch's delete went out
+	// with the read of the third, the second's is still to be sent.
+	pub := &stopAfterPublisher{Publisher: k.publisher(t), n: 2, stop: cancel}
+	r, err := outbox.NewRelay(pool, pub, outbox.RelayConfig{BatchSize: batch, Logger: testLogger()})
+	require.NoError(t, err)
+	require.NoError(t, r.Run(ctx))
+
+	published := int(pub.records.Load())
+	require.Equal(t, 2*batch, published, "two batches were published")
+	assert.Equal(t, batch*batches-published, rows(t, pool, "true"), "every confirmed row deleted, the others kept")
+	got := d.read(t, published)
+	_, seen := ids(got)
+	assert.Len(t, seen, published, "each published once")
 }

@@ -35,7 +35,9 @@
 // to a Publisher (package kafkaout: an idempotent sarama producer with
 // acks=all; package amqpout: publisher confirms, mandatory), and deletes
 // each row once the broker confirmed it (or marks it sent and deletes it
-// after RelayConfig.KeepSent). It wakes on a notification that a trigger
+// after RelayConfig.KeepSent); under a backlog the delete of one batch goes
+// out with the read of the batch after next, while the broker works on the
+// next one, and always before the relay waits or stops. It wakes on a notification that a trigger
 // sends when rows are inserted (delivered at commit) and polls every
 // PollInterval as a fallback. Run it in the producing service beside its
 // consumer, or in a process of its own; run as many as you like.

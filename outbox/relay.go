@@ -290,6 +290,17 @@ func (r *Relay) lead(ctx context.Context, conn *pgx.Conn) error {
 	failures := 0
 	var lastCleanup time.Time
 	var ahead []Record
+	// deferred is the last batch's settlement when relayBatch left it to
+	// be written during the next publish (which it then returned rows
+	// for); it is written before the relay waits or stops.
+	var deferred settlement
+	defer func() {
+		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+		defer cancel()
+		if err := r.settleDeferred(sctx, conn, &deferred); err != nil {
+			r.cfg.Logger.Warn("outbox relay: marking published rows failed; they will be published again", "error", err)
+		}
+	}()
 	for ctx.Err() == nil {
 		batch, err := ahead, error(nil)
 		ahead = nil
@@ -297,7 +308,7 @@ func (r *Relay) lead(ctx context.Context, conn *pgx.Conn) error {
 			batch, err = r.fetch(ctx, conn, nil)
 		}
 		if err == nil && len(batch) > 0 {
-			ahead, err = r.relayBatch(ctx, conn, batch)
+			ahead, err = r.relayBatch(ctx, conn, batch, &deferred)
 		}
 		if conn.IsClosed() {
 			return fmt.Errorf("relay: %w", err)

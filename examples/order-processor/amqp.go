@@ -36,7 +36,8 @@ func amqpSource(ctx context.Context, o *options, tel *telemetry, log *slog.Logge
 	return amqp.Open(ctx, amqpConfig(o, tel, log))
 }
 
-// prepareAMQP declares the queue and its dead-letter queue, durable classic
+// prepareAMQP declares the queue and its dead-letter queue, and the second
+// hop's (order.confirmed, shipping.go), durable classic
 // queues as the source declares them, so that traffic published before the
 // consumer starts is kept. It does not open a source: a source consumes, and
 // the messages it took from a running service's queue would go back out of
@@ -51,7 +52,7 @@ func prepareAMQP(_ context.Context, o *options) error {
 	if err != nil {
 		return err
 	}
-	for _, q := range []string{o.topic, o.topic + amqp.DeadLetterQueueSuffix} {
+	for _, q := range append([]string{o.topic, o.topic + amqp.DeadLetterQueueSuffix}, shippingQueues(o)...) {
 		if _, err := ch.QueueDeclare(q, true, false, false, false, nil); err != nil {
 			return fmt.Errorf("RabbitMQ: declare queue %s: %w", q, err)
 		}

@@ -62,6 +62,7 @@ type ChaosConfig struct {
 	Cuts        int   // broker connection cuts
 	Members     int   // processes consuming at once
 	Rebalances  int   // kafka: a member killed while another joins
+	RelayKills  int   // SIGKILLs of the member whose outbox relay leads (chaos_hops.go)
 	// OffsetsInDatabase (kafka): the members keep offsets in PostgreSQL,
 	// and one fault deletes the group with its offsets (chaos_offsets.go).
 	OffsetsInDatabase bool
@@ -112,6 +113,8 @@ type ChaosResult struct {
 	Elapsed     string         `json:"elapsed"`
 	Verdict     string         `json:"verdict"`
 	Problems    []string       `json:"problems,omitempty"`
+
+	Hop2 *Hop2Result `json:"hop2,omitempty"` // the second hop: outbox, relay, shipping (chaos_hops.go)
 }
 
 // Pass reports whether the run's verdict is a pass.
@@ -129,6 +132,7 @@ func chaosMain(ctx context.Context, args []string, stdout, stderr io.Writer) int
 	fs.IntVar(&cfg.Cuts, "cuts", 5, "cuts of every broker connection")
 	fs.IntVar(&cfg.Members, "members", 3, "member processes consuming at once")
 	fs.IntVar(&cfg.Rebalances, "rebalances", 3, "kafka: members killed while another joins the group")
+	fs.IntVar(&cfg.RelayKills, "relay-kills", 3, "SIGKILLs of the member whose outbox relay leads")
 	noCrash := fs.Bool("no-crash-points", false, "skip the crash points")
 	offsetsFlag(fs, &cfg)
 	fs.StringVar(&cfg.Exe, "exe", "", "order-processor built with -tags chaos (empty: build it)")
@@ -229,6 +233,9 @@ func (r *ChaosResult) Print(w io.Writer) {
 	fmt.Fprintf(w, "%-28s %s\n", "orders and ledger", r.OrdersCheck)
 	fmt.Fprintf(w, "%-28s %d\n", "lost", r.Lost)
 	fmt.Fprintf(w, "%-28s %d\n", "doubled", r.Doubled)
+	if r.Hop2 != nil {
+		r.Hop2.print(w)
+	}
 	for _, p := range r.Problems {
 		fmt.Fprintf(w, "  problem: %s\n", p)
 	}
@@ -317,7 +324,8 @@ func RunChaos(ctx context.Context, cfg ChaosConfig) (res *ChaosResult, err error
 		return nil, err
 	}
 	defer r.pg.Close()
-	r.o = &options{broker: r.memberBroker(), schema: "chaos", partitions: 4, unknownOrderWait: 100 * time.Millisecond, maxAttempts: 4}
+	r.o = &options{broker: r.memberBroker(), schema: "chaos", partitions: 4, unknownOrderWait: 100 * time.Millisecond, maxAttempts: 4,
+		shipping: true}
 	// More poison than the demo's, so that every batch of traffic has some.
 	r.o.mix = Mix{Duplicates: 0.05, IDless: 0.03, Malformed: 0.02, Violations: 0.06}
 	suffix := fmt.Sprintf("chaos-%d-%d", cfg.Seed, time.Now().UnixNano()%1000000)
@@ -352,6 +360,9 @@ func RunChaos(ctx context.Context, cfg ChaosConfig) (res *ChaosResult, err error
 		defer closeFn()
 	default:
 		return nil, fmt.Errorf("broker %q: want kafka, apache-kafka or amqp", cfg.Broker)
+	}
+	if err := r.withHop2Backlog(); err != nil {
+		return nil, err
 	}
 	r.plan = &Plan{Sent: map[string]int{}, Orders: map[string]expectedOrder{}}
 	if r.pub, err = newPublisher(ctx, r.o); err != nil {
@@ -416,10 +427,15 @@ func RunChaos(ctx context.Context, cfg ChaosConfig) (res *ChaosResult, err error
 			return nil, err
 		}
 	}
+	hop2DLQ, hop2Replayed, err := r.replayHop2(ctx, exe)
+	if err != nil {
+		return nil, err
+	}
 	res, err = r.count(ctx, dlq)
 	if err != nil {
 		return nil, err
 	}
+	res.Hop2.DLQByKind, res.Hop2.Replayed = hop2DLQ, hop2Replayed
 	res.Replayed = len(replay)
 	res.CrashLoopReplayed = len(crashLooped)
 	res.Elapsed = time.Since(start).Round(time.Millisecond).String()
@@ -487,7 +503,7 @@ func (r *chaosRun) startKafka() error {
 	var ln *netcut.Listener
 	kf, err := kfake.NewCluster(kfake.NumBrokers(1),
 		kfake.GroupMinSessionTimeout(500*time.Millisecond),
-		kfake.SeedTopics(int32(r.o.partitions), r.o.topic, r.o.topic+kafka.DefaultDeadLetterSuffix),
+		kfake.SeedTopics(int32(r.o.partitions), topicsOf(r.o.topic)...),
 		kfake.ListenFn(func(network, addr string) (net.Listener, error) {
 			inner, err := net.Listen(network, addr)
 			if err != nil {
@@ -543,7 +559,7 @@ func (r *chaosRun) startApacheKafka(ctx context.Context) error {
 		return err
 	}
 	defer admin.Close()
-	for _, t := range []string{r.o.topic, r.o.topic + kafka.DefaultDeadLetterSuffix} {
+	for _, t := range topicsOf(r.o.topic) {
 		if err := admin.CreateTopic(t, &sarama.TopicDetail{NumPartitions: int32(r.o.partitions), ReplicationFactor: 3}, false); err != nil {
 			return fmt.Errorf("create topic %s: %w", t, err)
 		}
@@ -634,6 +650,7 @@ func (r *chaosRun) startAMQP(ctx context.Context) (func(), error) {
 	r.dlq = queues.DeadLetters
 	return func() {
 		_ = px.Close()
+		_ = deleteShippingQueues(r.o)
 		_ = queues.Delete()
 		_ = queues.Close()
 	}, nil
@@ -670,15 +687,16 @@ func (r *chaosRun) schedule() []fault {
 			fs = append(fs, fault{kind: "rebalance-kill"})
 		}
 	}
+	fs = append(fs, r.hop2Faults()...)
 	fs = append(fs, r.offsetsFaults()...)
 	r.rng.Shuffle(len(fs), func(i, j int) { fs[i], fs[j] = fs[j], fs[i] })
 	if r.cfg.CrashPoints {
 		span := max(1, len(fs)*2/3)
 		// mid-batch first: it needs the largest backlog.
-		points := append([]string{"mid-batch"}, crashPointNames[:4]...)
+		points := append([]string{"mid-batch"}, append(crashPointNames[:4:4], relayCrashPoint)...)
 		for i, p := range points {
 			n := 1 + r.rng.Intn(3)
-			if p == "after-dead-letter" {
+			if p == "after-dead-letter" || p == relayCrashPoint {
 				n = 1
 			}
 			at := min(len(fs), i*span/len(points)+i)
@@ -729,12 +747,13 @@ func (r *chaosRun) publish(ctx context.Context, msgs []outMsg) error {
 	return fmt.Errorf("publish: %w", err)
 }
 
-// processed counts the consumer's processed events.
+// processed counts the processed events of both consumers (orders and
+// shipping).
 func (r *chaosRun) processed(ctx context.Context) (int64, error) {
 	var n int64
 	qctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
-	err := r.pool.QueryRow(qctx, `SELECT count(*) FROM processed_events WHERE consumer = $1`, r.o.name).Scan(&n)
+	err := r.pool.QueryRow(qctx, `SELECT count(*) FROM processed_events WHERE consumer = ANY($1)`, hop2Names(r.o)).Scan(&n)
 	return n, err
 }
 
@@ -787,7 +806,8 @@ func (r *chaosRun) startMember(exe string, extraEnv ...string) (*member, error) 
 	args = append(args, r.offsetsArgs()...)
 	cmd := exec.Command(exe, args...)
 	env := append([]string{}, os.Environ()...)
-	env = append(env, "DATABASE_URL="+r.pg.URL(), "BROKER="+r.memberBroker(), "KAFKA_BROKERS="+strings.Join(r.o.kafkaBrokers, ","))
+	env = append(env, "DATABASE_URL="+r.pg.URL(), "BROKER="+r.memberBroker(), "KAFKA_BROKERS="+strings.Join(r.o.kafkaBrokers, ","),
+		"PGAPPNAME="+memberAppName(id))
 	if r.cfg.Broker == "amqp" {
 		env = append(env, "AMQP_URL="+r.memberAMQP)
 	}
@@ -946,6 +966,10 @@ func (r *chaosRun) apply(ctx context.Context, exe string, f fault) error {
 		if err := r.crashAt(ctx, exe, f); err != nil {
 			return err
 		}
+	case "relay-leader-kill":
+		if err := r.killRelayLeader(ctx); err != nil {
+			return err
+		}
 	case faultDeleteGroup:
 		if err := r.deleteGroup(ctx); err != nil {
 			return err
@@ -996,7 +1020,8 @@ func (r *chaosRun) crashAt(ctx context.Context, exe string, f fault) error {
 			return err
 		}
 	}
-	m, err := r.startMember(exe, fmt.Sprintf("ONCE_CRASH_POINT=%s:%d", f.point, f.n))
+	r.stopOthersForRelayCrash(f)
+	m, err := r.startMember(exe, crashEnv(f))
 	if err != nil {
 		return err
 	}
@@ -1279,15 +1304,19 @@ func (r *chaosRun) count(ctx context.Context, dlq []deadLetter) (*ChaosResult, e
 		res.Problems = append(res.Problems, fmt.Sprintf("%d poison messages not dead-lettered as expected, e.g. %s",
 			res.Poison-res.PoisonDeadLettered, strings.Join(res.PoisonMissing, ", ")))
 	}
+	if res.Hop2, err = r.countHop2(ctx); err != nil {
+		return nil, err
+	}
+	res.Problems = append(res.Problems, res.Hop2.problems(r.plan.LedgerRows)...)
 	if r.cfg.CrashPoints {
-		for _, p := range crashPointNames {
+		for _, p := range append(crashPointNames[:len(crashPointNames):len(crashPointNames)], relayCrashPoint) {
 			if r.crashes[p] == 0 {
 				res.Problems = append(res.Problems, "crash point "+p+" was never reached")
 			}
 		}
 	}
 	if res.Pass() {
-		res.Verdict = "PASS: lost = 0, doubled = 0, every poison message dead-lettered"
+		res.Verdict = "PASS: lost = 0, doubled = 0, every poison message dead-lettered; hop 2: each paid order published and shipped once"
 	} else {
 		res.Verdict = "FAIL"
 	}

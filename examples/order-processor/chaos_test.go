@@ -38,7 +38,7 @@ func reducedChaosWith(t *testing.T, broker, amqpURL string, set func(*ChaosConfi
 	cfg := ChaosConfig{
 		Broker: broker, AMQPURL: amqpURL,
 		Orders: 400, Seed: time.Now().UnixNano()%900000 + 100000,
-		Kills: 3, CrashPoints: true, PGRestarts: 1, Cuts: 1, Members: 3, Rebalances: 1,
+		Kills: 3, CrashPoints: true, PGRestarts: 1, Cuts: 1, Members: 3, Rebalances: 1, RelayKills: 1,
 		Exe: exe, Output: &log,
 	}
 	set(&cfg)
@@ -49,6 +49,12 @@ func reducedChaosWith(t *testing.T, broker, amqpURL string, set func(*ChaosConfi
 	var table bytes.Buffer
 	res.Print(&table)
 	t.Log("\n" + table.String())
+	// What a slow drain waited for, even when the run passes.
+	for _, l := range strings.Split(log.String(), "\n") {
+		if strings.Contains(l, "draining") || strings.Contains(l, "backlog") || strings.Contains(l, "drain round") {
+			t.Log(l)
+		}
+	}
 	return res
 }
 
@@ -67,11 +73,36 @@ func assertChaosVerdict(t *testing.T, res *ChaosResult, faultKinds ...string) {
 	for _, k := range faultKinds {
 		assert.Positive(t, res.Faults[k], "fault %s injected", k)
 	}
-	for _, p := range crashPointNames {
+	for _, p := range append(crashPointNames, relayCrashPoint) {
 		assert.Equal(t, 1, res.CrashPoints[p], "crash point %s killed a member", p)
 	}
+	assertHop2(t, res)
 	assert.True(t, strings.HasPrefix(res.OrdersCheck, "PASS"), res.OrdersCheck)
 	assert.True(t, res.Pass(), "problems: %v", res.Problems)
+}
+
+// assertHop2 checks the second hop's counts: each paid order has one
+// outbox row, published, and one shipment under that row's id; the relay
+// leader was killed at least once.
+func assertHop2(t *testing.T, res *ChaosResult) {
+	t.Helper()
+	h := res.Hop2
+	if !assert.NotNil(t, h, "the second hop was counted") {
+		return
+	}
+	assert.Positive(t, h.PaidOrders)
+	assert.Equal(t, h.PaidOrders, h.OutboxRows, "one outbox row per paid order")
+	assert.Equal(t, h.OutboxRows, h.OutboxPublished, "every outbox row published")
+	assert.Zero(t, h.OutboxMismatch, "each row under its payment's id")
+	assert.Equal(t, h.PaidOrders, h.ShippedOnce, "each paid order shipped exactly once")
+	assert.Equal(t, h.PaidOrders, h.Shipments, "no other shipment")
+	assert.Zero(t, h.ShippedWrongly)
+	assert.Equal(t, h.PaidOrders, h.Processed)
+	if h.WireRecords > 0 { // Kafka: the topic can be read back
+		assert.Equal(t, int(h.PaidOrders), h.WireIDs, "one id per paid order on the wire")
+		assert.GreaterOrEqual(t, h.WireRecords, h.WireIDs)
+	}
+	assert.Positive(t, res.Faults["relay-leader-kill"], "the leading relay's member was killed")
 }
 
 // The reduced chaos run on Kafka: kfake in this process behind a cutting
@@ -107,7 +138,7 @@ func TestChaosCommandWritesJSON(t *testing.T) {
 	file := filepath.Join(t.TempDir(), "chaos.json")
 	var out, errOut bytes.Buffer
 	code := chaosMain(context.Background(), []string{"-broker", "kafka", "-orders", "100", "-kills", "1", "-pg-restarts", "0",
-		"-cuts", "1", "-members", "2", "-rebalances", "0", "-no-crash-points", "-exe", exe, "-json", file}, &out, &errOut)
+		"-cuts", "1", "-members", "2", "-rebalances", "0", "-relay-kills", "1", "-no-crash-points", "-exe", exe, "-json", file}, &out, &errOut)
 	require.Equal(t, 0, code, "stdout:\n%s\nstderr:\n%s", out.String(), errOut.String())
 	assert.Contains(t, out.String(), "verdict: PASS")
 	data, err := os.ReadFile(file)
@@ -120,6 +151,10 @@ func TestChaosCommandWritesJSON(t *testing.T) {
 	assert.Zero(t, got[0].Doubled)
 	assert.Equal(t, 1, got[0].Faults["kill"])
 	assert.Equal(t, 1, got[0].Faults["cut"])
+	assert.Equal(t, 1, got[0].Faults["relay-leader-kill"])
+	require.NotNil(t, got[0].Hop2)
+	assert.Positive(t, got[0].Hop2.PaidOrders)
+	assert.Equal(t, got[0].Hop2.PaidOrders, got[0].Hop2.ShippedOnce)
 	assert.Contains(t, got[0].Command, "-kills 1")
 }
 

@@ -100,6 +100,9 @@ func demo(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 		}
 		fmt.Fprintf(stdout, "run 1: killed the consumer process (SIGKILL) after %s, %d events committed; what it had not acked goes to run 2\n",
 			time.Since(t1).Round(time.Millisecond), run1)
+		if o.shipping {
+			fmt.Fprintln(stdout, "       (its outbox relay and shipping consumer died with it: rows it had published but not marked go out again)")
+		}
 	}
 
 	// The broker's view of the backlog: what the drained condition waits on.
@@ -123,11 +126,14 @@ func demo(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 	noun := map[string]string{"kafka": "topic", "amqp": "queue"}[o.broker]
 
 	t2 := time.Now()
-	run2, err := runDrained(ctx, o, pool, tel, lag, "run 2:", stderr)
+	run2, ship2, err := runDrained(ctx, o, pool, tel, lag, "run 2:", stderr)
 	if err != nil {
 		return err
 	}
 	fmt.Fprintf(stdout, "run 2: drained the %s in %s\n", noun, time.Since(t2).Round(time.Millisecond))
+	if o.broker == "amqp" && o.shipping {
+		defer func() { _ = deleteShippingQueues(o) }()
+	}
 
 	// Dead letters are for replay once their cause is fixed. Events that
 	// overtook their order.created by more than the retry window (possible
@@ -154,11 +160,12 @@ func demo(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 			return fmt.Errorf("replay: %w", err)
 		}
 		t3 := time.Now()
-		s, err := runDrained(ctx, o, pool, tel, lag, "run 3:", stderr)
+		s, ship3, err := runDrained(ctx, o, pool, tel, lag, "run 3:", stderr)
 		if err != nil {
 			return err
 		}
 		run3 = &s
+		ship2 = addStats(ship2, ship3)
 		fmt.Fprintf(stdout, "run 3: replayed %d dead letters whose order exists now, drained in %s\n", len(replay),
 			time.Since(t3).Round(time.Millisecond))
 		if dlq, err = readDLQ(); err != nil {
@@ -166,38 +173,115 @@ func demo(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 		}
 	}
 	elapsed := time.Since(start)
-	return report(ctx, stdout, pool, o, plan, runs{killed: run1, second: run2, third: run3, web: web}, dlq, elapsed)
+	return report(ctx, stdout, pool, o, plan, runs{killed: run1, second: run2, third: run3, web: web, shipping: ship2}, dlq, elapsed)
 }
 
 // runDrained runs a consumer until the broker has nothing left for it and
-// it has settled everything it received, then stops it (draining).
+// it has settled everything it received, then, with o.shipping, until the
+// second hop has finished too (every outbox row published, the shipping
+// consumer drained), and stops them (draining). It returns both
+// consumers' counts.
 func runDrained(ctx context.Context, o *options, pool *pgxpool.Pool, tel *telemetry,
-	lag func(context.Context) (int64, error), label string, stderr io.Writer) (consumer.Stats, error) {
+	lag func(context.Context) (int64, error), label string, stderr io.Writer) (orders, shipping consumer.Stats, err error) {
 	log := logger(o, stderr)
 	src, err := newSource(ctx, o, tel, log)
 	if err != nil {
-		return consumer.Stats{}, err
+		return orders, shipping, err
 	}
 	c, err := newConsumer(pool, src, o, tel, log)
 	if err != nil {
 		_ = src.Close()
-		return consumer.Stats{}, err
+		return orders, shipping, err
+	}
+	var down *downstream
+	if o.shipping {
+		if down, err = newDownstream(ctx, o, pool, tel, log); err != nil {
+			_ = src.Close()
+			return orders, shipping, err
+		}
 	}
 	runCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	errc := make(chan error, 1)
+	downc := make(chan error, 1)
 	tel.pool.Store(pool)
 	tel.running.Store(true)
 	defer tel.running.Store(false)
 	p := startProgress(stderr, label, c.Stats)
 	go func() { errc <- c.Run(runCtx) }()
+	if down != nil {
+		go func() { downc <- down.Run(runCtx) }()
+	}
 	err = waitDrained(ctx, c, lag, errc)
+	if err == nil && down != nil {
+		err = waitHop2Drained(ctx, o, pool, down, downc)
+	}
 	cancel()
 	if err == nil {
 		err = <-errc
 	}
+	if down != nil {
+		if derr := <-downc; err == nil {
+			err = derr
+		}
+		shipping = down.shipping.Stats()
+	}
 	p.Stop()
-	return c.Stats(), err
+	return c.Stats(), shipping, err
+}
+
+// waitHop2Drained waits until the second hop has finished (hop2Drained)
+// twice in a row 100 ms apart, with the shipping consumer's counts
+// unchanged between the two.
+func waitHop2Drained(ctx context.Context, o *options, pool *pgxpool.Pool, down *downstream, downc <-chan error) error {
+	lag, closeLag, err := shippingLag(o)
+	if err != nil {
+		return err
+	}
+	defer closeLag()
+	deadline := time.After(3 * time.Minute)
+	var prev consumer.Stats
+	streak := 0
+	for {
+		s := down.shipping.Stats()
+		done, err := hop2Drained(ctx, pool, lag, s)
+		if err != nil {
+			return err
+		}
+		if done && s == prev {
+			streak++
+		} else {
+			streak = 0
+		}
+		if streak >= 2 {
+			return nil
+		}
+		prev = s
+		select {
+		case err := <-downc:
+			if err == nil {
+				err = errors.New("the relay or the shipping consumer stopped before the second hop was drained")
+			}
+			return err
+		case <-deadline:
+			return fmt.Errorf("the second hop did not drain within 3 minutes (shipping %+v)", s)
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+}
+
+// addStats adds the counters of b to a.
+func addStats(a, b consumer.Stats) consumer.Stats {
+	a.Received += b.Received
+	a.Handled += b.Handled
+	a.Duplicates += b.Duplicates
+	a.Skipped += b.Skipped
+	a.DeadLettered += b.DeadLettered
+	a.Retries += b.Retries
+	a.InfraErrors += b.InfraErrors
+	return a
 }
 
 // deadLetter is one record of the dead-letter queue.
@@ -253,14 +337,20 @@ type runs struct {
 	second consumer.Stats
 	third  *consumer.Stats // the replay run, if any
 	web    *webRun         // the orders placed over HTTP, if any
+	// shipping is the shipping consumer's counts over runs 2 and 3.
+	shipping consumer.Stats
 }
 
 // resetDemoTables drops the demo's tables and creates them empty.
 func resetDemoTables(ctx context.Context, pool *pgxpool.Pool) error {
-	if _, err := pool.Exec(ctx, `DROP TABLE IF EXISTS payments, orders, processed_events, processed_events_attempts`); err != nil {
+	if _, err := pool.Exec(ctx, `DROP TABLE IF EXISTS shipments, payments, orders, processed_events, processed_events_attempts`); err != nil {
 		return err
 	}
 	if err := Migrate(ctx, pool); err != nil {
+		return err
+	}
+	// The outbox's schema version is recorded: empty the table, keep it.
+	if _, err := pool.Exec(ctx, `TRUNCATE outbox`); err != nil {
 		return err
 	}
 	store, err := dedup.New(dedup.Config{})
@@ -280,7 +370,7 @@ func killedRun(ctx context.Context, o *options, dbURL string, pool *pgxpool.Pool
 		return 0, err
 	}
 	args := []string{"serve", "-broker", o.broker, "-topic", o.topic, "-name", o.name, "-schema", o.schema,
-		"-metrics-addr", "off", "-label", "run 1:",
+		"-metrics-addr", "off", "-label", "run 1:", "-shipping=" + strconv.FormatBool(o.shipping),
 		"-unknown-order-wait", o.unknownOrderWait.String(), "-max-attempts", strconv.Itoa(o.maxAttempts)}
 	if o.fastFailover {
 		args = append(args, "-fast-failover")
@@ -514,6 +604,23 @@ func report(ctx context.Context, w io.Writer, pool *pgxpool.Pool, o *options, pl
 		fmt.Fprintf(w, "  replayed        %6d  dead letters handled after their order arrived, not counted above\n", len(resolved))
 	}
 	printReplayCommand(w, o, dlq, dlIDs)
+	hop2OK := true
+	if o.shipping {
+		c, err := countHop2(ctx, pool, o)
+		if err != nil {
+			return err
+		}
+		wire, err := countWire(o)
+		if err != nil {
+			return fmt.Errorf("read %s: %w", confirmedName(o), err)
+		}
+		shipping := &r.shipping
+		if *shipping == (consumer.Stats{}) {
+			shipping = nil // the chaos driver's check: its members' counts are in their logs
+		}
+		c.print(w, shipping, wire)
+		hop2OK = c.ok() && c.PaidOrders == int64(plan.LedgerRows) && (wire == nil || wire.IDs == int(c.PaidOrders))
+	}
 	fmt.Fprintf(w, "elapsed       %10s  (publish and all runs)\n", elapsed.Round(time.Millisecond))
 	for i, m := range mismatches {
 		if i == 5 {
@@ -530,6 +637,15 @@ func report(ctx context.Context, w io.Writer, pool *pgxpool.Pool, o *options, pl
 	if !ok {
 		fmt.Fprintln(w, "verdict: FAIL: the database or the dead-letter queue does not match what was sent")
 		return errors.New("verdict: FAIL")
+	}
+	if !hop2OK {
+		fmt.Fprintln(w, "verdict: FAIL: the second hop: a paid order not confirmed, published or shipped exactly once")
+		return errors.New("verdict: FAIL (hop 2)")
+	}
+	if o.shipping {
+		fmt.Fprintln(w, "verdict: PASS: every order exactly right, each payment once, every bad message dead-lettered, nothing lost;")
+		fmt.Fprintln(w, "         hop 2: each paid order confirmed once through the outbox, published (copies share its id), shipped once")
+		return nil
 	}
 	fmt.Fprintln(w, "verdict: PASS: every order exactly right, each payment once, every bad message dead-lettered, nothing lost")
 	return nil

@@ -20,6 +20,7 @@ func TestDemoKafkaVerdictPasses(t *testing.T) {
 	require.Equal(t, 0, code, out)
 	require.Contains(t, out, "verdict: PASS")
 	require.Contains(t, out, "then SIGKILL")
+	require.Contains(t, out, "hop 2: each paid order confirmed once through the outbox, published (copies share its id), shipped once")
 	require.Regexp(t, `listening on 127\.0\.0\.1:\d+`, out)
 }
 
@@ -34,6 +35,7 @@ func TestDemoApacheKafkaVerdictPasses(t *testing.T) {
 	require.Equal(t, 0, code, out)
 	require.Contains(t, out, "verdict: PASS")
 	require.Contains(t, out, "then SIGKILL")
+	require.Contains(t, out, "hop 2: each paid order confirmed once through the outbox, published (copies share its id), shipped once")
 	require.Contains(t, out, "Kafka: "+broker.Brokers()[0])
 }
 
@@ -46,6 +48,7 @@ func TestDemoRabbitMQVerdictPasses(t *testing.T) {
 	require.Equal(t, 0, code, out)
 	require.Contains(t, out, "verdict: PASS")
 	require.Contains(t, out, "then SIGKILL")
+	require.Contains(t, out, "hop 2: each paid order confirmed once through the outbox, published (copies share its id), shipped once")
 }
 
 // The demo exits non-zero when it cannot run: here an unreachable Kafka

@@ -29,7 +29,7 @@ func startEmbeddedKafka(port int, topic string, partitions int32) (*embeddedKafk
 	opts := []kfake.Opt{
 		kfake.NumBrokers(1),
 		kfake.GroupMinSessionTimeout(500 * time.Millisecond),
-		kfake.SeedTopics(partitions, topic, topic+kafka.DefaultDeadLetterSuffix),
+		kfake.SeedTopics(partitions, topicsOf(topic)...),
 	}
 	if port > 0 {
 		opts = append(opts, kfake.Ports(port))
@@ -80,7 +80,14 @@ func kafkaSource(ctx context.Context, o *options, mp metric.MeterProvider, log *
 	return kafka.Open(ctx, cfg)
 }
 
-// createKafkaTopics creates topic and its dead-letter topic on a real
+// topicsOf returns the topics of a run on topic: the orders, order.confirmed
+// (the second hop, shipping.go), and the dead-letter topic of each.
+func topicsOf(topic string) []string {
+	confirmed := topic + ".confirmed"
+	return []string{topic, topic + kafka.DefaultDeadLetterSuffix, confirmed, confirmed + kafka.DefaultDeadLetterSuffix}
+}
+
+// createKafkaTopics creates the topics of topicsOf(topic) on a real
 // cluster; topics that exist already are fine.
 func createKafkaTopics(addrs []string, topic string, partitions int32) error {
 	admin, err := sarama.NewClusterAdmin(addrs, saramaConfig())
@@ -88,7 +95,7 @@ func createKafkaTopics(addrs []string, topic string, partitions int32) error {
 		return err
 	}
 	defer admin.Close()
-	for _, t := range []string{topic, topic + kafka.DefaultDeadLetterSuffix} {
+	for _, t := range topicsOf(topic) {
 		err := admin.CreateTopic(t, &sarama.TopicDetail{NumPartitions: partitions, ReplicationFactor: 1}, false)
 		if err != nil && !errors.Is(err, sarama.ErrTopicAlreadyExists) {
 			return fmt.Errorf("create topic %s: %w", t, err)

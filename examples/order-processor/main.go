@@ -117,6 +117,7 @@ type options struct {
 	unknownOrderWait time.Duration
 	maxAttempts      int
 	crash            bool
+	shipping         bool // serve: run the outbox relay and the shipping consumer too (shipping.go)
 
 	metricsAddr string
 	httpAddr    string // serve: the HTTP API (http.go)
@@ -159,6 +160,7 @@ func parseOptions(args []string, stderr io.Writer) (*options, error) {
 	fs.DurationVar(&o.unknownOrderWait, "unknown-order-wait", 100*time.Millisecond, "retry delay for an event whose order does not exist yet (amqp: 250ms)")
 	fs.IntVar(&o.maxAttempts, "max-attempts", 4, "handler attempts before an event is dead-lettered (amqp: 8)")
 	fs.BoolVar(&o.crash, "crash", true, "demo: kill (SIGKILL) a first consumer process mid-stream, then resume")
+	fs.BoolVar(&o.shipping, "shipping", true, "serve: also run the second hop: the outbox relay (order.confirmed) and the shipping consumer")
 	fs.StringVar(&o.metricsAddr, "metrics-addr", envOr("METRICS_ADDR", "127.0.0.1:0"), `address of /metrics and /healthz ("" or "off": none)`)
 	fs.StringVar(&o.httpAddr, "http-addr", "", `serve: address of the HTTP API, POST /orders with an Idempotency-Key ("": none)`)
 	fs.StringVar(&o.traces, "traces", "", `export spans: "stdout" or a file name ("": off)`)
@@ -298,8 +300,8 @@ func startInfra(ctx context.Context, o *options, out io.Writer) (*infra, error) 
 		inf.closers = append(inf.closers, k.Close)
 		o.kafkaBrokers = k.addrs
 		o.fastFailover = true
-		fmt.Fprintf(out, "Kafka: an embedded Kafka-protocol broker (kfake) listening on %s, topics %s and %s.dlq (%d partitions)\n",
-			k.addrs[0], o.topic, o.topic, o.partitions)
+		fmt.Fprintf(out, "Kafka: an embedded Kafka-protocol broker (kfake) listening on %s, topics %s and %s (and their .dlq; %d partitions)\n",
+			k.addrs[0], o.topic, confirmedName(o), o.partitions)
 		fmt.Fprintf(out, "       produce to it with: kcat -b %s -t %s -P -k o-1 -H id=evt-1 -H type=%s\n", k.addrs[0], o.topic, TypeCreated)
 	case "amqp":
 		// The source declares the queue and its dead-letter queue when it
@@ -359,7 +361,7 @@ func newSource(ctx context.Context, o *options, tel *telemetry, log *slog.Logger
 // newConsumer builds the service's consumer: the router of typed handlers,
 // the payload-derived event-id rule, the retry policy.
 func newConsumer(pool *pgxpool.Pool, src consumer.Source, o *options, tel *telemetry, log *slog.Logger) (*consumer.Consumer[OrderEvent], error) {
-	orders := &Orders{UnknownOrderWait: o.unknownOrderWait}
+	orders := &Orders{UnknownOrderWait: o.unknownOrderWait, Confirmed: destination(o)}
 	r, err := orders.Router()
 	if err != nil {
 		return nil, err
@@ -415,16 +417,37 @@ func serve(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 		_ = src.Close()
 		return err
 	}
+	var down *downstream
+	if o.shipping {
+		if down, err = newDownstream(ctx, o, pool, tel, log); err != nil {
+			_ = src.Close()
+			return err
+		}
+	}
 	fmt.Fprintf(stdout, "consuming %s as %q; Ctrl-C drains and stops\n", o.topic, o.name)
+	if down != nil {
+		fmt.Fprintf(stdout, "second hop: an outbox relay publishing %s, and %q consuming it\n", confirmedName(o), shippingName(o))
+	}
 	tel.pool.Store(pool)
 	tel.running.Store(true)
 	p := startProgress(stderr, o.label, c.Stats)
-	err = c.Run(ctx)
+	downErr := make(chan error, 1)
+	if down != nil {
+		go func() { downErr <- down.Run(ctx) }()
+	} else {
+		downErr <- nil
+	}
+	err = errors.Join(c.Run(ctx), <-downErr)
 	tel.running.Store(false)
 	p.Stop()
 	s := c.Stats()
 	fmt.Fprintf(stdout, "stopped: received %d, handled %d, duplicates skipped %d, dead-lettered %d\n",
 		s.Received, s.Handled, s.Duplicates, s.DeadLettered)
+	if down != nil {
+		s := down.shipping.Stats()
+		fmt.Fprintf(stdout, "shipping stopped: received %d, handled %d, duplicates skipped %d, dead-lettered %d\n",
+			s.Received, s.Handled, s.Duplicates, s.DeadLettered)
+	}
 	return err
 }
 

@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/outbox"
 )
 
 // The event types this service handles, read from the type property
@@ -118,6 +119,9 @@ type Orders struct {
 	// order that does not exist yet. The retries are bounded by the
 	// consumer's RetryPolicy.MaxAttempts; then the event is dead-lettered.
 	UnknownOrderWait time.Duration
+	// Confirmed is where Paid emits order.confirmed through the outbox
+	// (shipping.go); nil emits nothing.
+	Confirmed *confirmedDest
 }
 
 // Router returns a router with the three handlers registered. Event types
@@ -194,6 +198,26 @@ func (o *Orders) Paid(ctx context.Context, tx pgx.Tx, ev consumer.Event[OrderPai
 	ev.Queue(`INSERT INTO payments (order_id, payment_id, event_id, amount_cents) VALUES ($1, $2, $3, $4)`,
 		p.OrderID, p.PaymentID, ev.ID, p.AmountCents)
 	ev.Queue(`UPDATE orders SET status = 'paid', paid_at = now() WHERE id = $1`, p.OrderID)
+	return o.confirm(ctx, ev)
+}
+
+// confirm emits order.confirmed for a paid order through the outbox: the
+// row is written in the payment's transaction (queued with its other
+// writes, one round trip), so it exists if and only if the payment
+// committed, and a relay publishes it afterwards.
+func (o *Orders) confirm(ctx context.Context, ev consumer.Event[OrderPaid]) error {
+	if o.Confirmed == nil {
+		return nil
+	}
+	msg, err := o.Confirmed.confirmation(ev)
+	if err != nil {
+		return consumer.Permanent(err)
+	}
+	sql, args, err := outboxStore.Statement(ctx, msg)
+	if err != nil {
+		return consumer.Permanent(err)
+	}
+	ev.Queue(sql, args...)
 	return nil
 }
 
@@ -263,8 +287,11 @@ func EventID(m *consumer.Message) (string, error) {
 	return "", errors.New("the event has no id header and no order_id to derive one from")
 }
 
-// Migrate creates the service's tables.
+// Migrate creates the service's tables, the shipping service's, and the
+// outbox.
 func Migrate(ctx context.Context, pool *pgxpool.Pool) error {
-	_, err := pool.Exec(ctx, Schema)
-	return err
+	if _, err := pool.Exec(ctx, Schema+ShippingSchema); err != nil {
+		return err
+	}
+	return outbox.Migrate(ctx, pool)
 }

@@ -134,6 +134,9 @@ type Options struct {
 	// HTTPRequests is the number of requests of each HTTP row (http.go);
 	// 0 skips them.
 	HTTPRequests int
+	// OutboxRows is the number of rows of each broker's outbox rows
+	// (outbox.go): relay and confirmed-publish ceiling; 0 skips them.
+	OutboxRows int
 	// Log receives progress lines; nil discards them.
 	Log io.Writer
 
@@ -226,6 +229,8 @@ type Report struct {
 	PaceMax     float64 `json:"pace_max_msgs_per_s"`
 	// HTTP are the HTTP command rows, if run.
 	HTTP *HTTPReport `json:"http,omitempty"`
+	// Outbox are the outbox rows of each broker, if run.
+	Outbox []OutboxResult `json:"outbox,omitempty"`
 }
 
 func (o *Options) logf(format string, args ...any) {
@@ -309,6 +314,13 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 			}
 			rep.Results = append(rep.Results, *res)
 		}
+		if o.OutboxRows > 0 {
+			res, err := runOutbox(ctx, db, kc, o, b)
+			if err != nil {
+				return nil, fmt.Errorf("%s outbox: %w", b, err)
+			}
+			rep.Outbox = append(rep.Outbox, *res)
+		}
 	}
 	ratios(rep)
 	if o.HTTPRequests > 0 {
@@ -353,8 +365,10 @@ func ratios(rep *Report) {
 	}
 }
 
+// schemaName is the schema of a row's tables: an identifier dedup accepts
+// (apache-kafka's hyphen, like the rows' spaces, becomes an underscore).
 func schemaName(b Broker, row Row) string {
-	return "oncebench_" + string(b) + "_" + strings.NewReplacer(" ", "_", "-", "_").Replace(string(row))
+	return strings.NewReplacer(" ", "_", "-", "_").Replace("oncebench_" + string(b) + "_" + string(row))
 }
 
 // runRow publishes the backlog, runs the row in a subprocess and checks

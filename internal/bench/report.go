@@ -53,6 +53,9 @@ func (r *Report) WriteTable(w io.Writer) error {
 	if err := r.HTTP.writeTable(w); err != nil {
 		return err
 	}
+	if err := writeOutboxTable(w, r.Outbox); err != nil {
+		return err
+	}
 	fmt.Fprintln(w)
 	for _, t := range r.Targets() {
 		fmt.Fprintln(w, t)
@@ -99,8 +102,12 @@ func (r *Report) Targets() []string {
 	}
 	out = append(out, r.handwrittenTargets()...)
 	out = append(out, r.pipelineTargets()...)
+	out = append(out, outboxTargets(r.Outbox)...)
 	correct := true
 	for _, x := range r.Results {
+		correct = correct && x.Correct
+	}
+	for _, x := range r.Outbox {
 		correct = correct && x.Correct
 	}
 	out = append(out, fmt.Sprintf("effects exactly right in every row: %s", map[bool]string{true: "yes", false: "NO"}[correct]))

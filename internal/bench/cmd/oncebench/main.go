@@ -37,7 +37,7 @@ func run() int {
 		partitions = flag.Int("partitions", 4, "Kafka partitions (and naive workers)")
 		batch      = flag.Int("batch", 100, "BatchSize of the batched rows and of the pgbench script")
 		brokers    = flag.String("brokers", "kafka,apache-kafka,rabbitmq", "brokers to benchmark: kafka (kfake in process), apache-kafka (a throwaway Apache Kafka node; scripts/kafka.sh fetch), rabbitmq (needs AMQP_URL)")
-		rows       = flag.String("rows", "", "rows to run, comma-separated (default all): "+rowNames())
+		rows       = flag.String("rows", "", "consumer rows to run, comma-separated (default all; none: no consumer row): "+rowNames())
 		paceFor    = flag.Duration("pace", 3*time.Second, "length of each row's paced latency phase (0: none)")
 		paceMax    = flag.Float64("pace-max", 50000, "cap on the paced rate, msgs/s")
 		conc       = flag.Int("concurrency", 0, "consumer.Config.Concurrency of the once rows (0: the library's default)")
@@ -45,6 +45,7 @@ func run() int {
 		ordered    = flag.Bool("amqp-ordered", false, "RabbitMQ once rows: one ordered stream (amqp.Config.Ordered)")
 		pgbenchFor = flag.Duration("pgbench", 5*time.Second, "length of the pgbench ceiling (0: none)")
 		httpN      = flag.Int("http", 20000, "requests of each HTTP row, plain and behind the idempotency middleware (0: none)")
+		outboxN    = flag.Int("outbox", 200000, "rows of each broker's outbox rows: relay next to the confirmed-publish ceiling, then latency (0: none)")
 		jsonOut    = flag.String("json", "", "also write the report as JSON to this file")
 		rssCheck   = flag.Bool("rss-check", false, "instead of the table: peak RSS of the Kafka batched row at each of -rss-sizes events")
 		rssSizes   = flag.String("rss-sizes", "100000,1000000", "event counts of -rss-check")
@@ -91,9 +92,11 @@ func run() int {
 			return 2
 		}
 	}
-	if *rows == "" {
+	switch *rows {
+	case "":
 		o.Rows = bench.AllRows
-	} else {
+	case "none": // e.g. the outbox rows alone
+	default:
 		for _, r := range strings.Split(*rows, ",") {
 			row, ok := parseRow(strings.TrimSpace(r))
 			if !ok {
@@ -130,6 +133,7 @@ func run() int {
 		return runScale(ctx, so, *jsonOut, *pngOut)
 	}
 	o.HTTPRequests = *httpN
+	o.OutboxRows = *outboxN
 
 	rep, err := bench.Run(ctx, o)
 	if err != nil {
@@ -153,6 +157,11 @@ func run() int {
 	}
 	if !rep.HTTP.Correct() {
 		return 1
+	}
+	for _, r := range rep.Outbox {
+		if !r.Correct {
+			return 1
+		}
 	}
 	return 0
 }

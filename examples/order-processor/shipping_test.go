@@ -1,0 +1,105 @@
+package main
+
+import (
+	"context"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/internal/pgtest"
+	"github.com/onceco/once/outbox"
+)
+
+// The second hop's count passes only when each paid order has exactly one
+// outbox row under its payment's id + "/confirmed", published, and exactly
+// one shipment under that id: a doubled shipment, a shipment under another
+// id, a missing or pending row, or a shipment of an unpaid order fails it.
+func TestHop2CountCatchesEveryWrongEffect(t *testing.T) {
+	ctx := context.Background()
+	pool, schema := pgtest.Schema(t)
+	require.NoError(t, resetDemoTables(ctx, pool))
+	o := &options{broker: "kafka", topic: "orders", name: "order-processor", schema: schema}
+	exec := func(sql string, args ...any) {
+		t.Helper()
+		_, err := pool.Exec(ctx, sql, args...)
+		require.NoError(t, err)
+	}
+	// Two paid orders, each confirmed (published) and shipped once; a
+	// created order with nothing.
+	for _, id := range []string{"o-1", "o-2"} {
+		exec(`INSERT INTO orders (id, customer, amount_cents, status, created_event) VALUES ($1, 'c', 100, 'paid', $1 || '/created')`, id)
+		exec(`INSERT INTO payments (order_id, payment_id, event_id, amount_cents) VALUES ($1, 'p', 'evt-' || $1, 100)`, id)
+		require.NoError(t, pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			return outbox.Add(ctx, tx, outbox.Message{ID: "evt-" + id + "/confirmed", Topic: confirmedName(o), Key: []byte(id),
+				Type: TypeConfirmed, Body: []byte(`{}`)})
+		}))
+		exec(`INSERT INTO shipments (order_id, event_id) VALUES ($1, 'evt-' || $1 || '/confirmed')`, id)
+		exec(`INSERT INTO processed_events (consumer, event_id) VALUES ($1, 'evt-' || $2 || '/confirmed')`, shippingName(o), id)
+	}
+	exec(`INSERT INTO orders (id, customer, amount_cents, status, created_event) VALUES ('o-3', 'c', 100, 'created', 'o-3/created')`)
+	check := func() hopCounts {
+		t.Helper()
+		c, err := countHop2(ctx, pool, o)
+		require.NoError(t, err)
+		return c
+	}
+	require.False(t, check().ok(), "rows not yet published")
+	exec(`UPDATE outbox SET sent_at = now()`)
+	c := check()
+	require.True(t, c.ok(), "%+v", c)
+	require.EqualValues(t, 2, c.PaidOrders)
+
+	breakages := []struct {
+		name, do, undo string
+	}{
+		{"a doubled shipment", `INSERT INTO shipments (order_id, event_id) VALUES ('o-1', 'evt-o-1/confirmed')`,
+			`DELETE FROM shipments WHERE ctid = (SELECT max(ctid) FROM shipments WHERE order_id = 'o-1')`},
+		{"a shipment under another id", `UPDATE shipments SET event_id = 'other' WHERE order_id = 'o-2'`,
+			`UPDATE shipments SET event_id = 'evt-o-2/confirmed' WHERE order_id = 'o-2'`},
+		{"a shipment of an unpaid order", `INSERT INTO shipments (order_id, event_id) VALUES ('o-3', 'x')`,
+			`DELETE FROM shipments WHERE order_id = 'o-3'`},
+		{"a pending row", `UPDATE outbox SET sent_at = NULL WHERE key = 'o-1'`, `UPDATE outbox SET sent_at = now()`},
+		{"a row under another id", `UPDATE outbox SET event_id = 'x' WHERE key = 'o-2'`,
+			`UPDATE outbox SET event_id = 'evt-o-2/confirmed' WHERE key = 'o-2'`},
+		{"a missing row", `DELETE FROM outbox WHERE key = 'o-1'`, ``},
+	}
+	for _, b := range breakages {
+		exec(b.do)
+		require.False(t, check().ok(), b.name)
+		if b.undo != "" {
+			exec(b.undo)
+			require.True(t, check().ok(), "after undoing %s", b.name)
+		}
+	}
+}
+
+// Paid emits order.confirmed through the outbox in the payment's
+// transaction, under the payment's id + "/confirmed": a rolled-back
+// payment leaves no row.
+func TestPaidEmitsConfirmationInItsTransaction(t *testing.T) {
+	ctx := context.Background()
+	pool, _ := pgtest.Schema(t)
+	require.NoError(t, resetDemoTables(ctx, pool))
+	_, err := pool.Exec(ctx, `INSERT INTO orders (id, customer, amount_cents, status, created_event) VALUES ('o-1', 'c', 250, 'created', 'e')`)
+	require.NoError(t, err)
+	dest := &confirmedDest{Topic: "orders.confirmed"}
+	msg, err := dest.confirmation(consumer.Event[OrderPaid]{ID: "evt-7", Payload: OrderPaid{OrderID: "o-1", PaymentID: "p", AmountCents: 250}})
+	require.NoError(t, err)
+	require.Equal(t, "evt-7/confirmed", msg.ID)
+	require.Equal(t, []byte("o-1"), msg.Key)
+	require.Equal(t, TypeConfirmed, msg.Type)
+	require.JSONEq(t, `{"order_id":"o-1","amount_cents":250}`, string(msg.Body))
+
+	sql, args, err := outboxStore.Statement(ctx, msg)
+	require.NoError(t, err)
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	_, err = tx.Exec(ctx, sql, args...)
+	require.NoError(t, err)
+	require.NoError(t, tx.Rollback(ctx))
+	var n int
+	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM outbox`).Scan(&n))
+	require.Zero(t, n, "a rolled-back payment emits nothing")
+}

@@ -1,0 +1,65 @@
+package bench
+
+import (
+	"context"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/dedup"
+	"github.com/onceco/once/internal/pgtest"
+)
+
+// TestOutboxRowsSmoke runs the outbox rows alone on Kafka (and RabbitMQ
+// when AMQP_URL is set) with a small count: every row reaches the broker,
+// the outbox is left empty, the rates and the latency are measured, and
+// the table and the target line are printed.
+func TestOutboxRowsSmoke(t *testing.T) {
+	o := Options{
+		Workload:   Workload{Partitions: 4},
+		Brokers:    []Broker{Kafka},
+		OutboxRows: 2000,
+		Pace:       300 * time.Millisecond,
+		PaceMax:    2000,
+		// The schema of each row is created and dropped by the run.
+		DatabaseURL: pgtest.URL(),
+	}
+	if u := os.Getenv("AMQP_URL"); u != "" {
+		o.Brokers, o.AMQPURL = append(o.Brokers, RabbitMQ), u
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	rep, err := Run(ctx, o)
+	require.NoError(t, err)
+	require.Len(t, rep.Outbox, len(o.Brokers))
+	for _, r := range rep.Outbox {
+		require.True(t, r.Correct, "%s: %s", r.Broker, r.Check)
+		require.Positive(t, r.CeilingRate, r.Broker)
+		require.Positive(t, r.RelayRate, r.Broker)
+		require.Len(t, r.RelayRates, r.Rounds, r.Broker)
+		require.Len(t, r.CeilingRates, r.Rounds+1, "a ceiling before and after each relay round (%s)", r.Broker)
+		require.Positive(t, r.VsCeiling, r.Broker)
+		require.Positive(t, r.PacedMsgs, r.Broker)
+		require.Positive(t, r.P50Ms, r.Broker)
+		require.GreaterOrEqual(t, r.P99Ms, r.P50Ms, r.Broker)
+		require.GreaterOrEqual(t, r.P50Ms, r.ConfirmP50Ms, "the downstream commit follows the broker's confirm (%s)", r.Broker)
+	}
+	var out strings.Builder
+	require.NoError(t, rep.WriteTable(&out))
+	require.Contains(t, out.String(), "outbox relay >= 50% of the broker's confirmed-publish ceiling")
+}
+
+// Every row's schema, on every broker (apache-kafka has a hyphen), is an
+// identifier the library accepts: the hand-written row hands it to
+// dedup.Config.Schema.
+func TestSchemaNamesAreValidIdentifiers(t *testing.T) {
+	for _, b := range []Broker{Kafka, ApacheKafka, RabbitMQ} {
+		for _, row := range append(AllRows, "outbox", HTTPPlain, HTTPIdempotency) {
+			_, err := dedup.New(dedup.Config{Schema: schemaName(b, row)})
+			require.NoError(t, err, "%s %s", b, row)
+		}
+	}
+}
