@@ -19,7 +19,9 @@ test:
 ## batched, then the outbox relay next to the broker's confirmed-publish ceiling and its latency
 ## across the hop, for Kafka (in-process kfake, and Apache Kafka: a throwaway node), and RabbitMQ (AMQP_URL,
 ## else a throwaway node started and stopped here); a durable throwaway PostgreSQL unless
-## DATABASE_URL is set. BENCHFLAGS="-n 100000"
+## DATABASE_URL is set. BENCHFLAGS="-n 100000". Then the Kafka offsets-in-PostgreSQL rows
+## (OFFSETS_BENCH_N records each, twice).
+OFFSETS_BENCH_N ?= 100000
 bench:
 	scripts/ensure-deps.sh postgres rabbitmq kafka
 	@set -e; \
@@ -31,6 +33,8 @@ bench:
 	  eval "$$(scripts/rabbitmq.sh start "$$rabbit_dir")"; \
 	  $(GO) run ./internal/bench/cmd/oncebench $(BENCHFLAGS); \
 	fi
+	@echo "== Kafka offsets kept in PostgreSQL (kafka.Config.OffsetsInDatabase) beside offsets in Kafka alone, records with and without producer ids (kfake, 4 partitions, effects checked exact)"
+	ONCE_PG_DURABLE=1 $(GO) test -run '^$$' -bench '^BenchmarkConsumerOffsets$$' -benchtime $(OFFSETS_BENCH_N)x -count 2 ./brokers/kafka/
 
 ## bench-scale: the batched rows (Kafka) as processed_events grows to SCALE_ROWS rows (filled in SQL),
 ## the claim's plan, then retention while consuming (docs/performance.md); a durable throwaway
