@@ -257,6 +257,15 @@ type RetentionConfig struct {
 	MaxAge time.Duration
 	// Interval is how often retention runs. Defaults to 1h.
 	Interval time.Duration
+	// DutyCycle is the share of its time a sweep may spend deleting: after
+	// each statement it waits so that deleting takes at most this share
+	// (dedup.DutyCycle), leaving the table and its indexes to the
+	// consumer's own claims. Retention then deletes at about DutyCycle
+	// times its full speed (measured: 322k rows/s at full speed on two
+	// cores, so about 32k rows/s at the default), which must stay above
+	// the rate at which this consumer claims ids. In (0, 1]; 1 does not
+	// wait. Defaults to 0.1.
+	DutyCycle float64
 }
 
 // TelemetryConfig says where a consumer's logs, spans and metrics go.
@@ -313,6 +322,9 @@ func (c Config) withDefaults() (Config, error) {
 	setDefault(&c.CrashGuard.MaxCrashes, 3)
 	setDefault(&c.ShutdownTimeout, 10*time.Second)
 	setDefault(&c.Retention.Interval, time.Hour)
+	if c.Retention.DutyCycle == 0 {
+		c.Retention.DutyCycle = 0.1
+	}
 	if c.Telemetry.Logger == nil {
 		c.Telemetry.Logger = slog.Default()
 	}
@@ -354,6 +366,9 @@ func (c *Config) validate() error {
 	}
 	if p := c.Identify.OnConflict; p != DeadLetterConflicts && p != SkipConflicts {
 		return fmt.Errorf("%w: Identify.OnConflict %d is not a known policy", ErrInvalidConfig, p)
+	}
+	if d := c.Retention.DutyCycle; d < 0 || d > 1 {
+		return fmt.Errorf("%w: Retention.DutyCycle %v is not in (0, 1]", ErrInvalidConfig, d)
 	}
 	if c.Retry.InitialBackoff > 0 && c.Retry.MaxBackoff > 0 && c.Retry.InitialBackoff > c.Retry.MaxBackoff {
 		return fmt.Errorf("%w: Retry.InitialBackoff %v exceeds Retry.MaxBackoff %v", ErrInvalidConfig, c.Retry.InitialBackoff, c.Retry.MaxBackoff)

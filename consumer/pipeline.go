@@ -10,6 +10,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/onceco/once/dedup"
 )
 
 // pipeline carries every message through the same four stages, a single
@@ -233,7 +235,8 @@ func (p *pipeline) retention(ctx context.Context) {
 	t := time.NewTicker(p.cfg.Retention.Interval)
 	defer t.Stop()
 	for {
-		n, err := p.cfg.Store.DeleteOlderThan(ctx, p.pool, p.cfg.Name, time.Now().Add(-p.cfg.Retention.MaxAge), 1000)
+		n, err := p.cfg.Store.DeleteOlderThan(ctx, p.pool, p.cfg.Name, time.Now().Add(-p.cfg.Retention.MaxAge), 1000,
+			dedup.DutyCycle(p.cfg.Retention.DutyCycle))
 		switch {
 		case err != nil && ctx.Err() == nil:
 			p.cfg.Telemetry.Logger.WarnContext(ctx, "once: retention failed", "consumer", p.cfg.Name, "error", err)

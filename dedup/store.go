@@ -509,29 +509,83 @@ func compare(fp, prev []byte) Outcome {
 // retention window must be longer than the longest time a message can take
 // to be redelivered (Kafka topic retention when a group may rewind, AMQP
 // message TTL, the longest outage you plan to replay after).
-func (s *Store) DeleteOlderThan(ctx context.Context, db DB, consumer string, cutoff time.Time, batchSize int) (int64, error) {
+//
+// Options: DutyCycle paces the sweep so that it leaves the database to the
+// consumers most of the time.
+func (s *Store) DeleteOlderThan(ctx context.Context, db DB, consumer string, cutoff time.Time, batchSize int, opts ...RetentionOption) (int64, error) {
 	if consumer == "" {
 		return 0, errors.New("dedup: retention: empty consumer name")
 	}
 	if batchSize <= 0 {
 		batchSize = 1000
 	}
-	total, err := deleteOldestFirst(ctx, db, s.retentionSQL, consumer, cutoff, batchSize)
+	o := retentionOptions{share: 1}
+	for _, opt := range opts {
+		opt(&o)
+	}
+	if !(o.share > 0 && o.share <= 1) {
+		return 0, fmt.Errorf("dedup: retention: DutyCycle %v is not in (0, 1]", o.share)
+	}
+	total, err := deleteOldestFirst(ctx, db, s.retentionSQL, consumer, cutoff, batchSize, o.share)
 	if err != nil {
 		return total, err
 	}
-	_, err = deleteInBatches(ctx, db, s.attemptsRetentionSQL, consumer, cutoff, batchSize)
+	_, err = deleteInBatches(ctx, db, s.attemptsRetentionSQL, consumer, cutoff, batchSize, o.share)
 	return total, err
+}
+
+// RetentionOption adjusts DeleteOlderThan.
+type RetentionOption func(*retentionOptions)
+
+type retentionOptions struct {
+	share float64
+}
+
+// DutyCycle paces a retention sweep: after a statement that took d,
+// DeleteOlderThan waits d × (1 − share) / share before the next, so that it
+// spends at most share of its time deleting and leaves the rest to the
+// consumers writing to the same table and indexes. share must be in
+// (0, 1]; 1, the default, does not wait. A sweep that deletes at r rows/s
+// at full speed deletes at about share × r: keep that above the rate at
+// which rows are claimed, or retention falls behind.
+func DutyCycle(share float64) RetentionOption {
+	return func(o *retentionOptions) { o.share = share }
+}
+
+// pauseAfter is the wait, under a duty cycle of share, after a statement
+// that took took.
+func pauseAfter(took time.Duration, share float64) time.Duration {
+	if share >= 1 {
+		return 0
+	}
+	return time.Duration(float64(took) * (1 - share) / share)
+}
+
+// pace waits pauseAfter(took, share), or until ctx ends.
+func pace(ctx context.Context, took time.Duration, share float64) error {
+	wait := pauseAfter(took, share)
+	if wait <= 0 {
+		return ctx.Err()
+	}
+	t := time.NewTimer(wait)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-t.C:
+		return nil
+	}
 }
 
 // deleteOldestFirst runs the retention statement of processed_events until
 // a statement deletes fewer than batchSize rows, each from where the
 // previous one stopped.
-func deleteOldestFirst(ctx context.Context, db DB, sql, consumer string, cutoff time.Time, batchSize int) (int64, error) {
+func deleteOldestFirst(ctx context.Context, db DB, sql, consumer string, cutoff time.Time, batchSize int, share float64) (int64, error) {
 	var total int64
 	from := pgtype.Timestamptz{InfinityModifier: pgtype.NegativeInfinity, Valid: true}
 	for {
 		var n int64
+		start := time.Now()
 		if err := db.QueryRow(ctx, sql, consumer, cutoff, batchSize, from).Scan(&n, &from); err != nil {
 			return total, fmt.Errorf("dedup: retention: %w", err)
 		}
@@ -539,15 +593,16 @@ func deleteOldestFirst(ctx context.Context, db DB, sql, consumer string, cutoff 
 		if n < int64(batchSize) {
 			return total, nil
 		}
-		if err := ctx.Err(); err != nil {
+		if err := pace(ctx, time.Since(start), share); err != nil {
 			return total, err
 		}
 	}
 }
 
-func deleteInBatches(ctx context.Context, db DB, sql, consumer string, cutoff time.Time, batchSize int) (int64, error) {
+func deleteInBatches(ctx context.Context, db DB, sql, consumer string, cutoff time.Time, batchSize int, share float64) (int64, error) {
 	var total int64
 	for {
+		start := time.Now()
 		tag, err := db.Exec(ctx, sql, consumer, cutoff, batchSize)
 		if err != nil {
 			return total, fmt.Errorf("dedup: retention: %w", err)
@@ -556,7 +611,7 @@ func deleteInBatches(ctx context.Context, db DB, sql, consumer string, cutoff ti
 		if tag.RowsAffected() < int64(batchSize) {
 			return total, nil
 		}
-		if err := ctx.Err(); err != nil {
+		if err := pace(ctx, time.Since(start), share); err != nil {
 			return total, err
 		}
 	}

@@ -26,7 +26,7 @@ func retentionPhase(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, sto
 	if err != nil {
 		return nil, err
 	}
-	r := &RetentionResult{Row: row, Batch: o.RetentionBatch, Before: *before}
+	r := &RetentionResult{Row: row, Batch: o.RetentionBatch, Duty: o.RetentionDuty, Before: *before}
 	o.logf("retention: %s, %d events, without retention", row, o.RetentionEvents)
 	without, err := runRow(ctx, db, kc, ro, Kafka, row)
 	if err != nil {
@@ -54,7 +54,7 @@ func retentionPhase(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, sto
 	go func() {
 		defer wg.Done()
 		defer stopSampling()
-		retErr = expireAll(ctx, retDB, store, time.Now().Add(-retentionAge), o.RetentionBatch, &deleted, &took)
+		retErr = expireAll(ctx, retDB, store, time.Now().Add(-retentionAge), o.RetentionBatch, o.RetentionDuty, &deleted, &took)
 		retEnd = time.Now()
 	}()
 	samples := make(chan lockSamples, 1)
@@ -141,10 +141,10 @@ func bestScaleRow(points []ScalePoint) Row {
 // expireAll runs dedup's retention for every consumer of the table, the
 // bench consumer's first, adding what each of its statements deleted to
 // deleted as it goes.
-func expireAll(ctx context.Context, db *pgxpool.Pool, store *dedup.Store, cutoff time.Time, batch int, deleted *atomic.Int64, took *[]time.Duration) error {
+func expireAll(ctx context.Context, db *pgxpool.Pool, store *dedup.Store, cutoff time.Time, batch int, duty float64, deleted *atomic.Int64, took *[]time.Duration) error {
 	counting := countingDB{Pool: db, deleted: deleted, mu: &sync.Mutex{}, took: took}
 	for _, c := range scaleConsumers {
-		if _, err := store.DeleteOlderThan(ctx, counting, c, cutoff, batch); err != nil {
+		if _, err := store.DeleteOlderThan(ctx, counting, c, cutoff, batch, dedup.DutyCycle(duty)); err != nil {
 			return fmt.Errorf("%s: %w", c, err)
 		}
 	}

@@ -67,6 +67,10 @@ type ScaleOptions struct {
 	RetentionEvents int
 	// RetentionBatch is DeleteOlderThan's batch size.
 	RetentionBatch int
+	// RetentionDuty is DeleteOlderThan's dedup.DutyCycle: 0 is the
+	// consumer's default (consumer.RetentionConfig.DutyCycle, 0.1), 1
+	// deletes at full speed.
+	RetentionDuty float64
 	// BatchSize of the batched rows.
 	BatchSize int
 	// DatabaseURL is the PostgreSQL server; empty starts a durable
@@ -124,8 +128,9 @@ type ScalePoint struct {
 type RetentionResult struct {
 	Row      Row `json:"row"`
 	Messages int `json:"messages"`
-	// Batch is DeleteOlderThan's batch size.
+	// Batch is DeleteOlderThan's batch size, Duty its duty cycle.
 	Batch       int     `json:"retention_batch"`
+	Duty        float64 `json:"retention_duty"`
 	RateWithout float64 `json:"msgs_per_s_without"`
 	RateDuring  float64 `json:"msgs_per_s_during"`
 	Ratio       float64 `json:"ratio"`
@@ -211,6 +216,9 @@ func (o *ScaleOptions) defaults() {
 	}
 	if o.RetentionBatch <= 0 {
 		o.RetentionBatch = 5000
+	}
+	if o.RetentionDuty <= 0 {
+		o.RetentionDuty = 0.1
 	}
 	if o.BatchSize <= 0 {
 		o.BatchSize = 100

@@ -99,7 +99,7 @@ func (r *ScaleReport) WriteTable(w io.Writer) error {
 		}
 	}
 	if ret := r.Retention; ret != nil {
-		fmt.Fprintf(w, "\nretention while consuming (%s, %d messages, dedup.Store.DeleteOlderThan per consumer, cutoff 7 days, batch %d):\n", ret.Row, ret.Messages, ret.Batch)
+		fmt.Fprintf(w, "\nretention while consuming (%s, %d messages, dedup.Store.DeleteOlderThan per consumer, cutoff 7 days, batch %d, duty cycle %.2f):\n", ret.Row, ret.Messages, ret.Batch, ret.Duty)
 		fmt.Fprintf(tw, "msgs/s without\t msgs/s during\t ratio\t deleted\t during the row\t retention s\t deleted/s\t overlap\t lock-wait samples\t max waiters\t load\t correct\t\n")
 		fmt.Fprintf(tw, "%.0f\t %.0f\t %.2f\t %d\t %d\t %.1f\t %.0f\t %.0f%%\t %d/%d\t %d\t %s\t %s\t\n", ret.RateWithout, ret.RateDuring, ret.Ratio,
 			ret.Deleted, ret.DeletedDuringRow, ret.RetentionSeconds, ret.DeletedPerSecond, 100*ret.Overlap, ret.LockWaitSamples, ret.Samples,

@@ -90,6 +90,8 @@ func TestConsumerConfigErrorsNameTheField(t *testing.T) {
 		{"negative Retention.MaxAge", func(c *consumer.Config) { c.Retention.MaxAge = -time.Hour }, "Retention.MaxAge"},
 		{"negative Retention.Interval", func(c *consumer.Config) { c.Retention.Interval = -time.Hour }, "Retention.Interval"},
 		{"unknown Identify.OnConflict", func(c *consumer.Config) { c.Identify.OnConflict = 42 }, "Identify.OnConflict"},
+		{"Retention.DutyCycle over 1", func(c *consumer.Config) { c.Retention.DutyCycle = 1.5 }, "Retention.DutyCycle"},
+		{"negative Retention.DutyCycle", func(c *consumer.Config) { c.Retention.DutyCycle = -0.1 }, "Retention.DutyCycle"},
 		{"Retry.InitialBackoff over Retry.MaxBackoff", func(c *consumer.Config) { c.Retry.InitialBackoff, c.Retry.MaxBackoff = time.Minute, time.Second }, "Retry.InitialBackoff"},
 		{"InfraBackoff.Initial over InfraBackoff.Max", func(c *consumer.Config) { c.InfraBackoff.Initial, c.InfraBackoff.Max = time.Minute, time.Second }, "InfraBackoff.Initial"},
 	}

@@ -55,6 +55,7 @@ func run() int {
 		scaleN     = flag.Int("scale-n", 50000, "-scale: distinct events of each measured run")
 		retN       = flag.Int("scale-retention-n", 200000, "-scale: distinct events of the retention phase's runs")
 		retBatch   = flag.Int("scale-retention-batch", 5000, "-scale: batch size of dedup.Store.DeleteOlderThan")
+		retDuty    = flag.Float64("scale-retention-duty", 0.1, "-scale: dedup.DutyCycle of the retention sweep (the consumer's default 0.1; 1: full speed)")
 		pngOut     = flag.String("png", "", "-scale: also plot msgs/s against table size to this PNG file")
 		scaleOut   = flag.String("scale-out", "", "instead of the table: each row (default once-batch-handler) run by each of these numbers of processes of one consumer name at once, e.g. 1,2,4")
 	)
@@ -116,7 +117,7 @@ func run() int {
 		return runScaleOut(ctx, o, *scaleOut, *jsonOut)
 	}
 	if *scale {
-		so := bench.ScaleOptions{TableRows: *scaleRows, RetentionEvents: *retN, RetentionBatch: *retBatch, BatchSize: *batch,
+		so := bench.ScaleOptions{TableRows: *scaleRows, RetentionEvents: *retN, RetentionBatch: *retBatch, RetentionDuty: *retDuty, BatchSize: *batch,
 			Workload:    bench.Workload{Events: *scaleN, DupEvery: *dup, PoisonEvery: *poison, Partitions: *partitions},
 			DatabaseURL: o.DatabaseURL, Log: os.Stderr}
 		if *rows != "" {
