@@ -16,7 +16,7 @@
 // BEGIN and the claim in one round trip.
 // The attempts table (AttemptsTable) is created here but written by the
 // consumer's crash guard alone. DeleteOlderThan applies one consumer's
-// retention, to both tables, in bounded batches.
+// retention, to both tables, in bounded batches, paced by DutyCycle.
 //
 // A Store holds no connection and is safe for concurrent use.
 package dedup
