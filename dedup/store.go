@@ -45,7 +45,7 @@ type Store struct {
 	names  schemaNames
 	series *migrate.Series
 
-	claimSQL, claimBatchSQL, lookupSQL string
+	claimSQL, claimBatchSQL, lookupSQL, lookupManySQL string
 	retentionSQL, attemptsRetentionSQL string
 }
 
@@ -100,6 +100,9 @@ LEFT JOIN LATERAL (
 	WHERE ins.event_id IS NULL AND consumer = $1 AND event_id = u.id OFFSET 0
 ) p ON true`,
 		lookupSQL: `SELECT fingerprint, processed_at FROM ` + table + ` WHERE consumer = $1 AND event_id = $2`,
+		// A statement of its own sees what other transactions committed
+		// after the batch statement's snapshot (READ COMMITTED).
+		lookupManySQL: `SELECT event_id, fingerprint, processed_at FROM ` + table + ` WHERE consumer = $1 AND event_id = ANY($2::text[])`,
 		// The oldest rows first, from where the previous statement
 		// stopped ($4): ORDER BY with LIMIT makes the planner walk the
 		// (consumer, processed_at) index however many rows are expired
@@ -307,8 +310,9 @@ func (p *PendingClaim) Result(ctx context.Context, tx DB) (Result, error) {
 // Consumer. An id that appears twice in the batch is Claimed at its first
 // appearance and a Duplicate or Conflict (against the first) afterwards.
 // The same statement reads the previous rows of the duplicates; a second
-// one is needed only for an id committed by another transaction while the
-// statement ran (or deleted by retention meanwhile).
+// one reads, for all of them at once, the ids another transaction
+// committed while the statement waited on them, and a claim of its own is
+// sent only for an id retention deleted meanwhile.
 func (s *Store) ClaimBatch(ctx context.Context, tx DB, claims []Claim) ([]Result, error) {
 	if len(claims) == 0 {
 		return nil, nil
@@ -408,13 +412,52 @@ func (s *Store) batchResults(ctx context.Context, tx DB, claims []Claim, found *
 			missing = append(missing, i)
 		}
 	}
+	if len(missing) == 0 {
+		return results, nil
+	}
+	prev, err := s.lookupMany(ctx, tx, claims[0].Consumer, claims, missing)
+	if err != nil {
+		return nil, err
+	}
 	for _, i := range missing {
-		var err error
+		if p, ok := prev[claims[i].EventID]; ok {
+			results[i] = Result{Outcome: compare(claims[i].Fingerprint, p.Fingerprint), Previous: p}
+			continue
+		}
+		// Deleted by retention meanwhile: the id is free again.
 		if results[i], err = s.Claim(ctx, tx, claims[i]); err != nil {
 			return nil, err
 		}
 	}
 	return results, nil
+}
+
+// lookupMany reads, in one statement, the rows of the claims at the
+// indexes missing: ids another transaction committed while the batch
+// statement waited for them (a copy in a concurrent batch), which that
+// statement's snapshot could not see.
+func (s *Store) lookupMany(ctx context.Context, tx DB, consumer string, claims []Claim, missing []int) (map[string]Previous, error) {
+	ids := make([]string, len(missing))
+	for k, i := range missing {
+		ids[k] = claims[i].EventID
+	}
+	rows, err := tx.Query(ctx, s.lookupManySQL, consumer, ids)
+	if err != nil {
+		return nil, fmt.Errorf("dedup: claim lookup: %w", err)
+	}
+	prev := make(map[string]Previous, len(missing))
+	var (
+		id string
+		p  Previous
+	)
+	_, err = pgx.ForEachRow(rows, []any{&id, &p.Fingerprint, &p.ProcessedAt}, func() error {
+		prev[id] = Previous{Fingerprint: bytes.Clone(p.Fingerprint), ProcessedAt: p.ProcessedAt}
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("dedup: claim lookup: %w", err)
+	}
+	return prev, nil
 }
 
 // PendingClaimBatch is a batch of claims queued on a pgx.Batch by

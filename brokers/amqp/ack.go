@@ -8,8 +8,21 @@ import (
 
 // ackLinger is how long an ack that cannot be coalesced yet (an earlier
 // delivery of the channel is still being handled) waits for the gap to
-// close before it is sent alone.
-const ackLinger = time.Millisecond
+// close before it is sent alone. Concurrent transactions commit out of
+// order by about a transaction's time (a few milliseconds; the consumer's
+// unordered batches wait at most 20 ms for one): waiting that long turns
+// a batch committed early into part of one multiple ack instead of one
+// frame per delivery, which cost the broker about twice its CPU per
+// message (docs/performance.md). Held acks are sent sooner when they fill
+// half the prefetch (acker.hold).
+const ackLinger = 20 * time.Millisecond
+
+// ackGather is the least time between two flushes of the acker: the acks
+// given meanwhile (a committed batch's, acked one by one) go out in one
+// multiple ack instead of a frame each as the acker's goroutine wakes for
+// each of them. It delays an ack at the broker by at most this much; the
+// message's effects are committed before it is acked at all.
+const ackGather = time.Millisecond
 
 // ackSender is the part of *amqp091.Channel the acker uses.
 type ackSender interface {
@@ -33,6 +46,15 @@ type ackSender interface {
 // and waits.
 type acker struct {
 	ch ackSender
+	// linger is ackLinger (tests shorten or lengthen it).
+	linger time.Duration
+	// gather is ackGather (tests shorten or lengthen it).
+	gather time.Duration
+	// hold is how many acks may wait for a gap before they are sent one
+	// by one without waiting for the linger: half the prefetch, since
+	// each is a delivery the broker counts as unacked and a channel at
+	// its prefetch gets no more deliveries.
+	hold int
 
 	mu sync.Mutex
 	// floor: every tag up to it is acked at the broker (or covered by a
@@ -59,9 +81,12 @@ type acker struct {
 // span is the tags lo to hi, inclusive.
 type span struct{ lo, hi uint64 }
 
-func newAcker(ch ackSender) *acker {
+func newAcker(ch ackSender, prefetch int) *acker {
 	a := &acker{
 		ch:      ch,
+		linger:  ackLinger,
+		gather:  ackGather,
+		hold:    max(1, prefetch/2),
 		unsent:  map[uint64]struct{}{},
 		wake:    make(chan struct{}, 1),
 		stopped: make(chan struct{}),
@@ -95,21 +120,38 @@ func (a *acker) run() {
 	linger := time.NewTimer(time.Hour)
 	linger.Stop()
 	armed := false // a linger runs: later wakes must not postpone it
+	gather := time.NewTimer(time.Hour)
+	gather.Stop()
+	gathering := false // acks gather until the gather timer fires
+	var last time.Time // when the last flush ran
+	flush := func(singles bool) {
+		last = time.Now()
+		if a.flush(singles) && !armed {
+			linger.Reset(a.linger)
+			armed = true
+		}
+	}
 	for {
 		select {
 		case <-a.wake:
-			if a.flush(false) && !armed {
-				linger.Reset(ackLinger)
-				armed = true
+			if gathering {
+				continue
 			}
+			if wait := a.gather - time.Since(last); wait > 0 {
+				gather.Reset(wait)
+				gathering = true
+				continue
+			}
+			flush(false)
+		case <-gather.C:
+			gathering = false
+			flush(false)
 		case <-linger.C:
 			armed = false
-			if a.flush(true) {
-				linger.Reset(ackLinger)
-				armed = true
-			}
+			flush(true)
 		case <-a.stopped:
 			linger.Stop()
+			gather.Stop()
 			a.flush(true)
 			return
 		}
@@ -117,8 +159,8 @@ func (a *acker) run() {
 }
 
 // flush sends the multiple ack of the contiguous prefix and, when singles
-// is set, every other unsent tag alone. It reports whether unsent tags
-// remain (to be sent after the linger).
+// is set or the held tags reach a.hold, every other unsent tag alone. It
+// reports whether unsent tags remain (to be sent after the linger).
 func (a *acker) flush(singles bool) (remaining bool) {
 	a.mu.Lock()
 	var multi uint64 // the highest tag of the prefix still outstanding
@@ -137,7 +179,7 @@ func (a *acker) flush(singles bool) (remaining bool) {
 		break
 	}
 	var alone []uint64
-	if singles && len(a.unsent) > 0 {
+	if (singles || len(a.unsent) >= a.hold) && len(a.unsent) > 0 {
 		alone = make([]uint64, 0, len(a.unsent))
 		for tag := range a.unsent {
 			alone = append(alone, tag)

@@ -289,7 +289,7 @@ func (s *Source) connect() (*session, error) {
 		return fail(fmt.Errorf("amqp: consume queue %q: %w", s.cfg.Queue, err))
 	}
 	ctx, cancel := context.WithCancelCause(context.Background())
-	sess := &session{conn: conn, ch: ch, deliveries: deliveries, ctx: ctx, cancel: cancel, acker: newAcker(ch)}
+	sess := &session{conn: conn, ch: ch, deliveries: deliveries, ctx: ctx, cancel: cancel, acker: newAcker(ch, s.cfg.Prefetch)}
 	go sess.watch(connClosed, chClosed)
 	return sess, nil
 }

@@ -1,0 +1,107 @@
+package amqp
+
+import (
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// recordingSender is an ackSender that records the frames it is given.
+type recordingSender struct {
+	mu     sync.Mutex
+	frames []ackFrame
+}
+
+type ackFrame struct {
+	tag      uint64
+	multiple bool
+}
+
+func (r *recordingSender) Ack(tag uint64, multiple bool) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.frames = append(r.frames, ackFrame{tag, multiple})
+	return nil
+}
+
+func (r *recordingSender) sent() []ackFrame {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return append([]ackFrame(nil), r.frames...)
+}
+
+// ackRange acks the tags lo to hi, inclusive, as a consumer settling one
+// committed batch does.
+func ackRange(a *acker, lo, hi uint64) {
+	for tag := lo; tag <= hi; tag++ {
+		a.ack(tag)
+	}
+}
+
+// TestBatchesCommittedOutOfOrderShareOneAckFrame: two batches of one
+// channel run in concurrent transactions and the later one commits first
+// (a few milliseconds before the earlier one, as concurrent transactions
+// do). Its acks wait for the gap to close, and both batches go out as
+// one multiple ack, not as one frame per delivery: a frame per delivery
+// cost the broker about twice its CPU per message (RabbitMQ 3.10:
+// 36,541 frames for 66,000 messages in `make bench`'s hand-written row,
+// against 8,247 for the consume-and-ack ceiling).
+func TestBatchesCommittedOutOfOrderShareOneAckFrame(t *testing.T) {
+	const gap = 3 * time.Millisecond // the earlier batch's commit is this much later
+	for attempt := 0; ; attempt++ {
+		rec := &recordingSender{}
+		a := newAcker(rec, 512)
+		ackRange(a, 61, 120)
+		start := time.Now()
+		time.Sleep(gap)
+		ackRange(a, 1, 60)
+		late := time.Since(start)
+		a.stop()
+		if late >= ackLinger/2 && attempt < 5 {
+			// The machine stalled this goroutine for as long as the
+			// linger itself: the scenario did not happen, run it again.
+			continue
+		}
+		require.Less(t, late, ackLinger, "the scenario never ran: every attempt stalled")
+		frames := rec.sent()
+		require.NotEmpty(t, frames)
+		assert.Equal(t, ackFrame{120, true}, frames[len(frames)-1], "the last frame settles both batches")
+		assert.LessOrEqual(t, len(frames), 3, "the out-of-order batch is coalesced, not sent one delivery at a time: %v", frames)
+		return
+	}
+}
+
+// TestHeldAcksDoNotStarveThePrefetch: acks held behind a delivery that is
+// not settled (retried for a long time) count against the channel's
+// prefetch at the broker. Once they fill half of it, they are sent one by
+// one without waiting for the linger, so the broker keeps delivering.
+func TestHeldAcksDoNotStarveThePrefetch(t *testing.T) {
+	rec := &recordingSender{}
+	const prefetch = 64
+	a := newAcker(rec, prefetch)
+	a.linger = time.Hour // only the prefetch can release them
+	defer a.stop()
+
+	ackRange(a, 2, prefetch/2) // tag 1 is stuck
+	assert.Never(t, func() bool { return len(rec.sent()) > 0 }, 20*time.Millisecond, time.Millisecond,
+		"below half the prefetch, acks wait for the gap")
+	a.ack(prefetch/2 + 1)
+	require.Eventually(t, func() bool { return len(rec.sent()) == prefetch/2 }, 10*time.Second, time.Millisecond,
+		"at half the prefetch every held ack is sent alone")
+	for _, f := range rec.sent() {
+		assert.False(t, f.multiple, "no multiple ack may cover the stuck tag 1")
+		assert.NotEqual(t, uint64(1), f.tag)
+	}
+	_, unsent, spans := a.stats()
+	assert.Zero(t, unsent)
+	assert.Equal(t, 1, spans)
+
+	a.ack(1)
+	require.Eventually(t, func() bool {
+		f := rec.sent()
+		return len(f) == prefetch/2+1 && f[len(f)-1].tag == 1
+	}, 10*time.Second, time.Millisecond, "closing the gap acks tag 1 alone: the tags after it were acked already")
+}
