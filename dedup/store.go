@@ -46,7 +46,7 @@ type Store struct {
 	series *migrate.Series
 
 	claimSQL, claimBatchSQL, lookupSQL, lookupManySQL string
-	retentionSQL, attemptsRetentionSQL string
+	retentionSQL, attemptsRetentionSQL                string
 }
 
 // identifier is a plain, unquoted SQL identifier of at most 63 bytes minus
