@@ -23,7 +23,9 @@ import (
 )
 
 // ProfileEnv names a directory: when set, each row's subprocess writes a
-// CPU profile of its backlog phase there (<broker>-<row>.cpu.pprof).
+// CPU profile of its backlog phase there (<broker>-<row>.cpu.pprof), its
+// allocations (.allocs.pprof) and the paced phase's latencies of each
+// message (.paced.csv).
 const ProfileEnv = "ONCE_BENCH_PROFILE"
 
 // childEnv holds, in a row's subprocess, the JSON of its rowSpec.
@@ -193,7 +195,7 @@ func runChild(spec *rowSpec) (*childResult, error) {
 		runtime.ReadMemStats(&ms0)
 		writes0, commits0 = wire.snapshot()
 		if dir := os.Getenv(ProfileEnv); dir != "" {
-			name := filepath.Join(dir, strings.NewReplacer(" ", "-").Replace(string(spec.Broker)+"-"+string(spec.Row))+".cpu.pprof")
+			name := filepath.Join(dir, profileName(spec)+".cpu.pprof")
 			if f, err := os.Create(name); err == nil && pprof.StartCPUProfile(f) == nil {
 				profile = f
 			}
@@ -351,12 +353,18 @@ func ownShare(spec *rowSpec, m *meter) int {
 	return spec.Backlog
 }
 
+// profileName is the stem of a row's files in the ProfileEnv directory:
+// <broker>-<row>, spaces as hyphens.
+func profileName(spec *rowSpec) string {
+	return strings.NewReplacer(" ", "-").Replace(string(spec.Broker) + "-" + string(spec.Row))
+}
+
 // writeAllocsProfile writes the allocations sampled since the process
 // started (the backlog phase is nearly all of them) next to the CPU
 // profile: <broker>-<row>.allocs.pprof, for go tool pprof -sample_index
 // alloc_space or alloc_objects.
 func writeAllocsProfile(spec *rowSpec) {
-	name := filepath.Join(os.Getenv(ProfileEnv), strings.NewReplacer(" ", "-").Replace(string(spec.Broker)+"-"+string(spec.Row))+".allocs.pprof")
+	name := filepath.Join(os.Getenv(ProfileEnv), profileName(spec)+".allocs.pprof")
 	f, err := os.Create(name)
 	if err != nil {
 		return
@@ -420,6 +428,9 @@ func pace(spec *rowSpec, res *childResult, m *meter, wait func(int) error) error
 		return fmt.Errorf("paced phase: %d latencies recorded for %d messages", all, counts.Messages)
 	}
 	res.PacedTarget, res.PacedRate, res.Paced = rate, float64(sent)/produced.Seconds(), counts
+	if dir := os.Getenv(ProfileEnv); dir != "" {
+		writeTimeline(filepath.Join(dir, profileName(spec)+".paced.csv"), m, start)
+	}
 	res.P50, res.P99 = percentile(lat, 0.50), percentile(lat, 0.99)
 	res.ReceiveP50, res.ReceiveP99 = percentile(recv, 0.50), percentile(recv, 0.99)
 	return nil

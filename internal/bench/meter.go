@@ -1,7 +1,10 @@
 package bench
 
 import (
+	"bufio"
 	"context"
+	"fmt"
+	"os"
 	"slices"
 	"strconv"
 	"sync"
@@ -140,6 +143,27 @@ func (m *meter) latencies(from time.Time) (toAck, toReceive []time.Duration, all
 	slices.Sort(toAck)
 	slices.Sort(toReceive)
 	return toAck, toReceive, all
+}
+
+// writeTimeline writes the paced phase's samples to name as CSV, one line
+// a message in the order of their acks: produced (ms since start), produce
+// to Receive and produce to ack (ms). It shows whether a tail is one stall
+// or spread over the phase. Errors are ignored: it is a diagnostic.
+func writeTimeline(name string, m *meter, start time.Time) {
+	f, err := os.Create(name)
+	if err != nil {
+		return
+	}
+	defer f.Close()
+	w := bufio.NewWriter(f)
+	defer w.Flush()
+	fmt.Fprintln(w, "produced_ms,to_receive_ms,to_ack_ms")
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for _, s := range m.lat {
+		fmt.Fprintf(w, "%.3f,%.3f,%.3f\n", float64(s.produced-start.UnixNano())/1e6,
+			float64(s.toReceive)/1e6, float64(s.toAck)/1e6)
+	}
 }
 
 // meteredDelivery counts its Ack.
