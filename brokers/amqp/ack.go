@@ -9,13 +9,15 @@ import (
 // ackLinger is how long an ack that cannot be coalesced yet (an earlier
 // delivery of the channel is still being handled) waits for the gap to
 // close before it is sent alone. Concurrent transactions commit out of
-// order by about a transaction's time (a few milliseconds; the consumer's
-// unordered batches wait at most 20 ms for one): waiting that long turns
-// a batch committed early into part of one multiple ack instead of one
-// frame per delivery, which cost the broker about twice its CPU per
-// message (docs/performance.md). Held acks are sent sooner when they fill
-// half the prefetch (acker.hold).
-const ackLinger = 20 * time.Millisecond
+// order by up to a few of their own durations (under load, tens of
+// milliseconds): waiting that long turns a batch committed early into
+// part of one multiple ack instead of one frame per delivery, and a frame
+// per delivery cost the broker about 50 µs of CPU each on the development
+// machine (docs/performance.md). The acks are held only at the broker:
+// the messages' effects are committed. Held acks are sent sooner when
+// they fill half the prefetch (acker.hold), so a delivery stuck in
+// retries never stops the broker delivering.
+const ackLinger = 100 * time.Millisecond
 
 // ackGather is the least time between two flushes of the acker: the acks
 // given meanwhile (a committed batch's, acked one by one) go out in one

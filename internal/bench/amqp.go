@@ -15,10 +15,10 @@ import (
 )
 
 // amqpPrefetch is the prefetch of every RabbitMQ row, the naive one
-// included. Prefetches of 1024, 2048 and 4096 measured no better on the
-// development machine: the batched rows moved between 6k and 15k msgs/s
-// from run to run whatever the prefetch.
-const amqpPrefetch = 512
+// included: the adapter's default. At 512 the acks of batches committed
+// out of order went out one delivery per frame, since held acks may fill
+// only half the prefetch; 2048 and 4096 measured alike (docs/performance.md).
+const amqpPrefetch = amqp.DefaultPrefetch
 
 func amqpPublishing(m Msg, produced time.Time) amqp091.Publishing {
 	p := amqp091.Publishing{MessageId: m.ID, ContentType: "application/json", DeliveryMode: amqp091.Persistent, Body: m.Value}
