@@ -470,6 +470,58 @@ func TestBatchFailureSplitsAndKeepsOrder(t *testing.T) {
 	assert.Greater(t, c.Stats().Handled, uint64(0))
 }
 
+// A message that cannot be handled (here: not JSON) in the middle of an
+// ordered batch does not split the batch: the messages around it commit in
+// one transaction, and it is dead-lettered in its place among the acks,
+// after the messages before it and before those after it.
+func TestPoisonInABatchDoesNotSplitIt(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{Streams: 1})
+	const total = 10
+	for i := 0; i < total; i++ {
+		if i == 4 {
+			b.Publish(consumer.Message{Value: []byte("not json"), Headers: map[string]string{"id": "e4"}})
+			continue
+		}
+		publish(b, fmt.Sprintf("e%d", i), i)
+	}
+	var mu sync.Mutex
+	var commits [][]string
+	var settled []string
+	cfg := fastConfig("poison-no-split")
+	cfg.Batch.Size = total
+	cfg.Batch.Linger = time.Minute // the batch closes when all ten are queued
+	cfg.Hooks.AfterCommit = func(_ context.Context, evs []consumer.Committed) {
+		ids := make([]string, len(evs))
+		for i, ev := range evs {
+			ids[i] = ev.EventID
+		}
+		mu.Lock()
+		commits = append(commits, ids)
+		mu.Unlock()
+	}
+	cfg.Hooks.OnOutcome = func(_ context.Context, o consumer.Outcome) {
+		mu.Lock()
+		settled = append(settled, o.EventID+":"+string(o.Result))
+		mu.Unlock()
+	}
+	c, err := consumer.New(pool, b.Source(), insertEffect, cfg)
+	require.NoError(t, err)
+	start(t, c)
+	require.NoError(t, b.WaitAcked(context.Background(), total))
+
+	requireEffectsOnce(t, pool, total-1)
+	require.Len(t, b.DeadLetters(), 1)
+	assert.Equal(t, string(consumer.KindDecode), b.DeadLetters()[0].Headers[consumer.HeaderErrorKind])
+	mu.Lock()
+	defer mu.Unlock()
+	assert.Equal(t, [][]string{{"e0", "e1", "e2", "e3", "e5", "e6", "e7", "e8", "e9"}}, commits,
+		"one transaction for the messages around the poison")
+	assert.Equal(t, []string{"e0:handled", "e1:handled", "e2:handled", "e3:handled", "e4:dead_lettered",
+		"e5:handled", "e6:handled", "e7:handled", "e8:handled", "e9:handled"}, settled, "settled in stream order")
+}
+
 // A handler that swallows a failed statement's error, or commits the
 // consumer's transaction itself, is a handler failure, not an
 // infrastructure failure that would retry forever.

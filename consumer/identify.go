@@ -29,6 +29,9 @@ type job struct {
 	// failure, set by identify, says why the message cannot be handled: it
 	// is dead-lettered in its place in the stream.
 	failure *DeadLetter
+	// seq is the job's place among the deliveries handled together, in
+	// stream order.
+	seq int
 
 	// runs counts the handler's runs for this message so far, those of
 	// earlier processes included when the crash guard knows of them.

@@ -168,26 +168,29 @@ func (p *pipeline) process(work context.Context, dvs []Delivery, window bool, s 
 	ordered := dvs[0].Message().Stream != ""
 	jobs := make([]*job, 0, len(dvs))
 	var unhandleable []*job
-	for _, dv := range dvs {
+	for i, dv := range dvs {
 		j := p.identify(ctx, dv)
 		defer j.span.End()
-		switch {
-		case j.failure == nil:
+		j.seq = i
+		if j.failure == nil {
 			jobs = append(jobs, j)
-		case ordered:
-			// A message that cannot be handled is dead-lettered in its
-			// place in the stream, between the runs before and after it.
-			p.runGuarded(ctx, s, jobs, window)
-			jobs = jobs[:0]
-			s.deadLetter(j.ctx, j, j.failure)
-		default:
-			// No order to keep: the others do not wait for its dead
-			// letter, which a blocked dead-letter destination (a
-			// RabbitMQ resource alarm) can hold up for long.
+		} else {
 			unhandleable = append(unhandleable, j)
 		}
 	}
+	if ordered {
+		// A message that cannot be handled does not split the batch: the
+		// others run in one transaction, and it is dead-lettered in its
+		// place among the acks (settler.hold).
+		s.hold(unhandleable)
+		p.runGuarded(ctx, s, jobs, window)
+		s.releaseHeld()
+		return s.claimed - before
+	}
 	p.runGuarded(ctx, s, jobs, window)
+	// No order to keep: the others do not wait for these dead letters,
+	// which a blocked dead-letter destination (a RabbitMQ resource alarm)
+	// can hold up for long.
 	for _, j := range unhandleable {
 		s.deadLetter(j.ctx, j, j.failure)
 	}

@@ -24,6 +24,37 @@ type settler struct {
 	// claimed counts the messages whose ids were claimed as new and
 	// committed.
 	claimed int
+	// held are messages of the stream that cannot be handled, in stream
+	// order, waiting for their place: each is dead-lettered just before
+	// the first later message is settled, so the acks stay in stream
+	// order while the messages around it share one transaction.
+	held []*job
+}
+
+// hold keeps the unhandleable jobs (in stream order, each with its
+// failure) until the jobs around them settle.
+func (s *settler) hold(jobs []*job) {
+	s.held = append(s.held, jobs...)
+}
+
+// settleHeldBefore settles the held jobs that come before j in the
+// stream: dead-lettered, or abandoned when j's stream was abandoned
+// before them.
+func (s *settler) settleHeldBefore(j *job) {
+	for len(s.held) > 0 && s.held[0].seq < j.seq {
+		h := s.held[0]
+		s.held = s.held[1:]
+		s.deadLetter(h.ctx, h, h.failure)
+	}
+}
+
+// releaseHeld settles the held jobs that no later job settled.
+func (s *settler) releaseHeld() {
+	for len(s.held) > 0 {
+		h := s.held[0]
+		s.held = s.held[1:]
+		s.deadLetter(h.ctx, h, h.failure)
+	}
 }
 
 // committed settles jobs whose transaction committed, in order.
@@ -54,6 +85,7 @@ func (s *settler) ack(j *job, outcome Result) {
 
 // ackWith acks j; dl is its dead letter when it was dead-lettered.
 func (s *settler) ackWith(j *job, outcome Result, dl *DeadLetter) {
+	s.settleHeldBefore(j)
 	if s.abandoned {
 		// Its effects (or its duplicate's) are committed: the redelivery
 		// is skipped as a duplicate.
@@ -107,6 +139,7 @@ func (s *settler) conflict(j *job, prev dedup.Previous) {
 // broker confirms it, then acks it. Neither the crash guard's isolation
 // nor any other message waits on it.
 func (s *settler) deadLetter(ctx context.Context, j *job, dl *DeadLetter) {
+	s.settleHeldBefore(j)
 	if s.abandoned {
 		s.abandon(j)
 		return
@@ -133,6 +166,13 @@ func (s *settler) deadLetter(ctx context.Context, j *job, dl *DeadLetter) {
 // abandon leaves j unacked: the broker delivers it again. What the crash
 // guard recorded for it is taken back unless the handling stalled.
 func (s *settler) abandon(j *job) {
+	for len(s.held) > 0 && s.held[0].seq < j.seq {
+		// Earlier in the stream than j, and not settled: abandoned
+		// with it, to be dead-lettered again on redelivery.
+		h := s.held[0]
+		s.held = s.held[1:]
+		s.abandon(h)
+	}
 	s.abandoned = true
 	if j.settled {
 		return
