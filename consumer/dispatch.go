@@ -127,15 +127,22 @@ func (d *dispatcher) close() {
 // orderedWorker handles one stream's deliveries in order, in batches.
 // After each new assignment of the stream (a new Delivery.Context), the
 // first Batch.Size new messages are marked by the crash guard (guard.go).
-// The worker retires once its assignment has ended and nothing waits.
+// While a batch runs, the next one is identified beside it when a full
+// batch of the same assignment waits (lookAhead). The worker retires once
+// its assignment has ended and nothing waits.
 func (d *dispatcher) orderedWorker(l *lane) {
 	defer d.wg.Done()
-	var assignment context.Context
-	var s *settler
-	window := 0
+	w := &orderedRun{d: d}
+	var ahead <-chan *batch
 	for {
-		batch := l.next(d.p.cfg.Batch.Size, d.p.linger(), assignment)
-		if batch == nil {
+		if ahead != nil {
+			b := <-ahead
+			ahead = d.lookAhead(l, w.assignment)
+			w.execute(b)
+			continue
+		}
+		dvs := l.next(d.p.cfg.Batch.Size, d.p.linger(), w.assignment)
+		if dvs == nil {
 			if l.isRetired() {
 				select {
 				case d.retired <- struct{}{}:
@@ -144,26 +151,79 @@ func (d *dispatcher) orderedWorker(l *lane) {
 			}
 			return
 		}
-		for range batch {
-			<-d.budget
-		}
-		for len(batch) > 0 {
-			if c := batch[0].Context(); c != assignment {
-				assignment, window, s = c, d.p.cfg.Batch.Size, &settler{p: d.p}
-			}
+		d.release(len(dvs))
+		for len(dvs) > 0 {
+			w.enter(dvs[0].Context())
 			n := 1
-			for n < len(batch) && batch[n].Context() == assignment {
+			for n < len(dvs) && dvs[n].Context() == w.assignment {
 				n++
 			}
 			if d.p.stopping.Load() {
 				// Never started: left unacked, and nothing after them
 				// may be acked either.
-				s.abandoned = true
+				w.s.abandoned = true
 			} else {
-				window -= d.p.process(d.work, batch[:n], window > 0, s)
+				b := d.p.identifyBatch(d.work, dvs[:n])
+				if n == len(dvs) {
+					ahead = d.lookAhead(l, w.assignment)
+				}
+				w.execute(b)
 			}
-			batch = batch[n:]
+			dvs = dvs[n:]
 		}
+	}
+}
+
+// orderedRun is what an ordered worker keeps about its stream's current
+// assignment.
+type orderedRun struct {
+	d          *dispatcher
+	assignment context.Context
+	s          *settler
+	// window counts the messages of the assignment the crash guard still
+	// marks.
+	window int
+}
+
+// enter makes c the current assignment if it is a new one.
+func (w *orderedRun) enter(c context.Context) {
+	if c != w.assignment {
+		w.assignment, w.window, w.s = c, w.d.p.cfg.Batch.Size, &settler{p: w.d.p}
+	}
+}
+
+// execute runs b, of the current assignment; after the consumer began
+// stopping, its messages are abandoned.
+func (w *orderedRun) execute(b *batch) {
+	if w.d.p.stopping.Load() {
+		w.s.abandoned = true
+	}
+	w.window -= w.d.p.execute(b, w.window > 0, w.s)
+}
+
+// lookAhead takes the next batch from l if a full one of assignment
+// waits, and identifies it in a goroutine of its own: decoding, ids and
+// fingerprints then overlap the transaction of the batch before, on a
+// stream that has a backlog. It returns nil when no full batch waits.
+func (d *dispatcher) lookAhead(l *lane, assignment context.Context) <-chan *batch {
+	size := d.p.cfg.Batch.Size
+	if size <= 1 || d.p.stopping.Load() {
+		return nil
+	}
+	dvs := l.takeFull(size, assignment)
+	if dvs == nil {
+		return nil
+	}
+	d.release(len(dvs))
+	ahead := make(chan *batch, 1)
+	go func() { ahead <- d.p.identifyBatch(d.work, dvs) }()
+	return ahead
+}
+
+// release returns the budget of n deliveries taken from a lane.
+func (d *dispatcher) release(n int) {
+	for range n {
+		<-d.budget
 	}
 }
 

@@ -98,7 +98,31 @@ func (l *lane) next(max int, linger time.Duration, assignment context.Context) [
 		l.mu.Lock()
 	}
 	defer l.mu.Unlock()
-	n := min(max, len(l.q))
+	return l.take(min(max, len(l.q)))
+}
+
+// takeFull returns the next max deliveries if that many are queued and
+// all belong to assignment, else nil; it never waits. An ordered worker
+// uses it to identify its next batch while the one before runs: only a
+// full batch, so that a light stream's messages are never held back for
+// a batch taken early.
+func (l *lane) takeFull(max int, assignment context.Context) []Delivery {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if len(l.q) < max {
+		return nil
+	}
+	for _, dv := range l.q[:max] {
+		if dv.Context() != assignment {
+			return nil
+		}
+	}
+	return l.take(max)
+}
+
+// take removes the first n deliveries from the queue and returns them;
+// l.mu is held.
+func (l *lane) take(n int) []Delivery {
 	batch := make([]Delivery, n)
 	copy(batch, l.q)
 	// Move the rest to the front, so the backing array is reused and

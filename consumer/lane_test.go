@@ -115,3 +115,98 @@ func TestReceiveBufferBoundsWhatWaits(t *testing.T) {
 	require.Eventually(t, func() bool { return b.Acked() == 500 }, 20*time.Second, 5*time.Millisecond)
 	assert.Len(t, countEffects(t, pool), 500)
 }
+
+// TestBacklogIdentifiedBesideTheRunningBatch: on a stream with a backlog,
+// the next full batch is identified (decoded) while the batch before it
+// runs, and the stream's order and effects stay exact. The first batch's
+// handler waits until the decoder has seen a message of the second batch;
+// a worker that identified batches only one after another would never
+// let it.
+func TestBacklogIdentifiedBesideTheRunningBatch(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{Streams: 1})
+	const size, total = 20, 200
+	for i := 0; i < total; i++ {
+		publish(b, fmt.Sprintf("e%03d", i), i)
+	}
+	var decodedAhead atomic.Bool
+	aheadSeen := make(chan struct{})
+	cfg := fastConfig("look-ahead")
+	cfg.Batch.Size = size
+	cfg.Decoder = func(data []byte, v any) error {
+		if err := json.Unmarshal(data, v); err != nil {
+			return err
+		}
+		if o, ok := v.(*order); ok && o.N >= size && decodedAhead.CompareAndSwap(false, true) {
+			close(aheadSeen)
+		}
+		return nil
+	}
+	var overlapped atomic.Bool
+	var last atomic.Int64
+	last.Store(-1)
+	var outOfOrder atomic.Int32
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		if ev.Payload.N == 0 {
+			select {
+			case <-aheadSeen:
+				overlapped.Store(true)
+			case <-time.After(10 * time.Second):
+			}
+		}
+		if int64(ev.Payload.N) <= last.Swap(int64(ev.Payload.N)) {
+			outOfOrder.Add(1)
+		}
+		return insertEffect(ctx, tx, ev)
+	}
+	c, err := consumer.New(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	start(t, c)
+	require.NoError(t, b.WaitAcked(t.Context(), total))
+	assert.True(t, overlapped.Load(), "the second batch was decoded while the first ran")
+	assert.Zero(t, outOfOrder.Load(), "handlers ran in stream order")
+	requireEffectsOnce(t, pool, total)
+}
+
+// TestStopWithABatchIdentifiedAheadLosesNothing: a consumer stopped while
+// a batch identified ahead waits for the one before leaves it unacked, and
+// a new consumer handles everything exactly once.
+func TestStopWithABatchIdentifiedAheadLosesNothing(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{Streams: 1})
+	const size, total = 20, 200
+	for i := 0; i < total; i++ {
+		publish(b, fmt.Sprintf("e%03d", i), i)
+	}
+	cfg := fastConfig("look-ahead-stop")
+	cfg.Batch.Size = size
+	running := make(chan struct{})
+	release := make(chan struct{})
+	var once atomic.Bool
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		if ev.Payload.N == size && once.CompareAndSwap(false, true) {
+			close(running) // the second batch runs; the third was taken ahead
+			<-release
+		}
+		return insertEffect(ctx, tx, ev)
+	}
+	c, err := consumer.New(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	stop := start(t, c)
+	<-running
+	stopped := make(chan error, 1)
+	go func() { stopped <- stop() }()
+	require.Eventually(t, func() bool { return consumer.Stopping(c) }, 5*time.Second, time.Millisecond)
+	close(release)
+	require.NoError(t, <-stopped)
+	acked := b.Acked()
+	assert.Less(t, acked, total, "what was identified ahead is not acked after the stop")
+
+	c2, err := consumer.New(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	start(t, c2)
+	require.NoError(t, b.WaitAcked(t.Context(), total))
+	requireEffectsOnce(t, pool, total)
+}

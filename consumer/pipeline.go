@@ -144,57 +144,97 @@ func (p *pipeline) start(ctx context.Context) error {
 // messages of a new assignment, which the crash guard marks. It returns how
 // many were claimed as new.
 func (p *pipeline) process(work context.Context, dvs []Delivery, window bool, s *settler) (claimed int) {
-	p.sem <- struct{}{}
-	defer func() { <-p.sem }()
+	return p.execute(p.identifyBatch(work, dvs), window, s)
+}
 
+// batch is deliveries of one stream assignment (or of one channel) that
+// went through the identify stage together, ready for the others.
+type batch struct {
+	// ctx is the batch's: done when the consumer's work ends or when any
+	// of the deliveries can no longer be acked.
+	ctx     context.Context
+	release func()
+	// jobs are the messages to claim and run, in stream order;
+	// unhandleable the ones identify gave a failure, to dead-letter.
+	jobs, unhandleable []*job
+	ordered            bool
+}
+
+// identifyBatch is the identify stage of dvs. It takes no transaction slot:
+// an ordered lane identifies its next batch while the one before runs.
+func (p *pipeline) identifyBatch(work context.Context, dvs []Delivery) *batch {
 	// The deliveries share their fate: if any can no longer be acked
 	// (revoked partition, closed channel), the rest are abandoned.
 	ctx, cancel := context.WithCancel(work)
-	defer cancel()
+	var stops []func() bool
 	var watched context.Context
 	for _, dv := range dvs {
 		// Deliveries of one assignment or channel share their context:
 		// watch each distinct one once.
 		if c := dv.Context(); c != watched {
 			watched = c
-			stop := context.AfterFunc(c, cancel)
-			defer stop()
+			stops = append(stops, context.AfterFunc(c, cancel))
 		}
 	}
-	p.tel.inflight.Add(ctx, int64(len(dvs)), p.tel.baseAdd...)
-	defer p.tel.inflight.Add(ctx, -int64(len(dvs)), p.tel.baseAdd...)
-
-	before := s.claimed
-	ordered := dvs[0].Message().Stream != ""
-	jobs := make([]*job, 0, len(dvs))
-	var unhandleable []*job
+	b := &batch{ctx: ctx, ordered: dvs[0].Message().Stream != "", jobs: make([]*job, 0, len(dvs)),
+		release: func() {
+			for _, stop := range stops {
+				stop()
+			}
+			cancel()
+		}}
 	for i, dv := range dvs {
 		j := p.identify(ctx, dv)
-		defer j.span.End()
 		j.seq = i
 		if j.failure == nil {
-			jobs = append(jobs, j)
+			b.jobs = append(b.jobs, j)
 		} else {
-			unhandleable = append(unhandleable, j)
+			b.unhandleable = append(b.unhandleable, j)
 		}
 	}
-	if ordered {
+	return b
+}
+
+// execute takes a prepared batch through the claim-and-run and settle
+// stages, within Config.Concurrency, and returns how many of its messages
+// were claimed as new.
+func (p *pipeline) execute(b *batch, window bool, s *settler) (claimed int) {
+	defer b.release()
+	defer b.endSpans()
+	p.sem <- struct{}{}
+	defer func() { <-p.sem }()
+	n := int64(len(b.jobs) + len(b.unhandleable))
+	p.tel.inflight.Add(b.ctx, n, p.tel.baseAdd...)
+	defer p.tel.inflight.Add(b.ctx, -n, p.tel.baseAdd...)
+
+	before := s.claimed
+	if b.ordered {
 		// A message that cannot be handled does not split the batch: the
 		// others run in one transaction, and it is dead-lettered in its
 		// place among the acks (settler.hold).
-		s.hold(unhandleable)
-		p.runGuarded(ctx, s, jobs, window)
+		s.hold(b.unhandleable)
+		p.runGuarded(b.ctx, s, b.jobs, window)
 		s.releaseHeld()
 		return s.claimed - before
 	}
-	p.runGuarded(ctx, s, jobs, window)
+	p.runGuarded(b.ctx, s, b.jobs, window)
 	// No order to keep: the others do not wait for these dead letters,
 	// which a blocked dead-letter destination (a RabbitMQ resource alarm)
 	// can hold up for long.
-	for _, j := range unhandleable {
+	for _, j := range b.unhandleable {
 		s.deadLetter(j.ctx, j, j.failure)
 	}
 	return s.claimed - before
+}
+
+// endSpans ends the span of every message of b.
+func (b *batch) endSpans() {
+	for _, j := range b.jobs {
+		j.span.End()
+	}
+	for _, j := range b.unhandleable {
+		j.span.End()
+	}
 }
 
 // runGuarded passes jobs through the crash guard and runs what it plans.
