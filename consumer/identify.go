@@ -45,6 +45,8 @@ type job struct {
 	// settled: acked, dead-lettered or abandoned; nothing more happens to
 	// the message in this process.
 	settled bool
+	// result is how the message was settled.
+	result Result
 }
 
 // claim is the dedup claim of j's id.

@@ -36,8 +36,10 @@ type pipeline struct {
 	// claimed jobs of a batch.
 	batchCall func(ctx context.Context, tx pgx.Tx, jobs []*job) error
 	guard     *crashGuard
-	tel       *telemetry
-	stats     counters
+	// twins holds the ids unordered batches are claiming (twins.go).
+	twins *twins
+	tel   *telemetry
+	stats counters
 	// sem bounds the runs in progress to Config.Concurrency.
 	sem     chan struct{}
 	started atomic.Bool
@@ -73,7 +75,7 @@ func newPipeline(pool *pgxpool.Pool, src Source, cfg Config, prep preparer) (*pi
 		return nil, fmt.Errorf("once: telemetry: %w", err)
 	}
 	p := &pipeline{cfg: cfg, pool: pool, src: src, prepare: prep, tel: tel,
-		sem: make(chan struct{}, cfg.Concurrency), stopped: make(chan struct{})}
+		sem: make(chan struct{}, cfg.Concurrency), stopped: make(chan struct{}), twins: newTwins()}
 	p.guard = newCrashGuard(p)
 	return p, nil
 }
@@ -217,13 +219,16 @@ func (p *pipeline) execute(b *batch, window bool, s *settler) (claimed int) {
 		s.releaseHeld()
 		return s.claimed - before
 	}
-	p.runGuarded(b.ctx, s, b.jobs, window)
+	mine, followers := p.twins.register(b)
+	p.runGuarded(b.ctx, s, mine, window)
+	p.twins.release(b, mine)
 	// No order to keep: the others do not wait for these dead letters,
 	// which a blocked dead-letter destination (a RabbitMQ resource alarm)
 	// can hold up for long.
 	for _, j := range b.unhandleable {
 		s.deadLetter(j.ctx, j, j.failure)
 	}
+	p.settleFollowers(b.ctx, s, followers)
 	return s.claimed - before
 }
 

@@ -114,6 +114,7 @@ func (s *settler) ackWith(j *job, outcome Result, dl *DeadLetter) {
 		p.cfg.Telemetry.Logger.WarnContext(j.ctx, "once: ack failed; the message will be redelivered and skipped",
 			"consumer", p.cfg.Name, "event_id", j.idt.id, "error", err)
 	}
+	j.result = outcome
 	p.outcome(j.ctx, j, outcome, dl)
 }
 
@@ -181,6 +182,7 @@ func (s *settler) abandon(j *job) {
 	j.span.SetAttributes(attribute.String("once.outcome", "abandoned"))
 	s.p.cfg.Telemetry.Logger.DebugContext(j.ctx, "once: message abandoned unacked", "consumer", s.p.cfg.Name, "event_id", j.idt.id)
 	s.p.guard.forget(j)
+	j.result = ResultAbandoned
 	s.p.outcome(j.ctx, j, ResultAbandoned, nil)
 }
 

@@ -1,0 +1,120 @@
+package consumer
+
+import (
+	"bytes"
+	"context"
+	"sync"
+)
+
+// Twins: an unordered message whose id is already being claimed by
+// another batch of this process (a producer's retry, a broker's
+// redelivery, shortly after the first copy) does not race that batch to
+// the database. Its claim would wait there on the other transaction's
+// uncommitted row, holding its own batch, and every batch after it
+// holding the same id, until that transaction ended: on RabbitMQ, where
+// concurrent batches take neighbouring deliveries, one such wait chained
+// transactions that could have run side by side. Instead the message
+// follows its twin: its batch runs without it, and once the twin is
+// settled it is acked as a duplicate when the twin's claim committed with
+// the same fingerprint (the id's row is then committed: guarantee 2 holds
+// as for any duplicate), else it is claimed and run like any message.
+// Ordered streams run one batch at a time and have no twins in flight.
+
+// twins maps the ids of the unordered jobs in flight to their claims.
+type twins struct {
+	mu  sync.Mutex
+	ids map[string]*twinClaim
+}
+
+// twinClaim is one in-flight claim of an id, by its first job.
+type twinClaim struct {
+	owner *batch
+	fp    []byte
+	// done is closed once the job is settled; committed is set before:
+	// the id's row is committed (the job was handled, skipped or a
+	// duplicate).
+	done      chan struct{}
+	committed bool
+}
+
+// follower is a job held back behind its twin's claim.
+type follower struct {
+	j    *job
+	twin *twinClaim
+}
+
+func newTwins() *twins { return &twins{ids: map[string]*twinClaim{}} }
+
+// register records the claims of b's jobs and returns the jobs b runs
+// itself and those that follow a twin of another batch. A batch registers
+// all its ids at once, so a follower's twin always registered before it:
+// batches can wait on each other only in that order, never in a cycle.
+func (t *twins) register(b *batch) (mine []*job, followers []follower) {
+	mine = make([]*job, 0, len(b.jobs))
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for _, j := range b.jobs {
+		c, ok := t.ids[j.idt.id]
+		switch {
+		case mayBeRedelivery(j.d):
+			// A suspect of a crash goes through the crash guard, which
+			// keeps a durable record for it: it never follows, and
+			// nothing follows it.
+			mine = append(mine, j)
+		case !ok:
+			t.ids[j.idt.id] = &twinClaim{owner: b, fp: j.fp, done: make(chan struct{})}
+			mine = append(mine, j)
+		case c.owner == b:
+			// Twice in one batch: the batch claim tells them apart.
+			mine = append(mine, j)
+		default:
+			followers = append(followers, follower{j: j, twin: c})
+		}
+	}
+	return mine, followers
+}
+
+// release records whether the claims of b's jobs (all settled) committed
+// and lets their followers go.
+func (t *twins) release(b *batch, mine []*job) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for _, j := range mine {
+		if c, ok := t.ids[j.idt.id]; ok && c.owner == b && rowCommitted(j.result) {
+			c.committed = true
+		}
+	}
+	for _, j := range mine {
+		if c, ok := t.ids[j.idt.id]; ok && c.owner == b {
+			delete(t.ids, j.idt.id)
+			close(c.done)
+		}
+	}
+}
+
+// rowCommitted reports whether a job that ended with r left its id's row
+// committed: handled or skipped in a committed transaction, or found
+// there already.
+func rowCommitted(r Result) bool {
+	return r == ResultHandled || r == ResultDuplicate || r == ResultSkipped
+}
+
+// settleFollowers waits for each follower's twin, then acks the follower
+// as a duplicate of the twin's committed claim, or runs it.
+func (p *pipeline) settleFollowers(ctx context.Context, s *settler, followers []follower) {
+	var rest []*job
+	for _, f := range followers {
+		select {
+		case <-f.twin.done:
+		case <-ctx.Done():
+			s.abandon(f.j)
+			continue
+		}
+		if f.twin.committed && bytes.Equal(f.twin.fp, f.j.fp) {
+			s.ack(f.j, ResultDuplicate)
+			continue
+		}
+		rest = append(rest, f.j)
+	}
+	p.runGuarded(ctx, s, rest, false)
+}
