@@ -138,7 +138,9 @@ func (d *dispatcher) orderedWorker(l *lane) {
 		if ahead != nil {
 			b := <-ahead
 			ahead = d.lookAhead(l, w.assignment)
+			release := d.p.takeSlot()
 			w.execute(b)
+			release()
 			continue
 		}
 		dvs := l.next(d.p.cfg.Batch.Size, d.p.linger(), w.assignment)
@@ -163,11 +165,22 @@ func (d *dispatcher) orderedWorker(l *lane) {
 				// may be acked either.
 				w.s.abandoned = true
 			} else {
-				b := d.p.identifyBatch(d.work, dvs[:n])
+				run := dvs[:n]
+				release := d.p.takeSlot()
+				if n == len(dvs) {
+					// What arrived while the worker waited for its slot
+					// joins the batch: lanes that outnumber the slots
+					// (KeyLanes) run fewer, fuller transactions.
+					more := l.takeUpTo(d.p.cfg.Batch.Size-n, w.assignment)
+					d.release(len(more))
+					run = append(run, more...)
+				}
+				b := d.p.identifyBatch(d.work, run)
 				if n == len(dvs) {
 					ahead = d.lookAhead(l, w.assignment)
 				}
 				w.execute(b)
+				release()
 			}
 			dvs = dvs[n:]
 		}

@@ -6,3 +6,7 @@ func BeginStopping[T any](c *Consumer[T]) { c.p.stop() }
 
 // Stopping reports whether c's shutdown has begun.
 func Stopping[T any](c *Consumer[T]) bool { return c.p.stopping.Load() }
+
+// SlotWaiters is how many of c's workers wait for a transaction slot
+// (Config.Concurrency).
+func SlotWaiters[T any](c *Consumer[T]) int32 { return c.p.slotWaiters.Load() }

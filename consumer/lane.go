@@ -120,6 +120,21 @@ func (l *lane) takeFull(max int, assignment context.Context) []Delivery {
 	return l.take(max)
 }
 
+// takeUpTo returns up to max queued deliveries of assignment, from the
+// front of the queue, without waiting; none when max <= 0.
+func (l *lane) takeUpTo(max int, assignment context.Context) []Delivery {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	n := 0
+	for n < min(max, len(l.q)) && l.q[n].Context() == assignment {
+		n++
+	}
+	if n == 0 {
+		return nil
+	}
+	return l.take(n)
+}
+
 // take removes the first n deliveries from the queue and returns them;
 // l.mu is held.
 func (l *lane) take(n int) []Delivery {

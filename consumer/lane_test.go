@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"hash/fnv"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -209,4 +210,67 @@ func TestStopWithABatchIdentifiedAheadLosesNothing(t *testing.T) {
 	start(t, c2)
 	require.NoError(t, b.WaitAcked(t.Context(), total))
 	requireEffectsOnce(t, pool, total)
+}
+
+// TestLaneWaitingForASlotTakesWhatArrivedMeanwhile: with more lanes than
+// transaction slots (Config.Concurrency; KeyLanes does this), a lane that
+// took a message and waits for a slot runs, once it has one, every message
+// of its stream that arrived meanwhile in the same transaction, instead of
+// the one message it took and then the rest.
+func TestLaneWaitingForASlotTakesWhatArrivedMeanwhile(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{Streams: 2})
+	other := "b"
+	for i := 0; memStream(other, 2) == memStream("a", 2); i++ {
+		other = fmt.Sprintf("b%d", i)
+	}
+	publishKeyed := func(key, id string, n int) {
+		v, _ := json.Marshal(order{N: n})
+		b.Publish(consumer.Message{Value: v, Headers: map[string]string{"id": id}, Key: []byte(key)})
+	}
+	entered, release := make(chan struct{}), make(chan struct{})
+	var commits [][]string
+	var mu sync.Mutex
+	cfg := fastConfig("slot-top-up")
+	cfg.Concurrency = 1
+	cfg.Batch.Size = 10
+	cfg.Hooks.AfterCommit = func(_ context.Context, evs []consumer.Committed) {
+		ids := make([]string, len(evs))
+		for i, ev := range evs {
+			ids[i] = ev.EventID
+		}
+		mu.Lock()
+		commits = append(commits, ids)
+		mu.Unlock()
+	}
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		if ev.ID == "a-0" {
+			close(entered)
+			<-release
+		}
+		return insertEffect(ctx, tx, ev)
+	}
+	c, err := consumer.New(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	start(t, c)
+	publishKeyed("a", "a-0", 0)
+	<-entered // the only slot is taken
+	publishKeyed(other, "b-0", 1)
+	require.Eventually(t, func() bool { return consumer.SlotWaiters(c) == 1 }, 10*time.Second, time.Millisecond,
+		"the other lane took b-0 and waits for the slot")
+	for i := 1; i < 5; i++ {
+		publishKeyed(other, fmt.Sprintf("b-%d", i), 1+i)
+	}
+	// The dispatcher queues each delivery before it receives the next:
+	// once a-1 is received, b-4 waits in its lane.
+	publishKeyed("a", "a-1", 9)
+	require.Eventually(t, func() bool { return c.Stats().Received == 7 }, 10*time.Second, time.Millisecond)
+	close(release)
+	require.NoError(t, b.WaitAcked(t.Context(), 7))
+	mu.Lock()
+	defer mu.Unlock()
+	assert.Contains(t, commits, []string{"b-0", "b-1", "b-2", "b-3", "b-4"}, "one transaction for the lane's messages")
+	assert.Len(t, commits, 3)
+	requireEffectsOnce(t, pool, 7)
 }

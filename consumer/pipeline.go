@@ -40,9 +40,11 @@ type pipeline struct {
 	twins *twins
 	tel   *telemetry
 	stats counters
-	// sem bounds the runs in progress to Config.Concurrency.
-	sem     chan struct{}
-	started atomic.Bool
+	// sem bounds the runs in progress to Config.Concurrency;
+	// slotWaiters counts the workers waiting for one.
+	sem         chan struct{}
+	slotWaiters atomic.Int32
+	started     atomic.Bool
 	// stopping is set, and stopped closed, once Run's context is done: no
 	// new transaction starts, a batch in progress is rolled back, and
 	// waits between attempts end.
@@ -146,7 +148,22 @@ func (p *pipeline) start(ctx context.Context) error {
 // messages of a new assignment, which the crash guard marks. It returns how
 // many were claimed as new.
 func (p *pipeline) process(work context.Context, dvs []Delivery, window bool, s *settler) (claimed int) {
+	release := p.takeSlot()
+	defer release()
 	return p.execute(p.identifyBatch(work, dvs), window, s)
+}
+
+// takeSlot waits for one of the Config.Concurrency slots of the runs in
+// progress and returns the function that gives it back.
+func (p *pipeline) takeSlot() (release func()) {
+	select {
+	case p.sem <- struct{}{}:
+	default:
+		p.slotWaiters.Add(1)
+		p.sem <- struct{}{}
+		p.slotWaiters.Add(-1)
+	}
+	return func() { <-p.sem }
 }
 
 // batch is deliveries of one stream assignment (or of one channel) that
@@ -198,13 +215,11 @@ func (p *pipeline) identifyBatch(work context.Context, dvs []Delivery) *batch {
 }
 
 // execute takes a prepared batch through the claim-and-run and settle
-// stages, within Config.Concurrency, and returns how many of its messages
-// were claimed as new.
+// stages and returns how many of its messages were claimed as new. The
+// caller holds a slot (takeSlot).
 func (p *pipeline) execute(b *batch, window bool, s *settler) (claimed int) {
 	defer b.release()
 	defer b.endSpans()
-	p.sem <- struct{}{}
-	defer func() { <-p.sem }()
 	n := int64(len(b.jobs) + len(b.unhandleable))
 	p.tel.inflight.Add(b.ctx, n, p.tel.baseAdd...)
 	defer p.tel.inflight.Add(b.ctx, -n, p.tel.baseAdd...)
