@@ -3,6 +3,7 @@ package dedup
 import (
 	"bytes"
 	"context"
+	"database/sql/driver"
 	"errors"
 	"fmt"
 	"regexp"
@@ -336,20 +337,48 @@ func (s *Store) ClaimBatch(ctx context.Context, tx DB, claims []Claim) ([]Result
 // be at least one, all of one consumer.
 func claimBatchArgs(claims []Claim) ([]any, error) {
 	consumer := claims[0].Consumer
-	ids := make([]string, len(claims))
-	fps := make([][]byte, len(claims))
-	srcs := make([]string, len(claims))
-	parts := make([]*int32, len(claims))
-	offs := make([]*int64, len(claims))
+	ids := make(ptrArray[string], len(claims))
+	fps := make(ptrArray[[]byte], len(claims))
+	srcs := make(ptrArray[string], len(claims))
+	parts := make(ptrArray[pgtype.Int4], len(claims))
+	offs := make(ptrArray[pgtype.Int8], len(claims))
 	for i, c := range claims {
 		if c.Consumer != consumer {
 			return nil, fmt.Errorf("dedup: claim batch: mixed consumers %q and %q", consumer, c.Consumer)
 		}
 		ids[i], fps[i], srcs[i] = c.EventID, c.Fingerprint, c.Source
-		parts[i], offs[i] = nullable32(c.Partition), nullable64(c.Offset)
+		parts[i] = pgtype.Int4{Int32: c.Partition, Valid: c.Partition >= 0}
+		offs[i] = pgtype.Int8{Int64: c.Offset, Valid: c.Offset >= 0}
 	}
 	return []any{consumer, ids, fps, srcs, parts, offs}, nil
 }
+
+// ptrArray is a one-dimensional array argument whose elements pgx reads
+// through pointers. A plain slice is encoded through pgtype.FlatArray,
+// whose Index boxes each string, []byte or struct element into an
+// interface: an allocation per element of every claim, where a pointer
+// needs none.
+type ptrArray[T any] []T
+
+// Dimensions implements pgtype.ArrayGetter.
+func (a ptrArray[T]) Dimensions() []pgtype.ArrayDimension {
+	if a == nil {
+		return nil
+	}
+	return []pgtype.ArrayDimension{{Length: int32(len(a)), LowerBound: 1}}
+}
+
+// Index implements pgtype.ArrayGetter.
+func (a ptrArray[T]) Index(i int) any { return &a[i] }
+
+// IndexType implements pgtype.ArrayGetter.
+func (a ptrArray[T]) IndexType() any { return new(T) }
+
+// Value hands pgx the plain slice where it does not know the parameter's
+// type (QueryExecModeExec, the simple protocol, as behind PgBouncer): it
+// finds the array type from the slice there, boxing each element as
+// before. Where it knows the type it uses the pointers.
+func (a ptrArray[T]) Value() (driver.Value, error) { return []T(a), nil }
 
 // batchFound is what claimBatchSQL returned, by claim: whether its row
 // went in, and the row that was there before.
