@@ -30,9 +30,9 @@ type twins struct {
 type twinClaim struct {
 	owner *batch
 	fp    []byte
-	// done is closed once the job is settled; committed is set before:
-	// the id's row is committed (the job was handled, skipped or a
-	// duplicate).
+	// done is the owner batch's: closed once all its jobs are settled.
+	// committed is set before: the id's row is committed (the job was
+	// handled, skipped or a duplicate).
 	done      chan struct{}
 	committed bool
 }
@@ -51,6 +51,10 @@ func newTwins() *twins { return &twins{ids: map[string]*twinClaim{}} }
 // batches can wait on each other only in that order, never in a cycle.
 func (t *twins) register(b *batch) (mine []*job, followers []follower) {
 	mine = make([]*job, 0, len(b.jobs))
+	// One channel and one block of claims for the whole batch: every
+	// claim of a batch is released at once.
+	done := make(chan struct{})
+	claims := make([]twinClaim, 0, len(b.jobs))
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	for _, j := range b.jobs {
@@ -62,7 +66,10 @@ func (t *twins) register(b *batch) (mine []*job, followers []follower) {
 			// nothing follows it.
 			mine = append(mine, j)
 		case !ok:
-			t.ids[j.idt.id] = &twinClaim{owner: b, fp: j.fp, done: make(chan struct{})}
+			// claims never grows past its capacity: the pointer stays
+			// valid.
+			claims = append(claims, twinClaim{owner: b, fp: j.fp, done: done})
+			t.ids[j.idt.id] = &claims[len(claims)-1]
 			mine = append(mine, j)
 		case c.owner == b:
 			// Twice in one batch: the batch claim tells them apart.
@@ -84,11 +91,15 @@ func (t *twins) release(b *batch, mine []*job) {
 			c.committed = true
 		}
 	}
+	var done chan struct{}
 	for _, j := range mine {
 		if c, ok := t.ids[j.idt.id]; ok && c.owner == b {
 			delete(t.ids, j.idt.id)
-			close(c.done)
+			done = c.done
 		}
+	}
+	if done != nil {
+		close(done)
 	}
 }
 
