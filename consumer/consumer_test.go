@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -60,6 +61,46 @@ func requireEffectsOnce(t *testing.T, pool *pgxpool.Pool, want int) map[string]i
 		require.Equal(t, 1, n, "double effect for %s", id)
 	}
 	return got
+}
+
+// publishKeyed publishes an order with id under key (which picks its
+// stream).
+func publishKeyed(b *memsource.Broker, key, id string, n int) {
+	v, _ := json.Marshal(order{N: n})
+	b.Publish(consumer.Message{Value: v, Headers: map[string]string{"id": id}, Key: []byte(key)})
+}
+
+// keyOnAnotherStream returns a key, starting with prefix, whose stream
+// among n differs from key's.
+func keyOnAnotherStream(key, prefix string, n int) string {
+	other := prefix
+	for i := 0; memStream(other, n) == memStream(key, n); i++ {
+		other = fmt.Sprintf("%s%d", prefix, i)
+	}
+	return other
+}
+
+// commitLog records, as Hooks.AfterCommit, the event ids of each committed
+// transaction.
+type commitLog struct {
+	mu  sync.Mutex
+	txs [][]string
+}
+
+func (l *commitLog) hook(_ context.Context, evs []consumer.Committed) {
+	ids := make([]string, len(evs))
+	for i, ev := range evs {
+		ids[i] = ev.EventID
+	}
+	l.mu.Lock()
+	l.txs = append(l.txs, ids)
+	l.mu.Unlock()
+}
+
+func (l *commitLog) transactions() [][]string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return slices.Clone(l.txs)
 }
 
 func publish(b *memsource.Broker, id string, n int) {

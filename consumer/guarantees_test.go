@@ -487,20 +487,12 @@ func TestPoisonInABatchDoesNotSplitIt(t *testing.T) {
 		publish(b, fmt.Sprintf("e%d", i), i)
 	}
 	var mu sync.Mutex
-	var commits [][]string
+	var log commitLog
 	var settled []string
 	cfg := fastConfig("poison-no-split")
 	cfg.Batch.Size = total
 	cfg.Batch.Linger = time.Minute // the batch closes when all ten are queued
-	cfg.Hooks.AfterCommit = func(_ context.Context, evs []consumer.Committed) {
-		ids := make([]string, len(evs))
-		for i, ev := range evs {
-			ids[i] = ev.EventID
-		}
-		mu.Lock()
-		commits = append(commits, ids)
-		mu.Unlock()
-	}
+	cfg.Hooks.AfterCommit = log.hook
 	cfg.Hooks.OnOutcome = func(_ context.Context, o consumer.Outcome) {
 		mu.Lock()
 		settled = append(settled, o.EventID+":"+string(o.Result))
@@ -516,7 +508,7 @@ func TestPoisonInABatchDoesNotSplitIt(t *testing.T) {
 	assert.Equal(t, string(consumer.KindDecode), b.DeadLetters()[0].Headers[consumer.HeaderErrorKind])
 	mu.Lock()
 	defer mu.Unlock()
-	assert.Equal(t, [][]string{{"e0", "e1", "e2", "e3", "e5", "e6", "e7", "e8", "e9"}}, commits,
+	assert.Equal(t, [][]string{{"e0", "e1", "e2", "e3", "e5", "e6", "e7", "e8", "e9"}}, log.transactions(),
 		"one transaction for the messages around the poison")
 	assert.Equal(t, []string{"e0:handled", "e1:handled", "e2:handled", "e3:handled", "e4:dead_lettered",
 		"e5:handled", "e6:handled", "e7:handled", "e8:handled", "e9:handled"}, settled, "settled in stream order")

@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"hash/fnv"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -35,20 +34,13 @@ func TestBusyStreamDoesNotHoldUpOthers(t *testing.T) {
 	pool, _ := pgtest.Schema(t)
 	effects(t, pool)
 	b := memsource.New(memsource.Options{Streams: 2})
-	cold := "cold"
-	for i := 0; memStream(cold, 2) == memStream("hot", 2); i++ {
-		cold = fmt.Sprintf("cold-%d", i)
-	}
-	publishKeyed := func(key, id string, n int) {
-		v, _ := json.Marshal(order{N: n})
-		b.Publish(consumer.Message{Value: v, Headers: map[string]string{"id": id}, Key: []byte(key)})
-	}
+	cold := keyOnAnotherStream("hot", "cold", 2)
 	const hot, others = 300, 20
 	for i := 0; i < hot; i++ {
-		publishKeyed("hot", fmt.Sprintf("hot-%d", i), i)
+		publishKeyed(b, "hot", fmt.Sprintf("hot-%d", i), i)
 	}
 	for i := 0; i < others; i++ {
-		publishKeyed(cold, fmt.Sprintf("cold-%d", i), i)
+		publishKeyed(b, cold, fmt.Sprintf("cold-%d", i), i)
 	}
 
 	release := make(chan struct{})
@@ -221,29 +213,13 @@ func TestLaneWaitingForASlotTakesWhatArrivedMeanwhile(t *testing.T) {
 	pool, _ := pgtest.Schema(t)
 	effects(t, pool)
 	b := memsource.New(memsource.Options{Streams: 2})
-	other := "b"
-	for i := 0; memStream(other, 2) == memStream("a", 2); i++ {
-		other = fmt.Sprintf("b%d", i)
-	}
-	publishKeyed := func(key, id string, n int) {
-		v, _ := json.Marshal(order{N: n})
-		b.Publish(consumer.Message{Value: v, Headers: map[string]string{"id": id}, Key: []byte(key)})
-	}
+	other := keyOnAnotherStream("a", "b", 2)
 	entered, release := make(chan struct{}), make(chan struct{})
-	var commits [][]string
-	var mu sync.Mutex
+	var log commitLog
 	cfg := fastConfig("slot-top-up")
 	cfg.Concurrency = 1
 	cfg.Batch.Size = 10
-	cfg.Hooks.AfterCommit = func(_ context.Context, evs []consumer.Committed) {
-		ids := make([]string, len(evs))
-		for i, ev := range evs {
-			ids[i] = ev.EventID
-		}
-		mu.Lock()
-		commits = append(commits, ids)
-		mu.Unlock()
-	}
+	cfg.Hooks.AfterCommit = log.hook
 	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
 		if ev.ID == "a-0" {
 			close(entered)
@@ -254,22 +230,21 @@ func TestLaneWaitingForASlotTakesWhatArrivedMeanwhile(t *testing.T) {
 	c, err := consumer.New(pool, b.Source(), h, cfg)
 	require.NoError(t, err)
 	start(t, c)
-	publishKeyed("a", "a-0", 0)
+	publishKeyed(b, "a", "a-0", 0)
 	<-entered // the only slot is taken
-	publishKeyed(other, "b-0", 1)
+	publishKeyed(b, other, "b-0", 1)
 	require.Eventually(t, func() bool { return consumer.SlotWaiters(c) == 1 }, 10*time.Second, time.Millisecond,
 		"the other lane took b-0 and waits for the slot")
 	for i := 1; i < 5; i++ {
-		publishKeyed(other, fmt.Sprintf("b-%d", i), 1+i)
+		publishKeyed(b, other, fmt.Sprintf("b-%d", i), 1+i)
 	}
 	// The dispatcher queues each delivery before it receives the next:
 	// once a-1 is received, b-4 waits in its lane.
-	publishKeyed("a", "a-1", 9)
+	publishKeyed(b, "a", "a-1", 9)
 	require.Eventually(t, func() bool { return c.Stats().Received == 7 }, 10*time.Second, time.Millisecond)
 	close(release)
 	require.NoError(t, b.WaitAcked(t.Context(), 7))
-	mu.Lock()
-	defer mu.Unlock()
+	commits := log.transactions()
 	assert.Contains(t, commits, []string{"b-0", "b-1", "b-2", "b-3", "b-4"}, "one transaction for the lane's messages")
 	assert.Len(t, commits, 3)
 	requireEffectsOnce(t, pool, 7)
