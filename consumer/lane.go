@@ -109,15 +109,10 @@ func (l *lane) next(max int, linger time.Duration, assignment context.Context) [
 func (l *lane) takeFull(max int, assignment context.Context) []Delivery {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	if len(l.q) < max {
-		return nil
+	if n := l.prefixOf(max, assignment); n == max {
+		return l.take(n)
 	}
-	for _, dv := range l.q[:max] {
-		if dv.Context() != assignment {
-			return nil
-		}
-	}
-	return l.take(max)
+	return nil
 }
 
 // takeUpTo returns up to max queued deliveries of assignment, from the
@@ -125,14 +120,20 @@ func (l *lane) takeFull(max int, assignment context.Context) []Delivery {
 func (l *lane) takeUpTo(max int, assignment context.Context) []Delivery {
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	if n := l.prefixOf(max, assignment); n > 0 {
+		return l.take(n)
+	}
+	return nil
+}
+
+// prefixOf returns how many of the first max queued deliveries belong to
+// assignment, stopping at the first that does not; l.mu is held.
+func (l *lane) prefixOf(max int, assignment context.Context) int {
 	n := 0
 	for n < min(max, len(l.q)) && l.q[n].Context() == assignment {
 		n++
 	}
-	if n == 0 {
-		return nil
-	}
-	return l.take(n)
+	return n
 }
 
 // take removes the first n deliveries from the queue and returns them;
