@@ -82,9 +82,15 @@ func (r *Relay) relayBatch(ctx context.Context, conn *pgx.Conn, batch []Record, 
 	publish, checked := r.check(batch)
 	published := make(chan []error, 1)
 	go func() {
+		// The publisher outlives a stop by shutdownGrace, like the wait
+		// below: a publisher that watches its context (amqpout) would
+		// otherwise give up on confirms the broker is about to send, and
+		// leave rows the broker has to be published again.
+		gctx, cancel := graceContext(pctx, shutdownGrace)
+		defer cancel()
 		var errs []error
 		if len(publish) > 0 {
-			errs = r.pub.Publish(pctx, publish)
+			errs = r.pub.Publish(gctx, publish)
 		}
 		published <- errs
 	}()
@@ -168,6 +174,18 @@ func (r *Relay) settleDeferred(ctx context.Context, conn *pgx.Conn, deferred *se
 // answer to the batch in flight (a sarama producer does not watch the
 // context): past it the batch is left unsettled, to be published again.
 const shutdownGrace = 5 * time.Second
+
+// graceContext returns a context with ctx's values that is cancelled
+// grace after ctx is done (or when cancel is called).
+func graceContext(ctx context.Context, grace time.Duration) (context.Context, context.CancelFunc) {
+	gctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	// A timer left running after cancel only calls cancel again.
+	stopAfter := context.AfterFunc(ctx, func() { time.AfterFunc(grace, cancel) })
+	return gctx, func() {
+		stopAfter()
+		cancel()
+	}
+}
 
 // awaitPublish waits for the publish's outcome; once ctx is done, at most
 // shutdownGrace more. ok is false when it gave up.

@@ -249,3 +249,38 @@ func TestStoppedRelayDeletesWhatTheBrokerConfirmed(t *testing.T) {
 	_, seen := ids(got)
 	assert.Len(t, seen, published, "each published once")
 }
+
+// stopDuringPublish cancels the relay's context as its first publish
+// starts, then publishes: the broker answers while the relay is stopping.
+type stopDuringPublish struct {
+	outbox.Publisher
+	stop context.CancelFunc
+}
+
+func (p *stopDuringPublish) Publish(ctx context.Context, recs []outbox.Record) []error {
+	p.stop()
+	return p.Publisher.Publish(ctx, recs)
+}
+
+// A relay stopped while its publish is in flight still waits (within its
+// grace) for the broker's answer and deletes what the broker confirmed:
+// the publish is not cut short by the stop, which would leave rows the
+// broker has, and a consumer may already have handled, to be published
+// again.
+func TestRelayStoppedMidPublishDeletesWhatTheBrokerConfirmed(t *testing.T) {
+	forEachBroker(t, func(t *testing.T, b broker) {
+		pool, _ := migrated(t)
+		d := b.destination(t)
+		msgs := []outbox.Message{d.msg("a", "a/1"), d.msg("a", "a/2"), d.msg("b", "b/1")}
+		addCommitted(t, pool, msgs...)
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		r, err := outbox.NewRelay(pool, &stopDuringPublish{Publisher: b.publisher(t), stop: cancel}, outbox.RelayConfig{Logger: testLogger()})
+		require.NoError(t, err)
+		require.NoError(t, r.Run(ctx))
+
+		got := d.read(t, len(msgs))
+		assert.Len(t, got, len(msgs), "the broker has every row")
+		assert.Zero(t, rows(t, pool, "true"), "every row the broker confirmed is deleted")
+	})
+}

@@ -40,7 +40,9 @@ type Publisher interface {
 	// Rejected is charged to its record (after RelayConfig.MaxAttempts the
 	// row is parked); any other error is taken as the broker being
 	// unreachable or overloaded, and the relay retries the record after
-	// backing off, without counting it.
+	// backing off, without counting it. When the relay stops, ctx stays
+	// live for 5s more, so that a publish in flight can collect the
+	// broker's answer; a publisher should give up when ctx is done.
 	Publish(ctx context.Context, recs []Record) (errs []error)
 	// Close releases the publisher's connections.
 	Close() error
