@@ -45,7 +45,14 @@ func TestOutboxRowsSmoke(t *testing.T) {
 		require.Positive(t, r.PacedMsgs, r.Broker)
 		require.Positive(t, r.P50Ms, r.Broker)
 		require.GreaterOrEqual(t, r.P99Ms, r.P50Ms, r.Broker)
-		require.GreaterOrEqual(t, r.P50Ms, r.ConfirmP50Ms, "the downstream commit follows the broker's confirm (%s)", r.Broker)
+		if r.Broker != RabbitMQ {
+			// On Kafka (acks=all) a consumer reads a record only once the
+			// high-water mark passed it, when the producer's answer goes
+			// out too. RabbitMQ delivers a persistent message to its
+			// consumer before the fsync that its publisher confirm waits
+			// for, so there the downstream commit can come first.
+			require.GreaterOrEqual(t, r.P50Ms, r.ConfirmP50Ms, "the downstream commit follows the broker's confirm (%s)", r.Broker)
+		}
 	}
 	var out strings.Builder
 	require.NoError(t, rep.WriteTable(&out))
