@@ -110,9 +110,13 @@ type ChaosResult struct {
 	CrashPoints map[string]int `json:"crash_points_reached"`
 	Members     int            `json:"members"`
 	Starts      int            `json:"member_starts"`
-	Elapsed     string         `json:"elapsed"`
-	Verdict     string         `json:"verdict"`
-	Problems    []string       `json:"problems,omitempty"`
+	// DeadMembersRemoved counts the members of a group that the embedded
+	// broker kept after their process died and the driver removed
+	// (chaos_kfake.go); always 0 on Apache Kafka and RabbitMQ.
+	DeadMembersRemoved int      `json:"dead_members_removed,omitempty"`
+	Elapsed            string   `json:"elapsed"`
+	Verdict            string   `json:"verdict"`
+	Problems           []string `json:"problems,omitempty"`
 
 	Hop2 *Hop2Result `json:"hop2,omitempty"` // the second hop: outbox, relay, shipping (chaos_hops.go)
 }
@@ -207,6 +211,9 @@ func (r *ChaosResult) Print(w io.Writer) {
 	fmt.Fprintf(w, "%-28s %s\n", "faults", kindList(r.Faults))
 	fmt.Fprintf(w, "%-28s %s\n", "crash points reached", kindList(r.CrashPoints))
 	fmt.Fprintf(w, "%-28s %d\n", "member starts", r.Starts)
+	if r.DeadMembersRemoved > 0 {
+		fmt.Fprintf(w, "%-28s %d (kept by the embedded broker past their session; see chaos_kfake.go)\n", "dead members removed", r.DeadMembersRemoved)
+	}
 	fmt.Fprintf(w, "%-28s %d\n", "sent", r.Sent)
 	for _, k := range kindOrder {
 		if n := r.SentByKind[k]; n > 0 {
@@ -270,6 +277,11 @@ type chaosRun struct {
 	faults  map[string]int
 	crashes map[string]int
 	extra   int // poison added for after-dead-letter
+	// exitedAt is when each member that exited did, by member id (kept
+	// after forget).
+	exitedAt map[int]time.Time
+	// reaper removes dead members the embedded broker keeps (kfake only).
+	reaper *deadMemberReaper
 }
 
 // member is one consumer process.
@@ -294,7 +306,8 @@ func RunChaos(ctx context.Context, cfg ChaosConfig) (res *ChaosResult, err error
 	if cfg.Members < 1 {
 		cfg.Members = 1
 	}
-	r := &chaosRun{cfg: cfg, rng: rand.New(rand.NewSource(cfg.Seed)), faults: map[string]int{}, crashes: map[string]int{}}
+	r := &chaosRun{cfg: cfg, rng: rand.New(rand.NewSource(cfg.Seed)), faults: map[string]int{}, crashes: map[string]int{},
+		exitedAt: map[int]time.Time{}}
 	if r.logs = cfg.Logs; r.logs == "" {
 		if r.logs, err = os.MkdirTemp("", "once-chaos-"); err != nil {
 			return nil, err
@@ -528,6 +541,7 @@ func (r *chaosRun) startKafka() error {
 		return readKafkaTopic(r.o.kafkaBrokers, r.o.topic+kafka.DefaultDeadLetterSuffix)
 	}
 	r.closers = append(r.closers, func() { _ = kd.Close(); kf.Close() })
+	r.reaper = r.startReaper(kf)
 	return nil
 }
 
@@ -807,7 +821,7 @@ func (r *chaosRun) startMember(exe string, extraEnv ...string) (*member, error) 
 	cmd := exec.Command(exe, args...)
 	env := append([]string{}, os.Environ()...)
 	env = append(env, "DATABASE_URL="+r.pg.URL(), "BROKER="+r.memberBroker(), "KAFKA_BROKERS="+strings.Join(r.o.kafkaBrokers, ","),
-		"PGAPPNAME="+memberAppName(id))
+		"PGAPPNAME="+memberAppName(id), "KAFKA_CLIENT_ID="+memberKafkaClientID(id))
 	if r.cfg.Broker == "amqp" {
 		env = append(env, "AMQP_URL="+r.memberAMQP)
 	}
@@ -822,6 +836,9 @@ func (r *chaosRun) startMember(exe string, extraEnv ...string) (*member, error) 
 	go func() {
 		_ = cmd.Wait()
 		m.code = cmd.ProcessState.ExitCode()
+		r.mu.Lock()
+		r.exitedAt[id] = time.Now()
+		r.mu.Unlock()
 		f.Close()
 		close(m.exited)
 	}()
@@ -1110,6 +1127,9 @@ func (r *chaosRun) count(ctx context.Context, dlq []deadLetter) (*ChaosResult, e
 	res := &ChaosResult{Broker: r.cfg.Broker, Seed: r.cfg.Seed, SentByKind: map[string]int{}, DLQByKind: map[string]int{},
 		DLQIDsByKind: map[string]int{}, Faults: r.faults, CrashPoints: r.crashes, Members: r.cfg.Members, Starts: r.starts,
 		DuplicatesSkipped: r.dups}
+	if r.reaper != nil {
+		res.DeadMembersRemoved = r.reaper.Evicted()
+	}
 	res.Sent = len(r.plan.Messages)
 	for k, n := range r.plan.Sent {
 		res.SentByKind[k] = n

@@ -33,7 +33,9 @@ const relayCrashEnv = "ONCE_RELAY_CRASH"
 
 // memberAppName is the application_name of a member's database sessions
 // (PGAPPNAME): it says which member's relay holds the leader lock.
-func memberAppName(id int) string { return "once-chaos-member-" + strconv.Itoa(id) }
+func memberAppName(id int) string { return memberAppPrefix + strconv.Itoa(id) }
+
+const memberAppPrefix = "once-chaos-member-"
 
 // Hop2Result is what a chaos run counted on the second hop.
 type Hop2Result struct {

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"os"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -48,6 +49,9 @@ func (k *embeddedKafka) Close() { k.cluster.Close() }
 func saramaConfig() *sarama.Config {
 	sc := sarama.NewConfig()
 	sc.ClientID = "order-processor"
+	if id := os.Getenv("KAFKA_CLIENT_ID"); id != "" {
+		sc.ClientID = id // a chaos member's: which process a group member is
+	}
 	sc.Version = sarama.V2_8_0_0
 	sc.Metadata.Retry.Backoff = 100 * time.Millisecond
 	sc.Consumer.Retry.Backoff = 100 * time.Millisecond
@@ -56,9 +60,9 @@ func saramaConfig() *sarama.Config {
 }
 
 // kafkaSource opens the consumer-group source. fastFailover shortens the
-// group timeouts so that a killed member's partitions move within about a
-// second (the embedded broker allows it; a real broker's minimum session
-// timeout is usually 6 s).
+// group timeouts so that a killed member's partitions move within about
+// three seconds (the embedded broker allows it; a real broker's minimum
+// session timeout is usually 6 s).
 func kafkaSource(ctx context.Context, o *options, mp metric.MeterProvider, log *slog.Logger) (*kafka.Source, error) {
 	cfg := kafka.Config{
 		Brokers:        o.kafkaBrokers,
@@ -72,12 +76,21 @@ func kafkaSource(ctx context.Context, o *options, mp metric.MeterProvider, log *
 		OffsetsInDatabase: o.offsetsInDB,
 	}
 	if o.fastFailover {
-		cfg.SessionTimeout = time.Second
-		cfg.HeartbeatInterval = 200 * time.Millisecond
-		cfg.RebalanceTimeout = 1500 * time.Millisecond
-		cfg.RevokeTimeout = time.Second
+		ff := fastFailover
+		cfg.SessionTimeout, cfg.HeartbeatInterval, cfg.RebalanceTimeout, cfg.RevokeTimeout = ff.session, ff.heartbeat, ff.rebalance, ff.revoke
 	}
 	return kafka.Open(ctx, cfg)
+}
+
+// fastFailover is the group timing of -fast-failover (the chaos members).
+// The session outlasts a whole rebalance (RebalanceTimeout after the last
+// heartbeat, plus a heartbeat and a fetch's wait for the connection): the
+// embedded broker, unlike Apache Kafka, lets the session of a member that
+// waits in JoinGroup expire, and drops it unanswered, so a session shorter
+// than a slow rebalance stalled its member for sarama's 30 s read timeout
+// (TestFastFailoverOutlastsARebalanceOnTheEmbeddedBroker).
+var fastFailover = struct{ session, heartbeat, rebalance, revoke time.Duration }{
+	session: 3 * time.Second, heartbeat: 200 * time.Millisecond, rebalance: 1500 * time.Millisecond, revoke: time.Second,
 }
 
 // topicsOf returns the topics of a run on topic: the orders, order.confirmed
