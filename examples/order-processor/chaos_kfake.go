@@ -12,12 +12,15 @@ import (
 )
 
 // The embedded broker (kfake) starts no session timer for a member that
-// joins a group for the first time until the broker's answer to its
-// JoinGroup is delivered. A member killed while that JoinGroup waits (a
-// fresh member joining during a rebalance, killed by the next fault)
-// therefore never expires: once the leader syncs, the dead member stays in
-// the group with its partitions and nothing consumes them until something
-// else rebalances the group; in the drain, nothing does. Apache Kafka
+// joins a group for the first time until its answer to that JoinGroup is
+// handed to the connection's writer. For a member killed while the
+// JoinGroup waits (a fresh member joining during a rebalance, killed by the
+// next fault) that hand-over succeeds or fails at random (the reply channel
+// has a buffer, and a select picks between it and the closed connection),
+// so in about half the cases the dead member never expires: once the leader
+// syncs, it stays in the group with its partitions and nothing consumes
+// them until something else rebalances the group; in the drain, nothing
+// does. Apache Kafka
 // expires such a member after its session timeout. deadMemberReaper does
 // what that coordinator would: it removes, with a LeaveGroup on its behalf,
 // a member of a stable group whose process has been dead for longer than a
