@@ -114,7 +114,10 @@ func TestReceiveBufferBoundsWhatWaits(t *testing.T) {
 // runs, and the stream's order and effects stay exact. The first batch's
 // handler waits until the decoder has seen a message of the second batch;
 // a worker that identified batches only one after another would never
-// let it.
+// let it. The look-ahead is decided as a batch starts, so the first
+// message's decoding waits until a backlog of two batches was received:
+// on a loaded machine the worker could otherwise start on the first
+// messages before the rest reached the lane.
 func TestBacklogIdentifiedBesideTheRunningBatch(t *testing.T) {
 	pool, _ := pgtest.Schema(t)
 	effects(t, pool)
@@ -125,13 +128,21 @@ func TestBacklogIdentifiedBesideTheRunningBatch(t *testing.T) {
 	}
 	var decodedAhead atomic.Bool
 	aheadSeen := make(chan struct{})
+	var c *consumer.Consumer[order]
+	backlog := func() bool { return c.Stats().Received > 2*size }
 	cfg := fastConfig("look-ahead")
 	cfg.Batch.Size = size
 	cfg.Decoder = func(data []byte, v any) error {
 		if err := json.Unmarshal(data, v); err != nil {
 			return err
 		}
-		if o, ok := v.(*order); ok && o.N >= size && decodedAhead.CompareAndSwap(false, true) {
+		o, ok := v.(*order)
+		if ok && o.N == 0 {
+			for deadline := time.Now().Add(10 * time.Second); !backlog() && time.Now().Before(deadline); {
+				time.Sleep(time.Millisecond)
+			}
+		}
+		if ok && o.N >= size && decodedAhead.CompareAndSwap(false, true) {
 			close(aheadSeen)
 		}
 		return nil
