@@ -3,6 +3,7 @@ package consumer
 import (
 	"context"
 	"encoding/hex"
+	"math"
 	"time"
 
 	"go.opentelemetry.io/otel/attribute"
@@ -41,20 +42,27 @@ func (s *settler) hold(jobs []*job) {
 // stream: dead-lettered, or abandoned when j's stream was abandoned
 // before them.
 func (s *settler) settleHeldBefore(j *job) {
-	for len(s.held) > 0 && s.held[0].seq < j.seq {
-		h := s.held[0]
-		s.held = s.held[1:]
+	for h := s.nextHeldBefore(j.seq); h != nil; h = s.nextHeldBefore(j.seq) {
 		s.deadLetter(h.ctx, h, h.failure)
 	}
 }
 
 // releaseHeld settles the held jobs that no later job settled.
 func (s *settler) releaseHeld() {
-	for len(s.held) > 0 {
-		h := s.held[0]
-		s.held = s.held[1:]
+	for h := s.nextHeldBefore(math.MaxInt); h != nil; h = s.nextHeldBefore(math.MaxInt) {
 		s.deadLetter(h.ctx, h, h.failure)
 	}
+}
+
+// nextHeldBefore removes and returns the first held job if it comes
+// before seq in the stream; nil otherwise.
+func (s *settler) nextHeldBefore(seq int) *job {
+	if len(s.held) == 0 || s.held[0].seq >= seq {
+		return nil
+	}
+	h := s.held[0]
+	s.held = s.held[1:]
+	return h
 }
 
 // committed settles jobs whose transaction committed, in order.
@@ -167,11 +175,9 @@ func (s *settler) deadLetter(ctx context.Context, j *job, dl *DeadLetter) {
 // abandon leaves j unacked: the broker delivers it again. What the crash
 // guard recorded for it is taken back unless the handling stalled.
 func (s *settler) abandon(j *job) {
-	for len(s.held) > 0 && s.held[0].seq < j.seq {
+	for h := s.nextHeldBefore(j.seq); h != nil; h = s.nextHeldBefore(j.seq) {
 		// Earlier in the stream than j, and not settled: abandoned
 		// with it, to be dead-lettered again on redelivery.
-		h := s.held[0]
-		s.held = s.held[1:]
 		s.abandon(h)
 	}
 	s.abandoned = true

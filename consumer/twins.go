@@ -86,6 +86,8 @@ func (t *twins) register(b *batch) (mine []*job, followers []follower) {
 func (t *twins) release(b *batch, mine []*job) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	// Two passes: an id twice in the batch has one claim, committed if
+	// either of its jobs left the row committed.
 	for _, j := range mine {
 		if c, ok := t.ids[j.idt.id]; ok && c.owner == b && rowCommitted(j.result) {
 			c.committed = true
