@@ -821,7 +821,7 @@ func (r *chaosRun) startMember(exe string, extraEnv ...string) (*member, error) 
 	cmd := exec.Command(exe, args...)
 	env := append([]string{}, os.Environ()...)
 	env = append(env, "DATABASE_URL="+r.pg.URL(), "BROKER="+r.memberBroker(), "KAFKA_BROKERS="+strings.Join(r.o.kafkaBrokers, ","),
-		"PGAPPNAME="+memberAppName(id), "KAFKA_CLIENT_ID="+memberKafkaClientID(id))
+		"PGAPPNAME="+memberAppName(id), "KAFKA_CLIENT_ID="+memberAppName(id))
 	if r.cfg.Broker == "amqp" {
 		env = append(env, "AMQP_URL="+r.memberAMQP)
 	}

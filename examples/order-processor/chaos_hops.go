@@ -32,7 +32,9 @@ const relayCrashPoint = "relay-after-publish"
 const relayCrashEnv = "ONCE_RELAY_CRASH"
 
 // memberAppName is the application_name of a member's database sessions
-// (PGAPPNAME): it says which member's relay holds the leader lock.
+// (PGAPPNAME), which says which member's relay holds the leader lock, and
+// its Kafka client id (KAFKA_CLIENT_ID), which says which member process a
+// group member is.
 func memberAppName(id int) string { return memberAppPrefix + strconv.Itoa(id) }
 
 const memberAppPrefix = "once-chaos-member-"

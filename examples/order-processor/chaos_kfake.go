@@ -124,10 +124,6 @@ func (d *deadMemberReaper) close() {
 	}
 }
 
-// memberKafkaClientID is the Kafka client id of a chaos member (env
-// KAFKA_CLIENT_ID): it says which member process a group member is.
-func memberKafkaClientID(id int) string { return memberAppName(id) }
-
 // memberOfClientID returns the member id of a chaos member's Kafka client id.
 func memberOfClientID(clientID string) (int, bool) {
 	s, ok := strings.CutPrefix(clientID, memberAppPrefix)

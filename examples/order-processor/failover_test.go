@@ -171,7 +171,7 @@ func TestReaperRemovesADeadMemberTheEmbeddedBrokerKeeps(t *testing.T) {
 	px, err := netcut.NewProxy(ek.addrs[0])
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = px.Close() })
-	doomed := newRawMemberAt(t, px.Addr(), "g", memberKafkaClientID(7))
+	doomed := newRawMemberAt(t, px.Addr(), "g", memberAppName(7))
 	doomed.session = time.Minute
 	doomedJoined := doomed.joinAsync()
 	leader.awaitRebalance("the new member's join starts a rebalance")
@@ -185,7 +185,7 @@ func TestReaperRemovesADeadMemberTheEmbeddedBrokerKeeps(t *testing.T) {
 
 	var logged []string
 	reaper := &deadMemberReaper{kf: ek.cluster, groups: []string{"g"},
-		deadSince: func(clientID string) (time.Time, bool) { return diedAt, clientID == memberKafkaClientID(7) },
+		deadSince: func(clientID string) (time.Time, bool) { return diedAt, clientID == memberAppName(7) },
 		logf:      func(format string, args ...any) { logged = append(logged, format) }}
 	t.Cleanup(reaper.close)
 	n, err := reaper.sweep(time.Now())
