@@ -122,6 +122,11 @@ type Options struct {
 	Pace time.Duration
 	// PaceMax caps the paced rate (msgs/s).
 	PaceMax float64
+	// Runs is how many times each broker's consumer rows run, one run of
+	// every row after the other, so that the targets can be stated over
+	// runs in a row and a ratio's spread is seen (Result.Run). The
+	// outbox and HTTP rows run once. 0 or 1: one run.
+	Runs int
 	// DatabaseURL is the PostgreSQL server; empty starts a durable
 	// throwaway one (fsync on).
 	DatabaseURL string
@@ -155,6 +160,9 @@ type scaleRun struct {
 type Result struct {
 	Broker Broker `json:"broker"`
 	Row    Row    `json:"row"`
+	// Run numbers the run (from 1) when Options.Runs > 1; 0 otherwise.
+	// Ratios compare rows of the same run.
+	Run int `json:"run,omitempty"`
 	// Messages consumed in the measured (backlog) phase.
 	Messages int     `json:"messages"`
 	Seconds  float64 `json:"seconds"`
@@ -298,21 +306,26 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 		if b == RabbitMQ && o.AMQPURL == "" {
 			return nil, errors.New("RabbitMQ rows need AMQP_URL (make bench starts a node with scripts/rabbitmq.sh)")
 		}
-		for _, row := range o.Rows {
-			if !row.ForBroker(b) {
-				continue
+		for run := range max(1, o.Runs) {
+			for _, row := range o.Rows {
+				if !row.ForBroker(b) {
+					continue
+				}
+				res, err := runRow(ctx, db, kc, o, b, row)
+				if err != nil {
+					return nil, fmt.Errorf("%s %s: %w", b, row, err)
+				}
+				if o.Runs > 1 {
+					res.Run = run + 1
+				}
+				o.logf("  %-9s %-19s %9.0f msgs/s  p50/p99 %.1f/%.1f ms (to Receive %.1f/%.1f ms) at %.0f msgs/s  %s",
+					b, row, res.Rate, res.P50Ms, res.P99Ms, res.ReceiveP50Ms, res.ReceiveP99Ms, res.PacedRate, res.Check)
+				if st := res.Stats; st != nil {
+					o.logf("      handled %d, duplicates %d, dead-lettered %d, retries %d, infrastructure errors %d",
+						st.Handled, st.Duplicates, st.DeadLettered, st.Retries, st.InfraErrors)
+				}
+				rep.Results = append(rep.Results, *res)
 			}
-			res, err := runRow(ctx, db, kc, o, b, row)
-			if err != nil {
-				return nil, fmt.Errorf("%s %s: %w", b, row, err)
-			}
-			o.logf("  %-9s %-19s %9.0f msgs/s  p50/p99 %.1f/%.1f ms (to Receive %.1f/%.1f ms) at %.0f msgs/s  %s",
-				b, row, res.Rate, res.P50Ms, res.P99Ms, res.ReceiveP50Ms, res.ReceiveP99Ms, res.PacedRate, res.Check)
-			if st := res.Stats; st != nil {
-				o.logf("      handled %d, duplicates %d, dead-lettered %d, retries %d, infrastructure errors %d",
-					st.Handled, st.Duplicates, st.DeadLettered, st.Retries, st.InfraErrors)
-			}
-			rep.Results = append(rep.Results, *res)
 		}
 		if o.OutboxRows > 0 {
 			res, err := runOutbox(ctx, db, kc, o, b)
@@ -331,14 +344,15 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 	return rep, nil
 }
 
-// ratios fills VsNaive and VsCeiling: the lower ceiling of a broker is the
-// lower of its source ceiling and pgbench's rows/s.
+// ratios fills VsNaive, VsCeiling and VsHandwritten against the rows of
+// the same broker and run: the lower ceiling of a broker is the lower of
+// its source ceiling and pgbench's rows/s.
 func ratios(rep *Report) {
 	for i := range rep.Results {
 		r := &rep.Results[i]
 		var naive, ceiling, hand float64
 		for _, o := range rep.Results {
-			if o.Broker != r.Broker {
+			if o.Broker != r.Broker || o.Run != r.Run {
 				continue
 			}
 			switch o.Row {

@@ -35,14 +35,27 @@ func (r *Report) WriteTable(w io.Writer) error {
 			r.PaceSeconds, r.PaceMax)
 	}
 	fmt.Fprintln(w, "msgs/s, allocs/msg, peak RSS: the backlog phase, in the row's own subprocess (VmHWM)")
+	if n := len(r.runNumbers()); n > 1 {
+		fmt.Fprintf(w, "runs: %d of each broker's rows, one after the other; ratios compare rows of the same run, targets give each run's value in order\n", n)
+	}
 	fmt.Fprintln(w)
 	tw := tabwriter.NewWriter(w, 0, 0, 1, ' ', tabwriter.AlignRight|tabwriter.Debug)
+	runs := len(r.runNumbers()) > 1
+	if runs {
+		fmt.Fprint(tw, "run\t ")
+	}
 	fmt.Fprintln(tw, "broker\t row\t msgs/s\t p50 ms\t p99 ms\t p99 to Receive ms\t at msgs/s\t allocs/msg\t peak RSS MB\t msgs/tx\t round trips/tx\t x naive\t x lower ceiling\t x hand-written\t correct\t")
+	if runs {
+		fmt.Fprint(tw, "---\t ")
+	}
 	fmt.Fprintln(tw, "---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t")
 	for _, x := range r.Results {
 		verdict := "yes"
 		if !x.Correct {
 			verdict = "NO"
+		}
+		if runs {
+			fmt.Fprintf(tw, "%d\t ", x.Run)
 		}
 		fmt.Fprintf(tw, "%s\t %s\t %.0f\t %.1f\t %.1f\t %.1f\t %.0f\t %.1f\t %.1f\t %.1f\t %.2f\t %.2f\t %.2f\t %.2f\t %s (%s)\t\n",
 			x.Broker, x.Row, x.Rate, x.P50Ms, x.P99Ms, x.ReceiveP99Ms, x.PacedRate, x.AllocsPerMsg, x.PeakRSSMB, x.MsgsPerTx, x.RoundTripsPerTx, x.VsNaive, x.VsCeiling, x.VsHandwritten, verdict, x.Check)
@@ -61,57 +74,6 @@ func (r *Report) WriteTable(w io.Writer) error {
 		fmt.Fprintln(w, t)
 	}
 	return nil
-}
-
-// Targets states the issue's targets against this run.
-func (r *Report) Targets() []string {
-	find := func(b Broker, row Row) *Result {
-		for i := range r.Results {
-			if r.Results[i].Broker == b && r.Results[i].Row == row {
-				return &r.Results[i]
-			}
-		}
-		return nil
-	}
-	met := func(ok bool) string {
-		if ok {
-			return "met"
-		}
-		return "NOT met"
-	}
-	var out []string
-	for _, row := range []Row{RowOnceBatched, RowOnceQueued, RowOnceBatchHandler, RowOnceKeyLanes} {
-		k := find(Kafka, row)
-		if k == nil {
-			continue
-		}
-		if k.VsNaive > 0 {
-			out = append(out, fmt.Sprintf("target Kafka %s >= 10x naive: %.1fx, %s", row, k.VsNaive, met(k.VsNaive >= 10)))
-		}
-		if k.VsCeiling > 0 {
-			out = append(out, fmt.Sprintf("target Kafka %s >= 50%% of the lower ceiling: %.0f%%, %s", row, 100*k.VsCeiling, met(k.VsCeiling >= 0.5)))
-		}
-		if k.PacedMsgs > 0 {
-			out = append(out, fmt.Sprintf("target Kafka %s p99 <= 50 ms at half its rate (%.0f msgs/s): %.1f ms, %s", row, k.PacedRate, k.P99Ms, met(k.P99Ms <= 50)))
-		}
-	}
-	for _, row := range []Row{RowOnceBatched, RowOnceQueued, RowOnceBatchHandler} {
-		if a := find(RabbitMQ, row); a != nil && a.VsNaive > 0 {
-			out = append(out, fmt.Sprintf("target RabbitMQ %s >= 10x naive: %.1fx, %s", row, a.VsNaive, met(a.VsNaive >= 10)))
-		}
-	}
-	out = append(out, r.handwrittenTargets()...)
-	out = append(out, r.pipelineTargets()...)
-	out = append(out, outboxTargets(r.Outbox)...)
-	correct := true
-	for _, x := range r.Results {
-		correct = correct && x.Correct
-	}
-	for _, x := range r.Outbox {
-		correct = correct && x.Correct
-	}
-	out = append(out, fmt.Sprintf("effects exactly right in every row: %s", map[bool]string{true: "yes", false: "NO"}[correct]))
-	return out
 }
 
 // WriteJSON writes the report as indented JSON to path.
@@ -136,23 +98,4 @@ func (r *Report) BestOnce(b Broker) *Result {
 		}
 	}
 	return best
-}
-
-// handwrittenTargets states, per broker, the library's best row as a ratio
-// of the hand-written batched consumer: the issue asks for at least 1.0.
-func (r *Report) handwrittenTargets() []string {
-	var out []string
-	for _, b := range []Broker{Kafka, RabbitMQ} {
-		best := r.BestOnce(b)
-		if best == nil || best.VsHandwritten == 0 {
-			continue
-		}
-		verdict := "met"
-		if best.VsHandwritten < 1 {
-			verdict = "NOT met"
-		}
-		out = append(out, fmt.Sprintf("target %s best library row (%s) >= the hand-written batched row: %.2fx, %s",
-			b, best.Row, best.VsHandwritten, verdict))
-	}
-	return out
 }
