@@ -147,6 +147,11 @@ type Options struct {
 
 	// scale, when set, runs rows against the filled table of RunScale.
 	scale *scaleRun
+	// syncProbeDir is the throwaway server's directory, where the paced
+	// phase's disk probe writes (syncprobe.go); empty for DATABASE_URL.
+	syncProbeDir string
+	// run is the number of the run under way when Runs > 1.
+	run int
 }
 
 // scaleRun is how RunScale runs a row: in its schema, whose
@@ -178,6 +183,12 @@ type Result struct {
 	PacedTarget  float64 `json:"paced_target_msgs_per_s"`
 	PacedRate    float64 `json:"paced_msgs_per_s"`
 	PacedMsgs    int     `json:"paced_messages"`
+	// DiskSyncP99Ms and DiskSyncMaxMs are the p99 and the longest of the
+	// disk probe's 8 KiB write-and-fdatasync, every 10 ms beside the
+	// throwaway server's data over the measured part of the paced phase:
+	// what the WAL flush of a commit met (0: no probe, DATABASE_URL).
+	DiskSyncP99Ms float64 `json:"disk_sync_p99_ms"`
+	DiskSyncMaxMs float64 `json:"disk_sync_max_ms"`
 	// AllocsPerMsg is the row subprocess's heap allocations per message in
 	// the backlog phase (runtime.MemStats.Mallocs).
 	AllocsPerMsg float64 `json:"allocs_per_msg"`
@@ -272,6 +283,7 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 		}
 		defer srv.Close()
 		o.DatabaseURL = srv.URL()
+		o.syncProbeDir = srv.Dir()
 		rep.Machine.Throwaway = true
 		if os.Getenv(ProfileEnv) != "" {
 			if err := enableStatStatements(ctx, srv); err != nil {
@@ -311,13 +323,14 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 				if !row.ForBroker(b) {
 					continue
 				}
+				if o.Runs > 1 {
+					o.run = run + 1
+				}
 				res, err := runRow(ctx, db, kc, o, b, row)
 				if err != nil {
 					return nil, fmt.Errorf("%s %s: %w", b, row, err)
 				}
-				if o.Runs > 1 {
-					res.Run = run + 1
-				}
+				res.Run = o.run
 				o.logf("  %-9s %-19s %9.0f msgs/s  p50/p99 %.1f/%.1f ms (to Receive %.1f/%.1f ms) at %.0f msgs/s  %s",
 					b, row, res.Rate, res.P50Ms, res.P99Ms, res.ReceiveP50Ms, res.ReceiveP99Ms, res.PacedRate, res.Check)
 				if st := res.Stats; st != nil {
@@ -398,7 +411,7 @@ func runRow(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, o Options, 
 		Row: row, Broker: b, DatabaseURL: o.DatabaseURL, Schema: schema,
 		Backlog: backlog.Messages, BatchSize: o.BatchSize, Naive: o.NaiveWorkers, Concurrency: o.Concurrency,
 		Ordered: o.AMQPOrdered && row != RowNaive,
-		Pace:    o.Pace, PaceMax: o.PaceMax, PaceWork: o.Workload, PacedPrefix: "paced-",
+		Pace:    o.Pace, PaceMax: o.PaceMax, PaceWork: o.Workload, PacedPrefix: "paced-", SyncProbeDir: o.syncProbeDir, Run: o.run,
 		Timeout: time.Minute + time.Duration(backlog.Messages)*time.Millisecond,
 	}
 	if row == RowOnceKeyLanes {
@@ -465,6 +478,7 @@ func runRow(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, o Options, 
 	res := &Result{
 		Broker: b, Row: row, Messages: cr.Messages, Seconds: cr.Seconds, Rate: cr.Rate,
 		P50Ms: ms(cr.P50), P99Ms: ms(cr.P99), ReceiveP50Ms: ms(cr.ReceiveP50), ReceiveP99Ms: ms(cr.ReceiveP99), PacedTarget: cr.PacedTarget, PacedRate: cr.PacedRate, PacedMsgs: cr.Paced.Messages,
+		DiskSyncP99Ms: ms(cr.SyncP99), DiskSyncMaxMs: ms(cr.SyncMax),
 		AllocsPerMsg: cr.AllocsPerMsg, PeakRSSMB: float64(cr.RSSKB) / 1024,
 		HeapSysMB: float64(cr.HeapSysKB) / 1024, HeapInuseMB: float64(cr.HeapInuseKB) / 1024,
 		RoundTrips: cr.RoundTrips, Transactions: cr.Commits,

@@ -59,7 +59,13 @@ type rowSpec struct {
 	PaceMax     float64       // cap on the paced rate, msgs/s
 	PaceWork    Workload      // shape of the paced events (Events is computed)
 	PacedPrefix string
-	Timeout     time.Duration
+	// SyncProbeDir is where the paced phase's disk probe writes; empty:
+	// no probe.
+	SyncProbeDir string
+	// Run numbers the run when Options.Runs > 1 (0 otherwise): the
+	// profiles' file names carry it.
+	Run     int
+	Timeout time.Duration
 
 	// Processes > 1: the row runs in that many processes at once, this
 	// one numbered Process (from 0), sharing the backlog (scaleout.go).
@@ -91,6 +97,9 @@ type childResult struct {
 	// ReceiveP50 and ReceiveP99 are produce-to-Receive latencies: the
 	// broker's and the adapter's share of P50 and P99.
 	ReceiveP50, ReceiveP99 time.Duration
+	// SyncP99 and SyncMax are the disk probe's over the same part of the
+	// paced phase (syncprobe.go).
+	SyncP99, SyncMax time.Duration
 
 	Stats *consumer.Stats `json:",omitempty"`
 
@@ -356,7 +365,11 @@ func ownShare(spec *rowSpec, m *meter) int {
 // profileName is the stem of a row's files in the ProfileEnv directory:
 // <broker>-<row>, spaces as hyphens.
 func profileName(spec *rowSpec) string {
-	return strings.NewReplacer(" ", "-").Replace(string(spec.Broker) + "-" + string(spec.Row))
+	name := strings.NewReplacer(" ", "-").Replace(string(spec.Broker) + "-" + string(spec.Row))
+	if spec.Run > 0 {
+		name += fmt.Sprintf("-run%d", spec.Run)
+	}
+	return name
 }
 
 // writeAllocsProfile writes the allocations sampled since the process
@@ -400,6 +413,8 @@ func pace(spec *rowSpec, res *childResult, m *meter, wait func(int) error) error
 		}
 		send, closer = p.send, p.Close
 	}
+	probe := startSyncProbe(spec.SyncProbeDir)
+	defer probe.Stop()
 	start := time.Now()
 	sent := 0
 	var sendErr error
@@ -418,7 +433,9 @@ func pace(spec *rowSpec, res *childResult, m *meter, wait func(int) error) error
 	if sendErr != nil {
 		return fmt.Errorf("paced produce: %w", sendErr)
 	}
-	if err := wait(spec.Backlog + counts.Messages); err != nil {
+	err := wait(spec.Backlog + counts.Messages)
+	syncs := probe.Stop()
+	if err != nil {
 		return fmt.Errorf("paced phase: %w", err)
 	}
 	// The first sixth of the phase is a warm-up: the new producer connects
@@ -430,7 +447,11 @@ func pace(spec *rowSpec, res *childResult, m *meter, wait func(int) error) error
 	res.PacedTarget, res.PacedRate, res.Paced = rate, float64(sent)/produced.Seconds(), counts
 	if dir := os.Getenv(ProfileEnv); dir != "" {
 		writeTimeline(filepath.Join(dir, profileName(spec)+".paced.csv"), m, start)
+		if syncs != nil {
+			writeSyncTimeline(filepath.Join(dir, profileName(spec)+".sync.csv"), syncs, start)
+		}
 	}
+	res.SyncP99, res.SyncMax = syncStats(syncs, start.Add(spec.Pace/6))
 	res.P50, res.P99 = percentile(lat, 0.50), percentile(lat, 0.99)
 	res.ReceiveP50, res.ReceiveP99 = percentile(recv, 0.50), percentile(recv, 0.99)
 	return nil

@@ -152,7 +152,7 @@ func (r *Report) runTargets() []target {
 // of the hand-written batched consumer: the issue asks for at least 1.0.
 func (r *Report) handwrittenTargets() []target {
 	var out []target
-	for _, b := range []Broker{Kafka, RabbitMQ} {
+	for _, b := range []Broker{Kafka, ApacheKafka, RabbitMQ} {
 		best := r.BestOnce(b)
 		if best == nil || best.VsHandwritten == 0 {
 			continue
@@ -178,8 +178,13 @@ func (r *Report) pipelineTargets() []target {
 		if !strings.HasPrefix(string(x.Row), "once ") || x.PacedMsgs == 0 {
 			continue
 		}
-		out = append(out, target{fmt.Sprintf("target %s %s p99 <= %d ms at half its rate", x.Broker, x.Row, shortTailMs),
-			fmt.Sprintf("%.1f ms at %.0f msgs/s", x.P99Ms, x.PacedRate), x.P99Ms <= shortTailMs})
+		value := fmt.Sprintf("%.1f ms at %.0f msgs/s", x.P99Ms, x.PacedRate)
+		if x.DiskSyncMaxMs > 0 {
+			// Beside the tail, what the disk under the WAL did meanwhile:
+			// a tail from every commit waiting on one slow flush.
+			value += fmt.Sprintf(" (disk sync max %.0f ms)", x.DiskSyncMaxMs)
+		}
+		out = append(out, target{fmt.Sprintf("target %s %s p99 <= %d ms at half its rate", x.Broker, x.Row, shortTailMs), value, x.P99Ms <= shortTailMs})
 	}
 	return out
 }

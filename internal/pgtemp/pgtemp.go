@@ -151,6 +151,10 @@ func (s *Server) Close() error {
 	return err
 }
 
+// Dir is the server's directory, its data directory inside it: a place on
+// the disk the server writes its WAL to.
+func (s *Server) Dir() string { return s.dir }
+
 func (s *Server) dataDir() string { return filepath.Join(s.dir, "data") }
 
 func (s *Server) run(ctx context.Context, name string, args ...string) error {

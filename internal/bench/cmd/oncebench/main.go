@@ -40,7 +40,7 @@ func run() int {
 		rows       = flag.String("rows", "", "consumer rows to run, comma-separated (default all; none: no consumer row): "+rowNames())
 		paceFor    = flag.Duration("pace", 3*time.Second, "length of each row's paced latency phase (0: none)")
 		paceMax    = flag.Float64("pace-max", 50000, "cap on the paced rate, msgs/s")
-		runs       = flag.Int("runs", 1, "runs of each broker's consumer rows, one after the other; the targets then state every run's value (ONCE_BENCH_PROFILE keeps the last run's files)")
+		runs       = flag.Int("runs", 1, "runs of each broker's consumer rows, one after the other; the targets then state every run's value (ONCE_BENCH_PROFILE names files <broker>-<row>-run<N>)")
 		conc       = flag.Int("concurrency", 0, "consumer.Config.Concurrency of the once rows (0: the library's default)")
 		keyLanes   = flag.Int("key-lanes", 4, "kafka.Config.KeyLanes of the once-key-lanes row")
 		ordered    = flag.Bool("amqp-ordered", false, "RabbitMQ once rows: one ordered stream (amqp.Config.Ordered)")
