@@ -189,6 +189,11 @@ type Result struct {
 	// what the WAL flush of a commit met (0: no probe, DATABASE_URL).
 	DiskSyncP99Ms float64 `json:"disk_sync_p99_ms"`
 	DiskSyncMaxMs float64 `json:"disk_sync_max_ms"`
+	// WakeLagP99Ms and WakeLagMaxMs are how late a goroutine of the row's
+	// process that sleeps 1 ms woke, over the same part of the paced
+	// phase: the time every goroutine of the consumer waited for a core.
+	WakeLagP99Ms float64 `json:"wake_lag_p99_ms"`
+	WakeLagMaxMs float64 `json:"wake_lag_max_ms"`
 	// AllocsPerMsg is the row subprocess's heap allocations per message in
 	// the backlog phase (runtime.MemStats.Mallocs).
 	AllocsPerMsg float64 `json:"allocs_per_msg"`
@@ -478,7 +483,7 @@ func runRow(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, o Options, 
 	res := &Result{
 		Broker: b, Row: row, Messages: cr.Messages, Seconds: cr.Seconds, Rate: cr.Rate,
 		P50Ms: ms(cr.P50), P99Ms: ms(cr.P99), ReceiveP50Ms: ms(cr.ReceiveP50), ReceiveP99Ms: ms(cr.ReceiveP99), PacedTarget: cr.PacedTarget, PacedRate: cr.PacedRate, PacedMsgs: cr.Paced.Messages,
-		DiskSyncP99Ms: ms(cr.SyncP99), DiskSyncMaxMs: ms(cr.SyncMax),
+		DiskSyncP99Ms: ms(cr.SyncP99), DiskSyncMaxMs: ms(cr.SyncMax), WakeLagP99Ms: ms(cr.LagP99), WakeLagMaxMs: ms(cr.LagMax),
 		AllocsPerMsg: cr.AllocsPerMsg, PeakRSSMB: float64(cr.RSSKB) / 1024,
 		HeapSysMB: float64(cr.HeapSysKB) / 1024, HeapInuseMB: float64(cr.HeapInuseKB) / 1024,
 		RoundTrips: cr.RoundTrips, Transactions: cr.Commits,

@@ -100,6 +100,9 @@ type childResult struct {
 	// SyncP99 and SyncMax are the disk probe's over the same part of the
 	// paced phase (syncprobe.go).
 	SyncP99, SyncMax time.Duration
+	// LagP99 and LagMax are the lag probe's: how late a 1 ms sleep in this
+	// process woke (syncprobe.go).
+	LagP99, LagMax time.Duration
 
 	Stats *consumer.Stats `json:",omitempty"`
 
@@ -413,8 +416,9 @@ func pace(spec *rowSpec, res *childResult, m *meter, wait func(int) error) error
 		}
 		send, closer = p.send, p.Close
 	}
-	probe := startSyncProbe(spec.SyncProbeDir)
+	probe, lag := startSyncProbe(spec.SyncProbeDir), startLagProbe()
 	defer probe.Stop()
+	defer lag.Stop()
 	start := time.Now()
 	sent := 0
 	var sendErr error
@@ -434,7 +438,7 @@ func pace(spec *rowSpec, res *childResult, m *meter, wait func(int) error) error
 		return fmt.Errorf("paced produce: %w", sendErr)
 	}
 	err := wait(spec.Backlog + counts.Messages)
-	syncs := probe.Stop()
+	syncs, lags := probe.Stop(), lag.Stop()
 	if err != nil {
 		return fmt.Errorf("paced phase: %w", err)
 	}
@@ -450,8 +454,10 @@ func pace(spec *rowSpec, res *childResult, m *meter, wait func(int) error) error
 		if syncs != nil {
 			writeSyncTimeline(filepath.Join(dir, profileName(spec)+".sync.csv"), syncs, start)
 		}
+		writeSyncTimeline(filepath.Join(dir, profileName(spec)+".lag.csv"), lags, start)
 	}
 	res.SyncP99, res.SyncMax = syncStats(syncs, start.Add(spec.Pace/6))
+	res.LagP99, res.LagMax = syncStats(lags, start.Add(spec.Pace/6))
 	res.P50, res.P99 = percentile(lat, 0.50), percentile(lat, 0.99)
 	res.ReceiveP50, res.ReceiveP99 = percentile(recv, 0.50), percentile(recv, 0.99)
 	return nil

@@ -120,3 +120,48 @@ func writeSyncTimeline(path string, samples []syncSample, start time.Time) {
 		fmt.Fprintf(f, "%.3f,%.3f\n", float64(s.at.Sub(start))/1e6, float64(s.took)/1e6)
 	}
 }
+
+// lagProbeEvery is the sleep of the lag probe.
+const lagProbeEvery = time.Millisecond
+
+// lagProbe measures, in the consumer's own process, how late a goroutine
+// that sleeps lagProbeEvery wakes up: when the cores are taken by the
+// broker or the database (a JVM collecting its garbage, a checkpoint),
+// every goroutine of the consumer waits as long, and the tail grows by it
+// whatever the library does.
+type lagProbe struct {
+	stop     chan struct{}
+	done     chan struct{}
+	stopOnce sync.Once
+	samples  []syncSample // at: when the sleep began; took: how late it woke
+}
+
+func startLagProbe() *lagProbe {
+	p := &lagProbe{stop: make(chan struct{}), done: make(chan struct{})}
+	go p.run()
+	return p
+}
+
+func (p *lagProbe) run() {
+	defer close(p.done)
+	for {
+		at := time.Now()
+		time.Sleep(lagProbeEvery)
+		p.samples = append(p.samples, syncSample{at: at, took: max(0, time.Since(at)-lagProbeEvery)})
+		select {
+		case <-p.stop:
+			return
+		default:
+		}
+	}
+}
+
+// Stop ends the probe and returns its samples. Later calls return the
+// same samples.
+func (p *lagProbe) Stop() []syncSample {
+	p.stopOnce.Do(func() {
+		close(p.stop)
+		<-p.done
+	})
+	return p.samples
+}

@@ -47,3 +47,13 @@ func TestSyncStatsLeaveOutTheWarmUp(t *testing.T) {
 	assert.Zero(t, p99)
 	assert.Zero(t, longest)
 }
+
+func TestLagProbeSamples(t *testing.T) {
+	p := startLagProbe()
+	samples := p.Stop()
+	assert.NotEmpty(t, samples, "the probe records its first sleep before it looks at stop")
+	assert.Equal(t, samples, p.Stop(), "a second Stop returns the same samples")
+	for _, s := range samples {
+		assert.GreaterOrEqual(t, s.took, time.Duration(0), "lateness is never negative")
+	}
+}

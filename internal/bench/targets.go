@@ -179,10 +179,18 @@ func (r *Report) pipelineTargets() []target {
 			continue
 		}
 		value := fmt.Sprintf("%.1f ms at %.0f msgs/s", x.P99Ms, x.PacedRate)
+		// Beside the tail, what the disk under the WAL and the cores did
+		// meanwhile: a tail from every commit waiting on one slow flush, or
+		// from the consumer waiting for a core, is not the library's.
+		var env []string
 		if x.DiskSyncMaxMs > 0 {
-			// Beside the tail, what the disk under the WAL did meanwhile:
-			// a tail from every commit waiting on one slow flush.
-			value += fmt.Sprintf(" (disk sync max %.0f ms)", x.DiskSyncMaxMs)
+			env = append(env, fmt.Sprintf("disk sync max %.0f ms", x.DiskSyncMaxMs))
+		}
+		if x.WakeLagMaxMs > 0 {
+			env = append(env, fmt.Sprintf("wake lag max %.0f ms", x.WakeLagMaxMs))
+		}
+		if len(env) > 0 {
+			value += " (" + strings.Join(env, ", ") + ")"
 		}
 		out = append(out, target{fmt.Sprintf("target %s %s p99 <= %d ms at half its rate", x.Broker, x.Row, shortTailMs), value, x.P99Ms <= shortTailMs})
 	}

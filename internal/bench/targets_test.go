@@ -77,14 +77,14 @@ func TestCombineScaleOutProcesses(t *testing.T) {
 	assert.Error(t, err, "no process received anything")
 }
 
-// The tail target shows beside each p99 the longest disk sync the probe
-// saw meanwhile, when there was a probe.
+// The tail target shows beside each p99 the longest disk sync and wake lag
+// the probes saw meanwhile, when there were probes.
 func TestTailTargetShowsTheDiskSync(t *testing.T) {
 	r := &Report{Results: []Result{
-		{Broker: Kafka, Row: RowOnceBatchHandler, Rate: 80000, PacedMsgs: 100, PacedRate: 40000, P99Ms: 58.9, DiskSyncMaxMs: 131.2},
+		{Broker: Kafka, Row: RowOnceBatchHandler, Rate: 80000, PacedMsgs: 100, PacedRate: 40000, P99Ms: 58.9, DiskSyncMaxMs: 131.2, WakeLagMaxMs: 3.4},
 		{Broker: Kafka, Row: RowOnceQueued, Rate: 80000, PacedMsgs: 100, PacedRate: 40000, P99Ms: 20},
 	}}
 	ts := r.pipelineTargets()
-	assert.Equal(t, "target kafka once batch handler p99 <= 25 ms at half its rate: 58.9 ms at 40000 msgs/s (disk sync max 131 ms), NOT met", ts[0].String())
+	assert.Equal(t, "target kafka once batch handler p99 <= 25 ms at half its rate: 58.9 ms at 40000 msgs/s (disk sync max 131 ms, wake lag max 3 ms), NOT met", ts[0].String())
 	assert.Equal(t, "target kafka once queued p99 <= 25 ms at half its rate: 20.0 ms at 40000 msgs/s, met", ts[1].String())
 }
