@@ -3,6 +3,7 @@ package bench
 import (
 	"context"
 	"os"
+	"strings"
 	"testing"
 	"time"
 
@@ -91,6 +92,44 @@ func TestSmoke(t *testing.T) {
 			require.InDelta(t, 1.0, r.VsNaive, 1e-9)
 		}
 	}
+}
+
+// TestRunsInARow runs two rows twice: the results carry their run, each
+// ratio compares rows of the same run, and the wake-lag probe measured the
+// paced phase.
+func TestRunsInARow(t *testing.T) {
+	o := Options{
+		Workload:    Workload{Events: 300, DupEvery: 10, PoisonEvery: 50, Partitions: 4},
+		Brokers:     []Broker{Kafka},
+		Rows:        []Row{RowHandwritten, RowOnceBatchHandler},
+		Pace:        300 * time.Millisecond,
+		PaceMax:     500,
+		Runs:        2,
+		DatabaseURL: pgtest.URL(),
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	rep, err := Run(ctx, o)
+	require.NoError(t, err)
+	require.Len(t, rep.Results, 4)
+	for i, r := range rep.Results {
+		require.Equal(t, i/2+1, r.Run, "%s %s", r.Broker, r.Row)
+		require.True(t, r.Correct, "%s %s: %s", r.Broker, r.Row, r.Check)
+		require.Positive(t, r.WakeLagMaxMs, "the wake-lag probe ran in the paced phase")
+		require.GreaterOrEqual(t, r.WakeLagMaxMs, r.WakeLagP99Ms)
+		require.Zero(t, r.DiskSyncMaxMs, "no disk probe for a DATABASE_URL server")
+	}
+	for i := 1; i < len(rep.Results); i += 2 {
+		lib, hand := rep.Results[i], rep.Results[i-1]
+		require.InDelta(t, lib.Rate/hand.Rate, lib.VsHandwritten, 1e-9, "run %d", lib.Run)
+	}
+	var line string
+	for _, x := range rep.Targets() {
+		if strings.HasPrefix(x, "target kafka best library row >= the hand-written batched row: ") {
+			line = x
+		}
+	}
+	require.Equal(t, 2, len(strings.Split(line, " | ")), "one value per run: %q", line)
 }
 
 // TestCheckFindsWrongEffects: a business row written twice and a missing
