@@ -129,3 +129,66 @@ func TestUnorderedBatchesDoNotWaitForAStuckTransaction(t *testing.T) {
 	_, messages := rec.transactionsOf("next-")
 	assert.Equal(t, 15, messages)
 }
+
+// alternating reads its sources in turn, one delivery each: the
+// deliveries of two channels arrive interleaved, as from a source that
+// reads several channels.
+type alternating struct {
+	srcs []consumer.Source
+	next int
+}
+
+func (a *alternating) Receive(ctx context.Context) (consumer.Delivery, error) {
+	s := a.srcs[a.next%len(a.srcs)]
+	a.next++
+	return s.Receive(ctx)
+}
+
+func (a *alternating) Close() error {
+	for _, s := range a.srcs {
+		_ = s.Close()
+	}
+	return nil
+}
+
+// Unordered deliveries of two channels that arrive interleaved share a
+// transaction per channel, instead of the batch being cut wherever the
+// channel changes (a transaction per delivery here). A transaction still
+// never mixes channels: each has one fate.
+func TestInterleavedChannelsShareTransactions(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	a, b := memsource.New(memsource.Options{}), memsource.New(memsource.Options{})
+	rec := newBatchRecorder("gate")
+	cfg := fastConfig("interleaved")
+	cfg.Concurrency = 8
+	c, err := consumer.NewBatch(pool, &alternating{srcs: []consumer.Source{a.Source(), b.Source()}}, rec.handle, cfg)
+	require.NoError(t, err)
+	start(t, c)
+
+	publish(a, "gate", 0)
+	<-rec.entered
+	for i := 1; i <= 50; i++ {
+		publish(b, fmt.Sprintf("b-%d", i), i)
+		publish(a, fmt.Sprintf("a-%d", i), i)
+	}
+	require.Eventually(t, func() bool { return c.Stats().Received == 101 }, 10*time.Second, time.Millisecond)
+	close(rec.release)
+	require.NoError(t, a.WaitAcked(context.Background(), 51))
+	require.NoError(t, b.WaitAcked(context.Background(), 50))
+
+	na, ma := rec.transactionsOf("a-")
+	nb, mb := rec.transactionsOf("b-")
+	assert.Equal(t, 50, ma)
+	assert.Equal(t, 50, mb)
+	// One each when the batcher received all within maxGroupWait of the
+	// first; a loaded machine may close the batch once or twice early.
+	assert.LessOrEqual(t, na, 3, "transactions of channel a's 50 messages")
+	assert.LessOrEqual(t, nb, 3, "transactions of channel b's 50 messages")
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	for _, batch := range rec.batches {
+		for _, id := range batch {
+			assert.Equal(t, batch[0][0], id[0], "one channel per transaction: %v", batch)
+		}
+	}
+}

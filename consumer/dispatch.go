@@ -251,16 +251,46 @@ func (d *dispatcher) unorderedWorker() {
 		// A batch shares one fate, so it must not mix deliveries of
 		// different channels: abandoning a batch because one channel died
 		// would leave the others' deliveries unacked on a live channel.
-		for len(batch) > 0 && !d.p.stopping.Load() {
-			n := 1
-			for n < len(batch) && batch[n].Context() == batch[0].Context() {
-				n++
+		for _, one := range byContext(batch) {
+			if d.p.stopping.Load() {
+				break
 			}
-			d.p.process(d.work, batch[:n], false, &settler{p: d.p})
-			batch = batch[n:]
+			d.p.process(d.work, one, false, &settler{p: d.p})
 		}
 		d.batcher.done(time.Since(started), suspect)
 	}
+}
+
+// byContext splits an unordered batch into one batch per delivery context
+// (an AMQP channel), each in the order its deliveries came. Deliveries of
+// several channels arrive interleaved (a source reading several channels,
+// or the old and the new channel around a reconnect); splitting where
+// the context changes would cut such a batch into as many transactions
+// as there are changes. A batch of one context is returned as it is.
+func byContext(batch []Delivery) [][]Delivery {
+	first := batch[0].Context()
+	same := true
+	for _, dv := range batch[1:] {
+		if dv.Context() != first {
+			same = false
+			break
+		}
+	}
+	if same {
+		return [][]Delivery{batch}
+	}
+	var out [][]Delivery
+	index := map[context.Context]int{}
+	for _, dv := range batch {
+		i, ok := index[dv.Context()]
+		if !ok {
+			i = len(out)
+			index[dv.Context()] = i
+			out = append(out, nil)
+		}
+		out[i] = append(out[i], dv)
+	}
+	return out
 }
 
 // linger is how long a worker waits for a batch to fill: Config.
