@@ -47,9 +47,11 @@ const DeliveryCountHeader = "x-delivery-count"
 type delivery struct {
 	src   *Source
 	sess  *session
-	d     *amqp091.Delivery
-	msg   *consumer.Message
 	acked atomic.Bool
+	// d and msg are held by value: one allocation per delivery instead
+	// of three (the amqp091.Delivery received, the Message, this).
+	d   amqp091.Delivery
+	msg consumer.Message
 }
 
 // TelemetryAttributes implements consumer.TelemetryAttributer, as the
@@ -68,8 +70,9 @@ func (d *delivery) TelemetryAttributes() []attribute.KeyValue {
 	}
 }
 
-func (s *Source) newDelivery(sess *session, d *amqp091.Delivery) *delivery {
-	msg := &consumer.Message{
+func (s *Source) newDelivery(sess *session, d amqp091.Delivery) *delivery {
+	dv := &delivery{src: s, sess: sess, d: d}
+	dv.msg = consumer.Message{
 		ID:            d.MessageId,
 		Type:          d.Type,
 		Key:           []byte(d.RoutingKey),
@@ -83,12 +86,12 @@ func (s *Source) newDelivery(sess *session, d *amqp091.Delivery) *delivery {
 		DeliveryCount: deliveryCount(d.Headers),
 	}
 	if s.cfg.Ordered {
-		msg.Stream = s.cfg.Queue
+		dv.msg.Stream = s.cfg.Queue
 	}
 	if s.cfg.FallbackID {
-		msg.FallbackID = fallbackID(d.Exchange, d.RoutingKey, d.Body)
+		dv.msg.FallbackID = fallbackID(d.Exchange, d.RoutingKey, d.Body)
 	}
-	return &delivery{src: s, sess: sess, d: d, msg: msg}
+	return dv
 }
 
 // Message returns the message. Message.ID is the message-id property,
@@ -96,7 +99,7 @@ func (s *Source) newDelivery(sess *session, d *amqp091.Delivery) *delivery {
 // published with, Message.Headers the AMQP headers as strings,
 // Message.Topic the queue, Message.Stream empty (or the queue with
 // Config.Ordered).
-func (d *delivery) Message() *consumer.Message { return d.msg }
+func (d *delivery) Message() *consumer.Message { return &d.msg }
 
 // Context is done once the delivery's channel closed (connection lost,
 // channel error, source closed).
@@ -141,7 +144,7 @@ func (d *delivery) DeadLetter(ctx context.Context, dl *consumer.DeadLetter) erro
 		return fmt.Errorf("amqp: dead-letter delivery %d: %w (%w)", d.d.DeliveryTag, ErrChannelClosed, context.Cause(d.sess.ctx))
 	}
 	cfg := &d.src.cfg
-	p := deadLetterPublishing(d.d, dl.Headers(d.msg), cfg.Queue)
+	p := deadLetterPublishing(&d.d, dl.Headers(&d.msg), cfg.Queue)
 	if err := d.src.pub.publish(ctx, d, cfg.DeadLetter.Exchange, cfg.DeadLetter.RoutingKey, p, cfg.ConfirmTimeout); err != nil {
 		d.src.log.Warn("amqp: dead-letter publish failed", "event_id", dl.EventID, "error", err)
 		return err

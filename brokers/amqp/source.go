@@ -131,7 +131,7 @@ func (s *Source) Receive(ctx context.Context) (consumer.Delivery, error) {
 				s.lost(sess, context.Cause(sess.ctx))
 				continue
 			}
-			return s.newDelivery(sess, &d), nil
+			return s.newDelivery(sess, d), nil
 		}
 	}
 }

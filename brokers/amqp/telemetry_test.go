@@ -16,7 +16,7 @@ import (
 func TestDeliveryTelemetryAttributes(t *testing.T) {
 	var _ consumer.TelemetryAttributer = (*delivery)(nil)
 	for exchange, want := range map[string]string{"orders": "orders", "": "amq.default"} {
-		d := &delivery{d: &amqp091.Delivery{Exchange: exchange, RoutingKey: "order.paid"}, msg: &consumer.Message{Topic: "billing"}}
+		d := &delivery{d: amqp091.Delivery{Exchange: exchange, RoutingKey: "order.paid"}, msg: consumer.Message{Topic: "billing"}}
 		assert.ElementsMatch(t, []attribute.KeyValue{
 			attribute.String("messaging.destination.name", want),
 			attribute.String("messaging.rabbitmq.destination.routing_key", "order.paid"),
