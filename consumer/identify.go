@@ -56,17 +56,16 @@ func (j *job) claim(consumer string) dedup.Claim {
 }
 
 // identify is the pipeline's first stage: it starts the message's span and
-// prepares it for its handler (event id, type, decoded payload,
-// fingerprint). Every user function met here (Envelope, EventID, Decoder,
+// fills j, the message's job, for its handler (event id, type, decoded
+// payload, fingerprint). Every user function met here (Envelope, EventID, Decoder,
 // the router's lookup, Fingerprint) runs guarded: a panic dead-letters the
 // message with kind KindPanic and the stack, like a handler's panic,
 // instead of crashing the process on every redelivery.
-func (p *pipeline) identify(ctx context.Context, dv Delivery) *job {
+func (p *pipeline) identify(ctx context.Context, dv Delivery, j *job) {
 	m := dv.Message()
 	ctx, span := p.tel.startSpan(ctx, dv, m)
-	j := &job{d: dv, m: m, span: span, ctx: ctx, start: time.Now()}
+	*j = job{d: dv, m: m, span: span, ctx: ctx, start: time.Now()}
 	j.failure = p.prepareJob(j)
-	return j
 }
 
 // prepareJob fills j from its message, or returns why it cannot be handled.

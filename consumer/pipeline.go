@@ -202,8 +202,13 @@ func (p *pipeline) identifyBatch(work context.Context, dvs []Delivery) *batch {
 			}
 			cancel()
 		}}
+	// The batch's jobs in one allocation: a job kept after its batch (a
+	// held dead letter, a twin's follower) keeps the others' memory until
+	// it is settled, which a bounded number of batches in flight allows.
+	slab := make([]job, len(dvs))
 	for i, dv := range dvs {
-		j := p.identify(ctx, dv)
+		j := &slab[i]
+		p.identify(ctx, dv, j)
 		j.seq = i
 		if j.failure == nil {
 			b.jobs = append(b.jobs, j)
