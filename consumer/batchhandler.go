@@ -33,10 +33,12 @@ func NewBatch[T any](pool *pgxpool.Pool, src Source, h BatchHandler[T], cfg Conf
 		if err != nil {
 			return prepared{}, KindDecode, &DecodeError{Err: err}
 		}
-		ev := Event[T]{ID: idt.id, Type: idt.typ, Payload: payload, Message: m, Attempt: 1}
+		// One allocation for the event, shared by the job's call (a
+		// batch of one) and its place in a batch.
+		ev := &Event[T]{ID: idt.id, Type: idt.typ, Payload: payload, Message: m, Attempt: 1}
 		return prepared{
 			call: func(ctx context.Context, tx pgx.Tx, attempt int) error {
-				one := ev
+				one := *ev
 				one.Attempt = attempt
 				one.queue = openQueue(tx)
 				defer one.queue.close()
@@ -54,7 +56,7 @@ func NewBatch[T any](pool *pgxpool.Pool, src Source, h BatchHandler[T], cfg Conf
 		defer q.close()
 		events := make([]Event[T], len(jobs))
 		for i, j := range jobs {
-			events[i] = j.event.(Event[T])
+			events[i] = *j.event.(*Event[T])
 			events[i].queue = q
 		}
 		return h(ctx, tx, events)

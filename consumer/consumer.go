@@ -85,7 +85,7 @@ type call func(ctx context.Context, tx pgx.Tx, attempt int) error
 // the id without running a handler.
 type prepared struct {
 	call call
-	// event is the typed Event, for a BatchHandler.
+	// event is the typed *Event, for a BatchHandler.
 	event any
 }
 

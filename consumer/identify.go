@@ -19,7 +19,7 @@ type job struct {
 	idt   identity
 	fp    []byte
 	call  call // nil: record the id without a handler
-	event any  // the typed Event, for a BatchHandler
+	event any  // the typed *Event, for a BatchHandler
 	span  trace.Span
 	// start is when the message's processing began.
 	start time.Time
