@@ -3,6 +3,7 @@ package consumer
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -53,7 +54,11 @@ func (c *counters) snapshot() Stats {
 
 type telemetry struct {
 	tracer trace.Tracer
-	base   attribute.Set
+	// viaGlobal: the tracer came from the global provider
+	// (Config.Telemetry.TracerProvider unset), so while no provider is
+	// installed there the spans record nothing (startSpan).
+	viaGlobal bool
+	base      attribute.Set
 	// baseOpt is base as a measurement option, built once; baseAdd and
 	// baseRecord are it as the option slices the instruments take, so
 	// that a measurement allocates no slice for its variadic options.
@@ -118,6 +123,7 @@ type TelemetryAttributer interface {
 
 func newTelemetry(cfg *Config, system, group string) (*telemetry, error) {
 	tp, mp := cfg.Telemetry.TracerProvider, cfg.Telemetry.MeterProvider
+	viaGlobal := tp == nil
 	if tp == nil {
 		tp = otel.GetTracerProvider()
 	}
@@ -126,8 +132,9 @@ func newTelemetry(cfg *Config, system, group string) (*telemetry, error) {
 	}
 	m := mp.Meter(instrumentationName)
 	t := &telemetry{
-		tracer: tp.Tracer(instrumentationName),
-		base:   attribute.NewSet(attribute.String("once.consumer", cfg.Name), attribute.String("messaging.system", system)),
+		tracer:    tp.Tracer(instrumentationName),
+		viaGlobal: viaGlobal,
+		base:      attribute.NewSet(attribute.String("once.consumer", cfg.Name), attribute.String("messaging.system", system)),
 		spanAttrs: []attribute.KeyValue{
 			attribute.String("messaging.system", system),
 			attribute.String("messaging.operation.type", "process"),
@@ -235,6 +242,15 @@ func (t *telemetry) startSpan(ctx context.Context, dv Delivery, m *Message) (con
 	if len(m.Headers) > 0 {
 		ctx = extractParent(ctx, propagation.MapCarrier(m.Headers))
 	}
+	if t.viaGlobal && noGlobalTracing() {
+		// No provider installed: the global tracer would return a span
+		// that records nothing and carries the parent's span context, at
+		// three allocations a message. The parent itself is such a span
+		// (or none), and ctx already carries its span context.
+		if parent := trace.SpanFromContext(ctx); !parent.IsRecording() {
+			return ctx, parent
+		}
+	}
 	ctx, span := t.tracer.Start(ctx, t.spanName(m.Topic), t.spanStart...)
 	if !span.IsRecording() {
 		return ctx, span
@@ -252,6 +268,25 @@ func (t *telemetry) startSpan(ctx context.Context, dv Delivery, m *Message) (con
 	}
 	span.SetAttributes(attrs...)
 	return ctx, span
+}
+
+// defaultTracerProvider is the global tracer provider before any is
+// installed: OpenTelemetry's delegating one, whose spans record nothing
+// until otel.SetTracerProvider replaces it (GetTracerProvider then returns
+// the new one). Nil if another package installed a provider before this
+// one was initialised, which only turns the shortcut of startSpan off.
+var defaultTracerProvider = func() trace.TracerProvider {
+	tp := otel.GetTracerProvider()
+	if fmt.Sprintf("%T", tp) != "*global.tracerProvider" {
+		return nil
+	}
+	return tp
+}()
+
+// noGlobalTracing reports whether the global tracer provider is still
+// OpenTelemetry's default, with no provider installed.
+func noGlobalTracing() bool {
+	return defaultTracerProvider != nil && otel.GetTracerProvider() == defaultTracerProvider
 }
 
 // extractParent returns ctx with the producer's span context from the
