@@ -262,11 +262,11 @@ func (d *dispatcher) unorderedWorker() {
 }
 
 // byContext splits an unordered batch into one batch per delivery context
-// (an AMQP channel), each in the order its deliveries came. Deliveries of
-// several channels arrive interleaved (a source reading several channels,
-// or the old and the new channel around a reconnect); splitting where
-// the context changes would cut such a batch into as many transactions
-// as there are changes. A batch of one context is returned as it is.
+// (an AMQP channel), each in the order its deliveries came. A source that
+// reads several channels at once hands them over interleaved; splitting
+// where the context changes would cut such a batch into as many
+// transactions as there are changes. A batch of one context is returned
+// as it is.
 func byContext(batch []Delivery) [][]Delivery {
 	first := batch[0].Context()
 	same := true
