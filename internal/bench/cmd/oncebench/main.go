@@ -40,7 +40,7 @@ func run() int {
 		rows       = flag.String("rows", "", "consumer rows to run, comma-separated (default all; none: no consumer row): "+rowNames())
 		paceFor    = flag.Duration("pace", 3*time.Second, "length of each row's paced latency phase (0: none)")
 		paceMax    = flag.Float64("pace-max", 50000, "cap on the paced rate, msgs/s")
-		runs       = flag.Int("runs", 1, "runs of each broker's consumer rows, one after the other; the targets then state every run's value (ONCE_BENCH_PROFILE names files <broker>-<row>-run<N>)")
+		runs       = flag.Int("runs", 1, "runs of each broker's consumer rows in the table, one after the other; the targets then state every run's value (ONCE_BENCH_PROFILE names files <broker>-<row>-run<N>); -rss-check, -scale and -scale-out run once")
 		conc       = flag.Int("concurrency", 0, "consumer.Config.Concurrency of the once rows (0: the library's default)")
 		keyLanes   = flag.Int("key-lanes", 4, "kafka.Config.KeyLanes of the once-key-lanes row")
 		ordered    = flag.Bool("amqp-ordered", false, "RabbitMQ once rows: one ordered stream (amqp.Config.Ordered)")
@@ -172,7 +172,7 @@ func run() int {
 // runRSSCheck runs the Kafka batched row at each size, without the paced
 // phase and pgbench, and compares the peak RSS of its subprocess.
 func runRSSCheck(ctx context.Context, o bench.Options, sizes string) int {
-	o.Brokers, o.Rows, o.PGBench, o.Pace = []bench.Broker{bench.Kafka}, []bench.Row{bench.RowOnceBatched}, 0, 0
+	o.Brokers, o.Rows, o.PGBench, o.Pace, o.Runs = []bench.Broker{bench.Kafka}, []bench.Row{bench.RowOnceBatched}, 0, 0, 1
 	var first float64
 	ok := true
 	for _, s := range strings.Split(sizes, ",") {
@@ -253,7 +253,8 @@ func rowNames() string {
 // runScaleOut runs the rows with each number of processes and prints the
 // rate and each process's share side by side.
 func runScaleOut(ctx context.Context, o bench.Options, counts, jsonOut string) int {
-	o.PGBench, o.Pace, o.HTTPRequests = 0, 0, 0
+	// One run per process count: -runs is the table's (make bench passes it).
+	o.PGBench, o.Pace, o.HTTPRequests, o.Runs = 0, 0, 0, 1
 	var reports []*bench.Report
 	ok := true
 	for _, s := range strings.Split(counts, ",") {
