@@ -55,3 +55,45 @@ func TestBatchClaimLooksUpOnlyTheDuplicates(t *testing.T) {
 	loops, _ := strconv.Atoi(lookups[1])
 	assert.Equal(t, 10, loops, "one lookup per duplicate; plan:\n%s", plan)
 }
+
+// Only the claims the insert did not take come back from the batch
+// statement: a batch of new ids reads no result rows. Here 10 of 60.
+func TestBatchClaimReturnsOnlyTheDuplicates(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	pool, _ := pgtest.Schema(t)
+	s, err := New(Config{})
+	require.NoError(t, err)
+	require.NoError(t, s.Migrate(ctx, pool))
+	_, err = pool.Exec(ctx, `INSERT INTO processed_events (consumer, event_id) SELECT 'c', 'old-' || i FROM generate_series(1, 10) i`)
+	require.NoError(t, err)
+
+	var ids []string
+	for i := 1; i <= 50; i++ {
+		ids = append(ids, fmt.Sprintf("new-%d", i))
+		if i%5 == 0 {
+			ids = append(ids, fmt.Sprintf("old-%d", i/5))
+		}
+	}
+	n := len(ids)
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+	rows, err := tx.Query(ctx, s.claimBatchSQL, "c", ids,
+		make([][]byte, n), make([]string, n), make([]*int32, n), make([]*int64, n))
+	require.NoError(t, err)
+	var back []string
+	for rows.Next() {
+		vals, err := rows.Values()
+		require.NoError(t, err)
+		ord, ok := vals[0].(int64)
+		require.True(t, ok, "ordinal %T", vals[0])
+		back = append(back, ids[ord-1])
+		assert.NotNil(t, vals[2], "%s: when the row that was there was processed", ids[ord-1])
+	}
+	require.NoError(t, rows.Err())
+	assert.Len(t, back, 10, "rows back: %v", back)
+	for _, id := range back {
+		assert.True(t, strings.HasPrefix(id, "old-"), id)
+	}
+}

@@ -83,9 +83,10 @@ func New(cfg Config) (*Store, error) {
 		// repeated in the batch, the first appearance's row goes in); the
 		// join on p sees the table as it was when the statement began,
 		// which is the previous row of every duplicate committed before.
-		// Only ids the insert did not take are looked up there: a claimed
-		// id has no previous row to read (most ids, in a stream that is
-		// mostly new), and the lookup cost an index probe for each.
+		// Only ids the insert did not take are looked up there, and only
+		// they come back: a claimed id has no previous row to read (most
+		// ids, in a stream that is mostly new), the lookup cost an index
+		// probe for each, and a row back for each cost reading it.
 		claimBatchSQL: `WITH u AS (
 	SELECT * FROM unnest($2::text[], $3::bytea[], $4::text[], $5::integer[], $6::bigint[])
 		WITH ORDINALITY AS u(id, fp, src, part, off, ord)
@@ -94,12 +95,13 @@ func New(cfg Config) (*Store, error) {
 	SELECT $1, id, fp, src, part, off FROM u ORDER BY id COLLATE "C", ord
 	ON CONFLICT DO NOTHING RETURNING event_id
 )
-SELECT u.ord, ins.event_id IS NOT NULL, p.fingerprint, p.processed_at
+SELECT u.ord, p.fingerprint, p.processed_at
 FROM u LEFT JOIN ins ON ins.event_id = u.id
 LEFT JOIN LATERAL (
 	SELECT fingerprint, processed_at FROM ` + table + `
 	WHERE ins.event_id IS NULL AND consumer = $1 AND event_id = u.id OFFSET 0
-) p ON true`,
+) p ON true
+WHERE ins.event_id IS NULL`,
 		lookupSQL: `SELECT fingerprint, processed_at FROM ` + table + ` WHERE consumer = $1 AND event_id = $2`,
 		// A statement of its own sees what other transactions committed
 		// after the batch statement's snapshot (READ COMMITTED).
@@ -387,8 +389,16 @@ type batchFound struct {
 	before   []*Previous
 }
 
+// newBatchFound returns what n claims found before claimBatchSQL's rows
+// are read: every row went in. The statement returns a row only for the
+// claims whose row did not (a duplicate is the exception in a stream), so
+// a batch of new ids costs no result rows.
 func newBatchFound(n int) *batchFound {
-	return &batchFound{inserted: make([]bool, n), before: make([]*Previous, n)}
+	f := &batchFound{inserted: make([]bool, n), before: make([]*Previous, n)}
+	for i := range f.inserted {
+		f.inserted[i] = true
+	}
+	return f
 }
 
 // scan reads claimBatchSQL's rows, and closes them.
@@ -396,16 +406,15 @@ func (f *batchFound) scan(rows pgx.Rows) error {
 	n := int64(len(f.inserted))
 	var (
 		ord    int64
-		ins    bool
 		fp     []byte
 		procAt *time.Time
 	)
-	_, err := pgx.ForEachRow(rows, []any{&ord, &ins, &fp, &procAt}, func() error {
+	_, err := pgx.ForEachRow(rows, []any{&ord, &fp, &procAt}, func() error {
 		k := ord - 1
 		if k < 0 || k >= n {
 			return fmt.Errorf("row for ordinal %d of %d", ord, n)
 		}
-		f.inserted[k] = ins
+		f.inserted[k] = false
 		if procAt != nil {
 			f.before[k] = &Previous{Fingerprint: bytes.Clone(fp), ProcessedAt: *procAt}
 		}
