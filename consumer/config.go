@@ -278,7 +278,10 @@ type TelemetryConfig struct {
 	// Defaults to slog.Default().
 	Logger *slog.Logger
 	// TracerProvider makes the per-message consumer spans. Defaults to
-	// otel.GetTracerProvider().
+	// otel.GetTracerProvider(); while that is OpenTelemetry's default,
+	// with no provider installed, no span is made (the handler's context
+	// still carries the producer's span context), and a provider set
+	// later with otel.SetTracerProvider gets every span from then on.
 	TracerProvider trace.TracerProvider
 	// MeterProvider makes the consumer's metrics. Defaults to
 	// otel.GetMeterProvider().
