@@ -373,6 +373,23 @@ func TestQueueClaimQueryExecModes(t *testing.T) {
 			assert.Equal(t, []dedup.Outcome{dedup.Conflict, dedup.Claimed, dedup.Claimed, dedup.Duplicate}, outcomes(results))
 			assert.Equal(t, storedRow{[]byte{1}, "", nil, ptr[int64](4)}, stored(t, ctx, pool, "c", "b1"))
 			assert.Equal(t, storedRow{nil, "x", ptr[int32](5), nil}, stored(t, ctx, pool, "c", "b2"))
+
+			// A batch of one source and partition (a Kafka partition's, a
+			// queue's) sends them once: stored alike.
+			results, _ = queueClaimBatchTx(t, ctx, pool, s, []dedup.Claim{
+				{Consumer: "c", EventID: "k1", Fingerprint: []byte{1}, Source: "topic", Partition: 2, Offset: 10},
+				{Consumer: "c", EventID: "b2", Fingerprint: nil, Source: "topic", Partition: 2, Offset: 11},
+				{Consumer: "c", EventID: "k2", Fingerprint: []byte{2}, Source: "topic", Partition: 2, Offset: 12},
+			})
+			assert.Equal(t, []dedup.Outcome{dedup.Claimed, dedup.Duplicate, dedup.Claimed}, outcomes(results))
+			assert.Equal(t, storedRow{[]byte{1}, "topic", ptr[int32](2), ptr[int64](10)}, stored(t, ctx, pool, "c", "k1"))
+			assert.Equal(t, storedRow{[]byte{2}, "topic", ptr[int32](2), ptr[int64](12)}, stored(t, ctx, pool, "c", "k2"))
+			results, _ = queueClaimBatchTx(t, ctx, pool, s, []dedup.Claim{
+				{Consumer: "c", EventID: "q1", Fingerprint: []byte{3}, Source: "queue", Partition: -1, Offset: -1},
+				{Consumer: "c", EventID: "q2", Fingerprint: []byte{4}, Source: "queue", Partition: -1, Offset: -1},
+			})
+			assert.Equal(t, []dedup.Outcome{dedup.Claimed, dedup.Claimed}, outcomes(results))
+			assert.Equal(t, storedRow{[]byte{4}, "queue", nil, nil}, stored(t, ctx, pool, "c", "q2"))
 		})
 	}
 }

@@ -47,7 +47,11 @@ type Store struct {
 	series *migrate.Series
 
 	claimSQL, claimBatchSQL, lookupSQL, lookupManySQL string
-	retentionSQL, attemptsRetentionSQL                string
+	// claimBatchOneSourceSQL is claimBatchSQL for a batch whose claims
+	// share their source and partition (a Kafka partition's, a RabbitMQ
+	// queue's): those go as two values instead of two arrays.
+	claimBatchOneSourceSQL             string
+	retentionSQL, attemptsRetentionSQL string
 }
 
 // identifier is a plain, unquoted SQL identifier of at most 63 bytes minus
@@ -87,21 +91,12 @@ func New(cfg Config) (*Store, error) {
 		// they come back: a claimed id has no previous row to read (most
 		// ids, in a stream that is mostly new), the lookup cost an index
 		// probe for each, and a row back for each cost reading it.
-		claimBatchSQL: `WITH u AS (
-	SELECT * FROM unnest($2::text[], $3::bytea[], $4::text[], $5::integer[], $6::bigint[])
-		WITH ORDINALITY AS u(id, fp, src, part, off, ord)
-), ins AS (
-	INSERT INTO ` + table + ` (` + cols + `)
-	SELECT $1, id, fp, src, part, off FROM u ORDER BY id COLLATE "C", ord
-	ON CONFLICT DO NOTHING RETURNING event_id
-)
-SELECT u.ord, p.fingerprint, p.processed_at
-FROM u LEFT JOIN ins ON ins.event_id = u.id
-LEFT JOIN LATERAL (
-	SELECT fingerprint, processed_at FROM ` + table + `
-	WHERE ins.event_id IS NULL AND consumer = $1 AND event_id = u.id OFFSET 0
-) p ON true
-WHERE ins.event_id IS NULL`,
+		claimBatchSQL: claimBatchStatement(table, cols,
+			`unnest($2::text[], $3::bytea[], $4::text[], $5::integer[], $6::bigint[])
+		WITH ORDINALITY AS u(id, fp, src, part, off, ord)`, `src, part`),
+		claimBatchOneSourceSQL: claimBatchStatement(table, cols,
+			`unnest($2::text[], $3::bytea[], $6::bigint[])
+		WITH ORDINALITY AS u(id, fp, off, ord)`, `$4::text, $5::integer`),
 		lookupSQL: `SELECT fingerprint, processed_at FROM ` + table + ` WHERE consumer = $1 AND event_id = $2`,
 		// A statement of its own sees what other transactions committed
 		// after the batch statement's snapshot (READ COMMITTED).
@@ -320,11 +315,11 @@ func (s *Store) ClaimBatch(ctx context.Context, tx DB, claims []Claim) ([]Result
 	if len(claims) == 0 {
 		return nil, nil
 	}
-	args, err := claimBatchArgs(claims)
+	sql, args, err := s.claimBatch(claims)
 	if err != nil {
 		return nil, err
 	}
-	rows, err := tx.Query(ctx, s.claimBatchSQL, args...)
+	rows, err := tx.Query(ctx, sql, args...)
 	if err != nil {
 		return nil, fmt.Errorf("dedup: claim batch: %w", err)
 	}
@@ -335,24 +330,56 @@ func (s *Store) ClaimBatch(ctx context.Context, tx DB, claims []Claim) ([]Result
 	return s.batchResults(ctx, tx, claims, found)
 }
 
-// claimBatchArgs are the arguments of claimBatchSQL for claims, which must
-// be at least one, all of one consumer.
-func claimBatchArgs(claims []Claim) ([]any, error) {
-	consumer := claims[0].Consumer
+// claimBatchStatement is the batch claim over the rows of unnest: with
+// each claim's source and partition from it, or, srcPart being two
+// parameters, the same for all.
+func claimBatchStatement(table, cols, unnest, srcPart string) string {
+	return `WITH u AS (
+	SELECT * FROM ` + unnest + `
+), ins AS (
+	INSERT INTO ` + table + ` (` + cols + `)
+	SELECT $1, id, fp, ` + srcPart + `, off FROM u ORDER BY id COLLATE "C", ord
+	ON CONFLICT DO NOTHING RETURNING event_id
+)
+SELECT u.ord, p.fingerprint, p.processed_at
+FROM u LEFT JOIN ins ON ins.event_id = u.id
+LEFT JOIN LATERAL (
+	SELECT fingerprint, processed_at FROM ` + table + `
+	WHERE ins.event_id IS NULL AND consumer = $1 AND event_id = u.id OFFSET 0
+) p ON true
+WHERE ins.event_id IS NULL`
+}
+
+// claimBatch returns the statement and arguments that claim claims, which
+// must be at least one, all of one consumer: claimBatchOneSourceSQL when
+// they share their source and partition (every batch of a Kafka partition
+// or a RabbitMQ queue), else claimBatchSQL.
+func (s *Store) claimBatch(claims []Claim) (string, []any, error) {
+	consumer, src, part := claims[0].Consumer, claims[0].Source, claims[0].Partition
+	oneSource := true
+	for _, c := range claims {
+		if c.Consumer != consumer {
+			return "", nil, fmt.Errorf("dedup: claim batch: mixed consumers %q and %q", consumer, c.Consumer)
+		}
+		oneSource = oneSource && c.Source == src && c.Partition == part
+	}
 	ids := make(ptrArray[string], len(claims))
 	fps := make(ptrArray[[]byte], len(claims))
-	srcs := make(ptrArray[string], len(claims))
-	parts := make(ptrArray[pgtype.Int4], len(claims))
 	offs := make(ptrArray[pgtype.Int8], len(claims))
 	for i, c := range claims {
-		if c.Consumer != consumer {
-			return nil, fmt.Errorf("dedup: claim batch: mixed consumers %q and %q", consumer, c.Consumer)
-		}
-		ids[i], fps[i], srcs[i] = c.EventID, c.Fingerprint, c.Source
-		parts[i] = pgtype.Int4{Int32: c.Partition, Valid: c.Partition >= 0}
+		ids[i], fps[i] = c.EventID, c.Fingerprint
 		offs[i] = pgtype.Int8{Int64: c.Offset, Valid: c.Offset >= 0}
 	}
-	return []any{consumer, ids, fps, srcs, parts, offs}, nil
+	if oneSource {
+		return s.claimBatchOneSourceSQL, []any{consumer, ids, fps, src, pgtype.Int4{Int32: part, Valid: part >= 0}, offs}, nil
+	}
+	srcs := make(ptrArray[string], len(claims))
+	parts := make(ptrArray[pgtype.Int4], len(claims))
+	for i, c := range claims {
+		srcs[i] = c.Source
+		parts[i] = pgtype.Int4{Int32: c.Partition, Valid: c.Partition >= 0}
+	}
+	return s.claimBatchSQL, []any{consumer, ids, fps, srcs, parts, offs}, nil
 }
 
 // ptrArray is a one-dimensional array argument whose elements pgx reads
@@ -526,12 +553,12 @@ func (s *Store) QueueClaimBatch(b *pgx.Batch, claims []Claim) (*PendingClaimBatc
 		p.done = true
 		return p, nil
 	}
-	args, err := claimBatchArgs(claims)
+	sql, args, err := s.claimBatch(claims)
 	if err != nil {
 		return nil, err
 	}
 	p.found = newBatchFound(len(claims))
-	b.Queue(s.claimBatchSQL, args...).Query(func(rows pgx.Rows) error {
+	b.Queue(sql, args...).Query(func(rows pgx.Rows) error {
 		if err := p.found.scan(rows); err != nil {
 			p.err = err
 			return err
