@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -22,14 +23,7 @@ import (
 // new in a healthy stream. Here 10 of 60 ids are duplicates, so the
 // lookup runs 10 times, not 60.
 func TestBatchClaimLooksUpOnlyTheDuplicates(t *testing.T) {
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	pool, _ := pgtest.Schema(t)
-	s, err := New(Config{})
-	require.NoError(t, err)
-	require.NoError(t, s.Migrate(ctx, pool))
-	_, err = pool.Exec(ctx, `INSERT INTO processed_events (consumer, event_id) SELECT 'c', 'old-' || i FROM generate_series(1, 10) i`)
-	require.NoError(t, err)
+	ctx, pool, s := storeWithOldIDs(t)
 
 	ids := make([]string, 0, 60)
 	for i := 1; i <= 10; i++ {
@@ -59,14 +53,7 @@ func TestBatchClaimLooksUpOnlyTheDuplicates(t *testing.T) {
 // Only the claims the insert did not take come back from the batch
 // statement: a batch of new ids reads no result rows. Here 10 of 60.
 func TestBatchClaimReturnsOnlyTheDuplicates(t *testing.T) {
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	pool, _ := pgtest.Schema(t)
-	s, err := New(Config{})
-	require.NoError(t, err)
-	require.NoError(t, s.Migrate(ctx, pool))
-	_, err = pool.Exec(ctx, `INSERT INTO processed_events (consumer, event_id) SELECT 'c', 'old-' || i FROM generate_series(1, 10) i`)
-	require.NoError(t, err)
+	ctx, pool, s := storeWithOldIDs(t)
 
 	var ids []string
 	for i := 1; i <= 50; i++ {
@@ -96,4 +83,18 @@ func TestBatchClaimReturnsOnlyTheDuplicates(t *testing.T) {
 	for _, id := range back {
 		assert.True(t, strings.HasPrefix(id, "old-"), id)
 	}
+}
+
+// storeWithOldIDs returns a migrated store in a schema of the test's own
+// whose table holds the ids old-1 to old-10 of consumer c.
+func storeWithOldIDs(t *testing.T) (context.Context, *pgxpool.Pool, *Store) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	t.Cleanup(cancel)
+	pool, _ := pgtest.Schema(t)
+	s, err := New(Config{})
+	require.NoError(t, err)
+	require.NoError(t, s.Migrate(ctx, pool))
+	_, err = pool.Exec(ctx, `INSERT INTO processed_events (consumer, event_id) SELECT 'c', 'old-' || i FROM generate_series(1, 10) i`)
+	require.NoError(t, err)
+	return ctx, pool, s
 }
