@@ -452,12 +452,12 @@ func pace(spec *rowSpec, res *childResult, m *meter, wait func(int) error) error
 	if dir := os.Getenv(ProfileEnv); dir != "" {
 		writeTimeline(filepath.Join(dir, profileName(spec)+".paced.csv"), m, start)
 		if syncs != nil {
-			writeSyncTimeline(filepath.Join(dir, profileName(spec)+".sync.csv"), syncs, start)
+			writeProbeTimeline(filepath.Join(dir, profileName(spec)+".sync.csv"), syncs, start)
 		}
-		writeSyncTimeline(filepath.Join(dir, profileName(spec)+".lag.csv"), lags, start)
+		writeProbeTimeline(filepath.Join(dir, profileName(spec)+".lag.csv"), lags, start)
 	}
-	res.SyncP99, res.SyncMax = syncStats(syncs, start.Add(spec.Pace/6))
-	res.LagP99, res.LagMax = syncStats(lags, start.Add(spec.Pace/6))
+	res.SyncP99, res.SyncMax = probeStats(syncs, start.Add(spec.Pace/6))
+	res.LagP99, res.LagMax = probeStats(lags, start.Add(spec.Pace/6))
 	res.P50, res.P99 = percentile(lat, 0.50), percentile(lat, 0.99)
 	res.ReceiveP50, res.ReceiveP99 = percentile(recv, 0.50), percentile(recv, 0.99)
 	return nil

@@ -29,21 +29,21 @@ func TestSyncProbeSamplesAndCleansUp(t *testing.T) {
 	}
 
 	assert.Nil(t, startSyncProbe(""), "no directory, no probe")
-	assert.Nil(t, (*syncProbe)(nil).Stop())
+	assert.Nil(t, (*probe)(nil).Stop())
 }
 
 func TestSyncStatsLeaveOutTheWarmUp(t *testing.T) {
 	t0 := time.Now()
-	samples := []syncSample{
+	samples := []probeSample{
 		{at: t0, took: 500 * time.Millisecond}, // warm-up: left out
 		{at: t0.Add(time.Second), took: 2 * time.Millisecond},
 		{at: t0.Add(2 * time.Second), took: 40 * time.Millisecond},
 		{at: t0.Add(3 * time.Second), took: time.Millisecond},
 	}
-	p99, longest := syncStats(samples, t0.Add(time.Second))
+	p99, longest := probeStats(samples, t0.Add(time.Second))
 	assert.Equal(t, 40*time.Millisecond, p99)
 	assert.Equal(t, 40*time.Millisecond, longest)
-	p99, longest = syncStats(samples, t0.Add(time.Hour))
+	p99, longest = probeStats(samples, t0.Add(time.Hour))
 	assert.Zero(t, p99)
 	assert.Zero(t, longest)
 }
