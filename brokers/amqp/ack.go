@@ -8,7 +8,8 @@ import (
 
 // ackLinger is how long an ack that cannot be coalesced yet (an earlier
 // delivery of the channel is still being handled) waits for the gap to
-// close before it is sent alone. Concurrent transactions commit out of
+// close before it is sent alone; each gap gets a linger of its own from
+// when it opened (acker.flush). Concurrent transactions commit out of
 // order by up to a few of their own durations (under load, tens of
 // milliseconds): waiting that long turns a batch committed early into
 // part of one multiple ack instead of one frame per delivery, and a frame
@@ -66,6 +67,9 @@ type acker struct {
 	// not sent yet; they are outstanding at the broker, so there are at
 	// most Config.Prefetch of them.
 	unsent map[uint64]struct{}
+	// gapSince is when the prefix last stopped below unsent tags: the
+	// start of the current gap's linger (zero while nothing is unsent).
+	gapSince time.Time
 	// alone holds the tags above floor that were sent one by one, as
 	// sorted, disjoint, non-adjacent spans: while an early delivery is
 	// stuck (retried for a long time), the tags acked after it stay here
@@ -121,16 +125,18 @@ func (a *acker) run() {
 	defer close(a.done)
 	linger := time.NewTimer(time.Hour)
 	linger.Stop()
-	armed := false // a linger runs: later wakes must not postpone it
 	gather := time.NewTimer(time.Hour)
 	gather.Stop()
 	gathering := false // acks gather until the gather timer fires
 	var last time.Time // when the last flush ran
-	flush := func(singles bool) {
+	flush := func() {
 		last = time.Now()
-		if a.flush(singles) && !armed {
-			linger.Reset(a.linger)
-			armed = true
+		if wait := a.flush(last, false); wait > 0 {
+			// The current gap's deadline: it moves only when the gap
+			// does, so resetting it here never postpones a linger.
+			linger.Reset(wait)
+		} else {
+			linger.Stop()
 		}
 	}
 	for {
@@ -144,27 +150,36 @@ func (a *acker) run() {
 				gathering = true
 				continue
 			}
-			flush(false)
+			flush()
 		case <-gather.C:
 			gathering = false
-			flush(false)
+			flush()
 		case <-linger.C:
-			armed = false
-			flush(true)
+			flush()
 		case <-a.stopped:
 			linger.Stop()
 			gather.Stop()
-			a.flush(true)
+			a.flush(time.Now(), true)
 			return
 		}
 	}
 }
 
-// flush sends the multiple ack of the contiguous prefix and, when singles
-// is set or the held tags reach a.hold, every other unsent tag alone. It
-// reports whether unsent tags remain (to be sent after the linger).
-func (a *acker) flush(singles bool) (remaining bool) {
+// flush sends, at now, the multiple ack of the contiguous prefix and, when
+// all is set, the held tags reach a.hold or the current gap has lasted
+// a.linger, every other unsent tag alone. It returns how long until the
+// current gap's linger ends if unsent tags remain, else 0.
+//
+// A gap's linger starts when the prefix stopped moving with tags acked
+// behind it: each time the prefix moves, the gap below the waiting tags
+// is a new one (the one before closed) and gets a linger of its own.
+// Concurrent transactions commit out of order all the time, so some gap
+// is nearly always open; a linger counted from the first of them would
+// send whatever waits when it ends one by one, though every gap closes
+// within milliseconds.
+func (a *acker) flush(now time.Time, all bool) (wait time.Duration) {
 	a.mu.Lock()
+	before := a.floor
 	var multi uint64 // the highest tag of the prefix still outstanding
 	for {
 		next := a.floor + 1
@@ -180,8 +195,15 @@ func (a *acker) flush(singles bool) (remaining bool) {
 		}
 		break
 	}
+	switch {
+	case len(a.unsent) == 0:
+		a.gapSince = time.Time{}
+	case a.floor != before || a.gapSince.IsZero():
+		a.gapSince = now
+	}
+	expired := len(a.unsent) > 0 && now.Sub(a.gapSince) >= a.linger
 	var alone []uint64
-	if (singles || len(a.unsent) >= a.hold) && len(a.unsent) > 0 {
+	if (all || expired || len(a.unsent) >= a.hold) && len(a.unsent) > 0 {
 		alone = make([]uint64, 0, len(a.unsent))
 		for tag := range a.unsent {
 			alone = append(alone, tag)
@@ -189,8 +211,11 @@ func (a *acker) flush(singles bool) (remaining bool) {
 		clear(a.unsent)
 		slices.Sort(alone)
 		a.alone = mergeSpans(a.alone, alone)
+		a.gapSince = time.Time{}
 	}
-	remaining = len(a.unsent) > 0
+	if len(a.unsent) > 0 {
+		wait = max(a.linger-now.Sub(a.gapSince), time.Nanosecond)
+	}
 	a.sentFrames += len(alone)
 	if multi > 0 {
 		a.sentFrames++
@@ -205,7 +230,7 @@ func (a *acker) flush(singles bool) (remaining bool) {
 	for _, tag := range alone {
 		_ = a.ch.Ack(tag, false)
 	}
-	return remaining
+	return wait
 }
 
 // mergeSpans adds the sorted tags to the sorted spans, joining adjacent
