@@ -15,9 +15,9 @@ import (
 // part of one multiple ack instead of one frame per delivery, and a frame
 // per delivery cost the broker about 50 µs of CPU each on the development
 // machine (docs/performance.md). The acks are held only at the broker:
-// the messages' effects are committed. At most half the prefetch is held
-// (acker.hold): the newest acks beyond it are sent alone at once, so a
-// delivery stuck in retries never stops the broker delivering.
+// the messages' effects are committed. Held acks are sent sooner when
+// they fill half the prefetch (acker.hold), so a delivery stuck in
+// retries never stops the broker delivering.
 const ackLinger = 100 * time.Millisecond
 
 // ackGather is the least time between two flushes of the acker: the acks
@@ -53,10 +53,10 @@ type acker struct {
 	linger time.Duration
 	// gather is ackGather (tests shorten or lengthen it).
 	gather time.Duration
-	// hold is how many acks may wait for a gap: the newest beyond it are
-	// sent one by one without waiting for the linger. Half the prefetch,
-	// since each is a delivery the broker counts as unacked and a channel
-	// at its prefetch gets no more deliveries.
+	// hold is how many acks may wait for a gap before they are sent one
+	// by one without waiting for the linger: half the prefetch, since
+	// each is a delivery the broker counts as unacked and a channel at
+	// its prefetch gets no more deliveries.
 	hold int
 
 	mu sync.Mutex
@@ -166,10 +166,9 @@ func (a *acker) run() {
 }
 
 // flush sends, at now, the multiple ack of the contiguous prefix and, when
-// all is set or the current gap has lasted a.linger, every other unsent
-// tag alone; else, when more than a.hold tags wait, the newest of them
-// beyond a.hold alone. It returns how long until the current gap's linger
-// ends if unsent tags remain, else 0.
+// all is set, the held tags reach a.hold or the current gap has lasted
+// a.linger, every other unsent tag alone. It returns how long until the
+// current gap's linger ends if unsent tags remain, else 0.
 //
 // A gap's linger starts when the prefix stopped moving with tags acked
 // behind it: each time the prefix moves, the gap below the waiting tags
@@ -204,16 +203,15 @@ func (a *acker) flush(now time.Time, all bool) (wait time.Duration) {
 	}
 	expired := len(a.unsent) > 0 && now.Sub(a.gapSince) >= a.linger
 	var alone []uint64
-	switch {
-	case len(a.unsent) == 0:
-	case all || expired:
-		alone = a.takeUnsent(len(a.unsent))
+	if (all || expired || len(a.unsent) >= a.hold) && len(a.unsent) > 0 {
+		alone = make([]uint64, 0, len(a.unsent))
+		for tag := range a.unsent {
+			alone = append(alone, tag)
+		}
+		clear(a.unsent)
+		slices.Sort(alone)
+		a.alone = mergeSpans(a.alone, alone)
 		a.gapSince = time.Time{}
-	case len(a.unsent) > a.hold:
-		// Only the newest beyond the hold go alone: the gap usually
-		// closes within a transaction's time, and the held ones then
-		// go in one multiple ack.
-		alone = a.takeUnsent(len(a.unsent) - a.hold)
 	}
 	if len(a.unsent) > 0 {
 		wait = max(a.linger-now.Sub(a.gapSince), time.Nanosecond)
@@ -233,22 +231,6 @@ func (a *acker) flush(now time.Time, all bool) (wait time.Duration) {
 		_ = a.ch.Ack(tag, false)
 	}
 	return wait
-}
-
-// takeUnsent removes the n highest unsent tags and records them as sent
-// alone; it returns them in order.
-func (a *acker) takeUnsent(n int) []uint64 {
-	tags := make([]uint64, 0, len(a.unsent))
-	for tag := range a.unsent {
-		tags = append(tags, tag)
-	}
-	slices.Sort(tags)
-	alone := tags[len(tags)-n:]
-	for _, tag := range alone {
-		delete(a.unsent, tag)
-	}
-	a.alone = mergeSpans(a.alone, alone)
-	return alone
 }
 
 // mergeSpans adds the sorted tags to the sorted spans, joining adjacent
