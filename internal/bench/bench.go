@@ -172,6 +172,11 @@ type Result struct {
 	Messages int     `json:"messages"`
 	Seconds  float64 `json:"seconds"`
 	Rate     float64 `json:"msgs_per_s"`
+	// IdlePct is the share (percent) of 10 ms samples of the backlog
+	// phase in which the row held no delivery, every one it had received
+	// acked: time it waited for the broker with the backlog queued there.
+	// A scale-out row gives its processes' mean, weighted by their shares.
+	IdlePct float64 `json:"idle_pct"`
 	// P50 and P99 are produce-to-ack latencies in the paced phase, at
 	// PacedRate msgs/s (half of Rate, capped by Options.PaceMax).
 	P50Ms float64 `json:"p50_ms"`
@@ -481,7 +486,7 @@ func runRow(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, o Options, 
 		}
 	}
 	res := &Result{
-		Broker: b, Row: row, Messages: cr.Messages, Seconds: cr.Seconds, Rate: cr.Rate,
+		Broker: b, Row: row, Messages: cr.Messages, Seconds: cr.Seconds, Rate: cr.Rate, IdlePct: 100 * cr.IdleShare,
 		P50Ms: ms(cr.P50), P99Ms: ms(cr.P99), ReceiveP50Ms: ms(cr.ReceiveP50), ReceiveP99Ms: ms(cr.ReceiveP99), PacedTarget: cr.PacedTarget, PacedRate: cr.PacedRate, PacedMsgs: cr.Paced.Messages,
 		DiskSyncP99Ms: ms(cr.SyncP99), DiskSyncMaxMs: ms(cr.SyncMax), WakeLagP99Ms: ms(cr.LagP99), WakeLagMaxMs: ms(cr.LagMax),
 		AllocsPerMsg: cr.AllocsPerMsg, PeakRSSMB: float64(cr.RSSKB) / 1024,

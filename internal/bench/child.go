@@ -97,6 +97,9 @@ type childResult struct {
 	// ReceiveP50 and ReceiveP99 are produce-to-Receive latencies: the
 	// broker's and the adapter's share of P50 and P99.
 	ReceiveP50, ReceiveP99 time.Duration
+	// IdleShare is the share of the backlog phase in which the row held no
+	// delivery: waiting for its broker (idlesample.go).
+	IdleShare float64
 	// SyncP99 and SyncMax are the disk probe's over the same part of the
 	// paced phase (syncprobe.go).
 	SyncP99, SyncMax time.Duration
@@ -266,6 +269,8 @@ func runChild(spec *rowSpec) (*childResult, error) {
 			return nil, err
 		}
 	}
+	idle := startIdleSampler(m)
+	defer idle.Stop()
 	go func() {
 		runErr = run()
 		close(finished)
@@ -313,6 +318,7 @@ func runChild(spec *rowSpec) (*childResult, error) {
 		return nil, err
 	}
 	doneAt := time.Now()
+	idleShare := idle.Stop()
 	elapsed := doneAt.Sub(m.firstAt())
 	writes1, commits1 := wire.snapshot()
 	if profile != nil {
@@ -326,6 +332,7 @@ func runChild(spec *rowSpec) (*childResult, error) {
 		Messages:     spec.Backlog,
 		Seconds:      elapsed.Seconds(),
 		Rate:         float64(spec.Backlog) / elapsed.Seconds(),
+		IdleShare:    idleShare,
 		AllocsPerMsg: float64(ms1.Mallocs-ms0.Mallocs) / float64(max(1, ownShare(spec, m))),
 		RSSKB:        procStatusKB("VmHWM"),
 		HeapSysKB:    int64(ms1.HeapSys / 1024),

@@ -22,9 +22,11 @@ const HeaderProduced = "bench-produced"
 // the first delivery arrived, and records the produce-to-ack latency of
 // messages that carry HeaderProduced.
 type meter struct {
-	src     consumer.Source
-	first   atomic.Int64 // Unix nanoseconds of the first Receive, 0 before
-	onFirst func()       // called once, in the Receive goroutine, at the first delivery
+	src   consumer.Source
+	first atomic.Int64 // Unix nanoseconds of the first Receive, 0 before
+	// received counts the deliveries Receive returned.
+	received atomic.Int64
+	onFirst  func() // called once, in the Receive goroutine, at the first delivery
 
 	mu      sync.Mutex
 	acked   int
@@ -60,6 +62,7 @@ func (m *meter) Receive(ctx context.Context) (consumer.Delivery, error) {
 		}
 		m.first.Store(time.Now().UnixNano())
 	}
+	m.received.Add(1)
 	return &meteredDelivery{Delivery: d, m: m, received: time.Now()}, nil
 }
 
@@ -108,6 +111,13 @@ func (m *meter) Acked() int {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	return m.acked
+}
+
+// holding returns how many deliveries were received and not acked yet.
+func (m *meter) holding() int64 {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.received.Load() - int64(m.acked)
 }
 
 // waitAcked blocks until n deliveries were acked or ctx is done.

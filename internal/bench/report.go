@@ -35,6 +35,7 @@ func (r *Report) WriteTable(w io.Writer) error {
 			r.PaceSeconds, r.PaceMax)
 	}
 	fmt.Fprintln(w, "msgs/s, allocs/msg, peak RSS: the backlog phase, in the row's own subprocess (VmHWM)")
+	fmt.Fprintf(w, "idle %%: the share of the backlog phase (sampled every %s) in which the row held no delivery, all it had received acked: waiting for the broker\n", idleSampleEvery)
 	if m.Throwaway && r.PaceSeconds > 0 {
 		fmt.Fprintf(w, "disk sync max: the longest 8 KiB write + fdatasync beside the server's data, one every %s, over the same part of the paced phase\n", syncProbeEvery)
 	}
@@ -50,11 +51,11 @@ func (r *Report) WriteTable(w io.Writer) error {
 	if runs {
 		fmt.Fprint(tw, "run\t ")
 	}
-	fmt.Fprintln(tw, "broker\t row\t msgs/s\t p50 ms\t p99 ms\t p99 to Receive ms\t at msgs/s\t disk sync max ms\t wake lag max ms\t allocs/msg\t peak RSS MB\t msgs/tx\t round trips/tx\t x naive\t x lower ceiling\t x hand-written\t correct\t")
+	fmt.Fprintln(tw, "broker\t row\t msgs/s\t idle %\t p50 ms\t p99 ms\t p99 to Receive ms\t at msgs/s\t disk sync max ms\t wake lag max ms\t allocs/msg\t peak RSS MB\t msgs/tx\t round trips/tx\t x naive\t x lower ceiling\t x hand-written\t correct\t")
 	if runs {
 		fmt.Fprint(tw, "---\t ")
 	}
-	fmt.Fprintln(tw, "---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t")
+	fmt.Fprintln(tw, "---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t")
 	for _, x := range r.Results {
 		verdict := "yes"
 		if !x.Correct {
@@ -63,8 +64,8 @@ func (r *Report) WriteTable(w io.Writer) error {
 		if runs {
 			fmt.Fprintf(tw, "%d\t ", x.Run)
 		}
-		fmt.Fprintf(tw, "%s\t %s\t %.0f\t %.1f\t %.1f\t %.1f\t %.0f\t %.1f\t %.1f\t %.1f\t %.1f\t %.1f\t %.2f\t %.2f\t %.2f\t %.2f\t %s (%s)\t\n",
-			x.Broker, x.Row, x.Rate, x.P50Ms, x.P99Ms, x.ReceiveP99Ms, x.PacedRate, x.DiskSyncMaxMs, x.WakeLagMaxMs, x.AllocsPerMsg, x.PeakRSSMB, x.MsgsPerTx, x.RoundTripsPerTx, x.VsNaive, x.VsCeiling, x.VsHandwritten, verdict, x.Check)
+		fmt.Fprintf(tw, "%s\t %s\t %.0f\t %.0f\t %.1f\t %.1f\t %.1f\t %.0f\t %.1f\t %.1f\t %.1f\t %.1f\t %.1f\t %.2f\t %.2f\t %.2f\t %.2f\t %s (%s)\t\n",
+			x.Broker, x.Row, x.Rate, x.IdlePct, x.P50Ms, x.P99Ms, x.ReceiveP99Ms, x.PacedRate, x.DiskSyncMaxMs, x.WakeLagMaxMs, x.AllocsPerMsg, x.PeakRSSMB, x.MsgsPerTx, x.RoundTripsPerTx, x.VsNaive, x.VsCeiling, x.VsHandwritten, verdict, x.Check)
 	}
 	if err := tw.Flush(); err != nil {
 		return err

@@ -67,6 +67,7 @@ func combine(results []*childResult, backlog int) (*childResult, []int, error) {
 		out.RoundTrips += r.RoundTrips
 		out.Commits += r.Commits
 		out.AllocsPerMsg += r.AllocsPerMsg * float64(r.Acked) / float64(backlog)
+		out.IdleShare += r.IdleShare * float64(r.Acked) / float64(backlog)
 		out.RSSKB = max(out.RSSKB, r.RSSKB)
 	}
 	if first == 0 || last <= first {

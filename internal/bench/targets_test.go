@@ -59,8 +59,8 @@ func TestTargetMissingFromARunIsNotMet(t *testing.T) {
 func TestCombineScaleOutProcesses(t *testing.T) {
 	sec := int64(1_000_000_000)
 	results := []*childResult{
-		{Acked: 600, FirstAtNs: 10 * sec, DoneAtNs: 12 * sec, AllocsPerMsg: 40, RoundTrips: 30, Commits: 10, RSSKB: 100},
-		{Acked: 400, FirstAtNs: 11 * sec, DoneAtNs: 12*sec + sec/2, AllocsPerMsg: 50, RoundTrips: 20, Commits: 5, RSSKB: 300},
+		{Acked: 600, FirstAtNs: 10 * sec, DoneAtNs: 12 * sec, AllocsPerMsg: 40, RoundTrips: 30, Commits: 10, RSSKB: 100, IdleShare: 0.2},
+		{Acked: 400, FirstAtNs: 11 * sec, DoneAtNs: 12*sec + sec/2, AllocsPerMsg: 50, RoundTrips: 20, Commits: 5, RSSKB: 300, IdleShare: 0.5},
 		{Acked: 0, DoneAtNs: 12 * sec}, // received nothing
 	}
 	out, shares, err := combine(results, 1000)
@@ -69,6 +69,7 @@ func TestCombineScaleOutProcesses(t *testing.T) {
 	assert.InDelta(t, 2.5, out.Seconds, 1e-9, "from the first delivery of any process to the last one done")
 	assert.InDelta(t, 400, out.Rate, 1e-9)
 	assert.InDelta(t, 44, out.AllocsPerMsg, 1e-9, "weighted by each process's share")
+	assert.InDelta(t, 0.32, out.IdleShare, 1e-9, "weighted by each process's share")
 	assert.Equal(t, int64(50), out.RoundTrips)
 	assert.Equal(t, int64(15), out.Commits)
 	assert.Equal(t, int64(300), out.RSSKB)
