@@ -24,7 +24,8 @@ import (
 
 // ProfileEnv names a directory: when set, each row's subprocess writes a
 // CPU profile of its backlog phase there (<broker>-<row>.cpu.pprof), its
-// allocations (.allocs.pprof) and the paced phase's latencies of each
+// allocations (.allocs.pprof), the deliveries it held every 10 ms of the
+// backlog phase (.held.csv) and the paced phase's latencies of each
 // message (.paced.csv).
 const ProfileEnv = "ONCE_BENCH_PROFILE"
 
@@ -325,6 +326,7 @@ func runChild(spec *rowSpec) (*childResult, error) {
 		pprof.StopCPUProfile()
 		_ = profile.Close()
 		writeAllocsProfile(spec)
+		idle.writeTimeline(filepath.Join(os.Getenv(ProfileEnv), profileName(spec)+".held.csv"), m.firstAt())
 	}
 	var ms1 runtime.MemStats
 	runtime.ReadMemStats(&ms1)

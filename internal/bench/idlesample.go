@@ -1,6 +1,9 @@
 package bench
 
 import (
+	"fmt"
+	"os"
+	"path/filepath"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -23,6 +26,14 @@ type idleSampler struct {
 	once sync.Once
 
 	samples, idle atomic.Int64
+	// held is each sample: when, and how many deliveries the row held
+	// (written by run only, read after Stop).
+	held []heldSample
+}
+
+type heldSample struct {
+	at   time.Time
+	held int64
 }
 
 func startIdleSampler(m *meter) *idleSampler {
@@ -44,7 +55,9 @@ func (s *idleSampler) run() {
 		if s.m.firstAt().IsZero() {
 			continue
 		}
-		if s.m.holding() == 0 {
+		held := s.m.holding()
+		s.held = append(s.held, heldSample{at: time.Now(), held: held})
+		if held == 0 {
 			s.idle.Add(1)
 		}
 		s.samples.Add(1)
@@ -64,3 +77,19 @@ func (s *idleSampler) Stop() float64 {
 
 // taken returns how many samples were taken so far.
 func (s *idleSampler) taken() int64 { return s.samples.Load() }
+
+// writeTimeline writes the samples, after Stop, to path as CSV: ms since
+// start, and the deliveries the row held then (received, not yet acked).
+// It shows whether a row's idle time is spread over the phase or in a few
+// long waits. Errors are ignored: it is a diagnostic.
+func (s *idleSampler) writeTimeline(path string, start time.Time) {
+	f, err := os.Create(filepath.Clean(path))
+	if err != nil {
+		return
+	}
+	defer f.Close()
+	fmt.Fprintln(f, "at_ms,held")
+	for _, h := range s.held {
+		fmt.Fprintf(f, "%.3f,%d\n", float64(h.at.Sub(start))/1e6, h.held)
+	}
+}

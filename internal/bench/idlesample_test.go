@@ -2,6 +2,9 @@ package bench
 
 import (
 	"context"
+	"os"
+	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -40,4 +43,15 @@ func TestIdleSamplerCountsOnlyMomentsWithNothingHeld(t *testing.T) {
 	idle := startIdleSampler(m) // everything received is acked
 	require.Eventually(t, func() bool { return idle.taken() >= 3 }, 10*time.Second, time.Millisecond)
 	assert.Equal(t, 1.0, idle.Stop(), "every sample with nothing held is idle")
+
+	path := filepath.Join(t.TempDir(), "row.held.csv")
+	busy.writeTimeline(path, m.firstAt())
+	csv, err := os.ReadFile(path)
+	require.NoError(t, err)
+	lines := strings.Split(strings.TrimSpace(string(csv)), "\n")
+	require.Greater(t, len(lines), 3)
+	assert.Equal(t, "at_ms,held", lines[0])
+	for _, l := range lines[1:] {
+		assert.True(t, strings.HasSuffix(l, ",1"), "the busy sampler saw one delivery held: %q", l)
+	}
 }
