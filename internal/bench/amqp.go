@@ -92,8 +92,18 @@ func (p *amqpPublisher) Close() error {
 	return err
 }
 
-// declareQueue declares the row's queue (durable, classic) empty.
-func declareQueue(url, queue string) error {
+// amqpQueueArgs are the declare arguments of a row's queue: x-queue-mode
+// lazy when lazy is set, else none (a default classic queue).
+func amqpQueueArgs(lazy bool) amqp091.Table {
+	if lazy {
+		return amqp091.Table{"x-queue-mode": "lazy"}
+	}
+	return nil
+}
+
+// declareQueue declares the row's queue (durable, classic) empty, with
+// args.
+func declareQueue(url, queue string, args amqp091.Table) error {
 	conn, err := amqp091.Dial(url)
 	if err != nil {
 		return err
@@ -103,7 +113,7 @@ func declareQueue(url, queue string) error {
 	if err != nil {
 		return err
 	}
-	_, err = ch.QueueDeclare(queue, true, false, false, false, nil)
+	_, err = ch.QueueDeclare(queue, true, false, false, false, args)
 	return err
 }
 
@@ -168,7 +178,8 @@ func deleteQueues(url, queue string) {
 func openAMQPSource(ctx context.Context, spec *rowSpec, logger *slog.Logger) (consumer.Source, error) {
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	return amqp.Open(ctx, amqp.Config{URL: spec.AMQPURL, Queue: spec.Queue, Prefetch: amqpPrefetch, Ordered: spec.Ordered, Logger: logger})
+	return amqp.Open(ctx, amqp.Config{URL: spec.AMQPURL, Queue: spec.Queue, Prefetch: amqpPrefetch, Ordered: spec.Ordered,
+		QueueArgs: amqpQueueArgs(spec.Lazy), Logger: logger})
 }
 
 // amqpPacer publishes paced messages, stamping each with its produce time.

@@ -113,6 +113,11 @@ type Options struct {
 	// library's rows: the queue becomes one stream, handled in order in
 	// batches.
 	AMQPOrdered bool
+	// AMQPLazy declares the RabbitMQ rows' queues with x-queue-mode lazy:
+	// the backlog on disk instead of in the queue process's memory, whose
+	// paging pauses a default classic queue of RabbitMQ before 3.12 (later
+	// versions ignore the mode and keep classic queues so by default).
+	AMQPLazy bool
 	// NaiveWorkers is the naive row's concurrency: one worker per
 	// partition for Kafka, shared workers for RabbitMQ.
 	NaiveWorkers int
@@ -248,6 +253,8 @@ type Report struct {
 	Started  time.Time `json:"started"`
 	Machine  Machine   `json:"machine"`
 	Workload Workload  `json:"workload"`
+	// AMQPLazy: the RabbitMQ rows' queues were lazy (Options.AMQPLazy).
+	AMQPLazy bool `json:"amqp_lazy,omitempty"`
 	// PGBench is the database ceiling in rows/s (0 when skipped).
 	PGBench     float64  `json:"pgbench_rows_per_s"`
 	PGBenchTPS  float64  `json:"pgbench_tps"`
@@ -284,7 +291,7 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 	if o.PaceMax <= 0 {
 		o.PaceMax = 50000
 	}
-	rep := &Report{Started: time.Now().UTC(), Workload: o.Workload, PaceSeconds: o.Pace.Seconds(), PaceMax: o.PaceMax}
+	rep := &Report{Started: time.Now().UTC(), Workload: o.Workload, AMQPLazy: o.AMQPLazy, PaceSeconds: o.Pace.Seconds(), PaceMax: o.PaceMax}
 	if o.DatabaseURL == "" {
 		o.logf("starting a throwaway PostgreSQL (fsync on)")
 		srv, err := pgtemp.Start(ctx, pgtemp.Options{Durable: true})
@@ -420,8 +427,8 @@ func runRow(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, o Options, 
 	spec := &rowSpec{
 		Row: row, Broker: b, DatabaseURL: o.DatabaseURL, Schema: schema,
 		Backlog: backlog.Messages, BatchSize: o.BatchSize, Naive: o.NaiveWorkers, Concurrency: o.Concurrency,
-		Ordered: o.AMQPOrdered && row != RowNaive,
-		Pace:    o.Pace, PaceMax: o.PaceMax, PaceWork: o.Workload, PacedPrefix: "paced-", SyncProbeDir: o.syncProbeDir, Run: o.run,
+		Ordered: o.AMQPOrdered && row != RowNaive, Lazy: o.AMQPLazy,
+		Pace: o.Pace, PaceMax: o.PaceMax, PaceWork: o.Workload, PacedPrefix: "paced-", SyncProbeDir: o.syncProbeDir, Run: o.run,
 		Timeout: time.Minute + time.Duration(backlog.Messages)*time.Millisecond,
 	}
 	if row == RowOnceKeyLanes {
@@ -452,7 +459,7 @@ func runRow(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, o Options, 
 	case RabbitMQ:
 		spec.AMQPURL = o.AMQPURL
 		spec.Queue = fmt.Sprintf("oncebench.%s.%d", name, time.Now().UnixNano())
-		if err := declareQueue(o.AMQPURL, spec.Queue); err != nil {
+		if err := declareQueue(o.AMQPURL, spec.Queue, amqpQueueArgs(spec.Lazy)); err != nil {
 			return nil, err
 		}
 		defer deleteQueues(o.AMQPURL, spec.Queue)

@@ -175,3 +175,33 @@ func TestPercentile(t *testing.T) {
 	require.Equal(t, time.Duration(100), percentile(d, 1))
 	require.Equal(t, time.Duration(0), percentile(nil, 0.99))
 }
+
+// TestLazyQueueRows: with AMQPLazy the rows' queues are declared lazy, by
+// the bench and by the adapter alike (a declare whose arguments differ
+// from the queue's would close the channel), and the rows stay exact.
+func TestLazyQueueRows(t *testing.T) {
+	url := os.Getenv("AMQP_URL")
+	if url == "" {
+		t.Skip("AMQP_URL not set")
+	}
+	o := Options{
+		Workload:    Workload{Events: 300, DupEvery: 10, PoisonEvery: 50, Partitions: 4},
+		Brokers:     []Broker{RabbitMQ},
+		Rows:        []Row{RowHandwritten, RowOnceBatchHandler},
+		AMQPURL:     url,
+		AMQPLazy:    true,
+		DatabaseURL: pgtest.URL(),
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	rep, err := Run(ctx, o)
+	require.NoError(t, err)
+	require.True(t, rep.AMQPLazy)
+	require.Len(t, rep.Results, 2)
+	for _, r := range rep.Results {
+		require.True(t, r.Correct, "%s %s: %s", r.Broker, r.Row, r.Check)
+	}
+	var table strings.Builder
+	require.NoError(t, rep.WriteTable(&table))
+	require.Contains(t, table.String(), "RabbitMQ queues: lazy")
+}

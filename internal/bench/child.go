@@ -53,6 +53,8 @@ type rowSpec struct {
 	Concurrency int
 	// Ordered: the RabbitMQ source puts the queue on one stream.
 	Ordered bool
+	// Lazy: the RabbitMQ queue is declared lazy (Options.AMQPLazy).
+	Lazy bool
 	// KeyLanes of the Kafka source (0: one stream per partition).
 	KeyLanes int
 

@@ -106,7 +106,7 @@ func (d *outboxDest) message(prefix string, i int) outbox.Message {
 // the downstream consumer).
 func (d *outboxDest) create() error {
 	if d.b == RabbitMQ {
-		return declareQueue(d.amqpURL, d.name)
+		return declareQueue(d.amqpURL, d.name, nil)
 	}
 	return d.kc.createTopics(d.name, d.partition)
 }

@@ -44,6 +44,7 @@ func run() int {
 		conc       = flag.Int("concurrency", 0, "consumer.Config.Concurrency of the once rows (0: the library's default)")
 		keyLanes   = flag.Int("key-lanes", 4, "kafka.Config.KeyLanes of the once-key-lanes row")
 		ordered    = flag.Bool("amqp-ordered", false, "RabbitMQ once rows: one ordered stream (amqp.Config.Ordered)")
+		lazy       = flag.Bool("amqp-lazy", false, "RabbitMQ rows: queues declared with x-queue-mode lazy (RabbitMQ before 3.12: the backlog on disk, not paged by the queue process)")
 		pgbenchFor = flag.Duration("pgbench", 5*time.Second, "length of the pgbench ceiling (0: none)")
 		httpN      = flag.Int("http", 20000, "requests of each HTTP row, plain and behind the idempotency middleware (0: none)")
 		outboxN    = flag.Int("outbox", 200000, "rows of each broker's outbox rows: relay next to the confirmed-publish ceiling, then latency (0: none)")
@@ -70,6 +71,7 @@ func run() int {
 		BatchSize:   *batch,
 		Concurrency: *conc,
 		AMQPOrdered: *ordered,
+		AMQPLazy:    *lazy,
 		KeyLanes:    *keyLanes,
 		Pace:        *paceFor,
 		PaceMax:     *paceMax,
