@@ -19,7 +19,9 @@ test:
 ## batched, then the outbox relay next to the broker's confirmed-publish ceiling and its latency
 ## across the hop, for Kafka (in-process kfake, and Apache Kafka: a throwaway node), and RabbitMQ (AMQP_URL,
 ## else a throwaway node started and stopped here); a durable throwaway PostgreSQL unless
-## DATABASE_URL is set. BENCHFLAGS="-n 100000". The consumer rows run BENCH_RUNS times in a row,
+## DATABASE_URL is set. RabbitMQ queues are declared lazy (-amqp-lazy: what classic queues do by
+## default from RabbitMQ 3.12; BENCHFLAGS="-amqp-lazy=false" for the installed broker's default).
+## BENCHFLAGS="-n 100000". The consumer rows run BENCH_RUNS times in a row,
 ## and the targets give every run's value. Then the Kafka offsets-in-PostgreSQL rows
 ## (OFFSETS_BENCH_N records each, twice).
 BENCH_RUNS ?= 3
@@ -28,12 +30,12 @@ bench:
 	scripts/ensure-deps.sh postgres rabbitmq kafka
 	@set -e; \
 	if [ -n "$$AMQP_URL" ]; then \
-	  $(GO) run ./internal/bench/cmd/oncebench -runs $(BENCH_RUNS) $(BENCHFLAGS); \
+	  $(GO) run ./internal/bench/cmd/oncebench -runs $(BENCH_RUNS) -amqp-lazy $(BENCHFLAGS); \
 	else \
 	  rabbit_dir=$$(mktemp -d /tmp/once-bench-rabbit-XXXXXX); \
 	  trap 'scripts/rabbitmq.sh stop "$$rabbit_dir"' EXIT; \
 	  eval "$$(scripts/rabbitmq.sh start "$$rabbit_dir")"; \
-	  $(GO) run ./internal/bench/cmd/oncebench -runs $(BENCH_RUNS) $(BENCHFLAGS); \
+	  $(GO) run ./internal/bench/cmd/oncebench -runs $(BENCH_RUNS) -amqp-lazy $(BENCHFLAGS); \
 	fi
 	@echo "== Kafka offsets kept in PostgreSQL (kafka.Config.OffsetsInDatabase) beside offsets in Kafka alone, records with and without producer ids (kfake, 4 partitions, effects checked exact)"
 	ONCE_PG_DURABLE=1 $(GO) test -run '^$$' -bench '^BenchmarkConsumerOffsets$$' -benchtime $(OFFSETS_BENCH_N)x -count 2 ./brokers/kafka/
