@@ -105,7 +105,7 @@ type Options struct {
 	// BatchSize of the batched rows and of the pgbench script.
 	BatchSize int
 	// Concurrency is consumer.Config.Concurrency of the library's rows; 0
-	// keeps the library's default (16).
+	// keeps the library's default, the pool's MaxConns (8 in the rows).
 	Concurrency int
 	// KeyLanes is kafka.Config.KeyLanes of RowOnceKeyLanes. Defaults to 4.
 	KeyLanes int
