@@ -118,6 +118,12 @@ type Options struct {
 	// paging pauses a default classic queue of RabbitMQ before 3.12 (later
 	// versions ignore the mode and keep classic queues so by default).
 	AMQPLazy bool
+	// PGNoFsync runs the throwaway PostgreSQL with fsync and
+	// synchronous_commit off: a diagnostic of what the tail is when no
+	// commit waits for the disk. The library's guarantees do not hold on
+	// such a server, and the report judges no target. It needs the
+	// throwaway server (DatabaseURL empty).
+	PGNoFsync bool
 	// NaiveWorkers is the naive row's concurrency: one worker per
 	// partition for Kafka, shared workers for RabbitMQ.
 	NaiveWorkers int
@@ -292,9 +298,12 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 		o.PaceMax = 50000
 	}
 	rep := &Report{Started: time.Now().UTC(), Workload: o.Workload, AMQPLazy: o.AMQPLazy, PaceSeconds: o.Pace.Seconds(), PaceMax: o.PaceMax}
+	if o.PGNoFsync && o.DatabaseURL != "" {
+		return nil, errors.New("PGNoFsync (-pg-no-fsync) applies to the throwaway server: unset DATABASE_URL")
+	}
 	if o.DatabaseURL == "" {
-		o.logf("starting a throwaway PostgreSQL (fsync on)")
-		srv, err := pgtemp.Start(ctx, pgtemp.Options{Durable: true})
+		o.logf("starting a throwaway PostgreSQL (fsync %s)", map[bool]string{true: "off: a diagnostic run", false: "on"}[o.PGNoFsync])
+		srv, err := pgtemp.Start(ctx, pgtemp.Options{Durable: !o.PGNoFsync})
 		if err != nil {
 			return nil, err
 		}

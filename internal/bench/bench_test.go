@@ -205,3 +205,12 @@ func TestLazyQueueRows(t *testing.T) {
 	require.NoError(t, rep.WriteTable(&table))
 	require.Contains(t, table.String(), "RabbitMQ queues: lazy")
 }
+
+// The diagnostic without fsync starts its own server: a server named by
+// DATABASE_URL keeps its own settings, so the option is refused there
+// rather than silently ignored.
+func TestPGNoFsyncNeedsTheThrowawayServer(t *testing.T) {
+	_, err := Run(context.Background(), Options{PGNoFsync: true, DatabaseURL: "postgres://127.0.0.1:1/none"})
+	require.Error(t, err)
+	require.Contains(t, err.Error(), "-pg-no-fsync")
+}

@@ -89,3 +89,23 @@ func TestTailTargetShowsTheDiskSync(t *testing.T) {
 	assert.Equal(t, "target kafka once batch handler p99 <= 25 ms at half its rate: 58.9 ms at 40000 msgs/s (disk sync max 131 ms, wake lag max 3 ms), NOT met", ts[0].String())
 	assert.Equal(t, "target kafka once queued p99 <= 25 ms at half its rate: 20.0 ms at 40000 msgs/s, met", ts[1].String())
 }
+
+// A server without fsync commits without waiting for the disk: its
+// figures are a diagnostic (what the tail is without the disk's stalls),
+// never evidence for a target, so no target is judged on them.
+func TestTargetsAreNotJudgedWithoutFsync(t *testing.T) {
+	r := &Report{Results: []Result{
+		{Broker: Kafka, Row: RowHandwritten, Rate: 40000, Correct: true},
+		{Broker: Kafka, Row: RowOnceBatchHandler, Rate: 44000, PacedMsgs: 100, PacedRate: 22000, P99Ms: 10, Correct: true},
+	}}
+	ratios(r)
+	r.Machine.Fsync = "off"
+	lines := r.Targets()
+	assert.Equal(t, []string{
+		"targets: not judged: PostgreSQL ran with fsync=off (a diagnostic run; the library's guarantees need fsync on)",
+		"effects exactly right in every row: yes",
+	}, lines)
+
+	r.Machine.Fsync = "on"
+	assert.Contains(t, r.Targets(), "target kafka best library row >= the hand-written batched row: 1.10x (once batch handler), met")
+}
