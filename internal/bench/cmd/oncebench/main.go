@@ -123,6 +123,10 @@ func run() int {
 		return runScaleOut(ctx, o, *scaleOut, *jsonOut)
 	}
 	if *scale {
+		if *pgNoFsync {
+			fmt.Fprintln(os.Stderr, "oncebench: -pg-no-fsync does not apply to -scale, whose figures are of a durable server")
+			return 2
+		}
 		so := bench.ScaleOptions{TableRows: *scaleRows, RetentionEvents: *retN, RetentionBatch: *retBatch, RetentionDuty: *retDuty, BatchSize: *batch,
 			Workload:    bench.Workload{Events: *scaleN, DupEvery: *dup, PoisonEvery: *poison, Partitions: *partitions},
 			DatabaseURL: o.DatabaseURL, Log: os.Stderr}
