@@ -261,6 +261,9 @@ type Report struct {
 	Workload Workload  `json:"workload"`
 	// AMQPLazy: the RabbitMQ rows' queues were lazy (Options.AMQPLazy).
 	AMQPLazy bool `json:"amqp_lazy,omitempty"`
+	// PGNoFsync: the throwaway PostgreSQL ran without fsync
+	// (Options.PGNoFsync), a diagnostic on which no target is judged.
+	PGNoFsync bool `json:"pg_no_fsync,omitempty"`
 	// PGBench is the database ceiling in rows/s (0 when skipped).
 	PGBench     float64  `json:"pgbench_rows_per_s"`
 	PGBenchTPS  float64  `json:"pgbench_tps"`
@@ -297,7 +300,7 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 	if o.PaceMax <= 0 {
 		o.PaceMax = 50000
 	}
-	rep := &Report{Started: time.Now().UTC(), Workload: o.Workload, AMQPLazy: o.AMQPLazy, PaceSeconds: o.Pace.Seconds(), PaceMax: o.PaceMax}
+	rep := &Report{Started: time.Now().UTC(), Workload: o.Workload, AMQPLazy: o.AMQPLazy, PGNoFsync: o.PGNoFsync, PaceSeconds: o.Pace.Seconds(), PaceMax: o.PaceMax}
 	if o.PGNoFsync && o.DatabaseURL != "" {
 		return nil, errors.New("PGNoFsync (-pg-no-fsync) applies to the throwaway server: unset DATABASE_URL")
 	}

@@ -29,13 +29,14 @@ func (t target) String() string { return fmt.Sprintf("%s: %s, %s", t.name, t.val
 // issue asks some targets of three runs in a row, and a ratio that one run
 // meets and the next misses is noise, not a result.
 //
-// On a PostgreSQL without fsync (Machine.Fsync "off") no target is judged:
-// commits there do not wait for the disk, so the figures show what the
-// disk's stalls cost (a diagnostic, Options.PGNoFsync), not what the
-// library does with its guarantees.
+// In a diagnostic run without fsync (Report.PGNoFsync) no target is
+// judged: commits there do not wait for the disk, so the figures show what
+// the disk's stalls cost, not what the library does with its guarantees.
+// A server named by DATABASE_URL is judged whatever its settings, which
+// the report's first line states.
 func (r *Report) Targets() []string {
 	var out []string
-	if r.Machine.Fsync == "off" {
+	if r.PGNoFsync {
 		out = append(out, "targets: not judged: PostgreSQL ran with fsync=off (a diagnostic run; the library's guarantees need fsync on)")
 		return append(out, r.correctLine())
 	}
