@@ -185,6 +185,18 @@ func openKafkaSource(ctx context.Context, spec *rowSpec, logger *slog.Logger) (c
 	})
 }
 
+// pacerLinger is how long the paced phase's producer gathers records into
+// one produce request (sarama's Producer.Flush.Frequency): 5 ms, the
+// default linger.ms of Apache Kafka's own producer from 4.0 on (KIP-1030)
+// and of librdkafka from 1.5. With sarama's default of none, a paced
+// stream of a few thousand records a second became as many tiny produce
+// requests, which took the Apache Kafka broker's JVM about a core of the
+// two the consumer and PostgreSQL share, and made the tail of the
+// slower rows the bench's own producer's (docs/performance.md). A
+// record's stamp is taken before it waits, so the linger counts in its
+// produce-to-ack latency.
+const pacerLinger = 5 * time.Millisecond
+
 // kafkaPacer produces paced messages with an asynchronous producer,
 // stamping each with its produce time.
 type kafkaPacer struct {
@@ -198,6 +210,7 @@ func newKafkaPacer(spec *rowSpec) (*kafkaPacer, error) {
 	sc.Producer.RequiredAcks = sarama.WaitForLocal
 	sc.Producer.Partitioner = sarama.NewManualPartitioner
 	sc.Producer.Return.Errors = true
+	sc.Producer.Flush.Frequency = pacerLinger
 	p, err := sarama.NewAsyncProducer(spec.Brokers, sc)
 	if err != nil {
 		return nil, err
