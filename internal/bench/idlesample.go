@@ -25,7 +25,8 @@ type idleSampler struct {
 	done chan struct{}
 	once sync.Once
 
-	samples, idle atomic.Int64
+	// samples counts the samples taken, for a look while run goes on.
+	samples atomic.Int64
 	// held is each sample: when, and how many deliveries the row held
 	// (written by run only, read after Stop).
 	held []heldSample
@@ -55,11 +56,7 @@ func (s *idleSampler) run() {
 		if s.m.firstAt().IsZero() {
 			continue
 		}
-		held := s.m.holding()
-		s.held = append(s.held, heldSample{at: time.Now(), held: held})
-		if held == 0 {
-			s.idle.Add(1)
-		}
+		s.held = append(s.held, heldSample{at: time.Now(), held: s.m.holding()})
 		s.samples.Add(1)
 	}
 }
@@ -69,10 +66,16 @@ func (s *idleSampler) run() {
 func (s *idleSampler) Stop() float64 {
 	s.once.Do(func() { close(s.stop) })
 	<-s.done
-	if s.samples.Load() == 0 {
+	if len(s.held) == 0 {
 		return 0
 	}
-	return float64(s.idle.Load()) / float64(s.samples.Load())
+	idle := 0
+	for _, h := range s.held {
+		if h.held == 0 {
+			idle++
+		}
+	}
+	return float64(idle) / float64(len(s.held))
 }
 
 // taken returns how many samples were taken so far.
