@@ -29,14 +29,12 @@ OFFSETS_BENCH_N ?= 100000
 bench:
 	scripts/ensure-deps.sh postgres rabbitmq kafka
 	@set -e; \
-	if [ -n "$$AMQP_URL" ]; then \
-	  $(GO) run ./internal/bench/cmd/oncebench -runs $(BENCH_RUNS) -amqp-lazy $(BENCHFLAGS); \
-	else \
+	if [ -z "$$AMQP_URL" ]; then \
 	  rabbit_dir=$$(mktemp -d /tmp/once-bench-rabbit-XXXXXX); \
 	  trap 'scripts/rabbitmq.sh stop "$$rabbit_dir"' EXIT; \
 	  eval "$$(scripts/rabbitmq.sh start "$$rabbit_dir")"; \
-	  $(GO) run ./internal/bench/cmd/oncebench -runs $(BENCH_RUNS) -amqp-lazy $(BENCHFLAGS); \
-	fi
+	fi; \
+	$(GO) run ./internal/bench/cmd/oncebench -runs $(BENCH_RUNS) -amqp-lazy $(BENCHFLAGS)
 	@echo "== Kafka offsets kept in PostgreSQL (kafka.Config.OffsetsInDatabase) beside offsets in Kafka alone, records with and without producer ids (kfake, 4 partitions, effects checked exact)"
 	ONCE_PG_DURABLE=1 $(GO) test -run '^$$' -bench '^BenchmarkConsumerOffsets$$' -benchtime $(OFFSETS_BENCH_N)x -count 2 ./brokers/kafka/
 
