@@ -21,20 +21,23 @@ test:
 ## else a throwaway node started and stopped here); a durable throwaway PostgreSQL unless
 ## DATABASE_URL is set. RabbitMQ queues are declared lazy (-amqp-lazy: what classic queues do by
 ## default from RabbitMQ 3.12; BENCHFLAGS="-amqp-lazy=false" for the installed broker's default).
-## BENCHFLAGS="-n 100000". The consumer rows run BENCH_RUNS times in a row,
+## The throwaway brokers keep their files in BENCH_BROKER_DIR (/dev/shm, memory, where it exists):
+## on one disk their writes stall PostgreSQL's WAL flushes, which brokers on hosts of their own
+## would not (docs/performance.md). BENCHFLAGS="-n 100000". The consumer rows run BENCH_RUNS times in a row,
 ## and the targets give every run's value. Then the Kafka offsets-in-PostgreSQL rows
 ## (OFFSETS_BENCH_N records each, twice).
 BENCH_RUNS ?= 3
+BENCH_BROKER_DIR ?= $(shell [ -d /dev/shm ] && [ -w /dev/shm ] && echo /dev/shm || echo /tmp)
 OFFSETS_BENCH_N ?= 100000
 bench:
 	scripts/ensure-deps.sh postgres rabbitmq kafka
 	@set -e; \
 	if [ -z "$$AMQP_URL" ]; then \
-	  rabbit_dir=$$(mktemp -d /tmp/once-bench-rabbit-XXXXXX); \
-	  trap 'scripts/rabbitmq.sh stop "$$rabbit_dir"' EXIT; \
+	  rabbit_dir=$$(mktemp -d $(BENCH_BROKER_DIR)/once-bench-rabbit-XXXXXX); \
+	  trap 'scripts/rabbitmq.sh stop "$$rabbit_dir"; rm -rf "$$rabbit_dir"' EXIT; \
 	  eval "$$(scripts/rabbitmq.sh start "$$rabbit_dir")"; \
 	fi; \
-	$(GO) run ./internal/bench/cmd/oncebench -runs $(BENCH_RUNS) -amqp-lazy $(BENCHFLAGS)
+	$(GO) run ./internal/bench/cmd/oncebench -runs $(BENCH_RUNS) -amqp-lazy -kafka-dir $(BENCH_BROKER_DIR) $(BENCHFLAGS)
 	@echo "== Kafka offsets kept in PostgreSQL (kafka.Config.OffsetsInDatabase) beside offsets in Kafka alone, records with and without producer ids (kfake, 4 partitions, effects checked exact)"
 	ONCE_PG_DURABLE=1 $(GO) test -run '^$$' -bench '^BenchmarkConsumerOffsets$$' -benchtime $(OFFSETS_BENCH_N)x -count 2 ./brokers/kafka/
 
@@ -88,7 +91,7 @@ chaos:
 	@set -e; \
 	if [ -z "$${AMQP_URL:-}" ]; then \
 	  rabbit_dir=$$(mktemp -d /tmp/once-rabbit-XXXXXX); \
-	  trap 'scripts/rabbitmq.sh stop "$$rabbit_dir"' EXIT; \
+	  trap 'scripts/rabbitmq.sh stop "$$rabbit_dir"; rm -rf "$$rabbit_dir"' EXIT; \
 	  eval "$$(scripts/rabbitmq.sh start "$$rabbit_dir")"; \
 	fi; \
 	$(GO) run ./examples/order-processor chaos -broker all $(if $(CHAOS_JSON),-json $(CHAOS_JSON)) $(CHAOS_FLAGS); \

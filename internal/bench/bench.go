@@ -20,6 +20,7 @@
 package bench
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -28,6 +29,7 @@ import (
 	"os"
 	"os/exec"
 	"runtime"
+	"slices"
 	"strings"
 	"time"
 
@@ -124,6 +126,12 @@ type Options struct {
 	// such a server, and the report judges no target. It needs the
 	// throwaway server (DatabaseURL empty).
 	PGNoFsync bool
+	// KafkaDir is where the throwaway Apache Kafka node keeps its files
+	// (kafkatemp.Options.Dir); empty: the system's temporary directory.
+	// make bench gives it a memory-backed directory so that the broker's
+	// log does not share the disk, and its stalls, with PostgreSQL's WAL,
+	// as on separate hosts.
+	KafkaDir string
 	// NaiveWorkers is the naive row's concurrency: one worker per
 	// partition for Kafka, shared workers for RabbitMQ.
 	NaiveWorkers int
@@ -264,6 +272,14 @@ type Report struct {
 	// PGNoFsync: the throwaway PostgreSQL ran without fsync
 	// (Options.PGNoFsync), a diagnostic on which no target is judged.
 	PGNoFsync bool `json:"pg_no_fsync,omitempty"`
+	// KafkaDir and RabbitMQDir are where the throwaway Apache Kafka node
+	// and RabbitMQ node kept their files (Options.KafkaDir; the
+	// ONCE_RABBITMQ_DIR that scripts/rabbitmq.sh exports), when known.
+	KafkaDir    string `json:"kafka_dir,omitempty"`
+	RabbitMQDir string `json:"rabbitmq_dir,omitempty"`
+	// PostgresDir is the throwaway PostgreSQL's data directory (empty for
+	// DATABASE_URL).
+	PostgresDir string `json:"postgres_dir,omitempty"`
 	// PGBench is the database ceiling in rows/s (0 when skipped).
 	PGBench     float64  `json:"pgbench_rows_per_s"`
 	PGBenchTPS  float64  `json:"pgbench_tps"`
@@ -300,7 +316,7 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 	if o.PaceMax <= 0 {
 		o.PaceMax = 50000
 	}
-	rep := &Report{Started: time.Now().UTC(), Workload: o.Workload, AMQPLazy: o.AMQPLazy, PGNoFsync: o.PGNoFsync, PaceSeconds: o.Pace.Seconds(), PaceMax: o.PaceMax}
+	rep := &Report{Started: time.Now().UTC(), Workload: o.Workload, AMQPLazy: o.AMQPLazy, PGNoFsync: o.PGNoFsync, RabbitMQDir: os.Getenv("ONCE_RABBITMQ_DIR"), PaceSeconds: o.Pace.Seconds(), PaceMax: o.PaceMax}
 	if o.PGNoFsync && o.DatabaseURL != "" {
 		return nil, errors.New("PGNoFsync (-pg-no-fsync) applies to the throwaway server: unset DATABASE_URL")
 	}
@@ -313,6 +329,7 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 		defer srv.Close()
 		o.DatabaseURL = srv.URL()
 		o.syncProbeDir = srv.Dir()
+		rep.PostgresDir = srv.Dir()
 		rep.Machine.Throwaway = true
 		if os.Getenv(ProfileEnv) != "" {
 			if err := enableStatStatements(ctx, srv); err != nil {
@@ -336,10 +353,13 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 		}
 	}
 
+	if slices.Contains(o.Brokers, ApacheKafka) {
+		rep.KafkaDir = cmp.Or(o.KafkaDir, os.TempDir())
+	}
 	for _, b := range o.Brokers {
 		var kc *kafkaCluster
 		if b.IsKafka() {
-			if kc, err = startKafka(ctx, b); err != nil {
+			if kc, err = startKafka(ctx, b, o.KafkaDir); err != nil {
 				return nil, err
 			}
 			defer kc.Close()

@@ -139,7 +139,7 @@ func TestRunsInARow(t *testing.T) {
 func TestCheckFindsWrongEffects(t *testing.T) {
 	ctx := context.Background()
 	db, _ := pgtest.Schema(t)
-	kc, err := startKafka(context.Background(), Kafka)
+	kc, err := startKafka(context.Background(), Kafka, "")
 	require.NoError(t, err)
 	defer kc.Close()
 	spec := &rowSpec{Broker: Kafka, Schema: "oncebench_check_test", Topic: "check-test", Group: "check-test-group"}
@@ -178,12 +178,16 @@ func TestPercentile(t *testing.T) {
 
 // TestLazyQueueRows: with AMQPLazy the rows' queues are declared lazy, by
 // the bench and by the adapter alike (a declare whose arguments differ
-// from the queue's would close the channel), and the rows stay exact.
+// from the queue's would close the channel), and the rows stay exact. The
+// header says where the node keeps its files (the ONCE_RABBITMQ_DIR that
+// scripts/rabbitmq.sh exports): a broker on the database's disk stalls
+// its WAL flushes.
 func TestLazyQueueRows(t *testing.T) {
 	url := os.Getenv("AMQP_URL")
 	if url == "" {
 		t.Skip("AMQP_URL not set")
 	}
+	t.Setenv("ONCE_RABBITMQ_DIR", "/dev/shm/once-bench-rabbit-test")
 	o := Options{
 		Workload:    Workload{Events: 300, DupEvery: 10, PoisonEvery: 50, Partitions: 4},
 		Brokers:     []Broker{RabbitMQ},
@@ -204,6 +208,9 @@ func TestLazyQueueRows(t *testing.T) {
 	var table strings.Builder
 	require.NoError(t, rep.WriteTable(&table))
 	require.Contains(t, table.String(), "RabbitMQ queues: lazy")
+	require.Equal(t, "/dev/shm/once-bench-rabbit-test", rep.RabbitMQDir)
+	require.Contains(t, table.String(), "files: RabbitMQ /dev/shm/once-bench-rabbit-test\n",
+		"DATABASE_URL given: no PostgreSQL directory; no Apache Kafka row: no Kafka directory")
 }
 
 // The diagnostic without fsync starts its own server: a server named by

@@ -25,10 +25,11 @@ type kafkaCluster struct {
 }
 
 // startKafka starts the cluster of broker kind b. Apache Kafka runs with
-// the JVM's optimising compiler and a 512 MB heap, as a benchmark should.
-func startKafka(ctx context.Context, b Broker) (*kafkaCluster, error) {
+// the JVM's optimising compiler and a 512 MB heap, as a benchmark should,
+// its files in dir (empty: the system's temporary directory).
+func startKafka(ctx context.Context, b Broker, dir string) (*kafkaCluster, error) {
 	if b == ApacheKafka {
-		c, err := kafkatemp.Start(ctx, kafkatemp.Options{FullJIT: true, HeapMB: 512})
+		c, err := kafkatemp.Start(ctx, kafkatemp.Options{FullJIT: true, HeapMB: 512, Dir: dir})
 		if err != nil {
 			return nil, err
 		}

@@ -27,6 +27,9 @@ func (r *Report) WriteTable(w io.Writer) error {
 	c := wl.Counts()
 	fmt.Fprintf(w, "workload per row: %d events, %d messages (every %dth event twice, every %dth poison), ~200-byte payloads, %d partitions\n",
 		wl.Events, c.Messages, wl.DupEvery, wl.PoisonEvery, wl.Partitions)
+	if dirs := r.dataDirs(); dirs != "" {
+		fmt.Fprintln(w, "files:", dirs)
+	}
 	if r.AMQPLazy {
 		fmt.Fprintln(w, "RabbitMQ queues: lazy (x-queue-mode; -amqp-lazy)")
 	}
@@ -114,4 +117,17 @@ func (r *Report) BestOnce(b Broker) *Result {
 		}
 	}
 	return best
+}
+
+// dataDirs says where the throwaway servers kept their files: a database
+// and a broker on one disk share its stalls, which separate hosts would
+// not.
+func (r *Report) dataDirs() string {
+	var parts []string
+	for _, d := range []struct{ name, dir string }{{"PostgreSQL", r.PostgresDir}, {"Apache Kafka", r.KafkaDir}, {"RabbitMQ", r.RabbitMQDir}} {
+		if d.dir != "" {
+			parts = append(parts, d.name+" "+d.dir)
+		}
+	}
+	return strings.Join(parts, "; ")
 }

@@ -264,7 +264,7 @@ func RunScale(ctx context.Context, o ScaleOptions) (*ScaleReport, error) {
 	if err := store.Migrate(ctx, db); err != nil {
 		return nil, err
 	}
-	kc, err := startKafka(ctx, Kafka)
+	kc, err := startKafka(ctx, Kafka, "")
 	if err != nil {
 		return nil, err
 	}

@@ -41,6 +41,12 @@ type Options struct {
 	// StartTimeout bounds how long Start waits for the cluster to be ready.
 	// Default 2 minutes.
 	StartTimeout time.Duration
+	// Dir is the directory in which the cluster's own directory (its
+	// logs, configuration and data) is made, and removed by Close.
+	// Default the system's temporary directory (os.TempDir). A
+	// memory-backed one (/dev/shm) keeps the broker's writes off a disk
+	// that a database beside it syncs its WAL to.
+	Dir string
 }
 
 // Cluster is a running throwaway Kafka cluster. Its methods are safe for
@@ -96,7 +102,7 @@ func Start(ctx context.Context, opts Options) (*Cluster, error) {
 	if _, err := exec.LookPath("java"); err != nil {
 		return nil, errors.New("kafkatemp: java is not installed: apt-get install openjdk-17-jre-headless (scripts/ensure-deps.sh kafka)")
 	}
-	dir, err := os.MkdirTemp("", "once-kafka-")
+	dir, err := os.MkdirTemp(opts.Dir, "once-kafka-")
 	if err != nil {
 		return nil, err
 	}

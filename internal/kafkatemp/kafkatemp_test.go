@@ -4,6 +4,7 @@ import (
 	"context"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
@@ -17,10 +18,15 @@ import (
 )
 
 // A node killed with SIGKILL comes back with its data: a record produced
-// before the kill is read after the restart, and auto-creation is off.
+// before the kill is read after the restart, and auto-creation is off. Its
+// files are where Options.Dir says.
 func TestKillRestartKeepsData(t *testing.T) {
 	began := time.Now()
-	c := kafkatest.Start(t, kafkatemp.Options{})
+	parent := t.TempDir()
+	c := kafkatest.Start(t, kafkatemp.Options{Dir: parent})
+	logs, err := filepath.Glob(filepath.Join(parent, "once-kafka-*", "node-1", "data"))
+	require.NoError(t, err)
+	require.Len(t, logs, 1, "the node's log directory is under Options.Dir")
 	t.Logf("one node ready in %v, RSS %s", time.Since(began), rss(c.Pid(0)))
 	sc := kafkatemp.ProbeConfig()
 	sc.Producer.Return.Successes = true
