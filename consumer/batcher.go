@@ -1,15 +1,14 @@
 package consumer
 
 import (
-	"sync"
 	"sync/atomic"
 	"time"
 )
 
 // groupCommitRunning is how many unordered transactions may run while a
 // batch that is not full closes without waiting. Past it a partial batch
-// keeps filling until a transaction ends (or it has waited as long as the
-// wait saves, see txCost): the deliveries that arrive meanwhile would only wait
+// keeps filling until a transaction ends (or it has waited as long as a
+// transaction takes): the deliveries that arrive meanwhile would only wait
 // for a connection and the cores anyway, and in one transaction they cost
 // PostgreSQL one claim, one commit and one WAL flush instead of one each.
 // One, measured on RabbitMQ against 2, 4 and 16 (docs/performance.md):
@@ -27,11 +26,9 @@ const maxGroupWait = 20 * time.Millisecond
 // unordered) in one goroutine and hands them to the unordered workers.
 //
 // A batch closes when it is full, when a worker is free and fewer than
-// groupCommitRunning transactions run, or when it has waited as long as
-// what waiting saves: the fixed part of a recent transaction's time, the
-// part that does not grow with its size (txCost; the whole of it until the
-// sizes varied enough to tell; at most maxGroupWait; maxGroupWait before
-// the first transaction ended). So a light stream is
+// groupCommitRunning transactions run, or when it has waited as long as a
+// recent transaction took (at most maxGroupWait; maxGroupWait before the
+// first transaction ended). So a light stream is
 // handled a message at a time with no wait, and a heavy one in full
 // batches, with no fixed linger in between (Config.Batch.Linger, when set,
 // replaces the last two rules by its fixed wait). Forming batches in one
@@ -48,8 +45,8 @@ type batcher struct {
 	// finished holds a token when a worker finished a batch since the
 	// batcher last looked.
 	finished chan struct{}
-	// cost models how long a batch takes to handle against its size.
-	cost txCost
+	// txNanos is a moving average of how long a batch took to handle.
+	txNanos atomic.Int64
 }
 
 func newBatcher(d *dispatcher) *batcher {
@@ -128,8 +125,8 @@ func (b *batcher) mayClose(n int, opened time.Time, drained bool) (left time.Dur
 			return 0, true
 		}
 		limit = maxGroupWait
-		if saved, ok := b.cost.fixed(); ok {
-			limit = min(saved, maxGroupWait)
+		if avg := time.Duration(b.txNanos.Load()); avg > 0 {
+			limit = min(avg, maxGroupWait)
 		}
 	}
 	left = limit - time.Since(opened)
@@ -144,76 +141,19 @@ func (b *batcher) hand(batch []Delivery) {
 	}
 }
 
-// done records that a worker finished a batch of n deliveries that took
-// took; suspects (handled alone, perhaps retried for long) are left out of
-// the cost model.
-func (b *batcher) done(n int, took time.Duration, suspect bool) {
+// done records that a worker finished a batch that took took; suspects
+// (handled alone, perhaps retried for long) are left out of the average.
+func (b *batcher) done(took time.Duration, suspect bool) {
 	if !suspect {
-		b.cost.add(n, took)
+		// An exponential moving average with weight 1/8 for the last.
+		// Concurrent updates may lose one sample, which only delays the
+		// average a little.
+		old := b.txNanos.Load()
+		b.txNanos.Store(old + (int64(took)-old)/8)
 	}
 	b.running.Add(-1)
 	select {
 	case b.finished <- struct{}{}:
 	default:
 	}
-}
-
-// txCostWeight is the weight of the newest batch in txCost's moving
-// moments: about the last 32 batches count.
-const txCostWeight = 1.0 / 32
-
-// txCostMinSpread is the least standard deviation of recent batch sizes,
-// in messages, from which txCost tells the fixed part of a transaction's
-// time from the part that grows with its size; below it (batches all of
-// one size, a full backlog) the whole time counts as fixed.
-const txCostMinSpread = 2.0
-
-// txCost estimates how a transaction's time grows with its batch's size:
-// took ≈ fixed + perMessage·n, by least squares over exponentially
-// weighted moments of the recent batches. Waiting for a batch to fill is
-// worth at most the fixed part (BEGIN, the claim, COMMIT and its WAL
-// flush), which one transaction pays instead of two: a batch handler
-// whose statements cover the whole batch has almost all of its time
-// fixed, and waits for a running transaction as before; a handler that
-// makes a round trip per event has most of it growing with the batch,
-// so its partial batches go to a free worker sooner, where waiting would
-// only make the next transaction longer. Safe for concurrent use.
-type txCost struct {
-	mu sync.Mutex
-	// Weighted means of n, took (ns), n², and n·took.
-	n, t, nn, nt float64
-	seen         bool
-}
-
-func (c *txCost) add(n int, took time.Duration) {
-	x, y := float64(n), float64(took)
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if !c.seen {
-		c.n, c.t, c.nn, c.nt, c.seen = x, y, x*x, x*y, true
-		return
-	}
-	w := txCostWeight
-	c.n += w * (x - c.n)
-	c.t += w * (y - c.t)
-	c.nn += w * (x*x - c.nn)
-	c.nt += w * (x*y - c.nt)
-}
-
-// fixed returns the estimated fixed part of a transaction's time, between
-// zero and the recent mean; false before any batch finished.
-func (c *txCost) fixed() (time.Duration, bool) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if !c.seen {
-		return 0, false
-	}
-	mean := time.Duration(c.t)
-	spread := c.nn - c.n*c.n
-	if spread < txCostMinSpread*txCostMinSpread {
-		return mean, true
-	}
-	perMessage := (c.nt - c.n*c.t) / spread
-	fixed := time.Duration(c.t - perMessage*c.n)
-	return max(0, min(fixed, mean)), true
 }

@@ -187,12 +187,7 @@ type BatchConfig struct {
 	// message.
 	Size int
 	// Linger is how long to wait for a batch to fill once its first
-	// message is there. Defaults to 0: no fixed wait. Unordered deliveries
-	// (RabbitMQ, not Ordered) then wait only while a transaction runs, for
-	// it to end, at most as long as the part of a transaction's time that
-	// does not grow with its size (measured from the recent batches) and
-	// at most 20 ms: a batch handler waits about a transaction's time, a
-	// handler that makes a round trip per event much less.
+	// message is there. Defaults to 0: no wait.
 	Linger time.Duration
 }
 

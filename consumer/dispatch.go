@@ -257,7 +257,7 @@ func (d *dispatcher) unorderedWorker() {
 			}
 			d.p.process(d.work, one, false, &settler{p: d.p})
 		}
-		d.batcher.done(len(batch), time.Since(started), suspect)
+		d.batcher.done(time.Since(started), suspect)
 	}
 }
 
