@@ -370,7 +370,8 @@ func (c *Config) validate() error {
 	if p := c.Identify.OnConflict; p != DeadLetterConflicts && p != SkipConflicts {
 		return fmt.Errorf("%w: Identify.OnConflict %d is not a known policy", ErrInvalidConfig, p)
 	}
-	if d := c.Retention.DutyCycle; d < 0 || d > 1 {
+	// Written so that NaN, which fails every comparison, is refused too.
+	if d := c.Retention.DutyCycle; !(d >= 0 && d <= 1) {
 		return fmt.Errorf("%w: Retention.DutyCycle %v is not in (0, 1]", ErrInvalidConfig, d)
 	}
 	if c.Retry.InitialBackoff > 0 && c.Retry.MaxBackoff > 0 && c.Retry.InitialBackoff > c.Retry.MaxBackoff {

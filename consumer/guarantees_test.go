@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"net"
 	"sync"
 	"sync/atomic"
@@ -315,6 +316,10 @@ func TestNewValidatesConfig(t *testing.T) {
 		"negative backoff":     {consumer.Config{Name: "x", InfraBackoff: consumer.Backoff{Max: -1}}, "InfraBackoff.Max"},
 		"unknown policy":       {consumer.Config{Name: "x", Identify: consumer.IdentifyConfig{OnConflict: 7}}, "Identify.OnConflict"},
 		"negative retention":   {consumer.Config{Name: "x", Retention: consumer.RetentionConfig{MaxAge: -time.Hour}}, "Retention.MaxAge"},
+		"duty cycle above one": {consumer.Config{Name: "x", Retention: consumer.RetentionConfig{DutyCycle: 1.5}}, "Retention.DutyCycle"},
+		// NaN fails every comparison: a range check written as "d < 0 ||
+		// d > 1" let it through, and every retention sweep then failed.
+		"duty cycle NaN": {consumer.Config{Name: "x", Retention: consumer.RetentionConfig{DutyCycle: math.NaN()}}, "Retention.DutyCycle"},
 	}
 	for name, tc := range cases {
 		t.Run(name, func(t *testing.T) {
