@@ -5,7 +5,7 @@
 // Open connects, declares the topology from Config (the queue, classic or
 // quorum; exchanges; bindings; the dead-letter queue "<queue>.dlq"), or only
 // checks it with Config.Passive, applies the prefetch (Config.Prefetch,
-// default 256) and consumes with manual acknowledgements:
+// default DefaultPrefetch, 2048) and consumes with manual acknowledgements:
 //
 //	src, err := amqp.Open(ctx, amqp.Config{URL: "amqp://guest:guest@localhost:5672/", Queue: "orders"})
 //	c, err := consumer.New(pool, src, handle, consumer.Config{Name: "orders-svc"})
