@@ -21,13 +21,15 @@ test:
 ## else a throwaway node started and stopped here); a durable throwaway PostgreSQL unless
 ## DATABASE_URL is set. RabbitMQ queues are declared lazy (-amqp-lazy: what classic queues do by
 ## default from RabbitMQ 3.12; BENCHFLAGS="-amqp-lazy=false" for the installed broker's default).
-## The throwaway brokers keep their files in BENCH_BROKER_DIR (/dev/shm, memory, where it exists):
+## The throwaway brokers keep their files in BENCH_BROKER_DIR (/dev/shm, memory, if it has 2 GiB free):
 ## on one disk their writes stall PostgreSQL's WAL flushes, which brokers on hosts of their own
 ## would not (docs/performance.md). BENCHFLAGS="-n 100000". The consumer rows run BENCH_RUNS times in a row,
 ## and the targets give every run's value. Then the Kafka offsets-in-PostgreSQL rows
 ## (OFFSETS_BENCH_N records each, twice).
 BENCH_RUNS ?= 3
-BENCH_BROKER_DIR ?= $(shell [ -d /dev/shm ] && [ -w /dev/shm ] && echo /dev/shm || echo /tmp)
+# /dev/shm when it is writable with 2 GiB free (Apache Kafka's log grows to about 600 MB in a
+# make bench; containers often give /dev/shm 64 MB), else /tmp.
+BENCH_BROKER_DIR ?= $(shell [ -w /dev/shm ] && [ "$$(df -Pk /dev/shm | awk 'NR==2 {print $$4}')" -ge 2097152 ] 2>/dev/null && echo /dev/shm || echo /tmp)
 OFFSETS_BENCH_N ?= 100000
 bench:
 	scripts/ensure-deps.sh postgres rabbitmq kafka
