@@ -271,19 +271,36 @@ func startProxy(t testing.TB, brokerURL string) (*netcut.Proxy, string) {
 }
 
 // node is a RabbitMQ node of a test's own, started by scripts/rabbitmq.sh.
+// rabbitmqInstalled reports whether scripts/rabbitmq.sh can start a node:
+// it looks for rabbitmq-server where that script does.
+func rabbitmqInstalled() bool {
+	if _, err := os.Stat("/usr/lib/rabbitmq/bin/rabbitmq-server"); err == nil {
+		return true
+	}
+	if _, err := exec.LookPath("rabbitmq-server"); err == nil {
+		return true
+	}
+	_, err := os.Stat("/usr/sbin/rabbitmq-server")
+	return err == nil
+}
+
 type node struct {
 	url, name, dir string
 }
 
-// privateNode starts a node for t alone, so that stopping it disturbs no
-// other test (packages share the node of make test). It skips the test on
-// an external broker (ONCE_RABBITMQ_NODE unset), where the machine may not
-// be able to run a node.
+// privateNode starts a node for t alone with scripts/rabbitmq.sh, so that
+// stopping it disturbs no other test (packages share the node of make
+// test), whether that shared broker is the harness's node or an external
+// one (AMQP_URL). It skips the test where RabbitMQ is not installed, and
+// fails it then under ONCE_REQUIRE_SERVERS=1 (make test installs it).
 func privateNode(t testing.TB) node {
 	t.Helper()
 	brokerURL(t)
-	if os.Getenv("ONCE_RABBITMQ_NODE") == "" {
-		t.Skip("ONCE_RABBITMQ_NODE is not set (external broker): this test restarts a node started by scripts/rabbitmq.sh")
+	if !rabbitmqInstalled() {
+		if os.Getenv("ONCE_REQUIRE_SERVERS") == "1" {
+			t.Fatal("rabbitmq-server is not installed and ONCE_REQUIRE_SERVERS=1: scripts/ensure-deps.sh rabbitmq")
+		}
+		t.Skip("rabbitmq-server is not installed: this test starts and restarts a node of its own")
 	}
 	script, err := filepath.Abs(filepath.Join("..", "..", "scripts", "rabbitmq.sh"))
 	require.NoError(t, err)
