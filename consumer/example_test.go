@@ -2,6 +2,7 @@ package consumer_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log"
 	"os"
@@ -74,12 +75,17 @@ func ExampleJSONEnvelope() {
 // Handler outcomes: a permanent failure goes to the dead-letter queue at
 // once; RetryAfter asks for another attempt later.
 func ExamplePermanent() {
-	_ = func(ctx context.Context, tx pgx.Tx, ev consumer.Event[OrderCreated]) error {
+	handle := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[OrderCreated]) error {
 		if ev.Payload.Amount < 0 {
 			return consumer.Permanent(fmt.Errorf("order %s: negative amount", ev.Payload.OrderID))
 		}
 		return nil
 	}
+	// Called here by hand; the consumer calls it inside the transaction.
+	err := handle(context.Background(), nil, consumer.Event[OrderCreated]{Payload: OrderCreated{OrderID: "o-1", Amount: -5}})
+	var permanent *consumer.PermanentError
+	fmt.Println(errors.As(err, &permanent), err)
+	// Output: true permanent: order o-1: negative amount
 }
 
 // A handler that queues its writes instead of sending them: in a batch,

@@ -246,8 +246,12 @@ func TestStoppedRelayDeletesWhatTheBrokerConfirmed(t *testing.T) {
 	require.Equal(t, 2*batch, published, "two batches were published")
 	assert.Equal(t, batch*batches-published, rows(t, pool, "true"), "every confirmed row deleted, the others kept")
 	got := d.read(t, published)
-	_, seen := ids(got)
-	assert.Len(t, seen, published, "each published once")
+	distinct, seen := ids(got)
+	assert.Len(t, distinct, published, "every confirmed row arrived")
+	assert.Len(t, got, published, "no copy beyond the confirmed rows")
+	for id, n := range seen {
+		assert.Equal(t, 1, n, "%s published once", id)
+	}
 }
 
 // stopDuringPublish cancels the relay's context as its first publish

@@ -352,7 +352,9 @@ func TestReplayable(t *testing.T) {
 	})
 	require.NoError(t, err)
 	require.Len(t, got, 2)
-	require.Equal(t, outMsg{Key: "o-1", Value: got[0].Value, ID: "e1", Type: TypePaid}, got[0])
+	want := mustJSON(t, OrderPaid{OrderID: "o-1", PaymentID: "p", AmountCents: 100})
+	require.Equal(t, outMsg{Key: "o-1", Value: want, ID: "e1", Type: TypePaid}, got[0], "the dead letter's own value, replayed unchanged")
 	require.Equal(t, "e2", got[1].ID)
 	require.Equal(t, TypePaid, got[1].Type)
+	require.Equal(t, want, got[1].Value)
 }

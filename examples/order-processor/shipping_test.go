@@ -98,8 +98,10 @@ func TestPaidEmitsConfirmationInItsTransaction(t *testing.T) {
 	require.NoError(t, err)
 	_, err = tx.Exec(ctx, sql, args...)
 	require.NoError(t, err)
-	require.NoError(t, tx.Rollback(ctx))
 	var n int
+	require.NoError(t, tx.QueryRow(ctx, `SELECT count(*) FROM outbox`).Scan(&n))
+	require.Equal(t, 1, n, "the statement writes the confirmation into the outbox in the payment's transaction")
+	require.NoError(t, tx.Rollback(ctx))
 	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM outbox`).Scan(&n))
 	require.Zero(t, n, "a rolled-back payment emits nothing")
 }

@@ -54,6 +54,6 @@ func TestLagProbeSamples(t *testing.T) {
 	assert.NotEmpty(t, samples, "the probe records its first sleep before it looks at stop")
 	assert.Equal(t, samples, p.Stop(), "a second Stop returns the same samples")
 	for _, s := range samples {
-		assert.GreaterOrEqual(t, s.took, time.Duration(0), "lateness is never negative")
+		assert.Less(t, s.took, time.Second, "lateness is the sleep's overshoot, not its length or a clock reading")
 	}
 }

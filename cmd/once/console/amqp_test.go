@@ -34,8 +34,9 @@ func TestConsoleReplayOnRabbitMQ(t *testing.T) {
 	}
 	svc.WaitSettled(t, 3)
 	svc.Broken.Store(false)
-	q, err := dlq.NewAMQP(dlq.AMQPConfig{URL: u, Queue: queue + ".dlq"})
+	dl, err := dlq.NewAMQP(dlq.AMQPConfig{URL: u, Queue: queue + ".dlq"})
 	require.NoError(t, err)
+	q := &countingQueue{Queue: dl}
 	h, err := console.New(console.Config{DB: svc.Pool, Queues: []dlq.Queue{q}, AllowReplay: true, Logger: testenv.Logger()})
 	require.NoError(t, err)
 	srv := httptest.NewServer(h)
@@ -53,6 +54,7 @@ func TestConsoleReplayOnRabbitMQ(t *testing.T) {
 	require.NoError(t, err)
 	resp.Body.Close()
 	require.Equal(t, http.StatusOK, resp.StatusCode)
+	assert.Zero(t, q.replays.Load(), "the confirmation page replays nothing")
 	assert.Empty(t, svc.Effects(t), "the confirmation page replays nothing")
 
 	form.Set("confirm", "yes")
@@ -62,6 +64,7 @@ func TestConsoleReplayOnRabbitMQ(t *testing.T) {
 		resp.Body.Close()
 		require.Equal(t, http.StatusOK, resp.StatusCode)
 	}
+	assert.Equal(t, int32(2), q.replays.Load(), "each confirmed post asks for a replay; the second finds the records gone")
 	svc.WaitSettled(t, 5)
 	assert.Equal(t, map[string]int{"pay-1": 1, "pay-2": 1}, svc.Effects(t))
 	left := dataRef.FindAllStringSubmatch(get(t, srv.URL+"/dlq?q=0"), -1)

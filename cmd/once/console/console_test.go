@@ -10,6 +10,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -126,13 +127,28 @@ func screenshot(t *testing.T, ctx context.Context, name string) {
 	require.NoError(t, os.WriteFile(filepath.Join(dir, name+".png"), png, 0o644))
 }
 
+// countingQueue counts the replays the console asks of a queue: a replay
+// publishes before the console answers, so a count still zero after a
+// response shows that nothing was replayed, where the consumer's effects
+// could only show it later.
+type countingQueue struct {
+	dlq.Queue
+	replays atomic.Int32
+}
+
+func (q *countingQueue) Replay(ctx context.Context, f dlq.Filter, opts dlq.ReplayOptions) (dlq.Report, error) {
+	q.replays.Add(1)
+	return q.Queue.Replay(ctx, f, opts)
+}
+
 // In a real browser: the consumers page, the dead letters filtered by kind
 // and by search, one record with its headers and payload, a replay with its
 // confirmation, and the effect in the database once; replayed again, still
 // once.
 func TestConsoleInBrowser(t *testing.T) {
 	ctx := browser(t)
-	svc, q := deadLetters(t)
+	svc, dl := deadLetters(t)
+	q := &countingQueue{Queue: dl}
 	h, err := console.New(console.Config{DB: svc.Pool, Queues: []dlq.Queue{q}, AllowReplay: true, By: "browser-test", Logger: testenv.Logger()})
 	require.NoError(t, err)
 	srv := httptest.NewServer(h)
@@ -181,10 +197,12 @@ func TestConsoleInBrowser(t *testing.T) {
 	// Replay it, confirm, and see the effect once.
 	step(t, ctx, chromedp.Click(chromedp.CSS("#replay-one")), chromedp.WaitVisible(chromedp.CSS("#to-replay")))
 	assert.Contains(t, text(t, ctx, "#to-replay"), "fail-1")
+	assert.Zero(t, q.replays.Load(), "nothing is replayed before the confirmation")
 	assert.Empty(t, svc.Effects(t)["fail-1"], "nothing happens before the confirmation")
 	screenshot(t, ctx, "console-confirm")
 	step(t, ctx, chromedp.Click(chromedp.CSS("#confirm")), chromedp.WaitVisible(chromedp.CSS("#result")))
 	assert.Equal(t, "Replayed 1 of 1", text(t, ctx, "#result"))
+	assert.Equal(t, int32(1), q.replays.Load(), "the confirmation replays")
 	screenshot(t, ctx, "console-replayed")
 	svc.WaitSettled(t, 6)
 	assert.Equal(t, 1, svc.Effects(t)["fail-1"])
@@ -210,7 +228,8 @@ func TestConsoleInBrowser(t *testing.T) {
 // replays allowed it still refuses a cross-origin one. Mounted under a
 // prefix its links stay under it.
 func TestConsoleReadOnlyAndCrossOrigin(t *testing.T) {
-	svc, q := deadLetters(t)
+	svc, dl := deadLetters(t)
+	q := &countingQueue{Queue: dl}
 	ro, err := console.New(console.Config{DB: svc.Pool, Queues: []dlq.Queue{q}, Logger: testenv.Logger()})
 	require.NoError(t, err)
 	mux := http.NewServeMux()
@@ -241,6 +260,7 @@ func TestConsoleReadOnlyAndCrossOrigin(t *testing.T) {
 	require.NoError(t, err)
 	resp.Body.Close()
 	assert.Equal(t, http.StatusForbidden, resp.StatusCode)
+	assert.Zero(t, q.replays.Load(), "nothing was replayed: not read-only, not cross-origin")
 	assert.Equal(t, uint64(5), svc.C.Stats().Received, "nothing was replayed")
 
 	assert.Equal(t, http.StatusNotFound, status(t, srv2.URL+"/record?q=0&ref=9:9"))
