@@ -93,7 +93,7 @@ chaos:
 	@set -e; \
 	if [ -z "$${AMQP_URL:-}" ]; then \
 	  rabbit_dir=$$(mktemp -d /tmp/once-rabbit-XXXXXX); \
-	  trap 'scripts/rabbitmq.sh stop "$$rabbit_dir"; rm -rf "$$rabbit_dir"' EXIT; \
+	  trap 'scripts/rabbitmq.sh stop "$$rabbit_dir"' EXIT; \
 	  eval "$$(scripts/rabbitmq.sh start "$$rabbit_dir")"; \
 	fi; \
 	$(GO) run ./examples/order-processor chaos -broker all $(if $(CHAOS_JSON),-json $(CHAOS_JSON)) $(CHAOS_FLAGS); \

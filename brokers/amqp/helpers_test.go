@@ -270,7 +270,6 @@ func startProxy(t testing.TB, brokerURL string) (*netcut.Proxy, string) {
 	return p, u.String()
 }
 
-// node is a RabbitMQ node of a test's own, started by scripts/rabbitmq.sh.
 // rabbitmqInstalled reports whether scripts/rabbitmq.sh can start a node:
 // it looks for rabbitmq-server where that script does.
 func rabbitmqInstalled() bool {
@@ -284,6 +283,7 @@ func rabbitmqInstalled() bool {
 	return err == nil
 }
 
+// node is a RabbitMQ node of a test's own, started by scripts/rabbitmq.sh.
 type node struct {
 	url, name, dir string
 }

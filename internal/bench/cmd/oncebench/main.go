@@ -46,7 +46,7 @@ func run() int {
 		ordered    = flag.Bool("amqp-ordered", false, "RabbitMQ once rows: one ordered stream (amqp.Config.Ordered)")
 		lazy       = flag.Bool("amqp-lazy", false, "RabbitMQ rows: queues declared with x-queue-mode lazy (RabbitMQ before 3.12: the backlog on disk, not paged by the queue process)")
 		pgNoFsync  = flag.Bool("pg-no-fsync", false, "diagnostic: the throwaway PostgreSQL with fsync and synchronous_commit off (the tail without the disk's stalls); no target is judged, and the library's guarantees need fsync on")
-		kafkaDir   = flag.String("kafka-dir", "", "directory for the throwaway Apache Kafka node's files (default the system's temporary directory; make bench: /dev/shm, off the database's disk)")
+		kafkaDir   = flag.String("kafka-dir", "", "directory for the throwaway Apache Kafka node's files (default the system's temporary directory; make bench: BENCH_BROKER_DIR, off the database's disk)")
 		pgbenchFor = flag.Duration("pgbench", 5*time.Second, "length of the pgbench ceiling (0: none)")
 		httpN      = flag.Int("http", 20000, "requests of each HTTP row, plain and behind the idempotency middleware (0: none)")
 		outboxN    = flag.Int("outbox", 200000, "rows of each broker's outbox rows: relay next to the confirmed-publish ceiling, then latency (0: none)")
