@@ -381,3 +381,19 @@ func TestTextOutputQuotesControlCharacters(t *testing.T) {
 	assert.Equal(t, `"two\nlines"`, safe("two\nlines"))
 	assert.Equal(t, `"\xff"`, safe("\xff"))
 }
+
+func TestReplayRefusesARateItCannotPace(t *testing.T) {
+	env, svc, topic := kafkaDLQ(t)
+	for _, rate := range []string{"NaN", "+Inf", "2e9"} {
+		code, out, errOut := cli(t, env, "dlq", "replay", "-dlq", topic+".dlq", "-all", "-rate", rate)
+		if rate == "2e9" {
+			// Faster than the clock can space publishes: no bound at all.
+			require.Equal(t, exitOK, code, errOut)
+			assert.Contains(t, out, "replayed 4")
+			continue
+		}
+		require.Equal(t, exitUsage, code, "-rate %s: %s", rate, errOut)
+		assert.Contains(t, errOut, "-rate")
+	}
+	svc.WaitSettled(t, 9)
+}

@@ -6,6 +6,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"math"
 	"strconv"
 	"strings"
 	"text/tabwriter"
@@ -353,8 +354,8 @@ func (a *app) dlqReplay(ctx context.Context, args []string) error {
 	if !df.selects() && !*all {
 		return usagef("select records with filters, or replay them all with -all")
 	}
-	if *rate < 0 {
-		return usagef("-rate %v is negative", *rate)
+	if !(*rate >= 0) || math.IsInf(*rate, 1) {
+		return usagef("-rate %v: want a number of records per second (0: no limit)", *rate)
 	}
 	q, f, err := a.dlqOpen(df)
 	if err != nil {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"time"
 )
 
@@ -87,8 +88,10 @@ type Report struct {
 var ErrBadOptions = errors.New("dlq: invalid replay options")
 
 func (o *ReplayOptions) validate() error {
-	if o.Rate < 0 {
-		return fmt.Errorf("%w: rate %v is negative", ErrBadOptions, o.Rate)
+	if !(o.Rate >= 0) || math.IsInf(o.Rate, 1) {
+		// NaN fails every comparison, and neither it nor an infinite
+		// rate gives a publish interval.
+		return fmt.Errorf("%w: rate %v is not a number of records per second (0 or more)", ErrBadOptions, o.Rate)
 	}
 	if o.Now == nil {
 		o.Now = time.Now
@@ -130,17 +133,27 @@ func replayLoop(ctx context.Context, recs []*Record, opts ReplayOptions, publish
 	return rep, nil
 }
 
-// pacer spaces publishes 1/rate apart; the first goes at once.
+// pacer spaces publishes 1/rate apart; the first goes at once. A rate
+// whose interval is below the clock's nanosecond is no bound; one whose
+// interval passes the longest Duration waits that long.
 type pacer struct {
 	t       *time.Ticker
 	started bool
 }
 
 func newPacer(rate float64) *pacer {
-	if rate <= 0 {
+	if !(rate > 0) {
 		return &pacer{}
 	}
-	return &pacer{t: time.NewTicker(time.Duration(float64(time.Second) / rate))}
+	f := float64(time.Second) / rate
+	if f < 1 {
+		return &pacer{}
+	}
+	every := time.Duration(math.MaxInt64)
+	if f < float64(math.MaxInt64) { // a float too large for a Duration converts to anything
+		every = time.Duration(f)
+	}
+	return &pacer{t: time.NewTicker(every)}
 }
 
 func (p *pacer) wait(ctx context.Context) error {

@@ -2,6 +2,7 @@ package dlq
 
 import (
 	"context"
+	"math"
 	"testing"
 	"time"
 
@@ -113,4 +114,22 @@ func toSarama(hs []Header) []sarama.RecordHeader {
 		out[i] = sarama.RecordHeader{Key: []byte(h.Key), Value: []byte(h.Value)}
 	}
 	return out
+}
+
+func TestPacerAtTheEdgesOfTheClock(t *testing.T) {
+	ctx := context.Background()
+	fast := newPacer(2e9) // an interval below a nanosecond: no bound
+	defer fast.stop()
+	require.NoError(t, fast.wait(ctx))
+	require.NoError(t, fast.wait(ctx))
+	slow := newPacer(1e-300) // an interval past the longest Duration
+	defer slow.stop()
+	require.NoError(t, slow.wait(ctx), "the first publish goes at once")
+	cctx, cancel := context.WithTimeout(ctx, 20*time.Millisecond)
+	defer cancel()
+	require.ErrorIs(t, slow.wait(cctx), context.DeadlineExceeded, "the second waits")
+	for _, rate := range []float64{math.NaN(), math.Inf(1), -1} {
+		o := ReplayOptions{Rate: rate}
+		require.ErrorIs(t, o.validate(), ErrBadOptions, "rate %v", rate)
+	}
 }
