@@ -397,3 +397,46 @@ func TestReplayRefusesARateItCannotPace(t *testing.T) {
 	}
 	svc.WaitSettled(t, 9)
 }
+
+// A table name that is not all lower case, or a reserved word, is a
+// valid dedup table (quoted); status and retention act on that table and
+// on no other.
+func TestStatusAndRetentionOnQuotedTableNames(t *testing.T) {
+	ctx := context.Background()
+	pool, schema := pgtest.Schema(t)
+	env := map[string]string{"DATABASE_URL": testenv.SchemaURL(schema)}
+	for _, table := range []string{"Billing_Events", "billing_events", "order"} {
+		store, err := dedup.New(dedup.Config{Table: table})
+		require.NoError(t, err)
+		require.NoError(t, store.Migrate(ctx, pool))
+		require.NoError(t, pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			_, err := store.ClaimBatch(ctx, tx, []dedup.Claim{
+				{Consumer: "billing", EventID: table + "-1", Partition: -1, Offset: -1},
+				{Consumer: "billing", EventID: table + "-2", Partition: -1, Offset: -1},
+			})
+			return err
+		}))
+		_, err = pool.Exec(ctx, `UPDATE `+pgx.Identifier{table}.Sanitize()+` SET processed_at = now() - interval '2 hours'`)
+		require.NoError(t, err)
+	}
+	count := func(table string) int {
+		var n int
+		require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM `+pgx.Identifier{table}.Sanitize()).Scan(&n))
+		return n
+	}
+
+	for _, table := range []string{"Billing_Events", "order"} {
+		code, out, errOut := cli(t, env, "status", "-table", table, "-json")
+		require.Equal(t, exitOK, code, "status -table %s: %s", table, errOut)
+		var st statusReport
+		require.NoError(t, json.Unmarshal([]byte(out), &st))
+		require.Len(t, st.Consumers, 1)
+		assert.EqualValues(t, 2, st.Consumers[0].Processed)
+
+		code, out, errOut = cli(t, env, "retention", "-table", table, "-consumer", "billing", "-older-than", "1h")
+		require.Equal(t, exitOK, code, "retention -table %s: %s", table, errOut)
+		assert.Contains(t, out, "deleted 2 rows")
+		assert.Zero(t, count(table), "the named table's rows are gone")
+	}
+	assert.Equal(t, 2, count("billing_events"), "a table of another name keeps its rows")
+}

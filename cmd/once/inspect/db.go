@@ -36,14 +36,19 @@ func (t Tables) names() (processed, attempts string, err error) {
 	if !identifier.MatchString(table) {
 		return "", "", fmt.Errorf("%w: table %q", ErrInvalidName, table)
 	}
-	prefix := ""
-	if t.Schema != "" {
-		if !identifier.MatchString(t.Schema) {
-			return "", "", fmt.Errorf("%w: schema %q", ErrInvalidName, t.Schema)
-		}
-		prefix = t.Schema + "."
+	if t.Schema != "" && !identifier.MatchString(t.Schema) {
+		return "", "", fmt.Errorf("%w: schema %q", ErrInvalidName, t.Schema)
 	}
-	return prefix + table, prefix + table + "_attempts", nil
+	// Quoted as dedup quotes them: unquoted, PostgreSQL would fold a name
+	// with capitals to lower case (another table) and refuse a reserved
+	// word.
+	qualify := func(name string) string {
+		if t.Schema == "" {
+			return pgx.Identifier{name}.Sanitize()
+		}
+		return pgx.Identifier{t.Schema, name}.Sanitize()
+	}
+	return qualify(table), qualify(table + "_attempts"), nil
 }
 
 // DB is what the queries need: *pgxpool.Pool, *pgx.Conn and pgx.Tx have it.
