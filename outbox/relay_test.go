@@ -462,3 +462,23 @@ func TestRelayOnNamedTables(t *testing.T) {
 	}
 	assert.ElementsMatch(t, []string{"orders_out/0", "billing_out/0"}, bodies(d.read(t, 2)))
 }
+
+// One event published to two destinations under one id (Message.ID set by
+// the writer): when one copy is returned unroutable, only that row is
+// refused; the other was delivered and is settled as sent, not charged,
+// republished and parked.
+func TestUnroutableCopyDoesNotRefuseItsTwinOfTheSameID(t *testing.T) {
+	r := rabbitOrSkip(t)
+	pool, _ := migrated(t)
+	d := r.destination(t)
+	startRelay(t, pool, r.publisher(t), outbox.RelayConfig{PollInterval: 20 * time.Millisecond, MaxAttempts: 2,
+		RetryBackoff: outbox.Backoff{Initial: 10 * time.Millisecond, Max: 10 * time.Millisecond}})
+	routed, lost := d.msg("a", "a/1"), d.unroutable("z", "z/1")
+	routed.ID, lost.ID = "order-1/confirmed", "order-1/confirmed"
+	addCommitted(t, pool, routed, lost, d.msg("a", "a/2"))
+	waitRows(t, pool, "parked_at IS NULL", 0, 30*time.Second)
+	assert.Equal(t, 1, rows(t, pool, "true"), "only the unroutable row is left")
+	assert.Equal(t, 1, rows(t, pool, "parked_at IS NOT NULL AND body = 'z/1'"), "and it is the one parked")
+	got := d.read(t, 2)
+	assert.Equal(t, []string{"a/1", "a/2"}, bodiesOfKey(got, "a"), "each delivered once, in order")
+}

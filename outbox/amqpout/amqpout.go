@@ -106,7 +106,7 @@ func (p *Publisher) Publish(ctx context.Context, recs []outbox.Record) []error {
 	wctx, cancel := context.WithTimeout(ctx, p.cfg.ConfirmTimeout)
 	defer cancel()
 	errs, confirms := p.send(wctx, ch, recs)
-	returned := map[string]amqp091.Return{}
+	returned := map[returnKey]amqp091.Return{}
 	for i, dc := range confirms {
 		if dc != nil {
 			errs[i] = p.await(wctx, dc, returns, returned)
@@ -145,10 +145,10 @@ func (p *Publisher) send(ctx context.Context, ch *amqp091.Channel, recs []outbox
 
 // classify turns returns and a missing exchange into rejections in errs,
 // and reports whether any record failed otherwise.
-func (p *Publisher) classify(recs []outbox.Record, errs []error, returned map[string]amqp091.Return, closeErr *amqp091.Error) (failed bool) {
+func (p *Publisher) classify(recs []outbox.Record, errs []error, returned map[returnKey]amqp091.Return, closeErr *amqp091.Error) (failed bool) {
 	missing := missingExchange(closeErr)
 	for i, rec := range recs {
-		switch r, wasReturned := returned[rec.EventID]; {
+		switch r, wasReturned := returned[returnKey{rec.Topic, rec.RoutingKey, rec.EventID}]; {
 		case errs[i] == nil && wasReturned:
 			errs[i] = outbox.Rejected(fmt.Errorf("amqpout: exchange %q routing key %q: unroutable: %d %s",
 				rec.Topic, rec.RoutingKey, r.ReplyCode, r.ReplyText))
@@ -205,7 +205,7 @@ func (p *Publisher) markMissing(exchange string) {
 
 // await waits for dc's confirm, collecting returns meanwhile so that the
 // library never blocks handing one over.
-func (p *Publisher) await(ctx context.Context, dc *amqp091.DeferredConfirmation, returns <-chan amqp091.Return, returned map[string]amqp091.Return) error {
+func (p *Publisher) await(ctx context.Context, dc *amqp091.DeferredConfirmation, returns <-chan amqp091.Return, returned map[returnKey]amqp091.Return) error {
 	for {
 		select {
 		case <-dc.Done():
@@ -218,22 +218,30 @@ func (p *Publisher) await(ctx context.Context, dc *amqp091.DeferredConfirmation,
 				returns = nil
 				continue
 			}
-			returned[r.MessageId] = r
+			returned[keyOf(r)] = r
 		case <-ctx.Done():
 			return fmt.Errorf("amqpout: no publisher confirm within ConfirmTimeout %v: %w", p.cfg.ConfirmTimeout, ctx.Err())
 		}
 	}
 }
 
+// returnKey tells which records of a batch a basic.return is about: the
+// message id alone does not, since rows written under one id (an event
+// published to two exchanges) may go to different destinations, of which
+// only one is unroutable. Records alike in all three are routed alike.
+type returnKey struct{ exchange, routingKey, messageID string }
+
+func keyOf(r amqp091.Return) returnKey { return returnKey{r.Exchange, r.RoutingKey, r.MessageId} }
+
 // drainReturns moves the returns waiting in the channel into returned.
-func drainReturns(returns <-chan amqp091.Return, returned map[string]amqp091.Return) {
+func drainReturns(returns <-chan amqp091.Return, returned map[returnKey]amqp091.Return) {
 	for {
 		select {
 		case r, ok := <-returns:
 			if !ok {
 				return
 			}
-			returned[r.MessageId] = r
+			returned[keyOf(r)] = r
 		default:
 			return
 		}
