@@ -564,3 +564,28 @@ func TestConnectionCutMidRequestGets503(t *testing.T) {
 	assert.Equal(t, 0, count(t, s.pool, `SELECT count(*) FROM effects WHERE key = 'cut'`))
 	assert.Equal(t, 1, s.effects())
 }
+
+// Two services with tables of their own (a schema each, as two services
+// sharing a server, or two tests running in parallel) do not share keys:
+// a key in flight at one is not in flight at the other.
+func TestSameKeyInAnotherTableIsNotInFlight(t *testing.T) {
+	g := newGate()
+	a := newService(t, idempotency.Config{}, g.wrap(insertEffect))
+	b := newService(t, idempotency.Config{}, http.HandlerFunc(insertEffect))
+
+	first := make(chan reply, 1)
+	go func() { first <- a.post("/orders", "shared-key", "a") }()
+	g.waitEntered(t)
+	other := b.post("/orders", "shared-key", "b")
+	// The same table named through the search_path is the same table.
+	unqualified := serve(t, pgtest.NewPoolWith(t, a.schema, func(*pgxpool.Config) {}), "", idempotency.Config{},
+		http.HandlerFunc(insertEffect))
+	same := unqualified.post("/orders", "shared-key", "a")
+	close(g.open)
+	assert.Equal(t, http.StatusConflict, same.status, same.body)
+	assert.Equal(t, http.StatusCreated, other.status, other.body)
+	assert.Equal(t, 1, b.effects())
+	got := <-first
+	assert.Equal(t, http.StatusCreated, got.status, got.body)
+	assert.Equal(t, 1, a.effects())
+}

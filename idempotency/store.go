@@ -140,11 +140,16 @@ func newStatements(schema string) statements {
 		// cannot carry the bound: under lock_timeout, any other lock wait
 		// of an INSERT (extending the table under concurrent inserts) would
 		// become a false 409.
-		lockKey: `SELECT pg_advisory_xact_lock(hashtextextended($3 || ':' || length($1)::text || ':' || $1 || $2, 0))
+		//
+		// The lock is the key's in its table: the table's oid is part of
+		// what is hashed, so that two middlewares that name one table
+		// differently ("" and "public") exclude each other, and the same
+		// key in another table (another service's schema, a parallel
+		// test's) is not in flight; other keys sharing a hash only wait
+		// needlessly.
+		lockKey: `SELECT pg_advisory_xact_lock(hashtextextended($3 || ':' || '` + table + `'::regclass::oid::text || ':' ||
+	length($1)::text || ':' || $1 || $2, 0))
 WHERE NOT EXISTS (SELECT 1 FROM ` + table + where + ` AND expires_at > now())`,
-		// One namespace for every table and schema: two middlewares that
-		// name one table differently ("" and "public") still exclude each
-		// other; other keys sharing a hash only wait needlessly.
 		lockNamespace: "once.idempotency",
 		claim: `INSERT INTO ` + table + ` (scope, idempotency_key, fingerprint, method, path, expires_at)
 VALUES ($1, $2, $3, $4, $5, now() + $6::float8 * interval '1 second') ON CONFLICT DO NOTHING`,
