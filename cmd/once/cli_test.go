@@ -440,3 +440,22 @@ func TestStatusAndRetentionOnQuotedTableNames(t *testing.T) {
 	}
 	assert.Equal(t, 2, count("billing_events"), "a table of another name keeps its rows")
 }
+
+// -to names the version of a migration down; given to up or status it is
+// refused, not ignored: "migrate up -to 3" must not bring the tables to a
+// version an older release refuses.
+func TestMigrateRefusesToOutsideDown(t *testing.T) {
+	ctx := context.Background()
+	pool, schema := pgtest.Schema(t)
+	env := map[string]string{"DATABASE_URL": testenv.SchemaURL(schema)}
+	store, err := dedup.New(dedup.Config{})
+	require.NoError(t, err)
+	require.NoError(t, store.MigrateTo(ctx, pool, 1))
+	for _, args := range [][]string{{"migrate", "up", "-to", "2"}, {"migrate", "-to", "2"}, {"migrate", "status", "-to", "2"}} {
+		code, _, errOut := cli(t, env, args...)
+		assert.Equal(t, exitUsage, code, "%v: %s", args, errOut)
+	}
+	v, err := store.Version(ctx, pool)
+	require.NoError(t, err)
+	assert.Equal(t, 1, v, "nothing migrated")
+}

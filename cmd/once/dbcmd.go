@@ -100,9 +100,14 @@ func (a *app) migrate(ctx context.Context, args []string) error {
 	}
 	toSet := false
 	fs.Visit(func(f *flag.Flag) { toSet = toSet || f.Name == "to" })
-	if action == "down" && (!toSet || *to < 0 || *to >= dedup.SchemaVersion) {
+	switch {
+	case action == "down" && (!toSet || *to < 0 || *to >= dedup.SchemaVersion):
 		// No default: a bare "down" must not drop the tables.
 		return usagef("migrate down needs -to, a version from 0 to %d", dedup.SchemaVersion-1)
+	case action != "down" && toSet:
+		// Ignored, it would take "up -to 3" to the newest version, which
+		// an older release refuses.
+		return usagef("-to goes with down only (up brings the tables to the newest version, %d)", dedup.SchemaVersion)
 	}
 	store, err := dedup.New(dedup.Config{Schema: *db.schema, Table: *db.table})
 	if err != nil {
