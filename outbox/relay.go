@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/trace"
@@ -234,6 +235,13 @@ func (r *Relay) session(ctx context.Context) (led bool, err error) {
 	// The batch query's cost estimate can pass jit_above_cost, and JIT
 	// compiling it takes longer than running it.
 	cc.RuntimeParams["jit"] = "off"
+	// A notification can arrive while the relay is busy with a batch (the
+	// connection reads it with a statement's results): it is noted here,
+	// so that the next wait returns at once instead of a PollInterval
+	// later. pgx's default handler would queue every notification of the
+	// session where the relay never reads it, and keep them all.
+	notified := new(atomic.Bool)
+	cc.OnNotification = func(*pgconn.PgConn, *pgconn.Notification) { notified.Store(true) }
 	conn, err := pgx.ConnectConfig(ctx, cc)
 	if err != nil {
 		return false, fmt.Errorf("connect: %w", err)
@@ -262,7 +270,7 @@ func (r *Relay) session(ctx context.Context) (led bool, err error) {
 	if _, err := conn.Exec(ctx, "LISTEN "+pgx.Identifier{channel}.Sanitize()); err != nil {
 		return true, fmt.Errorf("listen: %w", err)
 	}
-	return true, r.lead(ctx, conn)
+	return true, r.lead(ctx, conn, notified)
 }
 
 // becomeLeader polls the leader lock every PollInterval until it has it.
@@ -286,7 +294,7 @@ func (r *Relay) becomeLeader(ctx context.Context, conn *pgx.Conn, oid uint32) er
 // broker's; anything less than a full batch is followed by a wait for a
 // notification (at most PollInterval). It returns when ctx is done or the
 // connection failed.
-func (r *Relay) lead(ctx context.Context, conn *pgx.Conn) error {
+func (r *Relay) lead(ctx context.Context, conn *pgx.Conn, notified *atomic.Bool) error {
 	failures := 0
 	var lastCleanup time.Time
 	var ahead []Record
@@ -334,19 +342,24 @@ func (r *Relay) lead(ctx context.Context, conn *pgx.Conn) error {
 		if len(batch) == r.cfg.BatchSize {
 			continue
 		}
-		if err := r.wait(ctx, conn); err != nil {
+		if err := r.wait(ctx, conn, notified); err != nil {
 			return err
 		}
 	}
 	return nil
 }
 
-// wait returns on a notification, after PollInterval, or when ctx is done;
-// an error means the connection failed.
-func (r *Relay) wait(ctx context.Context, conn *pgx.Conn) error {
+// wait returns on a notification (at once for one that arrived since the
+// last wait returned), after PollInterval, or when ctx is done; an error
+// means the connection failed.
+func (r *Relay) wait(ctx context.Context, conn *pgx.Conn, notified *atomic.Bool) error {
+	if notified.Swap(false) {
+		return nil
+	}
 	wctx, cancel := context.WithTimeout(ctx, r.cfg.PollInterval)
 	defer cancel()
 	err := conn.PgConn().WaitForNotification(wctx)
+	notified.Store(false) // the one that ended this wait
 	if err == nil || ctx.Err() != nil || (wctx.Err() != nil && !conn.IsClosed()) {
 		return nil
 	}

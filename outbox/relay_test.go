@@ -482,3 +482,41 @@ func TestUnroutableCopyDoesNotRefuseItsTwinOfTheSameID(t *testing.T) {
 	got := d.read(t, 2)
 	assert.Equal(t, []string{"a/1", "a/2"}, bodiesOfKey(got, "a"), "each delivered once, in order")
 }
+
+// gatedPublisher holds its first Publish until release is closed.
+type gatedPublisher struct {
+	outbox.Publisher
+	entered chan struct{}
+	release chan struct{}
+	calls   atomic.Int64
+}
+
+func (g *gatedPublisher) Publish(ctx context.Context, recs []outbox.Record) []error {
+	if g.calls.Add(1) == 1 {
+		g.entered <- struct{}{}
+		<-g.release
+	}
+	return g.Publisher.Publish(ctx, recs)
+}
+
+// A notification that reaches the relay while it is busy with a batch
+// (here: waiting for the broker's confirms) wakes it once the batch is
+// done, not a PollInterval later; and notifications are not kept.
+func TestNotificationDuringABatchWakesTheRelay(t *testing.T) {
+	k := newKafka(t)
+	pool, _ := migrated(t)
+	d := k.destination(t)
+	pub := &gatedPublisher{Publisher: k.publisher(t), entered: make(chan struct{}, 1), release: make(chan struct{})}
+	r, _ := startRelay(t, pool, pub, outbox.RelayConfig{PollInterval: time.Minute})
+	require.Eventually(t, r.Leader, 10*time.Second, 5*time.Millisecond)
+	addCommitted(t, pool, d.msg("a", "a/1"))
+	select {
+	case <-pub.entered:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the relay never published a/1")
+	}
+	addCommitted(t, pool, d.msg("b", "b/1")) // notifies the relay while it waits for the broker
+	close(pub.release)
+	waitRows(t, pool, "true", 0, 10*time.Second)
+	assert.ElementsMatch(t, []string{"a/1", "b/1"}, bodies(d.read(t, 2)))
+}
