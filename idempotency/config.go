@@ -77,7 +77,9 @@ type Config struct {
 	MaxResponseBytes int
 
 	// TxOptions are the options of the request's transaction (isolation
-	// level, access mode). Defaults to PostgreSQL's: read committed.
+	// level, deferrable). Defaults to PostgreSQL's: read committed. The
+	// transaction writes the key's claim and its response, so it cannot
+	// be read-only: New refuses AccessMode pgx.ReadOnly.
 	TxOptions pgx.TxOptions
 
 	// RetentionInterval is how often RunRetention deletes expired keys.
@@ -158,6 +160,9 @@ func (c Config) withDefaults() (Config, error) {
 		if f.bad {
 			return c, fmt.Errorf("%w: %s must not be negative", ErrConfig, f.name)
 		}
+	}
+	if c.TxOptions.AccessMode == pgx.ReadOnly {
+		return c, fmt.Errorf("%w: TxOptions.AccessMode is read only: the request's transaction writes the key's claim and response", ErrConfig)
 	}
 	if c.Header == "" {
 		c.Header = DefaultHeader

@@ -589,3 +589,12 @@ func TestSameKeyInAnotherTableIsNotInFlight(t *testing.T) {
 	assert.Equal(t, http.StatusCreated, got.status, got.body)
 	assert.Equal(t, 1, a.effects())
 }
+
+// A read-only transaction cannot hold the claim of a key: every request
+// with a key would fail (503, "retry", forever). New refuses it.
+func TestNewRefusesAReadOnlyTransaction(t *testing.T) {
+	_, err := idempotency.New(unreachablePool(t), idempotency.Config{Scope: idempotency.SingleScope,
+		TxOptions: pgx.TxOptions{AccessMode: pgx.ReadOnly}})
+	require.ErrorIs(t, err, idempotency.ErrConfig)
+	assert.Contains(t, err.Error(), "TxOptions")
+}
