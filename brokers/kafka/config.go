@@ -142,8 +142,9 @@ type Config struct {
 	// and no record of it is handed out until its oldest pending record is
 	// acked; other partitions go on. The memory a partition holds is thus
 	// about MaxPendingPerPartition records, plus sarama's buffers
-	// (Sarama.ChannelBufferSize records and one fetch of up to
-	// FetchDefault bytes). A crash redelivers at most this many records
+	// (Sarama.ChannelBufferSize records, as many again read ahead while
+	// the consumer takes none, and one fetch of up to FetchDefault bytes).
+	// A crash redelivers at most this many records
 	// per partition. Default DefaultMaxPendingPerPartition.
 	MaxPendingPerPartition int
 

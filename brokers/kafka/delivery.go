@@ -109,35 +109,139 @@ func storeMax(v *atomic.Int32, n int32) {
 	}
 }
 
-// awaitRoom returns true once the claim holds fewer than
-// Config.MaxPendingPerPartition pending deliveries, pausing the partition's
-// fetching while it waits; false if ended or closing is closed first.
-func (cl *claim) awaitRoom(ended, closing <-chan struct{}) bool {
-	bound := cl.src.cfg.MaxPendingPerPartition
-	if cl.pendingCount() < bound {
-		return true
-	}
-	// A stuck record (a slow key, with KeyLanes) holds the partition's
-	// marks back; records fetched meanwhile would pile up behind it.
+// stallAfter is how long a claim whose read-ahead is full waits for
+// Receive to take a record before it pauses the partition's fetching and
+// reads on what sarama had fetched, to see the claim end.
+const stallAfter = 50 * time.Millisecond
+
+// feed hands the claim's records to Receive, one at a time and in offset
+// order, until the claim ends: its session ended (ended), the Source is
+// closing, the claim was fenced, or sarama closed its Messages() (the
+// partition revoked by a cooperative rebalance, whose session goes on).
+//
+// Whatever it waits for (room below Config.MaxPendingPerPartition, or
+// Receive to take a record) it keeps reading Messages(), so that it sees
+// the claim end within RevokeTimeout even while the consumer takes no
+// record: the records read meanwhile wait in a backlog, handed out first.
+// Fetching is paused while the claim is at the bound (a stuck record, with
+// KeyLanes, holds the partition's marks back; records fetched meanwhile
+// would pile up behind it), and while the backlog holds readAhead records
+// that Receive left for stallAfter; what is read then is only what sarama
+// had fetched already. Below that the backlog is read ahead without a
+// pause, which a consumer that keeps receiving never notices.
+func (cl *claim) feed(ended <-chan struct{}) {
+	s := cl.src
+	bound := s.cfg.MaxPendingPerPartition
+	readAhead := max(1, s.readAhead)
 	part := map[string][]int32{cl.sc.Topic(): {cl.sc.Partition()}}
-	cl.src.group.Pause(part)
-	cl.src.waitingForRoom.Add(1)
-	cl.src.cfg.Logger.Debug("once/kafka: partition paused: pending records at the bound",
-		"group", cl.src.cfg.Group, "stream", cl.stream, "max_pending", bound)
-	defer func() {
-		cl.src.waitingForRoom.Add(-1)
-		cl.src.group.Resume(part)
-	}()
-	for cl.pendingCount() >= bound {
+	var (
+		msgs    = cl.sc.Messages()
+		backlog []*sarama.ConsumerMessage // read, not handed out yet
+		next    *delivery                 // pending, waiting for Receive
+		paused  bool
+		atBound bool // counted in waitingForRoom
+		stalled bool // the backlog full and untouched for stallAfter
+		stall   *time.Timer
+		stallC  <-chan time.Time // while the backlog is full and not stalled yet
+	)
+	// One channel for the three ends, so that the loop's select stays
+	// small: it runs twice per record.
+	done := make(chan struct{})
+	stopWatch := make(chan struct{})
+	defer close(stopWatch)
+	go func() {
 		select {
-		case <-cl.room:
 		case <-ended:
-			return false
-		case <-closing:
-			return false
+		case <-s.closing:
+		case <-cl.ctx.Done(): // fenced
+		case <-stopWatch:
+			return
+		}
+		close(done)
+	}()
+	defer func() {
+		if next != nil {
+			cl.drop(next)
+		}
+		if atBound {
+			s.waitingForRoom.Add(-1)
+		}
+		if paused {
+			s.group.Resume(part)
+		}
+		if stall != nil {
+			stall.Stop()
+		}
+	}()
+	for {
+		pending := cl.pendingCount()
+		if next == nil && len(backlog) > 0 && pending < bound {
+			raw := backlog[0]
+			backlog[0] = nil
+			backlog = backlog[1:]
+			if cl.skip(raw) {
+				continue
+			}
+			next = cl.newDelivery(raw)
+		}
+		if bounded := next == nil && pending >= bound; bounded != atBound {
+			atBound = bounded
+			if atBound {
+				s.waitingForRoom.Add(1)
+				s.cfg.Logger.Debug("once/kafka: partition paused: pending records at the bound",
+					"group", s.cfg.Group, "stream", cl.stream, "max_pending", bound)
+			} else {
+				s.waitingForRoom.Add(-1)
+			}
+		}
+		full := len(backlog) >= readAhead
+		switch {
+		case !full:
+			stalled, stallC = false, nil
+		case !stalled && stallC == nil:
+			if stall == nil {
+				stall = time.NewTimer(stallAfter)
+			} else {
+				stall.Reset(stallAfter)
+			}
+			stallC = stall.C
+		}
+		if pause := atBound || stalled; pause != paused {
+			paused = pause
+			if paused {
+				s.group.Pause(part)
+			} else {
+				s.group.Resume(part)
+			}
+		}
+		in := msgs
+		if full && !paused {
+			in = nil // read no further ahead while fetching goes on
+		}
+		var out chan<- *delivery
+		if next != nil {
+			out = s.deliveries
+		}
+		var room <-chan struct{}
+		if atBound {
+			room = cl.room
+		}
+		select {
+		case raw, ok := <-in:
+			if !ok {
+				return
+			}
+			backlog = append(backlog, raw)
+		case out <- next:
+			cl.received(next.raw.Offset)
+			next = nil
+		case <-stallC:
+			stalled, stallC = true, nil
+		case <-room:
+		case <-done:
+			return
 		}
 	}
-	return true
 }
 
 func (cl *claim) pendingCount() int {
@@ -146,7 +250,7 @@ func (cl *claim) pendingCount() int {
 	return len(cl.pending)
 }
 
-// notifyRoom signals awaitRoom; cl.mu is held.
+// notifyRoom signals feed that pending shrank; cl.mu is held.
 func (cl *claim) notifyRoom() {
 	select {
 	case cl.room <- struct{}{}:

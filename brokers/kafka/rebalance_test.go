@@ -2,6 +2,7 @@ package kafka
 
 import (
 	"context"
+	"fmt"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -111,5 +112,89 @@ func testRebalance(t *testing.T, kind brokerKind, strategy sarama.BalanceStrateg
 	got := c.committed(group, topic, partitions)
 	for p := range int32(partitions) {
 		assert.Equal(t, hwm(t, c, topic, p), got[p], "partition %d", p)
+	}
+}
+
+// With the cooperative protocol the session goes on while a partition is
+// revoked: a revoked claim paused at Config.MaxPendingPerPartition still
+// lets its unsettled deliveries go after RevokeTimeout, instead of holding
+// the partition until the rebalance times out.
+func TestCooperativeRevokeOfPausedClaimKeepsRevokeTimeout(t *testing.T) {
+	c := newCluster(t)
+	topic, group := uniq("orders"), uniq("g")
+	c.createTopic(topic, 2)
+	c.produce(msg(topic, 0, "a0"), msg(topic, 0, "a1"), msg(topic, 1, "b0"), msg(topic, 1, "b1"))
+	cfg := c.config(group, topic)
+	cfg.Sarama.Consumer.Group.Rebalance.GroupStrategies = []sarama.BalanceStrategy{sarama.NewBalanceStrategyCooperativeSticky()}
+	cfg.MaxPendingPerPartition = 1
+	cfg.RevokeTimeout = 300 * time.Millisecond
+	a := c.open(cfg)
+	held := receiveN(t, a, 2) // offset 0 of each partition; both claims then wait for room
+	require.Eventually(t, func() bool { return a.claimsWaitingForRoom() == 2 }, 10*time.Second, 5*time.Millisecond)
+
+	b := c.open(cfg)
+	bctx, bcancel := context.WithCancel(context.Background())
+	defer bcancel()
+	go func() {
+		for {
+			d, err := b.Receive(bctx)
+			if err != nil {
+				return
+			}
+			_ = d.Ack(bctx)
+		}
+	}()
+
+	// One partition moves to b: its delivery held by a is abandoned within
+	// RevokeTimeout (plus the rebalance), far below RebalanceTimeout (8 s).
+	start := time.Now()
+	require.Eventually(t, func() bool {
+		return held[0].Context().Err() != nil || held[1].Context().Err() != nil
+	}, 4*time.Second, 10*time.Millisecond, "the revoked claim's delivery was not abandoned within RevokeTimeout")
+	t.Logf("revoked delivery abandoned after %v", time.Since(start).Round(time.Millisecond))
+}
+
+// With the cooperative protocol, a partition revoked while the consumer
+// takes no more records (its receive buffer full behind a stuck record, or
+// the database down) goes to its new owner after RevokeTimeout, instead of
+// when the rebalance times out. Each partition holds more records than
+// sarama buffers and the claim reads ahead.
+func TestCooperativeRevokeWhileNotReceivingKeepsRevokeTimeout(t *testing.T) {
+	c := newCluster(t)
+	topic, group := uniq("orders"), uniq("g")
+	c.createTopic(topic, 2)
+	var msgs []*sarama.ProducerMessage
+	for i := range 3000 {
+		msgs = append(msgs, msg(topic, int32(i%2), fmt.Sprint(i)))
+	}
+	c.produce(msgs...)
+	cfg := c.config(group, topic)
+	cfg.Sarama.Consumer.Group.Rebalance.GroupStrategies = []sarama.BalanceStrategy{sarama.NewBalanceStrategyCooperativeSticky()}
+	cfg.RevokeTimeout = 300 * time.Millisecond
+	a := c.open(cfg)
+	receive(t, a) // held unacked; a receives nothing more: both claims wait to hand a record out
+
+	b := c.open(cfg)
+	bctx, bcancel := context.WithCancel(context.Background())
+	defer bcancel()
+	bGot := make(chan *delivery, 10)
+	go func() {
+		for {
+			d, err := b.Receive(bctx)
+			if err != nil {
+				return
+			}
+			bGot <- d.(*delivery)
+		}
+	}()
+
+	// One partition moves to b within RevokeTimeout (plus the rebalance),
+	// far below RebalanceTimeout (8 s).
+	start := time.Now()
+	select {
+	case d := <-bGot:
+		t.Logf("b received %s/%d after %v", d.Message().Topic, d.Message().Partition, time.Since(start).Round(time.Millisecond))
+	case <-time.After(4 * time.Second):
+		t.Fatal("the revoked partition did not reach its new owner within RevokeTimeout")
 	}
 }

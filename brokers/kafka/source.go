@@ -41,6 +41,10 @@ type Source struct {
 	topicIDs  topicIDs
 
 	deliveries chan *delivery
+	// readAhead is how many records a claim reads on while Receive takes
+	// none of them before it pauses the partition's fetching: sarama's
+	// ChannelBufferSize.
+	readAhead int
 
 	ctx       context.Context // ends the consume loop and every session
 	cancel    context.CancelFunc
@@ -161,6 +165,7 @@ func connect(cfg Config) (*Source, error) {
 		lag:        lag,
 		topicIDs:   topicIDs{client: dlqClient, version: pc.Version},
 		deliveries: make(chan *delivery),
+		readAhead:  cc.ChannelBufferSize,
 		ctx:        ctx,
 		cancel:     cancel,
 		loopDone:   make(chan struct{}),
@@ -330,8 +335,8 @@ func (h *groupHandler) Setup(sess sarama.ConsumerGroupSession) error {
 func (*groupHandler) Cleanup(sarama.ConsumerGroupSession) error { return nil }
 
 // ConsumeClaim hands the claim's records to Receive, one at a time and in
-// offset order. When the claim ends (a rebalance revokes it, or the session
-// ends) it stops handing records out and waits, at most
+// offset order (claim.feed). When the claim ends (a rebalance revokes it,
+// or the session ends) it stops handing records out and waits, at most
 // Config.RevokeTimeout, until every record it handed out was acked (or the
 // Source is closing), so that the session's final commit includes them.
 // Then it revokes the claim: the contexts of its unsettled deliveries are
@@ -363,42 +368,7 @@ func (h *groupHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, sc sarama.
 	defer s.lag.untrack(cl)
 	defer cl.revoke()
 
-	ended := sess.Context().Done()
-loop:
-	for {
-		if !cl.awaitRoom(ended, s.closing) {
-			break loop
-		}
-		select {
-		case raw, ok := <-sc.Messages():
-			if !ok {
-				break loop
-			}
-			if cl.skip(raw) {
-				continue
-			}
-			d := cl.newDelivery(raw)
-			select {
-			case s.deliveries <- d:
-				cl.received(raw.Offset)
-			case <-ended:
-				cl.drop(d)
-				break loop
-			case <-s.closing:
-				cl.drop(d)
-				break loop
-			case <-cl.ctx.Done(): // fenced
-				cl.drop(d)
-				break loop
-			}
-		case <-ended:
-			break loop
-		case <-cl.ctx.Done(): // fenced
-			break loop
-		case <-s.closing:
-			break loop
-		}
-	}
+	cl.feed(sess.Context().Done())
 	cl.awaitSettled(s.cfg.RevokeTimeout, s.closing)
 	s.cfg.Logger.Debug("once/kafka: partition released", "group", s.cfg.Group, "stream", cl.stream,
 		"generation", sess.GenerationID(), "last_offset", cl.last.Load())
