@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"strings"
 	"time"
 
@@ -295,6 +296,10 @@ func (c *Config) validate() error {
 	}
 	if c.KeyLanes < 0 {
 		return fmt.Errorf("kafka: Config.KeyLanes is negative (%d)", c.KeyLanes)
+	}
+	if uint64(c.KeyLanes) > math.MaxUint32 {
+		// Lanes are a 32-bit hash of the key modulo KeyLanes.
+		return fmt.Errorf("kafka: Config.KeyLanes %d exceeds %d", c.KeyLanes, uint32(math.MaxUint32))
 	}
 	if c.MaxPendingPerPartition < 0 {
 		return fmt.Errorf("kafka: Config.MaxPendingPerPartition is negative (%d)", c.MaxPendingPerPartition)

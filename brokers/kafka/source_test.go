@@ -61,6 +61,23 @@ func TestOpenValidatesConfig(t *testing.T) {
 	}
 }
 
+// Key lanes are chosen by a 32-bit hash modulo KeyLanes: a count the hash
+// cannot address (2^32 makes the modulus 0, a division by zero in the
+// claim's goroutine at the first record) is refused by Open.
+func TestOpenRefusesKeyLanesBeyondTheHash(t *testing.T) {
+	if strconv.IntSize < 64 {
+		t.Skip("an int cannot exceed the lane hash's range")
+	}
+	most := ^uint32(0)
+	ctx, cancel := context.WithTimeout(t.Context(), 500*time.Millisecond)
+	defer cancel()
+	cfg := Config{Brokers: []string{"127.0.0.1:1"}, Group: "g", Topics: []string{"t"}, KeyLanes: int(most) + 1}
+	s, err := Open(ctx, cfg)
+	require.Error(t, err)
+	assert.Nil(t, s)
+	assert.Contains(t, err.Error(), "Config.KeyLanes")
+}
+
 func TestConfigDefaultsAndOverrides(t *testing.T) {
 	base := sarama.NewConfig()
 	base.ClientID = "my-service"
