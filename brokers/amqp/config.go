@@ -102,7 +102,8 @@ type Config struct {
 	// Default 10s.
 	DialTimeout time.Duration
 	// Heartbeat is the AMQP heartbeat interval: a dead peer is detected
-	// after about two intervals without traffic. Default 10s.
+	// after about two intervals without traffic. Default 10s; at least 1s
+	// (the protocol counts whole seconds).
 	Heartbeat time.Duration
 	// ConnectionName is shown in the RabbitMQ management UI and
 	// rabbitmqctl list_connections. Default "once <Queue>". The
@@ -252,6 +253,11 @@ func (cfg Config) withDefaults() (Config, error) {
 		if *d.v == 0 {
 			*d.v = d.def
 		}
+	}
+	if cfg.Heartbeat < time.Second {
+		// AMQP negotiates whole seconds; amqp091 takes less than one for
+		// none and uses the broker's interval (60 s by default).
+		return cfg, fmt.Errorf("amqp: Config.Heartbeat %v is below one second, the protocol's unit", cfg.Heartbeat)
 	}
 	if cfg.ReconnectMaxBackoff < cfg.ReconnectMinBackoff {
 		return cfg, fmt.Errorf("amqp: Config.ReconnectMaxBackoff %v is below Config.ReconnectMinBackoff %v", cfg.ReconnectMaxBackoff, cfg.ReconnectMinBackoff)

@@ -117,3 +117,19 @@ func TestHeaderStrings(t *testing.T) {
 	}, got)
 	assert.Empty(t, amqp.HeaderStrings(nil))
 }
+
+// AMQP heartbeats are whole seconds, and amqp091 takes a client interval
+// below one second for none and uses the broker's (60 s by default): a
+// Heartbeat of 500ms would find a dead peer after minutes instead of about
+// a second. Open refuses it, naming the field.
+func TestSubSecondHeartbeatRefused(t *testing.T) {
+	cfg := amqp.Config{URL: brokerURL(t), Queue: queueName(t), Heartbeat: 500 * time.Millisecond, Logger: testLogger(t)}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	src, err := amqp.Open(ctx, cfg)
+	if err == nil {
+		defer src.Close()
+		t.Fatalf("Open accepted Heartbeat %v; the connection negotiated a heartbeat of %v", cfg.Heartbeat, amqp.Heartbeat(src))
+	}
+	assert.Contains(t, err.Error(), "Config.Heartbeat")
+}

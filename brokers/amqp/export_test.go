@@ -1,5 +1,7 @@
 package amqp
 
+import "time"
+
 // HeaderStrings exposes the header conversion to the external tests.
 var HeaderStrings = headerStrings
 
@@ -26,4 +28,16 @@ func MergeSpans(spans [][2]uint64, tags []uint64) [][2]uint64 {
 		out = append(out, [2]uint64{s.lo, s.hi})
 	}
 	return out
+}
+
+// Heartbeat returns the heartbeat interval the current session's
+// connection negotiated with the broker.
+func Heartbeat(s *Source) time.Duration {
+	s.mu.Lock()
+	sess := s.sess
+	s.mu.Unlock()
+	if sess == nil {
+		return 0
+	}
+	return sess.conn.Config.Heartbeat
 }
