@@ -32,7 +32,8 @@ type Config struct {
 	// DialTimeout bounds the TCP connect and the AMQP handshake. Default
 	// 10s.
 	DialTimeout time.Duration
-	// Heartbeat is the AMQP heartbeat interval. Default 10s.
+	// Heartbeat is the AMQP heartbeat interval. Default 10s; at least 1s
+	// (the protocol counts whole seconds).
 	Heartbeat time.Duration
 	// ConnectionName is shown in the management UI. Default "once outbox".
 	ConnectionName string
@@ -85,6 +86,11 @@ func New(cfg Config) (*Publisher, error) {
 	}
 	if cfg.Heartbeat == 0 {
 		cfg.Heartbeat = DefaultHeartbeat
+	}
+	if cfg.Heartbeat < time.Second {
+		// AMQP negotiates whole seconds; amqp091 takes less than one for
+		// none and uses the broker's interval (60 s by default).
+		return nil, fmt.Errorf("amqpout: Config.Heartbeat %v is below one second, the protocol's unit", cfg.Heartbeat)
 	}
 	if cfg.ConnectionName == "" {
 		cfg.ConnectionName = "once outbox"

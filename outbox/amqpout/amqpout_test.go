@@ -18,6 +18,10 @@ func TestNewRejectsBadConfig(t *testing.T) {
 	require.ErrorContains(t, err, "Config.URL")
 	_, err = New(Config{URL: "amqp://h/", ConfirmTimeout: -time.Second})
 	require.ErrorContains(t, err, "negative")
+	// AMQP heartbeats are whole seconds; amqp091 takes less than one for
+	// none and adopts the broker's interval (60 s by default).
+	_, err = New(Config{URL: "amqp://h/", Heartbeat: 500 * time.Millisecond})
+	require.ErrorContains(t, err, "Config.Heartbeat")
 	p, err := New(Config{URL: "amqp://h/"})
 	require.NoError(t, err)
 	assert.Equal(t, DefaultConfirmTimeout, p.cfg.ConfirmTimeout)
