@@ -3,6 +3,7 @@ package consumer
 import (
 	"context"
 	"fmt"
+	"runtime/debug"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -117,10 +118,20 @@ func (t *queueTx) flush(ctx context.Context) *queueFailure {
 	failedAt := -1
 	for i, qq := range b.QueuedQueries {
 		fn := qq.Fn
-		qq.Fn = func(br pgx.BatchResults) error {
-			var err error
+		qq.Fn = func(br pgx.BatchResults) (err error) {
 			if fn != nil {
-				err = fn(br)
+				// A callback is the handler's code: its panic is the
+				// queuing event's failure, as a handler's panic is,
+				// also when the queue is sent after the handler
+				// returned (before COMMIT), outside its guard.
+				func() {
+					defer func() {
+						if r := recover(); r != nil {
+							err = &PanicError{Value: r, Stack: string(debug.Stack())}
+						}
+					}()
+					err = fn(br)
+				}()
 			} else {
 				_, err = br.Exec()
 			}

@@ -313,3 +313,60 @@ func TestQueuedStatementThatCannotBePreparedIsFoundByHalving(t *testing.T) {
 	assert.Contains(t, dl[0].Headers[consumer.HeaderErrorMessage], "no_such_table")
 	assert.Equal(t, uint64(cfg.Retry.MaxAttempts-1), c.Stats().Retries, "only the bad event is retried")
 }
+
+// TestQueuedCallbackPanicIsDeadLettered: a callback attached to a queued
+// statement is part of its handler: its panic dead-letters the event that
+// queued it (kind panic, with the stack), as a handler's panic does,
+// whether the callback runs while the handler runs (a later statement
+// sends the queue) or after it returned (the queue sent before COMMIT),
+// instead of crashing the process on every redelivery.
+func TestQueuedCallbackPanicIsDeadLettered(t *testing.T) {
+	for _, tc := range []struct {
+		name                 string
+		sendInHandler, query bool
+	}{{"sent after the handler", false, false}, {"sent in the handler", true, false}, {"rows callback", false, true}} {
+		sendInHandler, query := tc.sendInHandler, tc.query
+		t.Run(tc.name, func(t *testing.T) {
+			pool, _ := pgtest.Schema(t)
+			effects(t, pool)
+			b := memsource.New(memsource.Options{Streams: 1})
+			for i := 0; i < 5; i++ {
+				publish(b, fmt.Sprintf("e%d", i), i)
+			}
+			h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+				if query {
+					ev.Queue(`SELECT g FROM generate_series(1, 1000) g`).Query(func(rows pgx.Rows) error {
+						for rows.Next() {
+							if ev.ID == "e2" {
+								panic("callback bug")
+							}
+						}
+						return rows.Err()
+					})
+				}
+				ev.Queue(insertEffectSQL, ev.ID, ev.Payload.N).Exec(func(pgconn.CommandTag) error {
+					if ev.ID == "e2" && !query {
+						panic("callback bug")
+					}
+					return nil
+				})
+				if sendInHandler {
+					_, err := tx.Exec(ctx, `SELECT 1`)
+					return err
+				}
+				return nil
+			}
+			c, err := consumer.New(pool, b.Source(), h, fastConfig("queued-callback-panic"))
+			require.NoError(t, err)
+			start(t, c)
+			require.Eventually(t, func() bool { return b.Acked() == 5 }, 20*time.Second, 5*time.Millisecond)
+			requireEffectsOnce(t, pool, 4)
+			dl := b.DeadLetters()
+			require.Len(t, dl, 1)
+			assert.Equal(t, "e2", dl[0].Headers["id"])
+			assert.Equal(t, string(consumer.KindPanic), dl[0].Headers[consumer.HeaderErrorKind])
+			assert.Contains(t, dl[0].Headers[consumer.HeaderErrorMessage], "callback bug")
+			assert.NotEmpty(t, dl[0].Headers[consumer.HeaderErrorStack])
+		})
+	}
+}
