@@ -521,3 +521,42 @@ func TestStopMidBatchNeverAcksPastAnAbandonedMessage(t *testing.T) {
 	assert.Zero(t, b.Acked(), "nothing is acked past the abandoned a1 and a2")
 	assert.Empty(t, b.DeadLetters(), "the poison after them waits for its turn")
 }
+
+// A handler cut by HandlerTimeout in the middle of a statement has lost its
+// transaction's connection (pgx closes it to cancel the statement). When it
+// does not return the statement's error (rows iterated without checking
+// rows.Err, an error logged and dropped), the COMMIT then fails on the
+// closed connection: that is the handler's timeout, not the database's, and
+// it is retried per Config.Retry and dead-lettered like any handler past
+// its timeout, instead of being taken for an infrastructure failure and
+// retried forever while the stream waits behind it.
+func TestHandlerTimeoutWithASwallowedErrorIsDeadLettered(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{Streams: 1})
+	publish(b, "before", 1)
+	publish(b, "slow", 2)
+	publish(b, "after", 3)
+	cfg := fastConfig("timeout-swallowed")
+	cfg.HandlerTimeout = 50 * time.Millisecond
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		if ev.ID == "slow" {
+			rows, _ := tx.Query(ctx, `SELECT pg_sleep(5)`)
+			for rows.Next() {
+			}
+			rows.Close() // the error (the timeout) is not looked at
+			return nil
+		}
+		return insertEffect(ctx, tx, ev)
+	}
+	c, err := consumer.New(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 3 }, 15*time.Second, 5*time.Millisecond,
+		"stats %+v", c.Stats())
+	dl := deadLetterOf(t, b, "slow")
+	assert.Equal(t, string(consumer.KindHandler), dl.Headers[consumer.HeaderErrorKind])
+	assert.Contains(t, dl.Headers[consumer.HeaderErrorMessage], "HandlerTimeout")
+	got := requireEffectsOnce(t, pool, 2)
+	assert.NotContains(t, got, "slow")
+}

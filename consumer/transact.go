@@ -174,7 +174,7 @@ func (p *pipeline) runHandlers(ctx context.Context, tx pgx.Tx, jobs []*job, res 
 		call := p.cfg.Hooks.wrap(j, attempt, func(ctx context.Context, tx pgx.Tx) error {
 			return j.call(ctx, tx, attempt)
 		})
-		err := p.callHandler(j.ctx, func(hctx context.Context) error { return call(hctx, qtx) })
+		err := p.callHandler(j.ctx, tx, func(hctx context.Context) error { return call(hctx, qtx) })
 		if f := qtx.failed; f != nil {
 			// A statement queued by this or an earlier event failed.
 			return p.handlerFailure(ctx, tx, jobs, f.owner, f.err), true
@@ -202,7 +202,7 @@ func (p *pipeline) runBatchHandler(ctx context.Context, tx pgx.Tx, jobs []*job, 
 	}
 	qtx := newQueueTx(tx)
 	qtx.owner = -1
-	err := p.callHandler(ctx, func(hctx context.Context) error {
+	err := p.callHandler(ctx, tx, func(hctx context.Context) error {
 		return p.batchCall(hctx, qtx, claimed)
 	})
 	if err == nil {
@@ -218,8 +218,11 @@ func (p *pipeline) runBatchHandler(ctx context.Context, tx pgx.Tx, jobs []*job, 
 // callHandler runs a handler under Config.HandlerTimeout, which bounds the
 // handler alone: not the wait for a connection, the claim, the queued
 // statements or the commit. A panic becomes a PanicError; a handler that
-// outlived its timeout fails with an error that says so.
-func (p *pipeline) callHandler(ctx context.Context, run func(context.Context) error) (err error) {
+// outlived its timeout fails with an error that says so, also when it
+// returned nil after the timeout cut one of its statements: pgx then
+// closed tx's connection, and the transaction is lost to the handler's
+// timeout, not to the database.
+func (p *pipeline) callHandler(ctx context.Context, tx pgx.Tx, run func(context.Context) error) (err error) {
 	hctx := ctx
 	if p.cfg.HandlerTimeout > 0 {
 		var cancel context.CancelFunc
@@ -232,8 +235,13 @@ func (p *pipeline) callHandler(ctx context.Context, run func(context.Context) er
 			err = &PanicError{Value: r, Stack: string(debug.Stack())}
 		}
 		p.tel.since(ctx, p.tel.handlerDur, start)
-		if err != nil && ctx.Err() == nil && errors.Is(hctx.Err(), context.DeadlineExceeded) {
-			err = &timeoutError{limit: p.cfg.HandlerTimeout, err: err}
+		if ctx.Err() == nil && errors.Is(hctx.Err(), context.DeadlineExceeded) {
+			switch {
+			case err != nil:
+				err = &timeoutError{limit: p.cfg.HandlerTimeout, err: err}
+			case tx.Conn().IsClosed():
+				err = &timeoutError{limit: p.cfg.HandlerTimeout, err: hctx.Err()}
+			}
 		}
 	}()
 	return run(hctx)
