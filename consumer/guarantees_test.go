@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"math"
 	"net"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -348,6 +349,33 @@ func TestRunFailsClearlyWhenDatabaseUnreachable(t *testing.T) {
 	require.Error(t, err)
 	assert.Contains(t, err.Error(), "db-check")
 	assert.Contains(t, err.Error(), "127.0.0.1:1")
+}
+
+// failingSource fails every Receive: a fatal error of the source.
+type failingSource struct{}
+
+func (failingSource) Receive(context.Context) (consumer.Delivery, error) {
+	return nil, errors.New("broker gone")
+}
+func (failingSource) Close() error { return nil }
+
+// Run returns a fatal source error while its context is still live (the
+// service goes on, and may start another consumer): nothing of the
+// consumer may go on with it, retention included, which would otherwise
+// keep deleting rows on the pool every Interval, one more goroutine for
+// each consumer restarted this way.
+func TestNothingOutlivesRunAfterAFatalSourceError(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	cfg := fastConfig("fatal-source")
+	cfg.Retention = consumer.RetentionConfig{MaxAge: time.Hour, Interval: 10 * time.Millisecond}
+	c, err := consumer.New(pool, failingSource{}, insertEffect, cfg)
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	require.ErrorContains(t, c.Run(ctx), "broker gone")
+	buf := make([]byte, 1<<20)
+	stacks := string(buf[:runtime.Stack(buf, true)])
+	assert.NotContains(t, stacks, "consumer.(*pipeline).retention", "retention outlived Run")
 }
 
 type created struct {

@@ -99,13 +99,23 @@ func (p *pipeline) consume(ctx context.Context) error {
 	stopWatch := context.AfterFunc(ctx, p.stop)
 	defer stopWatch()
 	d := newDispatcher(p, work)
+	// Retention ends with Run, also after a fatal source error, when ctx
+	// may still be live.
+	retain, stopRetention := context.WithCancel(ctx)
+	defer stopRetention()
+	var retaining sync.WaitGroup
 	if p.cfg.Retention.MaxAge > 0 {
-		go p.retention(ctx)
+		retaining.Add(1)
+		go func() {
+			defer retaining.Done()
+			p.retention(retain)
+		}()
 	}
 
 	fatal := d.receive(ctx)
 
 	p.stop() // after a fatal source error, ctx may still be live
+	stopRetention()
 	d.close()
 	if !waitTimeout(&d.wg, p.cfg.ShutdownTimeout) {
 		p.cfg.Telemetry.Logger.WarnContext(ctx, "once: shutdown timeout: rolling back messages in flight; they will be redelivered",
@@ -113,6 +123,7 @@ func (p *pipeline) consume(ctx context.Context) error {
 		cancelWork()
 		d.wg.Wait()
 	}
+	retaining.Wait()
 	if err := p.src.Close(); err != nil {
 		return errors.Join(fatal, fmt.Errorf("once: closing source: %w", err))
 	}
