@@ -158,7 +158,9 @@ type IdentifyConfig struct {
 	// Message.FallbackID.
 	EventID func(m *Message) (string, error)
 	// MaxIDLength bounds event ids, in bytes; longer ones are dead-lettered
-	// with kind KindInvalidID. Defaults to 256.
+	// with kind KindInvalidID. Defaults to 256; at most 2048, since an id
+	// is part of the dedup tables' primary keys, which PostgreSQL's btree
+	// bounds at about 2,700 bytes a key.
 	MaxIDLength int
 	// Fingerprint computes the fingerprint stored with a claim and compared
 	// when the same id arrives again; a message for which it returns nil
@@ -290,6 +292,12 @@ type TelemetryConfig struct {
 
 const maxNameLength = 200
 
+// maxIDLimit is the greatest Identify.MaxIDLength: an id of that many bytes,
+// beside a Name of maxNameLength, fits a btree key of the dedup tables'
+// primary keys (consumer, event_id), which PostgreSQL refuses past 2,704
+// bytes (8 kB pages) on every try.
+const maxIDLimit = 2048
+
 // withDefaults validates c and returns it with defaults filled in.
 func (c Config) withDefaults() (Config, error) {
 	if err := c.validate(); err != nil {
@@ -366,6 +374,9 @@ func (c *Config) validate() error {
 		if ch.bad {
 			return fmt.Errorf("%w: %s must not be negative", ErrInvalidConfig, ch.field)
 		}
+	}
+	if c.Identify.MaxIDLength > maxIDLimit {
+		return fmt.Errorf("%w: Identify.MaxIDLength %d exceeds %d bytes, more than the dedup tables' keys can hold", ErrInvalidConfig, c.Identify.MaxIDLength, maxIDLimit)
 	}
 	if p := c.Identify.OnConflict; p != DeadLetterConflicts && p != SkipConflicts {
 		return fmt.Errorf("%w: Identify.OnConflict %d is not a known policy", ErrInvalidConfig, p)

@@ -2,12 +2,15 @@ package consumer_test
 
 import (
 	"context"
+	crand "crypto/rand"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"math"
 	"net"
 	"runtime"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -349,6 +352,45 @@ func TestRunFailsClearlyWhenDatabaseUnreachable(t *testing.T) {
 	require.Error(t, err)
 	assert.Contains(t, err.Error(), "db-check")
 	assert.Contains(t, err.Error(), "127.0.0.1:1")
+}
+
+// An event id is part of the primary keys of processed_events and of the
+// crash guard's table, (consumer, event_id): PostgreSQL's btree refuses a
+// key past about 2,700 bytes, and it would refuse it on every retry. New
+// refuses an Identify.MaxIDLength that lets such ids through (it once took
+// any, and an id of 3,000 bytes then failed its claim forever as an
+// infrastructure failure, its stream stuck behind it); an id at the limit,
+// under the longest Name, is handled, and a longer one is dead-lettered
+// invalid-id.
+func TestMaxIDLengthFitsTheKey(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{Streams: 1})
+	_, err := consumer.New(pool, b.Source(), insertEffect,
+		consumer.Config{Name: "x", Identify: consumer.IdentifyConfig{MaxIDLength: 10000}})
+	require.ErrorIs(t, err, consumer.ErrInvalidConfig)
+	assert.Contains(t, err.Error(), "Identify.MaxIDLength")
+
+	const limit = 2048
+	id := func(n int) string { // random, so that nothing compresses it
+		raw := make([]byte, n/2)
+		_, _ = crand.Read(raw)
+		return hex.EncodeToString(raw)
+	}
+	atLimit, past := id(limit), id(limit+2)
+	publish(b, "before", 1)
+	publish(b, atLimit, 2)
+	publish(b, past, 3)
+	publish(b, "after", 4)
+	cfg := fastConfig(strings.Repeat("n", 200))
+	cfg.Identify.MaxIDLength = limit
+	c, err := consumer.New(pool, b.Source(), insertEffect, cfg)
+	require.NoError(t, err)
+	start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 4 }, 20*time.Second, 5*time.Millisecond)
+	got := requireEffectsOnce(t, pool, 3)
+	assert.Contains(t, got, atLimit)
+	assert.Equal(t, string(consumer.KindInvalidID), deadLetterOf(t, b, past).Headers[consumer.HeaderErrorKind])
 }
 
 // failingSource fails every Receive: a fatal error of the source.
