@@ -31,8 +31,9 @@ import (
 // isolated attempt and taken back when the attempt ends in this process).
 // The first Batch.Size messages of an assignment are marked with zero
 // counts, in one statement: a crash of that shared batch is charged to none
-// of them as a crash (each is charged one run), but their marks make each a
-// suspect next time. A message with Config.CrashGuard.MaxCrashes crashes, or
+// of them as a crash (each is charged one run, which alone never spends
+// Retry.MaxAttempts: the message may not have run), but their marks make
+// each a suspect next time. A message with Config.CrashGuard.MaxCrashes crashes, or
 // whose runs are spent with the last one cut short, is dead-lettered with
 // kind KindCrashLoop.
 // Every count is written as a value, not an increment, so a retried write
@@ -59,6 +60,10 @@ type guardState struct {
 	// inFlight: the record counts the attempt running now as a crash, to
 	// be taken back if the attempt ends in this process.
 	inFlight bool
+	// marked: the record is the bare mark of a shared batch that crashed
+	// (no run or crash of the message alone recorded): the message may
+	// not even have run, and is charged nothing until it runs alone.
+	marked bool
 }
 
 func newCrashGuard(p *pipeline) *crashGuard {
@@ -113,6 +118,7 @@ func (g *crashGuard) plan(ctx context.Context, jobs []*job, window bool) [][]*jo
 				// It ran at least once, in the run that crashed.
 				j.guard.known = true
 				j.guard.crashes = r.crashes
+				j.guard.marked = r.runs == 0 && r.crashes == 0
 				j.runs = max(j.runs, r.runs, 1)
 			}
 		}
@@ -203,16 +209,19 @@ func (g *crashGuard) startAttempt(ctx context.Context, j *job) error {
 		r := records[j.idt.id]
 		j.guard.known, j.guard.crashes, j.runs = true, r.crashes, max(j.runs, r.runs)
 	}
-	if j.guard.crashes >= g.p.cfg.CrashGuard.MaxCrashes || j.runs >= g.p.cfg.Retry.MaxAttempts {
+	if j.guard.crashes >= g.p.cfg.CrashGuard.MaxCrashes || (j.runs >= g.p.cfg.Retry.MaxAttempts && !j.guard.marked) {
 		// Too many crashes alone, or runs spent, the last of them cut
-		// short.
+		// short. The run a shared batch's mark stands for is not enough
+		// alone (it is all of Retry.MaxAttempts 1): the message may
+		// never have run, and a crash of the batch is charged to none of
+		// its messages.
 		return errCrashLoop
 	}
 	if err := g.set(ctx, j, j.runs+1, j.guard.crashes+1); err != nil {
 		return err
 	}
 	j.guard.crashes++
-	j.guard.recorded, j.guard.inFlight = true, true
+	j.guard.recorded, j.guard.inFlight, j.guard.marked = true, true, false
 	return nil
 }
 

@@ -375,6 +375,42 @@ func TestSharedBatchCrashChargesNoOne(t *testing.T) {
 	requireEffectsOnce(t, pool, 8)
 }
 
+// With Retry.MaxAttempts 1 (no retry), a process that dies during a shared
+// batch still charges none of its messages: after the restart each runs
+// alone, and only the killer, which then crashes alone, is dead-lettered as
+// a crash loop. The marks of a shared batch were taken for one spent run
+// each, so every message of the batch, the ones the handler never reached
+// among them, was dead-lettered as a crash loop "cut short 0 times"
+// without running again.
+func TestSharedBatchCrashWithOneAttemptChargesNoOne(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{Streams: 1})
+	publish(b, "before", 1)
+	publish(b, "killer", 2)
+	publish(b, "after", 3)
+	stuck := make(chan struct{}, 16)
+	cfg := fastConfig("shared-batch-one-attempt")
+	cfg.Retry.MaxAttempts = 1
+	cfg.ShutdownTimeout = 10 * time.Millisecond
+	cfg.Batch.Linger = time.Second // one batch of all three
+	// Run 1: the shared batch crashes. Run 2: "before" is handled alone,
+	// the killer crashes alone.
+	for run := 1; run <= 2; run++ {
+		c, err := consumer.New(pool, b.Source(), stallingHandler(stuck), cfg)
+		require.NoError(t, err)
+		runUntilStuck(t, c, stuck)
+	}
+	c, err := consumer.New(pool, b.Source(), stallingHandler(stuck), cfg)
+	require.NoError(t, err)
+	stop := start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 3 }, 20*time.Second, 5*time.Millisecond)
+	require.NoError(t, stop())
+	assert.Equal(t, map[string]string{"killer": string(consumer.KindCrashLoop)}, deadLetterKinds(b))
+	got := requireEffectsOnce(t, pool, 2)
+	assert.Contains(t, got, "after", "never reached by the handler before the crash")
+}
+
 // Runs cut short by crashes count towards Retry.MaxAttempts: a message
 // that kills the process is handled at most MaxAttempts times even when
 // CrashGuard.MaxCrashes is higher.
