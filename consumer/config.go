@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"time"
 
@@ -32,7 +33,9 @@ func StrictJSON(data []byte, v any) error {
 	if err := d.Decode(v); err != nil {
 		return err
 	}
-	if d.More() {
+	// Only white space may follow: Decoder.More reports false for a
+	// closing bracket or brace, so `{...}}` would pass it.
+	if _, err := d.Token(); err != io.EOF {
 		return errors.New("trailing data after JSON value")
 	}
 	return nil

@@ -4,6 +4,7 @@ import (
 	"context"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/assert"
 	"strings"
 	"testing"
 	"unicode/utf8"
@@ -78,4 +79,19 @@ func FuzzDecode(f *testing.F) {
 			}
 		}
 	})
+}
+
+// TestStrictJSONRejectsTrailingData: anything but white space after the
+// value is trailing data, a closing bracket or brace included (json's
+// Decoder.More reports false for those, which once let `{...}}` through as
+// a valid payload).
+func TestStrictJSONRejectsTrailingData(t *testing.T) {
+	for _, value := range []string{`{"order":"o1"}}`, `{"order":"o1"}]`, `{"order":"o1"} {}`, `{"order":"o1"} x`, `[1]]`} {
+		var v any
+		assert.Error(t, StrictJSON([]byte(value), &v), value)
+	}
+	for _, value := range []string{`{"order":"o1"}`, " {\"order\":\"o1\"} \n\t", `[1]`, `null`} {
+		var v any
+		assert.NoError(t, StrictJSON([]byte(value), &v), value)
+	}
 }
