@@ -378,6 +378,12 @@ func (c *Config) validate() error {
 			return fmt.Errorf("%w: %s must not be negative", ErrInvalidConfig, ch.field)
 		}
 	}
+	for i, mw := range c.Hooks.Middleware {
+		if mw == nil {
+			// Every handler call would panic through it.
+			return fmt.Errorf("%w: Hooks.Middleware[%d] is nil", ErrInvalidConfig, i)
+		}
+	}
 	if c.Identify.MaxIDLength > maxIDLimit {
 		return fmt.Errorf("%w: Identify.MaxIDLength %d exceeds %d bytes, more than the dedup tables' keys can hold", ErrInvalidConfig, c.Identify.MaxIDLength, maxIDLimit)
 	}

@@ -324,6 +324,10 @@ func TestNewValidatesConfig(t *testing.T) {
 		// NaN fails every comparison: a range check written as "d < 0 ||
 		// d > 1" let it through, and every retention sweep then failed.
 		"duty cycle NaN": {consumer.Config{Name: "x", Retention: consumer.RetentionConfig{DutyCycle: math.NaN()}}, "Retention.DutyCycle"},
+		// A nil middleware (one left unset, say, when tracing is off) was
+		// accepted, and every handler call then panicked through it:
+		// every message was dead-lettered as a panic.
+		"nil middleware": {consumer.Config{Name: "x", Hooks: consumer.Hooks{Middleware: []consumer.Middleware{nil}}}, "Hooks.Middleware[0]"},
 	}
 	for name, tc := range cases {
 		t.Run(name, func(t *testing.T) {
