@@ -75,6 +75,17 @@ func deduplicatedByPosition(j *job) bool {
 	return ok && j.m.FallbackID != "" && j.idt.id == j.m.FallbackID && pd.DeduplicatedByPosition()
 }
 
+// anyByPosition reports whether any of jobs is deduplicated by its
+// position.
+func anyByPosition(jobs []*job) bool {
+	for _, j := range jobs {
+		if deduplicatedByPosition(j) {
+			return true
+		}
+	}
+	return false
+}
+
 // queueClaimsByPosition is queueClaims for the jobs that need a
 // processed-events row; those deduplicated by their position are claimed
 // without one.

@@ -1,15 +1,19 @@
 package consumer_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"io"
+	"net"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -159,4 +163,82 @@ func TestProgressFencedAbandonsOtherErrorsRetry(t *testing.T) {
 	require.Eventually(t, func() bool { return b.IsAcked(1) }, 30*time.Second, 5*time.Millisecond)
 	require.NoError(t, stop())
 	assert.Equal(t, []int64{1}, progressed(t, ctx, pool))
+}
+
+// replyLostConn is a connection to PostgreSQL that loses the reply to the
+// first COMMIT it sends once armed: the server commits, the client sees
+// the connection die, the outcome unknown.
+type replyLostConn struct {
+	net.Conn
+	armed *atomic.Bool
+	// lost counts the replies lost.
+	lost *atomic.Int32
+	lose bool
+}
+
+func (c *replyLostConn) Write(b []byte) (int, error) {
+	if bytes.Contains(b, []byte("commit\x00")) && c.armed.CompareAndSwap(true, false) {
+		c.lose = true
+	}
+	return c.Conn.Write(b)
+}
+
+func (c *replyLostConn) Read(b []byte) (int, error) {
+	if c.lose {
+		// The server answers once the commit is durable; the answer is
+		// lost with the connection.
+		_, _ = c.Conn.Read(b)
+		_ = c.Conn.Close()
+		c.lose = false
+		c.lost.Add(1)
+		return 0, io.ErrUnexpectedEOF
+	}
+	return c.Conn.Read(b)
+}
+
+// A COMMIT whose reply is lost (the connection died after the server
+// committed) is retried, and for a message with an id of its own the
+// retry's claim finds the row: a duplicate. A message deduplicated by its
+// position has no row for the retry to find: it must not be handled
+// again, which would commit its effect twice.
+func TestCommitOfUnknownOutcomeForAPositionDeduplicatedMessage(t *testing.T) {
+	_, schema := pgtest.Schema(t)
+	var armed atomic.Bool
+	var lost atomic.Int32
+	pool := pgtest.NewPoolWith(t, schema, func(c *pgxpool.Config) {
+		dial := c.ConnConfig.DialFunc
+		c.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
+			conn, err := dial(ctx, network, addr)
+			if err != nil {
+				return nil, err
+			}
+			return &replyLostConn{Conn: conn, armed: &armed, lost: &lost}, nil
+		}
+	})
+	effects(t, pool)
+	ctx := context.Background()
+	_, err := pool.Exec(ctx, `CREATE TABLE progress (off bigint NOT NULL)`)
+	require.NoError(t, err)
+	b := memsource.New(memsource.Options{Streams: 1, FallbackID: true})
+	b.Publish(consumer.Message{Value: []byte(`{"n":0}`)})
+	src := &progressSource{Source: b.Source()}
+	var runs atomic.Int32
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		if runs.Add(1) == 1 {
+			armed.Store(true) // lose the first transaction's COMMIT reply
+		}
+		return insertEffect(ctx, tx, ev)
+	}
+	cfg := fastConfig("unknown-commit")
+	c, err := consumer.New(pool, src, h, cfg)
+	require.NoError(t, err)
+	stop := start(t, c)
+	wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	require.NoError(t, b.WaitAcked(wctx, 1))
+	require.NoError(t, stop())
+	require.Equal(t, int32(1), lost.Load(), "the first COMMIT's reply was lost")
+	assert.Equal(t, map[string]int{"mem/0": 1}, countEffects(t, pool))
+	assert.Equal(t, int32(1), runs.Load(), "the handler ran once")
+	assert.Equal(t, []int64{0}, progressed(t, ctx, pool))
 }

@@ -83,6 +83,13 @@ func (p *pipeline) transaction(ctx context.Context, jobs []*job) txResult {
 	if err != nil {
 		return txResult{outcome: txInfra, err: err, failed: -1}
 	}
+	// A message deduplicated by its position has no row for a retry's
+	// claim to find: if a COMMIT loses its reply, the transaction's id
+	// tells whether it committed.
+	var xid int64
+	if anyByPosition(jobs) {
+		b.Queue(`SELECT txid_current()`).QueryRow(func(row pgx.Row) error { return row.Scan(&xid) })
+	}
 	tx, err := p.begin(ctx, b)
 	if tx != nil {
 		defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // a no-op after Commit
@@ -110,6 +117,9 @@ func (p *pipeline) transaction(ctx context.Context, jobs []*job) txResult {
 	p.tel.since(ctx, p.tel.commitDur, start)
 	p.tel.batchSize.Record(ctx, int64(len(jobs)), p.tel.baseRecord...)
 	if err != nil {
+		if xid != 0 && outcomeUnknown(err) && p.committedAfterAll(ctx, xid) {
+			return txResult{outcome: txCommitted, claims: res, failed: -1}
+		}
 		return p.commitFailure(ctx, tx, jobs, err)
 	}
 	crashPoint("after-commit")
@@ -294,6 +304,32 @@ func (p *pipeline) commitFailure(ctx context.Context, tx pgx.Tx, jobs []*job, er
 		err = fmt.Errorf("commit: %w", err)
 	}
 	return p.handlerFailure(ctx, tx, jobs, -1, err)
+}
+
+// outcomeUnknown reports whether a failed COMMIT may have committed: it
+// failed without a word from the server (a lost connection).
+func outcomeUnknown(err error) bool {
+	return sqlState(err) == "" && !errors.Is(err, pgx.ErrTxCommitRollback) && !errors.Is(err, pgx.ErrTxClosed)
+}
+
+// committedAfterAll reports whether transaction xid, whose COMMIT lost its
+// reply, did commit; false when it did not, or when the consumer stopped
+// (or ctx ended) before the server could tell.
+func (p *pipeline) committedAfterAll(ctx context.Context, xid int64) bool {
+	var committed bool
+	err := p.infra(ctx, "learning whether a commit whose reply was lost committed", func() error {
+		var status *string
+		if err := p.pool.QueryRow(ctx, `SELECT txid_status($1)`, xid).Scan(&status); err != nil {
+			return err
+		}
+		if status != nil && *status == "in progress" {
+			// Its server process has not yet seen the connection go.
+			return errors.New("the transaction is still in progress")
+		}
+		committed = status != nil && *status == "committed"
+		return nil
+	})
+	return err == nil && committed
 }
 
 // classify returns err's class: Classify's, or infrastructure when the
