@@ -60,6 +60,10 @@ type guardState struct {
 	// inFlight: the record counts the attempt running now as a crash, to
 	// be taken back if the attempt ends in this process.
 	inFlight bool
+	// runs is the record's run count as this process last read or wrote
+	// it, and runsBefore what it was before the attempt in flight: a lost
+	// attempt puts it back.
+	runs, runsBefore int
 	// marked: the record is the bare mark of a shared batch that crashed
 	// (no run or crash of the message alone recorded): the message may
 	// not even have run, and is charged nothing until it runs alone.
@@ -119,6 +123,7 @@ func (g *crashGuard) plan(ctx context.Context, jobs []*job, window bool) [][]*jo
 				j.guard.known = true
 				j.guard.crashes = r.crashes
 				j.guard.marked = r.runs == 0 && r.crashes == 0
+				j.guard.runs = r.runs
 				j.runs = max(j.runs, r.runs, 1)
 			}
 		}
@@ -207,7 +212,7 @@ func (g *crashGuard) startAttempt(ctx context.Context, j *job) error {
 			return ctx.Err()
 		}
 		r := records[j.idt.id]
-		j.guard.known, j.guard.crashes, j.runs = true, r.crashes, max(j.runs, r.runs)
+		j.guard.known, j.guard.crashes, j.guard.runs, j.runs = true, r.crashes, r.runs, max(j.runs, r.runs)
 	}
 	if j.guard.crashes >= g.p.cfg.CrashGuard.MaxCrashes || (j.runs >= g.p.cfg.Retry.MaxAttempts && !j.guard.marked) {
 		// Too many crashes alone, or runs spent, the last of them cut
@@ -221,6 +226,7 @@ func (g *crashGuard) startAttempt(ctx context.Context, j *job) error {
 		return err
 	}
 	j.guard.crashes++
+	j.guard.runsBefore, j.guard.runs = j.guard.runs, j.runs+1
 	j.guard.recorded, j.guard.inFlight, j.guard.marked = true, true, false
 	return nil
 }
@@ -236,6 +242,7 @@ func (g *crashGuard) endAttempt(ctx context.Context, j *job) {
 	j.guard.inFlight = false
 	if err := g.set(context.WithoutCancel(ctx), j, j.runs, j.guard.crashes-1); err == nil {
 		j.guard.crashes--
+		j.guard.runs = j.runs
 	}
 }
 
@@ -252,7 +259,9 @@ func (g *crashGuard) forget(j *job) {
 	var err error
 	switch {
 	case j.guard.inFlight:
-		err = g.set(ctx, j, max(j.runs-1, 0), j.guard.crashes-1)
+		// Back to what the record held before the attempt: an earlier
+		// process's crashed runs stay counted.
+		err = g.set(ctx, j, j.guard.runsBefore, j.guard.crashes-1)
 		j.guard.inFlight = false
 	case !j.guard.known:
 		_, err = g.p.pool.Exec(ctx, g.unmarkSQL, g.p.cfg.Name, j.idt.id)
