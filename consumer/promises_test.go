@@ -596,3 +596,34 @@ func TestHandlerTimeoutWithASwallowedErrorIsDeadLettered(t *testing.T) {
 	got := requireEffectsOnce(t, pool, 2)
 	assert.NotContains(t, got, "slow")
 }
+
+// A panic is a bug of the handler, retried per Config.Retry and then
+// dead-lettered with kind panic, also when the handler's connection died
+// before it (a statement of its own cut by its own deadline, whose error
+// it dropped): it was taken for the connection dying under the handler, an
+// infrastructure failure, and retried forever.
+func TestHandlerPanicAfterItsConnectionDiedIsDeadLettered(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{Streams: 1})
+	publish(b, "before", 1)
+	publish(b, "buggy", 2)
+	publish(b, "after", 3)
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		if ev.ID == "buggy" {
+			short, cancel := context.WithTimeout(ctx, 20*time.Millisecond)
+			defer cancel()
+			_, _ = tx.Exec(short, `SELECT pg_sleep(5)`) // its error dropped; pgx closed the connection
+			var p *order
+			_ = p.N // the bug
+		}
+		return insertEffect(ctx, tx, ev)
+	}
+	c, err := consumer.New(pool, b.Source(), h, fastConfig("panic-dead-conn"))
+	require.NoError(t, err)
+	start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 3 }, 15*time.Second, 5*time.Millisecond)
+	assert.Equal(t, string(consumer.KindPanic), deadLetterOf(t, b, "buggy").Headers[consumer.HeaderErrorKind])
+	got := requireEffectsOnce(t, pool, 2)
+	assert.NotContains(t, got, "buggy")
+}

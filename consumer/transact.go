@@ -338,10 +338,14 @@ func (p *pipeline) committedAfterAll(ctx context.Context, xid int64) bool {
 func (p *pipeline) classify(ctx context.Context, tx pgx.Tx, err error) (class ErrorClass) {
 	class = Classify(err)
 	var timeout *timeoutError
+	var panicked *PanicError
 	switch {
 	case errors.As(err, &timeout):
 		// The handler's own deadline, whatever it broke on its way out.
 		class = ClassRetry
+	case errors.As(err, &panicked):
+		// A bug in the handler, whatever state it left its connection
+		// in.
 	case class == ClassRetry && !errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, context.Canceled) &&
 		sqlState(err) == "" && tx.Conn().IsClosed():
 		// The connection died under the handler.
