@@ -188,7 +188,7 @@ func (c *replyLostConn) Read(b []byte) (int, error) {
 		// The server answers once the commit is durable; the answer is
 		// lost with the connection.
 		_, _ = c.Conn.Read(b)
-		_ = c.Conn.Close()
+		_ = c.Close()
 		c.lose = false
 		c.lost.Add(1)
 		return 0, io.ErrUnexpectedEOF
