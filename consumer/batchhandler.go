@@ -37,10 +37,10 @@ func NewBatch[T any](pool *pgxpool.Pool, src Source, h BatchHandler[T], cfg Conf
 		// batch of one) and its place in a batch.
 		ev := &Event[T]{ID: idt.id, Type: idt.typ, Payload: payload, Message: m, Attempt: 1}
 		return prepared{
-			call: func(ctx context.Context, tx pgx.Tx, attempt int) error {
+			call: func(ctx context.Context, tx pgx.Tx, qtx *queueTx, attempt int) error {
 				one := *ev
 				one.Attempt = attempt
-				one.queue = openQueue(tx)
+				one.queue = openQueue(qtx)
 				defer one.queue.close()
 				return h(ctx, tx, []Event[T]{one})
 			},

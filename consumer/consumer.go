@@ -78,8 +78,10 @@ func (c *Consumer[T]) Run(ctx context.Context) error { return c.p.consume(ctx) }
 // from any goroutine.
 func (c *Consumer[T]) Stats() Stats { return c.p.stats.snapshot() }
 
-// call runs a decoded message's handler in tx.
-type call func(ctx context.Context, tx pgx.Tx, attempt int) error
+// call runs a decoded message's handler in tx. q is the transaction's
+// write queue (Event.Queue), given apart from tx: a middleware may hand the
+// handler a tx of its own around q.
+type call func(ctx context.Context, tx pgx.Tx, q *queueTx, attempt int) error
 
 // prepared is a message decoded for its handler. A nil call means: record
 // the id without running a handler.
@@ -97,8 +99,8 @@ func bind[T any](h Handler[T], m *Message, idt identity, dec Decoder) (call, Err
 	if err != nil {
 		return nil, KindDecode, &DecodeError{Err: err}
 	}
-	return func(ctx context.Context, tx pgx.Tx, attempt int) error {
-		q := openQueue(tx)
+	return func(ctx context.Context, tx pgx.Tx, qtx *queueTx, attempt int) error {
+		q := openQueue(qtx)
 		defer q.close()
 		return h(ctx, tx, Event[T]{ID: idt.id, Type: idt.typ, Payload: payload, Message: m, Attempt: attempt, queue: q})
 	}, "", nil

@@ -38,8 +38,10 @@ type Hooks struct {
 	// Middleware wraps every call of a Handler (not a BatchHandler's call
 	// with a whole batch), first element outermost. A middleware calls next
 	// to run the handler (or returns an error without calling it), and runs
-	// inside the message's transaction: tx is the handler's. Its error, or
-	// its panic, is the handler's.
+	// inside the message's transaction: tx is the handler's. It may pass
+	// next a tx of its own that wraps tx (to trace or count statements);
+	// Event.Queue works in the handler all the same. Its error, or its
+	// panic, is the handler's.
 	Middleware []Middleware
 }
 

@@ -3,11 +3,14 @@ package consumer_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -114,4 +117,59 @@ func TestHooks(t *testing.T) {
 	require.GreaterOrEqual(t, len(trail), 2)
 	assert.Equal(t, []string{"outer ok", "inner ok"}, trail[:2])
 	requireEffectsOnce(t, pool, 2)
+}
+
+// countingTx is a middleware's own pgx.Tx around the consumer's: a tracing
+// or metrics wrapper, say, that counts the statements sent through it.
+type countingTx struct {
+	pgx.Tx
+	execs *atomic.Int32
+}
+
+func (c countingTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	c.execs.Add(1)
+	return c.Tx.Exec(ctx, sql, args...)
+}
+
+// A middleware may hand the handler a tx of its own that wraps the
+// consumer's. Event.Queue still works in that handler (its statements go
+// out before the wrapper's, in the event's transaction) instead of
+// panicking as if the event had not come from the consumer, which
+// dead-lettered every message as a panic.
+func TestQueueThroughAMiddlewaresWrappedTx(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{Streams: 1})
+	for i := 0; i < 20; i++ {
+		publish(b, fmt.Sprintf("e%d", i), i)
+	}
+	var execs atomic.Int32
+	cfg := fastConfig("wrapped-tx")
+	cfg.Hooks.Middleware = []consumer.Middleware{
+		func(ctx context.Context, tx pgx.Tx, _ consumer.HandlerInfo, next func(context.Context, pgx.Tx) error) error {
+			return next(ctx, countingTx{Tx: tx, execs: &execs})
+		},
+	}
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		ev.Queue(insertEffectSQL, ev.ID, ev.Payload.N)
+		// Sent through the wrapper after the queued insert: it sees it.
+		var n int
+		if _, err := tx.Exec(ctx, `SELECT 1`); err != nil {
+			return err
+		}
+		if err := tx.QueryRow(ctx, `SELECT count(*) FROM effects WHERE event_id = $1`, ev.ID).Scan(&n); err != nil {
+			return err
+		}
+		if n != 1 {
+			return consumer.Permanent(fmt.Errorf("the queued insert of %s ran %d times before the handler's read", ev.ID, n))
+		}
+		return nil
+	}
+	c, err := consumer.New(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 20 }, 20*time.Second, 5*time.Millisecond)
+	assert.Empty(t, b.DeadLetters())
+	requireEffectsOnce(t, pool, 20)
+	assert.Equal(t, int32(20), execs.Load(), "the handler's statements went through the middleware's tx")
 }

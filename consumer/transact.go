@@ -182,7 +182,8 @@ func (p *pipeline) runHandlers(ctx context.Context, tx pgx.Tx, jobs []*job, res 
 		qtx.owner = i
 		attempt := j.runs + 1
 		call := p.cfg.Hooks.wrap(j, attempt, func(ctx context.Context, tx pgx.Tx) error {
-			return j.call(ctx, tx, attempt)
+			// tx is qtx, or a middleware's own tx around it.
+			return j.call(ctx, tx, qtx, attempt)
 		})
 		err := p.callHandler(j.ctx, tx, func(hctx context.Context) error { return call(hctx, qtx) })
 		if f := qtx.failed; f != nil {
