@@ -183,9 +183,10 @@ var offsetsColumns = []column{
 }
 
 // CheckOffsets verifies that the offsets table exists with the columns it
-// needs. Check leaves it out, so that a schema managed by other tools
-// needs it only where a source keeps offsets in the database; such a
-// source runs CheckOffsets when it starts. It returns nil or an error
+// needs and a primary key or unique index on (consumer, topic, partition),
+// the conflict target of TakeOverPartitions. Check leaves it out, so that
+// a schema managed by other tools needs it only where a source keeps
+// offsets in the database; such a source runs CheckOffsets when it starts. It returns nil or an error
 // wrapping ErrSchemaMismatch that names every difference.
 func (s *Store) CheckOffsets(ctx context.Context, db DB) error {
 	have, err := tableColumns(ctx, db, s.names.Offsets)
@@ -196,7 +197,15 @@ func (s *Store) CheckOffsets(ctx context.Context, db DB) error {
 		return fmt.Errorf("%w: %s does not exist: run Store.Migrate (schema version 4), or apply dedup/migrations",
 			ErrSchemaMismatch, s.names.Offsets)
 	}
-	if diffs := columnDiffs(have, offsetsColumns); len(diffs) > 0 {
+	diffs := columnDiffs(have, offsetsColumns)
+	unique, err := hasUniqueKey(ctx, db, s.names.Offsets, "consumer", "topic", "partition")
+	if err != nil {
+		return fmt.Errorf("dedup: checking %s: %w", s.names.Offsets, err)
+	}
+	if !unique {
+		diffs = append(diffs, "no primary key or unique index on (consumer, topic, partition)")
+	}
+	if len(diffs) > 0 {
 		return fmt.Errorf("%w: %s: %v", ErrSchemaMismatch, s.names.Offsets, diffs)
 	}
 	return nil

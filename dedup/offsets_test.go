@@ -148,3 +148,28 @@ func TestCheckOffsets(t *testing.T) {
 	require.ErrorIs(t, err, dedup.ErrSchemaMismatch)
 	assert.Contains(t, err.Error(), "processed_events_offsets")
 }
+
+// An offsets table without its key on (consumer, topic, partition), made
+// by other tools, fails CheckOffsets (and so the source's start) instead
+// of every take-over, which the source would retry without end, consuming
+// nothing.
+func TestCheckOffsetsNeedsTheTakeOversKey(t *testing.T) {
+	t.Parallel()
+	ctx, pool, s := setup(t)
+	_, err := pool.Exec(ctx, `ALTER TABLE processed_events_offsets DROP CONSTRAINT processed_events_offsets_pkey`)
+	require.NoError(t, err)
+	_, err = s.TakeOverPartitions(ctx, pool, "c", dedup.Owner{Group: "g", Generation: 1},
+		[]dedup.PartitionKey{{Topic: "t", Partition: 0}})
+	require.Error(t, err, "a take-over needs the key")
+
+	err = s.CheckOffsets(ctx, pool)
+	require.ErrorIs(t, err, dedup.ErrSchemaMismatch)
+	assert.Contains(t, err.Error(), "no primary key or unique index on (consumer, topic, partition)")
+
+	// A unique index on the three columns, in any order, will do.
+	_, err = pool.Exec(ctx, `CREATE UNIQUE INDEX ON processed_events_offsets (topic, partition, consumer)`)
+	require.NoError(t, err)
+	require.NoError(t, s.CheckOffsets(ctx, pool))
+	o := takeOver(t, ctx, pool, s, "")
+	assert.Equal(t, int64(-1), o.Next)
+}

@@ -215,7 +215,7 @@ func (s *Store) checkTable(ctx context.Context, db DB, table string, want []colu
 		return fmt.Errorf("%w: %s does not exist: run Store.Migrate, or apply dedup/migrations", ErrSchemaMismatch, table)
 	}
 	diffs := columnDiffs(have, want)
-	unique, err := hasUniqueKey(ctx, db, table)
+	unique, err := hasUniqueKey(ctx, db, table, "consumer", "event_id")
 	if err != nil {
 		return fmt.Errorf("dedup: checking %s: %w", table, err)
 	}
@@ -286,16 +286,17 @@ func columnDiffs(have map[string]tableColumn, want []column) []string {
 }
 
 // hasUniqueKey reports whether table has a primary key or a unique index,
-// without a predicate, on exactly (consumer, event_id): the claim's
-// ON CONFLICT relies on it.
-func hasUniqueKey(ctx context.Context, db DB, table string) (bool, error) {
+// without a predicate, on exactly key (in any order): the ON CONFLICT of
+// the statements that write the table relies on it.
+func hasUniqueKey(ctx context.Context, db DB, table string, key ...string) (bool, error) {
+	key = slices.Sorted(slices.Values(key))
 	var ok bool
 	err := db.QueryRow(ctx, `SELECT EXISTS (
 	SELECT 1 FROM pg_index i
 	WHERE i.indrelid = to_regclass($1) AND i.indisunique AND i.indpred IS NULL AND i.indexprs IS NULL
 	  AND (SELECT array_agg(a.attname::text ORDER BY a.attname)
 	       FROM unnest(i.indkey::int2[]) AS k(attnum)
-	       JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum) = ARRAY['consumer', 'event_id'])`,
-		table).Scan(&ok)
+	       JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum) = $2::text[])`,
+		table, key).Scan(&ok)
 	return ok, err
 }
