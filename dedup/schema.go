@@ -222,6 +222,13 @@ func (s *Store) checkTable(ctx context.Context, db DB, table string, want []colu
 	if !unique {
 		diffs = append(diffs, "no primary key or unique index on (consumer, event_id)")
 	}
+	merging, err := mergingKeys(ctx, db, table, want)
+	if err != nil {
+		return fmt.Errorf("dedup: checking %s: %w", table, err)
+	}
+	for _, name := range merging {
+		diffs = append(diffs, fmt.Sprintf("unique index %s takes distinct (consumer, event_id) for one: its key needs both columns, each under a deterministic collation", name))
+	}
 	if len(diffs) == 0 {
 		return nil
 	}
@@ -299,4 +306,43 @@ func hasUniqueKey(ctx context.Context, db DB, table string, key ...string) (bool
 	       JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum) = $2::text[])`,
 		table, key).Scan(&ok)
 	return ok, err
+}
+
+// mergingKeys names the unique indexes of table that can take two claims
+// of distinct (consumer, event_id) for one: every unique index is an
+// arbiter of the claims' ON CONFLICT, and a claim that conflicts on such
+// an index reports a duplicate for an id never claimed, or finds no row to
+// compare with on every try. Those are the indexes whose key holds
+// consumer or event_id under a nondeterministic collation (one that
+// compares ids case-insensitively, say), and those that lack consumer or
+// event_id as columns of their key while every column they read is one the
+// store writes (want): an index that reads a column of the user's own (a
+// serial id) is left alone.
+func mergingKeys(ctx context.Context, db DB, table string, want []column) ([]string, error) {
+	written := make([]string, len(want))
+	for i, c := range want {
+		written[i] = c.name
+	}
+	rows, err := db.Query(ctx, `SELECT ic.relname::text
+FROM pg_index i JOIN pg_class ic ON ic.oid = i.indexrelid,
+LATERAL (
+	SELECT count(DISTINCT a.attname) FILTER (WHERE a.attname IN ('consumer', 'event_id')) AS key_cols,
+	       bool_or(a.attname IN ('consumer', 'event_id') AND NOT coalesce(c.collisdeterministic, true)) AS folds,
+	       coalesce(bool_and(a.attname = ANY($2::text[])), true) AS written
+	FROM unnest(i.indkey::int2[], i.indcollation::oid[]) WITH ORDINALITY AS k(attnum, coll, ord)
+	JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
+	LEFT JOIN pg_collation c ON c.oid = k.coll
+	WHERE k.ord <= i.indnkeyatts
+) k
+WHERE i.indrelid = to_regclass($1) AND i.indisunique
+  AND (k.folds OR (k.key_cols < 2 AND k.written AND NOT EXISTS (
+	-- the columns its expressions and predicate read
+	SELECT 1 FROM pg_depend d JOIN pg_attribute a ON a.attrelid = d.refobjid AND a.attnum = d.refobjsubid
+	WHERE d.classid = 'pg_class'::regclass AND d.objid = i.indexrelid AND d.refobjid = i.indrelid
+	  AND d.refobjsubid > 0 AND a.attname <> ALL($2::text[]))))
+ORDER BY 1`, table, written)
+	if err != nil {
+		return nil, err
+	}
+	return pgx.CollectRows(rows, pgx.RowTo[string])
 }

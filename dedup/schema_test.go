@@ -350,3 +350,79 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA `+sch+` TO `+role)
 	require.NoError(t, s.Check(ctx, conn))
 	assert.Equal(t, dedup.Claimed, claimTx(t, ctx, pool, s, dedup.Claim{Consumer: "c", EventID: "1"}).Outcome)
 }
+
+// A unique index is the arbiter of every claim's ON CONFLICT: one that
+// takes two distinct ids (or the same id of two consumers) for one would
+// report an id never committed as a duplicate, or fail its claim on every
+// try. Check refuses such a table, made by other tools, before any claim.
+func TestCheckRefusesAKeyThatTakesDistinctIDsForOne(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name, ddl, table, diff string
+	}{{
+		name:  "case-insensitive event_id",
+		ddl:   `ALTER TABLE processed_events ALTER COLUMN event_id TYPE text COLLATE ci`,
+		table: `"processed_events"`,
+		diff:  `unique index processed_events_pkey`,
+	}, {
+		name:  "case-insensitive unique index",
+		ddl:   `CREATE UNIQUE INDEX events_ci ON processed_events (consumer, event_id COLLATE ci)`,
+		table: `"processed_events"`,
+		diff:  `unique index events_ci`,
+	}, {
+		name:  "unique event_id across consumers",
+		ddl:   `CREATE UNIQUE INDEX events_any_consumer ON processed_events (event_id)`,
+		table: `"processed_events"`,
+		diff:  `unique index events_any_consumer`,
+	}, {
+		name:  "unique lower(event_id)",
+		ddl:   `CREATE UNIQUE INDEX events_lower ON processed_events (consumer, lower(event_id))`,
+		table: `"processed_events"`,
+		diff:  `unique index events_lower`,
+	}, {
+		name:  "case-insensitive attempts",
+		ddl:   `ALTER TABLE processed_events_attempts ALTER COLUMN event_id TYPE text COLLATE ci`,
+		table: `"processed_events_attempts"`,
+		diff:  `unique index processed_events_attempts_pkey`,
+	}} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			ctx, pool, s := setup(t)
+			_, err := pool.Exec(ctx, `CREATE COLLATION ci (provider = icu, locale = 'und-u-ks-level2', deterministic = false)`)
+			if err != nil {
+				t.Skipf("no ICU collations on this server: %v", err)
+			}
+			_, err = pool.Exec(ctx, tc.ddl)
+			require.NoError(t, err)
+
+			for what, err := range map[string]error{"Check": s.Check(ctx, pool), "Migrate": s.Migrate(ctx, pool)} {
+				require.ErrorIs(t, err, dedup.ErrSchemaMismatch, what)
+				assert.Contains(t, err.Error(), tc.table, what)
+				assert.Contains(t, err.Error(), tc.diff, what)
+			}
+		})
+	}
+
+	// Unique indexes that read a column the store does not write cannot
+	// take two claims for one.
+	ctx, pool, s := setup(t)
+	_, err := pool.Exec(ctx, `ALTER TABLE processed_events ADD COLUMN id bigserial;
+CREATE UNIQUE INDEX events_id ON processed_events (id);
+CREATE UNIQUE INDEX events_id_lower ON processed_events (lower(event_id), id);
+CREATE UNIQUE INDEX events_tenant ON processed_events (consumer, event_id, source)`)
+	require.NoError(t, err)
+	require.NoError(t, s.Check(ctx, pool))
+
+	// What such a key does: an id never committed is a duplicate.
+	ctx, pool, s = setup(t)
+	_, err = pool.Exec(ctx, `CREATE COLLATION ci (provider = icu, locale = 'und-u-ks-level2', deterministic = false)`)
+	if err != nil {
+		t.Skipf("no ICU collations on this server: %v", err)
+	}
+	_, err = pool.Exec(ctx, `ALTER TABLE processed_events ALTER COLUMN event_id TYPE text COLLATE ci`)
+	require.NoError(t, err)
+	require.Equal(t, dedup.Claimed, claimTx(t, ctx, pool, s, dedup.Claim{Consumer: "c", EventID: "Evt-1"}).Outcome)
+	require.Equal(t, dedup.Duplicate, claimTx(t, ctx, pool, s, dedup.Claim{Consumer: "c", EventID: "evt-1"}).Outcome,
+		"evt-1 was never claimed")
+	require.Error(t, s.Check(ctx, pool))
+}
