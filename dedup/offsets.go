@@ -78,11 +78,17 @@ func (s *Store) TakeOverPartitions(ctx context.Context, db DB, consumer string, 
 	if err != nil {
 		return nil, fmt.Errorf("dedup: taking partitions over: %w", err)
 	}
-	got := map[PartitionKey]PartitionOffsets{}
+	// By topic and partition: the row keeps its topic id where the part's
+	// is unknown.
+	type topicPartition struct {
+		topic     string
+		partition int32
+	}
+	got := map[topicPartition]PartitionOffsets{}
 	var o PartitionOffsets
-	_, err = pgx.ForEachRow(rows, []any{&o.Topic, &o.Partition, &o.TopicID, &o.Next, &o.Done, &o.Epoch}, func() error {
+	_, err = pgx.ForEachRow(rows, []any{&o.Topic, &o.Partition, &o.Next, &o.Done, &o.Epoch}, func() error {
 		o.Done = slices.Clone(o.Done)
-		got[o.PartitionKey] = o
+		got[topicPartition{o.Topic, o.Partition}] = o
 		return nil
 	})
 	if err != nil {
@@ -90,14 +96,21 @@ func (s *Store) TakeOverPartitions(ctx context.Context, db DB, consumer string, 
 	}
 	out := make([]PartitionOffsets, len(parts))
 	for i, p := range parts {
-		r, ok := got[p]
+		r, ok := got[topicPartition{p.Topic, p.Partition}]
 		if !ok {
 			return nil, fmt.Errorf("dedup: taking partitions over: no row returned for %s/%d", p.Topic, p.Partition)
 		}
+		r.PartitionKey = p
 		out[i] = r
 	}
 	return out, nil
 }
+
+// anotherTopic is true in takeOverSQL when the row was recorded for
+// another topic of the same name: both ids are known and differ. An
+// unknown id ("": a cluster, or a Sarama.Version, without topic ids) says
+// nothing of the topic: the row's progress is kept, and its known id too.
+const anotherTopic = `o.topic_id <> '' AND excluded.topic_id <> '' AND o.topic_id <> excluded.topic_id`
 
 // takeOverSQL inserts or raises the rows in the order of the primary key,
 // so that two owners taking overlapping partitions cannot deadlock.
@@ -107,13 +120,13 @@ SELECT $1, t, p, id, $5, $6 FROM unnest($2::text[], $3::integer[], $4::text[]) A
 ORDER BY t COLLATE "C", p
 ON CONFLICT (consumer, topic, partition) DO UPDATE SET
 	epoch = o.epoch + 1,
-	next_offset = CASE WHEN o.topic_id <> excluded.topic_id THEN -1 ELSE o.next_offset END,
-	done = CASE WHEN o.topic_id <> excluded.topic_id THEN '{}' ELSE o.done END,
-	topic_id = excluded.topic_id,
+	next_offset = CASE WHEN ` + anotherTopic + ` THEN -1 ELSE o.next_offset END,
+	done = CASE WHEN ` + anotherTopic + ` THEN '{}' ELSE o.done END,
+	topic_id = CASE WHEN excluded.topic_id = '' THEN o.topic_id ELSE excluded.topic_id END,
 	kafka_group = excluded.kafka_group,
 	generation = excluded.generation,
 	updated_at = now()
-RETURNING topic, partition, topic_id, next_offset, done, epoch`
+RETURNING topic, partition, next_offset, done, epoch`
 }
 
 // OffsetsUpdate is the progress of one partition that RecordOffsets

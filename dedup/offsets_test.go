@@ -137,6 +137,27 @@ func TestTakeOverForgetsAnotherTopicsOffsets(t *testing.T) {
 	assert.Empty(t, o.Done)
 }
 
+// A topic id unknown on one side (a cluster, or a Sarama.Version, without
+// topic ids; one that gains them by an upgrade) says nothing of the topic:
+// the take-over keeps the row's progress, so that the records below it,
+// those without ids above all, are not handled again.
+func TestTakeOverKeepsOffsetsWhenATopicIDIsUnknown(t *testing.T) {
+	t.Parallel()
+	ctx, pool, s := setup(t)
+	o := takeOver(t, ctx, pool, s, "")
+	require.NoError(t, recordTx(t, ctx, pool, s, dedup.OffsetsUpdate{Topic: "t", Epoch: o.Epoch, DoneBelow: 50, Done: []int64{52}}))
+	o = takeOver(t, ctx, pool, s, "id-1")
+	assert.Equal(t, int64(50), o.Next, "ids known from now on")
+	assert.Equal(t, []int64{52}, o.Done)
+	assert.Equal(t, "id-1", o.TopicID)
+	o = takeOver(t, ctx, pool, s, "")
+	assert.Equal(t, int64(50), o.Next, "ids unknown again")
+	assert.Equal(t, "", o.TopicID, "the part's own")
+	o = takeOver(t, ctx, pool, s, "id-2")
+	assert.Equal(t, int64(-1), o.Next, "the row kept id-1: id-2 is another topic")
+	assert.Empty(t, o.Done)
+}
+
 // CheckOffsets names a missing offsets table.
 func TestCheckOffsets(t *testing.T) {
 	t.Parallel()
