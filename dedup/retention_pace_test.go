@@ -94,3 +94,24 @@ func TestDutyCycleOutOfRangeIsRefused(t *testing.T) {
 	}
 	assert.Equal(t, 1, rowCount(t, ctx, pool, `SELECT count(*) FROM processed_events`), "nothing was deleted")
 }
+
+// A duty cycle so small that the pause after a statement exceeds what a
+// time.Duration holds still pauses (until ctx ends), rather than wrapping
+// round to a negative pause and sweeping at full speed.
+func TestTinyDutyCyclePausesTheSweep(t *testing.T) {
+	t.Parallel()
+	ctx, pool, s := setup(t)
+	for i := range 10 {
+		claimTx(t, ctx, pool, s, dedup.Claim{Consumer: "billing", EventID: fmt.Sprintf("evt-%d", i)})
+	}
+	_, err := pool.Exec(ctx, `UPDATE processed_events SET processed_at = now() - interval '2 days'`)
+	require.NoError(t, err)
+
+	sweep, cancel := context.WithTimeout(ctx, 500*time.Millisecond)
+	defer cancel()
+	log := &statementLog{Pool: pool}
+	n, err := s.DeleteOlderThan(sweep, log, "billing", time.Now().Add(-time.Hour), 3, dedup.DutyCycle(1e-15))
+	require.ErrorIs(t, err, context.DeadlineExceeded, "the sweep paused after its first statement")
+	assert.Equal(t, int64(3), n)
+	assert.Len(t, log.spans, 1)
+}

@@ -6,6 +6,7 @@ import (
 	"database/sql/driver"
 	"errors"
 	"fmt"
+	"math"
 	"regexp"
 	"time"
 
@@ -666,7 +667,13 @@ func pauseAfter(took time.Duration, share float64) time.Duration {
 	if share >= 1 {
 		return 0
 	}
-	return time.Duration(float64(took) * (1 - share) / share)
+	wait := float64(took) * (1 - share) / share
+	if wait >= math.MaxInt64 {
+		// Past what a Duration holds (a share of 1e-10 after a 1 s
+		// statement): the conversion would wrap round to no pause at all.
+		return math.MaxInt64
+	}
+	return time.Duration(wait)
 }
 
 // pace waits pauseAfter(took, share), or until ctx ends.
