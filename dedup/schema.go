@@ -86,7 +86,12 @@ func (s *Store) newSeries(schema, table string, migs []migrate.Migration) *migra
 		Schema:     schema,
 		Migrations: migs,
 		Adopt:      s.adopt,
-		Verify:     func(ctx context.Context, tx pgx.Tx) error { return s.Check(ctx, tx) },
+		// The offsets table too: version 4 created it, or found a table
+		// of that name, maybe another store's, which going down from
+		// version 4 would drop.
+		Verify: func(ctx context.Context, tx pgx.Tx) error {
+			return errors.Join(s.Check(ctx, tx), s.CheckOffsets(ctx, tx))
+		},
 	}
 }
 
@@ -132,7 +137,7 @@ func (s *Store) SchemaSQL() string {
 // runs the migrations from the version the database records (tables made
 // before versions were recorded are recognised as version 1), records each
 // version in the once_schema_versions table of the store's schema, then
-// checks the tables' shape (see Check). Everything runs in one transaction
+// checks the tables' shape (see Check and CheckOffsets). Everything runs in one transaction
 // under an advisory lock: it is idempotent and safe to call from many
 // processes at once, and on an error nothing has changed.
 //

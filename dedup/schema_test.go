@@ -426,3 +426,29 @@ CREATE UNIQUE INDEX events_tenant ON processed_events (consumer, event_id, sourc
 		"evt-1 was never claimed")
 	require.Error(t, s.Check(ctx, pool))
 }
+
+// A store whose offsets table is another store's processed-events table
+// ("billing" beside "billing_offsets") is refused by Migrate: its version
+// 4 would otherwise skip creating the table, and going back down from it
+// would drop the other store's rows with the table.
+func TestMigrateRefusesAnOffsetsTableOfAnotherShape(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	pool, _ := pgtest.Schema(t)
+	other, err := dedup.New(dedup.Config{Table: "billing_offsets"})
+	require.NoError(t, err)
+	require.NoError(t, other.Migrate(ctx, pool))
+	c := dedup.Claim{Consumer: "c", EventID: "evt-1"}
+	require.Equal(t, dedup.Claimed, claimTx(t, ctx, pool, other, c).Outcome)
+
+	s, err := dedup.New(dedup.Config{Table: "billing"})
+	require.NoError(t, err)
+	err = s.Migrate(ctx, pool)
+	require.ErrorIs(t, err, dedup.ErrSchemaMismatch)
+	assert.Contains(t, err.Error(), `"billing_offsets"`)
+	v, err := s.Version(ctx, pool)
+	require.NoError(t, err)
+	assert.Zero(t, v, "nothing migrated")
+
+	assert.Equal(t, dedup.Duplicate, claimTx(t, ctx, pool, other, c).Outcome, "the other store's rows are kept")
+}
