@@ -100,7 +100,7 @@ func (r *Relay) relayBatch(ctx context.Context, conn *pgx.Conn, batch []Record, 
 	defer cancel()
 	var prevErr, aheadErr error
 	if len(batch) == r.cfg.BatchSize {
-		ahead, prevErr, aheadErr = r.settleAndFetch(ctx, sctx, conn, deferred, batch)
+		ahead, prevErr, aheadErr = r.settleAndFetch(sctx, conn, deferred, batch)
 	} else {
 		prevErr = r.settleDeferred(sctx, conn, deferred)
 	}
@@ -136,10 +136,16 @@ func (r *Relay) relayBatch(ctx context.Context, conn *pgx.Conn, batch []Record, 
 // and settleErr says so (the settled rows are then published again, under
 // their ids). fetchErr is the read's error when there was nothing to
 // settle.
-func (r *Relay) settleAndFetch(ctx, settleCtx context.Context, conn *pgx.Conn, deferred *settlement, inflight []Record) (
+//
+// Both run under settleCtx, not the relay's context: pgx closes a
+// connection whose statement is cancelled, and the batch in flight is
+// settled on this connection once the broker answered, also when the relay
+// is stopping; a read cut short by the stop would leave the rows the
+// broker confirmed to be published again.
+func (r *Relay) settleAndFetch(settleCtx context.Context, conn *pgx.Conn, deferred *settlement, inflight []Record) (
 	next []Record, settleErr, fetchErr error) {
 	if len(deferred.sent) == 0 && len(deferred.rejects) == 0 {
-		next, fetchErr = r.fetch(ctx, conn, inflight)
+		next, fetchErr = r.fetch(settleCtx, conn, inflight)
 		return next, nil, fetchErr
 	}
 	d := *deferred
@@ -151,8 +157,8 @@ func (r *Relay) settleAndFetch(ctx, settleCtx context.Context, conn *pgx.Conn, d
 		next, err = pgx.CollectRows(rows, scanRecord)
 		return err
 	})
-	// Under settleCtx, not ctx: a stopping relay still writes what the
-	// broker confirmed (within the bound settleCtx sets).
+	// A stopping relay still writes what the broker confirmed (within the
+	// bound settleCtx sets).
 	if err := conn.SendBatch(settleCtx, &b).Close(); err != nil {
 		return nil, fmt.Errorf("settle published rows and read the next: %w", err), nil
 	}

@@ -288,3 +288,80 @@ func TestRelayStoppedMidPublishDeletesWhatTheBrokerConfirmed(t *testing.T) {
 		assert.Zero(t, rows(t, pool, "true"), "every row the broker confirmed is deleted")
 	})
 }
+
+// lockOnCheck takes an ACCESS EXCLUSIVE lock on the outbox table when the
+// relay checks the first record of its first batch: the read of the next
+// batch, which the relay sends while the broker works on this one, then
+// waits for the lock.
+type lockOnCheck struct {
+	outbox.Publisher
+	pool   *pgxpool.Pool
+	once   sync.Once
+	tx     pgx.Tx
+	err    error
+	locked chan struct{}
+	done   atomic.Int64
+}
+
+func (p *lockOnCheck) Check(rec outbox.Record) error {
+	p.once.Do(func() {
+		defer close(p.locked)
+		if p.tx, p.err = p.pool.Begin(context.Background()); p.err == nil {
+			_, p.err = p.tx.Exec(context.Background(), `LOCK TABLE outbox IN ACCESS EXCLUSIVE MODE`)
+		}
+	})
+	return p.Publisher.(outbox.Checker).Check(rec)
+}
+
+func (p *lockOnCheck) Publish(ctx context.Context, recs []outbox.Record) []error {
+	errs := p.Publisher.Publish(ctx, recs)
+	p.done.Add(1)
+	return errs
+}
+
+// A relay stopped while it reads the next batch ahead (a full batch in
+// flight) still deletes the rows of the batch the broker confirmed: the
+// stop does not cut the read short, which would close the relay's
+// connection and leave the confirmed rows to be published again.
+func TestRelayStoppedWhileReadingAheadDeletesWhatTheBrokerConfirmed(t *testing.T) {
+	k := newKafka(t)
+	pool, _ := migrated(t)
+	d := k.destination(t)
+	const batch = 5
+	var msgs []outbox.Message
+	for i := range batch + 3 {
+		msgs = append(msgs, d.msg(fmt.Sprintf("k%d", i%2), fmt.Sprintf("m%02d", i)))
+	}
+	addCommitted(t, pool, msgs...)
+
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	pub := &lockOnCheck{Publisher: k.publisher(t), pool: pool, locked: make(chan struct{})}
+	r, err := outbox.NewRelay(pool, pub, outbox.RelayConfig{BatchSize: batch, Logger: testLogger()})
+	require.NoError(t, err)
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+
+	<-pub.locked
+	require.NoError(t, pub.err)
+	defer func() { _ = pub.tx.Rollback(context.Background()) }()
+	// The read ahead waits for the lock, and the broker confirmed the batch.
+	require.Eventually(t, func() bool {
+		var waiting int
+		err := pool.QueryRow(context.Background(),
+			`SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = 'outbox'::regclass`).Scan(&waiting)
+		return err == nil && waiting == 1 && pub.done.Load() == 1
+	}, 20*time.Second, 10*time.Millisecond)
+	cancel()
+	require.NoError(t, pub.tx.Rollback(context.Background()))
+	select {
+	case err := <-done:
+		require.NoError(t, err)
+	case <-time.After(30 * time.Second):
+		t.Fatal("the relay did not stop")
+	}
+
+	assert.Equal(t, 3, rows(t, pool, "true"), "the confirmed batch is deleted, the rows read ahead are kept")
+	got := d.read(t, batch)
+	assert.Len(t, got, batch, "the broker has the batch once")
+}
