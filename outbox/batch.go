@@ -443,10 +443,16 @@ func (r *Relay) logRejections(rows pgx.Rows, rejects []rejection) error {
 // cleanupChunk bounds the rows one cleanup statement deletes.
 const cleanupChunk = 1000
 
-// cleanup deletes rows sent more than KeepSent ago, a chunk at a time.
+// cleanup deletes rows sent more than KeepSent ago, a chunk at a time,
+// until ctx is done. A chunk runs to its end (within a bound) even when ctx
+// is cancelled meanwhile: pgx closes a connection whose statement is
+// cancelled, and the relay's connection may still have a settlement to
+// write, that of a batch the broker confirmed (deferred to the next read).
 func (r *Relay) cleanup(ctx context.Context, conn *pgx.Conn) error {
 	for ctx.Err() == nil {
-		tag, err := conn.Exec(ctx, r.sql.cleanup, r.cfg.KeepSent.Milliseconds(), cleanupChunk)
+		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+		tag, err := conn.Exec(cctx, r.sql.cleanup, r.cfg.KeepSent.Milliseconds(), cleanupChunk)
+		cancel()
 		if err != nil {
 			return err
 		}

@@ -365,3 +365,94 @@ func TestRelayStoppedWhileReadingAheadDeletesWhatTheBrokerConfirmed(t *testing.T
 	got := d.read(t, batch)
 	assert.Len(t, got, batch, "the broker has the batch once")
 }
+
+// lockAfterReadAhead takes an ACCESS EXCLUSIVE lock on the outbox table
+// once the relay has read the next batch ahead of its first one, before
+// the broker's answer to the first is handed back: the relay's next
+// statement on the table waits for the lock.
+type lockAfterReadAhead struct {
+	outbox.Publisher
+	pool    *pgxpool.Pool
+	checked time.Time // the database's clock at the first Check
+	tx      pgx.Tx
+	err     error
+	locked  chan struct{}
+	calls   atomic.Int64
+}
+
+func (p *lockAfterReadAhead) Check(rec outbox.Record) error {
+	if p.checked.IsZero() {
+		p.err = p.pool.QueryRow(context.Background(), `SELECT clock_timestamp()`).Scan(&p.checked)
+	}
+	return p.Publisher.(outbox.Checker).Check(rec)
+}
+
+func (p *lockAfterReadAhead) Publish(ctx context.Context, recs []outbox.Record) []error {
+	errs := p.Publisher.Publish(ctx, recs)
+	if p.calls.Add(1) > 1 || p.err != nil {
+		return errs
+	}
+	defer close(p.locked)
+	bg := context.Background()
+	for p.err == nil {
+		var n int
+		p.err = p.pool.QueryRow(bg, `SELECT count(*) FROM pg_stat_activity WHERE pid <> pg_backend_pid()
+	AND state = 'idle' AND query LIKE 'SELECT o.seq%' AND query_start > $1`, p.checked).Scan(&n)
+		if n == 1 {
+			break
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	if p.err == nil {
+		if p.tx, p.err = p.pool.Begin(bg); p.err == nil {
+			_, p.err = p.tx.Exec(bg, `LOCK TABLE outbox IN ACCESS EXCLUSIVE MODE`)
+		}
+	}
+	return errs
+}
+
+// With KeepSent, a relay stopped while it removes rows kept past the
+// window still marks the batch the broker confirmed, whose mark was left
+// to go out with the next read: the stop does not cut the removal short,
+// which would close the relay's connection first.
+func TestRelayStoppedDuringCleanupMarksWhatTheBrokerConfirmed(t *testing.T) {
+	k := newKafka(t)
+	pool, _ := migrated(t)
+	d := k.destination(t)
+	const batch = 5
+	var msgs []outbox.Message
+	for i := range batch + 3 {
+		msgs = append(msgs, d.msg(fmt.Sprintf("k%d", i%2), fmt.Sprintf("m%02d", i)))
+	}
+	addCommitted(t, pool, msgs...)
+
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	pub := &lockAfterReadAhead{Publisher: k.publisher(t), pool: pool, locked: make(chan struct{})}
+	r, err := outbox.NewRelay(pool, pub, outbox.RelayConfig{BatchSize: batch, KeepSent: time.Hour, Logger: testLogger()})
+	require.NoError(t, err)
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+
+	<-pub.locked
+	require.NoError(t, pub.err)
+	defer func() { _ = pub.tx.Rollback(context.Background()) }()
+	// The removal of rows kept past the window waits for the lock.
+	require.Eventually(t, func() bool {
+		var waiting int
+		err := pool.QueryRow(context.Background(),
+			`SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = 'outbox'::regclass`).Scan(&waiting)
+		return err == nil && waiting == 1
+	}, 20*time.Second, 10*time.Millisecond)
+	cancel()
+	require.NoError(t, pub.tx.Rollback(context.Background()))
+	select {
+	case err := <-done:
+		require.NoError(t, err)
+	case <-time.After(30 * time.Second):
+		t.Fatal("the relay did not stop")
+	}
+
+	assert.Equal(t, batch, rows(t, pool, "sent_at IS NOT NULL"), "the confirmed batch is marked sent")
+	assert.Equal(t, 3, rows(t, pool, "sent_at IS NULL"), "the rows read ahead wait for the next leader")
+}
