@@ -198,6 +198,7 @@ var diagnosticHeaders = map[string]bool{
 	consumer.HeaderErrorKind:           true,
 	consumer.HeaderErrorMessage:        true,
 	consumer.HeaderErrorStack:          true,
+	consumer.HeaderErrorSQLState:       true,
 	consumer.HeaderFailedAt:            true,
 	consumer.HeaderFingerprint:         true,
 	consumer.HeaderOriginalFingerprint: true,

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/IBM/sarama"
+	amqp091 "github.com/rabbitmq/amqp091-go"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -92,6 +93,42 @@ func TestKafkaRedriveHeaders(t *testing.T) {
 		{consumer.HeaderRedriveEventID, "e-1"}, {consumer.HeaderRedriveCount, "3"},
 		{consumer.HeaderRedrivenAt, "2026-11-25T10:00:00Z"}, {consumer.HeaderRedrivenBy, "alice"},
 	}, got)
+}
+
+// A redrive carries back none of the diagnostic headers a dead-lettering
+// writes, whatever their kind (the SQLSTATE of a database error among
+// them): a redriven record that fails again for another reason must not
+// be dead-lettered with the diagnostics of its earlier failure.
+func TestRedriveDropsEveryDiagnosticHeader(t *testing.T) {
+	dl := &consumer.DeadLetter{Kind: consumer.KindHandler, Error: "duplicate key", Stack: "goroutine 1", Consumer: "billing",
+		EventID: "e-1", EventType: "order.paid", Attempts: 3, FailedAt: time.Date(2026, 11, 25, 10, 0, 0, 0, time.UTC),
+		Extra: map[string]string{consumer.HeaderErrorSQLState: "23505", consumer.HeaderFingerprint: "ab",
+			consumer.HeaderOriginalFingerprint: "cd", consumer.HeaderOriginalProcessedAt: "2026-11-25T09:00:00Z"}}
+	diag := dl.Headers(&consumer.Message{Topic: "orders", Partition: 2, Offset: 7, Timestamp: time.Now()})
+	delete(diag, consumer.HeaderTraceParent) // the original's trace context, not a diagnostic of the failure
+	r := rec("id", "e-1", "x-trace", "t")
+	for k, v := range diag {
+		r.Headers = append(r.Headers, Header{k, v})
+	}
+	r.raw = toSarama(r.Headers)
+	redrive := redriveHeaders(r, time.Now(), "")
+
+	kept := map[string]bool{}
+	for _, h := range kafkaRedrive(r, redrive).Headers {
+		kept[string(h.Key)] = true
+	}
+	d := &amqp091.Delivery{Headers: amqp091.Table{"id": "e-1"}}
+	for k, v := range diag {
+		d.Headers[k] = v
+	}
+	for k := range amqpRedrive(d, redrive).Headers {
+		kept["amqp "+k] = true
+	}
+	for k := range diag {
+		assert.False(t, kept[k], "kafka redrive carries %s back", k)
+		assert.False(t, kept["amqp "+k], "amqp redrive carries %s back", k)
+	}
+	assert.True(t, kept["id"] && kept["amqp id"], "the original headers are kept")
 }
 
 func TestPacer(t *testing.T) {
