@@ -373,6 +373,72 @@ func TestUIServesTheConsole(t *testing.T) {
 	assert.Contains(t, errOut, "-database-url")
 }
 
+// A console bound to a loopback address answers only requests addressed
+// to a loopback name: a page of another site whose name the attacker
+// re-points at 127.0.0.1 (DNS rebinding) is same-origin for the browser,
+// passes the cross-origin check, and would read dead letters and replay
+// them.
+func TestUIOnLoopbackRefusesOtherHostNames(t *testing.T) {
+	env, svc, topic := kafkaDLQ(t)
+	pr, pw := io.Pipe()
+	a := newApp(pw, io.Discard, func(k string) string { return env[k] })
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan int, 1)
+	go func() {
+		done <- a.run(ctx, []string{"ui", "-addr", "127.0.0.1:0", "-allow-replay", "-dlq", topic + ".dlq"})
+		pw.Close()
+	}()
+	line, err := bufio.NewReader(pr).ReadString('\n')
+	require.NoError(t, err)
+	go func() { _, _ = io.Copy(io.Discard, pr) }()
+	base := strings.Fields(strings.TrimPrefix(line, "once console on "))[0]
+	_, port, _ := strings.Cut(strings.TrimPrefix(strings.TrimSuffix(base, "/"), "http://"), ":")
+
+	do := func(method, host, path, body string) (int, string) {
+		req, err := http.NewRequest(method, base+strings.TrimPrefix(path, "/"), strings.NewReader(body))
+		require.NoError(t, err)
+		req.Host = host
+		if method == http.MethodPost {
+			req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+			req.Header.Set("Origin", "http://"+host)
+			req.Header.Set("Sec-Fetch-Site", "same-origin")
+		}
+		resp, err := http.DefaultClient.Do(req)
+		require.NoError(t, err)
+		defer resp.Body.Close()
+		b, err := io.ReadAll(resp.Body)
+		require.NoError(t, err)
+		return resp.StatusCode, string(b)
+	}
+	for _, host := range []string{"127.0.0.1:" + port, "localhost:" + port, "[::1]:" + port} {
+		code, body := do(http.MethodGet, host, "/record?q=0&ref=0:0", "")
+		assert.Equal(t, http.StatusOK, code, host)
+		assert.Contains(t, body, "fail-1", host)
+	}
+	evil := "rebound.attacker.example:" + port
+	code, body := do(http.MethodGet, evil, "/record?q=0&ref=0:0", "")
+	assert.Equal(t, http.StatusForbidden, code, "a dead letter read through another host name")
+	assert.NotContains(t, body, "fail-1")
+	code, _ = do(http.MethodPost, evil, "/replay", "q=0&ref=0:0&confirm=yes")
+	assert.Equal(t, http.StatusForbidden, code, "a replay posted through another host name")
+	client, err := sarama.NewClient(strings.Split(env["ONCE_KAFKA_BROKERS"], ","), testenv.Sarama())
+	require.NoError(t, err)
+	defer client.Close()
+	hwm, err := client.GetOffset(topic, 0, sarama.OffsetNewest)
+	require.NoError(t, err)
+	assert.EqualValues(t, 5, hwm, "nothing was replayed to %s", topic)
+	assert.Equal(t, uint64(5), svc.C.Stats().Received)
+
+	cancel()
+	select {
+	case code := <-done:
+		assert.Equal(t, exitOK, code)
+	case <-time.After(15 * time.Second):
+		t.Fatal("once ui did not stop")
+	}
+}
+
 // Header text with control characters is quoted, so a dead letter cannot
 // send escape sequences to the operator's terminal.
 func TestTextOutputQuotesControlCharacters(t *testing.T) {

@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"strings"
 	"time"
 
 	"github.com/onceco/once/cmd/once/console"
@@ -19,7 +20,9 @@ and kind with search, one record's headers and payload, and, with
 -allow-replay, replays of one record or a selection after a confirmation
 page. Read-only without -allow-replay. It binds to 127.0.0.1 by default and
 has no login: put it behind your own access control before binding it
-elsewhere.`
+elsewhere. On a loopback address it answers only to requests addressed to
+localhost or a loopback IP, so that another site cannot reach it through a
+name it re-points at 127.0.0.1 (DNS rebinding).`
 
 func (a *app) ui(ctx context.Context, args []string) error {
 	fs, helpOnly := a.flags(ctx, "ui")
@@ -66,7 +69,11 @@ func (a *app) ui(ctx context.Context, args []string) error {
 		mode = "replays allowed"
 	}
 	fmt.Fprintf(a.stdout, "once console on http://%s/ (%s)\n", ln.Addr(), mode)
-	srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
+	var handler http.Handler = h
+	if isLoopback(ln.Addr()) {
+		handler = loopbackHostsOnly(h)
+	}
+	srv := &http.Server{Handler: handler, ReadHeaderTimeout: 10 * time.Second}
 	done := make(chan error, 1)
 	go func() { done <- srv.Serve(ln) }()
 	select {
@@ -83,4 +90,32 @@ func (a *app) ui(ctx context.Context, args []string) error {
 		}
 		return nil
 	}
+}
+
+// isLoopback reports whether addr is a loopback TCP address.
+func isLoopback(addr net.Addr) bool {
+	ta, ok := addr.(*net.TCPAddr)
+	return ok && ta.IP.IsLoopback()
+}
+
+// loopbackHostsOnly refuses requests addressed to any host name but a
+// loopback one. A console on a loopback address has no login: a page of
+// another site whose name is re-pointed at 127.0.0.1 (DNS rebinding) is
+// same-origin for the browser, so the cross-origin check lets its replays
+// through, and it can read every page. Its requests carry its own name.
+func loopbackHostsOnly(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		host := r.Host
+		if h, _, err := net.SplitHostPort(host); err == nil {
+			host = h
+		}
+		host = strings.TrimSuffix(strings.ToLower(host), ".")
+		ip := net.ParseIP(strings.Trim(host, "[]"))
+		if host != "localhost" && !strings.HasSuffix(host, ".localhost") && (ip == nil || !ip.IsLoopback()) {
+			http.Error(w, "once console: this console answers only to a loopback address (localhost, 127.0.0.1, [::1]); "+
+				"bind it elsewhere with -addr, behind your own access control, to reach it by another name", http.StatusForbidden)
+			return
+		}
+		next.ServeHTTP(w, r)
+	})
 }
