@@ -448,6 +448,23 @@ func TestTextOutputQuotesControlCharacters(t *testing.T) {
 	assert.Equal(t, `"\xff"`, safe("\xff"))
 }
 
+// The 8-bit control characters (C1, U+0080 to U+009F) are controls too:
+// U+009B is the one-character CSI that terminals taking C1 controls in
+// UTF-8 (xterm among them) read as ESC [. A header or payload holding one
+// is quoted or dumped in hex like one holding ESC.
+func TestTextOutputQuotesC1ControlCharacters(t *testing.T) {
+	assert.Equal(t, `"\u009b2Jgotcha"`, safe("\u009b2Jgotcha"))
+	assert.False(t, dlq.Printable([]byte("\u009b2J")))
+	assert.True(t, dlq.Printable([]byte("café, naïve, 東京\ttab")))
+	var out bytes.Buffer
+	a := newApp(&out, io.Discard, func(string) string { return "" })
+	a.printRecord(&dlq.Record{Ref: "0:1", Value: []byte("\u009b2Jgotcha"),
+		Headers: []dlq.Header{{Key: "x-note", Value: "\u009d0;pwned\u009c"}}}, false)
+	assert.NotContains(t, out.String(), "\u009b")
+	assert.NotContains(t, out.String(), "\u009d")
+	assert.Contains(t, out.String(), "hex")
+}
+
 func TestReplayRefusesARateItCannotPace(t *testing.T) {
 	env, svc, topic := kafkaDLQ(t)
 	for _, rate := range []string{"NaN", "+Inf", "2e9"} {

@@ -9,6 +9,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unicode"
 	"unicode/utf8"
 
 	"github.com/onceco/once/brokers/amqp"
@@ -139,13 +140,15 @@ func (r *Record) Destination() string {
 
 // Printable reports whether the value is valid UTF-8 text without control
 // characters other than tab and line breaks, so that it can be shown as
-// text rather than as a hex dump.
+// text rather than as a hex dump. The controls are those of C0 (ESC among
+// them), DEL, and those of C1 (U+0080 to U+009F), whose U+009B a terminal
+// may take for ESC [.
 func Printable(b []byte) bool {
 	if !utf8.Valid(b) {
 		return false
 	}
 	for _, c := range string(b) {
-		if c < 0x20 && c != '\t' && c != '\n' && c != '\r' || c == 0x7f || c == utf8.RuneError {
+		if unicode.IsControl(c) && c != '\t' && c != '\n' && c != '\r' || c == utf8.RuneError {
 			return false
 		}
 	}
