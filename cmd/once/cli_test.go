@@ -20,6 +20,7 @@ import (
 
 	"github.com/onceco/once/cmd/once/dlq"
 	"github.com/onceco/once/cmd/once/internal/testenv"
+	"github.com/onceco/once/consumer"
 	"github.com/onceco/once/dedup"
 	"github.com/onceco/once/internal/pgtest"
 	"github.com/onceco/once/outbox"
@@ -464,6 +465,33 @@ func TestTextOutputQuotesC1ControlCharacters(t *testing.T) {
 	assert.NotContains(t, out.String(), "\u009d")
 	assert.Contains(t, out.String(), "hex")
 }
+
+// The reason a dead letter is not replayable quotes header text (its
+// kind, the headers of a copy written without its value): it is printed
+// quoted like the headers themselves.
+func TestNotReplayableReasonQuotesControlCharacters(t *testing.T) {
+	evil := "\x1b]0;pwned\x07"
+	r := &dlq.Record{Ref: "0:1", Headers: []dlq.Header{{Key: consumer.HeaderErrorKind, Value: evil},
+		{Key: consumer.HeaderOriginalTopic, Value: "orders"}}}
+	var out bytes.Buffer
+	a := newApp(&out, io.Discard, func(string) string { return "" })
+	a.printRecord(r, false)
+	a.printReport(&namedQueue{"kafka topic orders.dlq"}, dlq.Report{Selected: 1, Skipped: 1,
+		Outcomes: []dlq.Outcome{{Record: r, Result: dlq.Skipped, Reason: r.Replayable(false).Error()}}})
+	assert.NotContains(t, out.String(), "\x1b")
+	assert.NotContains(t, out.String(), "\x07")
+	assert.Contains(t, out.String(), `\x1b]0;pwned\a`, "quoted")
+}
+
+// namedQueue is a dlq.Queue of which printReport uses the name only.
+type namedQueue struct{ name string }
+
+func (q *namedQueue) Name() string                                          { return q.name }
+func (q *namedQueue) Browse(context.Context, func(*dlq.Record) error) error { return nil }
+func (q *namedQueue) Replay(context.Context, dlq.Filter, dlq.ReplayOptions) (dlq.Report, error) {
+	return dlq.Report{}, nil
+}
+func (q *namedQueue) Close() error { return nil }
 
 func TestReplayRefusesARateItCannotPace(t *testing.T) {
 	env, svc, topic := kafkaDLQ(t)

@@ -304,7 +304,7 @@ func (a *app) printRecord(r *dlq.Record, asHex bool) {
 	if s.Replayable {
 		fmt.Fprintf(tw, "replayable\tyes\n")
 	} else {
-		fmt.Fprintf(tw, "replayable\tno: %s\n", s.NotReplayable)
+		fmt.Fprintf(tw, "replayable\tno: %s\n", safe(s.NotReplayable))
 	}
 	_ = tw.Flush()
 	fmt.Fprintln(w, "\nheaders:")
@@ -388,7 +388,7 @@ func (a *app) printReport(q dlq.Queue, rep dlq.Report) {
 		if rep.DryRun || o.Result == dlq.Skipped || a.terminal {
 			line := fmt.Sprintf("%-12s %s %s -> %s", o.Result, o.Record.Ref, orDash(o.Record.EventID()), orDash(o.Destination))
 			if o.Reason != "" {
-				line = fmt.Sprintf("%-12s %s %s: %s", o.Result, o.Record.Ref, orDash(o.Record.EventID()), o.Reason)
+				line = fmt.Sprintf("%-12s %s %s: %s", o.Result, o.Record.Ref, orDash(o.Record.EventID()), safe(o.Reason))
 			}
 			fmt.Fprintln(a.stdout, line)
 		}
