@@ -117,7 +117,9 @@ func (a *app) exitCode(cmd command, err error) int {
 		fmt.Fprintf(a.stderr, "once %s: %v\n", cmd.name, err)
 		return exitNotFound
 	default:
-		fmt.Fprintf(a.stderr, "once %s: %v\n", cmd.name, err)
+		// A broker's or a replay's error may quote a dead letter's
+		// headers (its event id, its destination).
+		fmt.Fprintf(a.stderr, "once %s: %s\n", cmd.name, safe(err.Error()))
 		return exitFailure
 	}
 }

@@ -483,6 +483,26 @@ func TestNotReplayableReasonQuotesControlCharacters(t *testing.T) {
 	assert.Contains(t, out.String(), `\x1b]0;pwned\a`, "quoted")
 }
 
+// An error quotes what it names of a dead letter (its event id, its
+// destination): a record whose original topic holds an escape sequence,
+// and which cannot go back there, fails its replay with an error printed
+// quoted.
+func TestErrorsQuoteControlCharacters(t *testing.T) {
+	k := testenv.NewKafka(t)
+	name := testenv.Uniq("orders") + ".dlq"
+	k.CreateTopic(name, 1)
+	k.Produce(&sarama.ProducerMessage{Topic: name, Value: sarama.StringEncoder("{}"), Headers: []sarama.RecordHeader{
+		{Key: []byte(consumer.HeaderEventID), Value: []byte("e-1")},
+		{Key: []byte(consumer.HeaderErrorKind), Value: []byte("handler")},
+		{Key: []byte(consumer.HeaderOriginalTopic), Value: []byte("gone\x1b]0;pwned\x07")},
+	}})
+	code, _, errOut := cli(t, map[string]string{"ONCE_KAFKA_BROKERS": strings.Join(k.Addrs, ",")}, "dlq", "replay", "-dlq", name, "-all")
+	assert.Equal(t, exitFailure, code)
+	assert.Contains(t, errOut, "gone")
+	assert.NotContains(t, errOut, "\x1b")
+	assert.NotContains(t, errOut, "\x07")
+}
+
 // namedQueue is a dlq.Queue of which printReport uses the name only.
 type namedQueue struct{ name string }
 
