@@ -529,6 +529,20 @@ func TestReplayRefusesARateItCannotPace(t *testing.T) {
 	svc.WaitSettled(t, 9)
 }
 
+// A filter flag whose value names nothing (only commas or blanks) is not a
+// filter: replay refuses it as it refuses no filter at all, rather than
+// replay every record as if -all had been given.
+func TestReplayRefusesAnEmptyFilter(t *testing.T) {
+	env, _, topic := kafkaDLQ(t)
+	for _, args := range [][]string{{"-kind", ","}, {"-ref", " , "}, {"-kind", " "}} {
+		code, out, errOut := cli(t, env, append([]string{"dlq", "replay", "-dlq", topic + ".dlq"}, args...)...)
+		assert.Equal(t, exitUsage, code, "%v: %s%s", args, out, errOut)
+		assert.NotContains(t, out, "replayed 4", "%v", args)
+	}
+	code, _, errOut := cli(t, env, "dlq", "show", "-dlq", topic+".dlq", "-ref", ",")
+	assert.Equal(t, exitUsage, code, errOut)
+}
+
 // A table name that is not all lower case, or a reserved word, is a
 // valid dedup table (quoted); status and retention act on that table and
 // on no other.

@@ -114,14 +114,16 @@ func (f *dlqFlags) filter(now time.Time) (dlq.Filter, error) {
 	}, nil
 }
 
-// selects reports whether any filter flag was given.
+// selects reports whether any filter flag was given. A list (-kind, -ref)
+// selects only when it names something: one of commas and blanks alone is
+// no filter, and must not stand for -all.
 func (f *dlqFlags) selects() bool {
-	for _, s := range []*string{f.consumer, f.kind, f.id, f.since, f.until, f.refs, f.search} {
+	for _, s := range []*string{f.consumer, f.id, f.since, f.until, f.search} {
 		if *s != "" {
 			return true
 		}
 	}
-	return false
+	return len(splitList(*f.kind)) > 0 || len(splitList(*f.refs)) > 0
 }
 
 // recordSummary is a dead letter in list output.
