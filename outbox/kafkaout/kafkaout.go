@@ -30,8 +30,9 @@ type Config struct {
 	// overrides what the outbox's promises rest on: the producer is
 	// idempotent with RequiredAcks = WaitForAll and Net.MaxOpenRequests =
 	// 1 (so retries neither duplicate nor reorder a partition's records),
-	// returns successes and errors, and never asks the broker to create a
-	// topic. Version must be at least 0.11 (sarama.V0_11_0_0).
+	// returns successes and errors, is not transactional (Transaction.ID
+	// is cleared), and never asks the broker to create a topic. Version
+	// must be at least 0.11 (sarama.V0_11_0_0).
 	Sarama *sarama.Config
 	// IDHeader is the header that carries the event id. Defaults to "id".
 	IDHeader string
@@ -97,6 +98,10 @@ func producerConfig(base *sarama.Config) *sarama.Config {
 		sc.Producer.Retry.Max = 1
 	}
 	sc.Net.MaxOpenRequests = 1
+	// The producer is idempotent, not transactional: a transactional one
+	// refuses every send made outside a transaction, and the relay would
+	// retry them without end.
+	sc.Producer.Transaction.ID = ""
 	sc.Metadata.AllowAutoTopicCreation = false
 	return &sc
 }

@@ -8,6 +8,7 @@ import (
 	"github.com/IBM/sarama"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"github.com/twmb/franz-go/pkg/kfake"
 
 	"github.com/onceco/once/outbox"
 )
@@ -73,4 +74,26 @@ func TestRejectionClassification(t *testing.T) {
 		sarama.ErrNotLeaderForPartition, errors.New("connection reset")} {
 		assert.False(t, isRejection(err), "%v", err)
 	}
+}
+
+// A base configuration made for a transactional producer (Transaction.ID
+// set) gives a publisher all the same: the outbox's producer is idempotent,
+// not transactional, and a transactional one refuses every send made
+// outside a transaction, which the relay would retry without end.
+func TestTransactionalBaseConfigPublishes(t *testing.T) {
+	kf, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(1, "orders"))
+	require.NoError(t, err)
+	defer kf.Close()
+	base := sarama.NewConfig()
+	base.Version = sarama.V2_8_0_0
+	base.Producer.Idempotent = true
+	base.Producer.RequiredAcks = sarama.WaitForAll
+	base.Net.MaxOpenRequests = 1
+	base.Producer.Transaction.ID = "billing-tx"
+	p, err := New(Config{Brokers: kf.ListenAddrs(), Sarama: base})
+	require.NoError(t, err)
+	defer p.Close()
+	errs := p.Publish(t.Context(), []outbox.Record{{EventID: "e-1", Topic: "orders", Body: []byte("b")}})
+	assert.Nil(t, errs, "the record is confirmed: %v", errs)
+	assert.Equal(t, "billing-tx", base.Producer.Transaction.ID, "the caller's configuration is not modified")
 }
