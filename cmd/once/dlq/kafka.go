@@ -20,8 +20,8 @@ type KafkaConfig struct {
 	Topic string
 	// Sarama is the base client configuration (TLS, SASL, Version). Nil
 	// means sarama.NewConfig() with Version 2.8. It is copied, never
-	// modified; the redrive producer is made idempotent with acks from all
-	// in-sync replicas.
+	// modified; the redrive producer is made idempotent (and not
+	// transactional) with acks from all in-sync replicas.
 	Sarama *sarama.Config
 	// IdleTimeout bounds the wait for the next record of a partition that
 	// has not reached its high-water mark (records of aborted transactions
@@ -187,6 +187,9 @@ func (q *KafkaQueue) Replay(ctx context.Context, f Filter, opts ReplayOptions) (
 	sc.Producer.Return.Errors = true
 	sc.Producer.Partitioner = newOriginalPartitioner
 	sc.Net.MaxOpenRequests = 1
+	// Idempotent, not transactional: a transactional producer refuses
+	// every send made outside a transaction.
+	sc.Producer.Transaction.ID = ""
 	if sc.Producer.Retry.Max < 1 {
 		sc.Producer.Retry.Max = 1
 	}

@@ -218,3 +218,29 @@ func TestKafkaBrowseShowsTheDeadLetters(t *testing.T) {
 	require.NoError(t, err)
 	assert.Len(t, groups, 1, "only the service's group exists: %v", groups)
 }
+
+// A base configuration made for a transactional producer (Transaction.ID
+// set) still replays: the redrive producer is idempotent, not
+// transactional, which would refuse every send made outside a transaction.
+func TestKafkaReplayWithATransactionalBaseConfig(t *testing.T) {
+	k := testenv.NewKafka(t)
+	topic := testenv.Uniq("orders")
+	k.CreateTopic(topic, 1)
+	k.CreateTopic(topic+".dlq", 1)
+	k.Produce(&sarama.ProducerMessage{Topic: topic + ".dlq", Value: sarama.StringEncoder("{}"), Headers: []sarama.RecordHeader{
+		{Key: []byte(consumer.HeaderEventID), Value: []byte("e-1")},
+		{Key: []byte(consumer.HeaderErrorKind), Value: []byte("handler")},
+		{Key: []byte(consumer.HeaderOriginalTopic), Value: []byte(topic)},
+	}})
+	base := testenv.Sarama()
+	base.Producer.Idempotent = true
+	base.Producer.RequiredAcks = sarama.WaitForAll
+	base.Net.MaxOpenRequests = 1
+	base.Producer.Transaction.ID = "billing-tx"
+	q, err := dlq.NewKafka(dlq.KafkaConfig{Brokers: k.Addrs, Topic: topic + ".dlq", Sarama: base})
+	require.NoError(t, err)
+	rep, err := q.Replay(context.Background(), dlq.Filter{}, dlq.ReplayOptions{})
+	require.NoError(t, err)
+	assert.Equal(t, 1, rep.Replayed)
+	assert.Equal(t, "billing-tx", base.Producer.Transaction.ID, "the caller's configuration is not modified")
+}
