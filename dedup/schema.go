@@ -90,7 +90,7 @@ func (s *Store) newSeries(schema, table string, migs []migrate.Migration) *migra
 		// of that name, maybe another store's, which going down from
 		// version 4 would drop.
 		Verify: func(ctx context.Context, tx pgx.Tx) error {
-			return errors.Join(s.Check(ctx, tx), s.CheckOffsets(ctx, tx))
+			return errors.Join(s.Check(ctx, tx), s.CheckOffsets(ctx, tx), s.checkRetentionIndex(ctx, tx))
 		},
 	}
 }
@@ -350,4 +350,39 @@ ORDER BY 1`, table, written)
 		return nil, err
 	}
 	return pgx.CollectRows(rows, pgx.RowTo[string])
+}
+
+// checkRetentionIndex verifies, at the end of Migrate, that the
+// processed-events table has an index on (consumer, processed_at), under
+// any name, where another table's index holds the name the migrations give
+// it. Index names are per schema and the migrations create them IF
+// NOT EXISTS under the table's name with a suffix, so another store's
+// index can hold the name: the retention index of a table "billing" is
+// the name a store "billing_consumer" gives its index on processed_at
+// (version 1). Without this check the migration would create nothing,
+// and retention would read the whole table.
+func (s *Store) checkRetentionIndex(ctx context.Context, db DB) error {
+	var found bool
+	var holder *string // the table that has an index of the name instead
+	err := db.QueryRow(ctx, `SELECT
+	EXISTS (SELECT 1 FROM pg_index i
+		WHERE i.indrelid = to_regclass($1) AND i.indpred IS NULL AND i.indnkeyatts >= 2
+		  AND (SELECT array_agg(a.attname::text ORDER BY k.ord)
+		       FROM unnest((i.indkey::int2[])[0:1]) WITH ORDINALITY AS k(attnum, ord)
+		       JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum) = ARRAY['consumer', 'processed_at']),
+	(SELECT i.indrelid::regclass::text FROM pg_index i WHERE i.indexrelid = to_regclass($2) AND i.indrelid <> to_regclass($1))`,
+		s.names.Table, s.names.ConsumerIndexQ).Scan(&found, &holder)
+	if err != nil {
+		return fmt.Errorf("dedup: checking the indexes of %s: %w", s.names.Table, err)
+	}
+	if found || holder == nil {
+		// An index dropped on purpose (a store without retention) is the
+		// user's choice; only a name taken from under the migration is an
+		// error.
+		return nil
+	}
+	return fmt.Errorf("%w: %s has no index on (consumer, processed_at) for retention: its name, %s, is taken by an index of %s "+
+		"(another store's whose table name starts like this one's); migrate that store first, which frees the name, "+
+		"or create an index on %s (consumer, processed_at) under another name",
+		ErrSchemaMismatch, s.names.Table, s.names.ConsumerIndex, *holder, s.names.Table)
 }

@@ -452,3 +452,45 @@ func TestMigrateRefusesAnOffsetsTableOfAnotherShape(t *testing.T) {
 
 	assert.Equal(t, dedup.Duplicate, claimTx(t, ctx, pool, other, c).Outcome, "the other store's rows are kept")
 }
+
+// Index names are the table's name with a suffix, and PostgreSQL names
+// indexes per schema: the retention index of a store "billing" (version
+// 2), billing_consumer_processed_at_idx, is the name a store
+// "billing_consumer" gives its index on processed_at at version 1. Going
+// up, billing's CREATE INDEX IF NOT EXISTS found that other index and
+// created none, then dropped its own old one: billing was left with no
+// index for retention, which then read the whole table, and no error.
+// Migrate now refuses, naming the index, and changes nothing; once the
+// other store is migrated (freeing the name), it succeeds.
+func TestMigrateRefusesARetentionIndexNameTakenByAnotherStore(t *testing.T) {
+	ctx := testCtx(t)
+	pool, schema := pgtest.Schema(t)
+	billing, err := dedup.New(dedup.Config{Table: "billing"})
+	require.NoError(t, err)
+	other, err := dedup.New(dedup.Config{Table: "billing_consumer"})
+	require.NoError(t, err)
+	require.NoError(t, billing.MigrateTo(ctx, pool, 1))
+	require.NoError(t, other.MigrateTo(ctx, pool, 1))
+
+	err = billing.Migrate(ctx, pool)
+	require.ErrorIs(t, err, dedup.ErrSchemaMismatch)
+	assert.Contains(t, err.Error(), "billing_consumer_processed_at_idx")
+	assert.Equal(t, []string{"billing_pkey", "billing_processed_at_idx"}, indexes(t, ctx, pool, schema, "billing"),
+		"nothing changed")
+
+	require.NoError(t, other.Migrate(ctx, pool))
+	require.NoError(t, billing.Migrate(ctx, pool))
+	assertSchema(t, ctx, pool, schema, "billing")
+	assertSchema(t, ctx, pool, schema, "billing_consumer")
+	assert.Equal(t, []string{"billing_consumer_processed_at_idx", "billing_pkey"}, indexes(t, ctx, pool, schema, "billing"))
+}
+
+// indexes names table's indexes, sorted.
+func indexes(t *testing.T, ctx context.Context, db dedup.DB, schema, table string) []string {
+	t.Helper()
+	rows, err := db.Query(ctx, `SELECT indexname::text FROM pg_indexes WHERE schemaname = $1 AND tablename = $2 ORDER BY 1`, schema, table)
+	require.NoError(t, err)
+	names, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(t, err)
+	return names
+}
