@@ -240,7 +240,9 @@ func (g *crashGuard) endAttempt(ctx context.Context, j *job) {
 		return
 	}
 	j.guard.inFlight = false
-	if err := g.set(context.WithoutCancel(ctx), j, j.runs, j.guard.crashes-1); err == nil {
+	ctx, cancel := g.p.detached(ctx)
+	defer cancel()
+	if err := g.set(ctx, j, j.runs, j.guard.crashes-1); err == nil {
 		j.guard.crashes--
 		j.guard.runs = j.runs
 	}
@@ -305,7 +307,9 @@ func (g *crashGuard) settled(ctx context.Context, j *job) {
 		return
 	}
 	j.guard.recorded, j.guard.inFlight = false, false
-	if _, err := g.p.pool.Exec(context.WithoutCancel(ctx), g.clearSQL, g.p.cfg.Name, []string{j.idt.id}); err != nil {
+	ctx, cancel := g.p.detached(ctx)
+	defer cancel()
+	if _, err := g.p.pool.Exec(ctx, g.clearSQL, g.p.cfg.Name, []string{j.idt.id}); err != nil {
 		g.p.cfg.Telemetry.Logger.DebugContext(ctx, "once: deleting a crash-guard record", "consumer", g.p.cfg.Name,
 			"event_id", j.idt.id, "error", err)
 	}

@@ -51,6 +51,9 @@ type pipeline struct {
 	stopping atomic.Bool
 	stopped  chan struct{}
 	stopOnce sync.Once
+	// work is done at the shutdown deadline (ShutdownTimeout after Run's
+	// context), when work in flight is cut short.
+	work context.Context
 }
 
 func newPipeline(pool *pgxpool.Pool, src Source, cfg Config, prep preparer) (*pipeline, error) {
@@ -77,7 +80,7 @@ func newPipeline(pool *pgxpool.Pool, src Source, cfg Config, prep preparer) (*pi
 		return nil, fmt.Errorf("once: telemetry: %w", err)
 	}
 	p := &pipeline{cfg: cfg, pool: pool, src: src, prepare: prep, tel: tel,
-		sem: make(chan struct{}, cfg.Concurrency), stopped: make(chan struct{}), twins: newTwins()}
+		sem: make(chan struct{}, cfg.Concurrency), stopped: make(chan struct{}), twins: newTwins(), work: context.Background()}
 	p.guard = newCrashGuard(p)
 	return p, nil
 }
@@ -96,6 +99,7 @@ func (p *pipeline) consume(ctx context.Context) error {
 	// In-flight work outlives ctx by up to ShutdownTimeout.
 	work, cancelWork := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancelWork()
+	p.work = work
 	stopWatch := context.AfterFunc(ctx, p.stop)
 	defer stopWatch()
 	d := newDispatcher(p, work)
@@ -128,6 +132,17 @@ func (p *pipeline) consume(ctx context.Context) error {
 		return errors.Join(fatal, fmt.Errorf("once: closing source: %w", err))
 	}
 	return fatal
+}
+
+// detached returns a context with ctx's values that is not done with ctx
+// but at the shutdown deadline: for the consumer's own statements that
+// must outlive a lost delivery (a rollback, a crash-guard record), yet
+// never Config.ShutdownTimeout, also on a database that stopped
+// answering.
+func (p *pipeline) detached(ctx context.Context) (context.Context, context.CancelFunc) {
+	c, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	stop := context.AfterFunc(p.work, cancel)
+	return c, func() { stop(); cancel() }
 }
 
 // stop begins the shutdown: no new transaction starts and waits end.

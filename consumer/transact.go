@@ -92,7 +92,7 @@ func (p *pipeline) transaction(ctx context.Context, jobs []*job) txResult {
 	}
 	tx, err := p.begin(ctx, b)
 	if tx != nil {
-		defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // a no-op after Commit
+		defer p.rollback(ctx, tx) // a no-op after Commit
 	}
 	if err != nil {
 		return txResult{outcome: txInfra, err: err, failed: -1}
@@ -124,6 +124,15 @@ func (p *pipeline) transaction(ctx context.Context, jobs []*job) txResult {
 	}
 	crashPoint("after-commit")
 	return txResult{outcome: txCommitted, claims: res, failed: -1}
+}
+
+// rollback rolls tx back, unless it ended. It outlives a lost delivery,
+// never the shutdown deadline: a database that stopped answering then
+// loses the connection, and with it the transaction.
+func (p *pipeline) rollback(ctx context.Context, tx pgx.Tx) {
+	ctx, cancel := p.detached(ctx)
+	defer cancel()
+	_ = tx.Rollback(ctx)
 }
 
 // queueClaims queues the claim of every job on b, after its BEGIN, and
