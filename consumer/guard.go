@@ -256,7 +256,10 @@ func (g *crashGuard) forget(j *job) {
 	if !j.guard.recorded || j.stalled {
 		return
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), g.p.cfg.InfraBackoff.Max)
+	// Bounded for each message, and by the shutdown deadline for all.
+	ctx, cancelAtDeadline := g.p.detached(context.Background())
+	defer cancelAtDeadline()
+	ctx, cancel := context.WithTimeout(ctx, g.p.cfg.InfraBackoff.Max)
 	defer cancel()
 	var err error
 	switch {

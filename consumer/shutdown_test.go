@@ -208,3 +208,53 @@ func TestShutdownTimeoutBoundsRunWhenTheDatabaseGoesSilent(t *testing.T) {
 		require.Zero(t, b.Acked())
 	})
 }
+
+// silentAfterMark is a pgx tracer that, once the crash guard has marked
+// the first messages of a stream, makes the database go silent and calls
+// then.
+type silentAfterMark struct {
+	once     sync.Once
+	goSilent func()
+	then     func()
+}
+
+type markQuery struct{}
+
+func (s *silentAfterMark) TraceQueryStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceQueryStartData) context.Context {
+	if strings.HasPrefix(data.SQL, "WITH marked AS") {
+		return context.WithValue(ctx, markQuery{}, true)
+	}
+	return ctx
+}
+
+func (s *silentAfterMark) TraceQueryEnd(ctx context.Context, _ *pgx.Conn, data pgx.TraceQueryEndData) {
+	if ctx.Value(markQuery{}) != nil && data.Err == nil {
+		s.once.Do(func() { s.goSilent(); s.then() })
+	}
+}
+
+// Messages the crash guard marked (the first of a stream) and abandoned
+// before their transaction began (the consumer began stopping) have their
+// marks taken back, best effort. On a database that stopped answering,
+// that give-back must end at the shutdown deadline too, not after
+// Config.InfraBackoff.Max for each message, one after another.
+func TestShutdownTimeoutBoundsTakingBackMarksOnASilentDatabase(t *testing.T) {
+	const limit = 5 * time.Second
+	cfg := fastConfig("silent-database-marks")
+	cfg.ShutdownTimeout = 200 * time.Millisecond
+	cfg.InfraBackoff.Max = 2 * limit
+	tracer := &silentAfterMark{}
+	pool, goSilent, answer := silentDatabase(t, func(c *pgxpool.Config) { c.ConnConfig.Tracer = tracer })
+	tracer.goSilent = goSilent
+	b := memsource.New(memsource.Options{Streams: 1})
+	publish(b, "e1", 1)
+	effects(t, pool)
+	c, err := consumer.New(pool, b.Source(), insertEffect, cfg)
+	require.NoError(t, err)
+	marked := make(chan struct{})
+	tracer.then = func() { consumer.BeginStopping(c); close(marked) }
+	stop := runUntilStopped(t, c, answer)
+	<-marked
+	require.True(t, stop(limit), "Run still waits for the silent database %s after ShutdownTimeout (%s)", limit, cfg.ShutdownTimeout)
+	require.Zero(t, b.Acked())
+}
