@@ -209,7 +209,12 @@ func (g *crashGuard) startAttempt(ctx context.Context, j *job) error {
 	if !j.guard.known {
 		records, ok := g.read(ctx, g.lookupSQL, []string{j.idt.id})
 		if !ok {
-			return ctx.Err()
+			// Cut short by ctx, or by the shutdown (ctx still live):
+			// the attempt never starts.
+			if err := ctx.Err(); err != nil {
+				return err
+			}
+			return errStopping
 		}
 		r := records[j.idt.id]
 		j.guard.known, j.guard.crashes, j.guard.runs, j.runs = true, r.crashes, r.runs, max(j.runs, r.runs)

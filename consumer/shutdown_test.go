@@ -14,6 +14,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/onceco/once/consumer"
@@ -257,4 +258,65 @@ func TestShutdownTimeoutBoundsTakingBackMarksOnASilentDatabase(t *testing.T) {
 	<-marked
 	require.True(t, stop(limit), "Run still waits for the silent database %s after ShutdownTimeout (%s)", limit, cfg.ShutdownTimeout)
 	require.Zero(t, b.Acked())
+}
+
+// cutOnSecondLookup is a pgx tracer that cuts the database connections as
+// the crash guard's second lookup of records starts, and calls then.
+type cutOnSecondLookup struct {
+	lookups atomic.Int32
+	cut     func()
+	then    func()
+}
+
+func (s *cutOnSecondLookup) TraceQueryStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceQueryStartData) context.Context {
+	if strings.HasPrefix(data.SQL, "SELECT event_id, attempts, crashes FROM") && s.lookups.Add(1) == 2 {
+		s.cut()
+		s.then()
+	}
+	return ctx
+}
+
+func (s *cutOnSecondLookup) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+// A suspect's attempt never starts once the consumer began stopping: it
+// would run with no crash recorded for it, in a transaction begun after
+// the shutdown began. Here the lookup of its record, just before the
+// attempt, fails on a lost connection, and the shutdown begins during the
+// backoff before its retry.
+func TestSuspectAttemptDoesNotStartWhenStoppingCutsItsLookupShort(t *testing.T) {
+	_, schema := pgtest.Schema(t)
+	u, err := url.Parse(pgtest.URL())
+	require.NoError(t, err)
+	proxy, err := netcut.NewProxy(u.Host)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = proxy.Close() })
+	tracer := &cutOnSecondLookup{cut: func() { proxy.Cut() }}
+	pool := pgtest.NewPoolWith(t, schema, func(c *pgxpool.Config) {
+		dial := c.ConnConfig.DialFunc
+		c.ConnConfig.DialFunc = func(ctx context.Context, network, _ string) (net.Conn, error) {
+			return dial(ctx, network, proxy.Addr())
+		}
+		c.ConnConfig.Tracer = tracer
+	})
+	effects(t, pool)
+	b := memsource.New(memsource.Options{}) // unordered, like AMQP
+	v, _ := json.Marshal(order{N: 1})
+	b.Publish(consumer.Message{Value: v, Headers: map[string]string{"id": "e1"}, Redelivered: true})
+	var calls atomic.Int32
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		calls.Add(1)
+		return insertEffect(ctx, tx, ev)
+	}
+	cfg := fastConfig("suspect-stopping")
+	cfg.InfraBackoff = consumer.Backoff{Initial: time.Minute, Max: time.Minute} // the shutdown comes first
+	c, err := consumer.New(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	cut := make(chan struct{})
+	tracer.then = func() { consumer.BeginStopping(c); close(cut) }
+	stop := start(t, c)
+	<-cut
+	require.NoError(t, stop())
+	assert.Equal(t, int32(2), tracer.lookups.Load(), "the plan's lookup, then the attempt's")
+	assert.Zero(t, calls.Load(), "the suspect's handler ran after the shutdown began")
+	assert.Zero(t, b.Acked())
 }
