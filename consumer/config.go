@@ -124,9 +124,10 @@ type Config struct {
 	// cancelled, for messages in flight to finish; then their transactions
 	// are rolled back and they are left unacked for redelivery, and the
 	// consumer's own statements end too, also on a database that stopped
-	// answering. The contexts of handlers, hooks and decoders are cancelled
-	// then; Run still waits for those calls to return, so a function that
-	// ignores its context holds Run up past the timeout. Defaults to 10s.
+	// answering. The handlers' contexts are cancelled then; Run still waits
+	// for the user's functions (handlers, hooks, decoders) to return, so
+	// one that ignores its context or blocks holds Run up past the
+	// timeout. Defaults to 10s.
 	ShutdownTimeout time.Duration
 
 	// Retry bounds the retries of failing handlers and says which errors
