@@ -163,7 +163,7 @@ func (p *pipeline) waitInfra(ctx context.Context, r *backoff.Retrier, err error,
 }
 
 // infra runs f until it succeeds, backing off after each failure (counted
-// as infrastructure failures); it returns an error only when the consumer
+// as infrastructure failures, and each try after one as a retry); it returns an error only when the consumer
 // stops first. It serves the library's own statements outside a
 // transaction and dead-letter writes.
 func (p *pipeline) infra(ctx context.Context, what string, f func() error) error {
@@ -187,6 +187,8 @@ func (p *pipeline) infra(ctx context.Context, what string, f func() error) error
 			}
 			return errStopping
 		}
+		p.stats.retries.Add(1)
+		p.tel.retry(ctx, "infrastructure")
 	}
 }
 

@@ -3,9 +3,11 @@ package consumer_test
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -109,4 +111,41 @@ func TestConcurrentReplicasShareDedup(t *testing.T) {
 	require.Eventually(t, func() bool { return brokers[0].Acked() == n && brokers[1].Acked() == n },
 		20*time.Second, 5*time.Millisecond)
 	requireEffectsOnce(t, pool, n)
+}
+
+// A dead-letter destination that is down is an infrastructure failure
+// like the database's: each wait before writing the dead letter again is a
+// retry in once.consumer.retries{reason="infrastructure"} and in
+// Stats.Retries, as OnRetry reports it, so the runbook's alert on that
+// metric sees the outage.
+func TestDeadLetterWriteRetriesAreCounted(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	b := memsource.New(memsource.Options{Streams: 1})
+	b.Publish(consumer.Message{Value: []byte("not json"), Headers: map[string]string{"id": "poison"}})
+	b.SetDeadLetterError(errors.New("dead-letter queue unavailable"))
+
+	const outage = 3
+	var hooked atomic.Int32
+	cfg := fastConfig("dlq-down-counted")
+	cfg.Telemetry.MeterProvider = mp
+	cfg.Hooks.OnRetry = func(_ context.Context, r consumer.Retry) {
+		assert.Equal(t, consumer.RetryInfrastructure, r.Reason)
+		if hooked.Add(1) == outage {
+			b.SetDeadLetterError(nil) // back before the next attempt
+		}
+	}
+	c, err := consumer.New(pool, b.Source(), insertEffect, cfg)
+	require.NoError(t, err)
+	stop := start(t, c)
+	require.Eventually(t, func() bool { return b.IsAcked(0) }, 10*time.Second, 5*time.Millisecond)
+	require.NoError(t, stop())
+
+	require.Equal(t, int32(outage), hooked.Load())
+	st := c.Stats()
+	assert.Equal(t, uint64(outage), st.InfraErrors)
+	assert.Equal(t, uint64(outage), st.Retries, "Stats.Retries")
+	assert.Equal(t, map[string]int64{"infrastructure": outage}, sums(t, reader, "once.consumer.retries", "reason"))
+	assert.Equal(t, uint64(1), st.DeadLettered)
 }
