@@ -58,7 +58,9 @@ func (d *dispatcher) receive(ctx context.Context) error {
 		d.p.stats.received.Add(1)
 		d.p.tel.received(ctx, dv.Message())
 		if !d.dispatch(ctx, dv) {
-			return nil // dv is abandoned unacked: the broker redelivers it
+			// dv is abandoned unacked: the broker redelivers it.
+			d.p.giveUp(d.work, []Delivery{dv}, &settler{p: d.p})
+			return nil
 		}
 	}
 }
@@ -163,7 +165,7 @@ func (d *dispatcher) orderedWorker(l *lane) {
 			if d.p.stopping.Load() {
 				// Never started: left unacked, and nothing after them
 				// may be acked either.
-				w.s.abandoned = true
+				d.p.giveUp(d.work, dvs[:n], w.s)
 			} else {
 				run := dvs[:n]
 				release := d.p.takeSlot()
@@ -253,7 +255,8 @@ func (d *dispatcher) unorderedWorker() {
 		// would leave the others' deliveries unacked on a live channel.
 		for _, one := range byContext(batch) {
 			if d.p.stopping.Load() {
-				break
+				d.p.giveUp(d.work, one, &settler{p: d.p})
+				continue
 			}
 			d.p.process(d.work, one, false, &settler{p: d.p})
 		}

@@ -173,3 +173,54 @@ func TestQueueThroughAMiddlewaresWrappedTx(t *testing.T) {
 	requireEffectsOnce(t, pool, 20)
 	assert.Equal(t, int32(20), execs.Load(), "the handler's statements went through the middleware's tx")
 }
+
+// Every message received and given up at shutdown is reported to OnOutcome
+// as abandoned: the one whose handler the shutdown deadline cut short, and
+// the ones that waited behind it and never started.
+func TestOnOutcomeReportsMessagesAbandonedBeforeTheyStarted(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		streams int
+	}{{"ordered", 1}, {"unordered", 0}} {
+		t.Run(tc.name, func(t *testing.T) {
+			pool, _ := pgtest.Schema(t)
+			effects(t, pool)
+			b := memsource.New(memsource.Options{Streams: tc.streams})
+			for _, id := range []string{"a1", "a2", "a3"} {
+				publishKeyed(b, "one key", id, 1)
+			}
+			var mu sync.Mutex
+			outcomes := map[string][]consumer.Result{}
+			started := make(chan struct{})
+			cfg := fastConfig("abandoned-" + tc.name)
+			cfg.Concurrency = 1
+			cfg.Batch.Size = 1
+			cfg.ShutdownTimeout = 50 * time.Millisecond
+			cfg.Hooks.OnOutcome = func(_ context.Context, o consumer.Outcome) {
+				mu.Lock()
+				defer mu.Unlock()
+				outcomes[o.EventID] = append(outcomes[o.EventID], o.Result)
+			}
+			h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+				close(started) // a1 only: the others never start
+				<-ctx.Done()   // until the shutdown deadline
+				return ctx.Err()
+			}
+			c, err := consumer.New(pool, b.Source(), h, cfg)
+			require.NoError(t, err)
+			stop := start(t, c)
+			<-started
+			require.Eventually(t, func() bool { return c.Stats().Received == 3 }, 10*time.Second, time.Millisecond)
+			require.NoError(t, stop())
+
+			assert.Zero(t, b.Acked())
+			mu.Lock()
+			defer mu.Unlock()
+			assert.Equal(t, map[string][]consumer.Result{
+				"a1": {consumer.ResultAbandoned},
+				"a2": {consumer.ResultAbandoned},
+				"a3": {consumer.ResultAbandoned},
+			}, outcomes)
+		})
+	}
+}

@@ -278,6 +278,18 @@ func (p *pipeline) execute(b *batch, window bool, s *settler) (claimed int) {
 	return s.claimed - before
 }
 
+// giveUp abandons deliveries received but never started, the consumer
+// stopping, and everything after them in s's run: they are identified (for
+// OnOutcome and their spans), never claimed nor run.
+func (p *pipeline) giveUp(work context.Context, dvs []Delivery, s *settler) {
+	b := p.identifyBatch(work, dvs)
+	defer b.release()
+	defer b.endSpans()
+	s.abandoned = true
+	s.abandonAll(b.jobs)
+	s.abandonAll(b.unhandleable)
+}
+
 // endSpans ends the span of every message of b.
 func (b *batch) endSpans() {
 	for _, j := range b.jobs {
