@@ -115,13 +115,13 @@ func (p *pipeline) retryOrGiveUp(ctx context.Context, s *settler, j *job, r txRe
 	}
 	p.cfg.Telemetry.Logger.DebugContext(ctx, "once: handler failed; retrying", "consumer", p.cfg.Name, "event_id", j.idt.id,
 		"attempt", j.runs, "error", r.err, "backoff", wait)
-	p.tel.retry(ctx, "handler")
 	p.retrying(ctx, Retry{Reason: RetryHandler, EventID: j.idt.id, Messages: 1, Err: r.err, Wait: wait})
 	if !p.sleep(ctx, wait) {
 		s.abandon(j)
 		return false
 	}
 	p.stats.retries.Add(1)
+	p.tel.retry(ctx, "handler")
 	return true
 }
 

@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"go.opentelemetry.io/otel/attribute"
@@ -148,4 +149,31 @@ func TestDeadLetterWriteRetriesAreCounted(t *testing.T) {
 	assert.Equal(t, uint64(outage), st.Retries, "Stats.Retries")
 	assert.Equal(t, map[string]int64{"infrastructure": outage}, sums(t, reader, "once.consumer.retries", "reason"))
 	assert.Equal(t, uint64(1), st.DeadLettered)
+}
+
+// A handler retry cut short by the shutdown (the message abandoned while
+// it waits for its next attempt) never happened: neither Stats.Retries nor
+// once.consumer.retries counts it, and the two agree.
+func TestHandlerRetryAbandonedWhileWaitingIsNotCounted(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	b := memsource.New(memsource.Options{Streams: 1})
+	publish(b, "later", 1)
+	waiting := make(chan struct{})
+	cfg := fastConfig("retry-abandoned")
+	cfg.Telemetry.MeterProvider = mp
+	cfg.Hooks.OnRetry = func(context.Context, consumer.Retry) { close(waiting) }
+	h := func(context.Context, pgx.Tx, consumer.Event[order]) error {
+		return consumer.RetryAfter(time.Hour, errors.New("not yet"))
+	}
+	c, err := consumer.New(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	stop := start(t, c)
+	<-waiting
+	require.NoError(t, stop())
+
+	assert.Zero(t, c.Stats().Retries)
+	assert.Empty(t, sums(t, reader, "once.consumer.retries", "reason"))
 }
