@@ -49,7 +49,7 @@ func (p *pipeline) run(ctx context.Context, s *settler, jobs []*job) {
 			p.run(ctx, s, jobs[:half])
 			jobs = jobs[half:]
 		case txFailed:
-			p.cfg.Telemetry.Logger.DebugContext(ctx, "once: handler failed in a batch; splitting it", "consumer", p.cfg.Name,
+			p.cfg.Telemetry.Logger.DebugContext(jobs[r.failed].ctx, "once: handler failed in a batch; splitting it", "consumer", p.cfg.Name,
 				"event_id", jobs[r.failed].idt.id, "error", r.err)
 			p.run(ctx, s, jobs[:r.failed])
 			// The failure in the batch was the job's run.
@@ -82,7 +82,7 @@ func (p *pipeline) runAlone(ctx context.Context, s *settler, j *job, failed *txR
 			return
 		case txAbandoned:
 			if errors.Is(r.err, errCrashLoop) {
-				s.deadLetter(ctx, j, crashLoop(j))
+				s.deadLetter(j.ctx, j, crashLoop(j))
 			} else {
 				s.abandon(j)
 			}
@@ -102,10 +102,11 @@ func (p *pipeline) runAlone(ctx context.Context, s *settler, j *job, failed *txR
 
 // retryOrGiveUp handles a failed run of j: it dead-letters j when the
 // failure is permanent or the runs are spent, else waits before the next
-// run. It reports whether to run again.
+// run. It reports whether to run again. The logs, the hook and the dead
+// letter get the message's context, with its span (ctx ends with it).
 func (p *pipeline) retryOrGiveUp(ctx context.Context, s *settler, j *job, r txResult) bool {
 	if r.class == ClassPermanent || j.runs >= p.cfg.Retry.MaxAttempts {
-		s.deadLetter(ctx, j, handlerDeadLetter(j, r.err))
+		s.deadLetter(j.ctx, j, handlerDeadLetter(j, r.err))
 		return false
 	}
 	wait := p.retryPolicy().Delay(j.runs)
@@ -113,15 +114,15 @@ func (p *pipeline) retryOrGiveUp(ctx context.Context, s *settler, j *job, r txRe
 	if errors.As(r.err, &ra) {
 		wait = ra.Delay
 	}
-	p.cfg.Telemetry.Logger.DebugContext(ctx, "once: handler failed; retrying", "consumer", p.cfg.Name, "event_id", j.idt.id,
+	p.cfg.Telemetry.Logger.DebugContext(j.ctx, "once: handler failed; retrying", "consumer", p.cfg.Name, "event_id", j.idt.id,
 		"attempt", j.runs, "error", r.err, "backoff", wait)
-	p.retrying(ctx, Retry{Reason: RetryHandler, EventID: j.idt.id, Messages: 1, Err: r.err, Wait: wait})
+	p.retrying(j.ctx, Retry{Reason: RetryHandler, EventID: j.idt.id, Messages: 1, Err: r.err, Wait: wait})
 	if !p.sleep(ctx, wait) {
 		s.abandon(j)
 		return false
 	}
 	p.stats.retries.Add(1)
-	p.tel.retry(ctx, "handler")
+	p.tel.retry(j.ctx, "handler")
 	return true
 }
 

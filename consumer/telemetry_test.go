@@ -3,7 +3,9 @@ package consumer_test
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/assert"
@@ -145,4 +147,53 @@ func attrOf(attrs []attribute.KeyValue, key string) (attribute.Value, bool) {
 		}
 	}
 	return attribute.Value{}, false
+}
+
+// A dead-letter copy carries the traceparent of the consumer span that
+// dead-lettered it, whatever the failure: a message that could not be
+// decoded, a handler's permanent failure, a handler out of attempts. The
+// OnRetry hook and the logs get the message's context, with its span.
+func TestDeadLetterCarriesTheConsumerSpansTraceParent(t *testing.T) {
+	pool := oncetest.Postgres(t)
+	spans := tracetest.NewInMemoryExporter()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSyncer(spans))
+	b := memsource.New(memsource.Options{Topic: "orders", Streams: 1})
+	v, _ := json.Marshal(order{N: 1})
+	for _, id := range []string{"permanent", "exhausted"} {
+		b.Publish(consumer.Message{Value: v, Key: []byte("k"), Headers: map[string]string{"id": id, "traceparent": parent}})
+	}
+	b.Publish(consumer.Message{Value: []byte("{not json"), Key: []byte("k"), Headers: map[string]string{"id": "undecodable", "traceparent": parent}})
+	retried := map[string]bool{}
+	cfg := consumer.Config{Name: "billing", Telemetry: consumer.TelemetryConfig{TracerProvider: tp},
+		Retry: consumer.RetryPolicy{MaxAttempts: 2, InitialBackoff: time.Millisecond, MaxBackoff: time.Millisecond},
+		Hooks: consumer.Hooks{OnRetry: func(ctx context.Context, r consumer.Retry) {
+			retried[r.EventID] = trace.SpanContextFromContext(ctx).TraceID().String() == "4bf92f3577b34da6a3ce929d0e0e4736"
+		}}}
+	h := func(_ context.Context, _ pgx.Tx, ev consumer.Event[order]) error {
+		if ev.ID == "permanent" {
+			return consumer.Permanent(errors.New("invalid order"))
+		}
+		return errors.New("failing")
+	}
+	c, err := consumer.New(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	oncetest.Drain(t, c, b)
+
+	spanOf := map[string]string{}
+	for _, s := range spans.GetSpans() {
+		id, _ := attrOf(s.Attributes, "messaging.message.id")
+		spanOf[id.AsString()] = s.SpanContext.SpanID().String()
+	}
+	got := map[string]string{}
+	for _, dl := range b.DeadLetters() {
+		id := dl.Headers[consumer.HeaderEventID]
+		require.NotEmpty(t, spanOf[id], id)
+		got[id] = dl.Headers[consumer.HeaderTraceParent]
+	}
+	want := map[string]string{}
+	for id, span := range spanOf {
+		want[id] = "00-4bf92f3577b34da6a3ce929d0e0e4736-" + span + "-01"
+	}
+	assert.Equal(t, want, got)
+	assert.Equal(t, map[string]bool{"exhausted": true}, retried, "OnRetry gets the message's span")
 }
