@@ -177,3 +177,44 @@ func TestHandlerRetryAbandonedWhileWaitingIsNotCounted(t *testing.T) {
 	assert.Zero(t, c.Stats().Retries)
 	assert.Empty(t, sums(t, reader, "once.consumer.retries", "reason"))
 }
+
+// once.consumer.inflight counts the messages of the transactions in
+// progress, not the transactions: one batch of five, under Concurrency 1,
+// is five in flight (operations.md: up to Concurrency x Batch.Size).
+func TestInflightCountsTheMessagesOfABatch(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	b := memsource.New(memsource.Options{Streams: 1})
+	for i := 0; i < 5; i++ {
+		publishKeyed(b, "one key", fmt.Sprintf("e%d", i), i)
+	}
+	cfg := fastConfig("inflight")
+	cfg.Telemetry.MeterProvider = mp
+	cfg.Concurrency = 1
+	cfg.Batch.Size = 5
+	cfg.Batch.Linger = time.Minute // until the batch is full
+	inflight := make(chan int64, 5)
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		if ev.ID == "e0" && ev.Attempt == 1 {
+			inflight <- sumOf(t, reader, "once.consumer.inflight")
+		}
+		return insertEffect(ctx, tx, ev)
+	}
+	c, err := consumer.New(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	start(t, c)
+	assert.Equal(t, int64(5), <-inflight)
+	require.Eventually(t, func() bool { return b.Acked() == 5 }, 10*time.Second, 5*time.Millisecond)
+	assert.Equal(t, int64(0), sumOf(t, reader, "once.consumer.inflight"))
+}
+
+// sumOf returns the sum of an int64 sum metric over its attributes.
+func sumOf(t *testing.T, r *sdkmetric.ManualReader, name string) int64 {
+	var n int64
+	for _, v := range sums(t, r, name, "once.consumer") {
+		n += v
+	}
+	return n
+}
