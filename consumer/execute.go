@@ -164,10 +164,12 @@ func (p *pipeline) waitInfra(ctx context.Context, r *backoff.Retrier, err error,
 }
 
 // infra runs f until it succeeds, backing off after each failure (counted
-// as infrastructure failures, and each try after one as a retry); it returns an error only when the consumer
-// stops first. It serves the library's own statements outside a
-// transaction and dead-letter writes.
-func (p *pipeline) infra(ctx context.Context, what string, f func() error) error {
+// as an infrastructure failure, and each try after one as a retry); it
+// returns an error only when the consumer stops first. It serves the
+// library's own statements outside a transaction and dead-letter writes.
+// waiting says, for OnRetry, which messages wait for f (EventID,
+// Messages).
+func (p *pipeline) infra(ctx context.Context, what string, waiting Retry, f func() error) error {
 	r := backoff.Retrier{Policy: p.infraPolicy()}
 	for {
 		err := f()
@@ -181,7 +183,8 @@ func (p *pipeline) infra(ctx context.Context, what string, f func() error) error
 		d := r.Delay()
 		p.cfg.Telemetry.Logger.WarnContext(ctx, "once: infrastructure failure "+what+"; retrying",
 			"consumer", p.cfg.Name, "error", err, "backoff", d)
-		p.retrying(ctx, Retry{Reason: RetryInfrastructure, Err: fmt.Errorf("%s: %w", what, err), Wait: d})
+		p.retrying(ctx, Retry{Reason: RetryInfrastructure, EventID: waiting.EventID, Messages: waiting.Messages,
+			Err: fmt.Errorf("%s: %w", what, err), Wait: d})
 		if !p.sleep(ctx, d) {
 			if ctx.Err() != nil {
 				return ctx.Err()

@@ -150,7 +150,7 @@ func (g *crashGuard) plan(ctx context.Context, jobs []*job, window bool) [][]*jo
 // failures; it reports false when ctx ended first.
 func (g *crashGuard) read(ctx context.Context, sql string, ids []string) (map[string]record, bool) {
 	records := map[string]record{}
-	err := g.p.infra(ctx, "reading crash-guard records", func() error {
+	err := g.p.infra(ctx, "reading crash-guard records", Retry{Messages: len(ids)}, func() error {
 		clear(records)
 		rows, err := g.p.pool.Query(ctx, sql, g.p.cfg.Name, ids)
 		if err != nil {
@@ -285,7 +285,7 @@ func (g *crashGuard) forget(j *job) {
 // set writes j's record with the given counts, retrying infrastructure
 // failures until ctx ends.
 func (g *crashGuard) set(ctx context.Context, j *job, runs, crashes int) error {
-	return g.p.infra(ctx, "writing a crash-guard record", func() error {
+	return g.p.infra(ctx, "writing a crash-guard record", Retry{EventID: j.idt.id, Messages: 1}, func() error {
 		_, err := g.p.pool.Exec(ctx, g.setSQL, g.p.cfg.Name, j.idt.id, runs, crashes)
 		return err
 	})

@@ -224,3 +224,35 @@ func TestOnOutcomeReportsMessagesAbandonedBeforeTheyStarted(t *testing.T) {
 		})
 	}
 }
+
+// OnRetry for a dead-letter write that waits for its destination names the
+// message that waits, as for a handler's retry.
+func TestOnRetryOfADeadLetterWriteNamesItsMessage(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	b := memsource.New(memsource.Options{Streams: 1})
+	b.Publish(consumer.Message{Value: []byte("not json"), Headers: map[string]string{"id": "poison"}})
+	b.SetDeadLetterError(errors.New("dead-letter queue unavailable"))
+	var mu sync.Mutex
+	var retries []consumer.Retry
+	cfg := fastConfig("dlq-down-retry")
+	cfg.Hooks.OnRetry = func(_ context.Context, r consumer.Retry) {
+		mu.Lock()
+		defer mu.Unlock()
+		if retries = append(retries, r); len(retries) == 2 {
+			b.SetDeadLetterError(nil)
+		}
+	}
+	c, err := consumer.New(pool, b.Source(), insertEffect, cfg)
+	require.NoError(t, err)
+	stop := start(t, c)
+	require.Eventually(t, func() bool { return b.IsAcked(0) }, 10*time.Second, 5*time.Millisecond)
+	require.NoError(t, stop())
+	mu.Lock()
+	defer mu.Unlock()
+	require.Len(t, retries, 2)
+	for _, r := range retries {
+		assert.Equal(t, consumer.RetryInfrastructure, r.Reason)
+		assert.Equal(t, "poison", r.EventID)
+		assert.Equal(t, 1, r.Messages)
+	}
+}

@@ -117,7 +117,7 @@ func (p *pipeline) transaction(ctx context.Context, jobs []*job) txResult {
 	p.tel.since(ctx, p.tel.commitDur, start)
 	p.tel.batchSize.Record(ctx, int64(len(jobs)), p.tel.baseRecord...)
 	if err != nil {
-		if xid != 0 && outcomeUnknown(err) && p.committedAfterAll(ctx, xid) {
+		if xid != 0 && outcomeUnknown(err) && p.committedAfterAll(ctx, xid, len(jobs)) {
 			return txResult{outcome: txCommitted, claims: res, failed: -1}
 		}
 		return p.commitFailure(ctx, tx, jobs, err)
@@ -324,10 +324,10 @@ func outcomeUnknown(err error) bool {
 
 // committedAfterAll reports whether transaction xid, whose COMMIT lost its
 // reply, did commit; false when it did not, or when the consumer stopped
-// (or ctx ended) before the server could tell.
-func (p *pipeline) committedAfterAll(ctx context.Context, xid int64) bool {
+// (or ctx ended) before the server could tell. messages wait for it.
+func (p *pipeline) committedAfterAll(ctx context.Context, xid int64, messages int) bool {
 	var committed bool
-	err := p.infra(ctx, "learning whether a commit whose reply was lost committed", func() error {
+	err := p.infra(ctx, "learning whether a commit whose reply was lost committed", Retry{Messages: messages}, func() error {
 		var status *string
 		if err := p.pool.QueryRow(ctx, `SELECT txid_status($1)`, xid).Scan(&status); err != nil {
 			return err
