@@ -361,7 +361,13 @@ func (m *Middleware) rollback(ctx context.Context, tx pgx.Tx) {
 // 500 for anything else (a missing table: run Migrate), and logs it.
 func (m *Middleware) infrastructureFailure(w http.ResponseWriter, r *http.Request, doing string, err error) {
 	if r.Context().Err() != nil {
-		return // the client is gone; nobody reads the answer
+		// The request's context ended: the client is gone, or a deadline
+		// an outer middleware set has passed and the client still waits.
+		// Nothing is logged, but the request is answered: written nothing,
+		// it would go out as an empty 200.
+		problem(w, http.StatusServiceUnavailable, "Service unavailable",
+			"The request was not processed (or its outcome is unknown); retry with the same "+m.cfg.Header+".")
+		return
 	}
 	if consumer.IsTransient(err) {
 		m.cfg.Logger.Warn("idempotency: database unavailable", "doing", doing, "path", r.URL.Path, "error", err)
