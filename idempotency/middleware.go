@@ -319,8 +319,14 @@ func (m *Middleware) notCommitted(w http.ResponseWriter, r *http.Request, rec *r
 // (Config.Optional): committed when Config.Store accepts the status.
 func (m *Middleware) serveWithoutKey(w http.ResponseWriter, r *http.Request, next http.Handler) {
 	ctx := r.Context()
-	tx, err := m.pool.Begin(ctx)
-	if err != nil {
+	b := &pgx.Batch{}
+	b.BeginTx(m.cfg.TxOptions) // the request's transaction, as with a key
+	br := m.pool.SendBatch(ctx, b)
+	tx := br.Tx()
+	if err := br.Close(); err != nil {
+		if tx != nil {
+			m.rollback(ctx, tx)
+		}
 		m.infrastructureFailure(w, r, "beginning the transaction", err)
 		return
 	}
