@@ -112,7 +112,7 @@ const (
 // Config.StoredHeaders is nil: those that describe the representation or
 // the created resource, not the exchange.
 var DefaultStoredHeaders = []string{
-	"Content-Type", "Content-Language", "Content-Location", "Location", "ETag", "Last-Modified",
+	"Content-Type", "Content-Encoding", "Content-Language", "Content-Location", "Location", "ETag", "Last-Modified",
 }
 
 // ErrConfig is wrapped by New's errors for a configuration that cannot
