@@ -44,9 +44,11 @@ func ExampleMiddleware_Handler() {
 			http.Error(w, "bad order", http.StatusBadRequest) // 4xx: stored, replayed
 			return
 		}
+		// The key is unique within its scope only (another account may
+		// send the same one): with the account, it is the order's id.
 		tx := idempotency.Tx(r.Context())
-		_, err := tx.Exec(r.Context(), `INSERT INTO orders (id, item) VALUES ($1, $2)`,
-			idempotency.Key(r.Context()), order.Item) // the key doubles as the order's id
+		_, err := tx.Exec(r.Context(), `INSERT INTO orders (account, id, item) VALUES ($1, $2, $3)`,
+			r.Header.Get("X-Account"), idempotency.Key(r.Context()), order.Item)
 		if err != nil {
 			http.Error(w, "try again", http.StatusServiceUnavailable) // 5xx: rolled back, not stored
 			return

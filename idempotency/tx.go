@@ -35,7 +35,9 @@ func Tx(ctx context.Context) pgx.Tx {
 
 // Key returns the idempotency key of a request that went through the
 // middleware, or "" when it had none (Config.Optional) or did not go
-// through it. A handler may use it as the id of what it creates.
+// through it. Keys are unique per Config.Scope only: a handler may use the
+// key, with the request's scope, as the id of what it creates; the key
+// alone names another client's resource as well.
 func Key(ctx context.Context) string {
 	if s, ok := ctx.Value(ctxKey{}).(*requestState); ok {
 		return s.key
