@@ -199,8 +199,8 @@ func (m *Middleware) begin(ctx context.Context, c *claim) (tx pgx.Tx, won bool, 
 		if expired {
 			b.Queue(m.sql.deleteExpired, c.scope, c.key)
 		}
-		b.Queue(m.sql.setLockTimeout, lockTimeoutSetting(m.cfg.Wait))
-		b.Queue(m.sql.lockKey, c.scope, c.key, m.sql.lockNamespace)
+		b.Queue(m.sql.saveLockTimeout)
+		b.Queue(m.sql.lockKey, c.scope, c.key, m.sql.lockNamespace, lockTimeoutSetting(m.cfg.Wait))
 		b.Queue(m.sql.restoreLockTimeout)
 		b.Queue(m.sql.claim, c.scope, c.key, c.fingerprint, c.method, c.path, m.cfg.TTL.Seconds()).
 			Exec(func(tag pgconn.CommandTag) error { won = tag.RowsAffected() == 1; return nil })

@@ -115,10 +115,10 @@ func qualified(schema string) string {
 // statements are the store's SQL, with the table's name qualified by the
 // configured schema.
 type statements struct {
-	setLockTimeout, restoreLockTimeout string
-	lockKey, lockNamespace             string
-	claim, lookup, deleteExpired       string
-	saveResponse, retention            string
+	saveLockTimeout, restoreLockTimeout string
+	lockKey, lockNamespace              string
+	claim, lookup, deleteExpired        string
+	saveResponse, retention             string
 }
 
 func newStatements(schema string) statements {
@@ -126,11 +126,10 @@ func newStatements(schema string) statements {
 	where := ` WHERE scope = $1 AND idempotency_key = $2`
 	return statements{
 		// The wait for a transaction that holds the same key is bounded by
-		// lock_timeout, set around lockKey only: the claim's INSERT and the
-		// handler's statements run under the session's own setting, saved
-		// in a custom setting and restored after lockKey.
-		setLockTimeout: `SELECT set_config('once.saved_lock_timeout', current_setting('lock_timeout'), true),
-	set_config('lock_timeout', $1, true)`,
+		// lock_timeout, set for the advisory lock only: the claim's INSERT
+		// and the handler's statements run under the session's own setting,
+		// saved in a custom setting and restored after lockKey.
+		saveLockTimeout:    `SELECT set_config('once.saved_lock_timeout', current_setting('lock_timeout'), true)`,
 		restoreLockTimeout: `SELECT set_config('lock_timeout', current_setting('once.saved_lock_timeout'), true)`,
 		// A transaction-scoped advisory lock on the key's hash marks the
 		// key in flight: held from the claim to the commit or rollback,
@@ -147,8 +146,15 @@ func newStatements(schema string) statements {
 		// key in another table (another service's schema, a parallel
 		// test's) is not in flight; other keys sharing a hash only wait
 		// needlessly.
-		lockKey: `SELECT pg_advisory_xact_lock(hashtextextended($3 || ':' || '` + table + `'::regclass::oid::text || ':' ||
-	length($1)::text || ':' || $1 || $2, 0))
+		//
+		// lock_timeout ($4) is set in the lock's own argument, so that it
+		// bounds that wait alone: the statement's locks on the table and
+		// its index are taken before it executes, under the session's
+		// setting. Were they under the short one, a brief lock on the table
+		// (autovacuum truncating its empty tail, a DDL statement, a
+		// REINDEX) would make a key no one else sent a 409.
+		lockKey: `SELECT pg_advisory_xact_lock(hashtextextended(left(set_config('lock_timeout', $4, true), 0) ||
+	$3 || ':' || '` + table + `'::regclass::oid::text || ':' || length($1)::text || ':' || $1 || $2, 0))
 WHERE NOT EXISTS (SELECT 1 FROM ` + table + where + ` AND expires_at > now())`,
 		lockNamespace: "once.idempotency",
 		claim: `INSERT INTO ` + table + ` (scope, idempotency_key, fingerprint, method, path, expires_at)

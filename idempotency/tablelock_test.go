@@ -1,0 +1,54 @@
+package idempotency_test
+
+import (
+	"context"
+	"net/http"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/idempotency"
+	"github.com/onceco/once/internal/pgtest"
+)
+
+// A new key is never in flight, also while the table is briefly locked
+// (autovacuum truncating its empty tail, a DDL statement, a REINDEX): the
+// claim waits for that lock as any statement would, and only the wait for
+// the same key is bounded by Config.Wait.
+func TestNewKeyWaitsOutATableLock(t *testing.T) {
+	s := newService(t, idempotency.Config{}, http.HandlerFunc(insertEffect))
+	admin := s.pool
+	// One connection, whose statements are prepared by a first request.
+	s = serve(t, pgtest.NewPoolWith(t, s.schema, func(c *pgxpool.Config) { c.MaxConns = 1 }), s.schema,
+		idempotency.Config{}, http.HandlerFunc(insertEffect))
+	s.pool = admin
+	require.Equal(t, http.StatusCreated, s.post("/orders", "first", "a").status)
+	ctx := context.Background()
+	locker, err := s.pool.Begin(ctx)
+	require.NoError(t, err)
+	defer locker.Rollback(ctx) //nolint:errcheck
+	_, err = locker.Exec(ctx, `LOCK TABLE idempotency_keys IN ACCESS EXCLUSIVE MODE`)
+	require.NoError(t, err)
+
+	got := make(chan reply, 1)
+	go func() { got <- s.post("/orders", "fresh", "b") }()
+	waiting := func() bool {
+		return count(t, s.pool, `SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'
+			AND wait_event = 'relation' AND strpos(query, '"' || $1 || '"."idempotency_keys"') > 0`, s.schema) == 1
+	}
+	for !waiting() {
+		select {
+		case r := <-got:
+			require.NoError(t, locker.Rollback(ctx))
+			t.Fatalf("the request ended while the table was locked: %d %s", r.status, r.body)
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+	require.NoError(t, locker.Commit(ctx))
+	r := <-got
+	assert.Equal(t, http.StatusCreated, r.status, r.body)
+	assert.Equal(t, 2, s.effects())
+}
