@@ -20,12 +20,13 @@ var DrainTimeout = time.Minute
 // Source of b, and Run must not have been called on it.
 func Drain[T any](t testing.TB, c *consumer.Consumer[T], b *memsource.Broker) consumer.Stats {
 	t.Helper()
+	published := b.Published()
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- c.Run(ctx) }()
 	wait, stopWaiting := context.WithTimeout(context.Background(), DrainTimeout)
 	defer stopWaiting()
-	waitErr := waitOrEnd(wait, b, done)
+	waitErr := waitOrEnd(wait, b, published, done)
 	cancel()
 	runErr := <-done
 	if runErr != nil {
@@ -37,12 +38,14 @@ func Drain[T any](t testing.TB, c *consumer.Consumer[T], b *memsource.Broker) co
 	return c.Stats()
 }
 
-// waitOrEnd waits until b's messages are acked, unless Run ends first.
-func waitOrEnd(ctx context.Context, b *memsource.Broker, done chan error) error {
+// waitOrEnd waits until each of the first n messages of b is acked, unless
+// Run ends first. Acks of messages published meanwhile (by a handler, say)
+// do not stand in for those.
+func waitOrEnd(ctx context.Context, b *memsource.Broker, n int, done chan error) error {
 	acked := make(chan error, 1)
 	wctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	go func() { acked <- b.WaitAcked(wctx, b.Published()) }()
+	go func() { acked <- b.WaitEachAcked(wctx, n) }()
 	select {
 	case err := <-acked:
 		return err

@@ -123,6 +123,29 @@ func (b *Broker) WaitAcked(ctx context.Context, n int) error {
 	}
 }
 
+// WaitEachAcked blocks until each of the first n messages published (the
+// offsets below n) is acked, or ctx ends; then it returns ctx's error.
+// Unlike WaitAcked, acks of messages published later do not count.
+func (b *Broker) WaitEachAcked(ctx context.Context, n int) error {
+	var next int64 // the offsets below it are acked
+	for {
+		b.mu.Lock()
+		for next < int64(n) && b.acked[next] {
+			next++
+		}
+		changed := b.ackNotify
+		b.mu.Unlock()
+		if next >= int64(n) {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("memsource: offset %d of the first %d messages not acked: %w", next, n, ctx.Err())
+		case <-changed:
+		}
+	}
+}
+
 // IsAcked reports whether the message at offset is acked.
 func (b *Broker) IsAcked(offset int64) bool {
 	b.mu.Lock()

@@ -1,0 +1,74 @@
+package oncetest_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/consumer/memsource"
+	"github.com/onceco/once/oncetest"
+)
+
+// fatalRecorder is a testing.TB whose Fatalf is recorded and ends the
+// calling goroutine, as the real one does.
+type fatalRecorder struct {
+	testing.TB
+	mu     sync.Mutex
+	failed string
+}
+
+func (r *fatalRecorder) Helper() {}
+
+func (r *fatalRecorder) Fatalf(format string, args ...any) {
+	r.mu.Lock()
+	r.failed = fmt.Sprintf(format, args...)
+	r.mu.Unlock()
+	panic(errFatal)
+}
+
+var errFatal = errors.New("fatal")
+
+// Drain waits for each message published before it, not for as many acks:
+// a message published while it runs (by a handler, say) does not stand in
+// for an earlier one that is still waiting for its retry.
+func TestDrainWaitsForEachMessagePublishedBeforeIt(t *testing.T) {
+	pool := oncetest.Postgres(t)
+	// Two streams: "stuck" waits for its retry on one, "chain" and what it
+	// publishes run on the other.
+	b := memsource.New(memsource.Options{Streams: 2})
+	b.Publish(consumer.Message{ID: "stuck", Key: []byte("a"), Value: []byte(`"stuck"`)})
+	b.Publish(consumer.Message{ID: "chain", Key: []byte("b"), Value: []byte(`"chain"`)})
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[string]) error {
+		switch ev.Payload {
+		case "stuck":
+			return consumer.RetryAfter(time.Hour, errors.New("not yet"))
+		case "chain":
+			b.Publish(consumer.Message{ID: "next", Key: []byte("b"), Value: []byte(`"next"`)})
+		}
+		return nil
+	}
+	c, err := consumer.New(pool, b.Source(), h, consumer.Config{Name: "drain"})
+	require.NoError(t, err)
+
+	defer func(d time.Duration) { oncetest.DrainTimeout = d }(oncetest.DrainTimeout)
+	oncetest.DrainTimeout = 3 * time.Second
+	rec := &fatalRecorder{TB: t}
+	func() {
+		defer func() {
+			if p := recover(); p != nil && p != errFatal {
+				panic(p)
+			}
+		}()
+		oncetest.Drain(rec, c, b)
+	}()
+	assert.False(t, b.IsAcked(0), "the stuck message was never settled")
+	assert.NotEmpty(t, rec.failed, "Drain returned as if every message published before it were settled")
+}
