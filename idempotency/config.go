@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"net/http"
 	"time"
 
@@ -47,7 +48,8 @@ type Config struct {
 	// Conflict. If the first commits within Wait, the waiting request gets
 	// its response as a replay; if the first rolls back, the waiting one
 	// runs. Defaults to 0: 409 at once, as the draft and Stripe answer.
-	// Every waiting request holds a pool connection.
+	// At most about 24.8 days (PostgreSQL's longest lock_timeout). Every
+	// waiting request holds a pool connection.
 	Wait time.Duration
 
 	// TTL is how long a stored response is replayed. After it the key is
@@ -141,6 +143,10 @@ func DefaultFingerprint(r *http.Request, body []byte) []byte {
 	return h.Sum(nil)
 }
 
+// maxWait is the longest Config.Wait: PostgreSQL's lock_timeout holds at
+// most 2^31-1 milliseconds (about 24.8 days).
+const maxWait = math.MaxInt32 * time.Millisecond
+
 // withDefaults validates c and fills in its defaults.
 func (c Config) withDefaults() (Config, error) {
 	if c.Scope == nil {
@@ -160,6 +166,10 @@ func (c Config) withDefaults() (Config, error) {
 		if f.bad {
 			return c, fmt.Errorf("%w: %s must not be negative", ErrConfig, f.name)
 		}
+	}
+	if c.Wait > maxWait {
+		// Wait is PostgreSQL's lock_timeout, which refuses more.
+		return c, fmt.Errorf("%w: Wait %v exceeds %v, the longest lock_timeout PostgreSQL accepts", ErrConfig, c.Wait, maxWait)
 	}
 	if c.TxOptions.AccessMode == pgx.ReadOnly {
 		return c, fmt.Errorf("%w: TxOptions.AccessMode is read only: the request's transaction writes the key's claim and response", ErrConfig)

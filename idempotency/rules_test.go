@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"net/http"
 	"net/url"
 	"strings"
@@ -597,4 +598,17 @@ func TestNewRefusesAReadOnlyTransaction(t *testing.T) {
 		TxOptions: pgx.TxOptions{AccessMode: pgx.ReadOnly}})
 	require.ErrorIs(t, err, idempotency.ErrConfig)
 	assert.Contains(t, err.Error(), "TxOptions")
+}
+
+// PostgreSQL's lock_timeout, which bounds Wait, holds at most 2^31-1
+// milliseconds (about 24.8 days): a longer Wait made the server refuse the
+// setting, and every request with a key failed. New refuses it.
+func TestNewRefusesAWaitPastLockTimeout(t *testing.T) {
+	_, err := idempotency.New(unreachablePool(t), idempotency.Config{Scope: idempotency.SingleScope,
+		Wait: 25 * 24 * time.Hour})
+	require.ErrorIs(t, err, idempotency.ErrConfig)
+	assert.Contains(t, err.Error(), "Wait")
+	_, err = idempotency.New(unreachablePool(t), idempotency.Config{Scope: idempotency.SingleScope,
+		Wait: math.MaxInt32 * time.Millisecond})
+	require.NoError(t, err)
 }
