@@ -53,7 +53,8 @@ type Config struct {
 	Wait time.Duration
 
 	// TTL is how long a stored response is replayed. After it the key is
-	// free again: a request with it runs the handler. Defaults to 24h.
+	// free again: a request with it runs the handler. Defaults to 24h; at
+	// least a millisecond.
 	TTL time.Duration
 
 	// Store decides by status code whether a response is stored. The
@@ -166,6 +167,11 @@ func (c Config) withDefaults() (Config, error) {
 		if f.bad {
 			return c, fmt.Errorf("%w: %s must not be negative", ErrConfig, f.name)
 		}
+	}
+	if c.TTL > 0 && c.TTL < time.Millisecond {
+		// A unit mistake (TTL: 24 is 24ns): every response would expire as
+		// it is stored.
+		return c, fmt.Errorf("%w: TTL %v is below a millisecond (a time.Duration counts nanoseconds)", ErrConfig, c.TTL)
 	}
 	if c.Wait > maxWait {
 		// Wait is PostgreSQL's lock_timeout, which refuses more.

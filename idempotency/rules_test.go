@@ -612,3 +612,14 @@ func TestNewRefusesAWaitPastLockTimeout(t *testing.T) {
 		Wait: math.MaxInt32 * time.Millisecond})
 	require.NoError(t, err)
 }
+
+// A TTL below a millisecond is a unit mistake (TTL: 24 is 24ns, not a
+// day): responses expired as they were stored, and replays silently never
+// happened. New refuses it.
+func TestNewRefusesATTLBelowAMillisecond(t *testing.T) {
+	_, err := idempotency.New(unreachablePool(t), idempotency.Config{Scope: idempotency.SingleScope, TTL: 24})
+	require.ErrorIs(t, err, idempotency.ErrConfig)
+	assert.Contains(t, err.Error(), "TTL")
+	_, err = idempotency.New(unreachablePool(t), idempotency.Config{Scope: idempotency.SingleScope, TTL: time.Millisecond})
+	require.NoError(t, err)
+}
