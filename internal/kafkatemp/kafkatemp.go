@@ -7,7 +7,6 @@ import (
 	"encoding/base64"
 	"errors"
 	"fmt"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -19,6 +18,8 @@ import (
 	"time"
 
 	"github.com/IBM/sarama"
+
+	"github.com/onceco/once/internal/freeport"
 )
 
 // Options tune a throwaway cluster. The zero value is one node with a
@@ -605,14 +606,9 @@ func newClusterID() string {
 	}
 }
 
-func freePort() (int, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return 0, err
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port, nil
-}
+// freePort picks the server's port below the ephemeral range, so that a
+// restart finds it free again (internal/freeport).
+func freePort() (int, error) { return freeport.Pick() }
 
 // tail returns the last n lines of file, or a note that it cannot be read.
 func tail(file string, n int) string {

@@ -17,7 +17,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
 	"os"
 	"os/exec"
 	"os/user"
@@ -27,6 +26,8 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/onceco/once/internal/freeport"
 )
 
 // Options tune the throwaway server. The zero value is a server with fsync
@@ -212,11 +213,6 @@ func versionOf(bindir string) int {
 	return v
 }
 
-func freePort() (int, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return 0, err
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port, nil
-}
+// freePort picks the server's port below the ephemeral range, so that a
+// restart finds it free again (internal/freeport).
+func freePort() (int, error) { return freeport.Pick() }
