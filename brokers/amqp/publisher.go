@@ -116,10 +116,15 @@ func (p *publisher) publish(ctx context.Context, id any, exchange, key string, m
 
 // returned reports the return of the publish just confirmed, if any: the
 // broker sends it before the confirm, and the connection's reader hands it
-// over before it handles the confirm.
+// over before it handles the confirm. amqp091 closes the returns channel
+// with the channel; a return handed over before stays readable, so a
+// closed one means there was none.
 func (p *publisher) returned() error {
 	select {
-	case r := <-p.returns:
+	case r, ok := <-p.returns:
+		if !ok {
+			return nil
+		}
 		return fmt.Errorf("amqp: publish to exchange %q with key %q was unroutable: %d %s", r.Exchange, r.RoutingKey, r.ReplyCode, r.ReplyText)
 	default:
 		return nil
@@ -263,11 +268,16 @@ func (p *publisher) ready() error {
 	return nil
 }
 
-// drainReturns discards returns left by an earlier publish.
+// drainReturns discards returns left by an earlier publish. The channel
+// may have closed since ready (while settlePending waited): its returns
+// channel is then closed, and the publish that follows fails.
 func (p *publisher) drainReturns() {
 	for {
 		select {
-		case <-p.returns:
+		case _, ok := <-p.returns:
+			if !ok {
+				return
+			}
 		default:
 			return
 		}
