@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/url"
+	"strconv"
 	"strings"
 	"time"
 
@@ -103,7 +104,8 @@ type Config struct {
 	DialTimeout time.Duration
 	// Heartbeat is the AMQP heartbeat interval: a dead peer is detected
 	// after about two intervals without traffic. Default 10s; at least 1s
-	// (the protocol counts whole seconds).
+	// (the protocol counts whole seconds). A heartbeat parameter in URL
+	// takes its place (amqp091 reads it); heartbeat=0 is refused.
 	Heartbeat time.Duration
 	// ConnectionName is shown in the RabbitMQ management UI and
 	// rabbitmqctl list_connections. Default "once <Queue>". The
@@ -259,6 +261,11 @@ func (cfg Config) withDefaults() (Config, error) {
 		// none and uses the broker's interval (60 s by default).
 		return cfg, fmt.Errorf("amqp: Config.Heartbeat %v is below one second, the protocol's unit", cfg.Heartbeat)
 	}
+	if hb, ok := urlHeartbeat(cfg.URL); ok && hb == 0 {
+		// amqp091 takes the URL's heartbeat over Config.Heartbeat, and
+		// proposes none for 0: the broker's interval would apply.
+		return cfg, fmt.Errorf("amqp: Config.URL %s has heartbeat=0, which replaces Config.Heartbeat with the broker's interval (60 s by default); drop the parameter", redactURL(cfg.URL))
+	}
 	if cfg.ReconnectMaxBackoff < cfg.ReconnectMinBackoff {
 		return cfg, fmt.Errorf("amqp: Config.ReconnectMaxBackoff %v is below Config.ReconnectMinBackoff %v", cfg.ReconnectMaxBackoff, cfg.ReconnectMinBackoff)
 	}
@@ -291,6 +298,20 @@ func (cfg Config) withDefaults() (Config, error) {
 		cfg.Logger = slog.Default()
 	}
 	return cfg, nil
+}
+
+// urlHeartbeat returns the heartbeat parameter of an AMQP URL, in seconds,
+// and whether it has one.
+func urlHeartbeat(raw string) (uint64, bool) {
+	u, err := url.Parse(raw)
+	if err != nil || !u.Query().Has("heartbeat") {
+		return 0, false
+	}
+	hb, err := strconv.ParseUint(u.Query().Get("heartbeat"), 10, 16)
+	if err != nil {
+		return 0, false // amqp091.ParseURI refused it already
+	}
+	return hb, true
 }
 
 // redactURL returns raw with its password replaced by "xxxxx". A URL that

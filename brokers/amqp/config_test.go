@@ -5,6 +5,7 @@ import (
 	"crypto/tls"
 	"math"
 	"net"
+	"strings"
 	"testing"
 	"time"
 
@@ -132,4 +133,25 @@ func TestSubSecondHeartbeatRefused(t *testing.T) {
 		t.Fatalf("Open accepted Heartbeat %v; the connection negotiated a heartbeat of %v", cfg.Heartbeat, amqp.Heartbeat(src))
 	}
 	assert.Contains(t, err.Error(), "Config.Heartbeat")
+}
+
+// A heartbeat parameter in the URL (the RabbitMQ URI spec's query) takes
+// the place of Config.Heartbeat in amqp091, and heartbeat=0 proposes none:
+// the broker's interval (60 s by default) then applies, as with a
+// sub-second Heartbeat. Open refuses it, naming the parameter.
+func TestURLHeartbeatZeroRefused(t *testing.T) {
+	u := brokerURL(t)
+	sep := "?"
+	if strings.Contains(u, "?") {
+		sep = "&"
+	}
+	cfg := amqp.Config{URL: u + sep + "heartbeat=0", Queue: queueName(t), Heartbeat: 2 * time.Second, Logger: testLogger(t)}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	src, err := amqp.Open(ctx, cfg)
+	if err == nil {
+		defer src.Close()
+		t.Fatalf("Open accepted a URL with heartbeat=0 and Heartbeat %v; the connection negotiated a heartbeat of %v", cfg.Heartbeat, amqp.Heartbeat(src))
+	}
+	assert.Contains(t, err.Error(), "heartbeat")
 }
