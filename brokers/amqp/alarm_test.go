@@ -155,3 +155,46 @@ func TestAlarmBlockingDeadLettersDoesNotStallAcks(t *testing.T) {
 	}
 	assert.ElementsMatch(t, []string{"bad-1", "bad-2", "bad-3", "bad-4"}, ids)
 }
+
+// TestDeadLetterOfALargeCopyUnderAnAlarmKeepsConfirmTimeout: a broker
+// under a memory alarm stops reading a connection once it publishes, so
+// the frames of a dead-letter copy larger than the sockets' buffers cannot
+// all be written. DeadLetter must still return within
+// Config.ConfirmTimeout (the consumer retries it with backoff) instead of
+// blocking in the write until the alarm clears, with the publisher's lock
+// held: every other dead letter, and the consumer's shutdown, would wait
+// that long too.
+func TestDeadLetterOfALargeCopyUnderAnAlarmKeepsConfirmTimeout(t *testing.T) {
+	t.Parallel()
+	node := privateNode(t)
+	a := newAdminAt(t, node.url)
+	q := queueName(t)
+	a.declare(q, amqp.QueueClassic)
+	require.NoError(t, a.publish("", q, amqp091.Publishing{MessageId: "big-1", Body: make([]byte, 64<<20)}))
+	src := openSource(t, amqp.Config{URL: node.url, Queue: q, ConfirmTimeout: time.Second})
+	d := receive(t, src)
+
+	node.ctl(t, "set_vm_memory_high_watermark", "0")
+	alarmOn := true
+	clearAlarm := func() {
+		if alarmOn {
+			node.ctl(t, "set_vm_memory_high_watermark", "0.4")
+			alarmOn = false
+		}
+	}
+	t.Cleanup(clearAlarm)
+	waitBlocked(t, node.url)
+
+	dl := &consumer.DeadLetter{Kind: consumer.KindHandler, EventID: "big-1", FailedAt: time.Now()}
+	done := make(chan error, 1)
+	start := time.Now()
+	go func() { done <- d.DeadLetter(context.Background(), dl) }()
+	select {
+	case err := <-done:
+		require.Error(t, err, "nothing is confirmed during the alarm")
+		assert.Less(t, time.Since(start), 10*time.Second, "DeadLetter must not block past Config.ConfirmTimeout")
+	case <-time.After(30 * time.Second):
+		clearAlarm() // lets the write, and the test's cleanup, finish
+		t.Fatalf("DeadLetter still blocked %v after it began, with a ConfirmTimeout of 1s", time.Since(start).Round(time.Second))
+	}
+}

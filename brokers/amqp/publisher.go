@@ -103,7 +103,7 @@ func (p *publisher) publish(ctx context.Context, id any, exchange, key string, m
 	p.drainReturns()
 	wctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
-	dc, err := p.ch.PublishWithDeferredConfirmWithContext(wctx, exchange, key, true, false, msg)
+	dc, err := p.send(wctx, ctx, exchange, key, msg, timeout)
 	if err != nil {
 		p.drop()
 		return fmt.Errorf("amqp: publish to exchange %q with key %q: %w", exchange, key, err)
@@ -112,6 +112,45 @@ func (p *publisher) publish(ctx context.Context, id any, exchange, key string, m
 		return fmt.Errorf("amqp: publish to exchange %q with key %q: %w", exchange, key, err)
 	}
 	return p.returned()
+}
+
+// send writes msg, mandatory, and returns its deferred confirmation. A
+// broker under a resource alarm stops reading a connection once it
+// publishes, so the write of a copy larger than the sockets' buffers does
+// not end until the alarm clears, and amqp091 gives up no write on its
+// context. Past wctx the connection is dropped: the deadline dropping sets
+// on its socket ends the write, and the broker discards the partial copy.
+func (p *publisher) send(wctx, ctx context.Context, exchange, key string, msg amqp091.Publishing, timeout time.Duration) (*amqp091.DeferredConfirmation, error) {
+	type written struct {
+		dc  *amqp091.DeferredConfirmation
+		err error
+	}
+	ch := p.ch
+	done := make(chan written, 1)
+	go func() {
+		dc, err := ch.PublishWithDeferredConfirmWithContext(wctx, exchange, key, true, false, msg)
+		done <- written{dc, err}
+	}()
+	select {
+	case w := <-done:
+		return w.dc, w.err
+	case <-wctx.Done():
+	}
+	select {
+	case w := <-done:
+		return w.dc, w.err
+	default:
+	}
+	reason := p.blocked.get()
+	p.drop()
+	switch {
+	case reason != "":
+		return nil, fmt.Errorf("%w: %s (the copy could not be written whole; its connection is dropped)", ErrPublisherBlocked, reason)
+	case ctx.Err() != nil:
+		return nil, fmt.Errorf("write the copy: %w", ctx.Err())
+	default:
+		return nil, fmt.Errorf("the copy could not be written within Config.ConfirmTimeout %v", timeout)
+	}
 }
 
 // returned reports the return of the publish just confirmed, if any: the
