@@ -63,8 +63,10 @@ func TestDrainWaitsForEachMessagePublishedBeforeIt(t *testing.T) {
 	rec := &fatalRecorder{TB: t}
 	func() {
 		defer func() {
-			if p := recover(); p != nil && p != errFatal {
-				panic(p)
+			if p := recover(); p != nil {
+				if err, ok := p.(error); !ok || !errors.Is(err, errFatal) {
+					panic(p)
+				}
 			}
 		}()
 		oncetest.Drain(rec, c, b)
