@@ -82,7 +82,9 @@ func runUntilStopped(t *testing.T, c *consumer.Consumer[order], before func()) (
 		cancel()
 		before()
 		if !returned {
-			_ = <-done // Run's error after the test ended tells nothing more
+			if err := <-done; err != nil {
+				t.Logf("Run after the test: %v", err)
+			}
 		}
 	})
 	return func(limit time.Duration) bool {
