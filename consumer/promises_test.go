@@ -340,6 +340,25 @@ func runUntilStuck(t *testing.T, c *consumer.Consumer[order], stuck <-chan struc
 	require.NoError(t, stop())
 }
 
+// crashThenDrain runs a consumer with cfg and stallingHandler crashes
+// times, each until its handler is stuck on the killer (a process that
+// died there), then once more until want messages of b are acked.
+func crashThenDrain(t *testing.T, pool *pgxpool.Pool, b *memsource.Broker, cfg consumer.Config, crashes, want int) (stuck chan struct{}) {
+	t.Helper()
+	stuck = make(chan struct{}, 16)
+	for range crashes {
+		c, err := consumer.New(pool, b.Source(), stallingHandler(stuck), cfg)
+		require.NoError(t, err)
+		runUntilStuck(t, c, stuck)
+	}
+	c, err := consumer.New(pool, b.Source(), stallingHandler(stuck), cfg)
+	require.NoError(t, err)
+	stop := start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == want }, 20*time.Second, 5*time.Millisecond)
+	require.NoError(t, stop())
+	return stuck
+}
+
 // A process that dies during a shared batch charges no crash to any of
 // its messages: the innocent ones are handled next time, and only the
 // killer, which then crashes alone, is dead-lettered as a crash loop, even
@@ -356,21 +375,11 @@ func TestSharedBatchCrashChargesNoOne(t *testing.T) {
 	for i := 0; i < 4; i++ {
 		publish(b, fmt.Sprintf("after-%d", i), i)
 	}
-	stuck := make(chan struct{}, 16)
 	cfg := fastConfig("shared-batch")
 	cfg.CrashGuard.MaxCrashes = 1
 	cfg.ShutdownTimeout = 10 * time.Millisecond
 	cfg.Batch.Linger = time.Second // one batch of all nine
-	for run := 1; run <= 2; run++ {
-		c, err := consumer.New(pool, b.Source(), stallingHandler(stuck), cfg)
-		require.NoError(t, err)
-		runUntilStuck(t, c, stuck)
-	}
-	c, err := consumer.New(pool, b.Source(), stallingHandler(stuck), cfg)
-	require.NoError(t, err)
-	stop := start(t, c)
-	require.Eventually(t, func() bool { return b.Acked() == 9 }, 20*time.Second, 5*time.Millisecond)
-	require.NoError(t, stop())
+	crashThenDrain(t, pool, b, cfg, 2, 9)
 	assert.Equal(t, map[string]string{"killer": string(consumer.KindCrashLoop)}, deadLetterKinds(b))
 	requireEffectsOnce(t, pool, 8)
 }
@@ -389,23 +398,13 @@ func TestSharedBatchCrashWithOneAttemptChargesNoOne(t *testing.T) {
 	publish(b, "before", 1)
 	publish(b, "killer", 2)
 	publish(b, "after", 3)
-	stuck := make(chan struct{}, 16)
 	cfg := fastConfig("shared-batch-one-attempt")
 	cfg.Retry.MaxAttempts = 1
 	cfg.ShutdownTimeout = 10 * time.Millisecond
 	cfg.Batch.Linger = time.Second // one batch of all three
 	// Run 1: the shared batch crashes. Run 2: "before" is handled alone,
 	// the killer crashes alone.
-	for run := 1; run <= 2; run++ {
-		c, err := consumer.New(pool, b.Source(), stallingHandler(stuck), cfg)
-		require.NoError(t, err)
-		runUntilStuck(t, c, stuck)
-	}
-	c, err := consumer.New(pool, b.Source(), stallingHandler(stuck), cfg)
-	require.NoError(t, err)
-	stop := start(t, c)
-	require.Eventually(t, func() bool { return b.Acked() == 3 }, 20*time.Second, 5*time.Millisecond)
-	require.NoError(t, stop())
+	crashThenDrain(t, pool, b, cfg, 2, 3)
 	assert.Equal(t, map[string]string{"killer": string(consumer.KindCrashLoop)}, deadLetterKinds(b))
 	got := requireEffectsOnce(t, pool, 2)
 	assert.Contains(t, got, "after", "never reached by the handler before the crash")
@@ -419,22 +418,12 @@ func TestCrashedRunsCountTowardsMaxAttempts(t *testing.T) {
 	effects(t, pool)
 	b := memsource.New(memsource.Options{}) // unordered, like AMQP
 	publish(b, "killer", 1)
-	stuck := make(chan struct{}, 16)
 	cfg := fastConfig("crash-runs")
 	cfg.Retry.MaxAttempts = 2
 	cfg.CrashGuard.MaxCrashes = 10
 	cfg.ShutdownTimeout = 10 * time.Millisecond
 	// Run 1 is a first delivery (no record); runs 2 and 3 are recorded.
-	for run := 1; run <= 3; run++ {
-		c, err := consumer.New(pool, b.Source(), stallingHandler(stuck), cfg)
-		require.NoError(t, err)
-		runUntilStuck(t, c, stuck)
-	}
-	c, err := consumer.New(pool, b.Source(), stallingHandler(stuck), cfg)
-	require.NoError(t, err)
-	stop := start(t, c)
-	require.Eventually(t, func() bool { return b.Acked() == 1 }, 20*time.Second, 5*time.Millisecond)
-	require.NoError(t, stop())
+	stuck := crashThenDrain(t, pool, b, cfg, 3, 1)
 	dl := deadLetterOf(t, b, "killer")
 	assert.Equal(t, string(consumer.KindCrashLoop), dl.Headers[consumer.HeaderErrorKind])
 	assert.Equal(t, "2", dl.Headers[consumer.HeaderAttempts])
