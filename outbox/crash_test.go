@@ -289,27 +289,45 @@ func TestRelayStoppedMidPublishDeletesWhatTheBrokerConfirmed(t *testing.T) {
 	})
 }
 
-// lockOnCheck takes an ACCESS EXCLUSIVE lock on the outbox table when the
-// relay checks the first record of its first batch: the read of the next
-// batch, which the relay sends while the broker works on this one, then
-// waits for the lock.
-type lockOnCheck struct {
-	outbox.Publisher
+// tableLock is an ACCESS EXCLUSIVE lock on the outbox table that a test's
+// publisher takes at a chosen moment of the relay's work; locked is closed
+// once it was tried (err says how).
+type tableLock struct {
 	pool   *pgxpool.Pool
-	once   sync.Once
 	tx     pgx.Tx
 	err    error
 	locked chan struct{}
-	done   atomic.Int64
+}
+
+func newTableLock(pool *pgxpool.Pool) tableLock {
+	return tableLock{pool: pool, locked: make(chan struct{})}
+}
+
+// take locks the table in a transaction of its own, unless err is set.
+func (l *tableLock) take() {
+	defer close(l.locked)
+	if l.err != nil {
+		return
+	}
+	if l.tx, l.err = l.pool.Begin(context.Background()); l.err == nil {
+		_, l.err = l.tx.Exec(context.Background(), `LOCK TABLE outbox IN ACCESS EXCLUSIVE MODE`)
+	}
+}
+
+func (l *tableLock) lock() *tableLock { return l }
+
+// lockOnCheck takes the table lock when the relay checks the first record
+// of its first batch: the read of the next batch, which the relay sends
+// while the broker works on this one, then waits for the lock.
+type lockOnCheck struct {
+	outbox.Publisher
+	tableLock
+	once sync.Once
+	done atomic.Int64
 }
 
 func (p *lockOnCheck) Check(rec outbox.Record) error {
-	p.once.Do(func() {
-		defer close(p.locked)
-		if p.tx, p.err = p.pool.Begin(context.Background()); p.err == nil {
-			_, p.err = p.tx.Exec(context.Background(), `LOCK TABLE outbox IN ACCESS EXCLUSIVE MODE`)
-		}
-	})
+	p.once.Do(p.take)
 	return p.Publisher.(outbox.Checker).Check(rec)
 }
 
@@ -328,42 +346,55 @@ func TestRelayStoppedWhileReadingAheadDeletesWhatTheBrokerConfirmed(t *testing.T
 	pool, _ := migrated(t)
 	d := k.destination(t)
 	const batch = 5
+	pub := &lockOnCheck{Publisher: k.publisher(t), tableLock: newTableLock(pool)}
+	// The read ahead waits for the lock, and the broker confirmed the batch.
+	stopRelayWhileLocked(t, pool, d, pub, outbox.RelayConfig{BatchSize: batch}, func() bool { return pub.done.Load() == 1 })
+
+	assert.Equal(t, 3, rows(t, pool, "true"), "the confirmed batch is deleted, the rows read ahead are kept")
+	got := d.read(t, batch)
+	assert.Len(t, got, batch, "the broker has the batch once")
+}
+
+// stopRelayWhileLocked adds BatchSize + 3 committed rows of two keys for
+// d, runs a relay with pub and cfg, and stops it once pub's table lock
+// holds up one of the relay's statements (and also holds); then it lets
+// the relay go on, and waits until Run returned nil.
+func stopRelayWhileLocked(t *testing.T, pool *pgxpool.Pool, d dest, pub interface {
+	outbox.Publisher
+	lock() *tableLock
+}, cfg outbox.RelayConfig, also func() bool) {
+	t.Helper()
 	var msgs []outbox.Message
-	for i := range batch + 3 {
+	for i := range cfg.BatchSize + 3 {
 		msgs = append(msgs, d.msg(fmt.Sprintf("k%d", i%2), fmt.Sprintf("m%02d", i)))
 	}
 	addCommitted(t, pool, msgs...)
-
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	pub := &lockOnCheck{Publisher: k.publisher(t), pool: pool, locked: make(chan struct{})}
-	r, err := outbox.NewRelay(pool, pub, outbox.RelayConfig{BatchSize: batch, Logger: testLogger()})
+	cfg.Logger = testLogger()
+	r, err := outbox.NewRelay(pool, pub, cfg)
 	require.NoError(t, err)
 	done := make(chan error, 1)
 	go func() { done <- r.Run(ctx) }()
 
-	<-pub.locked
-	require.NoError(t, pub.err)
-	defer func() { _ = pub.tx.Rollback(context.Background()) }()
-	// The read ahead waits for the lock, and the broker confirmed the batch.
+	l := pub.lock()
+	<-l.locked
+	require.NoError(t, l.err)
+	defer func() { _ = l.tx.Rollback(context.Background()) }()
 	require.Eventually(t, func() bool {
 		var waiting int
 		err := pool.QueryRow(context.Background(),
 			`SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = 'outbox'::regclass`).Scan(&waiting)
-		return err == nil && waiting == 1 && pub.done.Load() == 1
+		return err == nil && waiting == 1 && also()
 	}, 20*time.Second, 10*time.Millisecond)
 	cancel()
-	require.NoError(t, pub.tx.Rollback(context.Background()))
+	require.NoError(t, l.tx.Rollback(context.Background()))
 	select {
 	case err := <-done:
 		require.NoError(t, err)
 	case <-time.After(30 * time.Second):
 		t.Fatal("the relay did not stop")
 	}
-
-	assert.Equal(t, 3, rows(t, pool, "true"), "the confirmed batch is deleted, the rows read ahead are kept")
-	got := d.read(t, batch)
-	assert.Len(t, got, batch, "the broker has the batch once")
 }
 
 // lockAfterReadAhead takes an ACCESS EXCLUSIVE lock on the outbox table
@@ -372,11 +403,8 @@ func TestRelayStoppedWhileReadingAheadDeletesWhatTheBrokerConfirmed(t *testing.T
 // statement on the table waits for the lock.
 type lockAfterReadAhead struct {
 	outbox.Publisher
-	pool    *pgxpool.Pool
+	tableLock
 	checked time.Time // the database's clock at the first Check
-	tx      pgx.Tx
-	err     error
-	locked  chan struct{}
 	calls   atomic.Int64
 }
 
@@ -392,22 +420,16 @@ func (p *lockAfterReadAhead) Publish(ctx context.Context, recs []outbox.Record) 
 	if p.calls.Add(1) > 1 || p.err != nil {
 		return errs
 	}
-	defer close(p.locked)
-	bg := context.Background()
 	for p.err == nil {
 		var n int
-		p.err = p.pool.QueryRow(bg, `SELECT count(*) FROM pg_stat_activity WHERE pid <> pg_backend_pid()
+		p.err = p.pool.QueryRow(context.Background(), `SELECT count(*) FROM pg_stat_activity WHERE pid <> pg_backend_pid()
 	AND state = 'idle' AND query LIKE 'SELECT o.seq%' AND query_start > $1`, p.checked).Scan(&n)
 		if n == 1 {
 			break
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
-	if p.err == nil {
-		if p.tx, p.err = p.pool.Begin(bg); p.err == nil {
-			_, p.err = p.tx.Exec(bg, `LOCK TABLE outbox IN ACCESS EXCLUSIVE MODE`)
-		}
-	}
+	p.take()
 	return errs
 }
 
@@ -420,38 +442,9 @@ func TestRelayStoppedDuringCleanupMarksWhatTheBrokerConfirmed(t *testing.T) {
 	pool, _ := migrated(t)
 	d := k.destination(t)
 	const batch = 5
-	var msgs []outbox.Message
-	for i := range batch + 3 {
-		msgs = append(msgs, d.msg(fmt.Sprintf("k%d", i%2), fmt.Sprintf("m%02d", i)))
-	}
-	addCommitted(t, pool, msgs...)
-
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	pub := &lockAfterReadAhead{Publisher: k.publisher(t), pool: pool, locked: make(chan struct{})}
-	r, err := outbox.NewRelay(pool, pub, outbox.RelayConfig{BatchSize: batch, KeepSent: time.Hour, Logger: testLogger()})
-	require.NoError(t, err)
-	done := make(chan error, 1)
-	go func() { done <- r.Run(ctx) }()
-
-	<-pub.locked
-	require.NoError(t, pub.err)
-	defer func() { _ = pub.tx.Rollback(context.Background()) }()
+	pub := &lockAfterReadAhead{Publisher: k.publisher(t), tableLock: newTableLock(pool)}
 	// The removal of rows kept past the window waits for the lock.
-	require.Eventually(t, func() bool {
-		var waiting int
-		err := pool.QueryRow(context.Background(),
-			`SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = 'outbox'::regclass`).Scan(&waiting)
-		return err == nil && waiting == 1
-	}, 20*time.Second, 10*time.Millisecond)
-	cancel()
-	require.NoError(t, pub.tx.Rollback(context.Background()))
-	select {
-	case err := <-done:
-		require.NoError(t, err)
-	case <-time.After(30 * time.Second):
-		t.Fatal("the relay did not stop")
-	}
+	stopRelayWhileLocked(t, pool, d, pub, outbox.RelayConfig{BatchSize: batch, KeepSent: time.Hour}, func() bool { return true })
 
 	assert.Equal(t, batch, rows(t, pool, "sent_at IS NOT NULL"), "the confirmed batch is marked sent")
 	assert.Equal(t, 3, rows(t, pool, "sent_at IS NULL"), "the rows read ahead wait for the next leader")
