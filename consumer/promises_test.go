@@ -85,7 +85,8 @@ func TestDeferredConstraintFailingAtCommitIsDeadLettered(t *testing.T) {
 // Errors retrying cannot cure end in the dead-letter queue, not in an
 // endless infrastructure wait: a data exception, an undefined table, and a
 // deadline the handler put on one of its own queries (which closes the
-// connection under it).
+// connection under it), also when the handler flattens that error or
+// drops it.
 func TestDeterministicHandlerErrorsAreDeadLettered(t *testing.T) {
 	cases := map[string]struct {
 		handler  func(ctx context.Context, tx pgx.Tx) error
@@ -104,6 +105,26 @@ func TestDeterministicHandlerErrorsAreDeadLettered(t *testing.T) {
 			defer cancel()
 			_, err := tx.Exec(qctx, `SELECT pg_sleep(5)`)
 			return err
+		}, ""},
+		// The same deadline, its error reported without its chain (%v),
+		// or not at all: the closed connection still is the handler's
+		// doing, not the database's.
+		"own deadline, error flattened": {func(ctx context.Context, tx pgx.Tx) error {
+			qctx, cancel := context.WithTimeout(ctx, 20*time.Millisecond)
+			defer cancel()
+			if _, err := tx.Exec(qctx, `SELECT pg_sleep(5)`); err != nil {
+				return fmt.Errorf("loading the order: %v", err)
+			}
+			return nil
+		}, ""},
+		"own deadline, error swallowed": {func(ctx context.Context, tx pgx.Tx) error {
+			qctx, cancel := context.WithTimeout(ctx, 20*time.Millisecond)
+			defer cancel()
+			rows, err := tx.Query(qctx, `SELECT pg_sleep(5)`)
+			if err == nil {
+				rows.Close()
+			}
+			return nil
 		}, ""},
 	}
 	for name, tc := range cases {

@@ -2,8 +2,10 @@ package consumer
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"runtime/debug"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -95,6 +97,33 @@ type queueTx struct {
 	owner int
 	// failed is the first queued statement that failed, once one did.
 	failed *queueFailure
+	// handlerDeadline is the deadline of the handler's own context (zero
+	// without Config.HandlerTimeout), and deadlines the contexts with
+	// another one that statements were sent under: the handler's deadlines
+	// on its own queries (see cutByOwnDeadline).
+	handlerDeadline time.Time
+	deadlines       []context.Context
+}
+
+// note records ctx, the context of a statement sent through t, if it has
+// a deadline of its own.
+func (t *queueTx) note(ctx context.Context) {
+	if d, ok := ctx.Deadline(); ok && !d.Equal(t.handlerDeadline) {
+		t.deadlines = append(t.deadlines, ctx)
+	}
+}
+
+// cutByOwnDeadline reports whether a deadline the handler put on one of
+// its statements has passed: pgx closes a connection whose statement's
+// context ends, so a closed connection is then the handler's doing, not a
+// database failure.
+func (t *queueTx) cutByOwnDeadline() bool {
+	for _, ctx := range t.deadlines {
+		if errors.Is(ctx.Err(), context.DeadlineExceeded) {
+			return true
+		}
+	}
+	return false
 }
 
 // queueFailure is a queued statement's failure, charged to its owner (-1:
@@ -170,36 +199,43 @@ func (t *queueTx) settle(ctx context.Context, err error) error {
 }
 
 func (t *queueTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	t.note(ctx)
 	t.flush(ctx)
 	return t.Tx.Exec(ctx, sql, args...)
 }
 
 func (t *queueTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	t.note(ctx)
 	t.flush(ctx)
 	return t.Tx.Query(ctx, sql, args...)
 }
 
 func (t *queueTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	t.note(ctx)
 	t.flush(ctx)
 	return t.Tx.QueryRow(ctx, sql, args...)
 }
 
 func (t *queueTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
+	t.note(ctx)
 	t.flush(ctx)
 	return t.Tx.SendBatch(ctx, b)
 }
 
 func (t *queueTx) CopyFrom(ctx context.Context, table pgx.Identifier, cols []string, src pgx.CopyFromSource) (int64, error) {
+	t.note(ctx)
 	t.flush(ctx)
 	return t.Tx.CopyFrom(ctx, table, cols, src)
 }
 
 func (t *queueTx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
+	t.note(ctx)
 	t.flush(ctx)
 	return t.Tx.Prepare(ctx, name, sql)
 }
 
 func (t *queueTx) Begin(ctx context.Context) (pgx.Tx, error) {
+	t.note(ctx)
 	t.flush(ctx)
 	return t.Tx.Begin(ctx)
 }

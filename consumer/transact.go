@@ -194,7 +194,7 @@ func (p *pipeline) runHandlers(ctx context.Context, tx pgx.Tx, jobs []*job, res 
 			// tx is qtx, or a middleware's own tx around it.
 			return j.call(ctx, tx, qtx, attempt)
 		})
-		err := p.callHandler(j.ctx, tx, func(hctx context.Context) error { return call(hctx, qtx) })
+		err := p.callHandler(j.ctx, qtx, func(hctx context.Context) error { return call(hctx, qtx) })
 		if f := qtx.failed; f != nil {
 			// A statement queued by this or an earlier event failed.
 			return p.handlerFailure(ctx, tx, jobs, f.owner, f.err), true
@@ -222,7 +222,7 @@ func (p *pipeline) runBatchHandler(ctx context.Context, tx pgx.Tx, jobs []*job, 
 	}
 	qtx := newQueueTx(tx)
 	qtx.owner = -1
-	err := p.callHandler(ctx, tx, func(hctx context.Context) error {
+	err := p.callHandler(ctx, qtx, func(hctx context.Context) error {
 		return p.batchCall(hctx, qtx, claimed)
 	})
 	if err == nil {
@@ -241,27 +241,36 @@ func (p *pipeline) runBatchHandler(ctx context.Context, tx pgx.Tx, jobs []*job, 
 // outlived its timeout fails with an error that says so, also when it
 // returned nil after the timeout cut one of its statements: pgx then
 // closed tx's connection, and the transaction is lost to the handler's
-// timeout, not to the database.
-func (p *pipeline) callHandler(ctx context.Context, tx pgx.Tx, run func(context.Context) error) (err error) {
+// timeout, not to the database. The same holds for a deadline the handler
+// put on one of its own statements, whatever it made of that error.
+func (p *pipeline) callHandler(ctx context.Context, tx *queueTx, run func(context.Context) error) (err error) {
 	hctx := ctx
 	if p.cfg.HandlerTimeout > 0 {
 		var cancel context.CancelFunc
 		hctx, cancel = context.WithTimeout(ctx, p.cfg.HandlerTimeout)
 		defer cancel()
 	}
+	tx.handlerDeadline, _ = hctx.Deadline()
 	start := time.Now()
 	defer func() {
 		if r := recover(); r != nil {
 			err = &PanicError{Value: r, Stack: string(debug.Stack())}
 		}
 		p.tel.since(ctx, p.tel.handlerDur, start)
-		if ctx.Err() == nil && errors.Is(hctx.Err(), context.DeadlineExceeded) {
+		switch {
+		case ctx.Err() != nil:
+		case errors.Is(hctx.Err(), context.DeadlineExceeded):
 			switch {
 			case err != nil:
 				err = &timeoutError{limit: p.cfg.HandlerTimeout, err: err}
 			case tx.Conn().IsClosed():
 				err = &timeoutError{limit: p.cfg.HandlerTimeout, err: hctx.Err()}
 			}
+		case !isPanic(err) && tx.cutByOwnDeadline() && tx.Conn().IsClosed():
+			if err == nil {
+				err = errors.New("the handler returned nil")
+			}
+			err = &ownDeadlineError{err: err}
 		}
 	}()
 	return run(hctx)
@@ -277,6 +286,22 @@ func (e *timeoutError) Error() string {
 	return fmt.Sprintf("handler exceeded HandlerTimeout (%s): %v", e.limit, e.err)
 }
 func (e *timeoutError) Unwrap() error { return e.err }
+
+// ownDeadlineError is a handler's failure after a deadline it put on one of
+// its own statements cut that statement, closing the transaction's
+// connection: the handler's doing, whatever error it returned.
+type ownDeadlineError struct{ err error }
+
+func (e *ownDeadlineError) Error() string {
+	return fmt.Sprintf("a deadline the handler put on one of its statements passed, closing the transaction's connection: %v", e.err)
+}
+func (e *ownDeadlineError) Unwrap() error { return e.err }
+
+// isPanic reports whether err is a handler's panic.
+func isPanic(err error) bool {
+	var panicked *PanicError
+	return errors.As(err, &panicked)
+}
 
 // handlerFailure is the result when the handler of jobs[i] failed with err
 // (its own error, or that of a statement it queued); i < 0 when the
@@ -348,12 +373,16 @@ func (p *pipeline) committedAfterAll(ctx context.Context, xid int64, messages in
 func (p *pipeline) classify(ctx context.Context, tx pgx.Tx, err error) (class ErrorClass) {
 	class = Classify(err)
 	var timeout *timeoutError
-	var panicked *PanicError
+	var own *ownDeadlineError
 	switch {
 	case errors.As(err, &timeout):
 		// The handler's own deadline, whatever it broke on its way out.
 		class = ClassRetry
-	case errors.As(err, &panicked):
+	case errors.As(err, &own) && class != ClassPermanent:
+		// A deadline of the handler's on one of its statements: the
+		// closed connection is the handler's doing.
+		class = ClassRetry
+	case isPanic(err):
 		// A bug in the handler, whatever state it left its connection
 		// in.
 	case class == ClassRetry && !errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, context.Canceled) &&
