@@ -113,7 +113,7 @@ func TestDeterministicHandlerErrorsAreDeadLettered(t *testing.T) {
 			qctx, cancel := context.WithTimeout(ctx, 20*time.Millisecond)
 			defer cancel()
 			if _, err := tx.Exec(qctx, `SELECT pg_sleep(5)`); err != nil {
-				return fmt.Errorf("loading the order: %v", err)
+				return fmt.Errorf("loading the order: %v", err) //nolint:errorlint // the chain dropped on purpose
 			}
 			return nil
 		}, ""},
