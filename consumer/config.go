@@ -162,7 +162,10 @@ type IdentifyConfig struct {
 	// runs on the consumer's goroutines, one message at a time per stream;
 	// a panic in it dead-letters the message with kind KindPanic. Defaults
 	// to nil: Message.ID, then IDHeaders, then the envelope's id, then
-	// Message.FallbackID.
+	// Message.FallbackID. It is not asked for the id of a redriven copy of
+	// this consumer's own dead letter (HeaderRedriveEventID); on a copy of
+	// another consumer's, m.FallbackID is the first delivery's
+	// (HeaderRedriveFallbackID), not the copy's position.
 	EventID func(m *Message) (string, error)
 	// MaxIDLength bounds event ids, in bytes; longer ones are dead-lettered
 	// with kind KindInvalidID. Defaults to 256; at most 2048, since an id

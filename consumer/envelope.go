@@ -92,6 +92,13 @@ type identity struct {
 // identify finds m's id, type and payload per the config's rules. A failure
 // carries the dead-letter kind it calls for.
 func (c *Config) identify(m *Message) (identity, ErrorKind, error) {
+	if fb := fallbackID(m); fb != m.FallbackID {
+		// A redriven copy: its position is not the record's, for EventID
+		// as for the fallback below.
+		first := *m
+		first.FallbackID = fb
+		m = &first
+	}
 	idt := identity{id: m.ID, typ: m.Type, payload: m.Value}
 	if c.Envelope != nil {
 		o, err := c.Envelope.Open(m.Value)
@@ -119,7 +126,7 @@ func (c *Config) identify(m *Message) (identity, ErrorKind, error) {
 			idt.id = firstHeader(m.Headers, c.Identify.IDHeaders)
 		}
 	}
-	redriven := m.Headers[HeaderRedriveEventID]
+	redriven := redriveEventID(m, c.Name)
 	if c.Identify.EventID != nil && redriven == "" {
 		id, err := c.Identify.EventID(m)
 		if err != nil {

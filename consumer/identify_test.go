@@ -42,3 +42,57 @@ func TestRedriveEventIDWinsOverEverySource(t *testing.T) {
 	require.NoError(t, err, "the EventID function is not asked for a redriven record's id")
 	require.Equal(t, "orders/0/42", idt.id)
 }
+
+// A redrive goes back to the topic, where other consumers read it too. The
+// id it was dead-lettered under is its own consumer's; another consumer
+// identifies the copy its own way, with the first delivery's position in
+// place of the copy's, so a record it handled is its duplicate.
+func TestRedriveOfAnotherConsumersDeadLetterIsIdentifiedAsItsFirstDelivery(t *testing.T) {
+	var sawFallback string
+	cfg, err := Config{Name: "shipping"}.withDefaults()
+	require.NoError(t, err)
+	copyOf := func(owner string) *Message {
+		return &Message{
+			FallbackID: "orders/0/90@t",
+			Headers: map[string]string{
+				"id":                    "order-7",
+				HeaderRedriveEventID:    "billing-id-of-order-7",
+				HeaderRedriveConsumer:   owner,
+				HeaderRedriveFallbackID: "orders/0/3@t",
+			},
+		}
+	}
+
+	idt, _, err := cfg.identify(copyOf("billing"))
+	require.NoError(t, err)
+	require.Equal(t, "order-7", idt.id, "another consumer's redrive id is not this consumer's")
+
+	m := copyOf("billing")
+	delete(m.Headers, "id")
+	idt, _, err = cfg.identify(m)
+	require.NoError(t, err)
+	require.Equal(t, "orders/0/3@t", idt.id, "the first delivery's position, not the copy's")
+
+	cfg.Identify.EventID = func(m *Message) (string, error) { sawFallback = m.FallbackID; return "", nil }
+	idt, _, err = cfg.identify(m)
+	require.NoError(t, err)
+	require.Equal(t, "orders/0/3@t", sawFallback, "EventID sees the first delivery's position")
+	require.Equal(t, "orders/0/3@t", idt.id)
+	require.Equal(t, "orders/0/90@t", m.FallbackID, "the message itself is not modified")
+
+	idt, _, err = cfg.identify(copyOf("shipping"))
+	require.NoError(t, err)
+	require.Equal(t, "billing-id-of-order-7", idt.id, "this consumer's own redrive keeps its id")
+}
+
+// A dead letter carries the message's fallback id, its first delivery's
+// when the message is itself a redriven copy, for a redrive to carry back.
+func TestDeadLetterCarriesTheFirstDeliverysFallbackID(t *testing.T) {
+	dl := &DeadLetter{Kind: KindHandler, Consumer: "billing", EventID: "e"}
+	m := &Message{FallbackID: "orders/1/5@t", Partition: 1, Offset: 5}
+	require.Equal(t, "orders/1/5@t", dl.Headers(m)[HeaderFallbackID])
+	m.Headers = map[string]string{HeaderRedriveFallbackID: "orders/0/3@t"}
+	require.Equal(t, "orders/0/3@t", dl.Headers(m)[HeaderFallbackID])
+	_, ok := dl.Headers(&Message{Partition: -1, Offset: -1})[HeaderFallbackID]
+	require.False(t, ok, "no header when the adapter gives no fallback id")
+}

@@ -179,18 +179,37 @@ const (
 	// HeaderTraceParent carries the W3C trace context of the span that
 	// dead-lettered the message.
 	HeaderTraceParent = "traceparent"
+	// HeaderFallbackID is the message's Message.FallbackID (Kafka's
+	// topic/partition/offset@topic-id), or, for a redriven record, its
+	// first delivery's (HeaderRedriveFallbackID). Absent when the adapter
+	// gives none. A redrive carries it back as HeaderRedriveFallbackID, so
+	// that every consumer whose id for the record is its position finds the
+	// same id on the copy.
+	HeaderFallbackID = "once-fallback-id"
 )
 
 // Headers a redrive (a dead-lettered record put back on its original
 // topic or exchange) writes over the record's original headers.
 const (
 	// HeaderRedriveEventID carries the event id the record had when it was
-	// dead-lettered. Identification prefers it over every other source
-	// (Message.ID, Config.Identify.IDHeaders, the envelope, Config.Identify.EventID and the
-	// adapter's fallback), so a redriven record is deduplicated against its
-	// first delivery even when that id was derived from a Kafka position
+	// dead-lettered. For the consumer that dead-lettered it
+	// (HeaderRedriveConsumer; every consumer when that header is absent),
+	// identification prefers it over every other source (Message.ID,
+	// Config.Identify.IDHeaders, the envelope, Config.Identify.EventID and
+	// the adapter's fallback), so a redriven record is deduplicated against
+	// its first delivery even when that id was derived from a Kafka position
 	// the copy no longer has.
 	HeaderRedriveEventID = "once-redrive-event-id"
+	// HeaderRedriveConsumer names the consumer (Config.Name) whose dead
+	// letter was redriven. The record goes back to its topic or exchange,
+	// where other consumers may read it too: they identify it their own way,
+	// as they did its first delivery, so a copy of a record they handled is
+	// their duplicate.
+	HeaderRedriveConsumer = "once-redrive-consumer"
+	// HeaderRedriveFallbackID is the first delivery's Message.FallbackID
+	// (HeaderFallbackID of the dead letter). Identification uses it in
+	// place of the copy's own FallbackID, the copy's position.
+	HeaderRedriveFallbackID = "once-redrive-fallback-id"
 	// HeaderRedriveCount is how many times the record has been redriven.
 	HeaderRedriveCount = "once-redrive-count"
 	// HeaderRedrivenAt is when the last redrive published it (RFC 3339).
@@ -248,6 +267,9 @@ func (dl *DeadLetter) Headers(m *Message) map[string]string {
 		h[HeaderErrorStack] = truncate(dl.Stack, maxHeaderText)
 	}
 	h[HeaderFailedAt] = dl.FailedAt.UTC().Format(time.RFC3339Nano)
+	if fb := fallbackID(m); fb != "" {
+		h[HeaderFallbackID] = fb
+	}
 	if dl.TraceParent != "" {
 		h[HeaderTraceParent] = dl.TraceParent
 	}
@@ -255,6 +277,26 @@ func (dl *DeadLetter) Headers(m *Message) map[string]string {
 		h[k] = v
 	}
 	return h
+}
+
+// fallbackID is m's fallback id: its first delivery's when m is a redriven
+// copy (HeaderRedriveFallbackID), else Message.FallbackID.
+func fallbackID(m *Message) string {
+	if fb := m.Headers[HeaderRedriveFallbackID]; fb != "" {
+		return fb
+	}
+	return m.FallbackID
+}
+
+// redriveEventID is the id m was dead-lettered under when m is a redriven
+// copy of this consumer's own dead letter; empty for a copy of another
+// consumer's (it identifies the record its own way) and for a record that
+// was never redriven.
+func redriveEventID(m *Message, consumer string) string {
+	if owner := m.Headers[HeaderRedriveConsumer]; owner != "" && owner != consumer {
+		return ""
+	}
+	return m.Headers[HeaderRedriveEventID]
 }
 
 // truncate cuts s to at most n bytes of valid UTF-8.

@@ -448,7 +448,9 @@ func TestDeadLetterCopiesRecord(t *testing.T) {
 		consumer.HeaderErrorKind:         "handler",
 		consumer.HeaderErrorMessage:      "boom",
 		consumer.HeaderFailedAt:          failedAt.Format(time.RFC3339Nano),
+		consumer.HeaderFallbackID:        d.Message().FallbackID,
 	}, got)
+	assert.Regexp(t, "^"+topic+"/0/0@.+", got[consumer.HeaderFallbackID])
 	n := 0
 	for _, h := range r.Headers {
 		if string(h.Key) == "traceparent" {

@@ -38,8 +38,11 @@ Republishes the selected dead letters to their original Kafka topic (the
 partition they were read from) or RabbitMQ exchange and routing key, with
 their original key, properties, headers and bytes, and the redrive headers:
 once-redrive-event-id (the event id they were dead-lettered under, which
-the consumer prefers over every other id, so a replay is deduplicated like
-any redelivery), once-redrive-count, once-redriven-at, once-redriven-by.
+the consumer that dead-lettered them, once-redrive-consumer, prefers over
+every other id, so a replay is deduplicated like any redelivery),
+once-redrive-fallback-id (their first position, which the topic's other
+consumers use in place of the copy's), once-redrive-count,
+once-redriven-at, once-redriven-by.
 Replaying twice, or while someone else replays, leaves one effect per event.
 A redriven record that fails again is dead-lettered again with these headers.
 

@@ -11,9 +11,10 @@
 //	once help [cmd]   help, for every command
 //
 // A redrive carries the event id the record was dead-lettered under in the
-// once-redrive-event-id header, which the consumer prefers over every other
-// id source: replaying a record twice, or a record handled meanwhile, has
-// one effect. docs/operations.md has the runbook.
+// once-redrive-event-id header, which the consumer that dead-lettered it
+// prefers over every other id source: replaying a record twice, or a record
+// handled meanwhile, has one effect; the topic's other consumers identify
+// the copy as they did its first delivery. docs/operations.md has the runbook.
 //
 // Exit codes: 0 success; 1 a failure (a broker or the database unreachable,
 // a replay that stopped); 2 a usage error (unknown command, bad or missing

@@ -17,9 +17,12 @@
 // with its original key, properties, headers and bytes, without the
 // diagnostic headers the dead-lettering added, and with the redrive headers
 // of package consumer: once-redrive-event-id carries the event id the record
-// was dead-lettered under, which the consumer prefers over every other id
-// source, so a redriven record is deduplicated against every other delivery
-// of its event, even one whose id was derived from its Kafka position.
+// was dead-lettered under, which the consumer that dead-lettered it
+// (once-redrive-consumer) prefers over every other id source, so a redriven
+// record is deduplicated against every other delivery of its event, even one
+// whose id was derived from its Kafka position. The topic's other consumers
+// identify the copy as they did its first delivery, with its first position
+// (once-redrive-fallback-id) in place of the copy's.
 // Replaying a selection twice, replaying a record that was handled
 // meanwhile, or two people replaying at once each leaves one effect per
 // event.

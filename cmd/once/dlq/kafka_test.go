@@ -244,3 +244,50 @@ func TestKafkaReplayWithATransactionalBaseConfig(t *testing.T) {
 	assert.Equal(t, 1, rep.Replayed)
 	assert.Equal(t, "billing-tx", base.Producer.Transaction.ID, "the caller's configuration is not modified")
 }
+
+// Two consumers read one topic, each identifying events its own way:
+// billing by the producer's id header, else the record's position;
+// shipping by a header of its own, so here always by position. A redrive
+// of billing's dead letters reaches shipping too, which handled those
+// records the first time: shipping skips the copies as duplicates under its
+// own ids, and billing handles each once.
+func TestKafkaReplayIsADuplicateForTheTopicsOtherConsumers(t *testing.T) {
+	k := testenv.NewKafka(t)
+	topic := testenv.Uniq("orders")
+	k.CreateTopic(topic, 1)
+	k.CreateTopic(topic+".dlq", 1)
+	billingPool, _ := pgtest.Schema(t)
+	shippingPool, _ := pgtest.Schema(t)
+	billing := testenv.StartService(t, billingPool, k.Source(testenv.Uniq("billing"), topic), "billing")
+	shipping := testenv.StartService(t, shippingPool, k.Source(testenv.Uniq("shipping"), topic), "shipping",
+		func(c *consumer.Config) { c.Identify.IDHeaders = []string{"x-shipping-id"} })
+	shipping.Broken.Store(false)
+	k.Produce(
+		kmsg(topic, 0, "fail-1", testenv.JSON(1, "fail")), // offset 0
+		kmsg(topic, 0, "", testenv.JSON(2, "fail")),       // offset 1, no producer id
+		kmsg(topic, 0, "ok-1", testenv.JSON(3, "ok")),     // offset 2
+	)
+	billing.WaitSettled(t, 3)
+	shipping.WaitSettled(t, 3)
+	require.EqualValues(t, 2, billing.C.Stats().DeadLettered)
+	billing.Broken.Store(false)
+
+	q, err := dlq.NewKafka(dlq.KafkaConfig{Brokers: k.Addrs, Topic: topic + ".dlq", Sarama: testenv.Sarama()})
+	require.NoError(t, err)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	for round := 1; round <= 2; round++ {
+		rep, err := q.Replay(ctx, dlq.Filter{Consumer: "billing"}, dlq.ReplayOptions{})
+		require.NoError(t, err)
+		require.Equal(t, 2, rep.Replayed, "round %d", round)
+		billing.WaitSettled(t, uint64(3+2*round))
+		shipping.WaitSettled(t, uint64(3+2*round))
+	}
+
+	assert.Equal(t, map[string]int{"fail-1": 1, topic + "/0/1": 1, "ok-1": 1}, billing.Effects(t))
+	assert.Equal(t, map[string]int{topic + "/0/0": 1, topic + "/0/1": 1, topic + "/0/2": 1}, shipping.Effects(t),
+		"the redriven copies are shipping's duplicates")
+	st := shipping.C.Stats()
+	assert.EqualValues(t, 3, st.Handled, "%+v", st)
+	assert.EqualValues(t, 4, st.Duplicates, "%+v", st)
+}

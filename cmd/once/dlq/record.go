@@ -206,6 +206,7 @@ var diagnosticHeaders = map[string]bool{
 	consumer.HeaderFingerprint:         true,
 	consumer.HeaderOriginalFingerprint: true,
 	consumer.HeaderOriginalProcessedAt: true,
+	consumer.HeaderFallbackID:          true,
 	kafka.HeaderValueDropped:           true,
 	amqp.HeaderOriginalExchange:        true,
 	amqp.HeaderOriginalRoutingKey:      true,
@@ -213,6 +214,8 @@ var diagnosticHeaders = map[string]bool{
 	amqp.HeaderOriginalExpiration:      true,
 	amqp.HeaderOriginalUserID:          true,
 	consumer.HeaderRedriveEventID:      true,
+	consumer.HeaderRedriveConsumer:     true,
+	consumer.HeaderRedriveFallbackID:   true,
 	consumer.HeaderRedriveCount:        true,
 	consumer.HeaderRedrivenAt:          true,
 	consumer.HeaderRedrivenBy:          true,
@@ -220,11 +223,20 @@ var diagnosticHeaders = map[string]bool{
 
 // redriveHeaders are the headers a redrive of r adds, in this order.
 func redriveHeaders(r *Record, at time.Time, by string) []Header {
-	h := []Header{
-		{consumer.HeaderRedriveEventID, r.EventID()},
-		{consumer.HeaderRedriveCount, strconv.Itoa(r.RedriveCount() + 1)},
-		{consumer.HeaderRedrivenAt, at.UTC().Format(time.RFC3339Nano)},
+	h := []Header{{consumer.HeaderRedriveEventID, r.EventID()}}
+	// The record goes back where other consumers read it too: the id it was
+	// dead-lettered under is its consumer's, and its first position is
+	// every consumer's.
+	if c := r.Consumer(); c != "" {
+		h = append(h, Header{consumer.HeaderRedriveConsumer, c})
 	}
+	if fb := r.Header(consumer.HeaderFallbackID); fb != "" {
+		h = append(h, Header{consumer.HeaderRedriveFallbackID, fb})
+	}
+	h = append(h,
+		Header{consumer.HeaderRedriveCount, strconv.Itoa(r.RedriveCount() + 1)},
+		Header{consumer.HeaderRedrivenAt, at.UTC().Format(time.RFC3339Nano)},
+	)
 	if by != "" {
 		h = append(h, Header{consumer.HeaderRedrivenBy, by})
 	}

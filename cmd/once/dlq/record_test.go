@@ -78,7 +78,8 @@ func TestReplayable(t *testing.T) {
 // diagnostic headers of the dead-lettering are not carried back.
 func TestKafkaRedriveHeaders(t *testing.T) {
 	r := rec("id", "a", consumer.HeaderEventID, "e-1", consumer.HeaderRedriveCount, "2", consumer.HeaderErrorKind, "handler",
-		consumer.HeaderOriginalTopic, "orders", consumer.HeaderOriginalPartition, "3", "x-trace", "t")
+		consumer.HeaderOriginalTopic, "orders", consumer.HeaderOriginalPartition, "3", "x-trace", "t",
+		consumer.HeaderConsumer, "billing", consumer.HeaderFallbackID, "orders/3/17@t", consumer.HeaderRedriveConsumer, "old")
 	r.raw = toSarama(r.Headers)
 	at := time.Date(2026, 11, 25, 10, 0, 0, 0, time.UTC)
 	m := kafkaRedrive(r, redriveHeaders(r, at, "alice"))
@@ -90,7 +91,8 @@ func TestKafkaRedriveHeaders(t *testing.T) {
 	}
 	assert.Equal(t, []Header{
 		{"id", "a"}, {"x-trace", "t"},
-		{consumer.HeaderRedriveEventID, "e-1"}, {consumer.HeaderRedriveCount, "3"},
+		{consumer.HeaderRedriveEventID, "e-1"}, {consumer.HeaderRedriveConsumer, "billing"},
+		{consumer.HeaderRedriveFallbackID, "orders/3/17@t"}, {consumer.HeaderRedriveCount, "3"},
 		{consumer.HeaderRedrivenAt, "2026-11-25T10:00:00Z"}, {consumer.HeaderRedrivenBy, "alice"},
 	}, got)
 }
@@ -104,7 +106,7 @@ func TestRedriveDropsEveryDiagnosticHeader(t *testing.T) {
 		EventID: "e-1", EventType: "order.paid", Attempts: 3, FailedAt: time.Date(2026, 11, 25, 10, 0, 0, 0, time.UTC),
 		Extra: map[string]string{consumer.HeaderErrorSQLState: "23505", consumer.HeaderFingerprint: "ab",
 			consumer.HeaderOriginalFingerprint: "cd", consumer.HeaderOriginalProcessedAt: "2026-11-25T09:00:00Z"}}
-	diag := dl.Headers(&consumer.Message{Topic: "orders", Partition: 2, Offset: 7, Timestamp: time.Now()})
+	diag := dl.Headers(&consumer.Message{Topic: "orders", Partition: 2, Offset: 7, FallbackID: "orders/2/7@t", Timestamp: time.Now()})
 	delete(diag, consumer.HeaderTraceParent) // the original's trace context, not a diagnostic of the failure
 	r := rec("id", "e-1", "x-trace", "t")
 	for k, v := range diag {

@@ -216,8 +216,9 @@ func (s *Service) Stop() { s.stop() }
 const EffectsTable = `CREATE TABLE IF NOT EXISTS effects (event_id text NOT NULL, n int NOT NULL, at timestamptz NOT NULL DEFAULT now())`
 
 // StartService migrates, starts a consumer named name on src and stops it
-// when the test ends. It starts broken.
-func StartService(t testing.TB, pool *pgxpool.Pool, src consumer.Source, name string) *Service {
+// when the test ends. It starts broken. Each of configure, when given,
+// changes the consumer's config before it starts.
+func StartService(t testing.TB, pool *pgxpool.Pool, src consumer.Source, name string, configure ...func(*consumer.Config)) *Service {
 	t.Helper()
 	_, err := pool.Exec(context.Background(), EffectsTable)
 	require.NoError(t, err)
@@ -244,13 +245,17 @@ func StartService(t testing.TB, pool *pgxpool.Pool, src consumer.Source, name st
 		_, err := tx.Exec(ctx, `INSERT INTO effects (event_id, n) VALUES ($1, $2)`, ev.ID, ev.Payload.N)
 		return err
 	}
-	c, err := consumer.New(pool, src, h, consumer.Config{
+	cfg := consumer.Config{
 		Name:         name,
 		Decoder:      decode,
 		Retry:        consumer.RetryPolicy{MaxAttempts: 1},
 		InfraBackoff: consumer.Backoff{Initial: 10 * time.Millisecond, Max: 500 * time.Millisecond},
 		Telemetry:    consumer.TelemetryConfig{Logger: Logger()},
-	})
+	}
+	for _, f := range configure {
+		f(&cfg)
+	}
+	c, err := consumer.New(pool, src, h, cfg)
 	require.NoError(t, err)
 	s.C = c
 	ctx, cancel := context.WithCancel(context.Background())
