@@ -46,8 +46,9 @@ once-redriven-at, once-redriven-by.
 Replaying twice, or while someone else replays, leaves one effect per event.
 A redriven record that fails again is dead-lettered again with these headers.
 
-Records without an event id, without an original destination, or written
-without their value are skipped; so are kinds a redrive cannot fix
+Kafka records with neither an event id nor once-fallback-id, records
+without an original destination, and records written without their value
+are skipped; so are kinds a redrive cannot fix
 (id-conflict, invalid-id) unless -force. On RabbitMQ a replayed message
 leaves the dead-letter queue once its redrive is confirmed (-keep leaves
 it); Kafka dead letters stay. A progress bar is drawn on a terminal, plain

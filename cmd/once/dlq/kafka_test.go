@@ -2,8 +2,12 @@ package dlq_test
 
 import (
 	"context"
+	"encoding/json"
+	"errors"
 	"strconv"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -290,4 +294,59 @@ func TestKafkaReplayIsADuplicateForTheTopicsOtherConsumers(t *testing.T) {
 	st := shipping.C.Stats()
 	assert.EqualValues(t, 3, st.Handled, "%+v", st)
 	assert.EqualValues(t, 4, st.Duplicates, "%+v", st)
+}
+
+// legacyEnvelope opens CloudEvents' structured JSON; while broken, it
+// cannot open the values of the legacy format.
+type legacyEnvelope struct{ broken *atomic.Bool }
+
+func (e legacyEnvelope) Open(value []byte) (consumer.Opened, error) {
+	rest, legacy := strings.CutPrefix(string(value), testenv.LegacyPrefix)
+	if legacy && e.broken.Load() {
+		return consumer.Opened{}, errors.New("legacy envelope not supported")
+	}
+	return consumer.JSONEnvelope{}.Open([]byte(rest))
+}
+
+// A record whose envelope could not be opened was dead-lettered before it
+// had an id. It is replayable all the same: a consumer identifies the copy
+// as it would have identified its first delivery (the envelope's id, else
+// its first position), so replaying it twice has one effect, and a copy of
+// an event its producer sent again is a duplicate.
+func TestKafkaReplayOfRecordsDeadLetteredBeforeTheyHadAnID(t *testing.T) {
+	k := testenv.NewKafka(t)
+	topic := testenv.Uniq("orders")
+	k.CreateTopic(topic, 1)
+	k.CreateTopic(topic+".dlq", 1)
+	pool, _ := pgtest.Schema(t)
+	var broken atomic.Bool
+	broken.Store(true)
+	svc := testenv.StartService(t, pool, k.Source(testenv.Uniq("billing"), topic), "billing",
+		func(c *consumer.Config) { c.Envelope = legacyEnvelope{&broken} })
+	event := func(id string, n int) []byte {
+		b, err := json.Marshal(map[string]any{"id": id, "data": testenv.Payload{N: n, Mode: "ok"}})
+		require.NoError(t, err)
+		return append([]byte(testenv.LegacyPrefix), b...)
+	}
+	k.Produce(kmsg(topic, 0, "", event("ev-1", 1)), kmsg(topic, 0, "", event("", 2))) // offsets 0 and 1
+	svc.WaitSettled(t, 2)
+	require.EqualValues(t, 2, svc.C.Stats().DeadLettered)
+	broken.Store(false)
+	k.Produce(kmsg(topic, 0, "", event("ev-1", 1))) // its producer sends ev-1 again: handled
+	svc.WaitSettled(t, 3)
+
+	q, err := dlq.NewKafka(dlq.KafkaConfig{Brokers: k.Addrs, Topic: topic + ".dlq", Sarama: testenv.Sarama()})
+	require.NoError(t, err)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	for round := 1; round <= 2; round++ {
+		rep, err := q.Replay(ctx, dlq.Filter{Consumer: "billing"}, dlq.ReplayOptions{})
+		require.NoError(t, err)
+		require.Equal(t, 2, rep.Replayed, "round %d: %+v", round, rep)
+		svc.WaitSettled(t, uint64(3+2*round))
+	}
+	assert.Equal(t, map[string]int{"ev-1": 1, topic + "/0/1": 1}, svc.Effects(t))
+	st := svc.C.Stats()
+	assert.EqualValues(t, 2, st.Handled, "%+v", st)
+	assert.EqualValues(t, 3, st.Duplicates, "%+v", st)
 }

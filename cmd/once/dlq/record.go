@@ -167,13 +167,19 @@ var kindsThatFailAgain = []string{
 }
 
 // Replayable returns nil when a redrive of r can be deduplicated and knows
-// where to go, or an error wrapping ErrNotReplayable that says why not.
+// where to go, or an error wrapping ErrNotReplayable that says why not. A
+// record dead-lettered before it had an id (an envelope that did not open)
+// is replayable when the copy can be identified as its first delivery would
+// have been: on RabbitMQ always (ids come from the message, never its
+// position), on Kafka when it carries its first position
+// (once-fallback-id).
 // With force, records of kinds that would only be dead-lettered again
 // (id-conflict, invalid-id) are replayable too.
 func (r *Record) Replayable(force bool) error {
 	switch {
-	case r.EventID() == "":
-		return fmt.Errorf("%w: no event id (kind %s): a redrive could not be deduplicated", ErrNotReplayable, r.Kind())
+	case r.EventID() == "" && r.Properties == nil && r.Header(consumer.HeaderFallbackID) == "":
+		// A Kafka copy's own position would be its id.
+		return fmt.Errorf("%w: no event id and no first position (kind %s): a redrive could not be deduplicated", ErrNotReplayable, r.Kind())
 	case r.Destination() == "":
 		return fmt.Errorf("%w: no original destination header", ErrNotReplayable)
 	case r.Header(kafka.HeaderValueDropped) != "":
@@ -223,7 +229,10 @@ var diagnosticHeaders = map[string]bool{
 
 // redriveHeaders are the headers a redrive of r adds, in this order.
 func redriveHeaders(r *Record, at time.Time, by string) []Header {
-	h := []Header{{consumer.HeaderRedriveEventID, r.EventID()}}
+	var h []Header
+	if id := r.EventID(); id != "" {
+		h = append(h, Header{consumer.HeaderRedriveEventID, id})
+	}
 	// The record goes back where other consumers read it too: the id it was
 	// dead-lettered under is its consumer's, and its first position is
 	// every consumer's.

@@ -64,6 +64,13 @@ func TestReplayable(t *testing.T) {
 	} {
 		assert.ErrorIs(t, r.Replayable(false), ErrNotReplayable, name)
 	}
+	kafkaNoID := rec(consumer.HeaderOriginalTopic, "orders", consumer.HeaderErrorKind, "decode", consumer.HeaderFallbackID, "orders/0/3@t")
+	assert.NoError(t, kafkaNoID.Replayable(false), "no id yet, but its first position")
+	amqpNoID := rec(consumer.HeaderErrorKind, "decode", "once-original-exchange", "", "once-original-routing-key", "orders")
+	amqpNoID.Properties = &Properties{}
+	assert.NoError(t, amqpNoID.Replayable(false), "an AMQP id never comes from a position")
+	assert.NotContains(t, redriveHeaders(kafkaNoID, time.Now(), ""), Header{consumer.HeaderRedriveEventID, ""},
+		"no empty redrive id")
 	conflict := rec(consumer.HeaderEventID, "e", consumer.HeaderOriginalTopic, "orders", consumer.HeaderErrorKind, "id-conflict")
 	assert.NoError(t, conflict.Replayable(true), "force")
 	amqpNoExchange := rec(consumer.HeaderEventID, "e")
