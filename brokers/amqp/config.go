@@ -177,12 +177,12 @@ type Config struct {
 	ReconnectMaxBackoff time.Duration
 
 	// FallbackID: when set, every message gets Message.FallbackID, a
-	// SHA-256 of its exchange, routing key and body, which the consumer
-	// uses as the event id when the message carries none (no message-id
-	// property and no id header). Off by default, because two legitimate
-	// messages with the same body and routing would then be collapsed into
-	// one: without an id, such messages are dead-lettered with kind
-	// missing-id.
+	// SHA-256 of its exchange, routing key, type property and body, which
+	// the consumer uses as the event id when the message carries none (no
+	// message-id property and no id header). Off by default, because two
+	// legitimate messages with the same body, type and routing would then be
+	// collapsed into one: without an id, such messages are dead-lettered
+	// with kind missing-id.
 	FallbackID bool
 
 	// Logger receives connection events (lost, reconnected, giving up on a

@@ -89,7 +89,7 @@ func (s *Source) newDelivery(sess *session, d amqp091.Delivery) *delivery {
 		dv.msg.Stream = s.cfg.Queue
 	}
 	if s.cfg.FallbackID {
-		dv.msg.FallbackID = fallbackID(d.Exchange, d.RoutingKey, d.Body)
+		dv.msg.FallbackID = fallbackID(d.Exchange, d.RoutingKey, d.Type, d.Body)
 	}
 	return dv
 }
@@ -186,12 +186,16 @@ func deadLetterPublishing(d *amqp091.Delivery, diag map[string]string, queue str
 	}
 }
 
-// fallbackID hashes what identifies a message when it carries no id.
-func fallbackID(exchange, routingKey string, body []byte) string {
+// fallbackID hashes what identifies a message when it carries no id. The
+// type property is part of it: two events of different types may share a
+// body ({"order_id": 7} created, then cancelled).
+func fallbackID(exchange, routingKey, typ string, body []byte) string {
 	h := sha256.New()
 	h.Write([]byte(exchange))
 	h.Write([]byte{0})
 	h.Write([]byte(routingKey))
+	h.Write([]byte{0})
+	h.Write([]byte(typ))
 	h.Write([]byte{0})
 	h.Write(body)
 	return FallbackIDPrefix + hex.EncodeToString(h.Sum(nil))

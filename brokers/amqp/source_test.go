@@ -134,20 +134,22 @@ func TestFallbackIDOptIn(t *testing.T) {
 	require.NoError(t, a.publish("", q,
 		amqp091.Publishing{Body: body},
 		amqp091.Publishing{Body: body},
-		amqp091.Publishing{Body: []byte(`{"other":"body"}`)}))
+		amqp091.Publishing{Body: []byte(`{"other":"body"}`)},
+		amqp091.Publishing{Body: body, Type: "order.cancelled"}))
 	src := openSource(t, amqp.Config{Queue: q, FallbackID: true})
-	sum := sha256.Sum256([]byte("\x00" + q + "\x00" + string(body)))
+	sum := sha256.Sum256([]byte("\x00" + q + "\x00\x00" + string(body)))
 	want := amqp.FallbackIDPrefix + hex.EncodeToString(sum[:])
 	var got []string
-	for range 3 {
+	for range 4 {
 		d := receive(t, src)
 		assert.Empty(t, d.Message().ID)
 		got = append(got, d.Message().FallbackID)
 		require.NoError(t, d.Ack(context.Background()))
 	}
-	assert.Equal(t, want, got[0], "sha256 of exchange, routing key and body")
+	assert.Equal(t, want, got[0], "sha256 of exchange, routing key, type and body")
 	assert.Equal(t, got[0], got[1], "identical messages share the fallback id")
 	assert.NotEqual(t, got[0], got[2])
+	assert.NotEqual(t, got[0], got[3], "another event type with the same body is another event")
 }
 
 // TestConnectionLossCancelsDeliveries cuts the TCP connection under a
