@@ -249,6 +249,25 @@ func TestKafkaReplayWithATransactionalBaseConfig(t *testing.T) {
 	assert.Equal(t, "billing-tx", base.Producer.Transaction.ID, "the caller's configuration is not modified")
 }
 
+// replayTwoTwice replays the two dead letters of billing in topic's
+// dead-letter topic twice, waiting after each replay until every one of svcs
+// has settled the copies (settled deliveries before the first).
+func replayTwoTwice(t *testing.T, k *testenv.Kafka, topic string, settled uint64, svcs ...*testenv.Service) {
+	t.Helper()
+	q, err := dlq.NewKafka(dlq.KafkaConfig{Brokers: k.Addrs, Topic: topic + ".dlq", Sarama: testenv.Sarama()})
+	require.NoError(t, err)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	for round := 1; round <= 2; round++ {
+		rep, err := q.Replay(ctx, dlq.Filter{Consumer: "billing"}, dlq.ReplayOptions{})
+		require.NoError(t, err)
+		require.Equal(t, 2, rep.Replayed, "round %d: %+v", round, rep)
+		for _, svc := range svcs {
+			svc.WaitSettled(t, settled+uint64(2*round))
+		}
+	}
+}
+
 // Two consumers read one topic, each identifying events its own way:
 // billing by the producer's id header, else the record's position;
 // shipping by a header of its own, so here always by position. A redrive
@@ -276,17 +295,7 @@ func TestKafkaReplayIsADuplicateForTheTopicsOtherConsumers(t *testing.T) {
 	require.EqualValues(t, 2, billing.C.Stats().DeadLettered)
 	billing.Broken.Store(false)
 
-	q, err := dlq.NewKafka(dlq.KafkaConfig{Brokers: k.Addrs, Topic: topic + ".dlq", Sarama: testenv.Sarama()})
-	require.NoError(t, err)
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-	defer cancel()
-	for round := 1; round <= 2; round++ {
-		rep, err := q.Replay(ctx, dlq.Filter{Consumer: "billing"}, dlq.ReplayOptions{})
-		require.NoError(t, err)
-		require.Equal(t, 2, rep.Replayed, "round %d", round)
-		billing.WaitSettled(t, uint64(3+2*round))
-		shipping.WaitSettled(t, uint64(3+2*round))
-	}
+	replayTwoTwice(t, k, topic, 3, billing, shipping)
 
 	assert.Equal(t, map[string]int{"fail-1": 1, topic + "/0/1": 1, "ok-1": 1}, billing.Effects(t))
 	assert.Equal(t, map[string]int{topic + "/0/0": 1, topic + "/0/1": 1, topic + "/0/2": 1}, shipping.Effects(t),
@@ -335,16 +344,7 @@ func TestKafkaReplayOfRecordsDeadLetteredBeforeTheyHadAnID(t *testing.T) {
 	k.Produce(kmsg(topic, 0, "", event("ev-1", 1))) // its producer sends ev-1 again: handled
 	svc.WaitSettled(t, 3)
 
-	q, err := dlq.NewKafka(dlq.KafkaConfig{Brokers: k.Addrs, Topic: topic + ".dlq", Sarama: testenv.Sarama()})
-	require.NoError(t, err)
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-	defer cancel()
-	for round := 1; round <= 2; round++ {
-		rep, err := q.Replay(ctx, dlq.Filter{Consumer: "billing"}, dlq.ReplayOptions{})
-		require.NoError(t, err)
-		require.Equal(t, 2, rep.Replayed, "round %d: %+v", round, rep)
-		svc.WaitSettled(t, uint64(3+2*round))
-	}
+	replayTwoTwice(t, k, topic, 3, svc)
 	assert.Equal(t, map[string]int{"ev-1": 1, topic + "/0/1": 1}, svc.Effects(t))
 	st := svc.C.Stats()
 	assert.EqualValues(t, 2, st.Handled, "%+v", st)
