@@ -87,17 +87,21 @@ func orDefault(s, def string) string {
 type identity struct {
 	id, typ string
 	payload []byte
+	// firstPosition: id is the first delivery's fallback id of a redriven
+	// copy of another consumer's dead letter (see FirstPositionChecker).
+	firstPosition bool
 }
 
 // identify finds m's id, type and payload per the config's rules. A failure
 // carries the dead-letter kind it calls for.
 func (c *Config) identify(m *Message) (identity, ErrorKind, error) {
+	copied := false
 	if fb := fallbackID(m); fb != m.FallbackID {
 		// A redriven copy: its position is not the record's, for EventID
 		// as for the fallback below.
 		first := *m
 		first.FallbackID = fb
-		m = &first
+		m, copied = &first, true
 	}
 	idt := identity{id: m.ID, typ: m.Type, payload: m.Value}
 	if c.Envelope != nil {
@@ -136,6 +140,7 @@ func (c *Config) identify(m *Message) (identity, ErrorKind, error) {
 	}
 	if idt.id == "" {
 		idt.id = m.FallbackID
+		idt.firstPosition = copied && redriven == ""
 	}
 	if redriven != "" {
 		idt.id = redriven

@@ -66,12 +66,14 @@ func TestRedriveOfAnotherConsumersDeadLetterIsIdentifiedAsItsFirstDelivery(t *te
 	idt, _, err := cfg.identify(copyOf("billing"))
 	require.NoError(t, err)
 	require.Equal(t, "order-7", idt.id, "another consumer's redrive id is not this consumer's")
+	require.False(t, idt.firstPosition)
 
 	m := copyOf("billing")
 	delete(m.Headers, "id")
 	idt, _, err = cfg.identify(m)
 	require.NoError(t, err)
 	require.Equal(t, "orders/0/3@t", idt.id, "the first delivery's position, not the copy's")
+	require.True(t, idt.firstPosition, "a source that deduplicates by position is asked about it")
 
 	cfg.Identify.EventID = func(m *Message) (string, error) { sawFallback = m.FallbackID; return "", nil }
 	idt, _, err = cfg.identify(m)
@@ -83,6 +85,16 @@ func TestRedriveOfAnotherConsumersDeadLetterIsIdentifiedAsItsFirstDelivery(t *te
 	idt, _, err = cfg.identify(copyOf("shipping"))
 	require.NoError(t, err)
 	require.Equal(t, "billing-id-of-order-7", idt.id, "this consumer's own redrive keeps its id")
+	require.False(t, idt.firstPosition)
+	m = copyOf("shipping")
+	m.Headers[HeaderRedriveEventID] = "orders/0/3@t"
+	idt, _, err = cfg.identify(m)
+	require.NoError(t, err)
+	require.False(t, idt.firstPosition, "its own dead letter's first position is done: dead-lettered")
+	cfg.Identify.EventID = nil
+	idt, _, err = cfg.identify(&Message{FallbackID: "orders/0/3@t"})
+	require.NoError(t, err)
+	require.False(t, idt.firstPosition, "not a copy")
 }
 
 // A dead letter carries the message's fallback id, its first delivery's

@@ -60,6 +60,45 @@ type PositionDeduplicated interface {
 	DeduplicatedByPosition() bool
 }
 
+// FirstPositionChecker is implemented by PositionDeduplicated deliveries
+// whose source can tell whether the record at a fallback id's position is
+// done. A redriven copy of another consumer's dead letter of a record
+// without an id is identified by its first delivery's fallback id
+// (HeaderRedriveFallbackID); a consumer that recorded that delivery by its
+// position alone has no processed-events row to find, and asks here: a
+// first position done makes the copy a duplicate. The copy of this
+// consumer's own dead letter is not asked about (its first position is
+// done too, dead-lettered), and is handled once under its
+// processed-events row.
+type FirstPositionChecker interface {
+	// FirstPositionDone reports, in the consumer's transaction tx, whether
+	// the record whose Message.FallbackID was fallbackID is recorded done.
+	FirstPositionDone(ctx context.Context, tx pgx.Tx, fallbackID string) (bool, error)
+}
+
+// checkFirstPositions makes a duplicate of each claimed job whose id is
+// the first position of another consumer's redriven dead letter, when its
+// source records that position done.
+func checkFirstPositions(ctx context.Context, tx pgx.Tx, jobs []*job, res []dedup.Result) error {
+	for i, j := range jobs {
+		if !j.idt.firstPosition || res[i].Outcome != dedup.Claimed {
+			continue
+		}
+		fc, ok := j.d.(FirstPositionChecker)
+		if pd, isPD := j.d.(PositionDeduplicated); !ok || !isPD || !pd.DeduplicatedByPosition() {
+			continue
+		}
+		done, err := fc.FirstPositionDone(ctx, tx, j.idt.id)
+		if err != nil {
+			return err
+		}
+		if done {
+			res[i] = dedup.Result{Outcome: dedup.Duplicate}
+		}
+	}
+	return nil
+}
+
 // bindProgress binds a ProgressRecorder source to the consumer.
 func (p *pipeline) bindProgress(ctx context.Context) error {
 	r, ok := p.src.(ProgressRecorder)

@@ -101,6 +101,9 @@ func (p *pipeline) transaction(ctx context.Context, jobs []*job) txResult {
 	if err != nil {
 		return txResult{outcome: txInfra, err: err, failed: -1}
 	}
+	if err := checkFirstPositions(ctx, tx, jobs, res); err != nil {
+		return txResult{outcome: txInfra, err: err, failed: -1}
+	}
 	if err := p.guard.clearIn(ctx, tx, jobs); err != nil {
 		return txResult{outcome: txInfra, err: err, failed: -1}
 	}

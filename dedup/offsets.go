@@ -188,6 +188,24 @@ FROM adv
 WHERE consumer = $1 AND topic = $2 AND partition = $3 AND epoch = $4`
 }
 
+// OffsetDone reports whether consumer's row of key's partition records the
+// record at offset done: below the row's next offset, or in its done set.
+// A row recorded under another known topic id than key's is of a deleted
+// topic of the same name, and records nothing done for key's. No row: not
+// done.
+func (s *Store) OffsetDone(ctx context.Context, db DB, consumer string, key PartitionKey, offset int64) (bool, error) {
+	var done bool
+	err := db.QueryRow(ctx, `SELECT EXISTS (SELECT FROM `+s.names.Offsets+`
+WHERE consumer = $1 AND topic = $2 AND partition = $3
+	AND NOT (topic_id <> '' AND $4 <> '' AND topic_id <> $4)
+	AND (next_offset > $5 OR $5 = ANY (done)))`,
+		consumer, key.Topic, key.Partition, key.TopicID, offset).Scan(&done)
+	if err != nil {
+		return false, fmt.Errorf("dedup: reading the offsets of %s/%d: %w", key.Topic, key.Partition, err)
+	}
+	return done, nil
+}
+
 var offsetsColumns = []column{
 	{"consumer", "text"}, {"topic", "text"}, {"partition", "integer"},
 	{"next_offset", "bigint"}, {"done", "bigint[]"}, {"epoch", "bigint"},

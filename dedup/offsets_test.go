@@ -194,3 +194,29 @@ func TestCheckOffsetsNeedsTheTakeOversKey(t *testing.T) {
 	o := takeOver(t, ctx, pool, s, "")
 	assert.Equal(t, int64(-1), o.Next)
 }
+
+// OffsetDone reads a record's position as the row records it: below Next
+// or among the offsets done above it, for the row's topic id only.
+func TestOffsetDone(t *testing.T) {
+	t.Parallel()
+	ctx, pool, s := setup(t)
+	key := dedup.PartitionKey{Topic: "t", Partition: 0, TopicID: "id-1"}
+	done := func(k dedup.PartitionKey, offset int64) bool {
+		t.Helper()
+		d, err := s.OffsetDone(ctx, pool, "c", k, offset)
+		require.NoError(t, err)
+		return d
+	}
+	assert.False(t, done(key, 0), "no row: nothing done")
+	o := takeOver(t, ctx, pool, s, "id-1")
+	require.NoError(t, recordTx(t, ctx, pool, s, dedup.OffsetsUpdate{Topic: "t", Partition: 0, Epoch: o.Epoch, DoneBelow: 5, Done: []int64{7}}))
+	for offset, want := range map[int64]bool{0: true, 4: true, 5: false, 6: false, 7: true, 8: false} {
+		assert.Equal(t, want, done(key, offset), "offset %d", offset)
+	}
+	assert.False(t, done(dedup.PartitionKey{Topic: "t", Partition: 0, TopicID: "id-2"}, 4), "another topic of the same name")
+	assert.True(t, done(dedup.PartitionKey{Topic: "t", Partition: 0}, 4), "a topic id unknown says nothing of the topic")
+	assert.False(t, done(dedup.PartitionKey{Topic: "t", Partition: 1, TopicID: "id-1"}, 4), "another partition")
+	other, err := s.OffsetDone(ctx, pool, "other", key, 4)
+	require.NoError(t, err)
+	assert.False(t, other, "another consumer's row")
+}

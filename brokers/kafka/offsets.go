@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -144,6 +146,35 @@ func unwrapDelivery(dv consumer.Delivery) (*delivery, bool) {
 // DeduplicatedByPosition implements consumer.PositionDeduplicated: true
 // with Config.OffsetsInDatabase.
 func (d *delivery) DeduplicatedByPosition() bool { return d.claim.db != nil }
+
+// FirstPositionDone implements consumer.FirstPositionChecker: it reads in
+// tx whether the offsets table records done the record whose fallback id
+// (topic/partition/offset@topic-id) is fallbackID. An id of another shape
+// is not one of this adapter's positions: not done.
+func (d *delivery) FirstPositionDone(ctx context.Context, tx pgx.Tx, fallbackID string) (bool, error) {
+	b := d.claim.src.offsets.Load()
+	key, offset, ok := parseFallbackID(fallbackID)
+	if b == nil || !ok {
+		return false, nil
+	}
+	return b.Store.OffsetDone(ctx, tx, b.Consumer, key, offset)
+}
+
+// parseFallbackID is the inverse of claim.fallbackID. Topic names hold no
+// "/" nor "@" (Kafka allows ASCII letters, digits, '.', '_' and '-').
+func parseFallbackID(id string) (dedup.PartitionKey, int64, bool) {
+	pos, topicID, _ := strings.Cut(id, "@")
+	parts := strings.Split(pos, "/")
+	if len(parts) != 3 || parts[0] == "" {
+		return dedup.PartitionKey{}, 0, false
+	}
+	partition, err1 := strconv.ParseInt(parts[1], 10, 32)
+	offset, err2 := strconv.ParseInt(parts[2], 10, 64)
+	if err1 != nil || err2 != nil || partition < 0 || offset < 0 {
+		return dedup.PartitionKey{}, 0, false
+	}
+	return dedup.PartitionKey{Topic: parts[0], Partition: int32(partition), TopicID: topicID}, offset, true
+}
 
 // claimOffsets is what a claim knows of its partition's row.
 type claimOffsets struct {

@@ -529,3 +529,23 @@ func TestOffsetsInDatabaseFencedOwnerReleasesTheNewOne(t *testing.T) {
 	assert.Zero(t, a.c.Stats().Handled)
 	assert.Equal(t, map[int32]int64{0: 1}, offsetsRows(t, db, topic))
 }
+
+// parseFallbackID reads back what claim.fallbackID writes, and refuses ids
+// of any other shape.
+func TestParseFallbackID(t *testing.T) {
+	cl := &claim{stream: "orders.v2/3", topicID: "dPt4VFR3M6ZGOrsVzpV_iw"}
+	key, offset, ok := parseFallbackID(cl.fallbackID(42))
+	require.True(t, ok)
+	assert.Equal(t, dedup.PartitionKey{Topic: "orders.v2", Partition: 3, TopicID: "dPt4VFR3M6ZGOrsVzpV_iw"}, key)
+	assert.EqualValues(t, 42, offset)
+	cl.topicID = ""
+	key, offset, ok = parseFallbackID(cl.fallbackID(0))
+	require.True(t, ok)
+	assert.Equal(t, dedup.PartitionKey{Topic: "orders.v2", Partition: 3}, key)
+	assert.EqualValues(t, 0, offset)
+	for _, id := range []string{"", "order-7", "orders/3", "orders/3/4/5", "/3/4", "orders/x/4", "orders/3/-1", "orders/-3/4",
+		"orders/99999999999/4", "amqp-sha256:ab"} {
+		_, _, ok := parseFallbackID(id)
+		assert.False(t, ok, id)
+	}
+}

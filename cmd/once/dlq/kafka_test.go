@@ -15,6 +15,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/onceco/once/brokers/kafka"
 	"github.com/onceco/once/cmd/once/dlq"
 	"github.com/onceco/once/cmd/once/internal/testenv"
 	"github.com/onceco/once/consumer"
@@ -303,6 +304,63 @@ func TestKafkaReplayIsADuplicateForTheTopicsOtherConsumers(t *testing.T) {
 	st := shipping.C.Stats()
 	assert.EqualValues(t, 3, st.Handled, "%+v", st)
 	assert.EqualValues(t, 4, st.Duplicates, "%+v", st)
+}
+
+// A consumer that keeps its Kafka offsets in PostgreSQL records a record
+// without a producer id by its position alone, with no processed-events
+// row. A redrive of another consumer's dead letter of that record is still
+// its duplicate: it finds the first position done in its offsets table.
+// Its own dead letter's redrive is handled, once, though that position is
+// recorded done too (dead-lettered).
+func TestKafkaReplayIsADuplicateForAConsumerWithOffsetsInTheDatabase(t *testing.T) {
+	k := testenv.NewKafka(t)
+	topic := testenv.Uniq("orders")
+	k.CreateTopic(topic, 1)
+	k.CreateTopic(topic+".dlq", 1)
+	billingPool, _ := pgtest.Schema(t)
+	shippingPool, _ := pgtest.Schema(t)
+	billing := testenv.StartService(t, billingPool, k.Source(testenv.Uniq("billing"), topic), "billing")
+	inDatabase := func(c *kafka.Config) { c.OffsetsInDatabase = true }
+	shipping := testenv.StartService(t, shippingPool, k.Source(testenv.Uniq("shipping"), topic, inDatabase), "shipping")
+	q, err := dlq.NewKafka(dlq.KafkaConfig{Brokers: k.Addrs, Topic: topic + ".dlq", Sarama: testenv.Sarama()})
+	require.NoError(t, err)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	settled := uint64(0)
+	replayTwice := func(of string) {
+		for range 2 {
+			rep, err := q.Replay(ctx, dlq.Filter{Consumer: of}, dlq.ReplayOptions{})
+			require.NoError(t, err)
+			require.Equal(t, 1, rep.Replayed)
+			settled++
+			billing.WaitSettled(t, settled)
+			shipping.WaitSettled(t, settled)
+		}
+	}
+
+	// Shipping dead-letters offset 0; billing handles it.
+	billing.Broken.Store(false)
+	k.Produce(kmsg(topic, 0, "", testenv.JSON(1, "fail")), kmsg(topic, 0, "", testenv.JSON(2, "ok")))
+	settled = 2
+	billing.WaitSettled(t, settled)
+	shipping.WaitSettled(t, settled)
+	require.EqualValues(t, 1, shipping.C.Stats().DeadLettered)
+	shipping.Broken.Store(false)
+	replayTwice("shipping") // offsets 2 and 3
+
+	// Billing dead-letters offset 4; shipping handles it by its position.
+	billing.Broken.Store(true)
+	k.Produce(kmsg(topic, 0, "", testenv.JSON(3, "fail")))
+	settled++
+	billing.WaitSettled(t, settled)
+	shipping.WaitSettled(t, settled)
+	require.EqualValues(t, 1, billing.C.Stats().DeadLettered)
+	billing.Broken.Store(false)
+	replayTwice("billing") // offsets 5 and 6
+
+	want := map[string]int{topic + "/0/0": 1, topic + "/0/1": 1, topic + "/0/4": 1}
+	assert.Equal(t, want, shipping.Effects(t), "billing's redrive is shipping's duplicate; its own is handled once")
+	assert.Equal(t, want, billing.Effects(t))
 }
 
 // legacyEnvelope opens CloudEvents' structured JSON; while broken, it

@@ -100,16 +100,21 @@ func (k *Kafka) Produce(msgs ...*sarama.ProducerMessage) {
 	require.NoError(k.t, p.SendMessages(msgs))
 }
 
-// Source opens a consumer-group source on topic with test timeouts.
-func (k *Kafka) Source(group, topic string) *kafka.Source {
+// Source opens a consumer-group source on topic with test timeouts. Each of
+// configure, when given, changes the source's config before it opens.
+func (k *Kafka) Source(group, topic string, configure ...func(*kafka.Config)) *kafka.Source {
 	k.t.Helper()
-	src, err := kafka.Open(k.t.Context(), kafka.Config{
+	cfg := kafka.Config{
 		Brokers: k.Addrs, Group: group, Topics: []string{topic},
 		SessionTimeout: 2 * time.Second, HeartbeatInterval: 100 * time.Millisecond,
 		RebalanceTimeout: 8 * time.Second, RevokeTimeout: 4 * time.Second,
 		CommitInterval: 100 * time.Millisecond, FetchMaxWait: 50 * time.Millisecond,
 		Sarama: Sarama(), Logger: Logger(), DeadLetter: kafka.DeadLetterConfig{Create: true},
-	})
+	}
+	for _, f := range configure {
+		f(&cfg)
+	}
+	src, err := kafka.Open(k.t.Context(), cfg)
 	require.NoError(k.t, err)
 	return src
 }
