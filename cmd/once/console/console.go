@@ -206,9 +206,12 @@ func (h *Handler) overview(w http.ResponseWriter, r *http.Request) {
 		s := queueSummary{Queue: queueRef{i, q.Name()}}
 		recs, err := dlq.Collect(ctx, q, dlq.Filter{})
 		if err != nil {
+			// What was read before the error is not the queue's
+			// content: no count, no summary.
 			s.Failed = err.Error()
+		} else {
+			s.Kinds, s.Total = dlq.Summarize(recs), len(recs)
 		}
-		s.Kinds, s.Total = dlq.Summarize(recs), len(recs)
 		d.DeadLetters = append(d.DeadLetters, s)
 	}
 	h.render(w, http.StatusOK, "overview.html", h.page("Consumers", d))
