@@ -180,6 +180,7 @@ func (h *Handler) queueAt(r *http.Request) (int, dlq.Queue, error) {
 type overviewData struct {
 	Consumers   []inspect.Consumer
 	HasDB       bool
+	DBFailed    string
 	DeadLetters []queueSummary
 }
 
@@ -197,8 +198,9 @@ func (h *Handler) overview(w http.ResponseWriter, r *http.Request) {
 	if h.cfg.DB != nil {
 		cs, err := inspect.Consumers(ctx, h.cfg.DB, h.cfg.Tables, h.cfg.SuspectAge)
 		if err != nil {
-			h.fail(w, http.StatusBadGateway, err)
-			return
+			// The dead letters are still worth showing.
+			h.cfg.Logger.Warn("once console: read the consumers", "error", err)
+			d.DBFailed = err.Error()
 		}
 		d.Consumers = cs
 	}
