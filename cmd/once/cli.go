@@ -109,7 +109,8 @@ func (a *app) exitCode(cmd command, err error) int {
 	case err == nil:
 		return exitOK
 	case errors.Is(err, flag.ErrHelp):
-		return exitOK
+		// -h or -help: the command's help, as "once help CMD".
+		return a.help(cmd.name)
 	case errors.As(err, &ue):
 		fmt.Fprintf(a.stderr, "once %s: %v\nRun 'once help %s' for its flags.\n", cmd.name, err, cmd.name)
 		return exitUsage
@@ -190,11 +191,12 @@ func (a *app) flags(ctx context.Context, name string) (*flag.FlagSet, bool) {
 	return fs, false
 }
 
-// parse parses args into fs; a bad flag is a usage error.
+// parse parses args into fs; a bad flag is a usage error, and -h or
+// -help returns flag.ErrHelp.
 func parse(fs *flag.FlagSet, args []string) error {
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
-			return usagef("see the flags below")
+			return err
 		}
 		return &usageError{err.Error()}
 	}

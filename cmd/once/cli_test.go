@@ -604,3 +604,18 @@ func TestMigrateRefusesToOutsideDown(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, 1, v, "nothing migrated")
 }
+
+// -h (or -help) after a command prints that command's help with its
+// flags, as "once help CMD" does, and succeeds.
+func TestCommandHelpFlagPrintsTheFlags(t *testing.T) {
+	for _, args := range [][]string{{"dlq", "list", "-h"}, {"dlq", "replay", "-dlq", "x", "-help"}, {"status", "--help"},
+		{"migrate", "up", "-h"}, {"ui", "-h"}} {
+		code, out, errOut := cli(t, nil, args...)
+		assert.Equal(t, exitOK, code, "%v: %s", args, errOut)
+		assert.Contains(t, out, "Flags:", "%v", args)
+		assert.Contains(t, out, "Usage: once "+args[0], "%v", args)
+		assert.NotContains(t, errOut, "see the flags below", "%v", args)
+	}
+	_, out, _ := cli(t, nil, "dlq", "replay", "-h")
+	assert.Contains(t, out, "-dry-run")
+}
