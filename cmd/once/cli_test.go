@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -26,7 +27,14 @@ import (
 	"github.com/onceco/once/outbox"
 )
 
-func TestMain(m *testing.M) { pgtest.Main(m) }
+func TestMain(m *testing.M) {
+	if os.Getenv("ONCE_TEST_MAIN") == "1" {
+		// The test binary runs as the once command, its arguments
+		// those of the command line (TestSecondInterruptQuits).
+		main()
+	}
+	pgtest.Main(m)
+}
 
 // cli runs the command line in-process with env and returns the exit
 // code, stdout and stderr.

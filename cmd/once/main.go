@@ -2,14 +2,40 @@ package main
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"os/signal"
 	"syscall"
 )
 
 func main() {
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	ctx, cancel := interruptible(context.Background())
 	code := newApp(os.Stdout, os.Stderr, os.Getenv).run(ctx, os.Args[1:])
-	stop()
+	cancel()
 	os.Exit(code)
+}
+
+// interruptible returns a context that the first SIGINT or SIGTERM
+// cancels, so that a command stops cleanly (a replay reports what it
+// did). A second one kills the process: some broker calls do
+// not watch the context (a Kafka client dialling a broker that does not
+// answer waits out its own timeouts, minutes), and a Ctrl-C must not be
+// ignored meanwhile.
+func interruptible(parent context.Context) (context.Context, context.CancelFunc) {
+	ctx, cancel := context.WithCancel(parent)
+	sigs := make(chan os.Signal, 1)
+	signal.Notify(sigs, os.Interrupt, syscall.SIGTERM)
+	go func() {
+		defer signal.Stop(sigs)
+		select {
+		case s := <-sigs:
+			// With no channel left for them, the signals kill the
+			// process again.
+			signal.Stop(sigs)
+			fmt.Fprintf(os.Stderr, "once: %v: stopping (once more to quit at once)\n", s)
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
+	return ctx, cancel
 }
