@@ -627,3 +627,35 @@ func TestCommandHelpFlagPrintsTheFlags(t *testing.T) {
 	_, out, _ := cli(t, nil, "dlq", "replay", "-h")
 	assert.Contains(t, out, "-dry-run")
 }
+
+// once status prints what the database holds of the consumers and of the
+// outbox's parked rows (consumer names, event ids, destinations, a
+// broker's error text) quoted when it holds control characters or line
+// breaks, as the dlq commands print headers: an error of two lines would
+// otherwise read as a second parked row, and an escape sequence would
+// reach the terminal.
+func TestStatusQuotesControlCharacters(t *testing.T) {
+	ctx := context.Background()
+	pool, schema := pgtest.Schema(t)
+	env := map[string]string{"DATABASE_URL": testenv.SchemaURL(schema)}
+	store, err := dedup.New(dedup.Config{})
+	require.NoError(t, err)
+	require.NoError(t, store.Migrate(ctx, pool))
+	_, err = pool.Exec(ctx, "INSERT INTO processed_events (consumer, event_id) VALUES ('bill\x1b[2Jing', 'e-1')")
+	require.NoError(t, err)
+	require.NoError(t, outbox.Migrate(ctx, pool))
+	require.NoError(t, pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		return outbox.Add(ctx, tx, outbox.Message{ID: "o-1\x1b]0;pwned\x07", Topic: "orders\rconfirmed", Body: []byte(`{}`)})
+	}))
+	_, err = pool.Exec(ctx, "UPDATE outbox SET parked_at = now(), attempts = 1, last_error = 'refused\n77  fake-row  orders.ok  0'")
+	require.NoError(t, err)
+
+	code, out, errOut := cli(t, env, "status")
+	require.Equal(t, exitOK, code, errOut)
+	for _, c := range []string{"\x1b", "\x07", "\r"} {
+		assert.NotContains(t, out, c)
+	}
+	assert.NotContains(t, out, "\n77  fake-row", "an error's second line reads as a row")
+	assert.Contains(t, out, `refused\n77`)
+	assert.Contains(t, out, `"bill\x1b[2Jing"`)
+}

@@ -261,7 +261,7 @@ func (a *app) printStatus(rep statusReport) {
 	tw := tabwriter.NewWriter(a.stdout, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(tw, "CONSUMER\tPROCESSED\tOLDEST\tNEWEST\tIN FLIGHT\tCRASH SUSPECTS\tMAX ATTEMPTS")
 	for _, c := range rep.Consumers {
-		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%d\t%d\t%d\n", c.Name, c.Processed, formatTime(c.Oldest), formatTime(c.Newest),
+		fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%d\t%d\t%d\n", safe(c.Name), c.Processed, formatTime(c.Oldest), formatTime(c.Newest),
 			c.InFlight, c.CrashSuspects, c.MaxAttempts)
 	}
 	if len(rep.Consumers) == 0 {
@@ -304,7 +304,9 @@ func (a *app) printStatus(rep statusReport) {
 				if p.RoutingKey != "" {
 					dest += " " + p.RoutingKey
 				}
-				fmt.Fprintf(tw, "%d\t%s\t%s\t%d\t%s\t%s\n", p.Seq, p.EventID, dest, p.Attempts, formatTime(p.ParkedAt), p.LastError)
+				// The event id is the application's, the error the
+				// broker's: either may hold a line break or a control.
+				fmt.Fprintf(tw, "%d\t%s\t%s\t%d\t%s\t%s\n", p.Seq, safe(p.EventID), safe(dest), p.Attempts, formatTime(p.ParkedAt), safe(p.LastError))
 			}
 			_ = tw.Flush()
 		}
