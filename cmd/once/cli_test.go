@@ -267,6 +267,8 @@ func TestStatusMigrateRetention(t *testing.T) {
 	assert.Equal(t, exitUsage, code)
 	code, _, _ = cli(t, map[string]string{"DATABASE_URL": "postgres://127.0.0.1:1/x?connect_timeout=1"}, "status")
 	assert.Equal(t, exitFailure, code, "an unreachable database is a failure")
+	code, _, errOut = cli(t, map[string]string{"DATABASE_URL": "postgres://127.0.0.1:1/x?connect_timeout=1"}, "status", "-suspect-age", "-1m")
+	assert.Equal(t, exitUsage, code, "a negative -suspect-age is a usage error: %s", errOut)
 }
 
 func TestDLQReplayOnRabbitMQ(t *testing.T) {

@@ -188,6 +188,9 @@ func (a *app) status(ctx context.Context, args []string) error {
 	if *queues != "" && *amqpURL == "" {
 		return usagef("-queue needs -amqp")
 	}
+	if *suspectAge < 0 {
+		return usagef("-suspect-age %v: want a duration of 0 or more", *suspectAge)
+	}
 	var rep statusReport
 	pool, err := db.pool(ctx)
 	if err != nil {

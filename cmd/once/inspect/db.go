@@ -80,12 +80,16 @@ type Consumer struct {
 
 // Consumers returns every consumer name found in the tables, sorted by
 // name. Attempt rows older than suspectAge, or with more than one attempt,
-// are counted as crash suspects. It reads the whole processed-events table
-// (one aggregate), so it costs a scan on a large table.
+// are counted as crash suspects; a negative suspectAge is an error. It
+// reads the whole processed-events table (one aggregate), so it costs a
+// scan on a large table.
 func Consumers(ctx context.Context, db DB, t Tables, suspectAge time.Duration) ([]Consumer, error) {
 	processed, attempts, err := t.names()
 	if err != nil {
 		return nil, err
+	}
+	if suspectAge < 0 {
+		return nil, fmt.Errorf("inspect: suspect age %v is negative", suspectAge)
 	}
 	sql := `
 WITH p AS (
@@ -93,7 +97,7 @@ WITH p AS (
     FROM ` + processed + ` GROUP BY consumer
 ), a AS (
     SELECT consumer, count(*) AS n,
-           count(*) FILTER (WHERE attempts > 1 OR last_seen < now() - $1::interval) AS suspects,
+           count(*) FILTER (WHERE attempts > 1 OR last_seen < now() - make_interval(secs => $1)) AS suspects,
            max(attempts) AS max_attempts
     FROM ` + attempts + ` GROUP BY consumer
 )
@@ -101,7 +105,9 @@ SELECT coalesce(p.consumer, a.consumer), coalesce(p.n, 0), p.oldest, p.newest,
        coalesce(a.n, 0), coalesce(a.suspects, 0), coalesce(a.max_attempts, 0)
 FROM p FULL JOIN a ON a.consumer = p.consumer
 ORDER BY 1`
-	rows, err := db.Query(ctx, sql, suspectAge.String())
+	// In seconds: PostgreSQL reads no interval in µs, Duration's unit
+	// below a millisecond.
+	rows, err := db.Query(ctx, sql, suspectAge.Seconds())
 	if err != nil {
 		return nil, fmt.Errorf("inspect: read %s: %w", processed, err)
 	}

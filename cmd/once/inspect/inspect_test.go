@@ -124,3 +124,25 @@ func TestAMQPDepth(t *testing.T) {
 	_, err = inspect.AMQPDepth(url, []string{q + "-missing"})
 	require.Error(t, err)
 }
+
+// Any suspect age counts: one below a millisecond too, whose Go spelling
+// (1.5µs) PostgreSQL does not read as an interval. A negative one is
+// refused rather than counting every attempt row as a crash suspect.
+func TestConsumersTakesAnySuspectAge(t *testing.T) {
+	ctx := context.Background()
+	pool, _ := pgtest.Schema(t)
+	store, err := dedup.New(dedup.Config{})
+	require.NoError(t, err)
+	require.NoError(t, store.Migrate(ctx, pool))
+	_, err = pool.Exec(ctx, `INSERT INTO processed_events_attempts (consumer, event_id, attempts, last_seen) VALUES
+		('billing', 'old', 1, now() - interval '1 hour'), ('billing', 'new', 1, now() + interval '1 hour')`)
+	require.NoError(t, err)
+	for age, suspects := range map[time.Duration]int64{1500 * time.Nanosecond: 1, 90 * time.Minute: 0, 30 * time.Minute: 1, 0: 1} {
+		cs, err := inspect.Consumers(ctx, pool, inspect.Tables{}, age)
+		require.NoError(t, err, "suspect age %v", age)
+		require.Len(t, cs, 1)
+		assert.Equal(t, suspects, cs[0].CrashSuspects, "suspect age %v", age)
+	}
+	_, err = inspect.Consumers(ctx, pool, inspect.Tables{}, -time.Minute)
+	require.Error(t, err, "a negative suspect age")
+}
