@@ -661,3 +661,17 @@ func TestStatusQuotesControlCharacters(t *testing.T) {
 	assert.Contains(t, out, `refused\n77`)
 	assert.Contains(t, out, `"bill\x1b[2Jing"`)
 }
+
+// A retention that fails prints no count it did not take: a dry run that
+// could not count says nothing of "0 rows would be deleted", in text or
+// JSON, and exits 1.
+func TestRetentionDryRunThatFailsPrintsNoCount(t *testing.T) {
+	_, schema := pgtest.Schema(t) // no tables
+	env := map[string]string{"DATABASE_URL": testenv.SchemaURL(schema)}
+	for _, args := range [][]string{{}, {"-json"}} {
+		code, out, errOut := cli(t, env, append([]string{"retention", "-consumer", "billing", "-older-than", "1h", "-dry-run"}, args...)...)
+		assert.Equal(t, exitFailure, code, "%v: %s", args, errOut)
+		assert.Contains(t, errOut, "processed_events", "%v", args)
+		assert.Empty(t, out, "%v: a count of rows it could not count", args)
+	}
+}

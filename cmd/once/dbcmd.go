@@ -368,6 +368,10 @@ func (a *app) retention(ctx context.Context, args []string) error {
 	if a.terminal && progress != nil && !*dry {
 		fmt.Fprintln(a.stderr)
 	}
+	if err != nil && *dry {
+		// It counted nothing: no count to print.
+		return err
+	}
 	if *asJSON {
 		if jerr := a.writeJSON(map[string]any{"consumer": *name, "cutoff": cutoff.UTC(), "deleted": n, "dry_run": *dry}); jerr != nil {
 			return jerr
