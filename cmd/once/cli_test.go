@@ -79,6 +79,11 @@ func TestHelpListsEveryCommandAndExitCodes(t *testing.T) {
 	assert.Equal(t, exitUsage, code, "a replay without a selection needs -all")
 	code, _, _ = cli(t, map[string]string{"ONCE_KAFKA_BROKERS": "127.0.0.1:1"}, "dlq", "list", "-dlq", "x", "-since", "yesterday")
 	assert.Equal(t, exitUsage, code)
+	for _, cmd := range []string{"list", "show"} {
+		code, _, errOut = cli(t, map[string]string{"ONCE_KAFKA_BROKERS": "127.0.0.1:1"}, "dlq", cmd, "-dlq", "x", "-id", "e-1", "-limit", "-1")
+		assert.Equal(t, exitUsage, code, "dlq %s: a negative -limit is not \"all\": %s", cmd, errOut)
+		assert.Contains(t, errOut, "-limit", "dlq %s", cmd)
+	}
 }
 
 // kafkaDLQ makes dead letters with a real consumer on kfake: a handler

@@ -169,6 +169,9 @@ func (a *app) dlqList(ctx context.Context, args []string) error {
 	if err := parse(fs, args); err != nil {
 		return err
 	}
+	if *limit < 0 {
+		return usagef("-limit %d: want a number of records (0: all)", *limit)
+	}
 	q, f, err := a.dlqOpen(df)
 	if err != nil {
 		return err
@@ -260,6 +263,9 @@ func (a *app) dlqShow(ctx context.Context, args []string) error {
 	}
 	if !df.selects() {
 		return usagef("select records: -ref, or filters such as -id")
+	}
+	if *limit < 0 {
+		return usagef("-limit %d: want a number of records (0: all)", *limit)
 	}
 	q, f, err := a.dlqOpen(df)
 	if err != nil {
