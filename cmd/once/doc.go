@@ -4,7 +4,7 @@
 //	once dlq list     list dead letters of a Kafka topic or RabbitMQ queue
 //	once dlq show     one dead letter: headers, reason, payload
 //	once dlq replay   redrive dead letters to where they were first published
-//	once migrate      create the processed-events tables (up)
+//	once migrate      move the processed-events tables up or down; status
 //	once status       per consumer: rows, crash suspects, dead letters, lag
 //	once retention    delete one consumer's old rows in bounded batches
 //	once ui           the web console
@@ -18,6 +18,6 @@
 //
 // Exit codes: 0 success; 1 a failure (a broker or the database unreachable,
 // a replay that stopped); 2 a usage error (unknown command, bad or missing
-// flag); 3 an operation this version cannot do (migrate down and status);
-// 4 nothing matched (dlq show).
+// flag); 4 nothing matched (dlq show). 3 is reserved. A first Ctrl-C asks
+// the command to stop, a second quits at once.
 package main
