@@ -40,8 +40,10 @@ type Config struct {
 	SuspectAge time.Duration
 	// MaxRows bounds the records listed on one page. Default 500.
 	MaxRows int
-	// Timeout bounds the broker and database work of one request. Default
-	// 30 seconds.
+	// Timeout bounds the broker and database work of one request, also
+	// when a broker does not answer: the page then says so (504), and a
+	// replay cut off stops at its next record and logs its report.
+	// Default 30 seconds.
 	Timeout time.Duration
 	// Logger receives replays and errors. Default slog.Default().
 	Logger *slog.Logger
@@ -168,6 +170,59 @@ func (h *Handler) ctx(r *http.Request) (context.Context, context.CancelFunc) {
 	return context.WithTimeout(r.Context(), h.cfg.Timeout)
 }
 
+// errTimeout is the error of broker work that did not end within
+// Config.Timeout.
+type errTimeout struct {
+	queue string
+	after time.Duration
+	err   error
+}
+
+func (e *errTimeout) Error() string {
+	return fmt.Sprintf("no answer from %s within %v (%v)", e.queue, e.after, e.err)
+}
+
+func (e *errTimeout) Unwrap() error { return e.err }
+
+// brokerStatus is the status of a page whose broker work failed with err.
+func brokerStatus(err error) int {
+	var te *errTimeout
+	if errors.As(err, &te) {
+		return http.StatusGatewayTimeout
+	}
+	return http.StatusBadGateway
+}
+
+// collect is dlq.Collect bounded by ctx also when q's client does not
+// watch it: a Kafka client connecting to a broker that accepts the
+// connection and never answers waits out its own timeouts, minutes. The
+// read goes on in the background until that call returns, then stops.
+func (h *Handler) collect(ctx context.Context, q dlq.Queue, f dlq.Filter) ([]*dlq.Record, error) {
+	type result struct {
+		recs []*dlq.Record
+		err  error
+	}
+	done := make(chan result, 1)
+	go func() {
+		recs, err := dlq.Collect(ctx, q, f)
+		done <- result{recs, err}
+	}()
+	select {
+	case r := <-done:
+		return r.recs, r.err
+	case <-ctx.Done():
+		return nil, h.stopped(ctx, q)
+	}
+}
+
+// stopped is the error of broker work on q that ctx ended.
+func (h *Handler) stopped(ctx context.Context, q dlq.Queue) error {
+	if errors.Is(ctx.Err(), context.DeadlineExceeded) {
+		return &errTimeout{queue: q.Name(), after: h.cfg.Timeout, err: ctx.Err()}
+	}
+	return ctx.Err() // the client went away
+}
+
 // queueAt returns the queue of the request's q parameter.
 func (h *Handler) queueAt(r *http.Request) (int, dlq.Queue, error) {
 	i, err := strconv.Atoi(r.FormValue("q"))
@@ -206,7 +261,7 @@ func (h *Handler) overview(w http.ResponseWriter, r *http.Request) {
 	}
 	for i, q := range h.cfg.Queues {
 		s := queueSummary{Queue: queueRef{i, q.Name()}}
-		recs, err := dlq.Collect(ctx, q, dlq.Filter{})
+		recs, err := h.collect(ctx, q, dlq.Filter{})
 		if err != nil {
 			// What was read before the error is not the queue's
 			// content: no count, no summary.
@@ -284,9 +339,9 @@ func (h *Handler) list(w http.ResponseWriter, r *http.Request) {
 	}
 	ctx, cancel := h.ctx(r)
 	defer cancel()
-	recs, err := dlq.Collect(ctx, q, f)
+	recs, err := h.collect(ctx, q, f)
 	if err != nil {
-		h.fail(w, http.StatusBadGateway, err)
+		h.fail(w, brokerStatus(err), err)
 		return
 	}
 	d := listData{Queue: queueRef{i, q.Name()}, Filter: ff, Kinds: allKinds, Total: len(recs)}
@@ -317,9 +372,9 @@ func (h *Handler) record(w http.ResponseWriter, r *http.Request) {
 	ref := r.FormValue("ref")
 	ctx, cancel := h.ctx(r)
 	defer cancel()
-	recs, err := dlq.Collect(ctx, q, dlq.Filter{Refs: []string{ref}})
+	recs, err := h.collect(ctx, q, dlq.Filter{Refs: []string{ref}})
 	if err != nil {
-		h.fail(w, http.StatusBadGateway, err)
+		h.fail(w, brokerStatus(err), err)
 		return
 	}
 	if len(recs) == 0 {
@@ -376,9 +431,9 @@ func (h *Handler) replay(w http.ResponseWriter, r *http.Request) {
 	defer cancel()
 	d := replayData{Queue: queueRef{i, q.Name()}, Refs: refs}
 	if r.PostFormValue("confirm") != "yes" {
-		recs, err := dlq.Collect(ctx, q, dlq.Filter{Refs: refs})
+		recs, err := h.collect(ctx, q, dlq.Filter{Refs: refs})
 		if err != nil {
-			h.fail(w, http.StatusBadGateway, err)
+			h.fail(w, brokerStatus(err), err)
 			return
 		}
 		for _, rec := range recs {
@@ -388,12 +443,32 @@ func (h *Handler) replay(w http.ResponseWriter, r *http.Request) {
 		h.render(w, http.StatusOK, "confirm.html", h.page("Confirm replay", d))
 		return
 	}
-	rep, err := q.Replay(ctx, dlq.Filter{Refs: refs}, dlq.ReplayOptions{By: h.cfg.By})
-	h.cfg.Logger.Info("once console: replay", "queue", q.Name(), "selected", rep.Selected, "replayed", rep.Replayed, "skipped", rep.Skipped, "error", err)
-	if err != nil {
-		h.fail(w, http.StatusBadGateway, fmt.Errorf("replay stopped after %d records: %w", rep.Replayed, err))
+	type result struct {
+		rep dlq.Report
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		rep, err := q.Replay(ctx, dlq.Filter{Refs: refs}, dlq.ReplayOptions{By: h.cfg.By})
+		h.cfg.Logger.Info("once console: replay", "queue", q.Name(), "selected", rep.Selected, "replayed", rep.Replayed, "skipped", rep.Skipped, "error", err)
+		done <- result{rep, err}
+	}()
+	var res result
+	select {
+	case res = <-done:
+	case <-ctx.Done():
+		// The queue's client does not watch ctx in the call it is in:
+		// the replay stops at its next record, and its report goes to
+		// the log.
+		err := h.stopped(ctx, q)
+		h.fail(w, brokerStatus(err), fmt.Errorf("the replay did not finish: %w; it stops at its next record, "+
+			"and the log says what it replayed (replayed again, a record is deduplicated)", err))
 		return
 	}
-	d.Report = &rep
+	if res.err != nil {
+		h.fail(w, brokerStatus(res.err), fmt.Errorf("replay stopped after %d records: %w", res.rep.Replayed, res.err))
+		return
+	}
+	d.Report = &res.rep
 	h.render(w, http.StatusOK, "result.html", h.page("Replayed", d))
 }

@@ -2,10 +2,14 @@ package console_test
 
 import (
 	"context"
+	"net"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"strings"
+	"sync"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/assert"
@@ -58,4 +62,72 @@ func TestOverviewWithTheDatabaseDownShowsTheDeadLetters(t *testing.T) {
 	assert.Contains(t, body, "The consumers could not be read")
 	assert.Contains(t, body, "kafka topic orders.dlq</a>: 4", "the dead letters are shown")
 	assert.Contains(t, body, "handler")
+}
+
+// silentBroker listens and accepts connections, and never answers: a
+// broker that hangs, or a firewall that lets the handshake through.
+func silentBroker(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	var mu sync.Mutex
+	var conns []net.Conn
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			conns = append(conns, c)
+			mu.Unlock()
+		}
+	}()
+	t.Cleanup(func() {
+		ln.Close()
+		mu.Lock()
+		defer mu.Unlock()
+		for _, c := range conns {
+			c.Close()
+		}
+	})
+	return ln.Addr().String()
+}
+
+// Config.Timeout bounds a page's broker work also when the broker does
+// not answer: the page says it could not read the queue within the bound,
+// where the Kafka client alone would wait out its own timeouts (minutes).
+func TestPagesAnswerWithinTimeoutWhenTheBrokerHangs(t *testing.T) {
+	q, err := dlq.NewKafka(dlq.KafkaConfig{Brokers: []string{silentBroker(t)}, Topic: "orders.dlq"})
+	require.NoError(t, err)
+	h, err := console.New(console.Config{Queues: []dlq.Queue{q}, AllowReplay: true, Timeout: time.Second, Logger: testenv.Logger()})
+	require.NoError(t, err)
+	for _, path := range []string{"/", "/dlq?q=0", "/record?q=0&ref=0:0", "POST /replay", "POST /replay?confirm=yes"} {
+		answered := make(chan *httptest.ResponseRecorder, 1)
+		go func() {
+			var req *http.Request
+			if p, ok := strings.CutPrefix(path, "POST "); ok {
+				form := url.Values{"q": {"0"}, "ref": {"0:0"}}
+				if strings.Contains(p, "confirm") {
+					form.Set("confirm", "yes")
+				}
+				req = httptest.NewRequest(http.MethodPost, "/replay", strings.NewReader(form.Encode()))
+				req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+			} else {
+				req = httptest.NewRequest(http.MethodGet, path, nil)
+			}
+			rec := httptest.NewRecorder()
+			h.ServeHTTP(rec, req)
+			answered <- rec
+		}()
+		select {
+		case rec := <-answered:
+			assert.Contains(t, rec.Body.String(), "no answer from kafka topic orders.dlq within 1s", path)
+			if path != "/" {
+				assert.Equal(t, http.StatusGatewayTimeout, rec.Code, path)
+			}
+		case <-time.After(15 * time.Second):
+			t.Fatalf("%s: no answer 15s into a request bounded to 1s", path)
+		}
+	}
 }
