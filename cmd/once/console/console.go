@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -249,28 +250,36 @@ type queueSummary struct {
 func (h *Handler) overview(w http.ResponseWriter, r *http.Request) {
 	ctx, cancel := h.ctx(r)
 	defer cancel()
-	d := overviewData{HasDB: h.cfg.DB != nil}
+	d := overviewData{HasDB: h.cfg.DB != nil, DeadLetters: make([]queueSummary, len(h.cfg.Queues))}
+	// The database and every queue at once, each within the whole
+	// timeout: one that does not answer costs its own section only.
+	var wg sync.WaitGroup
 	if h.cfg.DB != nil {
-		cs, err := inspect.Consumers(ctx, h.cfg.DB, h.cfg.Tables, h.cfg.SuspectAge)
-		if err != nil {
-			// The dead letters are still worth showing.
-			h.cfg.Logger.Warn("once console: read the consumers", "error", err)
-			d.DBFailed = err.Error()
-		}
-		d.Consumers = cs
+		wg.Go(func() {
+			cs, err := inspect.Consumers(ctx, h.cfg.DB, h.cfg.Tables, h.cfg.SuspectAge)
+			if err != nil {
+				// The dead letters are still worth showing.
+				h.cfg.Logger.Warn("once console: read the consumers", "error", err)
+				d.DBFailed = err.Error()
+			}
+			d.Consumers = cs
+		})
 	}
 	for i, q := range h.cfg.Queues {
-		s := queueSummary{Queue: queueRef{i, q.Name()}}
-		recs, err := h.collect(ctx, q, dlq.Filter{})
-		if err != nil {
-			// What was read before the error is not the queue's
-			// content: no count, no summary.
-			s.Failed = err.Error()
-		} else {
-			s.Kinds, s.Total = dlq.Summarize(recs), len(recs)
-		}
-		d.DeadLetters = append(d.DeadLetters, s)
+		wg.Go(func() {
+			s := queueSummary{Queue: queueRef{i, q.Name()}}
+			recs, err := h.collect(ctx, q, dlq.Filter{})
+			if err != nil {
+				// What was read before the error is not the queue's
+				// content: no count, no summary.
+				s.Failed = err.Error()
+			} else {
+				s.Kinds, s.Total = dlq.Summarize(recs), len(recs)
+			}
+			d.DeadLetters[i] = s
+		})
 	}
+	wg.Wait()
 	h.render(w, http.StatusOK, "overview.html", h.page("Consumers", d))
 }
 

@@ -131,3 +131,20 @@ func TestPagesAnswerWithinTimeoutWhenTheBrokerHangs(t *testing.T) {
 		}
 	}
 }
+
+// One destination that does not answer costs the consumers page its own
+// section only: the others are read within the same bound, not failed for
+// the time the first one used up.
+func TestOverviewReadsEveryQueueWithinTheTimeout(t *testing.T) {
+	_, good := deadLetters(t)
+	hung, err := dlq.NewKafka(dlq.KafkaConfig{Brokers: []string{silentBroker(t)}, Topic: "hung.dlq"})
+	require.NoError(t, err)
+	h, err := console.New(console.Config{Queues: []dlq.Queue{hung, good}, Timeout: 2 * time.Second, Logger: testenv.Logger()})
+	require.NoError(t, err)
+
+	code, body := serve(t, h, "/")
+	require.Equal(t, http.StatusOK, code)
+	assert.Contains(t, body, "no answer from kafka topic hung.dlq within 2s")
+	assert.False(t, strings.Contains(body, "no answer from kafka topic orders.dlq"), "the queue that answers is failed for the other's time")
+	assert.Contains(t, body, "kafka topic orders.dlq</a>: 4")
+}
