@@ -680,3 +680,15 @@ func TestRetentionDryRunThatFailsPrintsNoCount(t *testing.T) {
 		assert.Empty(t, out, "%v: a count of rows it could not count", args)
 	}
 }
+
+// A replay that could not read the dead letters prints no report: "0
+// selected, replayed 0" would read as a filter that matched nothing.
+func TestReplayThatCouldNotReadPrintsNoReport(t *testing.T) {
+	env := map[string]string{"ONCE_KAFKA_BROKERS": "127.0.0.1:1"}
+	for _, args := range [][]string{{}, {"-json"}} {
+		code, out, errOut := cli(t, env, append([]string{"dlq", "replay", "-dlq", "orders.dlq", "-all"}, args...)...)
+		assert.Equal(t, exitFailure, code, "%v: %s", args, errOut)
+		assert.Contains(t, errOut, "connect to kafka", "%v", args)
+		assert.Empty(t, out, "%v: a report of a replay that read nothing", args)
+	}
+}

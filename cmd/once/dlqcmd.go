@@ -379,6 +379,11 @@ func (a *app) dlqReplay(ctx context.Context, args []string) error {
 		DryRun: *dry, Rate: *rate, By: *by, Keep: *keep, Force: *force, Progress: bar.update,
 	})
 	bar.finish()
+	if err != nil && rep.Selected == 0 && len(rep.Outcomes) == 0 {
+		// It stopped before it read a record: no report to print
+		// ("0 selected" would read as a filter matching nothing).
+		return err
+	}
 	if *asJSON {
 		if jerr := a.writeJSON(rep); jerr != nil {
 			return jerr
