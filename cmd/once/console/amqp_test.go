@@ -1,6 +1,7 @@
 package console_test
 
 import (
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"net/url"
@@ -70,4 +71,46 @@ func TestConsoleReplayOnRabbitMQ(t *testing.T) {
 	left := dataRef.FindAllStringSubmatch(get(t, srv.URL+"/dlq?q=0"), -1)
 	require.Len(t, left, 1)
 	assert.Equal(t, refs["pay-3"], left[0][1])
+}
+
+// Pages loaded at once on a RabbitMQ dead-letter queue (two tabs, a
+// replay's confirmation beside a listing) each see every record: a read
+// takes the messages and puts them back, so two reads at once would each
+// see part of the queue, and the console reads each queue one request at
+// a time.
+func TestConsoleConcurrentPagesOnRabbitMQSeeEveryRecord(t *testing.T) {
+	u := testenv.AMQPURL(t)
+	queue := testenv.Uniq("orders")
+	testenv.DeleteQueues(t, u, queue, queue+".dlq")
+	pool, _ := pgtest.Schema(t)
+	svc := testenv.StartService(t, pool, testenv.OpenAMQPSource(t, u, queue), "billing")
+	ch := testenv.AMQPChannel(t, u)
+	for _, id := range []string{"pay-1", "pay-2", "pay-3"} {
+		testenv.PublishAMQP(t, ch, queue, amqp091.Publishing{MessageId: id, Body: testenv.JSON(1, "fail")})
+	}
+	svc.WaitSettled(t, 3)
+	dl, err := dlq.NewAMQP(dlq.AMQPConfig{URL: u, Queue: queue + ".dlq"})
+	require.NoError(t, err)
+	h, err := console.New(console.Config{Queues: []dlq.Queue{dl}, Logger: testenv.Logger()})
+	require.NoError(t, err)
+	srv := httptest.NewServer(h)
+	t.Cleanup(srv.Close)
+
+	const pages = 4
+	counts := make(chan int, pages)
+	for range pages {
+		go func() {
+			resp, err := http.Get(srv.URL + "/dlq?q=0")
+			if err != nil {
+				counts <- -1
+				return
+			}
+			defer resp.Body.Close()
+			b, _ := io.ReadAll(resp.Body)
+			counts <- len(dataRef.FindAllString(string(b), -1))
+		}()
+	}
+	for range pages {
+		assert.Equal(t, 3, <-counts, "a page listed part of the queue")
+	}
 }

@@ -58,6 +58,9 @@ type Handler struct {
 	cfg  Config
 	tmpl *template.Template
 	mux  *http.ServeMux
+	// busy holds a token while a request reads or replays the queue of
+	// the same index.
+	busy []chan struct{}
 }
 
 // New validates cfg and returns the console's handler.
@@ -87,7 +90,10 @@ func New(cfg Config) (*Handler, error) {
 	if err != nil {
 		return nil, fmt.Errorf("console: templates: %w", err)
 	}
-	h := &Handler{cfg: cfg, tmpl: tmpl, mux: http.NewServeMux()}
+	h := &Handler{cfg: cfg, tmpl: tmpl, mux: http.NewServeMux(), busy: make([]chan struct{}, len(cfg.Queues))}
+	for i := range h.busy {
+		h.busy[i] = make(chan struct{}, 1)
+	}
 	h.mux.HandleFunc("GET /{$}", h.overview)
 	h.mux.HandleFunc("GET /dlq", h.list)
 	h.mux.HandleFunc("GET /record", h.record)
@@ -194,26 +200,48 @@ func brokerStatus(err error) int {
 	return http.StatusBadGateway
 }
 
-// collect is dlq.Collect bounded by ctx also when q's client does not
-// watch it: a Kafka client connecting to a broker that accepts the
-// connection and never answers waits out its own timeouts, minutes. The
-// read goes on in the background until that call returns, then stops.
-func (h *Handler) collect(ctx context.Context, q dlq.Queue, f dlq.Filter) ([]*dlq.Record, error) {
-	type result struct {
-		recs []*dlq.Record
-		err  error
+// use runs work on the queue at index i, one request's work at a time,
+// and waits until it returns or ctx ends. One at a time: a RabbitMQ read
+// takes the messages and puts them back, so two at once would each see
+// part of the queue. Until ctx ends: a client that does not watch it (a
+// Kafka client connecting to a broker that accepts the connection and
+// never answers waits out its own timeouts, minutes) must not hold the
+// page; the work goes on in the background until that call returns, then
+// stops, and only then lets the next request at the queue.
+func (h *Handler) use(ctx context.Context, i int, work func()) error {
+	q := h.cfg.Queues[i]
+	select {
+	case h.busy[i] <- struct{}{}:
+	case <-ctx.Done():
+		return h.stopped(ctx, q)
 	}
-	done := make(chan result, 1)
+	done := make(chan struct{})
 	go func() {
-		recs, err := dlq.Collect(ctx, q, f)
-		done <- result{recs, err}
+		defer func() { <-h.busy[i] }()
+		defer close(done)
+		work()
 	}()
 	select {
-	case r := <-done:
-		return r.recs, r.err
+	case <-done:
+		return nil
 	case <-ctx.Done():
-		return nil, h.stopped(ctx, q)
+		select {
+		case <-done:
+			return nil
+		default:
+			return h.stopped(ctx, q)
+		}
 	}
+}
+
+// collect is dlq.Collect on the queue at index i, through use.
+func (h *Handler) collect(ctx context.Context, i int, f dlq.Filter) ([]*dlq.Record, error) {
+	var recs []*dlq.Record
+	var err error
+	if uerr := h.use(ctx, i, func() { recs, err = dlq.Collect(ctx, h.cfg.Queues[i], f) }); uerr != nil {
+		return nil, uerr
+	}
+	return recs, err
 }
 
 // stopped is the error of broker work on q that ctx ended.
@@ -268,7 +296,7 @@ func (h *Handler) overview(w http.ResponseWriter, r *http.Request) {
 	for i, q := range h.cfg.Queues {
 		wg.Go(func() {
 			s := queueSummary{Queue: queueRef{i, q.Name()}}
-			recs, err := h.collect(ctx, q, dlq.Filter{})
+			recs, err := h.collect(ctx, i, dlq.Filter{})
 			if err != nil {
 				// What was read before the error is not the queue's
 				// content: no count, no summary.
@@ -348,7 +376,7 @@ func (h *Handler) list(w http.ResponseWriter, r *http.Request) {
 	}
 	ctx, cancel := h.ctx(r)
 	defer cancel()
-	recs, err := h.collect(ctx, q, f)
+	recs, err := h.collect(ctx, i, f)
 	if err != nil {
 		h.fail(w, brokerStatus(err), err)
 		return
@@ -381,7 +409,7 @@ func (h *Handler) record(w http.ResponseWriter, r *http.Request) {
 	ref := r.FormValue("ref")
 	ctx, cancel := h.ctx(r)
 	defer cancel()
-	recs, err := h.collect(ctx, q, dlq.Filter{Refs: []string{ref}})
+	recs, err := h.collect(ctx, i, dlq.Filter{Refs: []string{ref}})
 	if err != nil {
 		h.fail(w, brokerStatus(err), err)
 		return
@@ -440,7 +468,7 @@ func (h *Handler) replay(w http.ResponseWriter, r *http.Request) {
 	defer cancel()
 	d := replayData{Queue: queueRef{i, q.Name()}, Refs: refs}
 	if r.PostFormValue("confirm") != "yes" {
-		recs, err := h.collect(ctx, q, dlq.Filter{Refs: refs})
+		recs, err := h.collect(ctx, i, dlq.Filter{Refs: refs})
 		if err != nil {
 			h.fail(w, brokerStatus(err), err)
 			return
@@ -452,32 +480,24 @@ func (h *Handler) replay(w http.ResponseWriter, r *http.Request) {
 		h.render(w, http.StatusOK, "confirm.html", h.page("Confirm replay", d))
 		return
 	}
-	type result struct {
-		rep dlq.Report
-		err error
-	}
-	done := make(chan result, 1)
-	go func() {
-		rep, err := q.Replay(ctx, dlq.Filter{Refs: refs}, dlq.ReplayOptions{By: h.cfg.By})
-		h.cfg.Logger.Info("once console: replay", "queue", q.Name(), "selected", rep.Selected, "replayed", rep.Replayed, "skipped", rep.Skipped, "error", err)
-		done <- result{rep, err}
-	}()
-	var res result
-	select {
-	case res = <-done:
-	case <-ctx.Done():
+	var rep dlq.Report
+	var rerr error
+	if err := h.use(ctx, i, func() {
+		rep, rerr = q.Replay(ctx, dlq.Filter{Refs: refs}, dlq.ReplayOptions{By: h.cfg.By})
+		h.cfg.Logger.Info("once console: replay", "queue", q.Name(), "selected", rep.Selected, "replayed", rep.Replayed,
+			"skipped", rep.Skipped, "error", rerr)
+	}); err != nil {
 		// The queue's client does not watch ctx in the call it is in:
 		// the replay stops at its next record, and its report goes to
 		// the log.
-		err := h.stopped(ctx, q)
 		h.fail(w, brokerStatus(err), fmt.Errorf("the replay did not finish: %w; it stops at its next record, "+
 			"and the log says what it replayed (replayed again, a record is deduplicated)", err))
 		return
 	}
-	if res.err != nil {
-		h.fail(w, brokerStatus(res.err), fmt.Errorf("replay stopped after %d records: %w", res.rep.Replayed, res.err))
+	if rerr != nil {
+		h.fail(w, brokerStatus(rerr), fmt.Errorf("replay stopped after %d records: %w", rep.Replayed, rerr))
 		return
 	}
-	d.Report = &res.rep
+	d.Report = &rep
 	h.render(w, http.StatusOK, "result.html", h.page("Replayed", d))
 }
