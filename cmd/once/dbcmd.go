@@ -58,9 +58,13 @@ func (f *dbFlags) tables() inspect.Tables {
 	return inspect.Tables{Schema: *f.schema, Table: *f.table}
 }
 
+// pool checks -schema and -table, and connects to -database-url.
 func (f *dbFlags) pool(ctx context.Context) (*pgxpool.Pool, error) {
 	if *f.url == "" {
 		return nil, usagef("-database-url (or DATABASE_URL) is required")
+	}
+	if _, err := dedup.New(dedup.Config{Schema: *f.schema, Table: *f.table}); err != nil {
+		return nil, &usageError{err.Error()}
 	}
 	cfg, err := pgxpool.ParseConfig(*f.url)
 	if err != nil {
