@@ -392,6 +392,11 @@ func TestUIServesTheConsole(t *testing.T) {
 	code, _, errOut := cli(t, nil, "ui")
 	assert.Equal(t, exitUsage, code, "nothing to show")
 	assert.Contains(t, errOut, "-database-url")
+	for _, addr := range []string{"8080", "127.0.0.1:http-ish", "127.0.0.1:99999"} {
+		code, _, errOut = cli(t, map[string]string{"ONCE_KAFKA_BROKERS": "127.0.0.1:1"}, "ui", "-dlq", "orders.dlq", "-addr", addr)
+		assert.Equal(t, exitUsage, code, "-addr %s: %s", addr, errOut)
+		assert.Contains(t, errOut, "-addr", "-addr %s", addr)
+	}
 }
 
 // A console bound to a loopback address answers only requests addressed

@@ -39,6 +39,11 @@ func (a *app) ui(ctx context.Context, args []string) error {
 	if err := parse(fs, args); err != nil {
 		return err
 	}
+	if _, port, err := net.SplitHostPort(*addr); err != nil {
+		return usagef("-addr %q: want host:port, such as 127.0.0.1:8080", *addr)
+	} else if _, err := net.LookupPort("tcp", port); err != nil {
+		return usagef("-addr %q: %v", *addr, err)
+	}
 	cfg := console.Config{Tables: db.tables(), AllowReplay: *allow, By: *by,
 		Logger: slog.New(slog.NewTextHandler(a.stderr, nil))}
 	for _, n := range splitList(*names) {
