@@ -1,6 +1,7 @@
 package console
 
 import (
+	"cmp"
 	"context"
 	"embed"
 	"encoding/hex"
@@ -9,6 +10,7 @@ import (
 	"html/template"
 	"log/slog"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -237,11 +239,27 @@ func (h *Handler) use(ctx context.Context, i int, work func()) error {
 // collect is dlq.Collect on the queue at index i, through use.
 func (h *Handler) collect(ctx context.Context, i int, f dlq.Filter) ([]*dlq.Record, error) {
 	var recs []*dlq.Record
-	var err error
-	if uerr := h.use(ctx, i, func() { recs, err = dlq.Collect(ctx, h.cfg.Queues[i], f) }); uerr != nil {
-		return nil, uerr
-	}
+	err := h.browse(ctx, i, func(r *dlq.Record) {
+		if f.Match(r) {
+			recs = append(recs, r)
+		}
+	})
 	return recs, err
+}
+
+// browse passes every record of the queue at index i to fn, through use:
+// a page that shows part of a large queue keeps that part only.
+func (h *Handler) browse(ctx context.Context, i int, fn func(*dlq.Record)) error {
+	var err error
+	if uerr := h.use(ctx, i, func() {
+		err = h.cfg.Queues[i].Browse(ctx, func(r *dlq.Record) error {
+			fn(r)
+			return nil
+		})
+	}); uerr != nil {
+		return uerr
+	}
+	return err
 }
 
 // stopped is the error of broker work on q that ctx ended.
@@ -296,19 +314,59 @@ func (h *Handler) overview(w http.ResponseWriter, r *http.Request) {
 	for i, q := range h.cfg.Queues {
 		wg.Go(func() {
 			s := queueSummary{Queue: queueRef{i, q.Name()}}
-			recs, err := h.collect(ctx, i, dlq.Filter{})
+			var kinds kindCounts
+			total := 0
+			err := h.browse(ctx, i, func(r *dlq.Record) {
+				kinds.add(r)
+				total++
+			})
 			if err != nil {
 				// What was read before the error is not the queue's
-				// content: no count, no summary.
+				// content: no count, no summary. (A read cut off by
+				// the timeout may still be counting.)
 				s.Failed = err.Error()
 			} else {
-				s.Kinds, s.Total = dlq.Summarize(recs), len(recs)
+				s.Kinds, s.Total = kinds.sorted(), total
 			}
 			d.DeadLetters[i] = s
 		})
 	}
 	wg.Wait()
 	h.render(w, http.StatusOK, "overview.html", h.page("Consumers", d))
+}
+
+// kindCounts is dlq.Summarize one record at a time, so that a page
+// counting a large queue keeps none of its records.
+type kindCounts map[[2]string]*dlq.KindCount
+
+func (m *kindCounts) add(r *dlq.Record) {
+	if *m == nil {
+		*m = kindCounts{}
+	}
+	one := dlq.Summarize([]*dlq.Record{r})[0]
+	k := [2]string{one.Consumer, one.Kind}
+	c := (*m)[k]
+	if c == nil {
+		(*m)[k] = &one
+		return
+	}
+	c.Count += one.Count
+	c.Replayable += one.Replayable
+	if one.Last.After(c.Last) {
+		c.Last = one.Last
+	}
+}
+
+// sorted returns the counts in dlq.Summarize's order.
+func (m kindCounts) sorted() []dlq.KindCount {
+	out := make([]dlq.KindCount, 0, len(m))
+	for _, c := range m {
+		out = append(out, *c)
+	}
+	slices.SortFunc(out, func(a, b dlq.KindCount) int {
+		return cmp.Or(strings.Compare(a.Consumer, b.Consumer), strings.Compare(a.Kind, b.Kind))
+	})
+	return out
 }
 
 type listData struct {
@@ -376,17 +434,19 @@ func (h *Handler) list(w http.ResponseWriter, r *http.Request) {
 	}
 	ctx, cancel := h.ctx(r)
 	defer cancel()
-	recs, err := h.collect(ctx, i, f)
+	d := listData{Queue: queueRef{i, q.Name()}, Filter: ff, Kinds: allKinds}
+	err = h.browse(ctx, i, func(rec *dlq.Record) {
+		if !f.Match(rec) {
+			return
+		}
+		d.Total++
+		if len(d.Records) < h.cfg.MaxRows {
+			d.Records = append(d.Records, toRow(rec))
+		}
+	})
 	if err != nil {
 		h.fail(w, brokerStatus(err), err)
 		return
-	}
-	d := listData{Queue: queueRef{i, q.Name()}, Filter: ff, Kinds: allKinds, Total: len(recs)}
-	for _, rec := range recs {
-		if len(d.Records) == h.cfg.MaxRows {
-			break
-		}
-		d.Records = append(d.Records, toRow(rec))
 	}
 	d.Shown = len(d.Records)
 	h.render(w, http.StatusOK, "list.html", h.page("Dead letters", d))
