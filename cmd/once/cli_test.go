@@ -702,3 +702,19 @@ func TestReplayThatCouldNotReadPrintsNoReport(t *testing.T) {
 		assert.Empty(t, out, "%v: a report of a replay that read nothing", args)
 	}
 }
+
+// With both ONCE_KAFKA_BROKERS and ONCE_AMQP_URL in the environment, the
+// broker flag given on the command line says which one: the other's
+// environment default is no conflict.
+func TestBrokerFlagOverridesTheOtherBrokersEnvironment(t *testing.T) {
+	env, _, topic := kafkaDLQ(t)
+	both := map[string]string{"ONCE_KAFKA_BROKERS": "127.0.0.1:1", "ONCE_AMQP_URL": "amqp://guest:guest@127.0.0.1:1/"}
+	code, out, errOut := cli(t, both, "dlq", "list", "-kafka", env["ONCE_KAFKA_BROKERS"], "-dlq", topic+".dlq")
+	require.Equal(t, exitOK, code, errOut)
+	assert.Contains(t, out, "4 records")
+	code, _, errOut = cli(t, both, "dlq", "list", "-dlq", topic+".dlq")
+	assert.Equal(t, exitUsage, code, "both from the environment, neither on the command line: %s", errOut)
+	assert.Contains(t, errOut, "ONCE_AMQP_URL")
+	code, _, errOut = cli(t, both, "dlq", "list", "-kafka", "127.0.0.1:1", "-amqp", "amqp://127.0.0.1:1/", "-dlq", "x")
+	assert.Equal(t, exitUsage, code, "both on the command line: %s", errOut)
+}

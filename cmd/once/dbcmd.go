@@ -208,7 +208,7 @@ func (a *app) status(ctx context.Context, args []string) error {
 		return err
 	}
 	if *dlqName != "" {
-		kb, au := *kafkaBrokers, *amqpURL
+		kb, au := chosen(fs, *kafkaBrokers, *amqpURL)
 		if *group == "" && *queues == "" && kb != "" && au != "" {
 			return usagef("-dlq: give -kafka or -amqp, not both")
 		}

@@ -56,12 +56,14 @@ lines otherwise. ` + dlqSelect
 
 // dlqFlags are the flags every dlq command shares.
 type dlqFlags struct {
+	fs                                             *flag.FlagSet
 	kafka, amqp, name                              *string
 	consumer, kind, id, since, until, refs, search *string
 }
 
 func (a *app) dlqFlagsOn(fs *flag.FlagSet) *dlqFlags {
 	return &dlqFlags{
+		fs:       fs,
 		kafka:    fs.String("kafka", a.getenv("ONCE_KAFKA_BROKERS"), "Kafka bootstrap `brokers`, comma-separated (env ONCE_KAFKA_BROKERS)"),
 		amqp:     fs.String("amqp", a.getenv("ONCE_AMQP_URL"), "RabbitMQ `URL` (env ONCE_AMQP_URL)"),
 		name:     fs.String("dlq", "", "the dead-letter topic or queue (required)"),
@@ -80,13 +82,29 @@ func (f *dlqFlags) queue() (dlq.Queue, error) {
 	if *f.name == "" {
 		return nil, usagef("-dlq is required: the dead-letter topic or queue")
 	}
-	return openQueue(*f.kafka, *f.amqp, *f.name)
+	kafkaBrokers, amqpURL := chosen(f.fs, *f.kafka, *f.amqp)
+	return openQueue(kafkaBrokers, amqpURL, *f.name)
+}
+
+// chosen returns the -kafka and -amqp values to use: one given on the
+// command line drops the other's default from the environment, so that a
+// shell with both ONCE_KAFKA_BROKERS and ONCE_AMQP_URL set can pick one.
+func chosen(fs *flag.FlagSet, kafkaBrokers, amqpURL string) (string, string) {
+	set := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+	switch {
+	case set["kafka"] && !set["amqp"]:
+		return kafkaBrokers, ""
+	case set["amqp"] && !set["kafka"]:
+		return "", amqpURL
+	}
+	return kafkaBrokers, amqpURL
 }
 
 func openQueue(kafkaBrokers, amqpURL, name string) (dlq.Queue, error) {
 	switch {
 	case kafkaBrokers != "" && amqpURL != "":
-		return nil, usagef("give -kafka or -amqp, not both")
+		return nil, usagef("give -kafka or -amqp, not both (ONCE_KAFKA_BROKERS and ONCE_AMQP_URL set both: give one on the command line)")
 	case kafkaBrokers != "":
 		q, err := dlq.NewKafka(dlq.KafkaConfig{Brokers: splitList(kafkaBrokers), Topic: name})
 		if err != nil {

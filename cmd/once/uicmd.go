@@ -46,8 +46,9 @@ func (a *app) ui(ctx context.Context, args []string) error {
 	}
 	cfg := console.Config{Tables: db.tables(), AllowReplay: *allow, By: *by,
 		Logger: slog.New(slog.NewTextHandler(a.stderr, nil))}
+	kb, au := chosen(fs, *kafkaBrokers, *amqpURL)
 	for _, n := range splitList(*names) {
-		q, err := openQueue(*kafkaBrokers, *amqpURL, n)
+		q, err := openQueue(kb, au, n)
 		if err != nil {
 			return err
 		}
