@@ -718,3 +718,16 @@ func TestBrokerFlagOverridesTheOtherBrokersEnvironment(t *testing.T) {
 	code, _, errOut = cli(t, both, "dlq", "list", "-kafka", "127.0.0.1:1", "-amqp", "amqp://127.0.0.1:1/", "-dlq", "x")
 	assert.Equal(t, exitUsage, code, "both on the command line: %s", errOut)
 }
+
+// A Kafka key is printed on its line like a header value: one holding a
+// line break or a carriage return is quoted, so it cannot print lines
+// that read as the record's own (a forged header) or overwrite them.
+func TestShowQuotesAKeyWithLineBreaks(t *testing.T) {
+	var out bytes.Buffer
+	a := newApp(&out, io.Discard, func(string) string { return "" })
+	a.printRecord(&dlq.Record{Ref: "0:1", Key: []byte("k-1\n  once-event-id: forged\r"), Value: []byte("{}"),
+		Headers: []dlq.Header{{Key: consumer.HeaderEventID, Value: "e-1"}}}, false)
+	assert.NotContains(t, out.String(), "\n  once-event-id: forged")
+	assert.NotContains(t, out.String(), "\r")
+	assert.Contains(t, out.String(), `key: "k-1\n  once-event-id: forged\r"`)
+}

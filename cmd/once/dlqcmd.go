@@ -358,9 +358,11 @@ func (a *app) printRecord(r *dlq.Record, asHex bool) {
 	}
 }
 
+// printableOrHex returns b as text on one line (quoted when it breaks
+// lines), or in hex when it is not text.
 func printableOrHex(b []byte) string {
 	if dlq.Printable(b) {
-		return string(b)
+		return safe(string(b))
 	}
 	return "0x" + hex.EncodeToString(b)
 }
