@@ -96,6 +96,11 @@ type QueueDepth struct {
 // AMQPDepth returns the depth of each queue, checked passively (nothing is
 // declared). A missing queue is an error.
 func AMQPDepth(amqpURL string, queues []string) ([]QueueDepth, error) {
+	if _, err := amqp091.ParseURI(amqpURL); err != nil {
+		// Not wrapped: the parser's error quotes the URL, password and
+		// all.
+		return nil, fmt.Errorf("inspect: RabbitMQ URL %s does not parse (a reserved character in the user name or password must be percent-encoded)", redact(amqpURL))
+	}
 	conn, err := amqp091.Dial(amqpURL)
 	if err != nil {
 		return nil, fmt.Errorf("inspect: connect to %s: %w", redact(amqpURL), err)

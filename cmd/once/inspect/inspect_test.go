@@ -146,3 +146,14 @@ func TestConsumersTakesAnySuspectAge(t *testing.T) {
 	_, err = inspect.Consumers(ctx, pool, inspect.Tables{}, -time.Minute)
 	require.Error(t, err, "a negative suspect age")
 }
+
+// A RabbitMQ URL that does not parse is refused without its password:
+// the parser's error quotes the whole URL.
+func TestAMQPDepthDoesNotPrintThePasswordOfAnUnparsableURL(t *testing.T) {
+	for _, u := range []string{"amqp://guest:s3cr%zzet@127.0.0.1:1/", "amqp://guest:s3cret@127.0.0.1:1/%zz"} {
+		_, err := inspect.AMQPDepth(u, []string{"orders"})
+		require.Error(t, err, u)
+		assert.NotContains(t, err.Error(), "s3cr", u)
+		assert.Contains(t, err.Error(), "does not parse", u)
+	}
+}
