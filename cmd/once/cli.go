@@ -156,7 +156,11 @@ func (a *app) help(name string) int {
 			fmt.Fprintf(a.stdout, "once %s: %s\n\n%s\n", c.name, c.summary, c.usage)
 			fs := flag.NewFlagSet(c.name, flag.ContinueOnError)
 			fs.SetOutput(a.stdout)
-			_ = c.run(&app{stdout: io.Discard, stderr: io.Discard, getenv: a.getenv, now: a.now}, helpContext(fs), nil)
+			// An empty environment: the flags say which variable each
+			// connection comes from, and its value (a URL with a
+			// password) is not for printing.
+			noEnv := func(string) string { return "" }
+			_ = c.run(&app{stdout: io.Discard, stderr: io.Discard, getenv: noEnv, now: a.now}, helpContext(fs), nil)
 			fmt.Fprintln(a.stdout, "\nFlags:")
 			fs.PrintDefaults()
 			if c.name == name {

@@ -731,3 +731,19 @@ func TestShowQuotesAKeyWithLineBreaks(t *testing.T) {
 	assert.NotContains(t, out.String(), "\r")
 	assert.Contains(t, out.String(), `key: "k-1\n  once-event-id: forged\r"`)
 }
+
+// Help shows where a connection comes from (env DATABASE_URL, ...), not
+// the value it has in the environment: the URLs hold passwords, and help
+// output gets pasted into tickets.
+func TestHelpDoesNotPrintTheEnvironmentsPasswords(t *testing.T) {
+	env := map[string]string{"DATABASE_URL": "postgres://app:hunter2@db/app", "ONCE_AMQP_URL": "amqp://ops:s3cret@mq/",
+		"ONCE_KAFKA_BROKERS": "kafka-1:9092"}
+	for _, args := range [][]string{{"help", "status"}, {"help", "ui"}, {"help", "dlq"}, {"status", "-h"}, {"dlq", "replay", "-h"}, {"migrate", "-h"}} {
+		code, out, errOut := cli(t, env, args...)
+		assert.Equal(t, exitOK, code, "%v: %s", args, errOut)
+		assert.Contains(t, out, "Flags:", "%v", args)
+		for _, secret := range []string{"hunter2", "s3cret"} {
+			assert.NotContains(t, out+errOut, secret, "%v", args)
+		}
+	}
+}
