@@ -65,7 +65,12 @@ func KafkaLag(brokers []string, sc *sarama.Config, group string, topics []string
 				return nil, fmt.Errorf("inspect: %s/%d high-water mark: %w", t, p, err)
 			}
 			l := PartitionLag{Topic: t, Partition: p, Committed: -1, HighWater: hwm}
-			if b := offsets.GetBlock(t, p); b != nil && b.Err == sarama.ErrNoError {
+			if b := offsets.GetBlock(t, p); b != nil {
+				if !errors.Is(b.Err, sarama.ErrNoError) {
+					// Not "nothing committed": that is offset -1
+					// without an error.
+					return nil, fmt.Errorf("inspect: offset of group %s on %s/%d: %w", group, t, p, b.Err)
+				}
 				l.Committed = b.Offset
 			}
 			if l.Committed >= 0 {

@@ -10,6 +10,9 @@ import (
 	amqp091 "github.com/rabbitmq/amqp091-go"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"github.com/twmb/franz-go/pkg/kerr"
+	"github.com/twmb/franz-go/pkg/kfake"
+	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/onceco/once/cmd/once/inspect"
 	"github.com/onceco/once/cmd/once/internal/testenv"
@@ -156,4 +159,48 @@ func TestAMQPDepthDoesNotPrintThePasswordOfAnUnparsableURL(t *testing.T) {
 		assert.NotContains(t, err.Error(), "s3cr", u)
 		assert.Contains(t, err.Error(), "does not parse", u)
 	}
+}
+
+// An offset the coordinator answers with an error for (here: the group's
+// offsets of a topic the caller may not describe) is that error, not a
+// group that committed nothing, whose lag would be every record retained.
+func TestKafkaLagReportsAPartitionsOffsetError(t *testing.T) {
+	kf, err := kfake.NewCluster(kfake.NumBrokers(1))
+	require.NoError(t, err)
+	t.Cleanup(kf.Close)
+	addrs := kf.ListenAddrs()
+	topic, group := testenv.Uniq("orders"), testenv.Uniq("g")
+	admin, err := sarama.NewClusterAdmin(addrs, testenv.Sarama())
+	require.NoError(t, err)
+	require.NoError(t, admin.CreateTopic(topic, &sarama.TopicDetail{NumPartitions: 1, ReplicationFactor: 1}, false))
+	require.NoError(t, admin.Close())
+	sc := testenv.Sarama()
+	sc.Producer.Return.Successes = true
+	prod, err := sarama.NewSyncProducer(addrs, sc)
+	require.NoError(t, err)
+	for range 3 {
+		_, _, err = prod.SendMessage(&sarama.ProducerMessage{Topic: topic, Value: sarama.StringEncoder("x")})
+		require.NoError(t, err)
+	}
+	require.NoError(t, prod.Close())
+
+	kf.ControlKey(kmsg.OffsetFetch.Int16(), func(req kmsg.Request) (kmsg.Response, error, bool) {
+		kf.KeepControl()
+		r := req.(*kmsg.OffsetFetchRequest)
+		resp := r.ResponseKind().(*kmsg.OffsetFetchResponse)
+		for _, rt := range r.Topics {
+			t := kmsg.NewOffsetFetchResponseTopic()
+			t.Topic = rt.Topic
+			for _, p := range rt.Partitions {
+				pr := kmsg.NewOffsetFetchResponseTopicPartition()
+				pr.Partition, pr.Offset, pr.ErrorCode = p, -1, kerr.TopicAuthorizationFailed.Code
+				t.Partitions = append(t.Partitions, pr)
+			}
+			resp.Topics = append(resp.Topics, t)
+		}
+		return resp, nil, true
+	})
+	lag, err := inspect.KafkaLag(addrs, testenv.Sarama(), group, []string{topic})
+	require.Error(t, err, "lag reported as %+v", lag)
+	assert.Contains(t, err.Error(), "authoriz")
 }
