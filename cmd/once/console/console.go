@@ -1,7 +1,6 @@
 package console
 
 import (
-	"cmp"
 	"context"
 	"embed"
 	"encoding/hex"
@@ -10,7 +9,6 @@ import (
 	"html/template"
 	"log/slog"
 	"net/http"
-	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -314,10 +312,10 @@ func (h *Handler) overview(w http.ResponseWriter, r *http.Request) {
 	for i, q := range h.cfg.Queues {
 		wg.Go(func() {
 			s := queueSummary{Queue: queueRef{i, q.Name()}}
-			var kinds kindCounts
+			var kinds dlq.Tally
 			total := 0
 			err := h.browse(ctx, i, func(r *dlq.Record) {
-				kinds.add(r)
+				kinds.Add(r)
 				total++
 			})
 			if err != nil {
@@ -326,47 +324,13 @@ func (h *Handler) overview(w http.ResponseWriter, r *http.Request) {
 				// the timeout may still be counting.)
 				s.Failed = err.Error()
 			} else {
-				s.Kinds, s.Total = kinds.sorted(), total
+				s.Kinds, s.Total = kinds.Counts(), total
 			}
 			d.DeadLetters[i] = s
 		})
 	}
 	wg.Wait()
 	h.render(w, http.StatusOK, "overview.html", h.page("Consumers", d))
-}
-
-// kindCounts is dlq.Summarize one record at a time, so that a page
-// counting a large queue keeps none of its records.
-type kindCounts map[[2]string]*dlq.KindCount
-
-func (m *kindCounts) add(r *dlq.Record) {
-	if *m == nil {
-		*m = kindCounts{}
-	}
-	one := dlq.Summarize([]*dlq.Record{r})[0]
-	k := [2]string{one.Consumer, one.Kind}
-	c := (*m)[k]
-	if c == nil {
-		(*m)[k] = &one
-		return
-	}
-	c.Count += one.Count
-	c.Replayable += one.Replayable
-	if one.Last.After(c.Last) {
-		c.Last = one.Last
-	}
-}
-
-// sorted returns the counts in dlq.Summarize's order.
-func (m kindCounts) sorted() []dlq.KindCount {
-	out := make([]dlq.KindCount, 0, len(m))
-	for _, c := range m {
-		out = append(out, *c)
-	}
-	slices.SortFunc(out, func(a, b dlq.KindCount) int {
-		return cmp.Or(strings.Compare(a.Consumer, b.Consumer), strings.Compare(a.Kind, b.Kind))
-	})
-	return out
 }
 
 type listData struct {

@@ -19,25 +19,45 @@ type KindCount struct {
 // Summarize counts recs by consumer and kind, sorted by consumer then
 // kind.
 func Summarize(recs []*Record) []KindCount {
-	type key struct{ consumer, kind string }
-	m := map[key]*KindCount{}
+	var t Tally
 	for _, r := range recs {
-		k := key{r.Consumer(), r.Kind()}
-		c := m[k]
-		if c == nil {
-			c = &KindCount{Consumer: k.consumer, Kind: k.kind}
-			m[k] = c
-		}
-		c.Count++
-		if r.Replayable(false) == nil {
-			c.Replayable++
-		}
-		if at := r.FailedAt(); at.After(c.Last) {
-			c.Last = at
-		}
+		t.Add(r)
 	}
-	out := make([]KindCount, 0, len(m))
-	for _, c := range m {
+	return t.Counts()
+}
+
+// Tally is Summarize one record at a time, so that counting a large queue
+// (in Queue.Browse) keeps none of its records. The zero value is empty.
+type Tally struct {
+	m map[tallyKey]*KindCount
+}
+
+type tallyKey struct{ consumer, kind string }
+
+// Add counts r.
+func (t *Tally) Add(r *Record) {
+	if t.m == nil {
+		t.m = map[tallyKey]*KindCount{}
+	}
+	k := tallyKey{r.Consumer(), r.Kind()}
+	c := t.m[k]
+	if c == nil {
+		c = &KindCount{Consumer: k.consumer, Kind: k.kind}
+		t.m[k] = c
+	}
+	c.Count++
+	if r.Replayable(false) == nil {
+		c.Replayable++
+	}
+	if at := r.FailedAt(); at.After(c.Last) {
+		c.Last = at
+	}
+}
+
+// Counts returns the counts so far, sorted by consumer then kind.
+func (t *Tally) Counts() []KindCount {
+	out := make([]KindCount, 0, len(t.m))
+	for _, c := range t.m {
 		out = append(out, *c)
 	}
 	sort.Slice(out, func(i, j int) bool {
