@@ -10,6 +10,8 @@ import (
 	"os"
 	"strings"
 	"time"
+
+	"github.com/onceco/once/cmd/once/dlq"
 )
 
 // Exit codes, documented in doc.go and docs/operations.md.
@@ -41,6 +43,9 @@ type app struct {
 	// terminal reports whether stderr is a terminal (progress bars).
 	terminal bool
 	now      func() time.Time
+	// wrapQueue, when set, wraps every dead-letter Queue the commands
+	// open (tests watch what a command does with the records).
+	wrapQueue func(dlq.Queue) dlq.Queue
 }
 
 func newApp(stdout, stderr io.Writer, getenv func(string) string) *app {

@@ -219,11 +219,12 @@ func (a *app) status(ctx context.Context, args []string) error {
 		if err != nil {
 			return err
 		}
-		recs, err := dlq.Collect(ctx, q, dlq.Filter{})
-		if err != nil {
+		q = a.wrapped(q)
+		var kinds dlq.Tally // counted as read: a large topic is not held
+		if err := q.Browse(ctx, func(r *dlq.Record) error { kinds.Add(r); return nil }); err != nil {
 			return err
 		}
-		rep.DLQ, rep.DeadLetters = q.Name(), dlq.Summarize(recs)
+		rep.DLQ, rep.DeadLetters = q.Name(), kinds.Counts()
 	}
 	if *group != "" {
 		if rep.Lag, err = inspect.KafkaLag(splitList(*kafkaBrokers), nil, *group, splitList(*topics)); err != nil {

@@ -195,17 +195,12 @@ func (a *app) dlqList(ctx context.Context, args []string) error {
 		return err
 	}
 	defer q.Close()
-	recs, err := dlq.Collect(ctx, q, f)
+	// Summaries of the first -limit records, and a count of the rest: a
+	// large topic is not held in memory.
+	out := []recordSummary{}
+	total, err := firstMatches(ctx, q, f, *limit, func(r *dlq.Record) { out = append(out, summarize(r)) })
 	if err != nil {
 		return err
-	}
-	total := len(recs)
-	if *limit > 0 && len(recs) > *limit {
-		recs = recs[:*limit]
-	}
-	out := make([]recordSummary, len(recs))
-	for i, r := range recs {
-		out[i] = summarize(r)
 	}
 	if *asJSON {
 		return a.writeJSON(out)
@@ -219,12 +214,28 @@ func (a *app) dlqList(ctx context.Context, args []string) error {
 	if err := tw.Flush(); err != nil {
 		return err
 	}
-	if total > len(recs) {
-		fmt.Fprintf(a.stdout, "%d of %d records shown (-limit 0 for all)\n", len(recs), total)
+	if total > len(out) {
+		fmt.Fprintf(a.stdout, "%d of %d records shown (-limit 0 for all)\n", len(out), total)
 	} else {
 		fmt.Fprintf(a.stdout, "%d records in %s\n", total, q.Name())
 	}
 	return nil
+}
+
+// firstMatches reads q and passes the first limit records f selects (every
+// one when limit is 0) to keep; it returns how many f selects.
+func firstMatches(ctx context.Context, q dlq.Queue, f dlq.Filter, limit int, keep func(*dlq.Record)) (int, error) {
+	total := 0
+	err := q.Browse(ctx, func(r *dlq.Record) error {
+		if f.Match(r) {
+			total++
+			if limit == 0 || total <= limit {
+				keep(r)
+			}
+		}
+		return nil
+	})
+	return total, err
 }
 
 func (a *app) dlqOpen(df *dlqFlags) (dlq.Queue, dlq.Filter, error) {
@@ -233,7 +244,18 @@ func (a *app) dlqOpen(df *dlqFlags) (dlq.Queue, dlq.Filter, error) {
 		return nil, f, err
 	}
 	q, err := df.queue()
-	return q, f, err
+	if err != nil {
+		return nil, f, err
+	}
+	return a.wrapped(q), f, nil
+}
+
+// wrapped is q through a.wrapQueue, when set.
+func (a *app) wrapped(q dlq.Queue) dlq.Queue {
+	if a.wrapQueue != nil {
+		return a.wrapQueue(q)
+	}
+	return q
 }
 
 // recordDetail is a dead letter in show output.
@@ -290,16 +312,16 @@ func (a *app) dlqShow(ctx context.Context, args []string) error {
 		return err
 	}
 	defer q.Close()
-	recs, err := dlq.Collect(ctx, q, f)
+	var recs []*dlq.Record
+	total, err := firstMatches(ctx, q, f, *limit, func(r *dlq.Record) { recs = append(recs, r) })
 	if err != nil {
 		return err
 	}
-	if len(recs) == 0 {
+	if total == 0 {
 		return &notFoundError{"no record in " + q.Name() + " matches"}
 	}
-	if *limit > 0 && len(recs) > *limit {
-		fmt.Fprintf(a.stderr, "%d records match; showing the first %d (-limit 0 for all)\n", len(recs), *limit)
-		recs = recs[:*limit]
+	if total > len(recs) {
+		fmt.Fprintf(a.stderr, "%d records match; showing the first %d (-limit 0 for all)\n", total, len(recs))
 	}
 	if *asJSON {
 		out := make([]recordDetail, len(recs))
