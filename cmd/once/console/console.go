@@ -9,6 +9,7 @@ import (
 	"html/template"
 	"log/slog"
 	"net/http"
+	"runtime/debug"
 	"strconv"
 	"strings"
 	"sync"
@@ -216,18 +217,27 @@ func (h *Handler) use(ctx context.Context, i int, work func()) error {
 		return h.stopped(ctx, q)
 	}
 	done := make(chan struct{})
+	var panicked error
 	go func() {
 		defer func() { <-h.busy[i] }()
 		defer close(done)
+		defer func() {
+			// In a goroutine of its own no server recovers a panic:
+			// it would end the process that serves the console.
+			if p := recover(); p != nil {
+				h.cfg.Logger.Error("once console: a queue panicked", "queue", q.Name(), "panic", p, "stack", string(debug.Stack()))
+				panicked = fmt.Errorf("%s: panic: %v", q.Name(), p)
+			}
+		}()
 		work()
 	}()
 	select {
 	case <-done:
-		return nil
+		return panicked
 	case <-ctx.Done():
 		select {
 		case <-done:
-			return nil
+			return panicked
 		default:
 			return h.stopped(ctx, q)
 		}
@@ -511,11 +521,14 @@ func (h *Handler) replay(w http.ResponseWriter, r *http.Request) {
 		h.cfg.Logger.Info("once console: replay", "queue", q.Name(), "selected", rep.Selected, "replayed", rep.Replayed,
 			"skipped", rep.Skipped, "error", rerr)
 	}); err != nil {
-		// The queue's client does not watch ctx in the call it is in:
-		// the replay stops at its next record, and its report goes to
-		// the log.
-		h.fail(w, brokerStatus(err), fmt.Errorf("the replay did not finish: %w; it stops at its next record, "+
-			"and the log says what it replayed (replayed again, a record is deduplicated)", err))
+		if ctx.Err() != nil {
+			// The queue's client does not watch ctx in the call it is
+			// in: the replay stops at its next record, and its report
+			// goes to the log.
+			err = fmt.Errorf("the replay did not finish: %w; it stops at its next record, "+
+				"and the log says what it replayed (replayed again, a record is deduplicated)", err)
+		}
+		h.fail(w, brokerStatus(err), err)
 		return
 	}
 	if rerr != nil {

@@ -148,3 +148,25 @@ func TestOverviewReadsEveryQueueWithinTheTimeout(t *testing.T) {
 	assert.False(t, strings.Contains(body, "no answer from kafka topic orders.dlq"), "the queue that answers is failed for the other's time")
 	assert.Contains(t, body, "kafka topic orders.dlq</a>: 4")
 }
+
+// panickingQueue is a queue whose reads panic: a bug in a Queue a
+// service wrote, or in a broker client.
+type panickingQueue struct{ dlq.Queue }
+
+func (panickingQueue) Browse(context.Context, func(*dlq.Record) error) error { panic("broken client") }
+
+// A queue whose read panics fails its page, or its section of the
+// consumers page, with an error: the panic does not end the process
+// serving the console.
+func TestAQueueThatPanicsFailsThePageNotTheProcess(t *testing.T) {
+	_, dl := deadLetters(t)
+	h, err := console.New(console.Config{Queues: []dlq.Queue{panickingQueue{dl}, dl}, Logger: testenv.Logger()})
+	require.NoError(t, err)
+	code, body := serve(t, h, "/")
+	assert.Equal(t, http.StatusOK, code)
+	assert.Contains(t, body, "broken client")
+	assert.Contains(t, body, "kafka topic orders.dlq</a>: 4", "the other queue is shown")
+	code, body = serve(t, h, "/dlq?q=0")
+	assert.Equal(t, http.StatusBadGateway, code)
+	assert.Contains(t, body, "broken client")
+}
