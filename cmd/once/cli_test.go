@@ -9,6 +9,7 @@ import (
 	"io"
 	"net/http"
 	"os"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -489,6 +490,18 @@ func TestTextOutputQuotesC1ControlCharacters(t *testing.T) {
 	assert.NotContains(t, out.String(), "\u009b")
 	assert.NotContains(t, out.String(), "\u009d")
 	assert.Contains(t, out.String(), "hex")
+}
+
+// Unicode's bidirectional controls (U+202A-U+202E, U+2066-U+2069, the
+// marks U+200E, U+200F and U+061C) reorder the text around them on the
+// screen: an event id "order-\u202e7-redro" reads as another one. They
+// are quoted like controls; right-to-left letters are text.
+func TestTextOutputQuotesBidiControls(t *testing.T) {
+	for _, s := range []string{"order-\u202e7-redro", "a\u2066b\u2069", "x\u200fy", "x\u061cy", "\u202ax\u202c"} {
+		assert.False(t, dlq.Printable([]byte(s)), "%q", s)
+		assert.Equal(t, strconv.Quote(s), safe(s))
+	}
+	assert.True(t, dlq.Printable([]byte("שלום, مرحبا")), "right-to-left letters")
 }
 
 // The reason a dead letter is not replayable quotes header text (its

@@ -122,19 +122,32 @@ var funcs = template.FuncMap{
 		}
 		return time.Since(t).Round(time.Second).String() + " ago"
 	},
+	"text": shown,
 	"dash": func(s string) string {
 		if s == "" {
 			return "-"
 		}
-		return s
+		return shown(s)
 	},
 	"clip": func(s string, n int) string {
-		s = strings.Join(strings.Fields(s), " ")
+		s = shown(strings.Join(strings.Fields(s), " "))
 		if r := []rune(s); len(r) > n {
 			return string(r[:n-1]) + "…"
 		}
 		return s
 	},
+}
+
+// shown is text from a broker or the database as a page shows it: as it
+// is when printable, else quoted with escapes, as the CLI prints it. HTML
+// escaping keeps markup out; this keeps out what would change how the
+// text reads (bidirectional controls that show an id reversed, control
+// characters).
+func shown(s string) string {
+	if dlq.Printable([]byte(s)) {
+		return s
+	}
+	return strconv.Quote(s)
 }
 
 // page is what every template gets.

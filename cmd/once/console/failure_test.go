@@ -18,6 +18,7 @@ import (
 	"github.com/onceco/once/cmd/once/console"
 	"github.com/onceco/once/cmd/once/dlq"
 	"github.com/onceco/once/cmd/once/internal/testenv"
+	"github.com/onceco/once/consumer"
 )
 
 // serve answers one GET of path and returns the status and the body.
@@ -169,4 +170,36 @@ func TestAQueueThatPanicsFailsThePageNotTheProcess(t *testing.T) {
 	code, body = serve(t, h, "/dlq?q=0")
 	assert.Equal(t, http.StatusBadGateway, code)
 	assert.Contains(t, body, "broken client")
+}
+
+// spoofingQueue gives every record it reads an event id and a consumer
+// name holding bidirectional controls.
+type spoofingQueue struct{ dlq.Queue }
+
+func (q spoofingQueue) Browse(ctx context.Context, fn func(*dlq.Record) error) error {
+	return q.Queue.Browse(ctx, func(r *dlq.Record) error {
+		r.Headers = append(r.Headers, dlq.Header{Key: consumer.HeaderEventID, Value: "order-\u202e7-redro"},
+			dlq.Header{Key: consumer.HeaderConsumer, Value: "bill\u2066ing\u2069"})
+		return fn(r)
+	})
+}
+
+// Text from a dead letter that holds bidirectional controls, which would
+// show it reordered (an event id that reads as another), is shown quoted
+// on every page, as the CLI prints it.
+func TestPagesQuoteBidiControls(t *testing.T) {
+	_, dl := deadLetters(t)
+	h, err := console.New(console.Config{Queues: []dlq.Queue{spoofingQueue{dl}}, Logger: testenv.Logger()})
+	require.NoError(t, err)
+	code, body := serve(t, h, "/dlq?q=0")
+	require.Equal(t, http.StatusOK, code)
+	// Shown, that is: between tags. (Attributes hold it as it is, for
+	// the page's scripts; a browser does not render them.)
+	assert.NotContains(t, body, ">order-\u202e")
+	assert.NotContains(t, body, ">bill\u2066")
+	assert.Contains(t, body, `>&#34;order-\u202e7-redro&#34;<`)
+	code, body = serve(t, h, "/")
+	require.Equal(t, http.StatusOK, code)
+	assert.NotContains(t, body, ">bill\u2066")
+	assert.Contains(t, body, `&#34;bill\u2066ing\u2069&#34;`)
 }

@@ -142,13 +142,15 @@ func (r *Record) Destination() string {
 // characters other than tab and line breaks, so that it can be shown as
 // text rather than as a hex dump. The controls are those of C0 (ESC among
 // them), DEL, and those of C1 (U+0080 to U+009F), whose U+009B a terminal
-// may take for ESC [.
+// may take for ESC [; and Unicode's bidirectional controls (embeddings,
+// overrides, isolates and marks), which show the text around them
+// reordered: an event id that reads as another.
 func Printable(b []byte) bool {
 	if !utf8.Valid(b) {
 		return false
 	}
 	for _, c := range string(b) {
-		if unicode.IsControl(c) && c != '\t' && c != '\n' && c != '\r' || c == utf8.RuneError {
+		if unicode.IsControl(c) && c != '\t' && c != '\n' && c != '\r' || c == utf8.RuneError || unicode.Is(unicode.Bidi_Control, c) {
 			return false
 		}
 	}
