@@ -63,7 +63,8 @@ func NewRouter[T any](cfg RouterConfig) *Router[T] {
 type EventTyper interface {
 	// EventType returns the event type of the payload, e.g. "order.paid".
 	// It must not depend on the value: AddHandler calls it on the zero
-	// value.
+	// value (for a pointer type, on a pointer to a zero value, never on
+	// nil).
 	EventType() string
 }
 
@@ -78,6 +79,11 @@ type EventTyper interface {
 //	err := consumer.AddHandler(r, func(ctx context.Context, tx pgx.Tx, ev consumer.Event[OrderPaid]) error { ... })
 func AddHandler[T any, P EventTyper](r *Router[T], h Handler[P]) error {
 	var zero P
+	if t := reflect.TypeFor[P](); t.Kind() == reflect.Pointer {
+		// A nil pointer would panic in a value method, or in a pointer
+		// method that reads its receiver.
+		zero = reflect.New(t.Elem()).Interface().(P)
+	}
 	return Handle(r, zero.EventType(), h)
 }
 

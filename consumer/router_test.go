@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/assert"
@@ -88,4 +89,29 @@ func TestRouterRefusesAPayloadOutsideItsFamily(t *testing.T) {
 	require.NoError(t, consumer.Handle(anything, "misc", func(context.Context, pgx.Tx, consumer.Event[notShop]) error { return nil }))
 	require.NoError(t, consumer.AddHandler(anything, func(context.Context, pgx.Tx, consumer.Event[itemAdded]) error { return nil }))
 	assert.Equal(t, []string{"cart.item-added", "misc"}, anything.Types())
+}
+
+// AddHandler takes a pointer payload type too: its EventType is called on
+// a pointer to a zero value, never on a nil pointer, and the events are
+// decoded into a new value each.
+func TestAddHandlerTakesAPointerPayload(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	r := consumer.NewRouter[shopEvent](consumer.RouterConfig{})
+	got := make(chan *itemAdded, 1)
+	require.NoError(t, consumer.AddHandler(r, func(_ context.Context, _ pgx.Tx, ev consumer.Event[*itemAdded]) error {
+		got <- ev.Payload
+		return nil
+	}))
+	assert.Equal(t, []string{"cart.item-added"}, r.Types())
+
+	b := memsource.New(memsource.Options{Streams: 1})
+	b.Publish(consumer.Message{Value: []byte(`{"item":"pen"}`), Headers: map[string]string{"id": "a1", "type": "cart.item-added"}})
+	c, err := consumer.NewRouted(pool, b.Source(), r, fastConfig("cart-pointer"))
+	require.NoError(t, err)
+	start(t, c)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	require.NoError(t, b.WaitAcked(ctx, 1))
+	assert.Equal(t, &itemAdded{Item: "pen"}, <-got)
+	assert.Empty(t, b.DeadLetters())
 }
