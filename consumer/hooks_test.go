@@ -256,3 +256,74 @@ func TestOnRetryOfADeadLetterWriteNamesItsMessage(t *testing.T) {
 		assert.Equal(t, 1, r.Messages)
 	}
 }
+
+// Outcome.Runs counts every run of the handler for the message, the one
+// that committed included: 1 for a message handled at once, as many as its
+// Event.Attempt reached otherwise, none for a duplicate; for a BatchHandler
+// too.
+func TestOutcomeRunsCountsTheHandlersRuns(t *testing.T) {
+	for _, batched := range []bool{false, true} {
+		t.Run(fmt.Sprintf("batched=%v", batched), func(t *testing.T) {
+			pool, _ := pgtest.Schema(t)
+			effects(t, pool)
+			b := memsource.New(memsource.Options{Streams: 1})
+			publish(b, "ok", 1)
+			publish(b, "ok", 1) // a duplicate
+			publish(b, "flaky", 2)
+			publish(b, "bad", 3)
+			publish(b, "after", 4)
+
+			var mu sync.Mutex
+			runs := map[string][]int{}
+			reported := make(chan struct{}, 8)
+			cfg := fastConfig("runs")
+			cfg.Batch.Size = 8
+			cfg.Hooks.OnOutcome = func(_ context.Context, o consumer.Outcome) {
+				mu.Lock()
+				runs[o.EventID] = append(runs[o.EventID], o.Runs)
+				mu.Unlock()
+				reported <- struct{}{}
+			}
+			fail := func(ev consumer.Event[order]) error {
+				switch {
+				case ev.ID == "flaky" && ev.Attempt == 1:
+					return errors.New("once")
+				case ev.ID == "bad":
+					return consumer.Permanent(errors.New("never"))
+				}
+				return nil
+			}
+			var c *consumer.Consumer[order]
+			var err error
+			if batched {
+				c, err = consumer.NewBatch(pool, b.Source(), func(ctx context.Context, tx pgx.Tx, evs []consumer.Event[order]) error {
+					for _, ev := range evs {
+						if err := fail(ev); err != nil {
+							return err
+						}
+					}
+					return insertEffects(ctx, tx, evs)
+				}, cfg)
+			} else {
+				c, err = consumer.New(pool, b.Source(), func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+					if err := fail(ev); err != nil {
+						return err
+					}
+					return insertEffect(ctx, tx, ev)
+				}, cfg)
+			}
+			require.NoError(t, err)
+			start(t, c)
+			for range 5 { // OnOutcome runs after the ack: wait for it
+				select {
+				case <-reported:
+				case <-time.After(10 * time.Second):
+					t.Fatal("not every outcome was reported")
+				}
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			assert.Equal(t, map[string][]int{"ok": {1, 0}, "flaky": {2}, "bad": {1}, "after": {1}}, runs)
+		})
+	}
+}

@@ -81,6 +81,7 @@ func (s *settler) committed(jobs []*job, claims []dedup.Result) {
 			s.ack(j, ResultSkipped)
 		default:
 			s.claimed++
+			j.runs++ // the run that committed
 			s.ack(j, ResultHandled)
 		}
 	}
