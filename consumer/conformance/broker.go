@@ -17,7 +17,8 @@ type Features struct {
 	// the same OutMessage.Key land on the same stream.
 	Ordered bool
 	// FallbackID: the adapter derives Message.FallbackID for messages
-	// without an id (Kafka: topic/partition/offset).
+	// without an id (Kafka: topic/partition/offset), the same on every
+	// delivery of a message.
 	FallbackID bool
 	// RedeliverOnRestart: deliveries that were received but never acked are
 	// delivered again to the next Source opened on the same subscription.

@@ -41,6 +41,7 @@ func Run(t *testing.T, s Suite) {
 		{"HandlerFailureDeadLettered", testHandlerFailure, false},
 		{"PanicDeadLettered", testPanic, false},
 		{"MissingID", testMissingID, false},
+		{"FallbackIDStableAcrossRedelivery", testFallbackIDStable, !s.Features.FallbackID || !s.Features.RedeliverOnRestart},
 		{"OrderPerStream", testOrder, !s.Features.Ordered},
 		{"RedeliveryAfterCrashBeforeAck", testCrashBeforeAck, !s.Features.RedeliverOnRestart},
 		{"ShutdownMidFlight", testShutdownMidFlight, !s.Features.RedeliverOnRestart},
@@ -357,6 +358,26 @@ func testMissingID(t *testing.T, e *env) {
 	dl := e.deadLetters(1)
 	require.Len(t, dl, 1)
 	assert.Equal(t, string(consumer.KindMissingID), dl[0].Headers[consumer.HeaderErrorKind])
+}
+
+// testFallbackIDStable: id-less messages handled under their fallback ids
+// and never acked are redelivered with the same fallback ids, so their
+// redeliveries are duplicates. A fallback id that changes between
+// deliveries (one derived from a delivery tag or a receive time) would
+// handle each again.
+func testFallbackIDStable(t *testing.T, e *env) {
+	e.publish(msg("", "k0", 1), msg("", "k1", 2))
+	r := e.start(&dropAcks{Source: e.b.NewSource(t), after: 0}, config(), record)
+	e.waitSettled(r, 2)
+	require.NoError(t, r.stop())
+	first := e.effects()
+	require.Len(t, first, 2, "both id-less messages handled under their fallback ids")
+
+	r2 := e.start(e.b.NewSource(t), config(), record)
+	e.waitSettled(r2, 2)
+	assert.Equal(t, first, e.effects(), "the redeliveries had the same fallback ids: no effect twice")
+	assert.Equal(t, uint64(2), r2.c.Stats().Duplicates, "both redeliveries are duplicates")
+	assert.Zero(t, r2.c.Stats().Handled)
 }
 
 func testOrder(t *testing.T, e *env) {

@@ -1,0 +1,164 @@
+package conformance_test
+
+import (
+	"context"
+	"fmt"
+	"maps"
+	"os"
+	"os/exec"
+	"regexp"
+	"sync/atomic"
+	"testing"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/consumer/conformance"
+	"github.com/onceco/once/consumer/memsource"
+	"github.com/onceco/once/internal/pgtest"
+)
+
+func TestMain(m *testing.M) { pgtest.Main(m) }
+
+// memBroker is a conformance.Broker on a memsource.Broker, with one
+// promise of the adapter contract broken on request.
+type memBroker struct {
+	b     *memsource.Broker
+	flaw  flaw
+	opens atomic.Int32
+}
+
+// flaw is a way to break the adapter contract.
+type flaw int
+
+const (
+	// honest breaks nothing.
+	honest flaw = iota
+	// unstableFallbackID gives a message another FallbackID on each
+	// delivery to a new source, as one derived from a delivery tag would.
+	unstableFallbackID
+)
+
+func (b *memBroker) Publish(_ context.Context, msgs ...conformance.OutMessage) error {
+	for _, m := range msgs {
+		h := maps.Clone(m.Headers)
+		if h == nil {
+			h = map[string]string{}
+		}
+		if m.ID != "" {
+			h["id"] = m.ID
+		}
+		if m.Type != "" {
+			h["type"] = m.Type
+		}
+		b.b.Publish(consumer.Message{Key: m.Key, Value: m.Value, Headers: h})
+	}
+	return nil
+}
+
+func (b *memBroker) NewSource(*testing.T) consumer.Source {
+	return &flawedSource{Source: b.b.Source(), b: b, open: b.opens.Add(1)}
+}
+
+func (b *memBroker) DeadLetters(context.Context) ([]conformance.DeadLetterRecord, error) {
+	var out []conformance.DeadLetterRecord
+	for _, d := range b.b.DeadLetters() {
+		out = append(out, conformance.DeadLetterRecord{Key: d.Message.Key, Value: d.Message.Value, Headers: d.Headers})
+	}
+	return out, nil
+}
+
+// flawedSource is a memsource.Source whose deliveries carry the broker's
+// flaw.
+type flawedSource struct {
+	*memsource.Source
+	b    *memBroker
+	open int32 // which source of the broker, from 1
+}
+
+func (s *flawedSource) Receive(ctx context.Context) (consumer.Delivery, error) {
+	d, err := s.Source.Receive(ctx)
+	if err != nil {
+		return nil, err
+	}
+	m := *d.Message()
+	switch s.b.flaw {
+	case unstableFallbackID:
+		m.FallbackID = fmt.Sprintf("%s#%d", m.FallbackID, s.open)
+	}
+	return &flawedDelivery{Delivery: d, m: &m}, nil
+}
+
+type flawedDelivery struct {
+	consumer.Delivery
+	m *consumer.Message
+}
+
+func (d *flawedDelivery) Message() *consumer.Message { return d.m }
+
+// suite is the suite on a memsource broker with flaw.
+func suite(f flaw, features conformance.Features, opts memsource.Options) conformance.Suite {
+	return conformance.Suite{
+		Features: features,
+		NewBroker: func(*testing.T) conformance.Broker {
+			return &memBroker{b: memsource.New(opts), flaw: f}
+		},
+		NewDB: func(t *testing.T) *pgxpool.Pool { p, _ := pgtest.Schema(t); return p },
+	}
+}
+
+// flawed are adapters that break one promise of the contract each, with
+// the suite's test that must catch it.
+var flawed = []struct {
+	name     string
+	suite    conformance.Suite
+	caughtBy string
+}{
+	{
+		name: "unstable-fallback-id",
+		suite: suite(unstableFallbackID, conformance.Features{Ordered: true, FallbackID: true, RedeliverOnRestart: true},
+			memsource.Options{Streams: 2, FallbackID: true}),
+		caughtBy: "FallbackIDStableAcrossRedelivery",
+	},
+}
+
+// childEnv names, in the environment of a child test process, the flawed
+// adapter it runs the suite on.
+const childEnv = "ONCE_CONFORMANCE_FLAWED"
+
+// The suite fails an adapter that breaks a promise of the contract, in the
+// test that covers that promise: each flawed adapter runs the whole suite
+// in a child process, which must fail there.
+func TestSuiteCatchesFlawedAdapters(t *testing.T) {
+	if name := os.Getenv(childEnv); name != "" {
+		for _, f := range flawed {
+			if f.name == name {
+				t.Run(f.name, func(t *testing.T) { conformance.Run(t, f.suite) })
+			}
+		}
+		return
+	}
+	for _, f := range flawed {
+		t.Run(f.name, func(t *testing.T) {
+			t.Parallel()
+			cmd := exec.Command(os.Args[0], "-test.run", "^TestSuiteCatchesFlawedAdapters$", "-test.v", "-test.count=1")
+			cmd.Env = append(os.Environ(), childEnv+"="+f.name, "DATABASE_URL="+pgtest.URL())
+			out, err := cmd.CombinedOutput()
+			require.Error(t, err, "the suite passed an adapter whose flaw is %s:\n%s", f.name, out)
+			failed := regexp.MustCompile(`--- FAIL: TestSuiteCatchesFlawedAdapters/`+regexp.QuoteMeta(f.name)+`/(\S+)`).FindAllStringSubmatch(string(out), -1)
+			var tests []string
+			for _, m := range failed {
+				tests = append(tests, m[1])
+			}
+			assert.Equal(t, []string{f.caughtBy}, tests, "the suite's tests that failed:\n%s", out)
+		})
+	}
+}
+
+// The honest adapter passes: the flaws alone fail the suite.
+func TestSuitePassesTheHonestAdapter(t *testing.T) {
+	conformance.Run(t, suite(honest, conformance.Features{Ordered: true, FallbackID: true, RedeliverOnRestart: true},
+		memsource.Options{Streams: 2, FallbackID: true}))
+}
