@@ -303,14 +303,18 @@ func testDecodeError(t *testing.T, e *env) {
 }
 
 func testHandlerFailure(t *testing.T, e *env) {
-	e.publish(msg("bad-1", "k", 1), msg("good-1", "k", 2))
+	bad := msg("bad-1", "k", 1)
+	bad.Headers = map[string]string{"x-custom": "kept"}
+	e.publish(bad, msg("good-1", "k", 2))
 	var badCalls atomic.Int32
+	var badKey atomic.Value // the key the handler saw
 	r := e.start(e.b.NewSource(t), config(), func(ctx context.Context, tx pgx.Tx, ev consumer.Event[payload]) error {
 		if err := record(ctx, tx, ev); err != nil {
 			return err
 		}
 		if ev.ID == "bad-1" {
 			badCalls.Add(1)
+			badKey.Store(string(ev.Message.Key))
 			return errors.New("business rule violated")
 		}
 		return nil
@@ -323,6 +327,10 @@ func testHandlerFailure(t *testing.T, e *env) {
 	assert.Equal(t, string(consumer.KindHandler), dl[0].Headers[consumer.HeaderErrorKind])
 	assert.Equal(t, "2", dl[0].Headers[consumer.HeaderAttempts])
 	assert.Contains(t, dl[0].Headers[consumer.HeaderErrorMessage], "business rule violated")
+	// A copy of the message: its key and original headers as well as its
+	// value.
+	assert.Equal(t, "kept", dl[0].Headers["x-custom"], "the dead letter keeps the original headers")
+	assert.Equal(t, badKey.Load(), string(dl[0].Key), "the dead letter keeps the original key")
 	var p payload
 	require.NoError(t, json.Unmarshal(dl[0].Value, &p))
 	assert.Equal(t, payload{K: "k", N: 1}, p)

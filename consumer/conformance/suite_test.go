@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"regexp"
+	"strings"
 	"sync/atomic"
 	"testing"
 
@@ -39,6 +40,9 @@ const (
 	// unstableFallbackID gives a message another FallbackID on each
 	// delivery to a new source, as one derived from a delivery tag would.
 	unstableFallbackID
+	// deadLetterLosesOriginal writes dead-letter copies with the value and
+	// the diagnostic headers only: no key, none of the original headers.
+	deadLetterLosesOriginal
 )
 
 func (b *memBroker) Publish(_ context.Context, msgs ...conformance.OutMessage) error {
@@ -65,7 +69,13 @@ func (b *memBroker) NewSource(*testing.T) consumer.Source {
 func (b *memBroker) DeadLetters(context.Context) ([]conformance.DeadLetterRecord, error) {
 	var out []conformance.DeadLetterRecord
 	for _, d := range b.b.DeadLetters() {
-		out = append(out, conformance.DeadLetterRecord{Key: d.Message.Key, Value: d.Message.Value, Headers: d.Headers})
+		rec := conformance.DeadLetterRecord{Key: d.Message.Key, Value: d.Message.Value, Headers: d.Headers}
+		if b.flaw == deadLetterLosesOriginal {
+			rec.Key = nil
+			rec.Headers = maps.Clone(rec.Headers)
+			maps.DeleteFunc(rec.Headers, func(k, _ string) bool { return !strings.HasPrefix(k, "once-") })
+		}
+		out = append(out, rec)
 	}
 	return out, nil
 }
@@ -121,6 +131,12 @@ var flawed = []struct {
 		suite: suite(unstableFallbackID, conformance.Features{Ordered: true, FallbackID: true, RedeliverOnRestart: true},
 			memsource.Options{Streams: 2, FallbackID: true}),
 		caughtBy: "FallbackIDStableAcrossRedelivery",
+	},
+	{
+		name: "dead-letter-loses-original",
+		suite: suite(deadLetterLosesOriginal, conformance.Features{RedeliverOnRestart: true},
+			memsource.Options{}),
+		caughtBy: "HandlerFailureDeadLettered",
 	},
 }
 
