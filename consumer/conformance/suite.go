@@ -45,6 +45,7 @@ func Run(t *testing.T, s Suite) {
 		{"OrderPerStream", testOrder, !s.Features.Ordered},
 		{"RedeliveryAfterCrashBeforeAck", testCrashBeforeAck, !s.Features.RedeliverOnRestart},
 		{"ShutdownMidFlight", testShutdownMidFlight, !s.Features.RedeliverOnRestart},
+		{"StallLoopDeadLettered", testStallLoop, !s.Features.RedeliverOnRestart},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -501,4 +502,50 @@ func testShutdownMidFlight(t *testing.T, e *env) {
 	e.waitEffects(len(all))
 	e.waitSettled(r2, uint64(len(all)-first))
 	e.assertExactlyOnce(all...)
+}
+
+// testStallLoop: a message whose handler stalls past the shutdown deadline
+// on every delivery (as one that crashes the process would die with it) is
+// dead-lettered with kind KindCrashLoop after Config.CrashGuard.MaxCrashes
+// such runs of its own, instead of stalling every restart. The crash guard
+// counts only what the adapter lets it suspect: a redelivery after a new
+// Delivery.Context of its stream (an ordered adapter), or one the broker
+// marks with Message.Redelivered or DeliveryCount.
+func testStallLoop(t *testing.T, e *env) {
+	e.publish(msg("stalls-1", "k", 1), msg("good-1", "k", 2))
+	cfg := config()
+	cfg.CrashGuard.MaxCrashes = 1
+	cfg.ShutdownTimeout = 200 * time.Millisecond
+	var stalls atomic.Int32
+	entered := make(chan struct{}, 8)
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[payload]) error {
+		if ev.ID == "stalls-1" {
+			stalls.Add(1)
+			entered <- struct{}{}
+			<-ctx.Done() // only the shutdown deadline ends it
+			return ctx.Err()
+		}
+		return record(ctx, tx, ev)
+	}
+	// The first run, and the one that runs it alone as a suspect: each
+	// stalls until the shutdown deadline cuts it short.
+	for run := 1; run <= 2; run++ {
+		r := e.start(e.b.NewSource(t), cfg, h)
+		select {
+		case <-entered:
+		case <-time.After(waitFor):
+			t.Fatalf("run %d: the handler was not called", run)
+		}
+		require.NoError(t, r.stop())
+	}
+	r := e.start(e.b.NewSource(t), cfg, h)
+	require.Eventually(t, func() bool { return r.c.Stats().DeadLettered >= 1 || stalls.Load() > 2 }, waitFor, 20*time.Millisecond,
+		"want the message dead-lettered")
+	require.Equal(t, int32(2), stalls.Load(), "a message that stalled alone MaxCrashes times ran again: its redelivery was not suspected")
+	e.waitEffects(1) // good-1, in this run or an earlier one
+	e.assertExactlyOnce("good-1")
+	dl := e.deadLetters(1)
+	require.Len(t, dl, 1)
+	assert.Equal(t, "stalls-1", dl[0].Headers[consumer.HeaderEventID])
+	assert.Equal(t, string(consumer.KindCrashLoop), dl[0].Headers[consumer.HeaderErrorKind])
 }

@@ -43,6 +43,9 @@ const (
 	// deadLetterLosesOriginal writes dead-letter copies with the value and
 	// the diagnostic headers only: no key, none of the original headers.
 	deadLetterLosesOriginal
+	// redeliveryUnmarked never sets Message.Redelivered nor DeliveryCount,
+	// as an unordered adapter that ignores the broker's flag would.
+	redeliveryUnmarked
 )
 
 func (b *memBroker) Publish(_ context.Context, msgs ...conformance.OutMessage) error {
@@ -97,6 +100,8 @@ func (s *flawedSource) Receive(ctx context.Context) (consumer.Delivery, error) {
 	switch s.b.flaw {
 	case unstableFallbackID:
 		m.FallbackID = fmt.Sprintf("%s#%d", m.FallbackID, s.open)
+	case redeliveryUnmarked:
+		m.Redelivered, m.DeliveryCount = false, 0
 	}
 	return &flawedDelivery{Delivery: d, m: &m}, nil
 }
@@ -137,6 +142,11 @@ var flawed = []struct {
 		suite: suite(deadLetterLosesOriginal, conformance.Features{RedeliverOnRestart: true},
 			memsource.Options{}),
 		caughtBy: "HandlerFailureDeadLettered",
+	},
+	{
+		name:     "redelivery-unmarked",
+		suite:    suite(redeliveryUnmarked, conformance.Features{RedeliverOnRestart: true}, memsource.Options{}),
+		caughtBy: "StallLoopDeadLettered",
 	},
 }
 
