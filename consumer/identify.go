@@ -45,8 +45,10 @@ type job struct {
 	// settled: acked, dead-lettered or abandoned; nothing more happens to
 	// the message in this process.
 	settled bool
-	// result is how the message was settled.
-	result Result
+	// result is how the message was settled; conflict: skipped as an id
+	// conflict (Config.Identify.OnConflict SkipConflicts).
+	result   Result
+	conflict bool
 }
 
 // claim is the dedup claim of j's id.

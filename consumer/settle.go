@@ -133,6 +133,7 @@ func (s *settler) conflict(j *job, prev dedup.Previous) {
 	if s.p.cfg.Identify.OnConflict == SkipConflicts {
 		s.p.cfg.Telemetry.Logger.WarnContext(j.ctx, "once: event id seen before with a different payload; skipped",
 			"consumer", s.p.cfg.Name, "event_id", j.idt.id, "processed_at", prev.ProcessedAt)
+		j.conflict = true
 		s.ack(j, ResultSkipped)
 		return
 	}

@@ -89,7 +89,7 @@ func (t *twins) release(b *batch, mine []*job) {
 	// Two passes: an id twice in the batch has one claim, committed if
 	// either of its jobs left the row committed.
 	for _, j := range mine {
-		if c, ok := t.ids[j.idt.id]; ok && c.owner == b && rowCommitted(j.result) {
+		if c, ok := t.ids[j.idt.id]; ok && c.owner == b && rowCommitted(j) {
 			c.committed = true
 		}
 	}
@@ -105,11 +105,18 @@ func (t *twins) release(b *batch, mine []*job) {
 	}
 }
 
-// rowCommitted reports whether a job that ended with r left its id's row
-// committed: handled or skipped in a committed transaction, or found
-// there already.
-func rowCommitted(r Result) bool {
-	return r == ResultHandled || r == ResultDuplicate || r == ResultSkipped
+// rowCommitted reports whether a settled job left its id's row committed
+// with its fingerprint: handled or skipped in a committed transaction, or
+// found there already. A job skipped as an id conflict found the row of
+// another payload.
+func rowCommitted(j *job) bool {
+	switch j.result {
+	case ResultHandled, ResultDuplicate:
+		return true
+	case ResultSkipped:
+		return !j.conflict
+	}
+	return false
 }
 
 // settleFollowers waits for each follower's twin, then acks the follower

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -103,4 +104,77 @@ func TestTwinThatFailsLetsTheFollowerRun(t *testing.T) {
 	assert.Equal(t, int32(2), g.calls.Load(), "the follower ran after its twin failed")
 	require.Len(t, b.DeadLetters(), 1)
 	assert.Zero(t, c.Stats().Duplicates)
+}
+
+// A copy that follows a twin skipped as an id conflict (SkipConflicts) is
+// an id conflict too, skipped with its warning, not a duplicate: the id's
+// committed row is the earlier payload's, not the twin's.
+func TestTwinSkippedAsAConflictLeavesTheFollowerAConflict(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{}) // unordered, like AMQP
+	cfg := fastConfig("twin-conflict")
+	cfg.Identify.OnConflict = consumer.SkipConflicts
+	var mu sync.Mutex
+	results := map[int64]consumer.Result{}
+	reported := make(chan struct{}, 8)
+	cfg.Hooks.OnOutcome = func(_ context.Context, o consumer.Outcome) {
+		mu.Lock()
+		results[o.Message.Offset] = o.Result
+		mu.Unlock()
+		reported <- struct{}{}
+	}
+
+	// The id's row, committed with the payload n=0.
+	publish(b, "first", 0)
+	c0, err := consumer.New(pool, b.Source(), insertEffect, cfg)
+	require.NoError(t, err)
+	stop0 := start(t, c0)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	require.NoError(t, b.WaitAcked(ctx, 1))
+	require.NoError(t, stop0())
+
+	// Two copies with n=1, the second while the first's batch is open: a
+	// message of its batch is held in its handler.
+	entered, release := make(chan struct{}), make(chan struct{})
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		if ev.ID == "slow" {
+			close(entered)
+			select {
+			case <-release:
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+		}
+		return insertEffect(ctx, tx, ev)
+	}
+	publish(b, "first", 1) // offset 1
+	publish(b, "slow", 2)
+	cfg.Concurrency = 4
+	cfg.Batch.Size = 2
+	cfg.Batch.Linger = time.Minute // batches close when full
+	c, err := consumer.New(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	start(t, c)
+	<-entered
+	publish(b, "first", 1) // offset 3: follows the copy at offset 1
+	publish(b, "other", 3)
+	require.Eventually(t, func() bool { return b.IsAcked(4) }, 10*time.Second, 5*time.Millisecond,
+		"the other message of the follower's batch is acked while its twin's batch is open")
+	close(release)
+	for range 5 { // OnOutcome runs after the ack: wait for it
+		select {
+		case <-reported:
+		case <-ctx.Done():
+			t.Fatal("not every outcome was reported")
+		}
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	assert.Equal(t, consumer.ResultSkipped, results[1], "the first copy is a conflict")
+	assert.Equal(t, consumer.ResultSkipped, results[3], "its follower is a conflict too")
+	assert.Equal(t, uint64(2), c.Stats().Skipped)
+	assert.Zero(t, c.Stats().Duplicates)
+	assert.Equal(t, map[string]int{"first": 1, "slow": 1, "other": 1}, countEffects(t, pool))
 }
