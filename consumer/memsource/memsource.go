@@ -6,6 +6,7 @@
 package memsource
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"maps"
@@ -61,9 +62,11 @@ func New(opts Options) *Broker {
 	return b
 }
 
-// Publish appends a message. Key decides its stream when the broker has
+// Publish appends a copy of a message (its key, value and headers too: the
+// caller may reuse them). Key decides its stream when the broker has
 // streams. The message's Topic, Offset, Partition and Stream are set here.
 func (b *Broker) Publish(m consumer.Message) {
+	m.Key, m.Value = bytes.Clone(m.Key), bytes.Clone(m.Value)
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	m.Topic = b.topic

@@ -1,11 +1,15 @@
 package memsource_test
 
 import (
+	"bytes"
 	"context"
 	"maps"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/onceco/once/consumer"
 	"github.com/onceco/once/consumer/conformance"
@@ -72,4 +76,28 @@ func TestConformanceUnordered(t *testing.T) {
 		NewBroker: func(t *testing.T) conformance.Broker { return broker{memsource.New(memsource.Options{})} },
 		NewDB:     func(t *testing.T) *pgxpool.Pool { p, _ := pgtest.Schema(t); return p },
 	})
+}
+
+// Publish keeps its own copy of the key and value, as a broker does once a
+// publish returns: the caller may reuse its buffers for the next message.
+func TestPublishCopiesKeyAndValue(t *testing.T) {
+	b := memsource.New(memsource.Options{Streams: 2})
+	var buf bytes.Buffer
+	for _, v := range []string{`{"n":1}`, `{"n":2}`} {
+		buf.Reset()
+		buf.WriteString(v)
+		key := buf.Bytes()[:6] // shares buf's array too
+		b.Publish(consumer.Message{Key: key, Value: buf.Bytes()})
+	}
+	src := b.Source()
+	defer src.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	var got []string
+	for range 2 {
+		d, err := src.Receive(ctx)
+		require.NoError(t, err)
+		got = append(got, string(d.Message().Key)+" "+string(d.Message().Value))
+	}
+	assert.ElementsMatch(t, []string{`{"n":1 {"n":1}`, `{"n":2 {"n":2}`}, got)
 }
