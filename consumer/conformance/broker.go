@@ -21,7 +21,11 @@ type Features struct {
 	// delivery of a message.
 	FallbackID bool
 	// RedeliverOnRestart: deliveries that were received but never acked are
-	// delivered again to the next Source opened on the same subscription.
+	// delivered again to the next Source opened on the same subscription,
+	// so that the consumer can suspect them of a crash: an ordered adapter's
+	// new Source gives its deliveries a new Delivery.Context, an unordered
+	// one marks them with Message.Redelivered or DeliveryCount
+	// (StallLoopDeadLettered).
 	RedeliverOnRestart bool
 }
 
