@@ -70,7 +70,8 @@ type EventTyper interface {
 
 // AddHandler registers h for the events of type P.EventType(), decoded into
 // P: the registration is typed end to end (the router's AddWorker). It
-// fails as Handle does.
+// fails as Handle does, and for an interface P, which has no value to call
+// EventType on (register such a handler with Handle).
 //
 //	type OrderPaid struct{ OrderID string }
 //
@@ -79,10 +80,14 @@ type EventTyper interface {
 //	err := consumer.AddHandler(r, func(ctx context.Context, tx pgx.Tx, ev consumer.Event[OrderPaid]) error { ... })
 func AddHandler[T any, P EventTyper](r *Router[T], h Handler[P]) error {
 	var zero P
-	if t := reflect.TypeFor[P](); t.Kind() == reflect.Pointer {
+	switch t := reflect.TypeFor[P](); t.Kind() {
+	case reflect.Pointer:
 		// A nil pointer would panic in a value method, or in a pointer
 		// method that reads its receiver.
 		zero = reflect.New(t.Elem()).Interface().(P)
+	case reflect.Interface:
+		return fmt.Errorf("%w: handler takes %v, an interface: AddHandler has no value to call its EventType on; register it with Handle",
+			ErrInvalidConfig, t)
 	}
 	return Handle(r, zero.EventType(), h)
 }

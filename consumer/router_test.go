@@ -115,3 +115,13 @@ func TestAddHandlerTakesAPointerPayload(t *testing.T) {
 	assert.Equal(t, &itemAdded{Item: "pen"}, <-got)
 	assert.Empty(t, b.DeadLetters())
 }
+
+// AddHandler refuses an interface payload type, which has no value to
+// call EventType on, with an error instead of a nil dereference.
+func TestAddHandlerRefusesAnInterfacePayload(t *testing.T) {
+	r := consumer.NewRouter[shopEvent](consumer.RouterConfig{})
+	err := consumer.AddHandler(r, func(context.Context, pgx.Tx, consumer.Event[shopEvent]) error { return nil })
+	require.ErrorIs(t, err, consumer.ErrInvalidConfig)
+	assert.Contains(t, err.Error(), "shopEvent")
+	assert.Empty(t, r.Types())
+}
