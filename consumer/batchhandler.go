@@ -17,9 +17,11 @@ import (
 // (first the first), until the failing event is alone; it then meets the
 // retry policy alone (a batch of one) while the others commit, so one bad
 // event cannot hold back the others and costs about 2·log2(Batch.Size)
-// transactions. Handlers must therefore accept batches of any size from 1
-// to Config.Batch.Size, and see good events more than once (rolled back)
-// when a bad one shares their batch.
+// transactions. A RetryAfter(d) is waited before each halving, so that a
+// dependency that asked for d is not called again sooner. Handlers must
+// therefore accept batches of any size from 1 to Config.Batch.Size, and see
+// good events more than once (rolled back) when a bad one shares their
+// batch.
 type BatchHandler[T any] func(ctx context.Context, tx pgx.Tx, events []Event[T]) error
 
 // NewBatch returns a consumer that decodes every message into T and calls

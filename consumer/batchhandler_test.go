@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -110,5 +111,46 @@ func TestBatchHandlerErrorIsBisected(t *testing.T) {
 	require.NoError(t, err)
 	for i := 1; i < len(order); i++ {
 		require.Less(t, order[i-1], order[i], "effects committed out of stream order: %v", order)
+	}
+}
+
+// A BatchHandler's RetryAfter names no event, but it names a wait: a
+// dependency that asks the consumer to come back later (a rate limit) is
+// not called again before that wait, while the batch is halved to find out
+// whether one event is the cause.
+func TestBatchHandlerRetryAfterWaitsBeforeTheBatchIsHalved(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	const total, limited = 16, 3
+	const wait = 150 * time.Millisecond
+	b := memsource.New(memsource.Options{Streams: 1})
+	for i := 0; i < total; i++ {
+		publish(b, fmt.Sprintf("e%d", i), i)
+	}
+	var mu sync.Mutex
+	var calls []time.Time
+	h := func(ctx context.Context, tx pgx.Tx, evs []consumer.Event[order]) error {
+		mu.Lock()
+		calls = append(calls, time.Now())
+		n := len(calls)
+		mu.Unlock()
+		if n <= limited {
+			return consumer.RetryAfter(wait, errors.New("429: rate limited"))
+		}
+		return insertEffects(ctx, tx, evs)
+	}
+	cfg := fastConfig("batch-retry-after")
+	cfg.Batch.Size = total
+	cfg.Batch.Linger = time.Second // the whole backlog is one batch
+	c, err := consumer.NewBatch(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == total }, 20*time.Second, 5*time.Millisecond)
+	requireEffectsOnce(t, pool, total)
+	mu.Lock()
+	defer mu.Unlock()
+	require.Greater(t, len(calls), limited)
+	for i := 1; i <= limited; i++ {
+		assert.GreaterOrEqual(t, calls[i].Sub(calls[i-1]), wait, "call %d came %v after a RetryAfter(%v)", i+1, calls[i].Sub(calls[i-1]), wait)
 	}
 }

@@ -45,6 +45,10 @@ func (p *pipeline) run(ctx context.Context, s *settler, jobs []*job) {
 				return
 			}
 		case txUnpinned:
+			if !p.waitAsked(ctx, jobs, r.err) {
+				s.abandonAll(jobs)
+				return
+			}
 			half := len(jobs) / 2
 			p.run(ctx, s, jobs[:half])
 			jobs = jobs[half:]
@@ -123,6 +127,27 @@ func (p *pipeline) retryOrGiveUp(ctx context.Context, s *settler, j *job, r txRe
 	}
 	p.stats.retries.Add(1)
 	p.tel.retry(j.ctx, "handler")
+	return true
+}
+
+// waitAsked waits the delay of a RetryAfter that names no job (a
+// BatchHandler's) before the run is halved: the handler asked for it,
+// typically for a dependency that limits its callers, which halving at
+// once would call again about 2·log2(len(jobs)) times in a row. It reports
+// false when the consumer stops first; any other error needs no wait.
+func (p *pipeline) waitAsked(ctx context.Context, jobs []*job, err error) bool {
+	var ra *RetryAfterError
+	if !errors.As(err, &ra) {
+		return true
+	}
+	p.cfg.Telemetry.Logger.DebugContext(ctx, "once: batch handler asked to retry later; waiting before halving the batch",
+		"consumer", p.cfg.Name, "messages", len(jobs), "error", err, "backoff", ra.Delay)
+	p.retrying(ctx, Retry{Reason: RetryHandler, Messages: len(jobs), Err: err, Wait: ra.Delay})
+	if !p.sleep(ctx, ra.Delay) {
+		return false
+	}
+	p.stats.retries.Add(1)
+	p.tel.retry(ctx, "handler")
 	return true
 }
 
