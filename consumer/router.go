@@ -37,7 +37,8 @@ type RouterConfig struct {
 // interface the event types share (for example one with an EventType
 // method, see AddHandler), or any for a router that takes every type.
 // Register handlers with Handle or AddHandler before passing the router to
-// NewRouted; a Router is not safe for concurrent registration, and
+// NewRouted. The zero Router is ready to use, with RouterConfig's
+// defaults. A Router is not safe for concurrent registration, and
 // registering after NewRouted has no effect on that consumer.
 type Router[T any] struct {
 	cfg    RouterConfig
@@ -98,6 +99,8 @@ func AddHandler[T any, P EventTyper](r *Router[T], h Handler[P]) error {
 // family T.
 func Handle[T, P any](r *Router[T], eventType string, h Handler[P]) error {
 	switch {
+	case r == nil:
+		return fmt.Errorf("%w: router is nil", ErrInvalidConfig)
 	case eventType == "":
 		return fmt.Errorf("%w: event type is empty", ErrInvalidConfig)
 	case h == nil:
@@ -108,6 +111,9 @@ func Handle[T, P any](r *Router[T], eventType string, h Handler[P]) error {
 	}
 	if _, dup := r.routes[eventType]; dup {
 		return fmt.Errorf("%w: a handler for %q is already registered", ErrInvalidConfig, eventType)
+	}
+	if r.routes == nil {
+		r.routes = map[string]preparer{}
 	}
 	r.routes[eventType] = func(m *Message, idt identity, dec Decoder) (prepared, ErrorKind, error) {
 		c, kind, err := bind(h, m, idt, dec)

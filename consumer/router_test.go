@@ -125,3 +125,18 @@ func TestAddHandlerRefusesAnInterfacePayload(t *testing.T) {
 	assert.Contains(t, err.Error(), "shopEvent")
 	assert.Empty(t, r.Types())
 }
+
+// The zero Router is ready to use, with RouterConfig's defaults; a nil one
+// is a configuration error, not a panic.
+func TestZeroRouterTakesHandlers(t *testing.T) {
+	var r consumer.Router[any]
+	require.NoError(t, consumer.Handle(&r, "misc", func(context.Context, pgx.Tx, consumer.Event[notShop]) error { return nil }))
+	require.NoError(t, consumer.AddHandler(&r, func(context.Context, pgx.Tx, consumer.Event[itemAdded]) error { return nil }))
+	assert.Equal(t, []string{"cart.item-added", "misc"}, r.Types())
+
+	var none *consumer.Router[any]
+	err := consumer.Handle(none, "misc", func(context.Context, pgx.Tx, consumer.Event[notShop]) error { return nil })
+	require.ErrorIs(t, err, consumer.ErrInvalidConfig)
+	require.ErrorIs(t, consumer.AddHandler(none, func(context.Context, pgx.Tx, consumer.Event[itemAdded]) error { return nil }),
+		consumer.ErrInvalidConfig)
+}
