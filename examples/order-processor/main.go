@@ -431,13 +431,21 @@ func serve(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 	tel.pool.Store(pool)
 	tel.running.Store(true)
 	p := startProgress(stderr, o.label, c.Stats)
+	// The consumer and the second hop stop together: when one of them
+	// ends by itself (a failed migration, a fatal source error), the others
+	// drain and stop too, and serve returns its error, rather than run on
+	// without it.
+	runCtx, stop := context.WithCancel(ctx)
+	defer stop()
 	downErr := make(chan error, 1)
 	if down != nil {
-		go func() { downErr <- down.Run(ctx) }()
+		go func() { defer stop(); downErr <- down.Run(runCtx) }()
 	} else {
 		downErr <- nil
 	}
-	err = errors.Join(c.Run(ctx), <-downErr)
+	err = c.Run(runCtx)
+	stop()
+	err = errors.Join(err, <-downErr)
 	tel.running.Store(false)
 	p.Stop()
 	s := c.Stats()

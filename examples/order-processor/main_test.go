@@ -169,3 +169,35 @@ func mustJSON(t *testing.T, v any) []byte {
 	require.NoError(t, err)
 	return b
 }
+
+// serve ends, with an error, when its consumer stops by itself: here its
+// dedup tables are at a version newer than this code knows, so Run fails
+// at once. The relay and the shipping consumer must not keep the process
+// up (and /healthz green) with no consumer of orders.
+func TestServeStopsWhenItsConsumerFails(t *testing.T) {
+	pool, schema := pgtest.Schema(t)
+	ctx := context.Background()
+	_, err := pool.Exec(ctx, `CREATE TABLE once_schema_versions (component text NOT NULL, version integer NOT NULL,
+		name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (component, version));
+		INSERT INTO once_schema_versions (component, version, name) VALUES ('dedup:processed_events', 99, 'future')`)
+	require.NoError(t, err)
+	t.Setenv("DATABASE_URL", pgtest.URL())
+	t.Setenv("KAFKA_BROKERS", "")
+	t.Setenv("BROKER", "")
+	runCtx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var out, errOut syncBuffer
+	done := make(chan int, 1)
+	go func() {
+		done <- realMain(runCtx, []string{"serve", "-schema", schema, "-name", "fail-" + schema, "-metrics-addr", "off"}, &out, &errOut)
+	}()
+	select {
+	case code := <-done:
+		require.Equal(t, 1, code, "stdout:\n%s\nstderr:\n%s", out.String(), errOut.String())
+		require.Contains(t, errOut.String(), "schema is newer than this code")
+	case <-time.After(60 * time.Second):
+		cancel()
+		<-done
+		t.Fatalf("serve still ran 60s after its consumer failed\nstdout:\n%s\nstderr:\n%s", out.String(), errOut.String())
+	}
+}
