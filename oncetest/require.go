@@ -6,30 +6,37 @@ import (
 	"slices"
 	"testing"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // RequireEachOnce runs query, whose first column is a key (an event id, an
-// order id: text, or anything fmt prints), and fails the test unless each
-// of want appears in its rows exactly once and nothing else appears: each
-// event's effect, exactly once.
+// order id), and fails the test unless each of want appears in its rows
+// exactly once and nothing else appears: each event's effect, exactly
+// once. Keys are compared as PostgreSQL writes them in text, as psql
+// shows them: a uuid as 8c2f3d4e-…, an integer as 42, a numeric as 1.50, a
+// boolean as t. A NULL key matches no want: it is an unexpected row.
 func RequireEachOnce(t testing.TB, pool *pgxpool.Pool, query string, want ...string) {
 	t.Helper()
-	rows, err := pool.Query(context.Background(), query)
+	// In text, every type is read as PostgreSQL writes it, whatever Go
+	// value pgx would decode it into (a uuid's is 16 bytes).
+	rows, err := pool.Query(context.Background(), query, pgx.QueryResultFormats{pgx.TextFormatCode})
 	if err != nil {
 		t.Fatalf("oncetest: %s: %v", query, err)
 	}
 	defer rows.Close()
 	seen := map[string]int{}
+	nulls := 0
 	for rows.Next() {
-		values, err := rows.Values()
-		if err != nil {
-			t.Fatalf("oncetest: %s: %v", query, err)
-		}
+		values := rows.RawValues()
 		if len(values) == 0 {
 			t.Fatalf("oncetest: %s returns no column", query)
 		}
-		seen[fmt.Sprint(values[0])]++
+		if values[0] == nil {
+			nulls++
+			continue
+		}
+		seen[string(values[0])]++
 	}
 	if err := rows.Err(); err != nil {
 		t.Fatalf("oncetest: %s: %v", query, err)
@@ -43,6 +50,9 @@ func RequireEachOnce(t testing.TB, pool *pgxpool.Pool, query string, want ...str
 	}
 	for k, n := range seen {
 		problems = append(problems, fmt.Sprintf("unexpected %q %d times", k, n))
+	}
+	if nulls > 0 {
+		problems = append(problems, fmt.Sprintf("unexpected NULL %d times", nulls))
 	}
 	if len(problems) > 0 {
 		slices.Sort(problems)
