@@ -5,13 +5,16 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"fmt"
+	"maps"
 	"os"
 	"regexp"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/onceco/once/internal/pgtemp"
@@ -76,7 +79,10 @@ var unsafeName = regexp.MustCompile(`[^a-z0-9_]+`)
 
 // Postgres returns a pool whose connections use a schema made for this
 // test (search_path), on the server of URL. The schema and the pool go
-// when the test ends. Tests using it may run in parallel.
+// when the test ends; a connection the test never released (a
+// transaction left open) fails the test and is ended after 10 seconds, so
+// that its locks do not keep the schema. Tests using it may run in
+// parallel.
 func Postgres(t testing.TB) *pgxpool.Pool {
 	t.Helper()
 	url := URL(t)
@@ -95,14 +101,39 @@ func Postgres(t testing.TB) *pgxpool.Pool {
 		t.Fatalf("oncetest: %v", err)
 	}
 	cfg.ConnConfig.RuntimeParams["search_path"] = schema
+	// The server processes of the pool's open connections, to end those
+	// the test never released: their locks would keep the schema.
+	var (
+		mu   sync.Mutex
+		pids = map[int64]bool{}
+	)
+	cfg.AfterConnect = func(_ context.Context, c *pgx.Conn) error {
+		mu.Lock()
+		defer mu.Unlock()
+		pids[int64(c.PgConn().PID())] = true
+		return nil
+	}
+	cfg.BeforeClose = func(c *pgx.Conn) {
+		mu.Lock()
+		defer mu.Unlock()
+		delete(pids, int64(c.PgConn().PID()))
+	}
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		t.Fatalf("oncetest: %v", err)
 	}
 	t.Cleanup(func() {
-		closeWithin(t, pool, 10*time.Second)
+		released := closeWithin(t, pool, 10*time.Second)
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
+		if !released {
+			mu.Lock()
+			open := slices.Collect(maps.Keys(pids))
+			mu.Unlock()
+			if _, err := admin.Exec(ctx, `SELECT pg_terminate_backend(pid) FROM unnest($1::int[]) AS pid`, open); err != nil {
+				t.Errorf("oncetest: end the unreleased connections: %v", err)
+			}
+		}
 		_, _ = admin.Exec(ctx, "DROP SCHEMA "+schema+" CASCADE")
 		admin.Close()
 	})
@@ -121,13 +152,16 @@ func schemaName(t testing.TB) string {
 }
 
 // closeWithin closes pool, reporting instead of hanging on a connection
-// the test never released (pgxpool.Close waits for every one).
-func closeWithin(t testing.TB, pool *pgxpool.Pool, d time.Duration) {
+// the test never released (pgxpool.Close waits for every one). It reports
+// whether every connection was closed.
+func closeWithin(t testing.TB, pool *pgxpool.Pool, d time.Duration) bool {
 	done := make(chan struct{})
 	go func() { pool.Close(); close(done) }()
 	select {
 	case <-done:
+		return true
 	case <-time.After(d):
-		t.Errorf("oncetest: a connection was never released (a transaction neither committed nor rolled back, or rows not closed)")
+		t.Errorf("oncetest: a connection was never released (a transaction neither committed nor rolled back, or rows not closed); ended it to drop the test's schema")
+		return false
 	}
 }
