@@ -116,9 +116,13 @@ func startWeb(ctx context.Context, o *options, pool *pgxpool.Pool, log *slog.Log
 type webRun struct {
 	keys, requests, created, replayed, refused, inFlight int
 	unavailable, failed                                  int // 5xx (retried), anything else
-	orderRows, keyRows                                   int
-	splitKeys                                            int // keys answered with more than one order id
-	elapsed                                              time.Duration
+	// wrong counts the sends whose last answer is not the one they must
+	// get: 201 for a copy or a retry, 422 for a reuse, none at all after
+	// the retries.
+	wrong              int
+	orderRows, keyRows int
+	splitKeys          int // keys answered with more than one order id
+	elapsed            time.Duration
 }
 
 // webKey is one order a client places: one key, sent by concurrent copies,
@@ -147,6 +151,27 @@ func placeWebOrders(ctx context.Context, o *options, pool *pgxpool.Pool, plan *P
 		return nil, err
 	}
 	keys := webTraffic(o.mix.Seed, max(20, o.mix.Orders/15))
+	run := sendWebTraffic(ctx, "http://"+addr+"/orders", keys)
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	for _, k := range keys {
+		for id := range k.orderIDs {
+			plan.Orders[id] = expectedOrder{Status: "created", AmountCents: k.order.AmountCents}
+		}
+	}
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM orders WHERE id LIKE 'web-%'`).Scan(&run.orderRows); err != nil {
+		return nil, err
+	}
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM idempotency_keys`).Scan(&run.keyRows); err != nil {
+		return nil, err
+	}
+	return run, nil
+}
+
+// sendWebTraffic places the orders of keys at url, eight keys at a time,
+// and counts the answers.
+func sendWebTraffic(ctx context.Context, url string, keys []*webKey) *webRun {
 	run := &webRun{keys: len(keys)}
 	var mu sync.Mutex
 	tally := func(status int, replayed bool) {
@@ -175,7 +200,10 @@ func placeWebOrders(ctx context.Context, o *options, pool *pgxpool.Pool, plan *P
 	for range 8 {
 		wg.Go(func() {
 			for k := range work {
-				k.place(ctx, client, "http://"+addr+"/orders", tally)
+				wrong := k.place(ctx, client, url, tally)
+				mu.Lock()
+				run.wrong += wrong
+				mu.Unlock()
 			}
 		})
 	}
@@ -185,24 +213,12 @@ func placeWebOrders(ctx context.Context, o *options, pool *pgxpool.Pool, plan *P
 	close(work)
 	wg.Wait()
 	run.elapsed = time.Since(start)
-	if err := ctx.Err(); err != nil {
-		return nil, err
-	}
 	for _, k := range keys {
 		if len(k.orderIDs) != 1 {
 			run.splitKeys++
 		}
-		for id := range k.orderIDs {
-			plan.Orders[id] = expectedOrder{Status: "created", AmountCents: k.order.AmountCents}
-		}
 	}
-	if err := pool.QueryRow(ctx, `SELECT count(*) FROM orders WHERE id LIKE 'web-%'`).Scan(&run.orderRows); err != nil {
-		return nil, err
-	}
-	if err := pool.QueryRow(ctx, `SELECT count(*) FROM idempotency_keys`).Scan(&run.keyRows); err != nil {
-		return nil, err
-	}
-	return run, nil
+	return run
 }
 
 // webTraffic generates n keys: each sent by 1 to 3 concurrent copies (a
@@ -225,26 +241,37 @@ func webTraffic(seed int64, n int) []*webKey {
 	return keys
 }
 
-// place sends k's copies at once, then its retry and its reuse.
-func (k *webKey) place(ctx context.Context, c *http.Client, url string, tally func(int, bool)) {
+// place sends k's copies at once, then its retry and its reuse, and
+// returns how many of them did not end with the answer they must get.
+func (k *webKey) place(ctx context.Context, c *http.Client, url string, tally func(int, bool)) (wrong int) {
+	var mu sync.Mutex
+	expect := func(status, want int) {
+		if status != want {
+			mu.Lock()
+			wrong++
+			mu.Unlock()
+		}
+	}
 	var wg sync.WaitGroup
 	for range k.copies {
-		wg.Go(func() { k.send(ctx, c, url, k.order, tally) })
+		wg.Go(func() { expect(k.send(ctx, c, url, k.order, tally), http.StatusCreated) })
 	}
 	wg.Wait()
 	if k.retry {
-		k.send(ctx, c, url, k.order, tally)
+		expect(k.send(ctx, c, url, k.order, tally), http.StatusCreated)
 	}
 	if k.reuse {
 		other := k.order
 		other.AmountCents++
-		k.send(ctx, c, url, other, tally)
+		expect(k.send(ctx, c, url, other, tally), http.StatusUnprocessableEntity)
 	}
+	return wrong
 }
 
 // send posts order under k's key, as a client would: again after a 409 or
-// a 5xx (the key makes that safe), up to 10 times.
-func (k *webKey) send(ctx context.Context, c *http.Client, url string, order WebOrder, tally func(int, bool)) {
+// a 5xx (the key makes that safe), up to 10 times. It returns the final
+// answer's status, 0 when there was none.
+func (k *webKey) send(ctx context.Context, c *http.Client, url string, order WebOrder, tally func(int, bool)) int {
 	body, _ := json.Marshal(order)
 	for attempt := 1; attempt <= 10 && ctx.Err() == nil; attempt++ {
 		status, replayed, id, err := k.post(ctx, c, url, body, order.Customer)
@@ -257,13 +284,14 @@ func (k *webKey) send(ctx context.Context, c *http.Client, url string, order Web
 				k.orderIDs[id] = true
 				k.mu.Unlock()
 			}
-			return
+			return status
 		}
 		select {
 		case <-ctx.Done():
 		case <-time.After(time.Duration(attempt) * 20 * time.Millisecond):
 		}
 	}
+	return 0
 }
 
 func (k *webKey) post(ctx context.Context, c *http.Client, url string, body []byte, customer string) (int, bool, string, error) {
@@ -297,7 +325,8 @@ func (k *webKey) post(ctx context.Context, c *http.Client, url string, body []by
 // ok reports whether every key made exactly one order, every copy and
 // retry was answered with it, and every reuse was refused.
 func (r *webRun) ok() bool {
-	return r == nil || r.splitKeys == 0 && r.created == r.keys && r.orderRows == r.keys && r.keyRows == r.keys && r.failed == 0
+	return r == nil || r.splitKeys == 0 && r.created == r.keys && r.orderRows == r.keys && r.keyRows == r.keys && r.failed == 0 &&
+		r.wrong == 0
 }
 
 // print writes the report's lines on the HTTP orders.
@@ -309,6 +338,9 @@ func (r *webRun) print(w io.Writer) {
 		r.keys, r.elapsed.Round(time.Millisecond), r.requests, r.created, r.replayed, r.refused, r.inFlight)
 	if r.unavailable+r.failed > 0 {
 		fmt.Fprintf(w, "  http errors     %6d  5xx answers (retried with the same key), %d other answers (want 0)\n", r.unavailable, r.failed)
+	}
+	if r.wrong > 0 {
+		fmt.Fprintf(w, "  wrong answers   %6d  copies or retries not answered with their order, reuses not refused, or no answer after 10 tries (want 0)\n", r.wrong)
 	}
 	fmt.Fprintf(w, "  web orders      %6d  in the orders table (want %d: one per key; %d keys answered with two orders, want 0)\n",
 		r.orderRows, r.keys, r.splitKeys)

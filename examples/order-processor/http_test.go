@@ -6,6 +6,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"regexp"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -131,5 +132,61 @@ func TestServeTakesOrdersOverKafkaAndHTTP(t *testing.T) {
 		require.Equal(t, 0, c, "stderr:\n%s", errOut.String())
 	case <-time.After(30 * time.Second):
 		t.Fatal("serve did not stop within 30s of its context being cancelled")
+	}
+}
+
+// The demo's HTTP check fails unless every answer is the one its request
+// must get: here a server that creates one order per key, as it must, but
+// answers a key reused for another order with the first order (201)
+// instead of 422, and never answers some retries but with 503.
+func TestWebRunFailsOnWrongAnswers(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		serve func(w http.ResponseWriter, first bool, order string)
+	}{
+		{"a reuse answered with the first order", func(w http.ResponseWriter, first bool, order string) {
+			w.Header().Set(idempotency.ReplayedHeader, strconv.FormatBool(!first))
+			w.WriteHeader(http.StatusCreated)
+			_, _ = w.Write([]byte(`{"order_id":"` + order + `"}`))
+		}},
+		{"a retry never answered", func(w http.ResponseWriter, first bool, order string) {
+			if !first {
+				http.Error(w, "unavailable", http.StatusServiceUnavailable)
+				return
+			}
+			w.WriteHeader(http.StatusCreated)
+			_, _ = w.Write([]byte(`{"order_id":"` + order + `"}`))
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var mu sync.Mutex
+			orders := map[string]string{} // key -> order id
+			srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				mu.Lock()
+				key := r.Header.Get(idempotency.DefaultHeader)
+				order, seen := orders[key]
+				if !seen {
+					order = "web-" + key
+					orders[key] = order
+				}
+				mu.Unlock()
+				tc.serve(w, !seen, order)
+			}))
+			defer srv.Close()
+			keys := webTraffic(7, 50)
+			reuses, retries := 0, 0
+			for _, k := range keys {
+				reuses += map[bool]int{true: 1}[k.reuse]
+				retries += map[bool]int{true: 1}[k.retry]
+			}
+			require.NotZero(t, reuses, "the traffic reuses a key")
+			require.NotZero(t, retries, "the traffic retries a key")
+			run := sendWebTraffic(context.Background(), srv.URL, keys)
+			// The database is right: one order and one key row per key.
+			run.orderRows, run.keyRows = len(orders), len(orders)
+			require.Equal(t, len(keys), run.created, "one order created per key")
+			require.Zero(t, run.splitKeys)
+			assert.False(t, run.ok(), "%+v", *run)
+		})
 	}
 }
