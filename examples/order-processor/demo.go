@@ -17,6 +17,7 @@ import (
 
 	"github.com/onceco/once/consumer"
 	"github.com/onceco/once/dedup"
+	"github.com/onceco/once/idempotency"
 )
 
 // childEnv marks a consumer process started by the demo (the test binary
@@ -341,23 +342,29 @@ type runs struct {
 	shipping consumer.Stats
 }
 
-// resetDemoTables drops the demo's tables and creates them empty.
+// resetDemoTables leaves the demo's tables empty: it drops the service's
+// own (they are recreated in their current shape) and empties the
+// library's, whose versions once_schema_versions records: a table dropped
+// under its recorded version would not be created again.
 func resetDemoTables(ctx context.Context, pool *pgxpool.Pool) error {
-	if _, err := pool.Exec(ctx, `DROP TABLE IF EXISTS shipments, payments, orders, processed_events, processed_events_attempts`); err != nil {
+	if _, err := pool.Exec(ctx, `DROP TABLE IF EXISTS shipments, payments, orders`); err != nil {
 		return err
 	}
 	if err := Migrate(ctx, pool); err != nil {
-		return err
-	}
-	// The outbox's schema version is recorded: empty the table, keep it.
-	if _, err := pool.Exec(ctx, `TRUNCATE outbox`); err != nil {
 		return err
 	}
 	store, err := dedup.New(dedup.Config{})
 	if err != nil {
 		return err
 	}
-	return store.Migrate(ctx, pool)
+	if err := store.Migrate(ctx, pool); err != nil {
+		return err
+	}
+	if err := idempotency.Migrate(ctx, pool, ""); err != nil {
+		return err
+	}
+	_, err = pool.Exec(ctx, `TRUNCATE outbox, processed_events, processed_events_attempts, processed_events_offsets, idempotency_keys`)
+	return err
 }
 
 // killedRun starts a consumer process (this program's serve command), lets

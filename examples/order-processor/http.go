@@ -141,9 +141,6 @@ type webKey struct {
 // duplicates real clients produce, checks that each key made one order,
 // and adds those orders to what the plan expects in the orders table.
 func placeWebOrders(ctx context.Context, o *options, pool *pgxpool.Pool, plan *Plan, log *slog.Logger) (*webRun, error) {
-	if _, err := pool.Exec(ctx, `DROP TABLE IF EXISTS idempotency_keys`); err != nil {
-		return nil, err
-	}
 	sctx, stop := context.WithCancel(ctx)
 	defer stop()
 	addr, err := serveWeb(sctx, "127.0.0.1:0", pool, log)

@@ -150,7 +150,7 @@ func parseOptions(args []string, stderr io.Writer) (*options, error) {
 	if o.command == "demo" {
 		defSchema = "order_demo"
 	}
-	fs.StringVar(&o.schema, "schema", defSchema, "PostgreSQL schema of the tables (the demo drops and recreates its tables there)")
+	fs.StringVar(&o.schema, "schema", defSchema, "PostgreSQL schema of the tables (the demo empties its tables there first)")
 	fs.IntVar(&o.mix.Orders, "orders", 3000, "orders to generate (demo, produce)")
 	fs.Float64Var(&o.mix.Duplicates, "dup", 0.05, "share of events published twice with the same id")
 	fs.Float64Var(&o.mix.IDless, "idless", 0.03, "share of events published without an id, twice")
