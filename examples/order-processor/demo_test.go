@@ -2,9 +2,12 @@ package main
 
 import (
 	"context"
+	"os"
+	"regexp"
 	"strings"
 	"testing"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/onceco/once/internal/kafkatest"
@@ -72,5 +75,59 @@ func TestDemoRunsAgainOnItsSchema(t *testing.T) {
 			"-metrics-addr", "off", "-crash=false")
 		require.Equal(t, 0, code, "run %d:\n%s", run, out)
 		require.Contains(t, out, "verdict: PASS", "run %d", run)
+	}
+}
+
+// The sample output of README.md and docs/getting-started.md is the
+// demo's: line for line once numbers, durations and addresses are set
+// aside, from "published" to the verdict (the lines printed only when
+// needed aside), and each line above it one the demo prints.
+func TestDocsShowTheDemosOutput(t *testing.T) {
+	_, schema := pgtest.Schema(t)
+	t.Setenv("KAFKA_BROKERS", "")
+	code, out := runCommand(t, context.Background(), "demo", "-schema", schema, "-orders", "1500", "-seed", "45", "-metrics-addr", "off")
+	require.Equal(t, 0, code, out)
+	number := regexp.MustCompile(`(\d+(\.\d+)?(ns|µs|ms|s|m|h)?)+`)
+	shape := func(l string) string { return strings.Join(strings.Fields(number.ReplaceAllString(l, "N")), " ") }
+	// Lines printed only in some runs: a replay, HTTP errors, mismatches.
+	sometimes := regexp.MustCompile(`^\s*(run 3|http errors|wrong answers|replayed|mismatch|\.\.\. and)`)
+	split := func(text string) (head, report []string) {
+		lines := strings.Split(strings.TrimSpace(text), "\n")
+		for i, l := range lines {
+			if strings.HasPrefix(l, "published ") {
+				head = lines[:i]
+				for _, l := range lines[i:] {
+					if !sometimes.MatchString(l) {
+						report = append(report, shape(l))
+					}
+				}
+				return head, report
+			}
+		}
+		return lines, nil
+	}
+	outHead, outReport := split(out)
+	printed := map[string]bool{}
+	for _, l := range outHead {
+		printed[shape(l)] = true
+	}
+	for _, doc := range []string{"../../README.md", "../../docs/getting-started.md"} {
+		text, err := os.ReadFile(doc)
+		require.NoError(t, err)
+		var sample string
+		for i, block := range strings.Split(string(text), "```") {
+			if i%2 == 1 && strings.Contains(block, "\nverdict: ") {
+				sample = strings.TrimPrefix(block, "\n")
+			}
+		}
+		require.NotEmpty(t, sample, "%s shows the demo's output", doc)
+		head, report := split(sample)
+		assert.Equal(t, outReport, report, "%s: the sample from \"published\" on", doc)
+		for _, l := range head {
+			if strings.HasPrefix(l, "PostgreSQL:") || strings.HasPrefix(l, "metrics:") {
+				continue // not printed with DATABASE_URL set and -metrics-addr off
+			}
+			assert.True(t, printed[shape(l)], "%s: the demo prints no line like %q", doc, l)
+		}
 	}
 }
