@@ -382,6 +382,9 @@ func killedRun(ctx context.Context, o *options, dbURL string, pool *pgxpool.Pool
 	if o.fastFailover {
 		args = append(args, "-fast-failover")
 	}
+	if o.offsetsInDB {
+		args = append(args, "-offsets-in-database")
+	}
 	if o.verbose {
 		args = append(args, "-v")
 	}

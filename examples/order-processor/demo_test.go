@@ -2,10 +2,12 @@ package main
 
 import (
 	"context"
+	"io"
 	"os"
 	"regexp"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -130,4 +132,32 @@ func TestDocsShowTheDemosOutput(t *testing.T) {
 			assert.True(t, printed[shape(l)], "%s: the demo prints no line like %q", doc, l)
 		}
 	}
+}
+
+// The demo's killed first run is started with the demo's own settings:
+// with -offsets-in-database, its consumer too keeps its offsets in
+// PostgreSQL.
+func TestKilledRunTakesTheDemosOffsetsInDatabase(t *testing.T) {
+	pool, schema := pgtest.Schema(t)
+	ctx := context.Background()
+	require.NoError(t, resetDemoTables(ctx, pool))
+	o := &options{broker: "kafka", topic: "orders", name: "killed-" + schema, schema: schema, partitions: 2,
+		unknownOrderWait: 100 * time.Millisecond, maxAttempts: 4, offsetsInDB: true,
+		mix: Mix{Orders: 100, Seed: 46}}
+	k, err := startEmbeddedKafka(0, o.topic, int32(o.partitions))
+	require.NoError(t, err)
+	defer k.Close()
+	o.kafkaBrokers, o.fastFailover = k.addrs, true
+	plan := Generate(o.mix)
+	pub, err := newKafkaPublisher(o.kafkaBrokers, o.topic)
+	require.NoError(t, err)
+	require.NoError(t, pub.Publish(ctx, plan.Messages))
+	require.NoError(t, pub.Close())
+
+	committed, err := killedRun(ctx, o, pgtest.URL(), pool, plan.uniqueEvents(), io.Discard)
+	require.NoError(t, err)
+	require.EqualValues(t, plan.uniqueEvents(), committed)
+	var rows int
+	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM processed_events_offsets WHERE consumer = $1`, o.name).Scan(&rows))
+	require.Positive(t, rows, "the killed run's consumer wrote its offsets in the database")
 }
