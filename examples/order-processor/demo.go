@@ -46,9 +46,14 @@ func demo(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 		if queues, err = newAMQPQueues(o.amqpURL, o.topic); err != nil {
 			return err
 		}
+		// The run's queues go however it ends: prepareAMQP declared the
+		// second hop's too.
 		defer func() {
 			_ = queues.Delete()
 			_ = queues.Close()
+			if o.shipping {
+				_ = deleteShippingQueues(o)
+			}
 		}()
 	}
 	tel, err := startTelemetry(o.metricsAddr, o.traces)
@@ -132,9 +137,6 @@ func demo(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 		return err
 	}
 	fmt.Fprintf(stdout, "run 2: drained the %s in %s\n", noun, time.Since(t2).Round(time.Millisecond))
-	if o.broker == "amqp" && o.shipping {
-		defer func() { _ = deleteShippingQueues(o) }()
-	}
 
 	// Dead letters are for replay once their cause is fixed. Events that
 	// overtook their order.created by more than the retry window (possible

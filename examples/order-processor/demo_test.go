@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	amqp091 "github.com/rabbitmq/amqp091-go"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -160,4 +161,45 @@ func TestKilledRunTakesTheDemosOffsetsInDatabase(t *testing.T) {
 	var rows int
 	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM processed_events_offsets WHERE consumer = $1`, o.name).Scan(&rows))
 	require.Positive(t, rows, "the killed run's consumer wrote its offsets in the database")
+}
+
+// A RabbitMQ demo stopped midway (Ctrl-C) removes the queues it declared
+// for the run, the second hop's too: they are on the user's broker.
+func TestDemoRabbitMQStoppedMidwayRemovesItsQueues(t *testing.T) {
+	url := requireAMQP(t)
+	_, schema := pgtest.Schema(t)
+	t.Setenv("DATABASE_URL", pgtest.URL())
+	t.Setenv("BROKER", "")
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var out, errOut syncBuffer
+	done := make(chan int, 1)
+	go func() {
+		done <- realMain(ctx, []string{"demo", "-broker", "amqp", "-schema", schema, "-orders", "1000", "-seed", "471",
+			"-metrics-addr", "off"}, &out, &errOut)
+	}()
+	waitMatch(t, &out, regexp.MustCompile(`published \d+ messages`))
+	cancel() // the first signal
+	select {
+	case code := <-done:
+		require.Equal(t, 1, code, "stdout:\n%s\nstderr:\n%s", out.String(), errOut.String())
+	case <-time.After(60 * time.Second):
+		t.Fatalf("the demo did not stop within 60s of its context being cancelled\nstdout:\n%s", out.String())
+	}
+	conn, err := amqp091.Dial(url)
+	require.NoError(t, err)
+	defer conn.Close()
+	for _, q := range []string{"orders-demo-471", "orders-demo-471.dlq", "orders-demo-471.confirmed", "orders-demo-471.confirmed.dlq"} {
+		ch, err := conn.Channel()
+		require.NoError(t, err)
+		_, err = ch.QueueDeclarePassive(q, true, false, false, false, nil)
+		var aerr *amqp091.Error
+		if assert.ErrorAs(t, err, &aerr, "queue %s is still on the broker", q) {
+			assert.Equal(t, amqp091.NotFound, aerr.Code, q)
+		}
+		if err == nil {
+			_, _ = ch.QueueDelete(q, false, false, false)
+			_ = ch.Close()
+		}
+	}
 }
