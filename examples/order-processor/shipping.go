@@ -189,15 +189,18 @@ func shippingSource(ctx context.Context, o *options, tel *telemetry, log *slog.L
 	return kafkaSource(ctx, &so, tel.MeterProvider(), log)
 }
 
-// Run runs the relay and the shipping consumer until ctx is cancelled and
-// both have stopped; it returns the first error.
+// Run runs the relay and the shipping consumer until ctx is cancelled, or
+// one of them stops by itself (a failed migration, a fatal source error),
+// which stops the other, and both have stopped; it returns their errors.
 func (d *downstream) Run(ctx context.Context) error {
 	defer func() { _ = d.closePub() }()
+	ctx, stop := context.WithCancel(ctx)
+	defer stop()
 	var wg sync.WaitGroup
 	errs := make([]error, 2)
 	wg.Add(2)
-	go func() { defer wg.Done(); errs[0] = d.relay.Run(ctx) }()
-	go func() { defer wg.Done(); errs[1] = d.shipping.Run(ctx) }()
+	go func() { defer wg.Done(); defer stop(); errs[0] = d.relay.Run(ctx) }()
+	go func() { defer wg.Done(); defer stop(); errs[1] = d.shipping.Run(ctx) }()
 	wg.Wait()
 	return errors.Join(errs...)
 }

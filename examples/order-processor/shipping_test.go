@@ -3,11 +3,14 @@ package main
 import (
 	"context"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
 	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/consumer/memsource"
+	"github.com/onceco/once/dedup"
 	"github.com/onceco/once/internal/pgtest"
 	"github.com/onceco/once/outbox"
 )
@@ -104,4 +107,42 @@ func TestPaidEmitsConfirmationInItsTransaction(t *testing.T) {
 	require.NoError(t, tx.Rollback(ctx))
 	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM outbox`).Scan(&n))
 	require.Zero(t, n, "a rolled-back payment emits nothing")
+}
+
+// The second hop stops as a whole: when the shipping consumer ends by
+// itself (here its dedup table is at a version newer than this code
+// knows), the relay stops too and Run returns the error, rather than
+// relay on with nobody shipping.
+func TestDownstreamStopsWhenTheShippingConsumerFails(t *testing.T) {
+	ctx := context.Background()
+	pool, schema := pgtest.Schema(t)
+	require.NoError(t, resetDemoTables(ctx, pool))
+	_, err := pool.Exec(ctx, `INSERT INTO once_schema_versions (component, version, name) VALUES ('dedup:shipping_events', 99, 'future')`)
+	require.NoError(t, err)
+	k, err := startEmbeddedKafka(0, "orders", 1)
+	require.NoError(t, err)
+	defer k.Close()
+	o := &options{broker: "kafka", kafkaBrokers: k.addrs, topic: "orders", name: "down-" + schema}
+
+	store, err := dedup.New(dedup.Config{Table: "shipping_events"})
+	require.NoError(t, err)
+	b := memsource.New(memsource.Options{})
+	ship, err := consumer.New(pool, b.Source(), Ship, consumer.Config{Name: shippingName(o), Store: store})
+	require.NoError(t, err)
+	d := &downstream{shipping: ship}
+	require.NoError(t, d.openPublisher(o))
+	d.relay, err = outbox.NewRelay(pool, d.pub, outbox.RelayConfig{PollInterval: 50 * time.Millisecond})
+	require.NoError(t, err)
+
+	runCtx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- d.Run(runCtx) }()
+	select {
+	case err := <-done:
+		require.ErrorContains(t, err, "schema is newer than this code")
+	case <-time.After(30 * time.Second):
+		cancel()
+		t.Fatalf("the relay ran on 30s after the shipping consumer failed (Run after cancel: %v)", <-done)
+	}
 }
