@@ -47,13 +47,11 @@ func demo(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 			return err
 		}
 		// The run's queues go however it ends: prepareAMQP declared the
-		// second hop's too.
+		// second hop's too, with or without -shipping.
 		defer func() {
 			_ = queues.Delete()
 			_ = queues.Close()
-			if o.shipping {
-				_ = deleteShippingQueues(o)
-			}
+			_ = deleteShippingQueues(o)
 		}()
 	}
 	tel, err := startTelemetry(o.metricsAddr, o.traces)

@@ -186,10 +186,17 @@ func TestDemoRabbitMQStoppedMidwayRemovesItsQueues(t *testing.T) {
 	case <-time.After(60 * time.Second):
 		t.Fatalf("the demo did not stop within 60s of its context being cancelled\nstdout:\n%s", out.String())
 	}
+	requireNoQueues(t, url, "orders-demo-471")
+}
+
+// requireNoQueues checks that RabbitMQ has none of the queues of a demo
+// run on topic (deleting those it finds).
+func requireNoQueues(t *testing.T, url, topic string) {
+	t.Helper()
 	conn, err := amqp091.Dial(url)
 	require.NoError(t, err)
 	defer conn.Close()
-	for _, q := range []string{"orders-demo-471", "orders-demo-471.dlq", "orders-demo-471.confirmed", "orders-demo-471.confirmed.dlq"} {
+	for _, q := range []string{topic, topic + ".dlq", topic + ".confirmed", topic + ".confirmed.dlq"} {
 		ch, err := conn.Channel()
 		require.NoError(t, err)
 		_, err = ch.QueueDeclarePassive(q, true, false, false, false, nil)
@@ -202,4 +209,15 @@ func TestDemoRabbitMQStoppedMidwayRemovesItsQueues(t *testing.T) {
 			_ = ch.Close()
 		}
 	}
+}
+
+// A RabbitMQ demo without the second hop (-shipping=false) leaves no queue
+// of the run behind either.
+func TestDemoRabbitMQWithoutSecondHopLeavesNoQueues(t *testing.T) {
+	url := requireAMQP(t)
+	_, schema := pgtest.Schema(t)
+	code, out := runCommand(t, context.Background(), "demo", "-broker", "amqp", "-schema", schema, "-orders", "200", "-seed", "472",
+		"-shipping=false", "-metrics-addr", "off")
+	require.Equal(t, 0, code, out)
+	requireNoQueues(t, url, "orders-demo-472")
 }
