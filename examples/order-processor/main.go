@@ -335,7 +335,9 @@ func openPool(ctx context.Context, url, schema string) (*pgxpool.Pool, error) {
 		if err != nil {
 			return nil, err
 		}
-		cfg.ConnConfig.RuntimeParams["search_path"] = schema
+		// Quoted, as CREATE SCHEMA took it: unquoted, the search_path
+		// would fold an upper-case name to lower case.
+		cfg.ConnConfig.RuntimeParams["search_path"] = pgx.Identifier{schema}.Sanitize()
 	}
 	return pgxpool.NewWithConfig(ctx, cfg)
 }

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"os"
 	"regexp"
 	"strings"
@@ -11,6 +12,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/onceco/once/internal/pgtest"
@@ -200,4 +203,23 @@ func TestServeStopsWhenItsConsumerFails(t *testing.T) {
 		<-done
 		t.Fatalf("serve still ran 60s after its consumer failed\nstdout:\n%s\nstderr:\n%s", out.String(), errOut.String())
 	}
+}
+
+// -schema names the schema as given, as CREATE SCHEMA took it: an
+// upper-case letter or a dash is not folded or split on the search_path.
+func TestOpenPoolUsesTheSchemaAsNamed(t *testing.T) {
+	ctx := context.Background()
+	admin, err := pgxpool.New(ctx, pgtest.URL())
+	require.NoError(t, err)
+	defer admin.Close()
+	schema := fmt.Sprintf("Order-Demo-%d", time.Now().UnixNano())
+	t.Cleanup(func() { _, _ = admin.Exec(ctx, `DROP SCHEMA IF EXISTS `+pgx.Identifier{schema}.Sanitize()+` CASCADE`) })
+
+	pool, err := openPool(ctx, pgtest.URL(), schema)
+	require.NoError(t, err)
+	defer pool.Close()
+	require.NoError(t, Migrate(ctx, pool))
+	var where string
+	require.NoError(t, pool.QueryRow(ctx, `SELECT table_schema FROM information_schema.tables WHERE table_name = 'orders' AND table_schema = $1`,
+		schema).Scan(&where), "the orders table is in schema %q", schema)
 }
