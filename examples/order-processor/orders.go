@@ -84,12 +84,15 @@ var (
 
 // Schema creates the service's tables. It is idempotent.
 //
-// payments deliberately has no unique constraint on order_id: the
-// consumer's dedup claim alone must keep each payment to one row, and the
-// demo's verdict would see a doubled effect as a wrong ledger sum. In your own
-// service, add the constraints your business has as well: they are a second
-// line of defence, not a replacement for the claim (a violated constraint is
-// a handler error, dead-lettered, not a skipped duplicate).
+// payments deliberately has no unique constraint on order_id: a doubled
+// payment would show in the demo's verdict as a wrong ledger sum. The
+// handlers' own rules are a second line of defence (Paid refuses to pay a
+// paid order): a copy that the claim failed to skip reaches the handler,
+// which dead-letters it, and the verdict fails on an event both handled
+// and dead-lettered so. In your own service, add the constraints your
+// business has as well: they are a second line of defence, not a
+// replacement for the claim (a violated constraint is a handler error,
+// dead-lettered, not a skipped duplicate).
 const Schema = `
 CREATE TABLE IF NOT EXISTS orders (
 	id            text PRIMARY KEY,

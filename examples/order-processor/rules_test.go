@@ -301,9 +301,23 @@ func TestReportDetectsWrongState(t *testing.T) {
 	require.Contains(t, out, "verdict: FAIL")
 	out, err = run(p, []deadLetter{dead("m1", "decode"), dead("m1", "decode")})
 	require.NoError(t, err, "dead letters are counted by distinct event id: %s", out)
-	out, err = run(p, []deadLetter{dead("m1", "decode"), dead("e2", "handler")})
+	waited := dead("e2", "handler")
+	waited.Headers[consumer.HeaderErrorMessage] = "retry after 250ms: " + ErrUnknownOrder.Error() + ": o-1"
+	out, err = run(p, []deadLetter{dead("m1", "decode"), waited})
 	require.NoError(t, err, "a dead letter handled since (replayed) is not counted: %s", out)
 	require.Contains(t, out, "replayed             1")
+	crashed := dead("e2", string(consumer.KindCrashLoop))
+	out, err = run(p, []deadLetter{dead("m1", "decode"), crashed})
+	require.NoError(t, err, "a crash-loop dead letter handled since (replayed) is not counted: %s", out)
+	// A payment dead-lettered as already paid although it is the payment
+	// that was handled: the handler ran for it a second time, a copy the
+	// claim should have skipped. The rule kept the ledger right; the
+	// verdict must still fail.
+	again := dead("e2", "handler")
+	again.Headers[consumer.HeaderErrorMessage] = ErrAlreadyPaid.Error() + ": o-1 (payment p)"
+	out, err = run(p, []deadLetter{dead("m1", "decode"), again})
+	require.Error(t, err, "a handled event dead-lettered by its own rule: %s", out)
+	require.Contains(t, out, "verdict: FAIL")
 	_, err = run(p, []deadLetter{dead("m1", "decode"), dead("v1", "handler")})
 	require.Error(t, err, "an unexpected dead letter")
 
