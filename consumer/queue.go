@@ -242,18 +242,26 @@ func (t *queueTx) Begin(ctx context.Context) (pgx.Tx, error) {
 
 // Call runs h for ev in tx as the consumer runs a handler: what h queues
 // with Event.Queue is sent before Call returns, and the failure of a queued
-// statement or of its callback is returned as h's error. It claims nothing
-// and neither commits nor rolls back tx. Use it to test a handler against
-// a real database with an Event built by hand, or to run a handler inside
-// a transaction of your own. A nil h or tx is an error wrapping
-// ErrInvalidConfig.
+// statement or of its callback is returned as h's error; a panic of h is
+// returned as a *PanicError, and what h queued is then not sent. It claims
+// nothing and neither commits nor rolls back tx. Use it to test a handler
+// against a real database with an Event built by hand, or to run a
+// handler inside a transaction of your own. A nil h or tx is an error
+// wrapping ErrInvalidConfig.
 func Call[T any](ctx context.Context, tx pgx.Tx, h Handler[T], ev Event[T]) error {
 	if h == nil || tx == nil {
 		return fmt.Errorf("%w: consumer.Call needs a handler and a transaction", ErrInvalidConfig)
 	}
 	qtx := newQueueTx(tx)
 	ev.queue = openQueue(qtx)
-	err := h(ctx, qtx, ev)
+	err := func() (err error) {
+		defer func() {
+			if r := recover(); r != nil {
+				err = &PanicError{Value: r, Stack: string(debug.Stack())}
+			}
+		}()
+		return h(ctx, qtx, ev)
+	}()
 	ev.queue.close()
 	return qtx.settle(ctx, err)
 }

@@ -278,6 +278,34 @@ func TestCallRunsAHandlerLikeTheConsumer(t *testing.T) {
 	require.ErrorIs(t, consumer.Call(ctx, nil, queueEffect, consumer.Event[order]{ID: "c"}), consumer.ErrInvalidConfig)
 }
 
+// TestCallReturnsAHandlersPanicAsTheConsumerDoes: a handler's panic is
+// returned as a *PanicError, as the consumer turns it into one (and as Call
+// returns a queued callback's panic), and what the handler queued before
+// it panicked is not sent.
+func TestCallReturnsAHandlersPanicAsTheConsumerDoes(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	ctx := context.Background()
+	_, err := pool.Exec(ctx, `CREATE TABLE effects (event_id text NOT NULL, n int NOT NULL, seq bigserial)`)
+	require.NoError(t, err)
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer tx.Rollback(ctx) //nolint:errcheck
+
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		ev.Queue(insertEffectSQL, ev.ID, ev.Payload.N)
+		panic("boom")
+	}
+	var err2 error
+	require.NotPanics(t, func() { err2 = consumer.Call(ctx, tx, h, consumer.Event[order]{ID: "p", Payload: order{N: 1}}) })
+	var pe *consumer.PanicError
+	require.ErrorAs(t, err2, &pe)
+	assert.Equal(t, "boom", pe.Value)
+	assert.NotEmpty(t, pe.Stack)
+	var n int
+	require.NoError(t, tx.QueryRow(ctx, `SELECT count(*) FROM effects`).Scan(&n))
+	assert.Zero(t, n, "what the handler queued before it panicked was not sent")
+}
+
 // TestQueuedStatementThatCannotBePreparedIsFoundByHalving: a queued
 // statement the server cannot even prepare fails the whole pgx batch before
 // any result names its event; the batch is halved until the event is alone,
