@@ -15,9 +15,15 @@ import (
 // exactly once and nothing else appears: each event's effect, exactly
 // once. Keys are compared as PostgreSQL writes them in text, as psql
 // shows them: a uuid as 8c2f3d4e-…, an integer as 42, a numeric as 1.50, a
-// boolean as t. A NULL key matches no want: it is an unexpected row.
+// boolean as t. A NULL key matches no want: it is an unexpected row. A
+// key listed twice in want fails the test (each is wanted once).
 func RequireEachOnce(t testing.TB, pool *pgxpool.Pool, query string, want ...string) {
 	t.Helper()
+	for i, k := range want {
+		if slices.Contains(want[:i], k) {
+			t.Fatalf("oncetest: RequireEachOnce: %q is listed twice in want (each key is wanted exactly once)", k)
+		}
+	}
 	// In text, every type is read as PostgreSQL writes it, whatever Go
 	// value pgx would decode it into (a uuid's is 16 bytes).
 	rows, err := pool.Query(context.Background(), query, pgx.QueryResultFormats{pgx.TextFormatCode})

@@ -50,3 +50,13 @@ func TestRequireEachOnceComparesKeysAsPostgreSQLWritesThem(t *testing.T) {
 	assert.NotEmpty(t, requireEachOnce(t, pool, `SELECT id FROM orders UNION ALL SELECT id FROM orders`,
 		"8c2f3d4e-0000-4000-8000-000000000001", "8c2f3d4e-0000-4000-8000-000000000002"), "each key twice")
 }
+
+// A key listed twice in want is the test's mistake (each key is wanted
+// once), and the failure says so rather than "a" 0 times.
+func TestRequireEachOnceSaysWhenAKeyIsWantedTwice(t *testing.T) {
+	pool := oncetest.Postgres(t)
+	_, err := pool.Exec(context.Background(), `CREATE TABLE orders (id text); INSERT INTO orders VALUES ('a')`)
+	require.NoError(t, err)
+	msg := requireEachOnce(t, pool, `SELECT id FROM orders`, "a", "a")
+	assert.Contains(t, msg, `"a" is listed twice in want`)
+}
