@@ -19,10 +19,12 @@ import (
 // key listed twice in want fails the test (each is wanted once).
 func RequireEachOnce(t testing.TB, pool *pgxpool.Pool, query string, want ...string) {
 	t.Helper()
-	for i, k := range want {
-		if slices.Contains(want[:i], k) {
+	wanted := make(map[string]bool, len(want))
+	for _, k := range want {
+		if wanted[k] {
 			t.Fatalf("oncetest: RequireEachOnce: %q is listed twice in want (each key is wanted exactly once)", k)
 		}
+		wanted[k] = true
 	}
 	// In text, every type is read as PostgreSQL writes it, whatever Go
 	// value pgx would decode it into (a uuid's is 16 bytes).
