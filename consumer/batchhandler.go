@@ -25,10 +25,17 @@ import (
 type BatchHandler[T any] func(ctx context.Context, tx pgx.Tx, events []Event[T]) error
 
 // NewBatch returns a consumer that decodes every message into T and calls
-// h with batches of events. Errors as for New.
+// h with batches of events. Errors as for New; Config.Hooks.Middleware is
+// refused (ErrInvalidConfig): it wraps calls with one event, and a batch
+// holds one event only when the load is light, so wrap h itself.
 func NewBatch[T any](pool *pgxpool.Pool, src Source, h BatchHandler[T], cfg Config) (*Consumer[T], error) {
 	if h == nil {
 		return nil, fmt.Errorf("%w: handler is nil", ErrInvalidConfig)
+	}
+	if len(cfg.Hooks.Middleware) > 0 {
+		// It would wrap the batches of one only, which light load makes.
+		return nil, fmt.Errorf("%w: Hooks.Middleware wraps a Handler's calls, one event each; a BatchHandler's calls "+
+			"carry batches of any size, so wrap the BatchHandler itself", ErrInvalidConfig)
 	}
 	prep := func(m *Message, idt identity, dec Decoder) (prepared, ErrorKind, error) {
 		payload, err := decodeAs[T](idt.payload, dec)

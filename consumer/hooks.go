@@ -35,8 +35,9 @@ type Hooks struct {
 	// then a duplicate. What must happen exactly once belongs in the
 	// transaction itself (or an outbox row written there).
 	AfterCommit func(ctx context.Context, events []Committed)
-	// Middleware wraps every call of a Handler (not a BatchHandler's call
-	// with a whole batch), first element outermost. A middleware calls next
+	// Middleware wraps every call of a Handler, first element outermost
+	// (NewBatch refuses it: a BatchHandler's batches hold one event or many
+	// as the load makes them, so wrap the BatchHandler itself). A middleware calls next
 	// to run the handler (or returns an error without calling it), and runs
 	// inside the message's transaction: tx is the handler's. It may pass
 	// next a tx of its own that wraps tx (to trace or count statements);

@@ -327,3 +327,20 @@ func TestOutcomeRunsCountsTheHandlersRuns(t *testing.T) {
 		})
 	}
 }
+
+// Middleware wraps a Handler's calls, each with one event. A BatchHandler's
+// calls carry batches of 1 to Batch.Size events as the load makes them: a
+// middleware there would run for the batches of one only, under light load
+// (a tenant set with SET LOCAL, say, missing under heavy load). NewBatch
+// refuses it; wrap the BatchHandler itself.
+func TestNewBatchRefusesMiddleware(t *testing.T) {
+	cfg := consumer.Config{Name: "batch-mw", Hooks: consumer.Hooks{Middleware: []consumer.Middleware{
+		func(ctx context.Context, tx pgx.Tx, info consumer.HandlerInfo, next func(context.Context, pgx.Tx) error) error {
+			return next(ctx, tx)
+		},
+	}}}
+	h := func(context.Context, pgx.Tx, []consumer.Event[order]) error { return nil }
+	_, err := consumer.NewBatch(nil, memsource.New(memsource.Options{}).Source(), h, cfg)
+	require.ErrorIs(t, err, consumer.ErrInvalidConfig)
+	assert.Contains(t, err.Error(), "Hooks.Middleware")
+}
