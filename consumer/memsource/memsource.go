@@ -201,7 +201,10 @@ func (s *Source) Receive(ctx context.Context) (consumer.Delivery, error) {
 			s.next++
 		}
 		if s.next < int64(len(b.log)) {
+			// A copy, as a real broker's delivery is: what a handler
+			// does to it stays out of the log.
 			m := *b.log[s.next]
+			m.Key, m.Value, m.Headers = bytes.Clone(m.Key), bytes.Clone(m.Value), maps.Clone(m.Headers)
 			m.Redelivered = b.log[s.next].Redelivered
 			b.log[s.next].Redelivered = true // any later delivery is a redelivery
 			s.next++
@@ -252,6 +255,9 @@ func (d *delivery) Ack(ctx context.Context) error {
 }
 
 func (d *delivery) DeadLetter(ctx context.Context, dl *consumer.DeadLetter) error {
+	if d.s.ctx.Err() != nil {
+		return fmt.Errorf("memsource: dead letter after close of offset %d", d.m.Offset)
+	}
 	b := d.s.b
 	b.mu.Lock()
 	defer b.mu.Unlock()

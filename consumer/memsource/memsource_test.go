@@ -101,3 +101,42 @@ func TestPublishCopiesKeyAndValue(t *testing.T) {
 	}
 	assert.ElementsMatch(t, []string{`{"n":1 {"n":1}`, `{"n":2 {"n":2}`}, got)
 }
+
+// Each delivery is a copy, as a real broker's is: what a handler does to
+// its message (a header set, a value changed in place) is not in the
+// broker's log, nor in a redelivery, nor in the dead letter.
+func TestDeliveriesAreCopies(t *testing.T) {
+	b := memsource.New(memsource.Options{})
+	b.Publish(consumer.Message{Value: []byte(`{"n":1}`), Headers: map[string]string{"id": "e1"}})
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	src := b.Source()
+	d, err := src.Receive(ctx)
+	require.NoError(t, err)
+	d.Message().Headers["id"] = "changed"
+	d.Message().Value[2] = 'x'
+	require.NoError(t, src.Close())
+
+	src = b.Source()
+	defer src.Close()
+	d, err = src.Receive(ctx)
+	require.NoError(t, err)
+	assert.Equal(t, "e1", d.Message().Headers["id"])
+	assert.Equal(t, `{"n":1}`, string(d.Message().Value))
+}
+
+// A delivery of a closed Source cannot be dead-lettered, as with the real
+// adapters: a test on memsource must not pass where Kafka or RabbitMQ
+// would refuse.
+func TestDeadLetterAfterCloseFails(t *testing.T) {
+	b := memsource.New(memsource.Options{})
+	b.Publish(consumer.Message{ID: "e1", Value: []byte(`{}`)})
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	src := b.Source()
+	d, err := src.Receive(ctx)
+	require.NoError(t, err)
+	require.NoError(t, src.Close())
+	require.Error(t, d.DeadLetter(ctx, &consumer.DeadLetter{Kind: consumer.KindHandler}))
+	assert.Empty(t, b.DeadLetters())
+}
