@@ -29,10 +29,18 @@ import (
 )
 
 func TestMain(m *testing.M) {
-	if os.Getenv("ONCE_TEST_MAIN") == "1" {
+	switch os.Getenv("ONCE_TEST_MAIN") {
+	case "1":
 		// The test binary runs as the once command, its arguments
-		// those of the command line (TestSecondInterruptQuits).
+		// those of the command line (TestInterruptStopsACommandWaitingOnABroker).
 		main()
+	case "stuck":
+		// A command stuck in a call that does not watch its context
+		// (TestSecondInterruptQuits).
+		ctx, _ := interruptible(context.Background())
+		fmt.Fprintln(os.Stderr, "stuck")
+		<-ctx.Done()
+		select {}
 	}
 	pgtest.Main(m)
 }

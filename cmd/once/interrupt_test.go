@@ -15,39 +15,16 @@ import (
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/cmd/once/internal/testenv"
 )
 
-// A Ctrl-C asks a command to stop; while it is stuck in a broker call
-// that does not watch the context (here a Kafka "broker" that accepts
-// connections and never answers, which sarama waits out for minutes), a
-// second Ctrl-C quits, as it does any program.
-func TestSecondInterruptQuits(t *testing.T) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	accepted := make(chan net.Conn, 64)
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			accepted <- c
-		}
-	}()
-	t.Cleanup(func() {
-		ln.Close()
-		for {
-			select {
-			case c := <-accepted:
-				c.Close()
-			default:
-				return
-			}
-		}
-	})
-
-	cmd := exec.Command(os.Args[0], "dlq", "list", "-kafka", ln.Addr().String(), "-dlq", "orders.dlq")
-	cmd.Env = append(os.Environ(), "ONCE_TEST_MAIN=1")
+// runOnce starts the test binary as the once command (ONCE_TEST_MAIN=mode)
+// with args and returns it, with its stderr lines and its end.
+func runOnce(t *testing.T, mode string, args ...string) (*exec.Cmd, <-chan string, <-chan error) {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], args...)
+	cmd.Env = append(os.Environ(), "ONCE_TEST_MAIN="+mode)
 	stderr, err := cmd.StderrPipe()
 	require.NoError(t, err)
 	require.NoError(t, cmd.Start())
@@ -62,30 +39,63 @@ func TestSecondInterruptQuits(t *testing.T) {
 		done <- cmd.Wait()
 	}()
 	t.Cleanup(func() { _ = cmd.Process.Kill() })
+	return cmd, lines, done
+}
 
+// A Ctrl-C stops a command also while it waits on a broker that accepts
+// connections and never answers (whose client, left to itself, waits out
+// its own timeouts for minutes): it ends at once, with exit 1.
+func TestInterruptStopsACommandWaitingOnABroker(t *testing.T) {
+	addr, accepted := testenv.SilentBroker(t)
+	cmd, lines, done := runOnce(t, "1", "dlq", "list", "-kafka", addr, "-dlq", "orders.dlq")
 	select {
-	case c := <-accepted:
-		accepted <- c // closed at cleanup
+	case <-accepted:
 	case <-time.After(30 * time.Second):
 		t.Fatal("the command never connected to the broker")
 	}
 	require.NoError(t, cmd.Process.Signal(os.Interrupt))
-	var said []string
-	stopping := false
-	timeout := time.After(10 * time.Second)
-	for !stopping {
-		select {
-		case l, ok := <-lines:
-			if !ok {
-				t.Fatalf("the command ended on the first interrupt: %q", said)
-			}
+	select {
+	case err := <-done:
+		var said []string
+		for l := range lines {
 			said = append(said, l)
-			stopping = strings.Contains(l, "stopping")
-		case <-timeout:
-			t.Errorf("no word on stderr that the interrupt was taken: %q", said)
-			stopping = true
+		}
+		var exit *exec.ExitError
+		require.ErrorAs(t, err, &exit)
+		assert.Equal(t, exitFailure, exit.ExitCode())
+		assert.Contains(t, strings.Join(said, "\n"), "context canceled")
+	case <-time.After(10 * time.Second):
+		t.Fatal("still running 10s after the interrupt")
+	}
+}
+
+// A command stuck in a call that does not watch its context stops at a
+// second Ctrl-C, as any program does: the first is taken ("stopping"),
+// and must not leave the command impossible to interrupt.
+func TestSecondInterruptQuits(t *testing.T) {
+	cmd, lines, done := runOnce(t, "stuck")
+	var said []string
+	wait := func(word string) {
+		t.Helper()
+		timeout := time.After(10 * time.Second)
+		for {
+			select {
+			case l, ok := <-lines:
+				if !ok {
+					t.Fatalf("the command ended waiting for %q: %q", word, said)
+				}
+				said = append(said, l)
+				if strings.Contains(l, word) {
+					return
+				}
+			case <-timeout:
+				t.Fatalf("no %q on stderr: %q", word, said)
+			}
 		}
 	}
+	wait("stuck")
+	require.NoError(t, cmd.Process.Signal(os.Interrupt))
+	wait("stopping")
 	require.NoError(t, cmd.Process.Signal(os.Interrupt))
 	select {
 	case err := <-done:

@@ -80,8 +80,8 @@ func (a *app) ui(ctx context.Context, args []string) error {
 		handler = loopbackHostsOnly(h)
 	}
 	// The requests' contexts end with ctx: at an interrupt a page that
-	// waits on a broker stops, and a replay stops at its next record, as
-	// once dlq replay does; the shutdown then has nothing to wait for.
+	// waits on a broker stops, and so does a replay, as once dlq replay
+	// does; the shutdown then has nothing to wait for.
 	srv := &http.Server{Handler: handler, ReadHeaderTimeout: 10 * time.Second,
 		BaseContext: func(net.Listener) context.Context { return ctx }}
 	done := make(chan error, 1)

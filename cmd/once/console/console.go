@@ -44,7 +44,8 @@ type Config struct {
 	MaxRows int
 	// Timeout bounds the broker and database work of one request, also
 	// when a broker does not answer: the page then says so (504), and a
-	// replay cut off stops at its next record and logs its report.
+	// replay cut off stops (a queue of package dlq at once, another at
+	// its next record) and logs its report.
 	// Default 30 seconds.
 	Timeout time.Duration
 	// Logger receives replays and errors. Default slog.Default().
@@ -217,11 +218,10 @@ func brokerStatus(err error) int {
 // use runs work on the queue at index i, one request's work at a time,
 // and waits until it returns or ctx ends. One at a time: a RabbitMQ read
 // takes the messages and puts them back, so two at once would each see
-// part of the queue. Until ctx ends: a client that does not watch it (a
-// Kafka client connecting to a broker that accepts the connection and
-// never answers waits out its own timeouts, minutes) must not hold the
-// page; the work goes on in the background until that call returns, then
-// stops, and only then lets the next request at the queue.
+// part of the queue. Until ctx ends: the queues of package dlq return
+// then, but a Queue that does not watch ctx must not hold the page; its
+// work goes on in the background until it returns, and only then lets the
+// next request at the queue.
 func (h *Handler) use(ctx context.Context, i int, work func()) error {
 	q := h.cfg.Queues[i]
 	select {
@@ -279,6 +279,11 @@ func (h *Handler) browse(ctx context.Context, i int, fn func(*dlq.Record)) error
 		})
 	}); uerr != nil {
 		return uerr
+	}
+	if err != nil && ctx.Err() != nil {
+		// The read returned as ctx ended (the queues of package dlq
+		// close their connections then): it did not answer in time.
+		return h.stopped(ctx, h.cfg.Queues[i])
 	}
 	return err
 }
@@ -535,16 +540,19 @@ func (h *Handler) replay(w http.ResponseWriter, r *http.Request) {
 			"skipped", rep.Skipped, "error", rerr)
 	}); err != nil {
 		if ctx.Err() != nil {
-			// The queue's client does not watch ctx in the call it is
-			// in: the replay stops at its next record, and its report
-			// goes to the log.
-			err = fmt.Errorf("the replay did not finish: %w; it stops at its next record, "+
+			// The replay had not returned when ctx ended: it stops
+			// at once (the queues of package dlq) or at its next
+			// record, and its report goes to the log.
+			err = fmt.Errorf("the replay did not finish: %w; it stops, "+
 				"and the log says what it replayed (replayed again, a record is deduplicated)", err)
 		}
 		h.fail(w, brokerStatus(err), err)
 		return
 	}
 	if rerr != nil {
+		if ctx.Err() != nil {
+			rerr = h.stopped(ctx, q)
+		}
 		h.fail(w, brokerStatus(rerr), fmt.Errorf("replay stopped after %d records: %w", rep.Replayed, rerr))
 		return
 	}

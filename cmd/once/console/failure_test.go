@@ -11,9 +11,11 @@ import (
 	"testing"
 	"time"
 
+	"github.com/IBM/sarama"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/onceco/once/cmd/once/console"
 	"github.com/onceco/once/cmd/once/dlq"
@@ -131,6 +133,29 @@ func TestPagesAnswerWithinTimeoutWhenTheBrokerHangs(t *testing.T) {
 			t.Fatalf("%s: no answer 15s into a request bounded to 1s", path)
 		}
 	}
+}
+
+// A page cut off by the timeout while the broker did not answer frees its
+// queue at once: the next page on it, once the broker answers again, is
+// served, rather than waiting for the first page's read to end in the
+// background after the client's own timeouts (30 s a request), and failing
+// as if the broker still did not answer.
+func TestPageAfterATimedOutOneIsServed(t *testing.T) {
+	k := testenv.NewKafka(t)
+	k.CreateTopic("orders.dlq", 1)
+	k.Produce(&sarama.ProducerMessage{Topic: "orders.dlq", Value: sarama.StringEncoder("{}")})
+	q, err := dlq.NewKafka(dlq.KafkaConfig{Brokers: k.Addrs, Topic: "orders.dlq", Sarama: testenv.Sarama()})
+	require.NoError(t, err)
+	h, err := console.New(console.Config{Queues: []dlq.Queue{q}, Timeout: time.Second, Logger: testenv.Logger()})
+	require.NoError(t, err)
+	// The broker leaves one request for offsets unanswered, then answers.
+	k.Cluster.ControlKey(int16(kmsg.ListOffsets), func(kmsg.Request) (kmsg.Response, error, bool) { return nil, nil, true })
+
+	code, body := serve(t, h, "/dlq?q=0")
+	require.Equal(t, http.StatusGatewayTimeout, code, body)
+	assert.Contains(t, body, "no answer from kafka topic orders.dlq within 1s")
+	code, body = serve(t, h, "/dlq?q=0")
+	assert.Equal(t, http.StatusOK, code, body)
 }
 
 // One destination that does not answer costs the consumers page its own

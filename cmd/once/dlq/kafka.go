@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"strconv"
 	"time"
 
@@ -58,7 +59,9 @@ func (q *KafkaQueue) Name() string { return "kafka topic " + q.cfg.Topic }
 // Close releases nothing: every call has its own client.
 func (q *KafkaQueue) Close() error { return nil }
 
-func (q *KafkaQueue) saramaConfig() *sarama.Config {
+// saramaConfig returns the client configuration of one operation, and
+// the cutter that dials its connections.
+func (q *KafkaQueue) saramaConfig() (*sarama.Config, *cutter) {
 	var sc sarama.Config
 	if q.cfg.Sarama != nil {
 		sc = *q.cfg.Sarama
@@ -68,14 +71,43 @@ func (q *KafkaQueue) saramaConfig() *sarama.Config {
 	}
 	sc.Consumer.Return.Errors = true
 	sc.Metadata.AllowAutoTopicCreation = false
-	return &sc
+	// sarama's calls do not watch a context: the operation's
+	// connections are cut when its context ends. They are dialled as
+	// sarama would, through the configuration's proxy when it has one.
+	var dial func(ctx context.Context, network, addr string) (net.Conn, error)
+	if base := sc.Net.Proxy.Dialer; sc.Net.Proxy.Enable && base != nil {
+		dial = func(ctx context.Context, network, addr string) (net.Conn, error) {
+			if cd, ok := base.(interface {
+				DialContext(ctx context.Context, network, addr string) (net.Conn, error)
+			}); ok {
+				return cd.DialContext(ctx, network, addr)
+			}
+			return base.Dial(network, addr)
+		}
+	} else {
+		d := &net.Dialer{Timeout: sc.Net.DialTimeout, KeepAlive: sc.Net.KeepAlive, LocalAddr: sc.Net.LocalAddr}
+		dial = d.DialContext
+	}
+	cut := newCutter(dial)
+	sc.Net.Proxy.Enable = true
+	sc.Net.Proxy.Dialer = cut
+	return &sc, cut
 }
 
 // Browse reads every partition of the topic from its oldest retained
 // record to its high-water mark at the start, with a partition consumer
-// (no group, nothing committed).
+// (no group, nothing committed). When ctx ends, the client's connections
+// are closed: a call waiting on a broker that does not answer returns at
+// once.
 func (q *KafkaQueue) Browse(ctx context.Context, fn func(*Record) error) error {
-	client, err := sarama.NewClient(q.cfg.Brokers, q.saramaConfig())
+	sc, cut := q.saramaConfig()
+	stop := cut.cutOn(ctx)
+	defer stop()
+	return orCtx(ctx, q.browse(ctx, sc, fn))
+}
+
+func (q *KafkaQueue) browse(ctx context.Context, sc *sarama.Config, fn func(*Record) error) error {
+	client, err := sarama.NewClient(q.cfg.Brokers, sc)
 	if err != nil {
 		return fmt.Errorf("dlq: connect to kafka: %w", err)
 	}
@@ -168,7 +200,9 @@ func kafkaRecord(topic string, pos int, m *sarama.ConsumerMessage) *Record {
 // the partition it was first read from when the topic still has it (so a
 // record stays beside the other records of its key, whatever partitioner
 // their producer used), else on the partition its key hashes to. Kafka
-// dead letters are never removed.
+// dead letters are never removed. When ctx ends, the producer's
+// connections are closed: a publish waiting on a broker that does not
+// answer fails at once, and is not counted as replayed.
 func (q *KafkaQueue) Replay(ctx context.Context, f Filter, opts ReplayOptions) (Report, error) {
 	if err := opts.validate(); err != nil {
 		return Report{}, err
@@ -180,7 +214,9 @@ func (q *KafkaQueue) Replay(ctx context.Context, f Filter, opts ReplayOptions) (
 	if opts.DryRun || len(recs) == 0 {
 		return replayLoop(ctx, recs, opts, nil)
 	}
-	sc := q.saramaConfig()
+	sc, cut := q.saramaConfig()
+	stop := cut.cutOn(ctx)
+	defer stop()
 	sc.Producer.Idempotent = true
 	sc.Producer.RequiredAcks = sarama.WaitForAll
 	sc.Producer.Return.Successes = true
@@ -195,26 +231,26 @@ func (q *KafkaQueue) Replay(ctx context.Context, f Filter, opts ReplayOptions) (
 	}
 	client, err := sarama.NewClient(q.cfg.Brokers, sc)
 	if err != nil {
-		return Report{}, fmt.Errorf("dlq: connect to kafka: %w", err)
+		return Report{}, orCtx(ctx, fmt.Errorf("dlq: connect to kafka: %w", err))
 	}
 	defer client.Close()
 	prod, err := sarama.NewSyncProducerFromClient(client)
 	if err != nil {
-		return Report{}, fmt.Errorf("dlq: redrive producer: %w", err)
+		return Report{}, orCtx(ctx, fmt.Errorf("dlq: redrive producer: %w", err))
 	}
 	defer prod.Close()
 	return replayLoop(ctx, recs, opts, func(r *Record, redrive []Header) (string, error) {
 		out := kafkaRedrive(r, redrive)
 		n, err := client.Partitions(out.Topic)
 		if err != nil {
-			return "", fmt.Errorf("topic %s: %w", out.Topic, err)
+			return "", orCtx(ctx, fmt.Errorf("topic %s: %w", out.Topic, err))
 		}
 		if out.Partition >= int32(len(n)) {
 			out.Partition = -1
 		}
 		part, _, err := prod.SendMessage(out)
 		if err != nil {
-			return "", err
+			return "", orCtx(ctx, err)
 		}
 		return out.Topic + "/" + strconv.FormatInt(int64(part), 10), nil
 	})

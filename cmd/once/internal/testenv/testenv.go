@@ -12,6 +12,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"os"
 	"strconv"
 	"strings"
@@ -62,6 +63,8 @@ func Sarama() *sarama.Config {
 type Kafka struct {
 	t     testing.TB
 	Addrs []string
+	// Cluster is the kfake cluster, for tests that control its answers.
+	Cluster *kfake.Cluster
 }
 
 // NewKafka starts a cluster.
@@ -70,7 +73,7 @@ func NewKafka(t testing.TB) *Kafka {
 	kf, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.GroupMinSessionTimeout(200*time.Millisecond))
 	require.NoError(t, err)
 	t.Cleanup(kf.Close)
-	return &Kafka{t: t, Addrs: kf.ListenAddrs()}
+	return &Kafka{t: t, Addrs: kf.ListenAddrs(), Cluster: kf}
 }
 
 // CreateTopic creates topic with partitions partitions.
@@ -332,4 +335,41 @@ func SchemaURL(schema string) string {
 		sep = "&"
 	}
 	return u + sep + "search_path=" + schema
+}
+
+// SilentBroker listens on a loopback port, accepts connections and never
+// answers: a broker that hangs, or a firewall that lets the handshake
+// through. Each accepted connection is announced on the channel (without
+// blocking); all are closed when the test ends.
+func SilentBroker(t testing.TB) (string, <-chan struct{}) {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	accepted := make(chan struct{}, 1)
+	var mu sync.Mutex
+	var conns []net.Conn
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			conns = append(conns, c)
+			mu.Unlock()
+			select {
+			case accepted <- struct{}{}:
+			default:
+			}
+		}
+	}()
+	t.Cleanup(func() {
+		ln.Close()
+		mu.Lock()
+		defer mu.Unlock()
+		for _, c := range conns {
+			c.Close()
+		}
+	})
+	return ln.Addr().String(), accepted
 }
