@@ -5,6 +5,7 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
+	"net"
 	"net/url"
 	"slices"
 	"strings"
@@ -26,7 +27,8 @@ type AMQPConfig struct {
 	Queue string
 	// IdleTimeout bounds the wait for the next message while fewer have
 	// arrived than the queue held at the start (another client holds some
-	// unacked). Default 2s.
+	// unacked), and the end of a read, which puts the messages back.
+	// Default 2s.
 	IdleTimeout time.Duration
 }
 
@@ -70,18 +72,56 @@ func redact(raw string) string {
 	return u.Redacted()
 }
 
-func (q *AMQPQueue) dial() (*amqp091.Connection, error) {
+// dial connects as amqp091.Dial and DialTLS do (the URL's
+// connection_timeout, 30 s by default, bounds the connect and the
+// handshake), through a cutter that closes the connection when ctx ends
+// before dial returns.
+func (q *AMQPQueue) dial(ctx context.Context) (*amqp091.Connection, *cutter, error) {
+	timeout := 30 * time.Second
+	if uri, err := amqp091.ParseURI(q.cfg.URL); err == nil && uri.ConnectionTimeout > 0 {
+		timeout = time.Duration(uri.ConnectionTimeout) * time.Millisecond
+	}
+	cut := newCutter(func(ctx context.Context, network, addr string) (net.Conn, error) {
+		conn, err := (&net.Dialer{Timeout: timeout}).DialContext(ctx, network, addr)
+		if err != nil {
+			return nil, err
+		}
+		// Cleared once the handshake is done, as amqp091 does.
+		if err := conn.SetDeadline(time.Now().Add(timeout)); err != nil {
+			_ = conn.Close()
+			return nil, err
+		}
+		return conn, nil
+	})
 	var conn *amqp091.Connection
-	var err error
-	if q.cfg.TLSConfig != nil {
-		conn, err = amqp091.DialTLS(q.cfg.URL, q.cfg.TLSConfig)
-	} else {
-		conn, err = amqp091.Dial(q.cfg.URL)
-	}
+	err := guard(ctx, cut, func() error {
+		var err error
+		// A clone: amqp091 sets the ServerName of the config it is given.
+		conn, err = amqp091.DialConfig(q.cfg.URL, amqp091.Config{TLSClientConfig: q.cfg.TLSConfig.Clone(), Dial: cut.Dial})
+		return err
+	})
 	if err != nil {
-		return nil, fmt.Errorf("dlq: connect to %s: %w", redact(q.cfg.URL), scrub(err, q.cfg.URL))
+		if conn != nil {
+			cut.Cut()
+		}
+		if ctx.Err() != nil {
+			return nil, nil, ctx.Err()
+		}
+		return nil, nil, fmt.Errorf("dlq: connect to %s: %w", redact(q.cfg.URL), scrub(err, q.cfg.URL))
 	}
-	return conn, nil
+	return conn, cut, nil
+}
+
+// guard runs call, cutting the connections of cut if ctx ends meanwhile:
+// amqp091's calls, but for the wait for a confirm, do not watch a context.
+// It returns ctx's error when it cut them.
+func guard(ctx context.Context, cut *cutter, call func() error) error {
+	stop := cut.cutOn(ctx)
+	err := call()
+	if !stop() {
+		return ctx.Err()
+	}
+	return err
 }
 
 // scrub removes the URL's password from err's text.
@@ -103,17 +143,27 @@ func scrub(err error, raw string) error {
 type held struct {
 	q     *AMQPQueue
 	conn  *amqp091.Connection
+	cut   *cutter
 	ch    *amqp091.Channel
+	pub   *amqp091.Channel // a replay's, nil until it opens it
 	recs  []*Record
 	acked int
 }
 
 // close puts the messages not acked back and waits, up to IdleTimeout,
 // until the queue counts them as ready again: a quorum queue returns them
-// asynchronously, and a read that started before would miss them.
+// asynchronously, and a read that started before would miss them. It
+// takes IdleTimeout at most: a broker that does not answer has the
+// connection closed under it, which puts the messages back as well.
 func (h *held) close() {
-	_ = h.ch.Close()
+	deadline := time.Now().Add(h.q.cfg.IdleTimeout)
+	bound := time.AfterFunc(h.q.cfg.IdleTimeout, h.cut.Cut)
+	defer bound.Stop()
 	defer h.conn.Close()
+	if h.pub != nil {
+		_ = h.pub.Close()
+	}
+	_ = h.ch.Close()
 	back := len(h.recs) - h.acked
 	if back <= 0 {
 		return
@@ -123,7 +173,6 @@ func (h *held) close() {
 		return
 	}
 	defer ch.Close()
-	deadline := time.Now().Add(h.q.cfg.IdleTimeout)
 	for time.Now().Before(deadline) {
 		st, err := ch.QueueDeclarePassive(h.q.cfg.Queue, false, false, false, false, nil)
 		if err != nil || st.Messages >= back {
@@ -134,30 +183,37 @@ func (h *held) close() {
 }
 
 // hold takes the messages the queue holds when it starts, unacked and in
-// order, and converts each to a Record.
+// order, and converts each to a Record. When ctx ends, it returns at once:
+// the connection is closed under a call that waits on the broker.
 func (q *AMQPQueue) hold(ctx context.Context) (*held, error) {
-	conn, err := q.dial()
+	conn, cut, err := q.dial(ctx)
 	if err != nil {
 		return nil, err
 	}
-	ch, err := conn.Channel()
-	if err != nil {
-		_ = conn.Close()
-		return nil, fmt.Errorf("dlq: open channel: %w", err)
+	var ch *amqp091.Channel
+	if err := guard(ctx, cut, func() error { ch, err = conn.Channel(); return err }); err != nil {
+		cut.Cut()
+		return nil, orCtx(ctx, fmt.Errorf("dlq: open channel: %w", err))
 	}
-	h := &held{q: q, conn: conn, ch: ch}
-	st, err := ch.QueueDeclarePassive(q.cfg.Queue, false, false, false, false, nil)
-	if err != nil {
+	h := &held{q: q, conn: conn, cut: cut, ch: ch}
+	var st amqp091.Queue
+	if err := guard(ctx, cut, func() error {
+		st, err = ch.QueueDeclarePassive(q.cfg.Queue, false, false, false, false, nil)
+		return err
+	}); err != nil {
 		h.close()
-		return nil, fmt.Errorf("dlq: queue %s: %w", q.cfg.Queue, err)
+		return nil, orCtx(ctx, fmt.Errorf("dlq: queue %s: %w", q.cfg.Queue, err))
 	}
 	if st.Messages == 0 {
 		return h, nil
 	}
-	deliveries, err := ch.ConsumeWithContext(ctx, q.cfg.Queue, "", false, false, false, false, nil)
-	if err != nil {
+	var deliveries <-chan amqp091.Delivery
+	if err := guard(ctx, cut, func() error {
+		deliveries, err = ch.ConsumeWithContext(ctx, q.cfg.Queue, "", false, false, false, false, nil)
+		return err
+	}); err != nil {
 		h.close()
-		return nil, fmt.Errorf("dlq: read queue %s: %w", q.cfg.Queue, err)
+		return nil, orCtx(ctx, fmt.Errorf("dlq: read queue %s: %w", q.cfg.Queue, err))
 	}
 	idle := time.NewTimer(q.cfg.IdleTimeout)
 	defer idle.Stop()
@@ -166,7 +222,7 @@ func (q *AMQPQueue) hold(ctx context.Context) (*held, error) {
 		case d, ok := <-deliveries:
 			if !ok {
 				h.close()
-				return nil, fmt.Errorf("dlq: read queue %s: the channel closed", q.cfg.Queue)
+				return nil, orCtx(ctx, fmt.Errorf("dlq: read queue %s: the channel closed", q.cfg.Queue))
 			}
 			h.recs = append(h.recs, amqpRecord(q.cfg.Queue, len(h.recs)+1, &d))
 			idle.Reset(q.cfg.IdleTimeout)
@@ -185,7 +241,8 @@ func (q *AMQPQueue) hold(ctx context.Context) (*held, error) {
 // Browse reads the messages the queue holds when it starts without acking
 // any: it takes them on a channel of its own and closes the channel, which
 // puts them back at their positions. A message another client holds
-// unacked is not seen.
+// unacked is not seen. When ctx ends it returns at once, or within
+// IdleTimeout while it puts the messages back.
 func (q *AMQPQueue) Browse(ctx context.Context, fn func(*Record) error) error {
 	h, err := q.hold(ctx)
 	if err != nil {
@@ -205,7 +262,9 @@ func (q *AMQPQueue) Browse(ctx context.Context, fn func(*Record) error) error {
 // opts.Keep, acks it in the dead-letter queue once the broker confirmed the
 // redrive. The messages not selected, or not replayed, go back to their
 // positions. A crash between the confirm and the ack leaves the message in
-// the queue: replaying it again is deduplicated.
+// the queue: replaying it again is deduplicated. When ctx ends it stops as
+// Browse does; a message whose redrive the broker confirmed is acked
+// first, and counted.
 func (q *AMQPQueue) Replay(ctx context.Context, f Filter, opts ReplayOptions) (Report, error) {
 	if err := opts.validate(); err != nil {
 		return Report{}, err
@@ -224,26 +283,38 @@ func (q *AMQPQueue) Replay(ctx context.Context, f Filter, opts ReplayOptions) (R
 	if opts.DryRun || len(sel) == 0 {
 		return replayLoop(ctx, sel, opts, nil)
 	}
-	pub, err := h.conn.Channel()
-	if err != nil {
-		return Report{}, fmt.Errorf("dlq: open channel: %w", err)
+	var pub *amqp091.Channel
+	if err := guard(ctx, h.cut, func() error { pub, err = h.conn.Channel(); return err }); err != nil {
+		return Report{}, orCtx(ctx, fmt.Errorf("dlq: open channel: %w", err))
 	}
-	defer pub.Close()
-	if err := pub.Confirm(false); err != nil {
-		return Report{}, fmt.Errorf("dlq: confirm mode: %w", err)
+	h.pub = pub // closed with h
+	if err := guard(ctx, h.cut, func() error { return pub.Confirm(false) }); err != nil {
+		return Report{}, orCtx(ctx, fmt.Errorf("dlq: confirm mode: %w", err))
 	}
 	returns := pub.NotifyReturn(make(chan amqp091.Return, 1))
 	closed := pub.NotifyClose(make(chan *amqp091.Error, 1))
 	return replayLoop(ctx, sel, opts, func(r *Record, redrive []Header) (string, error) {
 		d := r.raw.(*amqp091.Delivery)
 		ex, rk := r.Header(amqp.HeaderOriginalExchange), r.Header(amqp.HeaderOriginalRoutingKey)
-		conf, err := pub.PublishWithDeferredConfirmWithContext(ctx, ex, rk, true, false, amqpRedrive(d, redrive))
-		if err != nil {
+		// A write blocks while the broker pushes back (a memory alarm):
+		// guarded. Waiting for the confirm watches ctx, and the ack
+		// that follows a confirm is not cut short.
+		var conf *amqp091.DeferredConfirmation
+		if err := guard(ctx, h.cut, func() error {
+			var err error
+			conf, err = pub.PublishWithDeferredConfirmWithContext(ctx, ex, rk, true, false, amqpRedrive(d, redrive))
+			return err
+		}); err != nil {
 			return "", err
 		}
 		acked, err := conf.WaitContext(ctx)
 		if err != nil {
-			return "", err
+			select {
+			case <-conf.Done(): // confirmed as ctx ended: it counts
+				acked = conf.Acked()
+			default:
+				return "", err
+			}
 		}
 		if pub.IsClosed() {
 			// A missing exchange closes the channel (404).

@@ -2,12 +2,14 @@ package dlq_test
 
 import (
 	"context"
+	"net/url"
 	"strconv"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/IBM/sarama"
+	amqp091 "github.com/rabbitmq/amqp091-go"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	kmsgs "github.com/twmb/franz-go/pkg/kmsg"
@@ -15,6 +17,7 @@ import (
 	"github.com/onceco/once/cmd/once/dlq"
 	"github.com/onceco/once/cmd/once/internal/testenv"
 	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/internal/netcut"
 )
 
 // cancelWhenStuck runs op, cancels its context once stuck fires (op waits
@@ -127,5 +130,73 @@ func TestKafkaCallsStopWhenTheirContextEnds(t *testing.T) {
 		recs, err := dlq.Collect(context.Background(), orders, dlq.Filter{})
 		require.NoError(t, err)
 		assert.Len(t, recs, 2, "the record left unanswered was not written")
+	})
+}
+
+// A read or a replay of a RabbitMQ queue whose context ends while the
+// broker does not answer returns at once, or, holding messages to put
+// back, within the queue's IdleTimeout: not after the handshake's 30 s or
+// the heartbeats' timeout. A replay cut off reports exactly what the
+// broker confirmed, and only that left the dead-letter queue.
+func TestAMQPCallsStopWhenTheirContextEnds(t *testing.T) {
+	t.Run("connect", func(t *testing.T) {
+		addr, accepted := testenv.SilentBroker(t)
+		q, err := dlq.NewAMQP(dlq.AMQPConfig{URL: "amqp://guest:guest@" + addr + "/", Queue: "orders.dlq"})
+		require.NoError(t, err)
+		err = cancelWhenStuck(t, accepted, func(ctx context.Context) error {
+			return q.Browse(ctx, func(*dlq.Record) error { return nil })
+		})
+		assert.ErrorIs(t, err, context.Canceled)
+	})
+
+	t.Run("replay", func(t *testing.T) {
+		brokerURL := testenv.AMQPURL(t)
+		name, target := testenv.Uniq("orders.dlq"), testenv.Uniq("orders")
+		testenv.DeleteQueues(t, brokerURL, name, target)
+		ch := testenv.AMQPChannel(t, brokerURL)
+		for _, q := range []string{name, target} {
+			_, err := ch.QueueDeclare(q, true, false, false, false, nil)
+			require.NoError(t, err)
+		}
+		const n = 4
+		for i := range n {
+			testenv.PublishAMQP(t, ch, name, amqp091.Publishing{Body: []byte("{}"), Headers: amqp091.Table{
+				consumer.HeaderEventID: "e-" + strconv.Itoa(i), "once-original-exchange": "", "once-original-routing-key": target}})
+		}
+		u, err := url.Parse(brokerURL)
+		require.NoError(t, err)
+		proxy, err := netcut.NewProxy(u.Host)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = proxy.Close() })
+		u.Host = proxy.Addr()
+		q, err := dlq.NewAMQP(dlq.AMQPConfig{URL: u.String(), Queue: name})
+		require.NoError(t, err)
+
+		// After two redrives the broker hears nothing more.
+		stuck := make(chan struct{})
+		var rep dlq.Report
+		err = cancelWhenStuck(t, stuck, func(ctx context.Context) error {
+			var err error
+			rep, err = q.Replay(ctx, dlq.Filter{}, dlq.ReplayOptions{Progress: func(done, _ int, _ dlq.Outcome) {
+				if done == 2 {
+					proxy.Pause()
+					close(stuck)
+				}
+			}})
+			return err
+		})
+		proxy.Resume()
+		assert.ErrorIs(t, err, context.Canceled)
+		assert.Equal(t, 2, rep.Replayed, "the report counts what the broker confirmed")
+
+		direct, err := dlq.NewAMQP(dlq.AMQPConfig{URL: brokerURL, Queue: name})
+		require.NoError(t, err)
+		var left []*dlq.Record
+		require.Eventually(t, func() bool {
+			left, err = dlq.Collect(context.Background(), direct, dlq.Filter{})
+			return err == nil && len(left) == n-2
+		}, 30*time.Second, 50*time.Millisecond, "the dead letters not confirmed are back: %v", err)
+		assert.Equal(t, "e-2", left[0].EventID())
+		assert.Equal(t, "e-3", left[1].EventID())
 	})
 }
