@@ -768,3 +768,26 @@ func TestHelpDoesNotPrintTheEnvironmentsPasswords(t *testing.T) {
 		}
 	}
 }
+
+// once status prints what it could read when a part of it fails (the
+// dead letters of a topic that is missing, the lag of a topic that is
+// missing), says what failed and exits 1: the consumers it read are not
+// thrown away with the part that failed.
+func TestStatusPrintsWhatItReadWhenAPartFails(t *testing.T) {
+	env, _, topic := kafkaDLQ(t)
+	code, out, errOut := cli(t, env, "status", "-dlq", "missing.dlq", "-group", "nobody", "-topic", topic)
+	assert.Equal(t, exitFailure, code)
+	assert.Contains(t, out, "billing", "the consumers are printed")
+	assert.Contains(t, out, "kafka lag", "the lag is printed")
+	assert.Contains(t, errOut, "missing.dlq")
+
+	code, out, errOut = cli(t, env, "status", "-dlq", topic+".dlq", "-group", "nobody", "-topic", "missing", "-json")
+	assert.Equal(t, exitFailure, code)
+	var st statusReport
+	require.NoError(t, json.Unmarshal([]byte(out), &st), out)
+	require.Len(t, st.Consumers, 1)
+	assert.NotEmpty(t, st.DeadLetters, "the dead letters are printed")
+	require.Len(t, st.Errors, 1)
+	assert.Contains(t, st.Errors[0], "missing")
+	assert.Contains(t, errOut, "missing")
+}

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"flag"
 	"fmt"
+	"strings"
 	"text/tabwriter"
 	"time"
 
@@ -31,7 +32,9 @@ Per consumer name: processed rows, the oldest and newest, attempt rows
 (counted more than once, or not seen for -suspect-age). With -dlq, the dead
 letters of that topic or queue by consumer and kind. With -kafka, -group and
 -topic, the group's lag per partition; with -amqp and -queue, the depth of
-each queue. Counting rows reads the whole table.`
+each queue. Counting rows reads the whole table. A part that cannot be read
+(a missing topic, a broker down) is reported on stderr (and in -json's
+"errors"), the others are printed, and the exit code is 1.`
 
 const retentionUsage = `Usage: once retention -consumer NAME -older-than DURATION [-batch N] [-dry-run] [-database-url URL]
 
@@ -156,6 +159,9 @@ type statusReport struct {
 	Queues      []inspect.QueueDepth   `json:"queues,omitempty"`
 	// Outbox is the transactional outbox's state, when its table exists.
 	Outbox *outboxReport `json:"outbox,omitempty"`
+	// Errors say which parts could not be read, and why; the report
+	// holds the others.
+	Errors []string `json:"errors,omitempty"`
 }
 
 // outboxReport is the outbox table's rows by state, and the parked ones.
@@ -195,6 +201,27 @@ func (a *app) status(ctx context.Context, args []string) error {
 	if *suspectAge < 0 {
 		return usagef("-suspect-age %v: want a duration of 0 or more", *suspectAge)
 	}
+	// The dead-letter destination is checked before connecting: a bad
+	// one is a usage error.
+	var q dlq.Queue
+	if *dlqName != "" {
+		kb, au := chosen(fs, *kafkaBrokers, *amqpURL)
+		if *group == "" && *queues == "" && kb != "" && au != "" {
+			return usagef("-dlq: give -kafka or -amqp, not both")
+		}
+		if kb != "" && au != "" {
+			au = "" // the Kafka flags were given for the lag: the DLQ is a topic
+		}
+		var err error
+		if q, err = openQueue(kb, au, *dlqName); err != nil {
+			return err
+		}
+		q = a.wrapped(q)
+		defer q.Close()
+	}
+	if _, err := outbox.New(outbox.Config{Schema: *db.schema, Table: *outboxTable}); err != nil {
+		return &usageError{err.Error()}
+	}
 	var rep statusReport
 	pool, err := db.pool(ctx)
 	if err != nil {
@@ -204,44 +231,78 @@ func (a *app) status(ctx context.Context, args []string) error {
 	if rep.Consumers, err = inspect.Consumers(ctx, pool, db.tables(), *suspectAge); err != nil {
 		return err
 	}
-	if rep.Outbox, err = outboxStatus(ctx, pool, *db.schema, *outboxTable); err != nil {
-		return err
-	}
-	if *dlqName != "" {
-		kb, au := chosen(fs, *kafkaBrokers, *amqpURL)
-		if *group == "" && *queues == "" && kb != "" && au != "" {
-			return usagef("-dlq: give -kafka or -amqp, not both")
+	// Each part that fails is reported, and the others are read and
+	// printed all the same; after an interrupt none is read.
+	var failed []error
+	part := func(what string, read func() error) {
+		err := ctx.Err()
+		if err == nil {
+			err = read()
 		}
-		if kb != "" && au != "" {
-			au = "" // the Kafka flags were given for the lag: the DLQ is a topic
-		}
-		q, err := openQueue(kb, au, *dlqName)
 		if err != nil {
-			return err
+			failed = append(failed, fmt.Errorf("%s: %w", what, err))
+			rep.Errors = append(rep.Errors, what+": "+err.Error())
 		}
-		q = a.wrapped(q)
-		var kinds dlq.Tally // counted as read: a large topic is not held
-		if err := q.Browse(ctx, func(r *dlq.Record) error { kinds.Add(r); return nil }); err != nil {
-			return err
-		}
-		rep.DLQ, rep.DeadLetters = q.Name(), kinds.Counts()
+	}
+	part("outbox", func() (err error) {
+		rep.Outbox, err = outboxStatus(ctx, pool, *db.schema, *outboxTable)
+		return err
+	})
+	if q != nil {
+		part("dead letters of "+q.Name(), func() error {
+			var kinds dlq.Tally // counted as read: a large topic is not held
+			if err := q.Browse(ctx, func(r *dlq.Record) error { kinds.Add(r); return nil }); err != nil {
+				return err
+			}
+			rep.DLQ, rep.DeadLetters = q.Name(), kinds.Counts()
+			return nil
+		})
 	}
 	if *group != "" {
-		if rep.Lag, err = inspect.KafkaLag(splitList(*kafkaBrokers), nil, *group, splitList(*topics)); err != nil {
+		part("kafka lag of group "+*group, func() (err error) {
+			rep.Lag, err = inspect.KafkaLag(splitList(*kafkaBrokers), nil, *group, splitList(*topics))
 			return err
-		}
+		})
 	}
 	if *queues != "" {
-		if rep.Queues, err = inspect.AMQPDepth(*amqpURL, splitList(*queues)); err != nil {
+		part("rabbitmq queues", func() (err error) {
+			rep.Queues, err = inspect.AMQPDepth(*amqpURL, splitList(*queues))
 			return err
-		}
+		})
 	}
 	if *asJSON {
-		return a.writeJSON(rep)
+		if err := a.writeJSON(rep); err != nil {
+			return err
+		}
+	} else {
+		a.printStatus(rep)
 	}
-	a.printStatus(rep)
-	return nil
+	return partsFailed(failed)
 }
+
+// partsFailed is the error of the parts of a report that failed, one
+// after the other on a line; nil when none did.
+func partsFailed(errs []error) error {
+	switch len(errs) {
+	case 0:
+		return nil
+	case 1:
+		return errs[0]
+	}
+	msgs := make([]string, len(errs))
+	for i, err := range errs {
+		msgs[i] = err.Error()
+	}
+	return &joinedError{msg: strings.Join(msgs, "; "), errs: errs}
+}
+
+type joinedError struct {
+	msg  string
+	errs []error
+}
+
+func (e *joinedError) Error() string   { return e.msg }
+func (e *joinedError) Unwrap() []error { return e.errs }
 
 // outboxStatus reads the outbox table's state, or returns nil when the
 // table does not exist (the service has no outbox).
