@@ -148,9 +148,19 @@ func TestDLQListShowReplayOnKafka(t *testing.T) {
 	assert.Equal(t, []string{"panic-1", "bin-1"}, []string{listed[0].EventID, listed[1].EventID})
 	assert.True(t, listed[0].Replayable)
 
-	code, out, _ = cli(t, env, "dlq", "list", "-dlq", dlqName, "-since", "1h", "-until", "2000-01-01")
+	code, out, _ = cli(t, env, "dlq", "list", "-dlq", dlqName, "-since", "1h", "-until", "2100-01-01")
+	require.Equal(t, exitOK, code)
+	assert.Contains(t, out, "4 records")
+	code, out, _ = cli(t, env, "dlq", "list", "-dlq", dlqName, "-since", "2000-01-01", "-until", "2000-01-02")
 	require.Equal(t, exitOK, code)
 	assert.Contains(t, out, "0 records")
+	// A window that ends before it starts (-since and -until swapped)
+	// would select nothing, and a replay would say "0 selected".
+	for _, cmd := range [][]string{{"dlq", "list"}, {"dlq", "show"}, {"dlq", "replay"}} {
+		code, _, errOut = cli(t, env, append(cmd, "-dlq", dlqName, "-since", "1h", "-until", "2000-01-01")...)
+		assert.Equal(t, exitUsage, code, "%v: %s", cmd, errOut)
+		assert.Contains(t, errOut, "-since", cmd)
+	}
 
 	code, out, _ = cli(t, env, "dlq", "show", "-dlq", dlqName, "-id", "bin-1")
 	require.Equal(t, exitOK, code)

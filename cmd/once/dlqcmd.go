@@ -130,6 +130,12 @@ func (f *dlqFlags) filter(now time.Time) (dlq.Filter, error) {
 	if err != nil {
 		return dlq.Filter{}, err
 	}
+	if !since.IsZero() && !until.IsZero() && !since.Before(until) {
+		// A window that ends before it starts selects nothing: the
+		// bounds were swapped ("0 selected" would read as none there).
+		return dlq.Filter{}, usagef("-since %s is not before -until %s: no record can match (a duration means that long ago: -since 2h -until 1h)",
+			since.UTC().Format(time.RFC3339), until.UTC().Format(time.RFC3339))
+	}
 	return dlq.Filter{
 		Consumer: *f.consumer, Kinds: splitList(*f.kind), EventID: *f.id,
 		Since: since, Until: until, Refs: splitList(*f.refs), Search: *f.search,
