@@ -70,6 +70,11 @@ func New(cfg Config) (*Handler, error) {
 	if cfg.DB == nil && len(cfg.Queues) == 0 {
 		return nil, errors.New("console: Config needs a DB, Queues, or both")
 	}
+	for i, q := range cfg.Queues {
+		if q == nil {
+			return nil, fmt.Errorf("console: Config.Queues[%d] is nil", i)
+		}
+	}
 	if cfg.By == "" {
 		cfg.By = "once console"
 	}

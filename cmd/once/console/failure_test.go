@@ -228,3 +228,12 @@ func TestPagesQuoteBidiControls(t *testing.T) {
 	assert.NotContains(t, body, ">bill\u2066")
 	assert.Contains(t, body, `&#34;bill\u2066ing\u2069&#34;`)
 }
+
+// A nil queue in Config.Queues is refused by New: served, it would fail
+// every page, each of which names every queue.
+func TestNewRefusesANilQueue(t *testing.T) {
+	_, dl := deadLetters(t)
+	_, err := console.New(console.Config{Queues: []dlq.Queue{dl, nil}, Logger: testenv.Logger()})
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "Queues[1]")
+}
