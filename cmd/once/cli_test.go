@@ -801,3 +801,48 @@ func TestStatusPrintsWhatItReadWhenAPartFails(t *testing.T) {
 	assert.Contains(t, st.Errors[0], "missing")
 	assert.Contains(t, errOut, "missing")
 }
+
+// once ui starts while the database is down when it has dead letters to
+// show: the consumers page says the consumers could not be read and
+// shows the dead letters, as it does when the database goes down later.
+// With nothing but the database to show, it does not start.
+func TestUIStartsWithTheDatabaseDown(t *testing.T) {
+	k := testenv.NewKafka(t)
+	k.CreateTopic("orders.dlq", 1)
+	k.Produce(&sarama.ProducerMessage{Topic: "orders.dlq", Value: sarama.StringEncoder("{}")})
+	down := "postgres://once@127.0.0.1:1/once?connect_timeout=1"
+	pr, pw := io.Pipe()
+	var errb bytes.Buffer
+	a := newApp(pw, &errb, func(string) string { return "" })
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan int, 1)
+	go func() {
+		done <- a.run(ctx, []string{"ui", "-addr", "127.0.0.1:0", "-database-url", down,
+			"-kafka", strings.Join(k.Addrs, ","), "-dlq", "orders.dlq"})
+		pw.Close()
+	}()
+	line, err := bufio.NewReader(pr).ReadString('\n')
+	require.NoError(t, err, "once ui did not start: %s", errb.String())
+	go func() { _, _ = io.Copy(io.Discard, pr) }()
+	addr := strings.Fields(strings.TrimPrefix(line, "once console on "))[0]
+	resp, err := http.Get(addr)
+	require.NoError(t, err)
+	body, err := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	require.NoError(t, err)
+	assert.Equal(t, http.StatusOK, resp.StatusCode)
+	assert.Contains(t, string(body), "The consumers could not be read")
+	assert.Contains(t, string(body), "kafka topic orders.dlq</a>: 1")
+	cancel()
+	select {
+	case code := <-done:
+		assert.Equal(t, exitOK, code)
+	case <-time.After(15 * time.Second):
+		t.Fatal("once ui did not stop")
+	}
+	assert.Contains(t, errb.String(), "PostgreSQL", "the database being down is said at the start")
+
+	code, _, errOut := cli(t, nil, "ui", "-addr", "127.0.0.1:0", "-database-url", down)
+	assert.Equal(t, exitFailure, code, "nothing but the database to show: %s", errOut)
+}

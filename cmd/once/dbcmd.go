@@ -63,6 +63,20 @@ func (f *dbFlags) tables() inspect.Tables {
 
 // pool checks -schema and -table, and connects to -database-url.
 func (f *dbFlags) pool(ctx context.Context) (*pgxpool.Pool, error) {
+	pool, err := f.open(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if err := pool.Ping(ctx); err != nil {
+		pool.Close()
+		return nil, fmt.Errorf("connect to PostgreSQL: %w", err)
+	}
+	return pool, nil
+}
+
+// open checks -schema and -table, and returns a pool on -database-url
+// that connects when first used.
+func (f *dbFlags) open(ctx context.Context) (*pgxpool.Pool, error) {
 	if *f.url == "" {
 		return nil, usagef("-database-url (or DATABASE_URL) is required")
 	}
@@ -76,10 +90,6 @@ func (f *dbFlags) pool(ctx context.Context) (*pgxpool.Pool, error) {
 	cfg.MaxConns = 2
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
-		return nil, fmt.Errorf("connect to PostgreSQL: %w", err)
-	}
-	if err := pool.Ping(ctx); err != nil {
-		pool.Close()
 		return nil, fmt.Errorf("connect to PostgreSQL: %w", err)
 	}
 	return pool, nil

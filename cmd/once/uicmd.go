@@ -22,7 +22,8 @@ page. Read-only without -allow-replay. It binds to 127.0.0.1 by default and
 has no login: put it behind your own access control before binding it
 elsewhere. On a loopback address it answers only to requests addressed to
 localhost or a loopback IP, so that another site cannot reach it through a
-name it re-points at 127.0.0.1 (DNS rebinding).`
+name it re-points at 127.0.0.1 (DNS rebinding). With -dlq it starts while the
+database is down, and shows the consumers once it answers.`
 
 func (a *app) ui(ctx context.Context, args []string) error {
 	fs, helpOnly := a.flags(ctx, "ui")
@@ -55,11 +56,21 @@ func (a *app) ui(ctx context.Context, args []string) error {
 		cfg.Queues = append(cfg.Queues, q)
 	}
 	if *db.url != "" {
-		pool, err := db.pool(ctx)
+		pool, err := db.open(ctx)
 		if err != nil {
 			return err
 		}
 		defer pool.Close()
+		if err := pool.Ping(ctx); err != nil {
+			if len(cfg.Queues) == 0 {
+				return fmt.Errorf("connect to PostgreSQL: %w", err)
+			}
+			// The dead letters are worth serving meanwhile (an
+			// incident is when the console is needed); the consumers
+			// page says the database's error until it answers.
+			fmt.Fprintf(a.stderr, "once ui: connect to PostgreSQL: %s; serving the dead letters, and the consumers once it answers\n",
+				safe(err.Error()))
+		}
 		cfg.DB = pool
 	}
 	h, err := console.New(cfg)
