@@ -153,7 +153,14 @@ func TestDLQListShowReplayOnKafka(t *testing.T) {
 	assert.Contains(t, out, "4 records")
 	code, out, _ = cli(t, env, "dlq", "list", "-dlq", dlqName, "-since", "2000-01-01", "-until", "2000-01-02")
 	require.Equal(t, exitOK, code)
-	assert.Contains(t, out, "0 records")
+	assert.Contains(t, out, "0 of 4 records in kafka topic "+dlqName+" match")
+	// A filter's count is not the destination's.
+	code, out, _ = cli(t, env, "dlq", "list", "-dlq", dlqName, "-kind", "panic")
+	require.Equal(t, exitOK, code)
+	assert.Contains(t, out, "1 of 4 records in kafka topic "+dlqName+" match")
+	code, out, _ = cli(t, env, "dlq", "list", "-dlq", dlqName, "-kind", "handler", "-limit", "1")
+	require.Equal(t, exitOK, code)
+	assert.Contains(t, out, "1 of 2 matching records shown")
 	// A window that ends before it starts (-since and -until swapped)
 	// would select nothing, and a replay would say "0 selected".
 	for _, cmd := range [][]string{{"dlq", "list"}, {"dlq", "show"}, {"dlq", "replay"}} {

@@ -204,7 +204,7 @@ func (a *app) dlqList(ctx context.Context, args []string) error {
 	// Summaries of the first -limit records, and a count of the rest: a
 	// large topic is not held in memory.
 	out := []recordSummary{}
-	total, err := firstMatches(ctx, q, f, *limit, func(r *dlq.Record) { out = append(out, summarize(r)) })
+	total, read, err := firstMatches(ctx, q, f, *limit, func(r *dlq.Record) { out = append(out, summarize(r)) })
 	if err != nil {
 		return err
 	}
@@ -220,19 +220,27 @@ func (a *app) dlqList(ctx context.Context, args []string) error {
 	if err := tw.Flush(); err != nil {
 		return err
 	}
-	if total > len(out) {
+	// With a filter, its count is said to be one: not the destination's.
+	filtered := df.selects()
+	switch {
+	case total > len(out) && filtered:
+		fmt.Fprintf(a.stdout, "%d of %d matching records shown (-limit 0 for all)\n", len(out), total)
+	case total > len(out):
 		fmt.Fprintf(a.stdout, "%d of %d records shown (-limit 0 for all)\n", len(out), total)
-	} else {
+	case filtered:
+		fmt.Fprintf(a.stdout, "%d of %d records in %s match\n", total, read, q.Name())
+	default:
 		fmt.Fprintf(a.stdout, "%d records in %s\n", total, q.Name())
 	}
 	return nil
 }
 
 // firstMatches reads q and passes the first limit records f selects (every
-// one when limit is 0) to keep; it returns how many f selects.
-func firstMatches(ctx context.Context, q dlq.Queue, f dlq.Filter, limit int, keep func(*dlq.Record)) (int, error) {
-	total := 0
-	err := q.Browse(ctx, func(r *dlq.Record) error {
+// one when limit is 0) to keep; it returns how many f selects, and how
+// many it read.
+func firstMatches(ctx context.Context, q dlq.Queue, f dlq.Filter, limit int, keep func(*dlq.Record)) (total, read int, err error) {
+	err = q.Browse(ctx, func(r *dlq.Record) error {
+		read++
 		if f.Match(r) {
 			total++
 			if limit == 0 || total <= limit {
@@ -241,7 +249,7 @@ func firstMatches(ctx context.Context, q dlq.Queue, f dlq.Filter, limit int, kee
 		}
 		return nil
 	})
-	return total, err
+	return total, read, err
 }
 
 func (a *app) dlqOpen(df *dlqFlags) (dlq.Queue, dlq.Filter, error) {
@@ -319,7 +327,7 @@ func (a *app) dlqShow(ctx context.Context, args []string) error {
 	}
 	defer q.Close()
 	var recs []*dlq.Record
-	total, err := firstMatches(ctx, q, f, *limit, func(r *dlq.Record) { recs = append(recs, r) })
+	total, _, err := firstMatches(ctx, q, f, *limit, func(r *dlq.Record) { recs = append(recs, r) })
 	if err != nil {
 		return err
 	}
