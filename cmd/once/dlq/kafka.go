@@ -151,7 +151,16 @@ func (q *KafkaQueue) browsePartition(ctx context.Context, client sarama.Client, 
 	defer idle.Stop()
 	for {
 		select {
-		case m := <-pc.Messages():
+		case m, ok := <-pc.Messages():
+			if !ok {
+				// sarama gave the partition up (offset out of
+				// range: retention removed records meanwhile); its
+				// error comes before the channels close.
+				if cerr, ok := <-pc.Errors(); ok {
+					return fmt.Errorf("dlq: read %s/%d: %w", q.cfg.Topic, p, cerr)
+				}
+				return fmt.Errorf("dlq: read %s/%d: the partition consumer stopped", q.cfg.Topic, p)
+			}
 			*pos++
 			if err := fn(kafkaRecord(q.cfg.Topic, *pos, m)); err != nil {
 				return err
@@ -160,8 +169,11 @@ func (q *KafkaQueue) browsePartition(ctx context.Context, client sarama.Client, 
 				return nil
 			}
 			idle.Reset(q.cfg.IdleTimeout)
-		case err := <-pc.Errors():
-			return fmt.Errorf("dlq: read %s/%d: %w", q.cfg.Topic, p, err)
+		case cerr, ok := <-pc.Errors():
+			if !ok {
+				return fmt.Errorf("dlq: read %s/%d: the partition consumer stopped", q.cfg.Topic, p)
+			}
+			return fmt.Errorf("dlq: read %s/%d: %w", q.cfg.Topic, p, cerr)
 		case <-idle.C:
 			// The offsets left hold no record to deliver (transaction
 			// markers, aborted records): the partition is read.

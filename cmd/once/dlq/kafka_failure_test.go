@@ -1,0 +1,63 @@
+package dlq_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"github.com/twmb/franz-go/pkg/kerr"
+	"github.com/twmb/franz-go/pkg/kfake"
+	kmsgs "github.com/twmb/franz-go/pkg/kmsg"
+
+	"github.com/onceco/once/cmd/once/dlq"
+	"github.com/onceco/once/cmd/once/internal/testenv"
+)
+
+// A read whose fetch the broker answers "offset out of range" (retention,
+// or a delete-records, removed records of the partition after the read
+// looked them up) fails with that error: sarama then closes the partition
+// consumer, and its closed channel of messages is not read as a record (a
+// nil one).
+func TestKafkaBrowseOfAnOffsetOutOfRangeFails(t *testing.T) {
+	k := testenv.NewKafka(t)
+	k.CreateTopic("orders.dlq", 1)
+	for range 3 { // a batch each
+		k.Produce(&sarama.ProducerMessage{Topic: "orders.dlq", Value: sarama.StringEncoder("{}")})
+	}
+	sc := testenv.Sarama()
+	sc.Consumer.Fetch.Default = 1 // a batch a fetch
+	q, err := dlq.NewKafka(dlq.KafkaConfig{Brokers: k.Addrs, Topic: "orders.dlq", Sarama: sc})
+	require.NoError(t, err)
+	// The first fetch is answered; the next, made while the first record
+	// is being handled, is out of range.
+	fault := k.Cluster.Fault(kfake.Fault{Keys: []kmsgs.Key{kmsgs.Fetch}, Topic: "orders.dlq", Err: kerr.OffsetOutOfRange, Count: -1,
+		When: func(req kmsgs.Request) bool {
+			f := req.(*kmsgs.FetchRequest)
+			return len(f.Topics) > 0 && len(f.Topics[0].Partitions) > 0 && f.Topics[0].Partitions[0].FetchOffset > 0
+		}})
+	// The records read before are handled slowly (a terminal, a pipe):
+	// sarama has closed the partition consumer when the read looks for
+	// the next one.
+	for i := range 10 {
+		func() {
+			defer func() {
+				if p := recover(); p != nil {
+					t.Fatalf("read %d panicked: %v", i, p)
+				}
+			}()
+			hits := fault.Hits()
+			err := q.Browse(context.Background(), func(*dlq.Record) error {
+				if err := fault.Wait(context.Background(), hits+1); err != nil {
+					return err
+				}
+				time.Sleep(50 * time.Millisecond)
+				return nil
+			})
+			require.Error(t, err)
+			assert.ErrorIs(t, err, sarama.ErrOffsetOutOfRange)
+		}()
+	}
+}
