@@ -270,13 +270,13 @@ func (a *app) status(ctx context.Context, args []string) error {
 	}
 	if *group != "" {
 		part("kafka lag of group "+*group, func() (err error) {
-			rep.Lag, err = inspect.KafkaLag(splitList(*kafkaBrokers), nil, *group, splitList(*topics))
+			rep.Lag, err = inspect.KafkaLag(ctx, splitList(*kafkaBrokers), nil, *group, splitList(*topics))
 			return err
 		})
 	}
 	if *queues != "" {
 		part("rabbitmq queues", func() (err error) {
-			rep.Queues, err = inspect.AMQPDepth(*amqpURL, splitList(*queues))
+			rep.Queues, err = inspect.AMQPDepth(ctx, *amqpURL, splitList(*queues))
 			return err
 		})
 	}

@@ -17,6 +17,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/onceco/once/cmd/once/internal/testenv"
+	"github.com/onceco/once/dedup"
+	"github.com/onceco/once/internal/pgtest"
 )
 
 // runOnce starts the test binary as the once command (ONCE_TEST_MAIN=mode)
@@ -166,5 +168,46 @@ func TestUIStopsWhileAPageWaitsOnABroker(t *testing.T) {
 		assert.Less(t, time.Since(start), 5*time.Second)
 	case <-time.After(30 * time.Second):
 		t.Fatal("once ui did not stop")
+	}
+}
+
+// once status interrupted while a broker does not answer (here the lag's
+// Kafka broker accepts connections and never answers) stops at once,
+// printing what it read before: the consumers.
+func TestStatusStopsWhenInterruptedWhileABrokerDoesNotAnswer(t *testing.T) {
+	pool, schema := pgtest.Schema(t)
+	store, err := dedup.New(dedup.Config{})
+	require.NoError(t, err)
+	require.NoError(t, store.Migrate(context.Background(), pool))
+	_, err = pool.Exec(context.Background(), "INSERT INTO processed_events (consumer, event_id) VALUES ('billing', 'e-1')")
+	require.NoError(t, err)
+	for _, broker := range []string{"kafka", "amqp"} {
+		t.Run(broker, func(t *testing.T) {
+			addr, accepted := testenv.SilentBroker(t)
+			args := []string{"status", "-database-url", testenv.SchemaURL(schema), "-kafka", addr, "-group", "g", "-topic", "orders"}
+			if broker == "amqp" {
+				args = []string{"status", "-database-url", testenv.SchemaURL(schema), "-amqp", "amqp://guest:guest@" + addr + "/", "-queue", "orders"}
+			}
+			var out, errb bytes.Buffer
+			a := newApp(&out, &errb, func(string) string { return "" })
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			done := make(chan int, 1)
+			go func() { done <- a.run(ctx, args) }()
+			select {
+			case <-accepted:
+			case <-time.After(30 * time.Second):
+				t.Fatal("never connected to the broker")
+			}
+			cancel()
+			select {
+			case code := <-done:
+				assert.Equal(t, exitFailure, code)
+				assert.Contains(t, out.String(), "billing", "what was read is printed")
+				assert.Contains(t, errb.String(), "context canceled")
+			case <-time.After(5 * time.Second):
+				t.Fatal("still running 5s after the interrupt")
+			}
+		})
 	}
 }

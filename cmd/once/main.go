@@ -17,10 +17,9 @@ func main() {
 
 // interruptible returns a context that the first SIGINT or SIGTERM
 // cancels, so that a command stops cleanly (a replay reports what it
-// did). A second one kills the process: some broker calls do
-// not watch the context (a Kafka client dialling a broker that does not
-// answer waits out its own timeouts, minutes), and a Ctrl-C must not be
-// ignored meanwhile.
+// did). A second one kills the process: a call that does not stop with
+// the context (the broker clients' do not watch it, and are made to stop
+// by closing their connections) must not leave a Ctrl-C ignored.
 func interruptible(parent context.Context) (context.Context, context.CancelFunc) {
 	ctx, cancel := context.WithCancel(parent)
 	sigs := make(chan os.Signal, 1)

@@ -5,7 +5,6 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
-	"net"
 	"net/url"
 	"slices"
 	"strings"
@@ -14,6 +13,7 @@ import (
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	"github.com/onceco/once/brokers/amqp"
+	"github.com/onceco/once/cmd/once/internal/cut"
 )
 
 // AMQPConfig configures a RabbitMQ dead-letter queue.
@@ -72,56 +72,17 @@ func redact(raw string) string {
 	return u.Redacted()
 }
 
-// dial connects as amqp091.Dial and DialTLS do (the URL's
-// connection_timeout, 30 s by default, bounds the connect and the
-// handshake), through a cutter that closes the connection when ctx ends
-// before dial returns.
-func (q *AMQPQueue) dial(ctx context.Context) (*amqp091.Connection, *cutter, error) {
-	timeout := 30 * time.Second
-	if uri, err := amqp091.ParseURI(q.cfg.URL); err == nil && uri.ConnectionTimeout > 0 {
-		timeout = time.Duration(uri.ConnectionTimeout) * time.Millisecond
-	}
-	cut := newCutter(func(ctx context.Context, network, addr string) (net.Conn, error) {
-		conn, err := (&net.Dialer{Timeout: timeout}).DialContext(ctx, network, addr)
-		if err != nil {
-			return nil, err
-		}
-		// Cleared once the handshake is done, as amqp091 does.
-		if err := conn.SetDeadline(time.Now().Add(timeout)); err != nil {
-			_ = conn.Close()
-			return nil, err
-		}
-		return conn, nil
-	})
-	var conn *amqp091.Connection
-	err := guard(ctx, cut, func() error {
-		var err error
-		// A clone: amqp091 sets the ServerName of the config it is given.
-		conn, err = amqp091.DialConfig(q.cfg.URL, amqp091.Config{TLSClientConfig: q.cfg.TLSConfig.Clone(), Dial: cut.Dial})
-		return err
-	})
+// dial connects as amqp091.Dial and DialTLS do, through a cutter that
+// closes the connection when ctx ends before dial returns.
+func (q *AMQPQueue) dial(ctx context.Context) (*amqp091.Connection, *cut.Cutter, error) {
+	conn, cutter, err := cut.AMQP(ctx, q.cfg.URL, q.cfg.TLSConfig)
 	if err != nil {
-		if conn != nil {
-			cut.Cut()
-		}
 		if ctx.Err() != nil {
 			return nil, nil, ctx.Err()
 		}
 		return nil, nil, fmt.Errorf("dlq: connect to %s: %w", redact(q.cfg.URL), scrub(err, q.cfg.URL))
 	}
-	return conn, cut, nil
-}
-
-// guard runs call, cutting the connections of cut if ctx ends meanwhile:
-// amqp091's calls, but for the wait for a confirm, do not watch a context.
-// It returns ctx's error when it cut them.
-func guard(ctx context.Context, cut *cutter, call func() error) error {
-	stop := cut.cutOn(ctx)
-	err := call()
-	if !stop() {
-		return ctx.Err()
-	}
-	return err
+	return conn, cutter, nil
 }
 
 // scrub removes the URL's password from err's text.
@@ -143,7 +104,7 @@ func scrub(err error, raw string) error {
 type held struct {
 	q     *AMQPQueue
 	conn  *amqp091.Connection
-	cut   *cutter
+	cut   *cut.Cutter
 	ch    *amqp091.Channel
 	pub   *amqp091.Channel // a replay's, nil until it opens it
 	recs  []*Record
@@ -184,20 +145,22 @@ func (h *held) close() {
 
 // hold takes the messages the queue holds when it starts, unacked and in
 // order, and converts each to a Record. When ctx ends, it returns at once:
-// the connection is closed under a call that waits on the broker.
+// the connection is closed under a call that waits on the broker
+// (amqp091's calls, but for the wait for a confirm, do not watch a
+// context).
 func (q *AMQPQueue) hold(ctx context.Context) (*held, error) {
-	conn, cut, err := q.dial(ctx)
+	conn, cutter, err := q.dial(ctx)
 	if err != nil {
 		return nil, err
 	}
 	var ch *amqp091.Channel
-	if err := guard(ctx, cut, func() error { ch, err = conn.Channel(); return err }); err != nil {
-		cut.Cut()
+	if err := cut.Guard(ctx, cutter, func() error { ch, err = conn.Channel(); return err }); err != nil {
+		cutter.Cut()
 		return nil, orCtx(ctx, fmt.Errorf("dlq: open channel: %w", err))
 	}
-	h := &held{q: q, conn: conn, cut: cut, ch: ch}
+	h := &held{q: q, conn: conn, cut: cutter, ch: ch}
 	var st amqp091.Queue
-	if err := guard(ctx, cut, func() error {
+	if err := cut.Guard(ctx, cutter, func() error {
 		st, err = ch.QueueDeclarePassive(q.cfg.Queue, false, false, false, false, nil)
 		return err
 	}); err != nil {
@@ -208,7 +171,7 @@ func (q *AMQPQueue) hold(ctx context.Context) (*held, error) {
 		return h, nil
 	}
 	var deliveries <-chan amqp091.Delivery
-	if err := guard(ctx, cut, func() error {
+	if err := cut.Guard(ctx, cutter, func() error {
 		deliveries, err = ch.ConsumeWithContext(ctx, q.cfg.Queue, "", false, false, false, false, nil)
 		return err
 	}); err != nil {
@@ -284,11 +247,11 @@ func (q *AMQPQueue) Replay(ctx context.Context, f Filter, opts ReplayOptions) (R
 		return replayLoop(ctx, sel, opts, nil)
 	}
 	var pub *amqp091.Channel
-	if err := guard(ctx, h.cut, func() error { pub, err = h.conn.Channel(); return err }); err != nil {
+	if err := cut.Guard(ctx, h.cut, func() error { pub, err = h.conn.Channel(); return err }); err != nil {
 		return Report{}, orCtx(ctx, fmt.Errorf("dlq: open channel: %w", err))
 	}
 	h.pub = pub // closed with h
-	if err := guard(ctx, h.cut, func() error { return pub.Confirm(false) }); err != nil {
+	if err := cut.Guard(ctx, h.cut, func() error { return pub.Confirm(false) }); err != nil {
 		return Report{}, orCtx(ctx, fmt.Errorf("dlq: confirm mode: %w", err))
 	}
 	returns := pub.NotifyReturn(make(chan amqp091.Return, 1))
@@ -300,7 +263,7 @@ func (q *AMQPQueue) Replay(ctx context.Context, f Filter, opts ReplayOptions) (R
 		// guarded. Waiting for the confirm watches ctx, and the ack
 		// that follows a confirm is not cut short.
 		var conf *amqp091.DeferredConfirmation
-		if err := guard(ctx, h.cut, func() error {
+		if err := cut.Guard(ctx, h.cut, func() error {
 			var err error
 			conf, err = pub.PublishWithDeferredConfirmWithContext(ctx, ex, rk, true, false, amqpRedrive(d, redrive))
 			return err

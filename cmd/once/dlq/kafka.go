@@ -4,12 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
 	"strconv"
 	"time"
 
 	"github.com/IBM/sarama"
 
+	"github.com/onceco/once/cmd/once/internal/cut"
 	"github.com/onceco/once/consumer"
 )
 
@@ -60,8 +60,9 @@ func (q *KafkaQueue) Name() string { return "kafka topic " + q.cfg.Topic }
 func (q *KafkaQueue) Close() error { return nil }
 
 // saramaConfig returns the client configuration of one operation, and
-// the cutter that dials its connections.
-func (q *KafkaQueue) saramaConfig() (*sarama.Config, *cutter) {
+// the cutter that dials its connections: sarama's calls do not watch a
+// context, and the operation's connections are cut when its context ends.
+func (q *KafkaQueue) saramaConfig() (*sarama.Config, *cut.Cutter) {
 	var sc sarama.Config
 	if q.cfg.Sarama != nil {
 		sc = *q.cfg.Sarama
@@ -71,27 +72,7 @@ func (q *KafkaQueue) saramaConfig() (*sarama.Config, *cutter) {
 	}
 	sc.Consumer.Return.Errors = true
 	sc.Metadata.AllowAutoTopicCreation = false
-	// sarama's calls do not watch a context: the operation's
-	// connections are cut when its context ends. They are dialled as
-	// sarama would, through the configuration's proxy when it has one.
-	var dial func(ctx context.Context, network, addr string) (net.Conn, error)
-	if base := sc.Net.Proxy.Dialer; sc.Net.Proxy.Enable && base != nil {
-		dial = func(ctx context.Context, network, addr string) (net.Conn, error) {
-			if cd, ok := base.(interface {
-				DialContext(ctx context.Context, network, addr string) (net.Conn, error)
-			}); ok {
-				return cd.DialContext(ctx, network, addr)
-			}
-			return base.Dial(network, addr)
-		}
-	} else {
-		d := &net.Dialer{Timeout: sc.Net.DialTimeout, KeepAlive: sc.Net.KeepAlive, LocalAddr: sc.Net.LocalAddr}
-		dial = d.DialContext
-	}
-	cut := newCutter(dial)
-	sc.Net.Proxy.Enable = true
-	sc.Net.Proxy.Dialer = cut
-	return &sc, cut
+	return &sc, cut.Sarama(&sc)
 }
 
 // Browse reads every partition of the topic from its oldest retained
@@ -100,8 +81,8 @@ func (q *KafkaQueue) saramaConfig() (*sarama.Config, *cutter) {
 // are closed: a call waiting on a broker that does not answer returns at
 // once.
 func (q *KafkaQueue) Browse(ctx context.Context, fn func(*Record) error) error {
-	sc, cut := q.saramaConfig()
-	stop := cut.cutOn(ctx)
+	sc, cutter := q.saramaConfig()
+	stop := cutter.On(ctx)
 	defer stop()
 	return orCtx(ctx, q.browse(ctx, sc, fn))
 }
@@ -226,8 +207,8 @@ func (q *KafkaQueue) Replay(ctx context.Context, f Filter, opts ReplayOptions) (
 	if opts.DryRun || len(recs) == 0 {
 		return replayLoop(ctx, recs, opts, nil)
 	}
-	sc, cut := q.saramaConfig()
-	stop := cut.cutOn(ctx)
+	sc, cutter := q.saramaConfig()
+	stop := cutter.On(ctx)
 	defer stop()
 	sc.Producer.Idempotent = true
 	sc.Producer.RequiredAcks = sarama.WaitForAll
@@ -311,3 +292,12 @@ func (p *originalPartitioner) Partition(m *sarama.ProducerMessage, n int32) (int
 }
 
 func (p *originalPartitioner) RequiresConsistency() bool { return true }
+
+// orCtx returns ctx's error when ctx has ended (err then comes from a cut
+// connection, or from a call the end of ctx stopped), else err.
+func orCtx(ctx context.Context, err error) error {
+	if err != nil && ctx.Err() != nil {
+		return ctx.Err()
+	}
+	return err
+}

@@ -1,12 +1,15 @@
 package inspect
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"net/url"
 
 	"github.com/IBM/sarama"
 	amqp091 "github.com/rabbitmq/amqp091-go"
+
+	"github.com/onceco/once/cmd/once/internal/cut"
 )
 
 // PartitionLag is how far a consumer group is behind on one partition.
@@ -23,15 +26,30 @@ type PartitionLag struct {
 }
 
 // KafkaLag returns the lag of group on every partition of topics. sc may
-// be nil (sarama.NewConfig with Version 2.8).
-func KafkaLag(brokers []string, sc *sarama.Config, group string, topics []string) ([]PartitionLag, error) {
+// be nil (sarama.NewConfig with Version 2.8); it is copied, never
+// modified. When ctx ends, the client's connections are closed: a call
+// waiting on a broker that does not answer returns at once.
+func KafkaLag(ctx context.Context, brokers []string, sc *sarama.Config, group string, topics []string) ([]PartitionLag, error) {
 	if len(brokers) == 0 || group == "" || len(topics) == 0 {
 		return nil, errors.New("inspect: kafka lag needs brokers, a group and topics")
 	}
-	if sc == nil {
-		sc = sarama.NewConfig()
-		sc.Version = sarama.V2_8_0_0
+	var c sarama.Config
+	if sc != nil {
+		c = *sc
+	} else {
+		c = *sarama.NewConfig()
+		c.Version = sarama.V2_8_0_0
 	}
+	stop := cut.Sarama(&c).On(ctx)
+	defer stop()
+	lag, err := kafkaLag(brokers, &c, group, topics)
+	if err != nil && ctx.Err() != nil {
+		return nil, ctx.Err()
+	}
+	return lag, err
+}
+
+func kafkaLag(brokers []string, sc *sarama.Config, group string, topics []string) ([]PartitionLag, error) {
 	client, err := sarama.NewClient(brokers, sc)
 	if err != nil {
 		return nil, fmt.Errorf("inspect: connect to kafka: %w", err)
@@ -99,18 +117,32 @@ type QueueDepth struct {
 }
 
 // AMQPDepth returns the depth of each queue, checked passively (nothing is
-// declared). A missing queue is an error.
-func AMQPDepth(amqpURL string, queues []string) ([]QueueDepth, error) {
+// declared). A missing queue is an error. When ctx ends, the connection is
+// closed: a call waiting on a broker that does not answer returns at once.
+func AMQPDepth(ctx context.Context, amqpURL string, queues []string) ([]QueueDepth, error) {
 	if _, err := amqp091.ParseURI(amqpURL); err != nil {
 		// Not wrapped: the parser's error quotes the URL, password and
 		// all.
 		return nil, fmt.Errorf("inspect: RabbitMQ URL %s does not parse (a reserved character in the user name or password must be percent-encoded)", redact(amqpURL))
 	}
-	conn, err := amqp091.Dial(amqpURL)
+	conn, cutter, err := cut.AMQP(ctx, amqpURL, nil)
 	if err != nil {
+		if ctx.Err() != nil {
+			return nil, ctx.Err()
+		}
 		return nil, fmt.Errorf("inspect: connect to %s: %w", redact(amqpURL), err)
 	}
+	stop := cutter.On(ctx)
+	defer stop()
 	defer conn.Close()
+	depths, err := amqpDepth(conn, queues)
+	if err != nil && ctx.Err() != nil {
+		return nil, ctx.Err()
+	}
+	return depths, err
+}
+
+func amqpDepth(conn *amqp091.Connection, queues []string) ([]QueueDepth, error) {
 	var out []QueueDepth
 	for _, q := range queues {
 		ch, err := conn.Channel()

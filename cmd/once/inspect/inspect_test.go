@@ -86,7 +86,7 @@ func TestKafkaLag(t *testing.T) {
 			Headers: []sarama.RecordHeader{{Key: []byte("id"), Value: []byte(fmt.Sprint("ev-", i))}}})
 	}
 	k.Produce(msgs...)
-	lag, err := inspect.KafkaLag(k.Addrs, testenv.Sarama(), group, []string{topic})
+	lag, err := inspect.KafkaLag(context.Background(), k.Addrs, testenv.Sarama(), group, []string{topic})
 	require.NoError(t, err)
 	require.Len(t, lag, 2)
 	for _, l := range lag {
@@ -99,14 +99,14 @@ func TestKafkaLag(t *testing.T) {
 	svc.Broken.Store(false)
 	svc.WaitSettled(t, 10)
 	svc.Stop()
-	lag, err = inspect.KafkaLag(k.Addrs, testenv.Sarama(), group, []string{topic})
+	lag, err = inspect.KafkaLag(context.Background(), k.Addrs, testenv.Sarama(), group, []string{topic})
 	require.NoError(t, err)
 	assert.Equal(t, []inspect.PartitionLag{
 		{Topic: topic, Partition: 0, Committed: 5, HighWater: 5, Lag: 0},
 		{Topic: topic, Partition: 1, Committed: 5, HighWater: 5, Lag: 0},
 	}, lag, "the stopped consumer committed everything")
 	k.Produce(msgs[:3]...)
-	lag, err = inspect.KafkaLag(k.Addrs, testenv.Sarama(), group, []string{topic})
+	lag, err = inspect.KafkaLag(context.Background(), k.Addrs, testenv.Sarama(), group, []string{topic})
 	require.NoError(t, err)
 	assert.EqualValues(t, []int64{2, 1}, []int64{lag[0].Lag, lag[1].Lag})
 }
@@ -121,10 +121,10 @@ func TestAMQPDepth(t *testing.T) {
 	for range 3 {
 		testenv.PublishAMQP(t, ch, q, amqp091.Publishing{Body: []byte("x")})
 	}
-	d, err := inspect.AMQPDepth(url, []string{q})
+	d, err := inspect.AMQPDepth(context.Background(), url, []string{q})
 	require.NoError(t, err)
 	assert.Equal(t, []inspect.QueueDepth{{Queue: q, Ready: 3}}, d)
-	_, err = inspect.AMQPDepth(url, []string{q + "-missing"})
+	_, err = inspect.AMQPDepth(context.Background(), url, []string{q + "-missing"})
 	require.Error(t, err)
 }
 
@@ -154,7 +154,7 @@ func TestConsumersTakesAnySuspectAge(t *testing.T) {
 // the parser's error quotes the whole URL.
 func TestAMQPDepthDoesNotPrintThePasswordOfAnUnparsableURL(t *testing.T) {
 	for _, u := range []string{"amqp://guest:s3cr%zzet@127.0.0.1:1/", "amqp://guest:s3cret@127.0.0.1:1/%zz"} {
-		_, err := inspect.AMQPDepth(u, []string{"orders"})
+		_, err := inspect.AMQPDepth(context.Background(), u, []string{"orders"})
 		require.Error(t, err, u)
 		assert.NotContains(t, err.Error(), "s3cr", u)
 		assert.Contains(t, err.Error(), "does not parse", u)
@@ -200,7 +200,7 @@ func TestKafkaLagReportsAPartitionsOffsetError(t *testing.T) {
 		}
 		return resp, nil, true
 	})
-	lag, err := inspect.KafkaLag(addrs, testenv.Sarama(), group, []string{topic})
+	lag, err := inspect.KafkaLag(context.Background(), addrs, testenv.Sarama(), group, []string{topic})
 	require.Error(t, err, "lag reported as %+v", lag)
 	assert.Contains(t, err.Error(), "authoriz")
 }
