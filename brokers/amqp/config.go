@@ -82,6 +82,13 @@ type DeadLetterConfig struct {
 	// QueueType as the source's queue) and, when Exchange is not "", bound
 	// to Exchange with RoutingKey. Default "<Config.Queue>.dlq".
 	Queue string
+	// QueueArgs are extra declare arguments of Queue, as Config.QueueArgs
+	// are the source queue's (x-queue-type is set from Config.QueueType).
+	// On RabbitMQ 4 and later a quorum queue drops a message delivered 20
+	// times unless declared with "x-delivery-limit": -1 (RabbitMQ 3 takes
+	// -1 for 0, so set it on 4 only), and each read of the dead letters by
+	// once dlq or the console counts as a delivery. Default none.
+	QueueArgs amqp091.Table
 	// NoQueue: declare no dead-letter queue; something else routes the
 	// copies from Exchange. Publishes that no queue receives fail (they are
 	// published mandatory), so the consumer keeps retrying them instead of

@@ -415,7 +415,7 @@ func (s *Source) declare(ch *amqp091.Channel) error {
 		}
 	}
 	if dl.Queue != "" {
-		if err := declareQueue(dl.Queue, queueArgs(cfg.QueueType, nil)); err != nil {
+		if err := declareQueue(dl.Queue, queueArgs(cfg.QueueType, dl.QueueArgs)); err != nil {
 			return err
 		}
 		if dl.Exchange != "" && !cfg.Passive {

@@ -448,3 +448,24 @@ func (b *syncBuffer) String() string {
 	defer b.mu.Unlock()
 	return b.b.String()
 }
+
+// The dead-letter queue the source declares takes arguments of its own
+// (DeadLetter.QueueArgs): on RabbitMQ 4 a quorum queue has a delivery limit
+// of 20 unless declared with x-delivery-limit -1, and every read of the
+// dead letters by once dlq or the console counts as a delivery.
+func TestDeadLetterQueueArgs(t *testing.T) {
+	t.Parallel()
+	a := newAdmin(t)
+	q := queueName(t)
+	a.cleanupQueue(q)
+	openSource(t, amqp.Config{Queue: q, QueueType: amqp.QueueQuorum,
+		DeadLetter: amqp.DeadLetterConfig{QueueArgs: amqp091.Table{"x-max-length": int64(1000), "x-queue-type": "classic"}}})
+	ch, err := a.channel()
+	require.NoError(t, err)
+	_, err = ch.QueueDeclare(q+amqp.DeadLetterQueueSuffix, true, false, false, false,
+		amqp091.Table{"x-queue-type": "quorum", "x-max-length": int64(1000)})
+	require.NoError(t, err, "declared with its arguments, and of the source's QueueType")
+	_, err = ch.QueueDeclare(q+amqp.DeadLetterQueueSuffix, true, false, false, false,
+		amqp091.Table{"x-queue-type": "quorum", "x-max-length": int64(5)})
+	require.ErrorContains(t, err, "x-max-length", "the broker holds the queue's own arguments")
+}
