@@ -20,7 +20,10 @@ type Config struct {
 	// ever sees the other's stored response. Required; a service with a
 	// single client (or keys unique across clients by construction) can
 	// use SingleScope. It is called once per request that carries a key,
-	// from the request's goroutine.
+	// from the request's goroutine. Any string is a scope: one of at most
+	// 2048 bytes of UTF-8 without NUL is stored as it is, any other (and
+	// one that starts with "once:sha256:") as "once:sha256:" and the hex
+	// SHA-256 of its bytes, which PostgreSQL's index rows and text hold.
 	Scope func(r *http.Request) string
 
 	// Schema holds the idempotency_keys table (see Migrate). Defaults to

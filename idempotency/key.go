@@ -1,9 +1,12 @@
 package idempotency
 
 import (
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"strings"
+	"unicode/utf8"
 )
 
 // parseKey returns the key a header value carries. The draft defines the
@@ -56,4 +59,28 @@ func parseSFString(v string) (string, error) {
 		}
 	}
 	return "", errors.New("the quoted key has no closing quote")
+}
+
+// maxStoredScope is the longest scope, in bytes, stored as it is. A
+// longer scope, one that is not valid UTF-8 or holds a NUL byte (neither
+// is PostgreSQL text), or one that starts with hashedScopePrefix is stored
+// as that prefix and the hex SHA-256 of its bytes: the table's primary key
+// holds the scope, and PostgreSQL refuses an index row of more than about
+// 2.7 kB.
+const maxStoredScope = 2048
+
+// hashedScopePrefix starts the stored form of a hashed scope. A scope
+// that itself starts with it is hashed too, so that no scope stored as it
+// is can equal another's hash.
+const hashedScopePrefix = "once:sha256:"
+
+// storedScope is the form of scope kept in the table: scope itself, or
+// its hash when it cannot or must not be stored as it is.
+func storedScope(scope string) string {
+	if len(scope) <= maxStoredScope && utf8.ValidString(scope) && !strings.ContainsRune(scope, 0) &&
+		!strings.HasPrefix(scope, hashedScopePrefix) {
+		return scope
+	}
+	sum := sha256.Sum256([]byte(scope))
+	return hashedScopePrefix + hex.EncodeToString(sum[:])
 }

@@ -89,7 +89,7 @@ func (m *Middleware) Handler(next http.Handler) http.Handler {
 			return
 		}
 		m.serveWithKey(w, r, next, claim{
-			scope: m.cfg.Scope(r), key: key, fingerprint: m.cfg.Fingerprint(r, body),
+			scope: storedScope(m.cfg.Scope(r)), key: key, fingerprint: m.cfg.Fingerprint(r, body),
 			method: r.Method, path: r.URL.Path,
 		})
 	})
