@@ -52,7 +52,8 @@ type Config struct {
 	// its response as a replay; if the first rolls back, the waiting one
 	// runs. Defaults to 0: 409 at once, as the draft and Stripe answer.
 	// At most about 24.8 days (PostgreSQL's longest lock_timeout). Every
-	// waiting request holds a pool connection.
+	// waiting request holds a pool connection. A server statement_timeout
+	// shorter than Wait ends the wait first, with 503.
 	Wait time.Duration
 
 	// TTL is how long a stored response is replayed. After it the key is

@@ -68,8 +68,9 @@ const finishTimeout = 30 * time.Second
 //   - a new key: the handler runs with the response buffered; a response
 //     Config.Store accepts is stored and committed with the handler's
 //     writes, then sent; any other response is sent after a rollback;
-//   - the database unreachable or failing transiently: 503 with
-//     Retry-After, so that the client retries with the same key.
+//   - the database unreachable or failing transiently, or a statement
+//     canceled (statement_timeout): 503 with Retry-After, so that the
+//     client retries with the same key.
 //
 // A panicking handler's transaction is rolled back and the panic goes on
 // to net/http. The handler's response writer buffers: it is not an
@@ -363,8 +364,9 @@ func (m *Middleware) rollback(ctx context.Context, tx pgx.Tx) {
 	_ = tx.Rollback(ctx) // a broken connection is discarded, which rolls back too
 }
 
-// infrastructureFailure answers 503 for a transient database failure and
-// 500 for anything else (a missing table: run Migrate), and logs it.
+// infrastructureFailure answers 503 for a transient database failure or a
+// canceled statement and 500 for anything else (a missing table: run
+// Migrate), and logs it.
 func (m *Middleware) infrastructureFailure(w http.ResponseWriter, r *http.Request, doing string, err error) {
 	if r.Context().Err() != nil {
 		// The request's context ended: the client is gone, or a deadline
@@ -375,7 +377,10 @@ func (m *Middleware) infrastructureFailure(w http.ResponseWriter, r *http.Reques
 			"The request was not processed (or its outcome is unknown); retry with the same "+m.cfg.Header+".")
 		return
 	}
-	if consumer.IsTransient(err) {
+	if consumer.IsTransient(err) || isQueryCanceled(err) {
+		// A canceled statement (a server statement_timeout shorter than
+		// Config.Wait, an operator's pg_cancel_backend) rolled the
+		// request back: it was not processed, and a retry can succeed.
 		m.cfg.Logger.Warn("idempotency: database unavailable", "doing", doing, "path", r.URL.Path, "error", err)
 		problem(w, http.StatusServiceUnavailable, "Service unavailable",
 			"The request was not processed (or its outcome is unknown); retry with the same "+m.cfg.Header+".")

@@ -217,3 +217,10 @@ func isSerializationFailure(err error) bool {
 	var pgErr *pgconn.PgError
 	return errors.As(err, &pgErr) && pgErr.Code == "40001"
 }
+
+// isQueryCanceled reports whether err is PostgreSQL's query_canceled: a
+// statement_timeout expired, or someone canceled the statement.
+func isQueryCanceled(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "57014"
+}
