@@ -117,7 +117,13 @@ func (s *settler) ackWith(j *job, outcome Result, dl *DeadLetter) {
 		errorType = string(dl.Kind)
 	}
 	p.tel.processed(j.ctx, j.m, j.start, errorType)
-	if err := j.d.Ack(j.ctx); err != nil {
+	// The ack outlives the job's context (a held dead letter is settled
+	// after its batch ended) but not the shutdown deadline: an adapter's
+	// ack that writes (the Kafka adapter's record of a dead letter in the
+	// database) must not hold Run past ShutdownTimeout.
+	actx, cancel := p.detached(j.ctx)
+	defer cancel()
+	if err := j.d.Ack(actx); err != nil {
 		// The effect is committed; the broker will redeliver and the
 		// claim will find a duplicate.
 		p.cfg.Telemetry.Logger.WarnContext(j.ctx, "once: ack failed; the message will be redelivered and skipped",

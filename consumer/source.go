@@ -86,7 +86,9 @@ type Delivery interface {
 	// DeadLetter succeeded. When the delivery can no longer be settled
 	// (revoked, channel closed) Ack returns an error and settles nothing;
 	// the consumer logs it, and the broker's redelivery is then skipped as
-	// a duplicate.
+	// a duplicate. ctx is not done with the delivery's context or the
+	// message's batch, but at the consumer's shutdown deadline: an Ack
+	// that waits on something (a database write) ends by then.
 	Ack(ctx context.Context) error
 	// DeadLetter writes a copy of the message (original key, value and
 	// headers) with the diagnostic headers of dl.Headers to the adapter's

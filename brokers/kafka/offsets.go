@@ -252,14 +252,16 @@ func (cl *claim) fence(err error) {
 
 // recordDeadLettered records in the offsets table, outside any
 // transaction, that d is done: a record the consumer dead-lettered was
-// in no transaction. A failure is returned (the consumer logs it); the
-// record may then be dead-lettered again by its partition's next owner.
+// in no transaction. It ends with ctx (the consumer's ends at its
+// shutdown deadline) or after 10 s. A failure is returned (the consumer
+// logs it); the record may then be dead-lettered again by its partition's
+// next owner.
 func (d *delivery) recordDeadLettered(ctx context.Context) error {
 	b := d.claim.src.offsets.Load()
 	if b == nil || d.claim.db == nil {
 		return nil
 	}
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	if err := b.Store.RecordOffsets(ctx, b.Pool, b.Consumer, d.claim.offsetsUpdate([]int64{d.raw.Offset})); err != nil {
 		return fmt.Errorf("kafka: recording dead-lettered %s offset %d in the database: %w", d.claim.stream, d.raw.Offset, err)
