@@ -151,7 +151,7 @@ func (r *Relay) settleAndFetch(settleCtx context.Context, conn *pgx.Conn, deferr
 	d := *deferred
 	*deferred = settlement{}
 	var b pgx.Batch
-	r.queueSettle(&b, d.sent, d.rejects)
+	charged := r.queueSettle(&b, d.sent, d.rejects)
 	r.queueFetch(&b, inflight).Query(func(rows pgx.Rows) error {
 		var err error
 		next, err = pgx.CollectRows(rows, scanRecord)
@@ -162,7 +162,7 @@ func (r *Relay) settleAndFetch(settleCtx context.Context, conn *pgx.Conn, deferr
 	if err := conn.SendBatch(settleCtx, &b).Close(); err != nil {
 		return nil, fmt.Errorf("settle published rows and read the next: %w", err), nil
 	}
-	r.countSettled(settleCtx, d.sent, d.rejects)
+	r.reportSettled(settleCtx, d.sent, d.rejects, *charged)
 	return next, nil, nil
 }
 
@@ -380,17 +380,27 @@ func (r *Relay) settle(ctx context.Context, conn *pgx.Conn, sent []int64, reject
 		return nil
 	}
 	var b pgx.Batch
-	r.queueSettle(&b, sent, rejects)
+	charged := r.queueSettle(&b, sent, rejects)
 	if err := conn.SendBatch(ctx, &b).Close(); err != nil {
 		return fmt.Errorf("settle published rows: %w", err)
 	}
-	r.countSettled(ctx, sent, rejects)
+	r.reportSettled(ctx, sent, rejects, *charged)
 	return nil
 }
 
+// charge is a rejected row as its settlement charged it.
+type charge struct {
+	seq    int64
+	id     string
+	parked bool
+}
+
 // queueSettle queues on b the statements that settle a batch: the sent
-// rows removed (or marked), the rejected ones charged (their rows logged).
-func (r *Relay) queueSettle(b *pgx.Batch, sent []int64, rejects []rejection) {
+// rows removed (or marked), the rejected ones charged. The charged rows
+// are filled in when b's results are read; they are reported (logged,
+// counted) only once b committed.
+func (r *Relay) queueSettle(b *pgx.Batch, sent []int64, rejects []rejection) *[]charge {
+	charged := new([]charge)
 	if len(sent) > 0 {
 		if r.cfg.KeepSent > 0 {
 			b.Queue(r.sql.markSent, sent)
@@ -405,39 +415,35 @@ func (r *Relay) queueSettle(b *pgx.Batch, sent []int64, rejects []rejection) {
 			delays[i] = r.cfg.RetryBackoff.delay(rj.attempts + 1).Milliseconds()
 		}
 		b.Queue(r.sql.reject, seqs, msgs, delays, r.cfg.MaxAttempts).Query(func(rows pgx.Rows) error {
-			return r.logRejections(rows, rejects)
+			var c charge
+			_, err := pgx.ForEachRow(rows, []any{&c.seq, &c.id, &c.parked}, func() error {
+				*charged = append(*charged, c)
+				return nil
+			})
+			return err
 		})
 	}
+	return charged
 }
 
-// countSettled counts a written settlement in the relay's metrics.
-func (r *Relay) countSettled(ctx context.Context, sent []int64, rejects []rejection) {
+// reportSettled counts a committed settlement in the relay's metrics and
+// logs each charged row, at error level when it was parked.
+func (r *Relay) reportSettled(ctx context.Context, sent []int64, rejects []rejection, charged []charge) {
 	r.metrics.published.Add(ctx, int64(len(sent)), r.metrics.attrs)
 	r.metrics.rejected.Add(ctx, int64(len(rejects)), r.metrics.attrs)
-}
-
-// logRejections logs each rejected row, at error level when it was parked.
-func (r *Relay) logRejections(rows pgx.Rows, rejects []rejection) error {
 	why := make(map[int64]error, len(rejects))
 	for _, rj := range rejects {
 		why[rj.seq] = rj.err
 	}
-	for rows.Next() {
-		var seq int64
-		var id string
-		var parked bool
-		if err := rows.Scan(&seq, &id, &parked); err != nil {
-			return err
-		}
-		if parked {
-			r.metrics.parked.Add(context.Background(), 1, r.metrics.attrs)
+	for _, c := range charged {
+		if c.parked {
+			r.metrics.parked.Add(ctx, 1, r.metrics.attrs)
 			r.cfg.Logger.Error("outbox relay: row parked: the broker rejected it on every attempt; later rows of its key wait",
-				"seq", seq, "event_id", id, "error", why[seq])
+				"seq", c.seq, "event_id", c.id, "error", why[c.seq])
 		} else {
-			r.cfg.Logger.Warn("outbox relay: the broker rejected a row; it will be retried", "seq", seq, "event_id", id, "error", why[seq])
+			r.cfg.Logger.Warn("outbox relay: the broker rejected a row; it will be retried", "seq", c.seq, "event_id", c.id, "error", why[c.seq])
 		}
 	}
-	return rows.Err()
 }
 
 // cleanupChunk bounds the rows one cleanup statement deletes.
