@@ -241,10 +241,11 @@ func withoutHeldKeys(ahead, batch []Record, sent []int64) []Record {
 // it refuses (Rejected) is charged without being sent, one it cannot check
 // (any other error) is held for a later batch, and in both cases the later
 // records of its key are held back (neither sent nor charged) so that they
-// cannot overtake it.
+// cannot overtake it. A record whose row could not be decoded is charged
+// like a refusal.
 func (r *Relay) check(recs []Record) (publish []Record, rejects []rejection) {
-	c, ok := r.pub.(Checker)
-	if !ok {
+	c, _ := r.pub.(Checker)
+	if c == nil && !anyUndecodable(recs) {
 		return recs, nil
 	}
 	publish = recs[:0:0]
@@ -254,7 +255,11 @@ func (r *Relay) check(recs []Record) (publish []Record, rejects []rejection) {
 		if k != "" && held[k] {
 			continue
 		}
-		if err := c.Check(rec); err != nil {
+		err := Rejected(rec.undecodable)
+		if err == nil && c != nil {
+			err = c.Check(rec)
+		}
+		if err != nil {
 			if IsRejected(err) {
 				rejects = append(rejects, rejection{seq: rec.Seq, attempts: rec.Attempts, err: err})
 			}
@@ -269,6 +274,16 @@ func (r *Relay) check(recs []Record) (publish []Record, rejects []rejection) {
 		publish = append(publish, rec)
 	}
 	return publish, rejects
+}
+
+// anyUndecodable reports whether a record of recs could not be decoded.
+func anyUndecodable(recs []Record) bool {
+	for _, rec := range recs {
+		if rec.undecodable != nil {
+			return true
+		}
+	}
+	return false
 }
 
 // orderKey identifies the sequence a record keeps its order in; "" for a
@@ -339,6 +354,10 @@ func fetchArgs(inflight []Record) (maxSeq int64, seqs []int64) {
 	return maxSeq, seqs
 }
 
+// scanRecord reads a row. A row whose headers or trace are not a JSON
+// object of strings (written by plain SQL) is returned with undecodable
+// set: check charges it, so that it is parked instead of failing every
+// read of the outbox.
 func scanRecord(row pgx.CollectableRow) (Record, error) {
 	var rec Record
 	var headers, trace []byte
@@ -348,11 +367,13 @@ func scanRecord(row pgx.CollectableRow) (Record, error) {
 		return rec, err
 	}
 	if err := unmarshalObject(headers, &rec.Headers); err != nil {
-		return rec, fmt.Errorf("row %d: headers: %w", rec.Seq, err)
+		rec.undecodable = fmt.Errorf("outbox row %d: headers are not a JSON object of strings: %w", rec.Seq, err)
+		return rec, nil
 	}
 	var tc map[string]string
 	if err := unmarshalObject(trace, &tc); err != nil {
-		return rec, fmt.Errorf("row %d: trace: %w", rec.Seq, err)
+		rec.undecodable = fmt.Errorf("outbox row %d: trace is not a JSON object of strings: %w", rec.Seq, err)
+		return rec, nil
 	}
 	if rec.Headers == nil && len(tc) > 0 {
 		rec.Headers = make(map[string]string, len(tc))

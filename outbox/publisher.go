@@ -28,6 +28,11 @@ type Record struct {
 	CreatedAt time.Time
 	// Attempts counts the earlier publishes the broker rejected.
 	Attempts int
+
+	// undecodable is why the row could not be read as a message (its
+	// headers or trace are not a JSON object of strings): the relay
+	// charges it without publishing it.
+	undecodable error
 }
 
 // Publisher sends records to a broker; the relay calls it from one

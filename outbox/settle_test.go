@@ -53,3 +53,33 @@ CREATE CONSTRAINT TRIGGER refuse_park AFTER UPDATE ON outbox DEFERRABLE INITIALL
 		10*time.Second, 5*time.Millisecond, "the committed park counted")
 	assert.EqualValues(t, 1, metricValue(t, rd, outbox.ParkedMetric))
 }
+
+// A row written by plain SQL whose headers (or trace) are JSON but not an
+// object of strings cannot become a message: it is charged and parked with
+// the reason, the rows of its key wait behind it, and every other row is
+// published, where the relay once failed to read any batch holding it and
+// published nothing at all.
+func TestUndecodableRowIsParkedOthersGoOn(t *testing.T) {
+	k := newKafka(t)
+	pool, _ := migrated(t)
+	d := k.destination(t)
+	startRelay(t, pool, k.publisher(t), outbox.RelayConfig{
+		PollInterval: 20 * time.Millisecond, MaxAttempts: 2,
+		RetryBackoff: outbox.Backoff{Initial: 10 * time.Millisecond, Max: 10 * time.Millisecond},
+		InfraBackoff: outbox.Backoff{Initial: 10 * time.Millisecond, Max: 50 * time.Millisecond},
+	})
+	ctx := context.Background()
+	addCommitted(t, pool, d.msg("a", "a/1"))
+	d.read(t, 1)
+	_, err := pool.Exec(ctx, `INSERT INTO outbox (event_id, topic, key, headers, trace, body)
+VALUES ('bad-headers', $1, 'a', '{"retries": 3}', '{}', 'a/2'), ('bad-trace', $1, 'b', '{}', '["x"]', 'b/1')`, d.(*kafkaDest).topic)
+	require.NoError(t, err)
+	addCommitted(t, pool, d.msg("a", "a/3"), d.msg("c", "c/1"))
+
+	waitRows(t, pool, "parked_at IS NOT NULL AND attempts = 2", 2, 30*time.Second)
+	assert.Equal(t, 1, rows(t, pool, "event_id = 'bad-headers' AND last_error LIKE '%headers%'"))
+	assert.Equal(t, 1, rows(t, pool, "event_id = 'bad-trace' AND last_error LIKE '%trace%'"))
+	got := d.read(t, 2)
+	assert.ElementsMatch(t, []string{"a/1", "c/1"}, bodies(got))
+	assert.Equal(t, 1, rows(t, pool, "parked_at IS NULL AND sent_at IS NULL"), "a/3 waits behind the parked a/2")
+}
