@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net"
 	"regexp"
+	"strconv"
 	"sync"
 	"time"
 
@@ -65,6 +66,11 @@ type Publisher struct {
 	// them up before their next record is sent, because a publish to a
 	// missing exchange closes the channel and fails the whole batch.
 	missing map[string]bool
+	// maxBody is the broker's max_message_size, once a publish over it
+	// closed a channel of this connection (0: not known): Check refuses a
+	// larger record before it is sent, which would close the channel
+	// again. A new connection forgets it (the setting is the node's).
+	maxBody int
 }
 
 // New validates cfg and returns a Publisher; it does not connect yet.
@@ -100,8 +106,9 @@ func New(cfg Config) (*Publisher, error) {
 
 // Publish publishes recs, in order, to exchange Topic with RoutingKey,
 // mandatory, and waits for their confirms. A record returned unroutable
-// (no queue bound), or sent to an exchange that does not exist, gets an
-// error wrapped with outbox.Rejected; a nack, a lost connection or no
+// (no queue bound), sent to an exchange that does not exist, or larger
+// than the broker's max_message_size gets an error wrapped with
+// outbox.Rejected; a nack, a lost connection or no
 // confirm within ConfirmTimeout an ordinary error, after which the channel
 // is replaced.
 func (p *Publisher) Publish(ctx context.Context, recs []outbox.Record) []error {
@@ -153,6 +160,12 @@ func (p *Publisher) send(ctx context.Context, ch *amqp091.Channel, recs []outbox
 // and reports whether any record failed otherwise.
 func (p *Publisher) classify(recs []outbox.Record, errs []error, returned map[returnKey]amqp091.Return, closeErr *amqp091.Error) (failed bool) {
 	missing := missingExchange(closeErr)
+	limit := maxMessageSize(closeErr)
+	if limit > 0 {
+		p.mu.Lock()
+		p.maxBody = limit
+		p.mu.Unlock()
+	}
 	for i, rec := range recs {
 		switch r, wasReturned := returned[returnKey{rec.Topic, rec.RoutingKey, rec.EventID}]; {
 		case errs[i] == nil && wasReturned:
@@ -162,6 +175,8 @@ func (p *Publisher) classify(recs []outbox.Record, errs []error, returned map[re
 		case missing != "" && missing == rec.Topic:
 			p.markMissing(missing)
 			errs[i] = outbox.Rejected(fmt.Errorf("amqpout: exchange %q does not exist: %w", rec.Topic, closeErr))
+		case limit > 0 && len(rec.Body) > limit:
+			errs[i] = outbox.Rejected(fmt.Errorf("amqpout: message of %d bytes is larger than the broker's max size: %w", len(rec.Body), closeErr))
 		default:
 			if closeErr != nil {
 				errs[i] = fmt.Errorf("%w (channel closed: %w)", errs[i], closeErr)
@@ -172,13 +187,18 @@ func (p *Publisher) classify(recs []outbox.Record, errs []error, returned map[re
 	return failed
 }
 
-// Check refuses a record to an exchange that a publish found missing and
-// that a passive declare (on a channel of its own) still does not find;
-// records to other exchanges pass unchecked.
+// Check refuses a record larger than the broker's max_message_size, once
+// a publish found that limit, and a record to an exchange that a publish
+// found missing and that a passive declare (on a channel of its own)
+// still does not find; records to other exchanges pass unchecked.
 func (p *Publisher) Check(rec outbox.Record) error {
 	p.mu.Lock()
-	missing, conn := p.missing[rec.Topic], p.conn
+	missing, conn, maxBody := p.missing[rec.Topic], p.conn, p.maxBody
 	p.mu.Unlock()
+	if maxBody > 0 && len(rec.Body) > maxBody {
+		return outbox.Rejected(fmt.Errorf("amqpout: message of %d bytes is larger than the broker's max size %d (max_message_size)",
+			len(rec.Body), maxBody))
+	}
 	if !missing || conn == nil {
 		return nil
 	}
@@ -277,6 +297,22 @@ func missingExchange(e *amqp091.Error) string {
 	return ""
 }
 
+var tooLarge = regexp.MustCompile(`message size \d+ is larger than configured max size (\d+)`)
+
+// maxMessageSize is the max_message_size a 406 channel close reports when
+// a message exceeded it; 0 for any other close.
+func maxMessageSize(e *amqp091.Error) int {
+	if e == nil || e.Code != amqp091.PreconditionFailed {
+		return 0
+	}
+	if m := tooLarge.FindStringSubmatch(e.Reason); m != nil {
+		if n, err := strconv.Atoi(m[1]); err == nil {
+			return n
+		}
+	}
+	return 0
+}
+
 // publishing is the AMQP message of rec.
 func (p *Publisher) publishing(rec outbox.Record) amqp091.Publishing {
 	headers := make(amqp091.Table, len(rec.Headers))
@@ -318,6 +354,7 @@ func (p *Publisher) channel() (*amqp091.Channel, chan amqp091.Return, chan *amqp
 			return nil, nil, nil, fmt.Errorf("amqpout: connect: %w", redact(err))
 		}
 		p.conn = conn
+		p.maxBody = 0
 	}
 	ch, err := p.conn.Channel()
 	if err != nil {

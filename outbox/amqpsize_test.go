@@ -1,0 +1,91 @@
+package outbox_test
+
+import (
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/outbox"
+)
+
+// privateRabbit starts a RabbitMQ node for t alone (scripts/rabbitmq.sh),
+// so that its settings can change without disturbing other tests, and
+// returns it with a function that runs rabbitmqctl against it. It skips
+// the test where RabbitMQ is not installed, unless ONCE_REQUIRE_SERVERS=1.
+func privateRabbit(t *testing.T) (*rabbit, func(args ...string) string) {
+	t.Helper()
+	if _, err := os.Stat("/usr/lib/rabbitmq/bin/rabbitmq-server"); err != nil {
+		if _, err := exec.LookPath("rabbitmq-server"); err != nil {
+			if os.Getenv("ONCE_REQUIRE_SERVERS") == "1" {
+				t.Fatal("rabbitmq-server is not installed and ONCE_REQUIRE_SERVERS=1")
+			}
+			t.Skip("rabbitmq-server is not installed")
+		}
+	}
+	script, err := filepath.Abs(filepath.Join("..", "scripts", "rabbitmq.sh"))
+	require.NoError(t, err)
+	dir, err := os.MkdirTemp("", "once-rabbit-test-")
+	require.NoError(t, err)
+	var stderr strings.Builder
+	cmd := exec.Command(script, "start", dir)
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	t.Cleanup(func() {
+		if out, err := exec.Command(script, "stop", dir).CombinedOutput(); err != nil {
+			t.Logf("rabbitmq.sh stop: %v: %s", err, out)
+		}
+	})
+	require.NoError(t, err, "rabbitmq.sh start: %s", stderr.String())
+	env := map[string]string{}
+	for _, line := range strings.Split(strings.TrimSpace(string(out)), "\n") {
+		k, v, ok := strings.Cut(strings.TrimPrefix(line, "export "), "=")
+		require.True(t, ok, "rabbitmq.sh start printed %q", line)
+		env[k] = v
+	}
+	require.NotEmpty(t, env["AMQP_URL"])
+	ctl := func(args ...string) string {
+		t.Helper()
+		bin := "/usr/lib/rabbitmq/bin/rabbitmqctl" // the /usr/sbin wrapper switches to the rabbitmq user when root
+		if _, err := os.Stat(bin); err != nil {
+			bin = "rabbitmqctl"
+		}
+		cmd := exec.Command(bin, append([]string{"-n", env["ONCE_RABBITMQ_NODE"]}, args...)...)
+		cmd.Env = append(os.Environ(), "HOME="+dir) // the node's Erlang cookie
+		out, err := cmd.CombinedOutput()
+		require.NoError(t, err, "rabbitmqctl %s: %s", strings.Join(args, " "), out)
+		return string(out)
+	}
+	return &rabbit{url: env["AMQP_URL"]}, ctl
+}
+
+// A message larger than the broker's max_message_size closes the
+// publishing channel (406), which fails the whole batch: the row is
+// charged and parked as refused (checked before it is sent again, so
+// that the channel closes once), and every other row, of its batch and
+// after, is published.
+func TestMessageOverRabbitMQMaxSizeIsParkedOthersGoOn(t *testing.T) {
+	r, ctl := privateRabbit(t)
+	ctl("eval", "application:set_env(rabbit, max_message_size, 65536).")
+	pool, _ := migrated(t)
+	d := r.destination(t)
+	startRelay(t, pool, r.publisher(t), outbox.RelayConfig{PollInterval: 20 * time.Millisecond, MaxAttempts: 2,
+		RetryBackoff: outbox.Backoff{Initial: 10 * time.Millisecond, Max: 10 * time.Millisecond},
+		InfraBackoff: outbox.Backoff{Initial: 10 * time.Millisecond, Max: 50 * time.Millisecond}})
+	big := d.msg("a", "a/2")
+	big.Body = make([]byte, 100<<10)
+	addCommitted(t, pool, d.msg("a", "a/1"), big, d.msg("b", "b/1"), d.msg("a", "a/3"), d.msg("c", "c/1"))
+	// Its second attempt was refused by the check, the channel left open.
+	waitRows(t, pool, "parked_at IS NOT NULL AND last_error LIKE '%max size 65536 (max_message_size)%'", 1, 30*time.Second)
+	all := d.read(t, 3)
+	got := firstCopies(all)
+	assert.Equal(t, []string{"a/1"}, bodiesOfKey(got, "a"))
+	assert.Equal(t, []string{"b/1"}, bodiesOfKey(got, "b"))
+	assert.Equal(t, []string{"c/1"}, bodiesOfKey(got, "c"))
+	assert.Equal(t, 1, rows(t, pool, "parked_at IS NULL AND sent_at IS NULL"), "a/3 waits behind the parked a/2")
+}
