@@ -89,3 +89,31 @@ func TestMessageOverRabbitMQMaxSizeIsParkedOthersGoOn(t *testing.T) {
 	assert.Equal(t, []string{"c/1"}, bodiesOfKey(got, "c"))
 	assert.Equal(t, 1, rows(t, pool, "parked_at IS NULL AND sent_at IS NULL"), "a/3 waits behind the parked a/2")
 }
+
+// AMQP carries the exchange, routing key, message id, type and header
+// names as short strings of at most 255 bytes. A row with a longer one (an
+// id of MaxIDLength bytes, a long routing key) cannot be sent: it is
+// refused and parked, and every other row is published, where the relay
+// once retried it without end (the client failed the publish, or sent half
+// of it and the broker closed the connection) and published nothing else.
+func TestAMQPShortStringOverflowIsParkedOthersGoOn(t *testing.T) {
+	r := rabbitOrSkip(t)
+	pool, _ := migrated(t)
+	d := r.destination(t)
+	startRelay(t, pool, r.publisher(t), outbox.RelayConfig{PollInterval: 20 * time.Millisecond, MaxAttempts: 2,
+		RetryBackoff: outbox.Backoff{Initial: 10 * time.Millisecond, Max: 10 * time.Millisecond},
+		InfraBackoff: outbox.Backoff{Initial: 10 * time.Millisecond, Max: 50 * time.Millisecond}})
+	longID := d.msg("a", "a/2")
+	longID.ID = strings.Repeat("i", outbox.MaxIDLength)
+	longKey := d.msg("b", "b/2")
+	longKey.RoutingKey = strings.Repeat("r", 300)
+	longHeader := d.msg("c", "c/2")
+	longHeader.Headers = map[string]string{strings.Repeat("h", 256): "v"}
+	addCommitted(t, pool, d.msg("a", "a/1"), longID, d.msg("b", "b/1"), longKey, d.msg("c", "c/1"), longHeader,
+		d.msg("d", "d/1"))
+	waitRows(t, pool, "parked_at IS NOT NULL AND last_error LIKE '%255 bytes%'", 3, 30*time.Second)
+	got := firstCopies(d.read(t, 4))
+	for _, k := range []string{"a", "b", "c", "d"} {
+		assert.Equal(t, []string{k + "/1"}, bodiesOfKey(got, k))
+	}
+}

@@ -187,11 +187,16 @@ func (p *Publisher) classify(recs []outbox.Record, errs []error, returned map[re
 	return failed
 }
 
-// Check refuses a record larger than the broker's max_message_size, once
-// a publish found that limit, and a record to an exchange that a publish
-// found missing and that a passive declare (on a channel of its own)
-// still does not find; records to other exchanges pass unchecked.
+// Check refuses a record that AMQP cannot carry (an exchange, routing
+// key, event id, type or header name over 255 bytes), a record larger
+// than the broker's max_message_size, once a publish found that limit,
+// and a record to an exchange that a publish found missing and that a
+// passive declare (on a channel of its own) still does not find; records
+// to other exchanges pass unchecked.
 func (p *Publisher) Check(rec outbox.Record) error {
+	if err := checkShortStrings(rec); err != nil {
+		return outbox.Rejected(err)
+	}
 	p.mu.Lock()
 	missing, conn, maxBody := p.missing[rec.Topic], p.conn, p.maxBody
 	p.mu.Unlock()
@@ -216,6 +221,29 @@ func (p *Publisher) Check(rec outbox.Record) error {
 		p.mu.Lock()
 		delete(p.missing, rec.Topic)
 		p.mu.Unlock()
+	}
+	return nil
+}
+
+// maxShortString is the longest AMQP short string, in bytes: exchange
+// names, routing keys, the message-id and type properties, table keys.
+const maxShortString = 255
+
+// checkShortStrings reports a field of rec too long for an AMQP short
+// string: amqp091 fails such a publish, or sends half of it, which closes
+// the connection.
+func checkShortStrings(rec outbox.Record) error {
+	for _, f := range []struct{ name, v string }{
+		{"exchange (Topic)", rec.Topic}, {"routing key", rec.RoutingKey}, {"event id (message-id)", rec.EventID}, {"type", rec.Type},
+	} {
+		if len(f.v) > maxShortString {
+			return fmt.Errorf("amqpout: the %s is %d bytes long; AMQP carries at most %d bytes", f.name, len(f.v), maxShortString)
+		}
+	}
+	for k := range rec.Headers {
+		if len(k) > maxShortString {
+			return fmt.Errorf("amqpout: a header name is %d bytes long; AMQP carries at most %d bytes", len(k), maxShortString)
+		}
 	}
 	return nil
 }
