@@ -147,8 +147,62 @@ func (p *Publisher) Publish(ctx context.Context, recs []outbox.Record) []error {
 	}
 	if unavailable {
 		p.reset()
+	} else {
+		p.resendTooLarge(recs, errs)
 	}
 	return errs
+}
+
+// resendTooLarge sends again, one at a time and in order, the records
+// refused as too large when more than one was: a topic whose
+// max.message.bytes is below Producer.MaxMessageBytes refuses a whole
+// batch of records it would take one by one. A record refused alone is
+// refused; the later records of its key are not sent (an ordinary error:
+// the relay holds them behind it without charging them).
+func (p *Publisher) resendTooLarge(recs []outbox.Record, errs []error) {
+	var again []int
+	for i, err := range errs {
+		if errors.Is(err, sarama.ErrMessageSizeTooLarge) || errors.Is(err, sarama.ErrMessageSetSizeTooLarge) {
+			again = append(again, i)
+		}
+	}
+	if len(again) < 2 {
+		return // a record refused alone was in a batch of its own
+	}
+	// A new producer: the refused batch may have left the old one's
+	// sequence numbers ahead of what the broker took.
+	p.reset()
+	producer, err := p.connect()
+	held := map[string]bool{}
+	for _, i := range again {
+		key := ""
+		if recs[i].Key != nil {
+			key = recs[i].Topic + "\x00" + string(recs[i].Key)
+		}
+		switch {
+		case err != nil:
+			errs[i] = err
+			continue
+		case key != "" && held[key]:
+			errs[i] = fmt.Errorf("kafkaout: topic %q: held behind a refused record of its key", recs[i].Topic)
+			continue
+		}
+		_, _, sendErr := producer.SendMessage(p.message(recs[i]))
+		switch {
+		case sendErr == nil:
+			errs[i] = nil
+			continue
+		case isRejection(sendErr):
+			errs[i] = outbox.Rejected(fmt.Errorf("kafkaout: topic %q: %w", recs[i].Topic, sendErr))
+		default:
+			errs[i] = fmt.Errorf("kafkaout: topic %q: %w", recs[i].Topic, sendErr)
+			p.reset()
+			err = errs[i] // the rest are not sent
+		}
+		if key != "" {
+			held[key] = true
+		}
+	}
 }
 
 // Check refuses a record with no topic, or one larger than
