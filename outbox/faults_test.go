@@ -51,14 +51,18 @@ func TestKeyOrderUnderTwoRelays(t *testing.T) {
 			return nil
 		})
 
+		// The writers write at least txs transactions each, and go on until
+		// the last kill, so that every leader has new rows to publish.
 		const writers, keysPerWriter, txs, perTx = 3, 2, 40, 5
 		var wg sync.WaitGroup
+		var killed atomic.Bool
+		var written atomic.Int64
 		for w := range writers {
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
 				next := map[string]int{}
-				for range txs {
+				for i := 0; i < txs || !killed.Load(); i++ {
 					var msgs []outbox.Message
 					for j := range perTx {
 						key := fmt.Sprintf("w%d-k%d", w, j%keysPerWriter)
@@ -66,6 +70,7 @@ func TestKeyOrderUnderTwoRelays(t *testing.T) {
 						next[key]++
 					}
 					addCommitted(t, pool, msgs...)
+					written.Add(perTx)
 				}
 			}()
 		}
@@ -73,8 +78,9 @@ func TestKeyOrderUnderTwoRelays(t *testing.T) {
 		for range 3 {
 			killLeader(t, pool, &published)
 		}
+		killed.Store(true)
 		wg.Wait()
-		total := writers * txs * perTx
+		total := int(written.Load())
 		waitRows(t, pool, "true", 0, 60*time.Second)
 		stopWatch()
 		got := d.read(t, total)
