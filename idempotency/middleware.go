@@ -51,7 +51,7 @@ func New(pool Pool, cfg Config) (*Middleware, error) {
 // finishTimeout bounds storing the response and committing. They run on a
 // context detached from the request's: a client that gave up after the
 // handler finished still gets its effect committed, and its retry a replay.
-const finishTimeout = 30 * time.Second
+var finishTimeout = 30 * time.Second
 
 // Handler wraps next, which must write its effects in Tx(r.Context()).
 // For each request:
@@ -169,7 +169,7 @@ func (m *Middleware) serveWithKey(w http.ResponseWriter, r *http.Request, next h
 		tx, won, prev, err = m.begin(ctx, &c)
 	}
 	if tx != nil {
-		defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // a no-op after Commit
+		defer m.rollback(ctx, tx) // a no-op after Commit
 	}
 	switch {
 	case isLockTimeout(err):
@@ -331,7 +331,7 @@ func (m *Middleware) serveWithoutKey(w http.ResponseWriter, r *http.Request, nex
 		m.infrastructureFailure(w, r, "beginning the transaction", err)
 		return
 	}
-	defer tx.Rollback(context.WithoutCancel(ctx)) //nolint:errcheck // a no-op after Commit
+	defer m.rollback(ctx, tx) // a no-op after Commit
 	rec := newRecorder(m.cfg.MaxResponseBytes)
 	next.ServeHTTP(rec, m.withTx(r, tx, ""))
 	status := rec.finalStatus()
@@ -358,6 +358,9 @@ func (m *Middleware) withTx(r *http.Request, tx pgx.Tx, key string) *http.Reques
 	return r.WithContext(context.WithValue(r.Context(), ctxKey{}, &requestState{tx: ownedTx{tx}, key: key}))
 }
 
+// rollback rolls tx back, also when the request's context ended, within
+// finishTimeout: a database that stopped answering does not hold the
+// request (and its connection) after its answer is known.
 func (m *Middleware) rollback(ctx context.Context, tx pgx.Tx) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), finishTimeout)
 	defer cancel()
