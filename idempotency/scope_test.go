@@ -5,6 +5,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"net/http"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -29,6 +30,7 @@ func TestAnyScopeHoldsKeys(t *testing.T) {
 		"long too":  long[:len(long)-1] + "x",
 		"not utf-8": "caf\xe9",
 		"nul":       "a\x00b",
+		"edge":      long[:2048],
 		// What a long scope is stored as, sent as a scope: another client.
 		"posing": "once:sha256:" + hex.EncodeToString(sum[:]),
 	}
@@ -46,4 +48,12 @@ func TestAnyScopeHoldsKeys(t *testing.T) {
 		assert.Equal(t, bodies[client], r.body, client)
 	}
 	assert.Equal(t, len(scopes), s.effects())
+
+	// The longest scope stored as it is, with the longest key.
+	longKey := strings.Repeat("k", idempotency.MaxKeyLength)
+	r := s.post("/orders", longKey, "b", "X-Client", "edge")
+	require.Equal(t, http.StatusCreated, r.status, r.body)
+	assert.True(t, s.post("/orders", longKey, "b", "X-Client", "edge").replayed())
+	assert.Equal(t, 1, count(t, s.pool, `SELECT count(*) FROM idempotency_keys WHERE scope = $1 AND idempotency_key = $2`,
+		long[:2048], longKey), "stored as it is")
 }
