@@ -171,6 +171,16 @@ func (m *Middleware) serveWithKey(w http.ResponseWriter, r *http.Request, next h
 	if tx != nil {
 		defer m.rollback(ctx, tx) // a no-op after Commit
 	}
+	if isLockTimeout(err) && !m.keyHeld(ctx, tx, c) {
+		// The session's own lock_timeout ended a wait for the table (a
+		// DDL statement, a REINDEX) or for extending it: no other request
+		// has the key.
+		m.cfg.Logger.Warn("idempotency: the claim outlasted the session's lock_timeout waiting for the table",
+			"path", r.URL.Path, "error", err)
+		problem(w, http.StatusServiceUnavailable, "Service unavailable",
+			"The request was not processed; retry with the same "+m.cfg.Header+".")
+		return
+	}
 	switch {
 	case isLockTimeout(err):
 		problem(w, http.StatusConflict, "Request in progress",
@@ -240,6 +250,25 @@ func (m *Middleware) begin(ctx context.Context, c *claim) (tx pgx.Tx, won bool, 
 		expired = found
 		prev = stored{}
 	}
+}
+
+// keyHeld reports whether another transaction holds c's key, after tx,
+// whose claim ended with a lock timeout, is rolled back (it may hold the
+// key itself). When it cannot tell, it reports true: the answer is then
+// 409, as for any timeout of the claim.
+func (m *Middleware) keyHeld(ctx context.Context, tx pgx.Tx, c claim) bool {
+	if tx != nil {
+		m.rollback(ctx, tx)
+	}
+	held := true
+	b := &pgx.Batch{}
+	b.Queue(m.sql.keyHeld, c.scope, c.key, m.sql.lockNamespace).QueryRow(func(row pgx.Row) error {
+		return row.Scan(&held)
+	})
+	if err := m.pool.SendBatch(ctx, b).Close(); err != nil {
+		return true
+	}
+	return held
 }
 
 // answerFromStore answers a request whose key is stored: a replay, or 422

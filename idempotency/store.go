@@ -116,13 +116,16 @@ func qualified(schema string) string {
 // configured schema.
 type statements struct {
 	saveLockTimeout, restoreLockTimeout string
-	lockKey, lockNamespace              string
+	lockKey, lockNamespace, keyHeld     string
 	claim, lookup, deleteExpired        string
 	saveResponse, retention             string
 }
 
 func newStatements(schema string) statements {
 	table := qualified(schema)
+	// lockName is what the key's lock is a hash of ($1 scope, $2 key, $3
+	// namespace).
+	lockName := `$3 || ':' || '` + table + `'::regclass::oid::text || ':' || length($1)::text || ':' || $1 || $2`
 	where := ` WHERE scope = $1 AND idempotency_key = $2`
 	return statements{
 		// The wait for a transaction that holds the same key is bounded by
@@ -154,8 +157,14 @@ func newStatements(schema string) statements {
 		// (autovacuum truncating its empty tail, a DDL statement, a
 		// REINDEX) would make a key no one else sent a 409.
 		lockKey: `SELECT pg_advisory_xact_lock(hashtextextended(left(set_config('lock_timeout', $4, true), 0) ||
-	$3 || ':' || '` + table + `'::regclass::oid::text || ':' || length($1)::text || ':' || $1 || $2, 0))
+	` + lockName + `, 0))
 WHERE NOT EXISTS (SELECT 1 FROM ` + table + where + ` AND expires_at > now())`,
+		// keyHeld tells whether another transaction holds the key's lock:
+		// it tries the lock (held to the statement's end only, and waiting
+		// for nothing, the table's locks included: it does not read the
+		// table). A lock_timeout that ended a claim is the wait for the key
+		// only if it is.
+		keyHeld:       `SELECT NOT pg_try_advisory_xact_lock(hashtextextended(` + lockName + `, 0))`,
 		lockNamespace: "once.idempotency",
 		claim: `INSERT INTO ` + table + ` (scope, idempotency_key, fingerprint, method, path, expires_at)
 VALUES ($1, $2, $3, $4, $5, now() + $6::float8 * interval '1 second') ON CONFLICT DO NOTHING`,

@@ -52,3 +52,29 @@ func TestNewKeyWaitsOutATableLock(t *testing.T) {
 	assert.Equal(t, http.StatusCreated, r.status, r.body)
 	assert.Equal(t, 2, s.effects())
 }
+
+// A server lock_timeout (the session's, which the middleware leaves to the
+// table's locks and the handler's statements) that expires while a new
+// key's claim waits for the table is a transient failure, 503 with
+// Retry-After, never a 409: no other request holds that key.
+func TestSessionLockTimeoutOnTheTableIsNot409(t *testing.T) {
+	s := newService(t, idempotency.Config{}, http.HandlerFunc(insertEffect))
+	admin := s.pool
+	s = serve(t, pgtest.NewPoolWith(t, s.schema, func(c *pgxpool.Config) {
+		c.ConnConfig.RuntimeParams["lock_timeout"] = "200ms"
+	}), s.schema, idempotency.Config{Wait: time.Minute}, http.HandlerFunc(insertEffect))
+	s.pool = admin
+	require.Equal(t, http.StatusCreated, s.post("/orders", "first", "a").status)
+	ctx := context.Background()
+	for _, mode := range []string{"ACCESS EXCLUSIVE", "SHARE"} { // the lock statement's wait, the insert's
+		locker, err := s.pool.Begin(ctx)
+		require.NoError(t, err)
+		_, err = locker.Exec(ctx, `LOCK TABLE idempotency_keys IN `+mode+` MODE`)
+		require.NoError(t, err)
+		r := s.post("/orders", "fresh "+mode, "b")
+		require.NoError(t, locker.Rollback(ctx))
+		assert.Equal(t, http.StatusServiceUnavailable, r.status, "%s: %s", mode, r.body)
+		assert.Equal(t, "1", r.header.Get("Retry-After"), mode)
+	}
+	assert.Equal(t, http.StatusCreated, s.post("/orders", "fresh", "b").status)
+}
