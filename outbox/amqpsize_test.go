@@ -117,3 +117,28 @@ func TestAMQPShortStringOverflowIsParkedOthersGoOn(t *testing.T) {
 		assert.Equal(t, []string{k + "/1"}, bodiesOfKey(got, k))
 	}
 }
+
+// A row to an exchange the relay's user may not write to closes the
+// publishing channel (403): it is refused and parked, and the rows behind
+// it, in its batch and after, are published, where every batch from it on
+// once failed and the relay published nothing past it.
+func TestExchangeWithoutWritePermissionIsParkedOthersGoOn(t *testing.T) {
+	r, ctl := privateRabbit(t)
+	ctl("add_user", "limited", "secret")
+	ctl("set_permissions", "limited", ".*", `^(amq\.default|allowed.*)$`, ".*")
+	limited := &rabbit{url: strings.Replace(r.url, "guest:guest", "limited:secret", 1)}
+	require.NotEqual(t, r.url, limited.url)
+	pool, _ := migrated(t)
+	d := r.destination(t)
+	startRelay(t, pool, limited.publisher(t), outbox.RelayConfig{PollInterval: 20 * time.Millisecond, MaxAttempts: 2,
+		RetryBackoff: outbox.Backoff{Initial: 10 * time.Millisecond, Max: 10 * time.Millisecond},
+		InfraBackoff: outbox.Backoff{Initial: 10 * time.Millisecond, Max: 50 * time.Millisecond}})
+	forbidden := func(body string) outbox.Message {
+		return outbox.Message{Topic: "forbidden", RoutingKey: "x", Key: []byte("f"), Body: []byte(body)}
+	}
+	addCommitted(t, pool, d.msg("a", "a/1"), forbidden("f/1"), d.msg("b", "b/1"), forbidden("f/2"), d.msg("c", "c/1"))
+	waitRows(t, pool, "parked_at IS NOT NULL AND last_error LIKE '%ACCESS_REFUSED%'", 1, 30*time.Second)
+	got := firstCopies(d.read(t, 3))
+	assert.ElementsMatch(t, []string{"a/1", "b/1", "c/1"}, bodies(got))
+	assert.Equal(t, 1, rows(t, pool, "parked_at IS NULL AND sent_at IS NULL"), "f/2 waits behind the parked f/1")
+}

@@ -106,9 +106,9 @@ func New(cfg Config) (*Publisher, error) {
 
 // Publish publishes recs, in order, to exchange Topic with RoutingKey,
 // mandatory, and waits for their confirms. A record returned unroutable
-// (no queue bound), sent to an exchange that does not exist, or larger
-// than the broker's max_message_size gets an error wrapped with
-// outbox.Rejected; a nack, a lost connection or no
+// (no queue bound), sent to an exchange that does not exist or that the
+// user may not write to, or larger than the broker's max_message_size gets
+// an error wrapped with outbox.Rejected; a nack, a lost connection or no
 // confirm within ConfirmTimeout an ordinary error, after which the channel
 // is replaced.
 func (p *Publisher) Publish(ctx context.Context, recs []outbox.Record) []error {
@@ -160,6 +160,7 @@ func (p *Publisher) send(ctx context.Context, ch *amqp091.Channel, recs []outbox
 // and reports whether any record failed otherwise.
 func (p *Publisher) classify(recs []outbox.Record, errs []error, returned map[returnKey]amqp091.Return, closeErr *amqp091.Error) (failed bool) {
 	missing := missingExchange(closeErr)
+	refused := refusedExchange(closeErr)
 	limit := maxMessageSize(closeErr)
 	if limit > 0 {
 		p.mu.Lock()
@@ -175,6 +176,8 @@ func (p *Publisher) classify(recs []outbox.Record, errs []error, returned map[re
 		case missing != "" && missing == rec.Topic:
 			p.markMissing(missing)
 			errs[i] = outbox.Rejected(fmt.Errorf("amqpout: exchange %q does not exist: %w", rec.Topic, closeErr))
+		case refused != "" && refused == rec.Topic:
+			errs[i] = outbox.Rejected(fmt.Errorf("amqpout: exchange %q refuses this user: %w", rec.Topic, closeErr))
 		case limit > 0 && len(rec.Body) > limit:
 			errs[i] = outbox.Rejected(fmt.Errorf("amqpout: message of %d bytes is larger than the broker's max size: %w", len(rec.Body), closeErr))
 		default:
@@ -320,6 +323,20 @@ func missingExchange(e *amqp091.Error) string {
 		return ""
 	}
 	if m := noExchange.FindStringSubmatch(e.Reason); m != nil {
+		return m[1]
+	}
+	return ""
+}
+
+var accessRefused = regexp.MustCompile(`access to exchange '(.*)' in vhost '.*' refused`)
+
+// refusedExchange names the exchange a 403 channel close says the user may
+// not publish to.
+func refusedExchange(e *amqp091.Error) string {
+	if e == nil || e.Code != amqp091.AccessRefused {
+		return ""
+	}
+	if m := accessRefused.FindStringSubmatch(e.Reason); m != nil {
 		return m[1]
 	}
 	return ""
