@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	amqp091 "github.com/rabbitmq/amqp091-go"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -118,9 +119,10 @@ func TestAMQPShortStringOverflowIsParkedOthersGoOn(t *testing.T) {
 	}
 }
 
-// A row to an exchange the relay's user may not write to closes the
-// publishing channel (403): it is refused and parked, and the rows behind
-// it, in its batch and after, are published, where every batch from it on
+// A row to an exchange the relay's user may not write to, or to an
+// internal exchange, closes the publishing channel (403): it is refused
+// and parked, and the rows behind it, in its batch and after, are
+// published, where every batch from it on
 // once failed and the relay published nothing past it.
 func TestExchangeWithoutWritePermissionIsParkedOthersGoOn(t *testing.T) {
 	r, ctl := privateRabbit(t)
@@ -136,9 +138,18 @@ func TestExchangeWithoutWritePermissionIsParkedOthersGoOn(t *testing.T) {
 	forbidden := func(body string) outbox.Message {
 		return outbox.Message{Topic: "forbidden", RoutingKey: "x", Key: []byte("f"), Body: []byte(body)}
 	}
-	addCommitted(t, pool, d.msg("a", "a/1"), forbidden("f/1"), d.msg("b", "b/1"), forbidden("f/2"), d.msg("c", "c/1"))
-	waitRows(t, pool, "parked_at IS NOT NULL AND last_error LIKE '%ACCESS_REFUSED%'", 1, 30*time.Second)
+	// An internal exchange refuses every publish, whoever sends it.
+	conn, err := amqp091.Dial(r.url)
+	require.NoError(t, err)
+	defer conn.Close()
+	ch, err := conn.Channel()
+	require.NoError(t, err)
+	require.NoError(t, ch.ExchangeDeclare("allowed-internal", "direct", true, false, true, false, nil))
+	internal := outbox.Message{Topic: "allowed-internal", RoutingKey: "x", Key: []byte("i"), Body: []byte("i/1")}
+	addCommitted(t, pool, d.msg("a", "a/1"), forbidden("f/1"), d.msg("b", "b/1"), forbidden("f/2"), internal, d.msg("c", "c/1"))
+	waitRows(t, pool, "parked_at IS NOT NULL AND last_error LIKE '%ACCESS_REFUSED%'", 2, 30*time.Second)
+	waitRows(t, pool, "parked_at IS NULL", 1, 30*time.Second) // f/2, behind the parked f/1
+	assert.Equal(t, 1, rows(t, pool, "parked_at IS NULL AND body = 'f/2'"))
 	got := firstCopies(d.read(t, 3))
 	assert.ElementsMatch(t, []string{"a/1", "b/1", "c/1"}, bodies(got))
-	assert.Equal(t, 1, rows(t, pool, "parked_at IS NULL AND sent_at IS NULL"), "f/2 waits behind the parked f/1")
 }

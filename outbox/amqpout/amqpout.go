@@ -106,8 +106,8 @@ func New(cfg Config) (*Publisher, error) {
 
 // Publish publishes recs, in order, to exchange Topic with RoutingKey,
 // mandatory, and waits for their confirms. A record returned unroutable
-// (no queue bound), sent to an exchange that does not exist or that the
-// user may not write to, or larger than the broker's max_message_size gets
+// (no queue bound), sent to an exchange that does not exist, is internal
+// or that the user may not write to, or larger than the broker's max_message_size gets
 // an error wrapped with outbox.Rejected; a nack, a lost connection or no
 // confirm within ConfirmTimeout an ordinary error, after which the channel
 // is replaced.
@@ -177,7 +177,7 @@ func (p *Publisher) classify(recs []outbox.Record, errs []error, returned map[re
 			p.markMissing(missing)
 			errs[i] = outbox.Rejected(fmt.Errorf("amqpout: exchange %q does not exist: %w", rec.Topic, closeErr))
 		case refused != "" && refused == rec.Topic:
-			errs[i] = outbox.Rejected(fmt.Errorf("amqpout: exchange %q refuses this user: %w", rec.Topic, closeErr))
+			errs[i] = outbox.Rejected(fmt.Errorf("amqpout: exchange %q refuses the publish: %w", rec.Topic, closeErr))
 		case limit > 0 && len(rec.Body) > limit:
 			errs[i] = outbox.Rejected(fmt.Errorf("amqpout: message of %d bytes is larger than the broker's max size: %w", len(rec.Body), closeErr))
 		default:
@@ -328,10 +328,10 @@ func missingExchange(e *amqp091.Error) string {
 	return ""
 }
 
-var accessRefused = regexp.MustCompile(`access to exchange '(.*)' in vhost '.*' refused`)
+var accessRefused = regexp.MustCompile(`exchange '(.*)' in vhost`)
 
-// refusedExchange names the exchange a 403 channel close says the user may
-// not publish to.
+// refusedExchange names the exchange a 403 channel close says cannot be
+// published to: the user may not write to it, or it is internal.
 func refusedExchange(e *amqp091.Error) string {
 	if e == nil || e.Code != amqp091.AccessRefused {
 		return ""
