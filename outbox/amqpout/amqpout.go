@@ -195,7 +195,9 @@ func (p *Publisher) classify(recs []outbox.Record, errs []error, returned map[re
 // than the broker's max_message_size, once a publish found that limit,
 // and a record to an exchange that a publish found missing and that a
 // passive declare (on a channel of its own) still does not find; records
-// to other exchanges pass unchecked.
+// to other exchanges pass unchecked. A lookup the broker does not answer
+// within ConfirmTimeout keeps the record for a later batch (an error not
+// wrapped with outbox.Rejected).
 func (p *Publisher) Check(rec outbox.Record) error {
 	if err := checkShortStrings(rec); err != nil {
 		return outbox.Rejected(err)
@@ -210,22 +212,43 @@ func (p *Publisher) Check(rec outbox.Record) error {
 	if !missing || conn == nil {
 		return nil
 	}
-	ch, err := conn.Channel()
-	if err != nil {
-		return nil // Publish meets the same failure and reports it
+	// The lookup's calls wait for the broker without a bound of their own:
+	// one that stopped answering (its connection held, not closed) would
+	// hold the relay, which calls Check before it publishes, until the
+	// broker drops the connection. Past ConfirmTimeout the record is kept
+	// for a later batch, neither sent nor charged.
+	found := make(chan error, 1)
+	go func() { found <- lookUpExchange(conn, rec.Topic) }()
+	var err error
+	select {
+	case err = <-found:
+	case <-time.After(p.cfg.ConfirmTimeout):
+		return fmt.Errorf("amqpout: no answer within ConfirmTimeout %v to the lookup of exchange %q", p.cfg.ConfirmTimeout, rec.Topic)
 	}
-	err = ch.ExchangeDeclarePassive(rec.Topic, "direct", true, false, false, false, nil)
 	var ae *amqp091.Error
 	if errors.As(err, &ae) && ae.Code == amqp091.NotFound {
 		return outbox.Rejected(fmt.Errorf("amqpout: exchange %q does not exist: %w", rec.Topic, err))
 	}
-	_ = ch.Close()
 	if err == nil {
 		p.mu.Lock()
 		delete(p.missing, rec.Topic)
 		p.mu.Unlock()
 	}
-	return nil
+	return nil // any other failure: Publish meets it too and reports it
+}
+
+// lookUpExchange declares exchange passively on a channel of its own: an
+// amqp091.Error with code NotFound when it does not exist.
+func lookUpExchange(conn *amqp091.Connection, exchange string) error {
+	ch, err := conn.Channel()
+	if err != nil {
+		return err
+	}
+	err = ch.ExchangeDeclarePassive(exchange, "direct", true, false, false, false, nil)
+	if err == nil {
+		_ = ch.Close()
+	}
+	return err
 }
 
 // maxShortString is the longest AMQP short string, in bytes: exchange

@@ -1,0 +1,82 @@
+package outbox_test
+
+import (
+	"context"
+	"net/url"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/internal/netcut"
+	"github.com/onceco/once/outbox"
+)
+
+// checkSignal is a publisher whose Check calls are announced on checking
+// before they run.
+type checkSignal struct {
+	outbox.Publisher
+	checking chan outbox.Record
+}
+
+func (p *checkSignal) Check(rec outbox.Record) error {
+	select {
+	case p.checking <- rec:
+	default:
+	}
+	return p.Publisher.(outbox.Checker).Check(rec)
+}
+
+// RabbitMQ stops answering (its connection held, not closed) while the
+// relay checks a record before sending it (amqpout looks up an exchange a
+// publish found missing): the lookup gives up after ConfirmTimeout and a
+// stop ends soon after, where the check once held Run until the broker
+// dropped the connection for missed heartbeats.
+func TestRelayStopsWhileACheckWaitsOnAHungBroker(t *testing.T) {
+	r := rabbitOrSkip(t)
+	u, err := url.Parse(r.url)
+	require.NoError(t, err)
+	proxy, err := netcut.NewProxy(u.Host)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = proxy.Close() })
+	u.Host = proxy.Addr()
+	pub := &checkSignal{Publisher: r.publisherAt(t, u.String()), checking: make(chan outbox.Record, 100)}
+	pool, _ := migrated(t)
+	relay, err := outbox.NewRelay(pool, pub, outbox.RelayConfig{PollInterval: 20 * time.Millisecond,
+		RetryBackoff: outbox.Backoff{Initial: 300 * time.Millisecond, Max: 300 * time.Millisecond}, Logger: testLogger()})
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- relay.Run(ctx) }()
+
+	addCommitted(t, pool, outbox.Message{Topic: uniq("no-such-exchange"), RoutingKey: "x", Body: []byte("x")})
+	waitRows(t, pool, "attempts = 1", 1, 30*time.Second) // refused: its exchange is known missing
+	for len(pub.checking) > 0 {
+		<-pub.checking
+	}
+	proxy.Pause()
+	paused := true
+	defer func() {
+		if paused {
+			proxy.Resume()
+		}
+	}()
+	select {
+	case <-pub.checking: // the retry's check, which asks the broker
+	case <-time.After(30 * time.Second):
+		t.Fatal("the row was not checked again")
+	}
+	start := time.Now()
+	cancel()
+	select {
+	case err := <-done:
+		require.NoError(t, err)
+	case <-time.After(60 * time.Second):
+		t.Fatal("the relay did not stop")
+	}
+	assert.Less(t, time.Since(start), 10*time.Second, "the stop waited for the hung check")
+	proxy.Resume()
+	paused = false
+}
