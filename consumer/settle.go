@@ -117,13 +117,7 @@ func (s *settler) ackWith(j *job, outcome Result, dl *DeadLetter) {
 		errorType = string(dl.Kind)
 	}
 	p.tel.processed(j.ctx, j.m, j.start, errorType)
-	// The ack outlives the job's context (a held dead letter is settled
-	// after its batch ended) but not the shutdown deadline: an adapter's
-	// ack that writes (the Kafka adapter's record of a dead letter in the
-	// database) must not hold Run past ShutdownTimeout.
-	actx, cancel := p.detached(j.ctx)
-	defer cancel()
-	if err := j.d.Ack(actx); err != nil {
+	if err := s.ackDelivery(j, dl != nil); err != nil {
 		// The effect is committed; the broker will redeliver and the
 		// claim will find a duplicate.
 		p.cfg.Telemetry.Logger.WarnContext(j.ctx, "once: ack failed; the message will be redelivered and skipped",
@@ -178,6 +172,23 @@ func (s *settler) deadLetter(ctx context.Context, j *job, dl *DeadLetter) {
 		"event_type", dl.EventType, "kind", dl.Kind, "error", dl.Error, "topic", j.m.Topic)
 	p.guard.settled(ctx, j)
 	s.ackWith(j, ResultDeadLettered, dl)
+}
+
+// ackDelivery acks j's delivery under a context that outlives the job's (a
+// held dead letter is settled after its batch ended) but not the shutdown
+// deadline: an adapter's ack that writes (the Kafka adapter's record of a
+// dead letter in the database) must not hold Run past ShutdownTimeout.
+// Only a dead letter's ack carries the message's context values (its
+// span) on a context of its own; every other ack, one per message on the
+// hot path, gets the pipeline's work context and allocates nothing.
+func (s *settler) ackDelivery(j *job, deadLettered bool) error {
+	p := s.p
+	if !deadLettered {
+		return j.d.Ack(p.work)
+	}
+	ctx, cancel := p.detached(j.ctx)
+	defer cancel()
+	return j.d.Ack(ctx)
 }
 
 // abandon leaves j unacked: the broker delivers it again. What the crash
