@@ -25,8 +25,11 @@ type KafkaConfig struct {
 	// transactional) with acks from all in-sync replicas.
 	Sarama *sarama.Config
 	// IdleTimeout bounds the wait for the next record of a partition that
-	// has not reached its high-water mark (records of aborted transactions
-	// never arrive). Default 5s.
+	// has not reached its high-water mark: a transaction's commit or abort
+	// marker takes an offset but is never delivered. A fetch that stalls
+	// longer (a leader election) ends that partition's read there, so a
+	// list or a replay may cover less than the topic holds; raise it on a
+	// cluster whose elections take longer. Default 5s.
 	IdleTimeout time.Duration
 }
 
