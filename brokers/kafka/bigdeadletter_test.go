@@ -134,3 +134,47 @@ func TestDeadLetterCopyOverBrokerLimitKeepsPartitionMoving(t *testing.T) {
 	require.Len(t, orig, 2)
 	assert.True(t, bytes.Equal(big, orig[0].Value), "the original is where the headers say")
 }
+
+// An event id far over the limit is dead-lettered invalid-id, and its
+// copy carries it twice: as the original header and as once-event-id.
+// Each fits the topic alone, the copy does not, and dropping the copy's
+// small value does not make it fit: the copy is written with its
+// diagnostics alone (cut to 4 KiB each), so that the partition goes on.
+func TestDeadLetterCopyTooLargeWithoutItsValueKeepsPartitionMoving(t *testing.T) {
+	c := newCluster(t)
+	db, _ := pgtest.Schema(t)
+	topic := uniq("bigid")
+	c.createTopic(topic, 1)
+	c.createTopic(topic+".dlq", 1)
+	id := strings.Repeat("i", 600_000) // the topic takes it; twice it is over the producer's 1 MB
+	value := `{"order_id":"o-1","amount":1}`
+	c.produce(
+		&sarama.ProducerMessage{Topic: topic, Key: sarama.StringEncoder("k-1"), Value: sarama.StringEncoder(value),
+			Headers: []sarama.RecordHeader{hdr("id", id), hdr("type", "order.created")}},
+		&sarama.ProducerMessage{Topic: topic, Value: sarama.StringEncoder(`{"order_id":"g","amount":1}`),
+			Headers: []sarama.RecordHeader{hdr("id", "good")}},
+	)
+	src, err := Open(t.Context(), c.config(uniq("g"), topic)) // default sarama producer limits
+	require.NoError(t, err)
+	h := func(context.Context, pgx.Tx, consumer.Event[badOrder]) error { return nil }
+	r := startConsumerOf(t, db, src, h)
+	ok := assert.Eventually(t, func() bool { s := r.Stats(); return s.Handled == 1 && s.DeadLettered == 1 },
+		30*time.Second, 20*time.Millisecond, "the poison is dead-lettered and the good record behind it handled")
+	require.True(t, ok, "stats %+v", r.Stats())
+	recs, err := readTopic(c.addrs, topic+".dlq")
+	require.NoError(t, err)
+	require.Len(t, recs, 1)
+	assert.Nil(t, recs[0].Value, "the value is dropped from the copy")
+	assert.Nil(t, recs[0].Key, "the key is dropped from the copy")
+	headers := map[string]string{}
+	for _, rh := range recs[0].Headers {
+		headers[string(rh.Key)] = string(rh.Value)
+	}
+	assert.NotContains(t, headers, "id", "the original headers are dropped")
+	assert.Equal(t, fmt.Sprint(len(value)), headers[HeaderValueDropped])
+	assert.Equal(t, string(consumer.KindInvalidID), headers[consumer.HeaderErrorKind])
+	assert.Equal(t, topic, headers[consumer.HeaderOriginalTopic])
+	assert.Equal(t, "0", headers[consumer.HeaderOriginalOffset], "the original can be found from the copy")
+	assert.Equal(t, id[:4096], headers[consumer.HeaderEventID], "the event id is cut")
+	assert.Equal(t, fmt.Sprint(len("k-1")+len("id")+len(id)+len("type")+len("order.created")), headers[HeaderOriginalDropped])
+}

@@ -457,8 +457,19 @@ func (s *Source) deadLetter(ctx context.Context, raw *sarama.ConsumerMessage, m 
 		s.cfg.Logger.Warn("once/kafka: dead-letter copy too large; writing it without its value",
 			"topic", raw.Topic, "partition", raw.Partition, "offset", raw.Offset, "bytes", len(raw.Value))
 		out.Value = nil
-		out.Headers = append(out.Headers,
-			sarama.RecordHeader{Key: []byte(HeaderValueDropped), Value: []byte(strconv.Itoa(len(raw.Value)))})
+		out.Headers = append(out.Headers, valueDropped(raw))
+		err = s.send(ctx, out)
+	}
+	if tooLarge(err) {
+		// Still too large without its value: the key or the headers are
+		// (an oversized event id or type is written twice, as the
+		// original header and as a diagnostic). Write the diagnostics
+		// alone, each cut, without the key.
+		s.cfg.Logger.Warn("once/kafka: dead-letter copy too large without its value; writing its diagnostics alone",
+			"topic", raw.Topic, "partition", raw.Partition, "offset", raw.Offset, "key_and_header_bytes", keyAndHeaderBytes(raw))
+		out.Key, out.Value = nil, nil
+		out.Headers = append(deadLetterHeaders(nil, cutDiagnostics(dl.Headers(m))), valueDropped(raw),
+			sarama.RecordHeader{Key: []byte(HeaderOriginalDropped), Value: []byte(strconv.Itoa(keyAndHeaderBytes(raw)))})
 		err = s.send(ctx, out)
 	}
 	if err != nil {
@@ -473,6 +484,47 @@ func (s *Source) deadLetter(ctx context.Context, raw *sarama.ConsumerMessage, m 
 // than the dead-letter producer or topic accepts. The original record is
 // still in its topic, at the partition and offset of the copy's headers.
 const HeaderValueDropped = "once-value-dropped"
+
+// HeaderOriginalDropped is set, to the size in bytes of the original key
+// and headers, on a dead-letter copy that was too large even without its
+// value: it is written without the key and the original headers, with the
+// diagnostic headers alone, each cut to maxDiagnostic bytes. It carries
+// HeaderValueDropped too. The original record is still in its topic, at
+// the partition and offset of the copy's headers.
+const HeaderOriginalDropped = "once-original-dropped"
+
+// maxDiagnostic bounds each diagnostic header of a copy written without
+// its original key and headers: the error message and stack are cut to
+// this already (consumer.DeadLetter.Headers), the event id and type are
+// not when they are invalid ones.
+const maxDiagnostic = 4096
+
+// valueDropped is the HeaderValueDropped header of raw's copy.
+func valueDropped(raw *sarama.ConsumerMessage) sarama.RecordHeader {
+	return sarama.RecordHeader{Key: []byte(HeaderValueDropped), Value: []byte(strconv.Itoa(len(raw.Value)))}
+}
+
+// keyAndHeaderBytes is the size of raw's key and headers.
+func keyAndHeaderBytes(raw *sarama.ConsumerMessage) int {
+	n := len(raw.Key)
+	for _, h := range raw.Headers {
+		if h != nil {
+			n += len(h.Key) + len(h.Value)
+		}
+	}
+	return n
+}
+
+// cutDiagnostics cuts every value of diag to maxDiagnostic bytes of valid
+// UTF-8.
+func cutDiagnostics(diag map[string]string) map[string]string {
+	for k, v := range diag {
+		if len(v) > maxDiagnostic {
+			diag[k] = strings.ToValidUTF8(v[:maxDiagnostic], "")
+		}
+	}
+	return diag
+}
 
 // tooLarge reports whether a produce failed on the record's size, in the
 // producer (Producer.MaxMessageBytes) or at the broker.

@@ -58,7 +58,10 @@
 // partition waits at that record). A retried DeadLetter may write the copy
 // twice; dead-letter topics are at-least-once. A copy larger than the
 // producer or the topic accepts is written without its value, with the
-// HeaderValueDropped header (the original stays in its topic). Close
+// HeaderValueDropped header (the original stays in its topic); one still
+// too large without its value is written with its diagnostic headers
+// alone, without the key and the original headers, and carries
+// HeaderOriginalDropped as well. Close
 // returns within Config.CloseTimeout whatever the dead-letter destination
 // does.
 //

@@ -216,6 +216,7 @@ var diagnosticHeaders = map[string]bool{
 	consumer.HeaderOriginalProcessedAt: true,
 	consumer.HeaderFallbackID:          true,
 	kafka.HeaderValueDropped:           true,
+	kafka.HeaderOriginalDropped:        true,
 	amqp.HeaderOriginalExchange:        true,
 	amqp.HeaderOriginalRoutingKey:      true,
 	amqp.HeaderOriginalQueue:           true,
