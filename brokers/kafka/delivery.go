@@ -38,7 +38,7 @@ type claim struct {
 	db     *claimOffsets
 	ctx    context.Context // done when the claim is revoked
 	cancel context.CancelFunc
-	last   atomic.Int64 // offset of the last record handed out, or unknownOffset
+	last   atomic.Int64 // offset of the last record handed out or skipped, or unknownOffset
 
 	mu      sync.Mutex
 	revoked bool

@@ -226,6 +226,7 @@ func (cl *claim) skip(raw *sarama.ConsumerMessage) bool {
 	cl.db.skipped.Add(1)
 	cl.src.skipped.Add(1)
 	_ = cl.ack(cl.newDelivery(raw))
+	cl.received(raw.Offset) // read, as far as the lag is concerned
 	return true
 }
 

@@ -1,0 +1,80 @@
+package kafka
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
+
+	"github.com/onceco/once/dedup"
+	"github.com/onceco/once/internal/pgtest"
+)
+
+// lagOf returns the lag gauge's values by "topic/partition".
+func lagOf(t testing.TB, reader *sdkmetric.ManualReader) map[string]int64 {
+	t.Helper()
+	var rm metricdata.ResourceMetrics
+	require.NoError(t, reader.Collect(context.Background(), &rm))
+	out := map[string]int64{}
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			if m.Name != LagMetricName {
+				continue
+			}
+			for _, dp := range m.Data.(metricdata.Gauge[int64]).DataPoints {
+				tp, _ := dp.Attributes.Value("messaging.destination.name")
+				p, _ := dp.Attributes.Value("messaging.destination.partition.id")
+				out[tp.AsString()+"/"+p.AsString()] = dp.Value
+			}
+		}
+	}
+	return out
+}
+
+// With OffsetsInDatabase, records the offsets table records done above its
+// prefix (finished out of order by key lanes before a crash) are skipped
+// without being handed out. They are read all the same: once the last of
+// them is skipped the partition has no lag, though the last record handed
+// out is before them.
+func TestLagCountsSkippedRecordsAsRead(t *testing.T) {
+	c := newCluster(t)
+	topic, group := uniq("orders"), uniq("g")
+	c.createTopic(topic, 1)
+	c.produceHashed(idless(topic, 0, 10))
+	db, _ := pgtest.Schema(t)
+	ctx := context.Background()
+	_, err := db.Exec(ctx, effectsTable)
+	require.NoError(t, err)
+
+	// The row a crash leaves: record 0 not done, 1..9 done above it.
+	store, err := dedup.New(dedup.Config{})
+	require.NoError(t, err)
+	require.NoError(t, store.Migrate(ctx, db))
+	got, err := store.TakeOverPartitions(ctx, db, "svc", dedup.Owner{Group: group},
+		[]dedup.PartitionKey{{Topic: topic, Partition: 0, TopicID: c.topicID(topic)}})
+	require.NoError(t, err)
+	tx, err := db.Begin(ctx)
+	require.NoError(t, err)
+	require.NoError(t, store.RecordOffsets(ctx, tx, "svc", dedup.OffsetsUpdate{Topic: topic, Partition: 0, Epoch: got[0].Epoch,
+		DoneBelow: 0, Done: []int64{1, 2, 3, 4, 5, 6, 7, 8, 9}}))
+	require.NoError(t, tx.Commit(ctx))
+
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	defer func() { _ = mp.Shutdown(context.Background()) }()
+	cfg := c.dbOffsetsConfig(group, topic)
+	cfg.MeterProvider = mp
+	src, err := Open(t.Context(), cfg)
+	require.NoError(t, err)
+	r := startConsumer(t, db, src, consumerConfig("svc"), recordEffect)
+	waitEffectsByN(t, db, 1)
+	require.Eventually(t, func() bool { return src.skippedRecords() == 9 }, 10*time.Second, 10*time.Millisecond)
+	assert.Eventually(t, func() bool { return lagOf(t, reader)[topic+"/0"] == 0 }, 5*time.Second, 20*time.Millisecond,
+		"every record of the partition was read; lag %v", lagOf(t, reader))
+	require.NoError(t, r.stop())
+	assert.Equal(t, map[int]int{0: 1}, effectsByN(t, db), "only record 0 was handled")
+}
