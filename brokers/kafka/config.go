@@ -101,7 +101,9 @@ type Config struct {
 	// SessionTimeout is the consumer-group session timeout: a member that
 	// sends no heartbeat for this long is removed from the group. Zero keeps
 	// the Sarama base value (10 s). The broker bounds it
-	// (group.min.session.timeout.ms, 6 s by default).
+	// (group.min.session.timeout.ms, 6 s by default, and
+	// group.max.session.timeout.ms, 30 min): outside the bounds every join
+	// is refused, and Receive fails with an error naming this field.
 	SessionTimeout time.Duration
 	// HeartbeatInterval is how often the member sends heartbeats; it must
 	// be lower than SessionTimeout (a third of it is usual). Zero keeps the

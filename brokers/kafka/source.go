@@ -45,6 +45,9 @@ type Source struct {
 	// none of them before it pauses the partition's fetching: sarama's
 	// ChannelBufferSize.
 	readAhead int
+	// sessionTimeout is the consumer group's session timeout: Config's, or
+	// the Sarama base value.
+	sessionTimeout time.Duration
 
 	ctx       context.Context // ends the consume loop and every session
 	cancel    context.CancelFunc
@@ -158,19 +161,20 @@ func connect(cfg Config) (*Source, error) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	s := &Source{
-		cfg:        cfg,
-		group:      group,
-		dlqClient:  dlqClient,
-		producer:   producer,
-		lag:        lag,
-		topicIDs:   topicIDs{client: dlqClient, version: pc.Version},
-		deliveries: make(chan *delivery),
-		readAhead:  cc.ChannelBufferSize,
-		ctx:        ctx,
-		cancel:     cancel,
-		loopDone:   make(chan struct{}),
-		errsDone:   make(chan struct{}),
-		closing:    make(chan struct{}),
+		cfg:            cfg,
+		group:          group,
+		dlqClient:      dlqClient,
+		producer:       producer,
+		lag:            lag,
+		topicIDs:       topicIDs{client: dlqClient, version: pc.Version},
+		deliveries:     make(chan *delivery),
+		readAhead:      cc.ChannelBufferSize,
+		sessionTimeout: cc.Consumer.Group.Session.Timeout,
+		ctx:            ctx,
+		cancel:         cancel,
+		loopDone:       make(chan struct{}),
+		errsDone:       make(chan struct{}),
+		closing:        make(chan struct{}),
 	}
 	go s.drainErrors()
 	return s, nil
@@ -190,8 +194,8 @@ var _ consumer.GroupNamer = (*Source)(nil)
 // the consumer group. Receive blocks until a record arrives or ctx is done
 // (it then returns ctx.Err()); it returns consumer.ErrSourceClosed after
 // Close, and a fatal error (an invalid sarama configuration found by the
-// broker client) when the group cannot be consumed at all. Call it from one
-// goroutine.
+// broker client, a Config.SessionTimeout the group coordinator refuses)
+// when the group cannot be consumed at all. Call it from one goroutine.
 func (s *Source) Receive(ctx context.Context) (consumer.Delivery, error) {
 	select {
 	case <-s.closing:
@@ -296,6 +300,12 @@ func (s *Source) consumeLoop() {
 		var cfgErr sarama.ConfigurationError
 		if errors.As(err, &cfgErr) || errors.Is(err, sarama.ErrClosedConsumerGroup) {
 			s.loopErr = fmt.Errorf("kafka: consumer group %q: %w", s.cfg.Group, err)
+			return
+		}
+		if errors.Is(err, sarama.ErrInvalidSessionTimeout) {
+			// The coordinator refuses every join with this timeout.
+			s.loopErr = fmt.Errorf("kafka: consumer group %q: Config.SessionTimeout (%v) is outside the brokers' bounds (group.min.session.timeout.ms and group.max.session.timeout.ms): %w",
+				s.cfg.Group, s.sessionTimeout, err)
 			return
 		}
 		if err == nil {

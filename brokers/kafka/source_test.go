@@ -13,6 +13,7 @@ import (
 	"github.com/IBM/sarama"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"github.com/twmb/franz-go/pkg/kfake"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
@@ -605,4 +606,25 @@ func (l *lineCounter) count() int {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.n
+}
+
+// A session timeout outside the brokers' bounds is a configuration error
+// that only the group coordinator finds: every join is refused. Receive
+// fails with an error naming the field, as Open does for the errors it can
+// see, instead of retrying the join forever.
+func TestSessionTimeoutRefusedByTheBrokerFailsReceive(t *testing.T) {
+	c := newCluster(t, kfake.GroupMinSessionTimeout(3*time.Second))
+	topic := uniq("orders")
+	c.createTopic(topic, 1)
+	cfg := c.config(uniq("g"), topic) // SessionTimeout 2 s
+	s := c.open(cfg)
+	ctx, cancel := context.WithTimeout(t.Context(), 15*time.Second)
+	defer cancel()
+	_, err := s.Receive(ctx)
+	require.Error(t, err)
+	assert.NotErrorIs(t, err, context.DeadlineExceeded, "Receive gave up on the join, not on its context")
+	assert.ErrorIs(t, err, sarama.ErrInvalidSessionTimeout)
+	assert.Contains(t, err.Error(), "Config.SessionTimeout")
+	_, err = s.Receive(ctx)
+	assert.ErrorIs(t, err, sarama.ErrInvalidSessionTimeout, "the error is for good")
 }
