@@ -91,7 +91,10 @@ type Config struct {
 	// Group is the consumer group id. Required. Every Source with the same
 	// Group shares the partitions of Topics.
 	Group string
-	// Topics are the topics to consume. Required, without duplicates.
+	// Topics are the topics to consume. Required, without duplicates; each
+	// a name Kafka accepts (ASCII letters, digits, '.', '_' and '-', at
+	// most 249), as must be the name of its dead-letter topic: Open
+	// refuses others.
 	Topics []string
 
 	// InitialOffset says where to start a partition that has no committed
@@ -284,6 +287,9 @@ func (c *Config) validate() error {
 		if strings.TrimSpace(t) == "" {
 			return fmt.Errorf("kafka: Config.Topics[%d] is empty", i)
 		}
+		if err := checkTopicName(t); err != nil {
+			return fmt.Errorf("kafka: Config.Topics[%d]: %w", i, err)
+		}
 		if seen[t] {
 			return fmt.Errorf("kafka: Config.Topics lists %q twice", t)
 		}
@@ -292,6 +298,8 @@ func (c *Config) validate() error {
 	for _, t := range c.Topics {
 		if d := c.DeadLetter.Topic(t); d == "" {
 			return fmt.Errorf("kafka: Config.DeadLetter.Topic(%q) is empty", t)
+		} else if err := checkTopicName(d); err != nil {
+			return fmt.Errorf("kafka: Config.DeadLetter.Topic(%q): %w", t, err)
 		} else if seen[d] {
 			return fmt.Errorf("kafka: Config.DeadLetter.Topic(%q) is %q, a topic in Config.Topics: dead letters would be consumed again", t, d)
 		}
@@ -340,6 +348,28 @@ func (c *Config) validate() error {
 	}
 	if c.Sarama != nil && !c.Sarama.Version.IsAtLeast(sarama.V0_11_0_0) {
 		return fmt.Errorf("kafka: Config.Sarama.Version %s is older than 0.11.0.0 (the idempotent dead-letter producer needs 0.11)", c.Sarama.Version)
+	}
+	return nil
+}
+
+// maxTopicName is the longest topic name Kafka accepts.
+const maxTopicName = 249
+
+// checkTopicName returns an error when Kafka would refuse name as a
+// topic's: it allows ASCII letters, digits, '.', '_' and '-', at most
+// maxTopicName of them, and neither "." nor "..". (The fallback ids rely
+// on it too: a topic name holds no '/' nor '@'.)
+func checkTopicName(name string) error {
+	if len(name) > maxTopicName {
+		return fmt.Errorf("topic name %.20q... is %d characters long; Kafka allows %d", name, len(name), maxTopicName)
+	}
+	if name == "." || name == ".." {
+		return fmt.Errorf("topic name %q is not allowed by Kafka", name)
+	}
+	for _, r := range name {
+		if !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '.' || r == '_' || r == '-') {
+			return fmt.Errorf("topic name %q holds %q; Kafka allows ASCII letters, digits, '.', '_' and '-'", name, r)
+		}
 	}
 	return nil
 }

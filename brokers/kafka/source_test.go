@@ -628,3 +628,39 @@ func TestSessionTimeoutRefusedByTheBrokerFailsReceive(t *testing.T) {
 	_, err = s.Receive(ctx)
 	assert.ErrorIs(t, err, sarama.ErrInvalidSessionTimeout, "the error is for good")
 }
+
+// Topic names Kafka refuses (it allows ASCII letters, digits, '.', '_' and
+// '-', at most 249 of them, and neither "." nor "..") are configuration
+// errors: Open names the field at once, before it reaches for a broker,
+// instead of failing later with a misleading error (a dead-letter topic
+// "does not exist; create it", a topic that can never be joined).
+func TestOpenRefusesTopicNamesKafkaRefuses(t *testing.T) {
+	long := strings.Repeat("t", 249)
+	for _, tc := range []struct {
+		name  string
+		edit  func(*Config)
+		field string
+	}{
+		{"slash", func(c *Config) { c.Topics = []string{"t", "orders/eu"} }, "Config.Topics[1]"},
+		{"space", func(c *Config) { c.Topics = []string{"orders eu"} }, "Config.Topics[0]"},
+		{"at sign", func(c *Config) { c.Topics = []string{"orders@eu"} }, "Config.Topics[0]"},
+		{"dot", func(c *Config) { c.Topics = []string{"."} }, "Config.Topics[0]"},
+		{"too long", func(c *Config) { c.Topics = []string{long + "x"} }, "Config.Topics[0]"},
+		{"dead-letter name too long", func(c *Config) { c.Topics = []string{long} }, "Config.DeadLetter.Topic"},
+		{"dead-letter name with a colon", func(c *Config) { c.DeadLetter.Topic = func(t string) string { return "dlq:" + t } }, "Config.DeadLetter.Topic"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := Config{Brokers: []string{"127.0.0.1:1"}, Group: "g", Topics: []string{"t"}, Logger: testLogger()}
+			tc.edit(&cfg)
+			ctx, cancel := context.WithTimeout(t.Context(), 2*time.Second)
+			defer cancel()
+			s, err := Open(ctx, cfg)
+			require.Error(t, err)
+			assert.Nil(t, s)
+			assert.NotErrorIs(t, err, context.DeadlineExceeded, "refused at once")
+			assert.Contains(t, err.Error(), tc.field)
+		})
+	}
+	cfg := Config{Topics: []string{long[:245] + "-._A9"}}.withDefaults()
+	require.ErrorContains(t, cfg.validate(), "Config.Brokers", "a name of every allowed character and the longest length passes")
+}
