@@ -12,7 +12,9 @@
 //     like duplicates of the old topic's.
 //   - Message.Stream is "topic/partition": the core handles the records of a
 //     partition one after another, in offset order, and partitions
-//     concurrently.
+//     concurrently. With Config.KeyLanes it is "topic/partition#lane", the
+//     lane a hash of the record key: one key's records in order, the
+//     lanes of a partition concurrently.
 //   - Message.Headers holds the record headers (the last value wins when a
 //     key repeats), so the core finds the event id ("id", "ce_id"), the type
 //     and the W3C "traceparent" there. Message.ID and Message.Type are empty:
