@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"log/slog"
 	"math"
+	"net"
+	"strconv"
 	"strings"
 	"time"
 
@@ -86,7 +88,8 @@ const (
 // of the Sarama base configuration (sarama's own default when Sarama is nil)
 // unless a Default* constant says otherwise.
 type Config struct {
-	// Brokers are the bootstrap broker addresses ("host:port"). Required.
+	// Brokers are the bootstrap broker addresses ("host:port"). Required;
+	// Open refuses an address without a port.
 	Brokers []string
 	// Group is the consumer group id. Required. Every Source with the same
 	// Group shares the partitions of Topics.
@@ -274,6 +277,15 @@ func (c *Config) validate() error {
 	for i, b := range c.Brokers {
 		if strings.TrimSpace(b) == "" {
 			return fmt.Errorf("kafka: Config.Brokers[%d] is empty", i)
+		}
+		// Dialling an address without a port fails every time: it is not
+		// a broker that cannot be reached yet.
+		if _, port, err := net.SplitHostPort(b); err != nil {
+			return fmt.Errorf("kafka: Config.Brokers[%d] %q is not host:port: %w", i, b, err)
+		} else if port == "" {
+			return fmt.Errorf("kafka: Config.Brokers[%d] %q has no port", i, b)
+		} else if n, err := strconv.Atoi(port); err == nil && (n < 1 || n > 65535) {
+			return fmt.Errorf("kafka: Config.Brokers[%d] %q: port %d out of range", i, b, n)
 		}
 	}
 	if strings.TrimSpace(c.Group) == "" {

@@ -664,3 +664,22 @@ func TestOpenRefusesTopicNamesKafkaRefuses(t *testing.T) {
 	cfg := Config{Topics: []string{long[:245] + "-._A9"}}.withDefaults()
 	require.ErrorContains(t, cfg.validate(), "Config.Brokers", "a name of every allowed character and the longest length passes")
 }
+
+// A broker address without a port can never be dialled: Open names the
+// field at once instead of retrying it as an unreachable broker until its
+// context ends.
+func TestOpenRefusesBrokerAddressesWithoutPort(t *testing.T) {
+	for i, brokers := range [][]string{{"localhost"}, {"127.0.0.1:9092", "kafka-2.internal"}, {"[::1]"}, {"localhost:"}} {
+		t.Run(strings.Join(brokers, ","), func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(t.Context(), 2*time.Second)
+			defer cancel()
+			sc := sarama.NewConfig()
+			sc.Net.DialTimeout = 100 * time.Millisecond
+			s, err := Open(ctx, Config{Brokers: brokers, Group: "g", Topics: []string{"t"}, Sarama: sc, Logger: testLogger()})
+			require.Error(t, err)
+			assert.Nil(t, s)
+			assert.NotErrorIs(t, err, context.DeadlineExceeded, "refused at once")
+			assert.Contains(t, err.Error(), fmt.Sprintf("Config.Brokers[%d]", len(brokers)-1), "case %d", i)
+		})
+	}
+}
