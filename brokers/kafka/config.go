@@ -196,7 +196,8 @@ type Config struct {
 	// commits only offsets marked by Ack), consumer errors are returned,
 	// and the dead-letter producer is idempotent with RequiredAcks =
 	// WaitForAll, Net.MaxOpenRequests = 1 and topic auto-creation off.
-	// Version must be at least 0.11 (sarama.V0_11_0_0).
+	// Version must be at least 0.11 (sarama.V0_11_0_0), and
+	// Consumer.Group.ResetInvalidOffsets true (sarama's default).
 	Sarama *sarama.Config
 
 	// OffsetsInDatabase keeps each partition's progress in PostgreSQL,
@@ -431,6 +432,13 @@ func (c *Config) consumerConfig() (*sarama.Config, error) {
 	}
 	if err := sc.Validate(); err != nil {
 		return nil, fmt.Errorf("kafka: Config.Sarama (consumer): %w", err)
+	}
+	if !sc.Consumer.Group.ResetInvalidOffsets {
+		// sarama then never claims a partition whose committed offset is
+		// out of range, and ends the session: the group rebalances
+		// without end and the partition is never consumed.
+		return nil, errors.New("kafka: Config.Sarama.Consumer.Group.ResetInvalidOffsets is false: a partition whose committed offset is out of range " +
+			"(its records deleted by retention) would end every session of the group and never be consumed; leave it true (records out of range start at Config.InitialOffset)")
 	}
 	if c.OffsetsInDatabase && cooperative(sc) {
 		return nil, errors.New("kafka: Config.OffsetsInDatabase needs the eager rebalance protocol, and Config.Sarama's balance strategies include cooperative-sticky: " +

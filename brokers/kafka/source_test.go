@@ -683,3 +683,23 @@ func TestOpenRefusesBrokerAddressesWithoutPort(t *testing.T) {
 		})
 	}
 }
+
+// With sarama's Consumer.Group.ResetInvalidOffsets off, a partition whose
+// committed offset is out of range (retention deleted the records while
+// the group was away) is never claimed: each session ends as soon as it
+// began, and the whole group rebalances again and again (57 warnings in
+// 5 s on kfake) while that partition stays stuck. Open refuses the
+// setting, naming it.
+func TestOpenRefusesResetInvalidOffsetsOff(t *testing.T) {
+	c := newCluster(t)
+	topic := uniq("orders")
+	c.createTopic(topic, 1)
+	cfg := c.config(uniq("g"), topic)
+	cfg.Sarama.Consumer.Group.ResetInvalidOffsets = false
+	s, err := Open(t.Context(), cfg)
+	if s != nil {
+		_ = s.Close()
+	}
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "Config.Sarama.Consumer.Group.ResetInvalidOffsets")
+}
