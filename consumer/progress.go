@@ -171,6 +171,11 @@ func (p *pipeline) recordProgress(ctx context.Context, tx pgx.Tx, jobs []*job, r
 	if !ok {
 		return txResult{}, false
 	}
+	if err := brokenByHandler(tx); err != nil {
+		// The source's statements would fail in tx as the commit
+		// would, and must not pass for a database failure.
+		return p.commitFailure(ctx, tx, jobs, err), true
+	}
 	dvs := make([]Delivery, 0, len(jobs))
 	for i, j := range jobs {
 		if res[i].Outcome == dedup.Conflict && p.cfg.Identify.OnConflict == DeadLetterConflicts {
@@ -192,4 +197,24 @@ func (p *pipeline) recordProgress(ctx context.Context, tx pgx.Tx, jobs []*job, r
 	default:
 		return txResult{outcome: txInfra, err: fmt.Errorf("recording the source's progress: %w", err), failed: -1}, true
 	}
+}
+
+// brokenByHandler returns the error a COMMIT of tx would end with when a
+// handler left tx unable to commit: pgx.ErrTxCommitRollback when a
+// statement failed and the handler swallowed its error (the transaction is
+// aborted), pgx.ErrTxClosed when the handler committed or rolled it back
+// itself; nil otherwise, also when the connection is lost (a database
+// failure, which the next statement reports).
+func brokenByHandler(tx pgx.Tx) error {
+	c := tx.Conn()
+	if c == nil || c.IsClosed() {
+		return nil
+	}
+	switch c.PgConn().TxStatus() {
+	case 'E':
+		return pgx.ErrTxCommitRollback
+	case 'I':
+		return pgx.ErrTxClosed
+	}
+	return nil
 }

@@ -242,3 +242,58 @@ func TestCommitOfUnknownOutcomeForAPositionDeduplicatedMessage(t *testing.T) {
 	assert.Equal(t, int32(1), runs.Load(), "the handler ran once")
 	assert.Equal(t, []int64{0}, progressed(t, ctx, pool))
 }
+
+// With a ProgressRecorder source, a handler that swallowed a failed
+// statement's error (the transaction aborted), or that committed the
+// consumer's transaction itself, fails like it does without one: the
+// message meets the retry policy and is dead-lettered, instead of the
+// source's write in the dead transaction being retried as an
+// infrastructure failure without end, holding the stream.
+func TestProgressAfterAHandlerBrokeItsTransaction(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		breakTx func(context.Context, pgx.Tx) error
+		runs    int
+	}{
+		{"swallowed error", func(ctx context.Context, tx pgx.Tx) error {
+			_, _ = tx.Exec(ctx, `SELECT 1/0`) // the error is dropped
+			return nil
+		}, 3},
+		{"committed by the handler", func(ctx context.Context, tx pgx.Tx) error {
+			return tx.Commit(ctx)
+		}, 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			pool, _ := pgtest.Schema(t)
+			effects(t, pool)
+			ctx := context.Background()
+			_, err := pool.Exec(ctx, `CREATE TABLE progress (off bigint NOT NULL)`)
+			require.NoError(t, err)
+			b := memsource.New(memsource.Options{Streams: 1, FallbackID: true})
+			b.Publish(consumer.Message{Value: []byte(`{"n":0}`)})
+			b.Publish(consumer.Message{Value: []byte(`{"n":1}`)})
+			src := &progressSource{Source: b.Source()}
+			var runs atomic.Int32
+			h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+				if ev.Payload.N == 0 {
+					runs.Add(1)
+					return tc.breakTx(ctx, tx)
+				}
+				return insertEffect(ctx, tx, ev)
+			}
+			cfg := fastConfig("broken-tx")
+			cfg.Batch.Size = 1 // a handler's commit would take its neighbours' claims along
+			c, err := consumer.New(pool, src, h, cfg)
+			require.NoError(t, err)
+			stop := start(t, c)
+			wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+			defer cancel()
+			require.NoError(t, b.WaitAcked(wctx, 2), "the stream goes on (infrastructure failures: %d)", c.Stats().InfraErrors)
+			require.NoError(t, stop())
+			require.Len(t, b.DeadLetters(), 1)
+			assert.Equal(t, int32(tc.runs), runs.Load())
+			assert.Zero(t, c.Stats().InfraErrors)
+			assert.Equal(t, []int64{1}, progressed(t, ctx, pool))
+		})
+	}
+}
