@@ -176,3 +176,37 @@ func TestHandlerErrorRollsBackClaimAndEffect(t *testing.T) {
 	assert.Equal(t, uint64(2), c.Stats().Retries)
 	assert.Empty(t, b.DeadLetters())
 }
+
+// A handler that swallows the error of a failed statement leaves its
+// batch's transaction aborted: the failure is that handler's, not that of
+// a later handler whose statements then fail ("current transaction is
+// aborted"). With Retry.MaxAttempts 1, that later event was dead-lettered
+// with the other's failure, though its handler was sound.
+func TestSwallowedStatementErrorIsChargedToItsHandler(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{Streams: 1})
+	publishKeyed(b, "k", "before", 0)
+	publishKeyed(b, "k", "swallower", 1)
+	publishKeyed(b, "k", "after", 2)
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		if ev.ID == "swallower" {
+			_, _ = tx.Exec(ctx, `SELECT 1/0`) // the error is dropped
+			return nil
+		}
+		return insertEffect(ctx, tx, ev)
+	}
+	cfg := fastConfig("swallowed")
+	cfg.Retry.MaxAttempts = 1
+	cfg.Batch.Size = 3
+	cfg.Batch.Linger = time.Minute // one batch of all three
+	c, err := consumer.New(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	stop := start(t, c)
+	wctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	require.NoError(t, b.WaitAcked(wctx, 3))
+	require.NoError(t, stop())
+	assert.Equal(t, map[string]string{"swallower": string(consumer.KindHandler)}, deadLetterKinds(b))
+	assert.Equal(t, map[string]int{"before": 1, "after": 1}, countEffects(t, pool))
+}

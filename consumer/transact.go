@@ -202,6 +202,12 @@ func (p *pipeline) runHandlers(ctx context.Context, tx pgx.Tx, jobs []*job, res 
 			// A statement queued by this or an earlier event failed.
 			return p.handlerFailure(ctx, tx, jobs, f.owner, f.err), true
 		}
+		if err == nil {
+			// A statement it sent failed and it swallowed the error: the
+			// transaction is aborted (or ended) by this handler, and the
+			// next one's statements would fail for it.
+			err = brokenTxError(brokenByHandler(tx))
+		}
 		if err != nil {
 			return p.handlerFailure(ctx, tx, jobs, i, err), true
 		}
@@ -323,6 +329,18 @@ func (p *pipeline) handlerFailure(ctx context.Context, tx pgx.Tx, jobs []*job, i
 		return txResult{outcome: txUnpinned, err: err, failed: -1, class: class}
 	}
 	return txResult{outcome: txFailed, failed: i, err: err, class: class}
+}
+
+// brokenTxError is the failure of a handler that returned nil and left its
+// transaction as brokenByHandler found it (err); nil for a nil err.
+func brokenTxError(err error) error {
+	switch {
+	case errors.Is(err, pgx.ErrTxCommitRollback):
+		return errors.New("the handler returned nil, but a statement it sent failed and aborted the transaction")
+	case errors.Is(err, pgx.ErrTxClosed):
+		return Permanent(errors.New("the handler committed or rolled back the consumer's transaction"))
+	}
+	return nil
 }
 
 // commitFailure is the result of a failed COMMIT. An error whose class
