@@ -46,8 +46,12 @@ func NewBatch[T any](pool *pgxpool.Pool, src Source, h BatchHandler[T], cfg Conf
 		// batch of one) and its place in a batch.
 		ev := &Event[T]{ID: idt.id, Type: idt.typ, Payload: payload, Message: m, Attempt: 1}
 		return prepared{
-			call: func(ctx context.Context, tx pgx.Tx, qtx *queueTx, attempt int) error {
+			call: func(ctx context.Context, tx pgx.Tx, qtx *queueTx, attempt int, again bool) error {
 				one := *ev
+				var err error
+				if one.Payload, err = runPayload(one.Payload, again, idt.payload, dec); err != nil {
+					return err
+				}
 				one.Attempt = attempt
 				one.queue = openQueue(qtx)
 				defer one.queue.close()
@@ -66,6 +70,11 @@ func NewBatch[T any](pool *pgxpool.Pool, src Source, h BatchHandler[T], cfg Conf
 		events := make([]Event[T], len(jobs))
 		for i, j := range jobs {
 			events[i] = *j.event.(*Event[T])
+			var err error
+			if events[i].Payload, err = runPayload(events[i].Payload, j.ran, j.idt.payload, p.cfg.Decoder); err != nil {
+				return err
+			}
+			j.ran = true
 			events[i].queue = q
 		}
 		return h(ctx, tx, events)

@@ -154,3 +154,51 @@ func TestBatchHandlerRetryAfterWaitsBeforeTheBatchIsHalved(t *testing.T) {
 		assert.GreaterOrEqual(t, calls[i].Sub(calls[i-1]), wait, "call %d came %v after a RetryAfter(%v)", i+1, calls[i].Sub(calls[i-1]), wait)
 	}
 }
+
+// A BatchHandler's batch run again (halved after a failure) gets each
+// payload as its message holds it, not as the rolled-back run left it.
+func TestBatchHandlerRunAgainGetsThePayloadAsTheMessageHoldsIt(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{Streams: 1})
+	for i := 1; i <= 4; i++ {
+		publishKeyed(b, "k", fmt.Sprintf("e%d", i), i)
+	}
+	var calls atomic.Int32
+	h := func(ctx context.Context, tx pgx.Tx, evs []consumer.Event[*order]) error {
+		for _, ev := range evs {
+			ev.Payload.N *= 10 // converted in place
+		}
+		if err := insertEffectsPtr(ctx, tx, evs); err != nil {
+			return err
+		}
+		if calls.Add(1) == 1 {
+			return errors.New("the first call fails after its writes") // rolled back, halved
+		}
+		return nil
+	}
+	cfg := fastConfig("batch-payload-per-run")
+	cfg.Batch.Size = 4
+	cfg.Batch.Linger = time.Minute // one batch of all four
+	c, err := consumer.NewBatch(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	stop := start(t, c)
+	wctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	require.NoError(t, b.WaitAcked(wctx, 4))
+	require.NoError(t, stop())
+	rows, err := pool.Query(context.Background(), `SELECT n FROM effects ORDER BY n`)
+	require.NoError(t, err)
+	ns, err := pgx.CollectRows(rows, pgx.RowTo[int32])
+	require.NoError(t, err)
+	assert.Equal(t, []int32{10, 20, 30, 40}, ns, "each amount converted once")
+}
+
+func insertEffectsPtr(ctx context.Context, tx pgx.Tx, evs []consumer.Event[*order]) error {
+	for _, ev := range evs {
+		if _, err := tx.Exec(ctx, `INSERT INTO effects (event_id, n) VALUES ($1, $2)`, ev.ID, ev.Payload.N); err != nil {
+			return err
+		}
+	}
+	return nil
+}

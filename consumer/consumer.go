@@ -27,7 +27,11 @@ type Event[T any] struct {
 	ID string
 	// Type is the event type; empty when the message carries none.
 	Type string
-	// Payload is the decoded value (or the envelope's data).
+	// Payload is the decoded value (or the envelope's data). Each run of
+	// the handler gets it as the message holds it, decoded again after
+	// the first: what a run that was rolled back changed in place is not
+	// seen by the next. A []byte payload is the message's own bytes; do
+	// not modify it.
 	Payload T
 	// Message is the broker message: topic, partition, offset, key,
 	// headers, timestamp. Do not modify it.
@@ -80,8 +84,9 @@ func (c *Consumer[T]) Stats() Stats { return c.p.stats.snapshot() }
 
 // call runs a decoded message's handler in tx. q is the transaction's
 // write queue (Event.Queue), given apart from tx: a middleware may hand the
-// handler a tx of its own around q.
-type call func(ctx context.Context, tx pgx.Tx, q *queueTx, attempt int) error
+// handler a tx of its own around q. again says that the handler ran with
+// the message before (see runPayload).
+type call func(ctx context.Context, tx pgx.Tx, q *queueTx, attempt int, again bool) error
 
 // prepared is a message decoded for its handler. A nil call means: record
 // the id without running a handler.
@@ -99,11 +104,33 @@ func bind[T any](h Handler[T], m *Message, idt identity, dec Decoder) (call, Err
 	if err != nil {
 		return nil, KindDecode, &DecodeError{Err: err}
 	}
-	return func(ctx context.Context, tx pgx.Tx, qtx *queueTx, attempt int) error {
+	return func(ctx context.Context, tx pgx.Tx, qtx *queueTx, attempt int, again bool) error {
+		p, err := runPayload(payload, again, idt.payload, dec)
+		if err != nil {
+			return err
+		}
 		q := openQueue(qtx)
 		defer q.close()
-		return h(ctx, tx, Event[T]{ID: idt.id, Type: idt.typ, Payload: payload, Message: m, Attempt: attempt, queue: q})
+		return h(ctx, tx, Event[T]{ID: idt.id, Type: idt.typ, Payload: p, Message: m, Attempt: attempt, queue: q})
 	}, "", nil
+}
+
+// runPayload returns the payload for a run of a handler: decoded, the
+// payload identify decoded for the first run, and a new decoding of data
+// for a later one (again), since the handler may have changed the payload
+// in place (through a pointer, a map or a slice in it) in a run that was
+// rolled back: a retry, or a batch run again for another message's
+// failure. Its error, which the first decoding of the same data did not
+// meet, is the handler's failure.
+func runPayload[T any](decoded T, again bool, data []byte, dec Decoder) (T, error) {
+	if !again {
+		return decoded, nil
+	}
+	v, err := decodeAs[T](data, dec)
+	if err != nil {
+		return v, fmt.Errorf("decoding the payload again for another run: %w", err)
+	}
+	return v, nil
 }
 
 func decodeAs[T any](data []byte, dec Decoder) (T, error) {

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -209,4 +210,47 @@ func TestSwallowedStatementErrorIsChargedToItsHandler(t *testing.T) {
 	require.NoError(t, stop())
 	assert.Equal(t, map[string]string{"swallower": string(consumer.KindHandler)}, deadLetterKinds(b))
 	assert.Equal(t, map[string]int{"before": 1, "after": 1}, countEffects(t, pool))
+}
+
+// Every run of a handler gets the payload as the message holds it: a
+// handler that changes its payload in place (a pointer payload, a map in
+// it) and then fails, or whose batch is rolled back and run again for
+// another message's failure, does not see its own change on the next run,
+// which would commit the change twice.
+func TestEachRunGetsThePayloadAsTheMessageHoldsIt(t *testing.T) {
+	type tagged struct {
+		N    int               `json:"n"`
+		Tags map[string]string `json:"tags"`
+	}
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{Streams: 1})
+	b.Publish(consumer.Message{ID: "retried", Key: []byte("k"), Value: []byte(`{"n":1,"tags":{}}`)})
+	var runs atomic.Int32
+	var seen sync.Map // run -> the tag count the run found
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[*tagged]) error {
+		run := runs.Add(1)
+		seen.Store(run, len(ev.Payload.Tags))
+		ev.Payload.N *= 10 // e.g. an amount converted in place
+		ev.Payload.Tags[fmt.Sprint("run", run)] = "x"
+		if _, err := tx.Exec(ctx, `INSERT INTO effects (event_id, n) VALUES ($1, $2)`, ev.ID, ev.Payload.N); err != nil {
+			return err
+		}
+		if run == 1 {
+			return errors.New("a dependency failed after the write") // rolled back, retried
+		}
+		return nil
+	}
+	c, err := consumer.New(pool, b.Source(), h, fastConfig("payload-per-run"))
+	require.NoError(t, err)
+	stop := start(t, c)
+	wctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	require.NoError(t, b.WaitAcked(wctx, 1))
+	require.NoError(t, stop())
+	var n int
+	require.NoError(t, pool.QueryRow(context.Background(), `SELECT n FROM effects WHERE event_id = 'retried'`).Scan(&n))
+	assert.Equal(t, 10, n, "the amount converted once")
+	second, _ := seen.Load(int32(2))
+	assert.Equal(t, 0, second, "the second run saw no tag of the first")
 }

@@ -37,6 +37,9 @@ type job struct {
 	// earlier processes included when the crash guard knows of them.
 	runs  int
 	guard guardState
+	// ran: the handler was called with the message; a later run decodes
+	// its payload again (runPayload).
+	ran bool
 
 	// stalled: the handling was cut short while running by the shutdown
 	// deadline, its delivery still live. Like a crash, it keeps what the

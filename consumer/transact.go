@@ -192,10 +192,11 @@ func (p *pipeline) runHandlers(ctx context.Context, tx pgx.Tx, jobs []*job, res 
 			crashPoint("mid-batch")
 		}
 		qtx.owner = i
-		attempt := j.runs + 1
+		attempt, again := j.runs+1, j.ran
+		j.ran = true
 		call := p.cfg.Hooks.wrap(j, attempt, func(ctx context.Context, tx pgx.Tx) error {
 			// tx is qtx, or a middleware's own tx around it.
-			return j.call(ctx, tx, qtx, attempt)
+			return j.call(ctx, tx, qtx, attempt, again)
 		})
 		err := p.callHandler(j.ctx, qtx, func(hctx context.Context) error { return call(hctx, qtx) })
 		if f := qtx.failed; f != nil {
