@@ -171,11 +171,6 @@ func (p *pipeline) recordProgress(ctx context.Context, tx pgx.Tx, jobs []*job, r
 	if !ok {
 		return txResult{}, false
 	}
-	if err := brokenByHandler(tx); err != nil {
-		// The source's statements would fail in tx as the commit
-		// would, and must not pass for a database failure.
-		return p.commitFailure(ctx, tx, jobs, err), true
-	}
 	dvs := make([]Delivery, 0, len(jobs))
 	for i, j := range jobs {
 		if res[i].Outcome == dedup.Conflict && p.cfg.Identify.OnConflict == DeadLetterConflicts {
@@ -200,11 +195,13 @@ func (p *pipeline) recordProgress(ctx context.Context, tx pgx.Tx, jobs []*job, r
 }
 
 // brokenByHandler returns the error a COMMIT of tx would end with when a
-// handler left tx unable to commit: pgx.ErrTxCommitRollback when a
-// statement failed and the handler swallowed its error (the transaction is
-// aborted), pgx.ErrTxClosed when the handler committed or rolled it back
-// itself; nil otherwise, also when the connection is lost (a database
-// failure, which the next statement reports).
+// handler left tx unable to commit, as tx's connection shows it:
+// pgx.ErrTxCommitRollback when a statement failed and the handler
+// swallowed its error (the transaction is aborted), pgx.ErrTxClosed when
+// it ended the transaction with a statement of its own (COMMIT, ROLLBACK);
+// nil otherwise, also when the connection is lost (a database failure,
+// which the next statement reports). A transaction ended through the Tx
+// gave its connection back to the pool: queueTx.broken knows it first.
 func brokenByHandler(tx pgx.Tx) error {
 	c := tx.Conn()
 	if c == nil || c.IsClosed() {

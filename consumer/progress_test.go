@@ -297,3 +297,67 @@ func TestProgressAfterAHandlerBrokeItsTransaction(t *testing.T) {
 		})
 	}
 }
+
+// A handler that commits the consumer's transaction gives its connection
+// back to the pool, where another may take it and begin a transaction of
+// its own: the handler's commit is still its failure, known from the Tx it
+// went through and not from that connection, whose state is now the
+// other's. (Read from the connection, it passed for a live transaction:
+// the source's progress then failed on the closed one and was retried as
+// an infrastructure failure without end.)
+func TestHandlersCommitIsKnownWhenItsConnectionWentToAnother(t *testing.T) {
+	_, schema := pgtest.Schema(t)
+	pool := pgtest.NewPoolWith(t, schema, func(c *pgxpool.Config) { c.MaxConns = 1 })
+	effects(t, pool)
+	ctx := context.Background()
+	_, err := pool.Exec(ctx, `CREATE TABLE progress (off bigint NOT NULL)`)
+	require.NoError(t, err)
+	b := memsource.New(memsource.Options{Streams: 1, FallbackID: true})
+	b.Publish(consumer.Message{Value: []byte(`{"n":0}`)})
+	b.Publish(consumer.Message{Value: []byte(`{"n":1}`)}) // its handler commits
+	src := &progressSource{Source: b.Source()}
+	var mu sync.Mutex
+	var other pgx.Tx // the transaction that took the handler's connection
+	release := func() {
+		mu.Lock()
+		defer mu.Unlock()
+		if other != nil {
+			_ = other.Rollback(ctx)
+			other = nil
+		}
+	}
+	t.Cleanup(release)
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		if ev.Payload.N == 0 {
+			return insertEffect(ctx, tx, ev)
+		}
+		if err := tx.Commit(ctx); err != nil {
+			return err
+		}
+		o, err := pool.Begin(ctx) // the only connection, given back by the commit
+		if err != nil {
+			return err
+		}
+		mu.Lock()
+		other = o
+		mu.Unlock()
+		return nil
+	}
+	cfg := fastConfig("committed-elsewhere")
+	cfg.Concurrency = 1
+	cfg.Batch.Size = 1
+	cfg.Hooks.OnOutcome = func(_ context.Context, o consumer.Outcome) {
+		if o.Result == consumer.ResultDeadLettered {
+			release()
+		}
+	}
+	c, err := consumer.New(pool, src, h, cfg)
+	require.NoError(t, err)
+	stop := start(t, c)
+	wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	require.NoError(t, b.WaitAcked(wctx, 2), "infrastructure failures: %d", c.Stats().InfraErrors)
+	require.NoError(t, stop())
+	require.Len(t, b.DeadLetters(), 1)
+	assert.Zero(t, c.Stats().InfraErrors)
+}

@@ -103,6 +103,35 @@ type queueTx struct {
 	// on its own queries (see cutByOwnDeadline).
 	handlerDeadline time.Time
 	deadlines       []context.Context
+	// ended: a handler committed or rolled back the transaction through
+	// this Tx, which gave its connection back to the pool (where another
+	// may have it now).
+	ended bool
+}
+
+// Commit commits the consumer's transaction: a handler's misuse, which
+// the consumer reports as its failure (see broken).
+func (t *queueTx) Commit(ctx context.Context) error {
+	t.ended = true
+	return t.Tx.Commit(ctx)
+}
+
+// Rollback rolls the consumer's transaction back: a handler's misuse, as
+// Commit.
+func (t *queueTx) Rollback(ctx context.Context) error {
+	t.ended = true
+	return t.Tx.Rollback(ctx)
+}
+
+// broken returns the error a COMMIT would end with when the handlers left
+// the transaction unable to commit: pgx.ErrTxClosed when one ended it
+// (Commit, Rollback; its connection is then no longer the transaction's
+// to look at), else what brokenByHandler finds on the connection.
+func (t *queueTx) broken() error {
+	if t.ended {
+		return pgx.ErrTxClosed
+	}
+	return brokenByHandler(t.Tx)
 }
 
 // note records ctx, the context of a statement sent through t, if it has

@@ -207,7 +207,7 @@ func (p *pipeline) runHandlers(ctx context.Context, tx pgx.Tx, jobs []*job, res 
 			// A statement it sent failed and it swallowed the error: the
 			// transaction is aborted (or ended) by this handler, and the
 			// next one's statements would fail for it.
-			err = brokenTxError(brokenByHandler(tx))
+			err = brokenTxError(qtx.broken())
 		}
 		if err != nil {
 			return p.handlerFailure(ctx, tx, jobs, i, err), true
@@ -215,6 +215,17 @@ func (p *pipeline) runHandlers(ctx context.Context, tx pgx.Tx, jobs []*job, res 
 	}
 	if f := qtx.flush(ctx); f != nil {
 		return p.handlerFailure(ctx, tx, jobs, f.owner, f.err), true
+	}
+	return p.brokenFailure(ctx, tx, qtx, jobs)
+}
+
+// brokenFailure is the result when the handlers left tx unable to commit
+// (see queueTx.broken), as its COMMIT would have failed: checked before
+// anything else is sent on tx (a source's progress, the COMMIT), whose
+// error would not say the handler's doing.
+func (p *pipeline) brokenFailure(ctx context.Context, tx pgx.Tx, qtx *queueTx, jobs []*job) (txResult, bool) {
+	if err := qtx.broken(); err != nil {
+		return p.commitFailure(ctx, tx, jobs, err), true
 	}
 	return txResult{}, false
 }
@@ -242,7 +253,7 @@ func (p *pipeline) runBatchHandler(ctx context.Context, tx pgx.Tx, jobs []*job, 
 		// A BatchHandler's error names no event.
 		return p.handlerFailure(ctx, tx, jobs, -1, err), true
 	}
-	return txResult{}, false
+	return p.brokenFailure(ctx, tx, qtx, jobs)
 }
 
 // callHandler runs a handler under Config.HandlerTimeout, which bounds the
