@@ -202,3 +202,41 @@ func insertEffectsPtr(ctx context.Context, tx pgx.Tx, evs []consumer.Event[*orde
 	}
 	return nil
 }
+
+// A BatchHandler that returns with the rows of a query left open fails
+// its batch like any error of its own: halved until the event whose run
+// leaves them open is alone and dead-lettered (was: the COMMIT failed with
+// "conn busy", retried as an infrastructure failure without end).
+func TestBatchHandlerRowsLeftOpenAreItsFailure(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{Streams: 1})
+	for i := 0; i < 4; i++ {
+		publishKeyed(b, "k", fmt.Sprintf("e%d", i), i)
+	}
+	h := func(ctx context.Context, tx pgx.Tx, evs []consumer.Event[order]) error {
+		for _, ev := range evs {
+			if ev.ID == "e2" {
+				rows, err := tx.Query(ctx, `SELECT generate_series(1, 10)`)
+				if err != nil {
+					return err
+				}
+				rows.Next() // the first row only; rows never closed
+				return nil
+			}
+		}
+		return insertEffects(ctx, tx, evs)
+	}
+	cfg := fastConfig("batch-rows-left-open")
+	cfg.Batch.Size = 4
+	cfg.Batch.Linger = time.Minute // one batch of all four
+	c, err := consumer.NewBatch(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	stop := start(t, c)
+	wctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	require.NoError(t, b.WaitAcked(wctx, 4), "infrastructure failures: %d", c.Stats().InfraErrors)
+	require.NoError(t, stop())
+	assert.Equal(t, map[string]string{"e2": string(consumer.KindHandler)}, deadLetterKinds(b))
+	assert.Equal(t, map[string]int{"e0": 1, "e1": 1, "e3": 1}, countEffects(t, pool))
+}

@@ -254,3 +254,46 @@ func TestEachRunGetsThePayloadAsTheMessageHoldsIt(t *testing.T) {
 	second, _ := seen.Load(int32(2))
 	assert.Equal(t, 0, second, "the second run saw no tag of the first")
 }
+
+// A handler that returns with the rows of a query left open (it read the
+// first row and never closed them) leaves its transaction's connection
+// busy: that is its failure, retried and then dead-lettered, and the
+// messages around it go on (was: the COMMIT, or the next handler's
+// statement, failed with "conn busy", retried as an infrastructure
+// failure without end, or charged to the next message of the batch).
+func TestRowsLeftOpenAreTheHandlersFailure(t *testing.T) {
+	for _, batch := range []int{1, 3} {
+		t.Run(fmt.Sprint("batch ", batch), func(t *testing.T) {
+			pool, _ := pgtest.Schema(t)
+			effects(t, pool)
+			b := memsource.New(memsource.Options{Streams: 1})
+			publishKeyed(b, "k", "before", 0)
+			publishKeyed(b, "k", "leaker", 1)
+			publishKeyed(b, "k", "after", 2)
+			h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+				if ev.ID == "leaker" {
+					rows, err := tx.Query(ctx, `SELECT generate_series(1, 10)`)
+					if err != nil {
+						return err
+					}
+					rows.Next() // the first row only; rows never closed
+					return nil
+				}
+				return insertEffect(ctx, tx, ev)
+			}
+			cfg := fastConfig("rows-left-open")
+			cfg.Batch.Size = batch
+			cfg.Batch.Linger = time.Minute // the whole backlog in batches of batch
+			c, err := consumer.New(pool, b.Source(), h, cfg)
+			require.NoError(t, err)
+			stop := start(t, c)
+			wctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			require.NoError(t, b.WaitAcked(wctx, 3), "infrastructure failures: %d", c.Stats().InfraErrors)
+			require.NoError(t, stop())
+			assert.Equal(t, map[string]string{"leaker": string(consumer.KindHandler)}, deadLetterKinds(b))
+			assert.Equal(t, map[string]int{"before": 1, "after": 1}, countEffects(t, pool))
+			assert.Zero(t, c.Stats().InfraErrors)
+		})
+	}
+}

@@ -347,6 +347,8 @@ func (p *pipeline) handlerFailure(ctx context.Context, tx pgx.Tx, jobs []*job, i
 // transaction as brokenByHandler found it (err); nil for a nil err.
 func brokenTxError(err error) error {
 	switch {
+	case errors.Is(err, errLeftBusy):
+		return err
 	case errors.Is(err, pgx.ErrTxCommitRollback):
 		return errors.New("the handler returned nil, but a statement it sent failed and aborted the transaction")
 	case errors.Is(err, pgx.ErrTxClosed):
@@ -366,6 +368,8 @@ func (p *pipeline) commitFailure(ctx context.Context, tx pgx.Tx, jobs []*job, er
 		err = errors.New("the transaction was aborted by a failed statement whose error the handler did not return")
 	case errors.Is(err, pgx.ErrTxClosed):
 		err = Permanent(errors.New("the handler committed or rolled back the consumer's transaction"))
+	case errors.Is(err, errLeftBusy):
+		// The handler's doing, not the database's.
 	case sqlState(err) == "":
 		return txResult{outcome: txInfra, err: fmt.Errorf("commit: %w", err), failed: -1}
 	default:
