@@ -204,9 +204,10 @@ func (p *pipeline) runHandlers(ctx context.Context, tx pgx.Tx, jobs []*job, res 
 			return p.handlerFailure(ctx, tx, jobs, f.owner, f.err), true
 		}
 		if err == nil {
-			// A statement it sent failed and it swallowed the error: the
-			// transaction is aborted (or ended) by this handler, and the
-			// next one's statements would fail for it.
+			// It may have left the transaction unable to go on: aborted
+			// by a statement whose error it swallowed, ended, or its
+			// connection busy with rows it never closed. That is its
+			// failure, not that of whatever is sent on tx next.
 			err = brokenTxError(qtx.broken())
 		}
 		if err != nil {
@@ -356,6 +357,39 @@ func brokenTxError(err error) error {
 	}
 	return nil
 }
+
+// brokenByHandler returns the error a COMMIT of tx would end with when a
+// handler left tx unable to commit, as tx's connection shows it:
+// pgx.ErrTxCommitRollback when a statement failed and the handler
+// swallowed its error (the transaction is aborted), pgx.ErrTxClosed when
+// it ended the transaction with a statement of its own (COMMIT, ROLLBACK);
+// errLeftBusy when it returned with a statement's results still being read
+// on the connection (rows or batch results it never closed), on which no
+// other statement, the COMMIT included, can be sent; nil otherwise, also
+// when the connection is lost (a database failure, which the next
+// statement reports). A transaction ended through the Tx gave its
+// connection back to the pool: queueTx.broken knows it first.
+func brokenByHandler(tx pgx.Tx) error {
+	c := tx.Conn()
+	if c == nil || c.IsClosed() {
+		return nil
+	}
+	if c.PgConn().IsBusy() {
+		return errLeftBusy
+	}
+	switch c.PgConn().TxStatus() {
+	case 'E':
+		return pgx.ErrTxCommitRollback
+	case 'I':
+		return pgx.ErrTxClosed
+	}
+	return nil
+}
+
+// errLeftBusy is the failure of a handler that returned with a statement's
+// results still being read on its transaction's connection.
+var errLeftBusy = errors.New("the handler returned with the results of a statement not read to the end " +
+	"(pgx.Rows or BatchResults not closed): its transaction's connection can send nothing else")
 
 // commitFailure is the result of a failed COMMIT. An error whose class
 // says retrying can help (a lost connection, an outcome unknown) is
