@@ -98,7 +98,11 @@ type Config struct {
 	// the greater of 4 and the number of CPUs; set pool_max_conns to run
 	// more). A Concurrency above MaxConns is accepted, with a warning: the
 	// extra transactions wait for a connection, which is never charged to a
-	// message (see HandlerTimeout) but adds latency.
+	// message (see HandlerTimeout) but adds latency. With the default every
+	// connection may hold a transaction: a handler that queries the pool
+	// instead of its tx then waits for a connection that only its own
+	// return frees (until HandlerTimeout, a failure charged to it). Such a
+	// handler needs a pool larger than Concurrency.
 	Concurrency int
 	// ReceiveBuffer is how many received messages may wait to be handled,
 	// across all streams, before receiving blocks; the broker's own buffers
