@@ -229,15 +229,39 @@ func (cfg Config) withDefaults() (Config, error) {
 	if v, ok := cfg.QueueArgs["x-queue-type"]; ok && v != string(cfg.QueueType) {
 		return cfg, fmt.Errorf("amqp: Config.QueueArgs x-queue-type %v contradicts Config.QueueType %q", v, cfg.QueueType)
 	}
+	if err := checkTable("Config.QueueArgs", cfg.QueueArgs); err != nil {
+		return cfg, err
+	}
 	for i, e := range cfg.Exchanges {
 		if e.Name == "" {
 			return cfg, fmt.Errorf("amqp: Config.Exchanges[%d].Name is required", i)
+		}
+		if err := checkShortstr(fmt.Sprintf("Config.Exchanges[%d].Name", i), e.Name); err != nil {
+			return cfg, err
+		}
+		if err := checkShortstr(fmt.Sprintf("Config.Exchanges[%d].Kind", i), e.Kind); err != nil {
+			return cfg, err
+		}
+		if err := checkTable(fmt.Sprintf("Config.Exchanges[%d].Args", i), e.Args); err != nil {
+			return cfg, err
 		}
 	}
 	for i, b := range cfg.Bindings {
 		if b.Exchange == "" {
 			return cfg, fmt.Errorf("amqp: Config.Bindings[%d].Exchange is required (queues are always bound to the default exchange)", i)
 		}
+		if err := checkShortstr(fmt.Sprintf("Config.Bindings[%d].Exchange", i), b.Exchange); err != nil {
+			return cfg, err
+		}
+		if err := checkShortstr(fmt.Sprintf("Config.Bindings[%d].RoutingKey", i), b.RoutingKey); err != nil {
+			return cfg, err
+		}
+		if err := checkTable(fmt.Sprintf("Config.Bindings[%d].Args", i), b.Args); err != nil {
+			return cfg, err
+		}
+	}
+	if err := checkShortstr("Config.ConsumerTag", cfg.ConsumerTag); err != nil {
+		return cfg, err
 	}
 	if cfg.Prefetch < 0 || cfg.Prefetch > 65535 {
 		return cfg, fmt.Errorf("amqp: Config.Prefetch %d: want 0 (default %d) to 65535", cfg.Prefetch, DefaultPrefetch)
@@ -280,7 +304,8 @@ func (cfg Config) withDefaults() (Config, error) {
 		cfg.ConnectionName = "once " + cfg.Queue
 	}
 	dl := &cfg.DeadLetter
-	if dl.Queue == "" && !dl.NoQueue {
+	defaultQueue := dl.Queue == "" && !dl.NoQueue
+	if defaultQueue {
 		dl.Queue = cfg.Queue + DeadLetterQueueSuffix
 	}
 	if dl.NoQueue {
@@ -301,10 +326,68 @@ func (cfg Config) withDefaults() (Config, error) {
 	if dl.ExchangeKind == "" {
 		dl.ExchangeKind = DefaultExchangeKind
 	}
+	if defaultQueue && len(dl.Queue) > 255 {
+		return cfg, fmt.Errorf("amqp: Config.DeadLetter.Queue: its default, Config.Queue plus %q, is longer than AMQP's 255 bytes; set it", DeadLetterQueueSuffix)
+	}
+	for _, f := range []struct{ name, v string }{
+		{"Config.DeadLetter.Queue", dl.Queue},
+		{"Config.DeadLetter.Exchange", dl.Exchange},
+		{"Config.DeadLetter.ExchangeKind", dl.ExchangeKind},
+		{"Config.DeadLetter.RoutingKey", dl.RoutingKey},
+	} {
+		if err := checkShortstr(f.name, f.v); err != nil {
+			return cfg, err
+		}
+	}
+	if err := checkTable("Config.DeadLetter.QueueArgs", dl.QueueArgs); err != nil {
+		return cfg, err
+	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
 	return cfg, nil
+}
+
+// checkShortstr refuses a value of field that AMQP carries as a short
+// string, over 255 bytes: amqp091 would not write the frame and would drop
+// the connection, which Open would take for a lost one and retry forever.
+func checkShortstr(field, v string) error {
+	if len(v) > 255 {
+		return fmt.Errorf("amqp: %s is longer than AMQP's 255 bytes", field)
+	}
+	return nil
+}
+
+// checkTable refuses an argument table of field that amqp091 cannot
+// write: a Go type AMQP has no field type for (uint64, []string, ...) or
+// a key over 255 bytes, at any depth.
+func checkTable(field string, t amqp091.Table) error {
+	if err := t.Validate(); err != nil {
+		return fmt.Errorf("amqp: %s: %w", field, err)
+	}
+	return checkKeys(field, t)
+}
+
+// checkKeys refuses keys over 255 bytes in t and the tables nested in it.
+func checkKeys(field string, v any) error {
+	switch x := v.(type) {
+	case amqp091.Table:
+		for k, e := range x {
+			if len(k) > 255 {
+				return fmt.Errorf("amqp: %s: key %.20q... is longer than AMQP's 255 bytes", field, k)
+			}
+			if err := checkKeys(field, e); err != nil {
+				return err
+			}
+		}
+	case []any:
+		for _, e := range x {
+			if err := checkKeys(field, e); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
 }
 
 // urlHeartbeat returns the heartbeat parameter of an AMQP URL, in seconds,

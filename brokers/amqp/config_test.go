@@ -155,3 +155,59 @@ func TestURLHeartbeatZeroRefused(t *testing.T) {
 	}
 	assert.Contains(t, err.Error(), "heartbeat")
 }
+
+// A name over AMQP's 255 bytes, or an argument table holding a Go type
+// AMQP cannot carry, is a configuration error like any other: Open fails
+// at once naming the field. The broker never sees them (amqp091 refuses to
+// write the frame and drops the connection), so they are not the broker's
+// verdict, and retrying them cannot succeed.
+func TestUnencodableConfigFailsAtOnce(t *testing.T) {
+	url := brokerURL(t)
+	long := strings.Repeat("n", 256)
+	cases := []struct {
+		name  string
+		edit  func(c *amqp.Config)
+		field string
+	}{
+		{"exchange name", func(c *amqp.Config) { c.Exchanges = []amqp.Exchange{{Name: long}} }, "Config.Exchanges[0].Name"},
+		{"exchange kind", func(c *amqp.Config) { c.Exchanges = []amqp.Exchange{{Name: "x", Kind: long}} }, "Config.Exchanges[0].Kind"},
+		{"exchange args", func(c *amqp.Config) {
+			c.Exchanges = []amqp.Exchange{{Name: c.Queue + ".x", Args: amqp091.Table{"k": []string{"a"}}}}
+		}, "Config.Exchanges[0].Args"},
+		{"binding exchange", func(c *amqp.Config) { c.Bindings = []amqp.Binding{{Exchange: long}} }, "Config.Bindings[0].Exchange"},
+		{"binding key", func(c *amqp.Config) { c.Bindings = []amqp.Binding{{Exchange: "amq.direct", RoutingKey: long}} }, "Config.Bindings[0].RoutingKey"},
+		{"binding args", func(c *amqp.Config) {
+			c.Bindings = []amqp.Binding{{Exchange: "amq.headers", Args: amqp091.Table{"x-match": "all", "n": uint64(1)}}}
+		}, "Config.Bindings[0].Args"},
+		{"queue args", func(c *amqp.Config) { c.QueueArgs = amqp091.Table{"x-max-length": uint64(10)} }, "Config.QueueArgs"},
+		{"queue args key", func(c *amqp.Config) { c.QueueArgs = amqp091.Table{long: "v"} }, "Config.QueueArgs"},
+		{"consumer tag", func(c *amqp.Config) { c.ConsumerTag = long }, "Config.ConsumerTag"},
+		{"dead-letter queue", func(c *amqp.Config) { c.DeadLetter.Queue = long }, "Config.DeadLetter.Queue"},
+		{"default dead-letter queue of a long queue", func(c *amqp.Config) { c.Queue += strings.Repeat("q", 255-len(c.Queue)) }, "Config.DeadLetter.Queue"},
+		{"dead-letter exchange", func(c *amqp.Config) { c.DeadLetter.Exchange = long }, "Config.DeadLetter.Exchange"},
+		{"dead-letter exchange kind", func(c *amqp.Config) {
+			c.DeadLetter.Exchange, c.DeadLetter.ExchangeKind = c.Queue+".dlx", long
+		}, "Config.DeadLetter.ExchangeKind"},
+		{"dead-letter routing key", func(c *amqp.Config) {
+			c.DeadLetter.Exchange, c.DeadLetter.RoutingKey = c.Queue+".dlx", long
+		}, "Config.DeadLetter.RoutingKey"},
+		{"dead-letter queue args", func(c *amqp.Config) { c.DeadLetter.QueueArgs = amqp091.Table{"x-max-length": uint(10)} }, "Config.DeadLetter.QueueArgs"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := amqp.Config{URL: url, Queue: queueName(t), Logger: testLogger(t),
+				ReconnectMinBackoff: 10 * time.Millisecond, ReconnectMaxBackoff: 50 * time.Millisecond}
+			tc.edit(&cfg)
+			newAdmin(t).cleanupQueue(cfg.Queue)
+			ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+			defer cancel()
+			src, err := amqp.Open(ctx, cfg)
+			if err == nil {
+				_ = src.Close()
+				t.Fatal("Open accepted the configuration")
+			}
+			require.NotErrorIs(t, err, context.DeadlineExceeded, "Open retried the configuration until its context ended")
+			assert.Contains(t, err.Error(), tc.field)
+		})
+	}
+}
