@@ -61,6 +61,9 @@ type Source struct {
 	closed    bool
 	connected bool // a session was established at least once
 	lostAt    time.Time
+	// attempting is the connection attempt in progress, if any; one
+	// given up by a call whose context ended stays here for the next.
+	attempting *connAttempt
 }
 
 // Open validates cfg, connects to the broker, declares (or, with
@@ -95,6 +98,7 @@ func Open(ctx context.Context, cfg Config) (*Source, error) {
 	}
 	s.pub = newPublisher(&s.cfg, s.log)
 	if _, err := s.reconnect(ctx); err != nil {
+		_ = s.Close() // and the attempt given up, if any
 		return nil, err
 	}
 	return s, nil
@@ -148,6 +152,15 @@ func (s *Source) Close() error {
 	close(s.closeCh)
 	sess := s.sess
 	s.sess = nil
+	if a := s.attempting; a != nil {
+		s.attempting = nil
+		go func() {
+			<-a.done
+			if a.sess != nil {
+				_ = a.sess.close(consumer.ErrSourceClosed)
+			}
+		}()
+	}
 	s.mu.Unlock()
 	s.pub.close()
 	if sess == nil {
@@ -190,8 +203,24 @@ func (s *Source) lost(sess *session, cause error) {
 // success, configuration errors are returned at once.
 func (s *Source) reconnect(ctx context.Context) (*session, error) {
 	retry := backoff.Retrier{Policy: backoff.Policy{Initial: s.cfg.ReconnectMinBackoff, Max: s.cfg.ReconnectMaxBackoff}}
+	var lastErr error
 	for attempt := 1; ; attempt++ {
-		sess, err := s.connect()
+		sess, err := s.attempt(ctx)
+		if errors.Is(err, errGivenUp) {
+			s.mu.Lock()
+			connected := s.connected
+			s.mu.Unlock()
+			switch {
+			case ctx.Err() == nil:
+				return nil, consumer.ErrSourceClosed
+			case connected:
+				return nil, ctx.Err()
+			case lastErr != nil:
+				return nil, fmt.Errorf("amqp: connect: %w (last error: %w)", ctx.Err(), lastErr)
+			default:
+				return nil, fmt.Errorf("amqp: connect: %w (the first attempt had not finished)", ctx.Err())
+			}
+		}
 		if err == nil {
 			s.mu.Lock()
 			if s.closed {
@@ -208,12 +237,16 @@ func (s *Source) reconnect(ctx context.Context) (*session, error) {
 			}
 			return sess, nil
 		}
+		if errors.Is(err, consumer.ErrSourceClosed) {
+			return nil, err // connect saw the source closed
+		}
 		s.mu.Lock()
 		connected := s.connected
 		s.mu.Unlock()
 		if !connected && isConfigError(err) {
 			return nil, err
 		}
+		lastErr = err
 		wait := retry.Delay()
 		s.log.Warn("amqp: cannot connect to the broker; retrying", "attempt", attempt, "retry_in", wait.Round(time.Millisecond), "error", err)
 		t := time.NewTimer(wait)
@@ -230,6 +263,50 @@ func (s *Source) reconnect(ctx context.Context) (*session, error) {
 		case <-t.C:
 		}
 	}
+}
+
+// errGivenUp is attempt's error when it gave up a connection attempt.
+var errGivenUp = errors.New("amqp: connection attempt given up")
+
+// connAttempt is one connection attempt running aside: sess and err are
+// set when done is closed.
+type connAttempt struct {
+	done chan struct{}
+	sess *session
+	err  error
+}
+
+// attempt makes one connection attempt aside and waits for it until ctx
+// ends or the source is closed; it then returns errGivenUp at once. The
+// dial and the channel's requests end only at DialTimeout or when the
+// heartbeats find the broker silent, tens of seconds that Receive's and
+// Open's contexts and Close must not wait. An attempt given up goes on:
+// the next call takes its outcome instead of starting another, and Close
+// closes the session it opens.
+func (s *Source) attempt(ctx context.Context) (*session, error) {
+	s.mu.Lock()
+	a := s.attempting
+	if a == nil {
+		a = &connAttempt{done: make(chan struct{})}
+		s.attempting = a
+		go func() {
+			a.sess, a.err = s.connect()
+			close(a.done)
+		}()
+	}
+	s.mu.Unlock()
+	select {
+	case <-a.done:
+		s.mu.Lock()
+		if s.attempting == a {
+			s.attempting = nil
+		}
+		s.mu.Unlock()
+		return a.sess, a.err
+	case <-ctx.Done():
+	case <-s.closeCh:
+	}
+	return nil, errGivenUp
 }
 
 // isConfigError reports whether err is the broker's verdict on the
@@ -284,6 +361,13 @@ func (s *Source) connect() (*session, error) {
 	}
 	connClosed := conn.NotifyClose(make(chan *amqp091.Error, 1))
 	chClosed := ch.NotifyClose(make(chan *amqp091.Error, 1))
+	select {
+	case <-s.closeCh:
+		// Given up and closed meanwhile: a consumer nobody reads would
+		// hold messages unacked until the session is closed.
+		return fail(consumer.ErrSourceClosed)
+	default:
+	}
 	deliveries, err := ch.Consume(s.cfg.Queue, s.cfg.ConsumerTag, false, false, false, false, nil)
 	if err != nil {
 		return fail(fmt.Errorf("amqp: consume queue %q: %w", s.cfg.Queue, err))
