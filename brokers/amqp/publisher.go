@@ -31,7 +31,14 @@ type publisher struct {
 	conn    *amqp091.Connection
 	ch      *amqp091.Channel
 	returns chan amqp091.Return
-	blocked *blockState
+	// chClosed gets the broker's reason when it closes ch (a publish to
+	// a missing exchange).
+	chClosed chan *amqp091.Error
+	// redeclare: a copy found the dead-letter destination missing (its
+	// queue or exchange deleted since Open declared it); the next
+	// connection declares it again before publishing.
+	redeclare bool
+	blocked   *blockState
 	// pending is a publish left unconfirmed when the broker blocked the
 	// connection: its confirm (and return) comes once the alarm clears,
 	// and must come before the next publish, whose return could otherwise
@@ -153,6 +160,25 @@ func (p *publisher) send(wctx, ctx context.Context, exchange, key string, msg am
 	}
 }
 
+// closeReason returns the broker's reason for closing the dead-letter
+// channel, if it did (amqp091 hands it over before it fails the
+// channel's unconfirmed publishes), and notes a missing exchange for
+// redeclaring.
+func (p *publisher) closeReason() *amqp091.Error {
+	select {
+	case e, ok := <-p.chClosed:
+		if !ok || e == nil {
+			return nil
+		}
+		if e.Code == amqp091.NotFound {
+			p.redeclare = true
+		}
+		return e
+	default:
+		return nil
+	}
+}
+
 // returned reports the return of the publish just confirmed, if any: the
 // broker sends it before the confirm, and the connection's reader hands it
 // over before it handles the confirm. amqp091 closes the returns channel
@@ -163,6 +189,10 @@ func (p *publisher) returned() error {
 	case r, ok := <-p.returns:
 		if !ok {
 			return nil
+		}
+		if r.ReplyCode == amqp091.NoRoute && p.cfg.DeadLetter.Queue != "" {
+			// The dead-letter queue, or its binding, is gone.
+			p.redeclare = true
 		}
 		return fmt.Errorf("amqp: publish to exchange %q with key %q was unroutable: %d %s", r.Exchange, r.RoutingKey, r.ReplyCode, r.ReplyText)
 	default:
@@ -245,6 +275,9 @@ func (p *publisher) waitConfirm(wctx, ctx context.Context, id any, dc *amqp091.D
 		select {
 		case <-dc.Done():
 			if !dc.Acked() {
+				if e := p.closeReason(); e != nil {
+					return fmt.Errorf("the dead-letter channel closed: %w", e)
+				}
 				return errors.New("the broker nacked it")
 			}
 			return nil
@@ -274,6 +307,13 @@ func (p *publisher) ready() error {
 	if p.closed {
 		return fmt.Errorf("amqp: dead-letter publisher: %w", ErrChannelClosed)
 	}
+	if p.redeclare && !p.cfg.Passive {
+		// Declare on a new connection: one the broker blocks under an
+		// alarm would hold the declarations (amqp091 gives its requests
+		// no deadline), and a fresh one is not blocked before it
+		// publishes.
+		p.drop()
+	}
 	if p.ch != nil && !p.ch.IsClosed() && !p.conn.IsClosed() {
 		return nil
 	}
@@ -290,6 +330,17 @@ func (p *publisher) ready() error {
 		_ = conn.CloseDeadline(time.Now().Add(time.Second))
 		return fmt.Errorf("amqp: open the dead-letter channel: %w", err)
 	}
+	if p.redeclare && !p.cfg.Passive {
+		// Once per copy found unroutable: if something else declared the
+		// destination meanwhile, with other arguments, the next attempt
+		// publishes without declaring.
+		p.redeclare = false
+		if err := declareDeadLetter(ch, p.cfg); err != nil {
+			_ = conn.CloseDeadline(time.Now().Add(time.Second))
+			return fmt.Errorf("amqp: declare the dead-letter destination again: %w", err)
+		}
+		p.log.Info("amqp: declared the dead-letter destination again; a copy had found it missing")
+	}
 	blocked := newBlockState()
 	notes := conn.NotifyBlocked(make(chan amqp091.Blocking, 4))
 	go func() {
@@ -304,6 +355,7 @@ func (p *publisher) ready() error {
 	}()
 	p.conn, p.ch, p.blocked = conn, ch, blocked
 	p.returns = ch.NotifyReturn(make(chan amqp091.Return, 4))
+	p.chClosed = ch.NotifyClose(make(chan *amqp091.Error, 1))
 	return nil
 }
 
@@ -330,7 +382,7 @@ func (p *publisher) drop() {
 		return
 	}
 	go func(conn *amqp091.Connection) { _ = conn.CloseDeadline(time.Now().Add(2 * time.Second)) }(p.conn)
-	p.conn, p.ch, p.returns, p.pending, p.pendingFor = nil, nil, nil, nil, nil
+	p.conn, p.ch, p.returns, p.chClosed, p.pending, p.pendingFor = nil, nil, nil, nil, nil, nil
 	p.blocked = newBlockState()
 }
 
@@ -341,6 +393,6 @@ func (p *publisher) close() {
 	p.closed = true
 	if p.conn != nil {
 		_ = p.conn.CloseDeadline(time.Now().Add(2 * time.Second))
-		p.conn, p.ch, p.returns = nil, nil, nil
+		p.conn, p.ch, p.returns, p.chClosed = nil, nil, nil, nil
 	}
 }

@@ -449,40 +449,16 @@ func (sess *session) close(cause error) error {
 // its bindings and the dead-letter destination.
 func (s *Source) declare(ch *amqp091.Channel) error {
 	cfg := &s.cfg
-	declareExchange := func(name, kind string, args amqp091.Table) error {
-		var err error
-		if cfg.Passive {
-			err = ch.ExchangeDeclarePassive(name, kind, true, false, false, false, args)
-		} else {
-			err = ch.ExchangeDeclare(name, kind, true, false, false, false, args)
-		}
-		if err != nil {
-			return fmt.Errorf("amqp: %s exchange %q: %w", verb(cfg.Passive), name, err)
-		}
-		return nil
-	}
-	declareQueue := func(name string, args amqp091.Table) error {
-		var err error
-		if cfg.Passive {
-			_, err = ch.QueueDeclarePassive(name, true, false, false, false, nil)
-		} else {
-			_, err = ch.QueueDeclare(name, true, false, false, false, args)
-		}
-		if err != nil {
-			return fmt.Errorf("amqp: %s queue %q: %w", verb(cfg.Passive), name, err)
-		}
-		return nil
-	}
 	for _, e := range cfg.Exchanges {
 		kind := e.Kind
 		if kind == "" {
 			kind = DefaultExchangeKind
 		}
-		if err := declareExchange(e.Name, kind, e.Args); err != nil {
+		if err := declareExchange(ch, cfg.Passive, e.Name, kind, e.Args); err != nil {
 			return err
 		}
 	}
-	if err := declareQueue(cfg.Queue, queueArgs(cfg.QueueType, cfg.QueueArgs)); err != nil {
+	if err := declareQueue(ch, cfg.Passive, cfg.Queue, queueArgs(cfg.QueueType, cfg.QueueArgs)); err != nil {
 		return err
 	}
 	if !cfg.Passive {
@@ -492,14 +468,20 @@ func (s *Source) declare(ch *amqp091.Channel) error {
 			}
 		}
 	}
+	return declareDeadLetter(ch, cfg)
+}
+
+// declareDeadLetter declares (or checks, in passive mode) the dead-letter
+// exchange, if named, and the dead-letter queue with its binding, if any.
+func declareDeadLetter(ch *amqp091.Channel, cfg *Config) error {
 	dl := cfg.DeadLetter
 	if dl.Exchange != "" {
-		if err := declareExchange(dl.Exchange, dl.ExchangeKind, nil); err != nil {
+		if err := declareExchange(ch, cfg.Passive, dl.Exchange, dl.ExchangeKind, nil); err != nil {
 			return err
 		}
 	}
 	if dl.Queue != "" {
-		if err := declareQueue(dl.Queue, queueArgs(cfg.QueueType, dl.QueueArgs)); err != nil {
+		if err := declareQueue(ch, cfg.Passive, dl.Queue, queueArgs(cfg.QueueType, dl.QueueArgs)); err != nil {
 			return err
 		}
 		if dl.Exchange != "" && !cfg.Passive {
@@ -507,6 +489,35 @@ func (s *Source) declare(ch *amqp091.Channel) error {
 				return fmt.Errorf("amqp: bind dead-letter queue %q to exchange %q with key %q: %w", dl.Queue, dl.Exchange, dl.RoutingKey, err)
 			}
 		}
+	}
+	return nil
+}
+
+// declareExchange declares a durable exchange, or checks it in passive
+// mode.
+func declareExchange(ch *amqp091.Channel, passive bool, name, kind string, args amqp091.Table) error {
+	var err error
+	if passive {
+		err = ch.ExchangeDeclarePassive(name, kind, true, false, false, false, args)
+	} else {
+		err = ch.ExchangeDeclare(name, kind, true, false, false, false, args)
+	}
+	if err != nil {
+		return fmt.Errorf("amqp: %s exchange %q: %w", verb(passive), name, err)
+	}
+	return nil
+}
+
+// declareQueue declares a durable queue, or checks it in passive mode.
+func declareQueue(ch *amqp091.Channel, passive bool, name string, args amqp091.Table) error {
+	var err error
+	if passive {
+		_, err = ch.QueueDeclarePassive(name, true, false, false, false, nil)
+	} else {
+		_, err = ch.QueueDeclare(name, true, false, false, false, args)
+	}
+	if err != nil {
+		return fmt.Errorf("amqp: %s queue %q: %w", verb(passive), name, err)
 	}
 	return nil
 }
