@@ -104,7 +104,9 @@ type Config struct {
 	// or logs.
 	URL string
 	// TLSConfig is used for amqps URLs (client certificates, root CAs). Nil:
-	// the system roots with the URL's host as server name.
+	// the system roots with the URL's host as server name, as when its
+	// ServerName is empty. The source dials with a copy and never
+	// modifies it, so one config may serve several sources.
 	TLSConfig *tls.Config
 	// DialTimeout bounds the TCP connect plus the TLS and AMQP handshakes.
 	// Default 10s.

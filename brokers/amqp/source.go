@@ -384,8 +384,11 @@ func dial(cfg *Config, name string) (*amqp091.Connection, error) {
 	props := amqp091.NewConnectionProperties()
 	props.SetClientConnectionName(name)
 	conn, err := amqp091.DialConfig(cfg.URL, amqp091.Config{
-		Heartbeat:       cfg.Heartbeat,
-		TLSClientConfig: cfg.TLSConfig,
+		Heartbeat: cfg.Heartbeat,
+		// A copy: amqp091 writes the URL's host into an empty
+		// ServerName of the config it is given, which would then name
+		// this broker for every other use of the caller's config.
+		TLSClientConfig: cfg.TLSConfig.Clone(),
 		Properties:      props,
 		Dial:            amqp091.DefaultDial(cfg.DialTimeout),
 	})

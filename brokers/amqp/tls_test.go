@@ -100,3 +100,76 @@ func TestTLSConfigIsUsed(t *testing.T) {
 	require.Error(t, err)
 	assert.Contains(t, err.Error(), "certificate", "without Config.TLSConfig the system roots reject the server")
 }
+
+// TestTLSConfigIsNotModified: one tls.Config given to sources of two
+// brokers (a cluster's nodes, each with a certificate of its own name).
+// The source dials with a copy: amqp091 writes the URL's host into an
+// empty ServerName of the config it is given, and the second broker's
+// certificate was then checked against the first broker's name, and
+// refused.
+func TestTLSConfigIsNotModified(t *testing.T) {
+	t.Parallel()
+	listen := func(cert tls.Certificate) string {
+		ln, err := tls.Listen("tcp", "127.0.0.1:0", &tls.Config{Certificates: []tls.Certificate{cert}})
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = ln.Close() })
+		go func() {
+			for {
+				c, err := ln.Accept()
+				if err != nil {
+					return
+				}
+				_ = c.(*tls.Conn).Handshake()
+				_ = c.Close()
+			}
+		}()
+		return ln.Addr().(*net.TCPAddr).String()
+	}
+	byIP := selfSigned(t, "by-ip") // for 127.0.0.1
+	byName := selfSignedFor(t, "by-name", "localhost")
+	roots := x509.NewCertPool()
+	roots.AddCert(byIP.Leaf)
+	roots.AddCert(byName.Leaf)
+	shared := &tls.Config{RootCAs: roots}
+	_, portByName, err := net.SplitHostPort(listen(byName))
+	require.NoError(t, err)
+
+	open := func(url string) error {
+		ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+		defer cancel()
+		_, err := amqp.Open(ctx, amqp.Config{URL: url, Queue: "q", TLSConfig: shared, Logger: testLogger(t),
+			ReconnectMinBackoff: 50 * time.Millisecond, ReconnectMaxBackoff: 50 * time.Millisecond})
+		return err
+	}
+	err = open("amqps://guest:guest@" + listen(byIP) + "/")
+	require.Error(t, err, "the server speaks no AMQP")
+	assert.NotContains(t, err.Error(), "certificate")
+	assert.Empty(t, shared.ServerName, "Open wrote into the caller's tls.Config")
+
+	err = open("amqps://guest:guest@localhost:" + portByName + "/")
+	require.Error(t, err, "the server speaks no AMQP")
+	assert.NotContains(t, err.Error(), "certificate", "the second broker's certificate was checked against the first one's name")
+}
+
+// selfSignedFor returns a certificate for the DNS name host signed by
+// itself.
+func selfSignedFor(t *testing.T, cn, host string) tls.Certificate {
+	t.Helper()
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	require.NoError(t, err)
+	tmpl := &x509.Certificate{
+		SerialNumber: big.NewInt(2),
+		Subject:      pkix.Name{CommonName: cn},
+		NotBefore:    time.Now().Add(-time.Hour),
+		NotAfter:     time.Now().Add(time.Hour),
+		DNSNames:     []string{host},
+		KeyUsage:     x509.KeyUsageDigitalSignature | x509.KeyUsageCertSign,
+		ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
+		IsCA:         true, BasicConstraintsValid: true,
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
+	require.NoError(t, err)
+	leaf, err := x509.ParseCertificate(der)
+	require.NoError(t, err)
+	return tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key, Leaf: leaf}
+}
