@@ -149,3 +149,29 @@ func TestOpenGivenUpLeavesNoConsumer(t *testing.T) {
 		return err == nil && (st.Consumers > 0 || st.Messages == 0)
 	}, 2*time.Second, 20*time.Millisecond, "a consumer of the given-up Open subscribed to the queue")
 }
+
+// TestDeadLetterReturnsWhenItsContextEndsWhileDialling: the dead-letter
+// connection is dialled on the first dead letter; while the network holds
+// its handshake, DeadLetter returns when its context ends (the consumer's
+// shutdown deadline) instead of waiting out the dial, with the
+// publisher's lock held, which Close takes too.
+func TestDeadLetterReturnsWhenItsContextEndsWhileDialling(t *testing.T) {
+	t.Parallel()
+	a := newAdmin(t)
+	q := queueName(t)
+	a.declare(q, amqp.QueueClassic)
+	require.NoError(t, a.publish("", q, jsonMsg("ev-1", `{}`)))
+	p, proxied := startProxy(t, brokerURL(t))
+	src := openSource(t, amqp.Config{URL: proxied, Queue: q, DialTimeout: hungDialTimeout})
+	d := receive(t, src)
+
+	p.Pause()
+	defer p.Resume()
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	start := time.Now()
+	err := d.DeadLetter(ctx, &consumer.DeadLetter{Kind: consumer.KindHandler, EventID: "ev-1", FailedAt: time.Now()})
+	require.Error(t, err)
+	assert.ErrorIs(t, err, context.DeadlineExceeded)
+	assert.Less(t, time.Since(start), 5*time.Second, "DeadLetter waited out the dial past its context")
+}

@@ -98,7 +98,7 @@ func newPublisher(cfg *Config, log *slog.Logger) *publisher {
 func (p *publisher) publish(ctx context.Context, id any, exchange, key string, msg amqp091.Publishing, timeout time.Duration) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if err := p.ready(); err != nil {
+	if err := p.ready(ctx); err != nil {
 		return err
 	}
 	if done, err := p.takeConfirmed(id); done {
@@ -232,7 +232,7 @@ func (p *publisher) settlePending(ctx context.Context, id any, timeout time.Dura
 			if err := ctx.Err(); err != nil {
 				return false, fmt.Errorf("amqp: wait for publisher confirm: %w", err)
 			}
-			return false, p.ready()
+			return false, p.ready(ctx)
 		}
 	}
 }
@@ -302,12 +302,16 @@ func (p *publisher) waitConfirm(wctx, ctx context.Context, id any, dc *amqp091.D
 }
 
 // ready makes sure a connection and a confirm-mode channel are open,
-// dialling once if not: the caller's retry paces further attempts.
-func (p *publisher) ready() error {
+// dialling once if not: the caller's retry paces further attempts. The
+// dial and the channel's requests run aside, and ready gives them up when
+// ctx ends: they end only at DialTimeout, or when the heartbeats find the
+// broker silent.
+func (p *publisher) ready(ctx context.Context) error {
 	if p.closed {
 		return fmt.Errorf("amqp: dead-letter publisher: %w", ErrChannelClosed)
 	}
-	if p.redeclare && !p.cfg.Passive {
+	redeclare := p.redeclare && !p.cfg.Passive
+	if redeclare {
 		// Declare on a new connection: one the broker blocks under an
 		// alarm would hold the declarations (amqp091 gives its requests
 		// no deadline), and a fresh one is not blocked before it
@@ -318,29 +322,40 @@ func (p *publisher) ready() error {
 		return nil
 	}
 	p.drop()
-	conn, err := dial(p.cfg, p.cfg.ConnectionName+" (dead letters)")
-	if err != nil {
-		return err
+	type opened struct {
+		conn *amqp091.Connection
+		ch   *amqp091.Channel
+		err  error
 	}
-	ch, err := conn.Channel()
-	if err == nil {
-		err = ch.Confirm(false)
+	done := make(chan opened, 1)
+	go func() {
+		conn, ch, err := p.open(redeclare)
+		done <- opened{conn, ch, err}
+	}()
+	var o opened
+	select {
+	case o = <-done:
+	case <-ctx.Done():
+		go func() {
+			if o := <-done; o.conn != nil {
+				_ = o.conn.CloseDeadline(time.Now().Add(time.Second))
+			}
+		}()
+		return fmt.Errorf("amqp: open the dead-letter connection: %w", ctx.Err())
 	}
-	if err != nil {
-		_ = conn.CloseDeadline(time.Now().Add(time.Second))
-		return fmt.Errorf("amqp: open the dead-letter channel: %w", err)
-	}
-	if p.redeclare && !p.cfg.Passive {
+	if redeclare {
 		// Once per copy found unroutable: if something else declared the
 		// destination meanwhile, with other arguments, the next attempt
 		// publishes without declaring.
 		p.redeclare = false
-		if err := declareDeadLetter(ch, p.cfg); err != nil {
-			_ = conn.CloseDeadline(time.Now().Add(time.Second))
-			return fmt.Errorf("amqp: declare the dead-letter destination again: %w", err)
-		}
+	}
+	if o.err != nil {
+		return o.err
+	}
+	if redeclare {
 		p.log.Info("amqp: declared the dead-letter destination again; a copy had found it missing")
 	}
+	conn, ch := o.conn, o.ch
 	blocked := newBlockState()
 	notes := conn.NotifyBlocked(make(chan amqp091.Blocking, 4))
 	go func() {
@@ -357,6 +372,30 @@ func (p *publisher) ready() error {
 	p.returns = ch.NotifyReturn(make(chan amqp091.Return, 4))
 	p.chClosed = ch.NotifyClose(make(chan *amqp091.Error, 1))
 	return nil
+}
+
+// open dials the dead-letter connection and opens its channel in confirm
+// mode, declaring the dead-letter destination first when redeclare is set.
+func (p *publisher) open(redeclare bool) (*amqp091.Connection, *amqp091.Channel, error) {
+	conn, err := dial(p.cfg, p.cfg.ConnectionName+" (dead letters)")
+	if err != nil {
+		return nil, nil, err
+	}
+	ch, err := conn.Channel()
+	if err == nil {
+		err = ch.Confirm(false)
+	}
+	if err != nil {
+		_ = conn.CloseDeadline(time.Now().Add(time.Second))
+		return nil, nil, fmt.Errorf("amqp: open the dead-letter channel: %w", err)
+	}
+	if redeclare {
+		if err := declareDeadLetter(ch, p.cfg); err != nil {
+			_ = conn.CloseDeadline(time.Now().Add(time.Second))
+			return nil, nil, fmt.Errorf("amqp: declare the dead-letter destination again: %w", err)
+		}
+	}
+	return conn, ch, nil
 }
 
 // drainReturns discards returns left by an earlier publish. The channel

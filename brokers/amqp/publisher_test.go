@@ -40,7 +40,7 @@ func TestLostConnectionWhileSettlingAPendingCopyDoesNotHang(t *testing.T) {
 	// Delivery "a"'s copy, published and not confirmed: the broker sees
 	// nothing of it while the proxy holds the traffic.
 	p.mu.Lock()
-	require.NoError(t, p.ready())
+	require.NoError(t, p.ready(context.Background()))
 	proxy.Pause()
 	paused := true
 	t.Cleanup(func() {
