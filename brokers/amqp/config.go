@@ -424,8 +424,19 @@ func redactErr(err error, raw string) error {
 	}
 	u, perr := url.Parse(raw)
 	if perr != nil || u.User == nil {
-		if strings.Contains(err.Error(), raw) {
-			return errors.New(strings.ReplaceAll(err.Error(), raw, "<URL>"))
+		// The parser quotes the URL escaped (%q): a password with a quote
+		// or a control character appears in that form only. An invalid
+		// escape is quoted alone, and may be part of the password.
+		msg := err.Error()
+		q := strconv.Quote(raw)
+		msg = strings.ReplaceAll(msg, q[1:len(q)-1], "<URL>")
+		msg = strings.ReplaceAll(msg, raw, "<URL>")
+		var esc url.EscapeError
+		if errors.As(err, &esc) {
+			msg = strings.ReplaceAll(msg, esc.Error(), "invalid URL escape (a % not followed by two hexadecimal digits)")
+		}
+		if msg != err.Error() {
+			return errors.New(msg)
 		}
 		return err
 	}

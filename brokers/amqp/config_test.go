@@ -211,3 +211,25 @@ func TestUnencodableConfigFailsAtOnce(t *testing.T) {
 		})
 	}
 }
+
+// TestUnparsableURLDoesNotPrintThePassword: a URL that does not parse (a
+// password with a character that must be percent-encoded, left as it is)
+// fails Open without any part of the password in the error. The parser
+// quotes the URL escaped (%q), so a password with a quote, a control
+// character or a non-ASCII letter was printed whole, and an invalid
+// escape printed its three characters.
+func TestUnparsableURLDoesNotPrintThePassword(t *testing.T) {
+	for _, u := range []string{
+		`amqp://user:pa"ss-word@localhost:5672/`,
+		"amqp://user:pa\x01ss-word@localhost:5672/",
+		"amqp://user:pä\"ss-word@localhost:5672/",
+		`amqp://user:pa%zzss-word@localhost:5672/`,
+		`amqp://user:pa%zzss-word"@localhost:5672/`,
+	} {
+		_, err := amqp.Open(context.Background(), amqp.Config{URL: u, Queue: "q"})
+		require.Error(t, err)
+		assert.Contains(t, err.Error(), "Config.URL")
+		assert.NotContains(t, err.Error(), "ss-word", "the password leaked into the error")
+		assert.NotContains(t, err.Error(), "%zz", "a part of the password leaked into the error")
+	}
+}
