@@ -79,7 +79,9 @@ func New(cfg Config) (*Publisher, error) {
 		return nil, errors.New("amqpout: Config.URL is required")
 	}
 	if _, err := amqp091.ParseURI(cfg.URL); err != nil {
-		return nil, fmt.Errorf("amqpout: Config.URL: %w", err)
+		// Not the parser's error: it quotes the URL, password and all.
+		return nil, errors.New("amqpout: Config.URL does not parse as amqp://user:password@host:port/vhost " +
+			"(left out here: it may hold a password); percent-encode reserved characters in the user and password")
 	}
 	if cfg.ConfirmTimeout < 0 || cfg.DialTimeout < 0 || cfg.Heartbeat < 0 {
 		return nil, errors.New("amqpout: Config durations must not be negative")
@@ -413,8 +415,10 @@ func (p *Publisher) channel() (*amqp091.Channel, chan amqp091.Return, chan *amqp
 	}
 	if p.conn == nil || p.conn.IsClosed() {
 		conn, err := amqp091.DialConfig(p.cfg.URL, amqp091.Config{
-			Heartbeat:       p.cfg.Heartbeat,
-			TLSClientConfig: p.cfg.TLSConfig,
+			Heartbeat: p.cfg.Heartbeat,
+			// A copy: amqp091 writes the URL's host into an empty
+			// ServerName of the config it is given.
+			TLSClientConfig: p.cfg.TLSConfig.Clone(),
 			Properties:      amqp091.Table{"connection_name": p.cfg.ConnectionName},
 			Dial:            amqp091.DefaultDial(p.cfg.DialTimeout),
 		})

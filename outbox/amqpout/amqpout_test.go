@@ -1,6 +1,8 @@
 package amqpout
 
 import (
+	"crypto/tls"
+	"net"
 	"testing"
 	"time"
 
@@ -49,4 +51,40 @@ func TestMissingExchangeIsReadFromTheCloseReason(t *testing.T) {
 	assert.Empty(t, missingExchange(&amqp091.Error{Code: amqp091.NotFound, Reason: "NOT_FOUND - no queue 'q' in vhost '/'"}))
 	assert.Empty(t, missingExchange(&amqp091.Error{Code: amqp091.ChannelError, Reason: "no exchange 'x' in vhost"}))
 	assert.Empty(t, missingExchange(nil))
+}
+
+// The publisher dials with a copy of Config.TLSConfig: amqp091 writes the
+// URL's host into an empty ServerName of the config it is given, which
+// would then name this broker for every other use of the caller's config
+// (another publisher or source checking its broker's certificate).
+func TestTLSConfigIsNotModified(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			_ = c.Close() // no TLS, no AMQP
+		}
+	}()
+	shared := &tls.Config{MinVersion: tls.VersionTLS12}
+	p, err := New(Config{URL: "amqps://guest:guest@" + ln.Addr().String() + "/", TLSConfig: shared, DialTimeout: time.Second})
+	require.NoError(t, err)
+	defer p.Close()
+	_, _, _, err = p.channel()
+	require.Error(t, err, "the server speaks neither TLS nor AMQP")
+	assert.Empty(t, shared.ServerName, "the publisher wrote into the caller's tls.Config")
+}
+
+// A Config.URL that does not parse is refused without being printed: the
+// parser's error quotes the URL, password and all.
+func TestUnparsableURLDoesNotPrintThePassword(t *testing.T) {
+	for _, url := range []string{"amqp://guest:s3cr%zzet@host/", "amqp://guest:s3cr\"et\x01@host/", "amqp://guest:s3cret@host:port/"} {
+		_, err := New(Config{URL: url})
+		require.ErrorContains(t, err, "Config.URL", url)
+		assert.NotContains(t, err.Error(), "s3cr", "the password is printed")
+	}
 }
