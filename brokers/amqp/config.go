@@ -83,7 +83,8 @@ type DeadLetterConfig struct {
 	// to Exchange with RoutingKey. Default "<Config.Queue>.dlq".
 	Queue string
 	// QueueArgs are extra declare arguments of Queue, as Config.QueueArgs
-	// are the source queue's (x-queue-type is set from Config.QueueType).
+	// are the source queue's (x-queue-type comes from Config.QueueType; one
+	// here that contradicts it is refused).
 	// On RabbitMQ 4 and later a quorum queue drops a message delivered 20
 	// times unless declared with "x-delivery-limit": -1 (RabbitMQ 3 takes
 	// -1 for 0, so set it on 4 only), and each read of the dead letters by
@@ -340,6 +341,9 @@ func (cfg Config) withDefaults() (Config, error) {
 		if err := checkShortstr(f.name, f.v); err != nil {
 			return cfg, err
 		}
+	}
+	if v, ok := dl.QueueArgs["x-queue-type"]; ok && v != string(cfg.QueueType) {
+		return cfg, fmt.Errorf("amqp: Config.DeadLetter.QueueArgs x-queue-type %v contradicts Config.QueueType %q", v, cfg.QueueType)
 	}
 	if err := checkTable("Config.DeadLetter.QueueArgs", dl.QueueArgs); err != nil {
 		return cfg, err

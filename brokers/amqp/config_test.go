@@ -32,6 +32,10 @@ func TestConfigErrorsNameTheField(t *testing.T) {
 			c.QueueType = amqp.QueueClassic
 			c.QueueArgs = amqp091.Table{"x-queue-type": "quorum"}
 		}, "Config.QueueArgs"},
+		{"contradicting dead-letter x-queue-type", func(c *amqp.Config) {
+			c.QueueType = amqp.QueueQuorum
+			c.DeadLetter.QueueArgs = amqp091.Table{"x-queue-type": "classic"}
+		}, "Config.DeadLetter.QueueArgs"},
 		{"negative prefetch", func(c *amqp.Config) { c.Prefetch = -1 }, "Config.Prefetch"},
 		{"huge prefetch", func(c *amqp.Config) { c.Prefetch = math.MaxUint16 + 1 }, "Config.Prefetch"},
 		{"negative confirm timeout", func(c *amqp.Config) { c.ConfirmTimeout = -time.Second }, "Config.ConfirmTimeout"},

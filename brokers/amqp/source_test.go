@@ -459,7 +459,7 @@ func TestDeadLetterQueueArgs(t *testing.T) {
 	q := queueName(t)
 	a.cleanupQueue(q)
 	openSource(t, amqp.Config{Queue: q, QueueType: amqp.QueueQuorum,
-		DeadLetter: amqp.DeadLetterConfig{QueueArgs: amqp091.Table{"x-max-length": int64(1000), "x-queue-type": "classic"}}})
+		DeadLetter: amqp.DeadLetterConfig{QueueArgs: amqp091.Table{"x-max-length": int64(1000)}}})
 	ch, err := a.channel()
 	require.NoError(t, err)
 	_, err = ch.QueueDeclare(q+amqp.DeadLetterQueueSuffix, true, false, false, false,
