@@ -380,11 +380,20 @@ func checkTopicName(name string) error {
 		return fmt.Errorf("topic name %q is not allowed by Kafka", name)
 	}
 	for _, r := range name {
-		if !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '.' || r == '_' || r == '-') {
+		if !topicNameRune(r) {
 			return fmt.Errorf("topic name %q holds %q; Kafka allows ASCII letters, digits, '.', '_' and '-'", name, r)
 		}
 	}
 	return nil
+}
+
+// topicNameRune reports whether Kafka allows r in a topic name.
+func topicNameRune(r rune) bool {
+	switch {
+	case r >= 'a' && r <= 'z', r >= 'A' && r <= 'Z', r >= '0' && r <= '9':
+		return true
+	}
+	return r == '.' || r == '_' || r == '-'
 }
 
 // consumerConfig returns the sarama configuration of the consumer group.
