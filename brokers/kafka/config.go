@@ -5,8 +5,6 @@ import (
 	"fmt"
 	"log/slog"
 	"math"
-	"net"
-	"strconv"
 	"strings"
 	"time"
 
@@ -14,6 +12,8 @@ import (
 	"github.com/rcrowley/go-metrics"
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/metric"
+
+	"github.com/onceco/once/internal/kafkaaddr"
 )
 
 // StartOffset says where a consumer group starts reading a partition that
@@ -275,19 +275,10 @@ func (c *Config) validate() error {
 	if len(c.Brokers) == 0 {
 		return errors.New("kafka: Config.Brokers is empty")
 	}
-	for i, b := range c.Brokers {
-		if strings.TrimSpace(b) == "" {
-			return fmt.Errorf("kafka: Config.Brokers[%d] is empty", i)
-		}
-		// Dialling an address without a port fails every time: it is not
-		// a broker that cannot be reached yet.
-		if _, port, err := net.SplitHostPort(b); err != nil {
-			return fmt.Errorf("kafka: Config.Brokers[%d] %q is not host:port: %w", i, b, err)
-		} else if port == "" {
-			return fmt.Errorf("kafka: Config.Brokers[%d] %q has no port", i, b)
-		} else if n, err := strconv.Atoi(port); err == nil && (n < 1 || n > 65535) {
-			return fmt.Errorf("kafka: Config.Brokers[%d] %q: port %d out of range", i, b, n)
-		}
+	// Dialling an address without a port fails every time: it is not a
+	// broker that cannot be reached yet.
+	if err := kafkaaddr.Check("kafka", "Config.Brokers", c.Brokers); err != nil {
+		return err
 	}
 	if strings.TrimSpace(c.Group) == "" {
 		return errors.New("kafka: Config.Group is empty")

@@ -4,12 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strings"
 	"sync"
 
 	"github.com/IBM/sarama"
 	"github.com/rcrowley/go-metrics"
 
+	"github.com/onceco/once/internal/kafkaaddr"
 	"github.com/onceco/once/outbox"
 )
 
@@ -22,7 +22,8 @@ const (
 
 // Config configures a Publisher. Brokers is required.
 type Config struct {
-	// Brokers are the bootstrap broker addresses ("host:port"). Required.
+	// Brokers are the bootstrap broker addresses ("host:port"). Required;
+	// New refuses an address without a port.
 	Brokers []string
 	// Sarama is the base client configuration (TLS, SASL, Version,
 	// ClientID, Producer.MaxMessageBytes, Producer.Partitioner, retries,
@@ -60,10 +61,10 @@ func New(cfg Config) (*Publisher, error) {
 	if len(cfg.Brokers) == 0 {
 		return nil, errors.New("kafkaout: Config.Brokers is empty")
 	}
-	for i, b := range cfg.Brokers {
-		if strings.TrimSpace(b) == "" {
-			return nil, fmt.Errorf("kafkaout: Config.Brokers[%d] is empty", i)
-		}
+	// An address that can never be dialled would be retried as a broker
+	// down, without end.
+	if err := kafkaaddr.Check("kafkaout", "Config.Brokers", cfg.Brokers); err != nil {
+		return nil, err
 	}
 	if cfg.IDHeader == "" {
 		cfg.IDHeader = DefaultIDHeader

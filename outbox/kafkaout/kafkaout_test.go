@@ -97,3 +97,15 @@ func TestTransactionalBaseConfigPublishes(t *testing.T) {
 	assert.Nil(t, errs, "the record is confirmed: %v", errs)
 	assert.Equal(t, "billing-tx", base.Producer.Transaction.ID, "the caller's configuration is not modified")
 }
+
+// A broker address without a port fails every dial: the relay would take it
+// for a broker down and retry without end. New refuses it, as kafka.Open
+// does.
+func TestNewRefusesBrokerAddressesWithoutPort(t *testing.T) {
+	for _, addr := range []string{"localhost", "[::1]", "host:", "host:0", "host:70000"} {
+		_, err := New(Config{Brokers: []string{"localhost:9092", addr}})
+		require.ErrorContains(t, err, "Config.Brokers[1]", addr)
+	}
+	_, err := New(Config{Brokers: []string{"localhost:9092", "[::1]:9093"}})
+	require.NoError(t, err)
+}

@@ -11,11 +11,13 @@ import (
 
 	"github.com/onceco/once/cmd/once/internal/cut"
 	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/internal/kafkaaddr"
 )
 
 // KafkaConfig configures a Kafka dead-letter topic.
 type KafkaConfig struct {
-	// Brokers are the bootstrap addresses ("host:port"). Required.
+	// Brokers are the bootstrap addresses ("host:port"). Required;
+	// NewKafka refuses an address without a port.
 	Brokers []string
 	// Topic is the dead-letter topic ("orders.dlq"). Required.
 	Topic string
@@ -43,6 +45,9 @@ type KafkaQueue struct {
 func NewKafka(cfg KafkaConfig) (*KafkaQueue, error) {
 	if len(cfg.Brokers) == 0 {
 		return nil, errors.New("dlq: KafkaConfig.Brokers is empty")
+	}
+	if err := kafkaaddr.Check("dlq", "KafkaConfig.Brokers", cfg.Brokers); err != nil {
+		return nil, err
 	}
 	if cfg.Topic == "" {
 		return nil, errors.New("dlq: KafkaConfig.Topic is empty")

@@ -61,3 +61,12 @@ func TestKafkaBrowseOfAnOffsetOutOfRangeFails(t *testing.T) {
 		}()
 	}
 }
+
+// A broker address that can never be dialled (no port) is refused at once,
+// naming it, instead of every read retrying it as a broker down.
+func TestNewKafkaRefusesBrokerAddressesWithoutPort(t *testing.T) {
+	_, err := dlq.NewKafka(dlq.KafkaConfig{Brokers: []string{"localhost"}, Topic: "orders.dlq"})
+	require.ErrorContains(t, err, "KafkaConfig.Brokers[0]")
+	_, err = dlq.NewKafka(dlq.KafkaConfig{Brokers: []string{"localhost:9092"}, Topic: "orders.dlq"})
+	require.NoError(t, err)
+}
