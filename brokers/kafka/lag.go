@@ -13,7 +13,8 @@ import (
 // partition claimed by this member, the partition's high-water mark minus
 // the offset after the last record handed to the consumer (or skipped as
 // recorded done, with Config.OffsetsInDatabase), i.e. the number of records
-// written to the partition that this member has not received yet. It carries the attributes messaging.system ("kafka"),
+// written to the partition that this member has not received yet. It
+// carries the attributes messaging.system ("kafka"),
 // messaging.consumer.group.name, messaging.destination.name (the topic) and
 // messaging.destination.partition.id. A partition is reported while it is
 // claimed, once its position is known (a committed offset or a first

@@ -3,13 +3,11 @@ package main
 import (
 	"context"
 	"io"
-	"runtime"
 	"strconv"
 	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
-	"weak"
 
 	"github.com/IBM/sarama"
 	"github.com/stretchr/testify/assert"
@@ -21,30 +19,6 @@ import (
 	"github.com/onceco/once/dedup"
 	"github.com/onceco/once/internal/pgtest"
 )
-
-// keepingQueue counts, at the end of each read of the queue, the records
-// of that read something still holds.
-type keepingQueue struct {
-	dlq.Queue
-	kept *atomic.Int64
-}
-
-func (q keepingQueue) Browse(ctx context.Context, fn func(*dlq.Record) error) error {
-	var read []weak.Pointer[dlq.Record]
-	err := q.Queue.Browse(ctx, func(r *dlq.Record) error {
-		read = append(read, weak.Make(r))
-		return fn(r)
-	})
-	runtime.GC()
-	n := 0
-	for _, w := range read {
-		if w.Value() != nil {
-			n++
-		}
-	}
-	q.kept.Store(int64(n))
-	return err
-}
 
 // dlq list, dlq show and status over a large dead-letter topic hold the
 // records they print, not every record of the topic with its payload:
@@ -76,7 +50,7 @@ func TestCommandsDoNotHoldEveryRecordOfALargeTopic(t *testing.T) {
 		t.Helper()
 		var out strings.Builder
 		a := newApp(&out, io.Discard, func(k string) string { return env[k] })
-		a.wrapQueue = func(q dlq.Queue) dlq.Queue { return keepingQueue{q, &kept} }
+		a.wrapQueue = func(q dlq.Queue) dlq.Queue { return testenv.KeepingQueue{Queue: q, Kept: &kept} }
 		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 		defer cancel()
 		require.Equal(t, exitOK, a.run(ctx, args), "%v", args)
