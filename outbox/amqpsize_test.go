@@ -1,8 +1,6 @@
 package outbox_test
 
 import (
-	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -12,6 +10,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/onceco/once/internal/rabbittemp"
 	"github.com/onceco/once/outbox"
 )
 
@@ -21,48 +20,13 @@ import (
 // the test where RabbitMQ is not installed, unless ONCE_REQUIRE_SERVERS=1.
 func privateRabbit(t *testing.T) (*rabbit, func(args ...string) string) {
 	t.Helper()
-	if _, err := os.Stat("/usr/lib/rabbitmq/bin/rabbitmq-server"); err != nil {
-		if _, err := exec.LookPath("rabbitmq-server"); err != nil {
-			if os.Getenv("ONCE_REQUIRE_SERVERS") == "1" {
-				t.Fatal("rabbitmq-server is not installed and ONCE_REQUIRE_SERVERS=1")
-			}
-			t.Skip("rabbitmq-server is not installed")
-		}
-	}
 	script, err := filepath.Abs(filepath.Join("..", "scripts", "rabbitmq.sh"))
 	require.NoError(t, err)
-	dir, err := os.MkdirTemp("", "once-rabbit-test-")
-	require.NoError(t, err)
-	var stderr strings.Builder
-	cmd := exec.Command(script, "start", dir)
-	cmd.Stderr = &stderr
-	out, err := cmd.Output()
-	t.Cleanup(func() {
-		if out, err := exec.Command(script, "stop", dir).CombinedOutput(); err != nil {
-			t.Logf("rabbitmq.sh stop: %v: %s", err, out)
-		}
-	})
-	require.NoError(t, err, "rabbitmq.sh start: %s", stderr.String())
-	env := map[string]string{}
-	for _, line := range strings.Split(strings.TrimSpace(string(out)), "\n") {
-		k, v, ok := strings.Cut(strings.TrimPrefix(line, "export "), "=")
-		require.True(t, ok, "rabbitmq.sh start printed %q", line)
-		env[k] = v
-	}
-	require.NotEmpty(t, env["AMQP_URL"])
-	ctl := func(args ...string) string {
+	n := rabbittemp.Start(t, script)
+	return &rabbit{url: n.URL}, func(args ...string) string {
 		t.Helper()
-		bin := "/usr/lib/rabbitmq/bin/rabbitmqctl" // the /usr/sbin wrapper switches to the rabbitmq user when root
-		if _, err := os.Stat(bin); err != nil {
-			bin = "rabbitmqctl"
-		}
-		cmd := exec.Command(bin, append([]string{"-n", env["ONCE_RABBITMQ_NODE"]}, args...)...)
-		cmd.Env = append(os.Environ(), "HOME="+dir) // the node's Erlang cookie
-		out, err := cmd.CombinedOutput()
-		require.NoError(t, err, "rabbitmqctl %s: %s", strings.Join(args, " "), out)
-		return string(out)
+		return n.Ctl(t, args...)
 	}
-	return &rabbit{url: env["AMQP_URL"]}, ctl
 }
 
 // A message larger than the broker's max_message_size closes the

@@ -10,10 +10,8 @@ import (
 	"log/slog"
 	"net/url"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"regexp"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -29,6 +27,7 @@ import (
 	"github.com/onceco/once/consumer"
 	"github.com/onceco/once/internal/netcut"
 	"github.com/onceco/once/internal/pgtest"
+	"github.com/onceco/once/internal/rabbittemp"
 )
 
 func TestMain(m *testing.M) {
@@ -270,22 +269,10 @@ func startProxy(t testing.TB, brokerURL string) (*netcut.Proxy, string) {
 	return p, u.String()
 }
 
-// rabbitmqInstalled reports whether scripts/rabbitmq.sh can start a node:
-// it looks for rabbitmq-server where that script does.
-func rabbitmqInstalled() bool {
-	if _, err := os.Stat("/usr/lib/rabbitmq/bin/rabbitmq-server"); err == nil {
-		return true
-	}
-	if _, err := exec.LookPath("rabbitmq-server"); err == nil {
-		return true
-	}
-	_, err := os.Stat("/usr/sbin/rabbitmq-server")
-	return err == nil
-}
-
 // node is a RabbitMQ node of a test's own, started by scripts/rabbitmq.sh.
 type node struct {
 	url, name, dir string
+	rabbit         rabbittemp.Node
 }
 
 // privateNode starts a node for t alone with scripts/rabbitmq.sh, so that
@@ -296,51 +283,16 @@ type node struct {
 func privateNode(t testing.TB) node {
 	t.Helper()
 	brokerURL(t)
-	if !rabbitmqInstalled() {
-		if os.Getenv("ONCE_REQUIRE_SERVERS") == "1" {
-			t.Fatal("rabbitmq-server is not installed and ONCE_REQUIRE_SERVERS=1: scripts/ensure-deps.sh rabbitmq")
-		}
-		t.Skip("rabbitmq-server is not installed: this test starts and restarts a node of its own")
-	}
 	script, err := filepath.Abs(filepath.Join("..", "..", "scripts", "rabbitmq.sh"))
 	require.NoError(t, err)
-	dir, err := os.MkdirTemp("", "once-rabbit-test-")
-	require.NoError(t, err)
-	var stderr strings.Builder
-	cmd := exec.Command(script, "start", dir)
-	cmd.Stderr = &stderr
-	out, err := cmd.Output()
-	t.Cleanup(func() {
-		if out, err := exec.Command(script, "stop", dir).CombinedOutput(); err != nil {
-			t.Logf("rabbitmq.sh stop: %v: %s", err, out)
-		}
-	})
-	require.NoError(t, err, "rabbitmq.sh start: %s", stderr.String())
-	env := map[string]string{}
-	for _, line := range strings.Split(strings.TrimSpace(string(out)), "\n") {
-		k, v, ok := strings.Cut(strings.TrimPrefix(line, "export "), "=")
-		require.True(t, ok, "rabbitmq.sh start printed %q", line)
-		env[k] = v
-	}
-	n := node{url: env["AMQP_URL"], name: env["ONCE_RABBITMQ_NODE"], dir: env["ONCE_RABBITMQ_DIR"]}
-	require.NotEmpty(t, n.url)
-	require.NotEmpty(t, n.name)
-	require.Equal(t, dir, n.dir)
-	return n
+	r := rabbittemp.Start(t, script)
+	return node{url: r.URL, name: r.Name, dir: r.Dir, rabbit: r}
 }
 
 // ctl runs rabbitmqctl against the node.
 func (n node) ctl(t testing.TB, args ...string) string {
 	t.Helper()
-	bin := "/usr/lib/rabbitmq/bin/rabbitmqctl" // the /usr/sbin wrapper switches to the rabbitmq user when root
-	if _, err := os.Stat(bin); err != nil {
-		bin = "rabbitmqctl"
-	}
-	cmd := exec.Command(bin, append([]string{"-n", n.name}, args...)...)
-	cmd.Env = append(os.Environ(), "HOME="+n.dir) // the node's Erlang cookie
-	out, err := cmd.CombinedOutput()
-	require.NoError(t, err, "rabbitmqctl %s: %s", strings.Join(args, " "), out)
-	return string(out)
+	return n.rabbit.Ctl(t, args...)
 }
 
 // counterValue returns the sum of the named int64 counter in rd.
