@@ -13,7 +13,9 @@ import (
 // else: they commit together with the claim, exactly once per event id.
 // Return nil to commit; return an error to roll back and retry per the
 // retry policy (Permanent: dead-letter at once; RetryAfter: retry after a
-// given delay). Do not commit or roll back tx yourself.
+// given delay). tx's Commit and Rollback are refused with
+// ErrTxOwnedByConsumer, which fails the message permanently; tx.Begin (a
+// savepoint) works as usual.
 //
 // A handler runs for one message at a time per stream, and for up to
 // Config.Concurrency messages at once overall. Effects outside tx (HTTP

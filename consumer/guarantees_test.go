@@ -709,3 +709,52 @@ func TestCrashLoopSparesInnocentNeighbours(t *testing.T) {
 		assert.Equal(t, 1, got[fmt.Sprintf("innocent-%d", i)])
 	}
 }
+
+// A handler in a batch that commits or rolls back the consumer's
+// transaction itself fails alone: the transaction it shares with the rest
+// of the batch stays the consumer's, so the messages after it in the batch
+// are handled once (a handler's COMMIT took their claims along before
+// their handlers ran: they were skipped as duplicates, their effects
+// lost), and the misuser's own writes are rolled back with its failure.
+func TestHandlerEndingTheBatchTransactionLosesNoNeighbour(t *testing.T) {
+	for _, end := range []string{"commit", "rollback"} {
+		t.Run(end, func(t *testing.T) {
+			pool, _ := pgtest.Schema(t)
+			effects(t, pool)
+			b := memsource.New(memsource.Options{Streams: 1})
+			for i := range 6 {
+				publish(b, fmt.Sprintf("e%d", i), i)
+			}
+			var endErr atomic.Value
+			h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+				if err := insertEffect(ctx, tx, ev); err != nil {
+					return err
+				}
+				if ev.ID != "e2" {
+					return nil
+				}
+				var err error
+				if end == "commit" {
+					err = tx.Commit(ctx)
+				} else {
+					err = tx.Rollback(ctx)
+				}
+				endErr.Store(fmt.Sprint(err))
+				return nil // the handler goes on as if its commit were the consumer's
+			}
+			c, err := consumer.New(pool, b.Source(), h, fastConfig("ends-tx-"+end))
+			require.NoError(t, err)
+			start(t, c)
+			require.Eventually(t, func() bool { return b.Acked() == 6 }, 10*time.Second, 5*time.Millisecond)
+			got := countEffects(t, pool)
+			assert.Equal(t, map[string]int{"e0": 1, "e1": 1, "e3": 1, "e4": 1, "e5": 1}, got,
+				"every other message of the batch has its effect once; the misuser's is rolled back")
+			dl := b.DeadLetters()
+			require.Len(t, dl, 1)
+			assert.Equal(t, "e2", dl[0].Headers[consumer.HeaderEventID])
+			assert.Equal(t, string(consumer.KindHandler), dl[0].Headers[consumer.HeaderErrorKind])
+			assert.Contains(t, dl[0].Headers[consumer.HeaderErrorMessage], "transaction")
+			assert.Contains(t, endErr.Load(), "consumer", "the handler's own call is refused with a clear error")
+		})
+	}
+}

@@ -6,6 +6,19 @@ import (
 	"time"
 )
 
+// ErrTxOwnedByConsumer is what Commit and Rollback return when a handler
+// (or a BatchHandler, or a middleware) calls them on the transaction the
+// consumer gave it, wrapped in Permanent. The consumer owns that
+// transaction: it commits it after the handlers return, with the claims of
+// every message in it, so it refuses a handler's call and leaves the
+// transaction as it was. Whether or not the handler then returns the
+// error, its message fails permanently (dead-lettered at once with kind
+// KindHandler) and its writes are rolled back; the other messages of its
+// batch run again without it, and none is lost. To roll back a handler's
+// writes, return an error; for a part that may fail on its own, use
+// tx.Begin (a savepoint), whose Commit and Rollback work as usual.
+var ErrTxOwnedByConsumer = errors.New("once: the consumer owns this transaction and commits it after the handler returns")
+
 // Permanent wraps err to tell the consumer that retrying cannot help: the
 // message is dead-lettered at once with kind KindHandler, and the handler's
 // transaction is rolled back. Check for it with errors.As on

@@ -103,33 +103,34 @@ type queueTx struct {
 	// on its own queries (see cutByOwnDeadline).
 	handlerDeadline time.Time
 	deadlines       []context.Context
-	// ended: a handler committed or rolled back the transaction through
-	// this Tx, which gave its connection back to the pool (where another
-	// may have it now).
+	// ended: a handler called Commit or Rollback on this Tx, which were
+	// refused (ErrTxOwnedByConsumer).
 	ended bool
 }
 
-// Commit commits the consumer's transaction: a handler's misuse, which
-// the consumer reports as its failure (see broken).
-func (t *queueTx) Commit(ctx context.Context) error {
+// Commit is refused with ErrTxOwnedByConsumer, marked Permanent: the
+// consumer commits the transaction after the handlers return, and a
+// handler's COMMIT would commit the claims of the messages after it in a
+// batch before their handlers ran. The transaction is left as it was, so
+// the handler's failure rolls back its writes alone.
+func (t *queueTx) Commit(context.Context) error {
 	t.ended = true
-	return t.Tx.Commit(ctx)
+	return Permanent(ErrTxOwnedByConsumer)
 }
 
-// Rollback rolls the consumer's transaction back: a handler's misuse, as
-// Commit.
-func (t *queueTx) Rollback(ctx context.Context) error {
+// Rollback is refused like Commit: a handler rolls its writes back by
+// returning an error.
+func (t *queueTx) Rollback(context.Context) error {
 	t.ended = true
-	return t.Tx.Rollback(ctx)
+	return Permanent(ErrTxOwnedByConsumer)
 }
 
 // broken returns the error a COMMIT would end with when the handlers left
-// the transaction unable to commit: pgx.ErrTxClosed when one ended it
-// (Commit, Rollback; its connection is then no longer the transaction's
-// to look at), else what brokenByHandler finds on the connection.
+// the transaction unable to commit: ErrTxOwnedByConsumer when one tried to
+// end it through t, else what brokenByHandler finds on the connection.
 func (t *queueTx) broken() error {
 	if t.ended {
-		return pgx.ErrTxClosed
+		return ErrTxOwnedByConsumer
 	}
 	return brokenByHandler(t.Tx)
 }
@@ -272,8 +273,9 @@ func (t *queueTx) Begin(ctx context.Context) (pgx.Tx, error) {
 // Call runs h for ev in tx as the consumer runs a handler: what h queues
 // with Event.Queue is sent before Call returns, and the failure of a queued
 // statement or of its callback is returned as h's error; a panic of h is
-// returned as a *PanicError, and what h queued is then not sent. It claims
-// nothing and neither commits nor rolls back tx. Use it to test a handler
+// returned as a *PanicError, and what h queued is then not sent; h's calls
+// of Commit or Rollback are refused (ErrTxOwnedByConsumer) and fail it
+// permanently. It claims nothing and neither commits nor rolls back tx. Use it to test a handler
 // against a real database with an Event built by hand, or to run a
 // handler inside a transaction of your own. A nil h or tx is an error
 // wrapping ErrInvalidConfig.
@@ -292,5 +294,8 @@ func Call[T any](ctx context.Context, tx pgx.Tx, h Handler[T], ev Event[T]) erro
 		return h(ctx, qtx, ev)
 	}()
 	ev.queue.close()
+	if err == nil && qtx.ended {
+		err = brokenTxError(ErrTxOwnedByConsumer)
+	}
 	return qtx.settle(ctx, err)
 }

@@ -306,6 +306,30 @@ func TestCallReturnsAHandlersPanicAsTheConsumerDoes(t *testing.T) {
 	assert.Zero(t, n, "what the handler queued before it panicked was not sent")
 }
 
+// TestCallRefusesAHandlersCommitAsTheConsumerDoes: a handler that commits
+// the transaction it was given is refused and fails permanently under Call
+// as under the consumer, whether or not it returns the refusal, and the
+// caller's transaction is still open.
+func TestCallRefusesAHandlersCommitAsTheConsumerDoes(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	ctx := context.Background()
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer tx.Rollback(ctx) //nolint:errcheck
+
+	var refused error
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		refused = tx.Commit(ctx)
+		return nil
+	}
+	err = consumer.Call(ctx, tx, h, consumer.Event[order]{ID: "c"})
+	require.ErrorIs(t, refused, consumer.ErrTxOwnedByConsumer)
+	var pe *consumer.PermanentError
+	require.ErrorAs(t, err, &pe, "the swallowed refusal is the handler's permanent failure")
+	var one int
+	require.NoError(t, tx.QueryRow(ctx, `SELECT 1`).Scan(&one), "the caller's transaction is still open")
+}
+
 // TestQueuedStatementThatCannotBePreparedIsFoundByHalving: a queued
 // statement the server cannot even prepare fails the whole pgx batch before
 // any result names its event; the batch is halved until the event is alone,

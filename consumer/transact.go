@@ -350,10 +350,13 @@ func brokenTxError(err error) error {
 	switch {
 	case errors.Is(err, errLeftBusy):
 		return err
+	case errors.Is(err, ErrTxOwnedByConsumer):
+		return Permanent(errors.New("the handler called Commit or Rollback on the consumer's transaction " +
+			"(refused: the consumer commits after the handler returns; return an error to roll back)"))
 	case errors.Is(err, pgx.ErrTxCommitRollback):
 		return errors.New("the handler returned nil, but a statement it sent failed and aborted the transaction")
 	case errors.Is(err, pgx.ErrTxClosed):
-		return Permanent(errors.New("the handler committed or rolled back the consumer's transaction"))
+		return Permanent(errors.New("the handler ended the consumer's transaction with a statement of its own (COMMIT, ROLLBACK)"))
 	}
 	return nil
 }
@@ -362,13 +365,13 @@ func brokenTxError(err error) error {
 // handler left tx unable to commit, as tx's connection shows it:
 // pgx.ErrTxCommitRollback when a statement failed and the handler
 // swallowed its error (the transaction is aborted), pgx.ErrTxClosed when
-// it ended the transaction with a statement of its own (COMMIT, ROLLBACK);
+// it ended the transaction with a statement of its own (COMMIT, ROLLBACK
+// sent through Exec; Tx.Commit and Tx.Rollback are refused);
 // errLeftBusy when it returned with a statement's results still being read
 // on the connection (rows or batch results it never closed), on which no
 // other statement, the COMMIT included, can be sent; nil otherwise, also
 // when the connection is lost (a database failure, which the next
-// statement reports). A transaction ended through the Tx gave its
-// connection back to the pool: queueTx.broken knows it first.
+// statement reports).
 func brokenByHandler(tx pgx.Tx) error {
 	c := tx.Conn()
 	if c == nil || c.IsClosed() {
@@ -400,8 +403,8 @@ func (p *pipeline) commitFailure(ctx context.Context, tx pgx.Tx, jobs []*job, er
 	switch {
 	case errors.Is(err, pgx.ErrTxCommitRollback):
 		err = errors.New("the transaction was aborted by a failed statement whose error the handler did not return")
-	case errors.Is(err, pgx.ErrTxClosed):
-		err = Permanent(errors.New("the handler committed or rolled back the consumer's transaction"))
+	case errors.Is(err, pgx.ErrTxClosed), errors.Is(err, ErrTxOwnedByConsumer):
+		err = brokenTxError(err)
 	case errors.Is(err, errLeftBusy):
 		// The handler's doing, not the database's.
 	case sqlState(err) == "":
