@@ -1,12 +1,14 @@
 package consumer_test
 
 import (
+	"bytes"
 	"context"
 	crand "crypto/rand"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
 	"math"
 	"net"
 	"runtime"
@@ -757,4 +759,62 @@ func TestHandlerEndingTheBatchTransactionLosesNoNeighbour(t *testing.T) {
 			assert.Contains(t, endErr.Load(), "consumer", "the handler's own call is refused with a clear error")
 		})
 	}
+}
+
+// failingAck wraps a source so that every Ack fails without acking.
+type failingAck struct{ consumer.Source }
+
+type failingAckDelivery struct{ consumer.Delivery }
+
+func (s failingAck) Receive(ctx context.Context) (consumer.Delivery, error) {
+	d, err := s.Source.Receive(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return failingAckDelivery{d}, nil
+}
+
+func (failingAckDelivery) Ack(context.Context) error { return errors.New("channel closed") }
+
+// A failed ack is logged with what the redelivery will do: a handled
+// message's is skipped as a duplicate, a dead-lettered message's runs again
+// and may be dead-lettered again (no claim of it was committed).
+func TestFailedAckWarningSaysWhatTheRedeliveryDoes(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{Streams: 1})
+	publish(b, "fine", 1)
+	publish(b, "poison", -1)
+	var logs bytes.Buffer
+	var mu sync.Mutex
+	cfg := fastConfig("ack-fails")
+	cfg.Batch.Size = 1
+	cfg.Telemetry.Logger = slog.New(slog.NewTextHandler(lockedWriter{&logs, &mu}, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		if ev.Payload.N < 0 {
+			return consumer.Permanent(errors.New("negative"))
+		}
+		return insertEffect(ctx, tx, ev)
+	}
+	c, err := consumer.New(pool, failingAck{b.Source()}, h, cfg)
+	require.NoError(t, err)
+	stop := start(t, c)
+	require.Eventually(t, func() bool { return len(b.DeadLetters()) == 1 && c.Stats().Handled == 1 },
+		10*time.Second, 5*time.Millisecond)
+	require.NoError(t, stop())
+	mu.Lock()
+	defer mu.Unlock()
+	var fine, poison string
+	for _, line := range strings.Split(logs.String(), "\n") {
+		switch {
+		case !strings.Contains(line, "ack"):
+		case strings.Contains(line, "event_id=fine"):
+			fine = line
+		case strings.Contains(line, "event_id=poison"):
+			poison = line
+		}
+	}
+	assert.Contains(t, fine, "redelivered and skipped")
+	assert.NotContains(t, poison, "skipped", "a dead-lettered message's redelivery is not a duplicate")
+	assert.Contains(t, poison, "dead-lettered again")
 }

@@ -118,13 +118,22 @@ func (s *settler) ackWith(j *job, outcome Result, dl *DeadLetter) {
 	}
 	p.tel.processed(j.ctx, j.m, j.start, errorType)
 	if err := s.ackDelivery(j, dl != nil); err != nil {
-		// The effect is committed; the broker will redeliver and the
-		// claim will find a duplicate.
-		p.cfg.Telemetry.Logger.WarnContext(j.ctx, "once: ack failed; the message will be redelivered and skipped",
+		p.cfg.Telemetry.Logger.WarnContext(j.ctx, ackFailedMessage(dl != nil),
 			"consumer", p.cfg.Name, "event_id", j.idt.id, "error", err)
 	}
 	j.result = outcome
 	p.outcome(j.ctx, j, outcome, dl)
+}
+
+// ackFailedMessage says what the broker's redelivery of a message whose ack
+// failed will meet: a handled (or duplicate) message's claim is committed,
+// so it is skipped; a dead-lettered one has no claim, so it runs again and
+// may be dead-lettered again, a second copy.
+func ackFailedMessage(deadLettered bool) string {
+	if deadLettered {
+		return "once: ack of a dead-lettered message failed; the message will be redelivered, and may be dead-lettered again"
+	}
+	return "once: ack failed; the message will be redelivered and skipped"
 }
 
 // conflict settles a message whose id was processed before with another
