@@ -67,7 +67,12 @@ type Outcome struct {
 	EventID, EventType string
 	// Message is the broker message. Do not modify it.
 	Message *Message
-	// Runs is how many times the handler ran for the message.
+	// Runs is how many runs of the handler counted for the message: its
+	// failed attempts (also runs cut short by a crash, as the crash guard
+	// saw them) and the run that committed. A run rolled back because
+	// another message of its batch failed does not count, as it does not
+	// count against RetryPolicy.MaxAttempts: the handler may have been
+	// called more often than Runs.
 	Runs int
 	// DeadLetter is set when Result is ResultDeadLettered: the kind, the
 	// error and the diagnostics written with the copy.
