@@ -240,3 +240,40 @@ func TestBatchHandlerRowsLeftOpenAreItsFailure(t *testing.T) {
 	assert.Equal(t, map[string]string{"e2": string(consumer.KindHandler)}, deadLetterKinds(b))
 	assert.Equal(t, map[string]int{"e0": 1, "e1": 1, "e3": 1}, countEffects(t, pool))
 }
+
+// TestBatchHandlerCommitIsRefusedAndChargedToItsEvent: a BatchHandler that
+// commits the consumer's transaction when a given event is in its batch is
+// refused; the batch is halved until that event is alone and
+// dead-lettered with its writes rolled back, and the others are handled
+// once.
+func TestBatchHandlerCommitIsRefusedAndChargedToItsEvent(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{Streams: 1})
+	for i := 0; i < 4; i++ {
+		publishKeyed(b, "k", fmt.Sprintf("e%d", i), i)
+	}
+	h := func(ctx context.Context, tx pgx.Tx, evs []consumer.Event[order]) error {
+		if err := insertEffects(ctx, tx, evs); err != nil {
+			return err
+		}
+		for _, ev := range evs {
+			if ev.ID == "e2" {
+				_ = tx.Commit(ctx) // refused; the error dropped
+			}
+		}
+		return nil
+	}
+	cfg := fastConfig("batch-commits")
+	cfg.Batch.Size = 4
+	cfg.Batch.Linger = time.Minute // one batch of all four
+	c, err := consumer.NewBatch(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	stop := start(t, c)
+	wctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	require.NoError(t, b.WaitAcked(wctx, 4), "infrastructure failures: %d", c.Stats().InfraErrors)
+	require.NoError(t, stop())
+	assert.Equal(t, map[string]string{"e2": string(consumer.KindHandler)}, deadLetterKinds(b))
+	assert.Equal(t, map[string]int{"e0": 1, "e1": 1, "e3": 1}, countEffects(t, pool))
+}
