@@ -8,7 +8,9 @@ import (
 	"fmt"
 	"html/template"
 	"log/slog"
+	"math"
 	"net/http"
+	"net/url"
 	"runtime/debug"
 	"strconv"
 	"strings"
@@ -40,7 +42,8 @@ type Config struct {
 	// SuspectAge is the age past which an attempt row counts as a crash
 	// suspect. Default 5 minutes.
 	SuspectAge time.Duration
-	// MaxRows bounds the records listed on one page. Default 500.
+	// MaxRows is the number of records on one page of a listing; the
+	// page links go to the others. Default 500.
 	MaxRows int
 	// Timeout bounds the broker and database work of one request, also
 	// when a broker does not answer: the page then says so (504), and a
@@ -371,8 +374,47 @@ type listData struct {
 	Filter  filterForm
 	Kinds   []string
 	Records []row
-	Total   int
-	Shown   int
+	// Total is the number of records the filter selects.
+	Total int
+	// Page is the page shown, 1-based, of Pages (at least 1); From and To
+	// are the 1-based places of its first and last record among the
+	// Total, To < From on an empty page.
+	Page, Pages, From, To int
+	// First, Prev, Next and Last link to those pages with the filter,
+	// "" where there is none to go to.
+	First, Prev, Next, Last string
+}
+
+// pageParam is the request's page parameter: 1 without one.
+func pageParam(r *http.Request) (int, error) {
+	v := r.FormValue("page")
+	if v == "" {
+		return 1, nil
+	}
+	n, err := strconv.Atoi(v)
+	if err != nil || n < 1 {
+		return 0, fmt.Errorf("page %q: want a page number, 1 or more", v)
+	}
+	return n, nil
+}
+
+// link is the path of page p of the queue with the filter: the filter's
+// fields that are set, and page past 1.
+func (d *listData) link(p int) string {
+	var b strings.Builder
+	b.WriteString("dlq?q=" + strconv.Itoa(d.Queue.Index))
+	for _, f := range [][2]string{
+		{"consumer", d.Filter.Consumer}, {"kind", d.Filter.Kind}, {"id", d.Filter.ID},
+		{"search", d.Filter.Search}, {"since", d.Filter.Since},
+	} {
+		if f[1] != "" {
+			b.WriteString("&" + f[0] + "=" + url.QueryEscape(f[1]))
+		}
+	}
+	if p > 1 {
+		b.WriteString("&page=" + strconv.Itoa(p))
+	}
+	return b.String()
 }
 
 type filterForm struct {
@@ -429,23 +471,47 @@ func (h *Handler) list(w http.ResponseWriter, r *http.Request) {
 		h.fail(w, http.StatusBadRequest, err)
 		return
 	}
+	pg, err := pageParam(r)
+	if err != nil {
+		h.fail(w, http.StatusBadRequest, err)
+		return
+	}
 	ctx, cancel := h.ctx(r)
 	defer cancel()
-	d := listData{Queue: queueRef{i, q.Name()}, Filter: ff, Kinds: allKinds}
+	d := listData{Queue: queueRef{i, q.Name()}, Filter: ff, Kinds: allKinds, Page: pg}
+	// The page's records are the matches from the skip-th on, in the
+	// order of the read; only they are kept.
+	size := h.cfg.MaxRows
+	skip := math.MaxInt
+	if pg-1 <= math.MaxInt/size {
+		skip = (pg - 1) * size
+	}
 	err = h.browse(ctx, i, func(rec *dlq.Record) {
 		if !f.Match(rec) {
 			return
 		}
-		d.Total++
-		if len(d.Records) < h.cfg.MaxRows {
+		if d.Total >= skip && len(d.Records) < size {
 			d.Records = append(d.Records, toRow(rec))
 		}
+		d.Total++
 	})
 	if err != nil {
 		h.fail(w, brokerStatus(err), err)
 		return
 	}
-	d.Shown = len(d.Records)
+	d.Pages = max(1, (d.Total+size-1)/size)
+	d.From, d.To = skip+1, skip+len(d.Records)
+	if pg > 1 {
+		d.First, d.Prev = d.link(1), d.link(min(pg-1, d.Pages))
+	}
+	if pg < d.Pages {
+		d.Next, d.Last = d.link(pg+1), d.link(d.Pages)
+	}
+	if pg > d.Pages {
+		// Past the end (records replayed or expired since the link was
+		// made): an empty page that says so, with the way back.
+		d.Last = d.link(d.Pages)
+	}
 	h.render(w, http.StatusOK, "list.html", h.page("Dead letters", d))
 }
 

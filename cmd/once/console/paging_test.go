@@ -1,0 +1,272 @@
+package console_test
+
+import (
+	"context"
+	"html"
+	"net/http"
+	"net/http/httptest"
+	"net/url"
+	"regexp"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/chromedp/chromedp"
+	amqp091 "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/cmd/once/console"
+	"github.com/onceco/once/cmd/once/dlq"
+	"github.com/onceco/once/cmd/once/internal/testenv"
+	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/internal/pgtest"
+)
+
+var (
+	anyRef    = regexp.MustCompile(`data-ref="([^"]+)"`)
+	countText = regexp.MustCompile(`<p class="muted" id="count">([^<]*)`)
+)
+
+// link returns the href of the page's link with the id, "" without one.
+func link(body, id string) string {
+	m := regexp.MustCompile(`id="` + id + `" href="([^"]*)"`).FindStringSubmatch(body)
+	if m == nil {
+		return ""
+	}
+	return html.UnescapeString(m[1])
+}
+
+// walk follows the next links from path and returns each page's body.
+func walk(t *testing.T, h http.Handler, path string) []string {
+	t.Helper()
+	var bodies []string
+	for path != "" {
+		code, body := serve(t, h, path)
+		require.Equal(t, http.StatusOK, code, "%s: %s", path, body)
+		bodies = append(bodies, body)
+		require.Less(t, len(bodies), 100, "the next links never end")
+		if next := link(body, "next"); next != "" {
+			path = "/" + next
+		} else {
+			path = ""
+		}
+	}
+	return bodies
+}
+
+// refsOn returns the refs a page lists.
+func refsOn(body string) []string {
+	var refs []string
+	for _, m := range anyRef.FindAllStringSubmatch(body, -1) {
+		refs = append(refs, m[1])
+	}
+	return refs
+}
+
+// A dead-letter topic of more records than a page holds: the next links
+// walk it page by page, each record on exactly one page, each page saying
+// which records of how many it shows; the first, previous and last links
+// go where they say; a filter is kept in every link and the pages hold
+// what it selects; a page number that is not one is refused (400) and a
+// page past the end says so.
+func TestDeadLettersPageThroughALargeTopic(t *testing.T) {
+	k := testenv.NewKafka(t)
+	k.CreateTopic("orders.dlq", 2)
+	const n = 23
+	var msgs []*sarama.ProducerMessage
+	for i := range n {
+		kind := "handler"
+		if i%3 == 0 {
+			kind = "panic"
+		}
+		msgs = append(msgs, &sarama.ProducerMessage{Topic: "orders.dlq", Key: sarama.StringEncoder("k-" + strconv.Itoa(i)),
+			Value: sarama.StringEncoder(`{}`), Headers: []sarama.RecordHeader{
+				{Key: []byte(consumer.HeaderEventID), Value: []byte("e-" + strconv.Itoa(i))},
+				{Key: []byte(consumer.HeaderConsumer), Value: []byte("billing")},
+				{Key: []byte(consumer.HeaderErrorKind), Value: []byte(kind)},
+			}})
+	}
+	k.Produce(msgs...)
+	q, err := dlq.NewKafka(dlq.KafkaConfig{Brokers: k.Addrs, Topic: "orders.dlq", Sarama: testenv.Sarama()})
+	require.NoError(t, err)
+	all, err := dlq.Collect(context.Background(), q, dlq.Filter{})
+	require.NoError(t, err)
+	require.Len(t, all, n)
+	handlers, err := dlq.Collect(context.Background(), q, dlq.Filter{Kinds: []string{"handler"}, Consumer: "billing"})
+	require.NoError(t, err)
+	h, err := console.New(console.Config{Queues: []dlq.Queue{q}, MaxRows: 5, Logger: testenv.Logger()})
+	require.NoError(t, err)
+
+	pages := walk(t, h, "/dlq?q=0")
+	require.Equal(t, 5, len(pages), "pages")
+	seen := map[string]int{}
+	var order []string
+	for i, body := range pages {
+		refs := refsOn(body)
+		from, to := i*5+1, min(i*5+5, n)
+		assert.Len(t, refs, to-from+1, "page %d", i+1)
+		assert.Equal(t, "records "+strconv.Itoa(from)+"-"+strconv.Itoa(to)+" of 23, page "+strconv.Itoa(i+1)+" of 5.",
+			countText.FindStringSubmatch(body)[1])
+		for _, r := range refs {
+			seen[r]++
+			order = append(order, r)
+		}
+	}
+	var want []string
+	for _, r := range all {
+		want = append(want, r.Ref)
+	}
+	assert.Equal(t, want, order, "every record once, in the order of the read")
+	for r, c := range seen {
+		assert.Equal(t, 1, c, "record %s on %d pages", r, c)
+	}
+	first, last := pages[0], pages[4]
+	assert.Empty(t, link(first, "prev"))
+	assert.Empty(t, link(first, "first"))
+	assert.Equal(t, "dlq?q=0&page=5", link(first, "last"))
+	assert.Equal(t, "dlq?q=0&page=4", link(last, "prev"))
+	assert.Equal(t, "dlq?q=0", link(last, "first"))
+	assert.Empty(t, link(last, "next"))
+	assert.Empty(t, link(last, "last"))
+	_, body := serve(t, h, "/"+link(first, "last"))
+	assert.Equal(t, refsOn(last), refsOn(body))
+
+	// Filtered: every link keeps the filter, the pages hold what it selects.
+	filtered := "/dlq?q=0&consumer=billing&kind=handler&id=e-*&search=billing&since="
+	pages = walk(t, h, filtered)
+	require.Equal(t, 3, len(pages), "pages") // 15 records
+	order = nil
+	for _, body := range pages {
+		order = append(order, refsOn(body)...)
+		for _, id := range []string{"next", "prev", "first", "last"} {
+			if l := link(body, id); l != "" {
+				v, err := url.ParseQuery(l[len("dlq?"):])
+				require.NoError(t, err)
+				assert.Equal(t, "billing", v.Get("consumer"), l)
+				assert.Equal(t, "handler", v.Get("kind"), l)
+				assert.Equal(t, "e-*", v.Get("id"), l)
+				assert.Equal(t, "billing", v.Get("search"), l)
+			}
+		}
+	}
+	want = nil
+	for _, r := range handlers {
+		want = append(want, r.Ref)
+	}
+	assert.Equal(t, want, order)
+	assert.Contains(t, pages[2], "records 11-15 of 15, page 3 of 3.")
+
+	// Not a page number: 400, as other bad input.
+	for _, p := range []string{"0", "-1", "x", "1.5", "99999999999999999999999"} {
+		code, body := serve(t, h, "/dlq?q=0&page="+url.QueryEscape(p))
+		assert.Equal(t, http.StatusBadRequest, code, "page=%s", p)
+		assert.Contains(t, body, "page", "page=%s", p)
+	}
+	// Past the end (the records replayed since, say): an empty page that
+	// says so and links back.
+	for _, p := range []string{"6", strconv.Itoa(int(^uint(0) >> 1))} {
+		code, body := serve(t, h, "/dlq?q=0&kind=handler&page="+p)
+		assert.Equal(t, http.StatusOK, code, "page=%s", p)
+		assert.Empty(t, refsOn(body), "page=%s", p)
+		assert.Contains(t, body, "past the end", "page=%s", p)
+		assert.Equal(t, "dlq?q=0&kind=handler&page=3", link(body, "last"), "page=%s", p)
+	}
+}
+
+// Paging on a RabbitMQ dead-letter queue: every record on exactly one
+// page; a replay of the records selected on the second page replays
+// those, not the queue or the filter, and the pages then hold the rest.
+func TestDeadLettersPageThroughOnRabbitMQ(t *testing.T) {
+	u := testenv.AMQPURL(t)
+	queue := testenv.Uniq("orders")
+	testenv.DeleteQueues(t, u, queue, queue+".dlq")
+	pool, _ := pgtest.Schema(t)
+	svc := testenv.StartService(t, pool, testenv.OpenAMQPSource(t, u, queue), "billing")
+	ch := testenv.AMQPChannel(t, u)
+	ids := []string{"pay-1", "pay-2", "pay-3", "pay-4", "pay-5"}
+	for i, id := range ids {
+		testenv.PublishAMQP(t, ch, queue, amqp091.Publishing{MessageId: id, Body: testenv.JSON(i, "fail")})
+	}
+	svc.WaitSettled(t, 5)
+	svc.Broken.Store(false)
+	dl, err := dlq.NewAMQP(dlq.AMQPConfig{URL: u, Queue: queue + ".dlq"})
+	require.NoError(t, err)
+	h, err := console.New(console.Config{DB: svc.Pool, Queues: []dlq.Queue{dl}, AllowReplay: true, MaxRows: 2, Logger: testenv.Logger()})
+	require.NoError(t, err)
+	srv := httptest.NewServer(h)
+	t.Cleanup(srv.Close)
+
+	pages := walk(t, h, "/dlq?q=0")
+	require.Equal(t, 3, len(pages), "pages")
+	var listed []string // event ids
+	var second []string // refs
+	for i, body := range pages {
+		for _, m := range dataRef.FindAllStringSubmatch(body, -1) {
+			listed = append(listed, m[2])
+			if i == 1 {
+				second = append(second, m[1])
+			}
+		}
+	}
+	assert.ElementsMatch(t, ids, listed)
+	assert.Len(t, listed, len(ids), "a record on two pages")
+	assert.Contains(t, pages[1], "records 3-4 of 5")
+	assert.Contains(t, pages[1], "ticked on this page")
+
+	resp, err := http.PostForm(srv.URL+"/replay", url.Values{"q": {"0"}, "ref": second, "confirm": {"yes"}})
+	require.NoError(t, err)
+	resp.Body.Close()
+	require.Equal(t, http.StatusOK, resp.StatusCode)
+	svc.WaitSettled(t, 7)
+	assert.Len(t, svc.Effects(t), 2, "the replay acted on the records of the page's selection only")
+
+	pages = walk(t, h, "/dlq?q=0")
+	require.Equal(t, 2, len(pages), "pages")
+	var left []string
+	for _, body := range pages {
+		left = append(left, refsOn(body)...)
+	}
+	assert.Len(t, left, 3)
+	assert.NotContains(t, left, second[0])
+	assert.NotContains(t, left, second[1])
+}
+
+// In a real browser, one record a page: the count says which record of
+// how many, the next and previous links walk a filtered view keeping its
+// filter, and a record's link still opens it.
+func TestDeadLetterPagesInBrowser(t *testing.T) {
+	ctx := browser(t)
+	_, q := deadLetters(t)
+	h, err := console.New(console.Config{Queues: []dlq.Queue{q}, MaxRows: 1, Logger: testenv.Logger()})
+	require.NoError(t, err)
+	srv := httptest.NewServer(h)
+	t.Cleanup(srv.Close)
+
+	step(t, ctx, chromedp.Navigate(srv.URL+"/dlq?q=0"), chromedp.WaitVisible(chromedp.CSS("#records")))
+	assert.Equal(t, "records 1-1 of 4, page 1 of 4.", text(t, ctx, "#count"))
+	step(t, ctx, chromedp.SetValue(chromedp.CSS("#kind"), "handler"), chromedp.Click(chromedp.CSS("#apply")))
+	waitURL(t, ctx, "kind=handler")
+	assert.Equal(t, "records 1-1 of 2, page 1 of 2.", text(t, ctx, "#count"))
+	assert.Contains(t, text(t, ctx, "#records"), "fail-1")
+	step(t, ctx, chromedp.Click(chromedp.CSS("#next")))
+	waitURL(t, ctx, "page=2")
+	assert.Contains(t, text(t, ctx, "#count"), "records 2-2 of 2")
+	assert.Contains(t, text(t, ctx, "#records"), "fail-2")
+	assert.Equal(t, "handler", text(t, ctx, "#records .kind"), "the filter is kept")
+	second, err := chromedp.Run(ctx, chromedp.Location())
+	require.NoError(t, err)
+	step(t, ctx, chromedp.Click(chromedp.CSS(`tr[data-event-id="fail-2"] a`)), chromedp.WaitVisible(chromedp.CSS("#facts")))
+	assert.Equal(t, "fail-2", text(t, ctx, "#event-id"))
+	step(t, ctx, chromedp.Navigate(second), chromedp.WaitVisible(chromedp.CSS("#prev")), chromedp.Click(chromedp.CSS("#prev")))
+	require.Eventually(t, func() bool {
+		sctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		defer cancel()
+		loc, err := chromedp.Run(sctx, chromedp.Location())
+		return err == nil && !strings.Contains(loc, "page=")
+	}, 30*time.Second, 20*time.Millisecond)
+	assert.Contains(t, text(t, ctx, "#records"), "fail-1")
+	assert.Contains(t, text(t, ctx, "#count"), "records 1-1 of 2")
+}
