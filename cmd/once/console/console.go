@@ -381,8 +381,8 @@ type listData struct {
 	// Total, To < From on an empty page.
 	Page, Pages, From, To int
 	// First, Prev, Next and Last link to those pages with the filter,
-	// "" where there is none to go to.
-	First, Prev, Next, Last string
+	// "" where there is none to go to; Self to this one.
+	First, Prev, Next, Last, Self string
 }
 
 // pageParam is the request's page parameter: 1 without one.
@@ -500,6 +500,7 @@ func (h *Handler) list(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	d.Pages = max(1, (d.Total+size-1)/size)
+	d.Self = d.link(pg)
 	d.From, d.To = skip+1, skip+len(d.Records)
 	if pg > 1 {
 		d.First, d.Prev = d.link(1), d.link(min(pg-1, d.Pages))
@@ -564,6 +565,19 @@ type replayData struct {
 	Records []row
 	Report  *dlq.Report
 	Missing int
+	// Back is the listing the replay was asked from, its filter and
+	// page, for the links back to it.
+	Back string
+}
+
+// backTo is the posted way back to a listing of the queue at index i: a
+// link to this console's listing of that queue, else its unfiltered one.
+func backTo(r *http.Request, i int) string {
+	plain := "dlq?q=" + strconv.Itoa(i)
+	if b := r.PostFormValue("back"); b == plain || strings.HasPrefix(b, plain+"&") {
+		return b
+	}
+	return plain
 }
 
 // replay shows the confirmation page for the posted refs, or, with
@@ -589,7 +603,7 @@ func (h *Handler) replay(w http.ResponseWriter, r *http.Request) {
 	}
 	ctx, cancel := h.ctx(r)
 	defer cancel()
-	d := replayData{Queue: queueRef{i, q.Name()}, Refs: refs}
+	d := replayData{Queue: queueRef{i, q.Name()}, Refs: refs, Back: backTo(r, i)}
 	if r.PostFormValue("confirm") != "yes" {
 		recs, err := h.collect(ctx, i, dlq.Filter{Refs: refs})
 		if err != nil {

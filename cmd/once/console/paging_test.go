@@ -3,6 +3,7 @@ package console_test
 import (
 	"context"
 	"html"
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"net/url"
@@ -269,4 +270,48 @@ func TestDeadLetterPagesInBrowser(t *testing.T) {
 	}, 30*time.Second, 20*time.Millisecond)
 	assert.Contains(t, text(t, ctx, "#records"), "fail-1")
 	assert.Contains(t, text(t, ctx, "#count"), "records 1-1 of 2")
+}
+
+// A replay from a page of a filtered listing leads back to that page: the
+// confirmation's cancel link and the result's link to the dead letters
+// keep the filter and the page. A way back to anywhere else is not taken.
+func TestReplayFromAPageLeadsBackToIt(t *testing.T) {
+	svc, q := deadLetters(t)
+	h, err := console.New(console.Config{DB: svc.Pool, Queues: []dlq.Queue{q}, AllowReplay: true, MaxRows: 1, Logger: testenv.Logger()})
+	require.NoError(t, err)
+	srv := httptest.NewServer(h)
+	t.Cleanup(srv.Close)
+	const page = "dlq?q=0&kind=handler&page=2"
+
+	body := get(t, srv.URL+"/"+page)
+	m := regexp.MustCompile(`name="back" value="([^"]*)"`).FindStringSubmatch(body)
+	require.NotNil(t, m, "the selection form carries no way back")
+	back := html.UnescapeString(m[1])
+	assert.Equal(t, page, back)
+	refs := refsOn(body)
+	require.Len(t, refs, 1)
+
+	post := func(v url.Values) string {
+		t.Helper()
+		resp, err := http.PostForm(srv.URL+"/replay", v)
+		require.NoError(t, err)
+		defer resp.Body.Close()
+		require.Equal(t, http.StatusOK, resp.StatusCode)
+		b, err := io.ReadAll(resp.Body)
+		require.NoError(t, err)
+		return string(b)
+	}
+	confirm := post(url.Values{"q": {"0"}, "ref": refs, "back": {back}})
+	assert.Equal(t, page, link(confirm, "cancel"))
+	m = regexp.MustCompile(`name="back" value="([^"]*)"`).FindStringSubmatch(confirm)
+	require.NotNil(t, m, "the confirmation carries no way back")
+	assert.Equal(t, page, html.UnescapeString(m[1]))
+	result := post(url.Values{"q": {"0"}, "ref": refs, "back": {back}, "confirm": {"yes"}})
+	assert.Contains(t, result, "Replayed 1 of 1")
+	assert.Equal(t, page, link(result, "back"))
+
+	for _, elsewhere := range []string{"https://example.com/", "//example.com/dlq?q=0", "dlq?q=1", "record?q=0&ref=0:0", "javascript:alert(1)"} {
+		confirm = post(url.Values{"q": {"0"}, "ref": refs, "back": {elsewhere}})
+		assert.Equal(t, "dlq?q=0", link(confirm, "cancel"), elsewhere)
+	}
 }
