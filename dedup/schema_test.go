@@ -494,3 +494,63 @@ func indexes(t *testing.T, ctx context.Context, db dedup.DB, schema, table strin
 	require.NoError(t, err)
 	return names
 }
+
+// A unique index that CREATE UNIQUE INDEX CONCURRENTLY left invalid (its
+// build failed: the table held a duplicate, or it was cancelled) enforces
+// nothing and is no arbiter of ON CONFLICT: with no other key, the same id
+// is claimed twice. Check and Migrate refuse such a table, on each of the
+// three tables' keys.
+func TestCheckRefusesAnInvalidKey(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		table, key string
+		check      func(*dedup.Store, context.Context, dedup.DB) error
+	}{
+		{"processed_events", "consumer, event_id", (*dedup.Store).Check},
+		{"processed_events_attempts", "consumer, event_id", (*dedup.Store).Check},
+		{"processed_events_offsets", "consumer, topic, partition", (*dedup.Store).CheckOffsets},
+	} {
+		t.Run(tc.table, func(t *testing.T) {
+			t.Parallel()
+			ctx, pool, s := setup(t)
+			_, err := pool.Exec(ctx, `ALTER TABLE `+tc.table+` DROP CONSTRAINT `+tc.table+`_pkey`)
+			require.NoError(t, err)
+			makeInvalidUniqueIndex(t, ctx, pool, tc.table, tc.key)
+
+			for what, err := range map[string]error{"Check": tc.check(s, ctx, pool), "Migrate": s.Migrate(ctx, pool)} {
+				require.ErrorIs(t, err, dedup.ErrSchemaMismatch, what)
+				assert.Contains(t, err.Error(), "no primary key or unique index on ("+tc.key+")", what)
+			}
+		})
+	}
+
+	// What such a key does: the same id is claimed twice.
+	ctx, pool, s := setup(t)
+	_, err := pool.Exec(ctx, `ALTER TABLE processed_events DROP CONSTRAINT processed_events_pkey`)
+	require.NoError(t, err)
+	makeInvalidUniqueIndex(t, ctx, pool, "processed_events", "consumer, event_id")
+	c := dedup.Claim{Consumer: "c", EventID: "evt-1"}
+	require.Equal(t, dedup.Claimed, claimTx(t, ctx, pool, s, c).Outcome)
+	require.Equal(t, dedup.Claimed, claimTx(t, ctx, pool, s, c).Outcome, "claimed again: the index enforces nothing")
+}
+
+// makeInvalidUniqueIndex leaves on table, empty, an invalid unique index
+// on key, as a CREATE UNIQUE INDEX CONCURRENTLY that meets a duplicate
+// does.
+func makeInvalidUniqueIndex(t *testing.T, ctx context.Context, pool *pgxpool.Pool, table, key string) {
+	t.Helper()
+	row := map[string]string{
+		"processed_events":          `(consumer, event_id) VALUES ('x', 'd')`,
+		"processed_events_attempts": `(consumer, event_id, attempts) VALUES ('x', 'd', 1)`,
+		"processed_events_offsets":  `(consumer, topic, partition) VALUES ('x', 't', 0)`,
+	}[table]
+	_, err := pool.Exec(ctx, `INSERT INTO `+table+` `+row+`, `+row[strings.Index(row, "VALUES")+len("VALUES "):])
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `CREATE UNIQUE INDEX CONCURRENTLY key_idx ON `+table+` (`+key+`)`)
+	require.Error(t, err, "the build meets the duplicate")
+	var valid bool
+	require.NoError(t, pool.QueryRow(ctx, `SELECT indisvalid FROM pg_index WHERE indexrelid = 'key_idx'::regclass`).Scan(&valid))
+	require.False(t, valid)
+	_, err = pool.Exec(ctx, `DELETE FROM `+table)
+	require.NoError(t, err)
+}
