@@ -234,6 +234,18 @@ func (s *Store) checkTable(ctx context.Context, db DB, table string, want []colu
 	for _, name := range merging {
 		diffs = append(diffs, fmt.Sprintf("unique index %s takes distinct (consumer, event_id) for one: its key needs both columns, each under a deterministic collation", name))
 	}
+	if table == s.names.Table {
+		// The claims' ON CONFLICT names no target: every unique or
+		// exclusion index is an arbiter, and a deferrable one fails
+		// the statement.
+		deferrable, err := deferrableArbiters(ctx, db, table)
+		if err != nil {
+			return fmt.Errorf("dedup: checking %s: %w", table, err)
+		}
+		for _, name := range deferrable {
+			diffs = append(diffs, fmt.Sprintf("constraint %s is deferrable: every unique or exclusion constraint arbitrates the claims' ON CONFLICT, which cannot use a deferrable one", name))
+		}
+	}
 	if len(diffs) == 0 {
 		return nil
 	}
@@ -298,16 +310,17 @@ func columnDiffs(have map[string]tableColumn, want []column) []string {
 }
 
 // hasUniqueKey reports whether table has a primary key or a unique index,
-// valid and without a predicate, on exactly key (in any order): the ON
-// CONFLICT of the statements that write the table relies on it. An index
-// that CREATE INDEX CONCURRENTLY left invalid (its build failed or was
-// cancelled) enforces nothing and arbitrates no conflict.
+// valid, immediate and without a predicate, on exactly key (in any
+// order): the ON CONFLICT of the statements that write the table relies on
+// it. An index that CREATE INDEX CONCURRENTLY left invalid (its build
+// failed or was cancelled) enforces nothing and arbitrates no conflict; ON
+// CONFLICT refuses a deferrable one.
 func hasUniqueKey(ctx context.Context, db DB, table string, key ...string) (bool, error) {
 	key = slices.Sorted(slices.Values(key))
 	var ok bool
 	err := db.QueryRow(ctx, `SELECT EXISTS (
 	SELECT 1 FROM pg_index i
-	WHERE i.indrelid = to_regclass($1) AND i.indisunique AND i.indisvalid AND i.indpred IS NULL AND i.indexprs IS NULL
+	WHERE i.indrelid = to_regclass($1) AND i.indisunique AND i.indisvalid AND i.indimmediate AND i.indpred IS NULL AND i.indexprs IS NULL
 	  AND (SELECT array_agg(a.attname::text ORDER BY a.attname)
 	       FROM unnest(i.indkey::int2[]) AS k(attnum)
 	       JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum) = $2::text[])`,
@@ -348,6 +361,18 @@ WHERE i.indrelid = to_regclass($1) AND i.indisunique
 	WHERE d.classid = 'pg_class'::regclass AND d.objid = i.indexrelid AND d.refobjid = i.indrelid
 	  AND d.refobjsubid > 0 AND a.attname <> ALL($2::text[]))))
 ORDER BY 1`, table, written)
+	if err != nil {
+		return nil, err
+	}
+	return pgx.CollectRows(rows, pgx.RowTo[string])
+}
+
+// deferrableArbiters names the deferrable unique and exclusion constraints
+// of table.
+func deferrableArbiters(ctx context.Context, db DB, table string) ([]string, error) {
+	rows, err := db.Query(ctx, `SELECT ic.relname::text FROM pg_index i JOIN pg_class ic ON ic.oid = i.indexrelid
+WHERE i.indrelid = to_regclass($1) AND (i.indisunique OR i.indisexclusion) AND NOT i.indimmediate
+ORDER BY 1`, table)
 	if err != nil {
 		return nil, err
 	}

@@ -554,3 +554,71 @@ func makeInvalidUniqueIndex(t *testing.T, ctx context.Context, pool *pgxpool.Poo
 	_, err = pool.Exec(ctx, `DELETE FROM `+table)
 	require.NoError(t, err)
 }
+
+// ON CONFLICT cannot use a deferrable unique constraint: as the key of a
+// table it leaves every claim, crash-guard record or take-over failing;
+// on processed_events, whose claims name no conflict target, any
+// deferrable unique or exclusion constraint does, whatever its columns.
+// Check and Migrate refuse such a table instead.
+func TestCheckRefusesADeferrableKey(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name, ddl, diff string
+		check           func(*dedup.Store, context.Context, dedup.DB) error
+	}{{
+		name: "processed_events key",
+		ddl: `ALTER TABLE processed_events DROP CONSTRAINT processed_events_pkey;
+ALTER TABLE processed_events ADD PRIMARY KEY (consumer, event_id) DEFERRABLE INITIALLY DEFERRED`,
+		diff:  "no primary key or unique index on (consumer, event_id)",
+		check: (*dedup.Store).Check,
+	}, {
+		name: "attempts key",
+		ddl: `ALTER TABLE processed_events_attempts DROP CONSTRAINT processed_events_attempts_pkey;
+ALTER TABLE processed_events_attempts ADD PRIMARY KEY (consumer, event_id) DEFERRABLE`,
+		diff:  "no primary key or unique index on (consumer, event_id)",
+		check: (*dedup.Store).Check,
+	}, {
+		name: "offsets key",
+		ddl: `ALTER TABLE processed_events_offsets DROP CONSTRAINT processed_events_offsets_pkey;
+ALTER TABLE processed_events_offsets ADD PRIMARY KEY (consumer, topic, partition) DEFERRABLE`,
+		diff:  "no primary key or unique index on (consumer, topic, partition)",
+		check: (*dedup.Store).CheckOffsets,
+	}, {
+		name: "a column of the user's own",
+		ddl: `ALTER TABLE processed_events ADD COLUMN seq bigserial;
+ALTER TABLE processed_events ADD CONSTRAINT events_seq UNIQUE (seq) DEFERRABLE`,
+		diff:  "events_seq is deferrable",
+		check: (*dedup.Store).Check,
+	}} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			ctx, pool, s := setup(t)
+			_, err := pool.Exec(ctx, tc.ddl)
+			require.NoError(t, err)
+
+			for what, err := range map[string]error{"Check": tc.check(s, ctx, pool), "Migrate": s.Migrate(ctx, pool)} {
+				require.ErrorIs(t, err, dedup.ErrSchemaMismatch, what)
+				assert.Contains(t, err.Error(), tc.diff, what)
+			}
+		})
+	}
+
+	// A deferrable constraint of the user's on the attempts table is
+	// fine: the crash guard names its conflict target.
+	ctx, pool, s := setup(t)
+	_, err := pool.Exec(ctx, `ALTER TABLE processed_events_attempts ADD COLUMN seq bigserial;
+ALTER TABLE processed_events_attempts ADD CONSTRAINT attempts_seq UNIQUE (seq) DEFERRABLE`)
+	require.NoError(t, err)
+	require.NoError(t, s.Check(ctx, pool))
+
+	// What such a constraint does: every claim fails.
+	ctx, pool, s = setup(t)
+	_, err = pool.Exec(ctx, `ALTER TABLE processed_events ADD COLUMN seq bigserial;
+ALTER TABLE processed_events ADD CONSTRAINT events_seq UNIQUE (seq) DEFERRABLE`)
+	require.NoError(t, err)
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer tx.Rollback(ctx) //nolint:errcheck
+	_, err = s.Claim(ctx, tx, dedup.Claim{Consumer: "c", EventID: "evt-1"})
+	require.ErrorContains(t, err, "deferrable")
+}
