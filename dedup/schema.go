@@ -387,20 +387,29 @@ ORDER BY 1`, table)
 // index can hold the name: the retention index of a table "billing" is
 // the name a store "billing_consumer" gives its index on processed_at
 // (version 1). Without this check the migration would create nothing,
-// and retention would read the whole table.
+// and retention would read the whole table. The same goes for an index of
+// the name that a CREATE INDEX CONCURRENTLY left invalid (operations.md
+// has it built so, beforehand): the check takes only valid indexes.
 func (s *Store) checkRetentionIndex(ctx context.Context, db DB) error {
-	var found bool
+	var found, invalid bool
 	var holder *string // the table that has an index of the name instead
 	err := db.QueryRow(ctx, `SELECT
 	EXISTS (SELECT 1 FROM pg_index i
-		WHERE i.indrelid = to_regclass($1) AND i.indpred IS NULL AND i.indnkeyatts >= 2
+		WHERE i.indrelid = to_regclass($1) AND i.indisvalid AND i.indpred IS NULL AND i.indnkeyatts >= 2
 		  AND (SELECT array_agg(a.attname::text ORDER BY k.ord)
 		       FROM unnest((i.indkey::int2[])[0:1]) WITH ORDINALITY AS k(attnum, ord)
 		       JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum) = ARRAY['consumer', 'processed_at']),
-	(SELECT i.indrelid::regclass::text FROM pg_index i WHERE i.indexrelid = to_regclass($2) AND i.indrelid <> to_regclass($1))`,
-		s.names.Table, s.names.ConsumerIndexQ).Scan(&found, &holder)
+	(SELECT i.indrelid::regclass::text FROM pg_index i WHERE i.indexrelid = to_regclass($2) AND i.indrelid <> to_regclass($1)),
+	EXISTS (SELECT 1 FROM pg_index i WHERE i.indexrelid = to_regclass($2) AND i.indrelid = to_regclass($1) AND NOT i.indisvalid)`,
+		s.names.Table, s.names.ConsumerIndexQ).Scan(&found, &holder, &invalid)
 	if err != nil {
 		return fmt.Errorf("dedup: checking the indexes of %s: %w", s.names.Table, err)
+	}
+	if !found && invalid {
+		return fmt.Errorf("%w: %s has no valid index on (consumer, processed_at) for retention: %s is invalid "+
+			"(a CREATE INDEX CONCURRENTLY that failed, was cancelled, or is still running), and the planner does not use it; "+
+			"rebuild it (REINDEX INDEX CONCURRENTLY %s), or drop it and let Migrate create it",
+			ErrSchemaMismatch, s.names.Table, s.names.ConsumerIndex, s.names.ConsumerIndexQ)
 	}
 	if found || holder == nil {
 		// An index dropped on purpose (a store without retention) is the

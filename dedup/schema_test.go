@@ -622,3 +622,52 @@ ALTER TABLE processed_events ADD CONSTRAINT events_seq UNIQUE (seq) DEFERRABLE`)
 	_, err = s.Claim(ctx, tx, dedup.Claim{Consumer: "c", EventID: "evt-1"})
 	require.ErrorContains(t, err, "deferrable")
 }
+
+// Operations says to build version 2's index beforehand with CREATE INDEX
+// CONCURRENTLY under its name. A build that did not finish (cancelled, or
+// timed out waiting for the transactions in progress) leaves the name to
+// an invalid index, which the planner never uses: version 2's CREATE INDEX
+// IF NOT EXISTS took it for the index and dropped the old one, leaving
+// retention to read the whole table. Migrate now refuses, saying so, and
+// changes nothing; once the index is built, it succeeds.
+func TestMigrateRefusesAnInvalidRetentionIndex(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	pool, schema := pgtest.Schema(t)
+	s, err := dedup.New(dedup.Config{})
+	require.NoError(t, err)
+	require.NoError(t, s.MigrateTo(ctx, pool, 1))
+
+	// A writer's transaction in progress: the concurrent build waits for
+	// it, and its statement_timeout cuts it short.
+	writer, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer writer.Rollback(ctx) //nolint:errcheck
+	_, err = writer.Exec(ctx, `INSERT INTO processed_events (consumer, event_id) VALUES ('c', 'evt-1')`)
+	require.NoError(t, err)
+	conn, err := pool.Acquire(ctx)
+	require.NoError(t, err)
+	_, err = conn.Exec(ctx, `SET statement_timeout = '200ms'`)
+	require.NoError(t, err)
+	_, err = conn.Exec(ctx, `CREATE INDEX CONCURRENTLY processed_events_consumer_processed_at_idx ON processed_events (consumer, processed_at)`)
+	require.Error(t, err, "the build is cut short")
+	_, err = conn.Exec(ctx, `RESET statement_timeout`)
+	require.NoError(t, err)
+	conn.Release()
+	require.NoError(t, writer.Rollback(ctx))
+
+	err = s.Migrate(ctx, pool)
+	require.ErrorIs(t, err, dedup.ErrSchemaMismatch)
+	assert.Contains(t, err.Error(), "processed_events_consumer_processed_at_idx")
+	assert.Contains(t, err.Error(), "invalid")
+	v, err := s.Version(ctx, pool)
+	require.NoError(t, err)
+	assert.Equal(t, 1, v, "nothing migrated")
+	assert.Equal(t, []string{"processed_events_consumer_processed_at_idx", "processed_events_pkey", "processed_events_processed_at_idx"},
+		indexes(t, ctx, pool, schema, "processed_events"), "the old index is kept")
+
+	_, err = pool.Exec(ctx, `REINDEX INDEX processed_events_consumer_processed_at_idx`)
+	require.NoError(t, err)
+	require.NoError(t, s.Migrate(ctx, pool))
+	assertSchema(t, ctx, pool, schema, "processed_events")
+}
