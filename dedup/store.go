@@ -620,7 +620,7 @@ func compare(fp, prev []byte) Outcome {
 // message TTL, the longest outage you plan to replay after).
 //
 // Options: DutyCycle paces the sweep so that it leaves the database to the
-// consumers most of the time.
+// consumers most of the time; Progress reports the rows removed so far.
 func (s *Store) DeleteOlderThan(ctx context.Context, db DB, consumer string, cutoff time.Time, batchSize int, opts ...RetentionOption) (int64, error) {
 	if consumer == "" {
 		return 0, errors.New("dedup: retention: empty consumer name")
@@ -635,7 +635,7 @@ func (s *Store) DeleteOlderThan(ctx context.Context, db DB, consumer string, cut
 	if !(o.share > 0 && o.share <= 1) {
 		return 0, fmt.Errorf("dedup: retention: DutyCycle %v is not in (0, 1]", o.share)
 	}
-	total, err := deleteOldestFirst(ctx, db, s.retentionSQL, consumer, cutoff, batchSize, o.share)
+	total, err := deleteOldestFirst(ctx, db, s.retentionSQL, consumer, cutoff, batchSize, o)
 	if err != nil {
 		return total, err
 	}
@@ -647,7 +647,15 @@ func (s *Store) DeleteOlderThan(ctx context.Context, db DB, consumer string, cut
 type RetentionOption func(*retentionOptions)
 
 type retentionOptions struct {
-	share float64
+	share    float64
+	progress func(deleted int64)
+}
+
+// Progress has DeleteOlderThan call fn after each statement on the
+// processed-events table, with the number of its rows removed so far, from
+// the goroutine that called DeleteOlderThan.
+func Progress(fn func(deleted int64)) RetentionOption {
+	return func(o *retentionOptions) { o.progress = fn }
 }
 
 // DutyCycle paces a retention sweep: after a statement that took d,
@@ -695,7 +703,7 @@ func pace(ctx context.Context, took time.Duration, share float64) error {
 // deleteOldestFirst runs the retention statement of processed_events until
 // a statement deletes fewer than batchSize rows, each from where the
 // previous one stopped.
-func deleteOldestFirst(ctx context.Context, db DB, sql, consumer string, cutoff time.Time, batchSize int, share float64) (int64, error) {
+func deleteOldestFirst(ctx context.Context, db DB, sql, consumer string, cutoff time.Time, batchSize int, o retentionOptions) (int64, error) {
 	var total int64
 	from := pgtype.Timestamptz{InfinityModifier: pgtype.NegativeInfinity, Valid: true}
 	for {
@@ -705,10 +713,13 @@ func deleteOldestFirst(ctx context.Context, db DB, sql, consumer string, cutoff 
 			return total, fmt.Errorf("dedup: retention: %w", err)
 		}
 		total += n
+		if o.progress != nil {
+			o.progress(total)
+		}
 		if n < int64(batchSize) {
 			return total, nil
 		}
-		if err := pace(ctx, time.Since(start), share); err != nil {
+		if err := pace(ctx, time.Since(start), o.share); err != nil {
 			return total, err
 		}
 	}

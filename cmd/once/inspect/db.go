@@ -157,7 +157,7 @@ type RetentionOptions struct {
 // A row removed no longer suppresses a redelivery of its event: cutoff
 // must be older than the longest time a message can take to come back.
 func Retention(ctx context.Context, db Deleter, t Tables, consumer string, cutoff time.Time, opts RetentionOptions) (int64, error) {
-	processed, attempts, err := t.names()
+	processed, _, err := t.names()
 	if err != nil {
 		return 0, err
 	}
@@ -178,35 +178,16 @@ func Retention(ctx context.Context, db Deleter, t Tables, consumer string, cutof
 		}
 		return n, nil
 	}
-	del := `DELETE FROM ` + processed + ` WHERE (consumer, event_id) IN (
-    SELECT consumer, event_id FROM ` + processed + ` WHERE consumer = $1 AND processed_at < $2 LIMIT $3)`
-	total, err := inBatches(ctx, db, del, consumer, cutoff, opts)
+	// dedup's sweep: from the oldest row, through the (consumer,
+	// processed_at) index, where a DELETE with a plain LIMIT took each
+	// batch from a scan of the whole table.
+	store, err := dedup.New(dedup.Config{Schema: t.Schema, Table: t.Table})
 	if err != nil {
-		return total, err
+		return 0, err
 	}
-	delAttempts := `DELETE FROM ` + attempts + ` WHERE (consumer, event_id) IN (
-    SELECT consumer, event_id FROM ` + attempts + ` WHERE consumer = $1 AND last_seen < $2 LIMIT $3)`
-	_, err = inBatches(ctx, db, delAttempts, consumer, cutoff, RetentionOptions{BatchSize: opts.BatchSize})
-	return total, err
-}
-
-func inBatches(ctx context.Context, db Deleter, sql, consumer string, cutoff time.Time, opts RetentionOptions) (int64, error) {
-	var total int64
-	for {
-		tag, err := db.Exec(ctx, sql, consumer, cutoff, opts.BatchSize)
-		if err != nil {
-			return total, fmt.Errorf("inspect: retention: %w", err)
-		}
-		n := tag.RowsAffected()
-		total += n
-		if opts.Progress != nil {
-			opts.Progress(total)
-		}
-		if n < int64(opts.BatchSize) {
-			return total, nil
-		}
-		if err := ctx.Err(); err != nil {
-			return total, err
-		}
+	var progress []dedup.RetentionOption
+	if opts.Progress != nil {
+		progress = append(progress, dedup.Progress(opts.Progress))
 	}
+	return store.DeleteOlderThan(ctx, db, consumer, cutoff, opts.BatchSize, progress...)
 }

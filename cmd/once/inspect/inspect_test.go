@@ -6,7 +6,12 @@ import (
 	"testing"
 	"time"
 
+	"strings"
+
 	"github.com/IBM/sarama"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -203,4 +208,65 @@ func TestKafkaLagReportsAPartitionsOffsetError(t *testing.T) {
 	lag, err := inspect.KafkaLag(context.Background(), addrs, testenv.Sarama(), group, []string{topic})
 	require.Error(t, err, "lag reported as %+v", lag)
 	assert.Contains(t, err.Error(), "authoriz")
+}
+
+// explaining is a Deleter that has PostgreSQL plan each statement, with
+// its arguments, before running it.
+type explaining struct {
+	*pgxpool.Pool
+	t     *testing.T
+	plans []string
+}
+
+func (e *explaining) explain(ctx context.Context, sql string, args ...any) {
+	rows, err := e.Pool.Query(ctx, "EXPLAIN "+sql, args...)
+	require.NoError(e.t, err)
+	lines, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(e.t, err)
+	e.plans = append(e.plans, strings.Join(lines, "\n"))
+}
+
+func (e *explaining) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	e.explain(ctx, sql, args...)
+	return e.Pool.Exec(ctx, sql, args...)
+}
+
+func (e *explaining) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	e.explain(ctx, sql, args...)
+	return e.Pool.Query(ctx, sql, args...)
+}
+
+func (e *explaining) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	e.explain(ctx, sql, args...)
+	return e.Pool.QueryRow(ctx, sql, args...)
+}
+
+// once retention walks the (consumer, processed_at) index, as the
+// consumer's retention does, also when most of the consumer's rows are
+// expired (a first sweep, or one after an outage): with a plain LIMIT the
+// planner takes each batch from a sequential scan of the whole table,
+// which starts again at its first page each time, so that a sweep costs
+// the square of what it deletes.
+func TestRetentionWalksTheIndexWhenMostRowsExpired(t *testing.T) {
+	ctx := context.Background()
+	pool, _ := pgtest.Schema(t)
+	store, err := dedup.New(dedup.Config{})
+	require.NoError(t, err)
+	require.NoError(t, store.Migrate(ctx, pool))
+	for _, sql := range []string{
+		`INSERT INTO processed_events (consumer, event_id, processed_at)
+SELECT 'c1', 'e-' || i, now() - interval '30 days' + i * interval '1 second' FROM generate_series(1, 100000) i`,
+		`ANALYZE processed_events`,
+	} {
+		_, err := pool.Exec(ctx, sql)
+		require.NoError(t, err, sql)
+	}
+	db := &explaining{Pool: pool, t: t}
+	n, err := inspect.Retention(ctx, db, inspect.Tables{}, "c1", time.Now().Add(-24*time.Hour), inspect.RetentionOptions{BatchSize: 5000})
+	require.NoError(t, err)
+	assert.EqualValues(t, 100000, n)
+	require.NotEmpty(t, db.plans)
+	for _, plan := range db.plans {
+		require.NotRegexp(t, `Seq Scan on processed_events( |$)`, plan, "plan:\n%s", plan)
+	}
 }
