@@ -84,6 +84,7 @@ func (s *Store) newSeries(schema, table string, migs []migrate.Migration) *migra
 	return &migrate.Series{
 		Component:  "dedup:" + table,
 		Schema:     schema,
+		Anchor:     pgx.Identifier{table}.Sanitize(),
 		Migrations: migs,
 		Adopt:      s.adopt,
 		// The offsets table too: version 4 created it, or found a table

@@ -671,3 +671,58 @@ func TestMigrateRefusesAnInvalidRetentionIndex(t *testing.T) {
 	require.NoError(t, s.Migrate(ctx, pool))
 	assertSchema(t, ctx, pool, schema, "processed_events")
 }
+
+// Services that share a database each keep their tables in a schema of
+// their own, first on their search_path, with a common schema after it
+// (public): Config.Schema is "". A schema version is recorded in the
+// schema of the store's tables (operations.md), so each service's tables
+// are migrated, whatever the common schema holds: the version table that
+// another component created there was taken for the store's, the first
+// service's versions recorded in it, and the second service, finding its
+// tables recorded at the newest version, created none and could not
+// start.
+func TestMigrateRecordsVersionsBesideTheTablesOnTheSearchPath(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	common, pub := pgtest.Schema(t)
+	_, a := pgtest.Schema(t)
+	_, b := pgtest.Schema(t)
+	// Another component's versions in the common schema.
+	other, err := dedup.New(dedup.Config{Table: "audit"})
+	require.NoError(t, err)
+	require.NoError(t, other.Migrate(ctx, common))
+
+	for _, svc := range []string{a, b} {
+		pool := pgtest.NewPool(t, svc+", "+pub)
+		s, err := dedup.New(dedup.Config{})
+		require.NoError(t, err)
+		require.NoError(t, s.Migrate(ctx, pool), svc)
+		assertSchema(t, ctx, pool, svc, "processed_events")
+		v, err := s.Version(ctx, pool)
+		require.NoError(t, err)
+		assert.Equal(t, dedup.SchemaVersion, v)
+		assert.Equal(t, dedup.Claimed, claimTx(t, ctx, pool, s, dedup.Claim{Consumer: "c", EventID: "1"}).Outcome, svc)
+		assert.Equal(t, 1, rowCount(t, ctx, pool, `SELECT count(*) FROM `+pgx.Identifier{svc, "once_schema_versions"}.Sanitize()+
+			` WHERE component = 'dedup:processed_events' AND version = 4`), "recorded beside %s's tables", svc)
+	}
+
+	// Versions that an earlier release recorded in the common schema, for
+	// tables in the service's, are still read there.
+	_, c := pgtest.Schema(t)
+	pool := pgtest.NewPool(t, c+", "+pub)
+	s, err := dedup.New(dedup.Config{})
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, s.SchemaSQL())
+	require.NoError(t, err)
+	_, err = common.Exec(ctx, `INSERT INTO once_schema_versions (component, version, name)
+SELECT 'dedup:processed_events', v, 'v' || v FROM generate_series(1, 4) v`)
+	require.NoError(t, err)
+	require.NoError(t, s.Migrate(ctx, pool))
+	v, err := s.Version(ctx, pool)
+	require.NoError(t, err)
+	assert.Equal(t, dedup.SchemaVersion, v)
+	var beside bool
+	require.NoError(t, pool.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`,
+		pgx.Identifier{c, "once_schema_versions"}.Sanitize()).Scan(&beside))
+	assert.False(t, beside, "the versions recorded in the common schema are used")
+}

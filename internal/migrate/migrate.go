@@ -140,8 +140,19 @@ type Series struct {
 	// "dedup:processed_events").
 	Component string
 	// Schema holds the version table: the schema of the component's
-	// tables. "" resolves it through the connection's search_path.
+	// tables. "" resolves it through the connection's search_path, or
+	// from Anchor.
 	Schema string
+	// Anchor, with Schema "", is the quoted name of one of the component's
+	// tables, unqualified: the version table is kept in the schema that
+	// holds it, where the search_path finds it, or, before it exists, in
+	// the schema where the migrations' unqualified CREATE TABLE puts it
+	// (current_schema()), rather than in whichever schema of the
+	// search_path holds a version table first. A version table found so
+	// that already records the component is still used (releases before
+	// Anchor recorded versions there). "" leaves the version table to the
+	// search_path.
+	Anchor string
 	// SearchPath, with Schema set, puts Schema first on the search_path
 	// while the migrations run, for files that name their tables
 	// unqualified.
@@ -165,11 +176,53 @@ type Series struct {
 // Latest is the newest version the series knows.
 func (s *Series) Latest() int { return len(s.Migrations) }
 
-func (s *Series) versionTable() string {
-	if s.Schema == "" {
-		return pgx.Identifier{VersionTable}.Sanitize()
+// versionTable returns the quoted name of the component's version table:
+// in Schema, or, with Schema "", in the schema of Anchor (see Anchor), or
+// found through the search_path.
+func (s *Series) versionTable(ctx context.Context, db Querier) (string, error) {
+	if s.Schema != "" {
+		return pgx.Identifier{s.Schema, VersionTable}.Sanitize(), nil
 	}
-	return pgx.Identifier{s.Schema, VersionTable}.Sanitize()
+	onPath := pgx.Identifier{VersionTable}.Sanitize()
+	if s.Anchor == "" {
+		return onPath, nil
+	}
+	// The anchor's schema, or the one CREATE TABLE would put it in; and
+	// whether that schema has a version table, and whether the one on
+	// the search_path records the component.
+	var (
+		schema           *string
+		beside, recorded bool
+	)
+	err := db.QueryRow(ctx, `WITH home AS (
+	SELECT coalesce((SELECT c.relnamespace::regnamespace::text FROM pg_class c WHERE c.oid = to_regclass($1)),
+		quote_ident(current_schema())) AS schema,
+	to_regclass($1) IS NOT NULL AS anchored
+)
+SELECT home.schema, to_regclass(home.schema || '.' || $2) IS NOT NULL,
+	home.anchored AND to_regclass($2) IS NOT NULL
+FROM home`, s.Anchor, onPath).Scan(&schema, &beside, &recorded)
+	if err != nil {
+		return "", err
+	}
+	if schema == nil {
+		// No schema on the search_path exists: CREATE TABLE will say so.
+		return onPath, nil
+	}
+	home := *schema + "." + onPath
+	if beside || !recorded {
+		return home, nil
+	}
+	// The anchor exists, its schema has no version table, and the
+	// search_path finds one: the versions of a release before Anchor,
+	// if that table records the component.
+	if err := db.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM `+onPath+` WHERE component = $1)`, s.Component).Scan(&recorded); err != nil {
+		return "", err
+	}
+	if recorded {
+		return onPath, nil
+	}
+	return home, nil
 }
 
 // Migrate brings the component to its newest version. It is idempotent and
@@ -211,10 +264,14 @@ func (s *Series) migrate(ctx context.Context, tx pgx.Tx, target int) error {
 			return err
 		}
 	}
-	if err := s.createVersionTable(ctx, tx); err != nil {
+	table, err := s.versionTable(ctx, tx)
+	if err != nil {
 		return err
 	}
-	current, err := s.current(ctx, tx)
+	if err := createVersionTable(ctx, tx, table); err != nil {
+		return err
+	}
+	current, err := s.current(ctx, tx, table)
 	if err != nil {
 		return err
 	}
@@ -222,12 +279,12 @@ func (s *Series) migrate(ctx context.Context, tx pgx.Tx, target int) error {
 		return fmt.Errorf("%w: the database is at version %d, this code knows versions up to %d: run a release of the library that knows version %d", ErrNewer, current, s.Latest(), current)
 	}
 	for v := current + 1; v <= target; v++ {
-		if err := s.step(ctx, tx, s.Migrations[v-1], true); err != nil {
+		if err := s.step(ctx, tx, table, s.Migrations[v-1], true); err != nil {
 			return err
 		}
 	}
 	for v := current; v > target; v-- {
-		if err := s.step(ctx, tx, s.Migrations[v-1], false); err != nil {
+		if err := s.step(ctx, tx, table, s.Migrations[v-1], false); err != nil {
 			return err
 		}
 	}
@@ -241,12 +298,12 @@ func (s *Series) migrate(ctx context.Context, tx pgx.Tx, target int) error {
 // It looks first: CREATE TABLE IF NOT EXISTS needs the CREATE privilege on
 // the schema even when the table exists, and a service whose user may only
 // write rows must start on a schema an administrator migrated.
-func (s *Series) createVersionTable(ctx context.Context, tx pgx.Tx) error {
+func createVersionTable(ctx context.Context, tx pgx.Tx, table string) error {
 	var exists bool
-	if err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, s.versionTable()).Scan(&exists); err != nil || exists {
+	if err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, table).Scan(&exists); err != nil || exists {
 		return err
 	}
-	_, err := tx.Exec(ctx, `CREATE TABLE IF NOT EXISTS `+s.versionTable()+` (
+	_, err := tx.Exec(ctx, `CREATE TABLE IF NOT EXISTS `+table+` (
     component  text        NOT NULL,
     version    integer     NOT NULL,
     name       text        NOT NULL,
@@ -258,9 +315,9 @@ func (s *Series) createVersionTable(ctx context.Context, tx pgx.Tx) error {
 
 // current is the component's recorded version, adopting objects that
 // predate the version table when nothing is recorded.
-func (s *Series) current(ctx context.Context, tx pgx.Tx) (int, error) {
+func (s *Series) current(ctx context.Context, tx pgx.Tx, table string) (int, error) {
 	var v int
-	err := tx.QueryRow(ctx, `SELECT coalesce(max(version), 0) FROM `+s.versionTable()+` WHERE component = $1`, s.Component).Scan(&v)
+	err := tx.QueryRow(ctx, `SELECT coalesce(max(version), 0) FROM `+table+` WHERE component = $1`, s.Component).Scan(&v)
 	if err != nil || v > 0 || s.Adopt == nil {
 		return v, err
 	}
@@ -272,7 +329,7 @@ func (s *Series) current(ctx context.Context, tx pgx.Tx) (int, error) {
 		return 0, fmt.Errorf("adopting existing tables: version %d does not exist", adopted)
 	}
 	for i := 0; i < adopted; i++ {
-		if err := s.record(ctx, tx, s.Migrations[i]); err != nil {
+		if err := s.record(ctx, tx, table, s.Migrations[i]); err != nil {
 			return 0, err
 		}
 	}
@@ -280,7 +337,7 @@ func (s *Series) current(ctx context.Context, tx pgx.Tx) (int, error) {
 }
 
 // step runs one migration up or down and records it.
-func (s *Series) step(ctx context.Context, tx pgx.Tx, m Migration, up bool) error {
+func (s *Series) step(ctx context.Context, tx pgx.Tx, table string, m Migration, up bool) error {
 	sql, what := m.Up, "up"
 	if !up {
 		sql, what = m.Down, "down"
@@ -291,14 +348,14 @@ func (s *Series) step(ctx context.Context, tx pgx.Tx, m Migration, up bool) erro
 		return fmt.Errorf("version %d (%s) %s: %w", m.Version, m.Name, what, err)
 	}
 	if up {
-		return s.record(ctx, tx, m)
+		return s.record(ctx, tx, table, m)
 	}
-	_, err := tx.Exec(ctx, `DELETE FROM `+s.versionTable()+` WHERE component = $1 AND version = $2`, s.Component, m.Version)
+	_, err := tx.Exec(ctx, `DELETE FROM `+table+` WHERE component = $1 AND version = $2`, s.Component, m.Version)
 	return err
 }
 
-func (s *Series) record(ctx context.Context, tx pgx.Tx, m Migration) error {
-	_, err := tx.Exec(ctx, `INSERT INTO `+s.versionTable()+` (component, version, name) VALUES ($1, $2, $3)`,
+func (s *Series) record(ctx context.Context, tx pgx.Tx, table string, m Migration) error {
+	_, err := tx.Exec(ctx, `INSERT INTO `+table+` (component, version, name) VALUES ($1, $2, $3)`,
 		s.Component, m.Version, m.Name)
 	return err
 }
@@ -306,13 +363,17 @@ func (s *Series) record(ctx context.Context, tx pgx.Tx, m Migration) error {
 // Version returns the component's recorded version: 0 when nothing is
 // recorded (or the version table does not exist). It takes no lock.
 func (s *Series) Version(ctx context.Context, db Querier) (int, error) {
+	table, err := s.versionTable(ctx, db)
+	if err != nil {
+		return 0, wrapVersionErr(s.Component, err)
+	}
 	var exists bool
-	err := db.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, s.versionTable()).Scan(&exists)
+	err = db.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, table).Scan(&exists)
 	if err != nil || !exists {
 		return 0, wrapVersionErr(s.Component, err)
 	}
 	var v int
-	err = db.QueryRow(ctx, `SELECT coalesce(max(version), 0) FROM `+s.versionTable()+` WHERE component = $1`, s.Component).Scan(&v)
+	err = db.QueryRow(ctx, `SELECT coalesce(max(version), 0) FROM `+table+` WHERE component = $1`, s.Component).Scan(&v)
 	return v, wrapVersionErr(s.Component, err)
 }
 
