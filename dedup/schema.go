@@ -312,8 +312,8 @@ func columnDiffs(have map[string]tableColumn, want []column) []string {
 
 // hasUniqueKey reports whether table has a primary key or a unique index,
 // valid, immediate and without a predicate, on exactly key (in any
-// order): the ON CONFLICT of the statements that write the table relies on
-// it. An index that CREATE INDEX CONCURRENTLY left invalid (its build
+// order; INCLUDE columns are not part of it): the ON CONFLICT of the
+// statements that write the table relies on it. An index that CREATE INDEX CONCURRENTLY left invalid (its build
 // failed or was cancelled) enforces nothing and arbitrates no conflict; ON
 // CONFLICT refuses a deferrable one.
 func hasUniqueKey(ctx context.Context, db DB, table string, key ...string) (bool, error) {
@@ -323,7 +323,7 @@ func hasUniqueKey(ctx context.Context, db DB, table string, key ...string) (bool
 	SELECT 1 FROM pg_index i
 	WHERE i.indrelid = to_regclass($1) AND i.indisunique AND i.indisvalid AND i.indimmediate AND i.indpred IS NULL AND i.indexprs IS NULL
 	  AND (SELECT array_agg(a.attname::text ORDER BY a.attname)
-	       FROM unnest(i.indkey::int2[]) AS k(attnum)
+	       FROM unnest((i.indkey::int2[])[0:i.indnkeyatts - 1]) AS k(attnum)
 	       JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum) = $2::text[])`,
 		table, key).Scan(&ok)
 	return ok, err

@@ -726,3 +726,25 @@ SELECT 'dedup:processed_events', v, 'v' || v FROM generate_series(1, 4) v`)
 		pgx.Identifier{c, "once_schema_versions"}.Sanitize()).Scan(&beside))
 	assert.False(t, beside, "the versions recorded in the common schema are used")
 }
+
+// A key with INCLUDE columns (for index-only scans of the fingerprint,
+// say) is the key all the same: its key columns are what ON CONFLICT
+// matches. Check and CheckOffsets took the included columns for part of
+// the key, and refused the table.
+func TestCheckAcceptsAKeyWithIncludedColumns(t *testing.T) {
+	t.Parallel()
+	ctx, pool, s := setup(t)
+	_, err := pool.Exec(ctx, `ALTER TABLE processed_events DROP CONSTRAINT processed_events_pkey;
+ALTER TABLE processed_events ADD PRIMARY KEY (consumer, event_id) INCLUDE (fingerprint);
+ALTER TABLE processed_events_offsets DROP CONSTRAINT processed_events_offsets_pkey;
+ALTER TABLE processed_events_offsets ADD PRIMARY KEY (consumer, topic, partition) INCLUDE (epoch)`)
+	require.NoError(t, err)
+	require.NoError(t, s.Check(ctx, pool))
+	require.NoError(t, s.CheckOffsets(ctx, pool))
+	require.NoError(t, s.Migrate(ctx, pool))
+
+	c := dedup.Claim{Consumer: "c", EventID: "evt-1"}
+	assert.Equal(t, dedup.Claimed, claimTx(t, ctx, pool, s, c).Outcome)
+	assert.Equal(t, dedup.Duplicate, claimTx(t, ctx, pool, s, c).Outcome)
+	assert.Equal(t, int64(-1), takeOver(t, ctx, pool, s, "").Next)
+}
