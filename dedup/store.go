@@ -109,14 +109,22 @@ func New(cfg Config) (*Store, error) {
 		// and the lower bound skips the index entries of rows already
 		// deleted, so each statement costs the same however far the sweep
 		// has gone. Rows at the bound itself are taken again (>=), so a
-		// batch ending amid equal timestamps loses none.
+		// batch ending amid equal timestamps loses none. The DELETE
+		// checks the conditions again: in a partitioned table each
+		// partition has rows of every ctid, and only the consumer's
+		// expired ones may go (another partition's row of the same ctid
+		// that is one goes with the batch: the bound may then pass rows
+		// left for the next sweep, which keeps them a while longer).
 		retentionSQL: `WITH doomed AS (
 	SELECT ctid FROM ` + table + ` WHERE consumer = $1 AND processed_at < $2 AND processed_at >= $4
 	ORDER BY processed_at LIMIT $3)
-, gone AS (DELETE FROM ` + table + ` WHERE ctid IN (SELECT ctid FROM doomed) RETURNING processed_at)
+, gone AS (DELETE FROM ` + table + ` WHERE ctid IN (SELECT ctid FROM doomed)
+	AND consumer = $1 AND processed_at < $2 AND processed_at >= $4 RETURNING processed_at)
 SELECT count(*), coalesce(max(processed_at), $4) FROM gone`,
-		attemptsRetentionSQL: `DELETE FROM ` + attempts + ` WHERE ctid = ANY(ARRAY(SELECT ctid FROM ` + attempts +
-			` WHERE consumer = $1 AND last_seen < $2 LIMIT $3))`,
+		// By key: a row the crash guard updates meanwhile is checked
+		// again, and kept.
+		attemptsRetentionSQL: `DELETE FROM ` + attempts + ` WHERE consumer = $1 AND last_seen < $2 AND event_id IN (SELECT event_id FROM ` + attempts +
+			` WHERE consumer = $1 AND last_seen < $2 LIMIT $3)`,
 	}
 	s.series = s.newSeries(cfg.Schema, cfg.Table, migs)
 	return s, nil

@@ -1134,3 +1134,58 @@ SELECT 'c0', 'old-' || i, now() - interval '2 days' - (i % 3) * interval '1 hour
 	assert.Equal(t, int64(25), n, "three timestamps shared by 8-9 rows each, deleted 4 at a time")
 	assert.Equal(t, 4, rowCount(t, ctx, pool, `SELECT count(*) FROM processed_events`))
 }
+
+// A table partitioned by a hash of the event id (to spread a large table;
+// its key (consumer, event_id) holds the partition key, so Migrate and
+// Check accept it) has rows of the same ctid in each partition: retention
+// deleted, beside each expired row, every row of that ctid in the other
+// partitions, of any consumer, however young, and those ids were then
+// handled again. Only the expired rows of the consumer go now, of both
+// tables.
+func TestRetentionOnHashPartitionedTables(t *testing.T) {
+	t.Parallel()
+	ctx := testCtx(t)
+	pool, _ := pgtest.Schema(t)
+	_, err := pool.Exec(ctx, `CREATE TABLE processed_events (
+    consumer     text        NOT NULL,
+    event_id     text        NOT NULL,
+    fingerprint  bytea,
+    processed_at timestamptz NOT NULL DEFAULT now(),
+    source       text        NOT NULL DEFAULT '',
+    partition    integer,
+    "offset"     bigint,
+    PRIMARY KEY (consumer, event_id)
+) PARTITION BY HASH (event_id);
+CREATE TABLE processed_events_p0 PARTITION OF processed_events FOR VALUES WITH (MODULUS 2, REMAINDER 0);
+CREATE TABLE processed_events_p1 PARTITION OF processed_events FOR VALUES WITH (MODULUS 2, REMAINDER 1);
+CREATE TABLE processed_events_attempts (
+    consumer  text        NOT NULL,
+    event_id  text        NOT NULL,
+    attempts  integer     NOT NULL,
+    last_seen timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (consumer, event_id)
+) PARTITION BY HASH (event_id);
+CREATE TABLE processed_events_attempts_p0 PARTITION OF processed_events_attempts FOR VALUES WITH (MODULUS 2, REMAINDER 0);
+CREATE TABLE processed_events_attempts_p1 PARTITION OF processed_events_attempts FOR VALUES WITH (MODULUS 2, REMAINDER 1)`)
+	require.NoError(t, err)
+	s, err := dedup.New(dedup.Config{})
+	require.NoError(t, err)
+	require.NoError(t, s.Migrate(ctx, pool))
+	_, err = pool.Exec(ctx, `INSERT INTO processed_events (consumer, event_id, processed_at)
+SELECT 'old', 'o-' || i, now() - interval '30 days' FROM generate_series(1, 100) i;
+INSERT INTO processed_events (consumer, event_id) SELECT 'young', 'y-' || i FROM generate_series(1, 100) i;
+INSERT INTO processed_events_attempts (consumer, event_id, attempts, last_seen)
+SELECT 'old', 'o-' || i, 1, now() - interval '30 days' FROM generate_series(1, 100) i;
+INSERT INTO processed_events_attempts (consumer, event_id, attempts) SELECT 'young', 'y-' || i, 1 FROM generate_series(1, 100) i`)
+	require.NoError(t, err)
+
+	n, err := s.DeleteOlderThan(ctx, pool, "old", time.Now().Add(-time.Hour), 10)
+	require.NoError(t, err)
+	assert.Equal(t, int64(100), n)
+	for _, table := range []string{"processed_events", "processed_events_attempts"} {
+		assert.Equal(t, 0, rowCount(t, ctx, pool, `SELECT count(*) FROM `+table+` WHERE consumer = 'old'`), table)
+		assert.Equal(t, 100, rowCount(t, ctx, pool, `SELECT count(*) FROM `+table+` WHERE consumer = 'young'`),
+			"%s: another consumer's young rows are kept", table)
+	}
+	assert.Equal(t, dedup.Duplicate, claimTx(t, ctx, pool, s, dedup.Claim{Consumer: "young", EventID: "y-1"}).Outcome)
+}
