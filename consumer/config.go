@@ -6,7 +6,9 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"go.opentelemetry.io/otel/metric"
@@ -66,7 +68,8 @@ type Config struct {
 	// Name identifies the consumer: processed events are recorded per Name,
 	// so two services consuming the same topic under different names each
 	// handle every event, and two replicas of one service must share it.
-	// Required; at most 200 bytes.
+	// Required; at most 200 bytes of UTF-8 text without NUL, which
+	// PostgreSQL's text refuses.
 	Name string
 
 	// Store is the processed-events store. Defaults to dedup.New with the
@@ -363,6 +366,9 @@ func (c *Config) validate() error {
 	}
 	if len(c.Name) > maxNameLength {
 		return fmt.Errorf("%w: Name is longer than %d bytes", ErrInvalidConfig, maxNameLength)
+	}
+	if !utf8.ValidString(c.Name) || strings.ContainsRune(c.Name, 0) {
+		return fmt.Errorf("%w: Name is not UTF-8 text without NUL, which PostgreSQL cannot store", ErrInvalidConfig)
 	}
 	checks := []struct {
 		field string

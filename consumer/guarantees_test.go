@@ -330,6 +330,12 @@ func TestNewValidatesConfig(t *testing.T) {
 		// accepted, and every handler call then panicked through it:
 		// every message was dead-lettered as a panic.
 		"nil middleware": {consumer.Config{Name: "x", Hooks: consumer.Hooks{Middleware: []consumer.Middleware{nil}}}, "Hooks.Middleware[0]"},
+		// The name is the consumer column of every claim and
+		// crash-guard record: text that PostgreSQL refuses failed every
+		// statement, retried without end as an infrastructure failure,
+		// and nothing was consumed.
+		"NUL in the name": {consumer.Config{Name: "or\x00ders"}, "Name"},
+		"name not UTF-8":  {consumer.Config{Name: "orders\xff"}, "Name"},
 	}
 	for name, tc := range cases {
 		t.Run(name, func(t *testing.T) {
