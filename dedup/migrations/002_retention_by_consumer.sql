@@ -3,7 +3,9 @@
 -- through an index on (consumer, processed_at) that replaces the one on
 -- processed_at. On a large table, build the index beforehand with
 -- CREATE INDEX CONCURRENTLY under the same name: this step then only drops
--- the old one.
+-- the old one. A build that did not finish leaves the index invalid, and
+-- this step would take it for the index: check that pg_index.indisvalid
+-- is true, or REINDEX it, first (Store.Migrate refuses it).
 CREATE INDEX IF NOT EXISTS "processed_events_consumer_processed_at_idx" ON "processed_events" (consumer, processed_at);
 DROP INDEX IF EXISTS "processed_events_processed_at_idx";
 
