@@ -9,6 +9,7 @@ import (
 	"math"
 	"math/big"
 	"strconv"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -133,10 +134,14 @@ func (d *delivery) Ack(ctx context.Context) error {
 // and routing key of the Config: the original body and properties (except
 // expiration and user-id, kept in headers), persistent, with the original
 // headers overwritten by dl.Headers and the once-original-exchange,
-// once-original-routing-key and once-original-queue headers. It returns
-// once the broker confirmed the copy, and an error when it nacked it, the
-// copy was unroutable, no confirm came within Config.ConfirmTimeout, the
-// broker blocks the dead-letter connection (ErrPublisherBlocked), or the
+// once-original-routing-key and once-original-queue headers. A copy whose
+// properties would not fit one frame (the broker's frame_max: a content
+// header cannot be split) is shaped to fit first: its diagnostic headers
+// cut (HeaderDiagnosticsCut), then the original headers dropped
+// (HeaderOriginalDropped); the body is kept whole. It returns once the
+// broker confirmed the copy, and an error when it nacked it, the copy was
+// unroutable, no confirm came within Config.ConfirmTimeout, the broker
+// blocks the dead-letter connection (ErrPublisherBlocked), or the
 // delivery's channel closed. The copy goes out on the source's dead-letter
 // connection, not the consuming one. It does not ack the delivery.
 func (d *delivery) DeadLetter(ctx context.Context, dl *consumer.DeadLetter) error {
@@ -144,46 +149,17 @@ func (d *delivery) DeadLetter(ctx context.Context, dl *consumer.DeadLetter) erro
 		return fmt.Errorf("amqp: dead-letter delivery %d: %w (%w)", d.d.DeliveryTag, ErrChannelClosed, context.Cause(d.sess.ctx))
 	}
 	cfg := &d.src.cfg
-	p := deadLetterPublishing(&d.d, dl.Headers(&d.msg), cfg.Queue)
-	if err := d.src.pub.publish(ctx, d, cfg.DeadLetter.Exchange, cfg.DeadLetter.RoutingKey, p, cfg.ConfirmTimeout); err != nil {
+	c := &deadLetterCopy{d: &d.d, diag: dl.Headers(&d.msg), queue: cfg.Queue}
+	if err := d.src.pub.publish(ctx, d, cfg.DeadLetter.Exchange, cfg.DeadLetter.RoutingKey, c.publishing, cfg.ConfirmTimeout); err != nil {
 		d.src.log.Warn("amqp: dead-letter publish failed", "event_id", dl.EventID, "error", err)
 		return err
 	}
+	if c.shaped() {
+		d.src.log.Warn("amqp: dead-letter copy too large for a frame; written with its headers cut",
+			"event_id", cutText(dl.EventID, 256), "frame_max", c.frameMax,
+			"diagnostics_cut", strings.Join(c.cut, ","), "original_header_bytes_dropped", c.originalDropped)
+	}
 	return nil
-}
-
-// deadLetterPublishing builds the dead-letter copy of d.
-func deadLetterPublishing(d *amqp091.Delivery, diag map[string]string, queue string) amqp091.Publishing {
-	h := make(amqp091.Table, len(d.Headers)+len(diag)+5)
-	for k, v := range d.Headers {
-		h[k] = v
-	}
-	for k, v := range diag {
-		h[k] = v
-	}
-	h[HeaderOriginalExchange] = d.Exchange
-	h[HeaderOriginalRoutingKey] = d.RoutingKey
-	h[HeaderOriginalQueue] = queue
-	if d.Expiration != "" {
-		h[HeaderOriginalExpiration] = d.Expiration
-	}
-	if d.UserId != "" {
-		h[HeaderOriginalUserID] = d.UserId
-	}
-	return amqp091.Publishing{
-		Headers:         h,
-		ContentType:     d.ContentType,
-		ContentEncoding: d.ContentEncoding,
-		DeliveryMode:    amqp091.Persistent,
-		Priority:        d.Priority,
-		CorrelationId:   d.CorrelationId,
-		ReplyTo:         d.ReplyTo,
-		MessageId:       d.MessageId,
-		Timestamp:       d.Timestamp,
-		Type:            d.Type,
-		AppId:           d.AppId,
-		Body:            d.Body,
-	}
 }
 
 // fallbackID hashes what identifies a message when it carries no id. The

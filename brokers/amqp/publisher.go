@@ -89,13 +89,14 @@ func newPublisher(cfg *Config, log *slog.Logger) *publisher {
 	return &publisher{cfg: cfg, log: log, blocked: newBlockState()}
 }
 
-// publish publishes p mandatory to exchange with key and waits for the
+// publish publishes the message build returns for the connection's frame
+// size (0: no limit), mandatory, to exchange with key and waits for the
 // broker's confirm, at most timeout. While the broker blocks the
 // connection it fails at once with ErrPublisherBlocked, keeping the
 // connection and the unconfirmed publish for when the alarm clears; a
 // retry with the same id (the delivery being dead-lettered) then takes
 // that publish's confirm instead of publishing another copy.
-func (p *publisher) publish(ctx context.Context, id any, exchange, key string, msg amqp091.Publishing, timeout time.Duration) error {
+func (p *publisher) publish(ctx context.Context, id any, exchange, key string, build func(frameMax int) amqp091.Publishing, timeout time.Duration) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if err := p.ready(ctx); err != nil {
@@ -108,6 +109,7 @@ func (p *publisher) publish(ctx context.Context, id any, exchange, key string, m
 		return err
 	}
 	p.drainReturns()
+	msg := build(p.conn.Config.FrameSize)
 	wctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
 	dc, err := p.send(wctx, ctx, exchange, key, msg, timeout)

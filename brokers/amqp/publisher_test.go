@@ -57,7 +57,7 @@ func TestLostConnectionWhileSettlingAPendingCopyDoesNotHang(t *testing.T) {
 
 	done := make(chan error, 1)
 	go func() {
-		done <- p.publish(context.Background(), "b", "", "no-such-queue", amqp091.Publishing{}, 30*time.Second)
+		done <- p.publish(context.Background(), "b", "", "no-such-queue", func(int) amqp091.Publishing { return amqp091.Publishing{} }, 30*time.Second)
 	}()
 	require.Eventually(t, func() bool { return len(blocked.changed) == 0 }, 10*time.Second, time.Millisecond,
 		"b waits for a's confirm")

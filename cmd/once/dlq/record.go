@@ -222,6 +222,7 @@ var diagnosticHeaders = map[string]bool{
 	amqp.HeaderOriginalQueue:           true,
 	amqp.HeaderOriginalExpiration:      true,
 	amqp.HeaderOriginalUserID:          true,
+	amqp.HeaderDiagnosticsCut:          true,
 	consumer.HeaderRedriveEventID:      true,
 	consumer.HeaderRedriveConsumer:     true,
 	consumer.HeaderRedriveFallbackID:   true,

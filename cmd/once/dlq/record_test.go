@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/onceco/once/brokers/amqp"
 	"github.com/onceco/once/consumer"
 )
 
@@ -115,6 +116,9 @@ func TestRedriveDropsEveryDiagnosticHeader(t *testing.T) {
 			consumer.HeaderOriginalFingerprint: "cd", consumer.HeaderOriginalProcessedAt: "2026-11-25T09:00:00Z"}}
 	diag := dl.Headers(&consumer.Message{Topic: "orders", Partition: 2, Offset: 7, FallbackID: "orders/2/7@t", Timestamp: time.Now()})
 	delete(diag, consumer.HeaderTraceParent) // the original's trace context, not a diagnostic of the failure
+	// The marks of a copy shaped to fit a frame.
+	diag[amqp.HeaderDiagnosticsCut] = consumer.HeaderErrorMessage
+	diag[amqp.HeaderOriginalDropped] = "130000"
 	r := rec("id", "e-1", "x-trace", "t")
 	for k, v := range diag {
 		r.Headers = append(r.Headers, Header{k, v})
