@@ -140,3 +140,54 @@ func TestDeadLetterCopyFitsTheSmallestFrame(t *testing.T) {
 	assert.Equal(t, "ev-1", h[consumer.HeaderEventID])
 	assert.Equal(t, string(consumer.KindPanic), h[consumer.HeaderErrorKind])
 }
+
+// RabbitMQ checks max_message_size against the body alone, on publish: a
+// message already in a queue when the limit is lowered (or one that came
+// in another way than an AMQP 0-9-1 publish) is delivered whole, but its
+// copy is refused with 406 PRECONDITION_FAILED on every attempt, and the
+// message was never settled. The copy is now written without the body,
+// with its size in once-value-dropped, the original headers and the
+// diagnostics; the next dead letter goes out as usual.
+func TestDeadLetterCopyOfABodyOverMaxMessageSizeDropsIt(t *testing.T) {
+	t.Parallel()
+	n := privateNode(t)
+	a := newAdminAt(t, n.url)
+	q := queueName(t)
+	a.declare(q, amqp.QueueClassic)
+	big := []byte(strings.Repeat("b", 8192))
+	require.NoError(t, a.publish("", q,
+		amqp091.Publishing{MessageId: "big", Type: "blob", ContentType: "application/octet-stream", Body: big,
+			Headers: amqp091.Table{"x-origin": "test"}},
+		amqp091.Publishing{MessageId: "small", Body: []byte("s")}))
+	n.ctl(t, "eval", "application:set_env(rabbit, max_message_size, 4096).")
+	src := openSource(t, amqp.Config{URL: n.url, Queue: q, Prefetch: 1})
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	for _, id := range []string{"big", "small"} {
+		d := receive(t, src)
+		require.Equal(t, id, d.Message().ID)
+		require.NoError(t, d.DeadLetter(ctx, &consumer.DeadLetter{Consumer: "big-body", EventID: id, Kind: consumer.KindHandler,
+			Attempts: 3, Error: "always fails", FailedAt: time.Now()}), id)
+		require.NoError(t, d.Ack(ctx))
+	}
+
+	dead, err := a.getAll(q + amqp.DeadLetterQueueSuffix)
+	require.NoError(t, err)
+	require.Len(t, dead, 2)
+	c := dead[0]
+	h := amqp.HeaderStrings(c.Headers)
+	assert.Equal(t, "big", c.MessageId)
+	assert.Empty(t, c.Body, "the body the broker refuses is dropped")
+	assert.Equal(t, "8192", h[amqp.HeaderValueDropped])
+	assert.Equal(t, "test", h["x-origin"], "the original headers are kept")
+	assert.Equal(t, "big", h[consumer.HeaderEventID])
+	assert.Equal(t, "always fails", h[consumer.HeaderErrorMessage])
+	assert.Equal(t, "blob", c.Type)
+	assert.Equal(t, "application/octet-stream", c.ContentType)
+	assert.Equal(t, q, h[amqp.HeaderOriginalQueue])
+	assert.Equal(t, []byte("s"), dead[1].Body, "the next copy keeps its body")
+	assert.NotContains(t, amqp.HeaderStrings(dead[1].Headers), amqp.HeaderValueDropped)
+	ready, err := a.ready(q)
+	require.NoError(t, err)
+	assert.Zero(t, ready)
+}

@@ -1,6 +1,8 @@
 package amqp
 
 import (
+	"errors"
+	"regexp"
 	"slices"
 	"strconv"
 	"strings"
@@ -9,8 +11,8 @@ import (
 	amqp091 "github.com/rabbitmq/amqp091-go"
 )
 
-// Headers marking a dead-letter copy whose headers were cut to fit the
-// broker's frame (see Delivery.DeadLetter).
+// Headers marking a dead-letter copy shaped to what the broker accepts
+// (see Delivery.DeadLetter).
 const (
 	// HeaderDiagnosticsCut names, comma-separated, the diagnostic headers
 	// (consumer.DeadLetter.Headers) cut to fit the copy's properties into
@@ -26,6 +28,13 @@ const (
 	// headers are gone. It has the name and meaning of the Kafka adapter's
 	// header of the same name.
 	HeaderOriginalDropped = "once-original-dropped"
+	// HeaderValueDropped is set, to the body's size in bytes, on a copy
+	// written without its body: the broker refused the body as larger
+	// than its max_message_size, lowered since the message was published.
+	// The original message is acked once the copy is confirmed, so the
+	// body is lost. It has the name of the Kafka adapter's header for a
+	// copy written without its value.
+	HeaderValueDropped = "once-value-dropped"
 )
 
 // maxDiagnostic bounds each diagnostic header of a copy too large for a
@@ -44,6 +53,9 @@ type deadLetterCopy struct {
 	d     *amqp091.Delivery
 	diag  map[string]string // the consumer's diagnostic headers
 	queue string
+	// dropBody: the broker refused the body as larger than its
+	// max_message_size; the copy goes without it.
+	dropBody bool
 	// What the last publishing left out: the diagnostic headers it cut,
 	// the size of the original header table it dropped (0: kept), for the
 	// frame size it was shaped to.
@@ -86,6 +98,9 @@ func (c *deadLetterCopy) publishing(frameMax int) amqp091.Publishing {
 		AppId:           d.AppId,
 		Body:            d.Body,
 	}
+	if c.dropBody {
+		p.Body = nil
+	}
 	c.frameMax = frameMax
 	for i, s := range copyShapes {
 		diag, cut := cutDiagnostics(c.diag, s.max)
@@ -97,6 +112,9 @@ func (c *deadLetterCopy) publishing(frameMax int) amqp091.Publishing {
 		if !s.original && len(d.Headers) > 0 {
 			c.originalDropped = tableSize(d.Headers)
 			p.Headers[HeaderOriginalDropped] = strconv.Itoa(c.originalDropped)
+		}
+		if c.dropBody {
+			p.Headers[HeaderValueDropped] = strconv.Itoa(len(d.Body))
 		}
 		if frameMax <= 0 || headerFrameSize(&p) <= frameMax-frameOverhead {
 			break
@@ -132,6 +150,29 @@ func (c *deadLetterCopy) headers(original bool, diag map[string]string, cut []st
 		h[HeaderDiagnosticsCut] = strings.Join(cut, ",")
 	}
 	return h
+}
+
+// tooLarge matches the reason RabbitMQ gives when it refuses a message
+// whose body is larger than its max_message_size.
+var tooLarge = regexp.MustCompile(`message size \d+ is larger than (?:configured )?max size (\d+)`)
+
+// maxBodySize returns the max_message_size by which the broker refused a
+// publish, or 0 when err is not that refusal. RabbitMQ measures the body
+// alone against it.
+func maxBodySize(err error) int {
+	var ae *amqp091.Error
+	if !errors.As(err, &ae) || ae.Code != amqp091.PreconditionFailed {
+		return 0
+	}
+	m := tooLarge.FindStringSubmatch(ae.Reason)
+	if m == nil {
+		return 0
+	}
+	n, err := strconv.Atoi(m[1])
+	if err != nil {
+		return 0
+	}
+	return n
 }
 
 // cutDiagnostics returns diag with every value longer than max bytes cut

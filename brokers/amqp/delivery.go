@@ -134,24 +134,42 @@ func (d *delivery) Ack(ctx context.Context) error {
 // and routing key of the Config: the original body and properties (except
 // expiration and user-id, kept in headers), persistent, with the original
 // headers overwritten by dl.Headers and the once-original-exchange,
-// once-original-routing-key and once-original-queue headers. A copy whose
-// properties would not fit one frame (the broker's frame_max: a content
-// header cannot be split) is shaped to fit first: its diagnostic headers
-// cut (HeaderDiagnosticsCut), then the original headers dropped
-// (HeaderOriginalDropped); the body is kept whole. It returns once the
-// broker confirmed the copy, and an error when it nacked it, the copy was
-// unroutable, no confirm came within Config.ConfirmTimeout, the broker
-// blocks the dead-letter connection (ErrPublisherBlocked), or the
-// delivery's channel closed. The copy goes out on the source's dead-letter
-// connection, not the consuming one. It does not ack the delivery.
+// once-original-routing-key and once-original-queue headers.
+//
+// A copy whose properties would not fit one frame (the connection's
+// frame_max: a content header cannot be split) is shaped to fit first: its
+// diagnostic headers cut (HeaderDiagnosticsCut), then the original headers
+// dropped (HeaderOriginalDropped); the body is kept whole. A body the
+// broker refuses as larger than its max_message_size (lowered since the
+// message was published) is dropped, and the copy written again without
+// it (HeaderValueDropped): the body is then lost once the delivery is
+// acked.
+//
+// It returns once the broker confirmed the copy, and an error when it
+// nacked it, the copy was unroutable, no confirm came within
+// Config.ConfirmTimeout, the broker blocks the dead-letter connection
+// (ErrPublisherBlocked), or the delivery's channel closed. The copy goes
+// out on the source's dead-letter connection, not the consuming one. It
+// does not ack the delivery.
 func (d *delivery) DeadLetter(ctx context.Context, dl *consumer.DeadLetter) error {
 	if d.sess.ctx.Err() != nil {
 		return fmt.Errorf("amqp: dead-letter delivery %d: %w (%w)", d.d.DeliveryTag, ErrChannelClosed, context.Cause(d.sess.ctx))
 	}
 	cfg := &d.src.cfg
 	c := &deadLetterCopy{d: &d.d, diag: dl.Headers(&d.msg), queue: cfg.Queue}
-	if err := d.src.pub.publish(ctx, d, cfg.DeadLetter.Exchange, cfg.DeadLetter.RoutingKey, c.publishing, cfg.ConfirmTimeout); err != nil {
-		d.src.log.Warn("amqp: dead-letter publish failed", "event_id", dl.EventID, "error", err)
+	err := d.src.pub.publish(ctx, d, cfg.DeadLetter.Exchange, cfg.DeadLetter.RoutingKey, c.publishing, cfg.ConfirmTimeout)
+	if limit := maxBodySize(err); limit > 0 && len(d.d.Body) > limit {
+		// A body the broker will not take again (max_message_size was
+		// lowered since it was published): a copy that can never be
+		// written would hold the message forever. Write the copy
+		// without it.
+		d.src.log.Error("amqp: dead-letter copy's body is larger than the broker's max_message_size; writing the copy without it, the body is lost",
+			"event_id", cutText(dl.EventID, 256), "body_bytes", len(d.d.Body), "max_message_size", limit)
+		c.dropBody = true
+		err = d.src.pub.publish(ctx, d, cfg.DeadLetter.Exchange, cfg.DeadLetter.RoutingKey, c.publishing, cfg.ConfirmTimeout)
+	}
+	if err != nil {
+		d.src.log.Warn("amqp: dead-letter publish failed", "event_id", cutText(dl.EventID, 256), "error", err)
 		return err
 	}
 	if c.shaped() {

@@ -184,6 +184,9 @@ func (r *Record) Replayable(force bool) error {
 		return fmt.Errorf("%w: no event id and no first position (kind %s): a redrive could not be deduplicated", ErrNotReplayable, r.Kind())
 	case r.Destination() == "":
 		return fmt.Errorf("%w: no original destination header", ErrNotReplayable)
+	case r.Properties != nil && r.Header(amqp.HeaderValueDropped) != "":
+		return fmt.Errorf("%w: the copy was written without its body (%s bytes, over the broker's max_message_size); the body was not kept",
+			ErrNotReplayable, r.Header(amqp.HeaderValueDropped))
 	case r.Header(kafka.HeaderValueDropped) != "":
 		return fmt.Errorf("%w: the copy was written without its value (%s bytes); the original is at %s/%s/%s",
 			ErrNotReplayable, r.Header(kafka.HeaderValueDropped), r.Header(consumer.HeaderOriginalTopic),

@@ -77,6 +77,12 @@ func TestReplayable(t *testing.T) {
 	amqpNoExchange := rec(consumer.HeaderEventID, "e")
 	amqpNoExchange.Properties = &Properties{}
 	assert.Error(t, amqpNoExchange.Replayable(false))
+	amqpNoBody := rec(consumer.HeaderEventID, "e", "once-original-exchange", "", "once-original-routing-key", "orders",
+		amqp.HeaderValueDropped, "8192")
+	amqpNoBody.Properties = &Properties{}
+	err := amqpNoBody.Replayable(true)
+	assert.ErrorIs(t, err, ErrNotReplayable, "an AMQP copy without its body, even forced")
+	assert.ErrorContains(t, err, "without its body (8192 bytes")
 	amqpDefault := rec(consumer.HeaderEventID, "e", "once-original-exchange", "", "once-original-routing-key", "orders")
 	amqpDefault.Properties = &Properties{}
 	assert.Equal(t, "(default)/orders", amqpDefault.Destination())
