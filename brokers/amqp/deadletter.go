@@ -131,6 +131,9 @@ func (c *deadLetterCopy) headers(original bool, diag map[string]string, cut []st
 	h := make(amqp091.Table, len(d.Headers)+len(diag)+7)
 	if original {
 		for k, v := range d.Headers {
+			if k == ccHeader {
+				k = HeaderOriginalCC
+			}
 			h[k] = v
 		}
 	}

@@ -35,7 +35,18 @@ const (
 	// HeaderOriginalUserID holds the message's user-id property, which is
 	// not copied (RabbitMQ rejects a user-id other than the publisher's).
 	HeaderOriginalUserID = "once-original-user-id"
+	// HeaderOriginalCC holds the message's CC header (sender-selected
+	// distribution: more routing keys), which is not copied: the broker
+	// would route the copy by it too, into other queues, or back into
+	// the source queue to fail and be dead-lettered again without end.
+	// once dlq replay restores it.
+	HeaderOriginalCC = "once-original-cc"
 )
+
+// ccHeader is the header RabbitMQ routes a message by besides its routing
+// key (sender-selected distribution). BCC is removed by the broker before
+// delivery.
+const ccHeader = "CC"
 
 // FallbackIDPrefix starts every Message.FallbackID of this adapter.
 const FallbackIDPrefix = "amqp-sha256:"
@@ -133,8 +144,9 @@ func (d *delivery) Ack(ctx context.Context) error {
 // DeadLetter publishes a copy of the message to the dead-letter exchange
 // and routing key of the Config: the original body and properties (except
 // expiration and user-id, kept in headers), persistent, with the original
-// headers overwritten by dl.Headers and the once-original-exchange,
-// once-original-routing-key and once-original-queue headers.
+// headers (but CC, kept as HeaderOriginalCC) overwritten by dl.Headers and
+// the once-original-exchange, once-original-routing-key and
+// once-original-queue headers.
 //
 // A copy whose properties would not fit one frame (the connection's
 // frame_max: a content header cannot be split) is shaped to fit first: its

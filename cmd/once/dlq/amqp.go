@@ -305,13 +305,17 @@ func (q *AMQPQueue) Replay(ctx context.Context, f Filter, opts ReplayOptions) (R
 }
 
 // amqpRedrive builds the redrive of d: its properties, body and original
-// headers, then the redrive headers.
+// headers (the CC header the copy kept aside restored), then the redrive
+// headers.
 func amqpRedrive(d *amqp091.Delivery, redrive []Header) amqp091.Publishing {
 	h := make(amqp091.Table, len(d.Headers)+len(redrive))
 	for k, v := range d.Headers {
 		if !diagnosticHeaders[k] {
 			h[k] = v
 		}
+	}
+	if cc, ok := d.Headers[amqp.HeaderOriginalCC]; ok {
+		h["CC"] = cc
 	}
 	for _, rh := range redrive {
 		h[rh.Key] = rh.Value

@@ -226,6 +226,7 @@ var diagnosticHeaders = map[string]bool{
 	amqp.HeaderOriginalExpiration:      true,
 	amqp.HeaderOriginalUserID:          true,
 	amqp.HeaderDiagnosticsCut:          true,
+	amqp.HeaderOriginalCC:              true,
 	consumer.HeaderRedriveEventID:      true,
 	consumer.HeaderRedriveConsumer:     true,
 	consumer.HeaderRedriveFallbackID:   true,

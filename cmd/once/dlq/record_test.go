@@ -189,3 +189,18 @@ func TestPacerAtTheEdgesOfTheClock(t *testing.T) {
 		require.ErrorIs(t, o.validate(), ErrBadOptions, "rate %v", rate)
 	}
 }
+
+// A RabbitMQ dead letter keeps its original's CC header (more routing keys)
+// as once-original-cc, so that the broker does not route the copy by it. A
+// redrive publishes it as CC again: the message goes back to every queue
+// it was published to, the one it failed in among them even when it
+// reached that queue by a CC key alone.
+func TestAMQPRedriveRestoresCC(t *testing.T) {
+	cc := []any{"billing", "shipping"}
+	d := &amqp091.Delivery{Headers: amqp091.Table{amqp.HeaderOriginalCC: cc, "x-origin": "test",
+		consumer.HeaderEventID: "e-1", amqp.HeaderOriginalRoutingKey: "orders"}}
+	p := amqpRedrive(d, []Header{{consumer.HeaderRedriveEventID, "e-1"}})
+	assert.Equal(t, cc, p.Headers["CC"])
+	assert.NotContains(t, p.Headers, amqp.HeaderOriginalCC)
+	assert.Equal(t, "test", p.Headers["x-origin"])
+}
