@@ -147,7 +147,9 @@ func TestDeadLetterCopyFitsTheSmallestFrame(t *testing.T) {
 // copy is refused with 406 PRECONDITION_FAILED on every attempt, and the
 // message was never settled. The copy is now written without the body,
 // with its size in once-value-dropped, the original headers and the
-// diagnostics; the next dead letter goes out as usual.
+// diagnostics; the next dead letter goes out as usual. A body at the
+// limit is copied whole, however long its diagnostic headers: RabbitMQ
+// counts the body alone against max_message_size.
 func TestDeadLetterCopyOfABodyOverMaxMessageSizeDropsIt(t *testing.T) {
 	t.Parallel()
 	n := privateNode(t)
@@ -155,25 +157,36 @@ func TestDeadLetterCopyOfABodyOverMaxMessageSizeDropsIt(t *testing.T) {
 	q := queueName(t)
 	a.declare(q, amqp.QueueClassic)
 	big := []byte(strings.Repeat("b", 8192))
+	edge := []byte(strings.Repeat("e", 4096))
 	require.NoError(t, a.publish("", q,
 		amqp091.Publishing{MessageId: "big", Type: "blob", ContentType: "application/octet-stream", Body: big,
 			Headers: amqp091.Table{"x-origin": "test"}},
-		amqp091.Publishing{MessageId: "small", Body: []byte("s")}))
+		amqp091.Publishing{MessageId: "small", Body: []byte("s")},
+		amqp091.Publishing{MessageId: "edge", Body: edge}))
 	n.ctl(t, "eval", "application:set_env(rabbit, max_message_size, 4096).")
 	src := openSource(t, amqp.Config{URL: n.url, Queue: q, Prefetch: 1})
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	for _, id := range []string{"big", "small"} {
+	for _, id := range []string{"big", "small", "edge"} {
 		d := receive(t, src)
 		require.Equal(t, id, d.Message().ID)
-		require.NoError(t, d.DeadLetter(ctx, &consumer.DeadLetter{Consumer: "big-body", EventID: id, Kind: consumer.KindHandler,
-			Attempts: 3, Error: "always fails", FailedAt: time.Now()}), id)
+		dl := &consumer.DeadLetter{Consumer: "big-body", EventID: id, Kind: consumer.KindHandler,
+			Attempts: 3, Error: "always fails", FailedAt: time.Now()}
+		if id == "edge" {
+			dl = panicDeadLetter(id)
+		}
+		require.NoError(t, d.DeadLetter(ctx, dl), id)
 		require.NoError(t, d.Ack(ctx))
 	}
 
 	dead, err := a.getAll(q + amqp.DeadLetterQueueSuffix)
 	require.NoError(t, err)
-	require.Len(t, dead, 2)
+	require.Len(t, dead, 3)
+	// A body at the limit, with 8 KiB of diagnostics beside it: the
+	// broker counts the body alone.
+	assert.Equal(t, edge, dead[2].Body)
+	assert.NotContains(t, amqp.HeaderStrings(dead[2].Headers), amqp.HeaderValueDropped)
+	assert.Equal(t, strings.Repeat("s", 4096), amqp.HeaderStrings(dead[2].Headers)[consumer.HeaderErrorStack])
 	c := dead[0]
 	h := amqp.HeaderStrings(c.Headers)
 	assert.Equal(t, "big", c.MessageId)
