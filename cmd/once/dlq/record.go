@@ -187,6 +187,9 @@ func (r *Record) Replayable(force bool) error {
 	case r.Properties != nil && r.Header(amqp.HeaderValueDropped) != "":
 		return fmt.Errorf("%w: the copy was written without its body (%s bytes, over the broker's max_message_size); the body was not kept",
 			ErrNotReplayable, r.Header(amqp.HeaderValueDropped))
+	case r.identityCut() != "":
+		return fmt.Errorf("%w: the copy's %s header was cut to fit the broker's frame: a redrive could not be deduplicated",
+			ErrNotReplayable, r.identityCut())
 	case r.Header(kafka.HeaderValueDropped) != "":
 		return fmt.Errorf("%w: the copy was written without its value (%s bytes); the original is at %s/%s/%s",
 			ErrNotReplayable, r.Header(kafka.HeaderValueDropped), r.Header(consumer.HeaderOriginalTopic),
@@ -195,6 +198,20 @@ func (r *Record) Replayable(force bool) error {
 		return fmt.Errorf("%w: kind %s is dead-lettered again on every redrive (force to replay anyway)", ErrNotReplayable, r.Kind())
 	}
 	return nil
+}
+
+// identityCut returns the first of the headers a redrive identifies the
+// record by (its event id, fallback id and consumer) that the dead-letter
+// copy had to cut to fit the broker's frame (amqp.HeaderDiagnosticsCut),
+// or "".
+func (r *Record) identityCut() string {
+	cut := strings.Split(r.Header(amqp.HeaderDiagnosticsCut), ",")
+	for _, h := range []string{consumer.HeaderEventID, consumer.HeaderFallbackID, consumer.HeaderConsumer} {
+		if slices.Contains(cut, h) {
+			return h
+		}
+	}
+	return ""
 }
 
 // diagnosticHeaders are the headers the dead-lettering wrote over the

@@ -83,6 +83,18 @@ func TestReplayable(t *testing.T) {
 	err := amqpNoBody.Replayable(true)
 	assert.ErrorIs(t, err, ErrNotReplayable, "an AMQP copy without its body, even forced")
 	assert.ErrorContains(t, err, "without its body (8192 bytes")
+	for _, h := range []string{consumer.HeaderEventID, consumer.HeaderFallbackID, consumer.HeaderConsumer} {
+		cut := rec(consumer.HeaderEventID, "e", "once-original-exchange", "", "once-original-routing-key", "orders",
+			consumer.HeaderErrorKind, "handler", amqp.HeaderDiagnosticsCut, consumer.HeaderErrorMessage+","+h)
+		cut.Properties = &Properties{}
+		err := cut.Replayable(true)
+		assert.ErrorIs(t, err, ErrNotReplayable, "an AMQP copy whose %s was cut, even forced", h)
+		assert.ErrorContains(t, err, h)
+	}
+	stackCut := rec(consumer.HeaderEventID, "e", "once-original-exchange", "", "once-original-routing-key", "orders",
+		consumer.HeaderErrorKind, "handler", amqp.HeaderDiagnosticsCut, consumer.HeaderErrorMessage+","+consumer.HeaderErrorStack)
+	stackCut.Properties = &Properties{}
+	assert.NoError(t, stackCut.Replayable(false), "the error cut: the redrive is the same")
 	amqpDefault := rec(consumer.HeaderEventID, "e", "once-original-exchange", "", "once-original-routing-key", "orders")
 	amqpDefault.Properties = &Properties{}
 	assert.Equal(t, "(default)/orders", amqpDefault.Destination())
