@@ -539,8 +539,13 @@ func runRow(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, o Options, 
 		res.RoundTripsPerTx = float64(cr.RoundTrips) / float64(cr.Commits)
 		res.MsgsPerTx = float64(cr.Messages) / float64(cr.Commits)
 	}
-	want := backlog.Add(cr.Paced)
-	res.Correct, res.Check, err = check(ctx, db, kc, spec, row, want)
+	parts := []consumed{{prefix, o.Workload}}
+	if cr.Paced.Messages > 0 {
+		paced := spec.PaceWork
+		paced.Events = cr.PacedEvents
+		parts = append(parts, consumed{spec.PacedPrefix, paced})
+	}
+	res.Correct, res.Check, err = check(ctx, db, kc, spec, row, parts...)
 	if st := cr.Stats; st != nil {
 		res.Stats = st
 	}
@@ -589,21 +594,68 @@ func dropSchema(db *pgxpool.Pool, schema string) {
 	_, _ = db.Exec(ctx, `DROP SCHEMA IF EXISTS `+pgx.Identifier{schema}.Sanitize()+` CASCADE`)
 }
 
+// consumed is a workload a row consumed and the prefix of its ids.
+type consumed struct {
+	prefix string
+	w      Workload
+}
+
+// wantEffects returns what the parts leave when consumed exactly once:
+// their counts, and the business row of each valid event (event_id, n,
+// account, amount), once per event.
+func wantEffects(parts []consumed) (c Counts, ids []string, ns []int64, accounts []string, amounts []int64, err error) {
+	seen := map[string]bool{}
+	for _, p := range parts {
+		c = c.Add(p.w.Counts())
+		p.w.Each(p.prefix, func(m Msg) bool {
+			if m.Poison || seen[m.ID] {
+				return true
+			}
+			seen[m.ID] = true
+			var pl payload
+			if err = json.Unmarshal(m.Value, &pl); err != nil {
+				return false
+			}
+			ids, ns, accounts, amounts = append(ids, m.ID), append(ns, pl.N), append(accounts, pl.Account), append(amounts, pl.Amount)
+			return true
+		})
+		if err != nil {
+			return c, nil, nil, nil, nil, err
+		}
+	}
+	return c, ids, ns, accounts, amounts, nil
+}
+
 // check counts what a row left: business rows and their distinct ids
-// against the valid events, dead letters against the poison messages, and
-// unacknowledged messages (Kafka: committed offsets below the end of a
-// partition; RabbitMQ: messages left in the queue).
-func check(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, spec *rowSpec, row Row, want Counts) (bool, string, error) {
+// against the valid events, and that each is the business row of a valid
+// event, with its values, one per valid event; dead letters against the
+// poison messages; and unacknowledged messages (Kafka: committed offsets
+// below the end of a partition; RabbitMQ: messages left in the queue).
+func check(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, spec *rowSpec, row Row, of ...consumed) (bool, string, error) {
+	want, ids, ns, accounts, amounts, err := wantEffects(of)
+	if err != nil {
+		return false, "", err
+	}
 	ok := true
 	var parts []string
 	if row != RowCeiling {
-		var rows, distinct int
+		var rows, distinct, missing, stray int
 		s := pgx.Identifier{spec.Schema}.Sanitize()
-		if err := db.QueryRow(ctx, `SELECT count(*), count(DISTINCT event_id) FROM `+s+`.effects`).Scan(&rows, &distinct); err != nil {
+		if err := db.QueryRow(ctx, `WITH want (event_id, n, account, amount) AS (
+  SELECT * FROM unnest($1::text[], $2::bigint[], $3::text[], $4::bigint[]))
+SELECT (SELECT count(*) FROM `+s+`.effects), (SELECT count(DISTINCT event_id) FROM `+s+`.effects),
+  (SELECT count(*) FROM want w WHERE NOT EXISTS (SELECT FROM `+s+`.effects e
+    WHERE (e.event_id, e.n, e.account, e.amount) = (w.event_id, w.n, w.account, w.amount))),
+  (SELECT count(*) FROM `+s+`.effects e WHERE NOT EXISTS (SELECT FROM want w
+    WHERE (e.event_id, e.n, e.account, e.amount) = (w.event_id, w.n, w.account, w.amount)))`,
+			ids, ns, accounts, amounts).Scan(&rows, &distinct, &missing, &stray); err != nil {
 			return false, "", err
 		}
-		ok = ok && rows == want.Valid && distinct == want.Valid
+		ok = ok && rows == want.Valid && distinct == want.Valid && missing == 0 && stray == 0
 		parts = append(parts, fmt.Sprintf("rows %d distinct %d/%d", rows, distinct, want.Valid))
+		if missing > 0 || stray > 0 {
+			parts = append(parts, fmt.Sprintf("valid events without their row %d, rows of no valid event %d", missing, stray))
+		}
 	}
 	var dead, unacked int
 	switch spec.Broker {

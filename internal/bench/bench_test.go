@@ -144,20 +144,23 @@ func TestCheckFindsWrongEffects(t *testing.T) {
 	require.NoError(t, createSchema(ctx, db, spec.Schema))
 	defer dropSchema(db, spec.Schema)
 	require.NoError(t, kc.createTopics(spec.Topic, 1))
-	_, err = db.Exec(ctx, `INSERT INTO oncebench_check_test.effects VALUES ('a', 1, 'x', 1), ('b', 2, 'x', 1)`)
+	// ev-0 and ev-1 valid, ev-2 poison.
+	w := Workload{Events: 3, PoisonEvery: 3, Partitions: 1}
+	_, err = db.Exec(ctx, `INSERT INTO oncebench_check_test.effects VALUES ('ev-0', 0, 'acct-0', 100), ('ev-1', 1, 'acct-1', 101)`)
 	require.NoError(t, err)
 
-	ok, msg, err := check(ctx, db, kc, spec, RowNaive, Counts{Valid: 2})
+	ok, msg, err := check(ctx, db, kc, spec, RowNaive, consumed{"ev-", Workload{Events: 2, Partitions: 1}})
 	require.NoError(t, err)
 	require.True(t, ok, msg)
 
-	ok, msg, err = check(ctx, db, kc, spec, RowNaive, Counts{Valid: 2, Poison: 1})
+	ok, msg, err = check(ctx, db, kc, spec, RowNaive, consumed{"ev-", w})
 	require.NoError(t, err)
 	require.False(t, ok, "a missing dead letter: %s", msg)
+	require.Contains(t, msg, "dlq 0/1")
 
-	_, err = db.Exec(ctx, `INSERT INTO oncebench_check_test.effects VALUES ('b', 2, 'x', 1)`)
+	_, err = db.Exec(ctx, `INSERT INTO oncebench_check_test.effects VALUES ('ev-1', 1, 'acct-1', 101)`)
 	require.NoError(t, err)
-	ok, msg, err = check(ctx, db, kc, spec, RowNaive, Counts{Valid: 2})
+	ok, msg, err = check(ctx, db, kc, spec, RowNaive, consumed{"ev-", Workload{Events: 2, Partitions: 1}})
 	require.NoError(t, err)
 	require.False(t, ok, "an effect written twice: %s", msg)
 	require.Contains(t, msg, "rows 3 distinct 2/2")
@@ -218,4 +221,41 @@ func TestPGNoFsyncNeedsTheThrowawayServer(t *testing.T) {
 	_, err := Run(context.Background(), Options{PGNoFsync: true, DatabaseURL: "postgres://127.0.0.1:1/none"})
 	require.Error(t, err)
 	require.Contains(t, err.Error(), "-pg-no-fsync")
+}
+
+// TestCheckFindsEffectsOfTheWrongEvents: as many business rows as valid
+// events, each id once, is not enough: a valid event whose effect is
+// missing beside an effect of no event of the workload, or an effect
+// whose values are not its event's, makes a row incorrect.
+func TestCheckFindsEffectsOfTheWrongEvents(t *testing.T) {
+	ctx := context.Background()
+	db, _ := pgtest.Schema(t)
+	kc, err := startKafka(context.Background(), Kafka, "")
+	require.NoError(t, err)
+	defer kc.Close()
+	spec := &rowSpec{Broker: Kafka, Schema: "oncebench_check_ids_test", Topic: "check-ids-test", Group: "check-ids-test-group"}
+	require.NoError(t, createSchema(ctx, db, spec.Schema))
+	defer dropSchema(db, spec.Schema)
+	require.NoError(t, kc.createTopics(spec.Topic, 1))
+	want := consumed{"ev-", Workload{Events: 3, Partitions: 1}}
+	reset := func(values string) {
+		_, err := db.Exec(ctx, `TRUNCATE oncebench_check_ids_test.effects; INSERT INTO oncebench_check_ids_test.effects VALUES `+values)
+		require.NoError(t, err)
+	}
+
+	reset(`('ev-0', 0, 'acct-0', 100), ('ev-1', 1, 'acct-1', 101), ('ev-2', 2, 'acct-2', 102)`)
+	ok, msg, err := check(ctx, db, kc, spec, RowNaive, want)
+	require.NoError(t, err)
+	require.True(t, ok, msg)
+
+	reset(`('ev-0', 0, 'acct-0', 100), ('ev-1', 1, 'acct-1', 101), ('ev-9', 9, 'acct-9', 109)`)
+	ok, msg, err = check(ctx, db, kc, spec, RowNaive, want)
+	require.NoError(t, err)
+	require.False(t, ok, "ev-2 lost, an effect of no event written: %s", msg)
+	require.Contains(t, msg, "rows 3 distinct 3/3, valid events without their row 1, rows of no valid event 1")
+
+	reset(`('ev-0', 0, 'acct-0', 100), ('ev-1', 1, 'acct-1', 101), ('ev-2', 1, 'acct-1', 101)`)
+	ok, msg, err = check(ctx, db, kc, spec, RowNaive, want)
+	require.NoError(t, err)
+	require.False(t, ok, "ev-2 written with ev-1's values: %s", msg)
 }

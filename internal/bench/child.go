@@ -96,6 +96,9 @@ type childResult struct {
 	PacedTarget float64 // msgs/s asked for
 	PacedRate   float64 // msgs/s achieved by the producer
 	Paced       Counts
+	// PacedEvents is the Events of the paced phase's workload (rowSpec's
+	// PaceWork otherwise), whose ids start with PacedPrefix.
+	PacedEvents int
 	P50, P99    time.Duration
 	// ReceiveP50 and ReceiveP99 are produce-to-Receive latencies: the
 	// broker's and the adapter's share of P50 and P99.
@@ -459,7 +462,7 @@ func pace(spec *rowSpec, res *childResult, m *meter, wait func(int) error) error
 	if all != counts.Messages {
 		return fmt.Errorf("paced phase: %d latencies recorded for %d messages", all, counts.Messages)
 	}
-	res.PacedTarget, res.PacedRate, res.Paced = rate, float64(sent)/produced.Seconds(), counts
+	res.PacedTarget, res.PacedRate, res.Paced, res.PacedEvents = rate, float64(sent)/produced.Seconds(), counts, w.Events
 	if dir := os.Getenv(ProfileEnv); dir != "" {
 		writeTimeline(filepath.Join(dir, profileName(spec)+".paced.csv"), m, start)
 		if syncs != nil {
