@@ -259,3 +259,26 @@ func TestCheckFindsEffectsOfTheWrongEvents(t *testing.T) {
 	require.NoError(t, err)
 	require.False(t, ok, "ev-2 written with ev-1's values: %s", msg)
 }
+
+// TestPacedPhaseWithoutMeasuredMessages: a paced phase too short for its
+// rate to produce a message after the warm-up has no latency to give; it
+// fails rather than report a p99 of 0 ms that meets every tail target.
+func TestPacedPhaseWithoutMeasuredMessages(t *testing.T) {
+	o := Options{
+		Workload:    Workload{Events: 300, PoisonEvery: 50, Partitions: 4},
+		Brokers:     []Broker{Kafka},
+		Rows:        []Row{RowOnceBatchHandler},
+		Pace:        300 * time.Millisecond,
+		PaceMax:     1, // one message, at the start of the phase
+		DatabaseURL: pgtest.URL(),
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	rep, err := Run(ctx, o)
+	if err == nil {
+		t.Fatalf("no error; results %+v; targets %q", rep.Results, rep.Targets())
+	}
+	// The subprocess says why on stderr ("none of its 1 messages was
+	// produced after the warm-up").
+	require.Contains(t, err.Error(), "row subprocess")
+}

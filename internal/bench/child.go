@@ -462,6 +462,9 @@ func pace(spec *rowSpec, res *childResult, m *meter, wait func(int) error) error
 	if all != counts.Messages {
 		return fmt.Errorf("paced phase: %d latencies recorded for %d messages", all, counts.Messages)
 	}
+	if len(lat) == 0 {
+		return fmt.Errorf("paced phase: none of its %d messages was produced after the warm-up (the first sixth of %s at %.1f msgs/s): no latency to report; a longer -pace or a higher rate", all, spec.Pace, rate)
+	}
 	res.PacedTarget, res.PacedRate, res.Paced, res.PacedEvents = rate, float64(sent)/produced.Seconds(), counts, w.Events
 	if dir := os.Getenv(ProfileEnv); dir != "" {
 		writeTimeline(filepath.Join(dir, profileName(spec)+".paced.csv"), m, start)
