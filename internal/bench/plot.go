@@ -41,7 +41,9 @@ func Plot(w io.Writer, title string, series []Series) error {
 		}
 	}
 	xStep, yStep := niceStep(maxX), niceStep(maxY)
-	maxX, maxY = xStep*math.Ceil(maxX/xStep), yStep*math.Ceil(maxY/yStep)
+	// An axis whose values are all 0 (one table size, a row at 0 msgs/s)
+	// still spans a step, so that its points have somewhere to go.
+	maxX, maxY = xStep*max(1, math.Ceil(maxX/xStep)), yStep*max(1, math.Ceil(maxY/yStep))
 	px := func(x float64) int { return marginL + int(x/maxX*float64(plotW-marginL-marginR)) }
 	py := func(y float64) int { return plotH - marginB - int(y/maxY*float64(plotH-marginT-marginB)) }
 	grey, black := color.RGBA{0xdd, 0xdd, 0xdd, 0xff}, color.RGBA{0, 0, 0, 0xff}
