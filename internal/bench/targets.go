@@ -56,9 +56,10 @@ func (r *Report) Targets() []string {
 	return append(out, r.correctLine())
 }
 
-// correctLine says whether every row's effects were exactly right.
+// correctLine says whether every row's effects were exactly right: the
+// consumer rows, the HTTP rows and the outbox rows.
 func (r *Report) correctLine() string {
-	correct := true
+	correct := r.HTTP.Correct()
 	for _, x := range r.Results {
 		correct = correct && x.Correct
 	}

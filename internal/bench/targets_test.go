@@ -111,3 +111,14 @@ func TestTargetsAreNotJudgedWithoutFsync(t *testing.T) {
 	r.PGNoFsync = false
 	assert.Contains(t, r.Targets(), "target kafka best library row >= the hand-written batched row: 1.10x (once batch handler), met")
 }
+
+// The last line speaks for every row of the report: an HTTP row whose
+// effects were wrong makes it NO, as it makes oncebench exit non-zero.
+func TestCorrectLineCountsTheHTTPRows(t *testing.T) {
+	r := &Report{
+		Results: []Result{{Broker: Kafka, Row: RowNaive, Rate: 1000, Correct: true}},
+		HTTP:    &HTTPReport{Rows: []HTTPResult{{Row: HTTPPlain, Correct: true}, {Row: HTTPIdempotency, Correct: false}}},
+	}
+	lines := r.Targets()
+	assert.Equal(t, "effects exactly right in every row: NO", lines[len(lines)-1])
+}
