@@ -43,6 +43,9 @@ type HTTPResult struct {
 	Effects int  `json:"effects"`
 	Keys    int  `json:"keys"`
 	Correct bool `json:"correct"`
+	// sent is each client's number of requests: with the rule of
+	// sendHTTP, the keys sent and how often each.
+	sent []int
 }
 
 // HTTPReport holds the HTTP rows of a run.
@@ -93,17 +96,54 @@ func runHTTPRow(ctx context.Context, db *pgxpool.Pool, o Options, row Row) (*HTT
 		return nil, err
 	}
 	res.Row = row
-	if err := pool.QueryRow(ctx, `SELECT count(*) FROM effects`).Scan(&res.Effects); err != nil {
+	if err := checkHTTP(ctx, db, schema, res); err != nil {
 		return nil, err
 	}
-	// Plain runs every retry again: one effect per request. The
-	// middleware: one per key.
-	want := res.Requests
-	if row == HTTPIdempotency {
-		want = res.Keys
-	}
-	res.Correct = res.Effects == want
 	return res, nil
+}
+
+// checkHTTP counts the business rows an HTTP row left in schema and sets
+// res.Effects and res.Correct: plain runs every retry again, so each key
+// has a row per request sent with it; the middleware one per key.
+func checkHTTP(ctx context.Context, db *pgxpool.Pool, schema string, res *HTTPResult) error {
+	keys, want := httpKeys(res.sent)
+	if res.Row == HTTPIdempotency {
+		for i := range want {
+			want[i] = 1
+		}
+	}
+	e := pgx.Identifier{schema, "effects"}.Sanitize()
+	var wrong int
+	if err := db.QueryRow(ctx, `WITH want (key, n) AS (SELECT * FROM unnest($1::text[], $2::bigint[])),
+got AS (SELECT event_id AS key, count(*) AS n FROM `+e+` GROUP BY event_id)
+SELECT (SELECT count(*) FROM `+e+`),
+  (SELECT count(*) FROM want FULL JOIN got USING (key) WHERE want.n IS DISTINCT FROM got.n)`, keys, want).
+		Scan(&res.Effects, &wrong); err != nil {
+		return err
+	}
+	total := res.Requests
+	if res.Row == HTTPIdempotency {
+		total = res.Keys
+	}
+	res.Correct = res.Effects == total && wrong == 0 && len(keys) == res.Keys
+	return nil
+}
+
+// httpKeys returns the keys sendHTTP sent, given each client's number of
+// requests, and how many requests carried each: a client's request i
+// has a key of its own, c<client>-<i>, but every tenth repeats the one
+// before.
+func httpKeys(sent []int) (keys []string, requests []int64) {
+	for client, n := range sent {
+		for i := range n {
+			if i%10 == 9 {
+				requests[len(requests)-1]++
+				continue
+			}
+			keys, requests = append(keys, fmt.Sprintf("c%d-%d", client, i)), append(requests, 1)
+		}
+	}
+	return keys, requests
 }
 
 // httpHandler is the row's handler: placeOrder in a transaction of its
@@ -163,6 +203,7 @@ func sendHTTP(ctx context.Context, url string, n int) (*HTTPResult, error) {
 		lat     = make([]time.Duration, 0, n)
 		firstEr error
 		wg      sync.WaitGroup
+		sent    = make([]int, httpClients)
 	)
 	start := time.Now()
 	for client := range httpClients {
@@ -177,6 +218,7 @@ func sendHTTP(ctx context.Context, url string, n int) (*HTTPResult, error) {
 				err := postOrder(ctx, c, url, key)
 				d := time.Since(t)
 				mu.Lock()
+				sent[client]++
 				lat = append(lat, d)
 				if err != nil && firstEr == nil {
 					firstEr = err
@@ -196,7 +238,7 @@ func sendHTTP(ctx context.Context, url string, n int) (*HTTPResult, error) {
 	slices.Sort(lat)
 	return &HTTPResult{
 		Requests: len(lat), Seconds: elapsed.Seconds(), Rate: float64(len(lat)) / elapsed.Seconds(),
-		P50Ms: ms(percentile(lat, 0.50)), P99Ms: ms(percentile(lat, 0.99)), Keys: int(keys.Load()),
+		P50Ms: ms(percentile(lat, 0.50)), P99Ms: ms(percentile(lat, 0.99)), Keys: int(keys.Load()), sent: sent,
 	}, nil
 }
 
