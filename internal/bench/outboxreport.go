@@ -39,12 +39,9 @@ func writeOutboxTable(w io.Writer, rows []OutboxResult) error {
 func outboxTargets(rows []OutboxResult) []string {
 	var out []string
 	for _, x := range rows {
-		verdict := "met"
-		if x.VsCeiling < 0.5 {
-			verdict = "NOT met"
-		}
-		out = append(out, fmt.Sprintf("target %s outbox relay >= 50%% of the broker's confirmed-publish ceiling: %.0f%%, %s",
-			x.Broker, 100*x.VsCeiling, verdict))
+		t := target{fmt.Sprintf("target %s outbox relay >= 50%% of the broker's confirmed-publish ceiling", x.Broker),
+			fmt.Sprintf("%.0f%%", 100*x.VsCeiling), x.VsCeiling >= 0.5}.of(x.Correct)
+		out = append(out, t.String())
 	}
 	return out
 }

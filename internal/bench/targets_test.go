@@ -8,11 +8,11 @@ import (
 
 func TestPipelineTargets(t *testing.T) {
 	r := &Report{Results: []Result{
-		{Broker: RabbitMQ, Row: RowCeiling, Rate: 40000, PacedMsgs: 100, PacedRate: 20000, P99Ms: 90},
-		{Broker: RabbitMQ, Row: RowHandwritten, Rate: 39000, PacedMsgs: 100, PacedRate: 19500, P99Ms: 90},
-		{Broker: RabbitMQ, Row: RowOnceQueued, Rate: 20000, PacedMsgs: 100, PacedRate: 10000, P99Ms: 12},
-		{Broker: RabbitMQ, Row: RowOnceBatchHandler, Rate: 30000, PacedMsgs: 100, PacedRate: 15000, P99Ms: 30},
-		{Broker: Kafka, Row: RowOnceBatchHandler, Rate: 60000},
+		{Broker: RabbitMQ, Row: RowCeiling, Rate: 40000, PacedMsgs: 100, PacedRate: 20000, P99Ms: 90, Correct: true},
+		{Broker: RabbitMQ, Row: RowHandwritten, Rate: 39000, PacedMsgs: 100, PacedRate: 19500, P99Ms: 90, Correct: true},
+		{Broker: RabbitMQ, Row: RowOnceQueued, Rate: 20000, PacedMsgs: 100, PacedRate: 10000, P99Ms: 12, Correct: true},
+		{Broker: RabbitMQ, Row: RowOnceBatchHandler, Rate: 30000, PacedMsgs: 100, PacedRate: 15000, P99Ms: 30, Correct: true},
+		{Broker: Kafka, Row: RowOnceBatchHandler, Rate: 60000, Correct: true},
 	}}
 	var lines []string
 	for _, x := range r.pipelineTargets() {
@@ -82,8 +82,8 @@ func TestCombineScaleOutProcesses(t *testing.T) {
 // the probes saw meanwhile, when there were probes.
 func TestTailTargetShowsTheDiskSync(t *testing.T) {
 	r := &Report{Results: []Result{
-		{Broker: Kafka, Row: RowOnceBatchHandler, Rate: 80000, PacedMsgs: 100, PacedRate: 40000, P99Ms: 58.9, DiskSyncMaxMs: 131.2, WakeLagMaxMs: 3.4},
-		{Broker: Kafka, Row: RowOnceQueued, Rate: 80000, PacedMsgs: 100, PacedRate: 40000, P99Ms: 20},
+		{Broker: Kafka, Row: RowOnceBatchHandler, Rate: 80000, PacedMsgs: 100, PacedRate: 40000, P99Ms: 58.9, DiskSyncMaxMs: 131.2, WakeLagMaxMs: 3.4, Correct: true},
+		{Broker: Kafka, Row: RowOnceQueued, Rate: 80000, PacedMsgs: 100, PacedRate: 40000, P99Ms: 20, Correct: true},
 	}}
 	ts := r.pipelineTargets()
 	assert.Equal(t, "target kafka once batch handler p99 <= 25 ms at half its rate: 58.9 ms at 40000 msgs/s (disk sync max 131 ms, wake lag max 3 ms), NOT met", ts[0].String())
@@ -121,4 +121,26 @@ func TestCorrectLineCountsTheHTTPRows(t *testing.T) {
 	}
 	lines := r.Targets()
 	assert.Equal(t, "effects exactly right in every row: NO", lines[len(lines)-1])
+}
+
+// A row whose effects were wrong meets no target: its rate and its tail
+// are of work not done right (a lost write is work saved).
+func TestTargetsOfARowWithWrongEffectsAreNotMet(t *testing.T) {
+	r := &Report{
+		Results: []Result{
+			{Broker: Kafka, Row: RowNaive, Rate: 1000, Correct: true},
+			{Broker: Kafka, Row: RowHandwritten, Rate: 15000, Correct: true},
+			{Broker: Kafka, Row: RowOnceBatchHandler, Rate: 20000, PacedMsgs: 100, PacedRate: 10000, P99Ms: 10, Correct: false},
+		},
+		Outbox: []OutboxResult{{Broker: Kafka, VsCeiling: 0.9, Correct: false}},
+	}
+	ratios(r)
+	assert.Equal(t, []string{
+		"target Kafka once batch handler >= 10x naive: 20.0x (effects wrong), NOT met",
+		"target Kafka once batch handler p99 <= 50 ms at half its rate: 10.0 ms at 10000 msgs/s (effects wrong), NOT met",
+		"target kafka best library row >= the hand-written batched row: 1.33x (once batch handler) (effects wrong), NOT met",
+		"target kafka once batch handler p99 <= 25 ms at half its rate: 10.0 ms at 10000 msgs/s (effects wrong), NOT met",
+		"target kafka outbox relay >= 50% of the broker's confirmed-publish ceiling: 90% (effects wrong), NOT met",
+		"effects exactly right in every row: NO",
+	}, r.Targets())
 }
