@@ -40,7 +40,7 @@ func outboxTargets(rows []OutboxResult) []string {
 	var out []string
 	for _, x := range rows {
 		t := target{fmt.Sprintf("target %s outbox relay >= 50%% of the broker's confirmed-publish ceiling", x.Broker),
-			fmt.Sprintf("%.0f%%", 100*x.VsCeiling), x.VsCeiling >= 0.5}.of(x.Correct)
+			fmt.Sprintf("%.0f%%", 100*x.VsCeiling), x.VsCeiling >= 0.5, 1}.of(x.Correct)
 		out = append(out, t.String())
 	}
 	return out
