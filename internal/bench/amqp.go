@@ -157,6 +157,32 @@ func queueCounts(url, queue string) (ready, dead int, err error) {
 	return q.Messages, dlq.Messages, nil
 }
 
+// queueIDs returns the message id of every ready message of queue. It
+// takes them unacknowledged, and they return to the queue when it
+// closes its connection.
+func queueIDs(url, queue string) ([]string, error) {
+	conn, err := amqp091.Dial(url)
+	if err != nil {
+		return nil, err
+	}
+	defer conn.Close()
+	ch, err := conn.Channel()
+	if err != nil {
+		return nil, err
+	}
+	var ids []string
+	for {
+		d, ok, err := ch.Get(queue, false)
+		if err != nil {
+			return nil, fmt.Errorf("queue %s: %w", queue, err)
+		}
+		if !ok {
+			return ids, nil
+		}
+		ids = append(ids, d.MessageId)
+	}
+}
+
 // deleteQueues deletes queue and its dead-letter queue, if they exist.
 func deleteQueues(url, queue string) {
 	conn, err := amqp091.Dial(url)

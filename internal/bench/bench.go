@@ -36,6 +36,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/onceco/once/brokers/amqp"
 	"github.com/onceco/once/consumer"
 	"github.com/onceco/once/internal/pgtemp"
 )
@@ -600,15 +601,29 @@ type consumed struct {
 	w      Workload
 }
 
-// wantEffects returns what the parts leave when consumed exactly once:
-// their counts, and the business row of each valid event (event_id, n,
-// account, amount), once per event.
-func wantEffects(parts []consumed) (c Counts, ids []string, ns []int64, accounts []string, amounts []int64, err error) {
+// wanted is what the parts leave when consumed exactly once: their
+// counts, the business row of each valid event (event_id, n, account,
+// amount), once per event, and the id of each poison message, copies
+// included: the dead letters.
+type wanted struct {
+	Counts
+	ids, accounts []string
+	ns, amounts   []int64
+	poison        []string
+}
+
+func wantEffects(parts []consumed) (*wanted, error) {
+	w := &wanted{}
 	seen := map[string]bool{}
+	var err error
 	for _, p := range parts {
-		c = c.Add(p.w.Counts())
+		w.Counts = w.Add(p.w.Counts())
 		p.w.Each(p.prefix, func(m Msg) bool {
-			if m.Poison || seen[m.ID] {
+			if m.Poison {
+				w.poison = append(w.poison, m.ID)
+				return true
+			}
+			if seen[m.ID] {
 				return true
 			}
 			seen[m.ID] = true
@@ -616,23 +631,24 @@ func wantEffects(parts []consumed) (c Counts, ids []string, ns []int64, accounts
 			if err = json.Unmarshal(m.Value, &pl); err != nil {
 				return false
 			}
-			ids, ns, accounts, amounts = append(ids, m.ID), append(ns, pl.N), append(accounts, pl.Account), append(amounts, pl.Amount)
+			w.ids, w.ns, w.accounts, w.amounts = append(w.ids, m.ID), append(w.ns, pl.N), append(w.accounts, pl.Account), append(w.amounts, pl.Amount)
 			return true
 		})
 		if err != nil {
-			return c, nil, nil, nil, nil, err
+			return nil, err
 		}
 	}
-	return c, ids, ns, accounts, amounts, nil
+	return w, nil
 }
 
 // check counts what a row left: business rows and their distinct ids
 // against the valid events, and that each is the business row of a valid
 // event, with its values, one per valid event; dead letters against the
-// poison messages; and unacknowledged messages (Kafka: committed offsets
-// below the end of a partition; RabbitMQ: messages left in the queue).
+// poison messages, each one's copy; and unacknowledged messages (Kafka:
+// committed offsets below the end of a partition; RabbitMQ: messages left
+// in the queue).
 func check(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, spec *rowSpec, row Row, of ...consumed) (bool, string, error) {
-	want, ids, ns, accounts, amounts, err := wantEffects(of)
+	want, err := wantEffects(of)
 	if err != nil {
 		return false, "", err
 	}
@@ -648,7 +664,7 @@ SELECT (SELECT count(*) FROM `+s+`.effects), (SELECT count(DISTINCT event_id) FR
     WHERE (e.event_id, e.n, e.account, e.amount) = (w.event_id, w.n, w.account, w.amount))),
   (SELECT count(*) FROM `+s+`.effects e WHERE NOT EXISTS (SELECT FROM want w
     WHERE (e.event_id, e.n, e.account, e.amount) = (w.event_id, w.n, w.account, w.amount)))`,
-			ids, ns, accounts, amounts).Scan(&rows, &distinct, &missing, &stray); err != nil {
+			want.ids, want.ns, want.accounts, want.amounts).Scan(&rows, &distinct, &missing, &stray); err != nil {
 			return false, "", err
 		}
 		ok = ok && rows == want.Valid && distinct == want.Valid && missing == 0 && stray == 0
@@ -658,6 +674,7 @@ SELECT (SELECT count(*) FROM `+s+`.effects), (SELECT count(DISTINCT event_id) FR
 		}
 	}
 	var dead, unacked int
+	var deadIDs func() ([]string, error)
 	switch spec.Broker {
 	case Kafka, ApacheKafka:
 		var err error
@@ -667,11 +684,13 @@ SELECT (SELECT count(*) FROM `+s+`.effects), (SELECT count(DISTINCT event_id) FR
 		if unacked, err = uncommitted(kc.addrs, spec.Group, spec.Topic); err != nil {
 			return false, "", err
 		}
+		deadIDs = func() ([]string, error) { return topicIDs(kc.addrs, spec.Topic+".dlq") }
 	case RabbitMQ:
 		var err error
 		if unacked, dead, err = queueCounts(spec.AMQPURL, spec.Queue); err != nil {
 			return false, "", err
 		}
+		deadIDs = func() ([]string, error) { return queueIDs(spec.AMQPURL, spec.Queue+amqp.DeadLetterQueueSuffix) }
 	}
 	if row == RowCeiling {
 		// The ceiling acks poison like any message: nothing is dead-lettered.
@@ -679,10 +698,38 @@ SELECT (SELECT count(*) FROM `+s+`.effects), (SELECT count(DISTINCT event_id) FR
 	} else {
 		ok = ok && dead == want.Poison
 		parts = append(parts, fmt.Sprintf("dlq %d/%d", dead, want.Poison))
+		if dead == want.Poison && dead > 0 {
+			got, err := deadIDs()
+			if err != nil {
+				return false, "", fmt.Errorf("dead letters: %w", err)
+			}
+			if n := unmatched(got, want.poison); n > 0 {
+				ok = false
+				parts = append(parts, fmt.Sprintf("dead letters of no poison message %d", n))
+			}
+		}
 	}
 	ok = ok && unacked == 0
 	parts = append(parts, fmt.Sprintf("unacked %d", unacked))
 	return ok, strings.Join(parts, ", "), nil
+}
+
+// unmatched returns how many of got are not in want, each of want
+// matching one of got.
+func unmatched(got, want []string) int {
+	left := map[string]int{}
+	for _, id := range want {
+		left[id]++
+	}
+	n := 0
+	for _, id := range got {
+		if left[id] == 0 {
+			n++
+			continue
+		}
+		left[id]--
+	}
+	return n
 }
 
 func machine(ctx context.Context, db *pgxpool.Pool, m *Machine) error {

@@ -2,13 +2,16 @@ package bench
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/IBM/sarama"
 	"github.com/stretchr/testify/require"
 
+	"github.com/onceco/once/brokers/amqp"
 	"github.com/onceco/once/internal/pgtest"
 )
 
@@ -281,4 +284,79 @@ func TestPacedPhaseWithoutMeasuredMessages(t *testing.T) {
 	// The subprocess says why on stderr ("none of its 1 messages was
 	// produced after the warm-up").
 	require.Contains(t, err.Error(), "row subprocess")
+}
+
+// TestCheckFindsTheWrongDeadLetter: as many dead letters as poison
+// messages is not enough; each must be a poison message's copy, not a
+// valid event's.
+func TestCheckFindsTheWrongDeadLetter(t *testing.T) {
+	ctx := context.Background()
+	db, _ := pgtest.Schema(t)
+	kc, err := startKafka(context.Background(), Kafka, "")
+	require.NoError(t, err)
+	defer kc.Close()
+	spec := &rowSpec{Broker: Kafka, Schema: "oncebench_check_dlq_test", Topic: "check-dlq-test", Group: "check-dlq-test-group"}
+	require.NoError(t, createSchema(ctx, db, spec.Schema))
+	defer dropSchema(db, spec.Schema)
+	require.NoError(t, kc.createTopics(spec.Topic, 1))
+	// ev-0 and ev-1 valid, ev-2 poison.
+	want := consumed{"ev-", Workload{Events: 3, PoisonEvery: 3, Partitions: 1}}
+	_, err = db.Exec(ctx, `INSERT INTO oncebench_check_dlq_test.effects VALUES ('ev-0', 0, 'acct-0', 100), ('ev-1', 1, 'acct-1', 101)`)
+	require.NoError(t, err)
+
+	deadLetter := func(topic, id string) {
+		sc := saramaConfig()
+		sc.Producer.Return.Successes = true
+		p, err := sarama.NewSyncProducer(kc.addrs, sc)
+		require.NoError(t, err)
+		defer p.Close()
+		_, _, err = p.SendMessage(&sarama.ProducerMessage{Topic: topic, Key: sarama.StringEncoder(id), Value: sarama.StringEncoder("x"),
+			Headers: []sarama.RecordHeader{{Key: []byte("id"), Value: []byte(id)}}})
+		require.NoError(t, err)
+	}
+	deadLetter(spec.Topic+".dlq", "ev-0")
+	ok, msg, err := check(ctx, db, kc, spec, RowNaive, want)
+	require.NoError(t, err)
+	require.False(t, ok, "a valid event dead-lettered, the poison one not: %s", msg)
+
+	// The same state with the poison message's copy is right.
+	spec.Topic, spec.Group = "check-dlq-test-2", "check-dlq-test-2-group"
+	require.NoError(t, kc.createTopics(spec.Topic, 1))
+	deadLetter(spec.Topic+".dlq", "ev-2")
+	ok, msg, err = check(ctx, db, kc, spec, RowNaive, want)
+	require.NoError(t, err)
+	require.True(t, ok, msg)
+}
+
+// TestCheckFindsTheWrongDeadLetterOnRabbitMQ: the same on a dead-letter
+// queue, whose messages keep their message id.
+func TestCheckFindsTheWrongDeadLetterOnRabbitMQ(t *testing.T) {
+	url := os.Getenv("AMQP_URL")
+	if url == "" {
+		t.Skip("AMQP_URL not set")
+	}
+	ctx := context.Background()
+	db, _ := pgtest.Schema(t)
+	spec := &rowSpec{Broker: RabbitMQ, AMQPURL: url, Schema: "oncebench_check_dlq_amqp_test"}
+	require.NoError(t, createSchema(ctx, db, spec.Schema))
+	defer dropSchema(db, spec.Schema)
+	want := consumed{"ev-", Workload{Events: 3, PoisonEvery: 3, Partitions: 1}}
+	_, err := db.Exec(ctx, `INSERT INTO oncebench_check_dlq_amqp_test.effects VALUES ('ev-0', 0, 'acct-0', 100), ('ev-1', 1, 'acct-1', 101)`)
+	require.NoError(t, err)
+	for _, tc := range []struct {
+		id      string
+		correct bool
+	}{{"ev-0", false}, {"ev-2", true}} {
+		spec.Queue = fmt.Sprintf("oncebench.check-dlq.%d", time.Now().UnixNano())
+		require.NoError(t, declareQueue(url, spec.Queue, nil))
+		require.NoError(t, declareQueue(url, spec.Queue+amqp.DeadLetterQueueSuffix, nil))
+		p, err := newAMQPPublisher(url)
+		require.NoError(t, err)
+		require.NoError(t, p.publish(spec.Queue+amqp.DeadLetterQueueSuffix, amqpPublishing(Msg{ID: tc.id, Value: []byte("x")}, time.Time{})))
+		require.NoError(t, p.Close())
+		ok, msg, err := check(ctx, db, nil, spec, RowNaive, want)
+		deleteQueues(url, spec.Queue)
+		require.NoError(t, err)
+		require.Equal(t, tc.correct, ok, "dead letter %s: %s", tc.id, msg)
+	}
 }

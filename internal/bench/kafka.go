@@ -277,3 +277,75 @@ func uncommitted(addrs []string, group, topic string) (int, error) {
 	}
 	return n, nil
 }
+
+// topicIDs returns the id of every record of topic, all partitions: its
+// key, or its id header when it has none.
+func topicIDs(addrs []string, topic string) ([]string, error) {
+	sc := saramaConfig()
+	// Closing the consumer waits for its fetch in flight, which the broker
+	// holds this long when the partition has nothing more.
+	sc.Consumer.MaxWaitTime = 10 * time.Millisecond
+	client, err := sarama.NewClient(addrs, sc)
+	if err != nil {
+		return nil, err
+	}
+	defer client.Close()
+	cons, err := sarama.NewConsumerFromClient(client)
+	if err != nil {
+		return nil, err
+	}
+	defer cons.Close()
+	parts, err := client.Partitions(topic)
+	if err != nil {
+		return nil, err
+	}
+	var ids []string
+	for _, p := range parts {
+		oldest, err := client.GetOffset(topic, p, sarama.OffsetOldest)
+		if err != nil {
+			return nil, err
+		}
+		newest, err := client.GetOffset(topic, p, sarama.OffsetNewest)
+		if err != nil {
+			return nil, err
+		}
+		if newest <= oldest {
+			continue
+		}
+		if ids, err = readPartitionIDs(cons, topic, p, oldest, newest, ids); err != nil {
+			return nil, err
+		}
+	}
+	return ids, nil
+}
+
+// readPartitionIDs appends to ids those of partition p's records from
+// offset from up to to.
+func readPartitionIDs(cons sarama.Consumer, topic string, p int32, from, to int64, ids []string) ([]string, error) {
+	pc, err := cons.ConsumePartition(topic, p, from)
+	if err != nil {
+		return nil, err
+	}
+	defer pc.Close()
+	timeout := time.NewTimer(time.Minute)
+	defer timeout.Stop()
+	for next := from; next < to; {
+		select {
+		case m := <-pc.Messages():
+			id := string(m.Key)
+			if m.Key == nil {
+				for _, h := range m.Headers {
+					if string(h.Key) == "id" {
+						id = string(h.Value)
+					}
+				}
+			}
+			ids, next = append(ids, id), m.Offset+1
+		case err := <-pc.Errors():
+			return nil, err
+		case <-timeout.C:
+			return nil, fmt.Errorf("%s/%d: offsets %d to %d not read in a minute", topic, p, next, to)
+		}
+	}
+	return ids, nil
+}
