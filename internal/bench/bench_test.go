@@ -12,6 +12,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/onceco/once/brokers/amqp"
+	"github.com/onceco/once/consumer"
 	"github.com/onceco/once/internal/pgtest"
 )
 
@@ -359,4 +360,16 @@ func TestCheckFindsTheWrongDeadLetterOnRabbitMQ(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, tc.correct, ok, "dead letter %s: %s", tc.id, msg)
 	}
+}
+
+// TestHandWrittenWorkerPerPartition: the hand-written row gives each
+// Kafka partition its worker on every broker of the Kafka protocol, Apache
+// Kafka's as kfake's, and shares one queue among its workers on RabbitMQ.
+func TestHandWrittenWorkerPerPartition(t *testing.T) {
+	for _, b := range []Broker{Kafka, ApacheKafka} {
+		for p := range int32(4) {
+			require.Equal(t, int(p), handWorker(b, &consumer.Message{Partition: p}, 4), "%s partition %d", b, p)
+		}
+	}
+	require.Equal(t, 0, handWorker(RabbitMQ, &consumer.Message{Partition: -1}, 4))
 }

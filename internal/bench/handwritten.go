@@ -85,12 +85,8 @@ func runHandwritten(ctx context.Context, src consumer.Source, pool *pgxpool.Pool
 			}
 			break
 		}
-		i := 0
-		if p := d.Message().Partition; p >= 0 && spec.Broker == Kafka {
-			i = int(p) % n
-		}
 		select {
-		case chans[i] <- d:
+		case chans[handWorker(spec.Broker, d.Message(), n)] <- d:
 		case <-ctx.Done():
 		}
 	}
@@ -99,6 +95,16 @@ func runHandwritten(ctx context.Context, src consumer.Source, pool *pgxpool.Pool
 	}
 	wg.Wait()
 	return failed
+}
+
+// handWorker returns which of n workers handles m: on Kafka the one of
+// its partition, so that each partition's offsets are marked in order;
+// on RabbitMQ the workers share the queue (worker 0's channel).
+func handWorker(b Broker, m *consumer.Message, n int) int {
+	if p := m.Partition; p >= 0 && b.IsKafka() {
+		return int(p) % n
+	}
+	return 0
 }
 
 // batches yields, until ch closes or ctx ends, batches of up to
