@@ -235,10 +235,11 @@ type Result struct {
 	RoundTripsPerTx float64 `json:"round_trips_per_tx"`
 	MsgsPerTx       float64 `json:"msgs_per_tx"`
 	// VsNaive and VsCeiling are Rate over the naive row's and over the lower
-	// ceiling's rate.
+	// ceiling's rate; 0 (in the table "-") when the run had no such row.
 	VsNaive   float64 `json:"x_naive"`
 	VsCeiling float64 `json:"x_lower_ceiling"`
-	// VsHandwritten is Rate over the hand-written batched row's.
+	// VsHandwritten is Rate over the hand-written batched row's; 0 when
+	// the run had none.
 	VsHandwritten float64 `json:"x_handwritten"`
 	// Correct says whether the effects were exactly right; Check says what
 	// was counted.

@@ -76,8 +76,18 @@ func (r *Report) WriteTable(w io.Writer) error {
 		if x.Row == RowCeiling {
 			idle = "-"
 		}
-		fmt.Fprintf(tw, "%s\t %s\t %.0f\t %s\t %.1f\t %.1f\t %.1f\t %.0f\t %.1f\t %.1f\t %.1f\t %.1f\t %.1f\t %.2f\t %.2f\t %.2f\t %.2f\t %s (%s)\t\n",
-			x.Broker, x.Row, x.Rate, idle, x.P50Ms, x.P99Ms, x.ReceiveP99Ms, x.PacedRate, x.DiskSyncMaxMs, x.WakeLagMaxMs, x.AllocsPerMsg, x.PeakRSSMB, x.MsgsPerTx, x.RoundTripsPerTx, x.VsNaive, x.VsCeiling, x.VsHandwritten, verdict, x.Check)
+		// A figure not measured (no paced phase, no probe, no row to
+		// compare with) is "-", not a 0 that reads as one.
+		paced := func(v float64, format string) string {
+			if x.PacedMsgs == 0 {
+				return "-"
+			}
+			return fmt.Sprintf(format, v)
+		}
+		fmt.Fprintf(tw, "%s\t %s\t %.0f\t %s\t %s\t %s\t %s\t %s\t %s\t %s\t %.1f\t %.1f\t %.1f\t %.2f\t %s\t %s\t %s\t %s (%s)\t\n",
+			x.Broker, x.Row, x.Rate, idle, paced(x.P50Ms, "%.1f"), paced(x.P99Ms, "%.1f"), paced(x.ReceiveP99Ms, "%.1f"), paced(x.PacedRate, "%.0f"),
+			orDash(x.DiskSyncMaxMs, "%.1f"), orDash(x.WakeLagMaxMs, "%.1f"), x.AllocsPerMsg, x.PeakRSSMB, x.MsgsPerTx, x.RoundTripsPerTx,
+			orDash(x.VsNaive, "%.2f"), orDash(x.VsCeiling, "%.2f"), orDash(x.VsHandwritten, "%.2f"), verdict, x.Check)
 	}
 	if err := tw.Flush(); err != nil {
 		return err
@@ -93,6 +103,14 @@ func (r *Report) WriteTable(w io.Writer) error {
 		fmt.Fprintln(w, t)
 	}
 	return nil
+}
+
+// orDash formats v, or gives "-" for 0: a figure that was not measured.
+func orDash(v float64, format string) string {
+	if v == 0 {
+		return "-"
+	}
+	return fmt.Sprintf(format, v)
 }
 
 // WriteJSON writes the report as indented JSON to path.

@@ -1,6 +1,7 @@
 package bench
 
 import (
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -159,4 +160,29 @@ func TestTailTargetNeedsThreeRunsInARow(t *testing.T) {
 
 	three := &Report{Results: []Result{row(1), row(2), row(3)}}
 	assert.Contains(t, three.Targets(), "target kafka once batch handler p99 <= 25 ms at half its rate: 10.0 ms at 10000 msgs/s | 10.0 ms at 10000 msgs/s | 10.0 ms at 10000 msgs/s; met in all 3 runs")
+}
+
+// A ratio to a row the run did not have is no figure: the table shows "-"
+// for it, not 0.00 (which reads as a row that did nothing).
+func TestTableShowsNoRatioWithoutItsRow(t *testing.T) {
+	r := &Report{Results: []Result{
+		{Broker: Kafka, Row: RowHandwritten, Rate: 10000, Correct: true},
+		{Broker: Kafka, Row: RowOnceBatchHandler, Rate: 12000, Correct: true},
+	}}
+	ratios(r)
+	var out strings.Builder
+	assert.NoError(t, r.WriteTable(&out))
+	var line string
+	for _, l := range strings.Split(out.String(), "\n") {
+		if strings.Contains(l, "once batch handler") && strings.Contains(l, "12000") {
+			line = l
+		}
+	}
+	cells := strings.Split(line, "|")
+	for i := range cells {
+		cells[i] = strings.TrimSpace(cells[i])
+	}
+	// x naive, x lower ceiling, x hand-written, correct, and the empty
+	// cell after the last |.
+	assert.Equal(t, []string{"-", "-", "1.20"}, cells[len(cells)-5:len(cells)-2], line)
 }
