@@ -37,7 +37,7 @@ func (r *Report) WriteTable(w io.Writer) error {
 		fmt.Fprintf(w, "ceiling 2 (database alone): %.0f rows/s (%.0f tps): %s\n", r.PGBench, r.PGBenchTPS, r.PGBenchArgs)
 	}
 	if r.PaceSeconds > 0 {
-		fmt.Fprintf(w, "latency: produce to ack, over a paced phase of %.0fs per row at half the row's msgs/s (at most %.0f; achieved: \"at msgs/s\"), the first sixth excluded as warm-up\n",
+		fmt.Fprintf(w, "latency: produce to ack, over a paced phase of %gs per row at half the row's msgs/s (at most %.0f; achieved: \"at msgs/s\"), the first sixth excluded as warm-up\n",
 			r.PaceSeconds, r.PaceMax)
 	}
 	fmt.Fprintln(w, "msgs/s, allocs/msg, peak RSS: the backlog phase, in the row's own subprocess (VmHWM)")

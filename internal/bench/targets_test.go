@@ -186,3 +186,11 @@ func TestTableShowsNoRatioWithoutItsRow(t *testing.T) {
 	// cell after the last |.
 	assert.Equal(t, []string{"-", "-", "1.20"}, cells[len(cells)-5:len(cells)-2], line)
 }
+
+// The header states the paced phase's length as asked, under a second too.
+func TestHeaderStatesAShortPacedPhase(t *testing.T) {
+	r := &Report{PaceSeconds: 0.3, PaceMax: 500}
+	var out strings.Builder
+	assert.NoError(t, r.WriteTable(&out))
+	assert.Contains(t, out.String(), "over a paced phase of 0.3s per row")
+}
