@@ -58,6 +58,12 @@ func combine(results []*childResult, backlog int) (*childResult, []int, error) {
 	var first, last int64
 	shares := make([]int, len(results))
 	out := &childResult{Messages: backlog}
+	// Each process's figures weigh its share of all the acks, which
+	// exceed the backlog when a rebalance redelivered some.
+	acked := 0
+	for _, r := range results {
+		acked += r.Acked
+	}
 	for i, r := range results {
 		shares[i] = r.Acked
 		if r.FirstAtNs > 0 && (first == 0 || r.FirstAtNs < first) {
@@ -66,8 +72,9 @@ func combine(results []*childResult, backlog int) (*childResult, []int, error) {
 		last = max(last, r.DoneAtNs)
 		out.RoundTrips += r.RoundTrips
 		out.Commits += r.Commits
-		out.AllocsPerMsg += r.AllocsPerMsg * float64(r.Acked) / float64(backlog)
-		out.IdleShare += r.IdleShare * float64(r.Acked) / float64(backlog)
+		w := float64(r.Acked) / float64(max(1, acked))
+		out.AllocsPerMsg += r.AllocsPerMsg * w
+		out.IdleShare += r.IdleShare * w
 		out.RSSKB = max(out.RSSKB, r.RSSKB)
 	}
 	if first == 0 || last <= first {

@@ -194,3 +194,17 @@ func TestHeaderStatesAShortPacedPhase(t *testing.T) {
 	assert.NoError(t, r.WriteTable(&out))
 	assert.Contains(t, out.String(), "over a paced phase of 0.3s per row")
 }
+
+// Processes that acked more than the backlog between them (a rebalance
+// redelivered some) still give the mean of their figures: weights are
+// each one's share of the acks, which add up to 1.
+func TestCombineWeighsByTheAcks(t *testing.T) {
+	sec := int64(1_000_000_000)
+	out, _, err := combine([]*childResult{
+		{Acked: 600, FirstAtNs: 10 * sec, DoneAtNs: 11 * sec, AllocsPerMsg: 40, IdleShare: 0.5},
+		{Acked: 600, FirstAtNs: 10 * sec, DoneAtNs: 11 * sec, AllocsPerMsg: 40, IdleShare: 0.5},
+	}, 1000)
+	assert.NoError(t, err)
+	assert.InDelta(t, 40, out.AllocsPerMsg, 1e-9)
+	assert.InDelta(t, 0.5, out.IdleShare, 1e-9)
+}
