@@ -546,10 +546,11 @@ func outboxLatency(ctx context.Context, pool *pgxpool.Pool, d *outboxDest, pace 
 	return nil
 }
 
-// percentiles returns the p50 and p99 of ds in milliseconds; it sorts ds.
+// percentiles returns the p50 and p99 of ds in milliseconds, by the
+// nearest-rank method as the consumer rows' (percentile); it sorts ds.
 func percentiles(ds []time.Duration) (p50, p99 float64) {
 	slices.Sort(ds)
-	return ms(ds[len(ds)/2]), ms(ds[len(ds)*99/100])
+	return ms(percentile(ds, 0.50)), ms(percentile(ds, 0.99))
 }
 
 // stampingPublisher reports the time the broker confirmed each record.

@@ -70,3 +70,15 @@ func TestSchemaNamesAreValidIdentifiers(t *testing.T) {
 		}
 	}
 }
+
+// The outbox rows' p50 and p99 are the nearest-rank percentiles, as the
+// consumer rows' (percentile): of 1..100 ms, 50 and 99 ms.
+func TestOutboxPercentilesAreNearestRank(t *testing.T) {
+	var ds []time.Duration
+	for i := 100; i >= 1; i-- {
+		ds = append(ds, time.Duration(i)*time.Millisecond)
+	}
+	p50, p99 := percentiles(ds)
+	require.InDelta(t, 50, p50, 1e-9)
+	require.InDelta(t, 99, p99, 1e-9)
+}
