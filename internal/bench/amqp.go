@@ -157,10 +157,9 @@ func queueCounts(url, queue string) (ready, dead int, err error) {
 	return q.Messages, dlq.Messages, nil
 }
 
-// queueIDs returns the message id of every ready message of queue. It
-// takes them unacknowledged, and they return to the queue when it
-// closes its connection.
-func queueIDs(url, queue string) ([]string, error) {
+// queueIDs takes n messages off queue and returns their message ids. It
+// consumes them: the queue is left without them.
+func queueIDs(url, queue string, n int) ([]string, error) {
 	conn, err := amqp091.Dial(url)
 	if err != nil {
 		return nil, err
@@ -170,17 +169,34 @@ func queueIDs(url, queue string) ([]string, error) {
 	if err != nil {
 		return nil, err
 	}
-	var ids []string
-	for {
-		d, ok, err := ch.Get(queue, false)
-		if err != nil {
-			return nil, fmt.Errorf("queue %s: %w", queue, err)
-		}
-		if !ok {
-			return ids, nil
-		}
-		ids = append(ids, d.MessageId)
+	if err := ch.Qos(1000, 0, false); err != nil {
+		return nil, err
 	}
+	ds, err := ch.Consume(queue, "", false, true, false, false, nil)
+	if err != nil {
+		return nil, fmt.Errorf("queue %s: %w", queue, err)
+	}
+	ids := make([]string, 0, n)
+	idle := time.NewTimer(time.Minute)
+	defer idle.Stop()
+	for len(ids) < n {
+		select {
+		case d, ok := <-ds:
+			if !ok {
+				return nil, fmt.Errorf("queue %s: the channel closed after %d of %d messages", queue, len(ids), n)
+			}
+			ids = append(ids, d.MessageId)
+			if len(ids)%500 == 0 || len(ids) == n {
+				if err := d.Ack(true); err != nil { // and every one before it
+					return nil, err
+				}
+			}
+			idle.Reset(time.Minute)
+		case <-idle.C:
+			return nil, fmt.Errorf("queue %s: %d of %d messages after a minute without one", queue, len(ids), n)
+		}
+	}
+	return ids, nil
 }
 
 // deleteQueues deletes queue and its dead-letter queue, if they exist.

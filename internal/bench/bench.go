@@ -691,7 +691,7 @@ SELECT (SELECT count(*) FROM `+s+`.effects), (SELECT count(DISTINCT event_id) FR
 		if unacked, dead, err = queueCounts(spec.AMQPURL, spec.Queue); err != nil {
 			return false, "", err
 		}
-		deadIDs = func() ([]string, error) { return queueIDs(spec.AMQPURL, spec.Queue+amqp.DeadLetterQueueSuffix) }
+		deadIDs = func() ([]string, error) { return queueIDs(spec.AMQPURL, spec.Queue+amqp.DeadLetterQueueSuffix, dead) }
 	}
 	if row == RowCeiling {
 		// The ceiling acks poison like any message: nothing is dead-lettered.

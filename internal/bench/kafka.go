@@ -279,7 +279,7 @@ func uncommitted(addrs []string, group, topic string) (int, error) {
 }
 
 // topicIDs returns the id of every record of topic, all partitions: its
-// key, or its id header when it has none.
+// id header, or its key when it has none.
 func topicIDs(addrs []string, topic string) ([]string, error) {
 	sc := saramaConfig()
 	// Closing the consumer waits for its fetch in flight, which the broker
@@ -333,11 +333,9 @@ func readPartitionIDs(cons sarama.Consumer, topic string, p int32, from, to int6
 		select {
 		case m := <-pc.Messages():
 			id := string(m.Key)
-			if m.Key == nil {
-				for _, h := range m.Headers {
-					if string(h.Key) == "id" {
-						id = string(h.Value)
-					}
+			for _, h := range m.Headers {
+				if string(h.Key) == "id" {
+					id = string(h.Value)
 				}
 			}
 			ids, next = append(ids, id), m.Offset+1

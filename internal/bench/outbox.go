@@ -119,6 +119,31 @@ func (d *outboxDest) count() (int, error) {
 	return topicCount(d.kc.addrs, d.name)
 }
 
+// checkPublished counts the messages the relay rounds left at d, and how
+// many of them are not the rows of the rounds (per rows each, ids
+// r<round>-<i>), each row once.
+func checkPublished(d *outboxDest, rounds, per int) (published, wrong int, err error) {
+	if published, err = d.count(); err != nil {
+		return 0, 0, err
+	}
+	var got []string
+	if d.b == RabbitMQ {
+		got, err = queueIDs(d.amqpURL, d.name, published)
+	} else {
+		got, err = topicIDs(d.kc.addrs, d.name)
+	}
+	if err != nil {
+		return 0, 0, fmt.Errorf("published ids: %w", err)
+	}
+	want := make([]string, 0, rounds*per)
+	for round := range rounds {
+		for i := range per {
+			want = append(want, d.message(fmt.Sprintf("r%d-", round), i).ID)
+		}
+	}
+	return published, unmatched(got, want), nil
+}
+
 // queueLength returns the ready messages of queue.
 func queueLength(url, queue string) (int, error) {
 	conn, err := amqp091.Dial(url)
@@ -194,7 +219,7 @@ func runOutbox(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, o Option
 	if err := measureOutbox(ctx, o, pool, ceil, rel, res); err != nil {
 		return nil, err
 	}
-	published, err := rel.count()
+	published, wrong, err := checkPublished(rel, res.Rounds, res.Rows/res.Rounds)
 	if err != nil {
 		return nil, err
 	}
@@ -216,8 +241,11 @@ func runOutbox(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, o Option
 	if err := pool.QueryRow(ctx, `SELECT count(*) FROM outbox`).Scan(&left); err != nil {
 		return nil, err
 	}
-	res.Correct = published == res.Rows && left == 0
+	res.Correct = published == res.Rows && wrong == 0 && left == 0
 	res.Check = fmt.Sprintf("%d/%d at the broker, %d rows left", published, res.Rows, left)
+	if wrong > 0 {
+		res.Check += fmt.Sprintf(", %d at the broker not one of the rows", wrong)
+	}
 	if res.CeilingRate <= 0 {
 		return nil, errors.New("the ceiling measured no throughput")
 	}

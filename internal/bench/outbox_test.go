@@ -2,11 +2,13 @@ package bench
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/IBM/sarama"
 	"github.com/stretchr/testify/require"
 
 	"github.com/onceco/once/dedup"
@@ -81,4 +83,39 @@ func TestOutboxPercentilesAreNearestRank(t *testing.T) {
 	p50, p99 := percentiles(ds)
 	require.InDelta(t, 50, p50, 1e-9)
 	require.InDelta(t, 99, p99, 1e-9)
+}
+
+// TestCheckPublishedFindsTheWrongMessages: as many messages at the broker
+// as rows is not enough; each must be a row's, once: a row published
+// twice beside a row lost is wrong.
+func TestCheckPublishedFindsTheWrongMessages(t *testing.T) {
+	kc, err := startKafka(context.Background(), Kafka, "")
+	require.NoError(t, err)
+	defer kc.Close()
+	for _, tc := range []struct {
+		name  string
+		ids   []string
+		wrong int
+	}{
+		{"every row once", []string{"r0-0", "r0-1", "r1-0", "r1-1"}, 0},
+		{"r0-0 twice, r1-1 lost", []string{"r0-0", "r0-0", "r0-1", "r1-0"}, 1},
+	} {
+		d := &outboxDest{b: Kafka, kc: kc, name: fmt.Sprintf("check-published-%d", time.Now().UnixNano()), partition: 2}
+		require.NoError(t, d.create())
+		sc := saramaConfig()
+		sc.Producer.Return.Successes = true
+		p, err := sarama.NewSyncProducer(kc.addrs, sc)
+		require.NoError(t, err)
+		for i, id := range tc.ids {
+			m := d.message("x-", i)
+			_, _, err := p.SendMessage(&sarama.ProducerMessage{Topic: d.name, Key: sarama.ByteEncoder(m.Key), Value: sarama.ByteEncoder(m.Body),
+				Headers: []sarama.RecordHeader{{Key: []byte("id"), Value: []byte(id)}}})
+			require.NoError(t, err)
+		}
+		require.NoError(t, p.Close())
+		published, wrong, err := checkPublished(d, 2, 2)
+		require.NoError(t, err)
+		require.Equal(t, len(tc.ids), published, tc.name)
+		require.Equal(t, tc.wrong, wrong, tc.name)
+	}
 }
