@@ -42,8 +42,13 @@ LIMIT $1`,
 FROM unnest($1::bigint[], $2::text[], $3::bigint[]) AS u(seq, err, delay_ms)
 WHERE o.seq = u.seq
 RETURNING o.seq, o.event_id, o.parked_at IS NOT NULL`,
+		// The DELETE checks the condition again: in a partitioned table
+		// each partition has rows of every ctid, and only rows sent before
+		// the window may go (another partition's row of the same ctid
+		// that is one goes with the chunk).
 		cleanup: `DELETE FROM ` + t + ` WHERE ctid = ANY(ARRAY(
-	SELECT ctid FROM ` + t + ` WHERE sent_at < now() - $1 * interval '1 millisecond' LIMIT $2))`,
+	SELECT ctid FROM ` + t + ` WHERE sent_at < now() - $1 * interval '1 millisecond' LIMIT $2))
+	AND sent_at < now() - $1 * interval '1 millisecond'`,
 	}
 }
 

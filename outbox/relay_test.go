@@ -520,3 +520,57 @@ func TestNotificationDuringABatchWakesTheRelay(t *testing.T) {
 	waitRows(t, pool, "true", 0, 10*time.Second)
 	assert.ElementsMatch(t, []string{"a/1", "b/1"}, bodies(d.read(t, 2)))
 }
+
+// An outbox partitioned by ranges of seq (to drop old partitions of a
+// large table; its key, seq, holds the partition key, and Migrate takes
+// the table as it is) has rows of the same ctid in each partition: the
+// removal of rows kept past KeepSent named rows by ctid alone, and took
+// with each expired row the rows of that ctid in the other partitions,
+// pending ones included, which were then never published. Only the
+// expired rows go now.
+func TestKeepSentOnRangePartitionedTable(t *testing.T) {
+	k := newKafka(t)
+	pool, _ := pgtest.Schema(t)
+	ctx := context.Background()
+	_, err := pool.Exec(ctx, `CREATE TABLE outbox (
+    seq         bigint      GENERATED ALWAYS AS IDENTITY,
+    event_id    text        NOT NULL,
+    topic       text        NOT NULL,
+    routing_key text        NOT NULL DEFAULT '',
+    key         bytea,
+    type        text        NOT NULL DEFAULT '',
+    headers     jsonb       NOT NULL DEFAULT '{}',
+    trace       jsonb       NOT NULL DEFAULT '{}',
+    body        bytea       NOT NULL,
+    created_at  timestamptz NOT NULL DEFAULT now(),
+    attempts    integer     NOT NULL DEFAULT 0,
+    not_before  timestamptz,
+    last_error  text,
+    parked_at   timestamptz,
+    sent_at     timestamptz,
+    PRIMARY KEY (seq)
+) PARTITION BY RANGE (seq);
+CREATE TABLE outbox_p0 PARTITION OF outbox FOR VALUES FROM (MINVALUE) TO (1000);
+CREATE TABLE outbox_p1 PARTITION OF outbox FOR VALUES FROM (1000) TO (MAXVALUE)`)
+	require.NoError(t, err)
+	require.NoError(t, outbox.Migrate(ctx, pool))
+	d := k.destination(t)
+	// 100 rows sent a day ago in the first partition, 100 to publish in
+	// the second: the same ctids.
+	_, err = pool.Exec(ctx, `INSERT INTO outbox (event_id, topic, body, sent_at)
+SELECT 'old-' || i, 'nowhere', '', now() - interval '1 day' FROM generate_series(1, 100) i`)
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `SELECT setval(pg_get_serial_sequence('outbox', 'seq'), 999)`)
+	require.NoError(t, err)
+	msgs := make([]outbox.Message, 100)
+	for i := range msgs {
+		msgs[i] = d.msg(fmt.Sprint("k", i%7), fmt.Sprint("m", i))
+	}
+	addCommitted(t, pool, msgs...)
+
+	startRelay(t, pool, k.publisher(t), outbox.RelayConfig{PollInterval: 20 * time.Millisecond, BatchSize: 10, KeepSent: time.Hour})
+	waitRows(t, pool, "sent_at IS NULL OR sent_at < now() - interval '1 hour'", 0, 30*time.Second)
+	assert.Equal(t, 100, rows(t, pool, "sent_at IS NOT NULL"), "every row to publish was published and kept")
+	got, _ := ids(d.read(t, 100))
+	assert.Len(t, got, 100)
+}
