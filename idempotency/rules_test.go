@@ -356,6 +356,56 @@ func TestRetentionDeletesExpiredKeysInBatches(t *testing.T) {
 	assert.ErrorIs(t, <-done, context.Canceled)
 }
 
+// A table partitioned by scope (a partition per large client; its key
+// (scope, idempotency_key) holds the partition key, and Migrate takes the
+// table as it is) has rows of the same ctid in each partition: retention
+// named rows by ctid alone, and took with each expired key the keys of
+// that ctid in the other partitions, however young, whose requests then
+// ran again. Only expired keys go now.
+func TestRetentionOnPartitionedTable(t *testing.T) {
+	pool, schema := pgtest.Schema(t)
+	ctx := context.Background()
+	_, err := pool.Exec(ctx, `CREATE TABLE idempotency_keys (
+    scope           text        NOT NULL,
+    idempotency_key text        NOT NULL,
+    fingerprint     bytea,
+    method          text        NOT NULL DEFAULT '',
+    path            text        NOT NULL DEFAULT '',
+    status          integer     NOT NULL DEFAULT 0,
+    header          jsonb       NOT NULL DEFAULT '{}',
+    body            bytea       NOT NULL DEFAULT '',
+    created_at      timestamptz NOT NULL DEFAULT now(),
+    expires_at      timestamptz NOT NULL,
+    PRIMARY KEY (scope, idempotency_key)
+) PARTITION BY LIST (scope);
+CREATE TABLE idempotency_keys_big PARTITION OF idempotency_keys FOR VALUES IN ('big');
+CREATE TABLE idempotency_keys_rest PARTITION OF idempotency_keys DEFAULT;
+CREATE TABLE effects (id bigserial PRIMARY KEY, key text NOT NULL, body text NOT NULL)`)
+	require.NoError(t, err)
+	require.NoError(t, idempotency.Migrate(ctx, pool, schema))
+	scope := func(r *http.Request) string { return r.Header.Get("X-Client") }
+	s := serve(t, pool, schema, idempotency.Config{Scope: scope, RetentionBatch: 30}, http.HandlerFunc(insertEffect))
+	first := make([]reply, 10)
+	for i := range first {
+		first[i] = s.post("/orders", fmt.Sprint("k", i), "b", "X-Client", "small")
+		require.Equal(t, http.StatusCreated, first[i].status, first[i].body)
+	}
+	_, err = pool.Exec(ctx, `INSERT INTO idempotency_keys (scope, idempotency_key, status, expires_at)
+SELECT 'big', 'old-' || i, 201, now() - interval '1 day' FROM generate_series(1, 100) i`)
+	require.NoError(t, err)
+
+	n, err := s.mw.DeleteExpired(ctx)
+	require.NoError(t, err)
+	assert.EqualValues(t, 100, n)
+	assert.Equal(t, 10, count(t, pool, `SELECT count(*) FROM idempotency_keys`), "the young keys are kept")
+	for i, want := range first {
+		again := s.post("/orders", fmt.Sprint("k", i), "b", "X-Client", "small")
+		assert.True(t, again.replayed(), "k%d", i)
+		assert.Equal(t, want.body, again.body)
+	}
+	assert.Equal(t, 10, count(t, pool, `SELECT count(*) FROM effects`), "no request ran twice")
+}
+
 // A 5xx is not stored and its writes roll back: the retry runs and can
 // succeed. A 4xx is the answer to the request: stored and replayed.
 func TestStatusPolicy(t *testing.T) {

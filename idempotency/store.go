@@ -171,8 +171,12 @@ VALUES ($1, $2, $3, $4, $5, now() + $6::float8 * interval '1 second') ON CONFLIC
 		lookup:        `SELECT fingerprint, status, header, body, expires_at <= now() FROM ` + table + where,
 		deleteExpired: `DELETE FROM ` + table + where + ` AND expires_at <= now()`,
 		saveResponse:  `UPDATE ` + table + ` SET status = $3, header = $4, body = $5` + where,
+		// The DELETE checks the condition again: in a partitioned table
+		// each partition has rows of every ctid, and only expired keys may
+		// go (another partition's expired key of the same ctid goes with
+		// the batch).
 		retention: `DELETE FROM ` + table + ` WHERE ctid = ANY(ARRAY(SELECT ctid FROM ` + table +
-			` WHERE expires_at <= now() LIMIT $1))`,
+			` WHERE expires_at <= now() LIMIT $1)) AND expires_at <= now()`,
 	}
 }
 
