@@ -284,6 +284,38 @@ func TestMigrateConcurrentlyAndInASchema(t *testing.T) {
 	assert.Equal(t, 1, n)
 }
 
+// Services that share a database each keep their tables in a schema of
+// their own, first on their search_path, with a common schema after it:
+// Config.Schema is "". The schema version is recorded beside the outbox
+// table, so each service's table is created, whatever the common schema
+// holds: the version table that another component created there was taken
+// for the store's, the first service's version recorded in it, and the
+// second service, finding its table recorded, created none (its Add and
+// its relay then failed on a missing table).
+func TestMigrateRecordsVersionsBesideTheTableOnTheSearchPath(t *testing.T) {
+	ctx := context.Background()
+	common, pub := pgtest.Schema(t)
+	_, a := pgtest.Schema(t)
+	_, b := pgtest.Schema(t)
+	// Another component's versions in the common schema.
+	other, err := outbox.New(outbox.Config{Table: "audit_out"})
+	require.NoError(t, err)
+	require.NoError(t, other.Migrate(ctx, common))
+
+	for _, svc := range []string{a, b} {
+		pool := pgtest.NewPool(t, svc+", "+pub)
+		require.NoError(t, outbox.Migrate(ctx, pool), svc)
+		var n int
+		if assert.NoError(t, outbox.Add(ctx, pool, outbox.Message{Topic: "t", Body: []byte("x")}), svc) {
+			require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM `+pgx.Identifier{svc, "outbox"}.Sanitize()).Scan(&n))
+			assert.Equal(t, 1, n, "the row is in %s's table", svc)
+		}
+		assert.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM `+pgx.Identifier{svc, "once_schema_versions"}.Sanitize()+
+			` WHERE component = 'outbox:outbox' AND version = 1`).Scan(&n), svc)
+		assert.Equal(t, 1, n, "recorded beside %s's table", svc)
+	}
+}
+
 // With KeepSent, published rows stay (marked sent) and are removed after
 // the window.
 func TestKeepSentRemovesRowsAfterTheWindow(t *testing.T) {

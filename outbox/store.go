@@ -81,8 +81,11 @@ func New(cfg Config) (*Store, error) {
 	if err != nil {
 		return nil, fmt.Errorf("outbox: %w", err)
 	}
-	s.series = &migrate.Series{Component: "outbox:" + cfg.Table, Schema: cfg.Schema, Migrations: migs,
-		Adopt: s.adopt}
+	s.series = &migrate.Series{Component: "outbox:" + cfg.Table, Schema: cfg.Schema,
+		// With Schema "", the versions are kept beside the table, in the
+		// schema of the search_path that holds it or will.
+		Anchor:     pgx.Identifier{cfg.Table}.Sanitize(),
+		Migrations: migs, Adopt: s.adopt}
 	s.insertSQL = `INSERT INTO ` + s.table + ` (event_id, topic, routing_key, key, type, headers, trace, body)
 SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::text[], $6::jsonb[], $7::jsonb[], $8::bytea[])`
 	return s, nil
@@ -125,9 +128,9 @@ func (s *Store) SchemaSQL() string {
 // Migrate brings the outbox table, its indexes and its notify trigger to
 // the newest schema version: the numbered migrations in migrations/, each
 // once, recorded in once_schema_versions (component "outbox:<table>") in
-// one transaction under the advisory lock every migration of the library
-// takes. It is idempotent, safe to call from many processes at once, and
-// refuses a schema a newer release migrated.
+// the table's schema, in one transaction under the advisory lock every
+// migration of the library takes. It is idempotent, safe to call from many
+// processes at once, and refuses a schema a newer release migrated.
 func (s *Store) Migrate(ctx context.Context, db interface {
 	Begin(ctx context.Context) (pgx.Tx, error)
 }) error {
