@@ -11,6 +11,7 @@ import (
 
 	"github.com/onceco/once/idempotency"
 	"github.com/onceco/once/internal/pgtest"
+	"github.com/onceco/once/outbox"
 )
 
 // Migrate is idempotent and safe from many processes at once; it creates
@@ -59,4 +60,30 @@ func TestMigrationFilesGoDownAndUp(t *testing.T) {
 	}
 	require.NoError(t, idempotency.Migrate(ctx, pool, schema), "Migrate after a tool's run")
 	assert.Equal(t, 1, count(t, pool, `SELECT count(*) FROM pg_tables WHERE schemaname = $1 AND tablename = 'idempotency_keys'`, schema))
+}
+
+// Services that share a database each keep their tables in a schema of
+// their own, first on their search_path, with a common schema after it:
+// the schema given to Migrate is "". The schema version is recorded beside
+// the table, so each service's table is created, whatever the common
+// schema holds: the version table that another component created there was
+// taken for the store's, the first service's version recorded in it, and
+// the second service, finding its table recorded, created none (every
+// request with a key then failed).
+func TestMigrateRecordsVersionsBesideTheTableOnTheSearchPath(t *testing.T) {
+	ctx := context.Background()
+	common, pub := pgtest.Schema(t)
+	_, a := pgtest.Schema(t)
+	_, b := pgtest.Schema(t)
+	// Another component's versions in the common schema.
+	require.NoError(t, outbox.Migrate(ctx, common))
+
+	for _, svc := range []string{a, b} {
+		pool := pgtest.NewPool(t, svc+", "+pub)
+		require.NoError(t, idempotency.Migrate(ctx, pool, ""), svc)
+		assert.Equal(t, 1, count(t, pool, `SELECT count(*) FROM pg_tables WHERE schemaname = $1 AND tablename = 'idempotency_keys'`, svc),
+			"the table is in %s", svc)
+		assert.Equal(t, 1, count(t, pool, `SELECT count(*) FROM pg_tables WHERE schemaname = $1 AND tablename = 'once_schema_versions'`, svc),
+			"versions are recorded beside %s's table", svc)
+	}
 }

@@ -62,11 +62,11 @@ type Beginner interface {
 // search_path; give the schema of processed_events to keep both in one
 // place). It runs the numbered files of Migrations through the library's
 // versioned migrations: each version once, recorded in
-// once_schema_versions (component "idempotency:idempotency_keys"), in one
-// transaction under the advisory lock every migration of the library
-// takes; it is safe to call on every start and from many processes at
-// once, and it refuses a schema a newer release migrated. The schema must
-// exist.
+// once_schema_versions (component "idempotency:idempotency_keys") in the
+// table's schema, in one transaction under the advisory lock every
+// migration of the library takes; it is safe to call on every start and
+// from many processes at once, and it refuses a schema a newer release
+// migrated. The schema must exist.
 func Migrate(ctx context.Context, db Beginner, schema string) error {
 	series, err := newSeries(schema)
 	if err != nil {
@@ -88,8 +88,11 @@ func newSeries(schema string) (*migrate.Series, error) {
 		return nil, fmt.Errorf("idempotency: %w", err)
 	}
 	return &migrate.Series{
-		Component:  "idempotency:" + Table,
-		Schema:     schema,
+		Component: "idempotency:" + Table,
+		Schema:    schema,
+		// With schema "", the versions are kept beside the table, in the
+		// schema of the search_path that holds it or will.
+		Anchor:     pgx.Identifier{Table}.Sanitize(),
 		SearchPath: true, // the files name the table unqualified
 		Migrations: migrations,
 		Adopt: func(ctx context.Context, tx pgx.Tx) (int, error) {
