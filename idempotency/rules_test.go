@@ -406,6 +406,46 @@ SELECT 'big', 'old-' || i, 201, now() - interval '1 day' FROM generate_series(1,
 	assert.Equal(t, 10, count(t, pool, `SELECT count(*) FROM effects`), "no request ran twice")
 }
 
+// A table made by hand without a unique key on (scope, idempotency_key),
+// as one partitioned by creation time must be (PostgreSQL wants the
+// partition key in every unique key, so the key becomes (scope,
+// idempotency_key, created_at)), takes every claim: Migrate adopts any
+// table of the name, and the claim's ON CONFLICT without a target found
+// no conflict, so a retry of a completed request ran its handler again.
+// The claim names its key now, and such a table is refused at each
+// request (500) rather than a request ever running twice.
+func TestTableWithoutTheKeyNeverRunsARequestTwice(t *testing.T) {
+	pool, schema := pgtest.Schema(t)
+	ctx := context.Background()
+	_, err := pool.Exec(ctx, `CREATE TABLE idempotency_keys (
+    scope           text        NOT NULL,
+    idempotency_key text        NOT NULL,
+    fingerprint     bytea,
+    method          text        NOT NULL DEFAULT '',
+    path            text        NOT NULL DEFAULT '',
+    status          integer     NOT NULL DEFAULT 0,
+    header          jsonb       NOT NULL DEFAULT '{}',
+    body            bytea       NOT NULL DEFAULT '',
+    created_at      timestamptz NOT NULL DEFAULT now(),
+    expires_at      timestamptz NOT NULL,
+    PRIMARY KEY (scope, idempotency_key, created_at)
+) PARTITION BY RANGE (created_at);
+CREATE TABLE idempotency_keys_all PARTITION OF idempotency_keys DEFAULT;
+CREATE TABLE effects (id bigserial PRIMARY KEY, key text NOT NULL, body text NOT NULL)`)
+	require.NoError(t, err)
+	require.NoError(t, idempotency.Migrate(ctx, pool, schema))
+	s := serve(t, pool, schema, idempotency.Config{}, http.HandlerFunc(insertEffect))
+	ran := 0
+	for range 3 {
+		rep := s.post("/orders", "k", "b")
+		if rep.status < 500 && !rep.replayed() {
+			ran++
+		}
+	}
+	assert.LessOrEqual(t, ran, 1, "answered by the handler")
+	assert.LessOrEqual(t, count(t, pool, `SELECT count(*) FROM effects`), 1, "the handler's effects")
+}
+
 // A 5xx is not stored and its writes roll back: the retry runs and can
 // succeed. A 4xx is the answer to the request: stored and replayed.
 func TestStatusPolicy(t *testing.T) {

@@ -169,8 +169,12 @@ WHERE NOT EXISTS (SELECT 1 FROM ` + table + where + ` AND expires_at > now())`,
 		// only if it is.
 		keyHeld:       `SELECT NOT pg_try_advisory_xact_lock(hashtextextended(` + lockName + `, 0))`,
 		lockNamespace: "once.idempotency",
+		// The claim names its key: a table without a valid, immediate
+		// unique key on (scope, idempotency_key) (one made by hand, one
+		// partitioned by a column outside the key) fails every claim
+		// instead of taking the key again for each request.
 		claim: `INSERT INTO ` + table + ` (scope, idempotency_key, fingerprint, method, path, expires_at)
-VALUES ($1, $2, $3, $4, $5, now() + $6::float8 * interval '1 second') ON CONFLICT DO NOTHING`,
+VALUES ($1, $2, $3, $4, $5, now() + $6::float8 * interval '1 second') ON CONFLICT (scope, idempotency_key) DO NOTHING`,
 		lookup:        `SELECT fingerprint, status, header, body, expires_at <= now() FROM ` + table + where,
 		deleteExpired: `DELETE FROM ` + table + where + ` AND expires_at <= now()`,
 		saveResponse:  `UPDATE ` + table + ` SET status = $3, header = $4, body = $5` + where,
