@@ -25,8 +25,13 @@
 //
 //	sub, _ := fs.Sub(schemaFiles, "schema")
 //	migs, err := migrate.Load(sub, names) // names: the quoted table names the templates use
-//	series := &migrate.Series{Component: "outbox:" + table, Schema: schema, Migrations: migs}
+//	series := &migrate.Series{Component: "outbox:" + table, Schema: schema,
+//		Anchor: pgx.Identifier{table}.Sanitize(), Migrations: migs}
 //	err = series.Migrate(ctx, pool)
+//
+// Anchor, with Schema "", keeps the versions beside the component's tables
+// on the search_path; without it they go to the first version table the
+// search_path finds, which may be another schema's.
 //
 // Adopt recognises tables created before the package recorded versions;
 // Verify checks the tables' shape after the newest migration (dedup uses
