@@ -63,6 +63,15 @@ type settlement struct {
 	rejects []rejection
 }
 
+// empty reports whether there is nothing to write.
+func (s *settlement) empty() bool { return len(s.sent) == 0 && len(s.rejects) == 0 }
+
+// add appends a batch's outcome to s.
+func (s *settlement) add(sent []int64, rejects []rejection) {
+	s.sent = append(s.sent, sent...)
+	s.rejects = append(s.rejects, rejects...)
+}
+
 // relayBatch publishes batch and settles each row by its outcome:
 // confirmed rows are removed (or marked sent), rejected rows charged an
 // attempt, the rest left as they were. While the broker works on a full
@@ -79,6 +88,12 @@ type settlement struct {
 // nothing that is published, only when the rows are deleted: a relay that
 // dies before writing it leaves the rows to be published again, like a
 // crash between the broker's confirm and the delete.
+//
+// A settlement the database refused (the connection still open: read-only
+// after a failover, a full disk, a statement_timeout) is left in
+// *deferred, this batch's outcome added to it: the caller writes it again
+// before it reads the outbox, rather than read and publish the same rows
+// again for as long as the database refuses.
 func (r *Relay) relayBatch(ctx context.Context, conn *pgx.Conn, batch []Record, deferred *settlement) (ahead []Record, err error) {
 	var sent []int64
 	var rejects []rejection
@@ -111,6 +126,10 @@ func (r *Relay) relayBatch(ctx context.Context, conn *pgx.Conn, batch []Record, 
 	}
 	errs, ok := awaitPublish(ctx, published)
 	if prevErr != nil {
+		if ok {
+			s, rj, _ := sortOutcomes(publish, errs)
+			deferred.add(s, append(rj, checked...))
+		}
 		return nil, prevErr
 	}
 	if !ok {
@@ -124,6 +143,7 @@ func (r *Relay) relayBatch(ctx context.Context, conn *pgx.Conn, batch []Record, 
 		return ahead, nil
 	}
 	if err := r.settle(sctx, conn, sent, rejects); err != nil {
+		deferred.add(sent, rejects)
 		return nil, err
 	}
 	if failed != nil {
@@ -138,8 +158,8 @@ func (r *Relay) relayBatch(ctx context.Context, conn *pgx.Conn, batch []Record, 
 // settleAndFetch writes the deferred settlement, if any, and reads the
 // next batch (leaving out inflight) in one round trip. The two statements
 // run in one implicit transaction: if either fails, neither took effect,
-// and settleErr says so (the settled rows are then published again, under
-// their ids). fetchErr is the read's error when there was nothing to
+// and settleErr says so (the settlement is then left in *deferred, to be
+// written again). fetchErr is the read's error when there was nothing to
 // settle.
 //
 // Both run under settleCtx, not the relay's context: pgx closes a
@@ -149,7 +169,7 @@ func (r *Relay) relayBatch(ctx context.Context, conn *pgx.Conn, batch []Record, 
 // broker confirmed to be published again.
 func (r *Relay) settleAndFetch(settleCtx context.Context, conn *pgx.Conn, deferred *settlement, inflight []Record) (
 	next []Record, settleErr, fetchErr error) {
-	if len(deferred.sent) == 0 && len(deferred.rejects) == 0 {
+	if deferred.empty() {
 		next, fetchErr = r.fetch(settleCtx, conn, inflight)
 		return next, nil, fetchErr
 	}
@@ -165,20 +185,24 @@ func (r *Relay) settleAndFetch(settleCtx context.Context, conn *pgx.Conn, deferr
 	// A stopping relay still writes what the broker confirmed (within the
 	// bound settleCtx sets).
 	if err := conn.SendBatch(settleCtx, &b).Close(); err != nil {
+		*deferred = d
 		return nil, fmt.Errorf("settle published rows and read the next: %w", err), nil
 	}
 	r.reportSettled(settleCtx, d.sent, d.rejects, *charged)
 	return next, nil, nil
 }
 
-// settleDeferred writes a deferred settlement, if any, and clears it.
+// settleDeferred writes a deferred settlement, if any, and clears it once
+// written.
 func (r *Relay) settleDeferred(ctx context.Context, conn *pgx.Conn, deferred *settlement) error {
-	if deferred == nil || (len(deferred.sent) == 0 && len(deferred.rejects) == 0) {
+	if deferred.empty() {
 		return nil
 	}
-	d := *deferred
+	if err := r.settle(ctx, conn, deferred.sent, deferred.rejects); err != nil {
+		return err
+	}
 	*deferred = settlement{}
-	return r.settle(ctx, conn, d.sent, d.rejects)
+	return nil
 }
 
 // shutdownGrace bounds how long a stopping relay waits for the broker's

@@ -231,3 +231,49 @@ func TestRelayStopsWhileTheBrokerHangs(t *testing.T) {
 	assert.Equal(t, 1, rows(t, pool, "true"), "the unanswered row stays")
 	k.stop() // before the publisher's Close, which waits for the request in flight
 }
+
+// The database refuses the delete of a published batch while it still
+// answers reads (read-only after a failover, a full disk, a
+// statement_timeout): the relay writes that batch's settlement again until
+// the database takes it, and publishes nothing meanwhile (was: it read the
+// rows again and published them again, after each backoff, for as long as
+// the database refused: a copy of the whole batch every few seconds).
+func TestRefusedDeleteIsWrittenAgainNotPublishedAgain(t *testing.T) {
+	k := newKafka(t)
+	pool, _ := migrated(t)
+	d := k.destination(t)
+	ctx := context.Background()
+	_, err := pool.Exec(ctx, `CREATE SEQUENCE refused_deletes;
+CREATE TABLE refuse_deletes ();
+INSERT INTO refuse_deletes DEFAULT VALUES;
+CREATE FUNCTION refuse_delete() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF EXISTS (SELECT FROM refuse_deletes) THEN
+        PERFORM nextval('refused_deletes');
+        RAISE EXCEPTION 'cannot execute DELETE in a read-only transaction' USING ERRCODE = 'read_only_sql_transaction';
+    END IF;
+    RETURN NULL;
+END
+$$;
+CREATE TRIGGER refuse_delete BEFORE DELETE ON outbox FOR EACH STATEMENT EXECUTE FUNCTION refuse_delete()`)
+	require.NoError(t, err)
+	const n = 5
+	var msgs []outbox.Message
+	for i := range n {
+		msgs = append(msgs, d.msg("k", fmt.Sprint("m", i)))
+	}
+	addCommitted(t, pool, msgs...)
+
+	startRelay(t, pool, k.publisher(t), outbox.RelayConfig{PollInterval: 20 * time.Millisecond,
+		InfraBackoff: outbox.Backoff{Initial: 10 * time.Millisecond, Max: 20 * time.Millisecond}})
+	require.Eventually(t, func() bool {
+		var refused int64
+		require.NoError(t, pool.QueryRow(ctx, `SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM refused_deletes`).Scan(&refused))
+		return refused >= 5
+	}, 30*time.Second, 5*time.Millisecond, "the delete refused 5 times")
+	_, err = pool.Exec(ctx, `DELETE FROM refuse_deletes`)
+	require.NoError(t, err)
+	waitRows(t, pool, "true", 0, 30*time.Second)
+	got := d.read(t, n)
+	assert.Equal(t, n, len(got), "each row published once: %v", bodies(got))
+}

@@ -300,7 +300,8 @@ func (r *Relay) lead(ctx context.Context, conn *pgx.Conn, notified *atomic.Bool)
 	var ahead []Record
 	// deferred is the last batch's settlement when relayBatch left it to
 	// be written during the next publish (which it then returned rows
-	// for); it is written before the relay waits or stops.
+	// for), or one the database refused; it is written before the relay
+	// reads the outbox again, waits or stops.
 	var deferred settlement
 	defer func() {
 		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
@@ -313,7 +314,14 @@ func (r *Relay) lead(ctx context.Context, conn *pgx.Conn, notified *atomic.Bool)
 		batch, err := ahead, error(nil)
 		ahead = nil
 		if batch == nil {
-			batch, err = r.fetch(ctx, conn, nil)
+			// A settlement the database refused is written first: its rows
+			// are still in the outbox, and would be published again.
+			sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+			err = r.settleDeferred(sctx, conn, &deferred)
+			cancel()
+			if err == nil {
+				batch, err = r.fetch(ctx, conn, nil)
+			}
 		}
 		if err == nil && len(batch) > 0 {
 			ahead, err = r.relayBatch(ctx, conn, batch, &deferred)
