@@ -316,9 +316,11 @@ func (r *Relay) lead(ctx context.Context, conn *pgx.Conn, notified *atomic.Bool)
 		if batch == nil {
 			// A settlement the database refused is written first: its rows
 			// are still in the outbox, and would be published again.
-			sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
-			err = r.settleDeferred(sctx, conn, &deferred)
-			cancel()
+			if !deferred.empty() {
+				sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+				err = r.settleDeferred(sctx, conn, &deferred)
+				cancel()
+			}
 			if err == nil {
 				batch, err = r.fetch(ctx, conn, nil)
 			}
