@@ -14,6 +14,7 @@ import (
 
 	"github.com/onceco/once/consumer"
 	"github.com/onceco/once/internal/backoff"
+	"github.com/onceco/once/internal/kafkarefusal"
 )
 
 // ErrRevoked is returned by Ack and DeadLetter when the delivery's partition
@@ -86,14 +87,25 @@ var (
 // set). While none of Brokers can be reached it tries again with backoff
 // (Config.ReconnectMinBackoff to ReconnectMaxBackoff), logging each
 // failure, until ctx is done; then it returns the last failure. It returns
-// at once an error naming the field for an invalid Config, and
-// ErrDeadLetterTopicMissing naming the first missing dead-letter topic.
-// ctx bounds Open only, not the Source.
+// at once an error naming the field for an invalid Config,
+// ErrDeadLetterTopicMissing naming the first missing dead-letter topic,
+// and a broker's refusal of the Sarama settings, naming the broker and
+// what it refused: a failed TLS handshake (a certificate not trusted or
+// not presented; Net.TLS) or SASL authentication (a mechanism the broker
+// does not offer, wrong credentials; Net.SASL). A broker that closes the
+// connection without saying why (as one does when a client that should
+// authenticate does not) cannot be told from one that is down, and is
+// retried. ctx bounds Open only, not the Source.
 //
 // The Source joins the group at the first Receive. After that, lost
 // connections and rebalances are absorbed: Receive keeps blocking while the
 // Source reconnects and rejoins, and the problems are logged to
-// Config.Logger.
+// Config.Logger. A refusal met on a later connection (the credentials
+// changed on the cluster, a certificate expired) is retried and logged the
+// same way, with the error sarama reports: the settings worked once, so it is
+// more likely a change on the cluster's side, and the consumer resumes
+// without a restart when the change is undone, where a Source that
+// stopped would take the whole consumer down until someone restarts it.
 func Open(ctx context.Context, cfg Config) (*Source, error) {
 	cfg = cfg.withDefaults()
 	if err := cfg.validate(); err != nil {
@@ -104,6 +116,13 @@ func Open(ctx context.Context, cfg Config) (*Source, error) {
 		s, err := connect(cfg)
 		if err == nil || !unreachable(err) {
 			return s, err
+		}
+		// sarama reports a broker refusing the TLS or SASL settings as
+		// one that cannot be reached, and retrying cannot help.
+		if cc, cerr := cfg.consumerConfig(); cerr == nil {
+			if r := kafkarefusal.Probe(ctx, cfg.Brokers, cc); r != nil {
+				return nil, fmt.Errorf("kafka: %w", r)
+			}
 		}
 		wait := retry.Delay()
 		cfg.Logger.WarnContext(ctx, "once/kafka: cannot reach the brokers; retrying",

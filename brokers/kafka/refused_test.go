@@ -1,0 +1,119 @@
+package kafka
+
+import (
+	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"math/big"
+	"net"
+	"testing"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"github.com/twmb/franz-go/pkg/kfake"
+)
+
+// selfSigned returns a certificate for 127.0.0.1 signed by itself.
+func selfSigned(t *testing.T, cn string) tls.Certificate {
+	t.Helper()
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	require.NoError(t, err)
+	tmpl := &x509.Certificate{
+		SerialNumber: big.NewInt(1),
+		Subject:      pkix.Name{CommonName: cn},
+		NotBefore:    time.Now().Add(-time.Hour),
+		NotAfter:     time.Now().Add(time.Hour),
+		IPAddresses:  []net.IP{net.IPv4(127, 0, 0, 1)},
+		KeyUsage:     x509.KeyUsageDigitalSignature | x509.KeyUsageCertSign,
+		ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth},
+		IsCA:         true, BasicConstraintsValid: true,
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
+	require.NoError(t, err)
+	leaf, err := x509.ParseCertificate(der)
+	require.NoError(t, err)
+	return tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key, Leaf: leaf}
+}
+
+type staticToken string
+
+func (s staticToken) Token() (*sarama.AccessToken, error) {
+	return &sarama.AccessToken{Token: string(s)}, nil
+}
+
+// A broker that refuses the client's configuration (a SASL mechanism it
+// does not offer, a certificate the client does not trust, a client
+// certificate missing) refuses it on every attempt: Open returns that
+// refusal at once, naming it, instead of retrying it as brokers that
+// cannot be reached until ctx ends. (A wrong password is not among the
+// cases: kfake closes the connection where Apache Kafka answers
+// SASL_AUTHENTICATION_FAILED, which sarama returns and Open never
+// retried.)
+func TestOpenReturnsARefusalAtOnce(t *testing.T) {
+	server := selfSigned(t, "broker")
+	roots := x509.NewCertPool()
+	roots.AddCert(server.Leaf)
+	client := selfSigned(t, "client")
+	clientCAs := x509.NewCertPool()
+	clientCAs.AddCert(client.Leaf)
+
+	for _, tc := range []struct {
+		name   string
+		opts   []kfake.Opt
+		client func(sc *sarama.Config)
+		want   string
+	}{{
+		name: "SASL mechanism not offered",
+		opts: []kfake.Opt{kfake.EnableSASL(), kfake.Superuser("PLAIN", "svc", "s3cret-pw")},
+		client: func(sc *sarama.Config) {
+			sc.Net.SASL.Enable = true
+			sc.Net.SASL.Mechanism = sarama.SASLTypeOAuth
+			sc.Net.SASL.TokenProvider = staticToken("s3cret-token")
+		},
+		want: "SASL",
+	}, {
+		name: "untrusted certificate",
+		opts: []kfake.Opt{kfake.TLS(&tls.Config{Certificates: []tls.Certificate{server}})},
+		client: func(sc *sarama.Config) {
+			sc.Net.TLS.Enable = true
+			sc.Net.TLS.Config = &tls.Config{} // the system roots
+		},
+		want: "certificate",
+	}, {
+		name: "client certificate missing",
+		opts: []kfake.Opt{kfake.TLS(&tls.Config{Certificates: []tls.Certificate{server},
+			ClientAuth: tls.RequireAndVerifyClientCert, ClientCAs: clientCAs})},
+		client: func(sc *sarama.Config) {
+			sc.Net.TLS.Enable = true
+			sc.Net.TLS.Config = &tls.Config{RootCAs: roots}
+		},
+		want: "certificate",
+	}} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			c := newCluster(t, append(tc.opts, kfake.SeedTopics(1, "orders", "orders.dlq"))...)
+			sc := saramaConfig()
+			tc.client(sc)
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			src, err := Open(ctx, Config{Brokers: c.addrs, Group: "g", Topics: []string{"orders"}, Sarama: sc,
+				Logger: testLogger(), ReconnectMinBackoff: 10 * time.Millisecond, ReconnectMaxBackoff: 50 * time.Millisecond})
+			if src != nil {
+				_ = src.Close()
+			}
+			require.Error(t, err)
+			t.Log(err)
+			assert.NoError(t, ctx.Err(), "the refusal was retried until the context ended: %v", err)
+			assert.Contains(t, err.Error(), tc.want)
+			assert.Contains(t, err.Error(), c.addrs[0], "the error names the broker that refused")
+			assert.NotContains(t, err.Error(), "unreachable")
+			assert.NotContains(t, err.Error(), "s3cret")
+		})
+	}
+}

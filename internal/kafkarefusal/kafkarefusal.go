@@ -1,0 +1,115 @@
+// Package kafkarefusal tells a broker that refuses a client's
+// configuration (its TLS or SASL settings) from one that cannot be
+// reached. sarama takes both for brokers that are down: a failed TLS
+// handshake becomes "run out of available brokers" with the handshake's
+// error appended, and a SASL mechanism the broker does not offer loses
+// even that. Retrying a refusal never helps, so the clients of this module
+// probe the brokers when they find none reachable, and return a refusal at
+// once.
+package kafkarefusal
+
+import (
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"errors"
+	"fmt"
+	"net"
+
+	"github.com/IBM/sarama"
+	"github.com/rcrowley/go-metrics"
+)
+
+// Error is a broker's refusal of the client's configuration.
+type Error struct {
+	// Broker is the address of the broker that refused.
+	Broker string
+	// What was refused: "TLS" (the handshake failed: a certificate not
+	// trusted or not presented, TLS to a port that speaks none) or "SASL"
+	// (the mechanism is not offered, or the credentials are wrong).
+	What string
+	// Err is the refusal as the client library reported it.
+	Err error
+}
+
+func (e *Error) Error() string {
+	field := "Net.TLS"
+	if e.What == "SASL" {
+		field = "Net.SASL"
+	}
+	return fmt.Sprintf("broker %s refused the %s settings (sarama Config.%s): %v", e.Broker, e.What, field, e.Err)
+}
+
+func (e *Error) Unwrap() error { return e.Err }
+
+// Classify returns the refusal err is, coming from broker, or nil when
+// err may be a broker that cannot be reached (or something else).
+func Classify(broker string, err error) *Error {
+	if err == nil {
+		return nil
+	}
+	var kerr sarama.KError
+	if errors.As(err, &kerr) {
+		switch kerr {
+		case sarama.ErrSASLAuthenticationFailed, sarama.ErrUnsupportedSASLMechanism, sarama.ErrIllegalSASLState:
+			return &Error{Broker: broker, What: "SASL", Err: err}
+		}
+	}
+	var (
+		verify   *tls.CertificateVerificationError
+		unknown  x509.UnknownAuthorityError
+		hostname x509.HostnameError
+		invalid  x509.CertificateInvalidError
+		header   tls.RecordHeaderError
+		op       *net.OpError
+	)
+	switch {
+	case errors.As(err, &verify), errors.As(err, &unknown), errors.As(err, &hostname), errors.As(err, &invalid),
+		errors.As(err, &header),
+		// An alert the broker sent: crypto/tls reports it so, e.g.
+		// "remote error: tls: certificate required".
+		errors.As(err, &op) && op.Op == "remote error":
+		return &Error{Broker: broker, What: "TLS", Err: err}
+	}
+	return nil
+}
+
+// Probe connects to each of brokers with sc, as sarama does (TLS and SASL
+// included), and returns the first refusal of the configuration; nil when
+// no broker refused it (every one reachable and satisfied, or
+// unreachable), or when ctx ended first. It never modifies sc.
+func Probe(ctx context.Context, brokers []string, sc *sarama.Config) *Error {
+	results := make(chan *Error, len(brokers))
+	for _, addr := range brokers {
+		go func() { results <- probe(addr, sc) }()
+	}
+	for range brokers {
+		select {
+		case r := <-results:
+			if r != nil {
+				return r
+			}
+		case <-ctx.Done():
+			return nil
+		}
+	}
+	return nil
+}
+
+// probe opens one connection to addr and asks for its API versions.
+func probe(addr string, base *sarama.Config) *Error {
+	sc := *base
+	sc.MetricRegistry = metrics.NewRegistry()
+	b := sarama.NewBroker(addr)
+	if err := b.Open(&sc); err != nil {
+		return nil // a config sarama refuses: the caller's connect said so already
+	}
+	defer func() { _ = b.Close() }()
+	connected, err := b.Connected() // waits for the handshakes
+	if err == nil && connected {
+		// The TLS handshake runs at the first request; sarama goes on
+		// after a failed API versions request when SASL is off.
+		_, err = b.ApiVersions(&sarama.ApiVersionsRequest{})
+	}
+	return Classify(addr, err)
+}
