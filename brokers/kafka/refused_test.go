@@ -117,3 +117,28 @@ func TestOpenReturnsARefusalAtOnce(t *testing.T) {
 		})
 	}
 }
+
+// A TLS client at a port that speaks no TLS can meet a peer that waits
+// for the rest of what it took for a request (kfake does; so does any
+// listener that accepts and then says nothing): every attempt then lasts
+// sarama's timeouts (30 s per read, per metadata retry). Open returns when
+// its ctx ends, as documented, not minutes later.
+func TestOpenReturnsWhenCtxEndsDuringAnAttempt(t *testing.T) {
+	t.Parallel()
+	c := newCluster(t, kfake.SeedTopics(1, "orders", "orders.dlq"))
+	sc := saramaConfig()
+	sc.Net.TLS.Enable = true
+	sc.Net.TLS.Config = &tls.Config{InsecureSkipVerify: true}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	start := time.Now()
+	src, err := Open(ctx, Config{Brokers: c.addrs, Group: "g", Topics: []string{"orders"}, Sarama: sc, Logger: testLogger()})
+	elapsed := time.Since(start)
+	if src != nil {
+		_ = src.Close()
+	}
+	require.Error(t, err)
+	t.Log(err)
+	assert.ErrorIs(t, err, context.DeadlineExceeded)
+	assert.Less(t, elapsed, 5*time.Second, "Open outlived its context")
+}

@@ -112,8 +112,15 @@ func Open(ctx context.Context, cfg Config) (*Source, error) {
 		return nil, err
 	}
 	retry := backoff.Retrier{Policy: backoff.Policy{Initial: cfg.ReconnectMinBackoff, Max: cfg.ReconnectMaxBackoff}}
+	var lastErr error
 	for {
-		s, err := connect(cfg)
+		s, err := connectWithin(ctx, cfg)
+		if errors.Is(err, errAttemptGivenUp) {
+			if lastErr == nil {
+				return nil, fmt.Errorf("kafka: connect: %w (the first attempt had not finished)", context.Cause(ctx))
+			}
+			return nil, fmt.Errorf("kafka: brokers unreachable until the context ended (%w): %w", context.Cause(ctx), lastErr)
+		}
 		if err == nil || !unreachable(err) {
 			return s, err
 		}
@@ -124,6 +131,7 @@ func Open(ctx context.Context, cfg Config) (*Source, error) {
 				return nil, fmt.Errorf("kafka: %w", r)
 			}
 		}
+		lastErr = err
 		wait := retry.Delay()
 		cfg.Logger.WarnContext(ctx, "once/kafka: cannot reach the brokers; retrying",
 			"group", cfg.Group, "error", err, "backoff", wait)
@@ -131,6 +139,38 @@ func Open(ctx context.Context, cfg Config) (*Source, error) {
 			return nil, fmt.Errorf("kafka: brokers unreachable until the context ended (%w): %w", context.Cause(ctx), err)
 		}
 	}
+}
+
+// errAttemptGivenUp is connectWithin's error when ctx ended first.
+var errAttemptGivenUp = errors.New("kafka: connection attempt given up")
+
+// connectWithin runs connect aside and waits for it until ctx ends; it
+// then returns errAttemptGivenUp, and the Source the attempt may still
+// make is closed. An attempt at brokers that accept connections and then
+// say nothing (a TLS client at a port that speaks none, a network
+// dropping packets) lasts sarama's timeouts, 30 s per read and per
+// metadata retry: minutes that Open's ctx must not wait.
+func connectWithin(ctx context.Context, cfg Config) (*Source, error) {
+	type result struct {
+		s   *Source
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		s, err := connect(cfg)
+		done <- result{s, err}
+	}()
+	select {
+	case r := <-done:
+		return r.s, r.err
+	case <-ctx.Done():
+	}
+	go func() {
+		if r := <-done; r.s != nil {
+			_ = r.s.Close()
+		}
+	}()
+	return nil, errAttemptGivenUp
 }
 
 // unreachable reports whether err from connect means that no broker could
