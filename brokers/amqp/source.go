@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strings"
 	"sync"
 	"time"
 
@@ -15,6 +16,7 @@ import (
 
 	"github.com/onceco/once/consumer"
 	"github.com/onceco/once/internal/backoff"
+	"github.com/onceco/once/internal/tlsfail"
 )
 
 // instrumentationName names the OpenTelemetry meter of this package.
@@ -69,9 +71,12 @@ type Source struct {
 // Open validates cfg, connects to the broker, declares (or, with
 // Config.Passive, checks) the topology and starts consuming. A broker that
 // cannot be reached is retried with backoff until ctx is done; an error the
-// broker gives for the configuration itself (access refused, a missing
-// queue in passive mode, a queue declared with other arguments) is returned
-// at once. Config errors name the offending field.
+// broker gives for the configuration itself (access refused: wrong
+// credentials, no access to the vhost, no permission on the queue; a
+// missing queue in passive mode, a queue declared with other arguments)
+// and a TLS handshake that fails for the configuration (a certificate not
+// trusted or not presented, an amqps URL at a port that speaks plain AMQP)
+// are returned at once. Config errors name the offending field.
 func Open(ctx context.Context, cfg Config) (*Source, error) {
 	cfg, err := cfg.withDefaults()
 	if err != nil {
@@ -310,9 +315,12 @@ func (s *Source) attempt(ctx context.Context) (*session, error) {
 }
 
 // isConfigError reports whether err is the broker's verdict on the
-// configuration (credentials, permissions, topology), which retrying does
-// not change.
+// configuration (credentials, permissions, topology, TLS), which retrying
+// does not change.
 func isConfigError(err error) bool {
+	if tlsRefused(err) {
+		return true
+	}
 	if errors.Is(err, amqp091.ErrSASL) || errors.Is(err, amqp091.ErrCredentials) || errors.Is(err, amqp091.ErrVhost) {
 		return true
 	}
@@ -393,9 +401,27 @@ func dial(cfg *Config, name string) (*amqp091.Connection, error) {
 		Dial:            amqp091.DefaultDial(cfg.DialTimeout),
 	})
 	if err != nil {
+		if tlsRefused(err) {
+			return nil, fmt.Errorf("amqp: dial %s: TLS handshake failed (Config.TLSConfig, or an amqps URL at a port that speaks plain AMQP): %w",
+				redactURL(cfg.URL), redactErr(err, cfg.URL))
+		}
 		return nil, fmt.Errorf("amqp: dial %s: %w", redactURL(cfg.URL), redactErr(err, cfg.URL))
 	}
 	return conn, nil
+}
+
+// tlsRefused reports whether err is a TLS handshake that failed for what
+// the source and the broker are configured with, which fails again on
+// every attempt. amqp091 returns the handshake's own error, except for an
+// alert the broker sends once the handshake is over (TLS 1.3 refuses a
+// missing client certificate so), which it reports as a frame error
+// carrying only the read error's text.
+func tlsRefused(err error) bool {
+	if tlsfail.Refused(err) {
+		return true
+	}
+	var ae *amqp091.Error
+	return errors.As(err, &ae) && !ae.Server && ae.Code == amqp091.FrameError && strings.HasPrefix(ae.Reason, "remote error: tls: ")
 }
 
 // watch cancels the session's context when its connection or consuming

@@ -10,6 +10,7 @@ import (
 	"crypto/x509/pkix"
 	"math/big"
 	"net"
+	"net/url"
 	"testing"
 	"time"
 
@@ -172,4 +173,83 @@ func selfSignedFor(t *testing.T, cn, host string) tls.Certificate {
 	leaf, err := x509.ParseCertificate(der)
 	require.NoError(t, err)
 	return tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key, Leaf: leaf}
+}
+
+// tlsListener serves TLS with cfg and closes every connection after the
+// handshake: its address, and whether the handshake was reached.
+func tlsListener(t *testing.T, cfg *tls.Config) string {
+	t.Helper()
+	ln, err := tls.Listen("tcp", "127.0.0.1:0", cfg)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				_ = c.(*tls.Conn).Handshake()
+				buf := make([]byte, 64)
+				_, _ = c.Read(buf) // TLS 1.3 sends its verdict on the client certificate after the handshake
+				_ = c.Close()
+			}()
+		}
+	}()
+	return ln.Addr().String()
+}
+
+// A TLS handshake that fails for what the two sides are configured with
+// (a certificate not trusted, a client certificate missing, amqps to a
+// port that speaks plain AMQP) fails on every attempt: Open returns it at
+// once, saying it is TLS, instead of retrying it as a broker that cannot
+// be reached until ctx ends.
+func TestOpenReturnsATLSRefusalAtOnce(t *testing.T) {
+	t.Parallel()
+	server, client := selfSigned(t, "test-server"), selfSigned(t, "test-client")
+	roots := x509.NewCertPool()
+	roots.AddCert(server.Leaf)
+	clientCAs := x509.NewCertPool()
+	clientCAs.AddCert(client.Leaf)
+	plain, err := url.Parse(brokerURL(t))
+	require.NoError(t, err)
+	plain.Scheme = "amqps"
+
+	for _, tc := range []struct {
+		name string
+		url  string
+		tls  *tls.Config
+		want string
+	}{{
+		name: "untrusted certificate",
+		url:  "amqps://guest:s3cret@" + tlsListener(t, &tls.Config{Certificates: []tls.Certificate{server}}) + "/",
+		want: "certificate",
+	}, {
+		name: "client certificate missing",
+		url: "amqps://guest:s3cret@" + tlsListener(t, &tls.Config{Certificates: []tls.Certificate{server},
+			ClientAuth: tls.RequireAndVerifyClientCert, ClientCAs: clientCAs}) + "/",
+		tls:  &tls.Config{RootCAs: roots},
+		want: "certificate required",
+	}, {
+		name: "amqps to a plain AMQP port",
+		url:  plain.String(),
+		want: "does not look like a TLS handshake",
+	}} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+			defer cancel()
+			src, err := amqp.Open(ctx, amqp.Config{URL: tc.url, Queue: "q", TLSConfig: tc.tls, Logger: testLogger(t),
+				ReconnectMinBackoff: 10 * time.Millisecond, ReconnectMaxBackoff: 50 * time.Millisecond})
+			if src != nil {
+				_ = src.Close()
+			}
+			require.Error(t, err)
+			t.Log(err)
+			assert.NoError(t, ctx.Err(), "the refusal was retried until the context ended: %v", err)
+			assert.Contains(t, err.Error(), tc.want)
+			assert.Contains(t, err.Error(), "TLS handshake")
+			assert.NotContains(t, err.Error(), "s3cret")
+		})
+	}
 }

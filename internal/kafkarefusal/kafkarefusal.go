@@ -10,14 +10,13 @@ package kafkarefusal
 
 import (
 	"context"
-	"crypto/tls"
-	"crypto/x509"
 	"errors"
 	"fmt"
-	"net"
 
 	"github.com/IBM/sarama"
 	"github.com/rcrowley/go-metrics"
+
+	"github.com/onceco/once/internal/tlsfail"
 )
 
 // Error is a broker's refusal of the client's configuration.
@@ -55,20 +54,7 @@ func Classify(broker string, err error) *Error {
 			return &Error{Broker: broker, What: "SASL", Err: err}
 		}
 	}
-	var (
-		verify   *tls.CertificateVerificationError
-		unknown  x509.UnknownAuthorityError
-		hostname x509.HostnameError
-		invalid  x509.CertificateInvalidError
-		header   tls.RecordHeaderError
-		op       *net.OpError
-	)
-	switch {
-	case errors.As(err, &verify), errors.As(err, &unknown), errors.As(err, &hostname), errors.As(err, &invalid),
-		errors.As(err, &header),
-		// An alert the broker sent: crypto/tls reports it so, e.g.
-		// "remote error: tls: certificate required".
-		errors.As(err, &op) && op.Op == "remote error":
+	if tlsfail.Refused(err) {
 		return &Error{Broker: broker, What: "TLS", Err: err}
 	}
 	return nil
