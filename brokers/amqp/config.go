@@ -181,7 +181,8 @@ type Config struct {
 	// ReconnectMinBackoff is the wait before the second attempt to
 	// reconnect (the first is immediate). It doubles after each failed
 	// attempt, with jitter, up to ReconnectMaxBackoff. Defaults 100ms and
-	// 10s. The source retries for as long as Receive's context allows.
+	// 10s. The source retries for as long as Receive's context allows,
+	// also when the broker refuses a reconnect (see Open).
 	ReconnectMinBackoff time.Duration
 	// ReconnectMaxBackoff caps the wait between reconnect attempts.
 	ReconnectMaxBackoff time.Duration

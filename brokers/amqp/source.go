@@ -77,6 +77,18 @@ type Source struct {
 // and a TLS handshake that fails for the configuration (a certificate not
 // trusted or not presented, an amqps URL at a port that speaks plain AMQP)
 // are returned at once. Config errors name the offending field.
+//
+// Once connected, the source reconnects after a lost connection with
+// backoff, for as long as Receive's context allows, and it does so too
+// when the broker refuses it on a reconnect (the password changed or the
+// permissions revoked on the broker, a certificate expired): the same
+// Config was accepted before, so the change was made on the broker's side,
+// where undoing it lets the source resume without a restart, whereas a
+// source that stopped would take its consumer down and be refused again
+// when restarted with the same Config. Such a refusal is logged at level
+// Error, as the broker refusing the configuration with its reason, not as
+// a broker that cannot be reached; Close (or Receive's context) ends the
+// retrying.
 func Open(ctx context.Context, cfg Config) (*Source, error) {
 	cfg, err := cfg.withDefaults()
 	if err != nil {
@@ -253,7 +265,14 @@ func (s *Source) reconnect(ctx context.Context) (*session, error) {
 		}
 		lastErr = err
 		wait := retry.Delay()
-		s.log.Warn("amqp: cannot connect to the broker; retrying", "attempt", attempt, "retry_in", wait.Round(time.Millisecond), "error", err)
+		if isConfigError(err) {
+			// Connected before with the same configuration: changed on the
+			// broker's side, and fixed there (see Open).
+			s.log.Error("amqp: the broker refuses the source's credentials, permissions, TLS settings or topology; retrying until that is fixed on the broker or the source is closed",
+				"attempt", attempt, "retry_in", wait.Round(time.Millisecond), "error", err)
+		} else {
+			s.log.Warn("amqp: cannot connect to the broker; retrying", "attempt", attempt, "retry_in", wait.Round(time.Millisecond), "error", err)
+		}
 		t := time.NewTimer(wait)
 		select {
 		case <-ctx.Done():

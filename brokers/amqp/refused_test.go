@@ -1,0 +1,142 @@
+package amqp_test
+
+import (
+	"context"
+	"log/slog"
+	"net/url"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/brokers/amqp"
+)
+
+// logRecords is a slog.Handler handing every record to a channel.
+type logRecords chan slog.Record
+
+func (h logRecords) Enabled(context.Context, slog.Level) bool { return true }
+func (h logRecords) Handle(_ context.Context, r slog.Record) error {
+	select {
+	case h <- r.Clone():
+	default:
+	}
+	return nil
+}
+func (h logRecords) WithAttrs([]slog.Attr) slog.Handler { return h }
+func (h logRecords) WithGroup(string) slog.Handler      { return h }
+
+// awaitLog waits for a record of level at least level whose message
+// holds msg, and returns its "error" attribute.
+func awaitLog(t *testing.T, logs logRecords, level slog.Level, msg string) string {
+	t.Helper()
+	timeout := time.After(20 * time.Second)
+	var seen []string
+	for {
+		select {
+		case r := <-logs:
+			seen = append(seen, r.Level.String()+" "+r.Message)
+			if r.Level >= level && strings.Contains(r.Message, msg) {
+				var errText string
+				r.Attrs(func(a slog.Attr) bool {
+					if a.Key == "error" {
+						errText = a.Value.String()
+					}
+					return true
+				})
+				return errText
+			}
+		case <-timeout:
+			t.Fatalf("no %v record %q; saw %q", level, msg, seen)
+		}
+	}
+}
+
+// A user who cannot log in to a RabbitMQ node (wrong password, no access
+// to the vhost, no permission on the queue) is refused by Open at once.
+// When the refusal comes on a later reconnect of a running source (the
+// password changed, the permissions revoked on the node), the source keeps
+// retrying, because the fix is made on the node and it then resumes
+// without a restart; but it logs the refusal as an error saying that the
+// broker refuses the configuration, not as a broker that cannot be
+// reached.
+func TestRefusedCredentials(t *testing.T) {
+	n := privateNode(t)
+	n.ctl(t, "add_user", "svc", "pw-right")
+	n.ctl(t, "set_permissions", "-p", "/", "svc", ".*", ".*", ".*")
+	n.ctl(t, "add_user", "novhost", "pw-novhost")
+	n.ctl(t, "add_user", "noqueue", "pw-noqueue")
+	n.ctl(t, "set_permissions", "-p", "/", "noqueue", "^$", "^$", "^$")
+	as := func(user, pw string) string {
+		u, err := url.Parse(n.url)
+		require.NoError(t, err)
+		u.User = url.UserPassword(user, pw)
+		return u.String()
+	}
+	q := queueName(t)
+
+	t.Run("at Open", func(t *testing.T) {
+		for _, tc := range []struct{ name, url, want, secret string }{
+			{"wrong password", as("svc", "pw-wrong"), "username or password not allowed", "pw-wrong"},
+			{"no access to the vhost", as("novhost", "pw-novhost"), "access to vhost '/' refused", "pw-novhost"},
+			{"no permission on the queue", as("noqueue", "pw-noqueue"), "ACCESS_REFUSED", "pw-noqueue"},
+		} {
+			t.Run(tc.name, func(t *testing.T) {
+				ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+				defer cancel()
+				_, err := amqp.Open(ctx, amqp.Config{URL: tc.url, Queue: q, Logger: testLogger(t)})
+				require.Error(t, err)
+				t.Log(err)
+				assert.NoError(t, ctx.Err(), "the refusal was retried until the context ended")
+				assert.Contains(t, err.Error(), tc.want)
+				assert.NotContains(t, err.Error(), tc.secret)
+			})
+		}
+	})
+
+	t.Run("on a reconnect", func(t *testing.T) {
+		logs := make(logRecords, 1024)
+		src, err := amqp.Open(context.Background(), amqp.Config{URL: as("svc", "pw-right"), Queue: q,
+			ReconnectMinBackoff: 20 * time.Millisecond, ReconnectMaxBackoff: 100 * time.Millisecond,
+			Logger: slog.New(logs)})
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = src.Close() })
+		got := make(chan error, 1)
+		go func() {
+			d, err := src.Receive(context.Background())
+			if err == nil {
+				err = d.Ack(context.Background())
+			}
+			got <- err
+		}()
+
+		// The password changes on the node, and the connection drops.
+		n.ctl(t, "change_password", "svc", "pw-rotated")
+		n.ctl(t, "close_all_connections", "rotated")
+		errText := awaitLog(t, logs, slog.LevelError, "the broker refuses")
+		assert.Contains(t, errText, "username or password not allowed")
+		assert.NotContains(t, errText, "pw-right")
+
+		// The source's permissions are revoked instead.
+		n.ctl(t, "change_password", "svc", "pw-right")
+		awaitLog(t, logs, slog.LevelInfo, "reconnected")
+		n.ctl(t, "clear_permissions", "-p", "/", "svc")
+		n.ctl(t, "close_all_connections", "revoked")
+		errText = awaitLog(t, logs, slog.LevelError, "the broker refuses")
+		assert.Contains(t, errText, "refused for user 'svc'")
+
+		// Restored on the node: the source resumes.
+		n.ctl(t, "set_permissions", "-p", "/", "svc", ".*", ".*", ".*")
+		awaitLog(t, logs, slog.LevelInfo, "reconnected")
+		a := newAdminAt(t, n.url)
+		require.NoError(t, a.publish("", q, jsonMsg("ev-1", `{}`)))
+		select {
+		case err := <-got:
+			require.NoError(t, err)
+		case <-time.After(20 * time.Second):
+			t.Fatal("no delivery after the credentials were restored")
+		}
+	})
+}
