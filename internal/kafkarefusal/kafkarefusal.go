@@ -12,6 +12,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/IBM/sarama"
 	"github.com/rcrowley/go-metrics"
@@ -60,11 +61,20 @@ func Classify(broker string, err error) *Error {
 	return nil
 }
 
+// MaxProbeWait bounds how long Probe waits for the brokers' answers: a
+// refusal comes within a few round trips of the connection, and a broker
+// that has not answered by then is taken for one that cannot be reached
+// (its probe goes on in the background until sarama's timeouts).
+const MaxProbeWait = 5 * time.Second
+
 // Probe connects to each of brokers with sc, as sarama does (TLS and SASL
 // included), and returns the first refusal of the configuration; nil when
 // no broker refused it (every one reachable and satisfied, or
-// unreachable), or when ctx ended first. It never modifies sc.
+// unreachable), or when ctx ended or MaxProbeWait passed first. It never
+// modifies sc.
 func Probe(ctx context.Context, brokers []string, sc *sarama.Config) *Error {
+	ctx, cancel := context.WithTimeout(ctx, MaxProbeWait)
+	defer cancel()
 	results := make(chan *Error, len(brokers))
 	for _, addr := range brokers {
 		go func() { results <- probe(addr, sc) }()
@@ -98,4 +108,17 @@ func probe(addr string, base *sarama.Config) *Error {
 		_, err = b.ApiVersions(&sarama.ApiVersionsRequest{})
 	}
 	return Classify(addr, err)
+}
+
+// Explain returns err, or, when err says that sarama found no broker to
+// talk to (sarama.ErrOutOfBrokers) and a probe of brokers with sc finds
+// one refusing the settings, that refusal, which says why.
+func Explain(ctx context.Context, brokers []string, sc *sarama.Config, err error) error {
+	if !errors.Is(err, sarama.ErrOutOfBrokers) {
+		return err
+	}
+	if r := Probe(ctx, brokers, sc); r != nil {
+		return r
+	}
+	return err
 }

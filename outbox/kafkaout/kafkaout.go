@@ -10,6 +10,7 @@ import (
 	"github.com/rcrowley/go-metrics"
 
 	"github.com/onceco/once/internal/kafkaaddr"
+	"github.com/onceco/once/internal/kafkarefusal"
 	"github.com/onceco/once/outbox"
 )
 
@@ -112,9 +113,12 @@ func producerConfig(base *sarama.Config) *sarama.Config {
 // topic, too large, not authorised, invalid) gets an error wrapped with
 // outbox.Rejected; any other failure (no broker reachable, timeouts, not
 // enough replicas) an ordinary error, after which the producer is closed
-// and a new one (with a new producer id) is made for the next batch.
+// and a new one (with a new producer id) is made for the next batch. A
+// broker refusing the TLS or SASL settings of Config.Sarama is an ordinary
+// error too (the relay retries, and resumes once the settings or the
+// cluster are fixed), which names the broker and what it refused.
 func (p *Publisher) Publish(ctx context.Context, recs []outbox.Record) []error {
-	producer, err := p.connect()
+	producer, err := p.connect(ctx)
 	if err != nil {
 		return fill(len(recs), err)
 	}
@@ -149,7 +153,7 @@ func (p *Publisher) Publish(ctx context.Context, recs []outbox.Record) []error {
 	if unavailable {
 		p.reset()
 	} else {
-		p.resendTooLarge(recs, errs)
+		p.resendTooLarge(ctx, recs, errs)
 	}
 	return errs
 }
@@ -160,7 +164,7 @@ func (p *Publisher) Publish(ctx context.Context, recs []outbox.Record) []error {
 // batch of records it would take one by one. A record refused alone is
 // refused; the later records of its key are not sent (an ordinary error:
 // the relay holds them behind it without charging them).
-func (p *Publisher) resendTooLarge(recs []outbox.Record, errs []error) {
+func (p *Publisher) resendTooLarge(ctx context.Context, recs []outbox.Record, errs []error) {
 	var again []int
 	for i, err := range errs {
 		if errors.Is(err, sarama.ErrMessageSizeTooLarge) || errors.Is(err, sarama.ErrMessageSetSizeTooLarge) {
@@ -173,7 +177,7 @@ func (p *Publisher) resendTooLarge(recs []outbox.Record, errs []error) {
 	// A new producer: the refused batch may have left the old one's
 	// sequence numbers ahead of what the broker took.
 	p.reset()
-	producer, err := p.connect()
+	producer, err := p.connect(ctx)
 	held := map[string]bool{}
 	for _, i := range again {
 		key := ""
@@ -260,7 +264,7 @@ func isRejection(err error) bool {
 }
 
 // connect returns the producer, making one if there is none.
-func (p *Publisher) connect() (sarama.SyncProducer, error) {
+func (p *Publisher) connect(ctx context.Context) (sarama.SyncProducer, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.closed {
@@ -269,7 +273,9 @@ func (p *Publisher) connect() (sarama.SyncProducer, error) {
 	if p.producer == nil {
 		producer, err := sarama.NewSyncProducer(p.cfg.Brokers, p.sc)
 		if err != nil {
-			return nil, fmt.Errorf("kafkaout: connect: %w", err)
+			// sarama reports a broker refusing the TLS or SASL settings
+			// as no broker to talk to, without the broker's answer.
+			return nil, fmt.Errorf("kafkaout: connect: %w", kafkarefusal.Explain(ctx, p.cfg.Brokers, p.sc, err))
 		}
 		p.producer = producer
 	}

@@ -109,3 +109,37 @@ func TestNewRefusesBrokerAddressesWithoutPort(t *testing.T) {
 	_, err := New(Config{Brokers: []string{"localhost:9092", "[::1]:9093"}})
 	require.NoError(t, err)
 }
+
+type staticToken string
+
+func (s staticToken) Token() (*sarama.AccessToken, error) {
+	return &sarama.AccessToken{Token: string(s)}, nil
+}
+
+// A broker that refuses the SASL settings (here a mechanism it does not
+// offer): sarama reports it as "run out of available brokers" and drops
+// the broker's answer, so the relay's log said nothing of why. The error
+// names the broker and what it refused. (It stays an ordinary error, not
+// a rejection of the records: the relay keeps them and retries.)
+func TestPublishSaysWhatTheBrokerRefused(t *testing.T) {
+	kf, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(1, "orders"),
+		kfake.EnableSASL(), kfake.Superuser("PLAIN", "svc", "s3cret-pw"))
+	require.NoError(t, err)
+	t.Cleanup(kf.Close)
+	sc := sarama.NewConfig()
+	sc.Metadata.Retry.Max = 0
+	sc.Net.SASL.Enable = true
+	sc.Net.SASL.Mechanism = sarama.SASLTypeOAuth
+	sc.Net.SASL.TokenProvider = staticToken("s3cret-token")
+	p, err := New(Config{Brokers: kf.ListenAddrs(), Sarama: sc})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = p.Close() })
+	errs := p.Publish(t.Context(), []outbox.Record{{Seq: 1, EventID: "e-1", Topic: "orders", Body: []byte("{}")}})
+	require.Len(t, errs, 1)
+	require.Error(t, errs[0])
+	t.Log(errs[0])
+	assert.Contains(t, errs[0].Error(), "refused the SASL settings")
+	assert.Contains(t, errs[0].Error(), kf.ListenAddrs()[0])
+	assert.NotContains(t, errs[0].Error(), "s3cret")
+	assert.False(t, outbox.IsRejected(errs[0]))
+}

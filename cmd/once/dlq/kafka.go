@@ -12,6 +12,7 @@ import (
 	"github.com/onceco/once/cmd/once/internal/cut"
 	"github.com/onceco/once/consumer"
 	"github.com/onceco/once/internal/kafkaaddr"
+	"github.com/onceco/once/internal/kafkarefusal"
 )
 
 // KafkaConfig configures a Kafka dead-letter topic.
@@ -98,7 +99,7 @@ func (q *KafkaQueue) Browse(ctx context.Context, fn func(*Record) error) error {
 func (q *KafkaQueue) browse(ctx context.Context, sc *sarama.Config, fn func(*Record) error) error {
 	client, err := sarama.NewClient(q.cfg.Brokers, sc)
 	if err != nil {
-		return fmt.Errorf("dlq: connect to kafka: %w", err)
+		return fmt.Errorf("dlq: connect to kafka: %w", kafkarefusal.Explain(ctx, q.cfg.Brokers, sc, err))
 	}
 	defer client.Close()
 	parts, err := client.Partitions(q.cfg.Topic)
@@ -232,7 +233,7 @@ func (q *KafkaQueue) Replay(ctx context.Context, f Filter, opts ReplayOptions) (
 	}
 	client, err := sarama.NewClient(q.cfg.Brokers, sc)
 	if err != nil {
-		return Report{}, orCtx(ctx, fmt.Errorf("dlq: connect to kafka: %w", err))
+		return Report{}, orCtx(ctx, fmt.Errorf("dlq: connect to kafka: %w", kafkarefusal.Explain(ctx, q.cfg.Brokers, sc, err)))
 	}
 	defer client.Close()
 	prod, err := sarama.NewSyncProducerFromClient(client)

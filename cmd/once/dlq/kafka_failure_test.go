@@ -70,3 +70,32 @@ func TestNewKafkaRefusesBrokerAddressesWithoutPort(t *testing.T) {
 	_, err = dlq.NewKafka(dlq.KafkaConfig{Brokers: []string{"localhost:9092"}, Topic: "orders.dlq"})
 	require.NoError(t, err)
 }
+
+type staticToken string
+
+func (s staticToken) Token() (*sarama.AccessToken, error) {
+	return &sarama.AccessToken{Token: string(s)}, nil
+}
+
+// A broker that refuses the SASL settings (a mechanism it does not offer):
+// sarama reports "run out of available brokers" and drops the broker's
+// answer. The reader's error names the broker and what it refused.
+func TestKafkaReadSaysWhatTheBrokerRefused(t *testing.T) {
+	kf, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(1, "orders.dlq"),
+		kfake.EnableSASL(), kfake.Superuser("PLAIN", "svc", "s3cret-pw"))
+	require.NoError(t, err)
+	t.Cleanup(kf.Close)
+	sc := testenv.Sarama()
+	sc.Metadata.Retry.Max = 0
+	sc.Net.SASL.Enable = true
+	sc.Net.SASL.Mechanism = sarama.SASLTypeOAuth
+	sc.Net.SASL.TokenProvider = staticToken("s3cret-token")
+	q, err := dlq.NewKafka(dlq.KafkaConfig{Brokers: kf.ListenAddrs(), Topic: "orders.dlq", Sarama: sc})
+	require.NoError(t, err)
+	err = q.Browse(context.Background(), func(*dlq.Record) error { return nil })
+	require.Error(t, err)
+	t.Log(err)
+	assert.Contains(t, err.Error(), "refused the SASL settings")
+	assert.Contains(t, err.Error(), kf.ListenAddrs()[0])
+	assert.NotContains(t, err.Error(), "s3cret")
+}
