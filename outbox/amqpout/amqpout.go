@@ -28,7 +28,8 @@ type Config struct {
 	// URL of the broker, "amqp://user:password@host:port/vhost" or
 	// "amqps://...". Required.
 	URL string
-	// TLSConfig is used for amqps URLs. Nil: the system roots.
+	// TLSConfig is used for amqps URLs. Nil: the system roots. Set with
+	// an amqp:// URL, New refuses it (the connection would not use TLS).
 	TLSConfig *tls.Config
 	// DialTimeout bounds the TCP connect and the AMQP handshake. Default
 	// 10s.
@@ -78,10 +79,15 @@ func New(cfg Config) (*Publisher, error) {
 	if cfg.URL == "" {
 		return nil, errors.New("amqpout: Config.URL is required")
 	}
-	if _, err := amqp091.ParseURI(cfg.URL); err != nil {
+	u, err := amqp091.ParseURI(cfg.URL)
+	if err != nil {
 		// Not the parser's error: it quotes the URL, password and all.
 		return nil, errors.New("amqpout: Config.URL does not parse as amqp://user:password@host:port/vhost " +
 			"(left out here: it may hold a password); percent-encode reserved characters in the user and password")
+	}
+	if cfg.TLSConfig != nil && u.Scheme != "amqps" {
+		// amqp091 would ignore it and connect without TLS.
+		return nil, errors.New("amqpout: Config.TLSConfig is set but Config.URL is not an amqps URL: the connection would not use TLS")
 	}
 	if cfg.ConfirmTimeout < 0 || cfg.DialTimeout < 0 || cfg.Heartbeat < 0 {
 		return nil, errors.New("amqpout: Config durations must not be negative")

@@ -88,3 +88,14 @@ func TestUnparsableURLDoesNotPrintThePassword(t *testing.T) {
 		assert.NotContains(t, err.Error(), "s3cr", "the password is printed")
 	}
 }
+
+// A Config.TLSConfig with an amqp:// URL is refused, as amqp.Open refuses
+// it: amqp091 ignores it there and connects without TLS, sending the
+// password in clear text to a user who believes TLS is on.
+func TestNewRefusesTLSConfigWithoutAmqps(t *testing.T) {
+	_, err := New(Config{URL: "amqp://guest:s3cret@host/", TLSConfig: &tls.Config{}})
+	require.ErrorContains(t, err, "Config.TLSConfig")
+	assert.NotContains(t, err.Error(), "s3cret")
+	_, err = New(Config{URL: "amqps://guest:s3cret@host/", TLSConfig: &tls.Config{}})
+	require.NoError(t, err)
+}

@@ -21,7 +21,9 @@ type AMQPConfig struct {
 	// URL of the broker, "amqp://user:password@host:port/vhost" or
 	// "amqps://...". Required. The password never appears in errors.
 	URL string
-	// TLSConfig is used for amqps URLs; nil means the system roots.
+	// TLSConfig is used for amqps URLs; nil means the system roots. Set
+	// with an amqp:// URL, NewAMQP refuses it (the connection would not
+	// use TLS).
 	TLSConfig *tls.Config
 	// Queue is the dead-letter queue ("orders.dlq"). Required.
 	Queue string
@@ -43,8 +45,13 @@ func NewAMQP(cfg AMQPConfig) (*AMQPQueue, error) {
 	if cfg.URL == "" {
 		return nil, errors.New("dlq: AMQPConfig.URL is empty")
 	}
-	if _, err := amqp091.ParseURI(cfg.URL); err != nil {
+	u, err := amqp091.ParseURI(cfg.URL)
+	if err != nil {
 		return nil, fmt.Errorf("dlq: AMQPConfig.URL %s: does not parse", redact(cfg.URL))
+	}
+	if cfg.TLSConfig != nil && u.Scheme != "amqps" {
+		// amqp091 would ignore it and connect without TLS.
+		return nil, fmt.Errorf("dlq: AMQPConfig.TLSConfig is set but AMQPConfig.URL %s is not an amqps URL: the connection would not use TLS", redact(cfg.URL))
 	}
 	if cfg.Queue == "" {
 		return nil, errors.New("dlq: AMQPConfig.Queue is empty")

@@ -2,6 +2,7 @@ package dlq_test
 
 import (
 	"context"
+	"crypto/tls"
 	"strconv"
 	"sync"
 	"testing"
@@ -219,4 +220,15 @@ func TestAMQPReplayTwiceAndConcurrentlyHasOneEffectPerEvent(t *testing.T) {
 	}
 	assert.Equal(t, 1, kinds["id-conflict"], "what was not replayed stays: %v", kinds)
 	assert.GreaterOrEqual(t, kinds["handler"], 1, "always-1 came back: %v", kinds)
+}
+
+// An AMQPConfig.TLSConfig with an amqp:// URL is refused, as amqp.Open
+// refuses it: amqp091 ignores it there and connects without TLS, sending
+// the password in clear text to a user who believes TLS is on.
+func TestNewAMQPRefusesTLSConfigWithoutAmqps(t *testing.T) {
+	_, err := dlq.NewAMQP(dlq.AMQPConfig{URL: "amqp://guest:s3cret@host/", Queue: "orders.dlq", TLSConfig: &tls.Config{}})
+	require.ErrorContains(t, err, "AMQPConfig.TLSConfig")
+	assert.NotContains(t, err.Error(), "s3cret")
+	_, err = dlq.NewAMQP(dlq.AMQPConfig{URL: "amqps://guest:s3cret@host/", Queue: "orders.dlq", TLSConfig: &tls.Config{}})
+	require.NoError(t, err)
 }
