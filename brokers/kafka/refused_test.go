@@ -17,6 +17,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"github.com/twmb/franz-go/pkg/kfake"
+	"github.com/twmb/franz-go/pkg/kmsg"
 )
 
 // selfSigned returns a certificate for 127.0.0.1 signed by itself.
@@ -141,4 +142,52 @@ func TestOpenReturnsWhenCtxEndsDuringAnAttempt(t *testing.T) {
 	t.Log(err)
 	assert.ErrorIs(t, err, context.DeadlineExceeded)
 	assert.Less(t, elapsed, 5*time.Second, "Open outlived its context")
+}
+
+// A principal the cluster authenticates but does not authorize for the
+// group or a consumed topic (its ACLs are missing) was refused at every
+// join of the group, which the Source retried without end: Open
+// succeeded, and Receive blocked for ever while the warnings said
+// "consuming failed". Open returns the refusal, naming the group or topic.
+func TestOpenRefusesAPrincipalWithoutAccess(t *testing.T) {
+	allow := func(rt kmsg.ACLResourceType, name string) kfake.ACL {
+		return kfake.ACL{Resource: rt, Name: name, Pattern: kmsg.ACLResourcePatternTypeLiteral, Operation: kmsg.ACLOperationAll, Allow: true}
+	}
+	cluster := allow(kmsg.ACLResourceTypeCluster, "kafka-cluster")
+	for _, tc := range []struct {
+		name string
+		acls []kfake.ACL
+		want []string
+	}{{
+		name: "no group ACL",
+		acls: []kfake.ACL{cluster, allow(kmsg.ACLResourceTypeTopic, "orders"), allow(kmsg.ACLResourceTypeTopic, "orders.dlq")},
+		want: []string{`consumer group "g"`, "not authorized"},
+	}, {
+		name: "no topic ACL",
+		acls: []kfake.ACL{cluster, allow(kmsg.ACLResourceTypeGroup, "g"), allow(kmsg.ACLResourceTypeTopic, "orders.dlq")},
+		want: []string{`topic "orders"`, "not authorized"},
+	}} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			c := newCluster(t, kfake.EnableSASL(), kfake.EnableACLs(), kfake.Superuser("PLAIN", "admin", "admin"),
+				kfake.User("PLAIN", "svc", "s3cret-pw", tc.acls...), kfake.SeedTopics(1, "orders", "orders.dlq"))
+			sc := saramaConfig()
+			sc.Net.SASL.Enable = true
+			sc.Net.SASL.User = "svc"
+			sc.Net.SASL.Password = "s3cret-pw"
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			src, err := Open(ctx, Config{Brokers: c.addrs, Group: "g", Topics: []string{"orders"}, Sarama: sc, Logger: testLogger()})
+			if src != nil {
+				_ = src.Close()
+			}
+			require.Error(t, err)
+			t.Log(err)
+			assert.NoError(t, ctx.Err())
+			for _, w := range tc.want {
+				assert.Contains(t, err.Error(), w)
+			}
+			assert.NotContains(t, err.Error(), "s3cret")
+		})
+	}
 }

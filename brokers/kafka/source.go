@@ -89,7 +89,10 @@ var (
 // failure, until ctx is done; then it returns the last failure. It returns
 // at once an error naming the field for an invalid Config,
 // ErrDeadLetterTopicMissing naming the first missing dead-letter topic,
-// and a broker's refusal of the Sarama settings, naming the broker and
+// the cluster's refusal to authorize the client for Group or a topic of
+// Topics (its ACLs; it would refuse every join of the group), naming the
+// group or topic, and a broker's refusal of the Sarama settings, naming
+// the broker and
 // what it refused: a failed TLS handshake (a certificate not trusted or
 // not presented; Net.TLS) or SASL authentication (a mechanism the broker
 // does not offer, wrong credentials; Net.SASL). A broker that closes the
@@ -205,6 +208,11 @@ func connect(cfg Config) (*Source, error) {
 		lag.close()
 		return nil, err
 	}
+	if err := checkAccess(&cfg, dlqClient); err != nil {
+		_ = dlqClient.Close()
+		lag.close()
+		return nil, err
+	}
 	producer, err := sarama.NewSyncProducerFromClient(dlqClient)
 	if err != nil {
 		_ = dlqClient.Close()
@@ -237,6 +245,23 @@ func connect(cfg Config) (*Source, error) {
 	}
 	go s.drainErrors()
 	return s, nil
+}
+
+// checkAccess asks the cluster for the group's coordinator and for the
+// metadata of Topics, which a cluster with ACLs refuses a principal not
+// authorized for them: it would refuse every join of the group, and the
+// Source would retry the joins without end. Other failures (no
+// coordinator yet, a topic not created yet) are left to the joins.
+func checkAccess(cfg *Config, client sarama.Client) error {
+	if _, err := client.Coordinator(cfg.Group); errors.Is(err, sarama.ErrGroupAuthorizationFailed) {
+		return fmt.Errorf("kafka: consumer group %q: the cluster refuses this client access to it (a group ACL of its principal is missing): %w", cfg.Group, err)
+	}
+	for _, t := range cfg.Topics {
+		if _, err := client.Partitions(t); errors.Is(err, sarama.ErrTopicAuthorizationFailed) {
+			return fmt.Errorf("kafka: topic %q: the cluster refuses this client access to it (a topic ACL of its principal is missing): %w", t, err)
+		}
+	}
+	return nil
 }
 
 // MessagingSystem returns "kafka", the OpenTelemetry messaging.system.
