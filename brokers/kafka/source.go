@@ -87,28 +87,30 @@ var (
 // set). While none of Brokers can be reached it tries again with backoff
 // (Config.ReconnectMinBackoff to ReconnectMaxBackoff), logging each
 // failure, until ctx is done; then it returns the last failure. It returns
-// at once an error naming the field for an invalid Config,
-// ErrDeadLetterTopicMissing naming the first missing dead-letter topic,
-// the cluster's refusal to authorize the client for Group or a topic of
-// Topics (its ACLs; it would refuse every join of the group), naming the
-// group or topic, and a broker's refusal of the Sarama settings, naming
-// the broker and
-// what it refused: a failed TLS handshake (a certificate not trusted or
-// not presented; Net.TLS) or SASL authentication (a mechanism the broker
-// does not offer, wrong credentials; Net.SASL). A broker that closes the
-// connection without saying why (as one does when a client that should
-// authenticate does not) cannot be told from one that is down, and is
-// retried. ctx bounds Open only, not the Source.
+// at once:
+//   - an error naming the field for an invalid Config;
+//   - ErrDeadLetterTopicMissing naming the first missing dead-letter topic;
+//   - a broker's refusal of the Sarama settings, naming the broker and what
+//     it refused: the TLS handshake (a certificate not trusted or not
+//     presented; Net.TLS) or SASL authentication (a mechanism the broker
+//     does not offer, wrong credentials; Net.SASL);
+//   - the cluster's refusal to authorize the client for Group or a topic of
+//     Topics (its ACLs), naming the group or topic.
+//
+// A broker that closes the connection without saying why (as one does
+// when a client that should authenticate does not) cannot be told from
+// one that is down, and is retried. ctx bounds Open only, not the Source.
 //
 // The Source joins the group at the first Receive. After that, lost
 // connections and rebalances are absorbed: Receive keeps blocking while the
 // Source reconnects and rejoins, and the problems are logged to
 // Config.Logger. A refusal met on a later connection (the credentials
-// changed on the cluster, a certificate expired) is retried and logged the
-// same way, with the error sarama reports: the settings worked once, so it is
-// more likely a change on the cluster's side, and the consumer resumes
-// without a restart when the change is undone, where a Source that
-// stopped would take the whole consumer down until someone restarts it.
+// changed or the ACLs revoked on the cluster, a certificate expired) is
+// retried and logged the same way, with the error sarama reports: the
+// settings worked once, so the change is on the cluster's side, and the
+// consumer resumes without a restart when it is undone, where a Source
+// that stopped would take the whole consumer down, and be refused again
+// when restarted with the same Config.
 func Open(ctx context.Context, cfg Config) (*Source, error) {
 	cfg = cfg.withDefaults()
 	if err := cfg.validate(); err != nil {
