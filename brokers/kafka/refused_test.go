@@ -8,8 +8,11 @@ import (
 	"crypto/tls"
 	"crypto/x509"
 	"crypto/x509/pkix"
+	"io"
+	"log/slog"
 	"math/big"
 	"net"
+	"os"
 	"testing"
 	"time"
 
@@ -190,4 +193,68 @@ func TestOpenRefusesAPrincipalWithoutAccess(t *testing.T) {
 			assert.NotContains(t, err.Error(), "s3cret")
 		})
 	}
+}
+
+// A Source that consumed, and then meets a refusal (its group ACL revoked
+// on the cluster), keeps retrying, as Open's documentation says, and logs
+// the refusal as an error saying that the cluster refuses the client, not
+// as a failure to consume like any other.
+func TestARefusalAfterStartIsLoggedAsSuch(t *testing.T) {
+	allow := func(rt kmsg.ACLResourceType, name string) kfake.ACL {
+		return kfake.ACL{Resource: rt, Name: name, Pattern: kmsg.ACLResourcePatternTypeLiteral, Operation: kmsg.ACLOperationAll, Allow: true}
+	}
+	c := newCluster(t, kfake.EnableSASL(), kfake.EnableACLs(), kfake.Superuser("PLAIN", "admin", "admin"),
+		kfake.User("PLAIN", "svc", "s3cret-pw", allow(kmsg.ACLResourceTypeCluster, "kafka-cluster"),
+			allow(kmsg.ACLResourceTypeGroup, "g"), allow(kmsg.ACLResourceTypeTopic, "orders"), allow(kmsg.ACLResourceTypeTopic, "orders.dlq")),
+		kfake.SeedTopics(1, "orders", "orders.dlq"))
+	asAdmin := saramaConfig()
+	asAdmin.Net.SASL.Enable = true
+	asAdmin.Net.SASL.User, asAdmin.Net.SASL.Password = "admin", "admin"
+	sc := saramaConfig()
+	sc.Net.SASL.Enable = true
+	sc.Net.SASL.User, sc.Net.SASL.Password = "svc", "s3cret-pw"
+	refused := make(chan struct{})
+	logs := &lineCounter{match: "level=ERROR", at: 1, then: func() { close(refused) }}
+	src, err := Open(t.Context(), Config{Brokers: c.addrs, Group: "g", Topics: []string{"orders"}, Sarama: sc,
+		SessionTimeout: time.Second, HeartbeatInterval: 100 * time.Millisecond, RevokeTimeout: 100 * time.Millisecond,
+		ReconnectMinBackoff: 10 * time.Millisecond, ReconnectMaxBackoff: 100 * time.Millisecond,
+		Logger: slog.New(slog.NewTextHandler(io.MultiWriter(logs, testLogWriter()), nil))})
+	require.NoError(t, err)
+	defer src.Close()
+
+	prod, err := sarama.NewSyncProducer(c.addrs, func() *sarama.Config {
+		pc := *asAdmin
+		pc.Producer.Return.Successes = true
+		return &pc
+	}())
+	require.NoError(t, err)
+	defer prod.Close()
+	_, _, err = prod.SendMessage(&sarama.ProducerMessage{Topic: "orders", Value: sarama.StringEncoder(`{}`)})
+	require.NoError(t, err)
+	ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
+	defer cancel()
+	d, err := src.Receive(ctx)
+	require.NoError(t, err)
+	require.NoError(t, d.Ack(ctx))
+
+	admin, err := sarama.NewClusterAdmin(c.addrs, asAdmin)
+	require.NoError(t, err)
+	defer admin.Close()
+	_, err = admin.DeleteACL(sarama.AclFilter{Version: 1, ResourceType: sarama.AclResourceGroup,
+		ResourcePatternTypeFilter: sarama.AclPatternAny, Operation: sarama.AclOperationAny, PermissionType: sarama.AclPermissionAny}, false)
+	require.NoError(t, err)
+	select {
+	case <-refused:
+	case <-ctx.Done():
+		t.Fatalf("the refusal was not logged as an error")
+	}
+}
+
+// testLogWriter is where testLogger writes: stderr when ONCE_TEST_LOG is
+// set, nowhere otherwise.
+func testLogWriter() io.Writer {
+	if os.Getenv("ONCE_TEST_LOG") != "" {
+		return os.Stderr
+	}
+	return io.Discard
 }

@@ -106,8 +106,8 @@ var (
 // Source reconnects and rejoins, and the problems are logged to
 // Config.Logger. A refusal met on a later connection (the credentials
 // changed or the ACLs revoked on the cluster, a certificate expired) is
-// retried and logged the same way, with the error sarama reports: the
-// settings worked once, so the change is on the cluster's side, and the
+// retried too, and logged at level Error as the cluster refusing the
+// client, with the error sarama reports: the settings worked once, so the change is on the cluster's side, and the
 // consumer resumes without a restart when it is undone, where a Source
 // that stopped would take the whole consumer down, and be refused again
 // when restarted with the same Config.
@@ -399,12 +399,25 @@ func (s *Source) consumeLoop() {
 			continue
 		}
 		wait := retry.Delay()
-		s.cfg.Logger.Warn("once/kafka: consuming failed; retrying",
-			"group", s.cfg.Group, "error", err, "backoff", wait)
+		if refused(err) {
+			// See Open: retried, as the fix is on the cluster's side.
+			s.cfg.Logger.Error("once/kafka: the cluster refuses this client (authorization, SASL or TLS); retrying until that is fixed on the cluster or the Source is closed",
+				"group", s.cfg.Group, "error", err, "backoff", wait)
+		} else {
+			s.cfg.Logger.Warn("once/kafka: consuming failed; retrying",
+				"group", s.cfg.Group, "error", err, "backoff", wait)
+		}
 		if !backoff.Sleep(s.ctx, wait) {
 			return
 		}
 	}
+}
+
+// refused reports whether err is the cluster refusing the client: its
+// ACLs, or a broker refusing the TLS or SASL settings.
+func refused(err error) bool {
+	return errors.Is(err, sarama.ErrGroupAuthorizationFailed) || errors.Is(err, sarama.ErrTopicAuthorizationFailed) ||
+		errors.Is(err, sarama.ErrClusterAuthorizationFailed) || kafkarefusal.Classify("", err) != nil
 }
 
 // drainErrors logs the consumer group's errors: failed offset commits,
