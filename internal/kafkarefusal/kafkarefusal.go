@@ -32,6 +32,8 @@ type Error struct {
 	Err error
 }
 
+// Error names the broker, what it refused and the sarama settings that
+// configure it.
 func (e *Error) Error() string {
 	field := "Net.TLS"
 	if e.What == "SASL" {
@@ -40,6 +42,7 @@ func (e *Error) Error() string {
 	return fmt.Sprintf("broker %s refused the %s settings (sarama Config.%s): %v", e.Broker, e.What, field, e.Err)
 }
 
+// Unwrap returns the refusal as the client library reported it.
 func (e *Error) Unwrap() error { return e.Err }
 
 // Classify returns the refusal err is, coming from broker, or nil when
