@@ -21,6 +21,8 @@ import (
 	"github.com/stretchr/testify/require"
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kmsg"
+
+	"github.com/onceco/once/internal/netcut"
 )
 
 // selfSigned returns a certificate for 127.0.0.1 signed by itself.
@@ -53,7 +55,8 @@ func (s staticToken) Token() (*sarama.AccessToken, error) {
 
 // A broker that refuses the client's configuration (a SASL mechanism it
 // does not offer, a certificate the client does not trust, a client
-// certificate missing) refuses it on every attempt: Open returns that
+// certificate missing, TLS on one side only) refuses it on every attempt:
+// Open returns that
 // refusal at once, naming it, instead of retrying it as brokers that
 // cannot be reached until ctx ends. (A wrong password is not among the
 // cases: kfake closes the connection where Apache Kafka answers
@@ -98,6 +101,20 @@ func TestOpenReturnsARefusalAtOnce(t *testing.T) {
 			sc.Net.TLS.Config = &tls.Config{RootCAs: roots}
 		},
 		want: "certificate",
+	}, {
+		name: "TLS to a port without TLS",
+		client: func(sc *sarama.Config) {
+			sc.Net.TLS.Enable = true
+			sc.Net.TLS.Config = &tls.Config{RootCAs: roots}
+		},
+		want: "the port speaks Kafka without TLS",
+	}, {
+		name: "no TLS to a TLS port",
+		opts: []kfake.Opt{kfake.TLS(&tls.Config{Certificates: []tls.Certificate{server}})},
+		client: func(sc *sarama.Config) {
+			sc.Net.TLS.Enable = false
+		},
+		want: "the port speaks TLS",
 	}} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
@@ -122,21 +139,21 @@ func TestOpenReturnsARefusalAtOnce(t *testing.T) {
 	}
 }
 
-// A TLS client at a port that speaks no TLS can meet a peer that waits
-// for the rest of what it took for a request (kfake does; so does any
-// listener that accepts and then says nothing): every attempt then lasts
-// sarama's timeouts (30 s per read, per metadata retry). Open returns when
-// its ctx ends, as documented, not minutes later.
+// Brokers that accept connections and then say nothing (here a network
+// holding every byte the client sends) make each attempt last sarama's
+// timeouts (30 s per read, per metadata retry). Open returns when its ctx
+// ends, as documented, not minutes later.
 func TestOpenReturnsWhenCtxEndsDuringAnAttempt(t *testing.T) {
 	t.Parallel()
 	c := newCluster(t, kfake.SeedTopics(1, "orders", "orders.dlq"))
-	sc := saramaConfig()
-	sc.Net.TLS.Enable = true
-	sc.Net.TLS.Config = &tls.Config{InsecureSkipVerify: true}
+	p, err := netcut.NewProxy(c.addrs[0])
+	require.NoError(t, err)
+	p.Pause()
+	t.Cleanup(func() { _ = p.Close(); p.Resume() })
 	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 	defer cancel()
 	start := time.Now()
-	src, err := Open(ctx, Config{Brokers: c.addrs, Group: "g", Topics: []string{"orders"}, Sarama: sc, Logger: testLogger()})
+	src, err := Open(ctx, Config{Brokers: []string{p.Addr()}, Group: "g", Topics: []string{"orders"}, Sarama: saramaConfig(), Logger: testLogger()})
 	elapsed := time.Since(start)
 	if src != nil {
 		_ = src.Close()

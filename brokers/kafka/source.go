@@ -92,8 +92,8 @@ var (
 //   - ErrDeadLetterTopicMissing naming the first missing dead-letter topic;
 //   - a broker's refusal of the Sarama settings, naming the broker and what
 //     it refused: the TLS handshake (a certificate not trusted or not
-//     presented; Net.TLS) or SASL authentication (a mechanism the broker
-//     does not offer, wrong credentials; Net.SASL);
+//     presented, TLS on one side only; Net.TLS) or SASL authentication (a
+//     mechanism the broker does not offer, wrong credentials; Net.SASL);
 //   - the cluster's refusal to authorize the client for Group or a topic of
 //     Topics (its ACLs), naming the group or topic.
 //
@@ -152,9 +152,11 @@ var errAttemptGivenUp = errors.New("kafka: connection attempt given up")
 // connectWithin runs connect aside and waits for it until ctx ends; it
 // then returns errAttemptGivenUp, and the Source the attempt may still
 // make is closed. An attempt at brokers that accept connections and then
-// say nothing (a TLS client at a port that speaks none, a network
-// dropping packets) lasts sarama's timeouts, 30 s per read and per
-// metadata retry: minutes that Open's ctx must not wait.
+// say nothing (a network holding the traffic, a TLS client at a port
+// that speaks none) lasts sarama's timeouts, 30 s per read and per
+// metadata retry: minutes that Open's ctx must not wait. An attempt that
+// takes longer than slowAttempt has the brokers probed aside meanwhile,
+// and a refusal the probe finds is returned without waiting for it.
 func connectWithin(ctx context.Context, cfg Config) (*Source, error) {
 	type result struct {
 		s   *Source
@@ -165,18 +167,41 @@ func connectWithin(ctx context.Context, cfg Config) (*Source, error) {
 		s, err := connect(cfg)
 		done <- result{s, err}
 	}()
-	select {
-	case r := <-done:
-		return r.s, r.err
-	case <-ctx.Done():
+	abandon := func() {
+		go func() {
+			if r := <-done; r.s != nil {
+				_ = r.s.Close()
+			}
+		}()
 	}
-	go func() {
-		if r := <-done; r.s != nil {
-			_ = r.s.Close()
+	slow := time.NewTimer(slowAttempt)
+	defer slow.Stop()
+	var refusal chan *kafkarefusal.Error // nil until the probe starts
+	for {
+		select {
+		case r := <-done:
+			return r.s, r.err
+		case <-slow.C:
+			if cc, err := cfg.consumerConfig(); err == nil {
+				refusal = make(chan *kafkarefusal.Error, 1)
+				go func() { refusal <- kafkarefusal.Probe(ctx, cfg.Brokers, cc) }()
+			}
+		case r := <-refusal:
+			if r != nil {
+				abandon()
+				return nil, fmt.Errorf("kafka: %w", r)
+			}
+			refusal = nil
+		case <-ctx.Done():
+			abandon()
+			return nil, errAttemptGivenUp
 		}
-	}()
-	return nil, errAttemptGivenUp
+	}
 }
+
+// slowAttempt is how long a connection attempt may take before the
+// brokers are probed for a refusal of the settings beside it.
+const slowAttempt = 2 * time.Second
 
 // unreachable reports whether err from connect means that no broker could
 // be reached, which waiting may cure.

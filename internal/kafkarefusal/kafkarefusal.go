@@ -10,6 +10,7 @@ package kafkarefusal
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"time"
@@ -78,11 +79,12 @@ const MaxProbeWait = 5 * time.Second
 func Probe(ctx context.Context, brokers []string, sc *sarama.Config) *Error {
 	ctx, cancel := context.WithTimeout(ctx, MaxProbeWait)
 	defer cancel()
-	results := make(chan *Error, len(brokers))
+	results := make(chan *Error, 2*len(brokers))
 	for _, addr := range brokers {
 		go func() { results <- probe(addr, sc) }()
+		go func() { results <- crossProbe(addr, sc) }()
 	}
-	for range brokers {
+	for range 2 * len(brokers) {
 		select {
 		case r := <-results:
 			if r != nil {
@@ -95,13 +97,45 @@ func Probe(ctx context.Context, brokers []string, sc *sarama.Config) *Error {
 	return nil
 }
 
-// probe opens one connection to addr and asks for its API versions.
-func probe(addr string, base *sarama.Config) *Error {
+// probe opens one connection to addr with sc's settings and asks for its
+// API versions.
+func probe(addr string, sc *sarama.Config) *Error {
+	return Classify(addr, request(addr, sc))
+}
+
+// crossProbe asks addr for its API versions with TLS the other way round
+// from sc (and no SASL, which a broker does not ask before that request):
+// an answer means that the port speaks TLS where sc does not, or the
+// reverse, which a broker that is down or slow never fakes. A TLS client
+// at a plain port is not refused in a way it can tell: Apache Kafka reads
+// the TLS hello as the size of a request too large and closes the
+// connection, other servers wait for the rest of that request.
+func crossProbe(addr string, base *sarama.Config) *Error {
+	sc := *base
+	sc.Net.SASL.Enable = false
+	var why string
+	if base.Net.TLS.Enable {
+		sc.Net.TLS.Enable, sc.Net.TLS.Config = false, nil
+		why = "the port speaks Kafka without TLS, and Net.TLS.Enable is set"
+	} else {
+		// Whether the port speaks TLS at all, not whom to trust.
+		sc.Net.TLS.Enable, sc.Net.TLS.Config = true, &tls.Config{InsecureSkipVerify: true}
+		why = "the port speaks TLS, and Net.TLS.Enable is not set"
+	}
+	if request(addr, &sc) != nil {
+		return nil
+	}
+	return &Error{Broker: addr, What: "TLS", Err: errors.New(why)}
+}
+
+// request opens one connection to addr with sc (TLS and SASL as sc says)
+// and asks for its API versions: nil when the broker answered.
+func request(addr string, base *sarama.Config) error {
 	sc := *base
 	sc.MetricRegistry = metrics.NewRegistry()
 	b := sarama.NewBroker(addr)
 	if err := b.Open(&sc); err != nil {
-		return nil // a config sarama refuses: the caller's connect said so already
+		return err // a config sarama refuses: no refusal, and no answer
 	}
 	defer func() { _ = b.Close() }()
 	connected, err := b.Connected() // waits for the handshakes
@@ -110,7 +144,10 @@ func probe(addr string, base *sarama.Config) *Error {
 		// after a failed API versions request when SASL is off.
 		_, err = b.ApiVersions(&sarama.ApiVersionsRequest{})
 	}
-	return Classify(addr, err)
+	if err == nil && !connected {
+		err = sarama.ErrNotConnected
+	}
+	return err
 }
 
 // Explain returns err, or, when err says that sarama found no broker to
