@@ -449,5 +449,16 @@ func redactErr(err error, raw string) error {
 	if !ok || pw == "" || !strings.Contains(err.Error(), pw) {
 		return err
 	}
+	// The broker's refusals name the user, which may hold the password
+	// (guest:guest): the copy keeps the error's type and code, which say
+	// whether retrying can help.
+	var ae *amqp091.Error
+	if errors.As(err, &ae) {
+		c := *ae
+		c.Reason = strings.ReplaceAll(c.Reason, pw, "xxxxx")
+		if !strings.Contains(c.Error(), pw) {
+			return &c
+		}
+	}
 	return errors.New(strings.ReplaceAll(err.Error(), pw, "xxxxx"))
 }
