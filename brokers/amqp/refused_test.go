@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	amqp091 "github.com/rabbitmq/amqp091-go"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -98,6 +99,42 @@ func TestRefusedCredentials(t *testing.T) {
 				}
 			})
 		}
+	})
+
+	// A connection limit reached (per user or per vhost) is capacity, not
+	// a refusal of the configuration: connections that close free it, as
+	// in a rolling deployment where the new instances start before the
+	// old ones stop. Open waits for it as for a broker that cannot be
+	// reached.
+	t.Run("connection limit", func(t *testing.T) {
+		n.ctl(t, "add_user", "limited", "pw-limited")
+		n.ctl(t, "set_permissions", "-p", "/", "limited", ".*", ".*", ".*")
+		n.ctl(t, "set_user_limits", "limited", `{"max-connections": 1}`)
+		held, err := amqp091.Dial(as("limited", "pw-limited"))
+		require.NoError(t, err)
+		logs := make(logRecords, 1024)
+		opened := make(chan error, 1)
+		go func() {
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			src, err := amqp.Open(ctx, amqp.Config{URL: as("limited", "pw-limited"), Queue: q, Logger: slog.New(logs),
+				ReconnectMinBackoff: 20 * time.Millisecond, ReconnectMaxBackoff: 100 * time.Millisecond})
+			if err == nil {
+				err = src.Close()
+			}
+			opened <- err
+		}()
+		for waiting := true; waiting; {
+			select {
+			case err := <-opened:
+				_ = held.Close()
+				t.Fatalf("Open returned before the limit was freed: %v", err)
+			case r := <-logs:
+				waiting = !strings.Contains(r.Message, "cannot connect")
+			}
+		}
+		require.NoError(t, held.Close())
+		require.NoError(t, <-opened)
 	})
 
 	t.Run("on a reconnect", func(t *testing.T) {

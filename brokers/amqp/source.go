@@ -76,7 +76,9 @@ type Source struct {
 // missing queue in passive mode, a queue declared with other arguments)
 // and a TLS handshake that fails for the configuration (a certificate not
 // trusted or not presented, an amqps URL at a port that speaks plain AMQP)
-// are returned at once. Config errors name the offending field.
+// are returned at once. A connection limit reached (the vhost's or the
+// user's) is waited for, as a broker that cannot be reached: connections
+// that close free it. Config errors name the offending field.
 //
 // Once connected, the source reconnects after a lost connection with
 // backoff, for as long as Receive's context allows, and it does so too
@@ -346,7 +348,12 @@ func isConfigError(err error) bool {
 	var ae *amqp091.Error
 	if errors.As(err, &ae) {
 		switch ae.Code {
-		case amqp091.AccessRefused, amqp091.NotFound, amqp091.PreconditionFailed, amqp091.NotAllowed, amqp091.CommandInvalid, amqp091.NotImplemented:
+		case amqp091.NotAllowed:
+			// Also a connection limit reached (the vhost's or the
+			// user's), which connections that close free: capacity,
+			// which waiting may cure.
+			return !strings.Contains(ae.Reason, "connection limit")
+		case amqp091.AccessRefused, amqp091.NotFound, amqp091.PreconditionFailed, amqp091.CommandInvalid, amqp091.NotImplemented:
 			return true
 		}
 	}
