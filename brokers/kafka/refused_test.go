@@ -22,6 +22,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kmsg"
 
+	"github.com/onceco/once/internal/kafkatemp"
 	"github.com/onceco/once/internal/netcut"
 )
 
@@ -274,4 +275,70 @@ func testLogWriter() io.Writer {
 		return os.Stderr
 	}
 	return io.Discard
+}
+
+// Apache Kafka answers a wrong password with SASL_AUTHENTICATION_FAILED
+// (kfake closes the connection instead): Open returns it at once, naming
+// the broker and what it refused, and never the password.
+func TestOpenReturnsAWrongPasswordAtOnce(t *testing.T) {
+	c := newApacheKafka(t, kafkatemp.Options{SASLUsers: map[string]string{"svc": "s3cret-right"}})
+	sc := saramaConfig()
+	sc.Net.SASL.Enable = true
+	sc.Net.SASL.User, sc.Net.SASL.Password = "svc", "s3cret-wrong"
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	src, err := Open(ctx, Config{Brokers: c.addrs, Group: "g", Topics: []string{"orders"}, Sarama: sc, Logger: testLogger()})
+	if src != nil {
+		_ = src.Close()
+	}
+	require.Error(t, err)
+	t.Log(err)
+	assert.NoError(t, ctx.Err(), "the refusal was retried until the context ended")
+	assert.Contains(t, err.Error(), "refused the SASL settings")
+	assert.Contains(t, err.Error(), c.addrs[0], "the error names the broker that refused")
+	assert.NotContains(t, err.Error(), "s3cret")
+}
+
+// Apache Kafka's plain listener answers a client that authenticates with
+// SASL ILLEGAL_SASL_STATE (kfake goes on as if the listener asked for
+// SASL), and closes the connection of a TLS client (it reads the TLS hello
+// as the size of a request too large; kfake waits for the rest): Open
+// returns each at once, naming the broker and what it refused.
+func TestOpenReturnsARefusalOfApacheKafkaAtOnce(t *testing.T) {
+	c := newClusterOf(t, apacheKafka)
+	for _, tc := range []struct {
+		name   string
+		client func(sc *sarama.Config)
+		want   string
+	}{{
+		name: "SASL at a plain listener",
+		client: func(sc *sarama.Config) {
+			sc.Net.SASL.Enable = true
+			sc.Net.SASL.User, sc.Net.SASL.Password = "svc", "s3cret-pw"
+		},
+		want: "refused the SASL settings",
+	}, {
+		name: "TLS at a plain listener",
+		client: func(sc *sarama.Config) {
+			sc.Net.TLS.Enable = true
+		},
+		want: "the port speaks Kafka without TLS",
+	}} {
+		t.Run(tc.name, func(t *testing.T) {
+			sc := saramaConfig()
+			tc.client(sc)
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			src, err := Open(ctx, Config{Brokers: c.addrs, Group: uniq("g"), Topics: []string{uniq("orders")}, Sarama: sc, Logger: testLogger()})
+			if src != nil {
+				_ = src.Close()
+			}
+			require.Error(t, err)
+			t.Log(err)
+			assert.NoError(t, ctx.Err(), "the refusal was retried until the context ended")
+			assert.Contains(t, err.Error(), tc.want)
+			assert.Contains(t, err.Error(), c.addrs[0], "the error names the broker that refused")
+			assert.NotContains(t, err.Error(), "s3cret")
+		})
+	}
 }

@@ -52,10 +52,10 @@ func Classify(broker string, err error) *Error {
 	if err == nil {
 		return nil
 	}
-	var kerr sarama.KError
-	if errors.As(err, &kerr) {
-		switch kerr {
-		case sarama.ErrSASLAuthenticationFailed, sarama.ErrUnsupportedSASLMechanism, sarama.ErrIllegalSASLState:
+	// errors.Is, not errors.As: sarama wraps the broker's message with
+	// the code in an error that matches the code only so.
+	for _, k := range []error{sarama.ErrSASLAuthenticationFailed, sarama.ErrUnsupportedSASLMechanism, sarama.ErrIllegalSASLState} {
+		if errors.Is(err, k) {
 			return &Error{Broker: broker, What: "SASL", Err: err}
 		}
 	}

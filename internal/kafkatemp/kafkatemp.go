@@ -42,6 +42,11 @@ type Options struct {
 	// StartTimeout bounds how long Start waits for the cluster to be ready.
 	// Default 2 minutes.
 	StartTimeout time.Duration
+	// SASLUsers, when not empty, makes the client listener ask for SASL
+	// PLAIN authentication (SASL_PLAINTEXT) and accept these users and
+	// passwords, and AdminUser with the password AdminUser, which the
+	// nodes use between themselves and Start uses to see them ready.
+	SASLUsers map[string]string
 	// Dir is the directory in which the cluster's own directory (its
 	// logs, configuration and data) is made, and removed by Close.
 	// Default the system's temporary directory (os.TempDir). A
@@ -304,11 +309,26 @@ func (c *Cluster) properties(n *node) map[string]string {
 		"offsets.commit.timeout.ms":                        "5000",
 		"delete.topic.enable":                              "true",
 	}
+	if len(c.opts.SASLUsers) > 0 {
+		users := []string{fmt.Sprintf("username=%q password=%q user_%s=%q", AdminUser, AdminUser, AdminUser, AdminUser)}
+		for u, pw := range c.opts.SASLUsers {
+			users = append(users, fmt.Sprintf("user_%s=%q", u, pw))
+		}
+		sort.Strings(users[1:])
+		p["listener.security.protocol.map"] = "PLAINTEXT:SASL_PLAINTEXT,CONTROLLER:PLAINTEXT"
+		p["sasl.enabled.mechanisms"] = "PLAIN"
+		p["sasl.mechanism.inter.broker.protocol"] = "PLAIN"
+		p["listener.name.plaintext.plain.sasl.jaas.config"] = "org.apache.kafka.common.security.plain.PlainLoginModule required " + strings.Join(users, " ") + ";"
+	}
 	for k, v := range c.opts.Properties {
 		p[k] = v
 	}
 	return p
 }
+
+// AdminUser is the SASL user (its password the same) of the nodes and of
+// Start's readiness checks when Options.SASLUsers is set.
+const AdminUser = "once-admin"
 
 func (c *Cluster) writeConfig(n *node) error {
 	if err := os.MkdirAll(filepath.Join(n.dir, "data"), 0o755); err != nil {
@@ -506,6 +526,10 @@ func (c *Cluster) probe(want int) error {
 		return errors.New("no node runs")
 	}
 	sc := ProbeConfig()
+	if len(c.opts.SASLUsers) > 0 {
+		sc.Net.SASL.Enable = true
+		sc.Net.SASL.User, sc.Net.SASL.Password = AdminUser, AdminUser
+	}
 	client, err := sarama.NewClient(addrs, sc)
 	if err != nil {
 		return err
