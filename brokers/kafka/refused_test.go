@@ -110,6 +110,13 @@ func TestOpenReturnsARefusalAtOnce(t *testing.T) {
 		},
 		want: "the port speaks Kafka without TLS",
 	}, {
+		name: "no SASL at a SASL listener",
+		opts: []kfake.Opt{kfake.EnableSASL(), kfake.Superuser("PLAIN", "svc", "s3cret-pw")},
+		client: func(sc *sarama.Config) {
+			sc.Net.SASL.Enable = false
+		},
+		want: "asks for SASL",
+	}, {
 		name: "no TLS to a TLS port",
 		opts: []kfake.Opt{kfake.TLS(&tls.Config{Certificates: []tls.Certificate{server}})},
 		client: func(sc *sarama.Config) {
@@ -278,25 +285,45 @@ func testLogWriter() io.Writer {
 }
 
 // Apache Kafka answers a wrong password with SASL_AUTHENTICATION_FAILED
-// (kfake closes the connection instead): Open returns it at once, naming
-// the broker and what it refused, and never the password.
+// (kfake closes the connection instead), and closes the connection of a
+// client that does not authenticate at the first request that needs it:
+// Open returns each at once, naming the broker and what it refused, and
+// never the password.
 func TestOpenReturnsAWrongPasswordAtOnce(t *testing.T) {
 	c := newApacheKafka(t, kafkatemp.Options{SASLUsers: map[string]string{"svc": "s3cret-right"}})
-	sc := saramaConfig()
-	sc.Net.SASL.Enable = true
-	sc.Net.SASL.User, sc.Net.SASL.Password = "svc", "s3cret-wrong"
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	src, err := Open(ctx, Config{Brokers: c.addrs, Group: "g", Topics: []string{"orders"}, Sarama: sc, Logger: testLogger()})
-	if src != nil {
-		_ = src.Close()
+	for _, tc := range []struct {
+		name   string
+		client func(sc *sarama.Config)
+		want   string
+	}{{
+		name: "wrong password",
+		client: func(sc *sarama.Config) {
+			sc.Net.SASL.Enable = true
+			sc.Net.SASL.User, sc.Net.SASL.Password = "svc", "s3cret-wrong"
+		},
+		want: "refused the SASL settings",
+	}, {
+		name:   "no SASL",
+		client: func(sc *sarama.Config) {},
+		want:   "asks for SASL",
+	}} {
+		t.Run(tc.name, func(t *testing.T) {
+			sc := saramaConfig()
+			tc.client(sc)
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			src, err := Open(ctx, Config{Brokers: c.addrs, Group: "g", Topics: []string{"orders"}, Sarama: sc, Logger: testLogger()})
+			if src != nil {
+				_ = src.Close()
+			}
+			require.Error(t, err)
+			t.Log(err)
+			assert.NoError(t, ctx.Err(), "the refusal was retried until the context ended")
+			assert.Contains(t, err.Error(), tc.want)
+			assert.Contains(t, err.Error(), c.addrs[0], "the error names the broker that refused")
+			assert.NotContains(t, err.Error(), "s3cret")
+		})
 	}
-	require.Error(t, err)
-	t.Log(err)
-	assert.NoError(t, ctx.Err(), "the refusal was retried until the context ended")
-	assert.Contains(t, err.Error(), "refused the SASL settings")
-	assert.Contains(t, err.Error(), c.addrs[0], "the error names the broker that refused")
-	assert.NotContains(t, err.Error(), "s3cret")
 }
 
 // Apache Kafka's plain listener answers a client that authenticates with

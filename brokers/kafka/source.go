@@ -93,13 +93,16 @@ var (
 //   - a broker's refusal of the Sarama settings, naming the broker and what
 //     it refused: the TLS handshake (a certificate not trusted or not
 //     presented, TLS on one side only; Net.TLS) or SASL authentication (a
-//     mechanism the broker does not offer, wrong credentials; Net.SASL);
+//     mechanism the broker does not offer, wrong credentials, a listener
+//     that asks for SASL where the client does not authenticate, or the
+//     reverse; Net.SASL);
 //   - the cluster's refusal to authorize the client for Group or a topic of
 //     Topics (its ACLs), naming the group or topic.
 //
-// A broker that closes the connection without saying why (as one does
-// when a client that should authenticate does not) cannot be told from
-// one that is down, and is retried. ctx bounds Open only, not the Source.
+// Brokers that close the connection without saying why are asked, aside,
+// whether they expect TLS or SASL where the client does not, or the
+// reverse; when they do not say so, they cannot be told from brokers that
+// are down, and are retried. ctx bounds Open only, not the Source.
 //
 // The Source joins the group at the first Receive. After that, lost
 // connections and rebalances are absorbed: Receive keeps blocking while the

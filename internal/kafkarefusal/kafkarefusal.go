@@ -79,12 +79,14 @@ const MaxProbeWait = 5 * time.Second
 func Probe(ctx context.Context, brokers []string, sc *sarama.Config) *Error {
 	ctx, cancel := context.WithTimeout(ctx, MaxProbeWait)
 	defer cancel()
-	results := make(chan *Error, 2*len(brokers))
+	probes := []func(string, *sarama.Config) *Error{probe, crossProbe, saslProbe}
+	results := make(chan *Error, len(probes)*len(brokers))
 	for _, addr := range brokers {
-		go func() { results <- probe(addr, sc) }()
-		go func() { results <- crossProbe(addr, sc) }()
+		for _, p := range probes {
+			go func() { results <- p(addr, sc) }()
+		}
 	}
-	for range 2 * len(brokers) {
+	for range len(probes) * len(brokers) {
 		select {
 		case r := <-results:
 			if r != nil {
@@ -126,6 +128,37 @@ func crossProbe(addr string, base *sarama.Config) *Error {
 		return nil
 	}
 	return &Error{Broker: addr, What: "TLS", Err: errors.New(why)}
+}
+
+// errProbeToken is the token provider's error in saslProbe: its SASL
+// handshake was accepted, and no credentials are sent.
+var errProbeToken = errors.New("kafkarefusal: no token (probing whether the listener asks for SASL)")
+
+type probeToken struct{}
+
+func (probeToken) Token() (*sarama.AccessToken, error) { return nil, errProbeToken }
+
+// saslProbe finds whether addr's listener asks for SASL where sc does not
+// authenticate: a broker that asks for it closes the connection of a
+// client that does not at its first request that needs it, which looks
+// like a broker going down. It sends a SASL handshake for OAUTHBEARER and
+// no credentials: a listener that asks for SASL accepts the handshake (the
+// token provider then fails before anything is sent) or answers that it
+// offers other mechanisms; a plain listener answers that no SASL is
+// expected.
+func saslProbe(addr string, base *sarama.Config) *Error {
+	if base.Net.SASL.Enable {
+		return nil
+	}
+	sc := *base
+	sc.Net.SASL.Enable, sc.Net.SASL.Handshake = true, true
+	sc.Net.SASL.Mechanism, sc.Net.SASL.Version = sarama.SASLTypeOAuth, sarama.SASLHandshakeV1
+	sc.Net.SASL.TokenProvider = probeToken{}
+	err := request(addr, &sc)
+	if !errors.Is(err, errProbeToken) && !errors.Is(err, sarama.ErrUnsupportedSASLMechanism) {
+		return nil
+	}
+	return &Error{Broker: addr, What: "SASL", Err: errors.New("the listener asks for SASL authentication, and Net.SASL.Enable is not set")}
 }
 
 // request opens one connection to addr with sc (TLS and SASL as sc says)
