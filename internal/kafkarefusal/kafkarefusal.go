@@ -141,13 +141,14 @@ func (probeToken) Token() (*sarama.AccessToken, error) { return nil, errProbeTok
 // saslProbe finds whether addr's listener asks for SASL where sc does not
 // authenticate: a broker that asks for it closes the connection of a
 // client that does not at its first request that needs it, which looks
-// like a broker going down. It sends a SASL handshake for OAUTHBEARER and
-// no credentials: a listener that asks for SASL accepts the handshake (the
-// token provider then fails before anything is sent) or answers that it
-// offers other mechanisms; a plain listener answers that no SASL is
-// expected.
+// like a broker going down. When a metadata request (for one topic
+// name, whose answer is short) without SASL fails, it sends a SASL
+// handshake for OAUTHBEARER and no credentials: a listener that asks for
+// SASL accepts the handshake (the token provider then fails before
+// anything is sent) or answers that it offers other mechanisms; a plain
+// listener answers that no SASL is expected.
 func saslProbe(addr string, base *sarama.Config) *Error {
-	if base.Net.SASL.Enable {
+	if base.Net.SASL.Enable || metadata(addr, base) == nil {
 		return nil
 	}
 	sc := *base
@@ -159,6 +160,22 @@ func saslProbe(addr string, base *sarama.Config) *Error {
 		return nil
 	}
 	return &Error{Broker: addr, What: "SASL", Err: errors.New("the listener asks for SASL authentication, and Net.SASL.Enable is not set")}
+}
+
+// metadata asks addr, with sc, for the metadata of one topic name: nil
+// when the broker answered.
+func metadata(addr string, base *sarama.Config) error {
+	sc := *base
+	sc.MetricRegistry = metrics.NewRegistry()
+	b := sarama.NewBroker(addr)
+	if err := b.Open(&sc); err != nil {
+		return err
+	}
+	defer func() { _ = b.Close() }()
+	req := sarama.NewMetadataRequest(sc.Version, []string{"once-probe"})
+	req.AllowAutoTopicCreation = false
+	_, err := b.GetMetadata(req)
+	return err
 }
 
 // request opens one connection to addr with sc (TLS and SASL as sc says)
