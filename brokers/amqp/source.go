@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	amqp091 "github.com/rabbitmq/amqp091-go"
@@ -63,6 +64,13 @@ type Source struct {
 	closed    bool
 	connected bool // a session was established at least once
 	lostAt    time.Time
+	// flaps counts the sessions in a row that died before Receive
+	// returned any of their deliveries and within ReconnectMaxBackoff of
+	// being established; the next reconnect first waits as after as many
+	// failed attempts. A message the client library cannot read (more
+	// header entries or nesting than amqp091 accepts) closes each new
+	// connection at once, the broker delivering it first every time.
+	flaps int
 	// attempting is the connection attempt in progress, if any; one
 	// given up by a call whose context ended stays here for the next.
 	attempting *connAttempt
@@ -154,6 +162,9 @@ func (s *Source) Receive(ctx context.Context) (consumer.Delivery, error) {
 				s.lost(sess, context.Cause(sess.ctx))
 				continue
 			}
+			if !sess.delivered.Load() {
+				sess.delivered.Store(true)
+			}
 			return s.newDelivery(sess, d), nil
 		}
 	}
@@ -208,13 +219,48 @@ func (s *Source) lost(sess *session, cause error) {
 	if s.sess == sess {
 		s.sess = nil
 		s.lostAt = time.Now()
+		if !sess.delivered.Load() && s.lostAt.Sub(sess.started) < s.cfg.ReconnectMaxBackoff {
+			s.flaps++
+		} else {
+			s.flaps = 0
+		}
 	}
 	closed := s.closed
 	s.mu.Unlock()
 	_ = sess.close(cause)
-	if !closed {
+	switch {
+	case closed:
+	case unreadable(cause):
+		s.log.Error("amqp: the client library cannot read a message the broker delivered (more header entries or "+
+			"nesting than amqp091 accepts); the broker delivers it first again on every connection, and the queue "+
+			"waits behind it: remove it from the queue (a quorum queue's x-delivery-limit dead-letters it); reconnecting",
+			"cause", cause)
+	default:
 		s.log.Warn("amqp: connection to the broker lost; reconnecting", "cause", cause)
 	}
+}
+
+// unreadable reports whether cause is the client library's refusal of a
+// frame it received: a syntax error it raised itself (amqp091 closes the
+// connection with a frame error whose reason is that syntax error), not a
+// lost connection (a frame error too, its reason the read's error) nor the
+// broker's.
+func unreadable(cause error) bool {
+	var ae *amqp091.Error
+	return errors.As(cause, &ae) && !ae.Server &&
+		(ae.Code == amqp091.SyntaxError || strings.Contains(ae.Reason, amqp091.ErrSyntax.Reason))
+}
+
+// flapWait is how long a reconnect waits before its first attempt: as
+// after failed attempts, one for each session in a row that flapped.
+func (s *Source) flapWait() time.Duration {
+	s.mu.Lock()
+	n := s.flaps
+	s.mu.Unlock()
+	if n == 0 {
+		return 0
+	}
+	return backoff.Policy{Initial: s.cfg.ReconnectMinBackoff, Max: s.cfg.ReconnectMaxBackoff}.Delay(n)
 }
 
 // reconnect establishes a session, retrying with exponential backoff and
@@ -222,6 +268,18 @@ func (s *Source) lost(sess *session, cause error) {
 // success, configuration errors are returned at once.
 func (s *Source) reconnect(ctx context.Context) (*session, error) {
 	retry := backoff.Retrier{Policy: backoff.Policy{Initial: s.cfg.ReconnectMinBackoff, Max: s.cfg.ReconnectMaxBackoff}}
+	if wait := s.flapWait(); wait > 0 {
+		t := time.NewTimer(wait)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return nil, ctx.Err()
+		case <-s.closeCh:
+			t.Stop()
+			return nil, consumer.ErrSourceClosed
+		case <-t.C:
+		}
+	}
 	var lastErr error
 	for attempt := 1; ; attempt++ {
 		sess, err := s.attempt(ctx)
@@ -370,6 +428,11 @@ type session struct {
 	// cause says why.
 	ctx    context.Context
 	cancel context.CancelCauseFunc
+	// started is when the session was established, and delivered is set
+	// once Receive returned one of its deliveries: a session that dies
+	// young without either flapped (see Source.flaps).
+	started   time.Time
+	delivered atomic.Bool
 }
 
 // connect makes one attempt to open a session: dial, open the consuming
@@ -407,7 +470,8 @@ func (s *Source) connect() (*session, error) {
 		return fail(fmt.Errorf("amqp: consume queue %q: %w", s.cfg.Queue, err))
 	}
 	ctx, cancel := context.WithCancelCause(context.Background())
-	sess := &session{conn: conn, ch: ch, deliveries: deliveries, ctx: ctx, cancel: cancel, acker: newAcker(ch, s.cfg.Prefetch)}
+	sess := &session{conn: conn, ch: ch, deliveries: deliveries, ctx: ctx, cancel: cancel, acker: newAcker(ch, s.cfg.Prefetch),
+		started: time.Now()}
 	go sess.watch(connClosed, chClosed)
 	return sess, nil
 }
