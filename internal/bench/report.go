@@ -113,9 +113,13 @@ func orDash(v float64, format string) string {
 	return fmt.Sprintf(format, v)
 }
 
-// WriteJSON writes the report as indented JSON to path.
+// WriteJSON writes the report as indented JSON to path, with the target
+// lines (Targets, met and not met) under "targets".
 func (r *Report) WriteJSON(path string) error {
-	raw, err := json.MarshalIndent(r, "", "  ")
+	raw, err := json.MarshalIndent(struct {
+		*Report
+		Targets []string `json:"targets"`
+	}{r, r.Targets()}, "", "  ")
 	if err != nil {
 		return err
 	}

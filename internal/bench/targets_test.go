@@ -1,10 +1,14 @@
 package bench
 
 import (
+	"encoding/json"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 )
 
 func TestPipelineTargets(t *testing.T) {
@@ -207,4 +211,29 @@ func TestCombineWeighsByTheAcks(t *testing.T) {
 	assert.NoError(t, err)
 	assert.InDelta(t, 40, out.AllocsPerMsg, 1e-9)
 	assert.InDelta(t, 0.5, out.IdleShare, 1e-9)
+}
+
+// TestJSONKeepsTheVerdicts: the JSON report holds the target lines the
+// table prints, met and not met, so that a kept report says what it proved
+// without recomputing it.
+func TestJSONKeepsTheVerdicts(t *testing.T) {
+	r := &Report{Results: []Result{
+		{Run: 1, Broker: RabbitMQ, Row: RowCeiling, Rate: 40000, Correct: true},
+		{Run: 1, Broker: RabbitMQ, Row: RowHandwritten, Rate: 39000, Correct: true},
+		{Run: 1, Broker: RabbitMQ, Row: RowOnceBatchHandler, Rate: 30000, PacedMsgs: 100, PacedRate: 15000, P99Ms: 30, Correct: true},
+	}}
+	ratios(r)
+	path := filepath.Join(t.TempDir(), "r.json")
+	require.NoError(t, r.WriteJSON(path))
+	raw, err := os.ReadFile(path)
+	require.NoError(t, err)
+	var got struct {
+		Targets []string `json:"targets"`
+	}
+	require.NoError(t, json.Unmarshal(raw, &got))
+	assert.Equal(t, r.Targets(), got.Targets)
+	assert.NotEmpty(t, got.Targets)
+	joined := strings.Join(got.Targets, "\n")
+	assert.Contains(t, joined, "NOT met")
+	assert.Contains(t, joined, "effects exactly right in every row: yes")
 }
