@@ -125,7 +125,9 @@ func (a *app) exitCode(cmd command, err error) int {
 	default:
 		// A broker's or a replay's error may quote a dead letter's
 		// headers (its event id, its destination).
-		fmt.Fprintf(a.stderr, "once %s: %s\n", cmd.name, safe(err.Error()))
+		// A broker's refusal of the TLS or SASL settings names the
+		// flags that set them.
+		fmt.Fprintf(a.stderr, "once %s: %s%s\n", cmd.name, safe(err.Error()), kafkaHint(err))
 		return exitFailure
 	}
 }
@@ -146,6 +148,15 @@ Connections come from flags or the environment:
   DATABASE_URL        PostgreSQL (-database-url)
   ONCE_KAFKA_BROKERS  Kafka bootstrap brokers, comma-separated (-kafka)
   ONCE_AMQP_URL       RabbitMQ URL (-amqp)
+
+Kafka with TLS or SASL (every command that reads Kafka; 'once help dlq list'):
+  ONCE_KAFKA_TLS=true        TLS, trusting the system's roots (-kafka-tls)
+  ONCE_KAFKA_CA_FILE         CA certificates, PEM (-kafka-ca)
+  ONCE_KAFKA_CERT_FILE       client certificate, PEM (-kafka-cert)
+  ONCE_KAFKA_KEY_FILE        its key, PEM (-kafka-key)
+  ONCE_KAFKA_SASL_MECHANISM  PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512 (-kafka-sasl)
+  ONCE_KAFKA_SASL_USER       SASL user (-kafka-user)
+  ONCE_KAFKA_SASL_PASSWORD   SASL password; no flag takes it (or -kafka-password-file)
 
 Exit codes:
   0  success

@@ -9,6 +9,7 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/IBM/sarama"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/onceco/once/cmd/once/dlq"
@@ -184,7 +185,8 @@ type outboxReport struct {
 func (a *app) status(ctx context.Context, args []string) error {
 	fs, helpOnly := a.flags(ctx, "status")
 	db := a.dbFlagsOn(fs)
-	kafkaBrokers := fs.String("kafka", a.getenv("ONCE_KAFKA_BROKERS"), "Kafka bootstrap `brokers` (env ONCE_KAFKA_BROKERS)")
+	kafka := a.kafkaFlagsOn(fs)
+	kafkaBrokers := kafka.brokers
 	group := fs.String("group", "", "Kafka consumer `group` whose lag to show")
 	topics := fs.String("topic", "", "Kafka `topics` of the group, comma-separated")
 	amqpURL := fs.String("amqp", a.getenv("ONCE_AMQP_URL"), "RabbitMQ `URL` (env ONCE_AMQP_URL)")
@@ -211,8 +213,15 @@ func (a *app) status(ctx context.Context, args []string) error {
 	if *suspectAge < 0 {
 		return usagef("-suspect-age %v: want a duration of 0 or more", *suspectAge)
 	}
-	// The dead-letter destination is checked before connecting: a bad
-	// one is a usage error.
+	// The dead-letter destination and the Kafka settings are checked
+	// before connecting: a bad one is a usage error.
+	var ksc *sarama.Config
+	if *group != "" {
+		var err error
+		if ksc, err = kafka.config(a.stderr); err != nil {
+			return err
+		}
+	}
 	var q dlq.Queue
 	if *dlqName != "" {
 		kb, au := chosen(fs, *kafkaBrokers, *amqpURL)
@@ -222,8 +231,14 @@ func (a *app) status(ctx context.Context, args []string) error {
 		if kb != "" && au != "" {
 			au = "" // the Kafka flags were given for the lag: the DLQ is a topic
 		}
+		if kb != "" && ksc == nil {
+			var err error
+			if ksc, err = kafka.config(a.stderr); err != nil {
+				return err
+			}
+		}
 		var err error
-		if q, err = openQueue(kb, au, *dlqName); err != nil {
+		if q, err = openQueue(kb, ksc, au, *dlqName); err != nil {
 			return err
 		}
 		q = a.wrapped(q)
@@ -270,7 +285,7 @@ func (a *app) status(ctx context.Context, args []string) error {
 	}
 	if *group != "" {
 		part("kafka lag of group "+*group, func() (err error) {
-			rep.Lag, err = inspect.KafkaLag(ctx, splitList(*kafkaBrokers), nil, *group, splitList(*topics))
+			rep.Lag, err = inspect.KafkaLag(ctx, splitList(*kafkaBrokers), ksc, *group, splitList(*topics))
 			return err
 		})
 	}

@@ -12,6 +12,8 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/IBM/sarama"
+
 	"github.com/onceco/once/cmd/once/dlq"
 )
 
@@ -19,7 +21,13 @@ const dlqSelect = `The dead-letter destination is a Kafka topic (-kafka BROKERS 
 RabbitMQ queue (-amqp URL -dlq QUEUE). Reading consumes nothing, commits
 nothing and keeps the order. Filters combine: -consumer, -kind, -id (exact,
 or a prefix ending in *), -since/-until (RFC 3339, a date, or a duration ago
-such as 2h), -ref, -search.`
+such as 2h), -ref, -search.
+
+A Kafka cluster that asks for TLS or SASL: -kafka-tls, -kafka-ca FILE,
+-kafka-cert FILE -kafka-key FILE (mTLS), -kafka-sasl PLAIN|SCRAM-SHA-256|
+SCRAM-SHA-512 -kafka-user NAME, and the password in env
+ONCE_KAFKA_SASL_PASSWORD or -kafka-password-file FILE: no flag takes the
+password itself, which would show in ps.`
 
 const dlqListUsage = `Usage: once dlq list -kafka BROKERS|-amqp URL -dlq NAME [filters] [-json] [-limit N]
 
@@ -57,14 +65,17 @@ lines otherwise. ` + dlqSelect
 // dlqFlags are the flags every dlq command shares.
 type dlqFlags struct {
 	fs                                             *flag.FlagSet
-	kafka, amqp, name                              *string
+	stderr                                         io.Writer
+	kafka                                          *kafkaFlags
+	amqp, name                                     *string
 	consumer, kind, id, since, until, refs, search *string
 }
 
 func (a *app) dlqFlagsOn(fs *flag.FlagSet) *dlqFlags {
 	return &dlqFlags{
 		fs:       fs,
-		kafka:    fs.String("kafka", a.getenv("ONCE_KAFKA_BROKERS"), "Kafka bootstrap `brokers`, comma-separated (env ONCE_KAFKA_BROKERS)"),
+		stderr:   a.stderr,
+		kafka:    a.kafkaFlagsOn(fs),
 		amqp:     fs.String("amqp", a.getenv("ONCE_AMQP_URL"), "RabbitMQ `URL` (env ONCE_AMQP_URL)"),
 		name:     fs.String("dlq", "", "the dead-letter topic or queue (required)"),
 		consumer: fs.String("consumer", "", "only dead letters of this consumer `name`"),
@@ -82,8 +93,12 @@ func (f *dlqFlags) queue() (dlq.Queue, error) {
 	if *f.name == "" {
 		return nil, usagef("-dlq is required: the dead-letter topic or queue")
 	}
-	kafkaBrokers, amqpURL := chosen(f.fs, *f.kafka, *f.amqp)
-	return openQueue(kafkaBrokers, amqpURL, *f.name)
+	kafkaBrokers, amqpURL := chosen(f.fs, *f.kafka.brokers, *f.amqp)
+	qs, err := f.kafka.open(f.stderr, kafkaBrokers, amqpURL, []string{*f.name})
+	if err != nil {
+		return nil, err
+	}
+	return qs[0], nil
 }
 
 // chosen returns the -kafka and -amqp values to use: one given on the
@@ -101,12 +116,15 @@ func chosen(fs *flag.FlagSet, kafkaBrokers, amqpURL string) (string, string) {
 	return kafkaBrokers, amqpURL
 }
 
-func openQueue(kafkaBrokers, amqpURL, name string) (dlq.Queue, error) {
+// openQueue opens the dead-letter queue name: a Kafka topic on
+// kafkaBrokers with the client configuration sc, or a RabbitMQ queue at
+// amqpURL.
+func openQueue(kafkaBrokers string, sc *sarama.Config, amqpURL, name string) (dlq.Queue, error) {
 	switch {
 	case kafkaBrokers != "" && amqpURL != "":
 		return nil, usagef("give -kafka or -amqp, not both (ONCE_KAFKA_BROKERS and ONCE_AMQP_URL set both: give one on the command line)")
 	case kafkaBrokers != "":
-		q, err := dlq.NewKafka(dlq.KafkaConfig{Brokers: splitList(kafkaBrokers), Topic: name})
+		q, err := dlq.NewKafka(dlq.KafkaConfig{Brokers: splitList(kafkaBrokers), Topic: name, Sarama: sc})
 		if err != nil {
 			return nil, &usageError{err.Error()}
 		}

@@ -23,7 +23,10 @@ has no login: put it behind your own access control before binding it
 elsewhere. On a loopback address it answers only to requests addressed to
 localhost or a loopback IP, so that another site cannot reach it through a
 name it re-points at 127.0.0.1 (DNS rebinding). With -dlq it starts while the
-database is down, and shows the consumers once it answers.`
+database is down, and shows the consumers once it answers. A Kafka cluster
+that asks for TLS or SASL takes the -kafka-tls, -kafka-ca, -kafka-cert,
+-kafka-key, -kafka-sasl, -kafka-user and -kafka-password-file flags (or
+env ONCE_KAFKA_SASL_PASSWORD), as once dlq does.`
 
 func (a *app) ui(ctx context.Context, args []string) error {
 	fs, helpOnly := a.flags(ctx, "ui")
@@ -31,7 +34,7 @@ func (a *app) ui(ctx context.Context, args []string) error {
 	addr := fs.String("addr", "127.0.0.1:8080", "`address` to listen on")
 	allow := fs.Bool("allow-replay", false, "allow replays (default: read-only)")
 	by := fs.String("by", "once console", "written in once-redriven-by on replays")
-	kafkaBrokers := fs.String("kafka", a.getenv("ONCE_KAFKA_BROKERS"), "Kafka bootstrap `brokers` (env ONCE_KAFKA_BROKERS)")
+	kafka := a.kafkaFlagsOn(fs)
 	amqpURL := fs.String("amqp", a.getenv("ONCE_AMQP_URL"), "RabbitMQ `URL` (env ONCE_AMQP_URL)")
 	names := fs.String("dlq", "", "dead-letter topics or queues, comma-separated")
 	if helpOnly {
@@ -47,13 +50,13 @@ func (a *app) ui(ctx context.Context, args []string) error {
 	}
 	cfg := console.Config{Tables: db.tables(), AllowReplay: *allow, By: *by,
 		Logger: slog.New(slog.NewTextHandler(a.stderr, nil))}
-	kb, au := chosen(fs, *kafkaBrokers, *amqpURL)
-	for _, n := range splitList(*names) {
-		q, err := openQueue(kb, au, n)
+	kb, au := chosen(fs, *kafka.brokers, *amqpURL)
+	if names := splitList(*names); len(names) > 0 {
+		qs, err := kafka.open(a.stderr, kb, au, names)
 		if err != nil {
 			return err
 		}
-		cfg.Queues = append(cfg.Queues, q)
+		cfg.Queues = qs
 	}
 	if *db.url != "" {
 		pool, err := db.open(ctx)

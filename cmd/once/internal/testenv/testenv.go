@@ -65,21 +65,29 @@ type Kafka struct {
 	Addrs []string
 	// Cluster is the kfake cluster, for tests that control its answers.
 	Cluster *kfake.Cluster
+	// Sarama returns the client configuration the helpers connect with.
+	Sarama func() *sarama.Config
 }
 
 // NewKafka starts a cluster.
 func NewKafka(t testing.TB) *Kafka {
+	return NewSecuredKafka(t, Sarama)
+}
+
+// NewSecuredKafka starts a cluster with opts (kfake.EnableSASL,
+// kfake.TLS), whose helpers connect with the configuration sc returns.
+func NewSecuredKafka(t testing.TB, sc func() *sarama.Config, opts ...kfake.Opt) *Kafka {
 	t.Helper()
-	kf, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.GroupMinSessionTimeout(200*time.Millisecond))
+	kf, err := kfake.NewCluster(append([]kfake.Opt{kfake.NumBrokers(1), kfake.GroupMinSessionTimeout(200 * time.Millisecond)}, opts...)...)
 	require.NoError(t, err)
 	t.Cleanup(kf.Close)
-	return &Kafka{t: t, Addrs: kf.ListenAddrs(), Cluster: kf}
+	return &Kafka{t: t, Addrs: kf.ListenAddrs(), Cluster: kf, Sarama: sc}
 }
 
 // CreateTopic creates topic with partitions partitions.
 func (k *Kafka) CreateTopic(topic string, partitions int32) {
 	k.t.Helper()
-	admin, err := sarama.NewClusterAdmin(k.Addrs, Sarama())
+	admin, err := sarama.NewClusterAdmin(k.Addrs, k.Sarama())
 	require.NoError(k.t, err)
 	defer admin.Close()
 	require.NoError(k.t, admin.CreateTopic(topic, &sarama.TopicDetail{NumPartitions: partitions, ReplicationFactor: 1}, false))
@@ -88,7 +96,7 @@ func (k *Kafka) CreateTopic(topic string, partitions int32) {
 // Produce writes msgs, partition chosen by ProducerMessage.Partition.
 func (k *Kafka) Produce(msgs ...*sarama.ProducerMessage) {
 	k.t.Helper()
-	sc := Sarama()
+	sc := k.Sarama()
 	sc.Producer.Return.Successes = true
 	sc.Producer.RequiredAcks = sarama.WaitForAll
 	sc.Producer.Partitioner = sarama.NewManualPartitioner
@@ -112,7 +120,7 @@ func (k *Kafka) Source(group, topic string, configure ...func(*kafka.Config)) *k
 		SessionTimeout: 2 * time.Second, HeartbeatInterval: 100 * time.Millisecond,
 		RebalanceTimeout: 8 * time.Second, RevokeTimeout: 4 * time.Second,
 		CommitInterval: 100 * time.Millisecond, FetchMaxWait: 50 * time.Millisecond,
-		Sarama: Sarama(), Logger: Logger(), DeadLetter: kafka.DeadLetterConfig{Create: true},
+		Sarama: k.Sarama(), Logger: Logger(), DeadLetter: kafka.DeadLetterConfig{Create: true},
 	}
 	for _, f := range configure {
 		f(&cfg)
