@@ -10,6 +10,7 @@ import (
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	"github.com/onceco/once/cmd/once/internal/cut"
+	"github.com/onceco/once/internal/kafkarefusal"
 )
 
 // PartitionLag is how far a consumer group is behind on one partition.
@@ -28,7 +29,9 @@ type PartitionLag struct {
 // KafkaLag returns the lag of group on every partition of topics. sc may
 // be nil (sarama.NewConfig with Version 2.8); it is copied, never
 // modified. When ctx ends, the client's connections are closed: a call
-// waiting on a broker that does not answer returns at once.
+// waiting on a broker that does not answer returns at once. A broker
+// that refuses sc's TLS or SASL settings is returned as that refusal
+// (naming the broker and what it refused), not as brokers unreachable.
 func KafkaLag(ctx context.Context, brokers []string, sc *sarama.Config, group string, topics []string) ([]PartitionLag, error) {
 	if len(brokers) == 0 || group == "" || len(topics) == 0 {
 		return nil, errors.New("inspect: kafka lag needs brokers, a group and topics")
@@ -42,17 +45,19 @@ func KafkaLag(ctx context.Context, brokers []string, sc *sarama.Config, group st
 	}
 	stop := cut.Sarama(&c).On(ctx)
 	defer stop()
-	lag, err := kafkaLag(brokers, &c, group, topics)
+	lag, err := kafkaLag(ctx, brokers, &c, group, topics)
 	if err != nil && ctx.Err() != nil {
 		return nil, ctx.Err()
 	}
 	return lag, err
 }
 
-func kafkaLag(brokers []string, sc *sarama.Config, group string, topics []string) ([]PartitionLag, error) {
+func kafkaLag(ctx context.Context, brokers []string, sc *sarama.Config, group string, topics []string) ([]PartitionLag, error) {
 	client, err := sarama.NewClient(brokers, sc)
 	if err != nil {
-		return nil, fmt.Errorf("inspect: connect to kafka: %w", err)
+		// A broker that refuses the TLS or SASL settings is said to,
+		// not taken for brokers that are down.
+		return nil, fmt.Errorf("inspect: connect to kafka: %w", kafkarefusal.Explain(ctx, brokers, sc, err))
 	}
 	defer client.Close()
 	admin, err := sarama.NewClusterAdminFromClient(client)

@@ -270,3 +270,21 @@ SELECT 'c1', 'e-' || i, now() - interval '30 days' + i * interval '1 second' FRO
 		require.NotRegexp(t, `Seq Scan on processed_events( |$)`, plan, "plan:\n%s", plan)
 	}
 }
+
+// A broker that refuses the client's settings (here: a listener that asks
+// for SASL, and a client without it) is said to refuse them, naming the
+// broker, as the dead-letter reads do: not "run out of available
+// brokers", which reads as a cluster that is down.
+func TestKafkaLagSaysWhatTheBrokerRefused(t *testing.T) {
+	kf, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(1, "orders"),
+		kfake.EnableSASL(), kfake.Superuser("PLAIN", "svc", "s3cret-pw"))
+	require.NoError(t, err)
+	t.Cleanup(kf.Close)
+	sc := testenv.Sarama()
+	sc.Metadata.Retry.Max = 0
+	_, err = inspect.KafkaLag(context.Background(), kf.ListenAddrs(), sc, "g", []string{"orders"})
+	require.Error(t, err)
+	t.Log(err)
+	assert.Contains(t, err.Error(), "refused the SASL settings")
+	assert.Contains(t, err.Error(), kf.ListenAddrs()[0])
+}
