@@ -110,10 +110,11 @@ var (
 // Config.Logger. A refusal met on a later connection (the credentials
 // changed or the ACLs revoked on the cluster, a certificate expired) is
 // retried too, and logged at level Error as the cluster refusing the
-// client, with the error sarama reports: the settings worked once, so the change is on the cluster's side, and the
-// consumer resumes without a restart when it is undone, where a Source
-// that stopped would take the whole consumer down, and be refused again
-// when restarted with the same Config.
+// client, with the error sarama reports: the settings worked once, so the
+// change is on the cluster's side, and the consumer resumes without a
+// restart when it is undone, where a Source that stopped would take the
+// whole consumer down, and be refused again when restarted with the same
+// Config.
 func Open(ctx context.Context, cfg Config) (*Source, error) {
 	cfg = cfg.withDefaults()
 	if err := cfg.validate(); err != nil {
