@@ -313,9 +313,10 @@ func columnDiffs(have map[string]tableColumn, want []column) []string {
 // hasUniqueKey reports whether table has a primary key or a unique index,
 // valid, immediate and without a predicate, on exactly key (in any
 // order; INCLUDE columns are not part of it): the ON CONFLICT of the
-// statements that write the table relies on it. An index that CREATE INDEX CONCURRENTLY left invalid (its build
-// failed or was cancelled) enforces nothing and arbitrates no conflict; ON
-// CONFLICT refuses a deferrable one.
+// statements that write the table relies on it. An index that CREATE
+// INDEX CONCURRENTLY left invalid (its build failed or was cancelled)
+// enforces nothing and arbitrates no conflict; ON CONFLICT refuses a
+// deferrable one.
 func hasUniqueKey(ctx context.Context, db DB, table string, key ...string) (bool, error) {
 	key = slices.Sorted(slices.Values(key))
 	var ok bool

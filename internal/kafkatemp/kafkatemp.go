@@ -583,8 +583,8 @@ func (c *Cluster) startWatchdog() error {
 
 // Libs returns the directory of the Kafka release's jars: $ONCE_KAFKA_LIBS,
 // else what scripts/kafka.sh fetched into $ONCE_CACHE_DIR (default
-// ~/.cache/once) for $KAFKA_VERSION (default Version). It returns an error saying how to fetch it when neither
-// holds the jars.
+// ~/.cache/once) for $KAFKA_VERSION (default Version). It returns an
+// error saying how to fetch it when neither holds the jars.
 func Libs() (string, error) {
 	if d := os.Getenv("ONCE_KAFKA_LIBS"); d != "" {
 		if jars, _ := filepath.Glob(filepath.Join(d, "kafka_2.13-*.jar")); len(jars) == 0 {
