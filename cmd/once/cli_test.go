@@ -853,3 +853,28 @@ func TestUIStartsWithTheDatabaseDown(t *testing.T) {
 	code, _, errOut := cli(t, nil, "ui", "-addr", "127.0.0.1:0", "-database-url", down)
 	assert.Equal(t, exitFailure, code, "nothing but the database to show: %s", errOut)
 }
+
+// once migrate says which tables it migrated, the offsets table of
+// version 4 included (and not after a migration down below it), and its
+// JSON names the schema too.
+func TestMigrateNamesEveryTable(t *testing.T) {
+	_, schema := pgtest.Schema(t)
+	env := map[string]string{"DATABASE_URL": testenv.SchemaURL(schema)}
+	code, out, errOut := cli(t, env, "migrate", "up")
+	require.Equal(t, exitOK, code, errOut)
+	for _, table := range []string{"processed_events", "processed_events_attempts", "processed_events_offsets"} {
+		assert.Contains(t, out, table)
+	}
+	code, out, errOut = cli(t, env, "migrate", "down", "-to", "3")
+	require.Equal(t, exitOK, code, errOut)
+	assert.Contains(t, out, "processed_events_attempts")
+	assert.NotContains(t, out, "processed_events_offsets", "version 3 has no offsets table")
+	code, out, errOut = cli(t, env, "migrate", "down", "-to", "0")
+	require.Equal(t, exitOK, code, errOut)
+	assert.Contains(t, out, "dropped")
+	code, out, errOut = cli(t, env, "migrate", "status", "-schema", schema, "-json")
+	require.Equal(t, exitOK, code, errOut)
+	var st map[string]any
+	require.NoError(t, json.Unmarshal([]byte(out), &st))
+	assert.Equal(t, schema, st["schema"])
+}

@@ -150,15 +150,31 @@ func (a *app) migrate(ctx context.Context, args []string) error {
 		return err
 	}
 	if *asJSON {
-		return json.NewEncoder(a.stdout).Encode(map[string]any{"table": *db.table, "version": version, "latest": dedup.SchemaVersion})
+		// schema "" means the tables found through the search_path.
+		return json.NewEncoder(a.stdout).Encode(map[string]any{"schema": *db.schema, "table": *db.table,
+			"version": version, "latest": dedup.SchemaVersion})
 	}
 	switch action {
 	case "status":
 		fmt.Fprintf(a.stdout, "%s: schema version %d of %d\n", *db.table, version, dedup.SchemaVersion)
 	default:
-		fmt.Fprintf(a.stdout, "migrated: %s and %s_attempts at schema version %d\n", *db.table, *db.table, version)
+		fmt.Fprintf(a.stdout, "migrated: %s at schema version %d\n", migratedTables(*db.table, version), version)
 	}
 	return nil
+}
+
+// migratedTables names the tables of a processed-events table at version:
+// its attempts table always, its offsets table from version 4 (the version
+// that creates it).
+func migratedTables(table string, version int) string {
+	switch {
+	case version == 0:
+		return table + " (its tables dropped)"
+	case version >= 4:
+		return table + ", " + table + "_attempts and " + table + "_offsets"
+	default:
+		return table + " and " + table + "_attempts"
+	}
 }
 
 // statusReport is the output of once status.
