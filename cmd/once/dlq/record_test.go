@@ -216,3 +216,19 @@ func TestAMQPRedriveRestoresCC(t *testing.T) {
 	assert.NotContains(t, p.Headers, amqp.HeaderOriginalCC)
 	assert.Equal(t, "test", p.Headers["x-origin"])
 }
+
+// A RabbitMQ dead letter read from a quorum queue carries the broker's
+// x-delivery-count of that queue (every read of the dead letters counts),
+// and so may the copy of a message redelivered in its own queue. Carried
+// back by a redrive it made the replayed message look redelivered to the
+// consumer (a crash suspect, run alone with a crash-guard write). The
+// redrive drops it: the broker counts the redriven message's deliveries
+// afresh.
+func TestAMQPRedriveDropsTheDeliveryCount(t *testing.T) {
+	r := rec("id", "e-1")
+	redrive := redriveHeaders(r, time.Now(), "")
+	d := &amqp091.Delivery{Headers: amqp091.Table{"id": "e-1", amqp.DeliveryCountHeader: int64(3)}}
+	out := amqpRedrive(d, redrive).Headers
+	assert.NotContains(t, out, amqp.DeliveryCountHeader)
+	assert.Equal(t, "e-1", out["id"])
+}
