@@ -499,22 +499,34 @@ func (r *Relay) reportSettled(ctx context.Context, sent []int64, rejects []rejec
 // cleanupChunk bounds the rows one cleanup statement deletes.
 const cleanupChunk = 1000
 
-// cleanup deletes rows sent more than KeepSent ago, a chunk at a time,
-// until ctx is done. A chunk runs to its end (within a bound) even when ctx
-// is cancelled meanwhile: pgx closes a connection whose statement is
-// cancelled, and the relay's connection may still have a settlement to
-// write, that of a batch the broker confirmed (deferred to the next read).
-func (r *Relay) cleanup(ctx context.Context, conn *pgx.Conn) error {
+// cleanupPass bounds one pass of cleanup: the relay publishes nothing
+// while it deletes, so a large backlog of rows past KeepSent is removed in
+// passes with publishing between them, not in one go that holds the
+// outbox's latency for as long as it takes.
+const cleanupPass = 100 * time.Millisecond
+
+// cleanup deletes rows sent more than KeepSent ago, a chunk at a time, for
+// at most about cleanupPass or until ctx is done; more reports that a
+// chunk was full when it stopped (rows may be left for the next pass). A
+// chunk runs to its end (within a bound) even when ctx is cancelled
+// meanwhile: pgx closes a connection whose statement is cancelled, and the
+// relay's connection may still have a settlement to write, that of a batch
+// the broker confirmed (deferred to the next read).
+func (r *Relay) cleanup(ctx context.Context, conn *pgx.Conn) (more bool, err error) {
+	start := time.Now()
 	for ctx.Err() == nil {
 		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 		tag, err := conn.Exec(cctx, r.sql.cleanup, r.cfg.KeepSent.Milliseconds(), cleanupChunk)
 		cancel()
 		if err != nil {
-			return err
+			return false, err
 		}
 		if tag.RowsAffected() < cleanupChunk {
-			return nil
+			return false, nil
+		}
+		if time.Since(start) >= cleanupPass {
+			return true, nil
 		}
 	}
-	return nil
+	return false, nil
 }

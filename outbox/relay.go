@@ -64,8 +64,11 @@ type RelayConfig struct {
 	PollInterval time.Duration
 
 	// KeepSent is how long a published row is kept (with sent_at set)
-	// before the leader deletes it: an audit window. Defaults to 0: a row
-	// is deleted as soon as the broker confirmed it.
+	// before the leader deletes it: an audit window. The leader deletes
+	// expired rows in passes of about 100 ms with publishing between them,
+	// so a large backlog of them delays the outbox's messages by a pass at
+	// most. Defaults to 0: a row is deleted as soon as the broker confirmed
+	// it.
 	KeepSent time.Duration
 
 	// MaxAttempts is how many times a row the broker rejects (Rejected) is
@@ -297,6 +300,7 @@ func (r *Relay) becomeLeader(ctx context.Context, conn *pgx.Conn, oid uint32) er
 func (r *Relay) lead(ctx context.Context, conn *pgx.Conn, notified *atomic.Bool) error {
 	failures := 0
 	var lastCleanup time.Time
+	cleaning := false // a cleanup pass stopped with rows left
 	var ahead []Record
 	// deferred is the last batch's settlement when relayBatch left it to
 	// be written during the next publish (which it then returned rows
@@ -343,13 +347,21 @@ func (r *Relay) lead(ctx context.Context, conn *pgx.Conn, notified *atomic.Bool)
 			continue
 		}
 		failures = 0
-		if r.cfg.KeepSent > 0 && time.Since(lastCleanup) >= r.cleanupInterval() {
-			if err := r.cleanup(ctx, conn); err != nil && ctx.Err() == nil {
+		cleanupMore := false
+		if r.cfg.KeepSent > 0 && (cleaning || time.Since(lastCleanup) >= r.cleanupInterval()) {
+			more, err := r.cleanup(ctx, conn)
+			if err != nil && ctx.Err() == nil {
 				r.cfg.Logger.Warn("outbox relay: removing sent rows failed", "error", err)
 			}
-			lastCleanup = time.Now()
+			// A pass that stopped with rows left is followed by another
+			// after the next publish (at once when there is none), until
+			// the rows past KeepSent are gone.
+			cleaning, cleanupMore = more, more
+			if !more {
+				lastCleanup = time.Now()
+			}
 		}
-		if len(batch) == r.cfg.BatchSize {
+		if len(batch) == r.cfg.BatchSize || cleanupMore {
 			continue
 		}
 		if err := r.wait(ctx, conn, notified); err != nil {

@@ -606,3 +606,35 @@ SELECT 'old-' || i, 'nowhere', '', now() - interval '1 day' FROM generate_series
 	got, _ := ids(d.read(t, 100))
 	assert.Len(t, got, 100)
 }
+
+// With KeepSent, removing the rows kept past the window went on, a chunk
+// after a chunk, until none was left, and the relay published nothing
+// meanwhile: a busy relay that kept a minute's rows paused its publishing
+// for as long as deleting them took. Each pass is bounded now, and the
+// relay publishes between passes: a row added once the removal has begun
+// is published while expired rows are still there.
+func TestKeepSentCleanupDoesNotHoldPublishing(t *testing.T) {
+	k := newKafka(t)
+	pool, _ := migrated(t)
+	ctx := context.Background()
+	const expired = 300_000
+	_, err := pool.Exec(ctx, `INSERT INTO outbox (event_id, topic, body, sent_at)
+SELECT 'old-' || i, 'nowhere', '', now() - interval '1 day' FROM generate_series(1, $1) i`, expired)
+	require.NoError(t, err)
+	d := k.destination(t)
+	startRelay(t, pool, k.publisher(t), outbox.RelayConfig{PollInterval: 20 * time.Millisecond, KeepSent: time.Hour})
+	require.Eventually(t, func() bool { return rows(t, pool, "sent_at < now() - interval '1 hour'") < expired },
+		30*time.Second, time.Millisecond, "the removal begins")
+	addCommitted(t, pool, d.msg("k", "fresh"))
+	// Both counts from one snapshot: the fresh row marked sent, and how
+	// many expired rows were left then.
+	var left, sent int
+	require.Eventually(t, func() bool {
+		require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE sent_at < now() - interval '1 hour'),
+	count(*) FILTER (WHERE event_id NOT LIKE 'old-%' AND sent_at IS NOT NULL) FROM outbox`).Scan(&left, &sent))
+		return sent == 1
+	}, 60*time.Second, time.Millisecond)
+	assert.Positive(t, left, "the fresh row was published before the expired rows were all removed")
+	d.read(t, 1)
+	waitRows(t, pool, "sent_at < now() - interval '1 hour'", 0, 120*time.Second)
+}
