@@ -26,7 +26,10 @@ const (
 	// the group first started is skipped.
 	StartOldest StartOffset = iota
 	// StartNewest reads a partition with no committed offset from the
-	// records produced after the group joined.
+	// records produced after the group joined: the partition's end at the
+	// start of the session that claims it is committed as its offset.
+	// Records written to a partition added to a topic before the group
+	// noticed it are skipped.
 	StartNewest
 )
 

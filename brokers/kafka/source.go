@@ -461,13 +461,65 @@ func (s *Source) drainErrors() {
 // groupHandler is the sarama.ConsumerGroupHandler of a Source.
 type groupHandler struct{ s *Source }
 
-// Setup takes the session's partitions over in the database, with
-// Config.OffsetsInDatabase, and seeks them to the positions recorded there.
+// Setup marks the start of the session's partitions that have no
+// committed offset, with StartNewest, and takes the session's partitions
+// over in the database, with Config.OffsetsInDatabase, seeking them to the
+// positions recorded there.
 func (h *groupHandler) Setup(sess sarama.ConsumerGroupSession) error {
+	if h.s.cfg.InitialOffset == StartNewest {
+		h.s.markStarts(sess)
+	}
 	if !h.s.cfg.OffsetsInDatabase {
 		return nil
 	}
 	return h.s.takeOver(sess)
+}
+
+// markStarts marks, for each partition of sess without a committed offset,
+// the partition's end as where the group starts reading it, so that the
+// commit keeps that start: a record produced to the partition later, while
+// it has no record to ack (the member stopped, the partition moving to
+// another member), is read by the next owner instead of being skipped by
+// its own start at the newest record. A failure to ask the cluster is
+// logged; those partitions then start at the newest record at each claim.
+func (s *Source) markStarts(sess sarama.ConsumerGroupSession) {
+	claims := sess.Claims()
+	if len(claims) == 0 {
+		return
+	}
+	fail := func(err error) {
+		s.cfg.Logger.Warn("once/kafka: cannot read the group's committed offsets to keep the start of partitions without one",
+			"group", s.cfg.Group, "error", err)
+	}
+	coordinator, err := s.dlqClient.Coordinator(s.cfg.Group)
+	if err != nil {
+		fail(err)
+		return
+	}
+	resp, err := coordinator.FetchOffset(sarama.NewOffsetFetchRequest(s.topicIDs.version, s.cfg.Group, claims))
+	if err != nil {
+		fail(err)
+		return
+	}
+	if !errors.Is(resp.Err, sarama.ErrNoError) {
+		fail(resp.Err)
+		return
+	}
+	for topic, partitions := range claims {
+		for _, p := range partitions {
+			b := resp.GetBlock(topic, p)
+			if b == nil || !errors.Is(b.Err, sarama.ErrNoError) || b.Offset >= 0 {
+				continue
+			}
+			end, err := s.dlqClient.GetOffset(topic, p, sarama.OffsetNewest)
+			if err != nil {
+				fail(err)
+				continue
+			}
+			// Forward only: it moves no committed offset.
+			sess.MarkOffset(topic, p, end, "")
+		}
+	}
 }
 
 func (*groupHandler) Cleanup(sarama.ConsumerGroupSession) error { return nil }

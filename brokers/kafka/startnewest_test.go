@@ -1,0 +1,47 @@
+package kafka
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// With StartNewest, a partition that had no record while the group first
+// held it keeps the position the group started at: a record produced to it
+// while the group's member was stopped is read by the next member, not
+// skipped as if the group had never joined.
+func TestStartNewestKeepsTheStartOfAnIdlePartition(t *testing.T) {
+	c := newCluster(t)
+	topic, group := uniq("orders"), uniq("g")
+	c.createTopic(topic, 2)
+	cfg := c.config(group, topic)
+	cfg.InitialOffset = StartNewest
+
+	a := c.open(cfg)
+	// Partition 0 gets records until a receives one (the group then holds
+	// both partitions); partition 1 gets none.
+	var got *delivery
+	for got == nil {
+		c.produce(msg(topic, 0, "a"))
+		ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+		d, err := a.Receive(ctx)
+		cancel()
+		if err == nil {
+			got = d.(*delivery)
+		}
+	}
+	require.NoError(t, got.Ack(context.Background()))
+	require.NoError(t, a.Close())
+
+	c.produce(msg(topic, 1, "b")) // produced after the group joined
+	b := c.open(cfg)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	d, err := b.Receive(ctx)
+	require.NoError(t, err, "the record produced to the idle partition while no member ran was skipped")
+	assert.Equal(t, "b", string(d.Message().Value))
+	assert.Equal(t, int32(1), d.Message().Partition)
+}
