@@ -39,6 +39,7 @@ type claim struct {
 	ctx    context.Context // done when the claim is revoked
 	cancel context.CancelFunc
 	last   atomic.Int64 // offset of the last record handed out or skipped, or unknownOffset
+	paused atomic.Bool  // its fetching paused by feed: sarama's high-water mark of it is stale
 
 	mu      sync.Mutex
 	revoked bool
@@ -168,6 +169,7 @@ func (cl *claim) feed(ended <-chan struct{}) {
 		}
 		if paused {
 			s.group.Resume(part)
+			cl.paused.Store(false)
 		}
 		if stall != nil {
 			stall.Stop()
@@ -213,6 +215,7 @@ func (cl *claim) feed(ended <-chan struct{}) {
 			} else {
 				s.group.Resume(part)
 			}
+			cl.paused.Store(paused)
 		}
 		in := msgs
 		if full && !paused {

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"sync"
 
+	"github.com/IBM/sarama"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
 )
@@ -42,9 +43,15 @@ func newLagGauge(mp metric.MeterProvider, group string) (*lagGauge, error) {
 		return nil, fmt.Errorf("kafka: Config.MeterProvider: lag gauge: %w", err)
 	}
 	g.reg, err = meter.RegisterCallback(func(_ context.Context, o metric.Observer) error {
+		// Copied, so that a paused claim's question to the cluster holds
+		// no claim's start or end.
 		g.mu.Lock()
-		defer g.mu.Unlock()
+		claims := make([]*claim, 0, len(g.claims))
 		for cl := range g.claims {
+			claims = append(claims, cl)
+		}
+		g.mu.Unlock()
+		for _, cl := range claims {
 			lag, ok := cl.lag()
 			if !ok {
 				continue
@@ -83,10 +90,18 @@ func (g *lagGauge) close() {
 }
 
 // lag returns the claim's lag, and false while its position is unknown.
+// The high-water mark is sarama's, from the partition's last fetch; a
+// paused partition fetches nothing, so its mark is asked of the cluster.
 func (cl *claim) lag() (int64, bool) {
 	last := cl.last.Load()
 	if last == unknownOffset {
 		return 0, false
 	}
-	return max(cl.sc.HighWaterMarkOffset()-(last+1), 0), true
+	hwm := cl.sc.HighWaterMarkOffset()
+	if cl.paused.Load() {
+		if end, err := cl.src.dlqClient.GetOffset(cl.sc.Topic(), cl.sc.Partition(), sarama.OffsetNewest); err == nil {
+			hwm = max(hwm, end)
+		}
+	}
+	return max(hwm-(last+1), 0), true
 }

@@ -2,9 +2,11 @@ package kafka
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
+	"github.com/IBM/sarama"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
@@ -77,4 +79,32 @@ func TestLagCountsSkippedRecordsAsRead(t *testing.T) {
 		"every record of the partition was read; lag %v", lagOf(t, reader))
 	require.NoError(t, r.stop())
 	assert.Equal(t, map[int]int{0: 1}, effectsByN(t, db), "only record 0 was handled")
+}
+
+// A partition paused at Config.MaxPendingPerPartition (a stuck record)
+// fetches nothing, so sarama's high-water mark of it stops moving; the lag
+// gauge still counts the records produced to it meanwhile, which is when
+// an operator needs it most.
+func TestLagOfAPausedPartitionCountsRecordsProducedMeanwhile(t *testing.T) {
+	c := newCluster(t)
+	topic, group := uniq("orders"), uniq("g")
+	c.createTopic(topic, 1)
+	c.produce(msg(topic, 0, "stuck"))
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	defer func() { _ = mp.Shutdown(context.Background()) }()
+	cfg := c.config(group, topic)
+	cfg.MeterProvider = mp
+	cfg.MaxPendingPerPartition = 1
+	src := c.open(cfg)
+	receive(t, src) // never acked: the claim waits at the bound, fetching paused
+	require.Eventually(t, func() bool { return src.claimsWaitingForRoom() == 1 }, 10*time.Second, 5*time.Millisecond)
+
+	var msgs []*sarama.ProducerMessage
+	for i := range 100 {
+		msgs = append(msgs, msg(topic, 0, fmt.Sprint(i)))
+	}
+	c.produce(msgs...)
+	assert.Eventually(t, func() bool { return lagOf(t, reader)[topic+"/0"] == 100 }, 5*time.Second, 20*time.Millisecond,
+		"the records produced while the partition is paused are its lag; lag %v", lagOf(t, reader))
 }
