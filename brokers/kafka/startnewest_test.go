@@ -14,7 +14,11 @@ import (
 // while the group's member was stopped is read by the next member, not
 // skipped as if the group had never joined.
 func TestStartNewestKeepsTheStartOfAnIdlePartition(t *testing.T) {
-	c := newCluster(t)
+	eachBroker(t, func(t *testing.T, kind brokerKind) { testStartNewestKeepsTheStart(t, kind) })
+}
+
+func testStartNewestKeepsTheStart(t *testing.T, kind brokerKind) {
+	c := newClusterOf(t, kind)
 	topic, group := uniq("orders"), uniq("g")
 	c.createTopic(topic, 2)
 	cfg := c.config(group, topic)
@@ -38,7 +42,7 @@ func TestStartNewestKeepsTheStartOfAnIdlePartition(t *testing.T) {
 
 	c.produce(msg(topic, 1, "b")) // produced after the group joined
 	b := c.open(cfg)
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
 	defer cancel()
 	d, err := b.Receive(ctx)
 	require.NoError(t, err, "the record produced to the idle partition while no member ran was skipped")
