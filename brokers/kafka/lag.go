@@ -42,7 +42,7 @@ func newLagGauge(mp metric.MeterProvider, group string) (*lagGauge, error) {
 	if err != nil {
 		return nil, fmt.Errorf("kafka: Config.MeterProvider: lag gauge: %w", err)
 	}
-	g.reg, err = meter.RegisterCallback(func(_ context.Context, o metric.Observer) error {
+	g.reg, err = meter.RegisterCallback(func(ctx context.Context, o metric.Observer) error {
 		// Copied, so that a paused claim's question to the cluster holds
 		// no claim's start or end.
 		g.mu.Lock()
@@ -52,7 +52,7 @@ func newLagGauge(mp metric.MeterProvider, group string) (*lagGauge, error) {
 		}
 		g.mu.Unlock()
 		for _, cl := range claims {
-			lag, ok := cl.lag()
+			lag, ok := cl.lag(ctx)
 			if !ok {
 				continue
 			}
@@ -91,14 +91,15 @@ func (g *lagGauge) close() {
 
 // lag returns the claim's lag, and false while its position is unknown.
 // The high-water mark is sarama's, from the partition's last fetch; a
-// paused partition fetches nothing, so its mark is asked of the cluster.
-func (cl *claim) lag() (int64, bool) {
+// paused partition fetches nothing, so its mark is asked of the cluster
+// (unless ctx, the collection's, is done).
+func (cl *claim) lag(ctx context.Context) (int64, bool) {
 	last := cl.last.Load()
 	if last == unknownOffset {
 		return 0, false
 	}
 	hwm := cl.sc.HighWaterMarkOffset()
-	if cl.paused.Load() {
+	if cl.paused.Load() && ctx.Err() == nil {
 		if end, err := cl.src.dlqClient.GetOffset(cl.sc.Topic(), cl.sc.Partition(), sarama.OffsetNewest); err == nil {
 			hwm = max(hwm, end)
 		}
