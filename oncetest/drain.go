@@ -2,6 +2,7 @@ package oncetest
 
 import (
 	"context"
+	"errors"
 	"testing"
 	"time"
 
@@ -11,12 +12,15 @@ import (
 
 // DrainTimeout bounds Drain: a consumer that has not settled every message
 // by then (a handler that hangs, a database that is down) fails the test.
+// It bounds the stop too: a Run that has not returned within DrainTimeout
+// of being stopped (a handler that ignores its context) fails the test.
 var DrainTimeout = time.Minute
 
 // Drain runs c until every message published to b so far is settled (acked:
 // handled, skipped as a duplicate, or dead-lettered), then stops it and
 // returns its Stats. It fails the test when Run returns an error, or when
-// the messages are not settled within DrainTimeout. c must read from a
+// the messages are not settled within DrainTimeout, or when Run does not
+// return within DrainTimeout of being stopped. c must read from a
 // Source of b, and Run must not have been called on it.
 func Drain[T any](t testing.TB, c *consumer.Consumer[T], b *memsource.Broker) consumer.Stats {
 	t.Helper()
@@ -28,7 +32,17 @@ func Drain[T any](t testing.TB, c *consumer.Consumer[T], b *memsource.Broker) co
 	defer stopWaiting()
 	waitErr := waitOrEnd(wait, b, published, done)
 	cancel()
-	runErr := <-done
+	var runErr error
+	stopped := time.NewTimer(DrainTimeout)
+	defer stopped.Stop()
+	select {
+	case runErr = <-done:
+	case <-stopped.C:
+		if waitErr == nil {
+			waitErr = errors.New("every message settled")
+		}
+		t.Fatalf("oncetest: Run did not return within %v of being stopped (a handler that ignores its context?); %v (stats %+v)", DrainTimeout, waitErr, c.Stats())
+	}
 	if runErr != nil {
 		t.Fatalf("oncetest: Run: %v", runErr)
 	}

@@ -74,3 +74,45 @@ func TestDrainWaitsForEachMessagePublishedBeforeIt(t *testing.T) {
 	assert.False(t, b.IsAcked(0), "the stuck message was never settled")
 	assert.NotEmpty(t, rec.failed, "Drain returned as if every message published before it were settled")
 }
+
+// A handler that ignores its context keeps Run from returning: Drain then
+// fails the test within its bounds instead of waiting for Run forever.
+func TestDrainFailsWhenRunDoesNotStop(t *testing.T) {
+	pool := oncetest.Postgres(t)
+	b := memsource.New(memsource.Options{})
+	b.Publish(consumer.Message{ID: "hang", Value: []byte(`"hang"`)})
+	release := make(chan struct{})
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[string]) error {
+		<-release // ignores ctx
+		return nil
+	}
+	c, err := consumer.New(pool, b.Source(), h, consumer.Config{Name: "drain", ShutdownTimeout: 100 * time.Millisecond})
+	require.NoError(t, err)
+
+	defer func(d time.Duration) { oncetest.DrainTimeout = d }(oncetest.DrainTimeout)
+	oncetest.DrainTimeout = time.Second
+	rec := &fatalRecorder{TB: t}
+	returned := make(chan struct{})
+	go func() {
+		defer close(returned)
+		defer func() {
+			if p := recover(); p != nil {
+				if err, ok := p.(error); !ok || !errors.Is(err, errFatal) {
+					panic(p)
+				}
+			}
+		}()
+		oncetest.Drain(rec, c, b)
+	}()
+	select {
+	case <-returned:
+	case <-time.After(30 * time.Second):
+		close(release)
+		<-returned
+		t.Fatal("Drain waited for a Run that did not return")
+	}
+	close(release)
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	assert.Contains(t, rec.failed, "did not return", "Drain says why it gave up")
+}
