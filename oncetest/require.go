@@ -19,6 +19,9 @@ import (
 // key listed twice in want fails the test (each is wanted once).
 func RequireEachOnce(t testing.TB, pool *pgxpool.Pool, query string, want ...string) {
 	t.Helper()
+	if pool == nil {
+		t.Fatalf("oncetest: RequireEachOnce: nil pool")
+	}
 	wanted := make(map[string]bool, len(want))
 	for _, k := range want {
 		if wanted[k] {

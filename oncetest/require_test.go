@@ -60,3 +60,10 @@ func TestRequireEachOnceSaysWhenAKeyIsWantedTwice(t *testing.T) {
 	msg := requireEachOnce(t, pool, `SELECT id FROM orders`, "a", "a")
 	assert.Contains(t, msg, `"a" is listed twice in want`)
 }
+
+// A nil pool (a setup that failed, a pool not yet made) fails the test
+// with a message, not with a nil-pointer panic.
+func TestRequireEachOnceFailsOnNilPool(t *testing.T) {
+	msg := requireEachOnce(t, nil, `SELECT 1`, "1")
+	assert.Contains(t, msg, "nil pool")
+}
