@@ -24,6 +24,12 @@ var DrainTimeout = time.Minute
 // Source of b, and Run must not have been called on it.
 func Drain[T any](t testing.TB, c *consumer.Consumer[T], b *memsource.Broker) consumer.Stats {
 	t.Helper()
+	if c == nil {
+		t.Fatalf("oncetest: Drain: nil consumer")
+	}
+	if b == nil {
+		t.Fatalf("oncetest: Drain: nil broker")
+	}
 	published := b.Published()
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)

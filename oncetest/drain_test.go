@@ -116,3 +116,33 @@ func TestDrainFailsWhenRunDoesNotStop(t *testing.T) {
 	defer rec.mu.Unlock()
 	assert.Contains(t, rec.failed, "did not return", "Drain says why it gave up")
 }
+
+// drainFailure runs oncetest.Drain on a recorder and returns its failure
+// message, "" when it passed.
+func drainFailure(t *testing.T, c *consumer.Consumer[string], b *memsource.Broker) string {
+	t.Helper()
+	rec := &fatalRecorder{TB: t}
+	func() {
+		defer func() {
+			if p := recover(); p != nil {
+				if err, ok := p.(error); !ok || !errors.Is(err, errFatal) {
+					panic(p)
+				}
+			}
+		}()
+		oncetest.Drain(rec, c, b)
+	}()
+	return rec.failed
+}
+
+// A nil consumer or broker (a setup whose error went unchecked) fails the
+// test with a message, not with a panic that ends the test binary.
+func TestDrainFailsOnNilArguments(t *testing.T) {
+	b := memsource.New(memsource.Options{})
+	assert.Contains(t, drainFailure(t, nil, b), "nil consumer")
+	pool := oncetest.Postgres(t)
+	c, err := consumer.New(pool, b.Source(), func(context.Context, pgx.Tx, consumer.Event[string]) error { return nil },
+		consumer.Config{Name: "drain"})
+	require.NoError(t, err)
+	assert.Contains(t, drainFailure(t, c, nil), "nil broker")
+}
