@@ -229,6 +229,11 @@ func report(ctx context.Context, pool *pgxpool.Pool, b *memsource.Broker, s sent
 		fmt.Println("verdict: FAIL: the ledger does not match what was published")
 		return errors.New("verdict failed")
 	}
+	// What the demo is for: messages whose acks were lost came back.
+	if r2.Received == 0 || r2.Duplicates == 0 {
+		fmt.Println("verdict: FAIL: nothing was redelivered")
+		return errors.New("no message whose ack was lost was redelivered and skipped (nothing published?)")
+	}
 	fmt.Println("verdict: PASS: every payment exactly once, every poison message dead-lettered, nothing lost")
 	return nil
 }
