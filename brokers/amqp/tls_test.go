@@ -2,13 +2,8 @@ package amqp_test
 
 import (
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/tls"
 	"crypto/x509"
-	"crypto/x509/pkix"
-	"math/big"
 	"net"
 	"net/url"
 	"testing"
@@ -18,29 +13,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/onceco/once/brokers/amqp"
+	"github.com/onceco/once/internal/testcert"
 )
-
-// selfSigned returns a certificate for 127.0.0.1 signed by itself.
-func selfSigned(t *testing.T, cn string) tls.Certificate {
-	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	require.NoError(t, err)
-	tmpl := &x509.Certificate{
-		SerialNumber: big.NewInt(1),
-		Subject:      pkix.Name{CommonName: cn},
-		NotBefore:    time.Now().Add(-time.Hour),
-		NotAfter:     time.Now().Add(time.Hour),
-		IPAddresses:  []net.IP{net.IPv4(127, 0, 0, 1)},
-		KeyUsage:     x509.KeyUsageDigitalSignature | x509.KeyUsageCertSign,
-		ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth},
-		IsCA:         true, BasicConstraintsValid: true,
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	require.NoError(t, err)
-	leaf, err := x509.ParseCertificate(der)
-	require.NoError(t, err)
-	return tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key, Leaf: leaf}
-}
 
 // TestTLSConfigIsUsed dials an amqps URL whose server is a TLS listener of
 // the test that requires a client certificate: with Config.TLSConfig
@@ -49,7 +23,7 @@ func selfSigned(t *testing.T, cn string) tls.Certificate {
 // no AMQP); without it, the server's certificate is rejected.
 func TestTLSConfigIsUsed(t *testing.T) {
 	t.Parallel()
-	server, client := selfSigned(t, "test-server"), selfSigned(t, "test-client")
+	server, client := testcert.SelfSigned(t, "test-server"), testcert.SelfSigned(t, "test-client")
 	roots := x509.NewCertPool()
 	roots.AddCert(server.Leaf)
 	clientCAs := x509.NewCertPool()
@@ -126,8 +100,8 @@ func TestTLSConfigIsNotModified(t *testing.T) {
 		}()
 		return ln.Addr().(*net.TCPAddr).String()
 	}
-	byIP := selfSigned(t, "by-ip") // for 127.0.0.1
-	byName := selfSignedFor(t, "by-name", "localhost")
+	byIP := testcert.SelfSigned(t, "by-ip") // for 127.0.0.1
+	byName := testcert.ForName(t, "by-name", "localhost")
 	roots := x509.NewCertPool()
 	roots.AddCert(byIP.Leaf)
 	roots.AddCert(byName.Leaf)
@@ -150,29 +124,6 @@ func TestTLSConfigIsNotModified(t *testing.T) {
 	err = open("amqps://guest:guest@localhost:" + portByName + "/")
 	require.Error(t, err, "the server speaks no AMQP")
 	assert.NotContains(t, err.Error(), "certificate", "the second broker's certificate was checked against the first one's name")
-}
-
-// selfSignedFor returns a certificate for the DNS name host signed by
-// itself.
-func selfSignedFor(t *testing.T, cn, host string) tls.Certificate {
-	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	require.NoError(t, err)
-	tmpl := &x509.Certificate{
-		SerialNumber: big.NewInt(2),
-		Subject:      pkix.Name{CommonName: cn},
-		NotBefore:    time.Now().Add(-time.Hour),
-		NotAfter:     time.Now().Add(time.Hour),
-		DNSNames:     []string{host},
-		KeyUsage:     x509.KeyUsageDigitalSignature | x509.KeyUsageCertSign,
-		ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
-		IsCA:         true, BasicConstraintsValid: true,
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	require.NoError(t, err)
-	leaf, err := x509.ParseCertificate(der)
-	require.NoError(t, err)
-	return tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key, Leaf: leaf}
 }
 
 // tlsListener serves TLS with cfg and closes every connection after the
@@ -206,7 +157,7 @@ func tlsListener(t *testing.T, cfg *tls.Config) string {
 // be reached until ctx ends.
 func TestOpenReturnsATLSRefusalAtOnce(t *testing.T) {
 	t.Parallel()
-	server, client := selfSigned(t, "test-server"), selfSigned(t, "test-client")
+	server, client := testcert.SelfSigned(t, "test-server"), testcert.SelfSigned(t, "test-client")
 	roots := x509.NewCertPool()
 	roots.AddCert(server.Leaf)
 	clientCAs := x509.NewCertPool()

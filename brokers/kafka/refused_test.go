@@ -2,16 +2,10 @@ package kafka
 
 import (
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/tls"
 	"crypto/x509"
-	"crypto/x509/pkix"
 	"io"
 	"log/slog"
-	"math/big"
-	"net"
 	"os"
 	"testing"
 	"time"
@@ -24,29 +18,8 @@ import (
 
 	"github.com/onceco/once/internal/kafkatemp"
 	"github.com/onceco/once/internal/netcut"
+	"github.com/onceco/once/internal/testcert"
 )
-
-// selfSigned returns a certificate for 127.0.0.1 signed by itself.
-func selfSigned(t *testing.T, cn string) tls.Certificate {
-	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	require.NoError(t, err)
-	tmpl := &x509.Certificate{
-		SerialNumber: big.NewInt(1),
-		Subject:      pkix.Name{CommonName: cn},
-		NotBefore:    time.Now().Add(-time.Hour),
-		NotAfter:     time.Now().Add(time.Hour),
-		IPAddresses:  []net.IP{net.IPv4(127, 0, 0, 1)},
-		KeyUsage:     x509.KeyUsageDigitalSignature | x509.KeyUsageCertSign,
-		ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth},
-		IsCA:         true, BasicConstraintsValid: true,
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	require.NoError(t, err)
-	leaf, err := x509.ParseCertificate(der)
-	require.NoError(t, err)
-	return tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key, Leaf: leaf}
-}
 
 type staticToken string
 
@@ -64,10 +37,10 @@ func (s staticToken) Token() (*sarama.AccessToken, error) {
 // SASL_AUTHENTICATION_FAILED, which sarama returns and Open never
 // retried.)
 func TestOpenReturnsARefusalAtOnce(t *testing.T) {
-	server := selfSigned(t, "broker")
+	server := testcert.SelfSigned(t, "broker")
 	roots := x509.NewCertPool()
 	roots.AddCert(server.Leaf)
-	client := selfSigned(t, "client")
+	client := testcert.SelfSigned(t, "client")
 	clientCAs := x509.NewCertPool()
 	clientCAs.AddCert(client.Leaf)
 

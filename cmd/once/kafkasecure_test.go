@@ -4,16 +4,9 @@ import (
 	"bufio"
 	"bytes"
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/tls"
 	"crypto/x509"
-	"crypto/x509/pkix"
-	"encoding/pem"
 	"io"
-	"math/big"
-	"net"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -30,6 +23,7 @@ import (
 	"github.com/onceco/once/internal/kafkatemp"
 	"github.com/onceco/once/internal/kafkatest"
 	"github.com/onceco/once/internal/pgtest"
+	"github.com/onceco/once/internal/testcert"
 )
 
 // testCert is a certificate for 127.0.0.1 signed by itself, and its PEM
@@ -41,37 +35,11 @@ type testCert struct {
 
 func newTestCert(t *testing.T, cn string) testCert {
 	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	require.NoError(t, err)
-	tmpl := &x509.Certificate{
-		SerialNumber: big.NewInt(1),
-		Subject:      pkix.Name{CommonName: cn},
-		NotBefore:    time.Now().Add(-time.Hour),
-		NotAfter:     time.Now().Add(time.Hour),
-		IPAddresses:  []net.IP{net.IPv4(127, 0, 0, 1)},
-		KeyUsage:     x509.KeyUsageDigitalSignature | x509.KeyUsageCertSign,
-		ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth},
-		IsCA:         true, BasicConstraintsValid: true,
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	require.NoError(t, err)
-	leaf, err := x509.ParseCertificate(der)
-	require.NoError(t, err)
-	keyDER, err := x509.MarshalECPrivateKey(key)
-	require.NoError(t, err)
-	dir := t.TempDir()
-	c := testCert{tls: tls.Certificate{Certificate: [][]byte{der}, PrivateKey: key, Leaf: leaf},
-		certFile: filepath.Join(dir, cn+".pem"), keyFile: filepath.Join(dir, cn+"-key.pem")}
-	require.NoError(t, os.WriteFile(c.certFile, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), 0o600))
-	require.NoError(t, os.WriteFile(c.keyFile, pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: keyDER}), 0o600))
-	return c
+	c, certFile, keyFile := testcert.Files(t, cn)
+	return testCert{tls: c, certFile: certFile, keyFile: keyFile}
 }
 
-func (c testCert) pool() *x509.CertPool {
-	p := x509.NewCertPool()
-	p.AddCert(c.tls.Leaf)
-	return p
-}
+func (c testCert) pool() *x509.CertPool { return testcert.Pool(c.tls) }
 
 // securedDLQ makes two dead letters with a real consumer on k, then fixes
 // the service; it returns the service and the dead-letter topic.
