@@ -20,6 +20,7 @@
 package bench
 
 import (
+	"bytes"
 	"cmp"
 	"context"
 	"encoding/json"
@@ -245,6 +246,12 @@ type Result struct {
 	// was counted.
 	Correct bool   `json:"correct"`
 	Check   string `json:"check"`
+	// Error says why the row failed: its backlog could not be published,
+	// its subprocess exited with an error, or its effects could not be
+	// counted. Correct is then false, and the figures are those measured
+	// before it failed (none when the subprocess failed). Empty when the
+	// row ran to its end.
+	Error string `json:"error,omitempty"`
 	// Stats are the library consumer's counters (once rows only).
 	Stats *consumer.Stats `json:"stats,omitempty"`
 	// Processes and Shares: the processes that ran the row together and
@@ -302,9 +309,13 @@ func (o *Options) logf(format string, args ...any) {
 	}
 }
 
-// Run runs the benchmark and returns its report. It fails on an
-// infrastructure error; a row whose effects are wrong is reported with
-// Correct false.
+// Run runs the benchmark and returns its report. A row whose effects are
+// wrong is reported with Correct false; a row that fails (its backlog
+// cannot be published, its subprocess exits with an error, its effects
+// cannot be counted) is reported with Error set and Correct false, and the
+// rows after it still run. Run fails when it cannot start (the database,
+// a broker); when ctx is done during a row, it returns the report of the
+// rows so far, that one failed, with ctx's error.
 func Run(ctx context.Context, o Options) (*Report, error) {
 	if o.KeyLanes <= 0 {
 		o.KeyLanes = 4
@@ -378,10 +389,20 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 					o.run = run + 1
 				}
 				res, err := runRow(ctx, db, kc, o, b, row)
-				if err != nil {
-					return nil, fmt.Errorf("%s %s: %w", b, row, err)
+				if res == nil {
+					res = &Result{Broker: b, Row: row}
 				}
 				res.Run = o.run
+				if err != nil {
+					res.Correct, res.Error = false, err.Error()
+					o.logf("  %-9s %-19s FAILED: %v", b, row, err)
+					rep.Results = append(rep.Results, *res)
+					if ctx.Err() != nil {
+						ratios(rep)
+						return rep, ctx.Err()
+					}
+					continue
+				}
 				o.logf("  %-9s %-19s %9.0f msgs/s  p50/p99 %.1f/%.1f ms (to Receive %.1f/%.1f ms) at %.0f msgs/s  %s",
 					b, row, res.Rate, res.P50Ms, res.P99Ms, res.ReceiveP50Ms, res.ReceiveP99Ms, res.PacedRate, res.Check)
 				if st := res.Stats; st != nil {
@@ -569,9 +590,15 @@ func runSubprocess(ctx context.Context, spec *rowSpec) (*childResult, error) {
 	}
 	cmd := exec.CommandContext(ctx, exe)
 	cmd.Env = append(os.Environ(), childEnv+"="+string(raw))
-	cmd.Stderr = os.Stderr
+	// The subprocess says why it failed on stderr: pass it on, and keep
+	// its last line for the report.
+	last := &lastLine{}
+	cmd.Stderr = io.MultiWriter(os.Stderr, last)
 	out, err := cmd.Output()
 	if err != nil {
+		if l := last.String(); l != "" {
+			return nil, fmt.Errorf("row subprocess: %w: %s", err, l)
+		}
 		return nil, fmt.Errorf("row subprocess: %w", err)
 	}
 	lines := strings.Split(strings.TrimSpace(string(out)), "\n")
@@ -581,6 +608,26 @@ func runSubprocess(ctx context.Context, spec *rowSpec) (*childResult, error) {
 	}
 	return &cr, nil
 }
+
+// lastLine keeps the last non-empty line written to it (at most 1 KiB of
+// it).
+type lastLine struct {
+	buf []byte
+}
+
+func (l *lastLine) Write(p []byte) (int, error) {
+	l.buf = append(l.buf, p...)
+	if i := bytes.LastIndexByte(bytes.TrimRight(l.buf, "\n"), '\n'); i >= 0 {
+		l.buf = l.buf[i+1:]
+	}
+	if len(l.buf) > 1024 {
+		l.buf = l.buf[len(l.buf)-1024:]
+	}
+	return len(p), nil
+}
+
+// String returns the last line, without its newline.
+func (l *lastLine) String() string { return strings.TrimSpace(string(l.buf)) }
 
 func createSchema(ctx context.Context, db *pgxpool.Pool, schema string) error {
 	s := pgx.Identifier{schema}.Sanitize()

@@ -2,8 +2,10 @@ package bench
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -265,8 +267,8 @@ func TestCheckFindsEffectsOfTheWrongEvents(t *testing.T) {
 }
 
 // TestPacedPhaseWithoutMeasuredMessages: a paced phase too short for its
-// rate to produce a message after the warm-up has no latency to give; it
-// fails rather than report a p99 of 0 ms that meets every tail target.
+// rate to produce a message after the warm-up has no latency to give; the
+// row fails rather than report a p99 of 0 ms that meets every tail target.
 func TestPacedPhaseWithoutMeasuredMessages(t *testing.T) {
 	o := Options{
 		Workload:    Workload{Events: 300, PoisonEvery: 50, Partitions: 4},
@@ -279,12 +281,70 @@ func TestPacedPhaseWithoutMeasuredMessages(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	rep, err := Run(ctx, o)
-	if err == nil {
-		t.Fatalf("no error; results %+v; targets %q", rep.Results, rep.Targets())
+	require.NoError(t, err)
+	require.Len(t, rep.Results, 1)
+	r := rep.Results[0]
+	require.False(t, r.Correct)
+	// The subprocess says why on stderr, and the report keeps it.
+	require.Contains(t, r.Error, "row subprocess")
+	require.Contains(t, r.Error, "none of its 1 messages was produced after the warm-up")
+	require.NotContains(t, strings.Join(rep.Targets(), "\n"), ", met")
+}
+
+// TestFailedRowKeepsTheReport: a row whose subprocess fails (here the
+// library's rows, refused an invalid Concurrency) is reported failed, with
+// its error, beside the rows that ran, which keep their figures in the
+// table and in the JSON; the report then says the effects were not right
+// everywhere.
+func TestFailedRowKeepsTheReport(t *testing.T) {
+	o := Options{
+		Workload:    Workload{Events: 300, DupEvery: 10, PoisonEvery: 50, Partitions: 4},
+		Brokers:     []Broker{Kafka},
+		Rows:        []Row{RowHandwritten, RowOnceBatched, RowNaive},
+		Concurrency: -1,
+		DatabaseURL: pgtest.URL(),
 	}
-	// The subprocess says why on stderr ("none of its 1 messages was
-	// produced after the warm-up").
-	require.Contains(t, err.Error(), "row subprocess")
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	rep, err := Run(ctx, o)
+	require.NoError(t, err)
+	require.Len(t, rep.Results, 3, "the row after the failed one ran too")
+	hand, lib, naive := rep.Results[0], rep.Results[1], rep.Results[2]
+	require.True(t, hand.Correct, hand.Check)
+	require.Positive(t, hand.Rate)
+	require.True(t, naive.Correct, naive.Check)
+	require.False(t, lib.Correct)
+	require.Contains(t, lib.Error, "row subprocess")
+	require.Contains(t, lib.Error, "Concurrency must not be negative", "the subprocess's reason")
+	require.Zero(t, lib.VsHandwritten)
+
+	var table strings.Builder
+	require.NoError(t, rep.WriteTable(&table))
+	var libLine, handLine string
+	for _, l := range strings.Split(table.String(), "\n") {
+		switch {
+		case strings.Contains(l, string(RowOnceBatched)):
+			libLine = l
+		case strings.Contains(l, string(RowHandwritten)):
+			handLine = l
+		}
+	}
+	require.Contains(t, libLine, "FAILED (row subprocess")
+	require.NotContains(t, libLine, " 0 |", "no figure of a row that measured none")
+	require.Contains(t, handLine, fmt.Sprintf("%.0f", hand.Rate))
+	require.Contains(t, table.String(), "effects exactly right in every row: NO")
+
+	path := filepath.Join(t.TempDir(), "bench.json")
+	require.NoError(t, rep.WriteJSON(path))
+	raw, err := os.ReadFile(path)
+	require.NoError(t, err)
+	var got struct {
+		Rows []map[string]any `json:"rows"`
+	}
+	require.NoError(t, json.Unmarshal(raw, &got))
+	require.Len(t, got.Rows, 3)
+	require.Equal(t, lib.Error, got.Rows[1]["error"])
+	require.NotContains(t, got.Rows[0], "error", "a row that ran has no error")
 }
 
 // TestCheckFindsTheWrongDeadLetter: as many dead letters as poison

@@ -67,6 +67,19 @@ func (r *Report) WriteTable(w io.Writer) error {
 		if !x.Correct {
 			verdict = "NO"
 		}
+		check := x.Check
+		if x.Error != "" {
+			// A failed row shows why; its figures are "-" when it
+			// measured none.
+			verdict, check = "FAILED", strings.TrimPrefix(check+"; "+x.Error, "; ")
+			if x.Messages == 0 {
+				if runs {
+					fmt.Fprintf(tw, "%d\t ", x.Run)
+				}
+				fmt.Fprintf(tw, "%s\t %s\t%s %s (%s)\t\n", x.Broker, x.Row, strings.Repeat(" -\t", 15), verdict, check)
+				continue
+			}
+		}
 		if runs {
 			fmt.Fprintf(tw, "%d\t ", x.Run)
 		}
@@ -87,7 +100,7 @@ func (r *Report) WriteTable(w io.Writer) error {
 		fmt.Fprintf(tw, "%s\t %s\t %.0f\t %s\t %s\t %s\t %s\t %s\t %s\t %s\t %.1f\t %.1f\t %.1f\t %.2f\t %s\t %s\t %s\t %s (%s)\t\n",
 			x.Broker, x.Row, x.Rate, idle, paced(x.P50Ms, "%.1f"), paced(x.P99Ms, "%.1f"), paced(x.ReceiveP99Ms, "%.1f"), paced(x.PacedRate, "%.0f"),
 			orDash(x.DiskSyncMaxMs, "%.1f"), orDash(x.WakeLagMaxMs, "%.1f"), x.AllocsPerMsg, x.PeakRSSMB, x.MsgsPerTx, x.RoundTripsPerTx,
-			orDash(x.VsNaive, "%.2f"), orDash(x.VsCeiling, "%.2f"), orDash(x.VsHandwritten, "%.2f"), verdict, x.Check)
+			orDash(x.VsNaive, "%.2f"), orDash(x.VsCeiling, "%.2f"), orDash(x.VsHandwritten, "%.2f"), verdict, check)
 	}
 	if err := tw.Flush(); err != nil {
 		return err

@@ -3,7 +3,8 @@
 // ceiling, the database ceiling (pgbench), the naive consumer and the
 // library per message, batched, and with a BatchHandler, for Kafka (kfake in
 // this process, over TCP) and RabbitMQ (AMQP_URL). It prints a Markdown
-// table and the targets, and exits non-zero when a row's effects are wrong.
+// table and the targets, and exits non-zero when a row's effects are wrong
+// or a row failed (the table then marks it FAILED, with its error).
 //
 //	go run ./internal/bench/cmd/oncebench [-n 20000] [-json FILE] [-rss-check]
 //
@@ -149,10 +150,11 @@ func run() int {
 	o.OutboxRows = *outboxN
 
 	rep, err := bench.Run(ctx, o)
-	if err != nil {
+	if rep == nil {
 		fmt.Fprintln(os.Stderr, "oncebench:", err)
 		return 1
 	}
+	// Interrupted, Run still reports the rows that ran.
 	if err := rep.WriteTable(os.Stdout); err != nil {
 		fmt.Fprintln(os.Stderr, "oncebench:", err)
 		return 1
@@ -163,6 +165,11 @@ func run() int {
 			return 1
 		}
 	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "oncebench:", err)
+		return 1
+	}
+	// A failed row is not Correct either.
 	for _, r := range rep.Results {
 		if !r.Correct {
 			return 1
@@ -198,6 +205,10 @@ func runRSSCheck(ctx context.Context, o bench.Options, sizes string) int {
 			return 1
 		}
 		r := rep.Results[0]
+		if r.Error != "" {
+			fmt.Printf("kafka once batched, %8d events: FAILED (%s)\n", n, r.Error)
+			return 1
+		}
 		if first == 0 {
 			first = r.PeakRSSMB
 		}
@@ -266,6 +277,7 @@ func runScaleOut(ctx context.Context, o bench.Options, counts, jsonOut string) i
 	// One run per process count: -runs is the table's (make bench passes it).
 	o.PGBench, o.Pace, o.HTTPRequests, o.Runs = 0, 0, 0, 1
 	var reports []*bench.Report
+	var procs []int
 	ok := true
 	for _, s := range strings.Split(counts, ",") {
 		n, err := strconv.Atoi(strings.TrimSpace(s))
@@ -279,7 +291,7 @@ func runScaleOut(ctx context.Context, o bench.Options, counts, jsonOut string) i
 			fmt.Fprintln(os.Stderr, "oncebench:", err)
 			return 1
 		}
-		reports = append(reports, rep)
+		reports, procs = append(reports, rep), append(procs, n)
 	}
 	fmt.Printf("%-9s %-20s %9s %10s %10s %8s  %-28s %s\n", "broker", "row", "processes", "msgs/s", "x one", "msgs/tx", "share of each process", "correct")
 	base := map[string]float64{}
@@ -295,6 +307,11 @@ func runScaleOut(ctx context.Context, o bench.Options, counts, jsonOut string) i
 			}
 			if len(shares) == 0 {
 				shares = append(shares, "100%")
+			}
+			if r.Error != "" {
+				fmt.Printf("%-9s %-20s %9d FAILED (%s)\n", r.Broker, r.Row, procs[i], r.Error)
+				ok = false
+				continue
 			}
 			fmt.Printf("%-9s %-20s %9d %10.0f %10.2f %8.1f  %-28s %v (%s)\n", r.Broker, r.Row, max(1, r.Processes), r.Rate,
 				r.Rate/base[key], r.MsgsPerTx, strings.Join(shares, " "), r.Correct, r.Check)
