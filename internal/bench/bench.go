@@ -163,6 +163,11 @@ type Options struct {
 	// OutboxRows is the number of rows of each broker's outbox rows
 	// (outbox.go): relay and confirmed-publish ceiling; 0 skips them.
 	OutboxRows int
+	// RowTimeout is how long a row's subprocess may run before it is
+	// killed and the row reported failed (Result.Error); 0: three times
+	// the time each of its phases may take (a minute and a millisecond a
+	// message), its paced phase and a minute.
+	RowTimeout time.Duration
 	// Log receives progress lines; nil discards them.
 	Log io.Writer
 
@@ -535,9 +540,9 @@ func runRow(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, o Options, 
 		if err := createProgressTable(ctx, db, spec.Schema); err != nil {
 			return nil, err
 		}
-		cr, shares, err = runProcesses(ctx, spec, o.Processes)
+		cr, shares, err = runProcesses(ctx, spec, o.Processes, rowDeadline(o, spec))
 	} else {
-		cr, err = runSubprocess(ctx, spec)
+		cr, err = runSubprocess(ctx, spec, rowDeadline(o, spec))
 	}
 	if err != nil {
 		return nil, err
@@ -577,9 +582,21 @@ func runRow(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, o Options, 
 
 func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
 
+// rowDeadline is how long a row's subprocess may run before it is killed:
+// o.RowTimeout, or by default three times the time each of its phases may
+// take (spec.Timeout: peers, backlog, paced wait), its paced phase and a
+// minute to start and stop.
+func rowDeadline(o Options, spec *rowSpec) time.Duration {
+	if o.RowTimeout > 0 {
+		return o.RowTimeout
+	}
+	return 3*spec.Timeout + spec.Pace + time.Minute
+}
+
 // runSubprocess runs spec in a subprocess of this executable and returns
-// what it reported.
-func runSubprocess(ctx context.Context, spec *rowSpec) (*childResult, error) {
+// what it reported. A subprocess still running after deadline is killed,
+// and runSubprocess fails saying so.
+func runSubprocess(ctx context.Context, spec *rowSpec, deadline time.Duration) (*childResult, error) {
 	raw, err := json.Marshal(spec)
 	if err != nil {
 		return nil, err
@@ -588,7 +605,12 @@ func runSubprocess(ctx context.Context, spec *rowSpec) (*childResult, error) {
 	if err != nil {
 		return nil, err
 	}
-	cmd := exec.CommandContext(ctx, exe)
+	dctx, cancel := context.WithTimeout(ctx, deadline)
+	defer cancel()
+	cmd := exec.CommandContext(dctx, exe)
+	// Killed, it cannot hold its output open; WaitDelay bounds the wait
+	// anyway.
+	cmd.WaitDelay = 10 * time.Second
 	cmd.Env = append(os.Environ(), childEnv+"="+string(raw))
 	// The subprocess says why it failed on stderr: pass it on, and keep
 	// its last line for the report.
@@ -596,6 +618,9 @@ func runSubprocess(ctx context.Context, spec *rowSpec) (*childResult, error) {
 	cmd.Stderr = io.MultiWriter(os.Stderr, last)
 	out, err := cmd.Output()
 	if err != nil {
+		if ctx.Err() == nil && errors.Is(dctx.Err(), context.DeadlineExceeded) {
+			return nil, fmt.Errorf("row subprocess: killed after its deadline of %s (Options.RowTimeout, oncebench -row-timeout): %w", deadline, err)
+		}
 		if l := last.String(); l != "" {
 			return nil, fmt.Errorf("row subprocess: %w: %s", err, l)
 		}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"net"
 	"os"
 	"path/filepath"
 	"strings"
@@ -432,4 +433,56 @@ func TestHandWrittenWorkerPerPartition(t *testing.T) {
 		}
 	}
 	require.Equal(t, 0, handWorker(RabbitMQ, &consumer.Message{Partition: -1}, 4))
+}
+
+// TestHungRowIsKilledAtItsDeadline: a row's subprocess that never gets
+// anywhere (its Kafka "broker" accepts connections and never answers) is
+// killed at its deadline, and the row fails saying so, instead of the
+// bench waiting for it.
+func TestHungRowIsKilledAtItsDeadline(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer ln.Close()
+	go func() {
+		var conns []net.Conn
+		defer func() {
+			for _, c := range conns {
+				_ = c.Close()
+			}
+		}()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			conns = append(conns, c) // held open, never answered
+		}
+	}()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel() // kills the subprocess if it is still running
+	spec := &rowSpec{Row: RowCeiling, Broker: Kafka, Brokers: []string{ln.Addr().String()}, Topic: "hung", Group: "hung-group",
+		Backlog: 10, Timeout: time.Minute}
+	done := make(chan error, 1)
+	start := time.Now()
+	go func() {
+		_, err := runSubprocess(ctx, spec, 2*time.Second)
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		require.Error(t, err)
+		require.Contains(t, err.Error(), "killed after its deadline of 2s")
+		require.Less(t, time.Since(start), 20*time.Second)
+	case <-time.After(20 * time.Second): // the bound of this test, not a wait for a result
+		t.Fatalf("the row's subprocess still runs %s after a deadline of 2s", time.Since(start))
+	}
+}
+
+// TestRowDeadline: by default a row's subprocess has three times the time
+// each of its phases may take, its paced phase and a minute; the option
+// overrides it.
+func TestRowDeadline(t *testing.T) {
+	spec := &rowSpec{Timeout: time.Minute + 22*time.Second, Pace: 3 * time.Second}
+	require.Equal(t, 3*(time.Minute+22*time.Second)+3*time.Second+time.Minute, rowDeadline(Options{}, spec))
+	require.Equal(t, 10*time.Minute, rowDeadline(Options{RowTimeout: 10 * time.Minute}, spec))
 }

@@ -30,8 +30,8 @@ func createProgressTable(ctx context.Context, db *pgxpool.Pool, schema string) e
 
 // runProcesses runs spec in n subprocesses at once and combines what they
 // report: the messages and the time span of all of them, and each one's
-// acks (shares).
-func runProcesses(ctx context.Context, spec *rowSpec, n int) (*childResult, []int, error) {
+// acks (shares). Each process is killed after deadline.
+func runProcesses(ctx context.Context, spec *rowSpec, n int, deadline time.Duration) (*childResult, []int, error) {
 	results := make([]*childResult, n)
 	errs := make([]error, n)
 	var wg sync.WaitGroup
@@ -41,7 +41,7 @@ func runProcesses(ctx context.Context, spec *rowSpec, n int) (*childResult, []in
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			results[i], errs[i] = runSubprocess(ctx, &s)
+			results[i], errs[i] = runSubprocess(ctx, &s, deadline)
 		}()
 	}
 	wg.Wait()

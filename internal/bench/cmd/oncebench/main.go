@@ -51,6 +51,7 @@ func run() int {
 		pgbenchFor = flag.Duration("pgbench", 5*time.Second, "length of the pgbench ceiling (0: none)")
 		httpN      = flag.Int("http", 20000, "requests of each HTTP row, plain and behind the idempotency middleware (0: none)")
 		outboxN    = flag.Int("outbox", 200000, "rows of each broker's outbox rows: relay next to the confirmed-publish ceiling, then latency (0: none)")
+		rowTimeout = flag.Duration("row-timeout", 0, "deadline of each row's subprocess, after which it is killed and the row reported FAILED (0: 3 x (1m + 1ms a message) + -pace + 1m)")
 		jsonOut    = flag.String("json", "", "also write the report as JSON to this file")
 		rssCheck   = flag.Bool("rss-check", false, "instead of the table: peak RSS of the Kafka batched row at each of -rss-sizes events")
 		rssSizes   = flag.String("rss-sizes", "100000,1000000", "event counts of -rss-check")
@@ -81,6 +82,7 @@ func run() int {
 		Pace:        *paceFor,
 		PaceMax:     *paceMax,
 		Runs:        *runs,
+		RowTimeout:  *rowTimeout,
 		DatabaseURL: os.Getenv("DATABASE_URL"),
 		AMQPURL:     os.Getenv("AMQP_URL"),
 		Log:         os.Stderr,
