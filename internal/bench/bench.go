@@ -247,6 +247,12 @@ type Result struct {
 	// VsHandwritten is Rate over the hand-written batched row's; 0 when
 	// the run had none.
 	VsHandwritten float64 `json:"x_handwritten"`
+	// RatioRowsWrong names the rows the ratios compare with (naive,
+	// ceiling, hand-written batched, of the same broker and run) whose
+	// effects were wrong or that failed: a ratio against one compares with
+	// work not done right, or not measured, and judges no target (in the
+	// table it is marked "*").
+	RatioRowsWrong []Row `json:"ratio_rows_wrong,omitempty"`
 	// Correct says whether the effects were exactly right; Check says what
 	// was counted.
 	Correct bool   `json:"correct"`
@@ -437,13 +443,21 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 // ratios fills VsNaive, VsCeiling and VsHandwritten against the rows of
 // the same broker and run: the lower ceiling of a broker is the lower of
 // its source ceiling and pgbench's rows/s.
+//
+// A ratio against a row whose effects were wrong, or that failed, is
+// still given (0 when that row measured nothing), and the row named in
+// RatioRowsWrong.
 func ratios(rep *Report) {
 	for i := range rep.Results {
 		r := &rep.Results[i]
 		var naive, ceiling, hand float64
+		r.RatioRowsWrong = nil
 		for _, o := range rep.Results {
 			if o.Broker != r.Broker || o.Run != r.Run {
 				continue
+			}
+			if o.Row.isRatioBase() && !o.Correct && !slices.Contains(r.RatioRowsWrong, o.Row) {
+				r.RatioRowsWrong = append(r.RatioRowsWrong, o.Row)
 			}
 			switch o.Row {
 			case RowNaive:
@@ -468,6 +482,13 @@ func ratios(rep *Report) {
 		}
 	}
 }
+
+// isRatioBase reports whether the ratios compare rows with this one.
+func (r Row) isRatioBase() bool { return r == RowNaive || r == RowCeiling || r == RowHandwritten }
+
+// ratioRowWrong reports whether the ratio against row compares with a
+// row whose effects were wrong or that failed.
+func (r *Result) ratioRowWrong(row Row) bool { return slices.Contains(r.RatioRowsWrong, row) }
 
 // schemaName is the schema of a row's tables: an identifier dedup accepts
 // (apache-kafka's hyphen, like the rows' spaces, becomes an underscore).

@@ -62,6 +62,7 @@ func (r *Report) WriteTable(w io.Writer) error {
 		fmt.Fprint(tw, "---\t ")
 	}
 	fmt.Fprintln(tw, "---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t")
+	marked := false
 	for _, x := range r.Results {
 		verdict := "yes"
 		if !x.Correct {
@@ -100,10 +101,14 @@ func (r *Report) WriteTable(w io.Writer) error {
 		fmt.Fprintf(tw, "%s\t %s\t %.0f\t %s\t %s\t %s\t %s\t %s\t %s\t %s\t %.1f\t %.1f\t %.1f\t %.2f\t %s\t %s\t %s\t %s (%s)\t\n",
 			x.Broker, x.Row, x.Rate, idle, paced(x.P50Ms, "%.1f"), paced(x.P99Ms, "%.1f"), paced(x.ReceiveP99Ms, "%.1f"), paced(x.PacedRate, "%.0f"),
 			orDash(x.DiskSyncMaxMs, "%.1f"), orDash(x.WakeLagMaxMs, "%.1f"), x.AllocsPerMsg, x.PeakRSSMB, x.MsgsPerTx, x.RoundTripsPerTx,
-			orDash(x.VsNaive, "%.2f"), orDash(x.VsCeiling, "%.2f"), orDash(x.VsHandwritten, "%.2f"), verdict, check)
+			x.ratioCell(x.VsNaive, RowNaive), x.ratioCell(x.VsCeiling, RowCeiling), x.ratioCell(x.VsHandwritten, RowHandwritten), verdict, check)
+		marked = marked || len(x.RatioRowsWrong) > 0
 	}
 	if err := tw.Flush(); err != nil {
 		return err
+	}
+	if marked {
+		fmt.Fprintln(w, "\n*: against a row of the same run whose effects were wrong or that failed: no target is judged on it")
 	}
 	if err := r.HTTP.writeTable(w); err != nil {
 		return err
@@ -116,6 +121,16 @@ func (r *Report) WriteTable(w io.Writer) error {
 		fmt.Fprintln(w, t)
 	}
 	return nil
+}
+
+// ratioCell formats the ratio v against row for the table: "-" when not
+// measured, marked "*" when that row's effects were wrong or it failed.
+func (x *Result) ratioCell(v float64, row Row) string {
+	s := orDash(v, "%.2f")
+	if x.ratioRowWrong(row) {
+		s += "*"
+	}
+	return s
 }
 
 // orDash formats v, or gives "-" for 0: a figure that was not measured.

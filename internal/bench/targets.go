@@ -40,6 +40,34 @@ func (t target) of(correct bool) target {
 	return t
 }
 
+// against judges t, stated on x, on a ratio against row of the same broker
+// and run in r: when that row's effects were wrong, or it failed, the
+// ratio compares with work not done right (or not measured), and t is not
+// judged.
+func (t target) against(r *Report, x *Result, row Row) target {
+	if !x.ratioRowWrong(row) {
+		return t
+	}
+	t.met = false
+	for _, o := range r.Results {
+		if o.Broker == x.Broker && o.Run == x.Run && o.Row == row && o.Error != "" {
+			t.value += fmt.Sprintf(" (not judged: the %s row failed)", row)
+			return t
+		}
+	}
+	t.value += fmt.Sprintf(" (not judged: the %s row's effects were wrong)", row)
+	return t
+}
+
+// ratioValue formats a ratio for a target's value: "-" when it was not
+// measured.
+func ratioValue(v float64, format string) string {
+	if v == 0 {
+		return "-"
+	}
+	return fmt.Sprintf(format, v)
+}
+
 // effectsWrong follows the value of a target judged on a row whose
 // effects were wrong.
 const effectsWrong = " (effects wrong)"
@@ -176,19 +204,19 @@ func (r *Report) runTargets() []target {
 		if k == nil {
 			continue
 		}
-		if k.VsNaive > 0 {
-			out = append(out, target{fmt.Sprintf("target Kafka %s >= 10x naive", row), fmt.Sprintf("%.1fx", k.VsNaive), k.VsNaive >= 10, 1}.of(k.Correct))
+		if k.VsNaive > 0 || k.ratioRowWrong(RowNaive) {
+			out = append(out, target{fmt.Sprintf("target Kafka %s >= 10x naive", row), ratioValue(k.VsNaive, "%.1fx"), k.VsNaive >= 10, 1}.against(r, k, RowNaive).of(k.Correct))
 		}
-		if k.VsCeiling > 0 {
-			out = append(out, target{fmt.Sprintf("target Kafka %s >= 50%% of the lower ceiling", row), fmt.Sprintf("%.0f%%", 100*k.VsCeiling), k.VsCeiling >= 0.5, 1}.of(k.Correct))
+		if k.VsCeiling > 0 || k.ratioRowWrong(RowCeiling) {
+			out = append(out, target{fmt.Sprintf("target Kafka %s >= 50%% of the lower ceiling", row), ratioValue(100*k.VsCeiling, "%.0f%%"), k.VsCeiling >= 0.5, 1}.against(r, k, RowCeiling).of(k.Correct))
 		}
 		if k.PacedMsgs > 0 {
 			out = append(out, target{fmt.Sprintf("target Kafka %s p99 <= 50 ms at half its rate", row), fmt.Sprintf("%.1f ms at %.0f msgs/s", k.P99Ms, k.PacedRate), k.P99Ms <= 50, 1}.of(k.Correct))
 		}
 	}
 	for _, row := range []Row{RowOnceBatched, RowOnceQueued, RowOnceBatchHandler} {
-		if a := r.find(RabbitMQ, row); a != nil && a.VsNaive > 0 {
-			out = append(out, target{fmt.Sprintf("target RabbitMQ %s >= 10x naive", row), fmt.Sprintf("%.1fx", a.VsNaive), a.VsNaive >= 10, 1}.of(a.Correct))
+		if a := r.find(RabbitMQ, row); a != nil && (a.VsNaive > 0 || a.ratioRowWrong(RowNaive)) {
+			out = append(out, target{fmt.Sprintf("target RabbitMQ %s >= 10x naive", row), ratioValue(a.VsNaive, "%.1fx"), a.VsNaive >= 10, 1}.against(r, a, RowNaive).of(a.Correct))
 		}
 	}
 	out = append(out, r.handwrittenTargets()...)
@@ -201,11 +229,11 @@ func (r *Report) handwrittenTargets() []target {
 	var out []target
 	for _, b := range []Broker{Kafka, ApacheKafka, RabbitMQ} {
 		best := r.BestOnce(b)
-		if best == nil || best.VsHandwritten == 0 {
+		if best == nil || best.VsHandwritten == 0 && !best.ratioRowWrong(RowHandwritten) {
 			continue
 		}
 		out = append(out, target{fmt.Sprintf("target %s best library row >= the hand-written batched row", b),
-			fmt.Sprintf("%.2fx (%s)", best.VsHandwritten, best.Row), best.VsHandwritten >= 1, 1}.of(best.Correct))
+			fmt.Sprintf("%s (%s)", ratioValue(best.VsHandwritten, "%.2fx"), best.Row), best.VsHandwritten >= 1, 1}.against(r, best, RowHandwritten).of(best.Correct))
 	}
 	return out
 }
@@ -216,10 +244,22 @@ func (r *Report) handwrittenTargets() []target {
 // half its rate.
 func (r *Report) pipelineTargets() []target {
 	var out []target
-	if best, ceiling := r.BestOnce(RabbitMQ), r.find(RabbitMQ, RowCeiling); best != nil && ceiling != nil && ceiling.Rate > 0 {
-		share := best.Rate / ceiling.Rate
-		out = append(out, target{fmt.Sprintf("target RabbitMQ best library row >= %.0f%% of the consume-and-ack ceiling", 100*sourceCeilingShare),
-			fmt.Sprintf("%.0f%% (%s; ceiling %.0f msgs/s)", 100*share, best.Row, ceiling.Rate), share >= sourceCeilingShare, 1}.of(best.Correct))
+	if best, ceiling := r.BestOnce(RabbitMQ), r.find(RabbitMQ, RowCeiling); best != nil && ceiling != nil && (ceiling.Rate > 0 || !ceiling.Correct) {
+		var share float64
+		if ceiling.Rate > 0 {
+			share = best.Rate / ceiling.Rate
+		}
+		t := target{fmt.Sprintf("target RabbitMQ best library row >= %.0f%% of the consume-and-ack ceiling", 100*sourceCeilingShare),
+			fmt.Sprintf("%s (%s; ceiling %s msgs/s)", ratioValue(100*share, "%.0f%%"), best.Row, ratioValue(ceiling.Rate, "%.0f")), share >= sourceCeilingShare, 1}
+		if !ceiling.Correct {
+			reason := "row's effects were wrong"
+			if ceiling.Error != "" {
+				reason = "row failed"
+			}
+			t.value += fmt.Sprintf(" (not judged: the %s %s)", RowCeiling, reason)
+			t.met = false
+		}
+		out = append(out, t.of(best.Correct))
 	}
 	for _, x := range r.Results {
 		if !strings.HasPrefix(string(x.Row), "once ") || x.PacedMsgs == 0 {

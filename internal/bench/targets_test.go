@@ -237,3 +237,64 @@ func TestJSONKeepsTheVerdicts(t *testing.T) {
 	assert.Contains(t, joined, "NOT met")
 	assert.Contains(t, joined, "effects exactly right in every row: yes")
 }
+
+// A ratio against a row whose effects were wrong compares with work not
+// done right: the table marks it, and no target resting on it is met; the
+// targets say they were not judged, and why.
+func TestRatiosAgainstRowsWithWrongEffectsJudgeNoTarget(t *testing.T) {
+	r := &Report{Results: []Result{
+		{Broker: Kafka, Row: RowCeiling, Rate: 50000, Correct: false, Check: "unacked 3"},
+		{Broker: Kafka, Row: RowNaive, Rate: 1000, Correct: false},
+		{Broker: Kafka, Row: RowHandwritten, Rate: 20000, Correct: false},
+		{Broker: Kafka, Row: RowOnceBatched, Rate: 30000, Correct: true},
+		{Broker: RabbitMQ, Row: RowCeiling, Rate: 40000, Correct: false, Check: "unacked 7"},
+		{Broker: RabbitMQ, Row: RowOnceBatchHandler, Rate: 30000, Correct: true},
+	}}
+	ratios(r)
+	assert.Equal(t, []string{
+		"target Kafka once batched >= 10x naive: 30.0x (not judged: the naive row's effects were wrong), NOT met",
+		"target Kafka once batched >= 50% of the lower ceiling: 60% (not judged: the ceiling row's effects were wrong), NOT met",
+		"target kafka best library row >= the hand-written batched row: 1.50x (once batched) (not judged: the hand-written batched row's effects were wrong), NOT met",
+		"target RabbitMQ best library row >= 70% of the consume-and-ack ceiling: 75% (once batch handler; ceiling 40000 msgs/s) (not judged: the ceiling row's effects were wrong), NOT met",
+		"effects exactly right in every row: NO",
+	}, r.Targets())
+
+	var out strings.Builder
+	require.NoError(t, r.WriteTable(&out))
+	var line string
+	for _, l := range strings.Split(out.String(), "\n") {
+		if strings.Contains(l, "once batched|") {
+			line = l
+		}
+	}
+	cells := strings.Split(line, "|")
+	for i := range cells {
+		cells[i] = strings.TrimSpace(cells[i])
+	}
+	assert.Equal(t, []string{"30.00*", "0.60*", "1.50*"}, cells[len(cells)-5:len(cells)-2], line)
+	assert.Contains(t, out.String(), "*: against a row of the same run whose effects were wrong or that failed")
+
+	// The same rows with right effects: the ratios are judged.
+	for i := range r.Results {
+		r.Results[i].Correct = true
+	}
+	ratios(r)
+	assert.Contains(t, r.Targets(), "target Kafka once batched >= 10x naive: 30.0x, met")
+}
+
+// A reference row that failed measured nothing: the targets resting on it
+// are stated, not judged, rather than left out.
+func TestRatiosAgainstAFailedRowJudgeNoTarget(t *testing.T) {
+	r := &Report{Results: []Result{
+		{Broker: Kafka, Row: RowNaive, Error: "row subprocess: exit status 1"},
+		{Broker: Kafka, Row: RowOnceBatched, Rate: 30000, Correct: true},
+		{Broker: RabbitMQ, Row: RowCeiling, Error: "row subprocess: exit status 1"},
+		{Broker: RabbitMQ, Row: RowOnceBatchHandler, Rate: 30000, Correct: true},
+	}}
+	ratios(r)
+	assert.Equal(t, []string{
+		"target Kafka once batched >= 10x naive: - (not judged: the naive row failed), NOT met",
+		"target RabbitMQ best library row >= 70% of the consume-and-ack ceiling: - (once batch handler; ceiling - msgs/s) (not judged: the ceiling row failed), NOT met",
+		"effects exactly right in every row: NO",
+	}, r.Targets())
+}
