@@ -324,9 +324,9 @@ func TestFailedRowKeepsTheReport(t *testing.T) {
 	var libLine, handLine string
 	for _, l := range strings.Split(table.String(), "\n") {
 		switch {
-		case strings.Contains(l, string(RowOnceBatched)):
+		case strings.Contains(l, string(RowOnceBatched)+"|"):
 			libLine = l
-		case strings.Contains(l, string(RowHandwritten)):
+		case strings.Contains(l, string(RowHandwritten)+"|"):
 			handLine = l
 		}
 	}

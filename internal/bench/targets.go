@@ -68,6 +68,17 @@ func ratioValue(v float64, format string) string {
 	return fmt.Sprintf(format, v)
 }
 
+// ofRow judges t on row x: a row that failed meets no target, and says
+// so; one whose effects were wrong, as of says.
+func (t target) ofRow(x *Result) target {
+	if x.Error != "" {
+		t.value += " (row failed)"
+		t.met = false
+		return t
+	}
+	return t.of(x.Correct)
+}
+
 // effectsWrong follows the value of a target judged on a row whose
 // effects were wrong.
 const effectsWrong = " (effects wrong)"
@@ -204,19 +215,23 @@ func (r *Report) runTargets() []target {
 		if k == nil {
 			continue
 		}
-		if k.VsNaive > 0 || k.ratioRowWrong(RowNaive) {
-			out = append(out, target{fmt.Sprintf("target Kafka %s >= 10x naive", row), ratioValue(k.VsNaive, "%.1fx"), k.VsNaive >= 10, 1}.against(r, k, RowNaive).of(k.Correct))
+		// A row that failed is stated in each target it would have been
+		// judged on: against a naive row or a ceiling the run had, and on
+		// its tail when the run had a paced phase.
+		failed := k.Error != ""
+		if k.VsNaive > 0 || k.ratioRowWrong(RowNaive) || failed && r.find(Kafka, RowNaive) != nil {
+			out = append(out, target{fmt.Sprintf("target Kafka %s >= 10x naive", row), ratioValue(k.VsNaive, "%.1fx"), k.VsNaive >= 10, 1}.against(r, k, RowNaive).ofRow(k))
 		}
-		if k.VsCeiling > 0 || k.ratioRowWrong(RowCeiling) {
-			out = append(out, target{fmt.Sprintf("target Kafka %s >= 50%% of the lower ceiling", row), ratioValue(100*k.VsCeiling, "%.0f%%"), k.VsCeiling >= 0.5, 1}.against(r, k, RowCeiling).of(k.Correct))
+		if k.VsCeiling > 0 || k.ratioRowWrong(RowCeiling) || failed && (r.find(Kafka, RowCeiling) != nil || r.PGBench > 0) {
+			out = append(out, target{fmt.Sprintf("target Kafka %s >= 50%% of the lower ceiling", row), ratioValue(100*k.VsCeiling, "%.0f%%"), k.VsCeiling >= 0.5, 1}.against(r, k, RowCeiling).ofRow(k))
 		}
-		if k.PacedMsgs > 0 {
-			out = append(out, target{fmt.Sprintf("target Kafka %s p99 <= 50 ms at half its rate", row), fmt.Sprintf("%.1f ms at %.0f msgs/s", k.P99Ms, k.PacedRate), k.P99Ms <= 50, 1}.of(k.Correct))
+		if k.PacedMsgs > 0 || failed && r.PaceSeconds > 0 {
+			out = append(out, target{fmt.Sprintf("target Kafka %s p99 <= 50 ms at half its rate", row), pacedValue(k), k.P99Ms <= 50, 1}.ofRow(k))
 		}
 	}
 	for _, row := range []Row{RowOnceBatched, RowOnceQueued, RowOnceBatchHandler} {
-		if a := r.find(RabbitMQ, row); a != nil && (a.VsNaive > 0 || a.ratioRowWrong(RowNaive)) {
-			out = append(out, target{fmt.Sprintf("target RabbitMQ %s >= 10x naive", row), ratioValue(a.VsNaive, "%.1fx"), a.VsNaive >= 10, 1}.against(r, a, RowNaive).of(a.Correct))
+		if a := r.find(RabbitMQ, row); a != nil && (a.VsNaive > 0 || a.ratioRowWrong(RowNaive) || a.Error != "" && r.find(RabbitMQ, RowNaive) != nil) {
+			out = append(out, target{fmt.Sprintf("target RabbitMQ %s >= 10x naive", row), ratioValue(a.VsNaive, "%.1fx"), a.VsNaive >= 10, 1}.against(r, a, RowNaive).ofRow(a))
 		}
 	}
 	out = append(out, r.handwrittenTargets()...)
@@ -229,11 +244,11 @@ func (r *Report) handwrittenTargets() []target {
 	var out []target
 	for _, b := range []Broker{Kafka, ApacheKafka, RabbitMQ} {
 		best := r.BestOnce(b)
-		if best == nil || best.VsHandwritten == 0 && !best.ratioRowWrong(RowHandwritten) {
+		if best == nil || best.VsHandwritten == 0 && !best.ratioRowWrong(RowHandwritten) && (best.Error == "" || r.find(b, RowHandwritten) == nil) {
 			continue
 		}
 		out = append(out, target{fmt.Sprintf("target %s best library row >= the hand-written batched row", b),
-			fmt.Sprintf("%s (%s)", ratioValue(best.VsHandwritten, "%.2fx"), best.Row), best.VsHandwritten >= 1, 1}.against(r, best, RowHandwritten).of(best.Correct))
+			fmt.Sprintf("%s (%s)", ratioValue(best.VsHandwritten, "%.2fx"), best.Row), best.VsHandwritten >= 1, 1}.against(r, best, RowHandwritten).ofRow(best))
 	}
 	return out
 }
@@ -259,13 +274,13 @@ func (r *Report) pipelineTargets() []target {
 			t.value += fmt.Sprintf(" (not judged: the %s %s)", RowCeiling, reason)
 			t.met = false
 		}
-		out = append(out, t.of(best.Correct))
+		out = append(out, t.ofRow(best))
 	}
 	for _, x := range r.Results {
-		if !strings.HasPrefix(string(x.Row), "once ") || x.PacedMsgs == 0 {
+		if !strings.HasPrefix(string(x.Row), "once ") || x.PacedMsgs == 0 && (x.Error == "" || r.PaceSeconds == 0) {
 			continue
 		}
-		value := fmt.Sprintf("%.1f ms at %.0f msgs/s", x.P99Ms, x.PacedRate)
+		value := pacedValue(&x)
 		// Beside the tail, what the disk under the WAL and the cores did
 		// meanwhile: a tail from every commit waiting on one slow flush, or
 		// from the consumer waiting for a core, is not the library's.
@@ -279,9 +294,17 @@ func (r *Report) pipelineTargets() []target {
 		if len(env) > 0 {
 			value += " (" + strings.Join(env, ", ") + ")"
 		}
-		out = append(out, target{fmt.Sprintf("target %s %s p99 <= %d ms at half its rate", x.Broker, x.Row, shortTailMs), value, x.P99Ms <= shortTailMs, shortTailRuns}.of(x.Correct))
+		out = append(out, target{fmt.Sprintf("target %s %s p99 <= %d ms at half its rate", x.Broker, x.Row, shortTailMs), value, x.P99Ms <= shortTailMs, shortTailRuns}.ofRow(&x))
 	}
 	return out
+}
+
+// pacedValue states x's tail for a target: "-" when it has none.
+func pacedValue(x *Result) string {
+	if x.PacedMsgs == 0 {
+		return "-"
+	}
+	return fmt.Sprintf("%.1f ms at %.0f msgs/s", x.P99Ms, x.PacedRate)
 }
 
 // find returns the result of row on broker b, or nil.

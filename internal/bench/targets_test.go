@@ -298,3 +298,22 @@ func TestRatiosAgainstAFailedRowJudgeNoTarget(t *testing.T) {
 		"effects exactly right in every row: NO",
 	}, r.Targets())
 }
+
+// A library row that failed is stated in each target it would have been
+// judged on, NOT met, rather than left out of the targets.
+func TestTargetsOfAFailedRowAreStated(t *testing.T) {
+	r := &Report{PGBench: 50000, PaceSeconds: 3, Results: []Result{
+		{Broker: Kafka, Row: RowNaive, Rate: 1000, Correct: true},
+		{Broker: Kafka, Row: RowHandwritten, Rate: 20000, Correct: true},
+		{Broker: Kafka, Row: RowOnceBatched, Error: "row subprocess: killed after its deadline of 5m0s"},
+	}}
+	ratios(r)
+	assert.Equal(t, []string{
+		"target Kafka once batched >= 10x naive: - (row failed), NOT met",
+		"target Kafka once batched >= 50% of the lower ceiling: - (row failed), NOT met",
+		"target Kafka once batched p99 <= 50 ms at half its rate: - (row failed), NOT met",
+		"target kafka best library row >= the hand-written batched row: - (once batched) (row failed), NOT met",
+		"target kafka once batched p99 <= 25 ms at half its rate: - (row failed) (1 run of the 3 in a row asked), NOT met",
+		"effects exactly right in every row: NO",
+	}, r.Targets())
+}
