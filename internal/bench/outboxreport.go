@@ -28,8 +28,16 @@ func writeOutboxTable(w io.Writer, rows []OutboxResult) error {
 		if !x.Correct {
 			verdict = "NO"
 		}
-		fmt.Fprintf(tw, "%s\t %.0f\t %.0f\t %.2f\t %.1f\t %.1f\t %.1f\t %.1f\t %.0f\t %s (%s)\t\n",
-			x.Broker, x.CeilingRate, x.RelayRate, x.VsCeiling, x.P50Ms, x.P99Ms, x.ConfirmP50Ms, x.ConfirmP99Ms, x.PacedRate, verdict, x.Check)
+		// No paced phase (-pace 0): no latency, "-" rather than 0.0 ms.
+		paced := func(v float64, format string) string {
+			if x.PacedMsgs == 0 {
+				return "-"
+			}
+			return fmt.Sprintf(format, v)
+		}
+		fmt.Fprintf(tw, "%s\t %.0f\t %.0f\t %.2f\t %s\t %s\t %s\t %s\t %s\t %s (%s)\t\n",
+			x.Broker, x.CeilingRate, x.RelayRate, x.VsCeiling, paced(x.P50Ms, "%.1f"), paced(x.P99Ms, "%.1f"),
+			paced(x.ConfirmP50Ms, "%.1f"), paced(x.ConfirmP99Ms, "%.1f"), paced(x.PacedRate, "%.0f"), verdict, x.Check)
 	}
 	return tw.Flush()
 }

@@ -317,3 +317,22 @@ func TestTargetsOfAFailedRowAreStated(t *testing.T) {
 		"effects exactly right in every row: NO",
 	}, r.Targets())
 }
+
+// The outbox table, like the consumer table, shows "-" for latencies that
+// were not measured (no paced phase: -pace 0), not 0.0 ms.
+func TestOutboxTableShowsNoLatencyWithoutPacedPhase(t *testing.T) {
+	var out strings.Builder
+	require.NoError(t, writeOutboxTable(&out, []OutboxResult{{Broker: Kafka, Rows: 3000, Rounds: 3, BatchSize: 500,
+		CeilingRate: 20000, RelayRate: 15000, VsCeiling: 0.75, Correct: true, Check: "ok"}}))
+	var line string
+	for _, l := range strings.Split(out.String(), "\n") {
+		if strings.Contains(l, "kafka|") {
+			line = l
+		}
+	}
+	cells := strings.Split(line, "|")
+	for i := range cells {
+		cells[i] = strings.TrimSpace(cells[i])
+	}
+	assert.Equal(t, []string{"kafka", "20000", "15000", "0.75", "-", "-", "-", "-", "-", "yes (ok)", ""}, cells, line)
+}
