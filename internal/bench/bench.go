@@ -324,7 +324,7 @@ func (o *Options) logf(format string, args ...any) {
 // wrong is reported with Correct false; a row that fails (its backlog
 // cannot be published, its subprocess exits with an error, its effects
 // cannot be counted) is reported with Error set and Correct false, and the
-// rows after it still run. Run fails when it cannot start (the database,
+// rows after it still run; so is an outbox row that fails. Run fails when it cannot start (the database,
 // a broker); when ctx is done during a row, it returns the report of the
 // rows so far, that one failed, with ctx's error.
 func Run(ctx context.Context, o Options) (*Report, error) {
@@ -424,11 +424,17 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 			}
 		}
 		if o.OutboxRows > 0 {
+			// A failed outbox row is reported as a failed consumer row is.
 			res, err := runOutbox(ctx, db, kc, o, b)
 			if err != nil {
-				return nil, fmt.Errorf("%s outbox: %w", b, err)
+				res.Correct, res.Error = false, err.Error()
+				o.logf("  %-9s %-19s FAILED: %v", b, "outbox", err)
 			}
 			rep.Outbox = append(rep.Outbox, *res)
+			if ctx.Err() != nil {
+				ratios(rep)
+				return rep, ctx.Err()
+			}
 		}
 	}
 	ratios(rep)

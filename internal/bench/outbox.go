@@ -72,6 +72,9 @@ type OutboxResult struct {
 	// was left empty; Check says what was counted.
 	Correct bool   `json:"correct"`
 	Check   string `json:"check"`
+	// Error says why the row failed (Correct is then false); the figures
+	// are those measured before it failed. Empty when it ran to its end.
+	Error string `json:"error,omitempty"`
 }
 
 // outboxBody is a ~200-byte payload, like the consumer rows'.
@@ -184,21 +187,22 @@ func (d *outboxDest) publisher() (outbox.Publisher, func() error, error) {
 	return p, p.Close, nil
 }
 
-// runOutbox measures the outbox rows of broker b.
+// runOutbox measures the outbox rows of broker b. When it fails, it
+// returns what it measured before with the error.
 func runOutbox(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, o Options, b Broker) (*OutboxResult, error) {
-	res := &OutboxResult{Broker: b, Rows: o.OutboxRows, BatchSize: outbox.DefaultBatchSize}
+	res := &OutboxResult{Broker: b, Rows: o.OutboxRows, BatchSize: outbox.DefaultBatchSize, Rounds: outboxRounds}
 	schema := schemaName(b, "outbox")
 	if err := createSchema(ctx, db, schema); err != nil {
-		return nil, err
+		return res, err
 	}
 	defer dropSchema(db, schema)
 	pool, err := schemaPool(ctx, o.DatabaseURL, schema)
 	if err != nil {
-		return nil, err
+		return res, err
 	}
 	defer pool.Close()
 	if err := outbox.Migrate(ctx, pool); err != nil {
-		return nil, err
+		return res, err
 	}
 	stamp := strconv.FormatInt(time.Now().UnixNano(), 10)
 	newDest := func(what string) (*outboxDest, error) {
@@ -208,38 +212,38 @@ func runOutbox(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, o Option
 
 	ceil, err := newDest("ceiling")
 	if err != nil {
-		return nil, err
+		return res, err
 	}
 	defer ceil.cleanup()
 	rel, err := newDest("relay")
 	if err != nil {
-		return nil, err
+		return res, err
 	}
 	defer rel.cleanup()
 	if err := measureOutbox(ctx, o, pool, ceil, rel, res); err != nil {
-		return nil, err
+		return res, err
 	}
 	published, wrong, err := checkPublished(rel, res.Rounds, res.Rows/res.Rounds)
 	if err != nil {
-		return nil, err
+		return res, err
 	}
 
 	if o.Pace > 0 {
 		paced, err := newDest("paced")
 		if err != nil {
-			return nil, err
+			return res, err
 		}
 		defer paced.cleanup()
 		res.PacedTarget = min(res.RelayRate/2, o.PaceMax)
 		if err := outboxLatency(ctx, pool, paced, o.Pace, res); err != nil {
-			return nil, fmt.Errorf("latency: %w", err)
+			return res, fmt.Errorf("latency: %w", err)
 		}
 		o.logf("  %-9s %-19s p50/p99 %.1f/%.1f ms commit to downstream commit (%.1f/%.1f ms to the broker's confirm) at %.0f rows/s",
 			b, "outbox latency", res.P50Ms, res.P99Ms, res.ConfirmP50Ms, res.ConfirmP99Ms, res.PacedRate)
 	}
 	var left int
 	if err := pool.QueryRow(ctx, `SELECT count(*) FROM outbox`).Scan(&left); err != nil {
-		return nil, err
+		return res, err
 	}
 	res.Correct = published == res.Rows && wrong == 0 && left == 0
 	res.Check = fmt.Sprintf("%d/%d at the broker, %d rows left", published, res.Rows, left)
@@ -247,7 +251,7 @@ func runOutbox(ctx context.Context, db *pgxpool.Pool, kc *kafkaCluster, o Option
 		res.Check += fmt.Sprintf(", %d at the broker not one of the rows", wrong)
 	}
 	if res.CeilingRate <= 0 {
-		return nil, errors.New("the ceiling measured no throughput")
+		return res, errors.New("the ceiling measured no throughput")
 	}
 	return res, nil
 }

@@ -119,3 +119,37 @@ func TestCheckPublishedFindsTheWrongMessages(t *testing.T) {
 		require.Equal(t, tc.wrong, wrong, tc.name)
 	}
 }
+
+// TestFailedOutboxRowKeepsTheReport: an outbox row that fails (here a
+// paced phase whose rate writes no row) is reported failed, with its
+// error, and the rest of the report (the HTTP rows, after it) still runs
+// and is kept.
+func TestFailedOutboxRowKeepsTheReport(t *testing.T) {
+	o := Options{
+		Workload:     Workload{Partitions: 4},
+		Brokers:      []Broker{Kafka},
+		OutboxRows:   300,
+		Pace:         300 * time.Millisecond,
+		PaceMax:      1, // no row due within the phase
+		HTTPRequests: 200,
+		DatabaseURL:  pgtest.URL(),
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	rep, err := Run(ctx, o)
+	require.NoError(t, err)
+	require.Len(t, rep.Outbox, 1)
+	r := rep.Outbox[0]
+	require.False(t, r.Correct)
+	require.Contains(t, r.Error, "no row was written in the paced phase")
+	require.Positive(t, r.RelayRate, "what was measured before the failure is kept")
+	require.NotNil(t, rep.HTTP, "the HTTP rows ran after the failed outbox row")
+	require.True(t, rep.HTTP.Correct())
+
+	var out strings.Builder
+	require.NoError(t, rep.WriteTable(&out))
+	require.Contains(t, out.String(), "FAILED (")
+	require.Contains(t, out.String(), "target kafka outbox relay >= 50% of the broker's confirmed-publish ceiling: ")
+	require.Contains(t, out.String(), "(row failed), NOT met")
+	require.Contains(t, out.String(), "effects exactly right in every row: NO")
+}

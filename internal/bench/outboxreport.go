@@ -3,6 +3,7 @@ package bench
 import (
 	"fmt"
 	"io"
+	"strings"
 	"text/tabwriter"
 )
 
@@ -24,9 +25,12 @@ func writeOutboxTable(w io.Writer, rows []OutboxResult) error {
 	fmt.Fprintln(tw, "broker\t ceiling msgs/s\t relay msgs/s\t x ceiling\t p50 ms\t p99 ms\t p50 to confirm ms\t p99 to confirm ms\t at rows/s\t correct\t")
 	fmt.Fprintln(tw, "---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t ---\t")
 	for _, x := range rows {
-		verdict := "yes"
+		verdict, check := "yes", x.Check
 		if !x.Correct {
 			verdict = "NO"
+		}
+		if x.Error != "" {
+			verdict, check = "FAILED", strings.TrimPrefix(check+"; "+x.Error, "; ")
 		}
 		// No paced phase (-pace 0): no latency, "-" rather than 0.0 ms.
 		paced := func(v float64, format string) string {
@@ -35,9 +39,9 @@ func writeOutboxTable(w io.Writer, rows []OutboxResult) error {
 			}
 			return fmt.Sprintf(format, v)
 		}
-		fmt.Fprintf(tw, "%s\t %.0f\t %.0f\t %.2f\t %s\t %s\t %s\t %s\t %s\t %s (%s)\t\n",
-			x.Broker, x.CeilingRate, x.RelayRate, x.VsCeiling, paced(x.P50Ms, "%.1f"), paced(x.P99Ms, "%.1f"),
-			paced(x.ConfirmP50Ms, "%.1f"), paced(x.ConfirmP99Ms, "%.1f"), paced(x.PacedRate, "%.0f"), verdict, x.Check)
+		fmt.Fprintf(tw, "%s\t %s\t %s\t %s\t %s\t %s\t %s\t %s\t %s\t %s (%s)\t\n",
+			x.Broker, orDash(x.CeilingRate, "%.0f"), orDash(x.RelayRate, "%.0f"), orDash(x.VsCeiling, "%.2f"), paced(x.P50Ms, "%.1f"), paced(x.P99Ms, "%.1f"),
+			paced(x.ConfirmP50Ms, "%.1f"), paced(x.ConfirmP99Ms, "%.1f"), paced(x.PacedRate, "%.0f"), verdict, check)
 	}
 	return tw.Flush()
 }
@@ -48,7 +52,13 @@ func outboxTargets(rows []OutboxResult) []string {
 	var out []string
 	for _, x := range rows {
 		t := target{fmt.Sprintf("target %s outbox relay >= 50%% of the broker's confirmed-publish ceiling", x.Broker),
-			fmt.Sprintf("%.0f%%", 100*x.VsCeiling), x.VsCeiling >= 0.5, 1}.of(x.Correct)
+			ratioValue(100*x.VsCeiling, "%.0f%%"), x.VsCeiling >= 0.5, 1}
+		if x.Error != "" {
+			t.value += " (row failed)"
+			t.met = false
+		} else {
+			t = t.of(x.Correct)
+		}
 		out = append(out, t.String())
 	}
 	return out
