@@ -40,6 +40,7 @@ import (
 	"github.com/onceco/once/brokers/amqp"
 	"github.com/onceco/once/consumer"
 	"github.com/onceco/once/internal/pgtemp"
+	"github.com/onceco/once/outbox"
 )
 
 // Broker names a message broker.
@@ -324,9 +325,10 @@ func (o *Options) logf(format string, args ...any) {
 // wrong is reported with Correct false; a row that fails (its backlog
 // cannot be published, its subprocess exits with an error, its effects
 // cannot be counted) is reported with Error set and Correct false, and the
-// rows after it still run; so is an outbox row that fails. Run fails when it cannot start (the database,
-// a broker); when ctx is done during a row, it returns the report of the
-// rows so far, that one failed, with ctx's error.
+// rows after it still run; so is an outbox row that fails, and every row
+// of a broker that does not start. Run fails when it cannot start (the
+// database, pgbench, RabbitMQ without AMQPURL); when ctx is done, it
+// returns the report of the rows so far with ctx's error.
 func Run(ctx context.Context, o Options) (*Report, error) {
 	if o.KeyLanes <= 0 {
 		o.KeyLanes = 4
@@ -339,6 +341,9 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 	}
 	if o.PaceMax <= 0 {
 		o.PaceMax = 50000
+	}
+	if slices.Contains(o.Brokers, RabbitMQ) && o.AMQPURL == "" {
+		return nil, errors.New("RabbitMQ rows need AMQP_URL (make bench starts a node with scripts/rabbitmq.sh)")
 	}
 	rep := &Report{Started: time.Now().UTC(), Workload: o.Workload, AMQPLazy: o.AMQPLazy, PGNoFsync: o.PGNoFsync, RabbitMQDir: os.Getenv("ONCE_RABBITMQ_DIR"), PaceSeconds: o.Pace.Seconds(), PaceMax: o.PaceMax}
 	if o.PGNoFsync && o.DatabaseURL != "" {
@@ -384,12 +389,14 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 		var kc *kafkaCluster
 		if b.IsKafka() {
 			if kc, err = startKafka(ctx, b, o.KafkaDir); err != nil {
-				return nil, err
+				if ctx.Err() != nil {
+					ratios(rep)
+					return rep, ctx.Err()
+				}
+				failBroker(rep, o, b, fmt.Errorf("%s did not start: %w", b, err))
+				continue
 			}
 			defer kc.Close()
-		}
-		if b == RabbitMQ && o.AMQPURL == "" {
-			return nil, errors.New("RabbitMQ rows need AMQP_URL (make bench starts a node with scripts/rabbitmq.sh)")
 		}
 		for run := range max(1, o.Runs) {
 			for _, row := range o.Rows {
@@ -444,6 +451,27 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 		}
 	}
 	return rep, nil
+}
+
+// failBroker reports every row of broker b, of every run, and its outbox
+// row, failed with err: the broker did not start.
+func failBroker(rep *Report, o Options, b Broker, err error) {
+	o.logf("  %-9s FAILED: %v", b, err)
+	for run := range max(1, o.Runs) {
+		for _, row := range o.Rows {
+			if !row.ForBroker(b) {
+				continue
+			}
+			res := Result{Broker: b, Row: row, Error: err.Error()}
+			if o.Runs > 1 {
+				res.Run = run + 1
+			}
+			rep.Results = append(rep.Results, res)
+		}
+	}
+	if o.OutboxRows > 0 {
+		rep.Outbox = append(rep.Outbox, OutboxResult{Broker: b, Rows: o.OutboxRows, BatchSize: outbox.DefaultBatchSize, Rounds: outboxRounds, Error: err.Error()})
+	}
 }
 
 // ratios fills VsNaive, VsCeiling and VsHandwritten against the rows of

@@ -486,3 +486,31 @@ func TestRowDeadline(t *testing.T) {
 	require.Equal(t, 3*(time.Minute+22*time.Second)+3*time.Second+time.Minute, rowDeadline(Options{}, spec))
 	require.Equal(t, 10*time.Minute, rowDeadline(Options{RowTimeout: 10 * time.Minute}, spec))
 }
+
+// TestBrokerThatDoesNotStartKeepsTheReport: a broker that cannot start
+// (here Apache Kafka, its jars missing) fails its rows, each reported
+// with the reason, and the rows of the broker before it are kept.
+func TestBrokerThatDoesNotStartKeepsTheReport(t *testing.T) {
+	t.Setenv("ONCE_KAFKA_LIBS", t.TempDir()) // no jars
+	o := Options{
+		Workload:    Workload{Events: 300, DupEvery: 10, PoisonEvery: 50, Partitions: 4},
+		Brokers:     []Broker{Kafka, ApacheKafka},
+		Rows:        []Row{RowHandwritten, RowOnceBatchHandler},
+		DatabaseURL: pgtest.URL(),
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	rep, err := Run(ctx, o)
+	require.NoError(t, err)
+	require.Len(t, rep.Results, 4)
+	for _, r := range rep.Results[:2] {
+		require.Equal(t, Kafka, r.Broker)
+		require.True(t, r.Correct, "%s %s: %s", r.Broker, r.Row, r.Check)
+	}
+	for _, r := range rep.Results[2:] {
+		require.Equal(t, ApacheKafka, r.Broker)
+		require.False(t, r.Correct)
+		require.Contains(t, r.Error, "holds no kafka_2.13 jar", "%s %s", r.Broker, r.Row)
+	}
+	require.Contains(t, rep.Targets(), "effects exactly right in every row: NO")
+}
