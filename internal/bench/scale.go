@@ -67,9 +67,10 @@ type ScaleOptions struct {
 	RetentionEvents int
 	// RetentionBatch is DeleteOlderThan's batch size.
 	RetentionBatch int
-	// RetentionDuty is DeleteOlderThan's dedup.DutyCycle: 0 is the
-	// consumer's default (consumer.RetentionConfig.DutyCycle, 0.1), 1
-	// deletes at full speed.
+	// RetentionDuty is DeleteOlderThan's dedup.DutyCycle, in (0, 1]: 0 is
+	// the consumer's default (consumer.RetentionConfig.DutyCycle, 0.1), 1
+	// deletes at full speed. RunScale refuses one above 1 before it
+	// starts.
 	RetentionDuty float64
 	// BatchSize of the batched rows.
 	BatchSize int
@@ -231,6 +232,11 @@ func (o *ScaleOptions) defaults() {
 // full table, and then retention while consuming.
 func RunScale(ctx context.Context, o ScaleOptions) (*ScaleReport, error) {
 	o.defaults()
+	// What the retention phase, at the end, would refuse is refused now,
+	// before the fill and the rows.
+	if o.RetentionDuty > 1 {
+		return nil, fmt.Errorf("RetentionDuty %v is not in (0, 1]", o.RetentionDuty)
+	}
 	rep := &ScaleReport{Started: time.Now().UTC(), Workload: o.Workload, Plans: map[string]string{}}
 	if o.DatabaseURL == "" {
 		o.logf("starting a throwaway PostgreSQL (fsync on)")

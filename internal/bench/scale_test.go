@@ -65,3 +65,14 @@ func TestScaleSmoke(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, plotW, img.Bounds().Dx())
 }
+
+// A retention duty cycle out of (0, 1] is refused before anything runs,
+// not after the fill and every measured row, when the retention phase
+// would have failed on it and taken the whole report with it.
+func TestScaleRefusesABadDutyCycleFirst(t *testing.T) {
+	for _, duty := range []float64{1.5, 2} {
+		_, err := RunScale(context.Background(), ScaleOptions{RetentionDuty: duty, DatabaseURL: "postgres://127.0.0.1:1/none"})
+		require.Error(t, err)
+		require.Contains(t, err.Error(), "RetentionDuty", "duty %v", duty)
+	}
+}
