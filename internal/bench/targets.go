@@ -91,6 +91,11 @@ const effectsWrong = " (effects wrong)"
 // more runs in a row than the report holds (the tail's, shortTailRuns) is
 // not met, whatever its values, and says so.
 //
+// A target resting on a ratio against a naive, ceiling or hand-written
+// row whose effects were wrong, or that failed, is not judged: NOT met,
+// saying why. A library row that failed is stated, NOT met, in each target
+// it would have been judged on.
+//
 // In a diagnostic run without fsync (Report.PGNoFsync) no target is
 // judged: commits there do not wait for the disk, so the figures show what
 // the disk's stalls cost, not what the library does with its guarantees.
