@@ -88,8 +88,16 @@ type ChaosResult struct {
 	DoubledIDs   []string       `json:"doubled_ids,omitempty"`
 	// DuplicatesSkipped is what the members reported; a killed member
 	// takes its last few seconds of counts with it, so it is a lower bound.
-	DuplicatesSkipped  uint64   `json:"duplicates_skipped_reported"`
-	Processed          int64    `json:"processed_events"`
+	DuplicatesSkipped uint64 `json:"duplicates_skipped_reported"`
+	Processed         int64  `json:"processed_events"`
+	// Unclaimed counts the valid events with no processed_events row (a
+	// lost event, or a claim recorded under another id); StrayClaims the
+	// processed_events rows of no event handled (an id never sent, or a
+	// poison message's). The ids: up to 20 of each.
+	Unclaimed          int      `json:"unclaimed"`
+	StrayClaims        int      `json:"stray_claims"`
+	UnclaimedIDs       []string `json:"unclaimed_ids,omitempty"`
+	StrayClaimIDs      []string `json:"stray_claim_ids,omitempty"`
 	Poison             int      `json:"poison"`
 	PoisonDeadLettered int      `json:"poison_dead_lettered"`
 	PoisonMissing      []string `json:"poison_missing,omitempty"`
@@ -222,7 +230,7 @@ func (r *ChaosResult) Print(w io.Writer) {
 	}
 	fmt.Fprintf(w, "%-28s %d\n", "unique valid events", r.UniqueEvents)
 	fmt.Fprintf(w, "%-28s %d\n", "business effect once", r.EffectsOnce)
-	fmt.Fprintf(w, "%-28s %d\n", "processed_events rows", r.Processed)
+	fmt.Fprintf(w, "%-28s %d (%d valid events without one, %d of no event handled)\n", "processed_events rows", r.Processed, r.Unclaimed, r.StrayClaims)
 	fmt.Fprintf(w, "%-28s %d (reported by the members; a killed member's last seconds are not counted)\n", "duplicates skipped >=", r.DuplicatesSkipped)
 	fmt.Fprintf(w, "%-28s %d records %s, event ids %s\n", "DLQ", r.DLQRecords, kindList(r.DLQByKind), kindList(r.DLQIDsByKind))
 	fmt.Fprintf(w, "%-28s %d of %d", "poison dead-lettered", r.PoisonDeadLettered, r.Poison)
@@ -1173,9 +1181,25 @@ func (r *chaosRun) count(ctx context.Context, dlq []deadLetter) (*ChaosResult, e
 	if err := r.pool.QueryRow(ctx, `SELECT coalesce(array_agg(order_id), '{}') FROM (SELECT order_id FROM payments GROUP BY order_id HAVING count(*) > 1) d`).Scan(&perOrderPayments); err != nil {
 		return nil, err
 	}
-	if err := r.pool.QueryRow(ctx, `SELECT count(*) FROM processed_events WHERE consumer = $1`, r.o.name).Scan(&res.Processed); err != nil {
+	// The claims: which event ids the consumer recorded handled.
+	claimed := map[string]bool{}
+	rows, err = r.pool.Query(ctx, `SELECT event_id FROM processed_events WHERE consumer = $1`, r.o.name)
+	if err != nil {
 		return nil, err
 	}
+	for rows.Next() {
+		var id string
+		if err := rows.Scan(&id); err != nil {
+			rows.Close()
+			return nil, err
+		}
+		claimed[id] = true
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	res.Processed = int64(len(claimed))
 
 	dlKind := map[string]string{}
 	for _, d := range dlq {
@@ -1221,6 +1245,10 @@ func (r *chaosRun) count(ctx context.Context, dlq []deadLetter) (*ChaosResult, e
 	}
 	handlerKind := string(consumer.KindHandler)
 
+	// wantClaim is the event ids that must have a processed_events row:
+	// every valid event, but one that lost its race to a rival, and the
+	// rival that won it.
+	wantClaim := map[string]bool{}
 	seen := map[string]bool{}
 	for _, m := range r.plan.Messages {
 		switch m.Kind {
@@ -1232,6 +1260,9 @@ func (r *chaosRun) count(ctx context.Context, dlq []deadLetter) (*ChaosResult, e
 			seen[id] = true
 			res.UniqueEvents++
 			n := effects[id]
+			if rv, ok := rival[id]; !ok || effects[id] > 0 || effects[rv] == 0 || dlKind[id] != handlerKind {
+				wantClaim[id] = true
+			}
 			if m.Type == TypeCancelled && cancelled[orderOf(m)] {
 				n = 1
 			}
@@ -1276,7 +1307,20 @@ func (r *chaosRun) count(ctx context.Context, dlq []deadLetter) (*ChaosResult, e
 				res.Doubled++
 				res.DoubledIDs = append(res.DoubledIDs, m.ID+" (poison with an effect)")
 			}
+			if wonRace {
+				wantClaim[m.ID] = true
+			}
 		}
+	}
+	// Matched by id, not counted: a claim recorded under another id
+	// leaves its event unprotected against a redelivery even when the
+	// numbers agree.
+	unclaimed, stray := claimDiff(wantClaim, claimed)
+	res.Unclaimed, res.StrayClaims = len(unclaimed), len(stray)
+	res.UnclaimedIDs, res.StrayClaimIDs = first(unclaimed, 20), first(stray, 20)
+	if res.Unclaimed > 0 || res.StrayClaims > 0 {
+		res.Problems = append(res.Problems, fmt.Sprintf("processed_events: %d valid events without their row, e.g. [%s]; %d rows of no event handled, e.g. [%s]",
+			res.Unclaimed, strings.Join(first(unclaimed, 5), ", "), res.StrayClaims, strings.Join(first(stray, 5), ", ")))
 	}
 	for _, id := range perOrderPayments {
 		res.Problems = append(res.Problems, "order "+id+" paid more than once")
@@ -1342,6 +1386,27 @@ func (r *chaosRun) count(ctx context.Context, dlq []deadLetter) (*ChaosResult, e
 	}
 	return res, nil
 }
+
+// claimDiff returns, sorted, the ids of want without a claim and the
+// claims of ids not in want.
+func claimDiff(want, claimed map[string]bool) (missing, stray []string) {
+	for id := range want {
+		if !claimed[id] {
+			missing = append(missing, id)
+		}
+	}
+	for id := range claimed {
+		if !want[id] {
+			stray = append(stray, id)
+		}
+	}
+	sort.Strings(missing)
+	sort.Strings(stray)
+	return missing, stray
+}
+
+// first returns the first n of ids, or all of them.
+func first(ids []string, n int) []string { return ids[:min(n, len(ids))] }
 
 // lastMismatches returns the report's lines that describe what differs.
 func lastMismatches(report string) string {

@@ -58,6 +58,10 @@ type Hop2Result struct {
 	// ShippedWrongly counts shipments of orders that are not paid.
 	ShippedWrongly int64 `json:"shipped_wrongly"`
 	Processed      int64 `json:"processed_events"`
+	// ProcessedMismatch counts, matched by id, paid orders' confirmations
+	// without a processed_events row of the shipping consumer and its
+	// rows under any other id.
+	ProcessedMismatch int64 `json:"processed_mismatch"`
 	// Replayed counts shipping dead letters of kind crash-loop (in flight
 	// at 3 process deaths) put back, as the first hop's are.
 	Replayed  int            `json:"replayed"`
@@ -85,8 +89,9 @@ func (h *Hop2Result) problems(wantPaid int) []string {
 		ps = append(ps, fmt.Sprintf("hop 2: %d shipments, %d paid orders shipped once under their id, of %d (%d shipments of unpaid orders)",
 			h.Shipments, h.ShippedOnce, h.PaidOrders, h.ShippedWrongly))
 	}
-	if h.Processed != h.PaidOrders {
-		ps = append(ps, fmt.Sprintf("hop 2: %d processed_events rows of the shipping consumer, want %d", h.Processed, h.PaidOrders))
+	if h.Processed != h.PaidOrders || h.ProcessedMismatch > 0 {
+		ps = append(ps, fmt.Sprintf("hop 2: %d processed_events rows of the shipping consumer, want %d, one under each confirmation's id (%d confirmations without their row or rows of none)",
+			h.Processed, h.PaidOrders, h.ProcessedMismatch))
 	}
 	return ps
 }
@@ -102,7 +107,7 @@ func (h *Hop2Result) print(w io.Writer) {
 	}
 	fmt.Fprintf(w, "%-28s %d shipments, %d orders shipped exactly once, %d shipments of unpaid orders\n",
 		"  shipping effect once", h.Shipments, h.ShippedOnce, h.ShippedWrongly)
-	fmt.Fprintf(w, "%-28s %d\n", "  shipping processed_events", h.Processed)
+	fmt.Fprintf(w, "%-28s %d (%d not matching a confirmation's id)\n", "  shipping processed_events", h.Processed, h.ProcessedMismatch)
 	if h.Replayed > 0 || len(h.DLQByKind) > 0 {
 		fmt.Fprintf(w, "%-28s %s, %d replayed (crash-loop)\n", "  shipping DLQ records", kindList(h.DLQByKind), h.Replayed)
 	}
@@ -281,7 +286,8 @@ func (r *chaosRun) countHop2(ctx context.Context) (*Hop2Result, error) {
 	}
 	h := &Hop2Result{PaidOrders: c.PaidOrders, OutboxRows: c.OutboxRows, OutboxPublished: c.OutboxSent,
 		OutboxPending: c.OutboxPending, OutboxParked: c.OutboxParked, OutboxMismatch: c.OutboxMismatch,
-		Shipments: c.Shipments, ShippedOnce: c.ShippedOnce, ShippedWrongly: c.ShippedWrongly, Processed: c.Processed}
+		Shipments: c.Shipments, ShippedOnce: c.ShippedOnce, ShippedWrongly: c.ShippedWrongly, Processed: c.Processed,
+		ProcessedMismatch: c.ProcessedMismatch}
 	if r.isKafka() {
 		wire, err := countWire(r.o)
 		if err != nil {

@@ -217,6 +217,10 @@ type hopCounts struct {
 	ShippedOnce    int64 // paid orders with exactly one shipment, under their outbox row's id
 	ShippedWrongly int64 // shipments of orders that are not paid
 	Processed      int64 // the shipping consumer's processed_events rows
+	// ProcessedMismatch counts, matched by id, the paid orders'
+	// confirmation ids without a processed_events row of the shipping
+	// consumer and that consumer's rows under any other id.
+	ProcessedMismatch int64
 }
 
 // countHop2 reads the second hop's figures.
@@ -243,9 +247,11 @@ SELECT
 	(SELECT count(*) FROM shipments),
 	(SELECT count(*) FROM per_order WHERE ships = 1 AND ship_id_ok),
 	(SELECT count(*) FROM shipments s WHERE NOT EXISTS (SELECT 1 FROM orders o WHERE o.id = s.order_id AND o.status = 'paid')),
-	(SELECT count(*) FROM processed_events WHERE consumer = $1)`, shippingName(o), TypeConfirmed).
+	(SELECT count(*) FROM processed_events WHERE consumer = $1),
+	(SELECT count(*) FROM (SELECT event_id FROM processed_events WHERE consumer = $1) pe
+		FULL JOIN paid ON paid.want_id = pe.event_id WHERE pe.event_id IS NULL OR paid.want_id IS NULL)`, shippingName(o), TypeConfirmed).
 		Scan(&c.PaidOrders, &c.OutboxRows, &c.OutboxSent, &c.OutboxPending, &c.OutboxParked, &c.OutboxMismatch,
-			&c.Shipments, &c.ShippedOnce, &c.ShippedWrongly, &c.Processed)
+			&c.Shipments, &c.ShippedOnce, &c.ShippedWrongly, &c.Processed, &c.ProcessedMismatch)
 	return c, err
 }
 
@@ -253,7 +259,8 @@ SELECT
 // and shipped once, and nothing else was shipped.
 func (c hopCounts) ok() bool {
 	return c.PaidOrders > 0 && c.OutboxRows == c.PaidOrders && c.OutboxSent == c.PaidOrders && c.OutboxMismatch == 0 &&
-		c.Shipments == c.PaidOrders && c.ShippedOnce == c.PaidOrders && c.ShippedWrongly == 0 && c.Processed == c.PaidOrders
+		c.Shipments == c.PaidOrders && c.ShippedOnce == c.PaidOrders && c.ShippedWrongly == 0 && c.Processed == c.PaidOrders &&
+		c.ProcessedMismatch == 0
 }
 
 // print writes the second hop's lines of the report.

@@ -18,7 +18,8 @@ import (
 // The second hop's count passes only when each paid order has exactly one
 // outbox row under its payment's id + "/confirmed", published, and exactly
 // one shipment under that id: a doubled shipment, a shipment under another
-// id, a missing or pending row, or a shipment of an unpaid order fails it.
+// id, a missing or pending row, a shipment of an unpaid order, or the
+// shipping consumer's processed_events row under another id fails it.
 func TestHop2CountCatchesEveryWrongEffect(t *testing.T) {
 	ctx := context.Background()
 	pool, schema := pgtest.Schema(t)
@@ -66,6 +67,8 @@ func TestHop2CountCatchesEveryWrongEffect(t *testing.T) {
 		{"a pending row", `UPDATE outbox SET sent_at = NULL WHERE key = 'o-1'`, `UPDATE outbox SET sent_at = now()`},
 		{"a row under another id", `UPDATE outbox SET event_id = 'x' WHERE key = 'o-2'`,
 			`UPDATE outbox SET event_id = 'evt-o-2/confirmed' WHERE key = 'o-2'`},
+		{"a shipping claim under another id", `UPDATE processed_events SET event_id = 'other' WHERE event_id = 'evt-o-2/confirmed'`,
+			`UPDATE processed_events SET event_id = 'evt-o-2/confirmed' WHERE event_id = 'other'`},
 		{"a missing row", `DELETE FROM outbox WHERE key = 'o-1'`, ``},
 	}
 	for _, b := range breakages {

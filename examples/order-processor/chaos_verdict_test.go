@@ -1,0 +1,245 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/internal/pgtest"
+)
+
+// verdictRun returns a chaos run over a small generated traffic whose
+// database (a schema of the test database) holds what a run without a
+// fault leaves: every valid event handled once by the service's handlers
+// with its processed_events row, every poison message dead-lettered (the
+// returned records), each paid order's confirmation published and shipped
+// once. The broker is amqp, so that counting reads PostgreSQL only.
+func verdictRun(t *testing.T) (*chaosRun, []deadLetter) {
+	t.Helper()
+	ctx := context.Background()
+	pool, _ := pgtest.Schema(t)
+	require.NoError(t, resetDemoTables(ctx, pool))
+	o := &options{broker: "amqp", topic: "orders-verdict", name: "order-processor-verdict", shipping: true}
+	plan := Generate(Mix{Orders: 60, Seed: 7, Duplicates: 0.1, IDless: 0.1, Malformed: 0.05, Violations: 0.1})
+	r := &chaosRun{cfg: ChaosConfig{Broker: "amqp", Members: 1}, o: o, pool: pool, plan: plan,
+		faults: map[string]int{}, crashes: map[string]int{}, exitedAt: map[int]time.Time{}}
+
+	orders := &Orders{UnknownOrderWait: time.Millisecond, Confirmed: destination(o)}
+	var dlq []deadLetter
+	deadLetter := func(id string, kind consumer.ErrorKind) {
+		dlq = append(dlq, deadLetterOf(id, kind))
+	}
+	for _, m := range plan.Messages {
+		switch m.Kind {
+		case kindDuplicate, kindIDlessDup:
+			continue // skipped as duplicates
+		case kindMalformed:
+			deadLetter(m.ID, consumer.KindDecode)
+			continue
+		}
+		id, err := EventID(&consumer.Message{ID: m.ID, Value: m.Value, Type: m.Type})
+		require.NoError(t, err)
+		err = inTx(t, pool, func(ctx context.Context, tx pgx.Tx) error {
+			var err error
+			switch m.Type {
+			case TypeCreated:
+				var p OrderCreated
+				require.NoError(t, json.Unmarshal(m.Value, &p))
+				err = consumer.Call(ctx, tx, orders.Created, ev(id, p))
+			case TypePaid:
+				var p OrderPaid
+				require.NoError(t, json.Unmarshal(m.Value, &p))
+				err = consumer.Call(ctx, tx, orders.Paid, ev(id, p))
+			case TypeCancelled:
+				var p OrderCancelled
+				require.NoError(t, json.Unmarshal(m.Value, &p))
+				err = consumer.Call(ctx, tx, orders.Cancelled, ev(id, p))
+			}
+			if err != nil {
+				return err
+			}
+			_, err = tx.Exec(ctx, `INSERT INTO processed_events (consumer, event_id) VALUES ($1, $2)`, o.name, id)
+			return err
+		})
+		if m.Kind == kindEvent || m.Kind == kindIDless {
+			require.NoError(t, err, "%s (%s)", id, m.Kind)
+			continue
+		}
+		require.Error(t, err, "%s (%s) breaks a rule", id, m.Kind)
+		deadLetter(id, consumer.KindHandler)
+	}
+
+	// The second hop: each outbox row published, then shipped once.
+	rows, err := pool.Query(ctx, `UPDATE outbox SET sent_at = now() WHERE type = $1 RETURNING event_id, body`, TypeConfirmed)
+	require.NoError(t, err)
+	type confirmed struct {
+		id   string
+		body []byte
+	}
+	var sent []confirmed
+	for rows.Next() {
+		var c confirmed
+		require.NoError(t, rows.Scan(&c.id, &c.body))
+		sent = append(sent, c)
+	}
+	require.NoError(t, rows.Err())
+	for _, c := range sent {
+		var p OrderConfirmed
+		require.NoError(t, json.Unmarshal(c.body, &p))
+		require.NoError(t, inTx(t, pool, func(ctx context.Context, tx pgx.Tx) error {
+			if err := consumer.Call(ctx, tx, Ship, ev(c.id, p)); err != nil {
+				return err
+			}
+			_, err := tx.Exec(ctx, `INSERT INTO processed_events (consumer, event_id) VALUES ($1, $2)`, shippingName(o), c.id)
+			return err
+		}))
+	}
+	require.Positive(t, plan.LedgerRows)
+	require.Positive(t, plan.Violations)
+	require.Positive(t, plan.Malformed)
+	return r, dlq
+}
+
+// deadLetterOf is a dead-letter record of event id with kind.
+func deadLetterOf(id string, kind consumer.ErrorKind) deadLetter {
+	return deadLetter{Headers: map[string]string{consumer.HeaderEventID: id, consumer.HeaderErrorKind: string(kind)}}
+}
+
+// countVerdict counts r with dlq and returns the result.
+func countVerdict(t *testing.T, r *chaosRun, dlq []deadLetter) *ChaosResult {
+	t.Helper()
+	res, err := r.count(context.Background(), dlq)
+	require.NoError(t, err)
+	return res
+}
+
+// firstOfKind returns the event id of the plan's first message of kind and
+// type typ ("" for any).
+func firstOfKind(t *testing.T, r *chaosRun, kind, typ string) string {
+	t.Helper()
+	for _, m := range r.plan.Messages {
+		if m.Kind == kind && (typ == "" || m.Type == typ) {
+			id, err := EventID(&consumer.Message{ID: m.ID, Value: m.Value, Type: m.Type})
+			require.NoError(t, err)
+			return id
+		}
+	}
+	t.Fatalf("no message of kind %s and type %q in the plan", kind, typ)
+	return ""
+}
+
+// execSQL runs sql on r's database.
+func execSQL(t *testing.T, r *chaosRun, sql string, args ...any) {
+	t.Helper()
+	_, err := r.pool.Exec(context.Background(), sql, args...)
+	require.NoError(t, err)
+}
+
+// The verdict passes on what a run without a fault leaves, and fails on
+// an effect lost, an effect doubled, an effect of an event never sent, or
+// a poison message not dead-lettered.
+func TestChaosVerdictCountsEffects(t *testing.T) {
+	t.Run("every effect once", func(t *testing.T) {
+		r, dlq := verdictRun(t)
+		res := countVerdict(t, r, dlq)
+		assert.True(t, res.Pass(), "problems: %v", res.Problems)
+		assert.Equal(t, res.UniqueEvents, res.EffectsOnce)
+	})
+	t.Run("a payment lost", func(t *testing.T) {
+		r, dlq := verdictRun(t)
+		id := firstOfKind(t, r, kindEvent, TypePaid)
+		execSQL(t, r, `DELETE FROM shipments WHERE event_id = $1 || '/confirmed'`, id)
+		execSQL(t, r, `DELETE FROM processed_events WHERE event_id = $1 || '/confirmed'`, id)
+		execSQL(t, r, `DELETE FROM outbox WHERE event_id = $1 || '/confirmed'`, id)
+		execSQL(t, r, `UPDATE orders SET status = 'created' WHERE id = (SELECT order_id FROM payments WHERE event_id = $1)`, id)
+		execSQL(t, r, `DELETE FROM payments WHERE event_id = $1`, id)
+		execSQL(t, r, `DELETE FROM processed_events WHERE event_id = $1`, id)
+		res := countVerdict(t, r, dlq)
+		assert.False(t, res.Pass())
+		assert.Equal(t, 1, res.Lost)
+	})
+	t.Run("a payment doubled", func(t *testing.T) {
+		r, dlq := verdictRun(t)
+		id := firstOfKind(t, r, kindEvent, TypePaid)
+		execSQL(t, r, `INSERT INTO payments SELECT * FROM payments WHERE event_id = $1`, id)
+		res := countVerdict(t, r, dlq)
+		assert.False(t, res.Pass())
+		assert.Equal(t, 1, res.Doubled)
+	})
+	t.Run("a claim recorded under an id never sent instead of its event's", func(t *testing.T) {
+		r, dlq := verdictRun(t)
+		id := firstOfKind(t, r, kindEvent, TypeCreated)
+		execSQL(t, r, `UPDATE processed_events SET event_id = 'evt-never-sent' WHERE consumer = $1 AND event_id = $2`, r.o.name, id)
+		res := countVerdict(t, r, dlq)
+		assert.False(t, res.Pass(), "the processed_events rows are not those of the events sent")
+	})
+	t.Run("a shipping claim recorded under an id never sent instead of its event's", func(t *testing.T) {
+		r, dlq := verdictRun(t)
+		id := firstOfKind(t, r, kindEvent, TypePaid)
+		execSQL(t, r, `UPDATE processed_events SET event_id = 'evt-never-sent/confirmed' WHERE consumer = $1 AND event_id = $2 || '/confirmed'`,
+			shippingName(r.o), id)
+		res := countVerdict(t, r, dlq)
+		assert.False(t, res.Pass(), "the shipping consumer's processed_events rows are not those of the confirmations")
+	})
+	t.Run("a payment of an event never sent", func(t *testing.T) {
+		r, dlq := verdictRun(t)
+		execSQL(t, r, `INSERT INTO orders (id, customer, amount_cents, status, created_event) VALUES ('o-ghost', 'c', 100, 'paid', 'evt-ghost-1')`)
+		execSQL(t, r, `INSERT INTO payments (order_id, payment_id, event_id, amount_cents) VALUES ('o-ghost', 'pay-ghost', 'evt-ghost-2', 100)`)
+		res := countVerdict(t, r, dlq)
+		assert.False(t, res.Pass())
+	})
+	t.Run("a poison message not dead-lettered", func(t *testing.T) {
+		r, dlq := verdictRun(t)
+		id := firstOfKind(t, r, kindMalformed, "")
+		var kept []deadLetter
+		for _, d := range dlq {
+			if d.Headers[consumer.HeaderEventID] != id {
+				kept = append(kept, d)
+			}
+		}
+		res := countVerdict(t, r, kept)
+		assert.False(t, res.Pass())
+		assert.Equal(t, res.Poison-1, res.PoisonDeadLettered)
+	})
+}
+
+// A second payment that won its race (RabbitMQ gives no order) holds the
+// effect and the claim, and its rival is dead-lettered: a pass.
+func TestChaosVerdictPassesASecondPaymentThatWonItsRace(t *testing.T) {
+	r, dlq := verdictRun(t)
+	second := firstOfKind(t, r, kindSecondPayment, "")
+	var order string
+	for _, m := range r.plan.Messages {
+		if m.ID == second {
+			var p OrderPaid
+			require.NoError(t, json.Unmarshal(m.Value, &p))
+			order = p.OrderID
+		}
+	}
+	var firstID string
+	require.NoError(t, r.pool.QueryRow(context.Background(), `SELECT event_id FROM payments WHERE order_id = $1`, order).Scan(&firstID))
+	for _, q := range []string{
+		`UPDATE payments SET event_id = $2, payment_id = 'pay2-' || order_id WHERE event_id = $1`,
+		`UPDATE processed_events SET event_id = $2 WHERE event_id = $1`,
+		`UPDATE processed_events SET event_id = $2 || '/confirmed' WHERE event_id = $1 || '/confirmed'`,
+		`UPDATE outbox SET event_id = $2 || '/confirmed' WHERE event_id = $1 || '/confirmed'`,
+		`UPDATE shipments SET event_id = $2 || '/confirmed' WHERE event_id = $1 || '/confirmed'`,
+	} {
+		execSQL(t, r, q, firstID, second)
+	}
+	var raced []deadLetter
+	for _, d := range dlq {
+		if d.Headers[consumer.HeaderEventID] != second {
+			raced = append(raced, d)
+		}
+	}
+	raced = append(raced, deadLetterOf(firstID, consumer.KindHandler))
+	res := countVerdict(t, r, raced)
+	assert.True(t, res.Pass(), "problems: %v", res.Problems)
+}
