@@ -114,10 +114,15 @@ type ChaosResult struct {
 	CrashLoopReplayed int    `json:"crash_loop_replayed"`
 	OrdersCheck       string `json:"orders_check"`
 
-	Faults      map[string]int `json:"faults"`
-	CrashPoints map[string]int `json:"crash_points_reached"`
-	Members     int            `json:"members"`
-	Starts      int            `json:"member_starts"`
+	// Faults counts the faults injected, by kind; FaultsScheduled those
+	// the schedule had. A fault that hit nothing (a kill that found its
+	// member exited, a cut with no connection, a crash point not reached)
+	// is not injected, and the verdict fails.
+	Faults          map[string]int `json:"faults"`
+	FaultsScheduled map[string]int `json:"faults_scheduled"`
+	CrashPoints     map[string]int `json:"crash_points_reached"`
+	Members         int            `json:"members"`
+	Starts          int            `json:"member_starts"`
 	// DeadMembersRemoved counts the members of a group that the embedded
 	// broker kept after their process died and the driver removed
 	// (chaos_kfake.go); always 0 on Apache Kafka and RabbitMQ.
@@ -216,7 +221,7 @@ func chaosMain(ctx context.Context, args []string, stdout, stderr io.Writer) int
 // Print writes the result as a table.
 func (r *ChaosResult) Print(w io.Writer) {
 	fmt.Fprintf(w, "\nchaos run: %s, seed %d, %d members, %s\n", r.Broker, r.Seed, r.Members, r.Elapsed)
-	fmt.Fprintf(w, "%-28s %s\n", "faults", kindList(r.Faults))
+	fmt.Fprintf(w, "%-28s %s of %s scheduled\n", "faults", kindList(r.Faults), kindList(r.FaultsScheduled))
 	fmt.Fprintf(w, "%-28s %s\n", "crash points reached", kindList(r.CrashPoints))
 	fmt.Fprintf(w, "%-28s %d\n", "member starts", r.Starts)
 	if r.DeadMembersRemoved > 0 {
@@ -282,9 +287,11 @@ type chaosRun struct {
 	nextID  int
 	starts  int
 	dups    uint64
-	faults  map[string]int
-	crashes map[string]int
-	extra   int // poison added for after-dead-letter
+	faults  map[string]int // injected, by kind
+	// scheduled counts the faults of the schedule by kind.
+	scheduled map[string]int
+	crashes   map[string]int
+	extra     int // poison added for after-dead-letter
 	// exitedAt is when each member that exited did, by member id (kept
 	// after forget).
 	exitedAt map[int]time.Time
@@ -392,6 +399,7 @@ func RunChaos(ctx context.Context, cfg ChaosConfig) (res *ChaosResult, err error
 	defer func() { _ = r.pub.Close() }()
 
 	faults := r.schedule()
+	r.scheduled = faultKinds(faults)
 	r.perFault = max(50, cfg.Orders/(len(faults)+1))
 	r.logf("%d faults, %d members, about %d orders before each, logs in %s", len(faults), cfg.Members, r.perFault, r.logs)
 	for i := 0; i < cfg.Members; i++ {
@@ -678,6 +686,15 @@ func (r *chaosRun) startAMQP(ctx context.Context) (func(), error) {
 	}, nil
 }
 
+// faultKinds counts the faults of fs by kind.
+func faultKinds(fs []fault) map[string]int {
+	n := map[string]int{}
+	for _, f := range fs {
+		n[f.kind]++
+	}
+	return n
+}
+
 // fault is one fault of the schedule.
 type fault struct {
 	kind  string // kill, crash-point, pg-restart, cut, rebalance-kill
@@ -809,16 +826,7 @@ func (r *chaosRun) waitProgress(ctx context.Context, step int64) error {
 // startMember starts a consumer process; extraEnv is added to its
 // environment (ONCE_CRASH_POINT).
 func (r *chaosRun) startMember(exe string, extraEnv ...string) (*member, error) {
-	r.mu.Lock()
-	r.nextID++
-	id := r.nextID
-	r.starts++
-	r.mu.Unlock()
-	out := filepath.Join(r.logs, fmt.Sprintf("member-%03d.log", id))
-	f, err := os.Create(out)
-	if err != nil {
-		return nil, err
-	}
+	id := r.newMemberID()
 	args := []string{"serve", "-broker", r.memberBroker(), "-topic", r.o.topic, "-name", r.o.name, "-schema", r.o.schema,
 		"-metrics-addr", "off", "-label", fmt.Sprintf("member %d:", id),
 		"-unknown-order-wait", r.o.unknownOrderWait.String(), "-max-attempts", strconv.Itoa(r.o.maxAttempts)}
@@ -834,6 +842,25 @@ func (r *chaosRun) startMember(exe string, extraEnv ...string) (*member, error) 
 		env = append(env, "AMQP_URL="+r.memberAMQP)
 	}
 	cmd.Env = append(env, extraEnv...)
+	return r.launch(id, cmd)
+}
+
+// newMemberID returns the id of the member about to start.
+func (r *chaosRun) newMemberID() int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.nextID++
+	r.starts++
+	return r.nextID
+}
+
+// launch starts cmd as member id, its output in the member's log file.
+func (r *chaosRun) launch(id int, cmd *exec.Cmd) (*member, error) {
+	out := filepath.Join(r.logs, fmt.Sprintf("member-%03d.log", id))
+	f, err := os.Create(out)
+	if err != nil {
+		return nil, err
+	}
 	cmd.Stdout, cmd.Stderr = f, f
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	if err := cmd.Start(); err != nil {
@@ -904,9 +931,13 @@ func reportedDuplicates(path string) uint64 {
 	return last
 }
 
-func (m *member) kill() {
+// kill sends m SIGKILL and waits until it exited. It reports whether the
+// signal ended the process: false if it had exited on its own.
+func (m *member) kill() bool {
 	_ = m.cmd.Process.Signal(syscall.SIGKILL)
 	<-m.exited
+	ws, ok := m.cmd.ProcessState.Sys().(syscall.WaitStatus)
+	return ok && ws.Signaled() && ws.Signal() == syscall.SIGKILL
 }
 
 // stop asks m to drain and stop (SIGTERM), and kills it after a minute.
@@ -947,13 +978,17 @@ func (r *chaosRun) randomMember() *member {
 }
 
 // apply injects one fault and brings the members back to full strength.
+// The fault counts as injected only if it hit something: a kill that found
+// its member exited, or a cut with no connection, did not happen.
 func (r *chaosRun) apply(ctx context.Context, exe string, f fault) error {
+	hit := true
 	switch f.kind {
 	case "kill":
 		// A random moment: up to 300 ms after the last progress check.
 		pause(ctx, time.Duration(r.rng.Intn(300))*time.Millisecond)
+		hit = false
 		if m := r.randomMember(); m != nil {
-			m.kill()
+			hit = m.kill()
 			r.forget(m)
 		}
 		// Restart at once or after the group noticed (partitions move).
@@ -965,8 +1000,9 @@ func (r *chaosRun) apply(ctx context.Context, exe string, f fault) error {
 		}
 		// Kill the victim while the new member joins the group.
 		pause(ctx, time.Duration(100+r.rng.Intn(400))*time.Millisecond)
+		hit = false
 		if victim != nil {
-			victim.kill()
+			hit = victim.kill()
 			r.forget(victim)
 		}
 	case "pg-restart":
@@ -982,13 +1018,15 @@ func (r *chaosRun) apply(ctx context.Context, exe string, f fault) error {
 		pause(ctx, time.Duration(r.rng.Intn(300))*time.Millisecond)
 		n := r.cut()
 		r.logf("cut %d connections", n)
+		hit = n > 0
 	case "broker-kill":
 		pause(ctx, time.Duration(r.rng.Intn(300))*time.Millisecond)
 		if err := r.killBroker(ctx); err != nil {
 			return err
 		}
 	case "crash-point":
-		if err := r.crashAt(ctx, exe, f); err != nil {
+		var err error
+		if hit, err = r.crashAt(ctx, exe, f); err != nil {
 			return err
 		}
 	case "relay-leader-kill":
@@ -1000,7 +1038,11 @@ func (r *chaosRun) apply(ctx context.Context, exe string, f fault) error {
 			return err
 		}
 	}
-	r.faults[f.kind]++
+	if hit {
+		r.faults[f.kind]++
+	} else {
+		r.logf("fault %s %s hit nothing: not counted", f.kind, f.point)
+	}
 	for len(r.live()) < r.cfg.Members {
 		if _, err := r.startMember(exe); err != nil {
 			return err
@@ -1010,8 +1052,10 @@ func (r *chaosRun) apply(ctx context.Context, exe string, f fault) error {
 }
 
 // crashAt restarts one member with ONCE_CRASH_POINT set and waits until the
-// crash point kills it (exit status 86), publishing traffic meanwhile.
-func (r *chaosRun) crashAt(ctx context.Context, exe string, f fault) error {
+// crash point kills it (exit status 86), publishing traffic meanwhile. It
+// reports whether the member crashed there: false if the point was not
+// reached within 90s.
+func (r *chaosRun) crashAt(ctx context.Context, exe string, f fault) (bool, error) {
 	if m := r.randomMember(); m != nil {
 		m.kill()
 		r.forget(m)
@@ -1030,7 +1074,7 @@ func (r *chaosRun) crashAt(ctx context.Context, exe string, f fault) error {
 		r.plan.Sent[kindMalformed] += len(poison)
 		r.plan.Malformed += len(poison)
 		if err := r.publish(ctx, poison); err != nil {
-			return err
+			return false, err
 		}
 	}
 	if f.point == "mid-batch" && r.isKafka() {
@@ -1042,13 +1086,13 @@ func (r *chaosRun) crashAt(ctx context.Context, exe string, f fault) error {
 			r.forget(m)
 		}
 		if err := r.traffic(ctx, 75*r.o.partitions); err != nil {
-			return err
+			return false, err
 		}
 	}
 	r.stopOthersForRelayCrash(f)
 	m, err := r.startMember(exe, crashEnv(f))
 	if err != nil {
-		return err
+		return false, err
 	}
 	deadline := time.After(90 * time.Second)
 	for {
@@ -1056,24 +1100,24 @@ func (r *chaosRun) crashAt(ctx context.Context, exe string, f fault) error {
 		case <-m.exited:
 			r.forget(m)
 			if m.code != crashExitCode {
-				return fmt.Errorf("member %d with crash point %s exited with %d, want %d (see %s)", m.id, f.point, m.code, crashExitCode, m.out)
+				return false, fmt.Errorf("member %d with crash point %s exited with %d, want %d (see %s)", m.id, f.point, m.code, crashExitCode, m.out)
 			}
 			if out, err := os.ReadFile(m.out); err != nil || !strings.Contains(string(out), "once: chaos crash at "+f.point+" #") {
-				return fmt.Errorf("member %d exited with %d but its log does not say it crashed at %s (see %s)", m.id, m.code, f.point, m.out)
+				return false, fmt.Errorf("member %d exited with %d but its log does not say it crashed at %s (see %s)", m.id, m.code, f.point, m.out)
 			}
 			r.crashes[f.point]++
-			return nil
+			return true, nil
 		case <-deadline:
 			r.logf("crash point %s:%d not reached within 90s", f.point, f.n)
 			m.kill()
 			r.forget(m)
-			return nil
+			return false, nil
 		case <-ctx.Done():
-			return ctx.Err()
+			return false, ctx.Err()
 		case <-time.After(2 * time.Second):
 			// Still running: it needs more traffic to reach the point.
 			if err := r.traffic(ctx, 50); err != nil {
-				return err
+				return false, err
 			}
 		}
 	}
@@ -1372,6 +1416,12 @@ func (r *chaosRun) count(ctx context.Context, dlq []deadLetter) (*ChaosResult, e
 		return nil, err
 	}
 	res.Problems = append(res.Problems, res.Hop2.problems(r.plan.LedgerRows)...)
+	res.FaultsScheduled = r.scheduled
+	for _, k := range sortedKeys(r.scheduled) {
+		if got, want := r.faults[k], r.scheduled[k]; got < want {
+			res.Problems = append(res.Problems, fmt.Sprintf("fault %s injected %d times of %d scheduled: the others hit nothing", k, got, want))
+		}
+	}
 	if r.cfg.CrashPoints {
 		for _, p := range append(crashPointNames[:len(crashPointNames):len(crashPointNames)], relayCrashPoint) {
 			if r.crashes[p] == 0 {
@@ -1403,6 +1453,16 @@ func claimDiff(want, claimed map[string]bool) (missing, stray []string) {
 	sort.Strings(missing)
 	sort.Strings(stray)
 	return missing, stray
+}
+
+// sortedKeys returns m's keys in order.
+func sortedKeys(m map[string]int) []string {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	return keys
 }
 
 // first returns the first n of ids, or all of them.

@@ -174,9 +174,12 @@ WHERE l.locktype = 'advisory' AND l.classid = $1::bigint::oid AND l.objid = 'out
 			for _, m := range r.live() {
 				if memberAppName(m.id) == app {
 					r.logf("SIGKILL of member %d, whose relay leads", m.id)
-					m.kill()
+					killed := m.kill()
 					r.forget(m)
-					return nil
+					if killed {
+						return nil
+					}
+					r.logf("member %d had exited already; waiting for the next leader", m.id)
 				}
 			}
 		}

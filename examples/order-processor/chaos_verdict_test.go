@@ -3,6 +3,10 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"math/rand"
+	"net"
+	"os/exec"
+	"strings"
 	"testing"
 	"time"
 
@@ -11,6 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/internal/netcut"
 	"github.com/onceco/once/internal/pgtest"
 )
 
@@ -242,4 +247,61 @@ func TestChaosVerdictPassesASecondPaymentThatWonItsRace(t *testing.T) {
 	raced = append(raced, deadLetterOf(firstID, consumer.KindHandler))
 	res := countVerdict(t, r, raced)
 	assert.True(t, res.Pass(), "problems: %v", res.Problems)
+}
+
+// The verdict fails when a fault of the schedule was not injected.
+func TestChaosVerdictFailsOnAFaultNotInjected(t *testing.T) {
+	r, dlq := verdictRun(t)
+	r.cfg.Kills = 1
+	r.scheduled = faultKinds(r.schedule())
+	res := countVerdict(t, r, dlq)
+	assert.False(t, res.Pass(), "no kill happened")
+	assert.Contains(t, strings.Join(res.Problems, "\n"), "kill", "problems: %v", res.Problems)
+
+	r.faults["kill"] = 1
+	res = countVerdict(t, r, dlq)
+	assert.True(t, res.Pass(), "problems: %v", res.Problems)
+}
+
+// faultRun is a chaos run with no member to restart after a fault.
+func faultRun(t *testing.T) *chaosRun {
+	return &chaosRun{cfg: ChaosConfig{Broker: "kafka"}, rng: rand.New(rand.NewSource(1)), logs: t.TempDir(),
+		faults: map[string]int{}, crashes: map[string]int{}, exitedAt: map[int]time.Time{}}
+}
+
+// A fault counts as injected only when it hit something: a kill with no
+// member running, a kill of a member that had exited on its own, or a cut
+// with no connection to cut is not one.
+func TestChaosFaultThatHitNothingIsNotCounted(t *testing.T) {
+	ctx := context.Background()
+	t.Run("a kill with no member running", func(t *testing.T) {
+		r := faultRun(t)
+		require.NoError(t, r.apply(ctx, "", fault{kind: "kill"}))
+		assert.Zero(t, r.faults["kill"])
+	})
+	t.Run("a kill of a member that had exited", func(t *testing.T) {
+		r := faultRun(t)
+		m, err := r.launch(r.newMemberID(), exec.Command("sh", "-c", "exit 3"))
+		require.NoError(t, err)
+		<-m.exited
+		assert.False(t, m.kill(), "the process had exited with 3")
+	})
+	t.Run("a kill of a running member", func(t *testing.T) {
+		r := faultRun(t)
+		_, err := r.launch(r.newMemberID(), exec.Command("sleep", "60"))
+		require.NoError(t, err)
+		require.NoError(t, r.apply(ctx, "", fault{kind: "kill"}))
+		assert.Equal(t, 1, r.faults["kill"])
+		assert.Empty(t, r.live())
+	})
+	t.Run("a cut with no connection", func(t *testing.T) {
+		r := faultRun(t)
+		inner, err := net.Listen("tcp", "127.0.0.1:0")
+		require.NoError(t, err)
+		ln := &netcut.Listener{Listener: inner}
+		defer ln.Close()
+		r.cut = ln.Cut
+		require.NoError(t, r.apply(ctx, "", fault{kind: "cut"}))
+		assert.Zero(t, r.faults["cut"])
+	})
 }
