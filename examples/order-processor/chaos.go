@@ -27,6 +27,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -123,6 +124,11 @@ type ChaosResult struct {
 	CrashPoints     map[string]int `json:"crash_points_reached"`
 	Members         int            `json:"members"`
 	Starts          int            `json:"member_starts"`
+	// MembersEndedByThemselves lists the member processes that ended
+	// neither by the driver's SIGKILL, nor with status 0 after its SIGTERM,
+	// nor at an armed crash point: e.g. a consumer that gave up during a
+	// PostgreSQL restart instead of retrying. The verdict fails.
+	MembersEndedByThemselves []string `json:"members_ended_by_themselves,omitempty"`
 	// DeadMembersRemoved counts the members of a group that the embedded
 	// broker kept after their process died and the driver removed
 	// (chaos_kfake.go); always 0 on Apache Kafka and RabbitMQ.
@@ -224,6 +230,9 @@ func (r *ChaosResult) Print(w io.Writer) {
 	fmt.Fprintf(w, "%-28s %s of %s scheduled\n", "faults", kindList(r.Faults), kindList(r.FaultsScheduled))
 	fmt.Fprintf(w, "%-28s %s\n", "crash points reached", kindList(r.CrashPoints))
 	fmt.Fprintf(w, "%-28s %d\n", "member starts", r.Starts)
+	for _, e := range r.MembersEndedByThemselves {
+		fmt.Fprintf(w, "  %s\n", e)
+	}
 	if r.DeadMembersRemoved > 0 {
 		fmt.Fprintf(w, "%-28s %d (kept by the embedded broker past their session; see chaos_kfake.go)\n", "dead members removed", r.DeadMembersRemoved)
 	}
@@ -295,6 +304,9 @@ type chaosRun struct {
 	// exitedAt is when each member that exited did, by member id (kept
 	// after forget).
 	exitedAt map[int]time.Time
+	// selfEnded lists the members that ended when the driver did not end
+	// them (member.endedByItself).
+	selfEnded []string
 	// reaper removes dead members the embedded broker keeps (kfake only).
 	reaper *deadMemberReaper
 }
@@ -306,6 +318,34 @@ type member struct {
 	out    string // its stdout and stderr file
 	exited chan struct{}
 	code   int
+	// crashPoint is the crash point armed in it (its crashEnv:
+	// ONCE_CRASH_POINT or ONCE_RELAY_CRASH), if any: it may exit with
+	// crashExitCode.
+	crashPoint string
+	// stopping is set when the driver sends SIGTERM, hung when the
+	// member did not exit within a minute of it.
+	stopping, hung atomic.Bool
+}
+
+// endedByItself says how m ended when the driver did not end it, or
+// returns "": the driver ends a member by SIGKILL, by SIGTERM (exit status
+// 0), or at its armed crash point (exit status 86). Any other end is a
+// failure the member should have ridden out.
+func (m *member) endedByItself() string {
+	ws, _ := m.cmd.ProcessState.Sys().(syscall.WaitStatus)
+	switch {
+	case m.hung.Load():
+		return "did not stop within a minute of SIGTERM"
+	case ws.Signaled() && ws.Signal() == syscall.SIGKILL:
+		return ""
+	case ws.Exited() && ws.ExitStatus() == 0 && m.stopping.Load():
+		return ""
+	case ws.Exited() && ws.ExitStatus() == crashExitCode && m.crashPoint != "":
+		return ""
+	case m.stopping.Load():
+		return "ended with " + m.cmd.ProcessState.String() + " after SIGTERM"
+	}
+	return "ended by itself with " + m.cmd.ProcessState.String()
 }
 
 func (r *chaosRun) logf(format string, args ...any) {
@@ -842,7 +882,9 @@ func (r *chaosRun) startMember(exe string, extraEnv ...string) (*member, error) 
 		env = append(env, "AMQP_URL="+r.memberAMQP)
 	}
 	cmd.Env = append(env, extraEnv...)
-	return r.launch(id, cmd)
+	// extraEnv arms a crash point (crashEnv): the member may exit with
+	// crashExitCode.
+	return r.launch(id, cmd, strings.Join(extraEnv, " "))
 }
 
 // newMemberID returns the id of the member about to start.
@@ -854,8 +896,9 @@ func (r *chaosRun) newMemberID() int {
 	return r.nextID
 }
 
-// launch starts cmd as member id, its output in the member's log file.
-func (r *chaosRun) launch(id int, cmd *exec.Cmd) (*member, error) {
+// launch starts cmd as member id, its output in the member's log file;
+// crashPoint is the crash point armed in it (its crashEnv), if any.
+func (r *chaosRun) launch(id int, cmd *exec.Cmd, crashPoint string) (*member, error) {
 	out := filepath.Join(r.logs, fmt.Sprintf("member-%03d.log", id))
 	f, err := os.Create(out)
 	if err != nil {
@@ -867,12 +910,16 @@ func (r *chaosRun) launch(id int, cmd *exec.Cmd) (*member, error) {
 		f.Close()
 		return nil, err
 	}
-	m := &member{id: id, cmd: cmd, out: out, exited: make(chan struct{})}
+	m := &member{id: id, cmd: cmd, out: out, exited: make(chan struct{}), crashPoint: crashPoint}
 	go func() {
 		_ = cmd.Wait()
 		m.code = cmd.ProcessState.ExitCode()
+		why := m.endedByItself()
 		r.mu.Lock()
 		r.exitedAt[id] = time.Now()
+		if why != "" {
+			r.selfEnded = append(r.selfEnded, fmt.Sprintf("member %d %s (see %s)", id, why, out))
+		}
 		r.mu.Unlock()
 		f.Close()
 		close(m.exited)
@@ -942,10 +989,12 @@ func (m *member) kill() bool {
 
 // stop asks m to drain and stop (SIGTERM), and kills it after a minute.
 func (m *member) stop() {
+	m.stopping.Store(true)
 	_ = m.cmd.Process.Signal(syscall.SIGTERM)
 	select {
 	case <-m.exited:
 	case <-time.After(time.Minute):
+		m.hung.Store(true)
 		m.kill()
 	}
 }
@@ -1416,6 +1465,13 @@ func (r *chaosRun) count(ctx context.Context, dlq []deadLetter) (*ChaosResult, e
 		return nil, err
 	}
 	res.Problems = append(res.Problems, res.Hop2.problems(r.plan.LedgerRows)...)
+	r.mu.Lock()
+	res.MembersEndedByThemselves = append([]string(nil), r.selfEnded...)
+	r.mu.Unlock()
+	if n := len(res.MembersEndedByThemselves); n > 0 {
+		res.Problems = append(res.Problems, fmt.Sprintf("%d members ended when the driver did not end them: %s",
+			n, strings.Join(first(res.MembersEndedByThemselves, 5), "; ")))
+	}
 	res.FaultsScheduled = r.scheduled
 	for _, k := range sortedKeys(r.scheduled) {
 		if got, want := r.faults[k], r.scheduled[k]; got < want {

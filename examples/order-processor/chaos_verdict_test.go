@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"math/rand"
 	"net"
+	"os"
 	"os/exec"
 	"strings"
 	"testing"
@@ -32,7 +33,7 @@ func verdictRun(t *testing.T) (*chaosRun, []deadLetter) {
 	require.NoError(t, resetDemoTables(ctx, pool))
 	o := &options{broker: "amqp", topic: "orders-verdict", name: "order-processor-verdict", shipping: true}
 	plan := Generate(Mix{Orders: 60, Seed: 7, Duplicates: 0.1, IDless: 0.1, Malformed: 0.05, Violations: 0.1})
-	r := &chaosRun{cfg: ChaosConfig{Broker: "amqp", Members: 1}, o: o, pool: pool, plan: plan,
+	r := &chaosRun{cfg: ChaosConfig{Broker: "amqp", Members: 1}, o: o, pool: pool, plan: plan, logs: t.TempDir(),
 		faults: map[string]int{}, crashes: map[string]int{}, exitedAt: map[int]time.Time{}}
 
 	orders := &Orders{UnknownOrderWait: time.Millisecond, Confirmed: destination(o)}
@@ -281,14 +282,14 @@ func TestChaosFaultThatHitNothingIsNotCounted(t *testing.T) {
 	})
 	t.Run("a kill of a member that had exited", func(t *testing.T) {
 		r := faultRun(t)
-		m, err := r.launch(r.newMemberID(), exec.Command("sh", "-c", "exit 3"))
+		m, err := r.launch(r.newMemberID(), exec.Command("sh", "-c", "exit 3"), "")
 		require.NoError(t, err)
 		<-m.exited
 		assert.False(t, m.kill(), "the process had exited with 3")
 	})
 	t.Run("a kill of a running member", func(t *testing.T) {
 		r := faultRun(t)
-		_, err := r.launch(r.newMemberID(), exec.Command("sleep", "60"))
+		_, err := r.launch(r.newMemberID(), exec.Command("sleep", "60"), "")
 		require.NoError(t, err)
 		require.NoError(t, r.apply(ctx, "", fault{kind: "kill"}))
 		assert.Equal(t, 1, r.faults["kill"])
@@ -303,5 +304,50 @@ func TestChaosFaultThatHitNothingIsNotCounted(t *testing.T) {
 		r.cut = ln.Cut
 		require.NoError(t, r.apply(ctx, "", fault{kind: "cut"}))
 		assert.Zero(t, r.faults["cut"])
+	})
+}
+
+// The verdict fails when a member process ended by itself: the driver ends
+// members only by SIGKILL, by SIGTERM (exit status 0), or at an armed
+// crash point (exit status 86); any other end is a failure the member
+// should have ridden out (the consumer retries through a PostgreSQL restart
+// or a cut connection), even if the members started after it made up for
+// it.
+func TestChaosVerdictFailsOnAMemberThatExitedByItself(t *testing.T) {
+	t.Run("exit status 1", func(t *testing.T) {
+		r, dlq := verdictRun(t)
+		m, err := r.launch(r.newMemberID(), exec.Command("sh", "-c", "echo failed >&2; exit 1"), "")
+		require.NoError(t, err)
+		<-m.exited
+		res := countVerdict(t, r, dlq)
+		assert.False(t, res.Pass(), "a member exited with status 1")
+		assert.Contains(t, strings.Join(res.Problems, "\n"), "exit status 1", "problems: %v", res.Problems)
+	})
+	t.Run("crash exit status without a crash point", func(t *testing.T) {
+		r, dlq := verdictRun(t)
+		m, err := r.launch(r.newMemberID(), exec.Command("sh", "-c", "exit 86"), "")
+		require.NoError(t, err)
+		<-m.exited
+		res := countVerdict(t, r, dlq)
+		assert.False(t, res.Pass(), "a member exited with status 86, no crash point armed")
+	})
+	t.Run("ended by the driver", func(t *testing.T) {
+		r, dlq := verdictRun(t)
+		killed, err := r.launch(r.newMemberID(), exec.Command("sleep", "60"), "")
+		require.NoError(t, err)
+		require.True(t, killed.kill())
+		stopped, err := r.launch(r.newMemberID(), exec.Command("sh", "-c", "trap 'exit 0' TERM; echo ready; while :; do sleep 0.05; done"), "")
+		require.NoError(t, err)
+		// SIGTERM once the shell has set its trap.
+		require.Eventually(t, func() bool {
+			out, _ := os.ReadFile(stopped.out)
+			return strings.Contains(string(out), "ready")
+		}, 10*time.Second, 10*time.Millisecond)
+		stopped.stop()
+		crashed, err := r.launch(r.newMemberID(), exec.Command("sh", "-c", "exit 86"), "after-commit")
+		require.NoError(t, err)
+		<-crashed.exited
+		res := countVerdict(t, r, dlq)
+		assert.True(t, res.Pass(), "problems: %v", res.Problems)
 	})
 }
