@@ -436,7 +436,11 @@ func RunChaos(ctx context.Context, cfg ChaosConfig) (res *ChaosResult, err error
 	if r.pub, err = newPublisher(ctx, r.o); err != nil {
 		return nil, err
 	}
-	defer func() { _ = r.pub.Close() }()
+	defer func() {
+		if r.pub != nil {
+			_ = r.pub.Close()
+		}
+	}()
 
 	faults := r.schedule()
 	r.scheduled = faultKinds(faults)
@@ -486,7 +490,7 @@ func RunChaos(ctx context.Context, cfg ChaosConfig) (res *ChaosResult, err error
 	replay = append(replay, crashLooped...)
 	if len(replay) > 0 {
 		r.logf("replaying %d dead letters (%d valid events dead-lettered as crash-loop)", len(replay), len(crashLooped))
-		if err := r.pub.Publish(ctx, replay); err != nil {
+		if err := r.publish(ctx, replay); err != nil {
 			return nil, err
 		}
 		if err := r.drain(ctx, exe); err != nil {
@@ -810,18 +814,25 @@ func (r *chaosRun) traffic(ctx context.Context, orders int) error {
 
 // publish sends msgs, retrying through broker cuts (the Kafka producer is
 // idempotent; an AMQP message confirmed twice is a duplicate the consumer
-// skips).
+// skips) with a new publisher each time; a publisher that cannot be opened
+// is opened again on the next attempt.
 func (r *chaosRun) publish(ctx context.Context, msgs []outMsg) error {
 	var err error
 	for attempt := 0; attempt < 10; attempt++ {
+		if r.pub == nil {
+			var pub publisher
+			if pub, err = newPublisher(ctx, r.o); err != nil {
+				r.logf("publish: %v; retrying", err)
+				continue
+			}
+			r.pub = pub
+		}
 		if err = r.pub.Publish(ctx, msgs); err == nil {
 			return nil
 		}
 		r.logf("publish: %v; retrying", err)
 		_ = r.pub.Close()
-		if r.pub, err = newPublisher(ctx, r.o); err != nil {
-			continue
-		}
+		r.pub = nil
 	}
 	return fmt.Errorf("publish: %w", err)
 }

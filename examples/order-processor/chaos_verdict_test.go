@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"github.com/twmb/franz-go/pkg/kfake"
 
 	"github.com/onceco/once/consumer"
 	"github.com/onceco/once/internal/netcut"
@@ -350,4 +351,19 @@ func TestChaosVerdictFailsOnAMemberThatExitedByItself(t *testing.T) {
 		res := countVerdict(t, r, dlq)
 		assert.True(t, res.Pass(), "problems: %v", res.Problems)
 	})
+}
+
+// The driver's publish retries through a broker it cannot reach and then
+// fails the run with the error.
+func TestChaosPublishFailsWhenTheBrokerIsGone(t *testing.T) {
+	ctx := context.Background()
+	kf, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(1, "orders"))
+	require.NoError(t, err)
+	o := &options{broker: "kafka", kafkaBrokers: kf.ListenAddrs(), topic: "orders"}
+	r := &chaosRun{o: o}
+	r.pub, err = newPublisher(ctx, o)
+	require.NoError(t, err)
+	require.NoError(t, r.publish(ctx, []outMsg{{Key: "o-1", Value: []byte(`{}`), ID: "evt-1", Type: TypeCreated}}))
+	kf.Close()
+	assert.Error(t, r.publish(ctx, []outMsg{{Key: "o-2", Value: []byte(`{}`), ID: "evt-2", Type: TypeCreated}}))
 }
