@@ -87,8 +87,9 @@ type ChaosResult struct {
 	Doubled      int            `json:"doubled"`
 	LostIDs      []string       `json:"lost_ids,omitempty"`
 	DoubledIDs   []string       `json:"doubled_ids,omitempty"`
-	// DuplicatesSkipped is what the members reported; a killed member
-	// takes its last few seconds of counts with it, so it is a lower bound.
+	// DuplicatesSkipped is what the members reported of their order
+	// consumer (not the shipping one); a killed member takes its last few
+	// seconds of counts with it, so it is a lower bound.
 	DuplicatesSkipped uint64 `json:"duplicates_skipped_reported"`
 	Processed         int64  `json:"processed_events"`
 	// Unclaimed counts the valid events with no processed_events row (a
@@ -972,7 +973,9 @@ func (r *chaosRun) forget(m *member) {
 
 var dupRe = regexp.MustCompile(`duplicates skipped (\d+)`)
 
-// reportedDuplicates returns the last duplicate count a member's log shows.
+// reportedDuplicates returns the last duplicate count of the order
+// consumer a member's log shows: its progress lines and its "stopped:"
+// line, not the shipping consumer's "shipping stopped:" after it.
 func reportedDuplicates(path string) uint64 {
 	f, err := os.Open(path)
 	if err != nil {
@@ -982,6 +985,9 @@ func reportedDuplicates(path string) uint64 {
 	var last uint64
 	sc := bufio.NewScanner(f)
 	for sc.Scan() {
+		if strings.HasPrefix(sc.Text(), "shipping stopped:") {
+			continue
+		}
 		if m := dupRe.FindStringSubmatch(sc.Text()); m != nil {
 			last, _ = strconv.ParseUint(m[1], 10, 64)
 		}

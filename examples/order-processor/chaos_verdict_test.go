@@ -367,3 +367,24 @@ func TestChaosPublishFailsWhenTheBrokerIsGone(t *testing.T) {
 	kf.Close()
 	assert.Error(t, r.publish(ctx, []outMsg{{Key: "o-2", Value: []byte(`{}`), ID: "evt-2", Type: TypeCreated}}))
 }
+
+// The duplicates a member reported are its order consumer's: the last
+// count of its progress lines or of its "stopped:" line, not the shipping
+// consumer's line that follows it.
+func TestReportedDuplicatesAreTheOrderConsumers(t *testing.T) {
+	for _, tc := range []struct {
+		name, log string
+		want      uint64
+	}{
+		{"killed", "10:00:00 member 1: received 50  handled 40  duplicates skipped 7  dead-lettered 3  retries 0  10 msg/s\n", 7},
+		{"stopped", "10:00:00 member 1: received 50  handled 40  duplicates skipped 7  dead-lettered 3  retries 0  10 msg/s\n" +
+			"stopped: received 60, handled 48, duplicates skipped 9, dead-lettered 3\n" +
+			"shipping stopped: received 20, handled 19, duplicates skipped 1, dead-lettered 0\n", 9},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			path := t.TempDir() + "/member.log"
+			require.NoError(t, os.WriteFile(path, []byte(tc.log), 0o644))
+			assert.Equal(t, tc.want, reportedDuplicates(path))
+		})
+	}
+}
