@@ -388,3 +388,30 @@ func TestReportedDuplicatesAreTheOrderConsumers(t *testing.T) {
 		})
 	}
 }
+
+// A valid event handled and also dead-lettered by a business rule ran its
+// handler twice (a copy the claim did not skip): the verdict fails, even
+// when the same event also has a dead letter whose cause passes (crash-loop
+// or waiting for its order).
+func TestChaosVerdictFailsOnAHandledEventDeadLetteredByARule(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		other []consumer.ErrorKind
+	}{
+		{"alone", nil},
+		{"beside a crash-loop dead letter", []consumer.ErrorKind{consumer.KindCrashLoop}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r, dlq := verdictRun(t)
+			id := firstOfKind(t, r, kindEvent, TypePaid)
+			for _, k := range tc.other {
+				dlq = append(dlq, deadLetterOf(id, k))
+			}
+			rerun := deadLetterOf(id, consumer.KindHandler)
+			rerun.Headers[consumer.HeaderErrorMessage] = ErrAlreadyPaid.Error()
+			dlq = append(dlq, rerun)
+			res := countVerdict(t, r, dlq)
+			assert.False(t, res.Pass(), "%s was handled, then its handler ran again and a rule dead-lettered it", id)
+		})
+	}
+}

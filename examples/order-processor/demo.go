@@ -562,8 +562,10 @@ func report(ctx context.Context, w io.Writer, pool *pgxpool.Pool, o *options, pl
 	// Dead letters are at least once (a poison message whose ack was lost
 	// is dead-lettered again when redelivered): count distinct event ids,
 	// leaving out those a replay has since handled.
-	dlIDs := map[string]string{}   // event id -> kind
-	retryable := map[string]bool{} // dead-lettered for a cause that passes: replayable
+	dlIDs := map[string]string{} // event id -> kind
+	// byRule: dead-lettered at least once by a cause that does not pass
+	// (each record counts, not the id's last one).
+	byRule := map[string]bool{}
 	var ids []string
 	for _, d := range dlq {
 		id := d.Headers[consumer.HeaderEventID]
@@ -571,8 +573,8 @@ func report(ctx context.Context, w io.Writer, pool *pgxpool.Pool, o *options, pl
 			ids = append(ids, id)
 		}
 		dlIDs[id] = d.Headers[consumer.HeaderErrorKind]
-		if waitedForOrder(d) || d.Headers[consumer.HeaderErrorKind] == string(consumer.KindCrashLoop) {
-			retryable[id] = true
+		if !waitedForOrder(d) && d.Headers[consumer.HeaderErrorKind] != string(consumer.KindCrashLoop) {
+			byRule[id] = true
 		}
 	}
 	var handled []string
@@ -588,10 +590,10 @@ func report(ctx context.Context, w io.Writer, pool *pgxpool.Pool, o *options, pl
 	// the rule, not the claim, kept from doubling the effect.
 	var resolved, rerun []string
 	for _, id := range handled {
-		if retryable[id] {
-			resolved = append(resolved, id)
-		} else {
+		if byRule[id] {
 			rerun = append(rerun, id)
+		} else {
+			resolved = append(resolved, id)
 		}
 		delete(dlIDs, id)
 	}
