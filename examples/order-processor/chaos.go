@@ -1489,6 +1489,11 @@ func (r *chaosRun) count(ctx context.Context, dlq []deadLetter) (*ChaosResult, e
 		res.Problems = append(res.Problems, fmt.Sprintf("%d members ended when the driver did not end them: %s",
 			n, strings.Join(first(res.MembersEndedByThemselves, 5), "; ")))
 	}
+	offsets, err := r.offsetsProblems(ctx)
+	if err != nil {
+		return nil, err
+	}
+	res.Problems = append(res.Problems, offsets...)
 	res.FaultsScheduled = r.scheduled
 	for _, k := range sortedKeys(r.scheduled) {
 		if got, want := r.faults[k], r.scheduled[k]; got < want {

@@ -4,6 +4,8 @@ import (
 	"context"
 	"flag"
 	"fmt"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -66,4 +68,45 @@ func (r *chaosRun) deleteGroup(ctx context.Context) error {
 		}
 		pause(ctx, 200*time.Millisecond) // the dead members' sessions expire
 	}
+}
+
+// offsetsProblems reports, in the mode, the partitions of the orders topic
+// whose position the database does not hold: the members did not keep
+// their offsets in PostgreSQL, and the group's deletion tested nothing
+// (they would resume from the topic's beginning, skip every record as a
+// duplicate, and pass all the same).
+func (r *chaosRun) offsetsProblems(ctx context.Context) ([]string, error) {
+	if !r.cfg.OffsetsInDatabase || !r.isKafka() {
+		return nil, nil
+	}
+	rows, err := r.pool.Query(ctx, `SELECT partition, next_offset FROM processed_events_offsets WHERE consumer = $1 AND topic = $2`,
+		r.o.name, r.o.topic)
+	if err != nil {
+		return nil, err
+	}
+	next := map[int32]int64{}
+	for rows.Next() {
+		var p int32
+		var n int64
+		if err := rows.Scan(&p, &n); err != nil {
+			rows.Close()
+			return nil, err
+		}
+		next[p] = n
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	var missing []string
+	for p := range int32(r.o.partitions) {
+		if next[p] <= 0 {
+			missing = append(missing, strconv.Itoa(int(p)))
+		}
+	}
+	if len(missing) == 0 {
+		return nil, nil
+	}
+	return []string{fmt.Sprintf("offsets in the database: no position of %s in partitions [%s] of %s: the members did not keep their offsets in PostgreSQL",
+		r.o.name, strings.Join(missing, " "), r.o.topic)}, nil
 }

@@ -415,3 +415,50 @@ func TestChaosVerdictFailsOnAHandledEventDeadLetteredByARule(t *testing.T) {
 		})
 	}
 }
+
+// onKafka makes r a run on an embedded Kafka broker holding the
+// order.confirmed records the relay would have published: one per outbox
+// row, under its id.
+func onKafka(t *testing.T, r *chaosRun) {
+	t.Helper()
+	ctx := context.Background()
+	r.o.partitions = 2
+	kf, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(int32(r.o.partitions), topicsOf(r.o.topic)...))
+	require.NoError(t, err)
+	t.Cleanup(kf.Close)
+	r.cfg.Broker, r.o.broker, r.o.kafkaBrokers = "kafka", "kafka", kf.ListenAddrs()
+	rows, err := r.pool.Query(ctx, `SELECT event_id, convert_from(key, 'UTF8'), body FROM outbox`)
+	require.NoError(t, err)
+	var msgs []outMsg
+	for rows.Next() {
+		var m outMsg
+		require.NoError(t, rows.Scan(&m.ID, &m.Key, &m.Value))
+		m.Type = TypeConfirmed
+		msgs = append(msgs, m)
+	}
+	require.NoError(t, rows.Err())
+	pub, err := newKafkaPublisher(r.o.kafkaBrokers, confirmedName(r.o))
+	require.NoError(t, err)
+	defer pub.Close()
+	require.NoError(t, pub.Publish(ctx, msgs))
+}
+
+// With -offsets-in-database the verdict fails unless the database holds
+// the order consumer's position in every partition: without it the
+// members did not keep their offsets there, and deleting the group tested
+// nothing (they resumed from the topic's beginning, skipping every record
+// as a duplicate, and passed all the same).
+func TestChaosVerdictFailsWhenOffsetsAreNotInTheDatabase(t *testing.T) {
+	r, dlq := verdictRun(t)
+	onKafka(t, r)
+	r.cfg.OffsetsInDatabase = true
+	res := countVerdict(t, r, dlq)
+	assert.False(t, res.Pass(), "no offsets in the database")
+
+	for p := range r.o.partitions {
+		execSQL(t, r, `INSERT INTO processed_events_offsets (consumer, topic, partition, next_offset) VALUES ($1, $2, $3, 10)`,
+			r.o.name, r.o.topic, p)
+	}
+	res = countVerdict(t, r, dlq)
+	assert.True(t, res.Pass(), "problems: %v", res.Problems)
+}
