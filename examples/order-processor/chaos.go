@@ -1341,17 +1341,30 @@ func (r *chaosRun) count(ctx context.Context, dlq []deadLetter) (*ChaosResult, e
 		}
 		return orderOf(m) + "/" + m.Type
 	}
-	secondPayment := map[string]string{} // order id -> event id
+	// An order may draw more than one second payment: each is a rival of
+	// the order's payment.
+	secondPayments := map[string][]string{} // order id -> event ids
 	for _, m := range r.plan.Messages {
 		if m.Kind == kindSecondPayment {
-			secondPayment[orderOf(m)] = m.ID
+			secondPayments[orderOf(m)] = append(secondPayments[orderOf(m)], m.ID)
 		}
 	}
-	rival := map[string]string{}
+	rivals := map[string][]string{} // the payment -> its second payments
+	rivalOf := map[string]string{}  // a second payment -> the payment
 	for _, m := range r.plan.Messages {
-		if s, ok := secondPayment[orderOf(m)]; ok && m.Type == TypePaid && (m.Kind == kindEvent || m.Kind == kindIDless) {
-			rival[eventID(m)], rival[s] = s, eventID(m)
+		if ss := secondPayments[orderOf(m)]; len(ss) > 0 && m.Type == TypePaid && (m.Kind == kindEvent || m.Kind == kindIDless) {
+			rivals[eventID(m)] = ss
+			for _, s := range ss {
+				rivalOf[s] = eventID(m)
+			}
 		}
+	}
+	rivalEffects := func(id string) int {
+		n := 0
+		for _, s := range rivals[id] {
+			n += effects[s]
+		}
+		return n
 	}
 	handlerKind := string(consumer.KindHandler)
 
@@ -1370,14 +1383,14 @@ func (r *chaosRun) count(ctx context.Context, dlq []deadLetter) (*ChaosResult, e
 			seen[id] = true
 			res.UniqueEvents++
 			n := effects[id]
-			if rv, ok := rival[id]; !ok || effects[id] > 0 || effects[rv] == 0 || dlKind[id] != handlerKind {
+			if effects[id] > 0 || rivalEffects(id) == 0 || dlKind[id] != handlerKind {
 				wantClaim[id] = true
 			}
 			if m.Type == TypeCancelled && cancelled[orderOf(m)] {
 				n = 1
 			}
-			if rv, ok := rival[id]; ok {
-				n += effects[rv]
+			if len(rivals[id]) > 0 {
+				n += rivalEffects(id)
 				if effects[id] == 0 && dlKind[id] != handlerKind {
 					n = 0 // lost its race and is not in the dead-letter queue either
 				}
@@ -1403,7 +1416,7 @@ func (r *chaosRun) count(ctx context.Context, dlq []deadLetter) (*ChaosResult, e
 			if m.Kind == kindMalformed {
 				want = string(consumer.KindDecode)
 			}
-			rv, raced := rival[m.ID]
+			rv, raced := rivalOf[m.ID]
 			wonRace := raced && effects[m.ID] == 1 && effects[rv] == 0 && dlKind[rv] == handlerKind
 			if dlKind[m.ID] == string(consumer.KindCrashLoop) {
 				res.PoisonCrashLoop++

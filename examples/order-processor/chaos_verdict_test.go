@@ -462,3 +462,51 @@ func TestChaosVerdictFailsWhenOffsetsAreNotInTheDatabase(t *testing.T) {
 	res = countVerdict(t, r, dlq)
 	assert.True(t, res.Pass(), "problems: %v", res.Problems)
 }
+
+// An order can draw two "paid twice" messages; when the first of them won
+// the race against the order's payment (RabbitMQ gives no order), the
+// verdict passes as for a single rival.
+func TestChaosVerdictPassesTheFirstOfTwoSecondPaymentsThatWonItsRace(t *testing.T) {
+	r, dlq := verdictRun(t)
+	second := firstOfKind(t, r, kindSecondPayment, "")
+	var sm outMsg
+	for _, m := range r.plan.Messages {
+		if m.ID == second {
+			sm = m
+		}
+	}
+	var p OrderPaid
+	require.NoError(t, json.Unmarshal(sm.Value, &p))
+	// A second "paid twice" for the same order, later in the traffic, and
+	// dead-lettered as the order was paid.
+	third := sm
+	third.ID = "evt-third-payment"
+	third.Value, _ = json.Marshal(OrderPaid{OrderID: p.OrderID, PaymentID: "pay2b-" + p.OrderID, AmountCents: p.AmountCents})
+	r.plan.Messages = append(r.plan.Messages, third)
+	r.plan.Sent[kindSecondPayment]++
+	r.plan.Violations++
+	dlq = append(dlq, deadLetterOf(third.ID, consumer.KindHandler))
+
+	// The first "paid twice" won: it holds the payment, its claim and the
+	// second hop; the order's own payment was dead-lettered.
+	var firstID string
+	require.NoError(t, r.pool.QueryRow(context.Background(), `SELECT event_id FROM payments WHERE order_id = $1`, p.OrderID).Scan(&firstID))
+	for _, q := range []string{
+		`UPDATE payments SET event_id = $2, payment_id = 'pay2-' || order_id WHERE event_id = $1`,
+		`UPDATE processed_events SET event_id = $2 WHERE event_id = $1`,
+		`UPDATE processed_events SET event_id = $2 || '/confirmed' WHERE event_id = $1 || '/confirmed'`,
+		`UPDATE outbox SET event_id = $2 || '/confirmed' WHERE event_id = $1 || '/confirmed'`,
+		`UPDATE shipments SET event_id = $2 || '/confirmed' WHERE event_id = $1 || '/confirmed'`,
+	} {
+		execSQL(t, r, q, firstID, second)
+	}
+	var raced []deadLetter
+	for _, d := range dlq {
+		if d.Headers[consumer.HeaderEventID] != second {
+			raced = append(raced, d)
+		}
+	}
+	raced = append(raced, deadLetterOf(firstID, consumer.KindHandler))
+	res := countVerdict(t, r, raced)
+	assert.True(t, res.Pass(), "problems: %v", res.Problems)
+}
