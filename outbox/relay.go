@@ -191,7 +191,8 @@ func (r *Relay) Leader() bool { return r.leader.Load() }
 
 // Run relays until ctx is cancelled, then returns nil. It first creates
 // the outbox table (unless RelayConfig.SkipMigrate) and returns that error
-// if it fails. Losing the database connection, the broker failing or the
+// if it fails; with SkipMigrate it returns the error of Store.Check for a
+// table of another shape (wrapping ErrSchemaMismatch). Losing the database connection, the broker failing or the
 // table missing are logged and retried with RelayConfig.InfraBackoff. Once
 // ctx is cancelled Run waits at most 5s for the broker's answer to the
 // batch in flight; a batch left unanswered is published again by the next
@@ -207,6 +208,10 @@ func (r *Relay) Run(ctx context.Context) error {
 			}
 			return err
 		}
+	} else if err := r.cfg.Store.Check(ctx, r.pool); errors.Is(err, ErrSchemaMismatch) && r.tableExists(ctx) {
+		// A table of another shape; one that does not exist yet, or a
+		// database that does not answer, is waited for below.
+		return err
 	}
 	failures := 0
 	for ctx.Err() == nil {
@@ -224,6 +229,14 @@ func (r *Relay) Run(ctx context.Context) error {
 		}
 	}
 	return nil
+}
+
+// tableExists reports whether the outbox table exists (false when the
+// database does not answer).
+func (r *Relay) tableExists(ctx context.Context) bool {
+	var exists bool
+	err := r.pool.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, r.cfg.Store.table).Scan(&exists)
+	return err == nil && exists
 }
 
 // leaderLockClass is the first key of the leader lock; the second is the

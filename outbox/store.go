@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io/fs"
 	"regexp"
+	"sort"
 	"strings"
 
 	"github.com/jackc/pgx/v5"
@@ -18,6 +19,13 @@ import (
 
 // DefaultTable is the outbox table's name when Config.Table is empty.
 const DefaultTable = "outbox"
+
+// ErrSchemaMismatch is wrapped by the errors of Check and Migrate (and of
+// Relay.Run with RelayConfig.SkipMigrate) when the outbox table exists with
+// another shape than the library needs: another library's table of the
+// same name, or a hand-made one with other columns or types. The error
+// names each difference.
+var ErrSchemaMismatch = errors.New("outbox: table has another shape")
 
 // ErrInvalidName is wrapped by New's errors for a schema or table name that
 // is not a plain SQL identifier.
@@ -85,7 +93,11 @@ func New(cfg Config) (*Store, error) {
 		// With Schema "", the versions are kept beside the table, in the
 		// schema of the search_path that holds it or will.
 		Anchor:     pgx.Identifier{cfg.Table}.Sanitize(),
-		Migrations: migs, Adopt: s.adopt}
+		Migrations: migs, Adopt: s.adopt,
+		// A table of the name that the migration did not make is adopted
+		// (or left alone by CREATE TABLE IF NOT EXISTS): it must have the
+		// shape the relay and Add rely on.
+		Verify: func(ctx context.Context, tx pgx.Tx) error { return s.Check(ctx, tx) }}
 	s.insertSQL = `INSERT INTO ` + s.table + ` (event_id, topic, routing_key, key, type, headers, trace, body)
 SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::text[], $6::jsonb[], $7::jsonb[], $8::bytea[])`
 	return s, nil
@@ -149,6 +161,82 @@ func (s *Store) adopt(ctx context.Context, tx pgx.Tx) (int, error) {
 		return 1, err
 	}
 	return 0, err
+}
+
+// column is a column the library reads or writes, with its type as
+// format_type names it.
+type column struct{ name, typ string }
+
+// outboxColumns are the outbox table's columns.
+var outboxColumns = []column{
+	{"seq", "bigint"}, {"event_id", "text"}, {"topic", "text"}, {"routing_key", "text"}, {"key", "bytea"},
+	{"type", "text"}, {"headers", "jsonb"}, {"trace", "jsonb"}, {"body", "bytea"},
+	{"created_at", "timestamp with time zone"}, {"attempts", "integer"}, {"not_before", "timestamp with time zone"},
+	{"last_error", "text"}, {"parked_at", "timestamp with time zone"}, {"sent_at", "timestamp with time zone"},
+}
+
+// Check verifies that the outbox table exists with the columns and types
+// Add and the relay use, that seq is generated (an identity or a default)
+// and that no other column would make Add fail (NOT NULL without a
+// default). It returns nil, or an error wrapping ErrSchemaMismatch that
+// names every difference. Migrate runs it, and so does Relay.Run with
+// RelayConfig.SkipMigrate: a table of the name made by someone else (a
+// column body of type text would take Add's bytes as their hex escape,
+// and the relay publish that) fails there instead of every Add.
+func (s *Store) Check(ctx context.Context, db DB) error {
+	rows, err := db.Query(ctx, `SELECT a.attname::text, format_type(a.atttypid, a.atttypmod), a.attnotnull,
+	a.atthasdef OR a.attidentity <> '' OR a.attgenerated <> ''
+FROM pg_attribute a WHERE a.attrelid = to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped`, s.table)
+	if err != nil {
+		return fmt.Errorf("outbox: checking %s: %w", s.table, err)
+	}
+	type tableColumn struct {
+		typ               string
+		required, hasDflt bool
+	}
+	have := map[string]tableColumn{}
+	var (
+		name string
+		c    tableColumn
+	)
+	if _, err := pgx.ForEachRow(rows, []any{&name, &c.typ, &c.required, &c.hasDflt}, func() error {
+		have[name] = c
+		return nil
+	}); err != nil {
+		return fmt.Errorf("outbox: checking %s: %w", s.table, err)
+	}
+	if len(have) == 0 {
+		return fmt.Errorf("%w: %s does not exist: run Store.Migrate, or apply outbox/migrations", ErrSchemaMismatch, s.table)
+	}
+	var diffs []string
+	needed := map[string]bool{}
+	for _, w := range outboxColumns {
+		needed[w.name] = true
+		h, ok := have[w.name]
+		switch {
+		case !ok:
+			diffs = append(diffs, fmt.Sprintf("column %s (%s) is missing", w.name, w.typ))
+		case h.typ != w.typ:
+			diffs = append(diffs, fmt.Sprintf("column %s is %s, want %s", w.name, h.typ, w.typ))
+		case w.name == "seq" && !h.hasDflt:
+			diffs = append(diffs, "column seq is not generated (an identity or a default): Add does not write it")
+		}
+	}
+	var extra []string
+	for name, h := range have {
+		if !needed[name] && h.required && !h.hasDflt {
+			extra = append(extra, name)
+		}
+	}
+	sort.Strings(extra)
+	for _, name := range extra {
+		diffs = append(diffs, fmt.Sprintf("column %s is NOT NULL without a default, and Add does not write it", name))
+	}
+	if len(diffs) == 0 {
+		return nil
+	}
+	return fmt.Errorf("%w: %s is not the table this library needs (another library's, or made by hand?): %s",
+		ErrSchemaMismatch, s.table, strings.Join(diffs, "; "))
 }
 
 // Migrate creates the default outbox table ("outbox" on the search_path);
