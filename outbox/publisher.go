@@ -45,7 +45,9 @@ type Publisher interface {
 	// Rejected is charged to its record (after RelayConfig.MaxAttempts the
 	// row is parked); any other error is taken as the broker being
 	// unreachable or overloaded, and the relay retries the record after
-	// backing off, without counting it. When the relay stops, ctx stays
+	// backing off, without counting it; wrapped with Refused, it is the
+	// broker refusing the publisher itself, retried so too but logged as
+	// an error. When the relay stops, ctx stays
 	// live for 5s more, so that a publish in flight can collect the
 	// broker's answer; a publisher should give up when ctx is done.
 	Publish(ctx context.Context, recs []Record) (errs []error)
@@ -80,6 +82,32 @@ func Rejected(err error) error {
 		return nil
 	}
 	return &rejected{err}
+}
+
+// refused marks an error as the broker's refusal of the publisher itself.
+type refused struct{ err error }
+
+func (r *refused) Error() string { return r.err.Error() }
+func (r *refused) Unwrap() error { return r.err }
+
+// Refused wraps err to say that the broker refuses the publisher itself,
+// whatever it sends: its credentials, its permissions (a vhost, a cluster
+// ACL), its TLS or SASL settings. Unlike Rejected it charges no record:
+// the relay keeps every row and retries with InfraBackoff, as for a broker
+// that cannot be reached (the fix is on one side or the other, and the
+// outbox resumes once it is made), but logs it at level Error and counts
+// it in RefusalsMetric. A nil err stays nil.
+func Refused(err error) error {
+	if err == nil {
+		return nil
+	}
+	return &refused{err}
+}
+
+// IsRefused reports whether err was wrapped with Refused.
+func IsRefused(err error) bool {
+	var r *refused
+	return errors.As(err, &r)
 }
 
 // IsRejected reports whether err was wrapped with Rejected.

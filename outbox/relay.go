@@ -355,7 +355,13 @@ func (r *Relay) lead(ctx context.Context, conn *pgx.Conn, notified *atomic.Bool)
 			failures++
 			r.metrics.failures.Add(ctx, 1, r.metrics.attrs)
 			d := r.cfg.InfraBackoff.delay(failures)
-			r.cfg.Logger.Warn("outbox relay: publishing failed; retrying", "error", err, "backoff", d)
+			if IsRefused(err) {
+				r.metrics.refusals.Add(ctx, 1, r.metrics.attrs)
+				r.cfg.Logger.Error("outbox relay: the broker refuses the publisher (credentials, permissions, TLS or SASL settings); "+
+					"no row is charged, retrying until that is fixed", "error", err, "backoff", d)
+			} else {
+				r.cfg.Logger.Warn("outbox relay: publishing failed; retrying", "error", err, "backoff", d)
+			}
 			backoff.Sleep(ctx, d)
 			continue
 		}

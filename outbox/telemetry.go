@@ -23,6 +23,11 @@ const (
 	// FailuresMetric counts batches that failed for the broker or the
 	// database being unavailable, each followed by a backoff.
 	FailuresMetric = "once.outbox.failures"
+	// RefusalsMetric counts the batches of those failures in which the
+	// broker refused the publisher itself (credentials, permissions, TLS
+	// or SASL settings: an error wrapped with Refused), which do not pass
+	// without a fix on the broker's side or the publisher's.
+	RefusalsMetric = "once.outbox.refusals"
 	// LeaderMetric is 1 while the relay leads, else 0.
 	LeaderMetric = "once.outbox.leader"
 )
@@ -30,8 +35,8 @@ const (
 // relayMetrics are the relay's instruments; every measurement carries the
 // table's name.
 type relayMetrics struct {
-	published, rejected, parked, failures metric.Int64Counter
-	attrs                                 metric.MeasurementOption
+	published, rejected, parked, failures, refusals metric.Int64Counter
+	attrs                                           metric.MeasurementOption
 }
 
 func newRelayMetrics(mp metric.MeterProvider, table string, leader func() bool) (*relayMetrics, error) {
@@ -53,6 +58,7 @@ func newRelayMetrics(mp metric.MeterProvider, table string, leader func() bool) 
 	rm.rejected = counter(RejectedMetric, "Outbox rows the broker refused (each attempt).")
 	rm.parked = counter(ParkedMetric, "Outbox rows parked after MaxAttempts refusals.")
 	rm.failures = counter(FailuresMetric, "Relay batches that failed because the broker or the database was unavailable.")
+	rm.refusals = counter(RefusalsMetric, "Relay batches that failed because the broker refused the publisher (credentials, permissions, TLS or SASL settings).")
 	if err == nil {
 		_, err = m.Int64ObservableGauge(LeaderMetric, metric.WithDescription("1 while this relay leads, else 0."),
 			metric.WithInt64Callback(func(_ context.Context, o metric.Int64Observer) error {

@@ -8,11 +8,13 @@ import (
 	"net"
 	"regexp"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
+	"github.com/onceco/once/internal/tlsfail"
 	"github.com/onceco/once/outbox"
 )
 
@@ -118,7 +120,10 @@ func New(cfg Config) (*Publisher, error) {
 // or that the user may not write to, or larger than the broker's max_message_size gets
 // an error wrapped with outbox.Rejected; a nack, a lost connection or no
 // confirm within ConfirmTimeout an ordinary error, after which the channel
-// is replaced.
+// is replaced. A broker that refuses the connection itself (the
+// credentials, access to the vhost, the TLS handshake) gives every record
+// an error wrapped with outbox.Refused: the relay retries, logging it as
+// an error.
 func (p *Publisher) Publish(ctx context.Context, recs []outbox.Record) []error {
 	ch, returns, closes, err := p.channel()
 	if err != nil {
@@ -429,7 +434,11 @@ func (p *Publisher) channel() (*amqp091.Channel, chan amqp091.Return, chan *amqp
 			Dial:            amqp091.DefaultDial(p.cfg.DialTimeout),
 		})
 		if err != nil {
-			return nil, nil, nil, fmt.Errorf("amqpout: connect: %w", redact(err))
+			err = fmt.Errorf("amqpout: connect: %w", redact(err))
+			if refusesConnection(err) {
+				err = outbox.Refused(err)
+			}
+			return nil, nil, nil, err
 		}
 		p.conn = conn
 		p.maxBody = 0
@@ -448,6 +457,36 @@ func (p *Publisher) channel() (*amqp091.Channel, chan amqp091.Return, chan *amqp
 	p.closes = ch.NotifyClose(make(chan *amqp091.Error, 1))
 	p.ch = ch
 	return p.ch, p.returns, p.closes, nil
+}
+
+// refusesConnection reports whether a dial's err is the broker refusing
+// the publisher's configuration, which it refuses again on every attempt
+// until one side changes: the credentials, the SASL mechanism, access to
+// the vhost, the TLS handshake (a certificate not trusted or not
+// presented, an amqps URL at a port that speaks plain AMQP). A connection
+// limit reached is not among them: connections that close free it.
+func refusesConnection(err error) bool {
+	if tlsfail.Refused(err) {
+		return true
+	}
+	if errors.Is(err, amqp091.ErrSASL) || errors.Is(err, amqp091.ErrCredentials) || errors.Is(err, amqp091.ErrVhost) {
+		return true
+	}
+	var ae *amqp091.Error
+	if !errors.As(err, &ae) {
+		return false
+	}
+	switch {
+	case !ae.Server && ae.Code == amqp091.FrameError && strings.HasPrefix(ae.Reason, "remote error: tls: "):
+		// An alert the broker sent once the handshake was over (TLS 1.3
+		// refuses a missing client certificate so).
+		return true
+	case ae.Code == amqp091.AccessRefused:
+		return true
+	case ae.Code == amqp091.NotAllowed:
+		return !strings.Contains(ae.Reason, "connection limit")
+	}
+	return false
 }
 
 // redact drops a URL (and its password) from a dial error.

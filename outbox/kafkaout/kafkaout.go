@@ -114,9 +114,11 @@ func producerConfig(base *sarama.Config) *sarama.Config {
 // outbox.Rejected; any other failure (no broker reachable, timeouts, not
 // enough replicas) an ordinary error, after which the producer is closed
 // and a new one (with a new producer id) is made for the next batch. A
-// broker refusing the TLS or SASL settings of Config.Sarama is an ordinary
-// error too (the relay retries, and resumes once the settings or the
-// cluster are fixed), which names the broker and what it refused.
+// broker refusing the TLS or SASL settings of Config.Sarama, or the
+// cluster refusing the producer its authorisation, is an error wrapped
+// with outbox.Refused, which names the broker and what it refused: the
+// relay retries it as well (and resumes once the settings or the cluster
+// are fixed), logging it as an error.
 func (p *Publisher) Publish(ctx context.Context, recs []outbox.Record) []error {
 	producer, err := p.connect(ctx)
 	if err != nil {
@@ -143,9 +145,13 @@ func (p *Publisher) Publish(ctx context.Context, recs []outbox.Record) []error {
 		if !ok || i < 0 || i >= len(recs) {
 			continue
 		}
-		if isRejection(pe.Err) {
+		switch {
+		case isRejection(pe.Err):
 			errs[i] = outbox.Rejected(fmt.Errorf("kafkaout: topic %q: %w", recs[i].Topic, pe.Err))
-		} else {
+		case isRefusal(pe.Err):
+			errs[i] = outbox.Refused(fmt.Errorf("kafkaout: topic %q: %w", recs[i].Topic, pe.Err))
+			unavailable = true
+		default:
 			errs[i] = fmt.Errorf("kafkaout: topic %q: %w", recs[i].Topic, pe.Err)
 			unavailable = true
 		}
@@ -263,6 +269,16 @@ func isRejection(err error) bool {
 	return false
 }
 
+// isRefusal reports whether err is the cluster refusing the producer
+// itself, whatever it sends: a broker refusing the TLS or SASL settings,
+// or the cluster authorisation (IDEMPOTENT_WRITE) the idempotent producer
+// needs.
+func isRefusal(err error) bool {
+	var kr *kafkarefusal.Error
+	return errors.As(err, &kr) || kafkarefusal.Classify("", err) != nil ||
+		errors.Is(err, sarama.ErrClusterAuthorizationFailed)
+}
+
 // connect returns the producer, making one if there is none.
 func (p *Publisher) connect(ctx context.Context) (sarama.SyncProducer, error) {
 	p.mu.Lock()
@@ -275,7 +291,11 @@ func (p *Publisher) connect(ctx context.Context) (sarama.SyncProducer, error) {
 		if err != nil {
 			// sarama reports a broker refusing the TLS or SASL settings
 			// as no broker to talk to, without the broker's answer.
-			return nil, fmt.Errorf("kafkaout: connect: %w", kafkarefusal.Explain(ctx, p.cfg.Brokers, p.sc, err))
+			err = fmt.Errorf("kafkaout: connect: %w", kafkarefusal.Explain(ctx, p.cfg.Brokers, p.sc, err))
+			if isRefusal(err) {
+				err = outbox.Refused(err)
+			}
+			return nil, err
 		}
 		p.producer = producer
 	}

@@ -1,0 +1,119 @@
+package outbox_test
+
+import (
+	"context"
+	"log/slog"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"github.com/twmb/franz-go/pkg/kfake"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+
+	"github.com/onceco/once/outbox"
+	"github.com/onceco/once/outbox/amqpout"
+	"github.com/onceco/once/outbox/kafkaout"
+)
+
+type staticToken string
+
+func (s staticToken) Token() (*sarama.AccessToken, error) {
+	return &sarama.AccessToken{Token: string(s)}, nil
+}
+
+// A broker that refuses the publisher itself (SASL settings or a password
+// it does not accept) was retried as a broker that cannot be reached,
+// logged at level Warn among the blips of any network and counted only as
+// a failure: an operator saw nothing alarming while the outbox stopped
+// moving. It is still retried (the rows stay, uncharged, until the broker's
+// side is fixed), but logged at level Error, naming what was refused, and
+// counted by RefusalsMetric.
+func TestBrokerRefusingThePublisherIsAnError(t *testing.T) {
+	cases := map[string]func(t *testing.T) (outbox.Publisher, outbox.Message){
+		"kafka": func(t *testing.T) (outbox.Publisher, outbox.Message) {
+			kf, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(1, "orders"),
+				kfake.EnableSASL(), kfake.Superuser("PLAIN", "svc", "s3cret-pw"))
+			require.NoError(t, err)
+			t.Cleanup(kf.Close)
+			sc := saramaConfig()
+			sc.Metadata.Retry.Max = 0
+			sc.Net.SASL.Enable = true
+			sc.Net.SASL.Mechanism = sarama.SASLTypeOAuth
+			sc.Net.SASL.TokenProvider = staticToken("s3cret-token")
+			p, err := kafkaout.New(kafkaout.Config{Brokers: kf.ListenAddrs(), Sarama: sc})
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = p.Close() })
+			return p, outbox.Message{Topic: "orders", Key: []byte("k"), Body: []byte("{}")}
+		},
+		"rabbitmq": func(t *testing.T) (outbox.Publisher, outbox.Message) {
+			r := rabbitOrSkip(t)
+			url := strings.Replace(r.url, "guest:guest@", "guest:wrong-pw@", 1)
+			require.NotEqual(t, r.url, url, "AMQP_URL has the user guest:guest")
+			p, err := amqpout.New(amqpout.Config{URL: url, ConfirmTimeout: 2 * time.Second, DialTimeout: 2 * time.Second})
+			require.NoError(t, err)
+			t.Cleanup(func() { _ = p.Close() })
+			return p, outbox.Message{Topic: "", RoutingKey: "orders", Body: []byte("{}")}
+		},
+	}
+	for name, setup := range cases {
+		t.Run(name, func(t *testing.T) {
+			pub, msg := setup(t)
+			pool, _ := migrated(t)
+			addCommitted(t, pool, msg)
+			logs := &levelLog{}
+			rd := sdkmetric.NewManualReader()
+			startRelay(t, pool, pub, outbox.RelayConfig{PollInterval: 20 * time.Millisecond,
+				Logger:        slog.New(logs),
+				MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(rd)),
+				InfraBackoff:  outbox.Backoff{Initial: 10 * time.Millisecond, Max: 50 * time.Millisecond}})
+			require.Eventually(t, func() bool { return metricValue(t, rd, outbox.FailuresMetric) >= 3 },
+				30*time.Second, 10*time.Millisecond, "the relay retries")
+			errs := logs.errors()
+			require.NotEmpty(t, errs, "the refusal is logged at level Error")
+			t.Log(errs[0])
+			assert.Contains(t, errs[0], "refuses the publisher")
+			assert.NotContains(t, errs[0], "s3cret")
+			assert.NotContains(t, errs[0], "wrong-pw")
+			assert.Positive(t, metricValue(t, rd, outbox.RefusalsMetric), "the refusals are counted")
+			assert.Equal(t, 1, rows(t, pool, "sent_at IS NULL AND parked_at IS NULL AND attempts = 0"),
+				"the row is kept, uncharged")
+		})
+	}
+}
+
+// levelLog keeps the records logged at level Error, as text.
+type levelLog struct {
+	mu   sync.Mutex
+	errs []string
+}
+
+func (l *levelLog) Enabled(context.Context, slog.Level) bool { return true }
+
+func (l *levelLog) Handle(_ context.Context, r slog.Record) error {
+	if r.Level < slog.LevelError {
+		return nil
+	}
+	var b strings.Builder
+	b.WriteString(r.Message)
+	r.Attrs(func(a slog.Attr) bool {
+		b.WriteString(" " + a.Key + "=" + a.Value.String())
+		return true
+	})
+	l.mu.Lock()
+	l.errs = append(l.errs, b.String())
+	l.mu.Unlock()
+	return nil
+}
+
+func (l *levelLog) WithAttrs([]slog.Attr) slog.Handler { return l }
+func (l *levelLog) WithGroup(string) slog.Handler      { return l }
+
+func (l *levelLog) errors() []string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return append([]string(nil), l.errs...)
+}
