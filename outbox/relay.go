@@ -243,11 +243,24 @@ func (r *Relay) tableExists(ctx context.Context) bool {
 // outbox table's oid, so that each table (in each schema) has one leader.
 const leaderLockClass = 0x6f626f78 // "obox"
 
-// session opens a connection of its own, waits to become the leader and
+// session opens a connection of its own (from the pool's ConnConfig, with
+// the pool's BeforeConnect, AfterConnect and BeforeClose hooks), waits to become the leader and
 // relays until the connection fails or ctx is done. It reports whether it
 // led at all.
 func (r *Relay) session(ctx context.Context) (led bool, err error) {
-	cc := r.pool.Config().ConnConfig.Copy()
+	// Made like the pool's connections, its hooks included: one that sets
+	// the search_path (AfterConnect) decides which table the name is, and
+	// one that fetches credentials (BeforeConnect) whether it connects.
+	pc := r.pool.Config()
+	cc := pc.ConnConfig.Copy()
+	if pc.BeforeConnect != nil {
+		if err := pc.BeforeConnect(ctx, cc); err != nil {
+			return false, fmt.Errorf("connect: the pool's BeforeConnect: %w", err)
+		}
+	}
+	if cc.RuntimeParams == nil {
+		cc.RuntimeParams = map[string]string{}
+	}
 	// The batch query's cost estimate can pass jit_above_cost, and JIT
 	// compiling it takes longer than running it.
 	cc.RuntimeParams["jit"] = "off"
@@ -266,10 +279,18 @@ func (r *Relay) session(ctx context.Context) (led bool, err error) {
 		// Closing the session releases the leader lock: stop claiming to
 		// lead first, so that two relays never both report Leader.
 		r.leader.Store(false)
+		if pc.BeforeClose != nil {
+			pc.BeforeClose(conn)
+		}
 		cctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
 		_ = conn.Close(cctx)
 	}()
+	if pc.AfterConnect != nil {
+		if err := pc.AfterConnect(ctx, conn); err != nil {
+			return false, fmt.Errorf("connect: the pool's AfterConnect: %w", err)
+		}
+	}
 	var oid *uint32
 	if err := conn.QueryRow(ctx, `SELECT to_regclass($1)::oid`, r.cfg.Store.table).Scan(&oid); err != nil {
 		return false, fmt.Errorf("look up table %s: %w", r.cfg.Store.table, err)
