@@ -110,7 +110,8 @@ func producerConfig(base *sarama.Config) *sarama.Config {
 
 // Publish sends recs as one batch and waits for the broker's answer to
 // each. A record the broker or the client refuses for what it is (unknown
-// topic, too large, not authorised, invalid) gets an error wrapped with
+// topic, too large, not authorised, invalid, a timestamp (the row's
+// CreatedAt) outside the topic's bounds) gets an error wrapped with
 // outbox.Rejected; any other failure (no broker reachable, timeouts, not
 // enough replicas) an ordinary error, after which the producer is closed
 // and a new one (with a new producer id) is made for the next batch. A
@@ -159,21 +160,30 @@ func (p *Publisher) Publish(ctx context.Context, recs []outbox.Record) []error {
 	if unavailable {
 		p.reset()
 	} else {
-		p.resendTooLarge(ctx, recs, errs)
+		p.resendRefusedBatches(ctx, recs, errs)
 	}
 	return errs
 }
 
-// resendTooLarge sends again, one at a time and in order, the records
-// refused as too large when more than one was: a topic whose
-// max.message.bytes is below Producer.MaxMessageBytes refuses a whole
-// batch of records it would take one by one. A record refused alone is
-// refused; the later records of its key are not sent (an ordinary error:
-// the relay holds them behind it without charging them).
-func (p *Publisher) resendTooLarge(ctx context.Context, recs []outbox.Record, errs []error) {
+// refusesTheBatch reports whether err is a refusal the broker gives a
+// whole record batch for one of its records: too large (a topic whose
+// max.message.bytes is below Producer.MaxMessageBytes refuses a batch of
+// records it would take one by one), or a timestamp out of the topic's
+// bounds (message.timestamp.before.max.ms, after.max.ms).
+func refusesTheBatch(err error) bool {
+	return errors.Is(err, sarama.ErrMessageSizeTooLarge) || errors.Is(err, sarama.ErrMessageSetSizeTooLarge) ||
+		errors.Is(err, sarama.ErrInvalidTimestamp)
+}
+
+// resendRefusedBatches sends again, one at a time and in order, the
+// records refused for their batch (refusesTheBatch) when more than one
+// was: the broker refuses a whole batch for one record in it. A record
+// refused alone is refused; the later records of its key are not sent (an
+// ordinary error: the relay holds them behind it without charging them).
+func (p *Publisher) resendRefusedBatches(ctx context.Context, recs []outbox.Record, errs []error) {
 	var again []int
 	for i, err := range errs {
-		if errors.Is(err, sarama.ErrMessageSizeTooLarge) || errors.Is(err, sarama.ErrMessageSetSizeTooLarge) {
+		if refusesTheBatch(err) {
 			again = append(again, i)
 		}
 	}
@@ -263,7 +273,10 @@ func isRejection(err error) bool {
 	switch ke {
 	case sarama.ErrUnknownTopicOrPartition, sarama.ErrInvalidTopic, sarama.ErrMessageSizeTooLarge,
 		sarama.ErrMessageSetSizeTooLarge, sarama.ErrInvalidMessage, sarama.ErrTopicAuthorizationFailed,
-		sarama.ErrPolicyViolation, sarama.ErrInvalidRecord, sarama.ErrUnsupportedForMessageFormat:
+		sarama.ErrPolicyViolation, sarama.ErrInvalidRecord, sarama.ErrUnsupportedForMessageFormat,
+		// The record's timestamp (the row's created_at) is outside the
+		// topic's bounds; a row only gets older.
+		sarama.ErrInvalidTimestamp:
 		return true
 	}
 	return false
