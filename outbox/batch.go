@@ -15,7 +15,17 @@ type relaySQL struct {
 	fetch, remove, markSent, reject, cleanup string
 }
 
+// newRelaySQL returns the statements on table t. Each ends with a guard
+// whose two parameters are the table's name and the oid the relay's
+// session found for it (ownArgs), which the leader lock is keyed by: on a
+// table dropped and made again under that name since, a statement reads
+// and changes nothing (the relay then ends its session and looks the table
+// up again), so that a leader never publishes or settles rows of a table
+// whose lock it does not hold.
 func newRelaySQL(t string) relaySQL {
+	guard := func(n int) string {
+		return fmt.Sprintf("\n\tAND (SELECT to_regclass($%d)::oid) = $%d::oid", n, n+1)
+	}
 	return relaySQL{
 		// Rows in sequence order, but none behind an earlier row of its key
 		// that the broker has rejected (parked, or to be retried): such a
@@ -31,16 +41,16 @@ WHERE o.sent_at IS NULL AND o.parked_at IS NULL
 		SELECT 1 FROM ` + t + ` e
 		WHERE e.topic = o.topic AND e.key = o.key AND e.seq < o.seq AND e.sent_at IS NULL
 			AND (e.attempts > 0 OR e.parked_at IS NOT NULL)))
-	AND (o.seq > $2 OR NOT o.seq = ANY($3::bigint[]))
+	AND (o.seq > $2 OR NOT o.seq = ANY($3::bigint[]))` + guard(4) + `
 ORDER BY o.seq
 LIMIT $1`,
-		remove:   `DELETE FROM ` + t + ` WHERE seq = ANY($1::bigint[])`,
-		markSent: `UPDATE ` + t + ` SET sent_at = now(), not_before = NULL WHERE seq = ANY($1::bigint[])`,
+		remove:   `DELETE FROM ` + t + ` WHERE seq = ANY($1::bigint[])` + guard(2),
+		markSent: `UPDATE ` + t + ` SET sent_at = now(), not_before = NULL WHERE seq = ANY($1::bigint[])` + guard(2),
 		reject: `UPDATE ` + t + ` AS o SET attempts = o.attempts + 1, last_error = u.err,
 	not_before = now() + u.delay_ms * interval '1 millisecond',
 	parked_at = CASE WHEN o.attempts + 1 >= $4 THEN now() END
 FROM unnest($1::bigint[], $2::text[], $3::bigint[]) AS u(seq, err, delay_ms)
-WHERE o.seq = u.seq
+WHERE o.seq = u.seq` + guard(5) + `
 RETURNING o.seq, o.event_id, o.parked_at IS NOT NULL`,
 		// The DELETE checks the condition again: in a partitioned table
 		// each partition has rows of every ctid, and only rows sent before
@@ -48,7 +58,7 @@ RETURNING o.seq, o.event_id, o.parked_at IS NOT NULL`,
 		// that is one goes with the chunk).
 		cleanup: `DELETE FROM ` + t + ` WHERE ctid = ANY(ARRAY(
 	SELECT ctid FROM ` + t + ` WHERE sent_at < now() - $1 * interval '1 millisecond' LIMIT $2))
-	AND sent_at < now() - $1 * interval '1 millisecond'`,
+	AND sent_at < now() - $1 * interval '1 millisecond'` + guard(3),
 	}
 }
 
@@ -355,7 +365,7 @@ func sortOutcomes(recs []Record, errs []error) (sent []int64, rejects []rejectio
 // inflight (a batch being published).
 func (r *Relay) fetch(ctx context.Context, conn *pgx.Conn, inflight []Record) ([]Record, error) {
 	maxSeq, seqs := fetchArgs(inflight)
-	rows, err := conn.Query(ctx, r.sql.fetch, r.cfg.BatchSize, maxSeq, seqs)
+	rows, err := conn.Query(ctx, r.sql.fetch, r.cfg.BatchSize, maxSeq, seqs, r.cfg.Store.table, r.oid)
 	if err != nil {
 		return nil, fmt.Errorf("read outbox: %w", err)
 	}
@@ -369,7 +379,7 @@ func (r *Relay) fetch(ctx context.Context, conn *pgx.Conn, inflight []Record) ([
 // queueFetch queues fetch's statement on b.
 func (r *Relay) queueFetch(b *pgx.Batch, inflight []Record) *pgx.QueuedQuery {
 	maxSeq, seqs := fetchArgs(inflight)
-	return b.Queue(r.sql.fetch, r.cfg.BatchSize, maxSeq, seqs)
+	return b.Queue(r.sql.fetch, r.cfg.BatchSize, maxSeq, seqs, r.cfg.Store.table, r.oid)
 }
 
 // fetchArgs are the fetch statement's arguments that leave out inflight:
@@ -453,9 +463,9 @@ func (r *Relay) queueSettle(b *pgx.Batch, sent []int64, rejects []rejection) *[]
 	charged := new([]charge)
 	if len(sent) > 0 {
 		if r.cfg.KeepSent > 0 {
-			b.Queue(r.sql.markSent, sent)
+			b.Queue(r.sql.markSent, sent, r.cfg.Store.table, r.oid)
 		} else {
-			b.Queue(r.sql.remove, sent)
+			b.Queue(r.sql.remove, sent, r.cfg.Store.table, r.oid)
 		}
 	}
 	if len(rejects) > 0 {
@@ -464,7 +474,7 @@ func (r *Relay) queueSettle(b *pgx.Batch, sent []int64, rejects []rejection) *[]
 			seqs[i], msgs[i] = rj.seq, rj.err.Error()
 			delays[i] = r.cfg.RetryBackoff.delay(rj.attempts + 1).Milliseconds()
 		}
-		b.Queue(r.sql.reject, seqs, msgs, delays, r.cfg.MaxAttempts).Query(func(rows pgx.Rows) error {
+		b.Queue(r.sql.reject, seqs, msgs, delays, r.cfg.MaxAttempts, r.cfg.Store.table, r.oid).Query(func(rows pgx.Rows) error {
 			var c charge
 			_, err := pgx.ForEachRow(rows, []any{&c.seq, &c.id, &c.parked}, func() error {
 				*charged = append(*charged, c)
@@ -516,7 +526,7 @@ func (r *Relay) cleanup(ctx context.Context, conn *pgx.Conn) (more bool, err err
 	start := time.Now()
 	for ctx.Err() == nil {
 		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
-		tag, err := conn.Exec(cctx, r.sql.cleanup, r.cfg.KeepSent.Milliseconds(), cleanupChunk)
+		tag, err := conn.Exec(cctx, r.sql.cleanup, r.cfg.KeepSent.Milliseconds(), cleanupChunk, r.cfg.Store.table, r.oid)
 		cancel()
 		if err != nil {
 			return false, err

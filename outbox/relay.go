@@ -154,12 +154,16 @@ func (c RelayConfig) withDefaults() (RelayConfig, error) {
 // the broker's confirmed-publish rate, which one relay's batches already
 // approach.
 type Relay struct {
-	pool    *pgxpool.Pool
-	pub     Publisher
-	cfg     RelayConfig
-	sql     relaySQL
-	leader  atomic.Bool
-	ran     atomic.Bool
+	pool   *pgxpool.Pool
+	pub    Publisher
+	cfg    RelayConfig
+	sql    relaySQL
+	leader atomic.Bool
+	ran    atomic.Bool
+	// oid is the table's oid as the current session found it, which its
+	// leader lock is keyed by and its statements check (newRelaySQL);
+	// used by the session's goroutine only.
+	oid     uint32
 	metrics *relayMetrics
 	tracer  trace.Tracer
 }
@@ -298,6 +302,7 @@ func (r *Relay) session(ctx context.Context) (led bool, err error) {
 	if oid == nil {
 		return false, fmt.Errorf("table %s does not exist (run outbox's Migrate, or leave RelayConfig.SkipMigrate false)", r.cfg.Store.table)
 	}
+	r.oid = *oid
 	if err := r.becomeLeader(ctx, conn, *oid); err != nil {
 		return false, err
 	}
@@ -362,6 +367,13 @@ func (r *Relay) lead(ctx context.Context, conn *pgx.Conn, notified *atomic.Bool)
 			if err == nil {
 				batch, err = r.fetch(ctx, conn, nil)
 			}
+			if err == nil && len(batch) == 0 {
+				// Nothing to publish, or a table replaced since the
+				// session began, which its statements leave alone.
+				if err := r.sameTable(ctx, conn); err != nil {
+					return err
+				}
+			}
 		}
 		if err == nil && len(batch) > 0 {
 			ahead, err = r.relayBatch(ctx, conn, batch, &deferred)
@@ -407,6 +419,23 @@ func (r *Relay) lead(ctx context.Context, conn *pgx.Conn, notified *atomic.Bool)
 		if err := r.wait(ctx, conn, notified); err != nil {
 			return err
 		}
+	}
+	return nil
+}
+
+// sameTable returns an error when the table's name no longer resolves to
+// the table whose leader lock the session holds (dropped, or made again):
+// the session must end, and the next look the table up again.
+func (r *Relay) sameTable(ctx context.Context, conn *pgx.Conn) error {
+	var oid *uint32
+	if err := conn.QueryRow(ctx, `SELECT to_regclass($1)::oid`, r.cfg.Store.table).Scan(&oid); err != nil {
+		if ctx.Err() != nil {
+			return nil
+		}
+		return fmt.Errorf("look up table %s: %w", r.cfg.Store.table, err)
+	}
+	if oid == nil || *oid != r.oid {
+		return fmt.Errorf("table %s was dropped or replaced since this session began (oid %d): looking it up again", r.cfg.Store.table, r.oid)
 	}
 	return nil
 }
