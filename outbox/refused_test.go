@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/IBM/sarama"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"github.com/twmb/franz-go/pkg/kfake"
@@ -116,4 +117,45 @@ func (l *levelLog) errors() []string {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return append([]string(nil), l.errs...)
+}
+
+// A database that refuses the relay what it needs (here the DELETE of the
+// rows the broker confirmed: a role granted SELECT and INSERT only) refuses
+// it on every attempt: the relay was logging it at level Warn, like a
+// database failing over, while it published nothing more. It still
+// retries (a GRANT lets it resume), but logs the refusal at level Error.
+func TestDatabaseRefusingTheRelayIsAnError(t *testing.T) {
+	k := newKafka(t)
+	pool, schema := migrated(t)
+	ctx := context.Background()
+	role := uniq("relay_ro")
+	role = strings.ReplaceAll(role, "-", "_")
+	_, err := pool.Exec(ctx, `CREATE ROLE `+role+` LOGIN`)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_, _ = pool.Exec(context.Background(), `DROP OWNED BY `+role)
+		_, _ = pool.Exec(context.Background(), `DROP ROLE `+role)
+	})
+	_, err = pool.Exec(ctx, `GRANT USAGE ON SCHEMA `+schema+` TO `+role+`; GRANT SELECT, INSERT ON outbox TO `+role)
+	require.NoError(t, err)
+	cfg := pool.Config()
+	cfg.ConnConfig.User = role
+	limited, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(limited.Close)
+
+	d := k.destination(t)
+	addCommitted(t, pool, d.msg("k", "m"))
+	logs := &levelLog{}
+	startRelay(t, limited, k.publisher(t), outbox.RelayConfig{PollInterval: 20 * time.Millisecond, SkipMigrate: true,
+		Logger:       slog.New(logs),
+		InfraBackoff: outbox.Backoff{Initial: 10 * time.Millisecond, Max: 50 * time.Millisecond}})
+	d.read(t, 1)
+	require.Eventually(t, func() bool { return len(logs.errors()) > 0 }, 10*time.Second, 10*time.Millisecond,
+		"the refusal is logged at level Error")
+	t.Log(logs.errors()[0])
+	assert.Contains(t, logs.errors()[0], "permission denied")
+	_, err = pool.Exec(ctx, `GRANT DELETE ON outbox TO `+role)
+	require.NoError(t, err)
+	waitRows(t, pool, "true", 0, 10*time.Second)
 }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"strconv"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -196,8 +197,11 @@ func (r *Relay) Leader() bool { return r.leader.Load() }
 // Run relays until ctx is cancelled, then returns nil. It first creates
 // the outbox table (unless RelayConfig.SkipMigrate) and returns that error
 // if it fails; with SkipMigrate it returns the error of Store.Check for a
-// table of another shape (wrapping ErrSchemaMismatch). Losing the database connection, the broker failing or the
-// table missing are logged and retried with RelayConfig.InfraBackoff. Once
+// table of another shape (wrapping ErrSchemaMismatch). Losing the database
+// connection, the broker failing or the table missing are logged and
+// retried with RelayConfig.InfraBackoff; so are the broker refusing the
+// publisher (Refused) and the database refusing the relay's role its
+// login or a privilege on the table, which are logged at level Error. Once
 // ctx is cancelled Run waits at most 5s for the broker's answer to the
 // batch in flight; a batch left unanswered is published again by the next
 // leader. Run may be called once.
@@ -227,7 +231,11 @@ func (r *Relay) Run(ctx context.Context) error {
 			failures = 0
 		}
 		failures++
-		r.cfg.Logger.Warn("outbox relay: database session ended; reconnecting", "error", err)
+		if databaseRefused(err) {
+			r.cfg.Logger.Error("outbox relay: the database refuses the relay's session (authentication or permissions); retrying until that is fixed", "error", err)
+		} else {
+			r.cfg.Logger.Warn("outbox relay: database session ended; reconnecting", "error", err)
+		}
 		if !backoff.Sleep(ctx, r.cfg.InfraBackoff.delay(failures)) {
 			break
 		}
@@ -241,6 +249,14 @@ func (r *Relay) tableExists(ctx context.Context) bool {
 	var exists bool
 	err := r.pool.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, r.cfg.Store.table).Scan(&exists)
 	return err == nil && exists
+}
+
+// databaseRefused reports whether err is PostgreSQL refusing the relay's
+// role what it needs: the authentication (SQLSTATE class 28) or a
+// privilege (42501), which waiting does not give.
+func databaseRefused(err error) bool {
+	var pe *pgconn.PgError
+	return errors.As(err, &pe) && (strings.HasPrefix(pe.Code, "28") || pe.Code == "42501")
 }
 
 // leaderLockClass is the first key of the leader lock; the second is the
@@ -392,6 +408,9 @@ func (r *Relay) lead(ctx context.Context, conn *pgx.Conn, notified *atomic.Bool)
 				r.metrics.refusals.Add(ctx, 1, r.metrics.attrs)
 				r.cfg.Logger.Error("outbox relay: the broker refuses the publisher (credentials, permissions, TLS or SASL settings); "+
 					"no row is charged, retrying until that is fixed", "error", err, "backoff", d)
+			} else if databaseRefused(err) {
+				r.cfg.Logger.Error("outbox relay: the database refuses the relay (authentication or permissions on the outbox table); "+
+					"retrying until that is fixed", "error", err, "backoff", d)
 			} else {
 				r.cfg.Logger.Warn("outbox relay: publishing failed; retrying", "error", err, "backoff", d)
 			}
