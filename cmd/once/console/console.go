@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"html/template"
 	"log/slog"
-	"math"
 	"net/http"
 	"net/url"
 	"runtime/debug"
@@ -376,45 +375,150 @@ type listData struct {
 	Records []row
 	// Total is the number of records the filter selects.
 	Total int
-	// Page is the page shown, 1-based, of Pages (at least 1); From and To
-	// are the 1-based places of its first and last record among the
-	// Total, To < From on an empty page.
-	Page, Pages, From, To int
+	// From and To are the 1-based places of the page's first and last
+	// record among the Total, To < From on an empty page.
+	From, To int
+	// PastEnd is set on an empty page whose cursor has no record the
+	// filter selects after (or before) it: records replayed or expired
+	// since the link was made.
+	PastEnd bool
+	// Gone is the ref of the record the page's cursor names when the
+	// read no longer has it (a RabbitMQ record replayed or removed since
+	// the link was made), "" otherwise.
+	Gone string
 	// First, Prev, Next and Last link to those pages with the filter,
 	// "" where there is none to go to; Self to this one.
 	First, Prev, Next, Last, Self string
 }
 
-// pageParam is the request's page parameter: 1 without one.
-func pageParam(r *http.Request) (int, error) {
-	v := r.FormValue("page")
-	if v == "" {
-		return 1, nil
-	}
-	n, err := strconv.Atoi(v)
-	if err != nil || n < 1 {
-		return 0, fmt.Errorf("page %q: want a page number, 1 or more", v)
-	}
-	return n, nil
+// cursor is where a page of a listing is: the first MaxRows records the
+// filter selects after the record of ref After, or the last MaxRows before
+// the record of ref Before, or the last MaxRows of all (Last); the zero
+// cursor is the first page. A page is found by the record next to it, not
+// by its number: records that arrive or go meanwhile elsewhere in the
+// read do not shift it.
+type cursor struct {
+	After, Before string
+	Last          bool
 }
 
-// link is the path of page p of the queue with the filter: the filter's
-// fields that are set, and page past 1.
-func (d *listData) link(p int) string {
+// cursorParam is the request's cursor: its after, before or last
+// parameter, one at most.
+func cursorParam(r *http.Request) (cursor, error) {
+	c := cursor{After: r.FormValue("after"), Before: r.FormValue("before")}
+	switch v := r.FormValue("last"); v {
+	case "":
+	case "1":
+		c.Last = true
+	default:
+		return c, fmt.Errorf("last %q: want last=1", v)
+	}
+	n := 0
+	for _, set := range []bool{c.After != "", c.Before != "", c.Last} {
+		if set {
+			n++
+		}
+	}
+	if n > 1 {
+		return c, errors.New("give one of after, before and last")
+	}
+	return c, nil
+}
+
+// marker finds the record of a cursor's ref in a read. A Kafka ref
+// ("partition:offset") is compared by position, the partitions read in
+// ascending order, so a record retention removed since still has its
+// place; a RabbitMQ ref by the read, which has no position that outlives
+// it: the records after the record of the ref are those read after it.
+type marker struct {
+	ref   string
+	kafka bool
+	part  int32
+	off   int64
+	seen  bool
+}
+
+func newMarker(ref string) *marker {
+	m := &marker{ref: ref}
+	if p, o, ok := strings.Cut(ref, ":"); ok {
+		part, perr := strconv.ParseInt(p, 10, 32)
+		off, oerr := strconv.ParseInt(o, 10, 64)
+		if perr == nil && oerr == nil && part >= 0 && off >= 0 {
+			m.kafka, m.part, m.off = true, int32(part), off
+		}
+	}
+	return m
+}
+
+// place returns -1 when rec comes before the record of the ref in the
+// read, 0 when it is that record, 1 when it comes after it. It is given
+// the records in the order of the read.
+func (m *marker) place(rec *dlq.Record) int {
+	if m.kafka && rec.Partition >= 0 {
+		m.seen = true // a Kafka position needs no record to be found
+		switch {
+		case rec.Partition < m.part || rec.Partition == m.part && rec.Offset < m.off:
+			return -1
+		case rec.Partition == m.part && rec.Offset == m.off:
+			return 0
+		}
+		return 1
+	}
+	switch {
+	case m.seen:
+		// A message alike to the byte to the ref's (published twice)
+		// has its ref: the first one read is the ref's record.
+		return 1
+	case rec.Ref == m.ref:
+		m.seen = true
+		return 0
+	}
+	return -1
+}
+
+// link is the path of the listing of the queue with the filter and the
+// cursor.
+func (d *listData) link(c cursor) string {
 	var b strings.Builder
 	b.WriteString("dlq?q=" + strconv.Itoa(d.Queue.Index))
 	for _, f := range [][2]string{
 		{"consumer", d.Filter.Consumer}, {"kind", d.Filter.Kind}, {"id", d.Filter.ID},
 		{"search", d.Filter.Search}, {"since", d.Filter.Since},
+		{"after", c.After}, {"before", c.Before},
 	} {
 		if f[1] != "" {
 			b.WriteString("&" + f[0] + "=" + url.QueryEscape(f[1]))
 		}
 	}
-	if p > 1 {
-		b.WriteString("&page=" + strconv.Itoa(p))
+	if c.Last {
+		b.WriteString("&last=1")
 	}
 	return b.String()
+}
+
+// window keeps the last n records given to it, and counts those it let go.
+type window struct {
+	recs    []*dlq.Record
+	next    int // where the next record goes once recs is full
+	dropped int
+	// lastDropped is the ref of the last record let go.
+	lastDropped string
+}
+
+func (w *window) add(rec *dlq.Record, n int) {
+	if len(w.recs) < n {
+		w.recs = append(w.recs, rec)
+		return
+	}
+	w.lastDropped = w.recs[w.next].Ref
+	w.dropped++
+	w.recs[w.next] = rec
+	w.next = (w.next + 1) % n
+}
+
+// records returns the records kept, in the order given.
+func (w *window) records() []*dlq.Record {
+	return append(w.recs[w.next:len(w.recs):len(w.recs)], w.recs[:w.next]...)
 }
 
 type filterForm struct {
@@ -471,47 +575,94 @@ func (h *Handler) list(w http.ResponseWriter, r *http.Request) {
 		h.fail(w, http.StatusBadRequest, err)
 		return
 	}
-	pg, err := pageParam(r)
+	cur, err := cursorParam(r)
 	if err != nil {
 		h.fail(w, http.StatusBadRequest, err)
 		return
 	}
 	ctx, cancel := h.ctx(r)
 	defer cancel()
-	d := listData{Queue: queueRef{i, q.Name()}, Filter: ff, Kinds: allKinds, Page: pg}
-	// The page's records are the matches from the skip-th on, in the
-	// order of the read; only they are kept.
+	d := listData{Queue: queueRef{i, q.Name()}, Filter: ff, Kinds: allKinds}
 	size := h.cfg.MaxRows
-	skip := math.MaxInt
-	if pg-1 <= math.MaxInt/size {
-		skip = (pg - 1) * size
+	// The page's records are kept, the others counted: before is the
+	// number of matches read before the page, prev the ref of the last
+	// of them.
+	var (
+		page   []*dlq.Record
+		before int
+		prev   string
+		win    window
+		mark   *marker
+	)
+	switch {
+	case cur.After != "":
+		mark = newMarker(cur.After)
+	case cur.Before != "":
+		mark = newMarker(cur.Before)
 	}
 	err = h.browse(ctx, i, func(rec *dlq.Record) {
+		at := 1 // the record's place against the cursor's
+		if mark != nil {
+			at = mark.place(rec)
+		}
 		if !f.Match(rec) {
 			return
 		}
-		if d.Total >= skip && len(d.Records) < size {
-			d.Records = append(d.Records, toRow(rec))
-		}
 		d.Total++
+		switch {
+		case cur.Last || cur.Before != "" && at < 0:
+			win.add(rec, size)
+		case cur.Before != "":
+			// Fewer records than a page before the cursor: the
+			// page is the first one.
+			if len(win.recs) < size {
+				win.add(rec, size)
+			}
+		case cur.After != "" && at <= 0:
+			before++
+			prev = rec.Ref
+		case len(page) < size:
+			page = append(page, rec)
+		}
 	})
 	if err != nil {
 		h.fail(w, brokerStatus(err), err)
 		return
 	}
-	d.Pages = max(1, (d.Total+size-1)/size)
-	d.Self = d.link(pg)
-	d.From, d.To = skip+1, skip+len(d.Records)
-	if pg > 1 {
-		d.First, d.Prev = d.link(1), d.link(min(pg-1, d.Pages))
+	if cur.Last || cur.Before != "" {
+		page, before, prev = win.records(), win.dropped, win.lastDropped
 	}
-	if pg < d.Pages {
-		d.Next, d.Last = d.link(pg+1), d.link(d.Pages)
+	if mark != nil && !mark.seen {
+		// The record the link was made from is gone: where the page
+		// was is not known.
+		d.Gone, page, before, prev = mark.ref, nil, 0, ""
 	}
-	if pg > d.Pages {
-		// Past the end (records replayed or expired since the link was
-		// made): an empty page that says so, with the way back.
-		d.Last = d.link(d.Pages)
+	for _, rec := range page {
+		d.Records = append(d.Records, toRow(rec))
+	}
+	d.From, d.To = before+1, before+len(page)
+	d.PastEnd = d.Gone == "" && len(page) == 0 && d.Total > 0
+	// Self shows this page again, from the record before it: replaying
+	// the page's records leaves the link to the records that follow.
+	switch {
+	case d.Gone != "":
+		d.Self = d.link(cur)
+	case prev != "":
+		d.Self = d.link(cursor{After: prev})
+	default:
+		d.Self = d.link(cursor{})
+	}
+	if before > 0 || d.Gone != "" || d.PastEnd {
+		d.First = d.link(cursor{})
+	}
+	if before > 0 && len(page) > 0 {
+		d.Prev = d.link(cursor{Before: page[0].Ref})
+	}
+	if d.To < d.Total && len(page) > 0 {
+		d.Next = d.link(cursor{After: page[len(page)-1].Ref})
+	}
+	if d.To < d.Total || d.Gone != "" || d.PastEnd {
+		d.Last = d.link(cursor{Last: true})
 	}
 	h.render(w, http.StatusOK, "list.html", h.page("Dead letters", d))
 }

@@ -41,8 +41,13 @@ func TestPagesDoNotHoldEveryRecordOfALargeTopic(t *testing.T) {
 	require.NoError(t, err)
 
 	_, body := serve(t, h, "/dlq?q=0")
-	assert.Contains(t, body, "records 1-5 of 60, page 1 of 12.")
+	assert.Contains(t, body, "records 1-5 of 60.")
 	assert.LessOrEqual(t, kept.Load(), int64(5), "the listing held every record it read")
+	for _, page := range []string{"after=0%3A20", "before=0%3A40", "last=1"} {
+		_, body = serve(t, h, "/dlq?q=0&"+page)
+		assert.Contains(t, body, "records ", page)
+		assert.LessOrEqual(t, kept.Load(), int64(5), "%s: the listing held more records than its page", page)
+	}
 	_, body = serve(t, h, "/")
 	assert.Contains(t, body, "orders.dlq</a>: 60")
 	assert.LessOrEqual(t, kept.Load(), int64(0), "the consumers page held every record it read")

@@ -71,8 +71,8 @@ func refsOn(body string) []string {
 // walk it page by page, each record on exactly one page, each page saying
 // which records of how many it shows; the first, previous and last links
 // go where they say; a filter is kept in every link and the pages hold
-// what it selects; a page number that is not one is refused (400) and a
-// page past the end says so.
+// what it selects; a cursor that is not one is refused (400) and a page
+// past the end says so.
 func TestDeadLettersPageThroughALargeTopic(t *testing.T) {
 	k := testenv.NewKafka(t)
 	k.CreateTopic("orders.dlq", 2)
@@ -109,7 +109,7 @@ func TestDeadLettersPageThroughALargeTopic(t *testing.T) {
 		refs := refsOn(body)
 		from, to := i*5+1, min(i*5+5, n)
 		assert.Len(t, refs, to-from+1, "page %d", i+1)
-		assert.Equal(t, "records "+strconv.Itoa(from)+"-"+strconv.Itoa(to)+" of 23, page "+strconv.Itoa(i+1)+" of 5.",
+		assert.Equal(t, "records "+strconv.Itoa(from)+"-"+strconv.Itoa(to)+" of 23.",
 			countText.FindStringSubmatch(body)[1])
 		for _, r := range refs {
 			seen[r]++
@@ -127,13 +127,22 @@ func TestDeadLettersPageThroughALargeTopic(t *testing.T) {
 	first, last := pages[0], pages[4]
 	assert.Empty(t, link(first, "prev"))
 	assert.Empty(t, link(first, "first"))
-	assert.Equal(t, "dlq?q=0&page=5", link(first, "last"))
-	assert.Equal(t, "dlq?q=0&page=4", link(last, "prev"))
+	assert.Equal(t, "dlq?q=0&last=1", link(first, "last"))
+	assert.Equal(t, "dlq?q=0&before="+url.QueryEscape(refsOn(last)[0]), link(last, "prev"))
 	assert.Equal(t, "dlq?q=0", link(last, "first"))
 	assert.Empty(t, link(last, "next"))
 	assert.Empty(t, link(last, "last"))
+	_, prev := serve(t, h, "/"+link(last, "prev"))
+	assert.Equal(t, refsOn(pages[3]), refsOn(prev))
+	assert.Contains(t, prev, "records 16-20 of 23.")
+	// The last page is the last five records.
 	_, body := serve(t, h, "/"+link(first, "last"))
-	assert.Equal(t, refsOn(last), refsOn(body))
+	assert.Equal(t, order[18:], refsOn(body))
+	assert.Contains(t, body, "records 19-23 of 23.")
+	// Previous from the second page: the first page.
+	_, body = serve(t, h, "/"+link(pages[1], "prev"))
+	assert.Equal(t, refsOn(first), refsOn(body))
+	assert.Empty(t, link(body, "prev"))
 
 	// Filtered: every link keeps the filter, the pages hold what it selects.
 	filtered := "/dlq?q=0&consumer=billing&kind=handler&id=e-*&search=billing&since="
@@ -158,22 +167,24 @@ func TestDeadLettersPageThroughALargeTopic(t *testing.T) {
 		want = append(want, r.Ref)
 	}
 	assert.Equal(t, want, order)
-	assert.Contains(t, pages[2], "records 11-15 of 15, page 3 of 3.")
+	assert.Contains(t, pages[2], "records 11-15 of 15.")
 
-	// Not a page number: 400, as other bad input.
-	for _, p := range []string{"0", "-1", "x", "1.5", "99999999999999999999999"} {
-		code, body := serve(t, h, "/dlq?q=0&page="+url.QueryEscape(p))
-		assert.Equal(t, http.StatusBadRequest, code, "page=%s", p)
-		assert.Contains(t, body, "page", "page=%s", p)
+	// Not a cursor: 400, as other bad input.
+	for _, p := range []string{"last=0", "last=x", "after=0:1&before=0:2", "after=0:1&last=1"} {
+		code, body := serve(t, h, "/dlq?q=0&"+p)
+		assert.Equal(t, http.StatusBadRequest, code, p)
+		assert.Contains(t, body, "last", p)
 	}
 	// Past the end (the records replayed since, say): an empty page that
 	// says so and links back.
-	for _, p := range []string{"6", strconv.Itoa(int(^uint(0) >> 1))} {
-		code, body := serve(t, h, "/dlq?q=0&kind=handler&page="+p)
-		assert.Equal(t, http.StatusOK, code, "page=%s", p)
-		assert.Empty(t, refsOn(body), "page=%s", p)
-		assert.Contains(t, body, "past the end", "page=%s", p)
-		assert.Equal(t, "dlq?q=0&kind=handler&page=3", link(body, "last"), "page=%s", p)
+	lastRef := want[len(want)-1]
+	for _, after := range []string{lastRef, "1:99999999"} {
+		code, body := serve(t, h, "/dlq?q=0&kind=handler&after="+url.QueryEscape(after))
+		assert.Equal(t, http.StatusOK, code, after)
+		assert.Empty(t, refsOn(body), after)
+		assert.Contains(t, body, "past the end", after)
+		assert.Equal(t, "dlq?q=0&kind=handler&last=1", link(body, "last"), after)
+		assert.Equal(t, "dlq?q=0&kind=handler", link(body, "first"), after)
 	}
 }
 
@@ -214,7 +225,7 @@ func TestDeadLettersPageThroughOnRabbitMQ(t *testing.T) {
 	}
 	assert.ElementsMatch(t, ids, listed)
 	assert.Len(t, listed, len(ids), "a record on two pages")
-	assert.Contains(t, pages[1], "records 3-4 of 5")
+	assert.Contains(t, pages[1], "records 3-4 of 5.")
 	assert.Contains(t, pages[1], "ticked on this page")
 
 	resp, err := http.PostForm(srv.URL+"/replay", url.Values{"q": {"0"}, "ref": second, "confirm": {"yes"}})
@@ -247,13 +258,13 @@ func TestDeadLetterPagesInBrowser(t *testing.T) {
 	t.Cleanup(srv.Close)
 
 	step(t, ctx, chromedp.Navigate(srv.URL+"/dlq?q=0"), chromedp.WaitVisible(chromedp.CSS("#records")))
-	assert.Equal(t, "records 1-1 of 4, page 1 of 4.", text(t, ctx, "#count"))
+	assert.Equal(t, "records 1-1 of 4.", text(t, ctx, "#count"))
 	step(t, ctx, chromedp.SetValue(chromedp.CSS("#kind"), "handler"), chromedp.Click(chromedp.CSS("#apply")))
 	waitURL(t, ctx, "kind=handler")
-	assert.Equal(t, "records 1-1 of 2, page 1 of 2.", text(t, ctx, "#count"))
+	assert.Equal(t, "records 1-1 of 2.", text(t, ctx, "#count"))
 	assert.Contains(t, text(t, ctx, "#records"), "fail-1")
 	step(t, ctx, chromedp.Click(chromedp.CSS("#next")))
-	waitURL(t, ctx, "page=2")
+	waitURL(t, ctx, "after=")
 	assert.Contains(t, text(t, ctx, "#count"), "records 2-2 of 2")
 	assert.Contains(t, text(t, ctx, "#records"), "fail-2")
 	assert.Equal(t, "handler", text(t, ctx, "#records .kind"), "the filter is kept")
@@ -266,7 +277,7 @@ func TestDeadLetterPagesInBrowser(t *testing.T) {
 		sctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 		defer cancel()
 		loc, err := chromedp.Run(sctx, chromedp.Location())
-		return err == nil && !strings.Contains(loc, "page=")
+		return err == nil && !strings.Contains(loc, "after=")
 	}, 30*time.Second, 20*time.Millisecond)
 	assert.Contains(t, text(t, ctx, "#records"), "fail-1")
 	assert.Contains(t, text(t, ctx, "#count"), "records 1-1 of 2")
@@ -281,7 +292,7 @@ func TestReplayFromAPageLeadsBackToIt(t *testing.T) {
 	require.NoError(t, err)
 	srv := httptest.NewServer(h)
 	t.Cleanup(srv.Close)
-	const page = "dlq?q=0&kind=handler&page=2"
+	const page = "dlq?q=0&kind=handler&after=0%3A0" // the second page: after fail-1
 
 	body := get(t, srv.URL+"/"+page)
 	m := regexp.MustCompile(`name="back" value="([^"]*)"`).FindStringSubmatch(body)
@@ -314,4 +325,125 @@ func TestReplayFromAPageLeadsBackToIt(t *testing.T) {
 		confirm = post(url.Values{"q": {"0"}, "ref": refs, "back": {elsewhere}})
 		assert.Equal(t, "dlq?q=0", link(confirm, "cancel"), elsewhere)
 	}
+}
+
+// Dead letters that arrive while someone pages through a topic of two
+// partitions (the newest of the first partition read before the second
+// one) neither show a record on two pages nor skip one: each next link
+// goes on after the last record of its page, wherever the read now puts
+// it.
+func TestNextPageWhileDeadLettersArrive(t *testing.T) {
+	k := testenv.NewKafka(t)
+	k.CreateTopic("orders.dlq", 2)
+	rec := func(p int32, id string) *sarama.ProducerMessage {
+		return &sarama.ProducerMessage{Topic: "orders.dlq", Partition: p, Value: sarama.StringEncoder(`{}`),
+			Headers: []sarama.RecordHeader{
+				{Key: []byte(consumer.HeaderEventID), Value: []byte(id)},
+				{Key: []byte(consumer.HeaderConsumer), Value: []byte("billing")},
+				{Key: []byte(consumer.HeaderErrorKind), Value: []byte("handler")},
+			}}
+	}
+	k.Produce(rec(0, "a-1"), rec(0, "a-2"), rec(0, "a-3"), rec(1, "b-1"), rec(1, "b-2"), rec(1, "b-3"))
+	q, err := dlq.NewKafka(dlq.KafkaConfig{Brokers: k.Addrs, Topic: "orders.dlq", Sarama: testenv.Sarama()})
+	require.NoError(t, err)
+	h, err := console.New(console.Config{Queues: []dlq.Queue{q}, MaxRows: 2, Logger: testenv.Logger()})
+	require.NoError(t, err)
+
+	ids := func(body string) []string {
+		var out []string
+		for _, m := range regexp.MustCompile(`data-event-id="([^"]*)"`).FindAllStringSubmatch(body, -1) {
+			out = append(out, m[1])
+		}
+		return out
+	}
+	_, first := serve(t, h, "/dlq?q=0")
+	require.Equal(t, []string{"a-1", "a-2"}, ids(first))
+	_, second := serve(t, h, "/"+link(first, "next"))
+	require.Equal(t, []string{"a-3", "b-1"}, ids(second))
+	k.Produce(rec(0, "a-4")) // read before b-1 from now on
+	_, third := serve(t, h, "/"+link(second, "next"))
+	assert.Equal(t, []string{"b-2", "b-3"}, ids(third), "the page after b-1")
+	assert.Contains(t, countText.FindStringSubmatch(third)[1], "records 6-7 of 7")
+	assert.Empty(t, link(third, "next"))
+	_, back := serve(t, h, "/"+link(third, "prev"))
+	assert.Equal(t, []string{"a-4", "b-1"}, ids(back), "the page before b-2")
+}
+
+// Dead letters replayed from another tab while someone pages through a
+// RabbitMQ queue do not make the next page skip the records that moved up:
+// the next link goes on after the last record of its page.
+func TestNextPageAfterRecordsBeforeItWereReplayedOnRabbitMQ(t *testing.T) {
+	u := testenv.AMQPURL(t)
+	queue := testenv.Uniq("orders")
+	testenv.DeleteQueues(t, u, queue, queue+".dlq")
+	pool, _ := pgtest.Schema(t)
+	svc := testenv.StartService(t, pool, testenv.OpenAMQPSource(t, u, queue), "billing")
+	ch := testenv.AMQPChannel(t, u)
+	for i, id := range []string{"pay-1", "pay-2", "pay-3", "pay-4", "pay-5"} {
+		testenv.PublishAMQP(t, ch, queue, amqp091.Publishing{MessageId: id, Body: testenv.JSON(i, "fail")})
+	}
+	svc.WaitSettled(t, 5)
+	svc.Broken.Store(false)
+	dl, err := dlq.NewAMQP(dlq.AMQPConfig{URL: u, Queue: queue + ".dlq"})
+	require.NoError(t, err)
+	h, err := console.New(console.Config{DB: svc.Pool, Queues: []dlq.Queue{dl}, AllowReplay: true, MaxRows: 2, Logger: testenv.Logger()})
+	require.NoError(t, err)
+	srv := httptest.NewServer(h)
+	t.Cleanup(srv.Close)
+
+	first := get(t, srv.URL+"/dlq?q=0")
+	var order []string
+	for _, body := range walk(t, h, "/dlq?q=0") {
+		order = append(order, refsOn(body)...)
+	}
+	require.Len(t, order, 5)
+	require.Equal(t, order[:2], refsOn(first))
+
+	// Another tab replays the first record.
+	resp, err := http.PostForm(srv.URL+"/replay", url.Values{"q": {"0"}, "ref": {order[0]}, "confirm": {"yes"}})
+	require.NoError(t, err)
+	resp.Body.Close()
+	require.Equal(t, http.StatusOK, resp.StatusCode)
+
+	next := get(t, srv.URL+"/"+link(first, "next"))
+	assert.Equal(t, order[2:4], refsOn(next), "the page after the second record")
+	assert.Contains(t, countText.FindStringSubmatch(next)[1], "records 2-3 of 4")
+	// The page after the replayed record: where it was is not known.
+	gone := get(t, srv.URL+"/dlq?q=0&after="+order[0])
+	assert.Empty(t, refsOn(gone))
+	assert.Contains(t, gone, "no longer in the queue")
+	assert.Equal(t, "dlq?q=0", link(gone, "first"))
+	assert.Equal(t, "dlq?q=0&last=1", link(gone, "last"))
+}
+
+// Two messages of a RabbitMQ dead-letter queue alike to the byte (a
+// message published twice into it) have the same ref: a page that ends
+// with the first still leads to the second.
+func TestPagesOfARabbitMQQueueWithTwinMessages(t *testing.T) {
+	u := testenv.AMQPURL(t)
+	queue := testenv.Uniq("orders.dlq")
+	testenv.DeleteQueues(t, u, queue)
+	ch := testenv.AMQPChannel(t, u)
+	_, err := ch.QueueDeclare(queue, true, false, false, false, nil)
+	require.NoError(t, err)
+	msg := func(id string) amqp091.Publishing {
+		return amqp091.Publishing{MessageId: id, Body: []byte(`{}`), Headers: amqp091.Table{
+			consumer.HeaderEventID: id, consumer.HeaderConsumer: "billing", consumer.HeaderErrorKind: "handler",
+		}}
+	}
+	for _, id := range []string{"x-1", "twin", "twin", "y-1"} {
+		testenv.PublishAMQP(t, ch, queue, msg(id))
+	}
+	q, err := dlq.NewAMQP(dlq.AMQPConfig{URL: u, Queue: queue})
+	require.NoError(t, err)
+	h, err := console.New(console.Config{Queues: []dlq.Queue{q}, MaxRows: 2, Logger: testenv.Logger()})
+	require.NoError(t, err)
+
+	var ids []string
+	for _, body := range walk(t, h, "/dlq?q=0") {
+		for _, m := range dataRef.FindAllStringSubmatch(body, -1) {
+			ids = append(ids, m[2])
+		}
+	}
+	assert.Equal(t, []string{"x-1", "twin", "twin", "y-1"}, ids)
 }
