@@ -673,6 +673,9 @@ type recordData struct {
 	Text    string
 	Hex     string
 	KeyText string
+	// Back is the listing the record was opened from, its filter and
+	// page, passed on to a replay for the links back to it.
+	Back string
 }
 
 func (h *Handler) record(w http.ResponseWriter, r *http.Request) {
@@ -694,7 +697,7 @@ func (h *Handler) record(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	rec := recs[0]
-	d := recordData{Queue: queueRef{i, q.Name()}, Row: toRow(rec)}
+	d := recordData{Queue: queueRef{i, q.Name()}, Row: toRow(rec), Back: backTo(r.FormValue("back"), i)}
 	if dlq.Printable(rec.Value) {
 		d.Text = string(rec.Value)
 	} else {
@@ -721,11 +724,12 @@ type replayData struct {
 	Back string
 }
 
-// backTo is the posted way back to a listing of the queue at index i: a
-// link to this console's listing of that queue, else its unfiltered one.
-func backTo(r *http.Request, i int) string {
+// backTo is the way back b to a listing of the queue at index i, as a
+// form gave it: a link to this console's listing of that queue, else its
+// unfiltered one.
+func backTo(b string, i int) string {
 	plain := "dlq?q=" + strconv.Itoa(i)
-	if b := r.PostFormValue("back"); b == plain || strings.HasPrefix(b, plain+"&") {
+	if b == plain || strings.HasPrefix(b, plain+"&") {
 		return b
 	}
 	return plain
@@ -754,7 +758,7 @@ func (h *Handler) replay(w http.ResponseWriter, r *http.Request) {
 	}
 	ctx, cancel := h.ctx(r)
 	defer cancel()
-	d := replayData{Queue: queueRef{i, q.Name()}, Refs: refs, Back: backTo(r, i)}
+	d := replayData{Queue: queueRef{i, q.Name()}, Refs: refs, Back: backTo(r.PostFormValue("back"), i)}
 	if r.PostFormValue("confirm") != "yes" {
 		recs, err := h.collect(ctx, i, dlq.Filter{Refs: refs})
 		if err != nil {

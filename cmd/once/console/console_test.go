@@ -239,7 +239,7 @@ func TestConsoleReadOnlyAndCrossOrigin(t *testing.T) {
 
 	body := get(t, srv.URL+"/ops/dlq?q=0")
 	assert.Contains(t, body, "read-only")
-	assert.Contains(t, body, `href="record?q=0&amp;ref=0%3a0"`, "relative links work under a prefix")
+	assert.Contains(t, body, `href="record?q=0&amp;ref=0%3a0&amp;back=dlq%3fq%3d0"`, "relative links work under a prefix")
 	assert.NotContains(t, body, "checkbox")
 	assert.NotContains(t, body, "replay-selected")
 	assert.Contains(t, get(t, srv.URL+"/ops/record?q=0&ref=0%3a0"), "fail-1")

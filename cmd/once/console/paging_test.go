@@ -447,3 +447,50 @@ func TestPagesOfARabbitMQQueueWithTwinMessages(t *testing.T) {
 	}
 	assert.Equal(t, []string{"x-1", "twin", "twin", "y-1"}, ids)
 }
+
+// A replay of one record, asked from its page opened from a page of a
+// filtered listing, leads back to that listing page, as a replay of a
+// selection does: the record's link, its replay form, the confirmation's
+// cancel link and the result's link keep the filter and the page.
+func TestReplayOfOneRecordLeadsBackToItsListing(t *testing.T) {
+	svc, q := deadLetters(t)
+	h, err := console.New(console.Config{DB: svc.Pool, Queues: []dlq.Queue{q}, AllowReplay: true, MaxRows: 1, Logger: testenv.Logger()})
+	require.NoError(t, err)
+	srv := httptest.NewServer(h)
+	t.Cleanup(srv.Close)
+	const page = "dlq?q=0&kind=handler&after=0%3A0" // the second page: after fail-1
+
+	listing := get(t, srv.URL+"/"+page)
+	m := regexp.MustCompile(`<a href="(record\?[^"]*)"`).FindStringSubmatch(listing)
+	require.NotNil(t, m, "no link to the record")
+	rec := get(t, srv.URL+"/"+html.UnescapeString(m[1]))
+	require.Contains(t, rec, `id="replay-one"`)
+	assert.Equal(t, page, link(rec, "back"), "the record page's link back")
+	form := url.Values{}
+	for _, in := range regexp.MustCompile(`<input type="hidden" name="([^"]*)" value="([^"]*)">`).FindAllStringSubmatch(rec, -1) {
+		form.Add(in[1], html.UnescapeString(in[2]))
+	}
+	require.NotEmpty(t, form.Get("ref"))
+
+	post := func(v url.Values) string {
+		t.Helper()
+		resp, err := http.PostForm(srv.URL+"/replay", v)
+		require.NoError(t, err)
+		defer resp.Body.Close()
+		require.Equal(t, http.StatusOK, resp.StatusCode)
+		b, err := io.ReadAll(resp.Body)
+		require.NoError(t, err)
+		return string(b)
+	}
+	confirm := post(form)
+	assert.Equal(t, page, link(confirm, "cancel"), "the confirmation's cancel link")
+	form.Set("confirm", "yes")
+	result := post(form)
+	assert.Contains(t, result, "Replayed 1 of 1")
+	assert.Equal(t, page, link(result, "back"), "the result's link to the dead letters")
+
+	// A way back to anywhere else is not offered on the record's page.
+	rec = get(t, srv.URL+"/record?q=0&ref="+url.QueryEscape(form.Get("ref"))+"&back="+url.QueryEscape("https://example.com/"))
+	assert.NotContains(t, rec, "example.com")
+	assert.Equal(t, "dlq?q=0", link(rec, "back"))
+}
