@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"net/url"
 	"runtime/debug"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -718,6 +719,8 @@ type replayData struct {
 	Refs    []string
 	Records []row
 	Report  *dlq.Report
+	// Missing counts the records posted that the read did not find
+	// (replayed from another tab, or removed, since the page was made).
 	Missing int
 	// Back is the listing the replay was asked from, its filter and
 	// page, for the links back to it.
@@ -733,6 +736,27 @@ func backTo(b string, i int) string {
 		return b
 	}
 	return plain
+}
+
+// countRefs returns how many of refs (each once) the records of rep's
+// outcomes have: two messages alike to the byte share a ref.
+func countRefs(rep dlq.Report, refs []string) int {
+	found := map[string]bool{}
+	for _, o := range rep.Outcomes {
+		if slices.Contains(refs, o.Record.Ref) {
+			found[o.Record.Ref] = true
+		}
+	}
+	return len(found)
+}
+
+// outcomes are recs as the outcomes of a report.
+func outcomes(recs []*dlq.Record) []dlq.Outcome {
+	out := make([]dlq.Outcome, len(recs))
+	for i, r := range recs {
+		out[i].Record = r
+	}
+	return out
 }
 
 // replay shows the confirmation page for the posted refs, or, with
@@ -751,7 +775,7 @@ func (h *Handler) replay(w http.ResponseWriter, r *http.Request) {
 		h.fail(w, http.StatusNotFound, err)
 		return
 	}
-	refs := r.PostForm["ref"]
+	refs := slices.Compact(slices.Sorted(slices.Values(r.PostForm["ref"])))
 	if len(refs) == 0 {
 		h.fail(w, http.StatusBadRequest, errors.New("no record selected"))
 		return
@@ -768,7 +792,7 @@ func (h *Handler) replay(w http.ResponseWriter, r *http.Request) {
 		for _, rec := range recs {
 			d.Records = append(d.Records, toRow(rec))
 		}
-		d.Missing = len(refs) - len(recs)
+		d.Missing = len(refs) - countRefs(dlq.Report{Outcomes: outcomes(recs)}, refs)
 		h.render(w, http.StatusOK, "confirm.html", h.page("Confirm replay", d))
 		return
 	}
@@ -797,5 +821,6 @@ func (h *Handler) replay(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	d.Report = &rep
+	d.Missing = len(refs) - countRefs(rep, refs)
 	h.render(w, http.StatusOK, "result.html", h.page("Replayed", d))
 }
