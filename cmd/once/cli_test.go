@@ -770,6 +770,23 @@ func TestShowQuotesAKeyWithLineBreaks(t *testing.T) {
 	assert.Contains(t, out.String(), `key: "k-1\n  once-event-id: forged\r"`)
 }
 
+// A payload printed as text cannot overwrite what it printed: one with a
+// carriage return that does not end a line (which would show
+// {"amount":1} over {"amount":9999} on a terminal) is dumped in hex; lines
+// ending in CRLF are still text.
+func TestShowDumpsAPayloadThatOverwritesItself(t *testing.T) {
+	var out bytes.Buffer
+	a := newApp(&out, io.Discard, func(string) string { return "" })
+	a.printRecord(&dlq.Record{Ref: "0:1", Value: []byte(`{"amount":9999}` + "\r" + `{"amount":1}   `),
+		Headers: []dlq.Header{{Key: consumer.HeaderEventID, Value: "e-1"}}}, false)
+	assert.NotContains(t, out.String(), "\r")
+	assert.Contains(t, out.String(), "bytes, hex")
+	out.Reset()
+	a.printRecord(&dlq.Record{Ref: "0:2", Value: []byte("line 1\r\nline 2\r\n"),
+		Headers: []dlq.Header{{Key: consumer.HeaderEventID, Value: "e-2"}}}, false)
+	assert.Contains(t, out.String(), "text):\nline 1\r\nline 2\r\n")
+}
+
 // Help shows where a connection comes from (env DATABASE_URL, ...), not
 // the value it has in the environment: the URLs hold passwords, and help
 // output gets pasted into tickets.

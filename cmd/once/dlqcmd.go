@@ -38,7 +38,8 @@ const dlqShowUsage = `Usage: once dlq show -kafka BROKERS|-amqp URL -dlq NAME -r
 
 Shows the selected dead letters: the reason, every header, the key or the
 AMQP properties, and the payload as text when it is printable, else as a
-hex dump (-hex forces it). ` + dlqSelect
+hex dump (-hex forces it; so does a carriage return that does not end a
+line, which would print the text over itself). ` + dlqSelect
 
 const dlqReplayUsage = `Usage: once dlq replay -kafka BROKERS|-amqp URL -dlq NAME [filters]|-all [-dry-run] [-rate N] [-by NAME] [-keep] [-force] [-json]
 
@@ -405,11 +406,24 @@ func (a *app) printRecord(r *dlq.Record, asHex bool) {
 		}
 		fmt.Fprintln(w)
 	}
-	if !asHex && dlq.Printable(r.Value) {
+	if !asHex && dlq.Printable(r.Value) && !overwrites(r.Value) {
 		fmt.Fprintf(w, "\npayload (%d bytes, text):\n%s\n", len(r.Value), r.Value)
 	} else {
 		fmt.Fprintf(w, "\npayload (%d bytes, hex):\n%s", len(r.Value), hex.Dump(r.Value))
 	}
+}
+
+// overwrites reports whether text b, printed on a terminal, would print
+// over itself: a carriage return that does not end a line takes the
+// cursor back to the start of the line, and what follows hides what came
+// before.
+func overwrites(b []byte) bool {
+	for i, c := range b {
+		if c == '\r' && (i+1 == len(b) || b[i+1] != '\n') {
+			return true
+		}
+	}
+	return false
 }
 
 // printableOrHex returns b as text on one line (quoted when it breaks
