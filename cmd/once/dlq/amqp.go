@@ -313,13 +313,15 @@ func (q *AMQPQueue) Replay(ctx context.Context, f Filter, opts ReplayOptions) (R
 
 // amqpRedrive builds the redrive of d: its properties, body and original
 // headers (the CC header the copy kept aside restored; the broker's
-// x-delivery-count left out: it counted deliveries in another queue, or of
-// the dead letter itself, and would make the redriven message look
-// redelivered to the consumer), then the redrive headers.
+// x-delivery-count and x-acquired-count left out: they counted deliveries
+// in another queue, or of the dead letter itself, and carried back would
+// make the redriven message look redelivered, to the consumer, which reads
+// x-delivery-count, and to others that read either), then the redrive
+// headers.
 func amqpRedrive(d *amqp091.Delivery, redrive []Header) amqp091.Publishing {
 	h := make(amqp091.Table, len(d.Headers)+len(redrive))
 	for k, v := range d.Headers {
-		if !diagnosticHeaders[k] && k != amqp.DeliveryCountHeader {
+		if !diagnosticHeaders[k] && !brokerCount(k) {
 			h[k] = v
 		}
 	}

@@ -277,13 +277,25 @@ func redriveHeaders(r *Record, at time.Time, by string) []Header {
 	return h
 }
 
+// acquiredCountHeader is the header in which a quorum queue of RabbitMQ
+// 4.3 or later counts the times it gave a message to a consumer, a read
+// that put it back included.
+const acquiredCountHeader = "x-acquired-count"
+
+// brokerCount reports whether key is a header in which the broker counts a
+// message's deliveries (x-delivery-count, x-acquired-count): a quorum queue
+// sets it anew at every read of the dead letters.
+func brokerCount(key string) bool {
+	return key == amqp.DeliveryCountHeader || key == acquiredCountHeader
+}
+
 // amqpRef is the Ref of a RabbitMQ dead letter: a digest of what tells two
 // dead letters apart (each dead-lettering has its own failed-at time),
-// without the delivery count a quorum queue changes on every read.
+// without the counts a quorum queue changes on every read.
 func amqpRef(body []byte, headers []Header) string {
 	h := sha256.New()
 	for _, hd := range headers {
-		if hd.Key == amqp.DeliveryCountHeader {
+		if brokerCount(hd.Key) {
 			continue
 		}
 		h.Write([]byte(hd.Key))

@@ -232,3 +232,28 @@ func TestAMQPRedriveDropsTheDeliveryCount(t *testing.T) {
 	assert.NotContains(t, out, amqp.DeliveryCountHeader)
 	assert.Equal(t, "e-1", out["id"])
 }
+
+// RabbitMQ 4.3 counts, in x-acquired-count, every time a quorum queue gave
+// a message to a consumer, a read that puts it back included: a dead letter
+// of a quorum queue carries a new count at every read. Its ref leaves the
+// count out, as it leaves out x-delivery-count, so the ref a listing shows
+// still selects the record at the next read (once dlq replay -ref, the
+// console's record page and replay); a redrive leaves it out as well, so the
+// redriven message does not arrive counted.
+func TestAMQPRefAndRedriveLeaveOutTheAcquiredCount(t *testing.T) {
+	delivery := func(n any) *amqp091.Delivery {
+		h := amqp091.Table{consumer.HeaderEventID: "e-1", consumer.HeaderFailedAt: "2026-11-28T04:00:00Z", "x-origin": "test"}
+		if n != nil {
+			h["x-acquired-count"] = n
+		}
+		return &amqp091.Delivery{Body: []byte(`{}`), Headers: h}
+	}
+	first := amqpRecord("orders.dlq", 1, delivery(nil))
+	for _, n := range []any{int64(1), int64(2), int32(7)} {
+		assert.Equal(t, first.Ref, amqpRecord("orders.dlq", 1, delivery(n)).Ref, "x-acquired-count %v", n)
+	}
+	r := rec(consumer.HeaderEventID, "e-1")
+	out := amqpRedrive(delivery(int64(3)), redriveHeaders(r, time.Now(), "")).Headers
+	assert.NotContains(t, out, "x-acquired-count")
+	assert.Equal(t, "test", out["x-origin"])
+}
