@@ -787,6 +787,40 @@ func TestShowDumpsAPayloadThatOverwritesItself(t *testing.T) {
 	assert.Contains(t, out.String(), "text):\nline 1\r\nline 2\r\n")
 }
 
+// once dlq show -json prints what JSON text cannot hold, a key or a header
+// that is not UTF-8 (Kafka keys and headers are bytes), in hex beside it
+// (key_hex, value_hex), as it prints such a payload: encoding/json would
+// write U+FFFD for each byte that is not UTF-8, and the bytes were lost.
+func TestShowJSONKeepsBytesThatAreNotUTF8(t *testing.T) {
+	r := &dlq.Record{Ref: "0:1", Key: []byte{0xff, 0x00, 'k'}, Value: []byte("{}"),
+		Headers: []dlq.Header{{Key: consumer.HeaderEventID, Value: "e-1"}, {Key: "trace-bin", Value: "\xfe\xed"},
+			{Key: "k-\xc3", Value: "v"}}}
+	b, err := json.Marshal(detail(r))
+	require.NoError(t, err)
+	var got struct {
+		KeyHex  string `json:"key_hex"`
+		Headers []struct {
+			Key      string `json:"key"`
+			Value    string `json:"value"`
+			KeyHex   string `json:"key_hex"`
+			ValueHex string `json:"value_hex"`
+		} `json:"headers"`
+	}
+	require.NoError(t, json.Unmarshal(b, &got), "%s", b)
+	assert.Equal(t, "ff006b", got.KeyHex, "%s", b)
+	require.Len(t, got.Headers, 3)
+	assert.Equal(t, "e-1", got.Headers[0].Value)
+	assert.Empty(t, got.Headers[0].ValueHex, "a header that is text has no hex")
+	assert.Equal(t, "feed", got.Headers[1].ValueHex, "%s", b)
+	assert.Equal(t, "6b2dc3", got.Headers[2].KeyHex, "%s", b)
+	assert.Equal(t, "v", got.Headers[2].Value)
+	// A key that is text stays text, without hex.
+	b, err = json.Marshal(detail(&dlq.Record{Ref: "0:2", Key: []byte("k-1"), Value: []byte("{}")}))
+	require.NoError(t, err)
+	assert.Contains(t, string(b), `"key":"k-1"`)
+	assert.NotContains(t, string(b), "key_hex")
+}
+
 // Help shows where a connection comes from (env DATABASE_URL, ...), not
 // the value it has in the environment: the URLs hold passwords, and help
 // output gets pasted into tickets.

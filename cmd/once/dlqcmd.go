@@ -11,6 +11,7 @@ import (
 	"strings"
 	"text/tabwriter"
 	"time"
+	"unicode/utf8"
 
 	"github.com/IBM/sarama"
 
@@ -294,11 +295,13 @@ func (a *app) wrapped(q dlq.Queue) dlq.Queue {
 // recordDetail is a dead letter in show output.
 type recordDetail struct {
 	recordSummary
-	Queue      string          `json:"queue"`
-	Partition  int32           `json:"partition"`
-	Offset     int64           `json:"offset"`
-	Headers    []dlq.Header    `json:"headers"`
+	Queue     string       `json:"queue"`
+	Partition int32        `json:"partition"`
+	Offset    int64        `json:"offset"`
+	Headers   []dlq.Header `json:"headers"`
+	// Key is the Kafka key as text when it is UTF-8; KeyHex otherwise.
 	Key        *string         `json:"key,omitempty"`
+	KeyHex     string          `json:"key_hex,omitempty"`
 	Properties *dlq.Properties `json:"properties,omitempty"`
 	// Value is the payload as text when printable; ValueHex otherwise.
 	Value    *string `json:"value,omitempty"`
@@ -309,9 +312,13 @@ type recordDetail struct {
 func detail(r *dlq.Record) recordDetail {
 	d := recordDetail{recordSummary: summarize(r), Queue: r.Queue, Partition: r.Partition, Offset: r.Offset,
 		Headers: r.Headers, Properties: r.Properties, Size: len(r.Value)}
-	if r.Key != nil {
+	switch {
+	case r.Key == nil:
+	case utf8.Valid(r.Key):
 		k := string(r.Key)
 		d.Key = &k
+	default:
+		d.KeyHex = hex.EncodeToString(r.Key)
 	}
 	if dlq.Printable(r.Value) {
 		v := string(r.Value)

@@ -3,6 +3,7 @@ package dlq
 import (
 	"crypto/sha256"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"slices"
@@ -22,6 +23,26 @@ import (
 type Header struct {
 	Key   string `json:"key"`
 	Value string `json:"value"`
+}
+
+// MarshalJSON writes the header as {"key": ..., "value": ...} and, for a
+// key or value that is not UTF-8 (a Kafka header is bytes), its bytes in
+// hex as key_hex or value_hex: JSON text cannot hold them, and
+// encoding/json writes U+FFFD for each byte that is not UTF-8.
+func (h Header) MarshalJSON() ([]byte, error) {
+	type plain Header // without this method
+	out := struct {
+		plain
+		KeyHex   string `json:"key_hex,omitempty"`
+		ValueHex string `json:"value_hex,omitempty"`
+	}{plain: plain(h)}
+	if !utf8.ValidString(h.Key) {
+		out.KeyHex = hex.EncodeToString([]byte(h.Key))
+	}
+	if !utf8.ValidString(h.Value) {
+		out.ValueHex = hex.EncodeToString([]byte(h.Value))
+	}
+	return json.Marshal(out)
 }
 
 // Properties are the AMQP properties of a RabbitMQ dead letter; nil for
