@@ -59,7 +59,7 @@ A redriven record that fails again is dead-lettered again with these headers.
 Kafka records with neither an event id nor once-fallback-id, records
 without an original destination, and records written without their value
 are skipped; so are kinds a redrive cannot fix
-(id-conflict, invalid-id) unless -force. On RabbitMQ a replayed message
+(id-conflict, invalid-id, missing-id) unless -force. On RabbitMQ a replayed message
 leaves the dead-letter queue once its redrive is confirmed (-keep leaves
 it); Kafka dead letters stay. A progress bar is drawn on a terminal, plain
 lines otherwise. ` + dlqSelect
@@ -450,7 +450,7 @@ func (a *app) dlqReplay(ctx context.Context, args []string) error {
 	rate := fs.Float64("rate", 0, "publish at most `n` records per second (0: no limit)")
 	by := fs.String("by", "", "who asks for the redrive, written in once-redriven-by")
 	keep := fs.Bool("keep", false, "RabbitMQ: leave replayed messages in the dead-letter queue")
-	force := fs.Bool("force", false, "also replay kinds a redrive cannot fix (id-conflict, invalid-id)")
+	force := fs.Bool("force", false, "also replay kinds a redrive cannot fix (id-conflict, invalid-id, missing-id)")
 	asJSON := fs.Bool("json", false, "print the report as JSON")
 	if helpOnly {
 		return nil

@@ -38,7 +38,7 @@ type ReplayOptions struct {
 	// By names who asked for the redrive (once-redriven-by); optional.
 	By string
 	// Force replays records of kinds that a redrive cannot fix
-	// (id-conflict, invalid-id), which are skipped otherwise.
+	// (id-conflict, invalid-id, missing-id), which are skipped otherwise.
 	Force bool
 	// Keep, on RabbitMQ, leaves replayed records in the dead-letter queue;
 	// by default each is removed once the broker confirmed its redrive.

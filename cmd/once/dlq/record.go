@@ -197,7 +197,7 @@ var kindsThatFailAgain = []string{
 // position), on Kafka when it carries its first position
 // (once-fallback-id).
 // With force, records of kinds that would only be dead-lettered again
-// (id-conflict, invalid-id) are replayable too.
+// (id-conflict, invalid-id, missing-id) are replayable too.
 func (r *Record) Replayable(force bool) error {
 	switch {
 	case r.EventID() == "" && r.Properties == nil && r.Header(consumer.HeaderFallbackID) == "":
