@@ -821,6 +821,29 @@ func TestShowJSONKeepsBytesThatAreNotUTF8(t *testing.T) {
 	assert.NotContains(t, string(b), "key_hex")
 }
 
+// A tab in a dead letter's text (its consumer, event id, type) is quoted
+// in the tables once prints: raw, it began a new column, and the record's
+// other columns moved right, a consumer "billing\tpanic" showing the kind
+// panic and its real kind under another heading.
+func TestListQuotesATabInACell(t *testing.T) {
+	k := testenv.NewKafka(t)
+	name := testenv.Uniq("orders") + ".dlq"
+	k.CreateTopic(name, 1)
+	k.Produce(&sarama.ProducerMessage{Topic: name, Value: sarama.StringEncoder("{}"), Headers: []sarama.RecordHeader{
+		{Key: []byte(consumer.HeaderEventID), Value: []byte("e-1")},
+		{Key: []byte(consumer.HeaderConsumer), Value: []byte("billing\tpanic")},
+		{Key: []byte(consumer.HeaderErrorKind), Value: []byte("handler")},
+	}})
+	code, out, errOut := cli(t, map[string]string{"ONCE_KAFKA_BROKERS": strings.Join(k.Addrs, ",")}, "dlq", "list", "-dlq", name)
+	require.Equal(t, exitOK, code, errOut)
+	assert.Contains(t, out, `"billing\tpanic"`)
+	assert.NotContains(t, out, "\t")
+	var out2 bytes.Buffer
+	a := newApp(&out2, io.Discard, func(string) string { return "" })
+	a.printRecord(&dlq.Record{Ref: "0:1", Value: []byte("{}"), Headers: []dlq.Header{{Key: consumer.HeaderEventID, Value: "e-1\tforged"}}}, false)
+	assert.Contains(t, out2.String(), `"e-1\tforged"`)
+}
+
 // Help shows where a connection comes from (env DATABASE_URL, ...), not
 // the value it has in the environment: the URLs hold passwords, and help
 // output gets pasted into tickets.

@@ -556,11 +556,12 @@ func orDash(s string) string {
 	return safe(s)
 }
 
-// safe returns s as it is when it is printable text on one line, else
-// quoted with escapes, so that a header cannot send control sequences to
-// the terminal.
+// safe returns s as it is when it is printable text on one line without a
+// tab, else quoted with escapes, so that a header cannot send control
+// sequences to the terminal, and cannot start a column of its own in the
+// tables printed with a tabwriter.
 func safe(s string) string {
-	if dlq.Printable([]byte(s)) && !strings.ContainsAny(s, "\r\n") {
+	if dlq.Printable([]byte(s)) && !strings.ContainsAny(s, "\r\n\t") {
 		return s
 	}
 	return strconv.Quote(s)
