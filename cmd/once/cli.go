@@ -88,6 +88,17 @@ func (a *app) run(ctx context.Context, args []string) int {
 		return exitOK
 	}
 	cmd, rest, ok := find(args)
+	if !ok && (len(args) == 1 || strings.HasPrefix(args[1], "-")) && isGroup(args[0]) {
+		// "once dlq": a group of commands, not an unknown one.
+		fmt.Fprintf(a.stderr, "once %s: give one of its commands:\n", args[0])
+		for _, c := range commands() {
+			if strings.HasPrefix(c.name, args[0]+" ") {
+				fmt.Fprintf(a.stderr, "  %-12s %s\n", c.name, c.summary)
+			}
+		}
+		fmt.Fprintf(a.stderr, "Run 'once help %s' for their flags.\n", args[0])
+		return exitUsage
+	}
 	if !ok {
 		fmt.Fprintf(a.stderr, "once: unknown command %q\n\n", strings.Join(args, " "))
 		a.overview(a.stderr)
@@ -95,6 +106,17 @@ func (a *app) run(ctx context.Context, args []string) int {
 	}
 	err := cmd.run(a, ctx, rest)
 	return a.exitCode(cmd, err)
+}
+
+// isGroup reports whether word starts commands of more than one word
+// (dlq).
+func isGroup(word string) bool {
+	for _, c := range commands() {
+		if strings.HasPrefix(c.name, word+" ") {
+			return true
+		}
+	}
+	return false
 }
 
 func find(args []string) (command, []string, bool) {

@@ -844,6 +844,22 @@ func TestListQuotesATabInACell(t *testing.T) {
 	assert.Contains(t, out2.String(), `"e-1\tforged"`)
 }
 
+// "once dlq" alone, or with a word that is none of its subcommands, names
+// the subcommands (exit 2), rather than calling dlq an unknown command.
+func TestDLQWithoutASubcommandNamesThem(t *testing.T) {
+	for _, args := range [][]string{{"dlq"}, {"dlq", "lst"}, {"dlq", "-dlq", "x"}} {
+		code, _, errOut := cli(t, nil, args...)
+		assert.Equal(t, exitUsage, code, "%v", args)
+		assert.NotContains(t, errOut, `unknown command "dlq"`, "%v", args)
+		for _, sub := range []string{"dlq list", "dlq show", "dlq replay"} {
+			assert.Contains(t, errOut, sub, "%v", args)
+		}
+	}
+	code, _, errOut := cli(t, nil, "dlqx")
+	assert.Equal(t, exitUsage, code)
+	assert.Contains(t, errOut, `unknown command "dlqx"`)
+}
+
 // Help shows where a connection comes from (env DATABASE_URL, ...), not
 // the value it has in the environment: the URLs hold passwords, and help
 // output gets pasted into tickets.
