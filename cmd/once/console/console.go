@@ -165,7 +165,10 @@ type page struct {
 	AllowReplay bool
 	Queues      []queueRef
 	Error       string
-	Data        any
+	// Back, on an error page, is the listing the failed request was
+	// asked from, "" when none.
+	Back string
+	Data any
 }
 
 type queueRef struct {
@@ -190,9 +193,14 @@ func (h *Handler) render(w http.ResponseWriter, status int, name string, p page)
 }
 
 func (h *Handler) fail(w http.ResponseWriter, status int, err error) {
+	h.failBack(w, status, err, "")
+}
+
+// failBack is fail with a link back to the listing back.
+func (h *Handler) failBack(w http.ResponseWriter, status int, err error, back string) {
 	h.cfg.Logger.Warn("once console: request failed", "error", err)
 	p := h.page("Error", nil)
-	p.Error = err.Error()
+	p.Error, p.Back = err.Error(), back
 	h.render(w, status, "error.html", p)
 }
 
@@ -686,19 +694,20 @@ func (h *Handler) record(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	ref := r.FormValue("ref")
+	back := backTo(r.FormValue("back"), i)
 	ctx, cancel := h.ctx(r)
 	defer cancel()
 	recs, err := h.collect(ctx, i, dlq.Filter{Refs: []string{ref}})
 	if err != nil {
-		h.fail(w, brokerStatus(err), err)
+		h.failBack(w, brokerStatus(err), err, back)
 		return
 	}
 	if len(recs) == 0 {
-		h.fail(w, http.StatusNotFound, fmt.Errorf("no record %q in %s (replayed and removed, or never there)", ref, q.Name()))
+		h.failBack(w, http.StatusNotFound, fmt.Errorf("no record %q in %s (replayed and removed, or never there)", ref, q.Name()), back)
 		return
 	}
 	rec := recs[0]
-	d := recordData{Queue: queueRef{i, q.Name()}, Row: toRow(rec), Back: backTo(r.FormValue("back"), i)}
+	d := recordData{Queue: queueRef{i, q.Name()}, Row: toRow(rec), Back: back}
 	if dlq.Printable(rec.Value) {
 		d.Text = string(rec.Value)
 	} else {
@@ -775,18 +784,19 @@ func (h *Handler) replay(w http.ResponseWriter, r *http.Request) {
 		h.fail(w, http.StatusNotFound, err)
 		return
 	}
+	back := backTo(r.PostFormValue("back"), i)
 	refs := slices.Compact(slices.Sorted(slices.Values(r.PostForm["ref"])))
 	if len(refs) == 0 {
-		h.fail(w, http.StatusBadRequest, errors.New("no record selected"))
+		h.failBack(w, http.StatusBadRequest, errors.New("no record selected"), back)
 		return
 	}
 	ctx, cancel := h.ctx(r)
 	defer cancel()
-	d := replayData{Queue: queueRef{i, q.Name()}, Refs: refs, Back: backTo(r.PostFormValue("back"), i)}
+	d := replayData{Queue: queueRef{i, q.Name()}, Refs: refs, Back: back}
 	if r.PostFormValue("confirm") != "yes" {
 		recs, err := h.collect(ctx, i, dlq.Filter{Refs: refs})
 		if err != nil {
-			h.fail(w, brokerStatus(err), err)
+			h.failBack(w, brokerStatus(err), err, back)
 			return
 		}
 		for _, rec := range recs {
@@ -810,14 +820,14 @@ func (h *Handler) replay(w http.ResponseWriter, r *http.Request) {
 			err = fmt.Errorf("the replay did not finish: %w; it stops, "+
 				"and the log says what it replayed (replayed again, a record is deduplicated)", err)
 		}
-		h.fail(w, brokerStatus(err), err)
+		h.failBack(w, brokerStatus(err), err, back)
 		return
 	}
 	if rerr != nil {
 		if ctx.Err() != nil {
 			rerr = h.stopped(ctx, q)
 		}
-		h.fail(w, brokerStatus(rerr), fmt.Errorf("replay stopped after %d records: %w", rep.Replayed, rerr))
+		h.failBack(w, brokerStatus(rerr), fmt.Errorf("replay stopped after %d records: %w", rep.Replayed, rerr), back)
 		return
 	}
 	d.Report = &rep

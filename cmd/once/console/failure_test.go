@@ -2,6 +2,7 @@ package console_test
 
 import (
 	"context"
+	"io"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -236,4 +237,32 @@ func TestNewRefusesANilQueue(t *testing.T) {
 	_, err := console.New(console.Config{Queues: []dlq.Queue{dl, nil}, Logger: testenv.Logger()})
 	require.Error(t, err)
 	assert.Contains(t, err.Error(), "Queues[1]")
+}
+
+// A replay that fails (the broker down) leads back to the listing it was
+// asked from, its filter kept, as a replay that succeeds does; so does a
+// selection of nothing, and the page of a record that is gone.
+func TestFailedReplayLeadsBackToItsListing(t *testing.T) {
+	q, err := dlq.NewKafka(dlq.KafkaConfig{Brokers: []string{"127.0.0.1:1"}, Topic: "orders.dlq", Sarama: testenv.Sarama()})
+	require.NoError(t, err)
+	h, err := console.New(console.Config{Queues: []dlq.Queue{q}, AllowReplay: true, Logger: testenv.Logger()})
+	require.NoError(t, err)
+	srv := httptest.NewServer(h)
+	t.Cleanup(srv.Close)
+	const page = "dlq?q=0&kind=handler&after=0%3A7"
+	for _, form := range []url.Values{
+		{"q": {"0"}, "ref": {"0:8"}, "back": {page}, "confirm": {"yes"}},
+		{"q": {"0"}, "ref": {"0:8"}, "back": {page}},
+		{"q": {"0"}, "back": {page}},
+	} {
+		resp, err := http.PostForm(srv.URL+"/replay", form)
+		require.NoError(t, err)
+		b, err := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		require.NoError(t, err)
+		assert.GreaterOrEqual(t, resp.StatusCode, 400, "%v", form)
+		assert.Equal(t, page, link(string(b), "back"), "%v: %s", form, b)
+	}
+	_, body := serve(t, h, "/record?q=0&ref=0:8&back="+url.QueryEscape(page))
+	assert.Equal(t, page, link(body, "back"), "the record page that failed: %s", body)
 }
