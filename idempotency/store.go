@@ -66,7 +66,12 @@ type Beginner interface {
 // table's schema, in one transaction under the advisory lock every
 // migration of the library takes; it is safe to call on every start and
 // from many processes at once, and it refuses a schema a newer release
-// migrated. The schema must exist.
+// migrated. The schema must exist. A table of the name that exists
+// already (another library's, one made by hand) is checked, not changed:
+// Migrate fails with an error wrapping ErrSchemaMismatch, naming each
+// difference, when it lacks a column the middleware needs, has one it
+// cannot leave out, or has no unique key that tells every (scope,
+// idempotency_key) apart.
 func Migrate(ctx context.Context, db Beginner, schema string) error {
 	series, err := newSeries(schema)
 	if err != nil {
@@ -104,6 +109,10 @@ func newSeries(schema string) (*migrate.Series, error) {
 			}
 			return 0, err
 		},
+		// Any table of the name was adopted as version 1 or left as it
+		// was by CREATE TABLE IF NOT EXISTS: it must be one the claim
+		// can rely on.
+		Verify: func(ctx context.Context, tx pgx.Tx) error { return checkTable(ctx, tx, qualified(schema)) },
 	}, nil
 }
 

@@ -1,0 +1,158 @@
+package idempotency
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// ErrSchemaMismatch is wrapped by Migrate's error when a table of the name
+// exists with another shape than the middleware needs (another library's
+// table, or one made by hand): the error names each difference.
+var ErrSchemaMismatch = errors.New("idempotency: table has another shape")
+
+// keyColumn is a column of the table, with its type as format_type prints
+// it.
+type keyColumn struct{ name, typ string }
+
+// keyColumns are the columns the middleware writes or reads.
+var keyColumns = []keyColumn{
+	{"scope", "text"}, {"idempotency_key", "text"}, {"fingerprint", "bytea"}, {"method", "text"}, {"path", "text"},
+	{"status", "integer"}, {"header", "jsonb"}, {"body", "bytea"}, {"expires_at", "timestamp with time zone"},
+}
+
+// checkTable verifies that table (quoted, maybe qualified) has the columns
+// the middleware needs, no other column an insert cannot leave out, and a
+// key that tells every (scope, idempotency_key) apart: a primary key or
+// unique index on exactly those columns, valid, immediate and without a
+// predicate, under deterministic collations. The claim's ON CONFLICT names
+// that key; a key under a collation that folds case takes the scopes
+// "Alice" and "alice" for one, and replays one client's responses to the
+// other. It returns nil or an error wrapping ErrSchemaMismatch that names
+// every difference.
+func checkTable(ctx context.Context, tx pgx.Tx, table string) error {
+	diffs, err := tableDiffs(ctx, tx, table)
+	if err != nil {
+		return fmt.Errorf("idempotency: checking %s: %w", table, err)
+	}
+	if len(diffs) == 0 {
+		return nil
+	}
+	return fmt.Errorf("%w: %s is not the table this library needs (another library's, or made by hand?): %s",
+		ErrSchemaMismatch, table, strings.Join(diffs, "; "))
+}
+
+func tableDiffs(ctx context.Context, tx pgx.Tx, table string) ([]string, error) {
+	type column struct {
+		typ                      string
+		required, hasDflt, folds bool
+	}
+	rows, err := tx.Query(ctx, `SELECT a.attname::text, format_type(a.atttypid, a.atttypmod), a.attnotnull, a.atthasdef,
+	NOT coalesce(c.collisdeterministic, true)
+FROM pg_attribute a LEFT JOIN pg_collation c ON c.oid = a.attcollation
+WHERE a.attrelid = to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped`, table)
+	if err != nil {
+		return nil, err
+	}
+	have := map[string]column{}
+	var (
+		name string
+		c    column
+	)
+	if _, err := pgx.ForEachRow(rows, []any{&name, &c.typ, &c.required, &c.hasDflt, &c.folds}, func() error {
+		have[name] = c
+		return nil
+	}); err != nil {
+		return nil, err
+	}
+	if len(have) == 0 {
+		return []string{"it does not exist, or has no columns"}, nil
+	}
+	var diffs []string
+	needed := map[string]bool{}
+	for _, w := range keyColumns {
+		needed[w.name] = true
+		h, ok := have[w.name]
+		switch {
+		case !ok:
+			diffs = append(diffs, fmt.Sprintf("column %s (%s) is missing", w.name, w.typ))
+			continue
+		case h.typ != w.typ:
+			diffs = append(diffs, fmt.Sprintf("column %s is %s, want %s", w.name, h.typ, w.typ))
+		}
+		switch w.name {
+		case "scope", "idempotency_key":
+			if h.folds {
+				diffs = append(diffs, fmt.Sprintf("column %s has a nondeterministic collation: its lookups take distinct %ss for one", w.name, w.name))
+			}
+		case "status", "header", "body":
+			// The claim leaves them to their defaults, and reads status.
+			if !h.hasDflt && (h.required || w.name == "status") {
+				diffs = append(diffs, fmt.Sprintf("column %s has no default, and the claim does not write it", w.name))
+			}
+		}
+	}
+	var extra []string
+	for name, h := range have {
+		if !needed[name] && h.required && !h.hasDflt {
+			extra = append(extra, name)
+		}
+	}
+	slices.Sort(extra)
+	for _, name := range extra {
+		diffs = append(diffs, fmt.Sprintf("column %s is NOT NULL without a default, and the middleware does not write it", name))
+	}
+
+	// The unique indexes: whether one is the key, and which take distinct
+	// (scope, idempotency_key) for one or cannot arbitrate the claim.
+	written := make([]string, len(keyColumns))
+	for i, c := range keyColumns {
+		written[i] = c.name
+	}
+	var (
+		key               bool
+		folding, deferred []string
+	)
+	err = tx.QueryRow(ctx, `WITH ix AS (
+	SELECT i.indexrelid AS oid, ic.relname::text AS name, i.indisvalid AND i.indimmediate AND i.indpred IS NULL AND i.indexprs IS NULL AS plain,
+	       i.indimmediate AS immediate, i.indpred IS NULL AS total, k.*
+	FROM pg_index i JOIN pg_class ic ON ic.oid = i.indexrelid,
+	LATERAL (
+		SELECT count(DISTINCT a.attname) FILTER (WHERE a.attname IN ('scope', 'idempotency_key')) AS key_cols,
+		       count(*) AS cols,
+		       bool_or(a.attname IN ('scope', 'idempotency_key') AND NOT coalesce(c.collisdeterministic, true)) AS folds,
+		       coalesce(bool_and(a.attname = ANY($2::text[])), true) AS written
+		FROM unnest(i.indkey::int2[], i.indcollation::oid[]) WITH ORDINALITY AS k(attnum, coll, ord)
+		LEFT JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
+		LEFT JOIN pg_collation c ON c.oid = k.coll
+		WHERE k.ord <= i.indnkeyatts
+	) k
+	WHERE i.indrelid = to_regclass($1) AND i.indisunique
+)
+SELECT
+	EXISTS (SELECT 1 FROM ix WHERE plain AND key_cols = 2 AND cols = 2 AND NOT folds),
+	coalesce((SELECT array_agg(name ORDER BY name) FROM ix WHERE folds OR (key_cols < 2 AND written AND NOT EXISTS (
+		-- the columns its expressions and predicate read
+		SELECT 1 FROM pg_depend d JOIN pg_attribute a ON a.attrelid = d.refobjid AND a.attnum = d.refobjsubid
+		WHERE d.classid = 'pg_class'::regclass AND d.objid = ix.oid AND d.refobjid = to_regclass($1)
+		  AND d.refobjsubid > 0 AND a.attname <> ALL($2::text[])))), '{}'),
+	coalesce((SELECT array_agg(name ORDER BY name) FROM ix WHERE NOT immediate AND total AND key_cols = 2 AND cols = 2), '{}')`,
+		table, written).Scan(&key, &folding, &deferred)
+	if err != nil {
+		return nil, err
+	}
+	if !key {
+		diffs = append(diffs, "no primary key or unique index on (scope, idempotency_key), valid, not deferrable, without a predicate and under deterministic collations: the claim's ON CONFLICT needs it")
+	}
+	for _, name := range folding {
+		diffs = append(diffs, fmt.Sprintf("unique index %s takes distinct (scope, idempotency_key) for one: its key needs both columns, each under a deterministic collation", name))
+	}
+	for _, name := range deferred {
+		diffs = append(diffs, fmt.Sprintf("unique index %s is deferrable: the claim's ON CONFLICT cannot use it", name))
+	}
+	return diffs, nil
+}
