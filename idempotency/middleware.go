@@ -315,7 +315,20 @@ func (m *Middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 	}
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), finishTimeout)
 	defer cancel()
-	_, err := tx.Exec(ctx, m.sql.saveResponse, c.scope, c.key, status, rec.storedHeader(m.cfg.StoredHeaders), rec.body.Bytes())
+	tag, err := tx.Exec(ctx, m.sql.saveResponse, c.scope, c.key, status, rec.storedHeader(m.cfg.StoredHeaders), rec.body.Bytes())
+	if err == nil && tag.RowsAffected() != 1 {
+		// The claim is gone: the handler ended the transaction with SQL
+		// of its own (ROLLBACK; Rollback refuses), or deleted the key's
+		// row. Nothing records the key, so the answer must not be a
+		// success that a retry would run again.
+		m.rollback(r.Context(), tx)
+		m.cfg.Logger.Error("idempotency: the key's claim was gone when the response was to be stored: "+
+			"the handler ended the request's transaction (ROLLBACK) or deleted the key's row; nothing records the key",
+			"path", r.URL.Path, "status", status)
+		problem(w, http.StatusInternalServerError, "Transaction ended by the handler",
+			"The request's transaction ended before its response could be stored; its outcome is not recorded.")
+		return
+	}
 	if err == nil {
 		err = tx.Commit(ctx)
 	}

@@ -23,7 +23,9 @@ type requestState struct {
 // middleware, or nil for any other context. The handler writes its effects
 // in it; the middleware claims the key in it and commits it, with the
 // response, after the handler returns (or rolls it back: see
-// Config.Store). Its Commit and Rollback return ErrTxOwned. Use it from
+// Config.Store). Its Commit and Rollback return ErrTxOwned; a handler
+// that ends it with SQL of its own (ROLLBACK) loses the key's claim, and
+// its response is replaced by a 500, since nothing records it. Use it from
 // the handler's goroutine only, and only until the handler returns: a
 // pgx.Tx is not safe for concurrent use.
 func Tx(ctx context.Context) pgx.Tx {
