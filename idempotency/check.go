@@ -26,7 +26,8 @@ var keyColumns = []keyColumn{
 }
 
 // checkTable verifies that table (quoted, maybe qualified) has the columns
-// the middleware needs, no other column an insert cannot leave out, and a
+// the middleware needs, no other column an insert cannot leave out, is
+// logged (partitions included), and has a
 // key that tells every (scope, idempotency_key) apart: a primary key or
 // unique index on exactly those columns, valid, immediate and without a
 // predicate, under deterministic collations. The claim's ON CONFLICT names
@@ -95,6 +96,20 @@ WHERE a.attrelid = to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped`, tab
 				diffs = append(diffs, fmt.Sprintf("column %s has no default, and the claim does not write it", w.name))
 			}
 		}
+	}
+	// Every row must outlive a crash: PostgreSQL empties an unlogged
+	// table (or partition) when it recovers, and a standby has none of
+	// its rows, so every stored key would be forgotten.
+	var transient string
+	if err := tx.QueryRow(ctx, `SELECT coalesce(string_agg(c.oid::regclass::text, ', ' ORDER BY c.oid::regclass::text), '')
+FROM pg_class c WHERE (c.oid = to_regclass($1) OR c.oid IN (SELECT relid FROM pg_partition_tree(to_regclass($1))))
+  AND c.relpersistence <> 'p'`,
+		table).Scan(&transient); err != nil {
+		return nil, err
+	}
+	if transient != "" {
+		diffs = append(diffs, fmt.Sprintf("%s is unlogged (or temporary): PostgreSQL empties it when it recovers from a crash, "+
+			"and a standby has none of its rows, so the stored keys would be forgotten and their requests run again", transient))
 	}
 	var extra []string
 	for name, h := range have {

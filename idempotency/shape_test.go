@@ -6,10 +6,12 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/onceco/once/idempotency"
+	"github.com/onceco/once/internal/pgtemp"
 	"github.com/onceco/once/internal/pgtest"
 )
 
@@ -114,6 +116,12 @@ func TestMigrateChecksTheTablesShape(t *testing.T) {
 		ddl:   strings.Replace(keysDDL, "expires_at      timestamptz", "expires_at timestamp", 1),
 		diffs: []string{"column expires_at is timestamp without time zone, want timestamp with time zone"},
 	}, {
+		name: "an unlogged partition",
+		ddl: keysDDL + ` PARTITION BY LIST (scope);
+CREATE TABLE idempotency_keys_a PARTITION OF idempotency_keys FOR VALUES IN ('a');
+CREATE UNLOGGED TABLE idempotency_keys_rest PARTITION OF idempotency_keys DEFAULT`,
+		diffs: []string{"idempotency_keys_rest is unlogged"},
+	}, {
 		name: "columns and keys of the user's own",
 		ddl: strings.Replace(keysDDL, "expires_at      timestamptz NOT NULL,", "expires_at timestamptz NOT NULL, id bigserial UNIQUE, tenant text, note text COLLATE ci,", 1) +
 			`; CREATE UNIQUE INDEX keys_tenant ON idempotency_keys (scope, idempotency_key, tenant)`,
@@ -137,4 +145,44 @@ func TestMigrateChecksTheTablesShape(t *testing.T) {
 				"nothing recorded")
 		})
 	}
+}
+
+// An unlogged table of the name (made so to spare WAL: "it only holds
+// keys") was adopted as it was. PostgreSQL empties an unlogged table when
+// it recovers from a crash (and a standby has none of its rows): every
+// stored key was forgotten, and the retry of a request that had committed
+// its effect ran it again. Migrate refuses such a table now.
+func TestMigrateRefusesAnUnloggedTable(t *testing.T) {
+	ctx := context.Background()
+	// Durable: what a commit was answered for survives the crash.
+	srv, err := pgtemp.Start(ctx, pgtemp.Options{Durable: true})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = srv.Close() })
+	pool, err := pgxpool.New(ctx, srv.URL())
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	_, err = pool.Exec(ctx, strings.Replace(keysDDL, "CREATE TABLE", "CREATE UNLOGGED TABLE", 1)+
+		`; CREATE TABLE effects (id bigserial PRIMARY KEY, key text NOT NULL, body text NOT NULL)`)
+	require.NoError(t, err)
+
+	err = idempotency.Migrate(ctx, pool, "")
+	if err == nil {
+		// What the adopted table does.
+		s := serve(t, pool, "", idempotency.Config{}, http.HandlerFunc(insertEffect))
+		first := s.post("/orders", "k", "b")
+		require.Equal(t, http.StatusCreated, first.status, first.body)
+		pool.Close()
+		require.NoError(t, srv.Crash(ctx))
+		require.NoError(t, srv.Restart(ctx))
+		after, err := pgxpool.New(ctx, srv.URL())
+		require.NoError(t, err)
+		t.Cleanup(after.Close)
+		s = serve(t, after, "", idempotency.Config{}, http.HandlerFunc(insertEffect))
+		again := s.post("/orders", "k", "b")
+		assert.True(t, again.replayed(), "the retry after the crash ran again: %d %s", again.status, again.body)
+		assert.Equal(t, 1, count(t, after, `SELECT count(*) FROM effects`), "the effects")
+		t.Fatal("Migrate adopted an unlogged table")
+	}
+	require.ErrorIs(t, err, idempotency.ErrSchemaMismatch)
+	assert.Contains(t, err.Error(), "is unlogged")
 }

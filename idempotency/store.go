@@ -70,8 +70,8 @@ type Beginner interface {
 // already (another library's, one made by hand) is checked, not changed:
 // Migrate fails with an error wrapping ErrSchemaMismatch, naming each
 // difference, when it lacks a column the middleware needs, has one it
-// cannot leave out, or has no unique key that tells every (scope,
-// idempotency_key) apart.
+// cannot leave out, is unlogged (a crash would empty it), or has no unique
+// key that tells every (scope, idempotency_key) apart.
 func Migrate(ctx context.Context, db Beginner, schema string) error {
 	series, err := newSeries(schema)
 	if err != nil {

@@ -132,6 +132,13 @@ func (s *Server) Stop(ctx context.Context) error {
 	return s.run(ctx, "pg_ctl", "-D", s.dataDir(), "-m", "fast", "-w", "-t", "60", "stop")
 }
 
+// Crash stops the server as a crash would (immediate mode: no checkpoint,
+// and recovery from the WAL at the next start, which empties unlogged
+// tables). Restart brings it back.
+func (s *Server) Crash(ctx context.Context) error {
+	return s.run(ctx, "pg_ctl", "-D", s.dataDir(), "-m", "immediate", "-w", "-t", "60", "stop")
+}
+
 // Close stops the server if it runs and removes its directory.
 func (s *Server) Close() error {
 	if s.watchdog != nil {
