@@ -315,7 +315,13 @@ func (m *Middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 	}
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), finishTimeout)
 	defer cancel()
-	tag, err := tx.Exec(ctx, m.sql.saveResponse, c.scope, c.key, status, rec.storedHeader(m.cfg.StoredHeaders), rec.body.Bytes())
+	// A body never written is nil, which pgx sends as NULL: the column
+	// takes an empty body, not none (a 204 is stored like any response).
+	body := rec.body.Bytes()
+	if body == nil {
+		body = []byte{}
+	}
+	tag, err := tx.Exec(ctx, m.sql.saveResponse, c.scope, c.key, status, rec.storedHeader(m.cfg.StoredHeaders), body)
 	if err == nil && tag.RowsAffected() != 1 {
 		// The claim is gone: the handler ended the transaction with SQL
 		// of its own (ROLLBACK; Rollback refuses), or deleted the key's
