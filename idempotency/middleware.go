@@ -190,6 +190,10 @@ func (m *Middleware) serveWithKey(w http.ResponseWriter, r *http.Request, next h
 		m.infrastructureFailure(w, r, "claiming the key", err)
 		return
 	case !won:
+		// The transaction only read: it ends before the answer, which a
+		// slow client may take long to read, so that it holds no pool
+		// connection meanwhile.
+		m.rollback(ctx, tx)
 		m.answerFromStore(w, r, c, prev)
 		return
 	}
