@@ -290,10 +290,7 @@ func (m *Middleware) answerFromStore(w http.ResponseWriter, r *http.Request, c c
 			"This "+m.cfg.Header+" was used for a different request; use a new key for a new request.")
 		return
 	}
-	header := prev.header.Clone()
-	if header == nil {
-		header = make(http.Header)
-	}
+	header := loadedHeader(prev.header)
 	header.Set(ReplayedHeader, "true")
 	send(w, header, prev.status, prev.body)
 }

@@ -2,8 +2,12 @@ package idempotency
 
 import (
 	"bytes"
+	"encoding/base64"
 	"errors"
 	"net/http"
+	"slices"
+	"strings"
+	"unicode/utf8"
 )
 
 // ErrResponseTooLarge is returned by the response writer's Write when the
@@ -56,15 +60,53 @@ func (r *recorder) finalStatus() int {
 	return r.status
 }
 
-// storedHeader returns the headers among names that the response carries.
+// rawHeaderPrefix starts the name under which a stored header's values
+// are kept base64-encoded: the headers are stored as JSON, whose strings
+// cannot hold the bytes of a value that is not UTF-8 (HTTP allows obs-text,
+// 0x80 to 0xFF). No header name holds a ':', so no header can take it.
+const rawHeaderPrefix = "once:base64:"
+
+// storedHeader returns the headers among names that the response carries,
+// in the form they are stored in (see rawHeaderPrefix).
 func (r *recorder) storedHeader(names []string) http.Header {
 	h := make(http.Header, len(names))
 	for _, name := range names {
-		if v := r.header.Values(name); len(v) > 0 {
-			h[http.CanonicalHeaderKey(name)] = v
+		v := r.header.Values(name)
+		if len(v) == 0 {
+			continue
 		}
+		name = http.CanonicalHeaderKey(name)
+		if slices.IndexFunc(v, func(s string) bool { return !utf8.ValidString(s) }) < 0 {
+			h[name] = v
+			continue
+		}
+		raw := make([]string, len(v))
+		for i, s := range v {
+			raw[i] = base64.StdEncoding.EncodeToString([]byte(s))
+		}
+		h[rawHeaderPrefix+name] = raw
 	}
 	return h
+}
+
+// loadedHeader returns the headers stored as h, decoded.
+func loadedHeader(h http.Header) http.Header {
+	out := make(http.Header, len(h)+1)
+	for name, v := range h {
+		plain, ok := strings.CutPrefix(name, rawHeaderPrefix)
+		if !ok {
+			out[name] = v
+			continue
+		}
+		decoded := make([]string, 0, len(v))
+		for _, s := range v {
+			if b, err := base64.StdEncoding.DecodeString(s); err == nil {
+				decoded = append(decoded, string(b))
+			}
+		}
+		out[plain] = decoded
+	}
+	return out
 }
 
 // send writes a response to w.
