@@ -165,12 +165,12 @@ type Config struct {
 
 	// CloseTimeout bounds Close: the final offset commit, leaving the
 	// group, and dead-letter copies still being written. Past it, Close
-	// returns an error and leaves the clients to finish closing in the
-	// background: offsets marked since the last periodic commit are then
-	// not committed (their records are delivered again and skipped as
-	// duplicates), and an unfinished dead-letter copy may or may not be
-	// written (its record was not acked, so it is handled again). Default
-	// DefaultCloseTimeout.
+	// returns an error wrapping ErrCloseTimeout and leaves the clients to
+	// finish closing in the background: offsets marked since the last
+	// periodic commit are then not committed (their records are delivered
+	// again and skipped as duplicates), and an unfinished dead-letter copy
+	// may or may not be written (its record was not acked, so it is
+	// handled again). Default DefaultCloseTimeout.
 	CloseTimeout time.Duration
 
 	// ReconnectMinBackoff and ReconnectMaxBackoff pace the retries of Open

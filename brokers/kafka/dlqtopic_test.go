@@ -142,6 +142,7 @@ func TestShutdownBoundedWhenDeadLetterHangs(t *testing.T) {
 		select {
 		case err := <-stopped:
 			t.Logf("stopped in %v (%v)", time.Since(start), err)
+			assert.ErrorIs(t, err, ErrCloseTimeout, "the Close that did not finish says so, for the caller to tell it apart")
 		case <-time.After(bound):
 			t.Fatalf("shutdown took more than %v with the dead-letter destination hanging", bound)
 		}

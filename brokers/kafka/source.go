@@ -29,6 +29,15 @@ var ErrRevoked = errors.New("kafka: partition revoked")
 // Config.DeadLetter.Create is false.
 var ErrDeadLetterTopicMissing = errors.New("kafka: dead-letter topic does not exist")
 
+// ErrCloseTimeout is returned by Close, wrapped, when closing did not finish
+// within Config.CloseTimeout (a group rebalance or a broker that does not
+// answer can hold the final commit and the group's leave). Nothing is lost:
+// offsets marked since the last periodic commit may not be committed, so
+// their records are delivered again and skipped as duplicates. A service
+// may log it and exit as after a clean stop; consumer.Consumer.Run returns
+// it wrapped.
+var ErrCloseTimeout = errors.New("kafka: Close did not finish within Config.CloseTimeout")
+
 // Source is a consumer.Source reading a Kafka consumer group. Create it with
 // Open and hand it to consumer.New, which calls Receive from one
 // goroutine and Close once when it stops. The Ack and DeadLetter methods of
@@ -369,7 +378,7 @@ func (s *Source) Close() error {
 			// Closing the dead-letter client fails the sends that wait on
 			// it, so that the producer can be closed once they returned.
 			_ = s.dlqClient.Close()
-			s.closeErr = fmt.Errorf("kafka: Close did not finish within Config.CloseTimeout (%v): offsets marked since the last commit may not be committed", s.cfg.CloseTimeout)
+			s.closeErr = fmt.Errorf("%w (%v): offsets marked since the last commit may not be committed", ErrCloseTimeout, s.cfg.CloseTimeout)
 		}
 	})
 	return s.closeErr

@@ -38,6 +38,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/onceco/once/brokers/kafka"
 	"github.com/onceco/once/consumer"
 	"github.com/onceco/once/internal/pgtemp"
 )
@@ -458,7 +459,40 @@ func serve(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 		fmt.Fprintf(stdout, "shipping stopped: received %d, handled %d, duplicates skipped %d, dead-lettered %d\n",
 			s.Received, s.Handled, s.Duplicates, s.DeadLettered)
 	}
+	if err != nil && onlyCloseTimeouts(err) {
+		// Everything was handled or left unacked; the Kafka clients took
+		// longer than CloseTimeout to commit and leave the group (a
+		// rebalance in progress). The records of offsets not committed
+		// are delivered again and skipped as duplicates: a clean stop.
+		fmt.Fprintln(stderr, "order-processor: stopped; note:", err)
+		return nil
+	}
 	return err
+}
+
+// onlyCloseTimeouts reports whether every error that err joins or wraps
+// ends in kafka.ErrCloseTimeout, which loses nothing.
+func onlyCloseTimeouts(err error) bool {
+	if err == kafka.ErrCloseTimeout {
+		return true
+	}
+	switch e := err.(type) {
+	case interface{ Unwrap() []error }:
+		n := 0
+		for _, inner := range e.Unwrap() {
+			if inner == nil {
+				continue
+			}
+			if !onlyCloseTimeouts(inner) {
+				return false
+			}
+			n++
+		}
+		return n > 0
+	case interface{ Unwrap() error }:
+		return onlyCloseTimeouts(e.Unwrap())
+	}
+	return false
 }
 
 // publisher publishes generated traffic to the broker.

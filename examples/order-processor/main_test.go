@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
 	"regexp"
@@ -16,6 +17,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/onceco/once/brokers/kafka"
 	"github.com/onceco/once/internal/pgtest"
 )
 
@@ -222,4 +224,32 @@ func TestOpenPoolUsesTheSchemaAsNamed(t *testing.T) {
 	var where string
 	require.NoError(t, pool.QueryRow(ctx, `SELECT table_schema FROM information_schema.tables WHERE table_name = 'orders' AND table_schema = $1`,
 		schema).Scan(&where), "the orders table is in schema %q", schema)
+}
+
+// A serve whose only error is the Kafka source's Close running past its
+// CloseTimeout (nothing lost: the records of offsets not committed come
+// again and are skipped) stops cleanly; any other error beside it does not.
+func TestOnlyCloseTimeoutsIsACleanStop(t *testing.T) {
+	timeout := fmt.Errorf("%w (10s): offsets marked since the last commit may not be committed", kafka.ErrCloseTimeout)
+	closing := fmt.Errorf("once: closing source: %w", timeout)
+	other := errors.New("once: database unreachable")
+	for _, c := range []struct {
+		name string
+		err  error
+		want bool
+	}{
+		{"close timeout alone", closing, true},
+		{"joined with nothing else", errors.Join(nil, closing), true},
+		{"beside the shipping consumer's close timeout", errors.Join(closing, fmt.Errorf("shipping: %w", closing)), true},
+		{"beside another error", errors.Join(other, closing), false},
+		{"another error wrapping both", fmt.Errorf("run: %w", errors.Join(closing, other)), false},
+		{"another error", other, false},
+		{"no error", nil, false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			if got := onlyCloseTimeouts(c.err); got != c.want {
+				t.Errorf("onlyCloseTimeouts(%v) = %v, want %v", c.err, got, c.want)
+			}
+		})
+	}
 }
