@@ -767,6 +767,51 @@ func TestHandlerEndingTheBatchTransactionLosesNoNeighbour(t *testing.T) {
 	}
 }
 
+// A handler in a batch that ends the consumer's transaction with a
+// statement of its own (COMMIT, END, ROLLBACK, ABORT through tx.Exec) is
+// dead-lettered, and every other message of its batch has its effect once:
+// the claims a raw COMMIT made durable before their handlers ran are not
+// taken for a finished handling.
+func TestHandlerEndingTheBatchTransactionWithSQLLosesNoNeighbour(t *testing.T) {
+	for _, end := range []string{"COMMIT", "END", "ROLLBACK", "ABORT"} {
+		t.Run(end, func(t *testing.T) {
+			pool, _ := pgtest.Schema(t)
+			effects(t, pool)
+			b := memsource.New(memsource.Options{Streams: 1})
+			for i := range 6 {
+				publish(b, fmt.Sprintf("e%d", i), i)
+			}
+			h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+				if err := insertEffect(ctx, tx, ev); err != nil {
+					return err
+				}
+				if ev.ID != "e2" {
+					return nil
+				}
+				_, err := tx.Exec(ctx, end)
+				return err
+			}
+			c, err := consumer.New(pool, b.Source(), h, fastConfig("ends-tx-sql-"+strings.ToLower(end)))
+			require.NoError(t, err)
+			start(t, c)
+			require.Eventually(t, func() bool { return b.Acked() == 6 }, 10*time.Second, 5*time.Millisecond)
+			got := countEffects(t, pool)
+			if end == "COMMIT" || end == "END" {
+				// Its own COMMIT made its writes durable; nothing can take
+				// them back.
+				delete(got, "e2")
+			}
+			assert.Equal(t, map[string]int{"e0": 1, "e1": 1, "e3": 1, "e4": 1, "e5": 1}, got,
+				"every other message of the batch has its effect once")
+			dl := b.DeadLetters()
+			require.Len(t, dl, 1)
+			assert.Equal(t, "e2", dl[0].Headers[consumer.HeaderEventID])
+			assert.Equal(t, string(consumer.KindHandler), dl[0].Headers[consumer.HeaderErrorKind])
+			assert.Contains(t, dl[0].Headers[consumer.HeaderErrorMessage], "transaction")
+		})
+	}
+}
+
 // failingAck wraps a source so that every Ack fails without acking.
 type failingAck struct{ consumer.Source }
 

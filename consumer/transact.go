@@ -203,12 +203,27 @@ func (p *pipeline) runHandlers(ctx context.Context, tx pgx.Tx, jobs []*job, res 
 			// A statement queued by this or an earlier event failed.
 			return p.handlerFailure(ctx, tx, jobs, f.owner, f.err), true
 		}
+		broken := qtx.broken()
+		if errors.Is(broken, pgx.ErrTxClosed) {
+			// It ended the transaction with a statement of its own
+			// (COMMIT, END, ROLLBACK, ABORT): whatever it returned, that
+			// is its failure. A COMMIT made the claims of the messages
+			// after it durable before their handlers ran; they are taken
+			// back, so that those messages run again instead of being
+			// skipped as duplicates. (The messages before it, whose
+			// effects that COMMIT made durable with their claims, are
+			// duplicates when they run again.)
+			err = brokenTxError(broken)
+			if rerr := p.releaseClaims(ctx, tx, jobs[i+1:], res[i+1:]); rerr != nil {
+				return txResult{outcome: txAbandoned, err: rerr, failed: -1}, true
+			}
+		}
 		if err == nil {
 			// It may have left the transaction unable to go on: aborted
-			// by a statement whose error it swallowed, ended, or its
-			// connection busy with rows it never closed. That is its
-			// failure, not that of whatever is sent on tx next.
-			err = brokenTxError(qtx.broken())
+			// by a statement whose error it swallowed, or its connection
+			// busy with rows it never closed. That is its failure, not
+			// that of whatever is sent on tx next.
+			err = brokenTxError(broken)
 		}
 		if err != nil {
 			return p.handlerFailure(ctx, tx, jobs, i, err), true
@@ -218,6 +233,35 @@ func (p *pipeline) runHandlers(ctx context.Context, tx pgx.Tx, jobs []*job, res 
 		return p.handlerFailure(ctx, tx, jobs, f.owner, f.err), true
 	}
 	return p.brokenFailure(ctx, tx, qtx, jobs)
+}
+
+// releaseClaims deletes the claims that the transaction tx was, of jobs
+// (with their claim results res), made: those of a transaction a handler
+// ended with a statement of its own, before the handlers of jobs ran. A
+// handler's ROLLBACK left none, and a COMMIT all of them; the statement is
+// sent outside any transaction on tx's connection, now idle, or, if that
+// fails, on a connection of the pool, retried until the consumer stops (the
+// error then). Jobs deduplicated by their position have no claim row.
+func (p *pipeline) releaseClaims(ctx context.Context, tx pgx.Tx, jobs []*job, res []dedup.Result) error {
+	var ids []string
+	for k, j := range jobs {
+		if res[k].Outcome == dedup.Claimed && j.call != nil && !deduplicatedByPosition(j) {
+			ids = append(ids, j.idt.id)
+		}
+	}
+	if len(ids) == 0 {
+		return nil
+	}
+	sql := `DELETE FROM ` + p.cfg.Store.ProcessedTable() + ` WHERE consumer = $1 AND event_id = ANY($2::text[])`
+	if c := tx.Conn(); c != nil && !c.IsClosed() && c.PgConn().TxStatus() == 'I' {
+		if _, err := c.Exec(ctx, sql, p.cfg.Name, ids); err == nil {
+			return nil
+		}
+	}
+	return p.infra(ctx, "taking back the claims of messages whose handlers had not run", Retry{Messages: len(ids)}, func() error {
+		_, err := p.pool.Exec(ctx, sql, p.cfg.Name, ids)
+		return err
+	})
 }
 
 // brokenFailure is the result when the handlers left tx unable to commit

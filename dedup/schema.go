@@ -177,6 +177,10 @@ func (s *Store) Version(ctx context.Context, db DB) (int, error) {
 	return v, nil
 }
 
+// ProcessedTable returns the qualified, quoted name of the table that
+// holds the claims (Config.Table), for use in SQL text.
+func (s *Store) ProcessedTable() string { return s.names.Table }
+
 // AttemptsTable returns the qualified, quoted name of the table in which
 // the consumer keeps its crash-guard records (Config.Table with the suffix
 // "_attempts"), for use in SQL text.
