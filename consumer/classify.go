@@ -45,6 +45,9 @@ func (c ErrorClass) String() string {
 // or the failure of the commit):
 //
 //   - Permanent's error: ClassPermanent.
+//   - RetryAfter's error: ClassRetry, whatever it wraps (a deadlock or a
+//     serialization failure among them): the handler asked for its next
+//     attempt after a delay, counted against Config.Retry.MaxAttempts.
 //   - A PostgreSQL error whose SQLSTATE says retrying the same work can
 //     succeed: connection exceptions (08), insufficient resources (53),
 //     operator intervention such as an administrator shutdown (57P01-03),
@@ -70,6 +73,7 @@ func (c ErrorClass) String() string {
 // of this.
 func Classify(err error) ErrorClass {
 	var perm *PermanentError
+	var retryAfter *RetryAfterError
 	var pgErr *pgconn.PgError
 	var connectErr *pgconn.ConnectError
 	switch {
@@ -77,6 +81,8 @@ func Classify(err error) ErrorClass {
 		return ClassRetry
 	case errors.As(err, &perm):
 		return ClassPermanent
+	case errors.As(err, &retryAfter):
+		return ClassRetry
 	case errors.As(err, &pgErr):
 		if transientSQLState(pgErr.Code) {
 			return ClassInfrastructure

@@ -234,6 +234,43 @@ func TestRetryAfterAndPermanent(t *testing.T) {
 	assert.Contains(t, dl[0].Headers[consumer.HeaderErrorMessage], "invalid order")
 }
 
+// RetryAfter is the handler's request for another attempt after its delay,
+// counted against MaxAttempts, also around a PostgreSQL error that alone
+// would be an infrastructure failure (a deadlock, a serialization
+// failure): the message is dead-lettered once its attempts are spent,
+// each after the delay it asked for.
+func TestRetryAfterAroundATransientSQLStateCountsAttempts(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	b := memsource.New(memsource.Options{Streams: 1})
+	publish(b, "deadlocked", 1)
+	const wait = 30 * time.Millisecond
+	var mu sync.Mutex
+	var calls []time.Time
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		mu.Lock()
+		calls = append(calls, time.Now())
+		mu.Unlock()
+		_, err := tx.Exec(ctx, `DO $$ BEGIN RAISE EXCEPTION 'deadlock detected' USING ERRCODE = '40P01'; END $$`)
+		require.Error(t, err)
+		return consumer.RetryAfter(wait, err)
+	}
+	c, err := consumer.New(pool, b.Source(), h, fastConfig("retry-after-deadlock"))
+	require.NoError(t, err)
+	start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 1 }, 5*time.Second, 5*time.Millisecond,
+		"the message is dead-lettered after Retry.MaxAttempts")
+	dl := b.DeadLetters()
+	require.Len(t, dl, 1)
+	assert.Equal(t, "3", dl[0].Headers[consumer.HeaderAttempts])
+	assert.Equal(t, "40P01", dl[0].Headers[consumer.HeaderErrorSQLState])
+	mu.Lock()
+	defer mu.Unlock()
+	require.Len(t, calls, 3)
+	for i := 1; i < len(calls); i++ {
+		assert.GreaterOrEqual(t, calls[i].Sub(calls[i-1]), wait, "attempt %d came %v after a RetryAfter(%v)", i+1, calls[i].Sub(calls[i-1]), wait)
+	}
+}
+
 func TestHandlerTimeoutCountsAsFailure(t *testing.T) {
 	pool, _ := pgtest.Schema(t)
 	b := memsource.New(memsource.Options{Streams: 1})
