@@ -85,9 +85,12 @@ func (p *pipeline) runAlone(ctx context.Context, s *settler, j *job, failed *txR
 			s.committed([]*job{j}, r.claims)
 			return
 		case txAbandoned:
-			if errors.Is(r.err, errCrashLoop) {
+			switch {
+			case errors.Is(r.err, errCrashLoop):
 				s.deadLetter(j.ctx, j, crashLoop(j))
-			} else {
+			case errors.Is(r.err, errRunsSpent):
+				s.deadLetter(j.ctx, j, runsSpent(j))
+			default:
 				s.abandon(j)
 			}
 			return

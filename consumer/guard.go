@@ -34,8 +34,10 @@ import (
 // of them as a crash (each is charged one run, which alone never spends
 // Retry.MaxAttempts: the message may not have run), but their marks make
 // each a suspect next time. A message with Config.CrashGuard.MaxCrashes crashes, or
-// whose runs are spent with the last one cut short, is dead-lettered with
-// kind KindCrashLoop.
+// whose runs are spent with some of them cut short, is dead-lettered with
+// kind KindCrashLoop; one whose runs were all spent by failures of its
+// handler (the process ended before dead-lettering it) with kind
+// KindHandler, without another run.
 // Every count is written as a value, not an increment, so a retried write
 // whose first reply was lost counts once.
 type crashGuard struct {
@@ -170,11 +172,15 @@ func (g *crashGuard) read(ctx context.Context, sql string, ids []string) (map[st
 // errCrashLoop says a suspect has crashed the process too often.
 var errCrashLoop = errors.New("crash loop")
 
+// errRunsSpent says a suspect's runs were all spent by failures of its
+// handler, none cut short.
+var errRunsSpent = errors.New("runs spent")
+
 // enter takes the isolation a job's attempt needs: exclusive for a
 // suspect, whose attempt is then recorded durably as a crash until it
 // ends; shared otherwise (j nil or not a suspect). It returns errCrashLoop
-// when the suspect is to be dead-lettered, errStopping or ctx's error;
-// without an error, leave(j) must follow.
+// or errRunsSpent when the suspect is to be dead-lettered, errStopping or
+// ctx's error; without an error, leave(j) must follow.
 func (g *crashGuard) enter(ctx context.Context, j *job) error {
 	if j == nil || !j.guard.suspect {
 		g.isolation.RLock()
@@ -219,13 +225,19 @@ func (g *crashGuard) startAttempt(ctx context.Context, j *job) error {
 		r := records[j.idt.id]
 		j.guard.known, j.guard.crashes, j.guard.runs, j.runs = true, r.crashes, r.runs, max(j.runs, r.runs)
 	}
-	if j.guard.crashes >= g.p.cfg.CrashGuard.MaxCrashes || (j.runs >= g.p.cfg.Retry.MaxAttempts && !j.guard.marked) {
-		// Too many crashes alone, or runs spent, the last of them cut
+	spent := j.runs >= g.p.cfg.Retry.MaxAttempts && !j.guard.marked
+	switch {
+	case j.guard.crashes >= g.p.cfg.CrashGuard.MaxCrashes, spent && j.guard.crashes > 0:
+		// Too many crashes alone, or runs spent, some of them cut
 		// short. The run a shared batch's mark stands for is not enough
 		// alone (it is all of Retry.MaxAttempts 1): the message may
 		// never have run, and a crash of the batch is charged to none of
 		// its messages.
 		return errCrashLoop
+	case spent:
+		// Every run ended in a failure of the handler, the last one in
+		// a process that ended before dead-lettering the message.
+		return errRunsSpent
 	}
 	if err := g.set(ctx, j, j.runs+1, j.guard.crashes+1); err != nil {
 		return err
@@ -237,19 +249,24 @@ func (g *crashGuard) startAttempt(ctx context.Context, j *job) error {
 }
 
 // endAttempt takes back the crash recorded for j's attempt, which ended in
-// this process without committing (a handler failure, a database failure):
-// its run still counts. A record left behind errs on the side of
-// dead-lettering later.
-func (g *crashGuard) endAttempt(ctx context.Context, j *job) {
+// this process without committing. A failed run of the handler (ran) still
+// counts: j.guard.runs counts it (startAttempt wrote it so), which j.runs
+// does not yet, and a process that dies before the next attempt must not
+// take the run with it. An infrastructure failure is no run: the record
+// goes back to its runs from before. A record left behind errs on the side
+// of dead-lettering later.
+func (g *crashGuard) endAttempt(ctx context.Context, j *job, ran bool) {
 	if !j.guard.inFlight {
 		return
 	}
 	j.guard.inFlight = false
+	if !ran {
+		j.guard.runs = j.guard.runsBefore
+	}
 	ctx, cancel := g.p.detached(ctx)
 	defer cancel()
-	if err := g.set(ctx, j, j.runs, j.guard.crashes-1); err == nil {
+	if err := g.set(ctx, j, j.guard.runs, j.guard.crashes-1); err == nil {
 		j.guard.crashes--
-		j.guard.runs = j.runs
 	}
 }
 
@@ -321,6 +338,14 @@ func (g *crashGuard) settled(ctx context.Context, j *job) {
 		g.p.cfg.Telemetry.Logger.DebugContext(ctx, "once: deleting a crash-guard record", "consumer", g.p.cfg.Name,
 			"event_id", j.idt.id, "error", err)
 	}
+}
+
+// runsSpent is the dead letter of a suspect whose runs were all spent by
+// failures of its handler in earlier processes.
+func runsSpent(j *job) *DeadLetter {
+	return &DeadLetter{Kind: KindHandler, Attempts: j.runs,
+		Error: fmt.Sprintf("the handler failed %d times (Retry.MaxAttempts); the process that ran it last ended "+
+			"before dead-lettering it, and the last error is not known", j.runs)}
 }
 
 // crashLoop is the dead letter of a suspect with too many crashes.

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -449,6 +450,164 @@ func TestCrashedRunsCountTowardsMaxAttempts(t *testing.T) {
 	assert.Equal(t, string(consumer.KindCrashLoop), dl.Headers[consumer.HeaderErrorKind])
 	assert.Equal(t, "2", dl.Headers[consumer.HeaderAttempts])
 	assert.Empty(t, stuck, "the handler ran no more than MaxAttempts recorded times")
+}
+
+// A message whose handler fails and whose process dies in every wait
+// before its retry (a goroutine it started kills it a moment later) still
+// spends its runs: each process's run counts once the attempt has ended,
+// so the message is dead-lettered after Retry.MaxAttempts recorded runs. The record
+// used to be put back to its count from before the run when the attempt
+// ended, so a process that died in the wait took the run with it, and the
+// message ran again in every new process, never reaching the dead-letter
+// queue.
+func TestRunsCutByADeathInTheBackoffCount(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	b := memsource.New(memsource.Options{}) // unordered, like AMQP
+	publish(b, "killer", 1)
+	var runs atomic.Int32
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		runs.Add(1)
+		return errors.New("boom")
+	}
+	for process := 1; process <= 5 && b.Acked() == 0; process++ {
+		waiting := make(chan struct{}, 1)
+		cfg := fastConfig("death-in-backoff")
+		cfg.Retry.MaxAttempts = 3
+		// The process dies in the wait, never at the end of it.
+		cfg.Retry.InitialBackoff, cfg.Retry.MaxBackoff = time.Hour, time.Hour
+		cfg.ShutdownTimeout = 10 * time.Millisecond
+		cfg.Hooks.OnRetry = func(_ context.Context, r consumer.Retry) {
+			if r.Reason == consumer.RetryHandler {
+				waiting <- struct{}{}
+			}
+		}
+		c, err := consumer.New(pool, b.Source(), h, cfg)
+		require.NoError(t, err)
+		stop := start(t, c)
+		// The process dies in the wait for the retry, unless it
+		// dead-lettered the message.
+		require.Eventually(t, func() bool { return len(waiting) > 0 || b.Acked() == 1 }, 20*time.Second, time.Millisecond,
+			"process %d: neither a retry nor a dead letter", process)
+		require.NoError(t, stop())
+	}
+	dl := deadLetterOf(t, b, "killer")
+	assert.Equal(t, string(consumer.KindHandler), dl.Headers[consumer.HeaderErrorKind])
+	assert.Equal(t, "3", dl.Headers[consumer.HeaderAttempts])
+	// The first process's run, of a first delivery, has no record (see
+	// TestCrashedRunsCountTowardsMaxAttempts); every later one counts.
+	assert.Equal(t, int32(4), runs.Load(), "the handler ran once in each process, until its recorded runs were spent")
+}
+
+// A message whose runs were all spent by failures of its handler, and whose
+// process ended before its dead letter was written (the destination down),
+// is dead-lettered by the next process as a handler failure, without
+// another run: none of its runs was cut short, so it is no crash loop.
+func TestRunsSpentByFailuresBeforeTheDeadLetterAreNoCrashLoop(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	b := memsource.New(memsource.Options{}) // unordered, like AMQP
+	publish(b, "failing", 1)
+	var runs atomic.Int32
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		runs.Add(1)
+		return errors.New("boom")
+	}
+	cfg := fastConfig("spent-before-dead-letter")
+	cfg.Retry.MaxAttempts = 2
+	cfg.ShutdownTimeout = 10 * time.Millisecond
+	waiting, deadLetterDown := make(chan struct{}, 1), make(chan struct{}, 1)
+	cfg.Hooks.OnRetry = func(_ context.Context, r consumer.Retry) {
+		ch := waiting
+		if r.Reason == consumer.RetryInfrastructure {
+			ch = deadLetterDown
+		}
+		select {
+		case ch <- struct{}{}:
+		default:
+		}
+	}
+	// Process 1 runs it once (a first delivery: no record) and dies in the
+	// wait before the retry, process 2 likewise (its run recorded), and
+	// process 3 runs it once more, spending its recorded runs, and dies
+	// while the dead letter cannot be written.
+	b.SetDeadLetterError(errors.New("dead-letter destination down"))
+	for process, ch := range []chan struct{}{waiting, waiting, deadLetterDown} {
+		slow := cfg
+		slow.Retry.InitialBackoff, slow.Retry.MaxBackoff = time.Hour, time.Hour
+		c, err := consumer.New(pool, b.Source(), h, slow)
+		require.NoError(t, err)
+		stop := start(t, c)
+		select {
+		case <-ch:
+		case <-time.After(20 * time.Second):
+			t.Fatalf("process %d: the message did not get where it was to die", process+1)
+		}
+		require.NoError(t, stop())
+	}
+	require.Equal(t, int32(3), runs.Load())
+	b.SetDeadLetterError(nil)
+	c, err := consumer.New(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	stop := start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 1 }, 20*time.Second, time.Millisecond)
+	require.NoError(t, stop())
+	dl := deadLetterOf(t, b, "failing")
+	assert.Equal(t, string(consumer.KindHandler), dl.Headers[consumer.HeaderErrorKind], dl.Headers[consumer.HeaderErrorMessage])
+	assert.Equal(t, "2", dl.Headers[consumer.HeaderAttempts])
+	assert.Equal(t, int32(3), runs.Load(), "no run past the recorded Retry.MaxAttempts")
+}
+
+// An attempt that ends in an infrastructure failure is no run of the
+// handler's: a message whose every process dies in the wait after such a
+// failure is never dead-lettered for it, and is handled once the failure
+// is gone.
+func TestInfrastructureFailuresCutByADeathInTheBackoffAreNoRuns(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{}) // unordered, like AMQP
+	publish(b, "waiting", 1)
+	var down atomic.Bool
+	down.Store(true)
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		if down.Load() {
+			return errors.New("the database behind the handler is down")
+		}
+		return insertEffect(ctx, tx, ev)
+	}
+	cfg := fastConfig("infra-death-in-backoff")
+	cfg.Retry.MaxAttempts = 2
+	cfg.Retry.Classify = func(err error, def consumer.ErrorClass) consumer.ErrorClass {
+		if strings.Contains(err.Error(), "is down") {
+			return consumer.ClassInfrastructure
+		}
+		return def
+	}
+	cfg.ShutdownTimeout = 10 * time.Millisecond
+	for process := 1; process <= 4; process++ {
+		waiting := make(chan struct{}, 1)
+		slow := cfg
+		slow.InfraBackoff.Initial, slow.InfraBackoff.Max = time.Hour, time.Hour // it dies in the wait
+		slow.Hooks.OnRetry = func(_ context.Context, r consumer.Retry) {
+			select {
+			case waiting <- struct{}{}:
+			default:
+			}
+		}
+		c, err := consumer.New(pool, b.Source(), h, slow)
+		require.NoError(t, err)
+		stop := start(t, c)
+		require.Eventually(t, func() bool { return len(waiting) > 0 || b.Acked() == 1 }, 20*time.Second, time.Millisecond,
+			"process %d", process)
+		require.NoError(t, stop())
+		require.Empty(t, b.DeadLetters(), "process %d: an infrastructure failure is never dead-lettered", process)
+	}
+	down.Store(false)
+	c, err := consumer.New(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	stop := start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 1 }, 20*time.Second, time.Millisecond)
+	require.NoError(t, stop())
+	assert.Empty(t, b.DeadLetters())
+	assert.Equal(t, map[string]int{"waiting": 1}, countEffects(t, pool))
 }
 
 // A redelivered message waiting between attempts (RetryAfter) does not

@@ -70,8 +70,9 @@ func (p *pipeline) transact(ctx context.Context, jobs []*job) txResult {
 		return txResult{outcome: txAbandoned, err: r.err, failed: -1}
 	}
 	if suspect != nil && r.outcome != txCommitted && r.outcome != txAbandoned {
-		// The attempt ended here, without a crash.
-		p.guard.endAttempt(ctx, suspect)
+		// The attempt ended here, without a crash: a run of the handler,
+		// unless it was an infrastructure failure.
+		p.guard.endAttempt(ctx, suspect, r.outcome != txInfra)
 	}
 	return r
 }
