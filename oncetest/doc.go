@@ -6,7 +6,8 @@
 //     test binary (from the PostgreSQL binaries of the machine; Debian's
 //     postgresql package) and stops when the binary ends.
 //   - Drain runs a consumer over a memsource broker until every message
-//     published to it is settled, then stops it.
+//     published to it is settled, then stops it (DrainWithin: with a bound
+//     of the test's own, for tests that run in parallel).
 //   - RequireEachOnce checks that a query returns each expected key exactly
 //     once: the effect of each event, once.
 //

@@ -14,6 +14,9 @@ import (
 // by then (a handler that hangs, a database that is down) fails the test.
 // It bounds the stop too: a Run that has not returned within DrainTimeout
 // of being stopped (a handler that ignores its context) fails the test.
+// Drain reads it once, when called. Tests that run in parallel must not
+// change it (a data race with the Drain of another test): give such a test
+// its own bound with DrainWithin.
 var DrainTimeout = time.Minute
 
 // Drain runs c until every message published to b so far is settled (acked:
@@ -24,22 +27,40 @@ var DrainTimeout = time.Minute
 // Source of b, and Run must not have been called on it.
 func Drain[T any](t testing.TB, c *consumer.Consumer[T], b *memsource.Broker) consumer.Stats {
 	t.Helper()
+	return drain(t, "Drain", c, b, DrainTimeout)
+}
+
+// DrainWithin is Drain bounded by d instead of DrainTimeout: the messages
+// must be settled within d, and Run must return within d of being stopped.
+// It reads no package variable, so tests that need bounds of their own may
+// run in parallel. A d that is not positive fails the test.
+func DrainWithin[T any](t testing.TB, c *consumer.Consumer[T], b *memsource.Broker, d time.Duration) consumer.Stats {
+	t.Helper()
+	return drain(t, "DrainWithin", c, b, d)
+}
+
+// drain is Drain and DrainWithin (name) with the bound d.
+func drain[T any](t testing.TB, name string, c *consumer.Consumer[T], b *memsource.Broker, d time.Duration) consumer.Stats {
+	t.Helper()
 	if c == nil {
-		t.Fatalf("oncetest: Drain: nil consumer")
+		t.Fatalf("oncetest: %s: nil consumer", name)
 	}
 	if b == nil {
-		t.Fatalf("oncetest: Drain: nil broker")
+		t.Fatalf("oncetest: %s: nil broker", name)
+	}
+	if d <= 0 {
+		t.Fatalf("oncetest: %s: the bound %v is not positive", name, d)
 	}
 	published := b.Published()
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- c.Run(ctx) }()
-	wait, stopWaiting := context.WithTimeout(context.Background(), DrainTimeout)
+	wait, stopWaiting := context.WithTimeout(context.Background(), d)
 	defer stopWaiting()
 	waitErr := waitOrEnd(wait, b, published, done)
 	cancel()
 	var runErr error
-	stopped := time.NewTimer(DrainTimeout)
+	stopped := time.NewTimer(d)
 	defer stopped.Stop()
 	select {
 	case runErr = <-done:
@@ -47,7 +68,7 @@ func Drain[T any](t testing.TB, c *consumer.Consumer[T], b *memsource.Broker) co
 		if waitErr == nil {
 			waitErr = errors.New("every message settled")
 		}
-		t.Fatalf("oncetest: Run did not return within %v of being stopped (a handler that ignores its context?); %v (stats %+v)", DrainTimeout, waitErr, c.Stats())
+		t.Fatalf("oncetest: Run did not return within %v of being stopped (a handler that ignores its context?); %v (stats %+v)", d, waitErr, c.Stats())
 	}
 	if runErr != nil {
 		t.Fatalf("oncetest: Run: %v", runErr)

@@ -146,3 +146,84 @@ func TestDrainFailsOnNilArguments(t *testing.T) {
 	require.NoError(t, err)
 	assert.Contains(t, drainFailure(t, c, nil), "nil broker")
 }
+
+// DrainWithin bounds each call by its own argument, so tests that need
+// different bounds run in parallel without writing DrainTimeout, a package
+// variable the others read (a data race under -race): each fails within
+// its own bound, saying which.
+func TestDrainWithinBoundsEachCallAlone(t *testing.T) {
+	for _, d := range []time.Duration{time.Second, 2 * time.Second} {
+		t.Run(d.String(), func(t *testing.T) {
+			t.Parallel()
+			pool := oncetest.Postgres(t)
+			b := memsource.New(memsource.Options{})
+			b.Publish(consumer.Message{ID: "hang", Value: []byte(`"hang"`)})
+			release := make(chan struct{})
+			defer close(release)
+			h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[string]) error {
+				<-release // ignores ctx
+				return nil
+			}
+			c, err := consumer.New(pool, b.Source(), h, consumer.Config{Name: "drain", ShutdownTimeout: 100 * time.Millisecond})
+			require.NoError(t, err)
+			rec := &fatalRecorder{TB: t}
+			start := time.Now()
+			func() {
+				defer func() {
+					if p := recover(); p != nil {
+						if err, ok := p.(error); !ok || !errors.Is(err, errFatal) {
+							panic(p)
+						}
+					}
+				}()
+				oncetest.DrainWithin(rec, c, b, d)
+			}()
+			rec.mu.Lock()
+			defer rec.mu.Unlock()
+			assert.Contains(t, rec.failed, "did not return within "+d.String(), "the failure names the call's own bound")
+			assert.GreaterOrEqual(t, time.Since(start), 2*d, "it waited its bound for the messages, then for the stop")
+		})
+	}
+}
+
+// A DrainWithin whose messages settle returns the consumer's stats, like
+// Drain, and reads no DrainTimeout that another test may write meanwhile
+// (under -race, a read would fail the test); a bound that is not positive
+// fails the test.
+func TestDrainWithin(t *testing.T) {
+	t.Parallel()
+	pool := oncetest.Postgres(t)
+	b := memsource.New(memsource.Options{})
+	b.Publish(consumer.Message{ID: "one", Value: []byte(`"one"`)})
+	c, err := consumer.New(pool, b.Source(), func(context.Context, pgx.Tx, consumer.Event[string]) error { return nil },
+		consumer.Config{Name: "drain"})
+	require.NoError(t, err)
+	var wg sync.WaitGroup
+	wg.Add(2)
+	go func() {
+		// Another test, setting DrainTimeout as it may when not parallel.
+		defer wg.Done()
+		d := oncetest.DrainTimeout
+		oncetest.DrainTimeout = d
+	}()
+	var stats consumer.Stats
+	go func() {
+		defer wg.Done()
+		stats = oncetest.DrainWithin(t, c, b, time.Minute)
+	}()
+	wg.Wait()
+	assert.Equal(t, uint64(1), stats.Handled)
+
+	rec := &fatalRecorder{TB: t}
+	func() {
+		defer func() {
+			if p := recover(); p != nil {
+				if err, ok := p.(error); !ok || !errors.Is(err, errFatal) {
+					panic(p)
+				}
+			}
+		}()
+		oncetest.DrainWithin(rec, c, b, 0)
+	}()
+	assert.Contains(t, rec.failed, "bound")
+}
