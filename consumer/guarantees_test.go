@@ -849,6 +849,51 @@ func TestHandlerEndingTheBatchTransactionWithSQLLosesNoNeighbour(t *testing.T) {
 	}
 }
 
+// The claims a handler's own COMMIT made durable for the messages after it
+// are taken back also when the deliveries are lost at that moment (a
+// closed channel, a revoked partition): the redelivered messages run then,
+// instead of being skipped as duplicates.
+func TestHandlerEndingTheBatchTransactionAsItsDeliveryIsLostLosesNoNeighbour(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{Streams: 1})
+	for i := range 6 {
+		publish(b, fmt.Sprintf("e%d", i), i)
+	}
+	src := b.Source()
+	lost := make(chan struct{})
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		if err := insertEffect(ctx, tx, ev); err != nil {
+			return err
+		}
+		if ev.ID == "e2" && !ev.Message.Redelivered {
+			_, err := tx.Exec(ctx, "COMMIT")
+			require.NoError(t, err)
+			require.NoError(t, src.Close()) // the deliveries are lost
+			close(lost)
+		}
+		return nil
+	}
+	cfg := fastConfig("ends-tx-sql-lost")
+	first, err := consumer.New(pool, src, h, cfg)
+	require.NoError(t, err)
+	stop := start(t, first)
+	select {
+	case <-lost:
+	case <-time.After(10 * time.Second):
+		t.Fatal("e2 was not handled")
+	}
+	_ = stop()
+	second, err := consumer.New(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	start(t, second)
+	require.Eventually(t, func() bool { return b.Acked() == 6 }, 10*time.Second, 5*time.Millisecond)
+	got := countEffects(t, pool)
+	delete(got, "e2") // its own COMMIT made its writes durable
+	assert.Equal(t, map[string]int{"e0": 1, "e1": 1, "e3": 1, "e4": 1, "e5": 1}, got,
+		"every other message of the batch has its effect once")
+}
+
 // failingAck wraps a source so that every Ack fails without acking.
 type failingAck struct{ consumer.Source }
 

@@ -242,7 +242,8 @@ func (p *pipeline) runHandlers(ctx context.Context, tx pgx.Tx, jobs []*job, res 
 // handler's ROLLBACK left none, and a COMMIT all of them; the statement is
 // sent outside any transaction on tx's connection, now idle, or, if that
 // fails, on a connection of the pool, retried until the consumer stops (the
-// error then). Jobs deduplicated by their position have no claim row.
+// error then). It outlives a lost delivery, as the claims do. Jobs
+// deduplicated by their position have no claim row.
 func (p *pipeline) releaseClaims(ctx context.Context, tx pgx.Tx, jobs []*job, res []dedup.Result) error {
 	var ids []string
 	for k, j := range jobs {
@@ -253,6 +254,8 @@ func (p *pipeline) releaseClaims(ctx context.Context, tx pgx.Tx, jobs []*job, re
 	if len(ids) == 0 {
 		return nil
 	}
+	ctx, cancel := p.detached(ctx)
+	defer cancel()
 	sql := `DELETE FROM ` + p.cfg.Store.ProcessedTable() + ` WHERE consumer = $1 AND event_id = ANY($2::text[])`
 	if c := tx.Conn(); c != nil && !c.IsClosed() && c.PgConn().TxStatus() == 'I' {
 		if _, err := c.Exec(ctx, sql, p.cfg.Name, ids); err == nil {
