@@ -277,3 +277,36 @@ func TestBatchHandlerCommitIsRefusedAndChargedToItsEvent(t *testing.T) {
 	assert.Equal(t, map[string]string{"e2": string(consumer.KindHandler)}, deadLetterKinds(b))
 	assert.Equal(t, map[string]int{"e0": 1, "e1": 1, "e3": 1}, countEffects(t, pool))
 }
+
+// A BatchHandler that ends its transaction with a COMMIT of its own midway
+// loses no event: what it writes after that COMMIT still goes through, and
+// every event has its effect once. (Which of its events that COMMIT made
+// durable is the handler's to know: none is handled again.)
+func TestBatchHandlerEndingItsTransactionLosesNoEvent(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{Streams: 1})
+	for i := range 6 {
+		publish(b, fmt.Sprintf("e%d", i), i)
+	}
+	h := func(ctx context.Context, tx pgx.Tx, evs []consumer.Event[order]) error {
+		for _, ev := range evs {
+			if err := insertEffect(ctx, tx, ev); err != nil {
+				return err
+			}
+			if ev.ID == "e2" {
+				if _, err := tx.Exec(ctx, "COMMIT"); err != nil {
+					return err
+				}
+			}
+		}
+		return nil
+	}
+	cfg := fastConfig("batch-handler-ends-tx")
+	cfg.Batch.Linger = time.Second // one batch of all six
+	c, err := consumer.NewBatch(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 6 }, 10*time.Second, 5*time.Millisecond)
+	requireEffectsOnce(t, pool, 6)
+}

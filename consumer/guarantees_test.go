@@ -894,6 +894,45 @@ func TestHandlerEndingTheBatchTransactionAsItsDeliveryIsLostLosesNoNeighbour(t *
 		"every other message of the batch has its effect once")
 }
 
+// A handler that ends the consumer's transaction and begins one of its own
+// (COMMIT, then BEGIN) is caught as one that ended it: the statements it
+// sends after its COMMIT are refused, so the messages after it never run
+// in a transaction that no longer holds their claims, and none of them is
+// lost when a later one fails.
+func TestHandlerBeginningATransactionOfItsOwnLosesNoNeighbour(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{Streams: 1})
+	for i := range 6 {
+		publish(b, fmt.Sprintf("e%d", i), i)
+	}
+	var beginErr atomic.Value
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		switch ev.ID {
+		case "e4":
+			return consumer.Permanent(errors.New("invalid"))
+		case "e2":
+			if _, err := tx.Exec(ctx, "COMMIT"); err != nil {
+				return err
+			}
+			_, err := tx.Exec(ctx, "BEGIN")
+			beginErr.Store(fmt.Sprint(err))
+			if err != nil {
+				return nil // the handler goes on as if its BEGIN had worked
+			}
+		}
+		return insertEffect(ctx, tx, ev)
+	}
+	c, err := consumer.New(pool, b.Source(), h, fastConfig("begins-own-tx"))
+	require.NoError(t, err)
+	start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 6 }, 10*time.Second, 5*time.Millisecond)
+	assert.Equal(t, map[string]int{"e0": 1, "e1": 1, "e3": 1, "e5": 1}, countEffects(t, pool),
+		"every message but the two that failed has its effect once")
+	assert.Equal(t, map[string]string{"e2": string(consumer.KindHandler), "e4": string(consumer.KindHandler)}, deadLetterKinds(b))
+	assert.Contains(t, beginErr.Load(), "transaction", "the statement after the handler's COMMIT is refused, saying why")
+}
+
 // failingAck wraps a source so that every Ack fails without acking.
 type failingAck struct{ consumer.Source }
 

@@ -9,6 +9,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
 )
 
 // Queue queues a statement to run in the event's transaction after the
@@ -229,46 +230,117 @@ func (t *queueTx) settle(ctx context.Context, err error) error {
 }
 
 func (t *queueTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	if err := t.endedBySQL(); err != nil {
+		return pgconn.CommandTag{}, err
+	}
 	t.note(ctx)
 	t.flush(ctx)
 	return t.Tx.Exec(ctx, sql, args...)
 }
 
 func (t *queueTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	if err := t.endedBySQL(); err != nil {
+		return errRows{err}, err
+	}
 	t.note(ctx)
 	t.flush(ctx)
 	return t.Tx.Query(ctx, sql, args...)
 }
 
 func (t *queueTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	if err := t.endedBySQL(); err != nil {
+		return errRows{err}
+	}
 	t.note(ctx)
 	t.flush(ctx)
 	return t.Tx.QueryRow(ctx, sql, args...)
 }
 
 func (t *queueTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
+	if err := t.endedBySQL(); err != nil {
+		return errBatchResults{err}
+	}
 	t.note(ctx)
 	t.flush(ctx)
 	return t.Tx.SendBatch(ctx, b)
 }
 
 func (t *queueTx) CopyFrom(ctx context.Context, table pgx.Identifier, cols []string, src pgx.CopyFromSource) (int64, error) {
+	if err := t.endedBySQL(); err != nil {
+		return 0, err
+	}
 	t.note(ctx)
 	t.flush(ctx)
 	return t.Tx.CopyFrom(ctx, table, cols, src)
 }
 
 func (t *queueTx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
+	if err := t.endedBySQL(); err != nil {
+		return nil, err
+	}
 	t.note(ctx)
 	t.flush(ctx)
 	return t.Tx.Prepare(ctx, name, sql)
 }
 
 func (t *queueTx) Begin(ctx context.Context) (pgx.Tx, error) {
+	if err := t.endedBySQL(); err != nil {
+		return nil, err
+	}
 	t.note(ctx)
 	t.flush(ctx)
 	return t.Tx.Begin(ctx)
 }
+
+// endedBySQL returns errTxEndedBySQL when a statement a Handler sent
+// through t ended the transaction (COMMIT, END, ROLLBACK, ABORT): its
+// connection is idle, out of any transaction. Nothing more is then sent
+// through t: a statement would run in a transaction of its own, committed
+// at once, or, a BEGIN, start one that holds none of the claims the
+// consumer's COMMIT is for. A BatchHandler's statements are not refused:
+// its events' claims are all made durable by its COMMIT, so what it writes
+// after it, committed at once, is what keeps those events' effects.
+func (t *queueTx) endedBySQL() error {
+	if t.owner < 0 {
+		return nil
+	}
+	c := t.Tx.Conn()
+	if c == nil || c.IsClosed() {
+		return nil
+	}
+	if pc := c.PgConn(); !pc.IsBusy() && pc.TxStatus() == 'I' {
+		return errTxEndedBySQL
+	}
+	return nil
+}
+
+// errTxEndedBySQL is the error of a statement sent through the consumer's
+// transaction after the handler ended it with a statement of its own.
+var errTxEndedBySQL = errors.New("once: refused: a statement sent by the handler (COMMIT, END, ROLLBACK, ABORT) ended the consumer's transaction; " +
+	"the consumer commits after the handler returns (return an error to roll back)")
+
+// errRows is the pgx.Rows and pgx.Row of a refused query.
+type errRows struct{ err error }
+
+func (errRows) Close()                                       {}
+func (r errRows) Err() error                                 { return r.err }
+func (errRows) CommandTag() pgconn.CommandTag                { return pgconn.CommandTag{} }
+func (errRows) FieldDescriptions() []pgconn.FieldDescription { return nil }
+func (errRows) Next() bool                                   { return false }
+func (r errRows) Scan(...any) error                          { return r.err }
+func (r errRows) Values() ([]any, error)                     { return nil, r.err }
+func (errRows) RawValues() [][]byte                          { return nil }
+func (errRows) TypeMap() *pgtype.Map                         { return nil }
+func (errRows) Conn() *pgx.Conn                              { return nil }
+
+// errBatchResults is the pgx.BatchResults of a refused batch.
+type errBatchResults struct{ err error }
+
+func (r errBatchResults) Exec() (pgconn.CommandTag, error) { return pgconn.CommandTag{}, r.err }
+func (r errBatchResults) Query() (pgx.Rows, error)         { return errRows(r), r.err }
+func (r errBatchResults) QueryRow() pgx.Row                { return errRows(r) }
+func (errBatchResults) Tx() pgx.Tx                         { return nil }
+func (r errBatchResults) Close() error                     { return r.err }
 
 // Call runs h for ev in tx as the consumer runs a handler: what h queues
 // with Event.Queue is sent before Call returns, and the failure of a queued
