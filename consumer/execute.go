@@ -55,7 +55,11 @@ func (p *pipeline) run(ctx context.Context, s *settler, jobs []*job) {
 		case txFailed:
 			p.cfg.Telemetry.Logger.DebugContext(jobs[r.failed].ctx, "once: handler failed in a batch; splitting it", "consumer", p.cfg.Name,
 				"event_id", jobs[r.failed].idt.id, "error", r.err)
-			p.run(ctx, s, jobs[:r.failed])
+			if r.doneBefore {
+				s.committed(jobs[:r.failed], r.claims[:r.failed])
+			} else {
+				p.run(ctx, s, jobs[:r.failed])
+			}
 			// The failure in the batch was the job's run.
 			failing := jobs[r.failed]
 			failing.runs++

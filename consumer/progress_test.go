@@ -361,3 +361,46 @@ func TestHandlersCommitIsKnownWhenItsConnectionWentToAnother(t *testing.T) {
 	require.Len(t, b.DeadLetters(), 1)
 	assert.Zero(t, c.Stats().InfraErrors)
 }
+
+// With a source that deduplicates its messages by position, a handler that
+// ends its batch's transaction with a COMMIT of its own is dead-lettered,
+// and each other message of the batch has its effect once: those before
+// it, whose effects that COMMIT made durable without their progress, are
+// recorded done instead of running again.
+func TestHandlerEndingTheBatchTransactionOfPositionDeduplicatedMessages(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	ctx := context.Background()
+	_, err := pool.Exec(ctx, `CREATE TABLE progress (off bigint NOT NULL)`)
+	require.NoError(t, err)
+	b := memsource.New(memsource.Options{Streams: 1, FallbackID: true})
+	for i := range 6 {
+		b.Publish(consumer.Message{Value: []byte(fmt.Sprintf(`{"n":%d}`, i))})
+	}
+	src := &progressSource{Source: b.Source()}
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		if err := insertEffect(ctx, tx, ev); err != nil {
+			return err
+		}
+		if ev.Payload.N == 2 {
+			_, err := tx.Exec(ctx, "COMMIT")
+			return err
+		}
+		return nil
+	}
+	cfg := fastConfig("ends-tx-positions")
+	cfg.Batch.Linger = time.Second // one batch of all six
+	c, err := consumer.New(pool, src, h, cfg)
+	require.NoError(t, err)
+	stop := start(t, c)
+	wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	require.NoError(t, b.WaitAcked(wctx, 6))
+	require.NoError(t, stop())
+	got := countEffects(t, pool)
+	delete(got, "mem/2") // its own COMMIT made its writes durable
+	assert.Equal(t, map[string]int{"mem/0": 1, "mem/1": 1, "mem/3": 1, "mem/4": 1, "mem/5": 1}, got,
+		"every other message of the batch has its effect once")
+	assert.Equal(t, map[string]string{"mem/2": string(consumer.KindHandler)}, deadLetterKinds(b))
+	assert.Equal(t, []int64{0, 1, 3, 4, 5}, progressed(t, ctx, pool))
+}

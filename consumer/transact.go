@@ -46,6 +46,9 @@ type txResult struct {
 	failed  int
 	err     error
 	class   ErrorClass
+	// doneBefore (txFailed): the jobs before the failed one are committed
+	// (a handler's own COMMIT), with their claims' outcomes in claims.
+	doneBefore bool
 }
 
 // transact runs jobs in one transaction. A suspect runs alone and
@@ -109,7 +112,7 @@ func (p *pipeline) transaction(ctx context.Context, jobs []*job) txResult {
 		return txResult{outcome: txInfra, err: err, failed: -1}
 	}
 	crashPoint("after-claim")
-	if r, stop := p.runHandlers(ctx, tx, jobs, res); stop {
+	if r, stop := p.runHandlers(ctx, tx, jobs, res, xid); stop {
 		return r
 	}
 	if r, stop := p.recordProgress(ctx, tx, jobs, res); stop {
@@ -174,7 +177,8 @@ func (p *pipeline) begin(ctx context.Context, b *pgx.Batch) (pgx.Tx, error) {
 // runHandlers runs the handlers of the claimed jobs in tx: one call of the
 // BatchHandler, or each Handler in turn, then sends what they queued. It
 // reports whether the transaction must stop short of its commit, and why.
-func (p *pipeline) runHandlers(ctx context.Context, tx pgx.Tx, jobs []*job, res []dedup.Result) (txResult, bool) {
+// xid is the transaction's id, when it was read (see transaction).
+func (p *pipeline) runHandlers(ctx context.Context, tx pgx.Tx, jobs []*job, res []dedup.Result, xid int64) (txResult, bool) {
 	if p.batchCall != nil && len(jobs) > 1 {
 		return p.runBatchHandler(ctx, tx, jobs, res)
 	}
@@ -213,11 +217,17 @@ func (p *pipeline) runHandlers(ctx context.Context, tx pgx.Tx, jobs []*job, res 
 			// back, so that those messages run again instead of being
 			// skipped as duplicates. (The messages before it, whose
 			// effects that COMMIT made durable with their claims, are
-			// duplicates when they run again.)
-			err = brokenTxError(broken)
-			if rerr := p.releaseClaims(ctx, tx, jobs[i+1:], res[i+1:]); rerr != nil {
+			// duplicates when they run again, or, deduplicated by their
+			// position, settled as committed.)
+			done, rerr := p.handlerEnded(ctx, tx, jobs, res, i, xid)
+			if rerr != nil {
 				return txResult{outcome: txAbandoned, err: rerr, failed: -1}, true
 			}
+			r := p.handlerFailure(ctx, tx, jobs, i, brokenTxError(broken))
+			if r.outcome == txFailed && done {
+				r.doneBefore, r.claims = true, res
+			}
+			return r, true
 		}
 		if err == nil {
 			// It may have left the transaction unable to go on: aborted
@@ -234,6 +244,82 @@ func (p *pipeline) runHandlers(ctx context.Context, tx pgx.Tx, jobs []*job, res 
 		return p.handlerFailure(ctx, tx, jobs, f.owner, f.err), true
 	}
 	return p.brokenFailure(ctx, tx, qtx, jobs)
+}
+
+// handlerEnded is the aftermath of a transaction that the handler of
+// jobs[i] ended with a statement of its own: it takes back the claims of
+// the jobs after it (releaseClaims), and reports whether the jobs before it
+// are committed. That is known when the transaction's id was read (xid: for
+// jobs deduplicated by their position, which have no claim row to find when
+// they run again); their progress, which the consumer writes just before
+// its own COMMIT, is then recorded in a transaction of its own. It returns
+// an error when the consumer stops first, or when the source's partition
+// was taken over (dedup.ErrFenced).
+func (p *pipeline) handlerEnded(ctx context.Context, tx pgx.Tx, jobs []*job, res []dedup.Result, i int, xid int64) (bool, error) {
+	if err := p.releaseClaims(ctx, tx, jobs[i+1:], res[i+1:]); err != nil {
+		return false, err
+	}
+	if xid == 0 || i == 0 || !anyByPosition(jobs[:i]) {
+		return false, nil
+	}
+	ctx, cancel := p.detached(ctx)
+	defer cancel()
+	conn := idleConn(tx)
+	committed := false
+	var status *string
+	if conn != nil && conn.QueryRow(ctx, `SELECT txid_status($1)`, xid).Scan(&status) == nil {
+		committed = status != nil && *status == "committed"
+	} else {
+		committed = p.committedAfterAll(ctx, xid, i)
+	}
+	if !committed {
+		return false, nil
+	}
+	rec, ok := p.src.(ProgressRecorder)
+	if !ok {
+		return true, nil
+	}
+	dvs := make([]Delivery, 0, i)
+	for k, j := range jobs[:i] {
+		if res[k].Outcome == dedup.Conflict && p.cfg.Identify.OnConflict == DeadLetterConflicts {
+			continue // done once dead-lettered
+		}
+		dvs = append(dvs, j.d)
+	}
+	record := func(db interface {
+		Begin(context.Context) (pgx.Tx, error)
+	}) error {
+		return pgx.BeginFunc(ctx, db, func(ptx pgx.Tx) error { return rec.RecordProgress(ctx, ptx, dvs) })
+	}
+	if conn = idleConn(tx); conn != nil {
+		err := record(conn)
+		if err == nil || errors.Is(err, dedup.ErrFenced) {
+			return err == nil, err
+		}
+	}
+	var fenced error
+	err := p.infra(ctx, "recording the progress of messages a handler's own COMMIT committed", Retry{Messages: i}, func() error {
+		err := record(p.pool)
+		if errors.Is(err, dedup.ErrFenced) {
+			fenced = err
+			return nil
+		}
+		return err
+	})
+	if fenced != nil {
+		return false, fenced
+	}
+	return err == nil, err
+}
+
+// idleConn returns tx's connection if it is open and idle, out of any
+// transaction (a handler's statement ended tx); nil otherwise.
+func idleConn(tx pgx.Tx) *pgx.Conn {
+	c := tx.Conn()
+	if c == nil || c.IsClosed() || c.PgConn().IsBusy() || c.PgConn().TxStatus() != 'I' {
+		return nil
+	}
+	return c
 }
 
 // releaseClaims deletes the claims that the transaction tx was, of jobs
@@ -257,7 +343,7 @@ func (p *pipeline) releaseClaims(ctx context.Context, tx pgx.Tx, jobs []*job, re
 	ctx, cancel := p.detached(ctx)
 	defer cancel()
 	sql := `DELETE FROM ` + p.cfg.Store.ProcessedTable() + ` WHERE consumer = $1 AND event_id = ANY($2::text[])`
-	if c := tx.Conn(); c != nil && !c.IsClosed() && c.PgConn().TxStatus() == 'I' {
+	if c := idleConn(tx); c != nil {
 		if _, err := c.Exec(ctx, sql, p.cfg.Name, ids); err == nil {
 			return nil
 		}
