@@ -933,6 +933,45 @@ func TestHandlerBeginningATransactionOfItsOwnLosesNoNeighbour(t *testing.T) {
 	assert.Contains(t, beginErr.Load(), "transaction", "the statement after the handler's COMMIT is refused, saying why")
 }
 
+// A handler that rolls its batch's transaction back with a ROLLBACK of its
+// own left no claim to take back: a claim another consumer committed
+// meanwhile for a message after it in the batch (a copy of it handled
+// elsewhere) stays, and that message is skipped as the duplicate it is.
+func TestHandlerRollingBackTheBatchTransactionKeepsOthersClaims(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{Streams: 1})
+	for i := range 6 {
+		publish(b, fmt.Sprintf("e%d", i), i)
+	}
+	const name = "rolls-back-tx-sql"
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		if err := insertEffect(ctx, tx, ev); err != nil {
+			return err
+		}
+		if ev.ID == "e2" && ev.Attempt == 1 {
+			if _, err := tx.Exec(ctx, "ROLLBACK"); err != nil {
+				return err
+			}
+			// Another consumer of the same name handles a copy of e4 now
+			// that the claim of this batch is gone.
+			_, err := pool.Exec(ctx, `WITH claim AS (INSERT INTO processed_events (consumer, event_id) VALUES ($1, 'e4'))
+				INSERT INTO effects (event_id, n) VALUES ('e4', 4)`, name)
+			require.NoError(t, err)
+		}
+		return nil
+	}
+	cfg := fastConfig(name)
+	cfg.Batch.Linger = time.Second // one batch of all six
+	c, err := consumer.New(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 6 }, 10*time.Second, 5*time.Millisecond)
+	assert.Equal(t, map[string]int{"e0": 1, "e1": 1, "e3": 1, "e4": 1, "e5": 1}, countEffects(t, pool),
+		"each message but the one that rolled back has its effect once")
+	assert.Equal(t, map[string]string{"e2": string(consumer.KindHandler)}, deadLetterKinds(b))
+}
+
 // failingAck wraps a source so that every Ack fails without acking.
 type failingAck struct{ consumer.Source }
 

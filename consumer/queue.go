@@ -107,6 +107,11 @@ type queueTx struct {
 	// ended: a handler called Commit or Rollback on this Tx, which were
 	// refused (ErrTxOwnedByConsumer).
 	ended bool
+	// rolledBack: the last statement sent through t was a ROLLBACK (its
+	// command tag says so; also ABORT, ROLLBACK TO SAVEPOINT, and a COMMIT
+	// of an aborted transaction): if it ended the transaction, nothing of
+	// it was committed.
+	rolledBack bool
 }
 
 // Commit is refused with ErrTxOwnedByConsumer, marked Permanent: the
@@ -235,7 +240,9 @@ func (t *queueTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.Com
 	}
 	t.note(ctx)
 	t.flush(ctx)
-	return t.Tx.Exec(ctx, sql, args...)
+	ct, err := t.Tx.Exec(ctx, sql, args...)
+	t.rolledBack = err == nil && ct.String() == "ROLLBACK"
+	return ct, err
 }
 
 func (t *queueTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
@@ -244,6 +251,7 @@ func (t *queueTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows,
 	}
 	t.note(ctx)
 	t.flush(ctx)
+	t.rolledBack = false
 	return t.Tx.Query(ctx, sql, args...)
 }
 
@@ -253,6 +261,7 @@ func (t *queueTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
 	}
 	t.note(ctx)
 	t.flush(ctx)
+	t.rolledBack = false
 	return t.Tx.QueryRow(ctx, sql, args...)
 }
 
@@ -262,6 +271,7 @@ func (t *queueTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults 
 	}
 	t.note(ctx)
 	t.flush(ctx)
+	t.rolledBack = false
 	return t.Tx.SendBatch(ctx, b)
 }
 
@@ -271,6 +281,7 @@ func (t *queueTx) CopyFrom(ctx context.Context, table pgx.Identifier, cols []str
 	}
 	t.note(ctx)
 	t.flush(ctx)
+	t.rolledBack = false
 	return t.Tx.CopyFrom(ctx, table, cols, src)
 }
 
@@ -280,6 +291,7 @@ func (t *queueTx) Prepare(ctx context.Context, name, sql string) (*pgconn.Statem
 	}
 	t.note(ctx)
 	t.flush(ctx)
+	t.rolledBack = false
 	return t.Tx.Prepare(ctx, name, sql)
 }
 
@@ -289,6 +301,7 @@ func (t *queueTx) Begin(ctx context.Context) (pgx.Tx, error) {
 	}
 	t.note(ctx)
 	t.flush(ctx)
+	t.rolledBack = false
 	return t.Tx.Begin(ctx)
 }
 

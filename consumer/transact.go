@@ -219,7 +219,7 @@ func (p *pipeline) runHandlers(ctx context.Context, tx pgx.Tx, jobs []*job, res 
 			// effects that COMMIT made durable with their claims, are
 			// duplicates when they run again, or, deduplicated by their
 			// position, settled as committed.)
-			done, rerr := p.handlerEnded(ctx, tx, jobs, res, i, xid)
+			done, rerr := p.handlerEnded(ctx, tx, jobs, res, i, xid, qtx.rolledBack)
 			if rerr != nil {
 				return txResult{outcome: txAbandoned, err: rerr, failed: -1}, true
 			}
@@ -247,15 +247,20 @@ func (p *pipeline) runHandlers(ctx context.Context, tx pgx.Tx, jobs []*job, res 
 }
 
 // handlerEnded is the aftermath of a transaction that the handler of
-// jobs[i] ended with a statement of its own: it takes back the claims of
-// the jobs after it (releaseClaims), and reports whether the jobs before it
-// are committed. That is known when the transaction's id was read (xid: for
+// jobs[i] ended with a statement of its own (rolledBack: a ROLLBACK,
+// which left nothing committed): it takes back the claims of the jobs after
+// it (releaseClaims), and reports whether the jobs before it are committed. That is known when the transaction's id was read (xid: for
 // jobs deduplicated by their position, which have no claim row to find when
 // they run again); their progress, which the consumer writes just before
 // its own COMMIT, is then recorded in a transaction of its own. It returns
 // an error when the consumer stops first, or when the source's partition
 // was taken over (dedup.ErrFenced).
-func (p *pipeline) handlerEnded(ctx context.Context, tx pgx.Tx, jobs []*job, res []dedup.Result, i int, xid int64) (bool, error) {
+func (p *pipeline) handlerEnded(ctx context.Context, tx pgx.Tx, jobs []*job, res []dedup.Result, i int, xid int64, rolledBack bool) (bool, error) {
+	if rolledBack {
+		// No claim of the batch's is left to take back: a claim of the
+		// same id found now is another transaction's.
+		return false, nil
+	}
 	if err := p.releaseClaims(ctx, tx, jobs[i+1:], res[i+1:]); err != nil {
 		return false, err
 	}
