@@ -360,7 +360,10 @@ func (r errBatchResults) Close() error                     { return r.err }
 // statement or of its callback is returned as h's error; a panic of h is
 // returned as a *PanicError, and what h queued is then not sent; h's calls
 // of Commit or Rollback are refused (ErrTxOwnedByConsumer) and fail it
-// permanently. It claims nothing and neither commits nor rolls back tx. Use it to test a handler
+// permanently, as does a statement of its own that ended tx (COMMIT,
+// ROLLBACK); h returning nil with tx unable to commit (a failed
+// statement's error swallowed, rows left open) fails it too. It claims
+// nothing and neither commits nor rolls back tx. Use it to test a handler
 // against a real database with an Event built by hand, or to run a
 // handler inside a transaction of your own. A nil h or tx is an error
 // wrapping ErrInvalidConfig.
@@ -382,5 +385,9 @@ func Call[T any](ctx context.Context, tx pgx.Tx, h Handler[T], ev Event[T]) erro
 	if err == nil && qtx.ended {
 		err = brokenTxError(ErrTxOwnedByConsumer)
 	}
-	return qtx.settle(ctx, err)
+	if err = qtx.settle(ctx, err); err == nil {
+		// Left unable to commit, or ended, as the consumer would find it.
+		err = brokenTxError(qtx.broken())
+	}
+	return err
 }

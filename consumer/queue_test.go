@@ -330,6 +330,38 @@ func TestCallRefusesAHandlersCommitAsTheConsumerDoes(t *testing.T) {
 	require.NoError(t, tx.QueryRow(ctx, `SELECT 1`).Scan(&one), "the caller's transaction is still open")
 }
 
+// TestCallFailsAHandlerThatBrokeTheTransactionAsTheConsumerDoes: a
+// handler that returns nil with the transaction unable to commit (a failed
+// statement's error swallowed) or ended by a statement of its own (COMMIT,
+// ROLLBACK) fails under Call as under the consumer, which retries the first
+// and dead-letters the second at once.
+func TestCallFailsAHandlerThatBrokeTheTransactionAsTheConsumerDoes(t *testing.T) {
+	for _, tc := range []struct {
+		sql       string
+		permanent bool
+	}{
+		{`SELECT 1/0`, false},
+		{`COMMIT`, true},
+		{`ROLLBACK`, true},
+	} {
+		t.Run(tc.sql, func(t *testing.T) {
+			pool, _ := pgtest.Schema(t)
+			ctx := context.Background()
+			tx, err := pool.Begin(ctx)
+			require.NoError(t, err)
+			defer tx.Rollback(ctx) //nolint:errcheck
+			h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+				_, _ = tx.Exec(ctx, tc.sql) // whatever it did, the handler goes on
+				return nil
+			}
+			err = consumer.Call(ctx, tx, h, consumer.Event[order]{ID: "b"})
+			require.Error(t, err, "the consumer would not commit this handler's transaction")
+			var pe *consumer.PermanentError
+			assert.Equal(t, tc.permanent, errors.As(err, &pe), "%v", err)
+		})
+	}
+}
+
 // TestQueuedStatementThatCannotBePreparedIsFoundByHalving: a queued
 // statement the server cannot even prepare fails the whole pgx batch before
 // any result names its event; the batch is halved until the event is alone,
