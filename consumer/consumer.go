@@ -14,7 +14,9 @@ import (
 // Return nil to commit; return an error to roll back and retry per the
 // retry policy (Permanent: dead-letter at once; RetryAfter: retry after a
 // given delay). tx's Commit and Rollback are refused with
-// ErrTxOwnedByConsumer, which fails the message permanently; tx.Begin (a
+// ErrTxOwnedByConsumer, which fails the message permanently; so does
+// ending tx with a statement (COMMIT, END, ROLLBACK, ABORT through Exec),
+// after which what the handler sends through tx is refused. tx.Begin (a
 // savepoint) works as usual.
 //
 // A handler runs for one message at a time per stream, and for up to
