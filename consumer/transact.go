@@ -247,14 +247,15 @@ func (p *pipeline) runHandlers(ctx context.Context, tx pgx.Tx, jobs []*job, res 
 }
 
 // handlerEnded is the aftermath of a transaction that the handler of
-// jobs[i] ended with a statement of its own (rolledBack: a ROLLBACK,
-// which left nothing committed): it takes back the claims of the jobs after
-// it (releaseClaims), and reports whether the jobs before it are committed. That is known when the transaction's id was read (xid: for
-// jobs deduplicated by their position, which have no claim row to find when
-// they run again); their progress, which the consumer writes just before
-// its own COMMIT, is then recorded in a transaction of its own. It returns
-// an error when the consumer stops first, or when the source's partition
-// was taken over (dedup.ErrFenced).
+// jobs[i] ended with a statement of its own (rolledBack: a ROLLBACK, which
+// left nothing committed): it takes back the claims of the jobs after it
+// (releaseClaims), and reports whether the jobs before it are known to be
+// committed. That is known when the transaction's id was read (xid: for
+// jobs deduplicated by their position, which have no claim row to find
+// when they run again); their progress, which the consumer writes just
+// before its own COMMIT, is then recorded in a transaction of its own. It
+// returns an error when the consumer stops first, or when the source's
+// partition was taken over (dedup.ErrFenced).
 func (p *pipeline) handlerEnded(ctx context.Context, tx pgx.Tx, jobs []*job, res []dedup.Result, i int, xid int64, rolledBack bool) (bool, error) {
 	if rolledBack {
 		// No claim of the batch's is left to take back: a claim of the
@@ -327,14 +328,13 @@ func idleConn(tx pgx.Tx) *pgx.Conn {
 	return c
 }
 
-// releaseClaims deletes the claims that the transaction tx was, of jobs
-// (with their claim results res), made: those of a transaction a handler
-// ended with a statement of its own, before the handlers of jobs ran. A
-// handler's ROLLBACK left none, and a COMMIT all of them; the statement is
-// sent outside any transaction on tx's connection, now idle, or, if that
-// fails, on a connection of the pool, retried until the consumer stops (the
-// error then). It outlives a lost delivery, as the claims do. Jobs
-// deduplicated by their position have no claim row.
+// releaseClaims deletes the claim rows of jobs (with their claim results
+// res) that tx made durable before their handlers ran: tx is a transaction
+// a handler ended with a COMMIT of its own. The DELETE is sent outside any
+// transaction on tx's connection, now idle, or, if that fails, on a
+// connection of the pool, retried until the consumer stops (the error
+// then). It outlives a lost delivery, as the claims do. Jobs deduplicated
+// by their position have no claim row.
 func (p *pipeline) releaseClaims(ctx context.Context, tx pgx.Tx, jobs []*job, res []dedup.Result) error {
 	var ids []string
 	for k, j := range jobs {
