@@ -317,7 +317,7 @@ func (t *queueTx) endedBySQL() error {
 	if t.owner < 0 {
 		return nil
 	}
-	c := t.Tx.Conn()
+	c := t.Conn()
 	if c == nil || c.IsClosed() {
 		return nil
 	}
