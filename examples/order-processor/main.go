@@ -473,10 +473,10 @@ func serve(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 // onlyCloseTimeouts reports whether every error that err joins or wraps
 // ends in kafka.ErrCloseTimeout, which loses nothing.
 func onlyCloseTimeouts(err error) bool {
-	if err == kafka.ErrCloseTimeout {
+	if err == kafka.ErrCloseTimeout { //nolint:errorlint // the walk below unwraps each error itself
 		return true
 	}
-	switch e := err.(type) {
+	switch e := err.(type) { //nolint:errorlint // each joined or wrapped error is looked at, not the first match
 	case interface{ Unwrap() []error }:
 		n := 0
 		for _, inner := range e.Unwrap() {
