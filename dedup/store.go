@@ -372,20 +372,20 @@ func (s *Store) claimBatch(claims []Claim) (string, []any, error) {
 		}
 		oneSource = oneSource && c.Source == src && c.Partition == part
 	}
-	ids := make(ptrArray[string], len(claims))
-	fps := make(ptrArray[[]byte], len(claims))
+	ids := make(ptrArray[textElem], len(claims))
+	fps := make(ptrArray[byteaElem], len(claims))
 	offs := make(ptrArray[pgtype.Int8], len(claims))
 	for i, c := range claims {
-		ids[i], fps[i] = c.EventID, c.Fingerprint
+		ids[i], fps[i] = textElem(c.EventID), c.Fingerprint
 		offs[i] = pgtype.Int8{Int64: c.Offset, Valid: c.Offset >= 0}
 	}
 	if oneSource {
 		return s.claimBatchOneSourceSQL, []any{consumer, ids, fps, src, pgtype.Int4{Int32: part, Valid: part >= 0}, offs}, nil
 	}
-	srcs := make(ptrArray[string], len(claims))
+	srcs := make(ptrArray[textElem], len(claims))
 	parts := make(ptrArray[pgtype.Int4], len(claims))
 	for i, c := range claims {
-		srcs[i] = c.Source
+		srcs[i] = textElem(c.Source)
 		parts[i] = pgtype.Int4{Int32: c.Partition, Valid: c.Partition >= 0}
 	}
 	return s.claimBatchSQL, []any{consumer, ids, fps, srcs, parts, offs}, nil
@@ -395,8 +395,26 @@ func (s *Store) claimBatch(claims []Claim) (string, []any, error) {
 // through pointers. A plain slice is encoded through pgtype.FlatArray,
 // whose Index boxes each string, []byte or struct element into an
 // interface: an allocation per element of every claim, where a pointer
-// needs none.
+// needs none. The pointer's type must be one pgx's codec encodes as it
+// is (textElem, byteaElem, pgtype.Int8): for a *string or a *[]byte pgx
+// dereferences the pointer through reflection, boxing the element again.
 type ptrArray[T any] []T
+
+// textElem is a text element of a ptrArray: pgx encodes a *textElem
+// through its TextValue, with no allocation.
+type textElem string
+
+// TextValue implements pgtype.TextValuer.
+func (e *textElem) TextValue() (pgtype.Text, error) {
+	return pgtype.Text{String: string(*e), Valid: true}, nil
+}
+
+// byteaElem is a bytea element of a ptrArray (nil is NULL): pgx encodes a
+// *byteaElem through its BytesValue, with no allocation.
+type byteaElem []byte
+
+// BytesValue implements pgtype.BytesValuer.
+func (e *byteaElem) BytesValue() ([]byte, error) { return *e, nil }
 
 // Dimensions implements pgtype.ArrayGetter.
 func (a ptrArray[T]) Dimensions() []pgtype.ArrayDimension {
@@ -415,8 +433,25 @@ func (a ptrArray[T]) IndexType() any { return new(T) }
 // Value hands pgx the plain slice where it does not know the parameter's
 // type (QueryExecModeExec, the simple protocol, as behind PgBouncer): it
 // finds the array type from the slice there, boxing each element as
-// before. Where it knows the type it uses the pointers.
-func (a ptrArray[T]) Value() (driver.Value, error) { return []T(a), nil }
+// before, the elements as the plain types it knows (string, []byte).
+// Where it knows the type it uses the pointers.
+func (a ptrArray[T]) Value() (driver.Value, error) {
+	switch v := any(a).(type) {
+	case ptrArray[textElem]:
+		out := make([]string, len(v))
+		for i, e := range v {
+			out[i] = string(e)
+		}
+		return out, nil
+	case ptrArray[byteaElem]:
+		out := make([][]byte, len(v))
+		for i, e := range v {
+			out[i] = e
+		}
+		return out, nil
+	}
+	return []T(a), nil
+}
 
 // batchFound is what claimBatchSQL returned, by claim: whether its row
 // went in, and the row that was there before.
