@@ -37,30 +37,7 @@ func NewBatch[T any](pool *pgxpool.Pool, src Source, h BatchHandler[T], cfg Conf
 		return nil, fmt.Errorf("%w: Hooks.Middleware wraps a Handler's calls, one event each; a BatchHandler's calls "+
 			"carry batches of any size, so wrap the BatchHandler itself", ErrInvalidConfig)
 	}
-	prep := func(m *Message, idt identity, dec Decoder) (prepared, ErrorKind, error) {
-		payload, err := decodeAs[T](idt.payload, dec)
-		if err != nil {
-			return prepared{}, KindDecode, &DecodeError{Err: err}
-		}
-		// One allocation for the event, shared by the job's call (a
-		// batch of one) and its place in a batch.
-		ev := &Event[T]{ID: idt.id, Type: idt.typ, Payload: payload, Message: m, Attempt: 1}
-		return prepared{
-			call: func(ctx context.Context, tx pgx.Tx, qtx *queueTx, attempt int, again bool) error {
-				one := *ev
-				var err error
-				if one.Payload, err = runPayload(one.Payload, again, idt.payload, dec); err != nil {
-					return err
-				}
-				one.Attempt = attempt
-				one.queue = openQueue(qtx)
-				defer one.queue.close()
-				return h(ctx, tx, []Event[T]{one})
-			},
-			event: ev,
-		}, "", nil
-	}
-	p, err := newPipeline(pool, src, cfg, prep)
+	p, err := newPipeline(pool, src, cfg, batchPreparer(h))
 	if err != nil {
 		return nil, err
 	}
@@ -80,4 +57,38 @@ func NewBatch[T any](pool *pgxpool.Pool, src Source, h BatchHandler[T], cfg Conf
 		return h(ctx, tx, events)
 	}
 	return &Consumer[T]{p: p}, nil
+}
+
+// batchPreparer decodes each message for h: one allocation for the event,
+// shared by the job's call (a batch of one) and its place in a batch.
+func batchPreparer[T any](h BatchHandler[T]) preparer {
+	return func(m *Message, idt identity, dec Decoder) (prepared, ErrorKind, error) {
+		b := &batchBound[T]{h: h, data: idt.payload, dec: dec}
+		if err := decodeInto(&b.ev.Payload, idt.payload, dec); err != nil {
+			return prepared{}, KindDecode, &DecodeError{Err: err}
+		}
+		b.ev.ID, b.ev.Type, b.ev.Message, b.ev.Attempt = idt.id, idt.typ, m, 1
+		return prepared{call: b, event: &b.ev}, "", nil
+	}
+}
+
+// batchBound is a message decoded for a BatchHandler: its event, and the
+// call of the handler with a batch of one.
+type batchBound[T any] struct {
+	ev   Event[T]
+	h    BatchHandler[T]
+	data []byte // the payload's bytes, decoded again for a later run
+	dec  Decoder
+}
+
+func (b *batchBound[T]) run(ctx context.Context, tx pgx.Tx, qtx *queueTx, attempt int, again bool) error {
+	one := b.ev
+	var err error
+	if one.Payload, err = runPayload(one.Payload, again, b.data, b.dec); err != nil {
+		return err
+	}
+	one.Attempt = attempt
+	one.queue = openQueue(qtx)
+	defer one.queue.close()
+	return b.h(ctx, tx, []Event[T]{one})
 }

@@ -89,8 +89,12 @@ func (c *Consumer[T]) Stats() Stats { return c.p.stats.snapshot() }
 // call runs a decoded message's handler in tx. q is the transaction's
 // write queue (Event.Queue), given apart from tx: a middleware may hand the
 // handler a tx of its own around q. again says that the handler ran with
-// the message before (see runPayload).
-type call func(ctx context.Context, tx pgx.Tx, q *queueTx, attempt int, again bool) error
+// the message before (see runPayload). An interface rather than a func, so
+// that a message decoded for its handler is one allocation (bound,
+// batchBound) and not a closure beside the payload.
+type call interface {
+	run(ctx context.Context, tx pgx.Tx, q *queueTx, attempt int, again bool) error
+}
 
 // prepared is a message decoded for its handler. A nil call means: record
 // the id without running a handler.
@@ -103,20 +107,31 @@ type prepared struct {
 // preparer decodes a message for its handler.
 type preparer func(m *Message, idt identity, dec Decoder) (prepared, ErrorKind, error)
 
+// bound is a message decoded for its Handler, its payload decoded in place.
+type bound[T any] struct {
+	h       Handler[T]
+	m       *Message
+	idt     identity
+	dec     Decoder
+	payload T
+}
+
 func bind[T any](h Handler[T], m *Message, idt identity, dec Decoder) (call, ErrorKind, error) {
-	payload, err := decodeAs[T](idt.payload, dec)
-	if err != nil {
+	b := &bound[T]{h: h, m: m, idt: idt, dec: dec}
+	if err := decodeInto(&b.payload, idt.payload, dec); err != nil {
 		return nil, KindDecode, &DecodeError{Err: err}
 	}
-	return func(ctx context.Context, tx pgx.Tx, qtx *queueTx, attempt int, again bool) error {
-		p, err := runPayload(payload, again, idt.payload, dec)
-		if err != nil {
-			return err
-		}
-		q := openQueue(qtx)
-		defer q.close()
-		return h(ctx, tx, Event[T]{ID: idt.id, Type: idt.typ, Payload: p, Message: m, Attempt: attempt, queue: q})
-	}, "", nil
+	return b, "", nil
+}
+
+func (b *bound[T]) run(ctx context.Context, tx pgx.Tx, qtx *queueTx, attempt int, again bool) error {
+	p, err := runPayload(b.payload, again, b.idt.payload, b.dec)
+	if err != nil {
+		return err
+	}
+	q := openQueue(qtx)
+	defer q.close()
+	return b.h(ctx, tx, Event[T]{ID: b.idt.id, Type: b.idt.typ, Payload: p, Message: b.m, Attempt: attempt, queue: q})
 }
 
 // runPayload returns the payload for a run of a handler: decoded, the
@@ -139,10 +154,15 @@ func runPayload[T any](decoded T, again bool, data []byte, dec Decoder) (T, erro
 
 func decodeAs[T any](data []byte, dec Decoder) (T, error) {
 	var v T
-	if b, ok := any(&v).(*[]byte); ok {
-		*b = data
-		return v, nil
-	}
-	err := dec(data, &v)
+	err := decodeInto(&v, data, dec)
 	return v, err
+}
+
+// decodeInto decodes data into *v; a []byte payload is data itself.
+func decodeInto[T any](v *T, data []byte, dec Decoder) error {
+	if b, ok := any(v).(*[]byte); ok {
+		*b = data
+		return nil
+	}
+	return dec(data, v)
 }

@@ -81,3 +81,36 @@ func BenchmarkTelemetry(b *testing.B) {
 		span.End()
 	}
 }
+
+// A message decoded for its handler is one allocation (with a payload the
+// decoder does not allocate for, []byte): not a closure beside an escaped
+// payload, and for a BatchHandler not an event beside those.
+func TestPreparingAMessageForItsHandlerIsOneAllocation(t *testing.T) {
+	m := &Message{Value: []byte("payload")}
+	idt := identity{id: "e1", typ: "t", payload: m.Value}
+	h := func(context.Context, pgx.Tx, Event[[]byte]) error { return nil }
+	bh := func(context.Context, pgx.Tx, []Event[[]byte]) error { return nil }
+	var sink prepared
+	single := testing.AllocsPerRun(100, func() {
+		c, _, err := bind(h, m, idt, JSON)
+		if err != nil {
+			t.Fatal(err)
+		}
+		sink = prepared{call: c}
+	})
+	prepBatch := batchPreparer(BatchHandler[[]byte](bh))
+	batch := testing.AllocsPerRun(100, func() {
+		p, _, err := prepBatch(m, idt, JSON)
+		if err != nil {
+			t.Fatal(err)
+		}
+		sink = p
+	})
+	_ = sink
+	if batch > 1 {
+		t.Errorf("preparing for a BatchHandler allocates %.0f times a message, want 1", batch)
+	}
+	if single > 1 {
+		t.Errorf("bind allocates %.0f times a message, want 1", single)
+	}
+}

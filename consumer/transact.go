@@ -199,11 +199,17 @@ func (p *pipeline) runHandlers(ctx context.Context, tx pgx.Tx, jobs []*job, res 
 		qtx.owner = i
 		attempt, again := j.runs+1, j.ran
 		j.ran = true
-		call := p.cfg.Hooks.wrap(j, attempt, func(ctx context.Context, tx pgx.Tx) error {
-			// tx is qtx, or a middleware's own tx around it.
-			return j.call(ctx, tx, qtx, attempt, again)
-		})
-		err := p.callHandler(j.ctx, qtx, func(hctx context.Context) error { return call(hctx, qtx) })
+		var err error
+		if len(p.cfg.Hooks.Middleware) == 0 {
+			// No closure that escapes: nothing to allocate per message.
+			err = p.callHandler(j.ctx, qtx, func(hctx context.Context) error { return j.call.run(hctx, qtx, qtx, attempt, again) })
+		} else {
+			call := p.cfg.Hooks.wrap(j, attempt, func(ctx context.Context, tx pgx.Tx) error {
+				// tx is qtx, or a middleware's own tx around it.
+				return j.call.run(ctx, tx, qtx, attempt, again)
+			})
+			err = p.callHandler(j.ctx, qtx, func(hctx context.Context) error { return call(hctx, qtx) })
+		}
 		if f := qtx.failed; f != nil {
 			// A statement queued by this or an earlier event failed.
 			return p.handlerFailure(ctx, tx, jobs, f.owner, f.err), true
