@@ -2,6 +2,7 @@ package consumer
 
 import (
 	"context"
+	"crypto/sha256"
 	"fmt"
 	"runtime/debug"
 	"time"
@@ -14,10 +15,13 @@ import (
 
 // job is one delivery on its way through the pipeline.
 type job struct {
-	d     Delivery
-	m     *Message
-	idt   identity
-	fp    []byte
+	d   Delivery
+	m   *Message
+	idt identity
+	fp  []byte
+	// fpSum holds fp when it is the default fingerprint, the SHA-256 of
+	// the value (in the job, which is allocated with its batch's).
+	fpSum [sha256.Size]byte
 	call  call // nil: record the id without a handler
 	event any  // the typed *Event, for a BatchHandler
 	span  trace.Span
@@ -95,7 +99,12 @@ func (p *pipeline) prepareJob(j *job) (dl *DeadLetter) {
 		return &DeadLetter{Kind: kind, Error: err.Error()}
 	}
 	j.call, j.event = prep.call, prep.event
-	if p.cfg.Identify.Fingerprint != nil {
+	switch {
+	case p.sha256Fingerprint:
+		stage = "computing the fingerprint"
+		j.fpSum = sha256.Sum256(j.m.Value)
+		j.fp = j.fpSum[:]
+	case p.cfg.Identify.Fingerprint != nil:
 		stage = "computing the fingerprint"
 		j.fp = p.cfg.Identify.Fingerprint(j.m)
 	}

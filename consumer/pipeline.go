@@ -32,6 +32,10 @@ type pipeline struct {
 	pool    *pgxpool.Pool
 	src     Source
 	prepare preparer
+	// sha256Fingerprint: Identify.Fingerprint is the default, the SHA-256
+	// of the value, which each job then keeps in its own array (no
+	// allocation per message).
+	sha256Fingerprint bool
 	// batchCall, set for a BatchHandler, runs the handler once for the
 	// claimed jobs of a batch.
 	batchCall func(ctx context.Context, tx pgx.Tx, jobs []*job) error
@@ -63,6 +67,7 @@ func newPipeline(pool *pgxpool.Pool, src Source, cfg Config, prep preparer) (*pi
 	if src == nil {
 		return nil, fmt.Errorf("%w: source is nil", ErrInvalidConfig)
 	}
+	defaultFingerprint := cfg.Identify.Fingerprint == nil
 	cfg, err := cfg.withDefaults()
 	if err != nil {
 		return nil, err
@@ -81,6 +86,7 @@ func newPipeline(pool *pgxpool.Pool, src Source, cfg Config, prep preparer) (*pi
 	}
 	p := &pipeline{cfg: cfg, pool: pool, src: src, prepare: prep, tel: tel,
 		sem: make(chan struct{}, cfg.Concurrency), stopped: make(chan struct{}), twins: newTwins(), work: context.Background()}
+	p.sha256Fingerprint = defaultFingerprint
 	p.guard = newCrashGuard(p)
 	return p, nil
 }
