@@ -1,6 +1,8 @@
 package dedup
 
 import (
+	"github.com/onceco/once/internal/pgshape"
+
 	"context"
 	"errors"
 	"fmt"
@@ -206,12 +208,12 @@ WHERE consumer = $1 AND topic = $2 AND partition = $3
 	return done, nil
 }
 
-var offsetsColumns = []column{
-	{"consumer", "text"}, {"topic", "text"}, {"partition", "integer"},
-	{"next_offset", "bigint"}, {"done", "bigint[]"}, {"epoch", "bigint"},
-	{"topic_id", "text"}, {"kafka_group", "text"}, {"generation", "integer"},
-	{"updated_at", "timestamp with time zone"},
-}
+var offsetsColumns = pgshape.Cols(
+	"consumer", "text", "topic", "text", "partition", "integer",
+	"next_offset", "bigint", "done", "bigint[]", "epoch", "bigint",
+	"topic_id", "text", "kafka_group", "text", "generation", "integer",
+	"updated_at", "timestamp with time zone",
+)
 
 // CheckOffsets verifies that the offsets table exists with the columns it
 // needs and a primary key or unique index on (consumer, topic, partition),
@@ -220,7 +222,7 @@ var offsetsColumns = []column{
 // offsets in the database; such a source runs CheckOffsets when it starts. It returns nil or an error
 // wrapping ErrSchemaMismatch that names every difference.
 func (s *Store) CheckOffsets(ctx context.Context, db DB) error {
-	have, err := tableColumns(ctx, db, s.names.Offsets)
+	have, err := pgshape.Columns(ctx, db, s.names.Offsets)
 	if err != nil {
 		return fmt.Errorf("dedup: checking %s: %w", s.names.Offsets, err)
 	}
@@ -228,7 +230,7 @@ func (s *Store) CheckOffsets(ctx context.Context, db DB) error {
 		return fmt.Errorf("%w: %s does not exist: run Store.Migrate (schema version 4), or apply dedup/migrations",
 			ErrSchemaMismatch, s.names.Offsets)
 	}
-	diffs := columnDiffs(have, offsetsColumns)
+	diffs := pgshape.Diffs(have, offsetsColumns, "the store")
 	unique, err := hasUniqueKey(ctx, db, s.names.Offsets, "consumer", "topic", "partition")
 	if err != nil {
 		return fmt.Errorf("dedup: checking %s: %w", s.names.Offsets, err)

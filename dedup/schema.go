@@ -1,6 +1,8 @@
 package dedup
 
 import (
+	"github.com/onceco/once/internal/pgshape"
+
 	"context"
 	"embed"
 	"errors"
@@ -186,20 +188,16 @@ func (s *Store) ProcessedTable() string { return s.names.Table }
 // "_attempts"), for use in SQL text.
 func (s *Store) AttemptsTable() string { return s.names.Attempts }
 
-// column is a column the store reads or writes, with its type as
-// format_type prints it.
-type column struct{ name, typ string }
+var processedColumns = pgshape.Cols(
+	"consumer", "text", "event_id", "text", "fingerprint", "bytea",
+	"processed_at", "timestamp with time zone", "source", "text",
+	"partition", "integer", "offset", "bigint",
+)
 
-var processedColumns = []column{
-	{"consumer", "text"}, {"event_id", "text"}, {"fingerprint", "bytea"},
-	{"processed_at", "timestamp with time zone"}, {"source", "text"},
-	{"partition", "integer"}, {"offset", "bigint"},
-}
-
-var attemptsColumns = []column{
-	{"consumer", "text"}, {"event_id", "text"}, {"attempts", "integer"},
-	{"last_seen", "timestamp with time zone"}, {"crashes", "integer"},
-}
+var attemptsColumns = pgshape.Cols(
+	"consumer", "text", "event_id", "text", "attempts", "integer",
+	"last_seen", "timestamp with time zone", "crashes", "integer",
+)
 
 // Check verifies that the store's tables exist with the columns and types
 // it needs and a primary key or unique index on (consumer, event_id), and
@@ -216,15 +214,15 @@ func (s *Store) Check(ctx context.Context, db DB) error {
 }
 
 // checkTable compares one table with the columns the store needs.
-func (s *Store) checkTable(ctx context.Context, db DB, table string, want []column) error {
-	have, err := tableColumns(ctx, db, table)
+func (s *Store) checkTable(ctx context.Context, db DB, table string, want []pgshape.Want) error {
+	have, err := pgshape.Columns(ctx, db, table)
 	if err != nil {
 		return fmt.Errorf("dedup: checking %s: %w", table, err)
 	}
 	if have == nil {
 		return fmt.Errorf("%w: %s does not exist: run Store.Migrate, or apply dedup/migrations", ErrSchemaMismatch, table)
 	}
-	diffs := columnDiffs(have, want)
+	diffs := pgshape.Diffs(have, want, "the store")
 	unique, err := hasUniqueKey(ctx, db, table, "consumer", "event_id")
 	if err != nil {
 		return fmt.Errorf("dedup: checking %s: %w", table, err)
@@ -258,62 +256,6 @@ func (s *Store) checkTable(ctx context.Context, db DB, table string, want []colu
 		ErrSchemaMismatch, table, strings.Join(diffs, "; "))
 }
 
-// tableColumn is a column as the catalog describes it.
-type tableColumn struct {
-	typ               string
-	required, hasDflt bool
-}
-
-// tableColumns returns table's columns, or nil when it does not exist.
-func tableColumns(ctx context.Context, db DB, table string) (map[string]tableColumn, error) {
-	rows, err := db.Query(ctx, `SELECT a.attname, format_type(a.atttypid, a.atttypmod), a.attnotnull, a.atthasdef
-FROM pg_attribute a WHERE a.attrelid = to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped`, table)
-	if err != nil {
-		return nil, err
-	}
-	var (
-		name string
-		c    tableColumn
-		cols map[string]tableColumn
-	)
-	_, err = pgx.ForEachRow(rows, []any{&name, &c.typ, &c.required, &c.hasDflt}, func() error {
-		if cols == nil {
-			cols = map[string]tableColumn{}
-		}
-		cols[name] = c
-		return nil
-	})
-	return cols, err
-}
-
-// columnDiffs names what differs between have and want: missing columns,
-// other types, and extra columns an insert cannot leave out.
-func columnDiffs(have map[string]tableColumn, want []column) []string {
-	var diffs []string
-	needed := map[string]bool{}
-	for _, w := range want {
-		needed[w.name] = true
-		h, ok := have[w.name]
-		switch {
-		case !ok:
-			diffs = append(diffs, fmt.Sprintf("column %s (%s) is missing", w.name, w.typ))
-		case h.typ != w.typ:
-			diffs = append(diffs, fmt.Sprintf("column %s is %s, want %s", w.name, h.typ, w.typ))
-		}
-	}
-	var extra []string
-	for name, h := range have {
-		if !needed[name] && h.required && !h.hasDflt {
-			extra = append(extra, name)
-		}
-	}
-	slices.Sort(extra)
-	for _, name := range extra {
-		diffs = append(diffs, fmt.Sprintf("column %s is NOT NULL without a default, and the store does not write it", name))
-	}
-	return diffs
-}
-
 // hasUniqueKey reports whether table has a primary key or a unique index,
 // valid, immediate and without a predicate, on exactly key (in any
 // order; INCLUDE columns are not part of it): the ON CONFLICT of the
@@ -344,10 +286,10 @@ func hasUniqueKey(ctx context.Context, db DB, table string, key ...string) (bool
 // event_id as columns of their key while every column they read is one the
 // store writes (want): an index that reads a column of the user's own (a
 // serial id) is left alone.
-func mergingKeys(ctx context.Context, db DB, table string, want []column) ([]string, error) {
+func mergingKeys(ctx context.Context, db DB, table string, want []pgshape.Want) ([]string, error) {
 	written := make([]string, len(want))
 	for i, c := range want {
-		written[i] = c.name
+		written[i] = c.Name
 	}
 	rows, err := db.Query(ctx, `SELECT ic.relname::text
 FROM pg_index i JOIN pg_class ic ON ic.oid = i.indexrelid,

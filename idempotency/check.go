@@ -4,10 +4,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"slices"
 	"strings"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/onceco/once/internal/pgshape"
 )
 
 // ErrSchemaMismatch is wrapped by Migrate's error when a table of the name
@@ -15,15 +16,11 @@ import (
 // table, or one made by hand): the error names each difference.
 var ErrSchemaMismatch = errors.New("idempotency: table has another shape")
 
-// keyColumn is a column of the table, with its type as format_type prints
-// it.
-type keyColumn struct{ name, typ string }
-
 // keyColumns are the columns the middleware writes or reads.
-var keyColumns = []keyColumn{
-	{"scope", "text"}, {"idempotency_key", "text"}, {"fingerprint", "bytea"}, {"method", "text"}, {"path", "text"},
-	{"status", "integer"}, {"header", "jsonb"}, {"body", "bytea"}, {"expires_at", "timestamp with time zone"},
-}
+var keyColumns = pgshape.Cols(
+	"scope", "text", "idempotency_key", "text", "fingerprint", "bytea", "method", "text", "path", "text",
+	"status", "integer", "header", "jsonb", "body", "bytea", "expires_at", "timestamp with time zone",
+)
 
 // checkTable verifies that table (quoted, maybe qualified) has the columns
 // the middleware needs, no other column an insert cannot leave out, is
@@ -48,52 +45,28 @@ func checkTable(ctx context.Context, tx pgx.Tx, table string) error {
 }
 
 func tableDiffs(ctx context.Context, tx pgx.Tx, table string) ([]string, error) {
-	type column struct {
-		typ                      string
-		required, hasDflt, folds bool
-	}
-	rows, err := tx.Query(ctx, `SELECT a.attname::text, format_type(a.atttypid, a.atttypmod), a.attnotnull, a.atthasdef,
-	NOT coalesce(c.collisdeterministic, true)
-FROM pg_attribute a LEFT JOIN pg_collation c ON c.oid = a.attcollation
-WHERE a.attrelid = to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped`, table)
+	have, err := pgshape.Columns(ctx, tx, table)
 	if err != nil {
-		return nil, err
-	}
-	have := map[string]column{}
-	var (
-		name string
-		c    column
-	)
-	if _, err := pgx.ForEachRow(rows, []any{&name, &c.typ, &c.required, &c.hasDflt, &c.folds}, func() error {
-		have[name] = c
-		return nil
-	}); err != nil {
 		return nil, err
 	}
 	if len(have) == 0 {
 		return []string{"it does not exist, or has no columns"}, nil
 	}
-	var diffs []string
-	needed := map[string]bool{}
+	diffs := pgshape.Diffs(have, keyColumns, "the middleware")
 	for _, w := range keyColumns {
-		needed[w.name] = true
-		h, ok := have[w.name]
-		switch {
-		case !ok:
-			diffs = append(diffs, fmt.Sprintf("column %s (%s) is missing", w.name, w.typ))
+		h, ok := have[w.Name]
+		if !ok {
 			continue
-		case h.typ != w.typ:
-			diffs = append(diffs, fmt.Sprintf("column %s is %s, want %s", w.name, h.typ, w.typ))
 		}
-		switch w.name {
+		switch w.Name {
 		case "scope", "idempotency_key":
-			if h.folds {
-				diffs = append(diffs, fmt.Sprintf("column %s has a nondeterministic collation: its lookups take distinct %ss for one", w.name, w.name))
+			if h.Folds {
+				diffs = append(diffs, fmt.Sprintf("column %s has a nondeterministic collation: its lookups take distinct %ss for one", w.Name, w.Name))
 			}
 		case "status", "header", "body":
 			// The claim leaves them to their defaults, and reads status.
-			if !h.hasDflt && (h.required || w.name == "status") {
-				diffs = append(diffs, fmt.Sprintf("column %s has no default, and the claim does not write it", w.name))
+			if !h.Default && (h.NotNull || w.Name == "status") {
+				diffs = append(diffs, fmt.Sprintf("column %s has no default, and the claim does not write it", w.Name))
 			}
 		}
 	}
@@ -111,22 +84,11 @@ FROM pg_class c WHERE (c.oid = to_regclass($1) OR c.oid IN (SELECT relid FROM pg
 		diffs = append(diffs, fmt.Sprintf("%s is unlogged (or temporary): PostgreSQL empties it when it recovers from a crash, "+
 			"and a standby has none of its rows, so the stored keys would be forgotten and their requests run again", transient))
 	}
-	var extra []string
-	for name, h := range have {
-		if !needed[name] && h.required && !h.hasDflt {
-			extra = append(extra, name)
-		}
-	}
-	slices.Sort(extra)
-	for _, name := range extra {
-		diffs = append(diffs, fmt.Sprintf("column %s is NOT NULL without a default, and the middleware does not write it", name))
-	}
-
 	// The unique indexes: whether one is the key, and which take distinct
 	// (scope, idempotency_key) for one or cannot arbitrate the claim.
 	written := make([]string, len(keyColumns))
 	for i, c := range keyColumns {
-		written[i] = c.name
+		written[i] = c.Name
 	}
 	var (
 		key               bool

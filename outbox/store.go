@@ -5,9 +5,9 @@ import (
 	"embed"
 	"errors"
 	"fmt"
+	"github.com/onceco/once/internal/pgshape"
 	"io/fs"
 	"regexp"
-	"sort"
 	"strings"
 
 	"github.com/jackc/pgx/v5"
@@ -163,17 +163,12 @@ func (s *Store) adopt(ctx context.Context, tx pgx.Tx) (int, error) {
 	return 0, err
 }
 
-// column is a column the library reads or writes, with its type as
-// format_type names it.
-type column struct{ name, typ string }
-
-// outboxColumns are the outbox table's columns.
-var outboxColumns = []column{
-	{"seq", "bigint"}, {"event_id", "text"}, {"topic", "text"}, {"routing_key", "text"}, {"key", "bytea"},
-	{"type", "text"}, {"headers", "jsonb"}, {"trace", "jsonb"}, {"body", "bytea"},
-	{"created_at", "timestamp with time zone"}, {"attempts", "integer"}, {"not_before", "timestamp with time zone"},
-	{"last_error", "text"}, {"parked_at", "timestamp with time zone"}, {"sent_at", "timestamp with time zone"},
-}
+var outboxColumns = pgshape.Cols(
+	"seq", "bigint", "event_id", "text", "topic", "text", "routing_key", "text", "key", "bytea",
+	"type", "text", "headers", "jsonb", "trace", "jsonb", "body", "bytea",
+	"created_at", "timestamp with time zone", "attempts", "integer", "not_before", "timestamp with time zone",
+	"last_error", "text", "parked_at", "timestamp with time zone", "sent_at", "timestamp with time zone",
+)
 
 // Check verifies that the outbox table exists with the columns and types
 // Add and the relay use, that seq is generated (an identity or a default)
@@ -184,53 +179,16 @@ var outboxColumns = []column{
 // column body of type text would take Add's bytes as their hex escape,
 // and the relay publish that) fails there instead of every Add.
 func (s *Store) Check(ctx context.Context, db DB) error {
-	rows, err := db.Query(ctx, `SELECT a.attname::text, format_type(a.atttypid, a.atttypmod), a.attnotnull,
-	a.atthasdef OR a.attidentity <> '' OR a.attgenerated <> ''
-FROM pg_attribute a WHERE a.attrelid = to_regclass($1) AND a.attnum > 0 AND NOT a.attisdropped`, s.table)
+	have, err := pgshape.Columns(ctx, db, s.table)
 	if err != nil {
-		return fmt.Errorf("outbox: checking %s: %w", s.table, err)
-	}
-	type tableColumn struct {
-		typ               string
-		required, hasDflt bool
-	}
-	have := map[string]tableColumn{}
-	var (
-		name string
-		c    tableColumn
-	)
-	if _, err := pgx.ForEachRow(rows, []any{&name, &c.typ, &c.required, &c.hasDflt}, func() error {
-		have[name] = c
-		return nil
-	}); err != nil {
 		return fmt.Errorf("outbox: checking %s: %w", s.table, err)
 	}
 	if len(have) == 0 {
 		return fmt.Errorf("%w: %s does not exist: run Store.Migrate, or apply outbox/migrations", ErrSchemaMismatch, s.table)
 	}
-	var diffs []string
-	needed := map[string]bool{}
-	for _, w := range outboxColumns {
-		needed[w.name] = true
-		h, ok := have[w.name]
-		switch {
-		case !ok:
-			diffs = append(diffs, fmt.Sprintf("column %s (%s) is missing", w.name, w.typ))
-		case h.typ != w.typ:
-			diffs = append(diffs, fmt.Sprintf("column %s is %s, want %s", w.name, h.typ, w.typ))
-		case w.name == "seq" && !h.hasDflt:
-			diffs = append(diffs, "column seq is not generated (an identity or a default): Add does not write it")
-		}
-	}
-	var extra []string
-	for name, h := range have {
-		if !needed[name] && h.required && !h.hasDflt {
-			extra = append(extra, name)
-		}
-	}
-	sort.Strings(extra)
-	for _, name := range extra {
-		diffs = append(diffs, fmt.Sprintf("column %s is NOT NULL without a default, and Add does not write it", name))
+	diffs := pgshape.Diffs(have, outboxColumns, "Add")
+	if h, ok := have["seq"]; ok && h.Type == "bigint" && !h.Default {
+		diffs = append(diffs, "column seq is not generated (an identity or a default): Add does not write it")
 	}
 	if len(diffs) == 0 {
 		return nil
