@@ -74,8 +74,12 @@ func New[T any](pool *pgxpool.Pool, src Source, h Handler[T], cfg Config) (*Cons
 }
 
 // Run consumes until ctx is cancelled or the source fails. It first creates
-// the dedup tables (unless Config.SkipMigrate) and returns that error if it
-// fails. Once ctx is cancelled it stops receiving, lets messages in flight
+// the dedup tables (unless Config.SkipMigrate; then it checks them) and
+// returns that error if it fails for a reason retrying cannot cure (a
+// table of another shape, a password or a permission refused); a database
+// that is down or restarting is waited for, retried after
+// Config.InfraBackoff and logged, and when ctx ends first Run returns the
+// last such failure (a wrong address looks the same). Once ctx is cancelled it stops receiving, lets messages in flight
 // finish for up to Config.ShutdownTimeout (then rolls them back, unacked),
 // closes the source (which flushes acknowledgements) and returns nil. A
 // fatal source error is returned after the same shutdown. Run may be

@@ -389,13 +389,16 @@ func TestNewValidatesConfig(t *testing.T) {
 	require.ErrorIs(t, err, consumer.ErrInvalidConfig)
 }
 
+// A database that cannot be reached at the start is waited for (it may be
+// restarting), and a Run that ctx ends meanwhile returns the failure,
+// naming the consumer and the address: not nil, as if it had stopped.
 func TestRunFailsClearlyWhenDatabaseUnreachable(t *testing.T) {
 	pool, err := pgxpool.New(context.Background(), "postgres://nobody@127.0.0.1:1/none?connect_timeout=2")
 	require.NoError(t, err)
 	defer pool.Close()
 	c, err := consumer.New(pool, memsource.New(memsource.Options{}).Source(), insertEffect, consumer.Config{Name: "db-check"})
 	require.NoError(t, err)
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
 	defer cancel()
 	err = c.Run(ctx)
 	require.Error(t, err)
@@ -1028,4 +1031,46 @@ func TestFailedAckWarningSaysWhatTheRedeliveryDoes(t *testing.T) {
 	assert.Contains(t, fine, "redelivered and skipped")
 	assert.NotContains(t, poison, "skipped", "a dead-lettered message's redelivery is not a duplicate")
 	assert.Contains(t, poison, "dead-lettered again")
+}
+
+// A consumer started while its database is down (restarting, failing
+// over) waits for it, retrying the start as it retries any infrastructure
+// failure, and then handles every message once: Run does not return the
+// outage as if it were a configuration error.
+func TestStartWhileTheDatabaseIsDownWaitsForIt(t *testing.T) {
+	ctx := context.Background()
+	srv, err := pgtemp.Start(ctx, pgtemp.Options{})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = srv.Close() })
+	pool, err := pgxpool.New(ctx, srv.URL())
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{Streams: 2})
+	for i := range 20 {
+		publish(b, fmt.Sprintf("e%d", i), i)
+	}
+	require.NoError(t, srv.Stop(ctx))
+
+	c, err := consumer.New(pool, b.Source(), insertEffect, fastConfig("start-db-down"))
+	require.NoError(t, err)
+	runCtx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- c.Run(runCtx) }()
+	for deadline := time.Now().Add(20 * time.Second); c.Stats().InfraErrors < 3; {
+		select {
+		case err := <-done:
+			t.Fatalf("Run returned while the database was down: %v", err)
+		case <-time.After(5 * time.Millisecond):
+		}
+		require.True(t, time.Now().Before(deadline), "the start is retried as an infrastructure failure")
+	}
+
+	require.NoError(t, srv.Restart(ctx))
+	require.Eventually(t, func() bool { return b.Acked() == 20 }, 60*time.Second, 10*time.Millisecond)
+	cancel()
+	require.NoError(t, <-done)
+	requireEffectsOnce(t, pool, 20)
+	assert.Empty(t, b.DeadLetters())
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/onceco/once/internal/backoff"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -97,7 +98,8 @@ func (p *pipeline) consume(ctx context.Context) error {
 	}
 	if err := p.start(ctx); err != nil {
 		_ = p.src.Close()
-		if ctx.Err() != nil {
+		var outage *startOutage
+		if ctx.Err() != nil && !errors.As(err, &outage) {
 			return nil // stopped during start-up
 		}
 		return fmt.Errorf("once: consumer %q: %w", p.cfg.Name, err)
@@ -162,7 +164,43 @@ func (p *pipeline) stop() {
 // start prepares the store: migrates its tables, or, when the user
 // manages them (SkipMigrate), checks their shape, so that a table of
 // another shape fails Run at once instead of every claim.
+//
+// A failure retrying can cure (the database restarting or failing over, a
+// connection refused or cut: ClassInfrastructure) is retried after
+// Config.InfraBackoff until ctx ends, as any infrastructure failure is,
+// and then returned (a *startOutage: the consumer never started, which a
+// database address that is wrong looks like too); any other (a table of
+// another shape, a password or a permission refused) is returned at once.
 func (p *pipeline) start(ctx context.Context) error {
+	r := backoff.Retrier{Policy: p.infraPolicy()}
+	for {
+		err := p.startOnce(ctx)
+		if err == nil || ctx.Err() != nil || Classify(err) != ClassInfrastructure {
+			return err
+		}
+		p.stats.infraErrors.Add(1)
+		d := r.Delay()
+		p.cfg.Telemetry.Logger.WarnContext(ctx, "once: infrastructure failure preparing the store; retrying",
+			"consumer", p.cfg.Name, "error", err, "backoff", d)
+		if !p.sleep(ctx, d) {
+			return &startOutage{err: err}
+		}
+		p.stats.retries.Add(1)
+		p.tel.retry(ctx, "infrastructure")
+	}
+}
+
+// startOutage is the last infrastructure failure of a start that ctx
+// ended while it was retried.
+type startOutage struct{ err error }
+
+func (e *startOutage) Error() string {
+	return "stopped before the database could be reached: " + e.err.Error()
+}
+
+func (e *startOutage) Unwrap() error { return e.err }
+
+func (p *pipeline) startOnce(ctx context.Context) error {
 	var err error
 	if p.cfg.SkipMigrate {
 		err = p.cfg.Store.Check(ctx, p.pool)
