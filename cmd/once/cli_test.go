@@ -968,3 +968,20 @@ func TestMigrateNamesEveryTable(t *testing.T) {
 	require.NoError(t, json.Unmarshal([]byte(out), &st))
 	assert.Equal(t, schema, st["schema"])
 }
+
+// An event id that is not UTF-8 (an invalid-id dead letter keeps the id
+// it was refused for) is listed in hex as well: JSON text cannot hold its
+// bytes, and `dlq list -json` would print U+FFFD in their place.
+func TestListJSONKeepsAnEventIDThatIsNotUTF8(t *testing.T) {
+	r := &dlq.Record{Ref: "0:1", Value: []byte("{}"), Headers: []dlq.Header{{Key: consumer.HeaderEventID, Value: "e-\xff\xfe"}}}
+	b, err := json.Marshal(summarize(r))
+	require.NoError(t, err)
+	var got struct {
+		EventIDHex string `json:"event_id_hex"`
+	}
+	require.NoError(t, json.Unmarshal(b, &got), "%s", b)
+	assert.Equal(t, "652dfffe", got.EventIDHex, "%s", b)
+	b, err = json.Marshal(summarize(&dlq.Record{Ref: "0:2", Value: []byte("{}"), Headers: []dlq.Header{{Key: consumer.HeaderEventID, Value: "e-1"}}}))
+	require.NoError(t, err)
+	assert.NotContains(t, string(b), "event_id_hex", "an id that is text has no hex")
+}

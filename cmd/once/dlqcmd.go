@@ -176,18 +176,21 @@ func (f *dlqFlags) selects() bool {
 
 // recordSummary is a dead letter in list output.
 type recordSummary struct {
-	Ref           string    `json:"ref"`
-	Position      int       `json:"position"`
-	FailedAt      time.Time `json:"failed_at,omitzero"`
-	Consumer      string    `json:"consumer"`
-	Kind          string    `json:"kind"`
-	EventID       string    `json:"event_id"`
-	EventType     string    `json:"event_type,omitempty"`
-	Error         string    `json:"error"`
-	RedriveCount  int       `json:"redrive_count"`
-	Destination   string    `json:"destination"`
-	Replayable    bool      `json:"replayable"`
-	NotReplayable string    `json:"not_replayable,omitempty"`
+	Ref      string    `json:"ref"`
+	Position int       `json:"position"`
+	FailedAt time.Time `json:"failed_at,omitzero"`
+	Consumer string    `json:"consumer"`
+	Kind     string    `json:"kind"`
+	EventID  string    `json:"event_id"`
+	// EventIDHex is the event id in hex when it is not UTF-8 (JSON text
+	// cannot hold its bytes: EventID shows U+FFFD in their place).
+	EventIDHex    string `json:"event_id_hex,omitempty"`
+	EventType     string `json:"event_type,omitempty"`
+	Error         string `json:"error"`
+	RedriveCount  int    `json:"redrive_count"`
+	Destination   string `json:"destination"`
+	Replayable    bool   `json:"replayable"`
+	NotReplayable string `json:"not_replayable,omitempty"`
 }
 
 func summarize(r *dlq.Record) recordSummary {
@@ -195,6 +198,9 @@ func summarize(r *dlq.Record) recordSummary {
 		Ref: r.Ref, Position: r.Position, FailedAt: r.FailedAt(), Consumer: r.Consumer(), Kind: r.Kind(),
 		EventID: r.EventID(), EventType: r.EventType(), Error: r.Error(), RedriveCount: r.RedriveCount(),
 		Destination: r.Destination(), Replayable: true,
+	}
+	if !utf8.ValidString(s.EventID) {
+		s.EventIDHex = hex.EncodeToString([]byte(s.EventID))
 	}
 	if err := r.Replayable(false); err != nil {
 		s.Replayable, s.NotReplayable = false, err.Error()
