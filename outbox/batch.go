@@ -109,7 +109,8 @@ func (r *Relay) relayBatch(ctx context.Context, conn *pgx.Conn, batch []Record, 
 	var rejects []rejection
 	pctx, span := r.startBatchSpan(ctx, batch)
 	defer func() { endBatchSpan(span, len(sent), len(rejects), err) }()
-	publish, checked := r.check(batch)
+	publish, checked, unchecked := r.check(batch)
+	r.noteUnchecked(ctx, unchecked)
 	published := make(chan []error, 1)
 	go func() {
 		// The publisher outlives a stop by shutdownGrace, like the wait
@@ -278,14 +279,14 @@ func withoutHeldKeys(ahead, batch []Record, sent []int64) []Record {
 
 // check runs the publisher's Checker, if it has one, over recs: a record
 // it refuses (Rejected) is charged without being sent, one it cannot check
-// (any other error) is held for a later batch, and in both cases the later
-// records of its key are held back (neither sent nor charged) so that they
-// cannot overtake it. A record whose row could not be decoded is charged
-// like a refusal.
-func (r *Relay) check(recs []Record) (publish []Record, rejects []rejection) {
+// (any other error, the first of which unchecked counts) is held for a
+// later batch, and in both cases the later records of its key are held
+// back (neither sent nor charged) so that they cannot overtake it. A
+// record whose row could not be decoded is charged like a refusal.
+func (r *Relay) check(recs []Record) (publish []Record, rejects []rejection, unchecked uncheckedRecords) {
 	c, _ := r.pub.(Checker)
 	if c == nil && !anyUndecodable(recs) {
-		return recs, nil
+		return recs, nil, unchecked
 	}
 	publish = recs[:0:0]
 	var held map[string]bool
@@ -301,6 +302,8 @@ func (r *Relay) check(recs []Record) (publish []Record, rejects []rejection) {
 		if err != nil {
 			if IsRejected(err) {
 				rejects = append(rejects, rejection{seq: rec.Seq, attempts: rec.Attempts, err: err})
+			} else {
+				unchecked.add(err)
 			}
 			if k != "" {
 				if held == nil {
@@ -312,7 +315,38 @@ func (r *Relay) check(recs []Record) (publish []Record, rejects []rejection) {
 		}
 		publish = append(publish, rec)
 	}
-	return publish, rejects
+	return publish, rejects, unchecked
+}
+
+// uncheckedRecords counts the records of a batch the publisher's Checker
+// could not decide on, with the first error.
+type uncheckedRecords struct {
+	n     int
+	first error
+}
+
+func (u *uncheckedRecords) add(err error) {
+	if u.n == 0 {
+		u.first = err
+	}
+	u.n++
+}
+
+// uncheckedLogEvery bounds how often held records are logged: the same
+// rows are read again at every poll while the check keeps failing.
+const uncheckedLogEvery = 10 * time.Second
+
+// noteUnchecked logs, at level Warn and at most every uncheckedLogEvery,
+// records held because the publisher could not check them: they are not
+// charged and wait for a later batch, and without a word the outbox would
+// stand still in silence.
+func (r *Relay) noteUnchecked(ctx context.Context, u uncheckedRecords) {
+	if u.n == 0 || time.Since(r.uncheckedLogged) < uncheckedLogEvery {
+		return
+	}
+	r.uncheckedLogged = time.Now()
+	r.cfg.Logger.WarnContext(ctx, "once/outbox: the publisher could not check records before sending them; they wait, uncharged, for a later batch",
+		"records", u.n, "error", u.first)
 }
 
 // anyUndecodable reports whether a record of recs could not be decoded.

@@ -59,9 +59,10 @@ type Publisher interface {
 // that a record will be refused (larger than the broker accepts, no
 // destination). The relay calls Check on each record of a batch before
 // Publish: an error wrapped with Rejected is charged to the record like a
-// refusal at publish time, any other error keeps the record for a later
-// batch, and in both cases the later records of its key in the batch are
-// held back, so that they never overtake it.
+// refusal at publish time, any other error keeps the record, uncharged,
+// for a later batch (logged at level Warn, at most every 10 s), and in
+// both cases the later records of its key in the batch are held back, so
+// that they never overtake it.
 type Checker interface {
 	Check(rec Record) error
 }

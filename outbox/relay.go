@@ -164,9 +164,12 @@ type Relay struct {
 	// oid is the table's oid as the current session found it, which its
 	// leader lock is keyed by and its statements check (newRelaySQL);
 	// used by the session's goroutine only.
-	oid     uint32
-	metrics *relayMetrics
-	tracer  trace.Tracer
+	oid uint32
+	// uncheckedLogged is when records the publisher could not check were
+	// last logged (noteUnchecked); used by the session's goroutine only.
+	uncheckedLogged time.Time
+	metrics         *relayMetrics
+	tracer          trace.Tracer
 }
 
 // NewRelay returns a relay that reads the outbox through pool and
