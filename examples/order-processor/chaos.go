@@ -536,7 +536,7 @@ func (r *chaosRun) crashLooped(ctx context.Context, dlq []deadLetter) ([]outMsg,
 	seen := map[string]bool{}
 	for _, d := range dlq {
 		id := d.Headers[consumer.HeaderEventID]
-		if seen[id] || !valid[id] || d.Headers[consumer.HeaderErrorKind] != string(consumer.KindCrashLoop) {
+		if seen[id] || !valid[id] || !causeUnknown(d) {
 			continue
 		}
 		seen[id] = true

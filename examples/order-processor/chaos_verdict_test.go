@@ -510,3 +510,32 @@ func TestChaosVerdictPassesTheFirstOfTwoSecondPaymentsThatWonItsRace(t *testing.
 	res := countVerdict(t, r, raced)
 	assert.True(t, res.Pass(), "problems: %v", res.Problems)
 }
+
+// A dead letter whose error the crash guard could not know (the message's
+// runs were spent by failures in processes that ended before dead-lettering
+// it: a waiting-for-its-order dead letter whose ack a kill took, say) is no
+// rule's: its cause may have passed, like a crash loop's, and the event
+// handled later (a replay of its first dead letter) is resolved, not run
+// twice.
+func TestChaosVerdictPassesAHandledEventWithARunsSpentDeadLetter(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		waiting bool
+	}{{"beside its waiting-for-its-order dead letter", true}, {"alone", false}} {
+		t.Run(tc.name, func(t *testing.T) {
+			r, dlq := verdictRun(t)
+			id := firstOfKind(t, r, kindEvent, TypePaid)
+			if tc.waiting {
+				w := deadLetterOf(id, consumer.KindHandler)
+				w.Headers[consumer.HeaderErrorMessage] = ErrUnknownOrder.Error()
+				dlq = append(dlq, w)
+			}
+			spent := deadLetterOf(id, consumer.KindHandler)
+			spent.Headers[consumer.HeaderErrorMessage] = "the handler failed 3 times (Retry.MaxAttempts); the process that ran it last " +
+				"ended before dead-lettering it, and the last error is not known"
+			dlq = append(dlq, spent)
+			res := countVerdict(t, r, dlq)
+			assert.True(t, res.Pass(), "%v", res.Problems)
+		})
+	}
+}

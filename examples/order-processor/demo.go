@@ -573,7 +573,7 @@ func report(ctx context.Context, w io.Writer, pool *pgxpool.Pool, o *options, pl
 			ids = append(ids, id)
 		}
 		dlIDs[id] = d.Headers[consumer.HeaderErrorKind]
-		if !waitedForOrder(d) && d.Headers[consumer.HeaderErrorKind] != string(consumer.KindCrashLoop) {
+		if !waitedForOrder(d) && !causeUnknown(d) {
 			byRule[id] = true
 		}
 	}
@@ -685,6 +685,20 @@ func report(ctx context.Context, w io.Writer, pool *pgxpool.Pool, o *options, pl
 
 // waitedForOrder reports whether d failed only because its order did not
 // exist yet (ErrUnknownOrder past the retries): a cause that passes.
+// causeUnknown reports whether d's cause is not known to be a rule's: a
+// crash loop, or runs spent by failures in processes that ended before
+// dead-lettering the message (the crash guard keeps no error: a
+// waiting-for-its-order dead letter whose ack a kill took comes back so).
+// Such a cause may have passed.
+func causeUnknown(d deadLetter) bool {
+	return d.Headers[consumer.HeaderErrorKind] == string(consumer.KindCrashLoop) ||
+		strings.Contains(d.Headers[consumer.HeaderErrorMessage], runsSpentText)
+}
+
+// runsSpentText is in the error of the consumer's dead letter for a message
+// whose runs were spent in processes that ended before dead-lettering it.
+const runsSpentText = "the last error is not known"
+
 func waitedForOrder(d deadLetter) bool {
 	return d.Headers[consumer.HeaderErrorKind] == string(consumer.KindHandler) &&
 		strings.Contains(d.Headers[consumer.HeaderErrorMessage], ErrUnknownOrder.Error())
