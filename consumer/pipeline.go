@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"github.com/onceco/once/internal/backoff"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -172,22 +171,26 @@ func (p *pipeline) stop() {
 // database address that is wrong looks like too); any other (a table of
 // another shape, a password or a permission refused) is returned at once.
 func (p *pipeline) start(ctx context.Context) error {
-	r := backoff.Retrier{Policy: p.infraPolicy()}
-	for {
+	var refused, outage error
+	err := p.infra(ctx, "preparing the store", Retry{}, func() error {
 		err := p.startOnce(ctx)
-		if err == nil || ctx.Err() != nil || Classify(err) != ClassInfrastructure {
-			return err
+		switch {
+		case err == nil || ctx.Err() != nil:
+		case Classify(err) != ClassInfrastructure:
+			refused = err // not retried
+			return nil
+		default:
+			outage = err
 		}
-		p.stats.infraErrors.Add(1)
-		d := r.Delay()
-		p.cfg.Telemetry.Logger.WarnContext(ctx, "once: infrastructure failure preparing the store; retrying",
-			"consumer", p.cfg.Name, "error", err, "backoff", d)
-		if !p.sleep(ctx, d) {
-			return &startOutage{err: err}
-		}
-		p.stats.retries.Add(1)
-		p.tel.retry(ctx, "infrastructure")
+		return err
+	})
+	switch {
+	case refused != nil:
+		return refused
+	case err != nil && outage != nil:
+		return &startOutage{err: outage}
 	}
+	return err
 }
 
 // startOutage is the last infrastructure failure of a start that ctx
