@@ -19,7 +19,7 @@ var ErrInvalidMessage = errors.New("outbox: invalid message")
 
 // MaxIDLength is the longest event id Add accepts, in bytes: the consuming
 // side of this library dead-letters longer ids by default
-// (consumer.Config.MaxIDLength).
+// (consumer.Config.Identify.MaxIDLength).
 const MaxIDLength = 256
 
 // Message is one message to publish once the transaction that adds it

@@ -15,7 +15,7 @@ import (
 )
 
 // Default header names, the ones the consuming side of this library reads
-// by default (consumer.Config.IDHeaders and TypeHeaders).
+// by default (consumer.Config.Identify.IDHeaders and TypeHeaders).
 const (
 	DefaultIDHeader   = "id"
 	DefaultTypeHeader = "type"
