@@ -50,8 +50,9 @@ type Event[T any] struct {
 }
 
 // Consumer consumes one Source, handling each message exactly once in
-// effect. Build it with New (one payload type) or NewRouted (a Router of
-// typed handlers per event type), then call Run.
+// effect. Build it with New (one payload type), NewRouted (a Router of
+// typed handlers per event type) or NewBatch (a BatchHandler given whole
+// batches), then call Run.
 type Consumer[T any] struct {
 	p *pipeline
 }

@@ -45,6 +45,36 @@ func ExampleNew() {
 	}
 }
 
+// A consumer whose handler writes a whole batch with one multi-row
+// statement: the events of a batch are new (their ids claimed in tx) and
+// commit together with their claims. A failing batch is halved until the
+// failing event is alone, so the handler must accept batches of any size.
+func ExampleNewBatch() {
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
+	if err != nil {
+		log.Fatal(err)
+	}
+	broker := memsource.New(memsource.Options{Streams: 4})
+
+	handle := func(ctx context.Context, tx pgx.Tx, events []consumer.Event[OrderCreated]) error {
+		ids := make([]string, len(events))
+		amounts := make([]int64, len(events))
+		for i, ev := range events {
+			ids[i], amounts[i] = ev.Payload.OrderID, ev.Payload.Amount
+		}
+		_, err := tx.Exec(ctx, `INSERT INTO orders (id, amount) SELECT * FROM unnest($1::text[], $2::bigint[])`, ids, amounts)
+		return err
+	}
+	c, err := consumer.NewBatch(pool, broker.Source(), handle, consumer.Config{Name: "billing"})
+	if err != nil {
+		log.Fatal(err)
+	}
+	if err := c.Run(ctx); err != nil { // until ctx is cancelled
+		log.Fatal(err)
+	}
+}
+
 // One consumer, one typed handler per event type.
 func ExampleNewRouted() {
 	r := consumer.NewRouter[any](consumer.RouterConfig{UnknownTypes: consumer.SkipUnknownTypes})
