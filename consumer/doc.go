@@ -52,8 +52,11 @@
 // # Telemetry
 //
 // Each message gets an OpenTelemetry consumer span, child of the producer's
-// W3C traceparent header when there is one, and the consumer exports the
-// metrics once.consumer.messages (by outcome), .retries, .dead_letters (by
-// kind), .handler.duration, .commit.duration and .inflight. Logs go to
-// log/slog: warnings only by default, never payloads.
+// span when its headers carry one (read with the global propagator, else
+// from a W3C traceparent header), and the consumer exports the metrics
+// once.consumer.messages (by outcome), .retries, .dead_letters (by kind),
+// .handler.duration, .commit.duration, .inflight and .batch.size, and the
+// messaging conventions' messaging.client.consumed.messages and
+// messaging.process.duration (docs/operations.md lists them). Logs go to
+// log/slog (Config.Telemetry.Logger), never with payloads.
 package consumer
