@@ -40,8 +40,8 @@
 // Message.ID is the message-id property and Message.Type the type property.
 // Without them the consumer reads the headers of consumer.Config.Identify.IDHeaders
 // and TypeHeaders. Config.FallbackID opts in to a hash of exchange, routing
-// key and body as a last resort; by default a message without an id is
-// dead-lettered with kind missing-id.
+// key, type property and body as a last resort; by default a message
+// without an id is dead-lettered with kind missing-id.
 //
 // # Order
 //
