@@ -70,9 +70,10 @@ type EventTyper interface {
 }
 
 // AddHandler registers h for the events of type P.EventType(), decoded into
-// P: the registration is typed end to end (the router's AddWorker). It
-// fails as Handle does, and for an interface P, which has no value to call
-// EventType on (register such a handler with Handle).
+// P: the registration is typed end to end, the event type named by the
+// payload type itself. It fails as Handle does, and for an interface P,
+// which has no value to call EventType on (register such a handler with
+// Handle).
 //
 //	type OrderPaid struct{ OrderID string }
 //
