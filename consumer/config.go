@@ -222,7 +222,9 @@ type RetryPolicy struct {
 	// InitialBackoff is the wait before the second attempt. Defaults to
 	// 200ms.
 	InitialBackoff time.Duration
-	// MaxBackoff caps the wait between attempts. Defaults to 10s.
+	// MaxBackoff caps the wait between attempts. Defaults to 10s, or to
+	// InitialBackoff when that is longer (the wait then never grows). Set
+	// both, and InitialBackoff may not exceed it.
 	MaxBackoff time.Duration
 	// Classify, when set, decides what an error met while handling a
 	// message is (ClassInfrastructure, ClassRetry or ClassPermanent): the
@@ -248,7 +250,8 @@ type RetryPolicy struct {
 type Backoff struct {
 	// Initial is the first wait. Defaults to 100ms.
 	Initial time.Duration
-	// Max caps the wait. Defaults to 5s.
+	// Max caps the wait. Defaults to 5s, or to Initial when that is longer
+	// (the wait then never grows). Set both, and Initial may not exceed it.
 	Max time.Duration
 }
 
