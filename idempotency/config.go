@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"math"
 	"net/http"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -31,7 +32,8 @@ type Config struct {
 	Schema string
 
 	// Header is the request header that carries the key. Defaults to
-	// "Idempotency-Key" (draft-ietf-httpapi-idempotency-key-header).
+	// "Idempotency-Key" (draft-ietf-httpapi-idempotency-key-header). New
+	// refuses a name no request can carry (not an HTTP token).
 	Header string
 
 	// Optional lets requests without a key through: the handler runs in a
@@ -148,6 +150,21 @@ func DefaultFingerprint(r *http.Request, body []byte) []byte {
 	return h.Sum(nil)
 }
 
+// validFieldName reports whether name is an HTTP field name: a token of
+// RFC 9110 (visible ASCII but for the delimiters "(),/:;<=>?@[\]{}).
+func validFieldName(name string) bool {
+	if name == "" {
+		return false
+	}
+	for i := 0; i < len(name); i++ {
+		c := name[i]
+		if c <= ' ' || c >= 0x7f || strings.IndexByte(`"(),/:;<=>?@[\]{}`, c) >= 0 {
+			return false
+		}
+	}
+	return true
+}
+
 // maxWait is the longest Config.Wait: PostgreSQL's lock_timeout holds at
 // most 2^31-1 milliseconds (about 24.8 days).
 const maxWait = math.MaxInt32 * time.Millisecond
@@ -186,6 +203,10 @@ func (c Config) withDefaults() (Config, error) {
 	}
 	if c.Header == "" {
 		c.Header = DefaultHeader
+	}
+	if !validFieldName(c.Header) {
+		// No request can carry it: every key would be missing.
+		return c, fmt.Errorf("%w: Header %q is not an HTTP header name (RFC 9110 token), so no request can carry it", ErrConfig, c.Header)
 	}
 	c.Header = http.CanonicalHeaderKey(c.Header)
 	if c.Fingerprint == nil {

@@ -716,3 +716,19 @@ func TestNewRefusesATTLBelowAMillisecond(t *testing.T) {
 	_, err = idempotency.New(unreachablePool(t), idempotency.Config{Scope: idempotency.SingleScope, TTL: time.Millisecond})
 	require.NoError(t, err)
 }
+
+// A Header that is no valid HTTP field name (a space, a colon, empty
+// after trimming) can never arrive on a request: every request got 400 as
+// if it had no key, or, with Optional, ran unprotected without a word.
+// New refuses it.
+func TestNewRefusesAHeaderNoRequestCanCarry(t *testing.T) {
+	for _, h := range []string{"Idempotency Key", "Idempotency-Key:", " ", "Idempotency-Key\n"} {
+		for _, optional := range []bool{false, true} {
+			_, err := idempotency.New(unreachablePool(t), idempotency.Config{Scope: idempotency.SingleScope, Header: h, Optional: optional})
+			require.ErrorIs(t, err, idempotency.ErrConfig, "%q", h)
+			assert.Contains(t, err.Error(), "Header")
+		}
+	}
+	_, err := idempotency.New(unreachablePool(t), idempotency.Config{Scope: idempotency.SingleScope, Header: "x-request-key"})
+	require.NoError(t, err)
+}
