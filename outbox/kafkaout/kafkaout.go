@@ -39,7 +39,7 @@ type Config struct {
 	// IDHeader is the header that carries the event id. Defaults to "id".
 	IDHeader string
 	// TypeHeader carries the event type, when the message has one.
-	// Defaults to "type".
+	// Defaults to "type". It must differ from IDHeader.
 	TypeHeader string
 }
 
@@ -72,6 +72,11 @@ func New(cfg Config) (*Publisher, error) {
 	}
 	if cfg.TypeHeader == "" {
 		cfg.TypeHeader = DefaultTypeHeader
+	}
+	if cfg.IDHeader == cfg.TypeHeader {
+		// A typed record would carry the header twice, the type last,
+		// which a consumer reads as the id.
+		return nil, fmt.Errorf("kafkaout: Config.IDHeader and Config.TypeHeader are both %q: the type would be read as the event id", cfg.IDHeader)
 	}
 	sc := producerConfig(cfg.Sarama)
 	if !sc.Version.IsAtLeast(sarama.V0_11_0_0) {

@@ -143,3 +143,22 @@ func TestPublishSaysWhatTheBrokerRefused(t *testing.T) {
 	assert.NotContains(t, errs[0].Error(), "s3cret")
 	assert.False(t, outbox.IsRejected(errs[0]))
 }
+
+// One header for both the id and the type put two values under one key on
+// every typed record, the type last: the consuming side, which takes a
+// repeated header's last value, read the event type as the id, and every
+// event of a type after the first was skipped as its duplicate. New
+// refuses it.
+func TestNewRefusesOneHeaderForTheIDAndTheType(t *testing.T) {
+	for _, cfg := range []Config{
+		{Brokers: []string{"b:9092"}, IDHeader: "type"},
+		{Brokers: []string{"b:9092"}, TypeHeader: "id"},
+		{Brokers: []string{"b:9092"}, IDHeader: "event", TypeHeader: "event"},
+	} {
+		_, err := New(cfg)
+		require.Error(t, err, "%+v", cfg)
+		assert.ErrorContains(t, err, "IDHeader")
+	}
+	_, err := New(Config{Brokers: []string{"b:9092"}, IDHeader: "event-id", TypeHeader: "event-type"})
+	require.NoError(t, err)
+}
