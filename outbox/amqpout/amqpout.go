@@ -398,6 +398,12 @@ func maxMessageSize(e *amqp091.Error) int {
 func (p *Publisher) publishing(rec outbox.Record) amqp091.Publishing {
 	headers := make(amqp091.Table, len(rec.Headers))
 	for k, v := range rec.Headers {
+		// The id and the type are the message-id and type properties;
+		// headers of those names would carry a second id or a type the
+		// message does not have (outbox.Message.Headers).
+		if k == "id" || k == "type" {
+			continue
+		}
 		headers[k] = v
 	}
 	mode := amqp091.Persistent

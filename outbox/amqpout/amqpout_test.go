@@ -99,3 +99,18 @@ func TestNewRefusesTLSConfigWithoutAmqps(t *testing.T) {
 	_, err = New(Config{URL: "amqps://guest:s3cret@host/", TLSConfig: &tls.Config{}})
 	require.NoError(t, err)
 }
+
+// Message.Headers named "id" or "type" are the publishers' (outbox.Message
+// says so, and kafkaout drops them): on RabbitMQ they went out beside the
+// message-id and type properties, so a message carried a second id, and a
+// message without a Type carried the header's, which the consuming side
+// reads as its event type.
+func TestPublishingDropsHeadersNamedIDOrType(t *testing.T) {
+	p, err := New(Config{URL: "amqp://h/"})
+	require.NoError(t, err)
+	pub := p.publishing(outbox.Record{EventID: "e-1", Body: []byte("b"),
+		Headers: map[string]string{"id": "other", "type": "order.paid", "x-tenant": "t1", "traceparent": "00-x"}})
+	assert.Equal(t, "e-1", pub.MessageId)
+	assert.Empty(t, pub.Type)
+	assert.Equal(t, amqp091.Table{"x-tenant": "t1", "traceparent": "00-x"}, pub.Headers)
+}

@@ -8,7 +8,8 @@
 // event id as its message-id property (which the consuming side of this
 // library reads first), its type as the type property, the stored W3C
 // trace context as "traceparent" and "tracestate" headers, the message's
-// own headers, and is persistent unless Config.Transient.
+// own headers (but for any named "id" or "type": the properties carry
+// those), and is persistent unless Config.Transient.
 //
 // Messages of one channel reach a queue in the order they were published,
 // so the relay's per-key order holds up to the queue; what a consumer does
