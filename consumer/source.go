@@ -23,9 +23,10 @@ type Message struct {
 	// none, stable across redeliveries of the same message: Kafka uses
 	// "topic/partition/offset@topic-id" (the topic id from Kafka 2.8 on,
 	// so that a re-created topic's records are not taken for the old
-	// one's). Empty when the adapter has no safe fallback
-	// (AMQP), in which case an event without an id is dead-lettered with
-	// kind KindMissingID.
+	// one's); the AMQP adapter, only when its Config.FallbackID opts in, a
+	// hash of exchange, routing key, type and body. Empty when the adapter
+	// has no safe fallback (AMQP by default), in which case an event
+	// without an id is dead-lettered with kind KindMissingID.
 	FallbackID string
 
 	Key     []byte
@@ -44,8 +45,9 @@ type Message struct {
 	// Stream names the ordering lane of the message. Deliveries with the
 	// same non-empty Stream are handled one after another, in the order
 	// Receive returned them, and acked in that order; Kafka uses
-	// "topic/partition". An empty Stream means no order is promised and the
-	// delivery may be handled concurrently with any other (AMQP).
+	// "topic/partition", and AMQP with Config.Ordered the queue's name. An
+	// empty Stream means no order is promised and the delivery may be
+	// handled concurrently with any other (AMQP by default).
 	Stream string
 
 	// Redelivered reports that the broker says this message may have been
