@@ -3,6 +3,7 @@ package consumer
 import (
 	"bytes"
 	"crypto/sha256"
+	"encoding/base64"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -28,7 +29,11 @@ type Opened struct {
 }
 
 // JSONEnvelope opens a JSON object envelope. With the zero value it reads
-// CloudEvents' structured JSON: {"id": ..., "type": ..., "data": {...}}.
+// CloudEvents' structured JSON: {"id": ..., "type": ..., "data": {...}},
+// the payload being the data's JSON, or the bytes of data_base64 for
+// binary data. An envelope without its data field (a CloudEvent without
+// data among them) fails to open: the message is dead-lettered with kind
+// KindDecode.
 type JSONEnvelope struct {
 	// IDField names the id field. Defaults to "id".
 	IDField string
@@ -53,6 +58,20 @@ func (e JSONEnvelope) Open(value []byte) (Opened, error) {
 		return Opened{}, fmt.Errorf("envelope type: %w", err)
 	}
 	data, ok := fields[orDefault(e.DataField, "data")]
+	if !ok && e.DataField == "" {
+		// CloudEvents' JSON format carries binary data base64-encoded in
+		// data_base64 instead.
+		if b64, ok := fields["data_base64"]; ok {
+			var s string
+			if err := json.Unmarshal(b64, &s); err != nil {
+				return Opened{}, fmt.Errorf("envelope data_base64: %w", err)
+			}
+			if o.Payload, err = base64.StdEncoding.DecodeString(s); err != nil {
+				return Opened{}, fmt.Errorf("envelope data_base64: %w", err)
+			}
+			return o, nil
+		}
+	}
 	if !ok {
 		return Opened{}, fmt.Errorf("envelope: no %q field", orDefault(e.DataField, "data"))
 	}
