@@ -39,9 +39,10 @@
 //
 // # Order and concurrency
 //
-// Messages of one stream (a Kafka partition) are handled one after another
-// in order; different streams, and messages without a stream (AMQP), are
-// handled concurrently up to Config.Concurrency.
+// Messages of one stream (a Kafka partition; an AMQP queue with its
+// Config.Ordered) are handled one after another in order; different
+// streams, and messages without a stream (AMQP by default), are handled
+// concurrently up to Config.Concurrency.
 //
 // # Adapters
 //
