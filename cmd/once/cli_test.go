@@ -985,3 +985,27 @@ func TestListJSONKeepsAnEventIDThatIsNotUTF8(t *testing.T) {
 	require.NoError(t, err)
 	assert.NotContains(t, string(b), "event_id_hex", "an id that is text has no hex")
 }
+
+// migrate down moves the tables back; a -to above the version the
+// database records would run migrations up (version 2 builds an index
+// holding writes off the table) and report a "down" to a newer schema. It
+// is refused, and nothing is migrated.
+func TestMigrateDownRefusesAVersionAboveTheRecordedOne(t *testing.T) {
+	ctx := context.Background()
+	pool, schema := pgtest.Schema(t)
+	env := map[string]string{"DATABASE_URL": testenv.SchemaURL(schema)}
+	store, err := dedup.New(dedup.Config{})
+	require.NoError(t, err)
+	require.NoError(t, store.MigrateTo(ctx, pool, 1))
+	code, out, errOut := cli(t, env, "migrate", "down", "-to", "3")
+	assert.Equal(t, exitFailure, code, "down to a version above the recorded one: %s", out)
+	assert.Contains(t, errOut, "version 1")
+	v, err := store.Version(ctx, pool)
+	require.NoError(t, err)
+	assert.Equal(t, 1, v, "nothing migrated")
+
+	// Down to the recorded version changes nothing, and is no error.
+	code, out, errOut = cli(t, env, "migrate", "down", "-to", "1")
+	require.Equal(t, exitOK, code, errOut)
+	assert.Contains(t, out, "schema version 1")
+}

@@ -24,7 +24,8 @@ up (the default) brings the processed-events and attempts tables to the newest
 schema version, the same numbered migrations a consumer runs at start unless
 Config.SkipMigrate: idempotent, serialised by an advisory lock, refused for a
 schema a newer release migrated. down -to V moves them back to version V (0
-drops them). status prints the version the database records.`
+drops them), and is refused for a V above the version the database records.
+status prints the version the database records.`
 
 const statusUsage = `Usage: once status [-database-url URL] [-kafka BROKERS -group G -topic T] [-amqp URL -queue Q] [-dlq NAME] [-json]
 
@@ -136,6 +137,18 @@ func (a *app) migrate(ctx context.Context, args []string) error {
 		return err
 	}
 	defer pool.Close()
+	if action == "down" {
+		// MigrateTo goes up as well: a -to above the recorded version
+		// would run the migrations up to it.
+		current, err := store.Version(ctx, pool)
+		if err != nil {
+			return err
+		}
+		if *to > current {
+			return fmt.Errorf("migrate down -to %d: %s is at schema version %d; down does not migrate up (migrate up brings it to %d)",
+				*to, *db.table, current, dedup.SchemaVersion)
+		}
+	}
 	switch action {
 	case "up":
 		err = store.Migrate(ctx, pool)
