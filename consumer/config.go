@@ -268,6 +268,9 @@ type CrashGuardConfig struct {
 	MaxCrashes int
 }
 
+// minRetentionMaxAge is the shortest Retention.MaxAge New accepts.
+const minRetentionMaxAge = time.Second
+
 // RetentionConfig deletes a consumer's processed-event rows once they are
 // old enough that no redelivery can need them. Config.Retention.
 type RetentionConfig struct {
@@ -275,7 +278,8 @@ type RetentionConfig struct {
 	// processed-event rows (those of its Name only) older than MaxAge,
 	// every Interval, in short batches. It must exceed the longest time a
 	// message can take to be redelivered (see docs/operations.md).
-	// Defaults to 0: rows are kept.
+	// Defaults to 0: rows are kept. A positive MaxAge below one second
+	// (a unit mistake: 24 is 24 ns) is refused by New.
 	MaxAge time.Duration
 	// Interval is how often retention runs. Defaults to 1h.
 	Interval time.Duration
@@ -409,6 +413,11 @@ func (c *Config) validate() error {
 	}
 	if p := c.Identify.OnConflict; p != DeadLetterConflicts && p != SkipConflicts {
 		return fmt.Errorf("%w: Identify.OnConflict %d is not a known policy", ErrInvalidConfig, p)
+	}
+	if a := c.Retention.MaxAge; a > 0 && a < minRetentionMaxAge {
+		// A unit mistake (MaxAge: 24 is 24 ns): every sweep would delete
+		// the claims as they commit, and redeliveries would run again.
+		return fmt.Errorf("%w: Retention.MaxAge %v is below %v: the window must outlast the longest redelivery", ErrInvalidConfig, a, minRetentionMaxAge)
 	}
 	// Written so that NaN, which fails every comparison, is refused too.
 	if d := c.Retention.DutyCycle; !(d >= 0 && d <= 1) {

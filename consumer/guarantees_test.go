@@ -360,6 +360,11 @@ func TestNewValidatesConfig(t *testing.T) {
 		"unknown policy":       {consumer.Config{Name: "x", Identify: consumer.IdentifyConfig{OnConflict: 7}}, "Identify.OnConflict"},
 		"negative retention":   {consumer.Config{Name: "x", Retention: consumer.RetentionConfig{MaxAge: -time.Hour}}, "Retention.MaxAge"},
 		"duty cycle above one": {consumer.Config{Name: "x", Retention: consumer.RetentionConfig{DutyCycle: 1.5}}, "Retention.DutyCycle"},
+		// A window in nanoseconds (MaxAge: 24, meant as hours) was
+		// accepted: every sweep deleted the claims as they were
+		// committed, and every redelivery was handled again.
+		"retention window in nanoseconds": {consumer.Config{Name: "x", Retention: consumer.RetentionConfig{MaxAge: 24}}, "Retention.MaxAge"},
+		"retention window under a second": {consumer.Config{Name: "x", Retention: consumer.RetentionConfig{MaxAge: time.Second - 1}}, "Retention.MaxAge"},
 		// NaN fails every comparison: a range check written as "d < 0 ||
 		// d > 1" let it through, and every retention sweep then failed.
 		"duty cycle NaN": {consumer.Config{Name: "x", Retention: consumer.RetentionConfig{DutyCycle: math.NaN()}}, "Retention.DutyCycle"},
@@ -387,6 +392,8 @@ func TestNewValidatesConfig(t *testing.T) {
 	require.ErrorIs(t, err, consumer.ErrInvalidConfig)
 	_, err = consumer.New(pool, nil, insertEffect, consumer.Config{Name: "x"})
 	require.ErrorIs(t, err, consumer.ErrInvalidConfig)
+	_, err = consumer.New(pool, src, insertEffect, consumer.Config{Name: "x", Retention: consumer.RetentionConfig{MaxAge: time.Second}})
+	require.NoError(t, err, "a retention window of a second is accepted")
 }
 
 // A database that cannot be reached at the start is waited for (it may be
