@@ -1009,3 +1009,21 @@ func TestMigrateDownRefusesAVersionAboveTheRecordedOne(t *testing.T) {
 	require.Equal(t, exitOK, code, errOut)
 	assert.Contains(t, out, "schema version 1")
 }
+
+// A -kind that is no dead-letter kind (a typo) selected nothing: a
+// replay printed "0 selected, replayed 0" and succeeded, as if nothing
+// were left to replay. It is a usage error that lists the kinds, and the
+// kinds are matched as written in the dead letters.
+func TestDLQRefusesAnUnknownKind(t *testing.T) {
+	env, _, topic := kafkaDLQ(t)
+	for _, cmd := range []string{"replay", "list", "show"} {
+		code, out, errOut := cli(t, env, "dlq", cmd, "-dlq", topic+".dlq", "-kind", "handler,handlr")
+		assert.Equal(t, exitUsage, code, "dlq %s: %s%s", cmd, out, errOut)
+		assert.Contains(t, errOut, `"handlr"`, "dlq %s", cmd)
+		assert.Contains(t, errOut, "crash-loop", "dlq %s: the kinds are listed", cmd)
+		assert.NotContains(t, out, "replayed", "dlq %s", cmd)
+	}
+	code, out, errOut := cli(t, env, "dlq", "list", "-dlq", topic+".dlq", "-kind", "handler, panic")
+	require.Equal(t, exitOK, code, errOut)
+	assert.Contains(t, out, "3 of 4 records")
+}

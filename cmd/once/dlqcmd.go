@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"slices"
 	"strconv"
 	"strings"
 	"text/tabwriter"
@@ -16,6 +17,7 @@ import (
 	"github.com/IBM/sarama"
 
 	"github.com/onceco/once/cmd/once/dlq"
+	"github.com/onceco/once/consumer"
 )
 
 const dlqSelect = `The dead-letter destination is a Kafka topic (-kafka BROKERS -dlq TOPIC) or a
@@ -156,10 +158,33 @@ func (f *dlqFlags) filter(now time.Time) (dlq.Filter, error) {
 		return dlq.Filter{}, usagef("-since %s is not before -until %s: no record can match (a duration means that long ago: -since 2h -until 1h)",
 			since.UTC().Format(time.RFC3339), until.UTC().Format(time.RFC3339))
 	}
+	kinds := splitList(*f.kind)
+	for _, k := range kinds {
+		if !slices.Contains(deadLetterKinds, consumer.ErrorKind(k)) {
+			// A typo selects nothing: with others beside it, a replay
+			// would run on what they select and say nothing of it.
+			return dlq.Filter{}, usagef("-kind %q is no dead-letter kind: want %s", k, kindList())
+		}
+	}
 	return dlq.Filter{
-		Consumer: *f.consumer, Kinds: splitList(*f.kind), EventID: *f.id,
+		Consumer: *f.consumer, Kinds: kinds, EventID: *f.id,
 		Since: since, Until: until, Refs: splitList(*f.refs), Search: *f.search,
 	}, nil
+}
+
+// deadLetterKinds are the kinds a consumer writes in once-error-kind.
+var deadLetterKinds = []consumer.ErrorKind{
+	consumer.KindDecode, consumer.KindHandler, consumer.KindPanic, consumer.KindUnknownType,
+	consumer.KindMissingID, consumer.KindInvalidID, consumer.KindIDConflict, consumer.KindCrashLoop,
+}
+
+// kindList is deadLetterKinds, comma-separated.
+func kindList() string {
+	names := make([]string, len(deadLetterKinds))
+	for i, k := range deadLetterKinds {
+		names[i] = string(k)
+	}
+	return strings.Join(names, ", ")
 }
 
 // selects reports whether any filter flag was given. A list (-kind, -ref)
