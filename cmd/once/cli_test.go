@@ -1027,3 +1027,21 @@ func TestDLQRefusesAnUnknownKind(t *testing.T) {
 	require.Equal(t, exitOK, code, errOut)
 	assert.Contains(t, out, "3 of 4 records")
 }
+
+// A -ref that is no record ref (a Kafka ref written 0/3 or 0:03) selected
+// nothing, and beside good refs a replay ran on those alone and
+// succeeded. It is a usage error.
+func TestDLQRefusesARefOfNoRecord(t *testing.T) {
+	env, _, topic := kafkaDLQ(t)
+	for _, ref := range []string{"0:0,0/3", "0:03", "0:-1", "p0:3", "0:3:1", "ABCDEF0123456789"} {
+		for _, cmd := range []string{"replay", "list", "show"} {
+			code, out, errOut := cli(t, env, "dlq", cmd, "-dlq", topic+".dlq", "-ref", ref)
+			assert.Equal(t, exitUsage, code, "dlq %s -ref %s: %s%s", cmd, ref, out, errOut)
+			assert.Contains(t, errOut, "-ref", "dlq %s -ref %s", cmd, ref)
+			assert.NotContains(t, out, "replayed", "dlq %s -ref %s", cmd, ref)
+		}
+	}
+	code, out, errOut := cli(t, env, "dlq", "list", "-dlq", topic+".dlq", "-ref", "0:0, 0:3,0123456789abcdef")
+	require.Equal(t, exitOK, code, errOut)
+	assert.Contains(t, out, "2 of 4 records")
+}

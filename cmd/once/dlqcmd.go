@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"regexp"
 	"slices"
 	"strconv"
 	"strings"
@@ -166,11 +167,23 @@ func (f *dlqFlags) filter(now time.Time) (dlq.Filter, error) {
 			return dlq.Filter{}, usagef("-kind %q is no dead-letter kind: want %s", k, kindList())
 		}
 	}
+	refs := splitList(*f.refs)
+	for _, r := range refs {
+		if !recordRef.MatchString(r) {
+			// Refs match as written: one in another spelling selects
+			// nothing, silently.
+			return dlq.Filter{}, usagef("-ref %q is no record ref: want partition:offset (Kafka, as 0:1234) or the 16 hex digits list shows (RabbitMQ)", r)
+		}
+	}
 	return dlq.Filter{
 		Consumer: *f.consumer, Kinds: kinds, EventID: *f.id,
-		Since: since, Until: until, Refs: splitList(*f.refs), Search: *f.search,
+		Since: since, Until: until, Refs: refs, Search: *f.search,
 	}, nil
 }
+
+// recordRef is a record's Ref as the dlq package writes it: a Kafka
+// partition:offset in decimal, or a RabbitMQ digest.
+var recordRef = regexp.MustCompile(`^(?:(?:0|[1-9][0-9]{0,9}):(?:0|[1-9][0-9]{0,18})|[0-9a-f]{16})$`)
 
 // deadLetterKinds are the kinds a consumer writes in once-error-kind.
 var deadLetterKinds = []consumer.ErrorKind{
