@@ -1045,3 +1045,24 @@ func TestDLQRefusesARefOfNoRecord(t *testing.T) {
 	require.Equal(t, exitOK, code, errOut)
 	assert.Contains(t, out, "2 of 4 records")
 }
+
+// dlq list -json prints the first -limit records (100 by default) as an
+// array: a script reading it took them for all there are. The rest are
+// said on stderr, as dlq show says them, and the array is unchanged.
+func TestListJSONSaysWhatTheLimitLeftOut(t *testing.T) {
+	env, _, topic := kafkaDLQ(t)
+	code, out, errOut := cli(t, env, "dlq", "list", "-dlq", topic+".dlq", "-json", "-limit", "1")
+	require.Equal(t, exitOK, code, errOut)
+	var listed []recordSummary
+	require.NoError(t, json.Unmarshal([]byte(out), &listed))
+	assert.Len(t, listed, 1)
+	assert.Contains(t, errOut, "1 of 4 records listed")
+	code, out, errOut = cli(t, env, "dlq", "list", "-dlq", topic+".dlq", "-json", "-limit", "1", "-kind", "handler")
+	require.Equal(t, exitOK, code, errOut)
+	require.NoError(t, json.Unmarshal([]byte(out), &listed))
+	assert.Len(t, listed, 1)
+	assert.Contains(t, errOut, "1 of 2 matching records listed")
+	code, _, errOut = cli(t, env, "dlq", "list", "-dlq", topic+".dlq", "-json")
+	require.Equal(t, exitOK, code, errOut)
+	assert.Empty(t, errOut, "all listed: nothing to say")
+}

@@ -36,7 +36,8 @@ password itself, which would show in ps.`
 const dlqListUsage = `Usage: once dlq list -kafka BROKERS|-amqp URL -dlq NAME [filters] [-json] [-limit N]
 
 Lists dead letters: ref, when, consumer, kind, event id, type, redrives and
-the error. ` + dlqSelect
+the error; the first -limit (100) of them, saying how many there are (with
+-json, on stderr). ` + dlqSelect
 
 const dlqShowUsage = `Usage: once dlq show -kafka BROKERS|-amqp URL -dlq NAME -ref REF|[filters] [-hex] [-json]
 
@@ -272,7 +273,17 @@ func (a *app) dlqList(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
+	filtered := df.selects()
 	if *asJSON {
+		if total > len(out) {
+			// The array holds the first -limit: said where a script's
+			// reader sees it, as dlq show says it.
+			matching := ""
+			if filtered {
+				matching = "matching "
+			}
+			fmt.Fprintf(a.stderr, "%d of %d %srecords listed (-limit 0 for all)\n", len(out), total, matching)
+		}
 		return a.writeJSON(out)
 	}
 	tw := tabwriter.NewWriter(a.stdout, 0, 4, 2, ' ', 0)
@@ -285,7 +296,6 @@ func (a *app) dlqList(ctx context.Context, args []string) error {
 		return err
 	}
 	// With a filter, its count is said to be one: not the destination's.
-	filtered := df.selects()
 	switch {
 	case total > len(out) && filtered:
 		fmt.Fprintf(a.stdout, "%d of %d matching records shown (-limit 0 for all)\n", len(out), total)
