@@ -8,7 +8,9 @@ import (
 	"fmt"
 	"math"
 	"regexp"
+	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -130,6 +132,15 @@ SELECT count(*), coalesce(max(processed_at), $4) FROM gone`,
 	return s, nil
 }
 
+// ErrInvalidClaim is wrapped by the errors of Claim, ClaimBatch and
+// QueueClaimBatch, and by PendingClaim.Result's, for a claim that no retry
+// can store: an empty Consumer or EventID (every event without an id would
+// be a duplicate of the first), or a Consumer, EventID or Source that is
+// not UTF-8 text or holds a NUL, which PostgreSQL's text type refuses.
+// Nothing is sent for it, and the transaction stays usable. Treat it as the
+// event's fault (dead-letter it), not as an outage.
+var ErrInvalidClaim = errors.New("dedup: invalid claim")
+
 // Claim is one event id to claim for a consumer.
 type Claim struct {
 	Consumer string
@@ -142,6 +153,30 @@ type Claim struct {
 	Source    string
 	Partition int32
 	Offset    int64
+}
+
+// validate returns an error wrapping ErrInvalidClaim when c cannot be
+// stored (see ErrInvalidClaim).
+func (c *Claim) validate() error {
+	switch {
+	case c.Consumer == "":
+		return fmt.Errorf("%w: empty Consumer", ErrInvalidClaim)
+	case c.EventID == "":
+		return fmt.Errorf("%w: empty EventID", ErrInvalidClaim)
+	case !storable(c.Consumer):
+		return fmt.Errorf("%w: Consumer is not UTF-8 text without NUL, which PostgreSQL cannot store", ErrInvalidClaim)
+	case !storable(c.EventID):
+		return fmt.Errorf("%w: EventID is not UTF-8 text without NUL, which PostgreSQL cannot store", ErrInvalidClaim)
+	case !storable(c.Source):
+		return fmt.Errorf("%w: Source is not UTF-8 text without NUL, which PostgreSQL cannot store", ErrInvalidClaim)
+	}
+	return nil
+}
+
+// storable reports whether PostgreSQL's text type holds s: UTF-8 without
+// NUL.
+func storable(s string) bool {
+	return utf8.ValidString(s) && strings.IndexByte(s, 0) < 0
 }
 
 // Outcome is what a claim found.
@@ -189,6 +224,9 @@ type Previous struct {
 // the id itself if it rolled back. The lookup of the previous row costs a
 // second statement only when the id is not new.
 func (s *Store) Claim(ctx context.Context, tx DB, c Claim) (Result, error) {
+	if err := c.validate(); err != nil {
+		return Result{}, fmt.Errorf("dedup: claim: %w", err)
+	}
 	inserted, err := s.insert(ctx, tx, c)
 	if err != nil {
 		return Result{}, err
@@ -267,9 +305,15 @@ type PendingClaim struct {
 // The claim's row belongs to the transaction the batch runs in, as with
 // Claim. QueueClaim sends nothing; it sets the queued query's callback,
 // which BatchResults.Close runs. c's Fingerprint must not be modified
-// until b has been sent.
+// until b has been sent. A claim that cannot be stored (ErrInvalidClaim)
+// queues nothing; Result returns the error.
 func (s *Store) QueueClaim(b *pgx.Batch, c Claim) *PendingClaim {
 	p := &PendingClaim{s: s, c: c}
+	if err := c.validate(); err != nil {
+		// Nothing queued: Result reports it.
+		p.err = err
+		return p
+	}
 	// Query rather than Exec: its callback runs (and sees the error) even
 	// when the statement itself fails.
 	b.Queue(s.claimSQL, claimArgs(c)...).Query(func(rows pgx.Rows) error {
@@ -369,6 +413,9 @@ func (s *Store) claimBatch(claims []Claim) (string, []any, error) {
 	for _, c := range claims {
 		if c.Consumer != consumer {
 			return "", nil, fmt.Errorf("dedup: claim batch: mixed consumers %q and %q", consumer, c.Consumer)
+		}
+		if err := c.validate(); err != nil {
+			return "", nil, fmt.Errorf("dedup: claim batch: %w", err)
 		}
 		oneSource = oneSource && c.Source == src && c.Partition == part
 	}
@@ -586,8 +633,8 @@ type PendingClaimBatch struct {
 // QueueClaim). The claims' rows belong to the transaction the batch runs
 // in, as with ClaimBatch.
 //
-// Like ClaimBatch, it fails for claims of more than one consumer; it then
-// queues nothing. An empty claims slice queues nothing either, and its
+// Like ClaimBatch, it fails for claims of more than one consumer, or with
+// a claim that cannot be stored (ErrInvalidClaim); it then queues nothing. An empty claims slice queues nothing either, and its
 // Results are nil. QueueClaimBatch sends nothing; it sets the queued
 // query's callback, which BatchResults.Close runs. claims (and their
 // fingerprints) must not be modified until Results has returned.
