@@ -197,8 +197,9 @@ type Config struct {
 	// overrides in the copies what the guarantees depend on: marked
 	// offsets are committed periodically (Consumer.Offsets.AutoCommit, which
 	// commits only offsets marked by Ack), consumer errors are returned,
-	// and the dead-letter producer is idempotent with RequiredAcks =
-	// WaitForAll, Net.MaxOpenRequests = 1 and topic auto-creation off.
+	// and the dead-letter producer is idempotent, not transactional
+	// (Producer.Transaction.ID cleared), with RequiredAcks = WaitForAll,
+	// Net.MaxOpenRequests = 1 and topic auto-creation off.
 	// Version must be at least 0.11 (sarama.V0_11_0_0), and
 	// Consumer.Group.ResetInvalidOffsets true (sarama's default).
 	Sarama *sarama.Config
@@ -463,6 +464,10 @@ func (c *Config) producerConfig() (*sarama.Config, error) {
 	}
 	sc.Net.MaxOpenRequests = 1
 	sc.Metadata.AllowAutoTopicCreation = false
+	// Not transactional: a transactional producer refuses every send made
+	// outside a transaction, and each dead letter would be retried
+	// without end.
+	sc.Producer.Transaction.ID = ""
 	if err := sc.Validate(); err != nil {
 		return nil, fmt.Errorf("kafka: Config.Sarama (dead-letter producer): %w", err)
 	}

@@ -163,3 +163,32 @@ func TestDeletedDeadLetterTopicHoldsThePartition(t *testing.T) {
 		assert.Equal(t, map[int32]int64{0: 5}, c.committed(group, topic, 1))
 	})
 }
+
+// A base configuration made for a transactional producer (Transaction.ID
+// set) still dead-letters: the dead-letter producer is idempotent, not
+// transactional, and a transactional one refuses every send made outside a
+// transaction, which the core would retry without end, the partition held
+// at its first poison record.
+func TestDeadLetterWithATransactionalBaseConfig(t *testing.T) {
+	c := newCluster(t)
+	topic := uniq("orders")
+	c.createTopic(topic, 1)
+	c.createTopic(topic+".dlq", 1)
+	c.produce(msg(topic, 0, "poison"))
+	cfg := c.config(uniq("g"), topic)
+	base := saramaConfig()
+	base.Producer.Idempotent = true
+	base.Producer.RequiredAcks = sarama.WaitForAll
+	base.Net.MaxOpenRequests = 1
+	base.Producer.Transaction.ID = "billing-tx"
+	cfg.Sarama = base
+	s := c.open(cfg)
+	d := receive(t, s)
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	require.NoError(t, d.DeadLetter(ctx, &consumer.DeadLetter{Kind: consumer.KindDecode, FailedAt: time.Now()}))
+	recs := c.readAll(topic + ".dlq")
+	require.Len(t, recs, 1)
+	assert.Equal(t, "poison", string(recs[0].Value))
+	assert.Equal(t, "billing-tx", base.Producer.Transaction.ID, "the caller's configuration is not modified")
+}
