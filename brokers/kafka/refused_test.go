@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/tls"
 	"crypto/x509"
+	"errors"
 	"io"
 	"log/slog"
 	"os"
@@ -189,6 +190,67 @@ func TestOpenRefusesAPrincipalWithoutAccess(t *testing.T) {
 				assert.Contains(t, err.Error(), w)
 			}
 			assert.NotContains(t, err.Error(), "s3cret")
+		})
+	}
+}
+
+// A principal allowed to see a topic or the group (DESCRIBE) but not to do
+// with it what the Source does was not refused by Open: without READ on a
+// consumed topic or on the group Receive blocked for ever, the fetches or
+// joins refused; without WRITE on a dead-letter topic every poison
+// record's copy was refused, retried without end, its partition held.
+// Open refuses each, naming the topic or group and the operation.
+func TestOpenRefusesAPrincipalThatCannotReadOrDeadLetter(t *testing.T) {
+	acl := func(rt kmsg.ACLResourceType, name string, op kmsg.ACLOperation) kfake.ACL {
+		return kfake.ACL{Resource: rt, Name: name, Pattern: kmsg.ACLResourcePatternTypeLiteral, Operation: op, Allow: true}
+	}
+	base := []kfake.ACL{acl(kmsg.ACLResourceTypeCluster, "kafka-cluster", kmsg.ACLOperationAll), acl(kmsg.ACLResourceTypeGroup, "g", kmsg.ACLOperationAll)}
+	for _, tc := range []struct {
+		name string
+		acls []kfake.ACL
+		want []string // nil: Open succeeds
+	}{{
+		name: "no READ on the topic",
+		acls: append(base[:2:2], acl(kmsg.ACLResourceTypeTopic, "orders", kmsg.ACLOperationDescribe), acl(kmsg.ACLResourceTypeTopic, "orders.dlq", kmsg.ACLOperationAll)),
+		want: []string{`topic "orders"`, "READ"},
+	}, {
+		name: "no WRITE on the dead-letter topic",
+		acls: append(base[:2:2], acl(kmsg.ACLResourceTypeTopic, "orders", kmsg.ACLOperationAll),
+			acl(kmsg.ACLResourceTypeTopic, "orders.dlq", kmsg.ACLOperationDescribe), acl(kmsg.ACLResourceTypeTopic, "orders.dlq", kmsg.ACLOperationRead)),
+		want: []string{`dead-letter topic "orders.dlq"`, "WRITE"},
+	}, {
+		name: "no READ on the group",
+		acls: []kfake.ACL{base[0], acl(kmsg.ACLResourceTypeGroup, "g", kmsg.ACLOperationDescribe),
+			acl(kmsg.ACLResourceTypeTopic, "orders", kmsg.ACLOperationAll), acl(kmsg.ACLResourceTypeTopic, "orders.dlq", kmsg.ACLOperationAll)},
+		want: []string{`consumer group "g"`, "READ"},
+	}, {
+		name: "READ and WRITE",
+		acls: append(base[:2:2], acl(kmsg.ACLResourceTypeTopic, "orders", kmsg.ACLOperationRead), acl(kmsg.ACLResourceTypeTopic, "orders.dlq", kmsg.ACLOperationWrite)),
+	}} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := newCluster(t, kfake.EnableSASL(), kfake.EnableACLs(), kfake.Superuser("PLAIN", "admin", "admin"),
+				kfake.User("PLAIN", "svc", "s3cret-pw", tc.acls...), kfake.SeedTopics(1, "orders", "orders.dlq"))
+			sc := saramaConfig()
+			sc.Net.SASL.Enable = true
+			sc.Net.SASL.User = "svc"
+			sc.Net.SASL.Password = "s3cret-pw"
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			src, err := Open(ctx, Config{Brokers: c.addrs, Group: "g", Topics: []string{"orders"}, Sarama: sc, Logger: testLogger()})
+			if src != nil {
+				_ = src.Close()
+			}
+			if tc.want == nil {
+				require.NoError(t, err)
+				return
+			}
+			require.Error(t, err)
+			t.Log(err)
+			assert.NoError(t, ctx.Err())
+			assert.True(t, errors.Is(err, sarama.ErrTopicAuthorizationFailed) || errors.Is(err, sarama.ErrGroupAuthorizationFailed), "%v", err)
+			for _, w := range tc.want {
+				assert.Contains(t, err.Error(), w)
+			}
 		})
 	}
 }

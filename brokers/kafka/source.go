@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"net"
 	"sync"
 	"sync/atomic"
@@ -106,7 +107,10 @@ var (
 //     that asks for SASL where the client does not authenticate, or the
 //     reverse; Net.SASL);
 //   - the cluster's refusal to authorize the client for Group or a topic of
-//     Topics (its ACLs), naming the group or topic.
+//     Topics (its ACLs), naming the group or topic, and a principal that
+//     may not READ Group or a topic of Topics, or WRITE a dead-letter
+//     topic, naming the group or topic and the operation (Kafka 2.3+ with Sarama.Version at
+//     least 2.3, which say what a principal may do with a topic).
 //
 // Brokers that close the connection without saying why are asked, aside,
 // whether they expect TLS or SASL where the client does not, or the
@@ -299,6 +303,115 @@ func checkAccess(cfg *Config, client sarama.Client) error {
 	for _, t := range cfg.Topics {
 		if _, err := client.Partitions(t); errors.Is(err, sarama.ErrTopicAuthorizationFailed) {
 			return fmt.Errorf("kafka: topic %q: the cluster refuses this client access to it (a topic ACL of its principal is missing): %w", t, err)
+		}
+	}
+	if err := checkGroupOperations(cfg, client); err != nil {
+		return err
+	}
+	return checkTopicOperations(cfg, client)
+}
+
+// checkGroupOperations asks the group's coordinator (Kafka 2.3+,
+// Sarama.Version as well) whether the client may READ Group: a principal
+// allowed to see the group (DESCRIBE) but not to read it would have every
+// join refused, Receive blocking for ever. A failure to ask, or a
+// coordinator that does not say, is left to the joins.
+func checkGroupOperations(cfg *Config, client sarama.Client) error {
+	if !client.Config().Version.IsAtLeast(sarama.V2_3_0_0) {
+		return nil
+	}
+	coordinator, err := client.Coordinator(cfg.Group)
+	if err != nil {
+		return nil
+	}
+	// A connection of its own, as topicIDs.lookupOnce explains.
+	b := sarama.NewBroker(coordinator.Addr())
+	if err := b.Open(client.Config()); err != nil {
+		return nil
+	}
+	defer b.Close()
+	resp, err := b.DescribeGroups(&sarama.DescribeGroupsRequest{Version: 3, Groups: []string{cfg.Group}, IncludeAuthorizedOperations: true})
+	if err != nil {
+		return nil
+	}
+	for _, g := range resp.Groups {
+		ops := g.AuthorizedOperations
+		if g.GroupId != cfg.Group || g.ErrorCode != 0 || ops == opsNotSupported || ops&opDescribe == 0 {
+			continue
+		}
+		if ops&opRead == 0 {
+			return fmt.Errorf("kafka: consumer group %q: the cluster does not allow this client to READ it (a group ACL of its principal is missing): %w",
+				cfg.Group, sarama.ErrGroupAuthorizationFailed)
+		}
+	}
+	return nil
+}
+
+// Topic operations as bits of a metadata response's authorized operations
+// (KIP-430), and the value of a response that does not say.
+const (
+	opRead          = 1 << int32(sarama.AclOperationRead)
+	opWrite         = 1 << int32(sarama.AclOperationWrite)
+	opDescribe      = 1 << int32(sarama.AclOperationDescribe)
+	opsNotSupported = math.MinInt32
+)
+
+// checkTopicOperations asks the cluster (Kafka 2.3+, Sarama.Version as
+// well) what the client may do with Topics and their dead-letter topics:
+// a principal allowed to see a topic (DESCRIBE) but not to READ a consumed
+// one would have every fetch refused, Receive blocking for ever; one that
+// may not WRITE a dead-letter topic would have every copy refused, its
+// partition held at the first poison record. A failure to ask, or a
+// cluster that does not say, is left to the consume and the copies.
+func checkTopicOperations(cfg *Config, client sarama.Client) error {
+	version := client.Config().Version
+	if !version.IsAtLeast(sarama.V2_3_0_0) {
+		return nil
+	}
+	need := make(map[string]int32, 2*len(cfg.Topics))
+	names := make([]string, 0, 2*len(cfg.Topics))
+	for _, t := range cfg.Topics {
+		need[t] |= opRead
+		dlq := cfg.DeadLetter.Topic(t)
+		need[dlq] |= opWrite
+	}
+	for t := range need {
+		names = append(names, t)
+	}
+	least := client.LeastLoadedBroker()
+	if least == nil {
+		return nil
+	}
+	// A connection of its own, as topicIDs.lookupOnce explains.
+	b := sarama.NewBroker(least.Addr())
+	if err := b.Open(client.Config()); err != nil {
+		return nil
+	}
+	defer b.Close()
+	req := sarama.NewMetadataRequest(version, names)
+	req.IncludeTopicAuthorizedOperations = true
+	resp, err := b.GetMetadata(req)
+	if err != nil {
+		return nil
+	}
+	for _, tm := range resp.Topics {
+		want, ok := need[tm.Name]
+		ops := tm.TopicAuthorizedOperations
+		// A topic listed without error is one the client may DESCRIBE: a
+		// broker whose answer lacks it does not report the operations.
+		if !ok || !errors.Is(tm.Err, sarama.ErrNoError) || ops == opsNotSupported || ops&opDescribe == 0 {
+			continue
+		}
+		// A consumed topic first: the error names the operation missing.
+		for _, op := range []struct {
+			bit  int32
+			name string
+			what string
+		}{{opRead, "READ", "topic"}, {opWrite, "WRITE", "dead-letter topic"}} {
+			if want&op.bit != 0 && ops&op.bit == 0 {
+				return fmt.Errorf("kafka: %s %q: the cluster does not allow this client to %s it (a topic ACL of its principal is missing): %w",
+					op.what, tm.Name, op.name, sarama.ErrTopicAuthorizationFailed)
+			}
 		}
 	}
 	return nil
