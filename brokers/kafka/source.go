@@ -59,6 +59,8 @@ type Source struct {
 	// sessionTimeout is the consumer group's session timeout: Config's, or
 	// the Sarama base value.
 	sessionTimeout time.Duration
+	// instanceID is the consumer group's static instance id, "" when none.
+	instanceID string
 
 	ctx       context.Context // ends the consume loop and every session
 	cancel    context.CancelFunc
@@ -281,6 +283,7 @@ func connect(cfg Config) (*Source, error) {
 		deliveries:     make(chan *delivery),
 		readAhead:      cc.ChannelBufferSize,
 		sessionTimeout: cc.Consumer.Group.Session.Timeout,
+		instanceID:     cc.Consumer.Group.InstanceId,
 		ctx:            ctx,
 		cancel:         cancel,
 		loopDone:       make(chan struct{}),
@@ -431,8 +434,10 @@ var _ consumer.GroupNamer = (*Source)(nil)
 // the consumer group. Receive blocks until a record arrives or ctx is done
 // (it then returns ctx.Err()); it returns consumer.ErrSourceClosed after
 // Close, and a fatal error (an invalid sarama configuration found by the
-// broker client, a Config.SessionTimeout the group coordinator refuses)
-// when the group cannot be consumed at all. Call it from one goroutine.
+// broker client, a Config.SessionTimeout the group coordinator refuses, a
+// static member fenced by another that joined with its
+// Sarama.Consumer.Group.InstanceId) when the group cannot be consumed at
+// all. Call it from one goroutine.
 func (s *Source) Receive(ctx context.Context) (consumer.Delivery, error) {
 	select {
 	case <-s.closing:
@@ -543,6 +548,14 @@ func (s *Source) consumeLoop() {
 			// The coordinator refuses every join with this timeout.
 			s.loopErr = fmt.Errorf("kafka: consumer group %q: Config.SessionTimeout (%v) is outside the brokers' bounds (group.min.session.timeout.ms and group.max.session.timeout.ms): %w",
 				s.cfg.Group, s.sessionTimeout, err)
+			return
+		}
+		if errors.Is(err, sarama.ErrFencedInstancedId) {
+			// A member that joined with the same static instance id
+			// replaced this one: the coordinator fences this one for
+			// good, as Kafka's own consumer takes it.
+			s.loopErr = fmt.Errorf("kafka: consumer group %q: another member joined with this member's Config.Sarama.Consumer.Group.InstanceId (%q) and replaced it; "+
+				"each replica needs an instance id of its own: %w", s.cfg.Group, s.instanceID, err)
 			return
 		}
 		if err == nil {

@@ -629,6 +629,44 @@ func TestSessionTimeoutRefusedByTheBrokerFailsReceive(t *testing.T) {
 	assert.ErrorIs(t, err, sarama.ErrInvalidSessionTimeout, "the error is for good")
 }
 
+// A static member (Sarama.Consumer.Group.InstanceId) replaced by another
+// that joined with the same instance id is fenced by the coordinator for
+// good: it retried every join without end, Receive blocking for ever while
+// the warnings said "consuming failed" (two replicas given one id, or an
+// old instance left running beside its replacement). Receive fails with an
+// error naming the field, as Kafka's own consumer stops; the other member
+// consumes on.
+func TestFencedStaticMemberFailsReceive(t *testing.T) {
+	c := newCluster(t)
+	topic, group := uniq("orders"), uniq("g")
+	c.createTopic(topic, 2)
+	c.produce(msg(topic, 0, "a"), msg(topic, 1, "b"))
+	open := func() *Source {
+		cfg := c.config(group, topic)
+		cfg.Sarama.Consumer.Group.InstanceId = "billing-1"
+		return c.open(cfg)
+	}
+	old := open()
+	require.NoError(t, receive(t, old).Ack(t.Context()))
+	replacement := open()
+	require.NoError(t, receive(t, replacement).Ack(t.Context()), "the replacement consumes")
+
+	ctx, cancel := context.WithTimeout(t.Context(), 15*time.Second)
+	defer cancel()
+	var err error
+	for err == nil {
+		var d consumer.Delivery
+		if d, err = old.Receive(ctx); err == nil {
+			_ = d.Ack(ctx)
+		}
+	}
+	assert.NotErrorIs(t, err, context.DeadlineExceeded, "Receive gave up on the fenced member, not on its context")
+	assert.ErrorIs(t, err, sarama.ErrFencedInstancedId)
+	assert.Contains(t, err.Error(), "Consumer.Group.InstanceId")
+	_, err = old.Receive(ctx)
+	assert.ErrorIs(t, err, sarama.ErrFencedInstancedId, "the error is for good")
+}
+
 // Topic names Kafka refuses (it allows ASCII letters, digits, '.', '_' and
 // '-', at most 249 of them, and neither "." nor "..") are configuration
 // errors: Open names the field at once, before it reaches for a broker,
