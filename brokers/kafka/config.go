@@ -41,7 +41,10 @@ type DeadLetterConfig struct {
 	// topic followed by DefaultDeadLetterSuffix ("orders" → "orders.dlq").
 	// It may not name a topic in Config.Topics. The dead-letter topics must
 	// exist when Open runs (it checks, and fails with
-	// ErrDeadLetterTopicMissing naming the topic), unless Create is set.
+	// ErrDeadLetterTopicMissing naming the topic), unless Create is set,
+	// and may not be compacted (cleanup.policy compact: Open refuses it,
+	// as compaction keeps only the last dead letter of a key, and the
+	// broker refuses the copy of a record without a key).
 	// The dead-letter producer never relies on the broker's auto-creation
 	// (auto.create.topics.enable, off in most production clusters). A
 	// dead-letter topic deleted after start holds its source partition at

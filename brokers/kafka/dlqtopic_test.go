@@ -168,3 +168,44 @@ func partitionCount(t testing.TB, c *cluster, topic string) int32 {
 	require.True(t, ok, "topic %s exists", topic)
 	return d.NumPartitions
 }
+
+// A compacted dead-letter topic (cleanup.policy compact) keeps only the
+// last copy of each key, and Kafka refuses the copy of a record without a
+// key ("failed the validation on broker"): the core retried it without
+// end, its partition held at the record. Open refuses such a topic,
+// naming it and its policy.
+func TestCompactedDeadLetterTopicRefusedAtOpen(t *testing.T) {
+	eachBroker(t, func(t *testing.T, kind brokerKind) {
+		c := newClusterOf(t, kind)
+		topic, other := uniq("orders"), uniq("payments")
+		c.createTopic(topic, 1)
+		c.createTopic(other, 1)
+		c.createTopic(other+".dlq", 1)
+		admin, err := sarama.NewClusterAdmin(c.addrs, saramaConfig())
+		require.NoError(t, err)
+		defer admin.Close()
+		policy := "compact,delete"
+		require.NoError(t, admin.CreateTopic(topic+".dlq", &sarama.TopicDetail{NumPartitions: 1, ReplicationFactor: 1,
+			ConfigEntries: map[string]*string{"cleanup.policy": &policy}}, false))
+		c.awaitLeaders(topic+".dlq", 1)
+
+		cfg := c.config(uniq("g"), other, topic)
+		cfg.DeadLetter.Create = false
+		s, err := Open(t.Context(), cfg)
+		if s != nil {
+			_ = s.Close()
+		}
+		require.Error(t, err)
+		t.Log(err)
+		assert.Contains(t, err.Error(), `"`+topic+`.dlq"`, "the error names the topic")
+		assert.Contains(t, err.Error(), "cleanup.policy")
+		assert.NotContains(t, err.Error(), other+".dlq")
+
+		require.NoError(t, admin.AlterConfig(sarama.TopicResource, topic+".dlq", map[string]*string{"cleanup.policy": ptr("delete")}, false))
+		s, err = Open(t.Context(), cfg)
+		require.NoError(t, err, "a dead-letter topic that deletes by retention is fine")
+		require.NoError(t, s.Close())
+	})
+}
+
+func ptr[T any](v T) *T { return &v }

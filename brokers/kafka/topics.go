@@ -5,6 +5,7 @@ import (
 	"encoding/base64"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -32,6 +33,58 @@ func ensureDeadLetterTopics(cfg *Config, client sarama.Client, pc *sarama.Config
 			return fmt.Errorf("kafka: creating dead-letter topic %q of topic %q: %w", dlq, topic, err)
 		}
 		cfg.Logger.Info("once/kafka: created dead-letter topic", "topic", dlq, "source_topic", topic)
+	}
+	return checkDeadLetterCleanup(cfg, client)
+}
+
+// checkDeadLetterCleanup refuses a compacted dead-letter topic
+// (cleanup.policy holding "compact"): compaction keeps only the last copy
+// of each key, and the broker refuses the copy of a record without a key,
+// which would hold its partition at that record for ever. A cluster that
+// does not answer (no DESCRIBE_CONFIGS ACL, a broker down) is not
+// checked.
+func checkDeadLetterCleanup(cfg *Config, client sarama.Client) error {
+	source := make(map[string]string, len(cfg.Topics))
+	req := &sarama.DescribeConfigsRequest{}
+	for _, topic := range cfg.Topics {
+		dlq := cfg.DeadLetter.Topic(topic)
+		if _, seen := source[dlq]; !seen {
+			source[dlq] = topic
+			req.Resources = append(req.Resources, &sarama.ConfigResource{Type: sarama.TopicResource, Name: dlq, ConfigNames: []string{"cleanup.policy"}})
+		}
+	}
+	version := client.Config().Version
+	switch {
+	case version.IsAtLeast(sarama.V2_0_0_0):
+		req.Version = 2
+	case version.IsAtLeast(sarama.V1_1_0_0):
+		req.Version = 1
+	}
+	least := client.LeastLoadedBroker()
+	if least == nil {
+		return nil
+	}
+	// A connection of its own, as topicIDs.lookupOnce explains.
+	b := sarama.NewBroker(least.Addr())
+	if err := b.Open(client.Config()); err != nil {
+		return nil
+	}
+	defer b.Close()
+	resp, err := b.DescribeConfigs(req)
+	if err != nil {
+		return nil
+	}
+	for _, r := range resp.Resources {
+		if r.ErrorCode != 0 {
+			continue
+		}
+		for _, e := range r.Configs {
+			if e.Name == "cleanup.policy" && strings.Contains(e.Value, "compact") {
+				return fmt.Errorf("kafka: dead-letter topic %q (of topic %q) is compacted (cleanup.policy=%s): compaction keeps only the last dead letter of each key, "+
+					"and the copy of a record without a key is refused; give it cleanup.policy=delete and the retention you want for dead letters, or name another topic in Config.DeadLetter.Topic",
+					r.Name, source[r.Name], e.Value)
+			}
+		}
 	}
 	return nil
 }
