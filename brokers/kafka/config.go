@@ -346,6 +346,26 @@ func (c *Config) validate() error {
 			return fmt.Errorf("kafka: Config.%s is negative (%v)", d.name, d.v)
 		}
 	}
+	// sarama's lower bounds, checked here so that the error names the
+	// field of Config rather than one of Config.Sarama.
+	for _, d := range []struct {
+		name     string
+		v, least time.Duration
+		above    bool // strictly above least
+	}{
+		{"SessionTimeout", c.SessionTimeout, 2 * time.Millisecond, true},
+		{"HeartbeatInterval", c.HeartbeatInterval, time.Millisecond, false},
+		{"RebalanceTimeout", c.RebalanceTimeout, time.Millisecond, true},
+		{"FetchMaxWait", c.FetchMaxWait, time.Millisecond, false},
+	} {
+		if d.v != 0 && (d.v < d.least || d.above && d.v == d.least) {
+			bound := "at least"
+			if d.above {
+				bound = "above"
+			}
+			return fmt.Errorf("kafka: Config.%s (%v) must be %s %v", d.name, d.v, bound, d.least)
+		}
+	}
 	for _, f := range []struct {
 		name string
 		v    int32

@@ -62,6 +62,36 @@ func TestOpenValidatesConfig(t *testing.T) {
 	}
 }
 
+// A duration of Config below sarama's lower bound was refused as an error
+// of Config.Sarama ("Config.Sarama (consumer): Consumer.MaxWaitTime must
+// be >= 1ms"), a field the caller may not have set at all. The error names
+// the field of Config that holds it.
+func TestOpenNamesTheFieldOfADurationBelowSaramasBound(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		edit  func(*Config)
+		field string
+	}{
+		{"fetch max wait", func(c *Config) { c.FetchMaxWait = 500 * time.Microsecond }, "Config.FetchMaxWait"},
+		{"heartbeat", func(c *Config) { c.HeartbeatInterval = 500 * time.Microsecond }, "Config.HeartbeatInterval"},
+		{"session", func(c *Config) { c.SessionTimeout, c.HeartbeatInterval = 2*time.Millisecond, time.Millisecond }, "Config.SessionTimeout"},
+		{"rebalance", func(c *Config) { c.RebalanceTimeout, c.RevokeTimeout = time.Millisecond, time.Microsecond }, "Config.RebalanceTimeout"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := Config{Brokers: []string{"127.0.0.1:1"}, Group: "g", Topics: []string{"t"}, Logger: testLogger()}
+			tc.edit(&cfg)
+			ctx, cancel := context.WithTimeout(t.Context(), 2*time.Second)
+			defer cancel()
+			s, err := Open(ctx, cfg)
+			require.Error(t, err)
+			assert.Nil(t, s)
+			assert.NotErrorIs(t, err, context.DeadlineExceeded, "refused at once")
+			assert.Contains(t, err.Error(), tc.field)
+			assert.NotContains(t, err.Error(), "Config.Sarama")
+		})
+	}
+}
+
 // Key lanes are chosen by a 32-bit hash modulo KeyLanes: a count the hash
 // cannot address (2^32 makes the modulus 0, a division by zero in the
 // claim's goroutine at the first record) is refused by Open.
