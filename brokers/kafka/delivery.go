@@ -40,6 +40,10 @@ type claim struct {
 	cancel context.CancelFunc
 	last   atomic.Int64 // offset of the last record handed out or skipped, or unknownOffset
 	paused atomic.Bool  // its fetching paused by feed: sarama's high-water mark of it is stale
+	// endAsked: a question of the partition's end to the cluster is
+	// running (lag.go); end is its latest answer, 0 until one.
+	endAsked atomic.Bool
+	end      atomic.Int64
 
 	mu      sync.Mutex
 	revoked bool

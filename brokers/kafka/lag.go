@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"sync"
+	"time"
 
 	"github.com/IBM/sarama"
 	"go.opentelemetry.io/otel/attribute"
@@ -100,9 +101,38 @@ func (cl *claim) lag(ctx context.Context) (int64, bool) {
 	}
 	hwm := cl.sc.HighWaterMarkOffset()
 	if cl.paused.Load() && ctx.Err() == nil {
-		if end, err := cl.src.dlqClient.GetOffset(cl.sc.Topic(), cl.sc.Partition(), sarama.OffsetNewest); err == nil {
-			hwm = max(hwm, end)
-		}
+		hwm = max(hwm, cl.clusterEnd(ctx))
 	}
 	return max(hwm-(last+1), 0), true
+}
+
+// endWait bounds how long a collection waits for the cluster to say where
+// a paused partition ends.
+const endWait = time.Second
+
+// clusterEnd asks the cluster where the claim's partition ends and waits
+// for the answer at most endWait, or until ctx ends: a broker that does not
+// answer would hold the whole collection, every metric of the process
+// with it, for sarama's read timeout. A question left unanswered goes on
+// aside, one at a time per claim; it returns the latest answer (0 when
+// none yet).
+func (cl *claim) clusterEnd(ctx context.Context) int64 {
+	if cl.endAsked.CompareAndSwap(false, true) {
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			defer cl.endAsked.Store(false)
+			if end, err := cl.src.dlqClient.GetOffset(cl.sc.Topic(), cl.sc.Partition(), sarama.OffsetNewest); err == nil {
+				cl.end.Store(end)
+			}
+		}()
+		t := time.NewTimer(endWait)
+		defer t.Stop()
+		select {
+		case <-done:
+		case <-t.C:
+		case <-ctx.Done():
+		}
+	}
+	return cl.end.Load()
 }

@@ -9,6 +9,7 @@ import (
 	"github.com/IBM/sarama"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"github.com/twmb/franz-go/pkg/kmsg"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
@@ -107,4 +108,44 @@ func TestLagOfAPausedPartitionCountsRecordsProducedMeanwhile(t *testing.T) {
 	c.produce(msgs...)
 	assert.Eventually(t, func() bool { return lagOf(t, reader)[topic+"/0"] == 100 }, 5*time.Second, 20*time.Millisecond,
 		"the records produced while the partition is paused are its lag; lag %v", lagOf(t, reader))
+}
+
+// The lag of a paused partition is asked of the cluster during the
+// collection: a broker that did not answer (ListOffsets held) held the
+// whole collection, every metric of the process with it, for sarama's
+// read timeout (30 s) per paused partition. The question waits at most a
+// second; the gauge then reports the last answer.
+func TestLagCollectionDoesNotWaitForAHungBroker(t *testing.T) {
+	c := newCluster(t)
+	topic, group := uniq("orders"), uniq("g")
+	c.createTopic(topic, 1)
+	c.produce(msg(topic, 0, "stuck"), msg(topic, 0, "behind"))
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	defer func() { _ = mp.Shutdown(context.Background()) }()
+	cfg := c.config(group, topic)
+	cfg.MeterProvider = mp
+	cfg.MaxPendingPerPartition = 1
+	src := c.open(cfg)
+	receive(t, src) // never acked: the claim waits at the bound, fetching paused
+	require.Eventually(t, func() bool { return src.claimsWaitingForRoom() == 1 }, 10*time.Second, 5*time.Millisecond)
+	require.Eventually(t, func() bool { return lagOf(t, reader)[topic+"/0"] == 1 }, 5*time.Second, 20*time.Millisecond)
+
+	release := make(chan struct{})
+	defer close(release)
+	c.kf.ControlKey(kmsg.ListOffsets.Int16(), func(kmsg.Request) (kmsg.Response, error, bool) {
+		c.kf.KeepControl()
+		c.kf.SleepControl(func() { <-release })
+		return nil, nil, false
+	})
+	for range 3 {
+		done := make(chan map[string]int64, 1)
+		go func() { done <- lagOf(t, reader) }()
+		select {
+		case lag := <-done:
+			assert.Equal(t, int64(1), lag[topic+"/0"], "the last answer")
+		case <-time.After(5 * time.Second):
+			t.Fatal("the collection waits for the broker")
+		}
+	}
 }
