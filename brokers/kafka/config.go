@@ -229,8 +229,9 @@ type Config struct {
 	// which binds it to its pool and store (Receive fails otherwise); a
 	// wrapper that decorates its deliveries must unwrap them (a method
 	// Unwrap() consumer.Delivery); the cooperative rebalance protocol
-	// (cooperative-sticky) is refused.
-	// Default false. See docs/kafka.md.
+	// (cooperative-sticky) is refused, and so is a Sarama.Version older
+	// than 2.8, which has no topic ids to tell a re-created topic from
+	// the old one. Default false. See docs/kafka.md.
 	OffsetsInDatabase bool
 
 	// MeterProvider provides the meter of the consumer-lag gauge. Default
@@ -470,6 +471,11 @@ func (c *Config) consumerConfig() (*sarama.Config, error) {
 	if c.OffsetsInDatabase && cooperative(sc) {
 		return nil, errors.New("kafka: Config.OffsetsInDatabase needs the eager rebalance protocol, and Config.Sarama's balance strategies include cooperative-sticky: " +
 			"a partition added by a cooperative rebalance would start at the group's committed offset, not at the database's")
+	}
+	if c.OffsetsInDatabase && !sc.Version.IsAtLeast(sarama.V2_8_0_0) {
+		// The rows tell a re-created topic from the old one by its id.
+		return nil, fmt.Errorf("kafka: Config.OffsetsInDatabase needs Config.Sarama.Version 2.8 or later (it is %s): the offsets table tells a topic deleted and created again "+
+			"from the old one by the topic's id, which older protocol versions do not carry; the new topic would take the old one's positions, and records without ids would be handled again", sc.Version)
 	}
 	return sc, nil
 }

@@ -353,6 +353,34 @@ func TestOffsetsInDatabaseNeedsConsumer(t *testing.T) {
 	require.ErrorContains(t, err, "Config.OffsetsInDatabase")
 }
 
+// The offsets table tells a topic deleted and created again from the old
+// one by the topic's id, which sarama asks for from Sarama.Version 2.8 on.
+// With an older Version the new topic's partitions took the old rows over:
+// their positions, beyond the new topic's end, were reset to the
+// InitialOffset by sarama, the records handled were below the rows' and
+// never recorded, and records without ids were handled again at every
+// restart (measured: three records of the new topic, each effect twice
+// after one restart). Open refuses OffsetsInDatabase with such a Version.
+func TestOffsetsInDatabaseNeedsTopicIDs(t *testing.T) {
+	c := newCluster(t)
+	topic := uniq("orders")
+	c.createTopic(topic, 1)
+	cfg := c.dbOffsetsConfig(uniq("g"), topic)
+	cfg.Sarama.Version = sarama.V2_7_0_0
+	s, err := Open(t.Context(), cfg)
+	if s != nil {
+		_ = s.Close()
+	}
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), "Config.OffsetsInDatabase")
+	assert.Contains(t, err.Error(), "Config.Sarama.Version")
+
+	cfg.Sarama.Version = sarama.V2_8_0_0
+	s, err = Open(t.Context(), cfg)
+	require.NoError(t, err)
+	require.NoError(t, s.Close())
+}
+
 // A dead-lettered record has no transaction of its own: its Ack records it
 // done in the database. With the group's offsets lost, the restarted
 // consumer neither dead-letters it again nor handles anything twice.
