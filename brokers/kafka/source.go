@@ -631,7 +631,16 @@ func (s *Source) markStarts(sess sarama.ConsumerGroupSession) {
 		fail(err)
 		return
 	}
-	resp, err := coordinator.FetchOffset(sarama.NewOffsetFetchRequest(s.topicIDs.version, s.cfg.Group, claims))
+	// On a connection of its own: the client's connection to the
+	// coordinator stays broken once it was cut (see topicIDs.lookupOnce),
+	// and every later session's question would fail on it.
+	b := sarama.NewBroker(coordinator.Addr())
+	if err := b.Open(s.dlqClient.Config()); err != nil {
+		fail(err)
+		return
+	}
+	defer b.Close()
+	resp, err := b.FetchOffset(sarama.NewOffsetFetchRequest(s.topicIDs.version, s.cfg.Group, claims))
 	if err != nil {
 		fail(err)
 		return
