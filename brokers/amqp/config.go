@@ -74,7 +74,9 @@ type DeadLetterConfig struct {
 	// exchange, which routes by queue name. A non-empty Exchange is
 	// declared (durable) with ExchangeKind unless Config.Passive is set.
 	Exchange string
-	// ExchangeKind is the kind used to declare Exchange. Default "direct".
+	// ExchangeKind is the kind used to declare Exchange. Default: the Kind
+	// of Exchange in Config.Exchanges when it is one of them (another kind
+	// is refused), else "direct".
 	ExchangeKind string
 	// RoutingKey of the copies. Default: Queue.
 	RoutingKey string
@@ -326,6 +328,23 @@ func (cfg Config) withDefaults() (Config, error) {
 	}
 	if dl.Exchange == "" && dl.RoutingKey != dl.Queue {
 		return cfg, fmt.Errorf("amqp: Config.DeadLetter.RoutingKey %q must equal Config.DeadLetter.Queue %q on the default exchange", dl.RoutingKey, dl.Queue)
+	}
+	for i, e := range cfg.Exchanges {
+		if e.Name != dl.Exchange || dl.Exchange == "" {
+			continue
+		}
+		// One of the exchanges declared above: the dead-letter one is
+		// the same, of the same kind, or the broker refuses the second
+		// declaration ("inequivalent arg 'type'").
+		kind := e.Kind
+		if kind == "" {
+			kind = DefaultExchangeKind
+		}
+		if dl.ExchangeKind != "" && dl.ExchangeKind != kind {
+			return cfg, fmt.Errorf("amqp: Config.DeadLetter.ExchangeKind %q contradicts Config.Exchanges[%d].Kind %q of the same exchange %q; leave it empty", dl.ExchangeKind, i, kind, dl.Exchange)
+		}
+		dl.ExchangeKind = kind
+		break
 	}
 	if dl.ExchangeKind == "" {
 		dl.ExchangeKind = DefaultExchangeKind
