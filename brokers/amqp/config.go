@@ -73,6 +73,9 @@ type DeadLetterConfig struct {
 	// Exchange the copies are published to. Default "": the default
 	// exchange, which routes by queue name. A non-empty Exchange is
 	// declared (durable) with ExchangeKind unless Config.Passive is set.
+	// One of Config.Bindings to it that routes RoutingKey (a direct
+	// exchange's equal key, any fanout binding, a matching topic pattern)
+	// is refused: the copies would go back into Config.Queue.
 	Exchange string
 	// ExchangeKind is the kind used to declare Exchange. Default: the Kind
 	// of Exchange in Config.Exchanges when it is one of them (another kind
@@ -349,6 +352,26 @@ func (cfg Config) withDefaults() (Config, error) {
 	if dl.ExchangeKind == "" {
 		dl.ExchangeKind = DefaultExchangeKind
 	}
+	for i, b := range cfg.Bindings {
+		if b.Exchange != dl.Exchange || dl.Exchange == "" {
+			continue
+		}
+		var back bool
+		switch dl.ExchangeKind {
+		case "direct":
+			back = b.RoutingKey == dl.RoutingKey
+		case "fanout":
+			back = true
+		case "topic":
+			back = topicMatch(b.RoutingKey, dl.RoutingKey)
+		}
+		if back {
+			// The copy would go back into the queue too, be taken for a
+			// new message, fail and be dead-lettered again, without end.
+			return cfg, fmt.Errorf("amqp: Config.DeadLetter.RoutingKey %q on %s exchange %q matches Config.Bindings[%d] (key %q) of Config.Queue: dead-letter copies would be routed back into the queue, to fail and be dead-lettered again without end",
+				dl.RoutingKey, dl.ExchangeKind, dl.Exchange, i, b.RoutingKey)
+		}
+	}
 	if defaultQueue && len(dl.Queue) > 255 {
 		return cfg, fmt.Errorf("amqp: Config.DeadLetter.Queue: its default, Config.Queue plus %q, is longer than AMQP's 255 bytes; set it", DeadLetterQueueSuffix)
 	}
@@ -480,4 +503,41 @@ func redactErr(err error, raw string) error {
 		}
 	}
 	return errors.New(strings.ReplaceAll(err.Error(), pw, "xxxxx"))
+}
+
+// topicMatch reports whether a topic exchange routes key by the binding
+// pattern: words separated by dots, "*" matching one word and "#" zero or
+// more, as RabbitMQ matches them (an empty key or pattern has no words).
+func topicMatch(pattern, key string) bool {
+	words := func(s string) []string {
+		if s == "" {
+			return nil
+		}
+		return strings.Split(s, ".")
+	}
+	var match func(p, k []string) bool
+	match = func(p, k []string) bool {
+		for len(p) > 0 {
+			switch p[0] {
+			case "#":
+				for i := 0; i <= len(k); i++ {
+					if match(p[1:], k[i:]) {
+						return true
+					}
+				}
+				return false
+			case "*":
+			default:
+				if len(k) > 0 && k[0] != p[0] {
+					return false
+				}
+			}
+			if len(k) == 0 {
+				return false
+			}
+			p, k = p[1:], k[1:]
+		}
+		return len(k) == 0
+	}
+	return match(words(pattern), words(key))
 }

@@ -41,3 +41,6 @@ func Heartbeat(s *Source) time.Duration {
 	}
 	return sess.conn.Config.Heartbeat
 }
+
+// TopicMatch exposes the topic exchange's matching to tests.
+var TopicMatch = topicMatch
