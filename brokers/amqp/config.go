@@ -96,7 +96,7 @@ type DeadLetterConfig struct {
 	// once dlq or the console counts as a delivery. Default none.
 	QueueArgs amqp091.Table
 	// NoQueue: declare no dead-letter queue; something else routes the
-	// copies from Exchange. Publishes that no queue receives fail (they are
+	// copies from Exchange. Queue must then be empty. Publishes that no queue receives fail (they are
 	// published mandatory), so the consumer keeps retrying them instead of
 	// losing the message.
 	NoQueue bool
@@ -318,7 +318,10 @@ func (cfg Config) withDefaults() (Config, error) {
 		dl.Queue = cfg.Queue + DeadLetterQueueSuffix
 	}
 	if dl.NoQueue {
-		dl.Queue = ""
+		if dl.Queue != "" {
+			return cfg, fmt.Errorf("amqp: Config.DeadLetter.Queue %q is set with Config.DeadLetter.NoQueue, which declares no queue; "+
+				"drop one (with NoQueue, give the routing key in Config.DeadLetter.RoutingKey)", dl.Queue)
+		}
 		if dl.Exchange == "" {
 			return cfg, errors.New("amqp: Config.DeadLetter.NoQueue needs Config.DeadLetter.Exchange: the default exchange routes only to queues by name")
 		}

@@ -46,6 +46,11 @@ func TestConfigErrorsNameTheField(t *testing.T) {
 		{"binding to the default exchange", func(c *amqp.Config) { c.Bindings = []amqp.Binding{{RoutingKey: "k"}} }, "Config.Bindings[0].Exchange"},
 		{"dead-letter queue is the queue", func(c *amqp.Config) { c.DeadLetter.Queue = "q" }, "Config.DeadLetter.Queue"},
 		{"no queue on the default exchange", func(c *amqp.Config) { c.DeadLetter.NoQueue = true }, "Config.DeadLetter.NoQueue"},
+		{"no queue, yet a queue named", func(c *amqp.Config) {
+			// The name was dropped, and with it the routing key's
+			// default: copies went out with an empty key, unroutable.
+			c.DeadLetter = amqp.DeadLetterConfig{Exchange: "dlx", Queue: "q.dead", NoQueue: true}
+		}, "Config.DeadLetter.Queue"},
 		{"routing key off the queue on the default exchange", func(c *amqp.Config) { c.DeadLetter.RoutingKey = "elsewhere" }, "Config.DeadLetter.RoutingKey"},
 	}
 	for _, tc := range cases {
