@@ -92,8 +92,9 @@ type DeadLetterConfig struct {
 	// here that contradicts it is refused).
 	// On RabbitMQ 4 and later a quorum queue drops a message delivered 20
 	// times unless declared with "x-delivery-limit": -1 (RabbitMQ 3 takes
-	// -1 for 0, so set it on 4 only), and each read of the dead letters by
-	// once dlq or the console counts as a delivery. Default none.
+	// -1 for 0, so set it on 4 only: Open refuses a limit below 1 on
+	// RabbitMQ 3), and each read of the dead letters by once dlq or the
+	// console counts as a delivery. Default none.
 	QueueArgs amqp091.Table
 	// NoQueue: declare no dead-letter queue; something else routes the
 	// copies from Exchange. Queue must then be empty. Publishes that no queue receives fail (they are
@@ -133,7 +134,10 @@ type Config struct {
 	// QueueClassic. Both are declared durable and not auto-deleted.
 	QueueType QueueType
 	// QueueArgs are extra declare arguments of the queue (x-max-length,
-	// x-message-ttl, ...). x-queue-type is set from QueueType.
+	// x-message-ttl, ...). x-queue-type is set from QueueType. On RabbitMQ 3
+	// an x-delivery-limit below 1 of a quorum queue is refused: RabbitMQ 3
+	// takes it for 0 and drops each message at its first redelivery
+	// (RabbitMQ 4 takes -1 for no limit; docs/amqp.md, Pitfalls).
 	QueueArgs amqp091.Table
 	// Exchanges are declared before the bindings.
 	Exchanges []Exchange
@@ -544,3 +548,49 @@ func topicMatch(pattern, key string) bool {
 	}
 	return match(words(pattern), words(key))
 }
+
+// deliveryLimitArg is the quorum queue argument that bounds deliveries.
+const deliveryLimitArg = "x-delivery-limit"
+
+// checkDeliveryLimit refuses, on a broker of the given version before
+// RabbitMQ 4, an x-delivery-limit below 1 in the quorum queue arguments
+// args of field. RabbitMQ 4 takes -1 for no limit (docs/amqp.md,
+// Pitfalls); RabbitMQ 3 takes it for 0 and drops a message at its first
+// redelivery, and the source's queues have no dead-letter exchange.
+// An unknown version is not judged.
+func checkDeliveryLimit(field string, args amqp091.Table, version string) error {
+	v, ok := args[deliveryLimitArg]
+	if !ok {
+		return nil
+	}
+	var limit int64
+	switch n := v.(type) {
+	case int:
+		limit = int64(n)
+	case int8:
+		limit = int64(n)
+	case int16:
+		limit = int64(n)
+	case int32:
+		limit = int64(n)
+	case int64:
+		limit = n
+	default:
+		return nil // not an integer: the broker refuses it
+	}
+	major, _, _ := strings.Cut(version, ".")
+	m, err := strconv.Atoi(major)
+	if limit >= 1 || err != nil || m >= 4 {
+		return nil
+	}
+	return &configError{fmt.Errorf("amqp: %s %s %d on RabbitMQ %s: before RabbitMQ 4 a quorum queue takes a limit below 1 for 0 "+
+		"and drops every message at its first redelivery (every unacked message is redelivered after a lost connection); "+
+		"leave it out, RabbitMQ 3 has no limit by default", field, deliveryLimitArg, limit, version)}
+}
+
+// configError is the source's own verdict on the configuration against
+// the broker it reached, which retrying does not change.
+type configError struct{ err error }
+
+func (e *configError) Error() string { return e.err.Error() }
+func (e *configError) Unwrap() error { return e.err }

@@ -44,3 +44,6 @@ func Heartbeat(s *Source) time.Duration {
 
 // TopicMatch exposes the topic exchange's matching to tests.
 var TopicMatch = topicMatch
+
+// CheckDeliveryLimit exposes the x-delivery-limit rule to tests.
+var CheckDeliveryLimit = checkDeliveryLimit

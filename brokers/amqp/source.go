@@ -397,7 +397,8 @@ func (s *Source) attempt(ctx context.Context) (*session, error) {
 // configuration (credentials, permissions, topology, TLS), which retrying
 // does not change.
 func isConfigError(err error) bool {
-	if tlsRefused(err) {
+	var ce *configError
+	if tlsRefused(err) || errors.As(err, &ce) {
 		return true
 	}
 	if errors.Is(err, amqp091.ErrSASL) || errors.Is(err, amqp091.ErrCredentials) || errors.Is(err, amqp091.ErrVhost) {
@@ -445,6 +446,15 @@ func (s *Source) connect() (*session, error) {
 	fail := func(err error) (*session, error) {
 		_ = conn.CloseDeadline(time.Now().Add(time.Second))
 		return nil, err
+	}
+	if s.cfg.QueueType == QueueQuorum && !s.cfg.Passive {
+		version, _ := conn.Properties["version"].(string)
+		if err := checkDeliveryLimit("Config.QueueArgs", s.cfg.QueueArgs, version); err != nil {
+			return fail(err)
+		}
+		if err := checkDeliveryLimit("Config.DeadLetter.QueueArgs", s.cfg.DeadLetter.QueueArgs, version); err != nil {
+			return fail(err)
+		}
 	}
 	ch, err := conn.Channel()
 	if err != nil {
