@@ -74,8 +74,8 @@ type DeadLetterConfig struct {
 	// exchange, which routes by queue name. A non-empty Exchange is
 	// declared (durable) with ExchangeKind unless Config.Passive is set.
 	// One of Config.Bindings to it that routes RoutingKey (a direct
-	// exchange's equal key, any fanout binding, a matching topic pattern)
-	// is refused: the copies would go back into Config.Queue.
+	// exchange's equal key, any fanout or headers binding, a matching topic
+	// pattern) is refused: the copies would go back into Config.Queue.
 	Exchange string
 	// ExchangeKind is the kind used to declare Exchange. Default: the Kind
 	// of Exchange in Config.Exchanges when it is one of them (another kind
@@ -367,7 +367,9 @@ func (cfg Config) withDefaults() (Config, error) {
 		switch dl.ExchangeKind {
 		case "direct":
 			back = b.RoutingKey == dl.RoutingKey
-		case "fanout":
+		case "fanout", "headers":
+			// A headers exchange routes by headers, and a copy carries the
+			// original's: those that came by this binding match it again.
 			back = true
 		case "topic":
 			back = topicMatch(b.RoutingKey, dl.RoutingKey)
@@ -375,7 +377,7 @@ func (cfg Config) withDefaults() (Config, error) {
 		if back {
 			// The copy would go back into the queue too, be taken for a
 			// new message, fail and be dead-lettered again, without end.
-			return cfg, fmt.Errorf("amqp: Config.DeadLetter.RoutingKey %q on %s exchange %q matches Config.Bindings[%d] (key %q) of Config.Queue: dead-letter copies would be routed back into the queue, to fail and be dead-lettered again without end",
+			return cfg, fmt.Errorf("amqp: Config.DeadLetter.RoutingKey %q on %s exchange %q matches Config.Bindings[%d] (key %q) of Config.Queue: dead-letter copies (with the original headers) would be routed back into the queue, to fail and be dead-lettered again without end",
 				dl.RoutingKey, dl.ExchangeKind, dl.Exchange, i, b.RoutingKey)
 		}
 	}

@@ -79,6 +79,9 @@ func TestDeadLetterRoutedBackIntoTheQueueRefused(t *testing.T) {
 		{"topic star", "topic", "*.dead", "orders.dead"},
 		{"topic hash in the middle", "topic", "orders.#.dead", "orders.dead"},
 		{"topic exact", "topic", "orders.dead", "orders.dead"},
+		// A headers exchange routes by headers: the copies carry the
+		// original headers, which matched the binding the original came by.
+		{"headers", "headers", "", "dead"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
