@@ -417,8 +417,8 @@ func checkShortstr(field, v string) error {
 }
 
 // checkTable refuses an argument table of field that amqp091 cannot
-// write: a Go type AMQP has no field type for (uint64, []string, ...) or
-// a key over 255 bytes, at any depth.
+// write: a Go type AMQP has no field type for (uint64, []string, ...), a
+// key over 255 bytes or an int outside 32 bits, at any depth.
 func checkTable(field string, t amqp091.Table) error {
 	if err := t.Validate(); err != nil {
 		return fmt.Errorf("amqp: %s: %w", field, err)
@@ -426,7 +426,8 @@ func checkTable(field string, t amqp091.Table) error {
 	return checkKeys(field, t)
 }
 
-// checkKeys refuses keys over 255 bytes in t and the tables nested in it.
+// checkKeys refuses keys over 255 bytes in t and the tables nested in it,
+// and Go ints outside 32 bits, which amqp091 would cut.
 func checkKeys(field string, v any) error {
 	switch x := v.(type) {
 	case amqp091.Table:
@@ -443,6 +444,12 @@ func checkKeys(field string, v any) error {
 			if err := checkKeys(field, e); err != nil {
 				return err
 			}
+		}
+	case int:
+		// amqp091 writes a Go int as AMQP's 32-bit integer, high bits cut
+		// off: 10 GB would reach the broker as 1,410,065,408.
+		if x != int(int32(x)) {
+			return fmt.Errorf("amqp: %s: int %d does not fit the 32-bit integer amqp091 writes an int as; give it as int64", field, x)
 		}
 	}
 	return nil

@@ -242,3 +242,45 @@ func TestUnparsableURLDoesNotPrintThePassword(t *testing.T) {
 		assert.NotContains(t, err.Error(), "%zz", "a part of the password leaked into the error")
 	}
 }
+
+// TestArgumentIntOver32BitsRefused: amqp091 writes a Go int as AMQP's
+// 32-bit signed integer, cutting off the high bits. An x-max-length-bytes
+// of 10 GB given as an int declared the queue with 1,410,065,408 bytes (and,
+// with x-overflow drop-head, the broker dropped messages past that); a
+// value of 1<<32 declared it 0. Open refuses an int outside 32 bits in any
+// argument table, naming the field; int64 carries it whole.
+func TestArgumentIntOver32BitsRefused(t *testing.T) {
+	url := brokerURL(t)
+	a := newAdmin(t)
+	cases := []struct {
+		name  string
+		edit  func(c *amqp.Config)
+		field string
+	}{
+		{"queue args", func(c *amqp.Config) { c.QueueArgs = amqp091.Table{"x-max-length-bytes": 10_000_000_000} }, "Config.QueueArgs"},
+		{"nested", func(c *amqp.Config) {
+			c.Bindings = []amqp.Binding{{Exchange: "amq.headers", Args: amqp091.Table{"x-match": "all", "n": []any{1 << 32}}}}
+		}, "Config.Bindings[0].Args"},
+		{"dead-letter queue args", func(c *amqp.Config) { c.DeadLetter.QueueArgs = amqp091.Table{"x-max-length": -1 << 33} }, "Config.DeadLetter.QueueArgs"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := amqp.Config{URL: url, Queue: queueName(t), Logger: testLogger(t)}
+			tc.edit(&cfg)
+			a.cleanupQueue(cfg.Queue)
+			ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+			defer cancel()
+			src, err := amqp.Open(ctx, cfg)
+			if err == nil {
+				_ = src.Close()
+				t.Fatal("Open accepted the configuration")
+			}
+			require.NotErrorIs(t, err, context.DeadlineExceeded)
+			assert.Contains(t, err.Error(), tc.field)
+			assert.Contains(t, err.Error(), "int64")
+		})
+	}
+	q := queueName(t)
+	a.cleanupQueue(q)
+	openSource(t, amqp.Config{Queue: q, QueueArgs: amqp091.Table{"x-max-length-bytes": int64(10_000_000_000), "x-max-length": 1000}})
+}
