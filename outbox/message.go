@@ -50,9 +50,12 @@ type Message struct {
 	// Type is the event type: the "type" header on Kafka and the type
 	// property on RabbitMQ, which a consumer.Router dispatches on. Optional.
 	Type string
-	// Headers are sent with the message. The publishers set "id", "type",
-	// "traceparent" and "tracestate" themselves, over any header of those
-	// names.
+	// Headers are sent with the message, except those of the id and type:
+	// on Kafka the publisher sets kafkaout.Config.IDHeader and TypeHeader
+	// ("id" and "type" by default) over any header of those names; on
+	// RabbitMQ, where the id and type are properties, headers "id" and
+	// "type" are dropped. The stored trace context (Add) replaces headers
+	// of its names ("traceparent" and "tracestate" by default).
 	Headers map[string]string
 	// Body is the message value, sent as is.
 	Body []byte
@@ -66,9 +69,9 @@ func Add(ctx context.Context, tx DB, msgs ...Message) error {
 
 // Add writes msgs to the outbox in tx, one statement for all of them. The
 // relay publishes them once tx commits, and never if it rolls back. The
-// trace context of ctx (the global OpenTelemetry propagator, W3C by
-// default) is stored with each row and sent as its headers, so that the
-// next hop's span continues this trace. Add fails with an error wrapping
+// trace context of ctx (the global OpenTelemetry propagator's headers, or
+// W3C traceparent when no propagator is set) is stored with each row and
+// sent as its headers, so that the next hop's span continues this trace. Add fails with an error wrapping
 // ErrInvalidMessage, and writes nothing, if a message has neither Topic
 // nor RoutingKey, an ID that is too long or not UTF-8, or an empty header
 // name; a database error aborts tx as any failed statement does.
@@ -154,10 +157,16 @@ func containsNUL(s string) bool {
 	return false
 }
 
-// traceContext is the JSON of the propagation headers of ctx's span.
+// traceContext is the JSON of the propagation headers of ctx's span:
+// those of the global propagator, or, when it writes none (it is a no-op
+// until a service sets one), W3C traceparent and tracestate, which the
+// consumer of the next hop reads without a propagator too.
 func traceContext(ctx context.Context) ([]byte, error) {
 	carrier := propagation.MapCarrier{}
 	otel.GetTextMapPropagator().Inject(ctx, carrier)
+	if len(carrier) == 0 {
+		propagation.TraceContext{}.Inject(ctx, carrier)
+	}
 	return json.Marshal(map[string]string(carrier))
 }
 
