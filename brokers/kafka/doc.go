@@ -71,10 +71,13 @@
 //
 // Kafka keeps no delivery count, so Message.Redelivered is always false.
 // Each partition claim has a Delivery.Context of its own; the core takes a
-// new context on a stream as a new assignment, and counts a durable attempt
-// for the first record of the assignment whose id is new (the record that
-// was in flight if the previous owner crashed), so that a record that
-// crashes the process every time is dead-lettered.
+// new context on a stream as a new assignment, and its crash guard marks
+// the first consumer.Config.Batch.Size new records of the assignment (those
+// that were in flight if the previous owner crashed) before they run. A
+// mark left by a process that died makes its record a suspect, run alone
+// with its crashes counted, so that a record that crashes the process
+// every time is dead-lettered (kind crash-loop) after
+// consumer.Config.CrashGuard.MaxCrashes crashes.
 //
 // # Telemetry
 //
