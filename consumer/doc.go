@@ -31,9 +31,11 @@
 // a later attempt, any other error is retried per Config.Retry and then
 // dead-lettered; a panic is caught and treated as a failure with its stack
 // in the dead letter. Infrastructure failures (IsTransient: the database
-// unreachable, a lost connection, a failed commit) are never poison: the
-// message is neither dead-lettered nor acked, and the consumer retries it
-// with backoff until the infrastructure is back. A message that kills the
+// unreachable, a lost connection, a COMMIT whose connection was lost) are
+// never poison: the message is neither dead-lettered nor acked, and the
+// consumer retries it with backoff until the infrastructure is back. A
+// COMMIT the database refuses (a deferred constraint) is the handler's
+// failure. A message that kills the
 // process every time it is handled is recognised by a durable attempt
 // count and dead-lettered after Config.CrashGuard.MaxCrashes.
 //
