@@ -229,7 +229,8 @@ type RetryPolicy struct {
 	// Classify, when set, decides what an error met while handling a
 	// message is (ClassInfrastructure, ClassRetry or ClassPermanent): the
 	// handler's own error, the failure of a statement it queued, or a
-	// failed COMMIT. def is the default class (see Classify); return it for
+	// COMMIT the database refused (one that lost its connection is
+	// infrastructure, and not asked about). def is the default class (see Classify); return it for
 	// errors you do not know. It runs on the worker's goroutine and must
 	// not block; a panic in it is logged and def is used. Defaults to nil:
 	// def. For example, to treat a unique violation as permanent:
