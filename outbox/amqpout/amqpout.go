@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"net/url"
 	"regexp"
 	"strconv"
 	"strings"
@@ -37,7 +38,8 @@ type Config struct {
 	// 10s.
 	DialTimeout time.Duration
 	// Heartbeat is the AMQP heartbeat interval. Default 10s; at least 1s
-	// (the protocol counts whole seconds).
+	// (the protocol counts whole seconds). A heartbeat parameter in URL
+	// takes its place (amqp091 reads it); heartbeat=0 is refused.
 	Heartbeat time.Duration
 	// ConnectionName is shown in the management UI. Default "once outbox".
 	ConnectionName string
@@ -108,10 +110,26 @@ func New(cfg Config) (*Publisher, error) {
 		// none and uses the broker's interval (60 s by default).
 		return nil, fmt.Errorf("amqpout: Config.Heartbeat %v is below one second, the protocol's unit", cfg.Heartbeat)
 	}
+	if urlHeartbeatZero(cfg.URL) {
+		// amqp091 takes the URL's heartbeat over Config.Heartbeat, and
+		// proposes none for 0: the broker's interval would apply.
+		return nil, errors.New("amqpout: Config.URL has heartbeat=0, which replaces Config.Heartbeat with the broker's interval (60 s by default); drop the parameter")
+	}
 	if cfg.ConnectionName == "" {
 		cfg.ConnectionName = "once outbox"
 	}
 	return &Publisher{cfg: cfg}, nil
+}
+
+// urlHeartbeatZero reports whether the AMQP URL raw has the parameter
+// heartbeat=0.
+func urlHeartbeatZero(raw string) bool {
+	u, err := url.Parse(raw)
+	if err != nil || !u.Query().Has("heartbeat") {
+		return false
+	}
+	hb, err := strconv.ParseUint(u.Query().Get("heartbeat"), 10, 16)
+	return err == nil && hb == 0
 }
 
 // Publish publishes recs, in order, to exchange Topic with RoutingKey,

@@ -114,3 +114,18 @@ func TestPublishingDropsHeadersNamedIDOrType(t *testing.T) {
 	assert.Empty(t, pub.Type)
 	assert.Equal(t, amqp091.Table{"x-tenant": "t1", "traceparent": "00-x"}, pub.Headers)
 }
+
+// A heartbeat parameter in the URL takes the place of Config.Heartbeat
+// (amqp091 reads it), and heartbeat=0 proposes none: the broker's interval
+// (60 s by default) applies, and a dead broker goes unnoticed six times
+// longer than the default. New refuses it, as amqp.Open does, without
+// printing the password.
+func TestNewRefusesHeartbeatZeroInTheURL(t *testing.T) {
+	for _, url := range []string{"amqp://guest:s3cret@host/?heartbeat=0", "amqp://guest:s3cret@host/vh?heartbeat=00&connection_timeout=5000"} {
+		_, err := New(Config{URL: url})
+		require.ErrorContains(t, err, "heartbeat=0", url)
+		assert.NotContains(t, err.Error(), "s3cret")
+	}
+	_, err := New(Config{URL: "amqp://guest:s3cret@host/?heartbeat=5"})
+	require.NoError(t, err)
+}
