@@ -2,6 +2,7 @@ package dedup_test
 
 import (
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/assert"
@@ -63,4 +64,24 @@ func TestClaimRefusesWhatPostgreSQLCannotStore(t *testing.T) {
 		})
 	}
 	assert.Zero(t, processed(t, ctx, pool, "billing", ""), "no row for an empty id")
+}
+
+// DeleteOlderThan refuses a consumer name PostgreSQL's text cannot hold
+// (NUL, not UTF-8) before any statement, as it refuses an empty one: sent,
+// it failed with SQLSTATE 22021, an error that reads as an outage, and
+// aborted the transaction of a caller sweeping inside one.
+func TestRetentionRefusesAConsumerPostgreSQLCannotStore(t *testing.T) {
+	ctx, pool, s := setup(t)
+	for name, consumer := range map[string]string{"NUL": "bill\x00ing", "not UTF-8": "billing\xfe"} {
+		t.Run(name, func(t *testing.T) {
+			tx, err := pool.Begin(ctx)
+			require.NoError(t, err)
+			defer tx.Rollback(ctx) //nolint:errcheck
+			_, err = s.DeleteOlderThan(ctx, tx, consumer, time.Now(), 10)
+			require.Error(t, err)
+			assert.Contains(t, err.Error(), "consumer name")
+			var one int
+			require.NoError(t, tx.QueryRow(ctx, "SELECT 1").Scan(&one), "the transaction goes on")
+		})
+	}
 }

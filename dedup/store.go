@@ -700,7 +700,9 @@ func compare(fp, prev []byte) Outcome {
 // its own short transaction, so no lock is held for long; rows of other
 // consumers sharing the table are left alone, whatever their age. It
 // returns the number of processed-event rows removed, and stops early with
-// ctx's error. batchSize <= 0 means 1000; an empty consumer is an error.
+// ctx's error. batchSize <= 0 means 1000; an empty consumer, or one that
+// is not UTF-8 text without NUL, is an error, returned before any
+// statement.
 // The (consumer, processed_at) index of schema version 2 keeps each
 // statement to the rows it deletes.
 //
@@ -714,6 +716,9 @@ func compare(fp, prev []byte) Outcome {
 func (s *Store) DeleteOlderThan(ctx context.Context, db DB, consumer string, cutoff time.Time, batchSize int, opts ...RetentionOption) (int64, error) {
 	if consumer == "" {
 		return 0, errors.New("dedup: retention: empty consumer name")
+	}
+	if !storable(consumer) {
+		return 0, errors.New("dedup: retention: consumer name is not UTF-8 text without NUL, which PostgreSQL cannot store")
 	}
 	if batchSize <= 0 {
 		batchSize = 1000
