@@ -164,10 +164,31 @@ func (p *Publisher) Publish(ctx context.Context, recs []outbox.Record) []error {
 	}
 	if unavailable {
 		p.reset()
+		keepRefusedBatches(recs, errs)
 	} else {
 		p.resendRefusedBatches(ctx, recs, errs)
 	}
 	return errs
+}
+
+// keepRefusedBatches turns into ordinary errors the refusals of records
+// refused for their batch (refusesTheBatch) when more than one was and the
+// call failed too for a passing reason, so that they are not sent again
+// one at a time now: none of them was refused alone, so none is charged;
+// a later batch sends them again.
+func keepRefusedBatches(recs []outbox.Record, errs []error) {
+	var again []int
+	for i, err := range errs {
+		if refusesTheBatch(err) {
+			again = append(again, i)
+		}
+	}
+	if len(again) < 2 {
+		return
+	}
+	for _, i := range again {
+		errs[i] = fmt.Errorf("%w (with its batch; sent again later)", errors.Unwrap(errs[i]))
+	}
 }
 
 // refusesTheBatch reports whether err is a refusal the broker gives a
