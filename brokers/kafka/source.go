@@ -381,13 +381,8 @@ func checkTopicOperations(cfg *Config, client sarama.Client) error {
 	for t := range need {
 		names = append(names, t)
 	}
-	least := client.LeastLoadedBroker()
-	if least == nil {
-		return nil
-	}
-	// A connection of its own, as topicIDs.lookupOnce explains.
-	b := sarama.NewBroker(least.Addr())
-	if err := b.Open(client.Config()); err != nil {
+	b := connectionOfItsOwn(client)
+	if b == nil {
 		return nil
 	}
 	defer b.Close()

@@ -60,13 +60,8 @@ func checkDeadLetterCleanup(cfg *Config, client sarama.Client) error {
 	case version.IsAtLeast(sarama.V1_1_0_0):
 		req.Version = 1
 	}
-	least := client.LeastLoadedBroker()
-	if least == nil {
-		return nil
-	}
-	// A connection of its own, as topicIDs.lookupOnce explains.
-	b := sarama.NewBroker(least.Addr())
-	if err := b.Open(client.Config()); err != nil {
+	b := connectionOfItsOwn(client)
+	if b == nil {
 		return nil
 	}
 	defer b.Close()
@@ -191,4 +186,21 @@ func (t topicIDs) lookupOnce(topic string) (string, error) {
 		return base64.RawURLEncoding.EncodeToString(tm.Uuid[:]), nil
 	}
 	return "", fmt.Errorf("topic %q missing from the metadata response", topic)
+}
+
+// connectionOfItsOwn opens a connection to the client's least loaded
+// broker that is not the client's own (whose connection stays broken once
+// cut, as topicIDs.lookupOnce explains), or returns nil when there is no
+// broker to ask or the connection fails: the checks that use it leave what
+// they cannot ask to the consume and the copies. The caller closes it.
+func connectionOfItsOwn(client sarama.Client) *sarama.Broker {
+	least := client.LeastLoadedBroker()
+	if least == nil {
+		return nil
+	}
+	b := sarama.NewBroker(least.Addr())
+	if err := b.Open(client.Config()); err != nil {
+		return nil
+	}
+	return b
 }
