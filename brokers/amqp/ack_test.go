@@ -79,6 +79,13 @@ func TestAcksCoalescedNeverCoverUnacked(t *testing.T) {
 	require.NoError(t, probe.Ack(context.Background()))
 
 	require.NoError(t, src.Close())
+	// The broker puts the unacked message back as it tears the channel
+	// down, which may end after Close returned: wait for it to be ready
+	// (a message acked by a wrong multiple ack never is).
+	require.Eventually(t, func() bool {
+		ready, err := a.ready(q)
+		return err == nil && ready >= 1
+	}, 10*time.Second, 5*time.Millisecond, "the unacked message is back in the queue")
 	left, err := a.getAll(q)
 	require.NoError(t, err)
 	var got []string
