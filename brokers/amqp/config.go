@@ -209,8 +209,10 @@ type Config struct {
 	// publish). Default slog.Default(). Payloads and passwords are never
 	// logged.
 	Logger *slog.Logger
-	// MeterProvider provides the once.amqp.reconnects counter. Default: the
-	// global provider (otel.GetMeterProvider()).
+	// MeterProvider provides the once.amqp.reconnects and
+	// once.amqp.dead_letter.refusals counters (ReconnectsMetric,
+	// DeadLetterRefusalsMetric). Default: the global provider
+	// (otel.GetMeterProvider()).
 	MeterProvider metric.MeterProvider
 }
 

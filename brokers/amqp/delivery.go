@@ -160,9 +160,13 @@ func (d *delivery) Ack(ctx context.Context) error {
 // It returns once the broker confirmed the copy, and an error when it
 // nacked it, the copy was unroutable, no confirm came within
 // Config.ConfirmTimeout, the broker blocks the dead-letter connection
-// (ErrPublisherBlocked), or the delivery's channel closed. The copy goes
-// out on the source's dead-letter connection, not the consuming one. It
-// does not ack the delivery.
+// (ErrPublisherBlocked), or the delivery's channel closed. A copy the
+// broker refuses with ACCESS_REFUSED (no permission to publish to the
+// exchange, or an internal exchange), which no retry cures until it is
+// fixed on the broker, is logged at level Error with the exchange and
+// counted in DeadLetterRefusalsMetric; the error then wraps the broker's
+// *amqp091.Error. The copy goes out on the source's dead-letter
+// connection, not the consuming one. It does not ack the delivery.
 func (d *delivery) DeadLetter(ctx context.Context, dl *consumer.DeadLetter) error {
 	if d.sess.ctx.Err() != nil {
 		return fmt.Errorf("amqp: dead-letter delivery %d: %w (%w)", d.d.DeliveryTag, ErrChannelClosed, context.Cause(d.sess.ctx))
@@ -179,6 +183,16 @@ func (d *delivery) DeadLetter(ctx context.Context, dl *consumer.DeadLetter) erro
 			"event_id", cutText(dl.EventID, 256), "body_bytes", len(d.d.Body), "max_message_size", limit)
 		c.dropBody = true
 		err = d.src.pub.publish(ctx, d, cfg.DeadLetter.Exchange, cfg.DeadLetter.RoutingKey, c.publishing, cfg.ConfirmTimeout)
+	}
+	if accessRefused(err) {
+		// No permission to publish to the exchange, an internal one, or
+		// the dead-letter connection's credentials refused: every retry is
+		// refused the same until it is fixed on the broker.
+		d.src.refusals.Add(ctx, 1, d.src.attrs)
+		d.src.log.Error("amqp: the broker refuses the dead-letter copies (ACCESS_REFUSED: no permission to publish to the exchange, an internal exchange, "+
+			"or the credentials refused); the message stays unacked and is retried until that is fixed on the broker",
+			"exchange", cfg.DeadLetter.Exchange, "routing_key", cfg.DeadLetter.RoutingKey, "event_id", cutText(dl.EventID, 256), "error", err)
+		return err
 	}
 	if err != nil {
 		d.src.log.Warn("amqp: dead-letter publish failed", "event_id", cutText(dl.EventID, 256), "error", err)

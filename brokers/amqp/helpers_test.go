@@ -269,6 +269,16 @@ func startProxy(t testing.TB, brokerURL string) (*netcut.Proxy, string) {
 	return p, u.String()
 }
 
+// cutTheConnection cuts the one connection of a source through p, the
+// consuming one, once the short-lived connection of Open's dead-letter
+// check has left the proxy, and fails unless it cut exactly one.
+func cutTheConnection(t testing.TB, p *netcut.Proxy) {
+	t.Helper()
+	require.Eventually(t, func() bool { return p.Conns() == 1 }, 10*time.Second, 5*time.Millisecond,
+		"the proxy forwards %d connections, want the consuming one", p.Conns())
+	require.Equal(t, 1, p.Cut())
+}
+
 // node is a RabbitMQ node of a test's own, started by scripts/rabbitmq.sh.
 type node struct {
 	url, name, dir string

@@ -9,6 +9,8 @@ import (
 	"time"
 
 	amqp091 "github.com/rabbitmq/amqp091-go"
+
+	"github.com/onceco/once/consumer"
 )
 
 // ErrPublisherBlocked is wrapped by Delivery.DeadLetter's error while the
@@ -436,4 +438,126 @@ func (p *publisher) close() {
 		_ = p.conn.CloseDeadline(time.Now().Add(2 * time.Second))
 		p.conn, p.ch, p.returns, p.chClosed = nil, nil, nil, nil
 	}
+}
+
+// accessRefused reports whether err is the broker's ACCESS_REFUSED: the
+// user may not publish to the exchange (or, under topic permissions, with
+// the routing key), or the exchange is internal. Retrying does not change
+// it; a change on the broker does.
+func accessRefused(err error) bool {
+	var ae *amqp091.Error
+	return errors.As(err, &ae) && ae.Code == amqp091.AccessRefused
+}
+
+// exchangeName names exchange in errors and logs, the default one too.
+func exchangeName(exchange string) string {
+	if exchange == "" {
+		return `"" (the default exchange, amq.default)`
+	}
+	return fmt.Sprintf("%q", exchange)
+}
+
+// checkDeadLetterWrite makes sure, at Open, that the broker lets the
+// source publish its dead-letter copies: declaring (or, with Passive,
+// checking) the dead-letter exchange needs no permission to write to it,
+// and an internal exchange passes a passive check, whereas the broker
+// refuses each copy published to such an exchange (ACCESS_REFUSED), which
+// would be found only at the first dead letter, retried for ever.
+//
+// It publishes an empty message with the copies' exchange and routing key
+// in an AMQP transaction it rolls back, on a connection of its own (under
+// a resource alarm the broker blocks a connection that publishes, and the
+// consuming one must not be): the broker checks the permissions and the
+// exchange when the message is published, and a transaction rolled back
+// delivers nothing to any queue. A refusal is returned; a check that
+// cannot be made (a dial that fails, a connection limit, a broker that
+// blocks the connection or does not answer within ConfirmTimeout) is
+// logged and skipped. It runs in the first connection attempt, before the
+// source consumes, which runs aside and is bounded by DialTimeout and
+// ConfirmTimeout: Open gives it up when its context ends.
+func (s *Source) checkDeadLetterWrite() error {
+	cfg := &s.cfg
+	exchange, key := cfg.DeadLetter.Exchange, cfg.DeadLetter.RoutingKey
+	skip := func(why string, err error) error {
+		args := []any{"exchange", exchange, "routing_key", key, "reason", why}
+		if err != nil {
+			args = append(args, "error", redactErr(err, cfg.URL))
+		}
+		s.log.Warn("amqp: could not check that the broker accepts dead-letter copies; a refusal would show at the first dead letter", args...)
+		return nil
+	}
+	conn, err := dial(cfg, cfg.ConnectionName+" (dead letters)")
+	if err != nil {
+		return skip("cannot connect", err)
+	}
+	// Closed aside when the check is not answered: a connection the broker
+	// blocks may not take the close. Once answered, closed before the
+	// source consumes.
+	closeAside := func() { go func() { _ = conn.CloseDeadline(time.Now().Add(time.Second)) }() }
+	blocked := conn.NotifyBlocked(make(chan amqp091.Blocking, 1))
+	done := make(chan error, 1)
+	go func() { done <- probeWrite(conn, exchange, key) }()
+	t := time.NewTimer(cfg.ConfirmTimeout)
+	defer t.Stop()
+	for {
+		select {
+		case err := <-done:
+			_ = conn.CloseDeadline(time.Now().Add(time.Second))
+			switch {
+			case accessRefused(err):
+				return &configError{fmt.Errorf("amqp: Config.DeadLetter.Exchange %s: the broker refuses the source's publishes to it with routing key %q, "+
+					"so no dead letter could be written: %w; grant the user permission to write to it, or name an exchange that is not internal",
+					exchangeName(exchange), key, redactErr(err, cfg.URL))}
+			case err != nil:
+				return skip("the check failed", err)
+			}
+			return nil
+		case b := <-blocked:
+			if b.Active {
+				closeAside()
+				return skip("the broker blocks publishing connections (resource alarm)", errors.New(b.Reason))
+			}
+		case <-t.C:
+			closeAside()
+			return skip("no answer within Config.ConfirmTimeout", nil)
+		case <-s.closeCh:
+			closeAside()
+			return consumer.ErrSourceClosed
+		}
+	}
+}
+
+// probeWrite publishes an empty message to exchange with key in a
+// transaction that it rolls back, on a channel of conn it closes: the
+// broker refuses the publish as it would a dead-letter copy's, and routes
+// nothing.
+func probeWrite(conn *amqp091.Connection, exchange, key string) error {
+	ch, err := conn.Channel()
+	if err != nil {
+		return err
+	}
+	closed := ch.NotifyClose(make(chan *amqp091.Error, 1))
+	if err := ch.Tx(); err != nil {
+		return err
+	}
+	err = ch.Publish(exchange, key, false, false, amqp091.Publishing{})
+	if err == nil {
+		err = ch.TxRollback()
+	}
+	if err != nil {
+		// The broker answers a refused publish by closing the channel:
+		// the rollback then fails with its reason, or, when the close
+		// came first, with a closed channel, and the reason comes here.
+		t := time.NewTimer(time.Second)
+		defer t.Stop()
+		select {
+		case e, ok := <-closed:
+			if ok && e != nil {
+				return e
+			}
+		case <-t.C:
+		}
+		return err
+	}
+	return ch.Close()
 }

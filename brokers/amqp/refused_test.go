@@ -71,6 +71,8 @@ func TestRefusedCredentials(t *testing.T) {
 	n.ctl(t, "add_user", "pw-same", "pw-same") // as guest:guest: the broker's refusal names the user, so holds the password
 	n.ctl(t, "add_user", "noqueue", "pw-noqueue")
 	n.ctl(t, "set_permissions", "-p", "/", "noqueue", "^$", "^$", "^$")
+	n.ctl(t, "add_user", "nodl", "pw-nodl") // may write to its queues, not to the default exchange its dead letters go to
+	n.ctl(t, "set_permissions", "-p", "/", "nodl", ".*", `^once-test\.`, ".*")
 	as := func(user, pw string) string {
 		u, err := url.Parse(n.url)
 		require.NoError(t, err)
@@ -85,6 +87,7 @@ func TestRefusedCredentials(t *testing.T) {
 			{"no access to the vhost", as("novhost", "pw-novhost"), "access to vhost '/' refused", "pw-novhost"},
 			{"no permission on the queue", as("noqueue", "pw-noqueue"), "ACCESS_REFUSED", "pw-noqueue"},
 			{"no access to the vhost, the password in the refusal", as("pw-same", "pw-same"), "access to vhost '/' refused for user 'xxxxx'", ""},
+			{"no permission to write the dead letters", as("nodl", "pw-nodl"), "access to exchange 'amq.default' in vhost '/' refused for user 'nodl'", "pw-nodl"},
 		} {
 			t.Run(tc.name, func(t *testing.T) {
 				ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)

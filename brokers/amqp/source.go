@@ -28,6 +28,15 @@ const instrumentationName = "github.com/onceco/once/brokers/amqp"
 // messaging.system ("rabbitmq") and messaging.destination.name (the queue).
 const ReconnectsMetric = "once.amqp.reconnects"
 
+// DeadLetterRefusalsMetric is the name of the OpenTelemetry counter of
+// dead-letter copies the broker refused with ACCESS_REFUSED: the user may
+// not publish to Config.DeadLetter.Exchange (or with its routing key), or
+// the exchange is internal. Each is also logged at level Error; the
+// delivery stays unacked and the consumer retries it, and only a change on
+// the broker ends the refusals. Its attributes are those of
+// ReconnectsMetric.
+const DeadLetterRefusalsMetric = "once.amqp.dead_letter.refusals"
+
 // ErrChannelClosed is returned (wrapped) by Delivery.Ack and
 // Delivery.DeadLetter for a delivery whose AMQP channel closed: delivery
 // tags belong to a channel, so the delivery cannot be settled any more and
@@ -55,6 +64,7 @@ type Source struct {
 	log        *slog.Logger
 	pub        *publisher
 	reconnects metric.Int64Counter
+	refusals   metric.Int64Counter // DeadLetterRefusalsMetric
 	attrs      metric.MeasurementOption
 
 	closeCh chan struct{}
@@ -88,6 +98,15 @@ type Source struct {
 // user's) is waited for, as a broker that cannot be reached: connections
 // that close free it. Config errors name the offending field.
 //
+// Open also refuses a dead-letter exchange the broker would refuse every
+// copy to (the user may not write to it, or it is internal, which
+// Config.Passive's check lets pass): it publishes an empty message with
+// the copies' exchange and routing key in an AMQP transaction that it rolls
+// back, on a short-lived connection of its own, so that nothing reaches
+// any queue, before it starts consuming. When that check cannot be made (the connection refused, the
+// broker blocking it under a resource alarm, no answer within
+// Config.ConfirmTimeout) it is logged at level Warn and skipped.
+//
 // Once connected, the source reconnects after a lost connection with
 // backoff, for as long as Receive's context allows, and it does so too
 // when the broker refuses it on a reconnect (the password changed or the
@@ -114,10 +133,17 @@ func Open(ctx context.Context, cfg Config) (*Source, error) {
 	if err != nil {
 		return nil, fmt.Errorf("amqp: create %s counter: %w", ReconnectsMetric, err)
 	}
+	refusals, err := mp.Meter(instrumentationName).Int64Counter(DeadLetterRefusalsMetric,
+		metric.WithDescription("Dead-letter copies the RabbitMQ broker refused with ACCESS_REFUSED (no permission to publish to the exchange, or an internal exchange)."),
+		metric.WithUnit("{copy}"))
+	if err != nil {
+		return nil, fmt.Errorf("amqp: create %s counter: %w", DeadLetterRefusalsMetric, err)
+	}
 	s := &Source{
 		cfg:        cfg,
 		log:        cfg.Logger.With("queue", cfg.Queue, "broker", redactURL(cfg.URL)),
 		reconnects: counter,
+		refusals:   refusals,
 		attrs: metric.WithAttributeSet(attribute.NewSet(
 			attribute.String("messaging.system", "rabbitmq"),
 			attribute.String("messaging.destination.name", cfg.Queue))),
@@ -465,6 +491,16 @@ func (s *Source) connect() (*session, error) {
 	}
 	if err := ch.Qos(s.cfg.Prefetch, 0, false); err != nil {
 		return fail(fmt.Errorf("amqp: set Config.Prefetch %d: %w", s.cfg.Prefetch, err))
+	}
+	s.mu.Lock()
+	first := !s.connected
+	s.mu.Unlock()
+	if first {
+		// Before consuming: messages delivered to a source Open then
+		// refuses would come back marked redelivered.
+		if err := s.checkDeadLetterWrite(); err != nil {
+			return fail(err)
+		}
 	}
 	connClosed := conn.NotifyClose(make(chan *amqp091.Error, 1))
 	chClosed := ch.NotifyClose(make(chan *amqp091.Error, 1))

@@ -127,6 +127,15 @@ func (p *Proxy) Pause() { p.gate.Lock() }
 // Resume forwards what Pause held and what follows.
 func (p *Proxy) Resume() { p.gate.Unlock() }
 
+// Conns returns how many client connections the proxy forwards now. A
+// connection the client closed leaves the count once the proxy has seen
+// both ends close, shortly after.
+func (p *Proxy) Conns() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return len(p.conns) / 2
+}
+
 // Cut closes every proxied connection and returns how many client
 // connections it cut. New connections are accepted as before.
 func (p *Proxy) Cut() int {
