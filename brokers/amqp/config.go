@@ -137,7 +137,13 @@ type Config struct {
 	// x-message-ttl, ...). x-queue-type is set from QueueType. On RabbitMQ 3
 	// an x-delivery-limit below 1 of a quorum queue is refused: RabbitMQ 3
 	// takes it for 0 and drops each message at its first redelivery
-	// (RabbitMQ 4 takes -1 for no limit; docs/amqp.md, Pitfalls).
+	// (RabbitMQ 4 takes -1 for no limit; docs/amqp.md, Pitfalls). A
+	// positive x-delivery-limit of a quorum queue without
+	// x-dead-letter-exchange (or none on RabbitMQ 4, which then limits
+	// deliveries to 20) drops a message returned to the queue more often:
+	// Open logs a warning, and does not refuse it, since a policy may give
+	// the queue a dead-letter exchange. The same holds for
+	// DeadLetter.QueueArgs.
 	QueueArgs amqp091.Table
 	// Exchanges are declared before the bindings.
 	Exchanges []Exchange
@@ -605,3 +611,47 @@ type configError struct{ err error }
 
 func (e *configError) Error() string { return e.err.Error() }
 func (e *configError) Unwrap() error { return e.err }
+
+// deadLetterExchangeArg is the queue argument naming the exchange the
+// broker dead-letters the queue's messages to (past a delivery limit, a
+// TTL, a length limit).
+const deadLetterExchangeArg = "x-dead-letter-exchange"
+
+// rabbitMQ4DeliveryLimit is the delivery limit RabbitMQ 4 gives a quorum
+// queue declared without x-delivery-limit.
+const rabbitMQ4DeliveryLimit = 20
+
+// deliveryLimitRisk returns the delivery limit past which a quorum queue
+// declared with args, on a broker of the given version, drops a message:
+// the x-delivery-limit of args when it is 1 or more, RabbitMQ 4's default
+// of 20 when args give none, and 0 when there is no such limit or args
+// name a dead-letter exchange (the broker then moves the message there).
+// A policy may add a dead-letter exchange or change the limit; it is not
+// seen here.
+func deliveryLimitRisk(args amqp091.Table, version string) int64 {
+	if _, ok := args[deadLetterExchangeArg]; ok {
+		return 0
+	}
+	v, ok := args[deliveryLimitArg]
+	if !ok {
+		major, _, _ := strings.Cut(version, ".")
+		if m, err := strconv.Atoi(major); err == nil && m >= 4 {
+			return rabbitMQ4DeliveryLimit
+		}
+		return 0
+	}
+	var limit int64
+	switch n := v.(type) {
+	case int:
+		limit = int64(n)
+	case int8:
+		limit = int64(n)
+	case int16:
+		limit = int64(n)
+	case int32:
+		limit = int64(n)
+	case int64:
+		limit = n
+	}
+	return max(limit, 0)
+}

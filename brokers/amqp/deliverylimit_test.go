@@ -2,6 +2,8 @@ package amqp_test
 
 import (
 	"context"
+	"log/slog"
+	"strings"
 	"testing"
 	"time"
 
@@ -74,4 +76,94 @@ func TestDeliveryLimitRuleFollowsTheBrokersVersion(t *testing.T) {
 	}
 	assert.NoError(t, amqp.CheckDeliveryLimit("Config.QueueArgs", amqp091.Table{"x-delivery-limit": int64(1)}, "3.10.8"))
 	assert.NoError(t, amqp.CheckDeliveryLimit("Config.QueueArgs", nil, "3.10.8"))
+}
+
+// TestDeliveryLimitWithoutDeadLetterExchangeWarnsAtOpen: a quorum queue
+// with a positive x-delivery-limit and no x-dead-letter-exchange drops a
+// message returned to it more often than the limit, and every unacked
+// message is returned at each lost connection, restart or shutdown (each
+// read of the dead letters by once dlq too). A policy may give the queue a
+// dead-letter exchange, so Open does not refuse it, but it logs a warning
+// naming the queue, the field and the limit. With a dead-letter exchange
+// in the arguments, or on a classic queue, there is none.
+func TestDeliveryLimitWithoutDeadLetterExchangeWarnsAtOpen(t *testing.T) {
+	a := newAdmin(t)
+	open := func(t *testing.T, cfg amqp.Config) []slog.Record {
+		t.Helper()
+		q := queueName(t)
+		a.cleanupQueue(q)
+		cfg.Queue = q
+		logs := make(logRecords, 1024)
+		cfg.Logger = slog.New(logs)
+		openSource(t, cfg)
+		var warned []slog.Record
+		for len(logs) > 0 {
+			if r := <-logs; r.Level >= slog.LevelWarn && strings.Contains(r.Message, "x-delivery-limit") {
+				warned = append(warned, r)
+			}
+		}
+		return warned
+	}
+	attrs := func(r slog.Record) map[string]string {
+		m := map[string]string{}
+		r.Attrs(func(a slog.Attr) bool {
+			m[a.Key] = a.Value.String()
+			return true
+		})
+		return m
+	}
+
+	warned := open(t, amqp.Config{QueueType: amqp.QueueQuorum, QueueArgs: amqp091.Table{"x-delivery-limit": int64(5)}})
+	require.Len(t, warned, 1)
+	got := attrs(warned[0])
+	assert.Equal(t, "Config.QueueArgs", got["field"])
+	assert.Equal(t, "5", got["x-delivery-limit"])
+	assert.Contains(t, got["dropping_queue"], "once-test.")
+
+	warned = open(t, amqp.Config{QueueType: amqp.QueueQuorum, DeadLetter: amqp.DeadLetterConfig{QueueArgs: amqp091.Table{"x-delivery-limit": 3}}})
+	require.Len(t, warned, 1)
+	got = attrs(warned[0])
+	assert.Equal(t, "Config.DeadLetter.QueueArgs", got["field"])
+	assert.Equal(t, "3", got["x-delivery-limit"])
+	assert.True(t, strings.HasSuffix(got["dropping_queue"], amqp.DeadLetterQueueSuffix), got["dropping_queue"])
+
+	x := queueName(t) + ".dlx"
+	t.Cleanup(func() {
+		if ch, err := a.channel(); err == nil {
+			_ = ch.ExchangeDelete(x, false, false)
+		}
+	})
+	require.NoError(t, func() error {
+		ch, err := a.channel()
+		if err != nil {
+			return err
+		}
+		return ch.ExchangeDeclare(x, "fanout", true, false, false, false, nil)
+	}())
+	assert.Empty(t, open(t, amqp.Config{QueueType: amqp.QueueQuorum,
+		QueueArgs: amqp091.Table{"x-delivery-limit": int64(5), "x-dead-letter-exchange": x}}))
+	assert.Empty(t, open(t, amqp.Config{QueueType: amqp.QueueQuorum}))
+}
+
+// TestDeliveryLimitRiskFollowsTheBrokersVersion: RabbitMQ 4 gives a quorum
+// queue declared without x-delivery-limit a limit of 20, which drops as a
+// limit given does; -1 there is no limit. Before RabbitMQ 4 there is no
+// default limit.
+func TestDeliveryLimitRiskFollowsTheBrokersVersion(t *testing.T) {
+	for _, tc := range []struct {
+		args    amqp091.Table
+		version string
+		limit   int64
+	}{
+		{nil, "3.10.8", 0},
+		{nil, "4.0.5", 20},
+		{nil, "", 0},
+		{amqp091.Table{"x-delivery-limit": int64(-1)}, "4.1.0", 0},
+		{amqp091.Table{"x-delivery-limit": int16(7)}, "3.13.7", 7},
+		{amqp091.Table{"x-delivery-limit": 7}, "4.0.5", 7},
+		{amqp091.Table{"x-dead-letter-exchange": "dlx"}, "4.0.5", 0},
+		{amqp091.Table{"x-dead-letter-exchange": "", "x-delivery-limit": int64(3)}, "4.0.5", 0},
+	} {
+		assert.Equal(t, tc.limit, amqp.DeliveryLimitRisk(tc.args, tc.version), "%v on %q", tc.args, tc.version)
+	}
 }

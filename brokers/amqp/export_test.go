@@ -47,3 +47,7 @@ var TopicMatch = topicMatch
 
 // CheckDeliveryLimit exposes the x-delivery-limit rule to tests.
 var CheckDeliveryLimit = checkDeliveryLimit
+
+// DeliveryLimitRisk exposes the delivery limit that drops messages to
+// tests.
+var DeliveryLimitRisk = deliveryLimitRisk

@@ -150,11 +150,49 @@ func Open(ctx context.Context, cfg Config) (*Source, error) {
 		closeCh: make(chan struct{}),
 	}
 	s.pub = newPublisher(&s.cfg, s.log)
-	if _, err := s.reconnect(ctx); err != nil {
+	sess, err := s.reconnect(ctx)
+	if err != nil {
 		_ = s.Close() // and the attempt given up, if any
 		return nil, err
 	}
+	version, _ := sess.conn.Properties["version"].(string)
+	s.warnDeliveryLimits(version)
 	return s, nil
+}
+
+// warnDeliveryLimits logs a warning for each quorum queue the source
+// declared with a delivery limit and no dead-letter exchange, on a broker
+// of the given version: the broker drops a message returned to it more
+// often than the limit, and every unacked message is returned at each lost
+// connection, restart and shutdown (each read of the dead letters by once
+// dlq too). A policy may supply the dead-letter exchange, which the source
+// cannot see, so it is not refused. With Passive nothing is declared and
+// the queues' arguments are unknown.
+func (s *Source) warnDeliveryLimits(version string) {
+	if s.cfg.QueueType != QueueQuorum || s.cfg.Passive {
+		return
+	}
+	for _, q := range []struct {
+		field, queue string
+		args         amqp091.Table
+	}{
+		{"Config.QueueArgs", s.cfg.Queue, s.cfg.QueueArgs},
+		{"Config.DeadLetter.QueueArgs", s.cfg.DeadLetter.Queue, s.cfg.DeadLetter.QueueArgs},
+	} {
+		if q.queue == "" { // DeadLetter.NoQueue
+			continue
+		}
+		limit := deliveryLimitRisk(q.args, version)
+		if limit == 0 {
+			continue
+		}
+		_, given := q.args[deliveryLimitArg]
+		s.log.Warn("amqp: a quorum queue with an x-delivery-limit and no x-dead-letter-exchange drops a message returned to it more often "+
+			"than the limit (every unacked message is returned at each lost connection, restart or shutdown, and by each read of the dead "+
+			"letters); unless a policy gives the queue a dead-letter exchange, add x-dead-letter-exchange, or on RabbitMQ 4 declare the "+
+			"queue with x-delivery-limit -1 (docs/amqp.md, Pitfalls)",
+			"dropping_queue", q.queue, "field", q.field, "x-delivery-limit", limit, "rabbitmq_default", !given, "rabbitmq_version", version)
+	}
 }
 
 // MessagingSystem returns "rabbitmq", the OpenTelemetry messaging.system.
