@@ -294,6 +294,12 @@ func (s *Source) lost(sess *session, cause error) {
 	_ = sess.close(cause)
 	switch {
 	case closed:
+	case consumerTimedOut(cause):
+		s.log.Error("amqp: the broker closed the consuming channel because a delivery stayed unacked longer than its consumer_timeout "+
+			"(30 minutes by default): every unacked delivery of the channel is delivered again, and a handler that runs as long is "+
+			"cut again each time, without end; bound consumer.Config.HandlerTimeout well below consumer_timeout, and a message's "+
+			"retries within it, or raise it on the broker; reconnecting",
+			"error", cause)
 	case unreadable(cause):
 		s.log.Error("amqp: the client library cannot read a message the broker delivered (more header entries or "+
 			"nesting than amqp091 accepts); the broker delivers it first again on every connection, and the queue "+
@@ -313,6 +319,16 @@ func unreadable(cause error) bool {
 	var ae *amqp091.Error
 	return errors.As(cause, &ae) && !ae.Server &&
 		(ae.Code == amqp091.SyntaxError || strings.Contains(ae.Reason, amqp091.ErrSyntax.Reason))
+}
+
+// consumerTimedOut reports whether cause is the broker closing the
+// consuming channel for a delivery left unacked longer than its
+// consumer_timeout: PRECONDITION_FAILED, "delivery acknowledgement on
+// channel N timed out".
+func consumerTimedOut(cause error) bool {
+	var ae *amqp091.Error
+	return errors.As(cause, &ae) && ae.Server && ae.Code == amqp091.PreconditionFailed &&
+		strings.Contains(ae.Reason, "acknowledgement") && strings.Contains(ae.Reason, "timed out")
 }
 
 // flapWait is how long a reconnect waits before its first attempt: as
