@@ -77,6 +77,9 @@ type acker struct {
 	alone []span
 	// sentFrames counts basic.ack frames, for tests.
 	sentFrames int
+	// final is set by the last flush, at stop: tags acked later are
+	// refused (see ack).
+	final bool
 
 	wake    chan struct{}
 	stopped chan struct{}
@@ -102,9 +105,15 @@ func newAcker(ch ackSender, prefetch int) *acker {
 	return a
 }
 
-// ack records that the consumer settled tag; it is sent soon.
-func (a *acker) ack(tag uint64) {
+// ack records that the consumer settled tag; it is sent soon. It reports
+// false, recording nothing, once the acker stopped: its last flush is
+// over, and nothing would send the tag.
+func (a *acker) ack(tag uint64) bool {
 	a.mu.Lock()
+	if a.final {
+		a.mu.Unlock()
+		return false
+	}
 	if tag > a.floor {
 		a.unsent[tag] = struct{}{}
 	}
@@ -113,6 +122,7 @@ func (a *acker) ack(tag uint64) {
 	case a.wake <- struct{}{}:
 	default:
 	}
+	return true
 }
 
 // stop sends the pending acks and ends the acker's goroutine.
@@ -179,6 +189,9 @@ func (a *acker) run() {
 // within milliseconds.
 func (a *acker) flush(now time.Time, all bool) (wait time.Duration) {
 	a.mu.Lock()
+	if all {
+		a.final = true
+	}
 	before := a.floor
 	var multi uint64 // the highest tag of the prefix still outstanding
 	for {

@@ -164,3 +164,21 @@ func TestAStuckGapSendsItsAcksAloneAfterTheLinger(t *testing.T) {
 		assert.Equal(t, ackFrame{uint64(i + 2), false}, f)
 	}
 }
+
+// TestAckAfterTheAckerStoppedIsRefused: a session being closed (Close, a
+// consumer the broker cancelled) stops its acker, sending what is
+// pending, before it cancels the deliveries' context. An Ack landing in
+// between passed the context check and was queued after the last flush:
+// it returned nil, as if it would be sent, and no frame ever carried it,
+// so the broker delivered the message again though the consumer had been
+// told it was acked. The acker refuses a tag once stopped, and Ack then
+// fails with ErrChannelClosed.
+func TestAckAfterTheAckerStoppedIsRefused(t *testing.T) {
+	rec := &recordingSender{}
+	a := newAcker(rec, 512)
+	require.True(t, a.ack(1))
+	a.stop()
+	assert.Equal(t, []ackFrame{{1, true}}, rec.sent(), "stop sends what is pending")
+	assert.False(t, a.ack(2), "a tag acked after the last flush is refused")
+	assert.Equal(t, []ackFrame{{1, true}}, rec.sent())
+}

@@ -119,7 +119,9 @@ func (d *delivery) Context() context.Context { return d.sess.ctx }
 
 // Ack acknowledges the delivery on the channel it came from. It returns an
 // error wrapping ErrChannelClosed, and acks nothing, when that channel
-// closed; the broker then delivers the message again.
+// closed, or when its session is being closed (Close, a consumer the
+// broker cancelled) and has sent its last acks; the broker then delivers
+// the message again.
 //
 // The ack frame is sent right after Ack returns, by a goroutine of the
 // session that coalesces consecutive acks into one frame with the multiple
@@ -137,7 +139,11 @@ func (d *delivery) Ack(ctx context.Context) error {
 	if !d.acked.CompareAndSwap(false, true) {
 		return fmt.Errorf("amqp: delivery %d acked twice", d.d.DeliveryTag)
 	}
-	d.sess.acker.ack(d.d.DeliveryTag)
+	if !d.sess.acker.ack(d.d.DeliveryTag) {
+		// The session is closing, and its last acks were sent.
+		d.acked.Store(false)
+		return fmt.Errorf("amqp: ack delivery %d: %w (the session was closing)", d.d.DeliveryTag, ErrChannelClosed)
+	}
 	return nil
 }
 
