@@ -99,7 +99,7 @@ type DeadLetterConfig struct {
 	// NoQueue: declare no dead-letter queue; something else routes the
 	// copies from Exchange. Queue must then be empty. Publishes that no queue receives fail (they are
 	// published mandatory), so the consumer keeps retrying them instead of
-	// losing the message.
+	// losing the message; each such failure is logged at level Error.
 	NoQueue bool
 }
 

@@ -171,7 +171,11 @@ func (d *delivery) Ack(ctx context.Context) error {
 // exchange, or an internal exchange), which no retry cures until it is
 // fixed on the broker, is logged at level Error with the exchange and
 // counted in DeadLetterRefusalsMetric; the error then wraps the broker's
-// *amqp091.Error. The copy goes out on the source's dead-letter
+// *amqp091.Error. A destination found missing (its exchange deleted, or
+// no queue bound to take the copy) is declared again before the next
+// attempt, except with Config.Passive or DeadLetter.NoQueue, where the
+// source declares nothing that would bring it back: such a failure is
+// logged at level Error too. The copy goes out on the source's dead-letter
 // connection, not the consuming one. It does not ack the delivery.
 func (d *delivery) DeadLetter(ctx context.Context, dl *consumer.DeadLetter) error {
 	if d.sess.ctx.Err() != nil {
@@ -197,6 +201,15 @@ func (d *delivery) DeadLetter(ctx context.Context, dl *consumer.DeadLetter) erro
 		d.src.refusals.Add(ctx, 1, d.src.attrs)
 		d.src.log.Error("amqp: the broker refuses the dead-letter copies (ACCESS_REFUSED: no permission to publish to the exchange, an internal exchange, "+
 			"or the credentials refused); the message stays unacked and is retried until that is fixed on the broker",
+			"exchange", cfg.DeadLetter.Exchange, "routing_key", cfg.DeadLetter.RoutingKey, "event_id", cutText(dl.EventID, 256), "error", err)
+		return err
+	}
+	if (cfg.Passive || cfg.DeadLetter.NoQueue) && destinationMissing(err) {
+		// Declared again on the next attempt otherwise; here nothing
+		// the source does brings it back.
+		d.src.log.Error("amqp: the dead-letter destination is missing (the exchange, or a queue bound to it with the routing key), "+
+			"and the source declares no such queue (Config.Passive, Config.DeadLetter.NoQueue); the message stays unacked and is "+
+			"retried until the topology is restored on the broker",
 			"exchange", cfg.DeadLetter.Exchange, "routing_key", cfg.DeadLetter.RoutingKey, "event_id", cutText(dl.EventID, 256), "error", err)
 		return err
 	}

@@ -158,3 +158,66 @@ func TestOpenDeadLetterCheckPublishesNothing(t *testing.T) {
 		})
 	}
 }
+
+// TestDeadLetterDestinationMissingUnderPassiveIsAnError: with Passive the
+// source declares nothing, so a dead-letter queue or exchange deleted
+// while it runs is not declared again (TestDeadLetterDestinationDeletedIsDeclaredAgain
+// is the case without Passive): every copy fails, unroutable or on the
+// missing exchange, until the topology's owner restores it. Each failure
+// is logged at level Error saying so, not as a passing failure; the
+// delivery stays unacked, and the copy goes out once the destination is
+// back.
+func TestDeadLetterDestinationMissingUnderPassiveIsAnError(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		exchange bool // the exchange is deleted; else the queue is
+	}{{"queue", false}, {"exchange", true}} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			a := newAdmin(t)
+			q := queueName(t)
+			a.declare(q, amqp.QueueClassic)
+			dlq := q + amqp.DeadLetterQueueSuffix
+			x := q + ".dlx"
+			ch, err := a.channel()
+			require.NoError(t, err)
+			restore := func() {
+				t.Helper()
+				require.NoError(t, ch.ExchangeDeclare(x, "direct", true, false, false, false, nil))
+				_, err := ch.QueueDeclare(dlq, true, false, false, false, nil)
+				require.NoError(t, err)
+				require.NoError(t, ch.QueueBind(dlq, dlq, x, false, nil))
+			}
+			restore()
+			t.Cleanup(func() {
+				if ch, err := a.channel(); err == nil {
+					_ = ch.ExchangeDelete(x, false, false)
+				}
+			})
+			logs := make(logRecords, 1024)
+			src := openSource(t, amqp.Config{Queue: q, Passive: true, Logger: slog.New(logs),
+				DeadLetter: amqp.DeadLetterConfig{Exchange: x, RoutingKey: dlq, Queue: dlq}})
+			require.NoError(t, a.publish("", q, jsonMsg("ev-1", `{}`)))
+			d := receive(t, src)
+
+			if tc.exchange {
+				require.NoError(t, ch.ExchangeDelete(x, false, false))
+			} else {
+				_, err = ch.QueueDelete(dlq, false, false, false)
+				require.NoError(t, err)
+			}
+			for range 2 {
+				require.Error(t, deadLetterWithRetries(d, 1))
+				errText := awaitLog(t, logs, slog.LevelError, "Passive")
+				assert.Contains(t, errText, x)
+			}
+
+			restore()
+			require.NoError(t, deadLetterWithRetries(d, 2))
+			require.NoError(t, d.Ack(context.Background()))
+			got, err := a.getAll(dlq)
+			require.NoError(t, err)
+			require.Len(t, got, 1)
+		})
+	}
+}

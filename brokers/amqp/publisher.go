@@ -198,7 +198,7 @@ func (p *publisher) returned() error {
 			// The dead-letter queue, or its binding, is gone.
 			p.redeclare = true
 		}
-		return fmt.Errorf("amqp: publish to exchange %q with key %q was unroutable: %d %s", r.Exchange, r.RoutingKey, r.ReplyCode, r.ReplyText)
+		return fmt.Errorf("amqp: publish to exchange %q with key %q was unroutable: %d %s: %w", r.Exchange, r.RoutingKey, r.ReplyCode, r.ReplyText, errUnroutable)
 	default:
 		return nil
 	}
@@ -438,6 +438,17 @@ func (p *publisher) close() {
 		_ = p.conn.CloseDeadline(time.Now().Add(2 * time.Second))
 		p.conn, p.ch, p.returns, p.chClosed = nil, nil, nil, nil
 	}
+}
+
+// errUnroutable is wrapped by the error of a dead-letter copy the broker
+// returned as unroutable.
+var errUnroutable = errors.New("no queue is bound to take it")
+
+// destinationMissing reports whether err is a dead-letter copy that found
+// its exchange missing (NOT_FOUND) or no queue bound to take it.
+func destinationMissing(err error) bool {
+	var ae *amqp091.Error
+	return errors.Is(err, errUnroutable) || errors.As(err, &ae) && ae.Code == amqp091.NotFound
 }
 
 // accessRefused reports whether err is the broker's ACCESS_REFUSED: the
