@@ -96,7 +96,11 @@ func (a *app) ui(ctx context.Context, args []string) error {
 	// The requests' contexts end with ctx: at an interrupt a page that
 	// waits on a broker stops, and so does a replay, as once dlq replay
 	// does; the shutdown then has nothing to wait for.
-	srv := &http.Server{Handler: handler, ReadHeaderTimeout: 10 * time.Second,
+	// No client holds a connection for ever: not by sending its header
+	// or body slowly (slow loris), not by leaving it idle between
+	// requests, not by leaving a response unread.
+	srv := &http.Server{Handler: handler, ReadHeaderTimeout: uiTimeouts.ReadHeader, ReadTimeout: uiTimeouts.Read,
+		WriteTimeout: uiTimeouts.Write, IdleTimeout: uiTimeouts.Idle,
 		BaseContext: func(net.Listener) context.Context { return ctx }}
 	done := make(chan error, 1)
 	go func() { done <- srv.Serve(ln) }()
@@ -115,6 +119,20 @@ func (a *app) ui(ctx context.Context, args []string) error {
 		return nil
 	}
 }
+
+// serverTimeouts are the bounds of the console's server on a connection:
+// ReadHeader on a request's header, Read on its header and body, Write
+// from the end of its header to the end of its response, Idle on a
+// keep-alive connection between requests.
+type serverTimeouts struct {
+	ReadHeader, Read, Write, Idle time.Duration
+}
+
+// uiTimeouts are once ui's. Write leaves room for a page's broker and
+// database work, which console.Config.Timeout bounds (30 s), and for a
+// payload's download.
+var uiTimeouts = serverTimeouts{ReadHeader: 10 * time.Second, Read: 30 * time.Second,
+	Write: 2 * time.Minute, Idle: 2 * time.Minute}
 
 // isLoopback reports whether addr is a loopback TCP address.
 func isLoopback(addr net.Addr) bool {
