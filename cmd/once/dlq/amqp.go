@@ -32,6 +32,15 @@ type AMQPConfig struct {
 	// unacked), and the end of a read, which puts the messages back.
 	// Default 2s.
 	IdleTimeout time.Duration
+	// MaxHold bounds how long a replay holds the queue's messages
+	// unacked: one that lasts longer (slowed by ReplayOptions.Rate, or
+	// long) puts them back and takes them again before then, so that the
+	// broker's consumer_timeout (30 minutes by default), which closes the
+	// channel of a message unacked longer, never ends it. Keep it below
+	// the broker's consumer_timeout; each time the messages are put back
+	// adds one to their x-delivery-count on a quorum queue. Default 10
+	// minutes.
+	MaxHold time.Duration
 }
 
 // AMQPQueue is a RabbitMQ dead-letter queue. Build it with NewAMQP.
@@ -61,6 +70,12 @@ func NewAMQP(cfg AMQPConfig) (*AMQPQueue, error) {
 	}
 	if cfg.IdleTimeout == 0 {
 		cfg.IdleTimeout = 2 * time.Second
+	}
+	if cfg.MaxHold < 0 {
+		return nil, fmt.Errorf("dlq: AMQPConfig.MaxHold %v is negative", cfg.MaxHold)
+	}
+	if cfg.MaxHold == 0 {
+		cfg.MaxHold = 10 * time.Minute
 	}
 	return &AMQPQueue{cfg: cfg}, nil
 }
@@ -235,6 +250,13 @@ func (q *AMQPQueue) Browse(ctx context.Context, fn func(*Record) error) error {
 // the queue: replaying it again is deduplicated. When ctx ends it stops as
 // Browse does; a message whose redrive the broker confirmed is acked
 // first, and counted.
+//
+// The queue's messages are held unacked for AMQPConfig.MaxHold at most:
+// a replay that lasts longer (slowed by opts.Rate, or long) puts them back
+// before then and takes them again, so that the broker's consumer_timeout
+// never closes its channel. A selected message that is not in the queue
+// when it is taken again (removed, or held by another client meanwhile)
+// is reported as skipped.
 func (q *AMQPQueue) Replay(ctx context.Context, f Filter, opts ReplayOptions) (Report, error) {
 	if err := opts.validate(); err != nil {
 		return Report{}, err
@@ -243,7 +265,6 @@ func (q *AMQPQueue) Replay(ctx context.Context, f Filter, opts ReplayOptions) (R
 	if err != nil {
 		return Report{}, err
 	}
-	defer h.close()
 	var sel []*Record
 	for _, r := range h.recs {
 		if f.Match(r) {
@@ -251,64 +272,148 @@ func (q *AMQPQueue) Replay(ctx context.Context, f Filter, opts ReplayOptions) (R
 		}
 	}
 	if opts.DryRun || len(sel) == 0 {
+		defer h.close()
 		return replayLoop(ctx, sel, opts, nil)
 	}
-	var pub *amqp091.Channel
-	if err := cut.Guard(ctx, h.cut, func() error { pub, err = h.conn.Channel(); return err }); err != nil {
-		return Report{}, orCtx(ctx, fmt.Errorf("dlq: open channel: %w", err))
+	rd := &redriver{q: q, opts: opts}
+	defer rd.release()
+	if err := rd.take(ctx, h); err != nil {
+		return Report{}, err
 	}
-	h.pub = pub // closed with h
-	if err := cut.Guard(ctx, h.cut, func() error { return pub.Confirm(false) }); err != nil {
-		return Report{}, orCtx(ctx, fmt.Errorf("dlq: confirm mode: %w", err))
-	}
-	returns := pub.NotifyReturn(make(chan amqp091.Return, 1))
-	closed := pub.NotifyClose(make(chan *amqp091.Error, 1))
 	return replayLoop(ctx, sel, opts, func(r *Record, redrive []Header) (string, error) {
-		d := r.raw.(*amqp091.Delivery)
-		ex, rk := r.Header(amqp.HeaderOriginalExchange), r.Header(amqp.HeaderOriginalRoutingKey)
-		// A write blocks while the broker pushes back (a memory alarm):
-		// guarded. Waiting for the confirm watches ctx, and the ack
-		// that follows a confirm is not cut short.
-		var conf *amqp091.DeferredConfirmation
-		if err := cut.Guard(ctx, h.cut, func() error {
-			var err error
-			conf, err = pub.PublishWithDeferredConfirmWithContext(ctx, ex, rk, true, false, amqpRedrive(d, redrive))
-			return err
-		}); err != nil {
-			return "", err
-		}
-		acked, err := conf.WaitContext(ctx)
-		if err != nil {
-			select {
-			case <-conf.Done(): // confirmed as ctx ended: it counts
-				acked = conf.Acked()
-			default:
+		if rd.h == nil || time.Since(rd.taken) >= q.cfg.MaxHold {
+			// Held too long for the next publish: put every message
+			// back and take them again.
+			rd.release()
+			h, err := q.hold(ctx)
+			if err != nil {
+				return "", err
+			}
+			if err := rd.take(ctx, h); err != nil {
 				return "", err
 			}
 		}
-		if pub.IsClosed() {
-			// A missing exchange closes the channel (404).
-			if cerr := <-closed; cerr != nil {
-				return "", fmt.Errorf("the broker closed the channel: %w", cerr)
-			}
-			return "", errors.New("the channel closed")
+		d := rd.delivery(r)
+		if d == nil {
+			return "", errGone
 		}
-		select {
-		case ret := <-returns:
-			return "", fmt.Errorf("unroutable (%s): no queue is bound to exchange %q with routing key %q", ret.ReplyText, ex, rk)
-		default:
+		dest, err := rd.publish(ctx, r, d, redrive)
+		if err == nil && rd.every >= q.cfg.MaxHold-time.Since(rd.taken) {
+			// The wait for the next publish would outlast the hold:
+			// the messages wait in the queue instead.
+			rd.release()
 		}
-		if !acked {
-			return "", errors.New("the broker nacked the publish")
-		}
-		if !opts.Keep {
-			if err := d.Ack(false); err != nil {
-				return "", fmt.Errorf("published, but the dead letter was not removed: %w", err)
-			}
-			h.acked++
-		}
-		return r.Destination(), nil
+		return dest, err
 	})
+}
+
+// redriver is a replay's hold of the queue and its publishing channel,
+// replaced by a new one when the hold has lasted MaxHold.
+type redriver struct {
+	q    *AMQPQueue
+	opts ReplayOptions
+	// every is the interval between publishes that opts.Rate sets.
+	every time.Duration
+	h     *held // nil once released
+	taken time.Time
+	// byRef has the messages of h not yet redriven, by ref, in order.
+	byRef   map[string][]*Record
+	returns chan amqp091.Return
+	closed  chan *amqp091.Error
+}
+
+// take makes h, just taken, the hold, and opens its publishing channel
+// in confirm mode. On an error it releases h.
+func (rd *redriver) take(ctx context.Context, h *held) error {
+	rd.h, rd.taken, rd.byRef = h, time.Now(), make(map[string][]*Record, len(h.recs))
+	for _, r := range h.recs {
+		rd.byRef[r.Ref] = append(rd.byRef[r.Ref], r)
+	}
+	rd.every = paceInterval(rd.opts.Rate)
+	var pub *amqp091.Channel
+	var err error
+	if err := cut.Guard(ctx, h.cut, func() error { pub, err = h.conn.Channel(); return err }); err != nil {
+		rd.release()
+		return orCtx(ctx, fmt.Errorf("dlq: open channel: %w", err))
+	}
+	h.pub = pub // closed with h
+	if err := cut.Guard(ctx, h.cut, func() error { return pub.Confirm(false) }); err != nil {
+		rd.release()
+		return orCtx(ctx, fmt.Errorf("dlq: confirm mode: %w", err))
+	}
+	rd.returns = pub.NotifyReturn(make(chan amqp091.Return, 1))
+	rd.closed = pub.NotifyClose(make(chan *amqp091.Error, 1))
+	return nil
+}
+
+// release puts the messages of the hold not acked back, if it holds any.
+func (rd *redriver) release() {
+	if rd.h != nil {
+		rd.h.close()
+		rd.h = nil
+	}
+}
+
+// delivery returns the delivery of the hold that carries r: the first
+// message not yet redriven with r's ref, r's own or, in a hold taken since
+// r was read, its copy (messages alike to the byte share a ref, and
+// either redrives the same). It returns nil when the hold has none.
+func (rd *redriver) delivery(r *Record) *amqp091.Delivery {
+	recs := rd.byRef[r.Ref]
+	if len(recs) == 0 {
+		return nil
+	}
+	rd.byRef[r.Ref] = recs[1:]
+	return recs[0].raw.(*amqp091.Delivery)
+}
+
+// publish redrives d, the delivery of r, waits for the broker's confirm
+// and, unless opts.Keep, acks d.
+func (rd *redriver) publish(ctx context.Context, r *Record, d *amqp091.Delivery, redrive []Header) (string, error) {
+	h, pub := rd.h, rd.h.pub
+	ex, rk := r.Header(amqp.HeaderOriginalExchange), r.Header(amqp.HeaderOriginalRoutingKey)
+	// A write blocks while the broker pushes back (a memory alarm):
+	// guarded. Waiting for the confirm watches ctx, and the ack that
+	// follows a confirm is not cut short.
+	var conf *amqp091.DeferredConfirmation
+	if err := cut.Guard(ctx, h.cut, func() error {
+		var err error
+		conf, err = pub.PublishWithDeferredConfirmWithContext(ctx, ex, rk, true, false, amqpRedrive(d, redrive))
+		return err
+	}); err != nil {
+		return "", err
+	}
+	acked, err := conf.WaitContext(ctx)
+	if err != nil {
+		select {
+		case <-conf.Done(): // confirmed as ctx ended: it counts
+			acked = conf.Acked()
+		default:
+			return "", err
+		}
+	}
+	if pub.IsClosed() {
+		// A missing exchange closes the channel (404).
+		if cerr := <-rd.closed; cerr != nil {
+			return "", fmt.Errorf("the broker closed the channel: %w", cerr)
+		}
+		return "", errors.New("the channel closed")
+	}
+	select {
+	case ret := <-rd.returns:
+		return "", fmt.Errorf("unroutable (%s): no queue is bound to exchange %q with routing key %q", ret.ReplyText, ex, rk)
+	default:
+	}
+	if !acked {
+		return "", errors.New("the broker nacked the publish")
+	}
+	if !rd.opts.Keep {
+		if err := d.Ack(false); err != nil {
+			return "", fmt.Errorf("published, but the dead letter was not removed: %w", err)
+		}
+		h.acked++
+	}
+	return r.Destination(), nil
 }
 
 // amqpRedrive builds the redrive of d: its properties, body and original

@@ -76,7 +76,9 @@ type Report struct {
 	Selected int `json:"selected"`
 	// Replayed counts the records published (and confirmed).
 	Replayed int `json:"replayed"`
-	// Skipped counts the records that are not replayable.
+	// Skipped counts the records that are not replayable, and on
+	// RabbitMQ those no longer in the queue when a long replay took its
+	// messages again (AMQPConfig.MaxHold).
 	Skipped int `json:"skipped"`
 	// DryRun is set when nothing was published on purpose.
 	DryRun bool `json:"dry_run"`
@@ -99,6 +101,10 @@ func (o *ReplayOptions) validate() error {
 	return nil
 }
 
+// errGone is returned by a publish for a record no longer in the queue
+// when the replay took the queue's messages again: the record is skipped.
+var errGone = errors.New("no longer in the queue: removed, or held by another client, since the replay started")
+
 // replayLoop is the broker-independent part of a replay: it skips what is
 // not replayable, paces the publishes and reports progress. publish sends
 // one record and returns its destination once the broker confirmed it.
@@ -119,6 +125,11 @@ func replayLoop(ctx context.Context, recs []*Record, opts ReplayOptions, publish
 				return rep, err
 			}
 			dest, err := publish(r, redriveHeaders(r, opts.Now(), opts.By))
+			if errors.Is(err, errGone) {
+				o.Result, o.Reason = Skipped, err.Error()
+				rep.Skipped++
+				break
+			}
 			if err != nil {
 				return rep, fmt.Errorf("dlq: redrive of %s (event %s) to %s: %w", r.Ref, r.EventID(), r.Destination(), err)
 			}
@@ -142,18 +153,26 @@ type pacer struct {
 }
 
 func newPacer(rate float64) *pacer {
-	if !(rate > 0) {
+	every := paceInterval(rate)
+	if every == 0 {
 		return &pacer{}
+	}
+	return &pacer{t: time.NewTicker(every)}
+}
+
+// paceInterval is the interval between publishes at rate, 0 for no bound.
+func paceInterval(rate float64) time.Duration {
+	if !(rate > 0) {
+		return 0
 	}
 	f := float64(time.Second) / rate
 	if f < 1 {
-		return &pacer{}
+		return 0
 	}
-	every := time.Duration(math.MaxInt64)
-	if f < float64(math.MaxInt64) { // a float too large for a Duration converts to anything
-		every = time.Duration(f)
+	if f >= float64(math.MaxInt64) { // a float too large for a Duration converts to anything
+		return time.Duration(math.MaxInt64)
 	}
-	return &pacer{t: time.NewTicker(every)}
+	return time.Duration(f)
 }
 
 func (p *pacer) wait(ctx context.Context) error {
