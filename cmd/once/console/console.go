@@ -16,6 +16,7 @@ import (
 	"strings"
 	"sync"
 	"time"
+	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -107,6 +108,7 @@ func New(cfg Config) (*Handler, error) {
 	h.mux.HandleFunc("GET /{$}", h.overview)
 	h.mux.HandleFunc("GET /dlq", h.list)
 	h.mux.HandleFunc("GET /record", h.record)
+	h.mux.HandleFunc("GET /payload", h.payload)
 	h.mux.Handle("POST /replay", http.NewCrossOriginProtection().Handler(http.HandlerFunc(h.replay)))
 	return h, nil
 }
@@ -137,6 +139,13 @@ var funcs = template.FuncMap{
 			return "-"
 		}
 		return shown(s)
+	},
+	"count": func(n int) string {
+		s := strconv.Itoa(n)
+		for i := len(s) - 3; i > 0; i -= 3 {
+			s = s[:i] + "," + s[i:]
+		}
+		return s
 	},
 	"clip": func(s string, n int) string {
 		s = shown(strings.Join(strings.Fields(s), " "))
@@ -677,11 +686,15 @@ func (h *Handler) list(w http.ResponseWriter, r *http.Request) {
 }
 
 type recordData struct {
-	Queue   queueRef
-	Row     row
-	Text    string
-	Hex     string
-	KeyText string
+	Queue queueRef
+	Row   row
+	// Text or Hex shows the payload's first Shown bytes; Cut is set when
+	// that is not all of them. Download links to every byte.
+	Text, Hex string
+	Shown     int
+	Cut       bool
+	Download  string
+	KeyText   string
 	// Back is the listing the record was opened from, its filter and
 	// page, passed on to a replay for the links back to it.
 	Back string
@@ -707,12 +720,22 @@ func (h *Handler) record(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	rec := recs[0]
-	d := recordData{Queue: queueRef{i, q.Name()}, Row: toRow(rec), Back: back}
-	if dlq.Printable(rec.Value) {
-		d.Text = string(rec.Value)
-	} else {
-		d.Hex = hex.Dump(rec.Value)
+	d := recordData{Queue: queueRef{i, q.Name()}, Row: toRow(rec), Back: back,
+		Download: "payload?q=" + strconv.Itoa(i) + "&ref=" + url.QueryEscape(ref)}
+	shown := rec.Value
+	if len(shown) > payloadShown {
+		shown, d.Cut = shown[:payloadShown], true
 	}
+	if dlq.Printable(rec.Value) {
+		// Printable text is UTF-8: cut at the start of a character.
+		for len(shown) > 0 && len(shown) < len(rec.Value) && !utf8.RuneStart(rec.Value[len(shown)]) {
+			shown = shown[:len(shown)-1]
+		}
+		d.Text = string(shown)
+	} else {
+		d.Hex = hex.Dump(shown)
+	}
+	d.Shown = len(shown)
 	if rec.Key != nil {
 		if dlq.Printable(rec.Key) {
 			d.KeyText = string(rec.Key)
@@ -721,6 +744,42 @@ func (h *Handler) record(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	h.render(w, http.StatusOK, "record.html", h.page("Dead letter "+ref, d))
+}
+
+// payloadShown is how many bytes of a payload a record's page shows: a
+// payload of megabytes, a hex dump four times as long, would make a page
+// the browser can hardly render. The page links to the whole payload.
+const payloadShown = 32 << 10
+
+// payload sends a record's payload, every byte, as a file to download.
+func (h *Handler) payload(w http.ResponseWriter, r *http.Request) {
+	i, q, err := h.queueAt(r)
+	if err != nil {
+		h.fail(w, http.StatusNotFound, err)
+		return
+	}
+	ref := r.FormValue("ref")
+	ctx, cancel := h.ctx(r)
+	defer cancel()
+	recs, err := h.collect(ctx, i, dlq.Filter{Refs: []string{ref}})
+	if err != nil {
+		h.fail(w, brokerStatus(err), err)
+		return
+	}
+	if len(recs) == 0 {
+		h.fail(w, http.StatusNotFound, fmt.Errorf("no record %q in %s (replayed and removed, or never there)", ref, q.Name()))
+		return
+	}
+	name := strings.Map(func(c rune) rune {
+		if c >= '0' && c <= '9' || c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' {
+			return c
+		}
+		return '-'
+	}, ref)
+	w.Header().Set("Content-Type", "application/octet-stream")
+	w.Header().Set("Content-Disposition", `attachment; filename="dead-letter-`+name+`.bin"`)
+	w.Header().Set("Content-Length", strconv.Itoa(len(recs[0].Value)))
+	_, _ = w.Write(recs[0].Value)
 }
 
 type replayData struct {

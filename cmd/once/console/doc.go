@@ -1,7 +1,8 @@
 // Package console is the web console of once: an http.Handler a service
 // can mount (or `once ui` serves) that shows consumers and their status,
 // dead letters by consumer and kind with search, page by page, one
-// record's headers and payload, and, when Config.AllowReplay is set,
+// record's headers and payload (its first 32 KiB, and a download of every
+// byte), and, when Config.AllowReplay is set,
 // replays one record or a selection of a page after a confirmation page.
 //
 // Pages are rendered on the server with html/template; there is no
