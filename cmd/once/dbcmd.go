@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"flag"
 	"fmt"
 	"strings"
@@ -49,6 +50,8 @@ longest time a message can take to come back (docs/operations.md).`
 // dbFlags are the flags of commands that use PostgreSQL.
 type dbFlags struct {
 	url, schema, table *string
+	// connectTimeout is the bound of a connection attempt, set by open.
+	connectTimeout time.Duration
 }
 
 func (a *app) dbFlagsOn(fs *flag.FlagSet) *dbFlags {
@@ -71,10 +74,16 @@ func (f *dbFlags) pool(ctx context.Context) (*pgxpool.Pool, error) {
 	}
 	if err := pool.Ping(ctx); err != nil {
 		pool.Close()
-		return nil, fmt.Errorf("connect to PostgreSQL: %w", err)
+		return nil, f.connectError(ctx, err)
 	}
 	return pool, nil
 }
+
+// dbConnectTimeout bounds each connection attempt to -database-url when
+// the URL sets no connect_timeout: a server that accepts connections and
+// never answers (a wrong port, a hung server) fails the command instead
+// of holding it until Ctrl-C.
+var dbConnectTimeout = 10 * time.Second
 
 // open checks -schema and -table, and returns a pool on -database-url
 // that connects when first used.
@@ -90,11 +99,25 @@ func (f *dbFlags) open(ctx context.Context) (*pgxpool.Pool, error) {
 		return nil, usagef("-database-url does not parse")
 	}
 	cfg.MaxConns = 2
+	if cfg.ConnConfig.ConnectTimeout == 0 {
+		cfg.ConnConfig.ConnectTimeout = dbConnectTimeout
+	}
+	f.connectTimeout = cfg.ConnConfig.ConnectTimeout
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
-		return nil, fmt.Errorf("connect to PostgreSQL: %w", err)
+		return nil, f.connectError(ctx, err)
 	}
 	return pool, nil
+}
+
+// connectError is the error of a connection to -database-url that failed
+// with err.
+func (f *dbFlags) connectError(ctx context.Context, err error) error {
+	if ctx.Err() == nil && errors.Is(err, context.DeadlineExceeded) {
+		return fmt.Errorf("connect to PostgreSQL: no answer within %v (connect_timeout in -database-url sets another bound): %w",
+			f.connectTimeout, err)
+	}
+	return fmt.Errorf("connect to PostgreSQL: %w", err)
 }
 
 func (a *app) migrate(ctx context.Context, args []string) error {

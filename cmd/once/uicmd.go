@@ -65,13 +65,14 @@ func (a *app) ui(ctx context.Context, args []string) error {
 		}
 		defer pool.Close()
 		if err := pool.Ping(ctx); err != nil {
+			err = db.connectError(ctx, err)
 			if len(cfg.Queues) == 0 {
-				return fmt.Errorf("connect to PostgreSQL: %w", err)
+				return err
 			}
 			// The dead letters are worth serving meanwhile (an
 			// incident is when the console is needed); the consumers
 			// page says the database's error until it answers.
-			fmt.Fprintf(a.stderr, "once ui: connect to PostgreSQL: %s; serving the dead letters, and the consumers once it answers\n",
+			fmt.Fprintf(a.stderr, "once ui: %s; serving the dead letters, and the consumers once it answers\n",
 				safe(err.Error()))
 		}
 		cfg.DB = pool
