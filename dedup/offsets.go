@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strings"
 
 	"github.com/jackc/pgx/v5"
 )
@@ -240,6 +241,43 @@ func (s *Store) CheckOffsets(ctx context.Context, db DB) error {
 	}
 	if len(diffs) > 0 {
 		return fmt.Errorf("%w: %s: %v", ErrSchemaMismatch, s.names.Offsets, diffs)
+	}
+	return nil
+}
+
+// offsetsPrivileges are the privileges on the offsets table that
+// TakeOverPartitions (INSERT ... ON CONFLICT DO UPDATE ... RETURNING),
+// RecordOffsets (SELECT ... FOR UPDATE, UPDATE) and OffsetDone (SELECT)
+// need.
+var offsetsPrivileges = []string{"SELECT", "INSERT", "UPDATE"}
+
+// CheckOffsetsPrivileges verifies that the role of db's session (the
+// current_user) has the privileges on the offsets table that a source
+// keeping offsets in the database needs: SELECT, INSERT and UPDATE, on the
+// table or on each of its columns. It returns nil, or an error naming the
+// role, the table and every privilege missing: PostgreSQL would refuse the
+// source's statements (SQLSTATE 42501) on every attempt. Run it after
+// CheckOffsets (it fails when the table does not exist). It sends one
+// query and is safe for concurrent use.
+func (s *Store) CheckOffsetsPrivileges(ctx context.Context, db DB) error {
+	cols := make([]string, len(offsetsColumns))
+	for i, c := range offsetsColumns {
+		cols[i] = c.Name
+	}
+	var (
+		role    string
+		missing []string
+	)
+	err := db.QueryRow(ctx, `SELECT current_user::text, coalesce(array_agg(p ORDER BY o), '{}')
+FROM unnest($2::text[]) WITH ORDINALITY AS u(p, o)
+WHERE NOT (SELECT bool_and(has_column_privilege($1::text::regclass, c, p)) FROM unnest($3::text[]) AS c)`,
+		s.names.Offsets, offsetsPrivileges, cols).Scan(&role, &missing)
+	if err != nil {
+		return fmt.Errorf("dedup: checking the privileges on %s: %w", s.names.Offsets, err)
+	}
+	if len(missing) > 0 {
+		return fmt.Errorf("dedup: the database role %q lacks %s on %s, which a source keeping its offsets in the database needs (SELECT, INSERT and UPDATE): GRANT %s ON %s TO %s",
+			role, strings.Join(missing, " and "), s.names.Offsets, strings.Join(missing, ", "), s.names.Offsets, pgx.Identifier{role}.Sanitize())
 	}
 	return nil
 }

@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -219,4 +220,45 @@ func TestOffsetDone(t *testing.T) {
 	other, err := s.OffsetDone(ctx, pool, "other", key, 4)
 	require.NoError(t, err)
 	assert.False(t, other, "another consumer's row")
+}
+
+// CheckOffsetsPrivileges takes privileges granted on the table or on each
+// of its columns, and names those missing.
+func TestCheckOffsetsPrivileges(t *testing.T) {
+	t.Parallel()
+	ctx, pool, s := setup(t)
+	require.NoError(t, s.CheckOffsetsPrivileges(ctx, pool), "the owner")
+
+	var schema string
+	require.NoError(t, pool.QueryRow(ctx, `SELECT current_schema()`).Scan(&schema))
+	role := pgx.Identifier{"offsets_" + schema}.Sanitize()
+	_, err := pool.Exec(ctx, `CREATE ROLE `+role+` NOLOGIN`)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_, _ = pool.Exec(context.Background(), `DROP OWNED BY `+role)
+		_, _ = pool.Exec(context.Background(), `DROP ROLE `+role)
+	})
+	const cols = `consumer, topic, partition, next_offset, done, epoch, topic_id, kafka_group, generation, updated_at`
+	_, err = pool.Exec(ctx, `GRANT USAGE ON SCHEMA `+pgx.Identifier{schema}.Sanitize()+` TO `+role+`;
+GRANT SELECT (`+cols+`), INSERT (`+cols+`), UPDATE (`+cols+`) ON processed_events_offsets TO `+role)
+	require.NoError(t, err)
+
+	conn, err := pool.Acquire(ctx)
+	require.NoError(t, err)
+	defer conn.Release()
+	defer conn.Exec(context.Background(), `RESET ROLE`) //nolint:errcheck // the connection goes back to the pool
+	_, err = conn.Exec(ctx, `SET ROLE `+role)
+	require.NoError(t, err)
+	require.NoError(t, s.CheckOffsetsPrivileges(ctx, conn), "every column granted")
+	got, err := s.TakeOverPartitions(ctx, conn, "c", dedup.Owner{Group: "g", Generation: 1}, []dedup.PartitionKey{{Topic: "t"}})
+	require.NoError(t, err, "what the check lets through works")
+	require.NoError(t, s.RecordOffsets(ctx, conn, "c", dedup.OffsetsUpdate{Topic: "t", Epoch: got[0].Epoch, DoneBelow: -1, Done: []int64{0}}))
+
+	_, err = pool.Exec(ctx, `REVOKE UPDATE (epoch) ON processed_events_offsets FROM `+role)
+	require.NoError(t, err)
+	err = s.CheckOffsetsPrivileges(ctx, conn)
+	require.Error(t, err)
+	assert.Contains(t, err.Error(), `lacks UPDATE on "processed_events_offsets"`)
+	_, err = s.TakeOverPartitions(ctx, conn, "c", dedup.Owner{Group: "g", Generation: 2}, []dedup.PartitionKey{{Topic: "t"}})
+	require.Error(t, err, "what the check refuses fails")
 }

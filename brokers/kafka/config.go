@@ -226,7 +226,9 @@ type Config struct {
 	// records are left to the new owner. It costs one statement per
 	// transaction (transactions of one partition take its row's lock in
 	// turn) and one per take-over. The Source must be run by consumer.New,
-	// which binds it to its pool and store (Receive fails otherwise); a
+	// which binds it to its pool and store (Receive fails otherwise), and
+	// the pool's role needs SELECT, INSERT and UPDATE on the table (Run
+	// fails at once, naming what is missing, otherwise); a
 	// wrapper that decorates its deliveries must unwrap them (a method
 	// Unwrap() consumer.Delivery); the cooperative rebalance protocol
 	// (cooperative-sticky) is refused, and so is a Sarama.Version older

@@ -12,6 +12,7 @@ import (
 
 	"github.com/IBM/sarama"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/onceco/once/consumer"
 	"github.com/onceco/once/dedup"
@@ -69,8 +70,10 @@ func (p *positions) take(topic string, partition int32) (dedup.PartitionOffsets,
 }
 
 // BindProgress implements consumer.ProgressRecorder: with
-// Config.OffsetsInDatabase it checks the offsets table and keeps the
-// binding; without, it does nothing.
+// Config.OffsetsInDatabase it checks the offsets table's shape and that
+// the pool's role may SELECT, INSERT and UPDATE it (an error names the
+// table and what is missing), and keeps the binding; without, it does
+// nothing.
 func (s *Source) BindProgress(ctx context.Context, b consumer.ProgressBinding) error {
 	if !s.cfg.OffsetsInDatabase {
 		return nil
@@ -79,6 +82,9 @@ func (s *Source) BindProgress(ctx context.Context, b consumer.ProgressBinding) e
 		return errors.New("kafka: BindProgress needs the consumer's name, pool and store")
 	}
 	if err := b.Store.CheckOffsets(ctx, b.Pool); err != nil {
+		return fmt.Errorf("kafka: Config.OffsetsInDatabase: %w", err)
+	}
+	if err := b.Store.CheckOffsetsPrivileges(ctx, b.Pool); err != nil {
 		return fmt.Errorf("kafka: Config.OffsetsInDatabase: %w", err)
 	}
 	s.offsets.Store(&offsetsBinding{b})
@@ -272,7 +278,9 @@ func (d *delivery) recordDeadLettered(ctx context.Context) error {
 
 // takeOver takes the session's partitions over in the offsets table and
 // seeks each partition the table knows to its recorded position. It
-// retries failures with backoff until the session ends.
+// retries failures with backoff until the session ends; a refusal of the
+// database (authentication, a privilege), which waiting does not cure, is
+// logged at level Error.
 func (s *Source) takeOver(sess sarama.ConsumerGroupSession) error {
 	b := s.offsets.Load()
 	if b == nil {
@@ -306,12 +314,25 @@ func (s *Source) takeOver(sess sarama.ConsumerGroupSession) error {
 			return nil
 		}
 		wait := retry.Delay()
-		s.cfg.Logger.Warn("once/kafka: taking partitions over in the database failed; retrying",
-			"group", s.cfg.Group, "error", err, "backoff", wait)
+		if databaseRefused(err) {
+			s.cfg.Logger.Error("once/kafka: the database refuses taking partitions over in the offsets table (authentication or privileges); no record is consumed until that is fixed; retrying",
+				"group", s.cfg.Group, "table", b.Store.OffsetsTable(), "error", err, "backoff", wait)
+		} else {
+			s.cfg.Logger.Warn("once/kafka: taking partitions over in the database failed; retrying",
+				"group", s.cfg.Group, "error", err, "backoff", wait)
+		}
 		if !backoff.Sleep(ctx, wait) {
 			return fmt.Errorf("kafka: taking partitions over: %w", err)
 		}
 	}
+}
+
+// databaseRefused reports whether err is PostgreSQL refusing the role
+// what it needs: the authentication (SQLSTATE class 28) or a privilege
+// (42501).
+func databaseRefused(err error) bool {
+	var pe *pgconn.PgError
+	return errors.As(err, &pe) && (strings.HasPrefix(pe.Code, "28") || pe.Code == "42501")
 }
 
 // skippedRecords returns how many records were skipped as recorded done.

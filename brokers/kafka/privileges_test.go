@@ -1,0 +1,175 @@
+package kafka
+
+import (
+	"context"
+	"log/slog"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/dedup"
+	"github.com/onceco/once/internal/pgtest"
+)
+
+// errorLog is a slog.Handler keeping the messages and errors of the
+// records logged at level Error.
+type errorLog struct {
+	mu   sync.Mutex
+	errs []string
+}
+
+func (l *errorLog) Enabled(context.Context, slog.Level) bool { return true }
+
+func (l *errorLog) Handle(_ context.Context, r slog.Record) error {
+	if r.Level < slog.LevelError {
+		return nil
+	}
+	var b strings.Builder
+	b.WriteString(r.Message)
+	r.Attrs(func(a slog.Attr) bool {
+		b.WriteString(" " + a.Key + "=" + a.Value.String())
+		return true
+	})
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.errs = append(l.errs, b.String())
+	return nil
+}
+
+func (l *errorLog) WithAttrs([]slog.Attr) slog.Handler { return l }
+func (l *errorLog) WithGroup(string) slog.Handler      { return l }
+
+func (l *errorLog) errors() []string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return append([]string(nil), l.errs...)
+}
+
+// limitedRole creates a login role that may use schema and read and
+// write every table in it but the privileges revoke lists on
+// processed_events_offsets, and returns a pool connecting as that role
+// (search_path schema). The role is dropped when the test ends.
+func limitedRole(t *testing.T, admin *pgxpool.Pool, schema, revoke string) (*pgxpool.Pool, string) {
+	t.Helper()
+	ctx := context.Background()
+	role := "offsets_" + strings.ReplaceAll(uniq("role"), "-", "_")
+	_, err := admin.Exec(ctx, `CREATE ROLE `+role+` LOGIN`)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_, _ = admin.Exec(context.Background(), `DROP OWNED BY `+role)
+		_, _ = admin.Exec(context.Background(), `DROP ROLE `+role)
+	})
+	sch := pgx.Identifier{schema}.Sanitize()
+	_, err = admin.Exec(ctx, `GRANT USAGE ON SCHEMA `+sch+` TO `+role+`;
+GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA `+sch+` TO `+role)
+	require.NoError(t, err)
+	if revoke != "" {
+		_, err = admin.Exec(ctx, `REVOKE `+revoke+` ON processed_events_offsets FROM `+role)
+		require.NoError(t, err)
+	}
+	cfg := admin.Config()
+	cfg.ConnConfig.User = role
+	limited, err := pgxpool.NewWithConfig(ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(limited.Close)
+	return limited, role
+}
+
+// migratedSchema is a test schema with the store's tables and the
+// effects table.
+func migratedSchema(t *testing.T) (*pgxpool.Pool, string, *dedup.Store) {
+	t.Helper()
+	db, schema := pgtest.Schema(t)
+	store, err := dedup.New(dedup.Config{})
+	require.NoError(t, err)
+	require.NoError(t, store.Migrate(context.Background(), db))
+	_, err = db.Exec(context.Background(), effectsTable)
+	require.NoError(t, err)
+	return db, schema, store
+}
+
+// A database role that may not update the offsets table passed the start
+// (the table's shape was checked, not what the role may do with it) and
+// then failed every take-over of its partitions inside the group
+// session's Setup, at level Warn, while the session heartbeated: the
+// consumer consumed nothing, for ever. Run now refuses to start, naming
+// the table and the privilege.
+func TestOffsetsInDatabaseRefusesARoleWithoutPrivileges(t *testing.T) {
+	c := newCluster(t)
+	topic := uniq("orders")
+	c.createTopic(topic, 1)
+	c.produce(mixedEvents(topic, 0, 2)...)
+	db, schema, _ := migratedSchema(t)
+	for _, revoke := range []string{"UPDATE", "SELECT, INSERT"} {
+		t.Run(strings.ReplaceAll(revoke, ", ", "-"), func(t *testing.T) {
+			limited, _ := limitedRole(t, db, schema, revoke)
+			src := c.open(c.dbOffsetsConfig(uniq("g"), topic))
+			cn, err := consumer.New(limited, src, recordEffect, consumerConfig("svc"))
+			require.NoError(t, err)
+			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+			defer cancel()
+			err = cn.Run(ctx)
+			require.Error(t, err)
+			require.NoError(t, ctx.Err(), "Run returned at once, not at its deadline: %v", err)
+			t.Log(err)
+			assert.Contains(t, err.Error(), "processed_events_offsets")
+			for _, p := range strings.Split(revoke, ", ") {
+				assert.Contains(t, err.Error(), p)
+			}
+			assert.Zero(t, cn.Stats().Received)
+		})
+	}
+}
+
+// A role that loses a privilege on the offsets table after the start
+// fails every take-over: waiting does not grant it, so the failure is
+// logged at level Error, not Warn. The take-over is still retried, and a
+// GRANT lets the Source resume.
+func TestOffsetsInDatabaseTakeOverRefusedIsAnError(t *testing.T) {
+	c := newCluster(t)
+	topic := uniq("orders")
+	c.createTopic(topic, 1)
+	db, schema, store := migratedSchema(t)
+	limited, role := limitedRole(t, db, schema, "")
+
+	logs := &errorLog{}
+	cfg := c.dbOffsetsConfig(uniq("g"), topic)
+	cfg.Logger = slog.New(logs)
+	src := c.open(cfg)
+	ctx := context.Background()
+	require.NoError(t, src.BindProgress(ctx, consumer.ProgressBinding{Consumer: "svc", Pool: limited, Store: store, Logger: testLogger()}))
+	_, err := db.Exec(ctx, `REVOKE UPDATE ON processed_events_offsets FROM `+role)
+	require.NoError(t, err)
+
+	c.produce(msg(topic, 0, `{"n":1}`))
+	got := make(chan *delivery, 1)
+	go func() {
+		rctx, cancel := context.WithTimeout(ctx, 60*time.Second)
+		defer cancel()
+		if d, err := src.Receive(rctx); err == nil {
+			got <- d.(*delivery)
+		}
+		close(got)
+	}()
+	require.Eventually(t, func() bool { return len(logs.errors()) > 0 }, 20*time.Second, 10*time.Millisecond,
+		"the refused take-over is logged at level Error")
+	t.Log(logs.errors()[0])
+	assert.Contains(t, logs.errors()[0], "permission denied")
+
+	_, err = db.Exec(ctx, `GRANT UPDATE ON processed_events_offsets TO `+role)
+	require.NoError(t, err)
+	select {
+	case d, ok := <-got:
+		require.True(t, ok, "Receive failed")
+		assert.Equal(t, int64(0), d.raw.Offset)
+	case <-time.After(30 * time.Second):
+		t.Fatal("the Source did not resume after the GRANT")
+	}
+}
