@@ -230,7 +230,8 @@ type Config struct {
 	// the pool's role needs SELECT, INSERT and UPDATE on the table (Run
 	// fails at once, naming what is missing, otherwise); a
 	// wrapper that decorates its deliveries must unwrap them (a method
-	// Unwrap() consumer.Delivery); the cooperative rebalance protocol
+	// Unwrap() consumer.Delivery; Run stops with an error saying so at
+	// the first transaction otherwise); the cooperative rebalance protocol
 	// (cooperative-sticky) is refused, and so is a Sarama.Version older
 	// than 2.8, which has no topic ids to tell a re-created topic from
 	// the old one. Default false. See docs/kafka.md.

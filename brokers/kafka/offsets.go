@@ -96,7 +96,10 @@ func (s *Source) BindProgress(ctx context.Context, b consumer.ProgressBinding) e
 // take-over that gave this Source the partition. It fails with an error
 // wrapping dedup.ErrFenced when a newer owner took the partition over; the
 // claim is then revoked, so that none of its records is handled further
-// here. Without Config.OffsetsInDatabase it does nothing.
+// here. Given a delivery that is not one of this Source's nor unwraps to
+// one (an Unwrap() consumer.Delivery method), it fails, and so does every
+// later Receive, which stops the consumer: no retry could record it.
+// Without Config.OffsetsInDatabase it does nothing.
 func (s *Source) RecordProgress(ctx context.Context, tx pgx.Tx, deliveries []consumer.Delivery) error {
 	b := s.offsets.Load()
 	if b == nil {
@@ -119,7 +122,8 @@ func (s *Source) RecordProgress(ctx context.Context, tx pgx.Tx, deliveries []con
 	for _, dv := range deliveries {
 		d, ok := unwrapDelivery(dv)
 		if !ok {
-			return fmt.Errorf("kafka: RecordProgress given a %T, not a delivery of this Source (a wrapper must have an Unwrap() consumer.Delivery method)", dv)
+			return s.misuse(fmt.Errorf("kafka: Config.OffsetsInDatabase: RecordProgress given a %T, not a delivery of this Source: "+
+				"a Source wrapping this one must give its deliveries an Unwrap() consumer.Delivery method returning the delivery it wraps", dv))
 		}
 		if d.claim != cl {
 			if err := flush(); err != nil {
@@ -130,6 +134,17 @@ func (s *Source) RecordProgress(ctx context.Context, tx pgx.Tx, deliveries []con
 		offsets = append(offsets, d.raw.Offset)
 	}
 	return flush()
+}
+
+// misuse makes Receive fail with err from now on (the first err given
+// wins), so that the consumer stops: RecordProgress fails the same way on
+// every retry. It returns err.
+func (s *Source) misuse(err error) error {
+	s.misuseOnce.Do(func() {
+		s.misuseErr = err
+		close(s.misused)
+	})
+	return err
 }
 
 // unwrapDelivery returns the Source's delivery dv is or wraps: a wrapper

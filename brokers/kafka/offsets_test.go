@@ -577,3 +577,43 @@ func TestParseFallbackID(t *testing.T) {
 		assert.False(t, ok, id)
 	}
 }
+
+// opaqueSource is a Source that decorates the deliveries of a kafka
+// Source (it keeps the Source's methods, BindProgress and RecordProgress
+// among them) but hides them: its deliveries have no Unwrap method.
+type opaqueSource struct{ *Source }
+
+func (o opaqueSource) Receive(ctx context.Context) (consumer.Delivery, error) {
+	d, err := o.Source.Receive(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return struct{ consumer.Delivery }{d}, nil
+}
+
+// A Source wrapping this one whose deliveries do not unwrap made
+// RecordProgress fail every transaction, which the consumer retried as an
+// infrastructure failure for ever, handling nothing. RecordProgress
+// cannot succeed on such a delivery: Receive now fails with the reason,
+// and Run stops with it.
+func TestOffsetsInDatabaseWrapperWithoutUnwrapStopsRun(t *testing.T) {
+	c := newCluster(t)
+	topic := uniq("orders")
+	c.createTopic(topic, 1)
+	c.produce(mixedEvents(topic, 0, 2)...)
+	db, _ := pgtest.Schema(t)
+	_, err := db.Exec(context.Background(), effectsTable)
+	require.NoError(t, err)
+
+	src := c.open(c.dbOffsetsConfig(uniq("g"), topic))
+	cn, err := consumer.New(db, opaqueSource{src}, recordEffect, consumerConfig("svc"))
+	require.NoError(t, err)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	err = cn.Run(ctx)
+	require.Error(t, err)
+	require.NoError(t, ctx.Err(), "Run stopped at once, not at its deadline: %v", err)
+	t.Log(err)
+	assert.Contains(t, err.Error(), "Unwrap() consumer.Delivery")
+	assert.Empty(t, effectsByN(t, db), "nothing committed")
+}

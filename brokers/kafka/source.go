@@ -86,6 +86,12 @@ type Source struct {
 	offsets   atomic.Pointer[offsetsBinding] // set by BindProgress
 	positions positions                      // the take-over's rows, until ConsumeClaim
 	skipped   atomic.Int64                   // records skipped as recorded done
+	// misused is closed, once, with misuseErr set before, when
+	// RecordProgress was given a delivery it cannot record (a wrapper
+	// that does not unwrap): Receive then fails with misuseErr.
+	misuseOnce sync.Once
+	misused    chan struct{}
+	misuseErr  error
 }
 
 var (
@@ -289,6 +295,7 @@ func connect(cfg Config) (*Source, error) {
 		loopDone:       make(chan struct{}),
 		errsDone:       make(chan struct{}),
 		closing:        make(chan struct{}),
+		misused:        make(chan struct{}),
 	}
 	go s.drainErrors()
 	return s, nil
@@ -432,7 +439,9 @@ var _ consumer.GroupNamer = (*Source)(nil)
 // broker client, a Config.SessionTimeout the group coordinator refuses, a
 // static member fenced by another that joined with its
 // Sarama.Consumer.Group.InstanceId) when the group cannot be consumed at
-// all. Call it from one goroutine.
+// all, and, with Config.OffsetsInDatabase, once RecordProgress was given a
+// delivery it cannot find this Source's in (a wrapper without Unwrap).
+// Call it from one goroutine.
 func (s *Source) Receive(ctx context.Context) (consumer.Delivery, error) {
 	select {
 	case <-s.closing:
@@ -441,6 +450,11 @@ func (s *Source) Receive(ctx context.Context) (consumer.Delivery, error) {
 	}
 	if s.cfg.OffsetsInDatabase && s.offsets.Load() == nil {
 		return nil, errNotBound
+	}
+	select {
+	case <-s.misused:
+		return nil, s.misuseErr
+	default:
 	}
 	s.startOnce.Do(func() {
 		s.started = true
@@ -453,6 +467,8 @@ func (s *Source) Receive(ctx context.Context) (consumer.Delivery, error) {
 		return nil, ctx.Err()
 	case <-s.closing:
 		return nil, consumer.ErrSourceClosed
+	case <-s.misused:
+		return nil, s.misuseErr
 	case <-s.loopDone:
 		select {
 		case <-s.closing:
