@@ -163,6 +163,19 @@ type Config struct {
 	// per partition. Default DefaultMaxPendingPerPartition.
 	MaxPendingPerPartition int
 
+	// ReadUncommitted hands the consumer the records of transactions
+	// that their producer aborted, or has not ended yet, too: sarama's
+	// ReadUncommitted isolation level. Default false: the Source reads
+	// committed records only (sarama.ReadCommitted, whatever
+	// Sarama.Consumer.IsolationLevel says), so that a record of an
+	// aborted transaction upstream, which was never published, has no
+	// effect. A partition is then read up to its last stable offset: a
+	// transaction left open upstream holds the partition's later records
+	// until it ends (or the broker aborts it, past the producer's
+	// transaction.timeout.ms). Records written without transactions are
+	// read alike either way.
+	ReadUncommitted bool
+
 	// DeadLetter says where poison records are copied to.
 	DeadLetter DeadLetterConfig
 
@@ -199,7 +212,9 @@ type Config struct {
 	// sarama.NewConfig(). Open copies it and never modifies it; it
 	// overrides in the copies what the guarantees depend on: marked
 	// offsets are committed periodically (Consumer.Offsets.AutoCommit, which
-	// commits only offsets marked by Ack), consumer errors are returned,
+	// commits only offsets marked by Ack), the isolation level is
+	// ReadCommitted (Consumer.IsolationLevel; see ReadUncommitted),
+	// consumer errors are returned,
 	// and the dead-letter producer is idempotent, not transactional
 	// (Producer.Transaction.ID cleared), with RequiredAcks = WaitForAll,
 	// Net.MaxOpenRequests = 1 and topic auto-creation off.
@@ -452,6 +467,12 @@ func (c *Config) consumerConfig() (*sarama.Config, error) {
 	sc.Consumer.Offsets.AutoCommit.Enable = true
 	sc.Consumer.Offsets.AutoCommit.Interval = c.CommitInterval
 	sc.Consumer.Return.Errors = true
+	// sarama's zero value reads the records of aborted transactions too;
+	// an explicit ReadUncommitted in the base cannot be told from it.
+	sc.Consumer.IsolationLevel = sarama.ReadCommitted
+	if c.ReadUncommitted {
+		sc.Consumer.IsolationLevel = sarama.ReadUncommitted
+	}
 
 	if sc.Consumer.Group.Heartbeat.Interval >= sc.Consumer.Group.Session.Timeout {
 		return nil, fmt.Errorf("kafka: Config.HeartbeatInterval (%v) must be lower than Config.SessionTimeout (%v)",
