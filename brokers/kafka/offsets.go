@@ -115,7 +115,7 @@ func (s *Source) RecordProgress(ctx context.Context, tx pgx.Tx, deliveries []con
 		}
 		err := b.Store.RecordOffsets(ctx, tx, b.Consumer, cl.offsetsUpdate(offsets))
 		if errors.Is(err, dedup.ErrFenced) {
-			cl.fence(err)
+			cl.fence(err, s.fencedBy(ctx, tx, b, cl))
 		}
 		return err
 	}
@@ -265,11 +265,35 @@ func (cl *claim) advanced(next int64) {
 	}
 }
 
-// fence revokes a claim whose partition another owner took over.
-func (cl *claim) fence(err error) {
-	cl.src.cfg.Logger.Warn("once/kafka: partition taken over by another owner in the database; abandoning its records here",
-		"group", cl.src.cfg.Group, "stream", cl.stream, "error", err)
+// fence revokes a claim whose partition another owner took over. by is
+// the Kafka group of that owner, "" when unknown. A member of this
+// group is an ordinary new owner (a rebalance); another group under the
+// same consumer name is a misconfiguration that waiting does not cure:
+// the groups fence each other at each of their rebalances, and split the
+// records between them.
+func (cl *claim) fence(err error, by string) {
+	if by != "" && by != cl.src.cfg.Group {
+		cl.src.cfg.Logger.Error("once/kafka: partition taken over in the database by another Kafka group under the same consumer name; "+
+			"abandoning its records here and leaving the partition until this group's next rebalance. Two groups sharing a consumer.Config.Name "+
+			"share its offsets and split the records between them: give each service a Name of its own, or stop the other group",
+			"group", cl.src.cfg.Group, "other_group", by, "stream", cl.stream, "error", err)
+	} else {
+		cl.src.cfg.Logger.Warn("once/kafka: partition taken over by another owner in the database; abandoning its records here",
+			"group", cl.src.cfg.Group, "stream", cl.stream, "error", err)
+	}
 	cl.revoke()
+}
+
+// fencedBy returns the Kafka group that last took cl's partition over in
+// the offsets table, read in tx; "" when it cannot be read.
+func (s *Source) fencedBy(ctx context.Context, tx pgx.Tx, b *offsetsBinding, cl *claim) string {
+	var group string
+	err := tx.QueryRow(ctx, `SELECT kafka_group FROM `+b.Store.OffsetsTable()+` WHERE consumer = $1 AND topic = $2 AND partition = $3`,
+		b.Consumer, cl.sc.Topic(), cl.sc.Partition()).Scan(&group)
+	if err != nil {
+		return ""
+	}
+	return group
 }
 
 // recordDeadLettered records in the offsets table, outside any

@@ -173,3 +173,46 @@ func TestOffsetsInDatabaseTakeOverRefusedIsAnError(t *testing.T) {
 		t.Fatal("the Source did not resume after the GRANT")
 	}
 }
+
+// Two consumer groups consuming a topic under one consumer name share its
+// offsets rows: each take-over fences the other group, which then stops
+// consuming the partition until its next rebalance, and the two split the
+// records between them. The fenced group logged a warning that looked like
+// an ordinary rebalance; it now logs an error naming the other group and
+// consumer.Config.Name.
+func TestOffsetsInDatabaseTwoGroupsUnderOneNameAreAnError(t *testing.T) {
+	c := newCluster(t)
+	topic := uniq("orders")
+	c.createTopic(topic, 1)
+	db, _, _ := migratedSchema(t)
+	c.produce(msg(topic, 0, `{"n":0}`))
+
+	logs := &errorLog{}
+	groupA, groupB := uniq("ga"), uniq("gb")
+	cfgA := c.dbOffsetsConfig(groupA, topic)
+	cfgA.Logger = slog.New(logs)
+	srcA, err := Open(t.Context(), cfgA)
+	require.NoError(t, err)
+	a := startConsumer(t, db, srcA, consumerConfig("svc"), recordEffect)
+	waitEffectsByN(t, db, 1)
+
+	srcB, err := Open(t.Context(), c.dbOffsetsConfig(groupB, topic))
+	require.NoError(t, err)
+	b := startConsumer(t, db, srcB, consumerConfig("svc"), recordEffect)
+	require.Eventually(t, func() bool {
+		var g string
+		err := db.QueryRow(context.Background(), `SELECT kafka_group FROM processed_events_offsets WHERE consumer = 'svc'`).Scan(&g)
+		return err == nil && g == groupB
+	}, 30*time.Second, 10*time.Millisecond, "B took the partition over")
+
+	c.produce(msg(topic, 0, `{"n":1}`))
+	require.Eventually(t, func() bool { return len(logs.errors()) > 0 }, 30*time.Second, 10*time.Millisecond,
+		"A, fenced by another group, logs an error")
+	t.Log(logs.errors()[0])
+	assert.Contains(t, logs.errors()[0], groupB)
+	assert.Contains(t, logs.errors()[0], "Config.Name")
+	waitEffectsByN(t, db, 2)
+	require.NoError(t, b.stop())
+	require.NoError(t, a.stop())
+	requireEachOnce(t, db, 2)
+}
