@@ -243,8 +243,9 @@ type Config struct {
 	// turn) and one per take-over. The Source must be run by consumer.New,
 	// which binds it to its pool and store (Receive fails otherwise), and
 	// the pool's role needs SELECT, INSERT and UPDATE on the table (Run
-	// fails at once, naming what is missing, otherwise); a
-	// wrapper that decorates its deliveries must unwrap them (a method
+	// fails at once, naming what is missing, otherwise); a wrapper must
+	// forward BindProgress and RecordProgress (embedding *Source does),
+	// and one that decorates its deliveries must unwrap them (a method
 	// Unwrap() consumer.Delivery; Run stops with an error saying so at
 	// the first transaction otherwise); the cooperative rebalance protocol
 	// (cooperative-sticky) is refused, and so is a Sarama.Version older

@@ -33,7 +33,8 @@ var (
 
 // errNotBound is Receive's error for a Source with OffsetsInDatabase that
 // no consumer bound.
-var errNotBound = errors.New("kafka: Config.OffsetsInDatabase is set, but no consumer bound the Source to its database: run it with consumer.New")
+var errNotBound = errors.New("kafka: Config.OffsetsInDatabase is set, but no consumer bound the Source to its database: run it with consumer.New; " +
+	"a Source wrapping this one must forward BindProgress and RecordProgress (consumer.ProgressRecorder), for instance by embedding *kafka.Source")
 
 // offsetsBinding is what BindProgress received.
 type offsetsBinding struct {

@@ -617,3 +617,27 @@ func TestOffsetsInDatabaseWrapperWithoutUnwrapStopsRun(t *testing.T) {
 	assert.Contains(t, err.Error(), "Unwrap() consumer.Delivery")
 	assert.Empty(t, effectsByN(t, db), "nothing committed")
 }
+
+// hidingSource wraps a kafka Source behind the consumer.Source interface
+// alone: the consumer does not see its BindProgress.
+type hidingSource struct{ consumer.Source }
+
+// A Source wrapping this one without forwarding BindProgress and
+// RecordProgress leaves it unbound: Run stops at the first Receive, with an
+// error that said to run the Source with consumer.New, which it was.
+// The error now says what the wrapper lacks.
+func TestOffsetsInDatabaseWrapperHidingBindProgress(t *testing.T) {
+	c := newCluster(t)
+	topic := uniq("orders")
+	c.createTopic(topic, 1)
+	db, _ := pgtest.Schema(t)
+	src := c.open(c.dbOffsetsConfig(uniq("g"), topic))
+	cn, err := consumer.New(db, hidingSource{src}, recordEffect, consumerConfig("svc"))
+	require.NoError(t, err)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	err = cn.Run(ctx)
+	require.ErrorIs(t, err, errNotBound)
+	t.Log(err)
+	assert.Contains(t, err.Error(), "consumer.ProgressRecorder")
+}
