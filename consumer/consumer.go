@@ -15,9 +15,11 @@ import (
 // retry policy (Permanent: dead-letter at once; RetryAfter: retry after a
 // given delay). tx's Commit and Rollback are refused with
 // ErrTxOwnedByConsumer, which fails the message permanently; so does
-// ending tx with a statement (COMMIT, END, ROLLBACK, ABORT through Exec),
-// after which what the handler sends through tx is refused. tx.Begin (a
-// savepoint) works as usual.
+// ending tx with a statement (COMMIT, END, ROLLBACK, ABORT through Exec;
+// also COMMIT AND CHAIN, or COMMIT; BEGIN in one string, which leave the
+// connection in another transaction), after which what the handler sends
+// through tx is refused. A statement that may end tx costs a round trip
+// before it and one after, to tell; tx.Begin (a savepoint) works as usual.
 //
 // A handler runs for one message at a time per stream, and for up to
 // Config.Concurrency messages at once overall. Effects outside tx (HTTP

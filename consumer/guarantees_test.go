@@ -943,6 +943,55 @@ func TestHandlerBeginningATransactionOfItsOwnLosesNoNeighbour(t *testing.T) {
 	assert.Contains(t, beginErr.Load(), "transaction", "the statement after the handler's COMMIT is refused, saying why")
 }
 
+// A handler that ends the consumer's transaction and opens another in the
+// same statement (COMMIT; BEGIN in one Exec, sent with the simple
+// protocol, or COMMIT AND CHAIN) leaves its connection in a transaction:
+// it is caught as one that ended the transaction all the same. Its COMMIT
+// made the claims of the messages after it durable; they are taken back,
+// so that none of them is lost when a later message of the batch fails and
+// the transaction the handler opened is rolled back.
+func TestHandlerEndingTheBatchTransactionAndOpeningAnotherLosesNoNeighbour(t *testing.T) {
+	for _, end := range []string{"COMMIT; BEGIN", "COMMIT AND CHAIN", "/* ; */ END; START TRANSACTION", "ROLLBACK; BEGIN"} {
+		t.Run(end, func(t *testing.T) {
+			pool, _ := pgtest.Schema(t)
+			effects(t, pool)
+			b := memsource.New(memsource.Options{Streams: 1})
+			for i := range 6 {
+				publish(b, fmt.Sprintf("e%d", i), i)
+			}
+			h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+				switch ev.ID {
+				case "e4":
+					return consumer.Permanent(errors.New("invalid"))
+				case "e2":
+					if err := insertEffect(ctx, tx, ev); err != nil {
+						return err
+					}
+					_, err := tx.Exec(ctx, end)
+					return err
+				}
+				return insertEffect(ctx, tx, ev)
+			}
+			cfg := fastConfig("ends-and-opens-tx")
+			cfg.Batch.Linger = time.Second // one batch of all six
+			c, err := consumer.New(pool, b.Source(), h, cfg)
+			require.NoError(t, err)
+			start(t, c)
+			require.Eventually(t, func() bool { return b.Acked() == 6 }, 10*time.Second, 5*time.Millisecond)
+			got := countEffects(t, pool)
+			if strings.HasPrefix(end, "ROLLBACK") {
+				assert.Zero(t, got["e2"], "its ROLLBACK took its writes back")
+			} else {
+				assert.Equal(t, 1, got["e2"], "what its own COMMIT wrote stays, once")
+			}
+			delete(got, "e2")
+			assert.Equal(t, map[string]int{"e0": 1, "e1": 1, "e3": 1, "e5": 1}, got,
+				"every message but the two that failed has its effect once")
+			assert.Equal(t, map[string]string{"e2": string(consumer.KindHandler), "e4": string(consumer.KindHandler)}, deadLetterKinds(b))
+		})
+	}
+}
+
 // A handler that rolls its batch's transaction back with a ROLLBACK of its
 // own left no claim to take back: a claim another consumer committed
 // meanwhile for a message after it in the batch (a copy of it handled

@@ -110,8 +110,20 @@ type queueTx struct {
 	// rolledBack: the last statement sent through t was a ROLLBACK (its
 	// command tag says so; also ABORT, ROLLBACK TO SAVEPOINT, and a COMMIT
 	// of an aborted transaction): if it ended the transaction, nothing of
-	// it was committed.
+	// it was committed. Once closedBy is set, it says whether the
+	// transaction ended rolled back.
 	rolledBack bool
+	// xid is the transaction's id, once read (0 before).
+	xid int64
+	// xidStatus asks the status of transaction xid on another connection
+	// (txid_status); nil when there is none to ask on.
+	xidStatus func(ctx context.Context, xid int64) (*string, error)
+	// watch is a statement sent that may have ended the transaction, to
+	// be checked (see watchEnd).
+	watch *endWatch
+	// closedBy is the index of the job whose statement, sent through t or
+	// queued, ended the transaction; nil while it has not.
+	closedBy *int
 }
 
 // Commit is refused with ErrTxOwnedByConsumer, marked Permanent: the
@@ -133,10 +145,16 @@ func (t *queueTx) Rollback(context.Context) error {
 
 // broken returns the error a COMMIT would end with when the handlers left
 // the transaction unable to commit: ErrTxOwnedByConsumer when one tried to
-// end it through t, else what brokenByHandler finds on the connection.
+// end it through t, pgx.ErrTxClosed when a statement of one ended it
+// (closedBy; also when the connection is in a transaction again, one the
+// handler opened, whose COMMIT would commit none of the claims), else
+// what brokenByHandler finds on the connection.
 func (t *queueTx) broken() error {
-	if t.ended {
+	switch {
+	case t.ended:
 		return ErrTxOwnedByConsumer
+	case t.closedBy != nil:
+		return pgx.ErrTxClosed
 	}
 	return brokenByHandler(t.Tx)
 }
@@ -180,6 +198,13 @@ func (t *queueTx) flush(ctx context.Context) *queueFailure {
 	}
 	b, owners := t.pending, t.owners
 	t.pending, t.owners = pgx.Batch{}, nil
+	t.send(ctx, &b, owners)
+	return t.failed
+}
+
+// send sends b, whose i-th statement owners[i] queued, and records the
+// first failure.
+func (t *queueTx) send(ctx context.Context, b *pgx.Batch, owners []int) {
 	failedAt := -1
 	for i, qq := range b.QueuedQueries {
 		fn := qq.Fn
@@ -206,19 +231,18 @@ func (t *queueTx) flush(ctx context.Context) *queueFailure {
 			return err
 		}
 	}
-	if err := t.Tx.SendBatch(ctx, &b).Close(); err != nil {
+	if err := t.Tx.SendBatch(ctx, b).Close(); err != nil {
 		if failedAt < 0 {
 			// No result was read: the send failed (a database failure), or
 			// the server refused to prepare one of the statements, which
 			// pgx prepares all before running any. The error names no
 			// statement, so it names no owner.
 			t.failed = &queueFailure{owner: -1, err: fmt.Errorf("statements queued by the handlers: %w", err)}
-			return t.failed
+			return
 		}
 		t.failed = &queueFailure{owner: owners[failedAt],
 			err: fmt.Errorf("statement queued by the handler (%.60q): %w", b.QueuedQueries[failedAt].SQL, err)}
 	}
-	return t.failed
 }
 
 // settle returns the outcome of a handler that returned err: the failure
@@ -235,87 +259,105 @@ func (t *queueTx) settle(ctx context.Context, err error) error {
 }
 
 func (t *queueTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
-	if err := t.endedBySQL(); err != nil {
+	if err := t.before(ctx, sql); err != nil {
 		return pgconn.CommandTag{}, err
 	}
-	t.note(ctx)
-	t.flush(ctx)
 	ct, err := t.Tx.Exec(ctx, sql, args...)
 	t.rolledBack = err == nil && ct.String() == "ROLLBACK"
+	t.checkEnd(ctx)
 	return ct, err
 }
 
-func (t *queueTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
-	if err := t.endedBySQL(); err != nil {
-		return errRows{err}, err
+// before readies t for a statement of the running handler (sql; empty for
+// a batch or a copy): it refuses it once the transaction was ended by a
+// statement of a handler (endedBySQL), else sends what was queued first,
+// refusing it then if that ended the transaction, and watches sql if it
+// may end it (watchEnd).
+func (t *queueTx) before(ctx context.Context, sql string) error {
+	if err := t.endedBySQL(ctx); err != nil {
+		return err
 	}
 	t.note(ctx)
 	t.flush(ctx)
+	if err := t.endedBySQL(ctx); err != nil {
+		return err
+	}
+	t.watchEnd(ctx, t.owner, sql)
+	return nil
+}
+
+func (t *queueTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	if err := t.before(ctx, sql); err != nil {
+		return errRows{err}, err
+	}
 	t.rolledBack = false
 	return t.Tx.Query(ctx, sql, args...)
 }
 
 func (t *queueTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
-	if err := t.endedBySQL(); err != nil {
+	if err := t.before(ctx, sql); err != nil {
 		return errRows{err}
 	}
-	t.note(ctx)
-	t.flush(ctx)
 	t.rolledBack = false
 	return t.Tx.QueryRow(ctx, sql, args...)
 }
 
 func (t *queueTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
-	if err := t.endedBySQL(); err != nil {
+	sql := ""
+	for _, qq := range b.QueuedQueries {
+		if mayEndTx(qq.SQL) {
+			sql = qq.SQL
+			break
+		}
+	}
+	if err := t.before(ctx, sql); err != nil {
 		return errBatchResults{err}
 	}
-	t.note(ctx)
-	t.flush(ctx)
 	t.rolledBack = false
 	return t.Tx.SendBatch(ctx, b)
 }
 
 func (t *queueTx) CopyFrom(ctx context.Context, table pgx.Identifier, cols []string, src pgx.CopyFromSource) (int64, error) {
-	if err := t.endedBySQL(); err != nil {
+	if err := t.before(ctx, ""); err != nil {
 		return 0, err
 	}
-	t.note(ctx)
-	t.flush(ctx)
 	t.rolledBack = false
 	return t.Tx.CopyFrom(ctx, table, cols, src)
 }
 
 func (t *queueTx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
-	if err := t.endedBySQL(); err != nil {
+	if err := t.before(ctx, ""); err != nil {
 		return nil, err
 	}
-	t.note(ctx)
-	t.flush(ctx)
 	t.rolledBack = false
 	return t.Tx.Prepare(ctx, name, sql)
 }
 
 func (t *queueTx) Begin(ctx context.Context) (pgx.Tx, error) {
-	if err := t.endedBySQL(); err != nil {
+	if err := t.before(ctx, ""); err != nil {
 		return nil, err
 	}
-	t.note(ctx)
-	t.flush(ctx)
 	t.rolledBack = false
 	return t.Tx.Begin(ctx)
 }
 
 // endedBySQL returns errTxEndedBySQL when a statement a Handler sent
-// through t ended the transaction (COMMIT, END, ROLLBACK, ABORT): its
-// connection is idle, out of any transaction. Nothing more is then sent
-// through t: a statement would run in a transaction of its own, committed
-// at once, or, a BEGIN, start one that holds none of the claims the
-// consumer's COMMIT is for. A BatchHandler's statements are not refused:
-// its events' claims are all made durable by its COMMIT, so what it writes
-// after it, committed at once, is what keeps those events' effects.
-func (t *queueTx) endedBySQL() error {
+// through t or queued ended the transaction (COMMIT, END, ROLLBACK, ABORT,
+// also followed by a BEGIN in the same string, or AND CHAIN): its
+// connection is idle, out of any transaction, or in one the handler
+// opened (closedBy). Nothing more is then sent through t: a statement
+// would run in a transaction of its own, committed at once, or in one that
+// holds none of the claims the consumer's COMMIT is for. A BatchHandler's
+// statements are not refused: its events' claims are all made durable by
+// its COMMIT, so what it writes after it, committed at once, is what keeps
+// those events' effects.
+func (t *queueTx) endedBySQL(ctx context.Context) error {
 	if t.owner < 0 {
 		return nil
+	}
+	t.checkEnd(ctx)
+	if t.closedBy != nil {
+		return errTxEndedBySQL
 	}
 	c := t.Conn()
 	if c == nil || c.IsClosed() {
@@ -382,6 +424,7 @@ func Call[T any](ctx context.Context, tx pgx.Tx, h Handler[T], ev Event[T]) erro
 		return h(ctx, qtx, ev)
 	}()
 	ev.queue.close()
+	qtx.checkEnd(ctx)
 	if err == nil && qtx.ended {
 		err = brokenTxError(ErrTxOwnedByConsumer)
 	}

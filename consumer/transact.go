@@ -183,6 +183,7 @@ func (p *pipeline) runHandlers(ctx context.Context, tx pgx.Tx, jobs []*job, res 
 		return p.runBatchHandler(ctx, tx, jobs, res)
 	}
 	qtx := newQueueTx(tx)
+	qtx.xid, qtx.xidStatus = xid, p.xidStatus
 	for i, j := range jobs {
 		if i > 0 && p.stopping.Load() {
 			// Shutting down: roll back rather than wait for the whole
@@ -210,30 +211,14 @@ func (p *pipeline) runHandlers(ctx context.Context, tx pgx.Tx, jobs []*job, res 
 			})
 			err = p.callHandler(j.ctx, qtx, func(hctx context.Context) error { return call(hctx, qtx) })
 		}
+		qtx.checkEnd(ctx)
 		if f := qtx.failed; f != nil {
 			// A statement queued by this or an earlier event failed.
 			return p.handlerFailure(ctx, tx, jobs, f.owner, f.err), true
 		}
 		broken := qtx.broken()
 		if errors.Is(broken, pgx.ErrTxClosed) {
-			// It ended the transaction with a statement of its own
-			// (COMMIT, END, ROLLBACK, ABORT): whatever it returned, that
-			// is its failure. A COMMIT made the claims of the messages
-			// after it durable before their handlers ran; they are taken
-			// back, so that those messages run again instead of being
-			// skipped as duplicates. (The messages before it, whose
-			// effects that COMMIT made durable with their claims, are
-			// duplicates when they run again, or, deduplicated by their
-			// position, settled as committed.)
-			done, rerr := p.handlerEnded(ctx, tx, jobs, res, i, xid, qtx.rolledBack)
-			if rerr != nil {
-				return txResult{outcome: txAbandoned, err: rerr, failed: -1}, true
-			}
-			r := p.handlerFailure(ctx, tx, jobs, i, brokenTxError(broken))
-			if r.outcome == txFailed && done {
-				r.doneBefore, r.claims = true, res
-			}
-			return r, true
+			return p.endedByHandler(ctx, tx, qtx, jobs, res, i, xid), true
 		}
 		if err == nil {
 			// It may have left the transaction unable to go on: aborted
@@ -250,6 +235,39 @@ func (p *pipeline) runHandlers(ctx context.Context, tx pgx.Tx, jobs []*job, res 
 		return p.handlerFailure(ctx, tx, jobs, f.owner, f.err), true
 	}
 	return p.brokenFailure(ctx, tx, qtx, jobs)
+}
+
+// endedByHandler is the result when a handler's statement ended the
+// transaction (COMMIT, END, ROLLBACK, ABORT, sent through tx or queued):
+// the statement's job fails (qtx.closedBy, else the job at i, whose
+// handler ran last), whatever its handler returned. A COMMIT made the
+// claims of the messages after it durable before their handlers ran, or
+// before their statements were sent; they are taken back, so that those
+// messages run again instead of being skipped as duplicates. (The messages
+// before it, whose effects that COMMIT made durable with their claims, are
+// duplicates when they run again, or, deduplicated by their position,
+// settled as committed.)
+func (p *pipeline) endedByHandler(ctx context.Context, tx pgx.Tx, qtx *queueTx, jobs []*job, res []dedup.Result, i int, xid int64) txResult {
+	if qtx.closedBy != nil {
+		i = *qtx.closedBy
+	}
+	done, err := p.handlerEnded(ctx, tx, jobs, res, i, xid, qtx.rolledBack)
+	if err != nil {
+		return txResult{outcome: txAbandoned, err: err, failed: -1}
+	}
+	r := p.handlerFailure(ctx, tx, jobs, i, brokenTxError(pgx.ErrTxClosed))
+	if r.outcome == txFailed && done {
+		r.doneBefore, r.claims = true, res
+	}
+	return r
+}
+
+// xidStatus asks the status of transaction xid (txid_status) on a
+// connection of the pool, once: nil when xid is too old to tell.
+func (p *pipeline) xidStatus(ctx context.Context, xid int64) (*string, error) {
+	var status *string
+	err := p.pool.QueryRow(ctx, `SELECT txid_status($1)`, xid).Scan(&status)
+	return status, err
 }
 
 // handlerEnded is the aftermath of a transaction that the handler of
