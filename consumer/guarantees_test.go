@@ -992,6 +992,56 @@ func TestHandlerEndingTheBatchTransactionAndOpeningAnotherLosesNoNeighbour(t *te
 	}
 }
 
+// A statement a handler queues that ends the transaction (Event.Queue of
+// COMMIT, END, ROLLBACK or ABORT) is that handler's failure, not that of
+// the handler whose statement is sent next: the queuing message is
+// dead-lettered, and the message whose tx.Exec sent the queue first runs
+// again and has its effect once. When the others queue their statements
+// too, those queued after it are not sent outside the transaction: their
+// messages run again and have their effects once.
+func TestQueuedStatementEndingTheBatchTransactionIsChargedToItsHandler(t *testing.T) {
+	for _, tc := range []struct{ end, others string }{
+		{"COMMIT", "exec"}, {"END", "exec"}, {"ROLLBACK", "exec"}, {"ABORT", "exec"},
+		{"COMMIT", "queue"}, {"ROLLBACK", "queue"},
+	} {
+		end := tc.end
+		t.Run(end+"/"+tc.others, func(t *testing.T) {
+			pool, _ := pgtest.Schema(t)
+			effects(t, pool)
+			b := memsource.New(memsource.Options{Streams: 1})
+			for i := range 6 {
+				publish(b, fmt.Sprintf("e%d", i), i)
+			}
+			h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+				if ev.ID == "e2" {
+					ev.Queue(insertEffectSQL, ev.ID, ev.Payload.N)
+					ev.Queue(end)
+					return nil
+				}
+				if tc.others == "queue" {
+					ev.Queue(insertEffectSQL, ev.ID, ev.Payload.N)
+					return nil
+				}
+				return insertEffect(ctx, tx, ev)
+			}
+			cfg := fastConfig("queues-end-" + strings.ToLower(end))
+			cfg.Batch.Linger = time.Second // one batch of all six
+			c, err := consumer.New(pool, b.Source(), h, cfg)
+			require.NoError(t, err)
+			start(t, c)
+			require.Eventually(t, func() bool { return b.Acked() == 6 }, 10*time.Second, 5*time.Millisecond)
+			got := countEffects(t, pool)
+			if end == "COMMIT" || end == "END" {
+				assert.Equal(t, 1, got["e2"], "what its own COMMIT wrote stays, once")
+				delete(got, "e2")
+			}
+			assert.Equal(t, map[string]int{"e0": 1, "e1": 1, "e3": 1, "e4": 1, "e5": 1}, got,
+				"every other message of the batch has its effect once")
+			assert.Equal(t, map[string]string{"e2": string(consumer.KindHandler)}, deadLetterKinds(b))
+		})
+	}
+}
+
 // A handler that rolls its batch's transaction back with a ROLLBACK of its
 // own left no claim to take back: a claim another consumer committed
 // meanwhile for a message after it in the batch (a copy of it handled

@@ -40,7 +40,10 @@ import (
 // statement the server cannot even prepare (a typo, a missing table) fails
 // before any result names its event: the batch is then halved until that
 // event is alone. A handler must not rely on a queued statement having run
-// before it returns.
+// before it returns. A queued statement that ends the transaction (COMMIT,
+// END, ROLLBACK, ABORT) fails the event that queued it for good, as one
+// sent through tx does (see Handler); what was queued after it is not
+// sent: the events after it in the batch run again.
 //
 // Queue may be called only while the event's handler runs, from the
 // handler's goroutine (like tx itself); it panics on an Event that the
@@ -191,14 +194,37 @@ func newQueueTx(tx pgx.Tx) *queueTx { return &queueTx{Tx: tx} }
 
 // flush sends the queued statements in one round trip and records the
 // first failure. After a failure it sends nothing more: the batch is
-// rolled back.
+// rolled back. A statement that may end the transaction (mayEndTx) is sent
+// alone, after those before it, and watched: once it ended the
+// transaction, the statements queued after it are not sent (they would
+// run outside any transaction, committed at once), and it is charged to
+// the job that queued it (closedBy).
 func (t *queueTx) flush(ctx context.Context) *queueFailure {
-	if t.failed != nil || len(t.pending.QueuedQueries) == 0 {
-		return t.failed
+	for t.failed == nil && t.closedBy == nil && len(t.pending.QueuedQueries) > 0 {
+		b, owners := t.pending, t.owners
+		t.pending, t.owners = pgx.Batch{}, nil
+		n := len(b.QueuedQueries)
+		for i, qq := range b.QueuedQueries {
+			if owners[i] >= 0 && mayEndTx(qq.SQL) {
+				n = max(i, 1)
+				break
+			}
+		}
+		if n < len(b.QueuedQueries) {
+			// Back in front of whatever a callback queues meanwhile.
+			t.pending.QueuedQueries = append(b.QueuedQueries[n:len(b.QueuedQueries):len(b.QueuedQueries)], t.pending.QueuedQueries...)
+			t.owners = append(owners[n:len(owners):len(owners)], t.owners...)
+			b.QueuedQueries, owners = b.QueuedQueries[:n], owners[:n]
+		}
+		if n == 1 {
+			t.watchEnd(ctx, owners[0], b.QueuedQueries[0].SQL)
+		}
+		t.send(ctx, &b, owners)
+		t.checkEnd(ctx)
 	}
-	b, owners := t.pending, t.owners
-	t.pending, t.owners = pgx.Batch{}, nil
-	t.send(ctx, &b, owners)
+	if t.closedBy != nil {
+		t.pending, t.owners = pgx.Batch{}, nil
+	}
 	return t.failed
 }
 

@@ -234,6 +234,10 @@ func (p *pipeline) runHandlers(ctx context.Context, tx pgx.Tx, jobs []*job, res 
 	if f := qtx.flush(ctx); f != nil {
 		return p.handlerFailure(ctx, tx, jobs, f.owner, f.err), true
 	}
+	if qtx.closedBy != nil {
+		// A statement queued by one of them ended the transaction.
+		return p.endedByHandler(ctx, tx, qtx, jobs, res, *qtx.closedBy, xid), true
+	}
 	return p.brokenFailure(ctx, tx, qtx, jobs)
 }
 
