@@ -93,7 +93,7 @@ func (p *pipeline) runAlone(ctx context.Context, s *settler, j *job, failed *txR
 			case errors.Is(r.err, errCrashLoop):
 				s.deadLetter(j.ctx, j, crashLoop(j))
 			case errors.Is(r.err, errRunsSpent):
-				s.deadLetter(j.ctx, j, runsSpent(j))
+				s.deadLetter(j.ctx, j, p.guard.runsSpent(j))
 			default:
 				s.abandon(j)
 			}
@@ -117,7 +117,11 @@ func (p *pipeline) runAlone(ctx context.Context, s *settler, j *job, failed *txR
 // letter get the message's context, with its span (ctx ends with it).
 func (p *pipeline) retryOrGiveUp(ctx context.Context, s *settler, j *job, r txResult) bool {
 	if r.class == ClassPermanent || j.runs >= p.cfg.Retry.MaxAttempts {
-		s.deadLetter(j.ctx, j, handlerDeadLetter(j, r.err))
+		dl := handlerDeadLetter(j, r.err)
+		if j.runs >= p.cfg.Retry.MaxAttempts {
+			p.guard.giveUp(j, dl)
+		}
+		s.deadLetter(j.ctx, j, dl)
 		return false
 	}
 	wait := p.retryPolicy().Delay(j.runs)

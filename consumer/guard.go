@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
+	"slices"
 	"sync"
 
 	"github.com/jackc/pgx/v5"
@@ -36,8 +38,9 @@ import (
 // each a suspect next time. A message with Config.CrashGuard.MaxCrashes crashes, or
 // whose runs are spent with some of them cut short, is dead-lettered with
 // kind KindCrashLoop; one whose runs were all spent by failures of its
-// handler (the process ended before dead-lettering it) with kind
-// KindHandler, without another run.
+// handler (the process ended, or the delivery was lost, before its dead
+// letter was written) with kind KindHandler, without another run, and
+// with the last run's error if this process gave it up (see given).
 // Every count is written as a value, not an increment, so a retried write
 // whose first reply was lost counts once.
 type crashGuard struct {
@@ -46,7 +49,20 @@ type crashGuard struct {
 	// suspect's attempt.
 	isolation                                       sync.RWMutex
 	markSQL, lookupSQL, setSQL, clearSQL, unmarkSQL string
+	// given holds the dead letters of messages whose runs were spent in
+	// this process, from when they were given up until the dead letter
+	// was written: a delivery lost meanwhile comes back with its runs
+	// spent, and its dead letter then carries the error of its last run,
+	// which the record does not keep. At most maxGiven, the oldest
+	// forgotten first (messages whose redelivery went to another
+	// process).
+	givenMu sync.Mutex
+	given   map[string]DeadLetter
+	givenQ  []string
 }
+
+// maxGiven bounds crashGuard.given.
+const maxGiven = 1024
 
 // guardState is what the crash guard knows of a job.
 type guardState struct {
@@ -328,6 +344,7 @@ func (g *crashGuard) clearIn(ctx context.Context, tx pgx.Tx, jobs []*job) error 
 // (dead-lettered). Best effort: a record left behind is removed by
 // retention.
 func (g *crashGuard) settled(ctx context.Context, j *job) {
+	g.forgetGiven(j)
 	if !j.guard.recorded {
 		return
 	}
@@ -340,9 +357,49 @@ func (g *crashGuard) settled(ctx context.Context, j *job) {
 	}
 }
 
+// giveUp remembers dl, the dead letter of j, given up after its runs
+// were spent, until the dead letter is written (settled).
+func (g *crashGuard) giveUp(j *job, dl *DeadLetter) {
+	g.givenMu.Lock()
+	defer g.givenMu.Unlock()
+	if g.given == nil {
+		g.given = map[string]DeadLetter{}
+	}
+	if _, ok := g.given[j.idt.id]; !ok {
+		g.givenQ = append(g.givenQ, j.idt.id)
+	}
+	g.given[j.idt.id] = DeadLetter{Kind: dl.Kind, Error: dl.Error, Stack: dl.Stack, Extra: maps.Clone(dl.Extra)}
+	for len(g.givenQ) > maxGiven {
+		delete(g.given, g.givenQ[0])
+		g.givenQ = g.givenQ[1:]
+	}
+}
+
+// forgetGiven drops what giveUp remembered of j.
+func (g *crashGuard) forgetGiven(j *job) {
+	g.givenMu.Lock()
+	defer g.givenMu.Unlock()
+	if _, ok := g.given[j.idt.id]; !ok {
+		return
+	}
+	delete(g.given, j.idt.id)
+	g.givenQ = slices.DeleteFunc(g.givenQ, func(id string) bool { return id == j.idt.id })
+}
+
 // runsSpent is the dead letter of a suspect whose runs were all spent by
-// failures of its handler in earlier processes.
-func runsSpent(j *job) *DeadLetter {
+// failures of its handler: with the error of its last run when this
+// process gave it up (its delivery was lost before the dead letter was
+// written), else saying that the error is not known, as the record does
+// not keep it.
+func (g *crashGuard) runsSpent(j *job) *DeadLetter {
+	g.givenMu.Lock()
+	given, ok := g.given[j.idt.id]
+	g.givenMu.Unlock()
+	if ok {
+		given.Attempts = j.runs
+		given.Extra = maps.Clone(given.Extra)
+		return &given
+	}
 	return &DeadLetter{Kind: KindHandler, Attempts: j.runs,
 		Error: fmt.Sprintf("the handler failed %d times (Retry.MaxAttempts); the process that ran it last ended "+
 			"before dead-lettering it, and the last error is not known", j.runs)}

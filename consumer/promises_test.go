@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -554,6 +555,102 @@ func TestRunsSpentByFailuresBeforeTheDeadLetterAreNoCrashLoop(t *testing.T) {
 	assert.Equal(t, string(consumer.KindHandler), dl.Headers[consumer.HeaderErrorKind], dl.Headers[consumer.HeaderErrorMessage])
 	assert.Equal(t, "2", dl.Headers[consumer.HeaderAttempts])
 	assert.Equal(t, int32(3), runs.Load(), "no run past the recorded Retry.MaxAttempts")
+}
+
+// sessions is a source whose deliveries can be lost while the consumer
+// runs (lose), as a closed AMQP channel's are: the broker delivers them
+// again on the next session, marked redelivered, to the same process.
+type sessions struct {
+	b   *memsource.Broker
+	mu  sync.Mutex
+	cur *memsource.Source
+}
+
+func newSessions(b *memsource.Broker) *sessions { return &sessions{b: b, cur: b.Source()} }
+
+func (s *sessions) Receive(ctx context.Context) (consumer.Delivery, error) {
+	for {
+		s.mu.Lock()
+		cur := s.cur
+		s.mu.Unlock()
+		d, err := cur.Receive(ctx)
+		if errors.Is(err, consumer.ErrSourceClosed) && ctx.Err() == nil {
+			continue // lost: the next session delivers
+		}
+		return d, err
+	}
+}
+
+// lose loses the deliveries of the session and opens the next.
+func (s *sessions) lose() {
+	s.mu.Lock()
+	old := s.cur
+	s.cur = s.b.Source()
+	s.mu.Unlock()
+	_ = old.Close()
+}
+
+func (s *sessions) Close() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.cur.Close()
+}
+
+// A message whose runs were spent by failures of its handler, whose dead
+// letter could not be written before its delivery was lost (a broker
+// restart takes the dead-letter destination and the channel together),
+// is dead-lettered on its redelivery to the same process with the error
+// of its last run, the SQLSTATE of it too: that process knows it.
+func TestRunsSpentDeadLetterCarriesTheLastErrorItsProcessSaw(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	b := memsource.New(memsource.Options{}) // unordered, like AMQP
+	publish(b, "failing", 1)
+	src := newSessions(b)
+	var runs atomic.Int32
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		runs.Add(1)
+		_, err := tx.Exec(ctx, `SELECT 1 / (n - n) FROM (VALUES ($1::int)) AS v(n)`, ev.Payload.N)
+		return err
+	}
+	cfg := fastConfig("spent-in-this-process")
+	cfg.Retry.MaxAttempts = 2
+	// Each session's delivery is lost in the wait before its retry.
+	cfg.Retry.InitialBackoff, cfg.Retry.MaxBackoff = time.Hour, time.Hour
+	waiting, deadLetterDown := make(chan struct{}, 1), make(chan struct{}, 1)
+	cfg.Hooks.OnRetry = func(_ context.Context, r consumer.Retry) {
+		ch := waiting
+		if r.Reason == consumer.RetryInfrastructure {
+			ch = deadLetterDown
+		}
+		select {
+		case ch <- struct{}{}:
+		default:
+		}
+	}
+	b.SetDeadLetterError(errors.New("dead-letter destination down"))
+	c, err := consumer.New(pool, src, h, cfg)
+	require.NoError(t, err)
+	stop := start(t, c)
+	// Session 1 runs it once (a first delivery: no record), session 2
+	// once more (its run recorded), and session 3 a last time, spending
+	// its recorded runs; its dead letter cannot be written.
+	for session, ch := range []chan struct{}{waiting, waiting, deadLetterDown} {
+		select {
+		case <-ch:
+		case <-time.After(20 * time.Second):
+			t.Fatalf("session %d: the message did not get where its delivery was to be lost", session+1)
+		}
+		src.lose()
+	}
+	b.SetDeadLetterError(nil)
+	require.Eventually(t, func() bool { return b.Acked() == 1 }, 20*time.Second, time.Millisecond)
+	require.NoError(t, stop())
+	require.Equal(t, int32(3), runs.Load(), "no run past the recorded Retry.MaxAttempts")
+	dl := deadLetterOf(t, b, "failing")
+	assert.Equal(t, string(consumer.KindHandler), dl.Headers[consumer.HeaderErrorKind])
+	assert.Equal(t, "2", dl.Headers[consumer.HeaderAttempts])
+	assert.Contains(t, dl.Headers[consumer.HeaderErrorMessage], "division by zero")
+	assert.Equal(t, "22012", dl.Headers[consumer.HeaderErrorSQLState])
 }
 
 // An attempt that ends in an infrastructure failure is no run of the
