@@ -52,7 +52,9 @@ func (c ErrorClass) String() string {
 //     succeed: connection exceptions (08), insufficient resources (53),
 //     operator intervention such as an administrator shutdown (57P01-03),
 //     system errors (58), serialization failure (40001), deadlock (40P01),
-//     a read-only transaction after a failover (25006): ClassInfrastructure.
+//     a lock another transaction held past lock_timeout, or at a NOWAIT
+//     (55P03), a read-only transaction after a failover (25006):
+//     ClassInfrastructure.
 //   - Any other PostgreSQL error, among them integrity violations (23, also
 //     a deferred constraint that fails at COMMIT), data exceptions (22),
 //     syntax errors and undefined objects (42), a statement_timeout
@@ -99,7 +101,8 @@ func Classify(err error) ErrorClass {
 // IsTransient reports whether err is an infrastructure failure that
 // retrying the same work later can cure: the database unreachable, the
 // connection lost, a server shutting down or out of resources, a
-// serialization failure or deadlock, a network error or a timeout. It
+// serialization failure or deadlock, a lock another transaction held (past
+// lock_timeout, or at a NOWAIT), a network error or a timeout. It
 // judges the error alone; Classify is what the consumer applies to a
 // handler's error.
 func IsTransient(err error) bool {
@@ -132,8 +135,9 @@ func IsTransient(err error) bool {
 
 // transientSQLState: connection exceptions (08), insufficient resources
 // (53), system errors (58), serialization failure and deadlock (40001,
-// 40P01), administrator or crash shutdown and cannot-connect-now (57P01-03),
-// and read-only transactions after a failover (25006).
+// 40P01), a lock not available (55P03: lock_timeout, NOWAIT), administrator
+// or crash shutdown and cannot-connect-now (57P01-03), and read-only
+// transactions after a failover (25006).
 func transientSQLState(code string) bool {
 	if len(code) < 2 {
 		return false
@@ -143,7 +147,7 @@ func transientSQLState(code string) bool {
 		return true
 	}
 	switch code {
-	case "40001", "40P01", "57P01", "57P02", "57P03", "25006":
+	case "40001", "40P01", "55P03", "57P01", "57P02", "57P03", "25006":
 		return true
 	}
 	return false
