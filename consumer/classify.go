@@ -53,8 +53,9 @@ func (c ErrorClass) String() string {
 //     operator intervention such as an administrator shutdown (57P01-03),
 //     system errors (58), serialization failure (40001), deadlock (40P01),
 //     a lock another transaction held past lock_timeout, or at a NOWAIT
-//     (55P03), a read-only transaction after a failover (25006):
-//     ClassInfrastructure.
+//     (55P03), a read-only transaction after a failover (25006; the
+//     consumer then resets its pool, whose connections may reach a server
+//     that is read-only now): ClassInfrastructure.
 //   - Any other PostgreSQL error, among them integrity violations (23, also
 //     a deferred constraint that fails at COMMIT), data exceptions (22),
 //     syntax errors and undefined objects (42), a statement_timeout

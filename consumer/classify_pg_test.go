@@ -73,3 +73,38 @@ func sqlStateOf(err error) string {
 	}
 	return ""
 }
+
+// After a failover, connections the pool keeps to a server that is now
+// read-only fail every write with 25006: an infrastructure failure, which
+// the consumer retries, on new connections: the pool is reset, and the
+// messages are handled once, without waiting for the pool to retire the
+// read-only connections (MaxConnLifetime, an hour by default). They used
+// to be used for every retry, from the store's migration on.
+func TestReadOnlyConnectionsAfterAFailoverAreNotReusedForever(t *testing.T) {
+	admin, schema := pgtest.Schema(t)
+	effects(t, admin)
+	ctx := context.Background()
+	pool := pgtest.NewPoolWith(t, schema, func(c *pgxpool.Config) { c.MaxConns = 2 })
+	// Both of the pool's connections reach a server that has become read-only.
+	var conns []*pgxpool.Conn
+	for range 2 {
+		c, err := pool.Acquire(ctx)
+		require.NoError(t, err)
+		_, err = c.Exec(ctx, `SET default_transaction_read_only = on`)
+		require.NoError(t, err)
+		conns = append(conns, c)
+	}
+	for _, c := range conns {
+		c.Release()
+	}
+	b := memsource.New(memsource.Options{Streams: 1})
+	for i := range 3 {
+		publish(b, fmt.Sprintf("e%d", i), i)
+	}
+	c, err := consumer.New(pool, b.Source(), insertEffect, fastConfig("read-only"))
+	require.NoError(t, err)
+	start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 3 }, 10*time.Second, time.Millisecond)
+	assert.Empty(t, deadLetterKinds(b))
+	assert.Equal(t, map[string]int{"e0": 1, "e1": 1, "e2": 1}, countEffects(t, admin))
+}

@@ -187,6 +187,7 @@ func (p *pipeline) mustStop(ctx context.Context, s *settler) bool {
 // it reports false when the consumer stops first.
 func (p *pipeline) waitInfra(ctx context.Context, r *backoff.Retrier, err error, messages int) bool {
 	p.stats.infraErrors.Add(1)
+	p.leaveReadOnly(ctx, err)
 	d := r.Delay()
 	p.cfg.Telemetry.Logger.WarnContext(ctx, "once: infrastructure failure; retrying", "consumer", p.cfg.Name,
 		"messages", messages, "error", err, "backoff", d)
@@ -216,6 +217,7 @@ func (p *pipeline) infra(ctx context.Context, what string, waiting Retry, f func
 			return ctx.Err()
 		}
 		p.stats.infraErrors.Add(1)
+		p.leaveReadOnly(ctx, err)
 		d := r.Delay()
 		p.cfg.Telemetry.Logger.WarnContext(ctx, "once: infrastructure failure "+what+"; retrying",
 			"consumer", p.cfg.Name, "error", err, "backoff", d)
@@ -230,6 +232,22 @@ func (p *pipeline) infra(ctx context.Context, what string, waiting Retry, f func
 		p.stats.retries.Add(1)
 		p.tel.retry(ctx, "infrastructure")
 	}
+}
+
+// leaveReadOnly resets the pool when err says a transaction was read-only
+// (25006): after a failover, the connections the pool keeps reach a
+// server that is a standby now, or was made read-only, and would fail
+// every retry the same way until the pool retired them
+// (pgxpool.Config.MaxConnLifetime). The pool closes its idle connections
+// at once and the others when they are released, and the retry opens a
+// new one, which reaches the writable server.
+func (p *pipeline) leaveReadOnly(ctx context.Context, err error) {
+	if sqlState(err) != "25006" {
+		return
+	}
+	p.cfg.Telemetry.Logger.WarnContext(ctx, "once: the database refused a write as read-only (a failover?); closing the pool's connections",
+		"consumer", p.cfg.Name, "error", err)
+	p.pool.Reset()
 }
 
 // errStopping ends a wait cut short by the consumer's shutdown.
