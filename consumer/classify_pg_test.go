@@ -108,3 +108,118 @@ func TestReadOnlyConnectionsAfterAFailoverAreNotReusedForever(t *testing.T) {
 	assert.Empty(t, deadLetterKinds(b))
 	assert.Equal(t, map[string]int{"e0": 1, "e1": 1, "e2": 1}, countEffects(t, admin))
 }
+
+// A session that idle_in_transaction_session_timeout ended while a handler
+// of a batch worked outside the database loses nothing: the server's
+// FATAL 25P03 (or the closed connection) reaches the next statement, here
+// the next handler's: a failure of the message that sent it, which runs
+// again alone, as the others of the batch do, and every message has its
+// effect once.
+func TestIdleInTransactionTimeoutMidBatchLosesNothing(t *testing.T) {
+	admin, schema := pgtest.Schema(t)
+	effects(t, admin)
+	pool := pgtest.NewPoolWith(t, schema, func(c *pgxpool.Config) {
+		c.ConnConfig.RuntimeParams["idle_in_transaction_session_timeout"] = "50ms"
+	})
+	b := memsource.New(memsource.Options{Streams: 1})
+	for i := range 6 {
+		publish(b, fmt.Sprintf("e%d", i), i)
+	}
+	var killed, ended atomic.Int32
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		if err := insertEffect(ctx, tx, ev); err != nil {
+			ended.Add(1) // 25P03, or the closed connection if the write came first
+			return err
+		}
+		if ev.ID == "e2" && killed.Load() == 0 {
+			// Work outside the database until the server ended the session.
+			var pid int
+			require.NoError(t, tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid))
+			require.Eventually(t, func() bool {
+				var n int
+				require.NoError(t, admin.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE pid = $1`, pid).Scan(&n))
+				return n == 0
+			}, 10*time.Second, time.Millisecond)
+			killed.Add(1)
+		}
+		return nil
+	}
+	cfg := fastConfig("idle-in-tx")
+	cfg.Batch.Linger = time.Second // one batch of all six
+	c, err := consumer.New(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 6 }, 10*time.Second, time.Millisecond)
+	assert.Equal(t, int32(1), ended.Load(), "the next statement met the end of the session")
+	assert.Empty(t, deadLetterKinds(b))
+	assert.Equal(t, map[string]int{"e0": 1, "e1": 1, "e2": 1, "e3": 1, "e4": 1, "e5": 1}, countEffects(t, admin))
+}
+
+// Two consumers (two services) whose handlers write the same business rows
+// in opposite orders meet a deadlock (40P01): the transaction PostgreSQL
+// aborts is retried as infrastructure, never charged as a handler failure,
+// and each event of each consumer has its effect once.
+func TestDeadlockBetweenTwoConsumersIsRetried(t *testing.T) {
+	admin, schema := pgtest.Schema(t)
+	effects(t, admin)
+	ctx := context.Background()
+	_, err := admin.Exec(ctx, `CREATE TABLE accounts (id int PRIMARY KEY, n int NOT NULL); INSERT INTO accounts VALUES (1, 0), (2, 0)`)
+	require.NoError(t, err)
+	pool := pgtest.NewPoolWith(t, schema, func(c *pgxpool.Config) {
+		c.ConnConfig.RuntimeParams["deadlock_timeout"] = "20ms"
+	})
+	var deadlocks atomic.Int32
+	locked := map[string]chan struct{}{"billing": make(chan struct{}), "audit": make(chan struct{})}
+	handler := func(name, other string, first, second int) consumer.Handler[order] {
+		var once atomic.Bool
+		return func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+			err := func() error {
+				if _, err := tx.Exec(ctx, `UPDATE accounts SET n = n + 1 WHERE id = $1`, first); err != nil {
+					return err
+				}
+				if once.CompareAndSwap(false, true) {
+					// Both hold their first row before either writes its second.
+					close(locked[name])
+					select {
+					case <-locked[other]:
+					case <-ctx.Done():
+						return ctx.Err()
+					}
+				}
+				_, err := tx.Exec(ctx, `UPDATE accounts SET n = n + 1 WHERE id = $1`, second)
+				return err
+			}()
+			if err != nil {
+				if sqlStateOf(err) == "40P01" {
+					deadlocks.Add(1)
+				}
+				return err
+			}
+			_, err = tx.Exec(ctx, `INSERT INTO effects (event_id, n) VALUES ($1, $2)`, name+"/"+ev.ID, ev.Payload.N)
+			return err
+		}
+	}
+	var brokers []*memsource.Broker
+	for _, c := range []struct {
+		name string
+		h    consumer.Handler[order]
+	}{{"billing", handler("billing", "audit", 1, 2)}, {"audit", handler("audit", "billing", 2, 1)}} {
+		b := memsource.New(memsource.Options{Streams: 1})
+		publish(b, "e1", 1)
+		brokers = append(brokers, b)
+		cfg := fastConfig(c.name)
+		cfg.Retry.MaxAttempts = 1 // a deadlock charged as a handler failure would dead-letter at once
+		cons, err := consumer.New(pool, b.Source(), c.h, cfg)
+		require.NoError(t, err)
+		start(t, cons)
+	}
+	for _, b := range brokers {
+		require.Eventually(t, func() bool { return b.Acked() == 1 }, 10*time.Second, time.Millisecond)
+		assert.Empty(t, deadLetterKinds(b))
+	}
+	assert.Equal(t, int32(1), deadlocks.Load(), "one of the two transactions met the deadlock")
+	assert.Equal(t, map[string]int{"billing/e1": 1, "audit/e1": 1}, countEffects(t, admin))
+	var n1, n2 int
+	require.NoError(t, admin.QueryRow(ctx, `SELECT (SELECT n FROM accounts WHERE id = 1), (SELECT n FROM accounts WHERE id = 2)`).Scan(&n1, &n2))
+	assert.Equal(t, [2]int{2, 2}, [2]int{n1, n2}, "each consumer's writes once")
+}
