@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -222,4 +223,48 @@ func TestDeadlockBetweenTwoConsumersIsRetried(t *testing.T) {
 	var n1, n2 int
 	require.NoError(t, admin.QueryRow(ctx, `SELECT (SELECT n FROM accounts WHERE id = 1), (SELECT n FROM accounts WHERE id = 2)`).Scan(&n1, &n2))
 	assert.Equal(t, [2]int{2, 2}, [2]int{n1, n2}, "each consumer's writes once")
+}
+
+// A server out of connections for the consumer's role (53300
+// too_many_connections, here its CONNECTION LIMIT) refuses the pool's new
+// connections: an infrastructure failure, retried, while the connection
+// the pool has does the work; no message is charged or dead-lettered, and
+// each has its effect once.
+func TestTooManyConnectionsIsNoMessagesFailure(t *testing.T) {
+	admin, schema := pgtest.Schema(t)
+	effects(t, admin)
+	ctx := context.Background()
+	role := "limited_" + strings.TrimPrefix(schema, "t_")
+	role = role[:min(len(role), 60)]
+	_, err := admin.Exec(ctx, `CREATE ROLE `+role+` LOGIN CONNECTION LIMIT 1`)
+	require.NoError(t, err)
+	t.Cleanup(func() { _, _ = admin.Exec(context.Background(), `DROP OWNED BY `+role+`; DROP ROLE `+role) })
+	_, err = admin.Exec(ctx, `GRANT ALL ON SCHEMA `+schema+` TO `+role+`; GRANT ALL ON ALL TABLES IN SCHEMA `+schema+` TO `+role+
+		`; GRANT ALL ON ALL SEQUENCES IN SCHEMA `+schema+` TO `+role)
+	require.NoError(t, err)
+	pool := pgtest.NewPoolWith(t, schema, func(c *pgxpool.Config) {
+		c.ConnConfig.User = role
+		c.ConnConfig.Password = ""
+		c.MaxConns = 4
+	})
+	b := memsource.New(memsource.Options{}) // unordered: transactions at once
+	for i := range 20 {
+		publish(b, fmt.Sprintf("e%d", i), i)
+	}
+	var refused atomic.Int32
+	cfg := fastConfig("too-many-connections")
+	cfg.Concurrency = 4
+	cfg.Batch.Size = 1
+	cfg.Hooks.OnRetry = func(_ context.Context, r consumer.Retry) {
+		if sqlStateOf(r.Err) == "53300" {
+			refused.Add(1)
+		}
+	}
+	c, err := consumer.New(pool, b.Source(), insertEffect, cfg)
+	require.NoError(t, err)
+	start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 20 }, 20*time.Second, time.Millisecond)
+	assert.Empty(t, deadLetterKinds(b))
+	requireEffectsOnce(t, admin, 20)
+	assert.Positive(t, refused.Load(), "the server refused connections (53300)")
 }
