@@ -127,7 +127,7 @@ func (r *Relay) relayBatch(ctx context.Context, conn *pgx.Conn, batch []Record, 
 	}()
 	// What the broker confirmed is settled even when ctx is cancelled
 	// meanwhile: a row left unmarked is published again.
-	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), settleTimeout)
 	defer cancel()
 	var prevErr, aheadErr error
 	if len(batch) == r.cfg.BatchSize {
@@ -215,6 +215,16 @@ func (r *Relay) settleDeferred(ctx context.Context, conn *pgx.Conn, deferred *se
 	*deferred = settlement{}
 	return nil
 }
+
+// settleTimeout bounds each statement that writes what the broker
+// confirmed or refused (and the read sent with it, and a cleanup chunk),
+// which runs on even when the relay is stopping.
+const settleTimeout = 10 * time.Second
+
+// lockTimeout is the relay session's lock_timeout: below settleTimeout, so
+// that a statement waiting for a lock fails with the connection kept
+// rather than having it closed by settleTimeout.
+const lockTimeout = 5 * time.Second
 
 // shutdownGrace bounds how long a stopping relay waits for the broker's
 // answer to the batch in flight (a sarama producer does not watch the
@@ -559,7 +569,7 @@ const cleanupPass = 100 * time.Millisecond
 func (r *Relay) cleanup(ctx context.Context, conn *pgx.Conn) (more bool, err error) {
 	start := time.Now()
 	for ctx.Err() == nil {
-		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), settleTimeout)
 		tag, err := conn.Exec(cctx, r.sql.cleanup, r.cfg.KeepSent.Milliseconds(), cleanupChunk, r.cfg.Store.table, r.oid)
 		cancel()
 		if err != nil {

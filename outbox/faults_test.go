@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -273,6 +274,57 @@ CREATE TRIGGER refuse_delete BEFORE DELETE ON outbox FOR EACH STATEMENT EXECUTE 
 	}, 30*time.Second, 5*time.Millisecond, "the delete refused 5 times")
 	_, err = pool.Exec(ctx, `DELETE FROM refuse_deletes`)
 	require.NoError(t, err)
+	waitRows(t, pool, "true", 0, 30*time.Second)
+	got := d.read(t, n)
+	assert.Equal(t, n, len(got), "each row published once: %v", bodies(got))
+}
+
+// A row the relay has published is locked by another transaction (edited
+// by hand, or requeued inside a longer transaction) for longer than the
+// relay's bound on writing a settlement: the relay writes that batch's
+// settlement again until the lock is gone, and publishes nothing
+// meanwhile (was: the client's bound closed the relay's connection, its
+// session ended, and the next one read the rows again and published the
+// whole batch again, every ten seconds for as long as the lock was held).
+func TestRowLockedByAnotherTransactionIsNotPublishedAgain(t *testing.T) {
+	k := newKafka(t)
+	pool, schema := migrated(t)
+	d := k.destination(t)
+	ctx := context.Background()
+	const n = 5
+	var msgs []outbox.Message
+	for i := range n {
+		msgs = append(msgs, d.msg(fmt.Sprint("k", i%2), fmt.Sprint("m", i)))
+	}
+	addCommitted(t, pool, msgs...)
+
+	// An edit by hand of the first row, its transaction left open.
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+	_, err = tx.Exec(ctx, `UPDATE outbox SET last_error = 'edited by hand' WHERE seq = (SELECT min(seq) FROM outbox)`)
+	require.NoError(t, err)
+
+	startRelay(t, pool, k.publisher(t), outbox.RelayConfig{PollInterval: 20 * time.Millisecond,
+		InfraBackoff: outbox.Backoff{Initial: 10 * time.Millisecond, Max: 20 * time.Millisecond}})
+	// The lock is held until the relay's delete of the published batch
+	// has waited for it twice (two statements, or two sessions).
+	waits := map[string]bool{}
+	require.Eventually(t, func() bool {
+		rs, err := pool.Query(ctx, `SELECT pid::text || '@' || query_start::text FROM pg_stat_activity
+WHERE wait_event_type = 'Lock' AND query LIKE 'DELETE FROM %' AND pid <> pg_backend_pid()
+	AND EXISTS (SELECT FROM pg_locks l WHERE l.pid = pg_stat_activity.pid AND l.relation = to_regclass($1)::oid)`,
+			schema+".outbox")
+		require.NoError(t, err)
+		w, err := pgx.CollectRows(rs, pgx.RowTo[string])
+		require.NoError(t, err)
+		for _, s := range w {
+			waits[s] = true
+		}
+		return len(waits) >= 2
+	}, 60*time.Second, 50*time.Millisecond, "the relay's delete waited for the row lock twice")
+	require.NoError(t, tx.Rollback(ctx))
+
 	waitRows(t, pool, "true", 0, 30*time.Second)
 	got := d.read(t, n)
 	assert.Equal(t, n, len(got), "each row published once: %v", bodies(got))

@@ -287,6 +287,14 @@ func (r *Relay) session(ctx context.Context) (led bool, err error) {
 	// The batch query's cost estimate can pass jit_above_cost, and JIT
 	// compiling it takes longer than running it.
 	cc.RuntimeParams["jit"] = "off"
+	// A row lock held by another transaction (a row edited by hand, a
+	// Requeue in a longer transaction) fails the relay's statement within
+	// settleTimeout, its connection kept: the settlement of a batch the
+	// broker confirmed is then written again, and nothing is published
+	// meanwhile. Waiting instead until settleTimeout closed the connection
+	// (pgx closes one whose statement is cancelled): the next session read
+	// the batch again and published all of it again.
+	cc.RuntimeParams["lock_timeout"] = strconv.FormatInt(lockTimeout.Milliseconds(), 10)
 	// A notification can arrive while the relay is busy with a batch (the
 	// connection reads it with a statement's results): it is noted here,
 	// so that the next wait returns at once instead of a PollInterval
@@ -366,7 +374,7 @@ func (r *Relay) lead(ctx context.Context, conn *pgx.Conn, notified *atomic.Bool)
 	// reads the outbox again, waits or stops.
 	var deferred settlement
 	defer func() {
-		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), settleTimeout)
 		defer cancel()
 		if err := r.settleDeferred(sctx, conn, &deferred); err != nil {
 			r.cfg.Logger.Warn("outbox relay: marking published rows failed; they will be published again", "error", err)
@@ -379,7 +387,7 @@ func (r *Relay) lead(ctx context.Context, conn *pgx.Conn, notified *atomic.Bool)
 			// A settlement the database refused is written first: its rows
 			// are still in the outbox, and would be published again.
 			if !deferred.empty() {
-				sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+				sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), settleTimeout)
 				err = r.settleDeferred(sctx, conn, &deferred)
 				cancel()
 			}
