@@ -34,8 +34,8 @@ type Config struct {
 	// TLSConfig is used for amqps URLs. Nil: the system roots. Set with
 	// an amqp:// URL, New refuses it (the connection would not use TLS).
 	TLSConfig *tls.Config
-	// DialTimeout bounds the TCP connect and the AMQP handshake. Default
-	// 10s.
+	// DialTimeout bounds the TCP connect and the AMQP handshake, and the
+	// opening of the publishing channel. Default 10s.
 	DialTimeout time.Duration
 	// Heartbeat is the AMQP heartbeat interval. Default 10s; at least 1s
 	// (the protocol counts whole seconds). A heartbeat parameter in URL
@@ -43,9 +43,12 @@ type Config struct {
 	Heartbeat time.Duration
 	// ConnectionName is shown in the management UI. Default "once outbox".
 	ConnectionName string
-	// ConfirmTimeout bounds the wait for the broker's confirms of one
-	// batch; past it the batch's unconfirmed records are failed (and
-	// published again later). Default 10s.
+	// ConfirmTimeout bounds the writing of one batch and the wait for the
+	// broker's confirms; past it the batch's unconfirmed records are
+	// failed (and published again later), and the connection is dropped:
+	// a broker under a memory or disk alarm stops reading a connection
+	// that publishes, so neither a write larger than the socket buffers
+	// nor a confirm ends until the alarm clears. Default 10s.
 	ConfirmTimeout time.Duration
 	// Transient publishes with delivery mode 1 (not persisted by the
 	// broker). Default false: persistent, which a durable queue needs to
@@ -136,20 +139,27 @@ func urlHeartbeatZero(raw string) bool {
 // mandatory, and waits for their confirms. A record returned unroutable
 // (no queue bound), sent to an exchange that does not exist, is internal
 // or that the user may not write to, or larger than the broker's max_message_size gets
-// an error wrapped with outbox.Rejected; a nack, a lost connection or no
-// confirm within ConfirmTimeout an ordinary error, after which the channel
-// is replaced. A broker that refuses the connection itself (the
+// an error wrapped with outbox.Rejected; a nack or a lost connection an
+// ordinary error, after which the channel is replaced; a batch not written
+// or not confirmed within ConfirmTimeout, or before ctx is done (a broker
+// under a resource alarm reads nothing more), an ordinary error too, after
+// which the connection is replaced. A broker that stopped answering holds
+// Publish at most DialTimeout twice (to connect, then to open the channel)
+// plus ConfirmTimeout. A broker that refuses the connection itself (the
 // credentials, access to the vhost, the TLS handshake) gives every record
 // an error wrapped with outbox.Refused: the relay retries, logging it as
 // an error.
 func (p *Publisher) Publish(ctx context.Context, recs []outbox.Record) []error {
-	ch, returns, closes, err := p.channel()
+	ch, returns, closes, err := p.channel(ctx)
 	if err != nil {
 		return fill(len(recs), err)
 	}
 	wctx, cancel := context.WithTimeout(ctx, p.cfg.ConfirmTimeout)
 	defer cancel()
-	errs, confirms := p.send(wctx, ch, recs)
+	errs, confirms, err := p.send(wctx, ch, recs)
+	if err != nil {
+		return fill(len(recs), err)
+	}
 	returned := map[returnKey]amqp091.Return{}
 	for i, dc := range confirms {
 		if dc != nil {
@@ -162,7 +172,13 @@ func (p *Publisher) Publish(ctx context.Context, recs []outbox.Record) []error {
 	drainReturns(returns, returned)
 	closeErr := closeError(closes)
 	failed := p.classify(recs, errs, returned, closeErr)
-	if failed || closeErr != nil {
+	switch {
+	case failed && wctx.Err() != nil:
+		// Confirms still missing at the deadline: the connection may be
+		// one the broker no longer reads, where opening another channel
+		// would wait as long.
+		p.drop()
+	case failed || closeErr != nil:
 		p.reset()
 	}
 	if !failed && len(returned) == 0 && closeErr == nil {
@@ -172,19 +188,45 @@ func (p *Publisher) Publish(ctx context.Context, recs []outbox.Record) []error {
 }
 
 // send publishes recs without waiting; errs[i] is set for a record that
-// could not be sent, confirms[i] for one that was.
-func (p *Publisher) send(ctx context.Context, ch *amqp091.Channel, recs []outbox.Record) (errs []error, confirms []*amqp091.DeferredConfirmation) {
-	errs = make([]error, len(recs))
-	confirms = make([]*amqp091.DeferredConfirmation, len(recs))
-	for i, rec := range recs {
-		dc, err := ch.PublishWithDeferredConfirmWithContext(ctx, rec.Topic, rec.RoutingKey, true, false, p.publishing(rec))
-		if err != nil {
-			errs[i] = fmt.Errorf("amqpout: publish to exchange %q: %w", rec.Topic, err)
-			continue
-		}
-		confirms[i] = dc
+// could not be sent, confirms[i] for one that was. A broker under a
+// resource alarm stops reading the connection, and amqp091 gives up no
+// write on its context: the writes run aside, and when ctx ends before
+// they do, the connection is dropped (which ends the write) and err says
+// that the batch could not be written.
+func (p *Publisher) send(ctx context.Context, ch *amqp091.Channel, recs []outbox.Record) (errs []error, confirms []*amqp091.DeferredConfirmation, err error) {
+	type sent struct {
+		errs     []error
+		confirms []*amqp091.DeferredConfirmation
 	}
-	return errs, confirms
+	done := make(chan sent, 1)
+	go func() {
+		s := sent{make([]error, len(recs)), make([]*amqp091.DeferredConfirmation, len(recs))}
+		for i, rec := range recs {
+			dc, err := ch.PublishWithDeferredConfirmWithContext(ctx, rec.Topic, rec.RoutingKey, true, false, p.publishing(rec))
+			if err != nil {
+				s.errs[i] = fmt.Errorf("amqpout: publish to exchange %q: %w", rec.Topic, err)
+				continue
+			}
+			s.confirms[i] = dc
+		}
+		done <- s
+	}()
+	select {
+	case s := <-done:
+		return s.errs, s.confirms, nil
+	case <-ctx.Done():
+	}
+	select {
+	case s := <-done:
+		return s.errs, s.confirms, nil
+	default:
+	}
+	p.drop()
+	if errors.Is(ctx.Err(), context.DeadlineExceeded) {
+		return nil, nil, fmt.Errorf("amqpout: the batch could not be written within ConfirmTimeout %v (a broker under a resource alarm reads nothing); "+
+			"its connection is dropped", p.cfg.ConfirmTimeout)
+	}
+	return nil, nil, fmt.Errorf("amqpout: the batch was not written whole when publishing stopped; its connection is dropped: %w", ctx.Err())
 }
 
 // classify turns returns and a missing exchange into rejections in errs,
@@ -439,7 +481,7 @@ func (p *Publisher) publishing(rec outbox.Record) amqp091.Publishing {
 }
 
 // channel returns the confirm-mode channel, connecting if needed.
-func (p *Publisher) channel() (*amqp091.Channel, chan amqp091.Return, chan *amqp091.Error, error) {
+func (p *Publisher) channel(ctx context.Context) (*amqp091.Channel, chan amqp091.Return, chan *amqp091.Error, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.closed {
@@ -467,13 +509,12 @@ func (p *Publisher) channel() (*amqp091.Channel, chan amqp091.Return, chan *amqp
 		p.conn = conn
 		p.maxBody = 0
 	}
-	ch, err := p.conn.Channel()
+	ch, err := openConfirmChannel(ctx, p.conn, p.cfg.DialTimeout)
 	if err != nil {
-		return nil, nil, nil, fmt.Errorf("amqpout: open channel: %w", err)
-	}
-	if err := ch.Confirm(false); err != nil {
-		_ = ch.Close()
-		return nil, nil, nil, fmt.Errorf("amqpout: confirm mode: %w", err)
+		if errors.Is(err, errNoAnswer) {
+			p.dropLocked()
+		}
+		return nil, nil, nil, err
 	}
 	// Buffered so that the library's reader never waits for us between
 	// batches; while a batch is confirmed, await reads it.
@@ -522,6 +563,68 @@ func redact(err error) error {
 	return err
 }
 
+// errNoAnswer is openConfirmChannel's error when the broker did not answer
+// in time.
+var errNoAnswer = errors.New("no answer from the broker")
+
+// openConfirmChannel opens a channel on conn and puts it in confirm mode.
+// The broker answers neither while it blocks the connection (a resource
+// alarm), and amqp091 waits for the answers without a bound: they are
+// waited for aside, at most timeout or until ctx is done (errNoAnswer;
+// the caller drops conn, which ends them).
+func openConfirmChannel(ctx context.Context, conn *amqp091.Connection, timeout time.Duration) (*amqp091.Channel, error) {
+	type opened struct {
+		ch  *amqp091.Channel
+		err error
+	}
+	done := make(chan opened, 1)
+	go func() {
+		ch, err := conn.Channel()
+		if err != nil {
+			done <- opened{nil, fmt.Errorf("amqpout: open channel: %w", err)}
+			return
+		}
+		if err := ch.Confirm(false); err != nil {
+			_ = ch.Close()
+			done <- opened{nil, fmt.Errorf("amqpout: confirm mode: %w", err)}
+			return
+		}
+		done <- opened{ch, nil}
+	}()
+	t := time.NewTimer(timeout)
+	defer t.Stop()
+	select {
+	case o := <-done:
+		return o.ch, o.err
+	case <-t.C:
+		return nil, fmt.Errorf("amqpout: open channel: %w within DialTimeout %v", errNoAnswer, timeout)
+	case <-ctx.Done():
+		return nil, fmt.Errorf("amqpout: open channel: %w: %w", errNoAnswer, ctx.Err())
+	}
+}
+
+// closeWait bounds how long closing a connection waits for the broker's
+// answer: one under a resource alarm never answers.
+const closeWait = 2 * time.Second
+
+// drop abandons the connection after a batch it could not write or get
+// confirmed in time, without waiting for the broker; the next batch
+// connects again.
+func (p *Publisher) drop() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.dropLocked()
+}
+
+func (p *Publisher) dropLocked() {
+	if p.conn != nil {
+		// The deadline closing sets on the socket also ends a write the
+		// broker does not read.
+		go func(conn *amqp091.Connection) { _ = conn.CloseDeadline(time.Now().Add(closeWait)) }(p.conn)
+	}
+	p.conn, p.ch = nil, nil
+}
+
 // reset drops the channel after a failure; the next batch opens a new one
 // (and reconnects if the connection is gone too). Closing waits for the
 // broker, which may be what is stuck: it is not waited for.
@@ -534,7 +637,8 @@ func (p *Publisher) reset() {
 	}
 }
 
-// Close closes the connection. Publish fails afterwards.
+// Close closes the connection, waiting at most 2s for the broker's answer
+// (a broker under a resource alarm gives none). Publish fails afterwards.
 func (p *Publisher) Close() error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -542,7 +646,9 @@ func (p *Publisher) Close() error {
 	if p.conn == nil {
 		return nil
 	}
-	return p.conn.Close()
+	err := p.conn.CloseDeadline(time.Now().Add(closeWait))
+	p.conn, p.ch = nil, nil
+	return err
 }
 
 func fill(n int, err error) []error {

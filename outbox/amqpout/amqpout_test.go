@@ -1,6 +1,7 @@
 package amqpout
 
 import (
+	"context"
 	"crypto/tls"
 	"net"
 	"testing"
@@ -74,7 +75,7 @@ func TestTLSConfigIsNotModified(t *testing.T) {
 	p, err := New(Config{URL: "amqps://guest:guest@" + ln.Addr().String() + "/", TLSConfig: shared, DialTimeout: time.Second})
 	require.NoError(t, err)
 	defer p.Close()
-	_, _, _, err = p.channel()
+	_, _, _, err = p.channel(context.Background())
 	require.Error(t, err, "the server speaks neither TLS nor AMQP")
 	assert.Empty(t, shared.ServerName, "the publisher wrote into the caller's tls.Config")
 }
