@@ -80,3 +80,65 @@ func TestRelayStopsWhileACheckWaitsOnAHungBroker(t *testing.T) {
 	proxy.Resume()
 	paused = false
 }
+
+// The same with several records to the missing exchange in the batch (no
+// key, so none holds another back): the first lookup that the broker does
+// not answer ends the publisher's connection, and the records after it are
+// not looked up on it one ConfirmTimeout after another (was: each waited
+// its own ConfirmTimeout, so a stop, and every other key's messages,
+// waited for as many of them as the batch held).
+func TestRelayStopsWhileChecksOfManyRecordsWaitOnAHungBroker(t *testing.T) {
+	r := rabbitOrSkip(t)
+	u, err := url.Parse(r.url)
+	require.NoError(t, err)
+	proxy, err := netcut.NewProxy(u.Host)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = proxy.Close() })
+	u.Host = proxy.Addr()
+	pub := &checkSignal{Publisher: r.publisherAt(t, u.String()), checking: make(chan outbox.Record, 100)}
+	pool, _ := migrated(t)
+	// Retried at once and never parked: the rows are due together, in one
+	// batch, whenever the broker stops answering.
+	relay, err := outbox.NewRelay(pool, pub, outbox.RelayConfig{PollInterval: 20 * time.Millisecond, MaxAttempts: 1 << 20,
+		RetryBackoff: outbox.Backoff{Initial: time.Millisecond, Max: time.Millisecond}, Logger: testLogger()})
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- relay.Run(ctx) }()
+
+	const n = 6 // ConfirmTimeout is 2s: 12s one after another
+	exchange := uniq("no-such-exchange")
+	var msgs []outbox.Message
+	for range n {
+		msgs = append(msgs, outbox.Message{Topic: exchange, RoutingKey: "x", Body: []byte("x")})
+	}
+	addCommitted(t, pool, msgs...)
+	waitRows(t, pool, "attempts > 1", n, 30*time.Second) // refused: their exchange is known missing
+	for len(pub.checking) > 0 {
+		<-pub.checking
+	}
+	proxy.Pause()
+	paused := true
+	defer func() {
+		if paused {
+			proxy.Resume()
+		}
+	}()
+	select {
+	case <-pub.checking: // a retry's check, which asks the broker
+	case <-time.After(30 * time.Second):
+		t.Fatal("the rows were not checked again")
+	}
+	start := time.Now()
+	cancel()
+	select {
+	case err := <-done:
+		require.NoError(t, err)
+	case <-time.After(60 * time.Second):
+		t.Fatal("the relay did not stop")
+	}
+	assert.Less(t, time.Since(start), 8*time.Second, "the stop waited for the hung checks one after another")
+	proxy.Resume()
+	paused = false
+}

@@ -270,7 +270,8 @@ func (p *Publisher) classify(recs []outbox.Record, errs []error, returned map[re
 // passive declare (on a channel of its own) still does not find; records
 // to other exchanges pass unchecked. A lookup the broker does not answer
 // within ConfirmTimeout keeps the record for a later batch (an error not
-// wrapped with outbox.Rejected).
+// wrapped with outbox.Rejected) and drops the connection: until the next
+// publish connects again, records pass unchecked.
 func (p *Publisher) Check(rec outbox.Record) error {
 	if err := checkShortStrings(rec); err != nil {
 		return outbox.Rejected(err)
@@ -296,6 +297,10 @@ func (p *Publisher) Check(rec outbox.Record) error {
 	select {
 	case err = <-found:
 	case <-time.After(p.cfg.ConfirmTimeout):
+		// The connection is dropped: the records after this one are not
+		// looked up on it, each waiting another ConfirmTimeout (they pass
+		// unchecked, and the next publish connects again).
+		p.dropIf(conn)
 		return fmt.Errorf("amqpout: no answer within ConfirmTimeout %v to the lookup of exchange %q", p.cfg.ConfirmTimeout, rec.Topic)
 	}
 	var ae *amqp091.Error
@@ -614,6 +619,15 @@ func (p *Publisher) drop() {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.dropLocked()
+}
+
+// dropIf drops the connection if it is still conn.
+func (p *Publisher) dropIf(conn *amqp091.Connection) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.conn == conn {
+		p.dropLocked()
+	}
 }
 
 func (p *Publisher) dropLocked() {
