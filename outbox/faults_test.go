@@ -197,8 +197,9 @@ func brokerDownThenBack(t *testing.T, d dest, pub outbox.Publisher, down, up fun
 }
 
 // A broker that never answers a produce request does not hold a stopping
-// relay beyond the shutdown grace (5s): the unanswered batch stays in the
-// outbox, to be published again.
+// relay beyond the shutdown grace (5s), nor the publisher's Close after it
+// beyond 2s: the unanswered batch stays in the outbox, to be published
+// again.
 func TestRelayStopsWhileTheBrokerHangs(t *testing.T) {
 	k := newKafka(t)
 	pool, _ := migrated(t)
@@ -230,7 +231,22 @@ func TestRelayStopsWhileTheBrokerHangs(t *testing.T) {
 		t.Fatal("the relay did not stop within 20s while the broker hung (grace 5s, producer read timeout 1m)")
 	}
 	assert.Equal(t, 1, rows(t, pool, "true"), "the unanswered row stays")
-	k.stop() // before the publisher's Close, which waits for the request in flight
+	// Nor does the publisher's Close, which the service calls next, wait
+	// for the request in flight (was: until the producer's read timeout).
+	closed := make(chan struct{})
+	start := time.Now()
+	go func() {
+		_ = pub.Close()
+		close(closed)
+	}()
+	select {
+	case <-closed:
+	case <-time.After(20 * time.Second):
+		t.Error("the publisher's Close still waited 20s after the relay stopped, the broker hanging")
+		k.stop() // ends the request in flight, and Close
+		<-closed
+	}
+	assert.Less(t, time.Since(start), 5*time.Second, "Close waited for the broker that hangs")
 }
 
 // The database refuses the delete of a published batch while it still

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"time"
 
 	"github.com/IBM/sarama"
 	"github.com/rcrowley/go-metrics"
@@ -352,17 +353,33 @@ func (p *Publisher) reset() {
 	}
 }
 
-// Close closes the producer. Publish fails afterwards.
+// closeWait bounds how long Close waits for the producer to close.
+const closeWait = 2 * time.Second
+
+// Close closes the producer, waiting at most 2s: a sarama producer closes
+// only once the requests in flight are answered, and a relay that stopped
+// may have left one to a broker that does not answer (until
+// Net.ReadTimeout). Past that Close returns an error and the producer
+// finishes closing in the background. Publish fails afterwards.
 func (p *Publisher) Close() error {
 	p.mu.Lock()
-	defer p.mu.Unlock()
 	p.closed = true
-	if p.producer == nil {
+	producer := p.producer
+	p.producer = nil
+	p.mu.Unlock()
+	if producer == nil {
 		return nil
 	}
-	err := p.producer.Close()
-	p.producer = nil
-	return err
+	done := make(chan error, 1)
+	go func() { done <- producer.Close() }()
+	t := time.NewTimer(closeWait)
+	defer t.Stop()
+	select {
+	case err := <-done:
+		return err
+	case <-t.C:
+		return fmt.Errorf("kafkaout: the producer did not close within %v (a request in flight that the broker does not answer); it goes on closing in the background", closeWait)
+	}
 }
 
 func fill(n int, err error) []error {
