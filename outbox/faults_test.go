@@ -24,9 +24,9 @@ import (
 
 // Two relays run on one table while writers add rows for six keys and the
 // leader's database session is killed three times: one relay leads at a
-// time (but for the batch a killed leader had in flight), every row is
-// published, and each key's messages reach the broker
-// in the order they were written (re-published copies after a failover
+// time (but for the batches a killed leader had in flight and read
+// ahead), every row is published, and each key's messages reach the
+// broker in the order they were written (re-published copies after a failover
 // come after their first copy, so the next hop's deduplication keeps the
 // order).
 func TestKeyOrderUnderTwoRelays(t *testing.T) {
@@ -39,7 +39,7 @@ func TestKeyOrderUnderTwoRelays(t *testing.T) {
 		r2, _ := startRelay(t, pool, b.publisher(t), cfg)
 
 		// Who leads, sampled: a killed leader learns it lost its session
-		// only when its next statement fails, so for up to one batch two
+		// only when its next statement fails, so for up to two batches two
 		// relays may both be publishing; the order check below is what
 		// must hold regardless.
 		var led1, led2 atomic.Bool
@@ -344,4 +344,85 @@ WHERE wait_event_type = 'Lock' AND query LIKE 'DELETE FROM %' AND pid <> pg_back
 	waitRows(t, pool, "true", 0, 30*time.Second)
 	got := d.read(t, n)
 	assert.Equal(t, n, len(got), "each row published once: %v", bodies(got))
+}
+
+// heldSecondPublisher holds its second Publish call until gate is closed, and
+// counts the calls that begin once after is set.
+type heldSecondPublisher struct {
+	outbox.Publisher
+	calls, callsAfter atomic.Int64
+	gate              chan struct{}
+	after             atomic.Bool
+}
+
+func (p *heldSecondPublisher) Publish(ctx context.Context, recs []outbox.Record) []error {
+	if p.after.Load() {
+		p.callsAfter.Add(1)
+	}
+	if p.calls.Add(1) == 2 {
+		<-p.gate
+	}
+	return p.Publisher.Publish(ctx, recs)
+}
+
+// A leader's session is killed while the broker works on a full batch,
+// after the relay read the next batch ahead: once the other relay leads,
+// the old leader finishes the batch in flight and publishes the one it
+// read ahead too (it learns its session is gone only from the delete it
+// sends beside that publish), and nothing more. Every row is published,
+// the first copies in order.
+func TestKilledLeaderPublishesAtMostTheBatchReadAhead(t *testing.T) {
+	k := newKafka(t)
+	pool, _ := migrated(t)
+	d := k.destination(t)
+	const batch, n = 10, 40
+	var msgs []outbox.Message
+	for i := range n {
+		msgs = append(msgs, d.msg("k", fmt.Sprintf("k/%d", i)))
+	}
+	addCommitted(t, pool, msgs...)
+	cfg := outbox.RelayConfig{PollInterval: 20 * time.Millisecond, BatchSize: batch,
+		InfraBackoff: outbox.Backoff{Initial: 10 * time.Millisecond, Max: 50 * time.Millisecond}}
+	pub := &heldSecondPublisher{Publisher: k.publisher(t), gate: make(chan struct{})}
+	opened := false
+	defer func() {
+		if !opened {
+			close(pub.gate)
+		}
+	}()
+	r1, _ := startRelay(t, pool, pub, cfg)
+	require.Eventually(t, r1.Leader, 30*time.Second, 5*time.Millisecond)
+	// The second batch is in flight (held); the first one's delete and
+	// the read of the third went out beside it.
+	waitRows(t, pool, "true", n-batch, 30*time.Second)
+	var pid int32
+	require.NoError(t, pool.QueryRow(context.Background(), `SELECT pid FROM pg_locks
+WHERE locktype = 'advisory' AND classid = $1::bigint::oid AND objid = 'outbox'::regclass AND objsubid = 2 AND granted`,
+		int64(0x6f626f78)).Scan(&pid))
+	var killed bool
+	require.NoError(t, pool.QueryRow(context.Background(), `SELECT pg_terminate_backend($1)`, pid).Scan(&killed))
+	require.True(t, killed)
+	r2, _ := startRelay(t, pool, k.publisher(t), cfg)
+	require.Eventually(t, r2.Leader, 30*time.Second, 5*time.Millisecond)
+	pub.after.Store(true)
+	close(pub.gate)
+	opened = true
+
+	waitRows(t, pool, "true", 0, 30*time.Second)
+	require.Eventually(t, func() bool { return !r1.Leader() }, 30*time.Second, 5*time.Millisecond)
+	assert.LessOrEqual(t, pub.callsAfter.Load(), int64(1), "batches the killed leader began after the other one led")
+	got := d.read(t, n)
+	distinct, _ := ids(got)
+	require.Len(t, distinct, n, "every row published")
+	seen := map[string]bool{}
+	next := 0
+	for _, m := range got {
+		if seen[m.ID] {
+			continue
+		}
+		seen[m.ID] = true
+		require.Equal(t, fmt.Sprintf("k/%d", next), m.Body, "first copies in the order written")
+		next++
+	}
+	t.Logf("%d records on the wire for %d rows; the killed leader began %d batch(es) after the other led", len(got), n, pub.callsAfter.Load())
 }
