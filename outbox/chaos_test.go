@@ -150,8 +150,8 @@ func TestPostgresRestartsMidStream(t *testing.T) {
 	warns := &atomic.Int64{}
 	r, _ := startRelay(t, pool, k.publisher(t), outbox.RelayConfig{PollInterval: 50 * time.Millisecond, BatchSize: 20,
 		InfraBackoff: outbox.Backoff{Initial: 20 * time.Millisecond, Max: 200 * time.Millisecond}, Logger: countingLogger(warns)})
-	// Run's start (the migration) is not what this test breaks: a
-	// database restarted under it fails Run, as it fails a consumer's.
+	// Run's start (the migration) is not what this test breaks
+	// (TestRelayStartedWhileTheDatabaseIsDownWaitsForIt does).
 	require.Eventually(t, r.Leader, 30*time.Second, 5*time.Millisecond, "the relay has started and leads")
 
 	const writers, perWriter = 3, 200
@@ -195,4 +195,48 @@ func TestPostgresRestartsMidStream(t *testing.T) {
 		require.Equal(t, strconv.Itoa(next[key]), n, "key %s: first copies in the order written", key)
 		next[key]++
 	}
+}
+
+// A relay started while PostgreSQL is down (a service restarted during a
+// database failover) waits for it, as a consumer does: its migration is
+// retried after InfraBackoff and logged, and once the server is back the
+// relay creates the table, leads and publishes (was: Run returned the
+// connection error at once, and a relay started with `go relay.Run(ctx)`
+// beside its consumer never ran).
+func TestRelayStartedWhileTheDatabaseIsDownWaitsForIt(t *testing.T) {
+	k := newKafka(t)
+	ctx := context.Background()
+	srv, err := pgtemp.Start(ctx, pgtemp.Options{})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = srv.Close() })
+	pool, err := pgxpool.New(ctx, srv.URL())
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	require.NoError(t, srv.Stop(ctx))
+
+	warns := &atomic.Int64{}
+	r, err := outbox.NewRelay(pool, k.publisher(t), outbox.RelayConfig{PollInterval: 20 * time.Millisecond,
+		InfraBackoff: outbox.Backoff{Initial: 20 * time.Millisecond, Max: 100 * time.Millisecond}, Logger: countingLogger(warns)})
+	require.NoError(t, err)
+	runCtx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- r.Run(runCtx) }()
+	for deadline := time.Now().Add(20 * time.Second); warns.Load() < 3; {
+		select {
+		case err := <-done:
+			t.Fatalf("Run returned while the database was down: %v", err)
+		case <-time.After(5 * time.Millisecond):
+		}
+		require.True(t, time.Now().Before(deadline), "the start is retried and logged")
+	}
+
+	require.NoError(t, srv.Restart(ctx))
+	require.Eventually(t, r.Leader, 30*time.Second, 5*time.Millisecond, "the relay has created the table and leads")
+	d := k.destination(t)
+	addCommitted(t, pool, d.msg("a", "a/0"), d.msg("a", "a/1"))
+	waitRows(t, pool, "true", 0, 30*time.Second)
+	assert.Equal(t, []string{"a/0", "a/1"}, bodies(d.read(t, 2)))
+	cancel()
+	require.NoError(t, <-done)
 }

@@ -4,7 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
+	"net"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -199,8 +201,12 @@ func (r *Relay) Leader() bool { return r.leader.Load() }
 
 // Run relays until ctx is cancelled, then returns nil. It first creates
 // the outbox table (unless RelayConfig.SkipMigrate) and returns that error
-// if it fails; with SkipMigrate it returns the error of Store.Check for a
-// table of another shape (wrapping ErrSchemaMismatch). Losing the database
+// if it fails for a reason waiting cannot cure (a table of another shape,
+// a password or a permission refused); a database that is down,
+// restarting or out of connections is waited for, the migration retried
+// after RelayConfig.InfraBackoff and logged. With SkipMigrate it returns
+// the error of Store.Check for a table of another shape (wrapping
+// ErrSchemaMismatch). Losing the database
 // connection, the broker failing or the table missing are logged and
 // retried with RelayConfig.InfraBackoff; so are the broker refusing the
 // publisher (Refused) and the database refusing the relay's role its
@@ -213,7 +219,7 @@ func (r *Relay) Run(ctx context.Context) error {
 		return errors.New("outbox: Relay.Run called twice")
 	}
 	if !r.cfg.SkipMigrate {
-		if err := r.cfg.Store.Migrate(ctx, r.pool); err != nil {
+		if err := r.migrate(ctx); err != nil {
 			if ctx.Err() != nil {
 				return nil
 			}
@@ -244,6 +250,40 @@ func (r *Relay) Run(ctx context.Context) error {
 		}
 	}
 	return nil
+}
+
+// migrate runs the table's migration, retried after InfraBackoff for as
+// long as the database is unavailable (down, restarting, out of
+// connections) and ctx is live: a relay started during a database outage
+// waits for it, as a consumer does. Any other failure is returned.
+func (r *Relay) migrate(ctx context.Context) error {
+	for failures := 1; ; failures++ {
+		err := r.cfg.Store.Migrate(ctx, r.pool)
+		if err == nil || ctx.Err() != nil || !databaseUnavailable(err) {
+			return err
+		}
+		d := r.cfg.InfraBackoff.delay(failures)
+		r.cfg.Logger.Warn("outbox relay: the database is unavailable to migrate the outbox table; retrying", "error", err, "backoff", d)
+		if !backoff.Sleep(ctx, d) {
+			return ctx.Err()
+		}
+	}
+}
+
+// databaseUnavailable reports whether err is the database unreachable, its
+// connection lost, or the server shutting down, starting or out of
+// connections or resources: what waiting cures. A refusal of the relay's
+// role (databaseRefused) is not.
+func databaseUnavailable(err error) bool {
+	var pe *pgconn.PgError
+	if errors.As(err, &pe) {
+		return strings.HasPrefix(pe.Code, "08") || strings.HasPrefix(pe.Code, "53") ||
+			strings.HasPrefix(pe.Code, "57P") || strings.HasPrefix(pe.Code, "58")
+	}
+	var ce *pgconn.ConnectError
+	var ne net.Error
+	return errors.As(err, &ce) || errors.As(err, &ne) || pgconn.Timeout(err) || pgconn.SafeToRetry(err) ||
+		errors.Is(err, pgconn.ErrConnClosed) || errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF)
 }
 
 // tableExists reports whether the outbox table exists (false when the
