@@ -1,6 +1,7 @@
 package outbox_test
 
 import (
+	"context"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -12,6 +13,7 @@ import (
 
 	"github.com/onceco/once/internal/rabbittemp"
 	"github.com/onceco/once/outbox"
+	"github.com/onceco/once/outbox/amqpout"
 )
 
 // privateRabbit starts a RabbitMQ node for t alone (scripts/rabbitmq.sh),
@@ -116,4 +118,59 @@ func TestExchangeWithoutWritePermissionIsParkedOthersGoOn(t *testing.T) {
 	assert.Equal(t, 1, rows(t, pool, "parked_at IS NULL AND body = 'f/2'"))
 	got := firstCopies(d.read(t, 3))
 	assert.ElementsMatch(t, []string{"a/1", "b/1", "c/1"}, bodies(got))
+}
+
+// A row whose properties and headers do not fit in one AMQP frame (the
+// content header cannot be split; frame_max is 128 KiB by default) cannot
+// be sent: it is refused and parked, the rows of its key behind it wait,
+// and every other row is published, where the broker closed the
+// connection (FRAME_ERROR) at every attempt, failing the whole batch, and
+// the relay published nothing at all.
+func TestAMQPHeadersOverTheFrameSizeAreParkedOthersGoOn(t *testing.T) {
+	r := rabbitOrSkip(t)
+	pool, _ := migrated(t)
+	d := r.destination(t)
+	startRelay(t, pool, r.publisher(t), outbox.RelayConfig{PollInterval: 20 * time.Millisecond, MaxAttempts: 2,
+		RetryBackoff: outbox.Backoff{Initial: 10 * time.Millisecond, Max: 10 * time.Millisecond},
+		InfraBackoff: outbox.Backoff{Initial: 10 * time.Millisecond, Max: 50 * time.Millisecond}})
+	big := d.msg("a", "a/2")
+	big.Headers = map[string]string{"big": strings.Repeat("h", 200<<10)}
+	// Just under the default frame: sent.
+	fits := d.msg("c", "c/1")
+	fits.Headers = map[string]string{"fits": strings.Repeat("h", 120<<10)}
+	addCommitted(t, pool, d.msg("a", "a/1"), big, d.msg("b", "b/1"), d.msg("a", "a/3"), fits)
+	waitRows(t, pool, "parked_at IS NOT NULL AND last_error LIKE '%frame%'", 1, 30*time.Second)
+	got := firstCopies(d.read(t, 3))
+	assert.ElementsMatch(t, []string{"a/1", "b/1", "c/1"}, bodies(got))
+	assert.Equal(t, 1, rows(t, pool, "parked_at IS NULL AND body = 'a/3'"), "a/3 waits behind the parked a/2")
+}
+
+// The frame check is tight: the largest headers it lets through are
+// confirmed by the broker, and the broker refuses headers 9 bytes longer
+// (the check counts the frame's 8 bytes of type, channel, size and end
+// octet against frame_max, as the AMQP specification does; RabbitMQ does
+// not).
+func TestAMQPFrameCheckIsTight(t *testing.T) {
+	r := rabbitOrSkip(t)
+	d := r.destination(t).(*rabbitDest)
+	pub := r.publisher(t).(*amqpout.Publisher)
+	rec := func(n int) outbox.Record {
+		return outbox.Record{EventID: uniq("e"), RoutingKey: d.queue, Type: "t", Body: []byte("b"), CreatedAt: time.Now(),
+			Headers: map[string]string{"h": strings.Repeat("x", n)}}
+	}
+	ctx := context.Background()
+	require.Nil(t, pub.Publish(ctx, []outbox.Record{rec(1)}), "connected")
+	lo, hi := 1, 1<<20 // Check passes lo, refuses hi
+	require.Error(t, pub.Check(rec(hi)))
+	for hi-lo > 1 {
+		if mid := (lo + hi) / 2; pub.Check(rec(mid)) == nil {
+			lo = mid
+		} else {
+			hi = mid
+		}
+	}
+	assert.Nil(t, pub.Publish(ctx, []outbox.Record{rec(lo)}), "the largest headers the check lets through are confirmed")
+	errs := pub.Publish(ctx, []outbox.Record{rec(lo + 9)})
+	require.Len(t, errs, 1)
+	assert.Error(t, errs[0], "9 bytes more do not fit in the frame")
 }

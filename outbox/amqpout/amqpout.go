@@ -74,6 +74,10 @@ type Publisher struct {
 	// them up before their next record is sent, because a publish to a
 	// missing exchange closes the channel and fails the whole batch.
 	missing map[string]bool
+	// frameMax is the frame size negotiated with the broker on the last
+	// connection (0: not connected yet): a message's properties and
+	// headers travel in one content header frame, which cannot be split.
+	frameMax int
 	// maxBody is the broker's max_message_size, once a publish over it
 	// closed a channel of this connection (0: not known): Check refuses a
 	// larger record before it is sent, which would close the channel
@@ -264,7 +268,9 @@ func (p *Publisher) classify(recs []outbox.Record, errs []error, returned map[re
 }
 
 // Check refuses a record that AMQP cannot carry (an exchange, routing
-// key, event id, type or header name over 255 bytes), a record larger
+// key, event id, type or header name over 255 bytes, properties and
+// headers that do not fit in one frame of the connection's frame_max, 128
+// KiB by default), a record larger
 // than the broker's max_message_size, once a publish found that limit,
 // and a record to an exchange that a publish found missing and that a
 // passive declare (on a channel of its own) still does not find; records
@@ -277,8 +283,17 @@ func (p *Publisher) Check(rec outbox.Record) error {
 		return outbox.Rejected(err)
 	}
 	p.mu.Lock()
-	missing, conn, maxBody := p.missing[rec.Topic], p.conn, p.maxBody
+	missing, conn, maxBody, frameMax := p.missing[rec.Topic], p.conn, p.maxBody, p.frameMax
 	p.mu.Unlock()
+	if frameMax <= 0 {
+		// Not connected yet: the frame size will be at most what amqp091
+		// proposes.
+		frameMax = defaultFrameMax
+	}
+	if size := p.headerFrameSize(rec); size > frameMax-frameOverhead {
+		return outbox.Rejected(fmt.Errorf("amqpout: the message's properties and headers take %d bytes, more than one frame carries "+
+			"(frame_max %d, AMQP cannot split them)", size, frameMax))
+	}
 	if maxBody > 0 && len(rec.Body) > maxBody {
 		return outbox.Rejected(fmt.Errorf("amqpout: message of %d bytes is larger than the broker's max size %d (max_message_size)",
 			len(rec.Body), maxBody))
@@ -327,6 +342,43 @@ func lookUpExchange(conn *amqp091.Connection, exchange string) error {
 		_ = ch.Close()
 	}
 	return err
+}
+
+// defaultFrameMax is the frame size amqp091 proposes (RabbitMQ's default
+// frame_max); the negotiated one is at most that.
+const defaultFrameMax = 131072
+
+// frameOverhead is what a frame adds to its payload: type, channel and
+// size before it, the end octet after.
+const frameOverhead = 8
+
+// headerFrameSize is the size of the payload of the content header frame
+// that carries rec's properties (as publishing sets them) and headers, as
+// amqp091 writes it: class id, weight, body size and property flags, then
+// each property set; the headers a field table of long strings.
+func (p *Publisher) headerFrameSize(rec outbox.Record) int {
+	n := 2 + 2 + 8 + 2
+	for _, s := range [...]string{rec.EventID, rec.Type} {
+		if s != "" {
+			n += 1 + len(s)
+		}
+	}
+	table, fields := 4, 0
+	for k, v := range rec.Headers {
+		if k == "id" || k == "type" {
+			continue
+		}
+		table += 1 + len(k) + 1 + 4 + len(v)
+		fields++
+	}
+	if fields > 0 {
+		n += table
+	}
+	n++ // delivery mode
+	if !rec.CreatedAt.IsZero() {
+		n += 8
+	}
+	return n
 }
 
 // maxShortString is the longest AMQP short string, in bytes: exchange
@@ -513,6 +565,7 @@ func (p *Publisher) channel(ctx context.Context) (*amqp091.Channel, chan amqp091
 		}
 		p.conn = conn
 		p.maxBody = 0
+		p.frameMax = conn.Config.FrameSize
 	}
 	ch, err := openConfirmChannel(ctx, p.conn, p.cfg.DialTimeout)
 	if err != nil {
