@@ -362,6 +362,7 @@ func (r *Relay) session(ctx context.Context) (led bool, err error) {
 			return false, fmt.Errorf("connect: the pool's AfterConnect: %w", err)
 		}
 	}
+	r.askForKeepalives(ctx, conn, cc.RuntimeParams)
 	var oid *uint32
 	if err := conn.QueryRow(ctx, `SELECT to_regclass($1)::oid`, r.cfg.Store.table).Scan(&oid); err != nil {
 		return false, fmt.Errorf("look up table %s: %w", r.cfg.Store.table, err)
@@ -380,6 +381,44 @@ func (r *Relay) session(ctx context.Context) (led bool, err error) {
 		return true, fmt.Errorf("listen: %w", err)
 	}
 	return true, r.lead(ctx, conn, notified)
+}
+
+// leaderKeepalives are the server's TCP keepalive settings of the
+// relay's session: the server gives up on a peer that stopped answering
+// (a leader whose host died or was cut off, which sends no FIN) within
+// about a minute, and the leader lock goes with the session. With the
+// operating system's defaults it would keep the session, and the lock,
+// for two hours and more, and no other relay could lead meanwhile.
+var leaderKeepalives = []struct{ name, value string }{
+	{"tcp_keepalives_idle", "30"},     // seconds without traffic before the first probe
+	{"tcp_keepalives_interval", "10"}, // seconds between probes
+	{"tcp_keepalives_count", "3"},     // probes unanswered before the server gives up
+	{"tcp_user_timeout", "60000"},     // ms data sent may stay unacknowledged
+}
+
+// askForKeepalives sets leaderKeepalives on the session, except those the
+// connection string sets (params). A server that refuses them (a platform
+// without the socket option) is logged at level Warn: the relay leads all
+// the same, and a dead leader's lock is then kept as long as the
+// server's own settings say.
+func (r *Relay) askForKeepalives(ctx context.Context, conn *pgx.Conn, params map[string]string) {
+	var sets []string
+	var args []any
+	for _, k := range leaderKeepalives {
+		if _, ok := params[k.name]; ok {
+			continue
+		}
+		args = append(args, k.name, k.value)
+		sets = append(sets, fmt.Sprintf("set_config($%d, $%d, false)", len(args)-1, len(args)))
+	}
+	if len(sets) == 0 {
+		return
+	}
+	if _, err := conn.Exec(ctx, "SELECT "+strings.Join(sets, ", "), args...); err != nil {
+		r.cfg.Logger.Warn("outbox relay: the server refused TCP keepalive settings for the relay's session; "+
+			"if this relay's host dies, its leader lock is kept until the server's own keepalives give up",
+			"table", r.cfg.Store.table, "error", err)
+	}
 }
 
 // becomeLeader polls the leader lock every PollInterval until it has it.
