@@ -148,7 +148,11 @@ func (p *pipeline) queueClaimsByPosition(b *pgx.Batch, jobs []*job) (func(contex
 		}
 	}
 	return func(ctx context.Context, tx dedup.DB) ([]dedup.Result, error) {
-		res := make([]dedup.Result, len(jobs)) // the zero Result is Claimed
+		res := make([]dedup.Result, len(jobs))
+		for i := range res {
+			// Deduplicated by its position: claimed without a row.
+			res[i].Outcome = dedup.Claimed
+		}
 		if claims == nil {
 			return res, nil
 		}

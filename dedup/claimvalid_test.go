@@ -85,3 +85,33 @@ func TestRetentionRefusesAConsumerPostgreSQLCannotStore(t *testing.T) {
 		})
 	}
 }
+
+// The Result returned with an error never reads as Claimed: a caller that
+// looked at Outcome before the error (or logged it) took a claim that
+// failed, or was never sent, for a new id, and ran the handler.
+func TestFailedClaimIsNotClaimed(t *testing.T) {
+	ctx, pool, s := setup(t)
+	var zero dedup.Result
+	assert.NotEqual(t, dedup.Claimed, zero.Outcome, "the zero Result")
+	assert.NotEqual(t, "claimed", zero.Outcome.String(), "the zero Outcome's name")
+
+	invalid := dedup.Claim{Consumer: "billing", EventID: ""}
+	res, err := s.Claim(ctx, pool, invalid)
+	require.ErrorIs(t, err, dedup.ErrInvalidClaim)
+	assert.NotEqual(t, dedup.Claimed, res.Outcome, "Claim of an invalid claim")
+
+	res, err = s.QueueClaim(&pgx.Batch{}, invalid).Result(ctx, pool)
+	require.ErrorIs(t, err, dedup.ErrInvalidClaim)
+	assert.NotEqual(t, dedup.Claimed, res.Outcome, "Result of an invalid claim")
+
+	// A statement queued before the claim fails: the claim's result is
+	// never read.
+	b := &pgx.Batch{}
+	b.Queue("SELECT 1/0")
+	pending := s.QueueClaim(b, dedup.Claim{Consumer: "billing", EventID: "evt-1"})
+	require.Error(t, pool.SendBatch(ctx, b).Close())
+	res, err = pending.Result(ctx, pool)
+	require.Error(t, err)
+	assert.NotEqual(t, dedup.Claimed, res.Outcome, "Result of a claim never read")
+	assert.Zero(t, processed(t, ctx, pool, "billing", "evt-1"))
+}

@@ -179,13 +179,15 @@ func storable(s string) bool {
 	return utf8.ValidString(s) && strings.IndexByte(s, 0) < 0
 }
 
-// Outcome is what a claim found.
+// Outcome is what a claim found. The zero Outcome is none of the three:
+// it is the Outcome of the Result returned with an error, which never
+// reads as Claimed.
 type Outcome int
 
 const (
 	// Claimed means the id is new; the row is inserted in the caller's
 	// transaction and exists once that commits.
-	Claimed Outcome = iota
+	Claimed Outcome = iota + 1
 	// Duplicate means the id was processed before with the same fingerprint (or
 	// one of the two has none).
 	Duplicate
@@ -206,7 +208,8 @@ func (o Outcome) String() string {
 }
 
 // Result is the outcome of one claim. For Duplicate and Conflict, Previous
-// describes the row that was there.
+// describes the row that was there. The zero Result, returned with every
+// error, has the zero Outcome, which is not Claimed.
 type Result struct {
 	Outcome  Outcome
 	Previous Previous
