@@ -158,13 +158,30 @@ type Claim struct {
 // validate returns an error wrapping ErrInvalidClaim when c cannot be
 // stored (see ErrInvalidClaim).
 func (c *Claim) validate() error {
+	if err := validateConsumer(c.Consumer); err != nil {
+		return err
+	}
+	return c.validateEvent()
+}
+
+// validateConsumer returns an error wrapping ErrInvalidClaim when a
+// claim's Consumer cannot be stored.
+func validateConsumer(consumer string) error {
 	switch {
-	case c.Consumer == "":
+	case consumer == "":
 		return fmt.Errorf("%w: empty Consumer", ErrInvalidClaim)
+	case !storable(consumer):
+		return fmt.Errorf("%w: Consumer is not UTF-8 text without NUL, which PostgreSQL cannot store", ErrInvalidClaim)
+	}
+	return nil
+}
+
+// validateEvent is validate without the check of the Consumer, which the
+// claims of a batch share.
+func (c *Claim) validateEvent() error {
+	switch {
 	case c.EventID == "":
 		return fmt.Errorf("%w: empty EventID", ErrInvalidClaim)
-	case !storable(c.Consumer):
-		return fmt.Errorf("%w: Consumer is not UTF-8 text without NUL, which PostgreSQL cannot store", ErrInvalidClaim)
 	case !storable(c.EventID):
 		return fmt.Errorf("%w: EventID is not UTF-8 text without NUL, which PostgreSQL cannot store", ErrInvalidClaim)
 	case !storable(c.Source):
@@ -412,12 +429,16 @@ WHERE ins.event_id IS NULL`
 // or a RabbitMQ queue), else claimBatchSQL.
 func (s *Store) claimBatch(claims []Claim) (string, []any, error) {
 	consumer, src, part := claims[0].Consumer, claims[0].Source, claims[0].Partition
+	if err := validateConsumer(consumer); err != nil {
+		return "", nil, fmt.Errorf("dedup: claim batch: %w", err)
+	}
 	oneSource := true
-	for _, c := range claims {
+	for i := range claims {
+		c := &claims[i]
 		if c.Consumer != consumer {
 			return "", nil, fmt.Errorf("dedup: claim batch: mixed consumers %q and %q", consumer, c.Consumer)
 		}
-		if err := c.validate(); err != nil {
+		if err := c.validateEvent(); err != nil {
 			return "", nil, fmt.Errorf("dedup: claim batch: %w", err)
 		}
 		oneSource = oneSource && c.Source == src && c.Partition == part
