@@ -6,15 +6,14 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"strings"
 	"time"
-	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/onceco/once/dedup"
+	"github.com/onceco/once/internal/pgtext"
 )
 
 // ErrInvalidConfig is wrapped by every configuration error New returns.
@@ -375,7 +374,7 @@ func (c *Config) validate() error {
 	if len(c.Name) > maxNameLength {
 		return fmt.Errorf("%w: Name is longer than %d bytes", ErrInvalidConfig, maxNameLength)
 	}
-	if !utf8.ValidString(c.Name) || strings.ContainsRune(c.Name, 0) {
+	if !pgtext.Storable(c.Name) {
 		return fmt.Errorf("%w: Name is not UTF-8 text without NUL, which PostgreSQL cannot store", ErrInvalidConfig)
 	}
 	checks := []struct {

@@ -8,8 +8,8 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"strings"
-	"unicode/utf8"
+
+	"github.com/onceco/once/internal/pgtext"
 )
 
 // Envelope opens a message whose value wraps the payload with its own id
@@ -188,7 +188,7 @@ func validID(id string, max int) error {
 	if len(id) > max {
 		return fmt.Errorf("event id is %d bytes long, more than the %d allowed", len(id), max)
 	}
-	if !utf8.ValidString(id) || strings.ContainsRune(id, 0) {
+	if !pgtext.Storable(id) {
 		return errors.New("event id is not valid UTF-8 text")
 	}
 	return nil

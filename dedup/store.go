@@ -8,15 +8,14 @@ import (
 	"fmt"
 	"math"
 	"regexp"
-	"strings"
 	"time"
-	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/onceco/once/internal/migrate"
+	"github.com/onceco/once/internal/pgtext"
 )
 
 // DefaultTable is the table name used when Config.Table is empty.
@@ -170,7 +169,7 @@ func validateConsumer(consumer string) error {
 	switch {
 	case consumer == "":
 		return fmt.Errorf("%w: empty Consumer", ErrInvalidClaim)
-	case !storable(consumer):
+	case !pgtext.Storable(consumer):
 		return fmt.Errorf("%w: Consumer is not UTF-8 text without NUL, which PostgreSQL cannot store", ErrInvalidClaim)
 	}
 	return nil
@@ -182,18 +181,12 @@ func (c *Claim) validateEvent() error {
 	switch {
 	case c.EventID == "":
 		return fmt.Errorf("%w: empty EventID", ErrInvalidClaim)
-	case !storable(c.EventID):
+	case !pgtext.Storable(c.EventID):
 		return fmt.Errorf("%w: EventID is not UTF-8 text without NUL, which PostgreSQL cannot store", ErrInvalidClaim)
-	case !storable(c.Source):
+	case !pgtext.Storable(c.Source):
 		return fmt.Errorf("%w: Source is not UTF-8 text without NUL, which PostgreSQL cannot store", ErrInvalidClaim)
 	}
 	return nil
-}
-
-// storable reports whether PostgreSQL's text type holds s: UTF-8 without
-// NUL.
-func storable(s string) bool {
-	return utf8.ValidString(s) && strings.IndexByte(s, 0) < 0
 }
 
 // Outcome is what a claim found. The zero Outcome is none of the three:
@@ -741,7 +734,7 @@ func (s *Store) DeleteOlderThan(ctx context.Context, db DB, consumer string, cut
 	if consumer == "" {
 		return 0, errors.New("dedup: retention: empty consumer name")
 	}
-	if !storable(consumer) {
+	if !pgtext.Storable(consumer) {
 		return 0, errors.New("dedup: retention: consumer name is not UTF-8 text without NUL, which PostgreSQL cannot store")
 	}
 	if batchSize <= 0 {

@@ -6,7 +6,8 @@ import (
 	"errors"
 	"fmt"
 	"strings"
-	"unicode/utf8"
+
+	"github.com/onceco/once/internal/pgtext"
 )
 
 // parseKey returns the key a header value carries. The draft defines the
@@ -77,7 +78,7 @@ const hashedScopePrefix = "once:sha256:"
 // storedScope is the form of scope kept in the table: scope itself, or
 // its hash when it cannot or must not be stored as it is.
 func storedScope(scope string) string {
-	if len(scope) <= maxStoredScope && utf8.ValidString(scope) && !strings.ContainsRune(scope, 0) &&
+	if len(scope) <= maxStoredScope && pgtext.Storable(scope) &&
 		!strings.HasPrefix(scope, hashedScopePrefix) {
 		return scope
 	}

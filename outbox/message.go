@@ -7,10 +7,11 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"unicode/utf8"
 
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/propagation"
+
+	"github.com/onceco/once/internal/pgtext"
 )
 
 // ErrInvalidMessage is wrapped by the errors Add and Statement return for a
@@ -132,7 +133,7 @@ func (m *Message) validate() error {
 		return fmt.Errorf("ID is %d bytes long, more than MaxIDLength (%d)", len(m.ID), MaxIDLength)
 	}
 	for _, s := range []struct{ name, v string }{{"ID", m.ID}, {"Topic", m.Topic}, {"RoutingKey", m.RoutingKey}, {"Type", m.Type}} {
-		if !utf8.ValidString(s.v) || containsNUL(s.v) {
+		if !pgtext.Storable(s.v) {
 			return fmt.Errorf("%s is not valid UTF-8 text", s.name)
 		}
 	}
@@ -140,21 +141,11 @@ func (m *Message) validate() error {
 		if k == "" {
 			return errors.New("a header has an empty name")
 		}
-		if !utf8.ValidString(k) || !utf8.ValidString(v) || containsNUL(k) || containsNUL(v) {
+		if !pgtext.Storable(k) || !pgtext.Storable(v) {
 			return fmt.Errorf("header %q is not valid UTF-8 text", k)
 		}
 	}
 	return nil
-}
-
-// containsNUL: PostgreSQL text cannot hold a NUL byte.
-func containsNUL(s string) bool {
-	for i := 0; i < len(s); i++ {
-		if s[i] == 0 {
-			return true
-		}
-	}
-	return false
 }
 
 // traceContext is the JSON of the propagation headers of ctx's span:
