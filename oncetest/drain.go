@@ -21,9 +21,10 @@ var DrainTimeout = time.Minute
 
 // Drain runs c until every message published to b so far is settled (acked:
 // handled, skipped as a duplicate, or dead-lettered), then stops it and
-// returns its Stats. It fails the test when Run returns an error, or when
-// the messages are not settled within DrainTimeout, or when Run does not
-// return within DrainTimeout of being stopped. c must read from a
+// returns its Stats. It fails the test when Run returns an error, or
+// returns nil before Drain stops it (Run ends on its own only when it
+// fails), or when the messages are not settled within DrainTimeout, or
+// when Run does not return within DrainTimeout of being stopped. c must read from a
 // Source of b, and Run must not have been called on it.
 func Drain[T any](t testing.TB, c *consumer.Consumer[T], b *memsource.Broker) consumer.Stats {
 	t.Helper()
@@ -51,38 +52,69 @@ func drain[T any](t testing.TB, name string, c *consumer.Consumer[T], b *memsour
 	if d <= 0 {
 		t.Fatalf("oncetest: %s: the bound %v is not positive", name, d)
 	}
+	return drainRun(t, c.Run, c.Stats, b, d)
+}
+
+// drainRun is drain of the consumer whose Run and Stats are run and stats.
+func drainRun(t testing.TB, run func(context.Context) error, stats func() consumer.Stats, b *memsource.Broker, d time.Duration) consumer.Stats {
+	t.Helper()
 	published := b.Published()
 	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- c.Run(ctx) }()
+	done := make(chan runEnd, 1)
+	go func() {
+		err := run(ctx)
+		done <- runEnd{err: err, early: ctx.Err() == nil}
+	}()
 	wait, stopWaiting := context.WithTimeout(context.Background(), d)
 	defer stopWaiting()
 	waitErr := waitOrEnd(wait, b, published, done)
 	cancel()
-	var runErr error
+	var end runEnd
 	stopped := time.NewTimer(d)
 	defer stopped.Stop()
 	select {
-	case runErr = <-done:
+	case end = <-done:
 	case <-stopped.C:
 		if waitErr == nil {
 			waitErr = errors.New("every message settled")
 		}
-		t.Fatalf("oncetest: Run did not return within %v of being stopped (a handler that ignores its context?); %v (stats %+v)", d, waitErr, c.Stats())
+		t.Fatalf("oncetest: Run did not return within %v of being stopped (a handler that ignores its context?); %v (stats %+v)", d, waitErr, stats())
 	}
-	if runErr != nil {
-		t.Fatalf("oncetest: Run: %v", runErr)
+	if end.err != nil {
+		t.Fatalf("oncetest: Run: %v", end.err)
+	}
+	if end.early {
+		t.Fatalf("oncetest: Run returned nil before it was stopped (its context had not ended), with %d of the %d messages published before Drain acked (stats %+v)",
+			ackedOf(b, published), published, stats())
 	}
 	if waitErr != nil {
-		t.Fatalf("oncetest: %v (stats %+v)", waitErr, c.Stats())
+		t.Fatalf("oncetest: %v (stats %+v)", waitErr, stats())
 	}
-	return c.Stats()
+	return stats()
+}
+
+// runEnd is how Run returned: its error, and whether its context was still
+// live then (Run returned on its own, not stopped by Drain).
+type runEnd struct {
+	err   error
+	early bool
+}
+
+// ackedOf is how many of the first n messages of b are acked.
+func ackedOf(b *memsource.Broker, n int) int {
+	acked := 0
+	for i := range n {
+		if b.IsAcked(int64(i)) {
+			acked++
+		}
+	}
+	return acked
 }
 
 // waitOrEnd waits until each of the first n messages of b is acked, unless
 // Run ends first. Acks of messages published meanwhile (by a handler, say)
 // do not stand in for those.
-func waitOrEnd(ctx context.Context, b *memsource.Broker, n int, done chan error) error {
+func waitOrEnd(ctx context.Context, b *memsource.Broker, n int, done chan runEnd) error {
 	acked := make(chan error, 1)
 	wctx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -90,8 +122,8 @@ func waitOrEnd(ctx context.Context, b *memsource.Broker, n int, done chan error)
 	select {
 	case err := <-acked:
 		return err
-	case err := <-done:
-		done <- err // for Drain to read
+	case end := <-done:
+		done <- end // for Drain to read
 		return nil
 	}
 }
