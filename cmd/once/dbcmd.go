@@ -45,7 +45,31 @@ Deletes the processed-event rows of one consumer processed more than
 DURATION ago (and its attempt rows last seen before then), -batch rows per
 statement, each its own short transaction, printing progress. A deleted row
 no longer suppresses a redelivery of its event: DURATION must exceed the
-longest time a message can take to come back (docs/operations.md).`
+longest time a message can take to come back (docs/operations.md). A
+consumer name with no rows at all (misspelt?) deletes nothing and is
+warned of on stderr, naming the consumers that have rows; the exit code
+is still 0.`
+
+// maxNamesWarned bounds the consumer names a warning lists.
+const maxNamesWarned = 20
+
+// warnNoRows tells on stderr that consumer has no rows in the tables of
+// db, naming the consumers that have some.
+func (a *app) warnNoRows(ctx context.Context, pool *pgxpool.Pool, db *dbFlags, consumer string) {
+	names, err := inspect.ConsumerNames(ctx, pool, db.tables(), maxNamesWarned+1)
+	var others string
+	switch {
+	case err != nil:
+		others = fmt.Sprintf("the consumers that have rows could not be read: %v", err)
+	case len(names) == 0:
+		others = "no consumer has rows in it"
+	case len(names) > maxNamesWarned:
+		others = "consumers with processed rows: " + strings.Join(names[:maxNamesWarned], ", ") + ", ... (once status lists them all)"
+	default:
+		others = "consumers with processed rows: " + strings.Join(names, ", ")
+	}
+	fmt.Fprintf(a.stderr, "once: retention: warning: consumer %q has no rows in %s (a misspelt -consumer?); %s\n", consumer, *db.table, others)
+}
 
 // dbFlags are the flags of commands that use PostgreSQL.
 type dbFlags struct {
@@ -515,8 +539,19 @@ func (a *app) retention(ctx context.Context, args []string) error {
 		// It counted nothing: no count to print.
 		return err
 	}
+	// A name with no rows at all (a typo, most often) deletes nothing, as
+	// a consumer with no row old enough does: say so. Not an error: a
+	// consumer idle for longer than the window has no rows either.
+	known := true
+	if err == nil && n == 0 {
+		if has, herr := inspect.HasRows(ctx, pool, db.tables(), *name); herr == nil && !has {
+			known = false
+			a.warnNoRows(ctx, pool, db, *name)
+		}
+	}
 	if *asJSON {
-		if jerr := a.writeJSON(map[string]any{"consumer": *name, "cutoff": cutoff.UTC(), "deleted": n, "dry_run": *dry}); jerr != nil {
+		if jerr := a.writeJSON(map[string]any{"consumer": *name, "cutoff": cutoff.UTC(), "deleted": n, "dry_run": *dry,
+			"consumer_has_rows": known}); jerr != nil {
 			return jerr
 		}
 	} else if *dry {

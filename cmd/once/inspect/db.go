@@ -129,6 +129,52 @@ ORDER BY 1`
 	return out, nil
 }
 
+// HasRows reports whether consumer has a processed-event row or an
+// attempt row: whether the tables know the name at all. Two index probes.
+func HasRows(ctx context.Context, db DB, t Tables, consumer string) (bool, error) {
+	processed, attempts, err := t.names()
+	if err != nil {
+		return false, err
+	}
+	var found bool
+	err = db.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM `+processed+` WHERE consumer = $1)
+    OR EXISTS (SELECT 1 FROM `+attempts+` WHERE consumer = $1)`, consumer).Scan(&found)
+	if err != nil {
+		return false, fmt.Errorf("inspect: read %s: %w", processed, err)
+	}
+	return found, nil
+}
+
+// ConsumerNames returns the consumer names that have processed-event
+// rows, sorted, at most max of them (max <= 0: all). It reads one index
+// entry per name (a skip over the primary key), not the whole table as
+// Consumers does.
+func ConsumerNames(ctx context.Context, db DB, t Tables, max int) ([]string, error) {
+	processed, _, err := t.names()
+	if err != nil {
+		return nil, err
+	}
+	limit := any(nil) // LIMIT NULL: no limit
+	if max > 0 {
+		limit = max
+	}
+	rows, err := db.Query(ctx, `WITH RECURSIVE c(name) AS (
+    (SELECT consumer FROM `+processed+` ORDER BY consumer LIMIT 1)
+    UNION ALL
+    SELECT (SELECT consumer FROM `+processed+` WHERE consumer > c.name ORDER BY consumer LIMIT 1)
+    FROM c WHERE c.name IS NOT NULL
+)
+SELECT name FROM c WHERE name IS NOT NULL LIMIT $1`, limit)
+	if err != nil {
+		return nil, fmt.Errorf("inspect: read %s: %w", processed, err)
+	}
+	names, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return nil, fmt.Errorf("inspect: read %s: %w", processed, err)
+	}
+	return names, nil
+}
+
 // Deleter is what Retention needs: *pgxpool.Pool and *pgx.Conn have it.
 // Give it a pool or a connection, not a transaction: each batch must
 // commit by itself.

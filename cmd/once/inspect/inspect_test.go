@@ -288,3 +288,35 @@ func TestKafkaLagSaysWhatTheBrokerRefused(t *testing.T) {
 	assert.Contains(t, err.Error(), "refused the SASL settings")
 	assert.Contains(t, err.Error(), kf.ListenAddrs()[0])
 }
+
+// HasRows knows a consumer by a processed row or an attempt row;
+// ConsumerNames lists those with processed rows, sorted, up to its bound.
+func TestHasRowsAndConsumerNames(t *testing.T) {
+	ctx := context.Background()
+	pool, _ := pgtest.Schema(t)
+	store, err := dedup.New(dedup.Config{})
+	require.NoError(t, err)
+	require.NoError(t, store.Migrate(ctx, pool))
+	names, err := inspect.ConsumerNames(ctx, pool, inspect.Tables{}, 0)
+	require.NoError(t, err)
+	assert.Empty(t, names, "an empty table")
+	_, err = pool.Exec(ctx, `INSERT INTO processed_events (consumer, event_id)
+		SELECT c, 'ev-' || i FROM unnest(ARRAY['shipping', 'billing', 'audit']) c, generate_series(1, 50) i`)
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `INSERT INTO processed_events_attempts (consumer, event_id, attempts, last_seen) VALUES ('inflight', 'q', 1, now())`)
+	require.NoError(t, err)
+
+	for name, want := range map[string]bool{"billing": true, "inflight": true, "biling": false, "": false} {
+		got, err := inspect.HasRows(ctx, pool, inspect.Tables{}, name)
+		require.NoError(t, err)
+		assert.Equal(t, want, got, "%q", name)
+	}
+	names, err = inspect.ConsumerNames(ctx, pool, inspect.Tables{}, 0)
+	require.NoError(t, err)
+	assert.Equal(t, []string{"audit", "billing", "shipping"}, names)
+	names, err = inspect.ConsumerNames(ctx, pool, inspect.Tables{}, 2)
+	require.NoError(t, err)
+	assert.Equal(t, []string{"audit", "billing"}, names)
+	_, err = inspect.ConsumerNames(ctx, pool, inspect.Tables{Table: "no such"}, 0)
+	assert.ErrorIs(t, err, inspect.ErrInvalidName)
+}
