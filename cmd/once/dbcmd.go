@@ -26,7 +26,10 @@ schema version, the same numbered migrations a consumer runs at start unless
 Config.SkipMigrate: idempotent, serialised by an advisory lock, refused for a
 schema a newer release migrated. down -to V moves them back to version V (0
 drops them), and is refused for a V above the version the database records.
-status prints the version the database records.`
+status prints the version the database records; where none is, it says
+whether the tables are missing or were made without a record (by goose,
+golang-migrate, by hand), and then whether they have the store's shape
+(-json: tables_exist, shape_error).`
 
 const statusUsage = `Usage: once status [-database-url URL] [-kafka BROKERS -group G -topic T] [-amqp URL -queue Q] [-dlq NAME] [-json]
 
@@ -209,13 +212,38 @@ func (a *app) migrate(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
+	// Version 0 is both no tables and tables no version was recorded for
+	// (made by goose, golang-migrate, by hand, or by a release before
+	// versions were recorded): tell them apart, and whether such a table
+	// is the store's.
+	var tablesExist bool
+	if err := pool.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, store.ProcessedTable()).Scan(&tablesExist); err != nil {
+		return fmt.Errorf("read %s: %w", *db.table, err)
+	}
+	var shapeErr error
+	if version == 0 && tablesExist {
+		shapeErr = store.Check(ctx, pool)
+	}
 	if *asJSON {
 		// schema "" means the tables found through the search_path.
-		return json.NewEncoder(a.stdout).Encode(map[string]any{"schema": *db.schema, "table": *db.table,
-			"version": version, "latest": dedup.SchemaVersion})
+		rep := map[string]any{"schema": *db.schema, "table": *db.table,
+			"version": version, "latest": dedup.SchemaVersion, "tables_exist": tablesExist}
+		if shapeErr != nil {
+			rep["shape_error"] = shapeErr.Error()
+		}
+		return json.NewEncoder(a.stdout).Encode(rep)
 	}
-	switch action {
-	case "status":
+	switch {
+	case action == "status" && version == 0 && !tablesExist:
+		fmt.Fprintf(a.stdout, "%s: no tables (schema version 0 of %d; migrate up creates them)\n", *db.table, dedup.SchemaVersion)
+	case action == "status" && version == 0 && shapeErr != nil:
+		fmt.Fprintf(a.stdout, "%s: no schema version recorded, and the table of that name is not the store's (migrate up and a consumer's start refuse it): %v\n",
+			*db.table, shapeErr)
+	case action == "status" && version == 0:
+		fmt.Fprintf(a.stdout, "%s: no schema version recorded, but the tables exist with the store's shape (made by another tool, by hand, "+
+			"or by a release before versions were recorded); migrate up, or a consumer's start, records them and brings them to version %d\n",
+			*db.table, dedup.SchemaVersion)
+	case action == "status":
 		fmt.Fprintf(a.stdout, "%s: schema version %d of %d\n", *db.table, version, dedup.SchemaVersion)
 	default:
 		fmt.Fprintf(a.stdout, "migrated: %s at schema version %d\n", migratedTables(*db.table, version), version)
