@@ -46,6 +46,10 @@ const (
 	// redeliveryUnmarked never sets Message.Redelivered nor DeliveryCount,
 	// as an unordered adapter that ignores the broker's flag would.
 	redeliveryUnmarked
+	// acksLost never passes an ack on to the broker, as an adapter that
+	// buffers its acks (offsets) and drops them at Close would: every
+	// message is delivered again after a restart.
+	acksLost
 )
 
 func (b *memBroker) Publish(_ context.Context, msgs ...conformance.OutMessage) error {
@@ -103,15 +107,23 @@ func (s *flawedSource) Receive(ctx context.Context) (consumer.Delivery, error) {
 	case redeliveryUnmarked:
 		m.Redelivered, m.DeliveryCount = false, 0
 	}
-	return &flawedDelivery{Delivery: d, m: &m}, nil
+	return &flawedDelivery{Delivery: d, m: &m, dropAck: s.b.flaw == acksLost}, nil
 }
 
 type flawedDelivery struct {
 	consumer.Delivery
-	m *consumer.Message
+	m       *consumer.Message
+	dropAck bool
 }
 
 func (d *flawedDelivery) Message() *consumer.Message { return d.m }
+
+func (d *flawedDelivery) Ack(ctx context.Context) error {
+	if d.dropAck {
+		return nil
+	}
+	return d.Delivery.Ack(ctx)
+}
 
 // suite is the suite on a memsource broker with flaw.
 func suite(f flaw, features conformance.Features, opts memsource.Options) conformance.Suite {
@@ -147,6 +159,12 @@ var flawed = []struct {
 		name:     "redelivery-unmarked",
 		suite:    suite(redeliveryUnmarked, conformance.Features{RedeliverOnRestart: true}, memsource.Options{}),
 		caughtBy: "StallLoopDeadLettered",
+	},
+	{
+		name: "acks-lost",
+		suite: suite(acksLost, conformance.Features{Ordered: true, RedeliverOnRestart: true},
+			memsource.Options{Streams: 3}),
+		caughtBy: "AckedNotRedelivered",
 	},
 }
 
