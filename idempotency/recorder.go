@@ -7,7 +7,8 @@ import (
 	"net/http"
 	"slices"
 	"strings"
-	"unicode/utf8"
+
+	"github.com/onceco/once/internal/pgtext"
 )
 
 // ErrResponseTooLarge is returned by the response writer's Write when the
@@ -63,7 +64,7 @@ func (r *recorder) finalStatus() int {
 // rawHeaderPrefix starts the name under which a stored header's values
 // are kept base64-encoded: the headers are stored as JSON, whose strings
 // cannot hold the bytes of a value that is not UTF-8 (HTTP allows obs-text,
-// 0x80 to 0xFF). No header name holds a ':', so no header can take it.
+// 0x80 to 0xFF), and PostgreSQL's jsonb cannot hold a NUL. No header name holds a ':', so no header can take it.
 const rawHeaderPrefix = "once:base64:"
 
 // storedHeader returns the headers among names that the response carries,
@@ -76,7 +77,7 @@ func (r *recorder) storedHeader(names []string) http.Header {
 			continue
 		}
 		name = http.CanonicalHeaderKey(name)
-		if slices.IndexFunc(v, func(s string) bool { return !utf8.ValidString(s) }) < 0 {
+		if slices.IndexFunc(v, func(s string) bool { return !pgtext.Storable(s) }) < 0 {
 			h[name] = v
 			continue
 		}
