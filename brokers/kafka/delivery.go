@@ -420,7 +420,11 @@ func (d *delivery) Ack(ctx context.Context) error {
 // DeadLetter produces a copy of the record to its dead-letter topic and
 // returns once the brokers confirmed it, or ctx is done (the copy may then
 // still be written). It returns ErrRevoked without writing once the claim
-// was revoked: the record's next owner dead-letters it instead.
+// was revoked: the record's next owner dead-letters it instead. A copy the
+// cluster refuses until it is fixed there (the dead-letter topic missing
+// or made compacted, the client not authorized to write it) is logged at
+// level Error to
+// Config.Logger, each time, besides being returned.
 func (d *delivery) DeadLetter(ctx context.Context, dl *consumer.DeadLetter) error {
 	if d.claim.isRevoked() {
 		return fmt.Errorf("%w: %s offset %d not dead-lettered", ErrRevoked, d.claim.stream, d.raw.Offset)
@@ -452,6 +456,7 @@ func (s *Source) deadLetter(ctx context.Context, raw *sarama.ConsumerMessage, m 
 	// producer's per-topic circuit breaker, which then fails every send to
 	// the topic for 10 s, even once it exists.
 	if _, err := s.dlqClient.Partitions(out.Topic); err != nil {
+		s.logRefusedCopy(raw, out.Topic, err)
 		return fmt.Errorf("kafka: dead-letter copy of %s/%d/%d: topic %s: %w",
 			raw.Topic, raw.Partition, raw.Offset, out.Topic, err)
 	}
@@ -480,10 +485,40 @@ func (s *Source) deadLetter(ctx context.Context, raw *sarama.ConsumerMessage, m 
 		err = s.send(ctx, out)
 	}
 	if err != nil {
+		s.logRefusedCopy(raw, out.Topic, err)
 		return fmt.Errorf("kafka: dead-letter copy of %s/%d/%d to %s: %w",
 			raw.Topic, raw.Partition, raw.Offset, out.Topic, err)
 	}
 	return nil
+}
+
+// logRefusedCopy logs at level Error a dead-letter copy of raw that the
+// cluster refuses until it is fixed there: the client no longer
+// authorized to write topic (its ACLs changed since Open checked them),
+// topic deleted since, or made compacted since (INVALID_RECORD for a
+// record without a key). The core retries the copy at level Warn, as it
+// does any failure, including those that pass by themselves (a leader
+// election, too few in-sync replicas); these do not, and the partition
+// waits at raw until someone acts on the cluster.
+func (s *Source) logRefusedCopy(raw *sarama.ConsumerMessage, topic string, err error) {
+	var what string
+	switch {
+	case errors.Is(err, sarama.ErrTopicAuthorizationFailed), errors.Is(err, sarama.ErrClusterAuthorizationFailed):
+		what = "the cluster does not authorize this client to write the dead-letter topic (an ACL of its principal removed?)"
+	case errors.Is(err, sarama.ErrUnknownTopicOrPartition):
+		// Also met for a moment while partitions move: asked again.
+		_ = s.dlqClient.RefreshMetadata(topic)
+		if exists, err := topicExists(s.dlqClient, topic); err != nil || exists {
+			return
+		}
+		what = "the dead-letter topic does not exist (deleted since Open?)"
+	case errors.Is(err, sarama.ErrInvalidRecord):
+		what = "the broker rejects the record (a dead-letter topic made compacted since Open refuses a record without a key)"
+	default:
+		return
+	}
+	s.cfg.Logger.Error("once/kafka: dead-letter copy refused: "+what+"; the record stays unacked and its partition waits at it until that is fixed on the cluster",
+		"group", s.cfg.Group, "dead_letter_topic", topic, "topic", raw.Topic, "partition", raw.Partition, "offset", raw.Offset, "error", err)
 }
 
 // HeaderValueDropped is set, to the original value's size in bytes, on a

@@ -248,7 +248,12 @@ func (c *cluster) readAll(topic string) []*sarama.ConsumerMessage {
 // readTopic reads every record of topic up to its high-water marks with a
 // plain sarama consumer.
 func readTopic(addrs []string, topic string) ([]*sarama.ConsumerMessage, error) {
-	client, err := sarama.NewClient(addrs, saramaConfig())
+	return readTopicAs(addrs, saramaConfig(), topic)
+}
+
+// readTopicAs is readTopic with the client configuration sc.
+func readTopicAs(addrs []string, sc *sarama.Config, topic string) ([]*sarama.ConsumerMessage, error) {
+	client, err := sarama.NewClient(addrs, sc)
 	if err != nil {
 		return nil, err
 	}
