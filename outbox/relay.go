@@ -170,8 +170,12 @@ type Relay struct {
 	// uncheckedLogged is when records the publisher could not check were
 	// last logged (noteUnchecked); used by the session's goroutine only.
 	uncheckedLogged time.Time
-	metrics         *relayMetrics
-	tracer          trace.Tracer
+	// carried is what a session that ended could not write of the rows the
+	// broker confirmed (takeCarried, carry); used by the session's
+	// goroutine only.
+	carried carriedSettlement
+	metrics *relayMetrics
+	tracer  trace.Tracer
 }
 
 // NewRelay returns a relay that reads the outbox through pool and
@@ -292,6 +296,40 @@ func (r *Relay) tableExists(ctx context.Context) bool {
 	var exists bool
 	err := r.pool.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, r.cfg.Store.table).Scan(&exists)
 	return err == nil && exists
+}
+
+// readOnly reports whether err is the server refusing a write because it
+// is read-only (25006): a standby, such as a primary demoted by a
+// failover that the session is still connected to.
+func readOnly(err error) bool {
+	var pe *pgconn.PgError
+	return errors.As(err, &pe) && pe.Code == "25006"
+}
+
+// carriedSettlement is the rows a session ended before it could remove
+// them (or mark them sent), with the oid of the table they are rows of.
+// Only confirmed rows are carried: a refusal not charged is met again.
+type carriedSettlement struct {
+	sent []int64
+	oid  uint32
+}
+
+// carry keeps the rows of s the broker confirmed for the relay's next
+// session.
+func (r *Relay) carry(s settlement) {
+	r.carried = carriedSettlement{sent: s.sent, oid: r.oid}
+}
+
+// takeCarried returns what the last session carried, to be written before
+// the outbox is read again, unless the table was replaced since (its rows'
+// seq then name other rows).
+func (r *Relay) takeCarried() settlement {
+	c := r.carried
+	r.carried = carriedSettlement{}
+	if len(c.sent) == 0 || c.oid != r.oid {
+		return settlement{}
+	}
+	return settlement{sent: c.sent}
 }
 
 // databaseRefused reports whether err is PostgreSQL refusing the relay's
@@ -451,12 +489,14 @@ func (r *Relay) lead(ctx context.Context, conn *pgx.Conn, notified *atomic.Bool)
 	// be written during the next publish (which it then returned rows
 	// for), or one the database refused; it is written before the relay
 	// reads the outbox again, waits or stops.
-	var deferred settlement
+	deferred := r.takeCarried()
 	defer func() {
 		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), settleTimeout)
 		defer cancel()
 		if err := r.settleDeferred(sctx, conn, &deferred); err != nil {
-			r.cfg.Logger.Warn("outbox relay: marking published rows failed; they will be published again", "error", err)
+			r.carry(deferred)
+			r.cfg.Logger.Warn("outbox relay: marking published rows failed; the relay's next session writes it first "+
+				"(a relay that leads meanwhile publishes them again)", "error", err)
 		}
 	}()
 	for ctx.Err() == nil {
@@ -486,6 +526,12 @@ func (r *Relay) lead(ctx context.Context, conn *pgx.Conn, notified *atomic.Bool)
 		}
 		if conn.IsClosed() {
 			return fmt.Errorf("relay: %w", err)
+		}
+		if readOnly(err) {
+			// The session's server was demoted (a failover): a new
+			// connection reaches the one the connection string names
+			// now. What the broker confirmed is carried to it.
+			return fmt.Errorf("relay: the server is read-only: %w", err)
 		}
 		if err != nil {
 			if ctx.Err() != nil {
