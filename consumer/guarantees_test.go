@@ -1180,3 +1180,142 @@ func TestStartWhileTheDatabaseIsDownWaitsForIt(t *testing.T) {
 	requireEffectsOnce(t, pool, 20)
 	assert.Empty(t, b.DeadLetters())
 }
+
+// timingOutSource is a memsource.Source whose deliveries can be taken
+// back as a broker takes back a delivery unacked past its timeout
+// (RabbitMQ's consumer_timeout): their context ends with
+// consumer.ErrDeliveryTimedOut, and the source closes.
+type timingOutSource struct {
+	*memsource.Source
+	ctx    context.Context
+	cancel context.CancelCauseFunc
+}
+
+func newTimingOutSource(b *memsource.Broker) *timingOutSource {
+	ctx, cancel := context.WithCancelCause(context.Background())
+	return &timingOutSource{Source: b.Source(), ctx: ctx, cancel: cancel}
+}
+
+func (s *timingOutSource) Receive(ctx context.Context) (consumer.Delivery, error) {
+	d, err := s.Source.Receive(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return timingOutDelivery{d, s.ctx}, nil
+}
+
+// lose loses every delivery of s, with cause (nil: a lost connection).
+func (s *timingOutSource) lose(cause error) error {
+	s.cancel(cause)
+	return s.Close()
+}
+
+func (s *timingOutSource) Close() error {
+	s.cancel(nil)
+	return s.Source.Close()
+}
+
+type timingOutDelivery struct {
+	consumer.Delivery
+	ctx context.Context
+}
+
+func (d timingOutDelivery) Context() context.Context { return d.ctx }
+
+// runCycles runs a consumer on b with h, one Source after another: every
+// time h reports on cut that the delivery it ran was lost (its source lost
+// them all), the consumer is stopped and a new one opened, until b has
+// acked want messages. It returns the number of consumers run; it fails
+// the test past maxCycles.
+func runCycles(t *testing.T, pool *pgxpool.Pool, b *memsource.Broker, current *atomic.Pointer[timingOutSource],
+	cut <-chan struct{}, h consumer.Handler[order], cfg consumer.Config, want, maxCycles int) int {
+	t.Helper()
+	for cycle := 1; ; cycle++ {
+		require.LessOrEqual(t, cycle, maxCycles, "the message is handled again and again")
+		src := newTimingOutSource(b)
+		current.Store(src)
+		c, err := consumer.New(pool, src, h, cfg)
+		require.NoError(t, err)
+		stop := start(t, c)
+		deadline := time.After(20 * time.Second)
+		for lost := false; !lost; {
+			select {
+			case <-cut:
+				lost = true
+			case <-deadline:
+				t.Fatalf("cycle %d: neither settled nor cut", cycle)
+			case <-time.After(5 * time.Millisecond):
+				if b.Acked() == want {
+					_ = stop()
+					return cycle
+				}
+			}
+		}
+		_ = stop()
+	}
+}
+
+// A handler that outlasts the broker's timeout for an unacked delivery
+// every time (RabbitMQ's consumer_timeout, which closes the channel)
+// counts each run cut so while it ran alone, as a crash: the message is
+// dead-lettered as a crash loop after CrashGuard.MaxCrashes such runs,
+// instead of being redelivered and run again for ever.
+func TestHandlerOutlastingTheBrokersTimeoutEveryTimeIsDeadLettered(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{Streams: 1})
+	publish(b, "stuck", 1)
+	publish(b, "fine", 2)
+	var current atomic.Pointer[timingOutSource]
+	cut := make(chan struct{}, 16)
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		if ev.ID == "stuck" {
+			require.NoError(t, current.Load().lose(consumer.ErrDeliveryTimedOut))
+			<-ctx.Done()
+			cut <- struct{}{}
+			return ctx.Err()
+		}
+		return insertEffect(ctx, tx, ev)
+	}
+	cfg := fastConfig("outlasts-timeout")
+	cfg.Retry.MaxAttempts = 10
+	cycles := runCycles(t, pool, b, &current, cut, h, cfg, 2, 8)
+	// The first run is no suspect's, and not counted; each of the next
+	// three, alone, counts; the fifth delivery is dead-lettered.
+	assert.Equal(t, 5, cycles)
+	require.Len(t, b.DeadLetters(), 1)
+	dl := deadLetterOf(t, b, "stuck")
+	assert.Equal(t, string(consumer.KindCrashLoop), dl.Headers[consumer.HeaderErrorKind])
+	assert.Contains(t, dl.Headers[consumer.HeaderErrorMessage], "timeout")
+	assert.Equal(t, map[string]int{"fine": 1}, countEffects(t, pool))
+}
+
+// A delivery lost with its connection is never charged to its message,
+// also when the message runs alone as a suspect: one cut short by four
+// lost connections in a row, with CrashGuard.MaxCrashes 2, still runs and
+// commits.
+func TestLostConnectionsAreNeverCharged(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{Streams: 1})
+	for i := range 3 {
+		publish(b, fmt.Sprintf("e%d", i), i)
+	}
+	var current atomic.Pointer[timingOutSource]
+	cut := make(chan struct{}, 16)
+	var blips atomic.Int32
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		if ev.ID == "e1" && blips.Add(1) <= 4 {
+			require.NoError(t, current.Load().lose(nil))
+			<-ctx.Done()
+			cut <- struct{}{}
+			return ctx.Err()
+		}
+		return insertEffect(ctx, tx, ev)
+	}
+	cfg := fastConfig("blips")
+	cfg.CrashGuard.MaxCrashes = 2
+	assert.Equal(t, 5, runCycles(t, pool, b, &current, cut, h, cfg, 3, 5))
+	assert.Empty(t, b.DeadLetters())
+	assert.Equal(t, map[string]int{"e0": 1, "e1": 1, "e2": 1}, countEffects(t, pool))
+}

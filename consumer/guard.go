@@ -13,7 +13,8 @@ import (
 
 // The crash guard is the pipeline's second stage. A message that kills the
 // process (a panic in a goroutine the handler started, an OOM kill, a
-// stall past a rebalance) leaves no error to count: only a durable record,
+// stall past a rebalance or past the broker's consumer_timeout) leaves no
+// error to count: only a durable record,
 // written before the message runs, can tell the next process that it was
 // in flight when the last one died. Such records cost a statement, so the
 // guard keeps them only for messages that may have been in flight at a
@@ -30,7 +31,9 @@ import (
 // The record holds two counts: runs (the handler's runs, for
 // Config.Retry.MaxAttempts, so that runs cut short by crashes count too) and
 // crashes (runs that never finished: written as one more before an
-// isolated attempt and taken back when the attempt ends in this process).
+// isolated attempt and taken back when the attempt ends in this process,
+// unless the shutdown deadline, or the broker taking its delivery back as
+// unacked too long (ErrDeliveryTimedOut), cut it while its handler ran).
 // The first Batch.Size messages of an assignment are marked with zero
 // counts, in one statement: a crash of that shared batch is charged to none
 // of them as a crash (each is charged one run, which alone never spends
@@ -408,7 +411,7 @@ func (g *crashGuard) runsSpent(j *job) *DeadLetter {
 // crashLoop is the dead letter of a suspect with too many crashes.
 func crashLoop(j *job) *DeadLetter {
 	return &DeadLetter{Kind: KindCrashLoop, Attempts: j.runs,
-		Error: fmt.Sprintf("handling was cut short %d times (process crash or stall)", j.guard.crashes)}
+		Error: fmt.Sprintf("handling was cut short %d times (process crash, stall, or delivery unacked past the broker's timeout)", j.guard.crashes)}
 }
 
 func mayBeRedelivery(dv Delivery) bool {

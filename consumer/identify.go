@@ -46,9 +46,14 @@ type job struct {
 	ran bool
 
 	// stalled: the handling was cut short while running by the shutdown
-	// deadline, its delivery still live. Like a crash, it keeps what the
-	// crash guard recorded.
+	// deadline, its delivery still live, or, for a suspect running alone,
+	// by the broker taking its delivery back while its handler ran (a
+	// handler slower than RabbitMQ's consumer_timeout). Like a crash, it
+	// keeps what the crash guard recorded.
 	stalled bool
+	// timedOut: the broker took the delivery back, unacked too long
+	// (ErrDeliveryTimedOut), before the handler returned.
+	timedOut bool
 	// settled: acked, dead-lettered or abandoned; nothing more happens to
 	// the message in this process.
 	settled bool

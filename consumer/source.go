@@ -75,6 +75,8 @@ type Delivery interface {
 	// Context is done when the delivery can no longer be acknowledged: its
 	// Kafka partition was revoked or its AMQP channel closed. The consumer
 	// stops work on a delivery whose context is done and does not settle it.
+	// Its cause is ErrDeliveryTimedOut when the broker took the delivery
+	// back for staying unacknowledged too long.
 	//
 	// Deliveries of one assignment of a stream (one partition claim, one
 	// channel) share one context, and a new assignment has a new one: the
@@ -127,6 +129,17 @@ type SystemNamer interface {
 
 // ErrSourceClosed is returned by Receive once the source has been closed.
 var ErrSourceClosed = errors.New("once: source closed")
+
+// ErrDeliveryTimedOut is what a Source makes the cause (context.Cause) of a
+// delivery's context, wrapped or as it is, when the broker took the
+// delivery back because it stayed unacknowledged too long (RabbitMQ's
+// consumer_timeout): the handling outlasted what the broker allows. A
+// suspect (Config.CrashGuard) whose run is cut so before its handler
+// returned is charged that run as a crash, so that a handler that always
+// outlasts the broker's limit is dead-lettered KindCrashLoop instead of
+// being redelivered for ever. A delivery lost for any other cause (a lost
+// connection, a revoked partition) is never charged to its message.
+var ErrDeliveryTimedOut = errors.New("once: the broker took the delivery back: unacknowledged too long")
 
 // ErrorKind says why a message was dead-lettered. It is written to the DLQ
 // record's HeaderErrorKind header.

@@ -66,9 +66,16 @@ func (p *pipeline) transact(ctx context.Context, jobs []*job) txResult {
 	if r.outcome != txCommitted && ctx.Err() != nil {
 		// Cut short while running: by a lost delivery, or by the shutdown
 		// deadline (a stall, which keeps its crash-guard record as a
-		// crash would; see settler.abandon).
+		// crash would; see settler.abandon). A suspect's delivery that the
+		// broker took back, unacked too long, while its handler ran alone
+		// counts the same: a handler that always outlasts the broker's
+		// consumer_timeout is then dead-lettered after
+		// CrashGuard.MaxCrashes runs instead of being redelivered for
+		// ever. Only the suspect running alone is charged, never the
+		// messages whose deliveries were taken back with it, nor any
+		// delivery lost with its connection.
 		for _, j := range jobs {
-			j.stalled = j.d.Context().Err() == nil
+			j.stalled = j.d.Context().Err() == nil || j == suspect && j.timedOut
 		}
 		return txResult{outcome: txAbandoned, err: r.err, failed: -1}
 	}
@@ -211,6 +218,7 @@ func (p *pipeline) runHandlers(ctx context.Context, tx pgx.Tx, jobs []*job, res 
 			})
 			err = p.callHandler(j.ctx, qtx, func(hctx context.Context) error { return call(hctx, qtx) })
 		}
+		j.timedOut = errors.Is(context.Cause(j.d.Context()), ErrDeliveryTimedOut)
 		qtx.checkEnd(ctx)
 		if f := qtx.failed; f != nil {
 			// A statement queued by this or an earlier event failed.

@@ -297,7 +297,8 @@ func (s *Source) lost(sess *session, cause error) {
 	case consumerTimedOut(cause):
 		s.log.Error("amqp: the broker closed the consuming channel because a delivery stayed unacked longer than its consumer_timeout "+
 			"(30 minutes by default): every unacked delivery of the channel is delivered again, and a handler that runs as long is "+
-			"cut again each time, without end; bound consumer.Config.HandlerTimeout well below consumer_timeout, and a message's "+
+			"cut again each time, until the consumer dead-letters the message as a crash loop (consumer.Config.CrashGuard.MaxCrashes); "+
+			"bound consumer.Config.HandlerTimeout well below consumer_timeout, and a message's "+
 			"retries within it, or raise it on the broker; reconnecting",
 			"error", cause)
 	case unreadable(cause):
@@ -645,9 +646,15 @@ func (sess *session) endCause() error {
 	return errors.New("amqp: the broker cancelled the consumer (queue deleted?)")
 }
 
+// closeCause is the cause the session's deliveries' contexts end with:
+// consumer.ErrDeliveryTimedOut too when the broker closed the channel for a
+// delivery left unacked past its consumer_timeout.
 func closeCause(what string, e *amqp091.Error) error {
-	if e == nil {
+	switch {
+	case e == nil:
 		return fmt.Errorf("amqp: %s closed", what)
+	case consumerTimedOut(e):
+		return fmt.Errorf("amqp: %s closed: %w (%w)", what, e, consumer.ErrDeliveryTimedOut)
 	}
 	return fmt.Errorf("amqp: %s closed: %w", what, e)
 }
