@@ -5,6 +5,7 @@ import (
 	"errors"
 	"io"
 	"net"
+	"strings"
 	"syscall"
 
 	"github.com/jackc/pgx/v5/pgconn"
@@ -162,4 +163,12 @@ func sqlState(err error) string {
 		return pgErr.Code
 	}
 	return ""
+}
+
+// databaseRefused reports whether err is PostgreSQL refusing the
+// consumer's role what it needs: its authentication (SQLSTATE class 28) or
+// a privilege (42501).
+func databaseRefused(err error) bool {
+	var pe *pgconn.PgError
+	return errors.As(err, &pe) && (strings.HasPrefix(pe.Code, "28") || pe.Code == "42501")
 }

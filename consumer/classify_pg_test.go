@@ -4,7 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
+	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -16,6 +19,7 @@ import (
 
 	"github.com/onceco/once/consumer"
 	"github.com/onceco/once/consumer/memsource"
+	"github.com/onceco/once/dedup"
 	"github.com/onceco/once/internal/pgtest"
 )
 
@@ -267,4 +271,82 @@ func TestTooManyConnectionsIsNoMessagesFailure(t *testing.T) {
 	assert.Empty(t, deadLetterKinds(b))
 	requireEffectsOnce(t, admin, 20)
 	assert.Positive(t, refused.Load(), "the server refused connections (53300)")
+}
+
+// levelLog is a slog.Handler keeping every record's level and message.
+type levelLog struct {
+	mu      sync.Mutex
+	records []string
+}
+
+func (l *levelLog) Enabled(context.Context, slog.Level) bool { return true }
+func (l *levelLog) Handle(_ context.Context, r slog.Record) error {
+	s := r.Level.String() + " " + r.Message
+	r.Attrs(func(a slog.Attr) bool {
+		s += " " + a.String()
+		return true
+	})
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.records = append(l.records, s)
+	return nil
+}
+func (l *levelLog) WithAttrs([]slog.Attr) slog.Handler { return l }
+func (l *levelLog) WithGroup(string) slog.Handler      { return l }
+
+func (l *levelLog) lines() []string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return slices.Clone(l.records)
+}
+
+// A role the database refuses the consumer's own statements (here INSERT
+// on processed_events, so every claim fails with 42501) is retried as an
+// infrastructure failure, no message charged or dead-lettered, but logged
+// at level Error naming the refusal: the consumer stands still until a
+// grant is fixed, which a warning like a blip's hid.
+func TestRefusedPrivilegeOnTheConsumersOwnWorkIsAnError(t *testing.T) {
+	admin, schema := pgtest.Schema(t)
+	effects(t, admin)
+	ctx := context.Background()
+	store, err := dedup.New(dedup.Config{})
+	require.NoError(t, err)
+	require.NoError(t, store.Migrate(ctx, admin))
+	role := "noinsert_" + strings.TrimPrefix(schema, "t_")
+	role = role[:min(len(role), 60)]
+	_, err = admin.Exec(ctx, `CREATE ROLE `+role+` LOGIN`)
+	require.NoError(t, err)
+	t.Cleanup(func() { _, _ = admin.Exec(context.Background(), `DROP OWNED BY `+role+`; DROP ROLE `+role) })
+	_, err = admin.Exec(ctx, `GRANT ALL ON SCHEMA `+schema+` TO `+role+`; GRANT ALL ON ALL TABLES IN SCHEMA `+schema+` TO `+role+
+		`; GRANT ALL ON ALL SEQUENCES IN SCHEMA `+schema+` TO `+role+`; REVOKE INSERT ON processed_events FROM `+role)
+	require.NoError(t, err)
+	pool := pgtest.NewPoolWith(t, schema, func(c *pgxpool.Config) {
+		c.ConnConfig.User = role
+		c.ConnConfig.Password = ""
+	})
+	b := memsource.New(memsource.Options{Streams: 1})
+	publish(b, "e0", 0)
+	log := &levelLog{}
+	cfg := fastConfig("refused-privilege")
+	cfg.Telemetry.Logger = slog.New(log)
+	c, err := consumer.New(pool, b.Source(), insertEffect, cfg)
+	require.NoError(t, err)
+	stop := start(t, c)
+	refusal := func() string {
+		for _, l := range log.lines() {
+			if strings.HasPrefix(l, "ERROR ") && strings.Contains(l, "42501") {
+				return l
+			}
+		}
+		return ""
+	}
+	require.Eventually(t, func() bool { return c.Stats().InfraErrors >= 3 }, 20*time.Second, 5*time.Millisecond)
+	require.NoError(t, stop())
+	require.NotEmpty(t, refusal(), "no error-level record of the refusal in %q", log.lines())
+	assert.Contains(t, refusal(), "privilege")
+	for _, l := range log.lines() {
+		assert.False(t, strings.HasPrefix(l, "WARN ") && strings.Contains(l, "42501"), "the refusal logged as a blip: %s", l)
+	}
+	assert.Zero(t, b.Acked())
+	assert.Empty(t, b.DeadLetters())
 }

@@ -298,8 +298,10 @@ type RetentionConfig struct {
 // Config.Telemetry; docs/operations.md lists every span attribute and
 // metric.
 type TelemetryConfig struct {
-	// Logger receives warnings (infrastructure failures, dead letters) and,
-	// at debug level, per-message events, with the message's context so a
+	// Logger receives warnings (infrastructure failures, dead letters),
+	// errors (the database refusing the consumer's role its own work:
+	// SQLSTATE 42501 or class 28, retried as infrastructure) and, at debug
+	// level, per-message events, with the message's context so a
 	// handler that logs carries the trace id. Payloads are never logged.
 	// Defaults to slog.Default().
 	Logger *slog.Logger

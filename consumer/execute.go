@@ -189,8 +189,7 @@ func (p *pipeline) waitInfra(ctx context.Context, r *backoff.Retrier, err error,
 	p.stats.infraErrors.Add(1)
 	p.leaveReadOnly(ctx, err)
 	d := r.Delay()
-	p.cfg.Telemetry.Logger.WarnContext(ctx, "once: infrastructure failure; retrying", "consumer", p.cfg.Name,
-		"messages", messages, "error", err, "backoff", d)
+	p.logInfra(ctx, "", err, d, "messages", messages)
 	p.retrying(ctx, Retry{Reason: RetryInfrastructure, Messages: messages, Err: err, Wait: d})
 	if !p.sleep(ctx, d) {
 		return false
@@ -219,8 +218,7 @@ func (p *pipeline) infra(ctx context.Context, what string, waiting Retry, f func
 		p.stats.infraErrors.Add(1)
 		p.leaveReadOnly(ctx, err)
 		d := r.Delay()
-		p.cfg.Telemetry.Logger.WarnContext(ctx, "once: infrastructure failure "+what+"; retrying",
-			"consumer", p.cfg.Name, "error", err, "backoff", d)
+		p.logInfra(ctx, what, err, d)
 		p.retrying(ctx, Retry{Reason: RetryInfrastructure, EventID: waiting.EventID, Messages: waiting.Messages,
 			Err: fmt.Errorf("%s: %w", what, err), Wait: d})
 		if !p.sleep(ctx, d) {
@@ -232,6 +230,28 @@ func (p *pipeline) infra(ctx context.Context, what string, waiting Retry, f func
 		p.stats.retries.Add(1)
 		p.tel.retry(ctx, "infrastructure")
 	}
+}
+
+// logInfra logs an infrastructure failure of what (empty: the
+// transaction) before a retry after d: a warning, like a blip's, unless
+// the database refuses the consumer's role (authentication, a privilege),
+// which no retry cures until an operator fixes it and which stops every
+// message meanwhile: that is logged as an error naming the refusal.
+func (p *pipeline) logInfra(ctx context.Context, what string, err error, d time.Duration, args ...any) {
+	if databaseRefused(err) {
+		if what == "" {
+			what = "its transaction"
+		}
+		p.cfg.Telemetry.Logger.ErrorContext(ctx, "once: the database refuses the consumer's role (authentication or a privilege) for "+
+			what+"; no message is handled until that is fixed; retrying",
+			append([]any{"consumer", p.cfg.Name, "error", err, "backoff", d}, args...)...)
+		return
+	}
+	msg := "once: infrastructure failure; retrying"
+	if what != "" {
+		msg = "once: infrastructure failure " + what + "; retrying"
+	}
+	p.cfg.Telemetry.Logger.WarnContext(ctx, msg, append([]any{"consumer", p.cfg.Name, "error", err, "backoff", d}, args...)...)
 }
 
 // leaveReadOnly resets the pool when err says a transaction was read-only
