@@ -121,7 +121,7 @@ func (r *Relay) relayBatch(ctx context.Context, conn *pgx.Conn, batch []Record, 
 		defer cancel()
 		var errs []error
 		if len(publish) > 0 {
-			errs = r.pub.Publish(gctx, publish)
+			errs = checkAnswers(r.pub.Publish(gctx, publish), len(publish))
 		}
 		published <- errs
 	}()
@@ -383,6 +383,26 @@ type rejection struct {
 	seq      int64
 	attempts int // before this one
 	err      error
+}
+
+// errBrokenPublisher marks a publisher breaking Publisher's contract: the
+// relay takes none of the batch's records as confirmed and charges none.
+var errBrokenPublisher = errors.New("outbox: the publisher broke its contract")
+
+// checkAnswers returns errs when it is nil or holds one error per record
+// of a batch of n; otherwise, the broker's answers no longer matched to
+// their records, n errors that take none as confirmed.
+func checkAnswers(errs []error, n int) []error {
+	if errs == nil || len(errs) == n {
+		return errs
+	}
+	err := fmt.Errorf("%w: Publish returned %d errors for %d records; none is taken as confirmed",
+		errBrokenPublisher, len(errs), n)
+	errs = make([]error, n)
+	for i := range errs {
+		errs[i] = err
+	}
+	return errs
 }
 
 // sortOutcomes splits recs by their publish result; failed is the first

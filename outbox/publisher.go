@@ -41,7 +41,10 @@ type Publisher interface {
 	// Publish sends recs, in order, and returns once the broker has
 	// confirmed or refused each: errs[i] is nil when recs[i] is confirmed
 	// (durably, as the broker's strongest acknowledgement defines it). A
-	// nil errs means every record was confirmed. An error wrapped with
+	// nil errs means every record was confirmed; any other errs must hold
+	// one error per record: one of another length takes none of recs as
+	// confirmed or charged, and is logged at level Error and retried like
+	// an unavailable broker. An error wrapped with
 	// Rejected is charged to its record (after RelayConfig.MaxAttempts the
 	// row is parked); any other error is taken as the broker being
 	// unreachable or overloaded, and the relay retries the record after
