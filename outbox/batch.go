@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"runtime/debug"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -121,7 +122,7 @@ func (r *Relay) relayBatch(ctx context.Context, conn *pgx.Conn, batch []Record, 
 		defer cancel()
 		var errs []error
 		if len(publish) > 0 {
-			errs = checkAnswers(r.pub.Publish(gctx, publish), len(publish))
+			errs = publishGuarded(gctx, r.pub, publish)
 		}
 		published <- errs
 	}()
@@ -307,7 +308,7 @@ func (r *Relay) check(recs []Record) (publish []Record, rejects []rejection, unc
 		}
 		err := Rejected(rec.undecodable)
 		if err == nil && c != nil {
-			err = c.Check(rec)
+			err = checkGuarded(c, rec)
 		}
 		if err != nil {
 			if IsRejected(err) {
@@ -388,6 +389,34 @@ type rejection struct {
 // errBrokenPublisher marks a publisher breaking Publisher's contract: the
 // relay takes none of the batch's records as confirmed and charges none.
 var errBrokenPublisher = errors.New("outbox: the publisher broke its contract")
+
+// publishGuarded publishes recs with pub. A panic in Publish, or an
+// answer of another length than recs (checkAnswers), takes none of recs
+// as confirmed: errs then holds an error wrapping errBrokenPublisher for
+// each.
+func publishGuarded(ctx context.Context, pub Publisher, recs []Record) (errs []error) {
+	defer func() {
+		if p := recover(); p != nil {
+			err := fmt.Errorf("%w: Publish panicked: %v\n%s", errBrokenPublisher, p, debug.Stack())
+			errs = make([]error, len(recs))
+			for i := range errs {
+				errs[i] = err
+			}
+		}
+	}()
+	return checkAnswers(pub.Publish(ctx, recs), len(recs))
+}
+
+// checkGuarded runs c.Check on rec; a panic in it is charged to rec as a
+// refusal (Rejected), as the broker would be asked the same again.
+func checkGuarded(c Checker, rec Record) (err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			err = Rejected(fmt.Errorf("the publisher's Check panicked: %v", p))
+		}
+	}()
+	return c.Check(rec)
+}
 
 // checkAnswers returns errs when it is nil or holds one error per record
 // of a batch of n; otherwise, the broker's answers no longer matched to

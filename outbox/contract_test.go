@@ -51,3 +51,71 @@ func TestRelaySurvivesAPublisherThatAnswersTooFewErrors(t *testing.T) {
 	pub.short.Store(false)
 	waitRows(t, pool, "true", 0, 10*time.Second)
 }
+
+// panicking is a publisher whose Publish panics while publishPanics is
+// set, and whose Check panics on records to the topic checkPanics names.
+type panicking struct {
+	outbox.Publisher
+	publishPanics atomic.Bool
+	checkPanics   atomic.Value // string
+	panics        atomic.Int64
+}
+
+func (p *panicking) Publish(ctx context.Context, recs []outbox.Record) []error {
+	if p.publishPanics.Load() {
+		p.panics.Add(1)
+		panic("publisher bug")
+	}
+	return p.Publisher.Publish(ctx, recs)
+}
+
+func (p *panicking) Check(rec outbox.Record) error {
+	if topic, _ := p.checkPanics.Load().(string); topic != "" && rec.Topic == topic {
+		p.panics.Add(1)
+		panic("checker bug")
+	}
+	return p.Publisher.(outbox.Checker).Check(rec)
+}
+
+// A publisher whose Publish panics does not crash the process (the panic
+// was on the relay's publishing goroutine, where nothing recovered it):
+// the batch is taken as unconfirmed, no row charged, the panic logged at
+// level Error with its stack and retried after InfraBackoff, and the rows
+// are published once Publish works again.
+func TestRelaySurvivesAPanickingPublish(t *testing.T) {
+	k := newKafka(t)
+	pool, _ := migrated(t)
+	d := k.destination(t)
+	pub := &panicking{Publisher: k.publisher(t)}
+	pub.publishPanics.Store(true)
+	var warns atomic.Int64
+	startRelay(t, pool, pub, outbox.RelayConfig{PollInterval: 20 * time.Millisecond, Logger: countingLogger(&warns),
+		InfraBackoff: outbox.Backoff{Initial: 10 * time.Millisecond, Max: 10 * time.Millisecond}})
+	addCommitted(t, pool, d.msg("a", "1"), d.msg("b", "2"))
+	require.Eventually(t, func() bool { return pub.panics.Load() >= 2 && warns.Load() >= 2 }, 10*time.Second, 10*time.Millisecond,
+		"the panics are logged and retried")
+	assert.Equal(t, 2, rows(t, pool, "attempts = 0"), "no row is charged for a panic in Publish")
+	pub.publishPanics.Store(false)
+	waitRows(t, pool, "true", 0, 10*time.Second)
+	assert.Len(t, d.read(t, 2), 2)
+}
+
+// A publisher whose Check panics on a record does not crash the process:
+// the panic is charged to that record like a refusal (parked after
+// MaxAttempts, with the panic as its error), and the other records are
+// published.
+func TestRelaySurvivesAPanickingCheck(t *testing.T) {
+	k := newKafka(t)
+	pool, _ := migrated(t)
+	d := k.destination(t)
+	other := k.destination(t)
+	pub := &panicking{Publisher: k.publisher(t)}
+	bad := other.msg("a", "poison")
+	pub.checkPanics.Store(bad.Topic)
+	startRelay(t, pool, pub, outbox.RelayConfig{PollInterval: 20 * time.Millisecond, MaxAttempts: 2,
+		RetryBackoff: outbox.Backoff{Initial: 10 * time.Millisecond, Max: 10 * time.Millisecond}})
+	addCommitted(t, pool, bad, d.msg("b", "1"))
+	waitRows(t, pool, "parked_at IS NOT NULL AND last_error LIKE '%checker bug%'", 1, 10*time.Second)
+	waitRows(t, pool, "true", 1, 10*time.Second)
+	assert.Len(t, d.read(t, 1), 1)
+}

@@ -42,9 +42,10 @@ type Publisher interface {
 	// confirmed or refused each: errs[i] is nil when recs[i] is confirmed
 	// (durably, as the broker's strongest acknowledgement defines it). A
 	// nil errs means every record was confirmed; any other errs must hold
-	// one error per record: one of another length takes none of recs as
-	// confirmed or charged, and is logged at level Error and retried like
-	// an unavailable broker. An error wrapped with
+	// one error per record: one of another length, like a panic in
+	// Publish, takes none of recs as confirmed or charged, and is logged
+	// at level Error and retried like an unavailable broker. An error
+	// wrapped with
 	// Rejected is charged to its record (after RelayConfig.MaxAttempts the
 	// row is parked); any other error is taken as the broker being
 	// unreachable or overloaded, and the relay retries the record after
@@ -65,7 +66,8 @@ type Publisher interface {
 // refusal at publish time, any other error keeps the record, uncharged,
 // for a later batch (logged at level Warn, at most every 10 s), and in
 // both cases the later records of its key in the batch are held back, so
-// that they never overtake it.
+// that they never overtake it. A panic in Check is charged to its record
+// as a refusal, with the panic's value as its error.
 type Checker interface {
 	Check(rec Record) error
 }
