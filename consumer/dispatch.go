@@ -2,7 +2,9 @@ package consumer
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"runtime/debug"
 	"sync"
 	"time"
 )
@@ -48,9 +50,9 @@ func newDispatcher(p *pipeline, work context.Context) *dispatcher {
 // fails; it returns the source's fatal error, if any.
 func (d *dispatcher) receive(ctx context.Context) error {
 	for {
-		dv, err := d.p.src.Receive(ctx)
+		dv, err := d.receiveOne(ctx)
 		if err != nil {
-			if ctx.Err() != nil {
+			if ctx.Err() != nil && !errors.Is(err, ErrSourceBroken) {
 				return nil
 			}
 			return fmt.Errorf("once: consumer %q: receive: %w", d.p.cfg.Name, err)
@@ -63,6 +65,28 @@ func (d *dispatcher) receive(ctx context.Context) error {
 			return nil
 		}
 	}
+}
+
+// receiveOne receives the next delivery from the source. A delivery that
+// is nil or has no message, or a panic in Receive, is an error wrapping
+// ErrSourceBroken.
+func (d *dispatcher) receiveOne(ctx context.Context) (dv Delivery, err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			dv, err = nil, fmt.Errorf("%w: Receive panicked: %v\n%s", ErrSourceBroken, r, debug.Stack())
+		}
+	}()
+	dv, err = d.p.src.Receive(ctx)
+	switch {
+	case err != nil:
+		return nil, err
+	case dv == nil:
+		return nil, fmt.Errorf("%w: Receive returned a nil delivery and a nil error", ErrSourceBroken)
+	case dv.Message() == nil:
+		// Abandoned unsettled: the broker delivers it again.
+		return nil, fmt.Errorf("%w: Receive returned a delivery with a nil message", ErrSourceBroken)
+	}
+	return dv, nil
 }
 
 // dispatch queues dv for its lane, or for the unordered workers, once the

@@ -110,7 +110,9 @@ type Delivery interface {
 // available or ctx is done (then it returns ctx.Err()). Transient broker
 // failures (a lost connection, a rebalance) are the adapter's to absorb:
 // Receive keeps blocking while it reconnects. A non-nil error other than
-// ctx.Err() is fatal and stops the consumer.
+// ctx.Err() is fatal and stops the consumer; so is a Receive that returns
+// a nil delivery with a nil error, or a delivery whose Message is nil, or
+// panics: Run then returns an error wrapping ErrSourceBroken.
 //
 // Close is called once, after the consumer stopped calling Receive and every
 // Ack and DeadLetter call returned. It flushes pending acknowledgements
@@ -126,6 +128,14 @@ type Source interface {
 type SystemNamer interface {
 	MessagingSystem() string
 }
+
+// ErrSourceBroken is wrapped by the error Run returns when its Source
+// broke the contract: Receive returned a nil delivery with a nil error, a
+// delivery whose Message is nil, or panicked (the error then holds the
+// panic's value and stack). Run stops as on any other fatal Receive error;
+// the deliveries it did not settle, the broken one among them, are left to
+// the broker to deliver again.
+var ErrSourceBroken = errors.New("once: the source broke its contract")
 
 // ErrSourceClosed is returned by Receive once the source has been closed.
 var ErrSourceClosed = errors.New("once: source closed")
