@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime/debug"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -37,9 +38,12 @@ type Hooks struct {
 	AfterCommit func(ctx context.Context, events []Committed)
 	// Middleware wraps every call of a Handler, first element outermost
 	// (NewBatch refuses it: a BatchHandler's batches hold one event or many
-	// as the load makes them, so wrap the BatchHandler itself). A middleware calls next
-	// to run the handler (or returns an error without calling it), and runs
-	// inside the message's transaction: tx is the handler's. It may pass
+	// as the load makes them, so wrap the BatchHandler itself). A
+	// middleware calls next to run the handler (or returns an error
+	// without calling it), at most once: a second call returns
+	// ErrNextCalledTwice without running the handler (retrying belongs to
+	// Config.Retry, which starts a new transaction). It runs inside the
+	// message's transaction: tx is the handler's. It may pass
 	// next a tx of its own that wraps tx (to trace or count statements);
 	// Event.Queue works in the handler all the same. Its error, or its
 	// panic, is the handler's.
@@ -119,12 +123,29 @@ type HandlerInfo struct {
 // Middleware wraps a handler call; see Hooks.Middleware.
 type Middleware func(ctx context.Context, tx pgx.Tx, info HandlerInfo, next func(context.Context, pgx.Tx) error) error
 
+// ErrNextCalledTwice is what a middleware's next returns, without running
+// the handler, when it is called again for the same event in the same
+// transaction (a middleware that retries the handler after it failed):
+// the failed run's writes are still in the transaction, and would be
+// committed beside the next run's. Returned by the middleware, it is a
+// failure of the handler: the message is retried in a new transaction as
+// Config.Retry says.
+var ErrNextCalledTwice = errors.New("once: a middleware called next twice for one event; the handler runs once per transaction")
+
 // wrap returns the call of j's handler through the middleware.
 func (h *Hooks) wrap(j *job, attempt int, call func(context.Context, pgx.Tx) error) func(context.Context, pgx.Tx) error {
 	if len(h.Middleware) == 0 {
 		return call
 	}
 	info := HandlerInfo{EventID: j.idt.id, EventType: j.idt.typ, Message: j.m, Attempt: attempt}
+	var called atomic.Bool
+	handler := call
+	call = func(ctx context.Context, tx pgx.Tx) error {
+		if called.Swap(true) {
+			return ErrNextCalledTwice
+		}
+		return handler(ctx, tx)
+	}
 	for i := len(h.Middleware) - 1; i >= 0; i-- {
 		mw, next := h.Middleware[i], call
 		call = func(ctx context.Context, tx pgx.Tx) error { return mw(ctx, tx, info, next) }
