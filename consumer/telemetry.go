@@ -116,7 +116,9 @@ type GroupNamer interface {
 // exchange (messaging.destination.name) and routing key
 // (messaging.rabbitmq.destination.routing_key). They are added to the
 // message's span, after and over the consumer's own. The consumer finds it
-// by type assertion.
+// by type assertion, and calls it only when the span records. A panic in
+// it is caught: the span then carries once.telemetry_attributes.panic
+// instead, and the message is handled.
 type TelemetryAttributer interface {
 	TelemetryAttributes() []attribute.KeyValue
 }
@@ -264,10 +266,24 @@ func (t *telemetry) startSpan(ctx context.Context, dv Delivery, m *Message) (con
 		attrs = append(attrs, attribute.Int64("messaging.kafka.offset", m.Offset))
 	}
 	if ta, ok := dv.(TelemetryAttributer); ok {
-		attrs = append(attrs, ta.TelemetryAttributes()...)
+		attrs = append(attrs, sourceAttributes(ta)...)
 	}
 	span.SetAttributes(attrs...)
 	return ctx, span
+}
+
+// sourceAttributes returns ta's attributes. A custom Source's method runs
+// here, before the guarded stage that catches the panics of user
+// functions, on every message: a panic leaves the span without the
+// source's attributes, and with once.telemetry_attributes.panic saying
+// why, rather than crash the process.
+func sourceAttributes(ta TelemetryAttributer) (attrs []attribute.KeyValue) {
+	defer func() {
+		if r := recover(); r != nil {
+			attrs = []attribute.KeyValue{attribute.String("once.telemetry_attributes.panic", fmt.Sprint(r))}
+		}
+	}()
+	return ta.TelemetryAttributes()
 }
 
 // defaultTracerProvider is the global tracer provider before any is
