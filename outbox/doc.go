@@ -65,11 +65,12 @@
 // they updated the same entity row). Concurrent transactions have no
 // order between them. Messages without a Key have no order.
 //
-// A leader killed while publishing may still deliver the batch it had in
-// flight after the next leader has re-published it; every copy has its
-// row's id, and since both relays publish in row order, the first copy of
-// each message still arrives in order: a deduplicating consumer sees the
-// key's order.
+// A leader whose session is killed while publishing may still deliver,
+// after the next leader has re-published them, the batch it had in flight
+// and, when that batch was full, the next one it had read ahead; every
+// copy has its row's id, and since both relays publish in row order, the
+// first copy of each message still arrives in order: a deduplicating
+// consumer sees the key's order.
 //
 // # Rows the broker refuses
 //
