@@ -29,6 +29,8 @@ const (
 	ClassPermanent
 )
 
+// String returns the class's name: "infrastructure", "retry" or
+// "permanent", and "unknown" for a value that names no class.
 func (c ErrorClass) String() string {
 	switch c {
 	case ClassInfrastructure:

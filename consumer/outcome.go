@@ -33,7 +33,10 @@ func Permanent(err error) error {
 // PermanentError is the error Permanent returns.
 type PermanentError struct{ Err error }
 
+// Error returns "permanent: " and the wrapped error's message.
 func (e *PermanentError) Error() string { return "permanent: " + e.Err.Error() }
+
+// Unwrap returns the wrapped error, for errors.Is and errors.As.
 func (e *PermanentError) Unwrap() error { return e.Err }
 
 // RetryAfter wraps err to tell the consumer to roll back and try again
@@ -53,9 +56,12 @@ type RetryAfterError struct {
 	Err   error
 }
 
+// Error names the delay and the wrapped error's message.
 func (e *RetryAfterError) Error() string {
 	return fmt.Sprintf("retry after %s: %s", e.Delay, e.Err.Error())
 }
+
+// Unwrap returns the wrapped error, for errors.Is and errors.As.
 func (e *RetryAfterError) Unwrap() error { return e.Err }
 
 // PanicError is the error a handler's panic is turned into. Stack is the
@@ -65,6 +71,7 @@ type PanicError struct {
 	Stack string
 }
 
+// Error names the value the handler panicked with; the stack is in Stack.
 func (e *PanicError) Error() string { return fmt.Sprintf("handler panicked: %v", e.Value) }
 
 // DecodeError wraps a failure to decode a message's payload or envelope.
@@ -72,5 +79,8 @@ func (e *PanicError) Error() string { return fmt.Sprintf("handler panicked: %v",
 // need not return it: any decoder error is treated as one.
 type DecodeError struct{ Err error }
 
+// Error returns "decode: " and the wrapped error's message.
 func (e *DecodeError) Error() string { return "decode: " + e.Err.Error() }
+
+// Unwrap returns the wrapped error, for errors.Is and errors.As.
 func (e *DecodeError) Unwrap() error { return e.Err }

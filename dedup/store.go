@@ -205,6 +205,8 @@ const (
 	Conflict
 )
 
+// String returns "claimed", "duplicate" or "conflict", and
+// "Outcome(n)" for a value that names no outcome (the zero Outcome).
 func (o Outcome) String() string {
 	switch o {
 	case Claimed:
