@@ -23,8 +23,11 @@ type Envelope interface {
 
 // Opened is what an Envelope found in a message.
 type Opened struct {
-	ID      string
-	Type    string
+	// ID and Type are the envelope's event id and type; empty when it has
+	// none (the consumer then looks for them elsewhere).
+	ID   string
+	Type string
+	// Payload is the event's data, which the Decoder decodes.
 	Payload []byte
 }
 

@@ -29,8 +29,14 @@ type Message struct {
 	// without an id is dead-lettered with kind KindMissingID.
 	FallbackID string
 
-	Key     []byte
-	Value   []byte
+	// Key is the message's key: the Kafka record key, the AMQP routing key.
+	Key []byte
+	// Value is the payload, as the broker delivered it: what the Decoder
+	// (or the Envelope) reads, and what the fingerprint hashes by default.
+	Value []byte
+	// Headers are the message's headers as strings, where the consumer
+	// looks for the event id and type (Config.Identify.IDHeaders and
+	// TypeHeaders) and for the producer's trace context.
 	Headers map[string]string
 
 	// Topic is the Kafka topic or the AMQP queue the message was read from.
@@ -251,15 +257,23 @@ const maxHeaderText = 4096
 
 // DeadLetter describes why a message is being dead-lettered.
 type DeadLetter struct {
-	Kind      ErrorKind
-	Error     string
-	Stack     string
-	Consumer  string
+	// Kind says why: KindHandler, KindDecode, KindPanic, ...
+	Kind ErrorKind
+	// Error is the failure's message; Headers cuts it to 4096 bytes.
+	Error string
+	// Stack is the panic's stack (KindPanic only); Headers cuts it to
+	// 4096 bytes.
+	Stack string
+	// Consumer is the consumer's Config.Name.
+	Consumer string
+	// EventID and EventType are the event's id and type; empty when there
+	// is none (KindMissingID has no id).
 	EventID   string
 	EventType string
 	// Attempts is how many times the handler ran (0 for decode and id
 	// failures).
 	Attempts int
+	// FailedAt is when the consumer dead-lettered the message.
 	FailedAt time.Time
 	// TraceParent is the W3C traceparent of the consumer span; empty when
 	// tracing is off.

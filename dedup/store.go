@@ -142,8 +142,11 @@ var ErrInvalidClaim = errors.New("dedup: invalid claim")
 
 // Claim is one event id to claim for a consumer.
 type Claim struct {
+	// Consumer is the consumer name, the scope of the id (rows of other
+	// names are never compared).
 	Consumer string
-	EventID  string
+	// EventID is the id claimed; it may not be empty.
+	EventID string
 	// Fingerprint of the payload, stored with the claim and compared on a
 	// duplicate; nil stores none and disables the comparison.
 	Fingerprint []byte
@@ -223,13 +226,20 @@ func (o Outcome) String() string {
 // describes the row that was there. The zero Result, returned with every
 // error, has the zero Outcome, which is not Claimed.
 type Result struct {
-	Outcome  Outcome
+	// Outcome is Claimed, Duplicate or Conflict; the zero Outcome with an
+	// error.
+	Outcome Outcome
+	// Previous is the row found, for Duplicate and Conflict; zero for
+	// Claimed.
 	Previous Previous
 }
 
 // Previous is what the store knows of an id processed before.
 type Previous struct {
+	// Fingerprint is the one stored with the earlier claim; nil when it
+	// stored none.
 	Fingerprint []byte
+	// ProcessedAt is when the earlier claim was made.
 	ProcessedAt time.Time
 }
 
