@@ -28,13 +28,18 @@ type Broker struct {
 	ackNotify chan struct{}
 	fallback  bool
 	streams   int
-	// DeadLetterErr, when non-nil, makes every DeadLetter call fail with it.
+	// deadErr, when non-nil, makes every DeadLetter call fail with it
+	// (SetDeadLetterError).
 	deadErr error
 }
 
 // DeadLetter is a message written to the broker's dead-letter list.
 type DeadLetter struct {
+	// Message is the message dead-lettered, as it was published.
 	Message consumer.Message
+	// Headers are the copy's headers: the message's own, with the
+	// diagnostic headers of consumer.DeadLetter.Headers (once-error-kind,
+	// once-event-id, ...) written over them.
 	Headers map[string]string
 }
 

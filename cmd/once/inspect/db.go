@@ -72,7 +72,7 @@ type Consumer struct {
 	// CrashSuspects counts attempt rows not seen for longer than the
 	// suspect age given to Consumers, or counted more than once: a process
 	// died with the message in flight. Past the consumer's
-	// MaxCrashAttempts such a message is dead-lettered as crash-loop.
+	// CrashGuard.MaxCrashes such a message is dead-lettered as crash-loop.
 	CrashSuspects int64 `json:"crash_suspects"`
 	// MaxAttempts is the highest attempt count of those rows.
 	MaxAttempts int `json:"max_attempts"`
