@@ -18,7 +18,7 @@ type relaySQL struct {
 
 // newRelaySQL returns the statements on table t. Each ends with a guard
 // whose two parameters are the table's name and the oid the relay's
-// session found for it (ownArgs), which the leader lock is keyed by: on a
+// session found for it (Relay.oid), which the leader lock is keyed by: on a
 // table dropped and made again under that name since, a statement reads
 // and changes nothing (the relay then ends its session and looks the table
 // up again), so that a leader never publishes or settles rows of a table
