@@ -49,7 +49,8 @@ type DeadLetterConfig struct {
 	// (auto.create.topics.enable, off in most production clusters). A
 	// dead-letter topic deleted after start holds its source partition at
 	// the first poison record (retried with backoff, nothing acked past it)
-	// until the topic exists again.
+	// until the topic exists again. Open asks it once per topic of
+	// Config.Topics and uses those names (a panic is an error of Open).
 	Topic func(topic string) string
 	// Create lets Open create a missing dead-letter topic, with as many
 	// partitions as its source topic and the broker's default replication
@@ -296,8 +297,20 @@ func (c Config) withDefaults() Config {
 	return c
 }
 
+// deadLetterTopicOf asks name, the user's Config.DeadLetter.Topic, for the
+// dead-letter topic of topic; a panic is an error naming the field.
+func deadLetterTopicOf(name func(string) string, topic string) (d string, err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			err = fmt.Errorf("kafka: Config.DeadLetter.Topic(%q) panicked: %v", topic, r)
+		}
+	}()
+	return name(topic), nil
+}
+
 // validate checks c (with defaults applied) and returns an error naming the
-// first wrong field.
+// first wrong field. It replaces Config.DeadLetter.Topic by the names it
+// checked.
 func (c *Config) validate() error {
 	if len(c.Brokers) == 0 {
 		return errors.New("kafka: Config.Brokers is empty")
@@ -326,15 +339,25 @@ func (c *Config) validate() error {
 		}
 		seen[t] = true
 	}
+	names := make(map[string]string, len(c.Topics))
 	for _, t := range c.Topics {
-		if d := c.DeadLetter.Topic(t); d == "" {
+		d, err := deadLetterTopicOf(c.DeadLetter.Topic, t)
+		switch {
+		case err != nil:
+			return err
+		case d == "":
 			return fmt.Errorf("kafka: Config.DeadLetter.Topic(%q) is empty", t)
-		} else if err := checkTopicName(d); err != nil {
-			return fmt.Errorf("kafka: Config.DeadLetter.Topic(%q): %w", t, err)
-		} else if seen[d] {
+		case checkTopicName(d) != nil:
+			return fmt.Errorf("kafka: Config.DeadLetter.Topic(%q): %w", t, checkTopicName(d))
+		case seen[d]:
 			return fmt.Errorf("kafka: Config.DeadLetter.Topic(%q) is %q, a topic in Config.Topics: dead letters would be consumed again", t, d)
 		}
+		names[t] = d
 	}
+	// The names checked here are the names used: the user's function is
+	// not asked again for each copy, where another answer would name a
+	// topic nobody checked, and a panic would crash the process.
+	c.DeadLetter.Topic = func(topic string) string { return names[topic] }
 	if c.KeyLanes < 0 {
 		return fmt.Errorf("kafka: Config.KeyLanes is negative (%d)", c.KeyLanes)
 	}
