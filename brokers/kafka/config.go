@@ -28,7 +28,10 @@ const (
 	// StartNewest reads a partition with no committed offset from the
 	// records produced after the group joined: the partition's end at the
 	// start of the session that claims it is committed as its offset.
-	// Records written to a partition added to a topic before the group
+	// Reading committed records (the default; see ReadUncommitted), that
+	// end is the partition's last stable offset, as for a read-committed
+	// Java consumer: the records of a transaction open at the start are
+	// read once it commits. Records written to a partition added to a topic before the group
 	// noticed it are skipped.
 	StartNewest
 )

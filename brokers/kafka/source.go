@@ -622,7 +622,8 @@ func (h *groupHandler) Setup(sess sarama.ConsumerGroupSession) error {
 }
 
 // markStarts marks, for each partition of sess without a committed offset,
-// the partition's end as where the group starts reading it, so that the
+// the partition's end (its last stable offset, reading committed records:
+// partitionEnd) as where the group starts reading it, so that the
 // commit keeps that start: a record produced to the partition later, while
 // it has no record to ack (the member stopped, the partition moving to
 // another member), is read by the next owner instead of being skipped by
@@ -666,7 +667,7 @@ func (s *Source) markStarts(sess sarama.ConsumerGroupSession) {
 			if b == nil || !errors.Is(b.Err, sarama.ErrNoError) || b.Offset >= 0 {
 				continue
 			}
-			end, err := s.dlqClient.GetOffset(topic, p, sarama.OffsetNewest)
+			end, err := s.partitionEnd(topic, p)
 			if err != nil {
 				fail(err)
 				continue

@@ -6,9 +6,11 @@ import (
 	"testing"
 	"time"
 
+	"github.com/IBM/sarama"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"github.com/twmb/franz-go/pkg/kfake"
+	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/onceco/once/internal/netcut"
 )
@@ -98,4 +100,65 @@ func TestStartNewestKeepsTheStartAfterConnectionsWereCut(t *testing.T) {
 	require.NoError(t, err, "the record produced to the idle partition while no member ran was skipped")
 	assert.Equal(t, "b", string(d.Message().Value))
 	assert.Equal(t, int32(1), d.Message().Partition)
+}
+
+// With StartNewest, a group's first start is the partition's last stable
+// offset, as a read-committed Java consumer's (auto.offset.reset=latest):
+// the partition's end was asked without the isolation level, so the group
+// started at the high-water mark, past the records of a transaction still
+// open, and skipped them once the transaction committed.
+func TestStartNewestStartsBeforeAnOpenTransaction(t *testing.T) {
+	eachBroker(t, func(t *testing.T, kind brokerKind) { testStartNewestStartsBeforeAnOpenTransaction(t, kind) })
+}
+
+func testStartNewestStartsBeforeAnOpenTransaction(t *testing.T, kind brokerKind) {
+	c := newClusterOf(t, kind)
+	topic, group := uniq("orders"), uniq("g")
+	c.createTopic(topic, 1)
+	ctx := t.Context()
+	tp, err := kgo.NewClient(kgo.SeedBrokers(c.addrs...), kgo.TransactionalID(uniq("txn")),
+		kgo.RecordPartitioner(kgo.ManualPartitioner()))
+	require.NoError(t, err)
+	defer tp.Close()
+	require.NoError(t, tp.BeginTransaction())
+	require.NoError(t, tp.ProduceSync(ctx, &kgo.Record{Topic: topic, Partition: 0, Value: []byte("in-txn")}).FirstErr())
+
+	cfg := c.config(group, topic)
+	cfg.InitialOffset = StartNewest
+	src := c.open(cfg)
+	rctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	type received struct {
+		d   *delivery
+		err error
+	}
+	got := make(chan received, 1)
+	go func() { // joins the group
+		d, err := src.Receive(rctx)
+		r := received{err: err}
+		if err == nil {
+			r.d = d.(*delivery)
+		}
+		got <- r
+	}()
+	// The group's start is committed once the member holds the partition.
+	start := func() int64 {
+		admin, err := sarama.NewClusterAdmin(c.addrs, saramaConfig())
+		if err != nil {
+			return -1
+		}
+		defer admin.Close()
+		resp, err := admin.ListConsumerGroupOffsets(group, map[string][]int32{topic: {0}})
+		if err != nil || resp.GetBlock(topic, 0) == nil {
+			return -1
+		}
+		return resp.GetBlock(topic, 0).Offset
+	}
+	require.Eventually(t, func() bool { return start() >= 0 }, 15*time.Second, 20*time.Millisecond)
+	assert.Equal(t, int64(0), start(), "the group starts at the open transaction's first record")
+
+	require.NoError(t, tp.EndTransaction(ctx, kgo.TryCommit))
+	r := <-got
+	require.NoError(t, r.err, "the record of the transaction open when the group started was skipped")
+	assert.Equal(t, "in-txn", string(r.d.Message().Value))
 }
