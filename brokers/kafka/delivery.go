@@ -41,9 +41,9 @@ type claim struct {
 	last   atomic.Int64 // offset of the last record handed out or skipped, or unknownOffset
 	paused atomic.Bool  // its fetching paused by feed: sarama's high-water mark of it is stale
 	// endAsked: a question of the partition's end to the cluster is
-	// running (lag.go); end is its latest answer, 0 until one.
+	// running (lag.go); end is its latest answer, nil until one.
 	endAsked atomic.Bool
-	end      atomic.Int64
+	end      atomic.Pointer[readableEnd]
 
 	mu      sync.Mutex
 	revoked bool

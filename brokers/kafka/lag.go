@@ -6,21 +6,31 @@ import (
 	"sync"
 	"time"
 
-	"github.com/IBM/sarama"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
 )
 
 // LagMetricName is the name of the consumer-lag gauge: per topic and
-// partition claimed by this member, the partition's high-water mark minus
-// the offset after the last record handed to the consumer (or skipped as
-// recorded done, with Config.OffsetsInDatabase), i.e. the number of records
-// written to the partition that this member has not received yet. It
-// carries the attributes messaging.system ("kafka"),
+// partition claimed by this member, the offsets between the offset after
+// the last record handed to the consumer (or skipped as recorded done,
+// with Config.OffsetsInDatabase) and the end of what the member can read,
+// i.e. about the number of records written to the partition that this
+// member has not received yet. Reading committed records (the default)
+// that end is the partition's last stable offset, and the offsets the
+// member will never be handed at its position are passed first: the
+// marker that ends each transaction (an offset no record uses) and the
+// records of aborted transactions; so a member caught up reports 0, and
+// the records of a transaction still open are no lag until it commits.
+// Markers and aborted records between records still to be handed out
+// are counted. With Config.ReadUncommitted the end is the high-water
+// mark. It carries the attributes messaging.system ("kafka"),
 // messaging.consumer.group.name, messaging.destination.name (the topic) and
 // messaging.destination.partition.id. A partition is reported while it is
 // claimed, once its position is known (a committed offset or a first
-// record).
+// record). Reading committed records, a collection asks the partition's
+// leader (ListOffsets, and a Fetch of a batch or a few) for each claimed
+// partition that sarama's last fetch does not show caught up, waiting at
+// most a second for the answer.
 const LagMetricName = "once.kafka.consumer.lag"
 
 const meterName = "github.com/onceco/once/brokers/kafka"
@@ -91,40 +101,90 @@ func (g *lagGauge) close() {
 }
 
 // lag returns the claim's lag, and false while its position is unknown.
-// The high-water mark is sarama's, from the partition's last fetch; a
-// paused partition fetches nothing, so its mark is asked of the cluster
+//
+// With Config.ReadUncommitted it is the high-water mark minus the offset
+// after the last record: sarama's mark, from the partition's last fetch;
+// a paused partition fetches nothing, so its mark is asked of the cluster
 // (unless ctx, the collection's, is done).
+//
+// Reading committed records, the high-water mark counts offsets the
+// member is never handed, or not yet: the marker that ends each
+// transaction (an offset no record uses), the records of aborted
+// transactions, and those of a transaction still open. Unless sarama's
+// mark shows the partition caught up, the cluster is asked its last
+// stable offset and the first record at or after the member's position
+// that the member will be handed (clusterEnd); the lag is the offsets
+// from there to the last stable offset.
 func (cl *claim) lag(ctx context.Context) (int64, bool) {
 	last := cl.last.Load()
 	if last == unknownOffset {
 		return 0, false
 	}
+	next := last + 1
 	hwm := cl.sc.HighWaterMarkOffset()
-	if cl.paused.Load() && ctx.Err() == nil {
-		hwm = max(hwm, cl.clusterEnd(ctx))
+	paused := cl.paused.Load()
+	if cl.src.cfg.ReadUncommitted {
+		if paused && ctx.Err() == nil {
+			if e := cl.clusterEnd(ctx, next); e != nil {
+				hwm = max(hwm, e.end)
+			}
+		}
+		return max(hwm-next, 0), true
 	}
-	return max(hwm-(last+1), 0), true
+	if !paused && hwm <= next {
+		return 0, true
+	}
+	var e *readableEnd
+	if ctx.Err() == nil {
+		e = cl.clusterEnd(ctx, next)
+	} else {
+		e = cl.end.Load()
+	}
+	if e == nil {
+		return max(hwm-next, 0), true
+	}
+	return max(e.end-max(next, e.from), 0), true
+}
+
+// readableEnd is the cluster's answer of where a claim's partition ends.
+type readableEnd struct {
+	// end is the partition's end: its last stable offset reading
+	// committed records, else its high-water mark.
+	end int64
+	// from is the offset of the first record at or after the member's
+	// position when asked that the member will be handed (end when
+	// none): the offsets before it are transaction markers and records
+	// of aborted transactions. With Config.ReadUncommitted, the position.
+	from int64
 }
 
 // endWait bounds how long a collection waits for the cluster to say where
 // a paused partition ends.
 const endWait = time.Second
 
-// clusterEnd asks the cluster where the claim's partition ends and waits
-// for the answer at most endWait, or until ctx ends: a broker that does not
-// answer would hold the whole collection, every metric of the process
-// with it, for sarama's read timeout. A question left unanswered goes on
-// aside, one at a time per claim; it returns the latest answer (0 when
-// none yet).
-func (cl *claim) clusterEnd(ctx context.Context) int64 {
+// clusterEnd asks the cluster where the claim's partition ends, and,
+// reading committed records, where its first record at or after next that
+// the member will be handed is; it waits for the answer at most endWait,
+// or until ctx ends: a broker that does not answer would hold the whole
+// collection, every metric of the process with it, for sarama's read
+// timeout. A question left unanswered goes on aside, one at a time per
+// claim; it returns the latest answer (nil when none yet).
+func (cl *claim) clusterEnd(ctx context.Context, next int64) *readableEnd {
 	if cl.endAsked.CompareAndSwap(false, true) {
 		done := make(chan struct{})
 		go func() {
 			defer close(done)
 			defer cl.endAsked.Store(false)
-			if end, err := cl.src.dlqClient.GetOffset(cl.sc.Topic(), cl.sc.Partition(), sarama.OffsetNewest); err == nil {
-				cl.end.Store(end)
+			topic, partition := cl.sc.Topic(), cl.sc.Partition()
+			end, err := cl.src.partitionEnd(topic, partition)
+			if err != nil {
+				return
 			}
+			from := next
+			if !cl.src.cfg.ReadUncommitted && end > next {
+				from = firstReadable(cl.src.dlqClient, topic, partition, next, end)
+			}
+			cl.end.Store(&readableEnd{end: end, from: from})
 		}()
 		t := time.NewTimer(endWait)
 		defer t.Stop()

@@ -9,6 +9,7 @@ import (
 	"github.com/IBM/sarama"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"github.com/twmb/franz-go/pkg/kgo"
 	"github.com/twmb/franz-go/pkg/kmsg"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
@@ -148,4 +149,85 @@ func TestLagCollectionDoesNotWaitForAHungBroker(t *testing.T) {
 			t.Fatal("the collection waits for the broker")
 		}
 	}
+}
+
+// Reading committed records, the lag gauge counts the records the member
+// will still be handed: it subtracted from the high-water mark, so the
+// marker that ends each transaction (an offset no record uses) showed as a
+// lag of 1 that never cleared once the member was caught up, and the
+// records of aborted transactions and of a transaction still open, which
+// the member is never handed (or not yet), counted as lag.
+func TestLagCountsNoTransactionMarkersNorUnreadableRecords(t *testing.T) {
+	eachBroker(t, func(t *testing.T, kind brokerKind) { testLagCountsNoTransactionMarkers(t, kind) })
+}
+
+func testLagCountsNoTransactionMarkers(t *testing.T, kind brokerKind) {
+	c := newClusterOf(t, kind)
+	topic, group := uniq("orders"), uniq("g")
+	c.createTopic(topic, 1)
+	ctx := t.Context()
+	var tp *kgo.Client
+	transaction := func(end *kgo.TransactionEndTry, values ...string) {
+		// A producer per transaction.
+		var err error
+		tp, err = kgo.NewClient(kgo.SeedBrokers(c.addrs...), kgo.TransactionalID(uniq("txn")),
+			kgo.RecordPartitioner(kgo.ManualPartitioner()))
+		require.NoError(t, err)
+		t.Cleanup(tp.Close)
+		require.NoError(t, tp.BeginTransaction())
+		for _, v := range values {
+			require.NoError(t, tp.ProduceSync(ctx, &kgo.Record{Topic: topic, Partition: 0, Value: []byte(v)}).FirstErr())
+		}
+		if end != nil {
+			require.NoError(t, tp.EndTransaction(ctx, *end))
+		}
+	}
+	commit, abort := kgo.TryCommit, kgo.TryAbort
+
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	defer func() { _ = mp.Shutdown(context.Background()) }()
+	cfg := c.config(group, topic)
+	cfg.MeterProvider = mp
+	src := c.open(cfg)
+
+	transaction(&commit, "a") // a at 0, its commit marker at 1
+	require.Equal(t, "a", string(receive(t, src).Message().Value))
+	assert.Eventually(t, func() bool { return lagOf(t, reader)[topic+"/0"] == 0 }, 5*time.Second, 20*time.Millisecond,
+		"caught up after a committed transaction; lag %v", lagOf(t, reader))
+
+	transaction(&abort, "x", "y", "z") // never handed out; its abort marker at 5
+	// The high-water mark the member's fetches saw passed the aborted
+	// transaction: the gauge's answer is then about it.
+	hwm := func() int64 {
+		src.lag.mu.Lock()
+		defer src.lag.mu.Unlock()
+		for cl := range src.lag.claims {
+			return cl.sc.HighWaterMarkOffset()
+		}
+		return -1
+	}
+	require.Eventually(t, func() bool { return hwm() == 6 }, 10*time.Second, 10*time.Millisecond)
+	assert.Eventually(t, func() bool { return lagOf(t, reader)[topic+"/0"] == 0 }, 5*time.Second, 20*time.Millisecond,
+		"an aborted transaction's records are never handed out; lag %v", lagOf(t, reader))
+
+	transaction(nil, "open1", "open2") // still open: not readable yet
+	// The cluster's high-water mark is past them (the member's fetches,
+	// which return nothing of them, do not move sarama's).
+	client, err := sarama.NewClient(c.addrs, saramaConfig())
+	require.NoError(t, err)
+	defer client.Close()
+	end, err := client.GetOffset(topic, 0, sarama.OffsetNewest)
+	require.NoError(t, err)
+	require.Equal(t, int64(8), end)
+	assert.Equal(t, int64(0), lagOf(t, reader)[topic+"/0"], "an open transaction's records are not readable yet")
+
+	require.NoError(t, tp.EndTransaction(ctx, kgo.TryCommit))
+	// Its two records, and the marker after them (an offset between the
+	// first record to hand out and the partition's end).
+	assert.Eventually(t, func() bool { return lagOf(t, reader)[topic+"/0"] == 3 }, 5*time.Second, 20*time.Millisecond,
+		"the committed transaction's records are lag until handed out; lag %v", lagOf(t, reader))
+	receiveN(t, src, 2)
+	assert.Eventually(t, func() bool { return lagOf(t, reader)[topic+"/0"] == 0 }, 5*time.Second, 20*time.Millisecond,
+		"caught up again; lag %v", lagOf(t, reader))
 }
