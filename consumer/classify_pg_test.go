@@ -350,3 +350,47 @@ func TestRefusedPrivilegeOnTheConsumersOwnWorkIsAnError(t *testing.T) {
 	assert.Zero(t, b.Acked())
 	assert.Empty(t, b.DeadLetters())
 }
+
+// Retention refused by the database (a role without DELETE on
+// processed_events) fails at every pass, for good, and the table grows
+// without bound: logged at Warn, like a passing failure, it went unseen.
+// It is logged at Error.
+func TestRetentionRefusedByTheDatabaseIsAnError(t *testing.T) {
+	admin, schema := pgtest.Schema(t)
+	effects(t, admin)
+	ctx := context.Background()
+	store, err := dedup.New(dedup.Config{})
+	require.NoError(t, err)
+	require.NoError(t, store.Migrate(ctx, admin))
+	role := "nodelete_" + strings.TrimPrefix(schema, "t_")
+	role = role[:min(len(role), 60)]
+	_, err = admin.Exec(ctx, `CREATE ROLE `+role+` LOGIN`)
+	require.NoError(t, err)
+	t.Cleanup(func() { _, _ = admin.Exec(context.Background(), `DROP OWNED BY `+role+`; DROP ROLE `+role) })
+	_, err = admin.Exec(ctx, `GRANT ALL ON SCHEMA `+schema+` TO `+role+`; GRANT ALL ON ALL TABLES IN SCHEMA `+schema+` TO `+role+
+		`; GRANT ALL ON ALL SEQUENCES IN SCHEMA `+schema+` TO `+role+`; REVOKE DELETE ON processed_events FROM `+role)
+	require.NoError(t, err)
+	pool := pgtest.NewPoolWith(t, schema, func(c *pgxpool.Config) {
+		c.ConnConfig.User = role
+		c.ConnConfig.Password = ""
+	})
+	b := memsource.New(memsource.Options{Streams: 1})
+	log := &levelLog{}
+	cfg := fastConfig("refused-retention")
+	cfg.Retention.MaxAge = time.Hour
+	cfg.Telemetry.Logger = slog.New(log)
+	c, err := consumer.New(pool, b.Source(), insertEffect, cfg)
+	require.NoError(t, err)
+	stop := start(t, c)
+	refusal := func() string {
+		for _, l := range log.lines() {
+			if strings.Contains(l, "retention") && strings.Contains(l, "42501") {
+				return l
+			}
+		}
+		return ""
+	}
+	require.Eventually(t, func() bool { return refusal() != "" }, 20*time.Second, 5*time.Millisecond)
+	require.NoError(t, stop())
+	assert.True(t, strings.HasPrefix(refusal(), "ERROR "), "the refusal logged as a blip: %s", refusal())
+}

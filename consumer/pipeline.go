@@ -391,6 +391,10 @@ func (p *pipeline) retention(ctx context.Context) {
 		n, err := p.cfg.Store.DeleteOlderThan(ctx, p.pool, p.cfg.Name, time.Now().Add(-p.cfg.Retention.MaxAge), 1000,
 			dedup.DutyCycle(p.cfg.Retention.DutyCycle))
 		switch {
+		case err != nil && ctx.Err() == nil && databaseRefused(err):
+			// Refused at every pass until a grant: the table grows.
+			p.cfg.Telemetry.Logger.ErrorContext(ctx, "once: retention refused by the database (authentication or privileges); "+
+				"processed_events grows until that is fixed", "consumer", p.cfg.Name, "error", err)
 		case err != nil && ctx.Err() == nil:
 			p.cfg.Telemetry.Logger.WarnContext(ctx, "once: retention failed", "consumer", p.cfg.Name, "error", err)
 		case n > 0:
