@@ -580,24 +580,12 @@ func checkDeliveryLimit(field string, args amqp091.Table, version string) error 
 	if !ok {
 		return nil
 	}
-	var limit int64
-	switch n := v.(type) {
-	case int:
-		limit = int64(n)
-	case int8:
-		limit = int64(n)
-	case int16:
-		limit = int64(n)
-	case int32:
-		limit = int64(n)
-	case int64:
-		limit = n
-	default:
+	limit, isInt := tableInt(v)
+	if !isInt {
 		return nil // not an integer: the broker refuses it
 	}
-	major, _, _ := strings.Cut(version, ".")
-	m, err := strconv.Atoi(major)
-	if limit >= 1 || err != nil || m >= 4 {
+	m, known := majorVersion(version)
+	if limit >= 1 || !known || m >= 4 {
 		return nil
 	}
 	return &configError{fmt.Errorf("amqp: %s %s %d on RabbitMQ %s: before RabbitMQ 4 a quorum queue takes a limit below 1 for 0 "+
@@ -634,24 +622,37 @@ func deliveryLimitRisk(args amqp091.Table, version string) int64 {
 	}
 	v, ok := args[deliveryLimitArg]
 	if !ok {
-		major, _, _ := strings.Cut(version, ".")
-		if m, err := strconv.Atoi(major); err == nil && m >= 4 {
+		if m, known := majorVersion(version); known && m >= 4 {
 			return rabbitMQ4DeliveryLimit
 		}
 		return 0
 	}
-	var limit int64
+	limit, _ := tableInt(v)
+	return max(limit, 0)
+}
+
+// tableInt returns v, a value of an AMQP argument table, as an int64, and
+// whether it is an integer.
+func tableInt(v any) (int64, bool) {
 	switch n := v.(type) {
 	case int:
-		limit = int64(n)
+		return int64(n), true
 	case int8:
-		limit = int64(n)
+		return int64(n), true
 	case int16:
-		limit = int64(n)
+		return int64(n), true
 	case int32:
-		limit = int64(n)
+		return int64(n), true
 	case int64:
-		limit = n
+		return n, true
 	}
-	return max(limit, 0)
+	return 0, false
+}
+
+// majorVersion returns the major number of a broker's version property
+// ("4.0.5": 4), and whether it could be read.
+func majorVersion(version string) (int, bool) {
+	major, _, _ := strings.Cut(version, ".")
+	m, err := strconv.Atoi(major)
+	return m, err == nil
 }
