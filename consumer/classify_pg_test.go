@@ -306,24 +306,7 @@ func (l *levelLog) lines() []string {
 // at level Error naming the refusal: the consumer stands still until a
 // grant is fixed, which a warning like a blip's hid.
 func TestRefusedPrivilegeOnTheConsumersOwnWorkIsAnError(t *testing.T) {
-	admin, schema := pgtest.Schema(t)
-	effects(t, admin)
-	ctx := context.Background()
-	store, err := dedup.New(dedup.Config{})
-	require.NoError(t, err)
-	require.NoError(t, store.Migrate(ctx, admin))
-	role := "noinsert_" + strings.TrimPrefix(schema, "t_")
-	role = role[:min(len(role), 60)]
-	_, err = admin.Exec(ctx, `CREATE ROLE `+role+` LOGIN`)
-	require.NoError(t, err)
-	t.Cleanup(func() { _, _ = admin.Exec(context.Background(), `DROP OWNED BY `+role+`; DROP ROLE `+role) })
-	_, err = admin.Exec(ctx, `GRANT ALL ON SCHEMA `+schema+` TO `+role+`; GRANT ALL ON ALL TABLES IN SCHEMA `+schema+` TO `+role+
-		`; GRANT ALL ON ALL SEQUENCES IN SCHEMA `+schema+` TO `+role+`; REVOKE INSERT ON processed_events FROM `+role)
-	require.NoError(t, err)
-	pool := pgtest.NewPoolWith(t, schema, func(c *pgxpool.Config) {
-		c.ConnConfig.User = role
-		c.ConnConfig.Password = ""
-	})
+	pool := poolOfARoleWithout(t, "INSERT")
 	b := memsource.New(memsource.Options{Streams: 1})
 	publish(b, "e0", 0)
 	log := &levelLog{}
@@ -356,24 +339,7 @@ func TestRefusedPrivilegeOnTheConsumersOwnWorkIsAnError(t *testing.T) {
 // without bound: logged at Warn, like a passing failure, it went unseen.
 // It is logged at Error.
 func TestRetentionRefusedByTheDatabaseIsAnError(t *testing.T) {
-	admin, schema := pgtest.Schema(t)
-	effects(t, admin)
-	ctx := context.Background()
-	store, err := dedup.New(dedup.Config{})
-	require.NoError(t, err)
-	require.NoError(t, store.Migrate(ctx, admin))
-	role := "nodelete_" + strings.TrimPrefix(schema, "t_")
-	role = role[:min(len(role), 60)]
-	_, err = admin.Exec(ctx, `CREATE ROLE `+role+` LOGIN`)
-	require.NoError(t, err)
-	t.Cleanup(func() { _, _ = admin.Exec(context.Background(), `DROP OWNED BY `+role+`; DROP ROLE `+role) })
-	_, err = admin.Exec(ctx, `GRANT ALL ON SCHEMA `+schema+` TO `+role+`; GRANT ALL ON ALL TABLES IN SCHEMA `+schema+` TO `+role+
-		`; GRANT ALL ON ALL SEQUENCES IN SCHEMA `+schema+` TO `+role+`; REVOKE DELETE ON processed_events FROM `+role)
-	require.NoError(t, err)
-	pool := pgtest.NewPoolWith(t, schema, func(c *pgxpool.Config) {
-		c.ConnConfig.User = role
-		c.ConnConfig.Password = ""
-	})
+	pool := poolOfARoleWithout(t, "DELETE")
 	b := memsource.New(memsource.Options{Streams: 1})
 	log := &levelLog{}
 	cfg := fastConfig("refused-retention")
@@ -393,4 +359,29 @@ func TestRetentionRefusedByTheDatabaseIsAnError(t *testing.T) {
 	require.Eventually(t, func() bool { return refusal() != "" }, 20*time.Second, 5*time.Millisecond)
 	require.NoError(t, stop())
 	assert.True(t, strings.HasPrefix(refusal(), "ERROR "), "the refusal logged as a blip: %s", refusal())
+}
+
+// poolOfARoleWithout returns a pool of a new role that may do everything
+// in a test schema with the consumer's tables migrated, but privilege on
+// processed_events.
+func poolOfARoleWithout(t *testing.T, privilege string) *pgxpool.Pool {
+	t.Helper()
+	admin, schema := pgtest.Schema(t)
+	effects(t, admin)
+	ctx := context.Background()
+	store, err := dedup.New(dedup.Config{})
+	require.NoError(t, err)
+	require.NoError(t, store.Migrate(ctx, admin))
+	role := "no" + strings.ToLower(privilege) + "_" + strings.TrimPrefix(schema, "t_")
+	role = role[:min(len(role), 60)]
+	_, err = admin.Exec(ctx, `CREATE ROLE `+role+` LOGIN`)
+	require.NoError(t, err)
+	t.Cleanup(func() { _, _ = admin.Exec(context.Background(), `DROP OWNED BY `+role+`; DROP ROLE `+role) })
+	_, err = admin.Exec(ctx, `GRANT ALL ON SCHEMA `+schema+` TO `+role+`; GRANT ALL ON ALL TABLES IN SCHEMA `+schema+` TO `+role+
+		`; GRANT ALL ON ALL SEQUENCES IN SCHEMA `+schema+` TO `+role+`; REVOKE `+privilege+` ON processed_events FROM `+role)
+	require.NoError(t, err)
+	return pgtest.NewPoolWith(t, schema, func(c *pgxpool.Config) {
+		c.ConnConfig.User = role
+		c.ConnConfig.Password = ""
+	})
 }
