@@ -36,6 +36,9 @@ type pipeline struct {
 	// of the value, which each job then keeps in its own array (no
 	// allocation per message).
 	sha256Fingerprint bool
+	// askXIDStatus is p.xidStatus, bound once: a method value made per
+	// transaction would be an allocation each.
+	askXIDStatus func(ctx context.Context, xid int64) (*string, error)
 	// batchCall, set for a BatchHandler, runs the handler once for the
 	// claimed jobs of a batch.
 	batchCall func(ctx context.Context, tx pgx.Tx, jobs []*job) error
@@ -87,6 +90,7 @@ func newPipeline(pool *pgxpool.Pool, src Source, cfg Config, prep preparer) (*pi
 	p := &pipeline{cfg: cfg, pool: pool, src: src, prepare: prep, tel: tel,
 		sem: make(chan struct{}, cfg.Concurrency), stopped: make(chan struct{}), twins: newTwins(), work: context.Background()}
 	p.sha256Fingerprint = defaultFingerprint
+	p.askXIDStatus = p.xidStatus
 	p.guard = newCrashGuard(p)
 	return p, nil
 }

@@ -190,7 +190,7 @@ func (p *pipeline) runHandlers(ctx context.Context, tx pgx.Tx, jobs []*job, res 
 		return p.runBatchHandler(ctx, tx, jobs, res)
 	}
 	qtx := newQueueTx(tx)
-	qtx.xid, qtx.xidStatus = xid, p.xidStatus
+	qtx.xid, qtx.xidStatus = xid, p.askXIDStatus
 	for i, j := range jobs {
 		if i > 0 && p.stopping.Load() {
 			// Shutting down: roll back rather than wait for the whole
