@@ -19,14 +19,22 @@ type PartitionLag struct {
 	Partition int32  `json:"partition"`
 	// Committed is the group's committed offset; -1 when it has none.
 	Committed int64 `json:"committed"`
-	// HighWater is the offset the next record will get.
+	// HighWater is the offset a consumer reading committed records reads
+	// up to: the partition's last stable offset, before the first record
+	// of a transaction still open (the high-water mark when none is).
 	HighWater int64 `json:"high_water"`
-	// Lag is HighWater - Committed, or the records retained in the
-	// partition when the group has committed nothing.
+	// Lag is HighWater - Committed, or HighWater minus the partition's
+	// oldest offset when the group has committed nothing. It counts the
+	// offsets of transaction markers and of aborted records below
+	// HighWater: a group caught up on a transactional topic whose last
+	// transaction ended shows lag 1, that transaction's marker.
 	Lag int64 `json:"lag"`
 }
 
-// KafkaLag returns the lag of group on every partition of topics. sc may
+// KafkaLag returns the lag of group on every partition of topics, as a
+// consumer reading committed records (the Kafka Source's default) sees
+// it: against each partition's last stable offset, so the records of
+// open transactions are not counted. sc may
 // be nil (sarama.NewConfig with Version 2.8); it is copied, never
 // modified. When ctx ends, the client's connections are closed: a call
 // waiting on a broker that does not answer returns at once. A broker
@@ -83,9 +91,14 @@ func kafkaLag(ctx context.Context, brokers []string, sc *sarama.Config, group st
 	var out []PartitionLag
 	for _, t := range topics {
 		for _, p := range want[t] {
-			hwm, err := client.GetOffset(t, p, sarama.OffsetNewest)
+			hwm, err := lastStableOffset(client, t, p)
 			if err != nil {
-				return nil, fmt.Errorf("inspect: %s/%d high-water mark: %w", t, p, err)
+				if err := client.RefreshMetadata(t); err != nil {
+					return nil, fmt.Errorf("inspect: %s/%d last stable offset: %w", t, p, err)
+				}
+				if hwm, err = lastStableOffset(client, t, p); err != nil {
+					return nil, fmt.Errorf("inspect: %s/%d last stable offset: %w", t, p, err)
+				}
 			}
 			l := PartitionLag{Topic: t, Partition: p, Committed: -1, HighWater: hwm}
 			if b := offsets.GetBlock(t, p); b != nil {
@@ -109,6 +122,38 @@ func kafkaLag(ctx context.Context, brokers []string, sc *sarama.Config, group st
 		}
 	}
 	return out, nil
+}
+
+// lastStableOffset asks the partition's leader for its last stable offset
+// (ListOffsets, latest, read committed). sarama's Client.GetOffset asks
+// without the isolation level, and the broker answers the high-water
+// mark, past the records of open transactions.
+func lastStableOffset(client sarama.Client, topic string, partition int32) (int64, error) {
+	leader, err := client.Leader(topic, partition)
+	if err != nil {
+		return -1, err
+	}
+	req := sarama.NewOffsetRequest(client.Config().Version)
+	req.IsolationLevel = sarama.ReadCommitted
+	req.AddBlock(topic, partition, sarama.OffsetNewest, 1)
+	resp, err := leader.GetAvailableOffsets(req)
+	if err != nil {
+		// As sarama does: the next question opens the connection again.
+		_ = leader.Close()
+		return -1, err
+	}
+	b := resp.GetBlock(topic, partition)
+	if b == nil {
+		_ = leader.Close()
+		return -1, sarama.ErrIncompleteResponse
+	}
+	if !errors.Is(b.Err, sarama.ErrNoError) {
+		return -1, b.Err
+	}
+	if len(b.Offsets) != 1 {
+		return -1, sarama.ErrOffsetOutOfRange
+	}
+	return b.Offsets[0], nil
 }
 
 // QueueDepth is what RabbitMQ says of a queue.

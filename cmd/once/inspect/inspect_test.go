@@ -17,7 +17,9 @@ import (
 	"github.com/stretchr/testify/require"
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kfake"
+	"github.com/twmb/franz-go/pkg/kgo"
 	"github.com/twmb/franz-go/pkg/kmsg"
+	"github.com/twmb/franz-go/pkg/kversion"
 
 	"github.com/onceco/once/cmd/once/inspect"
 	"github.com/onceco/once/cmd/once/internal/testenv"
@@ -319,4 +321,59 @@ func TestHasRowsAndConsumerNames(t *testing.T) {
 	assert.Equal(t, []string{"audit", "billing"}, names)
 	_, err = inspect.ConsumerNames(ctx, pool, inspect.Tables{Table: "no such"}, 0)
 	assert.ErrorIs(t, err, inspect.ErrInvalidName)
+}
+
+func TestKafkaLagCountsNoOpenTransaction(t *testing.T) {
+	kf, err := kfake.NewCluster(kfake.NumBrokers(1))
+	require.NoError(t, err)
+	t.Cleanup(kf.Close)
+	addrs := kf.ListenAddrs()
+	topic, group := testenv.Uniq("orders"), testenv.Uniq("g")
+	admin, err := sarama.NewClusterAdmin(addrs, testenv.Sarama())
+	require.NoError(t, err)
+	require.NoError(t, admin.CreateTopic(topic, &sarama.TopicDetail{NumPartitions: 1, ReplicationFactor: 1}, false))
+	require.NoError(t, admin.Close())
+	ctx := t.Context()
+	transaction := func(commit bool, values ...string) *kgo.Client {
+		tp, err := kgo.NewClient(kgo.SeedBrokers(addrs...), kgo.TransactionalID(testenv.Uniq("txn")),
+			kgo.RecordPartitioner(kgo.ManualPartitioner()))
+		require.NoError(t, err)
+		t.Cleanup(tp.Close)
+		require.NoError(t, tp.BeginTransaction())
+		for _, v := range values {
+			require.NoError(t, tp.ProduceSync(ctx, &kgo.Record{Topic: topic, Partition: 0, Value: []byte(v)}).FirstErr())
+		}
+		if commit {
+			require.NoError(t, tp.EndTransaction(ctx, kgo.TryCommit))
+		}
+		return tp
+	}
+	transaction(true, "a") // a at 0, its commit marker at 1
+	// The group read a: it commits the offset after it.
+	cl, err := kgo.NewClient(kgo.SeedBrokers(addrs...), kgo.MaxVersions(kversion.V2_8_0()))
+	require.NoError(t, err)
+	defer cl.Close()
+	req := kmsg.NewPtrOffsetCommitRequest()
+	req.Group, req.Generation = group, -1
+	rt := kmsg.NewOffsetCommitRequestTopic()
+	rt.Topic = topic
+	rp := kmsg.NewOffsetCommitRequestTopicPartition()
+	rp.Partition, rp.Offset = 0, 1
+	rt.Partitions = append(rt.Partitions, rp)
+	req.Topics = append(req.Topics, rt)
+	resp, err := req.RequestWith(ctx, cl)
+	require.NoError(t, err)
+	require.NoError(t, kerr.ErrorForCode(resp.Topics[0].Partitions[0].ErrorCode))
+
+	open := transaction(false, "open1", "open2") // at 2 and 3, not readable yet
+	lag, err := inspect.KafkaLag(ctx, addrs, testenv.Sarama(), group, []string{topic})
+	require.NoError(t, err)
+	assert.Equal(t, []inspect.PartitionLag{{Topic: topic, Partition: 0, Committed: 1, HighWater: 2, Lag: 1}}, lag,
+		"an open transaction's records are not lag yet; the commit marker at 1 is")
+
+	require.NoError(t, open.EndTransaction(ctx, kgo.TryCommit)) // its marker at 4
+	lag, err = inspect.KafkaLag(ctx, addrs, testenv.Sarama(), group, []string{topic})
+	require.NoError(t, err)
+	assert.Equal(t, []inspect.PartitionLag{{Topic: topic, Partition: 0, Committed: 1, HighWater: 5, Lag: 4}}, lag,
+		"committed, its records are lag")
 }
