@@ -179,6 +179,7 @@ Kafka with TLS or SASL (every command that reads Kafka; 'once help dlq list'):
   ONCE_KAFKA_SASL_MECHANISM  PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512 (-kafka-sasl)
   ONCE_KAFKA_SASL_USER       SASL user (-kafka-user)
   ONCE_KAFKA_SASL_PASSWORD   SASL password; no flag takes it (or -kafka-password-file)
+  ONCE_KAFKA_SASL_PASSWORD_FILE  file holding the SASL password (-kafka-password-file)
 
 Exit codes:
   0  success

@@ -9,6 +9,8 @@ import (
 	"io"
 	"net/http"
 	"os"
+	"path/filepath"
+	"regexp"
 	"strconv"
 	"strings"
 	"testing"
@@ -1065,4 +1067,27 @@ func TestListJSONSaysWhatTheLimitLeftOut(t *testing.T) {
 	code, _, errOut = cli(t, env, "dlq", "list", "-dlq", topic+".dlq", "-json")
 	require.Equal(t, exitOK, code, errOut)
 	assert.Empty(t, errOut, "all listed: nothing to say")
+}
+
+func TestHelpListsEveryEnvironmentVariableTheCommandsRead(t *testing.T) {
+	code, out, _ := cli(t, nil, "help")
+	require.Equal(t, exitOK, code)
+	files, err := filepath.Glob("*.go")
+	require.NoError(t, err)
+	read := map[string]bool{envKafkaPassword: true}
+	getenv := regexp.MustCompile(`getenv\("([A-Z_]+)"\)`)
+	for _, f := range files {
+		if strings.HasSuffix(f, "_test.go") {
+			continue
+		}
+		src, err := os.ReadFile(f)
+		require.NoError(t, err)
+		for _, m := range getenv.FindAllStringSubmatch(string(src), -1) {
+			read[m[1]] = true
+		}
+	}
+	require.Contains(t, read, "DATABASE_URL", "the variables are read through getenv")
+	for name := range read {
+		assert.Regexp(t, `(?m)^\s+`+name+`(=|\s)`, out, "help lists %s", name)
+	}
 }
