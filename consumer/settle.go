@@ -3,7 +3,9 @@ package consumer
 import (
 	"context"
 	"encoding/hex"
+	"fmt"
 	"math"
+	"runtime/debug"
 	"time"
 
 	"go.opentelemetry.io/otel/attribute"
@@ -169,7 +171,7 @@ func (s *settler) deadLetter(ctx context.Context, j *job, dl *DeadLetter) {
 	dl.FailedAt = time.Now()
 	dl.TraceParent = p.tel.traceParent(ctx)
 	if err := p.infra(ctx, "writing a dead letter (the message stays unacked)", Retry{EventID: j.idt.id, Messages: 1}, func() error {
-		return j.d.DeadLetter(ctx, dl)
+		return sourceCall("DeadLetter", func() error { return j.d.DeadLetter(ctx, dl) })
 	}); err != nil {
 		s.abandon(j)
 		return
@@ -193,11 +195,23 @@ func (s *settler) deadLetter(ctx context.Context, j *job, dl *DeadLetter) {
 func (s *settler) ackDelivery(j *job, deadLettered bool) error {
 	p := s.p
 	if !deadLettered {
-		return j.d.Ack(p.work)
+		return sourceCall("Ack", func() error { return j.d.Ack(p.work) })
 	}
 	ctx, cancel := p.detached(j.ctx)
 	defer cancel()
-	return j.d.Ack(ctx)
+	return sourceCall("Ack", func() error { return j.d.Ack(ctx) })
+}
+
+// sourceCall calls f, a method of the source's Delivery, and returns a
+// panic in it as an error wrapping ErrSourceBroken: a panicking Ack is an
+// ack that failed, a panicking DeadLetter a dead letter not written.
+func sourceCall(method string, f func() error) (err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			err = fmt.Errorf("%w: %s panicked: %v\n%s", ErrSourceBroken, method, r, debug.Stack())
+		}
+	}()
+	return f()
 }
 
 // abandon leaves j unacked: the broker delivers it again. What the crash

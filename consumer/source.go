@@ -98,14 +98,17 @@ type Delivery interface {
 	// the consumer logs it, and the broker's redelivery is then skipped as
 	// a duplicate. ctx is not done with the delivery's context or the
 	// message's batch, but at the consumer's shutdown deadline: an Ack
-	// that waits on something (a database write) ends by then.
+	// that waits on something (a database write) ends by then. A panic in
+	// Ack is recovered and taken as an Ack that returned an error.
 	Ack(ctx context.Context) error
 	// DeadLetter writes a copy of the message (original key, value and
 	// headers) with the diagnostic headers of dl.Headers to the adapter's
 	// dead-letter destination and returns only once the broker has
 	// confirmed the write. It must not settle the delivery: the consumer
 	// calls Ack afterwards. An error means the copy may not exist; the
-	// consumer retries with backoff and never acks in between.
+	// consumer retries with backoff and never acks in between. A panic in
+	// DeadLetter is recovered and taken as such an error (wrapping
+	// ErrSourceBroken, with the panic's value and stack).
 	DeadLetter(ctx context.Context, dl *DeadLetter) error
 }
 
