@@ -4,6 +4,8 @@ import (
 	"errors"
 
 	"github.com/IBM/sarama"
+
+	"github.com/onceco/once/internal/kafkaend"
 )
 
 // partitionEnd returns the offset a consumer of the partition at the
@@ -19,45 +21,14 @@ func (s *Source) partitionEnd(topic string, partition int32) (int64, error) {
 	if s.cfg.ReadUncommitted {
 		return s.dlqClient.GetOffset(topic, partition, sarama.OffsetNewest)
 	}
-	end, err := lastStableOffset(s.dlqClient, topic, partition)
+	end, err := kafkaend.LastStableOffset(s.dlqClient, topic, partition)
 	if err != nil {
 		if err := s.dlqClient.RefreshMetadata(topic); err != nil {
 			return -1, err
 		}
-		return lastStableOffset(s.dlqClient, topic, partition)
+		return kafkaend.LastStableOffset(s.dlqClient, topic, partition)
 	}
 	return end, nil
-}
-
-// lastStableOffset asks the partition's leader for its last stable offset
-// (ListOffsets, latest, read committed; version 2 or later, which every
-// Sarama.Version the Source accepts uses).
-func lastStableOffset(client sarama.Client, topic string, partition int32) (int64, error) {
-	leader, err := client.Leader(topic, partition)
-	if err != nil {
-		return -1, err
-	}
-	req := sarama.NewOffsetRequest(client.Config().Version)
-	req.IsolationLevel = sarama.ReadCommitted
-	req.AddBlock(topic, partition, sarama.OffsetNewest, 1)
-	resp, err := leader.GetAvailableOffsets(req)
-	if err != nil {
-		// As sarama does: the next question opens the connection again.
-		_ = leader.Close()
-		return -1, err
-	}
-	b := resp.GetBlock(topic, partition)
-	if b == nil {
-		_ = leader.Close()
-		return -1, sarama.ErrIncompleteResponse
-	}
-	if !errors.Is(b.Err, sarama.ErrNoError) {
-		return -1, b.Err
-	}
-	if len(b.Offsets) != 1 {
-		return -1, sarama.ErrOffsetOutOfRange
-	}
-	return b.Offsets[0], nil
 }
 
 // readableFetches bounds the fetches firstReadable makes: each passes at

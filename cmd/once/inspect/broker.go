@@ -10,6 +10,7 @@ import (
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	"github.com/onceco/once/cmd/once/internal/cut"
+	"github.com/onceco/once/internal/kafkaend"
 	"github.com/onceco/once/internal/kafkarefusal"
 )
 
@@ -91,12 +92,12 @@ func kafkaLag(ctx context.Context, brokers []string, sc *sarama.Config, group st
 	var out []PartitionLag
 	for _, t := range topics {
 		for _, p := range want[t] {
-			hwm, err := lastStableOffset(client, t, p)
+			hwm, err := kafkaend.LastStableOffset(client, t, p)
 			if err != nil {
 				if err := client.RefreshMetadata(t); err != nil {
 					return nil, fmt.Errorf("inspect: %s/%d last stable offset: %w", t, p, err)
 				}
-				if hwm, err = lastStableOffset(client, t, p); err != nil {
+				if hwm, err = kafkaend.LastStableOffset(client, t, p); err != nil {
 					return nil, fmt.Errorf("inspect: %s/%d last stable offset: %w", t, p, err)
 				}
 			}
@@ -122,38 +123,6 @@ func kafkaLag(ctx context.Context, brokers []string, sc *sarama.Config, group st
 		}
 	}
 	return out, nil
-}
-
-// lastStableOffset asks the partition's leader for its last stable offset
-// (ListOffsets, latest, read committed). sarama's Client.GetOffset asks
-// without the isolation level, and the broker answers the high-water
-// mark, past the records of open transactions.
-func lastStableOffset(client sarama.Client, topic string, partition int32) (int64, error) {
-	leader, err := client.Leader(topic, partition)
-	if err != nil {
-		return -1, err
-	}
-	req := sarama.NewOffsetRequest(client.Config().Version)
-	req.IsolationLevel = sarama.ReadCommitted
-	req.AddBlock(topic, partition, sarama.OffsetNewest, 1)
-	resp, err := leader.GetAvailableOffsets(req)
-	if err != nil {
-		// As sarama does: the next question opens the connection again.
-		_ = leader.Close()
-		return -1, err
-	}
-	b := resp.GetBlock(topic, partition)
-	if b == nil {
-		_ = leader.Close()
-		return -1, sarama.ErrIncompleteResponse
-	}
-	if !errors.Is(b.Err, sarama.ErrNoError) {
-		return -1, b.Err
-	}
-	if len(b.Offsets) != 1 {
-		return -1, sarama.ErrOffsetOutOfRange
-	}
-	return b.Offsets[0], nil
 }
 
 // QueueDepth is what RabbitMQ says of a queue.
