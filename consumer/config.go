@@ -123,8 +123,14 @@ type Config struct {
 	// itself: waiting for a pool connection, the claim, sending queued
 	// statements and the commit are infrastructure time, never charged to
 	// a message. A handler past its timeout fails like a handler error
-	// (ClassRetry, then the dead-letter queue), whatever its error. Defaults
-	// to 0: no bound beyond the consumer's context.
+	// (ClassRetry, then the dead-letter queue), whatever its error; one
+	// that ignores its context still holds its stream until it returns.
+	// Defaults to DefaultHandlerTimeout (one minute): the handler holds a
+	// transaction and a pool connection all along, and on RabbitMQ its
+	// delivery, which the broker takes back after its consumer_timeout (30
+	// minutes by default), so Retry.MaxAttempts runs of it must fit well
+	// within that. -1 lifts the bound (the consumer's context alone ends the
+	// call); other negative values are refused with ErrInvalidConfig.
 	HandlerTimeout time.Duration
 	// ShutdownTimeout bounds how long Run waits, once its context is
 	// cancelled, for messages in flight to finish; then their transactions
@@ -324,6 +330,13 @@ const maxNameLength = 200
 // bytes (8 kB pages) on every try.
 const maxIDLimit = 2048
 
+// DefaultHandlerTimeout is Config.HandlerTimeout's default.
+const DefaultHandlerTimeout = time.Minute
+
+// NoHandlerTimeout, as Config.HandlerTimeout, lifts the bound on each
+// handler call.
+const NoHandlerTimeout time.Duration = -1
+
 // withDefaults validates c and returns it with defaults filled in.
 func (c Config) withDefaults() (Config, error) {
 	if err := c.validate(); err != nil {
@@ -358,6 +371,7 @@ func (c Config) withDefaults() (Config, error) {
 	setDefault(&c.InfraBackoff.Max, 5*time.Second)
 	setDefault(&c.CrashGuard.MaxCrashes, 3)
 	setDefault(&c.ShutdownTimeout, 10*time.Second)
+	setDefault(&c.HandlerTimeout, DefaultHandlerTimeout)
 	setDefault(&c.Retention.Interval, time.Hour)
 	if c.Retention.DutyCycle == 0 {
 		c.Retention.DutyCycle = 0.1
@@ -394,7 +408,6 @@ func (c *Config) validate() error {
 		{"InfraBackoff.Initial", c.InfraBackoff.Initial < 0},
 		{"InfraBackoff.Max", c.InfraBackoff.Max < 0},
 		{"CrashGuard.MaxCrashes", c.CrashGuard.MaxCrashes < 0},
-		{"HandlerTimeout", c.HandlerTimeout < 0},
 		{"ShutdownTimeout", c.ShutdownTimeout < 0},
 		{"Retention.MaxAge", c.Retention.MaxAge < 0},
 		{"Retention.Interval", c.Retention.Interval < 0},
@@ -403,6 +416,9 @@ func (c *Config) validate() error {
 		if ch.bad {
 			return fmt.Errorf("%w: %s must not be negative", ErrInvalidConfig, ch.field)
 		}
+	}
+	if c.HandlerTimeout < NoHandlerTimeout {
+		return fmt.Errorf("%w: HandlerTimeout must not be negative, but for NoHandlerTimeout (-1)", ErrInvalidConfig)
 	}
 	for i, mw := range c.Hooks.Middleware {
 		if mw == nil {

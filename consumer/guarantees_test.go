@@ -291,6 +291,46 @@ func TestHandlerTimeoutCountsAsFailure(t *testing.T) {
 	assert.Contains(t, dl[0].Headers[consumer.HeaderErrorMessage], "HandlerTimeout")
 }
 
+// A handler is bounded by default: one that hangs ignoring nothing but its
+// context would otherwise hold its stream (and, on RabbitMQ, its delivery
+// past the broker's 30 minute consumer_timeout) for ever. HandlerTimeout -1
+// lifts the bound.
+func TestHandlerTimeoutDefaultsToAMinute(t *testing.T) {
+	for name, tc := range map[string]struct {
+		timeout time.Duration
+		bounded bool
+	}{"default": {0, true}, "unbounded": {-1, false}} {
+		t.Run(name, func(t *testing.T) {
+			pool, _ := pgtest.Schema(t)
+			b := memsource.New(memsource.Options{Streams: 1})
+			publish(b, "one", 1)
+			cfg := fastConfig("deadline")
+			cfg.HandlerTimeout = tc.timeout
+			deadlines := make(chan time.Duration, 1)
+			h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+				d, ok := ctx.Deadline()
+				if !ok {
+					deadlines <- -1
+					return nil
+				}
+				deadlines <- time.Until(d)
+				return nil
+			}
+			c, err := consumer.New(pool, b.Source(), h, cfg)
+			require.NoError(t, err)
+			start(t, c)
+			left := <-deadlines
+			if !tc.bounded {
+				assert.Equal(t, time.Duration(-1), left, "the handler's context has a deadline")
+				return
+			}
+			assert.Greater(t, left, 50*time.Second)
+			assert.LessOrEqual(t, left, consumer.DefaultHandlerTimeout)
+			assert.Equal(t, time.Minute, consumer.DefaultHandlerTimeout)
+		})
+	}
+}
+
 // Stopping PostgreSQL mid-stream: nothing is acked or dead-lettered while
 // it is down, and once it is back every event has its effect exactly once.
 func TestDatabaseStoppedMidStream(t *testing.T) {
@@ -355,7 +395,7 @@ func TestNewValidatesConfig(t *testing.T) {
 		"negative concurrency": {consumer.Config{Name: "x", Concurrency: -1}, "Concurrency"},
 		"negative attempts":    {consumer.Config{Name: "x", Retry: consumer.RetryPolicy{MaxAttempts: -1}}, "Retry.MaxAttempts"},
 		"negative timeout":     {consumer.Config{Name: "x", ShutdownTimeout: -time.Second}, "ShutdownTimeout"},
-		"negative handler":     {consumer.Config{Name: "x", HandlerTimeout: -1}, "HandlerTimeout"},
+		"negative handler":     {consumer.Config{Name: "x", HandlerTimeout: -2}, "HandlerTimeout"},
 		"negative backoff":     {consumer.Config{Name: "x", InfraBackoff: consumer.Backoff{Max: -1}}, "InfraBackoff.Max"},
 		"unknown policy":       {consumer.Config{Name: "x", Identify: consumer.IdentifyConfig{OnConflict: 7}}, "Identify.OnConflict"},
 		"negative retention":   {consumer.Config{Name: "x", Retention: consumer.RetentionConfig{MaxAge: -time.Hour}}, "Retention.MaxAge"},

@@ -432,9 +432,9 @@ func (p *pipeline) runBatchHandler(ctx context.Context, tx pgx.Tx, jobs []*job, 
 	return p.brokenFailure(ctx, tx, qtx, jobs)
 }
 
-// callHandler runs a handler under Config.HandlerTimeout, which bounds the
-// handler alone: not the wait for a connection, the claim, the queued
-// statements or the commit. A panic becomes a PanicError; a handler that
+// callHandler runs a handler under Config.HandlerTimeout (unless it is
+// NoHandlerTimeout), which bounds the handler alone: not the wait for a
+// connection, the claim, the queued statements or the commit. A panic becomes a PanicError; a handler that
 // outlived its timeout fails with an error that says so, also when it
 // returned nil after the timeout cut one of its statements: pgx then
 // closed tx's connection, and the transaction is lost to the handler's
