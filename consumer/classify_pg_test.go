@@ -117,9 +117,8 @@ func TestReadOnlyConnectionsAfterAFailoverAreNotReusedForever(t *testing.T) {
 // A session that idle_in_transaction_session_timeout ended while a handler
 // of a batch worked outside the database loses nothing: the server's
 // FATAL 25P03 (or the closed connection) reaches the next statement, here
-// the next handler's: a failure of the message that sent it, which runs
-// again alone, as the others of the batch do, and every message has its
-// effect once.
+// the next handler's: the batch is halved until the messages run apart,
+// and every message has its effect once.
 func TestIdleInTransactionTimeoutMidBatchLosesNothing(t *testing.T) {
 	admin, schema := pgtest.Schema(t)
 	effects(t, admin)
@@ -158,6 +157,51 @@ func TestIdleInTransactionTimeoutMidBatchLosesNothing(t *testing.T) {
 	assert.Equal(t, int32(1), ended.Load(), "the next statement met the end of the session")
 	assert.Empty(t, deadLetterKinds(b))
 	assert.Equal(t, map[string]int{"e0": 1, "e1": 1, "e2": 1, "e3": 1, "e4": 1, "e5": 1}, countEffects(t, admin))
+}
+
+// A handler that works outside the database past
+// idle_in_transaction_session_timeout every time is charged, alone, and
+// dead-lettered by the retry policy; the message whose statement met the
+// end of the session next in its batch is not its culprit (the idle time
+// ran across both handlers): with Retry.MaxAttempts 1 it was dead-lettered
+// for its neighbour's wait.
+func TestIdleInTransactionTimeoutIsNotChargedToTheNextHandler(t *testing.T) {
+	admin, schema := pgtest.Schema(t)
+	effects(t, admin)
+	pool := pgtest.NewPoolWith(t, schema, func(c *pgxpool.Config) {
+		c.ConnConfig.RuntimeParams["idle_in_transaction_session_timeout"] = "50ms"
+	})
+	b := memsource.New(memsource.Options{Streams: 1})
+	for i := range 6 {
+		publish(b, fmt.Sprintf("e%d", i), i)
+	}
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		if err := insertEffect(ctx, tx, ev); err != nil {
+			return err
+		}
+		if ev.ID == "e2" {
+			// Work outside the database until the server ended the session.
+			var pid int
+			if err := tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid); err != nil {
+				return err
+			}
+			require.Eventually(t, func() bool {
+				var n int
+				require.NoError(t, admin.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE pid = $1`, pid).Scan(&n))
+				return n == 0
+			}, 10*time.Second, time.Millisecond)
+		}
+		return nil
+	}
+	cfg := fastConfig("idle-in-tx-charge")
+	cfg.Retry.MaxAttempts = 1
+	cfg.Batch.Linger = time.Second // one batch of all six
+	c, err := consumer.New(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 6 }, 20*time.Second, time.Millisecond)
+	assert.Equal(t, map[string]string{"e2": string(consumer.KindHandler)}, deadLetterKinds(b))
+	assert.Equal(t, map[string]int{"e0": 1, "e1": 1, "e3": 1, "e4": 1, "e5": 1}, countEffects(t, admin))
 }
 
 // Two consumers (two services) whose handlers write the same business rows

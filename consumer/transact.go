@@ -513,11 +513,19 @@ func (p *pipeline) handlerFailure(ctx context.Context, tx pgx.Tx, jobs []*job, i
 		return txResult{outcome: txInfra, err: err, failed: -1, class: class}
 	case i < 0 && len(jobs) == 1:
 		i = 0
-	case i < 0:
+	case i < 0, len(jobs) > 1 && sqlState(err) == idleInTransactionTimeout:
+		// The server ended a session left idle in its transaction: the
+		// statement that met the end is not its cause, as the idle time
+		// may have been any earlier handler's. Halved, the run finds the
+		// handler that idles alone.
 		return txResult{outcome: txUnpinned, err: err, failed: -1, class: class}
 	}
 	return txResult{outcome: txFailed, failed: i, err: err, class: class}
 }
+
+// idleInTransactionTimeout is the SQLSTATE of a session the server ended
+// for idling in a transaction past idle_in_transaction_session_timeout.
+const idleInTransactionTimeout = "25P03"
 
 // brokenTxError is the failure of a handler that returned nil and left its
 // transaction as brokenByHandler found it (err); nil for a nil err.
