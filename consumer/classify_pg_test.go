@@ -114,21 +114,41 @@ func TestReadOnlyConnectionsAfterAFailoverAreNotReusedForever(t *testing.T) {
 	assert.Equal(t, map[string]int{"e0": 1, "e1": 1, "e2": 1}, countEffects(t, admin))
 }
 
+// idleInTransactionSetup returns an admin pool, a pool whose sessions the
+// server ends after 50 ms idle in a transaction, and a one-stream source
+// holding e0..e5.
+func idleInTransactionSetup(t *testing.T) (admin, pool *pgxpool.Pool, b *memsource.Broker) {
+	admin, schema := pgtest.Schema(t)
+	effects(t, admin)
+	pool = pgtest.NewPoolWith(t, schema, func(c *pgxpool.Config) {
+		c.ConnConfig.RuntimeParams["idle_in_transaction_session_timeout"] = "50ms"
+	})
+	b = memsource.New(memsource.Options{Streams: 1})
+	for i := range 6 {
+		publish(b, fmt.Sprintf("e%d", i), i)
+	}
+	return admin, pool, b
+}
+
+// idleUntilTheSessionEnds works outside the database, in tx, until the
+// server ended tx's session.
+func idleUntilTheSessionEnds(ctx context.Context, t *testing.T, admin *pgxpool.Pool, tx pgx.Tx) {
+	var pid int
+	require.NoError(t, tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid))
+	require.Eventually(t, func() bool {
+		var n int
+		require.NoError(t, admin.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE pid = $1`, pid).Scan(&n))
+		return n == 0
+	}, 10*time.Second, time.Millisecond)
+}
+
 // A session that idle_in_transaction_session_timeout ended while a handler
 // of a batch worked outside the database loses nothing: the server's
 // FATAL 25P03 (or the closed connection) reaches the next statement, here
 // the next handler's: the batch is halved until the messages run apart,
 // and every message has its effect once.
 func TestIdleInTransactionTimeoutMidBatchLosesNothing(t *testing.T) {
-	admin, schema := pgtest.Schema(t)
-	effects(t, admin)
-	pool := pgtest.NewPoolWith(t, schema, func(c *pgxpool.Config) {
-		c.ConnConfig.RuntimeParams["idle_in_transaction_session_timeout"] = "50ms"
-	})
-	b := memsource.New(memsource.Options{Streams: 1})
-	for i := range 6 {
-		publish(b, fmt.Sprintf("e%d", i), i)
-	}
+	admin, pool, b := idleInTransactionSetup(t)
 	var killed, ended atomic.Int32
 	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
 		if err := insertEffect(ctx, tx, ev); err != nil {
@@ -136,14 +156,7 @@ func TestIdleInTransactionTimeoutMidBatchLosesNothing(t *testing.T) {
 			return err
 		}
 		if ev.ID == "e2" && killed.Load() == 0 {
-			// Work outside the database until the server ended the session.
-			var pid int
-			require.NoError(t, tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid))
-			require.Eventually(t, func() bool {
-				var n int
-				require.NoError(t, admin.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE pid = $1`, pid).Scan(&n))
-				return n == 0
-			}, 10*time.Second, time.Millisecond)
+			idleUntilTheSessionEnds(ctx, t, admin, tx)
 			killed.Add(1)
 		}
 		return nil
@@ -166,30 +179,13 @@ func TestIdleInTransactionTimeoutMidBatchLosesNothing(t *testing.T) {
 // ran across both handlers): with Retry.MaxAttempts 1 it was dead-lettered
 // for its neighbour's wait.
 func TestIdleInTransactionTimeoutIsNotChargedToTheNextHandler(t *testing.T) {
-	admin, schema := pgtest.Schema(t)
-	effects(t, admin)
-	pool := pgtest.NewPoolWith(t, schema, func(c *pgxpool.Config) {
-		c.ConnConfig.RuntimeParams["idle_in_transaction_session_timeout"] = "50ms"
-	})
-	b := memsource.New(memsource.Options{Streams: 1})
-	for i := range 6 {
-		publish(b, fmt.Sprintf("e%d", i), i)
-	}
+	admin, pool, b := idleInTransactionSetup(t)
 	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
 		if err := insertEffect(ctx, tx, ev); err != nil {
 			return err
 		}
 		if ev.ID == "e2" {
-			// Work outside the database until the server ended the session.
-			var pid int
-			if err := tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid); err != nil {
-				return err
-			}
-			require.Eventually(t, func() bool {
-				var n int
-				require.NoError(t, admin.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE pid = $1`, pid).Scan(&n))
-				return n == 0
-			}, 10*time.Second, time.Millisecond)
+			idleUntilTheSessionEnds(ctx, t, admin, tx)
 		}
 		return nil
 	}
