@@ -333,8 +333,8 @@ const maxIDLimit = 2048
 // DefaultHandlerTimeout is Config.HandlerTimeout's default.
 const DefaultHandlerTimeout = time.Minute
 
-// NoHandlerTimeout, as Config.HandlerTimeout, lifts the bound on each
-// handler call.
+// NoHandlerTimeout lifts the bound on each handler call when set as
+// Config.HandlerTimeout.
 const NoHandlerTimeout time.Duration = -1
 
 // withDefaults validates c and returns it with defaults filled in.

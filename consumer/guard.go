@@ -2,10 +2,12 @@ package consumer
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"maps"
 	"slices"
+	"strings"
 	"sync"
 
 	"github.com/jackc/pgx/v5"
@@ -43,7 +45,8 @@ import (
 // kind KindCrashLoop; one whose runs were all spent by failures of its
 // handler (the process ended, or the delivery was lost, before its dead
 // letter was written) with kind KindHandler, without another run, and
-// with the last run's error if this process gave it up (see given).
+// with the last run's failure: this process's if it gave the message up
+// (see given), else the one the record keeps (schema version 5).
 // Every count is written as a value, not an increment, so a retried write
 // whose first reply was lost counts once.
 type crashGuard struct {
@@ -85,6 +88,9 @@ type guardState struct {
 	// it, and runsBefore what it was before the attempt in flight: a lost
 	// attempt puts it back.
 	runs, runsBefore int
+	// lastError is the failure of the last run the record keeps (JSON, a
+	// lastFailure), nil when it keeps none.
+	lastError []byte
 	// marked: the record is the bare mark of a shared batch that crashed
 	// (no run or crash of the message alone recorded): the message may
 	// not even have run, and is charged nothing until it runs alone.
@@ -102,17 +108,21 @@ func newCrashGuard(p *pipeline) *crashGuard {
 	SELECT $1, id, 0, 0 FROM (SELECT DISTINCT id FROM unnest($2::text[]) AS u(id)) d ORDER BY id COLLATE "C"
 	ON CONFLICT (consumer, event_id) DO NOTHING
 )
-SELECT event_id, attempts, crashes FROM ` + a + ` WHERE consumer = $1 AND event_id = ANY($2::text[])`,
-		lookupSQL: `SELECT event_id, attempts, crashes FROM ` + a + ` WHERE consumer = $1 AND event_id = ANY($2::text[])`,
-		setSQL: `INSERT INTO ` + a + ` (consumer, event_id, attempts, crashes) VALUES ($1, $2, $3, $4)
-ON CONFLICT (consumer, event_id) DO UPDATE SET attempts = $3, crashes = $4, last_seen = now()`,
+SELECT event_id, attempts, crashes, last_error FROM ` + a + ` WHERE consumer = $1 AND event_id = ANY($2::text[])`,
+		lookupSQL: `SELECT event_id, attempts, crashes, last_error FROM ` + a + ` WHERE consumer = $1 AND event_id = ANY($2::text[])`,
+		// A write without a failure ($5 NULL) keeps the one recorded.
+		setSQL: `INSERT INTO ` + a + ` AS r (consumer, event_id, attempts, crashes, last_error) VALUES ($1, $2, $3, $4, $5)
+ON CONFLICT (consumer, event_id) DO UPDATE SET attempts = $3, crashes = $4, last_error = coalesce(EXCLUDED.last_error, r.last_error), last_seen = now()`,
 		clearSQL:  `DELETE FROM ` + a + ` WHERE consumer = $1 AND event_id = ANY($2::text[])`,
 		unmarkSQL: `DELETE FROM ` + a + ` WHERE consumer = $1 AND event_id = $2 AND attempts = 0 AND crashes = 0`,
 	}
 }
 
 // record is one row of the attempts table.
-type record struct{ runs, crashes int }
+type record struct {
+	runs, crashes int
+	lastError     []byte
+}
 
 // plan sorts jobs (in stream order) into runs: consecutive jobs that may
 // share a transaction, and suspects, each alone. With window set (the
@@ -145,6 +155,7 @@ func (g *crashGuard) plan(ctx context.Context, jobs []*job, window bool) [][]*jo
 				j.guard.crashes = r.crashes
 				j.guard.marked = r.runs == 0 && r.crashes == 0
 				j.guard.runs = r.runs
+				j.guard.lastError = r.lastError
 				j.runs = max(j.runs, r.runs, 1)
 			}
 		}
@@ -179,7 +190,7 @@ func (g *crashGuard) read(ctx context.Context, sql string, ids []string) (map[st
 		}
 		var id string
 		var r record
-		_, err = pgx.ForEachRow(rows, []any{&id, &r.runs, &r.crashes}, func() error {
+		_, err = pgx.ForEachRow(rows, []any{&id, &r.runs, &r.crashes, &r.lastError}, func() error {
 			records[id] = r
 			return nil
 		})
@@ -243,6 +254,7 @@ func (g *crashGuard) startAttempt(ctx context.Context, j *job) error {
 		}
 		r := records[j.idt.id]
 		j.guard.known, j.guard.crashes, j.guard.runs, j.runs = true, r.crashes, r.runs, max(j.runs, r.runs)
+		j.guard.lastError = r.lastError
 	}
 	spent := j.runs >= g.p.cfg.Retry.MaxAttempts && !j.guard.marked
 	switch {
@@ -258,7 +270,7 @@ func (g *crashGuard) startAttempt(ctx context.Context, j *job) error {
 		// a process that ended before dead-lettering the message.
 		return errRunsSpent
 	}
-	if err := g.set(ctx, j, j.runs+1, j.guard.crashes+1); err != nil {
+	if err := g.set(ctx, j, j.runs+1, j.guard.crashes+1, nil); err != nil {
 		return err
 	}
 	j.guard.crashes++
@@ -268,24 +280,31 @@ func (g *crashGuard) startAttempt(ctx context.Context, j *job) error {
 }
 
 // endAttempt takes back the crash recorded for j's attempt, which ended in
-// this process without committing. A failed run of the handler (ran) still
+// this process without committing (r). A failed run of the handler still
 // counts: j.guard.runs counts it (startAttempt wrote it so), which j.runs
 // does not yet, and a process that dies before the next attempt must not
-// take the run with it. An infrastructure failure is no run: the record
-// goes back to its runs from before. A record left behind errs on the side
-// of dead-lettering later.
-func (g *crashGuard) endAttempt(ctx context.Context, j *job, ran bool) {
+// take the run with it; the record keeps its failure, for the dead letter
+// of a message whose runs that process spent. An infrastructure failure is
+// no run: the record goes back to its runs from before. A record left
+// behind errs on the side of dead-lettering later.
+func (g *crashGuard) endAttempt(ctx context.Context, j *job, r txResult) {
 	if !j.guard.inFlight {
 		return
 	}
 	j.guard.inFlight = false
-	if !ran {
+	var failure []byte
+	if r.outcome == txInfra {
 		j.guard.runs = j.guard.runsBefore
+	} else if r.err != nil {
+		failure = encodeLastFailure(handlerDeadLetter(j, r.err))
 	}
 	ctx, cancel := g.p.detached(ctx)
 	defer cancel()
-	if err := g.set(ctx, j, j.guard.runs, j.guard.crashes-1); err == nil {
+	if err := g.set(ctx, j, j.guard.runs, j.guard.crashes-1, failure); err == nil {
 		j.guard.crashes--
+		if failure != nil {
+			j.guard.lastError = failure
+		}
 	}
 }
 
@@ -307,7 +326,7 @@ func (g *crashGuard) forget(j *job) {
 	case j.guard.inFlight:
 		// Back to what the record held before the attempt: an earlier
 		// process's crashed runs stay counted.
-		err = g.set(ctx, j, j.guard.runsBefore, j.guard.crashes-1)
+		err = g.set(ctx, j, j.guard.runsBefore, j.guard.crashes-1, nil)
 		j.guard.inFlight = false
 	case !j.guard.known:
 		_, err = g.p.pool.Exec(ctx, g.unmarkSQL, g.p.cfg.Name, j.idt.id)
@@ -318,11 +337,12 @@ func (g *crashGuard) forget(j *job) {
 	}
 }
 
-// set writes j's record with the given counts, retrying infrastructure
-// failures until ctx ends.
-func (g *crashGuard) set(ctx context.Context, j *job, runs, crashes int) error {
+// set writes j's record with the given counts and, unless it is nil, the
+// failure of its last run (JSON), retrying infrastructure failures until
+// ctx ends.
+func (g *crashGuard) set(ctx context.Context, j *job, runs, crashes int, failure []byte) error {
 	return g.p.infra(ctx, "writing a crash-guard record", Retry{EventID: j.idt.id, Messages: 1}, func() error {
-		_, err := g.p.pool.Exec(ctx, g.setSQL, g.p.cfg.Name, j.idt.id, runs, crashes)
+		_, err := g.p.pool.Exec(ctx, g.setSQL, g.p.cfg.Name, j.idt.id, runs, crashes, failure)
 		return err
 	})
 }
@@ -392,8 +412,8 @@ func (g *crashGuard) forgetGiven(j *job) {
 // runsSpent is the dead letter of a suspect whose runs were all spent by
 // failures of its handler: with the error of its last run when this
 // process gave it up (its delivery was lost before the dead letter was
-// written), else saying that the error is not known, as the record does
-// not keep it.
+// written), else with the one the record keeps; saying that the error is
+// not known when the record keeps none (written before schema version 5).
 func (g *crashGuard) runsSpent(j *job) *DeadLetter {
 	g.givenMu.Lock()
 	given, ok := g.given[j.idt.id]
@@ -402,6 +422,10 @@ func (g *crashGuard) runsSpent(j *job) *DeadLetter {
 		given.Attempts = j.runs
 		given.Extra = maps.Clone(given.Extra)
 		return &given
+	}
+	if dl := decodeLastFailure(j.guard.lastError); dl != nil {
+		dl.Attempts = j.runs
+		return dl
 	}
 	return &DeadLetter{Kind: KindHandler, Attempts: j.runs,
 		Error: fmt.Sprintf("the handler failed %d times (Retry.MaxAttempts); the process that ran it last ended "+
@@ -417,4 +441,50 @@ func crashLoop(j *job) *DeadLetter {
 func mayBeRedelivery(dv Delivery) bool {
 	m := dv.Message()
 	return m.Redelivered || m.DeliveryCount > 0
+}
+
+// lastFailure is the failure of a message's last run as its crash-guard
+// record keeps it (the attempts table's last_error).
+type lastFailure struct {
+	Kind  ErrorKind         `json:"kind"`
+	Error string            `json:"error"`
+	Stack string            `json:"stack,omitempty"`
+	Extra map[string]string `json:"extra,omitempty"`
+}
+
+// encodeLastFailure is dl as the record keeps it: each text cut as the
+// dead letter's headers cut it, and made storable (jsonb takes neither a
+// NUL nor bytes that are not UTF-8).
+func encodeLastFailure(dl *DeadLetter) []byte {
+	f := lastFailure{Kind: dl.Kind, Error: storableText(dl.Error), Stack: storableText(dl.Stack)}
+	if len(dl.Extra) > 0 {
+		f.Extra = make(map[string]string, len(dl.Extra))
+		for k, v := range dl.Extra {
+			f.Extra[storableText(k)] = storableText(v)
+		}
+	}
+	b, err := json.Marshal(f)
+	if err != nil {
+		return nil // strings and a map of strings always marshal
+	}
+	return b
+}
+
+// decodeLastFailure is the dead letter a record's last_error describes, nil
+// when there is none (or it cannot be read).
+func decodeLastFailure(b []byte) *DeadLetter {
+	if len(b) == 0 {
+		return nil
+	}
+	var f lastFailure
+	if err := json.Unmarshal(b, &f); err != nil || f.Kind == "" {
+		return nil
+	}
+	return &DeadLetter{Kind: f.Kind, Error: f.Error, Stack: f.Stack, Extra: f.Extra}
+}
+
+// storableText is s cut as a header is (to maxHeaderText bytes, without
+// bytes that are not UTF-8), with each NUL replaced.
+func storableText(s string) string {
+	return strings.ReplaceAll(truncate(s, maxHeaderText), "\x00", "\uFFFD")
 }

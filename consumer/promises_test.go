@@ -502,15 +502,27 @@ func TestRunsCutByADeathInTheBackoffCount(t *testing.T) {
 // A message whose runs were all spent by failures of its handler, and whose
 // process ended before its dead letter was written (the destination down),
 // is dead-lettered by the next process as a handler failure, without
-// another run: none of its runs was cut short, so it is no crash loop.
+// another run: none of its runs was cut short, so it is no crash loop. Its
+// dead letter carries the last run's error, which the crash guard's record
+// keeps (with a NUL or bytes that are not UTF-8 replaced: jsonb takes
+// neither).
 func TestRunsSpentByFailuresBeforeTheDeadLetterAreNoCrashLoop(t *testing.T) {
+	for name, tc := range map[string]struct{ err, want string }{
+		"text":         {"boom", "boom"},
+		"not storable": {"bo\x00om\xff", "bo\uFFFDom"},
+	} {
+		t.Run(name, func(t *testing.T) { runsSpentBeforeTheDeadLetter(t, tc.err, tc.want) })
+	}
+}
+
+func runsSpentBeforeTheDeadLetter(t *testing.T, errText, want string) {
 	pool, _ := pgtest.Schema(t)
 	b := memsource.New(memsource.Options{}) // unordered, like AMQP
 	publish(b, "failing", 1)
 	var runs atomic.Int32
 	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
 		runs.Add(1)
-		return errors.New("boom")
+		return errors.New(errText)
 	}
 	cfg := fastConfig("spent-before-dead-letter")
 	cfg.Retry.MaxAttempts = 2
@@ -554,6 +566,7 @@ func TestRunsSpentByFailuresBeforeTheDeadLetterAreNoCrashLoop(t *testing.T) {
 	dl := deadLetterOf(t, b, "failing")
 	assert.Equal(t, string(consumer.KindHandler), dl.Headers[consumer.HeaderErrorKind], dl.Headers[consumer.HeaderErrorMessage])
 	assert.Equal(t, "2", dl.Headers[consumer.HeaderAttempts])
+	assert.Equal(t, want, dl.Headers[consumer.HeaderErrorMessage], "the last run's error, kept by the crash guard's record")
 	assert.Equal(t, int32(3), runs.Load(), "no run past the recorded Retry.MaxAttempts")
 }
 

@@ -28,7 +28,7 @@ func TestCrashGuardWriteRetriedCountsOnce(t *testing.T) {
 	j := &job{idt: identity{id: "e1"}, guard: guardState{suspect: true}}
 	require.NoError(t, c.p.guard.startAttempt(ctx, j))
 	// The same write again, as after a lost reply.
-	require.NoError(t, c.p.guard.set(ctx, j, j.runs+1, j.guard.crashes))
+	require.NoError(t, c.p.guard.set(ctx, j, j.runs+1, j.guard.crashes, nil))
 	records, ok := c.p.guard.read(ctx, c.p.guard.lookupSQL, []string{"e1"})
 	require.True(t, ok)
 	assert.Equal(t, record{runs: 1, crashes: 1}, records["e1"])
@@ -47,7 +47,7 @@ func TestLostAttemptGivesBackWhatItsStartRecorded(t *testing.T) {
 	ctx := context.Background()
 	require.NoError(t, c.p.cfg.Store.Migrate(ctx, pool))
 	// An earlier process crashed with e1 running alone once: runs 1, crashes 1.
-	require.NoError(t, c.p.guard.set(ctx, &job{idt: identity{id: "e1"}}, 1, 1))
+	require.NoError(t, c.p.guard.set(ctx, &job{idt: identity{id: "e1"}}, 1, 1, nil))
 	j := &job{idt: identity{id: "e1"}, guard: guardState{suspect: true, recorded: true}}
 	require.NoError(t, c.p.guard.startAttempt(ctx, j))
 	records, ok := c.p.guard.read(ctx, c.p.guard.lookupSQL, []string{"e1"})

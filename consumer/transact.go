@@ -82,7 +82,7 @@ func (p *pipeline) transact(ctx context.Context, jobs []*job) txResult {
 	if suspect != nil && r.outcome != txCommitted && r.outcome != txAbandoned {
 		// The attempt ended here, without a crash: a run of the handler,
 		// unless it was an infrastructure failure.
-		p.guard.endAttempt(ctx, suspect, r.outcome != txInfra)
+		p.guard.endAttempt(ctx, suspect, r)
 	}
 	return r
 }

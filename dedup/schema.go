@@ -22,7 +22,7 @@ var schemaFiles embed.FS
 // SchemaVersion is the newest schema version this package knows, the one
 // Migrate brings the tables to. The plain SQL files in migrations/ go up to
 // the same version.
-const SchemaVersion = 4
+const SchemaVersion = 5
 
 // ErrSchemaNewer is wrapped by Migrate's and MigrateTo's errors when the
 // database records a schema version newer than SchemaVersion: a newer
@@ -197,6 +197,7 @@ var processedColumns = pgshape.Cols(
 var attemptsColumns = pgshape.Cols(
 	"consumer", "text", "event_id", "text", "attempts", "integer",
 	"last_seen", "timestamp with time zone", "crashes", "integer",
+	"last_error", "jsonb",
 )
 
 // Check verifies that the store's tables exist with the columns and types

@@ -60,6 +60,10 @@ func assertVersion(t *testing.T, ctx context.Context, pool *pgxpool.Pool, s *ded
 			column{"crashes", "integer", false}, "the crash count comes with version 3")
 	case 3:
 		assert.Empty(t, columns(t, ctx, pool, schema, "processed_events_offsets"), "the offsets table comes with version 4")
+	case 4:
+		assert.NotEmpty(t, columns(t, ctx, pool, schema, "processed_events_offsets"))
+		assert.NotContains(t, columns(t, ctx, pool, schema, "processed_events_attempts"),
+			column{"last_error", "jsonb", true}, "the last error comes with version 5")
 	default:
 		assertSchema(t, ctx, pool, schema, "processed_events")
 	}
@@ -122,7 +126,7 @@ func TestMigrateFromUnversionedSchema(t *testing.T) {
 	require.NoError(t, err)
 	versions, err = pgx.CollectRows(rows, pgx.RowTo[int])
 	require.NoError(t, err)
-	assert.Equal(t, []int{1, 2, 3, 4}, versions)
+	assert.Equal(t, []int{1, 2, 3, 4, 5}, versions)
 }
 
 // An unversioned processed_events table without its attempts table (made

@@ -148,6 +148,7 @@ func assertSchema(t testing.TB, ctx context.Context, db dedup.DB, schema, table 
 		{"attempts", "integer", false},
 		{"last_seen", "timestamp with time zone", false},
 		{"crashes", "integer", false},
+		{"last_error", "jsonb", true},
 	}, columns(t, ctx, db, schema, table+"_attempts"))
 	assert.Equal(t, []column{
 		{"consumer", "text", false},

@@ -687,9 +687,9 @@ func report(ctx context.Context, w io.Writer, pool *pgxpool.Pool, o *options, pl
 // exist yet (ErrUnknownOrder past the retries): a cause that passes.
 // causeUnknown reports whether d's cause is not known to be a rule's: a
 // crash loop, or runs spent by failures in processes that ended before
-// dead-lettering the message (the crash guard keeps no error: a
-// waiting-for-its-order dead letter whose ack a kill took comes back so).
-// Such a cause may have passed.
+// dead-lettering the message, whose crash-guard record kept no error (one
+// written by a release before dedup schema version 5). Such a cause may
+// have passed.
 func causeUnknown(d deadLetter) bool {
 	return d.Headers[consumer.HeaderErrorKind] == string(consumer.KindCrashLoop) ||
 		strings.Contains(d.Headers[consumer.HeaderErrorMessage], runsSpentText)
