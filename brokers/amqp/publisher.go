@@ -24,7 +24,9 @@ var ErrPublisherBlocked = errors.New("amqp: the broker blocks the dead-letter co
 // or disk alarm, and a blocked connection carries no frame at all: on the
 // consuming connection, one dead letter would stall every ack behind it.
 // The connection is dialled on first use and again after it is lost, on
-// the next publish, independently of the consuming connection.
+// the next publish, independently of the consuming connection; a channel
+// the broker closed over a refused copy is opened again on the same
+// connection.
 type publisher struct {
 	cfg *Config
 	log *slog.Logger
@@ -325,6 +327,16 @@ func (p *publisher) ready(ctx context.Context) error {
 	if p.ch != nil && !p.ch.IsClosed() && !p.conn.IsClosed() {
 		return nil
 	}
+	if p.conn != nil && !p.conn.IsClosed() && p.blocked.get() == "" {
+		// Only the channel closed: the broker refused a copy (an
+		// exchange missing, internal or not writable), which it answers
+		// by closing the channel. Such refusals last until they are
+		// fixed on the broker, and a connection dialled for each retry
+		// would churn connections there for as long: a channel is
+		// opened on the same connection instead. A blocked connection
+		// would hold the channel's opening, and is dropped.
+		return p.reopenChannel(ctx)
+	}
 	p.drop()
 	type opened struct {
 		conn *amqp091.Connection
@@ -372,9 +384,48 @@ func (p *publisher) ready(ctx context.Context) error {
 			}
 		}
 	}()
-	p.conn, p.ch, p.blocked = conn, ch, blocked
+	p.conn, p.blocked = conn, blocked
+	p.useChannel(ch)
+	return nil
+}
+
+// useChannel makes ch, in confirm mode, the channel copies are published
+// on. A publish left pending went with the channel before it.
+func (p *publisher) useChannel(ch *amqp091.Channel) {
+	p.ch, p.pending, p.pendingFor = ch, nil, nil
 	p.returns = ch.NotifyReturn(make(chan amqp091.Return, 4))
 	p.chClosed = ch.NotifyClose(make(chan *amqp091.Error, 1))
+}
+
+// reopenChannel opens a confirm-mode channel on the dead-letter
+// connection, whose channel closed, and publishes on it from now on. The
+// requests run aside, given up when ctx ends; a connection that fails
+// them is dropped, and the next attempt dials.
+func (p *publisher) reopenChannel(ctx context.Context) error {
+	conn := p.conn
+	done := make(chan error, 1)
+	var ch *amqp091.Channel
+	go func() {
+		c, err := conn.Channel()
+		if err == nil {
+			if err = c.Confirm(false); err != nil {
+				_ = c.Close()
+			}
+		}
+		ch = c
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		if err != nil {
+			p.drop()
+			return fmt.Errorf("amqp: open the dead-letter channel: %w", err)
+		}
+	case <-ctx.Done():
+		p.drop() // the stuck requests end with the connection
+		return fmt.Errorf("amqp: open the dead-letter channel: %w", ctx.Err())
+	}
+	p.useChannel(ch)
 	return nil
 }
 
