@@ -198,3 +198,52 @@ func TestDeadLetterOfALargeCopyUnderAnAlarmKeepsConfirmTimeout(t *testing.T) {
 		t.Fatalf("DeadLetter still blocked %v after it began, with a ConfirmTimeout of 1s", time.Since(start).Round(time.Second))
 	}
 }
+
+// TestCloseUnderAnAlarmIsPrompt: Close while the broker blocks the
+// dead-letter connection (a memory alarm), with a copy unconfirmed on it.
+// The blocked connection reads nothing, so its close is never answered;
+// Close must not wait for it. The message whose copy is unconfirmed is not
+// acked and comes back, and the ack of a message the consumer settled
+// before Close still reaches the broker.
+func TestCloseUnderAnAlarmIsPrompt(t *testing.T) {
+	t.Parallel()
+	node := privateNode(t)
+	a := newAdminAt(t, node.url)
+	q := queueName(t)
+	a.declare(q, amqp.QueueClassic)
+	require.NoError(t, a.publish("", q, jsonMsg("ev-1", `{}`), jsonMsg("ev-2", `{}`)))
+	src := openSource(t, amqp.Config{URL: node.url, Queue: q, ConfirmTimeout: 2 * time.Second})
+	d1, d2 := receive(t, src), receive(t, src)
+	require.Equal(t, "ev-1", d1.Message().ID)
+
+	node.ctl(t, "set_vm_memory_high_watermark", "0")
+	alarmOn := true
+	clearAlarm := func() {
+		if alarmOn {
+			node.ctl(t, "set_vm_memory_high_watermark", "0.4")
+			alarmOn = false
+		}
+	}
+	t.Cleanup(clearAlarm)
+	waitBlocked(t, node.url)
+
+	dl := &consumer.DeadLetter{Kind: consumer.KindHandler, EventID: "ev-1", FailedAt: time.Now()}
+	require.ErrorIs(t, d1.DeadLetter(context.Background(), dl), amqp.ErrPublisherBlocked)
+	require.NoError(t, d2.Ack(context.Background()))
+
+	start := time.Now()
+	require.NoError(t, src.Close())
+	took := time.Since(start)
+	assert.Less(t, took, time.Second, "Close waited for the blocked dead-letter connection")
+
+	clearAlarm()
+	require.Eventually(t, func() bool {
+		ready, unacked := node.queueCounts(t, q)
+		return ready == 1 && unacked == 0
+	}, 30*time.Second, 50*time.Millisecond, "ev-2 acked, ev-1 back in the queue")
+	got, err := a.getAll(q)
+	require.NoError(t, err)
+	require.Len(t, got, 1)
+	assert.Equal(t, "ev-1", got[0].MessageId, "the message whose copy was not confirmed comes back")
+	assert.True(t, got[0].Redelivered)
+}

@@ -480,15 +480,24 @@ func (p *publisher) drop() {
 	p.blocked = newBlockState()
 }
 
-// close closes the connection; later publishes fail.
+// close closes the connection; later publishes fail. A connection the
+// broker blocks (a resource alarm) reads nothing, its close is never
+// answered: it is closed aside, as drop does, and close returns at once.
+// A copy left unconfirmed on it may still reach the dead-letter queue; its
+// delivery was not acked and comes back.
 func (p *publisher) close() {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.closed = true
-	if p.conn != nil {
-		_ = p.conn.CloseDeadline(time.Now().Add(2 * time.Second))
-		p.conn, p.ch, p.returns, p.chClosed = nil, nil, nil, nil
+	if p.conn == nil {
+		return
 	}
+	if p.blocked.get() != "" {
+		p.drop()
+		return
+	}
+	_ = p.conn.CloseDeadline(time.Now().Add(2 * time.Second))
+	p.conn, p.ch, p.returns, p.chClosed = nil, nil, nil, nil
 }
 
 // errUnroutable is wrapped by the error of a dead-letter copy the broker

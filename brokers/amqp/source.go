@@ -235,7 +235,10 @@ func (s *Source) Receive(ctx context.Context) (consumer.Delivery, error) {
 }
 
 // Close stops consuming and closes the connections. Deliveries not yet
-// acked go back to the queue. It is safe to call more than once.
+// acked go back to the queue, those whose dead-letter copy is not
+// confirmed too. A dead-letter connection the broker blocks under a
+// resource alarm, which would never answer its close, is closed without
+// waiting. It is safe to call more than once.
 func (s *Source) Close() error {
 	s.mu.Lock()
 	if s.closed {
