@@ -110,12 +110,15 @@ type Source struct {
 // Once connected, the source reconnects after a lost connection with
 // backoff, for as long as Receive's context allows, and it does so too
 // when the broker refuses it on a reconnect (the password changed or the
-// permissions revoked on the broker, a certificate expired): the same
+// permissions revoked on the broker, a certificate expired, an exchange or
+// queue of the topology changed there so that its declaration is refused,
+// or deleted under Config.Passive): the same
 // Config was accepted before, so the change was made on the broker's side,
 // where undoing it lets the source resume without a restart, whereas a
 // source that stopped would take its consumer down and be refused again
 // when restarted with the same Config. Such a refusal is logged at level
-// Error, as the broker refusing the configuration with its reason, not as
+// Error, as the broker refusing the configuration with its reason (for a
+// refused declaration, the exchange or queue and what to change), not as
 // a broker that cannot be reached; Close (or Receive's context) ends the
 // retrying.
 func Open(ctx context.Context, cfg Config) (*Source, error) {
@@ -412,8 +415,7 @@ func (s *Source) reconnect(ctx context.Context) (*session, error) {
 		if isConfigError(err) {
 			// Connected before with the same configuration: changed on the
 			// broker's side, and fixed there (see Open).
-			s.log.Error("amqp: the broker refuses the source's credentials, permissions, TLS settings or topology; retrying until that is fixed on the broker or the source is closed",
-				"attempt", attempt, "retry_in", wait.Round(time.Millisecond), "error", err)
+			s.log.Error(refusalMessage(err), "attempt", attempt, "retry_in", wait.Round(time.Millisecond), "error", err)
 		} else {
 			s.log.Warn("amqp: cannot connect to the broker; retrying", "attempt", attempt, "retry_in", wait.Round(time.Millisecond), "error", err)
 		}
@@ -501,6 +503,33 @@ func isConfigError(err error) bool {
 		}
 	}
 	return false
+}
+
+// declareError is a declaration of the topology (or, with Config.Passive,
+// a check) that the broker refused; its text is the wrapped error's.
+type declareError struct{ err error }
+
+func (e *declareError) Error() string { return e.err.Error() }
+func (e *declareError) Unwrap() error { return e.err }
+
+// refusalMessage is the message of the error logged when the broker
+// refuses a reconnect, saying what to change on the broker.
+func refusalMessage(err error) string {
+	var de *declareError
+	var ae *amqp091.Error
+	if errors.As(err, &de) && errors.As(err, &ae) {
+		switch ae.Code {
+		case amqp091.PreconditionFailed:
+			return "amqp: the broker refuses the source's declaration of its topology: an exchange or queue of the Config " +
+				"exists there with other properties (the error names it and the argument, e.g. made internal or " +
+				"declared with other arguments); retrying until they agree: declare it on the broker as the Config " +
+				"does (a queue deleted to be declared again loses its messages), or change the Config and restart the source"
+		case amqp091.NotFound:
+			return "amqp: the broker refuses the source's topology: an exchange or queue the source binds or checks " +
+				"(Config.Passive) is missing there (the error names it); retrying until it is declared on the broker again"
+		}
+	}
+	return "amqp: the broker refuses the source's credentials, permissions, TLS settings or topology; retrying until that is fixed on the broker or the source is closed"
 }
 
 // session is the consuming connection with its channel.
@@ -693,7 +722,7 @@ func (s *Source) declare(ch *amqp091.Channel) error {
 	if !cfg.Passive {
 		for _, b := range cfg.Bindings {
 			if err := ch.QueueBind(cfg.Queue, b.RoutingKey, b.Exchange, false, b.Args); err != nil {
-				return fmt.Errorf("amqp: bind queue %q to exchange %q with key %q: %w", cfg.Queue, b.Exchange, b.RoutingKey, err)
+				return &declareError{fmt.Errorf("amqp: bind queue %q to exchange %q with key %q: %w", cfg.Queue, b.Exchange, b.RoutingKey, err)}
 			}
 		}
 	}
@@ -715,7 +744,7 @@ func declareDeadLetter(ch *amqp091.Channel, cfg *Config) error {
 		}
 		if dl.Exchange != "" && !cfg.Passive {
 			if err := ch.QueueBind(dl.Queue, dl.RoutingKey, dl.Exchange, false, nil); err != nil {
-				return fmt.Errorf("amqp: bind dead-letter queue %q to exchange %q with key %q: %w", dl.Queue, dl.Exchange, dl.RoutingKey, err)
+				return &declareError{fmt.Errorf("amqp: bind dead-letter queue %q to exchange %q with key %q: %w", dl.Queue, dl.Exchange, dl.RoutingKey, err)}
 			}
 		}
 	}
@@ -732,7 +761,7 @@ func declareExchange(ch *amqp091.Channel, passive bool, name, kind string, args 
 		err = ch.ExchangeDeclare(name, kind, true, false, false, false, args)
 	}
 	if err != nil {
-		return fmt.Errorf("amqp: %s exchange %q: %w", verb(passive), name, err)
+		return &declareError{fmt.Errorf("amqp: %s exchange %q: %w", verb(passive), name, err)}
 	}
 	return nil
 }
@@ -746,7 +775,7 @@ func declareQueue(ch *amqp091.Channel, passive bool, name string, args amqp091.T
 		_, err = ch.QueueDeclare(name, true, false, false, false, args)
 	}
 	if err != nil {
-		return fmt.Errorf("amqp: %s queue %q: %w", verb(passive), name, err)
+		return &declareError{fmt.Errorf("amqp: %s queue %q: %w", verb(passive), name, err)}
 	}
 	return nil
 }
