@@ -31,7 +31,10 @@ type Stats struct {
 	// Skipped counts messages recorded without a handler (an unknown type
 	// under SkipUnknownTypes, an id conflict under SkipConflicts).
 	Skipped uint64
-	// DeadLettered counts messages written to the dead-letter destination.
+	// DeadLettered counts dead-letter copies written (confirmed by the
+	// dead-letter destination). Dead letters are at least once: a message
+	// whose ack is lost after its copy was written comes again, is
+	// dead-lettered again, and counts twice.
 	DeadLettered uint64
 	// Retries counts handler attempts after the first, and retries after
 	// infrastructure failures.
