@@ -67,19 +67,34 @@ type delivery struct {
 }
 
 // TelemetryAttributes implements consumer.TelemetryAttributer, as the
-// OpenTelemetry messaging conventions name RabbitMQ's destination: the
-// exchange ("amq.default" for the default one) and the routing key in its
-// own attribute; the queue consumed from is the subscription.
+// OpenTelemetry messaging conventions name a RabbitMQ consumer's
+// destination: messaging.destination.name is
+// "{exchange}:{routing key}:{queue}", an empty part (the default exchange,
+// no routing key) left out and a routing key equal to the queue given
+// once. A message published to the default exchange with the queue's name
+// as its routing key thus has the queue as its destination, the
+// messaging.destination.name of the consumer's metrics, which keep the
+// queue for every message: the routing key may not have the low
+// cardinality the conventions ask of a metric's attributes. The routing
+// key, when not empty, is messaging.rabbitmq.destination.routing_key; the
+// queue consumed from is messaging.destination.subscription.name.
 func (d *delivery) TelemetryAttributes() []attribute.KeyValue {
-	exchange := d.d.Exchange
-	if exchange == "" {
-		exchange = "amq.default"
+	queue, key := d.msg.Topic, d.d.RoutingKey
+	name := queue
+	if key != "" && key != queue {
+		name = key + ":" + name
 	}
-	return []attribute.KeyValue{
-		attribute.String("messaging.destination.name", exchange),
-		attribute.String("messaging.rabbitmq.destination.routing_key", d.d.RoutingKey),
-		attribute.String("messaging.destination.subscription.name", d.msg.Topic),
+	if d.d.Exchange != "" {
+		name = d.d.Exchange + ":" + name
 	}
+	attrs := make([]attribute.KeyValue, 0, 3)
+	attrs = append(attrs,
+		attribute.String("messaging.destination.name", name),
+		attribute.String("messaging.destination.subscription.name", queue))
+	if key != "" {
+		attrs = append(attrs, attribute.String("messaging.rabbitmq.destination.routing_key", key))
+	}
+	return attrs
 }
 
 func (s *Source) newDelivery(sess *session, d amqp091.Delivery) *delivery {
