@@ -130,3 +130,48 @@ func TestDeadLetterRefusedReusesTheConnection(t *testing.T) {
 		})
 	}
 }
+
+// TestDeadLetterDestinationRedeclareRefusedReusesTheConnection: the
+// dead-letter exchange is deleted while the source runs, and the source's
+// user may no longer configure it, so the declaration the source makes
+// again after the copy found the exchange missing is refused too, on every
+// attempt. The declaration runs on a channel of the dead-letter connection
+// that is not blocked, not on a connection dialled for it: each attempt
+// dialled two (one to declare, one to publish). Once the permission is
+// back, the exchange is declared again and the copy goes out.
+func TestDeadLetterDestinationRedeclareRefusedReusesTheConnection(t *testing.T) {
+	t.Parallel()
+	n := privateNode(t)
+	n.ctl(t, "add_user", "svc", "pw-svc")
+	n.ctl(t, "set_permissions", "-p", "/", "svc", ".*", ".*", ".*")
+	u, err := url.Parse(n.url)
+	require.NoError(t, err)
+	u.User = url.UserPassword("svc", "pw-svc")
+	a := newAdminAt(t, n.url)
+	q := queueName(t)
+	x := q + ".dlx"
+	dials, through := countDials(t, u.String())
+	src := openSource(t, amqp.Config{URL: through, Queue: q, DeadLetter: amqp.DeadLetterConfig{Exchange: x}})
+	require.NoError(t, a.publish("", q, jsonMsg("ev-1", `{}`)))
+	d := receive(t, src)
+	atOpen := dials.accepted.Load()
+
+	n.ctl(t, "set_permissions", "-p", "/", "svc", "^$", ".*", ".*") // no configure
+	ch, err := a.channel()
+	require.NoError(t, err)
+	require.NoError(t, ch.ExchangeDelete(x, false, false))
+	const attempts = 6
+	for range attempts {
+		require.Error(t, deadLetterWithRetries(d, 1))
+	}
+	assert.Equal(t, atOpen+1, dials.accepted.Load(),
+		"%d attempts dialled %d connections; want the one dead-letter connection", attempts, dials.accepted.Load()-atOpen)
+
+	n.ctl(t, "set_permissions", "-p", "/", "svc", ".*", ".*", ".*")
+	require.NoError(t, deadLetterWithRetries(d, 3))
+	require.NoError(t, d.Ack(context.Background()))
+	got, err := a.getAll(q + amqp.DeadLetterQueueSuffix)
+	require.NoError(t, err)
+	require.Len(t, got, 1)
+	assert.Equal(t, "ev-1", got[0].MessageId)
+}

@@ -39,8 +39,9 @@ type publisher struct {
 	// a missing exchange).
 	chClosed chan *amqp091.Error
 	// redeclare: a copy found the dead-letter destination missing (its
-	// queue or exchange deleted since Open declared it); the next
-	// connection declares it again before publishing.
+	// queue or exchange deleted since Open declared it); the next attempt
+	// declares it again before publishing, on a new channel of the
+	// connection, or on a new connection when the broker blocks it.
 	redeclare bool
 	blocked   *blockState
 	// pending is a publish left unconfirmed when the broker blocked the
@@ -317,25 +318,30 @@ func (p *publisher) ready(ctx context.Context) error {
 		return fmt.Errorf("amqp: dead-letter publisher: %w", ErrChannelClosed)
 	}
 	redeclare := p.redeclare && !p.cfg.Passive
-	if redeclare {
+	reusable := p.conn != nil && !p.conn.IsClosed() && p.blocked.get() == ""
+	if redeclare && !reusable {
 		// Declare on a new connection: one the broker blocks under an
 		// alarm would hold the declarations (amqp091 gives its requests
 		// no deadline), and a fresh one is not blocked before it
 		// publishes.
 		p.drop()
 	}
-	if p.ch != nil && !p.ch.IsClosed() && !p.conn.IsClosed() {
+	if !redeclare && p.ch != nil && !p.ch.IsClosed() && !p.conn.IsClosed() {
 		return nil
 	}
-	if p.conn != nil && !p.conn.IsClosed() && p.blocked.get() == "" {
-		// Only the channel closed: the broker refused a copy (an
-		// exchange missing, internal or not writable), which it answers
-		// by closing the channel. Such refusals last until they are
-		// fixed on the broker, and a connection dialled for each retry
-		// would churn connections there for as long: a channel is
-		// opened on the same connection instead. A blocked connection
-		// would hold the channel's opening, and is dropped.
-		return p.reopenChannel(ctx)
+	if reusable {
+		// A refusal of the broker (an exchange missing, internal or not
+		// writable, a declaration refused) closes the channel, not the
+		// connection. Such refusals last until they are fixed on the
+		// broker, and a connection dialled for each retry would churn
+		// connections there for as long: a channel is opened on the
+		// same connection instead, and the destination declared on it.
+		// A blocked connection would hold the channel's requests, and is
+		// dropped.
+		if redeclare {
+			p.redeclare = false
+		}
+		return p.reopenChannel(ctx, redeclare)
 	}
 	p.drop()
 	type opened struct {
@@ -398,34 +404,69 @@ func (p *publisher) useChannel(ch *amqp091.Channel) {
 }
 
 // reopenChannel opens a confirm-mode channel on the dead-letter
-// connection, whose channel closed, and publishes on it from now on. The
-// requests run aside, given up when ctx ends; a connection that fails
-// them is dropped, and the next attempt dials.
-func (p *publisher) reopenChannel(ctx context.Context) error {
-	conn := p.conn
-	done := make(chan error, 1)
-	var ch *amqp091.Channel
+// connection, declares the dead-letter destination on it first when
+// redeclare is set, and publishes on it from now on; the channel before
+// it, if still open, is closed. The requests run aside, given up when ctx
+// ends or after ConfirmTimeout (the broker may have blocked the connection
+// without its notice having come yet); a connection that fails them is
+// dropped, and the next attempt dials. A declaration the broker refuses
+// closes the new channel only: the connection is kept for the next
+// attempt.
+func (p *publisher) reopenChannel(ctx context.Context, redeclare bool) error {
+	conn, old := p.conn, p.ch
+	if old != nil && !old.IsClosed() {
+		go func() { _ = old.Close() }()
+	}
+	p.ch = nil
+	type opened struct {
+		ch         *amqp091.Channel
+		err        error
+		declareErr error
+	}
+	done := make(chan opened, 1)
 	go func() {
-		c, err := conn.Channel()
+		ch, err := conn.Channel()
 		if err == nil {
-			if err = c.Confirm(false); err != nil {
-				_ = c.Close()
+			if err = ch.Confirm(false); err != nil {
+				_ = ch.Close()
 			}
 		}
-		ch = c
-		done <- err
-	}()
-	select {
-	case err := <-done:
 		if err != nil {
-			p.drop()
-			return fmt.Errorf("amqp: open the dead-letter channel: %w", err)
+			done <- opened{err: err}
+			return
 		}
+		if redeclare {
+			if err := declareDeadLetter(ch, p.cfg); err != nil {
+				_ = ch.Close()
+				done <- opened{declareErr: err}
+				return
+			}
+		}
+		done <- opened{ch: ch}
+	}()
+	t := time.NewTimer(p.cfg.ConfirmTimeout)
+	defer t.Stop()
+	var o opened
+	select {
+	case o = <-done:
 	case <-ctx.Done():
 		p.drop() // the stuck requests end with the connection
 		return fmt.Errorf("amqp: open the dead-letter channel: %w", ctx.Err())
+	case <-t.C:
+		p.drop()
+		return fmt.Errorf("amqp: open the dead-letter channel: no answer within Config.ConfirmTimeout %v", p.cfg.ConfirmTimeout)
 	}
-	p.useChannel(ch)
+	switch {
+	case o.declareErr != nil:
+		return fmt.Errorf("amqp: declare the dead-letter destination again: %w", o.declareErr)
+	case o.err != nil:
+		p.drop()
+		return fmt.Errorf("amqp: open the dead-letter channel: %w", o.err)
+	}
+	if redeclare {
+		p.log.Info("amqp: declared the dead-letter destination again; a copy had found it missing")
+	}
+	p.useChannel(o.ch)
 	return nil
 }
 
