@@ -116,8 +116,8 @@ type GroupNamer interface {
 
 // TelemetryAttributer is implemented by deliveries that know messaging
 // attributes the consumer cannot derive from Message, such as RabbitMQ's
-// destination of exchange, routing key and queue
-// (messaging.destination.name) and routing key
+// destination, made of exchange, routing key and queue
+// (messaging.destination.name), and its routing key
 // (messaging.rabbitmq.destination.routing_key). They are added to the
 // message's span, after and over the consumer's own. The consumer finds it
 // by type assertion, and calls it only when the span records. A panic in
