@@ -171,7 +171,7 @@ func newTelemetry(cfg *Config, system, group string) (*telemetry, error) {
 		return nil, err
 	}
 	if t.deadLetters, err = m.Int64Counter("once.consumer.dead_letters",
-		metric.WithDescription("Messages dead-lettered, by error kind."), metric.WithUnit("{message}")); err != nil {
+		metric.WithDescription("Dead-letter copies written, by error kind (a message whose ack was lost after its copy was written counts twice)."), metric.WithUnit("{message}")); err != nil {
 		return nil, err
 	}
 	if t.handlerDur, err = m.Float64Histogram("once.consumer.handler.duration",
