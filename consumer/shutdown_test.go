@@ -271,7 +271,7 @@ type cutOnSecondLookup struct {
 }
 
 func (s *cutOnSecondLookup) TraceQueryStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceQueryStartData) context.Context {
-	if strings.HasPrefix(data.SQL, "SELECT event_id, attempts, crashes FROM") && s.lookups.Add(1) == 2 {
+	if strings.HasPrefix(data.SQL, "SELECT event_id, attempts, crashes, last_error FROM") && s.lookups.Add(1) == 2 {
 		s.cut()
 		s.then()
 	}
