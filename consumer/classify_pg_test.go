@@ -262,7 +262,9 @@ func TestDeadlockBetweenTwoConsumersIsRetried(t *testing.T) {
 		require.Eventually(t, func() bool { return b.Acked() == 1 }, 10*time.Second, time.Millisecond)
 		assert.Empty(t, deadLetterKinds(b))
 	}
-	assert.Equal(t, int32(1), deadlocks.Load(), "one of the two transactions met the deadlock")
+	// At least one: on a loaded machine the retry can meet the other's
+	// locks again, and both were seen aborted.
+	assert.GreaterOrEqual(t, deadlocks.Load(), int32(1), "the transactions met the deadlock")
 	assert.Equal(t, map[string]int{"billing/e1": 1, "audit/e1": 1}, countEffects(t, admin))
 	var n1, n2 int
 	require.NoError(t, admin.QueryRow(ctx, `SELECT (SELECT n FROM accounts WHERE id = 1), (SELECT n FROM accounts WHERE id = 2)`).Scan(&n1, &n2))
