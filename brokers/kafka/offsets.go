@@ -302,7 +302,8 @@ func (s *Source) fencedBy(ctx context.Context, tx pgx.Tx, b *offsetsBinding, cl 
 // in no transaction. It ends with ctx (the consumer's ends at its
 // shutdown deadline) or after 10 s. A failure is returned (the consumer
 // logs it); the record may then be dead-lettered again by its partition's
-// next owner.
+// next owner. A write refused as read-only resets the pool
+// (leaveReadOnly).
 func (d *delivery) recordDeadLettered(ctx context.Context) error {
 	b := d.claim.src.offsets.Load()
 	if b == nil || d.claim.db == nil {
@@ -311,6 +312,7 @@ func (d *delivery) recordDeadLettered(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	if err := b.Store.RecordOffsets(ctx, b.Pool, b.Consumer, d.claim.offsetsUpdate([]int64{d.raw.Offset})); err != nil {
+		d.claim.src.leaveReadOnly(b, err)
 		return fmt.Errorf("kafka: recording dead-lettered %s offset %d in the database: %w", d.claim.stream, d.raw.Offset, err)
 	}
 	return nil
@@ -320,7 +322,8 @@ func (d *delivery) recordDeadLettered(ctx context.Context) error {
 // seeks each partition the table knows to its recorded position. It
 // retries failures with backoff until the session ends; a refusal of the
 // database (authentication, a privilege), which waiting does not cure, is
-// logged at level Error.
+// logged at level Error, and a write refused as read-only (a failover)
+// resets the pool first (leaveReadOnly).
 func (s *Source) takeOver(sess sarama.ConsumerGroupSession) error {
 	b := s.offsets.Load()
 	if b == nil {
@@ -353,6 +356,7 @@ func (s *Source) takeOver(sess sarama.ConsumerGroupSession) error {
 			}
 			return nil
 		}
+		s.leaveReadOnly(b, err)
 		wait := retry.Delay()
 		if databaseRefused(err) {
 			s.cfg.Logger.Error("once/kafka: the database refuses taking partitions over in the offsets table (authentication or privileges); no record is consumed until that is fixed; retrying",
@@ -365,6 +369,23 @@ func (s *Source) takeOver(sess sarama.ConsumerGroupSession) error {
 			return fmt.Errorf("kafka: taking partitions over: %w", err)
 		}
 	}
+}
+
+// leaveReadOnly resets the consumer's pool when err says a write was
+// refused as read-only (SQLSTATE 25006), as the consumer does for its own
+// writes: after a failover the pool's connections may reach the old
+// primary, now a standby, and every retry on them would be refused the
+// same way until the pool retired them (pgxpool.Config.MaxConnLifetime).
+// The pool closes its idle connections at once and the others when they
+// are released; the retry opens a new one, to the writable server.
+func (s *Source) leaveReadOnly(b *offsetsBinding, err error) {
+	var pe *pgconn.PgError
+	if !errors.As(err, &pe) || pe.Code != "25006" {
+		return
+	}
+	s.cfg.Logger.Warn("once/kafka: the database refused a write of the offsets table as read-only (a failover?); closing the pool's connections",
+		"group", s.cfg.Group, "table", b.Store.OffsetsTable(), "error", err)
+	b.Pool.Reset()
 }
 
 // databaseRefused reports whether err is PostgreSQL refusing the role
