@@ -31,8 +31,14 @@ const (
 	// Reading committed records (the default; see ReadUncommitted), that
 	// end is the partition's last stable offset, as for a read-committed
 	// Java consumer: the records of a transaction open at the start are
-	// read once it commits. Records written to a partition added to a topic before the group
-	// noticed it are skipped.
+	// read once it commits. A partition that a cooperative rebalance adds,
+	// one whose start the session could not mark (a warning is logged), and
+	// one whose committed offset is out of range start at their end when
+	// claimed, read the same way, but that start is committed only once
+	// one of their records is acked.
+	// Reading committed records, a committed offset past the last stable
+	// offset is out of range. Records written to a partition added to a
+	// topic before the group noticed it are skipped.
 	StartNewest
 )
 

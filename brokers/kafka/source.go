@@ -44,12 +44,14 @@ var ErrCloseTimeout = errors.New("kafka: Close did not finish within Config.Clos
 // goroutine and Close once when it stops. The Ack and DeadLetter methods of
 // its deliveries are safe for concurrent use.
 type Source struct {
-	cfg       Config
-	group     sarama.ConsumerGroup
-	dlqClient sarama.Client // the dead-letter producer's client
-	producer  sarama.SyncProducer
-	lag       *lagGauge
-	topicIDs  topicIDs
+	cfg   Config
+	group sarama.ConsumerGroup
+	// groupClient is group's client, which closing group leaves open.
+	groupClient sarama.Client
+	dlqClient   sarama.Client // the dead-letter producer's client
+	producer    sarama.SyncProducer
+	lag         *lagGauge
+	topicIDs    topicIDs
 
 	deliveries chan *delivery
 	// readAhead is how many records a claim reads on while Receive takes
@@ -271,8 +273,20 @@ func connect(cfg Config) (*Source, error) {
 		lag.close()
 		return nil, fmt.Errorf("kafka: dead-letter producer: %w", err)
 	}
-	group, err := sarama.NewConsumerGroup(cfg.Brokers, cfg.Group, cc)
+	groupClient, err := sarama.NewClient(cfg.Brokers, cc)
 	if err != nil {
+		_ = producer.Close()
+		_ = dlqClient.Close()
+		lag.close()
+		return nil, fmt.Errorf("kafka: consumer group %q: %w", cfg.Group, err)
+	}
+	gc := groupClient
+	if cfg.InitialOffset == StartNewest && !cfg.ReadUncommitted {
+		gc = lastStableClient{groupClient}
+	}
+	group, err := sarama.NewConsumerGroupFromClient(cfg.Group, gc)
+	if err != nil {
+		_ = groupClient.Close()
 		_ = producer.Close()
 		_ = dlqClient.Close()
 		lag.close()
@@ -282,6 +296,7 @@ func connect(cfg Config) (*Source, error) {
 	s := &Source{
 		cfg:            cfg,
 		group:          group,
+		groupClient:    groupClient,
 		dlqClient:      dlqClient,
 		producer:       producer,
 		lag:            lag,
@@ -523,6 +538,7 @@ func (s *Source) shutdown() error {
 	}
 	errs := []error{s.group.Close()}
 	<-s.errsDone
+	errs = append(errs, s.groupClient.Close())
 	s.sends.Wait()
 	errs = append(errs, s.producer.Close(), s.dlqClient.Close())
 	s.lag.close()
@@ -628,7 +644,8 @@ func (h *groupHandler) Setup(sess sarama.ConsumerGroupSession) error {
 // it has no record to ack (the member stopped, the partition moving to
 // another member), is read by the next owner instead of being skipped by
 // its own start at the newest record. A failure to ask the cluster is
-// logged; those partitions then start at the newest record at each claim.
+// logged; those partitions then start where sarama resolves
+// sarama.OffsetNewest, the same end (lastStableClient), at each claim.
 func (s *Source) markStarts(sess sarama.ConsumerGroupSession) {
 	claims := sess.Claims()
 	if len(claims) == 0 {

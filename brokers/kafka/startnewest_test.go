@@ -3,14 +3,18 @@ package kafka
 import (
 	"context"
 	"net"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/IBM/sarama"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kgo"
+	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/onceco/once/internal/netcut"
 )
@@ -161,4 +165,181 @@ func testStartNewestStartsBeforeAnOpenTransaction(t *testing.T, kind brokerKind)
 	r := <-got
 	require.NoError(t, r.err, "the record of the transaction open when the group started was skipped")
 	assert.Equal(t, "in-txn", string(r.d.Message().Value))
+}
+
+// With StartNewest, a partition whose start the session's Setup could not
+// mark (the cluster did not answer its question) starts where the
+// partition consumer asks: that was the high-water mark, past the records
+// of a transaction open at the start, which were skipped once it
+// committed. It is the last stable offset too, as on the first start.
+func TestStartNewestStartsBeforeAnOpenTransactionWhenSetupCannotMarkIt(t *testing.T) {
+	c := newCluster(t)
+	topic, group := uniq("orders"), uniq("g")
+	c.createTopic(topic, 1)
+	ctx := t.Context()
+	tp, err := kgo.NewClient(kgo.SeedBrokers(c.addrs...), kgo.TransactionalID(uniq("txn")),
+		kgo.RecordPartitioner(kgo.ManualPartitioner()))
+	require.NoError(t, err)
+	defer tp.Close()
+	require.NoError(t, tp.BeginTransaction())
+	require.NoError(t, tp.ProduceSync(ctx, &kgo.Record{Topic: topic, Partition: 0, Value: []byte("in-txn")}).FirstErr())
+
+	// The partition's end, read committed, is refused to Setup (its
+	// question and the one retry); once the partition consumer asked for
+	// the partition's start (the oldest offset, after the newest), the
+	// claim's start is chosen.
+	var refused atomic.Int32
+	chosen := make(chan struct{})
+	var chosenOnce sync.Once
+	c.kf.ControlKey(kmsg.ListOffsets.Int16(), func(req kmsg.Request) (kmsg.Response, error, bool) {
+		c.kf.KeepControl()
+		lreq := req.(*kmsg.ListOffsetsRequest)
+		for _, rt := range lreq.Topics {
+			for _, rp := range rt.Partitions {
+				if rt.Topic == topic && rp.Timestamp == sarama.OffsetOldest {
+					chosenOnce.Do(func() { close(chosen) })
+				}
+			}
+		}
+		if lreq.IsolationLevel != 1 || refused.Load() >= 2 {
+			return nil, nil, false
+		}
+		refused.Add(1)
+		resp := lreq.ResponseKind().(*kmsg.ListOffsetsResponse)
+		resp.Version = lreq.Version
+		for _, rt := range lreq.Topics {
+			st := kmsg.NewListOffsetsResponseTopic()
+			st.Topic = rt.Topic
+			for _, rp := range rt.Partitions {
+				sp := kmsg.NewListOffsetsResponseTopicPartition()
+				sp.Partition = rp.Partition
+				sp.ErrorCode = kerr.UnknownServerError.Code
+				st.Partitions = append(st.Partitions, sp)
+			}
+			resp.Topics = append(resp.Topics, st)
+		}
+		return resp, nil, true
+	})
+
+	cfg := c.config(group, topic)
+	cfg.InitialOffset = StartNewest
+	src := c.open(cfg)
+	rctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	defer cancel()
+	type received struct {
+		d   *delivery
+		err error
+	}
+	got := make(chan received, 1)
+	go func() { // joins the group
+		d, err := src.Receive(rctx)
+		r := received{err: err}
+		if err == nil {
+			r.d = d.(*delivery)
+		}
+		got <- r
+	}()
+	select {
+	case <-chosen:
+	case <-rctx.Done():
+		t.Fatal("the partition consumer never asked for the partition's start")
+	}
+	require.Equal(t, int32(2), refused.Load(), "Setup's question was refused")
+
+	require.NoError(t, tp.EndTransaction(ctx, kgo.TryCommit))
+	r := <-got
+	require.NoError(t, r.err, "the record of the transaction open when the partition was claimed was skipped")
+	assert.Equal(t, "in-txn", string(r.d.Message().Value))
+}
+
+// With StartNewest, a partition that a cooperative rebalance adds (here:
+// a partition added to the topic) gets no session start to mark: sarama
+// starts it where it resolves the newest offset. That was the high-water
+// mark, past the records of a transaction open when the partition was
+// claimed, which were skipped once it committed. It is the last stable
+// offset.
+func TestStartNewestStartsBeforeAnOpenTransactionOnAPartitionAddedCooperatively(t *testing.T) {
+	c := newCluster(t)
+	topic, group := uniq("orders"), uniq("g")
+	c.createTopic(topic, 1)
+	ctx := t.Context()
+	cfg := c.config(group, topic)
+	cfg.InitialOffset = StartNewest
+	cfg.Sarama.Consumer.Group.Rebalance.GroupStrategies = []sarama.BalanceStrategy{sarama.NewBalanceStrategyCooperativeSticky()}
+	cfg.Sarama.Metadata.RefreshFrequency = 100 * time.Millisecond // the leader's check of the partition count
+	src := c.open(cfg)
+	rctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	type received struct {
+		d   *delivery
+		err error
+	}
+	got := make(chan received, 1)
+	go func() { // joins the group
+		d, err := src.Receive(rctx)
+		r := received{err: err}
+		if err == nil {
+			r.d = d.(*delivery)
+		}
+		got <- r
+	}()
+	// The start of partition 0 is committed once the member holds it.
+	start := func() int64 {
+		admin, err := sarama.NewClusterAdmin(c.addrs, saramaConfig())
+		if err != nil {
+			return -1
+		}
+		defer admin.Close()
+		resp, err := admin.ListConsumerGroupOffsets(group, map[string][]int32{topic: {0}})
+		if err != nil || resp.GetBlock(topic, 0) == nil {
+			return -1
+		}
+		return resp.GetBlock(topic, 0).Offset
+	}
+	require.Eventually(t, func() bool { return start() >= 0 }, 20*time.Second, 20*time.Millisecond, "the member holds partition 0")
+
+	// The rebalance that adds partition 1 waits until its transaction is
+	// open; the claim's start is chosen once the partition consumer asked
+	// for the partition's oldest offset (after the newest).
+	opened := make(chan struct{})
+	c.kf.ControlKey(kmsg.JoinGroup.Int16(), func(kmsg.Request) (kmsg.Response, error, bool) {
+		c.kf.KeepControl()
+		c.kf.SleepControl(func() { <-opened })
+		return nil, nil, false
+	})
+	chosen := make(chan struct{})
+	var chosenOnce sync.Once
+	c.kf.ControlKey(kmsg.ListOffsets.Int16(), func(req kmsg.Request) (kmsg.Response, error, bool) {
+		c.kf.KeepControl()
+		for _, rt := range req.(*kmsg.ListOffsetsRequest).Topics {
+			for _, rp := range rt.Partitions {
+				if rt.Topic == topic && rp.Partition == 1 && rp.Timestamp == sarama.OffsetOldest {
+					chosenOnce.Do(func() { close(chosen) })
+				}
+			}
+		}
+		return nil, nil, false
+	})
+	admin, err := sarama.NewClusterAdmin(c.addrs, saramaConfig())
+	require.NoError(t, err)
+	require.NoError(t, admin.CreatePartitions(topic, 2, nil, false))
+	require.NoError(t, admin.Close())
+	tp, err := kgo.NewClient(kgo.SeedBrokers(c.addrs...), kgo.TransactionalID(uniq("txn")),
+		kgo.RecordPartitioner(kgo.ManualPartitioner()))
+	require.NoError(t, err)
+	defer tp.Close()
+	require.NoError(t, tp.BeginTransaction())
+	require.NoError(t, tp.ProduceSync(ctx, &kgo.Record{Topic: topic, Partition: 1, Value: []byte("in-txn")}).FirstErr())
+	close(opened)
+	select {
+	case <-chosen:
+	case <-rctx.Done():
+		t.Fatal("partition 1 was never claimed")
+	}
+
+	require.NoError(t, tp.EndTransaction(ctx, kgo.TryCommit))
+	r := <-got
+	require.NoError(t, r.err, "the record of the transaction open when the partition was claimed was skipped")
+	assert.Equal(t, "in-txn", string(r.d.Message().Value))
+	assert.Equal(t, int32(1), r.d.Message().Partition)
 }
