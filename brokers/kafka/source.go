@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math"
 	"net"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -695,6 +696,18 @@ func (s *Source) markStarts(sess sarama.ConsumerGroupSession) {
 	}
 }
 
+// startName names a claim's initial offset for the logs: sarama's
+// OffsetOldest and OffsetNewest by name, an offset as it is.
+func startName(offset int64) string {
+	switch offset {
+	case sarama.OffsetOldest:
+		return "oldest"
+	case sarama.OffsetNewest:
+		return "newest"
+	}
+	return strconv.FormatInt(offset, 10)
+}
+
 func (*groupHandler) Cleanup(sarama.ConsumerGroupSession) error { return nil }
 
 // ConsumeClaim hands the claim's records to Receive, one at a time and in
@@ -722,6 +735,14 @@ func (h *groupHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, sc sarama.
 				"group", s.cfg.Group, "stream", cl.stream, "generation", sess.GenerationID())
 			cl.revoke()
 			return nil
+		}
+		if o.Next >= 0 && sc.InitialOffset() != o.Next {
+			// sarama found the position out of the partition's range
+			// and reset it (Consumer.Group.ResetInvalidOffsets).
+			s.cfg.Logger.Error("once/kafka: the position the database records for the partition is out of the partition's range "+
+				"(its records deleted by retention before they were handled, or the log truncated); the claim starts at Config.InitialOffset, "+
+				"and the records between the two are not handled",
+				"group", s.cfg.Group, "stream", cl.stream, "recorded", o.Next, "start", startName(sc.InitialOffset()))
 		}
 		cl.db = newClaimOffsets(o, sc.InitialOffset())
 	}
