@@ -321,9 +321,10 @@ func (d *delivery) recordDeadLettered(ctx context.Context) error {
 // takeOver takes the session's partitions over in the offsets table and
 // seeks each partition the table knows to its recorded position. It
 // retries failures with backoff until the session ends; a refusal of the
-// database (authentication, a privilege), which waiting does not cure, is
-// logged at level Error, and a write refused as read-only (a failover)
-// resets the pool first (leaveReadOnly).
+// database (authentication, a privilege) or another error waiting does
+// not cure (an undefined table or column) is logged at level Error, and a
+// write refused as read-only (a failover) resets the pool first
+// (leaveReadOnly).
 func (s *Source) takeOver(sess sarama.ConsumerGroupSession) error {
 	b := s.offsets.Load()
 	if b == nil {
@@ -358,10 +359,14 @@ func (s *Source) takeOver(sess sarama.ConsumerGroupSession) error {
 		}
 		s.leaveReadOnly(b, err)
 		wait := retry.Delay()
-		if databaseRefused(err) {
+		switch {
+		case databaseRefused(err):
 			s.cfg.Logger.Error("once/kafka: the database refuses taking partitions over in the offsets table (authentication or privileges); no record is consumed until that is fixed; retrying",
 				"group", s.cfg.Group, "table", b.Store.OffsetsTable(), "error", err, "backoff", wait)
-		} else {
+		case databaseDeterministic(err):
+			s.cfg.Logger.Error("once/kafka: taking partitions over in the offsets table fails in a way waiting does not cure (the table or a column renamed or dropped, the schema moved back: see once migrate status); no record is consumed until that is fixed; retrying",
+				"group", s.cfg.Group, "table", b.Store.OffsetsTable(), "error", err, "backoff", wait)
+		default:
 			s.cfg.Logger.Warn("once/kafka: taking partitions over in the database failed; retrying",
 				"group", s.cfg.Group, "error", err, "backoff", wait)
 		}
@@ -394,6 +399,14 @@ func (s *Source) leaveReadOnly(b *offsetsBinding, err error) {
 func databaseRefused(err error) bool {
 	var pe *pgconn.PgError
 	return errors.As(err, &pe) && (strings.HasPrefix(pe.Code, "28") || pe.Code == "42501")
+}
+
+// databaseDeterministic reports whether err is an error of PostgreSQL's
+// that retrying cannot cure (consumer.Classify: not infrastructure), such
+// as an undefined table or column.
+func databaseDeterministic(err error) bool {
+	var pe *pgconn.PgError
+	return errors.As(err, &pe) && consumer.Classify(err) != consumer.ClassInfrastructure
 }
 
 // skippedRecords returns how many records were skipped as recorded done.

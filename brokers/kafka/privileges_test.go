@@ -130,9 +130,21 @@ func TestOffsetsInDatabaseRefusesARoleWithoutPrivileges(t *testing.T) {
 
 // A role that loses a privilege on the offsets table after the start
 // fails every take-over: waiting does not grant it, so the failure is
-// logged at level Error, not Warn. The take-over is still retried, and a
-// GRANT lets the Source resume.
+// logged at level Error, not Warn. So is a table renamed or dropped under
+// the running Source (42P01), which no wait brings back either. The
+// take-over is still retried, and undoing the change lets the Source
+// resume.
 func TestOffsetsInDatabaseTakeOverRefusedIsAnError(t *testing.T) {
+	for name, tc := range map[string]struct{ break_, repair, says string }{
+		"privilege revoked": {`REVOKE UPDATE ON processed_events_offsets FROM {role}`, `GRANT UPDATE ON processed_events_offsets TO {role}`, "permission denied"},
+		"table renamed": {`ALTER TABLE processed_events_offsets RENAME TO offsets_aside`,
+			`ALTER TABLE offsets_aside RENAME TO processed_events_offsets`, "does not exist"},
+	} {
+		t.Run(name, func(t *testing.T) { takeOverRefused(t, tc.break_, tc.repair, tc.says) })
+	}
+}
+
+func takeOverRefused(t *testing.T, breakSQL, repairSQL, says string) {
 	c := newCluster(t)
 	topic := uniq("orders")
 	c.createTopic(topic, 1)
@@ -145,7 +157,7 @@ func TestOffsetsInDatabaseTakeOverRefusedIsAnError(t *testing.T) {
 	src := c.open(cfg)
 	ctx := context.Background()
 	require.NoError(t, src.BindProgress(ctx, consumer.ProgressBinding{Consumer: "svc", Pool: limited, Store: store, Logger: testLogger()}))
-	_, err := db.Exec(ctx, `REVOKE UPDATE ON processed_events_offsets FROM `+role)
+	_, err := db.Exec(ctx, strings.ReplaceAll(breakSQL, "{role}", role))
 	require.NoError(t, err)
 
 	c.produce(msg(topic, 0, `{"n":1}`))
@@ -161,16 +173,16 @@ func TestOffsetsInDatabaseTakeOverRefusedIsAnError(t *testing.T) {
 	require.Eventually(t, func() bool { return len(logs.errors()) > 0 }, 20*time.Second, 10*time.Millisecond,
 		"the refused take-over is logged at level Error")
 	t.Log(logs.errors()[0])
-	assert.Contains(t, logs.errors()[0], "permission denied")
+	assert.Contains(t, logs.errors()[0], says)
 
-	_, err = db.Exec(ctx, `GRANT UPDATE ON processed_events_offsets TO `+role)
+	_, err = db.Exec(ctx, strings.ReplaceAll(repairSQL, "{role}", role))
 	require.NoError(t, err)
 	select {
 	case d, ok := <-got:
 		require.True(t, ok, "Receive failed")
 		assert.Equal(t, int64(0), d.raw.Offset)
 	case <-time.After(30 * time.Second):
-		t.Fatal("the Source did not resume after the GRANT")
+		t.Fatal("the Source did not resume after the change was undone")
 	}
 }
 
