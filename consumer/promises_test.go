@@ -236,6 +236,40 @@ func TestWaitingForAConnectionIsNotChargedToMessages(t *testing.T) {
 	requireEffectsOnce(t, pool, 32)
 }
 
+// A handler that queries the pool instead of its tx, with every connection
+// held by the consumer's transactions (here the only one, its own), waits
+// for a connection only its own return frees: HandlerTimeout ends the
+// wait, charged to the handler, and the message is dead-lettered by the
+// retry policy instead of holding its stream for ever. The other messages
+// of the stream follow it.
+func TestHandlerWaitingForThePoolItHoldsIsCutByHandlerTimeout(t *testing.T) {
+	_, schema := pgtest.Schema(t)
+	pool := pgtest.NewPoolWith(t, schema, func(c *pgxpool.Config) { c.MaxConns = 1 })
+	effects(t, pool)
+	b := memsource.New(memsource.Options{Streams: 1})
+	publish(b, "pool-user", 1)
+	publish(b, "tx-user", 2)
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		if ev.ID == "pool-user" {
+			if _, err := pool.Exec(ctx, `SELECT 1`); err != nil {
+				return err
+			}
+		}
+		return insertEffect(ctx, tx, ev)
+	}
+	cfg := fastConfig("pool-held")
+	cfg.Retry.MaxAttempts = 2
+	cfg.HandlerTimeout = 100 * time.Millisecond
+	c, err := consumer.New(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 2 }, 20*time.Second, 5*time.Millisecond)
+	dl := deadLetterOf(t, b, "pool-user")
+	assert.Contains(t, dl.Headers[consumer.HeaderErrorMessage], "HandlerTimeout")
+	assert.Equal(t, "2", dl.Headers[consumer.HeaderAttempts])
+	assert.Equal(t, map[string]int{"tx-user": 1}, countEffects(t, pool))
+}
+
 // A commit slower than HandlerTimeout (a deferred trigger doing work at
 // COMMIT) is not the handler's: the message commits once and is never
 // dead-lettered beside its effect.
