@@ -39,7 +39,7 @@ type batcher struct {
 	d *dispatcher
 	// batches carries closed batches to the workers; unbuffered, so a
 	// send succeeds only when a worker is free.
-	batches chan []Delivery
+	batches chan []received
 	// running counts batches handed to workers and not finished yet.
 	running atomic.Int32
 	// finished holds a token when a worker finished a batch since the
@@ -50,22 +50,22 @@ type batcher struct {
 }
 
 func newBatcher(d *dispatcher) *batcher {
-	return &batcher{d: d, batches: make(chan []Delivery), finished: make(chan struct{}, 1)}
+	return &batcher{d: d, batches: make(chan []received), finished: make(chan struct{}, 1)}
 }
 
 // run forms batches from in until it is closed and everything taken from
 // it was handed over, then closes batches.
-func (b *batcher) run(in <-chan Delivery) {
+func (b *batcher) run(in <-chan received) {
 	defer close(b.batches)
 	size := b.d.p.cfg.Batch.Size
-	var cur []Delivery
+	var cur []received
 	var opened time.Time // when cur's first delivery arrived
 	wait := time.NewTimer(time.Hour)
 	wait.Stop()
 	defer wait.Stop()
 	for in != nil || len(cur) > 0 {
-		var out chan<- []Delivery
-		var recv <-chan Delivery
+		var out chan<- []received
+		var recv <-chan received
 		var timeout <-chan time.Time
 		if len(cur) < size {
 			recv = in
@@ -84,17 +84,17 @@ func (b *batcher) run(in <-chan Delivery) {
 				in = nil
 				break
 			}
-			if mayBeRedelivery(dv) {
+			if mayBeRedelivery(dv.m) {
 				// A suspect is handled alone, after what came before it,
 				// so that its attempts hold up only its worker.
 				b.hand(cur)
-				b.hand([]Delivery{dv})
+				b.hand([]received{dv})
 				cur = nil
 				break
 			}
 			if len(cur) == 0 {
 				opened = time.Now()
-				cur = make([]Delivery, 0, min(size, 16))
+				cur = make([]received, 0, min(size, 16))
 			}
 			cur = append(cur, dv)
 		case out <- cur:
@@ -134,7 +134,7 @@ func (b *batcher) mayClose(n int, opened time.Time, drained bool) (left time.Dur
 }
 
 // hand gives batch, if not empty, to the next free worker.
-func (b *batcher) hand(batch []Delivery) {
+func (b *batcher) hand(batch []received) {
 	if len(batch) > 0 {
 		b.batches <- batch
 		b.running.Add(1)

@@ -21,7 +21,7 @@ type dispatcher struct {
 	// budget holds a token for each delivery waiting in a lane: receiving
 	// blocks while Config.ReceiveBuffer deliveries wait.
 	budget    chan struct{}
-	unordered chan Delivery
+	unordered chan received
 	// batcher forms the unordered deliveries into batches (batcher.go).
 	batcher *batcher
 	// retired counts lanes whose worker stopped since the last sweep.
@@ -31,7 +31,7 @@ type dispatcher struct {
 func newDispatcher(p *pipeline, work context.Context) *dispatcher {
 	d := &dispatcher{p: p, work: work, lanes: map[string]*lane{},
 		budget:    make(chan struct{}, p.cfg.ReceiveBuffer),
-		unordered: make(chan Delivery, p.cfg.ReceiveBuffer),
+		unordered: make(chan received, p.cfg.ReceiveBuffer),
 		retired:   make(chan struct{}, 1)}
 	d.batcher = newBatcher(d)
 	d.wg.Add(1)
@@ -58,41 +58,71 @@ func (d *dispatcher) receive(ctx context.Context) error {
 			return fmt.Errorf("once: consumer %q: receive: %w", d.p.cfg.Name, err)
 		}
 		d.p.stats.received.Add(1)
-		d.p.tel.received(ctx, dv.Message())
+		d.p.tel.received(ctx, dv.m)
 		if !d.dispatch(ctx, dv) {
 			// dv is abandoned unacked: the broker redelivers it.
-			d.p.giveUp(d.work, []Delivery{dv}, &settler{p: d.p})
+			d.p.giveUp(d.work, []received{dv}, &settler{p: d.p})
 			return nil
 		}
 	}
 }
 
-// receiveOne receives the next delivery from the source. A delivery that
-// is nil or has no message, or a panic in Receive, is an error wrapping
-// ErrSourceBroken.
-func (d *dispatcher) receiveOne(ctx context.Context) (dv Delivery, err error) {
+// received is a delivery as the consumer keeps it: the source's Delivery
+// with what the consumer asks of it, asked once, when it is received
+// (receiveOne). The Delivery's Message, Context and DeduplicatedByPosition
+// are user code of a custom Source; asked again at every stage, on the
+// workers' goroutines, a panic in one of them would end the process, and
+// an answer that changed would mislead the stages after.
+type received struct {
+	d Delivery
+	// m is d.Message(), never nil.
+	m *Message
+	// dctx is d.Context(), never nil.
+	dctx context.Context
+	// byPosition: d is PositionDeduplicated and said true.
+	byPosition bool
+}
+
+// receiveOne receives the next delivery from the source and asks it for
+// its message, its context and, if it is PositionDeduplicated, whether it
+// is deduplicated by its position. A delivery that is nil or has no
+// message or no context, or a panic in Receive or in one of those methods,
+// is an error wrapping ErrSourceBroken; the delivery is then left
+// unsettled, for the broker to deliver again.
+func (d *dispatcher) receiveOne(ctx context.Context) (rv received, err error) {
+	method := "Receive"
 	defer func() {
 		if r := recover(); r != nil {
-			dv, err = nil, fmt.Errorf("%w: Receive panicked: %v\n%s", ErrSourceBroken, r, debug.Stack())
+			rv, err = received{}, fmt.Errorf("%w: %s panicked: %v\n%s", ErrSourceBroken, method, r, debug.Stack())
 		}
 	}()
-	dv, err = d.p.src.Receive(ctx)
+	dv, err := d.p.src.Receive(ctx)
 	switch {
 	case err != nil:
-		return nil, err
+		return received{}, err
 	case dv == nil:
-		return nil, fmt.Errorf("%w: Receive returned a nil delivery and a nil error", ErrSourceBroken)
-	case dv.Message() == nil:
-		// Abandoned unsettled: the broker delivers it again.
-		return nil, fmt.Errorf("%w: Receive returned a delivery with a nil message", ErrSourceBroken)
+		return received{}, fmt.Errorf("%w: Receive returned a nil delivery and a nil error", ErrSourceBroken)
 	}
-	return dv, nil
+	rv.d = dv
+	method = "Message"
+	if rv.m = dv.Message(); rv.m == nil {
+		return received{}, fmt.Errorf("%w: Receive returned a delivery with a nil message", ErrSourceBroken)
+	}
+	method = "Context"
+	if rv.dctx = dv.Context(); rv.dctx == nil {
+		return received{}, fmt.Errorf("%w: Receive returned a delivery with a nil context", ErrSourceBroken)
+	}
+	if pd, ok := dv.(PositionDeduplicated); ok {
+		method = "DeduplicatedByPosition"
+		rv.byPosition = pd.DeduplicatedByPosition()
+	}
+	return rv, nil
 }
 
 // dispatch queues dv for its lane, or for the unordered workers, once the
 // budget allows; it reports false if ctx ended first.
-func (d *dispatcher) dispatch(ctx context.Context, dv Delivery) bool {
-	stream := dv.Message().Stream
+func (d *dispatcher) dispatch(ctx context.Context, dv received) bool {
+	stream := dv.m.Stream
 	if stream == "" {
 		select {
 		case d.unordered <- dv:
@@ -181,9 +211,9 @@ func (d *dispatcher) orderedWorker(l *lane) {
 		}
 		d.release(len(dvs))
 		for len(dvs) > 0 {
-			w.enter(dvs[0].Context())
+			w.enter(dvs[0].dctx)
 			n := 1
-			for n < len(dvs) && dvs[n].Context() == w.assignment {
+			for n < len(dvs) && dvs[n].dctx == w.assignment {
 				n++
 			}
 			if d.p.stopping.Load() {
@@ -273,7 +303,7 @@ func (d *dispatcher) unorderedWorker() {
 	defer d.wg.Done()
 	for batch := range d.batcher.batches {
 		started := time.Now()
-		suspect := len(batch) == 1 && mayBeRedelivery(batch[0])
+		suspect := len(batch) == 1 && mayBeRedelivery(batch[0].m)
 		// A batch shares one fate, so it must not mix deliveries of
 		// different channels: abandoning a batch because one channel died
 		// would leave the others' deliveries unacked on a live channel.
@@ -294,25 +324,25 @@ func (d *dispatcher) unorderedWorker() {
 // where the context changes would cut such a batch into as many
 // transactions as there are changes. A batch of one context is returned
 // as it is.
-func byContext(batch []Delivery) [][]Delivery {
-	first := batch[0].Context()
+func byContext(batch []received) [][]received {
+	first := batch[0].dctx
 	same := true
 	for _, dv := range batch[1:] {
-		if dv.Context() != first {
+		if dv.dctx != first {
 			same = false
 			break
 		}
 	}
 	if same {
-		return [][]Delivery{batch}
+		return [][]received{batch}
 	}
-	var out [][]Delivery
+	var out [][]received
 	index := map[context.Context]int{}
 	for _, dv := range batch {
-		i, ok := index[dv.Context()]
+		i, ok := index[dv.dctx]
 		if !ok {
 			i = len(out)
-			index[dv.Context()] = i
+			index[dv.dctx] = i
 			out = append(out, nil)
 		}
 		out[i] = append(out[i], dv)

@@ -132,7 +132,7 @@ type record struct {
 func (g *crashGuard) plan(ctx context.Context, jobs []*job, window bool) [][]*job {
 	var ids []string
 	for _, j := range jobs {
-		if window || mayBeRedelivery(j.d) {
+		if window || mayBeRedelivery(j.m) {
 			ids = append(ids, j.idt.id)
 		}
 	}
@@ -148,7 +148,7 @@ func (g *crashGuard) plan(ctx context.Context, jobs []*job, window bool) [][]*jo
 		for _, j := range jobs {
 			r, found := records[j.idt.id]
 			j.guard.recorded = window || found
-			j.guard.suspect = found || mayBeRedelivery(j.d)
+			j.guard.suspect = found || mayBeRedelivery(j.m)
 			if found {
 				// It ran at least once, in the run that crashed.
 				j.guard.known = true
@@ -438,8 +438,9 @@ func crashLoop(j *job) *DeadLetter {
 		Error: fmt.Sprintf("handling was cut short %d times (process crash, stall, or delivery unacked past the broker's timeout)", j.guard.crashes)}
 }
 
-func mayBeRedelivery(dv Delivery) bool {
-	m := dv.Message()
+// mayBeRedelivery reports whether the broker says m may have been
+// delivered before.
+func mayBeRedelivery(m *Message) bool {
 	return m.Redelivered || m.DeliveryCount > 0
 }
 

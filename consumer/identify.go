@@ -15,8 +15,9 @@ import (
 
 // job is one delivery on its way through the pipeline.
 type job struct {
-	d   Delivery
-	m   *Message
+	// received is the delivery, with its message and context (never
+	// asked of the Delivery again).
+	received
 	idt identity
 	fp  []byte
 	// fpSum holds fp when it is the default fingerprint, the SHA-256 of
@@ -75,10 +76,9 @@ func (j *job) claim(consumer string) dedup.Claim {
 // the router's lookup, Fingerprint) runs guarded: a panic dead-letters the
 // message with kind KindPanic and the stack, like a handler's panic,
 // instead of crashing the process on every redelivery.
-func (p *pipeline) identify(ctx context.Context, dv Delivery, j *job) {
-	m := dv.Message()
-	ctx, span := p.tel.startSpan(ctx, dv, m)
-	*j = job{d: dv, m: m, span: span, ctx: ctx, start: time.Now()}
+func (p *pipeline) identify(ctx context.Context, dv received, j *job) {
+	ctx, span := p.tel.startSpan(ctx, dv.d, dv.m)
+	*j = job{received: dv, span: span, ctx: ctx, start: time.Now()}
 	j.failure = p.prepareJob(j)
 }
 

@@ -14,7 +14,7 @@ import (
 // into lockstep behind the slowest).
 type lane struct {
 	mu     sync.Mutex
-	q      []Delivery
+	q      []received
 	closed bool
 	// retired: the worker stopped because the stream's assignment ended
 	// with nothing queued; a push must go to a new lane.
@@ -28,7 +28,7 @@ func newLane() *lane { return &lane{ready: make(chan struct{}, 1)} }
 
 // push appends dv; it never blocks. It reports false, queuing nothing,
 // when the lane has retired.
-func (l *lane) push(dv Delivery) bool {
+func (l *lane) push(dv received) bool {
 	l.mu.Lock()
 	if l.retired {
 		l.mu.Unlock()
@@ -67,7 +67,7 @@ func (l *lane) wake() {
 // or once assignment (the context of the last deliveries taken; nil before
 // the first) has ended with nothing queued: the lane then retires, so that
 // a revoked partition's lane and worker are released.
-func (l *lane) next(max int, linger time.Duration, assignment context.Context) []Delivery {
+func (l *lane) next(max int, linger time.Duration, assignment context.Context) []received {
 	var ended <-chan struct{}
 	if assignment != nil {
 		ended = assignment.Done()
@@ -106,7 +106,7 @@ func (l *lane) next(max int, linger time.Duration, assignment context.Context) [
 // uses it to identify its next batch while the one before runs: only a
 // full batch, so that a light stream's messages are never held back for
 // a batch taken early.
-func (l *lane) takeFull(max int, assignment context.Context) []Delivery {
+func (l *lane) takeFull(max int, assignment context.Context) []received {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if n := l.prefixOf(max, assignment); n == max {
@@ -117,7 +117,7 @@ func (l *lane) takeFull(max int, assignment context.Context) []Delivery {
 
 // takeUpTo returns up to max queued deliveries of assignment, from the
 // front of the queue, without waiting; none when max <= 0.
-func (l *lane) takeUpTo(max int, assignment context.Context) []Delivery {
+func (l *lane) takeUpTo(max int, assignment context.Context) []received {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if n := l.prefixOf(max, assignment); n > 0 {
@@ -130,7 +130,7 @@ func (l *lane) takeUpTo(max int, assignment context.Context) []Delivery {
 // assignment, stopping at the first that does not; l.mu is held.
 func (l *lane) prefixOf(max int, assignment context.Context) int {
 	n := 0
-	for n < min(max, len(l.q)) && l.q[n].Context() == assignment {
+	for n < min(max, len(l.q)) && l.q[n].dctx == assignment {
 		n++
 	}
 	return n
@@ -138,8 +138,8 @@ func (l *lane) prefixOf(max int, assignment context.Context) int {
 
 // take removes the first n deliveries from the queue and returns them;
 // l.mu is held.
-func (l *lane) take(n int) []Delivery {
-	batch := make([]Delivery, n)
+func (l *lane) take(n int) []received {
+	batch := make([]received, n)
 	copy(batch, l.q)
 	// Move the rest to the front, so the backing array is reused and
 	// keeps no delivery alive after it was taken.

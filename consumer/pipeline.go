@@ -224,7 +224,7 @@ func (p *pipeline) startOnce(ctx context.Context) error {
 // through the stages, in order. With window set they are among the first
 // messages of a new assignment, which the crash guard marks. It returns how
 // many were claimed as new.
-func (p *pipeline) process(work context.Context, dvs []Delivery, window bool, s *settler) (claimed int) {
+func (p *pipeline) process(work context.Context, dvs []received, window bool, s *settler) (claimed int) {
 	release := p.takeSlot()
 	defer release()
 	return p.execute(p.identifyBatch(work, dvs), window, s)
@@ -258,7 +258,7 @@ type batch struct {
 
 // identifyBatch is the identify stage of dvs. It takes no transaction slot:
 // an ordered lane identifies its next batch while the one before runs.
-func (p *pipeline) identifyBatch(work context.Context, dvs []Delivery) *batch {
+func (p *pipeline) identifyBatch(work context.Context, dvs []received) *batch {
 	// The deliveries share their fate: if any can no longer be acked
 	// (revoked partition, closed channel), the rest are abandoned.
 	ctx, cancel := context.WithCancel(work)
@@ -267,12 +267,12 @@ func (p *pipeline) identifyBatch(work context.Context, dvs []Delivery) *batch {
 	for _, dv := range dvs {
 		// Deliveries of one assignment or channel share their context:
 		// watch each distinct one once.
-		if c := dv.Context(); c != watched {
+		if c := dv.dctx; c != watched {
 			watched = c
 			stops = append(stops, context.AfterFunc(c, cancel))
 		}
 	}
-	b := &batch{ctx: ctx, ordered: dvs[0].Message().Stream != "", jobs: make([]*job, 0, len(dvs)),
+	b := &batch{ctx: ctx, ordered: dvs[0].m.Stream != "", jobs: make([]*job, 0, len(dvs)),
 		release: func() {
 			for _, stop := range stops {
 				stop()
@@ -332,7 +332,7 @@ func (p *pipeline) execute(b *batch, window bool, s *settler) (claimed int) {
 // giveUp abandons deliveries received but never started, the consumer
 // stopping, and everything after them in s's run: they are identified (for
 // OnOutcome and their spans), never claimed nor run.
-func (p *pipeline) giveUp(work context.Context, dvs []Delivery, s *settler) {
+func (p *pipeline) giveUp(work context.Context, dvs []received, s *settler) {
 	b := p.identifyBatch(work, dvs)
 	defer b.release()
 	defer b.endSpans()
@@ -379,7 +379,7 @@ func (p *pipeline) runGuarded(ctx context.Context, s *settler, jobs []*job, wind
 // delivered before.
 func anyRedelivered(jobs []*job) bool {
 	for _, j := range jobs {
-		if mayBeRedelivery(j.d) {
+		if mayBeRedelivery(j.m) {
 			return true
 		}
 	}

@@ -56,6 +56,9 @@ type ProgressBinding struct {
 // processed-events table for it: its position deduplicates it. Events that
 // carry ids are claimed as always, since the same event may come again at
 // another position (a producer's retry, a re-publication).
+// DeduplicatedByPosition is called once, when the delivery is received,
+// like Delivery.Message: a panic in it stops Run with an error wrapping
+// ErrSourceBroken.
 type PositionDeduplicated interface {
 	DeduplicatedByPosition() bool
 }
@@ -85,7 +88,7 @@ func checkFirstPositions(ctx context.Context, tx pgx.Tx, jobs []*job, res []dedu
 			continue
 		}
 		fc, ok := j.d.(FirstPositionChecker)
-		if pd, isPD := j.d.(PositionDeduplicated); !ok || !isPD || !pd.DeduplicatedByPosition() {
+		if !ok || !j.byPosition {
 			continue
 		}
 		done, err := fc.FirstPositionDone(ctx, tx, j.idt.id)
@@ -110,8 +113,7 @@ func (p *pipeline) bindProgress(ctx context.Context) error {
 
 // deduplicatedByPosition reports whether j needs no processed-events row.
 func deduplicatedByPosition(j *job) bool {
-	pd, ok := j.d.(PositionDeduplicated)
-	return ok && j.m.FallbackID != "" && j.idt.id == j.m.FallbackID && pd.DeduplicatedByPosition()
+	return j.byPosition && j.m.FallbackID != "" && j.idt.id == j.m.FallbackID
 }
 
 // anyByPosition reports whether any of jobs is deduplicated by its

@@ -69,10 +69,10 @@ func TestLaneOfAnEndedAssignmentRetires(t *testing.T) {
 	revoke()
 	assert.Nil(t, l.next(10, 0, assignment))
 	assert.True(t, l.isRetired())
-	assert.False(t, l.push(nil), "a retired lane takes nothing")
+	assert.False(t, l.push(received{}), "a retired lane takes nothing")
 
 	live := newLane()
-	require.True(t, live.push(nil))
+	require.True(t, live.push(received{}))
 	assert.Len(t, live.next(10, 0, context.Background()), 1)
 	assert.False(t, live.isRetired())
 }

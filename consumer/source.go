@@ -75,6 +75,13 @@ type Message struct {
 // Ack and DeadLetter may be called from any goroutine, concurrently for
 // different deliveries. For deliveries of one Stream they are called in the
 // order Receive returned the deliveries.
+//
+// Message and Context (and DeduplicatedByPosition, for a
+// PositionDeduplicated delivery) are called once, on the goroutine that
+// calls Receive, just after Receive returned the delivery; the consumer
+// keeps their answers and never calls them again. A nil answer of Message
+// or Context, or a panic in one of them, stops Run with an error wrapping
+// ErrSourceBroken, the delivery left unsettled.
 type Delivery interface {
 	// Message returns the message. It is never nil.
 	Message() *Message
@@ -120,8 +127,9 @@ type Delivery interface {
 // failures (a lost connection, a rebalance) are the adapter's to absorb:
 // Receive keeps blocking while it reconnects. A non-nil error other than
 // ctx.Err() is fatal and stops the consumer; so is a Receive that returns
-// a nil delivery with a nil error, or a delivery whose Message is nil, or
-// panics: Run then returns an error wrapping ErrSourceBroken.
+// a nil delivery with a nil error, or a delivery whose Message or Context
+// is nil or panics, or panics itself: Run then returns an error wrapping
+// ErrSourceBroken.
 //
 // Close is called once, after the consumer stopped calling Receive and every
 // Ack and DeadLetter call returned. It flushes pending acknowledgements
@@ -139,11 +147,14 @@ type SystemNamer interface {
 }
 
 // ErrSourceBroken is wrapped by the error Run returns when its Source
-// broke the contract: Receive returned a nil delivery with a nil error, a
-// delivery whose Message is nil, or panicked (the error then holds the
-// panic's value and stack). Run stops as on any other fatal Receive error;
-// the deliveries it did not settle, the broken one among them, are left to
-// the broker to deliver again.
+// broke the contract: Receive returned a nil delivery with a nil error, or
+// a delivery whose Message or Context is nil, or Receive panicked, or the
+// delivery's Message, Context or DeduplicatedByPosition did (the error
+// then holds the panic's value and stack). Run stops as on any other fatal
+// Receive error; the deliveries it did not settle, the broken one among
+// them, are left to the broker to deliver again. It is also wrapped by the
+// error of a panic in Delivery.Ack or Delivery.DeadLetter, which is that
+// call's failure and does not stop Run.
 var ErrSourceBroken = errors.New("once: the source broke its contract")
 
 // ErrSourceClosed is returned by Receive once the source has been closed.

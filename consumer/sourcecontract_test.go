@@ -2,6 +2,7 @@ package consumer_test
 
 import (
 	"context"
+	"fmt"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -21,12 +22,31 @@ type brokenSource struct {
 	consumer.Source
 	good   int64
 	passed atomic.Int64
-	breaks string // "nil delivery", "nil message", "panic"
+	// breaks is "nil delivery", "nil message", "panic" (in Receive),
+	// "Message panicked", "nil context", "Context panicked" or
+	// "DeduplicatedByPosition panicked".
+	breaks string
 }
 
 type nilMessageDelivery struct{ consumer.Delivery }
 
 func (nilMessageDelivery) Message() *consumer.Message { return nil }
+
+type panickyMessageDelivery struct{ consumer.Delivery }
+
+func (panickyMessageDelivery) Message() *consumer.Message { panic("message bug") }
+
+type nilContextDelivery struct{ consumer.Delivery }
+
+func (nilContextDelivery) Context() context.Context { return nil }
+
+type panickyContextDelivery struct{ consumer.Delivery }
+
+func (panickyContextDelivery) Context() context.Context { panic("context bug") }
+
+type panickyPositionDelivery struct{ consumer.Delivery }
+
+func (panickyPositionDelivery) DeduplicatedByPosition() bool { panic("position bug") }
 
 func (s *brokenSource) Receive(ctx context.Context) (consumer.Delivery, error) {
 	if s.passed.Load() < s.good {
@@ -36,58 +56,87 @@ func (s *brokenSource) Receive(ctx context.Context) (consumer.Delivery, error) {
 		}
 		return dv, err
 	}
-	switch s.breaks {
-	case "nil delivery":
+	if s.breaks == "nil delivery" {
 		return nil, nil
-	case "nil message":
-		dv, err := s.Source.Receive(ctx)
-		if err != nil {
-			return nil, err
-		}
-		return nilMessageDelivery{dv}, nil
-	default:
+	}
+	if s.breaks == "panic" {
 		panic("source bug")
+	}
+	dv, err := s.Source.Receive(ctx)
+	if err != nil {
+		return nil, err
+	}
+	switch s.breaks {
+	case "nil message":
+		return nilMessageDelivery{dv}, nil
+	case "Message panicked":
+		return panickyMessageDelivery{dv}, nil
+	case "nil context":
+		return nilContextDelivery{dv}, nil
+	case "Context panicked":
+		return panickyContextDelivery{dv}, nil
+	default:
+		return panickyPositionDelivery{dv}, nil
 	}
 }
 
 // A custom Source that breaks its contract (Receive returning neither a
-// delivery nor an error, a delivery without a message) or panics in
-// Receive stops the consumer with an error naming what it did, and loses
-// nothing (the deliveries it had not settled are delivered again): it
-// crashed the process with a nil pointer
-// dereference or the panic, on Run's goroutine, with the consumer's other
-// goroutines left running.
+// delivery nor an error, a delivery without a message or without a
+// context) or panics in Receive or in a delivery's Message, Context or
+// DeduplicatedByPosition stops the consumer with an error naming what it
+// did, and loses nothing (the deliveries it had not settled are delivered
+// again), on ordered streams and unordered alike: it crashed the process
+// with a nil pointer dereference or the panic, on Run's goroutine or on a
+// worker's.
 func TestSourceBreakingItsContractStopsTheConsumerWithAnError(t *testing.T) {
-	for _, breaks := range []string{"nil delivery", "nil message", "panic"} {
-		t.Run(breaks, func(t *testing.T) {
-			pool, _ := pgtest.Schema(t)
-			effects(t, pool)
-			b := memsource.New(memsource.Options{Streams: 1})
-			publish(b, "e1", 1)
-			publish(b, "e2", 2)
-			src := &brokenSource{Source: b.Source(), good: 1, breaks: breaks}
-			c, err := consumer.New(pool, src, insertEffect, fastConfig("broken-source"))
-			require.NoError(t, err)
-			done := make(chan error, 1)
-			go func() { done <- c.Run(context.Background()) }()
-			select {
-			case err := <-done:
-				require.Error(t, err)
-				assert.Contains(t, err.Error(), breaks)
-				assert.ErrorIs(t, err, consumer.ErrSourceBroken)
-			case <-time.After(30 * time.Second):
-				t.Fatal("Run did not return")
-			}
-			// Nothing is lost: a consumer on a source that keeps the
-			// contract handles every message once.
-			c, err = consumer.New(pool, b.Source(), insertEffect, fastConfig("broken-source"))
-			require.NoError(t, err)
-			stop := start(t, c)
-			require.NoError(t, b.WaitAcked(deadline(t, 30*time.Second), 2))
-			require.NoError(t, stop())
-			assert.Equal(t, map[string]int{"e1": 1, "e2": 1}, countEffects(t, pool))
-		})
+	for _, breaks := range []string{"nil delivery", "nil message", "panic", "Message panicked",
+		"nil context", "Context panicked", "DeduplicatedByPosition panicked"} {
+		for _, streams := range []int{1, 0} {
+			t.Run(fmt.Sprintf("%s/streams=%d", breaks, streams), func(t *testing.T) {
+				brokenSourceStopsRun(t, breaks, streams)
+			})
+		}
 	}
+}
+
+// brokenSourceStopsRun runs a consumer on a brokenSource that breaks on
+// the second message and checks that Run stops with ErrSourceBroken, then
+// that a consumer on a good source handles both messages once.
+func brokenSourceStopsRun(t *testing.T, breaks string, streams int) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{Streams: streams, FallbackID: true})
+	want := map[string]int{"e1": 1, "e2": 1}
+	if breaks == "DeduplicatedByPosition panicked" {
+		// Without ids of their own: their position is their id.
+		b.Publish(consumer.Message{Value: []byte(`{"n":1}`)})
+		b.Publish(consumer.Message{Value: []byte(`{"n":2}`)})
+		want = map[string]int{"mem/0": 1, "mem/1": 1}
+	} else {
+		publish(b, "e1", 1)
+		publish(b, "e2", 2)
+	}
+	src := &brokenSource{Source: b.Source(), good: 1, breaks: breaks}
+	c, err := consumer.New(pool, src, insertEffect, fastConfig("broken-source"))
+	require.NoError(t, err)
+	done := make(chan error, 1)
+	go func() { done <- c.Run(context.Background()) }()
+	select {
+	case err := <-done:
+		require.Error(t, err)
+		assert.Contains(t, err.Error(), breaks)
+		assert.ErrorIs(t, err, consumer.ErrSourceBroken)
+	case <-time.After(30 * time.Second):
+		t.Fatal("Run did not return")
+	}
+	// Nothing is lost: a consumer on a source that keeps the contract
+	// handles every message once.
+	c, err = consumer.New(pool, b.Source(), insertEffect, fastConfig("broken-source"))
+	require.NoError(t, err)
+	stop := start(t, c)
+	require.NoError(t, b.WaitAcked(deadline(t, 30*time.Second), 2))
+	require.NoError(t, stop())
+	assert.Equal(t, want, countEffects(t, pool))
 }
 
 // deadline is a context that ends after d or with the test.
@@ -191,4 +240,77 @@ func TestSourceDeadLetterPanicIsRetried(t *testing.T) {
 	assert.Equal(t, int32(3), src.panics.Load())
 	assert.Len(t, b.DeadLetters(), 1)
 	assert.GreaterOrEqual(t, c.Stats().InfraErrors, uint64(2))
+}
+
+// askedOnceSource passes deliveries through whose Message, Context and
+// DeduplicatedByPosition answer their first call and panic at any later
+// one.
+type askedOnceSource struct {
+	consumer.Source
+	again atomic.Int32 // later calls
+}
+
+type askedOnceDelivery struct {
+	consumer.Delivery
+	s     *askedOnceSource
+	calls *[3]atomic.Int32
+}
+
+func (d askedOnceDelivery) ask(i int, method string) {
+	if d.calls[i].Add(1) > 1 {
+		d.s.again.Add(1)
+		panic(method + " called again")
+	}
+}
+
+func (d askedOnceDelivery) Message() *consumer.Message {
+	d.ask(0, "Message")
+	return d.Delivery.Message()
+}
+
+func (d askedOnceDelivery) Context() context.Context {
+	d.ask(1, "Context")
+	return d.Delivery.Context()
+}
+
+func (d askedOnceDelivery) DeduplicatedByPosition() bool {
+	d.ask(2, "DeduplicatedByPosition")
+	return false
+}
+
+func (s *askedOnceSource) Receive(ctx context.Context) (consumer.Delivery, error) {
+	dv, err := s.Source.Receive(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return askedOnceDelivery{dv, s, new([3]atomic.Int32)}, nil
+}
+
+// The consumer asks a custom Delivery for its Message, its Context and
+// whether it is DeduplicatedByPosition once, when it receives it, and
+// keeps the answers: a later call that panics cannot crash the process.
+// It called Message and Context again at every stage (dispatch, lanes,
+// batches, the transaction), on the workers' goroutines, unguarded.
+func TestDeliveryMethodsAreAskedOnce(t *testing.T) {
+	for _, streams := range []int{2, 0} {
+		t.Run(fmt.Sprintf("streams=%d", streams), func(t *testing.T) {
+			pool, _ := pgtest.Schema(t)
+			effects(t, pool)
+			b := memsource.New(memsource.Options{Streams: streams})
+			want := map[string]int{}
+			for i := range 20 {
+				id := fmt.Sprintf("e%d", i)
+				publish(b, id, i)
+				want[id] = 1
+			}
+			src := &askedOnceSource{Source: b.Source()}
+			c, err := consumer.New(pool, src, insertEffect, fastConfig("asked-once"))
+			require.NoError(t, err)
+			stop := start(t, c)
+			require.NoError(t, b.WaitAcked(deadline(t, 30*time.Second), 20))
+			require.NoError(t, stop())
+			assert.Zero(t, src.again.Load(), "no method was called twice")
+			assert.Equal(t, want, countEffects(t, pool))
+		})
+	}
 }

@@ -75,7 +75,7 @@ func (p *pipeline) transact(ctx context.Context, jobs []*job) txResult {
 		// messages whose deliveries were taken back with it, nor any
 		// delivery lost with its connection.
 		for _, j := range jobs {
-			j.stalled = j.d.Context().Err() == nil || j == suspect && j.timedOut
+			j.stalled = j.dctx.Err() == nil || j == suspect && j.timedOut
 		}
 		return txResult{outcome: txAbandoned, err: r.err, failed: -1}
 	}
@@ -218,7 +218,7 @@ func (p *pipeline) runHandlers(ctx context.Context, tx pgx.Tx, jobs []*job, res 
 			})
 			err = p.callHandler(j.ctx, qtx, func(hctx context.Context) error { return call(hctx, qtx) })
 		}
-		j.timedOut = errors.Is(context.Cause(j.d.Context()), ErrDeliveryTimedOut)
+		j.timedOut = errors.Is(context.Cause(j.dctx), ErrDeliveryTimedOut)
 		qtx.checkEnd(ctx)
 		if f := qtx.failed; f != nil {
 			// A statement queued by this or an earlier event failed.

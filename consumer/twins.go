@@ -60,7 +60,7 @@ func (t *twins) register(b *batch) (mine []*job, followers []follower) {
 	for _, j := range b.jobs {
 		c, ok := t.ids[j.idt.id]
 		switch {
-		case mayBeRedelivery(j.d):
+		case mayBeRedelivery(j.m):
 			// A suspect of a crash goes through the crash guard, which
 			// keeps a durable record for it: it never follows, and
 			// nothing follows it.
