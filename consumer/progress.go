@@ -22,7 +22,8 @@ import (
 type ProgressRecorder interface {
 	// BindProgress is called once by Run, after the store's tables were
 	// migrated (or checked, with Config.SkipMigrate) and before the first
-	// Receive. An error stops Run.
+	// Receive. An error stops Run; so does a panic, as an error wrapping
+	// ErrSourceBroken.
 	BindProgress(ctx context.Context, b ProgressBinding) error
 	// RecordProgress is called in the transaction of a run of deliveries of
 	// one Stream, just before its COMMIT, with the deliveries the
@@ -32,8 +33,9 @@ type ProgressRecorder interface {
 	// error wrapping dedup.ErrFenced (another owner took the deliveries'
 	// partition over) rolls the transaction back and abandons the
 	// deliveries unacked, for the new owner; any other error is an
-	// infrastructure failure, retried with backoff. It is called from many
-	// workers at once, for different streams.
+	// infrastructure failure, retried with backoff; so is a panic, taken as
+	// an error wrapping ErrSourceBroken. It is called from many workers at
+	// once, for different streams.
 	RecordProgress(ctx context.Context, tx pgx.Tx, deliveries []Delivery) error
 }
 
@@ -76,6 +78,9 @@ type PositionDeduplicated interface {
 type FirstPositionChecker interface {
 	// FirstPositionDone reports, in the consumer's transaction tx, whether
 	// the record whose Message.FallbackID was fallbackID is recorded done.
+	// An error rolls the transaction back and is retried with backoff as
+	// an infrastructure failure; so is a panic, taken as an error wrapping
+	// ErrSourceBroken.
 	FirstPositionDone(ctx context.Context, tx pgx.Tx, fallbackID string) (bool, error)
 }
 
@@ -91,7 +96,11 @@ func checkFirstPositions(ctx context.Context, tx pgx.Tx, jobs []*job, res []dedu
 		if !ok || !j.byPosition {
 			continue
 		}
-		done, err := fc.FirstPositionDone(ctx, tx, j.idt.id)
+		var done bool
+		err := sourceCall("FirstPositionDone", func() (err error) {
+			done, err = fc.FirstPositionDone(ctx, tx, j.idt.id)
+			return err
+		})
 		if err != nil {
 			return err
 		}
@@ -108,7 +117,9 @@ func (p *pipeline) bindProgress(ctx context.Context) error {
 	if !ok {
 		return nil
 	}
-	return r.BindProgress(ctx, ProgressBinding{Consumer: p.cfg.Name, Pool: p.pool, Store: p.cfg.Store, Logger: p.cfg.Telemetry.Logger})
+	return sourceCall("BindProgress", func() error {
+		return r.BindProgress(ctx, ProgressBinding{Consumer: p.cfg.Name, Pool: p.pool, Store: p.cfg.Store, Logger: p.cfg.Telemetry.Logger})
+	})
 }
 
 // deduplicatedByPosition reports whether j needs no processed-events row.
@@ -187,7 +198,7 @@ func (p *pipeline) recordProgress(ctx context.Context, tx pgx.Tx, jobs []*job, r
 	if len(dvs) == 0 {
 		return txResult{}, false
 	}
-	err := r.RecordProgress(ctx, tx, dvs)
+	err := sourceCall("RecordProgress", func() error { return r.RecordProgress(ctx, tx, dvs) })
 	switch {
 	case err == nil:
 		return txResult{}, false

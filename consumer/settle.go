@@ -202,9 +202,11 @@ func (s *settler) ackDelivery(j *job, deadLettered bool) error {
 	return sourceCall("Ack", func() error { return j.d.Ack(ctx) })
 }
 
-// sourceCall calls f, a method of the source's Delivery, and returns a
-// panic in it as an error wrapping ErrSourceBroken: a panicking Ack is an
-// ack that failed, a panicking DeadLetter a dead letter not written.
+// sourceCall calls f, a method of the source or of its Delivery, and
+// returns a panic in it as an error wrapping ErrSourceBroken: a panicking
+// Ack is an ack that failed, a panicking DeadLetter a dead letter not
+// written, a panicking RecordProgress or FirstPositionDone a transaction
+// that failed, a panicking BindProgress a Run that cannot start.
 func sourceCall(method string, f func() error) (err error) {
 	defer func() {
 		if r := recover(); r != nil {

@@ -7,6 +7,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -313,4 +315,137 @@ func TestDeliveryMethodsAreAskedOnce(t *testing.T) {
 			assert.Equal(t, want, countEffects(t, pool))
 		})
 	}
+}
+
+// panickyProgressSource is a progressSource whose hook named panics
+// panics at its first left calls. Its deliveries are deduplicated by
+// position and know every first position done (FirstPositionDone).
+type panickyProgressSource struct {
+	*progressSource
+	panics string
+	left   atomic.Int32
+}
+
+func (s *panickyProgressSource) hook(method string) {
+	if s.panics == method && s.left.Add(-1) >= 0 {
+		panic(method + " bug")
+	}
+}
+
+func (s *panickyProgressSource) BindProgress(ctx context.Context, b consumer.ProgressBinding) error {
+	s.hook("BindProgress")
+	return s.progressSource.BindProgress(ctx, b)
+}
+
+func (s *panickyProgressSource) RecordProgress(ctx context.Context, tx pgx.Tx, ds []consumer.Delivery) error {
+	s.hook("RecordProgress")
+	return s.progressSource.RecordProgress(ctx, tx, ds)
+}
+
+func (s *panickyProgressSource) Receive(ctx context.Context) (consumer.Delivery, error) {
+	dv, err := s.progressSource.Receive(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return firstPositionsDone{dv, s}, nil
+}
+
+type firstPositionsDone struct {
+	consumer.Delivery
+	s *panickyProgressSource
+}
+
+func (firstPositionsDone) DeduplicatedByPosition() bool { return true }
+
+func (d firstPositionsDone) FirstPositionDone(context.Context, pgx.Tx, string) (bool, error) {
+	d.s.hook("FirstPositionDone")
+	return true, nil
+}
+
+// A panic in a custom Source's progress hooks (ProgressRecorder,
+// FirstPositionChecker) is that call's failure, as its error would be:
+// BindProgress's stops Run (wrapping ErrSourceBroken); RecordProgress's
+// and FirstPositionDone's roll the transaction back and are retried as
+// infrastructure failures, nothing acked before its commit. Each crashed
+// the process.
+func TestSourceProgressHookPanicIsThatCallsFailure(t *testing.T) {
+	setup := func(t *testing.T, panics string, left int32) (*pgxpool.Pool, *memsource.Broker, *panickyProgressSource) {
+		pool, _ := pgtest.Schema(t)
+		effects(t, pool)
+		_, err := pool.Exec(context.Background(), `CREATE TABLE progress (off bigint NOT NULL)`)
+		require.NoError(t, err)
+		b := memsource.New(memsource.Options{Streams: 1, FallbackID: true})
+		src := &panickyProgressSource{progressSource: &progressSource{Source: b.Source()}, panics: panics}
+		src.left.Store(left)
+		return pool, b, src
+	}
+	t.Run("BindProgress", func(t *testing.T) {
+		pool, b, src := setup(t, "BindProgress", 1)
+		b.Publish(consumer.Message{Value: []byte(`{"n":0}`)})
+		c, err := consumer.New(pool, src, insertEffect, fastConfig("panicky-bind"))
+		require.NoError(t, err)
+		err = c.Run(deadline(t, 30*time.Second))
+		require.ErrorIs(t, err, consumer.ErrSourceBroken)
+		assert.Contains(t, err.Error(), "BindProgress panicked")
+		assert.Zero(t, b.Acked())
+	})
+	t.Run("RecordProgress", func(t *testing.T) {
+		pool, b, src := setup(t, "RecordProgress", 2)
+		for i := range 3 {
+			b.Publish(consumer.Message{Value: []byte(fmt.Sprintf(`{"n":%d}`, i))})
+		}
+		c, err := consumer.New(pool, src, insertEffect, fastConfig("panicky-record"))
+		require.NoError(t, err)
+		stop := start(t, c)
+		require.NoError(t, b.WaitAcked(deadline(t, 30*time.Second), 3))
+		require.NoError(t, stop())
+		assert.Equal(t, map[string]int{"mem/0": 1, "mem/1": 1, "mem/2": 1}, countEffects(t, pool))
+		assert.Equal(t, []int64{0, 1, 2}, progressed(t, context.Background(), pool))
+		assert.GreaterOrEqual(t, c.Stats().InfraErrors, uint64(2))
+	})
+	t.Run("RecordProgress after a handler's COMMIT", func(t *testing.T) {
+		// The first call records the messages before the handler that
+		// committed the batch's transaction itself, in a transaction of
+		// its own.
+		pool, b, src := setup(t, "RecordProgress", 1)
+		for i := range 6 {
+			b.Publish(consumer.Message{Value: []byte(fmt.Sprintf(`{"n":%d}`, i))})
+		}
+		h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+			if err := insertEffect(ctx, tx, ev); err != nil || ev.Payload.N != 2 {
+				return err
+			}
+			_, err := tx.Exec(ctx, "COMMIT")
+			return err
+		}
+		cfg := fastConfig("panicky-record-ended")
+		cfg.Batch.Linger = time.Second // one batch of all six
+		c, err := consumer.New(pool, src, h, cfg)
+		require.NoError(t, err)
+		stop := start(t, c)
+		require.NoError(t, b.WaitAcked(deadline(t, 30*time.Second), 6))
+		require.NoError(t, stop())
+		got := countEffects(t, pool)
+		delete(got, "mem/2") // its own COMMIT made its writes durable
+		assert.Equal(t, map[string]int{"mem/0": 1, "mem/1": 1, "mem/3": 1, "mem/4": 1, "mem/5": 1}, got)
+		assert.Equal(t, []int64{0, 1, 3, 4, 5}, progressed(t, context.Background(), pool))
+		assert.Len(t, b.DeadLetters(), 1)
+		assert.Negative(t, src.left.Load(), "the panic was met")
+	})
+	t.Run("FirstPositionDone", func(t *testing.T) {
+		pool, b, src := setup(t, "FirstPositionDone", 2)
+		// Another consumer's dead letter of a record without an id,
+		// redriven: identified by its first position, which is done.
+		b.Publish(consumer.Message{Value: []byte(`{"n":0}`), Headers: map[string]string{
+			consumer.HeaderRedriveConsumer: "other", consumer.HeaderRedriveEventID: "orders/0/7",
+			consumer.HeaderRedriveFallbackID: "orders/0/7"}})
+		c, err := consumer.New(pool, src, insertEffect, fastConfig("panicky-first"))
+		require.NoError(t, err)
+		stop := start(t, c)
+		require.NoError(t, b.WaitAcked(deadline(t, 30*time.Second), 1))
+		require.NoError(t, stop())
+		assert.Empty(t, countEffects(t, pool), "a duplicate of its first position")
+		assert.Equal(t, uint64(1), c.Stats().Duplicates)
+		assert.GreaterOrEqual(t, c.Stats().InfraErrors, uint64(2))
+	})
 }

@@ -331,7 +331,9 @@ func (p *pipeline) handlerEnded(ctx context.Context, tx pgx.Tx, jobs []*job, res
 	record := func(db interface {
 		Begin(context.Context) (pgx.Tx, error)
 	}) error {
-		return pgx.BeginFunc(ctx, db, func(ptx pgx.Tx) error { return rec.RecordProgress(ctx, ptx, dvs) })
+		return pgx.BeginFunc(ctx, db, func(ptx pgx.Tx) error {
+			return sourceCall("RecordProgress", func() error { return rec.RecordProgress(ctx, ptx, dvs) })
+		})
 	}
 	if conn = idleConn(tx); conn != nil {
 		err := record(conn)
