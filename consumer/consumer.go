@@ -87,9 +87,10 @@ func New[T any](pool *pgxpool.Pool, src Source, h Handler[T], cfg Config) (*Cons
 // Config.InfraBackoff and logged, and when ctx ends first Run returns the
 // last such failure (a wrong address looks the same). Once ctx is cancelled it stops receiving, lets messages in flight
 // finish for up to Config.ShutdownTimeout (then rolls them back, unacked),
-// closes the source (which flushes acknowledgements) and returns nil. A
-// fatal source error is returned after the same shutdown. Run may be
-// called once.
+// closes the source (which flushes acknowledgements) and returns nil, or
+// the source's Close error (a panic in Close too, wrapping
+// ErrSourceBroken). A fatal source error is returned after the same
+// shutdown. Run may be called once.
 func (c *Consumer[T]) Run(ctx context.Context) error { return c.p.consume(ctx) }
 
 // Stats returns the consumer's counters. It is safe to call at any time

@@ -100,7 +100,7 @@ func (p *pipeline) consume(ctx context.Context) error {
 		return errors.New("once: Run called twice")
 	}
 	if err := p.start(ctx); err != nil {
-		_ = p.src.Close()
+		_ = p.closeSource()
 		var outage *startOutage
 		if ctx.Err() != nil && !errors.As(err, &outage) {
 			return nil // stopped during start-up
@@ -139,10 +139,16 @@ func (p *pipeline) consume(ctx context.Context) error {
 		d.wg.Wait()
 	}
 	retaining.Wait()
-	if err := p.src.Close(); err != nil {
+	if err := p.closeSource(); err != nil {
 		return errors.Join(fatal, fmt.Errorf("once: closing source: %w", err))
 	}
 	return fatal
+}
+
+// closeSource closes the source; a panic in its Close is Close's error,
+// wrapping ErrSourceBroken.
+func (p *pipeline) closeSource() error {
+	return sourceCall("Close", p.src.Close)
 }
 
 // detached returns a context with ctx's values that is not done with ctx

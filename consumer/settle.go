@@ -206,7 +206,8 @@ func (s *settler) ackDelivery(j *job, deadLettered bool) error {
 // returns a panic in it as an error wrapping ErrSourceBroken: a panicking
 // Ack is an ack that failed, a panicking DeadLetter a dead letter not
 // written, a panicking RecordProgress or FirstPositionDone a transaction
-// that failed, a panicking BindProgress a Run that cannot start.
+// that failed, a panicking BindProgress a Run that cannot start, a
+// panicking Close a Close that failed.
 func sourceCall(method string, f func() error) (err error) {
 	defer func() {
 		if r := recover(); r != nil {

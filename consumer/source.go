@@ -133,7 +133,10 @@ type Delivery interface {
 //
 // Close is called once, after the consumer stopped calling Receive and every
 // Ack and DeadLetter call returned. It flushes pending acknowledgements
-// (Kafka offset commits) and releases the connection.
+// (Kafka offset commits) and releases the connection. Run returns its
+// error, joined with any other; a panic in Close is taken as such an error,
+// wrapping ErrSourceBroken. When Run stops before it started (the store
+// could not be prepared), Close's error is dropped.
 type Source interface {
 	Receive(ctx context.Context) (Delivery, error)
 	Close() error
@@ -154,7 +157,8 @@ type SystemNamer interface {
 // Receive error; the deliveries it did not settle, the broken one among
 // them, are left to the broker to deliver again. It is also wrapped by the
 // error of a panic in Delivery.Ack or Delivery.DeadLetter, which is that
-// call's failure and does not stop Run.
+// call's failure and does not stop Run, and by Run's error when the
+// source's Close panicked.
 var ErrSourceBroken = errors.New("once: the source broke its contract")
 
 // ErrSourceClosed is returned by Receive once the source has been closed.

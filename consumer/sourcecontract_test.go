@@ -449,3 +449,46 @@ func TestSourceProgressHookPanicIsThatCallsFailure(t *testing.T) {
 		assert.GreaterOrEqual(t, c.Stats().InfraErrors, uint64(2))
 	})
 }
+
+// closePanicSource closes the source it wraps, then panics.
+type closePanicSource struct {
+	consumer.Source
+	closed atomic.Int32
+}
+
+func (s *closePanicSource) Close() error {
+	s.closed.Add(1)
+	_ = s.Source.Close()
+	panic("close bug")
+}
+
+// A panic in a custom Source's Close is Close's error: Run returns it
+// (wrapping ErrSourceBroken) after its shutdown, the messages it handled
+// acked; when Run stops before it started, Close's error is dropped as
+// ever. It crashed the process.
+func TestSourceClosePanicIsCloseError(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{Streams: 1})
+	publish(b, "e1", 1)
+	src := &closePanicSource{Source: b.Source()}
+	c, err := consumer.New(pool, src, insertEffect, fastConfig("panicky-close"))
+	require.NoError(t, err)
+	stop := start(t, c)
+	require.NoError(t, b.WaitAcked(deadline(t, 30*time.Second), 1))
+	err = stop()
+	require.ErrorIs(t, err, consumer.ErrSourceBroken)
+	assert.Contains(t, err.Error(), "Close panicked")
+	assert.Equal(t, int32(1), src.closed.Load())
+	assert.Equal(t, map[string]int{"e1": 1}, countEffects(t, pool))
+
+	// Stopped during its start: Close is called, and Run returns.
+	src = &closePanicSource{Source: b.Source()}
+	c, err = consumer.New(pool, src, insertEffect, fastConfig("panicky-close"))
+	require.NoError(t, err)
+	cancelled, cancel := context.WithCancel(context.Background())
+	cancel()
+	assert.NotPanics(t, func() { err = c.Run(cancelled) })
+	assert.NoError(t, err)
+	assert.Equal(t, int32(1), src.closed.Load())
+}
