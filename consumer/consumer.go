@@ -61,7 +61,9 @@ type Consumer[T any] struct {
 
 // New returns a consumer that decodes every message into T and calls h.
 // It fails with an error wrapping ErrInvalidConfig for a nil pool, source
-// or handler and for an invalid cfg. The consumer resets pool
+// or handler and for an invalid cfg, and with one wrapping ErrSourceBroken
+// when the source's MessagingSystem (SystemNamer) or ConsumerGroup
+// (GroupNamer), which New asks for, panics. The consumer resets pool
 // (pgxpool.Pool.Reset) when the database refuses one of its writes as
 // read-only (25006, after a failover): pool's connections, which other
 // users of it share, may reach a server that is read-only now.

@@ -76,12 +76,9 @@ func newPipeline(pool *pgxpool.Pool, src Source, cfg Config, prep preparer) (*pi
 		return nil, err
 	}
 	cfg.fitPool(pool)
-	system, group := "unknown", ""
-	if n, ok := src.(SystemNamer); ok {
-		system = n.MessagingSystem()
-	}
-	if g, ok := src.(GroupNamer); ok {
-		group = g.ConsumerGroup()
+	system, group, err := sourceNames(src)
+	if err != nil {
+		return nil, err
 	}
 	tel, err := newTelemetry(&cfg, system, group)
 	if err != nil {
@@ -93,6 +90,20 @@ func newPipeline(pool *pgxpool.Pool, src Source, cfg Config, prep preparer) (*pi
 	p.askXIDStatus = p.xidStatus
 	p.guard = newCrashGuard(p)
 	return p, nil
+}
+
+// sourceNames asks src for the names telemetry reports (SystemNamer,
+// GroupNamer): "unknown" and "" where it gives none. A panic in either is
+// an error wrapping ErrSourceBroken.
+func sourceNames(src Source) (system, group string, err error) {
+	system = "unknown"
+	if n, ok := src.(SystemNamer); ok {
+		err = sourceCall("MessagingSystem", func() error { system = n.MessagingSystem(); return nil })
+	}
+	if g, ok := src.(GroupNamer); ok && err == nil {
+		err = sourceCall("ConsumerGroup", func() error { group = g.ConsumerGroup(); return nil })
+	}
+	return system, group, err
 }
 
 func (p *pipeline) consume(ctx context.Context) error {

@@ -207,7 +207,8 @@ func (s *settler) ackDelivery(j *job, deadLettered bool) error {
 // Ack is an ack that failed, a panicking DeadLetter a dead letter not
 // written, a panicking RecordProgress or FirstPositionDone a transaction
 // that failed, a panicking BindProgress a Run that cannot start, a
-// panicking Close a Close that failed.
+// panicking Close a Close that failed, a panicking MessagingSystem or
+// ConsumerGroup a New that failed.
 func sourceCall(method string, f func() error) (err error) {
 	defer func() {
 		if r := recover(); r != nil {

@@ -144,7 +144,9 @@ type Source interface {
 
 // SystemNamer is implemented by sources that tell telemetry which messaging
 // system they read from, as the OpenTelemetry messaging.system attribute
-// ("kafka", "rabbitmq"). The consumer finds it by type assertion.
+// ("kafka", "rabbitmq"). The consumer finds it by type assertion and asks
+// it once, in New; a panic in it makes New fail with an error wrapping
+// ErrSourceBroken.
 type SystemNamer interface {
 	MessagingSystem() string
 }
@@ -157,8 +159,9 @@ type SystemNamer interface {
 // Receive error; the deliveries it did not settle, the broken one among
 // them, are left to the broker to deliver again. It is also wrapped by the
 // error of a panic in Delivery.Ack or Delivery.DeadLetter, which is that
-// call's failure and does not stop Run, and by Run's error when the
-// source's Close panicked.
+// call's failure and does not stop Run, by Run's error when the source's
+// Close panicked, and by New's when its MessagingSystem or ConsumerGroup
+// did.
 var ErrSourceBroken = errors.New("once: the source broke its contract")
 
 // ErrSourceClosed is returned by Receive once the source has been closed.

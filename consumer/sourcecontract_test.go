@@ -492,3 +492,43 @@ func TestSourceClosePanicIsCloseError(t *testing.T) {
 	assert.NoError(t, err)
 	assert.Equal(t, int32(1), src.closed.Load())
 }
+
+// panickyNamesSource panics in the telemetry name named panics.
+type panickyNamesSource struct {
+	consumer.Source
+	panics string
+}
+
+func (s panickyNamesSource) MessagingSystem() string {
+	if s.panics == "MessagingSystem" {
+		panic("system bug")
+	}
+	return "custom"
+}
+
+func (s panickyNamesSource) ConsumerGroup() string {
+	if s.panics == "ConsumerGroup" {
+		panic("group bug")
+	}
+	return "group"
+}
+
+// A panic in a custom Source's telemetry names (SystemNamer, GroupNamer),
+// which New asks for, makes New return an error wrapping ErrSourceBroken.
+// It crashed the caller of New.
+func TestSourceNamePanicFailsNew(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	b := memsource.New(memsource.Options{})
+	for _, method := range []string{"MessagingSystem", "ConsumerGroup"} {
+		t.Run(method, func(t *testing.T) {
+			var err error
+			require.NotPanics(t, func() {
+				_, err = consumer.New(pool, panickyNamesSource{b.Source(), method}, insertEffect, fastConfig("panicky-names"))
+			})
+			require.ErrorIs(t, err, consumer.ErrSourceBroken)
+			assert.Contains(t, err.Error(), method+" panicked")
+		})
+	}
+	_, err := consumer.New(pool, panickyNamesSource{b.Source(), ""}, insertEffect, fastConfig("panicky-names"))
+	assert.NoError(t, err, "names that do not panic")
+}

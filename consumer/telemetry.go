@@ -108,7 +108,8 @@ func newMeasurementOpts(set attribute.Set) measurementOpts {
 // GroupNamer is implemented by sources that consume as a member of a
 // broker-side consumer group (a Kafka consumer group): telemetry reports it
 // as messaging.consumer.group.name. The consumer finds it by type
-// assertion. Without it the attribute is left out (RabbitMQ has no groups);
+// assertion and asks it once, in New; a panic in it makes New fail with an
+// error wrapping ErrSourceBroken. Without it the attribute is left out (RabbitMQ has no groups);
 // the consumer's own name is always in once.consumer.
 type GroupNamer interface {
 	ConsumerGroup() string
