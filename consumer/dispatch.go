@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"reflect"
 	"runtime/debug"
 	"sync"
 	"time"
@@ -77,7 +78,7 @@ type received struct {
 	d Delivery
 	// m is d.Message(), never nil.
 	m *Message
-	// dctx is d.Context(), never nil.
+	// dctx is d.Context(), never nil, and comparable.
 	dctx context.Context
 	// byPosition: d is PositionDeduplicated and said true.
 	byPosition bool
@@ -86,8 +87,9 @@ type received struct {
 // receiveOne receives the next delivery from the source and asks it for
 // its message, its context and, if it is PositionDeduplicated, whether it
 // is deduplicated by its position. A delivery that is nil or has no
-// message or no context, or a panic in Receive or in one of those methods,
-// is an error wrapping ErrSourceBroken; the delivery is then left
+// message or no context, or a context that cannot be compared, or a panic
+// in Receive or in one of those methods, is an error wrapping
+// ErrSourceBroken; the delivery is then left
 // unsettled, for the broker to deliver again.
 func (d *dispatcher) receiveOne(ctx context.Context) (rv received, err error) {
 	method := "Receive"
@@ -112,11 +114,23 @@ func (d *dispatcher) receiveOne(ctx context.Context) (rv received, err error) {
 	if rv.dctx = dv.Context(); rv.dctx == nil {
 		return received{}, fmt.Errorf("%w: Receive returned a delivery with a nil context", ErrSourceBroken)
 	}
+	if !comparableContext(rv.dctx) {
+		// Lanes and batches tell assignments apart by comparing
+		// contexts, which would panic on a worker's goroutine.
+		return received{}, fmt.Errorf("%w: Receive returned a delivery whose context (%T) cannot be compared", ErrSourceBroken, rv.dctx)
+	}
 	if pd, ok := dv.(PositionDeduplicated); ok {
 		method = "DeduplicatedByPosition"
 		rv.byPosition = pd.DeduplicatedByPosition()
 	}
 	return rv, nil
+}
+
+// comparableContext reports whether c can be compared (==) without a
+// panic. A pointer, what contexts almost always are, is answered without
+// allocating.
+func comparableContext(c context.Context) bool {
+	return reflect.TypeOf(c).Kind() == reflect.Pointer || reflect.ValueOf(c).Comparable()
 }
 
 // dispatch queues dv for its lane, or for the unordered workers, once the

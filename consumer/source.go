@@ -91,11 +91,15 @@ type Delivery interface {
 	// Its cause is ErrDeliveryTimedOut when the broker took the delivery
 	// back for staying unacknowledged too long.
 	//
-	// Deliveries of one assignment of a stream (one partition claim, one
-	// channel) share one context, and a new assignment has a new one: the
-	// consumer takes a new context on a stream as the sign that earlier
-	// work may have died with a previous owner, and counts crash attempts
-	// for the first messages after it (Config.CrashGuard.MaxCrashes).
+	// The context must be comparable (==), as the standard library's
+	// contexts are: a context of a type that cannot be compared (a struct
+	// value holding a map) stops Run with an error wrapping
+	// ErrSourceBroken. Deliveries of one assignment of a stream (one
+	// partition claim, one channel) share one context, and a new
+	// assignment has a new one: the consumer takes a new context on a
+	// stream as the sign that earlier work may have died with a previous
+	// owner, and counts crash attempts for the first messages after it
+	// (Config.CrashGuard.MaxCrashes).
 	Context() context.Context
 	// Ack settles the delivery: commits or marks the Kafka offset, acks the
 	// AMQP delivery. It is called only after the transaction that handled
@@ -128,8 +132,8 @@ type Delivery interface {
 // Receive keeps blocking while it reconnects. A non-nil error other than
 // ctx.Err() is fatal and stops the consumer; so is a Receive that returns
 // a nil delivery with a nil error, or a delivery whose Message or Context
-// is nil or panics, or panics itself: Run then returns an error wrapping
-// ErrSourceBroken.
+// is nil or panics, or whose Context cannot be compared, or panics itself:
+// Run then returns an error wrapping ErrSourceBroken.
 //
 // Close is called once, after the consumer stopped calling Receive and every
 // Ack and DeadLetter call returned. It flushes pending acknowledgements
@@ -153,7 +157,8 @@ type SystemNamer interface {
 
 // ErrSourceBroken is wrapped by the error Run returns when its Source
 // broke the contract: Receive returned a nil delivery with a nil error, or
-// a delivery whose Message or Context is nil, or Receive panicked, or the
+// a delivery whose Message or Context is nil or whose Context cannot be
+// compared, or Receive panicked, or the
 // delivery's Message, Context or DeduplicatedByPosition did (the error
 // then holds the panic's value and stack). Run stops as on any other fatal
 // Receive error; the deliveries it did not settle, the broken one among

@@ -532,3 +532,59 @@ func TestSourceNamePanicFailsNew(t *testing.T) {
 	_, err := consumer.New(pool, panickyNamesSource{b.Source(), ""}, insertEffect, fastConfig("panicky-names"))
 	assert.NoError(t, err, "names that do not panic")
 }
+
+// valueContext is a context of a type that cannot be compared (==): a
+// struct holding a map, as a value.
+type valueContext struct {
+	context.Context
+	values map[string]string
+}
+
+type valueContextSource struct{ consumer.Source }
+
+type valueContextDelivery struct{ consumer.Delivery }
+
+func (d valueContextDelivery) Context() context.Context {
+	return valueContext{d.Delivery.Context(), map[string]string{}}
+}
+
+func (s valueContextSource) Receive(ctx context.Context) (consumer.Delivery, error) {
+	dv, err := s.Source.Receive(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return valueContextDelivery{dv}, nil
+}
+
+// A delivery whose context cannot be compared (the consumer tells a
+// stream's assignments apart by comparing their contexts) stops Run with
+// an error wrapping ErrSourceBroken, and loses nothing. It crashed the
+// process on a worker's goroutine, comparing two of them.
+func TestUncomparableDeliveryContextStopsTheConsumer(t *testing.T) {
+	for _, streams := range []int{1, 0} {
+		t.Run(fmt.Sprintf("streams=%d", streams), func(t *testing.T) {
+			pool, _ := pgtest.Schema(t)
+			effects(t, pool)
+			b := memsource.New(memsource.Options{Streams: streams})
+			want := map[string]int{}
+			for i := range 10 {
+				id := fmt.Sprintf("e%d", i)
+				publish(b, id, i)
+				want[id] = 1
+			}
+			cfg := fastConfig("value-context")
+			cfg.Batch.Linger = time.Second // one batch of all ten
+			c, err := consumer.New(pool, valueContextSource{b.Source()}, insertEffect, cfg)
+			require.NoError(t, err)
+			err = c.Run(deadline(t, 30*time.Second))
+			require.ErrorIs(t, err, consumer.ErrSourceBroken)
+			assert.Contains(t, err.Error(), "cannot be compared")
+			c, err = consumer.New(pool, b.Source(), insertEffect, fastConfig("value-context"))
+			require.NoError(t, err)
+			stop := start(t, c)
+			require.NoError(t, b.WaitAcked(deadline(t, 30*time.Second), 10))
+			require.NoError(t, stop())
+			assert.Equal(t, want, countEffects(t, pool))
+		})
+	}
+}
