@@ -46,6 +46,9 @@ type app struct {
 	// wrapQueue, when set, wraps every dead-letter Queue the commands
 	// open (tests watch what a command does with the records).
 	wrapQueue func(dlq.Queue) dlq.Queue
+	// kafkaTimeout is the -kafka-timeout of the Kafka client the command
+	// configured (0: none), named in the hint of a broker's silence.
+	kafkaTimeout time.Duration
 }
 
 func newApp(stdout, stderr io.Writer, getenv func(string) string) *app {
@@ -149,7 +152,7 @@ func (a *app) exitCode(cmd command, err error) int {
 		// headers (its event id, its destination).
 		// A broker's refusal of the TLS or SASL settings names the
 		// flags that set them.
-		fmt.Fprintf(a.stderr, "once %s: %s%s\n", cmd.name, safe(err.Error()), kafkaHint(err))
+		fmt.Fprintf(a.stderr, "once %s: %s%s\n", cmd.name, safe(err.Error()), kafkaHint(err, a.kafkaTimeout))
 		return exitFailure
 	}
 }

@@ -11,6 +11,7 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/IBM/sarama"
 	"github.com/twmb/franz-go/pkg/sasl"
@@ -19,6 +20,10 @@ import (
 	"github.com/onceco/once/cmd/once/dlq"
 	"github.com/onceco/once/internal/kafkarefusal"
 )
+
+// defaultKafkaTimeout is -kafka-timeout's default: the bound of a dial
+// and of each request to a Kafka broker.
+const defaultKafkaTimeout = 8 * time.Second
 
 // The environment variable of the SASL password: it has no flag, since a
 // flag's value shows in ps and in the shell's history.
@@ -34,6 +39,10 @@ type kafkaFlags struct {
 	tls, insecure         *bool
 	caFile, cert, key     *string
 	mechanism, user, pass *string
+	timeout               *time.Duration
+	// used is where config notes the timeout it set, for the hint of
+	// an error (the app's kafkaTimeout).
+	used *time.Duration
 }
 
 func (a *app) kafkaFlagsOn(fs *flag.FlagSet) *kafkaFlags {
@@ -53,6 +62,8 @@ func (a *app) kafkaFlagsOn(fs *flag.FlagSet) *kafkaFlags {
 	return &kafkaFlags{
 		getenv:  a.getenv,
 		envErr:  envErr,
+		used:    &a.kafkaTimeout,
+		timeout: fs.Duration("kafka-timeout", defaultKafkaTimeout, "bound of the dial and of each request to a Kafka broker: one that accepts the connection and never answers fails the command within about three times this, and a few seconds"),
 		brokers: fs.String("kafka", a.getenv("ONCE_KAFKA_BROKERS"), "Kafka bootstrap `brokers`, comma-separated (env ONCE_KAFKA_BROKERS)"),
 		tls:     fs.Bool("kafka-tls", tlsDefault, "connect to Kafka with TLS, trusting the system's roots (env ONCE_KAFKA_TLS=true); implied by -kafka-ca and -kafka-cert"),
 		caFile:  fs.String("kafka-ca", a.getenv("ONCE_KAFKA_CA_FILE"), "PEM `file` of the CAs that sign the Kafka brokers' certificates, in place of the system's (env ONCE_KAFKA_CA_FILE)"),
@@ -71,12 +82,28 @@ func (a *app) kafkaFlagsOn(fs *flag.FlagSet) *kafkaFlags {
 // that cannot be read, is a usage error; no error holds the password.
 // A warning goes to stderr when the brokers' certificates are not
 // verified.
+//
+// The dial and each request wait at most -kafka-timeout, and metadata is
+// asked twice at most: sarama's defaults (30 s each, four tries) make a
+// broker that accepts connections and never answers hold a command for
+// minutes; with the default -kafka-timeout it fails in about 30 s. A
+// produce may wait for its replicas half of -kafka-timeout, so that the
+// broker's answer comes within the client's wait.
 func (f *kafkaFlags) config(stderr io.Writer) (*sarama.Config, error) {
 	if f.envErr != nil {
 		return nil, f.envErr
 	}
+	if *f.timeout <= 0 {
+		return nil, usagef("-kafka-timeout %v: want a duration above 0", *f.timeout)
+	}
 	sc := sarama.NewConfig()
 	sc.Version = sarama.V2_8_0_0
+	t := *f.timeout
+	sc.Net.DialTimeout, sc.Net.ReadTimeout, sc.Net.WriteTimeout = t, t, t
+	sc.Metadata.Retry.Max = 1
+	sc.Metadata.Timeout = 2 * t
+	sc.Producer.Timeout = t / 2
+	*f.used = t
 	if *f.tls || *f.caFile != "" || *f.cert != "" || *f.key != "" || *f.insecure {
 		tc, err := f.tlsConfig()
 		if err != nil {
@@ -221,10 +248,15 @@ func (f *kafkaFlags) open(stderr io.Writer, kafkaBrokers, amqpURL string, names 
 }
 
 // kafkaHint names the flags that set what a broker refused, for an error
-// that is a broker's refusal of the TLS or SASL settings.
-func kafkaHint(err error) string {
+// that is a broker's refusal of the TLS or SASL settings; and says what
+// an i/o timeout means when a Kafka client was configured with the
+// timeout timeout (0: none was).
+func kafkaHint(err error, timeout time.Duration) string {
 	var r *kafkarefusal.Error
 	if !errors.As(err, &r) {
+		if timeout > 0 && errors.Is(err, os.ErrDeadlineExceeded) {
+			return fmt.Sprintf(" (a Kafka broker did not answer within %v (-kafka-timeout): is -kafka the address of a Kafka listener, one without TLS unless -kafka-tls is given?)", timeout)
+		}
 		return ""
 	}
 	if r.What == "SASL" {
