@@ -342,7 +342,7 @@ func (a *app) status(ctx context.Context, args []string) error {
 			}
 		}
 		var err error
-		if q, err = openQueue(kb, ksc, au, *dlqName); err != nil {
+		if q, err = openQueue(kb, ksc, au, *dlqName, dlq.AMQPConfig{}); err != nil {
 			return err
 		}
 		q = a.wrapped(q)

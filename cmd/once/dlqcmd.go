@@ -46,7 +46,7 @@ AMQP properties, and the payload as text when it is printable, else as a
 hex dump (-hex forces it; so does a carriage return that does not end a
 line, which would print the text over itself). ` + dlqSelect
 
-const dlqReplayUsage = `Usage: once dlq replay -kafka BROKERS|-amqp URL -dlq NAME [filters]|-all [-dry-run] [-rate N] [-by NAME] [-keep] [-force] [-json]
+const dlqReplayUsage = `Usage: once dlq replay -kafka BROKERS|-amqp URL -dlq NAME [filters]|-all [-dry-run] [-rate N] [-by NAME] [-keep] [-max-hold D] [-force] [-json]
 
 Republishes the selected dead letters to their original Kafka topic (the
 partition they were read from) or RabbitMQ exchange and routing key, with
@@ -65,7 +65,11 @@ without an original destination, and records written without their value
 are skipped; so are kinds a redrive cannot fix
 (id-conflict, invalid-id, missing-id) unless -force. On RabbitMQ a replayed message
 leaves the dead-letter queue once its redrive is confirmed (-keep leaves
-it); Kafka dead letters stay. A progress bar is drawn on a terminal, plain
+it); Kafka dead letters stay. A RabbitMQ replay holds the queue's messages
+unacked for -max-hold (10m) at most, then puts them back and takes them
+again: keep it below the broker's consumer_timeout (30 minutes by
+default), which closes the channel of a message unacked longer; each time
+adds one to a quorum queue's x-delivery-count. A progress bar is drawn on a terminal, plain
 lines otherwise. ` + dlqSelect
 
 // dlqFlags are the flags every dlq command shares.
@@ -75,6 +79,9 @@ type dlqFlags struct {
 	kafka                                          *kafkaFlags
 	amqp, name                                     *string
 	consumer, kind, id, since, until, refs, search *string
+	// amqpBase is the base of a RabbitMQ queue's configuration (MaxHold,
+	// set by dlq replay -max-hold).
+	amqpBase dlq.AMQPConfig
 }
 
 func (a *app) dlqFlagsOn(fs *flag.FlagSet) *dlqFlags {
@@ -100,11 +107,21 @@ func (f *dlqFlags) queue() (dlq.Queue, error) {
 		return nil, usagef("-dlq is required: the dead-letter topic or queue")
 	}
 	kafkaBrokers, amqpURL := chosen(f.fs, *f.kafka.brokers, *f.amqp)
-	qs, err := f.kafka.open(f.stderr, kafkaBrokers, amqpURL, []string{*f.name})
+	qs, err := f.kafka.open(f.stderr, kafkaBrokers, amqpURL, []string{*f.name}, f.amqpBase)
 	if err != nil {
 		return nil, err
 	}
 	return qs[0], nil
+}
+
+// defaultMaxHold is dlq replay -max-hold's default, dlq.AMQPConfig.MaxHold's.
+const defaultMaxHold = 10 * time.Minute
+
+// flagGiven reports whether the flag name was given on the command line.
+func flagGiven(fs *flag.FlagSet, name string) bool {
+	given := false
+	fs.Visit(func(f *flag.Flag) { given = given || f.Name == name })
+	return given
 }
 
 // chosen returns the -kafka and -amqp values to use: one given on the
@@ -124,8 +141,8 @@ func chosen(fs *flag.FlagSet, kafkaBrokers, amqpURL string) (string, string) {
 
 // openQueue opens the dead-letter queue name: a Kafka topic on
 // kafkaBrokers with the client configuration sc, or a RabbitMQ queue at
-// amqpURL.
-func openQueue(kafkaBrokers string, sc *sarama.Config, amqpURL, name string) (dlq.Queue, error) {
+// amqpURL with the settings of base (its URL and Queue are set here).
+func openQueue(kafkaBrokers string, sc *sarama.Config, amqpURL, name string, base dlq.AMQPConfig) (dlq.Queue, error) {
 	switch {
 	case kafkaBrokers != "" && amqpURL != "":
 		return nil, usagef("give -kafka or -amqp, not both (ONCE_KAFKA_BROKERS and ONCE_AMQP_URL set both: give one on the command line)")
@@ -136,7 +153,8 @@ func openQueue(kafkaBrokers string, sc *sarama.Config, amqpURL, name string) (dl
 		}
 		return q, nil
 	case amqpURL != "":
-		q, err := dlq.NewAMQP(dlq.AMQPConfig{URL: amqpURL, Queue: name})
+		base.URL, base.Queue = amqpURL, name
+		q, err := dlq.NewAMQP(base)
 		if err != nil {
 			return nil, &usageError{err.Error()}
 		}
@@ -504,6 +522,7 @@ func (a *app) dlqReplay(ctx context.Context, args []string) error {
 	rate := fs.Float64("rate", 0, "publish at most `n` records per second (0: no limit)")
 	by := fs.String("by", "", "who asks for the redrive, written in once-redriven-by")
 	keep := fs.Bool("keep", false, "RabbitMQ: leave replayed messages in the dead-letter queue")
+	maxHold := fs.Duration("max-hold", defaultMaxHold, "RabbitMQ: hold the queue's messages unacked this `long` at most, then put them back and take them again; keep it below the broker's consumer_timeout")
 	force := fs.Bool("force", false, "also replay kinds a redrive cannot fix (id-conflict, invalid-id, missing-id)")
 	asJSON := fs.Bool("json", false, "print the report as JSON")
 	if helpOnly {
@@ -518,6 +537,13 @@ func (a *app) dlqReplay(ctx context.Context, args []string) error {
 	if !(*rate >= 0) || math.IsInf(*rate, 1) {
 		return usagef("-rate %v: want a number of records per second (0: no limit)", *rate)
 	}
+	if *maxHold <= 0 {
+		return usagef("-max-hold %v: want a duration above 0", *maxHold)
+	}
+	if kb, _ := chosen(fs, *df.kafka.brokers, *df.amqp); kb != "" && flagGiven(fs, "max-hold") {
+		return usagef("-max-hold is a RabbitMQ setting: a Kafka replay holds nothing")
+	}
+	df.amqpBase.MaxHold = *maxHold
 	q, f, err := a.dlqOpen(df)
 	if err != nil {
 		return err

@@ -225,10 +225,10 @@ func (c *scramClient) Step(challenge string) (string, error) {
 
 func (c *scramClient) Done() bool { return c.isDone }
 
-// queue opens the dead-letter queue name on the brokers kafkaBrokers (the
-// -kafka value chosen) or at amqpURL, with the flags' TLS and SASL
-// settings for Kafka.
-func (f *kafkaFlags) open(stderr io.Writer, kafkaBrokers, amqpURL string, names []string) ([]dlq.Queue, error) {
+// open opens the dead-letter queues names on the brokers kafkaBrokers
+// (the -kafka value chosen) or at amqpURL, with the flags' TLS and SASL
+// settings for Kafka, and amqpBase's settings for RabbitMQ.
+func (f *kafkaFlags) open(stderr io.Writer, kafkaBrokers, amqpURL string, names []string, amqpBase dlq.AMQPConfig) ([]dlq.Queue, error) {
 	var sc *sarama.Config
 	if kafkaBrokers != "" && amqpURL == "" {
 		var err error
@@ -238,7 +238,7 @@ func (f *kafkaFlags) open(stderr io.Writer, kafkaBrokers, amqpURL string, names 
 	}
 	var qs []dlq.Queue
 	for _, n := range names {
-		q, err := openQueue(kafkaBrokers, sc, amqpURL, n)
+		q, err := openQueue(kafkaBrokers, sc, amqpURL, n, amqpBase)
 		if err != nil {
 			return nil, err
 		}

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/onceco/once/cmd/once/console"
+	"github.com/onceco/once/cmd/once/dlq"
 )
 
 const uiUsage = `Usage: once ui [-addr 127.0.0.1:8080] [-allow-replay] [-database-url URL] [-kafka BROKERS|-amqp URL -dlq NAMES]
@@ -52,7 +53,7 @@ func (a *app) ui(ctx context.Context, args []string) error {
 		Logger: slog.New(slog.NewTextHandler(a.stderr, nil))}
 	kb, au := chosen(fs, *kafka.brokers, *amqpURL)
 	if names := splitList(*names); len(names) > 0 {
-		qs, err := kafka.open(a.stderr, kb, au, names)
+		qs, err := kafka.open(a.stderr, kb, au, names, dlq.AMQPConfig{})
 		if err != nil {
 			return err
 		}
