@@ -10,8 +10,10 @@ import (
 	"github.com/IBM/sarama"
 
 	"github.com/onceco/once/cmd/once/internal/cut"
+	"github.com/onceco/once/cmd/once/internal/readable"
 	"github.com/onceco/once/consumer"
 	"github.com/onceco/once/internal/kafkaaddr"
+	"github.com/onceco/once/internal/kafkaend"
 	"github.com/onceco/once/internal/kafkarefusal"
 )
 
@@ -28,11 +30,13 @@ type KafkaConfig struct {
 	// transactional) with acks from all in-sync replicas.
 	Sarama *sarama.Config
 	// IdleTimeout bounds the wait for the next record of a partition that
-	// has not reached its high-water mark: a transaction's commit or abort
-	// marker takes an offset but is never delivered. A fetch that stalls
-	// longer (a leader election) ends that partition's read there, so a
-	// list or a replay may cover less than the topic holds; raise it on a
-	// cluster whose elections take longer. Default 5s.
+	// has not reached its last stable offset, and that the cluster says
+	// still holds a record to read (transaction markers and aborted
+	// records take offsets but are never delivered, and are not waited
+	// for). A fetch that stalls longer (a leader election) ends that
+	// partition's read there, so a list or a replay may cover less than
+	// the topic holds; raise it on a cluster whose elections take
+	// longer. Default 5s.
 	IdleTimeout time.Duration
 }
 
@@ -80,13 +84,18 @@ func (q *KafkaQueue) saramaConfig() (*sarama.Config, *cut.Cutter) {
 		sc.Version = sarama.V2_8_0_0
 	}
 	sc.Consumer.Return.Errors = true
+	// As the Kafka Source reads by default: a record of a transaction
+	// aborted upstream was never published.
+	sc.Consumer.IsolationLevel = sarama.ReadCommitted
 	sc.Metadata.AllowAutoTopicCreation = false
 	return &sc, cut.Sarama(&sc)
 }
 
 // Browse reads every partition of the topic from its oldest retained
-// record to its high-water mark at the start, with a partition consumer
-// (no group, nothing committed). When ctx ends, the client's connections
+// record to its last stable offset at the start, with a partition
+// consumer (no group, nothing committed) reading committed records, as
+// the Kafka Source does by default: the records of aborted transactions
+// are skipped, and those of a transaction still open are not read. When ctx ends, the client's connections
 // are closed: a call waiting on a broker that does not answer returns at
 // once.
 func (q *KafkaQueue) Browse(ctx context.Context, fn func(*Record) error) error {
@@ -125,12 +134,17 @@ func (q *KafkaQueue) browsePartition(ctx context.Context, client sarama.Client, 
 	if err != nil {
 		return fmt.Errorf("dlq: %s/%d oldest offset: %w", q.cfg.Topic, p, err)
 	}
-	hwm, err := client.GetOffset(q.cfg.Topic, p, sarama.OffsetNewest)
+	end, err := kafkaend.LastStableOffset(client, q.cfg.Topic, p)
 	if err != nil {
-		return fmt.Errorf("dlq: %s/%d high-water mark: %w", q.cfg.Topic, p, err)
+		if err := client.RefreshMetadata(q.cfg.Topic); err != nil {
+			return fmt.Errorf("dlq: %s/%d last stable offset: %w", q.cfg.Topic, p, err)
+		}
+		if end, err = kafkaend.LastStableOffset(client, q.cfg.Topic, p); err != nil {
+			return fmt.Errorf("dlq: %s/%d last stable offset: %w", q.cfg.Topic, p, err)
+		}
 	}
-	if hwm <= oldest {
-		return nil
+	if end <= oldest || readable.First(client, q.cfg.Topic, p, oldest, end) >= end {
+		return nil // no record, or markers and aborted records only
 	}
 	pc, err := cons.ConsumePartition(q.cfg.Topic, p, oldest)
 	if err != nil {
@@ -139,6 +153,12 @@ func (q *KafkaQueue) browsePartition(ctx context.Context, client sarama.Client, 
 	defer pc.AsyncClose()
 	idle := time.NewTimer(q.cfg.IdleTimeout)
 	defer idle.Stop()
+	// A pause in the records asks whether any readable record is left
+	// below end: after the last, only markers and aborted records may
+	// be, which are never delivered.
+	quiet := time.NewTimer(quietWait)
+	defer quiet.Stop()
+	next := oldest
 	for {
 		select {
 		case m, ok := <-pc.Messages():
@@ -155,24 +175,35 @@ func (q *KafkaQueue) browsePartition(ctx context.Context, client sarama.Client, 
 			if err := fn(kafkaRecord(q.cfg.Topic, *pos, m)); err != nil {
 				return err
 			}
-			if m.Offset >= hwm-1 {
+			next = m.Offset + 1
+			if next >= end {
 				return nil
 			}
 			idle.Reset(q.cfg.IdleTimeout)
+			quiet.Reset(quietWait)
+		case <-quiet.C:
+			if readable.First(client, q.cfg.Topic, p, next, end) >= end {
+				return nil
+			}
+			quiet.Reset(quietWait)
 		case cerr, ok := <-pc.Errors():
 			if !ok {
 				return fmt.Errorf("dlq: read %s/%d: the partition consumer stopped", q.cfg.Topic, p)
 			}
 			return fmt.Errorf("dlq: read %s/%d: %w", q.cfg.Topic, p, cerr)
 		case <-idle.C:
-			// The offsets left hold no record to deliver (transaction
-			// markers, aborted records): the partition is read.
+			// No record for IdleTimeout, though one seemed left (a
+			// fetch that stalls): the partition's read ends here.
 			return nil
 		case <-ctx.Done():
 			return ctx.Err()
 		}
 	}
 }
+
+// quietWait is how long a partition's read waits for a record before it
+// asks whether any readable one is left.
+const quietWait = 200 * time.Millisecond
 
 func kafkaRecord(topic string, pos int, m *sarama.ConsumerMessage) *Record {
 	r := &Record{

@@ -10,6 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kfake"
+	"github.com/twmb/franz-go/pkg/kgo"
 	kmsgs "github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/onceco/once/cmd/once/dlq"
@@ -98,4 +99,45 @@ func TestKafkaReadSaysWhatTheBrokerRefused(t *testing.T) {
 	assert.Contains(t, err.Error(), "refused the SASL settings")
 	assert.Contains(t, err.Error(), kf.ListenAddrs()[0])
 	assert.NotContains(t, err.Error(), "s3cret")
+}
+
+// A dead-letter topic written to in transactions is read as a
+// read-committed consumer reads it: the records of an aborted transaction,
+// never published, are no dead letters, and those of a transaction still
+// open are not read yet, nor waited for.
+func TestKafkaBrowseReadsCommittedRecordsOnly(t *testing.T) {
+	k := testenv.NewKafka(t)
+	topic := testenv.Uniq("orders.dlq")
+	k.CreateTopic(topic, 1)
+	ctx := t.Context()
+	transaction := func(end *kgo.TransactionEndTry, values ...string) *kgo.Client {
+		tp, err := kgo.NewClient(kgo.SeedBrokers(k.Addrs...), kgo.TransactionalID(testenv.Uniq("txn")),
+			kgo.RecordPartitioner(kgo.ManualPartitioner()))
+		require.NoError(t, err)
+		t.Cleanup(tp.Close)
+		require.NoError(t, tp.BeginTransaction())
+		for _, v := range values {
+			require.NoError(t, tp.ProduceSync(ctx, &kgo.Record{Topic: topic, Partition: 0, Value: []byte(v)}).FirstErr())
+		}
+		if end != nil {
+			require.NoError(t, tp.EndTransaction(ctx, *end))
+		}
+		return tp
+	}
+	commit, abort := kgo.TryCommit, kgo.TryAbort
+	transaction(&commit, "a")       // 0, marker 1
+	transaction(&abort, "x1", "x2") // 2, 3, marker 4
+	transaction(&commit, "b")       // 5, marker 6
+	transaction(nil, "open")        // 7, not ended
+	q, err := dlq.NewKafka(dlq.KafkaConfig{Brokers: k.Addrs, Topic: topic, Sarama: testenv.Sarama(), IdleTimeout: time.Minute})
+	require.NoError(t, err)
+	started := time.Now()
+	recs, err := dlq.Collect(ctx, q, dlq.Filter{})
+	require.NoError(t, err)
+	var values []string
+	for _, r := range recs {
+		values = append(values, string(r.Value))
+	}
+	assert.Equal(t, []string{"a", "b"}, values, "aborted records are not read, nor an open transaction's")
+	assert.Less(t, time.Since(started), 30*time.Second, "the read waited for the open transaction (IdleTimeout)")
 }

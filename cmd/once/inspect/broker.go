@@ -10,6 +10,7 @@ import (
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	"github.com/onceco/once/cmd/once/internal/cut"
+	"github.com/onceco/once/cmd/once/internal/readable"
 	"github.com/onceco/once/internal/kafkaend"
 	"github.com/onceco/once/internal/kafkarefusal"
 )
@@ -24,18 +25,22 @@ type PartitionLag struct {
 	// up to: the partition's last stable offset, before the first record
 	// of a transaction still open (the high-water mark when none is).
 	HighWater int64 `json:"high_water"`
-	// Lag is HighWater - Committed, or HighWater minus the partition's
-	// oldest offset when the group has committed nothing. It counts the
-	// offsets of transaction markers and of aborted records below
-	// HighWater: a group caught up on a transactional topic whose last
-	// transaction ended shows lag 1, that transaction's marker.
+	// Lag is the offsets from the first record at or after Committed
+	// (the partition's oldest offset when the group has committed
+	// nothing) that a read-committed consumer is handed, to HighWater.
+	// The transaction markers and aborted records before that record
+	// are not counted, so a group caught up on a transactional topic
+	// shows 0; those between records still to be read (and a marker
+	// after the last) are, as in the Kafka Source's lag gauge.
 	Lag int64 `json:"lag"`
 }
 
 // KafkaLag returns the lag of group on every partition of topics, as a
 // consumer reading committed records (the Kafka Source's default) sees
 // it: against each partition's last stable offset, so the records of
-// open transactions are not counted. sc may
+// open transactions are not counted, and from the first record the group
+// will be handed, so the markers and aborted records it will pass are
+// not either (a fetch or a few, read committed, per partition behind). sc may
 // be nil (sarama.NewConfig with Version 2.8); it is copied, never
 // modified. When ctx ends, the client's connections are closed: a call
 // waiting on a broker that does not answer returns at once. A broker
@@ -110,15 +115,16 @@ func kafkaLag(ctx context.Context, brokers []string, sc *sarama.Config, group st
 				}
 				l.Committed = b.Offset
 			}
-			if l.Committed >= 0 {
-				l.Lag = hwm - l.Committed
-			} else {
-				oldest, err := client.GetOffset(t, p, sarama.OffsetOldest)
-				if err != nil {
+			from := l.Committed
+			if from < 0 {
+				if from, err = client.GetOffset(t, p, sarama.OffsetOldest); err != nil {
 					return nil, fmt.Errorf("inspect: %s/%d oldest offset: %w", t, p, err)
 				}
-				l.Lag = hwm - oldest
 			}
+			if from < hwm {
+				from = readable.First(client, t, p, from, hwm)
+			}
+			l.Lag = max(hwm-from, 0)
 			out = append(out, l)
 		}
 	}

@@ -353,27 +353,38 @@ func TestKafkaLagCountsNoOpenTransaction(t *testing.T) {
 	cl, err := kgo.NewClient(kgo.SeedBrokers(addrs...), kgo.MaxVersions(kversion.V2_8_0()))
 	require.NoError(t, err)
 	defer cl.Close()
-	req := kmsg.NewPtrOffsetCommitRequest()
-	req.Group, req.Generation = group, -1
-	rt := kmsg.NewOffsetCommitRequestTopic()
-	rt.Topic = topic
-	rp := kmsg.NewOffsetCommitRequestTopicPartition()
-	rp.Partition, rp.Offset = 0, 1
-	rt.Partitions = append(rt.Partitions, rp)
-	req.Topics = append(req.Topics, rt)
-	resp, err := req.RequestWith(ctx, cl)
-	require.NoError(t, err)
-	require.NoError(t, kerr.ErrorForCode(resp.Topics[0].Partitions[0].ErrorCode))
+	commit := func(offset int64) {
+		req := kmsg.NewPtrOffsetCommitRequest()
+		req.Group, req.Generation = group, -1
+		rt := kmsg.NewOffsetCommitRequestTopic()
+		rt.Topic = topic
+		rp := kmsg.NewOffsetCommitRequestTopicPartition()
+		rp.Partition, rp.Offset = 0, offset
+		rt.Partitions = append(rt.Partitions, rp)
+		req.Topics = append(req.Topics, rt)
+		resp, err := req.RequestWith(ctx, cl)
+		require.NoError(t, err)
+		require.NoError(t, kerr.ErrorForCode(resp.Topics[0].Partitions[0].ErrorCode))
+	}
+	commit(1)
 
 	open := transaction(false, "open1", "open2") // at 2 and 3, not readable yet
 	lag, err := inspect.KafkaLag(ctx, addrs, testenv.Sarama(), group, []string{topic})
 	require.NoError(t, err)
-	assert.Equal(t, []inspect.PartitionLag{{Topic: topic, Partition: 0, Committed: 1, HighWater: 2, Lag: 1}}, lag,
-		"an open transaction's records are not lag yet; the commit marker at 1 is")
+	assert.Equal(t, []inspect.PartitionLag{{Topic: topic, Partition: 0, Committed: 1, HighWater: 2, Lag: 0}}, lag,
+		"an open transaction's records are not lag yet, nor is the commit marker at 1, which no consumer is handed")
 
 	require.NoError(t, open.EndTransaction(ctx, kgo.TryCommit)) // its marker at 4
 	lag, err = inspect.KafkaLag(ctx, addrs, testenv.Sarama(), group, []string{topic})
 	require.NoError(t, err)
-	assert.Equal(t, []inspect.PartitionLag{{Topic: topic, Partition: 0, Committed: 1, HighWater: 5, Lag: 4}}, lag,
-		"committed, its records are lag")
+	assert.Equal(t, []inspect.PartitionLag{{Topic: topic, Partition: 0, Committed: 1, HighWater: 5, Lag: 3}}, lag,
+		"committed, its records are lag, counted from the first (2) to the end")
+
+	// The group read them: it commits 4, the offset after open2.
+	commit(4)
+	require.NoError(t, transaction(false, "aborted").EndTransaction(ctx, kgo.TryAbort)) // at 5, its marker at 6
+	lag, err = inspect.KafkaLag(ctx, addrs, testenv.Sarama(), group, []string{topic})
+	require.NoError(t, err)
+	assert.Equal(t, []inspect.PartitionLag{{Topic: topic, Partition: 0, Committed: 4, HighWater: 7, Lag: 0}}, lag,
+		"caught up: the markers at 4 and 6 and the aborted record at 5 are handed to no one")
 }
