@@ -58,9 +58,10 @@ type Config struct {
 	// shorter than Wait ends the wait first, with 503.
 	Wait time.Duration
 
-	// TTL is how long a stored response is replayed. After it the key is
-	// free again: a request with it runs the handler. Defaults to 24h; at
-	// least a millisecond.
+	// TTL is how long a stored response is replayed, counted from when it
+	// is stored (the end of its request, however long the request ran).
+	// After it the key is free again: a request with it runs the handler.
+	// Defaults to 24h; at least a millisecond.
 	TTL time.Duration
 
 	// Store decides by status code whether a response is stored. The

@@ -322,7 +322,7 @@ func (m *Middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 	if body == nil {
 		body = []byte{}
 	}
-	tag, err := tx.Exec(ctx, m.sql.saveResponse, c.scope, c.key, status, rec.storedHeader(m.cfg.StoredHeaders), body)
+	tag, err := tx.Exec(ctx, m.sql.saveResponse, c.scope, c.key, status, rec.storedHeader(m.cfg.StoredHeaders), body, m.cfg.TTL.Seconds())
 	if err == nil && tag.RowsAffected() != 1 {
 		// The claim is gone: the handler ended the transaction with SQL
 		// of its own (ROLLBACK; Rollback refuses), or deleted the key's

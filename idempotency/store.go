@@ -186,7 +186,12 @@ WHERE NOT EXISTS (SELECT 1 FROM ` + table + where + ` AND expires_at > now())`,
 VALUES ($1, $2, $3, $4, $5, now() + $6::float8 * interval '1 second') ON CONFLICT (scope, idempotency_key) DO NOTHING`,
 		lookup:        `SELECT fingerprint, status, header, body, expires_at <= now() FROM ` + table + where,
 		deleteExpired: `DELETE FROM ` + table + where + ` AND expires_at <= now()`,
-		saveResponse:  `UPDATE ` + table + ` SET status = $3, header = $4, body = $5` + where,
+		// The TTL starts with the response, not with the request's
+		// transaction (now()): a request that ran longer than the TTL
+		// would store a response already expired, and its retry would
+		// run the handler again.
+		saveResponse: `UPDATE ` + table + ` SET status = $3, header = $4, body = $5,
+	expires_at = clock_timestamp() + $6::float8 * interval '1 second'` + where,
 		// The DELETE checks the condition again: in a partitioned table
 		// each partition has rows of every ctid, and only expired keys may
 		// go (another partition's expired key of the same ctid goes with
