@@ -694,7 +694,10 @@ type recordData struct {
 	Shown     int
 	Cut       bool
 	Download  string
-	KeyText   string
+	// Key is the Kafka key, nil when the record has none; Headers are
+	// the record's headers. Each is cut to fieldShown bytes.
+	Key     *clipped
+	Headers []clippedHeader
 	// Back is the listing the record was opened from, its filter and
 	// page, passed on to a replay for the links back to it.
 	Back string
@@ -737,11 +740,11 @@ func (h *Handler) record(w http.ResponseWriter, r *http.Request) {
 	}
 	d.Shown = len(shown)
 	if rec.Key != nil {
-		if dlq.Printable(rec.Key) {
-			d.KeyText = string(rec.Key)
-		} else {
-			d.KeyText = "0x" + hex.EncodeToString(rec.Key)
-		}
+		k := clip(rec.Key, true)
+		d.Key = &k
+	}
+	for _, hd := range rec.Headers {
+		d.Headers = append(d.Headers, clippedHeader{Key: clip([]byte(hd.Key), false), Value: clip([]byte(hd.Value), false)})
 	}
 	h.render(w, http.StatusOK, "record.html", h.page("Dead letter "+ref, d))
 }
@@ -750,6 +753,53 @@ func (h *Handler) record(w http.ResponseWriter, r *http.Request) {
 // payload of megabytes, a hex dump four times as long, would make a page
 // the browser can hardly render. The page links to the whole payload.
 const payloadShown = 32 << 10
+
+// fieldShown is how many bytes of a Kafka key, of a header's name and of
+// a header's value a record's page shows: a producer's may be as large as
+// the record (the consumer's own diagnostic headers are at most 4 KiB),
+// and a page with a few of them whole is as hard to render as a huge
+// payload. The payload's download has every byte of the payload only.
+const fieldShown = 4 << 10
+
+// clipped is a field of a record as its page shows it: the first Shown of
+// its Len bytes, Cut when that is not all of them.
+type clipped struct {
+	Text       string
+	Shown, Len int
+	Cut        bool
+}
+
+// clippedHeader is a header as a record's page shows it.
+type clippedHeader struct {
+	Key, Value clipped
+}
+
+// clip returns the first fieldShown bytes of b: text cut at the start of
+// a character when b is printable, else (with hexKey, a key) in hex with
+// 0x before, or quoted with escapes.
+func clip(b []byte, hexKey bool) clipped {
+	c := clipped{Len: len(b)}
+	shown := b
+	if len(shown) > fieldShown {
+		shown, c.Cut = shown[:fieldShown], true
+	}
+	printable := dlq.Printable(b)
+	if printable {
+		for len(shown) > 0 && len(shown) < len(b) && !utf8.RuneStart(b[len(shown)]) {
+			shown = shown[:len(shown)-1]
+		}
+	}
+	c.Shown = len(shown)
+	switch {
+	case printable:
+		c.Text = string(shown)
+	case hexKey:
+		c.Text = "0x" + hex.EncodeToString(shown)
+	default:
+		c.Text = strconv.Quote(string(shown))
+	}
+	return c
+}
 
 // payload sends a record's payload, every byte, as a file to download.
 func (h *Handler) payload(w http.ResponseWriter, r *http.Request) {
