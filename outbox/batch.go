@@ -122,7 +122,7 @@ func (r *Relay) relayBatch(ctx context.Context, conn *pgx.Conn, batch []Record, 
 		defer cancel()
 		var errs []error
 		if len(publish) > 0 {
-			errs = publishGuarded(gctx, r.pub, publish)
+			errs = r.publish(gctx, publish)
 		}
 		published <- errs
 	}()
@@ -390,21 +390,68 @@ type rejection struct {
 // relay takes none of the batch's records as confirmed and charges none.
 var errBrokenPublisher = errors.New("outbox: the publisher broke its contract")
 
-// publishGuarded publishes recs with pub. A panic in Publish, or an
-// answer of another length than recs (checkAnswers), takes none of recs
-// as confirmed: errs then holds an error wrapping errBrokenPublisher for
-// each.
-func publishGuarded(ctx context.Context, pub Publisher, recs []Record) (errs []error) {
+// errHeld is the outcome of a record left out of a publish because an
+// earlier record of its key was not confirmed: it is neither sent nor
+// charged, and is read again behind that record.
+var errHeld = errors.New("outbox: held behind an earlier record of its key")
+
+// publish publishes recs with the relay's publisher. When Publish panics
+// on a batch of more than one record, the records are published again one
+// at a time, in order, to find the one it panics on: a record whose
+// publish panics alone is charged like a refusal (a poison row: parked
+// after MaxAttempts, with the panic as its error), and the later records
+// of a key with a record that was not confirmed are held (errHeld), so
+// that they cannot overtake it. A publisher that panics on every record
+// has each of them charged so.
+func (r *Relay) publish(ctx context.Context, recs []Record) []error {
+	errs, stack, panicked := publishGuarded(ctx, r.pub, recs)
+	if panicked == nil {
+		return errs
+	}
+	if len(recs) == 1 {
+		r.cfg.Logger.ErrorContext(ctx, "outbox relay: the publisher's Publish panicked on a record; it is charged like a refusal",
+			"seq", recs[0].Seq, "event_id", recs[0].EventID, "error", panicked, "stack", string(stack))
+		return []error{Rejected(panicked)}
+	}
+	r.cfg.Logger.ErrorContext(ctx, "outbox relay: the publisher's Publish panicked on a batch; its records are published "+
+		"one at a time, and the one it panics on is charged like a refusal", "records", len(recs), "error", panicked, "stack", string(stack))
+	errs = make([]error, len(recs))
+	held := map[string]bool{}
+	for i, rec := range recs {
+		k := orderKey(rec)
+		switch {
+		case k != "" && held[k]:
+			errs[i] = errHeld
+			continue
+		case ctx.Err() != nil:
+			errs[i] = fmt.Errorf("stopped before the record was published again alone: %w", ctx.Err())
+			continue
+		}
+		one, _, panicked := publishGuarded(ctx, r.pub, recs[i:i+1])
+		switch {
+		case panicked != nil:
+			errs[i] = Rejected(panicked)
+		case one != nil:
+			errs[i] = one[0]
+		}
+		if errs[i] != nil && k != "" {
+			held[k] = true
+		}
+	}
+	return errs
+}
+
+// publishGuarded publishes recs with pub. An answer of another length
+// than recs (checkAnswers) takes none of recs as confirmed: errs then
+// holds an error wrapping errBrokenPublisher for each. A panic in Publish
+// is returned as panicked, with its stack, and errs nil.
+func publishGuarded(ctx context.Context, pub Publisher, recs []Record) (errs []error, stack []byte, panicked error) {
 	defer func() {
 		if p := recover(); p != nil {
-			err := fmt.Errorf("%w: Publish panicked: %v\n%s", errBrokenPublisher, p, debug.Stack())
-			errs = make([]error, len(recs))
-			for i := range errs {
-				errs[i] = err
-			}
+			errs, stack, panicked = nil, debug.Stack(), fmt.Errorf("the publisher's Publish panicked: %v", p)
 		}
 	}()
-	return checkAnswers(pub.Publish(ctx, recs), len(recs))
+	return checkAnswers(pub.Publish(ctx, recs), len(recs)), nil, nil
 }
 
 // checkGuarded runs c.Check on rec; a panic in it is charged to rec as a
@@ -445,6 +492,7 @@ func sortOutcomes(recs []Record, errs []error) (sent []int64, rejects []rejectio
 		switch {
 		case err == nil:
 			sent = append(sent, rec.Seq)
+		case errors.Is(err, errHeld):
 		case IsRejected(err):
 			rejects = append(rejects, rejection{seq: rec.Seq, attempts: rec.Attempts, err: err})
 		case failed == nil:

@@ -42,10 +42,16 @@ type Publisher interface {
 	// confirmed or refused each: errs[i] is nil when recs[i] is confirmed
 	// (durably, as the broker's strongest acknowledgement defines it). A
 	// nil errs means every record was confirmed; any other errs must hold
-	// one error per record: one of another length, like a panic in
-	// Publish, takes none of recs as confirmed or charged, and is logged
-	// at level Error and retried like an unavailable broker. An error
-	// wrapped with
+	// one error per record: one of another length takes none of recs as
+	// confirmed or charged, and is logged at level Error and retried like
+	// an unavailable broker. A panic in Publish is logged at level Error
+	// with its stack; the relay then publishes the records one at a time,
+	// in order, and charges a record whose publish panics alone like a
+	// refusal, the panic's value as its error (a record that makes the
+	// publisher panic every time is parked after RelayConfig.MaxAttempts;
+	// one that panics on every record has each charged so), holding the
+	// later records of its key back; a record the publisher sent before it
+	// panicked is sent again, with its id. An error wrapped with
 	// Rejected is charged to its record (after RelayConfig.MaxAttempts the
 	// row is parked); any other error is taken as the broker being
 	// unreachable or overloaded, and the relay retries the record after

@@ -545,7 +545,7 @@ func (r *Relay) lead(ctx context.Context, conn *pgx.Conn, notified *atomic.Bool)
 				r.cfg.Logger.Error("outbox relay: the broker refuses the publisher (credentials, permissions, TLS or SASL settings); "+
 					"no row is charged, retrying until that is fixed", "error", err, "backoff", d)
 			} else if errors.Is(err, errBrokenPublisher) {
-				r.cfg.Logger.Error("outbox relay: the publisher panicked or broke its contract; "+
+				r.cfg.Logger.Error("outbox relay: the publisher broke its contract; "+
 					"no row is deleted or charged, retrying until that is fixed", "error", err, "backoff", d)
 			} else if databaseRefused(err) {
 				r.cfg.Logger.Error("outbox relay: the database refuses the relay (authentication or permissions on the outbox table); "+

@@ -1,0 +1,63 @@
+package outbox_test
+
+import (
+	"bytes"
+	"context"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/outbox"
+)
+
+// poisonPublisher is a publisher whose Publish panics on any batch that
+// holds a record with the body poison, as a publisher with a bug that one
+// record's contents trigger would.
+type poisonPublisher struct {
+	outbox.Publisher
+	poison []byte
+}
+
+func (p *poisonPublisher) Publish(ctx context.Context, recs []outbox.Record) []error {
+	for _, rec := range recs {
+		if bytes.Equal(rec.Body, p.poison) {
+			panic("publisher bug on " + string(rec.Body))
+		}
+	}
+	return p.Publisher.Publish(ctx, recs)
+}
+
+// A record that makes Publish panic every time is a poison row: the
+// relay publishes the batch's records one at a time to find it, charges
+// it an attempt like a refusal and parks it after MaxAttempts, with the
+// panic as its error; the later rows of its key wait behind it, uncharged,
+// and every other key is published. (It was retried uncharged for ever,
+// logged at level Error, and held back every other row of its batch.)
+func TestPublishThatPanicsOnOneRecordParksIt(t *testing.T) {
+	k := newKafka(t)
+	pool, _ := migrated(t)
+	d := k.destination(t)
+	pub := &poisonPublisher{Publisher: k.publisher(t), poison: []byte("poison")}
+	startRelay(t, pool, pub, outbox.RelayConfig{PollInterval: 20 * time.Millisecond, MaxAttempts: 2,
+		RetryBackoff: outbox.Backoff{Initial: 10 * time.Millisecond, Max: 10 * time.Millisecond},
+		InfraBackoff: outbox.Backoff{Initial: 10 * time.Millisecond, Max: 10 * time.Millisecond}})
+	addCommitted(t, pool, d.msg("a", "1"), d.msg("p", "poison"), d.msg("b", "2"), d.msg("p", "after"), d.msg("c", "3"))
+	waitRows(t, pool, "parked_at IS NOT NULL AND attempts = 2 AND last_error LIKE '%Publish panicked: publisher bug on poison'", 1, 20*time.Second)
+	waitRows(t, pool, "true", 2, 10*time.Second)
+	assert.Equal(t, 1, rows(t, pool, "convert_from(body, 'UTF8') = 'after' AND attempts = 0 AND parked_at IS NULL"),
+		"the later row of the poison row's key waits, uncharged")
+	assert.ElementsMatch(t, []string{"1", "2", "3"}, bodies(d.read(t, 3)))
+
+	store, err := outbox.New(outbox.Config{})
+	require.NoError(t, err)
+	parked, err := store.Parked(context.Background(), pool, 0)
+	require.NoError(t, err)
+	require.Len(t, parked, 1)
+	n, err := store.Discard(context.Background(), pool, parked[0].Seq)
+	require.NoError(t, err)
+	require.EqualValues(t, 1, n)
+	waitRows(t, pool, "true", 0, 10*time.Second)
+	assert.ElementsMatch(t, []string{"1", "2", "3", "after"}, bodies(d.read(t, 4)))
+}
