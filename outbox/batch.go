@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime/debug"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -110,22 +111,39 @@ func (r *Relay) relayBatch(ctx context.Context, conn *pgx.Conn, batch []Record, 
 	var rejects []rejection
 	pctx, span := r.startBatchSpan(ctx, batch)
 	defer func() { endBatchSpan(span, len(sent), len(rejects), err) }()
-	publish, checked, unchecked := r.check(batch)
-	r.noteUnchecked(ctx, unchecked)
+	// The publisher is called on a goroutine of its own, Check on each
+	// record and then Publish, so that a call that does not return can be
+	// given up (awaitCall). The checks are awaited before the settlement
+	// and the read ahead, Publish after them.
+	checks := make(chan checkOutcome, 1)
 	published := make(chan []error, 1)
+	call := new(publisherCall)
+	returned := make(chan struct{})
 	go func() {
+		defer close(returned)
 		// The publisher outlives a stop by shutdownGrace, like the wait
 		// below: a publisher that watches its context (amqpout) would
 		// otherwise give up on confirms the broker is about to send, and
 		// leave rows the broker has to be published again.
 		gctx, cancel := graceContext(pctx, shutdownGrace)
 		defer cancel()
+		var c checkOutcome
+		c.publish, c.checked, c.unchecked = r.check(batch, call)
+		checks <- c
 		var errs []error
-		if len(publish) > 0 {
-			errs = r.publish(gctx, publish)
+		if len(c.publish) > 0 {
+			errs = r.publish(gctx, call, c.publish)
 		}
 		published <- errs
 	}()
+	w := r.newCallWait(ctx, call, returned)
+	defer w.stop()
+	c, err := awaitCall(w, checks)
+	if err != nil {
+		return nil, err
+	}
+	r.noteUnchecked(ctx, c.unchecked)
+	publish, checked := c.publish, c.checked
 	// What the broker confirmed is settled even when ctx is cancelled
 	// meanwhile: a row left unmarked is published again.
 	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), settleTimeout)
@@ -136,16 +154,21 @@ func (r *Relay) relayBatch(ctx context.Context, conn *pgx.Conn, batch []Record, 
 	} else {
 		prevErr = r.settleDeferred(sctx, conn, deferred)
 	}
-	errs, ok := awaitPublish(ctx, published)
+	errs, waitErr := awaitCall(w, published)
+	if errors.As(waitErr, new(*hungCall)) {
+		// Nothing of the batch is settled; a settlement prevErr left in
+		// *deferred is written before the session ends.
+		return nil, waitErr
+	}
 	if prevErr != nil {
-		if ok {
+		if waitErr == nil {
 			s, rj, _ := sortOutcomes(publish, errs)
 			deferred.add(s, append(rj, checked...))
 		}
 		return nil, prevErr
 	}
-	if !ok {
-		return nil, fmt.Errorf("%w: stopped before the broker answered", errBrokerUnavailable)
+	if waitErr != nil {
+		return nil, waitErr
 	}
 	var failed error
 	sent, rejects, failed = sortOutcomes(publish, errs)
@@ -244,21 +267,187 @@ func graceContext(ctx context.Context, grace time.Duration) (context.Context, co
 	}
 }
 
-// awaitPublish waits for the publish's outcome; once ctx is done, at most
-// shutdownGrace more. ok is false when it gave up.
-func awaitPublish(ctx context.Context, published <-chan []error) (errs []error, ok bool) {
-	select {
-	case errs = <-published:
-		return errs, true
-	case <-ctx.Done():
+// checkOutcome is what the publisher's Checker made of a batch: the
+// records to publish, those it refused, and those it could not check.
+type checkOutcome struct {
+	publish   []Record
+	checked   []rejection
+	unchecked uncheckedRecords
+}
+
+// publisherCall is the call to the publisher that a batch's goroutine is
+// in, for the relay to find one that does not return.
+type publisherCall struct {
+	mu        sync.Mutex
+	name      string // "Publish" or "Check"; "" between calls
+	seq       int64  // the (first) record's seq
+	records   int
+	start     time.Time
+	abandoned bool
+}
+
+// enter notes a call of name on recs; it returns false, and the call must
+// not be made, once the relay has given up the goroutine.
+func (c *publisherCall) enter(name string, recs []Record) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.abandoned {
+		return false
 	}
-	t := time.NewTimer(shutdownGrace)
+	c.name, c.seq, c.records, c.start = name, recs[0].Seq, len(recs), time.Now()
+	return true
+}
+
+// leave notes that the call returned.
+func (c *publisherCall) leave() {
+	c.mu.Lock()
+	c.name = ""
+	c.mu.Unlock()
+}
+
+// abandon stops the goroutine's further calls.
+func (c *publisherCall) abandon() {
+	c.mu.Lock()
+	c.abandoned = true
+	c.mu.Unlock()
+}
+
+// running returns the call in progress, if any, and how long it has run.
+func (c *publisherCall) running() (h hungCall, ok bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.name == "" {
+		return h, false
+	}
+	return hungCall{name: c.name, seq: c.seq, records: c.records, start: c.start, ran: time.Since(c.start)}, true
+}
+
+// errAbandoned is the outcome of a record whose call to the publisher was
+// not made because the relay had given up the batch.
+var errAbandoned = errors.New("outbox: the relay gave up this batch before it was published")
+
+// hungCall is a call to the publisher that did not return within
+// PublishTimeout and its grace; the relay's error when it gives it up.
+type hungCall struct {
+	name    string
+	seq     int64
+	records int
+	start   time.Time
+	ran     time.Duration
+}
+
+func (h *hungCall) Error() string {
+	what := fmt.Sprintf("of the record of seq %d", h.seq)
+	if h.records > 1 {
+		what = fmt.Sprintf("of %d records from seq %d", h.records, h.seq)
+	}
+	return fmt.Sprintf("the publisher's %s %s has not returned after %v", h.name, what, h.ran.Round(time.Millisecond))
+}
+
+// abandonedCall is a call to the publisher the relay gave up, and the
+// channel closed when its goroutine returns.
+type abandonedCall struct {
+	hungCall
+	returned <-chan struct{}
+}
+
+// hangLimit is how long a call to the publisher may run before the relay
+// gives it up: PublishTimeout, plus shutdownGrace (or PublishTimeout when
+// shorter) for a publisher that watches its context to return its answer.
+func (r *Relay) hangLimit() time.Duration {
+	return r.cfg.PublishTimeout + min(shutdownGrace, r.cfg.PublishTimeout)
+}
+
+// callWait waits for the answers of a batch's goroutine (awaitCall): it
+// gives a call to the publisher up past hangLimit, and the goroutine once
+// ctx has been done for shutdownGrace.
+type callWait struct {
+	r        *Relay
+	call     *publisherCall
+	returned <-chan struct{}
+	done     <-chan struct{} // ctx.Done() until it fired
+	grace    *time.Timer     // started when ctx is done
+}
+
+func (r *Relay) newCallWait(ctx context.Context, call *publisherCall, returned <-chan struct{}) *callWait {
+	return &callWait{r: r, call: call, returned: returned, done: ctx.Done()}
+}
+
+// stop releases the wait's timer.
+func (w *callWait) stop() {
+	if w.grace != nil {
+		w.grace.Stop()
+	}
+}
+
+// awaitCall waits for the goroutine's next answer on ch. Past
+// shutdownGrace after ctx is done it gives the goroutine up (an error
+// wrapping errBrokerUnavailable); when a call to the publisher has run
+// past hangLimit it gives it up with a *hungCall error, noted in
+// Relay.abandoned for Run to wait on before the relay leads again. A
+// goroutine given up makes no further call to the publisher.
+func awaitCall[T any](w *callWait, ch <-chan T) (T, error) {
+	var zero T
+	limit := w.r.hangLimit()
+	hang := time.NewTimer(limit)
+	defer hang.Stop()
+	var graceC <-chan time.Time
+	if w.grace != nil {
+		graceC = w.grace.C
+	}
+	for {
+		select {
+		case v := <-ch:
+			return v, nil
+		case <-w.done:
+			w.done = nil
+			w.grace = time.NewTimer(shutdownGrace)
+			graceC = w.grace.C
+		case <-graceC:
+			w.call.abandon()
+			return zero, fmt.Errorf("%w: stopped before the broker answered", errBrokerUnavailable)
+		case <-hang.C:
+			h, ok := w.call.running()
+			switch {
+			case !ok:
+				hang.Reset(limit)
+			case h.ran < limit:
+				hang.Reset(limit - h.ran)
+			default:
+				w.call.abandon()
+				w.r.abandoned = &abandonedCall{hungCall: h, returned: w.returned}
+				w.r.stalled.Store(true)
+				return zero, &h
+			}
+		}
+	}
+}
+
+// awaitAbandoned waits, when the relay gave up a call to the publisher,
+// until that call returned, logging at level Error every PublishTimeout;
+// false when ctx was done first.
+func (r *Relay) awaitAbandoned(ctx context.Context) bool {
+	a := r.abandoned
+	if a == nil {
+		return true
+	}
+	t := time.NewTicker(r.cfg.PublishTimeout)
 	defer t.Stop()
-	select {
-	case errs = <-published:
-		return errs, true
-	case <-t.C:
-		return nil, false
+	for {
+		select {
+		case <-a.returned:
+			r.abandoned = nil
+			r.stalled.Store(false)
+			r.cfg.Logger.Warn("outbox relay: the publisher's call the relay gave up has returned; leading again",
+				"call", a.name, "seq", a.seq, "records", a.records, "ran", time.Since(a.start).Round(time.Millisecond))
+			return true
+		case <-ctx.Done():
+			return false
+		case <-t.C:
+			r.cfg.Logger.Error("outbox relay: the publisher's call the relay gave up has still not returned; "+
+				"this relay does not lead until it does", "call", a.name, "seq", a.seq, "records", a.records,
+				"running", time.Since(a.start).Round(time.Millisecond))
+		}
 	}
 }
 
@@ -294,7 +483,7 @@ func withoutHeldKeys(ahead, batch []Record, sent []int64) []Record {
 // later batch, and in both cases the later records of its key are held
 // back (neither sent nor charged) so that they cannot overtake it. A
 // record whose row could not be decoded is charged like a refusal.
-func (r *Relay) check(recs []Record) (publish []Record, rejects []rejection, unchecked uncheckedRecords) {
+func (r *Relay) check(recs []Record, call *publisherCall) (publish []Record, rejects []rejection, unchecked uncheckedRecords) {
 	c, _ := r.pub.(Checker)
 	if c == nil && !anyUndecodable(recs) {
 		return recs, nil, unchecked
@@ -308,7 +497,7 @@ func (r *Relay) check(recs []Record) (publish []Record, rejects []rejection, unc
 		}
 		err := Rejected(rec.undecodable)
 		if err == nil && c != nil {
-			err = checkGuarded(c, rec)
+			err = checkGuarded(call, c, rec)
 		}
 		if err != nil {
 			if IsRejected(err) {
@@ -403,8 +592,8 @@ var errHeld = errors.New("outbox: held behind an earlier record of its key")
 // of a key with a record that was not confirmed are held (errHeld), so
 // that they cannot overtake it. A publisher that panics on every record
 // has each of them charged so.
-func (r *Relay) publish(ctx context.Context, recs []Record) []error {
-	errs, stack, panicked := publishGuarded(ctx, r.pub, recs)
+func (r *Relay) publish(ctx context.Context, call *publisherCall, recs []Record) []error {
+	errs, stack, panicked := r.publishGuarded(ctx, call, recs)
 	if panicked == nil {
 		return errs
 	}
@@ -427,7 +616,7 @@ func (r *Relay) publish(ctx context.Context, recs []Record) []error {
 			errs[i] = fmt.Errorf("stopped before the record was published again alone: %w", ctx.Err())
 			continue
 		}
-		one, _, panicked := publishGuarded(ctx, r.pub, recs[i:i+1])
+		one, _, panicked := r.publishGuarded(ctx, call, recs[i:i+1])
 		switch {
 		case panicked != nil:
 			errs[i] = Rejected(panicked)
@@ -441,22 +630,46 @@ func (r *Relay) publish(ctx context.Context, recs []Record) []error {
 	return errs
 }
 
-// publishGuarded publishes recs with pub. An answer of another length
+// publishGuarded publishes recs with the relay's publisher, under a
+// context with PublishTimeout's deadline. An answer of another length
 // than recs (checkAnswers) takes none of recs as confirmed: errs then
 // holds an error wrapping errBrokenPublisher for each. A panic in Publish
-// is returned as panicked, with its stack, and errs nil.
-func publishGuarded(ctx context.Context, pub Publisher, recs []Record) (errs []error, stack []byte, panicked error) {
+// is returned as panicked, with its stack, and errs nil. Once the relay
+// has given up the batch it publishes nothing: every record's error is
+// errAbandoned.
+func (r *Relay) publishGuarded(ctx context.Context, call *publisherCall, recs []Record) (errs []error, stack []byte, panicked error) {
+	if !call.enter("Publish", recs) {
+		return fill(len(recs), errAbandoned), nil, nil
+	}
+	defer call.leave()
+	ctx, cancel := context.WithTimeout(ctx, r.cfg.PublishTimeout)
+	defer cancel()
 	defer func() {
 		if p := recover(); p != nil {
 			errs, stack, panicked = nil, debug.Stack(), fmt.Errorf("the publisher's Publish panicked: %v", p)
 		}
 	}()
-	return checkAnswers(pub.Publish(ctx, recs), len(recs)), nil, nil
+	return checkAnswers(r.pub.Publish(ctx, recs), len(recs)), nil, nil
+}
+
+// fill returns n copies of err.
+func fill(n int, err error) []error {
+	errs := make([]error, n)
+	for i := range errs {
+		errs[i] = err
+	}
+	return errs
 }
 
 // checkGuarded runs c.Check on rec; a panic in it is charged to rec as a
-// refusal (Rejected), as the broker would be asked the same again.
-func checkGuarded(c Checker, rec Record) (err error) {
+// refusal (Rejected), as the broker would be asked the same again. Once
+// the relay has given up the batch it runs nothing and returns
+// errAbandoned.
+func checkGuarded(call *publisherCall, c Checker, rec Record) (err error) {
+	if !call.enter("Check", []Record{rec}) {
+		return errAbandoned
+	}
+	defer call.leave()
 	defer func() {
 		if p := recover(); p != nil {
 			err = Rejected(fmt.Errorf("the publisher's Check panicked: %v", p))

@@ -57,9 +57,12 @@ type Publisher interface {
 	// unreachable or overloaded, and the relay retries the record after
 	// backing off, without counting it; wrapped with Refused, it is the
 	// broker refusing the publisher itself, retried so too but logged as
-	// an error. When the relay stops, ctx stays
-	// live for 5s more, so that a publish in flight can collect the
-	// broker's answer; a publisher should give up when ctx is done.
+	// an error. ctx has RelayConfig.PublishTimeout's deadline; when the
+	// relay stops, ctx stays live for 5s more, so that a publish in flight
+	// can collect the broker's answer. A publisher should give up when ctx
+	// is done: one that does not return is given up by the relay past
+	// PublishTimeout and a grace, logged at level Error, and the relay
+	// stops leading until it returns (RelayConfig.PublishTimeout).
 	Publish(ctx context.Context, recs []Record) (errs []error)
 	// Close releases the publisher's connections.
 	Close() error
@@ -73,7 +76,9 @@ type Publisher interface {
 // for a later batch (logged at level Warn, at most every 10 s), and in
 // both cases the later records of its key in the batch are held back, so
 // that they never overtake it. A panic in Check is charged to its record
-// as a refusal, with the panic's value as its error.
+// as a refusal, with the panic's value as its error. Check has no context:
+// it runs under RelayConfig.PublishTimeout like Publish, and one that
+// does not return is given up so too.
 type Checker interface {
 	Check(rec Record) error
 }

@@ -29,6 +29,8 @@ const (
 	DefaultBatchSize    = 500
 	DefaultPollInterval = time.Second
 	DefaultMaxAttempts  = 5
+	// DefaultPublishTimeout is RelayConfig.PublishTimeout's default.
+	DefaultPublishTimeout = time.Minute
 )
 
 // Backoff is an exponential backoff: Initial, doubled after each failure up
@@ -86,6 +88,23 @@ type RelayConfig struct {
 	// against no row. Defaults to 100ms, doubling up to 5s.
 	InfraBackoff Backoff
 
+	// PublishTimeout bounds each call to the publisher. Publish gets a
+	// context with this deadline; a call of Publish, or of a Checker's
+	// Check (which has no context), that has not returned PublishTimeout
+	// plus a grace (5s, or PublishTimeout when shorter) after it began is
+	// given up: the relay cannot stop the call's goroutine, so it logs the
+	// call at level Error, naming it and how long it has run, sets
+	// StalledMetric, ends its session (releasing leadership: another
+	// relay on the table leads and publishes the rows, which nothing
+	// settled) and does not lead again until the call returns, logging it
+	// at level Error every PublishTimeout meanwhile: it never calls the
+	// publisher from two goroutines. A record the call sends late is a
+	// copy with its row's id, like one of a leader whose session was
+	// killed. Set it above the publisher's own bounds (amqpout's
+	// ConfirmTimeout, the retries of kafkaout's sarama producer). Defaults
+	// to DefaultPublishTimeout (1m).
+	PublishTimeout time.Duration
+
 	// Logger receives leadership changes, parked rows and infrastructure
 	// failures. Defaults to slog.Default().
 	Logger *slog.Logger
@@ -120,6 +139,9 @@ func (c RelayConfig) withDefaults() (RelayConfig, error) {
 	if c.InfraBackoff == (Backoff{}) {
 		c.InfraBackoff = Backoff{Initial: 100 * time.Millisecond, Max: 5 * time.Second}
 	}
+	if c.PublishTimeout == 0 {
+		c.PublishTimeout = DefaultPublishTimeout
+	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
@@ -132,6 +154,8 @@ func (c RelayConfig) withDefaults() (RelayConfig, error) {
 		return c, fmt.Errorf("%w: KeepSent is negative (%v)", ErrInvalidConfig, c.KeepSent)
 	case c.MaxAttempts < 0:
 		return c, fmt.Errorf("%w: MaxAttempts is negative (%d)", ErrInvalidConfig, c.MaxAttempts)
+	case c.PublishTimeout < 0:
+		return c, fmt.Errorf("%w: PublishTimeout is negative (%v)", ErrInvalidConfig, c.PublishTimeout)
 	}
 	for _, b := range []struct {
 		name string
@@ -174,8 +198,14 @@ type Relay struct {
 	// broker confirmed (takeCarried, carry); used by the session's
 	// goroutine only.
 	carried carriedSettlement
-	metrics *relayMetrics
-	tracer  trace.Tracer
+	// abandoned is the call to the publisher the relay gave up and that
+	// has not returned yet (awaitAbandoned), nil when there is none; used
+	// by the session's goroutine only. stalled is set meanwhile, for
+	// StalledMetric.
+	abandoned *abandonedCall
+	stalled   atomic.Bool
+	metrics   *relayMetrics
+	tracer    trace.Tracer
 }
 
 // NewRelay returns a relay that reads the outbox through pool and
@@ -193,7 +223,7 @@ func NewRelay(pool *pgxpool.Pool, pub Publisher, cfg RelayConfig) (*Relay, error
 		return nil, err
 	}
 	r := &Relay{pool: pool, pub: pub, cfg: cfg, sql: newRelaySQL(cfg.Store.table)}
-	if r.metrics, err = newRelayMetrics(cfg.MeterProvider, cfg.Store.table, r.Leader); err != nil {
+	if r.metrics, err = newRelayMetrics(cfg.MeterProvider, cfg.Store.table, r.Leader, r.stalled.Load); err != nil {
 		return nil, err
 	}
 	r.tracer = newTracer(cfg.TracerProvider)
@@ -217,7 +247,9 @@ func (r *Relay) Leader() bool { return r.leader.Load() }
 // login or a privilege on the table, which are logged at level Error. Once
 // ctx is cancelled Run waits at most 5s for the broker's answer to the
 // batch in flight; a batch left unanswered is published again by the next
-// leader. Run may be called once.
+// leader. A call to the publisher that does not return is given up after
+// RelayConfig.PublishTimeout: the relay stops leading until it returns.
+// Run may be called once.
 func (r *Relay) Run(ctx context.Context) error {
 	if !r.ran.CompareAndSwap(false, true) {
 		return errors.New("outbox: Relay.Run called twice")
@@ -236,9 +268,19 @@ func (r *Relay) Run(ctx context.Context) error {
 	}
 	failures := 0
 	for ctx.Err() == nil {
+		if !r.awaitAbandoned(ctx) {
+			break
+		}
 		led, err := r.session(ctx)
 		if ctx.Err() != nil {
 			break
+		}
+		var hung *hungCall
+		if errors.As(err, &hung) {
+			r.cfg.Logger.Error("outbox relay: a call to the publisher did not return within PublishTimeout; the relay gave it up "+
+				"and stopped leading (another relay may lead; nothing of its batch was settled), and leads again once the call returns",
+				"call", hung.name, "seq", hung.seq, "records", hung.records, "error", err)
+			continue
 		}
 		if led {
 			failures = 0
@@ -536,6 +578,13 @@ func (r *Relay) lead(ctx context.Context, conn *pgx.Conn, notified *atomic.Bool)
 		if err != nil {
 			if ctx.Err() != nil {
 				return nil
+			}
+			var hung *hungCall
+			if errors.As(err, &hung) {
+				// The session ends, and the leader lock with it: the
+				// publisher may not be called again until the call
+				// returns (Run waits for it).
+				return err
 			}
 			failures++
 			r.metrics.failures.Add(ctx, 1, r.metrics.attrs)

@@ -250,11 +250,12 @@ func TestInvalidInput(t *testing.T) {
 
 	pub := newKafka(t).publisher(t)
 	for name, cfg := range map[string]outbox.RelayConfig{
-		"negative batch":   {BatchSize: -1},
-		"negative poll":    {PollInterval: -time.Second},
-		"bad backoff":      {RetryBackoff: outbox.Backoff{Initial: time.Second, Max: time.Millisecond}},
-		"negative keep":    {KeepSent: -time.Second},
-		"negative attempt": {MaxAttempts: -1},
+		"negative batch":           {BatchSize: -1},
+		"negative poll":            {PollInterval: -time.Second},
+		"bad backoff":              {RetryBackoff: outbox.Backoff{Initial: time.Second, Max: time.Millisecond}},
+		"negative keep":            {KeepSent: -time.Second},
+		"negative attempt":         {MaxAttempts: -1},
+		"negative publish timeout": {PublishTimeout: -time.Second},
 	} {
 		_, err := outbox.NewRelay(pool, pub, cfg)
 		require.ErrorIs(t, err, outbox.ErrInvalidConfig, name)

@@ -28,6 +28,10 @@ const (
 	// or SASL settings: an error wrapped with Refused), which do not pass
 	// without a fix on the broker's side or the publisher's.
 	RefusalsMetric = "once.outbox.refusals"
+	// StalledMetric is 1 while the relay has given up a call to the
+	// publisher that has not returned (RelayConfig.PublishTimeout), and
+	// does not lead until it does; else 0.
+	StalledMetric = "once.outbox.stalled"
 	// LeaderMetric is 1 while the relay leads, else 0.
 	LeaderMetric = "once.outbox.leader"
 )
@@ -39,7 +43,7 @@ type relayMetrics struct {
 	attrs                                           metric.MeasurementOption
 }
 
-func newRelayMetrics(mp metric.MeterProvider, table string, leader func() bool) (*relayMetrics, error) {
+func newRelayMetrics(mp metric.MeterProvider, table string, leader, stalled func() bool) (*relayMetrics, error) {
 	if mp == nil {
 		mp = otel.GetMeterProvider()
 	}
@@ -64,6 +68,18 @@ func newRelayMetrics(mp metric.MeterProvider, table string, leader func() bool) 
 			metric.WithInt64Callback(func(_ context.Context, o metric.Int64Observer) error {
 				v := int64(0)
 				if leader() {
+					v = 1
+				}
+				o.Observe(v, rm.attrs)
+				return nil
+			}))
+	}
+	if err == nil {
+		_, err = m.Int64ObservableGauge(StalledMetric,
+			metric.WithDescription("1 while this relay has given up a call to the publisher that has not returned, else 0."),
+			metric.WithInt64Callback(func(_ context.Context, o metric.Int64Observer) error {
+				v := int64(0)
+				if stalled() {
 					v = 1
 				}
 				o.Observe(v, rm.attrs)
