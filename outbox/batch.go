@@ -802,6 +802,13 @@ func (r *Relay) settle(ctx context.Context, conn *pgx.Conn, sent []int64, reject
 	return nil
 }
 
+// errorText is err's text; a publisher's error whose Error panics (a
+// typed nil, wrapped with Rejected) is described by fmt instead of
+// crashing the relay.
+func errorText(err error) string {
+	return fmt.Sprint(err)
+}
+
 // charge is a rejected row as its settlement charged it.
 type charge struct {
 	seq    int64
@@ -825,7 +832,7 @@ func (r *Relay) queueSettle(b *pgx.Batch, sent []int64, rejects []rejection) *[]
 	if len(rejects) > 0 {
 		seqs, msgs, delays := make([]int64, len(rejects)), make([]string, len(rejects)), make([]int64, len(rejects))
 		for i, rj := range rejects {
-			seqs[i], msgs[i] = rj.seq, rj.err.Error()
+			seqs[i], msgs[i] = rj.seq, errorText(rj.err)
 			delays[i] = r.cfg.RetryBackoff.delay(rj.attempts + 1).Milliseconds()
 		}
 		b.Queue(r.sql.reject, seqs, msgs, delays, r.cfg.MaxAttempts, r.cfg.Store.table, r.oid).Query(func(rows pgx.Rows) error {

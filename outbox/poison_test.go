@@ -61,3 +61,55 @@ func TestPublishThatPanicsOnOneRecordParksIt(t *testing.T) {
 	waitRows(t, pool, "true", 0, 10*time.Second)
 	assert.ElementsMatch(t, []string{"1", "2", "3", "after"}, bodies(d.read(t, 4)))
 }
+
+// nilError is an error type whose Error dereferences its receiver: a nil
+// *nilError returned as an error (the classic typed nil) panics when its
+// text is asked for.
+type nilError struct{ msg string }
+
+func (e *nilError) Error() string { return e.msg }
+
+// typedNilRefusals is a publisher that refuses the records of one topic
+// with Rejected around a typed nil.
+type typedNilRefusals struct {
+	outbox.Publisher
+	topic string
+}
+
+func (p *typedNilRefusals) Publish(ctx context.Context, recs []outbox.Record) []error {
+	errs := make([]error, len(recs))
+	var ok []outbox.Record
+	var at []int
+	for i, rec := range recs {
+		if rec.Topic == p.topic {
+			var e *nilError
+			errs[i] = outbox.Rejected(e)
+			continue
+		}
+		ok, at = append(ok, rec), append(at, i)
+	}
+	if len(ok) > 0 {
+		for j, err := range p.Publisher.Publish(ctx, ok) {
+			errs[at[j]] = err
+		}
+	}
+	return errs
+}
+
+// A custom publisher's refusal whose text panics (a typed nil wrapped with
+// Rejected) crashed the process where the relay wrote the refusal to its
+// row. The row is charged and parked with what could be told of the
+// error, and the other rows are published.
+func TestRefusalWhoseTextPanicsIsCharged(t *testing.T) {
+	k := newKafka(t)
+	pool, _ := migrated(t)
+	d := k.destination(t)
+	bad := k.destination(t).msg("a", "bad")
+	pub := &typedNilRefusals{Publisher: k.publisher(t), topic: bad.Topic}
+	startRelay(t, pool, pub, outbox.RelayConfig{PollInterval: 20 * time.Millisecond, MaxAttempts: 2,
+		RetryBackoff: outbox.Backoff{Initial: 10 * time.Millisecond, Max: 10 * time.Millisecond}})
+	addCommitted(t, pool, bad, d.msg("b", "1"))
+	waitRows(t, pool, "parked_at IS NOT NULL AND attempts = 2 AND last_error LIKE '%PANIC%'", 1, 20*time.Second)
+	waitRows(t, pool, "true", 1, 10*time.Second)
+	assert.Equal(t, []string{"1"}, bodies(d.read(t, 1)))
+}

@@ -131,7 +131,7 @@ func endBatchSpan(span trace.Span, sent, rejected int, err error) {
 	span.SetAttributes(attribute.Int("once.outbox.sent", sent), attribute.Int("once.outbox.rejected", rejected))
 	if err != nil {
 		span.RecordError(err)
-		span.SetStatus(codes.Error, err.Error())
+		span.SetStatus(codes.Error, errorText(err))
 	}
 	span.End()
 }
