@@ -8,6 +8,8 @@ import (
 
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
+
+	"github.com/onceco/once/internal/kafkaend"
 )
 
 // LagMetricName is the name of the consumer-lag gauge: per topic and
@@ -182,7 +184,7 @@ func (cl *claim) clusterEnd(ctx context.Context, next int64) *readableEnd {
 			}
 			from := next
 			if !cl.src.cfg.ReadUncommitted && end > next {
-				from = firstReadable(cl.src.dlqClient, topic, partition, next, end)
+				from = kafkaend.FirstReadable(cl.src.dlqClient, topic, partition, next, end)
 			}
 			cl.end.Store(&readableEnd{end: end, from: from})
 		}()

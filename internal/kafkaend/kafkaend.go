@@ -1,8 +1,10 @@
 // Package kafkaend asks a Kafka partition where a read-committed consumer
-// reads up to: its last stable offset. sarama's Client.GetOffset asks
+// reads up to: its last stable offset (sarama's Client.GetOffset asks
 // without the isolation level, and the broker then answers the high-water
-// mark, past the records of transactions still open (and the marker that
-// ends the last one). The library's source and the once CLI share it.
+// mark, past the records of transactions still open and the marker that
+// ends the last one); and where such a consumer is handed its next record,
+// past transaction markers and aborted records (FirstReadable). The
+// library's source and the once CLI share it.
 package kafkaend
 
 import (

@@ -10,7 +10,6 @@ import (
 	"github.com/IBM/sarama"
 
 	"github.com/onceco/once/cmd/once/internal/cut"
-	"github.com/onceco/once/cmd/once/internal/readable"
 	"github.com/onceco/once/consumer"
 	"github.com/onceco/once/internal/kafkaaddr"
 	"github.com/onceco/once/internal/kafkaend"
@@ -143,7 +142,7 @@ func (q *KafkaQueue) browsePartition(ctx context.Context, client sarama.Client, 
 			return fmt.Errorf("dlq: %s/%d last stable offset: %w", q.cfg.Topic, p, err)
 		}
 	}
-	if end <= oldest || readable.First(client, q.cfg.Topic, p, oldest, end) >= end {
+	if end <= oldest || kafkaend.FirstReadable(client, q.cfg.Topic, p, oldest, end) >= end {
 		return nil // no record, or markers and aborted records only
 	}
 	pc, err := cons.ConsumePartition(q.cfg.Topic, p, oldest)
@@ -182,7 +181,7 @@ func (q *KafkaQueue) browsePartition(ctx context.Context, client sarama.Client, 
 			idle.Reset(q.cfg.IdleTimeout)
 			quiet.Reset(quietWait)
 		case <-quiet.C:
-			if readable.First(client, q.cfg.Topic, p, next, end) >= end {
+			if kafkaend.FirstReadable(client, q.cfg.Topic, p, next, end) >= end {
 				return nil
 			}
 			quiet.Reset(quietWait)

@@ -10,7 +10,6 @@ import (
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	"github.com/onceco/once/cmd/once/internal/cut"
-	"github.com/onceco/once/cmd/once/internal/readable"
 	"github.com/onceco/once/internal/kafkaend"
 	"github.com/onceco/once/internal/kafkarefusal"
 )
@@ -122,7 +121,7 @@ func kafkaLag(ctx context.Context, brokers []string, sc *sarama.Config, group st
 				}
 			}
 			if from < hwm {
-				from = readable.First(client, t, p, from, hwm)
+				from = kafkaend.FirstReadable(client, t, p, from, hwm)
 			}
 			l.Lag = max(hwm-from, 0)
 			out = append(out, l)

@@ -1,9 +1,4 @@
-// Package readable finds where a read-committed consumer of a Kafka
-// partition will be handed its next record: past the transaction markers
-// and the records of aborted transactions, which take offsets and are
-// handed to no one. once status counts lag from there, and the dead-letter
-// reader stops a partition's read when nothing readable is left.
-package readable
+package kafkaend
 
 import (
 	"errors"
@@ -11,20 +6,20 @@ import (
 	"github.com/IBM/sarama"
 )
 
-// readableFetches bounds the fetches First makes: each passes at
+// readableFetches bounds the fetches FirstReadable makes: each passes at
 // least one batch of markers or aborted records.
 const readableFetches = 8
 
-// First returns the offset of the partition's first record at or
+// FirstReadable returns the offset of the partition's first record at or
 // after from, below end (its last stable offset), that a read-committed
 // consumer is handed: it fetches from there, read committed, a batch at a
 // time, and passes transaction markers and the batches of aborted
 // transactions. It returns end when there is none, and the offset reached
 // when a fetch fails or after readableFetches fetches, so that the lag it
-// makes is never less than the records still to be handed out. (The Kafka
-// Source's lag gauge counts the same way.) It is safe for concurrent use
-// as client is.
-func First(client sarama.Client, topic string, partition int32, from, end int64) int64 {
+// makes is never less than the records still to be handed out. The
+// source's lag gauge, once status and the dead-letter reader share it. It
+// is safe for concurrent use as client is.
+func FirstReadable(client sarama.Client, topic string, partition int32, from, end int64) int64 {
 	aborted := make(map[int64]bool)       // producer ids of aborted transactions open at from
 	var txns []*sarama.AbortedTransaction // not yet begun at the batches passed
 	seen := make(map[sarama.AbortedTransaction]bool)
