@@ -120,44 +120,16 @@ func testStartNewestStartsBeforeAnOpenTransaction(t *testing.T, kind brokerKind)
 	topic, group := uniq("orders"), uniq("g")
 	c.createTopic(topic, 1)
 	ctx := t.Context()
-	tp, err := kgo.NewClient(kgo.SeedBrokers(c.addrs...), kgo.TransactionalID(uniq("txn")),
-		kgo.RecordPartitioner(kgo.ManualPartitioner()))
-	require.NoError(t, err)
-	defer tp.Close()
-	require.NoError(t, tp.BeginTransaction())
-	require.NoError(t, tp.ProduceSync(ctx, &kgo.Record{Topic: topic, Partition: 0, Value: []byte("in-txn")}).FirstErr())
+	tp := openTransaction(t, c, topic, 0)
 
 	cfg := c.config(group, topic)
 	cfg.InitialOffset = StartNewest
 	src := c.open(cfg)
 	rctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	type received struct {
-		d   *delivery
-		err error
-	}
-	got := make(chan received, 1)
-	go func() { // joins the group
-		d, err := src.Receive(rctx)
-		r := received{err: err}
-		if err == nil {
-			r.d = d.(*delivery)
-		}
-		got <- r
-	}()
+	got := receiveAside(rctx, src) // joins the group
 	// The group's start is committed once the member holds the partition.
-	start := func() int64 {
-		admin, err := sarama.NewClusterAdmin(c.addrs, saramaConfig())
-		if err != nil {
-			return -1
-		}
-		defer admin.Close()
-		resp, err := admin.ListConsumerGroupOffsets(group, map[string][]int32{topic: {0}})
-		if err != nil || resp.GetBlock(topic, 0) == nil {
-			return -1
-		}
-		return resp.GetBlock(topic, 0).Offset
-	}
+	start := func() int64 { return committedOffset(c, group, topic, 0) }
 	require.Eventually(t, func() bool { return start() >= 0 }, 15*time.Second, 20*time.Millisecond)
 	assert.Equal(t, int64(0), start(), "the group starts at the open transaction's first record")
 
@@ -177,12 +149,7 @@ func TestStartNewestStartsBeforeAnOpenTransactionWhenSetupCannotMarkIt(t *testin
 	topic, group := uniq("orders"), uniq("g")
 	c.createTopic(topic, 1)
 	ctx := t.Context()
-	tp, err := kgo.NewClient(kgo.SeedBrokers(c.addrs...), kgo.TransactionalID(uniq("txn")),
-		kgo.RecordPartitioner(kgo.ManualPartitioner()))
-	require.NoError(t, err)
-	defer tp.Close()
-	require.NoError(t, tp.BeginTransaction())
-	require.NoError(t, tp.ProduceSync(ctx, &kgo.Record{Topic: topic, Partition: 0, Value: []byte("in-txn")}).FirstErr())
+	tp := openTransaction(t, c, topic, 0)
 
 	// The partition's end, read committed, is refused to Setup (its
 	// question and the one retry); once the partition consumer asked for
@@ -226,19 +193,7 @@ func TestStartNewestStartsBeforeAnOpenTransactionWhenSetupCannotMarkIt(t *testin
 	src := c.open(cfg)
 	rctx, cancel := context.WithTimeout(ctx, 20*time.Second)
 	defer cancel()
-	type received struct {
-		d   *delivery
-		err error
-	}
-	got := make(chan received, 1)
-	go func() { // joins the group
-		d, err := src.Receive(rctx)
-		r := received{err: err}
-		if err == nil {
-			r.d = d.(*delivery)
-		}
-		got <- r
-	}()
+	got := receiveAside(rctx, src) // joins the group
 	select {
 	case <-chosen:
 	case <-rctx.Done():
@@ -270,32 +225,9 @@ func TestStartNewestStartsBeforeAnOpenTransactionOnAPartitionAddedCooperatively(
 	src := c.open(cfg)
 	rctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	type received struct {
-		d   *delivery
-		err error
-	}
-	got := make(chan received, 1)
-	go func() { // joins the group
-		d, err := src.Receive(rctx)
-		r := received{err: err}
-		if err == nil {
-			r.d = d.(*delivery)
-		}
-		got <- r
-	}()
+	got := receiveAside(rctx, src) // joins the group
 	// The start of partition 0 is committed once the member holds it.
-	start := func() int64 {
-		admin, err := sarama.NewClusterAdmin(c.addrs, saramaConfig())
-		if err != nil {
-			return -1
-		}
-		defer admin.Close()
-		resp, err := admin.ListConsumerGroupOffsets(group, map[string][]int32{topic: {0}})
-		if err != nil || resp.GetBlock(topic, 0) == nil {
-			return -1
-		}
-		return resp.GetBlock(topic, 0).Offset
-	}
+	start := func() int64 { return committedOffset(c, group, topic, 0) }
 	require.Eventually(t, func() bool { return start() >= 0 }, 20*time.Second, 20*time.Millisecond, "the member holds partition 0")
 
 	// The rebalance that adds partition 1 waits until its transaction is
@@ -324,12 +256,7 @@ func TestStartNewestStartsBeforeAnOpenTransactionOnAPartitionAddedCooperatively(
 	require.NoError(t, err)
 	require.NoError(t, admin.CreatePartitions(topic, 2, nil, false))
 	require.NoError(t, admin.Close())
-	tp, err := kgo.NewClient(kgo.SeedBrokers(c.addrs...), kgo.TransactionalID(uniq("txn")),
-		kgo.RecordPartitioner(kgo.ManualPartitioner()))
-	require.NoError(t, err)
-	defer tp.Close()
-	require.NoError(t, tp.BeginTransaction())
-	require.NoError(t, tp.ProduceSync(ctx, &kgo.Record{Topic: topic, Partition: 1, Value: []byte("in-txn")}).FirstErr())
+	tp := openTransaction(t, c, topic, 1)
 	close(opened)
 	select {
 	case <-chosen:
@@ -342,4 +269,54 @@ func TestStartNewestStartsBeforeAnOpenTransactionOnAPartitionAddedCooperatively(
 	require.NoError(t, r.err, "the record of the transaction open when the partition was claimed was skipped")
 	assert.Equal(t, "in-txn", string(r.d.Message().Value))
 	assert.Equal(t, int32(1), r.d.Message().Partition)
+}
+
+// openTransaction begins a transaction that writes one record,
+// "in-txn", to topic's partition and leaves it open; the test ends it.
+func openTransaction(t *testing.T, c *cluster, topic string, partition int32) *kgo.Client {
+	t.Helper()
+	tp, err := kgo.NewClient(kgo.SeedBrokers(c.addrs...), kgo.TransactionalID(uniq("txn")),
+		kgo.RecordPartitioner(kgo.ManualPartitioner()))
+	require.NoError(t, err)
+	t.Cleanup(tp.Close)
+	require.NoError(t, tp.BeginTransaction())
+	rec := &kgo.Record{Topic: topic, Partition: partition, Value: []byte("in-txn")}
+	require.NoError(t, tp.ProduceSync(t.Context(), rec).FirstErr())
+	return tp
+}
+
+// receivedAside is what a Receive run aside returned.
+type receivedAside struct {
+	d   *delivery
+	err error
+}
+
+// receiveAside runs one src.Receive on a goroutine (which joins the
+// group) and sends its result.
+func receiveAside(ctx context.Context, src *Source) <-chan receivedAside {
+	got := make(chan receivedAside, 1)
+	go func() {
+		d, err := src.Receive(ctx)
+		r := receivedAside{err: err}
+		if err == nil {
+			r.d = d.(*delivery)
+		}
+		got <- r
+	}()
+	return got
+}
+
+// committedOffset is the offset group has committed for topic's
+// partition, -1 when none is (or the cluster did not answer).
+func committedOffset(c *cluster, group, topic string, partition int32) int64 {
+	admin, err := sarama.NewClusterAdmin(c.addrs, saramaConfig())
+	if err != nil {
+		return -1
+	}
+	defer admin.Close()
+	resp, err := admin.ListConsumerGroupOffsets(group, map[string][]int32{topic: {partition}})
+	if err != nil || resp.GetBlock(topic, partition) == nil {
+		return -1
+	}
+	return resp.GetBlock(topic, partition).Offset
 }
