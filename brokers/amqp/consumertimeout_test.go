@@ -24,9 +24,7 @@ import (
 // channel settles it.
 func TestConsumerTimeoutIsAnError(t *testing.T) {
 	t.Parallel()
-	n := privateNode(t)
-	n.ctl(t, "eval", "application:set_env(rabbit, consumer_timeout, 1000).")
-	n.ctl(t, "eval", "application:set_env(rabbit, channel_tick_interval, 200).")
+	n := shortConsumerTimeoutNode(t)
 	a := newAdminAt(t, n.url)
 	q := queueName(t)
 	a.declare(q, amqp.QueueClassic)

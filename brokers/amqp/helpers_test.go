@@ -299,6 +299,18 @@ func privateNode(t testing.TB) node {
 	return node{url: r.URL, name: r.Name, dir: r.Dir, rabbit: r}
 }
 
+// shortConsumerTimeoutNode starts a private node whose consumer_timeout
+// is one second, checked every 200ms (channel_tick_interval), so that a
+// delivery left unacked past it has its channel closed by the broker
+// within a test's time.
+func shortConsumerTimeoutNode(t testing.TB) node {
+	t.Helper()
+	n := privateNode(t)
+	n.ctl(t, "eval", "application:set_env(rabbit, consumer_timeout, 1000).")
+	n.ctl(t, "eval", "application:set_env(rabbit, channel_tick_interval, 200).")
+	return n
+}
+
 // ctl runs rabbitmqctl against the node.
 func (n node) ctl(t testing.TB, args ...string) string {
 	t.Helper()
