@@ -3,7 +3,6 @@ package oncetest_test
 import (
 	"context"
 	"errors"
-	"fmt"
 	"sync"
 	"testing"
 	"time"
@@ -16,25 +15,6 @@ import (
 	"github.com/onceco/once/consumer/memsource"
 	"github.com/onceco/once/oncetest"
 )
-
-// fatalRecorder is a testing.TB whose Fatalf is recorded and ends the
-// calling goroutine, as the real one does.
-type fatalRecorder struct {
-	testing.TB
-	mu     sync.Mutex
-	failed string
-}
-
-func (r *fatalRecorder) Helper() {}
-
-func (r *fatalRecorder) Fatalf(format string, args ...any) {
-	r.mu.Lock()
-	r.failed = fmt.Sprintf(format, args...)
-	r.mu.Unlock()
-	panic(errFatal)
-}
-
-var errFatal = errors.New("fatal")
 
 // Drain waits for each message published before it, not for as many acks:
 // a message published while it runs (by a handler, say) does not stand in
@@ -60,19 +40,9 @@ func TestDrainWaitsForEachMessagePublishedBeforeIt(t *testing.T) {
 
 	defer func(d time.Duration) { oncetest.DrainTimeout = d }(oncetest.DrainTimeout)
 	oncetest.DrainTimeout = 3 * time.Second
-	rec := &fatalRecorder{TB: t}
-	func() {
-		defer func() {
-			if p := recover(); p != nil {
-				if err, ok := p.(error); !ok || !errors.Is(err, errFatal) {
-					panic(p)
-				}
-			}
-		}()
-		oncetest.Drain(rec, c, b)
-	}()
+	failed := oncetest.FatalOf(t, func(tb testing.TB) { oncetest.Drain(tb, c, b) })
 	assert.False(t, b.IsAcked(0), "the stuck message was never settled")
-	assert.NotEmpty(t, rec.failed, "Drain returned as if every message published before it were settled")
+	assert.NotEmpty(t, failed, "Drain returned as if every message published before it were settled")
 }
 
 // A handler that ignores its context keeps Run from returning: Drain then
@@ -91,18 +61,11 @@ func TestDrainFailsWhenRunDoesNotStop(t *testing.T) {
 
 	defer func(d time.Duration) { oncetest.DrainTimeout = d }(oncetest.DrainTimeout)
 	oncetest.DrainTimeout = time.Second
-	rec := &fatalRecorder{TB: t}
+	var failed string
 	returned := make(chan struct{})
 	go func() {
 		defer close(returned)
-		defer func() {
-			if p := recover(); p != nil {
-				if err, ok := p.(error); !ok || !errors.Is(err, errFatal) {
-					panic(p)
-				}
-			}
-		}()
-		oncetest.Drain(rec, c, b)
+		failed = oncetest.FatalOf(t, func(tb testing.TB) { oncetest.Drain(tb, c, b) })
 	}()
 	select {
 	case <-returned:
@@ -112,27 +75,14 @@ func TestDrainFailsWhenRunDoesNotStop(t *testing.T) {
 		t.Fatal("Drain waited for a Run that did not return")
 	}
 	close(release)
-	rec.mu.Lock()
-	defer rec.mu.Unlock()
-	assert.Contains(t, rec.failed, "did not return", "Drain says why it gave up")
+	assert.Contains(t, failed, "did not return", "Drain says why it gave up")
 }
 
 // drainFailure runs oncetest.Drain on a recorder and returns its failure
 // message, "" when it passed.
 func drainFailure(t *testing.T, c *consumer.Consumer[string], b *memsource.Broker) string {
 	t.Helper()
-	rec := &fatalRecorder{TB: t}
-	func() {
-		defer func() {
-			if p := recover(); p != nil {
-				if err, ok := p.(error); !ok || !errors.Is(err, errFatal) {
-					panic(p)
-				}
-			}
-		}()
-		oncetest.Drain(rec, c, b)
-	}()
-	return rec.failed
+	return oncetest.FatalOf(t, func(tb testing.TB) { oncetest.Drain(tb, c, b) })
 }
 
 // A nil consumer or broker (a setup whose error went unchecked) fails the
@@ -166,21 +116,9 @@ func TestDrainWithinBoundsEachCallAlone(t *testing.T) {
 			}
 			c, err := consumer.New(pool, b.Source(), h, consumer.Config{Name: "drain", ShutdownTimeout: 100 * time.Millisecond})
 			require.NoError(t, err)
-			rec := &fatalRecorder{TB: t}
 			start := time.Now()
-			func() {
-				defer func() {
-					if p := recover(); p != nil {
-						if err, ok := p.(error); !ok || !errors.Is(err, errFatal) {
-							panic(p)
-						}
-					}
-				}()
-				oncetest.DrainWithin(rec, c, b, d)
-			}()
-			rec.mu.Lock()
-			defer rec.mu.Unlock()
-			assert.Contains(t, rec.failed, "did not return within "+d.String(), "the failure names the call's own bound")
+			failed := oncetest.FatalOf(t, func(tb testing.TB) { oncetest.DrainWithin(tb, c, b, d) })
+			assert.Contains(t, failed, "did not return within "+d.String(), "the failure names the call's own bound")
 			assert.GreaterOrEqual(t, time.Since(start), 2*d, "it waited its bound for the messages, then for the stop")
 		})
 	}
@@ -214,16 +152,6 @@ func TestDrainWithin(t *testing.T) {
 	wg.Wait()
 	assert.Equal(t, uint64(1), stats.Handled)
 
-	rec := &fatalRecorder{TB: t}
-	func() {
-		defer func() {
-			if p := recover(); p != nil {
-				if err, ok := p.(error); !ok || !errors.Is(err, errFatal) {
-					panic(p)
-				}
-			}
-		}()
-		oncetest.DrainWithin(rec, c, b, 0)
-	}()
-	assert.Contains(t, rec.failed, "bound")
+	failed := oncetest.FatalOf(t, func(tb testing.TB) { oncetest.DrainWithin(tb, c, b, 0) })
+	assert.Contains(t, failed, "bound")
 }

@@ -2,7 +2,6 @@ package oncetest_test
 
 import (
 	"context"
-	"errors"
 	"testing"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -16,18 +15,7 @@ import (
 // its failure message, "" when it passed.
 func requireEachOnce(t *testing.T, pool *pgxpool.Pool, query string, want ...string) string {
 	t.Helper()
-	rec := &fatalRecorder{TB: t}
-	func() {
-		defer func() {
-			if p := recover(); p != nil {
-				if err, ok := p.(error); !ok || !errors.Is(err, errFatal) {
-					panic(p)
-				}
-			}
-		}()
-		oncetest.RequireEachOnce(rec, pool, query, want...)
-	}()
-	return rec.failed
+	return oncetest.FatalOf(t, func(tb testing.TB) { oncetest.RequireEachOnce(tb, pool, query, want...) })
 }
 
 // Keys are compared as PostgreSQL writes them: a uuid key is its usual
