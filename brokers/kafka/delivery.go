@@ -40,6 +40,9 @@ type claim struct {
 	cancel context.CancelFunc
 	last   atomic.Int64 // offset of the last record handed out or skipped, or unknownOffset
 	paused atomic.Bool  // its fetching paused by feed: sarama's high-water mark of it is stale
+	// fencedByOther: another group under the same consumer name took the
+	// partition over in the database (claim.fence).
+	fencedByOther atomic.Bool
 	// endAsked: a question of the partition's end to the cluster is
 	// running (lag.go); end is its latest answer, nil until one.
 	endAsked atomic.Bool

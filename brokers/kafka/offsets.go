@@ -271,9 +271,14 @@ func (cl *claim) advanced(next int64) {
 // group is an ordinary new owner (a rebalance); another group under the
 // same consumer name is a misconfiguration that waiting does not cure:
 // the groups fence each other at each of their rebalances, and split the
-// records between them.
+// records between them. A claim fenced by another group is kept, idle,
+// until its session ends (ConsumeClaim): returning it would end the
+// member's whole session, and its group's rebalance would take the
+// partition back at once, so that the groups took it from each other at
+// about every commit.
 func (cl *claim) fence(err error, by string) {
 	if by != "" && by != cl.src.cfg.Group {
+		cl.fencedByOther.Store(true)
 		cl.src.cfg.Logger.Error("once/kafka: partition taken over in the database by another Kafka group under the same consumer name; "+
 			"abandoning its records here and leaving the partition until this group's next rebalance. Two groups sharing a consumer.Config.Name "+
 			"share its offsets and split the records between them: give each service a Name of its own, or stop the other group",

@@ -2,6 +2,7 @@ package kafka
 
 import (
 	"context"
+	"fmt"
 	"log/slog"
 	"strings"
 	"sync"
@@ -227,4 +228,45 @@ func TestOffsetsInDatabaseTwoGroupsUnderOneNameAreAnError(t *testing.T) {
 	require.NoError(t, b.stop())
 	require.NoError(t, a.stop())
 	requireEachOnce(t, db, 2)
+}
+
+// A member fenced by another group under its consumer name leaves the
+// partition until its own group's next rebalance. Its ConsumeClaim
+// returned instead, which ends sarama's whole session: its group rejoined
+// at once and took the partition back, fencing the other group in turn,
+// so that the two took it from each other at about every commit (a
+// rebalance and an Error log each). With no rebalance from outside, the
+// partition is taken over once more (by the second group) and stays.
+func TestOffsetsInDatabaseTwoGroupsUnderOneNameDoNotTakeThePartitionInTurn(t *testing.T) {
+	c := newCluster(t)
+	topic := uniq("orders")
+	c.createTopic(topic, 1)
+	db, _, _ := migratedSchema(t)
+	c.produce(msg(topic, 0, `{"n":0}`))
+	srcA, err := Open(t.Context(), c.dbOffsetsConfig(uniq("ga"), topic))
+	require.NoError(t, err)
+	a := startConsumer(t, db, srcA, consumerConfig("svc"), recordEffect)
+	waitEffectsByN(t, db, 1)
+	epochOf := func() (epoch int64, group string) {
+		require.NoError(t, db.QueryRow(context.Background(),
+			`SELECT epoch, kafka_group FROM processed_events_offsets WHERE consumer = 'svc'`).Scan(&epoch, &group))
+		return epoch, group
+	}
+	before, _ := epochOf()
+
+	groupB := uniq("gb")
+	srcB, err := Open(t.Context(), c.dbOffsetsConfig(groupB, topic))
+	require.NoError(t, err)
+	b := startConsumer(t, db, srcB, consumerConfig("svc"), recordEffect)
+	const n = 20
+	for i := 1; i <= n; i++ {
+		c.produce(msg(topic, 0, fmt.Sprintf(`{"n":%d}`, i)))
+		waitEffectsByN(t, db, i+1)
+	}
+	after, group := epochOf()
+	assert.Equal(t, before+1, after, "the partition was taken over %d times for %d records", after-before, n)
+	assert.Equal(t, groupB, group)
+	require.NoError(t, b.stop())
+	require.NoError(t, a.stop())
+	requireEachOnce(t, db, n+1)
 }

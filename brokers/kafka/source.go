@@ -754,7 +754,33 @@ func (h *groupHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, sc sarama.
 
 	cl.feed(sess.Context().Done())
 	cl.awaitSettled(s.cfg.RevokeTimeout, s.closing)
+	if cl.fencedByOther.Load() {
+		s.lag.untrack(cl)
+		holdFenced(sess, sc, s.closing)
+	}
 	s.cfg.Logger.Debug("once/kafka: partition released", "group", s.cfg.Group, "stream", cl.stream,
 		"generation", sess.GenerationID(), "last_offset", cl.last.Load())
 	return nil
+}
+
+// holdFenced keeps a claim fenced by another group under the same
+// consumer name until its session ends, the partition is revoked
+// (Messages() closed) or the Source is closing, reading and dropping its
+// records meanwhile so that sarama's fetching does not stall. A
+// ConsumeClaim that returned would end the member's whole session (sarama
+// ends it when any of them returns): its group would rejoin at once and
+// take the partition back, fencing the other group in turn.
+func holdFenced(sess sarama.ConsumerGroupSession, sc sarama.ConsumerGroupClaim, closing <-chan struct{}) {
+	for {
+		select {
+		case _, ok := <-sc.Messages():
+			if !ok {
+				return
+			}
+		case <-sess.Context().Done():
+			return
+		case <-closing:
+			return
+		}
+	}
 }
