@@ -34,51 +34,9 @@ func (p *checkSignal) Check(rec outbox.Record) error {
 // stop ends soon after, where the check once held Run until the broker
 // dropped the connection for missed heartbeats.
 func TestRelayStopsWhileACheckWaitsOnAHungBroker(t *testing.T) {
-	r := rabbitOrSkip(t)
-	u, err := url.Parse(r.url)
-	require.NoError(t, err)
-	proxy, err := netcut.NewProxy(u.Host)
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = proxy.Close() })
-	u.Host = proxy.Addr()
-	pub := &checkSignal{Publisher: r.publisherAt(t, u.String()), checking: make(chan outbox.Record, 100)}
-	pool, _ := migrated(t)
-	relay, err := outbox.NewRelay(pool, pub, outbox.RelayConfig{PollInterval: 20 * time.Millisecond,
-		RetryBackoff: outbox.Backoff{Initial: 300 * time.Millisecond, Max: 300 * time.Millisecond}, Logger: testLogger()})
-	require.NoError(t, err)
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	done := make(chan error, 1)
-	go func() { done <- relay.Run(ctx) }()
-
-	addCommitted(t, pool, outbox.Message{Topic: uniq("no-such-exchange"), RoutingKey: "x", Body: []byte("x")})
-	waitRows(t, pool, "attempts = 1", 1, 30*time.Second) // refused: its exchange is known missing
-	for len(pub.checking) > 0 {
-		<-pub.checking
-	}
-	proxy.Pause()
-	paused := true
-	defer func() {
-		if paused {
-			proxy.Resume()
-		}
-	}()
-	select {
-	case <-pub.checking: // the retry's check, which asks the broker
-	case <-time.After(30 * time.Second):
-		t.Fatal("the row was not checked again")
-	}
-	start := time.Now()
-	cancel()
-	select {
-	case err := <-done:
-		require.NoError(t, err)
-	case <-time.After(60 * time.Second):
-		t.Fatal("the relay did not stop")
-	}
-	assert.Less(t, time.Since(start), 10*time.Second, "the stop waited for the hung check")
-	proxy.Resume()
-	paused = false
+	stopWhileChecksHang(t, outbox.RelayConfig{PollInterval: 20 * time.Millisecond,
+		RetryBackoff: outbox.Backoff{Initial: 300 * time.Millisecond, Max: 300 * time.Millisecond}},
+		1, "attempts = 1", 10*time.Second)
 }
 
 // The same with several records to the missing exchange in the batch (no
@@ -88,6 +46,19 @@ func TestRelayStopsWhileACheckWaitsOnAHungBroker(t *testing.T) {
 // its own ConfirmTimeout, so a stop, and every other key's messages,
 // waited for as many of them as the batch held).
 func TestRelayStopsWhileChecksOfManyRecordsWaitOnAHungBroker(t *testing.T) {
+	// Retried at once and never parked: the rows are due together, in one
+	// batch, whenever the broker stops answering. ConfirmTimeout is 2s:
+	// six lookups one after another would take 12s.
+	stopWhileChecksHang(t, outbox.RelayConfig{PollInterval: 20 * time.Millisecond, MaxAttempts: 1 << 20,
+		RetryBackoff: outbox.Backoff{Initial: time.Millisecond, Max: time.Millisecond}},
+		6, "attempts > 1", 8*time.Second)
+}
+
+// stopWhileChecksHang relays n records to a missing exchange through a
+// proxy to RabbitMQ, waits until every row was refused (where refused
+// holds), makes the broker stop answering, and stops the relay once it
+// checks a row again: the stop must take less than bound.
+func stopWhileChecksHang(t *testing.T, cfg outbox.RelayConfig, n int, refused string, bound time.Duration) {
 	r := rabbitOrSkip(t)
 	u, err := url.Parse(r.url)
 	require.NoError(t, err)
@@ -97,24 +68,21 @@ func TestRelayStopsWhileChecksOfManyRecordsWaitOnAHungBroker(t *testing.T) {
 	u.Host = proxy.Addr()
 	pub := &checkSignal{Publisher: r.publisherAt(t, u.String()), checking: make(chan outbox.Record, 100)}
 	pool, _ := migrated(t)
-	// Retried at once and never parked: the rows are due together, in one
-	// batch, whenever the broker stops answering.
-	relay, err := outbox.NewRelay(pool, pub, outbox.RelayConfig{PollInterval: 20 * time.Millisecond, MaxAttempts: 1 << 20,
-		RetryBackoff: outbox.Backoff{Initial: time.Millisecond, Max: time.Millisecond}, Logger: testLogger()})
+	cfg.Logger = testLogger()
+	relay, err := outbox.NewRelay(pool, pub, cfg)
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	done := make(chan error, 1)
 	go func() { done <- relay.Run(ctx) }()
 
-	const n = 6 // ConfirmTimeout is 2s: 12s one after another
 	exchange := uniq("no-such-exchange")
 	var msgs []outbox.Message
 	for range n {
 		msgs = append(msgs, outbox.Message{Topic: exchange, RoutingKey: "x", Body: []byte("x")})
 	}
 	addCommitted(t, pool, msgs...)
-	waitRows(t, pool, "attempts > 1", n, 30*time.Second) // refused: their exchange is known missing
+	waitRows(t, pool, refused, n, 30*time.Second) // refused: their exchange is known missing
 	for len(pub.checking) > 0 {
 		<-pub.checking
 	}
@@ -138,7 +106,7 @@ func TestRelayStopsWhileChecksOfManyRecordsWaitOnAHungBroker(t *testing.T) {
 	case <-time.After(60 * time.Second):
 		t.Fatal("the relay did not stop")
 	}
-	assert.Less(t, time.Since(start), 8*time.Second, "the stop waited for the hung checks one after another")
+	assert.Less(t, time.Since(start), bound, "the stop waited for the hung checks")
 	proxy.Resume()
 	paused = false
 }
