@@ -18,6 +18,7 @@ import (
 	"github.com/IBM/sarama"
 
 	"github.com/onceco/once/cmd/once/dlq"
+	"github.com/onceco/once/cmd/once/internal/field"
 	"github.com/onceco/once/consumer"
 )
 
@@ -44,7 +45,9 @@ const dlqShowUsage = `Usage: once dlq show -kafka BROKERS|-amqp URL -dlq NAME -r
 Shows the selected dead letters: the reason, every header, the key or the
 AMQP properties, and the payload as text when it is printable, else as a
 hex dump (-hex forces it; so does a carriage return that does not end a
-line, which would print the text over itself). ` + dlqSelect
+line, which would print the text over itself). A key, a header's name or a
+header's value over 4 KiB is cut to its first 4 KiB, marked cut with its
+length; -json prints every byte. ` + dlqSelect
 
 const dlqReplayUsage = `Usage: once dlq replay -kafka BROKERS|-amqp URL -dlq NAME [filters]|-all [-dry-run] [-rate N] [-by NAME] [-keep] [-max-hold D] [-force] [-json]
 
@@ -472,11 +475,12 @@ func (a *app) printRecord(r *dlq.Record, asHex bool) {
 	}
 	_ = tw.Flush()
 	fmt.Fprintln(w, "\nheaders:")
+	text := func(b []byte) string { return safe(string(b)) }
 	for _, h := range r.Headers {
-		fmt.Fprintf(w, "  %s: %s\n", safe(h.Key), safe(h.Value))
+		fmt.Fprintf(w, "  %s: %s\n", cutField([]byte(h.Key), text), cutField([]byte(h.Value), text))
 	}
 	if r.Key != nil {
-		fmt.Fprintf(w, "\nkey: %s\n", printableOrHex(r.Key))
+		fmt.Fprintf(w, "\nkey: %s\n", cutField(r.Key, printableOrHex))
 	}
 	if p := r.Properties; p != nil {
 		fmt.Fprintf(w, "\nproperties: message-id=%q type=%q content-type=%q", p.MessageID, p.Type, p.ContentType)
@@ -512,6 +516,20 @@ func printableOrHex(b []byte) string {
 		return safe(string(b))
 	}
 	return "0x" + hex.EncodeToString(b)
+}
+
+// cutField returns a Kafka key, a header's name or a header's value as
+// dlq show prints it: its first 4 KiB (field.Cut) in the form show gives
+// them, and when that is not all, a mark that says how long it is. A
+// producer's may be as large as the record; printed whole, a few would
+// fill the terminal's scrollback. -json prints every byte.
+func cutField(b []byte, show func([]byte) string) string {
+	shown, cut := field.Cut(b)
+	if !cut {
+		return show(b)
+	}
+	return fmt.Sprintf("%s … cut: the first %s of its %s bytes are shown (-json prints them whole)",
+		show(shown), field.Count(len(shown)), field.Count(len(b)))
 }
 
 func (a *app) dlqReplay(ctx context.Context, args []string) error {

@@ -22,6 +22,7 @@ import (
 
 	"github.com/onceco/once/cmd/once/dlq"
 	"github.com/onceco/once/cmd/once/inspect"
+	"github.com/onceco/once/cmd/once/internal/field"
 	"github.com/onceco/once/consumer"
 )
 
@@ -140,13 +141,7 @@ var funcs = template.FuncMap{
 		}
 		return shown(s)
 	},
-	"count": func(n int) string {
-		s := strconv.Itoa(n)
-		for i := len(s) - 3; i > 0; i -= 3 {
-			s = s[:i] + "," + s[i:]
-		}
-		return s
-	},
+	"count": field.Count,
 	"clip": func(s string, n int) string {
 		s = shown(strings.Join(strings.Fields(s), " "))
 		if r := []rune(s); len(r) > n {
@@ -695,7 +690,9 @@ type recordData struct {
 	Cut       bool
 	Download  string
 	// Key is the Kafka key, nil when the record has none; Headers are
-	// the record's headers. Each is cut to fieldShown bytes.
+	// the record's headers. Each is cut to field.Shown bytes (4 KiB): a
+	// producer's may be as large as the record. The payload's download
+	// has every byte of the payload only.
 	Key     *clipped
 	Headers []clippedHeader
 	// Back is the listing the record was opened from, its filter and
@@ -754,13 +751,6 @@ func (h *Handler) record(w http.ResponseWriter, r *http.Request) {
 // the browser can hardly render. The page links to the whole payload.
 const payloadShown = 32 << 10
 
-// fieldShown is how many bytes of a Kafka key, of a header's name and of
-// a header's value a record's page shows: a producer's may be as large as
-// the record (the consumer's own diagnostic headers are at most 4 KiB),
-// and a page with a few of them whole is as hard to render as a huge
-// payload. The payload's download has every byte of the payload only.
-const fieldShown = 4 << 10
-
 // clipped is a field of a record as its page shows it: the first Shown of
 // its Len bytes, Cut when that is not all of them.
 type clipped struct {
@@ -774,24 +764,15 @@ type clippedHeader struct {
 	Key, Value clipped
 }
 
-// clip returns the first fieldShown bytes of b: text cut at the start of
-// a character when b is printable, else (with hexKey, a key) in hex with
-// 0x before, or quoted with escapes.
+// clip returns the first field.Shown bytes of b (field.Cut): as text when
+// b is printable, else (with hexKey, a key) in hex with 0x before, or
+// quoted with escapes.
 func clip(b []byte, hexKey bool) clipped {
 	c := clipped{Len: len(b)}
-	shown := b
-	if len(shown) > fieldShown {
-		shown, c.Cut = shown[:fieldShown], true
-	}
-	printable := dlq.Printable(b)
-	if printable {
-		for len(shown) > 0 && len(shown) < len(b) && !utf8.RuneStart(b[len(shown)]) {
-			shown = shown[:len(shown)-1]
-		}
-	}
-	c.Shown = len(shown)
+	shown, cut := field.Cut(b)
+	c.Shown, c.Cut = len(shown), cut
 	switch {
-	case printable:
+	case dlq.Printable(b):
 		c.Text = string(shown)
 	case hexKey:
 		c.Text = "0x" + hex.EncodeToString(shown)
