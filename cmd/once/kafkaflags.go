@@ -18,12 +18,13 @@ import (
 	"github.com/twmb/franz-go/pkg/sasl/scram"
 
 	"github.com/onceco/once/cmd/once/dlq"
+	"github.com/onceco/once/cmd/once/internal/kafkawait"
 	"github.com/onceco/once/internal/kafkarefusal"
 )
 
 // defaultKafkaTimeout is -kafka-timeout's default: the bound of a dial
 // and of each request to a Kafka broker.
-const defaultKafkaTimeout = 8 * time.Second
+const defaultKafkaTimeout = kafkawait.Default
 
 // The environment variable of the SASL password: it has no flag, since a
 // flag's value shows in ps and in the shell's history.
@@ -84,11 +85,10 @@ func (a *app) kafkaFlagsOn(fs *flag.FlagSet) *kafkaFlags {
 // verified.
 //
 // The dial and each request wait at most -kafka-timeout, and metadata is
-// asked twice at most: sarama's defaults (30 s each, four tries) make a
-// broker that accepts connections and never answers hold a command for
-// minutes; with the default -kafka-timeout it fails in about 30 s. A
-// produce may wait for its replicas half of -kafka-timeout, so that the
-// broker's answer comes within the client's wait.
+// asked twice at most (kafkawait.Bound): sarama's defaults (30 s each,
+// four tries) make a broker that accepts connections and never answers
+// hold a command for minutes; with the default -kafka-timeout it fails in
+// about 30 s.
 func (f *kafkaFlags) config(stderr io.Writer) (*sarama.Config, error) {
 	if f.envErr != nil {
 		return nil, f.envErr
@@ -98,12 +98,8 @@ func (f *kafkaFlags) config(stderr io.Writer) (*sarama.Config, error) {
 	}
 	sc := sarama.NewConfig()
 	sc.Version = sarama.V2_8_0_0
-	t := *f.timeout
-	sc.Net.DialTimeout, sc.Net.ReadTimeout, sc.Net.WriteTimeout = t, t, t
-	sc.Metadata.Retry.Max = 1
-	sc.Metadata.Timeout = 2 * t
-	sc.Producer.Timeout = t / 2
-	*f.used = t
+	kafkawait.Bound(sc, *f.timeout)
+	*f.used = *f.timeout
 	if *f.tls || *f.caFile != "" || *f.cert != "" || *f.key != "" || *f.insecure {
 		tc, err := f.tlsConfig()
 		if err != nil {

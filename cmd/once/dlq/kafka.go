@@ -10,6 +10,7 @@ import (
 	"github.com/IBM/sarama"
 
 	"github.com/onceco/once/cmd/once/internal/cut"
+	"github.com/onceco/once/cmd/once/internal/kafkawait"
 	"github.com/onceco/once/consumer"
 	"github.com/onceco/once/internal/kafkaaddr"
 	"github.com/onceco/once/internal/kafkaend"
@@ -24,9 +25,15 @@ type KafkaConfig struct {
 	// Topic is the dead-letter topic ("orders.dlq"). Required.
 	Topic string
 	// Sarama is the base client configuration (TLS, SASL, Version). Nil
-	// means sarama.NewConfig() with Version 2.8. It is copied, never
-	// modified; the redrive producer is made idempotent (and not
-	// transactional) with acks from all in-sync replicas.
+	// means sarama.NewConfig() with Version 2.8, and the bounds the once
+	// command sets by default (-kafka-timeout): the dial and each request
+	// wait 8s at most, and metadata is asked twice at most, so that a
+	// broker that accepts connections and never answers fails a read or a
+	// replay within about half a minute, with an error that says so
+	// (sarama's own defaults, 30s a request and four metadata tries,
+	// wait minutes). It is copied, never modified; the redrive producer
+	// is made idempotent (and not transactional) with acks from all
+	// in-sync replicas.
 	Sarama *sarama.Config
 	// IdleTimeout bounds the wait for the next record of a partition that
 	// has not reached its last stable offset, and that the cluster says
@@ -79,8 +86,7 @@ func (q *KafkaQueue) saramaConfig() (*sarama.Config, *cut.Cutter) {
 	if q.cfg.Sarama != nil {
 		sc = *q.cfg.Sarama
 	} else {
-		sc = *sarama.NewConfig()
-		sc.Version = sarama.V2_8_0_0
+		sc = *kafkawait.NewConfig()
 	}
 	sc.Consumer.Return.Errors = true
 	// As the Kafka Source reads by default: a record of a transaction
@@ -88,6 +94,15 @@ func (q *KafkaQueue) saramaConfig() (*sarama.Config, *cut.Cutter) {
 	sc.Consumer.IsolationLevel = sarama.ReadCommitted
 	sc.Metadata.AllowAutoTopicCreation = false
 	return &sc, cut.Sarama(&sc)
+}
+
+// explain says of err, when a request timed out on the bound of a
+// configuration the caller did not give, what bounded it.
+func (q *KafkaQueue) explain(err error) error {
+	if q.cfg.Sarama != nil {
+		return err
+	}
+	return kafkawait.Explain(err, kafkawait.Default, "dlq.KafkaConfig.Sarama is nil")
 }
 
 // Browse reads every partition of the topic from its oldest retained
@@ -101,7 +116,7 @@ func (q *KafkaQueue) Browse(ctx context.Context, fn func(*Record) error) error {
 	sc, cutter := q.saramaConfig()
 	stop := cutter.On(ctx)
 	defer stop()
-	return orCtx(ctx, q.browse(ctx, sc, fn))
+	return q.explain(orCtx(ctx, q.browse(ctx, sc, fn)))
 }
 
 func (q *KafkaQueue) browse(ctx context.Context, sc *sarama.Config, fn func(*Record) error) error {
@@ -263,7 +278,7 @@ func (q *KafkaQueue) Replay(ctx context.Context, f Filter, opts ReplayOptions) (
 	}
 	client, err := sarama.NewClient(q.cfg.Brokers, sc)
 	if err != nil {
-		return Report{}, orCtx(ctx, fmt.Errorf("dlq: connect to kafka: %w", kafkarefusal.Explain(ctx, q.cfg.Brokers, sc, err)))
+		return Report{}, q.explain(orCtx(ctx, fmt.Errorf("dlq: connect to kafka: %w", kafkarefusal.Explain(ctx, q.cfg.Brokers, sc, err))))
 	}
 	defer client.Close()
 	prod, err := sarama.NewSyncProducerFromClient(client)

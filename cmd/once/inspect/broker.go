@@ -10,6 +10,7 @@ import (
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	"github.com/onceco/once/cmd/once/internal/cut"
+	"github.com/onceco/once/cmd/once/internal/kafkawait"
 	"github.com/onceco/once/internal/kafkaend"
 	"github.com/onceco/once/internal/kafkarefusal"
 )
@@ -40,8 +41,12 @@ type PartitionLag struct {
 // open transactions are not counted, and from the first record the group
 // will be handed, so the markers and aborted records it will pass are
 // not either (a fetch or a few, read committed, per partition behind). sc may
-// be nil (sarama.NewConfig with Version 2.8); it is copied, never
-// modified. When ctx ends, the client's connections are closed: a call
+// be nil: sarama.NewConfig with Version 2.8, and the bounds the once
+// command sets by default (-kafka-timeout): the dial and each request
+// wait 8s at most, and metadata is asked twice at most, so that a broker
+// that accepts connections and never answers fails the call within about
+// half a minute, with an error that says so (sarama's own defaults wait
+// minutes). sc is copied, never modified. When ctx ends, the client's connections are closed: a call
 // waiting on a broker that does not answer returns at once. A broker
 // that refuses sc's TLS or SASL settings is returned as that refusal
 // (naming the broker and what it refused), not as brokers unreachable.
@@ -53,14 +58,16 @@ func KafkaLag(ctx context.Context, brokers []string, sc *sarama.Config, group st
 	if sc != nil {
 		c = *sc
 	} else {
-		c = *sarama.NewConfig()
-		c.Version = sarama.V2_8_0_0
+		c = *kafkawait.NewConfig()
 	}
 	stop := cut.Sarama(&c).On(ctx)
 	defer stop()
 	lag, err := kafkaLag(ctx, brokers, &c, group, topics)
 	if err != nil && ctx.Err() != nil {
 		return nil, ctx.Err()
+	}
+	if err != nil && sc == nil {
+		return nil, kafkawait.Explain(err, kafkawait.Default, "KafkaLag's sarama configuration is nil")
 	}
 	return lag, err
 }

@@ -381,3 +381,24 @@ func SilentBroker(t testing.TB) (string, <-chan struct{}) {
 	})
 	return ln.Addr().String(), accepted
 }
+
+// FailsAgainstSilentBroker calls call with the address of a SilentBroker
+// and a context that ends after a minute: longer than a Kafka client whose
+// requests wait 8 s needs to give up, shorter than sarama's own defaults
+// (30 s a request, four metadata tries). It fails t unless call returns
+// within 35 s an error of its own, not the context's, that says a read
+// timed out; it returns that error.
+func FailsAgainstSilentBroker(t testing.TB, call func(ctx context.Context, addr string) error) error {
+	t.Helper()
+	addr, _ := SilentBroker(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	started := time.Now()
+	err := call(ctx, addr)
+	took := time.Since(started)
+	require.Error(t, err)
+	require.NotErrorIs(t, err, context.DeadlineExceeded, "the call waited %v for the silent broker, until the test's deadline", took)
+	require.Less(t, took, 35*time.Second, "the call waited for the silent broker")
+	require.ErrorContains(t, err, "i/o timeout")
+	return err
+}
