@@ -12,6 +12,7 @@ import (
 	"github.com/stretchr/testify/require"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 
+	"github.com/onceco/once/internal/testlog"
 	"github.com/onceco/once/outbox"
 )
 
@@ -86,7 +87,7 @@ func TestHungPublishIsGivenUpAndAnotherRelayLeads(t *testing.T) {
 	d := k.destination(t)
 	pub := newHangingPublisher(t, k.publisher(t))
 	pub.hangPublish.Store(true)
-	logs := &levelLog{}
+	logs := &testlog.ErrorLog{}
 	rd := sdkmetric.NewManualReader()
 	a, _ := startRelay(t, pool, pub, outbox.RelayConfig{PollInterval: 20 * time.Millisecond, PublishTimeout: time.Second,
 		Logger: slog.New(logs), MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(rd))})
@@ -99,7 +100,7 @@ func TestHungPublishIsGivenUpAndAnotherRelayLeads(t *testing.T) {
 	require.Eventually(t, b.Leader, 30*time.Second, 10*time.Millisecond, "the relay whose Publish hangs gives its leadership up")
 	waitRows(t, pool, "true", 0, 30*time.Second)
 	assert.Equal(t, []string{"1", "2"}, bodiesOfKey(d.read(t, 3), "k"))
-	errs := logs.errors()
+	errs := logs.Errors()
 	require.NotEmpty(t, errs, "the hung call is logged at level Error")
 	t.Log(errs[0])
 	assert.Contains(t, errs[0], "Publish")
@@ -127,16 +128,16 @@ func TestHungCheckIsGivenUpAndRunStops(t *testing.T) {
 	d := k.destination(t)
 	pub := newHangingPublisher(t, k.publisher(t))
 	pub.hangCheck.Store(true)
-	logs := &levelLog{}
+	logs := &testlog.ErrorLog{}
 	r, stop := startRelay(t, pool, pub, outbox.RelayConfig{PollInterval: 20 * time.Millisecond, PublishTimeout: 100 * time.Millisecond,
 		Logger: slog.New(logs)})
 	t.Cleanup(pub.unblock)
 	addCommitted(t, pool, d.msg("k", "1"))
 	waitHung(t, pub, "Check")
-	require.Eventually(t, func() bool { return len(logs.errors()) > 0 }, 30*time.Second, 10*time.Millisecond,
+	require.Eventually(t, func() bool { return len(logs.Errors()) > 0 }, 30*time.Second, 10*time.Millisecond,
 		"the hung call is logged at level Error")
-	t.Log(logs.errors()[0])
-	assert.Contains(t, logs.errors()[0], "Check")
+	t.Log(logs.Errors()[0])
+	assert.Contains(t, logs.Errors()[0], "Check")
 	require.Eventually(t, func() bool { return !r.Leader() }, 10*time.Second, 10*time.Millisecond)
 	start := time.Now()
 	stop()

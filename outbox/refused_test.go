@@ -4,7 +4,6 @@ import (
 	"context"
 	"log/slog"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -15,6 +14,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kfake"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 
+	"github.com/onceco/once/internal/testlog"
 	"github.com/onceco/once/outbox"
 	"github.com/onceco/once/outbox/amqpout"
 	"github.com/onceco/once/outbox/kafkaout"
@@ -65,7 +65,7 @@ func TestBrokerRefusingThePublisherIsAnError(t *testing.T) {
 			pub, msg := setup(t)
 			pool, _ := migrated(t)
 			addCommitted(t, pool, msg)
-			logs := &levelLog{}
+			logs := &testlog.ErrorLog{}
 			rd := sdkmetric.NewManualReader()
 			startRelay(t, pool, pub, outbox.RelayConfig{PollInterval: 20 * time.Millisecond,
 				Logger:        slog.New(logs),
@@ -73,7 +73,7 @@ func TestBrokerRefusingThePublisherIsAnError(t *testing.T) {
 				InfraBackoff:  outbox.Backoff{Initial: 10 * time.Millisecond, Max: 50 * time.Millisecond}})
 			require.Eventually(t, func() bool { return metricValue(t, rd, outbox.FailuresMetric) >= 3 },
 				30*time.Second, 10*time.Millisecond, "the relay retries")
-			errs := logs.errors()
+			errs := logs.Errors()
 			require.NotEmpty(t, errs, "the refusal is logged at level Error")
 			t.Log(errs[0])
 			assert.Contains(t, errs[0], "refuses the publisher")
@@ -84,39 +84,6 @@ func TestBrokerRefusingThePublisherIsAnError(t *testing.T) {
 				"the row is kept, uncharged")
 		})
 	}
-}
-
-// levelLog keeps the records logged at level Error, as text.
-type levelLog struct {
-	mu   sync.Mutex
-	errs []string
-}
-
-func (l *levelLog) Enabled(context.Context, slog.Level) bool { return true }
-
-func (l *levelLog) Handle(_ context.Context, r slog.Record) error {
-	if r.Level < slog.LevelError {
-		return nil
-	}
-	var b strings.Builder
-	b.WriteString(r.Message)
-	r.Attrs(func(a slog.Attr) bool {
-		b.WriteString(" " + a.Key + "=" + a.Value.String())
-		return true
-	})
-	l.mu.Lock()
-	l.errs = append(l.errs, b.String())
-	l.mu.Unlock()
-	return nil
-}
-
-func (l *levelLog) WithAttrs([]slog.Attr) slog.Handler { return l }
-func (l *levelLog) WithGroup(string) slog.Handler      { return l }
-
-func (l *levelLog) errors() []string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return append([]string(nil), l.errs...)
 }
 
 // A database that refuses the relay what it needs (here the DELETE of the
@@ -146,15 +113,15 @@ func TestDatabaseRefusingTheRelayIsAnError(t *testing.T) {
 
 	d := k.destination(t)
 	addCommitted(t, pool, d.msg("k", "m"))
-	logs := &levelLog{}
+	logs := &testlog.ErrorLog{}
 	startRelay(t, limited, k.publisher(t), outbox.RelayConfig{PollInterval: 20 * time.Millisecond, SkipMigrate: true,
 		Logger:       slog.New(logs),
 		InfraBackoff: outbox.Backoff{Initial: 10 * time.Millisecond, Max: 50 * time.Millisecond}})
 	d.read(t, 1)
-	require.Eventually(t, func() bool { return len(logs.errors()) > 0 }, 10*time.Second, 10*time.Millisecond,
+	require.Eventually(t, func() bool { return len(logs.Errors()) > 0 }, 10*time.Second, 10*time.Millisecond,
 		"the refusal is logged at level Error")
-	t.Log(logs.errors()[0])
-	assert.Contains(t, logs.errors()[0], "permission denied")
+	t.Log(logs.Errors()[0])
+	assert.Contains(t, logs.Errors()[0], "permission denied")
 	_, err = pool.Exec(ctx, `GRANT DELETE ON outbox TO `+role)
 	require.NoError(t, err)
 	waitRows(t, pool, "true", 0, 10*time.Second)

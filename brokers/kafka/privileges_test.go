@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"log/slog"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -17,41 +16,8 @@ import (
 	"github.com/onceco/once/consumer"
 	"github.com/onceco/once/dedup"
 	"github.com/onceco/once/internal/pgtest"
+	"github.com/onceco/once/internal/testlog"
 )
-
-// errorLog is a slog.Handler keeping the messages and errors of the
-// records logged at level Error.
-type errorLog struct {
-	mu   sync.Mutex
-	errs []string
-}
-
-func (l *errorLog) Enabled(context.Context, slog.Level) bool { return true }
-
-func (l *errorLog) Handle(_ context.Context, r slog.Record) error {
-	if r.Level < slog.LevelError {
-		return nil
-	}
-	var b strings.Builder
-	b.WriteString(r.Message)
-	r.Attrs(func(a slog.Attr) bool {
-		b.WriteString(" " + a.Key + "=" + a.Value.String())
-		return true
-	})
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	l.errs = append(l.errs, b.String())
-	return nil
-}
-
-func (l *errorLog) WithAttrs([]slog.Attr) slog.Handler { return l }
-func (l *errorLog) WithGroup(string) slog.Handler      { return l }
-
-func (l *errorLog) errors() []string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return append([]string(nil), l.errs...)
-}
 
 // limitedRole creates a login role that may use schema and read and
 // write every table in it but the privileges revoke lists on
@@ -152,7 +118,7 @@ func takeOverRefused(t *testing.T, breakSQL, repairSQL, says string) {
 	db, schema, store := migratedSchema(t)
 	limited, role := limitedRole(t, db, schema, "")
 
-	logs := &errorLog{}
+	logs := &testlog.ErrorLog{}
 	cfg := c.dbOffsetsConfig(uniq("g"), topic)
 	cfg.Logger = slog.New(logs)
 	src := c.open(cfg)
@@ -171,10 +137,10 @@ func takeOverRefused(t *testing.T, breakSQL, repairSQL, says string) {
 		}
 		close(got)
 	}()
-	require.Eventually(t, func() bool { return len(logs.errors()) > 0 }, 20*time.Second, 10*time.Millisecond,
+	require.Eventually(t, func() bool { return len(logs.Errors()) > 0 }, 20*time.Second, 10*time.Millisecond,
 		"the refused take-over is logged at level Error")
-	t.Log(logs.errors()[0])
-	assert.Contains(t, logs.errors()[0], says)
+	t.Log(logs.Errors()[0])
+	assert.Contains(t, logs.Errors()[0], says)
 
 	_, err = db.Exec(ctx, strings.ReplaceAll(repairSQL, "{role}", role))
 	require.NoError(t, err)
@@ -200,7 +166,7 @@ func TestOffsetsInDatabaseTwoGroupsUnderOneNameAreAnError(t *testing.T) {
 	db, _, _ := migratedSchema(t)
 	c.produce(msg(topic, 0, `{"n":0}`))
 
-	logs := &errorLog{}
+	logs := &testlog.ErrorLog{}
 	groupA, groupB := uniq("ga"), uniq("gb")
 	cfgA := c.dbOffsetsConfig(groupA, topic)
 	cfgA.Logger = slog.New(logs)
@@ -219,11 +185,11 @@ func TestOffsetsInDatabaseTwoGroupsUnderOneNameAreAnError(t *testing.T) {
 	}, 30*time.Second, 10*time.Millisecond, "B took the partition over")
 
 	c.produce(msg(topic, 0, `{"n":1}`))
-	require.Eventually(t, func() bool { return len(logs.errors()) > 0 }, 30*time.Second, 10*time.Millisecond,
+	require.Eventually(t, func() bool { return len(logs.Errors()) > 0 }, 30*time.Second, 10*time.Millisecond,
 		"A, fenced by another group, logs an error")
-	t.Log(logs.errors()[0])
-	assert.Contains(t, logs.errors()[0], groupB)
-	assert.Contains(t, logs.errors()[0], "Config.Name")
+	t.Log(logs.Errors()[0])
+	assert.Contains(t, logs.Errors()[0], groupB)
+	assert.Contains(t, logs.Errors()[0], "Config.Name")
 	waitEffectsByN(t, db, 2)
 	require.NoError(t, b.stop())
 	require.NoError(t, a.stop())
