@@ -4,6 +4,7 @@ import (
 	"context"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -33,6 +34,20 @@ func (n node) queueCounts(t testing.TB, queue string) (ready, unacked int) {
 	}
 	t.Fatalf("queue %s not in list_queues: %s", queue, out)
 	return 0, 0
+}
+
+// raiseMemoryAlarm lowers the node's memory watermark to zero, which
+// blocks every publishing connection, and returns once the broker blocks
+// one (waitBlocked). The returned function clears the alarm; it runs at
+// cleanup too, and a second call does nothing.
+func (n node) raiseMemoryAlarm(t testing.TB) (clear func()) {
+	t.Helper()
+	n.ctl(t, "set_vm_memory_high_watermark", "0")
+	var once sync.Once
+	clear = func() { once.Do(func() { n.ctl(t, "set_vm_memory_high_watermark", "0.4") }) }
+	t.Cleanup(clear)
+	waitBlocked(t, n.url)
+	return clear
 }
 
 // waitBlocked returns once the broker blocks a connection that publishes:
@@ -103,14 +118,7 @@ func TestAlarmBlockingDeadLettersDoesNotStallAcks(t *testing.T) {
 	require.NoError(t, a.publish("", q, append(append([]amqp091.Publishing{}, poison...), messagesFor(good)...)...))
 	pool := effectsDB(t)
 
-	node.ctl(t, "set_vm_memory_high_watermark", "0") // every publishing connection is blocked from now on
-	alarmOn := true
-	t.Cleanup(func() {
-		if alarmOn {
-			node.ctl(t, "set_vm_memory_high_watermark", "0.4")
-		}
-	})
-	waitBlocked(t, node.url)
+	clearAlarm := node.raiseMemoryAlarm(t) // every publishing connection is blocked from now on
 
 	rd := sdkmetric.NewManualReader()
 	src := openSource(t, amqp.Config{URL: node.url, Queue: q, Prefetch: 500, ConfirmTimeout: 2 * time.Second,
@@ -130,8 +138,7 @@ func TestAlarmBlockingDeadLettersDoesNotStallAcks(t *testing.T) {
 	requireExactlyOnce(t, pool, good)
 	assert.Zero(t, r.c.Stats().DeadLettered, "nothing is published during the alarm")
 
-	node.ctl(t, "set_vm_memory_high_watermark", "0.4")
-	alarmOn = false
+	clearAlarm()
 	require.Eventually(t, func() bool { return r.c.Stats().DeadLettered == uint64(len(poison)) },
 		60*time.Second, 10*time.Millisecond, "the poison is dead-lettered once the alarm clears")
 	require.Eventually(t, func() bool {
@@ -174,16 +181,7 @@ func TestDeadLetterOfALargeCopyUnderAnAlarmKeepsConfirmTimeout(t *testing.T) {
 	src := openSource(t, amqp.Config{URL: node.url, Queue: q, ConfirmTimeout: time.Second})
 	d := receive(t, src)
 
-	node.ctl(t, "set_vm_memory_high_watermark", "0")
-	alarmOn := true
-	clearAlarm := func() {
-		if alarmOn {
-			node.ctl(t, "set_vm_memory_high_watermark", "0.4")
-			alarmOn = false
-		}
-	}
-	t.Cleanup(clearAlarm)
-	waitBlocked(t, node.url)
+	clearAlarm := node.raiseMemoryAlarm(t)
 
 	dl := &consumer.DeadLetter{Kind: consumer.KindHandler, EventID: "big-1", FailedAt: time.Now()}
 	done := make(chan error, 1)
@@ -216,16 +214,7 @@ func TestCloseUnderAnAlarmIsPrompt(t *testing.T) {
 	d1, d2 := receive(t, src), receive(t, src)
 	require.Equal(t, "ev-1", d1.Message().ID)
 
-	node.ctl(t, "set_vm_memory_high_watermark", "0")
-	alarmOn := true
-	clearAlarm := func() {
-		if alarmOn {
-			node.ctl(t, "set_vm_memory_high_watermark", "0.4")
-			alarmOn = false
-		}
-	}
-	t.Cleanup(clearAlarm)
-	waitBlocked(t, node.url)
+	clearAlarm := node.raiseMemoryAlarm(t)
 
 	dl := &consumer.DeadLetter{Kind: consumer.KindHandler, EventID: "ev-1", FailedAt: time.Now()}
 	require.ErrorIs(t, d1.DeadLetter(context.Background(), dl), amqp.ErrPublisherBlocked)
