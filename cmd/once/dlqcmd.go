@@ -457,25 +457,33 @@ func (a *app) dlqShow(ctx context.Context, args []string) error {
 func (a *app) printRecord(r *dlq.Record, asHex bool) {
 	w := a.stdout
 	s := summarize(r)
+	text := func(b []byte) string { return safe(string(b)) }
+	// The summary's fields come from headers, which a record not written
+	// by a consumer of this library may make as large as it likes.
+	shown := func(v string) string {
+		if v == "" {
+			return "-"
+		}
+		return cutField([]byte(v), text)
+	}
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	fmt.Fprintf(tw, "ref\t%s\n", r.Ref)
 	fmt.Fprintf(tw, "queue\t%s (position %d)\n", r.Queue, r.Position)
-	fmt.Fprintf(tw, "consumer\t%s\n", orDash(s.Consumer))
-	fmt.Fprintf(tw, "kind\t%s\n", orDash(s.Kind))
-	fmt.Fprintf(tw, "event id\t%s\n", orDash(s.EventID))
-	fmt.Fprintf(tw, "event type\t%s\n", orDash(s.EventType))
+	fmt.Fprintf(tw, "consumer\t%s\n", shown(s.Consumer))
+	fmt.Fprintf(tw, "kind\t%s\n", shown(s.Kind))
+	fmt.Fprintf(tw, "event id\t%s\n", shown(s.EventID))
+	fmt.Fprintf(tw, "event type\t%s\n", shown(s.EventType))
 	fmt.Fprintf(tw, "failed at\t%s\n", formatTime(s.FailedAt))
-	fmt.Fprintf(tw, "error\t%s\n", safe(s.Error))
-	fmt.Fprintf(tw, "destination\t%s\n", orDash(s.Destination))
+	fmt.Fprintf(tw, "error\t%s\n", cutField([]byte(s.Error), text))
+	fmt.Fprintf(tw, "destination\t%s\n", shown(s.Destination))
 	fmt.Fprintf(tw, "redrives\t%d\n", s.RedriveCount)
 	if s.Replayable {
 		fmt.Fprintf(tw, "replayable\tyes\n")
 	} else {
-		fmt.Fprintf(tw, "replayable\tno: %s\n", safe(s.NotReplayable))
+		fmt.Fprintf(tw, "replayable\tno: %s\n", cutField([]byte(s.NotReplayable), text))
 	}
 	_ = tw.Flush()
 	fmt.Fprintln(w, "\nheaders:")
-	text := func(b []byte) string { return safe(string(b)) }
 	for _, h := range r.Headers {
 		fmt.Fprintf(w, "  %s: %s\n", cutField([]byte(h.Key), text), cutField([]byte(h.Value), text))
 	}

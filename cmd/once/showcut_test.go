@@ -21,7 +21,8 @@ import (
 // a megabyte cut to their first 4 KiB, as the console shows them, saying
 // how many bytes there are and that -json prints them whole: printed
 // whole, a few of them filled the terminal's scrollback and hid the
-// record's other lines. Short ones are printed whole, without the mark.
+// record's other lines. So are the summary's lines taken from headers (the
+// event type, the error). Short ones are printed whole, without the mark.
 func TestShowCutsAHugeKeyOrHeader(t *testing.T) {
 	const size = 1 << 20
 	k := testenv.NewSecuredKafka(t, func() *sarama.Config {
@@ -39,6 +40,8 @@ func TestShowCutsAHugeKeyOrHeader(t *testing.T) {
 			{Key: []byte(consumer.HeaderEventID), Value: []byte("ev-1")},
 			{Key: []byte("x-big"), Value: []byte(bigValue)},
 			{Key: []byte(bigName), Value: []byte("small")},
+			{Key: []byte(consumer.HeaderEventType), Value: []byte(bigValue)},
+			{Key: []byte(consumer.HeaderErrorMessage), Value: []byte(bigValue)},
 		}})
 	env := map[string]string{"ONCE_KAFKA_BROKERS": strings.Join(k.Addrs, ",")}
 
@@ -46,7 +49,11 @@ func TestShowCutsAHugeKeyOrHeader(t *testing.T) {
 	require.Equal(t, exitOK, code, errOut)
 	assert.Less(t, len(out), 64<<10, "the output is %d bytes", len(out))
 	cutMark := regexp.MustCompile(`… cut: the first 4,096 of its 1,048,576 bytes are shown \(-json prints them whole\)`)
-	assert.Len(t, cutMark.FindAllString(out, -1), 3, "the key, a header's value and a header's name are marked cut")
+	assert.Len(t, cutMark.FindAllString(out, -1), 7,
+		"the key, three headers' values, a header's name, and the event type and error that the summary shows of two of them are marked cut")
+	summary := out[:strings.Index(out, "\nheaders:")]
+	assert.Equal(t, 2, strings.Count(summary, bigValue[:4096]+" … cut"), "the summary's event type and error are cut")
+	assert.True(t, strings.Contains(summary, "\nevent type "), "the summary shows the event type")
 	// (Contains in a bool: testify would print all of out.)
 	assert.True(t, strings.Contains(out, "\nkey: "+string(key[:4096])+" … cut"), "the key's first 4 KiB are printed")
 	assert.False(t, strings.Contains(out, string(key[:4097])), "only the key's first 4 KiB are printed")
@@ -68,7 +75,7 @@ func TestShowCutsAHugeKeyOrHeader(t *testing.T) {
 	require.NoError(t, json.Unmarshal([]byte(out), &got))
 	require.Len(t, got, 1)
 	assert.Equal(t, string(key), got[0].Key, "-json prints the key whole")
-	require.Len(t, got[0].Headers, 3)
+	require.Len(t, got[0].Headers, 5)
 	assert.Equal(t, bigValue, got[0].Headers[1].Value, "-json prints the value whole")
 	assert.Equal(t, bigName, got[0].Headers[2].Key, "-json prints the name whole")
 }
