@@ -82,7 +82,10 @@
 // # Telemetry
 //
 // The consumer lag of every claimed partition is an OpenTelemetry gauge
-// named LagMetricName, from Config.MeterProvider.
+// named LagMetricName, from Config.MeterProvider; the records a claim
+// skipped because its start was out of the partition's range (deleted by
+// retention before they were handled) are counted as
+// OutOfRangeMetricName.
 //
 // TLS, SASL, the protocol version and every other client setting come from
 // Config.Sarama.

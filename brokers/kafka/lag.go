@@ -37,13 +37,18 @@ const LagMetricName = "once.kafka.consumer.lag"
 
 const meterName = "github.com/onceco/once/brokers/kafka"
 
-// lagGauge reports the lag of the claims a Source currently holds.
+// lagGauge reports the lag of the claims a Source currently holds, and
+// counts the offsets skipped by starts out of range.
 type lagGauge struct {
 	group string
 	reg   metric.Registration
 
 	mu     sync.Mutex
 	claims map[*claim]struct{}
+
+	// outOfRange counts the offsets skipped by starts out of range
+	// (OutOfRangeMetricName), beside the gauge.
+	outOfRange metric.Int64Counter
 }
 
 func newLagGauge(mp metric.MeterProvider, group string) (*lagGauge, error) {
@@ -54,6 +59,12 @@ func newLagGauge(mp metric.MeterProvider, group string) (*lagGauge, error) {
 		metric.WithDescription("Records in a claimed partition after the last one received by this consumer-group member."))
 	if err != nil {
 		return nil, fmt.Errorf("kafka: Config.MeterProvider: lag gauge: %w", err)
+	}
+	g.outOfRange, err = meter.Int64Counter(OutOfRangeMetricName,
+		metric.WithUnit("{message}"),
+		metric.WithDescription("Offsets of a partition that a claim skipped because the position it was to start at was below the partition's first offset (deleted by retention before they were handled)."))
+	if err != nil {
+		return nil, fmt.Errorf("kafka: Config.MeterProvider: out-of-range counter: %w", err)
 	}
 	g.reg, err = meter.RegisterCallback(func(ctx context.Context, o metric.Observer) error {
 		// Copied, so that a paused claim's question to the cluster holds
@@ -69,12 +80,7 @@ func newLagGauge(mp metric.MeterProvider, group string) (*lagGauge, error) {
 			if !ok {
 				continue
 			}
-			o.ObserveInt64(gauge, lag, metric.WithAttributes(
-				attribute.String("messaging.system", "kafka"),
-				attribute.String("messaging.consumer.group.name", g.group),
-				attribute.String("messaging.destination.name", cl.sc.Topic()),
-				attribute.String("messaging.destination.partition.id", fmt.Sprint(cl.sc.Partition())),
-			))
+			o.ObserveInt64(gauge, lag, g.attributes(cl.sc.Topic(), cl.sc.Partition()))
 		}
 		return nil
 	}, gauge)
@@ -82,6 +88,22 @@ func newLagGauge(mp metric.MeterProvider, group string) (*lagGauge, error) {
 		return nil, fmt.Errorf("kafka: Config.MeterProvider: lag callback: %w", err)
 	}
 	return g, nil
+}
+
+// attributes are the metrics' attributes of a partition.
+func (g *lagGauge) attributes(topic string, partition int32) metric.MeasurementOption {
+	return metric.WithAttributes(
+		attribute.String("messaging.system", "kafka"),
+		attribute.String("messaging.consumer.group.name", g.group),
+		attribute.String("messaging.destination.name", topic),
+		attribute.String("messaging.destination.partition.id", fmt.Sprint(partition)),
+	)
+}
+
+// skippedOutOfRange counts n offsets of the partition skipped by a start
+// out of range.
+func (g *lagGauge) skippedOutOfRange(topic string, partition int32, n int64) {
+	g.outOfRange.Add(context.Background(), n, g.attributes(topic, partition))
 }
 
 func (g *lagGauge) track(cl *claim) {

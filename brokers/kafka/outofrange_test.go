@@ -2,12 +2,19 @@ package kafka
 
 import (
 	"context"
+	"io"
 	"log/slog"
+	"os"
+	"strings"
+	"sync"
 	"testing"
+	"time"
 
 	"github.com/IBM/sarama"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
 	"github.com/onceco/once/internal/pgtest"
 )
@@ -39,7 +46,125 @@ func TestOffsetsInDatabasePositionOutOfRangeIsAnError(t *testing.T) {
 	logged := &lineCounter{match: "out of the partition's range", at: -1}
 	cfg := c.dbOffsetsConfig(group, topic)
 	cfg.Logger = slog.New(slog.NewTextHandler(logged, nil))
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	defer func() { _ = mp.Shutdown(context.Background()) }()
+	cfg.MeterProvider = mp
 	runToEnd(t, c, db, cfg, consumerConfig("svc"), 3)
 	assert.Equal(t, map[string]int{"e-0": 1, "e-1": 1, "e-4": 1}, effectCounts(t, db), "the deleted records are lost")
 	assert.Equal(t, 1, logged.count(), "the loss is logged")
+	assert.Eventually(t, func() bool { return outOfRangeOf(t, reader)[topic+"/0"] == 2 }, 10*time.Second, 10*time.Millisecond,
+		"and counted; %v", outOfRangeOf(t, reader))
+}
+
+// outOfRangeOf returns the OutOfRangeMetricName counter's values by
+// "topic/partition".
+func outOfRangeOf(t testing.TB, reader *sdkmetric.ManualReader) map[string]int64 {
+	t.Helper()
+	var rm metricdata.ResourceMetrics
+	require.NoError(t, reader.Collect(context.Background(), &rm))
+	out := map[string]int64{}
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			if m.Name != OutOfRangeMetricName {
+				continue
+			}
+			for _, dp := range m.Data.(metricdata.Sum[int64]).DataPoints {
+				tp, _ := dp.Attributes.Value("messaging.destination.name")
+				p, _ := dp.Attributes.Value("messaging.destination.partition.id")
+				out[tp.AsString()+"/"+p.AsString()] = dp.Value
+			}
+		}
+	}
+	return out
+}
+
+// Without OffsetsInDatabase, a partition whose committed offset retention
+// passed while the group was away (the records after it deleted before
+// they were handled) starts at Config.InitialOffset, as sarama resets it
+// (Consumer.Group.ResetInvalidOffsets) before the claim begins: the
+// records in between were lost without a word. The claim logs it at level
+// Error, naming the committed offset, where it starts and how many records
+// it skips. A group's first start (no committed offset) and a committed
+// offset in range log nothing.
+func TestCommittedOffsetOutOfRangeIsAnError(t *testing.T) {
+	c := newCluster(t)
+	topic, group := uniq("orders"), uniq("g")
+	c.createTopic(topic, 1)
+	const gap = "committed offset is out of the partition's range"
+	run := func(want ...string) *lineCounter {
+		t.Helper()
+		logged := &lineCounter{match: gap, at: -1}
+		cfg := c.config(group, topic)
+		cfg.Logger = slog.New(slog.NewTextHandler(io.MultiWriter(logged, slogOutput()), nil))
+		src := c.open(cfg)
+		for _, v := range want {
+			d := receive(t, src)
+			require.Equal(t, v, string(d.Message().Value))
+			require.NoError(t, d.Ack(t.Context()))
+		}
+		require.Eventually(t, func() bool { return src.startChecks.Load() == 1 }, 10*time.Second, 10*time.Millisecond,
+			"the claim's start is checked")
+		require.NoError(t, src.Close())
+		return logged
+	}
+
+	c.produce(msg(topic, 0, "a"), msg(topic, 0, "b"))
+	logged := run("a", "b") // the group's first start: no committed offset
+	assert.Equal(t, 0, logged.count(), "a group without a committed offset starts where InitialOffset says")
+	require.Equal(t, map[int32]int64{0: 2}, c.committed(group, topic, 1))
+
+	// Records 2 and 3 are deleted before the group reads them.
+	c.produce(msg(topic, 0, "c"), msg(topic, 0, "d"), msg(topic, 0, "e"))
+	admin, err := sarama.NewClusterAdmin(c.addrs, saramaConfig())
+	require.NoError(t, err)
+	require.NoError(t, admin.DeleteRecords(topic, map[int32]int64{0: 4}))
+	require.NoError(t, admin.Close())
+
+	lost := &lineCounter{match: "level=ERROR msg=\"once/kafka: the group's " + gap, at: -1}
+	cfg := c.config(group, topic)
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	defer func() { _ = mp.Shutdown(context.Background()) }()
+	cfg.MeterProvider = mp
+	var text strings.Builder
+	var mu sync.Mutex
+	cfg.Logger = slog.New(slog.NewTextHandler(io.MultiWriter(lost, lockedWriter{&mu, &text}), nil))
+	src := c.open(cfg)
+	d := receive(t, src)
+	require.Equal(t, "e", string(d.Message().Value), "sarama starts at the first record left")
+	require.NoError(t, d.Ack(t.Context()))
+	require.Eventually(t, func() bool { return lost.count() == 1 }, 10*time.Second, 10*time.Millisecond, "the loss is logged")
+	mu.Lock()
+	line := text.String()
+	mu.Unlock()
+	for _, attr := range []string{"topic=" + topic, "partition=0", "committed=2", "start=4", "skipped=2"} {
+		assert.Contains(t, line, attr)
+	}
+	assert.Equal(t, map[string]int64{topic + "/0": 2}, outOfRangeOf(t, reader), "the skipped records are counted")
+	require.NoError(t, src.Close())
+
+	c.produce(msg(topic, 0, "f"))
+	logged = run("f") // the committed offset (5) is in range
+	assert.Equal(t, 0, logged.count(), "a committed offset in range is no loss")
+}
+
+// lockedWriter writes to w under mu.
+type lockedWriter struct {
+	mu *sync.Mutex
+	w  io.Writer
+}
+
+func (l lockedWriter) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.w.Write(p)
+}
+
+// slogOutput is where testLogger writes: stderr under ONCE_TEST_LOG.
+func slogOutput() io.Writer {
+	if os.Getenv("ONCE_TEST_LOG") != "" {
+		return os.Stderr
+	}
+	return io.Discard
 }

@@ -85,6 +85,11 @@ type Source struct {
 	waitingForRoom atomic.Int32 // claims paused at Config.MaxPendingPerPartition
 	pendingMax     atomic.Int32 // the most pending records any claim held
 
+	// committedAtStart holds, per session (sarama.ConsumerGroupSession),
+	// its *sessionCommitted, until the session's Cleanup (checkStart).
+	committedAtStart sync.Map
+	startChecks      atomic.Int64 // claims whose start checkStart checked
+
 	// With Config.OffsetsInDatabase (offsets.go):
 	offsets   atomic.Pointer[offsetsBinding] // set by BindProgress
 	positions positions                      // the take-over's rows, until ConsumeClaim
@@ -656,27 +661,9 @@ func (s *Source) markStarts(sess sarama.ConsumerGroupSession) {
 		s.cfg.Logger.Warn("once/kafka: cannot read the group's committed offsets to keep the start of partitions without one",
 			"group", s.cfg.Group, "error", err)
 	}
-	coordinator, err := s.dlqClient.Coordinator(s.cfg.Group)
+	resp, err := s.fetchCommitted(claims)
 	if err != nil {
 		fail(err)
-		return
-	}
-	// On a connection of its own: the client's connection to the
-	// coordinator stays broken once it was cut (see topicIDs.lookupOnce),
-	// and every later session's question would fail on it.
-	b := sarama.NewBroker(coordinator.Addr())
-	if err := b.Open(s.dlqClient.Config()); err != nil {
-		fail(err)
-		return
-	}
-	defer b.Close()
-	resp, err := b.FetchOffset(sarama.NewOffsetFetchRequest(s.topicIDs.version, s.cfg.Group, claims))
-	if err != nil {
-		fail(err)
-		return
-	}
-	if !errors.Is(resp.Err, sarama.ErrNoError) {
-		fail(resp.Err)
 		return
 	}
 	for topic, partitions := range claims {
@@ -696,6 +683,31 @@ func (s *Source) markStarts(sess sarama.ConsumerGroupSession) {
 	}
 }
 
+// fetchCommitted asks the group's coordinator for the group's committed
+// offsets of partitions.
+func (s *Source) fetchCommitted(partitions map[string][]int32) (*sarama.OffsetFetchResponse, error) {
+	coordinator, err := s.dlqClient.Coordinator(s.cfg.Group)
+	if err != nil {
+		return nil, err
+	}
+	// On a connection of its own: the client's connection to the
+	// coordinator stays broken once it was cut (see topicIDs.lookupOnce),
+	// and every later session's question would fail on it.
+	b := sarama.NewBroker(coordinator.Addr())
+	if err := b.Open(s.dlqClient.Config()); err != nil {
+		return nil, err
+	}
+	defer b.Close()
+	resp, err := b.FetchOffset(sarama.NewOffsetFetchRequest(s.topicIDs.version, s.cfg.Group, partitions))
+	if err != nil {
+		return nil, err
+	}
+	if !errors.Is(resp.Err, sarama.ErrNoError) {
+		return nil, resp.Err
+	}
+	return resp, nil
+}
+
 // startName names a claim's initial offset for the logs: sarama's
 // OffsetOldest and OffsetNewest by name, an offset as it is.
 func startName(offset int64) string {
@@ -708,7 +720,11 @@ func startName(offset int64) string {
 	return strconv.FormatInt(offset, 10)
 }
 
-func (*groupHandler) Cleanup(sarama.ConsumerGroupSession) error { return nil }
+// Cleanup forgets what checkStart asked of the session.
+func (h *groupHandler) Cleanup(sess sarama.ConsumerGroupSession) error {
+	h.s.committedAtStart.Delete(sess)
+	return nil
+}
 
 // ConsumeClaim hands the claim's records to Receive, one at a time and in
 // offset order (claim.feed). When the claim ends (a rebalance revokes it,
@@ -743,8 +759,14 @@ func (h *groupHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, sc sarama.
 				"(its records deleted by retention before they were handled, or the log truncated); the claim starts at Config.InitialOffset, "+
 				"and the records between the two are not handled",
 				"group", s.cfg.Group, "stream", cl.stream, "recorded", o.Next, "start", startName(sc.InitialOffset()))
+			if sc.InitialOffset() < 0 {
+				s.countRecordedOutOfRange(sc.Topic(), sc.Partition(), o.Next, sc.InitialOffset())
+			}
 		}
 		cl.db = newClaimOffsets(o, sc.InitialOffset())
+	}
+	if !s.cfg.OffsetsInDatabase {
+		s.checkStart(sess, sc.Topic(), sc.Partition(), sc.InitialOffset())
 	}
 	s.cfg.Logger.Debug("once/kafka: partition claimed", "group", s.cfg.Group, "stream", cl.stream,
 		"generation", sess.GenerationID(), "offset", sc.InitialOffset())
