@@ -90,6 +90,11 @@ type Source struct {
 	committedAtStart sync.Map
 	startChecks      atomic.Int64 // claims whose start checkStart checked
 
+	// Claims fenced by another group, held idle (holdFenced), and the
+	// records they dropped.
+	heldFenced    atomic.Int32
+	fencedDropped atomic.Int64
+
 	// With Config.OffsetsInDatabase (offsets.go):
 	offsets   atomic.Pointer[offsetsBinding] // set by BindProgress
 	positions positions                      // the take-over's rows, until ConsumeClaim
@@ -778,7 +783,7 @@ func (h *groupHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, sc sarama.
 	cl.awaitSettled(s.cfg.RevokeTimeout, s.closing)
 	if cl.fencedByOther.Load() {
 		s.lag.untrack(cl)
-		holdFenced(sess, sc, s.closing)
+		s.holdFenced(sess, sc)
 	}
 	s.cfg.Logger.Debug("once/kafka: partition released", "group", s.cfg.Group, "stream", cl.stream,
 		"generation", sess.GenerationID(), "last_offset", cl.last.Load())
@@ -787,21 +792,31 @@ func (h *groupHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, sc sarama.
 
 // holdFenced keeps a claim fenced by another group under the same
 // consumer name until its session ends, the partition is revoked
-// (Messages() closed) or the Source is closing, reading and dropping its
-// records meanwhile so that sarama's fetching does not stall. A
-// ConsumeClaim that returned would end the member's whole session (sarama
-// ends it when any of them returns): its group would rejoin at once and
-// take the partition back, fencing the other group in turn.
-func holdFenced(sess sarama.ConsumerGroupSession, sc sarama.ConsumerGroupClaim, closing <-chan struct{}) {
+// (Messages() closed) or the Source is closing. A ConsumeClaim that
+// returned would end the member's whole session (sarama ends it when any
+// of them returns): its group would rejoin at once and take the partition
+// back, fencing the other group in turn. The partition's fetching is
+// paused meanwhile (sarama's ConsumerGroup.Pause), and resumed when the
+// claim ends, as sarama keeps a partition paused across its claims; the
+// records fetched before the pause are read and dropped, so that
+// sarama's fetching of the member's other partitions does not wait on
+// them.
+func (s *Source) holdFenced(sess sarama.ConsumerGroupSession, sc sarama.ConsumerGroupClaim) {
+	part := map[string][]int32{sc.Topic(): {sc.Partition()}}
+	s.group.Pause(part)
+	defer s.group.Resume(part)
+	s.heldFenced.Add(1)
+	defer s.heldFenced.Add(-1)
 	for {
 		select {
 		case _, ok := <-sc.Messages():
 			if !ok {
 				return
 			}
+			s.fencedDropped.Add(1)
 		case <-sess.Context().Done():
 			return
-		case <-closing:
+		case <-s.closing:
 			return
 		}
 	}
