@@ -23,10 +23,14 @@ import (
 // marker that ends each transaction (an offset no record uses) and the
 // records of aborted transactions; so a member caught up reports 0, and
 // the records of a transaction still open are no lag until it commits.
-// Markers and aborted records between records still to be handed out
-// are counted. With Config.ReadUncommitted the end is the high-water
-// mark. It carries the attributes messaging.system ("kafka"),
-// messaging.consumer.group.name, messaging.destination.name (the topic) and
+// Past the first record still to be handed out, every offset up to the
+// end counts, the markers and aborted records among them: a committed
+// transaction of two records not handed out yet counts 3 (its records
+// and its marker), and 0 once they are. Counting records alone would
+// take reading every batch up to the end at each collection. With
+// Config.ReadUncommitted the end is the high-water mark. It carries the
+// attributes messaging.system ("kafka"), messaging.consumer.group.name,
+// messaging.destination.name (the topic) and
 // messaging.destination.partition.id. A partition is reported while it is
 // claimed, once its position is known (a committed offset or a first
 // record). Reading committed records, a collection asks the partition's
