@@ -21,7 +21,7 @@ import (
 // round trip for every message; a failure that names no job halves the run
 // until it does.
 func (p *pipeline) run(ctx context.Context, s *settler, jobs []*job) {
-	infra := backoff.Retrier{Policy: p.infraPolicy()}
+	infra := infraRetrier{Retrier: backoff.Retrier{Policy: p.infraPolicy()}}
 	for len(jobs) > 0 {
 		if p.mustStop(ctx, s) {
 			s.abandonAll(jobs)
@@ -73,7 +73,7 @@ func (p *pipeline) run(ctx context.Context, s *settler, jobs []*job) {
 // duplicate, is dead-lettered or is abandoned. failed, when not nil, is the
 // failure of a run the job already had (in a batch).
 func (p *pipeline) runAlone(ctx context.Context, s *settler, j *job, failed *txResult) {
-	infra := backoff.Retrier{Policy: p.infraPolicy()}
+	infra := infraRetrier{Retrier: backoff.Retrier{Policy: p.infraPolicy()}}
 	for {
 		if failed != nil && !p.retryOrGiveUp(ctx, s, j, *failed) {
 			return
@@ -185,8 +185,11 @@ func (p *pipeline) mustStop(ctx context.Context, s *settler) bool {
 
 // waitInfra counts an infrastructure failure and waits before the retry;
 // it reports false when the consumer stops first.
-func (p *pipeline) waitInfra(ctx context.Context, r *backoff.Retrier, err error, messages int) bool {
+func (p *pipeline) waitInfra(ctx context.Context, r *infraRetrier, err error, messages int) bool {
 	p.stats.infraErrors.Add(1)
+	if p.sourcePanicked(ctx, &r.panics, err) {
+		return false
+	}
 	p.leaveReadOnly(ctx, err)
 	d := r.Delay()
 	p.logInfra(ctx, "", err, d, "messages", messages)
@@ -201,12 +204,14 @@ func (p *pipeline) waitInfra(ctx context.Context, r *backoff.Retrier, err error,
 
 // infra runs f until it succeeds, backing off after each failure (counted
 // as an infrastructure failure, and each try after one as a retry); it
-// returns an error only when the consumer stops first. It serves the
+// returns an error only when the consumer stops first, or when f failed
+// on the source's panic SourcePanicLimit times in a row (Run then stops). It serves the
 // library's own statements outside a transaction and dead-letter writes.
 // waiting says, for OnRetry, which messages wait for f (EventID,
 // Messages).
 func (p *pipeline) infra(ctx context.Context, what string, waiting Retry, f func() error) error {
 	r := backoff.Retrier{Policy: p.infraPolicy()}
+	panics := 0
 	for {
 		err := f()
 		if err == nil {
@@ -216,6 +221,9 @@ func (p *pipeline) infra(ctx context.Context, what string, waiting Retry, f func
 			return ctx.Err()
 		}
 		p.stats.infraErrors.Add(1)
+		if p.sourcePanicked(ctx, &panics, err) {
+			return err
+		}
 		p.leaveReadOnly(ctx, err)
 		d := r.Delay()
 		p.logInfra(ctx, what, err, d)

@@ -61,6 +61,8 @@ type pipeline struct {
 	// work is done at the shutdown deadline (ShutdownTimeout after Run's
 	// context), when work in flight is cut short.
 	work context.Context
+	// broken is set when the source is given up on (sourcepanics.go).
+	broken brokenSource
 }
 
 func newPipeline(pool *pgxpool.Pool, src Source, cfg Config, prep preparer) (*pipeline, error) {
@@ -124,6 +126,11 @@ func (p *pipeline) consume(ctx context.Context) error {
 	p.work = work
 	stopWatch := context.AfterFunc(ctx, p.stop)
 	defer stopWatch()
+	// A source given up on (sourcePanicked) ends the receive loop as a
+	// fatal Receive error would.
+	receiving, stopReceiving := context.WithCancel(ctx)
+	defer stopReceiving()
+	p.broken.stopReceiving = stopReceiving
 	d := newDispatcher(p, work)
 	// Retention ends with Run, also after a fatal source error, when ctx
 	// may still be live.
@@ -138,7 +145,10 @@ func (p *pipeline) consume(ctx context.Context) error {
 		}()
 	}
 
-	fatal := d.receive(ctx)
+	fatal := d.receive(receiving)
+	if err := p.brokenErr(); err != nil {
+		fatal = err
+	}
 
 	p.stop() // after a fatal source error, ctx may still be live
 	stopRetention()

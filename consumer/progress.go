@@ -34,8 +34,9 @@ type ProgressRecorder interface {
 	// partition over) rolls the transaction back and abandons the
 	// deliveries unacked, for the new owner; any other error is an
 	// infrastructure failure, retried with backoff; so is a panic, taken as
-	// an error wrapping ErrSourceBroken. It is called from many workers at
-	// once, for different streams.
+	// an error wrapping ErrSourceBroken, but SourcePanicLimit panics in a
+	// row for the same deliveries stop Run. It is called from many workers
+	// at once, for different streams.
 	RecordProgress(ctx context.Context, tx pgx.Tx, deliveries []Delivery) error
 }
 
@@ -80,7 +81,8 @@ type FirstPositionChecker interface {
 	// the record whose Message.FallbackID was fallbackID is recorded done.
 	// An error rolls the transaction back and is retried with backoff as
 	// an infrastructure failure; so is a panic, taken as an error wrapping
-	// ErrSourceBroken.
+	// ErrSourceBroken, but SourcePanicLimit panics in a row for the same
+	// message stop Run.
 	FirstPositionDone(ctx context.Context, tx pgx.Tx, fallbackID string) (bool, error)
 }
 

@@ -119,7 +119,8 @@ type Delivery interface {
 	// calls Ack afterwards. An error means the copy may not exist; the
 	// consumer retries with backoff and never acks in between. A panic in
 	// DeadLetter is recovered and taken as such an error (wrapping
-	// ErrSourceBroken, with the panic's value and stack).
+	// ErrSourceBroken, with the panic's value and stack); SourcePanicLimit
+	// panics in a row for one message stop Run.
 	DeadLetter(ctx context.Context, dl *DeadLetter) error
 }
 
@@ -164,8 +165,10 @@ type SystemNamer interface {
 // Receive error; the deliveries it did not settle, the broken one among
 // them, are left to the broker to deliver again. It is also wrapped by the
 // error of a panic in Delivery.Ack or Delivery.DeadLetter, which is that
-// call's failure and does not stop Run, by Run's error when the source's
-// Close panicked, and by New's when its MessagingSystem or ConsumerGroup
+// call's failure and does not stop Run; by Run's error when
+// RecordProgress, FirstPositionDone or DeadLetter panicked
+// SourcePanicLimit times in a row on the same work, or when the source's
+// Close panicked; and by New's when its MessagingSystem or ConsumerGroup
 // did.
 var ErrSourceBroken = errors.New("once: the source broke its contract")
 

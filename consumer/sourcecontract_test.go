@@ -3,6 +3,7 @@ package consumer_test
 import (
 	"context"
 	"fmt"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -362,6 +363,11 @@ func (d firstPositionsDone) FirstPositionDone(context.Context, pgx.Tx, string) (
 	return true, nil
 }
 
+func (d firstPositionsDone) DeadLetter(ctx context.Context, dl *consumer.DeadLetter) error {
+	d.s.hook("DeadLetter")
+	return d.Delivery.DeadLetter(ctx, dl)
+}
+
 // A panic in a custom Source's progress hooks (ProgressRecorder,
 // FirstPositionChecker) is that call's failure, as its error would be:
 // BindProgress's stops Run (wrapping ErrSourceBroken); RecordProgress's
@@ -369,16 +375,7 @@ func (d firstPositionsDone) FirstPositionDone(context.Context, pgx.Tx, string) (
 // infrastructure failures, nothing acked before its commit. Each crashed
 // the process.
 func TestSourceProgressHookPanicIsThatCallsFailure(t *testing.T) {
-	setup := func(t *testing.T, panics string, left int32) (*pgxpool.Pool, *memsource.Broker, *panickyProgressSource) {
-		pool, _ := pgtest.Schema(t)
-		effects(t, pool)
-		_, err := pool.Exec(context.Background(), `CREATE TABLE progress (off bigint NOT NULL)`)
-		require.NoError(t, err)
-		b := memsource.New(memsource.Options{Streams: 1, FallbackID: true})
-		src := &panickyProgressSource{progressSource: &progressSource{Source: b.Source()}, panics: panics}
-		src.left.Store(left)
-		return pool, b, src
-	}
+	setup := panickySourceSetup
 	t.Run("BindProgress", func(t *testing.T) {
 		pool, b, src := setup(t, "BindProgress", 1)
 		b.Publish(consumer.Message{Value: []byte(`{"n":0}`)})
@@ -585,6 +582,55 @@ func TestUncomparableDeliveryContextStopsTheConsumer(t *testing.T) {
 			require.NoError(t, b.WaitAcked(deadline(t, 30*time.Second), 10))
 			require.NoError(t, stop())
 			assert.Equal(t, want, countEffects(t, pool))
+		})
+	}
+}
+
+// panickySourceSetup returns a schema with the effects and progress
+// tables, a broker of one stream, and a panickyProgressSource on it whose
+// hook named panics panics at its first left calls.
+func panickySourceSetup(t *testing.T, panics string, left int32) (*pgxpool.Pool, *memsource.Broker, *panickyProgressSource) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	_, err := pool.Exec(context.Background(), `CREATE TABLE progress (off bigint NOT NULL)`)
+	require.NoError(t, err)
+	b := memsource.New(memsource.Options{Streams: 1, FallbackID: true})
+	src := &panickyProgressSource{progressSource: &progressSource{Source: b.Source()}, panics: panics}
+	src.left.Store(left)
+	return pool, b, src
+}
+
+// A custom Source whose RecordProgress, FirstPositionDone or DeadLetter
+// panics at every call is a bug no retry cures: after
+// consumer.SourcePanicLimit panics in a row of the same work, Run returns
+// an error wrapping ErrSourceBroken that names the call, and the message
+// is left unacked for the broker to deliver again. Each was retried as an
+// infrastructure failure for ever, the stream held, a warning at each try.
+func TestSourceHookPanickingEveryTimeStopsRun(t *testing.T) {
+	for _, method := range []string{"RecordProgress", "FirstPositionDone", "DeadLetter"} {
+		t.Run(method, func(t *testing.T) {
+			t.Parallel()
+			pool, b, src := panickySourceSetup(t, method, 1<<30)
+			msg := consumer.Message{Value: []byte(`{"n":0}`)}
+			switch method {
+			case "FirstPositionDone":
+				// A redriven record without an id: identified by its
+				// first position, which the source is asked about.
+				msg.Headers = map[string]string{consumer.HeaderRedriveConsumer: "other",
+					consumer.HeaderRedriveEventID: "orders/0/7", consumer.HeaderRedriveFallbackID: "orders/0/7"}
+			case "DeadLetter":
+				msg.Value = []byte(`not json`)
+			}
+			b.Publish(msg)
+			c, err := consumer.New(pool, src, insertEffect, fastConfig("panicky-always-"+strings.ToLower(method)))
+			require.NoError(t, err)
+			err = c.Run(deadline(t, 30*time.Second))
+			require.ErrorIs(t, err, consumer.ErrSourceBroken)
+			assert.Contains(t, err.Error(), method+" panicked")
+			assert.Zero(t, b.Acked(), "nothing is acked")
+			assert.Empty(t, b.DeadLetters())
+			assert.Empty(t, countEffects(t, pool), "nothing is committed")
+			assert.Equal(t, int32(1<<30-consumer.SourcePanicLimit), src.left.Load(), "the call panicked SourcePanicLimit times")
 		})
 	}
 }
