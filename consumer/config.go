@@ -82,7 +82,10 @@ type Config struct {
 	SkipMigrate bool
 
 	// Decoder decodes payloads. Defaults to JSON. A []byte payload type
-	// receives the raw bytes without decoding.
+	// receives the raw bytes without decoding. It is never cut short (it
+	// takes no context): one that hangs holds its stream, or the receive
+	// loop, until it returns, and is logged at Error once it has run past
+	// HandlerTimeout (see HandlerTimeout).
 	Decoder Decoder
 	// Envelope, when set, opens each message into id, type and payload
 	// (e.g. JSONEnvelope for CloudEvents' structured JSON). Defaults to nil:
@@ -131,6 +134,19 @@ type Config struct {
 	// minutes by default), so Retry.MaxAttempts runs of it must fit well
 	// within that. -1 lifts the bound (the consumer's context alone ends the
 	// call); other negative values are refused with ErrInvalidConfig.
+	//
+	// The other functions a service hands the consumer (the Hooks but
+	// Middleware, Decoder, Envelope, Identify.EventID and a custom
+	// Identify.Fingerprint) are not cut short: the Decoder, Envelope,
+	// EventID and Fingerprint take no context, and a hook runs once its
+	// messages' fate is settled (AfterCommit and OnOutcome after the
+	// commit, which cutting them would not undo), and Go cannot stop a
+	// function that ignores its context. One that has run past
+	// HandlerTimeout (DefaultHandlerTimeout under NoHandlerTimeout) is
+	// logged at Error once, naming the function, the message's topic,
+	// partition, offset (the queue, -1 and -1 on RabbitMQ) and event id,
+	// and how long it has run, and counted in Stats.StuckCalls; it holds
+	// its stream (an unordered message: a worker) until it returns.
 	HandlerTimeout time.Duration
 	// ShutdownTimeout bounds how long Run waits, once its context is
 	// cancelled, for messages in flight to finish; then their transactions
@@ -172,7 +188,8 @@ type IdentifyConfig struct {
 	// EventID, when set, replaces the id rule altogether: it returns the id
 	// of m, or an error that dead-letters m with kind KindMissingID. It
 	// runs on the consumer's goroutines, one message at a time per stream;
-	// a panic in it dead-letters the message with kind KindPanic. Defaults
+	// a panic in it dead-letters the message with kind KindPanic; one that
+	// hangs is never cut, but logged (see Config.HandlerTimeout). Defaults
 	// to nil: Message.ID, then IDHeaders, then the envelope's id, then
 	// Message.FallbackID. It is not asked for the id of a redriven copy of
 	// this consumer's own dead letter (HeaderRedriveEventID); on a copy of

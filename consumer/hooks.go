@@ -17,7 +17,10 @@ import (
 // call. Every field is optional. Hooks run on the goroutine that handles
 // the message, so keep them quick; a panic in a hook (other than
 // Middleware, which is part of the handler) is logged and otherwise
-// ignored.
+// ignored. A hook is never cut short (AfterCommit and OnOutcome run once
+// the transaction committed, which cutting them would not undo): one that
+// hangs holds its stream until it returns, and is logged at Error once it
+// has run past Config.HandlerTimeout, naming the hook and its message.
 type Hooks struct {
 	// OnOutcome is called once for each message this process settles or
 	// gives up: handled, duplicate, skipped, dead-lettered (after the
@@ -159,6 +162,8 @@ func (p *pipeline) outcome(ctx context.Context, j *job, r Result, dl *DeadLetter
 		return
 	}
 	o := Outcome{Result: r, EventID: j.idt.id, EventType: j.idt.typ, Message: j.m, Runs: j.runs, DeadLetter: dl}
+	p.watch.begin(&j.watch, "OnOutcome", j.m, j.idt.id, 1)
+	defer p.watch.end(&j.watch)
 	p.safeHook(ctx, "OnOutcome", func() error { p.cfg.Hooks.OnOutcome(ctx, o); return nil })
 }
 
@@ -167,6 +172,9 @@ func (p *pipeline) retrying(ctx context.Context, r Retry) {
 	if p.cfg.Hooks.OnRetry == nil {
 		return
 	}
+	c := new(userCall)
+	p.watch.begin(c, "OnRetry", nil, r.EventID, r.Messages)
+	defer p.watch.end(c)
 	p.safeHook(ctx, "OnRetry", func() error { p.cfg.Hooks.OnRetry(ctx, r); return nil })
 }
 
@@ -183,6 +191,14 @@ func (p *pipeline) afterCommit(ctx context.Context, jobs []*job, claimed func(i 
 		}
 	}
 	if len(events) > 0 {
+		c := new(userCall)
+		var m *Message
+		var id string
+		if len(events) == 1 {
+			m, id = events[0].Message, events[0].EventID
+		}
+		p.watch.begin(c, "AfterCommit", m, id, len(events))
+		defer p.watch.end(c)
 		p.safeHook(ctx, "AfterCommit", func() error { p.cfg.Hooks.AfterCommit(ctx, events); return nil })
 	}
 }

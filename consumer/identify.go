@@ -42,6 +42,9 @@ type job struct {
 	// earlier processes included when the crash guard knows of them.
 	runs  int
 	guard guardState
+	// watch is the job's user call in progress, for the watchdog
+	// (watch.go).
+	watch userCall
 	// ran: the handler was called with the message; a later run decodes
 	// its payload again (runPayload).
 	ran bool
@@ -85,6 +88,10 @@ func (p *pipeline) identify(ctx context.Context, dv received, j *job) {
 // prepareJob fills j from its message, or returns why it cannot be handled.
 func (p *pipeline) prepareJob(j *job) (dl *DeadLetter) {
 	stage := "identifying the event"
+	if p.watchPrepare {
+		p.watch.begin(&j.watch, p.identifyCall, j.m, "", 1)
+		defer p.watch.end(&j.watch)
+	}
 	defer func() {
 		if r := recover(); r != nil {
 			dl = &DeadLetter{Kind: KindPanic, Error: fmt.Sprintf("panic while %s: %v", stage, r), Stack: string(debug.Stack())}
@@ -99,6 +106,9 @@ func (p *pipeline) prepareJob(j *job) (dl *DeadLetter) {
 		j.span.SetAttributes(attribute.String("messaging.message.id", idt.id), attribute.String("once.event.type", idt.typ))
 	}
 	stage = "decoding the payload"
+	if p.watchPrepare {
+		p.watch.rename(&j.watch, "Decoder", idt.id)
+	}
 	prep, kind, err := p.prepare(j.m, idt, p.cfg.Decoder)
 	if err != nil {
 		return &DeadLetter{Kind: kind, Error: err.Error()}
@@ -111,6 +121,9 @@ func (p *pipeline) prepareJob(j *job) (dl *DeadLetter) {
 		j.fp = j.fpSum[:]
 	case p.cfg.Identify.Fingerprint != nil:
 		stage = "computing the fingerprint"
+		if p.watchPrepare {
+			p.watch.rename(&j.watch, "Identify.Fingerprint", j.idt.id)
+		}
 		j.fp = p.cfg.Identify.Fingerprint(j.m)
 	}
 	return nil

@@ -63,6 +63,13 @@ type pipeline struct {
 	work context.Context
 	// broken is set when the source is given up on (sourcepanics.go).
 	broken brokenSource
+	// watch holds the calls of user functions other than the handler in
+	// progress (watch.go); watchPrepare is set when identifying or
+	// decoding a message calls one.
+	watch        watchdog
+	watchPrepare bool
+	// identifyCall names the user functions identifying a message calls.
+	identifyCall string
 }
 
 func newPipeline(pool *pgxpool.Pool, src Source, cfg Config, prep preparer) (*pipeline, error) {
@@ -73,6 +80,7 @@ func newPipeline(pool *pgxpool.Pool, src Source, cfg Config, prep preparer) (*pi
 		return nil, fmt.Errorf("%w: source is nil", ErrInvalidConfig)
 	}
 	defaultFingerprint := cfg.Identify.Fingerprint == nil
+	watchPrepare := cfg.Decoder != nil || cfg.Identify.EventID != nil || cfg.Envelope != nil || !defaultFingerprint
 	cfg, err := cfg.withDefaults()
 	if err != nil {
 		return nil, err
@@ -89,6 +97,16 @@ func newPipeline(pool *pgxpool.Pool, src Source, cfg Config, prep preparer) (*pi
 	p := &pipeline{cfg: cfg, pool: pool, src: src, prepare: prep, tel: tel,
 		sem: make(chan struct{}, cfg.Concurrency), stopped: make(chan struct{}), twins: newTwins(), work: context.Background()}
 	p.sha256Fingerprint = defaultFingerprint
+	p.watchPrepare = watchPrepare
+	switch {
+	case cfg.Envelope != nil && cfg.Identify.EventID != nil:
+		p.identifyCall = "Envelope or Identify.EventID"
+	case cfg.Envelope != nil:
+		p.identifyCall = "Envelope"
+	default:
+		p.identifyCall = "Identify.EventID"
+	}
+	p.watch.after = cfg.watchAfter()
 	p.askXIDStatus = p.xidStatus
 	p.guard = newCrashGuard(p)
 	return p, nil
@@ -137,6 +155,14 @@ func (p *pipeline) consume(ctx context.Context) error {
 	retain, stopRetention := context.WithCancel(ctx)
 	defer stopRetention()
 	var retaining sync.WaitGroup
+	// The watchdog outlives the work in flight, whose hooks it watches.
+	watching, stopWatching := context.WithCancel(work)
+	defer stopWatching()
+	retaining.Add(1)
+	go func() {
+		defer retaining.Done()
+		p.watchUserCalls(watching)
+	}()
 	if p.cfg.Retention.MaxAge > 0 {
 		retaining.Add(1)
 		go func() {
@@ -159,6 +185,7 @@ func (p *pipeline) consume(ctx context.Context) error {
 		cancelWork()
 		d.wg.Wait()
 	}
+	stopWatching()
 	retaining.Wait()
 	if err := p.closeSource(); err != nil {
 		return errors.Join(fatal, fmt.Errorf("once: closing source: %w", err))

@@ -41,17 +41,23 @@ type Stats struct {
 	Retries uint64
 	// InfraErrors counts infrastructure failures (database or broker).
 	InfraErrors uint64
+	// StuckCalls counts calls of user functions other than the handler
+	// (a hook, the Decoder, Identify.EventID, Envelope or Fingerprint)
+	// logged at Error for running past HandlerTimeout
+	// (DefaultHandlerTimeout under NoHandlerTimeout); each such call
+	// counts once, however long it runs.
+	StuckCalls uint64
 }
 
 type counters struct {
-	received, handled, duplicates, skipped, deadLettered, retries, infraErrors atomic.Uint64
+	received, handled, duplicates, skipped, deadLettered, retries, infraErrors, stuckCalls atomic.Uint64
 }
 
 func (c *counters) snapshot() Stats {
 	return Stats{
 		Received: c.received.Load(), Handled: c.handled.Load(), Duplicates: c.duplicates.Load(),
 		Skipped: c.skipped.Load(), DeadLettered: c.deadLettered.Load(), Retries: c.retries.Load(),
-		InfraErrors: c.infraErrors.Load(),
+		InfraErrors: c.infraErrors.Load(), StuckCalls: c.stuckCalls.Load(),
 	}
 }
 

@@ -1,0 +1,150 @@
+package consumer
+
+import (
+	"context"
+	"sync"
+	"time"
+)
+
+// The consumer bounds the handler (HandlerTimeout), but not the other
+// functions a service hands it: the Decoder, Identify.EventID,
+// Envelope and a custom Identify.Fingerprint take no context, and a hook
+// (OnOutcome, OnRetry, AfterCommit) runs once its messages' fate is
+// settled, AfterCommit and OnOutcome after the commit, which cutting
+// them would not undo; so they are never cut. One that hangs holds its
+// stream (an unordered message: a worker) until it returns; the watchdog
+// makes that visible: a call that has run for longer than HandlerTimeout
+// (DefaultHandlerTimeout under NoHandlerTimeout) is logged at Error once,
+// with the function's name, the message's topic, partition, offset (the
+// queue, -1 and -1 on RabbitMQ) and event id, and how long it has run,
+// and counted in Stats.StuckCalls.
+
+// userCall is a call of a user function in progress, in the watchdog's
+// list. A job holds one for its own calls, so watching a call allocates
+// nothing.
+type userCall struct {
+	name       string
+	m          *Message
+	eventID    string
+	messages   int
+	start      time.Time
+	logged     bool
+	prev, next *userCall
+}
+
+// watchdog holds the user calls in progress.
+type watchdog struct {
+	mu   sync.Mutex
+	head *userCall
+	// after is how long a call runs before it is logged.
+	after time.Duration
+}
+
+// begin adds c, a call of name for message m (nil for a call on several
+// messages, of which there are messages), to the calls in progress.
+func (w *watchdog) begin(c *userCall, name string, m *Message, eventID string, messages int) {
+	*c = userCall{name: name, m: m, eventID: eventID, messages: messages, start: time.Now()}
+	w.mu.Lock()
+	c.next = w.head
+	if w.head != nil {
+		w.head.prev = c
+	}
+	w.head = c
+	w.mu.Unlock()
+}
+
+// rename names the function c now runs (the next stage of a job's
+// preparation).
+func (w *watchdog) rename(c *userCall, name, eventID string) {
+	w.mu.Lock()
+	c.name, c.eventID = name, eventID
+	w.mu.Unlock()
+}
+
+// end removes c from the calls in progress.
+func (w *watchdog) end(c *userCall) {
+	w.mu.Lock()
+	if c.prev != nil {
+		c.prev.next = c.next
+	} else {
+		w.head = c.next
+	}
+	if c.next != nil {
+		c.next.prev = c.prev
+	}
+	c.prev, c.next = nil, nil
+	w.mu.Unlock()
+}
+
+// stuck is a call past the watchdog's bound, as logged.
+type stuck struct {
+	name       string
+	topic      string
+	partition  int32
+	offset     int64
+	eventID    string
+	messages   int
+	running    time.Duration
+	hasMessage bool
+}
+
+// overdue returns the calls that have run for longer than w.after and
+// were not reported yet, and marks them reported.
+func (w *watchdog) overdue(now time.Time) []stuck {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	var out []stuck
+	for c := w.head; c != nil; c = c.next {
+		if c.logged || now.Sub(c.start) < w.after {
+			continue
+		}
+		c.logged = true
+		s := stuck{name: c.name, eventID: c.eventID, messages: c.messages, running: now.Sub(c.start)}
+		if c.m != nil {
+			s.hasMessage = true
+			s.topic, s.partition, s.offset = c.m.Topic, c.m.Partition, c.m.Offset
+		}
+		out = append(out, s)
+	}
+	return out
+}
+
+// watchAfter is how long a user call other than the handler runs before
+// the watchdog logs it.
+func (c *Config) watchAfter() time.Duration {
+	if c.HandlerTimeout > 0 {
+		return c.HandlerTimeout
+	}
+	return DefaultHandlerTimeout
+}
+
+// watchUserCalls logs the user calls that run past the watchdog's bound
+// until ctx is done.
+func (p *pipeline) watchUserCalls(ctx context.Context) {
+	tick := p.watch.after / 4
+	if tick < 10*time.Millisecond {
+		tick = 10 * time.Millisecond
+	}
+	t := time.NewTicker(tick)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case now := <-t.C:
+			for _, s := range p.watch.overdue(now) {
+				p.stats.stuckCalls.Add(1)
+				args := []any{"consumer", p.cfg.Name, "function", s.name, "running", s.running, "bound", p.watch.after}
+				if s.hasMessage {
+					args = append(args, "topic", s.topic, "partition", s.partition, "offset", s.offset, "event_id", s.eventID)
+				} else {
+					args = append(args, "messages", s.messages)
+					if s.eventID != "" {
+						args = append(args, "event_id", s.eventID)
+					}
+				}
+				p.cfg.Telemetry.Logger.ErrorContext(ctx, "once: a user function has not returned; it holds its stream (or, unordered, a worker) until it does", args...)
+			}
+		}
+	}
+}
