@@ -27,7 +27,14 @@ type dispatcher struct {
 	batcher *batcher
 	// retired counts lanes whose worker stopped since the last sweep.
 	retired chan struct{}
+	// probed is the last delivery context whose methods receiveOne tried;
+	// touched only by the receiving goroutine.
+	probed context.Context
 }
+
+// contextProbe is the key receiveOne asks a delivery's context's Value
+// for.
+type contextProbe struct{}
 
 func newDispatcher(p *pipeline, work context.Context) *dispatcher {
 	d := &dispatcher{p: p, work: work, lanes: map[string]*lane{},
@@ -86,9 +93,10 @@ type received struct {
 
 // receiveOne receives the next delivery from the source and asks it for
 // its message, its context and, if it is PositionDeduplicated, whether it
-// is deduplicated by its position. A delivery that is nil or has no
-// message or no context, or a context that cannot be compared, or a panic
-// in Receive or in one of those methods, is an error wrapping
+// is deduplicated by its position, and tries the Done, Err and Value of
+// each context it has not met just before. A delivery that is nil or has
+// no message or no context, or a context that cannot be compared, or a
+// panic in Receive or in one of those methods, is an error wrapping
 // ErrSourceBroken; the delivery is then left
 // unsettled, for the broker to deliver again.
 func (d *dispatcher) receiveOne(ctx context.Context) (rv received, err error) {
@@ -118,6 +126,20 @@ func (d *dispatcher) receiveOne(ctx context.Context) (rv received, err error) {
 		// Lanes and batches tell assignments apart by comparing
 		// contexts, which would panic on a worker's goroutine.
 		return received{}, fmt.Errorf("%w: Receive returned a delivery whose context (%T) cannot be compared", ErrSourceBroken, rv.dctx)
+	}
+	if rv.dctx != d.probed {
+		// The workers call the context's Done, Err and Value
+		// (context.AfterFunc, a lane's wait for its assignment's end),
+		// where a panic would end the process: each is tried here once
+		// for each context met (deliveries of one assignment share
+		// theirs), its panic the source's broken contract.
+		method = "Context().Done"
+		_ = rv.dctx.Done()
+		method = "Context().Err"
+		_ = rv.dctx.Err()
+		method = "Context().Value"
+		_ = rv.dctx.Value(contextProbe{})
+		d.probed = rv.dctx
 	}
 	if pd, ok := dv.(PositionDeduplicated); ok {
 		method = "DeduplicatedByPosition"

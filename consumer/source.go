@@ -94,7 +94,11 @@ type Delivery interface {
 	// The context must be comparable (==), as the standard library's
 	// contexts are: a context of a type that cannot be compared (a struct
 	// value holding a map) stops Run with an error wrapping
-	// ErrSourceBroken. Deliveries of one assignment of a stream (one
+	// ErrSourceBroken. So does a context whose Done, Err or Value panics
+	// when the consumer tries them, as it first receives the context: the
+	// consumer calls them on its workers' goroutines, where a panic would
+	// end the process (one that panics only later, once the context is
+	// done, still does). Deliveries of one assignment of a stream (one
 	// partition claim, one channel) share one context, and a new
 	// assignment has a new one: the consumer takes a new context on a
 	// stream as the sign that earlier work may have died with a previous

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -631,6 +632,98 @@ func TestSourceHookPanickingEveryTimeStopsRun(t *testing.T) {
 			assert.Empty(t, b.DeadLetters())
 			assert.Empty(t, countEffects(t, pool), "nothing is committed")
 			assert.Equal(t, int32(1<<30-consumer.SourcePanicLimit), src.left.Load(), "the call panicked SourcePanicLimit times")
+		})
+	}
+}
+
+// panickyContext is a delivery's context whose method named panics.
+type panickyContext struct {
+	context.Context
+	panics string
+}
+
+func (c *panickyContext) Done() <-chan struct{} {
+	if c.panics == "Done" {
+		panic("a bug in the source's context")
+	}
+	return c.Context.Done()
+}
+
+func (c *panickyContext) Err() error {
+	if c.panics == "Err" {
+		panic("a bug in the source's context")
+	}
+	return c.Context.Err()
+}
+
+func (c *panickyContext) Value(key any) any {
+	if c.panics == "Value" {
+		panic("a bug in the source's context")
+	}
+	return c.Context.Value(key)
+}
+
+// panickyContextSource hands out deliveries whose contexts are
+// panickyContexts, one for each context of its source's.
+type panickyContextSource struct {
+	consumer.Source
+	panics string
+	mu     sync.Mutex
+	ctxs   map[context.Context]*panickyContext
+}
+
+type ctxMethodPanicDelivery struct {
+	consumer.Delivery
+	ctx *panickyContext
+}
+
+func (d ctxMethodPanicDelivery) Context() context.Context { return d.ctx }
+
+func (s *panickyContextSource) Receive(ctx context.Context) (consumer.Delivery, error) {
+	dv, err := s.Source.Receive(ctx)
+	if err != nil {
+		return nil, err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	c := s.ctxs[dv.Context()]
+	if c == nil {
+		c = &panickyContext{Context: dv.Context(), panics: s.panics}
+		s.ctxs[dv.Context()] = c
+	}
+	return ctxMethodPanicDelivery{dv, c}, nil
+}
+
+// A delivery whose context's Done, Err or Value panics stops Run with an
+// error wrapping ErrSourceBroken that names the method, and loses
+// nothing: the consumer calls them on its workers' goroutines
+// (context.AfterFunc, a lane's wait for its assignment's end), where the
+// panic crashed the process.
+func TestPanickingDeliveryContextStopsTheConsumer(t *testing.T) {
+	for _, method := range []string{"Done", "Err", "Value"} {
+		t.Run(method, func(t *testing.T) {
+			pool, _ := pgtest.Schema(t)
+			effects(t, pool)
+			b := memsource.New(memsource.Options{Streams: 1})
+			want := map[string]int{}
+			for i := range 5 {
+				id := fmt.Sprintf("e%d", i)
+				publish(b, id, i)
+				want[id] = 1
+			}
+			src := &panickyContextSource{Source: b.Source(), panics: method, ctxs: map[context.Context]*panickyContext{}}
+			c, err := consumer.New(pool, src, insertEffect, fastConfig("panicky-context"))
+			require.NoError(t, err)
+			err = c.Run(deadline(t, 30*time.Second))
+			require.ErrorIs(t, err, consumer.ErrSourceBroken)
+			assert.Contains(t, err.Error(), "Context()."+method+" panicked")
+			assert.Zero(t, b.Acked())
+			c, err = consumer.New(pool, b.Source(), insertEffect, fastConfig("panicky-context"))
+			require.NoError(t, err)
+			stop := start(t, c)
+			require.NoError(t, b.WaitAcked(deadline(t, 30*time.Second), 5))
+			require.NoError(t, stop())
+			assert.Equal(t, want, countEffects(t, pool))
 		})
 	}
 }
