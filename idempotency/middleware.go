@@ -470,7 +470,11 @@ func (m *Middleware) RunRetention(ctx context.Context) error {
 
 // DeleteExpired deletes every expired key now, Config.RetentionBatch rows
 // per statement (each its own short transaction), and returns how many it
-// removed. It stops early with ctx's error.
+// removed. It stops early with ctx's error. It waits for no other
+// transaction: an expired key whose row another transaction holds (a
+// request reusing the key, whose handler still runs; another sweep) is
+// left for a later sweep, and a sweep that meets such rows may stop
+// before the last batch.
 func (m *Middleware) DeleteExpired(ctx context.Context) (int64, error) {
 	return m.sql.deleteAllExpired(ctx, m.pool, m.cfg.RetentionBatch)
 }

@@ -195,9 +195,14 @@ VALUES ($1, $2, $3, $4, $5, now() + $6::float8 * interval '1 second') ON CONFLIC
 		// The DELETE checks the condition again: in a partitioned table
 		// each partition has rows of every ctid, and only expired keys may
 		// go (another partition's expired key of the same ctid goes with
-		// the batch).
+		// the batch). Rows another transaction holds are skipped: a
+		// request reusing an expired key deletes its row and runs its
+		// handler with the row locked, and a sweep that waited for it would
+		// hold its whole batch (and every request with one of its keys)
+		// for as long as that handler runs. A skipped row goes at a later
+		// sweep, or with its request.
 		retention: `DELETE FROM ` + table + ` WHERE ctid = ANY(ARRAY(SELECT ctid FROM ` + table +
-			` WHERE expires_at <= now() LIMIT $1)) AND expires_at <= now()`,
+			` WHERE expires_at <= now() LIMIT $1 FOR UPDATE SKIP LOCKED)) AND expires_at <= now()`,
 	}
 }
 
