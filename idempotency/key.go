@@ -5,6 +5,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"net/url"
 	"strings"
 
 	"github.com/onceco/once/internal/pgtext"
@@ -84,4 +85,15 @@ func storedScope(scope string) string {
 	}
 	sum := sha256.Sum256([]byte(scope))
 	return hashedScopePrefix + hex.EncodeToString(sum[:])
+}
+
+// storedPath is the form of a request's path kept in the table: the
+// decoded path, or, when its escapes decode to bytes PostgreSQL text
+// cannot hold (a NUL, bytes that are not UTF-8), the path as escaped on
+// the wire, which always can.
+func storedPath(u *url.URL) string {
+	if pgtext.Storable(u.Path) {
+		return u.Path
+	}
+	return u.EscapedPath()
 }

@@ -91,7 +91,7 @@ func (m *Middleware) Handler(next http.Handler) http.Handler {
 		}
 		m.serveWithKey(w, r, next, claim{
 			scope: storedScope(m.cfg.Scope(r)), key: key, fingerprint: m.cfg.Fingerprint(r, body),
-			method: r.Method, path: r.URL.Path,
+			method: r.Method, path: storedPath(r.URL),
 		})
 	})
 }
