@@ -57,6 +57,12 @@ type Beginner interface {
 	Begin(ctx context.Context) (pgx.Tx, error)
 }
 
+// ErrSchemaNewer is wrapped by Migrate's error when the database records
+// a schema version of idempotency_keys newer than this release knows: a
+// newer release of the library migrated it. Nothing is changed, and
+// retrying cannot succeed; run the newer release.
+var ErrSchemaNewer = migrate.ErrNewer
+
 // Migrate brings the idempotency_keys table and its index to the newest
 // schema version, in schema ("": the first schema of the connection's
 // search_path; give the schema of processed_events to keep both in one
@@ -66,8 +72,9 @@ type Beginner interface {
 // table's schema, in one transaction under the advisory lock every
 // migration of the library takes; it is safe to call on every start and
 // from many processes at once, and it refuses a schema a newer release
-// migrated. The schema must exist. A table of the name that exists
-// already (another library's, one made by hand) is checked, not changed:
+// migrated (an error wrapping ErrSchemaNewer). The schema must exist. A
+// table of the name that exists already (another library's, one made by
+// hand) is checked, not changed:
 // Migrate fails with an error wrapping ErrSchemaMismatch, naming each
 // difference, when it lacks a column the middleware needs, has one it
 // cannot leave out, is unlogged (a crash would empty it), or has no unique
