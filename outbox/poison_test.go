@@ -3,6 +3,8 @@ package outbox_test
 import (
 	"bytes"
 	"context"
+	"strconv"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -112,4 +114,45 @@ func TestRefusalWhoseTextPanicsIsCharged(t *testing.T) {
 	waitRows(t, pool, "parked_at IS NOT NULL AND attempts = 2 AND last_error LIKE '%PANIC%'", 1, 20*time.Second)
 	waitRows(t, pool, "true", 1, 10*time.Second)
 	assert.Equal(t, []string{"1"}, bodies(d.read(t, 1)))
+}
+
+// countingPublisher counts the calls of its Publisher's Publish.
+type countingPublisher struct {
+	outbox.Publisher
+	calls atomic.Int64
+}
+
+func (p *countingPublisher) Publish(ctx context.Context, recs []outbox.Record) []error {
+	p.calls.Add(1)
+	return p.Publisher.Publish(ctx, recs)
+}
+
+// The record a batch's Publish panics on is found by publishing the batch
+// again in halves: about 2·log2(n) publishes for a batch of n, where one
+// at a time cost n (256 publishes, each under PublishTimeout, for a batch
+// of 256). Every other record is published and settled.
+func TestPoisonRecordInAFullBatchIsFoundInHalves(t *testing.T) {
+	const n = 256
+	k := newKafka(t)
+	pool, _ := migrated(t)
+	d := k.destination(t)
+	msgs := make([]outbox.Message, n)
+	var want []string
+	for i := range msgs {
+		body := strconv.Itoa(i)
+		if i == 200 {
+			body = "poison"
+		} else {
+			want = append(want, body)
+		}
+		msgs[i] = d.msg("k"+strconv.Itoa(i), body)
+	}
+	addCommitted(t, pool, msgs...) // before the relay starts: read as one batch
+	pub := &countingPublisher{Publisher: &poisonPublisher{Publisher: k.publisher(t), poison: []byte("poison")}}
+	startRelay(t, pool, pub, outbox.RelayConfig{PollInterval: 20 * time.Millisecond, BatchSize: n, MaxAttempts: 1,
+		InfraBackoff: outbox.Backoff{Initial: 10 * time.Millisecond, Max: 10 * time.Millisecond}})
+	waitRows(t, pool, "parked_at IS NOT NULL AND last_error LIKE '%Publish panicked: publisher bug on poison'", 1, 20*time.Second)
+	waitRows(t, pool, "true", 1, 20*time.Second)
+	assert.ElementsMatch(t, want, bodies(d.read(t, n-1)))
+	assert.LessOrEqual(t, pub.calls.Load(), int64(1+2*8), "one publish of the batch, then two for each of log2(256) levels")
 }

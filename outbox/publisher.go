@@ -45,9 +45,9 @@ type Publisher interface {
 	// one error per record: one of another length takes none of recs as
 	// confirmed or charged, and is logged at level Error and retried like
 	// an unavailable broker. A panic in Publish is logged at level Error
-	// with its stack; the relay then publishes the records one at a time,
-	// in order, and charges a record whose publish panics alone like a
-	// refusal, the panic's value as its error (a record that makes the
+	// with its stack; the relay then publishes the records again in
+	// halves, in order (a half that panics in halves again), and charges
+	// a record whose publish panics alone like a refusal, the panic's value as its error (a record that makes the
 	// publisher panic every time is parked after RelayConfig.MaxAttempts;
 	// one that panics on every record has each charged so), holding the
 	// later records of its key back; a record the publisher sent before it
