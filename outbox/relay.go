@@ -101,8 +101,9 @@ type RelayConfig struct {
 	// publisher from two goroutines. A record the call sends late is a
 	// copy with its row's id, like one of a leader whose session was
 	// killed. Set it above the publisher's own bounds (amqpout's
-	// ConfirmTimeout, the retries of kafkaout's sarama producer). Defaults
-	// to DefaultPublishTimeout (1m).
+	// ConfirmTimeout; kafkaout returns when the context ends, but its
+	// connect is bounded by its sarama settings alone). Defaults to
+	// DefaultPublishTimeout (1m).
 	PublishTimeout time.Duration
 
 	// Logger receives leadership changes, parked rows and infrastructure

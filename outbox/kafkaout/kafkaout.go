@@ -125,7 +125,12 @@ func producerConfig(base *sarama.Config) *sarama.Config {
 // cluster refusing the producer its authorisation, is an error wrapped
 // with outbox.Refused, which names the broker and what it refused: the
 // relay retries it as well (and resumes once the settings or the cluster
-// are fixed), logging it as an error.
+// are fixed), logging it as an error. Publish returns when ctx ends (the
+// relay's RelayConfig.PublishTimeout), each record failed with an error
+// wrapping ctx's, a passing failure: the producer is given up and the
+// records are sent again by the next call, with their ids. Connecting
+// (the producer's first metadata request) is bounded by Config.Sarama's
+// Net and Metadata settings alone.
 func (p *Publisher) Publish(ctx context.Context, recs []outbox.Record) []error {
 	producer, err := p.connect(ctx)
 	if err != nil {
@@ -136,7 +141,7 @@ func (p *Publisher) Publish(ctx context.Context, recs []outbox.Record) []error {
 		msgs[i] = p.message(rec)
 		msgs[i].Metadata = i
 	}
-	err = producer.SendMessages(msgs)
+	err = p.send(ctx, producer, msgs)
 	if err == nil {
 		return nil
 	}
@@ -340,6 +345,46 @@ func (p *Publisher) connect(ctx context.Context) (sarama.SyncProducer, error) {
 		p.producer = producer
 	}
 	return p.producer, nil
+}
+
+// errAbandoned wraps the context's error when Publish returned before the
+// producer answered.
+var errAbandoned = errors.New("kafkaout: the publish's context ended before the broker answered; the records may be sent all the same, and are sent again with their ids")
+
+// send sends msgs with producer and returns its answer, or, when ctx ends
+// first, an error wrapping ctx's: sarama's SyncProducer takes no context,
+// and waits out its own request timeouts and retries (half a minute a try
+// by default), which a relay's PublishTimeout may not allow. The producer
+// is then given up (drop): its send goes on in the background, and it is
+// closed once that returns; the next call makes a new one. The records of
+// the call given up may still reach the broker, after the same records
+// sent again by the next producer: copies with their ids, which consumers
+// skip, and the first copy of each in the order of the batches.
+func (p *Publisher) send(ctx context.Context, producer sarama.SyncProducer, msgs []*sarama.ProducerMessage) error {
+	done := make(chan error, 1)
+	go func() { done <- producer.SendMessages(msgs) }()
+	select {
+	case err := <-done:
+		return err
+	case <-ctx.Done():
+		p.drop(producer, done)
+		return fmt.Errorf("%w: %w", errAbandoned, context.Cause(ctx))
+	}
+}
+
+// drop gives producer up while its send, whose answer done carries, is in
+// flight: the next call connects a new one, and producer is closed once
+// the send returns.
+func (p *Publisher) drop(producer sarama.SyncProducer, done <-chan error) {
+	p.mu.Lock()
+	if p.producer == producer {
+		p.producer = nil
+	}
+	p.mu.Unlock()
+	go func() {
+		<-done
+		_ = producer.Close()
+	}()
 }
 
 // reset closes the producer after a failure: the next batch starts a new

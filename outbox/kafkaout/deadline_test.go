@@ -1,0 +1,71 @@
+package kafkaout
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"github.com/twmb/franz-go/pkg/kfake"
+	"github.com/twmb/franz-go/pkg/kmsg"
+
+	"github.com/onceco/once/outbox"
+)
+
+// Publish ended only when sarama's SyncProducer did (its request timeouts
+// and retries, half a minute a try by default), whatever its context: a
+// broker that holds its produce requests held the relay's call past
+// RelayConfig.PublishTimeout, and the relay gave the call up and its
+// leadership with it. Publish returns when its context ends, each record
+// failed with an error wrapping the context's (a passing failure: the
+// relay sends them again, with their ids), and the next call, once the
+// broker answers, uses a new producer.
+func TestPublishReturnsWhenItsContextEnds(t *testing.T) {
+	kf, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(1, "orders"))
+	require.NoError(t, err)
+	defer kf.Close()
+	sc := sarama.NewConfig()
+	sc.Version = sarama.V2_8_0_0
+	p, err := New(Config{Brokers: kf.ListenAddrs(), Sarama: sc})
+	require.NoError(t, err)
+	defer p.Close()
+	require.Nil(t, p.Publish(t.Context(), []outbox.Record{{EventID: "e-0", Topic: "orders", Body: []byte("b")}}))
+
+	release := make(chan struct{})
+	defer func() {
+		select {
+		case <-release:
+		default:
+			close(release)
+		}
+	}()
+	held := make(chan struct{}, 1)
+	kf.ControlKey(kmsg.Produce.Int16(), func(kmsg.Request) (kmsg.Response, error, bool) {
+		kf.KeepControl()
+		select {
+		case held <- struct{}{}:
+		default:
+		}
+		kf.SleepControl(func() { <-release })
+		return nil, nil, false
+	})
+	ctx, cancel := context.WithTimeout(t.Context(), 500*time.Millisecond)
+	defer cancel()
+	started := time.Now()
+	errs := p.Publish(ctx, []outbox.Record{{EventID: "e-1", Topic: "orders", Body: []byte("b")}, {EventID: "e-2", Topic: "orders", Body: []byte("b")}})
+	took := time.Since(started)
+	<-held
+	require.Len(t, errs, 2)
+	for _, err := range errs {
+		require.ErrorIs(t, err, context.DeadlineExceeded)
+		assert.False(t, outbox.IsRejected(err), "a passing failure, never charged")
+	}
+	assert.Less(t, took, 10*time.Second, "Publish returned when its context ended")
+
+	close(release)
+	require.Eventually(t, func() bool {
+		return p.Publish(t.Context(), []outbox.Record{{EventID: "e-3", Topic: "orders", Body: []byte("b")}}) == nil
+	}, 30*time.Second, 50*time.Millisecond, "a later call publishes once the broker answers")
+}
