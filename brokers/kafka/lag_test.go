@@ -20,16 +20,29 @@ import (
 
 // lagOf returns the lag gauge's values by "topic/partition".
 func lagOf(t testing.TB, reader *sdkmetric.ManualReader) map[string]int64 {
+	return partitionValues(t, reader, LagMetricName)
+}
+
+// partitionValues returns the values of the int64 gauge or counter named
+// name by "topic/partition".
+func partitionValues(t testing.TB, reader *sdkmetric.ManualReader, name string) map[string]int64 {
 	t.Helper()
 	var rm metricdata.ResourceMetrics
 	require.NoError(t, reader.Collect(context.Background(), &rm))
 	out := map[string]int64{}
 	for _, sm := range rm.ScopeMetrics {
 		for _, m := range sm.Metrics {
-			if m.Name != LagMetricName {
+			if m.Name != name {
 				continue
 			}
-			for _, dp := range m.Data.(metricdata.Gauge[int64]).DataPoints {
+			var points []metricdata.DataPoint[int64]
+			switch data := m.Data.(type) {
+			case metricdata.Gauge[int64]:
+				points = data.DataPoints
+			case metricdata.Sum[int64]:
+				points = data.DataPoints
+			}
+			for _, dp := range points {
 				tp, _ := dp.Attributes.Value("messaging.destination.name")
 				p, _ := dp.Attributes.Value("messaging.destination.partition.id")
 				out[tp.AsString()+"/"+p.AsString()] = dp.Value

@@ -14,7 +14,6 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
-	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
 	"github.com/onceco/once/internal/pgtest"
 )
@@ -60,23 +59,7 @@ func TestOffsetsInDatabasePositionOutOfRangeIsAnError(t *testing.T) {
 // outOfRangeOf returns the OutOfRangeMetricName counter's values by
 // "topic/partition".
 func outOfRangeOf(t testing.TB, reader *sdkmetric.ManualReader) map[string]int64 {
-	t.Helper()
-	var rm metricdata.ResourceMetrics
-	require.NoError(t, reader.Collect(context.Background(), &rm))
-	out := map[string]int64{}
-	for _, sm := range rm.ScopeMetrics {
-		for _, m := range sm.Metrics {
-			if m.Name != OutOfRangeMetricName {
-				continue
-			}
-			for _, dp := range m.Data.(metricdata.Sum[int64]).DataPoints {
-				tp, _ := dp.Attributes.Value("messaging.destination.name")
-				p, _ := dp.Attributes.Value("messaging.destination.partition.id")
-				out[tp.AsString()+"/"+p.AsString()] = dp.Value
-			}
-		}
-	}
-	return out
+	return partitionValues(t, reader, OutOfRangeMetricName)
 }
 
 // Without OffsetsInDatabase, a partition whose committed offset retention
