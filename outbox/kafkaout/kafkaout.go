@@ -362,27 +362,32 @@ var errAbandoned = errors.New("kafkaout: the publish's context ended before the 
 // skip, and the first copy of each in the order of the batches.
 func (p *Publisher) send(ctx context.Context, producer sarama.SyncProducer, msgs []*sarama.ProducerMessage) error {
 	done := make(chan error, 1)
-	go func() { done <- producer.SendMessages(msgs) }()
+	finished := make(chan struct{})
+	go func() {
+		done <- producer.SendMessages(msgs)
+		close(finished)
+	}()
 	select {
 	case err := <-done:
 		return err
 	case <-ctx.Done():
-		p.drop(producer, done)
+		p.drop(producer, finished)
 		return fmt.Errorf("%w: %w", errAbandoned, context.Cause(ctx))
 	}
 }
 
-// drop gives producer up while its send, whose answer done carries, is in
-// flight: the next call connects a new one, and producer is closed once
-// the send returns.
-func (p *Publisher) drop(producer sarama.SyncProducer, done <-chan error) {
+// drop gives producer up while its send is in flight: the next call
+// connects a new one, and producer is closed once the send returns
+// (finished is closed). The send's answer does not matter: its records
+// are sent again.
+func (p *Publisher) drop(producer sarama.SyncProducer, finished <-chan struct{}) {
 	p.mu.Lock()
 	if p.producer == producer {
 		p.producer = nil
 	}
 	p.mu.Unlock()
 	go func() {
-		<-done
+		<-finished
 		_ = producer.Close()
 	}()
 }
