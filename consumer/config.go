@@ -146,7 +146,10 @@ type Config struct {
 	// logged at Error once, naming the function, the message's topic,
 	// partition, offset (the queue, -1 and -1 on RabbitMQ) and event id,
 	// and how long it has run, and counted in Stats.StuckCalls; it holds
-	// its stream (an unordered message: a worker) until it returns.
+	// its stream (an unordered message: a worker) until it returns. A
+	// Source's Ack, DeadLetter, RecordProgress and FirstPositionDone are
+	// watched the same way: they take a context, but one that ignores it
+	// would otherwise hold its stream without a word.
 	HandlerTimeout time.Duration
 	// ShutdownTimeout bounds how long Run waits, once its context is
 	// cancelled, for messages in flight to finish; then their transactions

@@ -89,7 +89,7 @@ type FirstPositionChecker interface {
 // checkFirstPositions makes a duplicate of each claimed job whose id is
 // the first position of another consumer's redriven dead letter, when its
 // source records that position done.
-func checkFirstPositions(ctx context.Context, tx pgx.Tx, jobs []*job, res []dedup.Result) error {
+func (p *pipeline) checkFirstPositions(ctx context.Context, tx pgx.Tx, jobs []*job, res []dedup.Result) error {
 	for i, j := range jobs {
 		if !j.idt.firstPosition || res[i].Outcome != dedup.Claimed {
 			continue
@@ -99,7 +99,7 @@ func checkFirstPositions(ctx context.Context, tx pgx.Tx, jobs []*job, res []dedu
 			continue
 		}
 		var done bool
-		err := sourceCall("FirstPositionDone", func() (err error) {
+		err := p.watchedSourceCall(&j.watch, "Delivery.FirstPositionDone", j.m, j.idt.id, 1, func() (err error) {
 			done, err = fc.FirstPositionDone(ctx, tx, j.idt.id)
 			return err
 		})
@@ -200,7 +200,7 @@ func (p *pipeline) recordProgress(ctx context.Context, tx pgx.Tx, jobs []*job, r
 	if len(dvs) == 0 {
 		return txResult{}, false
 	}
-	err := sourceCall("RecordProgress", func() error { return r.RecordProgress(ctx, tx, dvs) })
+	err := p.watchedSourceCall(new(userCall), "Source.RecordProgress", nil, "", len(dvs), func() error { return r.RecordProgress(ctx, tx, dvs) })
 	switch {
 	case err == nil:
 		return txResult{}, false

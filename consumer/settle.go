@@ -171,7 +171,7 @@ func (s *settler) deadLetter(ctx context.Context, j *job, dl *DeadLetter) {
 	dl.FailedAt = time.Now()
 	dl.TraceParent = p.tel.traceParent(ctx)
 	if err := p.infra(ctx, "writing a dead letter (the message stays unacked)", Retry{EventID: j.idt.id, Messages: 1}, func() error {
-		return sourceCall("DeadLetter", func() error { return j.d.DeadLetter(ctx, dl) })
+		return p.watchedSourceCall(&j.watch, "Delivery.DeadLetter", j.m, j.idt.id, 1, func() error { return j.d.DeadLetter(ctx, dl) })
 	}); err != nil {
 		s.abandon(j)
 		return
@@ -195,11 +195,11 @@ func (s *settler) deadLetter(ctx context.Context, j *job, dl *DeadLetter) {
 func (s *settler) ackDelivery(j *job, deadLettered bool) error {
 	p := s.p
 	if !deadLettered {
-		return sourceCall("Ack", func() error { return j.d.Ack(p.work) })
+		return p.watchedSourceCall(&j.watch, "Delivery.Ack", j.m, j.idt.id, 1, func() error { return j.d.Ack(p.work) })
 	}
 	ctx, cancel := p.detached(j.ctx)
 	defer cancel()
-	return sourceCall("Ack", func() error { return j.d.Ack(ctx) })
+	return p.watchedSourceCall(&j.watch, "Delivery.Ack", j.m, j.idt.id, 1, func() error { return j.d.Ack(ctx) })
 }
 
 // sourceCall calls f, a method of the source or of its Delivery, and

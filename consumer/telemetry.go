@@ -41,11 +41,13 @@ type Stats struct {
 	Retries uint64
 	// InfraErrors counts infrastructure failures (database or broker).
 	InfraErrors uint64
-	// StuckCalls counts calls of user functions other than the handler
-	// (a hook, the Decoder, Identify.EventID, Envelope or Fingerprint)
+	// StuckCalls counts calls the consumer does not cut (a hook, the
+	// Decoder, Identify.EventID, Envelope or Fingerprint, a Source's or
+	// Delivery's Ack, DeadLetter, RecordProgress or FirstPositionDone)
 	// logged at Error for running past HandlerTimeout
 	// (DefaultHandlerTimeout under NoHandlerTimeout); each such call
-	// counts once, however long it runs.
+	// counts once, however long it runs. The metric
+	// once.consumer.stuck_calls counts them by function.
 	StuckCalls uint64
 }
 
@@ -84,6 +86,7 @@ type telemetry struct {
 	outcomes sync.Map
 
 	messages, retries, deadLetters metric.Int64Counter
+	stuckCalls                     metric.Int64Counter
 	handlerDur, commitDur          metric.Float64Histogram
 	inflight                       metric.Int64UpDownCounter
 	batchSize                      metric.Int64Histogram
@@ -179,6 +182,11 @@ func newTelemetry(cfg *Config, system, group string) (*telemetry, error) {
 	}
 	if t.deadLetters, err = m.Int64Counter("once.consumer.dead_letters",
 		metric.WithDescription("Dead-letter copies written, by error kind (a message whose ack was lost after its copy was written counts twice)."), metric.WithUnit("{message}")); err != nil {
+		return nil, err
+	}
+	if t.stuckCalls, err = m.Int64Counter("once.consumer.stuck_calls",
+		metric.WithDescription("Calls past HandlerTimeout of functions the consumer does not cut (hooks, Decoder, Identify, Envelope, a custom Source's Ack, DeadLetter, RecordProgress, FirstPositionDone), by function; each counts once, however long it runs."),
+		metric.WithUnit("{call}")); err != nil {
 		return nil, err
 	}
 	if t.handlerDur, err = m.Float64Histogram("once.consumer.handler.duration",
@@ -364,6 +372,11 @@ func (t *telemetry) deadLetter(ctx context.Context, span trace.Span, kind ErrorK
 	span.RecordError(errors.New(msg), trace.WithAttributes(attribute.String("error.type", string(kind))))
 	span.SetAttributes(attribute.String("error.type", string(kind)))
 	t.deadLetters.Add(ctx, 1, metric.WithAttributeSet(t.base), metric.WithAttributes(attribute.String("kind", string(kind))))
+}
+
+// stuck counts a call of function past the watchdog's bound (watch.go).
+func (t *telemetry) stuck(ctx context.Context, function string) {
+	t.stuckCalls.Add(ctx, 1, metric.WithAttributeSet(t.base), metric.WithAttributes(attribute.String("once.function", function)))
 }
 
 func (t *telemetry) since(ctx context.Context, h metric.Float64Histogram, start time.Time) {

@@ -112,7 +112,7 @@ func (p *pipeline) transaction(ctx context.Context, jobs []*job) txResult {
 	if err != nil {
 		return txResult{outcome: txInfra, err: err, failed: -1}
 	}
-	if err := checkFirstPositions(ctx, tx, jobs, res); err != nil {
+	if err := p.checkFirstPositions(ctx, tx, jobs, res); err != nil {
 		return txResult{outcome: txInfra, err: err, failed: -1}
 	}
 	if err := p.guard.clearIn(ctx, tx, jobs); err != nil {
@@ -332,7 +332,7 @@ func (p *pipeline) handlerEnded(ctx context.Context, tx pgx.Tx, jobs []*job, res
 		Begin(context.Context) (pgx.Tx, error)
 	}) error {
 		return pgx.BeginFunc(ctx, db, func(ptx pgx.Tx) error {
-			return sourceCall("RecordProgress", func() error { return rec.RecordProgress(ctx, ptx, dvs) })
+			return p.watchedSourceCall(new(userCall), "Source.RecordProgress", nil, "", len(dvs), func() error { return rec.RecordProgress(ctx, ptx, dvs) })
 		})
 	}
 	if conn = idleConn(tx); conn != nil {

@@ -2,6 +2,7 @@ package consumer
 
 import (
 	"context"
+	"strings"
 	"sync"
 	"time"
 )
@@ -18,6 +19,12 @@ import (
 // with the function's name, the message's topic, partition, offset (the
 // queue, -1 and -1 on RabbitMQ) and event id, and how long it has run,
 // and counted in Stats.StuckCalls.
+//
+// A Source's or Delivery's Ack, DeadLetter, RecordProgress and
+// FirstPositionDone are watched the same way (watchedSourceCall): they
+// take a context, which the built-in adapters honour, but a custom
+// Source stuck in a client call without a deadline would hold its stream
+// without a word.
 
 // userCall is a call of a user function in progress, in the watchdog's
 // list. A job holds one for its own calls, so watching a call allocates
@@ -109,6 +116,17 @@ func (w *watchdog) overdue(now time.Time) []stuck {
 	return out
 }
 
+// watchedSourceCall is sourceCall under the watchdog: c, the call of the
+// Source's or Delivery's method (named "Delivery.Ack", "Source.RecordProgress"
+// in the watchdog's log; the part after the dot in sourceCall's error),
+// for message m with eventID, or nil and messages for a call on several.
+func (p *pipeline) watchedSourceCall(c *userCall, name string, m *Message, eventID string, messages int, f func() error) error {
+	p.watch.begin(c, name, m, eventID, messages)
+	defer p.watch.end(c)
+	_, method, _ := strings.Cut(name, ".")
+	return sourceCall(method, f)
+}
+
 // watchAfter is how long a user call other than the handler runs before
 // the watchdog logs it.
 func (c *Config) watchAfter() time.Duration {
@@ -134,6 +152,7 @@ func (p *pipeline) watchUserCalls(ctx context.Context) {
 		case now := <-t.C:
 			for _, s := range p.watch.overdue(now) {
 				p.stats.stuckCalls.Add(1)
+				p.tel.stuck(ctx, s.name)
 				args := []any{"consumer", p.cfg.Name, "function", s.name, "running", s.running, "bound", p.watch.after}
 				if s.hasMessage {
 					args = append(args, "topic", s.topic, "partition", s.partition, "offset", s.offset, "event_id", s.eventID)
@@ -143,7 +162,7 @@ func (p *pipeline) watchUserCalls(ctx context.Context) {
 						args = append(args, "event_id", s.eventID)
 					}
 				}
-				p.cfg.Telemetry.Logger.ErrorContext(ctx, "once: a user function has not returned; it holds its stream (or, unordered, a worker) until it does", args...)
+				p.cfg.Telemetry.Logger.ErrorContext(ctx, "once: a call has not returned; it holds its stream (or, unordered, a worker) until it does", args...)
 			}
 		}
 	}

@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 
 	"github.com/onceco/once/consumer"
 	"github.com/onceco/once/consumer/memsource"
@@ -85,6 +86,108 @@ func TestStuckUserFunctionIsLogged(t *testing.T) {
 			assert.Equal(t, uint64(1), c.Stats().StuckCalls)
 			unblock()
 			require.Eventually(t, func() bool { return b.Acked() == 1 }, 20*time.Second, 5*time.Millisecond)
+			require.NoError(t, stop())
+			assert.Equal(t, uint64(1), c.Stats().StuckCalls, "logged once")
+		})
+	}
+}
+
+// hangingSource is a progressSource whose method named hangs at its first
+// call until release is closed, ignoring its context, as a custom Source
+// stuck in a client call without a deadline would.
+type hangingSource struct {
+	*progressSource
+	method  string
+	release chan struct{}
+	once    sync.Once
+}
+
+func (s *hangingSource) hang(method string) {
+	if method == s.method {
+		s.once.Do(func() { <-s.release })
+	}
+}
+
+func (s *hangingSource) RecordProgress(ctx context.Context, tx pgx.Tx, ds []consumer.Delivery) error {
+	s.hang("RecordProgress")
+	return s.progressSource.RecordProgress(ctx, tx, ds)
+}
+
+func (s *hangingSource) Receive(ctx context.Context) (consumer.Delivery, error) {
+	dv, err := s.progressSource.Receive(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return hangingDelivery{dv, s}, nil
+}
+
+type hangingDelivery struct {
+	consumer.Delivery
+	s *hangingSource
+}
+
+func (d hangingDelivery) Ack(ctx context.Context) error {
+	d.s.hang("Ack")
+	return d.Delivery.Ack(ctx)
+}
+
+func (d hangingDelivery) DeadLetter(ctx context.Context, dl *consumer.DeadLetter) error {
+	d.s.hang("DeadLetter")
+	return d.Delivery.DeadLetter(ctx, dl)
+}
+
+// A custom Source's Ack, DeadLetter or RecordProgress that hangs, its
+// context ignored, holds its stream as a stuck hook does: once it has run
+// past HandlerTimeout it is logged at Error, naming the call and the
+// message, counted in Stats.StuckCalls and in once.consumer.stuck_calls.
+// It held the stream without a word.
+func TestStuckSourceCallIsLogged(t *testing.T) {
+	for _, method := range []string{"Ack", "DeadLetter", "RecordProgress"} {
+		t.Run(method, func(t *testing.T) {
+			t.Parallel()
+			pool, _ := pgtest.Schema(t)
+			effects(t, pool)
+			_, err := pool.Exec(context.Background(), `CREATE TABLE progress (off bigint NOT NULL)`)
+			require.NoError(t, err)
+			b := memsource.New(memsource.Options{Streams: 1, FallbackID: true})
+			value := `{"n":0}`
+			if method == "DeadLetter" {
+				value = "not json"
+			}
+			b.Publish(consumer.Message{Value: []byte(value)})
+			src := &hangingSource{progressSource: &progressSource{Source: b.Source()}, method: method, release: make(chan struct{})}
+			unblock := sync.OnceFunc(func() { close(src.release) })
+			defer unblock() // a failed wait must not leave the call blocked
+			log := &levelLog{}
+			reader := sdkmetric.NewManualReader()
+			cfg := fastConfig("stuck-source-" + method)
+			cfg.Telemetry.Logger = slog.New(log)
+			cfg.Telemetry.MeterProvider = sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+			cfg.HandlerTimeout = 100 * time.Millisecond
+			c, err := consumer.New(pool, src, insertEffect, cfg)
+			require.NoError(t, err)
+			stop := start(t, c)
+			name := map[string]string{"Ack": "Delivery.Ack", "DeadLetter": "Delivery.DeadLetter", "RecordProgress": "Source.RecordProgress"}[method]
+			stuck := func() string {
+				for _, l := range log.lines() {
+					if strings.HasPrefix(l, "ERROR ") && strings.Contains(l, "function="+name+" ") {
+						return l
+					}
+				}
+				return ""
+			}
+			require.Eventually(t, func() bool { return stuck() != "" }, 20*time.Second, 5*time.Millisecond,
+				"no error-level record of the stuck %s in %q", name, log.lines())
+			if method == "RecordProgress" {
+				assert.Contains(t, stuck(), "messages=1")
+			} else {
+				assert.Contains(t, stuck(), "offset=0")
+				assert.Contains(t, stuck(), "event_id=mem/0")
+			}
+			assert.Equal(t, uint64(1), c.Stats().StuckCalls)
+			assert.Equal(t, map[string]int64{name: 1}, sums(t, reader, "once.consumer.stuck_calls", "once.function"))
+			unblock()
+			require.NoError(t, b.WaitAcked(deadline(t, 30*time.Second), 1))
 			require.NoError(t, stop())
 			assert.Equal(t, uint64(1), c.Stats().StuckCalls, "logged once")
 		})
