@@ -127,7 +127,10 @@ type Config struct {
 	// statements and the commit are infrastructure time, never charged to
 	// a message. A handler past its timeout fails like a handler error
 	// (ClassRetry, then the dead-letter queue), whatever its error; one
-	// that ignores its context still holds its stream until it returns.
+	// that ignores its context still holds its stream until it returns,
+	// and once it has run for twice HandlerTimeout it is logged at Error,
+	// naming its message, and counted in Stats.StuckCalls (not under
+	// NoHandlerTimeout).
 	// Defaults to DefaultHandlerTimeout (one minute): the handler holds a
 	// transaction and a pool connection all along, and on RabbitMQ its
 	// delivery, which the broker takes back after its consumer_timeout (30

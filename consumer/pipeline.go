@@ -63,11 +63,13 @@ type pipeline struct {
 	work context.Context
 	// broken is set when the source is given up on (sourcepanics.go).
 	broken brokenSource
-	// watch holds the calls of user functions other than the handler in
-	// progress (watch.go); watchPrepare is set when identifying or
+	// watch holds the calls in progress that the consumer does not cut
+	// (watch.go); watchPrepare is set when identifying or
 	// decoding a message calls one.
 	watch        watchdog
 	watchPrepare bool
+	// handlerWatchAfter is Config.handlerWatchAfter.
+	handlerWatchAfter time.Duration
 	// identifyCall names the user functions identifying a message calls.
 	identifyCall string
 }
@@ -107,6 +109,7 @@ func newPipeline(pool *pgxpool.Pool, src Source, cfg Config, prep preparer) (*pi
 		p.identifyCall = "Identify.EventID"
 	}
 	p.watch.after = cfg.watchAfter()
+	p.handlerWatchAfter = cfg.handlerWatchAfter()
 	p.askXIDStatus = p.xidStatus
 	p.guard = newCrashGuard(p)
 	return p, nil

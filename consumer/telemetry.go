@@ -45,8 +45,9 @@ type Stats struct {
 	// Decoder, Identify.EventID, Envelope or Fingerprint, a Source's or
 	// Delivery's Ack, DeadLetter, RecordProgress or FirstPositionDone)
 	// logged at Error for running past HandlerTimeout
-	// (DefaultHandlerTimeout under NoHandlerTimeout); each such call
-	// counts once, however long it runs. The metric
+	// (DefaultHandlerTimeout under NoHandlerTimeout), and handler calls
+	// that ignored their context's end, logged at twice HandlerTimeout;
+	// each such call counts once, however long it runs. The metric
 	// once.consumer.stuck_calls counts them by function.
 	StuckCalls uint64
 }
@@ -185,7 +186,7 @@ func newTelemetry(cfg *Config, system, group string) (*telemetry, error) {
 		return nil, err
 	}
 	if t.stuckCalls, err = m.Int64Counter("once.consumer.stuck_calls",
-		metric.WithDescription("Calls past HandlerTimeout of functions the consumer does not cut (hooks, Decoder, Identify, Envelope, a custom Source's Ack, DeadLetter, RecordProgress, FirstPositionDone), by function; each counts once, however long it runs."),
+		metric.WithDescription("Calls past HandlerTimeout of functions the consumer does not cut (hooks, Decoder, Identify, Envelope, a custom Source's Ack, DeadLetter, RecordProgress, FirstPositionDone), and handlers past twice HandlerTimeout, by function; each counts once, however long it runs."),
 		metric.WithUnit("{call}")); err != nil {
 		return nil, err
 	}

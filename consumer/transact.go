@@ -210,13 +210,13 @@ func (p *pipeline) runHandlers(ctx context.Context, tx pgx.Tx, jobs []*job, res 
 		var err error
 		if len(p.cfg.Hooks.Middleware) == 0 {
 			// No closure that escapes: nothing to allocate per message.
-			err = p.callHandler(j.ctx, qtx, func(hctx context.Context) error { return j.call.run(hctx, qtx, qtx, attempt, again) })
+			err = p.callHandler(j.ctx, qtx, &j.watch, p.handlerName(), j.m, j.idt.id, 1, func(hctx context.Context) error { return j.call.run(hctx, qtx, qtx, attempt, again) })
 		} else {
 			call := p.cfg.Hooks.wrap(j, attempt, func(ctx context.Context, tx pgx.Tx) error {
 				// tx is qtx, or a middleware's own tx around it.
 				return j.call.run(ctx, tx, qtx, attempt, again)
 			})
-			err = p.callHandler(j.ctx, qtx, func(hctx context.Context) error { return call(hctx, qtx) })
+			err = p.callHandler(j.ctx, qtx, &j.watch, p.handlerName(), j.m, j.idt.id, 1, func(hctx context.Context) error { return call(hctx, qtx) })
 		}
 		j.timedOut = errors.Is(context.Cause(j.dctx), ErrDeliveryTimedOut)
 		qtx.checkEnd(ctx)
@@ -421,7 +421,12 @@ func (p *pipeline) runBatchHandler(ctx context.Context, tx pgx.Tx, jobs []*job, 
 	}
 	qtx := newQueueTx(tx)
 	qtx.owner = -1
-	err := p.callHandler(ctx, qtx, func(hctx context.Context) error {
+	var m *Message
+	var id string
+	if len(claimed) == 1 {
+		m, id = claimed[0].m, claimed[0].idt.id
+	}
+	err := p.callHandler(ctx, qtx, new(userCall), batchHandlerCall, m, id, len(claimed), func(hctx context.Context) error {
 		return p.batchCall(hctx, qtx, claimed)
 	})
 	if err == nil {
@@ -442,7 +447,15 @@ func (p *pipeline) runBatchHandler(ctx context.Context, tx pgx.Tx, jobs []*job, 
 // closed tx's connection, and the transaction is lost to the handler's
 // timeout, not to the database. The same holds for a deadline the handler
 // put on one of its own statements, whatever it made of that error.
-func (p *pipeline) callHandler(ctx context.Context, tx *queueTx, run func(context.Context) error) (err error) {
+//
+// The call is in the watchdog's list as c (name, and m and eventID for a
+// call on one message, else messages), to be logged if it ignores its
+// context's end (handlerWatchAfter).
+func (p *pipeline) callHandler(ctx context.Context, tx *queueTx, c *userCall, name string, m *Message, eventID string, messages int, run func(context.Context) error) (err error) {
+	if after := p.handlerWatchAfter; after > 0 {
+		p.watch.beginAfter(c, name, m, eventID, messages, after)
+		defer p.watch.end(c)
+	}
 	hctx := ctx
 	if p.cfg.HandlerTimeout > 0 {
 		var cancel context.CancelFunc
@@ -473,6 +486,14 @@ func (p *pipeline) callHandler(ctx context.Context, tx *queueTx, run func(contex
 		}
 	}()
 	return run(hctx)
+}
+
+// handlerName names the handler's calls in the watchdog's log.
+func (p *pipeline) handlerName() string {
+	if p.batchCall != nil {
+		return batchHandlerCall
+	}
+	return handlerCall
 }
 
 // timeoutError is a handler's failure to finish within HandlerTimeout.

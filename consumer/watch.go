@@ -20,6 +20,10 @@ import (
 // queue, -1 and -1 on RabbitMQ) and event id, and how long it has run,
 // and counted in Stats.StuckCalls.
 //
+// A handler is cut at HandlerTimeout: its context ends. One that ignores
+// it is logged once it has run for twice HandlerTimeout
+// (handlerWatchAfter), under NoHandlerTimeout never.
+//
 // A Source's or Delivery's Ack, DeadLetter, RecordProgress and
 // FirstPositionDone are watched the same way (watchedSourceCall): they
 // take a context, which the built-in adapters honour, but a custom
@@ -30,11 +34,14 @@ import (
 // list. A job holds one for its own calls, so watching a call allocates
 // nothing.
 type userCall struct {
-	name       string
-	m          *Message
-	eventID    string
-	messages   int
-	start      time.Time
+	name     string
+	m        *Message
+	eventID  string
+	messages int
+	start    time.Time
+	// after is how long this call runs before it is logged; 0 for the
+	// watchdog's bound.
+	after      time.Duration
 	logged     bool
 	prev, next *userCall
 }
@@ -50,7 +57,13 @@ type watchdog struct {
 // begin adds c, a call of name for message m (nil for a call on several
 // messages, of which there are messages), to the calls in progress.
 func (w *watchdog) begin(c *userCall, name string, m *Message, eventID string, messages int) {
-	*c = userCall{name: name, m: m, eventID: eventID, messages: messages, start: time.Now()}
+	w.beginAfter(c, name, m, eventID, messages, 0)
+}
+
+// beginAfter is begin for a call logged once it has run for after (0:
+// the watchdog's bound).
+func (w *watchdog) beginAfter(c *userCall, name string, m *Message, eventID string, messages int, after time.Duration) {
+	*c = userCall{name: name, m: m, eventID: eventID, messages: messages, start: time.Now(), after: after}
 	w.mu.Lock()
 	c.next = w.head
 	if w.head != nil {
@@ -92,6 +105,7 @@ type stuck struct {
 	eventID    string
 	messages   int
 	running    time.Duration
+	bound      time.Duration
 	hasMessage bool
 }
 
@@ -102,11 +116,15 @@ func (w *watchdog) overdue(now time.Time) []stuck {
 	defer w.mu.Unlock()
 	var out []stuck
 	for c := w.head; c != nil; c = c.next {
-		if c.logged || now.Sub(c.start) < w.after {
+		bound := w.after
+		if c.after > 0 {
+			bound = c.after
+		}
+		if c.logged || now.Sub(c.start) < bound {
 			continue
 		}
 		c.logged = true
-		s := stuck{name: c.name, eventID: c.eventID, messages: c.messages, running: now.Sub(c.start)}
+		s := stuck{name: c.name, eventID: c.eventID, messages: c.messages, running: now.Sub(c.start), bound: bound}
 		if c.m != nil {
 			s.hasMessage = true
 			s.topic, s.partition, s.offset = c.m.Topic, c.m.Partition, c.m.Offset
@@ -125,6 +143,25 @@ func (p *pipeline) watchedSourceCall(c *userCall, name string, m *Message, event
 	defer p.watch.end(c)
 	_, method, _ := strings.Cut(name, ".")
 	return sourceCall(method, f)
+}
+
+// The names of handler calls in the watchdog.
+const (
+	handlerCall      = "handler"
+	batchHandlerCall = "BatchHandler"
+)
+
+// handlerWatchAfter is how long a handler call runs before the watchdog
+// logs it: twice HandlerTimeout, by which time it has ignored its
+// context's end for as long as it was allowed to run (one that returns
+// soon after its deadline, as it should, is never logged); 0 under
+// NoHandlerTimeout, where a handler may run as long as it needs and is
+// not watched.
+func (c *Config) handlerWatchAfter() time.Duration {
+	if c.HandlerTimeout > 0 {
+		return 2 * c.HandlerTimeout
+	}
+	return 0
 }
 
 // watchAfter is how long a user call other than the handler runs before
@@ -153,7 +190,7 @@ func (p *pipeline) watchUserCalls(ctx context.Context) {
 			for _, s := range p.watch.overdue(now) {
 				p.stats.stuckCalls.Add(1)
 				p.tel.stuck(ctx, s.name)
-				args := []any{"consumer", p.cfg.Name, "function", s.name, "running", s.running, "bound", p.watch.after}
+				args := []any{"consumer", p.cfg.Name, "function", s.name, "running", s.running, "bound", s.bound}
 				if s.hasMessage {
 					args = append(args, "topic", s.topic, "partition", s.partition, "offset", s.offset, "event_id", s.eventID)
 				} else {
@@ -162,7 +199,11 @@ func (p *pipeline) watchUserCalls(ctx context.Context) {
 						args = append(args, "event_id", s.eventID)
 					}
 				}
-				p.cfg.Telemetry.Logger.ErrorContext(ctx, "once: a call has not returned; it holds its stream (or, unordered, a worker) until it does", args...)
+				msg := "once: a call has not returned; it holds its stream (or, unordered, a worker) until it does"
+				if s.name == handlerCall || s.name == batchHandlerCall {
+					msg = "once: a handler has not returned though its context ended at HandlerTimeout; it holds its stream (or, unordered, a worker) and its transaction until it does"
+				}
+				p.cfg.Telemetry.Logger.ErrorContext(ctx, msg, args...)
 			}
 		}
 	}

@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -192,4 +193,111 @@ func TestStuckSourceCallIsLogged(t *testing.T) {
 			assert.Equal(t, uint64(1), c.Stats().StuckCalls, "logged once")
 		})
 	}
+}
+
+// A handler that ignores its context's end at HandlerTimeout holds its
+// stream and its transaction until it returns: once it has run for twice
+// HandlerTimeout it is logged at Error, naming the message, and counted as
+// a stuck call; when it returns, its run has failed and the message is
+// tried again. A handler that returns at its deadline, as it should, is
+// never reported. A hung handler held its stream without a word.
+func TestHandlerIgnoringItsTimeoutIsLogged(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		batch bool
+	}{{"handler", false}, {"BatchHandler", true}} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			pool, _ := pgtest.Schema(t)
+			effects(t, pool)
+			b := memsource.New(memsource.Options{Streams: 1})
+			publish(b, "deaf-"+tc.name, 1)
+			release := make(chan struct{})
+			unblock := sync.OnceFunc(func() { close(release) })
+			defer unblock() // a failed wait must not leave the handler blocked
+			log := &levelLog{}
+			reader := sdkmetric.NewManualReader()
+			cfg := fastConfig("deaf-" + tc.name)
+			cfg.Telemetry.Logger = slog.New(log)
+			cfg.Telemetry.MeterProvider = sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+			cfg.HandlerTimeout = 100 * time.Millisecond
+			var runs atomic.Int32
+			deaf := func() {
+				if runs.Add(1) == 1 {
+					<-release // its context ignored
+				}
+			}
+			var c *consumer.Consumer[order]
+			var err error
+			if tc.batch {
+				h := func(ctx context.Context, tx pgx.Tx, evs []consumer.Event[order]) error {
+					deaf()
+					for _, ev := range evs {
+						if err := insertEffect(ctx, tx, ev); err != nil {
+							return err
+						}
+					}
+					return nil
+				}
+				c, err = consumer.NewBatch(pool, b.Source(), h, cfg)
+			} else {
+				h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+					deaf()
+					return insertEffect(ctx, tx, ev)
+				}
+				c, err = consumer.New(pool, b.Source(), h, cfg)
+			}
+			require.NoError(t, err)
+			stop := start(t, c)
+			stuck := func() string {
+				for _, l := range log.lines() {
+					if strings.HasPrefix(l, "ERROR ") && strings.Contains(l, "function="+tc.name+" ") {
+						return l
+					}
+				}
+				return ""
+			}
+			require.Eventually(t, func() bool { return stuck() != "" }, 20*time.Second, 5*time.Millisecond,
+				"no error-level record of the stuck %s in %q", tc.name, log.lines())
+			assert.Contains(t, stuck(), "HandlerTimeout")
+			assert.Contains(t, stuck(), "event_id=deaf-"+tc.name)
+			assert.Contains(t, stuck(), "bound=200ms")
+			assert.Equal(t, uint64(1), c.Stats().StuckCalls)
+			assert.Equal(t, map[string]int64{tc.name: 1}, sums(t, reader, "once.consumer.stuck_calls", "once.function"))
+			unblock()
+			require.NoError(t, b.WaitAcked(deadline(t, 30*time.Second), 1))
+			require.NoError(t, stop())
+			assert.Equal(t, map[string]int{"deaf-" + tc.name: 1}, countEffects(t, pool))
+			assert.Equal(t, int32(2), runs.Load(), "the run past its timeout failed and the message ran again")
+			assert.Equal(t, uint64(1), c.Stats().StuckCalls, "logged once")
+		})
+	}
+	t.Run("returning at its deadline", func(t *testing.T) {
+		t.Parallel()
+		pool, _ := pgtest.Schema(t)
+		effects(t, pool)
+		b := memsource.New(memsource.Options{Streams: 1})
+		publish(b, "prompt", 1)
+		log := &levelLog{}
+		cfg := fastConfig("prompt")
+		cfg.Telemetry.Logger = slog.New(log)
+		cfg.HandlerTimeout = 20 * time.Millisecond
+		cfg.Retry.MaxAttempts = 4
+		var runs atomic.Int32
+		h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+			if runs.Add(1) < 4 {
+				<-ctx.Done()
+				time.Sleep(5 * time.Millisecond) // returns a little after its deadline, well within twice it
+				return ctx.Err()
+			}
+			return insertEffect(ctx, tx, ev)
+		}
+		c, err := consumer.New(pool, b.Source(), h, cfg)
+		require.NoError(t, err)
+		stop := start(t, c)
+		require.NoError(t, b.WaitAcked(deadline(t, 30*time.Second), 1))
+		require.NoError(t, stop())
+		assert.Equal(t, int32(4), runs.Load())
+		assert.Zero(t, c.Stats().StuckCalls, "a handler that returned at its deadline was reported: %q", log.lines())
+	})
 }
