@@ -47,6 +47,11 @@ type claim struct {
 	// running (lag.go); end is its latest answer, nil until one.
 	endAsked atomic.Bool
 	end      atomic.Pointer[readableEnd]
+	// topicAsked: a question of whether the claim's topic still exists
+	// is running (topicgone.go).
+	topicAsked atomic.Bool
+	// topicMissing counts the answers in a row that the topic is unknown.
+	topicMissing atomic.Int32
 
 	mu      sync.Mutex
 	revoked bool

@@ -94,6 +94,19 @@ func newLagGauge(mp metric.MeterProvider, group string) (*lagGauge, error) {
 	return g, nil
 }
 
+// claimOf returns the claim of topic's partition that the Source holds, or
+// nil.
+func (g *lagGauge) claimOf(topic string, partition int32) *claim {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	for cl := range g.claims {
+		if cl.sc.Partition() == partition && cl.sc.Topic() == topic {
+			return cl
+		}
+	}
+	return nil
+}
+
 // attributes are the metrics' attributes of a partition.
 func (g *lagGauge) attributes(topic string, partition int32) metric.MeasurementOption {
 	return metric.WithAttributes(

@@ -628,6 +628,7 @@ func (s *Source) drainErrors() {
 	defer close(s.errsDone)
 	for err := range s.group.Errors() {
 		s.cfg.Logger.Warn("once/kafka: consumer group error", "group", s.cfg.Group, "error", err)
+		s.topicMaybeGone(err)
 	}
 }
 
