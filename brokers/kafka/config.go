@@ -37,8 +37,12 @@ const (
 	// claimed, read the same way, but that start is committed only once
 	// one of their records is acked.
 	// Reading committed records, a committed offset past the last stable
-	// offset is out of range. Records written to a partition added to a
-	// topic before the group noticed it are skipped.
+	// offset is out of range. A partition added to a topic the group
+	// already reads (it has no committed offset, another partition of the
+	// topic has one) starts at its first record, so that the records
+	// produced to it before the group noticed it are read; under the
+	// cooperative-sticky strategy, whose rebalance that adds it has no
+	// session start, at its end.
 	StartNewest
 )
 

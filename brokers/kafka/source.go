@@ -658,6 +658,13 @@ func (h *groupHandler) Setup(sess sarama.ConsumerGroupSession) error {
 // its own start at the newest record. A failure to ask the cluster is
 // logged; those partitions then start where sarama resolves
 // sarama.OffsetNewest, the same end (lastStableClient), at each claim.
+//
+// A partition without a committed offset while another partition of its
+// topic has one was added to the topic after the group started reading it
+// (the group committed every partition's start when it did): it starts at
+// its first record instead, so that the records produced to it before the
+// group claimed it are read. StartNewest says where a group new to a
+// topic starts, not that a partition added later loses its first records.
 func (s *Source) markStarts(sess sarama.ConsumerGroupSession) {
 	claims := sess.Claims()
 	if len(claims) == 0 {
@@ -667,26 +674,66 @@ func (s *Source) markStarts(sess sarama.ConsumerGroupSession) {
 		s.cfg.Logger.Warn("once/kafka: cannot read the group's committed offsets to keep the start of partitions without one",
 			"group", s.cfg.Group, "error", err)
 	}
-	resp, err := s.fetchCommitted(claims)
+	resp, err := s.fetchCommitted(s.withSiblings(claims))
 	if err != nil {
 		fail(err)
 		return
 	}
 	for topic, partitions := range claims {
+		read := committedAny(resp, topic)
 		for _, p := range partitions {
 			b := resp.GetBlock(topic, p)
 			if b == nil || !errors.Is(b.Err, sarama.ErrNoError) || b.Offset >= 0 {
 				continue
 			}
-			end, err := s.partitionEnd(topic, p)
+			start, err := s.partitionEnd(topic, p)
+			if read {
+				start, err = s.dlqClient.GetOffset(topic, p, sarama.OffsetOldest)
+			}
 			if err != nil {
 				fail(err)
 				continue
 			}
+			if read {
+				s.cfg.Logger.Info("once/kafka: partition added to a topic the group reads; reading it from its first record",
+					"group", s.cfg.Group, "topic", topic, "partition", p, "offset", start)
+			}
 			// Forward only: it moves no committed offset.
-			sess.MarkOffset(topic, p, end, "")
+			sess.MarkOffset(topic, p, start, "")
 		}
 	}
+}
+
+// withSiblings returns claims with every partition of each of their topics
+// that the Source's client knows: those the group's other members hold
+// too.
+func (s *Source) withSiblings(claims map[string][]int32) map[string][]int32 {
+	all := make(map[string][]int32, len(claims))
+	for topic, partitions := range claims {
+		known, err := s.dlqClient.Partitions(topic)
+		if err != nil {
+			known = nil
+		}
+		seen := make(map[int32]bool, len(partitions)+len(known))
+		for _, p := range append(append([]int32(nil), partitions...), known...) {
+			if !seen[p] {
+				seen[p] = true
+				all[topic] = append(all[topic], p)
+			}
+		}
+	}
+	return all
+}
+
+// committedAny reports whether resp holds a committed offset of any
+// partition of topic.
+func committedAny(resp *sarama.OffsetFetchResponse, topic string) bool {
+	for _, b := range resp.Blocks[topic] {
+		if b != nil && errors.Is(b.Err, sarama.ErrNoError) && b.Offset >= 0 {
+			return true
+		}
+	}
+	return false
 }
 
 // fetchCommitted asks the group's coordinator for the group's committed

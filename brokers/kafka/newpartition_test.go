@@ -1,0 +1,59 @@
+package kafka
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+)
+
+// With StartNewest, a partition added to a topic the group already reads
+// has no committed offset, like a partition the group never read; it
+// started at its end, and the records produced to it before the group
+// claimed it were skipped without a word (as Kafka's own consumer does with
+// auto.offset.reset=latest). StartNewest is about where a group new to a
+// topic starts: a partition with no committed offset while another
+// partition of its topic has one was added after the group started, and is
+// read from its first record.
+func TestStartNewestReadsAPartitionAddedLaterFromItsStart(t *testing.T) {
+	eachBroker(t, func(t *testing.T, kind brokerKind) {
+		c := newClusterOf(t, kind)
+		topic, group := uniq("orders"), uniq("g")
+		c.createTopic(topic, 1)
+		cfg := c.config(group, topic)
+		cfg.InitialOffset = StartNewest
+
+		a := c.open(cfg)
+		var got *delivery
+		for got == nil {
+			c.produce(msg(topic, 0, "a"))
+			ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+			d, err := a.Receive(ctx)
+			cancel()
+			if err == nil {
+				got = d.(*delivery)
+			}
+		}
+		require.NoError(t, got.Ack(context.Background()))
+		require.NoError(t, a.Close())
+
+		admin, err := sarama.NewClusterAdmin(c.addrs, saramaConfig())
+		require.NoError(t, err)
+		require.NoError(t, admin.CreatePartitions(topic, 2, nil, false))
+		require.NoError(t, admin.Close())
+		c.awaitLeaders(topic, 2)
+		c.produce(msg(topic, 1, "b")) // to the new partition, before the group claimed it
+
+		b := c.open(cfg)
+		ctx, cancel := context.WithTimeout(context.Background(), 15*time.Second)
+		defer cancel()
+		d, err := b.Receive(ctx)
+		require.NoError(t, err, "the record produced to the partition added to the topic was skipped")
+		assert.Equal(t, "b", string(d.Message().Value))
+		assert.Equal(t, int32(1), d.Message().Partition)
+		assert.Equal(t, int64(0), d.Message().Offset)
+	})
+}
