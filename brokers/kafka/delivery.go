@@ -50,8 +50,11 @@ type claim struct {
 	// topicAsked: a question of whether the claim's topic still exists
 	// is running (topicgone.go).
 	topicAsked atomic.Bool
-	// topicMissing counts the answers in a row that the topic is unknown.
+	// topicMissing counts the answers in a row that the topic is unknown;
+	// topicGone is what the claim found (topicThere, topicDeleted,
+	// topicRecreated).
 	topicMissing atomic.Int32
+	topicGone    atomic.Int32
 
 	mu      sync.Mutex
 	revoked bool

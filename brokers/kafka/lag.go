@@ -141,7 +141,8 @@ func (g *lagGauge) close() {
 	}
 }
 
-// lag returns the claim's lag, and false while its position is unknown.
+// lag returns the claim's lag, and false while its position is unknown or
+// once its topic was found deleted (topicgone.go).
 //
 // With Config.ReadUncommitted it is the high-water mark minus the offset
 // after the last record: sarama's mark, from the partition's last fetch;
@@ -158,7 +159,7 @@ func (g *lagGauge) close() {
 // from there to the last stable offset.
 func (cl *claim) lag(ctx context.Context) (int64, bool) {
 	last := cl.last.Load()
-	if last == unknownOffset {
+	if last == unknownOffset || cl.topicGone.Load() != topicThere {
 		return 0, false
 	}
 	next := last + 1

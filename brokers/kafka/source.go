@@ -627,8 +627,10 @@ func refused(err error) bool {
 func (s *Source) drainErrors() {
 	defer close(s.errsDone)
 	for err := range s.group.Errors() {
+		if s.topicError(err) {
+			continue // its topic is gone, as logged once
+		}
 		s.cfg.Logger.Warn("once/kafka: consumer group error", "group", s.cfg.Group, "error", err)
-		s.topicMaybeGone(err)
 	}
 }
 
@@ -832,6 +834,11 @@ func (h *groupHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, sc sarama.
 	if cl.fencedByOther.Load() {
 		s.lag.untrack(cl)
 		s.holdFenced(sess, sc)
+	}
+	if cl.topicGone.Load() == topicDeleted {
+		// Still tracked, so that sarama's errors about the partition are
+		// known for its topic's (topicError).
+		s.holdGone(sess, sc)
 	}
 	s.cfg.Logger.Debug("once/kafka: partition released", "group", s.cfg.Group, "stream", cl.stream,
 		"generation", sess.GenerationID(), "last_offset", cl.last.Load())

@@ -2,6 +2,7 @@ package kafka
 
 import (
 	"errors"
+	"time"
 
 	"github.com/IBM/sarama"
 )
@@ -13,18 +14,22 @@ import (
 // position it had in the old one, and the new topic's records below it
 // are never handled. So an unknown-partition error from the consumer
 // group makes its claim ask the cluster about its topic (on a connection
-// of its own, as topicIDs.lookupOnce explains; one question at a time):
-// a topic that is gone, or that has another id now, ends the claim. It is
-// revoked first, so that no Ack marks an offset of the old topic, which a
-// commit could land on the new one, and its offset is reset to 0, the
-// start of a topic created again. Its session then ends (sarama ends
-// a session when one of its claims returns) and the group joins again:
-// while the topic is gone Consume fails and is retried with backoff; once
-// it exists again its partitions are claimed at the offsets the group has
-// committed for it, none after the deletion (Kafka deletes a deleted
-// topic's committed offsets), so Config.InitialOffset. With
-// OffsetsInDatabase the recorded position carries the old topic's id and
-// is not used for the new one.
+// of its own, as topicIDs.lookupOnce explains; one question at a time).
+//
+// A topic that is gone in two answers in a row, or that has another id
+// now, ends the claim's consuming: it is revoked, so that no Ack marks an
+// offset of the old topic (a commit could land it on the new one), its
+// offset is reset to 0 (the start of a topic created again; a broker that
+// refuses the commit of a topic that is gone, as Kafka does, has deleted
+// the group's offsets of it), and the claim is logged at Error. One whose
+// topic has another id returns at once: its session ends (sarama ends a
+// session when one of its claims returns), and the group joins again and
+// claims the new topic from its start. One whose topic is gone is held,
+// its fetching paused, until the topic exists again (asked every
+// goneCheckEvery) or the session ends: returning it would end the
+// member's session, and the group's next join would fail for every topic
+// while one of them is missing (sarama's Consume refreshes the metadata of
+// all of them), stopping the topics that still exist too.
 //
 // A topic deleted and created again between two of the partition
 // consumer's fetches, so quickly that no fetch found it missing, is not
@@ -37,27 +42,47 @@ import (
 // offset is reset to the topic's start.
 const topicMissingAnswers = 2
 
-// topicMaybeGone is called with each consumer group error: one that says a
-// claimed partition is unknown to its broker has that claim check its
-// topic (checkTopic), in the background.
-func (s *Source) topicMaybeGone(err error) {
+// goneCheckEvery is how often a claim held for a deleted topic asks
+// whether the topic exists again.
+const goneCheckEvery = time.Second
+
+// What a claim found of its topic (claim.topicGone).
+const (
+	topicThere int32 = iota
+	topicDeleted
+	topicRecreated
+)
+
+// topicError reports whether err, a consumer group error, is about a
+// claimed partition whose topic the claim already found gone: such errors
+// repeat at each of sarama's retries and are not logged again. Any other
+// unknown-partition error has its claim check its topic (checkTopic), in
+// the background.
+func (s *Source) topicError(err error) (known bool) {
 	var ce *sarama.ConsumerError
 	if !errors.As(err, &ce) || !errors.Is(ce.Err, sarama.ErrUnknownTopicOrPartition) {
-		return
+		return false
 	}
 	cl := s.lag.claimOf(ce.Topic, ce.Partition)
-	if cl == nil || cl.isRevoked() || !cl.topicAsked.CompareAndSwap(false, true) {
-		return
+	if cl == nil {
+		return false
+	}
+	if cl.topicGone.Load() != topicThere {
+		return true
+	}
+	if cl.isRevoked() || !cl.topicAsked.CompareAndSwap(false, true) {
+		return false
 	}
 	go func() {
 		defer cl.topicAsked.Store(false)
 		cl.checkTopic()
 	}()
+	return false
 }
 
 // checkTopic asks the cluster whether cl's topic still exists with the id
-// it had when cl was claimed, and ends cl when it does not. A question
-// that fails says nothing: the next error asks again.
+// it had when cl was claimed, and ends cl's consuming when it does not. A
+// question that fails says nothing: the next error asks again.
 func (cl *claim) checkTopic() {
 	s := cl.src
 	id, err := s.topicIDs.lookupOnce(cl.sc.Topic())
@@ -72,14 +97,52 @@ func (cl *claim) checkTopic() {
 		cl.topicMissing.Store(0)
 		return
 	}
+	state := topicRecreated
+	if deleted {
+		state = topicDeleted
+	}
+	cl.topicGone.Store(state)
 	cl.revoke()
-	// Whatever the group committed for the partition was an offset of
-	// the old topic; 0 is the start of any topic created under its name
-	// again. (A broker that refuses the commit of a topic that is gone,
-	// as Kafka does, has deleted the group's offsets of it.)
 	cl.sess.ResetOffset(cl.sc.Topic(), cl.sc.Partition(), 0, "")
 	s.cfg.Logger.Error("once/kafka: topic deleted (or deleted and created again) while its partition was consumed; "+
-		"the claim ends, its records not yet acked are left, and the group consumes the topic from its start once it exists again",
+		"the claim's records not yet acked are left, and the group consumes the topic from its start once it exists again",
 		"group", s.cfg.Group, "stream", cl.stream, "topic_id", cl.topicID, "new_topic_id", id,
 		"last_offset", cl.last.Load())
+}
+
+// holdGone keeps the claim of a partition whose topic was deleted, its
+// fetching paused, until the topic exists again, the session ends, the
+// partition is revoked (Messages() closed) or the Source is closing. The
+// claim then returns, which ends the member's session: the group joins
+// again and claims the topic afresh.
+func (s *Source) holdGone(sess sarama.ConsumerGroupSession, sc sarama.ConsumerGroupClaim) {
+	part := map[string][]int32{sc.Topic(): {sc.Partition()}}
+	s.group.Pause(part)
+	defer s.group.Resume(part)
+	tick := time.NewTicker(goneCheckEvery)
+	defer tick.Stop()
+	for {
+		select {
+		case _, ok := <-sc.Messages():
+			if !ok {
+				return
+			}
+		case <-tick.C:
+			if _, err := s.topicIDs.lookupOnce(sc.Topic()); err == nil {
+				// Committed now, whatever sarama's commit of it while the
+				// topic was gone met: the group claims the new topic at
+				// its start, also with StartNewest, whose start would be
+				// the end of the records produced to it meanwhile.
+				sess.ResetOffset(sc.Topic(), sc.Partition(), 0, "")
+				sess.Commit()
+				s.cfg.Logger.Info("once/kafka: deleted topic exists again; claiming it afresh from its start",
+					"group", s.cfg.Group, "topic", sc.Topic(), "partition", sc.Partition())
+				return
+			}
+		case <-sess.Context().Done():
+			return
+		case <-s.closing:
+			return
+		}
+	}
 }

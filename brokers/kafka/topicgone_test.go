@@ -25,12 +25,12 @@ import (
 // belongs to the old topic's id.
 func TestTopicDeletedAndCreatedAgainWhileConsumedLosesNothing(t *testing.T) {
 	eachBroker(t, func(t *testing.T, kind brokerKind) {
-		for _, inDB := range []bool{false, true} {
-			name := "offsets in Kafka"
-			if inDB {
-				name = "offsets in the database"
-			}
-			t.Run(name, func(t *testing.T) {
+		for _, tc := range []struct {
+			name   string
+			inDB   bool
+			newest bool
+		}{{"offsets in Kafka", false, false}, {"offsets in the database", true, false}, {"StartNewest", false, true}} {
+			t.Run(tc.name, func(t *testing.T) {
 				c := newClusterOf(t, kind)
 				topic, group := uniq("orders"), uniq("g")
 				c.createTopic(topic, 1)
@@ -39,25 +39,24 @@ func TestTopicDeletedAndCreatedAgainWhileConsumedLosesNothing(t *testing.T) {
 				require.NoError(t, err)
 				errs := &testlog.ErrorLog{}
 				cfg := c.config(group, topic)
-				cfg.OffsetsInDatabase = inDB
+				cfg.OffsetsInDatabase = tc.inDB
+				if tc.newest {
+					cfg.InitialOffset = StartNewest
+				}
 				cfg.Logger = slog.New(errs)
 				src, err := Open(t.Context(), cfg)
 				require.NoError(t, err)
 				r := startConsumer(t, db, src, consumerConfig("svc"), recordEffect)
+				if tc.newest {
+					// Records produced before the group joined are skipped.
+					require.Eventually(t, func() bool { return committedOffset(c, group, topic, 0) >= 0 }, 30*time.Second, 20*time.Millisecond,
+						"the group never committed its start")
+				}
 				c.produceHashed(idless(topic, 0, 5))
 				waitEffectsByN(t, db, 5)
 
 				c.deleteTopic(topic)
-				gone := func() bool {
-					for _, e := range errs.Errors() {
-						if strings.Contains(e, "topic deleted") && strings.Contains(e, "stream="+topic+"/0") {
-							return true
-						}
-					}
-					return false
-				}
-				require.Eventually(t, gone, 60*time.Second, 20*time.Millisecond,
-					"the deletion was not logged at Error: %q", errs.Errors())
+				awaitGoneLogged(t, errs, topic)
 				c.createTopic(topic, 1)
 				c.produceHashed(idless(topic, 100, 10))
 				waitEffectsByN(t, db, 15)
@@ -70,4 +69,77 @@ func TestTopicDeletedAndCreatedAgainWhileConsumedLosesNothing(t *testing.T) {
 			})
 		}
 	})
+}
+
+// awaitGoneLogged waits until errs holds the Error record of topic's
+// partition 0 found deleted.
+func awaitGoneLogged(t *testing.T, errs *testlog.ErrorLog, topic string) {
+	t.Helper()
+	gone := func() bool {
+		for _, e := range errs.Errors() {
+			if strings.Contains(e, "topic deleted") && strings.Contains(e, "stream="+topic+"/0") {
+				return true
+			}
+		}
+		return false
+	}
+	require.Eventually(t, gone, 60*time.Second, 20*time.Millisecond,
+		"the deletion was not logged at Error: %q", errs.Errors())
+}
+
+// A member reading two topics, one of which is deleted, goes on with the
+// other: the claim of the deleted topic's partition is held, paused, until
+// the topic exists again (ending it would make the group join again, and
+// the join fails for every topic while one is missing). Once the topic is
+// created again its records are handled from its start.
+func TestTopicDeletedWhileConsumedLeavesTheOtherTopicsGoing(t *testing.T) {
+	eachBroker(t, func(t *testing.T, kind brokerKind) {
+		c := newClusterOf(t, kind)
+		deleted, other, group := uniq("orders"), uniq("payments"), uniq("g")
+		c.createTopic(deleted, 1)
+		c.createTopic(other, 1)
+		db, _ := pgtest.Schema(t)
+		_, err := db.Exec(context.Background(), effectsTable)
+		require.NoError(t, err)
+		errs := &testlog.ErrorLog{}
+		cfg := c.config(group, deleted, other)
+		cfg.Logger = slog.New(errs)
+		src, err := Open(t.Context(), cfg)
+		require.NoError(t, err)
+		r := startConsumer(t, db, src, consumerConfig("svc"), recordEffect)
+		c.produceHashed(idless(deleted, 0, 3))
+		c.produceHashed(idless(other, 10, 3))
+		waitEffectsByN(t, db, 6)
+
+		c.deleteTopic(deleted)
+		awaitGoneLogged(t, errs, deleted)
+		// The other topic's records, one at a time, each handled within
+		// 10 s, for 3 s after the deletion was found: long past the end of
+		// the session, had the claim of the deleted topic ended it.
+		n := 20
+		for since := time.Now(); time.Since(since) < 3*time.Second; n++ {
+			c.produceHashed(idless(other, n, 1))
+			require.Eventually(t, func() bool { return effectsByN(t, db)[n] == 1 }, 10*time.Second, 20*time.Millisecond,
+				"record %d of the topic that still exists was not handled while the other was deleted", n)
+		}
+
+		c.createTopic(deleted, 1)
+		c.produceHashed(idless(deleted, 1000, 3))
+		want := map[int]int{}
+		for _, k := range append([]int{0, 1, 2, 10, 11, 12, 1000, 1001, 1002}, numbers(20, n)...) {
+			want[k] = 1
+		}
+		waitEffectsByN(t, db, len(want))
+		require.NoError(t, r.stop())
+		require.Equal(t, want, effectsByN(t, db), "every record of both topics handled once")
+	})
+}
+
+// numbers returns from, from+1, ..., to-1.
+func numbers(from, to int) []int {
+	out := make([]int, 0, to-from)
+	for i := from; i < to; i++ {
+		out = append(out, i)
+	}
+	return out
 }
