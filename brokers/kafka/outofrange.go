@@ -146,13 +146,46 @@ func (s *Source) resolveStart(topic string, partition int32, initial int64) (int
 	return s.dlqClient.GetOffset(topic, partition, sarama.OffsetOldest)
 }
 
-// countRecordedOutOfRange counts, aside, the offsets a claim skips whose
-// position recorded in the database (Config.OffsetsInDatabase), recorded,
-// was out of range, so that sarama started it at initial.
-func (s *Source) countRecordedOutOfRange(topic string, partition int32, recorded, initial int64) {
+// checkRecordedStart logs and counts, aside, a claim that sarama started
+// at Config.InitialOffset (initial) because the position the database
+// records for the partition (Config.OffsetsInDatabase), recorded, was out
+// of the partition's range, with the same attributes as checkStart's logs
+// of a committed offset out of range (recorded in place of committed): a
+// position below the partition's start is logged at level Error with the
+// offset the claim starts at and how many it skips, and counted; one past
+// the partition's end skips nothing and is logged at level Warn. It runs
+// aside, so that the claim does not wait for the cluster; when the start
+// cannot be asked (the cluster unreachable, the Source closing) the loss
+// is still logged at level Error, without the start and the count. initial
+// 0 or above (a position sarama did not reset, though it differs from the
+// recorded one) is where the claim starts.
+func (s *Source) checkRecordedStart(topic string, partition int32, recorded, initial int64) {
+	const lost = "once/kafka: the position the database records for the partition is out of the partition's range " +
+		"(its records deleted by retention before they were handled, or the log truncated); the claim starts at Config.InitialOffset, " +
+		"and the records between the two are not handled"
 	go func() {
-		if start, err := s.resolveStart(topic, partition, initial); err == nil && start > recorded {
+		start := initial
+		if initial < 0 {
+			var err error
+			if start, err = s.resolveStart(topic, partition, initial); err != nil {
+				s.cfg.Logger.Error(lost, "group", s.cfg.Group, "topic", topic, "partition", partition, "recorded", recorded,
+					"initial_offset", startName(initial), "start_error", err)
+				return
+			}
+		}
+		if recorded < start {
 			s.lag.skippedOutOfRange(topic, partition, start-recorded)
+			s.cfg.Logger.Error(lost, "group", s.cfg.Group, "topic", topic, "partition", partition, "recorded", recorded,
+				"start", start, "initial_offset", startName(initial), "skipped", start-recorded)
+			return
+		}
+		// Past the end: the high-water mark.
+		end, err := s.dlqClient.GetOffset(topic, partition, sarama.OffsetNewest)
+		if err == nil && recorded > end {
+			s.cfg.Logger.Warn("once/kafka: the position the database records for the partition is past the partition's end "+
+				"(the log truncated); the claim starts at Config.InitialOffset",
+				"group", s.cfg.Group, "topic", topic, "partition", partition, "recorded", recorded,
+				"end", end, "start", start, "initial_offset", startName(initial))
 		}
 	}()
 }

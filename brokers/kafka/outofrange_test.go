@@ -16,14 +16,17 @@ import (
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 
 	"github.com/onceco/once/internal/pgtest"
+	"github.com/onceco/once/internal/testlog"
 )
 
 // With OffsetsInDatabase, a partition whose recorded position retention
 // passed while no member consumed it (the records after the position
 // deleted before they were handled) starts at Config.InitialOffset, as
 // sarama resets it: the records in between are lost. That happened
-// without a word; it is logged at level Error, naming the position
-// recorded and where the claim starts.
+// without a word; it is logged at level Error, as a committed offset out
+// of range is without OffsetsInDatabase: the topic, the partition, the
+// position recorded, the offset the claim starts at (not sarama's
+// "oldest") and how many offsets it skips.
 func TestOffsetsInDatabasePositionOutOfRangeIsAnError(t *testing.T) {
 	c := newCluster(t)
 	topic, group := uniq("orders"), uniq("g")
@@ -42,16 +45,22 @@ func TestOffsetsInDatabasePositionOutOfRangeIsAnError(t *testing.T) {
 	require.NoError(t, admin.DeleteRecords(topic, map[int32]int64{0: 4}))
 	require.NoError(t, admin.Close())
 
-	logged := &lineCounter{match: "out of the partition's range", at: -1}
+	logs := &testlog.ErrorLog{}
 	cfg := c.dbOffsetsConfig(group, topic)
-	cfg.Logger = slog.New(slog.NewTextHandler(logged, nil))
+	cfg.Logger = slog.New(logs)
 	reader := sdkmetric.NewManualReader()
 	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
 	defer func() { _ = mp.Shutdown(context.Background()) }()
 	cfg.MeterProvider = mp
 	runToEnd(t, c, db, cfg, consumerConfig("svc"), 3)
 	assert.Equal(t, map[string]int{"e-0": 1, "e-1": 1, "e-4": 1}, effectCounts(t, db), "the deleted records are lost")
-	assert.Equal(t, 1, logged.count(), "the loss is logged")
+	require.Eventually(t, func() bool { return len(logs.Errors()) > 0 }, 10*time.Second, 10*time.Millisecond, "the loss is logged")
+	errs := logs.Errors()
+	require.Len(t, errs, 1, "logged once")
+	assert.Contains(t, errs[0], "the position the database records for the partition is out of the partition's range")
+	for _, attr := range []string{"topic=" + topic, "partition=0", "recorded=2", "start=4", "initial_offset=oldest", "skipped=2"} {
+		assert.Contains(t, errs[0], " "+attr, "the log names where the claim starts and what it skips")
+	}
 	assert.Eventually(t, func() bool { return outOfRangeOf(t, reader)[topic+"/0"] == 2 }, 10*time.Second, 10*time.Millisecond,
 		"and counted; %v", outOfRangeOf(t, reader))
 }

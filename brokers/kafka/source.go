@@ -810,13 +810,7 @@ func (h *groupHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, sc sarama.
 		if o.Next >= 0 && sc.InitialOffset() != o.Next {
 			// sarama found the position out of the partition's range
 			// and reset it (Consumer.Group.ResetInvalidOffsets).
-			s.cfg.Logger.Error("once/kafka: the position the database records for the partition is out of the partition's range "+
-				"(its records deleted by retention before they were handled, or the log truncated); the claim starts at Config.InitialOffset, "+
-				"and the records between the two are not handled",
-				"group", s.cfg.Group, "stream", cl.stream, "recorded", o.Next, "start", startName(sc.InitialOffset()))
-			if sc.InitialOffset() < 0 {
-				s.countRecordedOutOfRange(sc.Topic(), sc.Partition(), o.Next, sc.InitialOffset())
-			}
+			s.checkRecordedStart(sc.Topic(), sc.Partition(), o.Next, sc.InitialOffset())
 		}
 		cl.db = newClaimOffsets(o, sc.InitialOffset())
 	}
