@@ -262,7 +262,8 @@ type Config struct {
 	// and one that decorates its deliveries must unwrap them (a method
 	// Unwrap() consumer.Delivery; Run stops with an error saying so at
 	// the first transaction otherwise); the cooperative rebalance protocol
-	// (cooperative-sticky) is refused, and so is a Sarama.Version older
+	// (cooperative-sticky, or any balance strategy that declares it,
+	// sarama.RebalanceProtocolBalanceStrategy) is refused, and so is a Sarama.Version older
 	// than 2.8, which has no topic ids to tell a re-created topic from
 	// the old one. Default false. See docs/kafka.md.
 	OffsetsInDatabase bool
@@ -529,9 +530,9 @@ func (c *Config) consumerConfig() (*sarama.Config, error) {
 		return nil, errors.New("kafka: Config.Sarama.Consumer.Group.ResetInvalidOffsets is false: a partition whose committed offset is out of range " +
 			"(its records deleted by retention) would end every session of the group and never be consumed; leave it true (records out of range start at Config.InitialOffset)")
 	}
-	if c.OffsetsInDatabase && cooperative(sc) {
-		return nil, errors.New("kafka: Config.OffsetsInDatabase needs the eager rebalance protocol, and Config.Sarama's balance strategies include cooperative-sticky: " +
-			"a partition added by a cooperative rebalance would start at the group's committed offset, not at the database's")
+	if name := cooperativeStrategy(sc); c.OffsetsInDatabase && name != "" {
+		return nil, fmt.Errorf("kafka: Config.OffsetsInDatabase needs the eager rebalance protocol, and Config.Sarama's balance strategies include %q, which takes part in the cooperative one: "+
+			"a partition added by a cooperative rebalance would start at the group's committed offset, not at the database's", name)
 	}
 	if c.OffsetsInDatabase && !sc.Version.IsAtLeast(sarama.V2_8_0_0) {
 		// The rows tell a re-created topic from the old one by its id.

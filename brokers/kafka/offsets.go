@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -417,17 +418,28 @@ func databaseDeterministic(err error) bool {
 // skippedRecords returns how many records were skipped as recorded done.
 func (s *Source) skippedRecords() int64 { return s.skipped.Load() }
 
-// cooperative reports whether sc's balance strategies may choose the
-// cooperative rebalance protocol.
-func cooperative(sc *sarama.Config) bool {
+// cooperativeStrategy returns the name of a balance strategy of sc that
+// may take part in the cooperative rebalance protocol, "" when none may:
+// cooperative-sticky, or any strategy that declares the protocol
+// (sarama.RebalanceProtocolBalanceStrategy), whatever its name, as sarama
+// runs the cooperative protocol when every strategy declares it. A list
+// of strategies that sarama would run eagerly (one of them eager only)
+// is refused too: the check does not rely on sarama's choice among them.
+func cooperativeStrategy(sc *sarama.Config) string {
 	strategies := append([]sarama.BalanceStrategy(nil), sc.Consumer.Group.Rebalance.GroupStrategies...)
 	if sc.Consumer.Group.Rebalance.Strategy != nil {
 		strategies = append(strategies, sc.Consumer.Group.Rebalance.Strategy)
 	}
 	for _, st := range strategies {
-		if st != nil && st.Name() == sarama.CooperativeStickyBalanceStrategyName {
-			return true
+		if st == nil {
+			continue
+		}
+		if st.Name() == sarama.CooperativeStickyBalanceStrategyName {
+			return st.Name()
+		}
+		if p, ok := st.(sarama.RebalanceProtocolBalanceStrategy); ok && slices.Contains(p.SupportedProtocols(), sarama.RebalanceProtocolCooperative) {
+			return st.Name()
 		}
 	}
-	return false
+	return ""
 }

@@ -353,6 +353,61 @@ func TestOffsetsInDatabaseNeedsConsumer(t *testing.T) {
 	require.ErrorContains(t, err, "Config.OffsetsInDatabase")
 }
 
+// sarama runs the cooperative protocol when every balance strategy
+// declares it (sarama.RebalanceProtocolBalanceStrategy), whatever their
+// names; a partition a cooperative rebalance adds gets no Setup, so no
+// take-over in the database. Open refused OffsetsInDatabase only with a
+// strategy named cooperative-sticky: one of another name (a wrapper of
+// sarama's, or a strategy of the service's own) was accepted, and every
+// partition moved by a rebalance was claimed without a take-over,
+// returned and the session ended, a rebalance more each time (two such
+// claims when a second member joined a group of one, with a wrapper of
+// cooperative-sticky on kfake). It is refused as well.
+func TestOffsetsInDatabaseRefusesCooperativeStrategiesOfAnyName(t *testing.T) {
+	c := newCluster(t)
+	topic := uniq("orders")
+	c.createTopic(topic, 1)
+	for name, strategies := range map[string][]sarama.BalanceStrategy{
+		"wrapper":         {renamedStrategy{sarama.NewBalanceStrategyCooperativeSticky(), nil}},
+		"own cooperative": {renamedStrategy{sarama.NewBalanceStrategyRoundRobin(), []sarama.RebalanceProtocol{sarama.RebalanceProtocolCooperative, sarama.RebalanceProtocolEager}}},
+	} {
+		cfg := c.dbOffsetsConfig(uniq("g"), topic)
+		cfg.Sarama.Consumer.Group.Rebalance.GroupStrategies = strategies
+		s, err := Open(t.Context(), cfg)
+		if s != nil {
+			_ = s.Close()
+		}
+		require.Error(t, err, name)
+		assert.Contains(t, err.Error(), "Config.OffsetsInDatabase needs the eager rebalance protocol", name)
+		assert.Contains(t, err.Error(), "custom", name)
+	}
+
+	// A strategy of another name that declares only the eager protocol
+	// is accepted.
+	cfg := c.dbOffsetsConfig(uniq("g"), topic)
+	cfg.Sarama.Consumer.Group.Rebalance.GroupStrategies = []sarama.BalanceStrategy{
+		renamedStrategy{sarama.NewBalanceStrategyRange(), []sarama.RebalanceProtocol{sarama.RebalanceProtocolEager}}}
+	s, err := Open(t.Context(), cfg)
+	require.NoError(t, err)
+	require.NoError(t, s.Close())
+}
+
+// renamedStrategy is strategy under the name "custom", declaring the
+// rebalance protocols protocols (nil: cooperative only).
+type renamedStrategy struct {
+	sarama.BalanceStrategy
+	protocols []sarama.RebalanceProtocol
+}
+
+func (renamedStrategy) Name() string { return "custom" }
+
+func (r renamedStrategy) SupportedProtocols() []sarama.RebalanceProtocol {
+	if r.protocols == nil {
+		return []sarama.RebalanceProtocol{sarama.RebalanceProtocolCooperative}
+	}
+	return r.protocols
+}
+
 // The offsets table tells a topic deleted and created again from the old
 // one by the topic's id, which sarama asks for from Sarama.Version 2.8 on.
 // With an older Version the new topic's partitions took the old rows over:

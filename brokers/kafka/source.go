@@ -802,6 +802,22 @@ func (h *groupHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, sc sarama.
 		o, ok := s.positions.take(sc.Topic(), sc.Partition())
 		if !ok {
 			// Not in the session's take-over: its position is unknown.
+			// Under the eager protocol, the only one Open allows with
+			// OffsetsInDatabase, this does not happen: Setup takes every
+			// claim of the session over before sarama starts any
+			// ConsumeClaim, TakeOverPartitions returns a row for each
+			// or fails (it waits for a previous owner's transaction on
+			// the row rather than giving up, and fences that owner by
+			// the epoch), and a Setup that fails starts no claim. It
+			// guards against a partition sarama adds without a Setup
+			// (the cooperative protocol). Returning ends the member's
+			// session, a rebalance more, whose Setup takes the
+			// partition over; nothing cheaper is safe: sarama started
+			// the claim at the group's committed offset, not the
+			// table's, and cannot seek a running claim, and a claim
+			// held idle (as holdFenced does) would leave the partition
+			// unconsumed until some other rebalance, which a stable
+			// group may never have. No record of it was handed out.
 			s.cfg.Logger.Error("once/kafka: partition claimed without a take-over in the database; not consuming it",
 				"group", s.cfg.Group, "stream", cl.stream, "generation", sess.GenerationID())
 			cl.revoke()
