@@ -12,7 +12,8 @@ import (
 // partition's range, below the partition's first offset (its records
 // deleted by retention before they were handled, or the log truncated):
 // the group's committed offset, or with Config.OffsetsInDatabase the
-// position the database records. sarama then starts the claim at
+// position the database records (the group's committed offset where the
+// database records none). sarama then starts the claim at
 // Config.InitialOffset (Consumer.Group.ResetInvalidOffsets), and the
 // records between the two are never handled; each such start is also
 // logged at level Error. It counts offsets, not records (a transaction's
@@ -96,7 +97,9 @@ func (s *Source) committedOffsets(partitions map[string][]int32) (map[topicParti
 // Only claims that start at Config.InitialOffset ask (a group's first
 // start, or such a reset), once per session for all of them. With
 // Config.OffsetsInDatabase the position is the database's, and
-// ConsumeClaim checks it instead.
+// checkRecordedStart checks it instead; a partition the table has no
+// position for starts at the group's committed offset, and is checked
+// here.
 func (s *Source) checkStart(sess sarama.ConsumerGroupSession, topic string, partition int32, initial int64) {
 	if initial >= 0 {
 		s.startChecks.Add(1)

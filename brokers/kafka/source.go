@@ -798,6 +798,9 @@ func (h *groupHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, sc sarama.
 		return nil
 	}
 	cl := newClaim(s, sess, sc, topicID)
+	// The group's committed offset is where the claim starts without
+	// OffsetsInDatabase, and with it where the table has no position.
+	checkCommitted := !s.cfg.OffsetsInDatabase
 	if s.cfg.OffsetsInDatabase {
 		o, ok := s.positions.take(sc.Topic(), sc.Partition())
 		if !ok {
@@ -829,8 +832,9 @@ func (h *groupHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, sc sarama.
 			s.checkRecordedStart(sc.Topic(), sc.Partition(), o.Next, sc.InitialOffset())
 		}
 		cl.db = newClaimOffsets(o, sc.InitialOffset())
+		checkCommitted = o.Next < 0
 	}
-	if !s.cfg.OffsetsInDatabase {
+	if checkCommitted {
 		s.checkStart(sess, sc.Topic(), sc.Partition(), sc.InitialOffset())
 	}
 	s.cfg.Logger.Debug("once/kafka: partition claimed", "group", s.cfg.Group, "stream", cl.stream,
