@@ -55,7 +55,17 @@ type Publisher struct {
 
 	mu       sync.Mutex
 	producer sarama.SyncProducer
-	closed   bool
+	// connecting is the connect in flight, nil when none (connect).
+	connecting *connecting
+	closed     bool
+}
+
+// connecting is a connect in flight: the producer or the error it ended
+// with, set before done is closed.
+type connecting struct {
+	done     chan struct{}
+	producer sarama.SyncProducer
+	err      error
 }
 
 // New validates cfg and returns a Publisher; it does not connect yet.
@@ -128,9 +138,10 @@ func producerConfig(base *sarama.Config) *sarama.Config {
 // are fixed), logging it as an error. Publish returns when ctx ends (the
 // relay's RelayConfig.PublishTimeout), each record failed with an error
 // wrapping ctx's, a passing failure: the producer is given up and the
-// records are sent again by the next call, with their ids. Connecting
-// (the producer's first metadata request) is bounded by Config.Sarama's
-// Net and Metadata settings alone.
+// records are sent again by the next call, with their ids. The same holds
+// while connecting (the producer's first metadata request): the connect
+// goes on aside, bounded by Config.Sarama's Net and Metadata settings,
+// and the next call waits for it or takes the producer it made.
 func (p *Publisher) Publish(ctx context.Context, recs []outbox.Record) []error {
 	producer, err := p.connect(ctx)
 	if err != nil {
@@ -324,27 +335,65 @@ func isRefusal(err error) bool {
 		errors.Is(err, sarama.ErrClusterAuthorizationFailed)
 }
 
-// connect returns the producer, making one if there is none.
+// errClosed is the error of a call after Close.
+var errClosed = errors.New("kafkaout: publisher closed")
+
+// connect returns the producer, making one if there is none, or an error
+// wrapping ctx's when ctx ends first. sarama's NewSyncProducer takes no
+// context and waits out its own dial and metadata timeouts and retries, so
+// it runs aside (dial): a call given up leaves it running, and the next
+// call waits for the same connect, or takes the producer it made.
 func (p *Publisher) connect(ctx context.Context) (sarama.SyncProducer, error) {
 	p.mu.Lock()
-	defer p.mu.Unlock()
 	if p.closed {
-		return nil, errors.New("kafkaout: publisher closed")
+		p.mu.Unlock()
+		return nil, errClosed
 	}
-	if p.producer == nil {
-		producer, err := sarama.NewSyncProducer(p.cfg.Brokers, p.sc)
-		if err != nil {
-			// sarama reports a broker refusing the TLS or SASL settings
-			// as no broker to talk to, without the broker's answer.
-			err = fmt.Errorf("kafkaout: connect: %w", kafkarefusal.Explain(ctx, p.cfg.Brokers, p.sc, err))
-			if isRefusal(err) {
-				err = outbox.Refused(err)
-			}
-			return nil, err
+	if p.producer != nil {
+		producer := p.producer
+		p.mu.Unlock()
+		return producer, nil
+	}
+	c := p.connecting
+	if c == nil {
+		c = &connecting{done: make(chan struct{})}
+		p.connecting = c
+		go p.dial(c)
+	}
+	p.mu.Unlock()
+	select {
+	case <-c.done:
+		return c.producer, c.err
+	case <-ctx.Done():
+		return nil, fmt.Errorf("kafkaout: connect: the publish's context ended before the cluster answered (the connect goes on for the next call): %w", context.Cause(ctx))
+	}
+}
+
+// dial makes the producer of c and keeps it as the publisher's, or closes
+// it when the publisher was closed meanwhile.
+func (p *Publisher) dial(c *connecting) {
+	producer, err := sarama.NewSyncProducer(p.cfg.Brokers, p.sc)
+	if err != nil {
+		// sarama reports a broker refusing the TLS or SASL settings as
+		// no broker to talk to, without the broker's answer. The probe
+		// is bounded by Config.Sarama's Net settings, as the connect.
+		err = fmt.Errorf("kafkaout: connect: %w", kafkarefusal.Explain(context.Background(), p.cfg.Brokers, p.sc, err))
+		if isRefusal(err) {
+			err = outbox.Refused(err)
 		}
+	}
+	p.mu.Lock()
+	p.connecting = nil
+	if err == nil && p.closed {
+		_ = producer.Close()
+		producer, err = nil, errClosed
+	}
+	if err == nil {
 		p.producer = producer
 	}
-	return p.producer, nil
+	c.producer, c.err = producer, err
+	p.mu.Unlock()
+	close(c.done)
 }
 
 // errAbandoned wraps the context's error when Publish returned before the
