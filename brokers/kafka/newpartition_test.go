@@ -2,12 +2,15 @@ package kafka
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
 	"github.com/IBM/sarama"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/internal/pgtest"
 )
 
 // With StartNewest, a partition added to a topic the group already reads
@@ -55,5 +58,40 @@ func TestStartNewestReadsAPartitionAddedLaterFromItsStart(t *testing.T) {
 		assert.Equal(t, "b", string(d.Message().Value))
 		assert.Equal(t, int32(1), d.Message().Partition)
 		assert.Equal(t, int64(0), d.Message().Offset)
+	})
+}
+
+// The same while the group runs: its leader notices the partition added
+// (Sarama.Metadata.RefreshFrequency, shortened here), the group joins
+// again, and the new partition's records produced before that are handled.
+func TestStartNewestReadsAPartitionAddedWhileRunning(t *testing.T) {
+	eachBroker(t, func(t *testing.T, kind brokerKind) {
+		c := newClusterOf(t, kind)
+		topic, group := uniq("orders"), uniq("g")
+		c.createTopic(topic, 1)
+		db, _ := pgtest.Schema(t)
+		_, err := db.Exec(context.Background(), effectsTable)
+		require.NoError(t, err)
+		cfg := c.config(group, topic)
+		cfg.InitialOffset = StartNewest
+		cfg.Sarama.Metadata.RefreshFrequency = 500 * time.Millisecond
+		src, err := Open(t.Context(), cfg)
+		require.NoError(t, err)
+		r := startConsumer(t, db, src, consumerConfig("svc"), recordEffect)
+		require.Eventually(t, func() bool { return committedOffset(c, group, topic, 0) >= 0 }, 30*time.Second, 20*time.Millisecond)
+		c.produceHashed(idless(topic, 0, 3))
+		waitEffectsByN(t, db, 3)
+		admin, err := sarama.NewClusterAdmin(c.addrs, saramaConfig())
+		require.NoError(t, err)
+		require.NoError(t, admin.CreatePartitions(topic, 2, nil, false))
+		require.NoError(t, admin.Close())
+		c.awaitLeaders(topic, 2)
+		for i := 0; i < 5; i++ {
+			c.produce(msg(topic, 1, fmt.Sprintf(`{"n":%d}`, 100+i)))
+		}
+		waitEffectsByN(t, db, 8)
+		require.NoError(t, r.stop())
+		want := map[int]int{0: 1, 1: 1, 2: 1, 100: 1, 101: 1, 102: 1, 103: 1, 104: 1}
+		require.Equal(t, want, effectsByN(t, db), "the new partition's records handled once, from its first")
 	})
 }
