@@ -29,19 +29,7 @@ func TestStartNewestReadsAPartitionAddedLaterFromItsStart(t *testing.T) {
 		cfg := c.config(group, topic)
 		cfg.InitialOffset = StartNewest
 
-		a := c.open(cfg)
-		var got *delivery
-		for got == nil {
-			c.produce(msg(topic, 0, "a"))
-			ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
-			d, err := a.Receive(ctx)
-			cancel()
-			if err == nil {
-				got = d.(*delivery)
-			}
-		}
-		require.NoError(t, got.Ack(context.Background()))
-		require.NoError(t, a.Close())
+		joinAndAckOne(t, c, cfg, topic)
 
 		admin, err := sarama.NewClusterAdmin(c.addrs, saramaConfig())
 		require.NoError(t, err)

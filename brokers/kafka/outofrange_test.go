@@ -45,13 +45,7 @@ func TestOffsetsInDatabasePositionOutOfRangeIsAnError(t *testing.T) {
 	require.NoError(t, admin.DeleteRecords(topic, map[int32]int64{0: 4}))
 	require.NoError(t, admin.Close())
 
-	logs := &testlog.ErrorLog{}
-	cfg := c.dbOffsetsConfig(group, topic)
-	cfg.Logger = slog.New(logs)
-	reader := sdkmetric.NewManualReader()
-	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
-	defer func() { _ = mp.Shutdown(context.Background()) }()
-	cfg.MeterProvider = mp
+	cfg, logs, reader := observed(t, c.dbOffsetsConfig(group, topic))
 	runToEnd(t, c, db, cfg, consumerConfig("svc"), 3)
 	assert.Equal(t, map[string]int{"e-0": 1, "e-1": 1, "e-4": 1}, effectCounts(t, db), "the deleted records are lost")
 	require.Eventually(t, func() bool { return len(logs.Errors()) > 0 }, 10*time.Second, 10*time.Millisecond, "the loss is logged")
@@ -93,13 +87,7 @@ func TestOffsetsInDatabaseCommittedOffsetOutOfRangeIsAnError(t *testing.T) {
 	db, _ := pgtest.Schema(t)
 	_, err = db.Exec(context.Background(), effectsTable)
 	require.NoError(t, err)
-	logs := &testlog.ErrorLog{}
-	cfg := c.dbOffsetsConfig(group, topic)
-	cfg.Logger = slog.New(logs)
-	reader := sdkmetric.NewManualReader()
-	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
-	defer func() { _ = mp.Shutdown(context.Background()) }()
-	cfg.MeterProvider = mp
+	cfg, logs, reader := observed(t, c.dbOffsetsConfig(group, topic))
 	runToEnd(t, c, db, cfg, consumerConfig("svc"), 1)
 	assert.Equal(t, map[string]int{"e-4": 1}, effectCounts(t, db), "the deleted records are lost")
 	require.Eventually(t, func() bool { return len(logs.Errors()) > 0 }, 10*time.Second, 10*time.Millisecond, "the loss is logged")
@@ -206,4 +194,17 @@ func slogOutput() io.Writer {
 		return os.Stderr
 	}
 	return io.Discard
+}
+
+// observed returns cfg logging its errors to logs and its metrics to
+// reader.
+func observed(t *testing.T, cfg Config) (Config, *testlog.ErrorLog, *sdkmetric.ManualReader) {
+	t.Helper()
+	logs := &testlog.ErrorLog{}
+	cfg.Logger = slog.New(logs)
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	t.Cleanup(func() { _ = mp.Shutdown(context.Background()) })
+	cfg.MeterProvider = mp
+	return cfg, logs, reader
 }

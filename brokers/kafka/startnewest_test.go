@@ -34,21 +34,9 @@ func testStartNewestKeepsTheStart(t *testing.T, kind brokerKind) {
 	cfg := c.config(group, topic)
 	cfg.InitialOffset = StartNewest
 
-	a := c.open(cfg)
-	// Partition 0 gets records until a receives one (the group then holds
-	// both partitions); partition 1 gets none.
-	var got *delivery
-	for got == nil {
-		c.produce(msg(topic, 0, "a"))
-		ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
-		d, err := a.Receive(ctx)
-		cancel()
-		if err == nil {
-			got = d.(*delivery)
-		}
-	}
-	require.NoError(t, got.Ack(context.Background()))
-	require.NoError(t, a.Close())
+	// Partition 0 gets records until a member receives one (the group
+	// then holds both partitions); partition 1 gets none.
+	joinAndAckOne(t, c, cfg, topic)
 
 	c.produce(msg(topic, 1, "b")) // produced after the group joined
 	b := c.open(cfg)
@@ -319,4 +307,24 @@ func committedOffset(c *cluster, group, topic string, partition int32) int64 {
 		return -1
 	}
 	return resp.GetBlock(topic, partition).Offset
+}
+
+// joinAndAckOne opens a member with cfg, produces records to topic's
+// partition 0 until it receives one (the group has joined and committed
+// its starts by then), acks that one and closes the member.
+func joinAndAckOne(t *testing.T, c *cluster, cfg Config, topic string) {
+	t.Helper()
+	a := c.open(cfg)
+	var got *delivery
+	for got == nil {
+		c.produce(msg(topic, 0, "a"))
+		ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+		d, err := a.Receive(ctx)
+		cancel()
+		if err == nil {
+			got = d.(*delivery)
+		}
+	}
+	require.NoError(t, got.Ack(context.Background()))
+	require.NoError(t, a.Close())
 }

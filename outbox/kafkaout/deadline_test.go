@@ -52,18 +52,7 @@ func TestPublishReturnsWhenItsContextEnds(t *testing.T) {
 		kf.SleepControl(func() { <-release })
 		return nil, nil, false
 	})
-	ctx, cancel := context.WithTimeout(t.Context(), 500*time.Millisecond)
-	defer cancel()
-	started := time.Now()
-	errs := p.Publish(ctx, []outbox.Record{{EventID: "e-1", Topic: "orders", Body: []byte("b")}, {EventID: "e-2", Topic: "orders", Body: []byte("b")}})
-	took := time.Since(started)
-	<-held
-	require.Len(t, errs, 2)
-	for _, err := range errs {
-		require.ErrorIs(t, err, context.DeadlineExceeded)
-		assert.False(t, outbox.IsRejected(err), "a passing failure, never charged")
-	}
-	assert.Less(t, took, 10*time.Second, "Publish returned when its context ended")
+	publishGivenUp(t, p, held)
 
 	close(release)
 	require.Eventually(t, func() bool {
@@ -112,19 +101,7 @@ func TestPublishReturnsWhenItsContextEndsWhileConnecting(t *testing.T) {
 	require.NoError(t, err)
 	defer p.Close()
 
-	ctx, cancel := context.WithTimeout(t.Context(), 500*time.Millisecond)
-	defer cancel()
-	started := time.Now()
-	errs := p.Publish(ctx, []outbox.Record{{EventID: "e-1", Topic: "orders", Body: []byte("b")}, {EventID: "e-2", Topic: "orders", Body: []byte("b")}})
-	took := time.Since(started)
-	<-held
-	require.Len(t, errs, 2)
-	for _, err := range errs {
-		require.ErrorIs(t, err, context.DeadlineExceeded)
-		assert.False(t, outbox.IsRejected(err), "a passing failure, never charged")
-		assert.False(t, outbox.IsRefused(err), "not a refusal of the settings")
-	}
-	assert.Less(t, took, 10*time.Second, "Publish returned when its context ended")
+	publishGivenUp(t, p, held)
 
 	release()
 	require.Eventually(t, func() bool {
@@ -168,4 +145,25 @@ func TestCloseWhileConnecting(t *testing.T) {
 	errs = p.Publish(t.Context(), []outbox.Record{{EventID: "e-2", Topic: "orders", Body: []byte("b")}})
 	require.Len(t, errs, 1)
 	require.ErrorContains(t, errs[0], "closed")
+}
+
+// publishGivenUp publishes two records with a context that ends after
+// 500 ms, while the cluster holds a request (held is signalled when it
+// does), and checks that Publish returned when the context ended, each
+// record a passing failure wrapping the context's error.
+func publishGivenUp(t *testing.T, p *Publisher, held <-chan struct{}) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(t.Context(), 500*time.Millisecond)
+	defer cancel()
+	started := time.Now()
+	errs := p.Publish(ctx, []outbox.Record{{EventID: "e-1", Topic: "orders", Body: []byte("b")}, {EventID: "e-2", Topic: "orders", Body: []byte("b")}})
+	took := time.Since(started)
+	<-held
+	require.Len(t, errs, 2)
+	for _, err := range errs {
+		require.ErrorIs(t, err, context.DeadlineExceeded)
+		assert.False(t, outbox.IsRejected(err), "a passing failure, never charged")
+		assert.False(t, outbox.IsRefused(err), "not a refusal of the settings")
+	}
+	assert.Less(t, took, 10*time.Second, "Publish returned when its context ended")
 }
