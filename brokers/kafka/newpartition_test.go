@@ -29,7 +29,7 @@ func TestStartNewestReadsAPartitionAddedLaterFromItsStart(t *testing.T) {
 		cfg := c.config(group, topic)
 		cfg.InitialOffset = StartNewest
 
-		joinAndAckOne(t, c, cfg, topic)
+		ackOneAndClose(t, c, c.open(cfg), topic)
 
 		admin, err := sarama.NewClusterAdmin(c.addrs, saramaConfig())
 		require.NoError(t, err)

@@ -36,7 +36,7 @@ func testStartNewestKeepsTheStart(t *testing.T, kind brokerKind) {
 
 	// Partition 0 gets records until a member receives one (the group
 	// then holds both partitions); partition 1 gets none.
-	joinAndAckOne(t, c, cfg, topic)
+	ackOneAndClose(t, c, c.open(cfg), topic)
 
 	c.produce(msg(topic, 1, "b")) // produced after the group joined
 	b := c.open(cfg)
@@ -71,18 +71,7 @@ func TestStartNewestKeepsTheStartAfterConnectionsWereCut(t *testing.T) {
 
 	a := c.open(cfg)
 	require.Positive(t, ln.Cut(), "Open's connections are cut before the group is joined")
-	var got *delivery
-	for got == nil {
-		c.produce(msg(topic, 0, "a"))
-		ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
-		d, err := a.Receive(ctx)
-		cancel()
-		if err == nil {
-			got = d.(*delivery)
-		}
-	}
-	require.NoError(t, got.Ack(context.Background()))
-	require.NoError(t, a.Close())
+	ackOneAndClose(t, c, a, topic)
 
 	c.produce(msg(topic, 1, "b")) // produced after the group joined
 	b := c.open(cfg)
@@ -309,12 +298,11 @@ func committedOffset(c *cluster, group, topic string, partition int32) int64 {
 	return resp.GetBlock(topic, partition).Offset
 }
 
-// joinAndAckOne opens a member with cfg, produces records to topic's
-// partition 0 until it receives one (the group has joined and committed
-// its starts by then), acks that one and closes the member.
-func joinAndAckOne(t *testing.T, c *cluster, cfg Config, topic string) {
+// ackOneAndClose produces records to topic's partition 0 until a
+// receives one (its group has joined and committed its starts by then),
+// acks that one and closes a.
+func ackOneAndClose(t *testing.T, c *cluster, a *Source, topic string) {
 	t.Helper()
-	a := c.open(cfg)
 	var got *delivery
 	for got == nil {
 		c.produce(msg(topic, 0, "a"))
