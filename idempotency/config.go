@@ -58,6 +58,18 @@ type Config struct {
 	// shorter than Wait ends the wait first, with 503.
 	Wait time.Duration
 
+	// AcquireTimeout bounds how long a request waits for a pool
+	// connection and for the first round trip of its transaction (BEGIN
+	// and the claim of its key), beyond Wait, the claim's own wait for
+	// another request with the same key. Past it the request gets 503
+	// with Retry-After (logged at Warn), so that under pool pressure a
+	// request is answered instead of holding its goroutine and its client
+	// for as long as the client waits; the handler never started, and a
+	// retry with the same key is served once. It never cuts a handler
+	// that runs. Defaults to DefaultAcquireTimeout (5s);
+	// NoAcquireTimeout (-1) waits for as long as the request's context.
+	AcquireTimeout time.Duration
+
 	// TTL is how long a stored response is replayed, counted from when it
 	// is stored (the end of its request, however long the request ran).
 	// After it the key is free again: a request with it runs the handler.
@@ -111,6 +123,10 @@ const (
 	DefaultTTL              = 24 * time.Hour
 	DefaultMaxRequestBytes  = 1 << 20
 	DefaultMaxResponseBytes = 1 << 20
+	DefaultAcquireTimeout   = 5 * time.Second
+	// NoAcquireTimeout is a Config.AcquireTimeout that lets a request
+	// wait for a pool connection for as long as its context allows.
+	NoAcquireTimeout time.Duration = -1
 	// ReplayedHeader is set to "true" on a replayed response. The draft
 	// names no such header; this is Stripe's.
 	ReplayedHeader = "Idempotent-Replayed"
@@ -189,6 +205,12 @@ func (c Config) withDefaults() (Config, error) {
 		if f.bad {
 			return c, fmt.Errorf("%w: %s must not be negative", ErrConfig, f.name)
 		}
+	}
+	switch {
+	case c.AcquireTimeout == 0:
+		c.AcquireTimeout = DefaultAcquireTimeout
+	case c.AcquireTimeout < 0 && c.AcquireTimeout != NoAcquireTimeout:
+		return c, fmt.Errorf("%w: AcquireTimeout must not be negative (NoAcquireTimeout, -1, for no bound)", ErrConfig)
 	}
 	if c.TTL > 0 && c.TTL < time.Millisecond {
 		// A unit mistake (TTL: 24 is 24ns): every response would expire as

@@ -68,9 +68,10 @@ var finishTimeout = 30 * time.Second
 //   - a new key: the handler runs with the response buffered; a response
 //     Config.Store accepts is stored and committed with the handler's
 //     writes, then sent; any other response is sent after a rollback;
-//   - the database unreachable or failing transiently, or a statement
-//     canceled (statement_timeout): 503 with Retry-After, so that the
-//     client retries with the same key.
+//   - the database unreachable or failing transiently, a statement
+//     canceled (statement_timeout), or no pool connection within
+//     Config.AcquireTimeout: 503 with Retry-After, so that the client
+//     retries with the same key.
 //
 // A panicking handler's transaction is rolled back and the panic goes on
 // to net/http. The handler's response writer buffers: it is not an
@@ -159,17 +160,20 @@ type stored struct {
 // serveWithKey claims c and then replays, refuses or runs the handler.
 func (m *Middleware) serveWithKey(w http.ResponseWriter, r *http.Request, next http.Handler, c claim) {
 	ctx := r.Context()
-	tx, won, prev, err := m.begin(ctx, &c)
+	tx, won, prev, err := m.beginBounded(ctx, &c)
 	if isSerializationFailure(err) {
 		// Under repeatable read or serializable, a claim that waited for
 		// the first request cannot see what it committed after this
 		// transaction's snapshot: a new transaction sees the response.
 		m.rollback(ctx, tx)
 		c.claimAttempts = 0
-		tx, won, prev, err = m.begin(ctx, &c)
+		tx, won, prev, err = m.beginBounded(ctx, &c)
 	}
 	if tx != nil {
 		defer m.rollback(ctx, tx) // a no-op after Commit
+	}
+	if m.acquireTimedOut(w, r, err) {
+		return
 	}
 	if isLockTimeout(err) && !m.keyHeld(ctx, tx, c) {
 		// The session's own lock_timeout ended a wait for the table (a
@@ -198,6 +202,45 @@ func (m *Middleware) serveWithKey(w http.ResponseWriter, r *http.Request, next h
 		return
 	}
 	m.run(w, r, next, tx, &c)
+}
+
+// errAcquireTimeout is the cause of a request's first round trip cut by
+// Config.AcquireTimeout.
+var errAcquireTimeout = errors.New("idempotency: no pool connection and claim within Config.AcquireTimeout")
+
+// acquireContext bounds the first round trip of a request's transaction
+// (the wait for a pool connection, BEGIN and the claim) by
+// Config.AcquireTimeout beyond Config.Wait; the handler's statements are
+// not under it.
+func (m *Middleware) acquireContext(ctx context.Context) (context.Context, context.CancelFunc) {
+	if m.cfg.AcquireTimeout < 0 {
+		return ctx, func() {}
+	}
+	return context.WithTimeoutCause(ctx, m.cfg.AcquireTimeout+m.cfg.Wait, errAcquireTimeout)
+}
+
+// beginBounded is begin under acquireContext.
+func (m *Middleware) beginBounded(ctx context.Context, c *claim) (pgx.Tx, bool, stored, error) {
+	bctx, cancel := m.acquireContext(ctx)
+	defer cancel()
+	tx, won, prev, err := m.begin(bctx, c)
+	if err != nil && ctx.Err() == nil && errors.Is(context.Cause(bctx), errAcquireTimeout) {
+		err = fmt.Errorf("%w: %w", errAcquireTimeout, err)
+	}
+	return tx, won, prev, err
+}
+
+// acquireTimedOut answers 503 when err is a first round trip cut by
+// Config.AcquireTimeout, and reports whether it did.
+func (m *Middleware) acquireTimedOut(w http.ResponseWriter, r *http.Request, err error) bool {
+	if !errors.Is(err, errAcquireTimeout) {
+		return false
+	}
+	m.cfg.Logger.Warn("idempotency: no database connection within Config.AcquireTimeout (the pool is busy, or the database slow); answered 503",
+		"path", r.URL.Path, "acquire_timeout", m.cfg.AcquireTimeout, "error", err)
+	problem(w, http.StatusServiceUnavailable, "Service unavailable",
+		"The request was not processed; retry with the same "+m.cfg.Header+".")
+	return true
 }
 
 // begin sends BEGIN and the claim of c in one round trip, and, when the
@@ -269,7 +312,9 @@ func (m *Middleware) keyHeld(ctx context.Context, tx pgx.Tx, c claim) bool {
 	b.Queue(m.sql.keyHeld, c.scope, c.key, m.sql.lockNamespace).QueryRow(func(row pgx.Row) error {
 		return row.Scan(&held)
 	})
-	if err := m.pool.SendBatch(ctx, b).Close(); err != nil {
+	bctx, cancel := m.acquireContext(ctx)
+	defer cancel()
+	if err := m.pool.SendBatch(bctx, b).Close(); err != nil {
 		return true
 	}
 	return held
@@ -371,13 +416,21 @@ func (m *Middleware) serveWithoutKey(w http.ResponseWriter, r *http.Request, nex
 	ctx := r.Context()
 	b := &pgx.Batch{}
 	b.BeginTx(m.cfg.TxOptions) // the request's transaction, as with a key
-	br := m.pool.SendBatch(ctx, b)
+	bctx, cancel := m.acquireContext(ctx)
+	br := m.pool.SendBatch(bctx, b)
 	tx := br.Tx()
-	if err := br.Close(); err != nil {
+	err := br.Close()
+	if err != nil && ctx.Err() == nil && errors.Is(context.Cause(bctx), errAcquireTimeout) {
+		err = fmt.Errorf("%w: %w", errAcquireTimeout, err)
+	}
+	cancel()
+	if err != nil {
 		if tx != nil {
 			m.rollback(ctx, tx)
 		}
-		m.infrastructureFailure(w, r, "beginning the transaction", err)
+		if !m.acquireTimedOut(w, r, err) {
+			m.infrastructureFailure(w, r, "beginning the transaction", err)
+		}
 		return
 	}
 	defer m.rollback(ctx, tx) // a no-op after Commit

@@ -604,11 +604,14 @@ func TestNewRejectsBadConfiguration(t *testing.T) {
 		"negative wait":  {Scope: idempotency.SingleScope, Wait: -1},
 		"negative ttl":   {Scope: idempotency.SingleScope, TTL: -time.Second},
 		"negative batch": {Scope: idempotency.SingleScope, RetentionBatch: -1},
+		"acquire -2":     {Scope: idempotency.SingleScope, AcquireTimeout: -2},
 	} {
 		_, err := idempotency.New(pool, cfg)
 		assert.True(t, errors.Is(err, idempotency.ErrConfig) || errors.Is(err, idempotency.ErrInvalidName), "%s: %v", name, err)
 	}
-	_, err := idempotency.New(nil, idempotency.Config{Scope: idempotency.SingleScope})
+	_, err := idempotency.New(pool, idempotency.Config{Scope: idempotency.SingleScope, AcquireTimeout: idempotency.NoAcquireTimeout})
+	assert.NoError(t, err, "NoAcquireTimeout is a bound of its own")
+	_, err = idempotency.New(nil, idempotency.Config{Scope: idempotency.SingleScope})
 	assert.ErrorIs(t, err, idempotency.ErrConfig)
 	assert.ErrorIs(t, idempotency.Migrate(context.Background(), pool, "x-y"), idempotency.ErrInvalidName)
 }
