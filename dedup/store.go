@@ -123,9 +123,15 @@ func New(cfg Config) (*Store, error) {
 	AND consumer = $1 AND processed_at < $2 AND processed_at >= $4 RETURNING processed_at)
 SELECT count(*), coalesce(max(processed_at), $4) FROM gone`,
 		// By key: a row the crash guard updates meanwhile is checked
-		// again, and kept.
-		attemptsRetentionSQL: `DELETE FROM ` + attempts + ` WHERE consumer = $1 AND last_seen < $2 AND event_id IN (SELECT event_id FROM ` + attempts +
-			` WHERE consumer = $1 AND last_seen < $2 LIMIT $3)`,
+		// again, and kept. SKIP LOCKED passes over the record a consumer
+		// deletes inside a handler's transaction (with the message's
+		// effects), which stays locked until that transaction ends: the
+		// sweep would wait for the handler, up to its timeout, holding the
+		// rows it had already deleted meanwhile. A skipped row goes with
+		// its message's effects, or at a later sweep. ARRAY(...) runs the
+		// locking SELECT once, before the DELETE.
+		attemptsRetentionSQL: `DELETE FROM ` + attempts + ` WHERE consumer = $1 AND last_seen < $2 AND event_id = ANY(ARRAY(SELECT event_id FROM ` + attempts +
+			` WHERE consumer = $1 AND last_seen < $2 LIMIT $3 FOR UPDATE SKIP LOCKED))`,
 	}
 	s.series = s.newSeries(cfg.Schema, cfg.Table, migs)
 	return s, nil
@@ -731,7 +737,9 @@ func compare(fp, prev []byte) Outcome {
 // returns the number of processed-event rows removed, and stops early with
 // ctx's error. batchSize <= 0 means 1000; an empty consumer, or one that
 // is not UTF-8 text without NUL, is an error, returned before any
-// statement.
+// statement. An attempt count that an open transaction holds (a consumer
+// deletes a message's count in its handler's transaction) is passed over,
+// not waited for: it goes with that transaction, or at a later sweep.
 // The (consumer, processed_at) index of schema version 2 keeps each
 // statement to the rows it deletes.
 //
