@@ -21,7 +21,12 @@
 //   - keys are scoped by Config.Scope, so clients cannot see each other's
 //     responses, and expire after Config.TTL (24h);
 //   - 5xx responses are not stored, and their writes are rolled back, so a
-//     retry can succeed (Config.Store).
+//     retry can succeed (Config.Store);
+//   - the database unreachable or failing transiently, or no pool
+//     connection within Config.AcquireTimeout (5s, beyond Config.Wait;
+//     the handler had not started): 503 with Retry-After, and a retry
+//     with the same key is served once; under pool pressure requests are
+//     answered instead of held for as long as their clients wait.
 //
 // "In flight" needs no pending row: the claiming transaction holds a
 // transaction-scoped advisory lock on the key until it commits or rolls
