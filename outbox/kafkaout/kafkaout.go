@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"sync"
 	"time"
 
@@ -35,7 +36,10 @@ type Config struct {
 	// 1 (so retries neither duplicate nor reorder a partition's records),
 	// returns successes and errors, is not transactional (Transaction.ID
 	// is cleared), and never asks the broker to create a topic. Version
-	// must be at least 0.11 (sarama.V0_11_0_0).
+	// must be at least 0.11 (sarama.V0_11_0_0). The producer dials
+	// through Net.Proxy.Dialer when Net.Proxy.Enable is set, else through
+	// a net.Dialer of the Net settings, wrapped so that Close can end a
+	// connect in flight (sarama's Logger then says "using proxy").
 	Sarama *sarama.Config
 	// IDHeader is the header that carries the event id. Defaults to "id".
 	IDHeader string
@@ -61,11 +65,123 @@ type Publisher struct {
 }
 
 // connecting is a connect in flight: the producer or the error it ended
-// with, set before done is closed.
+// with, set before done is closed. Close ends it through dialer (its
+// connections) and cancel (the probe of a failed connect).
 type connecting struct {
 	done     chan struct{}
 	producer sarama.SyncProducer
 	err      error
+	dialer   *connectDialer
+	ctx      context.Context
+	cancel   context.CancelFunc
+}
+
+// dialer is what sarama dials brokers with (Config.Net.Proxy.Dialer).
+type dialer interface {
+	Dial(network, addr string) (net.Conn, error)
+}
+
+// contextDialer is a dialer that takes a context (golang.org/x/net/proxy's
+// ContextDialer), which sarama uses to resolve canonical bootstrap names.
+type contextDialer interface {
+	DialContext(ctx context.Context, network, addr string) (net.Conn, error)
+}
+
+// connectDialer dials the connections of one connect through the dialer
+// sarama would use, and keeps them until the connect ends, so that Close
+// can close them: sarama's NewSyncProducer takes no context, and against
+// a broker that never answers it goes on for its read timeout times its
+// metadata retries (minutes with sarama's defaults). The producer made
+// keeps dialing through it, without it keeping its connections.
+type connectDialer struct {
+	base  dialer
+	mu    sync.Mutex
+	conns map[net.Conn]struct{}
+	// sealed is set when the connect has ended: later connections (the
+	// producer's) are not kept. cut is set by Close: dials fail.
+	sealed, cut bool
+}
+
+// newConnectDialer wraps the dialer sarama would use with sc.
+func newConnectDialer(sc *sarama.Config) *connectDialer {
+	var base dialer
+	if sc.Net.Proxy.Enable {
+		base = sc.Net.Proxy.Dialer
+	} else {
+		base = &net.Dialer{Timeout: sc.Net.DialTimeout, KeepAlive: sc.Net.KeepAlive, LocalAddr: sc.Net.LocalAddr}
+	}
+	return &connectDialer{base: base, conns: map[net.Conn]struct{}{}}
+}
+
+// Dial dials addr through the base dialer.
+func (d *connectDialer) Dial(network, addr string) (net.Conn, error) {
+	return d.DialContext(context.Background(), network, addr)
+}
+
+// DialContext dials addr through the base dialer, with ctx when it takes
+// one, and keeps the connection while the connect is in flight.
+func (d *connectDialer) DialContext(ctx context.Context, network, addr string) (net.Conn, error) {
+	var (
+		conn net.Conn
+		err  error
+	)
+	if cd, ok := d.base.(contextDialer); ok {
+		conn, err = cd.DialContext(ctx, network, addr)
+	} else {
+		conn, err = d.base.Dial(network, addr)
+	}
+	if err != nil {
+		return nil, err
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.cut {
+		_ = conn.Close()
+		return nil, errClosed
+	}
+	if d.sealed {
+		return conn, nil
+	}
+	tc := &trackedConn{Conn: conn, d: d}
+	d.conns[tc] = struct{}{}
+	return tc, nil
+}
+
+// seal stops keeping connections: the connect has ended.
+func (d *connectDialer) seal() {
+	d.mu.Lock()
+	d.sealed = true
+	d.conns = nil
+	d.mu.Unlock()
+}
+
+// cutAll closes the connections of the connect in flight and fails its
+// later dials, so that sarama gives the connect up at once.
+func (d *connectDialer) cutAll() {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.sealed {
+		return
+	}
+	d.cut = true
+	for c := range d.conns {
+		_ = c.(*trackedConn).Conn.Close()
+	}
+	d.conns = nil
+}
+
+// trackedConn leaves its dialer's set when closed.
+type trackedConn struct {
+	net.Conn
+	d *connectDialer
+}
+
+// Close closes the connection and forgets it.
+func (c *trackedConn) Close() error {
+	c.d.mu.Lock()
+	delete(c.d.conns, c)
+	c.d.mu.Unlock()
+	return c.Conn.Close()
 }
 
 // New validates cfg and returns a Publisher; it does not connect yet.
@@ -140,8 +256,9 @@ func producerConfig(base *sarama.Config) *sarama.Config {
 // wrapping ctx's, a passing failure: the producer is given up and the
 // records are sent again by the next call, with their ids. The same holds
 // while connecting (the producer's first metadata request): the connect
-// goes on aside, bounded by Config.Sarama's Net and Metadata settings,
-// and the next call waits for it or takes the producer it made.
+// goes on aside, bounded by Config.Sarama's Net and Metadata settings
+// (or until Close), and the next call waits for it or takes the producer
+// it made.
 func (p *Publisher) Publish(ctx context.Context, recs []outbox.Record) []error {
 	producer, err := p.connect(ctx)
 	if err != nil {
@@ -342,7 +459,8 @@ var errClosed = errors.New("kafkaout: publisher closed")
 // wrapping ctx's when ctx ends first. sarama's NewSyncProducer takes no
 // context and waits out its own dial and metadata timeouts and retries, so
 // it runs aside (dial): a call given up leaves it running, and the next
-// call waits for the same connect, or takes the producer it made.
+// call waits for the same connect, or takes the producer it made. Close
+// ends it.
 func (p *Publisher) connect(ctx context.Context) (sarama.SyncProducer, error) {
 	p.mu.Lock()
 	if p.closed {
@@ -356,7 +474,8 @@ func (p *Publisher) connect(ctx context.Context) (sarama.SyncProducer, error) {
 	}
 	c := p.connecting
 	if c == nil {
-		c = &connecting{done: make(chan struct{})}
+		c = &connecting{done: make(chan struct{}), dialer: newConnectDialer(p.sc)}
+		c.ctx, c.cancel = context.WithCancel(context.Background())
 		p.connecting = c
 		go p.dial(c)
 	}
@@ -370,17 +489,26 @@ func (p *Publisher) connect(ctx context.Context) (sarama.SyncProducer, error) {
 }
 
 // dial makes the producer of c and keeps it as the publisher's, or closes
-// it when the publisher was closed meanwhile.
+// it when the publisher was closed meanwhile. Close ends it early, closing
+// its connections (c.dialer) and cancelling its probe (c.ctx).
 func (p *Publisher) dial(c *connecting) {
-	producer, err := sarama.NewSyncProducer(p.cfg.Brokers, p.sc)
-	if err != nil {
+	defer c.cancel()
+	sc := *p.sc
+	sc.Net.Proxy.Enable = true
+	sc.Net.Proxy.Dialer = c.dialer
+	producer, err := sarama.NewSyncProducer(p.cfg.Brokers, &sc)
+	c.dialer.seal()
+	if err != nil && c.ctx.Err() == nil {
 		// sarama reports a broker refusing the TLS or SASL settings as
 		// no broker to talk to, without the broker's answer. The probe
-		// is bounded by Config.Sarama's Net settings, as the connect.
-		err = fmt.Errorf("kafkaout: connect: %w", kafkarefusal.Explain(context.Background(), p.cfg.Brokers, p.sc, err))
+		// is bounded by Config.Sarama's Net settings, as the connect,
+		// and ends when the publisher is closed.
+		err = fmt.Errorf("kafkaout: connect: %w", kafkarefusal.Explain(c.ctx, p.cfg.Brokers, p.sc, err))
 		if isRefusal(err) {
 			err = outbox.Refused(err)
 		}
+	} else if err != nil {
+		err = fmt.Errorf("kafkaout: connect: %w (%w)", errClosed, err)
 	}
 	p.mu.Lock()
 	p.connecting = nil
@@ -459,12 +587,20 @@ const closeWait = 2 * time.Second
 // only once the requests in flight are answered, and a relay that stopped
 // may have left one to a broker that does not answer (until
 // Net.ReadTimeout). Past that Close returns an error and the producer
-// finishes closing in the background. Publish fails afterwards.
+// finishes closing in the background. A connect in flight (one a Publish
+// gave up) is ended at once: its connections are closed, and the producer
+// it may still make is closed. Publish fails afterwards.
 func (p *Publisher) Close() error {
 	p.mu.Lock()
 	p.closed = true
 	producer := p.producer
 	p.producer = nil
+	if c := p.connecting; c != nil {
+		// The connect in flight would go on for Config.Sarama's
+		// timeouts and retries; its producer would be closed anyway.
+		c.cancel()
+		c.dialer.cutAll()
+	}
 	p.mu.Unlock()
 	if producer == nil {
 		return nil
