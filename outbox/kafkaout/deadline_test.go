@@ -34,40 +34,23 @@ func TestPublishReturnsWhenItsContextEnds(t *testing.T) {
 	defer p.Close()
 	require.Nil(t, p.Publish(t.Context(), []outbox.Record{{EventID: "e-0", Topic: "orders", Body: []byte("b")}}))
 
-	release := make(chan struct{})
-	defer func() {
-		select {
-		case <-release:
-		default:
-			close(release)
-		}
-	}()
-	held := make(chan struct{}, 1)
-	kf.ControlKey(kmsg.Produce.Int16(), func(kmsg.Request) (kmsg.Response, error, bool) {
-		kf.KeepControl()
-		select {
-		case held <- struct{}{}:
-		default:
-		}
-		kf.SleepControl(func() { <-release })
-		return nil, nil, false
-	})
+	held, release := holdRequests(t, kf, kmsg.Produce.Int16())
 	publishGivenUp(t, p, held)
 
-	close(release)
+	release()
 	require.Eventually(t, func() bool {
 		return p.Publish(t.Context(), []outbox.Record{{EventID: "e-3", Topic: "orders", Body: []byte("b")}}) == nil
 	}, 30*time.Second, 50*time.Millisecond, "a later call publishes once the broker answers")
 }
 
-// holdMetadata makes kf hold every metadata request until the returned
+// holdRequests makes kf hold every request of key until the returned
 // release is called (also at the test's end), and signals held at the
 // first one.
-func holdMetadata(t *testing.T, kf *kfake.Cluster) (held <-chan struct{}, release func()) {
+func holdRequests(t *testing.T, kf *kfake.Cluster, key int16) (held <-chan struct{}, release func()) {
 	t.Helper()
 	ch := make(chan struct{})
 	h := make(chan struct{}, 1)
-	kf.ControlKey(kmsg.Metadata.Int16(), func(kmsg.Request) (kmsg.Response, error, bool) {
+	kf.ControlKey(key, func(kmsg.Request) (kmsg.Response, error, bool) {
 		kf.KeepControl()
 		select {
 		case h <- struct{}{}:
@@ -94,7 +77,7 @@ func TestPublishReturnsWhenItsContextEndsWhileConnecting(t *testing.T) {
 	kf, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(1, "orders"))
 	require.NoError(t, err)
 	defer kf.Close()
-	held, release := holdMetadata(t, kf)
+	held, release := holdRequests(t, kf, kmsg.Metadata.Int16())
 	sc := sarama.NewConfig()
 	sc.Version = sarama.V2_8_0_0
 	p, err := New(Config{Brokers: kf.ListenAddrs(), Sarama: sc})
@@ -117,7 +100,7 @@ func TestCloseWhileConnecting(t *testing.T) {
 	kf, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(1, "orders"))
 	require.NoError(t, err)
 	defer kf.Close()
-	held, release := holdMetadata(t, kf)
+	held, release := holdRequests(t, kf, kmsg.Metadata.Int16())
 	sc := sarama.NewConfig()
 	sc.Version = sarama.V2_8_0_0
 	p, err := New(Config{Brokers: kf.ListenAddrs(), Sarama: sc})
