@@ -280,7 +280,10 @@ type Machine struct {
 	Fsync             string `json:"fsync"`
 	SynchronousCommit string `json:"synchronous_commit"`
 	Throwaway         bool   `json:"throwaway_postgres"`
-	Go                string `json:"go"`
+	// WAL is what was done to the throwaway server's WAL before the rows
+	// (warmWAL); nil on a server named by DATABASE_URL.
+	WAL *walWarm `json:"wal_warm,omitempty"`
+	Go  string   `json:"go"`
 }
 
 // Report is a whole run.
@@ -373,6 +376,14 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 	defer db.Close()
 	if err := machine(ctx, db, &rep.Machine); err != nil {
 		return nil, err
+	}
+	if rep.Machine.Throwaway {
+		o.logf("making the throwaway server's WAL segments (as a server that has run a while has them)")
+		w, err := warmWAL(ctx, db, 0)
+		if err != nil {
+			return nil, fmt.Errorf("WAL segments: %w", err)
+		}
+		rep.Machine.WAL = &w
 	}
 
 	if o.PGBench > 0 {

@@ -30,6 +30,10 @@ func (r *Report) WriteTable(w io.Writer) error {
 	if dirs := r.dataDirs(); dirs != "" {
 		fmt.Fprintln(w, "files:", dirs)
 	}
+	if ww := m.WAL; ww != nil {
+		fmt.Fprintf(w, "PostgreSQL WAL: %d segments of %d MB made and recycled before the rows, %d ready ahead (a fresh cluster creates and zero-fills each new segment while commits wait; one that has run a while recycles them)\n",
+			ww.Made, ww.SegmentMB, ww.Ready)
+	}
 	if r.AMQPLazy {
 		fmt.Fprintln(w, "RabbitMQ queues: lazy (x-queue-mode; -amqp-lazy)")
 	}
