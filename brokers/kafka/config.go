@@ -40,9 +40,11 @@ const (
 	// offset is out of range. A partition added to a topic the group
 	// already reads (it has no committed offset, another partition of the
 	// topic has one) starts at its first record, so that the records
-	// produced to it before the group noticed it are read; under the
+	// produced to it before the group noticed it are read. Under the
 	// cooperative-sticky strategy, whose rebalance that adds it has no
-	// session start, at its end.
+	// session start, its claim commits its first offset and returns,
+	// which ends the member's session: the next one reads it from there
+	// (one rebalance more per partition added).
 	StartNewest
 )
 

@@ -706,6 +706,49 @@ func (s *Source) markStarts(sess sarama.ConsumerGroupSession) {
 	}
 }
 
+// startAddedPartition is markStarts for a claim that started without a
+// start, under StartNewest: no committed offset and none marked by the
+// session's Setup, so that sarama starts it at the partition's end. A
+// partition that a cooperative rebalance adds to a running session is such
+// a claim (no Setup runs for it), and so is one whose start Setup could not
+// mark. If another partition of its topic has a committed offset, the
+// partition was added to the topic after the group began reading it, and
+// starting at its end would skip the records produced to it before the
+// claim: startAddedPartition marks and commits its first offset and reports
+// true, and ConsumeClaim returns without handing a record out. A claim that
+// returns unrevoked ends the member's session under either protocol, and
+// the next session's claim starts at the committed first offset: one
+// rebalance more per partition added. When the cluster cannot be asked, a
+// warning is logged and the claim goes on at the end, as before.
+func (s *Source) startAddedPartition(sess sarama.ConsumerGroupSession, sc sarama.ConsumerGroupClaim) bool {
+	if s.cfg.InitialOffset != StartNewest || sc.InitialOffset() != sarama.OffsetNewest {
+		return false
+	}
+	topic, p := sc.Topic(), sc.Partition()
+	fail := func(err error) bool {
+		s.cfg.Logger.Warn("once/kafka: cannot tell whether a partition claimed without a start was added to its topic; it starts at its end",
+			"group", s.cfg.Group, "topic", topic, "partition", p, "error", err)
+		return false
+	}
+	resp, err := s.fetchCommitted(s.withSiblings(map[string][]int32{topic: {p}}))
+	if err != nil {
+		return fail(err)
+	}
+	b := resp.GetBlock(topic, p)
+	if b == nil || !errors.Is(b.Err, sarama.ErrNoError) || b.Offset >= 0 || !committedAny(resp, topic) {
+		return false
+	}
+	first, err := s.dlqClient.GetOffset(topic, p, sarama.OffsetOldest)
+	if err != nil {
+		return fail(err)
+	}
+	s.cfg.Logger.Info("once/kafka: partition added to a topic the group reads, claimed without a start; committing its first record as its start and rejoining to read it from there",
+		"group", s.cfg.Group, "topic", topic, "partition", p, "offset", first)
+	sess.MarkOffset(topic, p, first, "")
+	sess.Commit()
+	return true
+}
+
 // withSiblings returns claims with every partition of each of their topics
 // that the Source's client knows: those the group's other members hold
 // too.
@@ -833,6 +876,10 @@ func (h *groupHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, sc sarama.
 		}
 		cl.db = newClaimOffsets(o, sc.InitialOffset())
 		checkCommitted = o.Next < 0
+	}
+	if !s.cfg.OffsetsInDatabase && s.startAddedPartition(sess, sc) {
+		cl.revoke()
+		return nil
 	}
 	if checkCommitted {
 		s.checkStart(sess, sc.Topic(), sc.Partition(), sc.InitialOffset())
