@@ -31,11 +31,14 @@ const (
 	// Reading committed records (the default; see ReadUncommitted), that
 	// end is the partition's last stable offset, as for a read-committed
 	// Java consumer: the records of a transaction open at the start are
-	// read once it commits. A partition that a cooperative rebalance adds,
-	// one whose start the session could not mark (a warning is logged), and
-	// one whose committed offset is out of range start at their end when
-	// claimed, read the same way, but that start is committed only once
-	// one of their records is acked.
+	// read once it commits. A partition whose start the session could not
+	// mark (a warning is logged) and one whose committed offset is past
+	// its end start at their end when claimed, read the same way, but
+	// that start is committed only once one of their records is acked. A
+	// committed offset below the partition's first record (the records
+	// deleted by retention before the group read them) starts at the first
+	// record left: the claim commits it and ends the session once, the
+	// deleted records are logged at Error and counted.
 	// Reading committed records, a committed offset past the last stable
 	// offset is out of range. A partition added to a topic the group
 	// already reads (it has no committed offset, another partition of the

@@ -208,3 +208,64 @@ func observed(t *testing.T, cfg Config) (Config, *testlog.ErrorLog, *sdkmetric.M
 	cfg.MeterProvider = mp
 	return cfg, logs, reader
 }
+
+// With StartNewest, sarama reset a committed offset below the partition's
+// start (records deleted by retention before the group read them) to the
+// partition's end: the records still in the partition, from its start on,
+// were skipped too, not only the deleted ones. StartNewest says where a
+// group new to a topic starts; this group read the partition. The claim
+// now starts at the partition's first record left, and the records deleted
+// are logged and counted as lost.
+func TestStartNewestCommittedOffsetOutOfRangeReadsWhatIsLeft(t *testing.T) {
+	eachBroker(t, func(t *testing.T, kind brokerKind) {
+		c := newClusterOf(t, kind)
+		topic, group := uniq("orders"), uniq("g")
+		c.createTopic(topic, 1)
+		cfg := c.config(group, topic)
+		cfg.InitialOffset = StartNewest
+
+		src := c.open(cfg)
+		ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+		defer cancel()
+		got := receiveAside(ctx, src) // joins the group, whose start is committed
+		require.Eventually(t, func() bool { return committedOffset(c, group, topic, 0) >= 0 }, 20*time.Second, 20*time.Millisecond)
+		c.produce(msg(topic, 0, "a"))
+		r := <-got
+		require.NoError(t, r.err)
+		d := r.d
+		require.Equal(t, "a", string(d.Message().Value))
+		require.NoError(t, d.Ack(t.Context()))
+		require.NoError(t, src.Close())
+		require.Equal(t, map[int32]int64{0: 1}, c.committed(group, topic, 1))
+
+		// Records 1 and 2 are deleted before the group reads them; 3 is left.
+		c.produce(msg(topic, 0, "b"), msg(topic, 0, "c"), msg(topic, 0, "d"))
+		admin, err := sarama.NewClusterAdmin(c.addrs, saramaConfig())
+		require.NoError(t, err)
+		require.NoError(t, admin.DeleteRecords(topic, map[int32]int64{0: 3}))
+		require.NoError(t, admin.Close())
+
+		lost := &lineCounter{match: "level=ERROR", at: -1}
+		reader := sdkmetric.NewManualReader()
+		mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+		defer func() { _ = mp.Shutdown(context.Background()) }()
+		cfg.MeterProvider = mp
+		var text strings.Builder
+		var mu sync.Mutex
+		cfg.Logger = slog.New(slog.NewTextHandler(io.MultiWriter(lost, lockedWriter{&mu, &text}), nil))
+		src = c.open(cfg)
+		d = receive(t, src)
+		require.Equal(t, "d", string(d.Message().Value), "the record left in the partition is read")
+		require.NoError(t, d.Ack(t.Context()))
+		require.Eventually(t, func() bool { return lost.count() == 1 }, 10*time.Second, 10*time.Millisecond, "the loss is logged")
+		mu.Lock()
+		line := text.String()
+		mu.Unlock()
+		for _, attr := range []string{"topic=" + topic, "partition=0", "committed=1", "start=3", "skipped=2"} {
+			assert.Contains(t, line, attr)
+		}
+		assert.Equal(t, map[string]int64{topic + "/0": 2}, outOfRangeOf(t, reader), "the deleted records are counted")
+		require.NoError(t, src.Close())
+		require.Equal(t, map[int32]int64{0: 4}, c.committed(group, topic, 1))
+	})
+}

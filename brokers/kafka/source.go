@@ -706,27 +706,37 @@ func (s *Source) markStarts(sess sarama.ConsumerGroupSession) {
 	}
 }
 
-// startAddedPartition is markStarts for a claim that started without a
-// start, under StartNewest: no committed offset and none marked by the
-// session's Setup, so that sarama starts it at the partition's end. A
-// partition that a cooperative rebalance adds to a running session is such
-// a claim (no Setup runs for it), and so is one whose start Setup could not
-// mark. If another partition of its topic has a committed offset, the
-// partition was added to the topic after the group began reading it, and
-// starting at its end would skip the records produced to it before the
-// claim: startAddedPartition marks and commits its first offset and reports
-// true, and ConsumeClaim returns without handing a record out. A claim that
-// returns unrevoked ends the member's session under either protocol, and
-// the next session's claim starts at the committed first offset: one
-// rebalance more per partition added. When the cluster cannot be asked, a
-// warning is logged and the claim goes on at the end, as before.
-func (s *Source) startAddedPartition(sess sarama.ConsumerGroupSession, sc sarama.ConsumerGroupClaim) bool {
+// rewindNewestStart handles, under StartNewest, a claim that sarama
+// started at the partition's end (InitialOffset sarama.OffsetNewest)
+// although the group has been reading the partition's topic, so that
+// starting at the end would skip records the partition still holds:
+//
+//   - a partition without a committed offset while another partition of
+//     its topic has one was added to the topic after the group began
+//     reading it. Setup marks such a partition's first offset
+//     (markStarts), but a cooperative rebalance that adds it runs no Setup,
+//     and Setup may have failed to ask the cluster. Logged at Info.
+//   - a committed offset below the partition's first offset: the records
+//     between the two were deleted by retention before the group read
+//     them, and sarama reset the claim to Config.InitialOffset
+//     (Consumer.Group.ResetInvalidOffsets), which under StartNewest also
+//     skipped the records left. The deleted ones are logged at Error and
+//     counted, as checkStart does for StartOldest.
+//
+// In both cases it marks and commits the partition's first offset and
+// reports true, and ConsumeClaim returns without handing a record out. A
+// claim that returns unrevoked ends the member's session under either
+// protocol, and the next session's claim starts at the committed first
+// offset: one rebalance more. When the cluster cannot be asked, a warning
+// is logged and the claim goes on at the end, as before (checkStart then
+// still logs a loss).
+func (s *Source) rewindNewestStart(sess sarama.ConsumerGroupSession, sc sarama.ConsumerGroupClaim) bool {
 	if s.cfg.InitialOffset != StartNewest || sc.InitialOffset() != sarama.OffsetNewest {
 		return false
 	}
 	topic, p := sc.Topic(), sc.Partition()
 	fail := func(err error) bool {
-		s.cfg.Logger.Warn("once/kafka: cannot tell whether a partition claimed without a start was added to its topic; it starts at its end",
+		s.cfg.Logger.Warn("once/kafka: cannot tell whether a partition claimed at its end holds records the group has not read; it starts at its end",
 			"group", s.cfg.Group, "topic", topic, "partition", p, "error", err)
 		return false
 	}
@@ -735,15 +745,31 @@ func (s *Source) startAddedPartition(sess sarama.ConsumerGroupSession, sc sarama
 		return fail(err)
 	}
 	b := resp.GetBlock(topic, p)
-	if b == nil || !errors.Is(b.Err, sarama.ErrNoError) || b.Offset >= 0 || !committedAny(resp, topic) {
+	if b == nil || !errors.Is(b.Err, sarama.ErrNoError) {
 		return false
+	}
+	added := b.Offset < 0 && committedAny(resp, topic)
+	if b.Offset < 0 && !added {
+		return false // a group new to the topic: StartNewest
 	}
 	first, err := s.dlqClient.GetOffset(topic, p, sarama.OffsetOldest)
 	if err != nil {
 		return fail(err)
 	}
-	s.cfg.Logger.Info("once/kafka: partition added to a topic the group reads, claimed without a start; committing its first record as its start and rejoining to read it from there",
-		"group", s.cfg.Group, "topic", topic, "partition", p, "offset", first)
+	switch {
+	case added:
+		s.cfg.Logger.Info("once/kafka: partition added to a topic the group reads, claimed without a start; committing its first record as its start and rejoining to read it from there",
+			"group", s.cfg.Group, "topic", topic, "partition", p, "offset", first)
+	case b.Offset < first:
+		s.lag.skippedOutOfRange(topic, p, first-b.Offset)
+		s.cfg.Logger.Error("once/kafka: the group's committed offset is out of the partition's range "+
+			"(its records deleted by retention before they were handled, or the log truncated); the claim starts at the partition's first record left, "+
+			"and the records between the two are not handled",
+			"group", s.cfg.Group, "topic", topic, "partition", p, "committed", b.Offset,
+			"start", first, "initial_offset", startName(sarama.OffsetNewest), "skipped", first-b.Offset)
+	default:
+		return false // in range, or past the end: checkStart's
+	}
 	sess.MarkOffset(topic, p, first, "")
 	sess.Commit()
 	return true
@@ -877,7 +903,7 @@ func (h *groupHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, sc sarama.
 		cl.db = newClaimOffsets(o, sc.InitialOffset())
 		checkCommitted = o.Next < 0
 	}
-	if !s.cfg.OffsetsInDatabase && s.startAddedPartition(sess, sc) {
+	if !s.cfg.OffsetsInDatabase && s.rewindNewestStart(sess, sc) {
 		cl.revoke()
 		return nil
 	}
