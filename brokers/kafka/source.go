@@ -808,8 +808,29 @@ func committedAny(resp *sarama.OffsetFetchResponse, topic string) bool {
 }
 
 // fetchCommitted asks the group's coordinator for the group's committed
-// offsets of partitions.
+// offsets of partitions. The Source's own client keeps the coordinator it
+// found first, while the group's client follows the coordinator when it
+// moves to another broker (a rolling restart moves it): a broker that
+// answers it is no longer the coordinator has the client find it again,
+// and is asked again once.
 func (s *Source) fetchCommitted(partitions map[string][]int32) (*sarama.OffsetFetchResponse, error) {
+	resp, err := s.fetchCommittedOnce(partitions)
+	if !coordinatorMoved(err) {
+		return resp, err
+	}
+	if rerr := s.dlqClient.RefreshCoordinator(s.cfg.Group); rerr != nil {
+		return nil, fmt.Errorf("%w (finding the group's coordinator again: %w)", err, rerr)
+	}
+	return s.fetchCommittedOnce(partitions)
+}
+
+// coordinatorMoved reports whether err says the broker asked is not, or
+// not yet, the group's coordinator.
+func coordinatorMoved(err error) bool {
+	return errors.Is(err, sarama.ErrNotCoordinatorForConsumer) || errors.Is(err, sarama.ErrConsumerCoordinatorNotAvailable)
+}
+
+func (s *Source) fetchCommittedOnce(partitions map[string][]int32) (*sarama.OffsetFetchResponse, error) {
 	coordinator, err := s.dlqClient.Coordinator(s.cfg.Group)
 	if err != nil {
 		return nil, err

@@ -1,0 +1,61 @@
+package kafka
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/stretchr/testify/require"
+	"github.com/twmb/franz-go/pkg/kfake"
+
+	"github.com/onceco/once/internal/pgtest"
+)
+
+// The group's coordinator moves to another broker (a rolling restart
+// moves the leaders of __consumer_offsets), and then a partition is added
+// to a topic the group reads with StartNewest: the session that claims it
+// asks the coordinator for the committed offsets, to start the added
+// partition at its first record.
+func TestStartNewestReadsAPartitionAddedAfterTheCoordinatorMoved(t *testing.T) {
+	c := newCluster(t, kfake.NumBrokers(3))
+	topic, group := uniq("orders"), uniq("g")
+	c.createTopic(topic, 1)
+	db, _ := pgtest.Schema(t)
+	_, err := db.Exec(context.Background(), effectsTable)
+	require.NoError(t, err)
+	cfg := c.config(group, topic)
+	cfg.InitialOffset = StartNewest
+	cfg.Sarama.Metadata.RefreshFrequency = 500 * time.Millisecond
+	src, err := Open(t.Context(), cfg)
+	require.NoError(t, err)
+	r := startConsumer(t, db, src, consumerConfig("svc"), recordEffect)
+	require.Eventually(t, func() bool { return committedOffset(c, group, topic, 0) >= 0 }, 30*time.Second, 20*time.Millisecond)
+	c.produceHashed(idless(topic, 0, 3))
+	waitEffectsByN(t, db, 3)
+
+	before := c.kf.CoordinatorFor(group)
+	for range 20 {
+		c.kf.RehashCoordinators()
+		if c.kf.CoordinatorFor(group) != before {
+			break
+		}
+	}
+	require.NotEqual(t, before, c.kf.CoordinatorFor(group), "the coordinator moved")
+	c.produceHashed(idless(topic, 10, 2)) // still consumed: the group follows its coordinator
+	waitEffectsByN(t, db, 5)
+
+	admin, err := sarama.NewClusterAdmin(c.addrs, saramaConfig())
+	require.NoError(t, err)
+	require.NoError(t, admin.CreatePartitions(topic, 2, nil, false))
+	require.NoError(t, admin.Close())
+	c.awaitLeaders(topic, 2)
+	for i := range 5 {
+		c.produce(msg(topic, 1, fmt.Sprintf(`{"n":%d}`, 100+i)))
+	}
+	waitEffectsByN(t, db, 10)
+	require.NoError(t, r.stop())
+	want := map[int]int{0: 1, 1: 1, 2: 1, 10: 1, 11: 1, 100: 1, 101: 1, 102: 1, 103: 1, 104: 1}
+	require.Equal(t, want, effectsByN(t, db), "the new partition's records handled once, from its first")
+}
