@@ -59,3 +59,52 @@ func TestStartNewestReadsAPartitionAddedAfterTheCoordinatorMoved(t *testing.T) {
 	want := map[int]int{0: 1, 1: 1, 2: 1, 10: 1, 11: 1, 100: 1, 101: 1, 102: 1, 103: 1, 104: 1}
 	require.Equal(t, want, effectsByN(t, db), "the new partition's records handled once, from its first")
 }
+
+// Partition leaders and the group's coordinator move between brokers again
+// and again while a stream with poison records is consumed (a rolling
+// restart does both): every event has its effect once, every poison
+// record is dead-lettered once.
+func TestLeadersAndCoordinatorMovingMidStream(t *testing.T) {
+	c := newCluster(t, kfake.NumBrokers(3))
+	topic, group := uniq("orders"), uniq("g")
+	c.createTopic(topic, 4)
+	db, _ := pgtest.Schema(t)
+	_, err := db.Exec(context.Background(), effectsTable)
+	require.NoError(t, err)
+	src, err := Open(t.Context(), c.config(group, topic))
+	require.NoError(t, err)
+	r := startConsumer(t, db, src, consumerConfig("svc"), recordEffect)
+
+	const events, poison = 400, 8
+	var msgs []*sarama.ProducerMessage
+	for i := range events {
+		msgs = append(msgs, msg(topic, int32(i%4), fmt.Sprintf(`{"n":%d}`, i)))
+		if i%(events/poison) == 0 {
+			msgs = append(msgs, msg(topic, int32(i%4), "not json"))
+		}
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for i := 0; i < len(msgs); i += 20 {
+			c.produce(msgs[i:min(i+20, len(msgs))]...)
+			c.kf.ShufflePartitionLeaders()
+			if i%60 == 0 {
+				c.kf.RehashCoordinators()
+			}
+		}
+	}()
+	<-done
+	waitEffectsByN(t, db, events)
+	require.Eventually(t, func() bool {
+		st := r.c.Stats()
+		return st.DeadLettered >= poison
+	}, 60*time.Second, 20*time.Millisecond, "every poison record dead-lettered")
+	require.NoError(t, r.stop())
+	counts := effectsByN(t, db)
+	require.Len(t, counts, events)
+	for n, k := range counts {
+		require.Equal(t, 1, k, "event %d", n)
+	}
+	require.Len(t, c.readAll(topic+".dlq"), poison, "each poison record dead-lettered once")
+}
