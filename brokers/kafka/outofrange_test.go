@@ -2,6 +2,7 @@ package kafka
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"log/slog"
 	"os"
@@ -268,4 +269,62 @@ func TestStartNewestCommittedOffsetOutOfRangeReadsWhatIsLeft(t *testing.T) {
 		require.NoError(t, src.Close())
 		require.Equal(t, map[int32]int64{0: 4}, c.committed(group, topic, 1))
 	})
+}
+
+// Retention deletes records ahead of a consumer that lags behind while it
+// runs: sarama's next fetch of the partition is out of range and shuts the
+// partition's consumer down, the claim ends, and the next session starts
+// the partition where sarama resets the committed offset. With StartOldest
+// that is the first record left; with StartNewest it was the partition's
+// end, skipping the records left as well.
+func TestRetentionOvertakingARunningConsumer(t *testing.T) {
+	for _, start := range []StartOffset{StartOldest, StartNewest} {
+		t.Run(map[StartOffset]string{StartOldest: "oldest", StartNewest: "newest"}[start], func(t *testing.T) {
+			eachBroker(t, func(t *testing.T, kind brokerKind) {
+				c := newClusterOf(t, kind)
+				topic, group := uniq("orders"), uniq("g")
+				c.createTopic(topic, 1)
+				cfg := c.config(group, topic)
+				cfg.InitialOffset = start
+				cfg.Sarama.ChannelBufferSize = 4
+				cfg.FetchDefault = 1 // one batch a fetch
+				src := c.open(cfg)
+				ctx, cancel := context.WithTimeout(t.Context(), 60*time.Second)
+				defer cancel()
+				got := receiveAside(ctx, src)
+				require.Eventually(t, func() bool { return committedOffset(c, group, topic, 0) >= 0 || start == StartOldest },
+					20*time.Second, 20*time.Millisecond)
+				p := c.producer()
+				for i := range 100 { // a batch each
+					_, _, err := p.SendMessage(msg(topic, 0, fmt.Sprintf("r%d", i)))
+					require.NoError(t, err)
+				}
+				r := <-got
+				require.NoError(t, r.err)
+				require.Equal(t, "r0", string(r.d.Message().Value))
+				require.NoError(t, r.d.Ack(t.Context()))
+
+				admin, err := sarama.NewClusterAdmin(c.addrs, saramaConfig())
+				require.NoError(t, err)
+				require.NoError(t, admin.DeleteRecords(topic, map[int32]int64{0: 80}))
+				require.NoError(t, admin.Close())
+
+				// What was read ahead before the deletion is handed out; then
+				// the records left, 80 to 99, whatever InitialOffset says.
+				var offsets []int64
+				for len(offsets) == 0 || offsets[len(offsets)-1] < 99 {
+					rctx, rcancel := context.WithTimeout(t.Context(), 20*time.Second)
+					d, err := src.Receive(rctx)
+					rcancel()
+					require.NoError(t, err, "after offsets %v", offsets)
+					offsets = append(offsets, d.(*delivery).Message().Offset)
+					require.NoError(t, d.Ack(t.Context()))
+				}
+				require.NoError(t, src.Close())
+				t.Logf("offsets read: %v", offsets)
+				require.Less(t, offsets[1], int64(80), "records read ahead before the deletion came first: the deletion overtook a running claim")
+				assert.Subset(t, offsets, []int64{80, 81, 98, 99}, "the records left are read: %v", offsets)
+			})
+		})
+	}
 }
