@@ -352,6 +352,9 @@ func (s *Source) takeOver(sess sarama.ConsumerGroupSession) error {
 	for {
 		got, err := b.Store.TakeOverPartitions(ctx, b.Pool, b.Consumer, owner, parts)
 		if err == nil {
+			if s.cfg.InitialOffset == StartNewest {
+				s.startAtRecordsLeft(got)
+			}
 			s.positions.put(got)
 			for _, o := range got {
 				if o.Next >= 0 {
@@ -379,6 +382,35 @@ func (s *Source) takeOver(sess sarama.ConsumerGroupSession) error {
 		if !backoff.Sleep(ctx, wait) {
 			return fmt.Errorf("kafka: taking partitions over: %w", err)
 		}
+	}
+}
+
+// startAtRecordsLeft moves, under StartNewest, each position of got that
+// lies below its partition's first record (the records deleted by
+// retention before any member read them) to that first record, logging
+// the deleted records at level Error and counting them as checkRecordedStart
+// does. sarama would reset such a position to Config.InitialOffset, under
+// StartNewest the partition's end, past the records the partition still
+// holds; StartNewest says where a consumer new to a partition starts, and
+// this one has a position. A partition whose first record cannot be asked
+// keeps its position (sarama's reset, then checkRecordedStart's log).
+func (s *Source) startAtRecordsLeft(got []dedup.PartitionOffsets) {
+	for i := range got {
+		o := &got[i]
+		if o.Next < 0 {
+			continue
+		}
+		first, err := s.dlqClient.GetOffset(o.Topic, o.Partition, sarama.OffsetOldest)
+		if err != nil || o.Next >= first {
+			continue
+		}
+		s.lag.skippedOutOfRange(o.Topic, o.Partition, first-o.Next)
+		s.cfg.Logger.Error("once/kafka: the position the database records for the partition is out of the partition's range "+
+			"(its records deleted by retention before they were handled, or the log truncated); the claim starts at the partition's first record left, "+
+			"and the records between the two are not handled",
+			"group", s.cfg.Group, "topic", o.Topic, "partition", o.Partition, "recorded", o.Next,
+			"start", first, "initial_offset", startName(sarama.OffsetNewest), "skipped", first-o.Next)
+		o.Next = first
 	}
 }
 

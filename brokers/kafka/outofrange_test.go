@@ -328,3 +328,37 @@ func TestRetentionOvertakingARunningConsumer(t *testing.T) {
 		})
 	}
 }
+
+// With OffsetsInDatabase and StartNewest, a recorded position below the
+// partition's first record (records deleted by retention before any member
+// read them) made sarama start the claim at the partition's end, skipping
+// the records left with the deleted ones.
+func TestOffsetsInDatabaseStartNewestPositionOutOfRangeReadsWhatIsLeft(t *testing.T) {
+	c := newCluster(t)
+	topic, group := uniq("orders"), uniq("g")
+	c.createTopic(topic, 1)
+	db, _ := pgtest.Schema(t)
+	_, err := db.Exec(context.Background(), effectsTable)
+	require.NoError(t, err)
+	c.produceHashed(events(topic, "e", 0, 2))
+	runToEnd(t, c, db, c.dbOffsetsConfig(group, topic), consumerConfig("svc"), 2)
+	require.Equal(t, map[int32]int64{0: 2}, offsetsRows(t, db, topic))
+
+	c.produceHashed(events(topic, "e", 2, 3))
+	admin, err := sarama.NewClusterAdmin(c.addrs, saramaConfig())
+	require.NoError(t, err)
+	require.NoError(t, admin.DeleteRecords(topic, map[int32]int64{0: 4}))
+	require.NoError(t, admin.Close())
+
+	cfg, logs, _ := observed(t, c.dbOffsetsConfig(group, topic))
+	cfg.InitialOffset = StartNewest
+	runToEnd(t, c, db, cfg, consumerConfig("svc"), 3)
+	assert.Equal(t, map[string]int{"e-0": 1, "e-1": 1, "e-4": 1}, effectCounts(t, db), "the record left is read, the deleted ones lost")
+	require.Eventually(t, func() bool { return len(logs.Errors()) > 0 }, 10*time.Second, 10*time.Millisecond, "the loss is logged")
+	errs := logs.Errors()
+	require.Len(t, errs, 1, "logged once")
+	for _, attr := range []string{"recorded=2", "start=4", "skipped=2"} {
+		assert.Contains(t, errs[0], " "+attr)
+	}
+	assert.Equal(t, map[int32]int64{0: 5}, offsetsRows(t, db, topic))
+}
