@@ -1,7 +1,6 @@
 package kafka
 
 import (
-	"context"
 	"fmt"
 	"testing"
 	"time"
@@ -9,8 +8,6 @@ import (
 	"github.com/IBM/sarama"
 	"github.com/stretchr/testify/require"
 	"github.com/twmb/franz-go/pkg/kfake"
-
-	"github.com/onceco/once/internal/pgtest"
 )
 
 // The group's coordinator moves to another broker (a rolling restart
@@ -22,9 +19,7 @@ func TestStartNewestReadsAPartitionAddedAfterTheCoordinatorMoved(t *testing.T) {
 	c := newCluster(t, kfake.NumBrokers(3))
 	topic, group := uniq("orders"), uniq("g")
 	c.createTopic(topic, 1)
-	db, _ := pgtest.Schema(t)
-	_, err := db.Exec(context.Background(), effectsTable)
-	require.NoError(t, err)
+	db := effectsDB(t)
 	cfg := c.config(group, topic)
 	cfg.InitialOffset = StartNewest
 	cfg.Sarama.Metadata.RefreshFrequency = 500 * time.Millisecond
@@ -46,14 +41,7 @@ func TestStartNewestReadsAPartitionAddedAfterTheCoordinatorMoved(t *testing.T) {
 	c.produceHashed(idless(topic, 10, 2)) // still consumed: the group follows its coordinator
 	waitEffectsByN(t, db, 5)
 
-	admin, err := sarama.NewClusterAdmin(c.addrs, saramaConfig())
-	require.NoError(t, err)
-	require.NoError(t, admin.CreatePartitions(topic, 2, nil, false))
-	require.NoError(t, admin.Close())
-	c.awaitLeaders(topic, 2)
-	for i := range 5 {
-		c.produce(msg(topic, 1, fmt.Sprintf(`{"n":%d}`, 100+i)))
-	}
+	c.addPartitionWithRecords(topic)
 	waitEffectsByN(t, db, 10)
 	require.NoError(t, r.stop())
 	want := map[int]int{0: 1, 1: 1, 2: 1, 10: 1, 11: 1, 100: 1, 101: 1, 102: 1, 103: 1, 104: 1}
@@ -68,9 +56,7 @@ func TestLeadersAndCoordinatorMovingMidStream(t *testing.T) {
 	c := newCluster(t, kfake.NumBrokers(3))
 	topic, group := uniq("orders"), uniq("g")
 	c.createTopic(topic, 4)
-	db, _ := pgtest.Schema(t)
-	_, err := db.Exec(context.Background(), effectsTable)
-	require.NoError(t, err)
+	db := effectsDB(t)
 	src, err := Open(t.Context(), c.config(group, topic))
 	require.NoError(t, err)
 	r := startConsumer(t, db, src, consumerConfig("svc"), recordEffect)

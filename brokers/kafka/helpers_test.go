@@ -236,6 +236,16 @@ func (c *cluster) produce(msgs ...*sarama.ProducerMessage) {
 	require.NoError(c.t, c.producer().SendMessages(msgs))
 }
 
+// deleteRecordsBefore deletes the records of topic's partition below
+// offset, as retention does.
+func (c *cluster) deleteRecordsBefore(topic string, partition int32, offset int64) {
+	c.t.Helper()
+	admin, err := sarama.NewClusterAdmin(c.addrs, saramaConfig())
+	require.NoError(c.t, err)
+	defer admin.Close()
+	require.NoError(c.t, admin.DeleteRecords(topic, map[int32]int64{partition: offset}))
+}
+
 // readAll returns every record of topic, partition by partition, in offset
 // order.
 func (c *cluster) readAll(topic string) []*sarama.ConsumerMessage {

@@ -9,8 +9,6 @@ import (
 	"github.com/IBM/sarama"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
-
-	"github.com/onceco/once/internal/pgtest"
 )
 
 // With StartNewest, a partition added to a topic the group already reads
@@ -68,9 +66,7 @@ func testPartitionAddedWhileRunning(t *testing.T, kind brokerKind, strategy sara
 	c := newClusterOf(t, kind)
 	topic, group := uniq("orders"), uniq("g")
 	c.createTopic(topic, 1)
-	db, _ := pgtest.Schema(t)
-	_, err := db.Exec(context.Background(), effectsTable)
-	require.NoError(t, err)
+	db := effectsDB(t)
 	cfg := c.config(group, topic)
 	cfg.InitialOffset = StartNewest
 	cfg.Sarama.Metadata.RefreshFrequency = 500 * time.Millisecond
@@ -83,16 +79,23 @@ func testPartitionAddedWhileRunning(t *testing.T, kind brokerKind, strategy sara
 	require.Eventually(t, func() bool { return committedOffset(c, group, topic, 0) >= 0 }, 30*time.Second, 20*time.Millisecond)
 	c.produceHashed(idless(topic, 0, 3))
 	waitEffectsByN(t, db, 3)
-	admin, err := sarama.NewClusterAdmin(c.addrs, saramaConfig())
-	require.NoError(t, err)
-	require.NoError(t, admin.CreatePartitions(topic, 2, nil, false))
-	require.NoError(t, admin.Close())
-	c.awaitLeaders(topic, 2)
-	for i := 0; i < 5; i++ {
-		c.produce(msg(topic, 1, fmt.Sprintf(`{"n":%d}`, 100+i)))
-	}
+	c.addPartitionWithRecords(topic)
 	waitEffectsByN(t, db, 8)
 	require.NoError(t, r.stop())
 	want := map[int]int{0: 1, 1: 1, 2: 1, 100: 1, 101: 1, 102: 1, 103: 1, 104: 1}
 	require.Equal(t, want, effectsByN(t, db), "the new partition's records handled once, from its first")
+}
+
+// addPartitionWithRecords adds a second partition to topic, of one
+// partition, and produces five records to it, n 100 to 104.
+func (c *cluster) addPartitionWithRecords(topic string) {
+	c.t.Helper()
+	admin, err := sarama.NewClusterAdmin(c.addrs, saramaConfig())
+	require.NoError(c.t, err)
+	require.NoError(c.t, admin.CreatePartitions(topic, 2, nil, false))
+	require.NoError(c.t, admin.Close())
+	c.awaitLeaders(topic, 2)
+	for i := range 5 {
+		c.produce(msg(topic, 1, fmt.Sprintf(`{"n":%d}`, 100+i)))
+	}
 }

@@ -830,6 +830,8 @@ func coordinatorMoved(err error) bool {
 	return errors.Is(err, sarama.ErrNotCoordinatorForConsumer) || errors.Is(err, sarama.ErrConsumerCoordinatorNotAvailable)
 }
 
+// fetchCommittedOnce is fetchCommitted's one question to the coordinator
+// the client knows.
 func (s *Source) fetchCommittedOnce(partitions map[string][]int32) (*sarama.OffsetFetchResponse, error) {
 	coordinator, err := s.dlqClient.Coordinator(s.cfg.Group)
 	if err != nil {
