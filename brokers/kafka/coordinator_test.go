@@ -94,3 +94,25 @@ func TestLeadersAndCoordinatorMovingMidStream(t *testing.T) {
 	}
 	require.Len(t, c.readAll(topic+".dlq"), poison, "each poison record dead-lettered once")
 }
+
+// The broker that was the group's coordinator leaves the cluster (a
+// broker decommissioned, or down for longer than a restart): the source's
+// client still holds it as the coordinator, and its questions failed on a
+// connection refused until the client's metadata forgot the broker (up to
+// Metadata.RefreshFrequency, 10 minutes by default).
+func TestCommittedOffsetsAskedAfterTheCoordinatorLeft(t *testing.T) {
+	c := newCluster(t, kfake.NumBrokers(3))
+	topic, group := uniq("orders"), uniq("g")
+	c.createTopic(topic, 1)
+	src := c.open(c.config(group, topic))
+	defer src.Close()
+	c.produce(msg(topic, 0, `{"n":1}`))
+	require.NoError(t, receive(t, src).Ack(t.Context())) // the group exists
+	_, err := src.fetchCommitted(map[string][]int32{topic: {0}})
+	require.NoError(t, err, "the coordinator known")
+
+	require.NoError(t, c.kf.RemoveNode(c.kf.CoordinatorFor(group)))
+	resp, err := src.fetchCommitted(map[string][]int32{topic: {0}})
+	require.NoError(t, err, "asked again of the new coordinator")
+	require.NotNil(t, resp.GetBlock(topic, 0))
+}

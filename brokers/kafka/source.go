@@ -810,24 +810,19 @@ func committedAny(resp *sarama.OffsetFetchResponse, topic string) bool {
 // fetchCommitted asks the group's coordinator for the group's committed
 // offsets of partitions. The Source's own client keeps the coordinator it
 // found first, while the group's client follows the coordinator when it
-// moves to another broker (a rolling restart moves it): a broker that
-// answers it is no longer the coordinator has the client find it again,
-// and is asked again once.
+// moves to another broker (a rolling restart moves it) or its broker
+// leaves the cluster: a question that fails, on a broker that answers it
+// is no longer the coordinator or on one that cannot be reached, has the
+// client find the coordinator again, and is asked again once.
 func (s *Source) fetchCommitted(partitions map[string][]int32) (*sarama.OffsetFetchResponse, error) {
 	resp, err := s.fetchCommittedOnce(partitions)
-	if !coordinatorMoved(err) {
-		return resp, err
+	if err == nil {
+		return resp, nil
 	}
 	if rerr := s.dlqClient.RefreshCoordinator(s.cfg.Group); rerr != nil {
 		return nil, fmt.Errorf("%w (finding the group's coordinator again: %w)", err, rerr)
 	}
 	return s.fetchCommittedOnce(partitions)
-}
-
-// coordinatorMoved reports whether err says the broker asked is not, or
-// not yet, the group's coordinator.
-func coordinatorMoved(err error) bool {
-	return errors.Is(err, sarama.ErrNotCoordinatorForConsumer) || errors.Is(err, sarama.ErrConsumerCoordinatorNotAvailable)
 }
 
 // fetchCommittedOnce is fetchCommitted's one question to the coordinator
