@@ -153,7 +153,12 @@ type Config struct {
 	// the dead-letter exchange and the dead-letter queue exist (AMQP has no
 	// passive binding check, so Bindings are not checked). For deployments
 	// where topology is owned elsewhere and the user may lack configure
-	// permission. A missing entity makes Open fail.
+	// permission. A missing entity makes Open fail. A stream queue
+	// (x-queue-type "stream", which never delivers a message again) is
+	// refused: Open asks the broker and fails with a configuration error;
+	// where the user may not configure the queue, so that the broker will
+	// not tell, Receive returns that error at the first delivery that
+	// comes from a stream, before the consumer handles it.
 	Passive bool
 
 	// Prefetch is the channel's QoS prefetch count: how many unacked

@@ -229,6 +229,11 @@ func (s *Source) Receive(ctx context.Context) (consumer.Delivery, error) {
 				s.lost(sess, context.Cause(sess.ctx))
 				continue
 			}
+			if sess.streamUnchecked && fromStream(d) {
+				err := streamQueueError(s.cfg.Queue, "its deliveries carry the stream's x-stream-offset header")
+				s.lost(sess, err)
+				return nil, err
+			}
 			if !sess.delivered.Load() {
 				sess.delivered.Store(true)
 			}
@@ -298,8 +303,11 @@ func (s *Source) lost(sess *session, cause error) {
 	closed := s.closed
 	s.mu.Unlock()
 	_ = sess.close(cause)
+	var refused *configError
 	switch {
 	case closed:
+	case errors.As(cause, &refused):
+		// Receive returns it: not a connection lost.
 	case consumerTimedOut(cause):
 		s.log.Error("amqp: the broker closed the consuming channel because a delivery stayed unacked longer than its consumer_timeout "+
 			"(30 minutes by default): every unacked delivery of the channel is delivered again, and a handler that runs as long is "+
@@ -547,6 +555,10 @@ type session struct {
 	// young without either flapped (see Source.flaps).
 	started   time.Time
 	delivered atomic.Bool
+	// streamUnchecked: Config.Passive, and the broker would not say
+	// whether the queue is a stream (checkNotStream); a delivery that
+	// comes from a stream then ends the source (fromStream).
+	streamUnchecked bool
 }
 
 // connect makes one attempt to open a session: dial, open the consuming
@@ -576,6 +588,12 @@ func (s *Source) connect() (*session, error) {
 	if err := s.declare(ch); err != nil {
 		return fail(err)
 	}
+	var streamUnchecked bool
+	if s.cfg.Passive {
+		if streamUnchecked, err = checkNotStream(conn, s.cfg.Queue); err != nil {
+			return fail(err)
+		}
+	}
 	if err := ch.Qos(s.cfg.Prefetch, 0, false); err != nil {
 		return fail(fmt.Errorf("amqp: set Config.Prefetch %d: %w", s.cfg.Prefetch, err))
 	}
@@ -604,7 +622,7 @@ func (s *Source) connect() (*session, error) {
 	}
 	ctx, cancel := context.WithCancelCause(context.Background())
 	sess := &session{conn: conn, ch: ch, deliveries: deliveries, ctx: ctx, cancel: cancel, acker: newAcker(ch, s.cfg.Prefetch),
-		started: time.Now()}
+		started: time.Now(), streamUnchecked: streamUnchecked}
 	go sess.watch(connClosed, chClosed)
 	return sess, nil
 }

@@ -1,0 +1,66 @@
+package amqp
+
+import (
+	"errors"
+	"fmt"
+
+	amqp091 "github.com/rabbitmq/amqp091-go"
+)
+
+// A RabbitMQ stream queue (x-queue-type "stream") keeps its messages for
+// every consumer to read from an offset of its own, and an ack only gives
+// the consumer credit: a message left unacked by a lost connection or a
+// crash, or rejected to be retried, is never delivered again, and a new
+// consumer without an x-stream-offset starts at the stream's end, past
+// what was published while none ran. The source's promises need a queue
+// that redelivers (classic or quorum); on a stream they would silently
+// not hold. Without Config.Passive the source declares the queue with
+// its type, which the broker refuses for a stream; with it, the source
+// asks (checkNotStream).
+
+// checkNotStream asks the broker, on a channel of its own, whether queue
+// (which exists) is a stream queue: a declaration of queue as a stream
+// succeeds only for a stream, and is refused (PRECONDITION_FAILED,
+// inequivalent x-queue-type) for a classic or quorum queue, changing
+// nothing either way. A stream is refused with a configuration error.
+// unchecked reports that the broker refused the question itself (the user
+// may not configure the queue, as Passive deployments often are): the
+// session then refuses the first delivery that comes from a stream
+// (fromStream) instead.
+func checkNotStream(conn *amqp091.Connection, queue string) (unchecked bool, err error) {
+	ch, err := conn.Channel()
+	if err != nil {
+		return false, fmt.Errorf("amqp: open channel: %w", err)
+	}
+	defer func() { _ = ch.Close() }()
+	_, err = ch.QueueDeclare(queue, true, false, false, false, amqp091.Table{"x-queue-type": "stream"})
+	var ae *amqp091.Error
+	switch {
+	case err == nil:
+		return false, streamQueueError(queue, "the broker takes its declaration as a stream")
+	case errors.As(err, &ae) && ae.Code == amqp091.PreconditionFailed:
+		return false, nil
+	case errors.As(err, &ae) && ae.Code == amqp091.AccessRefused:
+		return true, nil
+	default:
+		return false, fmt.Errorf("amqp: ask whether queue %q is a stream queue: %w", queue, err)
+	}
+}
+
+// fromStream reports whether d was delivered from a stream queue, whose
+// deliveries carry the message's offset in the stream as the header
+// x-stream-offset, a long. A message copied from a stream into another
+// queue (by a shovel that keeps headers) carries it too; it is told from
+// a stream's only where checkNotStream could ask.
+func fromStream(d amqp091.Delivery) bool {
+	_, ok := d.Headers["x-stream-offset"].(int64)
+	return ok
+}
+
+// streamQueueError is the configuration error that refuses a stream
+// queue; why says how the source knows it is one.
+func streamQueueError(queue, why string) error {
+	return &configError{fmt.Errorf("amqp: queue %q is a stream queue (%s): a stream does not deliver again a message left unacked "+
+		"or rejected, and a new consumer starts at its end, so effectively-once handling cannot hold on it; consume a classic or quorum queue "+
+		"bound to the same exchange instead", queue, why)}
+}

@@ -1,0 +1,90 @@
+package amqp_test
+
+import (
+	"context"
+	"net/url"
+	"testing"
+	"time"
+
+	amqp091 "github.com/rabbitmq/amqp091-go"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/brokers/amqp"
+)
+
+// declareStream declares queue as a RabbitMQ stream queue, removed when
+// the test ends.
+func (a *admin) declareStream(queue string) {
+	a.t.Helper()
+	ch, err := a.channel()
+	require.NoError(a.t, err)
+	_, err = ch.QueueDeclare(queue, true, false, false, false, amqp091.Table{"x-queue-type": "stream"})
+	require.NoError(a.t, err)
+	a.cleanupQueue(queue)
+}
+
+// A stream queue does not deliver again what a consumer left unacked or
+// rejected, and a consumer starts at its end: with Passive (nothing
+// declared, so the broker never compared the queue's type with the
+// Config's) a source opened on one and consumed from the end, skipping
+// what was published before and losing what a crash left unacked. Open
+// refuses it, as the broker refuses the declaration without Passive.
+func TestPassiveSourceRefusesAStreamQueue(t *testing.T) {
+	t.Parallel()
+	a := newAdmin(t)
+	q := queueName(t)
+	a.declareStream(q)
+	a.declare(q+amqp.DeadLetterQueueSuffix, amqp.QueueClassic)
+	require.NoError(t, a.publish("", q, jsonMsg("ev-1", `{}`)))
+
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	_, err := amqp.Open(ctx, amqp.Config{URL: brokerURL(t), Queue: q, Passive: true, Logger: testLogger(t)})
+	require.Error(t, err, "a passive source on a stream queue is refused")
+	assert.Contains(t, err.Error(), "stream queue")
+	assert.Contains(t, err.Error(), q)
+	assert.NoError(t, ctx.Err(), "refused at once, not retried")
+
+	_, err = amqp.Open(ctx, amqp.Config{URL: brokerURL(t), Queue: q, Logger: testLogger(t)})
+	require.Error(t, err, "without Passive the broker refuses the classic declaration")
+	assert.Contains(t, err.Error(), "PRECONDITION_FAILED")
+}
+
+// A user that may not configure the queue (Passive deployments often have
+// none) cannot be told the queue's type: the source then refuses the first
+// delivery that comes from a stream, before the consumer handles it. A
+// classic queue under the same user is consumed as before.
+func TestPassiveSourceWithoutConfigurePermissionRefusesAStreamAtItsFirstDelivery(t *testing.T) {
+	n := privateNode(t)
+	n.ctl(t, "add_user", "reader", "pw-reader")
+	n.ctl(t, "set_permissions", "-p", "/", "reader", "^$", ".*", ".*")
+	u, err := url.Parse(n.url)
+	require.NoError(t, err)
+	u.User = url.UserPassword("reader", "pw-reader")
+	readerURL := u.String()
+	a := newAdminAt(t, n.url)
+
+	stream, classic := queueName(t)+"-stream", queueName(t)+"-classic"
+	a.declareStream(stream)
+	a.declare(classic, amqp.QueueClassic)
+	for _, q := range []string{stream, classic} {
+		a.declare(q+amqp.DeadLetterQueueSuffix, amqp.QueueClassic)
+	}
+
+	src := openSource(t, amqp.Config{URL: readerURL, Queue: classic, Passive: true})
+	require.NoError(t, a.publish("", classic, jsonMsg("ev-1", `{}`)))
+	d := receive(t, src)
+	assert.Equal(t, "ev-1", d.Message().ID, "a classic queue is consumed")
+	require.NoError(t, d.Ack(context.Background()))
+
+	src = openSource(t, amqp.Config{URL: readerURL, Queue: stream, Passive: true})
+	require.NoError(t, a.publish("", stream, jsonMsg("ev-2", `{}`)))
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	got, err := src.Receive(ctx)
+	require.Error(t, err, "the stream's delivery is refused, not handed out: %v", got)
+	assert.Contains(t, err.Error(), "stream queue")
+	assert.Contains(t, err.Error(), "x-stream-offset")
+	assert.NoError(t, ctx.Err())
+}
