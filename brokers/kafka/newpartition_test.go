@@ -99,3 +99,56 @@ func (c *cluster) addPartitionWithRecords(topic string) {
 		c.produce(msg(topic, 1, fmt.Sprintf(`{"n":%d}`, 100+i)))
 	}
 }
+
+// The same with OffsetsInDatabase, where the group's committed offsets
+// are not where a partition starts: a partition added to the topic, while
+// the consumer runs or while it is stopped, has no position in the table
+// and is read from its first record, each record once.
+func TestOffsetsInDatabaseStartNewestReadsAPartitionAdded(t *testing.T) {
+	for _, whileStopped := range []bool{false, true} {
+		t.Run(map[bool]string{false: "while running", true: "while stopped"}[whileStopped], func(t *testing.T) {
+			c := newCluster(t)
+			topic, group := uniq("orders"), uniq("g")
+			c.createTopic(topic, 1)
+			db := effectsDB(t)
+			cfg := c.dbOffsetsConfig(group, topic)
+			cfg.InitialOffset = StartNewest
+			cfg.Sarama.Metadata.RefreshFrequency = 500 * time.Millisecond
+			open := func() *runningConsumer {
+				src, err := Open(t.Context(), cfg)
+				require.NoError(t, err)
+				return startConsumer(t, db, src, consumerConfig("svc"), recordEffect)
+			}
+			r := open()
+			// StartNewest: a record is handled once the group has
+			// claimed the partition; produce until one is.
+			n := 1000
+			require.Eventually(t, func() bool {
+				n++
+				c.produce(msg(topic, 0, fmt.Sprintf(`{"n":%d}`, n)))
+				return len(effectsByN(t, db)) > 0
+			}, 30*time.Second, 200*time.Millisecond)
+			if whileStopped {
+				require.NoError(t, r.stop())
+			}
+			c.addPartitionWithRecords(topic)
+			if whileStopped {
+				r = open()
+			}
+			added := func() map[int]int {
+				got := map[int]int{}
+				for k, v := range effectsByN(t, db) {
+					if k < 1000 {
+						got[k] = v
+					}
+				}
+				return got
+			}
+			want := map[int]int{100: 1, 101: 1, 102: 1, 103: 1, 104: 1}
+			require.Eventually(t, func() bool { return len(added()) == len(want) }, 30*time.Second, 20*time.Millisecond,
+				"the added partition's records: %v", added())
+			require.NoError(t, r.stop())
+			assert.Equal(t, want, added(), "each record of the added partition handled once")
+		})
+	}
+}
