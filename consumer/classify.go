@@ -58,7 +58,10 @@ func (c ErrorClass) String() string {
 //     a lock another transaction held past lock_timeout, or at a NOWAIT
 //     (55P03), a read-only transaction after a failover (25006; the
 //     consumer then resets its pool, whose connections may reach a server
-//     that is read-only now): ClassInfrastructure.
+//     that is read-only now), a statement whose cached plan a schema
+//     change made stale (0A000 "cached plan must not change result type",
+//     met once on each pooled connection after, say, a column's type
+//     changed; the consumer then resets its pool too): ClassInfrastructure.
 //   - Any other PostgreSQL error, among them integrity violations (23, also
 //     a deferred constraint that fails at COMMIT), data exceptions (22),
 //     syntax errors and undefined objects (42), a statement_timeout
@@ -90,7 +93,7 @@ func Classify(err error) ErrorClass {
 	case errors.As(err, &retryAfter):
 		return ClassRetry
 	case errors.As(err, &pgErr):
-		if transientSQLState(pgErr.Code) {
+		if transientSQLState(pgErr.Code) || staleCachedPlan(pgErr) {
 			return ClassInfrastructure
 		}
 		return ClassRetry
@@ -106,7 +109,8 @@ func Classify(err error) ErrorClass {
 // retrying the same work later can cure: the database unreachable, the
 // connection lost, a server shutting down or out of resources, a
 // serialization failure or deadlock, a lock another transaction held (past
-// lock_timeout, or at a NOWAIT), a network error or a timeout. It
+// lock_timeout, or at a NOWAIT), a cached plan a schema change made stale,
+// a network error or a timeout. It
 // judges the error alone; Classify is what the consumer applies to a
 // handler's error.
 func IsTransient(err error) bool {
@@ -115,7 +119,7 @@ func IsTransient(err error) bool {
 	}
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) {
-		return transientSQLState(pgErr.Code)
+		return transientSQLState(pgErr.Code) || staleCachedPlan(pgErr)
 	}
 	var connectErr *pgconn.ConnectError
 	if errors.As(err, &connectErr) {
@@ -155,6 +159,20 @@ func transientSQLState(code string) bool {
 		return true
 	}
 	return false
+}
+
+// staleCachedPlan reports whether e is PostgreSQL refusing to run a
+// prepared statement whose result type a schema change altered (a column's
+// type changed, a view or SELECT * over a table whose columns changed):
+// 0A000 from RevalidateCachedQuery, "cached plan must not change result
+// type". Each connection that prepared the statement meets it once: pgx
+// then drops the statement from the connection's cache and prepares it
+// anew on the next try. Other 0A000 errors (a feature the statement
+// itself asks for) are the statement's own. The routine is asked first
+// because the message follows the server's lc_messages.
+func staleCachedPlan(e *pgconn.PgError) bool {
+	return e.Code == "0A000" &&
+		(e.Routine == "RevalidateCachedQuery" || e.Message == "cached plan must not change result type")
 }
 
 // sqlState returns the SQLSTATE of err, or "" when err is not a
