@@ -158,7 +158,10 @@ type Config struct {
 	// refused: Open asks the broker and fails with a configuration error;
 	// where the user may not configure the queue, so that the broker will
 	// not tell, Receive returns that error at the first delivery that
-	// comes from a stream, before the consumer handles it.
+	// comes from a stream, before the consumer handles it. A queue that is
+	// not durable, or is auto-delete, is consumed with a warning: the
+	// broker loses it, with its messages, at a restart or when its last
+	// consumer goes.
 	Passive bool
 
 	// Prefetch is the channel's QoS prefetch count: how many unacked

@@ -556,7 +556,7 @@ type session struct {
 	started   time.Time
 	delivered atomic.Bool
 	// streamUnchecked: Config.Passive, and the broker would not say
-	// whether the queue is a stream (checkNotStream); a delivery that
+	// whether the queue is a stream (checkPassiveQueue); a delivery that
 	// comes from a stream then ends the source (fromStream).
 	streamUnchecked bool
 }
@@ -590,7 +590,7 @@ func (s *Source) connect() (*session, error) {
 	}
 	var streamUnchecked bool
 	if s.cfg.Passive {
-		if streamUnchecked, err = checkNotStream(conn, s.cfg.Queue); err != nil {
+		if streamUnchecked, err = s.checkPassiveQueue(conn); err != nil {
 			return fail(err)
 		}
 	}

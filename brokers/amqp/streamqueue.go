@@ -3,6 +3,7 @@ package amqp
 import (
 	"errors"
 	"fmt"
+	"strings"
 
 	amqp091 "github.com/rabbitmq/amqp091-go"
 )
@@ -16,18 +17,23 @@ import (
 // that redelivers (classic or quorum); on a stream they would silently
 // not hold. Without Config.Passive the source declares the queue with
 // its type, which the broker refuses for a stream; with it, the source
-// asks (checkNotStream).
+// asks (checkPassiveQueue).
 
-// checkNotStream asks the broker, on a channel of its own, whether queue
-// (which exists) is a stream queue: a declaration of queue as a stream
-// succeeds only for a stream, and is refused (PRECONDITION_FAILED,
-// inequivalent x-queue-type) for a classic or quorum queue, changing
-// nothing either way. A stream is refused with a configuration error.
+// checkPassiveQueue asks the broker, on a channel of its own, whether
+// queue (which exists) is a stream queue: a declaration of queue as a
+// durable stream succeeds only for a stream, and is refused
+// (PRECONDITION_FAILED) for any other queue, changing nothing either way.
+// A stream is refused with a configuration error. The refusal names the
+// first property that differs, in the broker's order (durable, auto_delete,
+// then the arguments): a queue that is not durable (its messages gone when
+// the broker restarts) or auto-delete (deleted with its messages when its
+// last consumer goes, as on a reconnect) is consumed, with a warning.
 // unchecked reports that the broker refused the question itself (the user
 // may not configure the queue, as Passive deployments often are): the
 // session then refuses the first delivery that comes from a stream
 // (fromStream) instead.
-func checkNotStream(conn *amqp091.Connection, queue string) (unchecked bool, err error) {
+func (s *Source) checkPassiveQueue(conn *amqp091.Connection) (unchecked bool, err error) {
+	queue := s.cfg.Queue
 	ch, err := conn.Channel()
 	if err != nil {
 		return false, fmt.Errorf("amqp: open channel: %w", err)
@@ -39,6 +45,14 @@ func checkNotStream(conn *amqp091.Connection, queue string) (unchecked bool, err
 	case err == nil:
 		return false, streamQueueError(queue, "the broker takes its declaration as a stream")
 	case errors.As(err, &ae) && ae.Code == amqp091.PreconditionFailed:
+		switch {
+		case strings.Contains(ae.Reason, "inequivalent arg 'durable'"):
+			s.log.Warn("amqp: the queue is not durable: the broker loses it, with every message in it, when it restarts; "+
+				"declare the queue durable (Config.Passive declares nothing)", "reason", ae.Reason)
+		case strings.Contains(ae.Reason, "inequivalent arg 'auto_delete'"):
+			s.log.Warn("amqp: the queue is auto-delete: the broker deletes it, with every message in it, when its last consumer goes "+
+				"(the source's reconnect included); declare the queue without auto-delete (Config.Passive declares nothing)", "reason", ae.Reason)
+		}
 		return false, nil
 	case errors.As(err, &ae) && ae.Code == amqp091.AccessRefused:
 		return true, nil

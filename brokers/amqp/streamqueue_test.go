@@ -2,6 +2,7 @@ package amqp_test
 
 import (
 	"context"
+	"log/slog"
 	"net/url"
 	"testing"
 	"time"
@@ -87,4 +88,50 @@ func TestPassiveSourceWithoutConfigurePermissionRefusesAStreamAtItsFirstDelivery
 	assert.Contains(t, err.Error(), "stream queue")
 	assert.Contains(t, err.Error(), "x-stream-offset")
 	assert.NoError(t, ctx.Err())
+}
+
+// With Passive the broker never compares the queue with the Config, so a
+// queue declared elsewhere as transient (lost with its messages when the
+// broker restarts) or auto-delete (deleted with its messages when its last
+// consumer goes, as on the source's reconnect) was consumed without a
+// word. The source consumes it and warns at Open; a durable queue gets no
+// warning.
+func TestPassiveSourceWarnsOfAQueueTheBrokerMayLose(t *testing.T) {
+	t.Parallel()
+	a := newAdmin(t)
+	warnings := func(t *testing.T, durable, autoDelete bool) []string {
+		t.Helper()
+		q := queueName(t)
+		ch, err := a.channel()
+		require.NoError(t, err)
+		_, err = ch.QueueDeclare(q, durable, autoDelete, false, false, nil)
+		require.NoError(t, err)
+		a.cleanupQueue(q)
+		a.declare(q+amqp.DeadLetterQueueSuffix, amqp.QueueClassic)
+		logs := make(logRecords, 1024)
+		src := openSource(t, amqp.Config{Queue: q, Passive: true, Logger: slog.New(logs)})
+		require.NoError(t, a.publish("", q, jsonMsg("ev-1", `{}`)))
+		d := receive(t, src)
+		require.NoError(t, d.Ack(context.Background()), "the queue is consumed")
+		var warned []string
+		for len(logs) > 0 {
+			if r := <-logs; r.Level >= slog.LevelWarn {
+				warned = append(warned, r.Message)
+			}
+		}
+		return warned
+	}
+	t.Run("transient", func(t *testing.T) {
+		warned := warnings(t, false, false)
+		require.Len(t, warned, 1)
+		assert.Contains(t, warned[0], "not durable")
+	})
+	t.Run("auto-delete", func(t *testing.T) {
+		warned := warnings(t, true, true)
+		require.Len(t, warned, 1)
+		assert.Contains(t, warned[0], "auto-delete")
+	})
+	t.Run("durable", func(t *testing.T) {
+		assert.Empty(t, warnings(t, true, false))
+	})
 }
