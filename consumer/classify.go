@@ -54,6 +54,7 @@ func (c ErrorClass) String() string {
 //   - A PostgreSQL error whose SQLSTATE says retrying the same work can
 //     succeed: connection exceptions (08), insufficient resources (53),
 //     operator intervention such as an administrator shutdown (57P01-03),
+//     a session ended for idling past idle_session_timeout (57P05),
 //     system errors (58), serialization failure (40001), deadlock (40P01),
 //     a lock another transaction held past lock_timeout, or at a NOWAIT
 //     (55P03), a read-only transaction after a failover (25006; the
@@ -144,7 +145,8 @@ func IsTransient(err error) bool {
 // transientSQLState: connection exceptions (08), insufficient resources
 // (53), system errors (58), serialization failure and deadlock (40001,
 // 40P01), a lock not available (55P03: lock_timeout, NOWAIT), administrator
-// or crash shutdown and cannot-connect-now (57P01-03), and read-only
+// or crash shutdown and cannot-connect-now (57P01-03), a session the server
+// ended for idling past idle_session_timeout (57P05), and read-only
 // transactions after a failover (25006).
 func transientSQLState(code string) bool {
 	if len(code) < 2 {
@@ -155,7 +157,7 @@ func transientSQLState(code string) bool {
 		return true
 	}
 	switch code {
-	case "40001", "40P01", "55P03", "57P01", "57P02", "57P03", "25006":
+	case "40001", "40P01", "55P03", "57P01", "57P02", "57P03", "57P05", "25006":
 		return true
 	}
 	return false
