@@ -116,3 +116,59 @@ func TestCommittedOffsetsAskedAfterTheCoordinatorLeft(t *testing.T) {
 	require.NoError(t, err, "asked again of the new coordinator")
 	require.NotNil(t, resp.GetBlock(topic, 0))
 }
+
+// A member closed after the group's coordinator moved, before a heartbeat
+// told it so (a deploy during a rolling restart of the brokers), sent its
+// LeaveGroup to the broker its client still took for the coordinator,
+// which refused it ("not coordinated by this broker"): Run returned that
+// error, and the group kept the member, and the partitions it held, until
+// its session timed out. The source finds the coordinator again before it
+// leaves.
+func TestCloseAfterTheCoordinatorMovedLeavesTheGroup(t *testing.T) {
+	c := newCluster(t, kfake.NumBrokers(3))
+	topic, group := uniq("orders"), uniq("g")
+	c.createTopic(topic, 2)
+	db := effectsDB(t)
+	cfg := c.config(group, topic)
+	// No heartbeat between the move and the close: the member's client
+	// cannot have learnt of the move.
+	cfg.HeartbeatInterval, cfg.SessionTimeout = 5*time.Second, 20*time.Second
+	open := func() *runningConsumer {
+		src, err := Open(t.Context(), cfg)
+		require.NoError(t, err)
+		return startConsumer(t, db, src, consumerConfig("svc"), recordEffect)
+	}
+	a, b := open(), open()
+	require.Eventually(t, func() bool { return len(groupMembers(t, c, group)) == 2 }, 30*time.Second, 20*time.Millisecond)
+	c.produceHashed(idless(topic, 0, 4))
+	waitEffectsByN(t, db, 4)
+
+	before := c.kf.CoordinatorFor(group)
+	for range 20 {
+		c.kf.RehashCoordinators()
+		if c.kf.CoordinatorFor(group) != before {
+			break
+		}
+	}
+	require.NotEqual(t, before, c.kf.CoordinatorFor(group), "the coordinator moved")
+	require.NoError(t, a.stop(), "the member leaves the group at its new coordinator")
+	require.Len(t, groupMembers(t, c, group), 1, "the group let the closed member go at once, not at its session timeout")
+	require.NoError(t, b.stop())
+}
+
+// groupMembers returns the member ids of group, as its coordinator
+// describes it.
+func groupMembers(t *testing.T, c *cluster, group string) []string {
+	t.Helper()
+	admin, err := sarama.NewClusterAdmin(c.addrs, saramaConfig())
+	require.NoError(t, err)
+	defer func() { _ = admin.Close() }()
+	groups, err := admin.DescribeConsumerGroups([]string{group})
+	require.NoError(t, err)
+	require.Len(t, groups, 1)
+	var ids []string
+	for id := range groups[0].Members {
+		ids = append(ids, id)
+	}
+	return ids
+}

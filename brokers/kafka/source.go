@@ -547,6 +547,18 @@ func (s *Source) shutdown() error {
 	if s.started {
 		<-s.loopDone
 	}
+	// The group's client learns that the coordinator moved from a
+	// heartbeat's refusal; a close before the next heartbeat would send the
+	// LeaveGroup to the broker that no longer coordinates the group, which
+	// refuses it, and the group would keep this member (and its
+	// partitions) until its session timed out. A failure here leaves the
+	// coordinator known before, which the leave then tries.
+	// A source that never consumed has joined no group and leaves none.
+	if s.started {
+		if err := s.groupClient.RefreshCoordinator(s.cfg.Group); err != nil {
+			s.cfg.Logger.Debug("once/kafka: cannot find the group's coordinator before leaving the group", "group", s.cfg.Group, "error", err)
+		}
+	}
 	errs := []error{s.group.Close()}
 	<-s.errsDone
 	errs = append(errs, s.groupClient.Close())
