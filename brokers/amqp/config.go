@@ -664,3 +664,16 @@ func majorVersion(version string) (int, bool) {
 	m, err := strconv.Atoi(major)
 	return m, err == nil
 }
+
+// versionBefore reports whether a broker's version property is known to
+// be older than major.minor.
+func versionBefore(version string, major, minor int) bool {
+	maj, rest, _ := strings.Cut(version, ".")
+	mi, _, _ := strings.Cut(rest, ".")
+	m, err1 := strconv.Atoi(maj)
+	n, err2 := strconv.Atoi(mi)
+	if err1 != nil || err2 != nil {
+		return false
+	}
+	return m < major || (m == major && n < minor)
+}

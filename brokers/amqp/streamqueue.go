@@ -34,6 +34,11 @@ import (
 // (fromStream) instead.
 func (s *Source) checkPassiveQueue(conn *amqp091.Connection) (unchecked bool, err error) {
 	queue := s.cfg.Queue
+	if version, _ := conn.Properties["version"].(string); versionBefore(version, 3, 8) {
+		// Before 3.8 the broker neither has streams nor compares
+		// x-queue-type: the question would take any queue for one.
+		return false, nil
+	}
 	ch, err := conn.Channel()
 	if err != nil {
 		return false, fmt.Errorf("amqp: open channel: %w", err)
