@@ -62,7 +62,8 @@ func (c ErrorClass) String() string {
 //     that is read-only now), a statement whose cached plan a schema
 //     change made stale (0A000 "cached plan must not change result type",
 //     met once on each pooled connection after, say, a column's type
-//     changed; the consumer then resets its pool too): ClassInfrastructure.
+//     changed; the consumer then closes the connection that met it):
+//     ClassInfrastructure.
 //   - Any other PostgreSQL error, among them integrity violations (23, also
 //     a deferred constraint that fails at COMMIT), data exceptions (22),
 //     syntax errors and undefined objects (42), a statement_timeout

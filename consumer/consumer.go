@@ -66,10 +66,7 @@ type Consumer[T any] struct {
 // (GroupNamer), which New asks for, panics. The consumer resets pool
 // (pgxpool.Pool.Reset) when the database refuses one of its writes as
 // read-only (25006, after a failover): pool's connections, which other
-// users of it share, may reach a server that is read-only now; and when
-// a statement's cached plan no longer fits the schema (0A000 "cached plan
-// must not change result type", after a column's type changed), which
-// every connection that ran the statement has cached.
+// users of it share, may reach a server that is read-only now.
 func New[T any](pool *pgxpool.Pool, src Source, h Handler[T], cfg Config) (*Consumer[T], error) {
 	if h == nil {
 		return nil, fmt.Errorf("%w: handler is nil", ErrInvalidConfig)

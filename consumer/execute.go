@@ -6,8 +6,6 @@ import (
 	"fmt"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgconn"
-
 	"github.com/onceco/once/internal/backoff"
 )
 
@@ -192,7 +190,7 @@ func (p *pipeline) waitInfra(ctx context.Context, r *infraRetrier, err error, me
 	if p.sourcePanicked(ctx, &r.panics, err) {
 		return false
 	}
-	p.resetPoolAfter(ctx, err)
+	p.leaveReadOnly(ctx, err)
 	d := r.Delay()
 	p.logInfra(ctx, "", err, d, "messages", messages)
 	p.retrying(ctx, Retry{Reason: RetryInfrastructure, Messages: messages, Err: err, Wait: d})
@@ -226,7 +224,7 @@ func (p *pipeline) infra(ctx context.Context, what string, waiting Retry, f func
 		if p.sourcePanicked(ctx, &panics, err) {
 			return err
 		}
-		p.resetPoolAfter(ctx, err)
+		p.leaveReadOnly(ctx, err)
 		d := r.Delay()
 		p.logInfra(ctx, what, err, d)
 		p.retrying(ctx, Retry{Reason: RetryInfrastructure, EventID: waiting.EventID, Messages: waiting.Messages,
@@ -264,33 +262,19 @@ func (p *pipeline) logInfra(ctx context.Context, what string, err error, d time.
 	p.cfg.Telemetry.Logger.WarnContext(ctx, msg, append([]any{"consumer", p.cfg.Name, "error", err, "backoff", d}, args...)...)
 }
 
-// resetPoolAfter resets the pool when err says its connections are unfit
-// for the retry, not the work:
-//
-//   - a transaction was read-only (25006): after a failover, the
-//     connections the pool keeps reach a server that is a standby now, or
-//     was made read-only, and would fail every retry the same way until
-//     the pool retired them (pgxpool.Config.MaxConnLifetime);
-//   - a cached plan a schema change made stale (staleCachedPlan): every
-//     connection that prepared the statement holds it, and each would fail
-//     one try of it (a statement prepared by name, which pgx keeps, every
-//     try).
-//
-// The pool closes its idle connections at once and the others when they
-// are released, and the retry opens a new one, which reaches the writable
-// server and prepares its statements anew.
-func (p *pipeline) resetPoolAfter(ctx context.Context, err error) {
-	var pgErr *pgconn.PgError
-	switch {
-	case sqlState(err) == "25006":
-		p.cfg.Telemetry.Logger.WarnContext(ctx, "once: the database refused a write as read-only (a failover?); closing the pool's connections",
-			"consumer", p.cfg.Name, "error", err)
-	case errors.As(err, &pgErr) && staleCachedPlan(pgErr):
-		p.cfg.Telemetry.Logger.WarnContext(ctx, "once: a statement's cached plan no longer fits the schema (a column's type changed?); closing the pool's connections, whose caches hold it",
-			"consumer", p.cfg.Name, "error", err)
-	default:
+// leaveReadOnly resets the pool when err says a transaction was read-only
+// (25006): after a failover, the connections the pool keeps reach a
+// server that is a standby now, or was made read-only, and would fail
+// every retry the same way until the pool retired them
+// (pgxpool.Config.MaxConnLifetime). The pool closes its idle connections
+// at once and the others when they are released, and the retry opens a
+// new one, which reaches the writable server.
+func (p *pipeline) leaveReadOnly(ctx context.Context, err error) {
+	if sqlState(err) != "25006" {
 		return
 	}
+	p.cfg.Telemetry.Logger.WarnContext(ctx, "once: the database refused a write as read-only (a failover?); closing the pool's connections",
+		"consumer", p.cfg.Name, "error", err)
 	p.pool.Reset()
 }
 

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/onceco/once/dedup"
 )
@@ -533,6 +534,7 @@ func (p *pipeline) handlerFailure(ctx context.Context, tx pgx.Tx, jobs []*job, i
 	class := p.classify(ctx, tx, err)
 	switch {
 	case class == ClassInfrastructure:
+		p.dropStalePlans(ctx, tx, err)
 		return txResult{outcome: txInfra, err: err, failed: -1, class: class}
 	case i < 0 && len(jobs) == 1:
 		i = 0
@@ -544,6 +546,25 @@ func (p *pipeline) handlerFailure(ctx context.Context, tx pgx.Tx, jobs []*job, i
 		return txResult{outcome: txUnpinned, err: err, failed: -1, class: class}
 	}
 	return txResult{outcome: txFailed, failed: i, err: err, class: class}
+}
+
+// dropStalePlans closes tx's connection when err is a cached plan that a
+// schema change made stale (staleCachedPlan), so that the pool destroys it
+// when the transaction releases it and the retry runs on a connection that
+// prepares its statements anew. pgx forgets a cached statement that failed
+// by itself, but keeps one the handler prepared by name (tx.Prepare),
+// which would then fail every retry that meets this connection. Each
+// connection that holds the stale plan is closed once, when its turn
+// comes; the pool's other connections, which other code may share, are
+// left alone.
+func (p *pipeline) dropStalePlans(ctx context.Context, tx pgx.Tx, err error) {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || !staleCachedPlan(pgErr) {
+		return
+	}
+	ctx, cancel := p.detached(ctx)
+	defer cancel()
+	_ = tx.Conn().Close(ctx)
 }
 
 // idleInTransactionTimeout is the SQLSTATE of a session the server ended
