@@ -45,6 +45,10 @@ type crashChildSpec struct {
 	offsetsInDB            bool
 	lanes                  int
 	crashOnN, afterEffects int
+	// newest sets Config.InitialOffset StartNewest; commitInterval, when
+	// set, Config.CommitInterval.
+	newest         bool
+	commitInterval time.Duration
 }
 
 func (s crashChildSpec) env() []string {
@@ -63,6 +67,8 @@ func (s crashChildSpec) env() []string {
 		"ONCE_KAFKA_CRASH_LANES=" + strconv.Itoa(s.lanes),
 		"ONCE_KAFKA_CRASH_AFTER_EFFECTS=" + strconv.Itoa(s.afterEffects),
 		"ONCE_KAFKA_CRASH_ON_N=" + map[bool]string{true: strconv.Itoa(s.crashOnN), false: ""}[s.crashOnN > 0],
+		"ONCE_KAFKA_CRASH_NEWEST=" + strconv.FormatBool(s.newest),
+		"ONCE_KAFKA_CRASH_COMMIT_INTERVAL=" + s.commitInterval.String(),
 	}
 }
 
@@ -91,6 +97,12 @@ func runCrashChild() int {
 	scfg := c.config(os.Getenv("ONCE_KAFKA_CRASH_GROUP"), os.Getenv("ONCE_KAFKA_CRASH_TOPIC"))
 	scfg.OffsetsInDatabase = os.Getenv("ONCE_KAFKA_CRASH_DB_OFFSETS") == "true"
 	scfg.KeyLanes, _ = strconv.Atoi(os.Getenv("ONCE_KAFKA_CRASH_LANES"))
+	if os.Getenv("ONCE_KAFKA_CRASH_NEWEST") == "true" {
+		scfg.InitialOffset = StartNewest
+	}
+	if d, err := time.ParseDuration(os.Getenv("ONCE_KAFKA_CRASH_COMMIT_INTERVAL")); err == nil && d > 0 {
+		scfg.CommitInterval = d
+	}
 	crashOnN, err := strconv.Atoi(os.Getenv("ONCE_KAFKA_CRASH_ON_N"))
 	if err != nil {
 		crashOnN = -1

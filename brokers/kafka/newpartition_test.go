@@ -1,14 +1,20 @@
 package kafka
 
 import (
+	"bytes"
 	"context"
 	"fmt"
+	"os"
+	"os/exec"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/IBM/sarama"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/internal/pgtest"
 )
 
 // With StartNewest, a partition added to a topic the group already reads
@@ -150,5 +156,74 @@ func TestOffsetsInDatabaseStartNewestReadsAPartitionAdded(t *testing.T) {
 			require.NoError(t, r.stop())
 			assert.Equal(t, want, added(), "each record of the added partition handled once")
 		})
+	}
+}
+
+// A group new to a topic, under StartNewest, starts each partition at its
+// end and marks that start in Setup, so that a record produced later is
+// read by the partition's next owner. The mark was committed only by the
+// first periodic commit (CommitInterval): a member that crashed before it,
+// having handled some records and not others, left no committed offset,
+// and the next member started at the end again, past the records the
+// first had not handled. Setup commits the starts it marks.
+func TestStartNewestStartSurvivesACrashBeforeTheFirstCommit(t *testing.T) {
+	c := newCluster(t)
+	topic, group := uniq("orders"), uniq("g")
+	c.createTopic(topic, 1)
+	db, schema := pgtest.Schema(t)
+	_, err := db.Exec(context.Background(), effectsTable)
+	require.NoError(t, err)
+	spec := crashChildSpec{
+		brokers: strings.Join(c.addrs, ","), group: group, topic: topic,
+		dbURL: pgtest.URL(), schema: schema, name: "svc", crashOnN: 10,
+		newest: true, commitInterval: time.Hour, // no periodic commit before the crash
+	}
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), spec.env()...)
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	require.NoError(t, cmd.Start())
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+
+	// StartNewest: a record is handled once the child has claimed the
+	// partition; produce until one is.
+	probe := 1000
+	require.Eventually(t, func() bool {
+		probe++
+		c.produce(msg(topic, 0, fmt.Sprintf(`{"n":%d}`, probe)))
+		return len(effectsByN(t, db)) > 0
+	}, 30*time.Second, 200*time.Millisecond, "child output:\n%s", &out)
+	for i := range 20 {
+		c.produce(msg(topic, 0, fmt.Sprintf(`{"n":%d}`, i)))
+	}
+	select {
+	case err := <-exited:
+		var exit *exec.ExitError
+		require.ErrorAs(t, err, &exit, "child output:\n%s", &out)
+		require.Equal(t, crashExitCode, exit.ExitCode(), "child output:\n%s", &out)
+	case <-time.After(time.Minute):
+		t.Fatalf("the child did not crash; output:\n%s", &out)
+	}
+
+	cfg := c.config(group, topic)
+	cfg.InitialOffset = StartNewest
+	src, err := Open(t.Context(), cfg)
+	require.NoError(t, err)
+	r := startConsumer(t, db, src, consumerConfig("svc"), recordEffect)
+	events := func() map[int]int {
+		got := map[int]int{}
+		for n, k := range effectsByN(t, db) {
+			if n < 1000 {
+				got[n] = k
+			}
+		}
+		return got
+	}
+	require.Eventually(t, func() bool { return len(events()) == 20 }, 30*time.Second, 20*time.Millisecond,
+		"the records after the crash are read from the start the first member marked: %v", events())
+	require.NoError(t, r.stop())
+	for n, k := range events() {
+		assert.Equal(t, 1, k, "event %d", n)
 	}
 }

@@ -665,8 +665,8 @@ func (h *groupHandler) Setup(sess sarama.ConsumerGroupSession) error {
 
 // markStarts marks, for each partition of sess without a committed offset,
 // the partition's end (its last stable offset, reading committed records:
-// partitionEnd) as where the group starts reading it, so that the
-// commit keeps that start: a record produced to the partition later, while
+// partitionEnd) as where the group starts reading it, and commits the
+// marks at once, so that the group keeps that start: a record produced to the partition later, while
 // it has no record to ack (the member stopped, the partition moving to
 // another member), is read by the next owner instead of being skipped by
 // its own start at the newest record. A failure to ask the cluster is
@@ -693,6 +693,16 @@ func (s *Source) markStarts(sess sarama.ConsumerGroupSession) {
 		fail(err)
 		return
 	}
+	marked := false
+	defer func() {
+		if marked {
+			// At once, not at the first periodic commit: a member that
+			// crashed before it would leave no start, and the next owner
+			// would start at the end again, past the records this one
+			// had not handled.
+			sess.Commit()
+		}
+	}()
 	for topic, partitions := range claims {
 		read := committedAny(resp, topic)
 		for _, p := range partitions {
@@ -714,6 +724,7 @@ func (s *Source) markStarts(sess sarama.ConsumerGroupSession) {
 			}
 			// Forward only: it moves no committed offset.
 			sess.MarkOffset(topic, p, start, "")
+			marked = true
 		}
 	}
 }

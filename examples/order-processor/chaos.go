@@ -64,6 +64,9 @@ type ChaosConfig struct {
 	Members     int   // processes consuming at once
 	Rebalances  int   // kafka: a member killed while another joins
 	RelayKills  int   // SIGKILLs of the member whose outbox relay leads (chaos_hops.go)
+	// SchemaChanges: changes of the type of a column the handlers read
+	// (chaos_schema.go).
+	SchemaChanges int
 	// OffsetsInDatabase (kafka): the members keep offsets in PostgreSQL,
 	// and one fault deletes the group with its offsets (chaos_offsets.go).
 	OffsetsInDatabase bool
@@ -157,6 +160,7 @@ func chaosMain(ctx context.Context, args []string, stdout, stderr io.Writer) int
 	fs.IntVar(&cfg.Members, "members", 3, "member processes consuming at once")
 	fs.IntVar(&cfg.Rebalances, "rebalances", 3, "kafka: members killed while another joins the group")
 	fs.IntVar(&cfg.RelayKills, "relay-kills", 3, "SIGKILLs of the member whose outbox relay leads")
+	fs.IntVar(&cfg.SchemaChanges, "schema-changes", 2, "changes of the type of a column the handlers read (orders.status), as a migration makes")
 	noCrash := fs.Bool("no-crash-points", false, "skip the crash points")
 	offsetsFlag(fs, &cfg)
 	fs.StringVar(&cfg.Exe, "exe", "", "order-processor built with -tags chaos (empty: build it)")
@@ -282,12 +286,14 @@ type chaosRun struct {
 	plan     *Plan
 	perFault int // orders generated before each fault
 	batches  int // traffic batches generated so far
-	pub      publisher
-	lag      func(context.Context) (int64, error)
-	dlq      func() ([]deadLetter, error)
-	cut      func() int
-	real     *kafkatemp.Cluster // apache-kafka: the three nodes
-	logs     string
+	// schemaChanges counts the changes of orders.status's type so far.
+	schemaChanges int
+	pub           publisher
+	lag           func(context.Context) (int64, error)
+	dlq           func() ([]deadLetter, error)
+	cut           func() int
+	real          *kafkatemp.Cluster // apache-kafka: the three nodes
+	logs          string
 	// memberAMQP is the URL the members use: through the cutting proxy.
 	memberAMQP string
 	closers    []func()
@@ -742,7 +748,7 @@ func faultKinds(fs []fault) map[string]int {
 
 // fault is one fault of the schedule.
 type fault struct {
-	kind  string // kill, crash-point, pg-restart, cut, rebalance-kill
+	kind  string // kill, crash-point, pg-restart, cut, rebalance-kill, ...
 	point string
 	n     int
 }
@@ -773,6 +779,7 @@ func (r *chaosRun) schedule() []fault {
 	}
 	fs = append(fs, r.hop2Faults()...)
 	fs = append(fs, r.offsetsFaults()...)
+	fs = append(fs, r.schemaFaults()...)
 	r.rng.Shuffle(len(fs), func(i, j int) { fs[i], fs[j] = fs[j], fs[i] })
 	if r.cfg.CrashPoints {
 		span := max(1, len(fs)*2/3)
@@ -1101,6 +1108,10 @@ func (r *chaosRun) apply(ctx context.Context, exe string, f fault) error {
 		}
 	case faultDeleteGroup:
 		if err := r.deleteGroup(ctx); err != nil {
+			return err
+		}
+	case faultSchemaChange:
+		if err := r.changeColumnType(ctx); err != nil {
 			return err
 		}
 	}

@@ -38,7 +38,7 @@ func reducedChaosWith(t *testing.T, broker, amqpURL string, set func(*ChaosConfi
 	cfg := ChaosConfig{
 		Broker: broker, AMQPURL: amqpURL,
 		Orders: 400, Seed: time.Now().UnixNano()%900000 + 100000,
-		Kills: 3, CrashPoints: true, PGRestarts: 1, Cuts: 1, Members: 3, Rebalances: 1, RelayKills: 1,
+		Kills: 3, CrashPoints: true, PGRestarts: 1, Cuts: 1, Members: 3, Rebalances: 1, RelayKills: 1, SchemaChanges: 1,
 		Exe: exe, Output: &log,
 	}
 	set(&cfg)
@@ -111,7 +111,7 @@ func assertHop2(t *testing.T, res *ChaosResult) {
 func TestChaosKafka(t *testing.T) {
 	start := time.Now()
 	res := reducedChaos(t, "kafka", "")
-	assertChaosVerdict(t, res, "kill", "crash-point", "pg-restart", "cut", "rebalance-kill")
+	assertChaosVerdict(t, res, "kill", "crash-point", "pg-restart", "cut", "rebalance-kill", faultSchemaChange)
 	assert.GreaterOrEqual(t, res.Starts, 3+3+5+1, "members restarted after each kill and crash")
 	t.Logf("took %s", time.Since(start).Round(time.Second))
 }
@@ -121,7 +121,7 @@ func TestChaosKafka(t *testing.T) {
 // during the run on top of the other faults.
 func TestChaosKafkaOffsetsInDatabase(t *testing.T) {
 	res := reducedChaosWith(t, "kafka", "", func(cfg *ChaosConfig) { cfg.OffsetsInDatabase = true })
-	assertChaosVerdict(t, res, "kill", "crash-point", "pg-restart", "cut", "rebalance-kill", faultDeleteGroup)
+	assertChaosVerdict(t, res, "kill", "crash-point", "pg-restart", "cut", "rebalance-kill", faultDeleteGroup, faultSchemaChange)
 }
 
 // The reduced chaos run on RabbitMQ: the members connect through a proxy
@@ -129,7 +129,7 @@ func TestChaosKafkaOffsetsInDatabase(t *testing.T) {
 func TestChaosRabbitMQ(t *testing.T) {
 	u := requireAMQP(t)
 	res := reducedChaos(t, "amqp", u)
-	assertChaosVerdict(t, res, "kill", "crash-point", "pg-restart", "cut")
+	assertChaosVerdict(t, res, "kill", "crash-point", "pg-restart", "cut", faultSchemaChange)
 }
 
 // The JSON the -json flag writes holds the counts and the verdict.
