@@ -250,6 +250,8 @@ func (p *pipeline) start(ctx context.Context) error {
 		return refused
 	case err != nil && outage != nil:
 		return &startOutage{err: outage}
+	case err == nil:
+		p.warnIfCommitsNotDurable(ctx)
 	}
 	return err
 }

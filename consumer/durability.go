@@ -1,0 +1,36 @@
+package consumer
+
+import (
+	"context"
+)
+
+// warnIfCommitsNotDurable logs a warning, once at start, when the
+// settings of the pool's sessions let PostgreSQL acknowledge a COMMIT
+// before it is on disk: synchronous_commit off (a crash then loses the
+// commits of up to three times wal_writer_delay) or fsync off (a crash of
+// the server's host may lose or corrupt any of them). The consumer acks a
+// message once its transaction's COMMIT returns, so such a crash loses the
+// effects of messages the broker no longer holds: the one promise the
+// consumer cannot keep on its own. It warns instead of overriding the
+// settings, which may be a deliberate trade (a test database, a stream
+// that can be replayed); a setting it cannot read is not judged.
+func (p *pipeline) warnIfCommitsNotDurable(ctx context.Context) {
+	var syncCommit, fsync string
+	err := p.pool.QueryRow(ctx, `SELECT current_setting('synchronous_commit'), current_setting('fsync')`).Scan(&syncCommit, &fsync)
+	if err != nil {
+		p.cfg.Telemetry.Logger.DebugContext(ctx, "once: cannot read synchronous_commit and fsync", "consumer", p.cfg.Name, "error", err)
+		return
+	}
+	if syncCommit == "off" {
+		p.cfg.Telemetry.Logger.WarnContext(ctx, "once: synchronous_commit is off for the consumer's sessions: PostgreSQL acknowledges a COMMIT "+
+			"before it is on disk, and the consumer acks the message then, so a crash of the database loses the effects of the last "+
+			"commits (up to three times wal_writer_delay) with their messages already acked; set synchronous_commit to on (or local) "+
+			"for the consumer's role, database or pool (ConnConfig.RuntimeParams)",
+			"consumer", p.cfg.Name, "synchronous_commit", syncCommit)
+	}
+	if fsync == "off" {
+		p.cfg.Telemetry.Logger.WarnContext(ctx, "once: fsync is off on the database server: a crash of its host may lose any commit, "+
+			"and with it the effects of messages already acked; turn fsync on",
+			"consumer", p.cfg.Name, "fsync", fsync)
+	}
+}

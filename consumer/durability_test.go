@@ -1,0 +1,60 @@
+package consumer_test
+
+import (
+	"bytes"
+	"context"
+	"log/slog"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/consumer/memsource"
+	"github.com/onceco/once/internal/pgtest"
+)
+
+// With synchronous_commit off (a common tuning for write-heavy work)
+// PostgreSQL acknowledges a COMMIT before it is on disk, and the consumer
+// acks the message then: a crash of the database loses effects whose
+// messages the broker no longer holds, and nothing said so. The consumer
+// warns at start, naming the setting; so it does for fsync off. A consumer
+// whose sessions commit durably gets no synchronous_commit warning.
+func TestCommitsThatAreNotDurableAreWarnedOfAtStart(t *testing.T) {
+	admin, schema := pgtest.Schema(t)
+	effects(t, admin)
+	var fsync string
+	require.NoError(t, admin.QueryRow(context.Background(), `SHOW fsync`).Scan(&fsync))
+	warnings := func(t *testing.T, syncCommit string) string {
+		t.Helper()
+		pool := pgtest.NewPoolWith(t, schema, func(c *pgxpool.Config) {
+			c.ConnConfig.RuntimeParams["synchronous_commit"] = syncCommit
+		})
+		b := memsource.New(memsource.Options{Streams: 1})
+		publish(b, "e1", 1)
+		var logs bytes.Buffer
+		var mu sync.Mutex
+		cfg := fastConfig("durability-" + syncCommit)
+		cfg.Telemetry.Logger = slog.New(slog.NewTextHandler(lockedWriter{&logs, &mu}, &slog.HandlerOptions{Level: slog.LevelWarn}))
+		c, err := consumer.New(pool, b.Source(), insertEffect, cfg)
+		require.NoError(t, err)
+		stop := start(t, c)
+		require.Eventually(t, func() bool { return b.Acked() == 1 }, 10*time.Second, time.Millisecond, "the consumer runs")
+		require.NoError(t, stop())
+		mu.Lock()
+		defer mu.Unlock()
+		return logs.String()
+	}
+	off := warnings(t, "off")
+	assert.Contains(t, off, "synchronous_commit is off")
+	assert.Contains(t, off, "synchronous_commit=off")
+	on := warnings(t, "on")
+	assert.NotContains(t, on, "synchronous_commit is off")
+	for _, logged := range []string{off, on} {
+		assert.Equal(t, fsync == "off", strings.Contains(logged, "fsync is off"), "the server's fsync is %s", fsync)
+	}
+}
