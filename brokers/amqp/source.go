@@ -160,6 +160,7 @@ func Open(ctx context.Context, cfg Config) (*Source, error) {
 	}
 	version, _ := sess.conn.Properties["version"].(string)
 	s.warnDeliveryLimits(version)
+	s.warnDroppingArgs()
 	return s, nil
 }
 

@@ -83,3 +83,60 @@ func streamQueueError(queue, why string) error {
 		"or rejected, and a new consumer starts at its end, so effectively-once handling cannot hold on it; consume a classic or quorum queue "+
 		"bound to the same exchange instead", queue, why)}
 }
+
+// warnDroppingArgs logs a warning for each argument of the queues the
+// source declares that has the broker drop messages nobody handled: a
+// length limit that drops the oldest message when the queue is full
+// (x-max-length or x-max-length-bytes, x-overflow drop-head, its default)
+// and a message TTL (x-message-ttl), each unless the queue has a
+// dead-letter exchange to move those messages to; and a queue TTL
+// (x-expires), which deletes the queue with every message in it once no
+// consumer has used it that long, as when every consumer is down. The
+// source's queue and its dead-letter queue (whose messages are the
+// dead letters) are both looked at. A policy may set or undo any of these,
+// which the source cannot see; with Passive nothing is declared and the
+// arguments are unknown.
+func (s *Source) warnDroppingArgs() {
+	if s.cfg.Passive {
+		return
+	}
+	for _, q := range []struct {
+		field, queue string
+		args         amqp091.Table
+	}{
+		{"Config.QueueArgs", s.cfg.Queue, s.cfg.QueueArgs},
+		{"Config.DeadLetter.QueueArgs", s.cfg.DeadLetter.Queue, s.cfg.DeadLetter.QueueArgs},
+	} {
+		if q.queue == "" { // DeadLetter.NoQueue
+			continue
+		}
+		for _, why := range droppingArgs(q.args) {
+			s.log.Warn("amqp: a queue argument has the broker drop messages that no consumer handled: "+why,
+				"dropping_queue", q.queue, "field", q.field)
+		}
+	}
+}
+
+// droppingArgs says, for each argument of args that has the broker drop
+// messages, how and what to change.
+func droppingArgs(args amqp091.Table) []string {
+	_, dlx := args[deadLetterExchangeArg]
+	var out []string
+	_, maxLen := args["x-max-length"]
+	_, maxBytes := args["x-max-length-bytes"]
+	overflow, _ := args["x-overflow"].(string)
+	if (maxLen || maxBytes) && (overflow == "" || overflow == "drop-head") && !dlx {
+		out = append(out, "a length limit (x-max-length, x-max-length-bytes) drops the oldest message when the queue is full "+
+			"(x-overflow drop-head, the default); set x-overflow reject-publish, so that publishers are refused instead, "+
+			"or give the queue an x-dead-letter-exchange")
+	}
+	if _, ttl := args["x-message-ttl"]; ttl && !dlx {
+		out = append(out, "x-message-ttl drops a message that waited longer (a consumer down, a backlog); "+
+			"leave it out, or give the queue an x-dead-letter-exchange")
+	}
+	if _, expires := args["x-expires"]; expires {
+		out = append(out, "x-expires deletes the queue, with every message in it, once no consumer has used it that long "+
+			"(every consumer down); leave it out")
+	}
+	return out
+}

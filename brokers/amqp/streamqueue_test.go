@@ -4,6 +4,7 @@ import (
 	"context"
 	"log/slog"
 	"net/url"
+	"strings"
 	"testing"
 	"time"
 
@@ -134,4 +135,52 @@ func TestPassiveSourceWarnsOfAQueueTheBrokerMayLose(t *testing.T) {
 	t.Run("durable", func(t *testing.T) {
 		assert.Empty(t, warnings(t, true, false))
 	})
+}
+
+// Queue arguments that have the broker drop messages nobody handled (a
+// length limit that drops the oldest, a message TTL, each without a
+// dead-letter exchange; a queue TTL) were declared without a word: the
+// consumer never saw those messages, and "nothing lost" was the Config's
+// doing. Open warns of each, for the queue and for the dead-letter queue;
+// the same limits that refuse publishers or move messages to a dead-letter
+// exchange are not warned of.
+func TestQueueArgumentsThatDropMessagesAreWarnedOf(t *testing.T) {
+	t.Parallel()
+	warned := func(t *testing.T, cfg amqp.Config) map[string]string {
+		t.Helper()
+		q := queueName(t)
+		newAdmin(t).cleanupQueue(q)
+		cfg.Queue = q
+		logs := make(logRecords, 1024)
+		cfg.Logger = slog.New(logs)
+		openSource(t, cfg)
+		got := map[string]string{}
+		for len(logs) > 0 {
+			r := <-logs
+			if r.Level < slog.LevelWarn || !strings.Contains(r.Message, "drop messages") {
+				continue
+			}
+			r.Attrs(func(a slog.Attr) bool {
+				if a.Key == "field" {
+					_, why, _ := strings.Cut(r.Message, "no consumer handled: ")
+					got[why[:12]] = a.Value.String()
+				}
+				return true
+			})
+		}
+		return got
+	}
+	got := warned(t, amqp.Config{QueueArgs: amqp091.Table{"x-max-length": int64(1000), "x-message-ttl": int64(60000)}})
+	assert.Equal(t, map[string]string{"a length lim": "Config.QueueArgs", "x-message-tt": "Config.QueueArgs"}, got)
+
+	got = warned(t, amqp.Config{QueueArgs: amqp091.Table{"x-expires": int64(3600000)},
+		DeadLetter: amqp.DeadLetterConfig{QueueArgs: amqp091.Table{"x-max-length-bytes": int64(1 << 20)}}})
+	assert.Equal(t, map[string]string{"x-expires de": "Config.QueueArgs", "a length lim": "Config.DeadLetter.QueueArgs"}, got)
+
+	got = warned(t, amqp.Config{QueueArgs: amqp091.Table{"x-max-length": int64(1000), "x-overflow": "reject-publish"}})
+	assert.Empty(t, got, "publishers refused, nothing dropped")
+	got = warned(t, amqp.Config{QueueArgs: amqp091.Table{"x-message-ttl": int64(60000), "x-dead-letter-exchange": "elsewhere"}})
+	assert.Empty(t, got, "expired messages moved to the dead-letter exchange")
+	got = warned(t, amqp.Config{})
+	assert.Empty(t, got)
 }
