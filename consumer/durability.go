@@ -2,6 +2,8 @@ package consumer
 
 import (
 	"context"
+
+	"github.com/jackc/pgx/v5"
 )
 
 // warnIfCommitsNotDurable logs a warning, once at start, when the
@@ -32,5 +34,34 @@ func (p *pipeline) warnIfCommitsNotDurable(ctx context.Context) {
 		p.cfg.Telemetry.Logger.WarnContext(ctx, "once: fsync is off on the database server: a crash of its host may lose any commit, "+
 			"and with it the effects of messages already acked; turn fsync on",
 			"consumer", p.cfg.Name, "fsync", fsync)
+	}
+	p.warnIfTablesUnlogged(ctx)
+}
+
+// warnIfTablesUnlogged logs a warning for each of the store's tables that
+// is UNLOGGED (made so by hand, for speed): PostgreSQL empties such a
+// table after a crash, while the handlers' own tables keep what they
+// committed. The processed events forgotten, their redeliveries are
+// handled again and their effects doubled; Kafka offsets kept in the
+// database forgotten, their partitions are read again from the group's
+// offsets, and records without ids, deduplicated by those positions, are
+// handled again.
+func (p *pipeline) warnIfTablesUnlogged(ctx context.Context) {
+	rows, err := p.pool.Query(ctx, `SELECT t FROM unnest($1::text[]) AS t JOIN pg_class c ON c.oid = to_regclass(t) WHERE c.relpersistence = 'u'`,
+		[]string{p.cfg.Store.ProcessedTable(), p.cfg.Store.AttemptsTable(), p.cfg.Store.OffsetsTable()})
+	if err != nil {
+		p.cfg.Telemetry.Logger.DebugContext(ctx, "once: cannot read whether the store's tables are logged", "consumer", p.cfg.Name, "error", err)
+		return
+	}
+	unlogged, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		p.cfg.Telemetry.Logger.DebugContext(ctx, "once: cannot read whether the store's tables are logged", "consumer", p.cfg.Name, "error", err)
+		return
+	}
+	for _, table := range unlogged {
+		p.cfg.Telemetry.Logger.WarnContext(ctx, "once: a table of the store is UNLOGGED: PostgreSQL empties it after a crash while the handlers' "+
+			"tables keep their effects, so the events it remembered are handled again when redelivered (and records deduplicated by "+
+			"their Kafka position read again); ALTER TABLE ... SET LOGGED",
+			"consumer", p.cfg.Name, "table", table)
 	}
 }

@@ -58,3 +58,35 @@ func TestCommitsThatAreNotDurableAreWarnedOfAtStart(t *testing.T) {
 		assert.Equal(t, fsync == "off", strings.Contains(logged, "fsync is off"), "the server's fsync is %s", fsync)
 	}
 }
+
+// A processed-events table made UNLOGGED (for speed) is emptied by
+// PostgreSQL after a crash, while the handlers' tables keep their effects:
+// every redelivery after it is handled again. The consumer warns at start,
+// naming the table.
+func TestUnloggedStoreTableIsWarnedOfAtStart(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	run := func(t *testing.T) string {
+		t.Helper()
+		b := memsource.New(memsource.Options{Streams: 1})
+		publish(b, "e1", 1)
+		var logs bytes.Buffer
+		var mu sync.Mutex
+		cfg := fastConfig("unlogged")
+		cfg.Telemetry.Logger = slog.New(slog.NewTextHandler(lockedWriter{&logs, &mu}, &slog.HandlerOptions{Level: slog.LevelWarn}))
+		c, err := consumer.New(pool, b.Source(), insertEffect, cfg)
+		require.NoError(t, err)
+		stop := start(t, c)
+		require.Eventually(t, func() bool { return b.Acked() == 1 }, 10*time.Second, time.Millisecond, "the consumer runs")
+		require.NoError(t, stop())
+		mu.Lock()
+		defer mu.Unlock()
+		return logs.String()
+	}
+	assert.NotContains(t, run(t), "UNLOGGED", "the tables Migrate made are logged")
+	_, err := pool.Exec(context.Background(), `ALTER TABLE processed_events SET UNLOGGED`)
+	require.NoError(t, err)
+	logged := run(t)
+	assert.Contains(t, logged, "UNLOGGED")
+	assert.Contains(t, logged, "processed_events")
+}
