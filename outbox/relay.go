@@ -267,6 +267,7 @@ func (r *Relay) Run(ctx context.Context) error {
 		// database that does not answer, is waited for below.
 		return err
 	}
+	r.warnIfUnlogged(ctx)
 	failures := 0
 	for ctx.Err() == nil {
 		if !r.awaitAbandoned(ctx) {
@@ -669,4 +670,23 @@ func (r *Relay) wait(ctx context.Context, conn *pgx.Conn, notified *atomic.Bool)
 // a quarter of KeepSent, between 1s and 1m.
 func (r *Relay) cleanupInterval() time.Duration {
 	return min(max(r.cfg.KeepSent/4, time.Second), time.Minute)
+}
+
+// warnIfUnlogged logs a warning when the outbox table is UNLOGGED (made so
+// by hand, for speed): PostgreSQL empties such a table after a crash while
+// the tables written beside the rows keep their changes, so the messages
+// of committed transactions not yet published are lost. A table the relay
+// cannot ask about is not judged.
+func (r *Relay) warnIfUnlogged(ctx context.Context) {
+	var unlogged bool
+	err := r.pool.QueryRow(ctx, `SELECT coalesce((SELECT relpersistence = 'u' FROM pg_class WHERE oid = to_regclass($1)), false)`,
+		r.cfg.Store.Table()).Scan(&unlogged)
+	switch {
+	case err != nil:
+		r.cfg.Logger.Debug("outbox relay: cannot read whether the outbox table is logged", "table", r.cfg.Store.Table(), "error", err)
+	case unlogged:
+		r.cfg.Logger.Warn("outbox relay: the outbox table is UNLOGGED: PostgreSQL empties it after a crash while the tables written "+
+			"beside its rows keep their changes, so the messages of committed transactions not yet published are lost; ALTER TABLE ... SET LOGGED",
+			"table", r.cfg.Store.Table())
+	}
 }
