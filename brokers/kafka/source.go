@@ -539,6 +539,10 @@ func (s *Source) Close() error {
 	return s.closeErr
 }
 
+// refreshBeforeLeave bounds Close's wait for the group's coordinator to be
+// found again before the member leaves the group.
+const refreshBeforeLeave = 2 * time.Second
+
 // shutdown does Close's work: end the session (sarama commits the marked
 // offsets when every ConsumeClaim returned), leave the group, wait for the
 // dead-letter sends and close the clients.
@@ -554,10 +558,23 @@ func (s *Source) shutdown() error {
 	// partitions) until its session timed out. A failure here leaves the
 	// coordinator known before, which the leave then tries.
 	// A source that never consumed has joined no group and leaves none.
+	// The refresh is waited for at most refreshBeforeLeave: a cluster that
+	// does not answer would hold Close for the client's retries, and the
+	// leave then goes to the coordinator known before.
 	if s.started {
-		if err := s.groupClient.RefreshCoordinator(s.cfg.Group); err != nil {
-			s.cfg.Logger.Debug("once/kafka: cannot find the group's coordinator before leaving the group", "group", s.cfg.Group, "error", err)
+		refreshed := make(chan struct{})
+		go func() {
+			defer close(refreshed)
+			if err := s.groupClient.RefreshCoordinator(s.cfg.Group); err != nil {
+				s.cfg.Logger.Debug("once/kafka: cannot find the group's coordinator before leaving the group", "group", s.cfg.Group, "error", err)
+			}
+		}()
+		t := time.NewTimer(refreshBeforeLeave)
+		select {
+		case <-refreshed:
+		case <-t.C:
 		}
+		t.Stop()
 	}
 	errs := []error{s.group.Close()}
 	<-s.errsDone
