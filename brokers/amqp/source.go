@@ -176,16 +176,7 @@ func (s *Source) warnDeliveryLimits(version string) {
 	if s.cfg.QueueType != QueueQuorum || s.cfg.Passive {
 		return
 	}
-	for _, q := range []struct {
-		field, queue string
-		args         amqp091.Table
-	}{
-		{"Config.QueueArgs", s.cfg.Queue, s.cfg.QueueArgs},
-		{"Config.DeadLetter.QueueArgs", s.cfg.DeadLetter.Queue, s.cfg.DeadLetter.QueueArgs},
-	} {
-		if q.queue == "" { // DeadLetter.NoQueue
-			continue
-		}
+	for _, q := range s.declaredQueues() {
 		limit := deliveryLimitRisk(q.args, version)
 		if limit == 0 {
 			continue
@@ -197,6 +188,23 @@ func (s *Source) warnDeliveryLimits(version string) {
 			"queue with x-delivery-limit -1 (docs/amqp.md, Pitfalls)",
 			"dropping_queue", q.queue, "field", q.field, "x-delivery-limit", limit, "rabbitmq_default", !given, "rabbitmq_version", version)
 	}
+}
+
+// declaredQueue is a queue the source declares, with the Config field
+// that holds its arguments.
+type declaredQueue struct {
+	field, queue string
+	args         amqp091.Table
+}
+
+// declaredQueues returns the source's queue and its dead-letter queue,
+// unless DeadLetter.NoQueue.
+func (s *Source) declaredQueues() []declaredQueue {
+	qs := []declaredQueue{{"Config.QueueArgs", s.cfg.Queue, s.cfg.QueueArgs}}
+	if s.cfg.DeadLetter.Queue != "" {
+		qs = append(qs, declaredQueue{"Config.DeadLetter.QueueArgs", s.cfg.DeadLetter.Queue, s.cfg.DeadLetter.QueueArgs})
+	}
+	return qs
 }
 
 // MessagingSystem returns "rabbitmq", the OpenTelemetry messaging.system.

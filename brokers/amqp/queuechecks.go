@@ -100,16 +100,7 @@ func (s *Source) warnDroppingArgs() {
 	if s.cfg.Passive {
 		return
 	}
-	for _, q := range []struct {
-		field, queue string
-		args         amqp091.Table
-	}{
-		{"Config.QueueArgs", s.cfg.Queue, s.cfg.QueueArgs},
-		{"Config.DeadLetter.QueueArgs", s.cfg.DeadLetter.Queue, s.cfg.DeadLetter.QueueArgs},
-	} {
-		if q.queue == "" { // DeadLetter.NoQueue
-			continue
-		}
+	for _, q := range s.declaredQueues() {
 		for _, why := range droppingArgs(q.args) {
 			s.log.Warn("amqp: a queue argument has the broker drop messages that no consumer handled: "+why,
 				"dropping_queue", q.queue, "field", q.field)
