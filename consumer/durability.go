@@ -35,7 +35,6 @@ func (p *pipeline) warnIfCommitsNotDurable(ctx context.Context) {
 			"and with it the effects of messages already acked; turn fsync on",
 			"consumer", p.cfg.Name, "fsync", fsync)
 	}
-	p.warnIfTablesUnlogged(ctx)
 }
 
 // warnIfTablesUnlogged logs a warning for each of the store's tables that

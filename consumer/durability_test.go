@@ -34,20 +34,7 @@ func TestCommitsThatAreNotDurableAreWarnedOfAtStart(t *testing.T) {
 		pool := pgtest.NewPoolWith(t, schema, func(c *pgxpool.Config) {
 			c.ConnConfig.RuntimeParams["synchronous_commit"] = syncCommit
 		})
-		b := memsource.New(memsource.Options{Streams: 1})
-		publish(b, "e1", 1)
-		var logs bytes.Buffer
-		var mu sync.Mutex
-		cfg := fastConfig("durability-" + syncCommit)
-		cfg.Telemetry.Logger = slog.New(slog.NewTextHandler(lockedWriter{&logs, &mu}, &slog.HandlerOptions{Level: slog.LevelWarn}))
-		c, err := consumer.New(pool, b.Source(), insertEffect, cfg)
-		require.NoError(t, err)
-		stop := start(t, c)
-		require.Eventually(t, func() bool { return b.Acked() == 1 }, 10*time.Second, time.Millisecond, "the consumer runs")
-		require.NoError(t, stop())
-		mu.Lock()
-		defer mu.Unlock()
-		return logs.String()
+		return startWarnings(t, pool, "durability-"+syncCommit)
 	}
 	off := warnings(t, "off")
 	assert.Contains(t, off, "synchronous_commit is off")
@@ -66,27 +53,30 @@ func TestCommitsThatAreNotDurableAreWarnedOfAtStart(t *testing.T) {
 func TestUnloggedStoreTableIsWarnedOfAtStart(t *testing.T) {
 	pool, _ := pgtest.Schema(t)
 	effects(t, pool)
-	run := func(t *testing.T) string {
-		t.Helper()
-		b := memsource.New(memsource.Options{Streams: 1})
-		publish(b, "e1", 1)
-		var logs bytes.Buffer
-		var mu sync.Mutex
-		cfg := fastConfig("unlogged")
-		cfg.Telemetry.Logger = slog.New(slog.NewTextHandler(lockedWriter{&logs, &mu}, &slog.HandlerOptions{Level: slog.LevelWarn}))
-		c, err := consumer.New(pool, b.Source(), insertEffect, cfg)
-		require.NoError(t, err)
-		stop := start(t, c)
-		require.Eventually(t, func() bool { return b.Acked() == 1 }, 10*time.Second, time.Millisecond, "the consumer runs")
-		require.NoError(t, stop())
-		mu.Lock()
-		defer mu.Unlock()
-		return logs.String()
-	}
-	assert.NotContains(t, run(t), "UNLOGGED", "the tables Migrate made are logged")
+	assert.NotContains(t, startWarnings(t, pool, "unlogged"), "UNLOGGED", "the tables Migrate made are logged")
 	_, err := pool.Exec(context.Background(), `ALTER TABLE processed_events SET UNLOGGED`)
 	require.NoError(t, err)
-	logged := run(t)
+	logged := startWarnings(t, pool, "unlogged")
 	assert.Contains(t, logged, "UNLOGGED")
 	assert.Contains(t, logged, "processed_events")
+}
+
+// startWarnings runs a consumer named name on pool until it handled one
+// message, and returns what it logged at level Warn and above.
+func startWarnings(t *testing.T, pool *pgxpool.Pool, name string) string {
+	t.Helper()
+	b := memsource.New(memsource.Options{Streams: 1})
+	publish(b, "e1", 1)
+	var logs bytes.Buffer
+	var mu sync.Mutex
+	cfg := fastConfig(name)
+	cfg.Telemetry.Logger = slog.New(slog.NewTextHandler(lockedWriter{&logs, &mu}, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	c, err := consumer.New(pool, b.Source(), insertEffect, cfg)
+	require.NoError(t, err)
+	stop := start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 1 }, 10*time.Second, time.Millisecond, "the consumer runs")
+	require.NoError(t, stop())
+	mu.Lock()
+	defer mu.Unlock()
+	return logs.String()
 }

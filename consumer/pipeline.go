@@ -252,6 +252,7 @@ func (p *pipeline) start(ctx context.Context) error {
 		return &startOutage{err: outage}
 	case err == nil:
 		p.warnIfCommitsNotDurable(ctx)
+		p.warnIfTablesUnlogged(ctx)
 	}
 	return err
 }

@@ -30,14 +30,7 @@ func TestStartNewestReadsAPartitionAddedAfterTheCoordinatorMoved(t *testing.T) {
 	c.produceHashed(idless(topic, 0, 3))
 	waitEffectsByN(t, db, 3)
 
-	before := c.kf.CoordinatorFor(group)
-	for range 20 {
-		c.kf.RehashCoordinators()
-		if c.kf.CoordinatorFor(group) != before {
-			break
-		}
-	}
-	require.NotEqual(t, before, c.kf.CoordinatorFor(group), "the coordinator moved")
+	moveCoordinator(t, c, group)
 	c.produceHashed(idless(topic, 10, 2)) // still consumed: the group follows its coordinator
 	waitEffectsByN(t, db, 5)
 
@@ -143,14 +136,7 @@ func TestCloseAfterTheCoordinatorMovedLeavesTheGroup(t *testing.T) {
 	c.produceHashed(idless(topic, 0, 4))
 	waitEffectsByN(t, db, 4)
 
-	before := c.kf.CoordinatorFor(group)
-	for range 20 {
-		c.kf.RehashCoordinators()
-		if c.kf.CoordinatorFor(group) != before {
-			break
-		}
-	}
-	require.NotEqual(t, before, c.kf.CoordinatorFor(group), "the coordinator moved")
+	moveCoordinator(t, c, group)
 	require.NoError(t, a.stop(), "the member leaves the group at its new coordinator")
 	require.Len(t, groupMembers(t, c, group), 1, "the group let the closed member go at once, not at its session timeout")
 	require.NoError(t, b.stop())
@@ -171,4 +157,18 @@ func groupMembers(t *testing.T, c *cluster, group string) []string {
 		ids = append(ids, id)
 	}
 	return ids
+}
+
+// moveCoordinator has kfake move group's coordinator to another broker, as
+// a rolling restart moves the leaders of __consumer_offsets.
+func moveCoordinator(t *testing.T, c *cluster, group string) {
+	t.Helper()
+	before := c.kf.CoordinatorFor(group)
+	for range 20 {
+		c.kf.RehashCoordinators()
+		if c.kf.CoordinatorFor(group) != before {
+			return
+		}
+	}
+	require.NotEqual(t, before, c.kf.CoordinatorFor(group), "the coordinator moved")
 }
