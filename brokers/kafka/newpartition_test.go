@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/IBM/sarama"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -126,14 +127,7 @@ func TestOffsetsInDatabaseStartNewestReadsAPartitionAdded(t *testing.T) {
 				return startConsumer(t, db, src, consumerConfig("svc"), recordEffect)
 			}
 			r := open()
-			// StartNewest: a record is handled once the group has
-			// claimed the partition; produce until one is.
-			n := 1000
-			require.Eventually(t, func() bool {
-				n++
-				c.produce(msg(topic, 0, fmt.Sprintf(`{"n":%d}`, n)))
-				return len(effectsByN(t, db)) > 0
-			}, 30*time.Second, 200*time.Millisecond)
+			probeUntilClaimed(t, c, db, topic)
 			if whileStopped {
 				require.NoError(t, r.stop())
 			}
@@ -141,15 +135,7 @@ func TestOffsetsInDatabaseStartNewestReadsAPartitionAdded(t *testing.T) {
 			if whileStopped {
 				r = open()
 			}
-			added := func() map[int]int {
-				got := map[int]int{}
-				for k, v := range effectsByN(t, db) {
-					if k < 1000 {
-						got[k] = v
-					}
-				}
-				return got
-			}
+			added := func() map[int]int { return effectsBeforeProbes(t, db) }
 			want := map[int]int{100: 1, 101: 1, 102: 1, 103: 1, 104: 1}
 			require.Eventually(t, func() bool { return len(added()) == len(want) }, 30*time.Second, 20*time.Millisecond,
 				"the added partition's records: %v", added())
@@ -186,14 +172,7 @@ func TestStartNewestStartSurvivesACrashBeforeTheFirstCommit(t *testing.T) {
 	exited := make(chan error, 1)
 	go func() { exited <- cmd.Wait() }()
 
-	// StartNewest: a record is handled once the child has claimed the
-	// partition; produce until one is.
-	probe := 1000
-	require.Eventually(t, func() bool {
-		probe++
-		c.produce(msg(topic, 0, fmt.Sprintf(`{"n":%d}`, probe)))
-		return len(effectsByN(t, db)) > 0
-	}, 30*time.Second, 200*time.Millisecond, "child output:\n%s", &out)
+	probeUntilClaimed(t, c, db, topic)
 	for i := range 20 {
 		c.produce(msg(topic, 0, fmt.Sprintf(`{"n":%d}`, i)))
 	}
@@ -211,19 +190,41 @@ func TestStartNewestStartSurvivesACrashBeforeTheFirstCommit(t *testing.T) {
 	src, err := Open(t.Context(), cfg)
 	require.NoError(t, err)
 	r := startConsumer(t, db, src, consumerConfig("svc"), recordEffect)
-	events := func() map[int]int {
-		got := map[int]int{}
-		for n, k := range effectsByN(t, db) {
-			if n < 1000 {
-				got[n] = k
-			}
-		}
-		return got
-	}
+	events := func() map[int]int { return effectsBeforeProbes(t, db) }
 	require.Eventually(t, func() bool { return len(events()) == 20 }, 30*time.Second, 20*time.Millisecond,
 		"the records after the crash are read from the start the first member marked: %v", events())
 	require.NoError(t, r.stop())
 	for n, k := range events() {
 		assert.Equal(t, 1, k, "event %d", n)
 	}
+}
+
+// firstProbe is the n of the first record probeUntilClaimed produces: the
+// tests' own events are numbered below it.
+const firstProbe = 1000
+
+// probeUntilClaimed produces records numbered from firstProbe to
+// partition 0 of topic until one has its effect in db: under StartNewest
+// a record counts only once a member claimed the partition, and that
+// member's start is then marked.
+func probeUntilClaimed(t *testing.T, c *cluster, db *pgxpool.Pool, topic string) {
+	t.Helper()
+	n := firstProbe
+	require.Eventually(t, func() bool {
+		c.produce(msg(topic, 0, fmt.Sprintf(`{"n":%d}`, n)))
+		n++
+		return len(effectsByN(t, db)) > 0
+	}, 30*time.Second, 200*time.Millisecond, "no probe record handled")
+}
+
+// effectsBeforeProbes is effectsByN without the probes' effects.
+func effectsBeforeProbes(t *testing.T, db *pgxpool.Pool) map[int]int {
+	t.Helper()
+	got := effectsByN(t, db)
+	for n := range got {
+		if n >= firstProbe {
+			delete(got, n)
+		}
+	}
+	return got
 }
