@@ -648,17 +648,31 @@ func tail(file string, n int) string {
 }
 
 // Freeze stops node i with SIGSTOP: its process stays, its connections stay
-// open, and nothing answers (a hung broker, a long GC pause). Thaw resumes
-// it.
-func (c *Cluster) Freeze(i int) error { return c.signal(i, syscall.SIGSTOP) }
+// open, and nothing answers (a hung broker, a long GC pause). It returns
+// once every thread of the node has stopped (see stopAndWait). Thaw
+// resumes it.
+func (c *Cluster) Freeze(i int) error {
+	p, err := c.process(i)
+	if err != nil {
+		return err
+	}
+	return stopAndWait(p, freezeWait)
+}
 
 // Thaw resumes node i after Freeze with SIGCONT.
-func (c *Cluster) Thaw(i int) error { return c.signal(i, syscall.SIGCONT) }
+func (c *Cluster) Thaw(i int) error {
+	p, err := c.process(i)
+	if err != nil {
+		return err
+	}
+	return p.Signal(syscall.SIGCONT)
+}
 
-func (c *Cluster) signal(i int, sig syscall.Signal) error {
+// process returns node i's running process.
+func (c *Cluster) process(i int) (*os.Process, error) {
 	cmd, _ := c.nodes[i].current()
 	if cmd == nil || !c.nodes[i].running() {
-		return fmt.Errorf("kafkatemp: node %d does not run", c.nodes[i].id)
+		return nil, fmt.Errorf("kafkatemp: node %d does not run", c.nodes[i].id)
 	}
-	return cmd.Process.Signal(sig)
+	return cmd.Process, nil
 }
