@@ -305,8 +305,11 @@ const minRetentionMaxAge = time.Second
 type RetentionConfig struct {
 	// MaxAge, when positive, makes Run delete this consumer's
 	// processed-event rows (those of its Name only) older than MaxAge,
-	// every Interval, in short batches. It must exceed the longest time a
-	// message can take to be redelivered (see docs/operations.md).
+	// every Interval, in short batches. Age is measured by the database's
+	// clock, which wrote the rows (dedup.Cutoff), so a skew between the
+	// consumer's host and the database's does not shorten the window. It
+	// must exceed the longest time a message can take to be redelivered
+	// (see docs/operations.md).
 	// Defaults to 0: rows are kept. A positive MaxAge below one second
 	// (a unit mistake: 24 is 24 ns) is refused by New.
 	MaxAge time.Duration

@@ -452,8 +452,7 @@ func (p *pipeline) retention(ctx context.Context) {
 	t := time.NewTicker(p.cfg.Retention.Interval)
 	defer t.Stop()
 	for {
-		n, err := p.cfg.Store.DeleteOlderThan(ctx, p.pool, p.cfg.Name, time.Now().Add(-p.cfg.Retention.MaxAge), 1000,
-			dedup.DutyCycle(p.cfg.Retention.DutyCycle))
+		n, err := p.expire(ctx)
 		switch {
 		case err != nil && ctx.Err() == nil && databaseRefused(err):
 			// Refused at every pass until a grant: the table grows.
@@ -470,6 +469,16 @@ func (p *pipeline) retention(ctx context.Context) {
 		case <-t.C:
 		}
 	}
+}
+
+// expire deletes the consumer's rows older than Retention.MaxAge by the
+// database's clock, which wrote their processed_at (dedup.Cutoff).
+func (p *pipeline) expire(ctx context.Context) (int64, error) {
+	cutoff, err := dedup.Cutoff(ctx, p.pool, p.cfg.Retention.MaxAge)
+	if err != nil {
+		return 0, err
+	}
+	return p.cfg.Store.DeleteOlderThan(ctx, p.pool, p.cfg.Name, cutoff, 1000, dedup.DutyCycle(p.cfg.Retention.DutyCycle))
 }
 
 func waitTimeout(wg *sync.WaitGroup, d time.Duration) bool {

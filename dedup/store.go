@@ -743,6 +743,9 @@ func compare(fp, prev []byte) Outcome {
 // The (consumer, processed_at) index of schema version 2 keeps each
 // statement to the rows it deletes.
 //
+// processed_at is written by the database's clock: take cutoff from
+// Cutoff, not from this host's time.Now().
+//
 // Once a row is gone, a redelivery of its event is handled again: the
 // retention window must be longer than the longest time a message can take
 // to be redelivered (Kafka topic retention when a group may rewind, AMQP
@@ -773,6 +776,24 @@ func (s *Store) DeleteOlderThan(ctx context.Context, db DB, consumer string, cut
 	}
 	_, err = deleteInBatches(ctx, db, s.attemptsRetentionSQL, consumer, cutoff, batchSize, o.share)
 	return total, err
+}
+
+// Cutoff returns the database's clock (now() of db's session) less
+// maxAge: the cutoff for DeleteOlderThan that keeps every row processed
+// within maxAge. A row's processed_at is written by the database's clock,
+// so a cutoff taken from the application's clock would move the window by
+// the skew between the two hosts: a host clock ahead of the database's
+// deletes rows younger than maxAge, and a redelivery of their events is
+// handled again. maxAge must be positive.
+func Cutoff(ctx context.Context, db DB, maxAge time.Duration) (time.Time, error) {
+	if maxAge <= 0 {
+		return time.Time{}, fmt.Errorf("dedup: retention: age %v is not positive", maxAge)
+	}
+	var cutoff time.Time
+	if err := db.QueryRow(ctx, `SELECT now() - $1::bigint * interval '1 microsecond'`, maxAge.Microseconds()).Scan(&cutoff); err != nil {
+		return time.Time{}, fmt.Errorf("dedup: retention: the database's clock: %w", err)
+	}
+	return cutoff, nil
 }
 
 // RetentionOption adjusts DeleteOlderThan.

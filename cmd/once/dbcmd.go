@@ -547,7 +547,12 @@ func (a *app) retention(ctx context.Context, args []string) error {
 		return err
 	}
 	defer pool.Close()
-	cutoff := a.now().Add(-*olderThan)
+	// The database's clock wrote the rows' processed_at: a cutoff of this
+	// host's clock would move the window by the skew between the two.
+	cutoff, err := dedup.Cutoff(ctx, pool, *olderThan)
+	if err != nil {
+		return err
+	}
 	var progress func(int64)
 	if !*asJSON {
 		progress = func(n int64) {
