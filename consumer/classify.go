@@ -74,8 +74,10 @@ func (c ErrorClass) String() string {
 //     ClassInfrastructure.
 //   - A context deadline or cancellation: ClassRetry. The consumer's own
 //     contexts (shutdown, a revoked partition) never reach Classify, and
-//     Config.HandlerTimeout is a handler failure; so this is a deadline the
-//     handler put on a call of its own.
+//     Config.HandlerTimeout is a handler failure (infrastructure when it
+//     cut a statement waiting for another session's lock; see
+//     Config.HandlerTimeout); so this is a deadline the handler put on a
+//     call of its own.
 //   - Anything else, a failed HTTP call among them: ClassRetry, so that a
 //     dependency that stays down ends in the dead-letter queue.
 //

@@ -126,9 +126,16 @@ type Config struct {
 	// itself: waiting for a pool connection, the claim, sending queued
 	// statements and the commit are infrastructure time, never charged to
 	// a message. A handler past its timeout fails like a handler error
-	// (ClassRetry, then the dead-letter queue), whatever its error; one
-	// that ignores its context still holds its stream until it returns,
-	// and once it has run for twice HandlerTimeout it is logged at Error,
+	// (ClassRetry, then the dead-letter queue), whatever its error, but
+	// for one cut in a statement that was waiting for another session's
+	// lock (a migration that rewrites the table, or waits in line for its
+	// lock behind a long query; a long transaction): that wait is not the
+	// message's doing, and is retried as infrastructure, the log naming the
+	// server processes in the way (the consumer asks the database, on a
+	// connection of its own, what handler calls past half their timeout
+	// wait for). One that ignores its context still holds its stream
+	// until it returns, and once it has run for twice HandlerTimeout it is
+	// logged at Error,
 	// naming its message, and counted in Stats.StuckCalls (not under
 	// NoHandlerTimeout).
 	// Defaults to DefaultHandlerTimeout (one minute): the handler holds a

@@ -454,7 +454,7 @@ func (p *pipeline) runBatchHandler(ctx context.Context, tx pgx.Tx, jobs []*job, 
 // context's end (handlerWatchAfter).
 func (p *pipeline) callHandler(ctx context.Context, tx *queueTx, c *userCall, name string, m *Message, eventID string, messages int, run func(context.Context) error) (err error) {
 	if after := p.handlerWatchAfter; after > 0 {
-		p.watch.beginAfter(c, name, m, eventID, messages, after)
+		p.watch.beginHandler(c, name, m, eventID, messages, after, tx.Conn().PgConn().PID())
 		defer p.watch.end(c)
 	}
 	hctx := ctx
@@ -475,9 +475,9 @@ func (p *pipeline) callHandler(ctx context.Context, tx *queueTx, c *userCall, na
 		case errors.Is(hctx.Err(), context.DeadlineExceeded):
 			switch {
 			case err != nil:
-				err = &timeoutError{limit: p.cfg.HandlerTimeout, err: err}
+				err = &timeoutError{limit: p.cfg.HandlerTimeout, err: err, lockedBy: p.cutInLockWait(c, tx, err)}
 			case tx.Conn().IsClosed():
-				err = &timeoutError{limit: p.cfg.HandlerTimeout, err: hctx.Err()}
+				err = &timeoutError{limit: p.cfg.HandlerTimeout, err: hctx.Err(), lockedBy: p.cutInLockWait(c, tx, nil)}
 			}
 		case !isPanic(err) && tx.cutByOwnDeadline() && tx.Conn().IsClosed():
 			if err == nil {
@@ -498,13 +498,16 @@ func (p *pipeline) handlerName() string {
 }
 
 // timeoutError is a handler's failure to finish within HandlerTimeout.
+// lockedBy, when set, are the server processes whose locks its statement
+// waited for when it was cut (cutInLockWait).
 type timeoutError struct {
-	limit time.Duration
-	err   error
+	limit    time.Duration
+	err      error
+	lockedBy []uint32
 }
 
 func (e *timeoutError) Error() string {
-	return fmt.Sprintf("handler exceeded HandlerTimeout (%s): %v", e.limit, e.err)
+	return fmt.Sprintf("handler exceeded HandlerTimeout (%s)%s: %v", e.limit, lockWaitNote(e.lockedBy), e.err)
 }
 func (e *timeoutError) Unwrap() error { return e.err }
 
@@ -676,6 +679,11 @@ func (p *pipeline) classify(ctx context.Context, tx pgx.Tx, err error) (class Er
 	var timeout *timeoutError
 	var own *ownDeadlineError
 	switch {
+	case errors.As(err, &timeout) && len(timeout.lockedBy) > 0:
+		// Cut while another session's lock held its statement: that
+		// session's doing (a migration rewriting the table, a long
+		// transaction), not the message's.
+		class = ClassInfrastructure
 	case errors.As(err, &timeout):
 		// The handler's own deadline, whatever it broke on its way out.
 		class = ClassRetry

@@ -41,8 +41,13 @@ type userCall struct {
 	start    time.Time
 	// after is how long this call runs before it is logged; 0 for the
 	// watchdog's bound.
-	after      time.Duration
-	logged     bool
+	after  time.Duration
+	logged bool
+	// pid is the server process of a handler call's transaction; 0 for
+	// other calls. lockedBy is what the watchdog last saw it wait for
+	// (sampleLockWaits).
+	pid        uint32
+	lockedBy   []uint32
 	prev, next *userCall
 }
 
@@ -57,13 +62,14 @@ type watchdog struct {
 // begin adds c, a call of name for message m (nil for a call on several
 // messages, of which there are messages), to the calls in progress.
 func (w *watchdog) begin(c *userCall, name string, m *Message, eventID string, messages int) {
-	w.beginAfter(c, name, m, eventID, messages, 0)
+	w.beginHandler(c, name, m, eventID, messages, 0, 0)
 }
 
-// beginAfter is begin for a call logged once it has run for after (0:
-// the watchdog's bound).
-func (w *watchdog) beginAfter(c *userCall, name string, m *Message, eventID string, messages int, after time.Duration) {
-	*c = userCall{name: name, m: m, eventID: eventID, messages: messages, start: time.Now(), after: after}
+// beginHandler is begin for a handler call, logged once it has run for
+// after (0: the watchdog's bound), whose transaction's server process is
+// pid (0: none, not sampled for lock waits).
+func (w *watchdog) beginHandler(c *userCall, name string, m *Message, eventID string, messages int, after time.Duration, pid uint32) {
+	*c = userCall{name: name, m: m, eventID: eventID, messages: messages, start: time.Now(), after: after, pid: pid}
 	w.mu.Lock()
 	c.next = w.head
 	if w.head != nil {
@@ -187,6 +193,7 @@ func (p *pipeline) watchUserCalls(ctx context.Context) {
 		case <-ctx.Done():
 			return
 		case now := <-t.C:
+			p.sampleLockWaits(ctx, now, tick)
 			for _, s := range p.watch.overdue(now) {
 				p.stats.stuckCalls.Add(1)
 				p.tel.stuck(ctx, s.name)

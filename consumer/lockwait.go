@@ -1,0 +1,158 @@
+package consumer
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// A handler's statement that waits for a lock another session holds (a
+// migration rewriting the table, or waiting in line for its lock behind a
+// long query; a long transaction) is cut at HandlerTimeout like a handler
+// that hangs. The wait is not the message's doing, and charging it
+// dead-letters good messages once the lock outlasts Retry.MaxAttempts
+// cuts; a lock_timeout's 55P03 is infrastructure for the same reason. So
+// the watchdog samples, for each handler call past half its
+// HandlerTimeout, what its transaction's server process waits for, and a
+// handler cut in a statement while it waited for another session is
+// infrastructure: retried, never charged, and logged naming the server
+// processes in the way.
+//
+// The question is asked before the cut, not after it: pgx ends a
+// statement whose context ended by closing the connection with a cancel
+// request, which ends the wait at once. It is asked on a connection of its
+// own, opened for it with the pool's configuration: when a lock holds up
+// every handler, every pooled connection is held by one.
+
+// lockWaitCheckTimeout bounds one sample's connection and question.
+const lockWaitCheckTimeout = 2 * time.Second
+
+// lockProbe is a handler call to be sampled: its call, its server process
+// and when it began (so that a sample lands on that call and not on the
+// next call of the same job).
+type lockProbe struct {
+	c     *userCall
+	pid   uint32
+	start time.Time
+}
+
+// handlersToSample returns the handler calls that have run for at least
+// from and whose transaction has a server process.
+func (w *watchdog) handlersToSample(now time.Time, from time.Duration) []lockProbe {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	var out []lockProbe
+	for c := w.head; c != nil; c = c.next {
+		if c.pid != 0 && now.Sub(c.start) >= from {
+			out = append(out, lockProbe{c: c, pid: c.pid, start: c.start})
+		}
+	}
+	return out
+}
+
+// noteLockWaits records, on each probed call still running, what its
+// server process waited for (nil: nothing).
+func (w *watchdog) noteLockWaits(probes []lockProbe, blockers map[uint32][]uint32) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	for _, pr := range probes {
+		if w.running(pr.c) && pr.c.pid == pr.pid && pr.c.start.Equal(pr.start) {
+			pr.c.lockedBy = blockers[pr.pid]
+		}
+	}
+}
+
+// running reports whether c is in the list of calls in progress. w.mu is
+// held.
+func (w *watchdog) running(c *userCall) bool {
+	for x := w.head; x != nil; x = x.next {
+		if x == c {
+			return true
+		}
+	}
+	return false
+}
+
+// lockedBy returns what c's server process last waited for.
+func (w *watchdog) lockedBy(c *userCall) []uint32 {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return c.lockedBy
+}
+
+// sampleLockWaits asks the database what the server processes of the
+// handler calls that have run for half their HandlerTimeout wait for, and
+// notes it on each call. With the watchdog's tick at a quarter of
+// HandlerTimeout, every call cut at HandlerTimeout was sampled in the
+// last quarter before its cut (a lock wait that began after it is
+// charged, as before). Under NoHandlerTimeout nothing is cut and nothing
+// sampled.
+func (p *pipeline) sampleLockWaits(ctx context.Context, now time.Time, tick time.Duration) {
+	if p.cfg.HandlerTimeout <= 0 {
+		return
+	}
+	probes := p.watch.handlersToSample(now, p.cfg.HandlerTimeout/2)
+	if len(probes) == 0 {
+		return
+	}
+	pids := make([]int32, len(probes))
+	for i, pr := range probes {
+		pids[i] = int32(pr.pid)
+	}
+	ctx, cancel := context.WithTimeout(ctx, min(lockWaitCheckTimeout, max(tick, 100*time.Millisecond)))
+	defer cancel()
+	blockers, err := blockingPIDs(ctx, p.pool.Config().ConnConfig, pids)
+	if err != nil {
+		p.cfg.Telemetry.Logger.DebugContext(ctx, "once: could not ask what long-running handlers wait for", "consumer", p.cfg.Name, "error", err)
+		return
+	}
+	p.watch.noteLockWaits(probes, blockers)
+}
+
+// blockingPIDs returns, for each of pids that waits for a lock, the
+// server processes it waits for (pg_blocking_pids: those holding a
+// conflicting lock, and those ahead of it in line for one), asked on a
+// connection opened for the question with cfg.
+func blockingPIDs(ctx context.Context, cfg *pgx.ConnConfig, pids []int32) (map[uint32][]uint32, error) {
+	conn, err := pgx.ConnectConfig(ctx, cfg)
+	if err != nil {
+		return nil, err
+	}
+	defer conn.Close(ctx)
+	rows, err := conn.Query(ctx, `SELECT pid, pg_blocking_pids(pid) FROM unnest($1::int4[]) AS pid
+		WHERE cardinality(pg_blocking_pids(pid)) > 0`, pids)
+	if err != nil {
+		return nil, err
+	}
+	out := map[uint32][]uint32{}
+	var pid uint32
+	var by []uint32
+	_, err = pgx.ForEachRow(rows, []any{&pid, &by}, func() error {
+		out[pid] = by
+		return nil
+	})
+	return out, err
+}
+
+// cutInLockWait returns what the watchdog last saw the server process of
+// a handler call c, cut at HandlerTimeout with err (nil: it returned nil
+// after the cut), wait for, when the cut hit a statement (the connection
+// closed under it); nil otherwise: a handler cut outside the database
+// waited for no lock, and a panic is a bug whatever it waited for.
+func (p *pipeline) cutInLockWait(c *userCall, tx *queueTx, err error) []uint32 {
+	if c == nil || isPanic(err) || !tx.Conn().IsClosed() {
+		return nil
+	}
+	return p.watch.lockedBy(c)
+}
+
+// lockWaitNote is what a timeoutError says of the lock its handler's
+// statement waited for.
+func lockWaitNote(blockers []uint32) string {
+	if len(blockers) == 0 {
+		return ""
+	}
+	return fmt.Sprintf(" while its statement waited for a lock of another session (server process %v: a migration, a long transaction?)", blockers)
+}

@@ -1,0 +1,119 @@
+package consumer_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/consumer/memsource"
+	"github.com/onceco/once/internal/pgtest"
+)
+
+// A migration that holds a lock on a table the handler writes (an ALTER
+// TABLE rewriting it), or waits in line for one behind a long query, blocks
+// the handler's statement; past HandlerTimeout the statement is cut. That
+// wait is another session's doing, not the message's: the attempt is
+// infrastructure (retried, not charged), and once the lock is released the
+// message has its effect once. Charged, it was dead-lettered after
+// Retry.MaxAttempts cuts: a good message lost to a slow migration.
+func TestHandlerCutWhileWaitingForAnotherSessionsLockIsNotCharged(t *testing.T) {
+	for name, block := range map[string]func(t *testing.T, pool *pgxpool.Pool) (release func()){
+		"lock held":                             holdTableLock,
+		"migration in line behind a long query": migrationInLine,
+	} {
+		t.Run(name, func(t *testing.T) {
+			pool, _ := pgtest.Schema(t)
+			effects(t, pool)
+			release := block(t, pool)
+
+			cfg := fastConfig("lock-wait")
+			cfg.HandlerTimeout = 200 * time.Millisecond
+			cfg.Retry.MaxAttempts = 2
+			b := memsource.New(memsource.Options{Streams: 1})
+			publish(b, "e1", 1)
+			c, err := consumer.New(pool, b.Source(), insertEffect, cfg)
+			require.NoError(t, err)
+			start(t, c)
+
+			require.Eventually(t, func() bool {
+				st := c.Stats()
+				return st.InfraErrors >= 3 || st.DeadLettered > 0
+			}, 20*time.Second, 5*time.Millisecond)
+			require.Zero(t, c.Stats().DeadLettered, "a message whose handler waited for a migration's lock was dead-lettered: %v", deadLetterKinds(b))
+			release()
+
+			require.Eventually(t, func() bool { return b.Acked() == 1 }, 20*time.Second, 5*time.Millisecond)
+			assert.Equal(t, map[string]int{"e1": 1}, countEffects(t, pool))
+			assert.Empty(t, deadLetterKinds(b))
+		})
+	}
+}
+
+// holdTableLock takes an ACCESS EXCLUSIVE lock on effects in a transaction
+// of its own, as an ALTER TABLE that rewrites the table holds it, until
+// release.
+func holdTableLock(t *testing.T, pool *pgxpool.Pool) (release func()) {
+	ctx := context.Background()
+	migration, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = migration.Rollback(ctx) })
+	_, err = migration.Exec(ctx, `LOCK TABLE effects IN ACCESS EXCLUSIVE MODE`)
+	require.NoError(t, err)
+	return func() { require.NoError(t, migration.Rollback(ctx)) }
+}
+
+// migrationInLine starts a long query on effects (a report), then an ALTER
+// TABLE that waits for it, in line for its lock: every later statement on
+// the table waits behind the ALTER. release ends the query; the ALTER then
+// runs and commits.
+func migrationInLine(t *testing.T, pool *pgxpool.Pool) (release func()) {
+	ctx := context.Background()
+	report, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = report.Rollback(ctx) })
+	_, err = report.Exec(ctx, `SELECT count(*) FROM effects`)
+	require.NoError(t, err)
+	altered := make(chan error, 1)
+	go func() {
+		_, err := pool.Exec(ctx, `ALTER TABLE effects ADD COLUMN note text`)
+		altered <- err
+	}()
+	require.Eventually(t, func() bool {
+		var waiting bool
+		require.NoError(t, pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+			WHERE query LIKE 'ALTER TABLE effects%' AND wait_event_type = 'Lock')`).Scan(&waiting))
+		return waiting
+	}, 10*time.Second, time.Millisecond, "the ALTER waits in line")
+	return func() {
+		require.NoError(t, report.Rollback(ctx))
+		require.NoError(t, <-altered)
+	}
+}
+
+// A handler whose own statement runs past HandlerTimeout, waiting for no
+// one, is still charged: cut in the database, but by its own slowness.
+func TestHandlerCutInItsOwnSlowStatementIsCharged(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	cfg := fastConfig("slow-statement")
+	cfg.HandlerTimeout = 200 * time.Millisecond
+	cfg.Retry.MaxAttempts = 2
+	b := memsource.New(memsource.Options{Streams: 1})
+	publish(b, "e1", 1)
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		_, err := tx.Exec(ctx, `SELECT pg_sleep(10)`)
+		return err
+	}
+	c, err := consumer.New(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 1 }, 20*time.Second, 5*time.Millisecond)
+	assert.Equal(t, map[string]string{"e1": string(consumer.KindHandler)}, deadLetterKinds(b))
+	assert.Zero(t, c.Stats().InfraErrors)
+}
