@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // A handler's statement that waits for a lock another session holds (a
@@ -103,7 +104,7 @@ func (p *pipeline) sampleLockWaits(ctx context.Context, now time.Time, tick time
 	}
 	ctx, cancel := context.WithTimeout(ctx, min(lockWaitCheckTimeout, max(tick, 100*time.Millisecond)))
 	defer cancel()
-	blockers, err := blockingPIDs(ctx, p.pool.Config().ConnConfig, pids)
+	blockers, err := blockingPIDs(ctx, p.pool.Config(), pids)
 	if err != nil {
 		p.cfg.Telemetry.Logger.DebugContext(ctx, "once: could not ask what long-running handlers wait for", "consumer", p.cfg.Name, "error", err)
 		return
@@ -114,9 +115,15 @@ func (p *pipeline) sampleLockWaits(ctx context.Context, now time.Time, tick time
 // blockingPIDs returns, for each of pids that waits for a lock, the
 // server processes it waits for (pg_blocking_pids: those holding a
 // conflicting lock, and those ahead of it in line for one), asked on a
-// connection opened for the question with cfg.
-func blockingPIDs(ctx context.Context, cfg *pgx.ConnConfig, pids []int32) (map[uint32][]uint32, error) {
-	conn, err := pgx.ConnectConfig(ctx, cfg)
+// connection opened for the question with the pool's configuration cfg,
+// its BeforeConnect applied (a password from a token that expires).
+func blockingPIDs(ctx context.Context, cfg *pgxpool.Config, pids []int32) (map[uint32][]uint32, error) {
+	if cfg.BeforeConnect != nil {
+		if err := cfg.BeforeConnect(ctx, cfg.ConnConfig); err != nil {
+			return nil, err
+		}
+	}
+	conn, err := pgx.ConnectConfig(ctx, cfg.ConnConfig)
 	if err != nil {
 		return nil, err
 	}

@@ -117,3 +117,39 @@ func TestHandlerCutInItsOwnSlowStatementIsCharged(t *testing.T) {
 	assert.Equal(t, map[string]string{"e1": string(consumer.KindHandler)}, deadLetterKinds(b))
 	assert.Zero(t, c.Stats().InfraErrors)
 }
+
+// The question of what a cut handler waited for goes on a connection of
+// its own, opened as the pool opens its connections: with the pool's
+// BeforeConnect (a password from a token that expires, as for a cloud
+// database's IAM login). Here the pool reaches its database only through
+// BeforeConnect.
+func TestLockWaitQuestionUsesThePoolsBeforeConnect(t *testing.T) {
+	_, schema := pgtest.Schema(t)
+	pool := pgtest.NewPoolWith(t, schema, func(c *pgxpool.Config) {
+		database := c.ConnConfig.Database
+		c.ConnConfig.Database = "no_such_database"
+		c.BeforeConnect = func(_ context.Context, cc *pgx.ConnConfig) error {
+			cc.Database = database
+			return nil
+		}
+	})
+	effects(t, pool)
+	release := holdTableLock(t, pool)
+
+	cfg := fastConfig("lock-wait-before-connect")
+	cfg.HandlerTimeout = 200 * time.Millisecond
+	cfg.Retry.MaxAttempts = 2
+	b := memsource.New(memsource.Options{Streams: 1})
+	publish(b, "e1", 1)
+	c, err := consumer.New(pool, b.Source(), insertEffect, cfg)
+	require.NoError(t, err)
+	start(t, c)
+	require.Eventually(t, func() bool {
+		st := c.Stats()
+		return st.InfraErrors >= 3 || st.DeadLettered > 0
+	}, 20*time.Second, 5*time.Millisecond)
+	require.Zero(t, c.Stats().DeadLettered, "dead-lettered: %v", deadLetterKinds(b))
+	release()
+	require.Eventually(t, func() bool { return b.Acked() == 1 }, 20*time.Second, 5*time.Millisecond)
+	assert.Equal(t, map[string]int{"e1": 1}, countEffects(t, pool))
+}
