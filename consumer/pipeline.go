@@ -277,7 +277,23 @@ func (p *pipeline) startOnce(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	p.warnIfSchemaNewer(ctx)
 	return p.bindProgress(ctx)
+}
+
+// warnIfSchemaNewer logs a warning when the store's tables are at a newer
+// version than this release knows: a newer release migrated them, and
+// recorded that this one runs on them (Migrate refuses them otherwise),
+// as after a deploy rolled back. Nothing is wrong; it says why the newer
+// release's features are gone.
+func (p *pipeline) warnIfSchemaNewer(ctx context.Context) {
+	v, err := p.cfg.Store.Version(ctx, p.pool)
+	if err != nil || v <= dedup.SchemaVersion {
+		return
+	}
+	p.cfg.Telemetry.Logger.WarnContext(ctx, "once: the dedup tables are at a newer schema version than this release knows, "+
+		"which the release that migrated them recorded this one runs on (a deploy rolled back?); running",
+		"consumer", p.cfg.Name, "schema_version", v, "release_schema_version", dedup.SchemaVersion)
 }
 
 // process takes deliveries of one stream assignment (or of one channel)

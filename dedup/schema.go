@@ -27,7 +27,10 @@ const SchemaVersion = 5
 // ErrSchemaNewer is wrapped by Migrate's and MigrateTo's errors when the
 // database records a schema version newer than SchemaVersion: a newer
 // release of the library migrated it. Nothing is changed; run the newer
-// release, or move the schema back down with it first.
+// release, or move the schema back down with it first. Migrate does not
+// return it when the release that migrated the database recorded that this
+// one runs on it (each step above SchemaVersion only adds): it checks the
+// tables and leaves them as they are.
 var ErrSchemaNewer = migrate.ErrNewer
 
 // ErrSchemaMismatch is wrapped by the errors of Check and Migrate when a
@@ -151,7 +154,7 @@ func (s *Store) SchemaSQL() string {
 func (s *Store) Migrate(ctx context.Context, db interface {
 	Begin(ctx context.Context) (pgx.Tx, error)
 }) error {
-	return s.MigrateTo(ctx, db, SchemaVersion)
+	return s.MigrateTo(ctx, db, s.series.Latest())
 }
 
 // MigrateTo moves the store's tables up or down to version (0 to

@@ -6,6 +6,8 @@
 -- the old one. A build that did not finish leaves the index invalid, and
 -- this step would take it for the index: check that pg_index.indisvalid
 -- is true, or REINDEX it, first (Store.Migrate refuses it).
+-- An index only: code of version 1 runs on it.
+-- once:additive
 CREATE INDEX IF NOT EXISTS "processed_events_consumer_processed_at_idx" ON "processed_events" (consumer, processed_at);
 DROP INDEX IF EXISTS "processed_events_processed_at_idx";
 

@@ -2,4 +2,6 @@
 -- of a message, the failure of its last run (kind, error, stack, SQLSTATE as
 -- JSON), so that a message whose runs were spent in a process that ended
 -- before dead-lettering it is dead-lettered with that error.
+-- A nullable column: code of version 4 runs on it.
+-- once:additive
 ALTER TABLE {{.Attempts}} ADD COLUMN IF NOT EXISTS last_error jsonb;

@@ -25,7 +25,9 @@ const lockKey = 0x6f6e6365 // "once"
 // ErrNewer is wrapped by the errors of Migrate and MigrateTo when the
 // database records a version newer than the newest the code knows: a
 // newer release of the library migrated it, and this one must not write
-// to tables whose meaning it does not know.
+// to tables whose meaning it does not know, unless that release recorded
+// that it may (every step above this code's is Additive): then Migrate
+// leaves the tables as they are and returns nil.
 var ErrNewer = errors.New("schema is newer than this code")
 
 // Migration is one numbered step of a component's schema.
@@ -34,7 +36,18 @@ type Migration struct {
 	Name    string
 	Up      string
 	Down    string
+	// Additive says that code of the version before runs on the schema
+	// this step makes: it only adds what that code does not read or can
+	// leave out when it writes (a nullable or defaulted column, a table,
+	// an index). Its up file says so with a line "-- once:additive". A
+	// release that finds the database at a newer version runs on it when
+	// every step above its own is additive (a deploy rolled back), and
+	// refuses it otherwise (ErrNewer).
+	Additive bool
 }
+
+// additiveMark is the line of an up file that marks its step Additive.
+var additiveMark = regexp.MustCompile(`(?m)^-- once:additive[ \t]*$`)
 
 // fileName is NNN_name.up.sql or NNN_name.down.sql.
 var fileName = regexp.MustCompile(`^([0-9]+)_([a-z0-9_]+)\.(up|down)\.sql$`)
@@ -81,6 +94,7 @@ func loadFile(fsys fs.FS, name string, data any, byVersion map[int]*Migration) e
 	}
 	if m[3] == "up" {
 		mig.Up = text
+		mig.Additive = additiveMark.MatchString(text)
 	} else {
 		mig.Down = text
 	}
@@ -226,8 +240,10 @@ FROM home`, s.Anchor, onPath).Scan(&schema, &beside, &recorded)
 }
 
 // Migrate brings the component to its newest version. It is idempotent and
-// safe to call from many processes at once; it fails, changing nothing,
-// with an error wrapping ErrNewer when the database is at a newer version.
+// safe to call from many processes at once. A database at a newer version
+// is left as it is: nil after Verify when the release that migrated it
+// recorded that this code runs on it (every step above is Additive), an
+// error wrapping ErrNewer otherwise.
 func (s *Series) Migrate(ctx context.Context, db Beginner) error {
 	return s.MigrateTo(ctx, db, s.Latest())
 }
@@ -276,7 +292,7 @@ func (s *Series) migrate(ctx context.Context, tx pgx.Tx, target int) error {
 		return err
 	}
 	if current > s.Latest() {
-		return fmt.Errorf("%w: the database is at version %d, this code knows versions up to %d: run a release of the library that knows version %d", ErrNewer, current, s.Latest(), current)
+		return s.newer(ctx, tx, table, current, target)
 	}
 	for v := current + 1; v <= target; v++ {
 		if err := s.step(ctx, tx, table, s.Migrations[v-1], true); err != nil {
@@ -294,6 +310,70 @@ func (s *Series) migrate(ctx context.Context, tx pgx.Tx, target int) error {
 	return nil
 }
 
+// newer answers a database at version current, above the newest this
+// code knows: nil, leaving it as it is, when target is that newest version
+// and the release that migrated it recorded that code of this version runs
+// on it (every step above this code's is Additive; see compatibleFrom),
+// after Verify; an error wrapping ErrNewer otherwise, as for a target
+// below (this code has no down migrations from there).
+func (s *Series) newer(ctx context.Context, tx pgx.Tx, table string, current, target int) error {
+	from, err := recordedCompatibleFrom(ctx, tx, table, s.Component, current)
+	if err != nil {
+		return err
+	}
+	if target == s.Latest() && from > 0 && from <= s.Latest() {
+		if s.Verify != nil {
+			return s.Verify(ctx, tx)
+		}
+		return nil
+	}
+	if from > s.Latest() {
+		return fmt.Errorf("%w: the database is at version %d, which needs code of version %d or later, and this code knows versions up to %d: run a release of the library that knows version %d, or move the schema down with it first", ErrNewer, current, from, s.Latest(), current)
+	}
+	return fmt.Errorf("%w: the database is at version %d, this code knows versions up to %d: run a release of the library that knows version %d", ErrNewer, current, s.Latest(), current)
+}
+
+// compatibleFrom is the oldest version whose code runs on the schema at
+// version v: v itself, or lower while the steps up to v are Additive.
+func (s *Series) compatibleFrom(v int) int {
+	from := v
+	for from > 1 && s.Migrations[from-1].Additive {
+		from--
+	}
+	return from
+}
+
+// compatibleColumn is the version table's column recording, for each
+// version, the oldest version whose code runs on it (compatibleFrom).
+// Version tables made before it have no such column; the next recorded
+// step adds it.
+const compatibleColumn = "compatible_from"
+
+// hasCompatibleColumn reports whether the version table has
+// compatibleColumn.
+func hasCompatibleColumn(ctx context.Context, q Querier, table string) (bool, error) {
+	var ok bool
+	err := q.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_attribute
+		WHERE attrelid = to_regclass($1) AND attname = $2 AND NOT attisdropped)`, table, compatibleColumn).Scan(&ok)
+	return ok, err
+}
+
+// recordedCompatibleFrom returns what the version table records as the
+// oldest version whose code runs on component's version v; 0 when it
+// records nothing (a release before the column, or a row written by hand).
+func recordedCompatibleFrom(ctx context.Context, q Querier, table, component string, v int) (int, error) {
+	ok, err := hasCompatibleColumn(ctx, q, table)
+	if err != nil || !ok {
+		return 0, err
+	}
+	var from *int
+	err = q.QueryRow(ctx, `SELECT `+compatibleColumn+` FROM `+table+` WHERE component = $1 AND version = $2`, component, v).Scan(&from)
+	if errors.Is(err, pgx.ErrNoRows) || from == nil {
+		return 0, nil
+	}
+	return *from, err
+}
+
 // createVersionTable creates the version table when it does not exist.
 // It looks first: CREATE TABLE IF NOT EXISTS needs the CREATE privilege on
 // the schema even when the table exists, and a service whose user may only
@@ -308,6 +388,7 @@ func createVersionTable(ctx context.Context, tx pgx.Tx, table string) error {
     version    integer     NOT NULL,
     name       text        NOT NULL,
     applied_at timestamptz NOT NULL DEFAULT now(),
+    compatible_from integer,
     PRIMARY KEY (component, version)
 )`)
 	return err
@@ -354,9 +435,20 @@ func (s *Series) step(ctx context.Context, tx pgx.Tx, table string, m Migration,
 	return err
 }
 
+// record records m as applied, with the oldest version whose code runs on
+// it, adding that column to a version table made before it.
 func (s *Series) record(ctx context.Context, tx pgx.Tx, table string, m Migration) error {
-	_, err := tx.Exec(ctx, `INSERT INTO `+table+` (component, version, name) VALUES ($1, $2, $3)`,
-		s.Component, m.Version, m.Name)
+	ok, err := hasCompatibleColumn(ctx, tx, table)
+	if err != nil {
+		return err
+	}
+	if !ok {
+		if _, err := tx.Exec(ctx, `ALTER TABLE `+table+` ADD COLUMN IF NOT EXISTS `+compatibleColumn+` integer`); err != nil {
+			return err
+		}
+	}
+	_, err = tx.Exec(ctx, `INSERT INTO `+table+` (component, version, name, `+compatibleColumn+`) VALUES ($1, $2, $3, $4)`,
+		s.Component, m.Version, m.Name, s.compatibleFrom(m.Version))
 	return err
 }
 

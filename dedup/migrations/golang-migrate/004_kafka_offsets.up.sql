@@ -4,6 +4,8 @@
 -- are the offsets in done (above it, finished out of order by key lanes).
 -- epoch fences: each new owner of the partition raises it, and a write
 -- with an older epoch changes nothing.
+-- A table of its own: code of version 3 runs on it.
+-- once:additive
 CREATE TABLE IF NOT EXISTS "processed_events_offsets" (
 	consumer    text        NOT NULL,
 	topic       text        NOT NULL,
