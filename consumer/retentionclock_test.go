@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/onceco/once/consumer"
@@ -25,10 +26,7 @@ import (
 func TestRetentionWindowIsMeasuredByTheDatabaseClock(t *testing.T) {
 	ctx := context.Background()
 	pool, schema := pgtest.Schema(t)
-	effects(t, pool)
-	store, err := dedup.New(dedup.Config{})
-	require.NoError(t, err)
-	require.NoError(t, store.Migrate(ctx, pool))
+	store := migratedStore(t, pool)
 	skewed, _ := pgtest.SkewedClock(t, schema, -2*time.Hour)
 
 	// processed_at as the database wrote it: two hours old (within the
@@ -66,4 +64,15 @@ func TestRetentionWindowIsMeasuredByTheDatabaseClock(t *testing.T) {
 	require.Eventually(t, func() bool { return b.Acked() == 1 }, 10*time.Second, time.Millisecond)
 	require.Empty(t, countEffects(t, pool), "the redelivery of an event inside the window was handled again")
 	require.EqualValues(t, 1, c.Stats().Duplicates)
+}
+
+// migratedStore makes the effects table and the default store's tables on
+// pool, and returns the store.
+func migratedStore(t *testing.T, pool *pgxpool.Pool) *dedup.Store {
+	t.Helper()
+	effects(t, pool)
+	store, err := dedup.New(dedup.Config{})
+	require.NoError(t, err)
+	require.NoError(t, store.Migrate(context.Background(), pool))
+	return store
 }

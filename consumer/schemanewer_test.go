@@ -22,12 +22,9 @@ import (
 func TestConsumerStartsOnANewerSchemaThatRecordsItCompatible(t *testing.T) {
 	ctx := context.Background()
 	pool, _ := pgtest.Schema(t)
-	effects(t, pool)
-	store, err := dedup.New(dedup.Config{})
-	require.NoError(t, err)
-	require.NoError(t, store.Migrate(ctx, pool))
+	migratedStore(t, pool)
 	newer := dedup.SchemaVersion + 1
-	_, err = pool.Exec(ctx, `INSERT INTO once_schema_versions (component, version, name, compatible_from)
+	_, err := pool.Exec(ctx, `INSERT INTO once_schema_versions (component, version, name, compatible_from)
 		VALUES ('dedup:processed_events', $1, 'from_a_newer_release', $2)`, newer, dedup.SchemaVersion)
 	require.NoError(t, err)
 
