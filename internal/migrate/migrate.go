@@ -368,10 +368,15 @@ func recordedCompatibleFrom(ctx context.Context, q Querier, table, component str
 	}
 	var from *int
 	err = q.QueryRow(ctx, `SELECT `+compatibleColumn+` FROM `+table+` WHERE component = $1 AND version = $2`, component, v).Scan(&from)
-	if errors.Is(err, pgx.ErrNoRows) || from == nil {
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		return 0, nil
+	case err != nil:
+		return 0, err
+	case from == nil:
 		return 0, nil
 	}
-	return *from, err
+	return *from, nil
 }
 
 // createVersionTable creates the version table when it does not exist.
