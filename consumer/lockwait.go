@@ -40,13 +40,14 @@ type lockProbe struct {
 }
 
 // handlersToSample returns the handler calls that have run for at least
-// from and whose transaction has a server process.
-func (w *watchdog) handlersToSample(now time.Time, from time.Duration) []lockProbe {
+// from and less than to (past it they were cut, and what they waited for
+// then is what counts) and whose transaction has a server process.
+func (w *watchdog) handlersToSample(now time.Time, from, to time.Duration) []lockProbe {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	var out []lockProbe
 	for c := w.head; c != nil; c = c.next {
-		if c.pid != 0 && now.Sub(c.start) >= from {
+		if running := now.Sub(c.start); c.pid != 0 && running >= from && running < to {
 			out = append(out, lockProbe{c: c, pid: c.pid, start: c.start})
 		}
 	}
@@ -94,7 +95,7 @@ func (p *pipeline) sampleLockWaits(ctx context.Context, now time.Time, tick time
 	if p.cfg.HandlerTimeout <= 0 {
 		return
 	}
-	probes := p.watch.handlersToSample(now, p.cfg.HandlerTimeout/2)
+	probes := p.watch.handlersToSample(now, p.cfg.HandlerTimeout/2, p.cfg.HandlerTimeout)
 	if len(probes) == 0 {
 		return
 	}
