@@ -200,6 +200,50 @@ func TestIdleInTransactionTimeoutIsNotChargedToTheNextHandler(t *testing.T) {
 	assert.Equal(t, map[string]int{"e0": 1, "e1": 1, "e3": 1, "e4": 1, "e5": 1}, countEffects(t, admin))
 }
 
+// PostgreSQL 17's transaction_timeout ends a transaction that ran too long
+// with 25P04, at whichever statement is running: with a batch's handlers
+// run one after another, the handler whose statement met it is not its
+// cause (the time ran across the batch), and a message dead-lettered for
+// it was lost to a batch too long for the setting. The batch is halved
+// until its runs fit. (PostgreSQL 15, this machine's, has no
+// transaction_timeout: a trigger raises its SQLSTATE from the fourth
+// insert of a transaction, a batch's time running out at its fourth
+// handler.)
+func TestTransactionTimeoutIsNotChargedToTheHandlerThatMetIt(t *testing.T) {
+	admin, schema := pgtest.Schema(t)
+	effects(t, admin)
+	_, err := admin.Exec(context.Background(), `
+CREATE FUNCTION transaction_time_runs_out() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+	n int := coalesce(nullif(current_setting('test.inserts', true), ''), '0')::int + 1;
+BEGIN
+	PERFORM set_config('test.inserts', n::text, true);
+	IF n > 3 THEN
+		RAISE EXCEPTION 'terminating connection due to transaction timeout' USING ERRCODE = '25P04';
+	END IF;
+	RETURN NEW;
+END $$;
+CREATE TRIGGER transaction_time_runs_out BEFORE INSERT ON effects
+	FOR EACH ROW EXECUTE FUNCTION transaction_time_runs_out()`)
+	require.NoError(t, err)
+	pool := pgtest.NewPool(t, schema)
+	b := memsource.New(memsource.Options{Streams: 1})
+	want := map[string]int{}
+	for i := range 8 {
+		publish(b, fmt.Sprintf("e%d", i), i)
+		want[fmt.Sprintf("e%d", i)] = 1
+	}
+	cfg := fastConfig("transaction-timeout")
+	cfg.Retry.MaxAttempts = 1
+	cfg.Batch.Linger = time.Second // one batch of all eight
+	c, err := consumer.New(pool, b.Source(), insertEffect, cfg)
+	require.NoError(t, err)
+	start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 8 }, 10*time.Second, time.Millisecond)
+	assert.Empty(t, deadLetterKinds(b), "no handler charged for the batch's time")
+	assert.Equal(t, want, countEffects(t, admin))
+}
+
 // Two consumers (two services) whose handlers write the same business rows
 // in opposite orders meet a deadlock (40P01): the transaction PostgreSQL
 // aborts is retried as infrastructure, never charged as a handler failure,

@@ -237,8 +237,13 @@ type BatchConfig struct {
 	// and the rest continue: order is kept and no other message's effect
 	// is lost or doubled. Handlers in a batch share a transaction, so
 	// effects outside it (HTTP calls) may repeat when another message of
-	// the batch fails. Defaults to 100; 1 gives one transaction per
-	// message.
+	// the batch fails. A batch's transaction lasts as long as its
+	// handlers together: a server's idle_in_transaction_session_timeout
+	// or transaction_timeout (PostgreSQL 17) that ends it is charged to
+	// no message; the batch is halved until its runs fit, and only a
+	// message whose handler alone runs past the limit is charged. Set
+	// those limits above Size times a handler's time, or lower Size.
+	// Defaults to 100; 1 gives one transaction per message.
 	Size int
 	// Linger is how long to wait for a batch to fill once its first
 	// message is there. Defaults to 0: no wait.

@@ -541,11 +541,11 @@ func (p *pipeline) handlerFailure(ctx context.Context, tx pgx.Tx, jobs []*job, i
 		return txResult{outcome: txInfra, err: err, failed: -1, class: class}
 	case i < 0 && len(jobs) == 1:
 		i = 0
-	case i < 0, len(jobs) > 1 && sqlState(err) == idleInTransactionTimeout:
-		// The server ended a session left idle in its transaction: the
-		// statement that met the end is not its cause, as the idle time
-		// may have been any earlier handler's. Halved, the run finds the
-		// handler that idles alone.
+	case i < 0, len(jobs) > 1 && transactionTimeRanOut(err):
+		// The server ended a transaction for time it spent across the
+		// run: the statement that met the end is not its cause, as the
+		// time may have been any earlier handler's. Halved, the run finds
+		// the handler that idles alone, or runs that fit the limit.
 		return txResult{outcome: txUnpinned, err: err, failed: -1, class: class}
 	}
 	return txResult{outcome: txFailed, failed: i, err: err, class: class}
@@ -570,9 +570,18 @@ func (p *pipeline) dropStalePlans(ctx context.Context, tx pgx.Tx, err error) {
 	_ = tx.Conn().Close(ctx)
 }
 
-// idleInTransactionTimeout is the SQLSTATE of a session the server ended
-// for idling in a transaction past idle_in_transaction_session_timeout.
-const idleInTransactionTimeout = "25P03"
+// transactionTimeRanOut reports whether err is the server ending a
+// transaction for the time it took as a whole, not for the statement that
+// met the end: idle_in_transaction_session_timeout (25P03: a session idle
+// in its transaction too long, between any two statements) or PostgreSQL
+// 17's transaction_timeout (25P04: a transaction open too long).
+func transactionTimeRanOut(err error) bool {
+	switch sqlState(err) {
+	case "25P03", "25P04":
+		return true
+	}
+	return false
+}
 
 // brokenTxError is the failure of a handler that returned nil and left its
 // transaction as brokenByHandler found it (err); nil for a nil err.
