@@ -161,6 +161,28 @@ type Config struct {
 	// watched the same way: they take a context, but one that ignores it
 	// would otherwise hold its stream without a word.
 	HandlerTimeout time.Duration
+	// DatabaseTimeout bounds each step the consumer takes in the database
+	// itself, outside the handler: taking a pool connection once one is
+	// free (pgxpool's ping of a connection that idled, a new connection's
+	// dial), the BEGIN with the claims, the recording of progress, the
+	// COMMIT, a rollback, the crash guard's records. A connection whose
+	// server vanished without a word reaching the consumer's host (a
+	// failover's old primary, a middlebox or load balancer that dropped
+	// the connection) leaves a statement on it unanswered until the
+	// operating system gives up on the connection, about a quarter of an
+	// hour with Linux's defaults, and its stream stands still meanwhile.
+	// Past DatabaseTimeout the step's connection is closed and the
+	// transaction retried on another as infrastructure: never charged to a
+	// message, logged at Warn. A COMMIT cut so loses nothing: its retry
+	// finds the claims committed, if the commit happened, and acks the
+	// messages as duplicates. A step that waits for a lock another session
+	// holds (the claim of an id another transaction is handling, a COMMIT
+	// waiting for a synchronous standby) is cut too, and retried. Waiting
+	// for a pool connection others hold is not bounded by it, nor the
+	// handler's statements (HandlerTimeout). Defaults to
+	// DefaultDatabaseTimeout (30 seconds); NoDatabaseTimeout (-1) lifts
+	// the bound; other negative values are refused with ErrInvalidConfig.
+	DatabaseTimeout time.Duration
 	// ShutdownTimeout bounds how long Run waits, once its context is
 	// cancelled, for messages in flight to finish; then their transactions
 	// are rolled back and they are left unacked for redelivery, and the
@@ -375,6 +397,13 @@ const DefaultHandlerTimeout = time.Minute
 // Config.HandlerTimeout.
 const NoHandlerTimeout time.Duration = -1
 
+// DefaultDatabaseTimeout is Config.DatabaseTimeout's default.
+const DefaultDatabaseTimeout = 30 * time.Second
+
+// NoDatabaseTimeout lifts the bound on the consumer's own steps in the
+// database when set as Config.DatabaseTimeout.
+const NoDatabaseTimeout time.Duration = -1
+
 // withDefaults validates c and returns it with defaults filled in.
 func (c Config) withDefaults() (Config, error) {
 	if err := c.validate(); err != nil {
@@ -410,6 +439,7 @@ func (c Config) withDefaults() (Config, error) {
 	setDefault(&c.CrashGuard.MaxCrashes, 3)
 	setDefault(&c.ShutdownTimeout, 10*time.Second)
 	setDefault(&c.HandlerTimeout, DefaultHandlerTimeout)
+	setDefault(&c.DatabaseTimeout, DefaultDatabaseTimeout)
 	setDefault(&c.Retention.Interval, time.Hour)
 	if c.Retention.DutyCycle == 0 {
 		c.Retention.DutyCycle = 0.1
@@ -457,6 +487,9 @@ func (c *Config) validate() error {
 	}
 	if c.HandlerTimeout < NoHandlerTimeout {
 		return fmt.Errorf("%w: HandlerTimeout must not be negative, but for NoHandlerTimeout (-1)", ErrInvalidConfig)
+	}
+	if c.DatabaseTimeout < NoDatabaseTimeout {
+		return fmt.Errorf("%w: DatabaseTimeout must not be negative, but for NoDatabaseTimeout (-1)", ErrInvalidConfig)
 	}
 	for i, mw := range c.Hooks.Middleware {
 		if mw == nil {

@@ -184,9 +184,11 @@ func (g *crashGuard) read(ctx context.Context, sql string, ids []string) (map[st
 	records := map[string]record{}
 	err := g.p.infra(ctx, "reading crash-guard records", Retry{Messages: len(ids)}, func() error {
 		clear(records)
-		rows, err := g.p.pool.Query(ctx, sql, g.p.cfg.Name, ids)
+		sctx, endStep := g.p.ownStep(ctx)
+		defer endStep()
+		rows, err := g.p.pool.Query(sctx, sql, g.p.cfg.Name, ids)
 		if err != nil {
-			return err
+			return unanswered(sctx, g.p.cfg.DatabaseTimeout, err)
 		}
 		var id string
 		var r record
@@ -194,7 +196,7 @@ func (g *crashGuard) read(ctx context.Context, sql string, ids []string) (map[st
 			records[id] = r
 			return nil
 		})
-		return err
+		return unanswered(sctx, g.p.cfg.DatabaseTimeout, err)
 	})
 	return records, err == nil
 }
@@ -342,8 +344,10 @@ func (g *crashGuard) forget(j *job) {
 // ctx ends.
 func (g *crashGuard) set(ctx context.Context, j *job, runs, crashes int, failure []byte) error {
 	return g.p.infra(ctx, "writing a crash-guard record", Retry{EventID: j.idt.id, Messages: 1}, func() error {
-		_, err := g.p.pool.Exec(ctx, g.setSQL, g.p.cfg.Name, j.idt.id, runs, crashes, failure)
-		return err
+		sctx, endStep := g.p.ownStep(ctx)
+		defer endStep()
+		_, err := g.p.pool.Exec(sctx, g.setSQL, g.p.cfg.Name, j.idt.id, runs, crashes, failure)
+		return unanswered(sctx, g.p.cfg.DatabaseTimeout, err)
 	})
 }
 
@@ -374,6 +378,8 @@ func (g *crashGuard) settled(ctx context.Context, j *job) {
 	j.guard.recorded, j.guard.inFlight = false, false
 	ctx, cancel := g.p.detached(ctx)
 	defer cancel()
+	ctx, endStep := g.p.ownStep(ctx)
+	defer endStep()
 	if _, err := g.p.pool.Exec(ctx, g.clearSQL, g.p.cfg.Name, []string{j.idt.id}); err != nil {
 		g.p.cfg.Telemetry.Logger.DebugContext(ctx, "once: deleting a crash-guard record", "consumer", g.p.cfg.Name,
 			"event_id", j.idt.id, "error", err)

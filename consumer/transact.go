@@ -9,6 +9,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/onceco/once/dedup"
 )
@@ -102,33 +103,34 @@ func (p *pipeline) transaction(ctx context.Context, jobs []*job) txResult {
 	if anyByPosition(jobs) {
 		b.Queue(`SELECT txid_current()`).QueryRow(func(row pgx.Row) error { return row.Scan(&xid) })
 	}
-	tx, err := p.begin(ctx, b)
+	conn, err := p.acquire(ctx)
+	if err != nil {
+		return txResult{outcome: txInfra, err: err, failed: -1}
+	}
+	defer conn.Release() // after the rollback below
+	sctx, endStep := p.ownStep(ctx)
+	tx, err := p.begin(sctx, conn, b)
 	if tx != nil {
 		defer p.rollback(ctx, tx) // a no-op after Commit
 	}
+	res, err := p.claimed(sctx, tx, jobs, claims, err)
+	endStep()
 	if err != nil {
-		return txResult{outcome: txInfra, err: err, failed: -1}
-	}
-	res, err := claims(ctx, tx)
-	if err != nil {
-		return txResult{outcome: txInfra, err: err, failed: -1}
-	}
-	if err := p.checkFirstPositions(ctx, tx, jobs, res); err != nil {
-		return txResult{outcome: txInfra, err: err, failed: -1}
-	}
-	if err := p.guard.clearIn(ctx, tx, jobs); err != nil {
 		return txResult{outcome: txInfra, err: err, failed: -1}
 	}
 	crashPoint("after-claim")
 	if r, stop := p.runHandlers(ctx, tx, jobs, res, xid); stop {
 		return r
 	}
-	if r, stop := p.recordProgress(ctx, tx, jobs, res); stop {
+	sctx, endStep = p.ownStep(ctx)
+	defer endStep()
+	if r, stop := p.recordProgress(sctx, tx, jobs, res); stop {
+		r.err = unanswered(sctx, p.cfg.DatabaseTimeout, r.err)
 		return r
 	}
 	crashPoint("after-handler")
 	start := time.Now()
-	err = tx.Commit(ctx)
+	err = unanswered(sctx, p.cfg.DatabaseTimeout, tx.Commit(sctx))
 	p.tel.since(ctx, p.tel.commitDur, start)
 	p.tel.batchSize.Record(ctx, int64(len(jobs)), p.tel.baseRecord...)
 	if err != nil {
@@ -141,12 +143,32 @@ func (p *pipeline) transaction(ctx context.Context, jobs []*job) txResult {
 	return txResult{outcome: txCommitted, claims: res, failed: -1}
 }
 
+// claimed reads the claims of jobs in tx, once begin returned beginErr,
+// then checks the first positions and clears the crash-guard records of
+// jobs: the transaction's first step, before any handler runs.
+func (p *pipeline) claimed(ctx context.Context, tx pgx.Tx, jobs []*job, claims func(context.Context, dedup.DB) ([]dedup.Result, error), beginErr error) ([]dedup.Result, error) {
+	if beginErr != nil {
+		return nil, unanswered(ctx, p.cfg.DatabaseTimeout, beginErr)
+	}
+	res, err := claims(ctx, tx)
+	if err == nil {
+		err = p.checkFirstPositions(ctx, tx, jobs, res)
+	}
+	if err == nil {
+		err = p.guard.clearIn(ctx, tx, jobs)
+	}
+	return res, unanswered(ctx, p.cfg.DatabaseTimeout, err)
+}
+
 // rollback rolls tx back, unless it ended. It outlives a lost delivery,
-// never the shutdown deadline: a database that stopped answering then
-// loses the connection, and with it the transaction.
+// never the shutdown deadline nor DatabaseTimeout: a database that
+// stopped answering then loses the connection, and with it the
+// transaction.
 func (p *pipeline) rollback(ctx context.Context, tx pgx.Tx) {
 	ctx, cancel := p.detached(ctx)
 	defer cancel()
+	ctx, endStep := p.ownStep(ctx)
+	defer endStep()
 	_ = tx.Rollback(ctx)
 }
 
@@ -172,13 +194,11 @@ func (p *pipeline) queueClaims(b *pgx.Batch, jobs []*job) (func(context.Context,
 	return pending.Results, nil
 }
 
-// begin sends b, which begins a transaction, and returns the transaction
-// once b's results are read. The transaction is returned, to be rolled
-// back, even when err is not nil. Waiting for a pool connection is
-// infrastructure time: it is bounded by ctx alone, never by
-// HandlerTimeout.
-func (p *pipeline) begin(ctx context.Context, b *pgx.Batch) (pgx.Tx, error) {
-	br := p.pool.SendBatch(ctx, b)
+// begin sends b, which begins a transaction, on conn, and returns the
+// transaction once b's results are read. The transaction is returned, to
+// be rolled back, even when err is not nil.
+func (p *pipeline) begin(ctx context.Context, conn *pgxpool.Conn, b *pgx.Batch) (pgx.Tx, error) {
+	br := conn.SendBatch(ctx, b)
 	return br.Tx(), br.Close()
 }
 
@@ -393,8 +413,10 @@ func (p *pipeline) releaseClaims(ctx context.Context, tx pgx.Tx, jobs []*job, re
 		}
 	}
 	return p.infra(ctx, "taking back the claims of messages whose handlers had not run", Retry{Messages: len(ids)}, func() error {
-		_, err := p.pool.Exec(ctx, sql, p.cfg.Name, ids)
-		return err
+		sctx, endStep := p.ownStep(ctx)
+		defer endStep()
+		_, err := p.pool.Exec(sctx, sql, p.cfg.Name, ids)
+		return unanswered(sctx, p.cfg.DatabaseTimeout, err)
 	})
 }
 
@@ -667,8 +689,10 @@ func (p *pipeline) committedAfterAll(ctx context.Context, xid int64, messages in
 	var committed bool
 	err := p.infra(ctx, "learning whether a commit whose reply was lost committed", Retry{Messages: messages}, func() error {
 		var status *string
-		if err := p.pool.QueryRow(ctx, `SELECT txid_status($1)`, xid).Scan(&status); err != nil {
-			return err
+		sctx, endStep := p.ownStep(ctx)
+		defer endStep()
+		if err := p.pool.QueryRow(sctx, `SELECT txid_status($1)`, xid).Scan(&status); err != nil {
+			return unanswered(sctx, p.cfg.DatabaseTimeout, err)
 		}
 		if status != nil && *status == "in progress" {
 			// Its server process has not yet seen the connection go.

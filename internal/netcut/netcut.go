@@ -1,14 +1,15 @@
 // Package netcut breaks TCP connections on purpose, as a network failure
 // would, for the fault tests and the chaos driver: a Listener whose
 // accepted connections can all be closed at once, and a Proxy in front of
-// a server whose connections can be cut or whose client-to-server traffic
-// can be held.
+// a server whose connections can be cut, stranded, or whose
+// client-to-server traffic can be held.
 package netcut
 
 import (
 	"io"
 	"net"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -51,6 +52,7 @@ type Proxy struct {
 	upstream string
 	mu       sync.Mutex
 	conns    map[net.Conn]struct{}
+	pairs    map[net.Conn]*pair // by client connection
 	// gate is write-locked while client-to-server traffic is held.
 	gate sync.RWMutex
 }
@@ -62,7 +64,7 @@ func NewProxy(upstream string) (*Proxy, error) {
 	if err != nil {
 		return nil, err
 	}
-	p := &Proxy{ln: ln, upstream: upstream, conns: map[net.Conn]struct{}{}}
+	p := &Proxy{ln: ln, upstream: upstream, conns: map[net.Conn]struct{}{}, pairs: map[net.Conn]*pair{}}
 	go p.serve()
 	return p, nil
 }
@@ -80,37 +82,55 @@ func (p *Proxy) serve() {
 	}
 }
 
+// pair is a proxied connection: the client's, and the proxy's to the
+// server.
+type pair struct {
+	client, server net.Conn
+	// stranded: the server's side is closed and the client hears nothing
+	// more (Strand).
+	stranded atomic.Bool
+}
+
 func (p *Proxy) pipe(c net.Conn) {
 	u, err := net.DialTimeout("tcp", p.upstream, 5*time.Second)
 	if err != nil {
 		_ = c.Close()
 		return
 	}
+	pr := &pair{client: c, server: u}
 	p.mu.Lock()
 	p.conns[c], p.conns[u] = struct{}{}, struct{}{}
+	p.pairs[c] = pr
 	p.mu.Unlock()
 	done := make(chan struct{}, 2)
-	go func() { p.toUpstream(u, c); done <- struct{}{} }()
+	go func() { p.toUpstream(pr); done <- struct{}{} }()
 	go func() { _, _ = io.Copy(c, u); done <- struct{}{} }()
 	<-done
+	if pr.stranded.Load() {
+		// The client's side stays open, unanswered, until the client
+		// closes it (or Cut or Close does).
+		<-done
+	}
 	_ = c.Close()
 	_ = u.Close()
 	p.mu.Lock()
 	delete(p.conns, c)
 	delete(p.conns, u)
+	delete(p.pairs, c)
 	p.mu.Unlock()
 }
 
-// toUpstream copies client bytes upstream, holding them while paused.
-func (p *Proxy) toUpstream(u, c net.Conn) {
+// toUpstream copies client bytes upstream, holding them while paused and
+// dropping them once the connection is stranded.
+func (p *Proxy) toUpstream(pr *pair) {
 	buf := make([]byte, 32<<10)
 	for {
-		n, err := c.Read(buf)
-		if n > 0 {
+		n, err := pr.client.Read(buf)
+		if n > 0 && !pr.stranded.Load() {
 			p.gate.RLock()
-			_, werr := u.Write(buf[:n])
+			_, werr := pr.server.Write(buf[:n])
 			p.gate.RUnlock()
-			if werr != nil {
+			if werr != nil && !pr.stranded.Load() {
 				return
 			}
 		}
@@ -118,6 +138,26 @@ func (p *Proxy) toUpstream(u, c net.Conn) {
 			return
 		}
 	}
+}
+
+// Strand closes the server's side of every proxied connection and leaves
+// the client's open, silent: whatever the client sends is dropped and it
+// hears nothing, not even the close, as when a server vanished without a
+// word reaching its clients (a failover's old primary gone, a middlebox
+// that forgot the connection). The server ends its sessions. New
+// connections are forwarded as before. It returns how many connections it
+// stranded.
+func (p *Proxy) Strand() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	n := 0
+	for _, pr := range p.pairs {
+		if pr.stranded.CompareAndSwap(false, true) {
+			_ = pr.server.Close()
+			n++
+		}
+	}
+	return n
 }
 
 // Pause holds every byte clients send upstream until Resume: the server

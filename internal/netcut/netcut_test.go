@@ -68,3 +68,34 @@ func TestProxyForwardsAndCuts(t *testing.T) {
 	require.NoError(t, roundTrip(t, c2, "reconnected"), "the proxy accepts new connections after a cut")
 	assert.Equal(t, 2, server.Cut(), "the server saw both proxied connections")
 }
+
+// A stranded connection hears nothing more, not even a close, while the
+// server's side is closed (the server sees its client leave); a new
+// connection is forwarded.
+func TestProxyStrandLeavesTheClientUnanswered(t *testing.T) {
+	server := echo(t)
+	p, err := NewProxy(server.Addr().String())
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = p.Close() })
+
+	c, err := net.Dial("tcp", p.Addr())
+	require.NoError(t, err)
+	defer c.Close()
+	require.NoError(t, roundTrip(t, c, "hello"))
+	assert.Equal(t, 1, p.Strand(), "one connection stranded")
+	assert.Equal(t, 0, p.Strand(), "a stranded connection is not stranded again")
+
+	_ = c.SetDeadline(time.Now().Add(300 * time.Millisecond))
+	_, err = c.Write([]byte("anyone?\n"))
+	require.NoError(t, err, "the client's side is still open")
+	_, err = bufio.NewReader(c).ReadString('\n')
+	var ne net.Error
+	require.ErrorAs(t, err, &ne, "no answer and no close: the read runs into its deadline")
+	assert.True(t, ne.Timeout(), "a timeout, not an end of stream: %v", err)
+
+	c2, err := net.Dial("tcp", p.Addr())
+	require.NoError(t, err)
+	defer c2.Close()
+	require.NoError(t, roundTrip(t, c2, "after"), "new connections are forwarded")
+	assert.Equal(t, 2, p.Cut(), "Cut closes the stranded connection and the one forwarded since")
+}

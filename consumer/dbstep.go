@@ -1,0 +1,89 @@
+package consumer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// The consumer's own steps in the database (taking a pool connection, the
+// BEGIN with the claims, the recording of progress, the COMMIT, a
+// rollback, the crash guard's records) are bounded by
+// Config.DatabaseTimeout. A connection whose server vanished without a
+// word reaching the consumer's host (a failover's old primary, a
+// middlebox or load balancer that dropped the connection) leaves a
+// statement sent on it unanswered until the operating system gives up on
+// the connection: about a quarter of an hour with Linux's defaults, while
+// the stream it belongs to stands still. Past DatabaseTimeout pgx ends
+// the statement by closing the connection, and the step fails as
+// infrastructure: retried on another connection, never charged to a
+// message. A COMMIT cut so may have committed: the retry finds the claims
+// committed, as duplicates, or asks the transaction's status (messages
+// deduplicated by position).
+
+// errUnanswered is the cause of a context that ended at
+// Config.DatabaseTimeout.
+var errUnanswered = errors.New("once: no answer from the database within Config.DatabaseTimeout")
+
+// ownStep returns ctx bounded by Config.DatabaseTimeout, for one of the
+// consumer's own steps in the database, and the function that ends it.
+func (p *pipeline) ownStep(ctx context.Context) (context.Context, context.CancelFunc) {
+	if p.cfg.DatabaseTimeout <= 0 {
+		return ctx, func() {}
+	}
+	return context.WithTimeoutCause(ctx, p.cfg.DatabaseTimeout, errUnanswered)
+}
+
+// unansweredError is a step of the consumer's in the database that
+// DatabaseTimeout cut.
+type unansweredError struct {
+	limit time.Duration
+	err   error
+}
+
+func (e *unansweredError) Error() string {
+	return fmt.Sprintf("the database did not answer within DatabaseTimeout (%s); the connection is closed and the step retried on another: %v", e.limit, e.err)
+}
+func (e *unansweredError) Unwrap() error { return e.err }
+
+// unanswered returns err, saying so when ctx, a step's context, ended at
+// DatabaseTimeout (limit).
+func unanswered(ctx context.Context, limit time.Duration, err error) error {
+	var already *unansweredError
+	if err == nil || !errors.Is(context.Cause(ctx), errUnanswered) || errors.As(err, &already) {
+		return err
+	}
+	return &unansweredError{limit: limit, err: err}
+}
+
+// acquire takes a pool connection for a transaction. Waiting for a
+// connection that others hold is the consumer's own time (Concurrency
+// above the pool's size, or a pool the service shares), bounded by ctx
+// alone; what pgxpool does once it has one (the ping it sends on a
+// connection that idled, a new connection's dial and startup) is a step in
+// the database, bounded by DatabaseTimeout.
+func (p *pipeline) acquire(ctx context.Context) (*pgxpool.Conn, error) {
+	for {
+		actx, cancel := p.ownStep(ctx)
+		conn, err := p.pool.Acquire(actx)
+		cancel()
+		switch {
+		case err == nil, ctx.Err() != nil, !errors.Is(context.Cause(actx), errUnanswered):
+			return conn, err
+		case p.everyConnectionHeld():
+			// Still waiting for a connection others hold.
+			continue
+		}
+		return nil, unanswered(actx, p.cfg.DatabaseTimeout, err)
+	}
+}
+
+// everyConnectionHeld reports whether every connection the pool may open
+// is held.
+func (p *pipeline) everyConnectionHeld() bool {
+	st := p.pool.Stat()
+	return st.AcquiredConns() >= st.MaxConns()
+}

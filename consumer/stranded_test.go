@@ -1,0 +1,175 @@
+package consumer_test
+
+import (
+	"context"
+	"net"
+	"net/url"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/consumer/memsource"
+	"github.com/onceco/once/internal/netcut"
+	"github.com/onceco/once/internal/pgtest"
+)
+
+// strandedDatabase returns an admin pool on a fresh schema with the
+// effects table, a pool that reaches it through a proxy (configure, when
+// not nil, applied to its configuration), and strand, which leaves every
+// connection that pool has open and unanswered while the server ends
+// their sessions: a server gone without a word reaching its clients (a
+// failover's old primary, a middlebox that forgot the connections).
+// Connections made after it reach the server.
+func strandedDatabase(t *testing.T, configure func(*pgxpool.Config)) (admin, pool *pgxpool.Pool, strand func()) {
+	t.Helper()
+	admin, schema := pgtest.Schema(t)
+	effects(t, admin)
+	u, err := url.Parse(pgtest.URL())
+	require.NoError(t, err)
+	proxy, err := netcut.NewProxy(u.Host)
+	require.NoError(t, err)
+	pool = pgtest.NewPoolWith(t, schema, func(c *pgxpool.Config) {
+		dial := c.ConnConfig.DialFunc
+		c.ConnConfig.DialFunc = func(ctx context.Context, network, _ string) (net.Conn, error) {
+			return dial(ctx, network, proxy.Addr())
+		}
+		if configure != nil {
+			configure(c)
+		}
+	})
+	// Closed before the pool (cleanups run last first): pgx drains a
+	// connection it closed until the server closes it too, for up to 15
+	// s, which a stranded connection never does.
+	t.Cleanup(func() { _ = proxy.Close() })
+	return admin, pool, func() { require.Positive(t, proxy.Strand(), "connections stranded") }
+}
+
+// A connection whose server vanished without a word (a failover's old
+// primary, a middlebox that forgot it) leaves the consumer's own round
+// trip on it unanswered until the operating system gives up on the
+// connection: a quarter of an hour and more with Linux's defaults, or
+// never, as here, where the other end's kernel still acknowledges. The
+// stream stood still all that time. DatabaseTimeout bounds each of the
+// consumer's own round trips: past it the connection is closed and the
+// transaction retried on another, as infrastructure.
+func TestConnectionStrandedByItsServerIsLeftBehind(t *testing.T) {
+	t.Run("the commit", func(t *testing.T) {
+		admin, pool, strand := strandedDatabase(t, nil)
+		b := memsource.New(memsource.Options{Streams: 1})
+		publish(b, "e1", 1)
+		stranded := false
+		h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+			if err := insertEffect(ctx, tx, ev); err != nil {
+				return err
+			}
+			if !stranded {
+				stranded = true
+				strand() // the commit is the next round trip
+			}
+			return nil
+		}
+		cfg := fastConfig("stranded-commit")
+		cfg.DatabaseTimeout = 300 * time.Millisecond
+		c, err := consumer.New(pool, b.Source(), h, cfg)
+		require.NoError(t, err)
+		start(t, c)
+		require.Eventually(t, func() bool { return b.Acked() == 1 }, 20*time.Second, time.Millisecond,
+			"the stream goes on once the commit went unanswered for DatabaseTimeout")
+		assert.Empty(t, b.DeadLetters())
+		assert.Equal(t, map[string]int{"e1": 1}, countEffects(t, admin))
+		assert.Positive(t, c.Stats().InfraErrors, "an infrastructure failure, not the message's")
+	})
+
+	t.Run("a pooled connection's ping", func(t *testing.T) {
+		admin, pool, strand := strandedDatabase(t, func(c *pgxpool.Config) {
+			// pgxpool pings a connection idle for more than a second
+			// before handing it out; here every time.
+			c.ShouldPing = func(context.Context, pgxpool.ShouldPingParams) bool { return true }
+		})
+		b := memsource.New(memsource.Options{Streams: 1})
+		publish(b, "e1", 1)
+		cfg := fastConfig("stranded-idle")
+		cfg.DatabaseTimeout = 300 * time.Millisecond
+		c, err := consumer.New(pool, b.Source(), insertEffect, cfg)
+		require.NoError(t, err)
+		start(t, c)
+		require.Eventually(t, func() bool { return b.Acked() == 1 }, 10*time.Second, time.Millisecond)
+		strand() // the idle connections the pool keeps
+		publish(b, "e2", 2)
+		require.Eventually(t, func() bool { return b.Acked() == 2 }, 20*time.Second, time.Millisecond,
+			"the stream goes on once the ping went unanswered for DatabaseTimeout")
+		assert.Empty(t, b.DeadLetters())
+		assert.Equal(t, map[string]int{"e1": 1, "e2": 1}, countEffects(t, admin))
+	})
+}
+
+// commitDeadlines records the time left before the deadline of the
+// first COMMIT's context (-1: none) once armed.
+type commitDeadlines struct {
+	armed atomic.Bool
+	left  chan time.Duration
+}
+
+func (c *commitDeadlines) TraceQueryStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceQueryStartData) context.Context {
+	if !c.armed.Load() || !strings.EqualFold(data.SQL, "commit") {
+		return ctx
+	}
+	left := time.Duration(-1)
+	if d, ok := ctx.Deadline(); ok {
+		left = time.Until(d)
+	}
+	select {
+	case c.left <- left:
+	default:
+	}
+	return ctx
+}
+
+func (*commitDeadlines) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+// DatabaseTimeout defaults to 30 seconds, NoDatabaseTimeout lifts it, and
+// another negative value is refused.
+func TestDatabaseTimeoutDefaultsToThirtySeconds(t *testing.T) {
+	for name, tc := range map[string]struct {
+		timeout time.Duration
+		bounded bool
+	}{"default": {0, true}, "unbounded": {consumer.NoDatabaseTimeout, false}} {
+		t.Run(name, func(t *testing.T) {
+			tracer := &commitDeadlines{left: make(chan time.Duration, 1)}
+			admin, schema := pgtest.Schema(t)
+			effects(t, admin)
+			pool := pgtest.NewPoolWith(t, schema, func(c *pgxpool.Config) { c.ConnConfig.Tracer = tracer })
+			b := memsource.New(memsource.Options{Streams: 1})
+			publish(b, "one", 1)
+			cfg := fastConfig("database-timeout")
+			cfg.DatabaseTimeout = tc.timeout
+			h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+				tracer.armed.Store(true) // the consumer's COMMIT is next
+				return insertEffect(ctx, tx, ev)
+			}
+			c, err := consumer.New(pool, b.Source(), h, cfg)
+			require.NoError(t, err)
+			start(t, c)
+			left := <-tracer.left
+			if !tc.bounded {
+				assert.Equal(t, time.Duration(-1), left, "no deadline on the COMMIT")
+				return
+			}
+			assert.Greater(t, left, 25*time.Second)
+			assert.LessOrEqual(t, left, consumer.DefaultDatabaseTimeout)
+		})
+	}
+	pool, _ := pgtest.Schema(t)
+	cfg := fastConfig("database-timeout")
+	cfg.DatabaseTimeout = -2
+	_, err := consumer.New(pool, memsource.New(memsource.Options{}).Source(), insertEffect, cfg)
+	require.ErrorIs(t, err, consumer.ErrInvalidConfig)
+	assert.Contains(t, err.Error(), "DatabaseTimeout")
+}
