@@ -59,26 +59,50 @@ func unanswered(ctx context.Context, limit time.Duration, err error) error {
 	return &unansweredError{limit: limit, err: err}
 }
 
-// acquire takes a pool connection for a transaction. Waiting for a
-// connection that others hold is the consumer's own time (Concurrency
-// above the pool's size, or a pool the service shares), bounded by ctx
-// alone; what pgxpool does once it has one (the ping it sends on a
-// connection that idled, a new connection's dial and startup) is a step in
-// the database, bounded by DatabaseTimeout.
-func (p *pipeline) acquire(ctx context.Context) (*pgxpool.Conn, error) {
+// acquire takes a pool connection for a transaction, and returns it with
+// the context of the transaction's first step (BEGIN with the claims) and
+// the function that ends that context. Waiting for a connection that
+// others hold is the consumer's own time (Concurrency above the pool's
+// size, or a pool the service shares), bounded by ctx alone; what pgxpool
+// does once it has one (the ping it sends on a connection that idled, a
+// new connection's dial and startup) is part of the first step, bounded by
+// DatabaseTimeout.
+func (p *pipeline) acquire(ctx context.Context) (*pgxpool.Conn, context.Context, context.CancelFunc, error) {
 	for {
-		actx, cancel := p.ownStep(ctx)
-		conn, err := p.pool.Acquire(actx)
-		cancel()
+		sctx, endStep := p.ownStep(ctx)
+		start := time.Now()
+		conn, err := p.pool.Acquire(sctx)
 		switch {
-		case err == nil, ctx.Err() != nil, !errors.Is(context.Cause(actx), errUnanswered):
-			return conn, err
-		case p.everyConnectionHeld():
+		case err == nil:
+			if p.cfg.DatabaseTimeout > 0 && time.Since(start) > p.cfg.DatabaseTimeout/2 {
+				// A long wait for a connection: the step gets its whole
+				// time.
+				endStep()
+				sctx, endStep = p.ownStep(ctx)
+			}
+			return conn, sctx, endStep, nil
+		case ctx.Err() == nil && errors.Is(context.Cause(sctx), errUnanswered) && p.everyConnectionHeld():
 			// Still waiting for a connection others hold.
+			endStep()
 			continue
 		}
-		return nil, unanswered(actx, p.cfg.DatabaseTimeout, err)
+		err = unanswered(sctx, p.cfg.DatabaseTimeout, err)
+		endStep()
+		return nil, nil, nil, err
 	}
+}
+
+// onConn runs f on a pool connection taken by acquire, under the context
+// of its step, and releases the connection: a statement of the consumer's
+// own outside a transaction, bounded like the transaction's steps.
+func (p *pipeline) onConn(ctx context.Context, f func(ctx context.Context, conn *pgxpool.Conn) error) error {
+	conn, sctx, endStep, err := p.acquire(ctx)
+	if err != nil {
+		return err
+	}
+	defer endStep()
+	defer conn.Release()
+	return unanswered(sctx, p.cfg.DatabaseTimeout, f(sctx, conn))
 }
 
 // everyConnectionHeld reports whether every connection the pool may open

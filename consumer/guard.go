@@ -11,6 +11,7 @@ import (
 	"sync"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // The crash guard is the pipeline's second stage. A message that kills the
@@ -184,19 +185,19 @@ func (g *crashGuard) read(ctx context.Context, sql string, ids []string) (map[st
 	records := map[string]record{}
 	err := g.p.infra(ctx, "reading crash-guard records", Retry{Messages: len(ids)}, func() error {
 		clear(records)
-		sctx, endStep := g.p.ownStep(ctx)
-		defer endStep()
-		rows, err := g.p.pool.Query(sctx, sql, g.p.cfg.Name, ids)
-		if err != nil {
-			return unanswered(sctx, g.p.cfg.DatabaseTimeout, err)
-		}
-		var id string
-		var r record
-		_, err = pgx.ForEachRow(rows, []any{&id, &r.runs, &r.crashes, &r.lastError}, func() error {
-			records[id] = r
-			return nil
+		return g.p.onConn(ctx, func(ctx context.Context, conn *pgxpool.Conn) error {
+			rows, err := conn.Query(ctx, sql, g.p.cfg.Name, ids)
+			if err != nil {
+				return err
+			}
+			var id string
+			var r record
+			_, err = pgx.ForEachRow(rows, []any{&id, &r.runs, &r.crashes, &r.lastError}, func() error {
+				records[id] = r
+				return nil
+			})
+			return err
 		})
-		return unanswered(sctx, g.p.cfg.DatabaseTimeout, err)
 	})
 	return records, err == nil
 }
@@ -344,10 +345,10 @@ func (g *crashGuard) forget(j *job) {
 // ctx ends.
 func (g *crashGuard) set(ctx context.Context, j *job, runs, crashes int, failure []byte) error {
 	return g.p.infra(ctx, "writing a crash-guard record", Retry{EventID: j.idt.id, Messages: 1}, func() error {
-		sctx, endStep := g.p.ownStep(ctx)
-		defer endStep()
-		_, err := g.p.pool.Exec(sctx, g.setSQL, g.p.cfg.Name, j.idt.id, runs, crashes, failure)
-		return unanswered(sctx, g.p.cfg.DatabaseTimeout, err)
+		return g.p.onConn(ctx, func(ctx context.Context, conn *pgxpool.Conn) error {
+			_, err := conn.Exec(ctx, g.setSQL, g.p.cfg.Name, j.idt.id, runs, crashes, failure)
+			return err
+		})
 	})
 }
 
@@ -378,9 +379,11 @@ func (g *crashGuard) settled(ctx context.Context, j *job) {
 	j.guard.recorded, j.guard.inFlight = false, false
 	ctx, cancel := g.p.detached(ctx)
 	defer cancel()
-	ctx, endStep := g.p.ownStep(ctx)
-	defer endStep()
-	if _, err := g.p.pool.Exec(ctx, g.clearSQL, g.p.cfg.Name, []string{j.idt.id}); err != nil {
+	err := g.p.onConn(ctx, func(ctx context.Context, conn *pgxpool.Conn) error {
+		_, err := conn.Exec(ctx, g.clearSQL, g.p.cfg.Name, []string{j.idt.id})
+		return err
+	})
+	if err != nil {
 		g.p.cfg.Telemetry.Logger.DebugContext(ctx, "once: deleting a crash-guard record", "consumer", g.p.cfg.Name,
 			"event_id", j.idt.id, "error", err)
 	}

@@ -173,3 +173,30 @@ func TestDatabaseTimeoutDefaultsToThirtySeconds(t *testing.T) {
 	require.ErrorIs(t, err, consumer.ErrInvalidConfig)
 	assert.Contains(t, err.Error(), "DatabaseTimeout")
 }
+
+// Waiting for a pool connection others hold is not a step in the
+// database: DatabaseTimeout does not end it, and it is no failure.
+func TestWaitingForAHeldConnectionOutlastsDatabaseTimeout(t *testing.T) {
+	admin, schema := pgtest.Schema(t)
+	effects(t, admin)
+	pool := pgtest.NewPoolWith(t, schema, func(c *pgxpool.Config) { c.MaxConns = 1 })
+	b := memsource.New(memsource.Options{Streams: 1})
+	publish(b, "e0", 0)
+	cfg := fastConfig("held-connection")
+	cfg.DatabaseTimeout = 50 * time.Millisecond
+	c, err := consumer.New(pool, b.Source(), insertEffect, cfg)
+	require.NoError(t, err)
+	start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 1 }, 10*time.Second, time.Millisecond)
+	held, err := pool.Acquire(context.Background())
+	require.NoError(t, err)
+	ended := pool.Stat().CanceledAcquireCount()
+	publish(b, "e1", 1)
+	// Released once the consumer's wait for it has run into
+	// DatabaseTimeout three times, and was taken up again.
+	require.Eventually(t, func() bool { return pool.Stat().CanceledAcquireCount() >= ended+3 }, 10*time.Second, time.Millisecond)
+	held.Release()
+	require.Eventually(t, func() bool { return b.Acked() == 2 }, 10*time.Second, time.Millisecond)
+	assert.Equal(t, map[string]int{"e0": 1, "e1": 1}, countEffects(t, admin))
+	assert.Zero(t, c.Stats().InfraErrors, "waiting for a held connection is no failure")
+}

@@ -103,15 +103,19 @@ func (p *pipeline) transaction(ctx context.Context, jobs []*job) txResult {
 	if anyByPosition(jobs) {
 		b.Queue(`SELECT txid_current()`).QueryRow(func(row pgx.Row) error { return row.Scan(&xid) })
 	}
-	conn, err := p.acquire(ctx)
+	conn, sctx, endStep, err := p.acquire(ctx)
 	if err != nil {
 		return txResult{outcome: txInfra, err: err, failed: -1}
 	}
 	defer conn.Release() // after the rollback below
-	sctx, endStep := p.ownStep(ctx)
 	tx, err := p.begin(sctx, conn, b)
+	committed := false
 	if tx != nil {
-		defer p.rollback(ctx, tx) // a no-op after Commit
+		defer func() {
+			if !committed {
+				p.rollback(ctx, tx)
+			}
+		}()
 	}
 	res, err := p.claimed(sctx, tx, jobs, claims, err)
 	endStep()
@@ -139,6 +143,7 @@ func (p *pipeline) transaction(ctx context.Context, jobs []*job) txResult {
 		}
 		return p.commitFailure(ctx, tx, jobs, err)
 	}
+	committed = true // nothing to roll back
 	crashPoint("after-commit")
 	return txResult{outcome: txCommitted, claims: res, failed: -1}
 }
@@ -413,10 +418,10 @@ func (p *pipeline) releaseClaims(ctx context.Context, tx pgx.Tx, jobs []*job, re
 		}
 	}
 	return p.infra(ctx, "taking back the claims of messages whose handlers had not run", Retry{Messages: len(ids)}, func() error {
-		sctx, endStep := p.ownStep(ctx)
-		defer endStep()
-		_, err := p.pool.Exec(sctx, sql, p.cfg.Name, ids)
-		return unanswered(sctx, p.cfg.DatabaseTimeout, err)
+		return p.onConn(ctx, func(ctx context.Context, conn *pgxpool.Conn) error {
+			_, err := conn.Exec(ctx, sql, p.cfg.Name, ids)
+			return err
+		})
 	})
 }
 
@@ -689,10 +694,11 @@ func (p *pipeline) committedAfterAll(ctx context.Context, xid int64, messages in
 	var committed bool
 	err := p.infra(ctx, "learning whether a commit whose reply was lost committed", Retry{Messages: messages}, func() error {
 		var status *string
-		sctx, endStep := p.ownStep(ctx)
-		defer endStep()
-		if err := p.pool.QueryRow(sctx, `SELECT txid_status($1)`, xid).Scan(&status); err != nil {
-			return unanswered(sctx, p.cfg.DatabaseTimeout, err)
+		err := p.onConn(ctx, func(ctx context.Context, conn *pgxpool.Conn) error {
+			return conn.QueryRow(ctx, `SELECT txid_status($1)`, xid).Scan(&status)
+		})
+		if err != nil {
+			return err
 		}
 		if status != nil && *status == "in progress" {
 			// Its server process has not yet seen the connection go.
