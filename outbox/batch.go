@@ -245,6 +245,22 @@ func (r *Relay) settleDeferred(ctx context.Context, conn *pgx.Conn, deferred *se
 // which runs on even when the relay is stopping.
 const settleTimeout = 10 * time.Second
 
+// statementTimeout bounds each of the relay's other statements (the reads
+// of the outbox, the leader lock's, the session's setup): a session whose
+// server vanished without a word reaching the relay's host (a failover's
+// old primary, a middlebox that forgot the connection) leaves a statement
+// on it unanswered until the operating system gives up on the connection,
+// a quarter of an hour with Linux's defaults, while the server has ended
+// the session and its leader lock, and no relay publishes. Past it pgx
+// closes the connection, and the relay leads on a new session. The
+// session's lock_timeout (below it) ends a wait for a row lock first.
+const statementTimeout = settleTimeout
+
+// bounded returns ctx bounded by statementTimeout.
+func bounded(ctx context.Context) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(ctx, statementTimeout)
+}
+
 // lockTimeout is the relay session's lock_timeout: below settleTimeout, so
 // that a statement waiting for a lock fails with the connection kept
 // rather than having it closed by settleTimeout.
@@ -770,6 +786,8 @@ func sortOutcomes(recs []Record, errs []error) (sent []int64, rejects []rejectio
 // inflight (a batch being published).
 func (r *Relay) fetch(ctx context.Context, conn *pgx.Conn, inflight []Record) ([]Record, error) {
 	maxSeq, seqs := fetchArgs(inflight)
+	ctx, cancel := bounded(ctx)
+	defer cancel()
 	rows, err := conn.Query(ctx, r.sql.fetch, r.cfg.BatchSize, maxSeq, seqs, r.cfg.Store.table, r.oid)
 	if err != nil {
 		return nil, fmt.Errorf("read outbox: %w", err)

@@ -445,9 +445,9 @@ func (r *Relay) session(ctx context.Context) (led bool, err error) {
 		}
 	}
 	r.askForKeepalives(ctx, conn, cc.RuntimeParams)
-	var oid *uint32
-	if err := conn.QueryRow(ctx, `SELECT to_regclass($1)::oid`, r.cfg.Store.table).Scan(&oid); err != nil {
-		return false, fmt.Errorf("look up table %s: %w", r.cfg.Store.table, err)
+	oid, err := lookUpTable(ctx, conn, r.cfg.Store.table)
+	if err != nil {
+		return false, err
 	}
 	if oid == nil {
 		return false, fmt.Errorf("table %s does not exist (run outbox's Migrate, or leave RelayConfig.SkipMigrate false)", r.cfg.Store.table)
@@ -459,10 +459,24 @@ func (r *Relay) session(ctx context.Context) (led bool, err error) {
 	r.leader.Store(true)
 	r.cfg.Logger.Info("outbox relay: leading", "table", r.cfg.Store.table)
 	channel := "once_outbox_" + strconv.FormatUint(uint64(*oid), 10)
-	if _, err := conn.Exec(ctx, "LISTEN "+pgx.Identifier{channel}.Sanitize()); err != nil {
+	lctx, cancel := bounded(ctx)
+	_, err = conn.Exec(lctx, "LISTEN "+pgx.Identifier{channel}.Sanitize())
+	cancel()
+	if err != nil {
 		return true, fmt.Errorf("listen: %w", err)
 	}
 	return true, r.lead(ctx, conn, notified)
+}
+
+// lookUpTable returns the oid of table (nil: no such table) on conn.
+func lookUpTable(ctx context.Context, conn *pgx.Conn, table string) (*uint32, error) {
+	ctx, cancel := bounded(ctx)
+	defer cancel()
+	var oid *uint32
+	if err := conn.QueryRow(ctx, `SELECT to_regclass($1)::oid`, table).Scan(&oid); err != nil {
+		return nil, fmt.Errorf("look up table %s: %w", table, err)
+	}
+	return oid, nil
 }
 
 // leaderKeepalives are the server's TCP keepalive settings of the
@@ -496,6 +510,8 @@ func (r *Relay) askForKeepalives(ctx context.Context, conn *pgx.Conn, params map
 	if len(sets) == 0 {
 		return
 	}
+	ctx, cancel := bounded(ctx)
+	defer cancel()
 	if _, err := conn.Exec(ctx, "SELECT "+strings.Join(sets, ", "), args...); err != nil {
 		r.cfg.Logger.Warn("outbox relay: the server refused TCP keepalive settings for the relay's session; "+
 			"if this relay's host dies, its leader lock is kept until the server's own keepalives give up",
@@ -506,8 +522,8 @@ func (r *Relay) askForKeepalives(ctx context.Context, conn *pgx.Conn, params map
 // becomeLeader polls the leader lock every PollInterval until it has it.
 func (r *Relay) becomeLeader(ctx context.Context, conn *pgx.Conn, oid uint32) error {
 	for {
-		var ok bool
-		if err := conn.QueryRow(ctx, `SELECT pg_try_advisory_lock($1, $2)`, int32(leaderLockClass), int32(oid)).Scan(&ok); err != nil {
+		ok, err := tryLeaderLock(ctx, conn, oid)
+		if err != nil {
 			return fmt.Errorf("leader lock: %w", err)
 		}
 		if ok {
@@ -517,6 +533,15 @@ func (r *Relay) becomeLeader(ctx context.Context, conn *pgx.Conn, oid uint32) er
 			return ctx.Err()
 		}
 	}
+}
+
+// tryLeaderLock asks for the leader lock of the table oid on conn once,
+// and reports whether the session holds it.
+func tryLeaderLock(ctx context.Context, conn *pgx.Conn, oid uint32) (ok bool, err error) {
+	ctx, cancel := bounded(ctx)
+	defer cancel()
+	err = conn.QueryRow(ctx, `SELECT pg_try_advisory_lock($1, $2)`, int32(leaderLockClass), int32(oid)).Scan(&ok)
+	return ok, err
 }
 
 // lead relays batches while it is the leader. While a full batch is being
@@ -637,7 +662,9 @@ func (r *Relay) lead(ctx context.Context, conn *pgx.Conn, notified *atomic.Bool)
 // the session must end, and the next look the table up again.
 func (r *Relay) sameTable(ctx context.Context, conn *pgx.Conn) error {
 	var oid *uint32
-	if err := conn.QueryRow(ctx, `SELECT to_regclass($1)::oid`, r.cfg.Store.table).Scan(&oid); err != nil {
+	sctx, cancel := bounded(ctx)
+	defer cancel()
+	if err := conn.QueryRow(sctx, `SELECT to_regclass($1)::oid`, r.cfg.Store.table).Scan(&oid); err != nil {
 		if ctx.Err() != nil {
 			return nil
 		}
