@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -49,6 +50,10 @@ type ProgressBinding struct {
 	// Store names the tables (Store.OffsetsTable).
 	Store  *dedup.Store
 	Logger *slog.Logger
+	// DatabaseTimeout is Config.DatabaseTimeout: a source bounds each of
+	// its own statements by it (0: no bound), so that a connection whose
+	// server vanished without a word holds it no longer.
+	DatabaseTimeout time.Duration
 }
 
 // PositionDeduplicated is implemented by deliveries whose source records
@@ -120,7 +125,8 @@ func (p *pipeline) bindProgress(ctx context.Context) error {
 		return nil
 	}
 	return sourceCall("BindProgress", func() error {
-		return r.BindProgress(ctx, ProgressBinding{Consumer: p.cfg.Name, Pool: p.pool, Store: p.cfg.Store, Logger: p.cfg.Telemetry.Logger})
+		return r.BindProgress(ctx, ProgressBinding{Consumer: p.cfg.Name, Pool: p.pool, Store: p.cfg.Store, Logger: p.cfg.Telemetry.Logger,
+			DatabaseTimeout: max(p.cfg.DatabaseTimeout, 0)})
 	})
 }
 

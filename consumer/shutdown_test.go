@@ -4,8 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"net"
-	"net/url"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -19,7 +17,6 @@ import (
 
 	"github.com/onceco/once/consumer"
 	"github.com/onceco/once/consumer/memsource"
-	"github.com/onceco/once/internal/netcut"
 	"github.com/onceco/once/internal/pgtest"
 )
 
@@ -32,19 +29,7 @@ import (
 func silentDatabase(t *testing.T, configure func(*pgxpool.Config)) (pool *pgxpool.Pool, goSilent, answer func()) {
 	t.Helper()
 	_, schema := pgtest.Schema(t)
-	u, err := url.Parse(pgtest.URL())
-	require.NoError(t, err)
-	proxy, err := netcut.NewProxy(u.Host)
-	require.NoError(t, err)
-	pool = pgtest.NewPoolWith(t, schema, func(c *pgxpool.Config) {
-		dial := c.ConnConfig.DialFunc
-		c.ConnConfig.DialFunc = func(ctx context.Context, network, _ string) (net.Conn, error) {
-			return dial(ctx, network, proxy.Addr())
-		}
-		if configure != nil {
-			configure(c)
-		}
-	})
+	pool, proxy := pgtest.NewPoolThroughProxy(t, schema, configure)
 	var mu sync.Mutex
 	var paused bool
 	goSilent = func() {
@@ -63,10 +48,7 @@ func silentDatabase(t *testing.T, configure func(*pgxpool.Config)) (pool *pgxpoo
 			paused = false
 		}
 	}
-	t.Cleanup(func() {
-		answer()
-		_ = proxy.Close()
-	})
+	t.Cleanup(answer) // before the proxy closes
 	return pool, goSilent, answer
 }
 
@@ -287,19 +269,9 @@ func (s *cutOnSecondLookup) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQ
 // backoff before its retry.
 func TestSuspectAttemptDoesNotStartWhenStoppingCutsItsLookupShort(t *testing.T) {
 	_, schema := pgtest.Schema(t)
-	u, err := url.Parse(pgtest.URL())
-	require.NoError(t, err)
-	proxy, err := netcut.NewProxy(u.Host)
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = proxy.Close() })
-	tracer := &cutOnSecondLookup{cut: func() { proxy.Cut() }}
-	pool := pgtest.NewPoolWith(t, schema, func(c *pgxpool.Config) {
-		dial := c.ConnConfig.DialFunc
-		c.ConnConfig.DialFunc = func(ctx context.Context, network, _ string) (net.Conn, error) {
-			return dial(ctx, network, proxy.Addr())
-		}
-		c.ConnConfig.Tracer = tracer
-	})
+	tracer := &cutOnSecondLookup{}
+	pool, proxy := pgtest.NewPoolThroughProxy(t, schema, func(c *pgxpool.Config) { c.ConnConfig.Tracer = tracer })
+	tracer.cut = func() { proxy.Cut() }
 	effects(t, pool)
 	b := memsource.New(memsource.Options{}) // unordered, like AMQP
 	v, _ := json.Marshal(order{N: 1})

@@ -2,8 +2,6 @@ package consumer_test
 
 import (
 	"context"
-	"net"
-	"net/url"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -16,7 +14,6 @@ import (
 
 	"github.com/onceco/once/consumer"
 	"github.com/onceco/once/consumer/memsource"
-	"github.com/onceco/once/internal/netcut"
 	"github.com/onceco/once/internal/pgtest"
 )
 
@@ -31,23 +28,7 @@ func strandedDatabase(t *testing.T, configure func(*pgxpool.Config)) (admin, poo
 	t.Helper()
 	admin, schema := pgtest.Schema(t)
 	effects(t, admin)
-	u, err := url.Parse(pgtest.URL())
-	require.NoError(t, err)
-	proxy, err := netcut.NewProxy(u.Host)
-	require.NoError(t, err)
-	pool = pgtest.NewPoolWith(t, schema, func(c *pgxpool.Config) {
-		dial := c.ConnConfig.DialFunc
-		c.ConnConfig.DialFunc = func(ctx context.Context, network, _ string) (net.Conn, error) {
-			return dial(ctx, network, proxy.Addr())
-		}
-		if configure != nil {
-			configure(c)
-		}
-	})
-	// Closed before the pool (cleanups run last first): pgx drains a
-	// connection it closed until the server closes it too, for up to 15
-	// s, which a stranded connection never does.
-	t.Cleanup(func() { _ = proxy.Close() })
+	pool, proxy := pgtest.NewPoolThroughProxy(t, schema, configure)
 	return admin, pool, func() { require.Positive(t, proxy.Strand(), "connections stranded") }
 }
 

@@ -3,17 +3,13 @@ package outbox_test
 import (
 	"context"
 	"fmt"
-	"net"
-	"net/url"
 	"sync"
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/onceco/once/internal/netcut"
 	"github.com/onceco/once/internal/pgtest"
 	"github.com/onceco/once/outbox"
 )
@@ -56,19 +52,7 @@ func (p *confirmingPublisher) published() map[string]int {
 // statements is bounded: it ends the session and leads on a new one.
 func TestLeaderSessionStrandedByItsServerIsLeftBehind(t *testing.T) {
 	pool, schema := migrated(t)
-	u, err := url.Parse(pgtest.URL())
-	require.NoError(t, err)
-	proxy, err := netcut.NewProxy(u.Host)
-	require.NoError(t, err)
-	relayPool := pgtest.NewPoolWith(t, schema, func(c *pgxpool.Config) {
-		dial := c.ConnConfig.DialFunc
-		c.ConnConfig.DialFunc = func(ctx context.Context, network, _ string) (net.Conn, error) {
-			return dial(ctx, network, proxy.Addr())
-		}
-	})
-	// Closed before the pool: pgx drains a connection it closed until the
-	// server closes it too (up to 15 s), which a stranded one never does.
-	t.Cleanup(func() { _ = proxy.Close() })
+	relayPool, proxy := pgtest.NewPoolThroughProxy(t, schema, nil)
 	pub := &confirmingPublisher{ids: map[string]int{}}
 	startRelay(t, relayPool, pub, outbox.RelayConfig{PollInterval: 20 * time.Millisecond,
 		InfraBackoff: outbox.Backoff{Initial: 10 * time.Millisecond, Max: 50 * time.Millisecond}})

@@ -324,6 +324,20 @@ func (d *delivery) recordDeadLettered(ctx context.Context) error {
 	return nil
 }
 
+// takeOver takes parts over for owner in the offsets table, once, within
+// the consumer's DatabaseTimeout: a pooled connection whose server
+// vanished without a word (a failover's old primary, a middlebox) is then
+// left behind, and the take-over retried on another, instead of holding
+// the session's partitions until the operating system gives up on it.
+func (b *offsetsBinding) takeOver(ctx context.Context, owner dedup.Owner, parts []dedup.PartitionKey) ([]dedup.PartitionOffsets, error) {
+	if b.DatabaseTimeout > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, b.DatabaseTimeout)
+		defer cancel()
+	}
+	return b.Store.TakeOverPartitions(ctx, b.Pool, b.Consumer, owner, parts)
+}
+
 // takeOver takes the session's partitions over in the offsets table and
 // seeks each partition the table knows to its recorded position. It
 // retries failures with backoff until the session ends; a refusal of the
@@ -350,7 +364,7 @@ func (s *Source) takeOver(sess sarama.ConsumerGroupSession) error {
 	owner := dedup.Owner{Group: s.cfg.Group, Generation: sess.GenerationID()}
 	retry := backoff.Retrier{Policy: backoff.Policy{Initial: 100 * time.Millisecond, Max: 5 * time.Second}}
 	for {
-		got, err := b.Store.TakeOverPartitions(ctx, b.Pool, b.Consumer, owner, parts)
+		got, err := b.takeOver(ctx, owner, parts)
 		if err == nil {
 			if s.cfg.InitialOffset == StartNewest {
 				s.startAtRecordsLeft(got)
