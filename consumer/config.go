@@ -171,9 +171,11 @@ type Config struct {
 	// the connection) leaves a statement on it unanswered until the
 	// operating system gives up on the connection, about a quarter of an
 	// hour with Linux's defaults, and its stream stands still meanwhile.
-	// Past DatabaseTimeout the step's connection is closed and the
-	// transaction retried on another as infrastructure: never charged to a
-	// message, logged at Warn. A COMMIT cut so loses nothing: its retry
+	// Past DatabaseTimeout the step's connection is closed, and the pool's
+	// others with it (pgxpool.Pool.Reset: what stranded one has most likely
+	// stranded them all; those in use are closed when released), and the
+	// transaction is retried on a new connection as infrastructure: never
+	// charged to a message, logged at Warn. A COMMIT cut so loses nothing: its retry
 	// finds the claims committed, if the commit happened, and acks the
 	// messages as duplicates. A step that waits for a lock another session
 	// holds (the claim of an id another transaction is handling, a COMMIT

@@ -18,9 +18,9 @@ import (
 // statement sent on it unanswered until the operating system gives up on
 // the connection: about a quarter of an hour with Linux's defaults, while
 // the stream it belongs to stands still. Past DatabaseTimeout pgx ends
-// the statement by closing the connection, and the step fails as
-// infrastructure: retried on another connection, never charged to a
-// message. A COMMIT cut so may have committed: the retry finds the claims
+// the statement by closing the connection, the pool's other connections
+// are closed too (leaveUnanswered), and the step fails as infrastructure:
+// retried on a new connection, never charged to a message. A COMMIT cut so may have committed: the retry finds the claims
 // committed, as duplicates, or asks the transaction's status (messages
 // deduplicated by position).
 
@@ -45,7 +45,7 @@ type unansweredError struct {
 }
 
 func (e *unansweredError) Error() string {
-	return fmt.Sprintf("the database did not answer within DatabaseTimeout (%s); the connection is closed and the step retried on another: %v", e.limit, e.err)
+	return fmt.Sprintf("the database did not answer within DatabaseTimeout (%s); the pool's connections are closed and the step retried on a new one: %v", e.limit, e.err)
 }
 func (e *unansweredError) Unwrap() error { return e.err }
 
@@ -103,6 +103,20 @@ func (p *pipeline) onConn(ctx context.Context, f func(ctx context.Context, conn 
 	defer endStep()
 	defer conn.Release()
 	return unanswered(sctx, p.cfg.DatabaseTimeout, f(sctx, conn))
+}
+
+// leaveUnanswered closes the pool's connections when err is a step that
+// went unanswered for DatabaseTimeout: what stranded its connection (a
+// failover, a middlebox that dropped its connections) has most likely
+// stranded the pool's others too, and each would cost a later step its
+// DatabaseTimeout in turn. Idle connections are closed at once, those in
+// use when they are released (pgxpool.Pool.Reset); the retry opens a new
+// one.
+func (p *pipeline) leaveUnanswered(err error) {
+	var unanswered *unansweredError
+	if errors.As(err, &unanswered) {
+		p.pool.Reset()
+	}
 }
 
 // everyConnectionHeld reports whether every connection the pool may open

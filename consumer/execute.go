@@ -191,6 +191,7 @@ func (p *pipeline) waitInfra(ctx context.Context, r *infraRetrier, err error, me
 		return false
 	}
 	p.leaveReadOnly(ctx, err)
+	p.leaveUnanswered(err)
 	d := r.Delay()
 	p.logInfra(ctx, "", err, d, "messages", messages)
 	p.retrying(ctx, Retry{Reason: RetryInfrastructure, Messages: messages, Err: err, Wait: d})
@@ -225,6 +226,7 @@ func (p *pipeline) infra(ctx context.Context, what string, waiting Retry, f func
 			return err
 		}
 		p.leaveReadOnly(ctx, err)
+		p.leaveUnanswered(err)
 		d := r.Delay()
 		p.logInfra(ctx, what, err, d)
 		p.retrying(ctx, Retry{Reason: RetryInfrastructure, EventID: waiting.EventID, Messages: waiting.Messages,

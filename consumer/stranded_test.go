@@ -2,6 +2,7 @@ package consumer_test
 
 import (
 	"context"
+	"fmt"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -180,4 +181,30 @@ func TestWaitingForAHeldConnectionOutlastsDatabaseTimeout(t *testing.T) {
 	require.Eventually(t, func() bool { return b.Acked() == 2 }, 10*time.Second, time.Millisecond)
 	assert.Equal(t, map[string]int{"e0": 1, "e1": 1}, countEffects(t, admin))
 	assert.Zero(t, c.Stats().InfraErrors, "waiting for a held connection is no failure")
+}
+
+// A failover or a middlebox strands every connection of the pool at once:
+// once one step went unanswered, the pool's other connections are closed
+// too (pgxpool.Pool.Reset), so that the next steps open new ones instead
+// of meeting each stranded connection in turn, DatabaseTimeout each.
+func TestUnansweredStepLeavesThePoolsOtherConnectionsBehind(t *testing.T) {
+	admin, pool, strand := strandedDatabase(t, func(c *pgxpool.Config) {
+		c.MinConns = 4
+		c.ShouldPing = func(context.Context, pgxpool.ShouldPingParams) bool { return true }
+	})
+	b := memsource.New(memsource.Options{Streams: 1})
+	publish(b, "e1", 1)
+	cfg := fastConfig("stranded-pool")
+	cfg.DatabaseTimeout = 300 * time.Millisecond
+	c, err := consumer.New(pool, b.Source(), insertEffect, cfg)
+	require.NoError(t, err)
+	start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 1 && pool.Stat().IdleConns() >= 4 }, 10*time.Second, time.Millisecond)
+	strand()
+	for i := 2; i <= 4; i++ {
+		publish(b, fmt.Sprintf("e%d", i), i)
+	}
+	require.Eventually(t, func() bool { return b.Acked() == 4 }, 20*time.Second, time.Millisecond)
+	assert.Equal(t, map[string]int{"e1": 1, "e2": 1, "e3": 1, "e4": 1}, countEffects(t, admin))
+	assert.Equal(t, uint64(1), c.Stats().InfraErrors, "one step unanswered; the other stranded connections closed with it")
 }
