@@ -330,12 +330,20 @@ func (d *delivery) recordDeadLettered(ctx context.Context) error {
 // left behind, and the take-over retried on another, instead of holding
 // the session's partitions until the operating system gives up on it.
 func (b *offsetsBinding) takeOver(ctx context.Context, owner dedup.Owner, parts []dedup.PartitionKey) ([]dedup.PartitionOffsets, error) {
-	if b.DatabaseTimeout > 0 {
-		var cancel context.CancelFunc
-		ctx, cancel = context.WithTimeout(ctx, b.DatabaseTimeout)
-		defer cancel()
+	if b.DatabaseTimeout <= 0 {
+		return b.Store.TakeOverPartitions(ctx, b.Pool, b.Consumer, owner, parts)
 	}
-	return b.Store.TakeOverPartitions(ctx, b.Pool, b.Consumer, owner, parts)
+	actx, cancel := context.WithTimeout(ctx, b.DatabaseTimeout)
+	defer cancel()
+	got, err := b.Store.TakeOverPartitions(actx, b.Pool, b.Consumer, owner, parts)
+	if err != nil && ctx.Err() == nil && errors.Is(actx.Err(), context.DeadlineExceeded) {
+		// What stranded the connection (a failover, a middlebox) has
+		// most likely stranded the pool's others too, as the consumer
+		// finds: they are closed, and the retry opens a new one.
+		b.Pool.Reset()
+		err = fmt.Errorf("no answer within the consumer's DatabaseTimeout (%s), the pool's connections closed: %w", b.DatabaseTimeout, err)
+	}
+	return got, err
 }
 
 // takeOver takes the session's partitions over in the offsets table and
