@@ -19,7 +19,9 @@ import (
 // HandlerTimeout, what its transaction's server process waits for, and a
 // handler cut in a statement while it waited for another session is
 // infrastructure: retried, never charged, and logged naming the server
-// processes in the way.
+// processes in the way. The same holds for a statement the sessions'
+// statement_timeout canceled (57014): when it is shorter than
+// HandlerTimeout, the sample starts at half of it.
 //
 // The question is asked before the cut, not after it: pgx ends a
 // statement whose context ended by closing the connection with a cancel
@@ -92,10 +94,11 @@ func (w *watchdog) lockedBy(c *userCall) []uint32 {
 // charged, as before). Under NoHandlerTimeout nothing is cut and nothing
 // sampled.
 func (p *pipeline) sampleLockWaits(ctx context.Context, now time.Time, tick time.Duration) {
-	if p.cfg.HandlerTimeout <= 0 {
+	limit := p.lockWaitLimit()
+	if limit <= 0 {
 		return
 	}
-	probes := p.watch.handlersToSample(now, p.cfg.HandlerTimeout/2, p.cfg.HandlerTimeout)
+	probes := p.watch.handlersToSample(now, limit/2, limit)
 	if len(probes) == 0 {
 		return
 	}
@@ -111,6 +114,32 @@ func (p *pipeline) sampleLockWaits(ctx context.Context, now time.Time, tick time
 		return
 	}
 	p.watch.noteLockWaits(probes, blockers)
+}
+
+// lockWaitLimit is how long a handler's statement may wait before it is
+// cut: HandlerTimeout, or the sessions' statement_timeout when that is
+// shorter (read at start: statementTimeout); 0 when neither cuts it.
+func (p *pipeline) lockWaitLimit() time.Duration {
+	limit := max(p.cfg.HandlerTimeout, 0)
+	if st := p.statementTimeout; st > 0 && (limit == 0 || st < limit) {
+		limit = st
+	}
+	return limit
+}
+
+// readStatementTimeout reads, once at start, the statement_timeout of the
+// pool's sessions (set for the role, the database or the pool's
+// RuntimeParams): a statement waiting for another session's lock that it
+// cuts is sampled like one HandlerTimeout would cut (sampleLockWaits). A
+// handler's own SET statement_timeout is not seen; its cuts are charged.
+func (p *pipeline) readStatementTimeout(ctx context.Context) {
+	var ms int64
+	err := p.pool.QueryRow(ctx, `SELECT setting::bigint FROM pg_settings WHERE name = 'statement_timeout'`).Scan(&ms)
+	if err != nil {
+		p.cfg.Telemetry.Logger.DebugContext(ctx, "once: cannot read statement_timeout", "consumer", p.cfg.Name, "error", err)
+		return
+	}
+	p.statementTimeout = time.Duration(ms) * time.Millisecond
 }
 
 // blockingPIDs returns, for each of pids that waits for a lock, the

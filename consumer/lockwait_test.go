@@ -2,6 +2,7 @@ package consumer_test
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
@@ -126,6 +127,14 @@ func handledOnceAfterTheLock(t *testing.T, pool *pgxpool.Pool, release func()) {
 	t.Helper()
 	cfg := fastConfig("lock-wait")
 	cfg.HandlerTimeout = 200 * time.Millisecond
+	handledOnceAfterTheLockWith(t, pool, release, cfg)
+}
+
+// handledOnceAfterTheLockWith is handledOnceAfterTheLock with cfg (its
+// Retry.MaxAttempts set to 2), for a pool on which something else cuts
+// the handler's wait.
+func handledOnceAfterTheLockWith(t *testing.T, pool *pgxpool.Pool, release func(), cfg consumer.Config) {
+	t.Helper()
 	cfg.Retry.MaxAttempts = 2
 	b := memsource.New(memsource.Options{Streams: 1})
 	publish(b, "e1", 1)
@@ -143,4 +152,46 @@ func handledOnceAfterTheLock(t *testing.T, pool *pgxpool.Pool, release func()) {
 	require.Eventually(t, func() bool { return b.Acked() == 1 }, 20*time.Second, 5*time.Millisecond)
 	assert.Equal(t, map[string]int{"e1": 1}, countEffects(t, pool))
 	assert.Empty(t, deadLetterKinds(b))
+}
+
+// withStatementTimeout returns a pool on pool's schema whose sessions have
+// statement_timeout d, as a role's setting gives them.
+func withStatementTimeout(t *testing.T, d time.Duration) (admin, pool *pgxpool.Pool) {
+	admin, schema := pgtest.Schema(t)
+	effects(t, admin)
+	pool = pgtest.NewPoolWith(t, schema, func(c *pgxpool.Config) {
+		c.ConnConfig.RuntimeParams["statement_timeout"] = fmt.Sprint(d.Milliseconds())
+	})
+	return admin, pool
+}
+
+// A statement_timeout on the consumer's sessions (a role's setting, often
+// below HandlerTimeout) that cancels a handler's statement while it waits
+// for another session's lock (a migration's) is that session's doing too:
+// infrastructure, as HandlerTimeout's cut of the same wait is. It was
+// charged (57014), and the message dead-lettered after Retry.MaxAttempts
+// cancels.
+func TestStatementTimeoutWhileWaitingForAnotherSessionsLockIsNotCharged(t *testing.T) {
+	admin, pool := withStatementTimeout(t, 300*time.Millisecond)
+	handledOnceAfterTheLockWith(t, pool, holdTableLock(t, admin), fastConfig("statement-timeout-lock"))
+}
+
+// A statement_timeout that cancels a handler's own slow statement, waiting
+// for no one, is still charged.
+func TestStatementTimeoutOnItsOwnSlowStatementIsCharged(t *testing.T) {
+	_, pool := withStatementTimeout(t, 200*time.Millisecond)
+	cfg := fastConfig("statement-timeout-slow")
+	cfg.Retry.MaxAttempts = 2
+	b := memsource.New(memsource.Options{Streams: 1})
+	publish(b, "e1", 1)
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		_, err := tx.Exec(ctx, `SELECT pg_sleep(10)`)
+		return err
+	}
+	c, err := consumer.New(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 1 }, 20*time.Second, 5*time.Millisecond)
+	assert.Equal(t, map[string]string{"e1": string(consumer.KindHandler)}, deadLetterKinds(b))
+	assert.Zero(t, c.Stats().InfraErrors)
 }

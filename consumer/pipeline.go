@@ -70,6 +70,10 @@ type pipeline struct {
 	watchPrepare bool
 	// handlerWatchAfter is Config.handlerWatchAfter.
 	handlerWatchAfter time.Duration
+	// statementTimeout is the statement_timeout of the pool's sessions,
+	// read at start before any handler runs (readStatementTimeout); 0:
+	// none, or not known.
+	statementTimeout time.Duration
 	// identifyCall names the user functions identifying a message calls.
 	identifyCall string
 }
@@ -253,6 +257,7 @@ func (p *pipeline) start(ctx context.Context) error {
 	case err == nil:
 		p.warnIfCommitsNotDurable(ctx)
 		p.warnIfTablesUnlogged(ctx)
+		p.readStatementTimeout(ctx)
 	}
 	return err
 }

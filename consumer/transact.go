@@ -511,10 +511,32 @@ func (p *pipeline) callHandler(ctx context.Context, tx *queueTx, c *userCall, na
 				err = errors.New("the handler returned nil")
 			}
 			err = &ownDeadlineError{err: err}
+		case !isPanic(err) && sqlState(err) == queryCanceled:
+			if by := p.watch.lockedBy(c); len(by) > 0 {
+				err = &canceledInLockWaitError{err: err, lockedBy: by}
+			}
 		}
 	}()
 	return run(hctx)
 }
+
+// queryCanceled is the SQLSTATE of a statement the server canceled: past
+// statement_timeout, or by pg_cancel_backend.
+const queryCanceled = "57014"
+
+// canceledInLockWaitError is a handler's failure after the server canceled
+// its statement (statement_timeout) while, as the watchdog last saw it, the
+// statement waited for the locks of the server processes lockedBy: another
+// session's doing, as a lock_timeout's 55P03 is.
+type canceledInLockWaitError struct {
+	err      error
+	lockedBy []uint32
+}
+
+func (e *canceledInLockWaitError) Error() string {
+	return fmt.Sprintf("the server canceled the handler's statement%s: %v", lockWaitNote(e.lockedBy), e.err)
+}
+func (e *canceledInLockWaitError) Unwrap() error { return e.err }
 
 // handlerName names the handler's calls in the watchdog's log.
 func (p *pipeline) handlerName() string {
@@ -718,6 +740,9 @@ func (p *pipeline) classify(ctx context.Context, tx pgx.Tx, err error) (class Er
 	var timeout *timeoutError
 	var own *ownDeadlineError
 	switch {
+	case errors.As(err, new(*canceledInLockWaitError)):
+		// statement_timeout cut a wait for another session's lock.
+		class = ClassInfrastructure
 	case errors.As(err, &timeout) && len(timeout.lockedBy) > 0:
 		// Cut while another session's lock held its statement: that
 		// session's doing (a migration rewriting the table, a long

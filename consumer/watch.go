@@ -183,6 +183,10 @@ func (c *Config) watchAfter() time.Duration {
 // until ctx is done.
 func (p *pipeline) watchUserCalls(ctx context.Context) {
 	tick := p.watch.after / 4
+	if limit := p.lockWaitLimit(); limit > 0 {
+		// At least one lock-wait sample in the last half before a cut.
+		tick = min(tick, limit/4)
+	}
 	if tick < 10*time.Millisecond {
 		tick = 10 * time.Millisecond
 	}
