@@ -175,11 +175,12 @@ type Config struct {
 	// others with it (pgxpool.Pool.Reset: what stranded one has most likely
 	// stranded them all; those in use are closed when released), and the
 	// transaction is retried on a new connection as infrastructure: never
-	// charged to a message, logged at Warn. A COMMIT cut so loses nothing: its retry
-	// finds the claims committed, if the commit happened, and acks the
-	// messages as duplicates. A step that waits for a lock another session
-	// holds (the claim of an id another transaction is handling, a COMMIT
-	// waiting for a synchronous standby) is cut too, and retried. Waiting
+	// charged to a message, logged at Warn. A COMMIT cut so loses nothing:
+	// its retry finds the claims committed, if the commit happened, and
+	// acks the messages as duplicates. A step that waits for a lock
+	// another session holds (the claim of an id another transaction is
+	// handling, a COMMIT waiting for a synchronous standby) is cut too,
+	// and retried (the pool's connections reset with it). Waiting
 	// for a pool connection others hold is not bounded by it, nor the
 	// handler's statements (HandlerTimeout). Defaults to
 	// DefaultDatabaseTimeout (30 seconds); NoDatabaseTimeout (-1) lifts

@@ -20,9 +20,10 @@ import (
 // the stream it belongs to stands still. Past DatabaseTimeout pgx ends
 // the statement by closing the connection, the pool's other connections
 // are closed too (leaveUnanswered), and the step fails as infrastructure:
-// retried on a new connection, never charged to a message. A COMMIT cut so may have committed: the retry finds the claims
-// committed, as duplicates, or asks the transaction's status (messages
-// deduplicated by position).
+// retried on a new connection, never charged to a message. A COMMIT cut
+// so may have committed: the retry finds the claims committed, as
+// duplicates, or asks the transaction's status (messages deduplicated by
+// position).
 
 // errUnanswered is the cause of a context that ended at
 // Config.DatabaseTimeout.

@@ -87,12 +87,12 @@ func (w *watchdog) lockedBy(c *userCall) []uint32 {
 }
 
 // sampleLockWaits asks the database what the server processes of the
-// handler calls that have run for half their HandlerTimeout wait for, and
-// notes it on each call. With the watchdog's tick at a quarter of
-// HandlerTimeout, every call cut at HandlerTimeout was sampled in the
-// last quarter before its cut (a lock wait that began after it is
-// charged, as before). Under NoHandlerTimeout nothing is cut and nothing
-// sampled.
+// handler calls that have run for half of lockWaitLimit (HandlerTimeout,
+// or the sessions' statement_timeout when shorter) wait for, and notes it
+// on each call. With the watchdog's tick at a quarter of that limit at
+// most, every call cut at the limit was sampled in the last quarter
+// before its cut (a lock wait that began after it is charged, as before).
+// With neither limit nothing is cut and nothing sampled.
 func (p *pipeline) sampleLockWaits(ctx context.Context, now time.Time, tick time.Duration) {
 	limit := p.lockWaitLimit()
 	if limit <= 0 {
