@@ -182,7 +182,11 @@ type Config struct {
 	// handling, a COMMIT waiting for a synchronous standby) is cut too,
 	// and retried (the pool's connections reset with it). Waiting
 	// for a pool connection others hold is not bounded by it, nor the
-	// handler's statements (HandlerTimeout). Defaults to
+	// handler's statements (HandlerTimeout), nor the statements handlers
+	// queued (Event.Queue), sent after them: those are the handler's, and
+	// a statement slow on its own may take its time there; on a stranded
+	// connection only the operating system's bound ends them (set
+	// tcp_user_timeout and keepalives on the pool's dialer). Defaults to
 	// DefaultDatabaseTimeout (30 seconds); NoDatabaseTimeout (-1) lifts
 	// the bound; other negative values are refused with ErrInvalidConfig.
 	DatabaseTimeout time.Duration
