@@ -180,7 +180,10 @@ type Config struct {
 	// acks the messages as duplicates. A step that waits for a lock
 	// another session holds (the claim of an id another transaction is
 	// handling, a COMMIT waiting for a synchronous standby) is cut too,
-	// and retried (the pool's connections reset with it). Waiting
+	// and retried (the pool's connections reset with it), and so is a
+	// COMMIT whose deferred triggers or constraints work longer than it,
+	// every time: set DatabaseTimeout above the longest step the
+	// database may legitimately take. Waiting
 	// for a pool connection others hold is not bounded by it, nor the
 	// handler's statements (HandlerTimeout), nor the statements handlers
 	// queued (Event.Queue), sent after them: those are the handler's, and
