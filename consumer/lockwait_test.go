@@ -172,14 +172,14 @@ func withStatementTimeout(t *testing.T, d time.Duration) (admin, pool *pgxpool.P
 // charged (57014), and the message dead-lettered after Retry.MaxAttempts
 // cancels.
 func TestStatementTimeoutWhileWaitingForAnotherSessionsLockIsNotCharged(t *testing.T) {
-	admin, pool := withStatementTimeout(t, 300*time.Millisecond)
+	admin, pool := withStatementTimeout(t, time.Second)
 	handledOnceAfterTheLockWith(t, pool, holdTableLock(t, admin), fastConfig("statement-timeout-lock"))
 }
 
 // A statement_timeout that cancels a handler's own slow statement, waiting
 // for no one, is still charged.
 func TestStatementTimeoutOnItsOwnSlowStatementIsCharged(t *testing.T) {
-	_, pool := withStatementTimeout(t, 200*time.Millisecond)
+	_, pool := withStatementTimeout(t, time.Second)
 	cfg := fastConfig("statement-timeout-slow")
 	cfg.Retry.MaxAttempts = 2
 	b := memsource.New(memsource.Options{Streams: 1})

@@ -173,38 +173,54 @@ func TestWaitingForAHeldConnectionOutlastsDatabaseTimeout(t *testing.T) {
 	held, err := pool.Acquire(context.Background())
 	require.NoError(t, err)
 	ended := pool.Stat().CanceledAcquireCount()
+	failures := c.Stats().InfraErrors
 	publish(b, "e1", 1)
 	// Released once the consumer's wait for it has run into
-	// DatabaseTimeout three times, and was taken up again.
+	// DatabaseTimeout three times, and was taken up again. Nothing else
+	// can reach the database meanwhile: a failure counted then is the
+	// wait's.
 	require.Eventually(t, func() bool { return pool.Stat().CanceledAcquireCount() >= ended+3 }, 10*time.Second, time.Millisecond)
+	assert.Equal(t, failures, c.Stats().InfraErrors, "waiting for a held connection is no failure")
 	held.Release()
 	require.Eventually(t, func() bool { return b.Acked() == 2 }, 10*time.Second, time.Millisecond)
 	assert.Equal(t, map[string]int{"e0": 1, "e1": 1}, countEffects(t, admin))
-	assert.Zero(t, c.Stats().InfraErrors, "waiting for a held connection is no failure")
 }
 
 // A failover or a middlebox strands every connection of the pool at once:
 // once one step went unanswered, the pool's other connections are closed
-// too (pgxpool.Pool.Reset), so that the next steps open new ones instead
-// of meeting each stranded connection in turn, DatabaseTimeout each.
+// too (pgxpool.Pool.Reset), so that the next steps open new ones. pgxpool
+// pings only a connection idle for more than a second (its default
+// ShouldPing), so a busy consumer's stranded connections were handed out
+// unpinged, and each cost a step its DatabaseTimeout in turn.
 func TestUnansweredStepLeavesThePoolsOtherConnectionsBehind(t *testing.T) {
-	admin, pool, strand := strandedDatabase(t, func(c *pgxpool.Config) {
-		c.MinConns = 4
-		c.ShouldPing = func(context.Context, pgxpool.ShouldPingParams) bool { return true }
-	})
+	const idle = 6
+	admin, pool, strand := strandedDatabase(t, func(c *pgxpool.Config) { c.MaxConns = idle })
 	b := memsource.New(memsource.Options{Streams: 1})
 	publish(b, "e1", 1)
 	cfg := fastConfig("stranded-pool")
-	cfg.DatabaseTimeout = 300 * time.Millisecond
+	cfg.DatabaseTimeout = 150 * time.Millisecond
 	c, err := consumer.New(pool, b.Source(), insertEffect, cfg)
 	require.NoError(t, err)
 	start(t, c)
-	require.Eventually(t, func() bool { return b.Acked() == 1 && pool.Stat().IdleConns() >= 4 }, 10*time.Second, time.Millisecond)
+	require.Eventually(t, func() bool { return b.Acked() == 1 }, 10*time.Second, time.Millisecond)
+	// The pool keeps idle connections, just used.
+	conns := make([]*pgxpool.Conn, idle)
+	for i := range conns {
+		conns[i], err = pool.Acquire(context.Background())
+		require.NoError(t, err)
+	}
+	for _, conn := range conns {
+		conn.Release()
+	}
 	strand()
 	for i := 2; i <= 4; i++ {
 		publish(b, fmt.Sprintf("e%d", i), i)
 	}
-	require.Eventually(t, func() bool { return b.Acked() == 4 }, 20*time.Second, time.Millisecond)
+	require.Eventually(t, func() bool { return b.Acked() == 4 }, 30*time.Second, time.Millisecond)
 	assert.Equal(t, map[string]int{"e1": 1, "e2": 1, "e3": 1, "e4": 1}, countEffects(t, admin))
-	assert.Equal(t, uint64(1), c.Stats().InfraErrors, "one step unanswered; the other stranded connections closed with it")
+	// One step unanswered, the other stranded connections closed with it
+	// (a cut or two more allowed for steps a loaded machine kept past the
+	// short timeout); without the reset each stranded connection met
+	// cost a cut, until they had idled a second and pgxpool pinged them.
+	assert.LessOrEqual(t, c.Stats().InfraErrors, uint64(3), "the pool's stranded connections were met one by one")
 }
