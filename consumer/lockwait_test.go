@@ -84,6 +84,15 @@ func TestHandlerCutInItsOwnSlowStatementIsCharged(t *testing.T) {
 	effects(t, pool)
 	cfg := fastConfig("slow-statement")
 	cfg.HandlerTimeout = 200 * time.Millisecond
+	chargedForItsOwnSlowStatement(t, pool, cfg)
+}
+
+// chargedForItsOwnSlowStatement runs a consumer with cfg (its
+// Retry.MaxAttempts set to 2) whose handler's statement sleeps until
+// something cuts it, and checks that the cuts were charged: the message
+// dead-lettered, no infrastructure failure counted.
+func chargedForItsOwnSlowStatement(t *testing.T, pool *pgxpool.Pool, cfg consumer.Config) {
+	t.Helper()
 	cfg.Retry.MaxAttempts = 2
 	b := memsource.New(memsource.Options{Streams: 1})
 	publish(b, "e1", 1)
@@ -180,18 +189,5 @@ func TestStatementTimeoutWhileWaitingForAnotherSessionsLockIsNotCharged(t *testi
 // for no one, is still charged.
 func TestStatementTimeoutOnItsOwnSlowStatementIsCharged(t *testing.T) {
 	_, pool := withStatementTimeout(t, time.Second)
-	cfg := fastConfig("statement-timeout-slow")
-	cfg.Retry.MaxAttempts = 2
-	b := memsource.New(memsource.Options{Streams: 1})
-	publish(b, "e1", 1)
-	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
-		_, err := tx.Exec(ctx, `SELECT pg_sleep(10)`)
-		return err
-	}
-	c, err := consumer.New(pool, b.Source(), h, cfg)
-	require.NoError(t, err)
-	start(t, c)
-	require.Eventually(t, func() bool { return b.Acked() == 1 }, 20*time.Second, 5*time.Millisecond)
-	assert.Equal(t, map[string]string{"e1": string(consumer.KindHandler)}, deadLetterKinds(b))
-	assert.Zero(t, c.Stats().InfraErrors)
+	chargedForItsOwnSlowStatement(t, pool, fastConfig("statement-timeout-slow"))
 }
