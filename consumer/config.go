@@ -185,11 +185,16 @@ type Config struct {
 	// every time: set DatabaseTimeout above the longest step the
 	// database may legitimately take. Waiting
 	// for a pool connection others hold is not bounded by it, nor the
-	// handler's statements (HandlerTimeout), nor the statements handlers
-	// queued (Event.Queue), sent after them: those are the handler's, and
-	// a statement slow on its own may take its time there; on a stranded
-	// connection only the operating system's bound ends them (set
-	// tcp_user_timeout and keepalives on the pool's dialer). Defaults to
+	// handler's statements (HandlerTimeout cuts those, charged to the
+	// message). The statements handlers queued (Event.Queue), sent after
+	// them, are the handlers' and may take their time; once their send has
+	// waited DatabaseTimeout, the consumer asks the server (on a
+	// connection opened for the question) whether the transaction's
+	// server process still exists: gone, the send is cut, the pool's
+	// connections closed and the transaction retried as infrastructure;
+	// there (a slow statement, a lock wait), it runs on. Behind a
+	// connection pooler whose process ids are not the server's
+	// (PgBouncer; found at start) the question is not asked. Defaults to
 	// DefaultDatabaseTimeout (30 seconds); NoDatabaseTimeout (-1) lifts
 	// the bound; other negative values are refused with ErrInvalidConfig.
 	DatabaseTimeout time.Duration

@@ -115,7 +115,7 @@ func (p *pipeline) onConn(ctx context.Context, f func(ctx context.Context, conn 
 // one.
 func (p *pipeline) leaveUnanswered(err error) {
 	var unanswered *unansweredError
-	if errors.As(err, &unanswered) {
+	if errors.As(err, &unanswered) || isStranded(err) {
 		p.pool.Reset()
 	}
 }

@@ -29,9 +29,6 @@ import (
 // own, opened for it with the pool's configuration: when a lock holds up
 // every handler, every pooled connection is held by one.
 
-// lockWaitCheckTimeout bounds one sample's connection and question.
-const lockWaitCheckTimeout = 2 * time.Second
-
 // lockProbe is a handler call to be sampled: its call, its server process
 // and when it began (so that a sample lands on that call and not on the
 // next call of the same job).
@@ -86,34 +83,19 @@ func (w *watchdog) lockedBy(c *userCall) []uint32 {
 	return c.lockedBy
 }
 
-// sampleLockWaits asks the database what the server processes of the
-// handler calls that have run for half of lockWaitLimit (HandlerTimeout,
-// or the sessions' statement_timeout when shorter) wait for, and notes it
-// on each call. With the watchdog's tick at a quarter of that limit at
-// most, every call cut at the limit was sampled in the last quarter
-// before its cut (a lock wait that began after it is charged, as before).
-// With neither limit nothing is cut and nothing sampled.
-func (p *pipeline) sampleLockWaits(ctx context.Context, now time.Time, tick time.Duration) {
+// lockProbes returns the handler calls to sample for lock waits: those
+// that have run for half of lockWaitLimit (HandlerTimeout, or the
+// sessions' statement_timeout when shorter). With the watchdog's tick at a
+// quarter of that limit at most, every call cut at the limit was sampled
+// in the last quarter before its cut (a lock wait that began after it is
+// charged, as before). With neither limit nothing is cut and nothing
+// sampled.
+func (p *pipeline) lockProbes(now time.Time) []lockProbe {
 	limit := p.lockWaitLimit()
 	if limit <= 0 {
-		return
+		return nil
 	}
-	probes := p.watch.handlersToSample(now, limit/2, limit)
-	if len(probes) == 0 {
-		return
-	}
-	pids := make([]int32, len(probes))
-	for i, pr := range probes {
-		pids[i] = int32(pr.pid)
-	}
-	ctx, cancel := context.WithTimeout(ctx, min(lockWaitCheckTimeout, max(tick, 100*time.Millisecond)))
-	defer cancel()
-	blockers, err := blockingPIDs(ctx, p.pool.Config(), pids)
-	if err != nil {
-		p.cfg.Telemetry.Logger.DebugContext(ctx, "once: could not ask what long-running handlers wait for", "consumer", p.cfg.Name, "error", err)
-		return
-	}
-	p.watch.noteLockWaits(probes, blockers)
+	return p.watch.handlersToSample(now, limit/2, limit)
 }
 
 // lockWaitLimit is how long a handler's statement may wait before it is
@@ -127,37 +109,36 @@ func (p *pipeline) lockWaitLimit() time.Duration {
 	return limit
 }
 
-// readStatementTimeout reads, once at start, the statement_timeout of the
-// pool's sessions (set for the role, the database or the pool's
-// RuntimeParams): a statement waiting for another session's lock that it
-// cuts is sampled like one HandlerTimeout would cut (sampleLockWaits). A
-// handler's own SET statement_timeout is not seen; its cuts are charged.
-func (p *pipeline) readStatementTimeout(ctx context.Context) {
-	var ms int64
-	err := p.pool.QueryRow(ctx, `SELECT setting::bigint FROM pg_settings WHERE name = 'statement_timeout'`).Scan(&ms)
+// readSessions reads, once at start, what the watchdog's questions about
+// the pool's sessions need: their statement_timeout (set for the role, the
+// database or the pool's RuntimeParams), as a statement waiting for
+// another session's lock that it cuts is sampled like one HandlerTimeout
+// would cut (a handler's own SET statement_timeout is not seen; its cuts
+// are charged); and whether the process id a connection got at its start
+// is its server process's (not so behind a connection pooler such as
+// PgBouncer, which hands out ids of its own; then no session is asked
+// after, see stranded.go).
+func (p *pipeline) readSessions(ctx context.Context) {
+	err := p.pool.AcquireFunc(ctx, func(conn *pgxpool.Conn) error {
+		var ms int64
+		var pid uint32
+		err := conn.QueryRow(ctx, `SELECT setting::bigint, pg_backend_pid() FROM pg_settings WHERE name = 'statement_timeout'`).Scan(&ms, &pid)
+		if err != nil {
+			return err
+		}
+		p.statementTimeout = time.Duration(ms) * time.Millisecond
+		p.serverPIDs = pid == conn.Conn().PgConn().PID()
+		return nil
+	})
 	if err != nil {
-		p.cfg.Telemetry.Logger.DebugContext(ctx, "once: cannot read statement_timeout", "consumer", p.cfg.Name, "error", err)
-		return
+		p.cfg.Telemetry.Logger.DebugContext(ctx, "once: cannot read the sessions' statement_timeout and process id", "consumer", p.cfg.Name, "error", err)
 	}
-	p.statementTimeout = time.Duration(ms) * time.Millisecond
 }
 
 // blockingPIDs returns, for each of pids that waits for a lock, the
 // server processes it waits for (pg_blocking_pids: those holding a
-// conflicting lock, and those ahead of it in line for one), asked on a
-// connection opened for the question with the pool's configuration cfg,
-// its BeforeConnect applied (a password from a token that expires).
-func blockingPIDs(ctx context.Context, cfg *pgxpool.Config, pids []int32) (map[uint32][]uint32, error) {
-	if cfg.BeforeConnect != nil {
-		if err := cfg.BeforeConnect(ctx, cfg.ConnConfig); err != nil {
-			return nil, err
-		}
-	}
-	conn, err := pgx.ConnectConfig(ctx, cfg.ConnConfig)
-	if err != nil {
-		return nil, err
-	}
-	defer conn.Close(ctx)
+// conflicting lock, and those ahead of it in line for one), asked on conn.
+func blockingPIDs(ctx context.Context, conn *pgx.Conn, pids []int32) (map[uint32][]uint32, error) {
 	rows, err := conn.Query(ctx, `SELECT pid, pg_blocking_pids(pid) FROM unnest($1::int4[]) AS pid
 		WHERE cardinality(pg_blocking_pids(pid)) > 0`, pids)
 	if err != nil {

@@ -71,9 +71,13 @@ type pipeline struct {
 	// handlerWatchAfter is Config.handlerWatchAfter.
 	handlerWatchAfter time.Duration
 	// statementTimeout is the statement_timeout of the pool's sessions,
-	// read at start before any handler runs (readStatementTimeout); 0:
-	// none, or not known.
+	// read at start before any handler runs (readSessions); 0: none, or
+	// not known.
 	statementTimeout time.Duration
+	// serverPIDs: a connection's process id is its server process's, as
+	// read at start (readSessions); false behind a connection pooler, or
+	// when not known.
+	serverPIDs bool
 	// identifyCall names the user functions identifying a message calls.
 	identifyCall string
 }
@@ -257,7 +261,7 @@ func (p *pipeline) start(ctx context.Context) error {
 	case err == nil:
 		p.warnIfCommitsNotDurable(ctx)
 		p.warnIfTablesUnlogged(ctx)
-		p.readStatementTimeout(ctx)
+		p.readSessions(ctx)
 	}
 	return err
 }

@@ -127,6 +127,9 @@ type queueTx struct {
 	// closedBy is the index of the job whose statement, sent through t or
 	// queued, ended the transaction; nil while it has not.
 	closedBy *int
+	// sending is the watchdog's entry for a send of the queued statements
+	// after the handlers (flushQueued).
+	sending userCall
 }
 
 // Commit is refused with ErrTxOwnedByConsumer, marked Permanent: the

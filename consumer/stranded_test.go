@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -90,6 +91,78 @@ func TestConnectionStrandedByItsServerIsLeftBehind(t *testing.T) {
 		assert.Empty(t, b.DeadLetters())
 		assert.Equal(t, map[string]int{"e1": 1, "e2": 1}, countEffects(t, admin))
 	})
+}
+
+// The statements handlers queue (Event.Queue) are sent after the
+// handlers, one round trip before the COMMIT; they are the handlers' and
+// DatabaseTimeout does not cut them. On a stranded connection that round
+// trip was never answered, and the stream stood still until the operating
+// system gave up on the connection. A send that has waited DatabaseTimeout
+// has its transaction's server process asked after; gone from the server,
+// the send is cut as infrastructure and the transaction retried.
+func TestQueuedStatementsOnAStrandedConnectionAreLeftBehind(t *testing.T) {
+	queue := func(ev consumer.Event[order]) {
+		ev.Queue(`INSERT INTO effects (event_id, n) VALUES ($1, $2)`, ev.ID, ev.Payload.N)
+	}
+	for name, newConsumer := range map[string]func(pool *pgxpool.Pool, src consumer.Source, strandOnce func(), cfg consumer.Config) (*consumer.Consumer[order], error){
+		"Handler": func(pool *pgxpool.Pool, src consumer.Source, strandOnce func(), cfg consumer.Config) (*consumer.Consumer[order], error) {
+			return consumer.New(pool, src, func(_ context.Context, _ pgx.Tx, ev consumer.Event[order]) error {
+				queue(ev)
+				strandOnce() // the queued statements are the next round trip
+				return nil
+			}, cfg)
+		},
+		"BatchHandler": func(pool *pgxpool.Pool, src consumer.Source, strandOnce func(), cfg consumer.Config) (*consumer.Consumer[order], error) {
+			return consumer.NewBatch(pool, src, func(_ context.Context, _ pgx.Tx, evs []consumer.Event[order]) error {
+				for _, ev := range evs {
+					queue(ev)
+				}
+				strandOnce()
+				return nil
+			}, cfg)
+		},
+	} {
+		t.Run(name, func(t *testing.T) {
+			admin, pool, strand := strandedDatabase(t, nil)
+			b := memsource.New(memsource.Options{Streams: 1})
+			publish(b, "e1", 1)
+			var once sync.Once
+			cfg := fastConfig("stranded-queue")
+			cfg.DatabaseTimeout = 300 * time.Millisecond
+			c, err := newConsumer(pool, b.Source(), func() { once.Do(strand) }, cfg)
+			require.NoError(t, err)
+			start(t, c)
+			require.Eventually(t, func() bool { return b.Acked() == 1 }, 20*time.Second, time.Millisecond,
+				"the stream goes on once the queued statements went unanswered on a stranded connection")
+			assert.Empty(t, b.DeadLetters())
+			assert.Equal(t, map[string]int{"e1": 1}, countEffects(t, admin))
+			assert.Positive(t, c.Stats().InfraErrors, "an infrastructure failure, not the message's")
+		})
+	}
+}
+
+// The guard: a queued statement slow on its own, longer than
+// DatabaseTimeout, runs on; its server process is there, in its
+// transaction.
+func TestSlowQueuedStatementOutlastsDatabaseTimeout(t *testing.T) {
+	admin, schema := pgtest.Schema(t)
+	effects(t, admin)
+	pool := pgtest.NewPool(t, schema)
+	b := memsource.New(memsource.Options{Streams: 1})
+	publish(b, "slow", 1)
+	cfg := fastConfig("slow-queue")
+	cfg.DatabaseTimeout = 100 * time.Millisecond
+	c, err := consumer.New(pool, b.Source(), func(_ context.Context, _ pgx.Tx, ev consumer.Event[order]) error {
+		ev.Queue(`SELECT pg_sleep(1)`)
+		ev.Queue(`INSERT INTO effects (event_id, n) VALUES ($1, $2)`, ev.ID, ev.Payload.N)
+		return nil
+	}, cfg)
+	require.NoError(t, err)
+	start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 1 }, 20*time.Second, time.Millisecond)
+	assert.Equal(t, map[string]int{"slow": 1}, countEffects(t, admin))
+	assert.Zero(t, c.Stats().InfraErrors, "a slow statement is not a stranded connection")
+	assert.Zero(t, c.Stats().Retries)
 }
 
 // commitDeadlines records the time left before the deadline of the

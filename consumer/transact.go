@@ -265,7 +265,7 @@ func (p *pipeline) runHandlers(ctx context.Context, tx pgx.Tx, jobs []*job, res 
 			return p.handlerFailure(ctx, tx, jobs, i, err), true
 		}
 	}
-	if f := qtx.flush(ctx); f != nil {
+	if f := p.flushQueued(ctx, qtx); f != nil {
 		return p.handlerFailure(ctx, tx, jobs, f.owner, f.err), true
 	}
 	if qtx.closedBy != nil {
@@ -458,7 +458,9 @@ func (p *pipeline) runBatchHandler(ctx context.Context, tx pgx.Tx, jobs []*job, 
 		return p.batchCall(hctx, qtx, claimed)
 	})
 	if err == nil {
-		err = qtx.settle(ctx, nil)
+		if f := p.flushQueued(ctx, qtx); f != nil {
+			err = f.err
+		}
 	}
 	if err != nil {
 		// A BatchHandler's error names no event.
@@ -740,6 +742,9 @@ func (p *pipeline) classify(ctx context.Context, tx pgx.Tx, err error) (class Er
 	var timeout *timeoutError
 	var own *ownDeadlineError
 	switch {
+	case isStranded(err):
+		// The transaction's server process is gone: no answer was coming.
+		class = ClassInfrastructure
 	case errors.As(err, new(*canceledInLockWaitError)):
 		// statement_timeout cut a wait for another session's lock.
 		class = ClassInfrastructure

@@ -43,11 +43,16 @@ type userCall struct {
 	// watchdog's bound.
 	after  time.Duration
 	logged bool
-	// pid is the server process of a handler call's transaction; 0 for
-	// other calls. lockedBy is what the watchdog last saw it wait for
-	// (sampleLockWaits).
-	pid        uint32
-	lockedBy   []uint32
+	// pid is the server process of a handler call's or a send's
+	// transaction; 0 for other calls. lockedBy is what the watchdog last
+	// saw a handler call wait for (lockwait.go).
+	pid      uint32
+	lockedBy []uint32
+	// cut ends a send's context; stranded is set once the watchdog cut it
+	// because its server process was gone (stranded.go). Both under the
+	// watchdog's lock while the call is in progress.
+	cut        context.CancelFunc
+	stranded   bool
 	prev, next *userCall
 }
 
@@ -76,6 +81,15 @@ func (w *watchdog) beginHandler(c *userCall, name string, m *Message, eventID st
 		w.head.prev = c
 	}
 	w.head = c
+	w.mu.Unlock()
+}
+
+// beginSend is begin for a send of statements on a transaction whose
+// server process is pid, which cut ends (stranded.go).
+func (w *watchdog) beginSend(c *userCall, name string, pid uint32, cut context.CancelFunc) {
+	w.beginHandler(c, name, nil, "", 0, 0, pid)
+	w.mu.Lock()
+	c.cut = cut
 	w.mu.Unlock()
 }
 
@@ -187,6 +201,11 @@ func (p *pipeline) watchUserCalls(ctx context.Context) {
 		// At least one lock-wait sample in the last half before a cut.
 		tick = min(tick, limit/4)
 	}
+	if p.asksAfterSessions() {
+		// A stranded send is cut within a quarter of DatabaseTimeout
+		// after it.
+		tick = min(tick, p.cfg.DatabaseTimeout/4)
+	}
 	if tick < 10*time.Millisecond {
 		tick = 10 * time.Millisecond
 	}
@@ -197,7 +216,7 @@ func (p *pipeline) watchUserCalls(ctx context.Context) {
 		case <-ctx.Done():
 			return
 		case now := <-t.C:
-			p.sampleLockWaits(ctx, now, tick)
+			p.sampleSessions(ctx, now, tick)
 			for _, s := range p.watch.overdue(now) {
 				p.stats.stuckCalls.Add(1)
 				p.tel.stuck(ctx, s.name)
