@@ -133,7 +133,13 @@ type Config struct {
 	// message's doing, and is retried as infrastructure, the log naming the
 	// server processes in the way (the consumer asks the database, on a
 	// connection of its own, what handler calls past half their timeout
-	// wait for). One that ignores its context still holds its stream
+	// wait for). A handler call that has run for DatabaseTimeout is cut
+	// before its timeout, as infrastructure, when the server says its
+	// transaction's server process is gone (a connection whose server
+	// vanished without a word: a failover, a dropped connection; not
+	// asked once the transaction is older than the sessions'
+	// idle_in_transaction_session_timeout or transaction_timeout, which
+	// end a session too). One that ignores its context still holds its stream
 	// until it returns, and once it has run for twice HandlerTimeout it is
 	// logged at Error,
 	// naming its message, and counted in Stats.StuckCalls (not under
@@ -184,17 +190,18 @@ type Config struct {
 	// COMMIT whose deferred triggers or constraints work longer than it,
 	// every time: set DatabaseTimeout above the longest step the
 	// database may legitimately take. Waiting
-	// for a pool connection others hold is not bounded by it, nor the
-	// handler's statements (HandlerTimeout cuts those, charged to the
-	// message). The statements handlers queued (Event.Queue), sent after
-	// them, are the handlers' and may take their time; once their send has
-	// waited DatabaseTimeout, the consumer asks the server (on a
+	// for a pool connection others hold is not bounded by it. The
+	// handlers' statements, and those they queued (Event.Queue), sent
+	// after them, are the handlers' work and may take their time: once a
+	// handler call (under HandlerTimeout) or a send of queued statements
+	// has run for DatabaseTimeout, the consumer asks the server (on a
 	// connection opened for the question) whether the transaction's
-	// server process still exists: gone, the send is cut, the pool's
+	// server process still exists: gone, the call is cut, the pool's
 	// connections closed and the transaction retried as infrastructure;
-	// there (a slow statement, a lock wait), it runs on. Behind a
-	// connection pooler whose process ids are not the server's
-	// (PgBouncer; found at start) the question is not asked. Defaults to
+	// there (a slow statement, a lock wait, a handler working outside the
+	// database), it runs on. Behind a connection pooler whose process ids
+	// are not the server's (PgBouncer; found at start) the question is not
+	// asked. Defaults to
 	// DefaultDatabaseTimeout (30 seconds); NoDatabaseTimeout (-1) lifts
 	// the bound; other negative values are refused with ErrInvalidConfig.
 	DatabaseTimeout time.Duration

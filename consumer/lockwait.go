@@ -114,19 +114,27 @@ func (p *pipeline) lockWaitLimit() time.Duration {
 // database or the pool's RuntimeParams), as a statement waiting for
 // another session's lock that it cuts is sampled like one HandlerTimeout
 // would cut (a handler's own SET statement_timeout is not seen; its cuts
-// are charged); and whether the process id a connection got at its start
+// are charged); their idle_in_transaction_session_timeout and
+// transaction_timeout, past which the server ends a session itself
+// (stranded.go); and whether the process id a connection got at its start
 // is its server process's (not so behind a connection pooler such as
 // PgBouncer, which hands out ids of its own; then no session is asked
 // after, see stranded.go).
 func (p *pipeline) readSessions(ctx context.Context) {
 	err := p.pool.AcquireFunc(ctx, func(conn *pgxpool.Conn) error {
-		var ms int64
+		var statement, idle, transaction int64
 		var pid uint32
-		err := conn.QueryRow(ctx, `SELECT setting::bigint, pg_backend_pid() FROM pg_settings WHERE name = 'statement_timeout'`).Scan(&ms, &pid)
+		// transaction_timeout is PostgreSQL 17's: NULL before it.
+		err := conn.QueryRow(ctx, `SELECT
+			(SELECT setting::bigint FROM pg_settings WHERE name = 'statement_timeout'),
+			(SELECT setting::bigint FROM pg_settings WHERE name = 'idle_in_transaction_session_timeout'),
+			coalesce((SELECT setting::bigint FROM pg_settings WHERE name = 'transaction_timeout'), 0),
+			pg_backend_pid()`).Scan(&statement, &idle, &transaction, &pid)
 		if err != nil {
 			return err
 		}
-		p.statementTimeout = time.Duration(ms) * time.Millisecond
+		p.statementTimeout = time.Duration(statement) * time.Millisecond
+		p.sessionEnd = shorterLimit(time.Duration(idle)*time.Millisecond, time.Duration(transaction)*time.Millisecond)
 		p.serverPIDs = pid == conn.Conn().PgConn().PID()
 		return nil
 	})
@@ -173,4 +181,12 @@ func lockWaitNote(blockers []uint32) string {
 		return ""
 	}
 	return fmt.Sprintf(" while its statement waited for a lock of another session (server process %v: a migration, a long transaction?)", blockers)
+}
+
+// shorterLimit returns the shorter of two limits, 0 meaning none.
+func shorterLimit(a, b time.Duration) time.Duration {
+	if a <= 0 || (b > 0 && b < a) {
+		return b
+	}
+	return a
 }

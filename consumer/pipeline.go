@@ -78,6 +78,10 @@ type pipeline struct {
 	// read at start (readSessions); false behind a connection pooler, or
 	// when not known.
 	serverPIDs bool
+	// sessionEnd is the shorter of the sessions'
+	// idle_in_transaction_session_timeout and transaction_timeout, read
+	// at start (readSessions); 0: neither.
+	sessionEnd time.Duration
 	// identifyCall names the user functions identifying a message calls.
 	identifyCall string
 }

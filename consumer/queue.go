@@ -130,6 +130,8 @@ type queueTx struct {
 	// sending is the watchdog's entry for a send of the queued statements
 	// after the handlers (flushQueued).
 	sending userCall
+	// began is when the transaction began, as far as the handlers go.
+	began time.Time
 }
 
 // Commit is refused with ErrTxOwnedByConsumer, marked Permanent: the
@@ -193,7 +195,7 @@ type queueFailure struct {
 	err   error
 }
 
-func newQueueTx(tx pgx.Tx) *queueTx { return &queueTx{Tx: tx} }
+func newQueueTx(tx pgx.Tx) *queueTx { return &queueTx{Tx: tx, began: time.Now()} }
 
 // flush sends the queued statements in one round trip and records the
 // first failure. After a failure it sends nothing more: the batch is

@@ -10,26 +10,39 @@ import (
 )
 
 // The statements handlers queue (Event.Queue) are sent after the handlers
-// return, one round trip before the COMMIT. They are the handlers' work
-// and may be slow on their own, so DatabaseTimeout does not cut them as it
-// cuts the consumer's own steps; but on a connection whose server
-// vanished without a word (a failover's old primary, a middlebox that
-// dropped the connection) their answer never comes, and only the
-// operating system ended the wait: about a quarter of an hour with
-// Linux's defaults, the stream standing still. So the watchdog asks, for
-// a send of queued statements that has waited DatabaseTimeout for its
-// answer, whether the transaction's server process still exists on the
+// return, one round trip before the COMMIT, and a handler's own statements
+// are sent while it runs. They are the handlers' work and may be slow on
+// their own, so DatabaseTimeout does not cut them as it cuts the
+// consumer's own steps; but on a connection whose server vanished without
+// a word (a failover's old primary, a middlebox that dropped the
+// connection) their answer never comes: a send of queued statements waited
+// until the operating system gave up on the connection (about a quarter
+// of an hour with Linux's defaults), the stream standing still, and a
+// handler's statement until HandlerTimeout cut it, charged to the message.
+// So the watchdog asks, for a send of queued statements that has waited
+// DatabaseTimeout for its answer, and for a handler call that has run that
+// long, whether the transaction's server process still exists on the
 // server (pg_stat_activity, on a connection opened for the question). A
 // server process gone, or one of that id outside any transaction (another
-// session that got the id since), means no answer will come: the send is
-// cut, its connection closed, the pool's others with it (as for an
-// unanswered step of the consumer's own), and the transaction retried as
-// infrastructure, never charged. A statement that is slow, or waits for a
-// lock, runs on: its server process is there, in its transaction.
+// session that got the id since), means no answer will come: the call is
+// cut (its context ends, and pgx closes the connection under a statement),
+// the pool's other connections are closed (as for an unanswered step of
+// the consumer's own), and the transaction retried as infrastructure,
+// never charged. A statement that is slow, or waits for a lock, runs on:
+// its server process is there, in its transaction.
+//
+// The server also ends sessions of its own accord: past
+// idle_in_transaction_session_timeout or transaction_timeout, which
+// readSessions reads at start. It tells the client so, but a handler
+// working outside the database learns it only at its next statement, and
+// that failure is the handler's (transactionTimeRanOut). So a handler call
+// whose transaction is older than the shorter of the two is not cut: its
+// server process may have gone for that. A send waits for its answer: a
+// session the server ended answers at once.
 //
 // Behind a connection pooler the id a connection gets at its start is not
 // its server process's (readSessions finds that at start), and nothing is
-// asked: the operating system's bound stands.
+// asked: the operating system's bound, or HandlerTimeout, stands.
 
 // queuedCall names a send of queued statements in the watchdog's log.
 const queuedCall = "Event.Queue statements"
@@ -37,15 +50,16 @@ const queuedCall = "Event.Queue statements"
 // sessionCheckTimeout bounds one sample's connection and questions.
 const sessionCheckTimeout = 2 * time.Second
 
-// strandedError is the failure of a send of queued statements the
-// watchdog cut because the transaction's server process was gone.
+// strandedError is the failure of a send of queued statements, or of a
+// handler, that the watchdog cut because the transaction's server process
+// was gone.
 type strandedError struct {
 	waited time.Duration
 	err    error
 }
 
 func (e *strandedError) Error() string {
-	return fmt.Sprintf("no answer for %s, and the transaction's server process is gone from the server (a failover, a dropped connection); the pool's connections are closed and the transaction retried on a new one: %v", e.waited, e.err)
+	return fmt.Sprintf("the transaction's server process is gone from the server without a word reaching this host (a failover, a dropped connection), found after %s; the pool's connections are closed and the transaction retried on a new one: %v", e.waited.Round(time.Millisecond), e.err)
 }
 func (e *strandedError) Unwrap() error { return e.err }
 
@@ -62,35 +76,51 @@ func (p *pipeline) flushQueued(ctx context.Context, qtx *queueTx) *queueFailure 
 	p.watch.beginSend(c, queuedCall, qtx.Conn().PgConn().PID(), cut)
 	f := qtx.flush(fctx)
 	p.watch.end(c)
-	if f != nil && c.stranded && ctx.Err() == nil {
+	if f != nil && p.watch.wasStranded(c) && ctx.Err() == nil {
 		f.err = &strandedError{waited: time.Since(c.start), err: f.err}
 	}
 	return f
 }
 
 // asksAfterSessions reports whether the watchdog asks the server after a
-// send of queued statements that waits long: with a DatabaseTimeout, and
-// connections whose process ids are their server processes'.
+// send of queued statements that waits long, or a handler call that runs
+// long: with a DatabaseTimeout, and connections whose process ids are
+// their server processes'.
 func (p *pipeline) asksAfterSessions() bool {
 	return p.cfg.DatabaseTimeout > 0 && p.serverPIDs
 }
 
-// sendsToAsk returns the sends that have waited for their answer for at
-// least after and were not cut yet.
-func (w *watchdog) sendsToAsk(now time.Time, after time.Duration) []lockProbe {
+// callsToAsk returns the calls that may be cut (sends, and handler calls
+// under HandlerTimeout) that have run for at least after and were not cut
+// yet; not a handler call whose transaction has run for sessionEnd (the
+// shorter of idle_in_transaction_session_timeout and transaction_timeout;
+// 0: neither), whose server process the server may have ended itself.
+func (w *watchdog) callsToAsk(now time.Time, after, sessionEnd time.Duration) []lockProbe {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	var out []lockProbe
 	for c := w.head; c != nil; c = c.next {
-		if c.cut != nil && !c.stranded && c.pid != 0 && now.Sub(c.start) >= after {
-			out = append(out, lockProbe{c: c, pid: c.pid, start: c.start})
+		if c.cut == nil || c.stranded || c.pid == 0 || now.Sub(c.start) < after {
+			continue
 		}
+		if !c.send && sessionEnd > 0 && now.Sub(c.txBegan) >= sessionEnd {
+			continue
+		}
+		out = append(out, lockProbe{c: c, pid: c.pid, start: c.start})
 	}
 	return out
 }
 
-// cutStranded cuts each probed send still waiting whose server process
-// is not among alive, and marks it stranded.
+// wasStranded reports whether the watchdog cut c because its server
+// process was gone.
+func (w *watchdog) wasStranded(c *userCall) bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return c.stranded
+}
+
+// cutStranded cuts each probed call still in progress whose server
+// process is not among alive, and marks it stranded.
 func (w *watchdog) cutStranded(probes []lockProbe, alive map[uint32]bool) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
@@ -105,13 +135,13 @@ func (w *watchdog) cutStranded(probes []lockProbe, alive map[uint32]bool) {
 // sampleSessions asks the database, on one connection opened for the
 // questions, about the server processes of the calls in progress that
 // need it: what the handler calls past half of lockWaitLimit wait for
-// (lockwait.go), and whether those of the sends of queued statements that
-// have waited DatabaseTimeout still exist (above).
+// (lockwait.go), and whether those of the sends and handler calls that
+// have run for DatabaseTimeout still exist (above).
 func (p *pipeline) sampleSessions(ctx context.Context, now time.Time, tick time.Duration) {
 	locks := p.lockProbes(now)
 	var sends []lockProbe
 	if p.asksAfterSessions() {
-		sends = p.watch.sendsToAsk(now, p.cfg.DatabaseTimeout)
+		sends = p.watch.callsToAsk(now, p.cfg.DatabaseTimeout, p.sessionEnd)
 	}
 	if len(locks) == 0 && len(sends) == 0 {
 		return
@@ -170,9 +200,9 @@ func probePIDs(probes []lockProbe) []int32 {
 
 // inTransaction returns which of pids are server processes in a
 // transaction (or whose state conn may not see: a session of another
-// role), asked on conn. A send waiting for its answer is in a transaction
-// on the server while it runs, and after: a process of its id that is
-// idle is another session's that got the id since.
+// role), asked on conn. A call's transaction is open on the server until
+// the consumer ends it: a process of its id that is idle is another
+// session's that got the id since.
 func inTransaction(ctx context.Context, conn *pgx.Conn, pids []int32) (map[uint32]bool, error) {
 	rows, err := conn.Query(ctx, `SELECT a.pid FROM pg_stat_activity a
 		WHERE a.pid = ANY($1::int4[]) AND a.state IS DISTINCT FROM 'idle'`, pids)
@@ -188,7 +218,7 @@ func inTransaction(ctx context.Context, conn *pgx.Conn, pids []int32) (map[uint3
 	return alive, err
 }
 
-// isStranded reports whether err is the failure of a send cut because its
+// isStranded reports whether err is the failure of a call cut because its
 // server process was gone.
 func isStranded(err error) bool {
 	return errors.As(err, new(*strandedError))

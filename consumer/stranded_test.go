@@ -165,6 +165,97 @@ func TestSlowQueuedStatementOutlastsDatabaseTimeout(t *testing.T) {
 	assert.Zero(t, c.Stats().Retries)
 }
 
+// A handler's statement sent on a connection whose server vanished
+// without a word went unanswered until HandlerTimeout cut it, and the cut
+// was charged to the message: with Retry.MaxAttempts 1 a failover
+// dead-lettered every message whose handler was in the database. Once the
+// handler call has run for DatabaseTimeout, the watchdog asks the server
+// whether its transaction's server process is still there; gone, the
+// handler is cut as infrastructure.
+func TestHandlerStatementOnAStrandedConnectionIsNotCharged(t *testing.T) {
+	admin, pool, strand := strandedDatabase(t, nil)
+	b := memsource.New(memsource.Options{Streams: 1})
+	publish(b, "e1", 1)
+	var once sync.Once
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		once.Do(strand) // the insert is the next round trip
+		return insertEffect(ctx, tx, ev)
+	}
+	cfg := fastConfig("stranded-handler")
+	cfg.Retry.MaxAttempts = 1
+	cfg.HandlerTimeout = 5 * time.Second
+	cfg.DatabaseTimeout = 300 * time.Millisecond
+	c, err := consumer.New(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 1 }, 20*time.Second, time.Millisecond)
+	assert.Empty(t, deadLetterKinds(b), "a stranded connection is not the message's failure")
+	assert.Equal(t, map[string]int{"e1": 1}, countEffects(t, admin))
+	assert.Positive(t, c.Stats().InfraErrors)
+}
+
+// The guard: a handler working outside the database for longer than
+// DatabaseTimeout, its session idle in its transaction, is not cut.
+func TestHandlerWorkingOutsideTheDatabaseOutlastsDatabaseTimeout(t *testing.T) {
+	admin, schema := pgtest.Schema(t)
+	effects(t, admin)
+	pool := pgtest.NewPool(t, schema)
+	b := memsource.New(memsource.Options{Streams: 1})
+	publish(b, "slow", 1)
+	cfg := fastConfig("slow-handler")
+	cfg.DatabaseTimeout = 100 * time.Millisecond
+	c, err := consumer.New(pool, b.Source(), func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		if err := insertEffect(ctx, tx, ev); err != nil {
+			return err
+		}
+		select { // work outside the database, its context not ending
+		case <-time.After(time.Second):
+			return nil
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}, cfg)
+	require.NoError(t, err)
+	start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 1 }, 20*time.Second, time.Millisecond)
+	assert.Equal(t, map[string]int{"slow": 1}, countEffects(t, admin))
+	assert.Zero(t, c.Stats().InfraErrors, "a handler working outside the database is not stranded")
+	assert.Zero(t, c.Stats().Retries)
+}
+
+// The server ends a session idle in its transaction past
+// idle_in_transaction_session_timeout itself, and says so at the next
+// statement: a handler that idles past it every time is charged, also
+// when it has run for DatabaseTimeout with its server process gone (the
+// watchdog does not take that for a stranded connection, which would be
+// retried without end).
+func TestHandlerIdlePastIdleInTransactionTimeoutIsChargedNotStranded(t *testing.T) {
+	admin, pool, b := idleInTransactionSetup(t)
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		if err := insertEffect(ctx, tx, ev); err != nil {
+			return err
+		}
+		if ev.ID == "e2" {
+			idleUntilTheSessionEnds(ctx, t, admin, tx)
+			select { // on past DatabaseTimeout, the session gone
+			case <-time.After(500 * time.Millisecond):
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+		}
+		return nil
+	}
+	cfg := fastConfig("idle-in-tx-not-stranded")
+	cfg.Retry.MaxAttempts = 1
+	cfg.DatabaseTimeout = 100 * time.Millisecond
+	c, err := consumer.New(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 6 }, 20*time.Second, time.Millisecond)
+	assert.Equal(t, map[string]string{"e2": string(consumer.KindHandler)}, deadLetterKinds(b))
+	assert.Equal(t, map[string]int{"e0": 1, "e1": 1, "e3": 1, "e4": 1, "e5": 1}, countEffects(t, admin))
+}
+
 // commitDeadlines records the time left before the deadline of the
 // first COMMIT's context (-1: none) once armed.
 type commitDeadlines struct {

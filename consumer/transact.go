@@ -482,15 +482,17 @@ func (p *pipeline) runBatchHandler(ctx context.Context, tx pgx.Tx, jobs []*job, 
 // call on one message, else messages), to be logged if it ignores its
 // context's end (handlerWatchAfter).
 func (p *pipeline) callHandler(ctx context.Context, tx *queueTx, c *userCall, name string, m *Message, eventID string, messages int, run func(context.Context) error) (err error) {
-	if after := p.handlerWatchAfter; after > 0 {
-		p.watch.beginHandler(c, name, m, eventID, messages, after, tx.Conn().PgConn().PID())
-		defer p.watch.end(c)
-	}
 	hctx := ctx
 	if p.cfg.HandlerTimeout > 0 {
 		var cancel context.CancelFunc
 		hctx, cancel = context.WithTimeout(ctx, p.cfg.HandlerTimeout)
 		defer cancel()
+		var cut context.CancelFunc
+		if p.asksAfterSessions() {
+			cut = cancel // stranded.go
+		}
+		p.watch.beginHandler(c, name, m, eventID, messages, p.handlerWatchAfter, tx.Conn().PgConn().PID(), cut, tx.began)
+		defer p.watch.end(c)
 	}
 	tx.handlerDeadline, _ = hctx.Deadline()
 	start := time.Now()
@@ -501,6 +503,11 @@ func (p *pipeline) callHandler(ctx context.Context, tx *queueTx, c *userCall, na
 		p.tel.since(ctx, p.tel.handlerDur, start)
 		switch {
 		case ctx.Err() != nil:
+		case p.watch.wasStranded(c):
+			if err == nil {
+				err = hctx.Err()
+			}
+			err = &strandedError{waited: time.Since(start), err: err}
 		case errors.Is(hctx.Err(), context.DeadlineExceeded):
 			switch {
 			case err != nil:

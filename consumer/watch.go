@@ -51,8 +51,13 @@ type userCall struct {
 	// cut ends a send's context; stranded is set once the watchdog cut it
 	// because its server process was gone (stranded.go). Both under the
 	// watchdog's lock while the call is in progress.
-	cut        context.CancelFunc
-	stranded   bool
+	cut      context.CancelFunc
+	stranded bool
+	// send: the call is a send of statements that waits for their answer
+	// (a handler call may work outside the database); txBegan is when a
+	// handler call's transaction began.
+	send       bool
+	txBegan    time.Time
 	prev, next *userCall
 }
 
@@ -67,29 +72,34 @@ type watchdog struct {
 // begin adds c, a call of name for message m (nil for a call on several
 // messages, of which there are messages), to the calls in progress.
 func (w *watchdog) begin(c *userCall, name string, m *Message, eventID string, messages int) {
-	w.beginHandler(c, name, m, eventID, messages, 0, 0)
+	w.beginHandler(c, name, m, eventID, messages, 0, 0, nil, time.Time{})
 }
 
 // beginHandler is begin for a handler call, logged once it has run for
-// after (0: the watchdog's bound), whose transaction's server process is
-// pid (0: none, not sampled for lock waits).
-func (w *watchdog) beginHandler(c *userCall, name string, m *Message, eventID string, messages int, after time.Duration, pid uint32) {
-	*c = userCall{name: name, m: m, eventID: eventID, messages: messages, start: time.Now(), after: after, pid: pid}
+// after (0: the watchdog's bound), whose transaction, begun at txBegan,
+// has the server process pid (0: none, not sampled for lock waits), and
+// which cut ends once that process is gone (nil: never; stranded.go).
+func (w *watchdog) beginHandler(c *userCall, name string, m *Message, eventID string, messages int, after time.Duration, pid uint32, cut context.CancelFunc, txBegan time.Time) {
+	*c = userCall{name: name, m: m, eventID: eventID, messages: messages, start: time.Now(), after: after, pid: pid, cut: cut, txBegan: txBegan}
+	w.add(c)
+}
+
+// beginSend is begin for a send of statements, waiting for their answer,
+// on a transaction whose server process is pid, which cut ends
+// (stranded.go).
+func (w *watchdog) beginSend(c *userCall, name string, pid uint32, cut context.CancelFunc) {
+	*c = userCall{name: name, start: time.Now(), pid: pid, cut: cut, send: true}
+	w.add(c)
+}
+
+// add puts c at the head of the calls in progress.
+func (w *watchdog) add(c *userCall) {
 	w.mu.Lock()
 	c.next = w.head
 	if w.head != nil {
 		w.head.prev = c
 	}
 	w.head = c
-	w.mu.Unlock()
-}
-
-// beginSend is begin for a send of statements on a transaction whose
-// server process is pid, which cut ends (stranded.go).
-func (w *watchdog) beginSend(c *userCall, name string, pid uint32, cut context.CancelFunc) {
-	w.beginHandler(c, name, nil, "", 0, 0, pid)
-	w.mu.Lock()
-	c.cut = cut
 	w.mu.Unlock()
 }
 
