@@ -167,43 +167,46 @@ type Config struct {
 	// watched the same way: they take a context, but one that ignores it
 	// would otherwise hold its stream without a word.
 	HandlerTimeout time.Duration
-	// DatabaseTimeout bounds each step the consumer takes in the database
-	// itself, outside the handler: taking a pool connection once one is
-	// free (pgxpool's ping of a connection that idled, a new connection's
-	// dial), the BEGIN with the claims, the recording of progress, the
-	// COMMIT, a rollback, the crash guard's records. A connection whose
-	// server vanished without a word reaching the consumer's host (a
+	// DatabaseTimeout is how long the consumer waits for an answer from the
+	// database before it asks whether anyone is still there. A connection
+	// whose server vanished without a word reaching the consumer's host (a
 	// failover's old primary, a middlebox or load balancer that dropped
 	// the connection) leaves a statement on it unanswered until the
 	// operating system gives up on the connection, about a quarter of an
 	// hour with Linux's defaults, and its stream stands still meanwhile.
-	// Past DatabaseTimeout the step's connection is closed, and the pool's
-	// others with it (pgxpool.Pool.Reset: what stranded one has most likely
-	// stranded them all; those in use are closed when released), and the
-	// transaction is retried on a new connection as infrastructure: never
-	// charged to a message, logged at Warn. A COMMIT cut so loses nothing:
-	// its retry finds the claims committed, if the commit happened, and
-	// acks the messages as duplicates. A step that waits for a lock
-	// another session holds (the claim of an id another transaction is
-	// handling, a COMMIT waiting for a synchronous standby) is cut too,
-	// and retried (the pool's connections reset with it), and so is a
-	// COMMIT whose deferred triggers or constraints work longer than it,
-	// every time: set DatabaseTimeout above the longest step the
-	// database may legitimately take. Waiting
-	// for a pool connection others hold is not bounded by it. The
-	// handlers' statements, and those they queued (Event.Queue), sent
-	// after them, are the handlers' work and may take their time: once a
-	// handler call (under HandlerTimeout) or a send of queued statements
-	// has run for DatabaseTimeout, the consumer asks the server (on a
-	// connection opened for the question) whether the transaction's
-	// server process still exists: gone, the call is cut, the pool's
-	// connections closed and the transaction retried as infrastructure;
-	// there (a slow statement, a lock wait, a handler working outside the
-	// database), it runs on. Behind a connection pooler whose process ids
-	// are not the server's (PgBouncer; found at start) the question is not
-	// asked. Defaults to
-	// DefaultDatabaseTimeout (30 seconds); NoDatabaseTimeout (-1) lifts
-	// the bound; other negative values are refused with ErrInvalidConfig.
+	//
+	// Taking a pool connection once one is free (pgxpool's ping of a
+	// connection that idled, a new connection's dial) is bounded by
+	// DatabaseTimeout; waiting for a connection others hold is not. Every
+	// other step of the consumer's own (the BEGIN with the claims, the
+	// recording of progress, the COMMIT, a rollback, the crash guard's
+	// records), each handler call under HandlerTimeout, and each send of
+	// the statements handlers queued (Event.Queue) that has waited
+	// DatabaseTimeout has its connection's server process asked after, on
+	// a connection opened for the question (pg_stat_activity), every
+	// quarter of DatabaseTimeout: while it is there, in its transaction
+	// (a slow statement, a claim waiting for another transaction's claim
+	// of the same id, a COMMIT running deferred triggers or waiting for a
+	// synchronous standby, a handler working outside the database), the
+	// wait goes on; gone, the call is cut. A step of the consumer's is
+	// cut also when the server cannot be reached to ask. A handler call
+	// whose transaction is older than the sessions'
+	// idle_in_transaction_session_timeout or transaction_timeout (read at
+	// start) is not asked after: the server may have ended it for that,
+	// the handler's doing. Behind a connection pooler whose process ids
+	// are not the server's (PgBouncer; compared with pg_backend_pid() at
+	// start), nothing is asked, and each step of the consumer's is cut at
+	// DatabaseTimeout, a slow one too.
+	//
+	// A cut closes the connection, and the pool's others with it
+	// (pgxpool.Pool.Reset: what stranded one has most likely stranded them
+	// all; those in use are closed when released), and the transaction is
+	// retried on a new connection as infrastructure: never charged to a
+	// message, logged at Warn. A COMMIT cut so loses nothing: its retry
+	// finds the claims committed, if the commit happened, and acks the
+	// messages as duplicates. Defaults to DefaultDatabaseTimeout (30
+	// seconds); NoDatabaseTimeout (-1) lifts the bound and the questions;
+	// other negative values are refused with ErrInvalidConfig.
 	DatabaseTimeout time.Duration
 	// ShutdownTimeout bounds how long Run waits, once its context is
 	// cancelled, for messages in flight to finish; then their transactions
@@ -422,8 +425,9 @@ const NoHandlerTimeout time.Duration = -1
 // DefaultDatabaseTimeout is Config.DatabaseTimeout's default.
 const DefaultDatabaseTimeout = 30 * time.Second
 
-// NoDatabaseTimeout lifts the bound on the consumer's own steps in the
-// database when set as Config.DatabaseTimeout.
+// NoDatabaseTimeout, set as Config.DatabaseTimeout, lifts the bound on
+// taking a pool connection and the questions after the sessions of long
+// waits: only the operating system ends a wait on a stranded connection.
 const NoDatabaseTimeout time.Duration = -1
 
 // withDefaults validates c and returns it with defaults filled in.

@@ -6,28 +6,48 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // The consumer's own steps in the database (taking a pool connection, the
 // BEGIN with the claims, the recording of progress, the COMMIT, a
-// rollback, the crash guard's records) are bounded by
+// rollback, the crash guard's records) are watched with
 // Config.DatabaseTimeout. A connection whose server vanished without a
 // word reaching the consumer's host (a failover's old primary, a
 // middlebox or load balancer that dropped the connection) leaves a
 // statement sent on it unanswered until the operating system gives up on
 // the connection: about a quarter of an hour with Linux's defaults, while
-// the stream it belongs to stands still. Past DatabaseTimeout pgx ends
-// the statement by closing the connection, the pool's other connections
-// are closed too (leaveUnanswered), and the step fails as infrastructure:
-// retried on a new connection, never charged to a message. A COMMIT cut
-// so may have committed: the retry finds the claims committed, as
-// duplicates, or asks the transaction's status (messages deduplicated by
-// position).
+// the stream it belongs to stands still.
+//
+// Taking a pool connection (pgxpool's ping of one that idled, a new
+// connection's dial and startup) is bounded by DatabaseTimeout: there is
+// no session yet to ask after. A step on a connection taken is not cut
+// for being slow (a claim waiting for another transaction's claim of the
+// same id, a COMMIT running deferred triggers or waiting for a
+// synchronous standby: cut, each would fail again on its retry, some for
+// ever): once it has waited DatabaseTimeout, the watchdog asks the server
+// whether the connection's server process still exists (stranded.go),
+// and cuts the step when it is gone, or when the server cannot be reached
+// to ask. Behind a connection pooler, whose process ids are not the
+// server's, every step is bounded by DatabaseTimeout.
+//
+// A step cut so ends with pgx closing its connection; the pool's other
+// connections are closed too (leaveUnanswered), and the step fails as
+// infrastructure: retried on a new connection, never charged to a
+// message. A COMMIT cut so may have committed: the retry finds the claims
+// committed, as duplicates, or asks the transaction's status (messages
+// deduplicated by position).
 
-// errUnanswered is the cause of a context that ended at
-// Config.DatabaseTimeout.
+// errUnanswered is the cause of a step's context that ended at
+// Config.DatabaseTimeout, or that the watchdog cut after it
+// (errSessionGone, errServerUnreachable wrap it).
 var errUnanswered = errors.New("once: no answer from the database within Config.DatabaseTimeout")
+
+var (
+	errSessionGone       = fmt.Errorf("%w: the connection's server process is gone from the server", errUnanswered)
+	errServerUnreachable = fmt.Errorf("%w: the server could not be reached to ask after the connection's session", errUnanswered)
+)
 
 // ownStep returns ctx bounded by Config.DatabaseTimeout, for one of the
 // consumer's own steps in the database, and the function that ends it.
@@ -42,11 +62,21 @@ func (p *pipeline) ownStep(ctx context.Context) (context.Context, context.Cancel
 // DatabaseTimeout cut.
 type unansweredError struct {
 	limit time.Duration
+	// cause is the step's context's: errUnanswered, errSessionGone or
+	// errServerUnreachable.
+	cause error
 	err   error
 }
 
 func (e *unansweredError) Error() string {
-	return fmt.Sprintf("the database did not answer within DatabaseTimeout (%s); the pool's connections are closed and the step retried on a new one: %v", e.limit, e.err)
+	var why string
+	switch e.cause {
+	case errSessionGone:
+		why = ", and its connection's server process is gone from the server"
+	case errServerUnreachable:
+		why = ", and the server could not be reached to ask after its connection's session"
+	}
+	return fmt.Sprintf("the database did not answer a step of the consumer's within DatabaseTimeout (%s)%s; the pool's connections are closed and the step retried on a new one: %v", e.limit, why, e.err)
 }
 func (e *unansweredError) Unwrap() error { return e.err }
 
@@ -54,34 +84,27 @@ func (e *unansweredError) Unwrap() error { return e.err }
 // DatabaseTimeout (limit).
 func unanswered(ctx context.Context, limit time.Duration, err error) error {
 	var already *unansweredError
-	if err == nil || !errors.Is(context.Cause(ctx), errUnanswered) || errors.As(err, &already) {
+	cause := context.Cause(ctx)
+	if err == nil || !errors.Is(cause, errUnanswered) || errors.As(err, &already) {
 		return err
 	}
-	return &unansweredError{limit: limit, err: err}
+	return &unansweredError{limit: limit, cause: cause, err: err}
 }
 
-// acquire takes a pool connection for a transaction, and returns it with
-// the context of the transaction's first step (BEGIN with the claims) and
-// the function that ends that context. Waiting for a connection that
-// others hold is the consumer's own time (Concurrency above the pool's
-// size, or a pool the service shares), bounded by ctx alone; what pgxpool
-// does once it has one (the ping it sends on a connection that idled, a
-// new connection's dial and startup) is part of the first step, bounded by
-// DatabaseTimeout.
-func (p *pipeline) acquire(ctx context.Context) (*pgxpool.Conn, context.Context, context.CancelFunc, error) {
+// acquire takes a pool connection for a transaction. Waiting for a
+// connection that others hold is the consumer's own time (Concurrency
+// above the pool's size, or a pool the service shares), bounded by ctx
+// alone; what pgxpool does once it has one (the ping it sends on a
+// connection that idled, a new connection's dial and startup) is bounded
+// by DatabaseTimeout.
+func (p *pipeline) acquire(ctx context.Context) (*pgxpool.Conn, error) {
 	for {
 		sctx, endStep := p.ownStep(ctx)
-		start := time.Now()
 		conn, err := p.pool.Acquire(sctx)
 		switch {
 		case err == nil:
-			if p.cfg.DatabaseTimeout > 0 && time.Since(start) > p.cfg.DatabaseTimeout/2 {
-				// A long wait for a connection: the step gets its whole
-				// time.
-				endStep()
-				sctx, endStep = p.ownStep(ctx)
-			}
-			return conn, sctx, endStep, nil
+			endStep()
+			return conn, nil
 		case ctx.Err() == nil && errors.Is(context.Cause(sctx), errUnanswered) && p.everyConnectionHeld():
 			// Still waiting for a connection others hold.
 			endStep()
@@ -89,20 +112,40 @@ func (p *pipeline) acquire(ctx context.Context) (*pgxpool.Conn, context.Context,
 		}
 		err = unanswered(sctx, p.cfg.DatabaseTimeout, err)
 		endStep()
-		return nil, nil, nil, err
+		return nil, err
+	}
+}
+
+// stepOn returns the context of one of the consumer's own steps on conn, a
+// connection taken, and the function that ends it: watched once it has
+// waited DatabaseTimeout, cut when the connection's server process is gone
+// (see above); bounded by DatabaseTimeout where process ids are not the
+// server's.
+func (p *pipeline) stepOn(ctx context.Context, conn *pgx.Conn) (context.Context, func()) {
+	if p.cfg.DatabaseTimeout <= 0 || !p.serverPIDs {
+		sctx, cancel := p.ownStep(ctx)
+		return sctx, cancel
+	}
+	c := new(userCall)
+	sctx, cancel := context.WithCancelCause(ctx)
+	p.watch.beginStep(c, conn.PgConn().PID(), cancel)
+	return sctx, func() {
+		p.watch.end(c)
+		cancel(nil)
 	}
 }
 
 // onConn runs f on a pool connection taken by acquire, under the context
 // of its step, and releases the connection: a statement of the consumer's
-// own outside a transaction, bounded like the transaction's steps.
+// own outside a transaction, watched like the transaction's steps.
 func (p *pipeline) onConn(ctx context.Context, f func(ctx context.Context, conn *pgxpool.Conn) error) error {
-	conn, sctx, endStep, err := p.acquire(ctx)
+	conn, err := p.acquire(ctx)
 	if err != nil {
 		return err
 	}
-	defer endStep()
 	defer conn.Release()
+	sctx, endStep := p.stepOn(ctx, conn.Conn())
+	defer endStep()
 	return unanswered(sctx, p.cfg.DatabaseTimeout, f(sctx, conn))
 }
 

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // The statements handlers queue (Event.Queue) are sent after the handlers
@@ -100,7 +101,7 @@ func (w *watchdog) callsToAsk(now time.Time, after, sessionEnd time.Duration) []
 	defer w.mu.Unlock()
 	var out []lockProbe
 	for c := w.head; c != nil; c = c.next {
-		if c.cut == nil || c.stranded || c.pid == 0 || now.Sub(c.start) < after {
+		if (c.cut == nil && c.cutCause == nil) || c.stranded || c.pid == 0 || now.Sub(c.start) < after {
 			continue
 		}
 		if !c.send && sessionEnd > 0 && now.Sub(c.txBegan) >= sessionEnd {
@@ -125,10 +126,35 @@ func (w *watchdog) cutStranded(probes []lockProbe, alive map[uint32]bool) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	for _, pr := range probes {
-		if !alive[pr.pid] && w.running(pr.c) && pr.c.pid == pr.pid && pr.c.start.Equal(pr.start) {
-			pr.c.stranded = true
-			pr.c.cut()
+		if !alive[pr.pid] {
+			w.cutCall(pr, errSessionGone)
 		}
+	}
+}
+
+// cutSteps cuts each probed step of the consumer's own still in progress:
+// the server could not be reached to ask after its session.
+func (w *watchdog) cutSteps(probes []lockProbe) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	for _, pr := range probes {
+		if pr.c.step {
+			w.cutCall(pr, errServerUnreachable)
+		}
+	}
+}
+
+// cutCall cuts the probed call, when it is still in progress, with cause
+// (a step's), and marks it stranded. w.mu is held.
+func (w *watchdog) cutCall(pr lockProbe, cause error) {
+	if !w.running(pr.c) || pr.c.pid != pr.pid || !pr.c.start.Equal(pr.start) {
+		return
+	}
+	pr.c.stranded = true
+	if pr.c.cutCause != nil {
+		pr.c.cutCause(cause)
+	} else {
+		pr.c.cut()
 	}
 }
 
@@ -137,7 +163,7 @@ func (w *watchdog) cutStranded(probes []lockProbe, alive map[uint32]bool) {
 // need it: what the handler calls past half of lockWaitLimit wait for
 // (lockwait.go), and whether those of the sends and handler calls that
 // have run for DatabaseTimeout still exist (above).
-func (p *pipeline) sampleSessions(ctx context.Context, now time.Time, tick time.Duration) {
+func (p *pipeline) sampleSessions(ctx context.Context, now time.Time) {
 	locks := p.lockProbes(now)
 	var sends []lockProbe
 	if p.asksAfterSessions() {
@@ -146,7 +172,9 @@ func (p *pipeline) sampleSessions(ctx context.Context, now time.Time, tick time.
 	if len(locks) == 0 && len(sends) == 0 {
 		return
 	}
-	ctx, cancel := context.WithTimeout(ctx, min(sessionCheckTimeout, max(tick, 100*time.Millisecond)))
+	// Not shorter on a short tick: a question that timed out would cut
+	// the consumer's steps waiting for an answer (cutSteps).
+	ctx, cancel := context.WithTimeout(ctx, sessionCheckTimeout)
 	defer cancel()
 	err := p.askAfterSessions(ctx, func(conn *pgx.Conn) error {
 		if len(locks) > 0 {
@@ -165,8 +193,16 @@ func (p *pipeline) sampleSessions(ctx context.Context, now time.Time, tick time.
 		}
 		return nil
 	})
-	if err != nil {
-		p.cfg.Telemetry.Logger.DebugContext(ctx, "once: could not ask the database after the sessions of long-running calls", "consumer", p.cfg.Name, "error", err)
+	if err == nil {
+		return
+	}
+	p.cfg.Telemetry.Logger.DebugContext(ctx, "once: could not ask the database after the sessions of long-running calls", "consumer", p.cfg.Name, "error", err)
+	if !errors.As(err, new(*pgconn.PgError)) {
+		// Not even a refusal from the server: what has waited that long
+		// for it is cut, as DatabaseTimeout alone would have. (A handler
+		// or a send of the handlers' statements may still be slow on
+		// its own: they run on.)
+		p.watch.cutSteps(sends)
 	}
 }
 

@@ -3,7 +3,6 @@ package consumer_test
 import (
 	"context"
 	"fmt"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -256,56 +255,154 @@ func TestHandlerIdlePastIdleInTransactionTimeoutIsChargedNotStranded(t *testing.
 	assert.Equal(t, map[string]int{"e0": 1, "e1": 1, "e3": 1, "e4": 1, "e5": 1}, countEffects(t, admin))
 }
 
-// commitDeadlines records the time left before the deadline of the
-// first COMMIT's context (-1: none) once armed.
-type commitDeadlines struct {
+// A step of the consumer's own that is slow on the server is no stranded
+// connection: cut at DatabaseTimeout, a COMMIT running deferred work
+// longer than it failed again on every retry, without end, and a claim
+// waiting for another transaction was cut with the pool's connections.
+// Past DatabaseTimeout the watchdog asks whether the step's server process
+// is still there; it is, and the step runs on.
+func TestSlowStepOfTheConsumersOutlastsDatabaseTimeout(t *testing.T) {
+	t.Run("a COMMIT running a deferred trigger", func(t *testing.T) {
+		admin, schema := pgtest.Schema(t)
+		effects(t, admin)
+		_, err := admin.Exec(context.Background(), `
+CREATE FUNCTION slow_check() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+	PERFORM pg_sleep(0.5);
+	RETURN NULL;
+END $$;
+CREATE CONSTRAINT TRIGGER slow_check AFTER INSERT ON effects
+	DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION slow_check()`)
+		require.NoError(t, err)
+		pool := pgtest.NewPool(t, schema)
+		b := memsource.New(memsource.Options{Streams: 1})
+		publish(b, "e1", 1)
+		cfg := fastConfig("slow-commit-step")
+		cfg.DatabaseTimeout = 100 * time.Millisecond
+		c, err := consumer.New(pool, b.Source(), insertEffect, cfg)
+		require.NoError(t, err)
+		start(t, c)
+		require.Eventually(t, func() bool { return b.Acked() == 1 }, 20*time.Second, time.Millisecond,
+			"the COMMIT, five times DatabaseTimeout, completes")
+		assert.Equal(t, map[string]int{"e1": 1}, countEffects(t, admin))
+		assert.Zero(t, c.Stats().InfraErrors, "a slow COMMIT is not a stranded connection")
+	})
+
+	t.Run("a claim waiting for another transaction", func(t *testing.T) {
+		admin, schema := pgtest.Schema(t)
+		effects(t, admin)
+		pool := pgtest.NewPool(t, schema)
+		b := memsource.New(memsource.Options{Streams: 1})
+		publish(b, "e1", 1)
+		cfg := fastConfig("claim-waits-step")
+		cfg.DatabaseTimeout = 100 * time.Millisecond
+		c, err := consumer.New(pool, b.Source(), insertEffect, cfg)
+		require.NoError(t, err)
+		start(t, c)
+		require.Eventually(t, func() bool { return b.Acked() == 1 }, 10*time.Second, time.Millisecond)
+		ctx := context.Background()
+		locker, err := admin.Begin(ctx)
+		require.NoError(t, err)
+		defer func() { _ = locker.Rollback(ctx) }()
+		_, err = locker.Exec(ctx, `LOCK TABLE processed_events IN ACCESS EXCLUSIVE MODE`)
+		require.NoError(t, err)
+		publish(b, "e2", 2)
+		require.Eventually(t, func() bool {
+			var waiting bool
+			require.NoError(t, admin.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+				WHERE wait_event_type = 'Lock' AND query ILIKE '%processed_events%')`).Scan(&waiting))
+			return waiting
+		}, 10*time.Second, time.Millisecond, "the claim waits for the lock")
+		time.Sleep(5 * cfg.DatabaseTimeout) // the lock held past DatabaseTimeout
+		require.NoError(t, locker.Rollback(ctx))
+		require.Eventually(t, func() bool { return b.Acked() == 2 }, 10*time.Second, time.Millisecond)
+		assert.Equal(t, map[string]int{"e1": 1, "e2": 1}, countEffects(t, admin))
+		assert.Zero(t, c.Stats().InfraErrors, "a claim waiting for a lock is not a stranded connection")
+	})
+}
+
+// A step on a stranded connection is cut also when the server cannot be
+// reached to ask after its session (every new connection fails): nothing
+// can answer the step, as DatabaseTimeout alone would have judged.
+func TestStepOnAStrandedConnectionIsCutWhenTheServerCannotBeAsked(t *testing.T) {
+	admin, schema := pgtest.Schema(t)
+	effects(t, admin)
+	pool, proxy := pgtest.NewPoolThroughProxy(t, schema, nil)
+	b := memsource.New(memsource.Options{Streams: 1})
+	publish(b, "e1", 1)
+	var once sync.Once
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		if err := insertEffect(ctx, tx, ev); err != nil {
+			return err
+		}
+		once.Do(func() {
+			proxy.Refuse(true)
+			require.Positive(t, proxy.Strand()) // the COMMIT is the next round trip
+		})
+		return nil
+	}
+	cfg := fastConfig("stranded-unreachable")
+	cfg.DatabaseTimeout = 300 * time.Millisecond
+	c, err := consumer.New(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	start(t, c)
+	require.Eventually(t, func() bool { return c.Stats().InfraErrors > 0 }, 20*time.Second, time.Millisecond,
+		"the COMMIT is cut though its session could not be asked after")
+	proxy.Refuse(false)
+	require.Eventually(t, func() bool { return b.Acked() == 1 }, 20*time.Second, time.Millisecond)
+	assert.Empty(t, b.DeadLetters())
+	assert.Equal(t, map[string]int{"e1": 1}, countEffects(t, admin))
+}
+
+// acquireDeadlines records the time left before the deadline of the
+// context of the first pool acquire (-1: none) once armed.
+type acquireDeadlines struct {
 	armed atomic.Bool
 	left  chan time.Duration
 }
 
-func (c *commitDeadlines) TraceQueryStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceQueryStartData) context.Context {
-	if !c.armed.Load() || !strings.EqualFold(data.SQL, "commit") {
-		return ctx
+func (a *acquireDeadlines) prepare(ctx context.Context, _ *pgx.Conn) (bool, error) {
+	if !a.armed.Load() {
+		return true, nil
 	}
 	left := time.Duration(-1)
 	if d, ok := ctx.Deadline(); ok {
 		left = time.Until(d)
 	}
 	select {
-	case c.left <- left:
+	case a.left <- left:
 	default:
 	}
-	return ctx
+	return true, nil
 }
 
-func (*commitDeadlines) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
-
 // DatabaseTimeout defaults to 30 seconds, NoDatabaseTimeout lifts it, and
-// another negative value is refused.
+// another negative value is refused. (Its bound on taking a pool
+// connection, a transaction's first step, is read from the context pgxpool
+// hands its PrepareConn hook.)
 func TestDatabaseTimeoutDefaultsToThirtySeconds(t *testing.T) {
 	for name, tc := range map[string]struct {
 		timeout time.Duration
 		bounded bool
 	}{"default": {0, true}, "unbounded": {consumer.NoDatabaseTimeout, false}} {
 		t.Run(name, func(t *testing.T) {
-			tracer := &commitDeadlines{left: make(chan time.Duration, 1)}
+			acquires := &acquireDeadlines{left: make(chan time.Duration, 1)}
 			admin, schema := pgtest.Schema(t)
 			effects(t, admin)
-			pool := pgtest.NewPoolWith(t, schema, func(c *pgxpool.Config) { c.ConnConfig.Tracer = tracer })
+			pool := pgtest.NewPoolWith(t, schema, func(c *pgxpool.Config) { c.PrepareConn = acquires.prepare })
 			b := memsource.New(memsource.Options{Streams: 1})
 			publish(b, "one", 1)
 			cfg := fastConfig("database-timeout")
 			cfg.DatabaseTimeout = tc.timeout
-			h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
-				tracer.armed.Store(true) // the consumer's COMMIT is next
-				return insertEffect(ctx, tx, ev)
-			}
-			c, err := consumer.New(pool, b.Source(), h, cfg)
+			c, err := consumer.New(pool, b.Source(), insertEffect, cfg)
 			require.NoError(t, err)
 			start(t, c)
-			left := <-tracer.left
+			require.Eventually(t, func() bool { return b.Acked() == 1 }, 10*time.Second, time.Millisecond)
+			acquires.armed.Store(true) // the next transaction's
+			publish(b, "two", 2)
+			left := <-acquires.left
 			if !tc.bounded {
-				assert.Equal(t, time.Duration(-1), left, "no deadline on the COMMIT")
+				assert.Equal(t, time.Duration(-1), left, "no deadline on taking a connection")
 				return
 			}
 			assert.Greater(t, left, 25*time.Second)

@@ -103,11 +103,12 @@ func (p *pipeline) transaction(ctx context.Context, jobs []*job) txResult {
 	if anyByPosition(jobs) {
 		b.Queue(`SELECT txid_current()`).QueryRow(func(row pgx.Row) error { return row.Scan(&xid) })
 	}
-	conn, sctx, endStep, err := p.acquire(ctx)
+	conn, err := p.acquire(ctx)
 	if err != nil {
 		return txResult{outcome: txInfra, err: err, failed: -1}
 	}
 	defer conn.Release() // after the rollback below
+	sctx, endStep := p.stepOn(ctx, conn.Conn())
 	tx, err := p.begin(sctx, conn, b)
 	committed := false
 	if tx != nil {
@@ -126,7 +127,7 @@ func (p *pipeline) transaction(ctx context.Context, jobs []*job) txResult {
 	if r, stop := p.runHandlers(ctx, tx, jobs, res, xid); stop {
 		return r
 	}
-	sctx, endStep = p.ownStep(ctx)
+	sctx, endStep = p.stepOn(ctx, tx.Conn())
 	defer endStep()
 	if r, stop := p.recordProgress(sctx, tx, jobs, res); stop {
 		r.err = unanswered(sctx, p.cfg.DatabaseTimeout, r.err)
@@ -166,13 +167,13 @@ func (p *pipeline) claimed(ctx context.Context, tx pgx.Tx, jobs []*job, claims f
 }
 
 // rollback rolls tx back, unless it ended. It outlives a lost delivery,
-// never the shutdown deadline nor DatabaseTimeout: a database that
-// stopped answering then loses the connection, and with it the
-// transaction.
+// never the shutdown deadline nor a connection found stranded (stepOn): a
+// database that stopped answering then loses the connection, and with it
+// the transaction.
 func (p *pipeline) rollback(ctx context.Context, tx pgx.Tx) {
 	ctx, cancel := p.detached(ctx)
 	defer cancel()
-	ctx, endStep := p.ownStep(ctx)
+	ctx, endStep := p.stepOn(ctx, tx.Conn())
 	defer endStep()
 	_ = tx.Rollback(ctx)
 }

@@ -56,8 +56,12 @@ type userCall struct {
 	// send: the call is a send of statements that waits for their answer
 	// (a handler call may work outside the database); txBegan is when a
 	// handler call's transaction began.
-	send       bool
-	txBegan    time.Time
+	send    bool
+	txBegan time.Time
+	// step: the call is one of the consumer's own steps in the database
+	// (dbstep.go), cut with cutCause; not a user call, never logged.
+	step       bool
+	cutCause   context.CancelCauseFunc
 	prev, next *userCall
 }
 
@@ -89,6 +93,14 @@ func (w *watchdog) beginHandler(c *userCall, name string, m *Message, eventID st
 // (stranded.go).
 func (w *watchdog) beginSend(c *userCall, name string, pid uint32, cut context.CancelFunc) {
 	*c = userCall{name: name, start: time.Now(), pid: pid, cut: cut, send: true}
+	w.add(c)
+}
+
+// beginStep is begin for one of the consumer's own steps in the database
+// on a connection whose server process is pid, which cut ends with its
+// cause (dbstep.go).
+func (w *watchdog) beginStep(c *userCall, pid uint32, cut context.CancelCauseFunc) {
+	*c = userCall{name: "database step", start: time.Now(), pid: pid, cutCause: cut, send: true, step: true}
 	w.add(c)
 }
 
@@ -150,7 +162,7 @@ func (w *watchdog) overdue(now time.Time) []stuck {
 		if c.after > 0 {
 			bound = c.after
 		}
-		if c.logged || now.Sub(c.start) < bound {
+		if c.step || c.logged || now.Sub(c.start) < bound {
 			continue
 		}
 		c.logged = true
@@ -226,7 +238,7 @@ func (p *pipeline) watchUserCalls(ctx context.Context) {
 		case <-ctx.Done():
 			return
 		case now := <-t.C:
-			p.sampleSessions(ctx, now, tick)
+			p.sampleSessions(ctx, now)
 			for _, s := range p.watch.overdue(now) {
 				p.stats.stuckCalls.Add(1)
 				p.tel.stuck(ctx, s.name)

@@ -55,6 +55,8 @@ type Proxy struct {
 	pairs    map[net.Conn]*pair // by client connection
 	// gate is write-locked while client-to-server traffic is held.
 	gate sync.RWMutex
+	// refusing: new connections are closed at once (Refuse).
+	refusing atomic.Bool
 }
 
 // NewProxy listens on a free loopback port and forwards each connection to
@@ -92,6 +94,10 @@ type pair struct {
 }
 
 func (p *Proxy) pipe(c net.Conn) {
+	if p.refusing.Load() {
+		_ = c.Close()
+		return
+	}
 	u, err := net.DialTimeout("tcp", p.upstream, 5*time.Second)
 	if err != nil {
 		_ = c.Close()
@@ -159,6 +165,11 @@ func (p *Proxy) Strand() int {
 	}
 	return n
 }
+
+// Refuse closes each new connection at once while refuse is true, as a
+// server that cannot be reached (or a host that resets every connection)
+// would; the connections already proxied are left as they are.
+func (p *Proxy) Refuse(refuse bool) { p.refusing.Store(refuse) }
 
 // Pause holds every byte clients send upstream until Resume: the server
 // sees its clients go silent while the connections stay up.

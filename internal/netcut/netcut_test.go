@@ -99,3 +99,30 @@ func TestProxyStrandLeavesTheClientUnanswered(t *testing.T) {
 	require.NoError(t, roundTrip(t, c2, "after"), "new connections are forwarded")
 	assert.Equal(t, 2, p.Cut(), "Cut closes the stranded connection and the one forwarded since")
 }
+
+// While refusing, a new connection is closed at once and the connections
+// already forwarded go on; afterwards new connections are forwarded again.
+func TestProxyRefuseClosesNewConnections(t *testing.T) {
+	server := echo(t)
+	p, err := NewProxy(server.Addr().String())
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = p.Close() })
+
+	before, err := net.Dial("tcp", p.Addr())
+	require.NoError(t, err)
+	defer before.Close()
+	require.NoError(t, roundTrip(t, before, "hello"))
+
+	p.Refuse(true)
+	refused, err := net.Dial("tcp", p.Addr())
+	require.NoError(t, err, "the port still accepts, as a host that resets would")
+	defer refused.Close()
+	assert.Error(t, roundTrip(t, refused, "anyone?"), "closed at once")
+	require.NoError(t, roundTrip(t, before, "still here"), "a connection forwarded before goes on")
+
+	p.Refuse(false)
+	after, err := net.Dial("tcp", p.Addr())
+	require.NoError(t, err)
+	defer after.Close()
+	require.NoError(t, roundTrip(t, after, "back"))
+}
