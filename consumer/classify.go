@@ -70,10 +70,10 @@ func (c ErrorClass) String() string {
 //     (57014): ClassRetry. Retrying the same transaction meets the same
 //     error, so the message ends in the dead-letter queue with the SQLSTATE
 //     in its HeaderErrorSQLState header instead of blocking its stream.
-//     (The consumer takes a handler's 57014 for infrastructure when the
-//     statement it canceled was waiting for another session's lock, as it
-//     last saw it: the sessions' statement_timeout, read at start, is
-//     watched like HandlerTimeout.)
+//     (The consumer takes a handler's 57014, or that of a statement it
+//     queued, for infrastructure when the statement it canceled was
+//     waiting for another session's lock, as it last saw it: the sessions'
+//     statement_timeout, read at start, is watched like HandlerTimeout.)
 //   - A connection to PostgreSQL that could not be opened or was lost:
 //     ClassInfrastructure.
 //   - A context deadline or cancellation: ClassRetry. The consumer's own

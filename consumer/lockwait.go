@@ -21,7 +21,9 @@ import (
 // infrastructure: retried, never charged, and logged naming the server
 // processes in the way. The same holds for a statement the sessions'
 // statement_timeout canceled (57014): when it is shorter than
-// HandlerTimeout, the sample starts at half of it.
+// HandlerTimeout, the sample starts at half of it; and for the send of the
+// statements handlers queued (Event.Queue), which only statement_timeout
+// cuts, sampled past half of it.
 //
 // The question is asked before the cut, not after it: pgx ends a
 // statement whose context ended by closing the connection with a cancel
@@ -38,15 +40,17 @@ type lockProbe struct {
 	start time.Time
 }
 
-// handlersToSample returns the handler calls that have run for at least
-// from and less than to (past it they were cut, and what they waited for
-// then is what counts) and whose transaction has a server process.
-func (w *watchdog) handlersToSample(now time.Time, from, to time.Duration) []lockProbe {
+// callsToSample appends to out the handler calls (sends: the sends of
+// queued statements) that have run for at least from and less than to
+// (past it they were cut, and what they waited for then is what counts)
+// and whose transaction has a server process.
+func (w *watchdog) callsToSample(out []lockProbe, now time.Time, from, to time.Duration, sends bool) []lockProbe {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	var out []lockProbe
 	for c := w.head; c != nil; c = c.next {
-		if running := now.Sub(c.start); c.pid != 0 && running >= from && running < to {
+		handler := c.pid != 0 && !c.send
+		send := c.send && !c.step
+		if running := now.Sub(c.start); (sends && send || !sends && handler) && running >= from && running < to {
 			out = append(out, lockProbe{c: c, pid: c.pid, start: c.start})
 		}
 	}
@@ -83,19 +87,23 @@ func (w *watchdog) lockedBy(c *userCall) []uint32 {
 	return c.lockedBy
 }
 
-// lockProbes returns the handler calls to sample for lock waits: those
-// that have run for half of lockWaitLimit (HandlerTimeout, or the
-// sessions' statement_timeout when shorter). With the watchdog's tick at a
-// quarter of that limit at most, every call cut at the limit was sampled
-// in the last quarter before its cut (a lock wait that began after it is
-// charged, as before). With neither limit nothing is cut and nothing
-// sampled.
+// lockProbes returns the calls to sample for lock waits: the handler
+// calls that have run for half of lockWaitLimit (HandlerTimeout, or the
+// sessions' statement_timeout when shorter), and the sends of queued
+// statements that have run for half of statement_timeout (HandlerTimeout
+// does not cut them). With the watchdog's tick at a quarter of that limit
+// at most, every call cut at the limit was sampled in the last quarter
+// before its cut (a lock wait that began after it is charged, as before).
+// With neither limit nothing is cut and nothing sampled.
 func (p *pipeline) lockProbes(now time.Time) []lockProbe {
-	limit := p.lockWaitLimit()
-	if limit <= 0 {
-		return nil
+	var out []lockProbe
+	if limit := p.lockWaitLimit(); limit > 0 {
+		out = p.watch.callsToSample(out, now, limit/2, limit, false)
 	}
-	return p.watch.handlersToSample(now, limit/2, limit)
+	if st := p.statementTimeout; st > 0 {
+		out = p.watch.callsToSample(out, now, st/2, st, true)
+	}
+	return out
 }
 
 // lockWaitLimit is how long a handler's statement may wait before it is

@@ -93,13 +93,19 @@ func TestHandlerCutInItsOwnSlowStatementIsCharged(t *testing.T) {
 // dead-lettered, no infrastructure failure counted.
 func chargedForItsOwnSlowStatement(t *testing.T, pool *pgxpool.Pool, cfg consumer.Config) {
 	t.Helper()
+	chargedForItsOwnSlowStatementBy(t, pool, cfg, func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		_, err := tx.Exec(ctx, `SELECT pg_sleep(10)`)
+		return err
+	})
+}
+
+// chargedForItsOwnSlowStatementBy is chargedForItsOwnSlowStatement with
+// the handler h, whose statement sleeps.
+func chargedForItsOwnSlowStatementBy(t *testing.T, pool *pgxpool.Pool, cfg consumer.Config, h consumer.Handler[order]) {
+	t.Helper()
 	cfg.Retry.MaxAttempts = 2
 	b := memsource.New(memsource.Options{Streams: 1})
 	publish(b, "e1", 1)
-	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
-		_, err := tx.Exec(ctx, `SELECT pg_sleep(10)`)
-		return err
-	}
 	c, err := consumer.New(pool, b.Source(), h, cfg)
 	require.NoError(t, err)
 	start(t, c)
@@ -144,10 +150,17 @@ func handledOnceAfterTheLock(t *testing.T, pool *pgxpool.Pool, release func()) {
 // the handler's wait.
 func handledOnceAfterTheLockWith(t *testing.T, pool *pgxpool.Pool, release func(), cfg consumer.Config) {
 	t.Helper()
+	handledOnceAfterTheLockBy(t, pool, release, cfg, insertEffect)
+}
+
+// handledOnceAfterTheLockBy is handledOnceAfterTheLockWith with the
+// handler h, which writes e1's effect.
+func handledOnceAfterTheLockBy(t *testing.T, pool *pgxpool.Pool, release func(), cfg consumer.Config, h consumer.Handler[order]) {
+	t.Helper()
 	cfg.Retry.MaxAttempts = 2
 	b := memsource.New(memsource.Options{Streams: 1})
 	publish(b, "e1", 1)
-	c, err := consumer.New(pool, b.Source(), insertEffect, cfg)
+	c, err := consumer.New(pool, b.Source(), h, cfg)
 	require.NoError(t, err)
 	start(t, c)
 
@@ -190,4 +203,23 @@ func TestStatementTimeoutWhileWaitingForAnotherSessionsLockIsNotCharged(t *testi
 func TestStatementTimeoutOnItsOwnSlowStatementIsCharged(t *testing.T) {
 	_, pool := withStatementTimeout(t, time.Second)
 	chargedForItsOwnSlowStatement(t, pool, fastConfig("statement-timeout-slow"))
+}
+
+// The same for a statement the handler queued (Event.Queue), sent after it
+// returned: statement_timeout canceling it while it waited for another
+// session's lock was charged (57014), the message dead-lettered after
+// Retry.MaxAttempts cancels.
+func TestStatementTimeoutOnAQueuedStatementWaitingForAnotherSessionsLockIsNotCharged(t *testing.T) {
+	admin, pool := withStatementTimeout(t, time.Second)
+	handledOnceAfterTheLockBy(t, pool, holdTableLock(t, admin), fastConfig("statement-timeout-queued-lock"), queueEffect)
+}
+
+// The guard: a queued statement that statement_timeout cancels for its
+// own slowness is charged.
+func TestStatementTimeoutOnAQueuedSlowStatementIsCharged(t *testing.T) {
+	_, pool := withStatementTimeout(t, time.Second)
+	chargedForItsOwnSlowStatementBy(t, pool, fastConfig("statement-timeout-queued-slow"), func(_ context.Context, _ pgx.Tx, ev consumer.Event[order]) error {
+		ev.Queue(`SELECT pg_sleep(10)`)
+		return nil
+	})
 }

@@ -66,9 +66,12 @@ func (e *strandedError) Unwrap() error { return e.err }
 
 // flushQueued sends the statements the handlers queued (queueTx.flush)
 // and returns the first failure: a send the watchdog cut because its
-// server process was gone is a strandedError.
+// server process was gone is a strandedError, and one statement_timeout
+// canceled while the watchdog last saw it wait for another session's lock
+// a canceledInLockWaitError.
 func (p *pipeline) flushQueued(ctx context.Context, qtx *queueTx) *queueFailure {
-	if len(qtx.pending.QueuedQueries) == 0 || !p.asksAfterSessions() {
+	watched := p.serverPIDs && (p.cfg.DatabaseTimeout > 0 || p.statementTimeout > 0)
+	if len(qtx.pending.QueuedQueries) == 0 || !watched {
 		return qtx.flush(ctx)
 	}
 	fctx, cut := context.WithCancel(ctx)
@@ -77,8 +80,16 @@ func (p *pipeline) flushQueued(ctx context.Context, qtx *queueTx) *queueFailure 
 	p.watch.beginSend(c, queuedCall, qtx.Conn().PgConn().PID(), cut)
 	f := qtx.flush(fctx)
 	p.watch.end(c)
-	if f != nil && p.watch.wasStranded(c) && ctx.Err() == nil {
+	switch {
+	case f == nil || ctx.Err() != nil:
+	case p.watch.wasStranded(c):
 		f.err = &strandedError{waited: time.Since(c.start), err: f.err}
+	case sqlState(f.err) == queryCanceled:
+		// statement_timeout, on a statement the watchdog last saw
+		// waiting for another session's lock (lockwait.go).
+		if by := p.watch.lockedBy(c); len(by) > 0 {
+			f.err = &canceledInLockWaitError{err: f.err, lockedBy: by}
+		}
 	}
 	return f
 }
