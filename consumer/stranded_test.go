@@ -150,9 +150,9 @@ func TestSlowQueuedStatementOutlastsDatabaseTimeout(t *testing.T) {
 	b := memsource.New(memsource.Options{Streams: 1})
 	publish(b, "slow", 1)
 	cfg := fastConfig("slow-queue")
-	cfg.DatabaseTimeout = 100 * time.Millisecond
+	cfg.DatabaseTimeout = 300 * time.Millisecond
 	c, err := consumer.New(pool, b.Source(), func(_ context.Context, _ pgx.Tx, ev consumer.Event[order]) error {
-		ev.Queue(`SELECT pg_sleep(1)`)
+		ev.Queue(`SELECT pg_sleep(1.5)`)
 		ev.Queue(`INSERT INTO effects (event_id, n) VALUES ($1, $2)`, ev.ID, ev.Payload.N)
 		return nil
 	}, cfg)
@@ -202,13 +202,13 @@ func TestHandlerWorkingOutsideTheDatabaseOutlastsDatabaseTimeout(t *testing.T) {
 	b := memsource.New(memsource.Options{Streams: 1})
 	publish(b, "slow", 1)
 	cfg := fastConfig("slow-handler")
-	cfg.DatabaseTimeout = 100 * time.Millisecond
+	cfg.DatabaseTimeout = 300 * time.Millisecond
 	c, err := consumer.New(pool, b.Source(), func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
 		if err := insertEffect(ctx, tx, ev); err != nil {
 			return err
 		}
 		select { // work outside the database, its context not ending
-		case <-time.After(time.Second):
+		case <-time.After(1500 * time.Millisecond):
 			return nil
 		case <-ctx.Done():
 			return ctx.Err()
@@ -268,7 +268,7 @@ func TestSlowStepOfTheConsumersOutlastsDatabaseTimeout(t *testing.T) {
 		_, err := admin.Exec(context.Background(), `
 CREATE FUNCTION slow_check() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-	PERFORM pg_sleep(0.5);
+	PERFORM pg_sleep(1.5);
 	RETURN NULL;
 END $$;
 CREATE CONSTRAINT TRIGGER slow_check AFTER INSERT ON effects
@@ -278,7 +278,7 @@ CREATE CONSTRAINT TRIGGER slow_check AFTER INSERT ON effects
 		b := memsource.New(memsource.Options{Streams: 1})
 		publish(b, "e1", 1)
 		cfg := fastConfig("slow-commit-step")
-		cfg.DatabaseTimeout = 100 * time.Millisecond
+		cfg.DatabaseTimeout = 300 * time.Millisecond
 		c, err := consumer.New(pool, b.Source(), insertEffect, cfg)
 		require.NoError(t, err)
 		start(t, c)
@@ -295,7 +295,7 @@ CREATE CONSTRAINT TRIGGER slow_check AFTER INSERT ON effects
 		b := memsource.New(memsource.Options{Streams: 1})
 		publish(b, "e1", 1)
 		cfg := fastConfig("claim-waits-step")
-		cfg.DatabaseTimeout = 100 * time.Millisecond
+		cfg.DatabaseTimeout = 300 * time.Millisecond
 		c, err := consumer.New(pool, b.Source(), insertEffect, cfg)
 		require.NoError(t, err)
 		start(t, c)
