@@ -179,6 +179,15 @@ func TestIdleInTransactionTimeoutMidBatchLosesNothing(t *testing.T) {
 // ran across both handlers): with Retry.MaxAttempts 1 it was dead-lettered
 // for its neighbour's wait.
 func TestIdleInTransactionTimeoutIsNotChargedToTheNextHandler(t *testing.T) {
+	idlePastTheTimeoutIsCharged(t, fastConfig("idle-in-tx-charge"), 0)
+}
+
+// idlePastTheTimeoutIsCharged runs, with cfg (Retry.MaxAttempts 1, one
+// batch of all six), a handler that idles in e2's transaction until the
+// server ended its session, then works outside the database for
+// workAfter, and checks that e2 alone was dead-lettered.
+func idlePastTheTimeoutIsCharged(t *testing.T, cfg consumer.Config, workAfter time.Duration) {
+	t.Helper()
 	admin, pool, b := idleInTransactionSetup(t)
 	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
 		if err := insertEffect(ctx, tx, ev); err != nil {
@@ -186,10 +195,14 @@ func TestIdleInTransactionTimeoutIsNotChargedToTheNextHandler(t *testing.T) {
 		}
 		if ev.ID == "e2" {
 			idleUntilTheSessionEnds(ctx, t, admin, tx)
+			select {
+			case <-time.After(workAfter):
+			case <-ctx.Done():
+				return ctx.Err()
+			}
 		}
 		return nil
 	}
-	cfg := fastConfig("idle-in-tx-charge")
 	cfg.Retry.MaxAttempts = 1
 	cfg.Batch.Linger = time.Second // one batch of all six
 	c, err := consumer.New(pool, b.Source(), h, cfg)
