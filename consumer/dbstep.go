@@ -116,22 +116,43 @@ func (p *pipeline) acquire(ctx context.Context) (*pgxpool.Conn, error) {
 	}
 }
 
-// stepOn returns the context of one of the consumer's own steps on conn, a
-// connection taken, and the function that ends it: watched once it has
-// waited DatabaseTimeout, cut when the connection's server process is gone
-// (see above); bounded by DatabaseTimeout where process ids are not the
-// server's.
-func (p *pipeline) stepOn(ctx context.Context, conn *pgx.Conn) (context.Context, func()) {
+// dbStep is one of the consumer's own steps on a connection taken, in
+// progress: its entry in the watchdog and what ends its context. The
+// steps of a transaction, one after another, share one.
+type dbStep struct {
+	call userCall
+	// cut ends a watched step's context; cancel one bounded by
+	// DatabaseTimeout alone.
+	cut    context.CancelCauseFunc
+	cancel context.CancelFunc
+}
+
+// stepOn begins s, a step on conn, and returns its context: watched once
+// it has waited DatabaseTimeout, cut when the connection's server process
+// is gone (see above); bounded by DatabaseTimeout where process ids are
+// not the server's. endStep ends it.
+func (p *pipeline) stepOn(ctx context.Context, conn *pgx.Conn, s *dbStep) context.Context {
 	if p.cfg.DatabaseTimeout <= 0 || !p.serverPIDs {
-		sctx, cancel := p.ownStep(ctx)
-		return sctx, cancel
+		var sctx context.Context
+		sctx, s.cancel = p.ownStep(ctx)
+		return sctx
 	}
-	c := new(userCall)
-	sctx, cancel := context.WithCancelCause(ctx)
-	p.watch.beginStep(c, conn.PgConn().PID(), cancel)
-	return sctx, func() {
-		p.watch.end(c)
-		cancel(nil)
+	sctx, cut := context.WithCancelCause(ctx)
+	s.cut = cut
+	p.watch.beginStep(&s.call, conn.PgConn().PID(), cut)
+	return sctx
+}
+
+// endStep ends s, begun by stepOn.
+func (p *pipeline) endStep(s *dbStep) {
+	if s.cut != nil {
+		p.watch.end(&s.call)
+		s.cut(nil)
+		s.cut = nil
+	}
+	if s.cancel != nil {
+		s.cancel()
+		s.cancel = nil
 	}
 }
 
@@ -144,8 +165,9 @@ func (p *pipeline) onConn(ctx context.Context, f func(ctx context.Context, conn 
 		return err
 	}
 	defer conn.Release()
-	sctx, endStep := p.stepOn(ctx, conn.Conn())
-	defer endStep()
+	step := new(dbStep)
+	sctx := p.stepOn(ctx, conn.Conn(), step)
+	defer p.endStep(step)
 	return unanswered(sctx, p.cfg.DatabaseTimeout, f(sctx, conn))
 }
 

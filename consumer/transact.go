@@ -108,18 +108,19 @@ func (p *pipeline) transaction(ctx context.Context, jobs []*job) txResult {
 		return txResult{outcome: txInfra, err: err, failed: -1}
 	}
 	defer conn.Release() // after the rollback below
-	sctx, endStep := p.stepOn(ctx, conn.Conn())
+	step := new(dbStep)  // each step of the transaction's in turn
+	sctx := p.stepOn(ctx, conn.Conn(), step)
 	tx, err := p.begin(sctx, conn, b)
 	committed := false
 	if tx != nil {
 		defer func() {
 			if !committed {
-				p.rollback(ctx, tx)
+				p.rollback(ctx, tx, step)
 			}
 		}()
 	}
 	res, err := p.claimed(sctx, tx, jobs, claims, err)
-	endStep()
+	p.endStep(step)
 	if err != nil {
 		return txResult{outcome: txInfra, err: err, failed: -1}
 	}
@@ -127,8 +128,8 @@ func (p *pipeline) transaction(ctx context.Context, jobs []*job) txResult {
 	if r, stop := p.runHandlers(ctx, tx, jobs, res, xid); stop {
 		return r
 	}
-	sctx, endStep = p.stepOn(ctx, tx.Conn())
-	defer endStep()
+	sctx = p.stepOn(ctx, tx.Conn(), step)
+	defer p.endStep(step) // before the rollback
 	if r, stop := p.recordProgress(sctx, tx, jobs, res); stop {
 		r.err = unanswered(sctx, p.cfg.DatabaseTimeout, r.err)
 		return r
@@ -166,15 +167,16 @@ func (p *pipeline) claimed(ctx context.Context, tx pgx.Tx, jobs []*job, claims f
 	return res, unanswered(ctx, p.cfg.DatabaseTimeout, err)
 }
 
-// rollback rolls tx back, unless it ended. It outlives a lost delivery,
+// rollback rolls tx back, unless it ended, as step, the transaction's
+// last. It outlives a lost delivery,
 // never the shutdown deadline nor a connection found stranded (stepOn): a
 // database that stopped answering then loses the connection, and with it
 // the transaction.
-func (p *pipeline) rollback(ctx context.Context, tx pgx.Tx) {
+func (p *pipeline) rollback(ctx context.Context, tx pgx.Tx, step *dbStep) {
 	ctx, cancel := p.detached(ctx)
 	defer cancel()
-	ctx, endStep := p.stepOn(ctx, tx.Conn())
-	defer endStep()
+	ctx = p.stepOn(ctx, tx.Conn(), step)
+	defer p.endStep(step)
 	_ = tx.Rollback(ctx)
 }
 
