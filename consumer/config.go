@@ -425,7 +425,7 @@ const NoHandlerTimeout time.Duration = -1
 // DefaultDatabaseTimeout is Config.DatabaseTimeout's default.
 const DefaultDatabaseTimeout = 30 * time.Second
 
-// NoDatabaseTimeout, set as Config.DatabaseTimeout, lifts the bound on
+// NoDatabaseTimeout lifts, set as Config.DatabaseTimeout, the bound on
 // taking a pool connection and the questions after the sessions of long
 // waits: only the operating system ends a wait on a stranded connection.
 const NoDatabaseTimeout time.Duration = -1

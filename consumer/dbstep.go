@@ -70,10 +70,10 @@ type unansweredError struct {
 
 func (e *unansweredError) Error() string {
 	var why string
-	switch e.cause {
-	case errSessionGone:
+	switch {
+	case errors.Is(e.cause, errSessionGone):
 		why = ", and its connection's server process is gone from the server"
-	case errServerUnreachable:
+	case errors.Is(e.cause, errServerUnreachable):
 		why = ", and the server could not be reached to ask after its connection's session"
 	}
 	return fmt.Sprintf("the database did not answer a step of the consumer's within DatabaseTimeout (%s)%s; the pool's connections are closed and the step retried on a new one: %v", e.limit, why, e.err)
