@@ -13,10 +13,10 @@ import (
 // The statements handlers queue (Event.Queue) are sent after the handlers
 // return, one round trip before the COMMIT, and a handler's own statements
 // are sent while it runs. They are the handlers' work and may be slow on
-// their own, so DatabaseTimeout does not cut them as it cuts the
-// consumer's own steps; but on a connection whose server vanished without
-// a word (a failover's old primary, a middlebox that dropped the
-// connection) their answer never comes: a send of queued statements waited
+// their own, as the consumer's own steps may be (dbstep.go), so
+// DatabaseTimeout does not cut them; but on a connection whose server
+// vanished without a word (a failover's old primary, a middlebox that
+// dropped the connection) their answer never comes: a send of queued statements waited
 // until the operating system gave up on the connection (about a quarter
 // of an hour with Linux's defaults), the stream standing still, and a
 // handler's statement until HandlerTimeout cut it, charged to the message.
@@ -30,7 +30,9 @@ import (
 // the pool's other connections are closed (as for an unanswered step of
 // the consumer's own), and the transaction retried as infrastructure,
 // never charged. A statement that is slow, or waits for a lock, runs on:
-// its server process is there, in its transaction.
+// its server process is there, in its transaction. The consumer's own
+// steps are asked after the same way, and cut also when the server cannot
+// be reached to ask.
 //
 // The server also ends sessions of its own accord: past
 // idle_in_transaction_session_timeout or transaction_timeout, which
