@@ -31,9 +31,9 @@ import (
 // own, opened for it with the pool's configuration: when a lock holds up
 // every handler, every pooled connection is held by one.
 
-// lockProbe is a handler call to be sampled: its call, its server process
-// and when it began (so that a sample lands on that call and not on the
-// next call of the same job).
+// lockProbe is a call to be sampled for lock waits or asked after
+// (stranded.go): its call, its server process and when it began (so that
+// a sample lands on that call and not on the next call of the same job).
 type lockProbe struct {
 	c     *userCall
 	pid   uint32

@@ -168,10 +168,9 @@ func (p *pipeline) claimed(ctx context.Context, tx pgx.Tx, jobs []*job, claims f
 }
 
 // rollback rolls tx back, unless it ended, as step, the transaction's
-// last. It outlives a lost delivery,
-// never the shutdown deadline nor a connection found stranded (stepOn): a
-// database that stopped answering then loses the connection, and with it
-// the transaction.
+// last. It outlives a lost delivery, never the shutdown deadline nor a
+// connection found stranded (stepOn): a database that stopped answering
+// then loses the connection, and with it the transaction.
 func (p *pipeline) rollback(ctx context.Context, tx pgx.Tx, step *dbStep) {
 	ctx, cancel := p.detached(ctx)
 	defer cancel()
