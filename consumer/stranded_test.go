@@ -452,3 +452,54 @@ func TestUnansweredStepLeavesThePoolsOtherConnectionsBehind(t *testing.T) {
 	// cost a cut, until they had idled a second and pgxpool pinged them.
 	assert.LessOrEqual(t, c.Stats().InfraErrors, uint64(3), "the pool's stranded connections were met one by one")
 }
+
+// Behind a connection pooler a connection is told a process id that is
+// not its server process's, so the server cannot be asked after it: taken
+// for a server process gone, every handler call, send and step past
+// DatabaseTimeout would be cut, and a slow one retried without end. The
+// consumer compares the id with pg_backend_pid() at start and asks
+// nothing then; each of its own steps is bounded by DatabaseTimeout, so a
+// stranded connection is still left behind.
+func TestBehindAPoolerNothingIsAskedAfterAndStepsAreBounded(t *testing.T) {
+	t.Run("a handler working outside the database runs on", func(t *testing.T) {
+		admin, schema := pgtest.Schema(t)
+		effects(t, admin)
+		pool, _ := pgtest.NewPoolBehindPooler(t, schema, nil)
+		outlastsDatabaseTimeout(t, admin, pool, "pooler-slow-handler", func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+			if err := insertEffect(ctx, tx, ev); err != nil {
+				return err
+			}
+			select {
+			case <-time.After(1500 * time.Millisecond):
+				return nil
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+		})
+	})
+
+	t.Run("a stranded COMMIT is left behind", func(t *testing.T) {
+		admin, schema := pgtest.Schema(t)
+		effects(t, admin)
+		pool, proxy := pgtest.NewPoolBehindPooler(t, schema, nil)
+		b := memsource.New(memsource.Options{Streams: 1})
+		publish(b, "e1", 1)
+		var once sync.Once
+		h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+			if err := insertEffect(ctx, tx, ev); err != nil {
+				return err
+			}
+			once.Do(func() { require.Positive(t, proxy.Strand()) }) // the commit is the next round trip
+			return nil
+		}
+		cfg := fastConfig("pooler-stranded-commit")
+		cfg.DatabaseTimeout = 300 * time.Millisecond
+		c, err := consumer.New(pool, b.Source(), h, cfg)
+		require.NoError(t, err)
+		start(t, c)
+		require.Eventually(t, func() bool { return b.Acked() == 1 }, 20*time.Second, time.Millisecond)
+		assert.Empty(t, b.DeadLetters())
+		assert.Equal(t, map[string]int{"e1": 1}, countEffects(t, admin))
+		assert.Positive(t, c.Stats().InfraErrors)
+	})
+}
