@@ -94,8 +94,15 @@ func (w *watchdog) lockedBy(c *userCall) []uint32 {
 // does not cut them). With the watchdog's tick at a quarter of that limit
 // at most, every call cut at the limit was sampled in the last quarter
 // before its cut (a lock wait that began after it is charged, as before).
-// With neither limit nothing is cut and nothing sampled.
+// With neither limit nothing is cut and nothing sampled, nor behind a
+// connection pooler (readSessions), whose ids are not the server's: a cut
+// there is charged.
 func (p *pipeline) lockProbes(now time.Time) []lockProbe {
+	if !p.serverPIDs {
+		// Behind a connection pooler the ids are the pooler's: one that
+		// happens to be another session's would answer for it.
+		return nil
+	}
 	var out []lockProbe
 	if limit := p.lockWaitLimit(); limit > 0 {
 		out = p.watch.callsToSample(out, now, limit/2, limit, false)

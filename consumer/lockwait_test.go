@@ -223,3 +223,51 @@ func TestStatementTimeoutOnAQueuedSlowStatementIsCharged(t *testing.T) {
 		return nil
 	})
 }
+
+// Behind a connection pooler a connection's process id is the pooler's;
+// one that happens to be the id of another session, waiting for a lock,
+// was taken for the handler's: the handler's own slow statement, cut at
+// HandlerTimeout, counted as another session's lock wait, infrastructure,
+// and retried without end. Behind a pooler nothing is sampled; the cut is
+// charged. (The pretend pooler tells every connection the id of a session
+// waiting for a table lock.)
+func TestBehindAPoolerAnotherSessionsLockWaitIsNotTheHandlers(t *testing.T) {
+	admin, schema := pgtest.Schema(t)
+	effects(t, admin)
+	ctx := context.Background()
+	holder, err := admin.Begin(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = holder.Rollback(ctx) })
+	_, err = holder.Exec(ctx, `LOCK TABLE effects IN ACCESS EXCLUSIVE MODE`)
+	require.NoError(t, err)
+	waiter, err := admin.Acquire(ctx)
+	require.NoError(t, err)
+	var waiterPID uint32
+	require.NoError(t, waiter.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&waiterPID))
+	waited := make(chan struct{})
+	go func() {
+		defer close(waited)
+		_, _ = waiter.Exec(ctx, `SELECT count(*) FROM effects`)
+	}()
+	t.Cleanup(func() {
+		_ = holder.Rollback(ctx)
+		<-waited
+		waiter.Release()
+	})
+	require.Eventually(t, func() bool {
+		var waiting bool
+		require.NoError(t, admin.QueryRow(ctx, `SELECT cardinality(pg_blocking_pids($1)) > 0`, waiterPID).Scan(&waiting))
+		return waiting
+	}, 10*time.Second, time.Millisecond, "the other session waits for the lock")
+
+	pool, _ := pgtest.NewPoolToldPID(t, schema, func(uint32) uint32 { return waiterPID }, nil)
+	cfg := fastConfig("pooler-own-slow-statement")
+	cfg.HandlerTimeout = 200 * time.Millisecond
+	// A second, not ten: the cancel request, sent with the id told, does
+	// not reach the statement's server process (a real pooler forwards
+	// it), which holds the message's claim until the sleep ends.
+	chargedForItsOwnSlowStatementBy(t, pool, cfg, func(ctx context.Context, tx pgx.Tx, _ consumer.Event[order]) error {
+		_, err := tx.Exec(ctx, `SELECT pg_sleep(1)`)
+		return err
+	})
+}

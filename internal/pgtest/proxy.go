@@ -49,6 +49,13 @@ func NewPoolThroughProxy(t testing.TB, schema string, configure func(*pgxpool.Co
 // messages.
 func NewPoolBehindPooler(t testing.TB, schema string, configure func(*pgxpool.Config)) (*pgxpool.Pool, *netcut.Proxy) {
 	t.Helper()
+	return NewPoolToldPID(t, schema, func(server uint32) uint32 { return server ^ 0x40000000 }, configure)
+}
+
+// NewPoolToldPID is NewPoolBehindPooler with the process id each
+// connection is told: told(the server process's).
+func NewPoolToldPID(t testing.TB, schema string, told func(server uint32) uint32, configure func(*pgxpool.Config)) (*pgxpool.Pool, *netcut.Proxy) {
+	t.Helper()
 	return NewPoolThroughProxy(t, schema, func(c *pgxpool.Config) {
 		c.ConnConfig.TLSConfig = nil
 		c.ConnConfig.Fallbacks = nil
@@ -58,7 +65,7 @@ func NewPoolBehindPooler(t testing.TB, schema string, configure func(*pgxpool.Co
 			if err != nil {
 				return nil, err
 			}
-			return &foreignPID{Conn: conn}, nil
+			return &foreignPID{Conn: conn, told: told}, nil
 		}
 		if configure != nil {
 			configure(c)
@@ -71,6 +78,7 @@ func NewPoolBehindPooler(t testing.TB, schema string, configure func(*pgxpool.Co
 // sent. Past the first ReadyForQuery it reads through.
 type foreignPID struct {
 	net.Conn
+	told    func(server uint32) uint32
 	pending []byte
 	started bool
 }
@@ -102,7 +110,7 @@ func (c *foreignPID) readStartupMessage() error {
 	}
 	switch header[0] {
 	case 'K': // BackendKeyData: process id, secret key
-		binary.BigEndian.PutUint32(body[:4], binary.BigEndian.Uint32(body[:4])^0x40000000)
+		binary.BigEndian.PutUint32(body[:4], c.told(binary.BigEndian.Uint32(body[:4])))
 	case 'Z': // ReadyForQuery
 		c.started = true
 	}
