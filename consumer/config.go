@@ -133,7 +133,8 @@ type Config struct {
 	// message's doing, and is retried as infrastructure, the log naming the
 	// server processes in the way (the consumer asks the database, on a
 	// connection of its own, what handler calls past half their timeout
-	// wait for). A handler call that has run for DatabaseTimeout is cut
+	// wait for; not behind a connection pooler, whose process ids are not
+	// the server's: there such a cut is charged). A handler call that has run for DatabaseTimeout is cut
 	// before its timeout, as infrastructure, when the server says its
 	// transaction's server process is gone (a connection whose server
 	// vanished without a word: a failover, a dropped connection; not
