@@ -44,29 +44,7 @@ func strandedDatabase(t *testing.T, configure func(*pgxpool.Config)) (admin, poo
 func TestConnectionStrandedByItsServerIsLeftBehind(t *testing.T) {
 	t.Run("the commit", func(t *testing.T) {
 		admin, pool, strand := strandedDatabase(t, nil)
-		b := memsource.New(memsource.Options{Streams: 1})
-		publish(b, "e1", 1)
-		stranded := false
-		h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
-			if err := insertEffect(ctx, tx, ev); err != nil {
-				return err
-			}
-			if !stranded {
-				stranded = true
-				strand() // the commit is the next round trip
-			}
-			return nil
-		}
-		cfg := fastConfig("stranded-commit")
-		cfg.DatabaseTimeout = 300 * time.Millisecond
-		c, err := consumer.New(pool, b.Source(), h, cfg)
-		require.NoError(t, err)
-		start(t, c)
-		require.Eventually(t, func() bool { return b.Acked() == 1 }, 20*time.Second, time.Millisecond,
-			"the stream goes on once the commit went unanswered for DatabaseTimeout")
-		assert.Empty(t, b.DeadLetters())
-		assert.Equal(t, map[string]int{"e1": 1}, countEffects(t, admin))
-		assert.Positive(t, c.Stats().InfraErrors, "an infrastructure failure, not the message's")
+		strandedCommitIsLeftBehind(t, admin, pool, "stranded-commit", strand)
 	})
 
 	t.Run("a pooled connection's ping", func(t *testing.T) {
@@ -208,17 +186,7 @@ func TestHandlerStatementOnAStrandedConnectionIsNotCharged(t *testing.T) {
 func TestHandlerWorkingOutsideTheDatabaseOutlastsDatabaseTimeout(t *testing.T) {
 	admin, schema := pgtest.Schema(t)
 	effects(t, admin)
-	outlastsDatabaseTimeout(t, admin, pgtest.NewPool(t, schema), "slow-handler", func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
-		if err := insertEffect(ctx, tx, ev); err != nil {
-			return err
-		}
-		select { // work outside the database, its context not ending
-		case <-time.After(1500 * time.Millisecond):
-			return nil
-		case <-ctx.Done():
-			return ctx.Err()
-		}
-	})
+	outlastsDatabaseTimeout(t, admin, pgtest.NewPool(t, schema), "slow-handler", workOutsideTheDatabase(1500*time.Millisecond))
 }
 
 // The server ends a session idle in its transaction past
@@ -297,17 +265,10 @@ func TestStepOnAStrandedConnectionIsCutWhenTheServerCannotBeAsked(t *testing.T) 
 	pool, proxy := pgtest.NewPoolThroughProxy(t, schema, nil)
 	b := memsource.New(memsource.Options{Streams: 1})
 	publish(b, "e1", 1)
-	var once sync.Once
-	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
-		if err := insertEffect(ctx, tx, ev); err != nil {
-			return err
-		}
-		once.Do(func() {
-			proxy.Refuse(true)
-			require.Positive(t, proxy.Strand()) // the COMMIT is the next round trip
-		})
-		return nil
-	}
+	h := insertThenOnce(func() {
+		proxy.Refuse(true)
+		require.Positive(t, proxy.Strand()) // the COMMIT is the next round trip
+	})
 	cfg := fastConfig("stranded-unreachable")
 	cfg.DatabaseTimeout = 300 * time.Millisecond
 	c, err := consumer.New(pool, b.Source(), h, cfg)
@@ -319,6 +280,57 @@ func TestStepOnAStrandedConnectionIsCutWhenTheServerCannotBeAsked(t *testing.T) 
 	require.Eventually(t, func() bool { return b.Acked() == 1 }, 20*time.Second, time.Millisecond)
 	assert.Empty(t, b.DeadLetters())
 	assert.Equal(t, map[string]int{"e1": 1}, countEffects(t, admin))
+}
+
+// insertThenOnce returns a handler that writes its event's effect, then
+// calls f, the first time only: what f breaks meets the transaction's
+// next round trip, its COMMIT.
+func insertThenOnce(f func()) consumer.Handler[order] {
+	var once sync.Once
+	return func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		if err := insertEffect(ctx, tx, ev); err != nil {
+			return err
+		}
+		once.Do(f)
+		return nil
+	}
+}
+
+// strandedCommitIsLeftBehind runs a consumer named name on pool whose
+// handler calls strand after its first write, and checks that the
+// COMMIT left unanswered was cut as infrastructure and the message then
+// had its effect once.
+func strandedCommitIsLeftBehind(t *testing.T, admin, pool *pgxpool.Pool, name string, strand func()) {
+	t.Helper()
+	b := memsource.New(memsource.Options{Streams: 1})
+	publish(b, "e1", 1)
+	cfg := fastConfig(name)
+	cfg.DatabaseTimeout = 300 * time.Millisecond
+	c, err := consumer.New(pool, b.Source(), insertThenOnce(strand), cfg)
+	require.NoError(t, err)
+	start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 1 }, 20*time.Second, time.Millisecond,
+		"the stream goes on once the commit went unanswered")
+	assert.Empty(t, b.DeadLetters())
+	assert.Equal(t, map[string]int{"e1": 1}, countEffects(t, admin))
+	assert.Positive(t, c.Stats().InfraErrors, "an infrastructure failure, not the message's")
+}
+
+// workOutsideTheDatabase returns a handler that writes its event's
+// effect, then works outside the database for d, its session idle in its
+// transaction.
+func workOutsideTheDatabase(d time.Duration) consumer.Handler[order] {
+	return func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		if err := insertEffect(ctx, tx, ev); err != nil {
+			return err
+		}
+		select {
+		case <-time.After(d):
+			return nil
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
 }
 
 // acquireDeadlines records the time left before the deadline of the
@@ -465,41 +477,13 @@ func TestBehindAPoolerNothingIsAskedAfterAndStepsAreBounded(t *testing.T) {
 		admin, schema := pgtest.Schema(t)
 		effects(t, admin)
 		pool, _ := pgtest.NewPoolBehindPooler(t, schema, nil)
-		outlastsDatabaseTimeout(t, admin, pool, "pooler-slow-handler", func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
-			if err := insertEffect(ctx, tx, ev); err != nil {
-				return err
-			}
-			select {
-			case <-time.After(1500 * time.Millisecond):
-				return nil
-			case <-ctx.Done():
-				return ctx.Err()
-			}
-		})
+		outlastsDatabaseTimeout(t, admin, pool, "pooler-slow-handler", workOutsideTheDatabase(1500*time.Millisecond))
 	})
 
 	t.Run("a stranded COMMIT is left behind", func(t *testing.T) {
 		admin, schema := pgtest.Schema(t)
 		effects(t, admin)
 		pool, proxy := pgtest.NewPoolBehindPooler(t, schema, nil)
-		b := memsource.New(memsource.Options{Streams: 1})
-		publish(b, "e1", 1)
-		var once sync.Once
-		h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
-			if err := insertEffect(ctx, tx, ev); err != nil {
-				return err
-			}
-			once.Do(func() { require.Positive(t, proxy.Strand()) }) // the commit is the next round trip
-			return nil
-		}
-		cfg := fastConfig("pooler-stranded-commit")
-		cfg.DatabaseTimeout = 300 * time.Millisecond
-		c, err := consumer.New(pool, b.Source(), h, cfg)
-		require.NoError(t, err)
-		start(t, c)
-		require.Eventually(t, func() bool { return b.Acked() == 1 }, 20*time.Second, time.Millisecond)
-		assert.Empty(t, b.DeadLetters())
-		assert.Equal(t, map[string]int{"e1": 1}, countEffects(t, admin))
-		assert.Positive(t, c.Stats().InfraErrors)
+		strandedCommitIsLeftBehind(t, admin, pool, "pooler-stranded-commit", func() { require.Positive(t, proxy.Strand()) })
 	})
 }
