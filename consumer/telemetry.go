@@ -43,7 +43,8 @@ type Stats struct {
 	InfraErrors uint64
 	// StuckCalls counts calls the consumer does not cut (a hook, the
 	// Decoder, Identify.EventID, Envelope or Fingerprint, a Source's or
-	// Delivery's Ack, DeadLetter, RecordProgress or FirstPositionDone)
+	// Delivery's Ack, DeadLetter, RecordProgress or FirstPositionDone, a
+	// send of the statements handlers queued with Event.Queue)
 	// logged at Error for running past HandlerTimeout
 	// (DefaultHandlerTimeout under NoHandlerTimeout), and handler calls
 	// that ignored their context's end, logged at twice HandlerTimeout;

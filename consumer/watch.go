@@ -24,11 +24,13 @@ import (
 // it is logged once it has run for twice HandlerTimeout
 // (handlerWatchAfter), under NoHandlerTimeout never.
 //
-// A Source's or Delivery's Ack, DeadLetter, RecordProgress and
-// FirstPositionDone are watched the same way (watchedSourceCall): they
-// take a context, which the built-in adapters honour, but a custom
-// Source stuck in a client call without a deadline would hold its stream
-// without a word.
+// A send of the statements handlers queued (Event.Queue), which the
+// consumer cuts only once its session is found stranded (stranded.go), is
+// watched the same way, named "Event.Queue statements". A Source's or
+// Delivery's Ack, DeadLetter, RecordProgress and FirstPositionDone are
+// watched the same way (watchedSourceCall): they take a context, which the
+// built-in adapters honour, but a custom Source stuck in a client call
+// without a deadline would hold its stream without a word.
 
 // userCall is a call of a user function in progress, in the watchdog's
 // list. A job holds one for its own calls, so watching a call allocates
