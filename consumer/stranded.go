@@ -16,10 +16,11 @@ import (
 // their own, as the consumer's own steps may be (dbstep.go), so
 // DatabaseTimeout does not cut them; but on a connection whose server
 // vanished without a word (a failover's old primary, a middlebox that
-// dropped the connection) their answer never comes: a send of queued statements waited
-// until the operating system gave up on the connection (about a quarter
-// of an hour with Linux's defaults), the stream standing still, and a
-// handler's statement until HandlerTimeout cut it, charged to the message.
+// dropped the connection) their answer never comes: a send of queued
+// statements waited until the operating system gave up on the connection
+// (about a quarter of an hour with Linux's defaults), the stream standing
+// still, and a handler's statement until HandlerTimeout cut it, charged
+// to the message.
 // So the watchdog asks, for a send of queued statements that has waited
 // DatabaseTimeout for its answer, and for a handler call that has run that
 // long, whether the transaction's server process still exists on the
@@ -178,35 +179,37 @@ func (w *watchdog) cutCall(pr lockProbe, cause error) {
 // have run for DatabaseTimeout still exist (above).
 func (p *pipeline) sampleSessions(ctx context.Context, now time.Time) {
 	locks := p.lockProbes(now)
-	var sends []lockProbe
+	var waits []lockProbe
 	if p.asksAfterSessions() {
-		sends = p.watch.callsToAsk(now, p.cfg.DatabaseTimeout, p.sessionEnd)
+		waits = p.watch.callsToAsk(now, p.cfg.DatabaseTimeout, p.sessionEnd)
 	}
-	if len(locks) == 0 && len(sends) == 0 {
+	if len(locks) == 0 && len(waits) == 0 {
 		return
 	}
 	// Not shorter on a short tick: a question that timed out would cut
 	// the consumer's steps waiting for an answer (cutSteps).
-	ctx, cancel := context.WithTimeout(ctx, sessionCheckTimeout)
+	qctx, cancel := context.WithTimeout(ctx, sessionCheckTimeout)
 	defer cancel()
-	err := p.askAfterSessions(ctx, func(conn *pgx.Conn) error {
+	err := p.askAfterSessions(qctx, func(conn *pgx.Conn) error {
 		if len(locks) > 0 {
-			blockers, err := blockingPIDs(ctx, conn, probePIDs(locks))
+			blockers, err := blockingPIDs(qctx, conn, probePIDs(locks))
 			if err != nil {
 				return err
 			}
 			p.watch.noteLockWaits(locks, blockers)
 		}
-		if len(sends) > 0 {
-			alive, err := inTransaction(ctx, conn, probePIDs(sends))
+		if len(waits) > 0 {
+			alive, err := inTransaction(qctx, conn, probePIDs(waits))
 			if err != nil {
 				return err
 			}
-			p.watch.cutStranded(sends, alive)
+			p.watch.cutStranded(waits, alive)
 		}
 		return nil
 	})
-	if err == nil {
+	if err == nil || ctx.Err() != nil {
+		// Answered, or the watchdog stops: nothing is cut for a question
+		// it did not wait for.
 		return
 	}
 	p.cfg.Telemetry.Logger.DebugContext(ctx, "once: could not ask the database after the sessions of long-running calls", "consumer", p.cfg.Name, "error", err)
@@ -215,7 +218,7 @@ func (p *pipeline) sampleSessions(ctx context.Context, now time.Time) {
 		// for it is cut, as DatabaseTimeout alone would have. (A handler
 		// or a send of the handlers' statements may still be slow on
 		// its own: they run on.)
-		p.watch.cutSteps(sends)
+		p.watch.cutSteps(waits)
 	}
 }
 
