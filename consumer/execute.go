@@ -44,6 +44,15 @@ func (p *pipeline) run(ctx context.Context, s *settler, jobs []*job) {
 				s.abandonAll(jobs)
 				return
 			}
+			if r.lost {
+				// The connection went with the session while the
+				// handlers worked: one of them may have ended it (a
+				// statement that crashes the server, or is killed for
+				// its memory). Each runs alone now, so that one that
+				// does it again is charged alone (crashGuard).
+				p.runEachAlone(ctx, s, jobs)
+				return
+			}
 		case txUnpinned:
 			if !p.waitAsked(ctx, jobs, r.err) {
 				s.abandonAll(jobs)
@@ -66,6 +75,15 @@ func (p *pipeline) run(ctx context.Context, s *settler, jobs []*job) {
 			p.runAlone(ctx, s, failing, &r)
 			jobs = jobs[r.failed+1:]
 		}
+	}
+}
+
+// runEachAlone takes jobs to their end one at a time, in order, each a
+// suspect: their transaction lost its session while their handlers ran.
+func (p *pipeline) runEachAlone(ctx context.Context, s *settler, jobs []*job) {
+	for _, j := range jobs {
+		p.guard.suspectLost(j)
+		p.runAlone(ctx, s, j, nil)
 	}
 }
 
@@ -102,6 +120,9 @@ func (p *pipeline) runAlone(ctx context.Context, s *settler, j *job, failed *txR
 			if !p.waitInfra(ctx, &infra, r.err, 1) {
 				s.abandon(j)
 				return
+			}
+			if r.lost {
+				p.guard.suspectLost(j)
 			}
 		case txFailed, txUnpinned:
 			infra.Reset()

@@ -96,6 +96,9 @@ type guardState struct {
 	// (no run or crash of the message alone recorded): the message may
 	// not even have run, and is charged nothing until it runs alone.
 	marked bool
+	// lost counts the crashes of this process's attempts that lost their
+	// session (txResult.lost), for the dead letter's words.
+	lost int
 }
 
 func newCrashGuard(p *pipeline) *crashGuard {
@@ -282,29 +285,50 @@ func (g *crashGuard) startAttempt(ctx context.Context, j *job) error {
 	return nil
 }
 
+// suspectLost makes j a suspect after its transaction lost its session
+// while its handler's work was under way (txResult.lost): the process
+// lives on, but a statement of the handler's may have ended the session,
+// or crashed the server, and would do it again on every retry. Running
+// alone, an attempt that loses its session again is charged as a crash.
+func (g *crashGuard) suspectLost(j *job) {
+	j.guard.suspect = true
+}
+
 // endAttempt takes back the crash recorded for j's attempt, which ended in
 // this process without committing (r). A failed run of the handler still
 // counts: j.guard.runs counts it (startAttempt wrote it so), which j.runs
 // does not yet, and a process that dies before the next attempt must not
 // take the run with it; the record keeps its failure, for the dead letter
 // of a message whose runs that process spent. An infrastructure failure is
-// no run: the record goes back to its runs from before. A record left
-// behind errs on the side of dead-lettering later.
+// no run: the record goes back to its runs from before. An attempt that
+// lost its session (r.lost) keeps its crash: it ran alone, so whatever
+// ended the session (a statement that crashes the server) was its work or
+// came from outside the consumer, and CrashGuard.MaxCrashes of them in a
+// row is no coincidence. A record left behind errs on the side of
+// dead-lettering later.
 func (g *crashGuard) endAttempt(ctx context.Context, j *job, r txResult) {
 	if !j.guard.inFlight {
 		return
 	}
 	j.guard.inFlight = false
 	var failure []byte
-	if r.outcome == txInfra {
+	taken := 1
+	switch {
+	case r.outcome == txInfra && r.lost:
+		// No run either: a failover may end a session too, and
+		// Retry.MaxAttempts 1 would then spend the message's runs.
 		j.guard.runs = j.guard.runsBefore
-	} else if r.err != nil {
+		j.guard.lost++
+		taken = 0
+	case r.outcome == txInfra:
+		j.guard.runs = j.guard.runsBefore
+	case r.err != nil:
 		failure = encodeLastFailure(handlerDeadLetter(j, r.err))
 	}
 	ctx, cancel := g.p.detached(ctx)
 	defer cancel()
-	if err := g.set(ctx, j, j.guard.runs, j.guard.crashes-1, failure); err == nil {
-		j.guard.crashes--
+	if err := g.set(ctx, j, j.guard.runs, j.guard.crashes-taken, failure); err == nil {
+		j.guard.crashes -= taken
 		if failure != nil {
 			j.guard.lastError = failure
 		}
@@ -443,8 +467,14 @@ func (g *crashGuard) runsSpent(j *job) *DeadLetter {
 
 // crashLoop is the dead letter of a suspect with too many crashes.
 func crashLoop(j *job) *DeadLetter {
+	why := "process crash, stall, or delivery unacked past the broker's timeout"
+	if j.guard.lost > 0 {
+		why = fmt.Sprintf("%d of them by the database connection lost with its session while the message ran alone: "+
+			"a statement of its handler's that ends its server process or crashes the server; else a process crash, "+
+			"stall, or delivery unacked past the broker's timeout", j.guard.lost)
+	}
 	return &DeadLetter{Kind: KindCrashLoop, Attempts: j.runs,
-		Error: fmt.Sprintf("handling was cut short %d times (process crash, stall, or delivery unacked past the broker's timeout)", j.guard.crashes)}
+		Error: fmt.Sprintf("handling was cut short %d times (%s)", j.guard.crashes, why)}
 }
 
 // mayBeRedelivery reports whether the broker says m may have been

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"runtime/debug"
 	"time"
 
@@ -51,6 +52,11 @@ type txResult struct {
 	// doneBefore (txFailed): the jobs before the failed one are committed
 	// (a handler's own COMMIT), with their claims' outcomes in claims.
 	doneBefore bool
+	// lost (txInfra): the transaction's connection was lost after its
+	// claims, while the handlers' work, its queued statements or its
+	// commit were under way (see sessionLost). Its messages then run
+	// alone, as suspects.
+	lost bool
 }
 
 // transact runs jobs in one transaction. A suspect runs alone and
@@ -89,7 +95,7 @@ func (p *pipeline) transact(ctx context.Context, jobs []*job) txResult {
 	return r
 }
 
-func (p *pipeline) transaction(ctx context.Context, jobs []*job) txResult {
+func (p *pipeline) transaction(ctx context.Context, jobs []*job) (r txResult) {
 	b := &pgx.Batch{}
 	b.BeginTx(pgx.TxOptions{})
 	claims, err := p.queueClaimsByPosition(b, jobs)
@@ -124,6 +130,11 @@ func (p *pipeline) transaction(ctx context.Context, jobs []*job) txResult {
 	if err != nil {
 		return txResult{outcome: txInfra, err: err, failed: -1}
 	}
+	defer func() {
+		if r.outcome == txInfra {
+			r.lost = sessionLost(tx, r.err)
+		}
+	}()
 	crashPoint("after-claim")
 	if r, stop := p.runHandlers(ctx, tx, jobs, res, xid); stop {
 		return r
@@ -712,6 +723,31 @@ func (p *pipeline) commitFailure(ctx context.Context, tx pgx.Tx, jobs []*job, er
 		err = fmt.Errorf("commit: %w", err)
 	}
 	return p.handlerFailure(ctx, tx, jobs, -1, err)
+}
+
+// sessionLost reports whether err, the infrastructure failure of tx after
+// its claims, lost tx's connection with its session: its server process
+// ended (57P01: an administrator's or its own pg_terminate_backend; 57P02:
+// the server restarting after another process crashed), the connection
+// closed under it without a word from the server (the process killed, the
+// server gone), or the watchdog cut it, its session gone or unanswered.
+// A lock, a serialization failure, a read-only server or a stale plan
+// leave the session as it was, and so does the cut of a statement that
+// waited for another session's lock.
+func sessionLost(tx pgx.Tx, err error) bool {
+	switch {
+	case isStranded(err), errors.As(err, new(*unansweredError)):
+		return true
+	case errors.As(err, new(*canceledInLockWaitError)), errors.As(err, new(*timeoutError)):
+		return false
+	}
+	switch code := sqlState(err); {
+	case code == "57P01", code == "57P02", strings.HasPrefix(code, "08"):
+		return true
+	case code != "":
+		return false
+	}
+	return tx.Conn().IsClosed()
 }
 
 // outcomeUnknown reports whether a failed COMMIT may have committed: it
