@@ -52,7 +52,9 @@ func (c ErrorClass) String() string {
 //     serialization failure among them): the handler asked for its next
 //     attempt after a delay, counted against Config.Retry.MaxAttempts.
 //   - A PostgreSQL error whose SQLSTATE says retrying the same work can
-//     succeed: connection exceptions (08), insufficient resources (53),
+//     succeed: connection exceptions (08), insufficient resources (53, but
+//     for 53400: a statement whose temporary files exceed temp_file_limit
+//     exceeds it on every retry),
 //     operator intervention such as an administrator shutdown (57P01-03),
 //     a session ended for idling past idle_session_timeout (57P05),
 //     system errors (58), serialization failure (40001), deadlock (40P01),
@@ -150,13 +152,20 @@ func IsTransient(err error) bool {
 }
 
 // transientSQLState: connection exceptions (08), insufficient resources
-// (53), system errors (58), serialization failure and deadlock (40001,
+// (53, but for 53400, a statement's temporary files past temp_file_limit),
+// system errors (58), serialization failure and deadlock (40001,
 // 40P01), a lock not available (55P03: lock_timeout, NOWAIT), administrator
 // or crash shutdown and cannot-connect-now (57P01-03), a session the server
 // ended for idling past idle_session_timeout (57P05), and read-only
 // transactions after a failover (25006).
 func transientSQLState(code string) bool {
 	if len(code) < 2 {
+		return false
+	}
+	if code == "53400" {
+		// configuration_limit_exceeded: in a transaction, a statement's
+		// temporary files past temp_file_limit. The statement exceeds it
+		// on its own, and would again on every retry.
 		return false
 	}
 	switch code[:2] {

@@ -353,7 +353,11 @@ type CrashGuardConfig struct {
 	// durably, and only for messages that may have been in flight at a
 	// crash; such a message runs isolated from every other, so a crash is
 	// charged to it alone. Crashed runs also count towards
-	// Retry.MaxAttempts. Defaults to 3.
+	// Retry.MaxAttempts. An attempt alone whose transaction loses its
+	// database session (its handler's statement crashed the server, or
+	// was killed for its memory) counts as a crash too, not as a run; the
+	// messages of a transaction that lost its session run alone after.
+	// Defaults to 3.
 	MaxCrashes int
 }
 

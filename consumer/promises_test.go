@@ -102,6 +102,19 @@ func TestDeterministicHandlerErrorsAreDeadLettered(t *testing.T) {
 			_, err := tx.Exec(ctx, `INSERT INTO no_such_table VALUES (1)`)
 			return err
 		}, "42P01"},
+		// Retried as infrastructure without end before: class 53 is
+		// insufficient resources, but this limit is one the statement
+		// exceeds on its own, every time.
+		"temp_file_limit exceeded": {func(ctx context.Context, tx pgx.Tx) error {
+			if _, err := tx.Exec(ctx, `SET LOCAL work_mem = '64kB'`); err != nil {
+				return err
+			}
+			if _, err := tx.Exec(ctx, `SET LOCAL temp_file_limit = '64kB'`); err != nil {
+				return err
+			}
+			_, err := tx.Exec(ctx, `SELECT count(*) FROM (SELECT g FROM generate_series(1, 100000) g ORDER BY g DESC OFFSET 0) s`)
+			return err
+		}, "53400"},
 		"own deadline": {func(ctx context.Context, tx pgx.Tx) error {
 			qctx, cancel := context.WithTimeout(ctx, 20*time.Millisecond)
 			defer cancel()

@@ -214,8 +214,9 @@ const (
 	// KindIDConflict: the id was processed before with a different payload
 	// fingerprint.
 	KindIDConflict ErrorKind = "id-conflict"
-	// KindCrashLoop: handling the message crashed or stalled the process
-	// more than Config.CrashGuard.MaxCrashes times.
+	// KindCrashLoop: handling the message crashed or stalled the process,
+	// or lost its transaction's database session while it ran alone,
+	// Config.CrashGuard.MaxCrashes times.
 	KindCrashLoop ErrorKind = "crash-loop"
 )
 
