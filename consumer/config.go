@@ -181,7 +181,7 @@ type Config struct {
 	// DatabaseTimeout; waiting for a connection others hold is not. Every
 	// other step of the consumer's own (the BEGIN with the claims, the
 	// recording of progress, the COMMIT, a rollback, the crash guard's
-	// records), each handler call under HandlerTimeout, and each send of
+	// records), each handler call (also under NoHandlerTimeout), and each send of
 	// the statements handlers queued (Event.Queue) that has waited
 	// DatabaseTimeout has its connection's server process asked after, on
 	// a connection opened for the question (pg_stat_activity), every
@@ -424,7 +424,10 @@ const maxIDLimit = 2048
 const DefaultHandlerTimeout = time.Minute
 
 // NoHandlerTimeout lifts the bound on each handler call when set as
-// Config.HandlerTimeout.
+// Config.HandlerTimeout. Such a call is still cut when its connection's
+// server process is found gone (Config.DatabaseTimeout), and a cancel of
+// its statement by the sessions' statement_timeout while it waited for
+// another session's lock is still infrastructure.
 const NoHandlerTimeout time.Duration = -1
 
 // DefaultDatabaseTimeout is Config.DatabaseTimeout's default.

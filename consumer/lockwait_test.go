@@ -198,11 +198,23 @@ func TestStatementTimeoutWhileWaitingForAnotherSessionsLockIsNotCharged(t *testi
 	handledOnceAfterTheLockWith(t, pool, holdTableLock(t, admin), fastConfig("statement-timeout-lock"))
 }
 
+// The same under NoHandlerTimeout, whose handler calls were not watched:
+// the cancel was charged.
+func TestStatementTimeoutWhileWaitingForAnotherSessionsLockIsNotChargedWithoutHandlerTimeout(t *testing.T) {
+	admin, pool := withStatementTimeout(t, time.Second)
+	cfg := fastConfig("statement-timeout-lock-unbounded")
+	cfg.HandlerTimeout = consumer.NoHandlerTimeout
+	handledOnceAfterTheLockWith(t, pool, holdTableLock(t, admin), cfg)
+}
+
 // A statement_timeout that cancels a handler's own slow statement, waiting
 // for no one, is still charged.
 func TestStatementTimeoutOnItsOwnSlowStatementIsCharged(t *testing.T) {
 	_, pool := withStatementTimeout(t, time.Second)
 	chargedForItsOwnSlowStatement(t, pool, fastConfig("statement-timeout-slow"))
+	cfg := fastConfig("statement-timeout-slow-unbounded")
+	cfg.HandlerTimeout = consumer.NoHandlerTimeout
+	chargedForItsOwnSlowStatement(t, pool, cfg)
 }
 
 // The same for a statement the handler queued (Event.Queue), sent after it

@@ -105,8 +105,8 @@ func (p *pipeline) asksAfterSessions() bool {
 	return p.cfg.DatabaseTimeout > 0 && p.serverPIDs
 }
 
-// callsToAsk returns the calls that may be cut (sends, and handler calls
-// under HandlerTimeout) that have run for at least after and were not cut
+// callsToAsk returns the calls that may be cut (sends, and handler calls)
+// that have run for at least after and were not cut
 // yet; not a handler call whose transaction has run for sessionEnd (the
 // shorter of idle_in_transaction_session_timeout and transaction_timeout;
 // 0: neither), whose server process the server may have ended itself.

@@ -160,6 +160,18 @@ func outlastsDatabaseTimeout(t *testing.T, admin, pool *pgxpool.Pool, name strin
 // whether its transaction's server process is still there; gone, the
 // handler is cut as infrastructure.
 func TestHandlerStatementOnAStrandedConnectionIsNotCharged(t *testing.T) {
+	t.Run("HandlerTimeout", func(t *testing.T) { strandedHandlerStatementIsNotCharged(t, 5*time.Second) })
+	// Under NoHandlerTimeout the handler's call was not watched at all:
+	// its statement waited until the operating system gave up on the
+	// connection (for ever in the test).
+	t.Run("NoHandlerTimeout", func(t *testing.T) { strandedHandlerStatementIsNotCharged(t, consumer.NoHandlerTimeout) })
+}
+
+// strandedHandlerStatementIsNotCharged strands the connection of a
+// handler's statement under handlerTimeout: the statement is cut as
+// infrastructure, and the message, with Retry.MaxAttempts 1, commits on
+// the retry.
+func strandedHandlerStatementIsNotCharged(t *testing.T, handlerTimeout time.Duration) {
 	admin, pool, strand := strandedDatabase(t, nil)
 	b := memsource.New(memsource.Options{Streams: 1})
 	publish(b, "e1", 1)
@@ -170,7 +182,7 @@ func TestHandlerStatementOnAStrandedConnectionIsNotCharged(t *testing.T) {
 	}
 	cfg := fastConfig("stranded-handler")
 	cfg.Retry.MaxAttempts = 1
-	cfg.HandlerTimeout = 5 * time.Second
+	cfg.HandlerTimeout = handlerTimeout
 	cfg.DatabaseTimeout = 300 * time.Millisecond
 	c, err := consumer.New(pool, b.Source(), h, cfg)
 	require.NoError(t, err)

@@ -4,8 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strings"
 	"runtime/debug"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -496,7 +496,8 @@ func (p *pipeline) runBatchHandler(ctx context.Context, tx pgx.Tx, jobs []*job, 
 // context's end (handlerWatchAfter).
 func (p *pipeline) callHandler(ctx context.Context, tx *queueTx, c *userCall, name string, m *Message, eventID string, messages int, run func(context.Context) error) (err error) {
 	hctx := ctx
-	if p.cfg.HandlerTimeout > 0 {
+	switch {
+	case p.cfg.HandlerTimeout > 0:
 		var cancel context.CancelFunc
 		hctx, cancel = context.WithTimeout(ctx, p.cfg.HandlerTimeout)
 		defer cancel()
@@ -505,6 +506,20 @@ func (p *pipeline) callHandler(ctx context.Context, tx *queueTx, c *userCall, na
 			cut = cancel // stranded.go
 		}
 		p.watch.beginHandler(c, name, m, eventID, messages, p.handlerWatchAfter, tx.Conn().PgConn().PID(), cut, tx.began)
+		defer p.watch.end(c)
+	case p.watchesUnboundedHandlers():
+		// Under NoHandlerTimeout nothing cuts the call at a deadline, but
+		// a stranded session is cut all the same (stranded.go), and a
+		// statement_timeout's cancel of a lock wait is told from the
+		// statement's own (lockwait.go). Never logged as overdue.
+		var cancel context.CancelFunc
+		hctx, cancel = context.WithCancel(ctx)
+		defer cancel()
+		var cut context.CancelFunc
+		if p.asksAfterSessions() {
+			cut = cancel
+		}
+		p.watch.beginHandler(c, name, m, eventID, messages, neverOverdue, tx.Conn().PgConn().PID(), cut, tx.began)
 		defer p.watch.end(c)
 	}
 	tx.handlerDeadline, _ = hctx.Deadline()

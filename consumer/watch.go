@@ -2,6 +2,7 @@ package consumer
 
 import (
 	"context"
+	"math"
 	"strings"
 	"sync"
 	"time"
@@ -22,7 +23,8 @@ import (
 //
 // A handler is cut at HandlerTimeout: its context ends. One that ignores
 // it is logged once it has run for twice HandlerTimeout
-// (handlerWatchAfter), under NoHandlerTimeout never.
+// (handlerWatchAfter), under NoHandlerTimeout never (neverOverdue: such a
+// call is watched only for its session and its lock waits).
 //
 // A send of the statements handlers queued (Event.Queue), which the
 // consumer cuts only once its session is found stranded (stranded.go), is
@@ -206,6 +208,18 @@ func (c *Config) handlerWatchAfter() time.Duration {
 		return 2 * c.HandlerTimeout
 	}
 	return 0
+}
+
+// neverOverdue is the after of a call the watchdog never logs: a handler
+// call under NoHandlerTimeout, watched only for its session (stranded.go)
+// and its lock waits (lockwait.go).
+const neverOverdue = time.Duration(math.MaxInt64)
+
+// watchesUnboundedHandlers reports whether handler calls under
+// NoHandlerTimeout are watched: when their sessions are asked after, or
+// sampled for the lock waits the sessions' statement_timeout may cut.
+func (p *pipeline) watchesUnboundedHandlers() bool {
+	return p.asksAfterSessions() || p.serverPIDs && p.statementTimeout > 0
 }
 
 // watchAfter is how long a user call other than the handler runs before
