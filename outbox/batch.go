@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime/debug"
+	"strings"
 	"sync"
 	"time"
 
@@ -14,7 +15,7 @@ import (
 
 // relaySQL are the relay's statements on one table.
 type relaySQL struct {
-	fetch, remove, markSent, reject, cleanup string
+	fetch, fetchMarking, remove, markSent, reject, cleanup string
 }
 
 // newRelaySQL returns the statements on table t. Each ends with a guard
@@ -28,24 +29,58 @@ func newRelaySQL(t string) relaySQL {
 	guard := func(n int) string {
 		return fmt.Sprintf("\n\tAND (SELECT to_regclass($%d)::oid) = $%d::oid", n, n+1)
 	}
+	ready := `	SELECT o.seq, o.event_id, o.topic, o.routing_key, o.key, o.type, o.headers, o.trace, o.body,
+		o.created_at, o.attempts
+	FROM ` + t + ` o
+	WHERE o.sent_at IS NULL AND o.parked_at IS NULL AND NOT o.waiting
+		AND (o.not_before IS NULL OR o.not_before <= now())
+		AND (o.key IS NULL OR NOT EXISTS (
+			SELECT 1 FROM ` + t + ` e
+			WHERE e.topic = o.topic AND e.key = o.key AND e.seq < o.seq AND e.sent_at IS NULL
+				AND (e.attempts > 0 OR e.parked_at IS NOT NULL)))
+		AND (o.seq > $2 OR NOT o.seq = ANY($3::bigint[]))` + guard(4) + `
+	ORDER BY o.seq
+	LIMIT $1`
 	return relaySQL{
 		// Rows in sequence order, but none behind an earlier row of its key
 		// that the broker has rejected (parked, or to be retried): such a
 		// row is retried without the rows behind it, which follow once it
 		// is sent or discarded. That keeps each key's order across
 		// rejections and lets every other key go on.
-		fetch: `SELECT o.seq, o.event_id, o.topic, o.routing_key, o.key, o.type, o.headers, o.trace, o.body,
-	o.created_at, o.attempts
-FROM ` + t + ` o
-WHERE o.sent_at IS NULL AND o.parked_at IS NULL
-	AND (o.not_before IS NULL OR o.not_before <= now())
-	AND (o.key IS NULL OR NOT EXISTS (
-		SELECT 1 FROM ` + t + ` e
-		WHERE e.topic = o.topic AND e.key = o.key AND e.seq < o.seq AND e.sent_at IS NULL
-			AND (e.attempts > 0 OR e.parked_at IS NOT NULL)))
-	AND (o.seq > $2 OR NOT o.seq = ANY($3::bigint[]))` + guard(4) + `
-ORDER BY o.seq
-LIMIT $1`,
+		// Rows the relay found waiting behind such a row (waiting) are
+		// not in the index it reads (see fetchMarking).
+		fetch: strings.TrimSpace(ready),
+		// fetchMarking is fetch that also marks waiting the rows it
+		// passes over on the way because they wait behind a refused row
+		// of their key: that takes them out of the index the reads walk
+		// (the ready index), so that the next reads do not pass over them
+		// again. (A refused row that stops holding its key back gives
+		// them back: a trigger, see migrations/002_waiting.up.sql.) The
+		// refused row they wait for is locked FOR SHARE while they are
+		// marked: a requeue or discard of it that commits first leaves
+		// them unmarked, and one that commits after finds them marked and
+		// gives them back. The relay marks at most once a second
+		// (markEvery): planning the marking costs a read about as much as
+		// the read itself.
+		fetchMarking: `WITH ready AS (
+` + ready + `
+), marked AS (
+	UPDATE ` + t + ` w SET waiting = true
+	WHERE w.seq IN (
+		SELECT o.seq FROM ` + t + ` o
+		WHERE o.sent_at IS NULL AND o.parked_at IS NULL AND NOT o.waiting AND o.key IS NOT NULL
+			AND EXISTS (SELECT 1 FROM ` + t + ` r WHERE r.sent_at IS NULL AND (r.attempts > 0 OR r.parked_at IS NOT NULL))
+			AND o.seq <= (SELECT CASE WHEN count(*) < $1 THEN 9223372036854775807 ELSE max(seq) END FROM ready)
+			AND (o.seq > $2 OR NOT o.seq = ANY($3::bigint[]))
+			AND EXISTS (
+				SELECT 1 FROM ` + t + ` e
+				WHERE e.topic = o.topic AND e.key = o.key AND e.seq < o.seq AND e.sent_at IS NULL
+					AND (e.attempts > 0 OR e.parked_at IS NOT NULL)
+				FOR SHARE)
+		ORDER BY o.seq
+		LIMIT ` + maxMarkedPerRead + `)` + guard(4) + `
+)
+SELECT * FROM ready ORDER BY seq`,
 		remove:   `DELETE FROM ` + t + ` WHERE seq = ANY($1::bigint[])` + guard(2),
 		markSent: `UPDATE ` + t + ` SET sent_at = now(), not_before = NULL WHERE seq = ANY($1::bigint[])` + guard(2),
 		reject: `UPDATE ` + t + ` AS o SET attempts = o.attempts + 1, last_error = u.err,
@@ -63,6 +98,11 @@ RETURNING o.seq, o.event_id, o.parked_at IS NOT NULL`,
 	AND sent_at < now() - $1 * interval '1 millisecond'` + guard(3),
 	}
 }
+
+// maxMarkedPerRead bounds the rows a read of the outbox marks waiting
+// (relaySQL.fetchMarking): a table migrated with a large backlog behind a
+// refused row is marked over several reads.
+const maxMarkedPerRead = "10000"
 
 // errBrokerUnavailable is relayBatch's error when records failed without
 // the broker rejecting them: they stay in the outbox, uncounted.
@@ -788,7 +828,7 @@ func (r *Relay) fetch(ctx context.Context, conn *pgx.Conn, inflight []Record) ([
 	maxSeq, seqs := fetchArgs(inflight)
 	ctx, cancel := bounded(ctx)
 	defer cancel()
-	rows, err := conn.Query(ctx, r.sql.fetch, r.cfg.BatchSize, maxSeq, seqs, r.cfg.Store.table, r.oid)
+	rows, err := conn.Query(ctx, r.fetchSQL(), r.cfg.BatchSize, maxSeq, seqs, r.cfg.Store.table, r.oid)
 	if err != nil {
 		return nil, fmt.Errorf("read outbox: %w", err)
 	}
@@ -802,7 +842,22 @@ func (r *Relay) fetch(ctx context.Context, conn *pgx.Conn, inflight []Record) ([
 // queueFetch queues fetch's statement on b.
 func (r *Relay) queueFetch(b *pgx.Batch, inflight []Record) *pgx.QueuedQuery {
 	maxSeq, seqs := fetchArgs(inflight)
-	return b.Queue(r.sql.fetch, r.cfg.BatchSize, maxSeq, seqs, r.cfg.Store.table, r.oid)
+	return b.Queue(r.fetchSQL(), r.cfg.BatchSize, maxSeq, seqs, r.cfg.Store.table, r.oid)
+}
+
+// markEvery is how often at most a read of the outbox marks the rows it
+// passes over waiting (relaySQL.fetchMarking): between two such reads,
+// the reads pass over at most the waiting rows written in the meantime.
+const markEvery = time.Second
+
+// fetchSQL returns the read of the outbox to send next: one that marks
+// waiting rows once markEvery has passed since the last one.
+func (r *Relay) fetchSQL() string {
+	if now := time.Now(); now.Sub(r.markedAt) >= markEvery {
+		r.markedAt = now
+		return r.sql.fetchMarking
+	}
+	return r.sql.fetch
 }
 
 // fetchArgs are the fetch statement's arguments that leave out inflight:

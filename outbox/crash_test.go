@@ -423,7 +423,7 @@ func (p *lockAfterReadAhead) Publish(ctx context.Context, recs []outbox.Record) 
 	for p.err == nil {
 		var n int
 		p.err = p.pool.QueryRow(context.Background(), `SELECT count(*) FROM pg_stat_activity WHERE pid <> pg_backend_pid()
-	AND state = 'idle' AND query LIKE 'SELECT o.seq%' AND query_start > $1`, p.checked).Scan(&n)
+	AND state = 'idle' AND (query LIKE 'SELECT o.seq%' OR query LIKE 'WITH ready AS%') AND query_start > $1`, p.checked).Scan(&n)
 		if n == 1 {
 			break
 		}

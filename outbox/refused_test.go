@@ -103,7 +103,7 @@ func TestDatabaseRefusingTheRelayIsAnError(t *testing.T) {
 		_, _ = pool.Exec(context.Background(), `DROP OWNED BY `+role)
 		_, _ = pool.Exec(context.Background(), `DROP ROLE `+role)
 	})
-	_, err = pool.Exec(ctx, `GRANT USAGE ON SCHEMA `+schema+` TO `+role+`; GRANT SELECT, INSERT ON outbox TO `+role)
+	_, err = pool.Exec(ctx, `GRANT USAGE ON SCHEMA `+schema+` TO `+role+`; GRANT SELECT, INSERT, UPDATE ON outbox TO `+role)
 	require.NoError(t, err)
 	cfg := pool.Config()
 	cfg.ConnConfig.User = role

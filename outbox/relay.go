@@ -192,6 +192,9 @@ type Relay struct {
 	// leader lock is keyed by and its statements check (newRelaySQL);
 	// used by the session's goroutine only.
 	oid uint32
+	// markedAt is when the last read that marks waiting rows was sent
+	// (fetchSQL); used by the session's goroutine only.
+	markedAt time.Time
 	// uncheckedLogged is when records the publisher could not check were
 	// last logged (noteUnchecked); used by the session's goroutine only.
 	uncheckedLogged time.Time

@@ -8,6 +8,7 @@ import (
 	"github.com/onceco/once/internal/pgshape"
 	"io/fs"
 	"regexp"
+	"slices"
 	"strings"
 
 	"github.com/jackc/pgx/v5"
@@ -114,14 +115,25 @@ func qualify(cfg Config, name string) string {
 // templateData are the names the migration templates use.
 func (s *Store) templateData() map[string]string {
 	trigger := s.cfg.Table + "_notify"
+	releaseUpdate, releaseDelete := s.cfg.Table+"_release_upd", s.cfg.Table+"_release_del"
 	return map[string]string{
-		"Table":                s.table,
-		"PendingIndex":         pgx.Identifier{s.cfg.Table + "_pending_idx"}.Sanitize(),
-		"KeyIndex":             pgx.Identifier{s.cfg.Table + "_refused_idx"}.Sanitize(),
-		"SentIndex":            pgx.Identifier{s.cfg.Table + "_sent_idx"}.Sanitize(),
-		"NotifyFunction":       qualify(s.cfg, s.cfg.Table+"_notify"),
-		"NotifyTrigger":        pgx.Identifier{trigger}.Sanitize(),
-		"NotifyTriggerLiteral": "'" + trigger + "'",
+		"Table":                       s.table,
+		"PendingIndex":                pgx.Identifier{s.cfg.Table + "_pending_idx"}.Sanitize(),
+		"PendingIndexQualified":       qualify(s.cfg, s.cfg.Table+"_pending_idx"),
+		"ReadyIndex":                  pgx.Identifier{s.cfg.Table + "_ready_idx"}.Sanitize(),
+		"ReadyIndexQualified":         qualify(s.cfg, s.cfg.Table+"_ready_idx"),
+		"WaitingIndex":                pgx.Identifier{s.cfg.Table + "_waiting_idx"}.Sanitize(),
+		"WaitingIndexQualified":       qualify(s.cfg, s.cfg.Table+"_waiting_idx"),
+		"KeyIndex":                    pgx.Identifier{s.cfg.Table + "_refused_idx"}.Sanitize(),
+		"SentIndex":                   pgx.Identifier{s.cfg.Table + "_sent_idx"}.Sanitize(),
+		"NotifyFunction":              qualify(s.cfg, s.cfg.Table+"_notify"),
+		"NotifyTrigger":               pgx.Identifier{trigger}.Sanitize(),
+		"NotifyTriggerLiteral":        "'" + trigger + "'",
+		"ReleaseFunction":             qualify(s.cfg, s.cfg.Table+"_release"),
+		"ReleaseUpdateTrigger":        pgx.Identifier{releaseUpdate}.Sanitize(),
+		"ReleaseUpdateTriggerLiteral": "'" + releaseUpdate + "'",
+		"ReleaseDeleteTrigger":        pgx.Identifier{releaseDelete}.Sanitize(),
+		"ReleaseDeleteTriggerLiteral": "'" + releaseDelete + "'",
 	}
 }
 
@@ -156,18 +168,29 @@ func (s *Store) Migrate(ctx context.Context, db interface {
 // version 1.
 func (s *Store) adopt(ctx context.Context, tx pgx.Tx) (int, error) {
 	var exists bool
-	err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, s.table).Scan(&exists)
-	if exists {
-		return 1, err
+	if err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NOT NULL`, s.table).Scan(&exists); err != nil || !exists {
+		return 0, err
 	}
-	return 0, err
+	// Another library's table of the name is refused here, before the
+	// later migrations fail on it with a bare SQL error.
+	if err := s.check(ctx, tx, adoptedColumns); err != nil {
+		return 0, err
+	}
+	return 1, nil
 }
 
-var outboxColumns = pgshape.Cols(
+// firstColumns are the columns of schema version 1, which an adopted
+// table must have before the later migrations run on it.
+var firstColumns = []string{
 	"seq", "bigint", "event_id", "text", "topic", "text", "routing_key", "text", "key", "bytea",
 	"type", "text", "headers", "jsonb", "trace", "jsonb", "body", "bytea",
 	"created_at", "timestamp with time zone", "attempts", "integer", "not_before", "timestamp with time zone",
 	"last_error", "text", "parked_at", "timestamp with time zone", "sent_at", "timestamp with time zone",
+}
+
+var (
+	adoptedColumns = pgshape.Cols(firstColumns...)
+	outboxColumns  = pgshape.Cols(append(slices.Clone(firstColumns), "waiting", "boolean")...)
 )
 
 // Check verifies that the outbox table exists with the columns and types
@@ -179,6 +202,11 @@ var outboxColumns = pgshape.Cols(
 // column body of type text would take Add's bytes as their hex escape,
 // and the relay publish that) fails there instead of every Add.
 func (s *Store) Check(ctx context.Context, db DB) error {
+	return s.check(ctx, db, outboxColumns)
+}
+
+// check is Check against the columns want.
+func (s *Store) check(ctx context.Context, db DB, want []pgshape.Want) error {
 	have, err := pgshape.Columns(ctx, db, s.table)
 	if err != nil {
 		return fmt.Errorf("outbox: checking %s: %w", s.table, err)
@@ -186,7 +214,7 @@ func (s *Store) Check(ctx context.Context, db DB) error {
 	if len(have) == 0 {
 		return fmt.Errorf("%w: %s does not exist: run Store.Migrate, or apply outbox/migrations", ErrSchemaMismatch, s.table)
 	}
-	diffs := pgshape.Diffs(have, outboxColumns, "Add")
+	diffs := pgshape.Diffs(have, want, "Add")
 	if h, ok := have["seq"]; ok && h.Type == "bigint" && !h.Default {
 		diffs = append(diffs, "column seq is not generated (an identity or a default): Add does not write it")
 	}
