@@ -119,7 +119,7 @@ func sessionKillerIsDeadLettered(t *testing.T, pool *pgxpool.Pool, name string, 
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- c.Run(ctx) }()
-	t.Cleanup(func() { cancel(); <-done })
+	t.Cleanup(func() { cancel(); assert.NoError(t, <-done) })
 
 	settled := assert.Eventually(t, func() bool { return b.Acked() == total+1 }, 60*time.Second, 5*time.Millisecond)
 	require.True(t, settled, "acked %d of %d; the killer's handler ran %d times", b.Acked(), total+1, killerRuns.Load())
