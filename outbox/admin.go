@@ -79,6 +79,11 @@ WHERE seq = ANY($1::bigint[]) AND parked_at IS NOT NULL AND sent_at IS NULL`, se
 type Status struct {
 	// Pending counts rows not yet published (parked ones excluded).
 	Pending int64
+	// Waiting counts the pending rows the relay has found waiting behind
+	// a refused row of their key (it marks them at most once a second):
+	// they are published once that row is sent, requeued or discarded.
+	// Always 0 on a table of schema version 1.
+	Waiting int64
 	// Parked counts parked rows.
 	Parked int64
 	// Sent counts published rows still kept (RelayConfig.KeepSent).
@@ -92,12 +97,25 @@ type Status struct {
 func (s *Store) Status(ctx context.Context, db DB) (Status, error) {
 	var st Status
 	var oldest *time.Time
-	err := db.QueryRow(ctx, `SELECT
+	const counts = `SELECT
 	count(*) FILTER (WHERE sent_at IS NULL AND parked_at IS NULL),
 	count(*) FILTER (WHERE sent_at IS NULL AND parked_at IS NOT NULL),
 	count(*) FILTER (WHERE sent_at IS NOT NULL),
-	min(created_at) FILTER (WHERE sent_at IS NULL AND parked_at IS NULL)
-FROM `+s.table).Scan(&st.Pending, &st.Parked, &st.Sent, &oldest)
+	min(created_at) FILTER (WHERE sent_at IS NULL AND parked_at IS NULL)`
+	// A table of schema version 1 (its relay not upgraded yet) has no
+	// waiting column, and no row marked waiting.
+	var marks bool
+	err := db.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_attribute
+	WHERE attrelid = to_regclass($1) AND attname = 'waiting' AND NOT attisdropped)`, s.table).Scan(&marks)
+	switch {
+	case err != nil:
+	case marks:
+		err = db.QueryRow(ctx, counts+`,
+	count(*) FILTER (WHERE sent_at IS NULL AND parked_at IS NULL AND waiting)
+FROM `+s.table).Scan(&st.Pending, &st.Parked, &st.Sent, &oldest, &st.Waiting)
+	default:
+		err = db.QueryRow(ctx, counts+` FROM `+s.table).Scan(&st.Pending, &st.Parked, &st.Sent, &oldest)
+	}
 	if err != nil {
 		return st, fmt.Errorf("outbox: status: %w", err)
 	}

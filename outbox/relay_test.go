@@ -144,9 +144,10 @@ func TestRejectedRowIsParkedAndHoldsOnlyItsKey(t *testing.T) {
 		waitRows(t, pool, "true", 2, 10*time.Second) // a/2 (parked) and a/3 (held)
 		assert.ElementsMatch(t, []string{"a/1", "b/1", "b/2", "c/1"}, bodies(got))
 		assert.Equal(t, 1, rows(t, pool, "parked_at IS NULL AND attempts = 0"), "a/3 was never attempted")
+		waitRows(t, pool, "waiting", 1, 10*time.Second) // a/3, once the relay marks it
 		st, err := store.Status(ctx, pool)
 		require.NoError(t, err)
-		assert.Equal(t, outbox.Status{Pending: 1, Parked: 1, OldestPending: st.OldestPending}, st)
+		assert.Equal(t, outbox.Status{Pending: 1, Waiting: 1, Parked: 1, OldestPending: st.OldestPending}, st)
 		assert.False(t, st.OldestPending.IsZero())
 
 		n, err := store.Discard(ctx, pool, parked[0].Seq)

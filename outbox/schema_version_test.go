@@ -25,6 +25,9 @@ func TestAReleaseOfSchemaVersionOneRunsOnThisSchema(t *testing.T) {
 	// Its check wants the columns of version 1.
 	older.series.Verify = func(ctx context.Context, tx pgx.Tx) error { return older.check(ctx, tx, adoptedColumns) }
 	require.NoError(t, older.Migrate(ctx, pool))
+	st, err := older.Status(ctx, pool)
+	require.NoError(t, err, "the status of a table of version 1")
+	assert.Equal(t, Status{}, st)
 	_, err = pool.Exec(ctx, `INSERT INTO outbox (event_id, topic, key, body, attempts, parked_at) VALUES ('p', 't', 'a', 'x', 3, now());
 INSERT INTO outbox (event_id, topic, key, body) VALUES ('w', 't', 'a', 'x')`)
 	require.NoError(t, err)

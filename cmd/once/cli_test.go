@@ -281,6 +281,16 @@ func TestStatusMigrateRetention(t *testing.T) {
 	assert.Contains(t, out, "1 pending")
 	assert.Contains(t, out, "1 parked")
 	assert.Contains(t, out, "no.such.topic")
+	// A row of the parked key, as the relay marks it: waiting.
+	require.NoError(t, pgx.BeginFunc(ctx, svc.Pool, func(tx pgx.Tx) error {
+		return outbox.Add(ctx, tx, outbox.Message{Topic: "no.such.topic", Key: []byte("o-2"), Body: []byte(`{}`)})
+	}))
+	_, err = svc.Pool.Exec(ctx, `UPDATE outbox SET waiting = true WHERE topic = 'no.such.topic' AND parked_at IS NULL`)
+	require.NoError(t, err)
+	code, out, _ = cli(t, env, "status")
+	require.Equal(t, exitOK, code)
+	assert.Contains(t, out, "2 pending")
+	assert.Contains(t, out, "1 of them waiting behind a refused row of their key")
 
 	code, out, errOut = cli(t, env, "status", "-group", "nobody", "-topic", topic)
 	require.Equal(t, exitOK, code, errOut)

@@ -492,8 +492,12 @@ func (a *app) printStatus(rep statusReport) {
 		if !o.Status.OldestPending.IsZero() {
 			lag = time.Since(o.Status.OldestPending).Round(time.Millisecond).String()
 		}
-		fmt.Fprintf(a.stdout, "\noutbox %s: %d pending (oldest %s ago), %d parked, %d sent and kept\n",
-			o.Table, o.Status.Pending, lag, o.Status.Parked, o.Status.Sent)
+		waiting := ""
+		if o.Status.Waiting > 0 {
+			waiting = fmt.Sprintf(", %d of them waiting behind a refused row of their key", o.Status.Waiting)
+		}
+		fmt.Fprintf(a.stdout, "\noutbox %s: %d pending (oldest %s ago%s), %d parked, %d sent and kept\n",
+			o.Table, o.Status.Pending, lag, waiting, o.Status.Parked, o.Status.Sent)
 		if len(o.Parked) > 0 {
 			tw = tabwriter.NewWriter(a.stdout, 0, 4, 2, ' ', 0)
 			fmt.Fprintln(tw, "SEQ\tEVENT ID\tDESTINATION\tATTEMPTS\tPARKED\tLAST ERROR")
