@@ -28,6 +28,11 @@ func TestAReleaseOfSchemaVersionOneRunsOnThisSchema(t *testing.T) {
 	st, err := older.Status(ctx, pool)
 	require.NoError(t, err, "the status of a table of version 1")
 	assert.Equal(t, Status{}, st)
+	current, err := New(Config{})
+	require.NoError(t, err)
+	err = current.Check(ctx, pool)
+	require.ErrorIs(t, err, ErrSchemaMismatch, "this release's check of a table of version 1 (a relay with SkipMigrate)")
+	assert.Contains(t, err.Error(), "schema version 1")
 	_, err = pool.Exec(ctx, `INSERT INTO outbox (event_id, topic, key, body, attempts, parked_at) VALUES ('p', 't', 'a', 'x', 3, now());
 INSERT INTO outbox (event_id, topic, key, body) VALUES ('w', 't', 'a', 'x')`)
 	require.NoError(t, err)

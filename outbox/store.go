@@ -202,7 +202,18 @@ var (
 // column body of type text would take Add's bytes as their hex escape,
 // and the relay publish that) fails there instead of every Add.
 func (s *Store) Check(ctx context.Context, db DB) error {
-	return s.check(ctx, db, outboxColumns)
+	err := s.check(ctx, db, outboxColumns)
+	if err == nil || s.check(ctx, db, adoptedColumns) != nil {
+		return err
+	}
+	if have, cerr := pgshape.Columns(ctx, db, s.table); cerr == nil {
+		if _, ok := have["waiting"]; !ok {
+			// The library's table, not migrated since an older release.
+			return fmt.Errorf("%w: %s is at schema version 1 (it has no column waiting): run Store.Migrate, "+
+				"or apply outbox/migrations/002_waiting.up.sql", ErrSchemaMismatch, s.table)
+		}
+	}
+	return err
 }
 
 // check is Check against the columns want.
