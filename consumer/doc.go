@@ -37,7 +37,10 @@
 // COMMIT the database refuses (a deferred constraint) is the handler's
 // failure. A message that kills the
 // process every time it is handled is recognised by a durable attempt
-// count and dead-lettered after Config.CrashGuard.MaxCrashes.
+// count and dead-lettered after Config.CrashGuard.MaxCrashes; so is one
+// whose handler ends its database session every time (a statement that
+// crashes the server): the messages of a transaction that lost its
+// session run alone after, and one that loses it again alone is charged.
 //
 // # Order and concurrency
 //

@@ -84,7 +84,10 @@
 // batch as the first refusal of an earlier row of their key, which the
 // broker accepted, are already out (a publisher that can tell in advance,
 // like kafkaout for a message above Producer.MaxMessageBytes, refuses the
-// row before the batch goes, and then nothing overtakes it). Store.Parked lists parked rows; Store.Requeue
+// row before the batch goes, and then nothing overtakes it). The relay
+// marks the rows it finds waiting, which takes them out of the index its
+// reads walk, so that a key parked for long costs the other keys nothing;
+// they are given back when the refusal ends, whoever ends it. Store.Parked lists parked rows; Store.Requeue
 // gives them back to the relay once the cause is fixed, and Store.Discard
 // deletes them, which releases their keys. A broker that is unreachable
 // is not the rows' fault: the relay backs off (InfraBackoff) and retries
