@@ -356,7 +356,8 @@ type CrashGuardConfig struct {
 	// Retry.MaxAttempts. An attempt alone whose transaction loses its
 	// database session (its handler's statement crashed the server, or
 	// was killed for its memory) counts as a crash too, not as a run; the
-	// messages of a transaction that lost its session run alone after.
+	// messages of a transaction that lost its session twice run alone
+	// after.
 	// Defaults to 3.
 	MaxCrashes int
 }

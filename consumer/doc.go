@@ -40,7 +40,8 @@
 // count and dead-lettered after Config.CrashGuard.MaxCrashes; so is one
 // whose handler ends its database session every time (a statement that
 // crashes the server): the messages of a transaction that lost its
-// session run alone after, and one that loses it again alone is charged.
+// session twice run alone after, and one that loses it again alone is
+// charged.
 //
 // # Order and concurrency
 //

@@ -22,6 +22,7 @@ import (
 // until it does.
 func (p *pipeline) run(ctx context.Context, s *settler, jobs []*job) {
 	infra := infraRetrier{Retrier: backoff.Retrier{Policy: p.infraPolicy()}}
+	lostOnce := false
 	for len(jobs) > 0 {
 		if p.mustStop(ctx, s) {
 			s.abandonAll(jobs)
@@ -44,15 +45,18 @@ func (p *pipeline) run(ctx context.Context, s *settler, jobs []*job) {
 				s.abandonAll(jobs)
 				return
 			}
-			if r.lost {
+			if r.lost && lostOnce {
 				// The connection went with the session while the
-				// handlers worked: one of them may have ended it (a
-				// statement that crashes the server, or is killed for
-				// its memory). Each runs alone now, so that one that
-				// does it again is charged alone (crashGuard).
+				// handlers worked, twice: one of them may end it every
+				// time (a statement that crashes the server, or is
+				// killed for its memory). Each runs alone now, so that
+				// one that does it again is charged alone (crashGuard).
+				// Once is a restart or a failover, most likely: the
+				// run is tried again as it is, at full speed.
 				p.runEachAlone(ctx, s, jobs)
 				return
 			}
+			lostOnce = lostOnce || r.lost
 		case txUnpinned:
 			if !p.waitAsked(ctx, jobs, r.err) {
 				s.abandonAll(jobs)
@@ -79,7 +83,8 @@ func (p *pipeline) run(ctx context.Context, s *settler, jobs []*job) {
 }
 
 // runEachAlone takes jobs to their end one at a time, in order, each a
-// suspect: their transaction lost its session while their handlers ran.
+// suspect: their transaction lost its session while their handlers ran,
+// twice.
 func (p *pipeline) runEachAlone(ctx context.Context, s *settler, jobs []*job) {
 	for _, j := range jobs {
 		p.guard.suspectLost(j)
@@ -92,6 +97,7 @@ func (p *pipeline) runEachAlone(ctx context.Context, s *settler, jobs []*job) {
 // failure of a run the job already had (in a batch).
 func (p *pipeline) runAlone(ctx context.Context, s *settler, j *job, failed *txResult) {
 	infra := infraRetrier{Retrier: backoff.Retrier{Policy: p.infraPolicy()}}
+	lostOnce := false
 	for {
 		if failed != nil && !p.retryOrGiveUp(ctx, s, j, *failed) {
 			return
@@ -121,9 +127,10 @@ func (p *pipeline) runAlone(ctx context.Context, s *settler, j *job, failed *txR
 				s.abandon(j)
 				return
 			}
-			if r.lost {
+			if r.lost && lostOnce {
 				p.guard.suspectLost(j)
 			}
+			lostOnce = lostOnce || r.lost
 		case txFailed, txUnpinned:
 			infra.Reset()
 			j.runs++

@@ -286,7 +286,7 @@ func (g *crashGuard) startAttempt(ctx context.Context, j *job) error {
 }
 
 // suspectLost makes j a suspect after its transaction lost its session
-// while its handler's work was under way (txResult.lost): the process
+// twice while its handler's work was under way (txResult.lost): the process
 // lives on, but a statement of the handler's may have ended the session,
 // or crashed the server, and would do it again on every retry. Running
 // alone, an attempt that loses its session again is charged as a crash.
