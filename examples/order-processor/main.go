@@ -40,6 +40,7 @@ import (
 
 	"github.com/onceco/once/brokers/kafka"
 	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/internal/backoff"
 	"github.com/onceco/once/internal/pgtemp"
 )
 
@@ -319,6 +320,39 @@ func (inf *infra) Close() {
 	}
 }
 
+// databaseWait paces openDatabase's attempts while the database cannot be
+// reached.
+var databaseWait = backoff.Policy{Initial: 100 * time.Millisecond, Max: 2 * time.Second}
+
+// openDatabase opens the pool and creates the tables of the orders (Migrate).
+// While the database cannot be reached (restarting, failing over, not up
+// yet: a failure consumer.IsTransient accepts) it says so on stderr and
+// tries again until ctx ends, as the consumer's own start does: a service
+// started during a database restart waits for it rather than exit. Any
+// other failure (a wrong password, a permission refused) is returned at
+// once.
+func openDatabase(ctx context.Context, url, schema string, stderr io.Writer) (*pgxpool.Pool, error) {
+	wait := backoff.Retrier{Policy: databaseWait}
+	for {
+		pool, err := openPool(ctx, url, schema)
+		if err == nil {
+			if err = Migrate(ctx, pool); err == nil {
+				return pool, nil
+			}
+			pool.Close()
+		}
+		if ctx.Err() != nil || !consumer.IsTransient(err) {
+			return nil, err
+		}
+		d := wait.Delay()
+		fmt.Fprintf(stderr, "order-processor: waiting for the database (attempt %d failed: %v); next attempt in %v\n",
+			wait.Failures(), err, d.Round(time.Millisecond))
+		if !backoff.Sleep(ctx, d) {
+			return nil, fmt.Errorf("stopped while waiting for the database: %w", err)
+		}
+	}
+}
+
 // openPool connects to the database with search_path set to schema, which
 // it creates if needed.
 func openPool(ctx context.Context, url, schema string) (*pgxpool.Pool, error) {
@@ -391,14 +425,11 @@ func serve(ctx context.Context, o *options, stdout, stderr io.Writer) error {
 		return err
 	}
 	defer inf.Close()
-	pool, err := openPool(ctx, inf.dbURL, o.schema)
+	pool, err := openDatabase(ctx, inf.dbURL, o.schema, stderr)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
-	if err := Migrate(ctx, pool); err != nil {
-		return err
-	}
 	tel, err := startTelemetry(o.metricsAddr, o.traces)
 	if err != nil {
 		return err

@@ -18,6 +18,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/onceco/once/brokers/kafka"
+	"github.com/onceco/once/internal/pgtemp"
 	"github.com/onceco/once/internal/pgtest"
 )
 
@@ -204,6 +205,56 @@ func TestServeStopsWhenItsConsumerFails(t *testing.T) {
 		cancel()
 		<-done
 		t.Fatalf("serve still ran 60s after its consumer failed\nstdout:\n%s\nstderr:\n%s", out.String(), errOut.String())
+	}
+}
+
+// serve started while its database is down (restarting, failing over)
+// waits for it and then consumes, rather than exit: a chaos member started
+// just before a PostgreSQL restart ended with "failed to connect" and
+// failed the run. A database that refuses the connection for good (here:
+// no such database) is still an error at once.
+func TestServeStartedWhileTheDatabaseIsDownWaitsForIt(t *testing.T) {
+	ctx := context.Background()
+	srv, err := pgtemp.Start(ctx, pgtemp.Options{})
+	require.NoError(t, err)
+	defer func() { _ = srv.Close() }()
+	require.NoError(t, srv.Stop(ctx))
+	t.Setenv("KAFKA_BROKERS", "")
+	t.Setenv("BROKER", "")
+	serve := func(ctx context.Context, url string, out, errOut *syncBuffer) <-chan int {
+		t.Setenv("DATABASE_URL", url)
+		done := make(chan int, 1)
+		go func() {
+			done <- realMain(ctx, []string{"serve", "-metrics-addr", "off", "-shipping=false", "-name", "db-wait"}, out, errOut)
+		}()
+		return done
+	}
+
+	runCtx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var out, errOut syncBuffer
+	done := serve(runCtx, srv.URL(), &out, &errOut)
+	waitMatch(t, &errOut, regexp.MustCompile(`waiting for the database \(attempt 2 failed`))
+	require.NotContains(t, out.String(), "consuming", "serve went on without its database")
+	require.NoError(t, srv.Restart(ctx))
+	waitMatch(t, &out, regexp.MustCompile(`consuming orders as "db-wait"`))
+	cancel()
+	select {
+	case code := <-done:
+		require.Equal(t, 0, code, "stdout:\n%s\nstderr:\n%s", out.String(), errOut.String())
+	case <-time.After(60 * time.Second):
+		t.Fatalf("serve did not stop 60s after its context ended\nstdout:\n%s\nstderr:\n%s", out.String(), errOut.String())
+	}
+
+	var out2, errOut2 syncBuffer
+	done = serve(ctx, strings.Replace(srv.URL(), "/postgres?", "/no_such_database?", 1), &out2, &errOut2)
+	select {
+	case code := <-done:
+		require.Equal(t, 1, code, "stdout:\n%s\nstderr:\n%s", out2.String(), errOut2.String())
+		require.Contains(t, errOut2.String(), "no_such_database")
+		require.NotContains(t, errOut2.String(), "waiting for the database")
+	case <-time.After(60 * time.Second):
+		t.Fatalf("serve kept waiting for a database that does not exist\nstdout:\n%s\nstderr:\n%s", out2.String(), errOut2.String())
 	}
 }
 
