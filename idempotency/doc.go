@@ -26,7 +26,9 @@
 //     connection within Config.AcquireTimeout (5s, beyond Config.Wait;
 //     the handler had not started): 503 with Retry-After, and a retry
 //     with the same key is served once; under pool pressure requests are
-//     answered instead of held for as long as their clients wait.
+//     answered instead of held for as long as their clients wait;
+//   - after a failover, a claim the demoted primary refuses as read-only
+//     closes the pool's connections and is made once more on a new one.
 //
 // "In flight" needs no pending row: the claiming transaction holds a
 // transaction-scoped advisory lock on the key until it commits or rolls

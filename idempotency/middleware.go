@@ -71,7 +71,13 @@ var finishTimeout = 30 * time.Second
 //   - the database unreachable or failing transiently, a statement
 //     canceled (statement_timeout), or no pool connection within
 //     Config.AcquireTimeout: 503 with Retry-After, so that the client
-//     retries with the same key.
+//     retries with the same key;
+//   - a claim the server refuses as read-only (25006: the pool's
+//     connections reach a primary a failover demoted): the pool's
+//     connections are closed (when the Pool has a Reset method, as
+//     *pgxpool.Pool does) and the claim is made once more on a new
+//     connection, before the handler runs; a server still read-only then
+//     gets 503.
 //
 // A panicking handler's transaction is rolled back and the panic goes on
 // to net/http. The handler's response writer buffers: it is not an
@@ -169,6 +175,17 @@ func (m *Middleware) serveWithKey(w http.ResponseWriter, r *http.Request, next h
 		c.claimAttempts = 0
 		tx, won, prev, err = m.beginBounded(ctx, &c)
 	}
+	if m.leaveReadOnly(err) {
+		// The claim, the transaction's first write, found the server
+		// read-only: the pool's connections reach a primary a failover
+		// demoted. Nothing ran; a new connection reaches the server the
+		// connection string names now.
+		if tx != nil {
+			m.rollback(ctx, tx)
+		}
+		c.claimAttempts = 0
+		tx, won, prev, err = m.beginBounded(ctx, &c)
+	}
 	if tx != nil {
 		defer m.rollback(ctx, tx) // a no-op after Commit
 	}
@@ -202,6 +219,31 @@ func (m *Middleware) serveWithKey(w http.ResponseWriter, r *http.Request, next h
 		return
 	}
 	m.run(w, r, next, tx, &c)
+}
+
+// resetter is what the middleware asks of a pool whose connections reach a
+// server turned read-only: *pgxpool.Pool's Reset, found by type assertion.
+type resetter interface{ Reset() }
+
+// leaveReadOnly closes the pool's connections when err is the server
+// refusing a write as read-only (25006), and reports whether it did: after
+// a failover, the connections the pool keeps may reach the demoted
+// primary, now a standby, and would fail every request that draws one
+// until the pool retires them (pgxpool.Config.MaxConnLifetime, an hour by
+// default). The pool closes its idle connections at once and the others
+// when they are released. A Pool without Reset is left as it is.
+func (m *Middleware) leaveReadOnly(err error) bool {
+	var pe *pgconn.PgError
+	if !errors.As(err, &pe) || pe.Code != "25006" {
+		return false
+	}
+	r, ok := m.pool.(resetter)
+	if !ok {
+		return false
+	}
+	m.cfg.Logger.Warn("idempotency: the database refused a write as read-only (a failover?); closing the pool's connections", "error", err)
+	r.Reset()
+	return true
 }
 
 // errAcquireTimeout is the cause of a request's first round trip cut by
@@ -510,6 +552,7 @@ func (m *Middleware) RunRetention(ctx context.Context) error {
 		switch {
 		case err != nil && ctx.Err() == nil:
 			m.cfg.Logger.Warn("idempotency: retention failed", "error", err)
+			m.leaveReadOnly(err)
 		case n > 0:
 			m.cfg.Logger.Info("idempotency: retention removed expired keys", "rows", n)
 		}
