@@ -53,15 +53,18 @@ func TestTLSConfigIsUsed(t *testing.T) {
 		}
 	}()
 	url := "amqps://guest:guest@" + ln.Addr().String() + "/"
-	open := func(cfg *tls.Config) error {
-		ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	// A server that speaks no AMQP is retried until ctx ends; a rejected
+	// certificate is returned at once, so its bound only needs to outlast
+	// a slow handshake on a busy machine (300 ms did not, in CI).
+	open := func(cfg *tls.Config, bound time.Duration) error {
+		ctx, cancel := context.WithTimeout(context.Background(), bound)
 		defer cancel()
 		_, err := amqp.Open(ctx, amqp.Config{URL: url, Queue: "q", TLSConfig: cfg, Logger: testLogger(t),
 			ReconnectMinBackoff: 50 * time.Millisecond, ReconnectMaxBackoff: 50 * time.Millisecond})
 		return err
 	}
 
-	err = open(&tls.Config{RootCAs: roots, Certificates: []tls.Certificate{client}})
+	err = open(&tls.Config{RootCAs: roots, Certificates: []tls.Certificate{client}}, 2*time.Second)
 	require.Error(t, err, "the server speaks no AMQP")
 	assert.NotContains(t, err.Error(), "certificate")
 	select {
@@ -71,7 +74,7 @@ func TestTLSConfigIsUsed(t *testing.T) {
 		t.Fatal("no TLS handshake completed")
 	}
 
-	err = open(nil)
+	err = open(nil, 30*time.Second)
 	require.Error(t, err)
 	assert.Contains(t, err.Error(), "certificate", "without Config.TLSConfig the system roots reject the server")
 }
@@ -110,7 +113,9 @@ func TestTLSConfigIsNotModified(t *testing.T) {
 	require.NoError(t, err)
 
 	open := func(url string) error {
-		ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+		// Long enough for the handshake on a busy machine: a first
+		// attempt cut before it would pass without checking the name.
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 		defer cancel()
 		_, err := amqp.Open(ctx, amqp.Config{URL: url, Queue: "q", TLSConfig: shared, Logger: testLogger(t),
 			ReconnectMinBackoff: 50 * time.Millisecond, ReconnectMaxBackoff: 50 * time.Millisecond})
