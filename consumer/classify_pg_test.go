@@ -115,13 +115,15 @@ func TestReadOnlyConnectionsAfterAFailoverAreNotReusedForever(t *testing.T) {
 }
 
 // idleInTransactionSetup returns an admin pool, a pool whose sessions the
-// server ends after 50 ms idle in a transaction, and a one-stream source
-// holding e0..e5.
+// server ends after 250 ms idle in a transaction, and a one-stream source
+// holding e0..e5. The handlers that idle wait until their session is gone,
+// whatever the setting; 250 ms keeps the consumer's own steps, held up
+// between two statements on a busy machine, from meeting it too.
 func idleInTransactionSetup(t *testing.T) (admin, pool *pgxpool.Pool, b *memsource.Broker) {
 	admin, schema := pgtest.Schema(t)
 	effects(t, admin)
 	pool = pgtest.NewPoolWith(t, schema, func(c *pgxpool.Config) {
-		c.ConnConfig.RuntimeParams["idle_in_transaction_session_timeout"] = "50ms"
+		c.ConnConfig.RuntimeParams["idle_in_transaction_session_timeout"] = "250ms"
 	})
 	b = memsource.New(memsource.Options{Streams: 1})
 	for i := range 6 {
@@ -483,4 +485,63 @@ func poolOfARoleWithout(t *testing.T, privilege string) *pgxpool.Pool {
 		c.ConnConfig.User = role
 		c.ConnConfig.Password = ""
 	})
+}
+
+// stallOnce is a query tracer that holds up the client once, after the
+// first statement it sees inside a transaction, for stall: as a busy
+// machine, a garbage collection or a paused VM holds up a process between
+// two statements.
+type stallOnce struct {
+	stall time.Duration
+	done  atomic.Bool
+}
+
+func (s *stallOnce) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
+	return ctx
+}
+
+func (s *stallOnce) TraceQueryEnd(_ context.Context, conn *pgx.Conn, _ pgx.TraceQueryEndData) {
+	if conn.PgConn().TxStatus() == 'T' && s.done.CompareAndSwap(false, true) {
+		time.Sleep(s.stall)
+	}
+}
+
+// A session the server ended past idle_in_transaction_session_timeout
+// while the consumer's own start-up transaction (the store's migration)
+// waited on the client (a busy machine between two statements) failed
+// Run at once with 25P03, as a refusal of the configuration: the service
+// stopped for a moment's stall. The start is retried, as for a lost
+// connection, and the consumer runs.
+func TestIdleInTransactionTimeoutDuringStartIsRetried(t *testing.T) {
+	admin, schema := pgtest.Schema(t)
+	effects(t, admin)
+	tracer := &stallOnce{stall: 300 * time.Millisecond}
+	pool := pgtest.NewPoolWith(t, schema, func(c *pgxpool.Config) {
+		c.ConnConfig.RuntimeParams["idle_in_transaction_session_timeout"] = "50ms"
+		c.ConnConfig.Tracer = tracer
+	})
+	b := memsource.New(memsource.Options{Streams: 1})
+	for i := range 3 {
+		publish(b, fmt.Sprintf("e%d", i), i)
+	}
+	c, err := consumer.New(pool, b.Source(), insertEffect, fastConfig("idle-at-start"))
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- c.Run(ctx) }()
+	deadline := time.After(30 * time.Second)
+	for b.Acked() < 3 {
+		select {
+		case err := <-done:
+			t.Fatalf("Run returned before handling the messages: %v", err)
+		case <-deadline:
+			t.Fatalf("%d of 3 messages acked after 30 s", b.Acked())
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+	require.True(t, tracer.done.Load(), "the start-up transaction was not held up")
+	assert.Equal(t, map[string]int{"e0": 1, "e1": 1, "e2": 1}, countEffects(t, admin))
+	cancel()
+	require.NoError(t, <-done)
 }
