@@ -135,14 +135,18 @@ func (w *watchdog) wasStranded(c *userCall) bool {
 }
 
 // cutStranded cuts each probed call still in progress whose server
-// process is not among alive, and marks it stranded.
-func (w *watchdog) cutStranded(probes []lockProbe, alive map[uint32]bool) {
+// process is not among alive, as answered at answered, and marks it
+// stranded; not a handler call whose transaction had run for sessionEnd
+// (0: no such limit) by then: the server may have ended its process for
+// that after callsToAsk chose it, before the answer.
+func (w *watchdog) cutStranded(probes []lockProbe, alive map[uint32]bool, answered time.Time, sessionEnd time.Duration) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	for _, pr := range probes {
-		if !alive[pr.pid] {
-			w.cutCall(pr, errSessionGone)
+		if alive[pr.pid] || (!pr.c.send && sessionEnd > 0 && answered.Sub(pr.c.txBegan) >= sessionEnd) {
+			continue
 		}
+		w.cutCall(pr, errSessionGone)
 	}
 }
 
@@ -203,7 +207,7 @@ func (p *pipeline) sampleSessions(ctx context.Context, now time.Time) {
 			if err != nil {
 				return err
 			}
-			p.watch.cutStranded(waits, alive)
+			p.watch.cutStranded(waits, alive, time.Now(), p.sessionEnd)
 		}
 		return nil
 	})
