@@ -487,25 +487,6 @@ func poolOfARoleWithout(t *testing.T, privilege string) *pgxpool.Pool {
 	})
 }
 
-// stallOnce is a query tracer that holds up the client once, after the
-// first statement it sees inside a transaction, for stall: as a busy
-// machine, a garbage collection or a paused VM holds up a process between
-// two statements.
-type stallOnce struct {
-	stall time.Duration
-	done  atomic.Bool
-}
-
-func (s *stallOnce) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
-	return ctx
-}
-
-func (s *stallOnce) TraceQueryEnd(_ context.Context, conn *pgx.Conn, _ pgx.TraceQueryEndData) {
-	if conn.PgConn().TxStatus() == 'T' && s.done.CompareAndSwap(false, true) {
-		time.Sleep(s.stall)
-	}
-}
-
 // A session the server ended past idle_in_transaction_session_timeout
 // while the consumer's own start-up transaction (the store's migration)
 // waited on the client (a busy machine between two statements) failed
@@ -515,7 +496,7 @@ func (s *stallOnce) TraceQueryEnd(_ context.Context, conn *pgx.Conn, _ pgx.Trace
 func TestIdleInTransactionTimeoutDuringStartIsRetried(t *testing.T) {
 	admin, schema := pgtest.Schema(t)
 	effects(t, admin)
-	tracer := &stallOnce{stall: 300 * time.Millisecond}
+	tracer := &pgtest.StallOnce{Stall: 300 * time.Millisecond}
 	pool := pgtest.NewPoolWith(t, schema, func(c *pgxpool.Config) {
 		c.ConnConfig.RuntimeParams["idle_in_transaction_session_timeout"] = "50ms"
 		c.ConnConfig.Tracer = tracer
@@ -540,7 +521,7 @@ func TestIdleInTransactionTimeoutDuringStartIsRetried(t *testing.T) {
 		case <-time.After(5 * time.Millisecond):
 		}
 	}
-	require.True(t, tracer.done.Load(), "the start-up transaction was not held up")
+	require.True(t, tracer.Stalled(), "the start-up transaction was not held up")
 	assert.Equal(t, map[string]int{"e0": 1, "e1": 1, "e2": 1}, countEffects(t, admin))
 	cancel()
 	require.NoError(t, <-done)
