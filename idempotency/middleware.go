@@ -17,7 +17,9 @@ import (
 
 // Pool is what the middleware needs of a connection pool: *pgxpool.Pool
 // satisfies it. SendBatch must hold one connection for the transaction a
-// batch begins, until it ends.
+// batch begins, until it ends. A Pool that also has a Reset method, as
+// *pgxpool.Pool does, is reset when the server refuses a write as
+// read-only (after a failover: see Handler).
 type Pool interface {
 	SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults
 	Begin(ctx context.Context) (pgx.Tx, error)
