@@ -316,7 +316,7 @@ func (r *Relay) Run(ctx context.Context) error {
 func (r *Relay) migrate(ctx context.Context) error {
 	for failures := 1; ; failures++ {
 		err := r.cfg.Store.Migrate(ctx, r.pool)
-		if err == nil || ctx.Err() != nil || !(databaseUnavailable(err) || idledOut(err)) {
+		if err == nil || ctx.Err() != nil || (!databaseUnavailable(err) && !idledOut(err)) {
 			return err
 		}
 		d := r.cfg.InfraBackoff.delay(failures)
