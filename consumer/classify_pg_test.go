@@ -88,20 +88,9 @@ func sqlStateOf(err error) string {
 func TestReadOnlyConnectionsAfterAFailoverAreNotReusedForever(t *testing.T) {
 	admin, schema := pgtest.Schema(t)
 	effects(t, admin)
-	ctx := context.Background()
 	pool := pgtest.NewPoolWith(t, schema, func(c *pgxpool.Config) { c.MaxConns = 2 })
 	// Both of the pool's connections reach a server that has become read-only.
-	var conns []*pgxpool.Conn
-	for range 2 {
-		c, err := pool.Acquire(ctx)
-		require.NoError(t, err)
-		_, err = c.Exec(ctx, `SET default_transaction_read_only = on`)
-		require.NoError(t, err)
-		conns = append(conns, c)
-	}
-	for _, c := range conns {
-		c.Release()
-	}
+	pgtest.TurnReadOnly(t, pool)
 	b := memsource.New(memsource.Options{Streams: 1})
 	for i := range 3 {
 		publish(b, fmt.Sprintf("e%d", i), i)

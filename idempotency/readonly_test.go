@@ -34,17 +34,7 @@ func readOnlyService(t *testing.T, cfg idempotency.Config, adjust func(*pgxpool.
 			adjust(c)
 		}
 	})
-	var conns []*pgxpool.Conn
-	for range 2 {
-		c, err := pool.Acquire(ctx)
-		require.NoError(t, err)
-		_, err = c.Exec(ctx, `SET default_transaction_read_only = on`)
-		require.NoError(t, err)
-		conns = append(conns, c)
-	}
-	for _, c := range conns {
-		c.Release()
-	}
+	pgtest.TurnReadOnly(t, pool)
 	logs := &warnLog{}
 	cfg.Logger = slog.New(slog.NewTextHandler(logs, nil))
 	s := serve(t, pool, schema, cfg, http.HandlerFunc(insertEffect))

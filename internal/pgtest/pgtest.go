@@ -134,3 +134,27 @@ func NewPoolWith(t testing.TB, schema string, configure func(*pgxpool.Config)) *
 	t.Cleanup(func() { closePool(t, pool, closeTimeout) })
 	return pool
 }
+
+// TurnReadOnly makes every connection of pool, which must hold none
+// acquired, refuse writes (default_transaction_read_only = on), as the
+// connections a pool kept to a primary that a failover fenced: they fail
+// every write with 25006 until they are closed. New connections are not
+// affected.
+func TurnReadOnly(t testing.TB, pool *pgxpool.Pool) {
+	t.Helper()
+	ctx := context.Background()
+	var conns []*pgxpool.Conn
+	for range pool.Config().MaxConns {
+		c, err := pool.Acquire(ctx)
+		if err != nil {
+			t.Fatalf("pgtest: acquire: %v", err)
+		}
+		conns = append(conns, c)
+		if _, err := c.Exec(ctx, `SET default_transaction_read_only = on`); err != nil {
+			t.Fatalf("pgtest: turn a connection read-only: %v", err)
+		}
+	}
+	for _, c := range conns {
+		c.Release()
+	}
+}
