@@ -16,7 +16,9 @@
 // transaction, under a transaction-scoped advisory lock shared by every
 // component, together with its version row: a schema is never left
 // between two versions, and concurrent starts of many processes apply each
-// migration once.
+// migration once. A process waits for another's migration by trying the
+// lock in short transactions of its own, so that its session's
+// statement_timeout does not end the wait.
 //
 // A package with tables of its own embeds its series and builds it once:
 //

@@ -10,8 +10,11 @@ import (
 	"sort"
 	"strconv"
 	"text/template"
+	"time"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/onceco/once/internal/backoff"
 )
 
 // VersionTable is the name of the table that records applied migrations.
@@ -257,7 +260,7 @@ func (s *Series) MigrateTo(ctx context.Context, db Beginner, target int) error {
 	if target < 0 || target > s.Latest() {
 		return fmt.Errorf("migrate: %s: version %d does not exist (0 to %d)", s.Component, target, s.Latest())
 	}
-	tx, err := db.Begin(ctx)
+	tx, err := beginLocked(ctx, db)
 	if err != nil {
 		return fmt.Errorf("migrate: %s: %w", s.Component, err)
 	}
@@ -271,10 +274,40 @@ func (s *Series) MigrateTo(ctx context.Context, db Beginner, target int) error {
 	return nil
 }
 
-func (s *Series) migrate(ctx context.Context, tx pgx.Tx, target int) error {
-	if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock($1)", lockKey); err != nil {
-		return err
+// lockWait paces beginLocked's tries while another transaction holds the
+// migration lock.
+var lockWait = backoff.Policy{Initial: 20 * time.Millisecond, Max: time.Second}
+
+// beginLocked begins a transaction that holds the migration lock. While
+// another transaction holds it (another process's migration, which may
+// build an index for seconds), it tries again in a new transaction after
+// lockWait, rather than wait in a statement: the session's
+// statement_timeout would end such a wait with an error, and the start of
+// the process that migrates with it. A process of an older release, which
+// waits in pg_advisory_xact_lock, still takes its turn.
+func beginLocked(ctx context.Context, db Beginner) (pgx.Tx, error) {
+	wait := backoff.Retrier{Policy: lockWait}
+	for {
+		tx, err := db.Begin(ctx)
+		if err != nil {
+			return nil, err
+		}
+		var locked bool
+		err = tx.QueryRow(ctx, "SELECT pg_try_advisory_xact_lock($1)", lockKey).Scan(&locked)
+		if err == nil && locked {
+			return tx, nil
+		}
+		_ = tx.Rollback(ctx) // a transaction that holds nothing
+		if err != nil {
+			return nil, err
+		}
+		if !wait.Wait(ctx) {
+			return nil, fmt.Errorf("waiting for the migration lock, held by another transaction: %w", ctx.Err())
+		}
 	}
+}
+
+func (s *Series) migrate(ctx context.Context, tx pgx.Tx, target int) error {
 	if s.SearchPath && s.Schema != "" {
 		if _, err := tx.Exec(ctx, "SET LOCAL search_path TO "+pgx.Identifier{s.Schema}.Sanitize()); err != nil {
 			return err

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -195,4 +196,43 @@ func TestConcurrentMigrations(t *testing.T) {
 	var rows int
 	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM once_schema_versions`).Scan(&rows))
 	assert.Equal(t, 4, rows, "each version of each component recorded once")
+}
+
+// A migration that waited for the migration lock longer than its session's
+// statement_timeout (another process migrating: building an index on a
+// big table takes seconds) failed with 57014, and the start of the
+// consumer or relay that ran it ended with the error. It waits for the
+// lock without a statement that waits: each try is a short transaction of
+// its own, so neither statement_timeout nor
+// idle_in_transaction_session_timeout ends the wait.
+func TestMigrationWaitsForTheLockPastTheSessionsTimeouts(t *testing.T) {
+	ctx := testCtx(t)
+	admin, schema := pgtest.Schema(t)
+	holder, err := admin.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = holder.Rollback(ctx) }()
+	_, err = holder.Exec(ctx, `SELECT pg_advisory_xact_lock($1)`, 0x6f6e6365)
+	require.NoError(t, err)
+	pool := pgtest.NewPoolWith(t, schema, func(c *pgxpool.Config) {
+		c.ConnConfig.RuntimeParams["statement_timeout"] = "100ms"
+		c.ConnConfig.RuntimeParams["idle_in_transaction_session_timeout"] = "100ms"
+	})
+	s := series(t, "w")
+	done := make(chan error, 1)
+	go func() { done <- s.Migrate(ctx, pool) }()
+	select {
+	case err := <-done:
+		t.Fatalf("Migrate returned while another transaction held the migration lock: %v", err)
+	case <-time.After(time.Second): // ten times either timeout
+	}
+	require.NoError(t, holder.Rollback(ctx))
+	select {
+	case err := <-done:
+		require.NoError(t, err)
+	case <-time.After(30 * time.Second):
+		t.Fatal("Migrate still waits 30 s after the lock was released")
+	}
+	v, err := s.Version(ctx, pool)
+	require.NoError(t, err)
+	assert.Equal(t, 2, v)
 }
