@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/onceco/once/internal/backoff"
 )
@@ -254,17 +255,44 @@ func (s *Series) Migrate(ctx context.Context, db Beginner) error {
 // MigrateTo moves the component to version target, running up migrations
 // in order or down migrations in reverse order; 0 removes the component's
 // tables. Everything runs in one transaction: on any error nothing
-// changes. A recorded version newer than the series knows fails with an
-// error wrapping ErrNewer; a target outside 0..Latest is an error.
+// changes. A transaction that waited too long for a table's lock (see
+// firstStepLockTimeout) is rolled back and tried again until ctx ends. A
+// recorded version newer than the series knows fails with an error
+// wrapping ErrNewer; a target outside 0..Latest is an error.
 func (s *Series) MigrateTo(ctx context.Context, db Beginner, target int) error {
 	if target < 0 || target > s.Latest() {
 		return fmt.Errorf("migrate: %s: version %d does not exist (0 to %d)", s.Component, target, s.Latest())
 	}
+	wait := backoff.Retrier{Policy: lockWait}
+	for limit := firstStepLockTimeout; ; {
+		err := s.migrateOnce(ctx, db, target, limit)
+		if !lockTimedOut(err) || limit == 0 || ctx.Err() != nil {
+			return err
+		}
+		// A step waited limit for a table that another transaction
+		// uses: rolled back, the writers queued behind it go on, and the
+		// migration tries again, waiting twice as long, so that it gets
+		// its turn beside transactions that last long too.
+		if limit *= 2; limit > lastStepLockTimeout {
+			limit = 0
+		}
+		if !wait.Wait(ctx) {
+			return err
+		}
+	}
+}
+
+// migrateOnce runs the migration to target in one transaction whose waits
+// for a lock end after lockTimeout (0: the session's lock_timeout).
+func (s *Series) migrateOnce(ctx context.Context, db Beginner, target int, lockTimeout time.Duration) error {
 	tx, err := beginLocked(ctx, db)
 	if err != nil {
 		return fmt.Errorf("migrate: %s: %w", s.Component, err)
 	}
 	defer tx.Rollback(ctx) //nolint:errcheck // a no-op after Commit
+	if err := limitLockWaits(ctx, tx, lockTimeout); err != nil {
+		return fmt.Errorf("migrate: %s: %w", s.Component, err)
+	}
 	if err := s.migrate(ctx, tx, target); err != nil {
 		return fmt.Errorf("migrate: %s: %w", s.Component, err)
 	}
@@ -272,6 +300,35 @@ func (s *Series) MigrateTo(ctx context.Context, db Beginner, target int) error {
 		return fmt.Errorf("migrate: %s: %w", s.Component, err)
 	}
 	return nil
+}
+
+// A step that waits for a table another transaction uses (an ALTER TABLE
+// behind a long transaction that wrote to it) holds every later writer of
+// the table behind it in PostgreSQL's lock queue. So a migration's first
+// try waits firstStepLockTimeout at most for a lock, then is rolled back
+// (the writers go on) and tried again, each try waiting twice as long;
+// past lastStepLockTimeout a try waits as the session does, so that a
+// migration beside transactions that never pause still gets its turn.
+const (
+	firstStepLockTimeout = time.Second
+	lastStepLockTimeout  = time.Minute
+)
+
+// limitLockWaits sets lock_timeout to d for tx, unless d is 0 or the
+// session's is shorter.
+func limitLockWaits(ctx context.Context, tx pgx.Tx, d time.Duration) error {
+	if d <= 0 {
+		return nil
+	}
+	_, err := tx.Exec(ctx, `SELECT set_config('lock_timeout', $1::bigint::text, true)
+		WHERE (SELECT setting::bigint FROM pg_settings WHERE name = 'lock_timeout') NOT BETWEEN 1 AND $1::bigint`, d.Milliseconds())
+	return err
+}
+
+// lockTimedOut reports whether err is a lock_timeout (55P03).
+func lockTimedOut(err error) bool {
+	var pe *pgconn.PgError
+	return errors.As(err, &pe) && pe.Code == "55P03"
 }
 
 // lockWait paces beginLocked's tries while another transaction holds the

@@ -236,3 +236,85 @@ func TestMigrationWaitsForTheLockPastTheSessionsTimeouts(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, 2, v)
 }
+
+// A migration step that waits for its table's lock (an ALTER TABLE behind
+// a transaction that wrote to the table and runs on: a batch of slow
+// handlers) held every writer of the table behind it in PostgreSQL's lock
+// queue for as long as that transaction ran: one process's upgrade stopped
+// every consumer of the table. A step waits at most a second for a lock;
+// then the migration is rolled back, which lets the writers through, and
+// tried again after a backoff, until the table is free.
+func TestMigrationWaitingForItsTableDoesNotHoldWritersBack(t *testing.T) {
+	ctx := testCtx(t)
+	pool, _ := pgtest.Schema(t)
+	s := series(t, "w")
+	require.NoError(t, s.MigrateTo(ctx, pool, 1))
+	long, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = long.Rollback(ctx) }()
+	_, err = long.Exec(ctx, `INSERT INTO w VALUES (1)`)
+	require.NoError(t, err)
+
+	done := make(chan error, 1)
+	go func() { done <- s.Migrate(ctx, pool) }()
+	require.Eventually(t, func() bool {
+		var n int
+		require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM pg_locks
+			WHERE relation = 'w'::regclass AND mode = 'AccessExclusiveLock' AND NOT granted`).Scan(&n))
+		return n > 0
+	}, 10*time.Second, time.Millisecond, "the migration never waited for the table")
+	wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	_, err = pool.Exec(wctx, `INSERT INTO w VALUES (2)`)
+	require.NoError(t, err, "a writer of the table waited behind the migration")
+
+	require.NoError(t, long.Commit(ctx))
+	select {
+	case err := <-done:
+		require.NoError(t, err)
+	case <-time.After(30 * time.Second):
+		t.Fatal("Migrate still waits 30 s after the table was free")
+	}
+	v, err := s.Version(ctx, pool)
+	require.NoError(t, err)
+	assert.Equal(t, 2, v)
+}
+
+// Each try of a migration that waited for its table's lock waits twice as
+// long as the one before, so that beside transactions that always hold
+// the table it still gets its turn: a fixed second could be shorter than
+// each of them. Seen from the server, one of the waits behind a
+// transaction that holds the table for 4 s lasts longer than the first
+// try's second.
+func TestMigrationWaitsLongerAtEachTry(t *testing.T) {
+	ctx := testCtx(t)
+	pool, _ := pgtest.Schema(t)
+	s := series(t, "w")
+	require.NoError(t, s.MigrateTo(ctx, pool, 1))
+	long, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = long.Rollback(ctx) }()
+	_, err = long.Exec(ctx, `INSERT INTO w VALUES (1)`)
+	require.NoError(t, err)
+	done := make(chan error, 1)
+	go func() { done <- s.Migrate(ctx, pool) }()
+
+	released := time.After(4 * time.Second) // the long transaction's work
+	var longest time.Duration
+	for waiting := true; waiting; {
+		var waited *time.Duration
+		require.NoError(t, pool.QueryRow(ctx, `SELECT max(now() - a.query_start) FROM pg_locks l JOIN pg_stat_activity a USING (pid)
+			WHERE l.relation = 'w'::regclass AND l.mode = 'AccessExclusiveLock' AND NOT l.granted`).Scan(&waited))
+		if waited != nil {
+			longest = max(longest, *waited)
+		}
+		select {
+		case <-released:
+			waiting = false
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+	require.NoError(t, long.Commit(ctx))
+	require.NoError(t, <-done)
+	assert.Greater(t, longest, 1500*time.Millisecond, "no try waited longer than the first")
+}
