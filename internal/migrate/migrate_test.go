@@ -246,17 +246,7 @@ func TestMigrationWaitsForTheLockPastTheSessionsTimeouts(t *testing.T) {
 // tried again after a backoff, until the table is free.
 func TestMigrationWaitingForItsTableDoesNotHoldWritersBack(t *testing.T) {
 	ctx := testCtx(t)
-	pool, _ := pgtest.Schema(t)
-	s := series(t, "w")
-	require.NoError(t, s.MigrateTo(ctx, pool, 1))
-	long, err := pool.Begin(ctx)
-	require.NoError(t, err)
-	defer func() { _ = long.Rollback(ctx) }()
-	_, err = long.Exec(ctx, `INSERT INTO w VALUES (1)`)
-	require.NoError(t, err)
-
-	done := make(chan error, 1)
-	go func() { done <- s.Migrate(ctx, pool) }()
+	pool, s, long, done := migrateBehindALongTransaction(t, ctx)
 	require.Eventually(t, func() bool {
 		var n int
 		require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM pg_locks
@@ -265,7 +255,7 @@ func TestMigrationWaitingForItsTableDoesNotHoldWritersBack(t *testing.T) {
 	}, 10*time.Second, time.Millisecond, "the migration never waited for the table")
 	wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	_, err = pool.Exec(wctx, `INSERT INTO w VALUES (2)`)
+	_, err := pool.Exec(wctx, `INSERT INTO w VALUES (2)`)
 	require.NoError(t, err, "a writer of the table waited behind the migration")
 
 	require.NoError(t, long.Commit(ctx))
@@ -288,16 +278,7 @@ func TestMigrationWaitingForItsTableDoesNotHoldWritersBack(t *testing.T) {
 // try's second.
 func TestMigrationWaitsLongerAtEachTry(t *testing.T) {
 	ctx := testCtx(t)
-	pool, _ := pgtest.Schema(t)
-	s := series(t, "w")
-	require.NoError(t, s.MigrateTo(ctx, pool, 1))
-	long, err := pool.Begin(ctx)
-	require.NoError(t, err)
-	defer func() { _ = long.Rollback(ctx) }()
-	_, err = long.Exec(ctx, `INSERT INTO w VALUES (1)`)
-	require.NoError(t, err)
-	done := make(chan error, 1)
-	go func() { done <- s.Migrate(ctx, pool) }()
+	pool, _, long, done := migrateBehindALongTransaction(t, ctx)
 
 	released := time.After(4 * time.Second) // the long transaction's work
 	var longest time.Duration
@@ -317,4 +298,23 @@ func TestMigrationWaitsLongerAtEachTry(t *testing.T) {
 	require.NoError(t, long.Commit(ctx))
 	require.NoError(t, <-done)
 	assert.Greater(t, longest, 1500*time.Millisecond, "no try waited longer than the first")
+}
+
+// migrateBehindALongTransaction creates w at version 1, begins a
+// transaction that writes to it and stays open (long; rolled back when the
+// test ends), and starts migrating w to version 2 (an ALTER TABLE, which
+// waits for long), whose result done receives.
+func migrateBehindALongTransaction(t *testing.T, ctx context.Context) (*pgxpool.Pool, *migrate.Series, pgx.Tx, <-chan error) {
+	t.Helper()
+	pool, _ := pgtest.Schema(t)
+	s := series(t, "w")
+	require.NoError(t, s.MigrateTo(ctx, pool, 1))
+	long, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = long.Rollback(ctx) })
+	_, err = long.Exec(ctx, `INSERT INTO w VALUES (1)`)
+	require.NoError(t, err)
+	done := make(chan error, 1)
+	go func() { done <- s.Migrate(ctx, pool) }()
+	return pool, s, long, done
 }
