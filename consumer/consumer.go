@@ -85,9 +85,7 @@ func New[T any](pool *pgxpool.Pool, src Source, h Handler[T], cfg Config) (*Cons
 // the dedup tables (unless Config.SkipMigrate; then it checks them) and
 // returns that error if it fails for a reason retrying cannot cure (a
 // table of another shape, a password or a permission refused); a database
-// that is down or restarting, or that ended the migration's session past
-// idle_in_transaction_session_timeout (the process held up between two of
-// its statements), is waited for, retried after
+// that is down or restarting is waited for, retried after
 // Config.InfraBackoff and logged, and when ctx ends first Run returns the
 // last such failure (a wrong address looks the same). Once ctx is cancelled it stops receiving, lets messages in flight
 // finish for up to Config.ShutdownTimeout (then rolls them back, unacked),

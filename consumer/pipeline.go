@@ -241,19 +241,18 @@ func (p *pipeline) stop() {
 // connection refused or cut: ClassInfrastructure) is retried after
 // Config.InfraBackoff until ctx ends, as any infrastructure failure is,
 // and then returned (a *startOutage: the consumer never started, which a
-// database address that is wrong looks like too); so is the server ending
-// the session past idle_in_transaction_session_timeout (25P03) in the
-// migration's transaction, whose statements follow each other at once:
-// only the client held up between two of them (a busy machine, a paused
-// VM) idles it. Any other failure (a table of another shape, a password
-// or a permission refused) is returned at once.
+// database address that is wrong looks like too); any other (a table of
+// another shape, a password or a permission refused) is returned at once.
+// (A migration whose session the server ended for idling, the process held
+// up between two of its statements, is tried again by the migration
+// itself.)
 func (p *pipeline) start(ctx context.Context) error {
 	var refused, outage error
 	err := p.infra(ctx, "preparing the store", Retry{}, func() error {
 		err := p.startOnce(ctx)
 		switch {
 		case err == nil || ctx.Err() != nil:
-		case Classify(err) != ClassInfrastructure && sqlState(err) != "25P03":
+		case Classify(err) != ClassInfrastructure:
 			refused = err // not retried
 			return nil
 		default:

@@ -241,9 +241,8 @@ func (r *Relay) Leader() bool { return r.leader.Load() }
 // the outbox table (unless RelayConfig.SkipMigrate) and returns that error
 // if it fails for a reason waiting cannot cure (a table of another shape,
 // a password or a permission refused); a database that is down,
-// restarting or out of connections, or that ended the migration's session
-// past idle_in_transaction_session_timeout, is waited for, the migration
-// retried after RelayConfig.InfraBackoff and logged. With SkipMigrate it returns
+// restarting or out of connections is waited for, the migration retried
+// after RelayConfig.InfraBackoff and logged. With SkipMigrate it returns
 // the error of Store.Check for a table of another shape (wrapping
 // ErrSchemaMismatch). Losing the database
 // connection, the broker failing or the table missing are logged and
@@ -308,15 +307,13 @@ func (r *Relay) Run(ctx context.Context) error {
 // long as the database is unavailable (down, restarting, out of
 // connections) and ctx is live: a relay started during a database outage
 // waits for it, as a consumer does. Any other failure is returned.
-//
-// The server ending the migration's session past
-// idle_in_transaction_session_timeout (25P03) is retried too: its
-// statements follow each other at once, and only the process held up
-// between two of them (a busy machine, a paused VM) idles it.
+// (A migration whose session the server ended for idling, the process
+// held up between two of its statements, is tried again by the migration
+// itself.)
 func (r *Relay) migrate(ctx context.Context) error {
 	for failures := 1; ; failures++ {
 		err := r.cfg.Store.Migrate(ctx, r.pool)
-		if err == nil || ctx.Err() != nil || (!databaseUnavailable(err) && !idledOut(err)) {
+		if err == nil || ctx.Err() != nil || !databaseUnavailable(err) {
 			return err
 		}
 		d := r.cfg.InfraBackoff.delay(failures)
@@ -325,13 +322,6 @@ func (r *Relay) migrate(ctx context.Context) error {
 			return ctx.Err()
 		}
 	}
-}
-
-// idledOut reports whether err is the server ending the session past
-// idle_in_transaction_session_timeout (25P03).
-func idledOut(err error) bool {
-	var pe *pgconn.PgError
-	return errors.As(err, &pe) && pe.Code == "25P03"
 }
 
 // databaseUnavailable reports whether err is the database unreachable, its

@@ -256,7 +256,9 @@ func (s *Series) Migrate(ctx context.Context, db Beginner) error {
 // in order or down migrations in reverse order; 0 removes the component's
 // tables. Everything runs in one transaction: on any error nothing
 // changes. A transaction that waited too long for a table's lock (see
-// firstStepLockTimeout) is rolled back and tried again until ctx ends. A
+// firstStepLockTimeout) is rolled back and tried again until ctx ends, and
+// one whose session the server ended for idling (the process held up
+// between two statements) up to maxIdledOut times. A
 // recorded version newer than the series knows fails with an error
 // wrapping ErrNewer; a target outside 0..Latest is an error.
 func (s *Series) MigrateTo(ctx context.Context, db Beginner, target int) error {
@@ -264,22 +266,46 @@ func (s *Series) MigrateTo(ctx context.Context, db Beginner, target int) error {
 		return fmt.Errorf("migrate: %s: version %d does not exist (0 to %d)", s.Component, target, s.Latest())
 	}
 	wait := backoff.Retrier{Policy: lockWait}
+	idled := 0
 	for limit := firstStepLockTimeout; ; {
 		err := s.migrateOnce(ctx, db, target, limit)
-		if !lockTimedOut(err) || limit == 0 || ctx.Err() != nil {
+		switch {
+		case err == nil || ctx.Err() != nil:
 			return err
-		}
-		// A step waited limit for a table that another transaction
-		// uses: rolled back, the writers queued behind it go on, and the
-		// migration tries again, waiting twice as long, so that it gets
-		// its turn beside transactions that last long too.
-		if limit *= 2; limit > lastStepLockTimeout {
-			limit = 0
+		case idledOut(err) && idled < maxIdledOut:
+			// The server ended the session for idling in the
+			// transaction, whose statements follow each other at once:
+			// only the process held up between two of them (a busy
+			// machine, a paused VM) idles it. A setting too short for
+			// any migration fails every try, and is returned.
+			idled++
+		case !lockTimedOut(err) || limit == 0:
+			return err
+		default:
+			// A step waited limit for a table that another transaction
+			// uses: rolled back, the writers queued behind it go on,
+			// and the migration tries again, waiting twice as long, so
+			// that it gets its turn beside transactions that last long
+			// too.
+			if limit *= 2; limit > lastStepLockTimeout {
+				limit = 0
+			}
 		}
 		if !wait.Wait(ctx) {
 			return err
 		}
 	}
+}
+
+// maxIdledOut is how many times MigrateTo tries again after the server
+// ended its session past idle_in_transaction_session_timeout (25P03).
+const maxIdledOut = 3
+
+// idledOut reports whether err is the server ending the session past
+// idle_in_transaction_session_timeout (25P03).
+func idledOut(err error) bool {
+	var pe *pgconn.PgError
+	return errors.As(err, &pe) && pe.Code == "25P03"
 }
 
 // migrateOnce runs the migration to target in one transaction whose waits

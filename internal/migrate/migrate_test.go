@@ -4,11 +4,13 @@ import (
 	"context"
 	"errors"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"testing/fstest"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -317,4 +319,60 @@ func migrateBehindALongTransaction(t *testing.T, ctx context.Context) (*pgxpool.
 	done := make(chan error, 1)
 	go func() { done <- s.Migrate(ctx, pool) }()
 	return pool, s, long, done
+}
+
+// stallEvery holds the client up for stall after the first statement of
+// every transaction, and counts the transactions it held up.
+type stallEvery struct {
+	stall time.Duration
+	n     atomic.Int32
+}
+
+func (s *stallEvery) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
+	return ctx
+}
+
+func (s *stallEvery) TraceQueryEnd(_ context.Context, conn *pgx.Conn, d pgx.TraceQueryEndData) {
+	if conn.PgConn().TxStatus() == 'T' && d.CommandTag.String() == "SELECT 1" {
+		s.n.Add(1)
+		time.Sleep(s.stall)
+	}
+}
+
+// The server ending a migration's session past
+// idle_in_transaction_session_timeout (the process held up between two of
+// its statements, once) failed the migration, and the start of the
+// consumer or relay that ran it. The migration is tried again; a setting
+// too short for any try is returned after maxIdledOut more tries, not
+// retried for ever.
+func TestMigrationWhoseSessionTheServerEndedForIdlingIsTriedAgain(t *testing.T) {
+	t.Run("held up once", func(t *testing.T) {
+		ctx := testCtx(t)
+		_, schema := pgtest.Schema(t)
+		tracer := &pgtest.StallOnce{Stall: 300 * time.Millisecond}
+		pool := pgtest.NewPoolWith(t, schema, func(c *pgxpool.Config) {
+			c.ConnConfig.RuntimeParams["idle_in_transaction_session_timeout"] = "50ms"
+			c.ConnConfig.Tracer = tracer
+		})
+		s := series(t, "w")
+		require.NoError(t, s.Migrate(ctx, pool))
+		require.True(t, tracer.Stalled(), "the migration was not held up")
+		v, err := s.Version(ctx, pool)
+		require.NoError(t, err)
+		assert.Equal(t, 2, v)
+	})
+	t.Run("held up every time", func(t *testing.T) {
+		ctx := testCtx(t)
+		_, schema := pgtest.Schema(t)
+		tracer := &stallEvery{stall: 300 * time.Millisecond}
+		pool := pgtest.NewPoolWith(t, schema, func(c *pgxpool.Config) {
+			c.ConnConfig.RuntimeParams["idle_in_transaction_session_timeout"] = "50ms"
+			c.ConnConfig.Tracer = tracer
+		})
+		err := series(t, "w").Migrate(ctx, pool)
+		var pe *pgconn.PgError
+		require.ErrorAs(t, err, &pe)
+		assert.Equal(t, "25P03", pe.Code)
+		assert.EqualValues(t, 4, tracer.n.Load(), "tries: the first and three more")
+	})
 }
