@@ -79,7 +79,13 @@ var finishTimeout = 30 * time.Second
 //     connections are closed (when the Pool has a Reset method, as
 //     *pgxpool.Pool does) and the claim is made once more on a new
 //     connection, before the handler runs; a server still read-only then
-//     gets 503.
+//     gets 503;
+//   - with Config.Optional, a request without a key whose transaction
+//     does not commit on a session the server reports read-only
+//     (default_transaction_read_only or in_hot_standby, PostgreSQL 14 and
+//     later): its handler's writes were refused, and the request gets
+//     the handler's answer (or 500), but the pool's connections are
+//     closed, so that the next requests reach the new primary.
 //
 // A panicking handler's transaction is rolled back and the panic goes on
 // to net/http. The handler's response writer buffers: it is not an
@@ -246,6 +252,36 @@ func (m *Middleware) leaveReadOnly(err error) bool {
 	m.cfg.Logger.Warn("idempotency: the database refused a write as read-only (a failover?); closing the pool's connections", "error", err)
 	r.Reset()
 	return true
+}
+
+// readOnlySession reports whether tx's session is read-only by the
+// server's word: default_transaction_read_only or in_hot_standby on, as
+// PostgreSQL 14 and later report them to each session whenever they
+// change (a failover's fencing, a reload, a promoted standby's
+// demotion). It costs no round trip; an older server reports neither,
+// and the answer is false.
+func readOnlySession(tx pgx.Tx) bool {
+	c := tx.Conn()
+	if c == nil || c.PgConn() == nil {
+		return false
+	}
+	pc := c.PgConn()
+	return pc.ParameterStatus("default_transaction_read_only") == "on" || pc.ParameterStatus("in_hot_standby") == "on"
+}
+
+// leaveReadOnlySession closes the pool's connections after a request
+// without a key whose transaction did not commit on a read-only session:
+// its handler's writes were refused (25006) where no claim of the
+// middleware's came first to see it, and every such request drawn on a
+// connection to the demoted primary would fail so until the pool retired
+// it. A Pool without Reset is left as it is.
+func (m *Middleware) leaveReadOnlySession() {
+	r, ok := m.pool.(resetter)
+	if !ok {
+		return
+	}
+	m.cfg.Logger.Warn("idempotency: a request's transaction failed on a read-only session (a failover?); closing the pool's connections")
+	r.Reset()
 }
 
 // errAcquireTimeout is the cause of a request's first round trip cut by
@@ -480,9 +516,16 @@ func (m *Middleware) serveWithoutKey(w http.ResponseWriter, r *http.Request, nex
 	defer m.rollback(ctx, tx) // a no-op after Commit
 	rec := newRecorder(m.cfg.MaxResponseBytes)
 	next.ServeHTTP(rec, m.withTx(r, tx, ""))
+	// No claim of the middleware's meets a server turned read-only here:
+	// the handler's own writes do, and fail the request. Its session says
+	// so, and it is read now, while the connection is still the request's.
+	readOnly := readOnlySession(tx)
 	status := rec.finalStatus()
 	if rec.overflow || !m.cfg.Store(status) {
 		m.rollback(ctx, tx)
+		if readOnly {
+			m.leaveReadOnlySession()
+		}
 		if rec.overflow {
 			problem(w, http.StatusInternalServerError, "Response too large", "The response could not be buffered.")
 			return
@@ -493,6 +536,9 @@ func (m *Middleware) serveWithoutKey(w http.ResponseWriter, r *http.Request, nex
 	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), finishTimeout)
 	defer cancel()
 	if err := tx.Commit(cctx); err != nil {
+		if readOnly {
+			m.leaveReadOnlySession()
+		}
 		m.notCommitted(w, r, rec, err)
 		return
 	}

@@ -98,3 +98,46 @@ func lastLines(text string, n int) string {
 	lines := strings.Split(strings.TrimRight(text, "\n"), "\n")
 	return strings.Join(lines[max(0, len(lines)-n):], "\n")
 }
+
+// A request without a key (Config.Optional) makes no claim: its handler's
+// own write meets the read-only server, and it fails. Before, every such
+// request drawn on a connection to the demoted primary failed so until the
+// pool retired it (MaxConnLifetime, an hour by default), since nothing of
+// the middleware's saw a 25006. The server tells each session its
+// default_transaction_read_only and in_hot_standby (PostgreSQL 14 and
+// later); a request whose transaction did not commit on a connection that
+// says read-only closes the pool's connections, and the next requests run
+// on new ones.
+func TestRequestsWithoutAKeyLeaveReadOnlyConnections(t *testing.T) {
+	s, logs := readOnlyService(t, idempotency.Config{Optional: true}, nil)
+	first := s.post("/orders", "", "b")
+	assert.Equal(t, http.StatusInternalServerError, first.status,
+		"the handler's write on a read-only connection fails: %q", first.body)
+	for i := range 4 {
+		r := s.post("/orders", "", fmt.Sprintf("b%d", i))
+		assert.Equal(t, http.StatusCreated, r.status, "request %d after the first: %q", i, r.body)
+	}
+	assert.Equal(t, 4, s.effects())
+	assert.Contains(t, logs.text(), "read-only")
+}
+
+// The guard: a request without a key that fails on a writable session
+// (its handler's own error) leaves the pool's connections alone.
+func TestFailedRequestWithoutAKeyOnAWritableSessionKeepsThePool(t *testing.T) {
+	_, schema := pgtest.Schema(t)
+	pool := pgtest.NewPoolWith(t, schema, func(c *pgxpool.Config) { c.MaxConns = 2 })
+	logs := &warnLog{}
+	cfg := idempotency.Config{Optional: true, Logger: slog.New(slog.NewTextHandler(logs, nil))}
+	s := serve(t, pool, schema, cfg, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, err := idempotency.Tx(r.Context()).Exec(r.Context(), `SELECT 1/0`)
+		http.Error(w, err.Error(), http.StatusInternalServerError)
+	}))
+	s.post("/orders", "", "b") // opens the pool's first connection
+	opened := pool.Stat().NewConnsCount()
+	for range 3 {
+		r := s.post("/orders", "", "b")
+		assert.Equal(t, http.StatusInternalServerError, r.status, "%q", r.body)
+	}
+	assert.NotContains(t, logs.text(), "read-only")
+	assert.Equal(t, opened, pool.Stat().NewConnsCount(), "connections were opened anew")
+}
