@@ -87,40 +87,64 @@ type Status struct {
 	// Parked counts parked rows.
 	Parked int64
 	// Sent counts published rows still kept (RelayConfig.KeepSent).
+	// Backlog leaves it 0.
 	Sent int64
 	// OldestPending is when the oldest pending row was written; zero when
 	// none is pending. Its age is the relay's lag.
 	OldestPending time.Time
 }
 
-// Status counts the outbox's rows by state.
+// Status counts the outbox's rows by state. Counting Sent reads every
+// kept sent row (from their index when the planner finds that cheaper):
+// with RelayConfig.KeepSent that is most of the table. To watch the
+// relay's lag, call Backlog, which reads only the rows not yet sent.
 func (s *Store) Status(ctx context.Context, db DB) (Status, error) {
+	st, err := s.Backlog(ctx, db)
+	if err != nil {
+		return st, err
+	}
+	if err := db.QueryRow(ctx, `SELECT count(*) FROM `+s.table+` WHERE sent_at IS NOT NULL`).Scan(&st.Sent); err != nil {
+		return st, fmt.Errorf("outbox: status: %w", err)
+	}
+	return st, nil
+}
+
+// Backlog is Status without Sent: the pending, waiting and parked rows and
+// the oldest pending one's time. Each count reads the partial index of its
+// state, never the whole table, so its cost follows the rows not yet sent,
+// not the sent rows kept beside them (RelayConfig.KeepSent): call it as
+// often as an alert on the relay's lag needs.
+func (s *Store) Backlog(ctx context.Context, db DB) (Status, error) {
 	var st Status
-	var oldest *time.Time
-	const counts = `SELECT
-	count(*) FILTER (WHERE sent_at IS NULL AND parked_at IS NULL),
-	count(*) FILTER (WHERE sent_at IS NULL AND parked_at IS NOT NULL),
-	count(*) FILTER (WHERE sent_at IS NOT NULL),
-	min(created_at) FILTER (WHERE sent_at IS NULL AND parked_at IS NULL)`
+	var oldestReady, oldestWaiting *time.Time
 	// A table of schema version 1 (its relay not upgraded yet) has no
-	// waiting column, and no row marked waiting.
+	// waiting column, and no row marked waiting: its pending rows are all
+	// in the pending index of that version.
 	var marks bool
 	err := db.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_attribute
 	WHERE attrelid = to_regclass($1) AND attname = 'waiting' AND NOT attisdropped)`, s.table).Scan(&marks)
-	switch {
-	case err != nil:
-	case marks:
-		err = db.QueryRow(ctx, counts+`,
-	count(*) FILTER (WHERE sent_at IS NULL AND parked_at IS NULL AND waiting)
-FROM `+s.table).Scan(&st.Pending, &st.Parked, &st.Sent, &oldest, &st.Waiting)
-	default:
-		err = db.QueryRow(ctx, counts+` FROM `+s.table).Scan(&st.Pending, &st.Parked, &st.Sent, &oldest)
+	if err == nil {
+		// Each condition is its index's predicate, or implies it, so that
+		// the planner answers each count from that index.
+		ready := `sent_at IS NULL AND parked_at IS NULL`
+		waiting := `SELECT 0::bigint, NULL::timestamptz`
+		if marks {
+			ready += ` AND NOT waiting`
+			waiting = `SELECT count(*), min(created_at) FROM ` + s.table + ` WHERE waiting AND sent_at IS NULL AND parked_at IS NULL`
+		}
+		err = db.QueryRow(ctx, `SELECT r.n, r.oldest, w.n, w.oldest,
+	(SELECT count(*) FROM `+s.table+` WHERE sent_at IS NULL AND parked_at IS NOT NULL)
+FROM (SELECT count(*) AS n, min(created_at) AS oldest FROM `+s.table+` WHERE `+ready+`) r,
+	(`+waiting+`) w(n, oldest)`).Scan(&st.Pending, &oldestReady, &st.Waiting, &oldestWaiting, &st.Parked)
 	}
 	if err != nil {
-		return st, fmt.Errorf("outbox: status: %w", err)
+		return st, fmt.Errorf("outbox: backlog: %w", err)
 	}
-	if oldest != nil {
-		st.OldestPending = *oldest
+	st.Pending += st.Waiting
+	for _, t := range []*time.Time{oldestReady, oldestWaiting} {
+		if t != nil && (st.OldestPending.IsZero() || t.Before(st.OldestPending)) {
+			st.OldestPending = *t
+		}
 	}
 	return st, nil
 }
