@@ -61,7 +61,8 @@ type Consumer[T any] struct {
 
 // New returns a consumer that decodes every message into T and calls h.
 // It fails with an error wrapping ErrInvalidConfig for a nil pool, source
-// or handler and for an invalid cfg, and with one wrapping ErrSourceBroken
+// (also a nil pointer in the Source: that of an Open whose error was
+// dropped) or handler and for an invalid cfg, and with one wrapping ErrSourceBroken
 // when the source's MessagingSystem (SystemNamer) or ConsumerGroup
 // (GroupNamer), which New asks for, panics. The consumer resets pool
 // (pgxpool.Pool.Reset) when the database refuses one of its writes as

@@ -432,6 +432,13 @@ func TestNewValidatesConfig(t *testing.T) {
 	require.ErrorIs(t, err, consumer.ErrInvalidConfig)
 	_, err = consumer.New(pool, nil, insertEffect, consumer.Config{Name: "x"})
 	require.ErrorIs(t, err, consumer.ErrInvalidConfig)
+	// A source whose Open failed, its error dropped (src, err := ...;
+	// c, err := consumer.New(pool, src, ...)), is a nil pointer in a
+	// non-nil Source: it was accepted, and Run failed with a panic's
+	// stack as the source breaking its contract.
+	var failed *memsource.Source
+	_, err = consumer.New(pool, failed, insertEffect, consumer.Config{Name: "x"})
+	require.ErrorIs(t, err, consumer.ErrInvalidConfig, "a nil *memsource.Source")
 	_, err = consumer.New(pool, src, insertEffect, consumer.Config{Name: "x", Retention: consumer.RetentionConfig{MaxAge: time.Second}})
 	require.NoError(t, err, "a retention window of a second is accepted")
 }

@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/onceco/once/dedup"
+	"github.com/onceco/once/internal/isnil"
 )
 
 // pipeline carries every message through the same four stages, a single
@@ -90,7 +91,9 @@ func newPipeline(pool *pgxpool.Pool, src Source, cfg Config, prep preparer) (*pi
 	if pool == nil {
 		return nil, fmt.Errorf("%w: pool is nil", ErrInvalidConfig)
 	}
-	if src == nil {
+	if isnil.Value(src) {
+		// Also a nil pointer in the interface: a source whose Open
+		// failed, its error dropped.
 		return nil, fmt.Errorf("%w: source is nil", ErrInvalidConfig)
 	}
 	defaultFingerprint := cfg.Identify.Fingerprint == nil

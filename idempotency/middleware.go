@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/internal/isnil"
 )
 
 // Pool is what the middleware needs of a connection pool: *pgxpool.Pool
@@ -36,11 +37,14 @@ type Middleware struct {
 }
 
 // New validates cfg and returns a middleware whose transactions run on
-// pool. It fails with an error wrapping ErrConfig (or ErrInvalidName for
-// the schema) when cfg cannot work. It does not touch the database: run
+// pool. It fails with an error wrapping ErrConfig for a nil pool (also a
+// nil *pgxpool.Pool in the Pool), and with one wrapping ErrConfig (or
+// ErrInvalidName for the schema) when cfg cannot work. It does not touch the database: run
 // Migrate first.
 func New(pool Pool, cfg Config) (*Middleware, error) {
-	if pool == nil {
+	if isnil.Value(pool) {
+		// Also a nil *pgxpool.Pool in the interface: a pool whose
+		// constructor failed, its error dropped.
 		return nil, fmt.Errorf("%w: the pool is nil", ErrConfig)
 	}
 	cfg, err := cfg.withDefaults()

@@ -613,6 +613,12 @@ func TestNewRejectsBadConfiguration(t *testing.T) {
 	assert.NoError(t, err, "NoAcquireTimeout is a bound of its own")
 	_, err = idempotency.New(nil, idempotency.Config{Scope: idempotency.SingleScope})
 	assert.ErrorIs(t, err, idempotency.ErrConfig)
+	// A pool whose constructor failed, its error dropped, is a nil
+	// *pgxpool.Pool in a non-nil Pool: it was accepted, and every request
+	// then panicked.
+	var failed *pgxpool.Pool
+	_, err = idempotency.New(failed, idempotency.Config{Scope: idempotency.SingleScope})
+	assert.ErrorIs(t, err, idempotency.ErrConfig, "a nil *pgxpool.Pool")
 	assert.ErrorIs(t, idempotency.Migrate(context.Background(), pool, "x-y"), idempotency.ErrInvalidName)
 }
 

@@ -19,6 +19,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/onceco/once/internal/backoff"
+	"github.com/onceco/once/internal/isnil"
 )
 
 // ErrInvalidConfig is wrapped by NewRelay's errors for a bad RelayConfig.
@@ -214,12 +215,15 @@ type Relay struct {
 
 // NewRelay returns a relay that reads the outbox through pool and
 // publishes with pub. It fails with an error wrapping ErrInvalidConfig for
-// a nil pool or publisher or an invalid cfg. The relay does not close pub.
+// a nil pool or publisher (also a nil pointer in the Publisher: that of a
+// New whose error was dropped) or an invalid cfg. The relay does not close pub.
 func NewRelay(pool *pgxpool.Pool, pub Publisher, cfg RelayConfig) (*Relay, error) {
 	if pool == nil {
 		return nil, fmt.Errorf("%w: pool is nil", ErrInvalidConfig)
 	}
-	if pub == nil {
+	if isnil.Value(pub) {
+		// Also a nil pointer in the interface: a publisher whose New
+		// failed, its error dropped.
 		return nil, fmt.Errorf("%w: publisher is nil", ErrInvalidConfig)
 	}
 	cfg, err := cfg.withDefaults()

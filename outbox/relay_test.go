@@ -24,6 +24,7 @@ import (
 	"github.com/onceco/once/consumer/memsource"
 	"github.com/onceco/once/internal/pgtest"
 	"github.com/onceco/once/outbox"
+	"github.com/onceco/once/outbox/kafkaout"
 )
 
 // A rolled-back transaction's messages never reach the broker; a committed
@@ -265,6 +266,13 @@ func TestInvalidInput(t *testing.T) {
 	require.ErrorIs(t, err, outbox.ErrInvalidConfig)
 	_, err = outbox.NewRelay(pool, nil, outbox.RelayConfig{})
 	require.ErrorIs(t, err, outbox.ErrInvalidConfig)
+	// A publisher whose New failed, its error dropped (pub, err := ...;
+	// relay, err := outbox.NewRelay(pool, pub, ...)), is a nil pointer in
+	// a non-nil interface: it was accepted, and the relay parked every
+	// row after MaxAttempts panics of its Check.
+	var failed *kafkaout.Publisher
+	_, err = outbox.NewRelay(pool, failed, outbox.RelayConfig{})
+	require.ErrorIs(t, err, outbox.ErrInvalidConfig, "a nil *kafkaout.Publisher")
 }
 
 // Migrate is idempotent and safe from many processes at once; the table can
