@@ -39,9 +39,9 @@ type KafkaConfig struct {
 	// has not reached its last stable offset, and that the cluster says
 	// still holds a record to read (transaction markers and aborted
 	// records take offsets but are never delivered, and are not waited
-	// for). A fetch that stalls longer (a leader election) ends that
-	// partition's read there, so a list or a replay may cover less than
-	// the topic holds; raise it on a cluster whose elections take
+	// for). A fetch that stalls longer (a leader election) fails the
+	// read, saying where it stopped, rather than passing a part of the
+	// topic for the whole; raise it on a cluster whose elections take
 	// longer. Default 5s.
 	IdleTimeout time.Duration
 }
@@ -206,9 +206,23 @@ func (q *KafkaQueue) browsePartition(ctx context.Context, client sarama.Client, 
 			}
 			return fmt.Errorf("dlq: read %s/%d: %w", q.cfg.Topic, p, cerr)
 		case <-idle.C:
-			// No record for IdleTimeout, though one seemed left (a
-			// fetch that stalls): the partition's read ends here.
-			return nil
+			// No record for IdleTimeout, though one seemed left: past
+			// a run of markers and aborted records the read is whole;
+			// otherwise a fetch stalls (a leader election), and a read
+			// that ended here would pass for whole.
+			at := next
+			for {
+				n := kafkaend.FirstReadable(client, q.cfg.Topic, p, at, end)
+				if n >= end {
+					return nil
+				}
+				if n == at {
+					break
+				}
+				at = n
+			}
+			return fmt.Errorf("dlq: read %s/%d: no record for %v at offset %d, below the last stable offset %d (a leader election, a broker that stalls): the read is not whole",
+				q.cfg.Topic, p, q.cfg.IdleTimeout, at, end)
 		case <-ctx.Done():
 			return ctx.Err()
 		}
@@ -276,6 +290,10 @@ func (q *KafkaQueue) Replay(ctx context.Context, f Filter, opts ReplayOptions) (
 	if sc.Producer.Retry.Max < 1 {
 		sc.Producer.Retry.Max = 1
 	}
+	// A dead letter may be larger than the producer's limit (1 MiB by
+	// default): its consumer's dead-letter producer had it raised, and the
+	// cluster took the record. The cluster judges the redrive's size.
+	sc.Producer.MaxMessageBytes = max(sc.Producer.MaxMessageBytes, redriveBytes(recs, opts))
 	client, err := sarama.NewClient(q.cfg.Brokers, sc)
 	if err != nil {
 		return Report{}, q.explain(orCtx(ctx, fmt.Errorf("dlq: connect to kafka: %w", kafkarefusal.Explain(ctx, q.cfg.Brokers, sc, err))))
@@ -301,6 +319,17 @@ func (q *KafkaQueue) Replay(ctx context.Context, f Filter, opts ReplayOptions) (
 		}
 		return out.Topic + "/" + strconv.FormatInt(int64(part), 10), nil
 	})
+}
+
+// redriveBytes is a Producer.MaxMessageBytes that lets the redrive of
+// every one of recs through sarama's own check: the largest, with room for
+// its redrive headers, below sarama's MaxRequestSize.
+func redriveBytes(recs []*Record, opts ReplayOptions) int {
+	n := 0
+	for _, r := range recs {
+		n = max(n, kafkaRedrive(r, redriveHeaders(r, opts.Now(), opts.By)).ByteSize(2)+1024)
+	}
+	return min(n, int(sarama.MaxRequestSize)-1)
 }
 
 // kafkaRedrive builds the redrive of r: its key, value and original

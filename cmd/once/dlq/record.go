@@ -197,7 +197,10 @@ var kindsThatFailAgain = []string{
 // position), on Kafka when it carries its first position
 // (once-fallback-id).
 // With force, records of kinds that would only be dead-lettered again
-// (id-conflict, invalid-id, missing-id) are replayable too.
+// (id-conflict, invalid-id, missing-id) are replayable too, and so are
+// RabbitMQ copies written without their original headers
+// (amqp.HeaderOriginalDropped), which the exchange's other consumers may
+// not recognise as the message they handled.
 func (r *Record) Replayable(force bool) error {
 	switch {
 	case r.EventID() == "" && r.Properties == nil && r.Header(consumer.HeaderFallbackID) == "":
@@ -211,6 +214,13 @@ func (r *Record) Replayable(force bool) error {
 	case r.identityCut() != "":
 		return fmt.Errorf("%w: the copy's %s header was cut to fit the broker's frame: a redrive could not be deduplicated",
 			ErrNotReplayable, r.identityCut())
+	case !force && r.Properties != nil && r.Header(amqp.HeaderOriginalDropped) != "":
+		// The original headers may hold what the exchange's other
+		// consumers identify the message by (an id header): they would
+		// take the redrive for a new event.
+		return fmt.Errorf("%w: the copy was written without its original headers (%s bytes, too large for a frame beside the diagnostics): "+
+			"other consumers of the exchange could not deduplicate a redrive (force to replay anyway)",
+			ErrNotReplayable, r.Header(amqp.HeaderOriginalDropped))
 	case r.Header(kafka.HeaderValueDropped) != "":
 		return fmt.Errorf("%w: the copy was written without its value (%s bytes); the original is at %s/%s/%s",
 			ErrNotReplayable, r.Header(kafka.HeaderValueDropped), r.Header(consumer.HeaderOriginalTopic),
