@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime/debug"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -29,8 +30,14 @@ func newRelaySQL(t string) relaySQL {
 	guard := func(n int) string {
 		return fmt.Sprintf("\n\tAND (SELECT to_regclass($%d)::oid) = $%d::oid", n, n+1)
 	}
-	ready := `	SELECT o.seq, o.event_id, o.topic, o.routing_key, o.key, o.type, o.headers, o.trace, o.body,
-		o.created_at, o.attempts
+	// A read takes at most BatchSize rows, and stops at the first row
+	// past readBudget bytes of bodies (the first row is always read):
+	// the read is bounded by statementTimeout, and a batch of large rows
+	// that outlasts it would be cut and read again for ever.
+	ready := `	SELECT r.seq, r.event_id, r.topic, r.routing_key, r.key, r.type, r.headers, r.trace, r.body,
+		r.created_at, r.attempts
+	FROM (SELECT o.seq, o.event_id, o.topic, o.routing_key, o.key, o.type, o.headers, o.trace, o.body,
+		o.created_at, o.attempts, sum(octet_length(o.body)) OVER (ORDER BY o.seq) - octet_length(o.body) AS before
 	FROM ` + t + ` o
 	WHERE o.sent_at IS NULL AND o.parked_at IS NULL AND NOT o.waiting
 		AND (o.not_before IS NULL OR o.not_before <= now())
@@ -40,7 +47,9 @@ func newRelaySQL(t string) relaySQL {
 				AND (e.attempts > 0 OR e.parked_at IS NOT NULL)))
 		AND (o.seq > $2 OR NOT o.seq = ANY($3::bigint[]))` + guard(4) + `
 	ORDER BY o.seq
-	LIMIT $1`
+	LIMIT $1) r
+	WHERE r.before < ` + strconv.Itoa(readBudget) + `
+	ORDER BY r.seq`
 	return relaySQL{
 		// Rows in sequence order, but none behind an earlier row of its key
 		// that the broker has rejected (parked, or to be retried): such a
@@ -59,7 +68,15 @@ func newRelaySQL(t string) relaySQL {
 		// refused row they wait for is locked FOR SHARE while they are
 		// marked: a requeue or discard of it that commits first leaves
 		// them unmarked, and one that commits after finds them marked and
-		// gives them back. The relay marks at most once a second
+		// gives them back. A refused row another transaction holds (a
+		// requeue not committed yet, the row edited by hand in a
+		// transaction left open) is skipped (SKIP LOCKED): nothing is
+		// marked behind it by this read, which does not wait for it; nor
+		// for a row to mark that another transaction holds, left unmarked
+		// (waiting, the read failed at lock_timeout, and so did every
+		// marking read after it: no key was published while the lock
+		// lasted).
+		// The relay marks at most once a second
 		// (markEvery): planning the marking costs a read about as much as
 		// the read itself.
 		fetchMarking: `WITH ready AS (
@@ -76,9 +93,10 @@ func newRelaySQL(t string) relaySQL {
 				SELECT 1 FROM ` + t + ` e
 				WHERE e.topic = o.topic AND e.key = o.key AND e.seq < o.seq AND e.sent_at IS NULL
 					AND (e.attempts > 0 OR e.parked_at IS NOT NULL)
-				FOR SHARE)
+				FOR SHARE SKIP LOCKED)
 		ORDER BY o.seq
-		LIMIT ` + maxMarkedPerRead + `)` + guard(4) + `
+		LIMIT ` + maxMarkedPerRead + `
+		FOR UPDATE SKIP LOCKED)` + guard(4) + `
 )
 SELECT * FROM ready ORDER BY seq`,
 		remove:   `DELETE FROM ` + t + ` WHERE seq = ANY($1::bigint[])` + guard(2),
@@ -97,6 +115,25 @@ RETURNING o.seq, o.event_id, o.parked_at IS NOT NULL`,
 	SELECT ctid FROM ` + t + ` WHERE sent_at < now() - $1 * interval '1 millisecond' LIMIT $2))
 	AND sent_at < now() - $1 * interval '1 millisecond'` + guard(3),
 	}
+}
+
+// readBudget bounds the bytes of bodies one read of the outbox returns
+// (but for its first row): a read is bounded by statementTimeout, so the
+// rows it returns must arrive within it (16 MiB: 1.6 MB/s), whatever
+// BatchSize and the size of the rows.
+const readBudget = 16 << 20
+
+// full reports whether batch is a full read: BatchSize rows, or
+// readBudget bytes of bodies; the relay then reads the next at once.
+func (r *Relay) full(batch []Record) bool {
+	if len(batch) >= r.cfg.BatchSize {
+		return true
+	}
+	n := 0
+	for _, rec := range batch {
+		n += len(rec.Body)
+	}
+	return n >= readBudget
 }
 
 // maxMarkedPerRead bounds the rows a read of the outbox marks waiting
@@ -189,7 +226,7 @@ func (r *Relay) relayBatch(ctx context.Context, conn *pgx.Conn, batch []Record, 
 	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), settleTimeout)
 	defer cancel()
 	var prevErr, aheadErr error
-	if len(batch) == r.cfg.BatchSize {
+	if r.full(batch) {
 		ahead, prevErr, aheadErr = r.settleAndFetch(sctx, conn, deferred, batch)
 	} else {
 		prevErr = r.settleDeferred(sctx, conn, deferred)

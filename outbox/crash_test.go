@@ -420,12 +420,18 @@ func (p *lockAfterReadAhead) Publish(ctx context.Context, recs []outbox.Record) 
 	if p.calls.Add(1) > 1 || p.err != nil {
 		return errs
 	}
+	// The relay's read (plain, or marking rows waiting) has ended: the
+	// statement its session ran last, idle now.
+	deadline := time.Now().Add(30 * time.Second)
 	for p.err == nil {
 		var n int
 		p.err = p.pool.QueryRow(context.Background(), `SELECT count(*) FROM pg_stat_activity WHERE pid <> pg_backend_pid()
-	AND state = 'idle' AND (query LIKE 'SELECT o.seq%' OR query LIKE 'WITH ready AS%') AND query_start > $1`, p.checked).Scan(&n)
+	AND state = 'idle' AND (query LIKE 'SELECT r.seq%' OR query LIKE 'WITH ready AS%') AND query_start > $1`, p.checked).Scan(&n)
 		if n == 1 {
 			break
+		}
+		if p.err == nil && time.Now().After(deadline) {
+			p.err = errors.New("the relay's read ahead was not seen to end within 30 s")
 		}
 		time.Sleep(5 * time.Millisecond)
 	}

@@ -59,7 +59,9 @@ type RelayConfig struct {
 	SkipMigrate bool
 
 	// BatchSize is how many rows the relay reads, publishes and marks at a
-	// time. Defaults to DefaultBatchSize (500).
+	// time. Defaults to DefaultBatchSize (500). A read also stops once the
+	// bodies of its rows reach 16 MiB (its first row is always read), so
+	// that it arrives within the relay's bound on its statements.
 	BatchSize int
 	// PollInterval is how long the relay waits for a notification before
 	// it looks for rows anyway (a notification is sent when a transaction
@@ -657,7 +659,7 @@ func (r *Relay) lead(ctx context.Context, conn *pgx.Conn, notified *atomic.Bool)
 				lastCleanup = time.Now()
 			}
 		}
-		if len(batch) == r.cfg.BatchSize || cleanupMore {
+		if r.full(batch) || cleanupMore {
 			continue
 		}
 		if err := r.wait(ctx, conn, notified); err != nil {

@@ -367,8 +367,14 @@ func (p *Publisher) resendRefusedBatches(ctx context.Context, recs []outbox.Reco
 		case key != "" && held[key]:
 			errs[i] = fmt.Errorf("kafkaout: topic %q: held behind a refused record of its key", recs[i].Topic)
 			continue
+		case !p.current(producer):
+			// Closed meanwhile (Close, from another goroutine): a send
+			// on a closed sarama producer panics.
+			errs[i] = fmt.Errorf("kafkaout: topic %q: %w", recs[i].Topic, errClosed)
+			err = errs[i] // the rest are not sent
+			continue
 		}
-		_, _, sendErr := producer.SendMessage(p.message(recs[i]))
+		sendErr := p.sendOne(ctx, producer, p.message(recs[i]))
 		switch {
 		case sendErr == nil:
 			errs[i] = nil
@@ -543,6 +549,40 @@ func (p *Publisher) send(ctx context.Context, producer sarama.SyncProducer, msgs
 	go func() {
 		done <- producer.SendMessages(msgs)
 		close(finished)
+	}()
+	select {
+	case err := <-done:
+		return err
+	case <-ctx.Done():
+		p.drop(producer, finished)
+		return fmt.Errorf("%w: %w", errAbandoned, context.Cause(ctx))
+	}
+}
+
+// current reports whether producer is still the publisher's, not closed.
+func (p *Publisher) current(producer sarama.SyncProducer) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return !p.closed && p.producer == producer
+}
+
+// sendOne sends msg alone with producer, bounded by ctx as send bounds a
+// batch: sarama's SendMessage takes no context and waits out its own
+// timeouts and retries. SendMessage feeds the producer on its caller's
+// goroutine, where a producer that Close (from another goroutine) closed
+// meanwhile panics: that is returned as an error wrapping errClosed.
+func (p *Publisher) sendOne(ctx context.Context, producer sarama.SyncProducer, msg *sarama.ProducerMessage) error {
+	done := make(chan error, 1)
+	finished := make(chan struct{})
+	go func() {
+		defer close(finished)
+		defer func() {
+			if r := recover(); r != nil {
+				done <- fmt.Errorf("%w: %v", errClosed, r)
+			}
+		}()
+		_, _, err := producer.SendMessage(msg)
+		done <- err
 	}()
 	select {
 	case err := <-done:
