@@ -544,11 +544,25 @@ var errAbandoned = errors.New("kafkaout: the publish's context ended before the 
 // sent again by the next producer: copies with their ids, which consumers
 // skip, and the first copy of each in the order of the batches.
 func (p *Publisher) send(ctx context.Context, producer sarama.SyncProducer, msgs []*sarama.ProducerMessage) error {
+	return p.bounded(ctx, producer, func() error { return producer.SendMessages(msgs) })
+}
+
+// bounded runs call, a send with producer, bounded by ctx: past it the
+// producer is given up (drop) and the call goes on in the background.
+// sarama feeds the producer on the caller's goroutine, where a producer
+// that Close (from another goroutine) closed meanwhile panics: that is
+// returned as an error wrapping errClosed.
+func (p *Publisher) bounded(ctx context.Context, producer sarama.SyncProducer, call func() error) error {
 	done := make(chan error, 1)
 	finished := make(chan struct{})
 	go func() {
-		done <- producer.SendMessages(msgs)
-		close(finished)
+		defer close(finished)
+		defer func() {
+			if r := recover(); r != nil {
+				done <- fmt.Errorf("%w: %v", errClosed, r)
+			}
+		}()
+		done <- call()
 	}()
 	select {
 	case err := <-done:
@@ -568,29 +582,12 @@ func (p *Publisher) current(producer sarama.SyncProducer) bool {
 
 // sendOne sends msg alone with producer, bounded by ctx as send bounds a
 // batch: sarama's SendMessage takes no context and waits out its own
-// timeouts and retries. SendMessage feeds the producer on its caller's
-// goroutine, where a producer that Close (from another goroutine) closed
-// meanwhile panics: that is returned as an error wrapping errClosed.
+// timeouts and retries.
 func (p *Publisher) sendOne(ctx context.Context, producer sarama.SyncProducer, msg *sarama.ProducerMessage) error {
-	done := make(chan error, 1)
-	finished := make(chan struct{})
-	go func() {
-		defer close(finished)
-		defer func() {
-			if r := recover(); r != nil {
-				done <- fmt.Errorf("%w: %v", errClosed, r)
-			}
-		}()
+	return p.bounded(ctx, producer, func() error {
 		_, _, err := producer.SendMessage(msg)
-		done <- err
-	}()
-	select {
-	case err := <-done:
 		return err
-	case <-ctx.Done():
-		p.drop(producer, finished)
-		return fmt.Errorf("%w: %w", errAbandoned, context.Cause(ctx))
-	}
+	})
 }
 
 // drop gives producer up while its send is in flight: the next call
