@@ -142,6 +142,12 @@ var funcs = template.FuncMap{
 		return shown(s)
 	},
 	"count": field.Count,
+	// cut is the first field.Shown bytes of s as they are, for an
+	// attribute.
+	"cut": func(s string) string {
+		b, _ := field.Cut([]byte(s))
+		return string(b)
+	},
 	"clip": func(s string, n int) string {
 		s = shown(strings.Join(strings.Fields(s), " "))
 		if r := []rune(s); len(r) > n {
@@ -155,12 +161,16 @@ var funcs = template.FuncMap{
 // is when printable, else quoted with escapes, as the CLI prints it. HTML
 // escaping keeps markup out; this keeps out what would change how the
 // text reads (bidirectional controls that show an id reversed, control
-// characters).
+// characters). Like a header on a record's page it is cut to its first
+// field.Shown bytes, marked with its length: the event id, type, error or
+// consumer of a record not written by this library may be as large as
+// the record, and a listing shows them for each of its rows.
 func shown(s string) string {
-	if dlq.Printable([]byte(s)) {
-		return s
+	c := clip([]byte(s), false)
+	if c.Cut {
+		c.Text += " … cut: the first " + field.Count(c.Shown) + " of its " + field.Count(c.Len) + " bytes are shown"
 	}
-	return strconv.Quote(s)
+	return c.Text
 }
 
 // page is what every template gets.
@@ -614,6 +624,8 @@ func (h *Handler) list(w http.ResponseWriter, r *http.Request) {
 		mark = newMarker(cur.Before)
 	}
 	err = h.browse(ctx, i, func(rec *dlq.Record) {
+		// A row shows no payload: the page keeps the record without it.
+		rec = rec.Summary()
 		at := 1 // the record's place against the cursor's
 		if mark != nil {
 			at = mark.place(rec)

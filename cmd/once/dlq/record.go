@@ -91,6 +91,16 @@ type Record struct {
 	raw any
 }
 
+// Summary returns a copy of r without its payload, its key and what a
+// redrive republishes (on Kafka, slices of the fetched batch; on RabbitMQ,
+// the delivery and its body): what a listing keeps of each row, which
+// shows none of them. Replay reads the records it replays anew.
+func (r *Record) Summary() *Record {
+	c := *r
+	c.Key, c.Value, c.raw = nil, nil, nil
+	return &c
+}
+
 // Header returns the value of the last header named key, or "".
 func (r *Record) Header(key string) string {
 	v, _ := r.lookup(key)
