@@ -68,6 +68,9 @@ type Config struct {
 	// retry with the same key is served once. It never cuts a handler
 	// that runs. Defaults to DefaultAcquireTimeout (5s);
 	// NoAcquireTimeout (-1) waits for as long as the request's context.
+	// New refuses a value below a millisecond (a unit mistake: 5 is 5ns,
+	// and every request would get 503) and one that overflows with Wait
+	// added.
 	AcquireTimeout time.Duration
 
 	// TTL is how long a stored response is replayed, counted from when it
@@ -105,7 +108,8 @@ type Config struct {
 	TxOptions pgx.TxOptions
 
 	// RetentionInterval is how often RunRetention deletes expired keys.
-	// Defaults to 1h.
+	// Defaults to 1h. New refuses a value below a millisecond (a unit
+	// mistake: 60 is 60ns, and the sweeps would run back to back).
 	RetentionInterval time.Duration
 
 	// RetentionBatch is how many rows one retention statement deletes, so
@@ -220,6 +224,21 @@ func (c Config) withDefaults() (Config, error) {
 	if c.Wait > maxWait {
 		// Wait is PostgreSQL's lock_timeout, which refuses more.
 		return c, fmt.Errorf("%w: Wait %v exceeds %v, the longest lock_timeout PostgreSQL accepts", ErrConfig, c.Wait, maxWait)
+	}
+	if c.AcquireTimeout > 0 && c.AcquireTimeout < time.Millisecond {
+		// A unit mistake (AcquireTimeout: 5 is 5ns): no connection and
+		// claim ever arrive in time, and every request would get 503.
+		return c, fmt.Errorf("%w: AcquireTimeout %v is below a millisecond (a time.Duration counts nanoseconds)", ErrConfig, c.AcquireTimeout)
+	}
+	if c.AcquireTimeout > math.MaxInt64-c.Wait {
+		// AcquireTimeout+Wait, the claim's deadline, would overflow into
+		// one already past: every request would get 503.
+		return c, fmt.Errorf("%w: AcquireTimeout %v plus Wait %v overflows a time.Duration (NoAcquireTimeout is no bound)", ErrConfig, c.AcquireTimeout, c.Wait)
+	}
+	if c.RetentionInterval > 0 && c.RetentionInterval < time.Millisecond {
+		// A unit mistake (RetentionInterval: 60 is 60ns): RunRetention
+		// would send its DELETE back to back, forever.
+		return c, fmt.Errorf("%w: RetentionInterval %v is below a millisecond (a time.Duration counts nanoseconds)", ErrConfig, c.RetentionInterval)
 	}
 	if c.TxOptions.AccessMode == pgx.ReadOnly {
 		return c, fmt.Errorf("%w: TxOptions.AccessMode is read only: the request's transaction writes the key's claim and response", ErrConfig)

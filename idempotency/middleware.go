@@ -430,13 +430,24 @@ func (m *Middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 	rec := newRecorder(m.cfg.MaxResponseBytes)
 	next.ServeHTTP(rec, m.withTx(r, tx, c.key))
 	status := rec.finalStatus()
+	endedBySQL := txEnded(tx)
+	if endedBySQL {
+		// COMMIT (a helper's conn.Begin and Commit on Tx(ctx).Conn())
+		// made the claim, still without a response, and the writes before
+		// it permanent; ROLLBACK took the claim. Whatever the status, the
+		// response is stored below: a committed claim must not stay
+		// without one (every retry would get 500 for the whole TTL), and
+		// a claim that is gone gets the 500 below.
+		m.cfg.Logger.Error("idempotency: the handler ended the request's transaction with SQL of its own (COMMIT or ROLLBACK)",
+			"path", r.URL.Path, "status", status)
+	}
 	switch {
 	case rec.overflow:
 		m.rollback(r.Context(), tx)
 		m.cfg.Logger.Error("idempotency: response too large; rolled back", "path", r.URL.Path, "limit", m.cfg.MaxResponseBytes)
 		problem(w, http.StatusInternalServerError, "Response too large", "The response could not be stored.")
 		return
-	case !m.cfg.Store(status):
+	case !m.cfg.Store(status) && !endedBySQL:
 		// Rolled back before the answer, so that a retry it prompts finds
 		// the key free: nothing happened, and the retry runs again.
 		m.rollback(r.Context(), tx)
@@ -473,6 +484,13 @@ func (m *Middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 		return
 	}
 	send(w, rec.header, status, rec.body.Bytes())
+}
+
+// txEnded reports whether tx's connection is outside a transaction: the
+// handler ended the request's transaction with SQL of its own.
+func txEnded(tx pgx.Tx) bool {
+	c := tx.Conn()
+	return c != nil && c.PgConn() != nil && !c.PgConn().IsClosed() && c.PgConn().TxStatus() == 'I'
 }
 
 // notCommitted answers a request whose response could not be stored or

@@ -25,7 +25,9 @@ type requestState struct {
 // response, after the handler returns (or rolls it back: see
 // Config.Store). Its Commit and Rollback return ErrTxOwned; a handler
 // that ends it with SQL of its own (ROLLBACK) loses the key's claim, and
-// its response is replaced by a 500, since nothing records it. Use it from
+// its response is replaced by a 500, since nothing records it; one that
+// commits it by SQL (a helper's Begin and Commit on Tx(ctx).Conn()) has
+// its response stored whatever its status, since its effect is. Use it from
 // the handler's goroutine only, and only until the handler returns: a
 // pgx.Tx is not safe for concurrent use.
 func Tx(ctx context.Context) pgx.Tx {
