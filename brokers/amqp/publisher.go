@@ -444,6 +444,16 @@ func (p *publisher) reopenChannel(ctx context.Context, redeclare bool) error {
 		}
 		done <- opened{ch: ch}
 	}()
+	// A channel not opened declared nothing: the next attempt, on a
+	// connection dialled anew, declares instead. Else it would publish
+	// undeclared, be unroutable again, and come back here (under a
+	// channel_max of 1 the old channel's close is still in flight, and
+	// the two alternated for ever).
+	undeclared := func() {
+		if redeclare {
+			p.redeclare = true
+		}
+	}
 	t := time.NewTimer(p.cfg.ConfirmTimeout)
 	defer t.Stop()
 	var o opened
@@ -451,9 +461,11 @@ func (p *publisher) reopenChannel(ctx context.Context, redeclare bool) error {
 	case o = <-done:
 	case <-ctx.Done():
 		p.drop() // the stuck requests end with the connection
+		undeclared()
 		return fmt.Errorf("amqp: open the dead-letter channel: %w", ctx.Err())
 	case <-t.C:
 		p.drop()
+		undeclared()
 		return fmt.Errorf("amqp: open the dead-letter channel: no answer within Config.ConfirmTimeout %v", p.cfg.ConfirmTimeout)
 	}
 	switch {
@@ -461,6 +473,7 @@ func (p *publisher) reopenChannel(ctx context.Context, redeclare bool) error {
 		return fmt.Errorf("amqp: declare the dead-letter destination again: %w", o.declareErr)
 	case o.err != nil:
 		p.drop()
+		undeclared()
 		return fmt.Errorf("amqp: open the dead-letter channel: %w", o.err)
 	}
 	if redeclare {

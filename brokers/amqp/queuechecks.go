@@ -40,6 +40,14 @@ func (s *Source) checkPassiveQueue(conn *amqp091.Connection) (unchecked bool, er
 		return false, nil
 	}
 	ch, err := conn.Channel()
+	if errors.Is(err, amqp091.ErrChannelMax) {
+		// One channel per connection (the broker's channel_max, or the
+		// URL's): the consuming channel is all there is, and asking would
+		// fail on every connect. The first delivery tells instead.
+		s.log.Warn("amqp: the connection allows no second channel to ask whether the queue is a stream queue; "+
+			"a delivery from a stream will be refused instead", "error", err)
+		return true, nil
+	}
 	if err != nil {
 		return false, fmt.Errorf("amqp: open channel: %w", err)
 	}
