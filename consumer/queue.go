@@ -30,7 +30,8 @@ import (
 //
 // Statements run in the order they were queued, and before any statement
 // sent through the handlers' tx (Exec, Query, QueryRow, SendBatch,
-// CopyFrom, Prepare, Begin; not through tx.Conn() or LargeObjects), so
+// CopyFrom, Prepare, Begin, and through a savepoint Begin returned; not
+// through tx.Conn() or LargeObjects), so
 // what a handler reads sees what earlier events of the batch queued.
 //
 // If a queued statement or its callback fails, the failure is the queuing
@@ -92,7 +93,7 @@ func (q *eventQueue) add(sql string, args []any) *pgx.QueuedQuery {
 // queueTx is the transaction handlers get: a pgx.Tx that first sends what
 // handlers queued (Event.Queue) whenever a statement goes through it.
 type queueTx struct {
-	pgx.Tx
+	checkedTx
 	pending pgx.Batch
 	// owners[i] is the job index of pending's i-th query.
 	owners []int
@@ -195,7 +196,11 @@ type queueFailure struct {
 	err   error
 }
 
-func newQueueTx(tx pgx.Tx) *queueTx { return &queueTx{Tx: tx, began: time.Now()} }
+func newQueueTx(tx pgx.Tx) *queueTx {
+	t := &queueTx{began: time.Now()}
+	t.checkedTx = checkedTx{Tx: tx, q: t}
+	return t
+}
 
 // flush sends the queued statements in one round trip and records the
 // first failure. After a failure it sends nothing more: the batch is
@@ -289,16 +294,6 @@ func (t *queueTx) settle(ctx context.Context, err error) error {
 	return err
 }
 
-func (t *queueTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
-	if err := t.before(ctx, sql); err != nil {
-		return pgconn.CommandTag{}, err
-	}
-	ct, err := t.Tx.Exec(ctx, sql, args...)
-	t.rolledBack = err == nil && ct.String() == "ROLLBACK"
-	t.checkEnd(ctx)
-	return ct, err
-}
-
 // before readies t for a statement of the running handler (sql; empty for
 // a batch or a copy): it refuses it once the transaction was ended by a
 // statement of a handler (endedBySQL), else sends what was queued first,
@@ -317,23 +312,46 @@ func (t *queueTx) before(ctx context.Context, sql string) error {
 	return nil
 }
 
-func (t *queueTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
-	if err := t.before(ctx, sql); err != nil {
+// checkedTx is the transaction handlers get (the consumer's, or a
+// savepoint begun on it with Begin) with each statement sent through it
+// checked by q (before): what was queued is sent first, and a statement
+// that may end the transaction is watched. pgx's savepoint sends its
+// statements on the connection itself, past the consumer's transaction, so
+// a savepoint is wrapped as well: else what was queued ran after its
+// statements, and its COMMIT; BEGIN went unseen. A savepoint's Commit and
+// Rollback (RELEASE, ROLLBACK TO SAVEPOINT) are pgx's.
+type checkedTx struct {
+	pgx.Tx
+	q *queueTx
+}
+
+func (c *checkedTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	if err := c.q.before(ctx, sql); err != nil {
+		return pgconn.CommandTag{}, err
+	}
+	ct, err := c.Tx.Exec(ctx, sql, args...)
+	c.q.rolledBack = err == nil && ct.String() == "ROLLBACK"
+	c.q.checkEnd(ctx)
+	return ct, err
+}
+
+func (c *checkedTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	if err := c.q.before(ctx, sql); err != nil {
 		return errRows{err}, err
 	}
-	t.rolledBack = false
-	return t.Tx.Query(ctx, sql, args...)
+	c.q.rolledBack = false
+	return c.Tx.Query(ctx, sql, args...)
 }
 
-func (t *queueTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
-	if err := t.before(ctx, sql); err != nil {
+func (c *checkedTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	if err := c.q.before(ctx, sql); err != nil {
 		return errRows{err}
 	}
-	t.rolledBack = false
-	return t.Tx.QueryRow(ctx, sql, args...)
+	c.q.rolledBack = false
+	return c.Tx.QueryRow(ctx, sql, args...)
 }
 
-func (t *queueTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
+func (c *checkedTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
 	sql := ""
 	for _, qq := range b.QueuedQueries {
 		if mayEndTx(qq.SQL) {
@@ -341,35 +359,40 @@ func (t *queueTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults 
 			break
 		}
 	}
-	if err := t.before(ctx, sql); err != nil {
+	if err := c.q.before(ctx, sql); err != nil {
 		return errBatchResults{err}
 	}
-	t.rolledBack = false
-	return t.Tx.SendBatch(ctx, b)
+	c.q.rolledBack = false
+	return c.Tx.SendBatch(ctx, b)
 }
 
-func (t *queueTx) CopyFrom(ctx context.Context, table pgx.Identifier, cols []string, src pgx.CopyFromSource) (int64, error) {
-	if err := t.before(ctx, ""); err != nil {
+func (c *checkedTx) CopyFrom(ctx context.Context, table pgx.Identifier, cols []string, src pgx.CopyFromSource) (int64, error) {
+	if err := c.q.before(ctx, ""); err != nil {
 		return 0, err
 	}
-	t.rolledBack = false
-	return t.Tx.CopyFrom(ctx, table, cols, src)
+	c.q.rolledBack = false
+	return c.Tx.CopyFrom(ctx, table, cols, src)
 }
 
-func (t *queueTx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
-	if err := t.before(ctx, ""); err != nil {
+func (c *checkedTx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
+	if err := c.q.before(ctx, ""); err != nil {
 		return nil, err
 	}
-	t.rolledBack = false
-	return t.Tx.Prepare(ctx, name, sql)
+	c.q.rolledBack = false
+	return c.Tx.Prepare(ctx, name, sql)
 }
 
-func (t *queueTx) Begin(ctx context.Context) (pgx.Tx, error) {
-	if err := t.before(ctx, ""); err != nil {
+// Begin begins a savepoint, whose statements are checked as c's are.
+func (c *checkedTx) Begin(ctx context.Context) (pgx.Tx, error) {
+	if err := c.q.before(ctx, ""); err != nil {
 		return nil, err
 	}
-	t.rolledBack = false
-	return t.Tx.Begin(ctx)
+	c.q.rolledBack = false
+	sp, err := c.Tx.Begin(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return &checkedTx{Tx: sp, q: c.q}, nil
 }
 
 // endedBySQL returns errTxEndedBySQL when a statement a Handler sent
