@@ -101,11 +101,20 @@ func (s *Store) newSeries(schema, table string, migs []migrate.Migration) *migra
 	}
 }
 
-// adopt recognises the tables that the unversioned releases created (the
-// shape of version 1): they are recorded as version 1, after a check that
-// the processed-events table is the store's and not another library's.
-// With that table alone, version 1 runs (its statements are idempotent) to
-// add what is missing.
+// adopt recognises the tables that no version was recorded for: made by
+// the unversioned releases (the shape of version 1), or by the plain SQL
+// files of dedup/migrations run with goose, golang-migrate or by hand, up
+// to some version. They are recorded at the version their shape has, after
+// a check that the processed-events table is the store's and not another
+// library's: version 1, and each later version whose step is in place
+// (version 2's index on (consumer, processed_at) without the old one,
+// version 3's crashes, version 4's offsets table of the store's shape,
+// version 5's last_error), up to the first that is not. A down migration
+// then undoes what is there: adopted as version 1, tables at version 5
+// lost their processed-events and attempts tables to MigrateTo 0 and kept
+// the offsets table, with its positions. With the processed-events table
+// alone, version 1 runs (its statements are idempotent) to add what is
+// missing.
 func (s *Store) adopt(ctx context.Context, tx pgx.Tx) (int, error) {
 	processed, err := exists(ctx, tx, s.names.Table)
 	if err != nil || !processed {
@@ -114,11 +123,29 @@ func (s *Store) adopt(ctx context.Context, tx pgx.Tx) (int, error) {
 	if err := s.checkTable(ctx, tx, s.names.Table, processedColumns); err != nil {
 		return 0, err
 	}
-	attempts, err := exists(ctx, tx, s.names.Attempts)
-	if err != nil || !attempts {
+	attempts, err := pgshape.Columns(ctx, tx, s.names.Attempts)
+	if err != nil || attempts == nil {
 		return 0, err
 	}
-	return 1, nil
+	var v2 bool
+	err = tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_index WHERE indexrelid = to_regclass($1) AND indrelid = to_regclass($2) AND indisvalid)
+	AND NOT EXISTS (SELECT 1 FROM pg_index WHERE indexrelid = to_regclass($3) AND indrelid = to_regclass($2))`,
+		s.names.ConsumerIndexQ, s.names.Table, s.names.ProcessedAtIndexQ).Scan(&v2)
+	if err != nil || !v2 {
+		return 1, err
+	}
+	if _, ok := attempts["crashes"]; !ok {
+		return 2, nil
+	}
+	if err := s.CheckOffsets(ctx, tx); errors.Is(err, ErrSchemaMismatch) {
+		return 3, nil
+	} else if err != nil {
+		return 0, err
+	}
+	if _, ok := attempts["last_error"]; !ok {
+		return 4, nil
+	}
+	return 5, nil
 }
 
 // exists reports whether the (quoted, maybe qualified) table exists.
@@ -216,6 +243,46 @@ func (s *Store) Check(ctx context.Context, db DB) error {
 		s.checkTable(ctx, db, s.names.Attempts, attemptsColumns),
 	)
 }
+
+// CheckUnrecorded is Check for tables of which the database records no
+// schema version (made by a release before versions were recorded, by
+// goose or golang-migrate run part of the way, by hand): it says whether
+// they are tables Migrate takes on and completes, not whether they are at
+// the newest version. The processed-events table must have the store's
+// shape, as Migrate requires before it adopts it; the attempts table, when
+// it exists, must have the columns of version 1, and those that later
+// versions add (crashes, last_error) where it has them already, with their
+// types; the offsets table, when it exists, must be the store's. It
+// returns nil, or an error wrapping ErrSchemaMismatch that names every
+// difference.
+func (s *Store) CheckUnrecorded(ctx context.Context, db DB) error {
+	errs := []error{s.checkTable(ctx, db, s.names.Table, processedColumns)}
+	have, err := pgshape.Columns(ctx, db, s.names.Attempts)
+	if err != nil {
+		return fmt.Errorf("dedup: checking %s: %w", s.names.Attempts, err)
+	}
+	if have != nil {
+		want := slices.Clone(attemptsColumns[:attemptsV1Columns])
+		for _, c := range attemptsColumns[attemptsV1Columns:] {
+			if _, ok := have[c.Name]; ok {
+				want = append(want, c)
+			}
+		}
+		errs = append(errs, s.checkTable(ctx, db, s.names.Attempts, want))
+	}
+	offsets, err := exists(ctx, db, s.names.Offsets)
+	if err != nil {
+		return fmt.Errorf("dedup: checking %s: %w", s.names.Offsets, err)
+	}
+	if offsets {
+		errs = append(errs, s.CheckOffsets(ctx, db))
+	}
+	return errors.Join(errs...)
+}
+
+// attemptsV1Columns is how many of attemptsColumns, in order, version 1
+// creates; versions 3 and 5 add the others.
+const attemptsV1Columns = 4
 
 // checkTable compares one table with the columns the store needs.
 func (s *Store) checkTable(ctx context.Context, db DB, table string, want []pgshape.Want) error {

@@ -222,7 +222,10 @@ func (a *app) migrate(ctx context.Context, args []string) error {
 	}
 	var shapeErr error
 	if version == 0 && tablesExist {
-		shapeErr = store.Check(ctx, pool)
+		// Tables of an older release, or of migration files applied
+		// part of the way, lack what later versions add: Migrate adopts
+		// and completes them. Only what it would refuse is an error.
+		shapeErr = store.CheckUnrecorded(ctx, pool)
 	}
 	if *asJSON {
 		// schema "" means the tables found through the search_path.

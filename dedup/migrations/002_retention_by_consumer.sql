@@ -6,12 +6,30 @@
 -- the old one. A build that did not finish leaves the index invalid, and
 -- this step would take it for the index: check that pg_index.indisvalid
 -- is true, or REINDEX it, first (Store.Migrate refuses it).
+-- The old index is dropped only if it is this table's: index names are
+-- per schema, and the name may be another store's index (the retention
+-- index of a table "billing" is the old index name of "billing_consumer").
 -- An index only: code of version 1 runs on it.
 -- once:additive
 CREATE INDEX IF NOT EXISTS "processed_events_consumer_processed_at_idx" ON "processed_events" (consumer, processed_at);
-DROP INDEX IF EXISTS "processed_events_processed_at_idx";
+-- +goose StatementBegin
+DO $$
+BEGIN
+	IF EXISTS (SELECT 1 FROM pg_index WHERE indexrelid = to_regclass('"processed_events_processed_at_idx"') AND indrelid = to_regclass('"processed_events"')) THEN
+		DROP INDEX "processed_events_processed_at_idx";
+	END IF;
+END $$;
+-- +goose StatementEnd
 
 -- +goose Down
--- once dedup, back from version 2: the index on processed_at again.
+-- once dedup, back from version 2: the index on processed_at again. The
+-- retention index is dropped only if it is this table's (see the up step).
 CREATE INDEX IF NOT EXISTS "processed_events_processed_at_idx" ON "processed_events" (processed_at);
-DROP INDEX IF EXISTS "processed_events_consumer_processed_at_idx";
+-- +goose StatementBegin
+DO $$
+BEGIN
+	IF EXISTS (SELECT 1 FROM pg_index WHERE indexrelid = to_regclass('"processed_events_consumer_processed_at_idx"') AND indrelid = to_regclass('"processed_events"')) THEN
+		DROP INDEX "processed_events_consumer_processed_at_idx";
+	END IF;
+END $$;
+-- +goose StatementEnd
