@@ -443,6 +443,12 @@ func (d *delivery) DeadLetter(ctx context.Context, dl *consumer.DeadLetter) erro
 	if err := d.claim.src.deadLetter(ctx, d.raw, &d.msg, dl); err != nil {
 		return err
 	}
+	if d.claim.isRevoked() {
+		// Revoked while the copy was being written: the copy stands, but
+		// the record goes back unmarked to the partition's next owner,
+		// which dead-letters it again.
+		return fmt.Errorf("%w: %s offset %d dead-lettered after the revoke; not settled here", ErrRevoked, d.claim.stream, d.raw.Offset)
+	}
 	d.deadLettered.Store(true)
 	return nil
 }
@@ -471,7 +477,15 @@ func (s *Source) deadLetter(ctx context.Context, raw *sarama.ConsumerMessage, m 
 		return fmt.Errorf("kafka: dead-letter copy of %s/%d/%d: topic %s: %w",
 			raw.Topic, raw.Partition, raw.Offset, out.Topic, err)
 	}
-	err := s.send(ctx, out)
+	err := s.send(ctx, out, false)
+	if errors.Is(err, sarama.ErrMessageSizeTooLarge) {
+		// The broker refuses a whole batch for its size: a topic whose
+		// max.message.bytes is below the producer's MaxMessageBytes
+		// refuses copies batched together (concurrent dead letters) that
+		// it takes one by one. Sent again alone, in a batch of its own,
+		// before anything is dropped from it.
+		err = s.send(ctx, out, true)
+	}
 	if tooLarge(err) && out.Value != nil {
 		// The record is too large for the dead-letter producer or topic:
 		// a copy that can never be written would hold the partition
@@ -481,7 +495,7 @@ func (s *Source) deadLetter(ctx context.Context, raw *sarama.ConsumerMessage, m 
 			"topic", raw.Topic, "partition", raw.Partition, "offset", raw.Offset, "bytes", len(raw.Value))
 		out.Value = nil
 		out.Headers = append(out.Headers, valueDropped(raw))
-		err = s.send(ctx, out)
+		err = s.send(ctx, out, true)
 	}
 	if tooLarge(err) {
 		// Still too large without its value: the key or the headers are
@@ -493,7 +507,7 @@ func (s *Source) deadLetter(ctx context.Context, raw *sarama.ConsumerMessage, m 
 		out.Key, out.Value = nil, nil
 		out.Headers = append(deadLetterHeaders(nil, cutDiagnostics(dl.Headers(m))), valueDropped(raw),
 			sarama.RecordHeader{Key: []byte(HeaderOriginalDropped), Value: []byte(strconv.Itoa(keyAndHeaderBytes(raw)))})
-		err = s.send(ctx, out)
+		err = s.send(ctx, out, true)
 	}
 	if err != nil {
 		s.logRefusedCopy(raw, out.Topic, err)
@@ -590,8 +604,11 @@ func tooLarge(err error) bool {
 		(errors.As(err, &cfgErr) && strings.Contains(string(cfgErr), "MaxMessageBytes"))
 }
 
-// send produces out and waits for the acknowledgement or ctx.
-func (s *Source) send(ctx context.Context, out *sarama.ProducerMessage) error {
+// send produces out and waits for the acknowledgement or ctx. With alone,
+// no other send is in the producer meanwhile, so that out goes in a record
+// batch of its own: a broker that refused a batch as too large is asked
+// about out alone.
+func (s *Source) send(ctx context.Context, out *sarama.ProducerMessage, alone bool) error {
 	s.sendMu.Lock()
 	if s.sendsClosed {
 		s.sendMu.Unlock()
@@ -604,6 +621,13 @@ func (s *Source) send(ctx context.Context, out *sarama.ProducerMessage) error {
 	go func() {
 		defer s.sends.Done()
 		defer s.sending.Add(-1)
+		if alone {
+			s.soloMu.Lock()
+			defer s.soloMu.Unlock()
+		} else {
+			s.soloMu.RLock()
+			defer s.soloMu.RUnlock()
+		}
 		_, _, err := s.producer.SendMessage(out)
 		done <- err
 	}()

@@ -324,6 +324,38 @@ func (d *delivery) recordDeadLettered(ctx context.Context) error {
 	return nil
 }
 
+// recordStart records in the offsets table, outside any transaction, that
+// cl's partition starts at start, where the table had no position: the
+// records below it are not this consumer's to handle (the group's
+// committed offset, or StartNewest's start). Without it a partition that
+// gets no record before Kafka forgets the group's offsets has no position
+// in the table, and starts at Config.InitialOffset again: under
+// StartNewest, past the records produced meanwhile. A failure is logged:
+// the partition's first transaction records a position as well.
+func (s *Source) recordStart(cl *claim, start int64) {
+	b := s.offsets.Load()
+	if b == nil {
+		return
+	}
+	bound := 10 * time.Second
+	if b.DatabaseTimeout > 0 {
+		bound = b.DatabaseTimeout
+	}
+	ctx, cancel := context.WithTimeout(cl.sess.Context(), bound)
+	defer cancel()
+	err := b.Store.RecordOffsets(ctx, b.Pool, b.Consumer, dedup.OffsetsUpdate{Topic: cl.sc.Topic(), Partition: cl.sc.Partition(),
+		Epoch: cl.db.epoch, DoneBelow: start})
+	if errors.Is(err, dedup.ErrFenced) {
+		cl.fence(err, "")
+		return
+	}
+	if err != nil {
+		s.leaveReadOnly(b, err)
+		s.cfg.Logger.Warn("once/kafka: cannot record the partition's start in the offsets table",
+			"group", s.cfg.Group, "stream", cl.stream, "offset", start, "error", err)
+	}
+}
+
 // takeOver takes parts over for owner in the offsets table, once, within
 // the consumer's DatabaseTimeout: a pooled connection whose server
 // vanished without a word (a failover's old primary, a middlebox) is then

@@ -81,6 +81,10 @@ type Source struct {
 	sendsClosed bool           // set by Close; no dead-letter send starts after it
 	sends       sync.WaitGroup // dead-letter sends still running
 	sending     atomic.Int32   // how many: sends' count, readable
+	// soloMu is held shared by every dead-letter send while it is in the
+	// producer, and exclusively by one that must go in a batch of its
+	// own (send).
+	soloMu sync.RWMutex
 
 	waitingForRoom atomic.Int32 // claims paused at Config.MaxPendingPerPartition
 	pendingMax     atomic.Int32 // the most pending records any claim held
@@ -960,6 +964,14 @@ func (h *groupHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, sc sarama.
 		}
 		cl.db = newClaimOffsets(o, sc.InitialOffset())
 		checkCommitted = o.Next < 0
+		if o.Next < 0 && sc.InitialOffset() >= 0 {
+			// The table has no position and the claim starts at one the
+			// group's committed offset (or the session's start, with
+			// StartNewest) gave: kept in the table, so that a partition
+			// that gets no record here does not lose it when Kafka
+			// forgets the group's offsets.
+			s.recordStart(cl, sc.InitialOffset())
+		}
 	}
 	if !s.cfg.OffsetsInDatabase && s.rewindNewestStart(sess, sc) {
 		cl.revoke()
