@@ -1000,43 +1000,55 @@ func TestHandlerBeginningATransactionOfItsOwnLosesNoNeighbour(t *testing.T) {
 func TestHandlerEndingTheBatchTransactionAndOpeningAnotherLosesNoNeighbour(t *testing.T) {
 	for _, end := range []string{"COMMIT; BEGIN", "COMMIT AND CHAIN", "/* ; */ END; START TRANSACTION", "ROLLBACK; BEGIN"} {
 		t.Run(end, func(t *testing.T) {
-			pool, _ := pgtest.Schema(t)
-			effects(t, pool)
-			b := memsource.New(memsource.Options{Streams: 1})
-			for i := range 6 {
-				publish(b, fmt.Sprintf("e%d", i), i)
-			}
-			h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
-				switch ev.ID {
-				case "e4":
-					return consumer.Permanent(errors.New("invalid"))
-				case "e2":
-					if err := insertEffect(ctx, tx, ev); err != nil {
-						return err
-					}
-					_, err := tx.Exec(ctx, end)
-					return err
-				}
-				return insertEffect(ctx, tx, ev)
-			}
-			cfg := fastConfig("ends-and-opens-tx")
-			cfg.Batch.Linger = time.Second // one batch of all six
-			c, err := consumer.New(pool, b.Source(), h, cfg)
-			require.NoError(t, err)
-			start(t, c)
-			require.Eventually(t, func() bool { return b.Acked() == 6 }, 10*time.Second, 5*time.Millisecond)
-			got := countEffects(t, pool)
-			if strings.HasPrefix(end, "ROLLBACK") {
-				assert.Zero(t, got["e2"], "its ROLLBACK took its writes back")
-			} else {
-				assert.Equal(t, 1, got["e2"], "what its own COMMIT wrote stays, once")
-			}
-			delete(got, "e2")
-			assert.Equal(t, map[string]int{"e0": 1, "e1": 1, "e3": 1, "e5": 1}, got,
-				"every message but the two that failed has its effect once")
-			assert.Equal(t, map[string]string{"e2": string(consumer.KindHandler), "e4": string(consumer.KindHandler)}, deadLetterKinds(b))
+			endTheBatchTransaction(t, end, func(ctx context.Context, tx pgx.Tx) error {
+				_, err := tx.Exec(ctx, end)
+				return err
+			})
 		})
 	}
+}
+
+// endTheBatchTransaction runs six messages in one batch: e2's handler
+// writes its effect, then ends the transaction with end (sent by send), e4
+// fails for good. Every other message must have its effect once, e2 and
+// e4 be dead-lettered as handler failures, and e2's own writes stay once
+// if end committed them.
+func endTheBatchTransaction(t *testing.T, end string, send func(ctx context.Context, tx pgx.Tx) error) {
+	t.Helper()
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{Streams: 1})
+	for i := range 6 {
+		publish(b, fmt.Sprintf("e%d", i), i)
+	}
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		switch ev.ID {
+		case "e4":
+			return consumer.Permanent(errors.New("invalid"))
+		case "e2":
+			if err := insertEffect(ctx, tx, ev); err != nil {
+				return err
+			}
+			return send(ctx, tx)
+		}
+		return insertEffect(ctx, tx, ev)
+	}
+	cfg := fastConfig("ends-and-opens-tx")
+	cfg.Batch.Linger = time.Second // one batch of all six
+	c, err := consumer.New(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 6 }, 10*time.Second, 5*time.Millisecond)
+	got := countEffects(t, pool)
+	if strings.HasPrefix(end, "ROLLBACK") {
+		assert.Zero(t, got["e2"], "its ROLLBACK took its writes back")
+	} else {
+		assert.Equal(t, 1, got["e2"], "what its own COMMIT wrote stays, once")
+	}
+	delete(got, "e2")
+	assert.Equal(t, map[string]int{"e0": 1, "e1": 1, "e3": 1, "e5": 1}, got,
+		"every message but the two that failed has its effect once")
+	assert.Equal(t, map[string]string{"e2": string(consumer.KindHandler), "e4": string(consumer.KindHandler)}, deadLetterKinds(b))
 }
 
 // A statement a handler queues that ends the transaction (Event.Queue of

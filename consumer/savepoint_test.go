@@ -2,8 +2,6 @@ package consumer_test
 
 import (
 	"context"
-	"errors"
-	"fmt"
 	"testing"
 	"time"
 
@@ -63,41 +61,14 @@ func TestHandlerEndingTheBatchTransactionThroughASavepointLosesNoNeighbour(t *te
 	// stays as a guard.
 	for _, end := range []string{"COMMIT; BEGIN", "COMMIT AND CHAIN", "COMMIT"} {
 		t.Run(end, func(t *testing.T) {
-			pool, _ := pgtest.Schema(t)
-			effects(t, pool)
-			b := memsource.New(memsource.Options{Streams: 1})
-			for i := range 6 {
-				publish(b, fmt.Sprintf("e%d", i), i)
-			}
-			h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
-				switch ev.ID {
-				case "e4":
-					return consumer.Permanent(errors.New("invalid"))
-				case "e2":
-					if err := insertEffect(ctx, tx, ev); err != nil {
-						return err
-					}
-					sp, err := tx.Begin(ctx)
-					if err != nil {
-						return err
-					}
-					_, err = sp.Exec(ctx, end)
+			endTheBatchTransaction(t, end, func(ctx context.Context, tx pgx.Tx) error {
+				sp, err := tx.Begin(ctx)
+				if err != nil {
 					return err
 				}
-				return insertEffect(ctx, tx, ev)
-			}
-			cfg := fastConfig("ends-tx-in-savepoint")
-			cfg.Batch.Linger = time.Second // one batch of all six
-			c, err := consumer.New(pool, b.Source(), h, cfg)
-			require.NoError(t, err)
-			start(t, c)
-			require.Eventually(t, func() bool { return b.Acked() == 6 }, 10*time.Second, 5*time.Millisecond)
-			got := countEffects(t, pool)
-			assert.Equal(t, 1, got["e2"], "what its own COMMIT wrote stays, once")
-			delete(got, "e2")
-			assert.Equal(t, map[string]int{"e0": 1, "e1": 1, "e3": 1, "e5": 1}, got,
-				"every message but the two that failed has its effect once")
-			assert.Equal(t, map[string]string{"e2": string(consumer.KindHandler), "e4": string(consumer.KindHandler)}, deadLetterKinds(b))
+				_, err = sp.Exec(ctx, end)
+				return err
+			})
 		})
 	}
 }
