@@ -260,7 +260,10 @@ type IdentifyConfig struct {
 	// MaxIDLength bounds event ids, in bytes; longer ones are dead-lettered
 	// with kind KindInvalidID. Defaults to 256; at most 2048, since an id
 	// is part of the dedup tables' primary keys, which PostgreSQL's btree
-	// bounds at about 2,700 bytes a key.
+	// bounds at about 2,700 bytes a key. It bounds the ids events carry:
+	// an id equal to the message's Message.FallbackID (the adapter's own,
+	// a Kafka position on a topic named with up to 249 characters) is
+	// bound by 2048 bytes alone.
 	MaxIDLength int
 	// Fingerprint computes the fingerprint stored with a claim and compared
 	// when the same id arrives again; a message for which it returns nil

@@ -170,7 +170,15 @@ func (c *Config) identify(m *Message) (identity, ErrorKind, error) {
 	if idt.id == "" {
 		return idt, KindMissingID, errors.New("the event carries no id and the source has no fallback id")
 	}
-	if err := validID(idt.id, c.Identify.MaxIDLength); err != nil {
+	// MaxIDLength bounds the ids events carry. A fallback id is the
+	// adapter's (a Kafka position holds a topic name of up to 249
+	// characters), bounded only by what the dedup keys hold, whether it
+	// came as the fallback, from EventID or as a redriven copy's id.
+	maxLength := c.Identify.MaxIDLength
+	if idt.id == m.FallbackID {
+		maxLength = max(maxLength, maxIDLimit)
+	}
+	if err := validID(idt.id, maxLength); err != nil {
 		return idt, KindInvalidID, err
 	}
 	return idt, "", nil

@@ -2,6 +2,7 @@ package consumer
 
 import (
 	"errors"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -107,4 +108,34 @@ func TestDeadLetterCarriesTheFirstDeliverysFallbackID(t *testing.T) {
 	require.Equal(t, "orders/0/3@t", dl.Headers(m)[HeaderFallbackID])
 	_, ok := dl.Headers(&Message{Partition: -1, Offset: -1})[HeaderFallbackID]
 	require.False(t, ok, "no header when the adapter gives no fallback id")
+}
+
+// MaxIDLength bounds the ids events carry, not the adapter's fallback id:
+// a Kafka position on a topic named with Kafka's 249 characters is longer
+// than its 256-byte default, and such records were all dead-lettered as
+// KindInvalidID, their redriven copies too.
+func TestFallbackIDsAreNotBoundByMaxIDLength(t *testing.T) {
+	cfg, err := Config{Name: "c"}.withDefaults()
+	require.NoError(t, err)
+	position := strings.Repeat("t", 249) + "/0/9223372036854775806@AAAAAAAAAAAAAAAAAAAAAA"
+	m := &Message{FallbackID: position}
+	idt, kind, err := cfg.identify(m)
+	require.NoError(t, err)
+	require.Empty(t, kind)
+	require.Equal(t, position, idt.id)
+
+	copied := &Message{FallbackID: "dlq/0/1", Headers: map[string]string{
+		HeaderRedriveConsumer: "c", HeaderRedriveEventID: position, HeaderRedriveFallbackID: position}}
+	idt, _, err = cfg.identify(copied)
+	require.NoError(t, err, "a redriven copy of such a record")
+	require.Equal(t, position, idt.id)
+
+	m = &Message{ID: position, FallbackID: "orders/0/1"}
+	_, kind, err = cfg.identify(m)
+	require.Error(t, err, "an id the event carries is still bound")
+	require.Equal(t, KindInvalidID, kind)
+	m = &Message{FallbackID: strings.Repeat("t", maxIDLimit+1)}
+	_, kind, err = cfg.identify(m)
+	require.Error(t, err, "past what the dedup keys hold")
+	require.Equal(t, KindInvalidID, kind)
 }
