@@ -48,7 +48,8 @@ Deletes the processed-event rows of one consumer processed more than
 DURATION ago (and its attempt rows last seen before then), -batch rows per
 statement, each its own short transaction, printing progress. A deleted row
 no longer suppresses a redelivery of its event: DURATION must exceed the
-longest time a message can take to come back (docs/operations.md). A
+longest time a message can take to come back (docs/operations.md), and be
+at least 1s. A
 consumer name with no rows at all (misspelt?) deletes nothing and is
 warned of on stderr, naming the consumers that have rows; the exit code
 is still 0.`
@@ -546,6 +547,10 @@ func (a *app) retention(ctx context.Context, args []string) error {
 		return usagef("-consumer is required")
 	case *olderThan <= 0:
 		return usagef("-older-than is required and must be positive")
+	case *olderThan < time.Second:
+		// As consumer.Config.Retention.MaxAge: a window this short
+		// outlasts no redelivery (a typo for 1m or 1h, most likely).
+		return usagef("-older-than %v is below 1s: the window must outlast the longest redelivery", *olderThan)
 	case *batch <= 0:
 		return usagef("-batch must be positive")
 	}
