@@ -49,10 +49,9 @@ DURATION ago (and its attempt rows last seen before then), -batch rows per
 statement, each its own short transaction, printing progress. A deleted row
 no longer suppresses a redelivery of its event: DURATION must exceed the
 longest time a message can take to come back (docs/operations.md), and be
-at least 1s. A
-consumer name with no rows at all (misspelt?) deletes nothing and is
-warned of on stderr, naming the consumers that have rows; the exit code
-is still 0.`
+at least 1s. A consumer name with no rows at all (misspelt?) deletes
+nothing and is warned of on stderr, naming the consumers that have rows;
+the exit code is still 0.`
 
 // maxNamesWarned bounds the consumer names a warning lists.
 const maxNamesWarned = 20
