@@ -71,3 +71,25 @@ func TestStoredHeaderWithANULReplaysAsSent(t *testing.T) {
 	require.NoError(t, s.pool.QueryRow(context.Background(), `SELECT count(*) FROM effects`).Scan(&effects))
 	assert.Equal(t, 1, effects)
 }
+
+// A handler may set a header under a name that is not in canonical form
+// (w.Header()["content-location"], as code ported from HTTP/2 or gRPC
+// gateways does); net/http sends it so. The stored headers were looked up
+// by canonical name only, so the replay of such a response lacked the
+// header the first response had.
+func TestStoredHeaderSetUnderANonCanonicalNameReplays(t *testing.T) {
+	h := func(w http.ResponseWriter, r *http.Request) {
+		w.Header()["content-location"] = []string{"/orders/7"}
+		w.Header()["etag"] = []string{`"v1"`}
+		w.Header().Set("ETag", `"v2"`) // the same header under both forms: every value is kept
+		insertEffect(w, r)
+	}
+	s := newService(t, idempotency.Config{}, http.HandlerFunc(h))
+	first := s.post("/orders", "k", "b")
+	require.Equal(t, http.StatusCreated, first.status, first.body)
+	require.Equal(t, "/orders/7", first.header.Get("Content-Location"), "net/http sends it")
+	again := s.post("/orders", "k", "b")
+	require.True(t, again.replayed())
+	assert.Equal(t, "/orders/7", again.header.Get("Content-Location"))
+	assert.ElementsMatch(t, first.header.Values("ETag"), again.header.Values("ETag"))
+}

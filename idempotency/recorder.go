@@ -72,11 +72,11 @@ const rawHeaderPrefix = "once:base64:"
 func (r *recorder) storedHeader(names []string) http.Header {
 	h := make(http.Header, len(names))
 	for _, name := range names {
-		v := r.header.Values(name)
+		name = http.CanonicalHeaderKey(name)
+		v := headerValues(r.header, name)
 		if len(v) == 0 {
 			continue
 		}
-		name = http.CanonicalHeaderKey(name)
 		if slices.IndexFunc(v, func(s string) bool { return !pgtext.Storable(s) }) < 0 {
 			h[name] = v
 			continue
@@ -88,6 +88,24 @@ func (r *recorder) storedHeader(names []string) http.Header {
 		h[rawHeaderPrefix+name] = raw
 	}
 	return h
+}
+
+// headerValues returns the values of the header canonical in h, those set
+// under a name of another case too: a handler may write to the map
+// directly (h["etag"]), and net/http sends such a name as it is.
+func headerValues(h http.Header, canonical string) []string {
+	var others []string
+	for name := range h {
+		if name != canonical && strings.EqualFold(name, canonical) {
+			others = append(others, name)
+		}
+	}
+	v := h[canonical]
+	slices.Sort(others) // the same order at every replay
+	for _, name := range others {
+		v = append(slices.Clip(v), h[name]...)
+	}
+	return v
 }
 
 // loadedHeader returns the headers stored as h, decoded.
