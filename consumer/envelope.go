@@ -42,7 +42,9 @@ type JSONEnvelope struct {
 	IDField string
 	// TypeField names the type field. Defaults to "type".
 	TypeField string
-	// DataField names the payload field. Defaults to "data".
+	// DataField names the payload field. Defaults to "data". Named
+	// "data" (the default or spelt out), a missing data field is looked
+	// for as CloudEvents' data_base64; any other name is read as it is.
 	DataField string
 }
 
@@ -61,7 +63,7 @@ func (e JSONEnvelope) Open(value []byte) (Opened, error) {
 		return Opened{}, fmt.Errorf("envelope type: %w", err)
 	}
 	data, ok := fields[orDefault(e.DataField, "data")]
-	if !ok && e.DataField == "" {
+	if !ok && orDefault(e.DataField, "data") == "data" {
 		// CloudEvents' JSON format carries binary data base64-encoded in
 		// data_base64 instead.
 		if b64, ok := fields["data_base64"]; ok {

@@ -27,3 +27,16 @@ func TestJSONEnvelopeReadsACloudEventsBinaryData(t *testing.T) {
 	_, err = consumer.JSONEnvelope{DataField: "payload"}.Open([]byte(`{"id":"evt-3","payload_base64":"aGk="}`))
 	assert.ErrorContains(t, err, `no "payload" field`)
 }
+
+// DataField is documented to default to "data": a JSONEnvelope with
+// DataField "data" written out (or IDField and TypeField set, DataField
+// spelt out beside them) is the default's format, and reads a CloudEvent's
+// binary data from data_base64 as the zero value does. It dead-lettered
+// every such event as undecodable.
+func TestJSONEnvelopeWithTheDefaultDataFieldSpeltOutReadsBinaryData(t *testing.T) {
+	event := []byte(`{"specversion":"1.0","id":"evt-1","type":"image.scanned","data_base64":"aGk="}`)
+	o, err := consumer.JSONEnvelope{IDField: "id", TypeField: "type", DataField: "data"}.Open(event)
+	require.NoError(t, err)
+	assert.Equal(t, []byte("hi"), o.Payload)
+	assert.Equal(t, "evt-1", o.ID)
+}
