@@ -233,7 +233,7 @@ func NewRelay(pool *pgxpool.Pool, pub Publisher, cfg RelayConfig) (*Relay, error
 		return nil, err
 	}
 	r := &Relay{pool: pool, pub: pub, cfg: cfg, sql: newRelaySQL(cfg.Store.table)}
-	if r.metrics, err = newRelayMetrics(cfg.MeterProvider, cfg.Store.table, r.Leader, r.stalled.Load); err != nil {
+	if r.metrics, err = newRelayMetrics(cfg.MeterProvider, cfg.Store.label, r.Leader, r.stalled.Load); err != nil {
 		return nil, err
 	}
 	r.tracer = newTracer(cfg.TracerProvider)
@@ -259,11 +259,13 @@ func (r *Relay) Leader() bool { return r.leader.Load() }
 // batch in flight; a batch left unanswered is published again by the next
 // leader. A call to the publisher that does not return is given up after
 // RelayConfig.PublishTimeout: the relay stops leading until it returns.
-// Run may be called once.
+// Run may be called once; once it returns, the relay's gauges
+// (LeaderMetric, StalledMetric) are no longer reported.
 func (r *Relay) Run(ctx context.Context) error {
 	if !r.ran.CompareAndSwap(false, true) {
 		return errors.New("outbox: Relay.Run called twice")
 	}
+	defer r.metrics.stop()
 	if !r.cfg.SkipMigrate {
 		if err := r.migrate(ctx); err != nil {
 			if ctx.Err() != nil {
@@ -604,6 +606,12 @@ func (r *Relay) lead(ctx context.Context, conn *pgx.Conn, notified *atomic.Bool)
 		}
 		if err == nil && len(batch) > 0 {
 			ahead, err = r.relayBatch(ctx, conn, batch, &deferred)
+		}
+		if err != nil && ctx.Err() == nil && (conn.IsClosed() || readOnly(err)) && !errors.As(err, new(*hungCall)) {
+			// The batch failed for the database, which ends the session:
+			// counted as a failed batch like the others, or a database
+			// outage would never show in FailuresMetric.
+			r.metrics.failures.Add(ctx, 1, r.metrics.attrs)
 		}
 		if conn.IsClosed() {
 			return fmt.Errorf("relay: %w", err)

@@ -59,6 +59,9 @@ type DB interface {
 type Store struct {
 	cfg    Config
 	table  string // quoted, qualified
+	// label names the table in metrics and spans, unquoted: "outbox",
+	// or "billing.outbox" with a Schema.
+	label string
 	series *migrate.Series
 
 	insertSQL string
@@ -81,7 +84,10 @@ func New(cfg Config) (*Store, error) {
 	if cfg.Schema != "" && !identifier.MatchString(cfg.Schema) {
 		return nil, fmt.Errorf("%w: Schema %q must match %s", ErrInvalidName, cfg.Schema, identifier)
 	}
-	s := &Store{cfg: cfg, table: qualify(cfg, cfg.Table)}
+	s := &Store{cfg: cfg, table: qualify(cfg, cfg.Table), label: cfg.Table}
+	if cfg.Schema != "" {
+		s.label = cfg.Schema + "." + cfg.Table
+	}
 	sub, err := fs.Sub(migrations, "migrations")
 	if err != nil {
 		return nil, fmt.Errorf("outbox: migrations: %w", err)

@@ -41,6 +41,11 @@ const (
 type relayMetrics struct {
 	published, rejected, parked, failures, refusals metric.Int64Counter
 	attrs                                           metric.MeasurementOption
+	// gauges is the callback of LeaderMetric and StalledMetric, which
+	// holds the relay: unregistered once Run returns (stop), so that the
+	// meter provider, often the process's global one, does not keep every
+	// relay ever made, nor report the gauges of relays long stopped.
+	gauges metric.Registration
 }
 
 func newRelayMetrics(mp metric.MeterProvider, table string, leader, stalled func() bool) (*relayMetrics, error) {
@@ -63,33 +68,40 @@ func newRelayMetrics(mp metric.MeterProvider, table string, leader, stalled func
 	rm.parked = counter(ParkedMetric, "Outbox rows parked after MaxAttempts refusals.")
 	rm.failures = counter(FailuresMetric, "Relay batches that failed because the broker or the database was unavailable.")
 	rm.refusals = counter(RefusalsMetric, "Relay batches that failed because the broker refused the publisher (credentials, permissions, TLS or SASL settings).")
+	var leaderGauge, stalledGauge metric.Int64ObservableGauge
 	if err == nil {
-		_, err = m.Int64ObservableGauge(LeaderMetric, metric.WithDescription("1 while this relay leads, else 0."),
-			metric.WithInt64Callback(func(_ context.Context, o metric.Int64Observer) error {
-				v := int64(0)
-				if leader() {
-					v = 1
-				}
-				o.Observe(v, rm.attrs)
-				return nil
-			}))
+		leaderGauge, err = m.Int64ObservableGauge(LeaderMetric, metric.WithDescription("1 while this relay leads, else 0."))
 	}
 	if err == nil {
-		_, err = m.Int64ObservableGauge(StalledMetric,
-			metric.WithDescription("1 while this relay has given up a call to the publisher that has not returned, else 0."),
-			metric.WithInt64Callback(func(_ context.Context, o metric.Int64Observer) error {
-				v := int64(0)
-				if stalled() {
-					v = 1
-				}
-				o.Observe(v, rm.attrs)
-				return nil
-			}))
+		stalledGauge, err = m.Int64ObservableGauge(StalledMetric,
+			metric.WithDescription("1 while this relay has given up a call to the publisher that has not returned, else 0."))
+	}
+	if err == nil {
+		rm.gauges, err = m.RegisterCallback(func(_ context.Context, o metric.Observer) error {
+			o.ObserveInt64(leaderGauge, flag(leader()), rm.attrs)
+			o.ObserveInt64(stalledGauge, flag(stalled()), rm.attrs)
+			return nil
+		}, leaderGauge, stalledGauge)
 	}
 	if err != nil {
 		return nil, fmt.Errorf("outbox: metrics: %w", err)
 	}
 	return rm, nil
+}
+
+// flag is a gauge's value of b: 1 or 0.
+func flag(b bool) int64 {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+// stop unregisters the gauges' callback: the relay is done.
+func (rm *relayMetrics) stop() {
+	if rm.gauges != nil {
+		_ = rm.gauges.Unregister()
+	}
 }
 
 const instrumentationName = "github.com/onceco/once/outbox"
@@ -108,7 +120,7 @@ const maxLinks = 128
 // records) to the spans that wrote the batch's rows.
 func (r *Relay) startBatchSpan(ctx context.Context, batch []Record) (context.Context, trace.Span) {
 	ctx, span := r.tracer.Start(ctx, "outbox publish", trace.WithSpanKind(trace.SpanKindProducer),
-		trace.WithAttributes(attribute.String("once.outbox.table", r.cfg.Store.table),
+		trace.WithAttributes(attribute.String("once.outbox.table", r.cfg.Store.label),
 			attribute.Int("messaging.batch.message_count", len(batch))))
 	if !span.IsRecording() {
 		return ctx, span
@@ -118,12 +130,23 @@ func (r *Relay) startBatchSpan(ctx context.Context, batch []Record) (context.Con
 		if i == maxLinks {
 			break
 		}
-		sc := trace.SpanContextFromContext(prop.Extract(context.Background(), propagation.MapCarrier(rec.Headers)))
-		if sc.IsValid() {
+		if sc := writerSpanContext(prop, rec.Headers); sc.IsValid() {
 			span.AddLink(trace.Link{SpanContext: sc, Attributes: []attribute.KeyValue{attribute.String("messaging.message.id", rec.EventID)}})
 		}
 	}
 	return ctx, span
+}
+
+// writerSpanContext is the span context of the writer of a row with
+// headers: read with the global propagator, or, when that finds none (it
+// is a no-op until a service sets one, and Add then stored W3C
+// traceparent), from a W3C traceparent header.
+func writerSpanContext(prop propagation.TextMapPropagator, headers map[string]string) trace.SpanContext {
+	carrier := propagation.MapCarrier(headers)
+	if sc := trace.SpanContextFromContext(prop.Extract(context.Background(), carrier)); sc.IsValid() {
+		return sc
+	}
+	return trace.SpanContextFromContext(propagation.TraceContext{}.Extract(context.Background(), carrier))
 }
 
 // endBatchSpan ends span with the batch's outcome.

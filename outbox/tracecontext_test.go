@@ -4,11 +4,15 @@ import (
 	"context"
 	"encoding/json"
 	"testing"
+	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/propagation"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/onceco/once/outbox"
@@ -42,4 +46,44 @@ func TestTraceContextIsStoredWithoutAGlobalPropagator(t *testing.T) {
 	_, args, err = store.Statement(context.Background(), outbox.Message{Topic: "t"})
 	require.NoError(t, err)
 	assert.JSONEq(t, `{}`, string(args[6].([][]byte)[0]))
+}
+
+// With no propagator installed (OpenTelemetry's default), the relay's
+// batch span is still linked to the span that wrote the row: Add stored
+// the writer's context as W3C traceparent, and the relay reads it back the
+// way it was stored, as the next hop's consumer does.
+func TestRelaySpanLinksToTheWritersWithoutAGlobalPropagator(t *testing.T) {
+	prev := otel.GetTextMapPropagator()
+	otel.SetTextMapPropagator(propagation.NewCompositeTextMapPropagator()) // injects and extracts nothing, as the default
+	t.Cleanup(func() { otel.SetTextMapPropagator(prev) })
+	k := newKafka(t)
+	pool, _ := migrated(t)
+	d := k.destination(t)
+	rec := tracetest.NewSpanRecorder()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+	ctx, writer := tp.Tracer("handler").Start(context.Background(), "handle order.paid")
+	require.NoError(t, pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error { return outbox.Add(ctx, tx, d.msg("a", "a/1")) }))
+	writer.End()
+
+	startRelay(t, pool, k.publisher(t), outbox.RelayConfig{PollInterval: 20 * time.Millisecond, TracerProvider: tp})
+	d.read(t, 1)
+	publish := endedSpan(t, rec, "outbox publish")
+	require.Len(t, publish.Links(), 1, "the batch span links to the row's writer")
+	assert.Equal(t, writer.SpanContext().SpanID(), publish.Links()[0].SpanContext.SpanID())
+}
+
+// endedSpan waits for rec to hold an ended span named name and returns it.
+func endedSpan(t *testing.T, rec *tracetest.SpanRecorder, name string) sdktrace.ReadOnlySpan {
+	t.Helper()
+	var found sdktrace.ReadOnlySpan
+	require.Eventually(t, func() bool {
+		for _, s := range rec.Ended() {
+			if s.Name() == name {
+				found = s
+				return true
+			}
+		}
+		return false
+	}, 10*time.Second, 5*time.Millisecond)
+	return found
 }
