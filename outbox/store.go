@@ -57,11 +57,11 @@ type DB interface {
 // zero value is not usable. A Store holds no connection and is safe for
 // concurrent use.
 type Store struct {
-	cfg    Config
-	table  string // quoted, qualified
+	cfg   Config
+	table string // quoted, qualified
 	// label names the table in metrics and spans, unquoted: "outbox",
 	// or "billing.outbox" with a Schema.
-	label string
+	label  string
 	series *migrate.Series
 
 	insertSQL string
