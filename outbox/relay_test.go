@@ -13,7 +13,6 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
-	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/propagation"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
@@ -60,7 +59,7 @@ func TestRollbackPublishesNothing(t *testing.T) {
 // the type, the writer's trace context and its own headers; the relay keeps
 // the order of one key across transactions.
 func TestMessagesCarryIDTypeTraceAndHeaders(t *testing.T) {
-	otel.SetTextMapPropagator(propagation.NewCompositeTextMapPropagator(propagation.TraceContext{}, propagation.Baggage{}))
+	usePropagator(t, propagation.NewCompositeTextMapPropagator(propagation.TraceContext{}, propagation.Baggage{}))
 	forEachBroker(t, func(t *testing.T, b broker) {
 		pool, _ := migrated(t)
 		d := b.destination(t)
@@ -458,7 +457,7 @@ func TestStatementQueuedByAHandler(t *testing.T) {
 // The relay's batch span is a producer span linked to the span that wrote
 // each row; the message itself carries the writer's trace context.
 func TestRelaySpanLinksToTheWriters(t *testing.T) {
-	otel.SetTextMapPropagator(propagation.TraceContext{})
+	usePropagator(t, propagation.TraceContext{})
 	k := newKafka(t)
 	pool, _ := migrated(t)
 	d := k.destination(t)

@@ -23,9 +23,7 @@ import (
 // the row, as W3C traceparent: Add promises it, and the consumer of the
 // next hop reads a traceparent header without a propagator too.
 func TestTraceContextIsStoredWithoutAGlobalPropagator(t *testing.T) {
-	prev := otel.GetTextMapPropagator()
-	otel.SetTextMapPropagator(propagation.NewCompositeTextMapPropagator()) // injects nothing, as the default
-	t.Cleanup(func() { otel.SetTextMapPropagator(prev) })
+	usePropagator(t, propagation.NewCompositeTextMapPropagator()) // injects nothing, as the default
 
 	tid, _ := trace.TraceIDFromHex("4bf92f3577b34da6a3ce929d0e0e4736")
 	sid, _ := trace.SpanIDFromHex("00f067aa0ba902b7")
@@ -53,9 +51,7 @@ func TestTraceContextIsStoredWithoutAGlobalPropagator(t *testing.T) {
 // the writer's context as W3C traceparent, and the relay reads it back the
 // way it was stored, as the next hop's consumer does.
 func TestRelaySpanLinksToTheWritersWithoutAGlobalPropagator(t *testing.T) {
-	prev := otel.GetTextMapPropagator()
-	otel.SetTextMapPropagator(propagation.NewCompositeTextMapPropagator()) // injects and extracts nothing, as the default
-	t.Cleanup(func() { otel.SetTextMapPropagator(prev) })
+	usePropagator(t, propagation.NewCompositeTextMapPropagator()) // injects and extracts nothing, as the default
 	k := newKafka(t)
 	pool, _ := migrated(t)
 	d := k.destination(t)
@@ -86,4 +82,13 @@ func endedSpan(t *testing.T, rec *tracetest.SpanRecorder, name string) sdktrace.
 		return false
 	}, 10*time.Second, 5*time.Millisecond)
 	return found
+}
+
+// usePropagator sets the global propagator for the test, and puts the one
+// before it back when the test ends: a propagator left set would hide,
+// in the tests after it, what the default (a no-op) does.
+func usePropagator(t *testing.T, p propagation.TextMapPropagator) {
+	prev := otel.GetTextMapPropagator()
+	otel.SetTextMapPropagator(p)
+	t.Cleanup(func() { otel.SetTextMapPropagator(prev) })
 }
