@@ -211,3 +211,47 @@ func TestStatusStopsWhenInterruptedWhileABrokerDoesNotAnswer(t *testing.T) {
 		})
 	}
 }
+
+// once ui stops cleanly on its interrupt also while a client holds a
+// request unfinished (here the body of a replay's form, which it announced
+// and never sends; a response it does not read is the same): the shutdown
+// gives such a connection its grace and then closes it. It gave up after
+// its grace with "context deadline exceeded" instead, and the stop the
+// user asked for exited 1, as a failure.
+func TestUIStopsCleanlyWhileAClientHoldsItsRequest(t *testing.T) {
+	addr, _ := testenv.SilentBroker(t)
+	pr, pw := io.Pipe()
+	var errb syncBuffer // the handler logs its failed read as the server closes the connection
+	a := newApp(pw, &errb, func(string) string { return "" })
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan int, 1)
+	go func() {
+		done <- a.run(ctx, []string{"ui", "-addr", "127.0.0.1:0", "-allow-replay", "-kafka", addr, "-dlq", "orders.dlq"})
+		pw.Close()
+	}()
+	line, err := bufio.NewReader(pr).ReadString('\n')
+	require.NoError(t, err)
+	go func() { _, _ = io.Copy(io.Discard, pr) }()
+	host := strings.TrimSuffix(strings.TrimPrefix(strings.Fields(strings.TrimPrefix(line, "once console on "))[0], "http://"), "/")
+	c, err := net.Dial("tcp", host)
+	require.NoError(t, err)
+	defer c.Close()
+	// The server answers "100 Continue" once the handler reads the body.
+	_, err = io.WriteString(c, "POST /replay HTTP/1.1\r\nHost: "+host+"\r\nContent-Type: application/x-www-form-urlencoded\r\n"+
+		"Content-Length: 10\r\nExpect: 100-continue\r\n\r\n")
+	require.NoError(t, err)
+	require.NoError(t, c.SetReadDeadline(time.Now().Add(10*time.Second)))
+	status, err := bufio.NewReader(c).ReadString('\n')
+	require.NoError(t, err)
+	require.Contains(t, status, "100 Continue", "the handler reads the form")
+	start := time.Now()
+	cancel()
+	select {
+	case code := <-done:
+		assert.Equal(t, exitOK, code, errb.String())
+		assert.Less(t, time.Since(start), 15*time.Second)
+	case <-time.After(30 * time.Second):
+		t.Fatal("once ui did not stop")
+	}
+}

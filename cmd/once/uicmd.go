@@ -110,10 +110,18 @@ func (a *app) ui(ctx context.Context, args []string) error {
 	case err := <-done:
 		return err
 	case <-ctx.Done():
-		sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		sctx, cancel := context.WithTimeout(context.Background(), uiShutdownGrace)
 		defer cancel()
 		if err := srv.Shutdown(sctx); err != nil {
-			return err
+			if !errors.Is(err, context.DeadlineExceeded) {
+				return err
+			}
+			// A client holds its request unfinished (a body it does not
+			// send, a response it does not read), which no context
+			// ends: past the grace its connection is cut. The stop is
+			// the user's, not a failure.
+			fmt.Fprintf(a.stderr, "once ui: closing the connections of clients that did not finish their requests within %v\n", uiShutdownGrace)
+			_ = srv.Close()
 		}
 		if err := <-done; !errors.Is(err, http.ErrServerClosed) {
 			return err
@@ -121,6 +129,11 @@ func (a *app) ui(ctx context.Context, args []string) error {
 		return nil
 	}
 }
+
+// uiShutdownGrace is how long once ui, stopping, waits for clients to
+// finish the requests in flight (a download of a payload) before it closes
+// their connections.
+const uiShutdownGrace = 10 * time.Second
 
 // serverTimeouts are the bounds of the console's server on a connection:
 // ReadHeader on a request's header, Read on its header and body, Write

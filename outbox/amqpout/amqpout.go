@@ -70,6 +70,10 @@ type Publisher struct {
 	returns chan amqp091.Return
 	closes  chan *amqp091.Error
 	closed  bool
+	// closing is closed by Close before it takes mu, which a connect in
+	// progress holds: the connect is given up at once (dial).
+	closing   chan struct{}
+	closeOnce sync.Once
 	// missing holds the exchanges a publish found missing: Check looks
 	// them up before their next record is sent, because a publish to a
 	// missing exchange closes the channel and fails the whole batch.
@@ -125,7 +129,7 @@ func New(cfg Config) (*Publisher, error) {
 	if cfg.ConnectionName == "" {
 		cfg.ConnectionName = "once outbox"
 	}
-	return &Publisher{cfg: cfg}, nil
+	return &Publisher{cfg: cfg, closing: make(chan struct{})}, nil
 }
 
 // urlHeartbeatZero reports whether the AMQP URL raw has the parameter
@@ -149,10 +153,10 @@ func urlHeartbeatZero(raw string) bool {
 // under a resource alarm reads nothing more), an ordinary error too, after
 // which the connection is replaced. A broker that stopped answering holds
 // Publish at most DialTimeout twice (to connect, then to open the channel)
-// plus ConfirmTimeout. A broker that refuses the connection itself (the
-// credentials, access to the vhost, the TLS handshake) gives every record
-// an error wrapped with outbox.Refused: the relay retries, logging it as
-// an error.
+// plus ConfirmTimeout, and never past the end of ctx or a Close. A broker
+// that refuses the connection itself (the credentials, access to the
+// vhost, the TLS handshake) gives every record an error wrapped with
+// outbox.Refused: the relay retries, logging it as an error.
 func (p *Publisher) Publish(ctx context.Context, recs []outbox.Record) []error {
 	ch, returns, closes, err := p.channel(ctx)
 	if err != nil {
@@ -548,14 +552,7 @@ func (p *Publisher) channel(ctx context.Context) (*amqp091.Channel, chan amqp091
 		return p.ch, p.returns, p.closes, nil
 	}
 	if p.conn == nil || p.conn.IsClosed() {
-		conn, err := amqp091.DialConfig(p.cfg.URL, amqp091.Config{
-			Heartbeat: p.cfg.Heartbeat,
-			// A copy: amqp091 writes the URL's host into an empty
-			// ServerName of the config it is given.
-			TLSClientConfig: p.cfg.TLSConfig.Clone(),
-			Properties:      amqp091.Table{"connection_name": p.cfg.ConnectionName},
-			Dial:            amqp091.DefaultDial(p.cfg.DialTimeout),
-		})
+		conn, err := p.dial(ctx)
 		if err != nil {
 			err = fmt.Errorf("amqpout: connect: %w", redact(err))
 			if refusesConnection(err) {
@@ -567,7 +564,7 @@ func (p *Publisher) channel(ctx context.Context) (*amqp091.Channel, chan amqp091
 		p.maxBody = 0
 		p.frameMax = conn.Config.FrameSize
 	}
-	ch, err := openConfirmChannel(ctx, p.conn, p.cfg.DialTimeout)
+	ch, err := openConfirmChannel(ctx, p.closing, p.conn, p.cfg.DialTimeout)
 	if err != nil {
 		if errors.Is(err, errNoAnswer) {
 			p.dropLocked()
@@ -580,6 +577,49 @@ func (p *Publisher) channel(ctx context.Context) (*amqp091.Channel, chan amqp091
 	p.closes = ch.NotifyClose(make(chan *amqp091.Error, 1))
 	p.ch = ch
 	return p.ch, p.returns, p.closes, nil
+}
+
+// errGivenUp is dial's error when the connect was given up.
+var errGivenUp = errors.New("connect given up")
+
+// dial connects to the broker aside and waits for the connection until ctx
+// is done or Close is called (errGivenUp): amqp091 takes no context, and a
+// broker that accepts the connection and then says nothing (frozen, or a
+// network holding the traffic) holds the connect for DialTimeout, with
+// the publisher's lock, which Close takes. A connection made after it was
+// given up is closed.
+func (p *Publisher) dial(ctx context.Context) (*amqp091.Connection, error) {
+	type dialed struct {
+		conn *amqp091.Connection
+		err  error
+	}
+	done := make(chan dialed, 1)
+	go func() {
+		conn, err := amqp091.DialConfig(p.cfg.URL, amqp091.Config{
+			Heartbeat: p.cfg.Heartbeat,
+			// A copy: amqp091 writes the URL's host into an empty
+			// ServerName of the config it is given.
+			TLSClientConfig: p.cfg.TLSConfig.Clone(),
+			Properties:      amqp091.Table{"connection_name": p.cfg.ConnectionName},
+			Dial:            amqp091.DefaultDial(p.cfg.DialTimeout),
+		})
+		done <- dialed{conn, err}
+	}()
+	var why error
+	select {
+	case d := <-done:
+		return d.conn, d.err
+	case <-ctx.Done():
+		why = ctx.Err()
+	case <-p.closing:
+		why = errors.New("publisher closed")
+	}
+	go func() {
+		if d := <-done; d.conn != nil {
+			_ = d.conn.CloseDeadline(time.Now().Add(closeWait))
+		}
+	}()
+	return nil, fmt.Errorf("%w: %w", errGivenUp, why)
 }
 
 // refusesConnection reports whether a dial's err is the broker refusing
@@ -628,9 +668,9 @@ var errNoAnswer = errors.New("no answer from the broker")
 // openConfirmChannel opens a channel on conn and puts it in confirm mode.
 // The broker answers neither while it blocks the connection (a resource
 // alarm), and amqp091 waits for the answers without a bound: they are
-// waited for aside, at most timeout or until ctx is done (errNoAnswer;
-// the caller drops conn, which ends them).
-func openConfirmChannel(ctx context.Context, conn *amqp091.Connection, timeout time.Duration) (*amqp091.Channel, error) {
+// waited for aside, at most timeout or until ctx is done or closing is
+// closed (errNoAnswer; the caller drops conn, which ends them).
+func openConfirmChannel(ctx context.Context, closing <-chan struct{}, conn *amqp091.Connection, timeout time.Duration) (*amqp091.Channel, error) {
 	type opened struct {
 		ch  *amqp091.Channel
 		err error
@@ -658,6 +698,8 @@ func openConfirmChannel(ctx context.Context, conn *amqp091.Connection, timeout t
 		return nil, fmt.Errorf("amqpout: open channel: %w within DialTimeout %v", errNoAnswer, timeout)
 	case <-ctx.Done():
 		return nil, fmt.Errorf("amqpout: open channel: %w: %w", errNoAnswer, ctx.Err())
+	case <-closing:
+		return nil, fmt.Errorf("amqpout: open channel: %w: publisher closed", errNoAnswer)
 	}
 }
 
@@ -705,8 +747,10 @@ func (p *Publisher) reset() {
 }
 
 // Close closes the connection, waiting at most 2s for the broker's answer
-// (a broker under a resource alarm gives none). Publish fails afterwards.
+// (a broker under a resource alarm gives none); a connect in progress is
+// given up. Publish fails afterwards.
 func (p *Publisher) Close() error {
+	p.closeOnce.Do(func() { close(p.closing) })
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.closed = true
