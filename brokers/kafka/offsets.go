@@ -448,7 +448,13 @@ func (s *Source) takeOver(sess sarama.ConsumerGroupSession) error {
 // holds; StartNewest says where a consumer new to a partition starts, and
 // this one has a position. A partition whose first record cannot be asked
 // keeps its position (sarama's reset, then checkRecordedStart's log).
+//
+// A partition the table has no position for starts at the group's
+// committed offset (the option just turned on): one below the first
+// record is moved there the same way (committedBelowFirst), as a claim
+// without OffsetsInDatabase does (rewindNewestStart).
 func (s *Source) startAtRecordsLeft(got []dedup.PartitionOffsets) {
+	s.committedBelowFirst(got)
 	for i := range got {
 		o := &got[i]
 		if o.Next < 0 {
@@ -464,6 +470,49 @@ func (s *Source) startAtRecordsLeft(got []dedup.PartitionOffsets) {
 			"and the records between the two are not handled",
 			"group", s.cfg.Group, "topic", o.Topic, "partition", o.Partition, "recorded", o.Next,
 			"start", first, "initial_offset", startName(sarama.OffsetNewest), "skipped", first-o.Next)
+		o.Next = first
+	}
+}
+
+// committedBelowFirst gives each partition of got that the table has no
+// position for, and whose group's committed offset lies below its first
+// record (the records deleted by retention before the group read them),
+// that first record as its position, logging the deleted records at level
+// Error and counting them as checkStart does. sarama would reset such a
+// committed offset to Config.InitialOffset, under StartNewest the
+// partition's end, and the records left would be skipped with the deleted
+// ones. A question the cluster does not answer leaves the positions
+// unknown (sarama's reset, then checkStart's log).
+func (s *Source) committedBelowFirst(got []dedup.PartitionOffsets) {
+	unknown := make(map[string][]int32)
+	for _, o := range got {
+		if o.Next < 0 {
+			unknown[o.Topic] = append(unknown[o.Topic], o.Partition)
+		}
+	}
+	if len(unknown) == 0 {
+		return
+	}
+	committed, err := s.committedOffsets(unknown)
+	if err != nil {
+		return
+	}
+	for i := range got {
+		o := &got[i]
+		c, ok := committed[topicPartition{o.Topic, o.Partition}]
+		if o.Next >= 0 || !ok || c < 0 {
+			continue
+		}
+		first, err := s.dlqClient.GetOffset(o.Topic, o.Partition, sarama.OffsetOldest)
+		if err != nil || c >= first {
+			continue
+		}
+		s.lag.skippedOutOfRange(o.Topic, o.Partition, first-c)
+		s.cfg.Logger.Error("once/kafka: the group's committed offset is out of the partition's range "+
+			"(its records deleted by retention before they were handled, or the log truncated); the claim starts at the partition's first record left, "+
+			"and the records between the two are not handled",
+			"group", s.cfg.Group, "topic", o.Topic, "partition", o.Partition, "committed", c,
+			"start", first, "initial_offset", startName(sarama.OffsetNewest), "skipped", first-c)
 		o.Next = first
 	}
 }

@@ -334,3 +334,49 @@ func positionBeforeDeletedRecords(t *testing.T) (*cluster, *pgxpool.Pool, string
 	c.deleteRecordsBefore(topic, 0, 4)
 	return c, db, topic, group
 }
+
+// With OffsetsInDatabase and StartNewest, a partition the table has no
+// position for (the option just turned on) starts at the group's committed
+// offset; one below the partition's first record (records deleted by
+// retention before the group read them) made sarama start the claim at the
+// partition's end, and the records left were skipped with the deleted
+// ones, as they no longer are without OffsetsInDatabase nor for a position
+// the table records.
+func TestOffsetsInDatabaseStartNewestCommittedOffsetOutOfRangeReadsWhatIsLeft(t *testing.T) {
+	c := newCluster(t)
+	topic, group := uniq("orders"), uniq("g")
+	c.createTopic(topic, 1)
+	c.produceHashed(events(topic, "e", 0, 2))
+	src := c.open(c.config(group, topic)) // offsets in Kafka only
+	for range 2 {
+		require.NoError(t, receive(t, src).Ack(t.Context()))
+	}
+	require.NoError(t, src.Close())
+	require.Equal(t, map[int32]int64{0: 2}, c.committed(group, topic, 1))
+
+	// Records 2 and 3 are deleted before the group reads them; 4 is left.
+	c.produceHashed(events(topic, "e", 2, 3))
+	c.deleteRecordsBefore(topic, 0, 4)
+
+	db, _ := pgtest.Schema(t)
+	_, err := db.Exec(context.Background(), effectsTable)
+	require.NoError(t, err)
+	cfg, logs, reader := observed(t, c.dbOffsetsConfig(group, topic))
+	cfg.InitialOffset = StartNewest
+	src, err = Open(t.Context(), cfg)
+	require.NoError(t, err)
+	r := startConsumer(t, db, src, consumerConfig("svc"), recordEffect)
+	defer func() { require.NoError(t, r.stop()) }()
+	// The loss is logged once the claim's start is chosen; a record
+	// produced then is read whatever the start.
+	require.Eventually(t, func() bool { return len(logs.Errors()) > 0 }, 20*time.Second, 10*time.Millisecond, "the loss is logged")
+	c.produceHashed(events(topic, "e", 5, 1))
+	require.Eventually(t, func() bool { return effectCounts(t, db)["e-5"] == 1 }, 20*time.Second, 10*time.Millisecond)
+	assert.Equal(t, map[string]int{"e-4": 1, "e-5": 1}, effectCounts(t, db), "the record left in the partition is read")
+	errs := logs.Errors()
+	require.Len(t, errs, 1, "logged once")
+	for _, attr := range []string{"topic=" + topic, "partition=0", "committed=2", "start=4", "skipped=2"} {
+		assert.Contains(t, errs[0], " "+attr)
+	}
+	assert.Equal(t, map[string]int64{topic + "/0": 2}, outOfRangeOf(t, reader), "the deleted records are counted")
+}

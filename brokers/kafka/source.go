@@ -700,6 +700,10 @@ func (h *groupHandler) Setup(sess sarama.ConsumerGroupSession) error {
 // its first record instead, so that the records produced to it before the
 // group claimed it are read. StartNewest says where a group new to a
 // topic starts, not that a partition added later loses its first records.
+// The starts that the session's other members commit at the same time,
+// when the group is new to the topic, say nothing of the kind: they are
+// marked with the generation (startMetadata) and not counted
+// (committedAny).
 func (s *Source) markStarts(sess sarama.ConsumerGroupSession) {
 	claims := sess.Claims()
 	if len(claims) == 0 {
@@ -724,8 +728,9 @@ func (s *Source) markStarts(sess sarama.ConsumerGroupSession) {
 			sess.Commit()
 		}
 	}()
+	gen := sess.GenerationID()
 	for topic, partitions := range claims {
-		read := committedAny(resp, topic)
+		read := committedAny(resp, topic, gen)
 		for _, p := range partitions {
 			b := resp.GetBlock(topic, p)
 			if b == nil || !errors.Is(b.Err, sarama.ErrNoError) || b.Offset >= 0 {
@@ -744,7 +749,7 @@ func (s *Source) markStarts(sess sarama.ConsumerGroupSession) {
 					"group", s.cfg.Group, "topic", topic, "partition", p, "offset", start)
 			}
 			// Forward only: it moves no committed offset.
-			sess.MarkOffset(topic, p, start, "")
+			sess.MarkOffset(topic, p, start, startMetadata(gen))
 			marked = true
 		}
 	}
@@ -792,7 +797,7 @@ func (s *Source) rewindNewestStart(sess sarama.ConsumerGroupSession, sc sarama.C
 	if b == nil || !errors.Is(b.Err, sarama.ErrNoError) {
 		return false
 	}
-	added := b.Offset < 0 && committedAny(resp, topic)
+	added := b.Offset < 0 && committedAny(resp, topic, sess.GenerationID())
 	if b.Offset < 0 && !added {
 		return false // a group new to the topic: StartNewest
 	}
@@ -841,14 +846,26 @@ func (s *Source) withSiblings(claims map[string][]int32) map[string][]int32 {
 }
 
 // committedAny reports whether resp holds a committed offset of any
-// partition of topic.
-func committedAny(resp *sarama.OffsetFetchResponse, topic string) bool {
+// partition of topic that shows the group reading the topic before
+// generation gen: a start marked in gen itself (startMetadata) is another
+// member of the session setting up its claims beside this one, in a group
+// new to the topic, and does not count. Without this, a member whose
+// Setup asked after another member of its generation had committed its
+// starts took its own partitions for partitions added to the topic, and
+// read them from their first records.
+func committedAny(resp *sarama.OffsetFetchResponse, topic string, gen int32) bool {
 	for _, b := range resp.Blocks[topic] {
-		if b != nil && errors.Is(b.Err, sarama.ErrNoError) && b.Offset >= 0 {
+		if b != nil && errors.Is(b.Err, sarama.ErrNoError) && b.Offset >= 0 && b.Metadata != startMetadata(gen) {
 			return true
 		}
 	}
 	return false
+}
+
+// startMetadata is the metadata of the start markStarts commits for a
+// partition in generation gen; an ack's mark replaces it with none.
+func startMetadata(gen int32) string {
+	return "once/kafka: StartNewest start, generation " + strconv.FormatInt(int64(gen), 10)
 }
 
 // fetchCommitted asks the group's coordinator for the group's committed

@@ -316,3 +316,130 @@ func ackOneAndClose(t *testing.T, c *cluster, a *Source, topic string) {
 	require.NoError(t, got.Ack(context.Background()))
 	require.NoError(t, a.Close())
 }
+
+// With StartNewest, a group new to a topic starts every partition at its
+// end, also when its first members set up their claims at once: each
+// member's Setup marks and commits the start of its own partitions, and a
+// member whose Setup asked for the group's committed offsets after another
+// member had committed its starts took its own partitions for partitions
+// added to a topic the group already reads, and read them from their first
+// record: the records StartNewest leaves behind, handled. Here the second
+// member's question waits for the first member's commit, as a member
+// slower by a few milliseconds would.
+func TestStartNewestGroupWhoseMembersStartTogetherStartsAtTheEnd(t *testing.T) {
+	c := newCluster(t)
+	topic, group := uniq("orders"), uniq("g")
+	c.createTopic(topic, 2)
+	c.produce(msg(topic, 0, "old"), msg(topic, 1, "old"))
+
+	// Both members in the group's first generation that sets up claims:
+	// the first member's first SyncGroup waits until the second has
+	// joined, and the group rebalances again with both.
+	joinedBoth := func() bool {
+		g := c.kf.GroupInfo(group)
+		return g != nil && g.State == "PreparingRebalance" && len(g.Members) == 2
+	}
+	startsCommitted := func(n int) func() bool {
+		return func() bool {
+			g := c.kf.GroupInfo(group)
+			if g == nil {
+				return false
+			}
+			k := 0
+			for _, cm := range g.Commits[topic] {
+				if cm.Offset >= 0 {
+					k++
+				}
+			}
+			return k >= n
+		}
+	}
+	waitFor := func(cond func() bool) {
+		tick := time.NewTicker(10 * time.Millisecond)
+		defer tick.Stop()
+		for !cond() {
+			select {
+			case <-tick.C:
+			case <-t.Context().Done():
+				return
+			}
+		}
+	}
+	var synced atomic.Bool
+	c.kf.ControlKey(kmsg.SyncGroup.Int16(), func(kmsg.Request) (kmsg.Response, error, bool) {
+		if synced.CompareAndSwap(false, true) {
+			c.kf.SleepControl(func() { waitFor(joinedBoth) })
+		} else {
+			c.kf.KeepControl()
+		}
+		return nil, nil, false
+	})
+	// The second question for the committed offsets of the topic's two
+	// partitions (a Setup's) waits until the first member committed its
+	// start.
+	var asked atomic.Int32
+	c.kf.ControlKey(kmsg.OffsetFetch.Int16(), func(req kmsg.Request) (kmsg.Response, error, bool) {
+		c.kf.KeepControl()
+		if offsetFetchPartitions(req.(*kmsg.OffsetFetchRequest), topic) < 2 || asked.Add(1) != 2 {
+			return nil, nil, false
+		}
+		c.kf.SleepControl(func() { waitFor(startsCommitted(1)) })
+		return nil, nil, false
+	})
+
+	cfg := c.config(group, topic)
+	cfg.InitialOffset = StartNewest
+	// The first member joins again at once after its refused SyncGroup,
+	// within its session.
+	cfg.Sarama.Consumer.Group.Rebalance.Retry.Backoff = 50 * time.Millisecond
+	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+	defer cancel()
+	got := make(chan *delivery, 8)
+	// Both opened before either joins the group (at its first Receive),
+	// so that the first waits for the second only for a moment.
+	for _, src := range []*Source{c.open(cfg), c.open(cfg)} {
+		go func() {
+			for {
+				d, err := src.Receive(ctx)
+				if err != nil {
+					return
+				}
+				got <- d.(*delivery)
+			}
+		}()
+	}
+	// Both starts committed: the group holds both partitions.
+	waitFor(startsCommitted(2))
+	require.Equal(t, int32(2), asked.Load(), "both members asked for the committed offsets in their Setup")
+
+	c.produce(msg(topic, 0, "new"), msg(topic, 1, "new"))
+	for range 2 {
+		select {
+		case d := <-got:
+			require.Equal(t, "new", string(d.Message().Value),
+				"a record produced before the group started was handled (partition %d, offset %d)", d.Message().Partition, d.Message().Offset)
+			require.NoError(t, d.Ack(ctx))
+		case <-ctx.Done():
+			t.Fatal("the records produced after the group started were not received")
+		}
+	}
+}
+
+// offsetFetchPartitions returns how many partitions of topic req asks
+// about.
+func offsetFetchPartitions(req *kmsg.OffsetFetchRequest, topic string) int {
+	n := 0
+	for _, rt := range req.Topics {
+		if rt.Topic == topic {
+			n += len(rt.Partitions)
+		}
+	}
+	for _, g := range req.Groups {
+		for _, rt := range g.Topics {
+			if rt.Topic == topic {
+				n += len(rt.Partitions)
+			}
+		}
+	}
+	return n
+}
