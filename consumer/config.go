@@ -293,7 +293,10 @@ type BatchConfig struct {
 	// or transaction_timeout (PostgreSQL 17) that ends it is charged to
 	// no message; the batch is halved until its runs fit, and only a
 	// message whose handler alone runs past the limit is charged. Set
-	// those limits above Size times a handler's time, or lower Size.
+	// those limits above Size times a handler's time, or lower Size. A
+	// batch that fails for memory (53200: among others, the shared lock
+	// table, which the locks of all its handlers may overflow together)
+	// is halved too, charged to no message.
 	// Defaults to 100; 1 gives one transaction per message.
 	Size int
 	// Linger is how long to wait for a batch to fill once its first
@@ -311,7 +314,7 @@ type RetryPolicy struct {
 	// 5; 1 means no retry.
 	MaxAttempts int
 	// InitialBackoff is the wait before the second attempt. Defaults to
-	// 200ms.
+	// 200ms, or to MaxBackoff when that is set and shorter.
 	InitialBackoff time.Duration
 	// MaxBackoff caps the wait between attempts. Defaults to 10s, or to
 	// InitialBackoff when that is longer (the wait then never grows). Set
@@ -340,7 +343,8 @@ type RetryPolicy struct {
 // broker unreachable), which go on until they succeed or the consumer stops:
 // such a message is never dead-lettered. Config.InfraBackoff.
 type Backoff struct {
-	// Initial is the first wait. Defaults to 100ms.
+	// Initial is the first wait. Defaults to 100ms, or to Max when that is
+	// set and shorter.
 	Initial time.Duration
 	// Max caps the wait. Defaults to 5s, or to Initial when that is longer
 	// (the wait then never grows). Set both, and Initial may not exceed it.
@@ -470,9 +474,9 @@ func (c Config) withDefaults() (Config, error) {
 	}
 	setDefault(&c.Batch.Size, 100)
 	setDefault(&c.Retry.MaxAttempts, 5)
-	setDefault(&c.Retry.InitialBackoff, 200*time.Millisecond)
+	setDefault(&c.Retry.InitialBackoff, capped(200*time.Millisecond, c.Retry.MaxBackoff))
 	setDefault(&c.Retry.MaxBackoff, 10*time.Second)
-	setDefault(&c.InfraBackoff.Initial, 100*time.Millisecond)
+	setDefault(&c.InfraBackoff.Initial, capped(100*time.Millisecond, c.InfraBackoff.Max))
 	setDefault(&c.InfraBackoff.Max, 5*time.Second)
 	setDefault(&c.CrashGuard.MaxCrashes, 3)
 	setDefault(&c.ShutdownTimeout, 10*time.Second)
@@ -569,6 +573,16 @@ func (c *Config) fitPool(pool interface{ Config() *pgxpool.Config }) {
 		c.Telemetry.Logger.Warn("once: Concurrency exceeds the pool's MaxConns; the extra transactions wait for a connection",
 			"consumer", c.Name, "concurrency", c.Concurrency, "max_conns", maxConns)
 	}
+}
+
+// capped is def, a first wait's default, or limit, a cap the service set
+// alone, when that is shorter: the backoff's limit is the greater of its
+// first wait and its cap, so a default above the cap would lift it.
+func capped(def, limit time.Duration) time.Duration {
+	if limit > 0 {
+		return min(def, limit)
+	}
+	return def
 }
 
 func setDefault[T int | time.Duration](v *T, def T) {

@@ -33,8 +33,9 @@ func Permanent(err error) error {
 // PermanentError is the error Permanent returns.
 type PermanentError struct{ Err error }
 
-// Error returns "permanent: " and the wrapped error's message.
-func (e *PermanentError) Error() string { return "permanent: " + e.Err.Error() }
+// Error returns "permanent: " and the wrapped error's message ("permanent
+// failure" when Err is nil, as Permanent(nil) says).
+func (e *PermanentError) Error() string { return "permanent: " + errText(e.Err, "permanent failure") }
 
 // Unwrap returns the wrapped error, for errors.Is and errors.As.
 func (e *PermanentError) Unwrap() error { return e.Err }
@@ -58,7 +59,7 @@ type RetryAfterError struct {
 
 // Error names the delay and the wrapped error's message.
 func (e *RetryAfterError) Error() string {
-	return fmt.Sprintf("retry after %s: %s", e.Delay, e.Err.Error())
+	return fmt.Sprintf("retry after %s: %s", e.Delay, errText(e.Err, "retry requested"))
 }
 
 // Unwrap returns the wrapped error, for errors.Is and errors.As.
@@ -79,8 +80,20 @@ func (e *PanicError) Error() string { return fmt.Sprintf("handler panicked: %v",
 // need not return it: any decoder error is treated as one.
 type DecodeError struct{ Err error }
 
-// Error returns "decode: " and the wrapped error's message.
-func (e *DecodeError) Error() string { return "decode: " + e.Err.Error() }
+// Error returns "decode: " and the wrapped error's message ("decode
+// failed" when Err is nil).
+func (e *DecodeError) Error() string { return "decode: " + errText(e.Err, "decode failed") }
 
 // Unwrap returns the wrapped error, for errors.Is and errors.As.
 func (e *DecodeError) Unwrap() error { return e.Err }
+
+// errText is err's message, or none when err is nil: an outcome error a
+// handler built itself may wrap nothing, and the consumer reads its
+// message outside the handler's recover (the dead letter's), where a panic
+// would end the process.
+func errText(err error, none string) string {
+	if err == nil {
+		return none
+	}
+	return err.Error()
+}

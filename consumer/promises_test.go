@@ -132,6 +132,38 @@ func TestDeterministicHandlerErrorsAreDeadLettered(t *testing.T) {
 			}
 			return nil
 		}, ""},
+		// A context the handler canceled itself, under one of its
+		// statements, closes the connection as its deadline does: an
+		// errgroup whose other call failed cancels the group's context,
+		// and the handler returns that other call's error. That was taken
+		// for a connection lost under the handler, retried as
+		// infrastructure and, after two runs alone, dead-lettered as a
+		// crash loop (the error it returned nowhere in the dead letter),
+		// not as the retry policy says.
+		"own cancel, another call's error returned": {func(ctx context.Context, tx pgx.Tx) error {
+			gctx, cancel := context.WithCancel(ctx)
+			defer cancel()
+			sibling := time.AfterFunc(20*time.Millisecond, cancel) // the other call of the group fails
+			defer sibling.Stop()
+			if _, err := tx.Exec(gctx, `SELECT pg_sleep(5)`); err != nil {
+				return errors.New("the payment service refused the order")
+			}
+			return nil
+		}, ""},
+		"own cancel while reading rows": {func(ctx context.Context, tx pgx.Tx) error {
+			gctx, cancel := context.WithCancel(ctx)
+			defer cancel()
+			sibling := time.AfterFunc(20*time.Millisecond, cancel)
+			defer sibling.Stop()
+			rows, err := tx.Query(gctx, `SELECT pg_sleep(5)`)
+			if err != nil {
+				return errors.New("the payment service refused the order")
+			}
+			for rows.Next() {
+			}
+			rows.Close()
+			return errors.New("the payment service refused the order")
+		}, ""},
 		"own deadline, error swallowed": {func(ctx context.Context, tx pgx.Tx) error {
 			qctx, cancel := context.WithTimeout(ctx, 20*time.Millisecond)
 			defer cancel()

@@ -108,6 +108,11 @@ type queueTx struct {
 	// on its own queries (see cutByOwnDeadline).
 	handlerDeadline time.Time
 	deadlines       []context.Context
+	// handlerDone is the Done channel of the handler's own context, and
+	// canceledByHandler says that a statement failed once a context of
+	// the handler's, not that one, was canceled under it (see sawCut).
+	handlerDone       <-chan struct{}
+	canceledByHandler bool
 	// ended: a handler called Commit or Rollback on this Tx, which were
 	// refused (ErrTxOwnedByConsumer).
 	ended bool
@@ -187,6 +192,20 @@ func (t *queueTx) cutByOwnDeadline() bool {
 		}
 	}
 	return false
+}
+
+// sawCut notes the end of a statement sent under ctx, or of reading its
+// results, with err: when ctx was canceled by then, and is not the
+// context the consumer gave the handler (whose end the consumer knows
+// of), the handler canceled it under the statement (a group of calls
+// canceled when another failed), and pgx closed the connection for it:
+// the handler's doing, like a deadline of its own (cutByOwnDeadline). A
+// context canceled only after its statements ended (a deferred cancel)
+// leaves no mark.
+func (t *queueTx) sawCut(ctx context.Context, err error) {
+	if err != nil && ctx.Err() != nil && ctx.Done() != t.handlerDone {
+		t.canceledByHandler = true
+	}
 }
 
 // queueFailure is a queued statement's failure, charged to its owner (-1:
@@ -330,6 +349,7 @@ func (c *checkedTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.C
 		return pgconn.CommandTag{}, err
 	}
 	ct, err := c.Tx.Exec(ctx, sql, args...)
+	c.q.sawCut(ctx, err)
 	c.q.rolledBack = err == nil && ct.String() == "ROLLBACK"
 	c.q.checkEnd(ctx)
 	return ct, err
@@ -340,7 +360,9 @@ func (c *checkedTx) Query(ctx context.Context, sql string, args ...any) (pgx.Row
 		return errRows{err}, err
 	}
 	c.q.rolledBack = false
-	return c.Tx.Query(ctx, sql, args...)
+	rows, err := c.Tx.Query(ctx, sql, args...)
+	c.q.sawCut(ctx, err)
+	return &cutRows{Rows: rows, q: c.q, ctx: ctx}, err
 }
 
 func (c *checkedTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
@@ -348,7 +370,7 @@ func (c *checkedTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.R
 		return errRows{err}
 	}
 	c.q.rolledBack = false
-	return c.Tx.QueryRow(ctx, sql, args...)
+	return cutRow{row: c.Tx.QueryRow(ctx, sql, args...), q: c.q, ctx: ctx}
 }
 
 func (c *checkedTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
@@ -363,7 +385,7 @@ func (c *checkedTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResult
 		return errBatchResults{err}
 	}
 	c.q.rolledBack = false
-	return c.Tx.SendBatch(ctx, b)
+	return &cutBatchResults{BatchResults: c.Tx.SendBatch(ctx, b), q: c.q, ctx: ctx}
 }
 
 func (c *checkedTx) CopyFrom(ctx context.Context, table pgx.Identifier, cols []string, src pgx.CopyFromSource) (int64, error) {
@@ -371,7 +393,9 @@ func (c *checkedTx) CopyFrom(ctx context.Context, table pgx.Identifier, cols []s
 		return 0, err
 	}
 	c.q.rolledBack = false
-	return c.Tx.CopyFrom(ctx, table, cols, src)
+	n, err := c.Tx.CopyFrom(ctx, table, cols, src)
+	c.q.sawCut(ctx, err)
+	return n, err
 }
 
 func (c *checkedTx) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
@@ -379,7 +403,9 @@ func (c *checkedTx) Prepare(ctx context.Context, name, sql string) (*pgconn.Stat
 		return nil, err
 	}
 	c.q.rolledBack = false
-	return c.Tx.Prepare(ctx, name, sql)
+	sd, err := c.Tx.Prepare(ctx, name, sql)
+	c.q.sawCut(ctx, err)
+	return sd, err
 }
 
 // Begin begins a savepoint, whose statements are checked as c's are.
@@ -427,6 +453,68 @@ func (t *queueTx) endedBySQL(ctx context.Context) error {
 // transaction after the handler ended it with a statement of its own.
 var errTxEndedBySQL = errors.New("once: refused: a statement sent by the handler (COMMIT, END, ROLLBACK, ABORT) ended the consumer's transaction; " +
 	"the consumer commits after the handler returns (return an error to roll back)")
+
+// cutRows, cutRow and cutBatchResults are the results of the handler's
+// statements, read under ctx: a failure met while reading them is noted
+// by sawCut.
+type cutRows struct {
+	pgx.Rows
+	q   *queueTx
+	ctx context.Context
+}
+
+func (r *cutRows) Next() bool {
+	if r.Rows.Next() {
+		return true
+	}
+	r.q.sawCut(r.ctx, r.Rows.Err())
+	return false
+}
+
+func (r *cutRows) Close() {
+	r.Rows.Close()
+	r.q.sawCut(r.ctx, r.Rows.Err())
+}
+
+type cutRow struct {
+	row pgx.Row
+	q   *queueTx
+	ctx context.Context
+}
+
+func (r cutRow) Scan(dest ...any) error {
+	err := r.row.Scan(dest...)
+	r.q.sawCut(r.ctx, err)
+	return err
+}
+
+type cutBatchResults struct {
+	pgx.BatchResults
+	q   *queueTx
+	ctx context.Context
+}
+
+func (b *cutBatchResults) Exec() (pgconn.CommandTag, error) {
+	ct, err := b.BatchResults.Exec()
+	b.q.sawCut(b.ctx, err)
+	return ct, err
+}
+
+func (b *cutBatchResults) Query() (pgx.Rows, error) {
+	rows, err := b.BatchResults.Query()
+	b.q.sawCut(b.ctx, err)
+	return &cutRows{Rows: rows, q: b.q, ctx: b.ctx}, err
+}
+
+func (b *cutBatchResults) QueryRow() pgx.Row {
+	return cutRow{row: b.BatchResults.QueryRow(), q: b.q, ctx: b.ctx}
+}
+
+func (b *cutBatchResults) Close() error {
+	err := b.BatchResults.Close()
+	b.q.sawCut(b.ctx, err)
+	return err
+}
 
 // errRows is the pgx.Rows and pgx.Row of a refused query.
 type errRows struct{ err error }

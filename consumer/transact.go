@@ -489,7 +489,8 @@ func (p *pipeline) runBatchHandler(ctx context.Context, tx pgx.Tx, jobs []*job, 
 // returned nil after the timeout cut one of its statements: pgx then
 // closed tx's connection, and the transaction is lost to the handler's
 // timeout, not to the database. The same holds for a deadline the handler
-// put on one of its own statements, whatever it made of that error.
+// put on one of its own statements, or a context of its own it canceled
+// under one (sawCut), whatever it made of that error.
 //
 // The call is in the watchdog's list as c (name, and m and eventID for a
 // call on one message, else messages), to be logged if it ignores its
@@ -523,6 +524,7 @@ func (p *pipeline) callHandler(ctx context.Context, tx *queueTx, c *userCall, na
 		defer p.watch.end(c)
 	}
 	tx.handlerDeadline, _ = hctx.Deadline()
+	tx.handlerDone, tx.canceledByHandler = hctx.Done(), false
 	start := time.Now()
 	defer func() {
 		if r := recover(); r != nil {
@@ -543,11 +545,11 @@ func (p *pipeline) callHandler(ctx context.Context, tx *queueTx, c *userCall, na
 			case tx.Conn().IsClosed():
 				err = &timeoutError{limit: p.cfg.HandlerTimeout, err: hctx.Err(), lockedBy: p.cutInLockWait(c, tx, nil)}
 			}
-		case !isPanic(err) && tx.cutByOwnDeadline() && tx.Conn().IsClosed():
+		case !isPanic(err) && (tx.cutByOwnDeadline() || tx.canceledByHandler) && tx.Conn().IsClosed():
 			if err == nil {
 				err = errors.New("the handler returned nil")
 			}
-			err = &ownDeadlineError{err: err}
+			err = &ownDeadlineError{err: err, canceled: !tx.cutByOwnDeadline()}
 		case !isPanic(err) && sqlState(err) == queryCanceled:
 			if by := p.watch.lockedBy(c); len(by) > 0 {
 				err = &canceledInLockWaitError{err: err, lockedBy: by}
@@ -598,11 +600,18 @@ func (e *timeoutError) Error() string {
 func (e *timeoutError) Unwrap() error { return e.err }
 
 // ownDeadlineError is a handler's failure after a deadline it put on one of
-// its own statements cut that statement, closing the transaction's
-// connection: the handler's doing, whatever error it returned.
-type ownDeadlineError struct{ err error }
+// its own statements cut that statement, or a context of its own was
+// canceled under it (canceled), closing the transaction's connection: the
+// handler's doing, whatever error it returned.
+type ownDeadlineError struct {
+	err      error
+	canceled bool
+}
 
 func (e *ownDeadlineError) Error() string {
+	if e.canceled {
+		return fmt.Sprintf("a context the handler canceled under one of its statements closed the transaction's connection: %v", e.err)
+	}
 	return fmt.Sprintf("a deadline the handler put on one of its statements passed, closing the transaction's connection: %v", e.err)
 }
 func (e *ownDeadlineError) Unwrap() error { return e.err }
@@ -622,6 +631,13 @@ func (p *pipeline) handlerFailure(ctx context.Context, tx pgx.Tx, jobs []*job, i
 	}
 	class := p.classify(ctx, tx, err)
 	switch {
+	case class == ClassInfrastructure && len(jobs) > 1 && sqlState(err) == outOfMemory:
+		// What the run's transaction holds until it ends (the locks of
+		// every handler, in a lock table the whole server shares) may
+		// not fit together, though each message's fits alone: tried as
+		// it is, the run would fail the same way for ever. Halved, it
+		// finds runs that fit, charging no message.
+		return txResult{outcome: txUnpinned, err: err, failed: -1, class: class}
 	case class == ClassInfrastructure:
 		p.dropStalePlans(ctx, tx, err)
 		return txResult{outcome: txInfra, err: err, failed: -1, class: class}
@@ -636,6 +652,11 @@ func (p *pipeline) handlerFailure(ctx context.Context, tx pgx.Tx, jobs []*job, i
 	}
 	return txResult{outcome: txFailed, failed: i, err: err, class: class}
 }
+
+// outOfMemory is the SQLSTATE of "out of memory" and of "out of shared
+// memory": among others, a lock table (max_locks_per_transaction ×
+// max_connections) or a predicate lock table full.
+const outOfMemory = "53200"
 
 // dropStalePlans closes tx's connection when err is a cached plan that a
 // schema change made stale (staleCachedPlan), so that the pool destroys it

@@ -497,12 +497,17 @@ func txEnded(tx pgx.Tx) bool {
 // committed.
 func (m *Middleware) notCommitted(w http.ResponseWriter, r *http.Request, rec *recorder, err error) {
 	status := rec.finalStatus()
+	// An aborted transaction says so at the next statement (25P02: the
+	// storing of a keyed response), or at the COMMIT itself, which pgx
+	// answers with ErrTxCommitRollback (a request without a key under
+	// Optional, where nothing of the middleware's runs before it).
+	aborted := isAborted(err) || errors.Is(err, pgx.ErrTxCommitRollback)
 	switch {
-	case isAborted(err) && status >= 400:
+	case aborted && status >= 400:
 		// The handler's statement failed and it answered with an error:
 		// nothing committed, and that is what its answer says.
 		send(w, rec.header, status, rec.body.Bytes())
-	case isAborted(err) || errors.Is(err, pgx.ErrTxCommitRollback):
+	case aborted:
 		m.cfg.Logger.Error("idempotency: the handler answered success after a statement of its transaction failed; rolled back",
 			"path", r.URL.Path, "status", status)
 		problem(w, http.StatusInternalServerError, "Transaction aborted",

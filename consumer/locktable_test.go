@@ -1,0 +1,63 @@
+package consumer_test
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/consumer/memsource"
+	"github.com/onceco/once/internal/pgtest"
+)
+
+// A transaction's locks (on relations, advisory locks) are held until it
+// ends, in PostgreSQL's shared lock table, which holds about
+// max_locks_per_transaction × max_connections of them: past that, the
+// statement that asks for one more fails with "out of shared memory"
+// (53200, with a hint to raise max_locks_per_transaction). A batch
+// holds the locks of all its handlers at once, so a batch whose messages
+// each fit the table alone (a handler that locks its tenant's tables, or
+// an advisory lock per account) may overflow it together. The failure is
+// infrastructure, rightly charged to no message, but the same batch was
+// tried again as it was, without end: its stream stood still. It is
+// halved instead, as for a transaction that ran out of time, until its
+// runs fit.
+func TestLockTableOverflowedByABatchIsHalvedNotRetriedForEver(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	ctx := context.Background()
+	var slots int
+	require.NoError(t, pool.QueryRow(ctx, `SELECT current_setting('max_locks_per_transaction')::int *
+		(current_setting('max_connections')::int + current_setting('max_prepared_transactions')::int)`).Scan(&slots))
+	const messages = 16
+	perMessage := 4 * slots / messages // the batch needs four times the table; each message a quarter of it
+	b := memsource.New(memsource.Options{Streams: 1})
+	want := map[string]int{}
+	for i := range messages {
+		publish(b, fmt.Sprintf("e%d", i), i)
+		want[fmt.Sprintf("e%d", i)] = 1
+	}
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		first := int64(ev.Payload.N * perMessage)
+		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(k) FROM generate_series($1::bigint, $2::bigint) k`,
+			first, first+int64(perMessage)-1); err != nil {
+			return err
+		}
+		return insertEffect(ctx, tx, ev)
+	}
+	cfg := fastConfig("lock-table")
+	cfg.Retry.MaxAttempts = 1
+	cfg.Batch.Linger = time.Second // one batch of all of them
+	c, err := consumer.New(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == messages }, 20*time.Second, 5*time.Millisecond,
+		"the batch overflows the lock table every time it is tried as it is")
+	assert.Empty(t, deadLetterKinds(b), "no message is charged")
+	assert.Equal(t, want, countEffects(t, pool))
+}
