@@ -52,24 +52,7 @@ func TestOffsetsInDatabasePositionOutOfRangeIsAnError(t *testing.T) {
 // committed offset's (checkStart) ran without OffsetsInDatabase only. It
 // is logged at level Error and counted, as without the option.
 func TestOffsetsInDatabaseCommittedOffsetOutOfRangeIsAnError(t *testing.T) {
-	c := newCluster(t)
-	topic, group := uniq("orders"), uniq("g")
-	c.createTopic(topic, 1)
-	c.produceHashed(events(topic, "e", 0, 2))
-	src := c.open(c.config(group, topic)) // offsets in Kafka only
-	for range 2 {
-		require.NoError(t, receive(t, src).Ack(t.Context()))
-	}
-	require.NoError(t, src.Close())
-	require.Equal(t, map[int32]int64{0: 2}, c.committed(group, topic, 1))
-
-	// Records 2 and 3 are deleted before the group reads them.
-	c.produceHashed(events(topic, "e", 2, 3))
-	c.deleteRecordsBefore(topic, 0, 4)
-
-	db, _ := pgtest.Schema(t)
-	_, err := db.Exec(context.Background(), effectsTable)
-	require.NoError(t, err)
+	c, topic, group, db := committedBelowDeletedRecords(t)
 	cfg, logs, reader := observed(t, c.dbOffsetsConfig(group, topic))
 	runToEnd(t, c, db, cfg, consumerConfig("svc"), 1)
 	assert.Equal(t, map[string]int{"e-4": 1}, effectCounts(t, db), "the deleted records are lost")
@@ -343,27 +326,10 @@ func positionBeforeDeletedRecords(t *testing.T) (*cluster, *pgxpool.Pool, string
 // ones, as they no longer are without OffsetsInDatabase nor for a position
 // the table records.
 func TestOffsetsInDatabaseStartNewestCommittedOffsetOutOfRangeReadsWhatIsLeft(t *testing.T) {
-	c := newCluster(t)
-	topic, group := uniq("orders"), uniq("g")
-	c.createTopic(topic, 1)
-	c.produceHashed(events(topic, "e", 0, 2))
-	src := c.open(c.config(group, topic)) // offsets in Kafka only
-	for range 2 {
-		require.NoError(t, receive(t, src).Ack(t.Context()))
-	}
-	require.NoError(t, src.Close())
-	require.Equal(t, map[int32]int64{0: 2}, c.committed(group, topic, 1))
-
-	// Records 2 and 3 are deleted before the group reads them; 4 is left.
-	c.produceHashed(events(topic, "e", 2, 3))
-	c.deleteRecordsBefore(topic, 0, 4)
-
-	db, _ := pgtest.Schema(t)
-	_, err := db.Exec(context.Background(), effectsTable)
-	require.NoError(t, err)
+	c, topic, group, db := committedBelowDeletedRecords(t)
 	cfg, logs, reader := observed(t, c.dbOffsetsConfig(group, topic))
 	cfg.InitialOffset = StartNewest
-	src, err = Open(t.Context(), cfg)
+	src, err := Open(t.Context(), cfg)
 	require.NoError(t, err)
 	r := startConsumer(t, db, src, consumerConfig("svc"), recordEffect)
 	defer func() { require.NoError(t, r.stop()) }()
@@ -379,4 +345,28 @@ func TestOffsetsInDatabaseStartNewestCommittedOffsetOutOfRangeReadsWhatIsLeft(t 
 		assert.Contains(t, errs[0], " "+attr)
 	}
 	assert.Equal(t, map[string]int64{topic + "/0": 2}, outOfRangeOf(t, reader), "the deleted records are counted")
+}
+
+// committedBelowDeletedRecords returns a cluster whose topic's partition 0
+// holds records e-0 to e-4, of which group acked e-0 and e-1 with offsets
+// in Kafka alone (committed offset 2) before e-2 and e-3 were deleted
+// (e-4 is left), and a database with the effects table.
+func committedBelowDeletedRecords(t *testing.T) (c *cluster, topic, group string, db *pgxpool.Pool) {
+	t.Helper()
+	c = newCluster(t)
+	topic, group = uniq("orders"), uniq("g")
+	c.createTopic(topic, 1)
+	c.produceHashed(events(topic, "e", 0, 2))
+	src := c.open(c.config(group, topic)) // offsets in Kafka only
+	for range 2 {
+		require.NoError(t, receive(t, src).Ack(t.Context()))
+	}
+	require.NoError(t, src.Close())
+	require.Equal(t, map[int32]int64{0: 2}, c.committed(group, topic, 1))
+	c.produceHashed(events(topic, "e", 2, 3))
+	c.deleteRecordsBefore(topic, 0, 4)
+	db, _ = pgtest.Schema(t)
+	_, err := db.Exec(context.Background(), effectsTable)
+	require.NoError(t, err)
+	return c, topic, group, db
 }
