@@ -98,7 +98,12 @@ type Config struct {
 	// Concurrency bounds how many transactions (a message, or a batch of
 	// one stream's messages) run at once, across all streams. Messages of
 	// one stream (a Kafka partition) are always handled one after another.
-	// Each running transaction holds one connection of the pool, so
+	// A stream's message waiting between two tries (its retry's backoff, a
+	// RetryAfter, an infrastructure failure's backoff, a dead-letter
+	// destination that is down) runs no transaction and takes none of
+	// them: the other streams go on meanwhile. (Unordered messages are
+	// handled by Concurrency workers, and one that waits keeps its
+	// worker.) Each running transaction holds one connection of the pool, so
 	// Concurrency defaults to the pool's MaxConns (pgxpool's own default is
 	// the greater of 4 and the number of CPUs; set pool_max_conns to run
 	// more). A Concurrency above MaxConns is accepted, with a warning: the

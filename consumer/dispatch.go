@@ -293,7 +293,7 @@ type orderedRun struct {
 // enter makes c the current assignment if it is a new one.
 func (w *orderedRun) enter(c context.Context) {
 	if c != w.assignment {
-		w.assignment, w.window, w.s = c, w.d.p.cfg.Batch.Size, &settler{p: w.d.p}
+		w.assignment, w.window, w.s = c, w.d.p.cfg.Batch.Size, &settler{p: w.d.p, ordered: true}
 	}
 }
 

@@ -41,7 +41,7 @@ func (p *pipeline) run(ctx context.Context, s *settler, jobs []*job) {
 			s.abandonAll(jobs)
 			return
 		case txInfra:
-			if !p.waitInfra(ctx, &infra, r.err, len(jobs)) {
+			if !p.waitInfra(ctx, s, &infra, r.err, len(jobs)) {
 				s.abandonAll(jobs)
 				return
 			}
@@ -58,7 +58,7 @@ func (p *pipeline) run(ctx context.Context, s *settler, jobs []*job) {
 			}
 			lostOnce = lostOnce || r.lost
 		case txUnpinned:
-			if !p.waitAsked(ctx, jobs, r.err) {
+			if !p.waitAsked(ctx, s, jobs, r.err) {
 				s.abandonAll(jobs)
 				return
 			}
@@ -123,7 +123,7 @@ func (p *pipeline) runAlone(ctx context.Context, s *settler, j *job, failed *txR
 			}
 			return
 		case txInfra:
-			if !p.waitInfra(ctx, &infra, r.err, 1) {
+			if !p.waitInfra(ctx, s, &infra, r.err, 1) {
 				s.abandon(j)
 				return
 			}
@@ -160,7 +160,7 @@ func (p *pipeline) retryOrGiveUp(ctx context.Context, s *settler, j *job, r txRe
 	p.cfg.Telemetry.Logger.DebugContext(j.ctx, "once: handler failed; retrying", "consumer", p.cfg.Name, "event_id", j.idt.id,
 		"attempt", j.runs, "error", r.err, "backoff", wait)
 	p.retrying(j.ctx, Retry{Reason: RetryHandler, EventID: j.idt.id, Messages: 1, Err: r.err, Wait: wait})
-	if !p.sleep(ctx, wait) {
+	if !p.pause(ctx, s, wait) {
 		s.abandon(j)
 		return false
 	}
@@ -174,7 +174,7 @@ func (p *pipeline) retryOrGiveUp(ctx context.Context, s *settler, j *job, r txRe
 // typically for a dependency that limits its callers, which halving at
 // once would call again about 2·log2(len(jobs)) times in a row. It reports
 // false when the consumer stops first; any other error needs no wait.
-func (p *pipeline) waitAsked(ctx context.Context, jobs []*job, err error) bool {
+func (p *pipeline) waitAsked(ctx context.Context, s *settler, jobs []*job, err error) bool {
 	var ra *RetryAfterError
 	if !errors.As(err, &ra) {
 		return true
@@ -182,7 +182,7 @@ func (p *pipeline) waitAsked(ctx context.Context, jobs []*job, err error) bool {
 	p.cfg.Telemetry.Logger.DebugContext(ctx, "once: batch handler asked to retry later; waiting before halving the batch",
 		"consumer", p.cfg.Name, "messages", len(jobs), "error", err, "backoff", ra.Delay)
 	p.retrying(ctx, Retry{Reason: RetryHandler, Messages: len(jobs), Err: err, Wait: ra.Delay})
-	if !p.sleep(ctx, ra.Delay) {
+	if !p.pause(ctx, s, ra.Delay) {
 		return false
 	}
 	p.stats.retries.Add(1)
@@ -213,7 +213,7 @@ func (p *pipeline) mustStop(ctx context.Context, s *settler) bool {
 
 // waitInfra counts an infrastructure failure and waits before the retry;
 // it reports false when the consumer stops first.
-func (p *pipeline) waitInfra(ctx context.Context, r *infraRetrier, err error, messages int) bool {
+func (p *pipeline) waitInfra(ctx context.Context, s *settler, r *infraRetrier, err error, messages int) bool {
 	p.stats.infraErrors.Add(1)
 	if p.sourcePanicked(ctx, &r.panics, err) {
 		return false
@@ -223,7 +223,7 @@ func (p *pipeline) waitInfra(ctx context.Context, r *infraRetrier, err error, me
 	d := r.Delay()
 	p.logInfra(ctx, "", err, d, "messages", messages)
 	p.retrying(ctx, Retry{Reason: RetryInfrastructure, Messages: messages, Err: err, Wait: d})
-	if !p.sleep(ctx, d) {
+	if !p.pause(ctx, s, d) {
 		return false
 	}
 	p.stats.retries.Add(1)
@@ -239,6 +239,15 @@ func (p *pipeline) waitInfra(ctx context.Context, r *infraRetrier, err error, me
 // waiting says, for OnRetry, which messages wait for f (EventID,
 // Messages).
 func (p *pipeline) infra(ctx context.Context, what string, waiting Retry, f func() error) error {
+	return p.infraFor(ctx, nil, what, waiting, f)
+}
+
+// infraFor is infra for a step that settles s's messages (a dead letter's
+// write): between its tries, an ordered stream's worker leaves its slot
+// (pause), as between the attempts of a transaction. The other callers
+// keep theirs: one may hold the crash guard's isolation, which a worker
+// that took the slot meanwhile would wait for.
+func (p *pipeline) infraFor(ctx context.Context, s *settler, what string, waiting Retry, f func() error) error {
 	r := backoff.Retrier{Policy: p.infraPolicy()}
 	panics := 0
 	for {
@@ -259,7 +268,7 @@ func (p *pipeline) infra(ctx context.Context, what string, waiting Retry, f func
 		p.logInfra(ctx, what, err, d)
 		p.retrying(ctx, Retry{Reason: RetryInfrastructure, EventID: waiting.EventID, Messages: waiting.Messages,
 			Err: fmt.Errorf("%s: %w", what, err), Wait: d})
-		if !p.sleep(ctx, d) {
+		if !p.pause(ctx, s, d) {
 			if ctx.Err() != nil {
 				return ctx.Err()
 			}
@@ -329,6 +338,24 @@ func (p *pipeline) sleep(ctx context.Context, d time.Duration) bool {
 	case <-t.C:
 		return !p.stopping.Load()
 	}
+}
+
+// pause is sleep for a wait between two attempts of s's messages (s nil:
+// of none). An ordered stream's worker leaves its transaction slot to the
+// other streams meanwhile: it runs no transaction while it waits, and with
+// the slot held, one stream's message waiting for its retry (a RetryAfter
+// of an hour) stopped every other stream once Concurrency of them waited.
+// It takes a slot again before it returns, d elapsed or not, as its
+// caller gives one back. An unordered batch keeps its slot: it may wait,
+// holding it, for a twin's batch (twins.go), which could then not get its
+// own slot back.
+func (p *pipeline) pause(ctx context.Context, s *settler, d time.Duration) bool {
+	if s == nil || !s.ordered || d <= 0 {
+		return p.sleep(ctx, d)
+	}
+	<-p.sem // the slot the caller took (takeSlot)
+	defer p.takeSlot()
+	return p.sleep(ctx, d)
 }
 
 func (p *pipeline) infraPolicy() backoff.Policy {

@@ -24,6 +24,9 @@ type settler struct {
 	p *pipeline
 	// abandoned: a message of this run was abandoned; every later one is.
 	abandoned bool
+	// ordered: s serves a stream's run, whose worker leaves its
+	// transaction slot while it waits between attempts (pipeline.pause).
+	ordered bool
 	// claimed counts the messages whose ids were claimed as new and
 	// committed.
 	claimed int
@@ -170,7 +173,7 @@ func (s *settler) deadLetter(ctx context.Context, j *job, dl *DeadLetter) {
 	dl.Consumer, dl.EventID, dl.EventType = p.cfg.Name, j.idt.id, j.idt.typ
 	dl.FailedAt = time.Now()
 	dl.TraceParent = p.tel.traceParent(ctx)
-	if err := p.infra(ctx, "writing a dead letter (the message stays unacked)", Retry{EventID: j.idt.id, Messages: 1}, func() error {
+	if err := p.infraFor(ctx, s, "writing a dead letter (the message stays unacked)", Retry{EventID: j.idt.id, Messages: 1}, func() error {
 		return p.watchedSourceCall(&j.watch, "Delivery.DeadLetter", j.m, j.idt.id, 1, func() error { return j.d.DeadLetter(ctx, dl) })
 	}); err != nil {
 		s.abandon(j)
