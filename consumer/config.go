@@ -121,7 +121,10 @@ type Config struct {
 	// 2 × Concurrency × Batch.Size, at least 256: enough for every worker
 	// to find a full batch waiting when it finishes one. It counts
 	// messages, not bytes: the memory it holds is about ReceiveBuffer times
-	// the message size, so lower it for large messages.
+	// the message size, so lower it for large messages. A source that
+	// bounds each stream by itself (StreamBounder: the Kafka adapter's
+	// MaxPendingPerPartition) is not bound by it, so that a stream stuck
+	// with a backlog does not take it all and stop the others.
 	ReceiveBuffer int
 	// Batch says how many messages share a transaction.
 	Batch BatchConfig

@@ -20,7 +20,10 @@ type dispatcher struct {
 	// lanes is touched only by the receiving goroutine.
 	lanes map[string]*lane
 	// budget holds a token for each delivery waiting in a lane: receiving
-	// blocks while Config.ReceiveBuffer deliveries wait.
+	// blocks while Config.ReceiveBuffer deliveries wait. nil when the
+	// source bounds each stream by itself (StreamBounder): a stream stuck
+	// with its backlog would otherwise take it all and block receiving
+	// for every other stream.
 	budget    chan struct{}
 	unordered chan received
 	// batcher forms the unordered deliveries into batches (batcher.go).
@@ -38,9 +41,11 @@ type contextProbe struct{}
 
 func newDispatcher(p *pipeline, work context.Context) *dispatcher {
 	d := &dispatcher{p: p, work: work, lanes: map[string]*lane{},
-		budget:    make(chan struct{}, p.cfg.ReceiveBuffer),
 		unordered: make(chan received, p.cfg.ReceiveBuffer),
 		retired:   make(chan struct{}, 1)}
+	if !p.streamsBounded {
+		d.budget = make(chan struct{}, p.cfg.ReceiveBuffer)
+	}
 	d.batcher = newBatcher(d)
 	d.wg.Add(1)
 	go func() {
@@ -167,10 +172,12 @@ func (d *dispatcher) dispatch(ctx context.Context, dv received) bool {
 			return false
 		}
 	}
-	select {
-	case d.budget <- struct{}{}:
-	case <-ctx.Done():
-		return false
+	if d.budget != nil {
+		select {
+		case d.budget <- struct{}{}:
+		case <-ctx.Done():
+			return false
+		}
 	}
 	for !d.lane(stream).push(dv) {
 		// The lane retired (its assignment ended) between our look and
@@ -327,6 +334,9 @@ func (d *dispatcher) lookAhead(l *lane, assignment context.Context) <-chan *batc
 
 // release returns the budget of n deliveries taken from a lane.
 func (d *dispatcher) release(n int) {
+	if d.budget == nil {
+		return
+	}
 	for range n {
 		<-d.budget
 	}

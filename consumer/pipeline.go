@@ -85,6 +85,9 @@ type pipeline struct {
 	sessionEnd time.Duration
 	// identifyCall names the user functions identifying a message calls.
 	identifyCall string
+	// streamsBounded: the source bounds each stream's deliveries by
+	// itself (StreamBounder), and ReceiveBuffer does not.
+	streamsBounded bool
 }
 
 func newPipeline(pool *pgxpool.Pool, src Source, cfg Config, prep preparer) (*pipeline, error) {
@@ -107,6 +110,10 @@ func newPipeline(pool *pgxpool.Pool, src Source, cfg Config, prep preparer) (*pi
 	if err != nil {
 		return nil, err
 	}
+	streamsBounded, err := boundsStreams(src)
+	if err != nil {
+		return nil, err
+	}
 	tel, err := newTelemetry(&cfg, system, group)
 	if err != nil {
 		return nil, fmt.Errorf("once: telemetry: %w", err)
@@ -114,6 +121,7 @@ func newPipeline(pool *pgxpool.Pool, src Source, cfg Config, prep preparer) (*pi
 	p := &pipeline{cfg: cfg, pool: pool, src: src, prepare: prep, tel: tel,
 		sem: make(chan struct{}, cfg.Concurrency), stopped: make(chan struct{}), twins: newTwins(), work: context.Background()}
 	p.sha256Fingerprint = defaultFingerprint
+	p.streamsBounded = streamsBounded
 	p.watchPrepare = watchPrepare
 	switch {
 	case cfg.Envelope != nil && cfg.Identify.EventID != nil:
@@ -142,6 +150,15 @@ func sourceNames(src Source) (system, group string, err error) {
 		err = sourceCall("ConsumerGroup", func() error { group = g.ConsumerGroup(); return nil })
 	}
 	return system, group, err
+}
+
+// boundsStreams asks src whether it bounds its streams (StreamBounder);
+// a panic in it is an error wrapping ErrSourceBroken.
+func boundsStreams(src Source) (bounded bool, err error) {
+	if b, ok := src.(StreamBounder); ok {
+		err = sourceCall("BoundsStreams", func() error { bounded = b.BoundsStreams(); return nil })
+	}
+	return bounded, err
 }
 
 func (p *pipeline) consume(ctx context.Context) error {

@@ -160,6 +160,23 @@ type SystemNamer interface {
 	MessagingSystem() string
 }
 
+// StreamBounder is implemented by sources that bound by themselves, for
+// each stream, the deliveries they have handed out and that are not
+// settled yet, as the Kafka adapter bounds each partition's
+// (MaxPendingPerPartition). The consumer then queues their streams'
+// deliveries without Config.ReceiveBuffer's bound: with it, one stream
+// stuck behind a message (a handler that does not return, a retry far
+// away, a dead-letter destination that refuses the copy) filled the
+// buffer with its backlog, and receiving, which the source's streams
+// share, stopped for all the others. The consumer finds it by type
+// assertion and asks it once, in New; a panic in it makes New fail with
+// an error wrapping ErrSourceBroken.
+type StreamBounder interface {
+	// BoundsStreams reports whether the source bounds each stream's
+	// unsettled deliveries.
+	BoundsStreams() bool
+}
+
 // ErrSourceBroken is wrapped by the error Run returns when its Source
 // broke the contract: Receive returned a nil delivery with a nil error, or
 // a delivery whose Message or Context is nil or whose Context cannot be

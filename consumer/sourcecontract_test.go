@@ -511,13 +511,21 @@ func (s panickyNamesSource) ConsumerGroup() string {
 	return "group"
 }
 
+func (s panickyNamesSource) BoundsStreams() bool {
+	if s.panics == "BoundsStreams" {
+		panic("bound bug")
+	}
+	return false
+}
+
 // A panic in a custom Source's telemetry names (SystemNamer, GroupNamer),
-// which New asks for, makes New return an error wrapping ErrSourceBroken.
+// or in whether it bounds its streams (StreamBounder), which New asks
+// for, makes New return an error wrapping ErrSourceBroken.
 // It crashed the caller of New.
 func TestSourceNamePanicFailsNew(t *testing.T) {
 	pool, _ := pgtest.Schema(t)
 	b := memsource.New(memsource.Options{})
-	for _, method := range []string{"MessagingSystem", "ConsumerGroup"} {
+	for _, method := range []string{"MessagingSystem", "ConsumerGroup", "BoundsStreams"} {
 		t.Run(method, func(t *testing.T) {
 			var err error
 			require.NotPanics(t, func() {

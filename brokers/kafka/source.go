@@ -112,9 +112,17 @@ type Source struct {
 }
 
 var (
-	_ consumer.Source      = (*Source)(nil)
-	_ consumer.SystemNamer = (*Source)(nil)
+	_ consumer.Source        = (*Source)(nil)
+	_ consumer.SystemNamer   = (*Source)(nil)
+	_ consumer.StreamBounder = (*Source)(nil)
 )
+
+// BoundsStreams implements consumer.StreamBounder: each partition stops
+// handing records out at Config.MaxPendingPerPartition unsettled ones, so
+// the consumer's Config.ReceiveBuffer, shared by every partition, does
+// not bound them too. With it, a partition stuck at a record with a
+// backlog behind it filled the buffer and stopped the other partitions.
+func (s *Source) BoundsStreams() bool { return true }
 
 // Open validates cfg, connects the consumer-group client and the
 // dead-letter producer to the cluster and checks that every dead-letter
