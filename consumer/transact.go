@@ -530,6 +530,7 @@ func (p *pipeline) callHandler(ctx context.Context, tx *queueTx, c *userCall, na
 		if r := recover(); r != nil {
 			err = &PanicError{Value: r, Stack: string(debug.Stack())}
 		}
+		err = readableError(err)
 		p.tel.since(ctx, p.tel.handlerDur, start)
 		switch {
 		case ctx.Err() != nil:
@@ -557,6 +558,24 @@ func (p *pipeline) callHandler(ctx context.Context, tx *queueTx, c *userCall, na
 		}
 	}()
 	return run(hctx)
+}
+
+// readableError returns err, or, when its Error method panics (a user's
+// error type formatting a nil field), the handler's panic in its place:
+// the consumer reads the message of the handler's error outside the
+// handler's recover, to classify, log and dead-letter it, and such an
+// error crashed the process there, on every delivery of the message.
+func readableError(err error) (readable error) {
+	if err == nil {
+		return nil
+	}
+	defer func() {
+		if r := recover(); r != nil {
+			readable = &PanicError{Value: fmt.Sprintf("the Error method of the handler's error (%T) panicked: %v", err, r), Stack: string(debug.Stack())}
+		}
+	}()
+	_ = err.Error()
+	return err
 }
 
 // queryCanceled is the SQLSTATE of a statement the server canceled: past

@@ -1,0 +1,81 @@
+package consumer_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/consumer/memsource"
+	"github.com/onceco/once/internal/pgtest"
+)
+
+// brokenError is a user's error type whose Error method panics (a nil
+// field it formats, say).
+type brokenError struct{ detail *string }
+
+func (e *brokenError) Error() string { return "refused: " + *e.detail }
+
+// An error the handler returns is read (its Error method) to classify,
+// log and dead-letter it, outside the handler's recover: an error type
+// whose Error panicked crashed the process, every stream with it, and the
+// message crashed each process after until the crash guard gave up on it.
+// Such an error is the handler's panic: dead-lettered with kind panic,
+// the neighbours handled.
+func TestHandlerErrorWhoseErrorMethodPanicsIsAPanic(t *testing.T) {
+	for _, batch := range []bool{false, true} {
+		name := map[bool]string{false: "handler", true: "batch handler"}[batch]
+		t.Run(name, func(t *testing.T) {
+			pool, _ := pgtest.Schema(t)
+			effects(t, pool)
+			b := memsource.New(memsource.Options{Streams: 1})
+			publish(b, "broken", 1)
+			publish(b, "fine", 2)
+			cfg := fastConfig("broken-error")
+			var c *consumer.Consumer[order]
+			if batch {
+				h := func(ctx context.Context, tx pgx.Tx, evs []consumer.Event[order]) error {
+					for _, ev := range evs {
+						if ev.ID == "broken" {
+							return &brokenError{}
+						}
+					}
+					for _, ev := range evs {
+						if err := insertEffect(ctx, tx, ev); err != nil {
+							return err
+						}
+					}
+					return nil
+				}
+				var err error
+				c, err = consumer.NewBatch(pool, b.Source(), h, cfg)
+				require.NoError(t, err)
+			} else {
+				h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+					if ev.ID == "broken" {
+						return &brokenError{}
+					}
+					return insertEffect(ctx, tx, ev)
+				}
+				var err error
+				c, err = consumer.New(pool, b.Source(), h, cfg)
+				require.NoError(t, err)
+			}
+			ctx, cancel := context.WithCancel(context.Background())
+			done := make(chan error, 1)
+			go func() { done <- c.Run(ctx) }()
+			waitCtx, stopWaiting := context.WithTimeout(ctx, 20*time.Second)
+			defer stopWaiting()
+			require.NoError(t, b.WaitEachAcked(waitCtx, 2))
+			cancel()
+			require.NoError(t, <-done)
+			assert.Equal(t, map[string]string{"broken": string(consumer.KindPanic)}, deadLetterKinds(b))
+			assert.Contains(t, deadLetterOf(t, b, "broken").Headers[consumer.HeaderErrorMessage], "the Error method of the handler's error")
+			requireEffectsOnce(t, pool, 1)
+		})
+	}
+}
