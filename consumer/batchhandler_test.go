@@ -310,3 +310,71 @@ func TestBatchHandlerEndingItsTransactionLosesNoEvent(t *testing.T) {
 	require.Eventually(t, func() bool { return b.Acked() == 6 }, 10*time.Second, 5*time.Millisecond)
 	requireEffectsOnce(t, pool, 6)
 }
+
+// A BatchHandler that ends its transaction with a ROLLBACK of its own
+// midway left nothing of its batch durable, its claims included: what it
+// then wrote through tx, or queued, went through at once, outside any
+// transaction, and the batch ran again for it (halved to find the failing
+// event), so those events' effects were written twice; after a ROLLBACK
+// AND CHAIN, or ROLLBACK; BEGIN, the consumer committed the transaction the
+// handler opened, and acked the events it had rolled back as handled, their
+// effects lost. Its statements after the ROLLBACK are refused, as a
+// Handler's are, what it queued is not sent, and the transaction is not
+// committed: every other event has its effect once, and the event whose
+// run ends the transaction is dead-lettered.
+func TestBatchHandlerRollingBackItsTransactionDoublesNoEffect(t *testing.T) {
+	for _, tc := range []struct {
+		rollback string
+		// queued: the writes after the ROLLBACK are queued; queuedRollback:
+		// the ROLLBACK is too.
+		queued, queuedRollback bool
+	}{
+		{"ROLLBACK", false, false}, {"ROLLBACK", true, false}, {"ROLLBACK", true, true},
+		{"ROLLBACK AND CHAIN", false, false}, {"ROLLBACK; BEGIN", false, false},
+	} {
+		rollback, queued, queuedRollback := tc.rollback, tc.queued, tc.queuedRollback
+		t.Run(fmt.Sprintf("%s/queued=%v/queuedRollback=%v", rollback, queued, queuedRollback), func(t *testing.T) {
+			pool, _ := pgtest.Schema(t)
+			effects(t, pool)
+			b := memsource.New(memsource.Options{Streams: 1})
+			for i := range 6 {
+				publishKeyed(b, "k", fmt.Sprintf("e%d", i), i)
+			}
+			h := func(ctx context.Context, tx pgx.Tx, evs []consumer.Event[order]) error {
+				rolledBack := false
+				for _, ev := range evs {
+					if queued && rolledBack {
+						ev.Queue(`INSERT INTO effects (event_id, n) VALUES ($1, $2)`, ev.ID, ev.Payload.N)
+						continue
+					}
+					if err := insertEffect(ctx, tx, ev); err != nil {
+						return err
+					}
+					switch {
+					case ev.ID == "e2" && queuedRollback:
+						ev.Queue(rollback)
+						rolledBack = true
+					case ev.ID == "e2":
+						if _, err := tx.Exec(ctx, rollback); err != nil {
+							return err
+						}
+						rolledBack = true
+					}
+				}
+				return nil
+			}
+			cfg := fastConfig("batch-handler-rolls-back")
+			cfg.Batch.Linger = time.Second // one batch of all six
+			c, err := consumer.NewBatch(pool, b.Source(), h, cfg)
+			require.NoError(t, err)
+			stop := start(t, c)
+			wctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			require.NoError(t, b.WaitAcked(wctx, 6))
+			require.NoError(t, stop())
+			assert.Equal(t, map[string]int{"e0": 1, "e1": 1, "e3": 1, "e4": 1, "e5": 1}, countEffects(t, pool),
+				"every other event has its effect once")
+			assert.Equal(t, map[string]string{"e2": string(consumer.KindHandler)}, deadLetterKinds(b))
+		})
+	}
+}

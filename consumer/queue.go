@@ -133,6 +133,12 @@ type queueTx struct {
 	// closedBy is the index of the job whose statement, sent through t or
 	// queued, ended the transaction; nil while it has not.
 	closedBy *int
+	// batchAborted: a BatchHandler's statement, sent through t or queued,
+	// ended the transaction rolled back (ROLLBACK, ABORT, also AND CHAIN
+	// or followed by a BEGIN), leaving none of its events' claims: nothing
+	// more is sent, and the transaction is not committed. (After its
+	// COMMIT, which made the claims durable, what it sends goes on.)
+	batchAborted bool
 	// sending is the watchdog's entry for a send of the queued statements
 	// after the handlers (flushQueued).
 	sending userCall
@@ -167,7 +173,7 @@ func (t *queueTx) broken() error {
 	switch {
 	case t.ended:
 		return ErrTxOwnedByConsumer
-	case t.closedBy != nil:
+	case t.closedBy != nil, t.batchAborted:
 		return pgx.ErrTxClosed
 	}
 	return brokenByHandler(t.Tx)
@@ -227,14 +233,15 @@ func newQueueTx(tx pgx.Tx) *queueTx {
 // alone, after those before it, and watched: once it ended the
 // transaction, the statements queued after it are not sent (they would
 // run outside any transaction, committed at once), and it is charged to
-// the job that queued it (closedBy).
+// the job that queued it (closedBy). After a BatchHandler's ROLLBACK
+// nothing is sent (batchAborted).
 func (t *queueTx) flush(ctx context.Context) *queueFailure {
-	for t.failed == nil && t.closedBy == nil && len(t.pending.QueuedQueries) > 0 {
+	for t.failed == nil && !t.sendsNoMore() && len(t.pending.QueuedQueries) > 0 {
 		b, owners := t.pending, t.owners
 		t.pending, t.owners = pgx.Batch{}, nil
 		n := len(b.QueuedQueries)
 		for i, qq := range b.QueuedQueries {
-			if owners[i] >= 0 && mayEndTx(qq.SQL) {
+			if mayEndTx(qq.SQL) {
 				n = max(i, 1)
 				break
 			}
@@ -251,10 +258,17 @@ func (t *queueTx) flush(ctx context.Context) *queueFailure {
 		t.send(ctx, &b, owners)
 		t.checkEnd(ctx)
 	}
-	if t.closedBy != nil {
+	if t.sendsNoMore() {
 		t.pending, t.owners = pgx.Batch{}, nil
 	}
 	return t.failed
+}
+
+// sendsNoMore reports whether nothing more may be sent on the
+// transaction: a handler's statement ended it (closedBy), or a
+// BatchHandler's rolled it back (batchAborted).
+func (t *queueTx) sendsNoMore() bool {
+	return t.closedBy != nil || t.batchAborted
 }
 
 // send sends b, whose i-th statement owners[i] queued, and records the
@@ -428,11 +442,16 @@ func (c *checkedTx) Begin(ctx context.Context) (pgx.Tx, error) {
 // opened (closedBy). Nothing more is then sent through t: a statement
 // would run in a transaction of its own, committed at once, or in one that
 // holds none of the claims the consumer's COMMIT is for. A BatchHandler's
-// statements are not refused: its events' claims are all made durable by
-// its COMMIT, so what it writes after it, committed at once, is what keeps
-// those events' effects.
+// statements after a COMMIT are not refused: its events' claims are all
+// made durable by it, so what it writes after it, committed at once, is
+// what keeps those events' effects. After its ROLLBACK they are
+// (batchAborted).
 func (t *queueTx) endedBySQL(ctx context.Context) error {
 	if t.owner < 0 {
+		t.checkEnd(ctx)
+		if t.batchAborted {
+			return errTxEndedBySQL
+		}
 		return nil
 	}
 	t.checkEnd(ctx)

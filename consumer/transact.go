@@ -226,7 +226,7 @@ func (p *pipeline) begin(ctx context.Context, conn *pgxpool.Conn, b *pgx.Batch) 
 // xid is the transaction's id, when it was read (see transaction).
 func (p *pipeline) runHandlers(ctx context.Context, tx pgx.Tx, jobs []*job, res []dedup.Result, xid int64) (txResult, bool) {
 	if p.batchCall != nil && len(jobs) > 1 {
-		return p.runBatchHandler(ctx, tx, jobs, res)
+		return p.runBatchHandler(ctx, tx, jobs, res, xid)
 	}
 	qtx := newQueueTx(tx)
 	qtx.xid, qtx.xidStatus = xid, p.askXIDStatus
@@ -325,10 +325,7 @@ func (p *pipeline) xidStatus(ctx context.Context, xid int64) (*string, error) {
 // jobs[i] ended with a statement of its own (rolledBack: a ROLLBACK, which
 // left nothing committed): it takes back the claims of the jobs after it
 // (releaseClaims), and reports whether the jobs before it are known to be
-// committed. That is known when the transaction's id was read (xid: for
-// jobs deduplicated by their position, which have no claim row to find
-// when they run again); their progress, which the consumer writes just
-// before its own COMMIT, is then recorded in a transaction of its own. It
+// committed (doneByHandlerCommit, which records their progress). It
 // returns an error when the consumer stops first, or when the source's
 // partition was taken over (dedup.ErrFenced).
 func (p *pipeline) handlerEnded(ctx context.Context, tx pgx.Tx, jobs []*job, res []dedup.Result, i int, xid int64, rolledBack bool) (bool, error) {
@@ -340,7 +337,20 @@ func (p *pipeline) handlerEnded(ctx context.Context, tx pgx.Tx, jobs []*job, res
 	if err := p.releaseClaims(ctx, tx, jobs[i+1:], res[i+1:]); err != nil {
 		return false, err
 	}
-	if xid == 0 || i == 0 || !anyByPosition(jobs[:i]) {
+	return p.doneByHandlerCommit(ctx, tx, jobs[:i], res[:i], xid)
+}
+
+// doneByHandlerCommit reports whether done, jobs whose effects a handler's
+// statement (sent through tx, whose connection it left out of any
+// transaction) made durable if it committed their transaction, are known
+// to be committed: when some are deduplicated by their position, whose
+// claims have no row to find when they run again, and the transaction's
+// id (xid) committed. Their progress, which the consumer writes just
+// before its own COMMIT, is then recorded in a transaction of its own. It
+// returns an error when the consumer stops first, or when the source's
+// partition was taken over (dedup.ErrFenced).
+func (p *pipeline) doneByHandlerCommit(ctx context.Context, tx pgx.Tx, done []*job, res []dedup.Result, xid int64) (bool, error) {
+	if xid == 0 || len(done) == 0 || !anyByPosition(done) {
 		return false, nil
 	}
 	ctx, cancel := p.detached(ctx)
@@ -351,7 +361,7 @@ func (p *pipeline) handlerEnded(ctx context.Context, tx pgx.Tx, jobs []*job, res
 	if conn != nil && conn.QueryRow(ctx, `SELECT txid_status($1)`, xid).Scan(&status) == nil {
 		committed = status != nil && *status == "committed"
 	} else {
-		committed = p.committedAfterAll(ctx, xid, i)
+		committed = p.committedAfterAll(ctx, xid, len(done))
 	}
 	if !committed {
 		return false, nil
@@ -360,8 +370,8 @@ func (p *pipeline) handlerEnded(ctx context.Context, tx pgx.Tx, jobs []*job, res
 	if !ok {
 		return true, nil
 	}
-	dvs := make([]Delivery, 0, i)
-	for k, j := range jobs[:i] {
+	dvs := make([]Delivery, 0, len(done))
+	for k, j := range done {
 		if res[k].Outcome == dedup.Conflict && p.cfg.Identify.OnConflict == DeadLetterConflicts {
 			continue // done once dead-lettered
 		}
@@ -381,7 +391,7 @@ func (p *pipeline) handlerEnded(ctx context.Context, tx pgx.Tx, jobs []*job, res
 		}
 	}
 	var fenced error
-	err := p.infra(ctx, "recording the progress of messages a handler's own COMMIT committed", Retry{Messages: i}, func() error {
+	err := p.infra(ctx, "recording the progress of messages a handler's own COMMIT committed", Retry{Messages: len(done)}, func() error {
 		err := record(p.pool)
 		if errors.Is(err, dedup.ErrFenced) {
 			fenced = err
@@ -449,8 +459,9 @@ func (p *pipeline) brokenFailure(ctx context.Context, tx pgx.Tx, qtx *queueTx, j
 	return txResult{}, false
 }
 
-// runBatchHandler calls the BatchHandler once with the claimed jobs.
-func (p *pipeline) runBatchHandler(ctx context.Context, tx pgx.Tx, jobs []*job, res []dedup.Result) (txResult, bool) {
+// runBatchHandler calls the BatchHandler once with the claimed jobs. xid
+// is the transaction's id, when it was read (see transaction).
+func (p *pipeline) runBatchHandler(ctx context.Context, tx pgx.Tx, jobs []*job, res []dedup.Result, xid int64) (txResult, bool) {
 	claimed := make([]*job, 0, len(jobs))
 	for i, j := range jobs {
 		if res[i].Outcome == dedup.Claimed {
@@ -462,6 +473,7 @@ func (p *pipeline) runBatchHandler(ctx context.Context, tx pgx.Tx, jobs []*job, 
 	}
 	qtx := newQueueTx(tx)
 	qtx.owner = -1
+	qtx.xid, qtx.xidStatus = xid, p.askXIDStatus
 	var m *Message
 	var id string
 	if len(claimed) == 1 {
@@ -470,16 +482,44 @@ func (p *pipeline) runBatchHandler(ctx context.Context, tx pgx.Tx, jobs []*job, 
 	err := p.callHandler(ctx, qtx, new(userCall), batchHandlerCall, m, id, len(claimed), func(hctx context.Context) error {
 		return p.batchCall(hctx, qtx, claimed)
 	})
+	qtx.checkEnd(ctx)
 	if err == nil {
 		if f := p.flushQueued(ctx, qtx); f != nil {
 			err = f.err
 		}
+	}
+	if r, ended := p.batchCommittedByHandler(ctx, tx, jobs, res, xid); ended {
+		return r, true
 	}
 	if err != nil {
 		// A BatchHandler's error names no event.
 		return p.handlerFailure(ctx, tx, jobs, -1, err), true
 	}
 	return p.brokenFailure(ctx, tx, qtx, jobs)
+}
+
+// batchCommittedByHandler is the result, and true, when the BatchHandler
+// ended the batch's transaction with a COMMIT of its own (its connection is
+// out of any transaction) and that committed every job's claim and the
+// effects written before it, what it wrote after going through at once:
+// the jobs are then done, whatever it returned. That is known for a batch
+// with jobs deduplicated by their position, whose transaction's id was
+// read (xid), and must be: they have no claim row, so run again (the batch
+// halved for the failure) they would all be handled again, their effects
+// doubled. Their progress is recorded in a transaction of its own. The
+// jobs of any other batch are found as duplicates when they run again.
+func (p *pipeline) batchCommittedByHandler(ctx context.Context, tx pgx.Tx, jobs []*job, res []dedup.Result, xid int64) (txResult, bool) {
+	if xid == 0 || idleConn(tx) == nil {
+		return txResult{}, false
+	}
+	done, err := p.doneByHandlerCommit(ctx, tx, jobs, res, xid)
+	switch {
+	case err != nil:
+		return txResult{outcome: txAbandoned, err: err, failed: -1}, true
+	case done:
+		return txResult{outcome: txCommitted, claims: res, failed: -1}, true
+	}
+	return txResult{}, false
 }
 
 // callHandler runs a handler under Config.HandlerTimeout (unless it is

@@ -155,14 +155,16 @@ type endWatch struct {
 // watchEnd prepares for sending sql on behalf of the job at owner: when
 // sql may end the transaction (mayEndTx), it reads the transaction's id,
 // unless known, for checkEnd to tell, once the statement's results are
-// read, whether the transaction it was sent in ended. A BatchHandler's
-// statements are not watched (see endedBySQL).
+// read, whether the transaction it was sent in ended (owner < 0: a
+// BatchHandler's, for whether it ended rolled back; see endedBySQL: once
+// its connection is out of any transaction, after a COMMIT of its own,
+// there is none of the batch's left to end).
 func (t *queueTx) watchEnd(ctx context.Context, owner int, sql string) {
-	if owner < 0 || t.closedBy != nil || !mayEndTx(sql) {
+	if t.closedBy != nil || t.batchAborted || !mayEndTx(sql) {
 		return
 	}
 	c := t.Conn()
-	if c == nil || c.IsClosed() || c.PgConn().IsBusy() {
+	if c == nil || c.IsClosed() || c.PgConn().IsBusy() || owner < 0 && c.PgConn().TxStatus() == 'I' {
 		return
 	}
 	w := &endWatch{owner: owner, status: c.PgConn().TxStatus(), xid: t.xid}
@@ -210,7 +212,7 @@ func (t *queueTx) checkEnd(ctx context.Context) {
 		}
 		if err == nil && s != nil {
 			if *s != "in progress" {
-				t.closedBy, t.rolledBack = &w.owner, *s == "aborted"
+				t.endedBy(w.owner, *s == "aborted")
 			}
 			return
 		}
@@ -221,8 +223,20 @@ func (t *queueTx) checkEnd(ctx context.Context) {
 	// another.)
 	ended, rolledBack := status == 'I', w.status == 'E' || t.rolledBack
 	if ended {
-		t.closedBy, t.rolledBack = &w.owner, rolledBack
+		t.endedBy(w.owner, rolledBack)
 	}
+}
+
+// endedBy records that a statement of the job at owner (owner < 0: of the
+// BatchHandler) ended the transaction, rolledBack or committed. A
+// BatchHandler's COMMIT made all its events' claims durable, and what it
+// sends after it keeps their effects: only its ROLLBACK is recorded.
+func (t *queueTx) endedBy(owner int, rolledBack bool) {
+	if owner < 0 {
+		t.batchAborted = t.batchAborted || rolledBack
+		return
+	}
+	t.closedBy, t.rolledBack = &owner, rolledBack
 }
 
 // errNoStatus: the status of a transaction could not be asked.
