@@ -199,10 +199,14 @@ func TestBadInputCatalogue(t *testing.T) {
 			}
 			require.Eventually(t, func() bool { return effects()[goodID] == 1 }, 60*time.Second, 20*time.Millisecond,
 				"the good message after the bad one is handled")
+			// Both settled. Not "received twice": a group rebalance (a
+			// 10 MiB record under -race on a busy machine can outlast a
+			// session) delivers the acked-but-uncommitted ones again, and
+			// those are duplicates.
 			require.Eventually(t, func() bool {
 				s := stats()
-				return s.Received == 2 && s.Handled+s.DeadLettered == 2
-			}, 30*time.Second, 10*time.Millisecond, "both settled")
+				return s.Handled+s.DeadLettered == 2
+			}, 30*time.Second, 10*time.Millisecond, "both settled: %+v", stats())
 			cancel()
 			require.NoError(t, <-done, "Run ends cleanly: no panic, no fatal error")
 			assert.Equal(t, map[int32]int64{0: 2}, c.committed(group, topic, 1), "both records acked")
