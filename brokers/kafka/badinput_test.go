@@ -203,10 +203,13 @@ func TestBadInputCatalogue(t *testing.T) {
 			// 10 MiB record under -race on a busy machine can outlast a
 			// session) delivers the acked-but-uncommitted ones again, and
 			// those are duplicates.
-			require.Eventually(t, func() bool {
-				s := stats()
-				return s.Handled+s.DeadLettered == 2
-			}, 30*time.Second, 10*time.Millisecond, "both settled: %+v", stats())
+			var last consumer.Stats
+			if !assert.Eventually(t, func() bool {
+				last = stats()
+				return last.Handled+last.DeadLettered == 2
+			}, 30*time.Second, 10*time.Millisecond) {
+				t.Fatalf("both settled: stats %+v", last)
+			}
 			cancel()
 			require.NoError(t, <-done, "Run ends cleanly: no panic, no fatal error")
 			assert.Equal(t, map[int32]int64{0: 2}, c.committed(group, topic, 1), "both records acked")
