@@ -203,12 +203,11 @@ func TestBadInputCatalogue(t *testing.T) {
 			// 10 MiB record under -race on a busy machine can outlast a
 			// session) delivers the acked-but-uncommitted ones again, and
 			// those are duplicates.
-			var last consumer.Stats
 			if !assert.Eventually(t, func() bool {
-				last = stats()
-				return last.Handled+last.DeadLettered == 2
+				s := stats()
+				return s.Handled+s.DeadLettered == 2
 			}, 30*time.Second, 10*time.Millisecond) {
-				t.Fatalf("both settled: stats %+v", last)
+				t.Fatalf("both settled: stats %+v", stats())
 			}
 			cancel()
 			require.NoError(t, <-done, "Run ends cleanly: no panic, no fatal error")
