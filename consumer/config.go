@@ -380,6 +380,10 @@ type CrashGuardConfig struct {
 // minRetentionMaxAge is the shortest Retention.MaxAge New accepts.
 const minRetentionMaxAge = time.Second
 
+// minRetentionInterval is the shortest Retention.Interval New accepts, as
+// idempotency.Config's RetentionInterval.
+const minRetentionInterval = time.Millisecond
+
 // RetentionConfig deletes a consumer's processed-event rows once they are
 // old enough that no redelivery can need them. Config.Retention.
 type RetentionConfig struct {
@@ -393,7 +397,9 @@ type RetentionConfig struct {
 	// Defaults to 0: rows are kept. A positive MaxAge below one second
 	// (a unit mistake: 24 is 24 ns) is refused by New.
 	MaxAge time.Duration
-	// Interval is how often retention runs. Defaults to 1h.
+	// Interval is how often retention runs. Defaults to 1h. A positive
+	// Interval below a millisecond (a unit mistake: 60 is 60 ns) is
+	// refused by New.
 	Interval time.Duration
 	// DutyCycle is the share of its time a sweep may spend deleting: after
 	// each statement it waits so that deleting takes at most this share
@@ -557,6 +563,12 @@ func (c *Config) validate() error {
 		// A unit mistake (MaxAge: 24 is 24 ns): every sweep would delete
 		// the claims as they commit, and redeliveries would run again.
 		return fmt.Errorf("%w: Retention.MaxAge %v is below %v: the window must outlast the longest redelivery", ErrInvalidConfig, a, minRetentionMaxAge)
+	}
+	if i := c.Retention.Interval; i > 0 && i < minRetentionInterval {
+		// A unit mistake (Interval: 60 is 60 ns): the sweeps would run
+		// back to back, a statement after another on the database for
+		// as long as the consumer runs, DutyCycle pacing none of it.
+		return fmt.Errorf("%w: Retention.Interval %v is below %v (a time.Duration counts nanoseconds)", ErrInvalidConfig, i, minRetentionInterval)
 	}
 	// Written so that NaN, which fails every comparison, is refused too.
 	if d := c.Retention.DutyCycle; !(d >= 0 && d <= 1) {

@@ -405,6 +405,10 @@ func TestNewValidatesConfig(t *testing.T) {
 		// committed, and every redelivery was handled again.
 		"retention window in nanoseconds": {consumer.Config{Name: "x", Retention: consumer.RetentionConfig{MaxAge: 24}}, "Retention.MaxAge"},
 		"retention window under a second": {consumer.Config{Name: "x", Retention: consumer.RetentionConfig{MaxAge: time.Second - 1}}, "Retention.MaxAge"},
+		// An interval in nanoseconds (Interval: 60, meant as minutes)
+		// was accepted: the sweeps ran back to back, three statements
+		// each, on the database for as long as the consumer ran.
+		"retention interval in nanoseconds": {consumer.Config{Name: "x", Retention: consumer.RetentionConfig{MaxAge: time.Hour, Interval: 60}}, "Retention.Interval"},
 		// NaN fails every comparison: a range check written as "d < 0 ||
 		// d > 1" let it through, and every retention sweep then failed.
 		"duty cycle NaN": {consumer.Config{Name: "x", Retention: consumer.RetentionConfig{DutyCycle: math.NaN()}}, "Retention.DutyCycle"},
@@ -441,6 +445,8 @@ func TestNewValidatesConfig(t *testing.T) {
 	require.ErrorIs(t, err, consumer.ErrInvalidConfig, "a nil *memsource.Source")
 	_, err = consumer.New(pool, src, insertEffect, consumer.Config{Name: "x", Retention: consumer.RetentionConfig{MaxAge: time.Second}})
 	require.NoError(t, err, "a retention window of a second is accepted")
+	_, err = consumer.New(pool, src, insertEffect, consumer.Config{Name: "x", Retention: consumer.RetentionConfig{MaxAge: time.Hour, Interval: time.Millisecond}})
+	require.NoError(t, err, "a retention interval of a millisecond is accepted")
 }
 
 // A database that cannot be reached at the start is waited for (it may be

@@ -233,7 +233,9 @@ var attemptsColumns = pgshape.Cols(
 // Check verifies that the store's tables exist with the columns and types
 // it needs and a primary key or unique index on (consumer, event_id), and
 // that no other column would make its inserts fail (NOT NULL without a
-// default). It returns nil, or an error wrapping ErrSchemaMismatch that
+// default), that processed_at and last_seen, which the inserts leave out,
+// have a default, and that the columns the store may write NULL into
+// (fingerprint, partition, offset, last_error) take it. It returns nil, or an error wrapping ErrSchemaMismatch that
 // names every difference. Migrate runs it; a consumer whose schema is
 // managed by other tools (Config.SkipMigrate) runs it at start, so that a
 // table of another shape fails start-up instead of every claim.
@@ -294,6 +296,18 @@ func (s *Store) checkTable(ctx context.Context, db DB, table string, want []pgsh
 		return fmt.Errorf("%w: %s does not exist: run Store.Migrate, or apply dedup/migrations", ErrSchemaMismatch, table)
 	}
 	diffs := pgshape.Diffs(have, want, "the store")
+	defaulted, nullable := s.writes(table)
+	if h, ok := have[defaulted]; ok && !h.Default {
+		diffs = append(diffs, fmt.Sprintf("column %s has no default: the store's inserts leave it out for one (now()) to fill, "+
+			"and without it a row gets NULL there, which retention never deletes, or is refused", defaulted))
+	}
+	for _, col := range nullable {
+		if h, ok := have[col]; ok && h.NotNull {
+			diffs = append(diffs, fmt.Sprintf("column %s is NOT NULL, and the store writes NULL there "+
+				"(a claim without a fingerprint, partition or offset, as a RabbitMQ message's; a crash-guard record without a failure): "+
+				"those writes would be refused", col))
+		}
+	}
 	unique, err := hasUniqueKey(ctx, db, table, "consumer", "event_id")
 	if err != nil {
 		return fmt.Errorf("dedup: checking %s: %w", table, err)
@@ -325,6 +339,22 @@ func (s *Store) checkTable(ctx context.Context, db DB, table string, want []pgsh
 	}
 	return fmt.Errorf("%w: %s is not the table this library needs (another library's, or made by hand?): %s",
 		ErrSchemaMismatch, table, strings.Join(diffs, "; "))
+}
+
+// writes says what the store's inserts into table (its processed-events
+// or attempts table) need of two kinds of columns: defaulted, the column
+// they leave out for its default, now(), to fill (the age retention
+// reads: without a default a claim stores NULL there, which no cutoff
+// deletes and a duplicate's lookup cannot read, or, NOT NULL, every insert
+// is refused); and nullable, the columns they may write NULL into.
+func (s *Store) writes(table string) (defaulted string, nullable []string) {
+	switch table {
+	case s.names.Table:
+		return "processed_at", []string{"fingerprint", "offset", "partition"}
+	case s.names.Attempts:
+		return "last_seen", []string{"last_error"}
+	}
+	return "", nil
 }
 
 // hasUniqueKey reports whether table has a primary key or a unique index,

@@ -113,15 +113,20 @@ func New(cfg Config) (*Store, error) {
 		// batch ending amid equal timestamps loses none. The DELETE
 		// checks the conditions again: in a partitioned table each
 		// partition has rows of every ctid, and only the consumer's
-		// expired ones may go (another partition's row of the same ctid
-		// that is one goes with the batch: the bound may then pass rows
-		// left for the next sweep, which keeps them a while longer).
+		// expired ones may go. Another partition's row of the same ctid
+		// that is one goes with the batch, whatever its age: the next
+		// bound is therefore the newest of the rows the walk chose
+		// (doomed), not of those deleted, which would pass the expired
+		// rows between the two and end the sweep with most of them left
+		// (a table whose partitions hold rows of other ages at the same
+		// ctids, as a load in id order or space reused after VACUUM
+		// leaves them).
 		retentionSQL: `WITH doomed AS (
-	SELECT ctid FROM ` + table + ` WHERE consumer = $1 AND processed_at < $2 AND processed_at >= $4
+	SELECT ctid, processed_at FROM ` + table + ` WHERE consumer = $1 AND processed_at < $2 AND processed_at >= $4
 	ORDER BY processed_at LIMIT $3)
 , gone AS (DELETE FROM ` + table + ` WHERE ctid IN (SELECT ctid FROM doomed)
-	AND consumer = $1 AND processed_at < $2 AND processed_at >= $4 RETURNING processed_at)
-SELECT count(*), coalesce(max(processed_at), $4) FROM gone`,
+	AND consumer = $1 AND processed_at < $2 AND processed_at >= $4 RETURNING 1)
+SELECT (SELECT count(*) FROM gone), coalesce((SELECT max(processed_at) FROM doomed), $4)`,
 		// By key: a row the crash guard updates meanwhile is checked
 		// again, and kept. SKIP LOCKED passes over the record a consumer
 		// deletes inside a handler's transaction (with the message's
