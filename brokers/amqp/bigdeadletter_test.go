@@ -204,3 +204,39 @@ func TestDeadLetterCopyOfABodyOverMaxMessageSizeDropsIt(t *testing.T) {
 	require.NoError(t, err)
 	assert.Zero(t, ready)
 }
+
+// A message whose header table holds nearly as many entries as amqp091
+// reads in one table (8192) is delivered, but its copy adds the diagnostic
+// and once-original-* headers: the broker took a copy of more than 8192
+// entries, which no amqp091 client reads (it closes the connection with a
+// syntax error), so once dlq failed on it at every read, and on every copy
+// queued behind it. The copy is now written without the original headers,
+// and says so.
+func TestDeadLetterCopyOfTooManyHeadersForAClientDropsThem(t *testing.T) {
+	t.Parallel()
+	a := newAdmin(t)
+	q := queueName(t)
+	a.declare(q, amqp.QueueClassic)
+	h := amqp091.Table{}
+	for i := range 8190 {
+		h["h"+strconv.Itoa(i)] = nil
+	}
+	require.NoError(t, a.publish("", q, amqp091.Publishing{MessageId: "ev-1", Body: []byte(`{}`), Headers: h}))
+	src := openSource(t, amqp.Config{Queue: q})
+	d := receive(t, src)
+	require.Len(t, d.Message().Headers, 8190, "the original is read whole")
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	require.NoError(t, d.DeadLetter(ctx, &consumer.DeadLetter{Consumer: "many-headers", EventID: "ev-1",
+		Kind: consumer.KindHandler, Error: "boom", Attempts: 1, FailedAt: time.Now()}))
+	require.NoError(t, d.Ack(ctx))
+
+	dead, err := a.getAll(q + amqp.DeadLetterQueueSuffix)
+	require.NoError(t, err, "the copy cannot be read by an amqp091 client")
+	require.Len(t, dead, 1)
+	assert.LessOrEqual(t, len(dead[0].Headers), 8192)
+	got := amqp.HeaderStrings(dead[0].Headers)
+	assert.Equal(t, "ev-1", got[consumer.HeaderEventID])
+	assert.NotEmpty(t, got[amqp.HeaderOriginalDropped], "the copy says the original headers were dropped")
+	assert.Equal(t, []byte(`{}`), dead[0].Body)
+}

@@ -22,10 +22,11 @@ const (
 	HeaderDiagnosticsCut = "once-diagnostics-cut"
 	// HeaderOriginalDropped is set, to the size in bytes of the original
 	// header table, on a copy written without the original headers: they
-	// did not fit one frame beside the diagnostic headers, cut. The copy
-	// keeps the body, the properties and the diagnostic headers; the
-	// original message is acked once the copy is confirmed, so those
-	// headers are gone. It has the name and meaning of the Kafka adapter's
+	// did not fit one frame beside the diagnostic headers, cut, or they
+	// were, with those, more entries than amqp091 reads in one table
+	// (8192). The copy keeps the body, the properties and the diagnostic
+	// headers; the original message is acked once the copy is confirmed,
+	// so those headers are gone. It has the name and meaning of the Kafka adapter's
 	// header of the same name.
 	HeaderOriginalDropped = "once-original-dropped"
 	// HeaderValueDropped is set, to the body's size in bytes, on a copy
@@ -42,6 +43,12 @@ const (
 // (consumer.DeadLetter.Headers); an invalid event id or an unknown type is
 // not cut.
 const maxDiagnostic = 4096
+
+// maxHeaderEntries is the most entries amqp091 reads in one field table:
+// a copy whose header table holds more (an original near that many beside
+// the diagnostic headers) is taken by the broker, but closes the
+// connection of every amqp091 client that reads it, once dlq's too.
+const maxHeaderEntries = 8192
 
 // frameOverhead is what a frame adds to its payload: type, channel and
 // size before it, the end octet after.
@@ -74,15 +81,17 @@ type copyShape struct {
 	max      int
 }
 
-// copyShapes are tried in order until the copy's properties fit a frame:
-// the copy as it is; its diagnostic headers cut; the original headers
-// dropped; the diagnostic headers cut further (a frame_max near its 4096
-// byte minimum). The last is published whatever its size.
+// copyShapes are tried in order until the copy's properties fit a frame
+// and its headers a client's table: the copy as it is; its diagnostic
+// headers cut; the original headers dropped; the diagnostic headers cut
+// further (a frame_max near its 4096 byte minimum). The last is published
+// whatever its size.
 var copyShapes = []copyShape{{true, 0}, {true, maxDiagnostic}, {false, maxDiagnostic}, {false, 1024}, {false, 256}, {false, 64}}
 
 // publishing returns the copy to publish on a connection whose frames
 // carry at most frameMax bytes (0: no limit): the first of copyShapes
-// whose content header fits one frame.
+// whose content header fits one frame, with no more header entries than
+// a client reads.
 func (c *deadLetterCopy) publishing(frameMax int) amqp091.Publishing {
 	d := c.d
 	p := amqp091.Publishing{
@@ -116,7 +125,7 @@ func (c *deadLetterCopy) publishing(frameMax int) amqp091.Publishing {
 		if c.dropBody {
 			p.Headers[HeaderValueDropped] = strconv.Itoa(len(d.Body))
 		}
-		if frameMax <= 0 || headerFrameSize(&p) <= frameMax-frameOverhead {
+		if len(p.Headers) <= maxHeaderEntries && (frameMax <= 0 || headerFrameSize(&p) <= frameMax-frameOverhead) {
 			break
 		}
 	}

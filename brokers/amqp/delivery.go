@@ -172,11 +172,13 @@ func (d *delivery) Ack(ctx context.Context) error {
 // A copy whose properties would not fit one frame (the connection's
 // frame_max: a content header cannot be split) is shaped to fit first: its
 // diagnostic headers cut (HeaderDiagnosticsCut), then the original headers
-// dropped (HeaderOriginalDropped); the body is kept whole. A body the
-// broker refuses as larger than its max_message_size (lowered since the
-// message was published) is dropped, and the copy written again without
-// it (HeaderValueDropped): the body is then lost once the delivery is
-// acked.
+// dropped (HeaderOriginalDropped); the body is kept whole. The original
+// headers are dropped too when, with the copy's own, they would be more
+// entries than amqp091 reads in one table (8192): no amqp091 client, once
+// dlq included, could read the copy. A body the broker refuses as larger
+// than its max_message_size (lowered since the message was published) is
+// dropped, and the copy written again without it (HeaderValueDropped):
+// the body is then lost once the delivery is acked.
 //
 // It returns once the broker confirmed the copy, and an error when it
 // nacked it, the copy was unroutable, no confirm came within
@@ -233,7 +235,7 @@ func (d *delivery) DeadLetter(ctx context.Context, dl *consumer.DeadLetter) erro
 		return err
 	}
 	if c.shaped() {
-		d.src.log.Warn("amqp: dead-letter copy too large for a frame; written with its headers cut",
+		d.src.log.Warn("amqp: dead-letter copy too large for a frame, or with more headers than a client reads; written with its headers cut",
 			"event_id", cutText(dl.EventID, 256), "frame_max", c.frameMax,
 			"diagnostics_cut", strings.Join(c.cut, ","), "original_header_bytes_dropped", c.originalDropped)
 	}

@@ -573,7 +573,7 @@ type session struct {
 // connect makes one attempt to open a session: dial, open the consuming
 // channel, declare the topology, apply QoS and consume.
 func (s *Source) connect() (*session, error) {
-	conn, err := dial(&s.cfg, s.cfg.ConnectionName)
+	conn, err := dialConsuming(&s.cfg, s.cfg.ConnectionName)
 	if err != nil {
 		return nil, err
 	}
@@ -637,12 +637,32 @@ func (s *Source) connect() (*session, error) {
 }
 
 // dial opens a connection to the broker of cfg, named name in the
-// broker's connection list.
+// broker's connection list, with amqp091's default frame size (128 KiB,
+// RabbitMQ's default frame_max, or the broker's if lower): what the
+// dead-letter copies are shaped to, so that a client left at that default
+// (once dlq) reads them whatever the broker's frame_max.
 func dial(cfg *Config, name string) (*amqp091.Connection, error) {
+	return dialFrames(cfg, name, 0)
+}
+
+// dialConsuming opens the consuming connection. It takes the broker's
+// frame_max as its frame size: a content header frame is never split, so
+// a message whose properties a publisher fitted in a frame_max raised above
+// amqp091's default would be refused by a client capped at that default,
+// the connection closed, and the message delivered first again on every
+// new one, holding the queue.
+func dialConsuming(cfg *Config, name string) (*amqp091.Connection, error) {
+	return dialFrames(cfg, name, amqp091.FrameSizeUnlimited)
+}
+
+// dialFrames opens a connection named name with frameSize as amqp091's
+// Config.FrameSize.
+func dialFrames(cfg *Config, name string, frameSize int) (*amqp091.Connection, error) {
 	props := amqp091.NewConnectionProperties()
 	props.SetClientConnectionName(name)
 	conn, err := amqp091.DialConfig(cfg.URL, amqp091.Config{
 		Heartbeat: cfg.Heartbeat,
+		FrameSize: frameSize,
 		// A copy: amqp091 writes the URL's host into an empty
 		// ServerName of the config it is given, which would then name
 		// this broker for every other use of the caller's config.

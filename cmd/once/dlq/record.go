@@ -228,7 +228,7 @@ func (r *Record) Replayable(force bool) error {
 		// The original headers may hold what the exchange's other
 		// consumers identify the message by (an id header): they would
 		// take the redrive for a new event.
-		return fmt.Errorf("%w: the copy was written without its original headers (%s bytes, too large for a frame beside the diagnostics): "+
+		return fmt.Errorf("%w: the copy was written without its original headers (%s bytes: too large for a frame, or too many headers, beside the diagnostics): "+
 			"other consumers of the exchange could not deduplicate a redrive (force to replay anyway)",
 			ErrNotReplayable, r.Header(amqp.HeaderOriginalDropped))
 	case r.Header(kafka.HeaderValueDropped) != "":
