@@ -124,7 +124,11 @@ type Config struct {
 	// the message size, so lower it for large messages. A source that
 	// bounds each stream by itself (StreamBounder: the Kafka adapter's
 	// MaxPendingPerPartition) is not bound by it, so that a stream stuck
-	// with a backlog does not take it all and stop the others.
+	// with a backlog does not take it all and stop the others. At most
+	// 1,048,576 (2^20), which the default does not pass either: Run makes
+	// room for that many messages at its start, a few dozen bytes each
+	// whatever waits, so a larger value (math.MaxInt, meant as no bound)
+	// could not run.
 	ReceiveBuffer int
 	// Batch says how many messages share a transaction.
 	Batch BatchConfig
@@ -158,7 +162,9 @@ type Config struct {
 	// delivery, which the broker takes back after its consumer_timeout (30
 	// minutes by default), so Retry.MaxAttempts runs of it must fit well
 	// within that. -1 lifts the bound (the consumer's context alone ends the
-	// call); other negative values are refused with ErrInvalidConfig.
+	// call); other negative values, and positive ones below a millisecond
+	// (a unit mistake: 30 is 30 ns, and would cut every call before its
+	// first statement), are refused with ErrInvalidConfig.
 	//
 	// The other functions a service hands the consumer (the Hooks but
 	// Middleware, Decoder, Envelope, Identify.EventID and a custom
@@ -215,7 +221,9 @@ type Config struct {
 	// finds the claims committed, if the commit happened, and acks the
 	// messages as duplicates. Defaults to DefaultDatabaseTimeout (30
 	// seconds); NoDatabaseTimeout (-1) lifts the bound and the questions;
-	// other negative values are refused with ErrInvalidConfig.
+	// other negative values, and positive ones below a millisecond (a unit
+	// mistake: 30 is 30 ns, and would cut every step), are refused with
+	// ErrInvalidConfig.
 	DatabaseTimeout time.Duration
 	// ShutdownTimeout bounds how long Run waits, once its context is
 	// cancelled, for messages in flight to finish; then their transactions
@@ -322,7 +330,9 @@ type RetryPolicy struct {
 	// 5; 1 means no retry.
 	MaxAttempts int
 	// InitialBackoff is the wait before the second attempt. Defaults to
-	// 200ms, or to MaxBackoff when that is set and shorter.
+	// 200ms, or to MaxBackoff when that is set and shorter. New refuses a
+	// positive backoff below a millisecond (a unit mistake: 10 is 10 ns),
+	// here and in MaxBackoff and InfraBackoff.
 	InitialBackoff time.Duration
 	// MaxBackoff caps the wait between attempts. Defaults to 10s, or to
 	// InitialBackoff when that is longer (the wait then never grows). Set
@@ -380,9 +390,10 @@ type CrashGuardConfig struct {
 // minRetentionMaxAge is the shortest Retention.MaxAge New accepts.
 const minRetentionMaxAge = time.Second
 
-// minRetentionInterval is the shortest Retention.Interval New accepts, as
-// idempotency.Config's RetentionInterval.
-const minRetentionInterval = time.Millisecond
+// minDuration is the shortest HandlerTimeout, DatabaseTimeout,
+// Retention.Interval and backoff New accepts: a shorter one is a unit
+// mistake (30 meant as seconds is 30 ns), with which nothing can work.
+const minDuration = time.Millisecond
 
 // RetentionConfig deletes a consumer's processed-event rows once they are
 // old enough that no redelivery can need them. Config.Retention.
@@ -398,8 +409,8 @@ type RetentionConfig struct {
 	// (a unit mistake: 24 is 24 ns) is refused by New.
 	MaxAge time.Duration
 	// Interval is how often retention runs. Defaults to 1h. A positive
-	// Interval below a millisecond (a unit mistake: 60 is 60 ns) is
-	// refused by New.
+	// Interval below a millisecond (a unit mistake: 24 is 24 ns, with
+	// which sweeps run back to back) is refused by New.
 	Interval time.Duration
 	// DutyCycle is the share of its time a sweep may spend deleting: after
 	// each statement it waits so that deleting takes at most this share
@@ -435,6 +446,13 @@ type TelemetryConfig struct {
 }
 
 const maxNameLength = 200
+
+// maxReceiveBuffer is the greatest ReceiveBuffer: Run makes a channel of
+// that many slots at its start (dispatcher.unordered), a few dozen bytes
+// each whatever waits in it, so math.MaxInt, meant as no bound, panicked
+// Run, and a billion took tens of gigabytes. A million is far above what
+// keeps every worker in full batches (2 × Concurrency × Batch.Size).
+const maxReceiveBuffer = 1 << 20
 
 // maxIDLimit is the greatest Identify.MaxIDLength: an id of that many bytes,
 // beside a Name of maxNameLength, fits a btree key of the dedup tables'
@@ -547,11 +565,36 @@ func (c *Config) validate() error {
 	if c.DatabaseTimeout < NoDatabaseTimeout {
 		return fmt.Errorf("%w: DatabaseTimeout must not be negative, but for NoDatabaseTimeout (-1)", ErrInvalidConfig)
 	}
+	for _, d := range []struct {
+		field string
+		v     time.Duration
+	}{
+		// A unit mistake (HandlerTimeout: 30 is 30 ns): every handler
+		// call is cut before its first statement and every message
+		// dead-lettered; every step of the consumer's is cut and nothing
+		// is consumed; retention sweeps back to back; a handler's
+		// retries are spent within microseconds, and an outage's
+		// infrastructure retries spin, a warning logged for each.
+		{"HandlerTimeout", c.HandlerTimeout},
+		{"DatabaseTimeout", c.DatabaseTimeout},
+		{"Retention.Interval", c.Retention.Interval},
+		{"Retry.InitialBackoff", c.Retry.InitialBackoff},
+		{"Retry.MaxBackoff", c.Retry.MaxBackoff},
+		{"InfraBackoff.Initial", c.InfraBackoff.Initial},
+		{"InfraBackoff.Max", c.InfraBackoff.Max},
+	} {
+		if d.v > 0 && d.v < minDuration {
+			return fmt.Errorf("%w: %s %v is below %v (a time.Duration counts nanoseconds)", ErrInvalidConfig, d.field, d.v, minDuration)
+		}
+	}
 	for i, mw := range c.Hooks.Middleware {
 		if mw == nil {
 			// Every handler call would panic through it.
 			return fmt.Errorf("%w: Hooks.Middleware[%d] is nil", ErrInvalidConfig, i)
 		}
+	}
+	if c.ReceiveBuffer > maxReceiveBuffer {
+		return fmt.Errorf("%w: ReceiveBuffer %d exceeds %d: Run makes room for that many messages at its start", ErrInvalidConfig, c.ReceiveBuffer, maxReceiveBuffer)
 	}
 	if c.Identify.MaxIDLength > maxIDLimit {
 		return fmt.Errorf("%w: Identify.MaxIDLength %d exceeds %d bytes, more than the dedup tables' keys can hold", ErrInvalidConfig, c.Identify.MaxIDLength, maxIDLimit)
@@ -563,12 +606,6 @@ func (c *Config) validate() error {
 		// A unit mistake (MaxAge: 24 is 24 ns): every sweep would delete
 		// the claims as they commit, and redeliveries would run again.
 		return fmt.Errorf("%w: Retention.MaxAge %v is below %v: the window must outlast the longest redelivery", ErrInvalidConfig, a, minRetentionMaxAge)
-	}
-	if i := c.Retention.Interval; i > 0 && i < minRetentionInterval {
-		// A unit mistake (Interval: 60 is 60 ns): the sweeps would run
-		// back to back, a statement after another on the database for
-		// as long as the consumer runs, DutyCycle pacing none of it.
-		return fmt.Errorf("%w: Retention.Interval %v is below %v (a time.Duration counts nanoseconds)", ErrInvalidConfig, i, minRetentionInterval)
 	}
 	// Written so that NaN, which fails every comparison, is refused too.
 	if d := c.Retention.DutyCycle; !(d >= 0 && d <= 1) {
@@ -588,11 +625,21 @@ func (c *Config) validate() error {
 func (c *Config) fitPool(pool interface{ Config() *pgxpool.Config }) {
 	maxConns := int(pool.Config().MaxConns)
 	setDefault(&c.Concurrency, max(1, maxConns))
-	setDefault(&c.ReceiveBuffer, max(256, 2*c.Concurrency*c.Batch.Size))
+	setDefault(&c.ReceiveBuffer, defaultReceiveBuffer(c.Concurrency, c.Batch.Size))
 	if c.Concurrency > maxConns {
 		c.Telemetry.Logger.Warn("once: Concurrency exceeds the pool's MaxConns; the extra transactions wait for a connection",
 			"consumer", c.Name, "concurrency", c.Concurrency, "max_conns", maxConns)
 	}
+}
+
+// defaultReceiveBuffer is 2 × concurrency × batch, at least 256 and at
+// most maxReceiveBuffer; computed so that it cannot overflow, as a huge
+// Batch.Size would make it.
+func defaultReceiveBuffer(concurrency, batch int) int {
+	if batch > maxReceiveBuffer/(2*concurrency) {
+		return maxReceiveBuffer
+	}
+	return max(256, 2*concurrency*batch)
 }
 
 // capped is def, a first wait's default, or limit, a cap the service set

@@ -420,8 +420,12 @@ func TestNewValidatesConfig(t *testing.T) {
 		// crash-guard record: text that PostgreSQL refuses failed every
 		// statement, retried without end as an infrastructure failure,
 		// and nothing was consumed.
-		"NUL in the name": {consumer.Config{Name: "or\x00ders"}, "Name"},
-		"name not UTF-8":  {consumer.Config{Name: "orders\xff"}, "Name"},
+		// math.MaxInt, meant as no bound, was accepted, and Run then
+		// panicked making a channel of that many slots.
+		"receive buffer beyond its bound": {consumer.Config{Name: "x", ReceiveBuffer: math.MaxInt}, "ReceiveBuffer"},
+		"receive buffer over a million":   {consumer.Config{Name: "x", ReceiveBuffer: 1<<20 + 1}, "ReceiveBuffer"},
+		"NUL in the name":                 {consumer.Config{Name: "or\x00ders"}, "Name"},
+		"name not UTF-8":                  {consumer.Config{Name: "orders\xff"}, "Name"},
 	}
 	for name, tc := range cases {
 		t.Run(name, func(t *testing.T) {
@@ -447,6 +451,66 @@ func TestNewValidatesConfig(t *testing.T) {
 	require.NoError(t, err, "a retention window of a second is accepted")
 	_, err = consumer.New(pool, src, insertEffect, consumer.Config{Name: "x", Retention: consumer.RetentionConfig{MaxAge: time.Hour, Interval: time.Millisecond}})
 	require.NoError(t, err, "a retention interval of a millisecond is accepted")
+}
+
+// A duration in the wrong unit (HandlerTimeout: 30, meant as seconds, is
+// 30 ns) was accepted: every handler call was cut before its first
+// statement and every message dead-lettered as a HandlerTimeout failure;
+// with DatabaseTimeout every step of the consumer's was cut and nothing
+// was consumed, retried as infrastructure without end; with
+// Retention.Interval sweeps ran back to back; with a backoff (MaxBackoff:
+// 10, meant as seconds) a handler's retries were spent within microseconds
+// and an outage's infrastructure retries spun, a warning logged for each.
+// New refuses each, naming the field, as it refuses a Retention.MaxAge
+// below a second.
+func TestNewRefusesDurationsBelowAMillisecond(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	src := memsource.New(memsource.Options{}).Source()
+	cases := map[string]struct {
+		set   func(*consumer.Config, time.Duration)
+		field string
+	}{
+		"HandlerTimeout":       {func(c *consumer.Config, d time.Duration) { c.HandlerTimeout = d }, "HandlerTimeout"},
+		"DatabaseTimeout":      {func(c *consumer.Config, d time.Duration) { c.DatabaseTimeout = d }, "DatabaseTimeout"},
+		"Retention.Interval":   {func(c *consumer.Config, d time.Duration) { c.Retention.Interval = d }, "Retention.Interval"},
+		"Retry.MaxBackoff":     {func(c *consumer.Config, d time.Duration) { c.Retry.MaxBackoff = d }, "Retry.MaxBackoff"},
+		"Retry.InitialBackoff": {func(c *consumer.Config, d time.Duration) { c.Retry.InitialBackoff = d }, "Retry.InitialBackoff"},
+		"InfraBackoff.Max":     {func(c *consumer.Config, d time.Duration) { c.InfraBackoff.Max = d }, "InfraBackoff.Max"},
+		"InfraBackoff.Initial": {func(c *consumer.Config, d time.Duration) { c.InfraBackoff.Initial = d }, "InfraBackoff.Initial"},
+	}
+	for name, tc := range cases {
+		t.Run(name, func(t *testing.T) {
+			for _, d := range []time.Duration{30, time.Millisecond - 1} {
+				cfg := consumer.Config{Name: "x"}
+				tc.set(&cfg, d)
+				_, err := consumer.New(pool, src, insertEffect, cfg)
+				require.ErrorIs(t, err, consumer.ErrInvalidConfig, "%s %v", tc.field, d)
+				assert.Contains(t, err.Error(), tc.field)
+			}
+			cfg := consumer.Config{Name: "x"}
+			tc.set(&cfg, time.Millisecond)
+			_, err := consumer.New(pool, src, insertEffect, cfg)
+			require.NoError(t, err, "a millisecond is accepted")
+		})
+	}
+}
+
+// ReceiveBuffer defaults to 2 × Concurrency × Batch.Size: a large
+// Batch.Size (1<<40, meant as no bound) made a default Run could not make a
+// channel of, and Run panicked, crashing the process. The default stops at
+// ReceiveBuffer's bound.
+func TestHugeBatchSizeRuns(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{Streams: 1})
+	publish(b, "a", 1)
+	cfg := fastConfig("huge-batch")
+	cfg.Batch.Size = 1 << 40
+	c, err := consumer.New(pool, b.Source(), insertEffect, cfg)
+	require.NoError(t, err)
+	start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 1 }, 10*time.Second, 5*time.Millisecond)
+	assert.Equal(t, map[string]int{"a": 1}, countEffects(t, pool))
 }
 
 // A database that cannot be reached at the start is waited for (it may be

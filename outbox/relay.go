@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"net"
 	"strconv"
 	"strings"
@@ -37,7 +38,8 @@ const (
 // Backoff is an exponential backoff: Initial, doubled after each failure up
 // to Max, with ±20% jitter.
 type Backoff struct {
-	// Initial is the first wait; it must be positive.
+	// Initial is the first wait; at least a millisecond (a unit mistake:
+	// 1 is 1 ns).
 	Initial time.Duration
 	// Max caps the wait; it must be at least Initial.
 	Max time.Duration
@@ -68,7 +70,8 @@ type RelayConfig struct {
 	// that added rows commits; polling covers one lost with a broken
 	// connection, and rows whose retry is due). It is also how often a
 	// relay that is not the leader tries to become it. Defaults to
-	// DefaultPollInterval (1s).
+	// DefaultPollInterval (1s); NewRelay refuses one below a millisecond
+	// (a unit mistake: 1 is 1 ns).
 	PollInterval time.Duration
 
 	// KeepSent is how long a published row is kept (with sent_at set)
@@ -81,7 +84,8 @@ type RelayConfig struct {
 
 	// MaxAttempts is how many times a row the broker rejects (Rejected) is
 	// published before it is parked. Defaults to DefaultMaxAttempts (5); 1
-	// parks it at the first rejection.
+	// parks it at the first rejection; at most math.MaxInt32, the most the
+	// table's attempts column counts, which in effect never parks.
 	MaxAttempts int
 	// RetryBackoff paces the attempts of a rejected row. Defaults to 1s,
 	// doubling up to 1m.
@@ -106,7 +110,8 @@ type RelayConfig struct {
 	// killed. Set it above the publisher's own bounds (amqpout's
 	// ConfirmTimeout; kafkaout returns when the context ends, but its
 	// connect is bounded by its sarama settings alone). Defaults to
-	// DefaultPublishTimeout (1m).
+	// DefaultPublishTimeout (1m); NewRelay refuses one below a millisecond
+	// (a unit mistake: 60 is 60 ns, past before any publish could end).
 	PublishTimeout time.Duration
 
 	// Logger receives leadership changes, parked rows and infrastructure
@@ -158,8 +163,25 @@ func (c RelayConfig) withDefaults() (RelayConfig, error) {
 		return c, fmt.Errorf("%w: KeepSent is negative (%v)", ErrInvalidConfig, c.KeepSent)
 	case c.MaxAttempts < 0:
 		return c, fmt.Errorf("%w: MaxAttempts is negative (%d)", ErrInvalidConfig, c.MaxAttempts)
+	case c.MaxAttempts > math.MaxInt32:
+		// It is compared with the rows' attempts, an integer column: a
+		// larger value cannot be sent with them, and every settle of a
+		// batch holding a refused record would fail.
+		return c, fmt.Errorf("%w: MaxAttempts %d exceeds %d, the most the outbox's attempts column counts (use that for never parking)", ErrInvalidConfig, c.MaxAttempts, math.MaxInt32)
 	case c.PublishTimeout < 0:
 		return c, fmt.Errorf("%w: PublishTimeout is negative (%v)", ErrInvalidConfig, c.PublishTimeout)
+	}
+	for _, d := range []struct {
+		name string
+		v    time.Duration
+	}{{"PollInterval", c.PollInterval}, {"PublishTimeout", c.PublishTimeout}} {
+		if d.v < time.Millisecond {
+			// A unit mistake (PublishTimeout: 60 is 60 ns): every Publish
+			// would get a context past its deadline, fail as the broker's
+			// fault and be retried without end; PollInterval would poll
+			// back to back.
+			return c, fmt.Errorf("%w: %s %v is below a millisecond (a time.Duration counts nanoseconds)", ErrInvalidConfig, d.name, d.v)
+		}
 	}
 	for _, b := range []struct {
 		name string
@@ -167,6 +189,11 @@ func (c RelayConfig) withDefaults() (RelayConfig, error) {
 	}{{"RetryBackoff", c.RetryBackoff}, {"InfraBackoff", c.InfraBackoff}} {
 		if b.b.Initial <= 0 || b.b.Max < b.b.Initial {
 			return c, fmt.Errorf("%w: %s needs 0 < Initial <= Max (got %v, %v)", ErrInvalidConfig, b.name, b.b.Initial, b.b.Max)
+		}
+		if b.b.Initial < time.Millisecond {
+			// A unit mistake (Initial: 1 is 1 ns): a refused row would
+			// spend its MaxAttempts at once, an outage's retries spin.
+			return c, fmt.Errorf("%w: %s.Initial %v is below a millisecond (a time.Duration counts nanoseconds)", ErrInvalidConfig, b.name, b.b.Initial)
 		}
 	}
 	return c, nil

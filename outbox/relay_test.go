@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"regexp"
 	"strings"
 	"sync/atomic"
@@ -272,6 +273,57 @@ func TestInvalidInput(t *testing.T) {
 	var failed *kafkaout.Publisher
 	_, err = outbox.NewRelay(pool, failed, outbox.RelayConfig{})
 	require.ErrorIs(t, err, outbox.ErrInvalidConfig, "a nil *kafkaout.Publisher")
+}
+
+// A duration in the wrong unit (PublishTimeout: 60, meant as seconds, is 60
+// ns) was accepted: every Publish got a context already past its deadline
+// and failed as the broker's fault, retried without end, and no row was
+// ever published; with PollInterval the relay polled back to back; with a
+// backoff's Initial a refused row spent its attempts at once, and an
+// outage's retries spun. NewRelay refuses each, naming the field.
+func TestNewRelayRefusesDurationsBelowAMillisecond(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	for name, set := range map[string]func(*outbox.RelayConfig, time.Duration){
+		"PollInterval":   func(c *outbox.RelayConfig, d time.Duration) { c.PollInterval = d },
+		"PublishTimeout": func(c *outbox.RelayConfig, d time.Duration) { c.PublishTimeout = d },
+		"RetryBackoff.Initial": func(c *outbox.RelayConfig, d time.Duration) {
+			c.RetryBackoff = outbox.Backoff{Initial: d, Max: time.Minute}
+		},
+		"InfraBackoff.Initial": func(c *outbox.RelayConfig, d time.Duration) {
+			c.InfraBackoff = outbox.Backoff{Initial: d, Max: 5 * time.Second}
+		},
+	} {
+		t.Run(name, func(t *testing.T) {
+			for _, d := range []time.Duration{60, time.Millisecond - 1} {
+				var cfg outbox.RelayConfig
+				set(&cfg, d)
+				_, err := outbox.NewRelay(pool, nopPublisher{}, cfg)
+				require.ErrorIs(t, err, outbox.ErrInvalidConfig, "%s %v", name, d)
+				assert.Contains(t, err.Error(), name)
+			}
+			var cfg outbox.RelayConfig
+			set(&cfg, time.Millisecond)
+			_, err := outbox.NewRelay(pool, nopPublisher{}, cfg)
+			require.NoError(t, err, "a millisecond is accepted")
+		})
+	}
+}
+
+// MaxAttempts is compared with the rows' attempts, an integer column: one
+// above 2^31-1 (math.MaxInt, meant as never park) was accepted, and the
+// first refused record made every settle of its batch fail to encode ("is
+// greater than maximum value for int4"), taken for the database's failure
+// and retried without end: the relay stood still, and no row added after
+// was published. NewRelay refuses it; math.MaxInt32 is accepted.
+func TestNewRelayRefusesMaxAttemptsBeyondTheColumn(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	for _, n := range []int{math.MaxInt, math.MaxInt32 + 1} {
+		_, err := outbox.NewRelay(pool, nopPublisher{}, outbox.RelayConfig{MaxAttempts: n})
+		require.ErrorIs(t, err, outbox.ErrInvalidConfig, "%d", n)
+		assert.Contains(t, err.Error(), "MaxAttempts")
+	}
+	_, err := outbox.NewRelay(pool, nopPublisher{}, outbox.RelayConfig{MaxAttempts: math.MaxInt32})
+	require.NoError(t, err)
 }
 
 // Migrate is idempotent and safe from many processes at once; the table can

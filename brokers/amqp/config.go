@@ -116,7 +116,7 @@ type Config struct {
 	// modifies it, so one config may serve several sources.
 	TLSConfig *tls.Config
 	// DialTimeout bounds the TCP connect plus the TLS and AMQP handshakes.
-	// Default 10s.
+	// Default 10s; at least a millisecond (a unit mistake: 10 is 10 ns).
 	DialTimeout time.Duration
 	// Heartbeat is the AMQP heartbeat interval: a dead peer is detected
 	// after about two intervals without traffic. Default 10s; at least 1s
@@ -199,7 +199,8 @@ type Config struct {
 	DeadLetter DeadLetterConfig
 	// ConfirmTimeout bounds the wait for the broker's publisher confirm of
 	// a dead-letter copy; past it DeadLetter returns an error and the
-	// consumer retries. Default 10s.
+	// consumer retries. Default 10s; at least a millisecond (a unit
+	// mistake: 10 is 10 ns).
 	ConfirmTimeout time.Duration
 
 	// ReconnectMinBackoff is the wait before the second attempt to
@@ -315,6 +316,18 @@ func (cfg Config) withDefaults() (Config, error) {
 		}
 		if *d.v == 0 {
 			*d.v = d.def
+		}
+	}
+	for _, d := range []struct {
+		name string
+		v    time.Duration
+	}{{"DialTimeout", cfg.DialTimeout}, {"ConfirmTimeout", cfg.ConfirmTimeout}} {
+		if d.v < time.Millisecond {
+			// A unit mistake (DialTimeout: 10 is 10 ns): every dial would
+			// time out before it began, taken for an unreachable broker
+			// and retried without end; every dead-letter confirm would be
+			// given up at once, and its message retried without end.
+			return cfg, fmt.Errorf("amqp: Config.%s %v is below a millisecond (a time.Duration counts nanoseconds)", d.name, d.v)
 		}
 	}
 	if cfg.Heartbeat < time.Second {

@@ -67,6 +67,32 @@ func TestConfigErrorsNameTheField(t *testing.T) {
 	}
 }
 
+// A timeout in the wrong unit (DialTimeout: 10, meant as seconds, is 10 ns)
+// was accepted: every dial timed out before it began, and Open took the
+// broker for unreachable and retried until its context ended; every
+// dead-letter copy's confirm was given up at once, and the poison message
+// retried without end. Open refuses each at once, naming the field.
+func TestOpenRefusesTimeoutsBelowAMillisecond(t *testing.T) {
+	ok := amqp.Config{URL: "amqp://u:secret@localhost:5672/", Queue: "q"}
+	for name, set := range map[string]func(*amqp.Config, time.Duration){
+		"Config.DialTimeout":    func(c *amqp.Config, d time.Duration) { c.DialTimeout = d },
+		"Config.ConfirmTimeout": func(c *amqp.Config, d time.Duration) { c.ConfirmTimeout = d },
+	} {
+		t.Run(name, func(t *testing.T) {
+			for _, d := range []time.Duration{10, time.Millisecond - 1} {
+				cfg := ok
+				set(&cfg, d)
+				ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+				_, err := amqp.Open(ctx, cfg)
+				cancel()
+				require.Error(t, err)
+				assert.Contains(t, err.Error(), name, "%v", d)
+				assert.NotErrorIs(t, err, context.DeadlineExceeded, "refused at once, not retried")
+			}
+		})
+	}
+}
+
 // TestOpenUnreachableRedactsPassword: a broker that does not answer is
 // retried until the context ends, and the error hides the password.
 func TestOpenUnreachableRedactsPassword(t *testing.T) {

@@ -148,7 +148,9 @@ type Config struct {
 	// the group coordinator. Marked offsets are also committed when a
 	// partition is revoked and on Close. Default DefaultCommitInterval. A
 	// crash loses at most the marks of one interval; the records after the
-	// last commit are delivered again and recognised as duplicates.
+	// last commit are delivered again and recognised as duplicates. At
+	// least a millisecond (a unit mistake: 1 is 1 ns), as are
+	// RevokeTimeout and CloseTimeout.
 	CommitInterval time.Duration
 	// RevokeTimeout bounds how long a revoked partition waits for its
 	// delivered but unsettled deliveries to be acked before the final
@@ -426,6 +428,18 @@ func (c *Config) validate() error {
 				bound = "above"
 			}
 			return fmt.Errorf("kafka: Config.%s (%v) must be %s %v", d.name, d.v, bound, d.least)
+		}
+	}
+	for _, d := range []struct {
+		name string
+		v    time.Duration
+	}{{"CommitInterval", c.CommitInterval}, {"RevokeTimeout", c.RevokeTimeout}, {"CloseTimeout", c.CloseTimeout}} {
+		if d.v < time.Millisecond {
+			// A unit mistake (CloseTimeout: 10 is 10 ns): every Close
+			// would give up at once, without its final commit; every
+			// revoke would abandon the deliveries in flight; commits
+			// would run in a loop that holds a core.
+			return fmt.Errorf("kafka: Config.%s %v is below a millisecond (a time.Duration counts nanoseconds)", d.name, d.v)
 		}
 	}
 	for _, f := range []struct {

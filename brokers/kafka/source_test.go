@@ -733,6 +733,37 @@ func TestOpenRefusesTopicNamesKafkaRefuses(t *testing.T) {
 	require.ErrorContains(t, cfg.validate(), "Config.Brokers", "a name of every allowed character and the longest length passes")
 }
 
+// A duration in the wrong unit (CloseTimeout: 10, meant as seconds, is 10
+// ns) was accepted: every Close gave up at once, leaving the group without
+// its final commit; RevokeTimeout abandoned every delivery in flight at
+// each rebalance; CommitInterval committed in a loop that held a core.
+// Open refuses each at once, naming the field.
+func TestOpenRefusesDurationsBelowAMillisecond(t *testing.T) {
+	for name, set := range map[string]func(*Config, time.Duration){
+		"Config.CommitInterval": func(c *Config, d time.Duration) { c.CommitInterval = d },
+		"Config.RevokeTimeout":  func(c *Config, d time.Duration) { c.RevokeTimeout = d },
+		"Config.CloseTimeout":   func(c *Config, d time.Duration) { c.CloseTimeout = d },
+	} {
+		t.Run(name, func(t *testing.T) {
+			for _, d := range []time.Duration{10, time.Millisecond - 1} {
+				cfg := Config{Brokers: []string{"127.0.0.1:1"}, Group: "g", Topics: []string{"t"}, Logger: testLogger()}
+				set(&cfg, d)
+				ctx, cancel := context.WithTimeout(t.Context(), 2*time.Second)
+				s, err := Open(ctx, cfg)
+				cancel()
+				require.Error(t, err, "%v", d)
+				assert.Nil(t, s)
+				assert.NotErrorIs(t, err, context.DeadlineExceeded, "refused at once")
+				assert.Contains(t, err.Error(), name, "%v", d)
+			}
+			cfg := Config{Topics: []string{"t"}}
+			set(&cfg, time.Millisecond)
+			cfg = cfg.withDefaults()
+			require.ErrorContains(t, cfg.validate(), "Config.Brokers", "a millisecond passes")
+		})
+	}
+}
+
 // A broker address without a port can never be dialled: Open names the
 // field at once instead of retrying it as an unreachable broker until its
 // context ends.

@@ -35,7 +35,8 @@ type Config struct {
 	// an amqp:// URL, New refuses it (the connection would not use TLS).
 	TLSConfig *tls.Config
 	// DialTimeout bounds the TCP connect and the AMQP handshake, and the
-	// opening of the publishing channel. Default 10s.
+	// opening of the publishing channel. Default 10s; at least a
+	// millisecond (a unit mistake: 10 is 10 ns).
 	DialTimeout time.Duration
 	// Heartbeat is the AMQP heartbeat interval. Default 10s; at least 1s
 	// (the protocol counts whole seconds). A heartbeat parameter in URL
@@ -48,7 +49,8 @@ type Config struct {
 	// failed (and published again later), and the connection is dropped:
 	// a broker under a memory or disk alarm stops reading a connection
 	// that publishes, so neither a write larger than the socket buffers
-	// nor a confirm ends until the alarm clears. Default 10s.
+	// nor a confirm ends until the alarm clears. Default 10s; at least a
+	// millisecond (a unit mistake: 10 is 10 ns).
 	ConfirmTimeout time.Duration
 	// Transient publishes with delivery mode 1 (not persisted by the
 	// broker). Default false: persistent, which a durable queue needs to
@@ -104,17 +106,32 @@ func New(cfg Config) (*Publisher, error) {
 		// amqp091 would ignore it and connect without TLS.
 		return nil, errors.New("amqpout: Config.TLSConfig is set but Config.URL is not an amqps URL: the connection would not use TLS")
 	}
-	if cfg.ConfirmTimeout < 0 || cfg.DialTimeout < 0 || cfg.Heartbeat < 0 {
-		return nil, errors.New("amqpout: Config durations must not be negative")
+	for _, d := range []struct {
+		name string
+		v    *time.Duration
+		def  time.Duration
+	}{
+		{"ConfirmTimeout", &cfg.ConfirmTimeout, DefaultConfirmTimeout},
+		{"DialTimeout", &cfg.DialTimeout, DefaultDialTimeout},
+		{"Heartbeat", &cfg.Heartbeat, DefaultHeartbeat},
+	} {
+		if *d.v < 0 {
+			return nil, fmt.Errorf("amqpout: Config.%s %v is negative", d.name, *d.v)
+		}
+		if *d.v == 0 {
+			*d.v = d.def
+		}
 	}
-	if cfg.ConfirmTimeout == 0 {
-		cfg.ConfirmTimeout = DefaultConfirmTimeout
-	}
-	if cfg.DialTimeout == 0 {
-		cfg.DialTimeout = DefaultDialTimeout
-	}
-	if cfg.Heartbeat == 0 {
-		cfg.Heartbeat = DefaultHeartbeat
+	for _, d := range []struct {
+		name string
+		v    time.Duration
+	}{{"DialTimeout", cfg.DialTimeout}, {"ConfirmTimeout", cfg.ConfirmTimeout}} {
+		if d.v < time.Millisecond {
+			// A unit mistake (ConfirmTimeout: 10 is 10 ns): every batch
+			// would be given up before its confirms could come, and no
+			// connect could finish; the relay would retry without end.
+			return nil, fmt.Errorf("amqpout: Config.%s %v is below a millisecond (a time.Duration counts nanoseconds)", d.name, d.v)
+		}
 	}
 	if cfg.Heartbeat < time.Second {
 		// AMQP negotiates whole seconds; amqp091 takes less than one for

@@ -30,6 +30,32 @@ func TestNewRejectsBadConfig(t *testing.T) {
 	assert.Equal(t, DefaultConfirmTimeout, p.cfg.ConfirmTimeout)
 }
 
+// A timeout in the wrong unit (ConfirmTimeout: 10, meant as seconds, is 10
+// ns) was accepted: every batch was given up before its confirms could
+// come and its connection dropped, and the relay retried without end;
+// with DialTimeout no connect could finish. New refuses each, naming the
+// field; a negative one is refused naming it too.
+func TestNewRefusesTimeoutsBelowAMillisecond(t *testing.T) {
+	for name, set := range map[string]func(*Config, time.Duration){
+		"Config.DialTimeout":    func(c *Config, d time.Duration) { c.DialTimeout = d },
+		"Config.ConfirmTimeout": func(c *Config, d time.Duration) { c.ConfirmTimeout = d },
+	} {
+		t.Run(name, func(t *testing.T) {
+			for _, d := range []time.Duration{10, time.Millisecond - 1, -time.Second} {
+				cfg := Config{URL: "amqp://h/"}
+				set(&cfg, d)
+				_, err := New(cfg)
+				require.Error(t, err, "%v", d)
+				assert.Contains(t, err.Error(), name, "%v", d)
+			}
+			cfg := Config{URL: "amqp://h/"}
+			set(&cfg, time.Millisecond)
+			_, err := New(cfg)
+			require.NoError(t, err, "a millisecond is accepted")
+		})
+	}
+}
+
 func TestPublishingCarriesIDTypeTraceAndPersistence(t *testing.T) {
 	p, err := New(Config{URL: "amqp://h/"})
 	require.NoError(t, err)
