@@ -211,6 +211,13 @@ type claimOffsets struct {
 	// known.
 	doneBelow atomic.Int64
 	skipped   atomic.Int64
+	// rewindBelow is the row's position when sarama reset the claim's
+	// start (the position out of the partition's range,
+	// Consumer.Group.ResetInvalidOffsets), -1 otherwise: a first record
+	// below it moves the row's position back there (claim.rewind). One
+	// above it (the records after the position deleted by retention) needs
+	// nothing: the first transaction's DoneBelow moves the row forward.
+	rewindBelow int64
 }
 
 // newClaimOffsets is the claim state for the take-over's row o, or nil
@@ -221,6 +228,10 @@ func newClaimOffsets(o dedup.PartitionOffsets, initial int64) *claimOffsets {
 		c.doneAbove[off] = struct{}{}
 	}
 	c.doneBelow.Store(-1)
+	c.rewindBelow = -1
+	if o.Next >= 0 && initial < 0 {
+		c.rewindBelow = o.Next
+	}
 	if initial >= 0 {
 		c.doneBelow.Store(initial)
 	}
@@ -241,7 +252,9 @@ func (cl *claim) skip(raw *sarama.ConsumerMessage) bool {
 	if cl.db == nil {
 		return false
 	}
-	cl.db.doneBelow.CompareAndSwap(-1, raw.Offset)
+	if cl.db.doneBelow.CompareAndSwap(-1, raw.Offset) && raw.Offset < cl.db.rewindBelow && !cl.rewind(raw.Offset) {
+		return true // fenced: the claim is revoked, nothing is handed out
+	}
 	if _, done := cl.db.doneAbove[raw.Offset]; !done {
 		return false
 	}
@@ -250,6 +263,46 @@ func (cl *claim) skip(raw *sarama.ConsumerMessage) bool {
 	cl.src.skipped.Add(1)
 	_ = cl.ack(cl.newDelivery(raw))
 	cl.received(raw.Offset) // read, as far as the lag is concerned
+	return true
+}
+
+// rewind moves the row's position to start, the claim's first record,
+// before any record of the claim is handed out: sarama started the claim
+// at Config.InitialOffset, the recorded position being out of the
+// partition's range. Past the partition's end (the log truncated) the
+// position is above every record the claim handles, and the row's
+// position never moves back in RecordOffsets: without this none of them
+// would be recorded, and every restart would start at InitialOffset again
+// and handle them again. What the row recorded done above the position is
+// of the offsets the truncation took, and is forgotten with it. It reports
+// false when the claim was fenced (and revoked); a failure to write is
+// logged, and the claim goes on.
+func (cl *claim) rewind(start int64) bool {
+	cl.db.rewindBelow = -1
+	clear(cl.db.doneAbove)
+	b := cl.src.offsets.Load()
+	if b == nil {
+		return true
+	}
+	bound := 10 * time.Second
+	if b.DatabaseTimeout > 0 {
+		bound = b.DatabaseTimeout
+	}
+	ctx, cancel := context.WithTimeout(cl.sess.Context(), bound)
+	defer cancel()
+	tag, err := b.Pool.Exec(ctx, `UPDATE `+b.Store.OffsetsTable()+` SET next_offset = $5, done = '{}', updated_at = now()
+WHERE consumer = $1 AND topic = $2 AND partition = $3 AND epoch = $4`,
+		b.Consumer, cl.sc.Topic(), cl.sc.Partition(), cl.db.epoch, start)
+	switch {
+	case err != nil:
+		cl.src.leaveReadOnly(b, err)
+		cl.src.cfg.Logger.Error("once/kafka: cannot move the partition's position in the offsets table to where the claim starts; "+
+			"the records handled before the next rebalance may be handled again after it",
+			"group", cl.src.cfg.Group, "stream", cl.stream, "offset", start, "error", err)
+	case tag.RowsAffected() == 0:
+		cl.fence(fmt.Errorf("%w: %s, epoch %d", dedup.ErrFenced, cl.stream, cl.db.epoch), "")
+		return false
+	}
 	return true
 }
 
