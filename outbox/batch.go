@@ -79,8 +79,33 @@ func newRelaySQL(t string) relaySQL {
 		// The relay marks at most once a second
 		// (markEvery): planning the marking costs a read about as much as
 		// the read itself.
-		fetchMarking: `WITH ready AS (
+		// It also gives back the waiting rows of each key that no
+		// refused row is ahead of any more (released): the triggers that
+		// give them back read the snapshot of the transaction that ends
+		// the refusal, and one taken before the rows were marked (a
+		// Requeue or Discard in a REPEATABLE READ transaction that first
+		// listed the parked rows) finds none of them waiting, so they
+		// would wait for ever. The keys are walked on the waiting index,
+		// one probe each (waitkeys), a few probes per key in all.
+		fetchMarking: `WITH RECURSIVE ready AS (
 ` + ready + `
+), waitkeys(topic, key) AS (
+	(SELECT k.topic, k.key FROM ` + t + ` k WHERE k.waiting ORDER BY k.topic, k.key LIMIT 1)
+	UNION ALL
+	SELECT n.topic, n.key FROM waitkeys p CROSS JOIN LATERAL (
+		SELECT k.topic, k.key FROM ` + t + ` k
+		WHERE k.waiting AND (k.topic, k.key) > (p.topic, p.key)
+		ORDER BY k.topic, k.key LIMIT 1) n
+), released AS (
+	UPDATE ` + t + ` w SET waiting = false
+	WHERE w.seq IN (
+		SELECT o.seq FROM ` + t + ` o JOIN waitkeys k ON o.topic = k.topic AND o.key = k.key
+		WHERE o.waiting AND NOT EXISTS (
+			SELECT 1 FROM ` + t + ` e
+			WHERE e.topic = k.topic AND e.key = k.key AND e.sent_at IS NULL
+				AND (e.attempts > 0 OR e.parked_at IS NOT NULL)
+				AND e.seq < (SELECT min(m.seq) FROM ` + t + ` m WHERE m.waiting AND m.topic = k.topic AND m.key = k.key))
+		FOR UPDATE OF o SKIP LOCKED)` + guard(4) + `
 ), marked AS (
 	UPDATE ` + t + ` w SET waiting = true
 	WHERE w.seq IN (
