@@ -66,6 +66,11 @@ type crashGuard struct {
 	givenMu sync.Mutex
 	given   map[string]DeadLetter
 	givenQ  []string
+	// lockConn holds the lock of the suspect attempt in flight
+	// (lockAttempt); used only under isolation held exclusively, so by
+	// one attempt at a time. Nil until the first, or after it broke.
+	lockConn *pgx.Conn
+	locked   bool
 }
 
 // maxGiven bounds crashGuard.given.
@@ -92,9 +97,11 @@ type guardState struct {
 	// lastError is the failure of the last run the record keeps (JSON, a
 	// lastFailure), nil when it keeps none.
 	lastError []byte
-	// marked: the record is the bare mark of a shared batch that crashed
-	// (no run or crash of the message alone recorded): the message may
-	// not even have run, and is charged nothing until it runs alone.
+	// marked: the record counts no run of the message alone: it is the
+	// bare mark of a shared batch that crashed, perhaps with crashes of
+	// attempts alone that lost their session (no runs). The message may
+	// not even have run, and the run the record implies spends none of
+	// Retry.MaxAttempts.
 	marked bool
 	// lost counts the crashes of this process's attempts that lost their
 	// session (txResult.lost), for the dead letter's words.
@@ -157,7 +164,7 @@ func (g *crashGuard) plan(ctx context.Context, jobs []*job, window bool) [][]*jo
 				// It ran at least once, in the run that crashed.
 				j.guard.known = true
 				j.guard.crashes = r.crashes
-				j.guard.marked = r.runs == 0 && r.crashes == 0
+				j.guard.marked = r.runs == 0
 				j.guard.runs = r.runs
 				j.guard.lastError = r.lastError
 				j.runs = max(j.runs, r.runs, 1)
@@ -230,38 +237,145 @@ func (g *crashGuard) enter(ctx context.Context, j *job) error {
 		return errStopping
 	}
 	if err := g.startAttempt(ctx, j); err != nil {
+		g.unlockAttempt()
 		g.isolation.Unlock()
 		return err
 	}
 	return nil
 }
 
-// leave ends what enter(j) began.
+// leave ends what enter(j) began. What the attempt recorded must be final
+// by then (endAttempt, forget): another process waits for it.
 func (g *crashGuard) leave(j *job) {
 	if j == nil || !j.guard.suspect {
 		g.isolation.RUnlock()
 		return
 	}
+	g.unlockAttempt()
 	g.isolation.Unlock()
+}
+
+// lockAttempt takes the lock every attempt of a suspect holds, in any
+// process of the consumer, from before it reads the message's record
+// until what it recorded there is final. A process that is alive keeps
+// its attempt's crash in the record only while the attempt runs: another
+// process (or this one, the delivery lost and given again) that read the
+// record meanwhile took a running attempt for a crashed one, and a
+// message whose connection was cut while it ran was charged a crash, or
+// dead-lettered as a crash loop. The lock is held in a transaction (so a
+// pooler in transaction mode keeps it on one server session) on a
+// connection of its own, outside the pool, which the attempt's own
+// transaction may need whole; a process that dies releases it with its
+// session. When the lock cannot be had (the connection refused), the
+// attempt goes on without it, as before there was one.
+func (g *crashGuard) lockAttempt(ctx context.Context, j *job) error {
+	if err := g.begin(ctx); err != nil {
+		// The connection kept since the last attempt may have been
+		// ended meanwhile (idle_session_timeout, a restart): once more
+		// on a new one.
+		g.dropLockConn()
+		if err = g.begin(ctx); err != nil {
+			return g.withoutLock(ctx, j, err)
+		}
+	}
+	g.locked = true
+	// Waits for an attempt of the message running in another process:
+	// no longer than such an attempt may run, so that a connection whose
+	// server vanished without a word holds no stream for ever.
+	lctx, cancel := ctx, context.CancelFunc(func() {})
+	if d := g.p.cfg.HandlerTimeout; d > 0 && g.p.cfg.DatabaseTimeout > 0 {
+		lctx, cancel = context.WithTimeout(ctx, d+2*g.p.cfg.DatabaseTimeout)
+	}
+	defer cancel()
+	if _, err := g.lockConn.Exec(lctx, `SELECT pg_advisory_xact_lock(hashtext($1), hashtext($2))`, g.p.cfg.Name, j.idt.id); err != nil {
+		return g.withoutLock(ctx, j, err)
+	}
+	return nil
+}
+
+// begin opens the lock connection's transaction, connecting first when
+// there is no connection.
+func (g *crashGuard) begin(ctx context.Context) error {
+	if g.lockConn == nil {
+		conn, err := g.p.connectAlone(ctx)
+		if err != nil {
+			return err
+		}
+		g.lockConn = conn
+	}
+	if d := g.p.cfg.DatabaseTimeout; d > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, d)
+		defer cancel()
+	}
+	_, err := g.lockConn.Exec(ctx, `BEGIN`)
+	return err
+}
+
+// withoutLock drops the lock connection after err: the attempt goes on
+// without the lock, unless ctx ended.
+func (g *crashGuard) withoutLock(ctx context.Context, j *job, err error) error {
+	g.dropLockConn()
+	if ctx.Err() != nil {
+		return ctx.Err()
+	}
+	g.p.cfg.Telemetry.Logger.DebugContext(ctx, "once: a suspect's attempt goes on without its lock", "consumer", g.p.cfg.Name,
+		"event_id", j.idt.id, "error", err)
+	return nil
+}
+
+// unlockAttempt releases what lockAttempt took.
+func (g *crashGuard) unlockAttempt() {
+	if !g.locked {
+		return
+	}
+	g.locked = false
+	ctx, cancel := context.WithTimeout(context.Background(), g.p.cfg.InfraBackoff.Max)
+	defer cancel()
+	if _, err := g.lockConn.Exec(ctx, `ROLLBACK`); err != nil {
+		g.dropLockConn()
+	}
+}
+
+// dropLockConn closes the lock connection; the next attempt opens another.
+func (g *crashGuard) dropLockConn() {
+	g.locked = false
+	if g.lockConn == nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), g.p.cfg.InfraBackoff.Max)
+	defer cancel()
+	_ = g.lockConn.Close(ctx)
+	g.lockConn = nil
+}
+
+// close closes the lock connection when Run ends.
+func (g *crashGuard) close() {
+	g.isolation.Lock()
+	defer g.isolation.Unlock()
+	g.dropLockConn()
 }
 
 // startAttempt records j's coming attempt as a crash, to be taken back by
 // endAttempt.
 func (g *crashGuard) startAttempt(ctx context.Context, j *job) error {
-	if !j.guard.known {
-		records, ok := g.read(ctx, g.lookupSQL, []string{j.idt.id})
-		if !ok {
-			// Cut short by ctx, or by the shutdown (ctx still live):
-			// the attempt never starts.
-			if err := ctx.Err(); err != nil {
-				return err
-			}
-			return errStopping
-		}
-		r := records[j.idt.id]
-		j.guard.known, j.guard.crashes, j.guard.runs, j.runs = true, r.crashes, r.runs, max(j.runs, r.runs)
-		j.guard.lastError = r.lastError
+	if err := g.lockAttempt(ctx, j); err != nil {
+		return err
 	}
+	// Read again under the lock: what plan read may have counted an
+	// attempt that was running then.
+	records, ok := g.read(ctx, g.lookupSQL, []string{j.idt.id})
+	if !ok {
+		// Cut short by ctx, or by the shutdown (ctx still live):
+		// the attempt never starts.
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		return errStopping
+	}
+	r := records[j.idt.id]
+	j.guard.known, j.guard.crashes, j.guard.runs, j.runs = true, r.crashes, r.runs, max(j.runs, r.runs)
+	j.guard.lastError, j.guard.marked = r.lastError, r.runs == 0
 	spent := j.runs >= g.p.cfg.Retry.MaxAttempts && !j.guard.marked
 	switch {
 	case j.guard.crashes >= g.p.cfg.CrashGuard.MaxCrashes, spent && j.guard.crashes > 0:
@@ -316,8 +430,11 @@ func (g *crashGuard) endAttempt(ctx context.Context, j *job, r txResult) {
 	switch {
 	case r.outcome == txInfra && r.lost:
 		// No run either: a failover may end a session too, and
-		// Retry.MaxAttempts 1 would then spend the message's runs.
+		// Retry.MaxAttempts 1 would then spend the message's runs. A
+		// record back to no run is a mark again, as the next process
+		// reads it: the run a mark implies spends nothing.
 		j.guard.runs = j.guard.runsBefore
+		j.guard.marked = j.guard.runs == 0
 		j.guard.lost++
 		taken = 0
 	case r.outcome == txInfra:
@@ -393,8 +510,10 @@ func (g *crashGuard) clearIn(ctx context.Context, tx pgx.Tx, jobs []*job) error 
 }
 
 // settled deletes j's record once it was settled outside a transaction
-// (dead-lettered). Best effort: a record left behind is removed by
-// retention.
+// (dead-lettered), retrying failures as the guard's other writes are, up
+// to the shutdown deadline: a record left behind (kept for good without
+// Retention.MaxAge) would dead-letter a copy of the message replayed from
+// the dead letters, once the crash guard meets it, without running it.
 func (g *crashGuard) settled(ctx context.Context, j *job) {
 	g.forgetGiven(j)
 	if !j.guard.recorded {
@@ -403,9 +522,11 @@ func (g *crashGuard) settled(ctx context.Context, j *job) {
 	j.guard.recorded, j.guard.inFlight = false, false
 	ctx, cancel := g.p.detached(ctx)
 	defer cancel()
-	err := g.p.onConn(ctx, func(ctx context.Context, conn *pgxpool.Conn) error {
-		_, err := conn.Exec(ctx, g.clearSQL, g.p.cfg.Name, []string{j.idt.id})
-		return err
+	err := g.p.infra(ctx, "deleting a crash-guard record", Retry{EventID: j.idt.id, Messages: 1}, func() error {
+		return g.p.onConn(ctx, func(ctx context.Context, conn *pgxpool.Conn) error {
+			_, err := conn.Exec(ctx, g.clearSQL, g.p.cfg.Name, []string{j.idt.id})
+			return err
+		})
 	})
 	if err != nil {
 		g.p.cfg.Telemetry.Logger.DebugContext(ctx, "once: deleting a crash-guard record", "consumer", g.p.cfg.Name,

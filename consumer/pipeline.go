@@ -222,6 +222,7 @@ func (p *pipeline) consume(ctx context.Context) error {
 	}
 	stopWatching()
 	retaining.Wait()
+	p.guard.close()
 	if err := p.closeSource(); err != nil {
 		return errors.Join(fatal, fmt.Errorf("once: closing source: %w", err))
 	}

@@ -985,3 +985,60 @@ func TestHandlerPanicAfterItsConnectionDiedIsDeadLettered(t *testing.T) {
 	got := requireEffectsOnce(t, pool, 2)
 	assert.NotContains(t, got, "buggy")
 }
+
+// A crash loop's record is deleted once its dead letter is written, also
+// when the first try of that deletion fails (here a statement refused
+// once; a connection lost does the same): retried as the crash guard's
+// other writes are. It was tried once, the record left behind (for good
+// with Retention.MaxAge unset), and a copy of the message replayed from
+// the dead letters after a fix, met by the crash guard, was dead-lettered
+// as a crash loop again without running.
+func TestCrashLoopRecordIsDeletedAfterAFailedTry(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	ctx := context.Background()
+	effects(t, pool)
+	b := memsource.New(memsource.Options{Streams: 1})
+	publish(b, "killer", 1)
+	cfg := fastConfig("crash-loop-record-kept")
+	cfg.CrashGuard.MaxCrashes = 1
+	cfg.ShutdownTimeout = 10 * time.Millisecond
+	// Process 1 crashes with the killer marked, process 2 with it alone.
+	stuck := make(chan struct{}, 16)
+	for range 2 {
+		c, err := consumer.New(pool, b.Source(), stallingHandler(stuck), cfg)
+		require.NoError(t, err)
+		runUntilStuck(t, c, stuck)
+	}
+	// The first deletion from the attempts table fails.
+	_, err := pool.Exec(ctx, `CREATE SEQUENCE deletes;
+CREATE FUNCTION refuse_first_delete() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+	IF nextval('deletes') = 1 THEN
+		RAISE EXCEPTION 'refused once';
+	END IF;
+	RETURN OLD;
+END $$;
+CREATE TRIGGER refuse_first_delete BEFORE DELETE ON processed_events_attempts
+	FOR EACH ROW EXECUTE FUNCTION refuse_first_delete()`)
+	require.NoError(t, err)
+	// Process 3 dead-letters it.
+	c, err := consumer.New(pool, b.Source(), stallingHandler(stuck), cfg)
+	require.NoError(t, err)
+	stop := start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 1 }, 20*time.Second, 5*time.Millisecond)
+	require.NoError(t, stop())
+	require.Equal(t, map[string]string{"killer": string(consumer.KindCrashLoop)}, deadLetterKinds(b))
+	var left int
+	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM processed_events_attempts`).Scan(&left))
+	assert.Zero(t, left, "the dead-lettered message's record is left behind")
+
+	// The killer, fixed, is replayed from the dead letters.
+	publish(b, "killer", 1)
+	c, err = consumer.New(pool, b.Source(), insertEffect, cfg)
+	require.NoError(t, err)
+	stop = start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 2 }, 20*time.Second, 5*time.Millisecond)
+	require.NoError(t, stop())
+	assert.Len(t, b.DeadLetters(), 1, "the replayed copy is dead-lettered again")
+	requireEffectsOnce(t, pool, 1)
+}

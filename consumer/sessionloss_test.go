@@ -3,6 +3,7 @@ package consumer_test
 import (
 	"context"
 	"fmt"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -137,4 +138,155 @@ func sessionKillerIsDeadLettered(t *testing.T, pool *pgxpool.Pool, name string, 
 	var left int
 	require.NoError(t, pool.QueryRow(context.Background(), `SELECT count(*) FROM processed_events_attempts`).Scan(&left))
 	assert.Zero(t, left, "crash-guard records are cleared once their messages are settled")
+}
+
+// endsItsSessionOnce is a handler that ends its own server process (as a
+// failover or an administrator's pg_terminate_backend would) the first
+// time it runs id, and inserts its effect otherwise.
+func endsItsSessionOnce(id string, ended *atomic.Int32) consumer.Handler[order] {
+	return func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		if ev.ID == id && ended.Add(1) == 1 {
+			_, err := tx.Exec(ctx, `SELECT pg_terminate_backend(pg_backend_pid())`)
+			return err
+		}
+		return insertEffect(ctx, tx, ev)
+	}
+}
+
+// With Retry.MaxAttempts 1, a message of a shared batch that crashed runs
+// alone next time, charged no run for the mark; a session it then loses
+// once is a crash but no run (a failover must not spend its runs), and
+// only CrashGuard.MaxCrashes such crashes dead-letter it. The lost
+// attempt cleared the mark and put the record's runs back to 0, after
+// which the run the mark stands for was taken for a spent one: the message
+// was dead-lettered as a crash loop at its next attempt, after a single
+// lost session, never run again.
+func TestSessionLostOnceAfterASharedBatchCrashIsRetried(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{Streams: 1})
+	publish(b, "victim", 1)
+	publish(b, "killer", 2)
+	cfg := fastConfig("lost-once-after-mark")
+	cfg.Retry.MaxAttempts = 1
+	cfg.ShutdownTimeout = 10 * time.Millisecond
+	cfg.Batch.Linger = time.Second // one batch of both
+	// Process 1: the shared batch stalls on the killer and the process
+	// "dies": both messages keep their marks.
+	stuck := make(chan struct{}, 16)
+	c, err := consumer.New(pool, b.Source(), stallingHandler(stuck), cfg)
+	require.NoError(t, err)
+	runUntilStuck(t, c, stuck)
+
+	// Process 2: each runs alone; the victim's first run loses its session.
+	var ended atomic.Int32
+	c, err = consumer.New(pool, b.Source(), endsItsSessionOnce("victim", &ended), cfg)
+	require.NoError(t, err)
+	stop := start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 2 }, 20*time.Second, 5*time.Millisecond)
+	require.NoError(t, stop())
+	assert.Empty(t, deadLetterKinds(b), "one lost session is no crash loop")
+	got := requireEffectsOnce(t, pool, 2)
+	assert.Contains(t, got, "victim")
+	assert.Equal(t, int32(2), ended.Load(), "the victim ran again after its lost session")
+}
+
+// The same across a restart: a message that lost its session once while
+// it ran alone, its process stopped in the wait before the next attempt,
+// has a record holding a crash and no run. The next process took the run
+// the record implies for a spent one, with Retry.MaxAttempts 1, and
+// dead-lettered the message as a crash loop without running it.
+func TestSessionLostOnceBeforeARestartIsRetried(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{}) // unordered, like AMQP
+	// Redelivered: a suspect, running alone from its first attempt.
+	b.Publish(consumer.Message{Value: []byte(`{"n":1}`), Headers: map[string]string{"id": "victim"}, Key: []byte("victim"), Redelivered: true})
+	cfg := fastConfig("lost-once-restart")
+	cfg.Retry.MaxAttempts = 1
+	// Process 1 stops in the wait after the lost session.
+	cfg.InfraBackoff = consumer.Backoff{Initial: time.Hour, Max: time.Hour}
+	var ended atomic.Int32
+	c, err := consumer.New(pool, b.Source(), endsItsSessionOnce("victim", &ended), cfg)
+	require.NoError(t, err)
+	stop := start(t, c)
+	require.Eventually(t, func() bool {
+		var crashes, runs int
+		err := pool.QueryRow(context.Background(), `SELECT crashes, attempts FROM processed_events_attempts
+			WHERE consumer = 'lost-once-restart' AND event_id = 'victim'`).Scan(&crashes, &runs)
+		return err == nil && crashes == 1 && runs == 0
+	}, 20*time.Second, 5*time.Millisecond, "the lost attempt was not recorded as a crash without a run")
+	require.NoError(t, stop())
+
+	cfg.InfraBackoff = fastConfig("").InfraBackoff
+	c, err = consumer.New(pool, b.Source(), endsItsSessionOnce("victim", &ended), cfg)
+	require.NoError(t, err)
+	stop = start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 1 }, 20*time.Second, 5*time.Millisecond)
+	require.NoError(t, stop())
+	assert.Empty(t, deadLetterKinds(b), "one lost session is no crash loop")
+	requireEffectsOnce(t, pool, 1)
+	assert.Equal(t, int32(2), ended.Load(), "the victim ran again after its lost session")
+}
+
+// A suspect's attempt whose delivery is lost with its connection while its
+// handler still runs (a RabbitMQ connection cut: the broker hands the
+// message to another consumer at once) is no crash for the consumer that
+// gets the message next (another process here; this one, its source
+// reconnected, alike): it waits for the running attempt to end instead
+// of reading its record, which counts that attempt as a crash until it
+// ends. With CrashGuard.MaxCrashes 1 the message was dead-lettered as a
+// crash loop although it never crashed.
+func TestAttemptStillRunningElsewhereIsNoCrash(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{}) // unordered, like AMQP
+	// Redelivered: a suspect, running alone from its first attempt.
+	b.Publish(consumer.Message{Value: []byte(`{"n":1}`), Headers: map[string]string{"id": "victim"}, Key: []byte("victim"), Redelivered: true})
+	cfg := fastConfig("running-elsewhere")
+	cfg.CrashGuard.MaxCrashes = 1
+
+	// Consumer A: its connection is cut while the handler runs on,
+	// slow to see its context end (work outside the database).
+	cut, release := make(chan struct{}), make(chan struct{})
+	var released sync.Once
+	letGo := func() { released.Do(func() { close(release) }) }
+	t.Cleanup(letGo)
+	srcA := newTimingOutSource(b)
+	slow := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		require.NoError(t, srcA.lose(nil))
+		close(cut)
+		<-release
+		return ctx.Err()
+	}
+	a, err := consumer.New(pool, srcA, slow, cfg)
+	require.NoError(t, err)
+	stopA := start(t, a)
+	<-cut
+
+	// Consumer B gets the message meanwhile, as the broker redelivers it.
+	var ran atomic.Int32
+	bc, err := consumer.New(pool, b.Source(), func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		ran.Add(1)
+		return insertEffect(ctx, tx, ev)
+	}, cfg)
+	require.NoError(t, err)
+	stopB := start(t, bc)
+	// A's handler returns once B has dead-lettered the message, or waits
+	// for A's attempt to end (a lock it waits for).
+	require.Eventually(t, func() bool {
+		var waiting bool
+		err := pool.QueryRow(context.Background(), `SELECT EXISTS (SELECT FROM pg_locks WHERE locktype = 'advisory' AND NOT granted)`).Scan(&waiting)
+		return err == nil && waiting || len(b.DeadLetters()) > 0
+	}, 20*time.Second, 5*time.Millisecond, "B neither dead-lettered the message nor waited for A's attempt")
+	letGo()
+	require.Eventually(t, func() bool { return b.Acked() == 1 }, 20*time.Second, 5*time.Millisecond)
+	_ = stopA() // its source is closed: Run says so
+	require.NoError(t, stopB())
+	assert.Empty(t, deadLetterKinds(b), "a lost connection is never charged")
+	requireEffectsOnce(t, pool, 1)
+	assert.Equal(t, int32(1), ran.Load())
+	var left int
+	require.NoError(t, pool.QueryRow(context.Background(), `SELECT count(*) FROM processed_events_attempts`).Scan(&left))
+	assert.Zero(t, left, "no crash-guard record is left behind")
 }

@@ -231,18 +231,24 @@ func (p *pipeline) sampleSessions(ctx context.Context, now time.Time) {
 // expires): when a lock holds up every handler, every pooled connection
 // is held by one, and a stranded pool's connections would not answer.
 func (p *pipeline) askAfterSessions(ctx context.Context, f func(*pgx.Conn) error) error {
-	cfg := p.pool.Config()
-	if cfg.BeforeConnect != nil {
-		if err := cfg.BeforeConnect(ctx, cfg.ConnConfig); err != nil {
-			return err
-		}
-	}
-	conn, err := pgx.ConnectConfig(ctx, cfg.ConnConfig)
+	conn, err := p.connectAlone(ctx)
 	if err != nil {
 		return err
 	}
 	defer conn.Close(ctx)
 	return f(conn)
+}
+
+// connectAlone opens a connection outside the pool with the pool's
+// configuration, its BeforeConnect applied.
+func (p *pipeline) connectAlone(ctx context.Context) (*pgx.Conn, error) {
+	cfg := p.pool.Config()
+	if cfg.BeforeConnect != nil {
+		if err := cfg.BeforeConnect(ctx, cfg.ConnConfig); err != nil {
+			return nil, err
+		}
+	}
+	return pgx.ConnectConfig(ctx, cfg.ConnConfig)
 }
 
 // probePIDs returns the server processes of probes.

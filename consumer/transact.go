@@ -85,6 +85,11 @@ func (p *pipeline) transact(ctx context.Context, jobs []*job) txResult {
 		for _, j := range jobs {
 			j.stalled = j.dctx.Err() == nil || j == suspect && j.timedOut
 		}
+		if suspect != nil {
+			// Given back before its lock is released (leave): another
+			// process may be waiting to read its record.
+			p.guard.forget(suspect)
+		}
 		return txResult{outcome: txAbandoned, err: r.err, failed: -1}
 	}
 	if suspect != nil && r.outcome != txCommitted && r.outcome != txAbandoned {
