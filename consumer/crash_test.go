@@ -148,9 +148,10 @@ func recoverAndCount(t *testing.T, pool *pgxpool.Pool, total int) consumer.Stats
 	require.NoError(t, err)
 	stop := start(t, c)
 	require.Eventually(t, func() bool {
+		// A failed count is no drained queue: n would stay 0.
 		var n int
-		_ = pool.QueryRow(ctx, `SELECT count(*) FROM queue WHERE NOT acked`).Scan(&n)
-		return n == 0
+		err := pool.QueryRow(ctx, `SELECT count(*) FROM queue WHERE NOT acked`).Scan(&n)
+		return err == nil && n == 0
 	}, 60*time.Second, 10*time.Millisecond)
 	require.NoError(t, stop())
 	requireEffectsOnce(t, pool, total)

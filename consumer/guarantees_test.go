@@ -251,7 +251,7 @@ func TestRetryAfterAroundATransientSQLStateCountsAttempts(t *testing.T) {
 		calls = append(calls, time.Now())
 		mu.Unlock()
 		_, err := tx.Exec(ctx, `DO $$ BEGIN RAISE EXCEPTION 'deadlock detected' USING ERRCODE = '40P01'; END $$`)
-		require.Error(t, err)
+		assert.Error(t, err) // not require: the handler runs in the consumer's goroutine
 		return consumer.RetryAfter(wait, err)
 	}
 	c, err := consumer.New(pool, b.Source(), h, fastConfig("retry-after-deadlock"))
@@ -994,9 +994,11 @@ func TestHandlerEndingTheBatchTransactionAsItsDeliveryIsLostLosesNoNeighbour(t *
 			return err
 		}
 		if ev.ID == "e2" && !ev.Message.Redelivered {
+			// assert, not require: the handler runs in the consumer's
+			// goroutine, where FailNow would end it, not the test.
 			_, err := tx.Exec(ctx, "COMMIT")
-			require.NoError(t, err)
-			require.NoError(t, src.Close()) // the deliveries are lost
+			assert.NoError(t, err)
+			assert.NoError(t, src.Close()) // the deliveries are lost
 			close(lost)
 		}
 		return nil
@@ -1195,7 +1197,7 @@ func TestHandlerRollingBackTheBatchTransactionKeepsOthersClaims(t *testing.T) {
 			// that the claim of this batch is gone.
 			_, err := pool.Exec(ctx, `WITH claim AS (INSERT INTO processed_events (consumer, event_id) VALUES ($1, 'e4'))
 				INSERT INTO effects (event_id, n) VALUES ('e4', 4)`, name)
-			require.NoError(t, err)
+			assert.NoError(t, err) // not require: the handler runs in the consumer's goroutine
 		}
 		return nil
 	}
@@ -1399,7 +1401,7 @@ func TestHandlerOutlastingTheBrokersTimeoutEveryTimeIsDeadLettered(t *testing.T)
 	cut := make(chan struct{}, 16)
 	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
 		if ev.ID == "stuck" {
-			require.NoError(t, current.Load().lose(consumer.ErrDeliveryTimedOut))
+			assert.NoError(t, current.Load().lose(consumer.ErrDeliveryTimedOut)) // not require: the consumer's goroutine
 			<-ctx.Done()
 			cut <- struct{}{}
 			return ctx.Err()
@@ -1435,7 +1437,7 @@ func TestLostConnectionsAreNeverCharged(t *testing.T) {
 	var blips atomic.Int32
 	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
 		if ev.ID == "e1" && blips.Add(1) <= 4 {
-			require.NoError(t, current.Load().lose(nil))
+			assert.NoError(t, current.Load().lose(nil)) // not require: the consumer's goroutine
 			<-ctx.Done()
 			cut <- struct{}{}
 			return ctx.Err()

@@ -62,7 +62,9 @@ func TestHooks(t *testing.T) {
 			for _, ev := range events {
 				// Visible from another connection: committed.
 				var n int
-				require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM effects WHERE event_id = $1`, ev.EventID).Scan(&n))
+				// assert, not require: this runs in the consumer's goroutine,
+				// where FailNow would end that goroutine, not the test.
+				assert.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM effects WHERE event_id = $1`, ev.EventID).Scan(&n))
 				assert.Equal(t, 1, n, ev.EventID)
 				mu.Lock()
 				committed = append(committed, ev.EventID)

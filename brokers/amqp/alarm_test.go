@@ -128,11 +128,14 @@ func TestAlarmBlockingDeadLettersDoesNotStallAcks(t *testing.T) {
 
 	// Every good message is acked, as the broker counts it, while the
 	// poison waits unacked behind its blocked dead-letter publish.
-	var ready, unacked int
+	// The counts for the message are read afresh: a condition still
+	// running in its goroutine when Eventually gives up writes what the
+	// test would read.
 	if !assert.Eventually(t, func() bool {
-		ready, unacked = node.queueCounts(t, q)
+		ready, unacked := node.queueCounts(t, q)
 		return ready == 0 && unacked == len(poison)
 	}, 60*time.Second, 50*time.Millisecond) {
+		ready, unacked := node.queueCounts(t, q)
 		t.Fatalf("acks must reach the broker during the alarm: %d ready, %d unacked; %+v", ready, unacked, r.c.Stats())
 	}
 	requireExactlyOnce(t, pool, good)

@@ -3,7 +3,6 @@ package amqp
 import (
 	"context"
 	"fmt"
-	"os"
 	"strings"
 	"testing"
 	"time"
@@ -21,10 +20,7 @@ import (
 // frame_max itself pass, a leniency for clients that count frame_max as
 // the payload's bound; the copy does not count on it.)
 func TestHeaderFrameSizeIsTheBrokersMeasure(t *testing.T) {
-	broker := os.Getenv("AMQP_URL")
-	if broker == "" {
-		t.Skip("AMQP_URL is not set")
-	}
+	broker := testBrokerURL(t)
 	// publish publishes a copy with every property and every field type,
 	// padded to a content header of frame_max - 8 + over bytes, and
 	// returns the frame_max and the error the broker closed with.

@@ -4,7 +4,6 @@ import (
 	"context"
 	"log/slog"
 	"net/url"
-	"os"
 	"testing"
 	"time"
 
@@ -23,10 +22,7 @@ import (
 // read the closed returns channel forever with the publisher's lock held,
 // which would stop every later dead letter and Close.
 func TestLostConnectionWhileSettlingAPendingCopyDoesNotHang(t *testing.T) {
-	broker := os.Getenv("AMQP_URL")
-	if broker == "" {
-		t.Skip("AMQP_URL is not set")
-	}
+	broker := testBrokerURL(t)
 	u, err := url.Parse(broker)
 	require.NoError(t, err)
 	proxy, err := netcut.NewProxy(u.Host)

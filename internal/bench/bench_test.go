@@ -57,6 +57,23 @@ func atoiSuffix(t *testing.T, id string) int {
 	return n
 }
 
+// rabbitURL returns AMQP_URL. Without it a test that needs RabbitMQ
+// (needed) is skipped, and one that covers it beside Kafka runs on Kafka
+// alone; under ONCE_REQUIRE_SERVERS=1 (make test) both fail instead, so
+// that a run meant to cover RabbitMQ never passes without it.
+func rabbitURL(t *testing.T, needed bool) string {
+	t.Helper()
+	u := os.Getenv("AMQP_URL")
+	switch {
+	case u != "":
+	case os.Getenv("ONCE_REQUIRE_SERVERS") == "1":
+		t.Fatal("AMQP_URL is not set and ONCE_REQUIRE_SERVERS=1: start a broker with scripts/rabbitmq.sh start DIR")
+	case needed:
+		t.Skip("AMQP_URL is not set")
+	}
+	return u
+}
+
 // TestSmoke runs the naive, the batched and the key-lanes rows on Kafka
 // (and all but the last on RabbitMQ when AMQP_URL is set) with a small workload, paced phase included, and
 // requires every row's effects to be exactly right.
@@ -69,8 +86,8 @@ func TestSmoke(t *testing.T) {
 		PaceMax:     500,
 		DatabaseURL: pgtest.URL(),
 	}
-	if os.Getenv("AMQP_URL") != "" {
-		o.Brokers, o.AMQPURL = append(o.Brokers, RabbitMQ), os.Getenv("AMQP_URL")
+	if u := rabbitURL(t, false); u != "" {
+		o.Brokers, o.AMQPURL = append(o.Brokers, RabbitMQ), u
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
@@ -191,10 +208,7 @@ func TestPercentile(t *testing.T) {
 // scripts/rabbitmq.sh exports): a broker on the database's disk stalls
 // its WAL flushes.
 func TestLazyQueueRows(t *testing.T) {
-	url := os.Getenv("AMQP_URL")
-	if url == "" {
-		t.Skip("AMQP_URL not set")
-	}
+	url := rabbitURL(t, true)
 	t.Setenv("ONCE_RABBITMQ_DIR", "/dev/shm/once-bench-rabbit-test")
 	o := Options{
 		Workload:    Workload{Events: 300, DupEvery: 10, PoisonEvery: 50, Partitions: 4},
@@ -393,10 +407,7 @@ func TestCheckFindsTheWrongDeadLetter(t *testing.T) {
 // TestCheckFindsTheWrongDeadLetterOnRabbitMQ: the same on a dead-letter
 // queue, whose messages keep their message id.
 func TestCheckFindsTheWrongDeadLetterOnRabbitMQ(t *testing.T) {
-	url := os.Getenv("AMQP_URL")
-	if url == "" {
-		t.Skip("AMQP_URL not set")
-	}
+	url := rabbitURL(t, true)
 	ctx := context.Background()
 	db, _ := pgtest.Schema(t)
 	spec := &rowSpec{Broker: RabbitMQ, AMQPURL: url, Schema: "oncebench_check_dlq_amqp_test"}

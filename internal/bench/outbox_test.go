@@ -3,7 +3,6 @@ package bench
 import (
 	"context"
 	"fmt"
-	"os"
 	"strings"
 	"testing"
 	"time"
@@ -29,7 +28,7 @@ func TestOutboxRowsSmoke(t *testing.T) {
 		// The schema of each row is created and dropped by the run.
 		DatabaseURL: pgtest.URL(),
 	}
-	if u := os.Getenv("AMQP_URL"); u != "" {
+	if u := rabbitURL(t, false); u != "" {
 		o.Brokers, o.AMQPURL = append(o.Brokers, RabbitMQ), u
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)

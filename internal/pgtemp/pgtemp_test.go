@@ -47,12 +47,23 @@ func listening(port int) bool {
 	return true
 }
 
+// requireBinDir skips the test where PostgreSQL's server binaries are not
+// installed, or fails it under ONCE_REQUIRE_SERVERS=1 (make test), where
+// every other test binary needs them too.
+func requireBinDir(t *testing.T) {
+	t.Helper()
+	if _, err := findBinDir(); err != nil {
+		if os.Getenv("ONCE_REQUIRE_SERVERS") == "1" {
+			t.Fatalf("%v (ONCE_REQUIRE_SERVERS=1)", err)
+		}
+		t.Skip(err)
+	}
+}
+
 // TestServerDiesWithItsProcess: a process killed without Close leaves no
 // server and no directory behind.
 func TestServerDiesWithItsProcess(t *testing.T) {
-	if _, err := findBinDir(); err != nil {
-		t.Skip(err)
-	}
+	requireBinDir(t)
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
 	cmd.Env = append(os.Environ(), childEnv+"=1")
 	out, err := cmd.StdoutPipe()
@@ -79,9 +90,7 @@ func TestServerDiesWithItsProcess(t *testing.T) {
 // TestCloseStopsTheWatchdog: Close stops the server and the watchdog, and a
 // stopped and restarted server is still watched.
 func TestCloseStopsTheWatchdog(t *testing.T) {
-	if _, err := findBinDir(); err != nil {
-		t.Skip(err)
-	}
+	requireBinDir(t)
 	ctx := context.Background()
 	srv, err := Start(ctx, Options{})
 	require.NoError(t, err)
