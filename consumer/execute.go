@@ -354,7 +354,9 @@ func (p *pipeline) pause(ctx context.Context, s *settler, d time.Duration) bool 
 		return p.sleep(ctx, d)
 	}
 	<-p.sem // the slot the caller took (takeSlot)
-	defer p.takeSlot()
+	defer func() {
+		_ = p.takeSlot() // the caller releases it, as it would have
+	}()
 	return p.sleep(ctx, d)
 }
 

@@ -486,13 +486,13 @@ func (r *cutRows) Next() bool {
 	if r.Rows.Next() {
 		return true
 	}
-	r.q.sawCut(r.ctx, r.Rows.Err())
+	r.q.sawCut(r.ctx, r.Err())
 	return false
 }
 
 func (r *cutRows) Close() {
 	r.Rows.Close()
-	r.q.sawCut(r.ctx, r.Rows.Err())
+	r.q.sawCut(r.ctx, r.Err())
 }
 
 type cutRow struct {

@@ -57,7 +57,7 @@ func TestRowsMarkedWaitingAfterARequeuesSnapshotAreGivenBack(t *testing.T) {
 			// the parked row.
 			tx, err := pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
 			require.NoError(t, err)
-			defer tx.Rollback(ctx)
+			defer func() { _ = tx.Rollback(ctx) }() // after its commit, a no-op
 			parked, err := store.Parked(ctx, tx, 0)
 			require.NoError(t, err)
 			require.Len(t, parked, 1)
