@@ -112,7 +112,10 @@ type Config struct {
 	// connection may hold a transaction: a handler that queries the pool
 	// instead of its tx then waits for a connection that only its own
 	// return frees (until HandlerTimeout, a failure charged to it). Such a
-	// handler needs a pool larger than Concurrency.
+	// handler needs a pool larger than Concurrency. The crash guard opens
+	// one more connection, outside the pool, at the first attempt of a
+	// suspect (the lock every such attempt holds), and keeps it until Run
+	// ends: count it against the server's max_connections.
 	Concurrency int
 	// ReceiveBuffer is how many received messages may wait to be handled,
 	// across all streams, before receiving blocks; the broker's own buffers
@@ -362,7 +365,8 @@ type RetryPolicy struct {
 // such a message is never dead-lettered. Config.InfraBackoff.
 type Backoff struct {
 	// Initial is the first wait. Defaults to 100ms, or to Max when that is
-	// set and shorter.
+	// set and shorter. New refuses a positive Initial or Max below a
+	// millisecond (a unit mistake: 10 is 10 ns).
 	Initial time.Duration
 	// Max caps the wait. Defaults to 5s, or to Initial when that is longer
 	// (the wait then never grows). Set both, and Initial may not exceed it.

@@ -294,19 +294,22 @@ func (g *crashGuard) lockAttempt(ctx context.Context, j *job) error {
 }
 
 // begin opens the lock connection's transaction, connecting first when
-// there is no connection.
+// there is no connection. Both are bounded by DatabaseTimeout, as the
+// pool's dials are: the attempt holds the isolation every other message
+// needs, and a dial to a server that never answers would hold it for
+// ever.
 func (g *crashGuard) begin(ctx context.Context) error {
+	if d := g.p.cfg.DatabaseTimeout; d > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, d)
+		defer cancel()
+	}
 	if g.lockConn == nil {
 		conn, err := g.p.connectAlone(ctx)
 		if err != nil {
 			return err
 		}
 		g.lockConn = conn
-	}
-	if d := g.p.cfg.DatabaseTimeout; d > 0 {
-		var cancel context.CancelFunc
-		ctx, cancel = context.WithTimeout(ctx, d)
-		defer cancel()
 	}
 	_, err := g.lockConn.Exec(ctx, `BEGIN`)
 	return err

@@ -11,7 +11,8 @@ import (
 // ReceiveBuffer) bounds what waits across all lanes, so that a full lane
 // never keeps the others waiting (with a bound per lane, the dispatcher
 // blocks on the one full lane while the others run dry, and the lanes fall
-// into lockstep behind the slowest).
+// into lockstep behind the slowest). A source that bounds each stream by
+// itself (StreamBounder) has no budget: its own bound holds each lane.
 type lane struct {
 	mu     sync.Mutex
 	q      []received

@@ -189,8 +189,8 @@ type StreamBounder interface {
 // call's failure and does not stop Run; by Run's error when
 // RecordProgress, FirstPositionDone or DeadLetter panicked
 // SourcePanicLimit times in a row on the same work, or when the source's
-// Close panicked; and by New's when its MessagingSystem or ConsumerGroup
-// did.
+// Close panicked; and by New's when its MessagingSystem, ConsumerGroup or
+// BoundsStreams did.
 var ErrSourceBroken = errors.New("once: the source broke its contract")
 
 // ErrSourceClosed is returned by Receive once the source has been closed.

@@ -181,7 +181,11 @@ type Config struct {
 	// (Sarama.ChannelBufferSize records, as many again read ahead while
 	// the consumer takes none, and one fetch of up to FetchDefault bytes).
 	// A crash redelivers at most this many records
-	// per partition. Default DefaultMaxPendingPerPartition.
+	// per partition. It is the only bound on what a partition hands out:
+	// the consumer's Config.ReceiveBuffer, shared by every partition, does
+	// not apply to this source (consumer.StreamBounder), so the records
+	// waiting in the process are up to this many per partition it holds.
+	// Default DefaultMaxPendingPerPartition.
 	MaxPendingPerPartition int
 
 	// ReadUncommitted hands the consumer the records of transactions
