@@ -216,9 +216,17 @@ var offsetsColumns = pgshape.Cols(
 	"updated_at", "timestamp with time zone",
 )
 
+// takeOverDefaulted are the columns TakeOverPartitions leaves out of a new
+// row for their defaults to fill. It reads next_offset and epoch back, so
+// those need a default even where they take NULL; done and updated_at need
+// one where they refuse it.
+var takeOverDefaulted = []string{"next_offset", "done", "epoch", "updated_at"}
+
 // CheckOffsets verifies that the offsets table exists with the columns it
-// needs and a primary key or unique index on (consumer, topic, partition),
-// the conflict target of TakeOverPartitions. Check leaves it out, so that
+// needs, a default for each that a take-over leaves out and reads back or
+// that refuses NULL (next_offset, epoch; done, updated_at), and a primary
+// key or unique index on (consumer, topic, partition), the conflict target
+// of TakeOverPartitions. Check leaves it out, so that
 // a schema managed by other tools needs it only where a source keeps
 // offsets in the database; such a source runs CheckOffsets when it starts. It returns nil or an error
 // wrapping ErrSchemaMismatch that names every difference.
@@ -232,6 +240,22 @@ func (s *Store) CheckOffsets(ctx context.Context, db DB) error {
 			ErrSchemaMismatch, s.names.Offsets)
 	}
 	diffs := pgshape.Diffs(have, offsetsColumns, "the store")
+	for _, name := range takeOverDefaulted {
+		if h, ok := have[name]; ok && !h.Default && (h.NotNull || name == "next_offset" || name == "epoch") {
+			diffs = append(diffs, fmt.Sprintf("column %s has no default: a take-over leaves it out for one to fill, "+
+				"and without it the new row is refused, or its NULL cannot be read back", name))
+		}
+	}
+	if h, ok := have["next_offset"]; ok && h.Default {
+		def, err := columnDefault(ctx, db, s.names.Offsets, "next_offset")
+		if err != nil {
+			return fmt.Errorf("dedup: checking %s: %w", s.names.Offsets, err)
+		}
+		if !isMinusOne(def) {
+			diffs = append(diffs, fmt.Sprintf("column next_offset's default is %s, want -1: a new row takes it for its position, "+
+				"and anything but -1 (the table knows nothing of the partition) moves the group there, past its committed offset", def))
+		}
+	}
 	unique, err := hasUniqueKey(ctx, db, s.names.Offsets, "consumer", "topic", "partition")
 	if err != nil {
 		return fmt.Errorf("dedup: checking %s: %w", s.names.Offsets, err)
@@ -243,6 +267,25 @@ func (s *Store) CheckOffsets(ctx context.Context, db DB) error {
 		return fmt.Errorf("%w: %s: %v", ErrSchemaMismatch, s.names.Offsets, diffs)
 	}
 	return nil
+}
+
+// columnDefault returns the default expression of table's column, as
+// pg_get_expr gives it back ("" for none).
+func columnDefault(ctx context.Context, db DB, table, column string) (string, error) {
+	var def string
+	err := db.QueryRow(ctx, `SELECT coalesce((SELECT pg_get_expr(d.adbin, d.adrelid)
+FROM pg_attrdef d JOIN pg_attribute a ON a.attrelid = d.adrelid AND a.attnum = d.adnum
+WHERE d.adrelid = to_regclass($1) AND a.attname = $2), '')`, table, column).Scan(&def)
+	return def, err
+}
+
+// isMinusOne reports whether a default expression is the constant -1 as
+// PostgreSQL gives it back ('-1'::integer, '-1'::bigint, -1): the cast,
+// quotes and parentheses aside. Any other expression, even one that
+// yields -1, is refused: the check cannot run it.
+func isMinusOne(def string) bool {
+	def = strings.NewReplacer(" ", "", "(", "", ")", "", "'", "", "::bigint", "", "::integer", "").Replace(def)
+	return def == "-1"
 }
 
 // offsetsPrivileges are the privileges on the offsets table that

@@ -262,3 +262,69 @@ GRANT SELECT (`+cols+`), INSERT (`+cols+`), UPDATE (`+cols+`) ON processed_event
 	_, err = s.TakeOverPartitions(ctx, conn, "c", dedup.Owner{Group: "g", Generation: 2}, []dedup.PartitionKey{{Topic: "t"}})
 	require.Error(t, err, "what the check refuses fails")
 }
+
+// A take-over leaves next_offset, done, epoch and updated_at out, for
+// their defaults to fill. An offsets table made by other tools without
+// them passed CheckOffsets (and so the source's start), and every
+// take-over failed: a NULL next_offset or epoch cannot be read back, and
+// done or updated_at NOT NULL refuses the row; the source retried it
+// without end, consuming nothing. CheckOffsets names each such column.
+func TestCheckOffsetsRefusesColumnsATakeOverCannotFill(t *testing.T) {
+	t.Parallel()
+	ctx, pool, s := setup(t)
+	_, err := pool.Exec(ctx, `ALTER TABLE processed_events_offsets
+	ALTER COLUMN next_offset DROP DEFAULT, ALTER COLUMN next_offset DROP NOT NULL,
+	ALTER COLUMN epoch DROP DEFAULT, ALTER COLUMN epoch DROP NOT NULL`)
+	require.NoError(t, err)
+	_, err = s.TakeOverPartitions(ctx, pool, "c", dedup.Owner{Group: "g", Generation: 1},
+		[]dedup.PartitionKey{{Topic: "t", Partition: 0}})
+	require.ErrorContains(t, err, "NULL", "a take-over reads next_offset and epoch back")
+	_, err = pool.Exec(ctx, `DELETE FROM processed_events_offsets;
+ALTER TABLE processed_events_offsets ALTER COLUMN updated_at DROP DEFAULT`)
+	require.NoError(t, err)
+	_, err = s.TakeOverPartitions(ctx, pool, "c", dedup.Owner{Group: "g", Generation: 1},
+		[]dedup.PartitionKey{{Topic: "t", Partition: 0}})
+	require.ErrorContains(t, err, "23502", "updated_at NOT NULL refuses the new row")
+
+	err = s.CheckOffsets(ctx, pool)
+	require.ErrorIs(t, err, dedup.ErrSchemaMismatch)
+	for _, col := range []string{"next_offset", "epoch", "updated_at"} {
+		assert.Contains(t, err.Error(), "column "+col+" has no default")
+	}
+	require.ErrorIs(t, s.Migrate(ctx, pool), dedup.ErrSchemaMismatch, "Migrate verifies the offsets table too")
+
+	_, err = pool.Exec(ctx, `ALTER TABLE processed_events_offsets ALTER COLUMN next_offset SET DEFAULT -1,
+	ALTER COLUMN epoch SET DEFAULT 1, ALTER COLUMN updated_at SET DEFAULT now()`)
+	require.NoError(t, err)
+	require.NoError(t, s.CheckOffsets(ctx, pool))
+	o := takeOver(t, ctx, pool, s, "")
+	assert.Equal(t, int64(-1), o.Next)
+	require.NoError(t, recordTx(t, ctx, pool, s, dedup.OffsetsUpdate{Topic: "t", Partition: 0, Epoch: o.Epoch, DoneBelow: 3}))
+}
+
+// A new row's next_offset comes from the column's default, and -1 says the
+// table knows nothing of the partition (the group's committed offset, or
+// InitialOffset, applies). An offsets table made by other tools with
+// another default (0, an offset's natural start) passed CheckOffsets, and
+// every partition new to the table was taken for done below that offset:
+// the source moved the group back to it, past its committed offset and
+// StartNewest, and handled the partition's whole history again, the
+// effects of records whose claims retention had deleted twice.
+// CheckOffsets names the default.
+func TestCheckOffsetsRefusesANextOffsetDefaultOtherThanNothingKnown(t *testing.T) {
+	t.Parallel()
+	ctx, pool, s := setup(t)
+	_, err := pool.Exec(ctx, `ALTER TABLE processed_events_offsets ALTER COLUMN next_offset SET DEFAULT 0`)
+	require.NoError(t, err)
+	assert.Equal(t, int64(0), takeOver(t, ctx, pool, s, "").Next, "a new row records the default as done below it")
+
+	err = s.CheckOffsets(ctx, pool)
+	require.ErrorIs(t, err, dedup.ErrSchemaMismatch)
+	assert.Contains(t, err.Error(), "column next_offset's default is 0")
+
+	for _, def := range []string{"-1", "'-1'::bigint", "(-1)::integer"} {
+		_, err = pool.Exec(ctx, `ALTER TABLE processed_events_offsets ALTER COLUMN next_offset SET DEFAULT `+def)
+		require.NoError(t, err)
+		require.NoError(t, s.CheckOffsets(ctx, pool), "default %s", def)
+	}
+}

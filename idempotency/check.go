@@ -23,7 +23,8 @@ var keyColumns = pgshape.Cols(
 )
 
 // checkTable verifies that table (quoted, maybe qualified) has the columns
-// the middleware needs, no other column an insert cannot leave out, is
+// the middleware needs, no other column an insert cannot leave out, a
+// fingerprint that takes NULL (a Fingerprint may return nil), is
 // logged (partitions included), and has a
 // key that tells every (scope, idempotency_key) apart: a primary key or
 // unique index on exactly those columns, valid, immediate and without a
@@ -62,6 +63,12 @@ func tableDiffs(ctx context.Context, tx pgx.Tx, table string) ([]string, error) 
 		case "scope", "idempotency_key":
 			if h.Folds {
 				diffs = append(diffs, fmt.Sprintf("column %s has a nondeterministic collation: its lookups take distinct %ss for one", w.Name, w.Name))
+			}
+		case "fingerprint":
+			// A Fingerprint that returns nil stores none: the claim
+			// writes NULL.
+			if h.NotNull {
+				diffs = append(diffs, "column fingerprint is NOT NULL, and the claim writes NULL there under a Fingerprint that returns nil: every such claim would be refused")
 			}
 		case "status", "header", "body":
 			// The claim leaves them to their defaults, and reads status.

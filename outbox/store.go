@@ -199,10 +199,24 @@ var (
 	outboxColumns  = pgshape.Cols(append(slices.Clone(firstColumns), "waiting", "boolean")...)
 )
 
+// defaulted are the columns Add leaves out for their defaults to fill:
+// the relay reads attempts and created_at into integers and times, and
+// passes over a row whose waiting is not false.
+var defaulted = []string{"created_at", "attempts", "waiting"}
+
+// nullable are the columns Add or the relay writes NULL into: the key of
+// a message without one, and the marks of a row not yet sent, parked or
+// delayed (Add leaves them out; a send, a requeue and a rejection short of
+// parking clear them).
+var nullable = []string{"key", "not_before", "parked_at", "sent_at"}
+
 // Check verifies that the outbox table exists with the columns and types
 // Add and the relay use, that seq is generated (an identity or a default)
 // and that no other column would make Add fail (NOT NULL without a
-// default). It returns nil, or an error wrapping ErrSchemaMismatch that
+// default), that the columns Add leaves out (created_at, attempts,
+// waiting) have a default, and that the columns Add and the relay may
+// write NULL into (key, not_before, parked_at, sent_at) take it. It
+// returns nil, or an error wrapping ErrSchemaMismatch that
 // names every difference. Migrate runs it, and so does Relay.Run with
 // RelayConfig.SkipMigrate: a table of the name made by someone else (a
 // column body of type text would take Add's bytes as their hex escape,
@@ -234,6 +248,19 @@ func (s *Store) check(ctx context.Context, db DB, want []pgshape.Want) error {
 	diffs := pgshape.Diffs(have, want, "Add")
 	if h, ok := have["seq"]; ok && h.Type == "bigint" && !h.Default {
 		diffs = append(diffs, "column seq is not generated (an identity or a default): Add does not write it")
+	}
+	for _, name := range defaulted {
+		if h, ok := have[name]; ok && !h.Default {
+			diffs = append(diffs, fmt.Sprintf("column %s has no default: Add leaves it out for one to fill, and a row "+
+				"with NULL there is never published (waiting), or breaks every read of the relay (attempts, created_at), "+
+				"or is refused (NOT NULL)", name))
+		}
+	}
+	for _, name := range nullable {
+		if h, ok := have[name]; ok && h.NotNull {
+			diffs = append(diffs, fmt.Sprintf("column %s is NOT NULL, and Add or the relay writes NULL there "+
+				"(a message without a key; a row not yet sent, parked or delayed): those writes would be refused", name))
+		}
 	}
 	if len(diffs) == 0 {
 		return nil
