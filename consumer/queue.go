@@ -209,9 +209,20 @@ func (t *queueTx) cutByOwnDeadline() bool {
 // context canceled only after its statements ended (a deferred cancel)
 // leaves no mark.
 func (t *queueTx) sawCut(ctx context.Context, err error) {
-	if err != nil && ctx.Err() != nil && ctx.Done() != t.handlerDone {
+	if err != nil && ctx.Err() != nil && t.mayCut(ctx) {
 		t.canceledByHandler = true
 	}
+}
+
+// mayCut reports whether ctx is a context sawCut watches: one that can be
+// canceled and is not the handler's own (nor shares its Done, as one that
+// only adds values does). Results read under any other context are not
+// wrapped (cutRows, cutRow, cutBatchResults): sawCut would note nothing
+// of them, and the wrapper cost an allocation per statement of every
+// handler passing its context on.
+func (t *queueTx) mayCut(ctx context.Context) bool {
+	d := ctx.Done()
+	return d != nil && d != t.handlerDone
 }
 
 // queueFailure is a queued statement's failure, charged to its owner (-1:
@@ -376,6 +387,9 @@ func (c *checkedTx) Query(ctx context.Context, sql string, args ...any) (pgx.Row
 	c.q.rolledBack = false
 	rows, err := c.Tx.Query(ctx, sql, args...)
 	c.q.sawCut(ctx, err)
+	if !c.q.mayCut(ctx) {
+		return rows, err
+	}
 	return &cutRows{Rows: rows, q: c.q, ctx: ctx}, err
 }
 
@@ -384,7 +398,11 @@ func (c *checkedTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.R
 		return errRows{err}
 	}
 	c.q.rolledBack = false
-	return cutRow{row: c.Tx.QueryRow(ctx, sql, args...), q: c.q, ctx: ctx}
+	row := c.Tx.QueryRow(ctx, sql, args...)
+	if !c.q.mayCut(ctx) {
+		return row
+	}
+	return cutRow{row: row, q: c.q, ctx: ctx}
 }
 
 func (c *checkedTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
@@ -399,7 +417,11 @@ func (c *checkedTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResult
 		return errBatchResults{err}
 	}
 	c.q.rolledBack = false
-	return &cutBatchResults{BatchResults: c.Tx.SendBatch(ctx, b), q: c.q, ctx: ctx}
+	br := c.Tx.SendBatch(ctx, b)
+	if !c.q.mayCut(ctx) {
+		return br
+	}
+	return &cutBatchResults{BatchResults: br, q: c.q, ctx: ctx}
 }
 
 func (c *checkedTx) CopyFrom(ctx context.Context, table pgx.Identifier, cols []string, src pgx.CopyFromSource) (int64, error) {
@@ -474,8 +496,8 @@ var errTxEndedBySQL = errors.New("once: refused: a statement sent by the handler
 	"the consumer commits after the handler returns (return an error to roll back)")
 
 // cutRows, cutRow and cutBatchResults are the results of the handler's
-// statements, read under ctx: a failure met while reading them is noted
-// by sawCut.
+// statements, read under ctx (one mayCut watches): a failure met while
+// reading them is noted by sawCut.
 type cutRows struct {
 	pgx.Rows
 	q   *queueTx
@@ -575,6 +597,7 @@ func Call[T any](ctx context.Context, tx pgx.Tx, h Handler[T], ev Event[T]) erro
 		return fmt.Errorf("%w: consumer.Call needs a handler and a transaction", ErrInvalidConfig)
 	}
 	qtx := newQueueTx(tx)
+	qtx.handlerDone = ctx.Done() // h's own context, as callHandler's is
 	ev.queue = openQueue(qtx)
 	err := func() (err error) {
 		defer func() {
