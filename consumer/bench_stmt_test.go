@@ -50,7 +50,7 @@ func BenchmarkHandlerStatement(b *testing.B) {
 			if err != nil {
 				b.Fatal(err)
 			}
-			defer tx.Rollback(ctx)
+			defer func() { _ = tx.Rollback(ctx) }()
 			b.ReportAllocs()
 			b.ResetTimer()
 			for i := 0; i < b.N; i++ {

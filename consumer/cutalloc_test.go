@@ -22,7 +22,7 @@ func TestResultsReadUnderTheHandlersContextAreNotWrapped(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer tx.Rollback(context.Background())
+	defer func() { _ = tx.Rollback(context.Background()) }()
 	qtx := newQueueTx(tx)
 	qtx.handlerDone = ctx.Done() // as callHandler sets it
 	stmts := map[string]func(pgx.Tx) error{
