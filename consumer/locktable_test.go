@@ -61,3 +61,46 @@ func TestLockTableOverflowedByABatchIsHalvedNotRetriedForEver(t *testing.T) {
 	assert.Empty(t, deadLetterKinds(b), "no message is charged")
 	assert.Equal(t, want, countEffects(t, pool))
 }
+
+// TestLockTableOverflowedByOneMessageIsChargedNotRetriedForEver: a
+// message whose handler alone asks for more locks than the server's
+// shared lock table holds fails with 53200 on every run, as PostgreSQL's
+// hint (raise max_locks_per_transaction) says: it is the handler's, not a
+// passing shortage. Met once alone, 53200 is infrastructure (the table is
+// shared: other sessions may have filled it for a while); met again in a
+// row, it is charged to the message, whose retries then end in the
+// dead-letter queue with the SQLSTATE. (It was retried as infrastructure
+// without end: its stream stood still, with no way out.)
+func TestLockTableOverflowedByOneMessageIsChargedNotRetriedForEver(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	ctx := context.Background()
+	var slots int
+	require.NoError(t, pool.QueryRow(ctx, `SELECT current_setting('max_locks_per_transaction')::int *
+		(current_setting('max_connections')::int + current_setting('max_prepared_transactions')::int)`).Scan(&slots))
+	b := memsource.New(memsource.Options{Streams: 1})
+	publish(b, "greedy", 0)
+	publish(b, "after", 1)
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		if ev.ID == "greedy" {
+			// Twice the table: no run of it ever fits.
+			if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock(k) FROM generate_series(1, $1::bigint) k`,
+				int64(2*slots)); err != nil {
+				return err
+			}
+		}
+		return insertEffect(ctx, tx, ev)
+	}
+	cfg := fastConfig("lock-table-alone")
+	cfg.Retry.MaxAttempts = 2
+	cfg.Batch.Size = 1
+	c, err := consumer.New(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	start(t, c)
+	waitCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	require.NoError(t, b.WaitEachAcked(waitCtx, 2), "the message is retried as infrastructure for ever; its stream stands still")
+	assert.Equal(t, map[string]string{"greedy": string(consumer.KindHandler)}, deadLetterKinds(b))
+	assert.Equal(t, "53200", deadLetterOf(t, b, "greedy").Headers[consumer.HeaderErrorSQLState])
+	assert.Equal(t, map[string]int{"after": 1}, countEffects(t, pool))
+}

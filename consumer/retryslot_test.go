@@ -95,3 +95,58 @@ func TestDeadLetterWaitingForItsDestinationLeavesItsSlotToOtherStreams(t *testin
 	assert.Len(t, b.DeadLetters(), 1)
 	requireEffectsOnce(t, pool, others)
 }
+
+// TestUnorderedMessagesWaitingToRetryDoNotStopTheOthers: unordered
+// messages waiting for their retry (an hour away here) run no
+// transaction: with Concurrency of them waiting, the other messages are
+// still handled, among them the one the waiting ones depend on. (Each
+// waiting message kept its worker and its slot: with Concurrency 2, two
+// of them stopped the consumer for the hour.) A twin of a waiting message
+// still follows it, and nothing deadlocks.
+func TestUnorderedMessagesWaitingToRetryDoNotStopTheOthers(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{})
+	waiting := make(chan string, 2)
+	var runs atomic.Int32
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		if ev.ID == "waiting-1" || ev.ID == "waiting-2" {
+			runs.Add(1)
+			waiting <- ev.ID
+			return consumer.RetryAfter(time.Hour, errors.New("its order is not there yet"))
+		}
+		return insertEffect(ctx, tx, ev)
+	}
+	cfg := fastConfig("unordered-retry-slot")
+	cfg.Concurrency = 2
+	cfg.Batch.Size = 1
+	c, err := consumer.New(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	stop := start(t, c)
+	publish(b, "waiting-1", 1)
+	publish(b, "waiting-2", 2)
+	for range 2 {
+		select {
+		case <-waiting: // its retry is an hour away
+		case <-time.After(20 * time.Second):
+			t.Fatal("the first attempts did not run")
+		}
+	}
+	// Twins of the waiting messages follow them: they wait too, and must
+	// not take the workers of the others.
+	publish(b, "waiting-1", 1)
+	publish(b, "waiting-2", 2)
+	const others = 5
+	for i := range others {
+		publish(b, fmt.Sprintf("other-%d", i), 10+i)
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
+	defer cancel()
+	require.NoError(t, b.WaitAcked(ctx, others), "the others wait for the workers the retrying messages hold")
+	require.NoError(t, stop())
+	for i := range 4 {
+		assert.False(t, b.IsAcked(int64(i)), "a waiting message or its twin is abandoned at shutdown, for redelivery")
+	}
+	assert.Equal(t, int32(2), runs.Load(), "the twins ran before their first copies were settled")
+	requireEffectsOnce(t, pool, others)
+}
