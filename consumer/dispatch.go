@@ -30,6 +30,10 @@ type dispatcher struct {
 	batcher *batcher
 	// retired counts lanes whose worker stopped since the last sweep.
 	retired chan struct{}
+	// workers counts the unordered workers, and waiting those of them
+	// whose batch waits aside (spare); under mu.
+	mu               sync.Mutex
+	workers, waiting int
 	// probed is the last delivery context whose methods receiveOne tried;
 	// touched only by the receiving goroutine.
 	probed context.Context
@@ -52,11 +56,46 @@ func newDispatcher(p *pipeline, work context.Context) *dispatcher {
 		defer d.wg.Done()
 		d.batcher.run(d.unordered)
 	}()
+	d.workers = p.cfg.Concurrency
 	for i := 0; i < p.cfg.Concurrency; i++ {
 		d.wg.Add(1)
 		go d.unorderedWorker()
 	}
+	p.spare = d.spare
 	return d
+}
+
+// spare starts an unordered worker, if need be, for one whose batch waits
+// aside (pipeline.aside): Concurrency of them keep taking batches however
+// many wait. The waiting batches hold their deliveries unacked, so the
+// source's prefetch bounds them. It returns the function that ends the
+// wait; the surplus worker then retires after its batch.
+func (d *dispatcher) spare() (end func()) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.waiting++
+	if d.workers < d.p.cfg.Concurrency+d.waiting {
+		d.workers++
+		d.wg.Add(1) // the caller's worker is counted: wg is above zero
+		go d.unorderedWorker()
+	}
+	return func() {
+		d.mu.Lock()
+		d.waiting--
+		d.mu.Unlock()
+	}
+}
+
+// retireSurplus reports whether an unordered worker is one too many, the
+// waits it stood in for ended, and counts it out if so.
+func (d *dispatcher) retireSurplus() bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.workers > d.p.cfg.Concurrency+d.waiting {
+		d.workers--
+		return true
+	}
+	return false
 }
 
 // receive feeds deliveries to workers until ctx is done or the source
@@ -361,6 +400,9 @@ func (d *dispatcher) unorderedWorker() {
 			d.p.process(d.work, one, false, &settler{p: d.p})
 		}
 		d.batcher.done(time.Since(started), suspect)
+		if d.retireSurplus() {
+			return
+		}
 	}
 }
 

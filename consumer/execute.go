@@ -97,7 +97,7 @@ func (p *pipeline) runEachAlone(ctx context.Context, s *settler, jobs []*job) {
 // failure of a run the job already had (in a batch).
 func (p *pipeline) runAlone(ctx context.Context, s *settler, j *job, failed *txResult) {
 	infra := infraRetrier{Retrier: backoff.Retrier{Policy: p.infraPolicy()}}
-	lostOnce := false
+	lostOnce, outOfMemoryOnce := false, false
 	for {
 		if failed != nil && !p.retryOrGiveUp(ctx, s, j, *failed) {
 			return
@@ -123,6 +123,12 @@ func (p *pipeline) runAlone(ctx context.Context, s *settler, j *job, failed *txR
 			}
 			return
 		case txInfra:
+			if chargeOutOfMemory(r, &outOfMemoryOnce) {
+				infra.Reset()
+				j.runs++
+				failed = &r
+				continue
+			}
 			if !p.waitInfra(ctx, s, &infra, r.err, 1) {
 				s.abandon(j)
 				return
@@ -133,10 +139,33 @@ func (p *pipeline) runAlone(ctx context.Context, s *settler, j *job, failed *txR
 			lostOnce = lostOnce || r.lost
 		case txFailed, txUnpinned:
 			infra.Reset()
+			outOfMemoryOnce = false
 			j.runs++
 			failed = &r
 		}
 	}
+}
+
+// chargeOutOfMemory reports whether r, a job's run alone that failed as
+// infrastructure, is charged to the job: a 53200 ("out of shared memory":
+// a lock table full, among others) that follows another one of its runs
+// alone. The first is infrastructure, as the table is the whole server's
+// and other sessions may have filled it for a while; met again, it is
+// most likely the job's own handler asking for more than the table holds
+// (PostgreSQL's hint: raise max_locks_per_transaction), which would fail
+// every retry the same way and stop its stream for ever. Charged, it goes
+// through the retry policy to the dead-letter queue, with its SQLSTATE.
+// once records whether the job's last run alone failed with 53200.
+func chargeOutOfMemory(r txResult, once *bool) bool {
+	if sqlState(r.err) != outOfMemory {
+		*once = false
+		return false
+	}
+	if !*once {
+		*once = true
+		return false
+	}
+	return true
 }
 
 // retryOrGiveUp handles a failed run of j: it dead-letters j when the
@@ -341,23 +370,33 @@ func (p *pipeline) sleep(ctx context.Context, d time.Duration) bool {
 }
 
 // pause is sleep for a wait between two attempts of s's messages (s nil:
-// of none). An ordered stream's worker leaves its transaction slot to the
-// other streams meanwhile: it runs no transaction while it waits, and with
-// the slot held, one stream's message waiting for its retry (a RetryAfter
-// of an hour) stopped every other stream once Concurrency of them waited.
-// It takes a slot again before it returns, d elapsed or not, as its
-// caller gives one back. An unordered batch keeps its slot: it may wait,
-// holding it, for a twin's batch (twins.go), which could then not get its
-// own slot back.
+// of none), aside: the worker runs no transaction while it waits, and with
+// the slot held, messages waiting for their retry (a RetryAfter of an
+// hour) stopped every other message once Concurrency of them waited.
 func (p *pipeline) pause(ctx context.Context, s *settler, d time.Duration) bool {
-	if s == nil || !s.ordered || d <= 0 {
+	if s == nil || d <= 0 {
 		return p.sleep(ctx, d)
 	}
+	return p.aside(s, func() bool { return p.sleep(ctx, d) })
+}
+
+// aside runs wait, which runs no transaction, without the transaction
+// slot the caller took (takeSlot), which it takes again before it
+// returns, as its caller gives one back. An unordered batch's worker is
+// one of Concurrency: another takes the batches that come meanwhile
+// (dispatcher.spare). Nothing waits aside holding a slot (a follower
+// waits for its twin aside too, settleFollowers), so a slot is held only
+// by a batch running a transaction, and a batch that waits aside for a
+// twin's can always get a slot back once the twin's ends.
+func (p *pipeline) aside(s *settler, wait func() bool) bool {
 	<-p.sem // the slot the caller took (takeSlot)
 	defer func() {
 		_ = p.takeSlot() // the caller releases it, as it would have
 	}()
-	return p.sleep(ctx, d)
+	if !s.ordered && p.spare != nil {
+		defer p.spare()()
+	}
+	return wait()
 }
 
 func (p *pipeline) infraPolicy() backoff.Policy {

@@ -46,6 +46,10 @@ type pipeline struct {
 	guard     *crashGuard
 	// twins holds the ids unordered batches are claiming (twins.go).
 	twins *twins
+	// spare, set by the dispatcher, gives the unordered batches another
+	// worker while one of theirs waits aside (pipeline.aside); it returns
+	// the function that ends the wait.
+	spare func() (end func())
 	tel   *telemetry
 	stats counters
 	// sem bounds the runs in progress to Config.Concurrency;

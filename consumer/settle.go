@@ -24,8 +24,8 @@ type settler struct {
 	p *pipeline
 	// abandoned: a message of this run was abandoned; every later one is.
 	abandoned bool
-	// ordered: s serves a stream's run, whose worker leaves its
-	// transaction slot while it waits between attempts (pipeline.pause).
+	// ordered: s serves a stream's run; else an unordered batch's, whose
+	// waits aside start a spare worker (pipeline.aside).
 	ordered bool
 	// claimed counts the messages whose ids were claimed as new and
 	// committed.

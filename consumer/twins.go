@@ -124,9 +124,7 @@ func rowCommitted(j *job) bool {
 func (p *pipeline) settleFollowers(ctx context.Context, s *settler, followers []follower) {
 	var rest []*job
 	for _, f := range followers {
-		select {
-		case <-f.twin.done:
-		case <-ctx.Done():
+		if !p.followTwin(ctx, s, f.twin) {
 			s.abandon(f.j)
 			continue
 		}
@@ -137,4 +135,23 @@ func (p *pipeline) settleFollowers(ctx context.Context, s *settler, followers []
 		rest = append(rest, f.j)
 	}
 	p.runGuarded(ctx, s, rest, false)
+}
+
+// followTwin waits for twin's batch to be settled, aside (pipeline.aside)
+// when it is not yet: the twin may be waiting for its retry, an hour
+// perhaps. It reports false when ctx ends first.
+func (p *pipeline) followTwin(ctx context.Context, s *settler, twin *twinClaim) bool {
+	select {
+	case <-twin.done:
+		return true
+	default:
+	}
+	return p.aside(s, func() bool {
+		select {
+		case <-twin.done:
+			return true
+		case <-ctx.Done():
+			return false
+		}
+	})
 }
