@@ -45,6 +45,7 @@ func Run(t *testing.T, s Suite) {
 		{"OrderPerStream", testOrder, !s.Features.Ordered},
 		{"RedeliveryAfterCrashBeforeAck", testCrashBeforeAck, !s.Features.RedeliverOnRestart},
 		{"ShutdownMidFlight", testShutdownMidFlight, !s.Features.RedeliverOnRestart},
+		{"InFlightNotAckedByOthers", testInFlightNotAckedByOthers, !s.Features.RedeliverOnRestart || s.Features.Ordered},
 		{"StallLoopDeadLettered", testStallLoop, !s.Features.RedeliverOnRestart},
 	}
 	for _, tc := range tests {
@@ -515,6 +516,65 @@ func testShutdownMidFlight(t *testing.T, e *env) {
 	e.waitEffects(len(all))
 	e.waitSettled(r2, uint64(len(all)-first))
 	e.assertExactlyOnce(all...)
+}
+
+// testInFlightNotAckedByOthers: on an unordered adapter, where messages
+// are handled side by side, the ack of one message settles that message
+// only. One whose ack also settled those received before it (an AMQP ack
+// with multiple set, one offset committed for a whole unordered queue)
+// settled a message still in its handler, and lost it when the consumer
+// stopped before that handler finished. ShutdownMidFlight misses it: its
+// handlers take as long as each other, so none finishes far ahead of an
+// earlier one.
+func testInFlightNotAckedByOthers(t *testing.T, e *env) {
+	others := ids("other", 10)
+	msgs := []OutMessage{msg("held-1", "k", 0)}
+	for i, id := range others {
+		msgs = append(msgs, msg(id, "k", i+1))
+	}
+	e.publish(msgs...)
+	cfg := config()
+	cfg.Concurrency = 4
+	cfg.ShutdownTimeout = 200 * time.Millisecond
+	entered := make(chan struct{}, 1)
+	held := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[payload]) error {
+		if ev.ID == "held-1" {
+			select {
+			case entered <- struct{}{}:
+			default:
+			}
+			<-ctx.Done() // held until the shutdown deadline cuts it short
+			return ctx.Err()
+		}
+		return record(ctx, tx, ev)
+	}
+	// One transaction per message: a batch would hold the others in
+	// held-1's transaction.
+	tune := e.tune
+	e.tune = func(c *consumer.Config) {
+		if tune != nil {
+			tune(c)
+		}
+		c.Batch.Size = 1
+	}
+	r := e.start(e.b.NewSource(t), cfg, held)
+	e.tune = tune
+	select {
+	case <-entered:
+	case <-time.After(waitFor):
+		t.Fatal("held-1 was not handled")
+	}
+	// Every other message is handled and acked while held-1 is in flight.
+	e.waitEffects(len(others))
+	e.waitSettled(r, uint64(len(others)))
+	require.NoError(t, r.stop())
+	require.NotContains(t, e.effects(), "held-1")
+
+	r2 := e.start(e.b.NewSource(t), config(), record)
+	require.Eventually(t, func() bool { return e.effects()["held-1"] > 0 }, waitFor, 20*time.Millisecond,
+		"held-1 was never delivered again: the ack of another message settled it while it was in flight")
+	e.waitSettled(r2, 1)
+	e.assertExactlyOnce(append(others, "held-1")...)
 }
 
 // testStallLoop: a message whose handler stalls past the shutdown deadline
