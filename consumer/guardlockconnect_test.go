@@ -2,10 +2,8 @@ package consumer_test
 
 import (
 	"context"
-	"io"
 	"net"
 	"strconv"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -16,39 +14,24 @@ import (
 
 	"github.com/onceco/once/consumer"
 	"github.com/onceco/once/consumer/memsource"
+	"github.com/onceco/once/internal/netcut"
 	"github.com/onceco/once/internal/pgtest"
 )
 
-// silentServer accepts TCP connections and never answers on them, as a
-// server that vanished behind an address still reachable (a hung host, a
-// balancer in front of a dead primary). It returns its port.
-func silentServer(t *testing.T) uint16 {
+// silentProxy returns the port of a proxy to upstream that holds every
+// byte sent through it (netcut's Pause): a connection to it is accepted
+// and never answered, as by a server that vanished behind an address
+// still reachable (a hung host, a balancer in front of a dead primary).
+func silentProxy(t *testing.T, upstream string) uint16 {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	proxy, err := netcut.NewProxy(upstream)
 	require.NoError(t, err)
-	var mu sync.Mutex
-	var conns []net.Conn
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			mu.Lock()
-			conns = append(conns, c)
-			mu.Unlock()
-			go func() { _, _ = io.Copy(io.Discard, c) }()
-		}
-	}()
+	proxy.Pause()
 	t.Cleanup(func() {
-		_ = ln.Close()
-		mu.Lock()
-		defer mu.Unlock()
-		for _, c := range conns {
-			_ = c.Close()
-		}
+		proxy.Resume()
+		_ = proxy.Close()
 	})
-	_, port, err := net.SplitHostPort(ln.Addr().String())
+	_, port, err := net.SplitHostPort(proxy.Addr())
 	require.NoError(t, err)
 	p, err := strconv.ParseUint(port, 10, 16)
 	require.NoError(t, err)
@@ -65,9 +48,10 @@ func silentServer(t *testing.T) uint16 {
 // DatabaseTimeout.
 func TestCrashGuardLockConnectionToASilentServerIsBounded(t *testing.T) {
 	_, schema := pgtest.Schema(t)
-	silentPort := silentServer(t)
+	var silentPort uint16
 	var silent atomic.Bool
 	pool := pgtest.NewPoolWith(t, schema, func(c *pgxpool.Config) {
+		silentPort = silentProxy(t, net.JoinHostPort(c.ConnConfig.Host, strconv.Itoa(int(c.ConnConfig.Port))))
 		c.MaxConns = 4
 		c.BeforeConnect = func(_ context.Context, cc *pgx.ConnConfig) error {
 			if silent.Load() {
