@@ -314,7 +314,10 @@ func TestStatusMigrateRetention(t *testing.T) {
 	assert.Equal(t, exitUsage, code, "a negative -suspect-age is a usage error: %s", errOut)
 	for _, args := range [][]string{{"status", "-table", "no such"}, {"status", "-schema", "a;b"},
 		{"retention", "-table", "x;y", "-consumer", "billing", "-older-than", "1h"},
-		{"retention", "-consumer", "billing", "-older-than", "1ms"}} {
+		{"retention", "-consumer", "billing", "-older-than", "1ms"},
+		{"retention", "-consumer", "billing", "-older-than", "1h", "-duty-cycle", "0"},
+		{"retention", "-consumer", "billing", "-older-than", "1h", "-duty-cycle", "1.5"},
+		{"retention", "-consumer", "billing", "-older-than", "1h", "-duty-cycle", "NaN"}} {
 		code, _, errOut = cli(t, map[string]string{"DATABASE_URL": "postgres://127.0.0.1:1/x?connect_timeout=1"}, args...)
 		assert.Equal(t, exitUsage, code, "%v: a bad name is a usage error: %s", args, errOut)
 	}

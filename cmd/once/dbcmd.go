@@ -42,11 +42,14 @@ each queue. Counting rows reads the whole table. A part that cannot be read
 (a missing topic, a broker down) is reported on stderr (and in -json's
 "errors"), the others are printed, and the exit code is 1.`
 
-const retentionUsage = `Usage: once retention -consumer NAME -older-than DURATION [-batch N] [-dry-run] [-database-url URL]
+const retentionUsage = `Usage: once retention -consumer NAME -older-than DURATION [-batch N] [-duty-cycle SHARE] [-dry-run] [-database-url URL]
 
 Deletes the processed-event rows of one consumer processed more than
 DURATION ago (and its attempt rows last seen before then), -batch rows per
-statement, each its own short transaction, printing progress. A deleted row
+statement, each its own short transaction, printing progress. It spends
+at most -duty-cycle of its time deleting (default 0.1, as a consumer's
+own retention: the running consumers keep the table's indexes); -duty-cycle 1
+deletes as fast as the database allows, for a table nobody writes. A deleted row
 no longer suppresses a redelivery of its event: DURATION must exceed the
 longest time a message can take to come back (docs/operations.md), and be
 at least 1s. A consumer name with no rows at all (misspelt?) deletes
@@ -533,6 +536,7 @@ func (a *app) retention(ctx context.Context, args []string) error {
 	name := fs.String("consumer", "", "the consumer `name` (required)")
 	olderThan := fs.Duration("older-than", 0, "delete rows processed more than this `duration` ago (required, e.g. 720h)")
 	batch := fs.Int("batch", 1000, "rows per statement")
+	duty := fs.Float64("duty-cycle", 0.1, "the `share` of its time the sweep spends deleting, in (0, 1]; 1 does not pause")
 	dry := fs.Bool("dry-run", false, "count the rows that would be deleted")
 	asJSON := fs.Bool("json", false, "print the result as JSON")
 	if helpOnly {
@@ -552,6 +556,8 @@ func (a *app) retention(ctx context.Context, args []string) error {
 		return usagef("-older-than %v is below 1s: the window must outlast the longest redelivery", *olderThan)
 	case *batch <= 0:
 		return usagef("-batch must be positive")
+	case !(*duty > 0 && *duty <= 1):
+		return usagef("-duty-cycle %v is not in (0, 1]", *duty)
 	}
 	pool, err := db.pool(ctx)
 	if err != nil {
@@ -575,7 +581,7 @@ func (a *app) retention(ctx context.Context, args []string) error {
 		}
 	}
 	n, err := inspect.Retention(ctx, pool, db.tables(), *name, cutoff, inspect.RetentionOptions{
-		BatchSize: *batch, DryRun: *dry, Progress: progress})
+		BatchSize: *batch, DryRun: *dry, Progress: progress, DutyCycle: *duty})
 	if a.terminal && progress != nil && !*dry {
 		fmt.Fprintln(a.stderr)
 	}

@@ -193,6 +193,11 @@ type RetentionOptions struct {
 	// Progress, when set, is called after each batch with the rows deleted
 	// so far.
 	Progress func(deleted int64)
+	// DutyCycle is the share of its time the sweep may spend deleting
+	// (dedup.DutyCycle): after a statement that took d it waits
+	// d × (1 − DutyCycle) / DutyCycle, leaving the table to the consumers
+	// claiming into it. It must be in (0, 1]; zero means 1, no pause.
+	DutyCycle float64
 }
 
 // Retention deletes the processed-event rows of one consumer processed
@@ -216,6 +221,12 @@ func Retention(ctx context.Context, db Deleter, t Tables, consumer string, cutof
 	if opts.BatchSize == 0 {
 		opts.BatchSize = 1000
 	}
+	if opts.DutyCycle == 0 {
+		opts.DutyCycle = 1
+	}
+	if !(opts.DutyCycle > 0 && opts.DutyCycle <= 1) {
+		return 0, fmt.Errorf("inspect: duty cycle %v is not in (0, 1]", opts.DutyCycle)
+	}
 	if opts.DryRun {
 		var n int64
 		err := db.QueryRow(ctx, `SELECT count(*) FROM `+processed+` WHERE consumer = $1 AND processed_at < $2`, consumer, cutoff).Scan(&n)
@@ -231,9 +242,9 @@ func Retention(ctx context.Context, db Deleter, t Tables, consumer string, cutof
 	if err != nil {
 		return 0, err
 	}
-	var progress []dedup.RetentionOption
+	sweep := []dedup.RetentionOption{dedup.DutyCycle(opts.DutyCycle)}
 	if opts.Progress != nil {
-		progress = append(progress, dedup.Progress(opts.Progress))
+		sweep = append(sweep, dedup.Progress(opts.Progress))
 	}
-	return store.DeleteOlderThan(ctx, db, consumer, cutoff, opts.BatchSize, progress...)
+	return store.DeleteOlderThan(ctx, db, consumer, cutoff, opts.BatchSize, sweep...)
 }
