@@ -164,7 +164,11 @@ func (c *Config) identify(m *Message) (identity, ErrorKind, error) {
 	}
 	if idt.id == "" {
 		idt.id = m.FallbackID
-		idt.firstPosition = copied && redriven == ""
+		// Only another consumer's dead letter: this consumer's own first
+		// position is done too (dead-lettered), and a dead letter that had
+		// no id yet (an envelope that did not open) is redriven without
+		// HeaderRedriveEventID.
+		idt.firstPosition = copied && redriven == "" && !ownRedrive(m, c.Name)
 	}
 	if redriven != "" {
 		idt.id = redriven

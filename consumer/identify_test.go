@@ -92,6 +92,13 @@ func TestRedriveOfAnotherConsumersDeadLetterIsIdentifiedAsItsFirstDelivery(t *te
 	idt, _, err = cfg.identify(m)
 	require.NoError(t, err)
 	require.False(t, idt.firstPosition, "its own dead letter's first position is done: dead-lettered")
+	m = copyOf("shipping")
+	delete(m.Headers, "id")
+	delete(m.Headers, HeaderRedriveEventID) // dead-lettered before it had an id
+	idt, _, err = cfg.identify(m)
+	require.NoError(t, err)
+	require.Equal(t, "orders/0/3@t", idt.id)
+	require.False(t, idt.firstPosition, "its own dead letter without an id: its first position is done too")
 	cfg.Identify.EventID = nil
 	idt, _, err = cfg.identify(&Message{FallbackID: "orders/0/3@t"})
 	require.NoError(t, err)

@@ -391,6 +391,12 @@ func redriveEventID(m *Message, consumer string) string {
 	return m.Headers[HeaderRedriveEventID]
 }
 
+// ownRedrive reports whether m is a redriven copy of this consumer's own
+// dead letter (HeaderRedriveConsumer names it).
+func ownRedrive(m *Message, consumer string) bool {
+	return m.Headers[HeaderRedriveConsumer] == consumer
+}
+
 // truncate cuts s to at most n bytes of valid UTF-8.
 func truncate(s string, n int) string {
 	if len(s) > n {

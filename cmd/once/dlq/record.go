@@ -368,7 +368,9 @@ type Filter struct {
 	// Refs are record refs; a record whose Ref is among them matches.
 	Refs []string
 	// Search is text looked for, case-insensitively, in the event id and
-	// type, the error, the consumer, the kind and the ref.
+	// type, the error, the consumer and the kind. Not in the ref (Refs
+	// selects by it): a search for an order number would select every
+	// record whose Kafka offset or RabbitMQ digest holds its digits.
 	Search string
 }
 
@@ -395,7 +397,7 @@ func (f *Filter) Match(r *Record) bool {
 	if f.Search != "" {
 		q := strings.ToLower(f.Search)
 		found := false
-		for _, s := range []string{r.EventID(), r.EventType(), r.Error(), r.Consumer(), r.Kind(), r.Ref} {
+		for _, s := range []string{r.EventID(), r.EventType(), r.Error(), r.Consumer(), r.Kind()} {
 			if strings.Contains(strings.ToLower(s), q) {
 				found = true
 				break

@@ -54,6 +54,20 @@ func TestFilterMatch(t *testing.T) {
 	assert.False(t, (&Filter{Since: at}).Match(rec()), "no failed-at header: no time bound matches")
 }
 
+// Search looks in what the commands say it looks in (the event id and
+// type, the error, the consumer and the kind), not in the ref: a search
+// for an order number would select, and replay, every dead letter whose
+// Kafka offset or RabbitMQ digest happens to contain those digits.
+func TestSearchDoesNotMatchTheRef(t *testing.T) {
+	r := rec(consumer.HeaderConsumer, "billing", consumer.HeaderErrorKind, "handler", consumer.HeaderEventID, "order-17",
+		consumer.HeaderErrorMessage, "order 17: payment rejected")
+	for _, ref := range []string{"0:4711", "9c4711e0a2b3d4f5"} {
+		r.Ref = ref
+		assert.False(t, (&Filter{Search: "4711"}).Match(r), "ref %s: order 4711 is not this record's", ref)
+		assert.True(t, (&Filter{Search: "17"}).Match(r), "ref %s", ref)
+	}
+}
+
 func TestReplayable(t *testing.T) {
 	ok := rec(consumer.HeaderEventID, "e", consumer.HeaderOriginalTopic, "orders", consumer.HeaderErrorKind, "handler")
 	require.NoError(t, ok.Replayable(false))
