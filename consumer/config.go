@@ -101,9 +101,11 @@ type Config struct {
 	// A stream's message waiting between two tries (its retry's backoff, a
 	// RetryAfter, an infrastructure failure's backoff, a dead-letter
 	// destination that is down) runs no transaction and takes none of
-	// them: the other streams go on meanwhile. (Unordered messages are
-	// handled by Concurrency workers, and one that waits keeps its
-	// worker.) Each running transaction holds one connection of the pool, so
+	// them: the other streams go on meanwhile. (So does an unordered
+	// message, or a copy waiting for its original: a stand-in worker takes
+	// the batches that come meanwhile, and the source's own bound, the
+	// RabbitMQ prefetch, bounds the messages waiting so.) Each running
+	// transaction holds one connection of the pool, so
 	// Concurrency defaults to the pool's MaxConns (pgxpool's own default is
 	// the greater of 4 and the number of CPUs; set pool_max_conns to run
 	// more). A Concurrency above MaxConns is accepted, with a warning: the

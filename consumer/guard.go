@@ -269,12 +269,19 @@ func (g *crashGuard) leave(j *job) {
 // session. When the lock cannot be had (the connection refused), the
 // attempt goes on without it, as before there was one.
 func (g *crashGuard) lockAttempt(ctx context.Context, j *job) error {
-	if err := g.begin(ctx); err != nil {
+	// The shutdown ends the waits below, as it ends a wait for the
+	// isolation (enter): the attempt has not started. The wait for the
+	// lock may last as long as the other process's attempt, and held
+	// Run's return until ShutdownTimeout.
+	sctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	g.p.cancelOnStop(sctx, cancel)
+	if err := g.begin(sctx); err != nil {
 		// The connection kept since the last attempt may have been
 		// ended meanwhile (idle_session_timeout, a restart): once more
 		// on a new one.
 		g.dropLockConn()
-		if err = g.begin(ctx); err != nil {
+		if err = g.begin(sctx); err != nil {
 			return g.withoutLock(ctx, j, err)
 		}
 	}
@@ -282,11 +289,11 @@ func (g *crashGuard) lockAttempt(ctx context.Context, j *job) error {
 	// Waits for an attempt of the message running in another process:
 	// no longer than such an attempt may run, so that a connection whose
 	// server vanished without a word holds no stream for ever.
-	lctx, cancel := ctx, context.CancelFunc(func() {})
+	lctx, cancelLock := sctx, context.CancelFunc(func() {})
 	if d := g.p.cfg.HandlerTimeout; d > 0 && g.p.cfg.DatabaseTimeout > 0 {
-		lctx, cancel = context.WithTimeout(ctx, d+2*g.p.cfg.DatabaseTimeout)
+		lctx, cancelLock = context.WithTimeout(sctx, d+2*g.p.cfg.DatabaseTimeout)
 	}
-	defer cancel()
+	defer cancelLock()
 	if _, err := g.lockConn.Exec(lctx, `SELECT pg_advisory_xact_lock(hashtext($1), hashtext($2))`, g.p.cfg.Name, j.idt.id); err != nil {
 		return g.withoutLock(ctx, j, err)
 	}
@@ -316,11 +323,15 @@ func (g *crashGuard) begin(ctx context.Context) error {
 }
 
 // withoutLock drops the lock connection after err: the attempt goes on
-// without the lock, unless ctx ended.
+// without the lock, unless ctx ended or the consumer began stopping
+// (errStopping: the attempt never starts).
 func (g *crashGuard) withoutLock(ctx context.Context, j *job, err error) error {
 	g.dropLockConn()
 	if ctx.Err() != nil {
 		return ctx.Err()
+	}
+	if g.p.stopping.Load() {
+		return errStopping
 	}
 	g.p.cfg.Telemetry.Logger.DebugContext(ctx, "once: a suspect's attempt goes on without its lock", "consumer", g.p.cfg.Name,
 		"event_id", j.idt.id, "error", err)

@@ -250,6 +250,19 @@ func (p *pipeline) detached(ctx context.Context) (context.Context, context.Cance
 	return c, func() { stop(); cancel() }
 }
 
+// cancelOnStop calls cancel when the consumer begins stopping, unless ctx
+// ends first: for a wait that is not a sleep (pipeline.sleep) and must end
+// at the shutdown as waits do.
+func (p *pipeline) cancelOnStop(ctx context.Context, cancel context.CancelFunc) {
+	go func() {
+		select {
+		case <-p.stopped:
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
+}
+
 // stop begins the shutdown: no new transaction starts and waits end.
 func (p *pipeline) stop() {
 	p.stopOnce.Do(func() {

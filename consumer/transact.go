@@ -606,22 +606,37 @@ func (p *pipeline) callHandler(ctx context.Context, tx *queueTx, c *userCall, na
 }
 
 // readableError returns err, or, when its Error method panics (a user's
-// error type formatting a nil field), the handler's panic in its place:
-// the consumer reads the message of the handler's error outside the
-// handler's recover, to classify, log and dead-letter it, and such an
-// error crashed the process there, on every delivery of the message.
+// error type formatting a nil field), or an Unwrap, Is or As method of an
+// error in its tree does, the handler's panic in its place: the consumer
+// reads the message of the handler's error, and unwraps it (errors.As,
+// errors.Is), outside the handler's recover, to classify, log and
+// dead-letter it, and such an error crashed the process there, on every
+// delivery of the message. errors.Is and errors.As with a target no error
+// matches call each of those methods in the tree once.
 func readableError(err error) (readable error) {
 	if err == nil {
 		return nil
 	}
+	method := "Error"
 	defer func() {
 		if r := recover(); r != nil {
-			readable = &PanicError{Value: fmt.Sprintf("the Error method of the handler's error (%T) panicked: %v", err, r), Stack: string(debug.Stack())}
+			readable = &PanicError{Value: fmt.Sprintf("the %s method of the handler's error (%T) panicked: %v", method, err, r), Stack: string(debug.Stack())}
 		}
 	}()
 	_ = err.Error()
+	method = "Unwrap or Is"
+	_ = errors.Is(err, unmatchedError{})
+	method = "Unwrap or As"
+	var probe unmatchedError
+	_ = errors.As(err, &probe)
 	return err
 }
+
+// unmatchedError is an error no handler's error is, nor wraps: the target
+// with which readableError walks an error's tree.
+type unmatchedError struct{}
+
+func (unmatchedError) Error() string { return "unmatched" }
 
 // queryCanceled is the SQLSTATE of a statement the server canceled: past
 // statement_timeout, or by pg_cancel_backend.
