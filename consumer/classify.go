@@ -87,9 +87,12 @@ func (c ErrorClass) String() string {
 //   - Anything else, a failed HTTP call among them: ClassRetry, so that a
 //     dependency that stays down ends in the dead-letter queue.
 //
-// A 53200 (out of shared memory) of a message run alone that follows
-// another is charged to the message whatever its class: its handler
-// alone overflows the server's lock table, and would on every retry.
+// A full lock table (53200 "out of shared memory", its hint naming
+// max_locks_per_transaction or max_pred_locks_per_transaction) met by a
+// message run alone after another such run is charged to the message
+// whatever its class: its handler alone overflows the server's lock table,
+// and would on every retry. Any other 53200, the server out of memory,
+// stays infrastructure however often it comes.
 //
 // A handler's error is also taken for infrastructure when the connection
 // of its transaction died under it. Config.Retry.Classify can override any

@@ -317,8 +317,9 @@ type BatchConfig struct {
 	// those limits above Size times a handler's time, or lower Size. A
 	// batch that fails for memory (53200: among others, the shared lock
 	// table, which the locks of all its handlers may overflow together)
-	// is halved too, charged to no message; a message that fails so alone
-	// twice in a row is charged (its handler alone overflows the table).
+	// is halved too, charged to no message; a message whose run alone
+	// overflows the lock table twice in a row is charged (its handler
+	// alone overflows it). The server out of memory is never charged.
 	// Defaults to 100; 1 gives one transaction per message.
 	Size int
 	// Linger is how long to wait for a batch to fill once its first

@@ -147,17 +147,19 @@ func (p *pipeline) runAlone(ctx context.Context, s *settler, j *job, failed *txR
 }
 
 // chargeOutOfMemory reports whether r, a job's run alone that failed as
-// infrastructure, is charged to the job: a 53200 ("out of shared memory":
-// a lock table full, among others) that follows another one of its runs
+// infrastructure, is charged to the job: a lock table full (53200, "out
+// of shared memory", lockTableFull) that follows another one of its runs
 // alone. The first is infrastructure, as the table is the whole server's
 // and other sessions may have filled it for a while; met again, it is
 // most likely the job's own handler asking for more than the table holds
 // (PostgreSQL's hint: raise max_locks_per_transaction), which would fail
 // every retry the same way and stop its stream for ever. Charged, it goes
 // through the retry policy to the dead-letter queue, with its SQLSTATE.
-// once records whether the job's last run alone failed with 53200.
+// Any other 53200 (the server out of memory) is the server's, however
+// often it comes. once records whether the job's last run alone failed
+// with a full lock table.
 func chargeOutOfMemory(r txResult, once *bool) bool {
-	if sqlState(r.err) != outOfMemory {
+	if !lockTableFull(r.err) {
 		*once = false
 		return false
 	}

@@ -3,6 +3,7 @@ package consumer_test
 import (
 	"context"
 	"fmt"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -103,4 +104,41 @@ func TestLockTableOverflowedByOneMessageIsChargedNotRetriedForEver(t *testing.T)
 	assert.Equal(t, map[string]string{"greedy": string(consumer.KindHandler)}, deadLetterKinds(b))
 	assert.Equal(t, "53200", deadLetterOf(t, b, "greedy").Headers[consumer.HeaderErrorSQLState])
 	assert.Equal(t, map[string]int{"after": 1}, countEffects(t, pool))
+}
+
+// A 53200 that is not the lock table (the server out of memory for a
+// while: "out of memory", no hint about max_locks_per_transaction) is the
+// server's failure however often a message meets it: it is retried as
+// infrastructure, never charged to the message, and the message is handled
+// once the server has memory again. Only a full lock table, which the
+// message's own locks may overflow on every run, is charged (above).
+func TestServerOutOfMemoryIsNotChargedToTheMessage(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	ctx := context.Background()
+	b := memsource.New(memsource.Options{Streams: 1})
+	publish(b, "unlucky", 0)
+	var runs atomic.Int32
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		if runs.Add(1) <= 3 {
+			// PostgreSQL's own error, as palloc raises it when the
+			// server's memory runs out.
+			_, err := tx.Exec(ctx, `DO $$ BEGIN RAISE EXCEPTION USING ERRCODE = '53200', MESSAGE = 'out of memory',
+				DETAIL = 'Failed on request of size 8192 in memory context "ExecutorState".'; END $$`)
+			return err
+		}
+		return insertEffect(ctx, tx, ev)
+	}
+	cfg := fastConfig("server-out-of-memory")
+	cfg.Retry.MaxAttempts = 1
+	cfg.Batch.Size = 1
+	c, err := consumer.New(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	start(t, c)
+	waitCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	require.NoError(t, b.WaitEachAcked(waitCtx, 1))
+	assert.Empty(t, deadLetterKinds(b), "a server out of memory is not the message's failure")
+	assert.Equal(t, map[string]int{"unlucky": 1}, countEffects(t, pool))
+	assert.EqualValues(t, 4, runs.Load())
 }

@@ -737,6 +737,17 @@ func (p *pipeline) handlerFailure(ctx context.Context, tx pgx.Tx, jobs []*job, i
 // max_connections) or a predicate lock table full.
 const outOfMemory = "53200"
 
+// lockTableFull reports whether err is PostgreSQL's lock table, or its
+// predicate lock table, full: a 53200 whose hint names the setting to
+// raise. The hint's text follows the server's lc_messages, the setting's
+// name does not. A 53200 without it is the server out of memory, which
+// no message causes alone.
+func lockTableFull(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == outOfMemory &&
+		(strings.Contains(pgErr.Hint, "max_locks_per_transaction") || strings.Contains(pgErr.Hint, "max_pred_locks_per_transaction"))
+}
+
 // dropStalePlans closes tx's connection when err is a cached plan that a
 // schema change made stale (staleCachedPlan), so that the pool destroys it
 // when the transaction releases it and the retry runs on a connection that
