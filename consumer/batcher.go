@@ -40,7 +40,8 @@ type batcher struct {
 	// batches carries closed batches to the workers; unbuffered, so a
 	// send succeeds only when a worker is free.
 	batches chan []received
-	// running counts batches handed to workers and not finished yet.
+	// running counts batches handed to workers and not finished yet, but
+	// for those waiting aside (asideFor).
 	running atomic.Int32
 	// finished holds a token when a worker finished a batch since the
 	// batcher last looked.
@@ -141,6 +142,28 @@ func (b *batcher) hand(batch []received) {
 	}
 }
 
+// asideFor takes a batch that begins waiting aside (pipeline.aside) out
+// of the running ones, and puts it back when its wait ends (waits false):
+// a batch waiting for its retry, perhaps an hour, runs no transaction, and
+// counted as running it made every partial batch meanwhile wait up to
+// maxGroupWait for nothing.
+func (b *batcher) asideFor(waits bool) {
+	if !waits {
+		b.running.Add(1)
+		return
+	}
+	b.running.Add(-1)
+	b.wake()
+}
+
+// wake tells the batcher that fewer batches run.
+func (b *batcher) wake() {
+	select {
+	case b.finished <- struct{}{}:
+	default:
+	}
+}
+
 // done records that a worker finished a batch that took took; suspects
 // (handled alone, perhaps retried for long) are left out of the average.
 func (b *batcher) done(took time.Duration, suspect bool) {
@@ -152,8 +175,5 @@ func (b *batcher) done(took time.Duration, suspect bool) {
 		b.txNanos.Store(old + (int64(took)-old)/8)
 	}
 	b.running.Add(-1)
-	select {
-	case b.finished <- struct{}{}:
-	default:
-	}
+	b.wake()
 }

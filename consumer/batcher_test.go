@@ -2,6 +2,7 @@ package consumer_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"testing"
@@ -191,4 +192,39 @@ func TestInterleavedChannelsShareTransactions(t *testing.T) {
 			assert.Equal(t, batch[0][0], id[0], "one channel per transaction: %v", batch)
 		}
 	}
+}
+
+// A batch waiting aside (its retry an hour away) runs no transaction, and
+// the batcher does not count it as one: deliveries that come meanwhile
+// close at once when no other transaction runs, as on a light stream, and
+// do not wait for the average transaction's time, up to maxGroupWait,
+// behind a transaction that is not there. (The batcher counted the
+// waiting batch as running for the whole hour.)
+func TestABatchWaitingAsideIsNotARunningTransaction(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{})
+	waiting := make(chan struct{}, 1)
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		if ev.ID == "waiting" {
+			waiting <- struct{}{}
+			return consumer.RetryAfter(time.Hour, errors.New("its order is not there yet"))
+		}
+		return insertEffect(ctx, tx, ev)
+	}
+	cfg := fastConfig("aside-not-running")
+	c, err := consumer.New(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	start(t, c)
+	publish(b, "waiting", 0)
+	select {
+	case <-waiting:
+	case <-time.After(20 * time.Second):
+		t.Fatal("the first attempt did not run")
+	}
+	require.Eventually(t, func() bool { return consumer.UnorderedRunning(c) == 0 }, 10*time.Second, time.Millisecond,
+		"the waiting batch is counted as a running transaction")
+	publish(b, "next", 1)
+	require.NoError(t, b.WaitAcked(context.Background(), 1))
+	assert.Equal(t, map[string]int{"next": 1}, countEffects(t, pool))
 }

@@ -62,15 +62,19 @@ func newDispatcher(p *pipeline, work context.Context) *dispatcher {
 		go d.unorderedWorker()
 	}
 	p.spare = d.spare
+	p.unorderedRunning = &d.batcher.running
 	return d
 }
 
 // spare starts an unordered worker, if need be, for one whose batch waits
 // aside (pipeline.aside): Concurrency of them keep taking batches however
 // many wait. The waiting batches hold their deliveries unacked, so the
-// source's prefetch bounds them. It returns the function that ends the
-// wait; the surplus worker then retires after its batch.
+// source's prefetch bounds them. The batch runs no transaction while it
+// waits, and the batcher does not count it as running one: a partial
+// batch behind it closes at once, as behind none. It returns the function
+// that ends the wait; the surplus worker then retires after its batch.
 func (d *dispatcher) spare() (end func()) {
+	d.batcher.asideFor(true)
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	d.waiting++
@@ -83,6 +87,7 @@ func (d *dispatcher) spare() (end func()) {
 		d.mu.Lock()
 		d.waiting--
 		d.mu.Unlock()
+		d.batcher.asideFor(false)
 	}
 }
 

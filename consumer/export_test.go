@@ -10,3 +10,7 @@ func Stopping[T any](c *Consumer[T]) bool { return c.p.stopping.Load() }
 // SlotWaiters is how many of c's workers wait for a transaction slot
 // (Config.Concurrency).
 func SlotWaiters[T any](c *Consumer[T]) int32 { return c.p.slotWaiters.Load() }
+
+// UnorderedRunning is how many unordered batches c's batcher counts as
+// running a transaction.
+func UnorderedRunning[T any](c *Consumer[T]) int32 { return c.p.unorderedRunning.Load() }

@@ -50,8 +50,11 @@ type pipeline struct {
 	// worker while one of theirs waits aside (pipeline.aside); it returns
 	// the function that ends the wait.
 	spare func() (end func())
-	tel   *telemetry
-	stats counters
+	// unorderedRunning, set by the dispatcher, counts the unordered
+	// batches running a transaction (batcher.running).
+	unorderedRunning *atomic.Int32
+	tel              *telemetry
+	stats            counters
 	// sem bounds the runs in progress to Config.Concurrency;
 	// slotWaiters counts the workers waiting for one.
 	sem         chan struct{}
