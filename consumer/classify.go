@@ -48,6 +48,9 @@ func (c ErrorClass) String() string {
 // or the failure of the commit):
 //
 //   - Permanent's error: ClassPermanent.
+//   - A DecodeError (a handler that decodes a payload of its own and
+//     failed): ClassPermanent, dead-lettered with kind KindDecode: the same
+//     bytes fail the same way on every run.
 //   - RetryAfter's error: ClassRetry, whatever it wraps (a deadlock or a
 //     serialization failure among them): the handler asked for its next
 //     attempt after a delay, counted against Config.Retry.MaxAttempts.
@@ -99,13 +102,14 @@ func (c ErrorClass) String() string {
 // of this.
 func Classify(err error) ErrorClass {
 	var perm *PermanentError
+	var decode *DecodeError
 	var retryAfter *RetryAfterError
 	var pgErr *pgconn.PgError
 	var connectErr *pgconn.ConnectError
 	switch {
 	case err == nil:
 		return ClassRetry
-	case errors.As(err, &perm):
+	case errors.As(err, &perm), errors.As(err, &decode):
 		return ClassPermanent
 	case errors.As(err, &retryAfter):
 		return ClassRetry

@@ -8,6 +8,9 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"strconv"
+	"unicode/utf16"
+	"unicode/utf8"
 
 	"github.com/onceco/once/internal/pgtext"
 )
@@ -48,7 +51,10 @@ type JSONEnvelope struct {
 	DataField string
 }
 
-// Open implements Envelope. The id may be a JSON string or number.
+// Open implements Envelope. The id may be a JSON string or number; a
+// string that is not UTF-8 text (bytes that are not UTF-8, an escaped lone
+// surrogate, which encoding/json would replace with U+FFFD, making it
+// another event's id) fails to open.
 func (e JSONEnvelope) Open(value []byte) (Opened, error) {
 	var fields map[string]json.RawMessage
 	if err := json.Unmarshal(value, &fields); err != nil {
@@ -56,8 +62,14 @@ func (e JSONEnvelope) Open(value []byte) (Opened, error) {
 	}
 	var o Opened
 	var err error
-	if o.ID, err = scalar(fields[orDefault(e.IDField, "id")]); err != nil {
+	rawID := fields[orDefault(e.IDField, "id")]
+	if o.ID, err = scalar(rawID); err != nil {
 		return Opened{}, fmt.Errorf("envelope id: %w", err)
+	}
+	if !decodesAsWritten(rawID) {
+		// encoding/json put U+FFFD in place of what is not text: the
+		// id would be another's, two events claimed under one.
+		return Opened{}, errors.New("envelope id: not UTF-8 text (bytes that are not UTF-8, or an escaped lone surrogate)")
 	}
 	if o.Type, err = scalar(fields[orDefault(e.TypeField, "type")]); err != nil {
 		return Opened{}, fmt.Errorf("envelope type: %w", err)
@@ -100,6 +112,43 @@ func scalar(raw json.RawMessage) (string, error) {
 	return n.String(), nil
 }
 
+// decodesAsWritten reports whether raw, a JSON value that decoded, holds
+// no bytes that are not UTF-8 and no escaped surrogate that is not half of
+// a pair: what encoding/json replaces with U+FFFD without an error.
+func decodesAsWritten(raw json.RawMessage) bool {
+	if !utf8.Valid(raw) {
+		return false
+	}
+	for i := 0; i < len(raw); i++ {
+		if raw[i] != '\\' {
+			continue
+		}
+		i++ // the escaped character; raw decoded, so \u has 4 hex digits
+		if raw[i] != 'u' {
+			continue
+		}
+		r := hex4(raw[i+1:])
+		i += 4
+		switch {
+		case utf16.IsSurrogate(r) && r < 0xDC00 && i+6 < len(raw) && raw[i+1] == '\\' && raw[i+2] == 'u':
+			// A high surrogate: a low one must follow.
+			if low := hex4(raw[i+3:]); utf16.DecodeRune(r, low) == utf8.RuneError {
+				return false
+			}
+			i += 6
+		case utf16.IsSurrogate(r):
+			return false
+		}
+	}
+	return true
+}
+
+// hex4 is the rune of the 4 hex digits b starts with.
+func hex4(b []byte) rune {
+	n, _ := strconv.ParseUint(string(b[:4]), 16, 32)
+	return rune(n)
+}
+
 func orDefault(s, def string) string {
 	if s == "" {
 		return def
@@ -131,7 +180,7 @@ func (c *Config) identify(m *Message) (identity, ErrorKind, error) {
 	if c.Envelope != nil {
 		o, err := c.Envelope.Open(m.Value)
 		if err != nil {
-			return idt, KindDecode, &DecodeError{Err: err}
+			return c.unopened(m, idt), KindDecode, &DecodeError{Err: err}
 		}
 		idt.payload = o.Payload
 		if idt.typ == "" {
@@ -188,6 +237,33 @@ func (c *Config) identify(m *Message) (identity, ErrorKind, error) {
 		return idt, KindInvalidID, err
 	}
 	return idt, "", nil
+}
+
+// unopened is idt, the identity of m, whose envelope did not open, as far
+// as it is known without the envelope, for its dead letter: the id and type
+// m carries outside it (Message.ID and Type, the IDHeaders and
+// TypeHeaders), which come before the envelope's whatever it holds, and a
+// redriven copy's id, which comes before every other. Not the fallback id,
+// which comes after the envelope's unknown id: a replay would be claimed
+// under it (HeaderRedriveEventID) instead of the id the envelope may hold.
+// An EventID takes the place of every rule, and is not asked of a message
+// it may not parse: then Message.ID alone.
+func (c *Config) unopened(m *Message, idt identity) identity {
+	if idt.typ == "" {
+		idt.typ = firstHeader(m.Headers, c.Identify.TypeHeaders)
+	}
+	if idt.id == "" && c.Identify.EventID == nil {
+		idt.id = firstHeader(m.Headers, c.Identify.IDHeaders)
+	}
+	if redriven := redriveEventID(m, c.Name); redriven != "" {
+		idt.id = redriven
+	}
+	if validID(idt.id, c.Identify.MaxIDLength) != nil {
+		// Not storable: the dead letter names no id rather than one
+		// that is not an id.
+		idt.id = ""
+	}
+	return idt
 }
 
 func firstHeader(h map[string]string, names []string) string {

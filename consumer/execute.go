@@ -226,8 +226,14 @@ func (p *pipeline) waitAsked(ctx context.Context, s *settler, jobs []*job, err e
 func handlerDeadLetter(j *job, err error) *DeadLetter {
 	dl := &DeadLetter{Kind: KindHandler, Error: err.Error(), Attempts: j.runs}
 	var pe *PanicError
-	if errors.As(err, &pe) {
+	var de *DecodeError
+	switch {
+	case errors.As(err, &pe):
 		dl.Kind, dl.Stack = KindPanic, pe.Stack
+	case errors.As(err, &de):
+		// The handler decoded a payload of its own: the message is
+		// undecodable, found where its decoder failed.
+		dl.Kind = KindDecode
 	}
 	if code := sqlState(err); code != "" {
 		dl.Extra = map[string]string{HeaderErrorSQLState: code}

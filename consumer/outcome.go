@@ -77,7 +77,10 @@ func (e *PanicError) Error() string { return fmt.Sprintf("handler panicked: %v",
 
 // DecodeError wraps a failure to decode a message's payload or envelope.
 // Such a message is dead-lettered at once with kind KindDecode. A Decoder
-// need not return it: any decoder error is treated as one.
+// need not return it: any decoder error is treated as one. A handler that
+// decodes something of its own (a []byte payload, a field in another
+// format) may return it, wrapped or not: the message is dead-lettered at
+// once with kind KindDecode too, and not retried (Classify).
 type DecodeError struct{ Err error }
 
 // Error returns "decode: " and the wrapped error's message ("decode

@@ -1,0 +1,52 @@
+package consumer_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/consumer/memsource"
+	"github.com/onceco/once/internal/pgtest"
+)
+
+// An envelope that does not open hides the envelope's id and type, but
+// not those its message carries outside it, which come first whatever the
+// envelope holds (Message.ID and Type, the IDHeaders and TypeHeaders): the
+// dead letter names them, as a Decoder's failure does, so that the event
+// is found by its id in the dead-letter queue (once dlq -id), in the log
+// and in OnOutcome. It named neither on a broker without an id property
+// (Kafka). The position is not used: the envelope's id, unknown, would
+// come before it.
+func TestEnvelopeThatDoesNotOpenIsDeadLetteredUnderTheHeadersID(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	b := memsource.New(memsource.Options{Streams: 1, FallbackID: true})
+	b.Publish(consumer.Message{Value: []byte(`{"id":"evt-42","type":"order.paid","data":`),
+		Headers: map[string]string{"id": "evt-42", "type": "order.paid"}})
+	outcomes := make(chan consumer.Outcome, 1)
+	cfg := fastConfig("envelope-header-id")
+	cfg.Envelope = consumer.JSONEnvelope{}
+	cfg.Hooks.OnOutcome = func(_ context.Context, o consumer.Outcome) { outcomes <- o }
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error { return nil }
+	c, err := consumer.New(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	start(t, c)
+	var o consumer.Outcome
+	select {
+	case o = <-outcomes:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the message was not settled")
+	}
+	require.Equal(t, consumer.ResultDeadLettered, o.Result)
+	assert.Equal(t, consumer.KindDecode, o.DeadLetter.Kind)
+	assert.Equal(t, "evt-42", o.EventID)
+	assert.Equal(t, "order.paid", o.EventType)
+	require.Len(t, b.DeadLetters(), 1)
+	dl := b.DeadLetters()[0]
+	assert.Equal(t, "evt-42", dl.Headers[consumer.HeaderEventID])
+	assert.Equal(t, "order.paid", dl.Headers[consumer.HeaderEventType])
+}

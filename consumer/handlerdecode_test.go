@@ -1,0 +1,53 @@
+package consumer_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/consumer/memsource"
+	"github.com/onceco/once/internal/pgtest"
+)
+
+// A handler that decodes its payload itself (a []byte payload read as
+// protobuf, a CloudEvent's data of another content type) and returns a
+// DecodeError, wrapped or not, says what DecodeError documents: the
+// message cannot be decoded, at once and on every run. It was classified
+// as any handler error: run Retry.MaxAttempts times, its stream held
+// through the backoffs, then dead-lettered as kind handler, where
+// `once dlq -kind decode` does not find it.
+func TestHandlersDecodeErrorIsDeadLetteredAtOnceAsDecode(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	b := memsource.New(memsource.Options{Streams: 1})
+	publish(b, "bare", 1)
+	publish(b, "wrapped", 2)
+	runs := map[string]*atomic.Int32{"bare": {}, "wrapped": {}}
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[[]byte]) error {
+		runs[ev.ID].Add(1)
+		err := &consumer.DecodeError{Err: errors.New("proto: cannot parse invalid wire-format data")}
+		if ev.ID == "wrapped" {
+			return fmt.Errorf("reading the order: %w", err)
+		}
+		return err
+	}
+	c, err := consumer.New(pool, b.Source(), h, fastConfig("handler-decode-error"))
+	require.NoError(t, err)
+	start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 2 }, 10*time.Second, 5*time.Millisecond)
+	kinds := map[string]string{}
+	for _, dl := range b.DeadLetters() {
+		kinds[dl.Headers["id"]] = dl.Headers[consumer.HeaderErrorKind]
+	}
+	assert.Equal(t, map[string]string{"bare": string(consumer.KindDecode), "wrapped": string(consumer.KindDecode)}, kinds)
+	assert.Equal(t, int32(1), runs["bare"].Load(), "a decode failure is not retried")
+	assert.Equal(t, int32(1), runs["wrapped"].Load(), "a decode failure is not retried")
+	assert.Equal(t, consumer.ClassPermanent, consumer.Classify(&consumer.DecodeError{Err: errors.New("x")}))
+}
