@@ -652,7 +652,9 @@ func formatTime(t time.Time) string {
 	if t.IsZero() {
 		return "-"
 	}
-	return t.UTC().Format("2006-01-02 15:04:05")
+	// The zone said, as the console says it: read on a terminal of
+	// another zone, a bare time reads as local, hours off.
+	return t.UTC().Format("2006-01-02 15:04:05 UTC")
 }
 
 func orDash(s string) string {

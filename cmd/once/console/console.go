@@ -2,6 +2,7 @@ package console
 
 import (
 	"context"
+	"crypto/sha256"
 	"embed"
 	"encoding/hex"
 	"errors"
@@ -122,11 +123,13 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 }
 
 var funcs = template.FuncMap{
+	// time says its zone: a page read in a browser is read in the
+	// reader's own time otherwise.
 	"time": func(t time.Time) string {
 		if t.IsZero() {
 			return "-"
 		}
-		return t.UTC().Format("2006-01-02 15:04:05")
+		return t.UTC().Format("2006-01-02 15:04:05 UTC")
 	},
 	"ago": func(t time.Time) string {
 		if t.IsZero() {
@@ -188,6 +191,17 @@ type page struct {
 type queueRef struct {
 	Index int
 	Name  string
+}
+
+// Tag names the queue in a replay form beside its Index: a digest of its
+// name, which a browser posts back unchanged (it would rewrite the line
+// breaks of a name given as it is).
+func (r queueRef) Tag() string { return queueTag(r.Name) }
+
+// queueTag is the tag of the queue named name.
+func queueTag(name string) string {
+	sum := sha256.Sum256([]byte(name))
+	return hex.EncodeToString(sum[:8])
 }
 
 func (h *Handler) page(title string, data any) page {
@@ -887,6 +901,16 @@ func (h *Handler) replay(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	back := backTo(r.PostFormValue("back"), i)
+	if tag := r.PostFormValue("queue"); tag != "" && tag != queueTag(q.Name()) {
+		// The form was made by a console whose queue at this place was
+		// another (started again with its destinations in another
+		// order): a ref names a record of its own queue only, and a
+		// Kafka ref ("0:0") is in every topic.
+		h.failBack(w, http.StatusConflict, fmt.Errorf("the form was made for another dead-letter destination than %s, "+
+			"now at its place (the console was started again with its destinations in another order): "+
+			"nothing was replayed; open the dead letters again", q.Name()), back)
+		return
+	}
 	refs := slices.Compact(slices.Sorted(slices.Values(r.PostForm["ref"])))
 	if len(refs) == 0 {
 		h.failBack(w, http.StatusBadRequest, errors.New("no record selected"), back)
@@ -896,7 +920,16 @@ func (h *Handler) replay(w http.ResponseWriter, r *http.Request) {
 	defer cancel()
 	d := replayData{Queue: queueRef{i, q.Name()}, Refs: refs, Back: back}
 	if r.PostFormValue("confirm") != "yes" {
-		recs, err := h.collect(ctx, i, dlq.Filter{Refs: refs})
+		// The confirmation shows no payload: it keeps each record
+		// without it (a selection of 500 dead letters of 1 MB would
+		// hold half a gigabyte); the replay reads them anew.
+		var recs []*dlq.Record
+		f := dlq.Filter{Refs: refs}
+		err := h.browse(ctx, i, func(rec *dlq.Record) {
+			if f.Match(rec) {
+				recs = append(recs, rec.Summary())
+			}
+		})
 		if err != nil {
 			h.failBack(w, brokerStatus(err), err, back)
 			return

@@ -70,16 +70,17 @@ type Consumer struct {
 	// are being handled, or whose handling a process did not survive.
 	InFlight int64 `json:"in_flight"`
 	// CrashSuspects counts attempt rows not seen for longer than the
-	// suspect age given to Consumers, or counted more than once: a process
-	// died with the message in flight. Past the consumer's
+	// suspect age given to Consumers, or charged more than one crash: a
+	// process died with the message in flight. Past the consumer's
 	// CrashGuard.MaxCrashes such a message is dead-lettered as crash-loop.
 	CrashSuspects int64 `json:"crash_suspects"`
-	// MaxAttempts is the highest attempt count of those rows.
+	// MaxAttempts is the highest run count of those rows: the handler's
+	// runs, those that failed included.
 	MaxAttempts int `json:"max_attempts"`
 }
 
 // Consumers returns every consumer name found in the tables, sorted by
-// name. Attempt rows older than suspectAge, or with more than one attempt,
+// name. Attempt rows older than suspectAge, or with more than one crash,
 // are counted as crash suspects; a negative suspectAge is an error. It
 // reads the whole processed-events table (one aggregate), so it costs a
 // scan on a large table.
@@ -91,13 +92,17 @@ func Consumers(ctx context.Context, db DB, t Tables, suspectAge time.Duration) (
 	if suspectAge < 0 {
 		return nil, fmt.Errorf("inspect: suspect age %v is negative", suspectAge)
 	}
+	crashed, err := crashesCounted(ctx, db, attempts)
+	if err != nil {
+		return nil, fmt.Errorf("inspect: read %s: %w", attempts, err)
+	}
 	sql := `
 WITH p AS (
     SELECT consumer, count(*) AS n, min(processed_at) AS oldest, max(processed_at) AS newest
     FROM ` + processed + ` GROUP BY consumer
 ), a AS (
     SELECT consumer, count(*) AS n,
-           count(*) FILTER (WHERE attempts > 1 OR last_seen < now() - make_interval(secs => $1)) AS suspects,
+           count(*) FILTER (WHERE ` + crashed + ` OR last_seen < now() - make_interval(secs => $1)) AS suspects,
            max(attempts) AS max_attempts
     FROM ` + attempts + ` GROUP BY consumer
 )
@@ -127,6 +132,25 @@ ORDER BY 1`
 		return nil, fmt.Errorf("inspect: read %s: %w", processed, err)
 	}
 	return out, nil
+}
+
+// crashesCounted returns the condition of an attempt row charged more
+// than one crash. Since schema version 3 the attempts column counts the
+// handler's runs, a run that failed and was retried in place included (no
+// crash), and the crashes column the runs that never finished, the one
+// running now among them (the crash guard writes it before the run, one
+// at a time, and takes it back after): more than one is a crash for
+// certain; one is, once the row is older than the suspect age. Tables
+// of an older version have no crashes column: there every attempt after
+// the first was one a process did not survive.
+func crashesCounted(ctx context.Context, db DB, attempts string) (string, error) {
+	var has bool
+	err := db.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_attribute
+    WHERE attrelid = to_regclass($1) AND attname = 'crashes' AND NOT attisdropped)`, attempts).Scan(&has)
+	if err != nil || !has {
+		return "attempts > 1", err
+	}
+	return "crashes > 1", nil
 }
 
 // HasRows reports whether consumer has a processed-event row or an

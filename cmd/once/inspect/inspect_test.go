@@ -40,10 +40,10 @@ func TestConsumersAndRetention(t *testing.T) {
 	require.NoError(t, err)
 	_, err = pool.Exec(ctx, `INSERT INTO processed_events (consumer, event_id) VALUES ('shipping', 'a'), ('shipping', 'b')`)
 	require.NoError(t, err)
-	_, err = pool.Exec(ctx, `INSERT INTO processed_events_attempts (consumer, event_id, attempts, last_seen) VALUES
-		('billing', 'x', 1, now()), ('billing', 'y', 3, now()), ('billing', 'z', 1, now() - interval '1 hour'),
-		('billing', 'gone', 1, now() - interval '2000 hours'),
-		('audit', 'q', 1, now())`)
+	_, err = pool.Exec(ctx, `INSERT INTO processed_events_attempts (consumer, event_id, attempts, crashes, last_seen) VALUES
+		('billing', 'x', 1, 1, now()), ('billing', 'y', 3, 2, now()), ('billing', 'z', 1, 1, now() - interval '1 hour'),
+		('billing', 'gone', 1, 1, now() - interval '2000 hours'), ('billing', 'retried', 2, 1, now()),
+		('audit', 'q', 1, 1, now())`)
 	require.NoError(t, err)
 
 	cs, err := inspect.Consumers(ctx, pool, inspect.Tables{}, 10*time.Minute)
@@ -54,8 +54,8 @@ func TestConsumersAndRetention(t *testing.T) {
 	b := cs[1]
 	assert.Equal(t, "billing", b.Name)
 	assert.EqualValues(t, 2500, b.Processed)
-	assert.EqualValues(t, 4, b.InFlight)
-	assert.EqualValues(t, 3, b.CrashSuspects, "counted twice, or not seen for an hour or more")
+	assert.EqualValues(t, 5, b.InFlight)
+	assert.EqualValues(t, 3, b.CrashSuspects, "crashed twice, or not seen for an hour or more; not run again after a failure")
 	assert.Equal(t, 3, b.MaxAttempts)
 	assert.WithinDuration(t, time.Now().Add(-2499*time.Hour), b.Oldest, time.Minute)
 	assert.WithinDuration(t, time.Now(), b.Newest, time.Minute)
@@ -74,7 +74,7 @@ func TestConsumersAndRetention(t *testing.T) {
 	cs, err = inspect.Consumers(ctx, pool, inspect.Tables{}, 10*time.Minute)
 	require.NoError(t, err)
 	assert.EqualValues(t, 1000, cs[1].Processed)
-	assert.EqualValues(t, 3, cs[1].InFlight, "the attempt row last seen before the cutoff went too")
+	assert.EqualValues(t, 4, cs[1].InFlight, "the attempt row last seen before the cutoff went too")
 	assert.EqualValues(t, 2, cs[2].Processed, "another consumer's rows stay")
 
 	_, err = inspect.Retention(ctx, pool, inspect.Tables{}, "", cutoff, inspect.RetentionOptions{})
@@ -387,4 +387,21 @@ func TestKafkaLagCountsNoOpenTransaction(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, []inspect.PartitionLag{{Topic: topic, Partition: 0, Committed: 4, HighWater: 7, Lag: 0}}, lag,
 		"caught up: the markers at 4 and 6 and the aborted record at 5 are handed to no one")
+}
+
+// Tables of a schema version before 3 have no crashes column: there an
+// attempt row counted more than once is a crash suspect, as it was then,
+// and Consumers does not fail on the column it does not find.
+func TestConsumersOnAnAttemptsTableWithoutCrashes(t *testing.T) {
+	ctx := context.Background()
+	pool, _ := pgtest.Schema(t)
+	_, err := pool.Exec(ctx, `CREATE TABLE processed_events (consumer text, event_id text, processed_at timestamptz DEFAULT now());
+		CREATE TABLE processed_events_attempts (consumer text, event_id text, attempts int, last_seen timestamptz DEFAULT now());
+		INSERT INTO processed_events_attempts (consumer, event_id, attempts) VALUES ('billing', 'a', 1), ('billing', 'b', 2)`)
+	require.NoError(t, err)
+	cs, err := inspect.Consumers(ctx, pool, inspect.Tables{}, time.Hour)
+	require.NoError(t, err)
+	require.Len(t, cs, 1)
+	assert.EqualValues(t, 2, cs[0].InFlight)
+	assert.EqualValues(t, 1, cs[0].CrashSuspects)
 }
