@@ -50,3 +50,39 @@ func TestEnvelopeThatDoesNotOpenIsDeadLetteredUnderTheHeadersID(t *testing.T) {
 	assert.Equal(t, "evt-42", dl.Headers[consumer.HeaderEventID])
 	assert.Equal(t, "order.paid", dl.Headers[consumer.HeaderEventType])
 }
+
+// panickingEnvelope is a user's Envelope with a bug.
+type panickingEnvelope struct{}
+
+func (panickingEnvelope) Open([]byte) (consumer.Opened, error) { panic("index out of range") }
+
+// A custom Envelope that panics is dead-lettered with kind panic under the
+// id and type its message carries outside the envelope, as one that fails
+// to open is (above): the dead letter named none.
+func TestEnvelopeThatPanicsIsDeadLetteredUnderTheHeadersID(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	b := memsource.New(memsource.Options{Streams: 1, FallbackID: true})
+	b.Publish(consumer.Message{Value: []byte(`{}`),
+		Headers: map[string]string{"id": "evt-43", "type": "order.paid"}})
+	outcomes := make(chan consumer.Outcome, 1)
+	cfg := fastConfig("envelope-panic-header-id")
+	cfg.Envelope = panickingEnvelope{}
+	cfg.Hooks.OnOutcome = func(_ context.Context, o consumer.Outcome) { outcomes <- o }
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error { return nil }
+	c, err := consumer.New(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	start(t, c)
+	var o consumer.Outcome
+	select {
+	case o = <-outcomes:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the message was not settled")
+	}
+	require.Equal(t, consumer.ResultDeadLettered, o.Result)
+	assert.Equal(t, consumer.KindPanic, o.DeadLetter.Kind)
+	assert.Equal(t, "evt-43", o.EventID)
+	require.Len(t, b.DeadLetters(), 1)
+	dl := b.DeadLetters()[0]
+	assert.Equal(t, "evt-43", dl.Headers[consumer.HeaderEventID])
+	assert.Equal(t, "order.paid", dl.Headers[consumer.HeaderEventType])
+}

@@ -85,9 +85,13 @@ func (p *pipeline) identify(ctx context.Context, dv received, j *job) {
 	j.failure = p.prepareJob(j)
 }
 
+// stageIdentifying is prepareJob's first stage, which runs the Envelope
+// and Identify.EventID.
+const stageIdentifying = "identifying the event"
+
 // prepareJob fills j from its message, or returns why it cannot be handled.
 func (p *pipeline) prepareJob(j *job) (dl *DeadLetter) {
-	stage := "identifying the event"
+	stage := stageIdentifying
 	if p.watchPrepare {
 		p.watch.begin(&j.watch, p.identifyCall, j.m, "", 1)
 		defer p.watch.end(&j.watch)
@@ -95,6 +99,12 @@ func (p *pipeline) prepareJob(j *job) (dl *DeadLetter) {
 	defer func() {
 		if r := recover(); r != nil {
 			dl = &DeadLetter{Kind: KindPanic, Error: fmt.Sprintf("panic while %s: %v", stage, r), Stack: string(debug.Stack())}
+			if stage == stageIdentifying {
+				// An Envelope or EventID panicked: the dead letter names
+				// the id and type the message carries outside them, as
+				// for an envelope that does not open.
+				j.idt = p.cfg.unopened(j.m, identity{id: j.m.ID, typ: j.m.Type, payload: j.m.Value})
+			}
 		}
 	}()
 	idt, kind, err := p.cfg.identify(j.m)
