@@ -268,7 +268,9 @@ type IdentifyConfig struct {
 	// broker has no native type property. Defaults to "type", "ce_type".
 	TypeHeaders []string
 	// EventID, when set, replaces the id rule altogether: it returns the id
-	// of m, or an error that dead-letters m with kind KindMissingID. It
+	// of m, or an error that dead-letters m with kind KindMissingID. An
+	// empty id with no error takes Message.FallbackID (the position, on
+	// Kafka), and without one dead-letters m with KindMissingID too. It
 	// runs on the consumer's goroutines, one message at a time per stream;
 	// a panic in it dead-letters the message with kind KindPanic; one that
 	// hangs is never cut, but logged (see Config.HandlerTimeout). Defaults

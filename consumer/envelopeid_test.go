@@ -2,6 +2,7 @@ package consumer_test
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"time"
 
@@ -85,4 +86,38 @@ func TestEnvelopeThatPanicsIsDeadLetteredUnderTheHeadersID(t *testing.T) {
 	dl := b.DeadLetters()[0]
 	assert.Equal(t, "evt-43", dl.Headers[consumer.HeaderEventID])
 	assert.Equal(t, "order.paid", dl.Headers[consumer.HeaderEventType])
+}
+
+// An EventID that returns an empty id and no error leaves the message to
+// its fallback id, as Config.Identify.EventID says; without one, the
+// message is dead-lettered as missing-id.
+func TestEventIDEmptyTakesTheFallbackID(t *testing.T) {
+	for _, fallback := range []bool{true, false} {
+		t.Run(fmt.Sprintf("fallback=%v", fallback), func(t *testing.T) {
+			pool, _ := pgtest.Schema(t)
+			b := memsource.New(memsource.Options{Streams: 1, FallbackID: fallback})
+			b.Publish(consumer.Message{Value: []byte(`{"n":1}`)})
+			outcomes := make(chan consumer.Outcome, 1)
+			cfg := fastConfig("eventid-empty")
+			cfg.Identify.EventID = func(*consumer.Message) (string, error) { return "", nil }
+			cfg.Hooks.OnOutcome = func(_ context.Context, o consumer.Outcome) { outcomes <- o }
+			h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error { return nil }
+			c, err := consumer.New(pool, b.Source(), h, cfg)
+			require.NoError(t, err)
+			start(t, c)
+			var o consumer.Outcome
+			select {
+			case o = <-outcomes:
+			case <-time.After(10 * time.Second):
+				t.Fatal("the message was not settled")
+			}
+			if fallback {
+				assert.Equal(t, consumer.ResultHandled, o.Result)
+				assert.NotEmpty(t, o.EventID)
+				return
+			}
+			require.Equal(t, consumer.ResultDeadLettered, o.Result)
+			assert.Equal(t, consumer.KindMissingID, o.DeadLetter.Kind)
+		})
+	}
 }
