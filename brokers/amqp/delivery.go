@@ -5,6 +5,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"math"
 	"math/big"
@@ -188,11 +189,13 @@ func (d *delivery) Ack(ctx context.Context) error {
 // exchange, or an internal exchange), which no retry cures until it is
 // fixed on the broker, is logged at level Error with the exchange and
 // counted in DeadLetterRefusalsMetric; the error then wraps the broker's
-// *amqp091.Error. A destination found missing (its exchange deleted, or
-// no queue bound to take the copy) is declared again before the next
-// attempt, except with Config.Passive or DeadLetter.NoQueue, where the
-// source declares nothing that would bring it back: such a failure is
-// logged at level Error too. The copy goes out on the source's dead-letter
+// *amqp091.Error. So is a copy the broker nacks: a queue refused it, most
+// often a dead-letter queue full under x-overflow reject-publish, which
+// refuses every copy until it is drained. A destination found missing
+// (its exchange deleted, or no queue bound to take the copy) is declared
+// again before the next attempt, except with Config.Passive or
+// DeadLetter.NoQueue, where the source declares nothing that would bring
+// it back: such a failure is logged at level Error too. The copy goes out on the source's dead-letter
 // connection, not the consuming one. It does not ack the delivery.
 func (d *delivery) DeadLetter(ctx context.Context, dl *consumer.DeadLetter) error {
 	if d.sess.ctx.Err() != nil {
@@ -219,6 +222,18 @@ func (d *delivery) DeadLetter(ctx context.Context, dl *consumer.DeadLetter) erro
 		d.src.log.Error("amqp: the broker refuses the dead-letter copies (ACCESS_REFUSED: no permission to publish to the exchange, an internal exchange, "+
 			"or the credentials refused); the message stays unacked and is retried until that is fixed on the broker",
 			"exchange", cfg.DeadLetter.Exchange, "routing_key", cfg.DeadLetter.RoutingKey, "event_id", cutText(dl.EventID, 256), "error", err)
+		return err
+	}
+	if errors.Is(err, errNacked) {
+		// A queue refused the copy: a full dead-letter queue under
+		// x-overflow reject-publish refuses every retry until someone
+		// drains it, which nothing in a passing warning would tell.
+		d.src.refusals.Add(ctx, 1, d.src.attrs)
+		d.src.log.Error("amqp: the broker nacked the dead-letter copy: a queue it routes to refused it (a dead-letter queue at its x-max-length "+
+			"or x-max-length-bytes with x-overflow reject-publish, or a copy larger than its x-max-length-bytes, or a queue that cannot take messages); "+
+			"the message stays unacked and is retried until that queue takes it: drain the dead-letter queue (once dlq replay) or raise its limit",
+			"exchange", cfg.DeadLetter.Exchange, "routing_key", cfg.DeadLetter.RoutingKey, "dead_letter_queue", cfg.DeadLetter.Queue,
+			"event_id", cutText(dl.EventID, 256), "error", err)
 		return err
 	}
 	if (cfg.Passive || cfg.DeadLetter.NoQueue) && destinationMissing(err) {

@@ -252,7 +252,13 @@ func (p *publisher) pendingConfirmed(id any) (done bool, err error) {
 	p.pending, p.pendingFor = nil, nil
 	err = p.returned()
 	if !dc.Acked() {
-		err = errors.New("amqp: the broker nacked the dead-letter copy")
+		// Its channel's close (the connection lost during the alarm)
+		// fails it as well, and is no queue's refusal.
+		if e := p.closeReason(); e != nil {
+			err = fmt.Errorf("amqp: the dead-letter copy: the dead-letter channel closed: %w", e)
+		} else {
+			err = fmt.Errorf("amqp: the dead-letter copy: %w", errNacked)
+		}
 	}
 	if owner != id {
 		p.confirmedFor, p.confirmedErr = owner, err
@@ -285,7 +291,7 @@ func (p *publisher) waitConfirm(wctx, ctx context.Context, id any, dc *amqp091.D
 				if e := p.closeReason(); e != nil {
 					return fmt.Errorf("the dead-letter channel closed: %w", e)
 				}
-				return errors.New("the broker nacked it")
+				return errNacked
 			}
 			return nil
 		case <-p.blocked.changed:
@@ -553,6 +559,18 @@ func (p *publisher) close() {
 	_ = p.conn.CloseDeadline(time.Now().Add(2 * time.Second))
 	p.conn, p.ch, p.returns, p.chClosed = nil, nil, nil, nil
 }
+
+// errNacked is wrapped by the error of a dead-letter copy the broker
+// nacked. RabbitMQ nacks a publish that a queue it routes to refused: a
+// queue at its length limit (x-max-length, x-max-length-bytes) whose
+// overflow is reject-publish or reject-publish-dlx refuses every copy
+// until it has room again, which only someone draining it or raising the
+// limit gives it (a copy larger than x-max-length-bytes is refused by the
+// empty queue too: only raising the limit does); or a queue that cannot
+// take messages at all (a quorum queue without a majority of its members,
+// an internal error).
+var errNacked = errors.New("the broker nacked it: a queue it routes to refused it " +
+	"(the dead-letter queue full under x-overflow reject-publish, or the copy larger than its x-max-length-bytes? drain it or raise its limit)")
 
 // errUnroutable is wrapped by the error of a dead-letter copy the broker
 // returned as unroutable.

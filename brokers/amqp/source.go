@@ -29,9 +29,11 @@ const instrumentationName = "github.com/onceco/once/brokers/amqp"
 const ReconnectsMetric = "once.amqp.reconnects"
 
 // DeadLetterRefusalsMetric is the name of the OpenTelemetry counter of
-// dead-letter copies the broker refused with ACCESS_REFUSED: the user may
-// not publish to Config.DeadLetter.Exchange (or with its routing key), or
-// the exchange is internal. Each is also logged at level Error; the
+// dead-letter copies the broker refused with ACCESS_REFUSED (the user may
+// not publish to Config.DeadLetter.Exchange, or with its routing key, or
+// the exchange is internal) or nacked (a queue refused the copy: the
+// dead-letter queue full under x-overflow reject-publish, or a queue that
+// cannot take messages). Each is also logged at level Error; the
 // delivery stays unacked and the consumer retries it, and only a change on
 // the broker ends the refusals. Its attributes are those of
 // ReconnectsMetric.
@@ -137,7 +139,7 @@ func Open(ctx context.Context, cfg Config) (*Source, error) {
 		return nil, fmt.Errorf("amqp: create %s counter: %w", ReconnectsMetric, err)
 	}
 	refusals, err := mp.Meter(instrumentationName).Int64Counter(DeadLetterRefusalsMetric,
-		metric.WithDescription("Dead-letter copies the RabbitMQ broker refused with ACCESS_REFUSED (no permission to publish to the exchange, or an internal exchange)."),
+		metric.WithDescription("Dead-letter copies the RabbitMQ broker refused with ACCESS_REFUSED (no permission to publish to the exchange, or an internal exchange) or nacked (a queue refused them: the dead-letter queue full under x-overflow reject-publish)."),
 		metric.WithUnit("{copy}"))
 	if err != nil {
 		return nil, fmt.Errorf("amqp: create %s counter: %w", DeadLetterRefusalsMetric, err)

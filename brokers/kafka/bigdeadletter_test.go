@@ -178,3 +178,61 @@ func TestDeadLetterCopyTooLargeWithoutItsValueKeepsPartitionMoving(t *testing.T)
 	assert.Equal(t, id[:4096], headers[consumer.HeaderEventID], "the event id is cut")
 	assert.Equal(t, fmt.Sprint(len("k-1")+len("id")+len(id)+len("type")+len("order.created")), headers[HeaderOriginalDropped])
 }
+
+// A dead-letter topic with small segments (segment.bytes at Kafka 4's
+// minimum, 1 MiB: a low-traffic topic such as a dead-letter one gets them
+// so that retention, which deletes closed segments only, deletes on time)
+// and its max.message.bytes raised for large dead letters, as the docs
+// say to: Apache Kafka refuses a record batch larger than a segment with
+// RECORD_LIST_TOO_LARGE, not MESSAGE_TOO_LARGE. The copy of a 2 MiB poison
+// record was retried as it was, refused the same way each time, and its
+// partition held for ever. A refusal for its size is one, whichever the
+// broker's limit: the copy is written without its value, and the good
+// record behind it is handled.
+func TestDeadLetterCopyOverTheTopicsSegmentSizeKeepsPartitionMoving(t *testing.T) {
+	c := newClusterOf(t, apacheKafka)
+	db, _ := pgtest.Schema(t)
+	topic := uniq("big")
+	admin, err := sarama.NewClusterAdmin(c.addrs, saramaConfig())
+	require.NoError(t, err)
+	defer admin.Close()
+	const limit = 4 << 20
+	require.NoError(t, admin.CreateTopic(topic, &sarama.TopicDetail{NumPartitions: 1, ReplicationFactor: 1,
+		ConfigEntries: map[string]*string{"max.message.bytes": ptr(fmt.Sprint(limit))}}, false))
+	require.NoError(t, admin.CreateTopic(topic+".dlq", &sarama.TopicDetail{NumPartitions: 1, ReplicationFactor: 1,
+		ConfigEntries: map[string]*string{"max.message.bytes": ptr(fmt.Sprint(limit)), "segment.bytes": ptr("1048576")}}, false))
+	c.awaitLeaders(topic, 1)
+	c.awaitLeaders(topic+".dlq", 1)
+	sc := saramaConfig()
+	sc.Producer.Return.Successes = true
+	sc.Producer.Partitioner = sarama.NewManualPartitioner
+	sc.Producer.MaxMessageBytes = limit
+	p, err := sarama.NewSyncProducer(c.addrs, sc)
+	require.NoError(t, err)
+	defer p.Close()
+	big := append(bigJSON(2<<20), '}') // malformed: dead-lettered decode
+	require.NoError(t, p.SendMessages([]*sarama.ProducerMessage{
+		{Topic: topic, Value: sarama.ByteEncoder(big), Headers: []sarama.RecordHeader{hdr("id", "big")}},
+		{Topic: topic, Value: sarama.StringEncoder(`{"order_id":"g","amount":1}`), Headers: []sarama.RecordHeader{hdr("id", "good")}},
+	}))
+
+	cfg := c.config(uniq("g"), topic)
+	cfg.Sarama.Producer.MaxMessageBytes = limit // the topic's limit, as the docs say for large dead letters
+	src, err := Open(t.Context(), cfg)
+	require.NoError(t, err)
+	h := func(context.Context, pgx.Tx, consumer.Event[badOrder]) error { return nil }
+	r := startConsumerOf(t, db, src, h)
+	require.Eventually(t, func() bool { s := r.Stats(); return s.Handled == 1 && s.DeadLettered == 1 },
+		60*time.Second, 20*time.Millisecond, "the big poison is dead-lettered and the good record behind it handled")
+	recs, err := readTopic(c.addrs, topic+".dlq")
+	require.NoError(t, err)
+	require.Len(t, recs, 1)
+	assert.Zero(t, len(recs[0].Value), "the value is dropped from the copy the broker refused")
+	headers := map[string]string{}
+	for _, rh := range recs[0].Headers {
+		headers[string(rh.Key)] = string(rh.Value)
+	}
+	assert.Equal(t, fmt.Sprint(len(big)), headers[HeaderValueDropped])
+	assert.Equal(t, "big", headers[consumer.HeaderEventID])
+	assert.Equal(t, "0", headers[consumer.HeaderOriginalOffset], "the original can be found from the copy")
+}

@@ -478,12 +478,12 @@ func (s *Source) deadLetter(ctx context.Context, raw *sarama.ConsumerMessage, m 
 			raw.Topic, raw.Partition, raw.Offset, out.Topic, err)
 	}
 	err := s.send(ctx, out, false)
-	if errors.Is(err, sarama.ErrMessageSizeTooLarge) {
+	if refusedForSize(err) {
 		// The broker refuses a whole batch for its size: a topic whose
-		// max.message.bytes is below the producer's MaxMessageBytes
-		// refuses copies batched together (concurrent dead letters) that
-		// it takes one by one. Sent again alone, in a batch of its own,
-		// before anything is dropped from it.
+		// max.message.bytes (or segment.bytes) is below the producer's
+		// MaxMessageBytes refuses copies batched together (concurrent
+		// dead letters) that it takes one by one. Sent again alone, in a
+		// batch of its own, before anything is dropped from it.
 		err = s.send(ctx, out, true)
 	}
 	if tooLarge(err) && out.Value != nil {
@@ -600,8 +600,17 @@ func tooLarge(err error) bool {
 		return false
 	}
 	var cfgErr sarama.ConfigurationError
-	return errors.Is(err, sarama.ErrMessageSizeTooLarge) ||
-		(errors.As(err, &cfgErr) && strings.Contains(string(cfgErr), "MaxMessageBytes"))
+	return refusedForSize(err) || (errors.As(err, &cfgErr) && strings.Contains(string(cfgErr), "MaxMessageBytes"))
+}
+
+// refusedForSize reports whether the broker refused a produce for the
+// size of its record batch: larger than message.max.bytes or the topic's
+// max.message.bytes (MESSAGE_TOO_LARGE), or than the topic's segment.bytes
+// (RECORD_LIST_TOO_LARGE), which a dead-letter topic given small segments,
+// so that retention deletes its few records on time, may hold below a
+// max.message.bytes raised for large dead letters.
+func refusedForSize(err error) bool {
+	return errors.Is(err, sarama.ErrMessageSizeTooLarge) || errors.Is(err, sarama.ErrMessageSetSizeTooLarge)
 }
 
 // send produces out and waits for the acknowledgement or ctx. With alone,
