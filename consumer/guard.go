@@ -7,11 +7,14 @@ import (
 	"fmt"
 	"maps"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/onceco/once/dedup"
 )
 
 // The crash guard is the pipeline's second stage. A message that kills the
@@ -71,6 +74,12 @@ type crashGuard struct {
 	// one attempt at a time. Nil until the first, or after it broke.
 	lockConn *pgx.Conn
 	locked   bool
+	// table is the oid of the store's attempts table, read at start
+	// (bindTable): part of the attempt lock's key, which is the message's
+	// in its store. A consumer of the same name on another store of the
+	// database (a schema per tenant, per parallel test) shares no record
+	// with this one, and must not wait for its attempts.
+	table uint32
 }
 
 // maxGiven bounds crashGuard.given.
@@ -256,8 +265,9 @@ func (g *crashGuard) leave(j *job) {
 }
 
 // lockAttempt takes the lock every attempt of a suspect holds, in any
-// process of the consumer, from before it reads the message's record
-// until what it recorded there is final. A process that is alive keeps
+// process of the consumer (the message's in its store: see lockID), from
+// before it reads the message's record until what it recorded there is
+// final. A process that is alive keeps
 // its attempt's crash in the record only while the attempt runs: another
 // process (or this one, the delivery lost and given again) that read the
 // record meanwhile took a running attempt for a crashed one, and a
@@ -294,9 +304,35 @@ func (g *crashGuard) lockAttempt(ctx context.Context, j *job) error {
 		lctx, cancelLock = context.WithTimeout(sctx, d+2*g.p.cfg.DatabaseTimeout)
 	}
 	defer cancelLock()
-	if _, err := g.lockConn.Exec(lctx, `SELECT pg_advisory_xact_lock(hashtext($1), hashtext($2))`, g.p.cfg.Name, j.idt.id); err != nil {
+	if _, err := g.lockConn.Exec(lctx, `SELECT pg_advisory_xact_lock(hashtext($1), hashtext($2))`, g.p.cfg.Name, g.lockID(j.idt.id)); err != nil {
 		return g.withoutLock(ctx, j, err)
 	}
+	return nil
+}
+
+// lockID is what the second key of an attempt's lock is a hash of: the
+// event id in the store's attempts table. By the table's oid, not its
+// name: processes that name one table differently ("" on the search_path
+// and "public") exclude each other.
+func (g *crashGuard) lockID(id string) string {
+	return strconv.FormatUint(uint64(g.table), 10) + ":" + id
+}
+
+// bindTable reads the oid of the store's attempts table (see table),
+// through the pool, whose sessions find the table as the consumer's
+// statements do (the lock connection, opened without the pool's hooks,
+// may have another search_path). Run calls it at start, once the tables
+// are there.
+func (g *crashGuard) bindTable(ctx context.Context) error {
+	var oid *uint32
+	a := g.p.cfg.Store.AttemptsTable()
+	if err := g.p.pool.QueryRow(ctx, `SELECT to_regclass($1)::oid`, a).Scan(&oid); err != nil {
+		return fmt.Errorf("reading the oid of %s: %w", a, err)
+	}
+	if oid == nil {
+		return fmt.Errorf("%w: %s does not exist", dedup.ErrSchemaMismatch, a)
+	}
+	g.table = *oid
 	return nil
 }
 

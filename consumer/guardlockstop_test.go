@@ -23,18 +23,20 @@ import (
 func TestShutdownEndsASuspectsWaitForItsLock(t *testing.T) {
 	pool, _ := pgtest.Schema(t)
 	ctx := context.Background()
-	effects(t, pool)
 	b := memsource.New(memsource.Options{})
 	v, _ := json.Marshal(order{N: 1})
 	b.Publish(consumer.Message{Value: v, Headers: map[string]string{"id": "busy"}, Key: []byte("busy"), Redelivered: true})
 	cfg := fastConfig("suspect-lock-wait-stops")
 	cfg.ShutdownTimeout = time.Minute
 
-	// Another process's attempt of the message holds its lock.
+	// Another process's attempt of the message holds its lock: the key is
+	// the consumer's name and the event id in its store's attempts table.
+	store := migratedStore(t, pool)
 	other, err := pool.Acquire(ctx)
 	require.NoError(t, err)
 	defer other.Release()
-	_, err = other.Exec(ctx, `SELECT pg_advisory_lock(hashtext($1), hashtext($2))`, cfg.Name, "busy")
+	_, err = other.Exec(ctx, `SELECT pg_advisory_lock(hashtext($1), hashtext(to_regclass($2)::oid::text || ':' || $3))`,
+		cfg.Name, store.AttemptsTable(), "busy")
 	require.NoError(t, err)
 	defer func() {
 		_, _ = other.Exec(ctx, `SELECT pg_advisory_unlock_all()`)

@@ -334,6 +334,9 @@ func (p *pipeline) startOnce(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	if err := p.guard.bindTable(ctx); err != nil {
+		return err
+	}
 	p.warnIfSchemaNewer(ctx)
 	return p.bindProgress(ctx)
 }

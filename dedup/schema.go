@@ -442,15 +442,22 @@ ORDER BY 1`, table)
 func (s *Store) checkRetentionIndex(ctx context.Context, db DB) error {
 	var found, invalid bool
 	var holder *string // the table that has an index of the name instead
-	err := db.QueryRow(ctx, `SELECT
+	// The index of the name is looked up in the table's schema, where the
+	// migration creates it: with Schema "" the bare name would be found
+	// through the search_path, in whichever schema of it has an index of
+	// that name first (another store of the table's name, later on the
+	// path, when this one's was dropped on purpose).
+	err := db.QueryRow(ctx, `WITH t AS (SELECT to_regclass($1) AS rel),
+named AS (SELECT to_regclass((SELECT c.relnamespace::regnamespace::text FROM pg_class c WHERE c.oid = t.rel) || '.' || $2) AS idx FROM t)
+SELECT
 	EXISTS (SELECT 1 FROM pg_index i
 		WHERE i.indrelid = to_regclass($1) AND i.indisvalid AND i.indpred IS NULL AND i.indnkeyatts >= 2
 		  AND (SELECT array_agg(a.attname::text ORDER BY k.ord)
 		       FROM unnest((i.indkey::int2[])[0:1]) WITH ORDINALITY AS k(attnum, ord)
 		       JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum) = ARRAY['consumer', 'processed_at']),
-	(SELECT i.indrelid::regclass::text FROM pg_index i WHERE i.indexrelid = to_regclass($2) AND i.indrelid <> to_regclass($1)),
-	EXISTS (SELECT 1 FROM pg_index i WHERE i.indexrelid = to_regclass($2) AND i.indrelid = to_regclass($1) AND NOT i.indisvalid)`,
-		s.names.Table, s.names.ConsumerIndexQ).Scan(&found, &holder, &invalid)
+	(SELECT i.indrelid::regclass::text FROM pg_index i, named WHERE i.indexrelid = named.idx AND i.indrelid <> to_regclass($1)),
+	EXISTS (SELECT 1 FROM pg_index i, named WHERE i.indexrelid = named.idx AND i.indrelid = to_regclass($1) AND NOT i.indisvalid)`,
+		s.names.Table, s.names.ConsumerIndex).Scan(&found, &holder, &invalid)
 	if err != nil {
 		return fmt.Errorf("dedup: checking the indexes of %s: %w", s.names.Table, err)
 	}

@@ -11,8 +11,8 @@ import (
 	"github.com/onceco/once/internal/pgtest"
 )
 
-// Schema versions 2 and 3 only add (a column with a default, indexes,
-// triggers), so a release of version 1 runs on a table this one migrated: a deploy
+// Schema versions 2 to 4 only add (a column with a default, indexes,
+// triggers, a function replaced), so a release of version 1 runs on a table this one migrated: a deploy
 // rolled back starts, its check of the table passing, the table unchanged.
 // And a table of version 1 with a row waiting behind a parked one is
 // brought to version 2 with the row ready, to be marked by the relay.
