@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/onceco/once/dedup"
+	"github.com/onceco/once/internal/pgtext"
 )
 
 // Tables names the store's tables, as dedup.Config does.
@@ -238,6 +239,11 @@ func Retention(ctx context.Context, db Deleter, t Tables, consumer string, cutof
 	}
 	if consumer == "" {
 		return 0, errors.New("inspect: retention needs a consumer name")
+	}
+	if !pgtext.Storable(consumer) {
+		// As the sweep refuses it (dedup): no row can have such a name,
+		// and PostgreSQL would answer with an encoding error.
+		return 0, errors.New("inspect: retention: the consumer name is not UTF-8 text without NUL, which PostgreSQL cannot store")
 	}
 	if opts.BatchSize < 0 {
 		return 0, fmt.Errorf("inspect: batch size %d is negative", opts.BatchSize)

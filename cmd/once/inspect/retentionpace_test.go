@@ -90,3 +90,18 @@ func (r *timedRow) Scan(dest ...any) error {
 	r.t.mu.Unlock()
 	return err
 }
+
+// A consumer name PostgreSQL cannot store is refused alike with or without
+// DryRun: the count sent PostgreSQL's encoding error (22021) instead.
+func TestRetentionRefusesANameThatIsNotText(t *testing.T) {
+	ctx := context.Background()
+	pool, _ := pgtest.Schema(t)
+	store, err := dedup.New(dedup.Config{})
+	require.NoError(t, err)
+	require.NoError(t, store.Migrate(ctx, pool))
+	for _, dry := range []bool{true, false} {
+		_, err := inspect.Retention(ctx, pool, inspect.Tables{}, "bill\xffing", time.Now(), inspect.RetentionOptions{DryRun: dry})
+		require.Error(t, err, "dry run %v", dry)
+		assert.Contains(t, err.Error(), "not UTF-8 text", "dry run %v", dry)
+	}
+}
