@@ -195,8 +195,9 @@ func (d *delivery) Ack(ctx context.Context) error {
 // (its exchange deleted, or no queue bound to take the copy) is declared
 // again before the next attempt, except with Config.Passive or
 // DeadLetter.NoQueue, where the source declares nothing that would bring
-// it back: such a failure is logged at level Error too. The copy goes out on the source's dead-letter
-// connection, not the consuming one. It does not ack the delivery.
+// it back: such a failure is logged at level Error and counted too. The
+// copy goes out on the source's dead-letter connection, not the consuming
+// one. It does not ack the delivery.
 func (d *delivery) DeadLetter(ctx context.Context, dl *consumer.DeadLetter) error {
 	if d.sess.ctx.Err() != nil {
 		return fmt.Errorf("amqp: dead-letter delivery %d: %w (%w)", d.d.DeliveryTag, ErrChannelClosed, context.Cause(d.sess.ctx))
@@ -239,6 +240,7 @@ func (d *delivery) DeadLetter(ctx context.Context, dl *consumer.DeadLetter) erro
 	if (cfg.Passive || cfg.DeadLetter.NoQueue) && destinationMissing(err) {
 		// Declared again on the next attempt otherwise; here nothing
 		// the source does brings it back.
+		d.src.refusals.Add(ctx, 1, d.src.attrs)
 		d.src.log.Error("amqp: the dead-letter destination is missing (the exchange, or a queue bound to it with the routing key), "+
 			"and the source declares no such queue (Config.Passive, Config.DeadLetter.NoQueue); the message stays unacked and is "+
 			"retried until the topology is restored on the broker",

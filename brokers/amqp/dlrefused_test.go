@@ -164,7 +164,8 @@ func TestOpenDeadLetterCheckPublishesNothing(t *testing.T) {
 // while it runs is not declared again (TestDeadLetterDestinationDeletedIsDeclaredAgain
 // is the case without Passive): every copy fails, unroutable or on the
 // missing exchange, until the topology's owner restores it. Each failure
-// is logged at level Error saying so, not as a passing failure; the
+// is logged at level Error saying so, not as a passing failure, and
+// counted in DeadLetterRefusalsMetric; the
 // delivery stays unacked, and the copy goes out once the destination is
 // back.
 func TestDeadLetterDestinationMissingUnderPassiveIsAnError(t *testing.T) {
@@ -195,8 +196,10 @@ func TestDeadLetterDestinationMissingUnderPassiveIsAnError(t *testing.T) {
 				}
 			})
 			logs := make(logRecords, 1024)
+			rd := sdkmetric.NewManualReader()
 			src := openSource(t, amqp.Config{Queue: q, Passive: true, Logger: slog.New(logs),
-				DeadLetter: amqp.DeadLetterConfig{Exchange: x, RoutingKey: dlq, Queue: dlq}})
+				MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(rd)),
+				DeadLetter:    amqp.DeadLetterConfig{Exchange: x, RoutingKey: dlq, Queue: dlq}})
 			require.NoError(t, a.publish("", q, jsonMsg("ev-1", `{}`)))
 			d := receive(t, src)
 
@@ -206,10 +209,13 @@ func TestDeadLetterDestinationMissingUnderPassiveIsAnError(t *testing.T) {
 				_, err = ch.QueueDelete(dlq, false, false, false)
 				require.NoError(t, err)
 			}
-			for range 2 {
+			for i := 1; i <= 2; i++ {
 				require.Error(t, deadLetterWithRetries(d, 1))
 				errText := awaitLog(t, logs, slog.LevelError, "Passive")
 				assert.Contains(t, errText, x)
+				// Counted as a refusal: only a change on the broker
+				// ends it, and an alert on the counter sees it.
+				assert.Equal(t, int64(i), counterValue(t, rd, amqp.DeadLetterRefusalsMetric))
 			}
 
 			restore()

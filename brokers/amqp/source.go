@@ -33,7 +33,10 @@ const ReconnectsMetric = "once.amqp.reconnects"
 // not publish to Config.DeadLetter.Exchange, or with its routing key, or
 // the exchange is internal) or nacked (a queue refused the copy: the
 // dead-letter queue full under x-overflow reject-publish, or a queue that
-// cannot take messages). Each is also logged at level Error; the
+// cannot take messages), and of those found missing (the exchange, or a
+// queue bound to take the copy) where the source declares nothing that
+// would bring them back (Config.Passive, DeadLetter.NoQueue). Each is
+// also logged at level Error; the
 // delivery stays unacked and the consumer retries it, and only a change on
 // the broker ends the refusals. Its attributes are those of
 // ReconnectsMetric.
