@@ -49,7 +49,7 @@ func TestOverviewDoesNotTakeAFailedRunForACrash(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- c.Run(ctx) }()
-	t.Cleanup(func() { cancel(); <-done })
+	t.Cleanup(func() { cancel(); assert.NoError(t, <-done, "Run") })
 	defer close(release)
 	<-second // the first run failed; the second is running
 
