@@ -174,3 +174,66 @@ func TestAMQPFrameCheckIsTight(t *testing.T) {
 	require.Len(t, errs, 1)
 	assert.Error(t, errs[0], "9 bytes more do not fit in the frame")
 }
+
+// RabbitMQ routes a message also by its "CC" and "BCC" headers
+// (sender-selected distribution), which must be arrays of strings; an
+// outbox header is a string, and the broker closes the channel (406,
+// unacceptable_type_in_header) at every publish of a row with one: it is
+// refused and parked, the rows of its key behind it wait, and every other
+// row is published, where every batch from that row on once failed, no
+// row was charged and the relay published nothing past it.
+func TestAMQPRoutingHeadersAreParkedOthersGoOn(t *testing.T) {
+	r := rabbitOrSkip(t)
+	pool, _ := migrated(t)
+	d := r.destination(t)
+	startRelay(t, pool, r.publisher(t), outbox.RelayConfig{PollInterval: 20 * time.Millisecond, MaxAttempts: 2,
+		RetryBackoff: outbox.Backoff{Initial: 10 * time.Millisecond, Max: 10 * time.Millisecond},
+		InfraBackoff: outbox.Backoff{Initial: 10 * time.Millisecond, Max: 50 * time.Millisecond}})
+	cc := d.msg("a", "a/2")
+	cc.Headers = map[string]string{"CC": "billing"}
+	bcc := d.msg("b", "b/2")
+	bcc.Headers = map[string]string{"BCC": "audit"}
+	// Header names are case-sensitive: RabbitMQ reads "CC" alone.
+	lower := d.msg("c", "c/1")
+	lower.Headers = map[string]string{"cc": "billing"}
+	addCommitted(t, pool, d.msg("a", "a/1"), cc, d.msg("b", "b/1"), bcc, d.msg("a", "a/3"), lower, d.msg("d", "d/1"))
+	waitRows(t, pool, "parked_at IS NOT NULL AND last_error LIKE '%CC%'", 2, 30*time.Second)
+	got := firstCopies(d.read(t, 4))
+	assert.ElementsMatch(t, []string{"a/1", "b/1", "c/1", "d/1"}, bodies(got))
+	assert.Equal(t, 1, rows(t, pool, "parked_at IS NULL AND body = 'a/3'"), "a/3 waits behind the parked a/2")
+}
+
+// RabbitMQ's topic permissions refuse a routing key, not an exchange: a
+// row to a topic exchange with a routing key the relay's user may not
+// write closes the channel (403, "write access to topic ... in exchange
+// ..."). That row is refused and parked; the rows to the same exchange
+// with routing keys the user may write, which failed only because the
+// channel closed under them, are published, where they were once charged
+// with the refusal and parked beside it.
+func TestForbiddenRoutingKeyIsParkedOthersToItsExchangeGoOn(t *testing.T) {
+	r, ctl := privateRabbit(t)
+	ctl("add_user", "limited", "secret")
+	ctl("set_permissions", "limited", ".*", ".*", ".*")
+	ctl("set_topic_permissions", "limited", "amq.topic", `^allowed\..*$`, ".*")
+	limited := &rabbit{url: strings.Replace(r.url, "guest:guest", "limited:secret", 1)}
+	require.NotEqual(t, r.url, limited.url)
+	pool, _ := migrated(t)
+	d := r.destination(t).(*rabbitDest)
+	require.NoError(t, d.ch.QueueBind(d.queue, "allowed."+d.queue, "amq.topic", false, nil))
+	startRelay(t, pool, limited.publisher(t), outbox.RelayConfig{PollInterval: 20 * time.Millisecond, MaxAttempts: 2,
+		RetryBackoff: outbox.Backoff{Initial: 10 * time.Millisecond, Max: 10 * time.Millisecond},
+		InfraBackoff: outbox.Backoff{Initial: 10 * time.Millisecond, Max: 50 * time.Millisecond}})
+	topic := func(routingKey, key, body string) outbox.Message {
+		return outbox.Message{Topic: "amq.topic", RoutingKey: routingKey, Key: []byte(key), Body: []byte(body)}
+	}
+	allowed := "allowed." + d.queue
+	addCommitted(t, pool, topic("secret.x", "f", "f/1"), topic(allowed, "a", "a/1"), topic(allowed, "b", "b/1"),
+		topic("secret.x", "f", "f/2"), topic(allowed, "a", "a/2"))
+	waitRows(t, pool, "parked_at IS NOT NULL AND last_error LIKE '%ACCESS_REFUSED%'", 1, 30*time.Second)
+	waitRows(t, pool, "true", 2, 30*time.Second) // f/1 parked, f/2 waiting behind it
+	assert.Equal(t, 1, rows(t, pool, "parked_at IS NOT NULL AND body = 'f/1'"))
+	assert.Equal(t, 1, rows(t, pool, "parked_at IS NULL AND body = 'f/2'"))
+	got := firstCopies(d.read(t, 3))
+	assert.Equal(t, []string{"a/1", "a/2"}, bodiesOfKey(got, "a"))
+	assert.Equal(t, []string{"b/1"}, bodiesOfKey(got, "b"))
+}

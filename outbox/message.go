@@ -56,7 +56,9 @@ type Message struct {
 	// ("id" and "type" by default) over any header of those names; on
 	// RabbitMQ, where the id and type are properties, headers "id" and
 	// "type" are dropped. The stored trace context (Add) replaces headers
-	// of its names ("traceparent" and "tracestate" by default).
+	// of its names ("traceparent" and "tracestate" by default). RabbitMQ
+	// routes by headers "CC" and "BCC", which it takes as arrays only: a
+	// row with one is refused by amqpout and parked.
 	Headers map[string]string
 	// Body is the message value, sent as is.
 	Body []byte

@@ -163,7 +163,8 @@ func urlHeartbeatZero(raw string) bool {
 // Publish publishes recs, in order, to exchange Topic with RoutingKey,
 // mandatory, and waits for their confirms. A record returned unroutable
 // (no queue bound), sent to an exchange that does not exist, is internal
-// or that the user may not write to, or larger than the broker's max_message_size gets
+// or that the user may not write to, with a routing key the user's topic
+// permissions refuse, or larger than the broker's max_message_size gets
 // an error wrapped with outbox.Rejected; a nack or a lost connection an
 // ordinary error, after which the channel is replaced; a batch not written
 // or not confirmed within ConfirmTimeout, or before ctx is done (a broker
@@ -258,7 +259,7 @@ func (p *Publisher) send(ctx context.Context, ch *amqp091.Channel, recs []outbox
 // and reports whether any record failed otherwise.
 func (p *Publisher) classify(recs []outbox.Record, errs []error, returned map[returnKey]amqp091.Return, closeErr *amqp091.Error) (failed bool) {
 	missing := missingExchange(closeErr)
-	refused := refusedExchange(closeErr)
+	refused := refusedPublish(closeErr)
 	limit := maxMessageSize(closeErr)
 	if limit > 0 {
 		p.mu.Lock()
@@ -274,7 +275,7 @@ func (p *Publisher) classify(recs []outbox.Record, errs []error, returned map[re
 		case missing != "" && missing == rec.Topic:
 			p.markMissing(missing)
 			errs[i] = outbox.Rejected(fmt.Errorf("amqpout: exchange %q does not exist: %w", rec.Topic, closeErr))
-		case refused != "" && refused == rec.Topic:
+		case refused.refuses(rec):
 			errs[i] = outbox.Rejected(fmt.Errorf("amqpout: exchange %q refuses the publish: %w", rec.Topic, closeErr))
 		case limit > 0 && len(rec.Body) > limit:
 			errs[i] = outbox.Rejected(fmt.Errorf("amqpout: message of %d bytes is larger than the broker's max size: %w", len(rec.Body), closeErr))
@@ -289,7 +290,8 @@ func (p *Publisher) classify(recs []outbox.Record, errs []error, returned map[re
 }
 
 // Check refuses a record that AMQP cannot carry (an exchange, routing
-// key, event id, type or header name over 255 bytes, properties and
+// key, event id, type or header name over 255 bytes, a header named "CC"
+// or "BCC", which RabbitMQ routes by and refuses as a string, properties and
 // headers that do not fit in one frame of the connection's frame_max, 128
 // KiB by default), a record larger
 // than the broker's max_message_size, once a publish found that limit,
@@ -301,6 +303,9 @@ func (p *Publisher) classify(recs []outbox.Record, errs []error, returned map[re
 // publish connects again, records pass unchecked.
 func (p *Publisher) Check(rec outbox.Record) error {
 	if err := checkShortStrings(rec); err != nil {
+		return outbox.Rejected(err)
+	}
+	if err := checkRoutingHeaders(rec); err != nil {
 		return outbox.Rejected(err)
 	}
 	p.mu.Lock()
@@ -425,6 +430,27 @@ func checkShortStrings(rec outbox.Record) error {
 	return nil
 }
 
+// routingHeaders are the headers RabbitMQ routes a message by besides its
+// routing key (sender-selected distribution): each must be an array of
+// strings, and a message where one is anything else closes the channel
+// (406 PRECONDITION_FAILED, unacceptable_type_in_header). Names are
+// case-sensitive.
+var routingHeaders = [...]string{"CC", "BCC"}
+
+// checkRoutingHeaders reports a header of rec that RabbitMQ refuses: a
+// routing header, which an outbox header, a string, cannot be. Sent, it
+// would close the channel at every attempt, failing its batch from it on
+// without being charged.
+func checkRoutingHeaders(rec outbox.Record) error {
+	for _, name := range routingHeaders {
+		if _, ok := rec.Headers[name]; ok {
+			return fmt.Errorf("amqpout: header %q is a RabbitMQ routing header (sender-selected distribution), "+
+				"which must be an array of routing keys, and an outbox header is a string; rename it", name)
+		}
+	}
+	return nil
+}
+
 func (p *Publisher) markMissing(exchange string) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -502,18 +528,40 @@ func missingExchange(e *amqp091.Error) string {
 	return ""
 }
 
-var accessRefused = regexp.MustCompile(`exchange '(.*)' in vhost`)
+var (
+	accessRefused = regexp.MustCompile(`exchange '(.*)' in vhost`)
+	topicRefused  = regexp.MustCompile(`access to topic '(.*)' in exchange '(.*)' in vhost`)
+)
 
-// refusedExchange names the exchange a 403 channel close says cannot be
-// published to: the user may not write to it, or it is internal.
-func refusedExchange(e *amqp091.Error) string {
+// refusal is what a 403 channel close says cannot be published: every
+// message to exchange (the user may not write to it, or it is internal),
+// or, under RabbitMQ's topic permissions, which allow or refuse routing
+// keys, only those with routingKey.
+type refusal struct {
+	exchange, routingKey string
+	byRoutingKey         bool
+}
+
+// refuses reports whether r refuses rec.
+func (r *refusal) refuses(rec outbox.Record) bool {
+	return r != nil && r.exchange == rec.Topic && (!r.byRoutingKey || r.routingKey == rec.RoutingKey)
+}
+
+// refusedPublish reads what a 403 channel close refuses; nil for any other
+// close. A routing key the topic permissions refuse is not its exchange
+// refused: the batch's other records to it failed only because the channel
+// closed, and are sent again, not charged.
+func refusedPublish(e *amqp091.Error) *refusal {
 	if e == nil || e.Code != amqp091.AccessRefused {
-		return ""
+		return nil
+	}
+	if m := topicRefused.FindStringSubmatch(e.Reason); m != nil {
+		return &refusal{exchange: m[2], routingKey: m[1], byRoutingKey: true}
 	}
 	if m := accessRefused.FindStringSubmatch(e.Reason); m != nil {
-		return m[1]
+		return &refusal{exchange: m[1]}
 	}
-	return ""
+	return nil
 }
 
 var tooLarge = regexp.MustCompile(`message size \d+ is larger than configured max size (\d+)`)

@@ -80,6 +80,43 @@ func TestMissingExchangeIsReadFromTheCloseReason(t *testing.T) {
 	assert.Empty(t, missingExchange(nil))
 }
 
+// A 403 close names an exchange the user may not write to (every record
+// to it is refused), or, under topic permissions, one routing key of it
+// (only records with that key are): RabbitMQ 3.x says "access to topic",
+// later releases "write access to topic".
+func TestRefusedPublishIsReadFromTheCloseReason(t *testing.T) {
+	rec := func(exchange, routingKey string) outbox.Record {
+		return outbox.Record{Topic: exchange, RoutingKey: routingKey}
+	}
+	whole := refusedPublish(&amqp091.Error{Code: amqp091.AccessRefused,
+		Reason: "ACCESS_REFUSED - write access to exchange 'orders' in vhost '/' refused for user 'u'"})
+	assert.True(t, whole.refuses(rec("orders", "any")))
+	assert.False(t, whole.refuses(rec("other", "any")))
+	for _, reason := range []string{
+		"ACCESS_REFUSED - access to topic 'secret.x' in exchange 'amq.topic' in vhost '/' refused for user 'u'",
+		"ACCESS_REFUSED - write access to topic 'secret.x' in exchange 'amq.topic' in vhost '/' refused for user 'u'",
+	} {
+		topic := refusedPublish(&amqp091.Error{Code: amqp091.AccessRefused, Reason: reason})
+		assert.True(t, topic.refuses(rec("amq.topic", "secret.x")), reason)
+		assert.False(t, topic.refuses(rec("amq.topic", "allowed.x")), reason)
+	}
+	assert.Nil(t, refusedPublish(&amqp091.Error{Code: amqp091.NotFound, Reason: "NOT_FOUND - no exchange 'x' in vhost '/'"}))
+	assert.False(t, refusedPublish(nil).refuses(rec("", "q")))
+}
+
+// Headers RabbitMQ routes by ("CC", "BCC") must be arrays, which an
+// outbox header cannot be: Check refuses them before they close the
+// channel. Names are case-sensitive.
+func TestCheckRefusesRoutingHeaders(t *testing.T) {
+	p, err := New(Config{URL: "amqp://guest:guest@localhost:5672/"})
+	require.NoError(t, err)
+	for _, name := range []string{"CC", "BCC"} {
+		err := p.Check(outbox.Record{RoutingKey: "q", EventID: "e", Headers: map[string]string{name: "x"}})
+		assert.True(t, outbox.IsRejected(err), "%s: %v", name, err)
+	}
+	assert.NoError(t, p.Check(outbox.Record{RoutingKey: "q", EventID: "e", Headers: map[string]string{"cc": "x"}}))
+}
+
 // The publisher dials with a copy of Config.TLSConfig: amqp091 writes the
 // URL's host into an empty ServerName of the config it is given, which
 // would then name this broker for every other use of the caller's config

@@ -9,7 +9,9 @@
 // library reads first), its type as the type property, the stored W3C
 // trace context as "traceparent" and "tracestate" headers, the message's
 // own headers (but for any named "id" or "type": the properties carry
-// those), and is persistent unless Config.Transient.
+// those), and is persistent unless Config.Transient. A record with a
+// header named "CC" or "BCC", which RabbitMQ routes by and refuses as a
+// string, is refused before it is sent (Publisher.Check).
 //
 // Messages of one channel reach a queue in the order they were published,
 // so the relay's per-key order holds up to the queue; what a consumer does
