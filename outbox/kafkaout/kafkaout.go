@@ -36,7 +36,10 @@ type Config struct {
 	// 1 (so retries neither duplicate nor reorder a partition's records),
 	// returns successes and errors, is not transactional (Transaction.ID
 	// is cleared), and never asks the broker to create a topic. Version
-	// must be at least 0.11 (sarama.V0_11_0_0). The producer dials
+	// must be at least 0.11 (sarama.V0_11_0_0). Producer.Partitioner
+	// must keep a key on one partition (RequiresConsistency): New refuses
+	// a random or round-robin one, which would break a key's order. The
+	// producer dials
 	// through Net.Proxy.Dialer when Net.Proxy.Enable is set, else through
 	// a net.Dialer of the Net settings, wrapped so that Close can end a
 	// connect in flight (sarama's Logger then says "using proxy").
@@ -211,6 +214,13 @@ func New(cfg Config) (*Publisher, error) {
 	}
 	if err := sc.Validate(); err != nil {
 		return nil, fmt.Errorf("kafkaout: Config.Sarama: %w", err)
+	}
+	if sc.Producer.Partitioner != nil && !sc.Producer.Partitioner("").RequiresConsistency() {
+		// A partitioner that does not place a key on one partition
+		// (random, round robin) spreads the rows of one key over
+		// partitions: their consumers would see them out of order.
+		return nil, errors.New("kafkaout: Config.Sarama.Producer.Partitioner does not place a key on one partition (RequiresConsistency is false): " +
+			"the rows of a key would lose their order; use a hash partitioner (the default)")
 	}
 	return &Publisher{cfg: cfg, sc: sc}, nil
 }

@@ -162,3 +162,29 @@ func TestNewRefusesOneHeaderForTheIDAndTheType(t *testing.T) {
 	_, err := New(Config{Brokers: []string{"b:9092"}, IDHeader: "event-id", TypeHeader: "event-type"})
 	require.NoError(t, err)
 }
+
+// The key picks the partition, so that the rows of a key keep their order
+// for the consumers: a base config whose partitioner ignores the key
+// (random, round robin) spread them over partitions. New refuses it; a
+// hash partitioner (the default) or a manual one is taken.
+func TestNewRefusesAPartitionerThatIgnoresTheKey(t *testing.T) {
+	for name, p := range map[string]sarama.PartitionerConstructor{
+		"random": sarama.NewRandomPartitioner, "round robin": sarama.NewRoundRobinPartitioner,
+	} {
+		sc := sarama.NewConfig()
+		sc.Version = sarama.V2_1_0_0
+		sc.Producer.Partitioner = p
+		_, err := New(Config{Brokers: []string{"b:9092"}, Sarama: sc})
+		require.Error(t, err, name)
+		assert.ErrorContains(t, err, "Partitioner", name)
+	}
+	for name, p := range map[string]sarama.PartitionerConstructor{
+		"hash": sarama.NewHashPartitioner, "manual": sarama.NewManualPartitioner,
+	} {
+		sc := sarama.NewConfig()
+		sc.Version = sarama.V2_1_0_0
+		sc.Producer.Partitioner = p
+		_, err := New(Config{Brokers: []string{"b:9092"}, Sarama: sc})
+		require.NoError(t, err, name)
+	}
+}
