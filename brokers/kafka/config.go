@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math"
+	"reflect"
 	"strings"
 	"time"
 
@@ -180,8 +181,12 @@ type Config struct {
 	// about MaxPendingPerPartition records, plus sarama's buffers
 	// (Sarama.ChannelBufferSize records, as many again read ahead while
 	// the consumer takes none, and one fetch of up to FetchDefault bytes).
-	// A crash redelivers at most this many records
-	// per partition. It is the only bound on what a partition hands out:
+	// It bounds what a crash hands out again only with OffsetsInDatabase,
+	// whose rows are written in each transaction: at most this many records
+	// per partition, those recorded done skipped. With offsets in Kafka a
+	// crash also redelivers the records acked since the last commit
+	// (CommitInterval), however many they are, recognised as duplicates.
+	// It is the only bound on what a partition hands out:
 	// the consumer's Config.ReceiveBuffer, shared by every partition, does
 	// not apply to this source (consumer.StreamBounder), so the records
 	// waiting in the process are up to this many per partition it holds.
@@ -242,7 +247,11 @@ type Config struct {
 	// consumer errors are returned,
 	// and the dead-letter producer is idempotent, not transactional
 	// (Producer.Transaction.ID cleared), with RequiredAcks = WaitForAll,
-	// Net.MaxOpenRequests = 1 and topic auto-creation off.
+	// Net.MaxOpenRequests = 1 and topic auto-creation off. sarama's sticky
+	// and cooperative-sticky balance strategies, which keep the state of
+	// their group and may not be shared between clients, are new instances
+	// in each Source, so that one base serves several Sources; a strategy
+	// of one's own is used as given.
 	// Version must be at least 0.11 (sarama.V0_11_0_0), and
 	// Consumer.Group.ResetInvalidOffsets true (sarama's default).
 	Sarama *sarama.Config
@@ -590,7 +599,7 @@ func (c *Config) producerConfig() (*sarama.Config, error) {
 
 // base returns a shallow copy of the Sarama base configuration with its own
 // metric registry, so that the consumer and the producer clients do not
-// share sarama's metrics.
+// share sarama's metrics, and its own balance strategies (ownStrategies).
 func (c *Config) base() *sarama.Config {
 	var sc sarama.Config
 	if c.Sarama != nil {
@@ -599,5 +608,41 @@ func (c *Config) base() *sarama.Config {
 		sc = *sarama.NewConfig()
 	}
 	sc.MetricRegistry = metrics.NewRegistry()
+	g := &sc.Consumer.Group.Rebalance
+	g.GroupStrategies = ownStrategies(g.GroupStrategies)
+	if g.Strategy != nil {
+		g.Strategy = ownStrategies([]sarama.BalanceStrategy{g.Strategy})[0]
+	}
 	return &sc
+}
+
+// Types of sarama's stateful balance strategies.
+var (
+	stickyType            = reflect.TypeOf(sarama.NewBalanceStrategySticky())
+	cooperativeStickyType = reflect.TypeOf(sarama.NewBalanceStrategyCooperativeSticky())
+)
+
+// ownStrategies returns a copy of strategies in which sarama's sticky and
+// cooperative-sticky strategies are new instances. They keep the state of
+// the group they plan for (a plan's movements; cooperative-sticky the
+// member's generation, sent in its subscription), and sarama says they
+// must not be shared between consumer-group clients: Sources opened from
+// one base configuration would plan on the same maps at once (Go's fatal
+// "concurrent map writes") and send each other's generation. The others
+// of sarama's are stateless; a strategy of the user's is kept as it is.
+func ownStrategies(strategies []sarama.BalanceStrategy) []sarama.BalanceStrategy {
+	if strategies == nil {
+		return nil
+	}
+	out := make([]sarama.BalanceStrategy, len(strategies))
+	for i, st := range strategies {
+		switch reflect.TypeOf(st) {
+		case stickyType:
+			st = sarama.NewBalanceStrategySticky()
+		case cooperativeStickyType:
+			st = sarama.NewBalanceStrategyCooperativeSticky()
+		}
+		out[i] = st
+	}
+	return out
 }

@@ -96,3 +96,32 @@ func TestStuckKeyBoundsPendingRecords(t *testing.T) {
 		assert.LessOrEqual(t, src.maxPendingSeen(), bound)
 	})
 }
+
+// MaxPendingPerPartition bounds the records held pending, not what a crash
+// redelivers: the records acked since the last periodic commit
+// (CommitInterval) are marked but not committed, and a crash delivers them
+// again however many they are. The docs said a crash redelivers at most
+// MaxPendingPerPartition records per partition.
+func TestCrashRedeliveryIsNotBoundedByMaxPending(t *testing.T) {
+	c := newCluster(t)
+	topic, group := uniq("orders"), uniq("g")
+	c.createTopic(topic, 1)
+	const bound, acked = 5, 40
+	var msgs []*sarama.ProducerMessage
+	for i := range acked {
+		msgs = append(msgs, msg(topic, 0, fmt.Sprint(i)))
+	}
+	c.produce(msgs...)
+	cfg := c.config(group, topic)
+	cfg.MaxPendingPerPartition = bound
+	cfg.CommitInterval = time.Hour // no periodic commit within the test
+	s := c.open(cfg)
+	for range acked {
+		d := receive(t, s)
+		require.NoError(t, d.Ack(t.Context()))
+	}
+	require.LessOrEqual(t, s.maxPendingSeen(), bound, "the pending records stay within the bound")
+	// Every record is acked and marked, none committed: a crash now would
+	// deliver all of them again, eight times the bound.
+	assert.Equal(t, map[int32]int64{0: -1}, c.committed(group, topic, 1))
+}

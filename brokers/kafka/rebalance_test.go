@@ -198,3 +198,34 @@ func TestCooperativeRevokeWhileNotReceivingKeepsRevokeTimeout(t *testing.T) {
 		t.Fatal("the revoked partition did not reach its new owner within RevokeTimeout")
 	}
 }
+
+// sarama's sticky strategies keep the state of the group they plan for
+// (the movements of a plan; cooperative-sticky the member's generation) and
+// must not be shared between consumer-group clients. Sources opened from
+// one base configuration get instances of their own: sharing one, two
+// Sources whose groups planned at the same time wrote the same maps (a data
+// race the race detector reports, and Go's fatal "concurrent map writes"),
+// and each sent the other's generation in its subscription.
+func TestSourcesFromOneBaseDoNotShareStickyStrategies(t *testing.T) {
+	c := newCluster(t)
+	topic := uniq("orders")
+	c.createTopic(topic, 1)
+	base := saramaConfig()
+	base.Consumer.Group.Rebalance.GroupStrategies = []sarama.BalanceStrategy{
+		sarama.NewBalanceStrategyCooperativeSticky(), sarama.NewBalanceStrategySticky(), sarama.NewBalanceStrategyRange()}
+	shared := append([]sarama.BalanceStrategy(nil), base.Consumer.Group.Rebalance.GroupStrategies...)
+	var got [][]sarama.BalanceStrategy
+	for _, group := range []string{uniq("g"), uniq("g")} {
+		cfg := c.config(group, topic)
+		cfg.Sarama = base
+		s := c.open(cfg)
+		got = append(got, s.groupClient.Config().Consumer.Group.Rebalance.GroupStrategies)
+	}
+	assert.Equal(t, shared, base.Consumer.Group.Rebalance.GroupStrategies, "the base configuration is not modified")
+	for i, st := range shared[:2] {
+		assert.Equal(t, st.Name(), got[0][i].Name())
+		assert.NotSame(t, st, got[0][i], "%s: the base's instance is used by a Source", st.Name())
+		assert.NotSame(t, got[0][i], got[1][i], "%s: two Sources share one instance", st.Name())
+	}
+	assert.Equal(t, sarama.RangeBalanceStrategyName, got[0][2].Name(), "a stateless strategy is kept")
+}
