@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"net/url"
 	"strconv"
 	"strings"
@@ -23,7 +24,8 @@ const (
 	QueueClassic QueueType = "classic"
 	// QueueQuorum declares a quorum queue (replicated, durable). RabbitMQ
 	// counts deliveries of quorum queue messages in the x-delivery-count
-	// header, which the source reports as Message.DeliveryCount.
+	// header, which the source reports as Message.DeliveryCount on a
+	// redelivery.
 	QueueQuorum QueueType = "quorum"
 )
 
@@ -593,7 +595,7 @@ const deliveryLimitArg = "x-delivery-limit"
 
 // checkDeliveryLimit refuses, on a broker of the given version before
 // RabbitMQ 4, an x-delivery-limit below 1 in the quorum queue arguments
-// args of field. RabbitMQ 4 takes -1 for no limit (docs/amqp.md,
+// args of field, whatever number type gives it (deliveryLimitValue). RabbitMQ 4 takes -1 for no limit (docs/amqp.md,
 // Pitfalls); RabbitMQ 3 takes it for 0 and drops a message at its first
 // redelivery, and the source's queues have no dead-letter exchange.
 // An unknown version is not judged.
@@ -602,17 +604,17 @@ func checkDeliveryLimit(field string, args amqp091.Table, version string) error 
 	if !ok {
 		return nil
 	}
-	limit, isInt := tableInt(v)
-	if !isInt {
-		return nil // not an integer: the broker refuses it
+	limit, isNumber := deliveryLimitValue(v)
+	if !isNumber {
+		return nil // a string: the broker applies no limit
 	}
 	m, known := majorVersion(version)
 	if limit >= 1 || !known || m >= 4 {
 		return nil
 	}
-	return &configError{fmt.Errorf("amqp: %s %s %d on RabbitMQ %s: before RabbitMQ 4 a quorum queue takes a limit below 1 for 0 "+
+	return &configError{fmt.Errorf("amqp: %s %s %v (%T) on RabbitMQ %s: before RabbitMQ 4 a quorum queue takes a limit below 1 for 0 "+
 		"and drops every message at its first redelivery (every unacked message is redelivered after a lost connection); "+
-		"leave it out, RabbitMQ 3 has no limit by default", field, deliveryLimitArg, limit, version)}
+		"leave it out, RabbitMQ 3 has no limit by default", field, deliveryLimitArg, v, v, version)}
 }
 
 // configError is the source's own verdict on the configuration against
@@ -649,13 +651,18 @@ func deliveryLimitRisk(args amqp091.Table, version string) int64 {
 		}
 		return 0
 	}
-	limit, _ := tableInt(v)
+	limit, _ := deliveryLimitValue(v)
 	return max(limit, 0)
 }
 
-// tableInt returns v, a value of an AMQP argument table, as an int64, and
-// whether it is an integer.
-func tableInt(v any) (int64, bool) {
+// deliveryLimitValue returns the delivery limit the broker applies for v,
+// an x-delivery-limit of an argument table, and whether it applies one.
+// RabbitMQ takes any number, not only a signed integer: an unsigned one
+// (uint8, uint16, uint32) as it is, and a float as the whole number below
+// it, since it drops a message delivered more often than the limit (0.5
+// acts as 0, 1.5 as 1; measured on 3.10). A float is what a limit read
+// from JSON or YAML into a map decodes to. A string is taken for no limit.
+func deliveryLimitValue(v any) (int64, bool) {
 	switch n := v.(type) {
 	case int:
 		return int64(n), true
@@ -667,8 +674,31 @@ func tableInt(v any) (int64, bool) {
 		return int64(n), true
 	case int64:
 		return n, true
+	case uint8:
+		return int64(n), true
+	case uint16:
+		return int64(n), true
+	case uint32:
+		return int64(n), true
+	case float32:
+		return floatLimit(float64(n)), true
+	case float64:
+		return floatLimit(n), true
 	}
 	return 0, false
+}
+
+// floatLimit is the whole number below f, within int64 (NaN as 0).
+func floatLimit(f float64) int64 {
+	switch {
+	case math.IsNaN(f):
+		return 0
+	case f >= math.MaxInt64:
+		return math.MaxInt64
+	case f <= math.MinInt64:
+		return math.MinInt64
+	}
+	return int64(math.Floor(f))
 }
 
 // majorVersion returns the major number of a broker's version property

@@ -53,7 +53,8 @@ const ccHeader = "CC"
 const FallbackIDPrefix = "amqp-sha256:"
 
 // DeliveryCountHeader is the header in which quorum queues count earlier
-// deliveries; it is reported as Message.DeliveryCount.
+// deliveries; it is reported as Message.DeliveryCount on a redelivery (on
+// a first delivery it is the publisher's, not the broker's).
 const DeliveryCountHeader = "x-delivery-count"
 
 // delivery is one AMQP delivery; it implements consumer.Delivery.
@@ -111,7 +112,7 @@ func (s *Source) newDelivery(sess *session, d amqp091.Delivery) *delivery {
 		Offset:        -1,
 		Timestamp:     d.Timestamp,
 		Redelivered:   d.Redelivered,
-		DeliveryCount: deliveryCount(d.Headers),
+		DeliveryCount: brokersDeliveryCount(d),
 	}
 	if s.cfg.Ordered {
 		dv.msg.Stream = s.cfg.Queue
@@ -182,9 +183,11 @@ func (d *delivery) Ack(ctx context.Context) error {
 // the body is then lost once the delivery is acked.
 //
 // It returns once the broker confirmed the copy, and an error when it
-// nacked it, the copy was unroutable, no confirm came within
-// Config.ConfirmTimeout, the broker blocks the dead-letter connection
-// (ErrPublisherBlocked), or the delivery's channel closed. A copy the
+// nacked it (a queue refused it: a full dead-letter queue with x-overflow
+// reject-publish, logged at level Error), the copy was unroutable, no
+// confirm came within Config.ConfirmTimeout, the broker blocks the
+// dead-letter connection (ErrPublisherBlocked), or the delivery's channel
+// closed. A copy the
 // broker refuses with ACCESS_REFUSED (no permission to publish to the
 // exchange, or an internal exchange), which no retry cures until it is
 // fixed on the broker, is logged at level Error with the exchange and
@@ -231,7 +234,7 @@ func (d *delivery) DeadLetter(ctx context.Context, dl *consumer.DeadLetter) erro
 		// drains it, which nothing in a passing warning would tell.
 		d.src.refusals.Add(ctx, 1, d.src.attrs)
 		d.src.log.Error("amqp: the broker nacked the dead-letter copy: a queue it routes to refused it (a dead-letter queue at its x-max-length "+
-			"or x-max-length-bytes with x-overflow reject-publish, or a copy larger than its x-max-length-bytes, or a queue that cannot take messages); "+
+			"or x-max-length-bytes with x-overflow reject-publish, or a copy larger than its x-max-length-bytes, or a quorum queue without a majority); "+
 			"the message stays unacked and is retried until that queue takes it: drain the dead-letter queue (once dlq replay) or raise its limit",
 			"exchange", cfg.DeadLetter.Exchange, "routing_key", cfg.DeadLetter.RoutingKey, "dead_letter_queue", cfg.DeadLetter.Queue,
 			"event_id", cutText(dl.EventID, 256), "error", err)
@@ -272,6 +275,22 @@ func fallbackID(exchange, routingKey, typ string, body []byte) string {
 	h.Write([]byte{0})
 	h.Write(body)
 	return FallbackIDPrefix + hex.EncodeToString(h.Sum(nil))
+}
+
+// brokersDeliveryCount is the x-delivery-count of d when the broker wrote
+// it: on a redelivery. A quorum queue sets the header (and the redelivered
+// flag) only on a message delivered before, and leaves the header a
+// message was published with as it is on its first delivery: a copy
+// republished from a quorum queue by an application or a shovel (or a
+// dead letter of this source, which keeps the original headers) carries
+// the count of another queue, and would have the consumer take every such
+// first delivery for a redelivery, run alone with a crash-guard write.
+// Classic queues never set it.
+func brokersDeliveryCount(d amqp091.Delivery) int {
+	if !d.Redelivered {
+		return 0
+	}
+	return deliveryCount(d.Headers)
 }
 
 // deliveryCount reads x-delivery-count, whatever integer type it has.

@@ -2,6 +2,7 @@ package amqp_test
 
 import (
 	"context"
+	"encoding/json"
 	"log/slog"
 	"strings"
 	"testing"
@@ -38,6 +39,13 @@ func TestDeliveryLimitBelowOneRefusedBeforeRabbitMQ4(t *testing.T) {
 		{"queue 0", func(c *amqp.Config) { c.QueueArgs = amqp091.Table{"x-delivery-limit": int32(0)} }, "Config.QueueArgs"},
 		{"dead-letter queue -1", func(c *amqp.Config) {
 			c.DeadLetter.QueueArgs = amqp091.Table{"x-delivery-limit": -1}
+		}, "Config.DeadLetter.QueueArgs"},
+		// The broker takes any number: a limit read from JSON or YAML
+		// into a map is a float64, and an unsigned 0 is 0 too.
+		{"queue -1 decoded from JSON", func(c *amqp.Config) { c.QueueArgs = jsonArgs(t, `{"x-delivery-limit": -1}`) }, "Config.QueueArgs"},
+		{"queue unsigned 0", func(c *amqp.Config) { c.QueueArgs = amqp091.Table{"x-delivery-limit": uint16(0)} }, "Config.QueueArgs"},
+		{"dead-letter queue 0.5", func(c *amqp.Config) {
+			c.DeadLetter.QueueArgs = amqp091.Table{"x-delivery-limit": float32(0.5)}
 		}, "Config.DeadLetter.QueueArgs"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -76,6 +84,23 @@ func TestDeliveryLimitRuleFollowsTheBrokersVersion(t *testing.T) {
 	}
 	assert.NoError(t, amqp.CheckDeliveryLimit("Config.QueueArgs", amqp091.Table{"x-delivery-limit": int64(1)}, "3.10.8"))
 	assert.NoError(t, amqp.CheckDeliveryLimit("Config.QueueArgs", nil, "3.10.8"))
+	for _, v := range []any{float64(-1), float64(0.99), float32(0), uint8(0), uint32(0)} {
+		assert.Error(t, amqp.CheckDeliveryLimit("Config.QueueArgs", amqp091.Table{"x-delivery-limit": v}, "3.10.8"), "%T %v", v, v)
+		assert.NoError(t, amqp.CheckDeliveryLimit("Config.QueueArgs", amqp091.Table{"x-delivery-limit": v}, "4.0.5"), "%T %v", v, v)
+	}
+	for _, v := range []any{float64(1), float64(1.5), uint8(1), "0", "-1"} {
+		// A string is no limit to the broker.
+		assert.NoError(t, amqp.CheckDeliveryLimit("Config.QueueArgs", amqp091.Table{"x-delivery-limit": v}, "3.10.8"), "%T %v", v, v)
+	}
+}
+
+// jsonArgs decodes an argument table as a configuration file's loader
+// does: numbers become float64.
+func jsonArgs(t *testing.T, s string) amqp091.Table {
+	t.Helper()
+	var m map[string]any
+	require.NoError(t, json.Unmarshal([]byte(s), &m))
+	return amqp091.Table(m)
 }
 
 // TestDeliveryLimitWithoutDeadLetterExchangeWarnsAtOpen: a quorum queue
@@ -163,6 +188,11 @@ func TestDeliveryLimitRiskFollowsTheBrokersVersion(t *testing.T) {
 		{amqp091.Table{"x-delivery-limit": 7}, "4.0.5", 7},
 		{amqp091.Table{"x-dead-letter-exchange": "dlx"}, "4.0.5", 0},
 		{amqp091.Table{"x-dead-letter-exchange": "", "x-delivery-limit": int64(3)}, "4.0.5", 0},
+		// Any number the broker takes as a limit: floats rounded down.
+		{amqp091.Table{"x-delivery-limit": uint8(2)}, "3.10.8", 2},
+		{amqp091.Table{"x-delivery-limit": float64(5)}, "3.10.8", 5},
+		{amqp091.Table{"x-delivery-limit": float64(2.5)}, "3.10.8", 2},
+		{amqp091.Table{"x-delivery-limit": "5"}, "3.10.8", 0},
 	} {
 		assert.Equal(t, tc.limit, amqp.DeliveryLimitRisk(tc.args, tc.version), "%v on %q", tc.args, tc.version)
 	}

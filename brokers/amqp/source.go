@@ -96,7 +96,8 @@ type Source struct {
 // cannot be reached is retried with backoff until ctx is done; an error the
 // broker gives for the configuration itself (access refused: wrong
 // credentials, no access to the vhost, no permission on the queue; a
-// missing queue in passive mode, a queue declared with other arguments)
+// missing queue in passive mode, a queue declared with other arguments,
+// a queue of that name exclusive to another connection)
 // and a TLS handshake that fails for the configuration (a certificate not
 // trusted or not presented, an amqps URL at a port that speaks plain AMQP)
 // are returned at once. A connection limit reached (the vhost's or the
@@ -522,6 +523,11 @@ func isConfigError(err error) bool {
 			return !strings.Contains(ae.Reason, "connection limit")
 		case amqp091.AccessRefused, amqp091.NotFound, amqp091.PreconditionFailed, amqp091.CommandInvalid, amqp091.NotImplemented:
 			return true
+		case amqp091.ResourceLocked:
+			// The queue is exclusive to another connection: a name the
+			// configuration shares with another client's queue, not a
+			// broker out of reach.
+			return true
 		}
 	}
 	return false
@@ -549,6 +555,10 @@ func refusalMessage(err error) string {
 		case amqp091.NotFound:
 			return "amqp: the broker refuses the source's topology: an exchange or queue the source binds or checks " +
 				"(Config.Passive) is missing there (the error names it); retrying until it is declared on the broker again"
+		case amqp091.ResourceLocked:
+			return "amqp: the broker refuses the source's queue: a queue of that name is exclusive to another connection " +
+				"(RESOURCE_LOCKED), which alone may use it, and is deleted when that connection closes; retrying until it is " +
+				"gone: close that connection or give one of the queues another name"
 		}
 	}
 	return "amqp: the broker refuses the source's credentials, permissions, TLS settings or topology; retrying until that is fixed on the broker or the source is closed"

@@ -469,3 +469,40 @@ func TestDeadLetterQueueArgs(t *testing.T) {
 		amqp091.Table{"x-queue-type": "quorum", "x-max-length": int64(5)})
 	require.ErrorContains(t, err, "x-max-length", "the broker holds the queue's own arguments")
 }
+
+// TestPublishedDeliveryCountIsNoRedelivery: a message published with an
+// x-delivery-count header (a copy an application or a shovel republished
+// from a quorum queue, or a dead letter of this source, which keeps the
+// original headers) keeps it on its first delivery, from a classic queue
+// and from a quorum queue alike (RabbitMQ 3.10 writes its count only on a
+// redelivery). Reported as Message.DeliveryCount, it had the consumer take
+// every such first delivery for a redelivery: run alone, one at a time,
+// with a crash-guard write. The count is the broker's only on a
+// redelivery, which the quorum queue then counts afresh.
+func TestPublishedDeliveryCountIsNoRedelivery(t *testing.T) {
+	t.Parallel()
+	for _, typ := range []amqp.QueueType{amqp.QueueClassic, amqp.QueueQuorum} {
+		t.Run(string(typ), func(t *testing.T) {
+			t.Parallel()
+			a := newAdmin(t)
+			q := queueName(t)
+			a.declare(q, typ)
+			msg := jsonMsg("ev-1", `{}`)
+			msg.Headers = amqp091.Table{amqp.DeliveryCountHeader: int64(4)}
+			require.NoError(t, a.publish("", q, msg))
+
+			src := openSource(t, amqp.Config{Queue: q, QueueType: typ})
+			first := receive(t, src).Message()
+			assert.False(t, first.Redelivered)
+			assert.Zero(t, first.DeliveryCount, "a first delivery with the publisher's count")
+			assert.Equal(t, "4", first.Headers[amqp.DeliveryCountHeader], "the header itself is kept")
+			require.NoError(t, src.Close())
+
+			again := receive(t, openSource(t, amqp.Config{Queue: q, QueueType: typ})).Message()
+			assert.True(t, again.Redelivered)
+			if typ == amqp.QueueQuorum {
+				assert.Equal(t, 1, again.DeliveryCount, "the broker's own count")
+			}
+		})
+	}
+}

@@ -2,7 +2,9 @@ package amqp_test
 
 import (
 	"context"
+	"fmt"
 	"log/slog"
+	"sync"
 	"testing"
 	"time"
 
@@ -75,6 +77,22 @@ func TestTopologyRefusedOnReconnect(t *testing.T) {
 			advice:  "is missing there",
 			passive: true,
 		},
+		{
+			// Another client's queue of the same name, declared exclusive
+			// on its connection: before, each attempt was logged as a
+			// broker that cannot be reached.
+			name: "queue exclusive to another connection",
+			change: func(t *testing.T, ch *amqp091.Channel, q, x string) {
+				_, err := ch.QueueDelete(q, false, false, false)
+				require.NoError(t, err)
+				declareExclusive(t, q)
+			},
+			undo: func(t *testing.T, ch *amqp091.Channel, q, x string) {
+				closeExclusive(t, q)
+			},
+			want:   "RESOURCE_LOCKED",
+			advice: "exclusive to another connection",
+		},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
@@ -141,6 +159,59 @@ func TestTopologyRefusedOnReconnect(t *testing.T) {
 			require.True(t, ok, "no delivery after the topology was restored")
 			assert.Equal(t, "ev-1", d.Message().ID)
 			require.NoError(t, d.Ack(context.Background()))
+		})
+	}
+}
+
+// exclusiveOwners holds, by queue, the connection declareExclusive
+// declared the queue exclusive on.
+var exclusiveOwners sync.Map
+
+// declareExclusive declares queue exclusive on a connection of its own,
+// as another client would, until closeExclusive or the test's end.
+func declareExclusive(t *testing.T, queue string) {
+	t.Helper()
+	conn, err := amqp091.Dial(brokerURL(t))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close() })
+	ch, err := conn.Channel()
+	require.NoError(t, err)
+	_, err = ch.QueueDeclare(queue, false, false, true, false, nil)
+	require.NoError(t, err)
+	exclusiveOwners.Store(queue, conn)
+}
+
+// closeExclusive closes the connection that declared queue exclusive:
+// the broker deletes the queue.
+func closeExclusive(t *testing.T, queue string) {
+	t.Helper()
+	conn, ok := exclusiveOwners.LoadAndDelete(queue)
+	require.True(t, ok)
+	require.NoError(t, conn.(*amqp091.Connection).Close())
+}
+
+// TestQueueExclusiveToAnotherConnectionRefusedAtOpen: a queue of the
+// source's name that another connection declared exclusive
+// (RESOURCE_LOCKED for everyone else, to declare or to check) is the
+// broker's verdict on the configuration: Open returns it at once, as it
+// does a queue declared with other arguments or consumed exclusively.
+// Before, Open took it for a broker that cannot be reached, logged
+// "cannot connect to the broker" at every attempt and retried until its
+// context ended (for ever under context.Background).
+func TestQueueExclusiveToAnotherConnectionRefusedAtOpen(t *testing.T) {
+	for _, passive := range []bool{false, true} {
+		t.Run(fmt.Sprintf("passive=%v", passive), func(t *testing.T) {
+			q := queueName(t)
+			declareExclusive(t, q)
+			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+			defer cancel()
+			src, err := amqp.Open(ctx, amqp.Config{URL: brokerURL(t), Queue: q, Passive: passive, Logger: testLogger(t)})
+			if err == nil {
+				_ = src.Close()
+			}
+			require.Error(t, err)
+			assert.NotErrorIs(t, err, context.DeadlineExceeded, "refused at once, not retried as an unreachable broker")
+			assert.Contains(t, err.Error(), "RESOURCE_LOCKED")
 		})
 	}
 }
