@@ -74,6 +74,12 @@ var finishTimeout = 30 * time.Second
 //   - a new key: the handler runs with the response buffered; a response
 //     Config.Store accepts is stored and committed with the handler's
 //     writes, then sent; any other response is sent after a rollback;
+//   - an error (400 or more) the handler answered after the request's
+//     context ended (the client gone, an outer middleware's deadline):
+//     503 with Retry-After after a rollback, with or without a key: pgx
+//     refuses a statement on an ended context without aborting the
+//     transaction, so the answer may be the cancellation's, and the
+//     writes before it half the effect;
 //   - the database unreachable or failing transiently, a statement
 //     canceled (statement_timeout), or no pool connection within
 //     Config.AcquireTimeout: 503 with Retry-After, so that the client
@@ -453,6 +459,10 @@ func (m *Middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 		m.rollback(r.Context(), tx)
 		send(w, rec.header, status, rec.body.Bytes())
 		return
+	case answeredAfterCancel(r, status) && !endedBySQL:
+		m.rollback(r.Context(), tx)
+		m.canceledMidHandler(w, r, status)
+		return
 	}
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), finishTimeout)
 	defer cancel()
@@ -560,6 +570,14 @@ func (m *Middleware) serveWithoutKey(w http.ResponseWriter, r *http.Request, nex
 		send(w, rec.header, status, rec.body.Bytes())
 		return
 	}
+	if answeredAfterCancel(r, status) {
+		m.rollback(ctx, tx)
+		if readOnly {
+			m.leaveReadOnlySession()
+		}
+		m.canceledMidHandler(w, r, status)
+		return
+	}
 	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), finishTimeout)
 	defer cancel()
 	if err := tx.Commit(cctx); err != nil {
@@ -570,6 +588,27 @@ func (m *Middleware) serveWithoutKey(w http.ResponseWriter, r *http.Request, nex
 		return
 	}
 	send(w, rec.header, status, rec.body.Bytes())
+}
+
+// answeredAfterCancel reports whether the handler answered an error
+// (status 400 or more) with the request's context ended: the client gone,
+// or a deadline an outer middleware set passed. pgx refuses a statement
+// on an ended context without sending it, which leaves the transaction
+// unaborted: it may hold the writes of the statements before, and the
+// answer may be the cancellation's ("context canceled" answered 400).
+// Committed, it would be half an effect, and stored, the answer every
+// retry gets for the TTL. A success is committed: the handler finished.
+func answeredAfterCancel(r *http.Request, status int) bool {
+	return status >= 400 && r.Context().Err() != nil
+}
+
+// canceledMidHandler answers a request rolled back by answeredAfterCancel:
+// nothing was processed, and a retry with the key runs the handler whole.
+func (m *Middleware) canceledMidHandler(w http.ResponseWriter, r *http.Request, status int) {
+	m.cfg.Logger.Warn("idempotency: the handler answered an error after the request's context ended; rolled back, not stored",
+		"path", r.URL.Path, "status", status, "error", context.Cause(r.Context()))
+	problem(w, http.StatusServiceUnavailable, "Service unavailable",
+		"The request was not processed; retry with the same "+m.cfg.Header+".")
 }
 
 // withTx returns r with the request's state in its context.

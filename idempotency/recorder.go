@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/base64"
 	"errors"
+	"fmt"
 	"net/http"
 	"slices"
 	"strings"
@@ -35,8 +36,14 @@ func newRecorder(limit int) *recorder {
 func (r *recorder) Header() http.Header { return r.header }
 
 // WriteHeader records the first final status; informational (1xx)
-// statuses cannot be held back and are dropped.
+// statuses cannot be held back and are dropped. A status net/http refuses
+// (below 100 or above 999) panics as net/http's writer does, so that the
+// request rolls back: taken for no status at all, it would commit the
+// handler's writes and store a 200.
 func (r *recorder) WriteHeader(status int) {
+	if status < 100 || status > 999 {
+		panic(fmt.Sprintf("invalid WriteHeader code %v", status))
+	}
 	if r.status == 0 && status >= 200 {
 		r.status = status
 	}
