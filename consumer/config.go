@@ -470,6 +470,10 @@ const maxReceiveBuffer = 1 << 20
 // bytes (8 kB pages) on every try.
 const maxIDLimit = 2048
 
+// The store refuses a claim whose key is longer than dedup.MaxKeyLength:
+// the longest name and id must fit, or this fails to compile.
+var _ [dedup.MaxKeyLength - maxNameLength - maxIDLimit]struct{}
+
 // DefaultHandlerTimeout is Config.HandlerTimeout's default.
 const DefaultHandlerTimeout = time.Minute
 

@@ -235,7 +235,10 @@ var attemptsColumns = pgshape.Cols(
 // that no other column would make its inserts fail (NOT NULL without a
 // default), that processed_at and last_seen, which the inserts leave out,
 // have a default, and that the columns the store may write NULL into
-// (fingerprint, partition, offset, last_error) take it. It returns nil, or an error wrapping ErrSchemaMismatch that
+// (fingerprint, partition, offset, last_error) take it, and that no unique
+// index or exclusion constraint (each an arbiter of the claims' ON
+// CONFLICT) takes two distinct ids, or one id of two consumers, for one.
+// It returns nil, or an error wrapping ErrSchemaMismatch that
 // names every difference. Migrate runs it; a consumer whose schema is
 // managed by other tools (Config.SkipMigrate) runs it at start, so that a
 // table of another shape fails start-up instead of every claim.
@@ -320,7 +323,7 @@ func (s *Store) checkTable(ctx context.Context, db DB, table string, want []pgsh
 		return fmt.Errorf("dedup: checking %s: %w", table, err)
 	}
 	for _, name := range merging {
-		diffs = append(diffs, fmt.Sprintf("unique index %s takes distinct (consumer, event_id) for one: its key needs both columns, each under a deterministic collation", name))
+		diffs = append(diffs, fmt.Sprintf("%s takes distinct (consumer, event_id) for one: its key needs both columns, each under a deterministic collation", name))
 	}
 	if table == s.names.Table {
 		// The claims' ON CONFLICT names no target: every unique or
@@ -377,11 +380,13 @@ func hasUniqueKey(ctx context.Context, db DB, table string, key ...string) (bool
 	return ok, err
 }
 
-// mergingKeys names the unique indexes of table that can take two claims
-// of distinct (consumer, event_id) for one: every unique index is an
-// arbiter of the claims' ON CONFLICT, and a claim that conflicts on such
-// an index reports a duplicate for an id never claimed, or finds no row to
-// compare with on every try. Those are the indexes whose key holds
+// mergingKeys names ("unique index <name>", "exclusion constraint
+// <name>") the unique indexes and exclusion constraints of table that can
+// take two claims of distinct (consumer, event_id) for one: each is an
+// arbiter of the claims' ON CONFLICT, which names no target, and a claim
+// that conflicts on such an index reports a duplicate for an id never
+// claimed, or finds no row to compare with on every try. Those are the
+// indexes whose key holds
 // consumer or event_id under a nondeterministic collation (one that
 // compares ids case-insensitively, say), and those that lack consumer or
 // event_id as columns of their key while every column they read is one the
@@ -392,7 +397,7 @@ func mergingKeys(ctx context.Context, db DB, table string, want []pgshape.Want) 
 	for i, c := range want {
 		written[i] = c.Name
 	}
-	rows, err := db.Query(ctx, `SELECT ic.relname::text
+	rows, err := db.Query(ctx, `SELECT CASE WHEN i.indisexclusion THEN 'exclusion constraint ' ELSE 'unique index ' END || ic.relname::text
 FROM pg_index i JOIN pg_class ic ON ic.oid = i.indexrelid,
 LATERAL (
 	SELECT count(DISTINCT a.attname) FILTER (WHERE a.attname IN ('consumer', 'event_id')) AS key_cols,
@@ -403,7 +408,7 @@ LATERAL (
 	LEFT JOIN pg_collation c ON c.oid = k.coll
 	WHERE k.ord <= i.indnkeyatts
 ) k
-WHERE i.indrelid = to_regclass($1) AND i.indisunique
+WHERE i.indrelid = to_regclass($1) AND (i.indisunique OR i.indisexclusion)
   AND (k.folds OR (k.key_cols < 2 AND k.written AND NOT EXISTS (
 	-- the columns its expressions and predicate read
 	SELECT 1 FROM pg_depend d JOIN pg_attribute a ON a.attrelid = d.refobjid AND a.attnum = d.refobjsubid

@@ -145,18 +145,30 @@ SELECT (SELECT count(*) FROM gone), coalesce((SELECT max(processed_at) FROM doom
 // ErrInvalidClaim is wrapped by the errors of Claim, ClaimBatch and
 // QueueClaimBatch, and by PendingClaim.Result's, for a claim that no retry
 // can store: an empty Consumer or EventID (every event without an id would
-// be a duplicate of the first), or a Consumer, EventID or Source that is
-// not UTF-8 text or holds a NUL, which PostgreSQL's text type refuses.
+// be a duplicate of the first), a Consumer, EventID or Source that is
+// not UTF-8 text or holds a NUL, which PostgreSQL's text type refuses, or a
+// Consumer and EventID longer than MaxKeyLength bytes together, which the
+// btree index of the (consumer, event_id) key may not hold.
 // Nothing is sent for it, and the transaction stays usable. Treat it as the
 // event's fault (dead-letter it), not as an outage.
 var ErrInvalidClaim = errors.New("dedup: invalid claim")
+
+// MaxKeyLength bounds a claim's Consumer and EventID, in bytes together.
+// They are the key of the store's tables, whose btree index PostgreSQL
+// refuses an entry of more than 2,704 bytes (8 kB pages), compressed if it
+// compresses, on every try (SQLSTATE 54000). Any key of MaxKeyLength bytes
+// fits, however little it compresses; a longer one is refused with
+// ErrInvalidClaim, before any statement, rather than stored or not
+// depending on its content.
+const MaxKeyLength = 2600
 
 // Claim is one event id to claim for a consumer.
 type Claim struct {
 	// Consumer is the consumer name, the scope of the id (rows of other
 	// names are never compared).
 	Consumer string
-	// EventID is the id claimed; it may not be empty.
+	// EventID is the id claimed; it may not be empty, nor longer than
+	// MaxKeyLength bytes with Consumer.
 	EventID string
 	// Fingerprint of the payload, stored with the claim and compared on a
 	// duplicate; nil stores none and disables the comparison.
@@ -189,8 +201,8 @@ func validateConsumer(consumer string) error {
 	return nil
 }
 
-// validateEvent is validate without the check of the Consumer, which the
-// claims of a batch share.
+// validateEvent is validate without the checks of the Consumer alone,
+// which the claims of a batch share.
 func (c *Claim) validateEvent() error {
 	switch {
 	case c.EventID == "":
@@ -199,6 +211,8 @@ func (c *Claim) validateEvent() error {
 		return fmt.Errorf("%w: EventID is not UTF-8 text without NUL, which PostgreSQL cannot store", ErrInvalidClaim)
 	case !pgtext.Storable(c.Source):
 		return fmt.Errorf("%w: Source is not UTF-8 text without NUL, which PostgreSQL cannot store", ErrInvalidClaim)
+	case len(c.Consumer)+len(c.EventID) > MaxKeyLength:
+		return fmt.Errorf("%w: Consumer and EventID are %d bytes long together, more than the %d the key's index holds", ErrInvalidClaim, len(c.Consumer)+len(c.EventID), MaxKeyLength)
 	}
 	return nil
 }
