@@ -49,8 +49,8 @@ func (c ErrorClass) String() string {
 //
 //   - Permanent's error: ClassPermanent.
 //   - A DecodeError (a handler that decodes a payload of its own and
-//     failed): ClassPermanent, dead-lettered with kind KindDecode: the same
-//     bytes fail the same way on every run.
+//     failed), unless RetryAfter wraps it: ClassPermanent, dead-lettered
+//     with kind KindDecode: the same bytes fail the same way on every run.
 //   - RetryAfter's error: ClassRetry, whatever it wraps (a deadlock or a
 //     serialization failure among them): the handler asked for its next
 //     attempt after a delay, counted against Config.Retry.MaxAttempts.
@@ -109,10 +109,14 @@ func Classify(err error) ErrorClass {
 	switch {
 	case err == nil:
 		return ClassRetry
-	case errors.As(err, &perm), errors.As(err, &decode):
+	case errors.As(err, &perm):
 		return ClassPermanent
 	case errors.As(err, &retryAfter):
+		// Before DecodeError: a handler that asks for a later run of
+		// what it could not decode (a schema not known yet) gets it.
 		return ClassRetry
+	case errors.As(err, &decode):
+		return ClassPermanent
 	case errors.As(err, &pgErr):
 		if transientSQLState(pgErr.Code) || staleCachedPlan(pgErr) {
 			return ClassInfrastructure

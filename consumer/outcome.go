@@ -80,7 +80,8 @@ func (e *PanicError) Error() string { return fmt.Sprintf("handler panicked: %v",
 // need not return it: any decoder error is treated as one. A handler that
 // decodes something of its own (a []byte payload, a field in another
 // format) may return it, wrapped or not: the message is dead-lettered at
-// once with kind KindDecode too, and not retried (Classify).
+// once with kind KindDecode too, and not retried (Classify), unless it
+// returns it inside RetryAfter, which asks for a later run.
 type DecodeError struct{ Err error }
 
 // Error returns "decode: " and the wrapped error's message ("decode

@@ -321,8 +321,9 @@ type DeadLetter struct {
 	// is none (KindMissingID has no id).
 	EventID   string
 	EventType string
-	// Attempts is how many times the handler ran (0 for decode and id
-	// failures).
+	// Attempts is how many times the handler ran: 0 for id failures and a
+	// Decoder's or Envelope's failure; a KindDecode dead letter of a
+	// handler that returned a DecodeError counts its run.
 	Attempts int
 	// FailedAt is when the consumer dead-lettered the message.
 	FailedAt time.Time

@@ -7,7 +7,8 @@
 // configuration cannot inject SQL). Migrate brings its tables from any
 // earlier schema version to SchemaVersion with numbered, embedded
 // migrations, records the versions in once_schema_versions, refuses a newer
-// schema (ErrSchemaNewer) and checks the tables' shape (Check,
+// schema (ErrSchemaNewer) unless the newer release recorded that this one
+// runs on it (its steps only add) and checks the tables' shape (Check,
 // ErrSchemaMismatch); MigrateTo goes down. The same migrations, with the
 // default names, are in migrations/ for users of goose and
 // migrations/golang-migrate/ for golang-migrate. Claim and ClaimBatch work inside a caller's pgx.Tx;

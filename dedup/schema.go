@@ -175,7 +175,9 @@ func (s *Store) SchemaSQL() string {
 // processes at once, and on an error nothing has changed.
 //
 // It fails with an error wrapping ErrSchemaNewer when the database is at a
-// newer version than this package knows, and with one wrapping
+// newer version than this package knows, unless the release that migrated
+// it recorded that this one runs on it (then it checks the tables and
+// leaves them as they are; see ErrSchemaNewer), and with one wrapping
 // ErrSchemaMismatch, naming each difference, when a table of the store's
 // name has another shape. db is typically a *pgxpool.Pool.
 func (s *Store) Migrate(ctx context.Context, db interface {

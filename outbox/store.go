@@ -159,8 +159,11 @@ func (s *Store) SchemaSQL() string {
 // the newest schema version: the numbered migrations in migrations/, each
 // once, recorded in once_schema_versions (component "outbox:<table>") in
 // the table's schema, in one transaction under the advisory lock every
-// migration of the library takes. It is idempotent, safe to call from many
-// processes at once, and refuses a schema a newer release migrated.
+// migration of the library takes. It is idempotent and safe to call from
+// many processes at once. A schema a newer release migrated is left as it
+// is, after a check of the table's shape, when that release recorded that
+// this one runs on it (every outbox step after version 1 only adds: a
+// deploy rolled back); it is refused otherwise.
 func (s *Store) Migrate(ctx context.Context, db interface {
 	Begin(ctx context.Context) (pgx.Tx, error)
 }) error {

@@ -23,9 +23,11 @@ const migrateUsage = `Usage: once migrate [up|down|status] [-database-url URL] [
 
 up (the default) brings the processed-events and attempts tables to the newest
 schema version, the same numbered migrations a consumer runs at start unless
-Config.SkipMigrate: idempotent, serialised by an advisory lock, refused for a
-schema a newer release migrated. down -to V moves them back to version V (0
-drops them), and is refused for a V above the version the database records.
+Config.SkipMigrate: idempotent, serialised by an advisory lock; a schema a
+newer release migrated is left as it is when that release recorded that this
+one runs on it (its steps only add), and refused otherwise. down -to V
+moves them back to version V (0 drops them), and is refused for a V above
+the version the database records.
 status prints the version the database records; where none is, it says
 whether the tables are missing or were made without a record (by goose,
 golang-migrate, by hand), and then whether they have the store's shape
@@ -35,7 +37,8 @@ const statusUsage = `Usage: once status [-database-url URL] [-kafka BROKERS -gro
 
 Per consumer name: processed rows, the oldest and newest, attempt rows
 (messages in flight that may be redeliveries) and crash suspects among them
-(counted more than once, or not seen for -suspect-age). With -dlq, the dead
+(charged more than one crash, or not seen for -suspect-age; MAX ATTEMPTS
+counts the handler's runs, failed ones included). With -dlq, the dead
 letters of that topic or queue by consumer and kind. With -kafka, -group and
 -topic, the group's lag per partition; with -amqp and -queue, the depth of
 each queue. Counting rows reads the whole table. A part that cannot be read

@@ -64,9 +64,12 @@ Replaying twice, or while someone else replays, leaves one effect per event.
 A redriven record that fails again is dead-lettered again with these headers.
 
 Kafka records with neither an event id nor once-fallback-id, records
-without an original destination, and records written without their value
-are skipped; so are kinds a redrive cannot fix
-(id-conflict, invalid-id, missing-id) unless -force. On RabbitMQ a replayed message
+without an original destination, records written without their value, and
+RabbitMQ copies whose event id, fallback id or consumer header was cut are
+skipped, even with -force; so are, unless -force, kinds a redrive cannot
+fix (id-conflict, invalid-id, missing-id) and RabbitMQ copies written
+without their original headers (once-original-dropped: the exchange's
+other consumers may take the redrive for a new event). On RabbitMQ a replayed message
 leaves the dead-letter queue once its redrive is confirmed (-keep leaves
 it); Kafka dead letters stay. A RabbitMQ replay holds the queue's messages
 unacked for -max-hold (10m) at most, then puts them back and takes them
@@ -549,7 +552,7 @@ func (a *app) dlqReplay(ctx context.Context, args []string) error {
 	by := fs.String("by", "", "who asks for the redrive, written in once-redriven-by")
 	keep := fs.Bool("keep", false, "RabbitMQ: leave replayed messages in the dead-letter queue")
 	maxHold := fs.Duration("max-hold", defaultMaxHold, "RabbitMQ: hold the queue's messages unacked this `long` at most, then put them back and take them again; keep it below the broker's consumer_timeout")
-	force := fs.Bool("force", false, "also replay kinds a redrive cannot fix (id-conflict, invalid-id, missing-id)")
+	force := fs.Bool("force", false, "also replay kinds a redrive cannot fix (id-conflict, invalid-id, missing-id), and RabbitMQ copies written without their original headers (once-original-dropped), which the exchange's other consumers may take for a new event")
 	asJSON := fs.Bool("json", false, "print the report as JSON")
 	if helpOnly {
 		return nil

@@ -2,9 +2,11 @@
 // Kafka dead-letter topic (brokers/kafka) and the RabbitMQ dead-letter queue
 // (brokers/amqp).
 //
-// Reading never consumes and never reorders. On Kafka a Queue reads every
-// partition from its first retained offset to its high-water mark with a
-// plain partition consumer: no consumer group, nothing committed. On
+// Reading never consumes and never reorders. On Kafka a Queue reads the
+// committed records of every partition, from its first retained offset to
+// its last stable offset, with a plain partition consumer: no consumer
+// group, nothing committed; the records of an aborted transaction are no
+// dead letters, and those of a transaction still open are not read. On
 // RabbitMQ it subscribes with manual acknowledgements, takes the messages
 // that were ready when it started, and closes its channel without acking
 // any of them: RabbitMQ puts unacked messages of a classic or quorum queue

@@ -38,7 +38,10 @@ type ReplayOptions struct {
 	// By names who asked for the redrive (once-redriven-by); optional.
 	By string
 	// Force replays records of kinds that a redrive cannot fix
-	// (id-conflict, invalid-id, missing-id), which are skipped otherwise.
+	// (id-conflict, invalid-id, missing-id), and RabbitMQ copies written
+	// without their original headers (amqp.HeaderOriginalDropped), which
+	// the exchange's other consumers may take for a new event; both are
+	// skipped otherwise (Record.Replayable).
 	Force bool
 	// Keep, on RabbitMQ, leaves replayed records in the dead-letter queue;
 	// by default each is removed once the broker confirmed its redrive.
