@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -28,20 +29,10 @@ func TestEnvelopeThatDoesNotOpenIsDeadLetteredUnderTheHeadersID(t *testing.T) {
 	b := memsource.New(memsource.Options{Streams: 1, FallbackID: true})
 	b.Publish(consumer.Message{Value: []byte(`{"id":"evt-42","type":"order.paid","data":`),
 		Headers: map[string]string{"id": "evt-42", "type": "order.paid"}})
-	outcomes := make(chan consumer.Outcome, 1)
 	cfg := fastConfig("envelope-header-id")
 	cfg.Envelope = consumer.JSONEnvelope{}
-	cfg.Hooks.OnOutcome = func(_ context.Context, o consumer.Outcome) { outcomes <- o }
 	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error { return nil }
-	c, err := consumer.New(pool, b.Source(), h, cfg)
-	require.NoError(t, err)
-	start(t, c)
-	var o consumer.Outcome
-	select {
-	case o = <-outcomes:
-	case <-time.After(10 * time.Second):
-		t.Fatal("the message was not settled")
-	}
+	o := onlyOutcome(t, pool, b, h, cfg)
 	require.Equal(t, consumer.ResultDeadLettered, o.Result)
 	assert.Equal(t, consumer.KindDecode, o.DeadLetter.Kind)
 	assert.Equal(t, "evt-42", o.EventID)
@@ -65,20 +56,10 @@ func TestEnvelopeThatPanicsIsDeadLetteredUnderTheHeadersID(t *testing.T) {
 	b := memsource.New(memsource.Options{Streams: 1, FallbackID: true})
 	b.Publish(consumer.Message{Value: []byte(`{}`),
 		Headers: map[string]string{"id": "evt-43", "type": "order.paid"}})
-	outcomes := make(chan consumer.Outcome, 1)
 	cfg := fastConfig("envelope-panic-header-id")
 	cfg.Envelope = panickingEnvelope{}
-	cfg.Hooks.OnOutcome = func(_ context.Context, o consumer.Outcome) { outcomes <- o }
 	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error { return nil }
-	c, err := consumer.New(pool, b.Source(), h, cfg)
-	require.NoError(t, err)
-	start(t, c)
-	var o consumer.Outcome
-	select {
-	case o = <-outcomes:
-	case <-time.After(10 * time.Second):
-		t.Fatal("the message was not settled")
-	}
+	o := onlyOutcome(t, pool, b, h, cfg)
 	require.Equal(t, consumer.ResultDeadLettered, o.Result)
 	assert.Equal(t, consumer.KindPanic, o.DeadLetter.Kind)
 	assert.Equal(t, "evt-43", o.EventID)
@@ -97,20 +78,10 @@ func TestEventIDEmptyTakesTheFallbackID(t *testing.T) {
 			pool, _ := pgtest.Schema(t)
 			b := memsource.New(memsource.Options{Streams: 1, FallbackID: fallback})
 			b.Publish(consumer.Message{Value: []byte(`{"n":1}`)})
-			outcomes := make(chan consumer.Outcome, 1)
 			cfg := fastConfig("eventid-empty")
 			cfg.Identify.EventID = func(*consumer.Message) (string, error) { return "", nil }
-			cfg.Hooks.OnOutcome = func(_ context.Context, o consumer.Outcome) { outcomes <- o }
 			h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error { return nil }
-			c, err := consumer.New(pool, b.Source(), h, cfg)
-			require.NoError(t, err)
-			start(t, c)
-			var o consumer.Outcome
-			select {
-			case o = <-outcomes:
-			case <-time.After(10 * time.Second):
-				t.Fatal("the message was not settled")
-			}
+			o := onlyOutcome(t, pool, b, h, cfg)
 			if fallback {
 				assert.Equal(t, consumer.ResultHandled, o.Result)
 				assert.NotEmpty(t, o.EventID)
@@ -119,5 +90,23 @@ func TestEventIDEmptyTakesTheFallbackID(t *testing.T) {
 			require.Equal(t, consumer.ResultDeadLettered, o.Result)
 			assert.Equal(t, consumer.KindMissingID, o.DeadLetter.Kind)
 		})
+	}
+}
+
+// onlyOutcome runs a consumer of b's one message with handler h and cfg,
+// and returns the outcome of that message.
+func onlyOutcome(t *testing.T, pool *pgxpool.Pool, b *memsource.Broker, h consumer.Handler[order], cfg consumer.Config) consumer.Outcome {
+	t.Helper()
+	outcomes := make(chan consumer.Outcome, 1)
+	cfg.Hooks.OnOutcome = func(_ context.Context, o consumer.Outcome) { outcomes <- o }
+	c, err := consumer.New(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	start(t, c)
+	select {
+	case o := <-outcomes:
+		return o
+	case <-time.After(10 * time.Second):
+		t.Fatal("the message was not settled")
+		return consumer.Outcome{}
 	}
 }
