@@ -260,7 +260,7 @@ func NewRelay(pool *pgxpool.Pool, pub Publisher, cfg RelayConfig) (*Relay, error
 		return nil, err
 	}
 	r := &Relay{pool: pool, pub: pub, cfg: cfg, sql: newRelaySQL(cfg.Store.table)}
-	if r.metrics, err = newRelayMetrics(cfg.MeterProvider, cfg.Store.label, r.Leader, r.stalled.Load); err != nil {
+	if r.metrics, err = newRelayMetrics(cfg.MeterProvider, cfg.Store.label); err != nil {
 		return nil, err
 	}
 	r.tracer = newTracer(cfg.TracerProvider)
@@ -286,11 +286,15 @@ func (r *Relay) Leader() bool { return r.leader.Load() }
 // batch in flight; a batch left unanswered is published again by the next
 // leader. A call to the publisher that does not return is given up after
 // RelayConfig.PublishTimeout: the relay stops leading until it returns.
-// Run may be called once; once it returns, the relay's gauges
-// (LeaderMetric, StalledMetric) are no longer reported.
+// Run may be called once. The relay's gauges (LeaderMetric,
+// StalledMetric) are reported while Run runs: not before it is called
+// (a relay made and not run reports none), nor once it returns.
 func (r *Relay) Run(ctx context.Context) error {
 	if !r.ran.CompareAndSwap(false, true) {
 		return errors.New("outbox: Relay.Run called twice")
+	}
+	if err := r.metrics.start(r.Leader, r.stalled.Load); err != nil {
+		return err
 	}
 	defer r.metrics.stop()
 	if !r.cfg.SkipMigrate {

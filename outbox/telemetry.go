@@ -41,14 +41,20 @@ const (
 type relayMetrics struct {
 	published, rejected, parked, failures, refusals metric.Int64Counter
 	attrs                                           metric.MeasurementOption
+	// meter made leaderGauge and stalledGauge, whose callback start
+	// registers.
+	meter                     metric.Meter
+	leaderGauge, stalledGauge metric.Int64ObservableGauge
 	// gauges is the callback of LeaderMetric and StalledMetric, which
-	// holds the relay: unregistered once Run returns (stop), so that the
-	// meter provider, often the process's global one, does not keep every
-	// relay ever made, nor report the gauges of relays long stopped.
+	// holds the relay: registered while Run runs only (start, stop), so
+	// that the meter provider, often the process's global one, does not
+	// keep every relay ever made, nor report the gauges of relays stopped
+	// or never run (a relay built and not run reported leader 0 under the
+	// table of the one that leads, and hid its 1).
 	gauges metric.Registration
 }
 
-func newRelayMetrics(mp metric.MeterProvider, table string, leader, stalled func() bool) (*relayMetrics, error) {
+func newRelayMetrics(mp metric.MeterProvider, table string) (*relayMetrics, error) {
 	if mp == nil {
 		mp = otel.GetMeterProvider()
 	}
@@ -68,25 +74,33 @@ func newRelayMetrics(mp metric.MeterProvider, table string, leader, stalled func
 	rm.parked = counter(ParkedMetric, "Outbox rows parked after MaxAttempts refusals.")
 	rm.failures = counter(FailuresMetric, "Relay batches that failed because the broker or the database was unavailable.")
 	rm.refusals = counter(RefusalsMetric, "Relay batches that failed because the broker refused the publisher (credentials, permissions, TLS or SASL settings).")
-	var leaderGauge, stalledGauge metric.Int64ObservableGauge
+	rm.meter = m
 	if err == nil {
-		leaderGauge, err = m.Int64ObservableGauge(LeaderMetric, metric.WithDescription("1 while this relay leads, else 0."))
+		rm.leaderGauge, err = m.Int64ObservableGauge(LeaderMetric, metric.WithDescription("1 while this relay leads, else 0."))
 	}
 	if err == nil {
-		stalledGauge, err = m.Int64ObservableGauge(StalledMetric,
+		rm.stalledGauge, err = m.Int64ObservableGauge(StalledMetric,
 			metric.WithDescription("1 while this relay has given up a call to the publisher that has not returned, else 0."))
-	}
-	if err == nil {
-		rm.gauges, err = m.RegisterCallback(func(_ context.Context, o metric.Observer) error {
-			o.ObserveInt64(leaderGauge, flag(leader()), rm.attrs)
-			o.ObserveInt64(stalledGauge, flag(stalled()), rm.attrs)
-			return nil
-		}, leaderGauge, stalledGauge)
 	}
 	if err != nil {
 		return nil, fmt.Errorf("outbox: metrics: %w", err)
 	}
 	return rm, nil
+}
+
+// start registers the gauges' callback, which reports leader and
+// stalled; Run calls it first, and stop when it returns.
+func (rm *relayMetrics) start(leader, stalled func() bool) error {
+	var err error
+	rm.gauges, err = rm.meter.RegisterCallback(func(_ context.Context, o metric.Observer) error {
+		o.ObserveInt64(rm.leaderGauge, flag(leader()), rm.attrs)
+		o.ObserveInt64(rm.stalledGauge, flag(stalled()), rm.attrs)
+		return nil
+	}, rm.leaderGauge, rm.stalledGauge)
+	if err != nil {
+		return fmt.Errorf("outbox: metrics: %w", err)
+	}
+	return nil
 }
 
 // flag is a gauge's value of b: 1 or 0.
