@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"maps"
 	"os"
@@ -15,6 +16,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/onceco/once/internal/pgtemp"
@@ -81,8 +83,10 @@ var unsafeName = regexp.MustCompile(`[^a-z0-9_]+`)
 // test (search_path), on the server of URL. The schema and the pool go
 // when the test ends; a connection the test never released (a
 // transaction left open) fails the test and is ended after 10 seconds, so
-// that its locks do not keep the schema. Tests using it may run in
-// parallel.
+// that its locks do not keep the schema. Any other session still holding
+// a lock in the schema then (a connection opened with the pool's config,
+// left in a transaction) is ended too, and logged. A schema that still
+// cannot be dropped fails the test. Tests using it may run in parallel.
 func Postgres(t testing.TB) *pgxpool.Pool {
 	t.Helper()
 	url := URL(t)
@@ -134,10 +138,49 @@ func Postgres(t testing.TB) *pgxpool.Pool {
 				t.Errorf("oncetest: end the unreleased connections: %v", err)
 			}
 		}
-		_, _ = admin.Exec(ctx, "DROP SCHEMA "+schema+" CASCADE")
+		if err := dropSchema(ctx, t, admin, schema); err != nil {
+			t.Errorf("oncetest: drop schema %s: %v; it is left on the server", schema, err)
+		}
 		admin.Close()
 	})
 	return pool
+}
+
+// dropSchema drops schema, ending the sessions (other than admin's) that
+// hold locks in it and keep the drop waiting, until ctx ends.
+func dropSchema(ctx context.Context, t testing.TB, admin *pgxpool.Pool, schema string) error {
+	for {
+		// lock_timeout, so that a session holding a lock is found and
+		// ended rather than waited for up to ctx's end; above the default
+		// deadlock_timeout (1 s), after which an autovacuum worker in the
+		// way cancels itself.
+		_, err := admin.Exec(ctx, "SET lock_timeout = '2s'; DROP SCHEMA "+schema+" CASCADE; RESET lock_timeout")
+		var pgErr *pgconn.PgError
+		if err == nil || !errors.As(err, &pgErr) || pgErr.Code != "55P03" {
+			return err
+		}
+		// The holders first, then their end: in one statement, PostgreSQL
+		// may call pg_terminate_backend before the filter on the schema.
+		// A lock on the schema itself is one too: a table created in a
+		// transaction still open is not in pg_class for us. Client
+		// sessions only: an autovacuum worker gives way by itself.
+		rows, err := admin.Query(ctx, `SELECT DISTINCT l.pid::int8 FROM pg_locks l, pg_namespace n, pg_stat_activity a
+			WHERE n.nspname = $1 AND a.pid = l.pid AND a.backend_type = 'client backend' AND l.pid <> pg_backend_pid()
+			AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+			AND (l.relation IN (SELECT oid FROM pg_class WHERE relnamespace = n.oid)
+				OR (l.classid = 'pg_namespace'::regclass AND l.objid = n.oid))`, schema)
+		if err != nil {
+			return err
+		}
+		ended, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+		if err != nil {
+			return err
+		}
+		if _, err := admin.Exec(ctx, `SELECT pg_terminate_backend(pid) FROM unnest($1::int[]) AS pid`, ended); err != nil {
+			return err
+		}
+		t.Logf("oncetest: ended the sessions %v, which held locks in schema %s after the test", ended, schema)
+	}
 }
 
 // schemaName derives a unique schema name from the test's name.

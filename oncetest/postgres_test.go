@@ -6,6 +6,7 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -63,4 +64,37 @@ func TestPostgresDropsTheSchemaOfATestThatLeftATransactionOpen(t *testing.T) {
 	var left bool
 	require.NoError(t, admin.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)`, schema).Scan(&left))
 	assert.False(t, left, "schema %s is left on the server", schema)
+}
+
+// A session outside the pool (a connection the test opened with the pool's
+// config, left in a transaction) holding a lock on a table of the schema
+// made DROP SCHEMA wait out its bound: the schema was left on the server
+// and nothing said so. The session is ended, and the schema still goes.
+func TestPostgresDropsTheSchemaLockedByASessionOutsideThePool(t *testing.T) {
+	ctx := context.Background()
+	rec := &cleanupRecorder{TB: t}
+	pool := oncetest.Postgres(rec)
+	var schema string
+	require.NoError(t, pool.QueryRow(ctx, `SELECT current_schema()`).Scan(&schema))
+	_, err := pool.Exec(ctx, `CREATE TABLE payments (order_id text)`)
+	require.NoError(t, err)
+	conn, err := pgx.ConnectConfig(ctx, pool.Config().ConnConfig)
+	require.NoError(t, err)
+	defer conn.Close(ctx)
+	_, err = conn.Exec(ctx, `BEGIN; SELECT * FROM payments`)
+	require.NoError(t, err)
+	other, err := pgx.ConnectConfig(ctx, pool.Config().ConnConfig)
+	require.NoError(t, err)
+	defer other.Close(ctx)
+	_, err = other.Exec(ctx, `BEGIN; CREATE TABLE refunds (order_id text)`) // not in pg_class for others yet
+	require.NoError(t, err)
+
+	rec.end() // the test ends; conn's transaction still holds its lock
+
+	admin, err := pgxpool.New(ctx, oncetest.URL(t))
+	require.NoError(t, err)
+	defer admin.Close()
+	var left bool
+	require.NoError(t, admin.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)`, schema).Scan(&left))
+	assert.False(t, left, "schema %s is left on the server; errors: %q", schema, rec.errors)
 }

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"slices"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -16,7 +17,10 @@ import (
 // once. Keys are compared as PostgreSQL writes them in text, as psql
 // shows them: a uuid as 8c2f3d4e-…, an integer as 42, a numeric as 1.50, a
 // boolean as t. A NULL key matches no want: it is an unexpected row. A
-// key listed twice in want fails the test (each is wanted once).
+// key listed twice in want fails the test (each is wanted once). A query
+// that has not answered within a minute (every connection of the pool held
+// by rows never closed or a consumer left running, a lock it waits for)
+// fails the test, saying so, rather than hang it.
 func RequireEachOnce(t testing.TB, pool *pgxpool.Pool, query string, want ...string) {
 	t.Helper()
 	if pool == nil {
@@ -29,11 +33,14 @@ func RequireEachOnce(t testing.TB, pool *pgxpool.Pool, query string, want ...str
 		}
 		wanted[k] = true
 	}
+	bound := requireTimeout
+	ctx, cancel := context.WithTimeout(context.Background(), bound)
+	defer cancel()
 	// In text, every type is read as PostgreSQL writes it, whatever Go
 	// value pgx would decode it into (a uuid's is 16 bytes).
-	rows, err := pool.Query(context.Background(), query, pgx.QueryResultFormats{pgx.TextFormatCode})
+	rows, err := pool.Query(ctx, query, pgx.QueryResultFormats{pgx.TextFormatCode})
 	if err != nil {
-		t.Fatalf("oncetest: %s: %v", query, err)
+		t.Fatalf("oncetest: %s: %v%s", query, err, stuckHint(ctx, pool, bound))
 	}
 	defer rows.Close()
 	seen := map[string]int{}
@@ -50,7 +57,7 @@ func RequireEachOnce(t testing.TB, pool *pgxpool.Pool, query string, want ...str
 		seen[string(values[0])]++
 	}
 	if err := rows.Err(); err != nil {
-		t.Fatalf("oncetest: %s: %v", query, err)
+		t.Fatalf("oncetest: %s: %v%s", query, err, stuckHint(ctx, pool, bound))
 	}
 	var problems []string
 	for _, k := range want {
@@ -69,4 +76,20 @@ func RequireEachOnce(t testing.TB, pool *pgxpool.Pool, query string, want ...str
 		slices.Sort(problems)
 		t.Fatalf("oncetest: want each key once from %s: %v", query, problems)
 	}
+}
+
+// requireTimeout bounds RequireEachOnce's query. A variable for this
+// package's tests only.
+var requireTimeout = time.Minute
+
+// stuckHint says why a query whose ctx (bounded by bound) ended may not
+// have run: the pool's connections all held, or a lock; "" when ctx is
+// live.
+func stuckHint(ctx context.Context, pool *pgxpool.Pool, bound time.Duration) string {
+	if ctx.Err() == nil {
+		return ""
+	}
+	s := pool.Stat()
+	return fmt.Sprintf(" (no answer within %v: %d of the pool's %d connections in use, by rows not closed or a consumer still running?, or the query waits for a lock)",
+		bound, s.AcquiredConns(), s.MaxConns())
 }
