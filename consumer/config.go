@@ -71,8 +71,10 @@ type Config struct {
 	// PostgreSQL's text refuses.
 	Name string
 
-	// Store is the processed-events store. Defaults to dedup.New with the
-	// default table "processed_events" on the pool's search_path.
+	// Store is the processed-events store, made by dedup.New (New
+	// refuses one that was not, such as new(dedup.Store)). Defaults to
+	// dedup.New with the default table "processed_events" on the pool's
+	// search_path.
 	Store *dedup.Store
 	// SkipMigrate stops Run from migrating the store's tables at start
 	// (for a schema managed with goose or golang-migrate); Run then only
@@ -600,6 +602,11 @@ func (c *Config) validate() error {
 		if d.v > 0 && d.v < minDuration {
 			return fmt.Errorf("%w: %s %v is below %v (a time.Duration counts nanoseconds)", ErrInvalidConfig, d.field, d.v, minDuration)
 		}
+	}
+	if c.Store != nil && c.Store.ProcessedTable() == "" {
+		// A Store not made by dedup.New has no tables nor statements:
+		// Run panicked migrating it.
+		return fmt.Errorf("%w: Store was not made by dedup.New", ErrInvalidConfig)
 	}
 	for i, mw := range c.Hooks.Middleware {
 		if mw == nil {

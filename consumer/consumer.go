@@ -20,6 +20,9 @@ import (
 // connection in another transaction), after which what the handler sends
 // through tx is refused. A statement that may end tx costs a round trip
 // before it and one after, to tell; tx.Begin (a savepoint) works as usual.
+// tx is the handler's for the call only: used after the handler returned
+// (from a goroutine it started), it fails with an error wrapping
+// pgx.ErrTxClosed.
 //
 // A handler runs for one message at a time per stream, and for up to
 // Config.Concurrency messages at once overall. Effects outside tx (HTTP

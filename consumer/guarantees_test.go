@@ -26,6 +26,7 @@ import (
 
 	"github.com/onceco/once/consumer"
 	"github.com/onceco/once/consumer/memsource"
+	"github.com/onceco/once/dedup"
 	"github.com/onceco/once/internal/pgtemp"
 	"github.com/onceco/once/internal/pgtest"
 )
@@ -426,6 +427,10 @@ func TestNewValidatesConfig(t *testing.T) {
 		"receive buffer over a million":   {consumer.Config{Name: "x", ReceiveBuffer: 1<<20 + 1}, "ReceiveBuffer"},
 		"NUL in the name":                 {consumer.Config{Name: "or\x00ders"}, "Name"},
 		"name not UTF-8":                  {consumer.Config{Name: "orders\xff"}, "Name"},
+		// A Store not made by dedup.New (new(dedup.Store)) has no table
+		// names nor statements: it was accepted, and Run panicked with
+		// a nil dereference migrating it, ending the process at start.
+		"store not made by dedup.New": {consumer.Config{Name: "x", Store: &dedup.Store{}}, "Store"},
 	}
 	for name, tc := range cases {
 		t.Run(name, func(t *testing.T) {

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime/debug"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -144,21 +145,34 @@ type queueTx struct {
 	sending userCall
 	// began is when the transaction began, as far as the handlers go.
 	began time.Time
+	// over is set once the handlers' part of the transaction is over
+	// (retire): a handler that kept tx past its return gets
+	// errTxOver, and nothing reaches the connection, which the pool may
+	// have lent to another message's transaction by then.
+	over atomic.Bool
 }
 
 // Commit is refused with ErrTxOwnedByConsumer, marked Permanent: the
 // consumer commits the transaction after the handlers return, and a
 // handler's COMMIT would commit the claims of the messages after it in a
 // batch before their handlers ran. The transaction is left as it was, so
-// the handler's failure rolls back its writes alone.
+// the handler's failure rolls back its writes alone. After the handler
+// returned it fails with errTxOver (see retire).
 func (t *queueTx) Commit(context.Context) error {
-	t.ended = true
-	return Permanent(ErrTxOwnedByConsumer)
+	return t.refuseEnd()
 }
 
 // Rollback is refused like Commit: a handler rolls its writes back by
 // returning an error.
 func (t *queueTx) Rollback(context.Context) error {
+	return t.refuseEnd()
+}
+
+// refuseEnd is the answer to a handler's Commit or Rollback.
+func (t *queueTx) refuseEnd() error {
+	if t.over.Load() {
+		return errTxOver
+	}
 	t.ended = true
 	return Permanent(ErrTxOwnedByConsumer)
 }
@@ -344,6 +358,9 @@ func (t *queueTx) settle(ctx context.Context, err error) error {
 // refusing it then if that ended the transaction, and watches sql if it
 // may end it (watchEnd).
 func (t *queueTx) before(ctx context.Context, sql string) error {
+	if t.over.Load() {
+		return errTxOver
+	}
 	if err := t.endedBySQL(ctx); err != nil {
 		return err
 	}
@@ -489,6 +506,20 @@ func (t *queueTx) endedBySQL(ctx context.Context) error {
 	}
 	return nil
 }
+
+// retire ends the handlers' use of t, once the last of them returned: a
+// statement sent through t (or a savepoint of it) later fails with
+// errTxOver without touching the connection. Without it the checks of
+// such a statement asked the connection after its state (endedBySQL,
+// watchEnd, checkEnd), refused it as a COMMIT the handler never sent,
+// and sent queries inside whatever transaction the connection was lent
+// to next.
+func (t *queueTx) retire() { t.over.Store(true) }
+
+// errTxOver is the error of a statement sent through a handler's tx after
+// the handler returned. It wraps pgx.ErrTxClosed, which pgx returns for
+// any transaction used after its end.
+var errTxOver = fmt.Errorf("once: tx used after the handler returned (keep it within the handler's call): %w", pgx.ErrTxClosed)
 
 // errTxEndedBySQL is the error of a statement sent through the consumer's
 // transaction after the handler ended it with a statement of its own.

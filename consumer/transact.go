@@ -234,6 +234,7 @@ func (p *pipeline) runHandlers(ctx context.Context, tx pgx.Tx, jobs []*job, res 
 		return p.runBatchHandler(ctx, tx, jobs, res, xid)
 	}
 	qtx := newQueueTx(tx)
+	defer qtx.retire() // a handler that kept tx gets ErrTxClosed
 	qtx.xid, qtx.xidStatus = xid, p.askXIDStatus
 	for i, j := range jobs {
 		if i > 0 && p.stopping.Load() {
@@ -477,6 +478,7 @@ func (p *pipeline) runBatchHandler(ctx context.Context, tx pgx.Tx, jobs []*job, 
 		return txResult{}, false
 	}
 	qtx := newQueueTx(tx)
+	defer qtx.retire() // a handler that kept tx gets ErrTxClosed
 	qtx.owner = -1
 	qtx.xid, qtx.xidStatus = xid, p.askXIDStatus
 	var m *Message

@@ -69,14 +69,17 @@ func New(opts Options) *Broker {
 
 // Publish appends a copy of a message (its key, value and headers too: the
 // caller may reuse them). Key decides its stream when the broker has
-// streams. The message's Topic, Offset, Partition and Stream are set here.
+// streams. The message's Topic, Offset, Partition and Stream are set here
+// (no Stream on a broker without streams, whatever the caller's copy
+// said). Redelivered is kept: set, the first delivery too stands for a
+// redelivery.
 func (b *Broker) Publish(m consumer.Message) {
 	m.Key, m.Value = bytes.Clone(m.Key), bytes.Clone(m.Value)
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	m.Topic = b.topic
 	m.Offset = int64(len(b.log))
-	m.Partition = -1
+	m.Partition, m.Stream = -1, ""
 	if b.streams > 0 {
 		m.Partition = int32(hashKey(m.Key) % uint32(b.streams))
 		m.Stream = fmt.Sprintf("%s/%d", b.topic, m.Partition)

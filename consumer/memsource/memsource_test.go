@@ -140,3 +140,17 @@ func TestDeadLetterAfterCloseFails(t *testing.T) {
 	require.Error(t, d.DeadLetter(ctx, &consumer.DeadLetter{Kind: consumer.KindHandler}))
 	assert.Empty(t, b.DeadLetters())
 }
+
+// Publish sets where a message is, whatever the caller's copy said: a
+// message copied from a delivery (republished in a test) kept its Stream
+// on a broker without streams, and was handled in order, on a stream the
+// broker does not have, though the doc says Publish sets it.
+func TestPublishSetsTheStream(t *testing.T) {
+	ctx := context.Background()
+	b := memsource.New(memsource.Options{})
+	b.Publish(consumer.Message{Value: []byte(`{}`), Stream: "orders/3", Partition: 3})
+	d, err := b.Source().Receive(ctx)
+	require.NoError(t, err)
+	assert.Empty(t, d.Message().Stream, "a broker without streams delivers on none")
+	assert.EqualValues(t, -1, d.Message().Partition)
+}
