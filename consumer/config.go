@@ -144,8 +144,11 @@ type Config struct {
 	// call with its whole batch). It does not bound what the consumer does
 	// itself: waiting for a pool connection, the claim, sending queued
 	// statements and the commit are infrastructure time, never charged to
-	// a message. A handler past its timeout fails like a handler error
-	// (ClassRetry, then the dead-letter queue), whatever its error, but
+	// a message. A handler past its timeout that returns an error, or nil
+	// after the timeout cut one of its statements (pgx closes the
+	// connection under it), fails like a handler error (ClassRetry, then
+	// the dead-letter queue), whatever its error (one that returns nil past
+	// it with no statement cut left its transaction whole, and commits), but
 	// for one cut in a statement that was waiting for another session's
 	// lock (a migration that rewrites the table, or waits in line for its
 	// lock behind a long query; a long transaction): that wait is not the
@@ -239,7 +242,8 @@ type Config struct {
 	// answering. The handlers' contexts are cancelled then; Run still waits
 	// for the user's functions (handlers, hooks, decoders) to return, so
 	// one that ignores its context or blocks holds Run up past the
-	// timeout. Defaults to 10s.
+	// timeout, logged by the watchdog as at any other time (see
+	// HandlerTimeout). Defaults to 10s.
 	ShutdownTimeout time.Duration
 
 	// Retry bounds the retries of failing handlers and says which errors

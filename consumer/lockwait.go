@@ -3,6 +3,7 @@ package consumer
 import (
 	"context"
 	"fmt"
+	"math"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -21,9 +22,11 @@ import (
 // infrastructure: retried, never charged, and logged naming the server
 // processes in the way. The same holds for a statement the sessions'
 // statement_timeout canceled (57014): when it is shorter than
-// HandlerTimeout, the sample starts at half of it; and for the send of the
-// statements handlers queued (Event.Queue), which only statement_timeout
-// cuts, sampled past half of it.
+// HandlerTimeout, the sample starts at half of it and goes on until the
+// call ends or HandlerTimeout cuts it (statement_timeout bounds each
+// statement, and one that begins late in the call waits as long); and for
+// the send of the statements handlers queued (Event.Queue), which only
+// statement_timeout cuts, sampled past half of it until it ends.
 //
 // The question is asked before the cut, not after it: pgx ends a
 // statement whose context ended by closing the connection with a cancel
@@ -42,8 +45,8 @@ type lockProbe struct {
 
 // callsToSample appends to out the handler calls (sends: the sends of
 // queued statements) that have run for at least from and less than to
-// (past it they were cut, and what they waited for then is what counts)
-// and whose transaction has a server process.
+// (past HandlerTimeout they were cut, and what they waited for then is
+// what counts) and whose transaction has a server process.
 func (w *watchdog) callsToSample(out []lockProbe, now time.Time, from, to time.Duration, sends bool) []lockProbe {
 	w.mu.Lock()
 	defer w.mu.Unlock()
@@ -89,11 +92,14 @@ func (w *watchdog) lockedBy(c *userCall) []uint32 {
 
 // lockProbes returns the calls to sample for lock waits: the handler
 // calls that have run for half of lockWaitLimit (HandlerTimeout, or the
-// sessions' statement_timeout when shorter), and the sends of queued
-// statements that have run for half of statement_timeout (HandlerTimeout
-// does not cut them). With the watchdog's tick at a quarter of that limit
-// at most, every call cut at the limit was sampled in the last quarter
-// before its cut (a lock wait that began after it is charged, as before).
+// sessions' statement_timeout when shorter) and not for HandlerTimeout,
+// and the sends of queued statements that have run for half of
+// statement_timeout (HandlerTimeout does not cut them). With the
+// watchdog's tick at a quarter of that limit at most, every call cut at
+// HandlerTimeout, or in a statement at statement_timeout (which bounds
+// each statement: one that began late in the call too), was sampled in
+// the last quarter before its cut (a lock wait that began after it is
+// charged, as before).
 // With neither limit nothing is cut and nothing sampled, nor behind a
 // connection pooler (readSessions), whose ids are not the server's: a cut
 // there is charged.
@@ -105,10 +111,19 @@ func (p *pipeline) lockProbes(now time.Time) []lockProbe {
 	}
 	var out []lockProbe
 	if limit := p.lockWaitLimit(); limit > 0 {
-		out = p.watch.callsToSample(out, now, limit/2, limit, false)
+		// statement_timeout bounds each statement, not the call: a call
+		// past it may have a statement waiting yet, and is sampled until
+		// HandlerTimeout cuts it (under NoHandlerTimeout, until it ends).
+		to := time.Duration(math.MaxInt64)
+		if p.cfg.HandlerTimeout > 0 {
+			to = p.cfg.HandlerTimeout
+		}
+		out = p.watch.callsToSample(out, now, limit/2, to, false)
 	}
 	if st := p.statementTimeout; st > 0 {
-		out = p.watch.callsToSample(out, now, st/2, st, true)
+		// Each queued statement has its statement_timeout: sampled until
+		// the send ends.
+		out = p.watch.callsToSample(out, now, st/2, time.Duration(math.MaxInt64), true)
 	}
 	return out
 }

@@ -288,3 +288,36 @@ func TestBehindAPoolerAnotherSessionsLockWaitIsNotTheHandlers(t *testing.T) {
 		return err
 	})
 }
+
+// statement_timeout bounds each statement, not the handler's call: a
+// handler whose statement began waiting for another session's lock once
+// the call had run longer than statement_timeout (its earlier statements
+// took that long) was sampled only in the call's first statement_timeout,
+// long before the wait, and its cancel (57014) charged: the message
+// dead-lettered after Retry.MaxAttempts cancels, a good message lost to a
+// migration, as before the lock waits were told from a handler's own.
+func TestStatementTimeoutOnALateStatementWaitingForAnotherSessionsLockIsNotCharged(t *testing.T) {
+	late := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		// Its own work first, each statement within statement_timeout,
+		// longer than it together.
+		for range 2 {
+			if _, err := tx.Exec(ctx, `SELECT pg_sleep(0.7)`); err != nil {
+				return err
+			}
+		}
+		return insertEffect(ctx, tx, ev)
+	}
+	for name, cfg := range map[string]consumer.Config{
+		"HandlerTimeout": fastConfig("statement-timeout-late-lock"),
+		"NoHandlerTimeout": func() consumer.Config {
+			cfg := fastConfig("statement-timeout-late-lock-unbounded")
+			cfg.HandlerTimeout = consumer.NoHandlerTimeout
+			return cfg
+		}(),
+	} {
+		t.Run(name, func(t *testing.T) {
+			admin, pool := withStatementTimeout(t, time.Second)
+			handledOnceAfterTheLockBy(t, pool, holdTableLock(t, admin), cfg, late)
+		})
+	}
+}

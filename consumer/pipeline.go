@@ -197,8 +197,10 @@ func (p *pipeline) consume(ctx context.Context) error {
 	retain, stopRetention := context.WithCancel(ctx)
 	defer stopRetention()
 	var retaining sync.WaitGroup
-	// The watchdog outlives the work in flight, whose hooks it watches.
-	watching, stopWatching := context.WithCancel(work)
+	// The watchdog outlives the work in flight, whose hooks it watches,
+	// also past the shutdown deadline: a user function that ignores its
+	// context holds Run until it returns, and is logged as ever.
+	watching, stopWatching := context.WithCancel(context.WithoutCancel(ctx))
 	defer stopWatching()
 	retaining.Add(1)
 	go func() {

@@ -532,10 +532,11 @@ func (p *pipeline) batchCommittedByHandler(ctx context.Context, tx pgx.Tx, jobs 
 // callHandler runs a handler under Config.HandlerTimeout (unless it is
 // NoHandlerTimeout), which bounds the handler alone: not the wait for a
 // connection, the claim, the queued statements or the commit. A panic becomes a PanicError; a handler that
-// outlived its timeout fails with an error that says so, also when it
-// returned nil after the timeout cut one of its statements: pgx then
-// closed tx's connection, and the transaction is lost to the handler's
-// timeout, not to the database. The same holds for a deadline the handler
+// outlived its timeout and returned an error fails with an error that says
+// so, and so does one that returned nil after the timeout cut one of its
+// statements: pgx then closed tx's connection, and the transaction is lost
+// to the handler's timeout, not to the database. (One that returned nil
+// with no statement cut left tx whole: its run stands.) The same holds for a deadline the handler
 // put on one of its own statements, or a context of its own it canceled
 // under one (sawCut), whatever it made of that error.
 //

@@ -120,10 +120,13 @@ func (w *watchdog) add(c *userCall) {
 }
 
 // rename names the function c now runs (the next stage of a job's
-// preparation).
+// preparation): a call of its own, timed from now and not yet logged, so
+// that one that hangs after a slow one that was logged (a Decoder after an
+// Envelope) is reported, under its own name and for its own time.
 func (w *watchdog) rename(c *userCall, name, eventID string) {
 	w.mu.Lock()
 	c.name, c.eventID = name, eventID
+	c.start, c.logged = time.Now(), false
 	w.mu.Unlock()
 }
 

@@ -198,8 +198,8 @@ func TestStuckSourceCallIsLogged(t *testing.T) {
 // A handler that ignores its context's end at HandlerTimeout holds its
 // stream and its transaction until it returns: once it has run for twice
 // HandlerTimeout it is logged at Error, naming the message, and counted as
-// a stuck call; when it returns, its run has failed and the message is
-// tried again. A handler that returns at its deadline, as it should, is
+// a stuck call; when it returns (its statement on the ended context
+// failing), its run has failed and the message is tried again. A handler that returns at its deadline, as it should, is
 // never reported. A hung handler held its stream without a word.
 func TestHandlerIgnoringItsTimeoutIsLogged(t *testing.T) {
 	for _, tc := range []struct {
@@ -300,4 +300,141 @@ func TestHandlerIgnoringItsTimeoutIsLogged(t *testing.T) {
 		assert.Equal(t, int32(4), runs.Load())
 		assert.Zero(t, c.Stats().StuckCalls, "a handler that returned at its deadline was reported: %q", log.lines())
 	})
+}
+
+// Preparing a message calls the user's functions one after another under
+// one entry of the watchdog's: an EventID past HandlerTimeout is logged,
+// and when it returns and the Decoder after it hangs, that hang is logged
+// too, naming the Decoder and timed from its own start. The entry kept the
+// first function's start and its "logged" mark: the Decoder that held
+// the stream for good was never reported, and the only record named the
+// EventID, which had long returned.
+func TestStuckDecoderAfterASlowEventIDIsLogged(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{Streams: 1})
+	publish(b, "slow-then-stuck", 1)
+	releaseID, releaseDecoder := make(chan struct{}), make(chan struct{})
+	unblockID, unblockDecoder := sync.OnceFunc(func() { close(releaseID) }), sync.OnceFunc(func() { close(releaseDecoder) })
+	defer unblockID() // a failed wait must not leave the functions blocked
+	defer unblockDecoder()
+	var idOnce, decoderOnce sync.Once
+	log := &levelLog{}
+	cfg := fastConfig("slow-then-stuck")
+	cfg.Telemetry.Logger = slog.New(log)
+	cfg.HandlerTimeout = 100 * time.Millisecond
+	cfg.Identify.EventID = func(m *consumer.Message) (string, error) {
+		idOnce.Do(func() { <-releaseID })
+		return m.Headers["id"], nil
+	}
+	cfg.Decoder = func(data []byte, v any) error {
+		decoderOnce.Do(func() { <-releaseDecoder })
+		return consumer.JSON(data, v)
+	}
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error { return insertEffect(ctx, tx, ev) }
+	c, err := consumer.New(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	stop := start(t, c)
+	stuck := func(fn string) string {
+		for _, l := range log.lines() {
+			if strings.HasPrefix(l, "ERROR ") && strings.Contains(l, "function="+fn+" ") {
+				return l
+			}
+		}
+		return ""
+	}
+	require.Eventually(t, func() bool { return stuck("Identify.EventID") != "" }, 20*time.Second, 5*time.Millisecond,
+		"no error-level record of the slow EventID in %q", log.lines())
+	unblockID()
+	require.Eventually(t, func() bool { return stuck("Decoder") != "" }, 20*time.Second, 5*time.Millisecond,
+		"the Decoder that hangs after a slow EventID was never reported: %q", log.lines())
+	assert.Contains(t, stuck("Decoder"), "event_id=slow-then-stuck")
+	assert.Equal(t, uint64(2), c.Stats().StuckCalls)
+	unblockDecoder()
+	require.NoError(t, b.WaitAcked(deadline(t, 30*time.Second), 1))
+	require.NoError(t, stop())
+	assert.Equal(t, map[string]int{"slow-then-stuck": 1}, countEffects(t, pool))
+}
+
+// A handler that returns nil after its context ended at HandlerTimeout,
+// without a statement cut by it (its work was done outside the database, or
+// its statements had all answered), left its transaction whole: its effects
+// commit, once, and the message is not tried again (which would repeat
+// whatever it did outside the database). Only a cut statement (the
+// connection closed) or an error fails the run. docs/guarantees.md and
+// Config.HandlerTimeout said a run past its timeout fails whatever it
+// returned.
+func TestHandlerReturningNilPastItsTimeoutCommits(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{Streams: 1})
+	publish(b, "late-nil", 1)
+	cfg := fastConfig("late-nil")
+	cfg.HandlerTimeout = 50 * time.Millisecond
+	var runs atomic.Int32
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		runs.Add(1)
+		if err := insertEffect(ctx, tx, ev); err != nil {
+			return err
+		}
+		<-ctx.Done() // past its deadline, outside the database
+		return nil
+	}
+	c, err := consumer.New(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	stop := start(t, c)
+	require.NoError(t, b.WaitAcked(deadline(t, 30*time.Second), 1))
+	require.NoError(t, stop())
+	assert.Equal(t, map[string]int{"late-nil": 1}, countEffects(t, pool))
+	assert.Equal(t, int32(1), runs.Load())
+	assert.Empty(t, b.DeadLetters())
+}
+
+// A handler that ignores its context holds Run past ShutdownTimeout, as
+// Config.ShutdownTimeout says; the watchdog goes on watching it then, and
+// logs it at twice HandlerTimeout as ever, naming its message: the
+// watchdog's context ended at the shutdown deadline, with the work's, so
+// that a Run that never returned said nothing after its "shutdown
+// timeout" warning of what it waited for.
+func TestHandlerHoldingRunPastShutdownIsLogged(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	effects(t, pool)
+	b := memsource.New(memsource.Options{Streams: 1})
+	publish(b, "deaf-at-stop", 1)
+	entered, release := make(chan struct{}), make(chan struct{})
+	unblock := sync.OnceFunc(func() { close(release) })
+	defer unblock() // a failed wait must not leave the handler blocked
+	log := &levelLog{}
+	cfg := fastConfig("deaf-at-stop")
+	cfg.Telemetry.Logger = slog.New(log)
+	cfg.HandlerTimeout = 200 * time.Millisecond
+	cfg.ShutdownTimeout = 10 * time.Millisecond
+	var enteredOnce sync.Once
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		enteredOnce.Do(func() { close(entered) })
+		<-release // its context ignored
+		return ctx.Err()
+	}
+	c, err := consumer.New(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	stop := start(t, c)
+	<-entered
+	stopped := make(chan error, 1)
+	go func() { stopped <- stop() }()
+	stuck := func() string {
+		for _, l := range log.lines() {
+			if strings.HasPrefix(l, "ERROR ") && strings.Contains(l, "function=handler ") {
+				return l
+			}
+		}
+		return ""
+	}
+	require.Eventually(t, func() bool { return stuck() != "" }, 5*time.Second, 5*time.Millisecond,
+		"Run, held past its shutdown deadline by a handler, never said which: %q", log.lines())
+	assert.Contains(t, stuck(), "event_id=deaf-at-stop")
+	assert.Equal(t, uint64(1), c.Stats().StuckCalls)
+	unblock()
+	require.NoError(t, <-stopped)
+	assert.Zero(t, b.Acked(), "rolled back at the shutdown, left for redelivery")
+	assert.Empty(t, countEffects(t, pool))
 }
