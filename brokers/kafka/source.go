@@ -303,10 +303,11 @@ func connect(cfg Config) (*Source, error) {
 		lag.close()
 		return nil, fmt.Errorf("kafka: consumer group %q: %w", cfg.Group, err)
 	}
-	gc := groupClient
+	var gc sarama.Client = groupClient
 	if cfg.InitialOffset == StartNewest && !cfg.ReadUncommitted {
 		gc = lastStableClient{groupClient}
 	}
+	gc = &heldGoneClient{Client: gc, known: make(map[string][]int32)}
 	group, err := sarama.NewConsumerGroupFromClient(cfg.Group, gc)
 	if err != nil {
 		_ = groupClient.Close()
@@ -670,6 +671,16 @@ func (s *Source) drainErrors() {
 	for err := range s.group.Errors() {
 		if s.topicError(err) {
 			continue // its topic is gone, as logged once
+		}
+		if refused(err) {
+			// A topic's READ ACL revoked while the group's stays: the
+			// heartbeats go on, the session never ends, and only the
+			// fetches and commits of the topic, reported here, are
+			// refused; its partitions consume nothing until it is fixed
+			// on the cluster, as consumeLoop's refusals.
+			s.cfg.Logger.Error("once/kafka: the cluster refuses this client (authorization, SASL or TLS); retrying until that is fixed on the cluster or the Source is closed",
+				"group", s.cfg.Group, "error", err)
+			continue
 		}
 		s.cfg.Logger.Warn("once/kafka: consumer group error", "group", s.cfg.Group, "error", err)
 	}

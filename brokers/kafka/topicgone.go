@@ -2,6 +2,7 @@ package kafka
 
 import (
 	"errors"
+	"sync"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -145,4 +146,41 @@ func (s *Source) holdGone(sess sarama.ConsumerGroupSession, sc sarama.ConsumerGr
 			return
 		}
 	}
+}
+
+// heldGoneClient is the consumer group's client. The group's leader asks
+// it, every Metadata.RefreshFrequency (sarama's check of its topics'
+// partition counts), for the partitions of every topic the group reads,
+// and makes the group join again when one cannot be answered: for a topic
+// deleted while consumed that join would fail for every topic while the
+// topic is missing, stopping the topics that still exist too, which
+// holding the deleted topic's claim (holdGone) is there to avoid. So a
+// topic the cluster no longer knows is answered with its partitions as
+// last known. The leader need not be the member that holds the deleted
+// topic's claim: that claim ends the session once the topic exists again,
+// and a topic that has partitions again is answered as it is (a topic
+// given more partitions still makes the group join again). A join asks the
+// cluster itself (sarama's Consume refreshes the metadata of every topic
+// first), so a topic missing at a join is not hidden.
+type heldGoneClient struct {
+	sarama.Client
+
+	mu    sync.Mutex
+	known map[string][]int32 // the last answer of each topic
+}
+
+// Partitions returns the partitions of topic, as last known when the
+// cluster no longer knows topic.
+func (c *heldGoneClient) Partitions(topic string) ([]int32, error) {
+	ps, err := c.Client.Partitions(topic)
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if err == nil {
+		c.known[topic] = ps
+		return ps, nil
+	}
+	if last, ok := c.known[topic]; ok && errors.Is(err, sarama.ErrUnknownTopicOrPartition) {
+		return last, nil
+	}
+	return ps, err
 }

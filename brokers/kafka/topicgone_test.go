@@ -143,3 +143,91 @@ func numbers(from, to int) []int {
 	}
 	return out
 }
+
+// The same past the group leader's next check of its topics' partition
+// counts (sarama's, every Metadata.RefreshFrequency, 10 min by default):
+// that check finds the deleted topic missing and makes the group join
+// again, and the join fails for every topic while one is missing. The
+// member's other topic must still go on.
+func TestTopicDeletedWhileConsumedLeavesTheOtherTopicsGoingPastAMetadataRefresh(t *testing.T) {
+	c := newCluster(t)
+	deleted, other, group := uniq("orders"), uniq("payments"), uniq("g")
+	c.createTopic(deleted, 1)
+	c.createTopic(other, 1)
+	db, _ := pgtest.Schema(t)
+	_, err := db.Exec(context.Background(), effectsTable)
+	require.NoError(t, err)
+	errs := &testlog.ErrorLog{}
+	cfg := c.config(group, deleted, other)
+	cfg.Logger = slog.New(errs)
+	cfg.Sarama.Metadata.RefreshFrequency = 200 * time.Millisecond
+	src, err := Open(t.Context(), cfg)
+	require.NoError(t, err)
+	r := startConsumer(t, db, src, consumerConfig("svc"), recordEffect)
+	c.produceHashed(idless(deleted, 0, 3))
+	c.produceHashed(idless(other, 10, 3))
+	waitEffectsByN(t, db, 6)
+
+	c.deleteTopic(deleted)
+	awaitGoneLogged(t, errs, deleted)
+	// Each record of the other topic handled within 10 s, for 3 s after
+	// the deletion was found: fifteen of the leader's checks.
+	n := 20
+	for since := time.Now(); time.Since(since) < 3*time.Second; n++ {
+		c.produceHashed(idless(other, n, 1))
+		require.Eventually(t, func() bool { return effectsByN(t, db)[n] == 1 }, 10*time.Second, 20*time.Millisecond,
+			"record %d of the topic that still exists was not handled while the other was deleted", n)
+	}
+
+	c.createTopic(deleted, 1)
+	c.produceHashed(idless(deleted, 1000, 3))
+	want := map[int]int{}
+	for _, k := range append([]int{0, 1, 2, 10, 11, 12, 1000, 1001, 1002}, numbers(20, n)...) {
+		want[k] = 1
+	}
+	waitEffectsByN(t, db, len(want))
+	require.NoError(t, r.stop())
+	require.Equal(t, want, effectsByN(t, db), "every record of both topics handled once")
+}
+
+// The same when the group's leader is not the member that holds the
+// deleted topic's claim: the leader's check asks about every topic the
+// group reads, and has no claim of the deleted topic to know it by.
+func TestTopicDeletedWhileConsumedByAnotherMemberLeavesTheLeadersTopicsGoing(t *testing.T) {
+	c := newCluster(t)
+	deleted, other, group := uniq("orders"), uniq("payments"), uniq("g")
+	c.createTopic(deleted, 1)
+	c.createTopic(other, 1)
+	db, _ := pgtest.Schema(t)
+	_, err := db.Exec(context.Background(), effectsTable)
+	require.NoError(t, err)
+	open := func(logger *slog.Logger, topics ...string) *runningConsumer {
+		cfg := c.config(group, topics...)
+		cfg.Logger = logger
+		cfg.Sarama.Metadata.RefreshFrequency = 200 * time.Millisecond
+		src, err := Open(t.Context(), cfg)
+		require.NoError(t, err)
+		return startConsumer(t, db, src, consumerConfig("svc"), recordEffect)
+	}
+	// The first member joins first and leads; it does not read deleted.
+	leader := open(testLogger(), other)
+	c.produceHashed(idless(other, 0, 1))
+	waitEffectsByN(t, db, 1)
+	errs := &testlog.ErrorLog{}
+	holder := open(slog.New(errs), deleted, other)
+	c.produceHashed(idless(deleted, 1, 1))
+	waitEffectsByN(t, db, 2)
+
+	c.deleteTopic(deleted)
+	// For 3 s after the deletion (fifteen of the leader's checks), each
+	// record of the other topic is handled within 10 s.
+	n := 20
+	for since := time.Now(); time.Since(since) < 3*time.Second; n++ {
+		c.produceHashed(idless(other, n, 1))
+		require.Eventually(t, func() bool { return effectsByN(t, db)[n] == 1 }, 10*time.Second, 20*time.Millisecond,
+			"record %d of the topic that still exists was not handled while the other was deleted", n)
+	}
+	awaitGoneLogged(t, errs, deleted)
+	require.NoError(t, holder.stop())
+	require.NoError(t, leader.stop())
+}
