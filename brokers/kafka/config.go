@@ -228,9 +228,11 @@ type Config struct {
 
 	// FetchMin, FetchDefault and FetchMax are sarama's
 	// Consumer.Fetch.{Min,Default,Max} in bytes: the minimum bytes a fetch
-	// waits for, the bytes requested per partition, and the maximum bytes
-	// per response (0: no limit in sarama's base config). Zero keeps the
-	// Sarama base value.
+	// waits for, the bytes requested per partition, and the most those
+	// per-partition bytes grow to when a record does not fit (0: no limit
+	// in sarama's base config). A response as a whole is bounded by
+	// Sarama.Consumer.Fetch.MaxBytes (50 MiB in sarama's base config).
+	// Zero keeps the Sarama base value.
 	FetchMin, FetchDefault, FetchMax int32
 	// FetchMaxWait is how long the broker may hold a fetch waiting for
 	// FetchMin bytes. Default DefaultFetchMaxWait.
