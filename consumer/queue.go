@@ -41,7 +41,10 @@ import (
 // failure is retried as infrastructure, like any failed statement). A
 // statement the server cannot even prepare (a typo, a missing table) fails
 // before any result names its event: the batch is then halved until that
-// event is alone. A handler must not rely on a queued statement having run
+// event is alone. So is a statement cut by the context of the later
+// handler's statement it was sent ahead of (that handler's HandlerTimeout,
+// or a deadline of its own), which does not bound it when its event runs
+// alone. A handler must not rely on a queued statement having run
 // before it returns. A queued statement that ends the transaction (COMMIT,
 // END, ROLLBACK, ABORT) fails the event that queued it for good, as one
 // sent through tx does (see Handler); what was queued after it is not
@@ -365,12 +368,29 @@ func (t *queueTx) before(ctx context.Context, sql string) error {
 		return err
 	}
 	t.note(ctx)
-	t.flush(ctx)
+	t.flushBefore(ctx)
 	if err := t.endedBySQL(ctx); err != nil {
 		return err
 	}
 	t.watchEnd(ctx, t.owner, sql)
 	return nil
+}
+
+// flushBefore sends what was queued ahead of a statement of the running
+// handler, under that statement's context ctx: the handler's own, bound
+// by its HandlerTimeout, or one it derived with a deadline or cancel of
+// its own. When ctx ended while a statement an earlier handler queued ran,
+// the cut is the running handler's bound, not that statement's doing
+// (sent after the handlers, as it is when its event runs alone, nothing
+// bounds it): the failure names no event, and the batch is halved, so
+// that neither the queuing event nor the running one is charged for it.
+func (t *queueTx) flushBefore(ctx context.Context) {
+	earlier := t.failed != nil
+	f := t.flush(ctx)
+	if !earlier && f != nil && f.owner >= 0 && f.owner != t.owner && t.owner >= 0 && ctx.Err() != nil {
+		f.owner = -1
+		f.err = fmt.Errorf("cut by the context of the handler running when it was sent: %w", f.err)
+	}
 }
 
 // checkedTx is the transaction handlers get (the consumer's, or a
