@@ -39,12 +39,12 @@ func TestRelayNeverRunIsNotKeptByItsGauges(t *testing.T) {
 	r, _ := startRelay(t, pool, nullPublisher{}, cfg)
 	require.Eventually(t, r.Leader, 10*time.Second, 5*time.Millisecond)
 
-	idle, err := outbox.NewRelay(pool, nullPublisher{}, cfg)
-	require.NoError(t, err)
-	assert.Equal(t, []int64{1}, gaugeValues(t, rd, outbox.LeaderMetric), "the leader gauge of the table, with one relay running and leading")
-
-	relay := weak.Make(idle)
-	idle = nil
+	relay := func() weak.Pointer[outbox.Relay] {
+		idle, err := outbox.NewRelay(pool, nullPublisher{}, cfg)
+		require.NoError(t, err)
+		assert.Equal(t, []int64{1}, gaugeValues(t, rd, outbox.LeaderMetric), "the leader gauge of the table, with one relay running and leading")
+		return weak.Make(idle)
+	}()
 	runtime.GC()
 	runtime.GC()
 	assert.True(t, relay.Value() == nil, "a relay never run is still reachable, from its gauges' callbacks")

@@ -303,7 +303,7 @@ func connect(cfg Config) (*Source, error) {
 		lag.close()
 		return nil, fmt.Errorf("kafka: consumer group %q: %w", cfg.Group, err)
 	}
-	var gc sarama.Client = groupClient
+	gc := groupClient
 	if cfg.InitialOffset == StartNewest && !cfg.ReadUncommitted {
 		gc = lastStableClient{groupClient}
 	}

@@ -71,8 +71,10 @@ func TestATopicRefusalAfterStartIsLoggedAsSuch(t *testing.T) {
 	}
 
 	// Undone on the cluster, the partition resumes without a restart.
-	require.NoError(t, admin.CreateACL(sarama.Resource{ResourceType: sarama.AclResourceTopic, ResourceName: orders, ResourcePatternType: sarama.AclPatternLiteral},
-		sarama.Acl{Principal: "User:svc", Host: "*", Operation: sarama.AclOperationAll, PermissionType: sarama.AclPermissionAllow}))
+	require.NoError(t, admin.CreateACLs([]*sarama.ResourceAcls{{
+		Resource: sarama.Resource{ResourceType: sarama.AclResourceTopic, ResourceName: orders, ResourcePatternType: sarama.AclPatternLiteral},
+		Acls:     []*sarama.Acl{{Principal: "User:svc", Host: "*", Operation: sarama.AclOperationAll, PermissionType: sarama.AclPermissionAllow}},
+	}}))
 	_, _, err = prod.SendMessage(&sarama.ProducerMessage{Topic: "orders", Value: sarama.StringEncoder(`{"n":2}`)})
 	require.NoError(t, err)
 	d, err = src.Receive(ctx)
