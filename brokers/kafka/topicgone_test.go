@@ -94,45 +94,54 @@ func awaitGoneLogged(t *testing.T, errs *testlog.ErrorLog, topic string) {
 // created again its records are handled from its start.
 func TestTopicDeletedWhileConsumedLeavesTheOtherTopicsGoing(t *testing.T) {
 	eachBroker(t, func(t *testing.T, kind brokerKind) {
-		c := newClusterOf(t, kind)
-		deleted, other, group := uniq("orders"), uniq("payments"), uniq("g")
-		c.createTopic(deleted, 1)
-		c.createTopic(other, 1)
-		db, _ := pgtest.Schema(t)
-		_, err := db.Exec(context.Background(), effectsTable)
-		require.NoError(t, err)
-		errs := &testlog.ErrorLog{}
-		cfg := c.config(group, deleted, other)
-		cfg.Logger = slog.New(errs)
-		src, err := Open(t.Context(), cfg)
-		require.NoError(t, err)
-		r := startConsumer(t, db, src, consumerConfig("svc"), recordEffect)
-		c.produceHashed(idless(deleted, 0, 3))
-		c.produceHashed(idless(other, 10, 3))
-		waitEffectsByN(t, db, 6)
-
-		c.deleteTopic(deleted)
-		awaitGoneLogged(t, errs, deleted)
-		// The other topic's records, one at a time, each handled within
-		// 10 s, for 3 s after the deletion was found: long past the end of
-		// the session, had the claim of the deleted topic ended it.
-		n := 20
-		for since := time.Now(); time.Since(since) < 3*time.Second; n++ {
-			c.produceHashed(idless(other, n, 1))
-			require.Eventually(t, func() bool { return effectsByN(t, db)[n] == 1 }, 10*time.Second, 20*time.Millisecond,
-				"record %d of the topic that still exists was not handled while the other was deleted", n)
-		}
-
-		c.createTopic(deleted, 1)
-		c.produceHashed(idless(deleted, 1000, 3))
-		want := map[int]int{}
-		for _, k := range append([]int{0, 1, 2, 10, 11, 12, 1000, 1001, 1002}, numbers(20, n)...) {
-			want[k] = 1
-		}
-		waitEffectsByN(t, db, len(want))
-		require.NoError(t, r.stop())
-		require.Equal(t, want, effectsByN(t, db), "every record of both topics handled once")
+		otherTopicGoesOnWhileOneIsDeleted(t, newClusterOf(t, kind), 0)
 	})
+}
+
+// otherTopicGoesOnWhileOneIsDeleted has one member read two topics of c,
+// deletes one, and requires the other's records handled, one at a time,
+// each within 10 s, for 3 s after the deletion was found (long past the
+// end of the session, had the claim of the deleted topic ended it); then
+// the deleted topic created again and every record of both handled once.
+// refresh, when not 0, is the client's Metadata.RefreshFrequency.
+func otherTopicGoesOnWhileOneIsDeleted(t *testing.T, c *cluster, refresh time.Duration) {
+	deleted, other, group := uniq("orders"), uniq("payments"), uniq("g")
+	c.createTopic(deleted, 1)
+	c.createTopic(other, 1)
+	db, _ := pgtest.Schema(t)
+	_, err := db.Exec(context.Background(), effectsTable)
+	require.NoError(t, err)
+	errs := &testlog.ErrorLog{}
+	cfg := c.config(group, deleted, other)
+	cfg.Logger = slog.New(errs)
+	if refresh > 0 {
+		cfg.Sarama.Metadata.RefreshFrequency = refresh
+	}
+	src, err := Open(t.Context(), cfg)
+	require.NoError(t, err)
+	r := startConsumer(t, db, src, consumerConfig("svc"), recordEffect)
+	c.produceHashed(idless(deleted, 0, 3))
+	c.produceHashed(idless(other, 10, 3))
+	waitEffectsByN(t, db, 6)
+
+	c.deleteTopic(deleted)
+	awaitGoneLogged(t, errs, deleted)
+	n := 20
+	for since := time.Now(); time.Since(since) < 3*time.Second; n++ {
+		c.produceHashed(idless(other, n, 1))
+		require.Eventually(t, func() bool { return effectsByN(t, db)[n] == 1 }, 10*time.Second, 20*time.Millisecond,
+			"record %d of the topic that still exists was not handled while the other was deleted", n)
+	}
+
+	c.createTopic(deleted, 1)
+	c.produceHashed(idless(deleted, 1000, 3))
+	want := map[int]int{}
+	for _, k := range append([]int{0, 1, 2, 10, 11, 12, 1000, 1001, 1002}, numbers(20, n)...) {
+		want[k] = 1
+	}
+	waitEffectsByN(t, db, len(want))
+	require.NoError(t, r.stop())
+	require.Equal(t, want, effectsByN(t, db), "every record of both topics handled once")
 }
 
 // numbers returns from, from+1, ..., to-1.
@@ -150,44 +159,8 @@ func numbers(from, to int) []int {
 // again, and the join fails for every topic while one is missing. The
 // member's other topic must still go on.
 func TestTopicDeletedWhileConsumedLeavesTheOtherTopicsGoingPastAMetadataRefresh(t *testing.T) {
-	c := newCluster(t)
-	deleted, other, group := uniq("orders"), uniq("payments"), uniq("g")
-	c.createTopic(deleted, 1)
-	c.createTopic(other, 1)
-	db, _ := pgtest.Schema(t)
-	_, err := db.Exec(context.Background(), effectsTable)
-	require.NoError(t, err)
-	errs := &testlog.ErrorLog{}
-	cfg := c.config(group, deleted, other)
-	cfg.Logger = slog.New(errs)
-	cfg.Sarama.Metadata.RefreshFrequency = 200 * time.Millisecond
-	src, err := Open(t.Context(), cfg)
-	require.NoError(t, err)
-	r := startConsumer(t, db, src, consumerConfig("svc"), recordEffect)
-	c.produceHashed(idless(deleted, 0, 3))
-	c.produceHashed(idless(other, 10, 3))
-	waitEffectsByN(t, db, 6)
-
-	c.deleteTopic(deleted)
-	awaitGoneLogged(t, errs, deleted)
-	// Each record of the other topic handled within 10 s, for 3 s after
-	// the deletion was found: fifteen of the leader's checks.
-	n := 20
-	for since := time.Now(); time.Since(since) < 3*time.Second; n++ {
-		c.produceHashed(idless(other, n, 1))
-		require.Eventually(t, func() bool { return effectsByN(t, db)[n] == 1 }, 10*time.Second, 20*time.Millisecond,
-			"record %d of the topic that still exists was not handled while the other was deleted", n)
-	}
-
-	c.createTopic(deleted, 1)
-	c.produceHashed(idless(deleted, 1000, 3))
-	want := map[int]int{}
-	for _, k := range append([]int{0, 1, 2, 10, 11, 12, 1000, 1001, 1002}, numbers(20, n)...) {
-		want[k] = 1
-	}
-	waitEffectsByN(t, db, len(want))
-	require.NoError(t, r.stop())
-	require.Equal(t, want, effectsByN(t, db), "every record of both topics handled once")
+	// 3 s of the other topic's records: fifteen of the leader's checks.
+	otherTopicGoesOnWhileOneIsDeleted(t, newCluster(t), 200*time.Millisecond)
 }
 
 // The same when the group's leader is not the member that holds the
