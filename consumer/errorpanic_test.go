@@ -27,21 +27,29 @@ func (e *brokenError) Error() string { return "refused: " + *e.detail }
 // Such an error is the handler's panic: dead-lettered with kind panic,
 // the neighbours handled.
 func TestHandlerErrorWhoseErrorMethodPanicsIsAPanic(t *testing.T) {
+	unreadableErrorIsAPanic(t, "broken-error", func() error { return &brokenError{} }, "the Error method of the handler's error")
+}
+
+// unreadableErrorIsAPanic runs a handler and a batch handler, each on a
+// message "broken" whose handler returns broken() and a message "fine",
+// and requires the first dead-lettered with kind panic, its error message
+// holding method, and the second handled.
+func unreadableErrorIsAPanic(t *testing.T, name string, broken func() error, method string) {
 	for _, batch := range []bool{false, true} {
-		name := map[bool]string{false: "handler", true: "batch handler"}[batch]
-		t.Run(name, func(t *testing.T) {
+		t.Run(map[bool]string{false: "handler", true: "batch handler"}[batch], func(t *testing.T) {
 			pool, _ := pgtest.Schema(t)
 			effects(t, pool)
 			b := memsource.New(memsource.Options{Streams: 1})
 			publish(b, "broken", 1)
 			publish(b, "fine", 2)
-			cfg := fastConfig("broken-error")
+			cfg := fastConfig(name)
 			var c *consumer.Consumer[order]
+			var err error
 			if batch {
-				h := func(ctx context.Context, tx pgx.Tx, evs []consumer.Event[order]) error {
+				c, err = consumer.NewBatch(pool, b.Source(), func(ctx context.Context, tx pgx.Tx, evs []consumer.Event[order]) error {
 					for _, ev := range evs {
 						if ev.ID == "broken" {
-							return &brokenError{}
+							return broken()
 						}
 					}
 					for _, ev := range evs {
@@ -50,21 +58,16 @@ func TestHandlerErrorWhoseErrorMethodPanicsIsAPanic(t *testing.T) {
 						}
 					}
 					return nil
-				}
-				var err error
-				c, err = consumer.NewBatch(pool, b.Source(), h, cfg)
-				require.NoError(t, err)
+				}, cfg)
 			} else {
-				h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+				c, err = consumer.New(pool, b.Source(), func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
 					if ev.ID == "broken" {
-						return &brokenError{}
+						return broken()
 					}
 					return insertEffect(ctx, tx, ev)
-				}
-				var err error
-				c, err = consumer.New(pool, b.Source(), h, cfg)
-				require.NoError(t, err)
+				}, cfg)
 			}
+			require.NoError(t, err)
 			ctx, cancel := context.WithCancel(context.Background())
 			done := make(chan error, 1)
 			go func() { done <- c.Run(ctx) }()
@@ -74,7 +77,7 @@ func TestHandlerErrorWhoseErrorMethodPanicsIsAPanic(t *testing.T) {
 			cancel()
 			require.NoError(t, <-done)
 			assert.Equal(t, map[string]string{"broken": string(consumer.KindPanic)}, deadLetterKinds(b))
-			assert.Contains(t, deadLetterOf(t, b, "broken").Headers[consumer.HeaderErrorMessage], "the Error method of the handler's error")
+			assert.Contains(t, deadLetterOf(t, b, "broken").Headers[consumer.HeaderErrorMessage], method)
 			requireEffectsOnce(t, pool, 1)
 		})
 	}
