@@ -260,26 +260,7 @@ func TestOpenRefusesAPrincipalThatCannotReadOrDeadLetter(t *testing.T) {
 // the refusal as an error saying that the cluster refuses the client, not
 // as a failure to consume like any other.
 func TestARefusalAfterStartIsLoggedAsSuch(t *testing.T) {
-	allow := func(rt kmsg.ACLResourceType, name string) kfake.ACL {
-		return kfake.ACL{Resource: rt, Name: name, Pattern: kmsg.ACLResourcePatternTypeLiteral, Operation: kmsg.ACLOperationAll, Allow: true}
-	}
-	c := newCluster(t, kfake.EnableSASL(), kfake.EnableACLs(), kfake.Superuser("PLAIN", "admin", "admin"),
-		kfake.User("PLAIN", "svc", "s3cret-pw", allow(kmsg.ACLResourceTypeCluster, "kafka-cluster"),
-			allow(kmsg.ACLResourceTypeGroup, "g"), allow(kmsg.ACLResourceTypeTopic, "orders"), allow(kmsg.ACLResourceTypeTopic, "orders.dlq")),
-		kfake.SeedTopics(1, "orders", "orders.dlq"))
-	asAdmin := saramaConfig()
-	asAdmin.Net.SASL.Enable = true
-	asAdmin.Net.SASL.User, asAdmin.Net.SASL.Password = "admin", "admin"
-	sc := saramaConfig()
-	sc.Net.SASL.Enable = true
-	sc.Net.SASL.User, sc.Net.SASL.Password = "svc", "s3cret-pw"
-	refused := make(chan struct{})
-	logs := &lineCounter{match: "level=ERROR", at: 1, then: func() { close(refused) }}
-	src, err := Open(t.Context(), Config{Brokers: c.addrs, Group: "g", Topics: []string{"orders"}, Sarama: sc,
-		SessionTimeout: time.Second, HeartbeatInterval: 100 * time.Millisecond, RevokeTimeout: 100 * time.Millisecond,
-		ReconnectMinBackoff: 10 * time.Millisecond, ReconnectMaxBackoff: 100 * time.Millisecond,
-		Logger: slog.New(slog.NewTextHandler(io.MultiWriter(logs, testLogWriter()), nil))})
-	require.NoError(t, err)
+	c, asAdmin, src, refused := openWatchingRefusals(t)
 	defer src.Close()
 
 	prod, err := sarama.NewSyncProducer(c.addrs, func() *sarama.Config {
@@ -403,4 +384,33 @@ func TestOpenReturnsARefusalOfApacheKafkaAtOnce(t *testing.T) {
 			assert.NotContains(t, err.Error(), "s3cret")
 		})
 	}
+}
+
+// openWatchingRefusals starts a kfake cluster with SASL and ACLs whose
+// user svc may use group g and topics orders and orders.dlq, and opens a
+// Source as svc on orders; refused is closed at its first Error log. It
+// returns the cluster, an admin's config, the Source and refused.
+func openWatchingRefusals(t *testing.T) (*cluster, *sarama.Config, *Source, chan struct{}) {
+	t.Helper()
+	allow := func(rt kmsg.ACLResourceType, name string) kfake.ACL {
+		return kfake.ACL{Resource: rt, Name: name, Pattern: kmsg.ACLResourcePatternTypeLiteral, Operation: kmsg.ACLOperationAll, Allow: true}
+	}
+	c := newCluster(t, kfake.EnableSASL(), kfake.EnableACLs(), kfake.Superuser("PLAIN", "admin", "admin"),
+		kfake.User("PLAIN", "svc", "s3cret-pw", allow(kmsg.ACLResourceTypeCluster, "kafka-cluster"),
+			allow(kmsg.ACLResourceTypeGroup, "g"), allow(kmsg.ACLResourceTypeTopic, "orders"), allow(kmsg.ACLResourceTypeTopic, "orders.dlq")),
+		kfake.SeedTopics(1, "orders", "orders.dlq"))
+	asAdmin := saramaConfig()
+	asAdmin.Net.SASL.Enable = true
+	asAdmin.Net.SASL.User, asAdmin.Net.SASL.Password = "admin", "admin"
+	sc := saramaConfig()
+	sc.Net.SASL.Enable = true
+	sc.Net.SASL.User, sc.Net.SASL.Password = "svc", "s3cret-pw"
+	refused := make(chan struct{})
+	logs := &lineCounter{match: "level=ERROR", at: 1, then: func() { close(refused) }}
+	src, err := Open(t.Context(), Config{Brokers: c.addrs, Group: "g", Topics: []string{"orders"}, Sarama: sc,
+		SessionTimeout: time.Second, HeartbeatInterval: 100 * time.Millisecond, RevokeTimeout: 100 * time.Millisecond,
+		ReconnectMinBackoff: 10 * time.Millisecond, ReconnectMaxBackoff: 100 * time.Millisecond,
+		Logger: slog.New(slog.NewTextHandler(io.MultiWriter(logs, testLogWriter()), nil))})
+	require.NoError(t, err)
+	return c, asAdmin, src, refused
 }

@@ -2,15 +2,11 @@ package kafka
 
 import (
 	"context"
-	"io"
-	"log/slog"
 	"testing"
 	"time"
 
 	"github.com/IBM/sarama"
 	"github.com/stretchr/testify/require"
-	"github.com/twmb/franz-go/pkg/kfake"
-	"github.com/twmb/franz-go/pkg/kmsg"
 )
 
 // A consumed topic's READ ACL revoked while the group's stays: the group's
@@ -22,26 +18,7 @@ import (
 // (TestARefusalAfterStartIsLoggedAsSuch): the partition consumes nothing,
 // and a warning each retry is easy to miss.
 func TestATopicRefusalAfterStartIsLoggedAsSuch(t *testing.T) {
-	allow := func(rt kmsg.ACLResourceType, name string) kfake.ACL {
-		return kfake.ACL{Resource: rt, Name: name, Pattern: kmsg.ACLResourcePatternTypeLiteral, Operation: kmsg.ACLOperationAll, Allow: true}
-	}
-	c := newCluster(t, kfake.EnableSASL(), kfake.EnableACLs(), kfake.Superuser("PLAIN", "admin", "admin"),
-		kfake.User("PLAIN", "svc", "s3cret-pw", allow(kmsg.ACLResourceTypeCluster, "kafka-cluster"),
-			allow(kmsg.ACLResourceTypeGroup, "g"), allow(kmsg.ACLResourceTypeTopic, "orders"), allow(kmsg.ACLResourceTypeTopic, "orders.dlq")),
-		kfake.SeedTopics(1, "orders", "orders.dlq"))
-	asAdmin := saramaConfig()
-	asAdmin.Net.SASL.Enable = true
-	asAdmin.Net.SASL.User, asAdmin.Net.SASL.Password = "admin", "admin"
-	sc := saramaConfig()
-	sc.Net.SASL.Enable = true
-	sc.Net.SASL.User, sc.Net.SASL.Password = "svc", "s3cret-pw"
-	refused := make(chan struct{})
-	logs := &lineCounter{match: "level=ERROR", at: 1, then: func() { close(refused) }}
-	src, err := Open(t.Context(), Config{Brokers: c.addrs, Group: "g", Topics: []string{"orders"}, Sarama: sc,
-		SessionTimeout: time.Second, HeartbeatInterval: 100 * time.Millisecond, RevokeTimeout: 100 * time.Millisecond,
-		ReconnectMinBackoff: 10 * time.Millisecond, ReconnectMaxBackoff: 100 * time.Millisecond,
-		Logger: slog.New(slog.NewTextHandler(io.MultiWriter(logs, testLogWriter()), nil))})
-	require.NoError(t, err)
+	c, asAdmin, src, refused := openWatchingRefusals(t)
 	defer src.Close()
 
 	pc := *asAdmin
