@@ -23,9 +23,24 @@ type Config struct {
 	// use SingleScope. It is called once per request that carries a key,
 	// from the request's goroutine. Any string is a scope: one of at most
 	// 2048 bytes of UTF-8 without NUL is stored as it is, any other (and
-	// one that starts with "once:sha256:") as "once:sha256:" and the hex
-	// SHA-256 of its bytes, which PostgreSQL's index rows and text hold.
+	// one that starts with "once:sha256:" or "once:service:") as
+	// "once:sha256:" and the hex SHA-256 of its bytes, which PostgreSQL's
+	// index rows and text hold. With a Service, the scope is stored behind
+	// the service's name.
 	Scope func(r *http.Request) string
+
+	// Service names the service whose requests the middleware serves,
+	// when several services keep their keys in one idempotency_keys
+	// table (one schema, as they may share processed_events under their
+	// consumer names): keys are unique per Service and Scope, so that a
+	// client sending one key to two services (an order's id as the key
+	// of both its creation and its payment) gets each service's own
+	// answer. Services that share a table under the same Service (""
+	// by default) share their keys: the second request gets the first's
+	// response, or 422 when its fingerprint differs. A service with a
+	// table of its own (a schema each) needs none. Changing it forgets
+	// the keys stored under the old name: their retries run again.
+	Service string
 
 	// Schema holds the idempotency_keys table (see Migrate). Defaults to
 	// "": the first schema of the connection's search_path.

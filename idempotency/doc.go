@@ -19,7 +19,9 @@
 //   - a key whose first request is still running: 409, at once or after
 //     Config.Wait;
 //   - keys are scoped by Config.Scope, so clients cannot see each other's
-//     responses, and expire after Config.TTL (24h);
+//     responses, and by Config.Service, so that services keeping their
+//     keys in one table do not answer each other's requests; they expire
+//     after Config.TTL (24h);
 //   - 5xx responses are not stored, and their writes are rolled back, so a
 //     retry can succeed (Config.Store);
 //   - the database unreachable or failing transiently, or no pool

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net/url"
+	"strconv"
 	"strings"
 
 	"github.com/onceco/once/internal/pgtext"
@@ -65,10 +66,10 @@ func parseSFString(v string) (string, error) {
 
 // maxStoredScope is the longest scope, in bytes, stored as it is. A
 // longer scope, one that is not valid UTF-8 or holds a NUL byte (neither
-// is PostgreSQL text), or one that starts with hashedScopePrefix is stored
-// as that prefix and the hex SHA-256 of its bytes: the table's primary key
-// holds the scope, and PostgreSQL refuses an index row of more than about
-// 2.7 kB.
+// is PostgreSQL text), or one that starts with a reserved prefix is stored
+// as hashedScopePrefix and the hex SHA-256 of its bytes: the table's
+// primary key holds the scope, and PostgreSQL refuses an index row of
+// more than about 2.7 kB.
 const maxStoredScope = 2048
 
 // hashedScopePrefix starts the stored form of a hashed scope. A scope
@@ -76,15 +77,43 @@ const maxStoredScope = 2048
 // is can equal another's hash.
 const hashedScopePrefix = "once:sha256:"
 
-// storedScope is the form of scope kept in the table: scope itself, or
-// its hash when it cannot or must not be stored as it is.
-func storedScope(scope string) string {
-	if len(scope) <= maxStoredScope && pgtext.Storable(scope) &&
-		!strings.HasPrefix(scope, hashedScopePrefix) {
-		return scope
+// servicePrefix starts the stored form of a scope of a named service
+// (Config.Service): the prefix, the service's length and name, and the
+// scope, "once:service:6:orders:alice". A scope of an unnamed service
+// that starts with it is hashed, so that it cannot pose as a named
+// service's.
+const servicePrefix = "once:service:"
+
+// hashedServicePrefix starts the stored form of a named service's scope
+// too long (or not text) to be stored as it is: no form stored as it is
+// starts with it (a service's length is digits), nor does a hashed scope
+// of an unnamed service.
+const hashedServicePrefix = servicePrefix + "sha256:"
+
+// storedScope is the form of scope of service kept in the table: for
+// the unnamed service (""), scope itself, or its hash when it cannot or
+// must not be stored as it is, as before services were named; for a named
+// one, the scope behind servicePrefix and the service, or its hash. Each
+// form starts differently, so that no two services' scopes meet.
+func storedScope(service, scope string) string {
+	if service == "" {
+		if len(scope) <= maxStoredScope && pgtext.Storable(scope) &&
+			!strings.HasPrefix(scope, hashedScopePrefix) && !strings.HasPrefix(scope, servicePrefix) {
+			return scope
+		}
+		return hashedScopePrefix + sha256Hex(scope)
 	}
-	sum := sha256.Sum256([]byte(scope))
-	return hashedScopePrefix + hex.EncodeToString(sum[:])
+	named := servicePrefix + strconv.Itoa(len(service)) + ":" + service + ":" + scope
+	if len(named) <= maxStoredScope && pgtext.Storable(named) {
+		return named
+	}
+	return hashedServicePrefix + sha256Hex(named)
+}
+
+// sha256Hex is the hex SHA-256 of s.
+func sha256Hex(s string) string {
+	sum := sha256.Sum256([]byte(s))
+	return hex.EncodeToString(sum[:])
 }
 
 // storedPath is the form of a request's path kept in the table: the

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net/http"
 	"time"
 
@@ -115,7 +116,7 @@ func (m *Middleware) Handler(next http.Handler) http.Handler {
 			return
 		}
 		m.serveWithKey(w, r, next, claim{
-			scope: storedScope(m.cfg.Scope(r)), key: key, fingerprint: m.cfg.Fingerprint(r, body),
+			scope: storedScope(m.cfg.Service, m.cfg.Scope(r)), key: key, fingerprint: m.cfg.Fingerprint(r, body),
 			method: r.Method, path: storedPath(r.URL),
 		})
 	})
@@ -434,7 +435,7 @@ func (m *Middleware) answerFromStore(w http.ResponseWriter, r *http.Request, c c
 // commits, or rolls back, and answers.
 func (m *Middleware) run(w http.ResponseWriter, r *http.Request, next http.Handler, tx pgx.Tx, c *claim) {
 	rec := newRecorder(m.cfg.MaxResponseBytes)
-	next.ServeHTTP(rec, m.withTx(r, tx, c.key))
+	m.serveHandler(rec, r, next, tx, c)
 	status := rec.finalStatus()
 	endedBySQL := txEnded(tx)
 	if endedBySQL {
@@ -446,6 +447,16 @@ func (m *Middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 		// a claim that is gone gets the 500 below.
 		m.cfg.Logger.Error("idempotency: the handler ended the request's transaction with SQL of its own (COMMIT or ROLLBACK)",
 			"path", r.URL.Path, "status", status)
+	}
+	if rec.overflow && endedBySQL {
+		// The body cannot be stored, but the claim must not stay without
+		// a response: stored below is a 500 saying that the effect
+		// committed (or, when the claim is gone, the 500 for that).
+		m.cfg.Logger.Error("idempotency: response too large after the handler committed by SQL; a 500 is stored in its place",
+			"path", r.URL.Path, "limit", m.cfg.MaxResponseBytes)
+		rec = committedFailure("Response too large",
+			"The request's effect was committed, but its response was too large to be stored; do not send it again as a new request.")
+		status = rec.finalStatus()
 	}
 	switch {
 	case rec.overflow:
@@ -494,6 +505,49 @@ func (m *Middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 		return
 	}
 	send(w, rec.header, status, rec.body.Bytes())
+}
+
+// serveHandler runs next in tx. A handler that panics (or calls
+// runtime.Goexit) after committing the request's transaction by SQL has
+// made its effect and the key's claim permanent, the claim still without a
+// response: every retry would get 500 "Stored response missing" for the
+// whole TTL. A response saying that the effect committed is stored first
+// (the connection is outside a transaction: the UPDATE commits by itself),
+// and the panic goes on to net/http.
+func (m *Middleware) serveHandler(rec *recorder, r *http.Request, next http.Handler, tx pgx.Tx, c *claim) {
+	returned := false
+	defer func() {
+		if !returned && txEnded(tx) {
+			m.storeAbandoned(r, tx, c)
+		}
+	}()
+	next.ServeHTTP(rec, m.withTx(r, tx, c.key))
+	returned = true
+}
+
+// storeAbandoned stores, for a handler that committed the request's
+// transaction by SQL and then never returned, a 500 that tells the retry
+// its effect committed. A claim the handler's SQL rolled back is gone, and
+// the UPDATE changes nothing: the retry runs the handler.
+func (m *Middleware) storeAbandoned(r *http.Request, tx pgx.Tx, c *claim) {
+	rec := committedFailure("Handler failed after committing",
+		"The request's effect was committed, but the handler failed before answering; do not send it again as a new request.")
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), finishTimeout)
+	defer cancel()
+	tag, err := tx.Exec(ctx, m.sql.saveResponse, c.scope, c.key, rec.finalStatus(), rec.storedHeader(m.cfg.StoredHeaders),
+		rec.body.Bytes(), m.cfg.TTL.Seconds())
+	m.cfg.Logger.Error("idempotency: the handler ended the request's transaction with SQL of its own (COMMIT or ROLLBACK) and then panicked",
+		"path", r.URL.Path, "stored", err == nil && tag.RowsAffected() == 1, "error", err)
+}
+
+// committedFailure is the 500 stored for a request whose handler
+// committed its transaction by SQL but left no answer that can be stored.
+// Its body, the middleware's own, is not held to MaxResponseBytes, which
+// may be smaller.
+func committedFailure(title, detail string) *recorder {
+	rec := newRecorder(math.MaxInt)
+	problem(rec, http.StatusInternalServerError, title, detail)
+	return rec
 }
 
 // txEnded reports whether tx's connection is outside a transaction: the

@@ -8,10 +8,12 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/onceco/once/idempotency"
+	"github.com/onceco/once/internal/pgtest"
 )
 
 // A scope of any length or content (a client certificate's subject, a long
@@ -56,4 +58,52 @@ func TestAnyScopeHoldsKeys(t *testing.T) {
 	assert.True(t, s.post("/orders", longKey, "b", "X-Client", "edge").replayed())
 	assert.Equal(t, 1, count(t, s.pool, `SELECT count(*) FROM idempotency_keys WHERE scope = $1 AND idempotency_key = $2`,
 		long[:2048], longKey), "stored as it is")
+}
+
+// Services that keep their keys in one idempotency_keys table (one schema,
+// as they may share processed_events under their consumer names) shared
+// their keys: a client that sent one key to two services (an order's id
+// as the key of both its creation and its payment) got, from the second,
+// the first's response replayed (422 with the default fingerprint, which
+// holds the path), and the payment never ran. Config.Service keeps each
+// service's keys apart; a scope of an unnamed service cannot pose as a
+// named one's.
+func TestServicesSharingATableKeepTheirKeysApart(t *testing.T) {
+	scope := func(r *http.Request) string { return r.Header.Get("X-Client") }
+	noFingerprint := func(*http.Request, []byte) []byte { return nil }
+	orders := newService(t, idempotency.Config{Service: "orders", Scope: scope, Fingerprint: noFingerprint},
+		http.HandlerFunc(insertEffect))
+	onTheTable := func(service string) *service {
+		pool := pgtest.NewPoolWith(t, orders.schema, func(*pgxpool.Config) {})
+		s := serve(t, pool, orders.schema, idempotency.Config{Service: service, Scope: scope, Fingerprint: noFingerprint},
+			http.HandlerFunc(insertEffect))
+		return s
+	}
+	payments, unnamed := onTheTable("payments"), onTheTable("")
+
+	order := orders.post("/orders", "order-1", "a", "X-Client", "alice")
+	payment := payments.post("/payments", "order-1", "b", "X-Client", "alice")
+	posing := unnamed.post("/orders", "order-1", "c", "X-Client", "once:service:6:orders:alice")
+	for name, r := range map[string]reply{"order": order, "payment": payment, "posing": posing} {
+		assert.Equal(t, http.StatusCreated, r.status, "%s: %s", name, r.body)
+		assert.False(t, r.replayed(), "%s got another service's response: %s", name, r.body)
+	}
+	assert.Equal(t, 3, orders.effects(), "each service's handler ran")
+
+	// Each service replays its own response.
+	assert.Equal(t, order.body, orders.post("/orders", "order-1", "a", "X-Client", "alice").body)
+	assert.Equal(t, payment.body, payments.post("/payments", "order-1", "b", "X-Client", "alice").body)
+	assert.Equal(t, posing.body, unnamed.post("/orders", "order-1", "c", "X-Client", "once:service:6:orders:alice").body)
+	assert.Equal(t, 3, orders.effects())
+
+	// A scope too long to be stored as it is (hashed with the service) too.
+	long := strings.Repeat("x", 3000)
+	order = orders.post("/orders", "order-2", "a", "X-Client", long)
+	payment = payments.post("/payments", "order-2", "b", "X-Client", long)
+	assert.Equal(t, http.StatusCreated, order.status, order.body)
+	assert.Equal(t, http.StatusCreated, payment.status, payment.body)
+	assert.False(t, payment.replayed(), payment.body)
+	assert.True(t, orders.post("/orders", "order-2", "a", "X-Client", long).replayed())
+	assert.True(t, payments.post("/payments", "order-2", "b", "X-Client", long).replayed())
+	assert.Equal(t, 5, orders.effects())
 }

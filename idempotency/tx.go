@@ -27,7 +27,8 @@ type requestState struct {
 // that ends it with SQL of its own (ROLLBACK) loses the key's claim, and
 // its response is replaced by a 500, since nothing records it; one that
 // commits it by SQL (a helper's Begin and Commit on Tx(ctx).Conn()) has
-// its response stored whatever its status, since its effect is. Use it from
+// its response stored whatever its status, since its effect is (a 500
+// saying so when it then panics). Use it from
 // the handler's goroutine only, and only until the handler returns: a
 // pgx.Tx is not safe for concurrent use.
 func Tx(ctx context.Context) pgx.Tx {
@@ -39,9 +40,9 @@ func Tx(ctx context.Context) pgx.Tx {
 
 // Key returns the idempotency key of a request that went through the
 // middleware, or "" when it had none (Config.Optional) or did not go
-// through it. Keys are unique per Config.Scope only: a handler may use the
-// key, with the request's scope, as the id of what it creates; the key
-// alone names another client's resource as well.
+// through it. Keys are unique per Config.Service and Config.Scope only: a
+// handler may use the key, with the request's scope, as the id of what it
+// creates; the key alone names another client's resource as well.
 func Key(ctx context.Context) string {
 	if s, ok := ctx.Value(ctxKey{}).(*requestState); ok {
 		return s.key
