@@ -67,7 +67,8 @@ type Consumer[T any] struct {
 // (also a nil pointer in the Source: that of an Open whose error was
 // dropped) or handler and for an invalid cfg, and with one wrapping ErrSourceBroken
 // when the source's MessagingSystem (SystemNamer), ConsumerGroup
-// (GroupNamer) or BoundsStreams (StreamBounder), which New asks for,
+// (GroupNamer), BoundsStreams (StreamBounder) or DeliveryLimit
+// (DeliveryLimiter), which New asks for,
 // panics. The consumer resets pool
 // (pgxpool.Pool.Reset) when the database refuses one of its writes as
 // read-only (25006, after a failover): pool's connections, which other

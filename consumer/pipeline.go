@@ -121,6 +121,9 @@ func newPipeline(pool *pgxpool.Pool, src Source, cfg Config, prep preparer) (*pi
 	if err != nil {
 		return nil, err
 	}
+	if err := warnDeliveryLimit(src, &cfg); err != nil {
+		return nil, err
+	}
 	tel, err := newTelemetry(&cfg, system, group)
 	if err != nil {
 		return nil, fmt.Errorf("once: telemetry: %w", err)
@@ -166,6 +169,33 @@ func boundsStreams(src Source) (bounded bool, err error) {
 		err = sourceCall("BoundsStreams", func() error { bounded = b.BoundsStreams(); return nil })
 	}
 	return bounded, err
+}
+
+// warnDeliveryLimit logs a warning when src's broker takes a message away
+// after no more redeliveries than cfg.CrashGuard.MaxCrashes
+// (DeliveryLimiter): a crash loop would leave for the broker's own
+// dead-letter exchange, or be dropped, before the crash guard dead-letters
+// it. A warning, not a refusal: the limit is the queue's, which cannot
+// change while it exists, and the broker still moves such a message
+// aside. A panic in DeliveryLimit is an error wrapping ErrSourceBroken.
+func warnDeliveryLimit(src Source, cfg *Config) error {
+	l, ok := src.(DeliveryLimiter)
+	if !ok {
+		return nil
+	}
+	var limit int64
+	if err := sourceCall("DeliveryLimit", func() error { limit = l.DeliveryLimit(); return nil }); err != nil {
+		return err
+	}
+	if limit <= 0 || limit > int64(cfg.CrashGuard.MaxCrashes) {
+		return nil
+	}
+	cfg.Telemetry.Logger.Warn("once: the broker takes a message away after it delivered it again no more times than CrashGuard.MaxCrashes: "+
+		"a message that crashes the process every time goes to the queue's own dead-letter exchange (or is dropped without one), "+
+		"without the consumer's dead-letter headers, before the crash guard dead-letters it as crash-loop, and lost connections "+
+		"count towards the limit too; declare the queue with a delivery limit above CrashGuard.MaxCrashes, or set MaxCrashes below the limit",
+		"consumer", cfg.Name, "delivery_limit", limit, "max_crashes", cfg.CrashGuard.MaxCrashes)
+	return nil
 }
 
 func (p *pipeline) consume(ctx context.Context) error {

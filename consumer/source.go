@@ -177,6 +177,22 @@ type StreamBounder interface {
 	BoundsStreams() bool
 }
 
+// DeliveryLimiter is implemented by sources whose broker takes a message
+// away by itself once it has delivered it again a number of times, as a
+// RabbitMQ quorum queue's x-delivery-limit does (to the queue's own
+// dead-letter exchange, or dropped without one). The crash guard needs a
+// message that crashes the process every time to be delivered again
+// Config.CrashGuard.MaxCrashes times after its first delivery, and once
+// more, to dead-letter it with kind KindCrashLoop and its diagnostic
+// headers: with a limit at or below MaxCrashes the broker takes the
+// message first. New asks once and logs a warning then; a panic in it
+// makes New fail with an error wrapping ErrSourceBroken.
+type DeliveryLimiter interface {
+	// DeliveryLimit returns how many times the broker delivers a message
+	// again before it takes it away; 0 for no limit, or none known.
+	DeliveryLimit() int64
+}
+
 // ErrSourceBroken is wrapped by the error Run returns when its Source
 // broke the contract: Receive returned a nil delivery with a nil error, or
 // a delivery whose Message or Context is nil or whose Context cannot be
@@ -189,8 +205,8 @@ type StreamBounder interface {
 // call's failure and does not stop Run; by Run's error when
 // RecordProgress, FirstPositionDone or DeadLetter panicked
 // SourcePanicLimit times in a row on the same work, or when the source's
-// Close panicked; and by New's when its MessagingSystem, ConsumerGroup or
-// BoundsStreams did.
+// Close panicked; and by New's when its MessagingSystem, ConsumerGroup,
+// BoundsStreams or DeliveryLimit did.
 var ErrSourceBroken = errors.New("once: the source broke its contract")
 
 // ErrSourceClosed is returned by Receive once the source has been closed.

@@ -518,14 +518,22 @@ func (s panickyNamesSource) BoundsStreams() bool {
 	return false
 }
 
+func (s panickyNamesSource) DeliveryLimit() int64 {
+	if s.panics == "DeliveryLimit" {
+		panic("limit bug")
+	}
+	return 0
+}
+
 // A panic in a custom Source's telemetry names (SystemNamer, GroupNamer),
-// or in whether it bounds its streams (StreamBounder), which New asks
-// for, makes New return an error wrapping ErrSourceBroken.
+// in whether it bounds its streams (StreamBounder) or in its broker's
+// delivery limit (DeliveryLimiter), which New asks for, makes New return
+// an error wrapping ErrSourceBroken.
 // It crashed the caller of New.
 func TestSourceNamePanicFailsNew(t *testing.T) {
 	pool, _ := pgtest.Schema(t)
 	b := memsource.New(memsource.Options{})
-	for _, method := range []string{"MessagingSystem", "ConsumerGroup", "BoundsStreams"} {
+	for _, method := range []string{"MessagingSystem", "ConsumerGroup", "BoundsStreams", "DeliveryLimit"} {
 		t.Run(method, func(t *testing.T) {
 			var err error
 			require.NotPanics(t, func() {

@@ -644,6 +644,15 @@ func deliveryLimitRisk(args amqp091.Table, version string) int64 {
 	if _, ok := args[deadLetterExchangeArg]; ok {
 		return 0
 	}
+	return deliveryLimit(args, version)
+}
+
+// deliveryLimit returns how many times a quorum queue declared with args,
+// on a broker of the given version, delivers a message again before it
+// dead-letters it to the queue's dead-letter exchange or, without one,
+// drops it: the x-delivery-limit of args when it is 1 or more, RabbitMQ
+// 4's default of 20 when args give none, 0 for no limit.
+func deliveryLimit(args amqp091.Table, version string) int64 {
 	v, ok := args[deliveryLimitArg]
 	if !ok {
 		if m, known := majorVersion(version); known && m >= 4 {

@@ -8,11 +8,14 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	amqp091 "github.com/rabbitmq/amqp091-go"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/onceco/once/brokers/amqp"
+	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/internal/pgtest"
 )
 
 // TestDeliveryLimitBelowOneRefusedBeforeRabbitMQ4: the docs' Pitfalls
@@ -196,4 +199,114 @@ func TestDeliveryLimitRiskFollowsTheBrokersVersion(t *testing.T) {
 	} {
 		assert.Equal(t, tc.limit, amqp.DeliveryLimitRisk(tc.args, tc.version), "%v on %q", tc.args, tc.version)
 	}
+}
+
+// TestDeliveryLimitAtOrBelowMaxCrashesWarnsAtNew: the crash guard
+// dead-letters a message that crashes the process every time (kind
+// crash-loop, with the consumer's diagnostic headers) at its delivery
+// after CrashGuard.MaxCrashes redeliveries, and a quorum queue with an
+// x-delivery-limit delivers a message again that many times at most (on
+// the test node, a limit of 3 gives 4 deliveries, then dead-letters it to
+// the queue's own x-dead-letter-exchange). With a limit at or below
+// MaxCrashes, crash loops left for the broker's dead-letter exchange
+// without a word of why, and lost connections counted towards the limit
+// too. consumer.New now warns, naming the limit and MaxCrashes; not above
+// it, nor for a classic queue (RabbitMQ refuses the argument for one).
+// Before, nothing was said.
+func TestDeliveryLimitAtOrBelowMaxCrashesWarnsAtNew(t *testing.T) {
+	a := newAdmin(t)
+	pool, _ := pgtest.Schema(t)
+	warned := func(t *testing.T, cfg amqp.Config, maxCrashes int) []slog.Record {
+		t.Helper()
+		q := queueName(t)
+		a.cleanupQueue(q)
+		cfg.Queue = q
+		src := openSource(t, cfg)
+		logs := make(logRecords, 1024)
+		_, err := consumer.New(pool, src, func(context.Context, pgx.Tx, consumer.Event[json.RawMessage]) error { return nil },
+			consumer.Config{Name: "limits", CrashGuard: consumer.CrashGuardConfig{MaxCrashes: maxCrashes},
+				Telemetry: consumer.TelemetryConfig{Logger: slog.New(logs)}})
+		require.NoError(t, err)
+		require.NoError(t, src.Close())
+		var out []slog.Record
+		for len(logs) > 0 {
+			if r := <-logs; r.Level >= slog.LevelWarn && strings.Contains(r.Message, "CrashGuard.MaxCrashes") {
+				out = append(out, r)
+			}
+		}
+		return out
+	}
+	quorum := func(limit any) amqp.Config {
+		return amqp.Config{QueueType: amqp.QueueQuorum,
+			QueueArgs: amqp091.Table{"x-delivery-limit": limit, "x-dead-letter-exchange": "", "x-dead-letter-routing-key": "elsewhere"}}
+	}
+	got := warned(t, quorum(int64(3)), 0) // MaxCrashes' default, 3
+	require.Len(t, got, 1)
+	attrs := map[string]string{}
+	got[0].Attrs(func(a slog.Attr) bool { attrs[a.Key] = a.Value.String(); return true })
+	assert.Equal(t, "3", attrs["delivery_limit"])
+	assert.Equal(t, "3", attrs["max_crashes"])
+	assert.Equal(t, "limits", attrs["consumer"])
+	assert.Len(t, warned(t, quorum(int64(2)), 0), 1)
+	assert.Len(t, warned(t, quorum(int32(4)), 5), 1, "MaxCrashes raised above the limit")
+	assert.Empty(t, warned(t, quorum(int64(4)), 0), "a limit above MaxCrashes")
+	assert.Empty(t, warned(t, amqp.Config{QueueType: amqp.QueueQuorum}, 0), "no limit on RabbitMQ 3")
+	assert.Empty(t, warned(t, amqp.Config{}, 0), "a classic queue has no delivery limit")
+}
+
+// TestDeadLetterQueueLimitWithItsOwnExchangeWarnsAtOpen: every read of the
+// dead letters (once dlq list, show, replay, each console page) takes them
+// and puts them back, which a quorum queue counts as a delivery. A
+// dead-letter queue with an x-delivery-limit and an x-dead-letter-exchange
+// of its own therefore moves every dead letter to that exchange after that
+// many reads (shown here: a dead letter read and put back leaves the
+// dead-letter queue for the exchange's queue), out of once dlq's sight.
+// Open warned of a delivery limit only without a dead-letter exchange,
+// where the broker drops the messages; now it warns of this one too.
+func TestDeadLetterQueueLimitWithItsOwnExchangeWarnsAtOpen(t *testing.T) {
+	a := newAdmin(t)
+	q := queueName(t)
+	a.cleanupQueue(q)
+	moved := q + ".moved"
+	a.cleanupQueue(moved)
+	ch, err := a.channel()
+	require.NoError(t, err)
+	_, err = ch.QueueDeclare(moved, true, false, false, false, nil)
+	require.NoError(t, err)
+	logs := make(logRecords, 1024)
+	openSource(t, amqp.Config{Queue: q, QueueType: amqp.QueueQuorum, Logger: slog.New(logs),
+		DeadLetter: amqp.DeadLetterConfig{QueueArgs: amqp091.Table{"x-delivery-limit": int64(2),
+			"x-dead-letter-exchange": "", "x-dead-letter-routing-key": moved}}})
+	var warned []slog.Record
+	for len(logs) > 0 {
+		if r := <-logs; r.Level >= slog.LevelWarn && strings.Contains(r.Message, "x-delivery-limit") {
+			warned = append(warned, r)
+		}
+	}
+	require.Len(t, warned, 1)
+	attrs := map[string]string{}
+	warned[0].Attrs(func(a slog.Attr) bool { attrs[a.Key] = a.Value.String(); return true })
+	assert.Equal(t, q+amqp.DeadLetterQueueSuffix, attrs["dead_letter_queue"])
+	assert.Equal(t, "2", attrs["x-delivery-limit"])
+
+	// What it warns of: reads of the dead letters move them away.
+	dlq := q + amqp.DeadLetterQueueSuffix
+	require.NoError(t, a.publish("", dlq, jsonMsg("dead-1", `{}`)))
+	conn, err := amqp091.Dial(brokerURL(t))
+	require.NoError(t, err)
+	defer conn.Close()
+	require.Eventually(t, func() bool {
+		// One read: take the dead letter and put it back.
+		rch, err := conn.Channel()
+		if err != nil {
+			return false
+		}
+		_, _, _ = rch.Get(dlq, false)
+		_ = rch.Close()
+		n, err := a.ready(moved)
+		return err == nil && n == 1
+	}, 20*time.Second, 10*time.Millisecond, "the dead letter never left the dead-letter queue")
+	n, err := a.ready(dlq)
+	require.NoError(t, err)
+	assert.Zero(t, n, "the dead letter left the dead-letter queue")
 }

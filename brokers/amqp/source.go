@@ -71,6 +71,9 @@ type Source struct {
 	reconnects metric.Int64Counter
 	refusals   metric.Int64Counter // DeadLetterRefusalsMetric
 	attrs      metric.MeasurementOption
+	// version is the broker's, from the connection Open made (its version
+	// property; "" when it sent none); set before Open returns.
+	version string
 
 	closeCh chan struct{}
 
@@ -165,9 +168,25 @@ func Open(ctx context.Context, cfg Config) (*Source, error) {
 		return nil, err
 	}
 	version, _ := sess.conn.Properties["version"].(string)
+	s.version = version
 	s.warnDeliveryLimits(version)
 	s.warnDroppingArgs()
 	return s, nil
+}
+
+// DeliveryLimit implements consumer.DeliveryLimiter: how many times the
+// quorum queue the source declared delivers a message again before the
+// broker takes it away (to the queue's x-dead-letter-exchange, without the
+// consumer's diagnostic headers, or dropped without one): its
+// x-delivery-limit in Config.QueueArgs, or RabbitMQ 4's default of 20
+// when none is given. 0 for a classic queue, which has no such limit, and
+// with Config.Passive, where the queue's arguments are not known (nor are
+// a policy's, here or anywhere).
+func (s *Source) DeliveryLimit() int64 {
+	if s.cfg.QueueType != QueueQuorum || s.cfg.Passive {
+		return 0
+	}
+	return deliveryLimit(s.cfg.QueueArgs, s.version)
 }
 
 // warnDeliveryLimits logs a warning for each quorum queue the source
@@ -194,6 +213,32 @@ func (s *Source) warnDeliveryLimits(version string) {
 			"queue with x-delivery-limit -1 (docs/amqp.md, Pitfalls)",
 			"dropping_queue", q.queue, "field", q.field, "x-delivery-limit", limit, "rabbitmq_default", !given, "rabbitmq_version", version)
 	}
+	s.warnDeadLetterQueueLimit(version)
+}
+
+// warnDeadLetterQueueLimit logs a warning when the quorum dead-letter queue
+// the source declares has a delivery limit and a dead-letter exchange of
+// its own (without one, warnDeliveryLimits warns that it drops): every
+// read of the dead letters (once dlq list, show and replay, each page of
+// the console) takes them and puts them back, which the queue counts as a
+// delivery, so that many reads move every dead letter out of the
+// dead-letter queue, to that exchange, where once dlq no longer sees it.
+func (s *Source) warnDeadLetterQueueLimit(version string) {
+	args := s.cfg.DeadLetter.QueueArgs
+	if s.cfg.DeadLetter.Queue == "" || deliveryLimitRisk(args, version) > 0 {
+		return
+	}
+	limit := deliveryLimit(args, version)
+	if limit == 0 {
+		return
+	}
+	_, given := args[deliveryLimitArg]
+	s.log.Warn("amqp: the quorum dead-letter queue has an x-delivery-limit: each read of the dead letters (once dlq list, show or replay, "+
+		"a page of the console) returns them to the queue, which counts as a delivery, and past the limit the broker moves each dead letter "+
+		"to the queue's x-dead-letter-exchange, out of reach of once dlq; declare the dead-letter queue without a limit "+
+		"(on RabbitMQ 4, x-delivery-limit -1; docs/amqp.md, Pitfalls)",
+		"dead_letter_queue", s.cfg.DeadLetter.Queue, "field", "Config.DeadLetter.QueueArgs", "x-delivery-limit", limit,
+		"rabbitmq_default", !given, "rabbitmq_version", version)
 }
 
 // declaredQueue is a queue the source declares, with the Config field

@@ -2,6 +2,7 @@ package console
 
 import (
 	"context"
+	"crypto/rand"
 	"crypto/sha256"
 	"embed"
 	"encoding/hex"
@@ -69,6 +70,9 @@ type Handler struct {
 	// busy holds a token while a request reads or replays the queue of
 	// the same index.
 	busy []chan struct{}
+	// results keeps the outcomes of the latest replays, for their
+	// result pages and for a form posted again.
+	results results
 }
 
 // New validates cfg and returns the console's handler.
@@ -111,6 +115,7 @@ func New(cfg Config) (*Handler, error) {
 	h.mux.HandleFunc("GET /dlq", h.list)
 	h.mux.HandleFunc("GET /record", h.record)
 	h.mux.HandleFunc("GET /payload", h.payload)
+	h.mux.HandleFunc("GET /replayed", h.replayed)
 	h.mux.Handle("POST /replay", http.NewCrossOriginProtection().Handler(http.HandlerFunc(h.replay)))
 	return h, nil
 }
@@ -131,12 +136,7 @@ var funcs = template.FuncMap{
 		}
 		return t.UTC().Format("2006-01-02 15:04:05 UTC")
 	},
-	"ago": func(t time.Time) string {
-		if t.IsZero() {
-			return ""
-		}
-		return time.Since(t).Round(time.Second).String() + " ago"
-	},
+	"ago":  ago,
 	"text": shown,
 	"dash": func(s string) string {
 		if s == "" {
@@ -158,6 +158,20 @@ var funcs = template.FuncMap{
 		}
 		return s
 	},
+}
+
+// ago is how long before now t was. A time ahead of this clock (the
+// consumer's or the database's clock ahead of the console's) says so
+// rather than reading as a negative time ago.
+func ago(t time.Time) string {
+	if t.IsZero() {
+		return ""
+	}
+	d := time.Since(t).Round(time.Second)
+	if d < 0 {
+		return (-d).String() + " ahead of this clock"
+	}
+	return d.String() + " ago"
 }
 
 // shown is text from a broker or the database as a page shows it: as it
@@ -358,9 +372,28 @@ type overviewData struct {
 
 type queueSummary struct {
 	Queue  queueRef
-	Kinds  []dlq.KindCount
+	Kinds  []kindRow
 	Total  int
 	Failed string
+}
+
+// kindRow is a row of a queue's summary with the links to its records:
+// those of its consumer, and those of its consumer and kind. A consumer
+// or kind that is empty is asked for as none (noconsumer, nokind): an
+// empty filter selects every record.
+type kindRow struct {
+	dlq.KindCount
+	ByConsumer, ByKind string
+}
+
+func newKindRow(i int, c dlq.KindCount) kindRow {
+	d := listData{Queue: queueRef{Index: i}, Filter: filterForm{
+		Consumer: c.Consumer, NoConsumer: c.Consumer == "",
+	}}
+	r := kindRow{KindCount: c, ByConsumer: d.link(cursor{})}
+	d.Filter.Kind, d.Filter.NoKind = c.Kind, c.Kind == ""
+	r.ByKind = d.link(cursor{})
+	return r
 }
 
 func (h *Handler) overview(w http.ResponseWriter, r *http.Request) {
@@ -396,7 +429,10 @@ func (h *Handler) overview(w http.ResponseWriter, r *http.Request) {
 				// the timeout may still be counting.)
 				s.Failed = err.Error()
 			} else {
-				s.Kinds, s.Total = kinds.Counts(), total
+				for _, c := range kinds.Counts() {
+					s.Kinds = append(s.Kinds, newKindRow(i, c))
+				}
+				s.Total = total
 			}
 			d.DeadLetters[i] = s
 		})
@@ -527,6 +563,12 @@ func (d *listData) link(c cursor) string {
 			b.WriteString("&" + f[0] + "=" + url.QueryEscape(f[1]))
 		}
 	}
+	if d.Filter.NoConsumer {
+		b.WriteString("&noconsumer=1")
+	}
+	if d.Filter.NoKind {
+		b.WriteString("&nokind=1")
+	}
 	if c.Last {
 		b.WriteString("&last=1")
 	}
@@ -560,6 +602,10 @@ func (w *window) records() []*dlq.Record {
 
 type filterForm struct {
 	Consumer, Kind, ID, Search, Since string
+	// NoConsumer and NoKind select the records without a consumer or
+	// without a kind (once-consumer, once-error-kind missing or empty):
+	// an empty Consumer or Kind selects every record.
+	NoConsumer, NoKind bool
 }
 
 type row struct {
@@ -582,23 +628,83 @@ var allKinds = []string{
 	string(consumer.KindIDConflict), string(consumer.KindCrashLoop),
 }
 
-func (h *Handler) filterOf(r *http.Request) (filterForm, dlq.Filter, error) {
+// filterOf returns the request's filter, as its form shows it and as
+// the function that selects records.
+// kindSet is the kinds a listing's drop-down offers: the kinds of this
+// library, the filter's own, and the others met in the read (a record
+// written by another version or another producer), so that each can be
+// chosen, and a listing filtered by a kind the console does not know
+// keeps its filter when the form is sent again.
+type kindSet struct {
+	list []string
+}
+
+// maxOtherKinds bounds the kinds met in a read that a drop-down offers: a
+// topic written by other producers may have as many as records.
+const maxOtherKinds = 32
+
+func newKindSet(filter string) *kindSet {
+	s := &kindSet{list: slices.Clone(allKinds)}
+	if filter != "" && !slices.Contains(s.list, filter) {
+		s.list = append(s.list, filter)
+	}
+	return s
+}
+
+// add offers kind, unless it is empty (the "none" box selects it), too
+// long for an option, or past maxOtherKinds.
+func (s *kindSet) add(kind string) {
+	if kind == "" || len(kind) > field.Shown || len(s.list) >= len(allKinds)+maxOtherKinds || slices.Contains(s.list, kind) {
+		return
+	}
+	s.list = append(s.list, kind)
+}
+
+func (h *Handler) filterOf(r *http.Request) (filterForm, func(*dlq.Record) bool, error) {
 	ff := filterForm{
 		Consumer: r.FormValue("consumer"), Kind: r.FormValue("kind"), ID: r.FormValue("id"),
 		Search: r.FormValue("search"), Since: r.FormValue("since"),
 	}
+	var err error
+	if ff.NoConsumer, err = flagParam(r, "noconsumer"); err != nil {
+		return ff, nil, err
+	}
+	if ff.NoKind, err = flagParam(r, "nokind"); err != nil {
+		return ff, nil, err
+	}
+	if ff.NoConsumer && ff.Consumer != "" || ff.NoKind && ff.Kind != "" {
+		return ff, nil, errors.New("give a consumer or noconsumer=1 (no consumer), a kind or nokind=1 (no kind), not both")
+	}
 	f := dlq.Filter{Consumer: ff.Consumer, EventID: ff.ID, Search: ff.Search}
-	if ff.Kind != "" {
+	switch {
+	case ff.Kind != "":
 		f.Kinds = []string{ff.Kind}
+	case ff.NoKind:
+		f.Kinds = []string{""}
 	}
 	if ff.Since != "" {
 		d, err := time.ParseDuration(ff.Since)
 		if err != nil || d < 0 {
-			return ff, f, fmt.Errorf("since %q: want a duration such as 2h", ff.Since)
+			return ff, nil, fmt.Errorf("since %q: want a duration such as 2h", ff.Since)
 		}
 		f.Since = time.Now().Add(-d)
 	}
-	return ff, f, nil
+	// dlq.Filter takes an empty Consumer for any: none is selected here.
+	return ff, func(rec *dlq.Record) bool {
+		return f.Match(rec) && (!ff.NoConsumer || rec.Consumer() == "")
+	}, nil
+}
+
+// flagParam is the request's parameter name, "" (unset) or "1" (set).
+func flagParam(r *http.Request, name string) (bool, error) {
+	switch v := r.FormValue(name); v {
+	case "":
+		return false, nil
+	case "1":
+		return true, nil
+	default:
+		return false, fmt.Errorf("%s %q: want %s=1", name, v, name)
+	}
 }
 
 func (h *Handler) list(w http.ResponseWriter, r *http.Request) {
@@ -607,7 +713,7 @@ func (h *Handler) list(w http.ResponseWriter, r *http.Request) {
 		h.fail(w, http.StatusNotFound, err)
 		return
 	}
-	ff, f, err := h.filterOf(r)
+	ff, match, err := h.filterOf(r)
 	if err != nil {
 		h.fail(w, http.StatusBadRequest, err)
 		return
@@ -619,7 +725,8 @@ func (h *Handler) list(w http.ResponseWriter, r *http.Request) {
 	}
 	ctx, cancel := h.ctx(r)
 	defer cancel()
-	d := listData{Queue: queueRef{i, q.Name()}, Filter: ff, Kinds: allKinds}
+	d := listData{Queue: queueRef{i, q.Name()}, Filter: ff}
+	kinds := newKindSet(ff.Kind)
 	size := h.cfg.MaxRows
 	// The page's records are kept, the others counted: before is the
 	// number of matches read before the page, prev the ref of the last
@@ -640,11 +747,12 @@ func (h *Handler) list(w http.ResponseWriter, r *http.Request) {
 	err = h.browse(ctx, i, func(rec *dlq.Record) {
 		// A row shows no payload: the page keeps the record without it.
 		rec = rec.Summary()
+		kinds.add(rec.Kind())
 		at := 1 // the record's place against the cursor's
 		if mark != nil {
 			at = mark.place(rec)
 		}
-		if !f.Match(rec) {
+		if !match(rec) {
 			return
 		}
 		d.Total++
@@ -668,6 +776,7 @@ func (h *Handler) list(w http.ResponseWriter, r *http.Request) {
 		h.fail(w, brokerStatus(err), err)
 		return
 	}
+	d.Kinds = kinds.list
 	if cur.Last || cur.Before != "" {
 		page, before, prev = win.records(), win.dropped, win.lastDropped
 	}
@@ -850,6 +959,8 @@ type replayData struct {
 	// Back is the listing the replay was asked from, its filter and
 	// page, for the links back to it.
 	Back string
+	// Token, on the confirmation, names the replay its form asks for.
+	Token string
 }
 
 // backTo is the way back b to a listing of the queue at index i, as a
@@ -938,9 +1049,38 @@ func (h *Handler) replay(w http.ResponseWriter, r *http.Request) {
 			d.Records = append(d.Records, toRow(rec))
 		}
 		d.Missing = len(refs) - countRefs(dlq.Report{Outcomes: outcomes(recs)}, refs)
+		d.Token = newToken()
 		h.render(w, http.StatusOK, "confirm.html", h.page("Confirm replay", d))
 		return
 	}
+	// A form's token names its replay: the same form posted again (a
+	// reload of the page that answered it, a second click on its button
+	// while the first was running) shows that replay's outcome and
+	// replays nothing; each post would redrive the records again.
+	res, first := h.results.start(r.PostFormValue("token"))
+	if first {
+		h.replayNow(ctx, res, i, refs, d)
+	} else if err := waitFor(ctx, res); err != nil {
+		h.failBack(w, http.StatusGatewayTimeout, fmt.Errorf("this form's replay, asked for before, is still running: "+
+			"nothing was replayed again; the log says what it replays (%w)", err), back)
+		return
+	}
+	if res.err != nil {
+		h.failBack(w, res.status, res.err, res.data.Back)
+		return
+	}
+	// The result page is a page of its own, which the browser is sent
+	// to (POST, redirect, GET): a reload of it shows it again.
+	w.Header().Set("Location", "replayed?id="+res.id)
+	w.WriteHeader(http.StatusSeeOther)
+}
+
+// replayNow replays the records of refs in the queue at index i and keeps
+// the outcome in res, whose page d is.
+func (h *Handler) replayNow(ctx context.Context, res *result, i int, refs []string, d replayData) {
+	defer close(res.done)
+	res.data = d
+	q := h.cfg.Queues[i]
 	var rep dlq.Report
 	var rerr error
 	if err := h.use(ctx, i, func() {
@@ -955,17 +1095,123 @@ func (h *Handler) replay(w http.ResponseWriter, r *http.Request) {
 			err = fmt.Errorf("the replay did not finish: %w; it stops, "+
 				"and the log says what it replayed (replayed again, a record is deduplicated)", err)
 		}
-		h.failBack(w, brokerStatus(err), err, back)
+		res.status, res.err = brokerStatus(err), err
 		return
 	}
 	if rerr != nil {
 		if ctx.Err() != nil {
 			rerr = h.stopped(ctx, q)
 		}
-		h.failBack(w, brokerStatus(rerr), fmt.Errorf("replay stopped after %d records: %w", rep.Replayed, rerr), back)
+		res.status, res.err = brokerStatus(rerr), fmt.Errorf("replay stopped after %d records: %w", rep.Replayed, rerr)
 		return
 	}
-	d.Report = &rep
-	d.Missing = len(refs) - countRefs(rep, refs)
-	h.render(w, http.StatusOK, "result.html", h.page("Replayed", d))
+	res.data.Missing = len(refs) - countRefs(rep, refs)
+	for i, o := range rep.Outcomes {
+		if o.Record != nil {
+			rep.Outcomes[i].Record = shownOutcome(o.Record)
+		}
+	}
+	res.data.Report = &rep
+}
+
+// shownOutcome is what a result page shows of a replayed record, its ref
+// and event id: the console keeps maxResults results of up to MaxRows
+// records each.
+func shownOutcome(r *dlq.Record) *dlq.Record {
+	return &dlq.Record{Ref: r.Ref, Headers: []dlq.Header{{Key: consumer.HeaderEventID, Value: r.EventID()}}}
+}
+
+// waitFor waits until res's replay has ended, or ctx.
+func waitFor(ctx context.Context, res *result) error {
+	select {
+	case <-res.done:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// replayed shows the result of a replay that replay kept.
+func (h *Handler) replayed(w http.ResponseWriter, r *http.Request) {
+	res, ok := h.results.get(r.FormValue("id"))
+	if !ok {
+		h.fail(w, http.StatusNotFound, fmt.Errorf("the result of replay %q is no longer kept "+
+			"(the console keeps the last %d, until it is started again): the dead letters say what is left", r.FormValue("id"), maxResults))
+		return
+	}
+	ctx, cancel := h.ctx(r)
+	defer cancel()
+	if err := waitFor(ctx, res); err != nil {
+		h.fail(w, http.StatusGatewayTimeout, fmt.Errorf("the replay is still running (%w)", err))
+		return
+	}
+	if res.err != nil {
+		h.failBack(w, res.status, res.err, res.data.Back)
+		return
+	}
+	h.render(w, http.StatusOK, "result.html", h.page("Replayed", res.data))
+}
+
+// maxResults is how many replays' outcomes the console keeps.
+const maxResults = 32
+
+// result is the outcome of one replay: its page, or the error it failed
+// with. done is closed once it is set.
+type result struct {
+	id     string
+	done   chan struct{}
+	data   replayData
+	status int
+	err    error
+}
+
+// results keeps the outcomes of the last maxResults replays, each under
+// the token of the form that asked for it, or an id of its own.
+type results struct {
+	mu    sync.Mutex
+	byID  map[string]*result
+	order []string
+}
+
+// tokenBytes is the size of a token, before it is written in hex.
+const tokenBytes = 16
+
+// newToken returns an id that cannot be guessed.
+func newToken() string {
+	var b [tokenBytes]byte
+	_, _ = rand.Read(b[:]) // crypto/rand.Read does not fail
+	return hex.EncodeToString(b[:])
+}
+
+// start returns the replay of token and whether it is new, to be run by
+// the caller. A token that newToken did not make (none, from a client
+// that posts its own form) is replaced by an id of its own: the replay is
+// new. The oldest replay past maxResults is let go.
+func (rs *results) start(token string) (*result, bool) {
+	if b, err := hex.DecodeString(token); err != nil || len(b) != tokenBytes {
+		token = newToken()
+	}
+	rs.mu.Lock()
+	defer rs.mu.Unlock()
+	if res, ok := rs.byID[token]; ok {
+		return res, false
+	}
+	if rs.byID == nil {
+		rs.byID = map[string]*result{}
+	}
+	res := &result{id: token, done: make(chan struct{})}
+	rs.byID[token] = res
+	rs.order = append(rs.order, token)
+	if len(rs.order) > maxResults {
+		delete(rs.byID, rs.order[0])
+		rs.order = rs.order[1:]
+	}
+	return res, true
+}
+
+func (rs *results) get(id string) (*result, bool) {
+	rs.mu.Lock()
+	defer rs.mu.Unlock()
+	res, ok := rs.byID[id]
+	return res, ok
 }

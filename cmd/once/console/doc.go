@@ -3,7 +3,9 @@
 // dead letters by consumer and kind with search, page by page, one
 // record's headers and payload (its first 32 KiB, and a download of every
 // byte), and, when Config.AllowReplay is set,
-// replays one record or a selection of a page after a confirmation page.
+// replays one record or a selection of a page after a confirmation page;
+// the replay redirects to its result, and a confirmation posted again
+// shows its replay's outcome rather than replaying again.
 //
 // Pages are rendered on the server with html/template; there is no
 // JavaScript and no build step. Links are relative, so the handler can be

@@ -31,13 +31,16 @@ func formOf(body string) url.Values {
 }
 
 // post posts form to h's /replay as a browser of the console's own page
-// would.
+// would, and follows a replay's redirect to its result page.
 func post(t *testing.T, h http.Handler, form url.Values) (int, string) {
 	t.Helper()
 	req := httptest.NewRequest(http.MethodPost, "/replay", strings.NewReader(form.Encode()))
 	req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
 	rec := httptest.NewRecorder()
 	h.ServeHTTP(rec, req)
+	if rec.Code == http.StatusSeeOther {
+		return serve(t, h, "/"+rec.Header().Get("Location"))
+	}
 	return rec.Code, rec.Body.String()
 }
 

@@ -378,7 +378,7 @@ func (rd *redriver) publish(ctx context.Context, r *Record, d *amqp091.Delivery,
 	var conf *amqp091.DeferredConfirmation
 	if err := cut.Guard(ctx, h.cut, func() error {
 		var err error
-		conf, err = pub.PublishWithDeferredConfirmWithContext(ctx, ex, rk, true, false, amqpRedrive(d, redrive))
+		conf, err = pub.PublishWithDeferredConfirmWithContext(ctx, ex, rk, true, false, amqpRedrive(d, redrive, rd.q.user()))
 		return err
 	}); err != nil {
 		return "", err
@@ -423,7 +423,17 @@ func (rd *redriver) publish(ctx context.Context, r *Record, d *amqp091.Delivery,
 // make the redriven message look redelivered, to the consumer, which reads
 // x-delivery-count, and to others that read either), then the redrive
 // headers.
-func amqpRedrive(d *amqp091.Delivery, redrive []Header) amqp091.Publishing {
+//
+// The properties the copy could not carry come back from the headers it
+// kept them in: the expiration (once-original-expiration), which counts
+// from when a message enters a queue, so that the redriven message has the
+// time its publisher gave the original, from the redrive on; and the
+// user-id (once-original-user-id) when user, the name the replay
+// authenticates with, is that user, the only one the broker lets publish
+// it. The delivery mode stays persistent: the dead letter is removed once
+// the redrive is confirmed, and a transient redrive would be lost with a
+// restart of the broker.
+func amqpRedrive(d *amqp091.Delivery, redrive []Header, user string) amqp091.Publishing {
 	h := make(amqp091.Table, len(d.Headers)+len(redrive))
 	for k, v := range d.Headers {
 		if !diagnosticHeaders[k] && !brokerCount(k) {
@@ -436,7 +446,7 @@ func amqpRedrive(d *amqp091.Delivery, redrive []Header) amqp091.Publishing {
 	for _, rh := range redrive {
 		h[rh.Key] = rh.Value
 	}
-	return amqp091.Publishing{
+	p := amqp091.Publishing{
 		Headers:         h,
 		ContentType:     d.ContentType,
 		ContentEncoding: d.ContentEncoding,
@@ -450,6 +460,29 @@ func amqpRedrive(d *amqp091.Delivery, redrive []Header) amqp091.Publishing {
 		AppId:           d.AppId,
 		Body:            d.Body,
 	}
+	if exp, ok := d.Headers[amqp.HeaderOriginalExpiration].(string); ok {
+		p.Expiration = exp
+	}
+	if uid, ok := d.Headers[amqp.HeaderOriginalUserID].(string); ok && uid != "" && uid == user {
+		p.UserId = uid
+	}
+	return p
+}
+
+// user returns the user name the queue's connections authenticate with
+// (the URL's, PLAIN), or "" when it is not known: another SASL mechanism
+// (EXTERNAL takes it from the client certificate).
+func (q *AMQPQueue) user() string {
+	u, err := amqp091.ParseURI(q.cfg.URL)
+	if err != nil {
+		return ""
+	}
+	for _, m := range u.AuthMechanism {
+		if !strings.EqualFold(m, "plain") {
+			return ""
+		}
+	}
+	return u.Username
 }
 
 func amqpRecord(queue string, pos int, d *amqp091.Delivery) *Record {

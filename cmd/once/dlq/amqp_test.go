@@ -232,3 +232,74 @@ func TestNewAMQPRefusesTLSConfigWithoutAmqps(t *testing.T) {
 	_, err = dlq.NewAMQP(dlq.AMQPConfig{URL: "amqps://guest:s3cret@host/", Queue: "orders.dlq", TLSConfig: &tls.Config{}})
 	require.NoError(t, err)
 }
+
+// A RabbitMQ redrive carries the properties of the message dead-lettered:
+// those the dead-letter copy keeps (content type and encoding, priority,
+// correlation id, reply-to, message id, timestamp, type, app id) and the
+// two it could not, kept aside in headers: the expiration, which a
+// publisher gives a message that is worth nothing past it (the copy must
+// not expire out of the dead-letter queue, the redrive gets it again), and
+// the user-id, which the broker lets only that user publish (the replay
+// connects as that user here). Before, the redrive had neither.
+func TestAMQPRedriveKeepsTheOriginalsProperties(t *testing.T) {
+	url := testenv.AMQPURL(t)
+	uri, err := amqp091.ParseURI(url)
+	require.NoError(t, err)
+	queue := testenv.Uniq("props")
+	testenv.DeleteQueues(t, url, queue, queue+".dlq")
+	pool, _ := pgtest.Schema(t)
+	svc := testenv.StartService(t, pool, testenv.OpenAMQPSource(t, url, queue), "billing")
+	orig := amqp091.Publishing{
+		MessageId:       "props-1",
+		Body:            testenv.JSON(1, "fail"),
+		Headers:         amqp091.Table{"x-origin": "test"},
+		ContentType:     "application/json",
+		ContentEncoding: "identity",
+		DeliveryMode:    amqp091.Persistent,
+		Priority:        7,
+		CorrelationId:   "corr-1",
+		ReplyTo:         "replies",
+		Expiration:      "3600000", // an hour: the redriven message is read long before
+		Timestamp:       time.Date(2026, 11, 30, 1, 2, 3, 0, time.UTC),
+		Type:            "order.created",
+		UserId:          uri.Username,
+		AppId:           "shop",
+	}
+	testenv.PublishAMQP(t, testenv.AMQPChannel(t, url), queue, orig)
+	svc.WaitSettled(t, 1)
+	require.EqualValues(t, 1, svc.C.Stats().DeadLettered)
+	svc.Stop() // the redrive stays in the queue, to be read here
+
+	q, err := dlq.NewAMQP(dlq.AMQPConfig{URL: url, Queue: queue + ".dlq"})
+	require.NoError(t, err)
+	rep, err := q.Replay(ctxT(t), dlq.Filter{}, dlq.ReplayOptions{})
+	require.NoError(t, err)
+	require.Equal(t, 1, rep.Replayed)
+
+	conn, err := amqp091.Dial(url)
+	require.NoError(t, err)
+	defer conn.Close()
+	ch, err := conn.Channel()
+	require.NoError(t, err)
+	var got amqp091.Delivery
+	require.Eventually(t, func() bool {
+		d, ok, err := ch.Get(queue, true)
+		got = d
+		return err == nil && ok
+	}, 20*time.Second, 10*time.Millisecond, "the redrive never reached %s", queue)
+	assert.Equal(t, orig.MessageId, got.MessageId)
+	assert.Equal(t, orig.ContentType, got.ContentType)
+	assert.Equal(t, orig.ContentEncoding, got.ContentEncoding)
+	assert.Equal(t, orig.DeliveryMode, got.DeliveryMode)
+	assert.Equal(t, orig.Priority, got.Priority)
+	assert.Equal(t, orig.CorrelationId, got.CorrelationId)
+	assert.Equal(t, orig.ReplyTo, got.ReplyTo)
+	assert.Equal(t, orig.Timestamp, got.Timestamp.UTC())
+	assert.Equal(t, orig.Type, got.Type)
+	assert.Equal(t, orig.AppId, got.AppId)
+	assert.Equal(t, orig.Expiration, got.Expiration, "the expiration")
+	assert.Equal(t, orig.UserId, got.UserId, "the user-id")
+	assert.Equal(t, "test", got.Headers["x-origin"])
+	assert.NotContains(t, got.Headers, "once-original-expiration")
+	assert.NotContains(t, got.Headers, "once-original-user-id")
+}

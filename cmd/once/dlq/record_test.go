@@ -166,7 +166,7 @@ func TestRedriveDropsEveryDiagnosticHeader(t *testing.T) {
 	for k, v := range diag {
 		d.Headers[k] = v
 	}
-	for k := range amqpRedrive(d, redrive).Headers {
+	for k := range amqpRedrive(d, redrive, "").Headers {
 		kept["amqp "+k] = true
 	}
 	for k := range diag {
@@ -225,7 +225,7 @@ func TestAMQPRedriveRestoresCC(t *testing.T) {
 	cc := []any{"billing", "shipping"}
 	d := &amqp091.Delivery{Headers: amqp091.Table{amqp.HeaderOriginalCC: cc, "x-origin": "test",
 		consumer.HeaderEventID: "e-1", amqp.HeaderOriginalRoutingKey: "orders"}}
-	p := amqpRedrive(d, []Header{{consumer.HeaderRedriveEventID, "e-1"}})
+	p := amqpRedrive(d, []Header{{consumer.HeaderRedriveEventID, "e-1"}}, "")
 	assert.Equal(t, cc, p.Headers["CC"])
 	assert.NotContains(t, p.Headers, amqp.HeaderOriginalCC)
 	assert.Equal(t, "test", p.Headers["x-origin"])
@@ -242,7 +242,7 @@ func TestAMQPRedriveDropsTheDeliveryCount(t *testing.T) {
 	r := rec("id", "e-1")
 	redrive := redriveHeaders(r, time.Now(), "")
 	d := &amqp091.Delivery{Headers: amqp091.Table{"id": "e-1", amqp.DeliveryCountHeader: int64(3)}}
-	out := amqpRedrive(d, redrive).Headers
+	out := amqpRedrive(d, redrive, "").Headers
 	assert.NotContains(t, out, amqp.DeliveryCountHeader)
 	assert.Equal(t, "e-1", out["id"])
 }
@@ -267,7 +267,7 @@ func TestAMQPRefAndRedriveLeaveOutTheAcquiredCount(t *testing.T) {
 		assert.Equal(t, first.Ref, amqpRecord("orders.dlq", 1, delivery(n)).Ref, "x-acquired-count %v", n)
 	}
 	r := rec(consumer.HeaderEventID, "e-1")
-	out := amqpRedrive(delivery(int64(3)), redriveHeaders(r, time.Now(), "")).Headers
+	out := amqpRedrive(delivery(int64(3)), redriveHeaders(r, time.Now(), ""), "").Headers
 	assert.NotContains(t, out, "x-acquired-count")
 	assert.Equal(t, "test", out["x-origin"])
 }
