@@ -32,6 +32,9 @@ func NewBatch[T any](pool *pgxpool.Pool, src Source, h BatchHandler[T], cfg Conf
 	if h == nil {
 		return nil, fmt.Errorf("%w: handler is nil", ErrInvalidConfig)
 	}
+	if err := decodable[T](cfg); err != nil {
+		return nil, err
+	}
 	if len(cfg.Hooks.Middleware) > 0 {
 		// It would wrap the batches of one only, which light load makes.
 		return nil, fmt.Errorf("%w: Hooks.Middleware wraps a Handler's calls, one event each; a BatchHandler's calls "+

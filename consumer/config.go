@@ -13,6 +13,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/onceco/once/dedup"
+	"github.com/onceco/once/internal/isnil"
 	"github.com/onceco/once/internal/pgtext"
 )
 
@@ -62,7 +63,8 @@ const (
 // Config configures a Consumer. Only Name is required; every other field has
 // a documented default, and the zero value of each part is its defaults.
 // New returns an error wrapping ErrInvalidConfig, naming the field, for a
-// value it cannot use.
+// value it cannot use, a nil pointer in an interface field (Envelope,
+// Telemetry's providers) among them: set none to take the default.
 type Config struct {
 	// Name identifies the consumer: processed events are recorded per Name,
 	// so two services consuming the same topic under different names each
@@ -611,6 +613,22 @@ func (c *Config) validate() error {
 		// A Store not made by dedup.New has no tables nor statements:
 		// Run panicked migrating it.
 		return fmt.Errorf("%w: Store was not made by dedup.New", ErrInvalidConfig)
+	}
+	for _, f := range []struct {
+		field string
+		v     any
+	}{
+		{"Envelope", c.Envelope},
+		{"Telemetry.TracerProvider", c.Telemetry.TracerProvider},
+		{"Telemetry.MeterProvider", c.Telemetry.MeterProvider},
+	} {
+		if f.v != nil && isnil.Value(f.v) {
+			// A nil pointer in the interface (left unset when tracing
+			// is off, or a constructor's error dropped): a nil Envelope
+			// dead-lettered every message as a panic, a nil provider
+			// panicked New.
+			return fmt.Errorf("%w: %s is a nil %T", ErrInvalidConfig, f.field, f.v)
+		}
 	}
 	for i, mw := range c.Hooks.Middleware {
 		if mw == nil {

@@ -3,6 +3,7 @@ package consumer
 import (
 	"context"
 	"fmt"
+	"reflect"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -65,7 +66,9 @@ type Consumer[T any] struct {
 // New returns a consumer that decodes every message into T and calls h.
 // It fails with an error wrapping ErrInvalidConfig for a nil pool, source
 // (also a nil pointer in the Source: that of an Open whose error was
-// dropped) or handler and for an invalid cfg, and with one wrapping ErrSourceBroken
+// dropped) or handler, for an invalid cfg, and for a T that is an
+// interface with methods while cfg has no Decoder (the default JSON
+// decoder cannot fill one; route such a family with NewRouted), and with one wrapping ErrSourceBroken
 // when the source's MessagingSystem (SystemNamer), ConsumerGroup
 // (GroupNamer), BoundsStreams (StreamBounder) or DeliveryLimit
 // (DeliveryLimiter), which New asks for,
@@ -76,6 +79,9 @@ type Consumer[T any] struct {
 func New[T any](pool *pgxpool.Pool, src Source, h Handler[T], cfg Config) (*Consumer[T], error) {
 	if h == nil {
 		return nil, fmt.Errorf("%w: handler is nil", ErrInvalidConfig)
+	}
+	if err := decodable[T](cfg); err != nil {
+		return nil, err
 	}
 	p, err := newPipeline(pool, src, cfg, func(m *Message, idt identity, dec Decoder) (prepared, ErrorKind, error) {
 		c, kind, err := bind(h, m, idt, dec)
@@ -98,12 +104,40 @@ func New[T any](pool *pgxpool.Pool, src Source, h Handler[T], cfg Config) (*Cons
 // closes the source (which flushes acknowledgements) and returns nil, or
 // the source's Close error (a panic in Close too, wrapping
 // ErrSourceBroken). A fatal source error is returned after the same
-// shutdown. Run may be called once.
-func (c *Consumer[T]) Run(ctx context.Context) error { return c.p.consume(ctx) }
+// shutdown. Run may be called once. On a Consumer not built by New,
+// NewRouted or NewBatch (nil, as a constructor whose error was dropped
+// leaves it, or the zero value) it fails at once with an error wrapping
+// ErrInvalidConfig.
+func (c *Consumer[T]) Run(ctx context.Context) error {
+	if c == nil || c.p == nil {
+		return fmt.Errorf("%w: Run on a Consumer not built by New, NewRouted or NewBatch (was a constructor's error dropped?)", ErrInvalidConfig)
+	}
+	return c.p.consume(ctx)
+}
 
 // Stats returns the consumer's counters. It is safe to call at any time
-// from any goroutine.
-func (c *Consumer[T]) Stats() Stats { return c.p.stats.snapshot() }
+// from any goroutine. A Consumer not built by New, NewRouted or NewBatch
+// has none: its Stats are zero.
+func (c *Consumer[T]) Stats() Stats {
+	if c == nil || c.p == nil {
+		return Stats{}
+	}
+	return c.p.stats.snapshot()
+}
+
+// decodable refuses a payload type T that is an interface with methods
+// when cfg has no Decoder: the default JSON decoder cannot fill a nil
+// interface, and every message would be dead-lettered as decode. Such a T
+// is an event family, which NewRouted takes. A Decoder of the service's
+// own may fill it.
+func decodable[T any](cfg Config) error {
+	t := reflect.TypeFor[T]()
+	if cfg.Decoder != nil || t.Kind() != reflect.Interface || t.NumMethod() == 0 {
+		return nil
+	}
+	return fmt.Errorf("%w: the payload type %v is an interface, which the default JSON decoder cannot decode into "+
+		"(every message would be dead-lettered): decode into a concrete type, route an event family with NewRouted, or set Decoder", ErrInvalidConfig, t)
+}
 
 // call runs a decoded message's handler in tx. q is the transaction's
 // write queue (Event.Queue), given apart from tx: a middleware may hand the

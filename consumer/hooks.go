@@ -42,11 +42,16 @@ type Hooks struct {
 	// Middleware wraps every call of a Handler, first element outermost
 	// (NewBatch refuses it: a BatchHandler's batches hold one event or many
 	// as the load makes them, so wrap the BatchHandler itself). A
-	// middleware calls next to run the handler (or returns an error
-	// without calling it), at most once: a second call returns
-	// ErrNextCalledTwice without running the handler (retrying belongs to
-	// Config.Retry, which starts a new transaction). It runs inside the
-	// message's transaction: tx is the handler's. It may pass
+	// middleware calls next to run the handler, at most once: a second
+	// call returns ErrNextCalledTwice without running the handler
+	// (retrying belongs to Config.Retry, which starts a new transaction).
+	// One that returns an error without calling next fails the event as
+	// the handler's error would. One that returns nil without calling it
+	// (a filter) skips the event: its id is recorded as processed and it
+	// is acked without a handler, as an unknown type is under
+	// SkipUnknownTypes: reported ResultSkipped, counted in Stats.Skipped,
+	// not given to AfterCommit, and a duplicate when redelivered. It runs
+	// inside the message's transaction: tx is the handler's. It may pass
 	// next a tx of its own that wraps tx (to trace or count statements);
 	// Event.Queue works in the handler all the same. Its error, or its
 	// panic, is the handler's.
@@ -141,6 +146,7 @@ func (h *Hooks) wrap(j *job, attempt int, call func(context.Context, pgx.Tx) err
 		return call
 	}
 	info := HandlerInfo{EventID: j.idt.id, EventType: j.idt.typ, Message: j.m, Attempt: attempt}
+	j.passedOver = false
 	var called atomic.Bool
 	handler := call
 	call = func(ctx context.Context, tx pgx.Tx) error {
@@ -153,7 +159,13 @@ func (h *Hooks) wrap(j *job, attempt int, call func(context.Context, pgx.Tx) err
 		mw, next := h.Middleware[i], call
 		call = func(ctx context.Context, tx pgx.Tx) error { return mw(ctx, tx, info, next) }
 	}
-	return call
+	outer := call
+	return func(ctx context.Context, tx pgx.Tx) error {
+		err := outer(ctx, tx)
+		// Success without the handler: the middleware skipped the event.
+		j.passedOver = err == nil && !called.Load()
+		return err
+	}
 }
 
 // outcome reports j's outcome to OnOutcome.
@@ -186,7 +198,7 @@ func (p *pipeline) afterCommit(ctx context.Context, jobs []*job, claimed func(i 
 	}
 	var events []Committed
 	for i, j := range jobs {
-		if claimed(i) && j.call != nil {
+		if claimed(i) && j.call != nil && !j.passedOver {
 			events = append(events, Committed{EventID: j.idt.id, EventType: j.idt.typ, Message: j.m})
 		}
 	}

@@ -48,6 +48,9 @@ type job struct {
 	// ran: the handler was called with the message; a later run decodes
 	// its payload again (runPayload).
 	ran bool
+	// passedOver: in the run that committed, a middleware returned nil
+	// without calling next, so the handler did not run: it is skipped.
+	passedOver bool
 
 	// stalled: the handling was cut short while running by the shutdown
 	// deadline, its delivery still live, or, for a suspect running alone,

@@ -123,8 +123,12 @@ func Handle[T, P any](r *Router[T], eventType string, h Handler[P]) error {
 	return nil
 }
 
-// Types returns the registered event types, sorted.
+// Types returns the registered event types, sorted; none for a nil
+// router.
 func (r *Router[T]) Types() []string {
+	if r == nil {
+		return nil
+	}
 	types := make([]string, 0, len(r.routes))
 	for t := range r.routes {
 		types = append(types, t)

@@ -81,7 +81,7 @@ func (s *settler) committed(jobs []*job, claims []dedup.Result) {
 			s.ack(j, ResultDuplicate)
 		case claims[i].Outcome == dedup.Conflict:
 			s.conflict(j, claims[i].Previous)
-		case j.call == nil:
+		case j.call == nil || j.passedOver:
 			s.claimed++
 			s.ack(j, ResultSkipped)
 		default:

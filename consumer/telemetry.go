@@ -29,7 +29,8 @@ type Stats struct {
 	// Duplicates counts messages skipped because their id was processed.
 	Duplicates uint64
 	// Skipped counts messages recorded without a handler (an unknown type
-	// under SkipUnknownTypes, an id conflict under SkipConflicts).
+	// under SkipUnknownTypes, an id conflict under SkipConflicts, an event
+	// a Hooks.Middleware returned nil for without calling next).
 	Skipped uint64
 	// DeadLettered counts dead-letter copies written (confirmed by the
 	// dead-letter destination). Dead letters are at least once: a message

@@ -2,6 +2,7 @@ package dedup
 
 import (
 	"github.com/onceco/once/internal/pgshape"
+	"github.com/onceco/once/internal/pgtext"
 
 	"context"
 	"errors"
@@ -24,6 +25,17 @@ import (
 // partition over (TakeOverPartitions) since the writer did. The writer's
 // transaction must roll back, and its records are left to the new owner.
 var ErrFenced = errors.New("dedup: partition taken over by a newer owner")
+
+// ErrInvalidOffsets is wrapped by the errors of TakeOverPartitions,
+// RecordOffsets and OffsetDone for input no retry can store: an empty
+// consumer name, a consumer, topic, topic id or group that is not UTF-8
+// text or holds a NUL (PostgreSQL's text refuses it), an empty topic, a
+// consumer and topic longer than MaxKeyLength bytes together (the
+// offsets table's key), or a partition named twice in one take-over
+// (one statement cannot take a row over twice). Nothing is sent for it,
+// and the caller's transaction stays usable. It is the caller's mistake,
+// not an outage.
+var ErrInvalidOffsets = errors.New("dedup: invalid offsets input")
 
 // PartitionKey names one partition of a topic.
 type PartitionKey struct {
@@ -66,8 +78,13 @@ func (s *Store) OffsetsTable() string { return s.names.Offsets }
 // waiting for the transactions of a previous owner that hold a row, and
 // returns what the rows say, in the order of parts. A row recorded under
 // another topic id than the part's is started afresh (Next -1). From then
-// on a previous owner's RecordOffsets fails with ErrFenced.
+// on a previous owner's RecordOffsets fails with ErrFenced. Input no
+// statement can take (a partition named twice, a consumer name the claims
+// refuse) fails with ErrInvalidOffsets before any is sent.
 func (s *Store) TakeOverPartitions(ctx context.Context, db DB, consumer string, owner Owner, parts []PartitionKey) ([]PartitionOffsets, error) {
+	if err := validateTakeOver(consumer, owner, parts); err != nil {
+		return nil, err
+	}
 	if len(parts) == 0 {
 		return nil, nil
 	}
@@ -107,6 +124,64 @@ func (s *Store) TakeOverPartitions(ctx context.Context, db DB, consumer string, 
 		out[i] = r
 	}
 	return out, nil
+}
+
+// validateTakeOver returns an error wrapping ErrInvalidOffsets when the
+// take-over of parts cannot be sent (see ErrInvalidOffsets).
+func validateTakeOver(consumer string, owner Owner, parts []PartitionKey) error {
+	if err := validateOffsetsConsumer(consumer); err != nil {
+		return err
+	}
+	if !pgtext.Storable(owner.Group) {
+		return fmt.Errorf("%w: Owner.Group is not UTF-8 text without NUL, which PostgreSQL cannot store", ErrInvalidOffsets)
+	}
+	type topicPartition struct {
+		topic     string
+		partition int32
+	}
+	seen := make(map[topicPartition]bool, len(parts))
+	for _, p := range parts {
+		if err := validatePartitionKey(consumer, p); err != nil {
+			return err
+		}
+		k := topicPartition{p.Topic, p.Partition}
+		if seen[k] {
+			return fmt.Errorf("%w: partition %s/%d named twice", ErrInvalidOffsets, p.Topic, p.Partition)
+		}
+		seen[k] = true
+	}
+	return nil
+}
+
+// validateOffsetsConsumer returns an error wrapping ErrInvalidOffsets when
+// consumer cannot be stored, as Claim refuses it.
+func validateOffsetsConsumer(consumer string) error {
+	switch {
+	case consumer == "":
+		return fmt.Errorf("%w: empty consumer name", ErrInvalidOffsets)
+	case !pgtext.Storable(consumer):
+		return fmt.Errorf("%w: consumer name is not UTF-8 text without NUL, which PostgreSQL cannot store", ErrInvalidOffsets)
+	}
+	return nil
+}
+
+// validatePartitionKey returns an error wrapping ErrInvalidOffsets when
+// consumer, or p under consumer's rows, cannot be stored.
+func validatePartitionKey(consumer string, p PartitionKey) error {
+	if err := validateOffsetsConsumer(consumer); err != nil {
+		return err
+	}
+	switch {
+	case p.Topic == "":
+		return fmt.Errorf("%w: empty topic", ErrInvalidOffsets)
+	case !pgtext.Storable(p.Topic):
+		return fmt.Errorf("%w: topic %q is not UTF-8 text without NUL, which PostgreSQL cannot store", ErrInvalidOffsets, p.Topic)
+	case !pgtext.Storable(p.TopicID):
+		return fmt.Errorf("%w: topic id of %q is not UTF-8 text without NUL, which PostgreSQL cannot store", ErrInvalidOffsets, p.Topic)
+	case len(consumer)+len(p.Topic) > MaxKeyLength:
+		return fmt.Errorf("%w: consumer name and topic are %d bytes long together, more than the %d the key's index holds", ErrInvalidOffsets, len(consumer)+len(p.Topic), MaxKeyLength)
+	}
+	return nil
 }
 
 // anotherTopic is true in takeOverSQL when the row was recorded for
@@ -155,6 +230,9 @@ type OffsetsUpdate struct {
 // fails with an error wrapping ErrFenced when the row's epoch is not
 // u.Epoch (a newer owner took the partition over, or the row is gone).
 func (s *Store) RecordOffsets(ctx context.Context, tx DB, consumer string, u OffsetsUpdate) error {
+	if err := validatePartitionKey(consumer, PartitionKey{Topic: u.Topic}); err != nil {
+		return err
+	}
 	tag, err := tx.Exec(ctx, s.recordOffsetsSQL(), consumer, u.Topic, u.Partition, u.Epoch, u.DoneBelow, u.Done)
 	if err != nil {
 		return fmt.Errorf("dedup: recording offsets of %s/%d: %w", u.Topic, u.Partition, err)
@@ -197,6 +275,9 @@ WHERE consumer = $1 AND topic = $2 AND partition = $3 AND epoch = $4`
 // topic of the same name, and records nothing done for key's. No row: not
 // done.
 func (s *Store) OffsetDone(ctx context.Context, db DB, consumer string, key PartitionKey, offset int64) (bool, error) {
+	if err := validatePartitionKey(consumer, key); err != nil {
+		return false, err
+	}
 	var done bool
 	err := db.QueryRow(ctx, `SELECT EXISTS (SELECT FROM `+s.names.Offsets+`
 WHERE consumer = $1 AND topic = $2 AND partition = $3
