@@ -299,9 +299,11 @@ func TestBehindAPoolerAnotherSessionsLockWaitIsNotTheHandlers(t *testing.T) {
 func TestStatementTimeoutOnALateStatementWaitingForAnotherSessionsLockIsNotCharged(t *testing.T) {
 	late := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
 		// Its own work first, each statement within statement_timeout,
-		// longer than it together.
-		for range 2 {
-			if _, err := tx.Exec(ctx, `SELECT pg_sleep(0.7)`); err != nil {
+		// longer than it together. Each is half of it: a 0.7 s one left
+		// a loaded server 0.3 s before statement_timeout canceled it,
+		// which is charged.
+		for range 3 {
+			if _, err := tx.Exec(ctx, `SELECT pg_sleep(0.5)`); err != nil {
 				return err
 			}
 		}

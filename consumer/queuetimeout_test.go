@@ -25,16 +25,26 @@ import (
 // sent outside any deadline or cancel of the handler running then.
 func TestQueuedStatementsAreNotCutByALaterHandlersDeadline(t *testing.T) {
 	t.Run("HandlerTimeout", func(t *testing.T) {
-		queuedNotCutByLaterHandler(t, 300*time.Millisecond, func(ctx context.Context) (context.Context, context.CancelFunc) {
+		queuedNotCutByLaterHandler(t, laterBound, func(ctx context.Context) (context.Context, context.CancelFunc) {
 			return ctx, func() {}
 		})
 	})
 	t.Run("own deadline", func(t *testing.T) {
 		queuedNotCutByLaterHandler(t, consumer.NoHandlerTimeout, func(ctx context.Context) (context.Context, context.CancelFunc) {
-			return context.WithTimeout(ctx, 300*time.Millisecond)
+			return context.WithTimeout(ctx, laterBound)
 		})
 	})
 }
+
+// laterBound is the second handler's bound, shorter than the first's queued
+// statement (slowQueued), which it cuts when they share a batch; alone, the
+// second's own insert must answer within it (with Retry.MaxAttempts 1 a
+// cut dead-letters it): 300 ms left a loaded machine too little.
+const laterBound = time.Second
+
+// slowQueued is the first handler's slow queued statement: twice
+// laterBound, so that the bound always cuts it however late it starts.
+const slowQueued = `SELECT pg_sleep(2)`
 
 // queuedNotCutByLaterHandler runs a batch of two events: the first queues
 // a statement slower than the second's bound (handlerTimeout, or the
@@ -50,7 +60,7 @@ func queuedNotCutByLaterHandler(t *testing.T, handlerTimeout time.Duration, stmt
 	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
 		if ev.ID == "slow" {
 			slowRuns.Add(1)
-			ev.Queue(`SELECT pg_sleep(0.8)`)
+			ev.Queue(slowQueued)
 			ev.Queue(insertEffectSQL, ev.ID, ev.Payload.N)
 			return nil
 		}
