@@ -70,19 +70,29 @@ func testRebalance(t *testing.T, kind brokerKind, strategy sarama.BalanceStrateg
 		}
 		return recordEffect(ctx, tx, ev)
 	}
-	cfg := consumerConfig("orders-svc")
-	open := func() *runningConsumer {
+	// open starts a member; abandoned counts the deliveries it left
+	// unacked (a revoke that outlasted RevokeTimeout on a loaded
+	// machine): received, but neither handled nor duplicates, and
+	// delivered again to whichever member holds their partition next.
+	open := func(abandoned *atomic.Uint64) *runningConsumer {
 		scfg := c.config(group, topic)
 		scfg.Sarama.Consumer.Group.Rebalance.GroupStrategies = []sarama.BalanceStrategy{strategy}
 		scfg.OffsetsInDatabase = offsetsInDB
 		src, err := Open(t.Context(), scfg)
 		require.NoError(t, err)
+		cfg := consumerConfig("orders-svc")
+		cfg.Hooks.OnOutcome = func(_ context.Context, o consumer.Outcome) {
+			if o.Result == consumer.ResultAbandoned {
+				abandoned.Add(1)
+			}
+		}
 		return startConsumer(t, db, src, cfg, slow)
 	}
 
-	a := open()
+	var aAbandoned, bAbandoned atomic.Uint64
+	a := open(&aAbandoned)
 	waitEffects(t, db, 200, 30*time.Second)
-	b := open() // joins: partitions move from a to b
+	b := open(&bAbandoned) // joins: partitions move from a to b
 	require.Eventually(t, func() bool { return b.c.Stats().Handled > 0 }, 30*time.Second, 10*time.Millisecond,
 		"the second member got partitions")
 	require.NoError(t, a.stop()) // leaves: its partitions go to b
@@ -95,7 +105,7 @@ func testRebalance(t *testing.T, kind brokerKind, strategy sarama.BalanceStrateg
 	waitEffects(t, db, n, 60*time.Second)
 	require.Eventually(t, func() bool {
 		st := b.c.Stats()
-		return st.Received == st.Handled+st.Duplicates
+		return st.Received == st.Handled+st.Duplicates+bAbandoned.Load()
 	}, 30*time.Second, 10*time.Millisecond, "b settles everything it received")
 	require.NoError(t, b.stop())
 
@@ -105,7 +115,8 @@ func testRebalance(t *testing.T, kind brokerKind, strategy sarama.BalanceStrateg
 	assert.Positive(t, sa.Handled)
 	assert.Positive(t, sb.Handled)
 	assert.Zero(t, sa.DeadLettered+sb.DeadLettered)
-	t.Logf("%d events; a: %+v; b: %+v", n, sa, sb)
+	assert.Equal(t, sa.Received, sa.Handled+sa.Duplicates+aAbandoned.Load(), "a settled or abandoned everything it received")
+	t.Logf("%d events; a: %+v, %d abandoned; b: %+v, %d abandoned", n, sa, aAbandoned.Load(), sb, bAbandoned.Load())
 
 	// After both stopped cleanly, the group's offsets are the ends of the
 	// partitions: nothing will be delivered again.
