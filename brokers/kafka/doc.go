@@ -85,7 +85,9 @@
 // named LagMetricName, from Config.MeterProvider; the records a claim
 // skipped because its start was out of the partition's range (deleted by
 // retention before they were handled) are counted as
-// OutOfRangeMetricName.
+// OutOfRangeMetricName; the joins of the group refused because of its
+// other members (group.max.size reached, no rebalance strategy in common)
+// as GroupRefusedMetricName.
 //
 // TLS, SASL, the protocol version and every other client setting come from
 // Config.Sarama.

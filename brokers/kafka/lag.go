@@ -39,6 +39,18 @@ import (
 // most a second for the answer.
 const LagMetricName = "once.kafka.consumer.lag"
 
+// GroupRefusedMetricName is the name of the counter of joins of the
+// consumer group that the group coordinator refused because of the
+// group's other members: the brokers' group.max.size reached
+// (error.type group_max_size_reached), or another member of the group id
+// using another protocol type or no rebalance strategy in common with
+// this one (inconsistent_group_protocol). The Source retries the join,
+// as it succeeds once those members leave, and logs each refusal at
+// level Error; meanwhile it consumes nothing, so any increase wants
+// looking at. Its attributes are messaging.system ("kafka"),
+// messaging.consumer.group.name and error.type.
+const GroupRefusedMetricName = "once.kafka.consumer.group.join_refused"
+
 const meterName = "github.com/onceco/once/brokers/kafka"
 
 // lagGauge reports the lag of the claims a Source currently holds, and
@@ -53,6 +65,9 @@ type lagGauge struct {
 	// outOfRange counts the offsets skipped by starts out of range
 	// (OutOfRangeMetricName), beside the gauge.
 	outOfRange metric.Int64Counter
+	// joinsRefused counts the joins refused by the group's other members
+	// (GroupRefusedMetricName).
+	joinsRefused metric.Int64Counter
 }
 
 func newLagGauge(mp metric.MeterProvider, group string) (*lagGauge, error) {
@@ -69,6 +84,12 @@ func newLagGauge(mp metric.MeterProvider, group string) (*lagGauge, error) {
 		metric.WithDescription("Offsets of a partition that a claim skipped because the position it was to start at was below the partition's first offset (deleted by retention before they were handled)."))
 	if err != nil {
 		return nil, fmt.Errorf("kafka: Config.MeterProvider: out-of-range counter: %w", err)
+	}
+	g.joinsRefused, err = meter.Int64Counter(GroupRefusedMetricName,
+		metric.WithUnit("{join}"),
+		metric.WithDescription("Joins of the consumer group that the coordinator refused because of the group's other members (group.max.size reached, no rebalance strategy in common); the member consumes nothing meanwhile."))
+	if err != nil {
+		return nil, fmt.Errorf("kafka: Config.MeterProvider: group refusal counter: %w", err)
 	}
 	g.reg, err = meter.RegisterCallback(func(ctx context.Context, o metric.Observer) error {
 		// Copied, so that a paused claim's question to the cluster holds
@@ -115,6 +136,16 @@ func (g *lagGauge) attributes(topic string, partition int32) metric.MeasurementO
 		attribute.String("messaging.destination.name", topic),
 		attribute.String("messaging.destination.partition.id", fmt.Sprint(partition)),
 	)
+}
+
+// joinRefused counts a join of the group refused for reason
+// (groupRefusal).
+func (g *lagGauge) joinRefused(reason string) {
+	g.joinsRefused.Add(context.Background(), 1, metric.WithAttributes(
+		attribute.String("messaging.system", "kafka"),
+		attribute.String("messaging.consumer.group.name", g.group),
+		attribute.String("error.type", reason),
+	))
 }
 
 // skippedOutOfRange counts n offsets of the partition skipped by a start

@@ -643,7 +643,14 @@ func (s *Source) consumeLoop() {
 			continue
 		}
 		wait := retry.Delay()
-		if refused(err) {
+		if reason, why := groupRefusal(err); why != "" {
+			// Retried, as it clears once the members it conflicts with
+			// leave; but the member consumes nothing meanwhile, and a
+			// warning among the rebalances' would go unnoticed.
+			s.lag.joinRefused(reason)
+			s.cfg.Logger.Error("once/kafka: the group coordinator refuses this member; retrying until that changes or the Source is closed",
+				"group", s.cfg.Group, "cause", why, "error", err, "backoff", wait)
+		} else if refused(err) {
 			// See Open: retried, as the fix is on the cluster's side.
 			s.cfg.Logger.Error("once/kafka: the cluster refuses this client (authorization, SASL or TLS); retrying until that is fixed on the cluster or the Source is closed",
 				"group", s.cfg.Group, "error", err, "backoff", wait)
@@ -655,6 +662,24 @@ func (s *Source) consumeLoop() {
 			return
 		}
 	}
+}
+
+// groupRefusal returns the reason (GroupRefusedMetricName's error.type)
+// and the cause, with its fix, of a join that the group coordinator
+// refuses because of the group's other members, which retrying alone does
+// not clear; "" for any other error. Kafka's Java consumer fails on these;
+// the Source retries them, as they clear once those members leave.
+func groupRefusal(err error) (reason, why string) {
+	switch {
+	case errors.Is(err, sarama.ErrGroupMaxSizeReached):
+		return "group_max_size_reached", "the group has as many members as the brokers' group.max.size allows; " +
+			"this member joins once another leaves: run fewer members or raise group.max.size"
+	case errors.Is(err, sarama.ErrInconsistentGroupProtocol):
+		return "inconsistent_group_protocol", "another member of the group id uses another protocol type or has no rebalance strategy in common with this one " +
+			"(Config.Sarama.Consumer.Group.Rebalance.GroupStrategies); this member joins once those members leave: " +
+			"give every member of the group id a strategy in common, or this consumer a group id of its own"
+	}
+	return "", ""
 }
 
 // refused reports whether err is the cluster refusing the client: its

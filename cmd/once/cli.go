@@ -188,7 +188,7 @@ Exit codes:
   0  success
   1  failure: a broker or the database failed, a replay stopped
   2  usage: unknown command, bad or missing flag
-  4  not found: the selection matched nothing (dlq show)
+  4  not found: the selection matched nothing (dlq show, dlq replay)
 `)
 }
 

@@ -527,7 +527,7 @@ func TestTextOutputQuotesC1ControlCharacters(t *testing.T) {
 	var out bytes.Buffer
 	a := newApp(&out, io.Discard, func(string) string { return "" })
 	a.printRecord(&dlq.Record{Ref: "0:1", Value: []byte("\u009b2Jgotcha"),
-		Headers: []dlq.Header{{Key: "x-note", Value: "\u009d0;pwned\u009c"}}}, false)
+		Headers: []dlq.Header{{Key: "x-note", Value: "\u009d0;pwned\u009c"}}}, false, false)
 	assert.NotContains(t, out.String(), "\u009b")
 	assert.NotContains(t, out.String(), "\u009d")
 	assert.Contains(t, out.String(), "hex")
@@ -554,7 +554,7 @@ func TestNotReplayableReasonQuotesControlCharacters(t *testing.T) {
 		{Key: consumer.HeaderOriginalTopic, Value: "orders"}}}
 	var out bytes.Buffer
 	a := newApp(&out, io.Discard, func(string) string { return "" })
-	a.printRecord(r, false)
+	a.printRecord(r, false, false)
 	a.printReport(&namedQueue{"kafka topic orders.dlq"}, dlq.Report{Selected: 1, Skipped: 1,
 		Outcomes: []dlq.Outcome{{Record: r, Result: dlq.Skipped, Reason: r.Replayable(false).Error()}}})
 	assert.NotContains(t, out.String(), "\x1b")
@@ -780,7 +780,7 @@ func TestShowQuotesAKeyWithLineBreaks(t *testing.T) {
 	var out bytes.Buffer
 	a := newApp(&out, io.Discard, func(string) string { return "" })
 	a.printRecord(&dlq.Record{Ref: "0:1", Key: []byte("k-1\n  once-event-id: forged\r"), Value: []byte("{}"),
-		Headers: []dlq.Header{{Key: consumer.HeaderEventID, Value: "e-1"}}}, false)
+		Headers: []dlq.Header{{Key: consumer.HeaderEventID, Value: "e-1"}}}, false, false)
 	assert.NotContains(t, out.String(), "\n  once-event-id: forged")
 	assert.NotContains(t, out.String(), "\r")
 	assert.Contains(t, out.String(), `key: "k-1\n  once-event-id: forged\r"`)
@@ -794,12 +794,12 @@ func TestShowDumpsAPayloadThatOverwritesItself(t *testing.T) {
 	var out bytes.Buffer
 	a := newApp(&out, io.Discard, func(string) string { return "" })
 	a.printRecord(&dlq.Record{Ref: "0:1", Value: []byte(`{"amount":9999}` + "\r" + `{"amount":1}   `),
-		Headers: []dlq.Header{{Key: consumer.HeaderEventID, Value: "e-1"}}}, false)
+		Headers: []dlq.Header{{Key: consumer.HeaderEventID, Value: "e-1"}}}, false, false)
 	assert.NotContains(t, out.String(), "\r")
 	assert.Contains(t, out.String(), "bytes, hex")
 	out.Reset()
 	a.printRecord(&dlq.Record{Ref: "0:2", Value: []byte("line 1\r\nline 2\r\n"),
-		Headers: []dlq.Header{{Key: consumer.HeaderEventID, Value: "e-2"}}}, false)
+		Headers: []dlq.Header{{Key: consumer.HeaderEventID, Value: "e-2"}}}, false, false)
 	assert.Contains(t, out.String(), "text):\nline 1\r\nline 2\r\n")
 }
 
@@ -856,7 +856,7 @@ func TestListQuotesATabInACell(t *testing.T) {
 	assert.NotContains(t, out, "\t")
 	var out2 bytes.Buffer
 	a := newApp(&out2, io.Discard, func(string) string { return "" })
-	a.printRecord(&dlq.Record{Ref: "0:1", Value: []byte("{}"), Headers: []dlq.Header{{Key: consumer.HeaderEventID, Value: "e-1\tforged"}}}, false)
+	a.printRecord(&dlq.Record{Ref: "0:1", Value: []byte("{}"), Headers: []dlq.Header{{Key: consumer.HeaderEventID, Value: "e-1\tforged"}}}, false, false)
 	assert.Contains(t, out2.String(), `"e-1\tforged"`)
 }
 

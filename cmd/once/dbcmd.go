@@ -480,7 +480,13 @@ func (a *app) printStatus(rep statusReport) {
 		tw = tabwriter.NewWriter(a.stdout, 0, 4, 2, ' ', 0)
 		fmt.Fprintln(tw, "CONSUMER\tKIND\tCOUNT\tREPLAYABLE\tLAST")
 		for _, k := range rep.DeadLetters {
-			fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%s\n", orDash(k.Consumer), orDash(k.Kind), k.Count, k.Replayable, formatTime(k.Last))
+			consumer, kind := orDash(k.Consumer), orDash(k.Kind)
+			if k.Others {
+				// Not records without a consumer or kind ("-"): those
+				// of the pairs a tally does not keep (dlq.TallyGroups).
+				consumer, kind = "(others)", "(others)"
+			}
+			fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%s\n", consumer, kind, k.Count, k.Replayable, formatTime(k.Last))
 		}
 		if len(rep.DeadLetters) == 0 {
 			fmt.Fprintln(tw, "(none)")

@@ -40,14 +40,16 @@ Lists dead letters: ref, when, consumer, kind, event id, type, redrives and
 the error; the first -limit (100) of them, saying how many there are (with
 -json, on stderr). ` + dlqSelect
 
-const dlqShowUsage = `Usage: once dlq show -kafka BROKERS|-amqp URL -dlq NAME -ref REF|[filters] [-hex] [-json]
+const dlqShowUsage = `Usage: once dlq show -kafka BROKERS|-amqp URL -dlq NAME -ref REF|[filters] [-hex] [-payload-all] [-json]
 
 Shows the selected dead letters: the reason, every header, the key or the
 AMQP properties, and the payload as text when it is printable, else as a
 hex dump (-hex forces it; so does a carriage return that does not end a
 line, which would print the text over itself). A key, a header's name or a
 header's value over 4 KiB is cut to its first 4 KiB, marked cut with its
-length; -json prints every byte. ` + dlqSelect
+length; so is a payload over 32 KiB to its first 32 KiB (-payload-all
+prints it whole); -json prints every byte. Nothing selected: exit 4.
+` + dlqSelect
 
 const dlqReplayUsage = `Usage: once dlq replay -kafka BROKERS|-amqp URL -dlq NAME [filters]|-all [-dry-run] [-rate N] [-by NAME] [-keep] [-max-hold D] [-force] [-json]
 
@@ -76,7 +78,10 @@ unacked for -max-hold (10m) at most, then puts them back and takes them
 again: keep it below the broker's consumer_timeout (30 minutes by
 default), which closes the channel of a message unacked longer; each time
 adds one to a quorum queue's x-delivery-count. A progress bar is drawn on a terminal, plain
-lines otherwise. ` + dlqSelect
+lines otherwise. A selection that matches no record (or -all on an empty
+destination), dry run or not, prints its report and exits 4, as dlq show
+does: a script tells "nothing to replay" from a replay done (exit 0).
+` + dlqSelect
 
 // dlqFlags are the flags every dlq command shares.
 type dlqFlags struct {
@@ -412,6 +417,7 @@ func (a *app) dlqShow(ctx context.Context, args []string) error {
 	df := a.dlqFlagsOn(fs)
 	asJSON := fs.Bool("json", false, "print JSON")
 	asHex := fs.Bool("hex", false, "print the payload as a hex dump even when it is text")
+	payloadAll := fs.Bool("payload-all", false, "print every byte of the payload, not its first 32 KiB")
 	limit := fs.Int("limit", 10, "show at most `n` records (0: all)")
 	if helpOnly {
 		return nil
@@ -452,12 +458,12 @@ func (a *app) dlqShow(ctx context.Context, args []string) error {
 		if i > 0 {
 			fmt.Fprintln(a.stdout, strings.Repeat("-", 72))
 		}
-		a.printRecord(r, *asHex)
+		a.printRecord(r, *asHex, *payloadAll)
 	}
 	return nil
 }
 
-func (a *app) printRecord(r *dlq.Record, asHex bool) {
+func (a *app) printRecord(r *dlq.Record, asHex, payloadAll bool) {
 	w := a.stdout
 	s := summarize(r)
 	text := func(b []byte) string { return safe(string(b)) }
@@ -500,11 +506,42 @@ func (a *app) printRecord(r *dlq.Record, asHex bool) {
 		}
 		fmt.Fprintln(w)
 	}
-	if !asHex && dlq.Printable(r.Value) && !overwrites(r.Value) {
-		fmt.Fprintf(w, "\npayload (%d bytes, text):\n%s\n", len(r.Value), r.Value)
-	} else {
-		fmt.Fprintf(w, "\npayload (%d bytes, hex):\n%s", len(r.Value), hex.Dump(r.Value))
+	head := r.Value
+	if !payloadAll {
+		head = payloadHead(r.Value)
 	}
+	if !asHex && dlq.Printable(r.Value) && !overwrites(r.Value) {
+		fmt.Fprintf(w, "\npayload (%d bytes, text):\n%s\n", len(r.Value), head)
+	} else {
+		fmt.Fprintf(w, "\npayload (%d bytes, hex):\n%s", len(r.Value), hex.Dump(head))
+	}
+	if len(head) < len(r.Value) {
+		fmt.Fprintf(w, "… cut: the first %s of its %s bytes are shown (-payload-all or -json prints them all)\n",
+			field.Count(len(head)), field.Count(len(r.Value)))
+	}
+}
+
+// payloadShown is how many bytes of a payload dlq show prints unless
+// -payload-all, as many as the console's record page shows: a dead
+// letter of a hundred megabytes printed whole (four hundred as a hex
+// dump) floods the terminal and its scrollback, and hides the headers
+// above it.
+const payloadShown = 32 << 10
+
+// payloadHead returns the first payloadShown bytes of b (b itself when it
+// is no longer), cut at the start of a character when b is printable
+// text: a cut inside one would print a broken character.
+func payloadHead(b []byte) []byte {
+	if len(b) <= payloadShown {
+		return b
+	}
+	shown := b[:payloadShown]
+	if dlq.Printable(b) {
+		for len(shown) > 0 && !utf8.RuneStart(b[len(shown)]) {
+			shown = shown[:len(shown)-1]
+		}
+	}
+	return shown
 }
 
 // overwrites reports whether text b, printed on a terminal, would print
@@ -595,7 +632,24 @@ func (a *app) dlqReplay(ctx context.Context, args []string) error {
 	} else {
 		a.printReport(q, rep)
 	}
+	if err == nil && rep.Selected == 0 {
+		// Nothing to replay is not a replay done: a script told apart
+		// a filter that matched nothing (a misspelt id, records
+		// replayed and removed meanwhile) from one that redrove what
+		// it asked for only by parsing the report. Exit 4, as dlq
+		// show; the report is printed all the same.
+		return &notFoundError{noMatch(q, df.selects())}
+	}
 	return err
+}
+
+// noMatch says that the selection matched no record of q: with no
+// filter (-all), that q holds none.
+func noMatch(q dlq.Queue, filtered bool) string {
+	if !filtered {
+		return "no record in " + q.Name()
+	}
+	return "no record in " + q.Name() + " matches"
 }
 
 func (a *app) printReport(q dlq.Queue, rep dlq.Report) {

@@ -18,6 +18,6 @@
 //
 // Exit codes: 0 success; 1 a failure (a broker or the database unreachable,
 // a replay that stopped); 2 a usage error (unknown command, bad or missing
-// flag); 4 nothing matched (dlq show). 3 is reserved. A first Ctrl-C asks
-// the command to stop, a second quits at once.
+// flag); 4 nothing matched (dlq show, dlq replay: its report printed). 3 is
+// reserved. A first Ctrl-C asks the command to stop, a second quits at once.
 package main

@@ -387,6 +387,11 @@ type kindRow struct {
 }
 
 func newKindRow(i int, c dlq.KindCount) kindRow {
+	if c.Others {
+		// The records of the pairs the tally does not keep: no filter
+		// selects them alone, and "none" would select others.
+		return kindRow{KindCount: c}
+	}
 	d := listData{Queue: queueRef{Index: i}, Filter: filterForm{
 		Consumer: c.Consumer, NoConsumer: c.Consumer == "",
 	}}

@@ -14,7 +14,24 @@ type KindCount struct {
 	Replayable int `json:"replayable"`
 	// Last is the latest dead-lettering time among them.
 	Last time.Time `json:"last,omitzero"`
+	// Others is set on the row that counts, together, the records whose
+	// consumer and kind a Tally does not keep (its Consumer and Kind are
+	// empty): those of the pairs past TallyGroups, or past TallyNameBytes
+	// of names.
+	Others bool `json:"others,omitempty"`
 }
+
+// A Tally keeps at most TallyGroups consumer and kind pairs, whose names
+// take at most TallyNameBytes: the headers it counts by are a producer's
+// to write, and a dead-letter destination written by others (a name per
+// record, or names of megabytes) made a Tally as large as the records
+// it counted. The records of any other pair are counted in one row,
+// KindCount.Others. The library's consumers write a name per consumer
+// and eight kinds.
+const (
+	TallyGroups    = 1000
+	TallyNameBytes = 4 << 20
+)
 
 // Summarize counts recs by consumer and kind, sorted by consumer then
 // kind.
@@ -27,9 +44,13 @@ func Summarize(recs []*Record) []KindCount {
 }
 
 // Tally is Summarize one record at a time, so that counting a large queue
-// (in Queue.Browse) keeps none of its records. The zero value is empty.
+// (in Queue.Browse) keeps none of its records, and a bounded count of
+// their consumers and kinds (TallyGroups). The zero value is empty.
 type Tally struct {
-	m map[tallyKey]*KindCount
+	m      map[tallyKey]*KindCount
+	others KindCount
+	// names is the bytes of the consumer and kind names kept.
+	names int
 }
 
 type tallyKey struct{ consumer, kind string }
@@ -41,9 +62,15 @@ func (t *Tally) Add(r *Record) {
 	}
 	k := tallyKey{r.Consumer(), r.Kind()}
 	c := t.m[k]
-	if c == nil {
+	switch {
+	case c != nil:
+	case len(t.m) >= TallyGroups || t.names+len(k.consumer)+len(k.kind) > TallyNameBytes:
+		c = &t.others
+		c.Others = true
+	default:
 		c = &KindCount{Consumer: k.consumer, Kind: k.kind}
 		t.m[k] = c
+		t.names += len(k.consumer) + len(k.kind)
 	}
 	c.Count++
 	if r.Replayable(false) == nil {
@@ -54,9 +81,10 @@ func (t *Tally) Add(r *Record) {
 	}
 }
 
-// Counts returns the counts so far, sorted by consumer then kind.
+// Counts returns the counts so far, sorted by consumer then kind, and
+// last the row of the others (KindCount.Others) when there are any.
 func (t *Tally) Counts() []KindCount {
-	out := make([]KindCount, 0, len(t.m))
+	out := make([]KindCount, 0, len(t.m)+1)
 	for _, c := range t.m {
 		out = append(out, *c)
 	}
@@ -66,5 +94,8 @@ func (t *Tally) Counts() []KindCount {
 		}
 		return out[i].Kind < out[j].Kind
 	})
+	if t.others.Count > 0 {
+		out = append(out, t.others)
+	}
 	return out
 }
