@@ -86,9 +86,19 @@ type Config struct {
 	SkipMigrate bool
 
 	// Decoder decodes payloads. Defaults to JSON. A []byte payload type
-	// receives the raw bytes without decoding. It is never cut short (it
-	// takes no context): one that hangs holds its stream, or the receive
-	// loop, until it returns, and is logged at Error once it has run past
+	// receives the raw bytes without decoding. An error dead-letters the
+	// message at once with kind KindDecode: the same bytes fail the same
+	// way on every try. A Decoder whose failure may pass (it depends on a
+	// service, such as a schema registry, that is down for a moment)
+	// returns its error wrapped in RetryAfter(d, err): the message is
+	// decoded again after d (a Router's too), in its place in its stream
+	// (on an ordered stream the messages after it wait, as for a
+	// handler's retry), counted against Retry.MaxAttempts, and
+	// dead-lettered with kind KindDecode once they are spent (Permanent
+	// around it wins, as in Classify); the handler's runs, once it
+	// decodes, are counted apart. It is never cut short (it takes no
+	// context): one that hangs holds its stream, or the receive loop,
+	// until it returns, and is logged at Error once it has run past
 	// HandlerTimeout (see HandlerTimeout).
 	Decoder Decoder
 	// Envelope, when set, opens each message into id, type and payload

@@ -20,7 +20,8 @@ import (
 type Envelope interface {
 	// Open returns the envelope's id and type (empty when absent) and the
 	// payload bytes to decode. An error dead-letters the message with kind
-	// KindDecode.
+	// KindDecode; one wrapped in RetryAfter is tried again later, as a
+	// Decoder's is (see Config.Decoder).
 	Open(value []byte) (Opened, error)
 }
 

@@ -200,6 +200,49 @@ func (p *pipeline) retryOrGiveUp(ctx context.Context, s *settler, j *job, r txRe
 	return true
 }
 
+// decodeAgain takes j, whose Decoder or Envelope failed with RetryAfter
+// (job.undecoded), through the retry policy as retryOrGiveUp takes a
+// handler's RetryAfter: it waits the delay asked for, aside, and
+// identifies j again, until it decodes (it reports true: j is to be run),
+// fails otherwise (dead-lettered with that failure), has failed
+// Retry.MaxAttempts times (dead-lettered with kind KindDecode), or the
+// consumer stops (abandoned). Nothing of j is claimed meanwhile: the
+// handler never ran, and its runs are counted apart once it does.
+func (p *pipeline) decodeAgain(ctx context.Context, s *settler, j *job) bool {
+	for j.undecoded != nil {
+		if p.mustStop(ctx, s) {
+			s.abandon(j)
+			return false
+		}
+		err := j.undecoded
+		if j.decodeFailures >= p.cfg.Retry.MaxAttempts {
+			s.deadLetter(j.ctx, j, &DeadLetter{Kind: KindDecode,
+				Error: fmt.Sprintf("%s (decoding failed %d times, Retry.MaxAttempts)", err.Error(), j.decodeFailures)})
+			return false
+		}
+		var wait time.Duration
+		var ra *RetryAfterError
+		if errors.As(err, &ra) { // always: unidentified keeps only such errors
+			wait = ra.Delay
+		}
+		p.cfg.Telemetry.Logger.DebugContext(j.ctx, "once: decoding failed and asked for a retry; retrying", "consumer", p.cfg.Name,
+			"event_id", j.idt.id, "attempt", j.decodeFailures, "error", err, "backoff", wait)
+		p.retrying(j.ctx, Retry{Reason: RetryDecode, EventID: j.idt.id, Messages: 1, Err: err, Wait: wait})
+		if !p.pause(ctx, s, wait) {
+			s.abandon(j)
+			return false
+		}
+		p.stats.retries.Add(1)
+		p.tel.retry(j.ctx, "decode")
+		j.undecoded = nil
+		if j.failure = p.prepareJob(j); j.failure != nil {
+			s.deadLetter(j.ctx, j, j.failure)
+			return false
+		}
+	}
+	return true
+}
+
 // waitAsked waits the delay of a RetryAfter that names no job (a
 // BatchHandler's) before the run is halved: the handler asked for it,
 // typically for a dependency that limits its callers, which halving at

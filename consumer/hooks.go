@@ -28,7 +28,8 @@ type Hooks struct {
 	// redelivery). It is called after the ack (or the abandonment).
 	OnOutcome func(ctx context.Context, o Outcome)
 	// OnRetry is called before each wait for another attempt: after a
-	// handler failure (Reason RetryHandler) or an infrastructure failure
+	// handler failure (Reason RetryHandler), a Decoder's or an Envelope's
+	// RetryAfter (RetryDecode) or an infrastructure failure
 	// (RetryInfrastructure: the database or the dead-letter destination is
 	// failing, and the consumer waits for it).
 	OnRetry func(ctx context.Context, r Retry)
@@ -98,6 +99,10 @@ type RetryReason string
 const (
 	RetryHandler        RetryReason = "handler"
 	RetryInfrastructure RetryReason = "infrastructure"
+	// RetryDecode: the Decoder or the Envelope failed with RetryAfter
+	// (a schema registry it depends on is down, say); the message is
+	// decoded again after the delay it asked for.
+	RetryDecode RetryReason = "decode"
 )
 
 // Retry describes a wait before another attempt, for Hooks.OnRetry.

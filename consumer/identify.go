@@ -3,6 +3,7 @@ package consumer
 import (
 	"context"
 	"crypto/sha256"
+	"errors"
 	"fmt"
 	"runtime/debug"
 	"time"
@@ -34,6 +35,13 @@ type job struct {
 	// failure, set by identify, says why the message cannot be handled: it
 	// is dead-lettered in its place in the stream.
 	failure *DeadLetter
+	// undecoded, set by identify instead of failure, is the error of a
+	// Decoder or an Envelope that asked with RetryAfter to be tried again
+	// later: the message is identified again in its place in the stream
+	// (decodeAgain). decodeFailures counts such failures so far, for
+	// Retry.MaxAttempts (0: it decoded at its first try).
+	undecoded      error
+	decodeFailures int
 	// seq is the job's place among the deliveries handled together, in
 	// stream order.
 	seq int
@@ -113,7 +121,7 @@ func (p *pipeline) prepareJob(j *job) (dl *DeadLetter) {
 	idt, kind, err := p.cfg.identify(j.m)
 	j.idt = idt
 	if err != nil {
-		return &DeadLetter{Kind: kind, Error: err.Error()}
+		return unidentified(j, kind, err)
 	}
 	if j.span.IsRecording() {
 		j.span.SetAttributes(attribute.String("messaging.message.id", idt.id), attribute.String("once.event.type", idt.typ))
@@ -124,7 +132,7 @@ func (p *pipeline) prepareJob(j *job) (dl *DeadLetter) {
 	}
 	prep, kind, err := p.prepare(j.m, idt, p.cfg.Decoder)
 	if err != nil {
-		return &DeadLetter{Kind: kind, Error: err.Error()}
+		return unidentified(j, kind, err)
 	}
 	j.call, j.event = prep.call, prep.event
 	switch {
@@ -140,4 +148,26 @@ func (p *pipeline) prepareJob(j *job) (dl *DeadLetter) {
 		j.fp = p.cfg.Identify.Fingerprint(j.m)
 	}
 	return nil
+}
+
+// unidentified is the dead letter of j, which identify could not prepare
+// for its handler (kind, err), or nil when its Decoder or Envelope failed
+// with RetryAfter (and not Permanent, which wins as in Classify): j is
+// then to be decoded again later, as a handler's RetryAfter is run again
+// (a schema registry that is down for a moment would otherwise send every
+// message of the outage to the dead-letter queue). Any other failure
+// comes from the bytes, which fail the same way on every try.
+func unidentified(j *job, kind ErrorKind, err error) *DeadLetter {
+	var ra *RetryAfterError
+	var perm *PermanentError
+	if kind == KindDecode && errors.As(err, &ra) && !errors.As(err, &perm) {
+		// Read here, under prepareJob's recover, as readableError reads a
+		// handler's: an Error method that panics is the decoder's panic,
+		// not one where the consumer logs and dead-letters it later.
+		_ = err.Error()
+		j.undecoded = err
+		j.decodeFailures++
+		return nil
+	}
+	return &DeadLetter{Kind: kind, Error: err.Error()}
 }

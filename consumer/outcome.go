@@ -42,8 +42,10 @@ func (e *PermanentError) Unwrap() error { return e.Err }
 
 // RetryAfter wraps err to tell the consumer to roll back and try again
 // after d instead of after the retry policy's backoff. The attempt counts
-// against RetryPolicy.MaxAttempts like any other failure. Check for it with
-// errors.As on *RetryAfterError.
+// against RetryPolicy.MaxAttempts like any other failure. A Decoder or an
+// Envelope may return it too: the message is then decoded again after d
+// instead of being dead-lettered at once (see Config.Decoder). Check for
+// it with errors.As on *RetryAfterError.
 func RetryAfter(d time.Duration, err error) error {
 	if err == nil {
 		err = errors.New("retry requested")
@@ -77,11 +79,13 @@ func (e *PanicError) Error() string { return fmt.Sprintf("handler panicked: %v",
 
 // DecodeError wraps a failure to decode a message's payload or envelope.
 // Such a message is dead-lettered at once with kind KindDecode. A Decoder
-// need not return it: any decoder error is treated as one. A handler that
-// decodes something of its own (a []byte payload, a field in another
-// format) may return it, wrapped or not: the message is dead-lettered at
-// once with kind KindDecode too, and not retried (Classify), unless it
-// returns it inside RetryAfter, which asks for a later run.
+// need not return it: any decoder error is treated as one (but one
+// wrapped in RetryAfter, which asks for a later try: see Config.Decoder).
+// A handler that decodes something of its own (a []byte payload, a field
+// in another format) may return it, wrapped or not: the message is
+// dead-lettered at once with kind KindDecode too, and not retried
+// (Classify), unless it returns it inside RetryAfter, which asks for a
+// later run.
 type DecodeError struct{ Err error }
 
 // Error returns "decode: " and the wrapped error's message ("decode

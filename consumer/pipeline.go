@@ -520,7 +520,39 @@ func (b *batch) endSpans() {
 }
 
 // runGuarded passes jobs through the crash guard and runs what it plans.
+// A job whose decoding asked to be tried again later (job.undecoded)
+// splits them as a failing handler splits a batch: the jobs before it
+// run, then it is decoded again (decodeAgain) and, once decoded, passed
+// through the crash guard and run alone, and only then the jobs after it
+// run. It never reaches the crash guard undecoded: the id it would be
+// marked or looked up by may be another once an Envelope opens.
 func (p *pipeline) runGuarded(ctx context.Context, s *settler, jobs []*job, window bool) {
+	for len(jobs) > 0 {
+		i := firstUndecoded(jobs)
+		p.runDecoded(ctx, s, jobs[:i], window)
+		if i == len(jobs) {
+			return
+		}
+		if p.decodeAgain(ctx, s, jobs[i]) {
+			p.runDecoded(ctx, s, jobs[i:i+1], window)
+		}
+		jobs = jobs[i+1:]
+	}
+}
+
+// firstUndecoded returns the index of the first of jobs to be decoded
+// again, len(jobs) when there is none.
+func firstUndecoded(jobs []*job) int {
+	for i, j := range jobs {
+		if j.undecoded != nil {
+			return i
+		}
+	}
+	return len(jobs)
+}
+
+// runDecoded is runGuarded for jobs that are all decoded.
+func (p *pipeline) runDecoded(ctx context.Context, s *settler, jobs []*job, window bool) {
 	if len(jobs) == 0 {
 		return
 	}

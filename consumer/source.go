@@ -338,8 +338,10 @@ type DeadLetter struct {
 	EventID   string
 	EventType string
 	// Attempts is how many times the handler ran: 0 for id failures and a
-	// Decoder's or Envelope's failure; a KindDecode dead letter of a
-	// handler that returned a DecodeError counts its run.
+	// Decoder's or Envelope's failure (also one retried with RetryAfter
+	// until Retry.MaxAttempts, whose Error names how often it failed); a
+	// KindDecode dead letter of a handler that returned a DecodeError
+	// counts its run.
 	Attempts int
 	// FailedAt is when the consumer dead-lettered the message.
 	FailedAt time.Time

@@ -37,7 +37,8 @@ type Stats struct {
 	// whose ack is lost after its copy was written comes again, is
 	// dead-lettered again, and counts twice.
 	DeadLettered uint64
-	// Retries counts handler attempts after the first, and retries after
+	// Retries counts handler attempts after the first, decodings after a
+	// Decoder's or Envelope's RetryAfter, and retries after
 	// infrastructure failures.
 	Retries uint64
 	// InfraErrors counts infrastructure failures (database or broker).

@@ -49,8 +49,11 @@ func newTwins() *twins { return &twins{ids: map[string]*twinClaim{}} }
 // itself and those that follow a twin of another batch. A batch registers
 // all its ids at once, so a follower's twin always registered before it:
 // batches can wait on each other only in that order, never in a cycle.
+// The jobs to be decoded again (job.undecoded) come last in mine: there
+// is no order to keep, and the others need not wait for their retries.
 func (t *twins) register(b *batch) (mine []*job, followers []follower) {
 	mine = make([]*job, 0, len(b.jobs))
+	var undecoded []*job
 	// One channel and one block of claims for the whole batch: every
 	// claim of a batch is released at once.
 	done := make(chan struct{})
@@ -60,6 +63,11 @@ func (t *twins) register(b *batch) (mine []*job, followers []follower) {
 	for _, j := range b.jobs {
 		c, ok := t.ids[j.idt.id]
 		switch {
+		case j.undecoded != nil:
+			// Its id is not known for sure until it decodes (an
+			// Envelope's), after a wait: it never follows, and nothing
+			// follows it.
+			undecoded = append(undecoded, j)
 		case mayBeRedelivery(j.m):
 			// A suspect of a crash goes through the crash guard, which
 			// keeps a durable record for it: it never follows, and
@@ -78,7 +86,7 @@ func (t *twins) register(b *batch) (mine []*job, followers []follower) {
 			followers = append(followers, follower{j: j, twin: c})
 		}
 	}
-	return mine, followers
+	return append(mine, undecoded...), followers
 }
 
 // release records whether the claims of b's jobs (all settled) committed
@@ -88,8 +96,11 @@ func (t *twins) release(b *batch, mine []*job) {
 	defer t.mu.Unlock()
 	// Two passes: an id twice in the batch has one claim, committed if
 	// either of its jobs left the row committed.
+	// A job decoded again (decodeFailures) did not register its id,
+	// which may have changed: its row says nothing of the claim's
+	// fingerprint.
 	for _, j := range mine {
-		if c, ok := t.ids[j.idt.id]; ok && c.owner == b && rowCommitted(j) {
+		if c, ok := t.ids[j.idt.id]; ok && c.owner == b && rowCommitted(j) && j.decodeFailures == 0 {
 			c.committed = true
 		}
 	}
