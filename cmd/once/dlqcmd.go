@@ -26,7 +26,8 @@ const dlqSelect = `The dead-letter destination is a Kafka topic (-kafka BROKERS 
 RabbitMQ queue (-amqp URL -dlq QUEUE). Reading consumes nothing, commits
 nothing and keeps the order. Filters combine: -consumer, -kind, -id (exact,
 or a prefix ending in *), -since/-until (RFC 3339, a date, or a duration ago
-such as 2h), -ref, -search.
+such as 2h), -ref, -search. A filter that cannot narrow the selection (-id
+'*', -search of blanks alone) is refused.
 
 A Kafka cluster that asks for TLS or SASL: -kafka-tls, -kafka-ca FILE,
 -kafka-cert FILE -kafka-key FILE (mTLS), -kafka-sasl PLAIN|SCRAM-SHA-256|
@@ -205,10 +206,15 @@ func (f *dlqFlags) filter(now time.Time) (dlq.Filter, error) {
 			return dlq.Filter{}, usagef("-ref %q is no record ref: want partition:offset (Kafka, as 0:1234) or the 16 hex digits list shows (RabbitMQ)", r)
 		}
 	}
-	return dlq.Filter{
+	filter := dlq.Filter{
 		Consumer: *f.consumer, Kinds: kinds, EventID: *f.id,
 		Since: since, Until: until, Refs: refs, Search: *f.search,
-	}, nil
+	}
+	if err := filter.Check(); err != nil {
+		// Named as the flag: "-id", "-search".
+		return dlq.Filter{}, usagef("-%v", err)
+	}
+	return filter, nil
 }
 
 // recordRef is a record's Ref as the dlq package writes it: a Kafka

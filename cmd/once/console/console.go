@@ -681,6 +681,11 @@ func (h *Handler) filterOf(r *http.Request) (filterForm, func(*dlq.Record) bool,
 		return ff, nil, errors.New("give a consumer or noconsumer=1 (no consumer), a kind or nokind=1 (no kind), not both")
 	}
 	f := dlq.Filter{Consumer: ff.Consumer, EventID: ff.ID, Search: ff.Search}
+	if err := f.Check(); err != nil {
+		// Refused as once dlq refuses it: a listing of every record
+		// under a filter that reads as narrowing.
+		return ff, nil, err
+	}
 	switch {
 	case ff.Kind != "":
 		f.Kinds = []string{ff.Kind}

@@ -359,7 +359,8 @@ type Filter struct {
 	Consumer string
 	// Kinds are dead-letter kinds; a record of any of them matches.
 	Kinds []string
-	// EventID is an event id, exactly, or a prefix followed by "*".
+	// EventID is an event id, exactly, or a prefix followed by "*"
+	// ("*" alone selects every record: Check refuses it).
 	EventID string
 	// Since and Until bound the dead-lettering time (once-failed-at),
 	// Since inclusive, Until exclusive. A record without that header
@@ -372,6 +373,22 @@ type Filter struct {
 	// selects by it): a search for an order number would select every
 	// record whose Kafka offset or RabbitMQ digest holds its digits.
 	Search string
+}
+
+// Check returns an error naming a field of f that is set yet cannot
+// narrow the selection: an EventID of "*" alone (the empty prefix, which
+// every id has, and a record without one too) or a Search of blanks alone
+// (which nearly every error holds). Such a field most often comes of a
+// script's empty variable ("${ORDER}*"); taken for a filter, it would have
+// a replay redrive the whole destination as if -all had been given.
+func (f *Filter) Check() error {
+	if f.EventID == "*" {
+		return fmt.Errorf("id %q: give a prefix before the * (a * alone selects every record, with an id or without)", f.EventID)
+	}
+	if f.Search != "" && strings.TrimSpace(f.Search) == "" {
+		return fmt.Errorf("search %q: give text to look for (blanks alone are in nearly every record)", f.Search)
+	}
+	return nil
 }
 
 // Match reports whether r is selected by f.

@@ -54,6 +54,17 @@ func TestFilterMatch(t *testing.T) {
 	assert.False(t, (&Filter{Since: at}).Match(rec()), "no failed-at header: no time bound matches")
 }
 
+// Check refuses the fields that are set but select every record (or
+// nearly): a filter of them only would have a replay redrive them all.
+func TestFilterCheckRefusesFieldsThatCannotNarrow(t *testing.T) {
+	for _, f := range []Filter{{EventID: "*"}, {Search: " "}, {Search: "\t \n"}, {Consumer: "billing", EventID: "*"}} {
+		assert.Error(t, f.Check(), "%+v", f)
+	}
+	for _, f := range []Filter{{}, {EventID: "order-*"}, {EventID: "**"}, {Search: "payment rejected"}, {Search: " order "}} {
+		assert.NoError(t, f.Check(), "%+v", f)
+	}
+}
+
 // Search looks in what the commands say it looks in (the event id and
 // type, the error, the consumer and the kind), not in the ref: a search
 // for an order number would select, and replay, every dead letter whose
