@@ -214,13 +214,16 @@ var defaulted = []string{"created_at", "attempts", "waiting"}
 var nullable = []string{"key", "not_before", "parked_at", "sent_at"}
 
 // Check verifies that the outbox table exists with the columns and types
-// Add and the relay use, that seq is generated (an identity or a default)
-// and that no other column would make Add fail (NOT NULL without a
-// default), that the columns Add leaves out (created_at, attempts,
-// waiting) have a default, and that the columns Add and the relay may
-// write NULL into (key, not_before, parked_at, sent_at) take it. It
-// returns nil, or an error wrapping ErrSchemaMismatch that
-// names every difference. Migrate runs it, and so does Relay.Run with
+// Add and the relay use, that seq counts up in the order rows are written
+// (an identity, or a default that is the next value of a sequence, that
+// neither counts down, cycles nor caches values per session, and whose
+// next value, when the role may read the sequence, is above the table's
+// highest seq: the relay publishes each key's rows in seq order) and that
+// no other column would make Add fail (NOT NULL without a default), that
+// the columns Add leaves out (created_at, attempts, waiting) have a
+// default, and that the columns Add and the relay may write NULL into
+// (key, not_before, parked_at, sent_at) take it. It returns nil, or an
+// error wrapping ErrSchemaMismatch that names every difference. Migrate runs it, and so does Relay.Run with
 // RelayConfig.SkipMigrate: a table of the name made by someone else (a
 // column body of type text would take Add's bytes as their hex escape,
 // and the relay publish that) fails there instead of every Add.
@@ -251,6 +254,14 @@ func (s *Store) check(ctx context.Context, db DB, want []pgshape.Want) error {
 	diffs := pgshape.Diffs(have, want, "Add")
 	if h, ok := have["seq"]; ok && h.Type == "bigint" && !h.Default {
 		diffs = append(diffs, "column seq is not generated (an identity or a default): Add does not write it")
+	} else if ok && h.Type == "bigint" {
+		diff, err := s.checkSeqSource(ctx, db)
+		if err != nil {
+			return fmt.Errorf("outbox: checking %s: %w", s.table, err)
+		}
+		if diff != "" {
+			diffs = append(diffs, diff)
+		}
 	}
 	for _, name := range defaulted {
 		if h, ok := have[name]; ok && !h.Default {
@@ -270,6 +281,114 @@ func (s *Store) check(ctx context.Context, db DB, want []pgshape.Want) error {
 	}
 	return fmt.Errorf("%w: %s is not the table this library needs (another library's, or made by hand?): %s",
 		ErrSchemaMismatch, s.table, strings.Join(diffs, "; "))
+}
+
+// seqSourceSQL reads where the outbox table's seq takes its values: an
+// identity, a generated expression or a default, and the sequence behind
+// the identity or the default (by the default's dependency on it, which
+// a sequence not owned by the column has too).
+const seqSourceSQL = `SELECT a.attidentity <> '', a.attgenerated <> '', coalesce(pg_get_expr(d.adbin, d.adrelid), ''),
+	s.seqrelid::regclass::text, s.seqincrement, s.seqcycle, s.seqcache
+FROM pg_attribute a
+LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+LEFT JOIN pg_sequence s ON s.seqrelid = CASE WHEN a.attidentity <> '' THEN to_regclass(pg_get_serial_sequence($1, 'seq'))
+	ELSE (SELECT p.refobjid FROM pg_depend p JOIN pg_class c ON c.oid = p.refobjid AND c.relkind = 'S'
+		WHERE p.classid = 'pg_attrdef'::regclass AND p.objid = d.oid LIMIT 1) END
+WHERE a.attrelid = to_regclass($1) AND a.attname = 'seq' AND NOT a.attisdropped`
+
+// nextvalDefault is a default that is the next value of one sequence and
+// nothing else, as pg_get_expr prints it.
+var nextvalDefault = regexp.MustCompile(`^nextval\('[^']+'::regclass\)$`)
+
+// checkSeqSource names how seq's values fail to follow the order rows are
+// written in, or returns "". The relay publishes a key's rows in seq
+// order, and docs/outbox.md promises that this is the order of the
+// transactions that wrote them: the library's identity counts up. A
+// default or a generated expression of another kind (a clock, a hash, a
+// constant), or a sequence that counts down, cycles or caches values per
+// session (a user's DDL, a migration that replaced the identity), passed
+// the check that seq is generated at all, and the relay then published
+// each key's messages in another order than they were written, without a
+// word.
+func (s *Store) checkSeqSource(ctx context.Context, db DB) (string, error) {
+	var (
+		identity, generated bool
+		expr                string
+		seqName             *string
+		increment           *int64
+		cycles              *bool
+		cache               *int64
+	)
+	err := db.QueryRow(ctx, seqSourceSQL, s.table).Scan(&identity, &generated, &expr, &seqName, &increment, &cycles, &cache)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return "", nil // the column went meanwhile: the columns' check names it
+	}
+	if err != nil {
+		return "", err
+	}
+	fix := fmt.Sprintf("make it the library's again: ALTER TABLE %[1]s ALTER COLUMN seq DROP DEFAULT "+
+		"(DROP EXPRESSION for a generated column), then ALTER TABLE %[1]s ALTER COLUMN seq ADD GENERATED ALWAYS AS IDENTITY "+
+		"(START WITH one more than the table's max(seq))", s.table)
+	switch {
+	case generated:
+		return fmt.Sprintf("column seq is generated from an expression (%s), not an identity: the relay publishes "+
+			"each key's rows in seq order, which would not be the order they were written in; %s", expr, fix), nil
+	case seqName == nil || (!identity && !nextvalDefault.MatchString(expr)):
+		return fmt.Sprintf("column seq's default is %s, not the next value of a sequence: the relay publishes "+
+			"each key's rows in seq order, which would not be the order they were written in; %s", expr, fix), nil
+	case *increment <= 0 || *cycles:
+		what := "counts down"
+		if *increment > 0 {
+			what = "cycles (it starts again from its minimum once at its maximum)"
+		}
+		return fmt.Sprintf("column seq takes its values from sequence %s, which %s: the relay publishes each key's "+
+			"rows in seq order, which would not be the order they were written in; fix it with ALTER SEQUENCE %s "+
+			"INCREMENT BY 1 NO MINVALUE NO MAXVALUE NO CYCLE START WITH n RESTART WITH n, n one more than the table's max(seq) "+
+			"and at least 1", *seqName, what, *seqName), nil
+	case *cache > 1:
+		// Each session takes its own run of values: a row written after
+		// another, from another session, may get a lower seq.
+		return fmt.Sprintf("column seq takes its values from sequence %s, which caches %d values per session: a row "+
+			"written after another from another session may get a lower seq, and the relay publishes each key's rows "+
+			"in seq order, which would not be the order they were written in; fix it with ALTER SEQUENCE %s CACHE 1",
+			*seqName, *cache, *seqName), nil
+	}
+	return s.checkSeqAhead(ctx, db, *seqName, *increment)
+}
+
+// checkSeqAhead names a sequence whose next value is not above the
+// table's highest seq, or returns "". A sequence set back, or a new one
+// put in the identity's place, by a migration (rows copied in with their
+// seqs, a restore of the rows without the sequence's value) gave new rows
+// seqs below those of rows still pending, and the relay published them
+// first: a key's messages out of order, without a word, until Add failed
+// on a seq taken. The table's highest seq is read before the sequence, so
+// that a row Add writes meanwhile is never taken for one ahead of it; a
+// sequence the role may not read is not checked.
+func (s *Store) checkSeqAhead(ctx context.Context, db DB, seqName string, increment int64) (string, error) {
+	var top *int64
+	var readable bool
+	err := db.QueryRow(ctx, `SELECT (SELECT max(seq) FROM `+s.table+`), has_sequence_privilege($1, 'SELECT')`,
+		seqName).Scan(&top, &readable)
+	if err != nil || top == nil || !readable {
+		return "", err
+	}
+	var last int64
+	var called bool
+	if err := db.QueryRow(ctx, `SELECT last_value, is_called FROM `+seqName).Scan(&last, &called); err != nil {
+		return "", err
+	}
+	next := last
+	if called {
+		next = last + increment
+	}
+	if next > *top {
+		return "", nil
+	}
+	return fmt.Sprintf("column seq takes its values from sequence %s, whose next value (%d) is not above the table's "+
+		"highest seq (%d): new rows would be published before older ones of their key, and Add would fail once it "+
+		"reached a seq taken; fix it with SELECT setval('%s', (SELECT max(seq) FROM %s))",
+		seqName, next, *top, strings.ReplaceAll(seqName, "'", "''"), s.table), nil
 }
 
 // Migrate creates the default outbox table ("outbox" on the search_path);
