@@ -217,7 +217,8 @@ type Config struct {
 	// DatabaseTimeout; waiting for a connection others hold is not. Every
 	// other step of the consumer's own (the BEGIN with the claims, the
 	// recording of progress, the COMMIT, a rollback, the crash guard's
-	// records), each handler call (also under NoHandlerTimeout), and each send of
+	// records, its statements after a handler ended the transaction
+	// itself), each handler call (also under NoHandlerTimeout), and each send of
 	// the statements handlers queued (Event.Queue) that has waited
 	// DatabaseTimeout has its connection's server process asked after, on
 	// a connection opened for the question (pg_stat_activity), every
@@ -232,7 +233,8 @@ type Config struct {
 	// start) is not asked after: the server may have ended it for that,
 	// the handler's doing. Behind a connection pooler whose process ids
 	// are not the server's (PgBouncer; compared with pg_backend_pid() at
-	// start), nothing is asked, and each step of the consumer's is cut at
+	// start, and at the watchdog's ticks until that succeeds), nothing
+	// is asked, and each step of the consumer's is cut at
 	// DatabaseTimeout, a slow one too.
 	//
 	// A cut closes the connection, and the pool's others with it

@@ -12,7 +12,8 @@ import (
 
 // The consumer's own steps in the database (taking a pool connection, the
 // BEGIN with the claims, the recording of progress, the COMMIT, a
-// rollback, the crash guard's records) are watched with
+// rollback, the crash guard's records, the statements after a handler
+// ended the transaction itself: stepAlone) are watched with
 // Config.DatabaseTimeout. A connection whose server vanished without a
 // word reaching the consumer's host (a failover's old primary, a
 // middlebox or load balancer that dropped the connection) leaves a
@@ -132,7 +133,7 @@ type dbStep struct {
 // is gone (see above); bounded by DatabaseTimeout where process ids are
 // not the server's. endStep ends it.
 func (p *pipeline) stepOn(ctx context.Context, conn *pgx.Conn, s *dbStep) context.Context {
-	if p.cfg.DatabaseTimeout <= 0 || !p.serverPIDs {
+	if p.cfg.DatabaseTimeout <= 0 || !p.sessions().serverPIDs {
 		var sctx context.Context
 		sctx, s.cancel = p.ownStep(ctx)
 		return sctx
@@ -169,6 +170,22 @@ func (p *pipeline) onConn(ctx context.Context, f func(ctx context.Context, conn 
 	sctx := p.stepOn(ctx, conn.Conn(), step)
 	defer p.endStep(step)
 	return unanswered(sctx, p.cfg.DatabaseTimeout, f(sctx, conn))
+}
+
+// stepAlone runs f on conn, the connection of a transaction that a
+// handler's statement ended (left out of any transaction), under the
+// context of a step of its own: watched like the transaction's steps (a
+// connection stranded just after the handler's COMMIT held the stream
+// until the operating system gave up on it). A step cut so closes the
+// pool's other connections too (leaveUnanswered): the caller goes on to
+// them.
+func (p *pipeline) stepAlone(ctx context.Context, conn *pgx.Conn, f func(ctx context.Context, conn *pgx.Conn) error) error {
+	step := new(dbStep)
+	sctx := p.stepOn(ctx, conn, step)
+	defer p.endStep(step)
+	err := unanswered(sctx, p.cfg.DatabaseTimeout, f(sctx, conn))
+	p.leaveUnanswered(err)
+	return err
 }
 
 // leaveUnanswered closes the pool's connections when err is a step that

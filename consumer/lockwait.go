@@ -104,7 +104,7 @@ func (w *watchdog) lockedBy(c *userCall) []uint32 {
 // connection pooler (readSessions), whose ids are not the server's: a cut
 // there is charged.
 func (p *pipeline) lockProbes(now time.Time) []lockProbe {
-	if !p.serverPIDs {
+	if !p.sessions().serverPIDs {
 		// Behind a connection pooler the ids are the pooler's: one that
 		// happens to be another session's would answer for it.
 		return nil
@@ -120,7 +120,7 @@ func (p *pipeline) lockProbes(now time.Time) []lockProbe {
 		}
 		out = p.watch.callsToSample(out, now, limit/2, to, false)
 	}
-	if st := p.statementTimeout; st > 0 {
+	if st := p.sessions().statementTimeout; st > 0 {
 		// Each queued statement has its statement_timeout: sampled until
 		// the send ends.
 		out = p.watch.callsToSample(out, now, st/2, time.Duration(math.MaxInt64), true)
@@ -133,44 +133,106 @@ func (p *pipeline) lockProbes(now time.Time) []lockProbe {
 // shorter (read at start: statementTimeout); 0 when neither cuts it.
 func (p *pipeline) lockWaitLimit() time.Duration {
 	limit := max(p.cfg.HandlerTimeout, 0)
-	if st := p.statementTimeout; st > 0 && (limit == 0 || st < limit) {
+	if st := p.sessions().statementTimeout; st > 0 && (limit == 0 || st < limit) {
 		limit = st
 	}
 	return limit
 }
 
-// readSessions reads, once at start, what the watchdog's questions about
-// the pool's sessions need: their statement_timeout (set for the role, the
-// database or the pool's RuntimeParams), as a statement waiting for
-// another session's lock that it cuts is sampled like one HandlerTimeout
-// would cut (a handler's own SET statement_timeout is not seen; its cuts
-// are charged); their idle_in_transaction_session_timeout and
+// sessionSettings is what readSessions reads of the pool's sessions.
+type sessionSettings struct {
+	// statementTimeout is the sessions' statement_timeout; 0: none.
+	statementTimeout time.Duration
+	// serverPIDs: a connection's process id is its server process's;
+	// false behind a connection pooler.
+	serverPIDs bool
+	// sessionEnd is the shorter of the sessions'
+	// idle_in_transaction_session_timeout and transaction_timeout; 0:
+	// neither.
+	sessionEnd time.Duration
+}
+
+// sessions returns what readSessions read of the pool's sessions; while
+// no read succeeded, nothing: no statement_timeout known, process ids not
+// taken for the server's (nothing sampled or asked after).
+func (p *pipeline) sessions() sessionSettings {
+	if s := p.sessionsRead.Load(); s != nil {
+		return *s
+	}
+	return sessionSettings{}
+}
+
+// readSessions reads what the watchdog's questions about the pool's
+// sessions need: their statement_timeout (set for the role, the database
+// or the pool's RuntimeParams), as a statement waiting for another
+// session's lock that it cuts is sampled like one HandlerTimeout would cut
+// (a handler's own SET statement_timeout is not seen; its cuts are
+// charged); their idle_in_transaction_session_timeout and
 // transaction_timeout, past which the server ends a session itself
 // (stranded.go); and whether the process id a connection got at its start
 // is its server process's (not so behind a connection pooler such as
 // PgBouncer, which hands out ids of its own; then no session is asked
-// after, see stranded.go).
-func (p *pipeline) readSessions(ctx context.Context) {
+// after, see stranded.go). It is read at start; a read that fails there (a
+// connection lost, a refusal) is tried again at the watchdog's next ticks
+// until one succeeds (readSessionsAgain): without it no lock wait is
+// sampled, and a handler cut while it waited for a migration's lock
+// would be charged for the consumer's whole life. It reports whether the
+// read succeeded.
+func (p *pipeline) readSessions(ctx context.Context) bool {
 	err := p.pool.AcquireFunc(ctx, func(conn *pgxpool.Conn) error {
-		var statement, idle, transaction int64
-		var pid uint32
-		// transaction_timeout is PostgreSQL 17's: NULL before it.
-		err := conn.QueryRow(ctx, `SELECT
-			(SELECT setting::bigint FROM pg_settings WHERE name = 'statement_timeout'),
-			(SELECT setting::bigint FROM pg_settings WHERE name = 'idle_in_transaction_session_timeout'),
-			coalesce((SELECT setting::bigint FROM pg_settings WHERE name = 'transaction_timeout'), 0),
-			pg_backend_pid()`).Scan(&statement, &idle, &transaction, &pid)
-		if err != nil {
-			return err
-		}
-		p.statementTimeout = time.Duration(statement) * time.Millisecond
-		p.sessionEnd = shorterLimit(time.Duration(idle)*time.Millisecond, time.Duration(transaction)*time.Millisecond)
-		p.serverPIDs = pid == conn.Conn().PgConn().PID()
-		return nil
+		return p.readSessionsOn(ctx, conn.Conn())
 	})
 	if err != nil {
-		p.cfg.Telemetry.Logger.DebugContext(ctx, "once: cannot read the sessions' statement_timeout and process id", "consumer", p.cfg.Name, "error", err)
+		p.cfg.Telemetry.Logger.DebugContext(ctx, "once: cannot read the sessions' statement_timeout and process id; tried again at the watchdog's next tick", "consumer", p.cfg.Name, "error", err)
 	}
+	return err == nil
+}
+
+// readSessionsAgain tries readSessions again, when no read has succeeded
+// yet and the last try is at least sessionsRetryEvery old, and reports
+// whether it succeeded now. It asks on a connection of its own
+// (askAfterSessions), bounded by sessionCheckTimeout: when a lock holds
+// up every handler, every pooled connection is held by one, and the
+// watchdog waits for the answer. Only the watchdog's goroutine calls it.
+func (p *pipeline) readSessionsAgain(ctx context.Context, now time.Time) bool {
+	if p.sessionsRead.Load() != nil || now.Sub(p.sessionsTried) < sessionsRetryEvery {
+		return false
+	}
+	p.sessionsTried = now
+	rctx, cancel := context.WithTimeout(ctx, sessionCheckTimeout)
+	defer cancel()
+	err := p.askAfterSessions(rctx, func(conn *pgx.Conn) error { return p.readSessionsOn(rctx, conn) })
+	if err != nil {
+		p.cfg.Telemetry.Logger.DebugContext(ctx, "once: cannot read the sessions' statement_timeout and process id; tried again at the watchdog's next tick", "consumer", p.cfg.Name, "error", err)
+	}
+	return err == nil
+}
+
+// sessionsRetryEvery bounds how often readSessionsAgain opens a
+// connection while the read keeps failing (the database down): the
+// watchdog's tick may be as short as 10 ms.
+const sessionsRetryEvery = time.Second
+
+// readSessionsOn is readSessions on conn, a connection made with the
+// pool's configuration.
+func (p *pipeline) readSessionsOn(ctx context.Context, conn *pgx.Conn) error {
+	var statement, idle, transaction int64
+	var pid uint32
+	// transaction_timeout is PostgreSQL 17's: NULL before it.
+	err := conn.QueryRow(ctx, `SELECT
+		(SELECT setting::bigint FROM pg_settings WHERE name = 'statement_timeout'),
+		(SELECT setting::bigint FROM pg_settings WHERE name = 'idle_in_transaction_session_timeout'),
+		coalesce((SELECT setting::bigint FROM pg_settings WHERE name = 'transaction_timeout'), 0),
+		pg_backend_pid()`).Scan(&statement, &idle, &transaction, &pid)
+	if err != nil {
+		return err
+	}
+	p.sessionsRead.Store(&sessionSettings{
+		statementTimeout: time.Duration(statement) * time.Millisecond,
+		sessionEnd:       shorterLimit(time.Duration(idle)*time.Millisecond, time.Duration(transaction)*time.Millisecond),
+		serverPIDs:       pid == conn.PgConn().PID(),
+	})
+	return nil
 }
 
 // blockingPIDs returns, for each of pids that waits for a lock, the

@@ -3,6 +3,8 @@ package consumer_test
 import (
 	"context"
 	"fmt"
+	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -323,3 +325,44 @@ func TestStatementTimeoutOnALateStatementWaitingForAnotherSessionsLockIsNotCharg
 		})
 	}
 }
+
+// The sessions' statement_timeout, and whether a connection's process id
+// is its server process's, are read at start. A read that failed there (a
+// connection killed, a failover at that moment) was never tried again:
+// the consumer ran all its life without lock-wait sampling, and a handler
+// cut while it waited for a migration's lock was charged, good messages
+// dead-lettered. The read is tried again at the watchdog's next tick.
+// (The first read's connection is terminated by the server as the read
+// is sent.)
+func TestSessionsReadAgainAfterAFailureAtStart(t *testing.T) {
+	admin, schema := pgtest.Schema(t)
+	effects(t, admin)
+	killer := &killFirstSettingsRead{admin: admin}
+	pool := pgtest.NewPoolWith(t, schema, func(c *pgxpool.Config) { c.ConnConfig.Tracer = killer })
+	cfg := fastConfig("sessions-read-again")
+	// Two seconds: the read, tried again at the first tick (a quarter of
+	// it), is done well before the sampling of the first call (its last
+	// half) on a loaded machine.
+	cfg.HandlerTimeout = 2 * time.Second
+	handledOnceAfterTheLockWith(t, pool, holdTableLock(t, admin), cfg)
+	assert.True(t, killer.killed.Load(), "the first read of the sessions failed")
+}
+
+// killFirstSettingsRead is a tracer that has the server terminate the
+// connection of the first statement that reads the sessions' settings and
+// process id (pg_backend_pid()), before the statement is sent: the read
+// fails.
+type killFirstSettingsRead struct {
+	admin  *pgxpool.Pool
+	killed atomic.Bool
+}
+
+func (k *killFirstSettingsRead) TraceQueryStart(ctx context.Context, conn *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	if strings.Contains(d.SQL, "pg_backend_pid()") && k.killed.CompareAndSwap(false, true) {
+		// Waits (up to 10 s) for the server process to end.
+		_, _ = k.admin.Exec(context.Background(), `SELECT pg_terminate_backend($1, 10000)`, conn.PgConn().PID())
+	}
+	return ctx
+}
+
+func (k *killFirstSettingsRead) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}

@@ -39,7 +39,7 @@ type pipeline struct {
 	sha256Fingerprint bool
 	// askXIDStatus is p.xidStatus, bound once: a method value made per
 	// transaction would be an allocation each.
-	askXIDStatus func(ctx context.Context, xid int64) (*string, error)
+	askXIDStatus func(ctx context.Context, conn *pgx.Conn, xid int64) (*string, error)
 	// batchCall, set for a BatchHandler, runs the handler once for the
 	// claimed jobs of a batch.
 	batchCall func(ctx context.Context, tx pgx.Tx, jobs []*job) error
@@ -78,18 +78,13 @@ type pipeline struct {
 	watchPrepare bool
 	// handlerWatchAfter is Config.handlerWatchAfter.
 	handlerWatchAfter time.Duration
-	// statementTimeout is the statement_timeout of the pool's sessions,
-	// read at start before any handler runs (readSessions); 0: none, or
-	// not known.
-	statementTimeout time.Duration
-	// serverPIDs: a connection's process id is its server process's, as
-	// read at start (readSessions); false behind a connection pooler, or
-	// when not known.
-	serverPIDs bool
-	// sessionEnd is the shorter of the sessions'
-	// idle_in_transaction_session_timeout and transaction_timeout, read
-	// at start (readSessions); 0: neither.
-	sessionEnd time.Duration
+	// sessionsRead is what readSessions read of the pool's sessions; nil
+	// until a read succeeds (read at start, before any handler runs, and
+	// read again at the watchdog's ticks while it fails: see sessions).
+	sessionsRead atomic.Pointer[sessionSettings]
+	// sessionsTried is when the watchdog last tried to read them again
+	// (readSessionsAgain); the watchdog's goroutine alone uses it.
+	sessionsTried time.Time
 	// identifyCall names the user functions identifying a message calls.
 	identifyCall string
 	// streamsBounded: the source bounds each stream's deliveries by

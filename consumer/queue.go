@@ -128,9 +128,11 @@ type queueTx struct {
 	rolledBack bool
 	// xid is the transaction's id, once read (0 before).
 	xid int64
-	// xidStatus asks the status of transaction xid on another connection
-	// (txid_status); nil when there is none to ask on.
-	xidStatus func(ctx context.Context, xid int64) (*string, error)
+	// xidStatus asks the status of transaction xid (txid_status) on conn,
+	// or on another connection when conn is nil, as a step of the
+	// consumer's own (bounded by Config.DatabaseTimeout); nil when there
+	// is none to ask on.
+	xidStatus func(ctx context.Context, conn *pgx.Conn, xid int64) (*string, error)
 	// watch is a statement sent that may have ended the transaction, to
 	// be checked (see watchEnd).
 	watch *endWatch

@@ -73,7 +73,8 @@ func (e *strandedError) Unwrap() error { return e.err }
 // canceled while the watchdog last saw it wait for another session's lock
 // a canceledInLockWaitError.
 func (p *pipeline) flushQueued(ctx context.Context, qtx *queueTx) *queueFailure {
-	watched := p.serverPIDs && (p.cfg.DatabaseTimeout > 0 || p.statementTimeout > 0)
+	s := p.sessions()
+	watched := s.serverPIDs && (p.cfg.DatabaseTimeout > 0 || s.statementTimeout > 0)
 	if len(qtx.pending.QueuedQueries) == 0 || !watched {
 		return qtx.flush(ctx)
 	}
@@ -102,7 +103,7 @@ func (p *pipeline) flushQueued(ctx context.Context, qtx *queueTx) *queueFailure 
 // long: with a DatabaseTimeout, and connections whose process ids are
 // their server processes'.
 func (p *pipeline) asksAfterSessions() bool {
-	return p.cfg.DatabaseTimeout > 0 && p.serverPIDs
+	return p.cfg.DatabaseTimeout > 0 && p.sessions().serverPIDs
 }
 
 // callsToAsk returns the calls that may be cut (sends, and handler calls)
@@ -185,7 +186,7 @@ func (p *pipeline) sampleSessions(ctx context.Context, now time.Time) {
 	locks := p.lockProbes(now)
 	var waits []lockProbe
 	if p.asksAfterSessions() {
-		waits = p.watch.callsToAsk(now, p.cfg.DatabaseTimeout, p.sessionEnd)
+		waits = p.watch.callsToAsk(now, p.cfg.DatabaseTimeout, p.sessions().sessionEnd)
 	}
 	if len(locks) == 0 && len(waits) == 0 {
 		return
@@ -207,7 +208,7 @@ func (p *pipeline) sampleSessions(ctx context.Context, now time.Time) {
 			if err != nil {
 				return err
 			}
-			p.watch.cutStranded(waits, alive, time.Now(), p.sessionEnd)
+			p.watch.cutStranded(waits, alive, time.Now(), p.sessions().sessionEnd)
 		}
 		return nil
 	})

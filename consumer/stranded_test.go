@@ -499,3 +499,44 @@ func TestBehindAPoolerNothingIsAskedAfterAndStepsAreBounded(t *testing.T) {
 		strandedCommitIsLeftBehind(t, admin, pool, "pooler-stranded-commit", func() { require.Positive(t, proxy.Strand()) })
 	})
 }
+
+// A handler that ends the consumer's transaction with a COMMIT of its own
+// leaves its connection out of any transaction; the consumer then asks on
+// it whether that COMMIT committed, takes back the claims it made durable
+// for the messages after it, and records progress. Those statements were
+// bounded by nothing but the shutdown: on a connection stranded at that
+// moment (a failover's old primary, a middlebox that forgot it) they went
+// unanswered until the operating system gave up on the connection, the
+// stream standing still. They are steps of the consumer's own, watched
+// with DatabaseTimeout like the others.
+func TestStatementsAfterAHandlersCommitOnAStrandedConnectionAreLeftBehind(t *testing.T) {
+	admin, pool, strand := strandedDatabase(t, nil)
+	b := memsource.New(memsource.Options{Streams: 1})
+	for i := range 3 {
+		publish(b, fmt.Sprintf("e%d", i), i)
+	}
+	var committed atomic.Bool
+	h := func(ctx context.Context, tx pgx.Tx, ev consumer.Event[order]) error {
+		if err := insertEffect(ctx, tx, ev); err != nil {
+			return err
+		}
+		if ev.ID != "e1" || !committed.CompareAndSwap(false, true) {
+			return nil
+		}
+		_, err := tx.Exec(ctx, "COMMIT")
+		strand() // what the consumer sends next goes unanswered
+		return err
+	}
+	cfg := fastConfig("stranded-after-handler-commit")
+	cfg.DatabaseTimeout = 300 * time.Millisecond
+	c, err := consumer.New(pool, b.Source(), h, cfg)
+	require.NoError(t, err)
+	start(t, c)
+	require.Eventually(t, func() bool { return b.Acked() == 3 }, 20*time.Second, time.Millisecond,
+		"the stream goes on once the statements after the handler's COMMIT went unanswered")
+	got := countEffects(t, admin)
+	assert.Equal(t, 1, got["e0"])
+	assert.Equal(t, 1, got["e2"])
+	assert.Equal(t, map[string]string{"e1": string(consumer.KindHandler)}, deadLetterKinds(b),
+		"the handler that ended the transaction is dead-lettered, as on a connection that answers")
+}

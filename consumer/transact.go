@@ -319,11 +319,18 @@ func (p *pipeline) endedByHandler(ctx context.Context, tx pgx.Tx, qtx *queueTx, 
 	return r
 }
 
-// xidStatus asks the status of transaction xid (txid_status) on a
-// connection of the pool, once: nil when xid is too old to tell.
-func (p *pipeline) xidStatus(ctx context.Context, xid int64) (*string, error) {
+// xidStatus asks the status of transaction xid (txid_status) on conn, or
+// on a connection of the pool when conn is nil, once, as a step of the
+// consumer's own (stepAlone, onConn): nil when xid is too old to tell.
+func (p *pipeline) xidStatus(ctx context.Context, conn *pgx.Conn, xid int64) (*string, error) {
 	var status *string
-	err := p.pool.QueryRow(ctx, `SELECT txid_status($1)`, xid).Scan(&status)
+	ask := func(ctx context.Context, conn *pgx.Conn) error {
+		return conn.QueryRow(ctx, `SELECT txid_status($1)`, xid).Scan(&status)
+	}
+	if conn != nil {
+		return status, p.stepAlone(ctx, conn, ask)
+	}
+	err := p.onConn(ctx, func(ctx context.Context, conn *pgxpool.Conn) error { return ask(ctx, conn.Conn()) })
 	return status, err
 }
 
@@ -362,11 +369,13 @@ func (p *pipeline) doneByHandlerCommit(ctx context.Context, tx pgx.Tx, done []*j
 	ctx, cancel := p.detached(ctx)
 	defer cancel()
 	conn := idleConn(tx)
-	committed := false
 	var status *string
-	if conn != nil && conn.QueryRow(ctx, `SELECT txid_status($1)`, xid).Scan(&status) == nil {
-		committed = status != nil && *status == "committed"
-	} else {
+	err := errNoStatus
+	if conn != nil {
+		status, err = p.xidStatus(ctx, conn, xid)
+	}
+	committed := err == nil && status != nil && *status == "committed"
+	if err != nil {
 		committed = p.committedAfterAll(ctx, xid, len(done))
 	}
 	if !committed {
@@ -383,7 +392,7 @@ func (p *pipeline) doneByHandlerCommit(ctx context.Context, tx pgx.Tx, done []*j
 		}
 		dvs = append(dvs, j.d)
 	}
-	record := func(db interface {
+	record := func(ctx context.Context, db interface {
 		Begin(context.Context) (pgx.Tx, error)
 	}) error {
 		return pgx.BeginFunc(ctx, db, func(ptx pgx.Tx) error {
@@ -391,14 +400,14 @@ func (p *pipeline) doneByHandlerCommit(ctx context.Context, tx pgx.Tx, done []*j
 		})
 	}
 	if conn = idleConn(tx); conn != nil {
-		err := record(conn)
+		err := p.stepAlone(ctx, conn, func(ctx context.Context, conn *pgx.Conn) error { return record(ctx, conn) })
 		if err == nil || errors.Is(err, dedup.ErrFenced) {
 			return err == nil, err
 		}
 	}
 	var fenced error
-	err := p.infra(ctx, "recording the progress of messages a handler's own COMMIT committed", Retry{Messages: len(done)}, func() error {
-		err := record(p.pool)
+	err = p.infra(ctx, "recording the progress of messages a handler's own COMMIT committed", Retry{Messages: len(done)}, func() error {
+		err := p.onConn(ctx, func(ctx context.Context, conn *pgxpool.Conn) error { return record(ctx, conn) })
 		if errors.Is(err, dedup.ErrFenced) {
 			fenced = err
 			return nil
@@ -442,7 +451,11 @@ func (p *pipeline) releaseClaims(ctx context.Context, tx pgx.Tx, jobs []*job, re
 	defer cancel()
 	sql := `DELETE FROM ` + p.cfg.Store.ProcessedTable() + ` WHERE consumer = $1 AND event_id = ANY($2::text[])`
 	if c := idleConn(tx); c != nil {
-		if _, err := c.Exec(ctx, sql, p.cfg.Name, ids); err == nil {
+		err := p.stepAlone(ctx, c, func(ctx context.Context, c *pgx.Conn) error {
+			_, err := c.Exec(ctx, sql, p.cfg.Name, ids)
+			return err
+		})
+		if err == nil {
 			return nil
 		}
 	}

@@ -203,10 +203,12 @@ func (t *queueTx) checkEnd(ctx context.Context) {
 		var s *string
 		var err error
 		switch {
+		case t.xidStatus != nil && status != 'E':
+			s, err = t.xidStatus(ctx, c, w.xid)
 		case status != 'E':
 			err = c.QueryRow(ctx, `SELECT txid_status($1)`, w.xid).Scan(&s)
 		case t.xidStatus != nil:
-			s, err = t.xidStatus(ctx, w.xid)
+			s, err = t.xidStatus(ctx, nil, w.xid)
 		default:
 			err = errNoStatus
 		}

@@ -222,7 +222,8 @@ const neverOverdue = time.Duration(math.MaxInt64)
 // NoHandlerTimeout are watched: when their sessions are asked after, or
 // sampled for the lock waits the sessions' statement_timeout may cut.
 func (p *pipeline) watchesUnboundedHandlers() bool {
-	return p.asksAfterSessions() || p.serverPIDs && p.statementTimeout > 0
+	s := p.sessions()
+	return p.asksAfterSessions() || s.serverPIDs && s.statementTimeout > 0
 }
 
 // watchAfter is how long a user call other than the handler runs before
@@ -237,6 +238,27 @@ func (c *Config) watchAfter() time.Duration {
 // watchUserCalls logs the user calls that run past the watchdog's bound
 // until ctx is done.
 func (p *pipeline) watchUserCalls(ctx context.Context) {
+	t := time.NewTicker(p.watchTick())
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case now := <-t.C:
+			if p.readSessionsAgain(ctx, now) {
+				// The sessions' statement_timeout and process ids,
+				// unknown until now, may call for a shorter tick.
+				t.Reset(p.watchTick())
+			}
+			p.sampleSessions(ctx, now)
+			p.logOverdue(ctx, now)
+		}
+	}
+}
+
+// watchTick is the watchdog's tick: a quarter of its bound, shorter when
+// lock waits are sampled or sessions asked after.
+func (p *pipeline) watchTick() time.Duration {
 	tick := p.watch.after / 4
 	if limit := p.lockWaitLimit(); limit > 0 {
 		// At least one lock-wait sample in the last half before a cut.
@@ -247,35 +269,28 @@ func (p *pipeline) watchUserCalls(ctx context.Context) {
 		// after it.
 		tick = min(tick, p.cfg.DatabaseTimeout/4)
 	}
-	if tick < 10*time.Millisecond {
-		tick = 10 * time.Millisecond
-	}
-	t := time.NewTicker(tick)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case now := <-t.C:
-			p.sampleSessions(ctx, now)
-			for _, s := range p.watch.overdue(now) {
-				p.stats.stuckCalls.Add(1)
-				p.tel.stuck(ctx, s.name)
-				args := []any{"consumer", p.cfg.Name, "function", s.name, "running", s.running, "bound", s.bound}
-				if s.hasMessage {
-					args = append(args, "topic", s.topic, "partition", s.partition, "offset", s.offset, "event_id", s.eventID)
-				} else {
-					args = append(args, "messages", s.messages)
-					if s.eventID != "" {
-						args = append(args, "event_id", s.eventID)
-					}
-				}
-				msg := "once: a call has not returned; it holds its stream (or, unordered, a worker) until it does"
-				if s.name == handlerCall || s.name == batchHandlerCall {
-					msg = "once: a handler has not returned though its context ended at HandlerTimeout; it holds its stream (or, unordered, a worker) and its transaction until it does"
-				}
-				p.cfg.Telemetry.Logger.ErrorContext(ctx, msg, args...)
+	return max(tick, 10*time.Millisecond)
+}
+
+// logOverdue logs, and counts, the calls past the watchdog's bound at now
+// not logged yet.
+func (p *pipeline) logOverdue(ctx context.Context, now time.Time) {
+	for _, s := range p.watch.overdue(now) {
+		p.stats.stuckCalls.Add(1)
+		p.tel.stuck(ctx, s.name)
+		args := []any{"consumer", p.cfg.Name, "function", s.name, "running", s.running, "bound", s.bound}
+		if s.hasMessage {
+			args = append(args, "topic", s.topic, "partition", s.partition, "offset", s.offset, "event_id", s.eventID)
+		} else {
+			args = append(args, "messages", s.messages)
+			if s.eventID != "" {
+				args = append(args, "event_id", s.eventID)
 			}
 		}
+		msg := "once: a call has not returned; it holds its stream (or, unordered, a worker) until it does"
+		if s.name == handlerCall || s.name == batchHandlerCall {
+			msg = "once: a handler has not returned though its context ended at HandlerTimeout; it holds its stream (or, unordered, a worker) and its transaction until it does"
+		}
+		p.cfg.Telemetry.Logger.ErrorContext(ctx, msg, args...)
 	}
 }
