@@ -22,11 +22,7 @@ import (
 // response: the answer the client got is stored, and the retry replays it.
 func TestHandlerCommittingBySQLLeavesNoKeyWithoutAResponse(t *testing.T) {
 	h := func(w http.ResponseWriter, r *http.Request) {
-		inner, err := idempotency.Tx(r.Context()).Conn().Begin(r.Context())
-		require.NoError(t, err)
-		_, err = inner.Exec(r.Context(), `INSERT INTO effects (key, body) VALUES ('k', 'b')`)
-		require.NoError(t, err)
-		require.NoError(t, inner.Commit(r.Context()))
+		commitEffectBySQL(t, r)
 		http.Error(w, "the downstream call failed", http.StatusBadGateway)
 	}
 	s := newService(t, idempotency.Config{}, http.HandlerFunc(h))
@@ -50,11 +46,7 @@ func TestHandlerCommittingBySQLLeavesNoKeyWithoutAResponse(t *testing.T) {
 // replays it; the effect stays once.
 func TestHandlerPanickingAfterCommittingBySQLLeavesNoKeyWithoutAResponse(t *testing.T) {
 	h := func(w http.ResponseWriter, r *http.Request) {
-		inner, err := idempotency.Tx(r.Context()).Conn().Begin(r.Context())
-		require.NoError(t, err)
-		_, err = inner.Exec(r.Context(), `INSERT INTO effects (key, body) VALUES ('k', 'b')`)
-		require.NoError(t, err)
-		require.NoError(t, inner.Commit(r.Context()))
+		commitEffectBySQL(t, r)
 		panic(http.ErrAbortHandler) // net/http closes the connection quietly
 	}
 	s := newService(t, idempotency.Config{}, http.HandlerFunc(h))
@@ -77,11 +69,7 @@ func TestHandlerPanickingAfterCommittingBySQLLeavesNoKeyWithoutAResponse(t *test
 // replayed.
 func TestHandlerCommittingBySQLWithATooLargeResponseLeavesNoKeyWithoutAResponse(t *testing.T) {
 	h := func(w http.ResponseWriter, r *http.Request) {
-		inner, err := idempotency.Tx(r.Context()).Conn().Begin(r.Context())
-		require.NoError(t, err)
-		_, err = inner.Exec(r.Context(), `INSERT INTO effects (key, body) VALUES ('k', 'b')`)
-		require.NoError(t, err)
-		require.NoError(t, inner.Commit(r.Context()))
+		commitEffectBySQL(t, r)
 		_, _ = w.Write(make([]byte, 200))
 	}
 	s := newService(t, idempotency.Config{MaxResponseBytes: 100}, http.HandlerFunc(h))
@@ -93,4 +81,15 @@ func TestHandlerCommittingBySQLWithATooLargeResponseLeavesNoKeyWithoutAResponse(
 	assert.Contains(t, first.body, "committed", "the client learns that the effect happened")
 	assert.True(t, again.replayed(), "the retry: %d %s", again.status, again.body)
 	assert.Equal(t, first.body, again.body)
+}
+
+// commitEffectBySQL writes the effect of r and commits the request's
+// transaction by SQL, as a helper handed Tx(ctx).Conn() does: a BEGIN on
+// the connection (PostgreSQL only warns about it), the write, a COMMIT.
+func commitEffectBySQL(t *testing.T, r *http.Request) {
+	inner, err := idempotency.Tx(r.Context()).Conn().Begin(r.Context())
+	require.NoError(t, err)
+	_, err = inner.Exec(r.Context(), `INSERT INTO effects (key, body) VALUES ('k', 'b')`)
+	require.NoError(t, err)
+	require.NoError(t, inner.Commit(r.Context()))
 }
