@@ -62,8 +62,9 @@
 // span when its headers carry one (read with the global propagator, else
 // from a W3C traceparent header), and the consumer exports the metrics
 // once.consumer.messages (by outcome), .retries, .dead_letters (by kind),
-// .handler.duration, .commit.duration, .inflight and .batch.size, and the
-// messaging conventions' messaging.client.consumed.messages and
-// messaging.process.duration (docs/operations.md lists them). Logs go to
-// log/slog (Config.Telemetry.Logger), never with payloads.
+// .handler.duration, .commit.duration, .inflight, .batch.size and
+// .stuck_calls (by function), and the messaging conventions'
+// messaging.client.consumed.messages and messaging.process.duration
+// (docs/operations.md lists them). Logs go to log/slog
+// (Config.Telemetry.Logger), never with payloads.
 package consumer

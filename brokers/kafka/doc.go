@@ -16,9 +16,9 @@
 //     lane a hash of the record key: one key's records in order, the
 //     lanes of a partition concurrently.
 //   - Message.Headers holds the record headers (the last value wins when a
-//     key repeats), so the core finds the event id ("id", "ce_id"), the type
-//     and the W3C "traceparent" there. Message.ID and Message.Type are empty:
-//     Kafka has no such native properties.
+//     key repeats), so the core finds the event id ("id", "ce_id",
+//     "message-id"), the type and the W3C "traceparent" there. Message.ID
+//     and Message.Type are empty: Kafka has no such native properties.
 //
 // # Offsets
 //

@@ -8,7 +8,7 @@
 //		conformance.Run(t, conformance.Suite{
 //			Features:  conformance.Features{Ordered: true, FallbackID: true, RedeliverOnRestart: true},
 //			NewBroker: newTestBroker,
-//			NewDB:     func(t *testing.T) *pgxpool.Pool { p, _ := pgtest.Schema(t); return p },
+//			NewDB:     func(t *testing.T) *pgxpool.Pool { return oncetest.Postgres(t) },
 //		})
 //	}
 //

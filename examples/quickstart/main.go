@@ -6,7 +6,7 @@
 // exactly once.
 //
 // It uses DATABASE_URL when set, else a throwaway PostgreSQL server that it
-// starts and removes (make run).
+// starts and removes (go run ./examples/quickstart).
 package main
 
 import (
