@@ -39,10 +39,27 @@ const (
 // to Max, with ±20% jitter.
 type Backoff struct {
 	// Initial is the first wait; at least a millisecond (a unit mistake:
-	// 1 is 1 ns).
+	// 1 is 1 ns). Left at zero, it is the field's default capped at Max.
 	Initial time.Duration
-	// Max caps the wait; it must be at least Initial.
+	// Max caps the wait; it must be at least Initial. Left at zero, it is
+	// the field's default, or Initial when that is longer.
 	Max time.Duration
+}
+
+// withDefaults fills in the half of b left at zero, as the consumer's
+// backoffs do: Initial is initial capped at a Max that was set, Max is limit
+// or a longer Initial that was set. Both set are kept as they are, to be
+// checked.
+func (b Backoff) withDefaults(initial, limit time.Duration) Backoff {
+	switch {
+	case b.Initial == 0 && b.Max == 0:
+		return Backoff{Initial: initial, Max: limit}
+	case b.Initial == 0 && b.Max > 0:
+		b.Initial = min(initial, b.Max)
+	case b.Max == 0 && b.Initial > 0:
+		b.Max = max(limit, b.Initial)
+	}
+	return b
 }
 
 // delay is the jittered wait before attempt n+1 after n failures (n >= 1):
@@ -142,12 +159,8 @@ func (c RelayConfig) withDefaults() (RelayConfig, error) {
 	if c.MaxAttempts == 0 {
 		c.MaxAttempts = DefaultMaxAttempts
 	}
-	if c.RetryBackoff == (Backoff{}) {
-		c.RetryBackoff = Backoff{Initial: time.Second, Max: time.Minute}
-	}
-	if c.InfraBackoff == (Backoff{}) {
-		c.InfraBackoff = Backoff{Initial: 100 * time.Millisecond, Max: 5 * time.Second}
-	}
+	c.RetryBackoff = c.RetryBackoff.withDefaults(time.Second, time.Minute)
+	c.InfraBackoff = c.InfraBackoff.withDefaults(100*time.Millisecond, 5*time.Second)
 	if c.PublishTimeout == 0 {
 		c.PublishTimeout = DefaultPublishTimeout
 	}

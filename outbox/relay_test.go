@@ -699,3 +699,25 @@ SELECT 'old-' || i, 'nowhere', '', now() - interval '1 day' FROM generate_series
 	d.read(t, 1)
 	waitRows(t, pool, "sent_at < now() - interval '1 hour'", 0, 120*time.Second)
 }
+
+// RelayConfig says every field has a default, but a backoff with one half
+// set (RetryBackoff{Max: 10 * time.Second}, to shorten the retries) was
+// refused as "needs 0 < Initial <= Max", while the consumer's Retry and
+// InfraBackoff fill in the half left out. The relay fills it in the same
+// way: Initial is the default capped at Max, Max the default or Initial
+// when that is longer.
+func TestNewRelayFillsInTheHalfOfABackoffLeftOut(t *testing.T) {
+	pool, _ := pgtest.Schema(t)
+	for name, cfg := range map[string]outbox.RelayConfig{
+		"RetryBackoff.Max below its default Initial": {RetryBackoff: outbox.Backoff{Max: 500 * time.Millisecond}},
+		"RetryBackoff.Initial above its default Max": {RetryBackoff: outbox.Backoff{Initial: 2 * time.Minute}},
+		"InfraBackoff.Max alone":                     {InfraBackoff: outbox.Backoff{Max: time.Second}},
+		"InfraBackoff.Initial alone":                 {InfraBackoff: outbox.Backoff{Initial: 10 * time.Second}},
+	} {
+		_, err := outbox.NewRelay(pool, nopPublisher{}, cfg)
+		require.NoError(t, err, name)
+	}
+	_, err := outbox.NewRelay(pool, nopPublisher{}, outbox.RelayConfig{
+		RetryBackoff: outbox.Backoff{Initial: time.Minute, Max: time.Second}})
+	require.ErrorIs(t, err, outbox.ErrInvalidConfig, "both halves set, and Initial above Max, is still refused")
+}
