@@ -60,11 +60,12 @@
 //
 // Each message gets an OpenTelemetry consumer span, child of the producer's
 // span when its headers carry one (read with the global propagator, else
-// from a W3C traceparent header), and the consumer exports the metrics
-// once.consumer.messages (by outcome), .retries, .dead_letters (by kind),
-// .handler.duration, .commit.duration, .inflight, .batch.size and
-// .stuck_calls (by function), and the messaging conventions'
-// messaging.client.consumed.messages and messaging.process.duration
-// (docs/operations.md lists them). Logs go to log/slog
-// (Config.Telemetry.Logger), never with payloads.
+// from a W3C traceparent header), else the root of a trace of its own (a
+// span in Run's context is no message's parent), and the consumer exports
+// the metrics once.consumer.messages (by outcome), .retries,
+// .dead_letters (by kind), .handler.duration, .commit.duration, .inflight,
+// .batch.size and .stuck_calls (by function), and the
+// messaging conventions' messaging.client.consumed.messages and
+// messaging.process.duration (docs/operations.md lists them). Logs go to
+// log/slog (Config.Telemetry.Logger), never with payloads.
 package consumer

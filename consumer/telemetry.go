@@ -258,12 +258,15 @@ func (t *telemetry) processed(ctx context.Context, m *Message, start time.Time, 
 }
 
 // startSpan starts the consumer span of m, as a child of the producer's
-// context when m carries a valid W3C traceparent header. The message's own
-// attributes are built only when the span records: with no tracer
-// installed (the no-op provider) or a sampler that drops the span, this
-// runs for every message and nothing would read them. A sampler sees the
-// consumer's attributes (system, operation, consumer, group) at the start.
+// context when m carries one (extractParent), else as the root of a trace
+// of its own: never as a child of a span in ctx (withoutSpan). The
+// message's own attributes are built only when the span records: with no
+// tracer installed (the no-op provider) or a sampler that drops the span,
+// this runs for every message and nothing would read them. A sampler sees
+// the consumer's attributes (system, operation, consumer, group) at the
+// start.
 func (t *telemetry) startSpan(ctx context.Context, dv Delivery, m *Message) (context.Context, trace.Span) {
+	ctx = withoutSpan(ctx)
 	if len(m.Headers) > 0 {
 		ctx = extractParent(ctx, propagation.MapCarrier(m.Headers))
 	}
@@ -293,6 +296,22 @@ func (t *telemetry) startSpan(ctx context.Context, dv Delivery, m *Message) (con
 	}
 	span.SetAttributes(attrs...)
 	return ctx, span
+}
+
+// withoutSpan returns ctx without the span it carries, if any. ctx comes
+// from Run's, which may carry a span (a service that starts its consumer
+// inside a start-up span), and that span is no message's parent: left
+// there, every message without a trace context became its child, one
+// trace for the process's life, and it hid the producer's traceparent
+// (extractParent took the span it found in ctx for the one the global
+// propagator, a no-op by default, read from the headers). ctx's values
+// and cancellation are kept; a ctx without a span is returned as it is,
+// at no cost.
+func withoutSpan(ctx context.Context) context.Context {
+	if !trace.SpanContextFromContext(ctx).IsValid() {
+		return ctx
+	}
+	return trace.ContextWithSpanContext(ctx, trace.SpanContext{})
 }
 
 // sourceAttributes returns ta's attributes. A custom Source's method runs
