@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"regexp"
 	"strings"
 	"time"
 
@@ -244,12 +245,38 @@ func parse(fs *flag.FlagSet, args []string) error {
 		if errors.Is(err, flag.ErrHelp) {
 			return err
 		}
-		return &usageError{err.Error()}
+		return &usageError{err.Error() + durationHint(fs, err)}
 	}
 	if fs.NArg() > 0 {
 		return usagef("unexpected argument %q", fs.Arg(0))
 	}
 	return nil
+}
+
+// badValue is how package flag names the flag whose value it could not
+// read.
+var badValue = regexp.MustCompile(`^invalid value ".*" for flag -([^:]+): `)
+
+// durationHint says what a duration looks like when err is a duration
+// flag's value that does not parse: flag's "parse error" alone does not,
+// and a day (30d), the unit most often tried, is none of Go's.
+func durationHint(fs *flag.FlagSet, err error) string {
+	m := badValue.FindStringSubmatch(err.Error())
+	if m == nil {
+		return ""
+	}
+	f := fs.Lookup(m[1])
+	if f == nil {
+		return ""
+	}
+	g, ok := f.Value.(flag.Getter)
+	if !ok {
+		return ""
+	}
+	if _, ok := g.Get().(time.Duration); !ok {
+		return ""
+	}
+	return " (want a duration such as 90s, 30m or 720h: the units are ns, us, ms, s, m and h; a day is 24h)"
 }
 
 // writeJSON writes v as indented JSON.

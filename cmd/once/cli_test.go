@@ -150,7 +150,7 @@ func TestDLQListShowReplayOnKafka(t *testing.T) {
 	assert.Equal(t, []string{"panic-1", "bin-1"}, []string{listed[0].EventID, listed[1].EventID})
 	assert.True(t, listed[0].Replayable)
 
-	code, out, _ = cli(t, env, "dlq", "list", "-dlq", dlqName, "-since", "1h", "-until", "2100-01-01")
+	code, out, _ = cli(t, env, "dlq", "list", "-dlq", dlqName, "-since", "1h")
 	require.Equal(t, exitOK, code)
 	assert.Contains(t, out, "4 records")
 	code, out, _ = cli(t, env, "dlq", "list", "-dlq", dlqName, "-since", "2000-01-01", "-until", "2000-01-02")

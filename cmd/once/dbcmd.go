@@ -276,8 +276,12 @@ func migratedTables(table string, version int) string {
 
 // statusReport is the output of once status.
 type statusReport struct {
-	Consumers   []inspect.Consumer     `json:"consumers"`
-	DeadLetters []dlq.KindCount        `json:"dead_letters,omitempty"`
+	// Consumers is [] when no consumer has rows: a script iterates
+	// over it without a case for null.
+	Consumers []inspect.Consumer `json:"consumers"`
+	// DeadLetters is there with -dlq, [] when the destination holds
+	// none (omitzero: a nil slice, no -dlq, leaves it out).
+	DeadLetters []dlq.KindCount        `json:"dead_letters,omitzero"`
 	DLQ         string                 `json:"dlq,omitempty"`
 	Lag         []inspect.PartitionLag `json:"lag,omitempty"`
 	Queues      []inspect.QueueDepth   `json:"queues,omitempty"`
@@ -368,6 +372,9 @@ func (a *app) status(ctx context.Context, args []string) error {
 	defer pool.Close()
 	if rep.Consumers, err = inspect.Consumers(ctx, pool, db.tables(), *suspectAge); err != nil {
 		return err
+	}
+	if rep.Consumers == nil {
+		rep.Consumers = []inspect.Consumer{}
 	}
 	// Each part that fails is reported, and the others are read and
 	// printed all the same; after an interrupt none is read.

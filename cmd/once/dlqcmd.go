@@ -25,9 +25,11 @@ import (
 const dlqSelect = `The dead-letter destination is a Kafka topic (-kafka BROKERS -dlq TOPIC) or a
 RabbitMQ queue (-amqp URL -dlq QUEUE). Reading consumes nothing, commits
 nothing and keeps the order. Filters combine: -consumer, -kind, -id (exact,
-or a prefix ending in *), -since/-until (RFC 3339, a date, or a duration ago
+or a prefix ending in *; an id that itself ends in * is given with \* in
+its place, -id 'sku\*'), -since/-until (RFC 3339, a date, or a duration ago
 such as 2h), -ref, -search. A filter that cannot narrow the selection (-id
-'*', -search of blanks alone) is refused.
+'*', -search of blanks alone, an -until not in the past) is refused. In the
+output "-" stands for no value; a value that is "-" itself is quoted.
 
 A Kafka cluster that asks for TLS or SASL: -kafka-tls, -kafka-ca FILE,
 -kafka-cert FILE -kafka-key FILE (mTLS), -kafka-sasl PLAIN|SCRAM-SHA-256|
@@ -105,9 +107,9 @@ func (a *app) dlqFlagsOn(fs *flag.FlagSet) *dlqFlags {
 		name:     fs.String("dlq", "", "the dead-letter topic or queue (required)"),
 		consumer: fs.String("consumer", "", "only dead letters of this consumer `name`"),
 		kind:     fs.String("kind", "", "only these `kinds`, comma-separated (decode, handler, panic, unknown-type, missing-id, invalid-id, id-conflict, crash-loop)"),
-		id:       fs.String("id", "", "only this event `id`, or ids starting with a prefix ending in *"),
+		id:       fs.String("id", "", "only this event `id`, or ids starting with a prefix ending in * (\\* for an id that ends in a star)"),
 		since:    fs.String("since", "", "only dead-lettered at or after `time`"),
-		until:    fs.String("until", "", "only dead-lettered before `time`"),
+		until:    fs.String("until", "", "only dead-lettered before `time`, a time in the past"),
 		refs:     fs.String("ref", "", "only these record `refs`, comma-separated (Kafka partition:offset)"),
 		search:   fs.String("search", "", "only records whose id, type, error, consumer or kind contains `text`"),
 	}
@@ -183,6 +185,13 @@ func (f *dlqFlags) filter(now time.Time) (dlq.Filter, error) {
 	until, err := parseTime(*f.until, now)
 	if err != nil {
 		return dlq.Filter{}, err
+	}
+	if !until.IsZero() && !until.Before(now) {
+		// Every record dead-lettered so far is before it: like -id '*',
+		// it reads as a filter and narrows nothing, and a replay would
+		// take it for -all.
+		return dlq.Filter{}, usagef("-until %s is not in the past: every record dead-lettered so far is before it, so it cannot narrow the selection (leave it out; dlq replay -all replays every record)",
+			until.UTC().Format(time.RFC3339))
 	}
 	if !since.IsZero() && !until.IsZero() && !since.Before(until) {
 		// A window that ends before it starts selects nothing: the
@@ -479,7 +488,7 @@ func (a *app) printRecord(r *dlq.Record, asHex, payloadAll bool) {
 		if v == "" {
 			return "-"
 		}
-		return cutField([]byte(v), text)
+		return notPlaceholder(cutField([]byte(v), text))
 	}
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	fmt.Fprintf(tw, "ref\t%s\n", r.Ref)
@@ -724,7 +733,17 @@ func orDash(s string) string {
 	if s == "" {
 		return "-"
 	}
-	return safe(s)
+	return notPlaceholder(safe(s))
+}
+
+// notPlaceholder returns s quoted when it reads as what the output prints
+// in place of a value ("-" for none, "(others)" in once status): a
+// consumer named "-" is not the records without a consumer.
+func notPlaceholder(s string) string {
+	if s == "-" || s == "(others)" {
+		return strconv.Quote(s)
+	}
+	return s
 }
 
 // safe returns s as it is when it is printable text on one line without a

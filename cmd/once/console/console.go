@@ -142,6 +142,11 @@ var funcs = template.FuncMap{
 		if s == "" {
 			return "-"
 		}
+		if s == "-" {
+			// Not the "-" of no value: a consumer named "-" is not
+			// the records without a consumer.
+			return `"-"`
+		}
 		return shown(s)
 	},
 	"count": field.Count,

@@ -360,7 +360,11 @@ type Filter struct {
 	// Kinds are dead-letter kinds; a record of any of them matches.
 	Kinds []string
 	// EventID is an event id, exactly, or a prefix followed by "*"
-	// ("*" alone selects every record: Check refuses it).
+	// ("*" alone selects every record: Check refuses it). An id that
+	// itself ends in "*" is given with a backslash before that star
+	// (`sku\*` is the id "sku*" alone); backslashes right before the
+	// final star come in pairs for one of the id's own (`a\\*` is the
+	// prefix `a\`). A backslash elsewhere is the id's.
 	EventID string
 	// Since and Until bound the dead-lettering time (once-failed-at),
 	// Since inclusive, Until exclusive. A record without that header
@@ -431,8 +435,26 @@ func matchID(pattern, id string) bool {
 	if pattern == "" {
 		return true
 	}
-	if prefix, ok := strings.CutSuffix(pattern, "*"); ok {
-		return strings.HasPrefix(id, prefix)
+	text, prefix := idPattern(pattern)
+	if prefix {
+		return strings.HasPrefix(id, text)
 	}
-	return id == pattern
+	return id == text
+}
+
+// idPattern reads Filter.EventID: the id, or the prefix when it ends in
+// an unescaped "*". An odd run of backslashes before the final star
+// escapes it, so that an id ending in a star can be selected alone; each
+// pair in the run is one backslash of the id.
+func idPattern(pattern string) (text string, prefix bool) {
+	body, star := strings.CutSuffix(pattern, "*")
+	if !star {
+		return pattern, false
+	}
+	n := len(body) - len(strings.TrimRight(body, `\`))
+	text = body[:len(body)-n] + strings.Repeat(`\`, n/2)
+	if n%2 == 1 {
+		return text + "*", false
+	}
+	return text, true
 }

@@ -54,6 +54,29 @@ func TestFilterMatch(t *testing.T) {
 	assert.False(t, (&Filter{Since: at}).Match(rec()), "no failed-at header: no time bound matches")
 }
 
+// A trailing * is a prefix; escaped, it is the id's own last character,
+// so that an id ending in a star can be selected alone.
+func TestFilterEventIDWithAnEscapedStar(t *testing.T) {
+	for _, c := range []struct {
+		pattern, id string
+		want        bool
+	}{
+		{`sku\*`, "sku*", true},
+		{`sku\*`, "sku*-2", false},
+		{`sku\*`, `sku\`, false},
+		{"sku*", "sku*-2", true},
+		{`sku\\*`, `sku\x`, true},
+		{`sku\\*`, "sku*", false},
+		{`sku\\\*`, `sku\*`, true},
+		{`a\b`, `a\b`, true},
+		{`\*`, "*", true},
+		{`\*`, "x", false},
+	} {
+		r := rec(consumer.HeaderEventID, c.id)
+		assert.Equal(t, c.want, (&Filter{EventID: c.pattern}).Match(r), "%s on %s", c.pattern, c.id)
+	}
+}
+
 // Check refuses the fields that are set but select every record (or
 // nearly): a filter of them only would have a replay redrive them all.
 func TestFilterCheckRefusesFieldsThatCannotNarrow(t *testing.T) {

@@ -52,6 +52,18 @@ func (t Tables) names() (processed, attempts string, err error) {
 	return qualify(table), qualify(table + "_attempts"), nil
 }
 
+// tablesHint returns err saying what makes the tables when it is
+// PostgreSQL's undefined table (42P01): a database no consumer has run
+// on, or a schema or table name that is not the store's. The bare
+// "relation does not exist" names no way out.
+func tablesHint(err error) error {
+	var pe *pgconn.PgError
+	if errors.As(err, &pe) && pe.Code == "42P01" {
+		return fmt.Errorf("%w (once migrate creates the tables, as a consumer's start does; or the schema and table named are not the store's)", err)
+	}
+	return err
+}
+
 // DB is what the queries need: *pgxpool.Pool, *pgx.Conn and pgx.Tx have it.
 type DB interface {
 	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
@@ -115,7 +127,7 @@ ORDER BY 1`
 	// below a millisecond.
 	rows, err := db.Query(ctx, sql, suspectAge.Seconds())
 	if err != nil {
-		return nil, fmt.Errorf("inspect: read %s: %w", processed, err)
+		return nil, fmt.Errorf("inspect: read %s: %w", processed, tablesHint(err))
 	}
 	var out []Consumer
 	for rows.Next() {
@@ -165,7 +177,7 @@ func HasRows(ctx context.Context, db DB, t Tables, consumer string) (bool, error
 	err = db.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM `+processed+` WHERE consumer = $1)
     OR EXISTS (SELECT 1 FROM `+attempts+` WHERE consumer = $1)`, consumer).Scan(&found)
 	if err != nil {
-		return false, fmt.Errorf("inspect: read %s: %w", processed, err)
+		return false, fmt.Errorf("inspect: read %s: %w", processed, tablesHint(err))
 	}
 	return found, nil
 }
@@ -191,7 +203,7 @@ func ConsumerNames(ctx context.Context, db DB, t Tables, max int) ([]string, err
 )
 SELECT name FROM c WHERE name IS NOT NULL LIMIT $1`, limit)
 	if err != nil {
-		return nil, fmt.Errorf("inspect: read %s: %w", processed, err)
+		return nil, fmt.Errorf("inspect: read %s: %w", processed, tablesHint(err))
 	}
 	names, err := pgx.CollectRows(rows, pgx.RowTo[string])
 	if err != nil {
@@ -261,7 +273,7 @@ func Retention(ctx context.Context, db Deleter, t Tables, consumer string, cutof
 		var n int64
 		err := db.QueryRow(ctx, `SELECT count(*) FROM `+processed+` WHERE consumer = $1 AND processed_at < $2`, consumer, cutoff).Scan(&n)
 		if err != nil {
-			return 0, fmt.Errorf("inspect: count %s: %w", processed, err)
+			return 0, fmt.Errorf("inspect: count %s: %w", processed, tablesHint(err))
 		}
 		return n, nil
 	}
@@ -276,5 +288,6 @@ func Retention(ctx context.Context, db Deleter, t Tables, consumer string, cutof
 	if opts.Progress != nil {
 		sweep = append(sweep, dedup.Progress(opts.Progress))
 	}
-	return store.DeleteOlderThan(ctx, db, consumer, cutoff, opts.BatchSize, sweep...)
+	n, err := store.DeleteOlderThan(ctx, db, consumer, cutoff, opts.BatchSize, sweep...)
+	return n, tablesHint(err)
 }
