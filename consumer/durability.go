@@ -37,16 +37,21 @@ func (p *pipeline) warnIfCommitsNotDurable(ctx context.Context) {
 	}
 }
 
-// warnIfTablesUnlogged logs a warning for each of the store's tables that
-// is UNLOGGED (made so by hand, for speed): PostgreSQL empties such a
-// table after a crash, while the handlers' own tables keep what they
-// committed. The processed events forgotten, their redeliveries are
+// warnIfTablesUnlogged logs a warning for each of the store's tables, or
+// of their partitions, that is UNLOGGED (made so by hand, for speed):
+// PostgreSQL empties such a table after a crash, while the handlers' own
+// tables keep what they committed. The processed events forgotten, their redeliveries are
 // handled again and their effects doubled; Kafka offsets kept in the
 // database forgotten, their partitions are read again from the group's
 // offsets, and records without ids, deduplicated by those positions, are
 // handled again.
 func (p *pipeline) warnIfTablesUnlogged(ctx context.Context) {
-	rows, err := p.pool.Query(ctx, `SELECT t FROM unnest($1::text[]) AS t JOIN pg_class c ON c.oid = to_regclass(t) WHERE c.relpersistence = 'u'`,
+	// Each table's partitions too: PostgreSQL empties an UNLOGGED
+	// partition as it does an UNLOGGED table, and a partitioned table's
+	// own persistence says nothing of them.
+	rows, err := p.pool.Query(ctx, `SELECT c.oid::regclass::text FROM unnest($1::text[]) AS t JOIN pg_class c
+	ON c.oid = to_regclass(t) OR c.oid IN (SELECT relid FROM pg_partition_tree(to_regclass(t)))
+WHERE c.relpersistence = 'u' ORDER BY 1`,
 		[]string{p.cfg.Store.ProcessedTable(), p.cfg.Store.AttemptsTable(), p.cfg.Store.OffsetsTable()})
 	if err != nil {
 		p.cfg.Telemetry.Logger.DebugContext(ctx, "once: cannot read whether the store's tables are logged", "consumer", p.cfg.Name, "error", err)

@@ -98,8 +98,26 @@ func (s *Store) newSeries(schema, table string, migs []migrate.Migration) *migra
 		Verify: func(ctx context.Context, tx pgx.Tx) error {
 			return errors.Join(s.Check(ctx, tx), s.CheckOffsets(ctx, tx), s.checkRetentionIndex(ctx, tx))
 		},
+		Gone: s.gone,
 	}
 }
+
+// gone reports whether a table that schema version version has is missing:
+// dropped or renamed by hand after Migrate recorded the version (a DBA
+// clearing the crash guard's records with DROP TABLE). Migrate then makes
+// it again, empty, rather than fail every start on a missing table.
+func (s *Store) gone(ctx context.Context, tx pgx.Tx, version int) (bool, error) {
+	tables := []string{s.names.Table, s.names.Attempts}
+	if version >= offsetsVersion {
+		tables = append(tables, s.names.Offsets)
+	}
+	var missing bool
+	err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM unnest($1::text[]) AS t WHERE to_regclass(t) IS NULL)`, tables).Scan(&missing)
+	return missing, err
+}
+
+// offsetsVersion is the schema version that creates the offsets table.
+const offsetsVersion = 4
 
 // adopt recognises the tables that no version was recorded for: made by
 // the unversioned releases (the shape of version 1), or by the plain SQL
@@ -170,7 +188,9 @@ func (s *Store) SchemaSQL() string {
 // runs the migrations from the version the database records (tables made
 // before versions were recorded are recognised as version 1), records each
 // version in the once_schema_versions table of the store's schema, then
-// checks the tables' shape (see Check and CheckOffsets). Everything runs in one transaction
+// checks the tables' shape (see Check and CheckOffsets). A table of the
+// recorded version that is gone (dropped by hand) is made again, empty,
+// by running that version's steps again. Everything runs in one transaction
 // under an advisory lock: it is idempotent and safe to call from many
 // processes at once, and on an error nothing has changed.
 //

@@ -31,7 +31,8 @@ the version the database records.
 status prints the version the database records; where none is, it says
 whether the tables are missing or were made without a record (by goose,
 golang-migrate, by hand), and then whether they have the store's shape
-(-json: tables_exist, shape_error).`
+(-json: tables_exist, shape_error); where one is, whether a table is gone
+or of another shape (shape_error): up makes a table dropped by hand again.`
 
 const statusUsage = `Usage: once status [-database-url URL] [-kafka BROKERS -group G -topic T] [-amqp URL -queue Q] [-dlq NAME] [-json]
 
@@ -227,11 +228,16 @@ func (a *app) migrate(ctx context.Context, args []string) error {
 		return fmt.Errorf("read %s: %w", *db.table, err)
 	}
 	var shapeErr error
-	if version == 0 && tablesExist {
+	switch {
+	case version == 0 && tablesExist:
 		// Tables of an older release, or of migration files applied
 		// part of the way, lack what later versions add: Migrate adopts
 		// and completes them. Only what it would refuse is an error.
 		shapeErr = store.CheckUnrecorded(ctx, pool)
+	case version > 0 && action == "status":
+		// A version is recorded, but a table may have been dropped by
+		// hand since: "schema version N" would read as all well.
+		shapeErr = store.Check(ctx, pool)
 	}
 	if *asJSON {
 		// schema "" means the tables found through the search_path.
@@ -252,6 +258,9 @@ func (a *app) migrate(ctx context.Context, args []string) error {
 		fmt.Fprintf(a.stdout, "%s: no schema version recorded, but the tables exist with the store's shape (made by another tool, by hand, "+
 			"or by a release before versions were recorded); migrate up, or a consumer's start, records them and brings them to version %d\n",
 			*db.table, dedup.SchemaVersion)
+	case action == "status" && shapeErr != nil:
+		fmt.Fprintf(a.stdout, "%s: schema version %d of %d recorded, but the tables are not as it made them "+
+			"(migrate up makes a table dropped by hand again, empty): %v\n", *db.table, version, dedup.SchemaVersion, shapeErr)
 	case action == "status":
 		fmt.Fprintf(a.stdout, "%s: schema version %d of %d\n", *db.table, version, dedup.SchemaVersion)
 	default:

@@ -36,6 +36,7 @@
 // search_path finds, which may be another schema's.
 //
 // Adopt recognises tables created before the package recorded versions;
-// Verify checks the tables' shape after the newest migration (dedup uses
-// both).
+// Verify checks the tables' shape after the newest migration; Gone tells
+// that a table of the recorded version was dropped by hand, which the up
+// steps then make again (dedup uses all three).
 package migrate

@@ -189,6 +189,16 @@ type Series struct {
 	// same transaction, when the target is the newest version: an error
 	// (a table of another shape) rolls everything back.
 	Verify func(ctx context.Context, tx pgx.Tx) error
+	// Gone, when not nil, is called (inside the migration's transaction,
+	// under the lock) with the recorded version, when it is one the
+	// series knows: it reports whether a table that version has is gone,
+	// dropped or renamed by hand after the version was recorded. The up
+	// steps to that version then run again (their statements must be
+	// idempotent: IF NOT EXISTS, IF EXISTS) before the migration goes on,
+	// so that Migrate makes the tables again, empty, and the down steps
+	// find what they alter; without it both failed on the missing table
+	// for ever, and only an edit of the version table by hand got out.
+	Gone func(ctx context.Context, tx pgx.Tx, version int) (bool, error)
 }
 
 // Latest is the newest version the series knows.
@@ -410,6 +420,9 @@ func (s *Series) migrate(ctx context.Context, tx pgx.Tx, target int) error {
 	if current > s.Latest() {
 		return s.newer(ctx, tx, table, current, target)
 	}
+	if err := s.remake(ctx, tx, current); err != nil {
+		return err
+	}
 	for v := current + 1; v <= target; v++ {
 		if err := s.step(ctx, tx, table, s.Migrations[v-1], true); err != nil {
 			return err
@@ -422,6 +435,24 @@ func (s *Series) migrate(ctx context.Context, tx pgx.Tx, target int) error {
 	}
 	if target == s.Latest() && s.Verify != nil {
 		return s.Verify(ctx, tx)
+	}
+	return nil
+}
+
+// remake runs the up steps to current again, unrecorded (they are), when
+// Gone reports that a table of that version is gone.
+func (s *Series) remake(ctx context.Context, tx pgx.Tx, current int) error {
+	if s.Gone == nil || current == 0 {
+		return nil
+	}
+	gone, err := s.Gone(ctx, tx, current)
+	if err != nil || !gone {
+		return err
+	}
+	for _, m := range s.Migrations[:current] {
+		if _, err := tx.Exec(ctx, m.Up); err != nil {
+			return fmt.Errorf("making again the tables of version %d, some of which are gone: version %d (%s) up: %w", current, m.Version, m.Name, err)
+		}
 	}
 	return nil
 }
