@@ -131,7 +131,11 @@ type Config struct {
 	// handler needs a pool larger than Concurrency. The crash guard opens
 	// one more connection, outside the pool, at the first attempt of a
 	// suspect (the lock every such attempt holds), and keeps it until Run
-	// ends: count it against the server's max_connections.
+	// ends: count it against the server's max_connections. At most 262,143
+	// (2^18 - 1), PostgreSQL's own bound on max_connections, which no pool
+	// can pass: Run starts a worker for each at its start, a few kilobytes
+	// each, so a larger value (math.MaxInt, meant as no bound) could not
+	// run.
 	Concurrency int
 	// ReceiveBuffer is how many received messages may wait to be handled,
 	// across all streams, before receiving blocks; the broker's own buffers
@@ -287,16 +291,23 @@ type IdentifyConfig struct {
 	// TypeHeaders are the headers the event type is read from when the
 	// broker has no native type property. Defaults to "type", "ce_type".
 	TypeHeaders []string
-	// EventID, when set, replaces the id rule altogether: it returns the id
-	// of m, or an error that dead-letters m with kind KindMissingID. An
-	// empty id with no error takes Message.FallbackID (the position, on
-	// Kafka), and without one dead-letters m with KindMissingID too. It
-	// runs on the consumer's goroutines, one message at a time per stream;
-	// a panic in it dead-letters the message with kind KindPanic; one that
-	// hangs is never cut, but logged (see Config.HandlerTimeout). Defaults
-	// to nil: Message.ID, then IDHeaders, then the envelope's id, then
-	// Message.FallbackID. It is not asked for the id of a redriven copy of
-	// this consumer's own dead letter (HeaderRedriveEventID); on a copy of
+	// EventID, when set, replaces the id rule altogether: it returns the id of
+	// m, or an error that dead-letters m with kind KindMissingID and no event
+	// id (the ids m carries are not its id under EventID; a redrive of the
+	// dead letter asks EventID again). One whose failure may pass (it looks
+	// the id up in a service that is down for a moment) returns its error
+	// wrapped in RetryAfter(d, err): m is identified again after d, in its
+	// place in its stream, as a Decoder's RetryAfter is (see Decoder; OnRetry
+	// Reason RetryDecode), counted against Retry.MaxAttempts, and
+	// dead-lettered with kind KindMissingID once they are spent (Permanent
+	// around it wins). An empty id with no error takes Message.FallbackID (the
+	// position, on Kafka), and without one dead-letters m with KindMissingID
+	// too. It runs on the consumer's goroutines, one message at a time per
+	// stream; a panic in it dead-letters the message with kind KindPanic; one
+	// that hangs is never cut, but logged (see Config.HandlerTimeout).
+	// Defaults to nil: Message.ID, then IDHeaders, then the envelope's id,
+	// then Message.FallbackID. It is not asked for the id of a redriven copy
+	// of this consumer's own dead letter (HeaderRedriveEventID); on a copy of
 	// another consumer's, m.FallbackID is the first delivery's
 	// (HeaderRedriveFallbackID), not the copy's position.
 	EventID func(m *Message) (string, error)
@@ -484,6 +495,14 @@ const maxNameLength = 200
 // keeps every worker in full batches (2 × Concurrency × Batch.Size).
 const maxReceiveBuffer = 1 << 20
 
+// maxConcurrency is the greatest Concurrency: PostgreSQL's most
+// connections (max_connections is at most 2^18 - 1, its MAX_BACKENDS), so
+// no pool holds more and no more transactions could ever run at once. Run
+// starts a worker goroutine for each unit of Concurrency at its start, a
+// few kilobytes each whatever runs: math.MaxInt or 1<<30, meant as no
+// bound, took terabytes and got the process killed.
+const maxConcurrency = 1<<18 - 1
+
 // maxIDLimit is the greatest Identify.MaxIDLength: an id of that many bytes,
 // beside a Name of maxNameLength, fits a btree key of the dedup tables'
 // primary keys (consumer, event_id), which PostgreSQL refuses past 2,704
@@ -648,6 +667,10 @@ func (c *Config) validate() error {
 			return fmt.Errorf("%w: Hooks.Middleware[%d] is nil", ErrInvalidConfig, i)
 		}
 	}
+	if c.Concurrency > maxConcurrency {
+		return fmt.Errorf("%w: Concurrency %d exceeds %d, PostgreSQL's most connections: Run starts a worker for each at its start",
+			ErrInvalidConfig, c.Concurrency, maxConcurrency)
+	}
 	if c.ReceiveBuffer > maxReceiveBuffer {
 		return fmt.Errorf("%w: ReceiveBuffer %d exceeds %d: Run makes room for that many messages at its start", ErrInvalidConfig, c.ReceiveBuffer, maxReceiveBuffer)
 	}
@@ -679,7 +702,9 @@ func (c *Config) validate() error {
 // ReceiveBuffer from it) and warns when Concurrency exceeds its MaxConns.
 func (c *Config) fitPool(pool interface{ Config() *pgxpool.Config }) {
 	maxConns := int(pool.Config().MaxConns)
-	setDefault(&c.Concurrency, max(1, maxConns))
+	// A pool's MaxConns may be set past what any server takes: the
+	// default stops at maxConcurrency, as a set Concurrency must.
+	setDefault(&c.Concurrency, min(max(1, maxConns), maxConcurrency))
 	setDefault(&c.ReceiveBuffer, defaultReceiveBuffer(c.Concurrency, c.Batch.Size))
 	if c.Concurrency > maxConns {
 		c.Telemetry.Logger.Warn("once: Concurrency exceeds the pool's MaxConns; the extra transactions wait for a connection",

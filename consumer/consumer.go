@@ -132,11 +132,17 @@ func (c *Consumer[T]) Stats() Stats {
 // own may fill it.
 func decodable[T any](cfg Config) error {
 	t := reflect.TypeFor[T]()
-	if cfg.Decoder != nil || t.Kind() != reflect.Interface || t.NumMethod() == 0 {
+	if decodableBy(t, cfg) {
 		return nil
 	}
 	return fmt.Errorf("%w: the payload type %v is an interface, which the default JSON decoder cannot decode into "+
 		"(every message would be dead-lettered): decode into a concrete type, route an event family with NewRouted, or set Decoder", ErrInvalidConfig, t)
+}
+
+// decodableBy reports whether cfg's Decoder may fill a payload of type t:
+// the default JSON decoder cannot fill an interface with methods.
+func decodableBy(t reflect.Type, cfg Config) bool {
+	return cfg.Decoder != nil || t.Kind() != reflect.Interface || t.NumMethod() == 0
 }
 
 // call runs a decoded message's handler in tx. q is the transaction's

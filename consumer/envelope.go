@@ -208,6 +208,12 @@ func (c *Config) identify(m *Message) (identity, ErrorKind, error) {
 	if c.Identify.EventID != nil && redriven == "" {
 		id, err := c.Identify.EventID(m)
 		if err != nil {
+			// No id: the one the message carries (Message.ID, the
+			// IDHeaders, the envelope's) is not the event's under
+			// EventID, which replaces those rules. A dead letter named
+			// by it would be redriven under it (HeaderRedriveEventID),
+			// EventID never asked again.
+			idt.id = ""
 			return idt, KindMissingID, err
 		}
 		idt.id = id

@@ -200,14 +200,15 @@ func (p *pipeline) retryOrGiveUp(ctx context.Context, s *settler, j *job, r txRe
 	return true
 }
 
-// decodeAgain takes j, whose Decoder or Envelope failed with RetryAfter
-// (job.undecoded), through the retry policy as retryOrGiveUp takes a
-// handler's RetryAfter: it waits the delay asked for, aside, and
-// identifies j again, until it decodes (it reports true: j is to be run),
-// fails otherwise (dead-lettered with that failure), has failed
-// Retry.MaxAttempts times (dead-lettered with kind KindDecode), or the
-// consumer stops (abandoned). Nothing of j is claimed meanwhile: the
-// handler never ran, and its runs are counted apart once it does.
+// decodeAgain takes j, whose Decoder, Envelope or Identify.EventID failed
+// with RetryAfter (job.undecoded), through the retry policy as
+// retryOrGiveUp takes a handler's RetryAfter: it waits the delay asked
+// for, aside, and identifies j again, until it decodes (it reports true: j
+// is to be run), fails otherwise (dead-lettered with that failure), has
+// failed Retry.MaxAttempts times (dead-lettered with kind KindDecode, or
+// KindMissingID for an EventID's failure), or the consumer stops
+// (abandoned). Nothing of j is claimed meanwhile: the handler never ran,
+// and its runs are counted apart once it does.
 func (p *pipeline) decodeAgain(ctx context.Context, s *settler, j *job) bool {
 	for j.undecoded != nil {
 		if p.mustStop(ctx, s) {
@@ -216,8 +217,8 @@ func (p *pipeline) decodeAgain(ctx context.Context, s *settler, j *job) bool {
 		}
 		err := j.undecoded
 		if j.decodeFailures >= p.cfg.Retry.MaxAttempts {
-			s.deadLetter(j.ctx, j, &DeadLetter{Kind: KindDecode,
-				Error: fmt.Sprintf("%s (decoding failed %d times, Retry.MaxAttempts)", err.Error(), j.decodeFailures)})
+			s.deadLetter(j.ctx, j, &DeadLetter{Kind: j.undecodedKind,
+				Error: fmt.Sprintf("%s (%s failed %d times, Retry.MaxAttempts)", err.Error(), undecodedStep(j.undecodedKind), j.decodeFailures)})
 			return false
 		}
 		var wait time.Duration
@@ -225,8 +226,8 @@ func (p *pipeline) decodeAgain(ctx context.Context, s *settler, j *job) bool {
 		if errors.As(err, &ra) { // always: unidentified keeps only such errors
 			wait = ra.Delay
 		}
-		p.cfg.Telemetry.Logger.DebugContext(j.ctx, "once: decoding failed and asked for a retry; retrying", "consumer", p.cfg.Name,
-			"event_id", j.idt.id, "attempt", j.decodeFailures, "error", err, "backoff", wait)
+		p.cfg.Telemetry.Logger.DebugContext(j.ctx, "once: identifying or decoding the event failed and asked for a retry; retrying", "consumer", p.cfg.Name,
+			"event_id", j.idt.id, "step", undecodedStep(j.undecodedKind), "attempt", j.decodeFailures, "error", err, "backoff", wait)
 		p.retrying(j.ctx, Retry{Reason: RetryDecode, EventID: j.idt.id, Messages: 1, Err: err, Wait: wait})
 		if !p.pause(ctx, s, wait) {
 			s.abandon(j)
@@ -241,6 +242,16 @@ func (p *pipeline) decodeAgain(ctx context.Context, s *settler, j *job) bool {
 		}
 	}
 	return true
+}
+
+// undecodedStep names, for a dead letter's error, the step that failed
+// with RetryAfter until Retry.MaxAttempts was spent (kind, its
+// job.undecodedKind).
+func undecodedStep(kind ErrorKind) string {
+	if kind == KindMissingID {
+		return "identifying the event"
+	}
+	return "decoding"
 }
 
 // waitAsked waits the delay of a RetryAfter that names no job (a

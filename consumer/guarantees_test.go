@@ -425,8 +425,13 @@ func TestNewValidatesConfig(t *testing.T) {
 		// panicked making a channel of that many slots.
 		"receive buffer beyond its bound": {consumer.Config{Name: "x", ReceiveBuffer: math.MaxInt}, "ReceiveBuffer"},
 		"receive buffer over a million":   {consumer.Config{Name: "x", ReceiveBuffer: 1<<20 + 1}, "ReceiveBuffer"},
-		"NUL in the name":                 {consumer.Config{Name: "or\x00ders"}, "Name"},
-		"name not UTF-8":                  {consumer.Config{Name: "orders\xff"}, "Name"},
+		// math.MaxInt or 1<<30, meant as no bound, was accepted, and Run
+		// then started a goroutine for each (a few kilobytes apiece) at
+		// its start: terabytes, the process killed for its memory.
+		"concurrency beyond its bound":              {consumer.Config{Name: "x", Concurrency: math.MaxInt}, "Concurrency"},
+		"concurrency over PostgreSQL's connections": {consumer.Config{Name: "x", Concurrency: 1 << 18}, "Concurrency"},
+		"NUL in the name":                           {consumer.Config{Name: "or\x00ders"}, "Name"},
+		"name not UTF-8":                            {consumer.Config{Name: "orders\xff"}, "Name"},
 		// A Store not made by dedup.New (new(dedup.Store)) has no table
 		// names nor statements: it was accepted, and Run panicked with
 		// a nil dereference migrating it, ending the process at start.
@@ -452,6 +457,8 @@ func TestNewValidatesConfig(t *testing.T) {
 	var failed *memsource.Source
 	_, err = consumer.New(pool, failed, insertEffect, consumer.Config{Name: "x"})
 	require.ErrorIs(t, err, consumer.ErrInvalidConfig, "a nil *memsource.Source")
+	_, err = consumer.New(pool, src, insertEffect, consumer.Config{Name: "x", Concurrency: 1<<18 - 1})
+	require.NoError(t, err, "as many transactions as PostgreSQL's connections may be")
 	_, err = consumer.New(pool, src, insertEffect, consumer.Config{Name: "x", Retention: consumer.RetentionConfig{MaxAge: time.Second}})
 	require.NoError(t, err, "a retention window of a second is accepted")
 	_, err = consumer.New(pool, src, insertEffect, consumer.Config{Name: "x", Retention: consumer.RetentionConfig{MaxAge: time.Hour, Interval: time.Millisecond}})

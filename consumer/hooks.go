@@ -28,10 +28,10 @@ type Hooks struct {
 	// redelivery). It is called after the ack (or the abandonment).
 	OnOutcome func(ctx context.Context, o Outcome)
 	// OnRetry is called before each wait for another attempt: after a
-	// handler failure (Reason RetryHandler), a Decoder's or an Envelope's
-	// RetryAfter (RetryDecode) or an infrastructure failure
-	// (RetryInfrastructure: the database or the dead-letter destination is
-	// failing, and the consumer waits for it).
+	// handler failure (Reason RetryHandler), a Decoder's, an Envelope's or
+	// an Identify.EventID's RetryAfter (RetryDecode) or an infrastructure
+	// failure (RetryInfrastructure: the database or the dead-letter
+	// destination is failing, and the consumer waits for it).
 	OnRetry func(ctx context.Context, r Retry)
 	// AfterCommit is called once the transaction that handled messages
 	// has committed, before they are acked, with the events whose handler
@@ -99,9 +99,10 @@ type RetryReason string
 const (
 	RetryHandler        RetryReason = "handler"
 	RetryInfrastructure RetryReason = "infrastructure"
-	// RetryDecode: the Decoder or the Envelope failed with RetryAfter
-	// (a schema registry it depends on is down, say); the message is
-	// decoded again after the delay it asked for.
+	// RetryDecode: the Decoder, the Envelope or Identify.EventID failed
+	// with RetryAfter (a schema registry or an id service it depends on is
+	// down, say); the message is identified and decoded again after the
+	// delay it asked for.
 	RetryDecode RetryReason = "decode"
 )
 

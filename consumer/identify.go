@@ -36,11 +36,15 @@ type job struct {
 	// is dead-lettered in its place in the stream.
 	failure *DeadLetter
 	// undecoded, set by identify instead of failure, is the error of a
-	// Decoder or an Envelope that asked with RetryAfter to be tried again
-	// later: the message is identified again in its place in the stream
-	// (decodeAgain). decodeFailures counts such failures so far, for
-	// Retry.MaxAttempts (0: it decoded at its first try).
+	// Decoder, an Envelope or an Identify.EventID that asked with
+	// RetryAfter to be tried again later: the message is identified again
+	// in its place in the stream (decodeAgain). undecodedKind is the
+	// dead-letter kind it gets once Retry.MaxAttempts is spent (KindDecode,
+	// or KindMissingID for an EventID's). decodeFailures counts such
+	// failures so far, for Retry.MaxAttempts (0: it decoded at its first
+	// try).
 	undecoded      error
+	undecodedKind  ErrorKind
 	decodeFailures int
 	// seq is the job's place among the deliveries handled together, in
 	// stream order.
@@ -151,21 +155,24 @@ func (p *pipeline) prepareJob(j *job) (dl *DeadLetter) {
 }
 
 // unidentified is the dead letter of j, which identify could not prepare
-// for its handler (kind, err), or nil when its Decoder or Envelope failed
-// with RetryAfter (and not Permanent, which wins as in Classify): j is
-// then to be decoded again later, as a handler's RetryAfter is run again
-// (a schema registry that is down for a moment would otherwise send every
-// message of the outage to the dead-letter queue). Any other failure
-// comes from the bytes, which fail the same way on every try.
+// for its handler (kind, err), or nil when its Decoder, Envelope or
+// Identify.EventID failed with RetryAfter (and not Permanent, which wins
+// as in Classify): j is then to be identified again later, as a handler's
+// RetryAfter is run again (a schema registry or an id service that is down
+// for a moment would otherwise send every message of the outage to the
+// dead-letter queue). Any other failure comes from the bytes, which fail
+// the same way on every try. Only an EventID's error is KindMissingID with
+// a RetryAfter in it: the consumer's own "no id" error has none.
 func unidentified(j *job, kind ErrorKind, err error) *DeadLetter {
 	var ra *RetryAfterError
 	var perm *PermanentError
-	if kind == KindDecode && errors.As(err, &ra) && !errors.As(err, &perm) {
+	retriable := kind == KindDecode || kind == KindMissingID
+	if retriable && errors.As(err, &ra) && !errors.As(err, &perm) {
 		// Read here, under prepareJob's recover, as readableError reads a
 		// handler's: an Error method that panics is the decoder's panic,
 		// not one where the consumer logs and dead-letters it later.
 		_ = err.Error()
-		j.undecoded = err
+		j.undecoded, j.undecodedKind = err, kind
 		j.decodeFailures++
 		return nil
 	}

@@ -42,7 +42,15 @@ type RouterConfig struct {
 // registering after NewRouted has no effect on that consumer.
 type Router[T any] struct {
 	cfg    RouterConfig
-	routes map[string]preparer
+	routes map[string]route
+}
+
+// route is one event type's handler in a Router.
+type route struct {
+	prepare preparer
+	// payload is the handler's payload type, which NewRouted checks
+	// against the Config's Decoder (decodableBy).
+	payload reflect.Type
 }
 
 // NewRouter returns an empty router for events of family T. For example
@@ -55,7 +63,7 @@ type Router[T any] struct {
 //
 // only handlers whose payload types implement OrderEvent.
 func NewRouter[T any](cfg RouterConfig) *Router[T] {
-	return &Router[T]{cfg: cfg, routes: map[string]preparer{}}
+	return &Router[T]{cfg: cfg, routes: map[string]route{}}
 }
 
 // EventTyper is implemented by payload types that name their own event
@@ -97,7 +105,8 @@ func AddHandler[T any, P EventTyper](r *Router[T], h Handler[P]) error {
 // Handle registers h for events of type eventType, decoded into P. It fails
 // with an error wrapping ErrInvalidConfig for an empty type, a nil handler,
 // a type registered before, or a P that is not assignable to the router's
-// family T.
+// family T. A P that is an interface with methods needs a Config.Decoder
+// that fills it: NewRouted refuses it without one.
 func Handle[T, P any](r *Router[T], eventType string, h Handler[P]) error {
 	switch {
 	case r == nil:
@@ -114,12 +123,12 @@ func Handle[T, P any](r *Router[T], eventType string, h Handler[P]) error {
 		return fmt.Errorf("%w: a handler for %q is already registered", ErrInvalidConfig, eventType)
 	}
 	if r.routes == nil {
-		r.routes = map[string]preparer{}
+		r.routes = map[string]route{}
 	}
-	r.routes[eventType] = func(m *Message, idt identity, dec Decoder) (prepared, ErrorKind, error) {
+	r.routes[eventType] = route{payload: reflect.TypeFor[P](), prepare: func(m *Message, idt identity, dec Decoder) (prepared, ErrorKind, error) {
 		c, kind, err := bind(h, m, idt, dec)
 		return prepared{call: c}, kind, err
-	}
+	}}
 	return nil
 }
 
@@ -140,13 +149,13 @@ func (r *Router[T]) Types() []string {
 // routeTable is a router's routes frozen for one consumer.
 type routeTable struct {
 	cfg    RouterConfig
-	routes map[string]preparer
+	routes map[string]route
 }
 
 func (r *routeTable) prepare(m *Message, idt identity, dec Decoder) (prepared, ErrorKind, error) {
 	route, ok := r.routes[idt.typ]
 	if ok {
-		return route(m, idt, dec)
+		return route.prepare(m, idt, dec)
 	}
 	if r.cfg.UnknownTypes == SkipUnknownTypes {
 		return prepared{}, "", nil
@@ -158,13 +167,22 @@ func (r *routeTable) prepare(m *Message, idt identity, dec Decoder) (prepared, E
 // router's handler for its event type (Message.Type, else the
 // Config.Identify.TypeHeaders, else the envelope's type). The router must
 // have at least one handler; later registrations do not reach the
-// consumer. Errors as for New.
+// consumer. Errors as for New, and, without a Config.Decoder, for a
+// handler whose payload type is an interface with methods, which the
+// default JSON decoder cannot fill (register such a handler only with a
+// Decoder that can).
 func NewRouted[T any](pool *pgxpool.Pool, src Source, r *Router[T], cfg Config) (*Consumer[T], error) {
 	if r == nil || len(r.routes) == 0 {
 		return nil, fmt.Errorf("%w: router has no handlers", ErrInvalidConfig)
 	}
 	if r.cfg.UnknownTypes != DeadLetterUnknownTypes && r.cfg.UnknownTypes != SkipUnknownTypes {
 		return nil, fmt.Errorf("%w: RouterConfig.UnknownTypes %d is not a known policy", ErrInvalidConfig, r.cfg.UnknownTypes)
+	}
+	for _, typ := range r.Types() {
+		if t := r.routes[typ].payload; !decodableBy(t, cfg) {
+			return nil, fmt.Errorf("%w: the handler for %q takes %v, an interface, which the default JSON decoder cannot decode into "+
+				"(every message of that type would be dead-lettered): take a concrete type, or set Decoder", ErrInvalidConfig, typ, t)
+		}
 	}
 	frozen := &routeTable{cfg: r.cfg, routes: maps.Clone(r.routes)}
 	p, err := newPipeline(pool, src, cfg, frozen.prepare)

@@ -124,7 +124,8 @@ type Delivery interface {
 	// consumer retries with backoff and never acks in between. A panic in
 	// DeadLetter is recovered and taken as such an error (wrapping
 	// ErrSourceBroken, with the panic's value and stack); SourcePanicLimit
-	// panics in a row for one message stop Run.
+	// panics in a row for one message stop Run. The consumer never passes
+	// a nil dl; the adapters of this module refuse one with an error.
 	DeadLetter(ctx context.Context, dl *DeadLetter) error
 }
 
@@ -339,9 +340,9 @@ type DeadLetter struct {
 	EventType string
 	// Attempts is how many times the handler ran: 0 for id failures and a
 	// Decoder's or Envelope's failure (also one retried with RetryAfter
-	// until Retry.MaxAttempts, whose Error names how often it failed); a
-	// KindDecode dead letter of a handler that returned a DecodeError
-	// counts its run.
+	// until Retry.MaxAttempts, whose Error names how often it failed, as an
+	// Identify.EventID's is); a KindDecode dead letter of a handler that
+	// returned a DecodeError counts its run.
 	Attempts int
 	// FailedAt is when the consumer dead-lettered the message.
 	FailedAt time.Time
@@ -355,18 +356,17 @@ type DeadLetter struct {
 
 // Headers returns the diagnostic headers for a dead-letter copy of m. The
 // adapter adds its broker-specific ones (exchange, routing key) and writes
-// them over the message's original headers.
+// them over the message's original headers. A nil dl reads as the zero
+// DeadLetter (no kind, no error), and a nil m adds none of the message's
+// headers (position, timestamp, fallback id): neither panics, though the
+// consumer never passes either, and the adapters refuse a nil dl.
 func (dl *DeadLetter) Headers(m *Message) map[string]string {
+	if dl == nil {
+		dl = &DeadLetter{}
+	}
 	h := make(map[string]string, 16+len(dl.Extra))
-	h[HeaderOriginalTopic] = m.Topic
-	if m.Partition >= 0 {
-		h[HeaderOriginalPartition] = strconv.FormatInt(int64(m.Partition), 10)
-	}
-	if m.Offset >= 0 {
-		h[HeaderOriginalOffset] = strconv.FormatInt(m.Offset, 10)
-	}
-	if !m.Timestamp.IsZero() {
-		h[HeaderOriginalTimestamp] = m.Timestamp.UTC().Format(time.RFC3339Nano)
+	if m != nil {
+		originHeaders(h, m)
 	}
 	h[HeaderConsumer] = dl.Consumer
 	h[HeaderEventID] = dl.EventID
@@ -378,9 +378,6 @@ func (dl *DeadLetter) Headers(m *Message) map[string]string {
 		h[HeaderErrorStack] = truncate(dl.Stack, maxHeaderText)
 	}
 	h[HeaderFailedAt] = dl.FailedAt.UTC().Format(time.RFC3339Nano)
-	if fb := fallbackID(m); fb != "" {
-		h[HeaderFallbackID] = fb
-	}
 	if dl.TraceParent != "" {
 		h[HeaderTraceParent] = dl.TraceParent
 	}
@@ -388,6 +385,24 @@ func (dl *DeadLetter) Headers(m *Message) map[string]string {
 		h[k] = v
 	}
 	return h
+}
+
+// originHeaders writes into h the headers of m, the message a dead letter
+// copies: its position, timestamp and fallback id.
+func originHeaders(h map[string]string, m *Message) {
+	h[HeaderOriginalTopic] = m.Topic
+	if m.Partition >= 0 {
+		h[HeaderOriginalPartition] = strconv.FormatInt(int64(m.Partition), 10)
+	}
+	if m.Offset >= 0 {
+		h[HeaderOriginalOffset] = strconv.FormatInt(m.Offset, 10)
+	}
+	if !m.Timestamp.IsZero() {
+		h[HeaderOriginalTimestamp] = m.Timestamp.UTC().Format(time.RFC3339Nano)
+	}
+	if fb := fallbackID(m); fb != "" {
+		h[HeaderFallbackID] = fb
+	}
 }
 
 // fallbackID is m's fallback id: its first delivery's when m is a redriven

@@ -38,8 +38,8 @@ type Stats struct {
 	// dead-lettered again, and counts twice.
 	DeadLettered uint64
 	// Retries counts handler attempts after the first, decodings after a
-	// Decoder's or Envelope's RetryAfter, and retries after
-	// infrastructure failures.
+	// Decoder's, Envelope's or Identify.EventID's RetryAfter, and retries
+	// after infrastructure failures.
 	Retries uint64
 	// InfraErrors counts infrastructure failures (database or broker).
 	InfraErrors uint64

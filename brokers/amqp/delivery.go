@@ -200,8 +200,13 @@ func (d *delivery) Ack(ctx context.Context) error {
 // DeadLetter.NoQueue, where the source declares nothing that would bring
 // it back: such a failure is logged at level Error and counted too. The
 // copy goes out on the source's dead-letter connection, not the consuming
-// one. It does not ack the delivery.
+// one. It does not ack the delivery. A nil dl is refused with an error.
 func (d *delivery) DeadLetter(ctx context.Context, dl *consumer.DeadLetter) error {
+	if dl == nil {
+		// A copy that says nothing of why would be written, then acked:
+		// refused, as the Kafka source refuses it.
+		return fmt.Errorf("amqp: dead-letter delivery %d: DeadLetter called with a nil *consumer.DeadLetter", d.d.DeliveryTag)
+	}
 	if d.sess.ctx.Err() != nil {
 		return fmt.Errorf("amqp: dead-letter delivery %d: %w (%w)", d.d.DeliveryTag, ErrChannelClosed, context.Cause(d.sess.ctx))
 	}

@@ -263,6 +263,11 @@ func (d *delivery) Ack(ctx context.Context) error {
 }
 
 func (d *delivery) DeadLetter(ctx context.Context, dl *consumer.DeadLetter) error {
+	if dl == nil {
+		// A copy that says nothing of why would be written, then acked:
+		// refused, as the Kafka source refuses it.
+		return fmt.Errorf("memsource: DeadLetter of offset %d called with a nil *consumer.DeadLetter", d.m.Offset)
+	}
 	if d.s.ctx.Err() != nil {
 		return fmt.Errorf("memsource: dead letter after close of offset %d", d.m.Offset)
 	}
