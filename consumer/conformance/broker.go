@@ -72,7 +72,7 @@ type Suite struct {
 	// NewBroker returns a fresh subscription for one test.
 	NewBroker func(t *testing.T) Broker
 	// NewDB returns a pool on a real PostgreSQL database whose search_path
-	// is an empty schema of this test's own.
+	// is an empty schema of this test's own, as oncetest.Postgres(t) does.
 	NewDB func(t *testing.T) *pgxpool.Pool
 	// Tune, when set, adjusts the consumer configuration of every test,
 	// e.g. to run the suite with Batch.Size 1 as well as batched.

@@ -2,7 +2,7 @@
 // pass, in the spirit of Watermill's shared pub/sub tests. An adapter's test
 // implements Broker (publish, open a source, read the dead letters) on a
 // real broker, declares its Features, and calls Run with a real PostgreSQL
-// database:
+// database (oncetest.Postgres gives each test a schema of its own):
 //
 //	func TestConformance(t *testing.T) {
 //		conformance.Run(t, conformance.Suite{

@@ -58,6 +58,10 @@ const (
 	// acked by a later one's ack, and lost if the consumer stops before
 	// it finished.
 	cumulativeAck
+	// sharedFallbackID gives every message without an id one FallbackID,
+	// as one of a topic and partition without the offset would: the second
+	// such message is skipped as a duplicate of the first.
+	sharedFallbackID
 )
 
 func (b *memBroker) Publish(_ context.Context, msgs ...conformance.OutMessage) error {
@@ -117,6 +121,10 @@ func (s *flawedSource) Receive(ctx context.Context) (consumer.Delivery, error) {
 		m.FallbackID = fmt.Sprintf("%s#%d", m.FallbackID, s.open)
 	case redeliveryUnmarked:
 		m.Redelivered, m.DeliveryCount = false, 0
+	case sharedFallbackID:
+		if m.FallbackID != "" {
+			m.FallbackID = m.Topic + "/shared"
+		}
 	}
 	fd := &flawedDelivery{Delivery: d, m: &m, dropAck: s.b.flaw == acksLost}
 	if s.b.flaw == cumulativeAck {
@@ -192,6 +200,14 @@ var flawed = []struct {
 		suite: suite(acksLost, conformance.Features{Ordered: true, RedeliverOnRestart: true},
 			memsource.Options{Streams: 3}),
 		caughtBy: "AckedNotRedelivered",
+	},
+	{
+		// Without RedeliverOnRestart, FallbackIDStableAcrossRedelivery does
+		// not run: MissingID alone sees the id-less messages.
+		name: "shared-fallback-id",
+		suite: suite(sharedFallbackID, conformance.Features{Ordered: true, FallbackID: true},
+			memsource.Options{Streams: 2, FallbackID: true}),
+		caughtBy: "MissingID",
 	},
 	{
 		name:     "cumulative-ack",

@@ -10,8 +10,9 @@
 // that the killed batch did go out again (else it fails: too few orders
 // for the kill, which follows the third batch).
 //
-// It runs on an in-process Kafka-protocol broker (kfake) and DATABASE_URL,
-// or a throwaway PostgreSQL server that it starts and removes.
+// It runs on an in-process Kafka-protocol broker (kfake) and DATABASE_URL
+// (its tables in a schema of its own, outbox_chain, made afresh on each
+// run), or a throwaway PostgreSQL server that it starts and removes.
 //
 //	go run ./examples/outbox-chain [-orders 2000]
 package main
@@ -123,8 +124,15 @@ func run(orders int) error {
 	return report(pool, brokers, orders, orderSvc.c.Stats(), shipping.c.Stats(), crashedAt.Load())
 }
 
+// schema holds the example's tables. Each run drops it whole and makes it
+// again: the library's tables go with the versions once_schema_versions
+// records of them (a table dropped under its recorded version is not
+// created again, and the next run failed), and no table of the database's
+// other schemas is touched.
+const schema = "outbox_chain"
+
 // database returns a pool on DATABASE_URL or on a throwaway server, with
-// the example's tables created afresh.
+// the example's tables created afresh in schema.
 func database(ctx context.Context) (*pgxpool.Pool, func(), error) {
 	url, stop := os.Getenv("DATABASE_URL"), func() {}
 	if url == "" {
@@ -134,12 +142,18 @@ func database(ctx context.Context) (*pgxpool.Pool, func(), error) {
 		}
 		url, stop = srv.URL(), func() { _ = srv.Close() }
 	}
-	pool, err := pgxpool.New(ctx, url)
+	cfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
 		stop()
 		return nil, nil, err
 	}
-	_, err = pool.Exec(ctx, `DROP TABLE IF EXISTS confirmed_orders, shipments, outbox, processed_events, processed_events_attempts;
+	cfg.ConnConfig.RuntimeParams["search_path"] = schema
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		stop()
+		return nil, nil, err
+	}
+	_, err = pool.Exec(ctx, `DROP SCHEMA IF EXISTS `+schema+` CASCADE; CREATE SCHEMA `+schema+`;
 CREATE TABLE confirmed_orders (order_id text NOT NULL, amount bigint NOT NULL);
 CREATE TABLE shipments (order_id text NOT NULL, event_id text NOT NULL)`)
 	if err == nil {

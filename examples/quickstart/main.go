@@ -6,7 +6,8 @@
 // exactly once.
 //
 // It uses DATABASE_URL when set, else a throwaway PostgreSQL server that it
-// starts and removes (go run ./examples/quickstart).
+// starts and removes (go run ./examples/quickstart). Its tables are in a
+// schema of its own, quickstart, made afresh on each run.
 package main
 
 import (
@@ -55,15 +56,11 @@ func run(n int) error {
 		url = srv.URL()
 		fmt.Println("started a throwaway PostgreSQL:", url)
 	}
-	pool, err := pgxpool.New(ctx, url)
+	pool, err := openPool(ctx, url)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
-	if _, err := pool.Exec(ctx, `DROP TABLE IF EXISTS ledger; CREATE TABLE ledger (event_id text, account text, amount bigint);
-		DROP TABLE IF EXISTS processed_events, processed_events_attempts`); err != nil {
-		return err
-	}
 
 	broker := memsource.New(memsource.Options{Streams: 4})
 	sent := publish(broker, n)
@@ -105,6 +102,33 @@ func run(n int) error {
 	}
 	elapsed := time.Since(start)
 	return report(ctx, pool, broker, sent, first.Stats(), second.Stats(), elapsed)
+}
+
+// schema holds the demo's tables. Each run drops it whole and makes it
+// again: the library's tables go with the versions once_schema_versions
+// records of them (a table dropped under its recorded version is not
+// created again, and the next run failed), and no table of the database's
+// other schemas is touched.
+const schema = "quickstart"
+
+// openPool makes schema afresh, with the ledger, on url's database and
+// returns a pool whose connections use it.
+func openPool(ctx context.Context, url string) (*pgxpool.Pool, error) {
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		return nil, err
+	}
+	cfg.ConnConfig.RuntimeParams["search_path"] = schema
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return nil, err
+	}
+	if _, err := pool.Exec(ctx, `DROP SCHEMA IF EXISTS `+schema+` CASCADE; CREATE SCHEMA `+schema+`;
+		CREATE TABLE ledger (event_id text, account text, amount bigint)`); err != nil {
+		pool.Close()
+		return nil, err
+	}
+	return pool, nil
 }
 
 // sent counts what was published, by kind.
