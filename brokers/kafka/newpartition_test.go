@@ -228,3 +228,70 @@ func effectsBeforeProbes(t *testing.T, db *pgxpool.Pool) map[int]int {
 	}
 	return got
 }
+
+// With OffsetsInDatabase the table keeps the group's positions when Kafka
+// forgets the group's offsets (offsets.retention.minutes, the group
+// deleted or renamed), which is what the option is for. A partition added
+// to the topic meanwhile has a position in neither: Setup asked Kafka
+// alone whether the group reads the topic, took the group for one new to
+// it, and started the partition at its end, so that the records produced
+// to it while the group was away were never handled, without a word. The
+// table's positions of the topic's other partitions say that the group
+// reads the topic: the added partition is read from its first record, and
+// the old partition from its position, each record once.
+func TestOffsetsInDatabaseStartNewestReadsAPartitionAddedWhileKafkaForgotTheGroup(t *testing.T) {
+	eachBroker(t, func(t *testing.T, kind brokerKind) {
+		c := newClusterOf(t, kind)
+		topic, group := uniq("orders"), uniq("g")
+		c.createTopic(topic, 1)
+		db := effectsDB(t)
+		cfg := c.dbOffsetsConfig(group, topic)
+		cfg.InitialOffset = StartNewest
+		open := func() *runningConsumer {
+			src, err := Open(t.Context(), cfg)
+			require.NoError(t, err)
+			return startConsumer(t, db, src, consumerConfig("svc"), recordEffect)
+		}
+		r := open()
+		probeUntilClaimed(t, c, db, topic)
+		require.NoError(t, r.stop())
+
+		admin, err := sarama.NewClusterAdmin(c.addrs, saramaConfig())
+		require.NoError(t, err)
+		require.NoError(t, admin.DeleteConsumerGroup(group))
+		require.NoError(t, admin.Close())
+		c.addPartitionWithRecords(topic)
+		c.produce(msg(topic, 0, `{"n":200}`)) // to the old partition while the group was away
+
+		r = open()
+		events := func() map[int]int { return effectsBeforeProbes(t, db) }
+		want := map[int]int{100: 1, 101: 1, 102: 1, 103: 1, 104: 1, 200: 1}
+		assert.Eventually(t, func() bool { return len(events()) == len(want) }, 30*time.Second, 20*time.Millisecond,
+			"the records produced while Kafka had forgotten the group")
+		require.NoError(t, r.stop())
+		assert.Equal(t, want, events(), "each record produced while the group was away handled once")
+	})
+}
+
+// A position the offsets table records shows the group reading its topic
+// unless Kafka's committed offset beside it is a start marked in the
+// session's own generation: members of a group new to the topic record
+// those starts in the table as they set up their claims together, and a
+// member slower than another would otherwise read its partitions from
+// their first records.
+func TestReadInDatabaseLeavesOutStartsOfTheSessionsGeneration(t *testing.T) {
+	const gen = 7
+	positioned := map[topicPartition]bool{{"orders", 0}: true}
+	answer := func(offset int64, metadata string) *sarama.OffsetFetchResponse {
+		resp := &sarama.OffsetFetchResponse{}
+		resp.AddBlock("orders", 0, &sarama.OffsetFetchResponseBlock{Offset: offset, Metadata: metadata, Err: sarama.ErrNoError})
+		resp.AddBlock("orders", 1, &sarama.OffsetFetchResponseBlock{Offset: -1, Err: sarama.ErrNoError})
+		return resp
+	}
+	assert.False(t, readInDatabase(answer(5, startMetadata(gen)), "orders", gen, positioned), "a start of this generation's")
+	assert.True(t, readInDatabase(answer(-1, ""), "orders", gen, positioned), "Kafka forgot the group's offsets")
+	assert.True(t, readInDatabase(answer(5, ""), "orders", gen, positioned), "an acked record's offset")
+	assert.True(t, readInDatabase(answer(5, startMetadata(gen-1)), "orders", gen, positioned), "a start of an earlier generation's")
+	assert.False(t, readInDatabase(answer(-1, ""), "payments", gen, positioned), "another topic's position")
+	assert.False(t, readInDatabase(answer(-1, ""), "orders", gen, nil), "no position in the table")
+}

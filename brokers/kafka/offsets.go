@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"slices"
 	"strconv"
 	"strings"
@@ -253,7 +254,7 @@ func (cl *claim) skip(raw *sarama.ConsumerMessage) bool {
 		return false
 	}
 	if cl.db.doneBelow.CompareAndSwap(-1, raw.Offset) && raw.Offset < cl.db.rewindBelow && !cl.rewind(raw.Offset) {
-		return true // fenced: the claim is revoked, nothing is handed out
+		return true // fenced, or the session ended: the claim is revoked, nothing is handed out
 	}
 	if _, done := cl.db.doneAbove[raw.Offset]; !done {
 		return false
@@ -274,9 +275,12 @@ func (cl *claim) skip(raw *sarama.ConsumerMessage) bool {
 // position never moves back in RecordOffsets: without this none of them
 // would be recorded, and every restart would start at InitialOffset again
 // and handle them again. What the row recorded done above the position is
-// of the offsets the truncation took, and is forgotten with it. It reports
-// false when the claim was fenced (and revoked); a failure to write is
-// logged, and the claim goes on.
+// of the offsets the truncation took, and is forgotten with it. A failure
+// to write is retried with backoff, as a take-over is, until the session
+// ends (the claim is then revoked): a claim that went on would handle its
+// records without recording them, and its records without ids would be
+// handled again after a restart. It reports false when the claim was
+// fenced or its session ended (the claim is revoked then).
 func (cl *claim) rewind(start int64) bool {
 	cl.db.rewindBelow = -1
 	clear(cl.db.doneAbove)
@@ -284,6 +288,36 @@ func (cl *claim) rewind(start int64) bool {
 	if b == nil {
 		return true
 	}
+	retry := backoff.Retrier{Policy: backoff.Policy{Initial: 100 * time.Millisecond, Max: 5 * time.Second}}
+	for {
+		moved, err := cl.moveBack(b, start)
+		switch {
+		case err == nil && moved:
+			return true
+		case err == nil:
+			cl.fence(fmt.Errorf("%w: %s, epoch %d", dedup.ErrFenced, cl.stream, cl.db.epoch), "")
+			return false
+		}
+		cl.src.leaveReadOnly(b, err)
+		wait := retry.Delay()
+		level := slog.LevelWarn
+		if databaseRefused(err) || databaseDeterministic(err) {
+			level = slog.LevelError // waiting alone does not cure it, as for a take-over
+		}
+		cl.src.cfg.Logger.Log(cl.sess.Context(), level, "once/kafka: cannot move the partition's position in the offsets table back to where the claim starts; "+
+			"no record of the partition is handed out until it moves; retrying",
+			"group", cl.src.cfg.Group, "stream", cl.stream, "table", b.Store.OffsetsTable(), "offset", start, "error", err, "backoff", wait)
+		if !backoff.Sleep(cl.sess.Context(), wait) {
+			cl.revoke()
+			return false
+		}
+	}
+}
+
+// moveBack is rewind's statement, within the consumer's DatabaseTimeout
+// (10 s without one). It reports false, without an error, when the row
+// has another epoch: the claim was fenced.
+func (cl *claim) moveBack(b *offsetsBinding, start int64) (bool, error) {
 	bound := 10 * time.Second
 	if b.DatabaseTimeout > 0 {
 		bound = b.DatabaseTimeout
@@ -293,17 +327,10 @@ func (cl *claim) rewind(start int64) bool {
 	tag, err := b.Pool.Exec(ctx, `UPDATE `+b.Store.OffsetsTable()+` SET next_offset = $5, done = '{}', updated_at = now()
 WHERE consumer = $1 AND topic = $2 AND partition = $3 AND epoch = $4`,
 		b.Consumer, cl.sc.Topic(), cl.sc.Partition(), cl.db.epoch, start)
-	switch {
-	case err != nil:
-		cl.src.leaveReadOnly(b, err)
-		cl.src.cfg.Logger.Error("once/kafka: cannot move the partition's position in the offsets table to where the claim starts; "+
-			"the records handled before the next rebalance may be handled again after it",
-			"group", cl.src.cfg.Group, "stream", cl.stream, "offset", start, "error", err)
-	case tag.RowsAffected() == 0:
-		cl.fence(fmt.Errorf("%w: %s, epoch %d", dedup.ErrFenced, cl.stream, cl.db.epoch), "")
-		return false
+	if err != nil {
+		return false, err
 	}
-	return true
+	return tag.RowsAffected() > 0, nil
 }
 
 // advanced records, for the next transaction, that every record below
@@ -378,7 +405,8 @@ func (d *delivery) recordDeadLettered(ctx context.Context) error {
 }
 
 // recordStart records in the offsets table, outside any transaction, that
-// cl's partition starts at start, where the table had no position: the
+// cl's partition starts at start, where the table had no position (or one
+// below the partition's first record, checkRecordedStart): the
 // records below it are not this consumer's to handle (the group's
 // committed offset, or StartNewest's start). Without it a partition that
 // gets no record before Kafka forgets the group's offsets has no position
@@ -407,6 +435,21 @@ func (s *Source) recordStart(cl *claim, start int64) {
 		s.cfg.Logger.Warn("once/kafka: cannot record the partition's start in the offsets table",
 			"group", s.cfg.Group, "stream", cl.stream, "offset", start, "error", err)
 	}
+}
+
+// recordPassed records in the offsets table, outside any transaction,
+// that every record of the partition below start is passed (deleted by
+// retention before it was handled), under the take-over's epoch, within
+// the consumer's DatabaseTimeout (10 s without one). The row's position
+// only moves forward.
+func (b *offsetsBinding) recordPassed(ctx context.Context, topic string, partition int32, epoch, start int64) error {
+	bound := 10 * time.Second
+	if b.DatabaseTimeout > 0 {
+		bound = b.DatabaseTimeout
+	}
+	ctx, cancel := context.WithTimeout(ctx, bound)
+	defer cancel()
+	return b.Store.RecordOffsets(ctx, b.Pool, b.Consumer, dedup.OffsetsUpdate{Topic: topic, Partition: partition, Epoch: epoch, DoneBelow: start})
 }
 
 // takeOver takes parts over for owner in the offsets table, once, within
@@ -460,7 +503,7 @@ func (s *Source) takeOver(sess sarama.ConsumerGroupSession) error {
 		got, err := b.takeOver(ctx, owner, parts)
 		if err == nil {
 			if s.cfg.InitialOffset == StartNewest {
-				s.startAtRecordsLeft(got)
+				s.startAtRecordsLeft(ctx, b, got)
 			}
 			s.positions.put(got)
 			for _, o := range got {
@@ -492,6 +535,77 @@ func (s *Source) takeOver(sess sarama.ConsumerGroupSession) error {
 	}
 }
 
+// positionedInDatabase returns, with Config.OffsetsInDatabase, the
+// partitions of the topics of sess (claimed here or not) that the offsets
+// table gives this consumer a position in, under the topic's id; nil
+// without the option. markStarts marks no start for them (the take-over
+// seeks them to their position), and takes their topics for topics the
+// group reads: Kafka may have forgotten the group's offsets
+// (offsets.retention.minutes, the group deleted or renamed), which the
+// table is there to survive, and a partition added to the topic meanwhile
+// is then read from its first record, not from its end past the records
+// produced to it. It retries failures with backoff until the session
+// ends, as takeOver does: no record is consumed without the table anyway,
+// and the starts markStarts commits are those of when the database
+// answers, as the session begins consuming then.
+func (s *Source) positionedInDatabase(sess sarama.ConsumerGroupSession) (map[topicPartition]bool, error) {
+	if !s.cfg.OffsetsInDatabase || len(sess.Claims()) == 0 {
+		return nil, nil
+	}
+	b := s.offsets.Load()
+	if b == nil {
+		return nil, errNotBound
+	}
+	ctx := sess.Context()
+	var topics, ids []string
+	for topic := range sess.Claims() {
+		id, err := s.topicIDs.lookup(ctx, topic)
+		if err != nil {
+			return nil, fmt.Errorf("kafka: topic id of %s: %w", topic, err)
+		}
+		topics, ids = append(topics, topic), append(ids, id)
+	}
+	retry := backoff.Retrier{Policy: backoff.Policy{Initial: 100 * time.Millisecond, Max: 5 * time.Second}}
+	for {
+		got, err := b.positioned(ctx, topics, ids)
+		if err == nil {
+			return got, nil
+		}
+		s.leaveReadOnly(b, err)
+		wait := retry.Delay()
+		s.cfg.Logger.Warn("once/kafka: reading the partitions' positions in the offsets table failed; retrying",
+			"group", s.cfg.Group, "table", b.Store.OffsetsTable(), "error", err, "backoff", wait)
+		if !backoff.Sleep(ctx, wait) {
+			return nil, fmt.Errorf("kafka: reading the offsets table: %w", err)
+		}
+	}
+}
+
+// positioned is positionedInDatabase's question, within the consumer's
+// DatabaseTimeout: a connection stranded by a failover is left behind, and
+// the pool's connections closed, as takeOver does.
+func (b *offsetsBinding) positioned(ctx context.Context, topics, ids []string) (map[topicPartition]bool, error) {
+	qctx := ctx
+	if b.DatabaseTimeout > 0 {
+		var cancel context.CancelFunc
+		qctx, cancel = context.WithTimeout(ctx, b.DatabaseTimeout)
+		defer cancel()
+	}
+	got := make(map[topicPartition]bool)
+	rows, err := b.Pool.Query(qctx, `SELECT o.topic, o.partition FROM `+b.Store.OffsetsTable()+` AS o
+JOIN unnest($2::text[], $3::text[]) AS u(t, id) ON o.topic = u.t AND o.topic_id = u.id
+WHERE o.consumer = $1 AND o.next_offset >= 0`, b.Consumer, topics, ids)
+	if err == nil {
+		var tp topicPartition
+		_, err = pgx.ForEachRow(rows, []any{&tp.topic, &tp.partition}, func() error { got[tp] = true; return nil })
+	}
+	if err != nil && ctx.Err() == nil && errors.Is(qctx.Err(), context.DeadlineExceeded) {
+		b.Pool.Reset()
+		err = fmt.Errorf("no answer within the consumer's DatabaseTimeout (%s), the pool's connections closed: %w", b.DatabaseTimeout, err)
+	}
+	return got, err
+}
+
 // startAtRecordsLeft moves, under StartNewest, each position of got that
 // lies below its partition's first record (the records deleted by
 // retention before any member read them) to that first record, logging
@@ -506,7 +620,12 @@ func (s *Source) takeOver(sess sarama.ConsumerGroupSession) error {
 // committed offset (the option just turned on): one below the first
 // record is moved there the same way (committedBelowFirst), as a claim
 // without OffsetsInDatabase does (rewindNewestStart).
-func (s *Source) startAtRecordsLeft(got []dedup.PartitionOffsets) {
+//
+// The position moved is recorded in the table before the loss is logged:
+// a partition that then gets no record kept the old one, and every later
+// take-over (each restart, each rebalance) logged the same records lost
+// again and counted them again. A failure to record it is logged at Warn.
+func (s *Source) startAtRecordsLeft(ctx context.Context, b *offsetsBinding, got []dedup.PartitionOffsets) {
 	s.committedBelowFirst(got)
 	for i := range got {
 		o := &got[i]
@@ -516,6 +635,11 @@ func (s *Source) startAtRecordsLeft(got []dedup.PartitionOffsets) {
 		first, err := s.dlqClient.GetOffset(o.Topic, o.Partition, sarama.OffsetOldest)
 		if err != nil || o.Next >= first {
 			continue
+		}
+		if err := b.recordPassed(ctx, o.Topic, o.Partition, o.Epoch, first); err != nil {
+			s.leaveReadOnly(b, err)
+			s.cfg.Logger.Warn("once/kafka: cannot record in the offsets table the partition's first record left as its position; the next take-over finds the loss again",
+				"group", s.cfg.Group, "topic", o.Topic, "partition", o.Partition, "offset", first, "error", err)
 		}
 		s.lag.skippedOutOfRange(o.Topic, o.Partition, first-o.Next)
 		s.cfg.Logger.Error("once/kafka: the position the database records for the partition is out of the partition's range "+

@@ -161,8 +161,12 @@ func (s *Source) resolveStart(topic string, partition int32, initial int64) (int
 // cannot be asked (the cluster unreachable, the Source closing) the loss
 // is still logged at level Error, without the start and the count. initial
 // 0 or above (a position sarama did not reset, though it differs from the
-// recorded one) is where the claim starts.
-func (s *Source) checkRecordedStart(topic string, partition int32, recorded, initial int64) {
+// recorded one) is where the claim starts. A position below the start is
+// moved there in the table (recordStart) before the loss is logged:
+// kept, a partition that then gets no record would have the same records
+// logged and counted lost again at every later take-over.
+func (s *Source) checkRecordedStart(cl *claim, recorded, initial int64) {
+	topic, partition := cl.sc.Topic(), cl.sc.Partition()
 	const lost = "once/kafka: the position the database records for the partition is out of the partition's range " +
 		"(its records deleted by retention before they were handled, or the log truncated); the claim starts at Config.InitialOffset, " +
 		"and the records between the two are not handled"
@@ -177,6 +181,7 @@ func (s *Source) checkRecordedStart(topic string, partition int32, recorded, ini
 			}
 		}
 		if recorded < start {
+			s.recordStart(cl, start)
 			s.lag.skippedOutOfRange(topic, partition, start-recorded)
 			s.cfg.Logger.Error(lost, "group", s.cfg.Group, "topic", topic, "partition", partition, "recorded", recorded,
 				"start", start, "initial_offset", startName(initial), "skipped", start-recorded)

@@ -370,3 +370,40 @@ func committedBelowDeletedRecords(t *testing.T) (c *cluster, topic, group string
 	require.NoError(t, err)
 	return c, topic, group, db
 }
+
+// With OffsetsInDatabase, a recorded position below the partition's first
+// record is a loss, logged at Error and counted once. The claim started
+// past it, but the table kept the old position until a record of the
+// partition was handled: a partition that got none found the same loss at
+// every later take-over (each restart, each rebalance), logged it again and
+// counted it again, so that out_of_range.skipped, whose every increase
+// says records were never handled, grew by the same records each time.
+// The position the claim starts at is recorded in the table first.
+func TestOffsetsInDatabasePositionOutOfRangeIsCountedOnce(t *testing.T) {
+	for name, initial := range map[string]StartOffset{"newest": StartNewest, "oldest": StartOldest} {
+		t.Run(name, func(t *testing.T) {
+			c, db, topic, group := positionBeforeDeletedRecords(t)
+			c.deleteRecordsBefore(topic, 0, 5) // no record left: the partition idles
+			cfg, logs, reader := observed(t, c.dbOffsetsConfig(group, topic))
+			cfg.InitialOffset = initial
+
+			src, err := Open(t.Context(), cfg)
+			require.NoError(t, err)
+			r := startConsumer(t, db, src, consumerConfig("svc"), recordEffect)
+			require.Eventually(t, func() bool { return len(logs.Errors()) > 0 }, 30*time.Second, 10*time.Millisecond, "the loss is logged")
+			require.NoError(t, r.stop())
+			assert.Equal(t, map[int32]int64{0: 5}, offsetsRows(t, db, topic), "the table records where the claim started")
+
+			// Restarted, the consumer handles a new record: its take-over
+			// and claim are behind it.
+			c.produceHashed(events(topic, "e", 5, 1))
+			src, err = Open(t.Context(), cfg)
+			require.NoError(t, err)
+			r = startConsumer(t, db, src, consumerConfig("svc"), recordEffect)
+			require.Eventually(t, func() bool { return effectCounts(t, db)["e-5"] == 1 }, 30*time.Second, 10*time.Millisecond)
+			require.NoError(t, r.stop())
+			assert.Len(t, logs.Errors(), 1, "the loss logged once")
+			assert.Equal(t, map[string]int64{topic + "/0": 3}, outOfRangeOf(t, reader), "the records lost counted once")
+		})
+	}
+}

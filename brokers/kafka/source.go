@@ -715,12 +715,17 @@ func (s *Source) drainErrors() {
 type groupHandler struct{ s *Source }
 
 // Setup marks the start of the session's partitions that have no
-// committed offset, with StartNewest, and takes the session's partitions
+// committed offset (nor, with Config.OffsetsInDatabase, a position in the
+// offsets table), with StartNewest, and takes the session's partitions
 // over in the database, with Config.OffsetsInDatabase, seeking them to the
 // positions recorded there.
 func (h *groupHandler) Setup(sess sarama.ConsumerGroupSession) error {
 	if h.s.cfg.InitialOffset == StartNewest {
-		h.s.markStarts(sess)
+		positioned, err := h.s.positionedInDatabase(sess)
+		if err != nil {
+			return err
+		}
+		h.s.markStarts(sess, positioned)
 	}
 	if !h.s.cfg.OffsetsInDatabase {
 		return nil
@@ -747,8 +752,11 @@ func (h *groupHandler) Setup(sess sarama.ConsumerGroupSession) error {
 // The starts that the session's other members commit at the same time,
 // when the group is new to the topic, say nothing of the kind: they are
 // marked with the generation (startMetadata) and not counted
-// (committedAny).
-func (s *Source) markStarts(sess sarama.ConsumerGroupSession) {
+// (committedAny). With Config.OffsetsInDatabase, a partition the table
+// gives a position (positioned: positionedInDatabase) gets no start here,
+// and shows the group reading its topic as a committed offset does
+// (readInDatabase).
+func (s *Source) markStarts(sess sarama.ConsumerGroupSession, positioned map[topicPartition]bool) {
 	claims := sess.Claims()
 	if len(claims) == 0 {
 		return
@@ -774,10 +782,10 @@ func (s *Source) markStarts(sess sarama.ConsumerGroupSession) {
 	}()
 	gen := sess.GenerationID()
 	for topic, partitions := range claims {
-		read := committedAny(resp, topic, gen)
+		read := committedAny(resp, topic, gen) || readInDatabase(resp, topic, gen, positioned)
 		for _, p := range partitions {
 			b := resp.GetBlock(topic, p)
-			if b == nil || !errors.Is(b.Err, sarama.ErrNoError) || b.Offset >= 0 {
+			if b == nil || !errors.Is(b.Err, sarama.ErrNoError) || b.Offset >= 0 || positioned[topicPartition{topic, p}] {
 				continue
 			}
 			start, err := s.partitionEnd(topic, p)
@@ -906,6 +914,27 @@ func committedAny(resp *sarama.OffsetFetchResponse, topic string, gen int32) boo
 	return false
 }
 
+// readInDatabase reports whether a partition of topic that the offsets
+// table gives a position (positioned) shows the group reading the topic
+// before generation gen, as committedAny does for committed offsets: its
+// committed offset is not a start marked in gen. A member of a group new
+// to the topic records in the table the start its markStarts committed in
+// gen (recordStart), which says nothing of the kind; a position the table
+// kept while Kafka forgot the group's offsets has no committed offset
+// beside it, or another.
+func readInDatabase(resp *sarama.OffsetFetchResponse, topic string, gen int32, positioned map[topicPartition]bool) bool {
+	for tp := range positioned {
+		if tp.topic != topic {
+			continue
+		}
+		b := resp.GetBlock(topic, tp.partition)
+		if b != nil && errors.Is(b.Err, sarama.ErrNoError) && (b.Offset < 0 || b.Metadata != startMetadata(gen)) {
+			return true
+		}
+	}
+	return false
+}
+
 // startMetadata is the metadata of the start markStarts commits for a
 // partition in generation gen; an ack's mark replaces it with none.
 func startMetadata(gen int32) string {
@@ -1018,12 +1047,12 @@ func (h *groupHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, sc sarama.
 			cl.revoke()
 			return nil
 		}
+		cl.db = newClaimOffsets(o, sc.InitialOffset())
 		if o.Next >= 0 && sc.InitialOffset() != o.Next {
 			// sarama found the position out of the partition's range
 			// and reset it (Consumer.Group.ResetInvalidOffsets).
-			s.checkRecordedStart(sc.Topic(), sc.Partition(), o.Next, sc.InitialOffset())
+			s.checkRecordedStart(cl, o.Next, sc.InitialOffset())
 		}
-		cl.db = newClaimOffsets(o, sc.InitialOffset())
 		checkCommitted = o.Next < 0
 		if o.Next < 0 && sc.InitialOffset() >= 0 {
 			// The table has no position and the claim starts at one the
