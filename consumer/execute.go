@@ -186,7 +186,7 @@ func (p *pipeline) retryOrGiveUp(ctx context.Context, s *settler, j *job, r txRe
 	wait := p.retryPolicy().Delay(j.runs)
 	var ra *RetryAfterError
 	if errors.As(r.err, &ra) {
-		wait = ra.Delay
+		wait = ra.delay()
 	}
 	p.cfg.Telemetry.Logger.DebugContext(j.ctx, "once: handler failed; retrying", "consumer", p.cfg.Name, "event_id", j.idt.id,
 		"attempt", j.runs, "error", r.err, "backoff", wait)
@@ -224,7 +224,7 @@ func (p *pipeline) decodeAgain(ctx context.Context, s *settler, j *job) bool {
 		var wait time.Duration
 		var ra *RetryAfterError
 		if errors.As(err, &ra) { // always: unidentified keeps only such errors
-			wait = ra.Delay
+			wait = ra.delay()
 		}
 		p.cfg.Telemetry.Logger.DebugContext(j.ctx, "once: identifying or decoding the event failed and asked for a retry; retrying", "consumer", p.cfg.Name,
 			"event_id", j.idt.id, "step", undecodedStep(j.undecodedKind), "attempt", j.decodeFailures, "error", err, "backoff", wait)
@@ -265,9 +265,9 @@ func (p *pipeline) waitAsked(ctx context.Context, s *settler, jobs []*job, err e
 		return true
 	}
 	p.cfg.Telemetry.Logger.DebugContext(ctx, "once: batch handler asked to retry later; waiting before halving the batch",
-		"consumer", p.cfg.Name, "messages", len(jobs), "error", err, "backoff", ra.Delay)
-	p.retrying(ctx, Retry{Reason: RetryHandler, Messages: len(jobs), Err: err, Wait: ra.Delay})
-	if !p.pause(ctx, s, ra.Delay) {
+		"consumer", p.cfg.Name, "messages", len(jobs), "error", err, "backoff", ra.delay())
+	p.retrying(ctx, Retry{Reason: RetryHandler, Messages: len(jobs), Err: err, Wait: ra.delay()})
+	if !p.pause(ctx, s, ra.delay()) {
 		return false
 	}
 	p.stats.retries.Add(1)
@@ -283,7 +283,7 @@ func handlerDeadLetter(j *job, err error) *DeadLetter {
 	var de *DecodeError
 	switch {
 	case errors.As(err, &pe):
-		dl.Kind, dl.Stack = KindPanic, pe.Stack
+		dl.Kind, dl.Stack = KindPanic, pe.stack()
 	case errors.As(err, &de):
 		// The handler decoded a payload of its own: the message is
 		// undecodable, found where its decoder failed.

@@ -30,15 +30,26 @@ func Permanent(err error) error {
 	return &PermanentError{Err: err}
 }
 
-// PermanentError is the error Permanent returns.
+// PermanentError is the error Permanent returns. A nil *PermanentError
+// (a typed nil a handler returned as an error) reads as Permanent(nil).
 type PermanentError struct{ Err error }
 
 // Error returns "permanent: " and the wrapped error's message ("permanent
 // failure" when Err is nil, as Permanent(nil) says).
-func (e *PermanentError) Error() string { return "permanent: " + errText(e.Err, "permanent failure") }
+func (e *PermanentError) Error() string {
+	if e == nil {
+		return "permanent: permanent failure"
+	}
+	return "permanent: " + errText(e.Err, "permanent failure")
+}
 
 // Unwrap returns the wrapped error, for errors.Is and errors.As.
-func (e *PermanentError) Unwrap() error { return e.Err }
+func (e *PermanentError) Unwrap() error {
+	if e == nil {
+		return nil
+	}
+	return e.Err
+}
 
 // RetryAfter wraps err to tell the consumer to roll back and try again
 // after d instead of after the retry policy's backoff. The attempt counts
@@ -53,7 +64,9 @@ func RetryAfter(d time.Duration, err error) error {
 	return &RetryAfterError{Delay: d, Err: err}
 }
 
-// RetryAfterError is the error RetryAfter returns.
+// RetryAfterError is the error RetryAfter returns. A nil
+// *RetryAfterError (a typed nil a handler returned as an error) reads as
+// RetryAfter(0, nil).
 type RetryAfterError struct {
 	Delay time.Duration
 	Err   error
@@ -61,11 +74,25 @@ type RetryAfterError struct {
 
 // Error names the delay and the wrapped error's message.
 func (e *RetryAfterError) Error() string {
-	return fmt.Sprintf("retry after %s: %s", e.Delay, errText(e.Err, "retry requested"))
+	return fmt.Sprintf("retry after %s: %s", e.delay(), errText(e.Unwrap(), "retry requested"))
 }
 
 // Unwrap returns the wrapped error, for errors.Is and errors.As.
-func (e *RetryAfterError) Unwrap() error { return e.Err }
+func (e *RetryAfterError) Unwrap() error {
+	if e == nil {
+		return nil
+	}
+	return e.Err
+}
+
+// delay is the wait asked for, none for a nil e: the consumer reads it
+// outside the handler's recover, where a nil pointer would end the process.
+func (e *RetryAfterError) delay() time.Duration {
+	if e == nil {
+		return 0
+	}
+	return e.Delay
+}
 
 // PanicError is the error a handler's panic is turned into. Stack is the
 // goroutine's stack at the panic.
@@ -75,7 +102,21 @@ type PanicError struct {
 }
 
 // Error names the value the handler panicked with; the stack is in Stack.
-func (e *PanicError) Error() string { return fmt.Sprintf("handler panicked: %v", e.Value) }
+// A nil *PanicError reads as a panic with a nil value.
+func (e *PanicError) Error() string {
+	if e == nil {
+		return "handler panicked: <nil>"
+	}
+	return fmt.Sprintf("handler panicked: %v", e.Value)
+}
+
+// stack is Stack, none for a nil e (read as Delay is, see delay).
+func (e *PanicError) stack() string {
+	if e == nil {
+		return ""
+	}
+	return e.Stack
+}
 
 // DecodeError wraps a failure to decode a message's payload or envelope.
 // Such a message is dead-lettered at once with kind KindDecode. A Decoder
@@ -86,14 +127,22 @@ func (e *PanicError) Error() string { return fmt.Sprintf("handler panicked: %v",
 // dead-lettered at once with kind KindDecode too, and not retried
 // (Classify), unless it returns it inside RetryAfter, which asks for a
 // later run.
+//
+// A nil *DecodeError (a typed nil returned as an error) reads as one
+// whose Err is nil.
 type DecodeError struct{ Err error }
 
 // Error returns "decode: " and the wrapped error's message ("decode
 // failed" when Err is nil).
-func (e *DecodeError) Error() string { return "decode: " + errText(e.Err, "decode failed") }
+func (e *DecodeError) Error() string { return "decode: " + errText(e.Unwrap(), "decode failed") }
 
 // Unwrap returns the wrapped error, for errors.Is and errors.As.
-func (e *DecodeError) Unwrap() error { return e.Err }
+func (e *DecodeError) Unwrap() error {
+	if e == nil {
+		return nil
+	}
+	return e.Err
+}
 
 // errText is err's message, or none when err is nil: an outcome error a
 // handler built itself may wrap nothing, and the consumer reads its

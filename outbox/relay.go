@@ -763,21 +763,29 @@ func (r *Relay) cleanupInterval() time.Duration {
 	return min(max(r.cfg.KeepSent/4, time.Second), time.Minute)
 }
 
-// warnIfUnlogged logs a warning when the outbox table is UNLOGGED (made so
-// by hand, for speed): PostgreSQL empties such a table after a crash while
-// the tables written beside the rows keep their changes, so the messages
-// of committed transactions not yet published are lost. A table the relay
-// cannot ask about is not judged.
+// warnIfUnlogged logs a warning when the outbox table, or one of its
+// partitions, is UNLOGGED (made so by hand, for speed): PostgreSQL empties
+// such a table after a crash while the tables written beside the rows keep
+// their changes, so the messages of committed transactions not yet
+// published are lost. A table the relay cannot ask about is not judged.
 func (r *Relay) warnIfUnlogged(ctx context.Context) {
-	var unlogged bool
-	err := r.pool.QueryRow(ctx, `SELECT coalesce((SELECT relpersistence = 'u' FROM pg_class WHERE oid = to_regclass($1)), false)`,
-		r.cfg.Store.Table()).Scan(&unlogged)
-	switch {
-	case err != nil:
+	// The partitions too: PostgreSQL empties an UNLOGGED partition as it
+	// does an UNLOGGED table, and a partitioned table's own persistence
+	// says nothing of them.
+	rows, err := r.pool.Query(ctx, `SELECT c.oid::regclass::text FROM pg_class c
+WHERE (c.oid = to_regclass($1) OR c.oid IN (SELECT relid FROM pg_partition_tree(to_regclass($1)))) AND c.relpersistence = 'u'
+ORDER BY 1`, r.cfg.Store.Table())
+	var unlogged []string
+	if err == nil {
+		unlogged, err = pgx.CollectRows(rows, pgx.RowTo[string])
+	}
+	if err != nil {
 		r.cfg.Logger.Debug("outbox relay: cannot read whether the outbox table is logged", "table", r.cfg.Store.Table(), "error", err)
-	case unlogged:
+		return
+	}
+	for _, table := range unlogged {
 		r.cfg.Logger.Warn("outbox relay: the outbox table is UNLOGGED: PostgreSQL empties it after a crash while the tables written "+
 			"beside its rows keep their changes, so the messages of committed transactions not yet published are lost; ALTER TABLE ... SET LOGGED",
-			"table", r.cfg.Store.Table())
+			"table", table)
 	}
 }

@@ -208,8 +208,9 @@ type Config struct {
 	// ReconnectMinBackoff is the wait before the second attempt to
 	// reconnect (the first is immediate). It doubles after each failed
 	// attempt, with jitter, up to ReconnectMaxBackoff. Defaults 100ms and
-	// 10s. The source retries for as long as Receive's context allows,
-	// also when the broker refuses a reconnect (see Open).
+	// 10s; each at least a millisecond (a unit mistake: 10 is 10 ns). The
+	// source retries for as long as Receive's context allows, also when
+	// the broker refuses a reconnect (see Open).
 	ReconnectMinBackoff time.Duration
 	// ReconnectMaxBackoff caps the wait between reconnect attempts.
 	ReconnectMaxBackoff time.Duration
@@ -323,12 +324,17 @@ func (cfg Config) withDefaults() (Config, error) {
 	for _, d := range []struct {
 		name string
 		v    time.Duration
-	}{{"DialTimeout", cfg.DialTimeout}, {"ConfirmTimeout", cfg.ConfirmTimeout}} {
+	}{
+		{"DialTimeout", cfg.DialTimeout}, {"ConfirmTimeout", cfg.ConfirmTimeout},
+		{"ReconnectMinBackoff", cfg.ReconnectMinBackoff}, {"ReconnectMaxBackoff", cfg.ReconnectMaxBackoff},
+	} {
 		if d.v < time.Millisecond {
 			// A unit mistake (DialTimeout: 10 is 10 ns): every dial would
 			// time out before it began, taken for an unreachable broker
 			// and retried without end; every dead-letter confirm would be
-			// given up at once, and its message retried without end.
+			// given up at once, and its message retried without end; the
+			// reconnects would dial back to back through an outage, a
+			// warning logged for each.
 			return cfg, fmt.Errorf("amqp: Config.%s %v is below a millisecond (a time.Duration counts nanoseconds)", d.name, d.v)
 		}
 	}

@@ -93,6 +93,34 @@ func TestOpenRefusesTimeoutsBelowAMillisecond(t *testing.T) {
 	}
 }
 
+// A reconnect backoff in the wrong unit (ReconnectMaxBackoff: 10, meant as
+// seconds, is 10 ns) was accepted while DialTimeout and ConfirmTimeout
+// below a millisecond are refused: through an outage the reconnects
+// dialled back to back, a warning logged for each, and Open against a
+// broker that was down ran until its context ended. Open refuses each at
+// once, naming the field.
+func TestOpenRefusesReconnectBackoffsBelowAMillisecond(t *testing.T) {
+	ok := amqp.Config{URL: "amqp://u:secret@localhost:5672/", Queue: "q"}
+	for name, set := range map[string]func(*amqp.Config, time.Duration){
+		"Config.ReconnectMinBackoff": func(c *amqp.Config, d time.Duration) { c.ReconnectMinBackoff = d },
+		"Config.ReconnectMaxBackoff": func(c *amqp.Config, d time.Duration) { c.ReconnectMinBackoff, c.ReconnectMaxBackoff = d, d },
+	} {
+		t.Run(name, func(t *testing.T) {
+			for _, d := range []time.Duration{10, time.Millisecond - 1} {
+				cfg := ok
+				set(&cfg, d)
+				ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+				_, err := amqp.Open(ctx, cfg)
+				cancel()
+				require.Error(t, err)
+				assert.Contains(t, err.Error(), "Config.Reconnect", "%v", d)
+				assert.Contains(t, err.Error(), "below a millisecond", "%v", d)
+				assert.NotErrorIs(t, err, context.DeadlineExceeded, "refused at once, not retried")
+			}
+		})
+	}
+}
+
 // TestOpenUnreachableRedactsPassword: a broker that does not answer is
 // retried until the context ends, and the error hides the password.
 func TestOpenUnreachableRedactsPassword(t *testing.T) {

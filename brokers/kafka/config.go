@@ -223,7 +223,8 @@ type Config struct {
 	// while no broker can be reached, and the rejoins of the group after a
 	// failure: the wait doubles from the first to the second, with jitter.
 	// Defaults DefaultReconnectMinBackoff and DefaultReconnectMaxBackoff
-	// (the names and meaning of amqp.Config's).
+	// (the names and meaning of amqp.Config's); each at least a
+	// millisecond (a unit mistake: 5 is 5 ns).
 	ReconnectMinBackoff, ReconnectMaxBackoff time.Duration
 
 	// FetchMin, FetchDefault and FetchMax are sarama's
@@ -448,12 +449,17 @@ func (c *Config) validate() error {
 	for _, d := range []struct {
 		name string
 		v    time.Duration
-	}{{"CommitInterval", c.CommitInterval}, {"RevokeTimeout", c.RevokeTimeout}, {"CloseTimeout", c.CloseTimeout}} {
+	}{
+		{"CommitInterval", c.CommitInterval}, {"RevokeTimeout", c.RevokeTimeout}, {"CloseTimeout", c.CloseTimeout},
+		{"ReconnectMinBackoff", c.ReconnectMinBackoff}, {"ReconnectMaxBackoff", c.ReconnectMaxBackoff},
+	} {
 		if d.v < time.Millisecond {
 			// A unit mistake (CloseTimeout: 10 is 10 ns): every Close
 			// would give up at once, without its final commit; every
 			// revoke would abandon the deliveries in flight; commits
-			// would run in a loop that holds a core.
+			// would run in a loop that holds a core; Open's retries and
+			// the group's rejoins would dial back to back through an
+			// outage, a warning logged for each.
 			return fmt.Errorf("kafka: Config.%s %v is below a millisecond (a time.Duration counts nanoseconds)", d.name, d.v)
 		}
 	}

@@ -764,6 +764,37 @@ func TestOpenRefusesDurationsBelowAMillisecond(t *testing.T) {
 	}
 }
 
+// A reconnect backoff in the wrong unit (ReconnectMaxBackoff: 5, meant as
+// seconds, is 5 ns) was accepted while the other durations below a
+// millisecond are refused: through an outage Open's retries and the
+// group's rejoins dialled back to back, a warning logged for each, and
+// Open with such a backoff against no broker ran until its context ended.
+// Open refuses each at once, naming the field.
+func TestOpenRefusesReconnectBackoffsBelowAMillisecond(t *testing.T) {
+	for name, set := range map[string]func(*Config, time.Duration){
+		"Config.ReconnectMinBackoff": func(c *Config, d time.Duration) { c.ReconnectMinBackoff = d },
+		"Config.ReconnectMaxBackoff": func(c *Config, d time.Duration) { c.ReconnectMinBackoff, c.ReconnectMaxBackoff = time.Millisecond, d },
+	} {
+		t.Run(name, func(t *testing.T) {
+			for _, d := range []time.Duration{5, time.Millisecond - 1} {
+				cfg := Config{Brokers: []string{"127.0.0.1:1"}, Group: "g", Topics: []string{"t"}, Logger: testLogger()}
+				set(&cfg, d)
+				ctx, cancel := context.WithTimeout(t.Context(), 2*time.Second)
+				s, err := Open(ctx, cfg)
+				cancel()
+				require.Error(t, err, "%v", d)
+				assert.Nil(t, s)
+				assert.NotErrorIs(t, err, context.DeadlineExceeded, "refused at once")
+				assert.Contains(t, err.Error(), name+" "+d.String()+" is below a millisecond", "%v", d)
+			}
+			cfg := Config{Topics: []string{"t"}}
+			set(&cfg, time.Millisecond)
+			cfg = cfg.withDefaults()
+			require.ErrorContains(t, cfg.validate(), "Config.Brokers", "a millisecond passes")
+		})
+	}
+}
+
 // A broker address without a port can never be dialled: Open names the
 // field at once instead of retrying it as an unreachable broker until its
 // context ends.

@@ -745,6 +745,23 @@ func TestRetentionDryRunThatFailsPrintsNoCount(t *testing.T) {
 	}
 }
 
+// A retention whose first statement failed deleted nothing and checked
+// nothing, yet printed "billing: deleted 0 rows processed before ..."
+// (or, with -json, "deleted": 0 and "consumer_has_rows": true, a claim it
+// never checked) before the error: a script reading the report took the
+// run for one that found nothing old enough. It prints no report, as a dry
+// run that could not count prints none, and exits 1.
+func TestRetentionThatFailsBeforeDeletingPrintsNoReport(t *testing.T) {
+	_, schema := pgtest.Schema(t) // no tables
+	env := map[string]string{"DATABASE_URL": testenv.SchemaURL(schema)}
+	for _, args := range [][]string{{}, {"-json"}} {
+		code, out, errOut := cli(t, env, append([]string{"retention", "-consumer", "billing", "-older-than", "1h"}, args...)...)
+		assert.Equal(t, exitFailure, code, "%v: %s", args, errOut)
+		assert.Contains(t, errOut, "processed_events", "%v", args)
+		assert.Empty(t, out, "%v: a report of a run that deleted and checked nothing", args)
+	}
+}
+
 // A replay that could not read the dead letters prints no report: "0
 // selected, replayed 0" would read as a filter that matched nothing.
 func TestReplayThatCouldNotReadPrintsNoReport(t *testing.T) {

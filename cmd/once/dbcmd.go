@@ -610,8 +610,11 @@ func (a *app) retention(ctx context.Context, args []string) error {
 	if a.terminal && progress != nil && !*dry {
 		fmt.Fprintln(a.stderr)
 	}
-	if err != nil && *dry {
-		// It counted nothing: no count to print.
+	if err != nil && (*dry || n == 0) {
+		// It counted nothing, or deleted nothing before it failed (its
+		// first statement did) and checked no name: no report to print.
+		// Rows deleted before a later failure are reported, theirs being
+		// a consumer that has rows.
 		return err
 	}
 	// A name with no rows at all (a typo, most often) deletes nothing, as
