@@ -250,7 +250,11 @@ type Config struct {
 	// consumer errors are returned,
 	// and the dead-letter producer is idempotent, not transactional
 	// (Producer.Transaction.ID cleared), with RequiredAcks = WaitForAll,
-	// Net.MaxOpenRequests = 1 and topic auto-creation off. sarama's sticky
+	// Net.MaxOpenRequests = 1 and topic auto-creation off, sends each copy
+	// at once (no Producer.Flush trigger, which a copy sent alone would
+	// wait on) and places it by its key (a partitioner that ignores the
+	// key, random or round-robin, is replaced by sarama's hash
+	// partitioner). sarama's sticky
 	// and cooperative-sticky balance strategies, which keep the state of
 	// their group and may not be shared between clients, are new instances
 	// in each Source, so that one base serves several Sources; a strategy
@@ -599,6 +603,19 @@ func (c *Config) producerConfig() (*sarama.Config, error) {
 	// outside a transaction, and each dead letter would be retried
 	// without end.
 	sc.Producer.Transaction.ID = ""
+	// No flush trigger: a copy is sent alone and waited for, so a trigger
+	// set for batching (Flush.Messages or Flush.Bytes, met by no single
+	// copy) would hold it until Flush.Frequency, or for ever without one,
+	// and the partition at its poison record. Copies of several
+	// partitions in flight at once are still batched together.
+	sc.Producer.Flush.Messages, sc.Producer.Flush.Bytes, sc.Producer.Flush.Frequency = 0, 0, 0
+	// Copies are keyed like their originals so that one key's copies land
+	// on one dead-letter partition, in order: a partitioner that ignores
+	// the key (sarama's random or round-robin, chosen in the base for the
+	// service's own producers) would spread them.
+	if sc.Producer.Partitioner == nil || !sc.Producer.Partitioner("").RequiresConsistency() {
+		sc.Producer.Partitioner = sarama.NewHashPartitioner
+	}
 	if err := sc.Validate(); err != nil {
 		return nil, fmt.Errorf("kafka: Config.Sarama (dead-letter producer): %w", err)
 	}

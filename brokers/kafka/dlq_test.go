@@ -192,3 +192,82 @@ func TestDeadLetterWithATransactionalBaseConfig(t *testing.T) {
 	assert.Equal(t, "poison", string(recs[0].Value))
 	assert.Equal(t, "billing-tx", base.Producer.Transaction.ID, "the caller's configuration is not modified")
 }
+
+// A base configuration tuned for a batching producer (Producer.Flush.Messages
+// or Bytes, with no Frequency or a long one) still dead-letters at once:
+// sarama holds a record until a flush trigger is met, and a dead-letter
+// copy, sent alone and waited for, met none; DeadLetter waited until its
+// context ended, the core retried it (each retry one more copy in the
+// buffer), and the partition was held at its first poison record.
+func TestDeadLetterWithABatchingBaseConfig(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		flush func(*sarama.Config)
+	}{
+		{"messages without frequency", func(sc *sarama.Config) { sc.Producer.Flush.Messages = 100 }},
+		{"bytes with a long frequency", func(sc *sarama.Config) {
+			sc.Producer.Flush.Bytes = 1 << 20
+			sc.Producer.Flush.Frequency = time.Hour
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := newCluster(t)
+			topic := uniq("orders")
+			c.createTopic(topic, 1)
+			c.createTopic(topic+".dlq", 1)
+			c.produce(msg(topic, 0, "poison"))
+			cfg := c.config(uniq("g"), topic)
+			base := saramaConfig()
+			tc.flush(base)
+			cfg.Sarama = base
+			s := c.open(cfg)
+			d := receive(t, s)
+			ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
+			defer cancel()
+			require.NoError(t, d.DeadLetter(ctx, &consumer.DeadLetter{Kind: consumer.KindDecode, FailedAt: time.Now()}),
+				"the copy is sent without waiting for a batch to fill")
+			recs := c.readAll(topic + ".dlq")
+			require.Len(t, recs, 1)
+			assert.Equal(t, "poison", string(recs[0].Value))
+			assert.NotZero(t, base.Producer.Flush.Messages+base.Producer.Flush.Bytes, "the caller's configuration is not modified")
+		})
+	}
+}
+
+// The copies of one key land on one dead-letter partition, as the docs
+// say, whatever partitioner the base configuration gives its own
+// producers: a base with sarama's random (or round-robin) partitioner
+// spread them over the dead-letter topic's partitions, and a replay read
+// them back out of order.
+func TestDeadLetterCopiesOfOneKeyShareAPartitionWithARandomBasePartitioner(t *testing.T) {
+	c := newCluster(t)
+	topic := uniq("orders")
+	c.createTopic(topic, 1)
+	c.createTopic(topic+".dlq", 4)
+	const n = 20
+	msgs := make([]*sarama.ProducerMessage, 0, n)
+	for i := range n {
+		m := msg(topic, 0, "poison-"+strconv.Itoa(i))
+		m.Key = sarama.StringEncoder("order-7")
+		msgs = append(msgs, m)
+	}
+	c.produce(msgs...)
+	cfg := c.config(uniq("g"), topic)
+	base := saramaConfig()
+	base.Producer.Partitioner = sarama.NewRandomPartitioner
+	cfg.Sarama = base
+	s := c.open(cfg)
+	ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
+	defer cancel()
+	for _, d := range receiveN(t, s, n) {
+		require.NoError(t, d.DeadLetter(ctx, &consumer.DeadLetter{Kind: consumer.KindDecode, FailedAt: time.Now()}))
+	}
+	recs := c.readAll(topic + ".dlq")
+	require.Len(t, recs, n)
+	partitions := map[int32]int{}
+	for _, r := range recs {
+		partitions[r.Partition]++
+	}
+	assert.Len(t, partitions, 1, "the copies of key order-7 are on partitions %v", partitions)
+	assert.False(t, base.Producer.Partitioner("").RequiresConsistency(), "the caller's configuration is not modified")
+}
