@@ -214,7 +214,7 @@ func connectWithin(ctx context.Context, cfg Config) (*Source, error) {
 	}
 	done := make(chan result, 1)
 	go func() {
-		s, err := connect(cfg)
+		s, err := connect(ctx, cfg)
 		done <- result{s, err}
 	}()
 	abandon := func() {
@@ -261,8 +261,9 @@ func unreachable(err error) bool {
 		errors.Is(err, syscall.ECONNREFUSED) || errors.As(err, &netErr)
 }
 
-// connect makes the Source's clients, once.
-func connect(cfg Config) (*Source, error) {
+// connect makes the Source's clients, once; ctx bounds its waits (a dead-letter
+// topic it created to be seen).
+func connect(ctx context.Context, cfg Config) (*Source, error) {
 	cc, err := cfg.consumerConfig()
 	if err != nil {
 		return nil, err
@@ -280,7 +281,7 @@ func connect(cfg Config) (*Source, error) {
 		lag.close()
 		return nil, fmt.Errorf("kafka: dead-letter producer: %w", err)
 	}
-	if err := ensureDeadLetterTopics(&cfg, dlqClient, pc); err != nil {
+	if err := ensureDeadLetterTopics(ctx, &cfg, dlqClient, pc); err != nil {
 		_ = dlqClient.Close()
 		lag.close()
 		return nil, err

@@ -9,13 +9,15 @@ import (
 	"time"
 
 	"github.com/IBM/sarama"
+
+	"github.com/onceco/once/internal/backoff"
 )
 
 // ensureDeadLetterTopics checks that the dead-letter topic of every topic
 // in cfg.Topics exists, creating the missing ones when
 // cfg.DeadLetter.Create is set. client is the dead-letter producer's
 // client (auto-creation off) and pc its configuration.
-func ensureDeadLetterTopics(cfg *Config, client sarama.Client, pc *sarama.Config) error {
+func ensureDeadLetterTopics(ctx context.Context, cfg *Config, client sarama.Client, pc *sarama.Config) error {
 	for _, topic := range cfg.Topics {
 		dlq := cfg.DeadLetter.Topic(topic)
 		exists, err := topicExists(client, dlq)
@@ -29,7 +31,7 @@ func ensureDeadLetterTopics(cfg *Config, client sarama.Client, pc *sarama.Config
 			return fmt.Errorf("%w: %q (the dead-letter topic of %q); create it, or set Config.DeadLetter.Create to let Open create it",
 				ErrDeadLetterTopicMissing, dlq, topic)
 		}
-		if err := createDeadLetterTopic(client, pc, cfg.Brokers, topic, dlq); err != nil {
+		if err := createDeadLetterTopic(ctx, client, pc, cfg.Brokers, topic, dlq); err != nil {
 			return fmt.Errorf("kafka: creating dead-letter topic %q of topic %q: %w", dlq, topic, err)
 		}
 		cfg.Logger.Info("once/kafka: created dead-letter topic", "topic", dlq, "source_topic", topic)
@@ -99,9 +101,9 @@ func topicExists(client sarama.Client, topic string) (bool, error) {
 
 // createDeadLetterTopic creates dlq with the partition count of topic (1
 // when topic does not exist yet) and the broker's default replication
-// factor, and waits until the client sees it. A topic created meanwhile by
-// another instance is fine.
-func createDeadLetterTopic(client sarama.Client, pc *sarama.Config, brokers []string, topic, dlq string) error {
+// factor, and waits until the client sees it (seeCreatedTopic). A topic
+// created meanwhile by another instance is fine.
+func createDeadLetterTopic(ctx context.Context, client sarama.Client, pc *sarama.Config, brokers []string, topic, dlq string) error {
 	partitions := int32(1)
 	if parts, err := client.Partitions(topic); err == nil && len(parts) > 0 {
 		partitions = int32(len(parts))
@@ -121,7 +123,26 @@ func createDeadLetterTopic(client sarama.Client, pc *sarama.Config, brokers []st
 	if err != nil && !errors.Is(err, sarama.ErrTopicAlreadyExists) {
 		return err
 	}
-	return client.RefreshMetadata(dlq)
+	return seeCreatedTopic(ctx, client, dlq)
+}
+
+// seeCreatedTopic refreshes the client's metadata of topic, just created,
+// until the cluster answers with it, or ctx ends. The controller answers
+// CreateTopics before every broker has the topic in its metadata: a
+// broker asked at once may answer UNKNOWN_TOPIC_OR_PARTITION (or
+// LEADER_NOT_AVAILABLE) for a while on a loaded cluster, longer than the
+// retries of one refresh (sarama's Metadata.Retry), and Open failed then.
+func seeCreatedTopic(ctx context.Context, client sarama.Client, topic string) error {
+	retry := backoff.Retrier{Policy: backoff.Policy{Initial: 100 * time.Millisecond, Max: 2 * time.Second}}
+	for {
+		err := client.RefreshMetadata(topic)
+		if err == nil || !(errors.Is(err, sarama.ErrUnknownTopicOrPartition) || errors.Is(err, sarama.ErrLeaderNotAvailable)) {
+			return err
+		}
+		if !retry.Wait(ctx) {
+			return fmt.Errorf("%s, created, not seen by the cluster until the context ended: %w", topic, err)
+		}
+	}
 }
 
 // topicIDs looks up topic ids (Kafka 2.8+, KIP-516): a topic deleted and
