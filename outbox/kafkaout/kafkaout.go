@@ -35,7 +35,9 @@ type Config struct {
 	// idempotent with RequiredAcks = WaitForAll and Net.MaxOpenRequests =
 	// 1 (so retries neither duplicate nor reorder a partition's records),
 	// returns successes and errors, is not transactional (Transaction.ID
-	// is cleared), and never asks the broker to create a topic. Version
+	// is cleared), sends each batch at once (the Producer.Flush triggers
+	// are cleared: a batch smaller than one would wait on it), and never
+	// asks the broker to create a topic. Version
 	// must be at least 0.11 (sarama.V0_11_0_0). Producer.Partitioner
 	// must keep a key on one partition (RequiresConsistency): New refuses
 	// a random or round-robin one, which would break a key's order. The
@@ -246,6 +248,12 @@ func producerConfig(base *sarama.Config) *sarama.Config {
 	// refuses every send made outside a transaction, and the relay would
 	// retry them without end.
 	sc.Producer.Transaction.ID = ""
+	// No flush trigger: a batch is sent as one call and waited for, so a
+	// trigger set for batching (Flush.Messages or Flush.Bytes, which a
+	// batch smaller than it never meets) held it until Flush.Frequency,
+	// or for ever without one, and each Publish ran to its deadline. The
+	// records of one call still go together.
+	sc.Producer.Flush.Messages, sc.Producer.Flush.Bytes, sc.Producer.Flush.Frequency = 0, 0, 0
 	sc.Metadata.AllowAutoTopicCreation = false
 	return &sc
 }
