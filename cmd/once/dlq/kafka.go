@@ -287,6 +287,10 @@ func (q *KafkaQueue) Replay(ctx context.Context, f Filter, opts ReplayOptions) (
 	// Idempotent, not transactional: a transactional producer refuses
 	// every send made outside a transaction.
 	sc.Producer.Transaction.ID = ""
+	// No flush trigger: the copies are sent one at a time, each waited
+	// for, and a trigger set for batching (Flush.Messages, Flush.Bytes)
+	// would hold each until Flush.Frequency, or for ever without one.
+	sc.Producer.Flush.Messages, sc.Producer.Flush.Bytes, sc.Producer.Flush.Frequency = 0, 0, 0
 	if sc.Producer.Retry.Max < 1 {
 		sc.Producer.Retry.Max = 1
 	}

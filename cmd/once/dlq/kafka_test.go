@@ -408,3 +408,30 @@ func TestKafkaReplayOfRecordsDeadLetteredBeforeTheyHadAnID(t *testing.T) {
 	assert.EqualValues(t, 2, st.Handled, "%+v", st)
 	assert.EqualValues(t, 3, st.Duplicates, "%+v", st)
 }
+
+// A base configuration tuned for a batching producer (Flush.Messages with
+// no Frequency, shared for TLS and SASL) held the replay's copy, sent
+// alone, for ever: the replay ran until its context ended and replayed
+// nothing. The replay's producer clears the flush triggers on its copy.
+func TestKafkaReplayWithABatchingBaseConfig(t *testing.T) {
+	k := testenv.NewKafka(t)
+	topic := testenv.Uniq("orders")
+	k.CreateTopic(topic, 1)
+	k.CreateTopic(topic+".dlq", 1)
+	k.Produce(&sarama.ProducerMessage{Topic: topic + ".dlq", Value: sarama.StringEncoder("{}"), Headers: []sarama.RecordHeader{
+		{Key: []byte(consumer.HeaderEventID), Value: []byte("e-1")},
+		{Key: []byte(consumer.HeaderErrorKind), Value: []byte("handler")},
+		{Key: []byte(consumer.HeaderOriginalTopic), Value: []byte(topic)},
+	}})
+	base := testenv.Sarama()
+	base.Producer.Flush.Messages = 1000
+	q, err := dlq.NewKafka(dlq.KafkaConfig{Brokers: k.Addrs, Topic: topic + ".dlq", Sarama: base})
+	require.NoError(t, err)
+	// Far longer than a replay of one record takes, far shorter than for ever.
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	rep, err := q.Replay(ctx, dlq.Filter{}, dlq.ReplayOptions{})
+	require.NoError(t, err)
+	assert.Equal(t, 1, rep.Replayed)
+	assert.Equal(t, 1000, base.Producer.Flush.Messages, "the caller's configuration is not modified")
+}
