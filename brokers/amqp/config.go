@@ -200,8 +200,12 @@ type Config struct {
 	// DeadLetter is where poison messages are copied.
 	DeadLetter DeadLetterConfig
 	// ConfirmTimeout bounds the wait for the broker's publisher confirm of
-	// a dead-letter copy; past it DeadLetter returns an error and the
-	// consumer retries. Default 10s; at least a millisecond (a unit
+	// a dead-letter copy, counted from when the copy is written, and a
+	// write of the copy that makes no progress (the broker blocking the
+	// connection under a resource alarm reads nothing more); past it
+	// DeadLetter returns an error and the consumer retries. A write the
+	// broker is taking is not cut: a large copy on a slow link takes what
+	// the link needs. Default 10s; at least a millisecond (a unit
 	// mistake: 10 is 10 ns).
 	ConfirmTimeout time.Duration
 

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	amqp091 "github.com/rabbitmq/amqp091-go"
@@ -44,6 +45,9 @@ type publisher struct {
 	// connection, or on a new connection when the broker blocks it.
 	redeclare bool
 	blocked   *blockState
+	// wrote is when the connection last wrote to its socket (Unix
+	// nanoseconds); a new one per connection.
+	wrote *atomic.Int64
 	// pending is a publish left unconfirmed when the broker blocked the
 	// connection: its confirm (and return) comes once the alarm clears,
 	// and must come before the next publish, whose return could otherwise
@@ -56,6 +60,10 @@ type publisher struct {
 	confirmedFor any
 	confirmedErr error
 	closed       bool
+	// closing is closed when close begins, before it takes mu: a copy's
+	// write, which a slow link may make long, ends then.
+	closing   chan struct{}
+	closeOnce sync.Once
 }
 
 // blockState is what the connection.blocked notifications of one
@@ -91,7 +99,7 @@ func (b *blockState) get() string {
 }
 
 func newPublisher(cfg *Config, log *slog.Logger) *publisher {
-	return &publisher{cfg: cfg, log: log, blocked: newBlockState()}
+	return &publisher{cfg: cfg, log: log, blocked: newBlockState(), closing: make(chan struct{})}
 }
 
 // publish publishes the message build returns for the connection's frame
@@ -115,13 +123,15 @@ func (p *publisher) publish(ctx context.Context, id any, exchange, key string, b
 	}
 	p.drainReturns()
 	msg := build(p.conn.Config.FrameSize)
-	wctx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
-	dc, err := p.send(wctx, ctx, exchange, key, msg, timeout)
+	dc, err := p.send(ctx, exchange, key, msg, timeout)
 	if err != nil {
 		p.drop()
 		return fmt.Errorf("amqp: publish to exchange %q with key %q: %w", exchange, key, err)
 	}
+	// The confirm's wait starts once the copy is written: a large copy
+	// on a slow link may take longer than timeout to write.
+	wctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
 	if err := p.waitConfirm(wctx, ctx, id, dc, timeout); err != nil {
 		return fmt.Errorf("amqp: publish to exchange %q with key %q: %w", exchange, key, err)
 	}
@@ -132,23 +142,46 @@ func (p *publisher) publish(ctx context.Context, id any, exchange, key string, b
 // broker under a resource alarm stops reading a connection once it
 // publishes, so the write of a copy larger than the sockets' buffers does
 // not end until the alarm clears, and amqp091 gives up no write on its
-// context. Past wctx the connection is dropped: the deadline dropping sets
-// on its socket ends the write, and the broker discards the partial copy.
-func (p *publisher) send(wctx, ctx context.Context, exchange, key string, msg amqp091.Publishing, timeout time.Duration) (*amqp091.DeferredConfirmation, error) {
+// context. A write that makes no progress for timeout (the socket took no
+// byte) is given up and the connection dropped: the deadline dropping
+// sets on its socket ends the write, and the broker discards the partial
+// copy. A write that progresses takes the time the link needs (a 100 MB
+// body over a 50 Mbit/s link takes 16 s, more than the default
+// ConfirmTimeout): bounding it by timeout would give it up on every
+// attempt, and the message would never be dead-lettered.
+func (p *publisher) send(ctx context.Context, exchange, key string, msg amqp091.Publishing, timeout time.Duration) (*amqp091.DeferredConfirmation, error) {
 	type written struct {
 		dc  *amqp091.DeferredConfirmation
 		err error
 	}
-	ch := p.ch
+	ch, wrote := p.ch, p.wrote
+	start := time.Now()
 	done := make(chan written, 1)
 	go func() {
-		dc, err := ch.PublishWithDeferredConfirmWithContext(wctx, exchange, key, true, false, msg)
+		dc, err := ch.PublishWithDeferredConfirm(exchange, key, true, false, msg)
 		done <- written{dc, err}
 	}()
-	select {
-	case w := <-done:
-		return w.dc, w.err
-	case <-wctx.Done():
+	idle := time.NewTimer(timeout)
+	defer idle.Stop()
+	for {
+		select {
+		case w := <-done:
+			return w.dc, w.err
+		case <-ctx.Done():
+		case <-p.closing:
+		case <-idle.C:
+			// A byte written since start: the broker is taking the copy,
+			// and the wait runs from the last write.
+			last := time.Unix(0, wrote.Load())
+			if last.Before(start) {
+				last = start
+			}
+			if wait := timeout - time.Since(last); wait > 0 {
+				idle.Reset(wait)
+				continue
+			}
+		}
+		break
 	}
 	select {
 	case w := <-done:
@@ -158,12 +191,24 @@ func (p *publisher) send(wctx, ctx context.Context, exchange, key string, msg am
 	reason := p.blocked.get()
 	p.drop()
 	switch {
-	case reason != "":
-		return nil, fmt.Errorf("%w: %s (the copy could not be written whole; its connection is dropped)", ErrPublisherBlocked, reason)
 	case ctx.Err() != nil:
 		return nil, fmt.Errorf("write the copy: %w", ctx.Err())
+	case p.isClosing():
+		return nil, fmt.Errorf("write the copy: the source is closing: %w", ErrChannelClosed)
+	case reason != "":
+		return nil, fmt.Errorf("%w: %s (the copy could not be written whole; its connection is dropped)", ErrPublisherBlocked, reason)
 	default:
-		return nil, fmt.Errorf("the copy could not be written within Config.ConfirmTimeout %v", timeout)
+		return nil, fmt.Errorf("the broker took none of the copy for Config.ConfirmTimeout %v; its connection is dropped", timeout)
+	}
+}
+
+// isClosing reports whether close has begun.
+func (p *publisher) isClosing() bool {
+	select {
+	case <-p.closing:
+		return true
+	default:
+		return false
 	}
 }
 
@@ -355,9 +400,10 @@ func (p *publisher) ready(ctx context.Context) error {
 		ch   *amqp091.Channel
 		err  error
 	}
+	wrote := new(atomic.Int64)
 	done := make(chan opened, 1)
 	go func() {
-		conn, ch, err := p.open(redeclare)
+		conn, ch, err := p.open(redeclare, wrote)
 		done <- opened{conn, ch, err}
 	}()
 	var o opened
@@ -396,7 +442,7 @@ func (p *publisher) ready(ctx context.Context) error {
 			}
 		}
 	}()
-	p.conn, p.blocked = conn, blocked
+	p.conn, p.blocked, p.wrote = conn, blocked, wrote
 	p.useChannel(ch)
 	return nil
 }
@@ -489,10 +535,11 @@ func (p *publisher) reopenChannel(ctx context.Context, redeclare bool) error {
 	return nil
 }
 
-// open dials the dead-letter connection and opens its channel in confirm
-// mode, declaring the dead-letter destination first when redeclare is set.
-func (p *publisher) open(redeclare bool) (*amqp091.Connection, *amqp091.Channel, error) {
-	conn, err := dial(p.cfg, p.cfg.ConnectionName+" (dead letters)")
+// open dials the dead-letter connection, its writes recorded in wrote, and
+// opens its channel in confirm mode, declaring the dead-letter destination
+// first when redeclare is set.
+func (p *publisher) open(redeclare bool, wrote *atomic.Int64) (*amqp091.Connection, *amqp091.Channel, error) {
+	conn, err := dialClocked(p.cfg, p.cfg.ConnectionName+" (dead letters)", wrote)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -546,6 +593,7 @@ func (p *publisher) drop() {
 // A copy left unconfirmed on it may still reach the dead-letter queue; its
 // delivery was not acked and comes back.
 func (p *publisher) close() {
+	p.closeOnce.Do(func() { close(p.closing) })
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.closed = true

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -702,7 +703,41 @@ func (s *Source) connect() (*session, error) {
 // dead-letter copies are shaped to, so that a client left at that default
 // (once dlq) reads them whatever the broker's frame_max.
 func dial(cfg *Config, name string) (*amqp091.Connection, error) {
-	return dialFrames(cfg, name, 0)
+	return dialFrames(cfg, name, 0, nil)
+}
+
+// dialClocked is dial, and records in wrote (Unix nanoseconds) when the
+// connection last wrote to its socket: how the dead-letter publisher tells
+// a copy the broker takes slowly (a slow link) from one it takes nothing
+// of (blocked under an alarm).
+func dialClocked(cfg *Config, name string, wrote *atomic.Int64) (*amqp091.Connection, error) {
+	return dialFrames(cfg, name, 0, wrote)
+}
+
+// clockedConn is a net.Conn that records when it last wrote.
+type clockedConn struct {
+	net.Conn
+	wrote *atomic.Int64
+}
+
+// clockChunk is the most a clockedConn writes at once: a write's progress
+// shows only when it returns, and a frame of 128 KiB takes seconds on a
+// slow link.
+const clockChunk = 16 << 10
+
+func (c *clockedConn) Write(b []byte) (n int, err error) {
+	for len(b) > 0 {
+		m, err := c.Conn.Write(b[:min(len(b), clockChunk)])
+		n += m
+		if m > 0 {
+			c.wrote.Store(time.Now().UnixNano())
+		}
+		if err != nil {
+			return n, err
+		}
+		b = b[m:]
+	}
+	return n, nil
 }
 
 // dialConsuming opens the consuming connection. It takes the broker's
@@ -712,14 +747,25 @@ func dial(cfg *Config, name string) (*amqp091.Connection, error) {
 // the connection closed, and the message delivered first again on every
 // new one, holding the queue.
 func dialConsuming(cfg *Config, name string) (*amqp091.Connection, error) {
-	return dialFrames(cfg, name, amqp091.FrameSizeUnlimited)
+	return dialFrames(cfg, name, amqp091.FrameSizeUnlimited, nil)
 }
 
 // dialFrames opens a connection named name with frameSize as amqp091's
-// Config.FrameSize.
-func dialFrames(cfg *Config, name string, frameSize int) (*amqp091.Connection, error) {
+// Config.FrameSize, recording its writes in wrote unless nil.
+func dialFrames(cfg *Config, name string, frameSize int, wrote *atomic.Int64) (*amqp091.Connection, error) {
 	props := amqp091.NewConnectionProperties()
 	props.SetClientConnectionName(name)
+	dialer := amqp091.DefaultDial(cfg.DialTimeout)
+	if wrote != nil {
+		base := dialer
+		dialer = func(network, addr string) (net.Conn, error) {
+			c, err := base(network, addr)
+			if err != nil {
+				return nil, err
+			}
+			return &clockedConn{Conn: c, wrote: wrote}, nil
+		}
+	}
 	conn, err := amqp091.DialConfig(cfg.URL, amqp091.Config{
 		Heartbeat: cfg.Heartbeat,
 		FrameSize: frameSize,
@@ -728,7 +774,7 @@ func dialFrames(cfg *Config, name string, frameSize int) (*amqp091.Connection, e
 		// this broker for every other use of the caller's config.
 		TLSClientConfig: cfg.TLSConfig.Clone(),
 		Properties:      props,
-		Dial:            amqp091.DefaultDial(cfg.DialTimeout),
+		Dial:            dialer,
 	})
 	if err != nil {
 		if tlsRefused(err) {

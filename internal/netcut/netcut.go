@@ -57,6 +57,9 @@ type Proxy struct {
 	gate sync.RWMutex
 	// refusing: new connections are closed at once (Refuse).
 	refusing atomic.Bool
+	// rate caps client-to-server traffic, in bytes a second (Throttle);
+	// 0: none.
+	rate atomic.Int64
 }
 
 // NewProxy listens on a free loopback port and forwards each connection to
@@ -104,6 +107,9 @@ func (p *Proxy) pipe(c net.Conn) {
 		return
 	}
 	pr := &pair{client: c, server: u}
+	if p.rate.Load() > 0 {
+		narrow(c)
+	}
 	p.mu.Lock()
 	p.conns[c], p.conns[u] = struct{}{}, struct{}{}
 	p.pairs[c] = pr
@@ -138,6 +144,9 @@ func (p *Proxy) toUpstream(pr *pair) {
 			p.gate.RUnlock()
 			if werr != nil && !pr.stranded.Load() {
 				return
+			}
+			if rate := p.rate.Load(); rate > 0 {
+				time.Sleep(time.Duration(int64(n) * int64(time.Second) / rate))
 			}
 		}
 		if err != nil {
@@ -177,6 +186,31 @@ func (p *Proxy) Pause() { p.gate.Lock() }
 
 // Resume forwards what Pause held and what follows.
 func (p *Proxy) Resume() { p.gate.Unlock() }
+
+// Throttle caps what each client sends upstream at bytesPerSecond, as a
+// slow or congested link would (0 lifts the cap): a client writing more
+// than its socket buffers hold waits in the write. The proxy's receive
+// buffer of the connections it forwards is kept small meanwhile, so that
+// the kernel does not take in megabytes the link would not.
+func (p *Proxy) Throttle(bytesPerSecond int64) {
+	p.rate.Store(bytesPerSecond)
+	if bytesPerSecond <= 0 {
+		return
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for c := range p.pairs {
+		narrow(c)
+	}
+}
+
+// narrow fixes the receive buffer of a throttled client connection at
+// 64 KiB; the kernel would otherwise grow it to tens of megabytes.
+func narrow(c net.Conn) {
+	if tc, ok := c.(*net.TCPConn); ok {
+		_ = tc.SetReadBuffer(64 << 10)
+	}
+}
 
 // Conns returns how many client connections the proxy forwards now. A
 // connection the client closed leaves the count once the proxy has seen

@@ -2,6 +2,7 @@ package netcut
 
 import (
 	"bufio"
+	"io"
 	"net"
 	"testing"
 	"time"
@@ -125,4 +126,42 @@ func TestProxyRefuseClosesNewConnections(t *testing.T) {
 	require.NoError(t, err)
 	defer after.Close()
 	require.NoError(t, roundTrip(t, after, "back"))
+}
+
+// A throttled proxy carries what a client sends no faster than its rate,
+// however fast the client writes: 1 MiB at 512 KiB/s reaches the server
+// in about two seconds, not at once.
+func TestProxyThrottleCapsWhatClientsSend(t *testing.T) {
+	inner, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = inner.Close() })
+	received := make(chan time.Time, 1)
+	const size = 1 << 20
+	go func() {
+		c, err := inner.Accept()
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		if _, err := io.ReadFull(c, make([]byte, size)); err == nil {
+			received <- time.Now()
+		}
+	}()
+	p, err := NewProxy(inner.Addr().String())
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = p.Close() })
+	p.Throttle(512 << 10)
+
+	c, err := net.Dial("tcp", p.Addr())
+	require.NoError(t, err)
+	defer c.Close()
+	start := time.Now()
+	go func() { _, _ = c.Write(make([]byte, size)) }()
+	select {
+	case at := <-received:
+		// The rate's two seconds, less the sleep after the last chunk.
+		assert.GreaterOrEqual(t, at.Sub(start), 1900*time.Millisecond)
+	case <-time.After(time.Minute):
+		t.Fatal("the throttled proxy did not carry 1 MiB within a minute")
+	}
 }
