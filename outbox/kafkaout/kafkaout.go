@@ -251,8 +251,9 @@ func producerConfig(base *sarama.Config) *sarama.Config {
 	// No flush trigger: a batch is sent as one call and waited for, so a
 	// trigger set for batching (Flush.Messages or Flush.Bytes, which a
 	// batch smaller than it never meets) held it until Flush.Frequency,
-	// or for ever without one, and each Publish ran to its deadline. The
-	// records of one call still go together.
+	// or for ever without one, and each Publish ran to its deadline.
+	// sarama still gathers the records queued while a request is in
+	// flight into the next one.
 	sc.Producer.Flush.Messages, sc.Producer.Flush.Bytes, sc.Producer.Flush.Frequency = 0, 0, 0
 	sc.Metadata.AllowAutoTopicCreation = false
 	return &sc

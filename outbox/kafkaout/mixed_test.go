@@ -47,12 +47,15 @@ func TestBatchRefusedBesideAPassingFailureIsNotParked(t *testing.T) {
 		return resp, nil, true
 	})
 
-	sc := sarama.NewConfig()
-	sc.Producer.Flush.Messages = 4 // the four records in one request
-	sc.Producer.Flush.Frequency = time.Second
-	p, err := New(Config{Brokers: kf.ListenAddrs(), Sarama: sc})
+	p, err := New(Config{Brokers: kf.ListenAddrs()})
 	require.NoError(t, err)
 	defer p.Close()
+	// The four records in one request: flush triggers on the publisher's
+	// own configuration (New clears a base's, which would hold a batch
+	// smaller than them), set here to make the mixed request this test
+	// is about.
+	p.sc.Producer.Flush.Messages = 4
+	p.sc.Producer.Flush.Frequency = time.Second
 	var recs []outbox.Record
 	for i := range 4 {
 		topic := "small"
