@@ -988,11 +988,15 @@ func (r *Relay) settle(ctx context.Context, conn *pgx.Conn, sent []int64, reject
 	return nil
 }
 
-// errorText is err's text; a publisher's error whose Error panics (a
-// typed nil, wrapped with Rejected) is described by fmt instead of
-// crashing the relay.
+// errorText is err's text as the row's last_error (text) can hold it: a
+// publisher's error whose Error panics (a typed nil, wrapped with
+// Rejected) is described by fmt instead of crashing the relay, and bytes
+// that are not UTF-8 are dropped and each NUL replaced. PostgreSQL's text
+// takes neither: an error quoting a binary body failed the settlement
+// that charges its row, written again after every backoff for ever, while
+// the relay published nothing else.
 func errorText(err error) string {
-	return fmt.Sprint(err)
+	return strings.ReplaceAll(strings.ToValidUTF8(fmt.Sprint(err), ""), "\x00", "\uFFFD")
 }
 
 // charge is a rejected row as its settlement charged it.

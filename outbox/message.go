@@ -23,6 +23,19 @@ var ErrInvalidMessage = errors.New("outbox: invalid message")
 // (consumer.Config.Identify.MaxIDLength).
 const MaxIDLength = 256
 
+// MaxTopicLength is the longest Topic Add accepts, in bytes: neither broker
+// takes a longer name (Kafka's topics have at most 249 characters,
+// RabbitMQ's exchanges 255 bytes), and a row the broker refuses is charged
+// in an index of its topic and key, whose entries PostgreSQL bounds.
+const MaxTopicLength = 255
+
+// MaxKeyLength is the longest Key Add accepts, in bytes. A row the broker
+// refuses is charged in place, which enters it in the index of refused
+// rows by topic, key and seq: PostgreSQL's index entries hold about
+// 2.7 kB, and a longer key failed that charge, written again after every
+// backoff for ever, while the relay published nothing else.
+const MaxKeyLength = 2048
+
 // Message is one message to publish once the transaction that adds it
 // commits.
 type Message struct {
@@ -37,7 +50,7 @@ type Message struct {
 	ID string
 	// Topic is the Kafka topic, or the RabbitMQ exchange ("" is RabbitMQ's
 	// default exchange, which routes by queue name). Topic and RoutingKey
-	// cannot both be empty.
+	// cannot both be empty. At most MaxTopicLength bytes.
 	Topic string
 	// RoutingKey is the RabbitMQ routing key; the Kafka publisher ignores
 	// it.
@@ -46,7 +59,7 @@ type Message struct {
 	// (Topic, Key) in the order their rows were written, and holds later
 	// ones back while an earlier one cannot be published. On Kafka it is
 	// also the record key, which picks the partition. Empty: no order is
-	// promised and a nil record key is sent.
+	// promised and a nil record key is sent. At most MaxKeyLength bytes.
 	Key []byte
 	// Type is the event type: the "type" header on Kafka and the type
 	// property on RabbitMQ, which a consumer.Router dispatches on. Optional.
@@ -76,7 +89,8 @@ func Add(ctx context.Context, tx DB, msgs ...Message) error {
 // W3C traceparent when no propagator is set) is stored with each row and
 // sent as its headers, so that the next hop's span continues this trace. Add fails with an error wrapping
 // ErrInvalidMessage, and writes nothing, if a message has neither Topic
-// nor RoutingKey, an ID that is too long or not UTF-8, or an empty header
+// nor RoutingKey, an ID that is too long or not UTF-8, a Topic longer than
+// MaxTopicLength, a Key longer than MaxKeyLength, or an empty header
 // name; a database error aborts tx as any failed statement does.
 func (s *Store) Add(ctx context.Context, tx DB, msgs ...Message) error {
 	if len(msgs) == 0 {
@@ -133,6 +147,13 @@ func (m *Message) validate() error {
 	}
 	if len(m.ID) > MaxIDLength {
 		return fmt.Errorf("ID is %d bytes long, more than MaxIDLength (%d)", len(m.ID), MaxIDLength)
+	}
+	if len(m.Topic) > MaxTopicLength {
+		return fmt.Errorf("Topic is %d bytes long, more than MaxTopicLength (%d): no broker takes a longer name", len(m.Topic), MaxTopicLength)
+	}
+	if len(m.Key) > MaxKeyLength {
+		return fmt.Errorf("Key is %d bytes long, more than MaxKeyLength (%d): a row the broker refuses is indexed by its key, "+
+			"which PostgreSQL's index entries could not hold", len(m.Key), MaxKeyLength)
 	}
 	for _, s := range []struct{ name, v string }{{"ID", m.ID}, {"Topic", m.Topic}, {"RoutingKey", m.RoutingKey}, {"Type", m.Type}} {
 		if !pgtext.Storable(s.v) {

@@ -183,6 +183,21 @@ func (c RelayConfig) withDefaults() (RelayConfig, error) {
 		return c, fmt.Errorf("%w: MaxAttempts %d exceeds %d, the most the outbox's attempts column counts (use that for never parking)", ErrInvalidConfig, c.MaxAttempts, math.MaxInt32)
 	case c.PublishTimeout < 0:
 		return c, fmt.Errorf("%w: PublishTimeout is negative (%v)", ErrInvalidConfig, c.PublishTimeout)
+	case c.Store.series == nil:
+		// A Store not made by New has no table nor statements: Run
+		// panicked migrating it, or, with SkipMigrate, retried a name
+		// the database cannot read for ever.
+		return c, fmt.Errorf("%w: Store was not made by outbox.New", ErrInvalidConfig)
+	}
+	for _, f := range []struct {
+		field string
+		v     any
+	}{{"MeterProvider", c.MeterProvider}, {"TracerProvider", c.TracerProvider}} {
+		if f.v != nil && isnil.Value(f.v) {
+			// A nil pointer in the interface (a provider left unset while
+			// telemetry is off): NewRelay panicked on it.
+			return c, fmt.Errorf("%w: %s is a nil %T", ErrInvalidConfig, f.field, f.v)
+		}
 	}
 	for _, d := range []struct {
 		name string
@@ -258,7 +273,9 @@ type Relay struct {
 // NewRelay returns a relay that reads the outbox through pool and
 // publishes with pub. It fails with an error wrapping ErrInvalidConfig for
 // a nil pool or publisher (also a nil pointer in the Publisher: that of a
-// New whose error was dropped) or an invalid cfg. The relay does not close pub.
+// New whose error was dropped) or an invalid cfg (a nil pointer in its
+// MeterProvider or TracerProvider, a Store not made by New). The relay
+// does not close pub.
 func NewRelay(pool *pgxpool.Pool, pub Publisher, cfg RelayConfig) (*Relay, error) {
 	if pool == nil {
 		return nil, fmt.Errorf("%w: pool is nil", ErrInvalidConfig)

@@ -104,7 +104,8 @@ func New(cfg Config) (*Store, error) {
 		// A table of the name that the migration did not make is adopted
 		// (or left alone by CREATE TABLE IF NOT EXISTS): it must have the
 		// shape the relay and Add rely on.
-		Verify: func(ctx context.Context, tx pgx.Tx) error { return s.Check(ctx, tx) }}
+		Verify: func(ctx context.Context, tx pgx.Tx) error { return s.Check(ctx, tx) },
+		Gone:   s.gone}
 	s.insertSQL = `INSERT INTO ` + s.table + ` (event_id, topic, routing_key, key, type, headers, trace, body)
 SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::text[], $6::jsonb[], $7::jsonb[], $8::bytea[])`
 	return s, nil
@@ -171,6 +172,17 @@ func (s *Store) Migrate(ctx context.Context, db interface {
 		return fmt.Errorf("outbox: %w", err)
 	}
 	return nil
+}
+
+// gone reports whether the outbox table is missing though a version is
+// recorded for it: dropped by hand after Migrate recorded the version (to
+// empty it, or with 001_outbox.down.sql, which leaves the record). Migrate
+// then makes it again, empty, rather than fail every relay's start asking
+// for the Migrate that failed.
+func (s *Store) gone(ctx context.Context, tx pgx.Tx, _ int) (bool, error) {
+	var missing bool
+	err := tx.QueryRow(ctx, `SELECT to_regclass($1) IS NULL`, s.table).Scan(&missing)
+	return missing, err
 }
 
 // adopt recognises an outbox table made before versions were recorded as

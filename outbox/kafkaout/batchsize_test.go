@@ -54,3 +54,40 @@ func TestTopicLimitBelowProducerLimitRefusesOnlyTooLargeRecords(t *testing.T) {
 		}
 	}
 }
+
+// The largest record Check takes is taken by a topic whose
+// max.message.bytes equals Producer.MaxMessageBytes (docs/outbox.md: keep
+// the producer's limit at or below the topics'), and one byte more is
+// refused by Check, before it is sent: the broker counts the record
+// batch's header too, which sarama's size check leaves out.
+func TestLargestRecordCheckTakesFitsATopicAtTheProducerLimit(t *testing.T) {
+	kf, err := kfake.NewCluster(kfake.NumBrokers(1))
+	require.NoError(t, err)
+	defer kf.Close()
+	const limitBytes = 10000
+	sc := sarama.NewConfig()
+	sc.Version = sarama.V2_8_0_0
+	sc.Producer.MaxMessageBytes = limitBytes
+	admin, err := sarama.NewClusterAdmin(kf.ListenAddrs(), sc)
+	require.NoError(t, err)
+	limit := fmt.Sprint(limitBytes)
+	require.NoError(t, admin.CreateTopic("t", &sarama.TopicDetail{NumPartitions: 1, ReplicationFactor: 1,
+		ConfigEntries: map[string]*string{"max.message.bytes": &limit}}, false))
+	require.NoError(t, admin.Close())
+	p, err := New(Config{Brokers: kf.ListenAddrs(), Sarama: sc})
+	require.NoError(t, err)
+	defer p.Close()
+
+	rec := outbox.Record{Seq: 1, EventID: "e-1", Topic: "t", Key: []byte("k"), Type: "x", Headers: map[string]string{"h": "v"}}
+	for n := limitBytes - 200; ; n++ {
+		rec.Body = make([]byte, n+1)
+		if p.Check(rec) != nil {
+			rec.Body = make([]byte, n)
+			break
+		}
+	}
+	require.NoError(t, p.Check(rec))
+	assert.Nil(t, p.Publish(t.Context(), []outbox.Record{rec}), "the largest record Check takes is confirmed")
+	rec.Body = append(rec.Body, 0)
+	assert.True(t, outbox.IsRejected(p.Check(rec)), "a byte more is refused before it is sent")
+}

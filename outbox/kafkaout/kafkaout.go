@@ -411,18 +411,28 @@ func (p *Publisher) resendRefusedBatches(ctx context.Context, recs []outbox.Reco
 	}
 }
 
-// Check refuses a record with no topic, or one larger than
-// Producer.MaxMessageBytes, before it is sent.
+// Check refuses a record with no topic, or one that does not fit, in a
+// record batch of its own, in Producer.MaxMessageBytes, before it is sent.
 func (p *Publisher) Check(rec outbox.Record) error {
 	if rec.Topic == "" {
 		return outbox.Rejected(errors.New("kafkaout: the message has no Topic"))
 	}
-	if size := p.message(rec).ByteSize(2); size > p.sc.Producer.MaxMessageBytes {
-		return outbox.Rejected(fmt.Errorf("kafkaout: message of %d bytes is larger than Producer.MaxMessageBytes (%d)",
+	if size := p.message(rec).ByteSize(2) + recordBatchOverhead; size > p.sc.Producer.MaxMessageBytes {
+		return outbox.Rejected(fmt.Errorf("kafkaout: message of %d bytes in its record batch is larger than Producer.MaxMessageBytes (%d)",
 			size, p.sc.Producer.MaxMessageBytes))
 	}
 	return nil
 }
+
+// recordBatchOverhead is the header of a Kafka record batch (v2), which a
+// broker counts with the records against max.message.bytes. sarama's own
+// check leaves it out: a record at Producer.MaxMessageBytes passed it and
+// was refused by a topic whose max.message.bytes is the same, alone, after
+// the batch's later records of its key had been sent (they were confirmed
+// ahead of it). With it counted, a record that passes Check fits a topic
+// whose limit is at least Producer.MaxMessageBytes (sarama's ByteSize
+// counts each varint of the record at its longest).
+const recordBatchOverhead = 61
 
 // message is the Kafka record of rec.
 func (p *Publisher) message(rec outbox.Record) *sarama.ProducerMessage {
