@@ -133,10 +133,14 @@ func (s *settler) ackWith(j *job, outcome Result, dl *DeadLetter) {
 // ackFailedMessage says what the broker's redelivery of a message whose ack
 // failed will meet: a handled (or duplicate) message's claim is committed,
 // so it is skipped; a dead-lettered one has no claim, so it runs again and
-// may be dead-lettered again, a second copy.
+// may be dead-lettered again, a second copy. Whether a dead-lettered one is
+// redelivered at all is the adapter's to say, in the error: the Kafka
+// adapter with OffsetsInDatabase marks the offset before it records the
+// dead letter in the database, and a failure of that record leaves the
+// record redelivered only if the partition changes owner first.
 func ackFailedMessage(deadLettered bool) string {
 	if deadLettered {
-		return "once: ack of a dead-lettered message failed; the message will be redelivered, and may be dead-lettered again"
+		return "once: ack of a dead-lettered message failed; the message may be redelivered (the error says when), and then may be dead-lettered again"
 	}
 	return "once: ack failed; the message will be redelivered and skipped"
 }

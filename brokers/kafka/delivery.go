@@ -61,6 +61,12 @@ type claim struct {
 	pending []*delivery   // handed out, not settled, in offset order
 	settled chan struct{} // signalled when pending becomes empty
 	room    chan struct{} // signalled when pending shrinks
+	// markBack: the claim started at Config.InitialOffset (the group had
+	// no committed offset, or sarama reset one out of the partition's
+	// range) and has marked nothing yet; its first mark sets the group's
+	// offset whichever side of the committed one it lies (commitStart,
+	// ack), as one past the partition's end is above every record.
+	markBack bool
 }
 
 func newClaim(s *Source, sess sarama.ConsumerGroupSession, sc sarama.ConsumerGroupClaim, topicID string) *claim {
@@ -83,8 +89,39 @@ func newClaim(s *Source, sess sarama.ConsumerGroupSession, sc sarama.ConsumerGro
 		cl.last.Store(off - 1)
 	} else {
 		cl.last.Store(unknownOffset)
+		cl.markBack = true
 	}
 	return cl
+}
+
+// commitStart commits start, where sarama started the claim, as the
+// group's offset of the partition, whose committed offset checkStart found
+// out of the partition's range, unless the claim marked an ack already
+// (committed within Config.CommitInterval) or was revoked. A session that
+// ended first commits nothing: the next one finds the same offset.
+func (cl *claim) commitStart(start int64) {
+	cl.mu.Lock()
+	first := cl.markBack && !cl.revoked
+	if first {
+		cl.markAt(start)
+	}
+	cl.mu.Unlock()
+	if first {
+		cl.sess.Commit()
+	}
+}
+
+// markAt marks next as the partition's offset; cl.mu is held. sarama's
+// MarkOffset moves the offset forward only: the claim's first mark resets
+// it first (markBack), so that a committed offset past the partition's end
+// does not swallow every ack of the claim.
+func (cl *claim) markAt(next int64) {
+	topic, partition := cl.sc.Topic(), cl.sc.Partition()
+	if cl.markBack {
+		cl.markBack = false
+		cl.sess.ResetOffset(topic, partition, next, "")
+	}
+	cl.sess.MarkOffset(topic, partition, next, "")
 }
 
 // newDelivery wraps raw and appends it to the pending list.
@@ -335,7 +372,7 @@ func (cl *claim) ack(d *delivery) error {
 		cl.pending = cl.pending[1:]
 	}
 	if mark != nil {
-		cl.sess.MarkOffset(mark.raw.Topic, mark.raw.Partition, mark.raw.Offset+1, "")
+		cl.markAt(mark.raw.Offset + 1)
 		cl.advanced(mark.raw.Offset + 1)
 		cl.notifyRoom()
 	}
@@ -417,7 +454,9 @@ func (d *delivery) Context() context.Context { return d.claim.ctx }
 //
 // With Config.OffsetsInDatabase the record's transaction recorded it done
 // in the database; a dead-lettered record, which had none, is recorded by
-// Ack, and a failure to is returned.
+// Ack after its offset is marked, and a failure to is returned: the record
+// is then handed out again only if its partition changes owner before
+// another of its records is recorded done (recordDeadLettered).
 func (d *delivery) Ack(ctx context.Context) error {
 	if err := d.claim.ack(d); err != nil {
 		return err

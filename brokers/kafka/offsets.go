@@ -387,8 +387,11 @@ func (s *Source) fencedBy(ctx context.Context, tx pgx.Tx, b *offsetsBinding, cl 
 // transaction, that d is done: a record the consumer dead-lettered was
 // in no transaction. It ends with ctx (the consumer's ends at its
 // shutdown deadline) or after 10 s. A failure is returned (the consumer
-// logs it); the record may then be dead-lettered again by its partition's
-// next owner. A write refused as read-only resets the pool
+// logs it), saying what follows: the claim marked the offset and goes on
+// past it, and the partition's next transaction records every record below
+// its own done, the dead letter's too; only a partition that changes owner
+// (a restart, a rebalance) before then hands the record out again, and it
+// may be dead-lettered again. A write refused as read-only resets the pool
 // (leaveReadOnly).
 func (d *delivery) recordDeadLettered(ctx context.Context) error {
 	b := d.claim.src.offsets.Load()
@@ -399,7 +402,9 @@ func (d *delivery) recordDeadLettered(ctx context.Context) error {
 	defer cancel()
 	if err := b.Store.RecordOffsets(ctx, b.Pool, b.Consumer, d.claim.offsetsUpdate([]int64{d.raw.Offset})); err != nil {
 		d.claim.src.leaveReadOnly(b, err)
-		return fmt.Errorf("kafka: recording dead-lettered %s offset %d in the database: %w", d.claim.stream, d.raw.Offset, err)
+		return fmt.Errorf("kafka: recording dead-lettered %s offset %d in the database (the offset is marked: the record is handed out again, "+
+			"and may be dead-lettered again, only if its partition changes owner before another of its records is recorded done): %w",
+			d.claim.stream, d.raw.Offset, err)
 	}
 	return nil
 }

@@ -89,7 +89,13 @@ func (s *Source) committedOffsets(partitions map[string][]int32) (map[topicParti
 // handled: it is logged at level Error, with the topic, the partition,
 // the committed offset, the start and how many offsets the claim skips.
 // One past the partition's end (the log truncated, the topic deleted and
-// created again) skips nothing and is logged at level Warn.
+// created again) skips nothing and is logged at level Warn. Either way the
+// start is committed first (claim.commitStart): an ack marks forward from
+// the committed offset only, so that below the start a partition that gets
+// no record kept the offset, and the next session logged and counted the
+// same loss again; past the end no ack was ever committed, and every
+// restart started at InitialOffset again (under StartNewest past the
+// records produced while the member was stopped).
 //
 // It runs aside, so that the claim does not wait for the cluster: the
 // claim's first acks may be committed before the coordinator answers,
@@ -100,7 +106,8 @@ func (s *Source) committedOffsets(partitions map[string][]int32) (map[topicParti
 // checkRecordedStart checks it instead; a partition the table has no
 // position for starts at the group's committed offset, and is checked
 // here.
-func (s *Source) checkStart(sess sarama.ConsumerGroupSession, topic string, partition int32, initial int64) {
+func (s *Source) checkStart(cl *claim, initial int64) {
+	sess, topic, partition := cl.sess, cl.sc.Topic(), cl.sc.Partition()
 	if initial >= 0 {
 		s.startChecks.Add(1)
 		return
@@ -118,6 +125,7 @@ func (s *Source) checkStart(sess sarama.ConsumerGroupSession, topic string, part
 			return // the group had none: InitialOffset is where it starts
 		}
 		if committed < start {
+			cl.commitStart(start)
 			s.lag.skippedOutOfRange(topic, partition, start-committed)
 			s.cfg.Logger.Error("once/kafka: the group's committed offset is out of the partition's range "+
 				"(its records deleted by retention before they were handled, or the log truncated); the claim starts at Config.InitialOffset, "+
@@ -130,8 +138,9 @@ func (s *Source) checkStart(sess sarama.ConsumerGroupSession, topic string, part
 		// claim passes.
 		end, err := s.dlqClient.GetOffset(topic, partition, sarama.OffsetNewest)
 		if err == nil && committed > end {
+			cl.commitStart(start)
 			s.cfg.Logger.Warn("once/kafka: the group's committed offset is past the partition's end "+
-				"(the log truncated, or the topic deleted and created again); the claim starts at Config.InitialOffset",
+				"(the log truncated, or the topic deleted and created again); the claim starts at Config.InitialOffset, committed as the group's offset",
 				"group", s.cfg.Group, "topic", topic, "partition", partition, "committed", committed,
 				"end", end, "start", start, "initial_offset", startName(initial))
 		}

@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/IBM/sarama"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -406,4 +407,145 @@ func TestOffsetsInDatabasePositionOutOfRangeIsCountedOnce(t *testing.T) {
 			assert.Equal(t, map[string]int64{topic + "/0": 3}, outOfRangeOf(t, reader), "the records lost counted once")
 		})
 	}
+}
+
+// Without OffsetsInDatabase, a committed offset below the partition's
+// first record is a loss, logged at Error and counted once. Under
+// StartOldest the claim started past it, but the group's committed offset
+// stayed where it was until a record of the partition was acked (an ack
+// marks forward from the committed offset, and nothing else marked): a
+// partition that got none found the same loss at every later session
+// (each restart, each rebalance), logged it again and counted the same
+// records again, so that out_of_range.skipped, whose every increase says
+// records were never handled, grew by the same records each time. The
+// claim's start is committed when the loss is found. Under StartNewest the
+// claim commits the partition's first record itself (rewindNewestStart).
+func TestCommittedOffsetOutOfRangeIsCountedOnce(t *testing.T) {
+	for name, initial := range map[string]StartOffset{"newest": StartNewest, "oldest": StartOldest} {
+		t.Run(name, func(t *testing.T) {
+			c := newCluster(t)
+			topic, group := uniq("orders"), uniq("g")
+			c.createTopic(topic, 1)
+			c.produce(msg(topic, 0, "a"), msg(topic, 0, "b"))
+			src := c.open(c.config(group, topic))
+			for range 2 {
+				require.NoError(t, receive(t, src).Ack(t.Context()))
+			}
+			require.NoError(t, src.Close())
+			require.Equal(t, map[int32]int64{0: 2}, c.committed(group, topic, 1))
+			// Records 2 to 4 are deleted before the group reads them; none
+			// is left, and the partition idles.
+			c.produce(msg(topic, 0, "c"), msg(topic, 0, "d"), msg(topic, 0, "e"))
+			c.deleteRecordsBefore(topic, 0, 5)
+
+			cfg, logs, reader := observed(t, c.config(group, topic))
+			cfg.InitialOffset = initial
+			src = c.open(cfg)
+			ctx, cancel := context.WithTimeout(t.Context(), 60*time.Second)
+			defer cancel()
+			_ = receiveAside(ctx, src) // joins the group; no record comes
+			require.Eventually(t, func() bool { return len(logs.Errors()) > 0 && src.startChecks.Load() >= 1 },
+				30*time.Second, 10*time.Millisecond, "the loss is logged")
+			require.NoError(t, src.Close())
+			assert.Equal(t, map[int32]int64{0: 5}, c.committed(group, topic, 1), "the group's offset is where the claim started")
+
+			// Restarted, the member handles a new record: its session's
+			// start is behind it.
+			c.produce(msg(topic, 0, "f"))
+			src = c.open(cfg)
+			d := receive(t, src)
+			require.Equal(t, "f", string(d.Message().Value))
+			require.NoError(t, d.Ack(t.Context()))
+			require.Eventually(t, func() bool { return src.startChecks.Load() >= 1 }, 30*time.Second, 10*time.Millisecond,
+				"the claim's start is checked")
+			require.NoError(t, src.Close())
+			assert.Len(t, logs.Errors(), 1, "the loss logged once: %v", logs.Errors())
+			assert.Equal(t, map[string]int64{topic + "/0": 3}, outOfRangeOf(t, reader), "the records lost counted once")
+		})
+	}
+}
+
+// Without OffsetsInDatabase, a committed offset past the partition's end
+// (the log truncated under it, the topic created again while the group was
+// away) makes sarama start the claim at Config.InitialOffset, logged at
+// Warn as skipping nothing. But an ack marks forward only, from the
+// committed offset: the acks of the records below it marked nothing, the
+// group's offset stayed past the end, and every restart started at
+// InitialOffset again. Under StartNewest that is the partition's end: the
+// records produced while the member was stopped were never read. Under
+// StartOldest each restart read the partition again from its first
+// record. The claim's start is committed when the committed offset is
+// found past the end.
+func TestCommittedOffsetPastTheEndIsMovedBack(t *testing.T) {
+	for name, initial := range map[string]StartOffset{"newest": StartNewest, "oldest": StartOldest} {
+		t.Run(name, func(t *testing.T) {
+			c := newCluster(t)
+			topic, group := uniq("orders"), uniq("g")
+			c.createTopic(topic, 1)
+			c.produce(msg(topic, 0, "a"), msg(topic, 0, "b"))
+			src := c.open(c.config(group, topic))
+			require.NoError(t, receive(t, src).Ack(t.Context()))
+			require.NoError(t, src.Close())
+			commitOffset(t, c, group, topic, 0, 100) // then the log truncated below it
+
+			cfg, _, _ := observed(t, c.config(group, topic))
+			cfg.InitialOffset = initial
+			src = c.open(cfg)
+			want := []string{"a", "b"}
+			if initial == StartNewest {
+				ctx, cancel := context.WithTimeout(t.Context(), 60*time.Second)
+				defer cancel()
+				got := receiveAside(ctx, src) // joins the group, its claim starting at the end
+				require.Eventually(t, func() bool { return src.startChecks.Load() >= 1 }, 30*time.Second, 10*time.Millisecond,
+					"the claim's start is checked")
+				c.produce(msg(topic, 0, "x"))
+				r := <-got
+				require.NoError(t, r.err)
+				require.Equal(t, "x", string(r.d.Message().Value))
+				require.NoError(t, r.d.Ack(t.Context()))
+				want = []string{"x"}
+			} else {
+				for _, v := range want {
+					d := receive(t, src)
+					require.Equal(t, v, string(d.Message().Value))
+					require.NoError(t, d.Ack(t.Context()))
+				}
+			}
+			require.Eventually(t, func() bool { return src.startChecks.Load() >= 1 }, 30*time.Second, 10*time.Millisecond)
+			require.NoError(t, src.Close())
+			next := int64(3) // x is offset 2
+			if initial == StartOldest {
+				next = 2
+			}
+			assert.Equal(t, map[int32]int64{0: next}, c.committed(group, topic, 1), "the acks are committed")
+
+			// A record produced while the member is stopped is the next
+			// one read after its restart.
+			c.produce(msg(topic, 0, "y"))
+			src = c.open(cfg)
+			d := receive(t, src)
+			assert.Equal(t, "y", string(d.Message().Value))
+			require.NoError(t, src.Close())
+		})
+	}
+}
+
+// commitOffset commits offset as group's offset of topic's partition, as
+// a tool resetting a group's offsets does; the group must have committed
+// an offset before (kfake knows no group otherwise).
+func commitOffset(t testing.TB, c *cluster, group, topic string, partition int32, offset int64) {
+	t.Helper()
+	client, err := sarama.NewClient(c.addrs, saramaConfig())
+	require.NoError(t, err)
+	defer client.Close()
+	om, err := sarama.NewOffsetManagerFromClient(group, client)
+	require.NoError(t, err)
+	pom, err := om.ManagePartition(topic, partition)
+	require.NoError(t, err)
+	pom.ResetOffset(offset, "")
+	pom.MarkOffset(offset, "")
+	om.Commit()
+	require.NoError(t, pom.Close())
+	require.NoError(t, om.Close())
+	require.Equal(t, offset, committedOffset(c, group, topic, partition))
 }

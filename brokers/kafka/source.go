@@ -1069,7 +1069,7 @@ func (h *groupHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, sc sarama.
 		return nil
 	}
 	if checkCommitted {
-		s.checkStart(sess, sc.Topic(), sc.Partition(), sc.InitialOffset())
+		s.checkStart(cl, sc.InitialOffset())
 	}
 	s.cfg.Logger.Debug("once/kafka: partition claimed", "group", s.cfg.Group, "stream", cl.stream,
 		"generation", sess.GenerationID(), "offset", sc.InitialOffset())
