@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"net"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -19,6 +18,7 @@ import (
 	"github.com/onceco/once/consumer"
 	"github.com/onceco/once/internal/backoff"
 	"github.com/onceco/once/internal/tlsfail"
+	"github.com/onceco/once/internal/writeclock"
 )
 
 // instrumentationName names the OpenTelemetry meter of this package.
@@ -714,32 +714,6 @@ func dialClocked(cfg *Config, name string, wrote *atomic.Int64) (*amqp091.Connec
 	return dialFrames(cfg, name, 0, wrote)
 }
 
-// clockedConn is a net.Conn that records when it last wrote.
-type clockedConn struct {
-	net.Conn
-	wrote *atomic.Int64
-}
-
-// clockChunk is the most a clockedConn writes at once: a write's progress
-// shows only when it returns, and a frame of 128 KiB takes seconds on a
-// slow link.
-const clockChunk = 16 << 10
-
-func (c *clockedConn) Write(b []byte) (n int, err error) {
-	for len(b) > 0 {
-		m, err := c.Conn.Write(b[:min(len(b), clockChunk)])
-		n += m
-		if m > 0 {
-			c.wrote.Store(time.Now().UnixNano())
-		}
-		if err != nil {
-			return n, err
-		}
-		b = b[m:]
-	}
-	return n, nil
-}
-
 // dialConsuming opens the consuming connection. It takes the broker's
 // frame_max as its frame size: a content header frame is never split, so
 // a message whose properties a publisher fitted in a frame_max raised above
@@ -757,14 +731,7 @@ func dialFrames(cfg *Config, name string, frameSize int, wrote *atomic.Int64) (*
 	props.SetClientConnectionName(name)
 	dialer := amqp091.DefaultDial(cfg.DialTimeout)
 	if wrote != nil {
-		base := dialer
-		dialer = func(network, addr string) (net.Conn, error) {
-			c, err := base(network, addr)
-			if err != nil {
-				return nil, err
-			}
-			return &clockedConn{Conn: c, wrote: wrote}, nil
-		}
+		dialer = writeclock.Dial(dialer, wrote)
 	}
 	conn, err := amqp091.DialConfig(cfg.URL, amqp091.Config{
 		Heartbeat: cfg.Heartbeat,

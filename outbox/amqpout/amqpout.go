@@ -11,11 +11,13 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	"github.com/onceco/once/internal/tlsfail"
+	"github.com/onceco/once/internal/writeclock"
 	"github.com/onceco/once/outbox"
 )
 
@@ -44,13 +46,16 @@ type Config struct {
 	Heartbeat time.Duration
 	// ConnectionName is shown in the management UI. Default "once outbox".
 	ConnectionName string
-	// ConfirmTimeout bounds the writing of one batch and the wait for the
-	// broker's confirms; past it the batch's unconfirmed records are
-	// failed (and published again later), and the connection is dropped:
-	// a broker under a memory or disk alarm stops reading a connection
-	// that publishes, so neither a write larger than the socket buffers
-	// nor a confirm ends until the alarm clears. Default 10s; at least a
-	// millisecond (a unit mistake: 10 is 10 ns).
+	// ConfirmTimeout bounds a write of a batch that makes no progress and
+	// the wait for the broker's confirms once the batch is written, which
+	// each confirm that comes starts again; past it the batch's
+	// unconfirmed records are failed (and published again later), and the
+	// connection is dropped: a broker under a memory or disk alarm stops
+	// reading a connection that publishes, so neither a write larger than
+	// the socket buffers nor a confirm ends until the alarm clears. A write
+	// the broker is taking is not cut: a large batch on a slow link takes
+	// what the link needs (within the relay's PublishTimeout). Default
+	// 10s; at least a millisecond (a unit mistake: 10 is 10 ns).
 	ConfirmTimeout time.Duration
 	// Transient publishes with delivery mode 1 (not persisted by the
 	// broker). Default false: persistent, which a durable queue needs to
@@ -76,6 +81,9 @@ type Publisher struct {
 	// progress holds: the connect is given up at once (dial).
 	closing   chan struct{}
 	closeOnce sync.Once
+	// wrote is when the connection last wrote to its socket (Unix
+	// nanoseconds); a new one per connection.
+	wrote *atomic.Int64
 	// missing holds the exchanges a publish found missing: Check looks
 	// them up before their next record is sent, because a publish to a
 	// missing exchange closes the channel and fails the whole batch.
@@ -166,30 +174,36 @@ func urlHeartbeatZero(raw string) bool {
 // or that the user may not write to, with a routing key the user's topic
 // permissions refuse, or larger than the broker's max_message_size gets
 // an error wrapped with outbox.Rejected; a nack or a lost connection an
-// ordinary error, after which the channel is replaced; a batch not written
-// or not confirmed within ConfirmTimeout, or before ctx is done (a broker
-// under a resource alarm reads nothing more), an ordinary error too, after
-// which the connection is replaced. A broker that stopped answering holds
-// Publish at most DialTimeout twice (to connect, then to open the channel)
-// plus ConfirmTimeout, and never past the end of ctx or a Close. A broker
+// ordinary error, after which the channel is replaced; a batch whose
+// write the broker took nothing of for ConfirmTimeout, whose confirms
+// stopped coming for ConfirmTimeout once it was written, or not confirmed
+// before ctx is done (a broker under a resource alarm reads nothing more),
+// an ordinary error too, after which the connection is replaced. A broker
+// that stopped answering holds Publish at most DialTimeout twice (to
+// connect, then to open the channel) plus ConfirmTimeout twice (for the
+// write, then for the confirms), and never past the end of ctx or a Close;
+// a broker taking the batch slowly (a large batch on a slow link) holds it
+// as long as the link needs, up to the end of ctx. A broker
 // that refuses the connection itself (the credentials, access to the
 // vhost, the TLS handshake) gives every record an error wrapped with
 // outbox.Refused: the relay retries, logging it as an error.
 func (p *Publisher) Publish(ctx context.Context, recs []outbox.Record) []error {
-	ch, returns, closes, err := p.channel(ctx)
+	ch, returns, closes, wrote, err := p.channel(ctx)
 	if err != nil {
 		return fill(len(recs), err)
 	}
-	wctx, cancel := context.WithTimeout(ctx, p.cfg.ConfirmTimeout)
-	defer cancel()
-	errs, confirms, err := p.send(wctx, ch, recs)
+	errs, confirms, err := p.send(ctx, ch, wrote, recs)
 	if err != nil {
 		return fill(len(recs), err)
 	}
+	// The confirms' wait starts once the batch is written: a large batch
+	// on a slow link may take longer than ConfirmTimeout to write.
+	cw := newConfirmWait(p.cfg.ConfirmTimeout)
+	defer cw.stop()
 	returned := map[returnKey]amqp091.Return{}
 	for i, dc := range confirms {
 		if dc != nil {
-			errs[i] = p.await(wctx, dc, returns, returned)
+			errs[i] = p.await(ctx, cw, dc, returns, returned)
 		}
 	}
 	// The broker sends a basic.return before the ack of the same message,
@@ -199,7 +213,7 @@ func (p *Publisher) Publish(ctx context.Context, recs []outbox.Record) []error {
 	closeErr := closeError(closes)
 	failed := p.classify(recs, errs, returned, closeErr)
 	switch {
-	case failed && wctx.Err() != nil:
+	case failed && (cw.expired || ctx.Err() != nil):
 		// Confirms still missing at the deadline: the connection may be
 		// one the broker no longer reads, where opening another channel
 		// would wait as long.
@@ -217,9 +231,14 @@ func (p *Publisher) Publish(ctx context.Context, recs []outbox.Record) []error {
 // could not be sent, confirms[i] for one that was. A broker under a
 // resource alarm stops reading the connection, and amqp091 gives up no
 // write on its context: the writes run aside, and when ctx ends before
-// they do, the connection is dropped (which ends the write) and err says
-// that the batch could not be written.
-func (p *Publisher) send(ctx context.Context, ch *amqp091.Channel, recs []outbox.Record) (errs []error, confirms []*amqp091.DeferredConfirmation, err error) {
+// they do, or they make no progress (wrote, the connection's last write
+// to its socket, stands still) for ConfirmTimeout, the connection is
+// dropped (which ends the write) and err says that the batch could not be
+// written. Writes that progress take the time the link needs (a full read
+// of 16 MiB over 10 Mbit/s takes 13 s, more than the default
+// ConfirmTimeout): bounding them by ConfirmTimeout would give the batch up
+// on every attempt, and the relay would never get past it.
+func (p *Publisher) send(ctx context.Context, ch *amqp091.Channel, wrote *atomic.Int64, recs []outbox.Record) (errs []error, confirms []*amqp091.DeferredConfirmation, err error) {
 	type sent struct {
 		errs     []error
 		confirms []*amqp091.DeferredConfirmation
@@ -237,10 +256,8 @@ func (p *Publisher) send(ctx context.Context, ch *amqp091.Channel, recs []outbox
 		}
 		done <- s
 	}()
-	select {
-	case s := <-done:
+	if s, ok := waitWritten(ctx, done, wrote, p.cfg.ConfirmTimeout); ok {
 		return s.errs, s.confirms, nil
-	case <-ctx.Done():
 	}
 	select {
 	case s := <-done:
@@ -248,11 +265,47 @@ func (p *Publisher) send(ctx context.Context, ch *amqp091.Channel, recs []outbox
 	default:
 	}
 	p.drop()
-	if errors.Is(ctx.Err(), context.DeadlineExceeded) {
-		return nil, nil, fmt.Errorf("amqpout: the batch could not be written within ConfirmTimeout %v (a broker under a resource alarm reads nothing); "+
+	switch {
+	case ctx.Err() == nil:
+		return nil, nil, fmt.Errorf("amqpout: the broker took none of the batch for ConfirmTimeout %v (a broker under a resource alarm reads nothing); "+
 			"its connection is dropped", p.cfg.ConfirmTimeout)
+	case errors.Is(ctx.Err(), context.DeadlineExceeded):
+		// The broker was taking the batch, but the link is too slow for
+		// it within the publish's deadline (the relay's PublishTimeout).
+		return nil, nil, fmt.Errorf("amqpout: the batch was not written whole by the publish's deadline (RelayConfig.PublishTimeout), "+
+			"though the broker was taking it: a link this slow needs a longer PublishTimeout or a smaller BatchSize; its connection is dropped: %w", ctx.Err())
 	}
 	return nil, nil, fmt.Errorf("amqpout: the batch was not written whole when publishing stopped; its connection is dropped: %w", ctx.Err())
+}
+
+// waitWritten waits for the writes' answer on done; false when ctx ended
+// first or the connection wrote nothing to its socket (wrote) for idle.
+func waitWritten[T any](ctx context.Context, done <-chan T, wrote *atomic.Int64, idle time.Duration) (T, bool) {
+	start := time.Now()
+	t := time.NewTimer(idle)
+	defer t.Stop()
+	for {
+		select {
+		case s := <-done:
+			return s, true
+		case <-ctx.Done():
+			var zero T
+			return zero, false
+		case <-t.C:
+			// A byte written since start: the broker is taking the
+			// batch, and the wait runs from the last write.
+			last := time.Unix(0, wrote.Load())
+			if last.Before(start) {
+				last = start
+			}
+			wait := idle - time.Since(last)
+			if wait <= 0 {
+				var zero T
+				return zero, false
+			}
+			t.Reset(wait)
+		}
+	}
 }
 
 // classify turns returns and a missing exchange into rejections in errs,
@@ -460,16 +513,47 @@ func (p *Publisher) markMissing(exchange string) {
 	p.missing[exchange] = true
 }
 
+// confirmWait bounds the wait for a written batch's confirms: it expires
+// once no confirm came for the timeout. On a slow link the batch's last
+// records are still on their way when its write ends (in the sockets'
+// buffers), and their confirms come one after another as they arrive.
+type confirmWait struct {
+	timeout time.Duration
+	timer   *time.Timer
+	expired bool
+}
+
+func newConfirmWait(timeout time.Duration) *confirmWait {
+	return &confirmWait{timeout: timeout, timer: time.NewTimer(timeout)}
+}
+
+// confirmed starts the wait again: a confirm came.
+func (w *confirmWait) confirmed() {
+	if !w.expired {
+		w.timer.Reset(w.timeout)
+	}
+}
+
+// stop releases the wait's timer.
+func (w *confirmWait) stop() { w.timer.Stop() }
+
 // await waits for dc's confirm, collecting returns meanwhile so that the
-// library never blocks handing one over.
-func (p *Publisher) await(ctx context.Context, dc *amqp091.DeferredConfirmation, returns <-chan amqp091.Return, returned map[returnKey]amqp091.Return) error {
+// library never blocks handing one over. Once cw has expired it takes a
+// confirm already there and waits for none.
+func (p *Publisher) await(ctx context.Context, cw *confirmWait, dc *amqp091.DeferredConfirmation, returns <-chan amqp091.Return, returned map[returnKey]amqp091.Return) error {
+	if cw.expired {
+		select {
+		case <-dc.Done():
+			return confirmResult(dc)
+		default:
+			return p.noConfirm()
+		}
+	}
 	for {
 		select {
 		case <-dc.Done():
-			if !dc.Acked() {
-				return errors.New("amqpout: the broker nacked the message (or the channel closed before its confirm)")
-			}
-			return nil
+			cw.confirmed()
+			return confirmResult(dc)
 		case r, ok := <-returns:
 			if !ok { // the channel closed: its confirms are resolved (nacked)
 				returns = nil
@@ -477,9 +561,26 @@ func (p *Publisher) await(ctx context.Context, dc *amqp091.DeferredConfirmation,
 			}
 			returned[keyOf(r)] = r
 		case <-ctx.Done():
-			return fmt.Errorf("amqpout: no publisher confirm within ConfirmTimeout %v: %w", p.cfg.ConfirmTimeout, ctx.Err())
+			return fmt.Errorf("amqpout: no publisher confirm when publishing stopped: %w", ctx.Err())
+		case <-cw.timer.C:
+			cw.expired = true
+			return p.noConfirm()
 		}
 	}
+}
+
+// confirmResult is the outcome of dc, which is done.
+func confirmResult(dc *amqp091.DeferredConfirmation) error {
+	if !dc.Acked() {
+		return errors.New("amqpout: the broker nacked the message (or the channel closed before its confirm)")
+	}
+	return nil
+}
+
+// noConfirm is the error of a record whose confirm had not come when the
+// batch's confirms stopped coming for ConfirmTimeout.
+func (p *Publisher) noConfirm() error {
+	return fmt.Errorf("amqpout: no publisher confirm for ConfirmTimeout %v once the batch was written", p.cfg.ConfirmTimeout)
 }
 
 // returnKey tells which records of a batch a basic.return is about: the
@@ -606,26 +707,28 @@ func (p *Publisher) publishing(rec outbox.Record) amqp091.Publishing {
 	}
 }
 
-// channel returns the confirm-mode channel, connecting if needed.
-func (p *Publisher) channel(ctx context.Context) (*amqp091.Channel, chan amqp091.Return, chan *amqp091.Error, error) {
+// channel returns the confirm-mode channel, and when its connection last
+// wrote to its socket, connecting if needed.
+func (p *Publisher) channel(ctx context.Context) (*amqp091.Channel, chan amqp091.Return, chan *amqp091.Error, *atomic.Int64, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.closed {
-		return nil, nil, nil, errors.New("amqpout: publisher closed")
+		return nil, nil, nil, nil, errors.New("amqpout: publisher closed")
 	}
 	if p.ch != nil && !p.ch.IsClosed() {
-		return p.ch, p.returns, p.closes, nil
+		return p.ch, p.returns, p.closes, p.wrote, nil
 	}
 	if p.conn == nil || p.conn.IsClosed() {
-		conn, err := p.dial(ctx)
+		wrote := new(atomic.Int64)
+		conn, err := p.dial(ctx, wrote)
 		if err != nil {
 			err = fmt.Errorf("amqpout: connect: %w", redact(err))
 			if refusesConnection(err) {
 				err = outbox.Refused(err)
 			}
-			return nil, nil, nil, err
+			return nil, nil, nil, nil, err
 		}
-		p.conn = conn
+		p.conn, p.wrote = conn, wrote
 		p.maxBody = 0
 		p.frameMax = conn.Config.FrameSize
 	}
@@ -634,14 +737,14 @@ func (p *Publisher) channel(ctx context.Context) (*amqp091.Channel, chan amqp091
 		if errors.Is(err, errNoAnswer) {
 			p.dropLocked()
 		}
-		return nil, nil, nil, err
+		return nil, nil, nil, nil, err
 	}
 	// Buffered so that the library's reader never waits for us between
 	// batches; while a batch is confirmed, await reads it.
 	p.returns = ch.NotifyReturn(make(chan amqp091.Return, 1024))
 	p.closes = ch.NotifyClose(make(chan *amqp091.Error, 1))
 	p.ch = ch
-	return p.ch, p.returns, p.closes, nil
+	return p.ch, p.returns, p.closes, p.wrote, nil
 }
 
 // errGivenUp is dial's error when the connect was given up.
@@ -652,8 +755,8 @@ var errGivenUp = errors.New("connect given up")
 // broker that accepts the connection and then says nothing (frozen, or a
 // network holding the traffic) holds the connect for DialTimeout, with
 // the publisher's lock, which Close takes. A connection made after it was
-// given up is closed.
-func (p *Publisher) dial(ctx context.Context) (*amqp091.Connection, error) {
+// given up is closed. The connection records its writes in wrote.
+func (p *Publisher) dial(ctx context.Context, wrote *atomic.Int64) (*amqp091.Connection, error) {
 	type dialed struct {
 		conn *amqp091.Connection
 		err  error
@@ -666,7 +769,7 @@ func (p *Publisher) dial(ctx context.Context) (*amqp091.Connection, error) {
 			// ServerName of the config it is given.
 			TLSClientConfig: p.cfg.TLSConfig.Clone(),
 			Properties:      amqp091.Table{"connection_name": p.cfg.ConnectionName},
-			Dial:            amqp091.DefaultDial(p.cfg.DialTimeout),
+			Dial:            writeclock.Dial(amqp091.DefaultDial(p.cfg.DialTimeout), wrote),
 		})
 		done <- dialed{conn, err}
 	}()

@@ -138,7 +138,7 @@ func TestTLSConfigIsNotModified(t *testing.T) {
 	p, err := New(Config{URL: "amqps://guest:guest@" + ln.Addr().String() + "/", TLSConfig: shared, DialTimeout: time.Second})
 	require.NoError(t, err)
 	defer p.Close()
-	_, _, _, err = p.channel(context.Background())
+	_, _, _, _, err = p.channel(context.Background())
 	require.Error(t, err, "the server speaks neither TLS nor AMQP")
 	assert.Empty(t, shared.ServerName, "the publisher wrote into the caller's tls.Config")
 }
