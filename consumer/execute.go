@@ -190,7 +190,7 @@ func (p *pipeline) retryOrGiveUp(ctx context.Context, s *settler, j *job, r txRe
 	}
 	p.cfg.Telemetry.Logger.DebugContext(j.ctx, "once: handler failed; retrying", "consumer", p.cfg.Name, "event_id", j.idt.id,
 		"attempt", j.runs, "error", r.err, "backoff", wait)
-	p.retrying(j.ctx, Retry{Reason: RetryHandler, EventID: j.idt.id, Messages: 1, Err: r.err, Wait: wait})
+	p.retrying(j.ctx, Retry{Reason: RetryHandler, EventID: j.idt.id, Message: j.m, Messages: 1, Err: r.err, Wait: wait})
 	if !p.pause(ctx, s, wait) {
 		s.abandon(j)
 		return false
@@ -226,9 +226,12 @@ func (p *pipeline) decodeAgain(ctx context.Context, s *settler, j *job) bool {
 		if errors.As(err, &ra) { // always: unidentified keeps only such errors
 			wait = ra.delay()
 		}
+		// The place in its stream names the message while it has no id
+		// (an Identify.EventID that asked for a retry).
 		p.cfg.Telemetry.Logger.DebugContext(j.ctx, "once: identifying or decoding the event failed and asked for a retry; retrying", "consumer", p.cfg.Name,
-			"event_id", j.idt.id, "step", undecodedStep(j.undecodedKind), "attempt", j.decodeFailures, "error", err, "backoff", wait)
-		p.retrying(j.ctx, Retry{Reason: RetryDecode, EventID: j.idt.id, Messages: 1, Err: err, Wait: wait})
+			"event_id", j.idt.id, "stream", j.m.Stream, "topic", j.m.Topic, "partition", j.m.Partition, "offset", j.m.Offset,
+			"step", undecodedStep(j.undecodedKind), "attempt", j.decodeFailures, "error", err, "backoff", wait)
+		p.retrying(j.ctx, Retry{Reason: RetryDecode, EventID: j.idt.id, Message: j.m, Messages: 1, Err: err, Wait: wait})
 		if !p.pause(ctx, s, wait) {
 			s.abandon(j)
 			return false
@@ -357,7 +360,7 @@ func (p *pipeline) infraFor(ctx context.Context, s *settler, what string, waitin
 		p.leaveUnanswered(err)
 		d := r.Delay()
 		p.logInfra(ctx, what, err, d)
-		p.retrying(ctx, Retry{Reason: RetryInfrastructure, EventID: waiting.EventID, Messages: waiting.Messages,
+		p.retrying(ctx, Retry{Reason: RetryInfrastructure, EventID: waiting.EventID, Message: waiting.Message, Messages: waiting.Messages,
 			Err: fmt.Errorf("%s: %w", what, err), Wait: d})
 		if !p.pause(ctx, s, d) {
 			if ctx.Err() != nil {

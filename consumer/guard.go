@@ -535,7 +535,7 @@ func (g *crashGuard) forget(j *job) {
 // failure of its last run (JSON), retrying infrastructure failures until
 // ctx ends.
 func (g *crashGuard) set(ctx context.Context, j *job, runs, crashes int, failure []byte) error {
-	return g.p.infra(ctx, "writing a crash-guard record", Retry{EventID: j.idt.id, Messages: 1}, func() error {
+	return g.p.infra(ctx, "writing a crash-guard record", Retry{EventID: j.idt.id, Message: j.m, Messages: 1}, func() error {
 		return g.p.onConn(ctx, func(ctx context.Context, conn *pgxpool.Conn) error {
 			_, err := conn.Exec(ctx, g.setSQL, g.p.cfg.Name, j.idt.id, runs, crashes, failure)
 			return err
@@ -572,7 +572,7 @@ func (g *crashGuard) settled(ctx context.Context, j *job) {
 	j.guard.recorded, j.guard.inFlight = false, false
 	ctx, cancel := g.p.detached(ctx)
 	defer cancel()
-	err := g.p.infra(ctx, "deleting a crash-guard record", Retry{EventID: j.idt.id, Messages: 1}, func() error {
+	err := g.p.infra(ctx, "deleting a crash-guard record", Retry{EventID: j.idt.id, Message: j.m, Messages: 1}, func() error {
 		return g.p.onConn(ctx, func(ctx context.Context, conn *pgxpool.Conn) error {
 			_, err := conn.Exec(ctx, g.clearSQL, g.p.cfg.Name, []string{j.idt.id})
 			return err

@@ -109,8 +109,15 @@ const (
 // Retry describes a wait before another attempt, for Hooks.OnRetry.
 type Retry struct {
 	Reason RetryReason
-	// EventID is the message's id; empty when the failure is a batch's.
+	// EventID is the message's id; empty when the failure is a batch's,
+	// or when the message has no id yet (Reason RetryDecode after an
+	// Identify.EventID that asked for a retry) or none (a dead letter of
+	// kind missing-id being written).
 	EventID string
+	// Message is the message that waits, when the failure is one
+	// message's (Messages 1; nil for a batch's): its Topic, Partition and
+	// Offset tell which one when EventID is empty. Do not modify it.
+	Message *Message
 	// Messages is how many messages wait for the retry.
 	Messages int
 	// Err is the failure.

@@ -177,7 +177,7 @@ func (s *settler) deadLetter(ctx context.Context, j *job, dl *DeadLetter) {
 	dl.Consumer, dl.EventID, dl.EventType = p.cfg.Name, j.idt.id, j.idt.typ
 	dl.FailedAt = time.Now()
 	dl.TraceParent = p.tel.traceParent(ctx)
-	if err := p.infraFor(ctx, s, "writing a dead letter (the message stays unacked)", Retry{EventID: j.idt.id, Messages: 1}, func() error {
+	if err := p.infraFor(ctx, s, "writing a dead letter (the message stays unacked)", Retry{EventID: j.idt.id, Message: j.m, Messages: 1}, func() error {
 		return p.watchedSourceCall(&j.watch, "Delivery.DeadLetter", j.m, j.idt.id, 1, func() error { return j.d.DeadLetter(ctx, dl) })
 	}); err != nil {
 		s.abandon(j)

@@ -29,6 +29,9 @@ type ParkedRow struct {
 
 // Parked lists up to limit parked rows, oldest first (limit <= 0: all).
 func (s *Store) Parked(ctx context.Context, db DB, limit int) ([]ParkedRow, error) {
+	if err := s.made(); err != nil {
+		return nil, err
+	}
 	sql := `SELECT seq, event_id, topic, routing_key, key, attempts, coalesce(last_error, ''), created_at, parked_at
 FROM ` + s.table + ` WHERE parked_at IS NOT NULL AND sent_at IS NULL ORDER BY seq`
 	args := []any{}
@@ -55,6 +58,9 @@ FROM ` + s.table + ` WHERE parked_at IS NOT NULL AND sent_at IS NULL ORDER BY se
 // (after the cause was fixed: the topic created, the binding added) and
 // returns how many it found. Rows that are not parked are left alone.
 func (s *Store) Requeue(ctx context.Context, db DB, seqs ...int64) (int64, error) {
+	if err := s.made(); err != nil {
+		return 0, err
+	}
 	tag, err := db.Exec(ctx, `UPDATE `+s.table+` SET parked_at = NULL, attempts = 0, not_before = NULL
 WHERE seq = ANY($1::bigint[]) AND parked_at IS NOT NULL AND sent_at IS NULL`, seqs)
 	if err != nil {
@@ -67,6 +73,9 @@ WHERE seq = ANY($1::bigint[]) AND parked_at IS NOT NULL AND sent_at IS NULL`, se
 // how many it deleted; the rows of their keys behind them go on. Rows that
 // are not parked are left alone.
 func (s *Store) Discard(ctx context.Context, db DB, seqs ...int64) (int64, error) {
+	if err := s.made(); err != nil {
+		return 0, err
+	}
 	tag, err := db.Exec(ctx, `DELETE FROM `+s.table+`
 WHERE seq = ANY($1::bigint[]) AND parked_at IS NOT NULL AND sent_at IS NULL`, seqs)
 	if err != nil {
@@ -115,6 +124,9 @@ func (s *Store) Status(ctx context.Context, db DB) (Status, error) {
 // not the sent rows kept beside them (RelayConfig.KeepSent): call it as
 // often as an alert on the relay's lag needs.
 func (s *Store) Backlog(ctx context.Context, db DB) (Status, error) {
+	if err := s.made(); err != nil {
+		return Status{}, err
+	}
 	var st Status
 	var oldestReady, oldestWaiting *time.Time
 	// A table of schema version 1 (its relay not upgraded yet) has no

@@ -111,6 +111,9 @@ func (s *Store) Add(ctx context.Context, tx DB, msgs ...Message) error {
 // handler, ev.Queue(sql, args...) queues it with the handler's writes. The
 // same validation as Add applies; ids are generated here.
 func (s *Store) Statement(ctx context.Context, msgs ...Message) (string, []any, error) {
+	if err := s.made(); err != nil {
+		return "", nil, err
+	}
 	n := len(msgs)
 	ids, topics, routing, types := make([]string, n), make([]string, n), make([]string, n), make([]string, n)
 	keys, bodies := make([][]byte, n), make([][]byte, n)

@@ -32,6 +32,11 @@ var ErrSchemaMismatch = errors.New("outbox: table has another shape")
 // is not a plain SQL identifier.
 var ErrInvalidName = errors.New("outbox: invalid identifier")
 
+// ErrStoreNotNew is wrapped by the errors of a Store's methods when the
+// Store was not made by New (the zero value, or a nil *Store from a New
+// whose error was dropped): it has no table name nor statements.
+var ErrStoreNotNew = errors.New("outbox: Store not made by outbox.New")
+
 //go:embed migrations/*.sql
 var migrations embed.FS
 
@@ -54,7 +59,8 @@ type DB interface {
 }
 
 // Store writes and administers one outbox table. Build it with New; the
-// zero value is not usable. A Store holds no connection and is safe for
+// zero value is not usable: its methods fail with ErrStoreNotNew (Table
+// and SchemaSQL return ""). A Store holds no connection and is safe for
 // concurrent use.
 type Store struct {
 	cfg   Config
@@ -111,6 +117,16 @@ SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::text[]
 	return s, nil
 }
 
+// made returns ErrStoreNotNew for a Store not made by New, which has no
+// table nor statements: used, it panicked or sent SQL without a table name,
+// whose syntax error aborted the caller's transaction.
+func (s *Store) made() error {
+	if s == nil || s.series == nil {
+		return ErrStoreNotNew
+	}
+	return nil
+}
+
 // qualify quotes name, in cfg.Schema when one is set.
 func qualify(cfg Config, name string) string {
 	if cfg.Schema == "" {
@@ -145,10 +161,18 @@ func (s *Store) templateData() map[string]string {
 }
 
 // Table returns the quoted, schema-qualified name of the outbox table.
-func (s *Store) Table() string { return s.table }
+func (s *Store) Table() string {
+	if s.made() != nil {
+		return ""
+	}
+	return s.table
+}
 
 // SchemaSQL returns the DDL that Migrate runs, with this store's names.
 func (s *Store) SchemaSQL() string {
+	if s.made() != nil {
+		return ""
+	}
 	var b strings.Builder
 	for _, m := range s.series.Migrations {
 		b.WriteString(m.Up)
@@ -168,6 +192,9 @@ func (s *Store) SchemaSQL() string {
 func (s *Store) Migrate(ctx context.Context, db interface {
 	Begin(ctx context.Context) (pgx.Tx, error)
 }) error {
+	if err := s.made(); err != nil {
+		return err
+	}
 	if err := s.series.Migrate(ctx, db); err != nil {
 		return fmt.Errorf("outbox: %w", err)
 	}
@@ -240,6 +267,9 @@ var nullable = []string{"key", "not_before", "parked_at", "sent_at"}
 // column body of type text would take Add's bytes as their hex escape,
 // and the relay publish that) fails there instead of every Add.
 func (s *Store) Check(ctx context.Context, db DB) error {
+	if err := s.made(); err != nil {
+		return err
+	}
 	err := s.check(ctx, db, outboxColumns)
 	if err == nil || s.check(ctx, db, adoptedColumns) != nil {
 		return err

@@ -252,8 +252,9 @@ type Config struct {
 	// (Producer.Transaction.ID cleared), with RequiredAcks = WaitForAll,
 	// Net.MaxOpenRequests = 1 and topic auto-creation off, sends each copy
 	// at once (no Producer.Flush trigger, which a copy sent alone would
-	// wait on) and places it by its key (a partitioner that ignores the
-	// key, random or round-robin, is replaced by sarama's hash
+	// wait on), runs no Producer.Interceptors (they would rewrite the
+	// copy's headers) and places it by its key (a partitioner that ignores
+	// the key, random or round-robin, is replaced by sarama's hash
 	// partitioner). sarama's sticky
 	// and cooperative-sticky balance strategies, which keep the state of
 	// their group and may not be shared between clients, are new instances
@@ -609,6 +610,11 @@ func (c *Config) producerConfig() (*sarama.Config, error) {
 	// and the partition at its poison record. Copies of several
 	// partitions in flight at once are still batched together.
 	sc.Producer.Flush.Messages, sc.Producer.Flush.Bytes, sc.Producer.Flush.Frequency = 0, 0, 0
+	// No interceptor: those of the base instrument the service's own
+	// producers (OpenTelemetry's writes each record's traceparent), and
+	// would rewrite a copy's headers, its traceparent that links it to
+	// the failure's span among them, after its size was checked.
+	sc.Producer.Interceptors = nil
 	// Copies are keyed like their originals so that one key's copies land
 	// on one dead-letter partition, in order: a partitioner that ignores
 	// the key (sarama's random or round-robin, chosen in the base for the

@@ -217,7 +217,7 @@ func (s *Source) Receive(ctx context.Context) (consumer.Delivery, error) {
 			b.log[s.next].Redelivered = true // any later delivery is a redelivery
 			s.next++
 			b.mu.Unlock()
-			return &delivery{s: s, m: &m}, nil
+			return &delivery{s: s, m: &m, redelivered: m.Redelivered}, nil
 		}
 		wait := b.notify
 		b.mu.Unlock()
@@ -244,6 +244,8 @@ func (s *Source) Close() error {
 type delivery struct {
 	s *Source
 	m *consumer.Message
+	// redelivered is m.Redelivered as delivered, for the dead letter.
+	redelivered bool
 }
 
 func (d *delivery) Message() *consumer.Message { return d.m }
@@ -277,12 +279,18 @@ func (d *delivery) DeadLetter(ctx context.Context, dl *consumer.DeadLetter) erro
 	if b.deadErr != nil {
 		return b.deadErr
 	}
-	h := maps.Clone(d.m.Headers)
+	// The copy is made from the message as published, as Kafka's is from
+	// the record it read: a handler that changed its delivery (which the
+	// consumer's docs forbid) changes no dead letter.
+	m := *b.log[d.m.Offset]
+	m.Key, m.Value, m.Headers = bytes.Clone(m.Key), bytes.Clone(m.Value), maps.Clone(m.Headers)
+	m.Redelivered = d.redelivered
+	h := maps.Clone(m.Headers)
 	if h == nil {
 		h = map[string]string{}
 	}
-	maps.Copy(h, dl.Headers(d.m))
-	b.dead = append(b.dead, DeadLetter{Message: *d.m, Headers: h})
+	maps.Copy(h, dl.Headers(&m))
+	b.dead = append(b.dead, DeadLetter{Message: m, Headers: h})
 	return nil
 }
 

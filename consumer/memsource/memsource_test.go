@@ -123,6 +123,21 @@ func TestDeliveriesAreCopies(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, "e1", d.Message().Headers["id"])
 	assert.Equal(t, `{"n":1}`, string(d.Message().Value))
+
+	// The dead letter is the message as published, as Kafka's copy is
+	// made from the record it read, whatever the handler did to its
+	// delivery; the diagnostic headers are the consumer's.
+	d.Message().Headers["id"] = "changed"
+	d.Message().Headers["added"] = "by the handler"
+	d.Message().Value[2] = 'x'
+	require.NoError(t, d.DeadLetter(ctx, &consumer.DeadLetter{Kind: consumer.KindHandler, EventID: "e1"}))
+	dead := b.DeadLetters()
+	require.Len(t, dead, 1)
+	assert.Equal(t, `{"n":1}`, string(dead[0].Message.Value))
+	assert.Equal(t, map[string]string{"id": "e1"}, dead[0].Message.Headers)
+	assert.Equal(t, "e1", dead[0].Headers["id"])
+	assert.NotContains(t, dead[0].Headers, "added")
+	assert.Equal(t, string(consumer.KindHandler), dead[0].Headers[consumer.HeaderErrorKind])
 }
 
 // A delivery of a closed Source cannot be dead-lettered, as with the real

@@ -36,8 +36,10 @@ type Config struct {
 	// 1 (so retries neither duplicate nor reorder a partition's records),
 	// returns successes and errors, is not transactional (Transaction.ID
 	// is cleared), sends each batch at once (the Producer.Flush triggers
-	// are cleared: a batch smaller than one would wait on it), and never
-	// asks the broker to create a topic. Version
+	// are cleared: a batch smaller than one would wait on it), runs no
+	// Producer.Interceptors (headers they added after Check could make a
+	// record too large, and would replace the row's trace context), and
+	// never asks the broker to create a topic. Version
 	// must be at least 0.11 (sarama.V0_11_0_0). Producer.Partitioner
 	// must keep a key on one partition (RequiresConsistency): New refuses
 	// a random or round-robin one, which would break a key's order. The
@@ -255,6 +257,12 @@ func producerConfig(base *sarama.Config) *sarama.Config {
 	// sarama still gathers the records queued while a request is in
 	// flight into the next one.
 	sc.Producer.Flush.Messages, sc.Producer.Flush.Bytes, sc.Producer.Flush.Frequency = 0, 0, 0
+	// No interceptor: those of the base instrument the service's own
+	// producers, and headers they add after Check (OpenTelemetry's
+	// traceparent of its own span, in place of the row's) made a record
+	// Check took too large for sarama, refused alone while the next of
+	// its key went on, and replaced the trace context the row carries.
+	sc.Producer.Interceptors = nil
 	sc.Metadata.AllowAutoTopicCreation = false
 	return &sc
 }
