@@ -154,8 +154,11 @@ func (m *Middleware) readBody(w http.ResponseWriter, r *http.Request) ([]byte, b
 	var tooLarge *http.MaxBytesError
 	switch {
 	case errors.As(err, &tooLarge):
+		// The limit met may be one set in front of the middleware
+		// (http.MaxBytesHandler), lower than MaxRequestBytes: the answer
+		// names the one the body exceeded.
 		problem(w, http.StatusRequestEntityTooLarge, "Request body too large",
-			fmt.Sprintf("The body exceeds %d bytes.", m.cfg.MaxRequestBytes))
+			fmt.Sprintf("The body exceeds %d bytes.", tooLarge.Limit))
 		return nil, false
 	case err != nil:
 		problem(w, http.StatusBadRequest, "Request body unreadable", err.Error())
@@ -205,16 +208,28 @@ func (m *Middleware) serveWithKey(w http.ResponseWriter, r *http.Request, next h
 		c.claimAttempts = 0
 		tx, won, prev, err = m.beginBounded(ctx, &c)
 	}
+	tableTimeout := false
+	if isLockTimeout(err) && !errors.Is(err, errAcquireTimeout) && !m.keyHeld(ctx, tx, c) {
+		// No other transaction holds the key now, though the claim's wait
+		// timed out: the request that held it ended since (a key in
+		// flight, the usual case), or the timeout was the session's own,
+		// waiting for the table. The claim made once more tells them
+		// apart: it replays what the first committed, or runs when the
+		// first rolled back, or times out again.
+		c.claimAttempts = 0
+		tx, won, prev, err = m.beginBounded(ctx, &c)
+		tableTimeout = isLockTimeout(err) && !errors.Is(err, errAcquireTimeout) && !m.keyHeld(ctx, tx, c)
+	}
 	if tx != nil {
 		defer m.rollback(ctx, tx) // a no-op after Commit
 	}
 	if m.acquireTimedOut(w, r, err) {
 		return
 	}
-	if isLockTimeout(err) && !m.keyHeld(ctx, tx, c) {
+	if tableTimeout {
 		// The session's own lock_timeout ended a wait for the table (a
-		// DDL statement, a REINDEX) or for extending it: no other request
-		// has the key.
+		// DDL statement, a REINDEX) or for extending it twice, the key
+		// free each time: no other request has the key.
 		m.cfg.Logger.Warn("idempotency: the claim outlasted the session's lock_timeout waiting for the table",
 			"path", r.URL.Path, "error", err)
 		problem(w, http.StatusServiceUnavailable, "Service unavailable",

@@ -39,12 +39,17 @@ func (r *recorder) Header() http.Header { return r.header }
 // statuses cannot be held back and are dropped. A status net/http refuses
 // (below 100 or above 999) panics as net/http's writer does, so that the
 // request rolls back: taken for no status at all, it would commit the
-// handler's writes and store a 200.
+// handler's writes and store a 200. A call after the final status (or
+// the body) was written is superfluous and ignored whatever its code, as
+// net/http ignores it before checking the code: the handler has answered.
 func (r *recorder) WriteHeader(status int) {
+	if r.status != 0 {
+		return
+	}
 	if status < 100 || status > 999 {
 		panic(fmt.Sprintf("invalid WriteHeader code %v", status))
 	}
-	if r.status == 0 && status >= 200 {
+	if status >= 200 {
 		r.status = status
 	}
 }

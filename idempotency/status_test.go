@@ -32,3 +32,26 @@ func TestInvalidStatusIsNotASuccess(t *testing.T) {
 		assert.Equal(t, 0, s.keys(), "status %d", status)
 	}
 }
+
+// A WriteHeader after the response's status was written is superfluous:
+// net/http logs it and ignores its code, whatever it is, before checking
+// it. A handler whose error path writes a status once more after its 201
+// (a generic error mapper answering 0 for no error) succeeds under
+// net/http; the buffered writer panicked on the 0, rolling back a request
+// that had answered, at every retry.
+func TestSuperfluousInvalidStatusIsIgnoredAsNetHTTPIgnoresIt(t *testing.T) {
+	h := func(w http.ResponseWriter, r *http.Request) {
+		insertEffect(w, r)
+		w.WriteHeader(0) // superfluous: the 201 went first
+	}
+	s := newService(t, idempotency.Config{}, http.HandlerFunc(h))
+	s.client = noRetryClient
+	r, err := s.tryPost("/orders", "k", "b")
+	require.NoError(t, err, "the handler answered 201 before its superfluous WriteHeader")
+	assert.Equal(t, http.StatusCreated, r.status, r.body)
+	again, err := s.tryPost("/orders", "k", "b")
+	require.NoError(t, err)
+	assert.True(t, again.replayed())
+	assert.Equal(t, r.body, again.body)
+	assert.Equal(t, 1, s.effects())
+}
