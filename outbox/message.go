@@ -152,10 +152,10 @@ func (m *Message) validate() error {
 		return fmt.Errorf("ID is %d bytes long, more than MaxIDLength (%d)", len(m.ID), MaxIDLength)
 	}
 	if len(m.Topic) > MaxTopicLength {
-		return fmt.Errorf("Topic is %d bytes long, more than MaxTopicLength (%d): no broker takes a longer name", len(m.Topic), MaxTopicLength)
+		return fmt.Errorf("the Topic is %d bytes long, more than MaxTopicLength (%d): no broker takes a longer name", len(m.Topic), MaxTopicLength)
 	}
 	if len(m.Key) > MaxKeyLength {
-		return fmt.Errorf("Key is %d bytes long, more than MaxKeyLength (%d): a row the broker refuses is indexed by its key, "+
+		return fmt.Errorf("the Key is %d bytes long, more than MaxKeyLength (%d): a row the broker refuses is indexed by its key, "+
 			"which PostgreSQL's index entries could not hold", len(m.Key), MaxKeyLength)
 	}
 	for _, s := range []struct{ name, v string }{{"ID", m.ID}, {"Topic", m.Topic}, {"RoutingKey", m.RoutingKey}, {"Type", m.Type}} {

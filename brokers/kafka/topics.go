@@ -136,7 +136,7 @@ func seeCreatedTopic(ctx context.Context, client sarama.Client, topic string) er
 	retry := backoff.Retrier{Policy: backoff.Policy{Initial: 100 * time.Millisecond, Max: 2 * time.Second}}
 	for {
 		err := client.RefreshMetadata(topic)
-		if err == nil || !(errors.Is(err, sarama.ErrUnknownTopicOrPartition) || errors.Is(err, sarama.ErrLeaderNotAvailable)) {
+		if err == nil || !errors.Is(err, sarama.ErrUnknownTopicOrPartition) && !errors.Is(err, sarama.ErrLeaderNotAvailable) {
 			return err
 		}
 		if !retry.Wait(ctx) {
