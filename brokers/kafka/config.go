@@ -260,6 +260,8 @@ type Config struct {
 	// their group and may not be shared between clients, are new instances
 	// in each Source, so that one base serves several Sources; a strategy
 	// of one's own is used as given.
+	// Consumer.Interceptors must be empty (Open refuses them): they would
+	// rewrite each record before it is deduplicated and dead-lettered.
 	// Version must be at least 0.11 (sarama.V0_11_0_0), and
 	// Consumer.Group.ResetInvalidOffsets true (sarama's default).
 	Sarama *sarama.Config
@@ -574,6 +576,15 @@ func (c *Config) consumerConfig() (*sarama.Config, error) {
 		// without end and the partition is never consumed.
 		return nil, errors.New("kafka: Config.Sarama.Consumer.Group.ResetInvalidOffsets is false: a partition whose committed offset is out of range " +
 			"(its records deleted by retention) would end every session of the group and never be consumed; leave it true (records out of range start at Config.InitialOffset)")
+	}
+	if len(sc.Consumer.Interceptors) > 0 {
+		// sarama runs them on each record before the Source sees it (twice
+		// on one held past Consumer.MaxProcessingTime): the id deduplicated
+		// on and the dead-letter copy, documented as the original byte for
+		// byte, would be the interceptor's. Cleared, a transforming one
+		// would leave every handler the raw records without a word.
+		return nil, errors.New("kafka: Config.Sarama.Consumer.Interceptors is set: they would rewrite each record before the consumer deduplicates it " +
+			"and copies it to the dead-letter topic (a copy is the original, byte for byte); transform payloads with consumer.Config.Decoder, and give the Source a base without them")
 	}
 	if name := cooperativeStrategy(sc); c.OffsetsInDatabase && name != "" {
 		return nil, fmt.Errorf("kafka: Config.OffsetsInDatabase needs the eager rebalance protocol, and Config.Sarama's balance strategies include %q, which takes part in the cooperative one: "+

@@ -33,7 +33,9 @@ type KafkaConfig struct {
 	// (sarama's own defaults, 30s a request and four metadata tries,
 	// wait minutes). It is copied, never modified; the redrive producer
 	// is made idempotent (and not transactional) with acks from all
-	// in-sync replicas.
+	// in-sync replicas, and neither its Consumer.Interceptors nor its
+	// Producer.Interceptors run: records are read and redriven as they
+	// are written.
 	Sarama *sarama.Config
 	// IdleTimeout bounds the wait for the next record of a partition that
 	// has not reached its last stable offset, and that the cluster says
@@ -93,6 +95,13 @@ func (q *KafkaQueue) saramaConfig() (*sarama.Config, *cut.Cutter) {
 	// aborted upstream was never published.
 	sc.Consumer.IsolationLevel = sarama.ReadCommitted
 	sc.Metadata.AllowAutoTopicCreation = false
+	// No interceptor: those of the base instrument (or transform) the
+	// service's own clients. A consumer's would change the dead letters as
+	// read, so that list and show print, and a replay redrives, records
+	// the topic does not hold; a producer's would rewrite a redrive's
+	// headers (OpenTelemetry's, its traceparent: the failure's span, which
+	// the redrive's trace continues) after its size was reckoned.
+	sc.Consumer.Interceptors, sc.Producer.Interceptors = nil, nil
 	return &sc, cut.Sarama(&sc)
 }
 
