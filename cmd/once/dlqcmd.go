@@ -84,6 +84,8 @@ adds one to a quorum queue's x-delivery-count. A progress bar is drawn on a term
 lines otherwise. A selection that matches no record (or -all on an empty
 destination), dry run or not, prints its report and exits 4, as dlq show
 does: a script tells "nothing to replay" from a replay done (exit 0).
+With -json, each record of the report is its summary and headers, without
+its key and payload (dlq show -json prints them).
 ` + dlqSelect
 
 // dlqFlags are the flags every dlq command shares.
@@ -263,13 +265,20 @@ type recordSummary struct {
 	Position int       `json:"position"`
 	FailedAt time.Time `json:"failed_at,omitzero"`
 	Consumer string    `json:"consumer"`
-	Kind     string    `json:"kind"`
-	EventID  string    `json:"event_id"`
-	// EventIDHex is the event id in hex when it is not UTF-8 (JSON text
-	// cannot hold its bytes: EventID shows U+FFFD in their place).
+	// ConsumerHex, KindHex, EventIDHex, EventTypeHex and ErrorHex are
+	// their field in hex when it is not UTF-8 (JSON text cannot hold its
+	// bytes: the field shows U+FFFD in their place). The headers they
+	// come from are a producer's bytes, and an error may quote a
+	// payload's.
+	ConsumerHex   string `json:"consumer_hex,omitempty"`
+	Kind          string `json:"kind"`
+	KindHex       string `json:"kind_hex,omitempty"`
+	EventID       string `json:"event_id"`
 	EventIDHex    string `json:"event_id_hex,omitempty"`
 	EventType     string `json:"event_type,omitempty"`
+	EventTypeHex  string `json:"event_type_hex,omitempty"`
 	Error         string `json:"error"`
+	ErrorHex      string `json:"error_hex,omitempty"`
 	RedriveCount  int    `json:"redrive_count"`
 	Destination   string `json:"destination"`
 	Replayable    bool   `json:"replayable"`
@@ -282,13 +291,21 @@ func summarize(r *dlq.Record) recordSummary {
 		EventID: r.EventID(), EventType: r.EventType(), Error: r.Error(), RedriveCount: r.RedriveCount(),
 		Destination: r.Destination(), Replayable: true,
 	}
-	if !utf8.ValidString(s.EventID) {
-		s.EventIDHex = hex.EncodeToString([]byte(s.EventID))
-	}
+	s.ConsumerHex, s.KindHex = hexUnlessUTF8(s.Consumer), hexUnlessUTF8(s.Kind)
+	s.EventIDHex, s.EventTypeHex = hexUnlessUTF8(s.EventID), hexUnlessUTF8(s.EventType)
+	s.ErrorHex = hexUnlessUTF8(s.Error)
 	if err := r.Replayable(false); err != nil {
 		s.Replayable, s.NotReplayable = false, err.Error()
 	}
 	return s
+}
+
+// hexUnlessUTF8 returns v in hex when it is not UTF-8, else "".
+func hexUnlessUTF8(v string) string {
+	if utf8.ValidString(v) {
+		return ""
+	}
+	return hex.EncodeToString([]byte(v))
 }
 
 func (a *app) dlqList(ctx context.Context, args []string) error {
@@ -641,7 +658,7 @@ func (a *app) dlqReplay(ctx context.Context, args []string) error {
 		return err
 	}
 	if *asJSON {
-		if jerr := a.writeJSON(rep); jerr != nil {
+		if jerr := a.writeJSON(replayJSON(rep)); jerr != nil {
 			return jerr
 		}
 	} else {
@@ -656,6 +673,52 @@ func (a *app) dlqReplay(ctx context.Context, args []string) error {
 		return &notFoundError{noMatch(q, df.selects())}
 	}
 	return err
+}
+
+// replayReport is dlq replay's report in -json: dlq.Report with each
+// record without its key and payload. The report says what was done to
+// which record; with every payload in base64, that of a replay of
+// thousands of large dead letters was gigabytes on stdout (dlq show
+// -json prints them).
+type replayReport struct {
+	Selected int             `json:"selected"`
+	Replayed int             `json:"replayed"`
+	Skipped  int             `json:"skipped"`
+	DryRun   bool            `json:"dry_run"`
+	Outcomes []replayOutcome `json:"outcomes"`
+}
+
+// replayOutcome is a dlq.Outcome in replayReport.
+type replayOutcome struct {
+	Record      replayedRecord `json:"record"`
+	Result      string         `json:"result"`
+	Reason      string         `json:"reason,omitempty"`
+	Destination string         `json:"destination,omitempty"`
+}
+
+// replayedRecord is a record of replayReport: its summary (as dlq list
+// -json gives it), where it was read and its headers.
+type replayedRecord struct {
+	recordSummary
+	Queue      string          `json:"queue"`
+	Partition  int32           `json:"partition"`
+	Offset     int64           `json:"offset"`
+	Headers    []dlq.Header    `json:"headers"`
+	Properties *dlq.Properties `json:"properties,omitempty"`
+	Timestamp  time.Time       `json:"timestamp,omitzero"`
+}
+
+// replayJSON returns rep as dlq replay -json prints it.
+func replayJSON(rep dlq.Report) replayReport {
+	out := replayReport{Selected: rep.Selected, Replayed: rep.Replayed, Skipped: rep.Skipped, DryRun: rep.DryRun,
+		Outcomes: make([]replayOutcome, len(rep.Outcomes))}
+	for i, o := range rep.Outcomes {
+		r := o.Record
+		out.Outcomes[i] = replayOutcome{Result: o.Result, Reason: o.Reason, Destination: o.Destination,
+			Record: replayedRecord{recordSummary: summarize(r), Queue: r.Queue, Partition: r.Partition, Offset: r.Offset,
+				Headers: r.Headers, Properties: r.Properties, Timestamp: r.Timestamp}}
+	}
+	return out
 }
 
 // noMatch says that the selection matched no record of q: with no

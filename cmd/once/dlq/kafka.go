@@ -272,12 +272,30 @@ func kafkaRecord(topic string, pos int, m *sarama.ConsumerMessage) *Record {
 // their producer used), else on the partition its key hashes to. Kafka
 // dead letters are never removed. When ctx ends, the producer's
 // connections are closed: a publish waiting on a broker that does not
-// answer fails at once, and is not counted as replayed.
+// answer fails at once, and is not counted as replayed. It reads the
+// topic twice, the selection's summaries first, then each selected record
+// as it publishes it, so it holds one record's payload at a time (and
+// what sarama reads ahead, Config.ChannelBufferSize records), not the
+// selection's; a selected record that retention removed in between is
+// skipped.
 func (q *KafkaQueue) Replay(ctx context.Context, f Filter, opts ReplayOptions) (Report, error) {
 	if err := opts.validate(); err != nil {
 		return Report{}, err
 	}
-	recs, err := Collect(ctx, q, f)
+	// The selection is read twice, so that no more than one record and
+	// its payload is held at a time: first the summaries of those f
+	// selects (and the size of the largest redrive), then each again as
+	// it is published. A replay of a large topic held every record it
+	// selected, and the batches they were read in, until it ended.
+	var recs []*Record
+	size := 0
+	err := q.Browse(ctx, func(r *Record) error {
+		if f.Match(r) {
+			recs = append(recs, r.Summary())
+			size = max(size, redriveBytes(r, opts))
+		}
+		return nil
+	})
 	if err != nil {
 		return Report{}, err
 	}
@@ -306,7 +324,7 @@ func (q *KafkaQueue) Replay(ctx context.Context, f Filter, opts ReplayOptions) (
 	// A dead letter may be larger than the producer's limit (1 MiB by
 	// default): its consumer's dead-letter producer had it raised, and the
 	// cluster took the record. The cluster judges the redrive's size.
-	sc.Producer.MaxMessageBytes = max(sc.Producer.MaxMessageBytes, redriveBytes(recs, opts))
+	sc.Producer.MaxMessageBytes = max(sc.Producer.MaxMessageBytes, size)
 	client, err := sarama.NewClient(q.cfg.Brokers, sc)
 	if err != nil {
 		return Report{}, q.explain(orCtx(ctx, fmt.Errorf("dlq: connect to kafka: %w", kafkarefusal.Explain(ctx, q.cfg.Brokers, sc, err))))
@@ -317,7 +335,7 @@ func (q *KafkaQueue) Replay(ctx context.Context, f Filter, opts ReplayOptions) (
 		return Report{}, orCtx(ctx, fmt.Errorf("dlq: redrive producer: %w", err))
 	}
 	defer prod.Close()
-	return replayLoop(ctx, recs, opts, func(r *Record, redrive []Header) (string, error) {
+	rp := newReplayer(len(recs), opts, func(r *Record, redrive []Header) (string, error) {
 		out := kafkaRedrive(r, redrive)
 		n, err := client.Partitions(out.Topic)
 		if err != nil {
@@ -332,16 +350,49 @@ func (q *KafkaQueue) Replay(ctx context.Context, f Filter, opts ReplayOptions) (
 		}
 		return out.Topic + "/" + strconv.FormatInt(int64(part), 10), nil
 	})
+	defer rp.stop()
+	return q.republish(ctx, recs, rp)
 }
 
-// redriveBytes is a Producer.MaxMessageBytes that lets the redrive of
-// every one of recs through sarama's own check: the largest, with room for
-// its redrive headers, below sarama's MaxRequestSize.
-func redriveBytes(recs []*Record, opts ReplayOptions) int {
-	n := 0
+// republish reads the topic again and steps rp through the records of
+// recs, the selection's summaries, as they come. A record of recs that
+// is no longer there (retention removed it since the selection was read)
+// is skipped; one written since is not in recs.
+func (q *KafkaQueue) republish(ctx context.Context, recs []*Record, rp *replayer) (Report, error) {
+	selected := make(map[string]*Record, len(recs))
 	for _, r := range recs {
-		n = max(n, kafkaRedrive(r, redriveHeaders(r, opts.Now(), opts.By)).ByteSize(2)+1024)
+		selected[r.Ref] = r
 	}
+	var failed error
+	err := q.Browse(ctx, func(r *Record) error {
+		s := selected[r.Ref]
+		if s == nil {
+			return nil
+		}
+		delete(selected, r.Ref)
+		r.Position = s.Position // as the selection's read numbered it
+		failed = rp.step(ctx, r)
+		return failed
+	})
+	if failed != nil {
+		return rp.rep, failed
+	}
+	if err != nil {
+		return rp.rep, err
+	}
+	for _, r := range recs {
+		if selected[r.Ref] != nil {
+			rp.skip(r, "no longer in the topic: retention removed it since the replay started")
+		}
+	}
+	return rp.rep, nil
+}
+
+// redriveBytes is a Producer.MaxMessageBytes that lets the redrive of r
+// through sarama's own check: its size, with room for its redrive
+// headers, below sarama's MaxRequestSize.
+func redriveBytes(r *Record, opts ReplayOptions) int {
+	n := kafkaRedrive(r, redriveHeaders(r, opts.Now(), opts.By)).ByteSize(2) + 1024
 	return min(n, int(sarama.MaxRequestSize)-1)
 }
 

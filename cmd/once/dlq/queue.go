@@ -56,6 +56,9 @@ type ReplayOptions struct {
 
 // Outcome is what Replay did with one selected record.
 type Outcome struct {
+	// Record is the record's Summary, without its key and payload: a
+	// Report of a large replay does not hold every payload it
+	// republished.
 	Record *Record `json:"record"`
 	// Result is "replayed", "would replay" (dry run) or "skipped".
 	Result string `json:"result"`
@@ -112,40 +115,76 @@ var errGone = errors.New("no longer in the queue: removed, or held by another cl
 // not replayable, paces the publishes and reports progress. publish sends
 // one record and returns its destination once the broker confirmed it.
 func replayLoop(ctx context.Context, recs []*Record, opts ReplayOptions, publish func(*Record, []Header) (string, error)) (Report, error) {
-	rep := Report{Selected: len(recs), DryRun: opts.DryRun, Outcomes: make([]Outcome, 0, len(recs))}
-	pace := newPacer(opts.Rate)
-	defer pace.stop()
-	for i, r := range recs {
-		o := Outcome{Record: r, Destination: r.Destination()}
-		switch err := r.Replayable(opts.Force); {
-		case err != nil:
-			o.Result, o.Reason = Skipped, err.Error()
-			rep.Skipped++
-		case opts.DryRun:
-			o.Result = WouldReplay
-		default:
-			if err := pace.wait(ctx); err != nil {
-				return rep, err
-			}
-			dest, err := publish(r, redriveHeaders(r, opts.Now(), opts.By))
-			if errors.Is(err, errGone) {
-				o.Result, o.Reason = Skipped, err.Error()
-				rep.Skipped++
-				break
-			}
-			if err != nil {
-				return rep, fmt.Errorf("dlq: redrive of %s (event %s) to %s: %w", r.Ref, r.EventID(), r.Destination(), err)
-			}
-			o.Result, o.Destination = Replayed, dest
-			rep.Replayed++
-		}
-		rep.Outcomes = append(rep.Outcomes, o)
-		if opts.Progress != nil {
-			opts.Progress(i+1, len(recs), o)
+	rp := newReplayer(len(recs), opts, publish)
+	defer rp.stop()
+	for _, r := range recs {
+		if err := rp.step(ctx, r); err != nil {
+			return rp.rep, err
 		}
 	}
-	return rep, nil
+	return rp.rep, nil
 }
+
+// replayer is replayLoop one record at a time, for a replay that reads
+// the records it publishes as it goes (KafkaQueue.Replay) and so holds
+// one at a time. Its Report keeps each record's Summary: the payloads of
+// a large replay are not held until it ends.
+type replayer struct {
+	rep     Report
+	total   int
+	opts    ReplayOptions
+	pace    *pacer
+	publish func(*Record, []Header) (string, error)
+}
+
+func newReplayer(total int, opts ReplayOptions, publish func(*Record, []Header) (string, error)) *replayer {
+	return &replayer{rep: Report{Selected: total, DryRun: opts.DryRun, Outcomes: make([]Outcome, 0, total)},
+		total: total, opts: opts, pace: newPacer(opts.Rate), publish: publish}
+}
+
+// step replays (or skips) r, the next selected record.
+func (rp *replayer) step(ctx context.Context, r *Record) error {
+	o := Outcome{Record: r.Summary(), Destination: r.Destination()}
+	switch err := r.Replayable(rp.opts.Force); {
+	case err != nil:
+		o.Result, o.Reason = Skipped, err.Error()
+		rp.rep.Skipped++
+	case rp.opts.DryRun:
+		o.Result = WouldReplay
+	default:
+		if err := rp.pace.wait(ctx); err != nil {
+			return err
+		}
+		dest, err := rp.publish(r, redriveHeaders(r, rp.opts.Now(), rp.opts.By))
+		if errors.Is(err, errGone) {
+			o.Result, o.Reason = Skipped, err.Error()
+			rp.rep.Skipped++
+			break
+		}
+		if err != nil {
+			return fmt.Errorf("dlq: redrive of %s (event %s) to %s: %w", r.Ref, r.EventID(), r.Destination(), err)
+		}
+		o.Result, o.Destination = Replayed, dest
+		rp.rep.Replayed++
+	}
+	rp.done(o)
+	return nil
+}
+
+// skip reports r skipped for reason, without publishing it.
+func (rp *replayer) skip(r *Record, reason string) {
+	rp.rep.Skipped++
+	rp.done(Outcome{Record: r.Summary(), Destination: r.Destination(), Result: Skipped, Reason: reason})
+}
+
+func (rp *replayer) done(o Outcome) {
+	rp.rep.Outcomes = append(rp.rep.Outcomes, o)
+	if rp.opts.Progress != nil {
+		rp.opts.Progress(len(rp.rep.Outcomes), rp.total, o)
+	}
+}
+
+func (rp *replayer) stop() { rp.pace.stop() }
 
 // pacer spaces publishes 1/rate apart; the first goes at once. A rate
 // whose interval is below the clock's nanosecond is no bound; one whose
