@@ -183,7 +183,7 @@ func (c RelayConfig) withDefaults() (RelayConfig, error) {
 		return c, fmt.Errorf("%w: MaxAttempts %d exceeds %d, the most the outbox's attempts column counts (use that for never parking)", ErrInvalidConfig, c.MaxAttempts, math.MaxInt32)
 	case c.PublishTimeout < 0:
 		return c, fmt.Errorf("%w: PublishTimeout is negative (%v)", ErrInvalidConfig, c.PublishTimeout)
-	case c.Store.series == nil:
+	case c.Store.made() != nil:
 		// A Store not made by New has no table nor statements: Run
 		// panicked migrating it, or, with SkipMigrate, retried a name
 		// the database cannot read for ever.

@@ -12,6 +12,7 @@ import (
 	amqp091 "github.com/rabbitmq/amqp091-go"
 
 	"github.com/onceco/once/consumer"
+	"github.com/onceco/once/internal/writeclock"
 )
 
 // ErrPublisherBlocked is wrapped by Delivery.DeadLetter's error while the
@@ -155,33 +156,23 @@ func (p *publisher) send(ctx context.Context, exchange, key string, msg amqp091.
 		err error
 	}
 	ch, wrote := p.ch, p.wrote
-	start := time.Now()
 	done := make(chan written, 1)
 	go func() {
 		dc, err := ch.PublishWithDeferredConfirm(exchange, key, true, false, msg)
 		done <- written{dc, err}
 	}()
-	idle := time.NewTimer(timeout)
-	defer idle.Stop()
-	for {
+	// The write also ends when close begins, which takes mu after it.
+	wctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	go func() {
 		select {
-		case w := <-done:
-			return w.dc, w.err
-		case <-ctx.Done():
 		case <-p.closing:
-		case <-idle.C:
-			// A byte written since start: the broker is taking the copy,
-			// and the wait runs from the last write.
-			last := time.Unix(0, wrote.Load())
-			if last.Before(start) {
-				last = start
-			}
-			if wait := timeout - time.Since(last); wait > 0 {
-				idle.Reset(wait)
-				continue
-			}
+			cancel()
+		case <-wctx.Done():
 		}
-		break
+	}()
+	if w, ok := writeclock.Wait(wctx, done, wrote, timeout); ok {
+		return w.dc, w.err
 	}
 	select {
 	case w := <-done:

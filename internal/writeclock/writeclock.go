@@ -6,6 +6,7 @@
 package writeclock
 
 import (
+	"context"
 	"net"
 	"sync/atomic"
 	"time"
@@ -49,4 +50,37 @@ func (c *conn) Write(b []byte) (n int, err error) {
 		b = b[m:]
 	}
 	return n, nil
+}
+
+// Wait waits for a write's answer on done, and returns it with true; it
+// returns false when ctx ended first, or when the connections wrote
+// nothing to their sockets (wrote, of Dial) for idle: a write the broker
+// is taking runs as long as the link needs, one it takes nothing of is
+// given up after idle.
+func Wait[T any](ctx context.Context, done <-chan T, wrote *atomic.Int64, idle time.Duration) (T, bool) {
+	start := time.Now()
+	t := time.NewTimer(idle)
+	defer t.Stop()
+	for {
+		select {
+		case s := <-done:
+			return s, true
+		case <-ctx.Done():
+			var zero T
+			return zero, false
+		case <-t.C:
+			// A byte written since start: the wait runs from the last
+			// write.
+			last := time.Unix(0, wrote.Load())
+			if last.Before(start) {
+				last = start
+			}
+			wait := idle - time.Since(last)
+			if wait <= 0 {
+				var zero T
+				return zero, false
+			}
+			t.Reset(wait)
+		}
+	}
 }

@@ -1,10 +1,12 @@
 package writeclock
 
 import (
+	"context"
 	"io"
 	"net"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -36,4 +38,23 @@ func TestWriteArrivesWholeAndMovesTheClock(t *testing.T) {
 	assert.Equal(t, len(payload), n)
 	assert.Equal(t, payload, <-got)
 	assert.NotZero(t, wrote.Load(), "the write moved the clock")
+}
+
+// Wait returns the answer when it comes, and gives up when nothing was
+// written for idle, or when its context ends.
+func TestWaitGivesUpOnlyOnAnIdleWriteOrItsContext(t *testing.T) {
+	var wrote atomic.Int64
+	done := make(chan int, 1)
+	done <- 7
+	got, ok := Wait(t.Context(), done, &wrote, time.Hour)
+	assert.True(t, ok)
+	assert.Equal(t, 7, got)
+
+	_, ok = Wait(t.Context(), make(chan int), &wrote, time.Millisecond)
+	assert.False(t, ok, "nothing written for idle")
+
+	ctx, cancel := context.WithCancel(t.Context())
+	cancel()
+	_, ok = Wait(ctx, make(chan int), &wrote, time.Hour)
+	assert.False(t, ok, "the context ended")
 }

@@ -256,7 +256,7 @@ func (p *Publisher) send(ctx context.Context, ch *amqp091.Channel, wrote *atomic
 		}
 		done <- s
 	}()
-	if s, ok := waitWritten(ctx, done, wrote, p.cfg.ConfirmTimeout); ok {
+	if s, ok := writeclock.Wait(ctx, done, wrote, p.cfg.ConfirmTimeout); ok {
 		return s.errs, s.confirms, nil
 	}
 	select {
@@ -276,36 +276,6 @@ func (p *Publisher) send(ctx context.Context, ch *amqp091.Channel, wrote *atomic
 			"though the broker was taking it: a link this slow needs a longer PublishTimeout or a smaller BatchSize; its connection is dropped: %w", ctx.Err())
 	}
 	return nil, nil, fmt.Errorf("amqpout: the batch was not written whole when publishing stopped; its connection is dropped: %w", ctx.Err())
-}
-
-// waitWritten waits for the writes' answer on done; false when ctx ended
-// first or the connection wrote nothing to its socket (wrote) for idle.
-func waitWritten[T any](ctx context.Context, done <-chan T, wrote *atomic.Int64, idle time.Duration) (T, bool) {
-	start := time.Now()
-	t := time.NewTimer(idle)
-	defer t.Stop()
-	for {
-		select {
-		case s := <-done:
-			return s, true
-		case <-ctx.Done():
-			var zero T
-			return zero, false
-		case <-t.C:
-			// A byte written since start: the broker is taking the
-			// batch, and the wait runs from the last write.
-			last := time.Unix(0, wrote.Load())
-			if last.Before(start) {
-				last = start
-			}
-			wait := idle - time.Since(last)
-			if wait <= 0 {
-				var zero T
-				return zero, false
-			}
-			t.Reset(wait)
-		}
-	}
 }
 
 // classify turns returns and a missing exchange into rejections in errs,
